@@ -1,0 +1,24 @@
+"""falower: lowers attention written as plain tensor code to FlashAttention-2 kernels.
+
+    import falower as fl
+    g = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal")
+    lowered = fl.lower(g, "fa2-fwd")           # the FA2 forward schedule, as IR
+"""
+
+from . import passes  # noqa: F401  (registers the passes)
+from .errors import FalowerError, ParseError, PassError, ShapeError, VerifyError
+from .frontend import (attention, capture, erf, exp, exp2, log, maximum, minimum, sigmoid, softmax, sqrt,
+                       tanh, tensor, trace, where)
+from .ir import Func, interpret, parse_func, print_func, verify
+from .passes import PassManager, parse_pipeline, run_pipeline
+
+
+def lower(func: Func, pipeline: str = "fa2-fwd", **kwargs) -> Func:
+    """Run a pipeline string on a graph and return the lowered graph."""
+    return run_pipeline(func, pipeline, **kwargs)
+
+
+__all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp", "exp2", "log", "tanh",
+           "sigmoid", "erf", "sqrt", "maximum", "minimum", "lower", "interpret", "print_func", "parse_func",
+           "verify", "Func", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
+           "PassError", "ShapeError", "VerifyError"]

@@ -1,0 +1,438 @@
+"""PTX intrinsics for the Numba CUDA backend, and their pure-Python emulations.
+
+This is the only module of falower that touches llvmlite. Each intrinsic is a Numba `@intrinsic`
+whose code generation calls an `ir.InlineAsm` with one PTX instruction (or a small `{ ... }` block).
+When the CUDA simulator is on (`NUMBA_ENABLE_CUDASIM=1`, read when this module is imported), the same
+names are bound to Python functions that follow the PTX fragment layouts, so a kernel that uses the
+tensor-core path runs unchanged in the simulator. Warp-collective operations (mma, ldmatrix, shuffles)
+are emulated by exchanging each lane's operands through a per-warp scratch area guarded by a per-warp
+`threading.Barrier(32)`; kernels must therefore call them with all 32 lanes of a warp (uniform control
+flow), which is what the hardware requires too.
+
+Fragment layouts (lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3), two 16-bit values per uint32
+with the lower column in the low half:
+    A (16x16, row):  a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10]
+    B (16x8,  col):  b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]
+    C (16x8,  f32):  c0, c1 = C[g, 2t], C[g, 2t+1];  c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+
+Public names (identical in both modes):
+    mma_f16, mma_bf16              (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3) -> (d0, d1, d2, d3)
+    ldmatrix_x4, ldmatrix_x4_trans (smem_u16_array, element_index) -> (r0, r1, r2, r3)
+    cp_async16                     (smem_u16_array, s_index, global_array, g_index, src_bytes) 16 bytes,
+                                   zero-filled beyond src_bytes (0 or 16)
+    cp_async_commit(), cp_async_wait0(), cp_async_wait1()
+    pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
+    ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
+    shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
+    f16_to_f32, bf16_to_f32        (bits: int16/uint16) -> f32
+    f32_to_f16, f32_to_bf16        (x: f32) -> int16 bits
+    device_function                decorator for inlined device functions in generated sources
+    SIMULATOR                      True when the emulations are in use
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+__all__ = [
+    "SIMULATOR",
+    "device_function",
+    "mma_f16",
+    "mma_bf16",
+    "ldmatrix_x4",
+    "ldmatrix_x4_trans",
+    "cp_async16",
+    "cp_async_commit",
+    "cp_async_wait0",
+    "cp_async_wait1",
+    "pack_f16x2",
+    "pack_bf16x2",
+    "ex2",
+    "shfl_xor_f32",
+    "f16_to_f32",
+    "bf16_to_f32",
+    "f32_to_f16",
+    "f32_to_bf16",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Bit helpers shared by the emulations (numpy, exact IEEE rounding)
+# --------------------------------------------------------------------------------------------------
+
+
+def _f32_to_f16_bits(x: float) -> int:
+    return int(np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0])
+
+
+def _f32_to_bf16_bits(x: float) -> int:
+    u = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+    if (u & 0x7F800000) == 0x7F800000 and (u & 0x007FFFFF):  # NaN stays NaN
+        return ((u >> 16) | 0x40) & 0xFFFF
+    rounding = 0x7FFF + ((u >> 16) & 1)  # round to nearest even
+    return ((u + rounding) >> 16) & 0xFFFF
+
+
+def _f16_bits_to_float(bits: int) -> float:
+    return float(np.array([int(bits) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
+def _bf16_bits_to_float(bits: int) -> float:
+    return float(np.array([(int(bits) & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+if SIMULATOR:
+    from numba import cuda
+
+    # ----------------------------------------------------------------------------------------------
+    # Emulations. Each simulated CUDA thread is a Python thread (numba's BlockThread) that knows its
+    # threadIdx and its block manager; a warp is 32 consecutive linear thread ids.
+    # ----------------------------------------------------------------------------------------------
+
+    _warp_lock = threading.Lock()
+
+    class _Warp:
+        """Scratch for one warp: two alternating slots of 32 entries and a 32-party barrier.
+
+        Alternating slots make one barrier per exchange enough: a lane can write slot s^1 for the next
+        exchange while a slow lane still reads slot s, and it cannot pass the next barrier before the
+        slow lane has finished reading.
+        """
+
+        def __init__(self) -> None:
+            self.barrier = threading.Barrier(32)
+            self.slots = [[None] * 32, [None] * 32]
+
+    def _lane_and_warp():
+        th = threading.current_thread()
+        tid = th.thread_id
+        mgr = th._manager
+        key = (tuple(th.blockIdx), tid // 32)
+        warps = getattr(mgr, "_falower_warps", None)
+        if warps is None:
+            with _warp_lock:
+                warps = getattr(mgr, "_falower_warps", None)
+                if warps is None:
+                    warps = {}
+                    mgr._falower_warps = warps
+        warp = warps.get(key)
+        if warp is None:
+            with _warp_lock:
+                warp = warps.get(key)
+                if warp is None:
+                    warp = _Warp()
+                    warps[key] = warp
+        counter = getattr(th, "_falower_exchanges", 0)
+        th._falower_exchanges = counter + 1
+        return tid % 32, warp, counter & 1
+
+    def _exchange(value):
+        """Publish this lane's value; return the list of all 32 lanes' values."""
+        lane, warp, slot = _lane_and_warp()
+        warp.slots[slot][lane] = value
+        warp.barrier.wait()
+        return lane, warp.slots[slot]
+
+    def device_function(fn):
+        return cuda.jit(device=True)(fn)
+
+    def _unpack(word: int, to_float) -> tuple[float, float]:
+        word = int(word) & 0xFFFFFFFF
+        return to_float(word & 0xFFFF), to_float(word >> 16)
+
+    def _mma(to_float, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        lane, frags = _exchange((a0, a1, a2, a3, b0, b1))
+        A = np.zeros((16, 16), dtype=np.float64)
+        B = np.zeros((16, 8), dtype=np.float64)
+        for ln in range(32):
+            g, t = ln >> 2, ln & 3
+            fa0, fa1, fa2, fa3, fb0, fb1 = frags[ln]
+            A[g, 2 * t : 2 * t + 2] = _unpack(fa0, to_float)
+            A[g + 8, 2 * t : 2 * t + 2] = _unpack(fa1, to_float)
+            A[g, 2 * t + 8 : 2 * t + 10] = _unpack(fa2, to_float)
+            A[g + 8, 2 * t + 8 : 2 * t + 10] = _unpack(fa3, to_float)
+            B[2 * t : 2 * t + 2, g] = _unpack(fb0, to_float)
+            B[2 * t + 8 : 2 * t + 10, g] = _unpack(fb1, to_float)
+        g, t = lane >> 2, lane & 3
+        r0 = A[g] @ B[:, 2 * t]
+        r1 = A[g] @ B[:, 2 * t + 1]
+        r2 = A[g + 8] @ B[:, 2 * t]
+        r3 = A[g + 8] @ B[:, 2 * t + 1]
+        f = np.float32
+        return (f(f(r0) + f(c0)), f(f(r1) + f(c1)), f(f(r2) + f(c2)), f(f(r3) + f(c3)))
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma(_f16_bits_to_float, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma(_bf16_bits_to_float, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    def _ldmatrix(smem, index, trans):
+        lane, addrs = _exchange(int(index))
+        g, t = lane >> 2, lane & 3
+        out = []
+        for i in range(4):
+            if trans:
+                lo = int(smem[addrs[8 * i + 2 * t] + g]) & 0xFFFF
+                hi = int(smem[addrs[8 * i + 2 * t + 1] + g]) & 0xFFFF
+            else:
+                base = addrs[8 * i + g]
+                lo = int(smem[base + 2 * t]) & 0xFFFF
+                hi = int(smem[base + 2 * t + 1]) & 0xFFFF
+            out.append(np.uint32(lo | (hi << 16)))
+        return tuple(out)
+
+    def ldmatrix_x4(smem, index):
+        return _ldmatrix(smem, index, False)
+
+    def ldmatrix_x4_trans(smem, index):
+        return _ldmatrix(smem, index, True)
+
+    def cp_async16(smem, s_index, garr, g_index, src_bytes):
+        # Synchronous copy: completion is immediate, so commit/wait are no-ops. 16 bytes of the
+        # global array's element type, zero-filled when src_bytes == 0.
+        n = 16 // garr.itemsize
+        sview = smem.view(garr.dtype) if smem.dtype != garr.dtype else smem
+        s0 = int(s_index) * smem.itemsize // garr.itemsize
+        if int(src_bytes) >= 16:
+            sview[s0 : s0 + n] = garr[int(g_index) : int(g_index) + n]
+        else:
+            sview[s0 : s0 + n] = 0
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait0():
+        pass
+
+    def cp_async_wait1():
+        pass
+
+    def pack_f16x2(lo, hi):
+        return np.uint32(_f32_to_f16_bits(lo) | (_f32_to_f16_bits(hi) << 16))
+
+    def pack_bf16x2(lo, hi):
+        return np.uint32(_f32_to_bf16_bits(lo) | (_f32_to_bf16_bits(hi) << 16))
+
+    def ex2(x):
+        with np.errstate(over="ignore", under="ignore"):
+            return np.float32(np.exp2(np.float32(x)))
+
+    def shfl_xor_f32(x, lane_mask):
+        lane, vals = _exchange(np.float32(x))
+        return vals[lane ^ int(lane_mask)]
+
+    def f16_to_f32(bits):
+        return np.float32(_f16_bits_to_float(bits))
+
+    def bf16_to_f32(bits):
+        return np.float32(_bf16_bits_to_float(bits))
+
+    def f32_to_f16(x):
+        return np.int16(np.uint16(_f32_to_f16_bits(x)).view(np.int16))
+
+    def f32_to_bf16(x):
+        return np.int16(np.uint16(_f32_to_bf16_bits(x)).view(np.int16))
+
+else:
+    from llvmlite import ir
+    from numba import cuda, types
+    from numba.core import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def device_function(fn):
+        """Device functions of generated kernels: always inlined at the NVVM level."""
+        return cuda.jit(device=True, forceinline=True)(fn)
+
+    _U32 = types.uint32
+    _F32 = types.float32
+    _I16 = types.int16
+
+    def _asm(context, builder, ptx, constraints, in_vals, ret_types, side_effect=False):
+        """Emit one inline-asm call. in_vals: LLVM values; ret_types: list of Numba types."""
+        in_lltypes = [v.type for v in in_vals]
+        if not ret_types:
+            ret_ll = ir.VoidType()
+        elif len(ret_types) == 1:
+            ret_ll = context.get_value_type(ret_types[0])
+        else:
+            ret_ll = ir.LiteralStructType([context.get_value_type(t) for t in ret_types])
+        fnty = ir.FunctionType(ret_ll, in_lltypes)
+        asm = ir.InlineAsm(fnty, ptx, constraints, side_effect=side_effect)
+        return builder.call(asm, in_vals)
+
+    def _cast_all(context, builder, sig, args, targets):
+        return [context.cast(builder, v, ty, to) for v, ty, to in zip(args, sig.args, targets)]
+
+    def _tuple_result(context, builder, sig, res, n):
+        elems = [builder.extract_value(res, i) for i in range(n)]
+        return context.make_tuple(builder, sig.return_type, elems)
+
+    def _element_address(context, builder, arrty, arr, index, indexty):
+        """Generic address (i64) of arr[index] for a 1-D array."""
+        ary = context.make_array(arrty)(context, builder, arr)
+        idx = context.cast(builder, index, indexty, types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False)
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    # ---- mma.sync m16n8k16, fp32 accumulate ------------------------------------------------------
+
+    def _mma_codegen(kind):
+        ptx = (
+            f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
+        )
+        cons = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
+
+        def codegen(context, builder, sig, args):
+            vals = _cast_all(context, builder, sig, args, [_U32] * 6 + [_F32] * 4)
+            res = _asm(context, builder, ptx, cons, vals, [_F32] * 4)
+            return _tuple_result(context, builder, sig, res, 4)
+
+        return codegen
+
+    _MMA_RET = types.UniTuple(_F32, 4)
+
+    @intrinsic
+    def mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = _MMA_RET(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return sig, _mma_codegen("f16")
+
+    @intrinsic
+    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = _MMA_RET(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return sig, _mma_codegen("bf16")
+
+    # ---- ldmatrix ---------------------------------------------------------------------------------
+
+    def _ldmatrix_codegen(trans):
+        suffix = ".trans" if trans else ""
+        ptx = (
+            "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; "
+            f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0,$1,$2,$3}}, [sa]; }}"
+        )
+
+        def codegen(context, builder, sig, args):
+            addr = _element_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            res = _asm(context, builder, ptx, "=r,=r,=r,=r,l", [addr], [_U32] * 4, side_effect=True)
+            return _tuple_result(context, builder, sig, res, 4)
+
+        return codegen
+
+    @intrinsic
+    def ldmatrix_x4(typingctx, smem, index):
+        return types.UniTuple(_U32, 4)(smem, index), _ldmatrix_codegen(False)
+
+    @intrinsic
+    def ldmatrix_x4_trans(typingctx, smem, index):
+        return types.UniTuple(_U32, 4)(smem, index), _ldmatrix_codegen(True)
+
+    # ---- cp.async ---------------------------------------------------------------------------------
+
+    @intrinsic
+    def cp_async16(typingctx, smem, s_index, garr, g_index, src_bytes):
+        sig = types.void(smem, s_index, garr, g_index, src_bytes)
+        ptx = (
+            "{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
+            "cp.async.cg.shared.global [sa], [ga], 16, $2; }"
+        )
+
+        def codegen(context, builder, sig, args):
+            sa = _element_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            ga = _element_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            nb = context.cast(builder, args[4], sig.args[4], types.uint32)
+            _asm(context, builder, ptx, "l,l,r,~{memory}", [sa, ga, nb], [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _void_asm_intrinsic(name, ptx):
+        def typer(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(context, builder, ptx, "~{memory}", [], [], side_effect=True)
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        typer.__name__ = name
+        typer.__qualname__ = name
+        return intrinsic(typer)
+
+    cp_async_commit = _void_asm_intrinsic("cp_async_commit", "cp.async.commit_group;")
+    cp_async_wait0 = _void_asm_intrinsic("cp_async_wait0", "cp.async.wait_group 0;")
+    cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
+
+    # ---- conversions ------------------------------------------------------------------------------
+
+    def _pack_codegen(kind):
+        # cvt.rn.{kind}x2.f32 d, a, b puts a in the UPPER half: pass (hi, lo).
+        ptx = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"
+
+        def codegen(context, builder, sig, args):
+            lo, hi = _cast_all(context, builder, sig, args, [_F32, _F32])
+            return _asm(context, builder, ptx, "=r,f,f", [hi, lo], [_U32])
+
+        return codegen
+
+    @intrinsic
+    def pack_f16x2(typingctx, lo, hi):
+        return _U32(lo, hi), _pack_codegen("f16")
+
+    @intrinsic
+    def pack_bf16x2(typingctx, lo, hi):
+        return _U32(lo, hi), _pack_codegen("bf16")
+
+    @intrinsic
+    def ex2(typingctx, x):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [_F32])
+            return _asm(context, builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", [v], [_F32])
+
+        return _F32(x), codegen
+
+    @intrinsic
+    def shfl_xor_f32(typingctx, x, lane_mask):
+        def codegen(context, builder, sig, args):
+            v, m = _cast_all(context, builder, sig, args, [_F32, _U32])
+            ptx = "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;"
+            return _asm(context, builder, ptx, "=f,f,r", [v, m], [_F32], side_effect=True)
+
+        return _F32(x, lane_mask), codegen
+
+    @intrinsic
+    def f16_to_f32(typingctx, bits):
+        def codegen(context, builder, sig, args):
+            (h,) = _cast_all(context, builder, sig, args, [_I16])
+            return _asm(context, builder, "cvt.f32.f16 $0, $1;", "=f,h", [h], [_F32])
+
+        return _F32(bits), codegen
+
+    @intrinsic
+    def bf16_to_f32(typingctx, bits):
+        def codegen(context, builder, sig, args):
+            (h,) = _cast_all(context, builder, sig, args, [_I16])
+            ptx = "{ .reg .b32 w; cvt.u32.u16 w, $1; shl.b32 w, w, 16; mov.b32 $0, w; }"
+            return _asm(context, builder, ptx, "=f,h", [h], [_F32])
+
+        return _F32(bits), codegen
+
+    @intrinsic
+    def f32_to_f16(typingctx, x):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [_F32])
+            return _asm(context, builder, "cvt.rn.f16.f32 $0, $1;", "=h,f", [v], [_I16])
+
+        return _I16(x), codegen
+
+    @intrinsic
+    def f32_to_bf16(typingctx, x):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [_F32])
+            return _asm(context, builder, "cvt.rn.bf16.f32 $0, $1;", "=h,f", [v], [_I16])
+
+        return _I16(x), codegen

@@ -1,0 +1,326 @@
+"""Compile, cache and launch the generated FA2 kernels.
+
+The emitted source is written to `<cache dir>/<name>_<sha256[:16]>.py` (default cache dir
+`~/.cache/falower/kernels`, override with `FALOWER_CACHE_DIR`) and imported from there, so Numba's
+`cache=True` can keep the compiled kernel next to it and a second process skips compilation.
+
+    kern = FA2ForwardKernel(spec)
+    o, lse = kern(q, k, v, *captures)     # torch CUDA tensors, CUDA-array-interface arrays or numpy
+
+Inputs are checked before anything is launched; a wrong dtype, rank, shape, layout or device raises a
+one-line ValueError / TypeError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .emit_fa2 import emit_block_mask, emit_fa2_forward, smem_bytes, threads_per_block
+from .spec import FA2ForwardSpec
+
+__all__ = ["FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
+
+_NP_DTYPES = {"f16": np.float16, "f32": np.float32}
+_CAP_NP = {"f16": np.float16, "bf16": None, "f32": np.float32, "i32": np.int32, "bool": np.bool_}
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("FALOWER_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "falower" / "kernels"
+
+
+def load_source(source: str, stem: str) -> Any:
+    """Write `source` to a content-addressed file under cache_dir() and import it as a module."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{stem}_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    modname = f"falower_kernels.{stem}_{digest}"
+    if modname in sys.modules:
+        return sys.modules[modname]
+    spec = importlib.util.spec_from_file_location(modname, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------------
+# Array handling
+# --------------------------------------------------------------------------------------------------
+
+
+def _kind(x: Any) -> str:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return "torch"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cai"
+    raise TypeError(f"expected a torch tensor, a CUDA array or a numpy array, got {type(x).__name__}")
+
+
+def _dtype_name(x: Any, kind: str) -> str:
+    if kind == "torch":
+        import torch
+
+        return {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}.get(x.dtype, str(x.dtype))
+    dt = np.dtype(x.dtype) if kind == "numpy" else np.dtype(x.__cuda_array_interface__["typestr"])
+    return {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt, str(dt))
+
+
+def _is_contiguous(x: Any, kind: str) -> bool:
+    if kind == "torch":
+        return x.is_contiguous()
+    if kind == "numpy":
+        return x.flags.c_contiguous
+    cai = x.__cuda_array_interface__
+    strides = cai.get("strides")
+    if strides is None:
+        return True
+    item = np.dtype(cai["typestr"]).itemsize
+    expect, acc = [], item
+    for n in reversed(cai["shape"]):
+        expect.append(acc)
+        acc *= n
+    return tuple(strides) == tuple(reversed(expect))
+
+
+def _device_id(x: Any, kind: str) -> int | None:
+    if kind == "torch":
+        return x.device.index if x.is_cuda else None
+    return -1 if kind == "cai" else None
+
+
+class FA2ForwardKernel:
+    """One compiled FA2 forward kernel for `spec`.
+
+    Attributes: `spec`, `source` (the generated module), `mask_source` (block-mask kernel, table mode).
+    """
+
+    def __init__(self, spec: FA2ForwardSpec) -> None:
+        self.spec = spec
+        self.source = emit_fa2_forward(spec)
+        self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None
+        self._module = load_source(self.source, spec.name)
+        self._kernel = getattr(self._module, spec.name)
+        self._mask_kernel = None
+        if self.mask_source is not None:
+            mod = load_source(self.mask_source, spec.name + "_block_mask")
+            self._mask_kernel = getattr(mod, spec.name + "_block_mask")
+        self.threads = threads_per_block(spec)
+        self.smem = smem_bytes(spec)
+        self._smem_set: set[int] = set()
+
+    # ---------------------------------------------------------------------------- user helpers
+    def print_kernel(self) -> None:
+        print(self.source)
+        if self.mask_source:
+            print(self.mask_source)
+
+    def argtypes(self) -> tuple:
+        """Numba argument types of the forward kernel (flat contiguous arrays, int64 sizes)."""
+        from numba import types
+
+        s = self.spec
+        elem = types.float32 if s.dtype == "f32" else types.int16
+        arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
+        o = arr(types.int32) if s.path == "mma" else arr(elem)
+        args = [arr(elem), arr(elem), arr(elem), o, arr(types.float32)] + [types.int64] * 4
+        if s.block_mask == "table":
+            args.append(arr(types.int8))
+        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "i32": types.int32,
+                 "bool": types.boolean}
+        for c in s.captures:
+            args.append(types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype])
+        return tuple(args)
+
+    def ptx(self, cc: tuple[int, int] = (9, 0)) -> str:
+        """PTX of the forward kernel for compute capability `cc` (no GPU needed)."""
+        return ptx_of(self._kernel, self.argtypes(), cc)
+
+    # ---------------------------------------------------------------------------- checking
+    def _check(self, q: Any, k: Any, v: Any, captures: tuple) -> str:
+        s = self.spec
+        kinds = {_kind(q), _kind(k), _kind(v)}
+        if len(kinds) != 1:
+            raise TypeError(f"q, k, v must be the same kind of array, got {sorted(kinds)}")
+        kind = kinds.pop()
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            dt = _dtype_name(x, kind)
+            if dt != s.dtype:
+                raise TypeError(f"{name} has dtype {dt}, this kernel was built for {s.dtype}")
+            if len(x.shape) != 4:
+                raise ValueError(f"{name} must be 4-D [B, heads, seq, D], got shape {tuple(x.shape)}")
+            if not _is_contiguous(x, kind):
+                raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+        if kind == "numpy" and s.dtype == "bf16":
+            raise TypeError("bf16 inputs must be torch tensors (numpy has no bfloat16)")
+        if kind == "torch":
+            devs = {x.device for x in (q, k, v)}
+            if len(devs) != 1 or not q.is_cuda:
+                raise ValueError(f"q, k, v must be on one CUDA device, got {sorted(str(d) for d in devs)}")
+        B, H, M, D = (int(n) for n in q.shape)
+        Bk, Hk, N, Dk = (int(n) for n in k.shape)
+        if tuple(int(n) for n in v.shape) != (Bk, Hk, N, Dk):
+            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        if D != s.head_dim or Dk != s.head_dim:
+            raise ValueError(f"head dim must be {s.head_dim}, got q {D}, k {Dk}")
+        if Bk != B:
+            raise ValueError(f"batch of q ({B}) and k/v ({Bk}) differ")
+        if Hk * s.group_size != H:
+            raise ValueError(f"q has {H} heads, k/v {Hk}: expected {H} = {Hk} * group_size {s.group_size}")
+        if M < 1 or N < 1 or B < 1 or H < 1:
+            raise ValueError(f"empty input: B={B} H={H} M={M} N={N}")
+        if len(captures) != len(s.captures):
+            raise ValueError(f"expected {len(s.captures)} captured tensors, got {len(captures)}")
+        for c, x in zip(s.captures, captures):
+            if np.isscalar(x):
+                continue
+            ck = _kind(x)
+            if ck != kind and not (kind != "numpy" and ck == "cai"):
+                raise TypeError(f"capture {c.name} is a {ck} array, q/k/v are {kind}")
+            if len(x.shape) != c.ndim:
+                raise ValueError(f"capture {c.name} must be {c.ndim}-D, got shape {tuple(x.shape)}")
+            if not _is_contiguous(x, ck):
+                raise ValueError(f"capture {c.name} must be contiguous")
+        if kind == "torch" and s.path == "mma":
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                if x.data_ptr() % 16:
+                    raise ValueError(f"{name} must be 16-byte aligned for the tensor-core path")
+        return kind
+
+    # ---------------------------------------------------------------------------- launching
+    def _raise_smem_limit(self, kernel, args, smem: int) -> None:
+        from numba import cuda
+
+        if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+            return
+        dev = cuda.get_current_device().id
+        if dev in self._smem_set:
+            return
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        compiled = kernel._compile_for_args(*args)
+        cufunc = compiled._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
+        self._smem_set.add(dev)
+
+    def __call__(self, q: Any, k: Any, v: Any, *captures: Any):
+        from numba import cuda
+
+        s = self.spec
+        kind = self._check(q, k, v, captures)
+        B, H, M, D = (int(n) for n in q.shape)
+        N = int(k.shape[2])
+        nq = -(-M // s.block_q)
+        nk = -(-N // s.block_k)
+        if kind == "torch":
+            import torch
+
+            bits = torch.float32 if s.dtype == "f32" else torch.int16
+            flat = [x.detach().view(bits).reshape(-1) for x in (q, k, v)]
+            o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            o_k = o.view(torch.int32 if s.path == "mma" else bits).reshape(-1)
+            lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
+            lse_k = lse.reshape(-1)
+            caps = [x.detach() if hasattr(x, "detach") else x for x in captures]
+            table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device) if self._mask_kernel else None
+        else:
+            bits = np.float32 if s.dtype == "f32" else np.int16
+
+            def dev(x):
+                if kind == "numpy":
+                    return cuda.to_device(np.ascontiguousarray(x))
+                return cuda.as_cuda_array(x)
+
+            flat = [dev(x).reshape(-1).view(bits) for x in (q, k, v)]
+            o_k = cuda.device_array(B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
+                                    dtype=np.uint32 if s.path == "mma" else bits)
+            lse_k = cuda.device_array(B * H * M, dtype=np.float32)
+            caps = [x if np.isscalar(x) else dev(x) for x in captures]
+            table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
+
+        sizes = [B, H, M, N]
+        if self._mask_kernel is not None:
+            self._mask_kernel[(nk, nq, B * H), 128](table, *sizes, *caps)
+            extra = [table]
+        else:
+            extra = []
+        args = [*flat, o_k, lse_k, *sizes, *extra, *caps]
+        if self.smem > 48 * 1024:
+            self._raise_smem_limit(self._kernel, args, self.smem)
+        self._kernel[(nq, H, B), self.threads, 0, self.smem](*args)
+
+        if kind == "torch":
+            return o, lse
+        if kind == "numpy":
+            host = o_k.copy_to_host()
+            o_np = host.view(_NP_DTYPES[s.dtype]).reshape(B, H, M, D)
+            return o_np, lse_k.copy_to_host().reshape(B, H, M)
+        return (o_k.view(bits).view(_NP_DTYPES[s.dtype]).reshape(B, H, M, D) if s.dtype != "f32"
+                else o_k.reshape(B, H, M, D)), lse_k.reshape(B, H, M)
+
+
+def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
+    """PTX of a generated kernel. Works without a GPU: a device-function dispatcher asks the current
+    device for its compute capability when it compiles, so with no driver we answer `cc` for it."""
+    from numba import cuda
+    import numba.cuda.dispatcher as dispatcher_module
+
+    if cuda.is_available():
+        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)
+        return ptx
+
+    class _NoDevice:
+        compute_capability = tuple(cc)
+
+    original = dispatcher_module.get_current_device
+    dispatcher_module.get_current_device = lambda: _NoDevice
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)
+    finally:
+        dispatcher_module.get_current_device = original
+    return ptx
+
+
+def resource_usage(ptx: str, arch: str = "sm_90") -> dict[str, int]:
+    """Link PTX with nvJitLink (no GPU needed) and read registers / spills from its verbose log."""
+    import re
+
+    from cuda.bindings import nvjitlink
+
+    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
+        nvjitlink.complete(handle)
+        size = nvjitlink.get_info_log_size(handle)
+        buf = bytearray(size)
+        nvjitlink.get_info_log(handle, buf)
+        log = bytes(buf).decode(errors="replace")
+    finally:
+        nvjitlink.destroy(handle)
+    out = {"log": log}
+    m = re.search(r"Used (\d+) registers", log)
+    out["registers"] = int(m.group(1)) if m else -1
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    out["spill_stores"], out["spill_loads"] = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+    m = re.search(r"(\d+) bytes stack frame", log)
+    out["stack_frame"] = int(m.group(1)) if m else -1
+    return out

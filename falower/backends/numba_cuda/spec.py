@@ -1,0 +1,78 @@
+"""The contract between the IR side of the backend and the kernel emitter.
+
+`from_ir.py` reads the final fa2-fwd IR and fills an `FA2ForwardSpec`; `emit_fa2.py` turns a spec into
+Numba CUDA source. The schedule (tiles, warps, the tensor-core or SIMT path) is fixed by the spec's
+fields; what varies between attention variants (score function, mask, tile classification) arrives as
+Python source of three small device functions, so the emitter never needs to know which variant it is.
+
+Contract of `device_source` (plain `def`s, no decorators; `math` and `np` are in scope, and module-level
+`np.float32` constants may be defined before them):
+
+    score_fn(s, b, h, q, kv, *captures) -> float32
+        s is the raw fp32 dot product q_row . k_row (no scale applied); b, h, q, kv are int32 absolute
+        indices (h is the query head). Returns the softmax exponent input, already multiplied by log2(e)
+        when `exp2` is set. Does not apply the mask.
+    mask_fn(b, h, q, kv, *captures) -> bool              (only when has_mask)
+        True keeps the score, False makes it -inf.
+    tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures) -> int32   (only when block_mask == "static")
+        Classifies the tile of rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive) for the user mask:
+        0 = empty (skip the tile), 1 = partial (evaluate mask_fn), 2 = full (no mask arithmetic).
+
+Bounds are the kernel's job, not the device functions': rows q >= M are never stored, columns kv >= N
+are -inf. Captured tensors are passed after q, k, v in `captures` order; gathers in the device functions
+clamp their indices, so padded tile positions never read outside a table. A row whose every score is
+masked gives O = 0 and LSE = -inf, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("f16", "bf16", "f32")
+PATHS = ("mma", "simt")
+BLOCK_MASKS = ("none", "static", "table")
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A tensor the score or mask function reads (ALiBi slopes, a bias table, document ids)."""
+
+    name: str
+    dtype: str  # "f16", "bf16", "f32", "i32" or "bool"
+    ndim: int
+
+
+@dataclass(frozen=True)
+class FA2ForwardSpec:
+    """Everything the emitter needs to write one FA2 forward kernel.
+
+    Layouts: q is [B, H, M, D]; k and v are [B, H // group_size, N, D]; o is [B, H, M, D] in `dtype`;
+    lse is [B, H, M] float32 (natural log). All contiguous.
+    """
+
+    name: str
+    head_dim: int
+    dtype: str
+    path: str
+    block_q: int
+    block_k: int
+    num_warps: int
+    group_size: int = 1
+    exp2: bool = True
+    captures: tuple[Capture, ...] = ()
+    device_source: str = ""
+    has_mask: bool = False
+    block_mask: str = "none"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"FA2ForwardSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"FA2ForwardSpec.path must be one of {PATHS}, got {self.path!r}")
+        if self.block_mask not in BLOCK_MASKS:
+            raise ValueError(f"FA2ForwardSpec.block_mask must be one of {BLOCK_MASKS}, got {self.block_mask!r}")
+        if self.path == "mma" and self.dtype == "f32":
+            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32")
+        if self.block_mask != "none" and not self.has_mask:
+            raise ValueError("block_mask needs has_mask")

@@ -1,0 +1,436 @@
+"""Tracing attention written as ordinary tensor code into the IR.
+
+`trace` runs a Python function on symbolic tensors whose operators append ops to a graph
+(`q @ k.mT * scale`, `softmax(x, dim=-1)`, `where(...)`, indexing a captured table). `attention` builds
+the usual graph from FlexAttention-style `score_mod(score, b, h, q_idx, kv_idx)` and
+`mask_mod(b, h, q_idx, kv_idx)` functions; tensors they close over come from `capture(...)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+from .errors import FalowerError
+from .ir.builder import Builder, new_func
+from .ir.core import Func, Value
+from .ir.dims import Dim, DimLike, dim
+from .ir.types import FLOAT_DTYPES, TensorType, is_float, is_int
+
+Scalar = Union[int, float, bool]
+
+_CURRENT: list["_Trace"] = []
+
+_FLOAT_RANK = {"f16": 1, "bf16": 1, "f32": 2, "f64": 3}
+
+
+def _parse_shape(shape: Union[str, Sequence[DimLike]]) -> tuple[Dim, ...]:
+    if isinstance(shape, str):
+        parts = [p for p in shape.replace(" ", "").split(",") if p] if shape.strip() else []
+        return tuple(dim(p) for p in parts)
+    return tuple(dim(d) for d in shape)
+
+
+def tensor(dtype: str, shape: Union[str, Sequence[DimLike]]) -> TensorType:
+    """A tensor type for `trace`: `tensor("f16", "B,H,M,D")`."""
+    return TensorType(dtype, _parse_shape(shape))
+
+
+@dataclass
+class _Trace:
+    builder: Builder
+    func: Func
+    captured: dict[str, Value]
+
+
+def _builder() -> Builder:
+    if not _CURRENT:
+        raise FalowerError("symbolic tensors can only be used inside falower.trace or falower.attention")
+    return _CURRENT[-1].builder
+
+
+def _promote(a: str, b: str) -> str:
+    if a == b:
+        return a
+    if is_float(a) and is_float(b):
+        if _FLOAT_RANK[a] == _FLOAT_RANK[b]:
+            return "f32"  # f16 with bf16
+        return a if _FLOAT_RANK[a] > _FLOAT_RANK[b] else b
+    if is_float(a):
+        return a
+    if is_float(b):
+        return b
+    if "i32" in (a, b):
+        return "i32"
+    return a
+
+
+class SymTensor:
+    """A symbolic tensor during tracing: operators append ops to the graph being built."""
+
+    __array_priority__ = 1000  # numpy scalars on the left defer to us
+
+    def __init__(self, value: Value, transposed: bool = False):
+        self.value = value
+        self.transposed = transposed
+
+    # ------------------------------------------------------------------------------ information
+    @property
+    def dtype(self) -> str:
+        return self.value.type.dtype
+
+    @property
+    def shape(self) -> tuple[Dim, ...]:
+        return self.value.type.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.value.type.rank
+
+    def __repr__(self) -> str:
+        return f"SymTensor({self.value.type})"
+
+    def __bool__(self) -> bool:
+        raise FalowerError("a symbolic tensor has no truth value while tracing: use falower.where(cond, a, b) "
+                           "instead of `if`, and & | ~ instead of and/or/not")
+
+    def _v(self) -> Value:
+        if self.transposed:
+            raise FalowerError("a transposed tensor (.mT) can only be used as a matmul operand")
+        return self.value
+
+    # --------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _lift(x: Any, like: "SymTensor") -> "SymTensor":
+        if isinstance(x, SymTensor):
+            return x
+        if isinstance(x, bool):
+            return SymTensor(_builder().const(x))
+        if isinstance(x, int):
+            dtype = like.dtype if like.dtype != "bool" else "i32"
+            return SymTensor(_builder().const(float(x) if is_float(dtype) else x, TensorType(dtype, ())))
+        if isinstance(x, float):
+            dtype = like.dtype if is_float(like.dtype) else "f32"
+            return SymTensor(_builder().const(x, TensorType(dtype, ())))
+        if isinstance(x, Dim):
+            return SymTensor(_builder().const(x))
+        try:
+            import numpy as np
+
+            if isinstance(x, np.generic):
+                return SymTensor._lift(x.item(), like)
+        except ImportError:  # pragma: no cover
+            pass
+        raise FalowerError(f"cannot use {type(x).__name__} in a traced expression")
+
+    def _binary(self, name: str, other: Any, reverse: bool = False) -> "SymTensor":
+        o = self._lift(other, self)
+        a, b = (o, self) if reverse else (self, o)
+        av, bv = a._v(), b._v()
+        target = _promote(av.type.dtype, bv.type.dtype)
+        if name in ("div", "pow") and not is_float(target):
+            target = "f32"
+        bld = _builder()
+        return SymTensor(bld.emit(name, bld.cast(av, target), bld.cast(bv, target)))
+
+    def _unary(self, name: str) -> "SymTensor":
+        v = self._v()
+        bld = _builder()
+        if name not in ("neg", "abs", "not") and not is_float(v.type.dtype):
+            v = bld.cast(v, "f32")
+        return SymTensor(bld.emit(name, v))
+
+    # ------------------------------------------------------------------------------- operators
+    def __add__(self, o): return self._binary("add", o)
+    def __radd__(self, o): return self._binary("add", o, True)
+    def __sub__(self, o): return self._binary("sub", o)
+    def __rsub__(self, o): return self._binary("sub", o, True)
+    def __mul__(self, o): return self._binary("mul", o)
+    def __rmul__(self, o): return self._binary("mul", o, True)
+    def __truediv__(self, o): return self._binary("div", o)
+    def __rtruediv__(self, o): return self._binary("div", o, True)
+    def __floordiv__(self, o): return self._binary("floordiv", o)
+    def __rfloordiv__(self, o): return self._binary("floordiv", o, True)
+    def __mod__(self, o): return self._binary("mod", o)
+    def __rmod__(self, o): return self._binary("mod", o, True)
+    def __pow__(self, o): return self._binary("pow", o)
+    def __lshift__(self, o): return self._binary("shl", o)
+    def __rshift__(self, o): return self._binary("shr", o)
+    def __and__(self, o): return self._binary("and", o)
+    def __rand__(self, o): return self._binary("and", o, True)
+    def __or__(self, o): return self._binary("or", o)
+    def __ror__(self, o): return self._binary("or", o, True)
+    def __xor__(self, o): return self._binary("xor", o)
+    def __rxor__(self, o): return self._binary("xor", o, True)
+    def __lt__(self, o): return self._binary("lt", o)
+    def __le__(self, o): return self._binary("le", o)
+    def __gt__(self, o): return self._binary("gt", o)
+    def __ge__(self, o): return self._binary("ge", o)
+    def __eq__(self, o): return self._binary("eq", o)  # type: ignore[override]
+    def __ne__(self, o): return self._binary("ne", o)  # type: ignore[override]
+    __hash__ = object.__hash__
+    def __neg__(self): return self._unary("neg")
+    def __abs__(self): return self._unary("abs")
+    def __invert__(self): return self._unary("not")
+
+    def __matmul__(self, other: "SymTensor") -> "SymTensor":
+        if not isinstance(other, SymTensor):
+            raise FalowerError("matmul needs two tensors")
+        bld = _builder()
+        return SymTensor(bld.emit("matmul", self.value, other.value,
+                                  transpose_a=self.transposed, transpose_b=other.transposed))
+
+    @property
+    def mT(self) -> "SymTensor":
+        """The transpose of the last two dims; only a matmul consumes it (as a flag, no copy)."""
+        return SymTensor(self.value, not self.transposed)
+
+    def transpose(self, d0: int, d1: int) -> "SymTensor":
+        r = self.ndim
+        if {d0 % r, d1 % r} != {r - 1, r - 2}:
+            raise FalowerError("only the last two dims can be transposed (and only for a matmul)")
+        return self.mT
+
+    # ---------------------------------------------------------------------------------- methods
+    def exp(self): return self._unary("exp")
+    def exp2(self): return self._unary("exp2")
+    def log(self): return self._unary("log")
+    def log2(self): return self._unary("log2")
+    def tanh(self): return self._unary("tanh")
+    def sigmoid(self): return self._unary("sigmoid")
+    def erf(self): return self._unary("erf")
+    def sqrt(self): return self._unary("sqrt")
+    def abs(self): return self._unary("abs")
+
+    def to(self, dtype: str) -> "SymTensor":
+        return SymTensor(_builder().cast(self._v(), _dtype_name(dtype)))
+
+    def float(self) -> "SymTensor":
+        return self.to("f32")
+
+    def half(self) -> "SymTensor":
+        return self.to("f16")
+
+    def _axis(self, d: int) -> int:
+        if not -self.ndim <= d < self.ndim:
+            raise FalowerError(f"dim {d} is out of range for a tensor of rank {self.ndim}")
+        return d % self.ndim
+
+    def softmax(self, dim: int = -1) -> "SymTensor":
+        v = self._v()
+        if not is_float(v.type.dtype):
+            v = _builder().cast(v, "f32")
+        return SymTensor(_builder().emit("softmax", v, axis=self._axis(dim)))
+
+    def amax(self, dim: int = -1, keepdim: bool = True) -> "SymTensor":
+        _keepdim_only(keepdim)
+        return SymTensor(_builder().emit("reduce_max", self._v(), axis=self._axis(dim)))
+
+    def sum(self, dim: int = -1, keepdim: bool = True) -> "SymTensor":
+        _keepdim_only(keepdim)
+        return SymTensor(_builder().emit("reduce_sum", self._v(), axis=self._axis(dim)))
+
+    def repeat_interleave(self, repeats: int, dim: int) -> "SymTensor":
+        return SymTensor(_builder().emit("repeat_interleave", self._v(), axis=self._axis(dim), repeats=int(repeats)))
+
+    def __getitem__(self, index: Any) -> "SymTensor":
+        """Indexing a captured table with index tensors is a gather (indices are clamped into range)."""
+        if not isinstance(index, tuple):
+            index = (index,)
+        if len(index) != self.ndim:
+            raise FalowerError(f"indexing a rank-{self.ndim} tensor needs {self.ndim} indices, got {len(index)}")
+        bld = _builder()
+        idx = []
+        for i in index:
+            if isinstance(i, (int, Dim)) and not isinstance(i, bool):
+                idx.append(bld.const(i))
+                continue
+            t = _sym(i)
+            if not is_int(t.dtype):
+                raise FalowerError(f"gather indices must be integers, got {t.dtype}")
+            idx.append(bld.cast(t._v(), "i32"))
+        return SymTensor(bld.emit("gather", self._v(), *idx))
+
+
+def _keepdim_only(keepdim: bool) -> None:
+    if not keepdim:
+        raise FalowerError("falower reductions keep the reduced axis (keepdim=True)")
+
+
+_DTYPE_ALIASES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
+                  "float64": "f64", "double": "f64", "int32": "i32", "int8": "i8", "bool": "bool"}
+
+
+def _dtype_name(d: Any) -> str:
+    s = str(d).replace("torch.", "").replace("numpy.", "")
+    s = _DTYPE_ALIASES.get(s, s)
+    if s not in FLOAT_DTYPES + ("i8", "i32", "bool"):
+        raise FalowerError(f"unknown dtype {d!r}")
+    return s
+
+
+# ------------------------------------------------------------------------------ free functions
+def _sym(x: Any) -> SymTensor:
+    if not isinstance(x, SymTensor):
+        raise FalowerError(f"expected a symbolic tensor, got {type(x).__name__}")
+    return x
+
+
+def softmax(x: SymTensor, dim: int = -1) -> SymTensor:
+    return _sym(x).softmax(dim)
+
+
+def where(cond: Any, a: Any, b: Any) -> SymTensor:
+    ref = next((t for t in (a, b, cond) if isinstance(t, SymTensor)), None)
+    if ref is None:
+        raise FalowerError("where needs at least one symbolic tensor")
+    bld = _builder()
+    c = SymTensor._lift(cond, ref)
+    like = a if isinstance(a, SymTensor) else b if isinstance(b, SymTensor) else ref
+    av, bv = SymTensor._lift(a, like), SymTensor._lift(b, like)
+    target = _promote(av.dtype, bv.dtype)
+    if c.dtype != "bool":
+        raise FalowerError(f"where's condition must be bool, got {c.dtype}")
+    return SymTensor(bld.emit("where", c._v(), bld.cast(av._v(), target), bld.cast(bv._v(), target)))
+
+
+def maximum(a: Any, b: Any) -> SymTensor:
+    return _sym(a)._binary("max", b) if isinstance(a, SymTensor) else _sym(b)._binary("max", a, True)
+
+
+def minimum(a: Any, b: Any) -> SymTensor:
+    return _sym(a)._binary("min", b) if isinstance(a, SymTensor) else _sym(b)._binary("min", a, True)
+
+
+def exp(x): return _sym(x).exp()
+def exp2(x): return _sym(x).exp2()
+def log(x): return _sym(x).log()
+def tanh(x): return _sym(x).tanh()
+def sigmoid(x): return _sym(x).sigmoid()
+def erf(x): return _sym(x).erf()
+def sqrt(x): return _sym(x).sqrt()
+
+
+# ----------------------------------------------------------------------------------- captures
+class Capture:
+    """A tensor that score/mask functions close over (ALiBi slopes, a bias table, document ids).
+
+    It becomes an argument of the traced graph the first time a traced function touches it.
+    """
+
+    def __init__(self, name: str, dtype: str, shape: Union[str, Sequence[DimLike]]):
+        self.name = name
+        self.type = TensorType(_dtype_name(dtype), _parse_shape(shape))
+
+    def _sym(self) -> SymTensor:
+        if not _CURRENT:
+            raise FalowerError(f"captured tensor {self.name!r} used outside of tracing")
+        tr = _CURRENT[-1]
+        if self.name not in tr.captured:
+            tr.captured[self.name] = tr.func.body.add_arg(self.type, self.name)
+        return SymTensor(tr.captured[self.name])
+
+    def __getitem__(self, index: Any) -> SymTensor:
+        return self._sym()[index]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("name", "type"):
+            raise AttributeError(name)
+        return getattr(self._sym(), name)
+
+
+def capture(name: str, dtype: str, shape: Union[str, Sequence[DimLike]]) -> Capture:
+    return Capture(name, dtype, shape)
+
+
+# ------------------------------------------------------------------------------------ tracing
+def trace(fn: Optional[Callable] = None, *, name: Optional[str] = None, result_names: Sequence[str] = (),
+          **arg_types: TensorType):
+    """Trace `fn(**symbolic inputs)` into a graph (a `Func`). Usable as a decorator with arguments."""
+
+    def run(f: Callable) -> Func:
+        func, bld, args = new_func(name or f.__name__, list(arg_types.items()))
+        _CURRENT.append(_Trace(bld, func, {}))
+        try:
+            out = f(*[SymTensor(a) for a in args])
+        finally:
+            _CURRENT.pop()
+        outs = out if isinstance(out, tuple) else (out,)
+        values = [_sym(o)._v() for o in outs]
+        bld.ret(*values)
+        if result_names:
+            func.attrs["result_names"] = tuple(result_names)
+        _order_captures_last(func, len(args))
+        from .ir.verifier import verify
+
+        verify(func)
+        return func
+
+    if fn is not None:
+        return run(fn)
+    return run
+
+
+def _order_captures_last(func: Func, n_inputs: int) -> None:
+    """Captured tensors were appended as they were first used; keep that order after the inputs."""
+    for i, a in enumerate(func.body.args):
+        a.index = i
+
+
+def attention(
+    score_mod: Optional[Callable] = None,
+    mask_mod: Optional[Callable] = None,
+    *,
+    name: str = "attention",
+    dtype: str = "f16",
+    head_dim: DimLike = "D",
+    scale: Optional[float] = None,
+    group_size: int = 1,
+) -> Func:
+    """The FlexAttention-style graph: softmax(score_mod(q @ k^T * scale) masked by mask_mod) @ v.
+
+    q is [B, H, M, D]; k and v are [B, H, N, D], or [B, HKV, N, D] with H = HKV * group_size for GQA
+    (grouped query heads share a kv head). Outputs O in `dtype`.
+    """
+    dtype = _dtype_name(dtype)
+    D = dim(head_dim)
+    if group_size < 1:
+        raise FalowerError("group_size must be >= 1")
+    heads_q: DimLike = "H" if group_size == 1 else dim("HKV") * group_size
+    heads_kv: DimLike = "H" if group_size == 1 else "HKV"
+    qt = tensor(dtype, ["B", heads_q, "M", D])
+    kt = tensor(dtype, ["B", heads_kv, "N", D])
+
+    def body(q: SymTensor, k: SymTensor, v: SymTensor) -> SymTensor:
+        bld = _builder()
+        if group_size > 1:
+            k, v = k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1)
+        s = q @ k.mT
+        if scale is not None:
+            s = s * float(scale)
+        elif isinstance(D, Dim) and D.is_const:
+            s = s * (1.0 / math.sqrt(D.eval({})))
+        else:
+            s = s / SymTensor(bld.const(D)).to("f32").sqrt()
+        H = q.shape[1]
+        b = SymTensor(bld.iota(0, ["B", 1, 1, 1], "b"))
+        h = SymTensor(bld.iota(1, [1, H, 1, 1], "h"))
+        qi = SymTensor(bld.iota(2, [1, 1, "M", 1], "q_idx"))
+        ki = SymTensor(bld.iota(3, [1, 1, 1, "N"], "kv_idx"))
+        if score_mod is not None:
+            s = score_mod(s, b, h, qi, ki)
+            s = _sym(s)
+            if not is_float(s.dtype):
+                raise FalowerError(f"score_mod must return a float tensor, got {s.dtype}")
+            s = s.to("f32")
+        if mask_mod is not None:
+            m = mask_mod(b, h, qi, ki)
+            if not isinstance(m, SymTensor) or m.dtype != "bool":
+                raise FalowerError("mask_mod must return a bool tensor (a comparison, or & | ~ of comparisons)")
+            s = where(m, s, -math.inf)
+        p = softmax(s, dim=-1)
+        return (p @ v).to(dtype)
+
+    body.__name__ = name
+    return trace(body, name=name, result_names=("o",), q=qt, k=kt, v=kt)

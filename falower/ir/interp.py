@@ -1,0 +1,331 @@
+"""The reference interpreter: the definition of what every op means, at every level, in numpy.
+
+`precision="f64"` computes every float in float64 (the reference the passes are checked against);
+`precision="native"` keeps each value in its declared dtype (f16 rounded, bf16 emulated in float32,
+contractions accumulating in float32), which is what a kernel computes. Shapes are bound from the inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ShapeError
+from . import intervals
+from .core import Block, Func, Op, Value
+from .dims import Dim, dim, solve_dims
+from .types import TensorType, is_float, numpy_dtype
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bf16 (ties to even), kept in float32."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    out = rounded.view(np.float32)
+    return np.where(np.isnan(x), x, out)
+
+
+class Interpreter:
+    def __init__(self, precision: str = "f64"):
+        if precision not in ("f64", "native"):
+            raise ValueError("precision is 'f64' or 'native'")
+        self.precision = precision
+        self.env_dims: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------ dtypes
+    def store(self, x: Any, t: TensorType) -> np.ndarray:
+        """A value as its type holds it."""
+        x = np.asarray(x)
+        if t.dtype == "bool":
+            return x.astype(np.bool_)
+        if not is_float(t.dtype):
+            return x.astype(numpy_dtype(t.dtype))
+        if self.precision == "f64":
+            return x.astype(np.float64)
+        if t.dtype == "bf16":
+            return round_bf16(x.astype(np.float32))
+        return x.astype(numpy_dtype(t.dtype))
+
+    def compute_dtype(self, t: TensorType) -> Any:
+        if self.precision == "f64" or t.dtype == "f64":
+            return np.float64
+        return np.float32
+
+    # ------------------------------------------------------------------------------------- entry
+    def run(self, func: Func, inputs: Sequence[Any], dims: Optional[Mapping[str, int]] = None) -> list[np.ndarray]:
+        args = func.args
+        if len(inputs) != len(args):
+            names = ", ".join(a.name or "?" for a in args)
+            raise ShapeError(f"@{func.name} takes {len(args)} inputs ({names}), got {len(inputs)}")
+        pairs: list[tuple[Dim, int]] = []
+        arrays = []
+        for a, x in zip(args, inputs):
+            x = np.asarray(x)
+            if x.ndim != a.type.rank:
+                raise ShapeError(f"input %{a.name} must have rank {a.type.rank} ({a.type}), got shape {x.shape}")
+            pairs += list(zip(a.type.shape, x.shape))
+            arrays.append(x)
+        self.env_dims = solve_dims(pairs, dict(dims or {}))
+        env: dict[Value, np.ndarray] = {}
+        for a, x in zip(args, arrays):
+            env[a] = self.store(x, a.type)
+        outs = self.block(func.body, env)
+        self.top_env = env
+        return outs
+
+    def block(self, blk: Block, env: dict[Value, np.ndarray]) -> list[np.ndarray]:
+        self.last_env = env
+        for op in blk.ops:
+            if op.name in ("yield", "return"):
+                return [env[v] for v in op.operands]
+            if op.name == "tile.yield":
+                return [env[v] for v in op.operands]
+            results = self.op(op, env)
+            for r, x in zip(op.results, results):
+                env[r] = x
+        raise ValueError("block without terminator")
+
+    def shape(self, t: TensorType) -> tuple[int, ...]:
+        return t.concrete(self.env_dims)
+
+    # --------------------------------------------------------------------------------------- ops
+    def op(self, op: Op, env: dict[Value, np.ndarray]) -> list[np.ndarray]:
+        x = [env[v] for v in op.operands]
+        n = op.name
+        handler = getattr(self, "op_" + n.replace(".", "_"), None)
+        if handler is not None:
+            return handler(op, x, env)
+        rt = op.results[0].type if op.results else None
+        with np.errstate(all="ignore"):
+            y = self.elementwise(n, op, x, rt)
+        return [self.store(y, rt)]  # type: ignore[arg-type]
+
+    def elementwise(self, n: str, op: Op, x: list[np.ndarray], rt: Optional[TensorType]) -> np.ndarray:
+        if rt is not None and is_float(rt.dtype) and n not in ("cast", "where"):
+            cd = self.compute_dtype(rt)
+            x = [a.astype(cd) if a.dtype.kind == "f" else a for a in x]
+        unary = {
+            "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2,
+            "tanh": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
+            "erf": _erf, "not": lambda a: np.logical_not(a) if a.dtype == np.bool_ else np.invert(a),
+        }
+        binary = {
+            "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,
+            "min": np.minimum, "pow": np.power, "floordiv": np.floor_divide, "mod": np.mod,
+            "shl": np.left_shift, "shr": np.right_shift, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
+            "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+        }
+        if n in unary:
+            return unary[n](x[0])
+        if n in binary:
+            return binary[n](x[0], x[1])
+        if n in ("and", "or", "xor"):
+            f = {"and": (np.logical_and, np.bitwise_and), "or": (np.logical_or, np.bitwise_or),
+                 "xor": (np.logical_xor, np.bitwise_xor)}[n]
+            return f[0](x[0], x[1]) if x[0].dtype == np.bool_ else f[1](x[0], x[1])
+        if n == "where":
+            return np.where(x[0], x[1], x[2])
+        if n == "cast":
+            src = x[0]
+            if src.dtype.kind == "f" and rt is not None and not is_float(rt.dtype) and rt.dtype != "bool":
+                src = np.trunc(np.nan_to_num(src))
+            return src
+        raise NotImplementedError(f"the interpreter has no rule for {n}")
+
+    def op_const(self, op: Op, x, env) -> list[np.ndarray]:
+        t = op.results[0].type
+        v = op.attrs["value"]
+        if isinstance(v, Dim):
+            v = v.eval(self.env_dims)
+        return [self.store(np.full(self.shape(t), v), t)]
+
+    def op_iota(self, op: Op, x, env) -> list[np.ndarray]:
+        t = op.results[0].type
+        shape = self.shape(t)
+        axis = op.attrs["axis"]
+        view = [1] * len(shape)
+        view[axis] = shape[axis]
+        return [np.broadcast_to(np.arange(shape[axis], dtype=np.int32).reshape(view), shape).copy()]
+
+    def op_tile_iota(self, op: Op, x, env) -> list[np.ndarray]:
+        (r,) = self.op_iota(op, x, env)
+        return [(r + x[0]).astype(np.int32)]
+
+    def op_gather(self, op: Op, x, env) -> list[np.ndarray]:
+        table, idx = x[0], x[1:]
+        clipped = [np.clip(i, 0, table.shape[d] - 1) for d, i in enumerate(idx)]
+        return [self.store(table[tuple(clipped)], op.results[0].type)]
+
+    def _matmul(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        cd = np.float64 if self.precision == "f64" else np.float32
+        a, b = a.astype(cd), b.astype(cd)
+        if op.attrs.get("transpose_a"):
+            a = np.swapaxes(a, -1, -2)
+        if op.attrs.get("transpose_b"):
+            b = np.swapaxes(b, -1, -2)
+        return self.store(np.matmul(a, b), op.results[0].type)
+
+    def op_matmul(self, op: Op, x, env) -> list[np.ndarray]:
+        return [self._matmul(op, x[0], x[1])]
+
+    op_tile_matmul = op_matmul
+
+    def op_repeat_interleave(self, op: Op, x, env) -> list[np.ndarray]:
+        return [np.repeat(x[0], op.attrs["repeats"], axis=op.attrs["axis"])]
+
+    def _reduce(self, op: Op, a: np.ndarray, f) -> list[np.ndarray]:
+        t = op.results[0].type
+        if a.dtype.kind == "f":
+            a = a.astype(self.compute_dtype(t))
+        return [self.store(f(a, axis=op.attrs["axis"], keepdims=True), t)]
+
+    def op_reduce_max(self, op: Op, x, env) -> list[np.ndarray]:
+        return self._reduce(op, x[0], np.max)
+
+    def op_reduce_sum(self, op: Op, x, env) -> list[np.ndarray]:
+        return self._reduce(op, x[0], np.sum)
+
+    def op_softmax(self, op: Op, x, env) -> list[np.ndarray]:
+        """Softmax with falower's rule for a row whose every entry is -inf: all zeros, never NaN."""
+        t = op.results[0].type
+        a = x[0].astype(self.compute_dtype(t))
+        axis = op.attrs["axis"]
+        with np.errstate(all="ignore"):
+            m = np.max(a, axis=axis, keepdims=True)
+            m = np.where(np.isneginf(m), 0.0, m)
+            e = np.exp(a - m)
+            s = np.sum(e, axis=axis, keepdims=True)
+            p = e / np.where(s == 0, 1.0, s)
+        return [self.store(p, t)]
+
+    # ------------------------------------------------------------------------------------- tiles
+    def _slices(self, shape: tuple[int, ...], spec: tuple, idx: list[np.ndarray]):
+        """Source slices, the part of the tile they fill, and the tile's shape (ragged tiles clip)."""
+        src, dst, tile_shape = [], [], []
+        it = iter(idx)
+        for s, size in zip(spec, shape):
+            if s == ":":
+                src.append(slice(None))
+                dst.append(slice(None))
+                tile_shape.append(size)
+            elif s == "i":
+                i = int(next(it))
+                if not 0 <= i < size:
+                    raise IndexError(f"tile index {i} out of range {size}")
+                src.append(i)
+            else:
+                start = int(next(it))
+                stop = min(start + s, size)
+                n = max(stop - start, 0)
+                src.append(slice(start, start + n))
+                dst.append(slice(0, n))
+                tile_shape.append(s)
+        return tuple(src), tuple(dst), tuple(tile_shape)
+
+    def op_tile_load(self, op: Op, x, env) -> list[np.ndarray]:
+        a = x[0]
+        src, dst, shape = self._slices(a.shape, op.attrs["slice"], x[1:])
+        out = np.zeros(shape, dtype=a.dtype)
+        out[dst] = a[src]
+        return [out]
+
+    def op_tile_insert(self, op: Op, x, env) -> list[np.ndarray]:
+        dst_arr, tile = x[0].copy(), x[1]
+        src, dst, _ = self._slices(dst_arr.shape, op.attrs["slice"], x[2:])
+        dst_arr[src] = tile[dst]
+        return [dst_arr]
+
+    # ------------------------------------------------------------------------------ control flow
+    def op_for(self, op: Op, x, env) -> list[np.ndarray]:
+        lo, hi, state = int(x[0]), int(x[1]), list(x[2:])
+        blk = op.regions[0]
+        for i in range(lo, hi):
+            inner = dict(env)
+            inner[blk.args[0]] = np.int32(i)
+            for a, s in zip(blk.args[1:], state):
+                inner[a] = s
+            state = self.block(blk, inner)
+        return state
+
+    def op_parallel_for(self, op: Op, x, env) -> list[np.ndarray]:
+        bounds = [dim(b).eval(self.env_dims) for b in op.attrs["bounds"]]
+        blk = op.regions[0]
+        outs = [np.zeros(self.shape(r.type), dtype=numpy_dtype(r.type.dtype) if self.precision == "native"
+                         or not is_float(r.type.dtype) else np.float64) for r in op.results]
+        term = blk.terminator
+        assert term is not None
+        for ivs in itertools.product(*[range(b) for b in bounds]):
+            inner = dict(env)
+            for a, i in zip(blk.args, ivs):
+                inner[a] = np.int32(i)
+            vals = self.block(blk, inner)
+            pos = 0
+            for out, spec in zip(outs, term.attrs["slices"]):
+                k = sum(1 for s in spec if s != ":")
+                tile, idx = vals[pos], vals[pos + 1: pos + 1 + k]
+                pos += 1 + k
+                src, dst, _ = self._slices(out.shape, spec, idx)
+                out[src] = tile[dst]
+        return [self.store(o, r.type) for o, r in zip(outs, op.results)]
+
+    def op_if(self, op: Op, x, env) -> list[np.ndarray]:
+        blk = op.regions[0] if bool(x[0]) else op.regions[1]
+        return self.block(blk, dict(env))
+
+    def op_fused(self, op: Op, x, env) -> list[np.ndarray]:
+        blk = op.regions[0]
+        return self.block(blk, dict(zip(blk.args, x)))
+
+    # -------------------------------------------------------------------------------------- masks
+    def op_mask_classify(self, op: Op, x, env) -> list[np.ndarray]:
+        b, h, q0, k0 = (int(v) for v in x[:4])
+        bq, bk = op.attrs["bq"], op.attrs["bk"]
+        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:])
+        return [np.int32(c)]
+
+    def op_mask_kv_range(self, op: Op, x, env) -> list[np.ndarray]:
+        b, h, q0, nkv = (int(v) for v in x[:4])
+        lo, hi = intervals.kv_range(op.regions[0], b, h, q0, op.attrs["bq"], op.attrs["bk"], nkv, x[4:])
+        return [np.int32(lo), np.int32(hi)]
+
+    def op_mask_block_table(self, op: Op, x, env) -> list[np.ndarray]:
+        """Exact classification from the data: evaluate the predicate on every (q, kv) of each tile."""
+        t = op.results[0].type
+        B, H, nq, nk = self.shape(t)
+        bq, bk = op.attrs["bq"], op.attrs["bk"]
+        M, N = self._extent(op, "M"), self._extent(op, "N")
+        blk = op.regions[0]
+        b = np.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
+        h = np.arange(H, dtype=np.int32).reshape(1, H, 1, 1)
+        q = np.arange(M, dtype=np.int32).reshape(1, 1, M, 1)
+        kv = np.arange(N, dtype=np.int32).reshape(1, 1, 1, N)
+        with np.errstate(all="ignore"):
+            (keep,) = self.block(blk, dict(zip(blk.args, [b, h, q, kv, *x])))
+        keep = np.broadcast_to(keep, (B, H, M, N))
+        table = np.zeros((B, H, nq, nk), dtype=np.int8)
+        for i in range(nq):
+            for j in range(nk):
+                blkm = keep[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+                anyk = blkm.any(axis=(2, 3))
+                allk = blkm.all(axis=(2, 3))
+                table[:, :, i, j] = np.where(allk, 2, np.where(anyk, 1, 0))
+        return [table]
+
+    def _extent(self, op: Op, which: str) -> int:
+        d = op.attrs.get("m" if which == "M" else "n")
+        return dim(d).eval(self.env_dims) if d is not None else self.env_dims[which]
+
+
+def _erf(a: np.ndarray) -> np.ndarray:
+    f = np.vectorize(math.erf, otypes=[np.float64])
+    return f(a).astype(a.dtype) if a.dtype.kind == "f" else f(a)
+
+
+def interpret(func: Func, inputs: Sequence[Any], precision: str = "f64",
+              dims: Optional[Mapping[str, int]] = None) -> list[np.ndarray]:
+    """Run `func` on numpy inputs; returns its outputs."""
+    return Interpreter(precision).run(func, inputs, dims)

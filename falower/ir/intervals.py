@@ -1,0 +1,146 @@
+"""Interval semantics of mask predicates: what the tile classifier computes.
+
+A predicate region maps scalar (b, h, q, kv, captured tables...) to a bool. Evaluated over a tile's index
+ranges with interval arithmetic it answers "true for every element" (a full tile), "false for every
+element" (an empty tile) or "don't know" (partial: evaluate the mask per element). The answer is
+conservative: "don't know" is always safe. Values from captured tables are unknown, so a predicate that
+reads data cannot be decided here; `uses_data` tells the mask analysis to classify those at run time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .core import Block, Value
+
+Interval = tuple[float, float]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+UNKNOWN: Interval = (-math.inf, math.inf)
+_MONOTONE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "erf", "sqrt")
+
+
+def uses_data(block: Block) -> bool:
+    """True when the predicate reads a captured table (a gather), so only run-time data decides it."""
+    return any(op.name == "gather" for op in block.ops)
+
+
+def _mul(a: Interval, b: Interval) -> Interval:
+    prods = [x * y for x in a for y in b if not (math.isinf(x) and y == 0 or math.isinf(y) and x == 0)]
+    if not prods:
+        return (0.0, 0.0)
+    return (min(prods), max(prods))
+
+
+def _bool(lo_true: bool, hi_true: bool) -> Interval:
+    return (1 if lo_true else 0, 1 if hi_true else 0)
+
+
+def _compare(name: str, a: Interval, b: Interval) -> Interval:
+    if name == "lt":
+        return _bool(a[1] < b[0], not a[0] >= b[1])
+    if name == "le":
+        return _bool(a[1] <= b[0], not a[0] > b[1])
+    if name == "gt":
+        return _compare("lt", b, a)
+    if name == "ge":
+        return _compare("le", b, a)
+    exact_equal = a[0] == a[1] == b[0] == b[1]
+    disjoint = a[1] < b[0] or b[1] < a[0]
+    if name == "eq":
+        return _bool(exact_equal, not disjoint)
+    return _bool(disjoint, not exact_equal)  # ne
+
+
+def eval_interval(block: Block, args: Sequence[Interval]) -> Interval:
+    """Evaluate a predicate region on intervals; the result is a bool interval (0,0), (1,1) or (0,1)."""
+    env: dict[Value, Interval] = dict(zip(block.args, args))
+    for op in block.ops:
+        if op.name == "yield":
+            return env[op.operands[0]]
+        x = [env[v] for v in op.operands]
+        n = op.name
+        if n == "const":
+            v = op.attrs["value"]
+            r: Interval = (float(v), float(v)) if not hasattr(v, "symbols") else UNKNOWN
+        elif n == "add":
+            r = (x[0][0] + x[1][0], x[0][1] + x[1][1])
+        elif n == "sub":
+            r = (x[0][0] - x[1][1], x[0][1] - x[1][0])
+        elif n == "mul":
+            r = _mul(x[0], x[1])
+        elif n == "neg":
+            r = (-x[0][1], -x[0][0])
+        elif n == "abs":
+            lo, hi = x[0]
+            r = (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+        elif n in ("min", "max"):
+            f = min if n == "min" else max
+            r = (f(x[0][0], x[1][0]), f(x[0][1], x[1][1]))
+        elif n == "floordiv" and x[1][0] == x[1][1] and x[1][0] > 0 and all(map(math.isfinite, x[0])):
+            c = x[1][0]
+            r = (x[0][0] // c, x[0][1] // c)
+        elif n == "mod" and x[1][0] == x[1][1] and x[1][0] > 0 and all(map(math.isfinite, x[0])):
+            c = x[1][0]
+            r = (x[0][0] % c, x[0][1] % c) if x[0][0] // c == x[0][1] // c else (0.0, c - 1)
+        elif n in ("lt", "le", "gt", "ge", "eq", "ne"):
+            r = _compare(n, x[0], x[1])
+        elif n == "and":
+            r = (min(x[0][0], x[1][0]), min(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
+        elif n == "or":
+            r = (max(x[0][0], x[1][0]), max(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
+        elif n == "not":
+            r = (1 - x[0][1], 1 - x[0][0]) if _is_bool(x[0]) else UNKNOWN
+        elif n == "xor":
+            r = (float(x[0][0] != x[1][0]),) * 2 if _exact(x[0]) and _exact(x[1]) else (0, 1)  # type: ignore[assignment]
+        elif n == "where":
+            c, a, b = x
+            r = a if c == (1, 1) else b if c == (0, 0) else (min(a[0], b[0]), max(a[1], b[1]))
+        elif n == "cast":
+            r = x[0] if op.attrs["to"] != "bool" else ((0, 0) if x[0] == (0, 0) else (1, 1) if x[0][0] > 0 or x[0][1] < 0 else (0, 1))
+        elif n in _MONOTONE:
+            import numpy as np
+
+            with np.errstate(all="ignore"):
+                f = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
+                     "sigmoid": lambda t: 1 / (1 + np.exp(-t)), "sqrt": np.sqrt,
+                     "erf": lambda t: math.erf(t) if math.isfinite(t) else math.copysign(1.0, t)}[n]
+                r = (float(f(x[0][0])), float(f(x[0][1])))
+            if any(math.isnan(t) for t in r):
+                r = UNKNOWN
+        else:  # gather and anything not modelled: data we cannot see
+            r = UNKNOWN if op.results[0].type.dtype != "bool" else (0, 1)
+        if op.results[0].type.dtype == "bool" and not _is_bool(r):
+            r = (0, 1)
+        env[op.results[0]] = r
+    raise ValueError("predicate region without yield")
+
+
+def _is_bool(x: Interval) -> bool:
+    return x[0] in (0, 1) and x[1] in (0, 1)
+
+
+def _exact(x: Interval) -> bool:
+    return x[0] == x[1]
+
+
+def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
+             captures: Sequence[object] = ()) -> int:
+    """EMPTY, PARTIAL or FULL for rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive)."""
+    args: list[Interval] = [(b, b), (h, h), (q_lo, q_hi), (kv_lo, kv_hi)] + [UNKNOWN] * len(captures)
+    lo, hi = eval_interval(block, args)
+    if lo == hi == 1:
+        return FULL
+    if lo == hi == 0:
+        return EMPTY
+    return PARTIAL
+
+
+def kv_range(block: Block, b: int, h: int, q0: int, bq: int, bk: int, nkv: int,
+             captures: Sequence[object] = ()) -> tuple[int, int]:
+    """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty)."""
+    nk = -(-nkv // bk)
+    live = [kj for kj in range(nk)
+            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures) != EMPTY]
+    return (live[0], live[-1] + 1) if live else (0, 0)
