@@ -1,0 +1,524 @@
+"""The `falower` command: list passes, run pipelines on graphs (`opt`), execute graphs (`run`), `demo`.
+
+Conventions follow mlir-opt/xdsl-opt: the result (the final IR) goes to stdout or `-o`; IR dumps after
+passes, `--check` and `--timing` reports go to stderr, so `falower opt f.py -p ... > out.fl` keeps a clean
+dump that `falower opt out.fl` reads back. Bad input of any kind ends in one `falower: error: ...` line
+and exit code 1 (argparse usage errors: 2), never a traceback; a traceback means a bug in falower.
+
+Adding a subcommand is one function that fills its argparse parser and one that runs it, registered in
+`COMMANDS` (see `command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import runpy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, TextIO
+
+import numpy as np
+
+from .errors import FalowerError
+from .ir.core import Func
+from .ir.printer import print_func
+
+PROG = "falower"
+
+
+class UserError(FalowerError):
+    """A mistake on the command line or in the user's file (missing file, bad --shapes, a raising script)."""
+
+
+# ------------------------------------------------------------------------------------------ registry
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    setup: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, setup: Callable[[argparse.ArgumentParser], None]):
+    """Register `fn(args) -> exit code` as subcommand `name`; `setup(parser)` declares its arguments."""
+
+    def wrap(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = Command(name, help, setup, fn)
+        return fn
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------------ loading graphs
+def load_graphs(path: str | os.PathLike) -> dict[str, Func]:
+    """The graphs in a file, by name: module-level `Func`s of a Python file, or the funcs of an IR dump.
+
+    A Python graph is reachable under its variable name and its `Func.name` (one entry per graph: the
+    func name, with the variable name as an alias handled by `select_graph`).
+    """
+    return {name: f for name, (f, _aliases) in _load(path).items()}
+
+
+def _load(path: str | os.PathLike) -> dict[str, tuple[Func, set[str]]]:
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such file")
+    if p.is_dir():
+        raise UserError(f"{p}: is a directory, expected a .py file or an IR dump")
+    if p.suffix == ".py":
+        return _load_python(p)
+    from .ir.parser import parse_funcs
+
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}: cannot read: {e}") from None
+    try:
+        funcs = parse_funcs(text)
+    except FalowerError as e:
+        raise type(e)(f"{p}: {e}") from None
+    from .ir.verifier import verify
+
+    out: dict[str, tuple[Func, set[str]]] = {}
+    for f in funcs:
+        if f.name in out:
+            raise UserError(f"{p}: two funcs named @{f.name}")
+        try:
+            verify(f)
+        except FalowerError as e:
+            raise type(e)(f"{p}: {e}") from None
+        out[f.name] = (f, {f.name})
+    return out
+
+
+def _load_python(p: Path) -> dict[str, tuple[Func, set[str]]]:
+    try:
+        ns = runpy.run_path(str(p), run_name=f"__falower_{p.stem}__")
+    except FalowerError as e:
+        raise type(e)(f"{p}{_user_frame(e, p)}: {_first_line(str(e))}") from None
+    except SystemExit as e:
+        raise UserError(f"{p}: the file called exit({e.code})") from None
+    except Exception as e:  # the user's code raised: report it, without our traceback
+        where = _user_frame(e, p)
+        raise UserError(f"{p}{where}: {type(e).__name__}: {_first_line(str(e))}") from None
+    found: dict[int, tuple[Func, set[str]]] = {}
+    for var, value in ns.items():
+        if isinstance(value, Func) and not var.startswith("__"):
+            entry = found.setdefault(id(value), (value, {value.name}))
+            entry[1].add(var)
+    out: dict[str, tuple[Func, set[str]]] = {}
+    for f, aliases in found.values():
+        if f.name in out:
+            raise UserError(f"{p}: two graphs named {f.name!r}; give them distinct names")
+        out[f.name] = (f, aliases)
+    return out
+
+
+def _user_frame(e: BaseException, p: Path) -> str:
+    """`:LINE` of the innermost frame of the traceback that lies in the user's file."""
+    if isinstance(e, SyntaxError) and e.lineno:
+        return f":{e.lineno}"
+    tb, line = e.__traceback__, None
+    target = str(p.resolve())
+    while tb is not None:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()) == target:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f":{line}" if line else ""
+
+
+def select_graph(path: str | os.PathLike, name: Optional[str]) -> Func:
+    """The one graph of a file, or the one called `name` (its Func name or Python variable name)."""
+    graphs = _load(path)
+    if not graphs:
+        raise UserError(f"{path}: no graph found (define a module-level graph with falower.attention or "
+                        f"falower.trace)")
+    names = ", ".join(sorted(graphs))
+    if name is None:
+        if len(graphs) > 1:
+            raise UserError(f"{path}: {len(graphs)} graphs ({names}); choose one with --graph NAME")
+        return next(iter(graphs.values()))[0]
+    for f, aliases in graphs.values():
+        if name in aliases:
+            return f
+    raise UserError(f"{path}: no graph named {name!r} (graphs: {names})")
+
+
+# ------------------------------------------------------------------------------------------ --shapes
+_SHAPE_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?\d+)\s*")
+
+
+def parse_shapes(text: Optional[str]) -> dict[str, int]:
+    """`B=2,H=4,M=100` as a dict; every size a positive int, every name given once."""
+    if text is None or not text.strip():
+        return {}
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        m = _SHAPE_ITEM.fullmatch(item)
+        if not m:
+            raise UserError(f"--shapes: bad item {item.strip()!r} (write NAME=SIZE, e.g. --shapes B=2,H=4,M=100)")
+        name, size = m.group(1), int(m.group(2))
+        if size <= 0:
+            raise UserError(f"--shapes: {name}={size}: sizes must be positive")
+        if name in out:
+            raise UserError(f"--shapes: {name} is given twice")
+        out[name] = size
+    return out
+
+
+def graph_dims(func: Func) -> set[str]:
+    syms: set[str] = set()
+    for a in func.args:
+        for d in a.type.shape:
+            syms |= d.symbols()
+    return syms
+
+
+def check_shapes(func: Func, shapes: Mapping[str, int]) -> dict[str, int]:
+    """The sizes for every dimension of `func`'s inputs (given ones, then defaults); names must exist."""
+    from .passes.check import bind_dims
+
+    known = graph_dims(func)
+    for name in shapes:
+        if name not in known:
+            dims = ", ".join(sorted(known)) or "none"
+            raise UserError(f"--shapes: {name} is not a dimension of @{func.name}'s inputs (its dims: {dims})")
+    return bind_dims(func, shapes)
+
+
+def format_shapes(env: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in env.items())
+
+
+_DIM_ORDER = ("B", "H", "HKV", "M", "N", "D")
+
+
+def _ordered_env(func: Func, env: Mapping[str, int]) -> dict[str, int]:
+    """The dims of `func`'s inputs in the usual order (B, H, HKV, M, N, D, then the rest sorted), for reports."""
+    used = graph_dims(func)
+    order = [s for s in _DIM_ORDER if s in used] + sorted(used - set(_DIM_ORDER))
+    return {s: env[s] for s in order if s in env}
+
+
+# ------------------------------------------------------------------------------------------- passes
+def _setup_passes(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+@command("passes", "list the registered passes and named pipelines", _setup_passes)
+def cmd_passes(args: argparse.Namespace) -> int:
+    from .passes import NAMED_PIPELINES, PASSES
+
+    width = max([len(n) for n in PASSES] + [len(n) for n in NAMED_PIPELINES] + [8])
+    print("passes:")
+    for name in sorted(PASSES):
+        cls = PASSES[name]
+        opts = ", ".join(f"{f.name}={_default_text(f)}" for f in dataclasses.fields(cls))
+        opts = f"  {{{opts}}}" if opts else ""
+        print(f"  {name:<{width}}  {cls.summary}{opts}")
+    print("named pipelines:")
+    if not NAMED_PIPELINES:
+        print("  (none registered)")
+    for name in sorted(NAMED_PIPELINES):
+        print(f"  {name:<{width}}  {NAMED_PIPELINES[name]}")
+    return 0
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    from .passes.base import format_option
+
+    if f.default is not dataclasses.MISSING:
+        return format_option(f.default)
+    return "?"
+
+
+# ---------------------------------------------------------------------------------------------- opt
+def _add_graph_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="a Python file defining graphs, or an IR dump (.fl, .mlir, ...)")
+    p.add_argument("--graph", metavar="NAME", help="which graph of FILE (its name or Python variable name)")
+    p.add_argument("--shapes", metavar="B=2,H=4,...", help="sizes of the symbolic dims (others get defaults)")
+
+
+def _setup_opt(p: argparse.ArgumentParser) -> None:
+    _add_graph_args(p)
+    p.add_argument("-p", "--pipeline", "--pass-pipeline", dest="pipeline", required=True, metavar="PIPELINE",
+                   help="e.g. decompose-softmax,canonicalize or a named pipeline (see `falower passes`)")
+    show = p.add_mutually_exclusive_group()
+    show.add_argument("--print-ir-after-all", action="store_true", help="dump the IR after every pass (stderr)")
+    show.add_argument("--print-ir-after", metavar="NAMES", help="dump the IR after these passes (comma-separated)")
+    show.add_argument("--print-ir-after-change", action="store_true", help="dump the IR after passes that changed it")
+    p.add_argument("--check", action="store_true",
+                   help="interpret after every pass on random inputs; compare with the float64 reference")
+    p.add_argument("--dot", metavar="OUT", help="write the final graph as Graphviz DOT to OUT")
+    p.add_argument("--timing", action="store_true", help="report each pass's time (stderr)")
+    p.add_argument("-o", "--output", metavar="OUT", help="write the final IR to OUT instead of stdout")
+
+
+@dataclass
+class OptResult:
+    func: Func
+    records: list
+    env: Optional[dict[str, int]]
+
+
+def run_opt(func: Func, pipeline: str, *, check: bool = False, shapes: Optional[Mapping[str, int]] = None,
+            print_after_all: bool = False, print_after: Sequence[str] = (), print_after_change: bool = False,
+            dumps: Optional[TextIO] = None) -> OptResult:
+    """Lower `func` through `pipeline` with a PassManager; `records` holds what each pass did."""
+    from .passes import PassManager, parse_pipeline
+
+    env = check_shapes(func, shapes or {}) if check else None
+    pm = PassManager(parse_pipeline(pipeline), print_after_all=print_after_all, print_after=tuple(print_after),
+                     print_after_change=print_after_change, check=check, shapes=env,
+                     out=dumps if dumps is not None else sys.stderr)
+    try:
+        out = pm.run(func)
+    except FalowerError as e:
+        e.records = pm.records  # type: ignore[attr-defined]
+        raise
+    return OptResult(out, pm.records, env)
+
+
+def _report_checks(records: Sequence, err: TextIO) -> None:
+    for r in records:
+        if r.check is not None:
+            print(f"check: {r.name} {r.check}", file=err)
+
+
+@command("opt", "run a pass pipeline on a graph and print the result", _setup_opt)
+def cmd_opt(args: argparse.Namespace) -> int:
+    shapes = parse_shapes(args.shapes)
+    func = select_graph(args.file, args.graph)
+    if shapes and not args.check:
+        check_shapes(func, shapes)  # still catch typos in --shapes
+    after = tuple(n.strip() for n in args.print_ir_after.split(",") if n.strip()) if args.print_ir_after else ()
+    try:
+        res = run_opt(func, args.pipeline, check=args.check, shapes=shapes, print_after_all=args.print_ir_after_all,
+                      print_after=after, print_after_change=args.print_ir_after_change)
+    except FalowerError as e:
+        _report_checks(getattr(e, "records", []), sys.stderr)
+        raise
+    if args.check:
+        _report_checks(res.records, sys.stderr)
+        env = _ordered_env(func, res.env or {})
+        print(f"numbers preserved after {len(res.records)} passes (float64 reference, shapes {format_shapes(env)})",
+              file=sys.stderr)
+    if args.timing:
+        total = sum(r.seconds for r in res.records)
+        for r in res.records:
+            print(f"timing: {r.name:<24} {r.seconds * 1e3:8.2f} ms  {'changed' if r.changed else 'no change'}",
+                  file=sys.stderr)
+        print(f"timing: {'total':<24} {total * 1e3:8.2f} ms", file=sys.stderr)
+    text = print_func(res.func)
+    if args.dot:
+        from .ir.graph import to_dot
+
+        _write(args.dot, to_dot(res.func))
+    if args.output:
+        _write(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _setup_run(p: argparse.ArgumentParser) -> None:
+    _add_graph_args(p)
+    p.add_argument("--backend", choices=("reference", "numba-cuda"), default="reference",
+                   help="reference: the numpy interpreter in the graph's own dtypes; numba-cuda: the GPU kernel")
+    p.add_argument("--pipeline", metavar="P", help="lower the graph through this pipeline first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+
+
+def _max_errors(outs: Sequence[np.ndarray], names: Sequence[str], ref: Mapping[str, np.ndarray]) -> dict[str, float]:
+    errs: dict[str, float] = {}
+    for name, got in zip(names, outs):
+        want = ref.get(name)
+        if want is None:
+            continue
+        g = np.asarray(got, dtype=np.float64)
+        w = np.broadcast_to(np.asarray(want, dtype=np.float64), g.shape) if np.size(want) != g.size \
+            else np.asarray(want, dtype=np.float64).reshape(g.shape)
+        fin = np.isfinite(w) & np.isfinite(g)
+        bad = np.isnan(g) & ~np.isnan(w)
+        errs[name] = float("nan") if bad.any() else float(np.max(np.abs(g[fin] - w[fin]), initial=0.0))
+    return errs
+
+
+@command("run", "execute a graph on random inputs and compare with the float64 reference", _setup_run)
+def cmd_run(args: argparse.Namespace) -> int:
+    import falower
+
+    from .ir.interp import interpret
+    from .passes.check import Reference
+
+    shapes = parse_shapes(args.shapes)
+    func = select_graph(args.file, args.graph)
+    env = check_shapes(func, shapes)
+    ref = Reference.build(func, env, seed=args.seed)
+    lowered = func
+    if args.pipeline:
+        from .passes import run_pipeline
+
+        lowered = run_pipeline(func, args.pipeline, out=sys.stderr)
+    t0 = time.perf_counter()
+    if args.backend == "reference":
+        outs = interpret(lowered, ref.inputs, "native", env)
+    else:
+        compile_fn = getattr(falower, "compile", None)
+        if compile_fn is None:
+            raise UserError("backend numba-cuda is not available yet (falower.compile is not defined)")
+        kernel = compile_fn(lowered, backend="numba-cuda")
+        outs = kernel(*ref.inputs)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    dt = time.perf_counter() - t0
+    naive = interpret(func, ref.inputs, "native", env)
+    errs = _max_errors(outs, lowered.result_names, ref.outputs)
+    naive_errs = _max_errors(naive, func.result_names, ref.outputs)
+    name = f"@{func.name}" + (f" lowered by {args.pipeline}" if args.pipeline else "")
+    print(f"{name} on {args.backend}, shapes {format_shapes(_ordered_env(func, env))}, seed {args.seed}, "
+          f"{dt * 1e3:.1f} ms")
+    for oname, out in zip(lowered.result_names, outs):
+        arr = np.asarray(out)
+        line = f"  {oname}: {arr.dtype}{list(arr.shape)}"
+        if oname in errs:
+            line += f"  max abs error vs float64 {errs[oname]:.3g}"
+            if oname in naive_errs:
+                line += f" (input graph in its own dtypes: {naive_errs[oname]:.3g})"
+        print(line)
+    if any(np.isnan(e) for e in errs.values()):
+        raise FalowerError("the result has NaN where the float64 reference has none")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- demo
+def _setup_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", metavar="DIR", help="directory of example files (default: the repo's examples/)")
+    p.add_argument("-p", "--pipeline", metavar="PIPELINE",
+                   help="pipeline to lower with (default: fa2-fwd when registered, else decompose-softmax,canonicalize)")
+    p.add_argument("--shapes", metavar="B=2,H=4,...", help="sizes for --check (others get defaults)")
+    p.add_argument("--show", metavar="NAME", default="causal", help="example whose final IR is printed (default causal)")
+
+
+def default_pipeline() -> str:
+    from .passes import NAMED_PIPELINES
+
+    return "fa2-fwd" if "fa2-fwd" in NAMED_PIPELINES else "decompose-softmax,canonicalize"
+
+
+def examples_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "examples"
+
+
+@command("demo", "lower every example with --check and show what each pass did", _setup_demo)
+def cmd_demo(args: argparse.Namespace) -> int:
+    folder = Path(args.examples) if args.examples else examples_dir()
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no examples directory (run from a source checkout, or pass --examples DIR)")
+    files = sorted(f for f in folder.glob("*.py") if not f.name.startswith("_"))
+    if not files:
+        raise UserError(f"{folder}: no example files")
+    pipeline = args.pipeline or default_pipeline()
+    shapes = parse_shapes(args.shapes)
+    print(f"falower demo: lowering {len(files)} examples from {folder} with `{pipeline}`, --check after every pass")
+    shown: Optional[Func] = None
+    failures = 0
+    for f in files:
+        func = select_graph(f, None)
+        given = {k: v for k, v in shapes.items() if k in graph_dims(func)}
+        print()
+        try:
+            res = run_opt(func, pipeline, check=True, shapes=given)
+        except FalowerError as e:
+            failures += 1
+            print(f"{f.stem}: FAILED: {_first_line(str(e))}")
+            continue
+        env = _ordered_env(func, res.env or {})
+        print(f"{f.stem}  (@{func.name}, shapes {format_shapes(env)})")
+        print(f"  {'pass':<24} {'changed':<8} {'numbers':<10} {'ms':>8}")
+        for r in res.records:
+            print(f"  {r.name:<24} {'yes' if r.changed else 'no':<8} {r.check or '-':<10} {r.seconds * 1e3:8.1f}")
+        n_ops = sum(1 for _ in res.func.walk())
+        print(f"  numbers preserved after {len(res.records)} passes; {n_ops} ops in the result")
+        if f.stem == args.show:
+            shown = res.func
+    if shown is not None:
+        print()
+        sys.stdout.write(print_func(shown, f"// ----- {args.show} after `{pipeline}` ----- //"))
+    if failures:
+        raise FalowerError(f"{failures} of {len(files)} examples failed")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- main
+def _first_line(msg: str) -> str:
+    return msg.strip().split("\n", 1)[0] if msg.strip() else "(no message)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as `falower: error: ...` (exit 2), like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="falower: lower attention graphs to FlashAttention-2 kernels.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for cmd in COMMANDS.values():
+        sp = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        cmd.setup(sp)
+        sp.set_defaults(_run=cmd.run)
+    return parser
+
+
+def report_error(e: BaseException, err: TextIO) -> None:
+    """One `falower: error:` line; a VerifyError's IR context follows it (it is part of the message)."""
+    msg = str(e).strip() or type(e).__name__
+    first, _, rest = msg.partition("\n")
+    print(f"{PROG}: error: {first}", file=err)
+    from .errors import VerifyError
+
+    if isinstance(e, VerifyError) and rest:
+        print(rest, file=err)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the console script; returns the exit code (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return args._run(args)
+    except FalowerError as e:
+        report_error(e, sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `falower opt ... | head`
+        sys.stderr.close()
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
