@@ -49,12 +49,13 @@ def score_fn(s, b, h, q, kv, bias):
 
 
 def document_source(scale: float) -> str:
-    # Data-dependent mask: a query sees keys of the same document, causally. doc: i32 [B, L].
+    # Data-dependent mask: a query sees keys of the same document, causally; doc id < 0 marks padding
+    # queries that see nothing (fully masked rows). doc: i32 [B, max(M, N)].
     return plain_source(scale).replace("def score_fn(s, b, h, q, kv):", "def score_fn(s, b, h, q, kv, doc):") + """
 def mask_fn(b, h, q, kv, doc):
     qq = min(q, doc.shape[1] - 1)
     kk = min(kv, doc.shape[1] - 1)
-    return doc[b, qq] == doc[b, kk] and q >= kv
+    return doc[b, qq] >= 0 and doc[b, qq] == doc[b, kk] and q >= kv
 """
 
 
@@ -97,7 +98,8 @@ def reference(q, k, v, variant: str, captures=(), group_size: int = 1):
         s = s + np.asarray(captures[0], dtype=np.float64)[None]
     elif variant == "document":
         doc = np.asarray(captures[0])
-        keep &= (doc[:, None, :, None] == doc[:, None, None, :N]) if doc.shape[1] >= N else False
+        dq, dk = doc[:, :M], doc[:, :N]
+        keep &= (dq[:, None, :, None] == dk[:, None, None, :]) & (dq[:, None, :, None] >= 0)
         keep &= (np.arange(M)[:, None] >= np.arange(N)[None, :])[None, None]
     s = np.where(keep, s, -np.inf)
     mx = s.max(axis=-1, keepdims=True)
@@ -108,3 +110,42 @@ def reference(q, k, v, variant: str, captures=(), group_size: int = 1):
     o = np.where(l > 0, np.einsum("bhmn,bhnd->bhmd", p, v) / np.where(l > 0, l, 1.0), 0.0)
     lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + mx[..., 0], -np.inf)
     return o, lse
+
+
+def bf16_bits(x) -> np.ndarray:
+    """float -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def as_float(x, dtype: str) -> np.ndarray:
+    """The values a kernel input or output holds, as float64 (bf16 arrives as uint16 bits)."""
+    x = np.asarray(x)
+    return bf16_values(x).astype(np.float64) if dtype == "bf16" else x.astype(np.float64)
+
+
+def random_inputs(rng, dtype: str, B: int, H: int, M: int, N: int, D: int, group_size: int = 1):
+    """q, k, v as the kernel takes them on the host: float16 / float32 arrays, or bf16 bit patterns."""
+    shapes = [(B, H, M, D), (B, H // group_size, N, D), (B, H // group_size, N, D)]
+    out = []
+    for shp in shapes:
+        x = rng.standard_normal(shp).astype(np.float32)
+        out.append(bf16_bits(x) if dtype == "bf16" else x.astype(np.float16 if dtype == "f16" else np.float32))
+    return out
+
+
+def random_captures(rng, variant: str, B: int, H: int, M: int, N: int):
+    if variant == "bias":
+        return (rng.standard_normal((H, M, N)).astype(np.float32),)
+    if variant == "document":
+        L = max(M, N)
+        doc = np.sort(rng.integers(0, 3, size=(B, L))).astype(np.int32)
+        doc[:, 3] = -1  # a padding query: its row is fully masked
+        doc[0, M - 1] = -1
+        return (doc,)
+    return ()

@@ -29,7 +29,6 @@ from .spec import FA2ForwardSpec
 __all__ = ["FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
 
 _NP_DTYPES = {"f16": np.float16, "f32": np.float32}
-_CAP_NP = {"f16": np.float16, "bf16": None, "f32": np.float32, "i32": np.int32, "bool": np.bool_}
 
 
 def cache_dir() -> Path:
@@ -80,6 +79,8 @@ def _dtype_name(x: Any, kind: str) -> str:
 
         return {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}.get(x.dtype, str(x.dtype))
     dt = np.dtype(x.dtype) if kind == "numpy" else np.dtype(x.__cuda_array_interface__["typestr"])
+    if dt.name == "bfloat16" or dt == np.dtype(np.uint16):  # ml_dtypes.bfloat16, or raw bf16 bits
+        return "bf16"
     return {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt, str(dt))
 
 
@@ -168,8 +169,6 @@ class FA2ForwardKernel:
                 raise ValueError(f"{name} must be 4-D [B, heads, seq, D], got shape {tuple(x.shape)}")
             if not _is_contiguous(x, kind):
                 raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
-        if kind == "numpy" and s.dtype == "bf16":
-            raise TypeError("bf16 inputs must be torch tensors (numpy has no bfloat16)")
         if kind == "torch":
             devs = {x.device for x in (q, k, v)}
             if len(devs) != 1 or not q.is_cuda:
@@ -249,7 +248,10 @@ class FA2ForwardKernel:
                     return cuda.to_device(np.ascontiguousarray(x))
                 return cuda.as_cuda_array(x)
 
-            flat = [dev(x).reshape(-1).view(bits) for x in (q, k, v)]
+            if kind == "numpy":  # bit patterns, viewed on the host (ml_dtypes.bfloat16 included)
+                flat = [cuda.to_device(np.ascontiguousarray(x).reshape(-1).view(bits)) for x in (q, k, v)]
+            else:
+                flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v)]
             o_k = cuda.device_array(B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
                                     dtype=np.uint32 if s.path == "mma" else bits)
             lse_k = cuda.device_array(B * H * M, dtype=np.float32)
@@ -271,10 +273,11 @@ class FA2ForwardKernel:
             return o, lse
         if kind == "numpy":
             host = o_k.copy_to_host()
-            o_np = host.view(_NP_DTYPES[s.dtype]).reshape(B, H, M, D)
+            out_dtype = np.dtype(q.dtype) if s.dtype == "bf16" else _NP_DTYPES[s.dtype]
+            o_np = host.view(out_dtype).reshape(B, H, M, D)
             return o_np, lse_k.copy_to_host().reshape(B, H, M)
-        return (o_k.view(bits).view(_NP_DTYPES[s.dtype]).reshape(B, H, M, D) if s.dtype != "f32"
-                else o_k.reshape(B, H, M, D)), lse_k.reshape(B, H, M)
+        out_dtype = np.dtype(q.__cuda_array_interface__["typestr"])
+        return o_k.view(bits).view(out_dtype).reshape(B, H, M, D), lse_k.reshape(B, H, M)
 
 
 def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:

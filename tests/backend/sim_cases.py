@@ -1,0 +1,70 @@
+"""Simulator cases for test_simulator.py, run in a subprocess with NUMBA_ENABLE_CUDASIM=1.
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python sim_cases.py [case-id ...]   (prints one JSON line per case)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.setswitchinterval(5e-4)  # the simulator's threads hand over the GIL far more often
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
+
+# id: (variant, path, dtype, D, B, H, M, N, group_size, block_q, block_k, num_warps)
+CASES = {
+    "mma-plain-f16-d64": ("plain", "mma", "f16", 64, 1, 1, 40, 40, 1, 32, 32, 2),
+    "mma-plain-f16-ragged": ("plain", "mma", "f16", 16, 1, 2, 17, 23, 1, 32, 32, 2),
+    "mma-plain-f16-n1": ("plain", "mma", "f16", 16, 1, 1, 17, 1, 1, 32, 32, 2),
+    "mma-causal-bf16": ("causal", "mma", "bf16", 16, 1, 2, 40, 40, 1, 32, 32, 2),
+    "mma-causal-f16-m20-n40": ("causal", "mma", "f16", 16, 1, 1, 20, 40, 1, 16, 16, 1),
+    "mma-bias-f16": ("bias", "mma", "f16", 16, 1, 2, 40, 35, 1, 32, 32, 2),
+    "mma-table-f16-masked-rows": ("document", "mma", "f16", 16, 2, 1, 40, 40, 1, 32, 32, 2),
+    "mma-gqa-f16": ("plain", "mma", "f16", 16, 1, 4, 33, 40, 2, 32, 32, 2),
+    "simt-plain-f32-gqa-d24": ("plain", "simt", "f32", 24, 1, 4, 40, 40, 2, 32, 16, 1),
+    "simt-causal-f16": ("causal", "simt", "f16", 16, 1, 2, 40, 40, 1, 32, 16, 1),
+    "simt-bias-bf16": ("bias", "simt", "bf16", 16, 1, 2, 40, 35, 1, 32, 16, 1),
+    "simt-table-f32-masked-rows": ("document", "simt", "f32", 16, 2, 1, 40, 40, 1, 32, 16, 1),
+    "simt-plain-f32-n1": ("plain", "simt", "f32", 16, 1, 1, 17, 1, 1, 32, 16, 1),
+}
+
+
+def run_case(case_id: str) -> dict:
+    from falower.backends.numba_cuda import FA2ForwardKernel
+
+    variant, path, dtype, D, B, H, M, N, G, bq, bk, nw = CASES[case_id]
+    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    spec = make_spec(variant, D, dtype, path=path, block_q=bq, block_k=bk, num_warps=nw, group_size=G,
+                     name=f"sim_{case_id.replace('-', '_')}")
+    kern = FA2ForwardKernel(spec)
+    q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
+    caps = random_captures(rng, variant, B, H, M, N)
+    t0 = time.time()
+    o, lse = kern(q, k, v, *caps)
+    seconds = time.time() - t0
+    qf, kf, vf = (as_float(x, dtype) for x in (q, k, v))
+    ro, rl = reference(qf, kf, vf, variant, caps, G)
+    of = as_float(o, dtype)
+    masked = ~np.isfinite(rl)
+    return {
+        "id": case_id,
+        "dtype": dtype,
+        "o_err": float(np.abs(of - ro).max()),
+        "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
+        "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
+        "masked_rows": int(masked.sum()),
+        "masked_ok": bool(np.all(np.isneginf(lse[masked])) and np.all(of[masked] == 0.0)),
+        "lse_inf_where_expected": bool(np.array_equal(np.isneginf(lse), masked)),
+        "seconds": seconds,
+    }
+
+
+if __name__ == "__main__":
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+    for cid in sys.argv[1:] or list(CASES):
+        print(json.dumps(run_case(cid)), flush=True)

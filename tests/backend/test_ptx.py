@@ -1,0 +1,54 @@
+"""PTX of the tensor-core kernels, compiled for sm_90 without a GPU (numba-cuda's NVVM wheels)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba.cuda")
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("PTX checks need the real CUDA target, not the simulator", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import make_spec  # noqa: E402
+
+from falower.backends.numba_cuda import FA2ForwardKernel, resource_usage  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["plain", "causal"])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_mma_ptx(variant, dtype, D):
+    spec = make_spec(variant, D, dtype, path="mma", block_q=64, block_k=64, num_warps=4,
+                     name=f"ptx_{variant}_{dtype}_{D}")
+    kern = FA2ForwardKernel(spec)
+    ptx = kern.ptx(cc=(9, 0))
+    n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\." + dtype, ptx))
+    # one kv-tile body: Q K^T has (D/16) * (64/8) mma, P V has (64/16) * (D/8)
+    assert n_mma == 2 * (D // 16) * 8, n_mma
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    assert not re.search(r"\.f64\b", ptx), "f64 arithmetic in the kernel"
+    assert not re.search(r"\b(ld|st)\.local\b", ptx), "local memory in the kernel"
+    try:
+        usage = resource_usage(ptx, "sm_90")
+    except Exception as exc:  # nvJitLink missing or unable to run here
+        pytest.skip(f"nvJitLink unavailable: {exc}")
+    assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, usage["log"]
+    assert 0 < usage["registers"] <= 255
+
+
+def test_simt_ptx_compiles():
+    spec = make_spec("causal", 48, "f32", path="simt", block_q=64, block_k=32, name="ptx_simt_causal")
+    ptx = FA2ForwardKernel(spec).ptx()
+    assert ".entry" in ptx and "ex2.approx.ftz.f32" in ptx
