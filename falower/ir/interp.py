@@ -174,6 +174,9 @@ class Interpreter:
 
     op_tile_matmul = op_matmul
 
+    def op_squeeze(self, op: Op, x, env) -> list[np.ndarray]:
+        return [np.squeeze(x[0], axis=op.attrs["axis"])]
+
     def op_repeat_interleave(self, op: Op, x, env) -> list[np.ndarray]:
         return [np.repeat(x[0], op.attrs["repeats"], axis=op.attrs["axis"])]
 

@@ -200,6 +200,15 @@ def _infer_softmax(ts, attrs):
     return [ts[0]]
 
 
+def _infer_squeeze(ts, attrs):
+    _need(len(ts) == 1, "takes 1 operand")
+    axis = attrs.get("axis")
+    _need(isinstance(axis, int) and 0 <= axis < ts[0].rank, f"axis {axis} out of range for {ts[0]}")
+    _need(ts[0].shape[axis] == Const(1), f"axis {axis} of {ts[0]} does not have size 1")
+    return [TensorType(ts[0].dtype, ts[0].shape[:axis] + ts[0].shape[axis + 1:])]
+
+
+_register("squeeze", "data", "any", _infer_squeeze, doc="drop a size-1 axis (LSE rows)")
 _register("const", "data", "any", _infer_const, doc="a constant filling its type (a scalar, or a tile)")
 _register("iota", "data", "graph", _infer_iota, doc="the index along `axis`, broadcastable (b, h, q_idx, kv_idx)")
 _register("gather", "data", "any", _infer_gather, doc="table[i0, i1, ...], indices broadcast and clamped")
@@ -254,7 +263,7 @@ def _infer_tile_iota(ts, attrs):
 
 def _infer_tile_matmul(ts, attrs):
     _need(len(ts) == 2 and ts[0].rank == 2 and ts[1].rank == 2, "multiplies two 2-d tiles")
-    _need(ts[0].static_shape() is not None or ts[1].static_shape() is not None, "needs tiles, not whole tensors")
+    _need(any(isinstance(d, Const) for t in ts for d in t.shape), "needs tiles (a static tile size), not whole tensors")
     return _infer_matmul(ts, attrs)
 
 

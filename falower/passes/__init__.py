@@ -7,3 +7,10 @@ from .pipeline import NAMED_PIPELINES, Pipeline, parse_pipeline
 
 __all__ = ["PASSES", "Pass", "register", "PassManager", "run_pipeline", "NAMED_PIPELINES", "Pipeline",
            "parse_pipeline"]
+
+from . import fuse, online_softmax, tile  # noqa: E402,F401  (registration)
+from . import mask_tiles  # noqa: E402,F401
+from .pipeline import named as _named  # noqa: E402
+
+_named("fa2-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64},online-softmax{exp2=true},mask-tiles,canonicalize")
+_named("fa1-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64,order=fa1},online-softmax,canonicalize")

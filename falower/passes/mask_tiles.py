@@ -1,0 +1,262 @@
+"""mask-tiles: classify (q tile, kv tile) pairs as empty, partial or full, and act on it.
+
+From the mask in the score function (the `where(pred, x, -inf)` wrapped around it, the kv bounds
+included) the pass builds a predicate region over scalar (b, h, q, kv) and:
+- for masks of indices only (causal, sliding window, prefix-LM), evaluates it by interval arithmetic
+  over each tile's index ranges (falower/ir/intervals.py): `mask.kv_range` gives the first and last kv
+  tile that is not empty for the q tile, so empty tiles are never visited and the loop bounds become
+  functions of the q tile; inside, `mask.classify` picks the full tile path (no mask arithmetic) or the
+  partial one (mask per element), and skips an empty tile in the middle;
+- for masks that read data (document ids), emits `mask.block_table`, a step before the kernel that
+  classifies every tile pair exactly from the data at run time; the loop reads its class from the table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..ir.builder import Builder
+from ..ir.core import Block, Func, Op, Value, clone_block, replace_uses
+from ..ir.dims import cdiv
+from ..ir.intervals import uses_data
+from ..ir.ops import OPS, OpTypeError
+from ..ir.types import TensorType, scalar
+from .attention import _const_is, _is
+from .base import Pass, register
+from .rewrite import dce
+
+I32 = scalar("i32")
+
+
+def split_mask(region: Block) -> tuple[Value, list[Value]]:
+    """(the unmasked score, the mask conjuncts): peel `where(c, x, -inf)` off the region's result."""
+    s_arg = region.args[0]
+    y = region.terminator.operands[0]  # type: ignore[union-attr]
+    conj: list[Value] = []
+    while True:
+        w = _is(y, "where")
+        if w is None or not _const_is(w.operands[2], -math.inf) or _depends_on(w.operands[0], s_arg):
+            break
+        conj.append(w.operands[0])
+        y = w.operands[1]
+    return y, conj
+
+
+def _depends_on(v: Value, target: Value) -> bool:
+    stack, seen = [v], set()
+    while stack:
+        x = stack.pop()
+        if x is target:
+            return True
+        op = x.owner
+        if isinstance(op, Op) and id(op) not in seen:
+            seen.add(id(op))
+            stack.extend(op.operands)
+    return False
+
+
+def predicate_region(fused: Op, conj: list[Value]) -> Block:
+    """A closed region (b, h, q, kv: i32 scalars, captured tensors) -> bool, the AND of the conjuncts."""
+    region = fused.regions[0]
+    roles = list(fused.attrs["roles"])
+    caps = [a for a, r in zip(region.args, roles) if r == "cap"]
+    pred = Block([I32] * 4 + [c.type for c in caps], ["b", "h", "q", "kv"] + [c.name for c in caps])
+    vmap: dict[Value, Value] = {}
+    for a, r in zip(region.args, roles):
+        if r in ("b", "h", "q", "kv"):
+            vmap[a] = pred.args[("b", "h", "q", "kv").index(r)]
+    for c, pa in zip(caps, pred.args[4:]):
+        vmap[c] = pa
+    needed: set[int] = set()
+    stack = list(conj)
+    while stack:
+        v = stack.pop()
+        op = v.owner
+        if isinstance(op, Op) and op.parent is region and id(op) not in needed:
+            needed.add(id(op))
+            stack.extend(op.operands)
+    b = Builder(pred)
+    for op in region.ops:
+        if id(op) not in needed:
+            continue
+        operands = [vmap[v] for v in op.operands]
+        if op.name == "const":
+            types = [r.type for r in op.results]
+        else:
+            try:
+                types = OPS[op.name].infer([v.type for v in operands], dict(op.attrs))  # type: ignore[misc]
+            except OpTypeError as e:
+                raise AssertionError(f"mask predicate: {op.name}: {e}") from None
+        nop = b.op(op.name, operands, types, dict(op.attrs), names=[r.name for r in op.results])
+        for r, nr in zip(op.results, nop.results):
+            vmap[r] = nr
+    out = vmap[conj[-1]]
+    for c in reversed(conj[:-1]):
+        out = b.emit("and", out, vmap[c], name_hint="keep")
+    b.op("yield", [out], [])
+    return pred
+
+
+def unmasked(fused: Op, score: Value) -> Block:
+    """A copy of the fused region that yields the score without the mask."""
+    vmap: dict[Value, Value] = {}
+    new = clone_block(fused.regions[0], vmap)
+    term = new.terminator
+    assert term is not None
+    term.operands = [vmap[score]]
+    _region_dce(new)
+    return new
+
+
+def _region_dce(blk: Block) -> None:
+    while True:
+        used = {v for op in blk.ops for v in op.operands}
+        keep = [op for op in blk.ops if op.name == "yield" or any(r in used for r in op.results)]
+        if len(keep) == len(blk.ops):
+            return
+        blk.ops = keep
+
+
+@register
+@dataclass(frozen=True)
+class MaskTiles(Pass):
+    """Skip empty tiles, drop the mask on full tiles, evaluate it only on partial ones.
+
+    Requires: the FA2 online-softmax loop (tile, online-softmax); graphs in the fa1 order or without a mask
+    are returned unchanged. Before/after (causal):
+
+        %m, %l, %acc = for %kj = %0 to %nk iter_args(...) {
+          %x = fused %s, %q_idx, %kv_idx {...} { ... where(q >= kv, ..., -inf) ... }
+    =>
+        %lo, %hi = mask.kv_range %b, %h, %q0, %nkv {bq = 64, bk = 64} : i32, i32 { predicate }
+        %m, %l, %acc = for %kj = %lo to %hi iter_args(...) {
+          %cls = mask.classify %b, %h, %q0, %k0 {bq = 64, bk = 64} : i32 { predicate }
+          ... if %cls == 0: skip; %x = if %cls == 2 { score, no mask } else { score with mask } ...
+    """
+
+    name = "mask-tiles"
+    summary = "classify tile pairs empty/partial/full: skip empty tiles, mask only partial ones"
+
+    def run(self, func: Func) -> Func:
+        pf = [op for op in func.body.ops if op.name == "parallel_for"]
+        if len(pf) != 1:
+            raise self.fail("needs a tiled graph (one parallel_for): run tile and online-softmax first")
+        par = pf[0]
+        body = par.regions[0]
+        loop = next((op for op in body.ops if op.name == "for" and len(op.operands) == 5), None)
+        if loop is None:
+            if any(op.name == "for" and op.attrs.get("order") == "fa1" for op in func.walk()) or \
+                    any(op.name == "for" for op in body.ops):
+                return func  # fa1 order: the kv loop is outside the q loop; tile skipping is for fa2
+            raise self.fail("no online-softmax kv loop (for with m, l, acc) found: run online-softmax first")
+        lbody = loop.regions[0]
+        fused = next((op for op in lbody.ops if op.name == "fused"), None)
+        if fused is None:
+            raise self.fail("the kv loop has no fused score function")
+        if any(op.name in ("mask.classify", "mask.kv_range") for op in func.walk()):
+            return func
+        score, conj = split_mask(fused.regions[0])
+        if not conj:
+            return func
+        roles = list(fused.attrs["roles"])
+        caps = [v for v, r in zip(fused.operands, roles) if r == "cap"]
+        pred = predicate_region(fused, conj)
+        bi, h = body.args[0], body.args[1]
+        term = body.terminator
+        q0 = term.operands[3]  # type: ignore[union-attr]  # tile.yield %o into [%b, %h, %q0 : bq, :]
+        bq = term.attrs["slices"][0][2]  # type: ignore[union-attr]
+        kv_arg = fused.operands[roles.index("kv")]
+        k0 = kv_arg.owner.operands[0]  # type: ignore[union-attr]  # tile.iota %k0
+        bk = kv_arg.type.shape[1].value  # type: ignore[union-attr]
+        attrs = {"bq": bq, "bk": bk}
+        data = uses_data(pred)
+        pre = Builder(Block())
+        kj = lbody.args[0]
+        if data:
+            q_t = par.results[0].type
+            B, H, M = q_t.shape[0], q_t.shape[1], q_t.shape[2]
+            tbl_t = TensorType("i8", (B, H, cdiv(M, bq), cdiv("N", bk)))
+            tb = Builder(Block())
+            (tbl,) = tb.op("mask.block_table", caps, [tbl_t], {**attrs, "m": M, "n": "N"},
+                           [_copy(pred)], names=["block_class"]).results
+            i = func.body.ops.index(par)
+            for op in tb.block.ops:
+                op.parent = func.body
+            func.body.ops[i:i] = tb.block.ops
+            qi = body.args[2]
+            cb = Builder(Block())
+            c8 = cb.tile_load(tbl, [bi, h, qi, kj], name_hint="cls8")
+            cls = cb.emit("cast", c8, to="i32", name_hint="cls")
+        else:
+            nkv = pre.const(_n(), name_hint="nkv")
+            lo, hi = pre.op("mask.kv_range", [bi, h, q0, nkv, *caps], [I32, I32], attrs, [_copy(pred)],
+                            names=["kv_lo", "kv_hi"]).results
+            i = body.ops.index(loop)
+            for op in pre.block.ops:
+                op.parent = body
+            body.ops[i:i] = pre.block.ops
+            loop.operands[0], loop.operands[1] = lo, hi
+            cb = Builder(Block())
+            (cls,) = cb.op("mask.classify", [bi, h, q0, k0, *caps], [I32], attrs, [_copy(pred)], names=["cls"]).results
+        self._branch(loop, fused, score, cb, cls, k0)
+        dce(func)
+        return func
+
+    def _branch(self, loop: Op, fused: Op, score: Value, cb: Builder, cls: Value, k0: Value) -> None:
+        lbody = loop.regions[0]
+        term = lbody.terminator
+        assert term is not None
+        # the class is known once k0 is: everything before (and including) k0's definition stays in front
+        k0_pos = lbody.ops.index(k0.owner) if isinstance(k0.owner, Op) and k0.owner.parent is lbody else -1
+        head = lbody.ops[: k0_pos + 1]
+        rest = lbody.ops[k0_pos + 1: -1]
+        b = Builder(Block())
+        for op in cb.block.ops:
+            b.block.append(op)
+        two, zero = b.const(2), b.const(0)
+        is_full = b.emit("eq", cls, two, name_hint="full_tile")
+        is_empty = b.emit("eq", cls, zero, name_hint="empty_tile")
+        iters = list(lbody.args[1:])
+
+        def visit(vb: Builder):
+            vmap: dict[Value, Value] = {}
+            from ..ir.core import clone_op
+
+            for op in rest:
+                if op is fused:
+                    region_full = unmasked(fused, score)
+                    out_t = fused.results[0].type
+
+                    def full(fb: Builder):
+                        return fb.op("fused", [vmap.get(v, v) for v in fused.operands], [out_t],
+                                     dict(fused.attrs), [region_full], names=["x"]).results
+
+                    def partial(pb: Builder):
+                        nop = clone_op(fused, vmap)
+                        pb.block.append(nop)
+                        return nop.results
+
+                    (x,) = vb.if_(is_full, [out_t], full, partial, result_names=["x"])
+                    vmap[fused.results[0]] = x
+                    continue
+                vb.block.append(clone_op(op, vmap))
+            return [vmap.get(v, v) for v in term.operands]
+
+        outs = b.if_(is_empty, [v.type for v in iters], lambda sb: iters, visit,
+                     result_names=[f"{a.name}_next" if a.name else None for a in iters])
+        b.op("yield", outs, [])
+        for op in b.block.ops:
+            op.parent = lbody
+        lbody.ops = head + b.block.ops
+
+
+def _copy(blk: Block) -> Block:
+    return clone_block(blk, {})
+
+
+def _n():
+    from ..ir.dims import Sym
+
+    return Sym("N")

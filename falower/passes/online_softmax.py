@@ -1,0 +1,472 @@
+"""online-softmax{exp2}: the central rewrite. Three kv passes (max, sum, P @ V) become one loop.
+
+Recognised in each q tile (what tile produces):
+
+    %m   = for kj iter_args(%mi = -inf)  { yield max(%mi, rowmax(X)) }
+    %m_safe = where(%m == -inf, 0, %m)
+    %l   = for kj iter_args(%li = 0)     { yield %li + rowsum(exp(X - %m_safe)) }
+    %l_safe = where(%l == 0, 1, %l)
+    %acc = for kj iter_args(%ai = 0)     { yield %ai + (exp(X - %m_safe) / %l_safe) @ Vt }
+
+where X is the same score tile computation in all three loops. Rewritten to (seed 000, step 1-2):
+
+    %m, %l, %acc = for kj iter_args(%mi = -inf, %li = 0, %ai = 0) {
+      %mn = max(%mi, rowmax(X));  %mn_safe = where(%mn == -inf, 0, %mn)
+      %c  = exp(%mi - %mn_safe)                   the correction of everything seen so far
+      %p  = exp(X - %mn_safe)
+      yield %mn, %li * %c + rowsum(%p), %ai * %c + %p @ Vt
+    }
+    %o = %acc / where(%l == 0, 1, %l)             one division, after the loop (FA2)
+    %lse = %m + log(%l)                           a new output, for the backward
+
+A row whose every score is -inf keeps m = -inf, l = 0: O = 0 and LSE = -inf, never NaN. With exp2=true
+the loop works in base 2: X is multiplied by log2(e) inside the score function (the backend folds it into
+the scale) and LSE is converted back to natural log. For tile{order=fa1} the kv loop is moved outside
+the q loop with O, l and m written back every step (FlashAttention-1, seed 003 Algorithm 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..ir.builder import Builder
+from ..ir.core import Block, Func, Op, Value, clone_op, replace_uses
+from ..ir.dims import Const
+from ..ir.types import TensorType, scalar, tensor
+from .attention import _const_is, _guard, _is
+from .base import Pass, register
+from .rewrite import dce
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclass
+class ThreePass:
+    loop_m: Op
+    loop_l: Op
+    loop_acc: Op
+    m_safe: Op
+    l_safe: Op
+    x_c: Value  # the score tile in the P @ V loop
+    p_div: Op
+    pv: Op
+    vt: Value
+
+
+def _yield_of(loop: Op) -> list[Value]:
+    return list(loop.regions[0].terminator.operands)  # type: ignore[union-attr]
+
+
+def _key(v: Value, body: Block, memo: dict) -> object:
+    """A structural key of how `v` is computed inside `body` (loop-iv and outer values by identity)."""
+    if v in memo:
+        return memo[v]
+    if isinstance(v.owner, Block):
+        k: object = ("arg", v.index) if v.owner is body else ("outer", id(v))
+    elif v.owner.parent is not body:
+        k = ("outer", id(v))
+    else:
+        op = v.owner
+        regions = tuple(_region_key(r) for r in op.regions)
+        k = (op.name, tuple(sorted((a, repr(b)) for a, b in op.attrs.items())), v.index, str(v.type),
+             tuple(_key(o, body, memo) for o in op.operands), regions)
+    memo[v] = k
+    return k
+
+
+def _region_key(r: Block) -> object:
+    memo: dict = {}
+    term = r.terminator
+    return tuple(_key(o, r, memo) for o in term.operands) if term else ()
+
+
+def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
+    loops = [op for op in block.ops if op.name == "for" and len(op.operands) == 3]
+    for lm in loops:
+        (ym,) = _yield_of(lm)
+        mx = _is(ym, "max")
+        body_m = lm.regions[0]
+        if mx is None or mx.operands[0] is not body_m.args[1] or not _is(mx.operands[1], "reduce_max"):
+            continue
+        if not _const_is_fill(lm.operands[2], -math.inf):
+            continue
+        x_a = _is(mx.operands[1], "reduce_max").operands[0]  # type: ignore[union-attr]
+        users = [op for op in block.ops if lm.result in op.operands]
+        m_safe = next((u for u in block.ops if u.name == "where" and _guard(u.result, -math.inf, 0.0, lm.result)), None)
+        if m_safe is None:
+            raise fail("the row-max loop is not followed by its -inf guard")
+        ll = next((op for op in loops if op is not lm and _sum_loop(op, m_safe.result)), None)
+        if ll is None:
+            raise fail("found the row-max loop but no row-sum loop of exp(x - max) after it")
+        l_safe = next((u for u in block.ops if u.name == "where" and _guard(u.result, 0.0, 1.0, ll.result)), None)
+        if l_safe is None:
+            raise fail("the row-sum loop is not followed by its zero guard")
+        la = next((op for op in loops if op not in (lm, ll) and _pv_loop(op, m_safe.result, l_safe.result)), None)
+        if la is None:
+            raise fail("found the max and sum loops but no loop accumulating (exp(x - max) / sum) @ V")
+        (ya,) = _yield_of(la)
+        add = _is(ya, "add")
+        pv = _is(add.operands[1], "tile.matmul")  # type: ignore[union-attr]
+        p_div = _is(pv.operands[0], "div")  # type: ignore[union-attr]
+        x_c = _is(p_div.operands[0], "exp").operands[0].owner.operands[0]  # type: ignore[union-attr]
+        x_b = _is(_is(_yield_of(ll)[0], "add").operands[1], "reduce_sum").operands[0]  # type: ignore[union-attr]
+        x_b = _is(x_b, "exp").operands[0].owner.operands[0]  # type: ignore[union-attr]
+        ka = _key(x_a, body_m, {})
+        if ka != _key(x_b, ll.regions[0], {}) or ka != _key(x_c, la.regions[0], {}):
+            raise fail("the three kv loops compute different score tiles; online softmax needs one score function")
+        if not (lm.operands[0] is ll.operands[0] is la.operands[0] and lm.operands[1] is ll.operands[1] is la.operands[1]):
+            raise fail("the three kv loops have different bounds")
+        return ThreePass(lm, ll, la, m_safe, l_safe, x_c, p_div, pv, pv.operands[1])  # type: ignore[union-attr]
+    return None
+
+
+def _const_is_fill(v: Value, x: float) -> bool:
+    return _const_is(v, x)
+
+
+def _sum_loop(op: Op, m_safe: Value) -> bool:
+    (y,) = _yield_of(op)
+    add = _is(y, "add")
+    if add is None or add.operands[0] is not op.regions[0].args[1]:
+        return False
+    rs = _is(add.operands[1], "reduce_sum")
+    e = _is(rs.operands[0], "exp") if rs else None
+    sub = _is(e.operands[0], "sub") if e else None
+    return sub is not None and sub.operands[1] is m_safe
+
+
+def _pv_loop(op: Op, m_safe: Value, l_safe: Value) -> bool:
+    (y,) = _yield_of(op)
+    add = _is(y, "add")
+    if add is None or add.operands[0] is not op.regions[0].args[1]:
+        return False
+    mm = _is(add.operands[1], "tile.matmul")
+    div = _is(mm.operands[0], "div") if mm else None
+    if div is None or div.operands[1] is not l_safe:
+        return False
+    e = _is(div.operands[0], "exp")
+    sub = _is(e.operands[0], "sub") if e else None
+    return sub is not None and sub.operands[1] is m_safe
+
+
+def _slice_ops(body: Block, roots: list[Value]) -> list[Op]:
+    """The ops of `body` that the roots depend on, in body order."""
+    need: set[int] = set()
+    stack = list(roots)
+    while stack:
+        v = stack.pop()
+        op = v.owner
+        if isinstance(op, Op) and op.parent is body and id(op) not in need:
+            need.add(id(op))
+            stack.extend(op.operands)
+    return [op for op in body.ops if id(op) in need]
+
+
+def _scale_region(b: Builder, x_op: Op) -> None:
+    """exp2 domain: multiply the fused score function's result by log2(e) inside its region."""
+    from .mask_tiles import split_mask
+
+    region = x_op.regions[0]
+    core, conj = split_mask(region)
+    term = region.ops.pop()
+    wheres = []  # the mask wrappers, outermost first: -inf stays -inf, so the scale goes inside them
+    y = term.operands[0]
+    while y is not core:
+        w = y.owner
+        wheres.append(w)
+        y = w.operands[1]
+    rb = Builder(region)
+    out = rb.emit("mul", core, rb.const(LOG2E, scalar(core.type.dtype)), name_hint="x_log2")
+    for w in reversed(wheres):
+        out = rb.op("where", [w.operands[0], out, w.operands[2]], [w.results[0].type], dict(w.attrs)).result
+    rb.op("yield", [out], [])
+    x_op.attrs["exp2"] = True
+
+
+@register
+@dataclass(frozen=True)
+class OnlineSoftmax(Pass):
+    __doc__ = __doc__
+
+    name = "online-softmax"
+    summary = "three kv passes -> one loop with loop-carried (m, l, acc), deferred normalisation, LSE output"
+    exp2: bool = False
+
+    def run(self, func: Func) -> Func:
+        pf = [op for op in func.body.ops if op.name == "parallel_for"]
+        if len(pf) != 1:
+            raise self.fail("needs a tiled graph (one parallel_for): run tile first")
+        par = pf[0]
+        body = par.regions[0]
+        fa1 = next((op for op in body.ops if op.name == "for" and op.attrs.get("order") == "fa1"), None)
+        block = fa1.regions[0] if fa1 is not None else body
+        tp = _match(block, self.name, self.fail)
+        if tp is None:
+            raise self.fail("no row-max loop (for ... yield max(m, rowmax(x))) found: this is not a tiled softmax")
+        if fa1 is None:
+            lse_tile = self._merge(block, tp)
+            self._add_lse_output(func, par, lse_tile)
+        else:
+            self._fa1(func, par, fa1, tp)
+        dce(func)
+        return func
+
+    # ------------------------------------------------------------------------------ FA2 merge
+    def _update(self, b: Builder, x: Value, vt: Value, mi: Value, li: Value, ai: Value):
+        ex = "exp2" if self.exp2 else "exp"
+        row_t = scalar("f32")
+        mn = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_new")
+        mn_safe = b.emit("where", b.emit("eq", mn, b.const(-math.inf, row_t)), b.const(0.0, row_t), mn,
+                         name_hint="m_new_safe")
+        c = b.emit(ex, b.emit("sub", mi, mn_safe), name_hint="corr")
+        p = b.emit(ex, b.emit("sub", x, mn_safe), name_hint="p")
+        ln = b.emit("add", b.emit("mul", li, c), b.emit("reduce_sum", p, axis=1), name_hint="l_new")
+        pv = b.emit("tile.matmul", p, vt, name_hint="pv")
+        an = b.emit("add", b.emit("mul", ai, c), pv, name_hint="acc_new")
+        return mn, ln, an
+
+    def _merge(self, block: Block, tp: ThreePass) -> Value:
+        la = tp.loop_acc
+        body_c = la.regions[0]
+        lm, ll = tp.loop_m, tp.loop_l
+        inits = [lm.operands[2], ll.operands[2], la.operands[2]]
+        if self.exp2:
+            x_op = tp.x_c.owner
+            assert isinstance(x_op, Op)
+        new_loop_ops: list[Op] = []
+
+        def body(lb: Builder, kj: Value, it: list[Value]):
+            vmap: dict[Value, Value] = {body_c.args[0]: kj}
+            for op in _slice_ops(body_c, [tp.x_c, tp.vt]):
+                nop = clone_op(op, vmap)
+                lb.block.append(nop)
+                if self.exp2 and op is tp.x_c.owner:
+                    _scale_region(lb, nop)
+            return self._update(lb, vmap[tp.x_c], vmap[tp.vt], *it)
+
+        scratch = Block()
+        sb = Builder(scratch)
+        m, l, acc = sb.for_loop(la.operands[0], la.operands[1], inits, body, iter_names=["m_i", "l_i", "acc_i"],
+                                result_names=["m", "l", "acc"])
+        row_t = scalar("f32")
+        l_safe = sb.emit("where", sb.emit("eq", l, sb.const(0.0, row_t)), sb.const(1.0, row_t), l, name_hint="l_safe")
+        o = sb.emit("div", acc, l_safe, name_hint="o_tile")
+        if self.exp2:
+            lse = sb.emit("mul", sb.emit("add", m, sb.emit("log2", l)), sb.const(LN2, row_t), name_hint="lse_tile")
+        else:
+            lse = sb.emit("add", m, sb.emit("log", l), name_hint="lse_tile")
+        lse = sb.emit("squeeze", lse, axis=1, name_hint="lse_tile")
+        # splice in place of the accumulate loop; the other two loops die with their users
+        idx = block.ops.index(la)
+        for op in scratch.ops:
+            op.parent = block
+        block.ops[idx + 1:idx + 1] = scratch.ops
+        replace_uses(block, la.results[0], o)
+        block.ops.remove(la)
+        _sink_guard_users(block)
+        return lse
+
+    def _add_lse_output(self, func: Func, par: Op, lse_tile: Value) -> None:
+        body = par.regions[0]
+        term = body.terminator
+        assert term is not None
+        out_spec = term.attrs["slices"][0]
+        idx_ops = term.operands[1:1 + sum(1 for s in out_spec if s != ":")]
+        # LSE rows: the same (b, h, q0 : bq) as O without the head-dim axis
+        lse_spec = tuple(out_spec[:-1])
+        term.operands = list(term.operands) + [lse_tile] + list(idx_ops)
+        term.attrs["slices"] = tuple(term.attrs["slices"]) + (lse_spec,)
+        o_t = par.results[0].type
+        lse_t = TensorType("f32", o_t.shape[:-1])
+        new_par = Op("parallel_for", [], [r.type for r in par.results] + [lse_t], dict(par.attrs), [body],
+                     [r.name for r in par.results] + ["lse"])
+        i = func.body.ops.index(par)
+        new_par.parent = func.body
+        func.body.ops[i] = new_par
+        for old, nv in zip(par.results, new_par.results):
+            replace_uses(func.body, old, nv)
+        ret = func.body.terminator
+        assert ret is not None
+        ret.operands = list(ret.operands) + [new_par.results[-1]]
+        func.attrs["result_names"] = tuple(func.result_names[:-0 or None][: len(ret.operands) - 1]) + ("lse",)
+
+    # ------------------------------------------------------------------------------ FA1 order
+    def _fa1(self, func: Func, par: Op, qloop: Op, tp: ThreePass) -> None:
+        """Loop interchange: kv tiles outside, q tiles inside, O, l, m carried in main memory."""
+        body = par.regions[0]
+        qbody = qloop.regions[0]
+        _hoist_invariants(body, qloop)
+        la = tp.loop_acc
+        body_c = la.regions[0]
+        slice_ops = _slice_ops(body_c, [tp.x_c, tp.vt])
+        # which ops of the kv loop body depend on the q tile (must stay inside), which only on kj
+        q_dependent: set[Value] = set(qbody.ops[i].results[0] for i in range(len(qbody.ops))
+                                      if qbody.ops[i].results) | set(qbody.args)
+        out_chain_src = la.results[0]
+        o_t = par.results[0].type
+        M, D = o_t.shape[2], o_t.shape[3]
+        bq = next(op for op in qbody.ops if op.name == "tile.load").results[0].type.shape[0]
+        bqv = bq.value if isinstance(bq, Const) else 64
+        b = Builder(Block())
+        scratch = b.block
+        f32 = "f32"
+        O0 = b.const(0.0, TensorType(f32, (M, D)), name_hint="O_init")
+        l0 = b.const(0.0, TensorType(f32, (M, Const(1))), name_hint="l_init")
+        m0 = b.const(-math.inf, TensorType(f32, (M, Const(1))), name_hint="m_init")
+        ex = "exp2" if self.exp2 else "exp"
+
+        def kv_body(kb: Builder, kj: Value, it: list[Value]):
+            vmap: dict[Value, Value] = {body_c.args[0]: kj}
+            inner_ops = []
+            for op in slice_ops:
+                if any(_depends(v, q_dependent, vmap_keys=set()) for v in op.operands) or _uses_q(op, q_dependent, slice_ops):
+                    inner_ops.append(op)
+                else:
+                    kb.block.append(clone_op(op, vmap))
+
+            def q_body(qb: Builder, qi: Value, st: list[Value]):
+                O, l, m = st
+                qmap = dict(vmap)
+                qmap[qbody.args[0]] = qi
+                for op in qbody.ops:
+                    if op is qloop or op.name == "for" or op is tp.m_safe or op is tp.l_safe:
+                        continue
+                    if op.name in ("tile.insert", "yield") or op in _after(qbody, tp):
+                        continue
+                    if all(v in qmap or not (isinstance(v.owner, Op) and v.owner.parent is qbody) for v in op.operands):
+                        qb.block.append(clone_op(op, qmap))
+                for op in inner_ops:
+                    nop = clone_op(op, qmap)
+                    qb.block.append(nop)
+                    if self.exp2 and op is tp.x_c.owner:
+                        _scale_region(qb, nop)
+                x, vt = qmap[tp.x_c], qmap[tp.vt]
+                q0 = qmap[_q0(qbody)]
+                Ot = qb.tile_load(O, [(q0, bqv), ":"], name_hint="O_i")
+                lt = qb.tile_load(l, [(q0, bqv), ":"], name_hint="l_i")
+                mt = qb.tile_load(m, [(q0, bqv), ":"], name_hint="m_i")
+                row = scalar(f32)
+                mij = qb.emit("reduce_max", x, axis=1, name_hint="m_ij")
+                mij_s = qb.emit("where", qb.emit("eq", mij, qb.const(-math.inf, row)), qb.const(0.0, row), mij)
+                p = qb.emit(ex, qb.emit("sub", x, mij_s), name_hint="p_ij")
+                lij = qb.emit("reduce_sum", p, axis=1, name_hint="l_ij")
+                mn = qb.emit("max", mt, mij, name_hint="m_new")
+                mn_s = qb.emit("where", qb.emit("eq", mn, qb.const(-math.inf, row)), qb.const(0.0, row), mn)
+                a = qb.emit(ex, qb.emit("sub", mt, mn_s), name_hint="alpha")
+                bb = qb.emit(ex, qb.emit("sub", mij_s, mn_s), name_hint="beta")
+                bb = qb.emit("where", qb.emit("eq", mij, qb.const(-math.inf, row)), qb.const(0.0, row), bb)
+                ln = qb.emit("add", qb.emit("mul", a, lt), qb.emit("mul", bb, lij), name_hint="l_new")
+                ln_s = qb.emit("where", qb.emit("eq", ln, qb.const(0.0, row)), qb.const(1.0, row), ln)
+                num = qb.emit("add", qb.emit("mul", qb.emit("mul", lt, a), Ot),
+                              qb.emit("mul", bb, qb.emit("tile.matmul", p, vt)))
+                On = qb.emit("div", num, ln_s, name_hint="O_new")
+                return [qb.tile_insert(O, On, [(q0, bqv), ":"], name_hint="O_next"),
+                        qb.tile_insert(l, ln, [(q0, bqv), ":"], name_hint="l_next"),
+                        qb.tile_insert(m, mn, [(q0, bqv), ":"], name_hint="m_next")]
+
+            return kb.for_loop(qloop.operands[0], qloop.operands[1], list(it), q_body, iv_name="qi",
+                               iter_names=["O_c", "l_c", "m_c"], result_names=["O_k", "l_k", "m_k"])
+
+        O, l, m = b.for_loop(la.operands[0], la.operands[1], [O0, l0, m0], kv_body, iter_names=["O_hbm", "l_hbm", "m_hbm"],
+                             result_names=["O", "l", "m"])
+        from .tile import apply_chain
+
+        chain = _chain_after(qbody, la)
+        o = apply_chain(b, chain, O)
+        row = scalar(f32)
+        if self.exp2:
+            lse = b.emit("mul", b.emit("add", m, b.emit("log2", l)), b.const(LN2, row))
+        else:
+            lse = b.emit("add", m, b.emit("log", l))
+        lse = b.emit("squeeze", lse, axis=1, name_hint="lse_bh")
+        term = body.terminator
+        assert term is not None
+        bi, h = term.operands[1], term.operands[2]
+        Builder(scratch).op("tile.yield", [o, bi, h, lse, bi, h], [], {"slices": (("i", "i", ":", ":"), ("i", "i", ":"))})
+        # the parallel_for body keeps what the q loop used from outside (b, h, hk) and gets the new nest
+        keep = [op for op in body.ops if op is not qloop and op is not term]
+        for op in scratch.ops:
+            op.parent = body
+        body.ops = keep + scratch.ops
+        self._retype_par(func, par, TensorType("f32", o_t.shape[:-1]))
+
+    def _retype_par(self, func: Func, par: Op, lse_t: TensorType) -> None:
+        body = par.regions[0]
+        new_par = Op("parallel_for", [], [par.results[0].type, lse_t], dict(par.attrs), [body],
+                     [par.results[0].name, "lse"])
+        i = func.body.ops.index(par)
+        new_par.parent = func.body
+        func.body.ops[i] = new_par
+        replace_uses(func.body, par.results[0], new_par.results[0])
+        ret = func.body.terminator
+        assert ret is not None
+        ret.operands = [new_par.results[0], new_par.results[1]]
+        func.attrs["result_names"] = (func.result_names[0], "lse")
+
+
+def _depends(v: Value, q_dependent: set[Value], vmap_keys: set) -> bool:
+    return v in q_dependent
+
+
+def _uses_q(op: Op, q_dependent: set[Value], slice_ops: list[Op]) -> bool:
+    """True if `op` (in the kv loop body) depends on a q-tile value, directly or through its operands."""
+    seen: set[int] = set()
+    stack = list(op.operands)
+    while stack:
+        v = stack.pop()
+        if v in q_dependent:
+            return True
+        d = v.owner
+        if isinstance(d, Op) and d in slice_ops and id(d) not in seen:
+            seen.add(id(d))
+            stack.extend(d.operands)
+    return False
+
+
+def _after(qbody: Block, tp: ThreePass) -> list[Op]:
+    """Ops of the q-loop body that come after the three kv loops (the output chain and the insert)."""
+    i = qbody.ops.index(tp.loop_acc)
+    return qbody.ops[i:]
+
+
+def _chain_after(qbody: Block, la: Op) -> list[Op]:
+    chain = []
+    cur = la.results[0]
+    for op in qbody.ops[qbody.ops.index(la) + 1:]:
+        if op.operands and op.operands[0] is cur and op.name not in ("tile.insert", "yield") and len(op.operands) == 1:
+            chain.append(op)
+            cur = op.results[0]
+    return chain
+
+
+def _q0(qbody: Block) -> Value:
+    for op in qbody.ops:
+        if op.name == "mul" and op.operands[0] is qbody.args[0]:
+            return op.results[0]
+    raise AssertionError("no q0 in the q loop")
+
+
+def _sink_guard_users(block: Block) -> None:
+    """Nothing to do today; kept for the day guards gain users after the merged loop."""
+    return None
+
+
+def _hoist_invariants(outer: Block, loop: Op) -> None:
+    """Move ops of `loop`'s body that do not depend on its iteration in front of the loop."""
+    body = loop.regions[0]
+    variant: set[Value] = set(body.args)
+    stay, move = [], []
+    for op in body.ops:
+        if op.regions or op.name in ("yield",) or any(v in variant for v in op.operands):
+            variant.update(op.results)
+            stay.append(op)
+        else:
+            move.append(op)
+    i = outer.ops.index(loop)
+    for op in move:
+        op.parent = outer
+    outer.ops[i:i] = move
+    body.ops = stay
