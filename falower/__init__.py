@@ -11,6 +11,7 @@ from .frontend import (attention, capture, erf, exp, exp2, log, maximum, minimum
                        tanh, tensor, trace, where)
 from .ir import Func, interpret, parse_func, print_func, verify
 from .passes import PassManager, parse_pipeline, run_pipeline
+from .compiler import CompiledAttention, compile  # noqa: A004  (falower.compile, like torch.compile)
 
 
 def lower(func: Func, pipeline: str = "fa2-fwd", **kwargs) -> Func:
@@ -20,5 +21,5 @@ def lower(func: Func, pipeline: str = "fa2-fwd", **kwargs) -> Func:
 
 __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp", "exp2", "log", "tanh",
            "sigmoid", "erf", "sqrt", "maximum", "minimum", "lower", "interpret", "print_func", "parse_func",
-           "verify", "Func", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
+           "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
            "PassError", "ShapeError", "VerifyError"]

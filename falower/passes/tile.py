@@ -56,8 +56,18 @@ def emit_score(b: Builder, st: ScoreTile, s: Value, bi: Value, h: Value, qidx: V
         types.append(v.type)
     new_region = retype_block(region, types)
     out_t = new_region.terminator.operands[0].type  # type: ignore[union-attr]
+    roles = list(roles)
+    if bounds and "kv" not in roles:
+        # the bounds mask needs the kv index even when the score function does not read it
+        pos = roles.index("cap") if "cap" in roles else len(roles)
+        roles.insert(pos, "kv")
+        operands.insert(pos, kvidx)
+        new_region.args.insert(pos, Value(kvidx.type, "kv", new_region, pos))
+        for i, a in enumerate(new_region.args):
+            a.index = i
     if bounds:
-        new_region = _with_kv_bounds(new_region, list(roles))
+        new_region = _with_kv_bounds(new_region, roles)
+        out_t = new_region.terminator.operands[0].type  # type: ignore[union-attr]
     (x,) = b.op("fused", operands, [out_t], {"roles": tuple(roles)}, [new_region], names=["x"]).results
     return x
 

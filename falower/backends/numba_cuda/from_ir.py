@@ -1,0 +1,386 @@
+"""From the final fa2-fwd IR to an `FA2ForwardSpec`: the IR side of the Numba CUDA backend.
+
+The schedule comes from the IR (tile sizes, exp2 domain, GQA group, how tiles are classified); the
+variant comes from its regions, translated op by op into Python source of three scalar device functions:
+`score_fn` (the fused score function without its mask), `mask_fn` (the mask predicate) and
+`tile_class_fn` (the same predicate evaluated on index intervals, as `mask.classify` defines it). The
+kv-bounds conjunct that tile added is dropped: bounds are the kernel's job (spec.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from ...errors import FalowerError
+from ...ir.core import Block, Func, Op, Value
+from ...ir.dims import Dim
+from ...ir.intervals import uses_data
+from ...ir.printer import print_func
+from ...ir.types import is_float
+from ...passes.mask_tiles import predicate_region, split_mask
+from .spec import Capture, FA2ForwardSpec
+
+
+class BackendError(FalowerError):
+    """The IR is not in a form the numba-cuda backend can emit."""
+
+
+@dataclass
+class Lowered:
+    """What the IR fixes about the kernel, before the sizes of a call are known."""
+
+    func: Func
+    fused: Op  # a fused score op of the kv loop (masked form)
+    score: Value  # the unmasked score inside fused's region
+    conj: list[Value]  # the user's mask conjuncts (bounds dropped)
+    block_q: int
+    block_k: int
+    group: int
+    exp2: bool
+    block_mask: str
+    captures: list[Value]  # func args in the fused op's capture order
+    dims_used: set[str]
+
+
+def analyse(func: Func) -> Lowered:
+    pf = [op for op in func.body.ops if op.name == "parallel_for"]
+    if len(pf) != 1:
+        raise BackendError("numba-cuda backend: needs the fa2-fwd IR (one parallel_for over (b, h, q-tile)); "
+                           "lower with pipeline fa2-fwd first")
+    par = pf[0]
+    if len(par.attrs["bounds"]) != 3 or len(par.results) != 2:
+        raise BackendError("numba-cuda backend: expected parallel_for (b, h, qi) with outputs O and LSE "
+                           "(the fa1 order and graphs without online-softmax are not emitted)")
+    fused_ops = [op for op in par.walk() if op.name == "fused"]
+    if not fused_ops:
+        raise BackendError("numba-cuda backend: no fused score function in the kv loop")
+    fused = fused_ops[-1]  # the masked (partial-tile) form when mask-tiles ran
+    region = fused.regions[0]
+    score, conj = split_mask(region)
+    conj = [c for c in conj if not _is_bounds(c)]
+    tl = next(op for op in par.regions[0].ops if op.name == "tile.load")
+    block_q = tl.results[0].type.shape[0].value  # type: ignore[union-attr]
+    roles = list(fused.attrs["roles"])
+    kv_arg = fused.operands[roles.index("kv")]
+    block_k = kv_arg.type.shape[1].value  # type: ignore[union-attr]
+    group = 1
+    for op in par.regions[0].ops:
+        if op.name == "floordiv" and op.operands[0] is par.regions[0].args[1]:
+            group = int(op.operands[1].owner.attrs["value"])  # type: ignore[union-attr]
+    names = [op.name for op in func.walk()]
+    block_mask = "table" if "mask.block_table" in names else "static" if "mask.kv_range" in names else "none"
+    if conj and block_mask == "none":
+        block_mask = "table" if uses_data(predicate_region(fused, conj)) else "static"
+    caps = [v for v, r in zip(fused.operands, roles) if r == "cap"]
+    cap_args = [_func_arg(func, v) for v in caps]
+    dims: set[str] = set()
+    for op in region.ops:
+        v = op.attrs.get("value")
+        if isinstance(v, Dim):
+            dims |= v.symbols()
+    dims.discard("N") if not _uses_n_outside_bounds(region) else None
+    return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
+                   cap_args, dims)
+
+
+def _is_bounds(v: Value) -> bool:
+    op = v.owner
+    return isinstance(op, Op) and bool(op.attrs.get("bounds"))
+
+
+def _uses_n_outside_bounds(region: Block) -> bool:
+    for op in region.ops:
+        if op.name == "const" and isinstance(op.attrs.get("value"), Dim) and "N" in op.attrs["value"].symbols():
+            users = [u for u in region.ops if op.results[0] in u.operands]
+            if any(not u.attrs.get("bounds") for u in users):
+                return True
+    return False
+
+
+def _func_arg(func: Func, v: Value) -> Value:
+    """A fused op's capture operand is a func argument (possibly through the parallel_for's scope)."""
+    if isinstance(v.owner, Block) and v.owner is func.body:
+        return v
+    raise BackendError("numba-cuda backend: captured tensors must be graph inputs")
+
+
+# ------------------------------------------------------------------------------------ scalar code
+_UNARY = {"exp": "math.exp({})", "exp2": "math.pow(np.float32(2.0), {})", "log": "math.log({})",
+          "log2": "math.log2({})", "tanh": "math.tanh({})", "erf": "math.erf({})", "sqrt": "math.sqrt({})",
+          "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + math.exp(-{})))", "neg": "(-{})", "abs": "abs({})"}
+_BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})", "pow": "math.pow({}, {})",
+           "max": "max({}, {})", "min": "min({}, {})", "floordiv": "({} // {})", "mod": "({} % {})",
+           "shl": "({} << {})", "shr": "({} >> {})", "eq": "({} == {})", "ne": "({} != {})", "lt": "({} < {})",
+           "le": "({} <= {})", "gt": "({} > {})", "ge": "({} >= {})"}
+
+
+def _literal(value, dtype: str, env: Mapping[str, int]) -> str:
+    if isinstance(value, Dim):
+        value = value.eval(env)
+    if dtype == "bool":
+        return "True" if value else "False"
+    if is_float(dtype):
+        v = float(value)
+        if math.isinf(v):
+            return "np.float32(np.inf)" if v > 0 else "np.float32(-np.inf)"
+        return f"np.float32({v!r})"
+    return str(int(value))
+
+
+class _ScalarEmitter:
+    """Python source computing one region's values per element (all its ops are elementwise)."""
+
+    def __init__(self, env: Mapping[str, int], cap_names: dict[Value, str]):
+        self.env = env
+        self.cap_names = cap_names
+        self.names: dict[Value, str] = {}
+        self.consts: dict[Value, object] = {}
+        self.factors: dict[Value, tuple[str, float]] = {}
+        self.lines: list[str] = []
+        self.n = 0
+
+    def name(self, v: Value) -> str:
+        return self.names[v]
+
+    def emit(self, region: Block, roots: list[Value]) -> None:
+        """One line per op; ops of constants are folded here, where every dim is known, and constant
+        factors are merged (s / sqrt(D) * log2(e) becomes one multiply per score)."""
+        needed = _needed(region, roots)
+        for op in region.ops:
+            if id(op) not in needed:
+                continue
+            r = op.results[0]
+            folded = self.fold(op)
+            if folded is not None:
+                self.consts[r] = folded
+                self.names[r] = _literal(folded.item(), r.type.dtype, self.env)
+                continue
+            expr = self.scaled_expr(op)
+            if expr is None:
+                expr = self.expr(op)
+            nm = f"v{self.n}"
+            self.n += 1
+            self.names[r] = nm
+            self.lines.append(f"    {nm} = {expr}")
+
+    def fold(self, op: Op):
+        import numpy as np
+
+        from ...ir.interp import Interpreter
+
+        if op.name == "const":
+            v = op.attrs["value"]
+            v = v.eval(self.env) if isinstance(v, Dim) else v
+            return Interpreter("native").store(np.asarray(v), op.results[0].type)
+        if op.name in ("gather",) or not op.operands or any(v not in self.consts for v in op.operands):
+            return None
+        it = Interpreter("native")
+        with np.errstate(all="ignore"):
+            y = it.store(it.elementwise(op.name, op, [self.consts[v] for v in op.operands], op.results[0].type),
+                         op.results[0].type)
+        return y if y.size == 1 else None
+
+    def scaled_expr(self, op: Op) -> Optional[str]:
+        """x * c, x / c and (x * c1) * c2 as one multiply by a folded float32 constant."""
+        import numpy as np
+
+        if op.name not in ("mul", "div") or not is_float(op.results[0].type.dtype):
+            return None
+        a, b = op.operands
+        if b in self.consts:
+            x, c = a, float(self.consts[b])
+        elif a in self.consts and op.name == "mul":
+            x, c = b, float(self.consts[a])
+        else:
+            return None
+        if op.name == "div":
+            if c == 0:
+                return None
+            c = 1.0 / c
+        base, f = self.factors.get(x, (self.name(x), 1.0))
+        total = float(np.float32(f * c))
+        self.factors[op.results[0]] = (base, total)
+        return f"({base} * np.float32({total!r}))"
+
+    def expr(self, op: Op) -> str:
+        x = [self.name(v) for v in op.operands]
+        n, rt = op.name, op.results[0].type.dtype
+        if n == "const":
+            return _literal(op.attrs["value"], rt, self.env)
+        if n in _UNARY:
+            return _UNARY[n].format(*x)
+        if n in _BINARY:
+            return _BINARY[n].format(*x)
+        if n in ("and", "or", "xor", "not"):
+            is_bool = op.operands[0].type.dtype == "bool"
+            if n == "not":
+                return f"(not {x[0]})" if is_bool else f"(~{x[0]})"
+            sym = {"and": ("and", "&"), "or": ("or", "|"), "xor": ("!=", "^")}[n][0 if is_bool else 1]
+            return f"({x[0]} {sym} {x[1]})"
+        if n == "where":
+            return f"({x[1]} if {x[0]} else {x[2]})"
+        if n == "cast":
+            to = op.attrs["to"]
+            if is_float(to):
+                return f"np.float32({x[0]})"
+            if to == "bool":
+                return f"({x[0]} != 0)"
+            return f"int({x[0]})"
+        if n == "gather":
+            table = x[0]
+            idx = ", ".join(f"min(max({i}, 0), {table}.shape[{d}] - 1)" for d, i in enumerate(x[1:]))
+            val = f"{table}[{idx}]"
+            return f"np.float32({val})" if is_float(rt) else val
+        raise BackendError(f"numba-cuda backend: no scalar form for op {n}")
+
+
+def _needed(region: Block, roots: list[Value]) -> set[int]:
+    need: set[int] = set()
+    stack = list(roots)
+    while stack:
+        v = stack.pop()
+        op = v.owner
+        if isinstance(op, Op) and op.parent is region and id(op) not in need:
+            need.add(id(op))
+            stack.extend(op.operands)
+    return need
+
+
+def _role_names(fused: Op, region: Block, cap_names: dict[Value, str]) -> dict[Value, str]:
+    out: dict[Value, str] = {}
+    caps = iter(cap_names.values())
+    for a, r in zip(region.args, fused.attrs["roles"]):
+        out[a] = next(caps) if r == "cap" else r
+    return out
+
+
+def device_source(low: Lowered, env: Mapping[str, int]) -> str:
+    cap_names = {v: f"cap_{v.name}" for v in low.captures}
+    sig_caps = "".join(f", {n}" for n in cap_names.values())
+    region = low.fused.regions[0]
+    out = []
+    e = _ScalarEmitter(env, cap_names)
+    e.names.update(_role_names(low.fused, region, cap_names))
+    e.emit(region, [low.score])
+    out.append(f"def score_fn(s, b, h, q, kv{sig_caps}):")
+    out += e.lines or []
+    out.append(f"    return np.float32({e.name(low.score)})")
+    if low.conj:
+        pred = predicate_region(low.fused, low.conj)
+        pe = _ScalarEmitter(env, cap_names)
+        for a, nm in zip(pred.args, ["b", "h", "q", "kv"] + list(cap_names.values())):
+            pe.names[a] = nm
+        res = pred.terminator.operands[0]  # type: ignore[union-attr]
+        pe.emit(pred, [res])
+        out.append("")
+        out.append(f"def mask_fn(b, h, q, kv{sig_caps}):")
+        out += pe.lines
+        out.append(f"    return {pe.name(res)}")
+        if low.block_mask == "static":
+            out.append("")
+            out += _interval_fn(pred, env, sig_caps)
+    return "\n".join(out) + "\n"
+
+
+def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str) -> list[str]:
+    """tile_class_fn: the predicate on index intervals (intervals.py semantics, as scalar code)."""
+    lines = [f"def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi{sig_caps}):"]
+    iv: dict[Value, tuple[str, str]] = {}
+    for a, (lo, hi) in zip(pred.args, [("b", "b"), ("h", "h"), ("q_lo", "q_hi"), ("kv_lo", "kv_hi")]):
+        iv[a] = (lo, hi)
+    k = 0
+    for op in pred.ops:
+        if op.name == "yield":
+            lo, hi = iv[op.operands[0]]
+            lines += [f"    if {lo} == 1:", "        return 2", f"    if {hi} == 0:", "        return 0", "    return 1"]
+            return lines
+        x = [iv[v] for v in op.operands]
+        lo, hi = f"i{k}_lo", f"i{k}_hi"
+        k += 1
+        n = op.name
+        body: list[str]
+        if n == "const":
+            lit = _literal(op.attrs["value"], op.results[0].type.dtype, env)
+            if op.results[0].type.dtype == "bool":
+                lit = "1" if lit == "True" else "0"
+            body = [f"{lo} = {lit}", f"{hi} = {lit}"]
+        elif n == "add":
+            body = [f"{lo} = {x[0][0]} + {x[1][0]}", f"{hi} = {x[0][1]} + {x[1][1]}"]
+        elif n == "sub":
+            body = [f"{lo} = {x[0][0]} - {x[1][1]}", f"{hi} = {x[0][1]} - {x[1][0]}"]
+        elif n == "neg":
+            body = [f"{lo} = -{x[0][1]}", f"{hi} = -{x[0][0]}"]
+        elif n == "mul":
+            ps = [f"{a} * {b}" for a in x[0] for b in x[1]]
+            body = [f"{lo} = min(min({ps[0]}, {ps[1]}), min({ps[2]}, {ps[3]}))",
+                    f"{hi} = max(max({ps[0]}, {ps[1]}), max({ps[2]}, {ps[3]}))"]
+        elif n in ("min", "max"):
+            body = [f"{lo} = {n}({x[0][0]}, {x[1][0]})", f"{hi} = {n}({x[0][1]}, {x[1][1]})"]
+        elif n == "abs":
+            body = [f"{lo} = 0 if {x[0][0]} <= 0 <= {x[0][1]} else min(abs({x[0][0]}), abs({x[0][1]}))",
+                    f"{hi} = max(abs({x[0][0]}), abs({x[0][1]}))"]
+        elif n in ("floordiv", "mod") and _const_pos_int(op.operands[1]):
+            c = x[1][0]
+            if n == "floordiv":
+                body = [f"{lo} = {x[0][0]} // {c}", f"{hi} = {x[0][1]} // {c}"]
+            else:
+                body = [f"same = {x[0][0]} // {c} == {x[0][1]} // {c}",
+                        f"{lo} = {x[0][0]} % {c} if same else 0", f"{hi} = {x[0][1]} % {c} if same else {c} - 1"]
+        elif n in ("lt", "le", "gt", "ge"):
+            a, b = (x[0], x[1]) if n in ("lt", "le") else (x[1], x[0])
+            strict = n in ("lt", "gt")
+            if strict:  # a < b
+                body = [f"{lo} = 1 if {a[1]} < {b[0]} else 0", f"{hi} = 0 if {a[0]} >= {b[1]} else 1"]
+            else:  # a <= b
+                body = [f"{lo} = 1 if {a[1]} <= {b[0]} else 0", f"{hi} = 0 if {a[0]} > {b[1]} else 1"]
+        elif n in ("eq", "ne"):
+            exact = f"({x[0][0]} == {x[0][1]} and {x[1][0]} == {x[1][1]} and {x[0][0]} == {x[1][0]})"
+            disjoint = f"({x[0][1]} < {x[1][0]} or {x[1][1]} < {x[0][0]})"
+            if n == "eq":
+                body = [f"{lo} = 1 if {exact} else 0", f"{hi} = 0 if {disjoint} else 1"]
+            else:
+                body = [f"{lo} = 1 if {disjoint} else 0", f"{hi} = 0 if {exact} else 1"]
+        elif n == "and" and op.operands[0].type.dtype == "bool":
+            body = [f"{lo} = min({x[0][0]}, {x[1][0]})", f"{hi} = min({x[0][1]}, {x[1][1]})"]
+        elif n == "or" and op.operands[0].type.dtype == "bool":
+            body = [f"{lo} = max({x[0][0]}, {x[1][0]})", f"{hi} = max({x[0][1]}, {x[1][1]})"]
+        elif n == "not" and op.operands[0].type.dtype == "bool":
+            body = [f"{lo} = 1 - {x[0][1]}", f"{hi} = 1 - {x[0][0]}"]
+        elif n == "where":
+            c, a, b = x
+            body = [f"{lo} = {a[0]} if {c[0]} == 1 else ({b[0]} if {c[1]} == 0 else min({a[0]}, {b[0]}))",
+                    f"{hi} = {a[1]} if {c[0]} == 1 else ({b[1]} if {c[1]} == 0 else max({a[1]}, {b[1]}))"]
+        elif n == "cast" and not is_float(op.attrs["to"]) and not is_float(op.operands[0].type.dtype):
+            if op.attrs["to"] == "bool":
+                body = [f"{lo} = 1 if ({x[0][0]} > 0 or {x[0][1]} < 0) else 0",
+                        f"{hi} = 0 if ({x[0][0]} == 0 and {x[0][1]} == 0) else 1"]
+            else:
+                body = [f"{lo} = {x[0][0]}", f"{hi} = {x[0][1]}"]
+        else:  # not modelled: this tile is partial (always safe)
+            return lines[:1] + ["    return 1"]
+        lines += ["    " + s for s in body]
+        iv[op.results[0]] = (lo, hi)
+    return lines[:1] + ["    return 1"]
+
+
+def _const_pos_int(v: Value) -> bool:
+    op = v.owner
+    return isinstance(op, Op) and op.name == "const" and isinstance(op.attrs["value"], int) and op.attrs["value"] > 0
+
+
+def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_warps: Optional[int]) -> FA2ForwardSpec:
+    D = int(env["D"])
+    src = device_source(low, env)
+    caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, v.type.rank) for i, v in enumerate(low.captures))
+    bq, bk = low.block_q, low.block_k
+    if path == "simt" and bq % 32:
+        raise BackendError(f"numba-cuda backend: the SIMT path needs block_q a multiple of 32, got {bq}")
+    nw = num_warps or (max(1, min(8, bq // 16)) if path == "mma" else 1)
+    key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}"
+    name = "fa2_" + low.func.name.replace("-", "_") + "_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+    return FA2ForwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
+                          group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
+                          has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none")

@@ -1,0 +1,96 @@
+"""`falower.compile`: a graph in, a callable out. The graph is lowered (fa2-fwd by default) and handed to
+a backend: "numba-cuda" (GPU kernels) or "reference" (the numpy interpreter, for checking)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import FalowerError, ShapeError
+from .ir.core import Func
+from .ir.dims import solve_dims
+from .ir.interp import Interpreter
+from .passes.manager import run_pipeline
+
+BACKENDS = ("numba-cuda", "reference")
+
+
+class CompiledAttention:
+    """Call with the graph's inputs (q, k, v, then captured tensors in signature order); returns (o, lse).
+
+    The numba-cuda backend specialises on the head dim and dtype (and on any dim the score function
+    reads) at the first call with those sizes, and caches the kernel for the next calls.
+    """
+
+    def __init__(self, func: Func, lowered: Func, backend: str, path: str = "auto", num_warps: Optional[int] = None):
+        self.func, self.lowered, self.backend = func, lowered, backend
+        self.path, self.num_warps = path, num_warps
+        self._kernels: dict[tuple, Any] = {}
+        if backend == "numba-cuda":
+            from .backends.numba_cuda.from_ir import analyse
+
+            self.analysis = analyse(lowered)
+
+    def _dims(self, inputs) -> dict[str, int]:
+        pairs = []
+        for a, x in zip(self.func.args, inputs):
+            shape = tuple(int(n) for n in x.shape)
+            if len(shape) != a.type.rank:
+                raise ShapeError(f"input %{a.name} must have rank {a.type.rank} ({a.type}), got shape {shape}")
+            pairs += list(zip(a.type.shape, shape))
+        return solve_dims(pairs, {})
+
+    def kernel(self, *inputs: Any):
+        """The FA2ForwardKernel these inputs would run (built on first use)."""
+        from .backends.numba_cuda.from_ir import build_spec
+        from .backends.numba_cuda.runtime import FA2ForwardKernel
+
+        if len(inputs) != len(self.func.args):
+            names = ", ".join(a.name or "?" for a in self.func.args)
+            raise ShapeError(f"@{self.func.name} takes {len(self.func.args)} inputs ({names}), got {len(inputs)}")
+        env = self._dims(inputs)
+        dtype = _dtype_of(inputs[0])
+        want = self.func.args[0].type.dtype
+        if dtype != want:
+            raise ShapeError(f"q has dtype {dtype} but the graph was traced for {want}")
+        path = self.path
+        if path == "auto":
+            path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
+        used = {k: env[k] for k in sorted(self.analysis.dims_used | {"D"}) if k in env}
+        key = (dtype, path, tuple(used.items()))
+        if key not in self._kernels:
+            spec = build_spec(self.analysis, used, dtype, path, self.num_warps)
+            self._kernels[key] = FA2ForwardKernel(spec)
+        return self._kernels[key]
+
+    def __call__(self, *inputs: Any):
+        if self.backend == "reference":
+            arrays = [np.asarray(x) for x in inputs]
+            return tuple(Interpreter("native").run(self.lowered, arrays))
+        k = self.kernel(*inputs)
+        caps = [inputs[self.func.args.index(c)] for c in self.analysis.captures] if self.analysis.captures else []
+        return k(inputs[0], inputs[1], inputs[2], *caps)
+
+    @property
+    def source(self) -> str:
+        """The generated kernel source of the most recent specialisation."""
+        if not self._kernels:
+            raise FalowerError("no kernel yet: call the compiled function once (or .kernel(*inputs))")
+        return list(self._kernels.values())[-1].source
+
+
+def _dtype_of(x: Any) -> str:
+    s = str(getattr(x, "dtype", "")).replace("torch.", "")
+    return {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}.get(s, s)
+
+
+def compile(func: Func, backend: str = "numba-cuda", pipeline: str = "fa2-fwd", path: str = "auto",
+            num_warps: Optional[int] = None, **pipeline_kwargs: Any) -> CompiledAttention:
+    """Lower `func` with `pipeline` and build it for `backend` ("numba-cuda" or "reference")."""
+    if backend not in BACKENDS:
+        raise FalowerError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+    if path not in ("auto", "mma", "simt"):
+        raise FalowerError(f"unknown path {path!r} (auto, mma or simt)")
+    lowered = run_pipeline(func, pipeline, **pipeline_kwargs)
+    return CompiledAttention(func, lowered, backend, path, num_warps)
