@@ -287,12 +287,13 @@ class Interpreter:
     def op_mask_classify(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, q0, k0 = (int(v) for v in x[:4])
         bq, bk = op.attrs["bq"], op.attrs["bk"]
-        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:])
+        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims)
         return [np.int32(c)]
 
     def op_mask_kv_range(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, q0, nkv = (int(v) for v in x[:4])
-        lo, hi = intervals.kv_range(op.regions[0], b, h, q0, op.attrs["bq"], op.attrs["bk"], nkv, x[4:])
+        lo, hi = intervals.kv_range(op.regions[0], b, h, q0, op.attrs["bq"], op.attrs["bk"], nkv, x[4:],
+                                    self.env_dims)
         return [np.int32(lo), np.int32(hi)]
 
     def op_mask_block_table(self, op: Op, x, env) -> list[np.ndarray]:

@@ -10,7 +10,7 @@ reads data cannot be decided here; `uses_data` tells the mask analysis to classi
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 from .core import Block, Value
 
@@ -53,17 +53,25 @@ def _compare(name: str, a: Interval, b: Interval) -> Interval:
     return _bool(disjoint, not exact_equal)  # ne
 
 
-def eval_interval(block: Block, args: Sequence[Interval]) -> Interval:
-    """Evaluate a predicate region on intervals; the result is a bool interval (0,0), (1,1) or (0,1)."""
-    env: dict[Value, Interval] = dict(zip(block.args, args))
+def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[str, int]] = None) -> Interval:
+    """Evaluate a predicate region on intervals; the result is a bool interval (0,0), (1,1) or (0,1).
+
+    `env` gives the sizes of symbolic dims (a `const N` in the predicate); without it they are unknown.
+    """
+    vals: dict[Value, Interval] = dict(zip(block.args, args))
     for op in block.ops:
         if op.name == "yield":
-            return env[op.operands[0]]
-        x = [env[v] for v in op.operands]
+            return vals[op.operands[0]]
+        x = [vals[v] for v in op.operands]
         n = op.name
         if n == "const":
             v = op.attrs["value"]
-            r: Interval = (float(v), float(v)) if not hasattr(v, "symbols") else UNKNOWN
+            if hasattr(v, "symbols"):
+                try:
+                    v = v.eval(env or {})
+                except Exception:
+                    v = None
+            r: Interval = (float(v), float(v)) if v is not None else UNKNOWN
         elif n == "add":
             r = (x[0][0] + x[1][0], x[0][1] + x[1][1])
         elif n == "sub":
@@ -113,7 +121,7 @@ def eval_interval(block: Block, args: Sequence[Interval]) -> Interval:
             r = UNKNOWN if op.results[0].type.dtype != "bool" else (0, 1)
         if op.results[0].type.dtype == "bool" and not _is_bool(r):
             r = (0, 1)
-        env[op.results[0]] = r
+        vals[op.results[0]] = r
     raise ValueError("predicate region without yield")
 
 
@@ -126,10 +134,10 @@ def _exact(x: Interval) -> bool:
 
 
 def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
-             captures: Sequence[object] = ()) -> int:
+             captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> int:
     """EMPTY, PARTIAL or FULL for rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive)."""
     args: list[Interval] = [(b, b), (h, h), (q_lo, q_hi), (kv_lo, kv_hi)] + [UNKNOWN] * len(captures)
-    lo, hi = eval_interval(block, args)
+    lo, hi = eval_interval(block, args, env)
     if lo == hi == 1:
         return FULL
     if lo == hi == 0:
@@ -138,9 +146,9 @@ def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_
 
 
 def kv_range(block: Block, b: int, h: int, q0: int, bq: int, bk: int, nkv: int,
-             captures: Sequence[object] = ()) -> tuple[int, int]:
+             captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> tuple[int, int]:
     """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty)."""
     nk = -(-nkv // bk)
     live = [kj for kj in range(nk)
-            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures) != EMPTY]
+            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env) != EMPTY]
     return (live[0], live[-1] + 1) if live else (0, 0)

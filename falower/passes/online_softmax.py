@@ -266,7 +266,6 @@ class OnlineSoftmax(Pass):
         block.ops[idx + 1:idx + 1] = scratch.ops
         replace_uses(block, la.results[0], o)
         block.ops.remove(la)
-        _sink_guard_users(block)
         return lse
 
     def _add_lse_output(self, func: Func, par: Op, lse_tile: Value) -> None:
@@ -322,7 +321,7 @@ class OnlineSoftmax(Pass):
             vmap: dict[Value, Value] = {body_c.args[0]: kj}
             inner_ops = []
             for op in slice_ops:
-                if any(_depends(v, q_dependent, vmap_keys=set()) for v in op.operands) or _uses_q(op, q_dependent, slice_ops):
+                if _uses_q(op, q_dependent, slice_ops):
                     inner_ops.append(op)
                 else:
                     kb.block.append(clone_op(op, vmap))
@@ -407,10 +406,6 @@ class OnlineSoftmax(Pass):
         func.attrs["result_names"] = (func.result_names[0], "lse")
 
 
-def _depends(v: Value, q_dependent: set[Value], vmap_keys: set) -> bool:
-    return v in q_dependent
-
-
 def _uses_q(op: Op, q_dependent: set[Value], slice_ops: list[Op]) -> bool:
     """True if `op` (in the kv loop body) depends on a q-tile value, directly or through its operands."""
     seen: set[int] = set()
@@ -447,11 +442,6 @@ def _q0(qbody: Block) -> Value:
         if op.name == "mul" and op.operands[0] is qbody.args[0]:
             return op.results[0]
     raise AssertionError("no q0 in the q loop")
-
-
-def _sink_guard_users(block: Block) -> None:
-    """Nothing to do today; kept for the day guards gain users after the merged loop."""
-    return None
 
 
 def _hoist_invariants(outer: Block, loop: Op) -> None:
