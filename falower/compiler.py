@@ -69,7 +69,7 @@ class CompiledAttention:
             arrays = [np.asarray(x) for x in inputs]
             return tuple(Interpreter("native").run(self.lowered, arrays))
         k = self.kernel(*inputs)
-        caps = [inputs[self.func.args.index(c)] for c in self.analysis.captures] if self.analysis.captures else []
+        caps = [inputs[self.lowered.args.index(c)] for c in self.analysis.captures]
         return k(inputs[0], inputs[1], inputs[2], *caps)
 
     @property

@@ -83,9 +83,13 @@ class Reference:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, func: Func, shapes: Optional[Mapping[str, int]] = None, seed: int = 0) -> "Reference":
+    def build(cls, func: Func, shapes: Optional[Mapping[str, int]] = None, seed: int = 0,
+              inputs: Optional[list[np.ndarray]] = None) -> "Reference":
+        """The float64 outputs of `func` (and the LSE of its softmax) on random inputs, or on `inputs`."""
         env = bind_dims(func, shapes)
-        inputs = random_inputs(func, env, seed)
+        if inputs is None:
+            inputs = random_inputs(func, env, seed)
+        inputs = [x.astype(np.float64) if x.dtype.kind == "f" else x for x in inputs]
         ref = cls(func, env, inputs)
         it = Interpreter("f64")
         outs = it.run(func, inputs, env)
