@@ -360,6 +360,41 @@ def _max_errors(outs: Sequence[np.ndarray], names: Sequence[str], ref: Mapping[s
     return errs
 
 
+def _device_inputs(func: Func, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The random inputs in the dtypes the graph declares (bf16 as raw bits in uint16, as the GPU takes them)."""
+    from .ir.interp import round_bf16
+    from .ir.types import numpy_dtype
+
+    out = []
+    for a, x in zip(func.args, inputs):
+        if a.type.dtype == "bf16":
+            out.append((round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16))
+        else:
+            out.append(np.ascontiguousarray(np.asarray(x).astype(numpy_dtype(a.type.dtype))))
+    return out
+
+
+def _host_output(x) -> np.ndarray:
+    """A kernel output as a numpy array (device arrays are copied; bf16 bits become float32)."""
+    if hasattr(x, "copy_to_host"):
+        x = x.copy_to_host()
+    elif hasattr(x, "cpu") and hasattr(x, "numpy"):  # a torch tensor
+        x = x.float().cpu().numpy() if str(getattr(x, "dtype", "")) == "torch.bfloat16" else x.cpu().numpy()
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        x = (x.astype(np.uint32) << 16).view(np.float32)
+    return x
+
+
+def _cuda_available() -> bool:
+    try:
+        from numba import cuda
+
+        return bool(cuda.is_available())
+    except Exception:  # numba without its CUDA target, or no driver: either way, no GPU for us
+        return False
+
+
 @command("run", "execute a graph on random inputs and compare with the float64 reference", _setup_run)
 def cmd_run(args: argparse.Namespace) -> int:
     import falower
@@ -371,29 +406,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     func = select_graph(args.file, args.graph)
     env = check_shapes(func, shapes)
     ref = Reference.build(func, env, seed=args.seed)
-    lowered = func
-    if args.pipeline:
-        from .passes import run_pipeline
-
-        lowered = run_pipeline(func, args.pipeline, out=sys.stderr)
-    t0 = time.perf_counter()
     if args.backend == "reference":
+        lowered = func
+        if args.pipeline:
+            from .passes import run_pipeline
+
+            lowered = run_pipeline(func, args.pipeline, out=sys.stderr)
+        t0 = time.perf_counter()
         outs = interpret(lowered, ref.inputs, "native", env)
+        dt = time.perf_counter() - t0
+        names = lowered.result_names
     else:
         compile_fn = getattr(falower, "compile", None)
         if compile_fn is None:
             raise UserError("backend numba-cuda is not available yet (falower.compile is not defined)")
-        kernel = compile_fn(lowered, backend="numba-cuda")
-        outs = kernel(*ref.inputs)
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    dt = time.perf_counter() - t0
+        if not _cuda_available():
+            raise UserError("backend numba-cuda needs a CUDA GPU and numba-cuda (pip install -e \".[cuda]\"); "
+                            "none is usable here")
+        kwargs = {"pipeline": args.pipeline} if args.pipeline else {}
+        compiled = compile_fn(func, backend="numba-cuda", **kwargs)
+        dev_inputs = _device_inputs(func, ref.inputs)
+        compiled(*dev_inputs)  # the first call compiles; time the second
+        t0 = time.perf_counter()
+        result = compiled(*dev_inputs)
+        dt = time.perf_counter() - t0
+        outs = [_host_output(x) for x in (result if isinstance(result, (tuple, list)) else [result])]
+        lowered_func = getattr(compiled, "lowered", None)
+        names = lowered_func.result_names if isinstance(lowered_func, Func) else func.result_names
     naive = interpret(func, ref.inputs, "native", env)
-    errs = _max_errors(outs, lowered.result_names, ref.outputs)
+    errs = _max_errors(outs, names, ref.outputs)
     naive_errs = _max_errors(naive, func.result_names, ref.outputs)
-    name = f"@{func.name}" + (f" lowered by {args.pipeline}" if args.pipeline else "")
-    print(f"{name} on {args.backend}, shapes {format_shapes(_ordered_env(func, env))}, seed {args.seed}, "
+    label = f"@{func.name}" + (f" lowered by {args.pipeline}" if args.pipeline else "")
+    print(f"{label} on {args.backend}, shapes {format_shapes(_ordered_env(func, env))}, seed {args.seed}, "
           f"{dt * 1e3:.1f} ms")
-    for oname, out in zip(lowered.result_names, outs):
+    for oname, out in zip(names, outs):
         arr = np.asarray(out)
         line = f"  {oname}: {arr.dtype}{list(arr.shape)}"
         if oname in errs:
