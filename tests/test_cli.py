@@ -1,0 +1,285 @@
+"""The `falower` command, run in-process through `falower.cli.main`: outputs, files, and every error path
+(one `falower: error:` line, exit 1; usage errors exit 2; never a traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import falower as fl
+from falower.cli import main, parse_shapes
+from falower.errors import FalowerError
+from falower.ir import parse_func, print_func
+
+ROOT = Path(__file__).resolve().parent.parent
+EX = ROOT / "examples"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+LOWER = "decompose-softmax,canonicalize"
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_error_line(code: int, err: str, match: str, want_code: int = 1) -> None:
+    assert code == want_code, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("falower: error:")]
+    assert len(lines) == 1, err
+    assert match in lines[0], err
+
+
+# ------------------------------------------------------------------------------------------- passes
+def test_passes_lists_every_pass_and_pipeline(capsys) -> None:
+    code, out, _ = cli(capsys, "passes")
+    assert code == 0
+    for name, cls in fl.passes.PASSES.items():
+        line = next(ln for ln in out.splitlines() if ln.split()[:1] == [name])
+        assert cls.summary in line
+    assert "named pipelines:" in out
+    for name in fl.passes.NAMED_PIPELINES:
+        assert any(ln.split()[:1] == [name] for ln in out.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------- opt
+def test_opt_causal_prints_each_pass_and_reports_numbers(capsys) -> None:
+    code, out, err = cli(capsys, "opt", EX / "causal.py", "-p", LOWER, "--print-ir-after-all", "--check")
+    assert code == 0, err
+    assert out == (GOLDEN / "causal.lowered.fl").read_text()
+    assert "// ----- IR after decompose-softmax   [decompose-softmax] ----- //" in err
+    assert "// ----- IR after canonicalize   [decompose-softmax, canonicalize] ----- //" in err
+    assert "check: decompose-softmax ok\ncheck: canonicalize ok\n" in err
+    assert "numbers preserved after 2 passes (float64 reference, shapes B=2,H=3,M=77,N=93,D=16)" in err
+
+
+def test_opt_check_with_shapes(capsys) -> None:
+    code, _, err = cli(capsys, "opt", EX / "gqa.py", "-p", LOWER, "--check", "--shapes", "B=1, HKV=3,M=5,N=9,D=8")
+    assert code == 0, err
+    assert "shapes B=1,HKV=3,M=5,N=9,D=8" in err
+
+
+def test_opt_print_after_named_and_change(capsys) -> None:
+    code, _, err = cli(capsys, "opt", EX / "plain.py", "-p", LOWER, "--print-ir-after=canonicalize")
+    assert code == 0 and err.count("// ----- IR after") == 1 and "IR after canonicalize" in err
+    code, _, err = cli(capsys, "opt", EX / "naive_tensor_code.py", "-p", LOWER, "--print-ir-after-change")
+    assert code == 0 and err.count("// ----- IR after") == 1 and "IR after decompose-softmax" in err
+
+
+def test_opt_timing(capsys) -> None:
+    code, _, err = cli(capsys, "opt", EX / "plain.py", "-p", LOWER, "--timing")
+    assert code == 0
+    assert "timing: decompose-softmax" in err and "timing: total" in err
+
+
+def test_opt_writes_output_and_dot_files(capsys, tmp_path) -> None:
+    out_file, dot_file = tmp_path / "o.fl", tmp_path / "g.dot"
+    code, out, err = cli(capsys, "opt", EX / "document.py", "-p", LOWER, "-o", out_file, "--dot", dot_file)
+    assert code == 0, err
+    assert out == ""
+    text = out_file.read_text()
+    assert text == (GOLDEN / "document.lowered.fl").read_text()
+    dot = dot_file.read_text()
+    assert dot.startswith('digraph "document"') and "gather : i32[B,1,M,1]" in dot
+
+
+def test_opt_reads_an_ir_dump(capsys, tmp_path) -> None:
+    dump = tmp_path / "causal.mlir"
+    dump.write_text((GOLDEN / "causal.traced.fl").read_text())
+    code, out, err = cli(capsys, "opt", dump, "-p", LOWER, "--check")
+    assert code == 0, err
+    assert out == (GOLDEN / "causal.lowered.fl").read_text()
+
+
+def test_opt_graph_selection_by_func_or_variable_name(capsys, tmp_path) -> None:
+    src = tmp_path / "two.py"
+    src.write_text("import falower as fl\nfirst = fl.attention(name='a')\nsecond = fl.attention(name='b')\n")
+    code, out, _ = cli(capsys, "opt", src, "--graph", "b", "-p", "canonicalize")
+    assert code == 0 and out.startswith("func @b(")
+    code, out, _ = cli(capsys, "opt", src, "--graph", "first", "-p", "canonicalize")
+    assert code == 0 and out.startswith("func @a(")
+
+
+def test_opt_output_reads_back_unchanged(capsys, tmp_path) -> None:
+    code, out, _ = cli(capsys, "opt", EX / "relative_bias.py", "-p", LOWER)
+    dump = tmp_path / "r.fl"
+    dump.write_text(out)
+    code2, out2, _ = cli(capsys, "opt", dump, "-p", "canonicalize")
+    assert code == code2 == 0 and out2 == out
+    assert print_func(parse_func(out)) == out
+
+
+# ---------------------------------------------------------------------------------------------- run
+def test_run_reference_reports_error_and_shapes(capsys) -> None:
+    code, out, err = cli(capsys, "run", EX / "softcap.py", "--backend", "reference", "--shapes", "B=1,H=2,M=10,N=12,D=8")
+    assert code == 0, err
+    assert "@softcap on reference, shapes B=1,H=2,M=10,N=12,D=8, seed 0" in out
+    assert "o: float16[1, 2, 10, 8]" in out
+    err_value = float(out.split("max abs error vs float64 ")[1].split()[0])
+    assert 0 < err_value < 1e-2  # f16 rounding, not garbage
+
+
+def test_run_lowered_graph(capsys) -> None:
+    code, out, err = cli(capsys, "run", EX / "document.py", "--pipeline", LOWER, "--seed", "3")
+    assert code == 0, err
+    assert "lowered by decompose-softmax,canonicalize" in out and "seed 3" in out
+
+
+def _gpu() -> bool:
+    from falower.cli import _cuda_available
+
+    return _cuda_available()
+
+
+def test_run_numba_cuda_without_a_gpu_is_one_line(capsys) -> None:
+    if _gpu():
+        pytest.skip("a CUDA GPU is available: tests/backend runs the kernels")
+    code, _, err = cli(capsys, "run", EX / "causal.py", "--backend", "numba-cuda")
+    assert_one_error_line(code, err, "backend numba-cuda needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stem", ["causal", "plain"])
+def test_run_numba_cuda_on_the_gpu(capsys, stem) -> None:
+    code, out, err = cli(capsys, "run", EX / f"{stem}.py", "--backend", "numba-cuda", "--shapes", "B=1,H=2,M=100,N=130,D=64")
+    assert code == 0, err
+    assert f"@{stem} on numba-cuda" in out and "max abs error vs float64" in out
+
+
+# --------------------------------------------------------------------------------------------- demo
+def test_demo_lowers_every_example(capsys) -> None:
+    code, out, err = cli(capsys, "demo")
+    assert code == 0, err
+    for stem in ("plain", "causal", "document", "gqa", "naive_tensor_code"):
+        assert f"\n{stem}  (@{stem}, shapes" in out
+    assert out.count("numbers preserved after") == 11
+    assert "FAILED" not in out
+    assert "func @causal(" in out
+
+
+# ------------------------------------------------------------------------------------------- errors
+BAD_PY = {
+    "empty.py": "x = 1\n",
+    "boom.py": "import falower as fl\n\nraise ValueError('boom')\n",
+    "syntax.py": "def f(:\n",
+    "exits.py": "import sys\nsys.exit(3)\n",
+    "two.py": "import falower as fl\na = fl.attention(name='a')\nb = fl.attention(name='b')\n",
+    "dup.py": "import falower as fl\na = fl.attention(name='x')\nb = fl.attention(name='x')\n",
+    "badmask.py": "import falower as fl\ng = fl.attention(mask_mod=lambda b, h, q, kv: q + kv)\n",
+    "iftrace.py": "import falower as fl\ng = fl.attention(mask_mod=lambda b, h, q, kv: q if q > kv else kv)\n",
+}
+BAD_IR = {
+    "garbage.fl": "garbage\n",
+    "undefined.fl": "func @f(%x: f32[N]) -> (out0: f32[N]) {\n  %0 = neg %y : f32[N]\n  return %0\n}\n",
+    "shapes.fl": "func @f(%x: f32[N], %y: f32[M]) -> (out0: f32[N]) {\n  %0 = add %x, %y : f32[N]\n  return %0\n}\n",
+    "dtypes.fl": "func @f(%x: f32[N], %y: f16[N]) -> (out0: f32[N]) {\n  %0 = add %x, %y : f32[N]\n  return %0\n}\n",
+}
+
+
+@pytest.fixture
+def bad_files(tmp_path) -> Path:
+    for name, text in {**BAD_PY, **BAD_IR}.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "binary.fl").write_bytes(b"\xff\xfe\x00")
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["opt", "{d}/missing.py", "-p", LOWER], "missing.py: no such file"),
+    (["opt", "{d}", "-p", LOWER], "is a directory"),
+    (["opt", "{ex}/causal.py", "-p", "nosuch"], "unknown pass 'nosuch'"),
+    (["opt", "{ex}/causal.py", "-p", "canonicalize,"], "trailing ','"),
+    (["opt", "{ex}/causal.py", "-p", "canonicalize{{x=1}}"], "pass canonicalize has no option 'x'"),
+    (["opt", "{ex}/causal.py", "-p", "canonicalize{{"], "malformed pipeline"),
+    (["opt", "{ex}/causal.py", "-p", "canonicalize", "--print-ir-after=fuse"], "no pass named fuse in the pipeline"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--check", "--shapes", "B=x"], "--shapes: bad item 'B=x'"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--check", "--shapes", "B2"], "--shapes: bad item 'B2'"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--check", "--shapes", "B=0"], "sizes must be positive"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--check", "--shapes", "B=-2"], "sizes must be positive"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--check", "--shapes", "B=2,B=3"], "B is given twice"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--shapes", "Q=3"], "Q is not a dimension of @causal's inputs"),
+    (["opt", "{ex}/gqa.py", "-p", LOWER, "--check", "--shapes", "H=8"], "H is not a dimension of @gqa's inputs"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "--graph", "nope"], "no graph named 'nope' (graphs: causal)"),
+    (["opt", "{d}/empty.py", "-p", LOWER], "no graph found"),
+    (["opt", "{d}/boom.py", "-p", LOWER], "boom.py:3: ValueError: boom"),
+    (["opt", "{d}/syntax.py", "-p", LOWER], "syntax.py:1: SyntaxError"),
+    (["opt", "{d}/exits.py", "-p", LOWER], "the file called exit(3)"),
+    (["opt", "{d}/two.py", "-p", LOWER], "2 graphs (a, b); choose one with --graph NAME"),
+    (["opt", "{d}/dup.py", "-p", LOWER], "two graphs named 'x'"),
+    (["opt", "{d}/badmask.py", "-p", LOWER], "badmask.py:2: mask_mod must return a bool tensor"),
+    (["opt", "{d}/iftrace.py", "-p", LOWER], "has no truth value while tracing"),
+    (["opt", "{d}/garbage.fl", "-p", LOWER], "garbage.fl: line 1, at 'garbage': expected func"),
+    (["opt", "{d}/undefined.fl", "-p", LOWER], "use of undefined value %y"),
+    (["opt", "{d}/binary.fl", "-p", LOWER], "cannot read"),
+    (["opt", "{d}/shapes.fl", "-p", LOWER], "operand shapes do not broadcast"),
+    (["opt", "{d}/dtypes.fl", "-p", LOWER], "operand dtypes differ"),
+    (["opt", "{ex}/causal.py", "-p", LOWER, "-o", "{d}/no/such/dir/out.fl"], "cannot write"),
+    (["run", "{ex}/causal.py", "--shapes", "M=0"], "sizes must be positive"),
+    (["run", "{d}/two.py"], "choose one with --graph NAME"),
+    (["run", "{ex}/causal.py", "--pipeline", "nosuch"], "unknown pass 'nosuch'"),
+    (["demo", "--examples", "{d}/nothere"], "no examples directory"),
+])
+def test_error_paths(capsys, bad_files, argv, match) -> None:
+    argv = [a.format(d=bad_files, ex=EX) for a in argv]
+    code, out, err = cli(capsys, *argv)
+    assert_one_error_line(code, err, match)
+
+
+def test_verify_error_prints_context_after_the_error_line(capsys, bad_files) -> None:
+    code, _, err = cli(capsys, "opt", bad_files / "shapes.fl", "-p", LOWER)
+    assert code == 1 and "Traceback" not in err
+    first, *context = err.rstrip("\n").split("\n")
+    assert first.startswith("falower: error: ") and "verifier: 'add'" in first
+    assert any(line.startswith(">") and "add %x, %y" in line for line in context)
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["frobnicate"],
+    ["opt", "x.py"],  # -p is required
+    ["opt", "x.py", "-p", LOWER, "--print-ir-after-all", "--print-ir-after-change"],
+    ["run", "x.py", "--backend", "cpu"],
+    ["run", "x.py", "--seed", "s"],
+])
+def test_usage_errors_exit_2(capsys, argv) -> None:
+    code, _, err = cli(capsys, *argv)
+    assert_one_error_line(code, err, "", want_code=2)
+
+
+def test_help_exits_0(capsys) -> None:
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0
+    for name in ("passes", "opt", "run", "demo"):
+        assert name in out
+
+
+@pytest.mark.parametrize("text, want", [("", {}), ("B=2", {"B": 2}), (" B = 2 ,H=4", {"B": 2, "H": 4})])
+def test_parse_shapes(text, want) -> None:
+    assert parse_shapes(text) == want
+
+
+@pytest.mark.parametrize("text", ["B", "B=", "=2", "B=2,", "B=2.5", "2=B", "B=2;H=3"])
+def test_parse_shapes_errors(text) -> None:
+    with pytest.raises(FalowerError, match="--shapes"):
+        parse_shapes(text)
+
+
+def test_as_a_process_error_is_one_line_without_traceback(tmp_path) -> None:
+    bad = tmp_path / "boom.py"
+    bad.write_text("raise RuntimeError('kaput')\n")
+    proc = subprocess.run([sys.executable, "-m", "falower.cli", "opt", str(bad), "-p", LOWER],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"falower: error: {bad}:1: RuntimeError: kaput"]
+
+
+def test_readme_and_ci_use_the_same_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    line = next(ln for ln in ci.splitlines() if ln.startswith("TEST_CMD="))
+    cmd = line.split("=", 1)[1].strip().strip("'")
+    assert "pytest" in cmd
+    assert cmd in (ROOT / "README.md").read_text()

@@ -1,0 +1,188 @@
+"""The reference interpreter: the definition of what ops mean, checked on small hand-made cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import falower as fl
+from falower.errors import ShapeError
+from falower.ir import interpret, new_func, parse_func
+from falower.ir.interp import round_bf16
+from falower.ir.types import tensor
+
+
+def test_softmax_of_a_fully_masked_row_is_zero() -> None:
+    f, b, (x,) = new_func("sm", [("x", tensor("f32", "M", "N"))])
+    b.ret(b.emit("softmax", x, axis=1))
+    rows = np.array([[0.0, 1.0, 2.0], [-np.inf, -np.inf, -np.inf], [-np.inf, 0.0, -np.inf]])
+    for precision in ("f64", "native"):
+        (p,) = interpret(f, [rows], precision)
+        assert not np.isnan(p).any()
+        np.testing.assert_array_equal(p[1], 0.0)
+        np.testing.assert_array_equal(p[2], [0.0, 1.0, 0.0])
+        np.testing.assert_allclose(p[0], np.exp([0, 1, 2]) / np.exp([0, 1, 2]).sum(), rtol=1e-6)
+
+
+def test_decomposed_softmax_of_a_fully_masked_row_is_zero() -> None:
+    f, b, (x,) = new_func("sm", [("x", tensor("f32", "M", "N"))])
+    b.ret(b.emit("softmax", x, axis=1))
+    g = fl.run_pipeline(f, "decompose-softmax,canonicalize")
+    (p,) = interpret(g, [np.full((2, 4), -np.inf)], "native")
+    np.testing.assert_array_equal(p, 0.0)
+
+
+def test_gather_clamps_indices() -> None:
+    f, b, (t, i) = new_func("g", [("t", tensor("f32", "N")), ("i", tensor("i32", "K"))])
+    b.ret(b.emit("gather", t, i))
+    (out,) = interpret(f, [np.array([10.0, 20.0, 30.0]), np.array([-5, 0, 1, 2, 3, 99], dtype=np.int32)])
+    np.testing.assert_array_equal(out, [10, 10, 20, 30, 30, 30])
+
+
+def test_gather_broadcasts_indices() -> None:
+    f, b, (t, i, j) = new_func("g", [("t", tensor("f32", "H", "N")), ("i", tensor("i32", "H", 1)),
+                                     ("j", tensor("i32", 1, "K"))])
+    b.ret(b.emit("gather", t, i, j))
+    table = np.arange(6, dtype=np.float64).reshape(2, 3)
+    (out,) = interpret(f, [table, np.array([[0], [1]], np.int32), np.array([[2, 0]], np.int32)])
+    np.testing.assert_array_equal(out, [[2, 0], [5, 3]])
+
+
+def test_bf16_rounding() -> None:
+    one_ulp = 2.0 ** -7  # bf16 has 8 significant bits
+    x = np.array([1.0, 1.0 + one_ulp / 2, 1.0 + one_ulp * 1.5, 1.0 + one_ulp * 0.75, 3.14159265, -2.0 ** -130, np.nan],
+                 dtype=np.float32)
+    r = round_bf16(x)
+    assert r[0] == 1.0
+    assert r[1] == 1.0  # a tie rounds to even
+    assert r[2] == 1.0 + 2 * one_ulp  # a tie rounds to even (up)
+    assert r[3] == 1.0 + one_ulp
+    assert r[4] == np.float32(3.140625)
+    assert np.isnan(r[6])
+    assert np.all(r[:6].view(np.uint32) & 0xFFFF == 0)
+
+
+def test_bf16_values_are_stored_rounded_in_native_precision() -> None:
+    f, b, (x, y) = new_func("add", [("x", tensor("bf16", "N")), ("y", tensor("bf16", "N"))])
+    b.ret(b.emit("add", x, y))
+    xs, ys = np.array([1.0, 256.0]), np.array([2.0 ** -9, 1.0])
+    (native,) = interpret(f, [xs, ys], "native")
+    (exact,) = interpret(f, [xs, ys], "f64")
+    np.testing.assert_array_equal(native, [1.0, 256.0])  # bf16 cannot hold 1 + 2^-9 nor 257
+    np.testing.assert_array_equal(exact, [1.0 + 2.0 ** -9, 257.0])
+
+
+def test_f16_native_rounds_and_f64_does_not() -> None:
+    f, b, (x,) = new_func("id", [("x", tensor("f16", "N"))])
+    b.ret(b.emit("mul", x, x))
+    (native,) = interpret(f, [np.array([1.0 + 2.0 ** -11])], "native")
+    assert native.dtype == np.float16
+    (exact,) = interpret(f, [np.array([1.0 + 2.0 ** -11])], "f64")
+    assert exact.dtype == np.float64 and exact[0] == (1.0 + 2.0 ** -11) ** 2
+
+
+TILED = """func @tiled(%x: f32[M,4]) -> (out0: f32[M,4]) {
+  %o = parallel_for (%i) in (cdiv(M, 8)) : f32[M,4] {
+    %c8 = const 8 : i32
+    %q0 = mul %i, %c8 : i32
+    %t = tile.load %x[%q0 : 8, :] : f32[8,4]
+    %one = const 1.0 : f32
+    %t1 = add %t, %one : f32[8,4]
+    tile.yield %t1 into [%q0 : 8, :]
+  }
+  return %o
+}
+"""
+
+
+def test_tile_load_pads_ragged_tiles_with_zeros() -> None:
+    g = parse_func(TILED)
+    x = np.arange(13 * 4, dtype=np.float64).reshape(13, 4)
+    (out,) = interpret(g, [x])
+    np.testing.assert_array_equal(out, x + 1)  # 13 rows: the second tile is ragged (5 of 8 rows)
+
+    # the padding itself: yield the ragged tile whole into a result with room for every tile row
+    text = TILED.replace("-> (out0: f32[M,4])", "-> (out0: f32[cdiv(M, 8)*8,4])") \
+        .replace(": f32[M,4] {", ": f32[cdiv(M, 8)*8,4] {")
+    h = parse_func(text)
+    (padded,) = interpret(h, [x])
+    assert padded.shape == (16, 4)
+    np.testing.assert_array_equal(padded[:13], x + 1)
+    np.testing.assert_array_equal(padded[13:], 1.0)  # zero padding, plus one
+
+
+def test_for_loop_carries_state() -> None:
+    text = """func @sum(%x: f32[4]) -> (out0: f32[4]) {
+  %lo = const 0 : i32
+  %hi = const 5 : i32
+  %r = for %k = %lo to %hi iter_args(%acc = %x) : f32[4] {
+    %kf = cast %k {to = "f32"} : f32
+    %n = add %acc, %kf : f32[4]
+    yield %n
+  }
+  return %r
+}
+"""
+    (out,) = interpret(parse_func(text), [np.zeros(4)])
+    np.testing.assert_array_equal(out, 0 + 1 + 2 + 3 + 4)
+
+
+def test_if_picks_a_branch() -> None:
+    text = """func @pick(%c: bool, %x: f32[2]) -> (out0: f32[2]) {
+  %r = if %c : f32[2] {
+    yield %x
+  } else {
+    %n = neg %x : f32[2]
+    yield %n
+  }
+  return %r
+}
+"""
+    g = parse_func(text)
+    x = np.array([1.0, -2.0])
+    np.testing.assert_array_equal(interpret(g, [np.bool_(True), x])[0], x)
+    np.testing.assert_array_equal(interpret(g, [np.bool_(False), x])[0], -x)
+
+
+def test_integer_ops_and_casts() -> None:
+    f, b, (x, y) = new_func("ints", [("x", tensor("i32", "N")), ("y", tensor("i32", "N"))])
+    b.ret(b.emit("floordiv", x, y), b.emit("mod", x, y), b.emit("and", x, y), b.emit("cast", b.emit("neg", x), to="f32"))
+    xs, ys = np.array([7, -7, 5], np.int32), np.array([2, 2, 3], np.int32)
+    fd, md, an, cf = interpret(f, [xs, ys], "native")
+    np.testing.assert_array_equal(fd, [3, -4, 1])
+    np.testing.assert_array_equal(md, [1, 1, 2])
+    np.testing.assert_array_equal(an, [2, 0, 1])  # bitwise on ints: -7 & 2 == 0
+    assert cf.dtype == np.float32 and list(cf) == [-7.0, 7.0, -5.0]
+
+
+def test_shapes_bind_from_inputs_and_mismatches_are_shape_errors() -> None:
+    g = fl.attention(name="plain")
+    q = np.zeros((1, 2, 3, 4))
+    k = np.zeros((1, 2, 5, 4))
+    (o,) = interpret(g, [q, k, k])
+    assert o.shape == (1, 2, 3, 4)
+    with pytest.raises(ShapeError, match="dimension D = 4 but the input has size 8"):
+        interpret(g, [q, np.zeros((1, 2, 5, 8)), k])
+    with pytest.raises(ShapeError, match="must have rank 4"):
+        interpret(g, [q, k[0], k])
+    with pytest.raises(ShapeError, match="takes 3 inputs"):
+        interpret(g, [q, k])
+
+
+def test_symbolic_constants_evaluate_with_the_bound_dims() -> None:
+    f, b, (x,) = new_func("n", [("x", tensor("f32", "N"))])
+    n = b.const(fl.ir.dim("N") * 2 - 1)
+    b.ret(b.emit("cast", n, to="f32"))
+    (out,) = interpret(f, [np.zeros(6)])
+    assert float(out) == 11.0
+
+
+def test_erf_and_sigmoid() -> None:
+    f, b, (x,) = new_func("u", [("x", tensor("f64", "N"))])
+    b.ret(b.emit("erf", x), b.emit("sigmoid", x))
+    xs = np.array([-1.0, 0.0, 0.5])
+    e, s = interpret(f, [xs])
+    np.testing.assert_allclose(e, [math.erf(v) for v in xs])
+    np.testing.assert_allclose(s, 1 / (1 + np.exp(-xs)))
