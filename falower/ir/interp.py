@@ -31,9 +31,13 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
 
 class Interpreter:
     def __init__(self, precision: str = "f64"):
-        if precision not in ("f64", "native"):
-            raise ValueError("precision is 'f64' or 'native'")
+        if precision not in ("f64", "native", "low:f16", "low:bf16"):
+            raise ValueError("precision is 'f64', 'native', 'low:f16' or 'low:bf16'")
         self.precision = precision
+        # "low:<dtype>": naive attention in that precision, every float result rounded to it
+        # (computed in float32, as cuBLAS and torch do for f16 and bf16). FlashAttention's error rule
+        # compares a kernel with this.
+        self.low = precision.split(":")[1] if precision.startswith("low:") else None
         self.env_dims: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------ dtypes
@@ -46,6 +50,8 @@ class Interpreter:
             return x.astype(numpy_dtype(t.dtype))
         if self.precision == "f64":
             return x.astype(np.float64)
+        if self.low is not None and t.dtype != "f64":
+            return round_bf16(x.astype(np.float32)) if self.low == "bf16" else x.astype(np.float16)
         if t.dtype == "bf16":
             return round_bf16(x.astype(np.float32))
         return x.astype(numpy_dtype(t.dtype))
