@@ -336,6 +336,24 @@ def _write(path: str, text: str) -> None:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+# --------------------------------------------------------------------------------------------- cost
+def _setup_cost(p: argparse.ArgumentParser) -> None:
+    _add_graph_args(p)
+    p.add_argument("-p", "--pipeline", "--pass-pipeline", dest="pipeline", required=True, metavar="PIPELINE",
+                   help="the passes to report on, e.g. fa2-fwd (see `falower passes`)")
+    p.add_argument("--per-tensor", action="store_true", help="also list the final IR's traffic per tensor")
+
+
+@command("cost", "FLOPs and main-memory traffic after each pass of a pipeline", _setup_cost)
+def cmd_cost(args: argparse.Namespace) -> int:
+    from .passes.cost import cost_table
+
+    func = select_graph(args.file, args.graph)
+    env = _ordered_env(func, check_shapes(func, parse_shapes(args.shapes)))
+    sys.stdout.write(cost_table(func, args.pipeline, env, per_tensor=args.per_tensor))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- run
 def _setup_run(p: argparse.ArgumentParser) -> None:
     _add_graph_args(p)

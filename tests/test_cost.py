@@ -292,18 +292,30 @@ def test_unknown_loop_bound_is_a_clear_error() -> None:
 
 
 def test_cli_cost_table(capsys) -> None:
-    if "cost" not in __import__("falower.cli", fromlist=["COMMANDS"]).COMMANDS:
-        pytest.skip("`falower cost` is not registered in falower/cli.py")
     code = main(["cost", str(EX / "causal.py"), "-p", FA2.format(bq=64, bk=64),
                  "--shapes", "B=1,H=1,M=1024,N=1024,D=64"])
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = out.strip().splitlines()
-    assert lines[0].split()[:4] == ["pass", "GFLOP", "MB", "read"] or "GFLOP" in lines[0]
-    rows = [ln.split() for ln in lines[1:] if ln.strip() and not ln.startswith("-")]
+    assert lines[0] == "# @causal at B=1,H=1,M=1024,N=1024,D=64"
+    assert lines[1].split() == ["pass", "GFLOP", "MB", "read", "MB", "written"]
+    rows = [ln.split() for ln in lines[2:]]
     assert [r[0] for r in rows] == ["(input)", "decompose-softmax", "canonicalize", "fuse", "tile{bq=64,bk=64}",
                                     "online-softmax", "canonicalize"]
     c = cost_of(lower(causal(), FA2), dict(B=1, H=1, M=1024, N=1024, D=64))
     assert float(rows[-1][1]) == pytest.approx(c.flops / 1e9, abs=0.01)
     assert float(rows[-1][2]) == pytest.approx(c.bytes_read / 1e6, abs=0.01)
     assert float(rows[-1][3]) == pytest.approx(c.bytes_written / 1e6, abs=0.01)
+    assert float(rows[0][2]) > 4 * float(rows[-1][2])  # the eager graph moves far more than FA2
+
+
+def test_cli_cost_per_tensor_and_errors(capsys) -> None:
+    code = main(["cost", str(EX / "plain.py"), "-p", FA1.format(bq=64, bk=64), "--shapes", "M=256,N=256,D=64,B=1,H=1",
+                 "--per-tensor"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    tensors = {ln.split()[0] for ln in out.splitlines() if ln.startswith("  %")}
+    assert tensors == {"%q", "%k", "%v", "%O", "%l", "%m", "%o", "%lse"}
+    code = main(["cost", str(EX / "plain.py"), "-p", "fuse", "--shapes", "Q=3"])
+    _, err = capsys.readouterr()
+    assert code == 1 and "falower: error: --shapes: Q is not a dimension" in err

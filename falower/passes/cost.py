@@ -701,4 +701,51 @@ def cost_header(dims: Mapping[str, int]) -> Callable[[Func, Any, int], str]:
     return header
 
 
-__all__ = ["Cost", "CostError", "DTYPE_BYTES", "cost_of", "cost_header", "format_cost", "format_breakdown"]
+def cost_table(func: Func, pipeline: str, dims: Mapping[str, int], per_tensor: bool = False) -> str:
+    """What `falower cost` prints: one row per pass of `pipeline` (the input graph first) with GFLOP, MB read
+    and MB written (1e9, 1e6), run through the PassManager (so every pass is verified as in `falower opt`).
+    A stage whose cost cannot be computed shows `n/a` and the reason below the table."""
+    import io
+
+    from .manager import PassManager
+    from .pipeline import parse_pipeline
+
+    pipe = parse_pipeline(pipeline)
+    rows: list[tuple[str, Optional[Cost], str]] = []
+
+    def measure(label: str, f: Func) -> str:
+        try:
+            rows.append((label, cost_of(f, dims), ""))
+        except FalowerError as e:
+            rows.append((label, None, str(e).splitlines()[0]))
+        return ""
+
+    measure("(input)", func)
+    final: list[Func] = []
+
+    def hook(f: Func, p: Any, i: int) -> str:
+        if i == len(pipe.stages) - 1:
+            final.append(f)
+        return measure(str(pipe.stages[i]), f)
+
+    PassManager(pipe, print_after_all=True, out=io.StringIO(), header_extra=hook).run(func)
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [f"# @{func.name} at {','.join(f'{k}={v}' for k, v in dims.items())}",
+             f"{'pass':<{width}}{'GFLOP':>12}{'MB read':>14}{'MB written':>14}"]
+    notes = []
+    for label, c, why in rows:
+        if c is None:
+            lines.append(f"{label:<{width}}{'n/a':>12}{'n/a':>14}{'n/a':>14}")
+            notes.append(f"# {label}: {why}")
+        else:
+            lines.append(f"{label:<{width}}{c.flops / 1e9:>12.3f}{c.bytes_read / 1e6:>14.3f}{c.bytes_written / 1e6:>14.3f}")
+    lines += notes
+    last = rows[-1][1]
+    if per_tensor and last is not None:
+        lines.append("# per tensor, after the last pass:")
+        lines.append(format_breakdown(last))
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["Cost", "CostError", "DTYPE_BYTES", "cost_of", "cost_header", "cost_table", "format_cost",
+           "format_breakdown"]
