@@ -152,6 +152,20 @@ def test_broadcast_operands_count_at_their_own_size_and_consts_are_free() -> Non
     assert c.bytes_written == 3 * 4 * full
 
 
+def test_dtype_sizes() -> None:
+    from falower.ir.types import DTYPES
+    from falower.passes.cost import DTYPE_BYTES
+
+    assert set(DTYPE_BYTES) == set(DTYPES)
+
+    @fl.trace(x=fl.tensor("bf16", "N"), y=fl.tensor("i8", "N"), z=fl.tensor("i32", "N"))
+    def g(x, y, z):
+        return x.to("f32") + (y.to("i32") + z).to("f32")
+
+    c = cost_of(g, dict(N=10))
+    assert (c.reads["%x"], c.reads["%y"], c.reads["%z"]) == (20, 10, 40)  # bf16 is 2 bytes, not numpy's 4
+
+
 def test_fused_reads_operands_and_writes_its_result_once() -> None:
     f = run_pipeline(causal(), "decompose-softmax,canonicalize,fuse")
     B, H, M, N, D = 1, 2, 40, 48, 16

@@ -78,6 +78,8 @@ from ..ir.ops import ELEMENTWISE
 from ..ir.printer import Printer
 from ..ir.types import TensorType, is_float
 
+# Bytes per element of each dtype in falower/ir/types.py (DTYPES). Not numpy's itemsize: the interpreter holds
+# bf16 in float32, but a kernel stores it in 2 bytes.
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i8": 1, "bool": 1}
 
 
@@ -762,11 +764,8 @@ def cost_table(func: Func, pipeline: str, dims: Mapping[str, int], per_tensor: b
         return ""
 
     measure("(input)", func)
-    final: list[Func] = []
 
     def hook(f: Func, p: Any, i: int) -> str:
-        if i == len(pipe.stages) - 1:
-            final.append(f)
         return measure(str(pipe.stages[i]), f)
 
     PassManager(pipe, print_after_all=True, out=io.StringIO(), header_extra=hook).run(func)
