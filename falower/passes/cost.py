@@ -173,14 +173,15 @@ def _defining_op(v: Value) -> Optional[Op]:
     return v.owner if isinstance(v.owner, Op) else None
 
 
-def _pred_depends(region: Block, arg_index: int) -> bool:
-    """Whether a mask predicate's answer can depend on argument `arg_index` (b = 0, h = 1) when the captured
-    tables are unknown: a value flowing only into `gather` does not count (its result is unknown anyway)."""
+def _pred_depends(region: Block, arg_index: int, through_gather: bool = False) -> bool:
+    """Whether a mask predicate's answer can depend on argument `arg_index` (b, h, q, kv = 0..3). With the
+    captured tables unknown a value flowing only into `gather` does not count (its result is unknown anyway);
+    `through_gather` counts it (the tables are known)."""
     tainted = {region.args[arg_index]}
     for op in region.ops:
         if op.name == "yield":
             return any(v in tainted for v in op.operands)
-        if op.name == "gather":
+        if op.name == "gather" and not through_gather:
             continue
         if any(v in tainted for v in op.operands):
             tainted.update(op.results)
@@ -275,6 +276,15 @@ class _Model:
             self._pred_deps[key] = got  # type: ignore[assignment]
         return got  # type: ignore[return-value]
 
+    def _data_deps(self, region: Block) -> tuple[bool, ...]:
+        """Which of (b, h, q, kv) a predicate reads, through gathers too (when the data is known)."""
+        key = ("data", id(region))
+        got = self._pred_deps.get(key)  # type: ignore[call-overload]
+        if got is None:
+            got = tuple(_pred_depends(region, i, through_gather=True) for i in range(4))
+            self._pred_deps[key] = got  # type: ignore[index]
+        return got
+
     def _mask_operands(self, op: Op) -> list[Value]:
         """The operands of a mask op its answer depends on: b, h, the q offset and the kv offset only when the
         predicate reads them; `mask.kv_range`'s kv extent always."""
@@ -285,9 +295,10 @@ class _Model:
         return out
 
     def _table_operands(self, op: Op, table: Op) -> list[Value]:
-        if self.exact_table(table) is not None:
-            return list(op.operands[1:5])  # the data decides: every index matters
-        deps = self._pred_args(table.regions[0])
+        if self.exact_table(table) is not None:  # the data decides: what the predicate reads, gathers included
+            deps = self._data_deps(table.regions[0])
+        else:
+            deps = self._pred_args(table.regions[0])
         return [v for v, d in zip(op.operands[1:5], deps) if d]
 
     def _relevant_values(self, ops=None) -> set[Value]:
@@ -613,15 +624,44 @@ class _Model:
         got = None
         names = [self.names.get(self.root(v)) for v in table.operands]
         if names and all(n in self.data for n in names):
-            import numpy as np
-
-            from ..ir.interp import Interpreter
-
-            it = Interpreter("f64")
-            it.env_dims = dict(self.dims)
-            (got,) = it.op_mask_block_table(table, [np.asarray(self.data[n]) for n in names], {})
+            got = self._compute_table(table, [self.data[n] for n in names])
         self._tables[key] = got
         return got
+
+    def _compute_table(self, table: Op, arrays: list) -> Any:
+        """What `Interpreter.op_mask_block_table` computes, one row of q tiles at a time (so N = 16k does not
+        need a [B,H,M,N] mask), and once for all heads when the predicate does not read h. The predicate
+        itself is evaluated by the interpreter."""
+        import numpy as np
+
+        from ..ir.interp import Interpreter
+
+        it = Interpreter("f64")
+        it.env_dims = dict(self.dims)
+        B, H, nq, nk = table.results[0].type.concrete(self.dims)
+        bq, bk = table.attrs["bq"], table.attrs["bk"]
+        M = self.extent(dim(table.attrs.get("m", "M")))
+        N = self.extent(dim(table.attrs.get("n", "N")))
+        blk = table.regions[0]
+        hc = H if _pred_depends(blk, 1, through_gather=True) else 1
+        b = np.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
+        h = np.arange(hc, dtype=np.int32).reshape(1, hc, 1, 1)
+        kv = np.arange(N, dtype=np.int32).reshape(1, 1, 1, N)
+        caps = [np.asarray(a) for a in arrays]
+        out = np.zeros((B, hc, nq, nk), dtype=np.int8)
+        for i in range(nq):
+            rows = min((i + 1) * bq, M) - i * bq
+            q = np.arange(i * bq, i * bq + rows, dtype=np.int32).reshape(1, 1, rows, 1)
+            with np.errstate(all="ignore"):
+                (keep,) = it.block(blk, dict(zip(blk.args, [b, h, q, kv, *caps])))
+            keep = np.broadcast_to(np.asarray(keep, dtype=bool), (B, hc, rows, N))
+            pad = nk * bk - N
+            anyk = np.pad(keep, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=False)
+            allk = np.pad(keep, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=True)
+            anyk = anyk.reshape(B, hc, rows, nk, bk).any(axis=(2, 4))
+            allk = allk.reshape(B, hc, rows, nk, bk).all(axis=(2, 4))
+            out[:, :, i, :] = np.where(allk, 2, np.where(anyk, 1, 0))
+        return np.broadcast_to(out, (B, H, nq, nk))
 
     def table_class(self, table: Op, idx: list[Value], env: Mapping[Value, Any]) -> Optional[int]:
         """A block-table entry: exact from `data` when given, else the interval class with the captured tables
@@ -629,6 +669,10 @@ class _Model:
         exact = self.exact_table(table)
         if exact is not None:
             vals = [env.get(v) for v in idx[:4]]
+            deps = self._data_deps(table.regions[0])
+            for i, v in enumerate(vals):
+                if v is None and not deps[i]:
+                    vals[i] = 0  # an index the table does not vary along (h, for document masks)
             return None if any(v is None for v in vals) else int(exact[tuple(vals)])
         pred = table.regions[0]
         bq, bk = table.attrs["bq"], table.attrs["bk"]
