@@ -350,6 +350,10 @@ def test_cli_cost_per_tensor_and_errors(capsys) -> None:
     assert code == 0, err
     tensors = {ln.split()[0] for ln in out.splitlines() if ln.startswith("  %")}
     assert tensors == {"%q", "%k", "%v", "%O", "%l", "%m", "%o", "%lse"}
+    code = main(["cost", str(EX / "document.py"), "-p", MASKED.format(bq=64, bk=64), "--shapes", "M=256,N=256"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "# from mask-tiles on: a data-dependent mask (mask.block_table)" in out
     code = main(["cost", str(EX / "plain.py"), "-p", "fuse", "--shapes", "Q=3"])
     _, err = capsys.readouterr()
     assert code == 1 and "falower: error: --shapes: Q is not a dimension" in err

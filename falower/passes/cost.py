@@ -800,7 +800,12 @@ def cost_table(func: Func, pipeline: str, dims: Mapping[str, int], per_tensor: b
     pipe = parse_pipeline(pipeline)
     rows: list[tuple[str, Optional[Cost], str]] = []
 
+    tables: list[str] = []
+
     def measure(label: str, f: Func) -> str:
+        if not tables and any(op.name == "mask.block_table" for op in f.walk()):
+            tables.append(f"# from {label} on: a data-dependent mask (mask.block_table); without the data every "
+                          f"tile it cannot rule out counts as visited (an upper bound; cost_of(..., data=) is exact)")
         try:
             rows.append((label, cost_of(f, dims), ""))
         except FalowerError as e:
@@ -823,7 +828,7 @@ def cost_table(func: Func, pipeline: str, dims: Mapping[str, int], per_tensor: b
             notes.append(f"# {label}: {why}")
         else:
             lines.append(f"{label:<{width}}{c.flops / 1e9:>12.3f}{c.bytes_read / 1e6:>14.3f}{c.bytes_written / 1e6:>14.3f}")
-    lines += notes
+    lines += notes + tables
     last = rows[-1][1]
     if per_tensor and last is not None:
         lines.append("# per tensor, after the last pass:")
