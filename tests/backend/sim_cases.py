@@ -5,6 +5,7 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python sim_cases.py [case-id ...]   (prints one JS
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
 
-# id: (variant, path, dtype, D, B, H, M, N, group_size, block_q, block_k, num_warps)
+# id: (variant, path, dtype, D, B, H, M, N, group_size, block_q, block_k, num_warps[, spec.extra])
 CASES = {
     "mma-plain-f16-d64": ("plain", "mma", "f16", 64, 1, 1, 40, 40, 1, 32, 32, 2),
     "mma-plain-f16-ragged": ("plain", "mma", "f16", 16, 1, 2, 17, 23, 1, 32, 32, 2),
@@ -26,6 +27,9 @@ CASES = {
     "mma-bias-f16": ("bias", "mma", "f16", 16, 1, 2, 40, 35, 1, 32, 32, 2),
     "mma-table-f16-masked-rows": ("document", "mma", "f16", 16, 2, 1, 40, 40, 1, 32, 32, 2),
     "mma-gqa-f16": ("plain", "mma", "f16", 16, 1, 4, 33, 40, 2, 32, 32, 2),
+    # two m16 fragments per warp; and Q re-read from shared memory every k step
+    "mma-plain-f16-2frags": ("plain", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2),
+    "mma-causal-f16-2frags-qsmem": ("causal", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2, {"q_in_regs": False}),
     "simt-plain-f32-gqa-d24": ("plain", "simt", "f32", 24, 1, 4, 40, 40, 2, 32, 16, 1),
     "simt-causal-f16": ("causal", "simt", "f16", 16, 1, 2, 40, 40, 1, 32, 16, 1),
     "simt-bias-bf16": ("bias", "simt", "bf16", 16, 1, 2, 40, 35, 1, 32, 16, 1),
@@ -37,10 +41,12 @@ CASES = {
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import FA2ForwardKernel
 
-    variant, path, dtype, D, B, H, M, N, G, bq, bk, nw = CASES[case_id]
+    variant, path, dtype, D, B, H, M, N, G, bq, bk, nw, *extra = CASES[case_id]
     rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
     spec = make_spec(variant, D, dtype, path=path, block_q=bq, block_k=bk, num_warps=nw, group_size=G,
                      name=f"sim_{case_id.replace('-', '_')}")
+    if extra:
+        spec = dataclasses.replace(spec, extra=extra[0])
     kern = FA2ForwardKernel(spec)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
     caps = random_captures(rng, variant, B, H, M, N)

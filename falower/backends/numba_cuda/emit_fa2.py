@@ -58,6 +58,10 @@ from falower.backends.numba_cuda.intrinsics import (
     SIMULATOR,
     bf16_to_f32,
     cp_async16,
+    cp_async16_s,
+    ldsm_x4,
+    ldsm_x4_trans,
+    smem_base,
     cp_async_commit,
     cp_async_wait1,
     device_function,
@@ -135,12 +139,25 @@ def _swizzle_mask(head_dim: int) -> int:
     return p - 1
 
 
+def q_in_registers(spec: FA2ForwardSpec) -> bool:
+    """Keep the Q fragments in registers for the whole kv loop (spec.extra["q_in_regs"]).
+
+    Default: yes unless a warp owns 32+ rows at D >= 128, where acc + S + Q would not fit in 255
+    registers; then Q stays in shared memory and is re-read with ldmatrix at every k step (as FA2 does).
+    """
+    if "q_in_regs" in spec.extra:
+        return bool(spec.extra["q_in_regs"])
+    rows_per_warp = spec.block_q // spec.num_warps
+    return not (rows_per_warp >= 32 and spec.head_dim >= 128)
+
+
 def _mma_layout(spec: FA2ForwardSpec) -> dict[str, int]:
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     tile = BK * D  # uint16 elements in one K or V buffer
-    # K0, V0, K1, V1; Q is only needed before the loop, so it aliases K1/V1 when it fits there
-    # (the first writes to K1 come after a barrier that follows the Q fragment loads).
-    q_off = 2 * tile if BQ * D <= 2 * tile else 4 * tile
+    # K0, V0, K1, V1; when Q lives in registers it is only needed before the loop, so it aliases
+    # K1/V1 when it fits there (the first writes to K1 come after a barrier that follows the Q
+    # fragment loads). Otherwise Q gets its own region after the four buffers.
+    q_off = 2 * tile if (BQ * D <= 2 * tile and q_in_registers(spec)) else 4 * tile
     total = max(4 * tile, q_off + BQ * D)
     return {"tile": tile, "q_off": q_off, "elems": total}
 
@@ -175,10 +192,6 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError(f"mma path: block_k must be a multiple of 16, got {BK}")
     if BQ % (16 * NW) != 0:
         raise ValueError(f"mma path: block_q ({BQ}) must be a multiple of 16 * num_warps ({16 * NW})")
-    threads = NW * 32
-    chunks = D // 8
-    if (BK * chunks) % threads != 0 or (BQ * chunks) % threads != 0:
-        raise ValueError("mma path: the 16-byte chunks of a tile must divide evenly among the threads")
     if smem_bytes(spec) > 227 * 1024:
         raise ValueError(f"mma path: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
 
@@ -319,6 +332,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
     with c.indent():
         c(f'"""FA2 forward, tensor cores: D={D}, block {BQ}x{BK}, {NW} warps x {RW} rows, {spec.dtype}."""')
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        c("sb = smem_base(smem)  # 32-bit shared-window byte address: cheap address arithmetic")
         c("tid = cuda.threadIdx.x")
         c("lane = tid & 31")
         c("warp = tid >> 5")
@@ -346,17 +360,21 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c()
 
         def load_tile(rows: int, smem_off: str, row0: str, nrows: str, garr: str, head: str) -> None:
-            per = rows * CH // threads
+            per = -(-rows * CH // threads)
             c(f"for it in range({per}):")
             with c.indent():
                 c(f"cidx = tid + it * {threads}")
+                if (rows * CH) % threads:
+                    c(f"if cidx >= {rows * CH}:")
+                    with c.indent():
+                        c("break")
                 c(f"r = cidx // {CH}")
                 c(f"ch = cidx % {CH}")
                 c(f"grow = {row0} + r")
                 c(f"nbytes = 16 if grow < {nrows} else 0")
                 c(f"grow = min(grow, {nrows} - 1)")
                 c(
-                    f"cp_async16(smem, {smem_off} + r * {D} + ((ch ^ (r & {SWZ})) << 3), "
+                    f"cp_async16_s(sb + ({smem_off} + r * {D} + ((ch ^ (r & {SWZ})) << 3)) * 2, "
                     f"{garr}, ({head} + grow) * {D} + ch * 8, nbytes)"
                 )
 
@@ -372,13 +390,15 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c("cp_async_commit()")
         c("cp_async_wait1()")
         c("cuda.syncthreads()")
-        c("# Q fragments stay in registers for the whole kv loop")
-        for mf in range(MF):
+        QREG = q_in_registers(spec)
+        c("# Q fragments stay in registers for the whole kv loop" if QREG else
+          "# Q stays in shared memory; its fragments are re-read at every k step")
+        for mf in range(MF if QREG else 0):
             for ks in range(KS):
                 row = f"warp * {RW} + {mf * 16} + a_row"
                 c(
-                    f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldmatrix_x4("
-                    f"smem, {QOFF} + ({row}) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3))"
+                    f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4("
+                    f"sb + ({QOFF} + ({row}) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)"
                 )
         c()
         c("# online-softmax state: rows g and g + 8 of each m16 fragment")
@@ -408,10 +428,17 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 for jj in range(NJ):
                     c(f"s_{mf}_{jj}_0 = s_{mf}_{jj}_1 = s_{mf}_{jj}_2 = s_{mf}_{jj}_3 = ZERO")
             for ks in range(KS):
+                if not QREG:
+                    for mf in range(MF):
+                        row = f"warp * {RW} + {mf * 16} + a_row"
+                        c(
+                            f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4("
+                            f"sb + ({QOFF} + ({row}) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)"
+                        )
                 for jp in range(BK // 16):
                     c(
-                        f"kb0, kb1, kb2, kb3 = ldmatrix_x4(smem, k_off + ({jp * 16} + k_row) * {D} + "
-                        f"((({ks * 2} + k_ch) ^ k_x) << 3))"
+                        f"kb0, kb1, kb2, kb3 = ldsm_x4(sb + (k_off + ({jp * 16} + k_row) * {D} + "
+                        f"((({ks * 2} + k_ch) ^ k_x) << 3)) * 2)"
                     )
                     for mf in range(MF):
                         for half, (b0, b1) in enumerate((("kb0", "kb1"), ("kb2", "kb3"))):
@@ -466,6 +493,13 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     for dn in range(ND):
                         c(f"acc_{mf}_{dn}_{2 * r} *= alpha")
                         c(f"acc_{mf}_{dn}_{2 * r + 1} *= alpha")
+                c("# P to 16-bit pairs now: the fp32 S registers die here (A-operand layout of P V)")
+                for kk in range(KK):
+                    a, bb = 2 * kk, 2 * kk + 1
+                    c(f"pa_{mf}_{kk}_0 = {pack}(s_{mf}_{a}_0, s_{mf}_{a}_1)")
+                    c(f"pa_{mf}_{kk}_1 = {pack}(s_{mf}_{a}_2, s_{mf}_{a}_3)")
+                    c(f"pa_{mf}_{kk}_2 = {pack}(s_{mf}_{bb}_0, s_{mf}_{bb}_1)")
+                    c(f"pa_{mf}_{kk}_3 = {pack}(s_{mf}_{bb}_2, s_{mf}_{bb}_3)")
             c()
             c("cp_async_wait1()  # V_j has landed (K_jn may still be in flight)")
             c("cuda.syncthreads()")
@@ -476,19 +510,13 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c()
             c("# O += P V, P packed straight from the S accumulators")
             for kk in range(KK):
-                for mf in range(MF):
-                    a, bb = 2 * kk, 2 * kk + 1
-                    c(f"pa_{mf}_0 = {pack}(s_{mf}_{a}_0, s_{mf}_{a}_1)")
-                    c(f"pa_{mf}_1 = {pack}(s_{mf}_{a}_2, s_{mf}_{a}_3)")
-                    c(f"pa_{mf}_2 = {pack}(s_{mf}_{bb}_0, s_{mf}_{bb}_1)")
-                    c(f"pa_{mf}_3 = {pack}(s_{mf}_{bb}_2, s_{mf}_{bb}_3)")
                 for dd in range(D // 16):
                     c(
-                        f"vb0, vb1, vb2, vb3 = ldmatrix_x4_trans(smem, k_off + {T} + ({kk * 16} + v_row) * {D}"
-                        f" + ((({dd * 2} + v_ch) ^ v_x) << 3))"
+                        f"vb0, vb1, vb2, vb3 = ldsm_x4_trans(sb + (k_off + {T} + ({kk * 16} + v_row) * {D}"
+                        f" + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)"
                     )
                     for mf in range(MF):
-                        pa = ", ".join(f"pa_{mf}_{i}" for i in range(4))
+                        pa = ", ".join(f"pa_{mf}_{kk}_{i}" for i in range(4))
                         for half, (b0, b1) in enumerate((("vb0", "vb1"), ("vb2", "vb3"))):
                             dn = 2 * dd + half
                             av = ", ".join(f"acc_{mf}_{dn}_{i}" for i in range(4))

@@ -21,6 +21,9 @@ Public names (identical in both modes):
     cp_async16                     (smem_u16_array, s_index, global_array, g_index, src_bytes) 16 bytes,
                                    zero-filled beyond src_bytes (0 or 16)
     cp_async_commit(), cp_async_wait0(), cp_async_wait1()
+    smem_base                      (smem_u16_array) -> uint32 shared-window byte address of element 0
+    ldsm_x4, ldsm_x4_trans         (shared byte address: uint32) -> (r0, r1, r2, r3)   (32-bit addressing)
+    cp_async16_s                   (shared byte address, global_array, g_index, src_bytes)
     pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
     ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
@@ -47,6 +50,10 @@ __all__ = [
     "ldmatrix_x4",
     "ldmatrix_x4_trans",
     "cp_async16",
+    "cp_async16_s",
+    "smem_base",
+    "ldsm_x4",
+    "ldsm_x4_trans",
     "cp_async_commit",
     "cp_async_wait0",
     "cp_async_wait1",
@@ -190,6 +197,37 @@ if SIMULATOR:
     def ldmatrix_x4(smem, index):
         return _ldmatrix(smem, index, False)
 
+    # 32-bit shared addressing: the block's dynamic shared array is remembered by smem_base, and a
+    # "shared address" is a byte offset into it.
+    def _block_smem(array=None):
+        th = threading.current_thread()
+        mgr = th._manager
+        key = ("smem", tuple(th.blockIdx))
+        with _warp_lock:
+            store = getattr(mgr, "_falower_smem", None)
+            if store is None:
+                store = {}
+                mgr._falower_smem = store
+            if array is not None:
+                store[key] = array
+            return store[key]
+
+    def smem_base(smem):
+        _block_smem(smem)
+        return 0
+
+    def ldsm_x4(addr):
+        smem = _block_smem()
+        return _ldmatrix(smem, int(addr) // smem.itemsize, False)
+
+    def ldsm_x4_trans(addr):
+        smem = _block_smem()
+        return _ldmatrix(smem, int(addr) // smem.itemsize, True)
+
+    def cp_async16_s(saddr, garr, g_index, src_bytes):
+        smem = _block_smem()
+        cp_async16(smem, int(saddr) // smem.itemsize, garr, g_index, src_bytes)
+
     def ldmatrix_x4_trans(smem, index):
         return _ldmatrix(smem, index, True)
 
@@ -323,6 +361,49 @@ else:
             return _tuple_result(context, builder, sig, res, 4)
 
         return codegen
+
+    def _ldsm_codegen(trans):
+        suffix = ".trans" if trans else ""
+        ptx = f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0,$1,$2,$3}}, [$4];"
+
+        def codegen(context, builder, sig, args):
+            (addr,) = _cast_all(context, builder, sig, args, [_U32])
+            res = _asm(context, builder, ptx, "=r,=r,=r,=r,r", [addr], [_U32] * 4, side_effect=True)
+            return _tuple_result(context, builder, sig, res, 4)
+
+        return codegen
+
+    @intrinsic
+    def ldsm_x4(typingctx, addr):
+        return types.UniTuple(_U32, 4)(addr), _ldsm_codegen(False)
+
+    @intrinsic
+    def ldsm_x4_trans(typingctx, addr):
+        return types.UniTuple(_U32, 4)(addr), _ldsm_codegen(True)
+
+    @intrinsic
+    def smem_base(typingctx, smem):
+        def codegen(context, builder, sig, args):
+            zero = context.get_constant(types.intp, 0)
+            addr = _element_address(context, builder, sig.args[0], args[0], zero, types.intp)
+            ptx = "{ .reg .u64 sa; cvta.to.shared.u64 sa, $1; cvt.u32.u64 $0, sa; }"
+            return _asm(context, builder, ptx, "=r,l", [addr], [_U32])
+
+        return _U32(smem), codegen
+
+    @intrinsic
+    def cp_async16_s(typingctx, saddr, garr, g_index, src_bytes):
+        sig = types.void(saddr, garr, g_index, src_bytes)
+        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+
+        def codegen(context, builder, sig, args):
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            ga = _element_address(context, builder, sig.args[1], args[1], args[2], sig.args[2])
+            nb = context.cast(builder, args[3], sig.args[3], _U32)
+            _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, ga, nb], [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @intrinsic
     def ldmatrix_x4(typingctx, smem, index):

@@ -125,7 +125,7 @@ class FA2ForwardKernel:
             self._mask_kernel = getattr(mod, spec.name + "_block_mask")
         self.threads = threads_per_block(spec)
         self.smem = smem_bytes(spec)
-        self._smem_set: set[int] = set()
+        self._smem_set: set[tuple[int, int]] = set()
 
     # ---------------------------------------------------------------------------- user helpers
     def print_kernel(self) -> None:
@@ -209,18 +209,32 @@ class FA2ForwardKernel:
 
         if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
             return
-        dev = cuda.get_current_device().id
-        if dev in self._smem_set:
-            return
         from numba.cuda.cudadrv.driver import binding, driver
 
+        # One compiled overload per argument-type tuple (torch tensors and Numba device arrays may
+        # type differently), each with its own function handle: set the limit on the one we launch.
         compiled = kernel._compile_for_args(*args)
         cufunc = compiled._codelibrary.get_cufunc()
+        key = (id(compiled), cufunc.device.id)
+        if key in self._smem_set:
+            return
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
-        self._smem_set.add(dev)
+        self._smem_set.add(key)
 
     def __call__(self, q: Any, k: Any, v: Any, *captures: Any):
+        """Run the kernel; returns (o, lse) of the same kind as q (numpy in, numpy out)."""
+        launch, finish = self.prepare(q, k, v, *captures)
+        launch()
+        return finish()
+
+    def prepare(self, q: Any, k: Any, v: Any, *captures: Any):
+        """Check and convert the inputs once; returns (launch, finish).
+
+        `launch()` runs the block-mask kernel (table mode) and the forward kernel on the prepared
+        buffers; `finish()` returns (o, lse). Calling `launch` repeatedly re-runs the kernels with
+        the least host work, which is what the benchmark times.
+        """
         from numba import cuda
 
         s = self.spec
@@ -233,13 +247,14 @@ class FA2ForwardKernel:
             import torch
 
             bits = torch.float32 if s.dtype == "f32" else torch.int16
-            flat = [x.detach().view(bits).reshape(-1) for x in (q, k, v)]
+            flat = [cuda.as_cuda_array(x.detach().view(bits).reshape(-1)) for x in (q, k, v)]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            o_k = o.view(torch.int32 if s.path == "mma" else bits).reshape(-1)
+            o_k = cuda.as_cuda_array(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
-            lse_k = lse.reshape(-1)
-            caps = [x.detach() if hasattr(x, "detach") else x for x in captures]
-            table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device) if self._mask_kernel else None
+            lse_k = cuda.as_cuda_array(lse.reshape(-1))
+            caps = [cuda.as_cuda_array(x.detach()) if hasattr(x, "detach") else x for x in captures]
+            table = (cuda.as_cuda_array(torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device))
+                     if self._mask_kernel else None)
         else:
             bits = np.float32 if s.dtype == "f32" else np.int16
 
@@ -259,25 +274,30 @@ class FA2ForwardKernel:
             table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
 
         sizes = [B, H, M, N]
-        if self._mask_kernel is not None:
-            self._mask_kernel[(nk, nq, B * H), 128](table, *sizes, *caps)
-            extra = [table]
-        else:
-            extra = []
+        extra = [table] if table is not None else []
         args = [*flat, o_k, lse_k, *sizes, *extra, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
-        self._kernel[(nq, H, B), self.threads, 0, self.smem](*args)
+        forward = self._kernel[(nq, H, B), self.threads, 0, self.smem]
+        block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
+        mask_args = [table, *sizes, *caps]
 
-        if kind == "torch":
-            return o, lse
-        if kind == "numpy":
-            host = o_k.copy_to_host()
-            out_dtype = np.dtype(q.dtype) if s.dtype == "bf16" else _NP_DTYPES[s.dtype]
-            o_np = host.view(out_dtype).reshape(B, H, M, D)
-            return o_np, lse_k.copy_to_host().reshape(B, H, M)
-        out_dtype = np.dtype(q.__cuda_array_interface__["typestr"])
-        return o_k.view(bits).view(out_dtype).reshape(B, H, M, D), lse_k.reshape(B, H, M)
+        def launch() -> None:
+            if block_mask is not None:
+                block_mask(*mask_args)
+            forward(*args)
+
+        def finish():
+            if kind == "torch":
+                return o, lse
+            if kind == "numpy":
+                host = o_k.copy_to_host()
+                out_dtype = np.dtype(q.dtype) if s.dtype == "bf16" else _NP_DTYPES[s.dtype]
+                return host.view(out_dtype).reshape(B, H, M, D), lse_k.copy_to_host().reshape(B, H, M)
+            out_dtype = np.dtype(q.__cuda_array_interface__["typestr"])
+            return o_k.view(bits).view(out_dtype).reshape(B, H, M, D), lse_k.reshape(B, H, M)
+
+        return launch, finish
 
 
 def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:

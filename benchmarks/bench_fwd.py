@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""FA2 forward on the GPU: check, then time falower's Numba kernel against torch SDPA (FLASH, CUDNN).
+
+Sweep (the FlashAttention-2 paper's): D = 64, 128; N = 512 .. 16k; B * N = 16k tokens; H * D = 2048;
+causal and not; fp16. FLOPs = 4 * B * H * N * N * D, halved for causal. Times are medians of
+triton.testing.do_bench (CUDA events). "ours" times the forward kernel launched on prepared buffers
+(`FA2ForwardKernel.prepare`); "ours+call" the whole Python call (checks, allocation, launch).
+
+    python benchmarks/bench_fwd.py                 # the full sweep
+    python benchmarks/bench_fwd.py --quick         # D=64,128 at N=1k,4k only, fewer configs
+    python benchmarks/bench_fwd.py --configs 64x64w4,128x64w8 --n 4096
+
+Prints a short table last; writes bench.log, results.json and results.md to $OUT (default ./bench_out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+try:
+    import torch  # noqa: E402
+except ImportError:  # make_kernel alone works without torch (PTX inspection on a CPU machine)
+    torch = None
+
+from falower.backends.numba_cuda import FA2ForwardKernel, FA2ForwardSpec  # noqa: E402
+
+LOG2E = 1.4426950408889634
+OUT = Path(os.environ.get("OUT", "./bench_out"))
+
+
+def log(*args) -> None:
+    line = " ".join(str(a) for a in args)
+    print(line, flush=True)
+    with open(OUT / "bench.log", "a") as f:
+        f.write(line + "\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel under test. One factory: today it writes the spec by hand; later falower.compile(...).
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_config(text: str) -> tuple[int, int, int]:
+    """'128x64w8' -> (block_q=128, block_k=64, num_warps=8)."""
+    tiles, warps = text.split("w")
+    bq, bk = tiles.split("x")
+    return int(bq), int(bk), int(warps)
+
+
+DEFAULT_CONFIG = {64: (128, 64, 4), 128: (64, 64, 4)}
+
+
+def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple[int, int, int] | None = None):
+    """Build the FA2 forward kernel for head dim D; returns a FA2ForwardKernel."""
+    bq, bk, nw = config or DEFAULT_CONFIG[D]
+    scale_log2e = LOG2E / math.sqrt(D)
+    src = f"SCALE_LOG2E = np.float32({scale_log2e!r})\n\ndef score_fn(s, b, h, q, kv):\n    return s * SCALE_LOG2E\n"
+    kw = {}
+    if causal:
+        src += (
+            "\ndef mask_fn(b, h, q, kv):\n    return q >= kv\n"
+            "\ndef tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi):\n"
+            "    if kv_lo > q_hi:\n        return 0\n"
+            "    if kv_hi <= q_lo:\n        return 2\n"
+            "    return 1\n"
+        )
+        kw = dict(has_mask=True, block_mask="static")
+    spec = FA2ForwardSpec(
+        name=f"bench_{'causal' if causal else 'plain'}_{dtype}_d{D}_{bq}x{bk}w{nw}",
+        head_dim=D, dtype=dtype, path="mma", block_q=bq, block_k=bk, num_warps=nw,
+        device_source=src, **kw)
+    return FA2ForwardKernel(spec)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def sdpa(q, k, v, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    with sdpa_kernel(be):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def reference64(q, k, v, causal):
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    s = (q64 @ k64.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        M, N = s.shape[-2:]
+        s = s.masked_fill(torch.ones(M, N, dtype=torch.bool, device=q.device).tril().logical_not(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.softmax(s, dim=-1) @ v64, lse
+
+
+def naive_lowprec(q, k, v, causal):
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        M, N = s.shape[-2:]
+        s = s.masked_fill(torch.ones(M, N, dtype=torch.bool, device=q.device).tril().logical_not(), -math.inf)
+    return torch.softmax(s, dim=-1).to(v.dtype) @ v
+
+
+def check(D, causal, config, dtype=None):
+    """FA error rule at N = 1000 (ragged) and a relative error; returns a dict."""
+    dtype = dtype or torch.float16
+    torch.manual_seed(0)
+    B, H, N = 2, 4, 1000
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+    kern = make_kernel(D, causal, "f16" if dtype == torch.float16 else "bf16", config)
+    t0 = time.time()
+    o, lse = kern(q, k, v)
+    torch.cuda.synchronize()
+    first = time.time() - t0
+    ref, ref_lse = reference64(q, k, v, causal)
+    err = (o.double() - ref).abs().max().item()
+    naive = (naive_lowprec(q, k, v, causal).double() - ref).abs().max().item()
+    rel = ((o.double() - ref).norm() / ref.norm()).item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    ok = err <= 2 * naive + 1e-5 and lse_err < 1e-3 and not torch.isnan(o).any().item()
+    return {"D": D, "causal": causal, "config": config, "max_err": err, "naive_err": naive, "rel_err": rel,
+            "lse_err": lse_err, "ok": ok, "first_call_s": first}
+
+
+def bench(fn, warmup=25, rep=100):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--d", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--n", type=int, nargs="*", default=None)
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--configs", default="", help="comma-separated tile configs per D, e.g. 64x64w4,128x64w8")
+    ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    Ns = args.n or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    dev = torch.cuda.get_device_name()
+    log(f"# bench_fwd {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on {dev}; torch {torch.__version__}")
+    configs_for = {}
+    for D in args.d:
+        if args.configs:
+            cfgs = [parse_config(c) for c in args.configs.split(",")]
+            configs_for[D] = [c for c in cfgs if not (D == 128 and c[0] // c[2] > 16)]
+        else:
+            configs_for[D] = [DEFAULT_CONFIG[D]]
+
+    checks = []
+    if not args.no_check:
+        for D in args.d:
+            for causal in causals:
+                for cfg in configs_for[D]:
+                    r = check(D, causal, cfg)
+                    checks.append(r)
+                    log(f"check D={D} causal={causal} cfg={cfg}: max_err {r['max_err']:.2e} naive {r['naive_err']:.2e} "
+                        f"rel {r['rel_err']:.2e} lse {r['lse_err']:.2e} {'OK' if r['ok'] else 'FAIL'} "
+                        f"(first call {r['first_call_s']:.1f}s)")
+
+    rows = []
+    for D in args.d:
+        H = 2048 // D
+        for causal in causals:
+            for N in Ns:
+                B = max(1, 16384 // N)
+                flops = 4 * B * H * N * N * D / (2 if causal else 1)
+                q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(3))
+                row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
+                if not args.no_sdpa:
+                    for be in ("flash", "cudnn"):
+                        try:
+                            ms = bench(lambda: sdpa(q, k, v, causal, be))
+                            row[be] = flops / ms / 1e9
+                        except Exception as exc:  # a backend may refuse a shape
+                            row[be] = float("nan")
+                            log(f"  {be} failed: {type(exc).__name__}: {str(exc)[:100]}")
+                for cfg in configs_for[D]:
+                    kern = make_kernel(D, causal, "f16", cfg)
+                    launch, finish = kern.prepare(q, k, v)
+                    ms = bench(launch)
+                    tag = f"{cfg[0]}x{cfg[1]}w{cfg[2]}"
+                    row[f"ours {tag}"] = flops / ms / 1e9
+                    if cfg == configs_for[D][0]:
+                        row["ours+call"] = flops / bench(lambda: kern(q, k, v)) / 1e9
+                rows.append(row)
+                log(json.dumps(row))
+                del q, k, v
+    (OUT / "results.json").write_text(json.dumps({"device": dev, "checks": checks, "rows": rows}, indent=1))
+
+    keys = [k for k in rows[0] if k.startswith("ours ")] if rows else []
+    md = [f"TFLOP/s, fp16 forward, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}",
+          "", "| D | causal | N | " + " | ".join(keys) + " | ours+call | FLASH | CUDNN | best/FLASH | best/CUDNN |",
+          "|" + "---|" * (8 + len(keys))]
+    for r in rows:
+        best = max(r[k] for k in keys)
+        md.append(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['N']} | "
+                  + " | ".join(f"{r[k]:.0f}" for k in keys)
+                  + f" | {r.get('ours+call', float('nan')):.0f} | {r.get('flash', float('nan')):.0f} | "
+                  f"{r.get('cudnn', float('nan')):.0f} | {best / r.get('flash', float('nan')):.2f} | "
+                  f"{best / r.get('cudnn', float('nan')):.2f} |")
+    (OUT / "results.md").write_text("\n".join(md) + "\n")
+    log("\n".join(md))
+    if checks and not all(c["ok"] for c in checks):
+        log("SOME CHECKS FAILED")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
