@@ -85,3 +85,19 @@ def test_dot_escapes_quotes() -> None:
     f, b, (x,) = fl.ir.new_func('we"ird', [("x", fl.ir.tensor("f32", "N"))])
     b.ret(b.emit("neg", x))
     assert 'digraph "we\\"ird" {' in to_dot(f)
+
+
+def test_views_of_every_lowered_example() -> None:
+    """Deep nesting (parallel_for > for > if > fused, mask predicates) still gives a consistent view."""
+    from pathlib import Path
+
+    from falower.cli import default_pipeline, select_graph
+
+    for ex in sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py")):
+        f = fl.run_pipeline(select_graph(ex, None), default_pipeline())
+        G = to_networkx(f)
+        assert nx.is_directed_acyclic_graph(G)
+        assert sum(1 for _, d in G.nodes(data=True) if d["kind"] == "op") == sum(1 for _ in f.walk())
+        assert not any(d["kind"] == "undefined" for _, d in G.nodes(data=True))
+        dot = to_dot(f)
+        assert dot.count("{") - dot.count("\\{") == dot.count("}") - dot.count("\\}")
