@@ -49,11 +49,19 @@ def log(*args) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def parse_config(text: str) -> tuple[int, int, int]:
-    """'128x64w8' -> (block_q=128, block_k=64, num_warps=8)."""
+def parse_config(text: str) -> tuple:
+    """'128x64w8' -> (block_q=128, block_k=64, num_warps=8); a suffix '-qs' / '-qr' keeps Q in shared
+    memory / in registers (spec.extra["q_in_regs"]) instead of the emitter's default."""
+    text, _, opt = text.partition("-")
     tiles, warps = text.split("w")
     bq, bk = tiles.split("x")
-    return int(bq), int(bk), int(warps)
+    cfg = (int(bq), int(bk), int(warps))
+    return cfg + ({"qs": (False,), "qr": (True,)}[opt] if opt else ())
+
+
+def config_tag(cfg: tuple) -> str:
+    tag = f"{cfg[0]}x{cfg[1]}w{cfg[2]}"
+    return tag + ("" if len(cfg) < 4 else "-qr" if cfg[3] else "-qs")
 
 
 DEFAULT_CONFIG = {64: (128, 64, 4), 128: (64, 64, 4)}
@@ -61,7 +69,7 @@ DEFAULT_CONFIG = {64: (128, 64, 4), 128: (64, 64, 4)}
 
 def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple[int, int, int] | None = None):
     """Build the FA2 forward kernel for head dim D; returns a FA2ForwardKernel."""
-    bq, bk, nw = config or DEFAULT_CONFIG[D]
+    bq, bk, nw, *qreg = config or DEFAULT_CONFIG[D]
     scale_log2e = LOG2E / math.sqrt(D)
     src = f"SCALE_LOG2E = np.float32({scale_log2e!r})\n\ndef score_fn(s, b, h, q, kv):\n    return s * SCALE_LOG2E\n"
     kw = {}
@@ -75,9 +83,9 @@ def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple[int, int
         )
         kw = dict(has_mask=True, block_mask="static")
     spec = FA2ForwardSpec(
-        name=f"bench_{'causal' if causal else 'plain'}_{dtype}_d{D}_{bq}x{bk}w{nw}",
+        name=f"bench_{'causal' if causal else 'plain'}_{dtype}_d{D}_{config_tag((bq, bk, nw, *qreg)).replace('-', '_')}",
         head_dim=D, dtype=dtype, path="mma", block_q=bq, block_k=bk, num_warps=nw,
-        device_source=src, **kw)
+        device_source=src, extra={"q_in_regs": qreg[0]} if qreg else {}, **kw)
     return FA2ForwardKernel(spec)
 
 
@@ -156,7 +164,7 @@ def main() -> None:
     for D in args.d:
         if args.configs:
             cfgs = [parse_config(c) for c in args.configs.split(",")]
-            configs_for[D] = [c for c in cfgs if not (D == 128 and c[0] // c[2] > 16)]
+            configs_for[D] = cfgs
         else:
             configs_for[D] = [DEFAULT_CONFIG[D]]
 
@@ -192,7 +200,7 @@ def main() -> None:
                     kern = make_kernel(D, causal, "f16", cfg)
                     launch, finish = kern.prepare(q, k, v)
                     ms = bench(launch)
-                    tag = f"{cfg[0]}x{cfg[1]}w{cfg[2]}"
+                    tag = config_tag(cfg)
                     row[f"ours {tag}"] = flops / ms / 1e9
                     if cfg == configs_for[D][0]:
                         row["ours+call"] = flops / bench(lambda: kern(q, k, v)) / 1e9

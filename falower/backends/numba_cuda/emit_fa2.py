@@ -357,6 +357,29 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c(f"a_x = a_row & {SWZ}")
         c(f"k_x = k_row & {SWZ}")
         c(f"v_x = v_row & {SWZ}")
+        XORADDR = CH & (CH - 1) == 0  # power-of-two rows: a k step is an XOR on the lane's byte offset
+        if XORADDR:
+            c("# byte offsets of each lane's ldmatrix row in a tile; k step s of 16 columns is `^ (s << 5)`")
+            c(f"a_lane = (a_row * {D} + ((a_ch ^ a_x) << 3)) * 2")
+            c(f"k_lane = (k_row * {D} + ((k_ch ^ k_x) << 3)) * 2")
+            c(f"v_lane = (v_row * {D} + ((v_ch ^ v_x) << 3)) * 2")
+            c(f"q_frag_base = sb + {QOFF * 2} + warp * {RW * D * 2}")
+
+        def q_addr(mf: int, ks: int) -> str:
+            if XORADDR:
+                return f"q_frag_base + {mf * 16 * D * 2} + (a_lane ^ {ks << 5})"
+            row = f"warp * {RW} + {mf * 16} + a_row"
+            return f"sb + ({QOFF} + ({row}) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2"
+
+        def k_addr(jp: int, ks: int) -> str:
+            if XORADDR:
+                return f"k_base + {jp * 16 * D * 2} + (k_lane ^ {ks << 5})"
+            return f"sb + (k_off + ({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
+
+        def v_addr(kk: int, dd: int) -> str:
+            if XORADDR:
+                return f"v_base + {kk * 16 * D * 2} + (v_lane ^ {dd << 5})"
+            return f"sb + (k_off + {T} + ({kk * 16} + v_row) * {D} + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2"
         c()
 
         def load_tile(rows: int, smem_off: str, row0: str, nrows: str, garr: str, head: str) -> None:
@@ -396,10 +419,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         for mf in range(MF if QREG else 0):
             for ks in range(KS):
                 row = f"warp * {RW} + {mf * 16} + a_row"
-                c(
-                    f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4("
-                    f"sb + ({QOFF} + ({row}) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)"
-                )
+                c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
         c()
         c("# online-softmax state: rows g and g + 8 of each m16 fragment")
         for mf in range(MF):
@@ -416,6 +436,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             _emit_next_tile(c, spec, "j", "jn")
             c(f"k_off = buf * {2 * T}")
             c(f"n_off = {2 * T} - k_off  # the other buffer")
+            c("k_base = sb + k_off * 2")
+            c(f"v_base = k_base + {T * 2}")
             c("cp_async_wait1()  # K_j has landed (V_j may still be in flight)")
             c("cuda.syncthreads()")
             c("if jn <= kv_last:")
@@ -431,15 +453,9 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 if not QREG:
                     for mf in range(MF):
                         row = f"warp * {RW} + {mf * 16} + a_row"
-                        c(
-                            f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4("
-                            f"sb + ({QOFF} + ({row}) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)"
-                        )
+                        c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
                 for jp in range(BK // 16):
-                    c(
-                        f"kb0, kb1, kb2, kb3 = ldsm_x4(sb + (k_off + ({jp * 16} + k_row) * {D} + "
-                        f"((({ks * 2} + k_ch) ^ k_x) << 3)) * 2)"
-                    )
+                    c(f"kb0, kb1, kb2, kb3 = ldsm_x4({k_addr(jp, ks)})")
                     for mf in range(MF):
                         for half, (b0, b1) in enumerate((("kb0", "kb1"), ("kb2", "kb3"))):
                             jj = 2 * jp + half
@@ -511,10 +527,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# O += P V, P packed straight from the S accumulators")
             for kk in range(KK):
                 for dd in range(D // 16):
-                    c(
-                        f"vb0, vb1, vb2, vb3 = ldsm_x4_trans(sb + (k_off + {T} + ({kk * 16} + v_row) * {D}"
-                        f" + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)"
-                    )
+                    c(f"vb0, vb1, vb2, vb3 = ldsm_x4_trans({v_addr(kk, dd)})")
                     for mf in range(MF):
                         pa = ", ".join(f"pa_{mf}_{kk}_{i}" for i in range(4))
                         for half, (b0, b1) in enumerate((("vb0", "vb1"), ("vb2", "vb3"))):
