@@ -35,6 +35,7 @@ score_term = st.one_of(
     st.tuples(st.just("abs_rel"), st.sampled_from([0.1, 0.7])),
     st.tuples(st.just("head"), st.sampled_from([-0.5, 0.5])),
     st.tuples(st.just("floor"), st.sampled_from([-1.0, 0.0])),
+    st.tuples(st.just("table"), st.sampled_from([0.5, 1.0])),  # + c * rel_bias[h, q - kv + N - 1] (a gather)
 )
 score_chain = st.lists(score_term, min_size=0, max_size=3)
 
@@ -56,8 +57,11 @@ mask_expr = st.recursive(
 
 
 # ------------------------------------------------------------------------ one meaning, two evaluations
-def apply_score(chain: list, s: Any, h: Any, q: Any, kv: Any, tanh, absf, maximum) -> Any:
-    """The chain applied to either SymTensors (tracing) or numpy arrays (the reference)."""
+def apply_score(chain: list, s: Any, h: Any, q: Any, kv: Any, tanh, absf, maximum, table) -> Any:
+    """The chain applied to either SymTensors (tracing) or numpy arrays (the reference).
+
+    `table(h, d)` reads the captured relative-bias table at distance d = q - kv.
+    """
     for kind, c in chain:
         if kind == "scale":
             s = s * c
@@ -73,6 +77,8 @@ def apply_score(chain: list, s: Any, h: Any, q: Any, kv: Any, tanh, absf, maximu
             s = s + c * h
         elif kind == "floor":
             s = maximum(s, c)
+        elif kind == "table":
+            s = s + c * table(h, q - kv)
     return s
 
 
@@ -100,8 +106,11 @@ def apply_mask(e: tuple, h: Any, q: Any, kv: Any) -> Any:
 
 
 def build(chain: list, mask: tuple | None) -> fl.Func:
+    N = fl.ir.dim("N")
+    rel_bias = fl.capture("rel_bias", "f32", ["H", N * 2 - 1])
+
     def score_mod(s, b, h, q, kv):
-        return apply_score(chain, s, h, q, kv, fl.tanh, abs, fl.maximum)
+        return apply_score(chain, s, h, q, kv, fl.tanh, abs, fl.maximum, lambda hh, d: rel_bias[hh, d + (N - 1)])
 
     def mask_mod(b, h, q, kv):
         return apply_mask(mask, h, q, kv)
@@ -109,14 +118,20 @@ def build(chain: list, mask: tuple | None) -> fl.Func:
     return fl.attention(score_mod=score_mod if chain else None, mask_mod=mask_mod if mask else None, name="rand")
 
 
-def numpy_attention(chain: list, mask: tuple | None, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+def numpy_attention(chain: list, mask: tuple | None, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    rel_bias: np.ndarray | None = None) -> np.ndarray:
     B, H, M, D = q.shape
     N = k.shape[2]
+
+    def table(hh, d):
+        assert rel_bias is not None and rel_bias.shape == (H, 2 * N - 1)
+        return rel_bias[hh, np.clip(d + N - 1, 0, 2 * N - 2)]
+
     hh = np.arange(H).reshape(1, H, 1, 1)
     qi = np.arange(M).reshape(1, 1, M, 1)
     ki = np.arange(N).reshape(1, 1, 1, N)
     s = q @ np.swapaxes(k, -1, -2) / math.sqrt(D)
-    s = apply_score(chain, s, hh, qi, ki, np.tanh, np.abs, np.maximum)
+    s = apply_score(chain, s, hh, qi, ki, np.tanh, np.abs, np.maximum, table)
     if mask is not None:
         keep = np.broadcast_to(apply_mask(mask, hh, qi, ki), s.shape)
         s = np.where(keep, s, -np.inf)
@@ -133,9 +148,10 @@ def numpy_attention(chain: list, mask: tuple | None, q: np.ndarray, k: np.ndarra
 def test_traced_graph_means_what_the_python_means(chain, mask) -> None:
     g = build(chain, mask)
     ref = Reference.build(g, SHAPES)
-    q, k, v = ref.inputs
+    q, k, v, *rest = ref.inputs
+    assert len(rest) == any(kind == "table" for kind, _ in chain)
     (o,) = interpret(g, ref.inputs, "f64")
-    np.testing.assert_allclose(o, numpy_attention(chain, mask, q, k, v), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(o, numpy_attention(chain, mask, q, k, v, *rest), rtol=1e-9, atol=1e-12)
 
 
 @SETTINGS
