@@ -68,6 +68,8 @@ def load_graphs(path: str | os.PathLike) -> dict[str, Func]:
 
 
 def _load(path: str | os.PathLike) -> dict[str, tuple[Func, set[str]]]:
+    if str(path) == "-":  # an IR dump on stdin: `falower opt a.py -p x | falower opt - -p y`
+        return _load_ir(sys.stdin.read(), "<stdin>")
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such file")
@@ -75,12 +77,16 @@ def _load(path: str | os.PathLike) -> dict[str, tuple[Func, set[str]]]:
         raise UserError(f"{p}: is a directory, expected a .py file or an IR dump")
     if p.suffix == ".py":
         return _load_python(p)
-    from .ir.parser import parse_funcs
-
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{p}: cannot read: {e}") from None
+    return _load_ir(text, str(p))
+
+
+def _load_ir(text: str, p: str) -> dict[str, tuple[Func, set[str]]]:
+    from .ir.parser import parse_funcs
+
     try:
         funcs = parse_funcs(text)
     except FalowerError as e:
@@ -242,7 +248,8 @@ def _default_text(f: dataclasses.Field) -> str:
 
 # ---------------------------------------------------------------------------------------------- opt
 def _add_graph_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", metavar="FILE", help="a Python file defining graphs, or an IR dump (.fl, .mlir, ...)")
+    p.add_argument("file", metavar="FILE",
+                   help="a Python file defining graphs, or an IR dump (.fl, .mlir, ...; - reads a dump from stdin)")
     p.add_argument("--graph", metavar="NAME", help="which graph of FILE (its name or Python variable name)")
     p.add_argument("--shapes", metavar="B=2,H=4,...", help="sizes of the symbolic dims (others get defaults)")
 
@@ -309,7 +316,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
     if args.check:
         _report_checks(res.records, sys.stderr)
         env = _ordered_env(func, res.env or {})
-        print(f"numbers preserved after {len(res.records)} passes (float64 reference, shapes {format_shapes(env)})",
+        print(f"numbers preserved after {_passes(len(res.records))} (float64 reference, shapes {format_shapes(env)})",
               file=sys.stderr)
     if args.timing:
         total = sum(r.seconds for r in res.records)
@@ -327,6 +334,10 @@ def cmd_opt(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _passes(n: int) -> str:
+    return f"{n} pass" if n == 1 else f"{n} passes"
 
 
 def _write(path: str, text: str) -> None:
@@ -518,7 +529,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for r in res.records:
             print(f"  {r.name:<24} {'yes' if r.changed else 'no':<8} {r.check or '-':<10} {r.seconds * 1e3:8.1f}")
         n_ops = sum(1 for _ in res.func.walk())
-        print(f"  numbers preserved after {len(res.records)} passes; {n_ops} ops in the result")
+        print(f"  numbers preserved after {_passes(len(res.records))}; {n_ops} ops in the result")
         if f.stem == args.show:
             shown = res.func
     if shown is not None:

@@ -95,6 +95,18 @@ def test_opt_reads_an_ir_dump(capsys, tmp_path) -> None:
     assert out == (GOLDEN / "causal.lowered.fl").read_text()
 
 
+def test_opt_reads_a_dump_from_stdin(capsys, monkeypatch) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO((GOLDEN / "plain.traced.fl").read_text()))
+    code, out, err = cli(capsys, "opt", "-", "-p", LOWER)
+    assert code == 0, err
+    assert out == (GOLDEN / "plain.lowered.fl").read_text()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("nonsense"))
+    code, _, err = cli(capsys, "opt", "-", "-p", LOWER)
+    assert_one_error_line(code, err, "<stdin>: line 1, at 'nonsense'")
+
+
 def test_opt_graph_selection_by_func_or_variable_name(capsys, tmp_path) -> None:
     src = tmp_path / "two.py"
     src.write_text("import falower as fl\nfirst = fl.attention(name='a')\nsecond = fl.attention(name='b')\n")
