@@ -116,7 +116,7 @@ def find_attention(func: Func, who: str) -> Attention:
     e = _single_user(users, sub.result, "exp") if sub is not None else None
     if e is None:
         raise fail("no exp(x - max) after the row max: the reduction is not part of a softmax")
-    l = _single_user(users, e.result, "reduce_sum", allow_more=True)
+    l = _single_user(users, e.result, "reduce_sum")
     if l is None or l.attrs["axis"] != axis:
         raise fail("no row sum of exp(x - max) over the same axis: the reduction is not part of a softmax")
     l_safe = next((u for u in users.get(l.result, []) if u.name == "where" and _guard(u.result, 0.0, 1.0, l.result)), None)
@@ -169,7 +169,7 @@ def _users(func: Func) -> dict[Value, list[Op]]:
     return out
 
 
-def _single_user(users, v: Value, name: str, allow_more: bool = False) -> Optional[Op]:
+def _single_user(users, v: Value, name: str) -> Optional[Op]:
     us = [u for u in users.get(v, []) if u.name == name]
     if len(us) != 1:
         return None

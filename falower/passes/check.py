@@ -15,7 +15,6 @@ import numpy as np
 
 from ..errors import ShapeError
 from ..ir.core import Func
-from ..ir.dims import Dim, solve_dims
 from ..ir.interp import Interpreter
 from ..ir.types import is_float
 

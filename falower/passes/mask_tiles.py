@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value, clone_block, replace_uses
-from ..ir.dims import cdiv
+from ..ir.core import Block, Func, Op, Value, clone_block
+from ..ir.dims import Sym, cdiv
 from ..ir.intervals import uses_data
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
@@ -190,7 +189,7 @@ class MaskTiles(Pass):
             c8 = cb.tile_load(tbl, [bi, h, qi, kj], name_hint="cls8")
             cls = cb.emit("cast", c8, to="i32", name_hint="cls")
         else:
-            nkv = pre.const(_n(), name_hint="nkv")
+            nkv = pre.const(Sym("N"), name_hint="nkv")
             lo, hi = pre.op("mask.kv_range", [bi, h, q0, nkv, *caps], [I32, I32], attrs, [_copy(pred)],
                             names=["kv_lo", "kv_hi"]).results
             i = body.ops.index(loop)
@@ -256,7 +255,3 @@ def _copy(blk: Block) -> Block:
     return clone_block(blk, {})
 
 
-def _n():
-    from ..ir.dims import Sym
-
-    return Sym("N")

@@ -34,7 +34,7 @@ from typing import Optional
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, clone_op, replace_uses
 from ..ir.dims import Const
-from ..ir.types import TensorType, scalar, tensor
+from ..ir.types import TensorType, scalar
 from .attention import _const_is, _guard, _is
 from .base import Pass, register
 from .rewrite import dce
@@ -94,7 +94,6 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
         if not _const_is_fill(lm.operands[2], -math.inf):
             continue
         x_a = _is(mx.operands[1], "reduce_max").operands[0]  # type: ignore[union-attr]
-        users = [op for op in block.ops if lm.result in op.operands]
         m_safe = next((u for u in block.ops if u.name == "where" and _guard(u.result, -math.inf, 0.0, lm.result)), None)
         if m_safe is None:
             raise fail("the row-max loop is not followed by its -inf guard")
@@ -233,10 +232,6 @@ class OnlineSoftmax(Pass):
         body_c = la.regions[0]
         lm, ll = tp.loop_m, tp.loop_l
         inits = [lm.operands[2], ll.operands[2], la.operands[2]]
-        if self.exp2:
-            x_op = tp.x_c.owner
-            assert isinstance(x_op, Op)
-        new_loop_ops: list[Op] = []
 
         def body(lb: Builder, kj: Value, it: list[Value]):
             vmap: dict[Value, Value] = {body_c.args[0]: kj}
@@ -304,7 +299,6 @@ class OnlineSoftmax(Pass):
         # which ops of the kv loop body depend on the q tile (must stay inside), which only on kj
         q_dependent: set[Value] = set(qbody.ops[i].results[0] for i in range(len(qbody.ops))
                                       if qbody.ops[i].results) | set(qbody.args)
-        out_chain_src = la.results[0]
         o_t = par.results[0].type
         M, D = o_t.shape[2], o_t.shape[3]
         bq = next(op for op in qbody.ops if op.name == "tile.load").results[0].type.shape[0]

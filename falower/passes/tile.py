@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value
-from ..ir.dims import cdiv
+from ..ir.dims import Sym, cdiv
 from ..ir.types import TensorType, scalar, tensor
 from .attention import Attention, find_attention, retype_block
 from .base import Pass, register
@@ -80,23 +79,13 @@ def _with_kv_bounds(region: Block, roles: list[str]) -> Block:
     term = region.ops.pop()
     b = Builder(region)
     x = term.operands[0]
-    n = b.const(_dim("N"))
+    n = b.const(Sym("N"))
     inb = b.op("lt", [kv, n], [TensorType("bool", kv.type.shape)], {"bounds": True}, names=["in_bounds"]).result
     ninf = b.const(-math.inf, scalar(x.type.dtype))
     y = b.op("where", [inb, x, ninf], [TensorType(x.type.dtype, (x.type.shape[0], kv.type.shape[1]))
                                         if x.type.rank == 2 else x.type], {"bounds": True}).result
     b.op("yield", [y], [])
     return region
-
-
-def _dim(name: str):
-    from ..ir.dims import Sym
-
-    return Sym(name)
-
-
-def tile_roles_fixup(fused: Op) -> list[str]:
-    return list(fused.attrs["roles"])
 
 
 @register
