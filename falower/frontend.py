@@ -9,7 +9,8 @@ the usual graph from FlexAttention-style `score_mod(score, b, h, q_idx, kv_idx)`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import FalowerError
@@ -42,6 +43,14 @@ class _Trace:
     builder: Builder
     func: Func
     captured: dict[str, Value]
+    owners: dict[str, "Capture"] = field(default_factory=dict)
+
+
+def _identifier(name: str, what: str) -> str:
+    """Names appear in dumps (`%name`, `@name`), so they must read back: identifiers only."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise FalowerError(f"{what} must be an identifier (letters, digits, _), got {name!r}")
+    return name
 
 
 def _builder() -> Builder:
@@ -320,7 +329,7 @@ class Capture:
     """
 
     def __init__(self, name: str, dtype: str, shape: Union[str, Sequence[DimLike]]):
-        self.name = name
+        self.name = _identifier(name, "a captured tensor's name")
         self.type = TensorType(_dtype_name(dtype), _parse_shape(shape))
 
     def _sym(self) -> SymTensor:
@@ -328,7 +337,12 @@ class Capture:
             raise FalowerError(f"captured tensor {self.name!r} used outside of tracing")
         tr = _CURRENT[-1]
         if self.name not in tr.captured:
+            if any(a.name == self.name for a in tr.func.body.args):
+                raise FalowerError(f"captured tensor {self.name!r} has the name of a graph input")
             tr.captured[self.name] = tr.func.body.add_arg(self.type, self.name)
+            tr.owners[self.name] = self
+        elif tr.owners[self.name] is not self:
+            raise FalowerError(f"two different captured tensors are named {self.name!r}: give them distinct names")
         return SymTensor(tr.captured[self.name])
 
     def __getitem__(self, index: Any) -> SymTensor:
@@ -350,7 +364,8 @@ def trace(fn: Optional[Callable] = None, *, name: Optional[str] = None, result_n
     """Trace `fn(**symbolic inputs)` into a graph (a `Func`). Usable as a decorator with arguments."""
 
     def run(f: Callable) -> Func:
-        func, bld, args = new_func(name or f.__name__, list(arg_types.items()))
+        fname = _identifier(name or f.__name__, "a graph's name")
+        func, bld, args = new_func(fname, list(arg_types.items()))
         _CURRENT.append(_Trace(bld, func, {}))
         try:
             out = f(*[SymTensor(a) for a in args])
@@ -361,7 +376,6 @@ def trace(fn: Optional[Callable] = None, *, name: Optional[str] = None, result_n
         bld.ret(*values)
         if result_names:
             func.attrs["result_names"] = tuple(result_names)
-        _order_captures_last(func, len(args))
         from .ir.verifier import verify
 
         verify(func)
@@ -370,12 +384,6 @@ def trace(fn: Optional[Callable] = None, *, name: Optional[str] = None, result_n
     if fn is not None:
         return run(fn)
     return run
-
-
-def _order_captures_last(func: Func, n_inputs: int) -> None:
-    """Captured tensors were appended as they were first used; keep that order after the inputs."""
-    for i, a in enumerate(func.body.args):
-        a.index = i
 
 
 def attention(

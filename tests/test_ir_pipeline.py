@@ -97,8 +97,8 @@ def test_whitespace_is_normalised() -> None:
     assert str(parse_pipeline(" test-knobs{ a = 2 , b=true } , canonicalize ")) == "test-knobs{a=2,b=true},canonicalize"
 
 
-def test_option_order_prints_in_field_order() -> None:
-    assert str(parse_pipeline("test-knobs{b=true,a=1}")) == "test-knobs{a=1,b=true}"
+def test_options_print_in_the_order_written() -> None:
+    assert str(parse_pipeline("test-knobs{b=true,a=1}")) == "test-knobs{b=true,a=1}"
 
 
 def test_named_pipeline_expands() -> None:

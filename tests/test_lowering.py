@@ -167,3 +167,13 @@ def test_pipeline_strings_print_back() -> None:
     for text in ["decompose-softmax,canonicalize,fuse,tile{bq=64,bk=32},online-softmax{exp2=true}",
                  "tile{order=fa1}", "mask-tiles,canonicalize"]:
         assert str(parse_pipeline(text)) == text
+
+
+def test_names_must_read_back_and_captures_must_be_distinct() -> None:
+    with pytest.raises(fl.FalowerError, match="must be an identifier"):
+        fl.capture("my-bias", "f32", "H,M,N")
+    with pytest.raises(fl.FalowerError, match="must be an identifier"):
+        fl.attention(name="my graph")
+    a, b = fl.capture("t", "f32", "H"), fl.capture("t", "i32", "B,N")
+    with pytest.raises(fl.FalowerError, match="two different captured tensors are named 't'"):
+        fl.attention(score_mod=lambda s, bb, h, q, kv: s + a[h] + b[bb, q].to("f32"))

@@ -151,7 +151,7 @@ class Printer:
                 parts.append(f"{n(tile)} into {self._slice(spec, list(idx))}")
                 pos += 1 + k
             self.lines.append(f"{pad}tile.yield " + ", ".join(parts))
-        elif name == "for":
+        elif name == "for" and len(op.operands) >= 2 and op.regions and op.regions[0].args:
             blk = op.regions[0]
             for a in blk.args:
                 self.n.define(a)

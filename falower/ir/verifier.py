@@ -70,6 +70,11 @@ class _Verifier:
         scope.update(blk.args)
         if not blk.ops:
             raise _Fail(parent, "a region must end in a terminator")
+        expected = "return" if parent is None else "tile.yield" if parent.name == "parallel_for" else "yield"
+        last_op = blk.ops[-1]
+        if last_op.name in TERMINATORS and last_op.name != expected:
+            where = "a func body" if parent is None else f"a {parent.name} region"
+            raise _Fail(last_op, f"{last_op.name} cannot end {where}, which ends in {expected}")
         for i, op in enumerate(blk.ops):
             last = i == len(blk.ops) - 1
             if op.name in TERMINATORS and not last:
@@ -81,13 +86,14 @@ class _Verifier:
                     why = "is defined in an enclosing region, but this region is isolated" if v in visible and isolated \
                         else "is used before it is defined (or is not visible here)"
                     raise _Fail(op, f"operand {v.name or '?'}: {v.type} {why}")
+            # regions first: a broken body is reported where it breaks, not as a wrong loop type
+            if op.name in OPS:
+                new_tile = in_tile or op.name == "parallel_for"
+                new_loop = in_loop or op.name in ("for", "parallel_for")
+                new_fused = in_fused or op.name == "fused"
+                for r in op.regions:
+                    self.block(r, scope, op, OPS[op.name].isolated, new_tile, new_loop, new_fused)
             self.op(op, parent, in_tile, in_loop, in_fused)
-            new_tile = in_tile or op.name == "parallel_for"
-            new_loop = in_loop or op.name in ("for", "parallel_for")
-            new_fused = in_fused or op.name == "fused"
-            isolated_r = OPS[op.name].isolated
-            for r in op.regions:
-                self.block(r, scope, op, isolated_r, new_tile, new_loop, new_fused)
             scope.update(op.results)
 
     def op(self, op: Op, parent: Optional[Op], in_tile: bool, in_loop: bool, in_fused: bool) -> None:
@@ -221,15 +227,3 @@ class _Verifier:
                 raise _Fail(term, f"tile {tile.type} does not fit slice {want} of result {res.type}")
         if pos != len(term.operands):
             raise _Fail(term, "operands do not match its slices")
-
-    def op_yield(self, op: Op, parent: Optional[Op]) -> None:
-        if parent is None:
-            raise _Fail(op, "yield outside of a region")
-
-    def op_tile_yield(self, op: Op, parent: Optional[Op]) -> None:
-        if parent is None or parent.name != "parallel_for":
-            raise _Fail(op, "tile.yield ends a parallel_for body only")
-
-    def op_return(self, op: Op, parent: Optional[Op]) -> None:
-        if parent is not None:
-            raise _Fail(op, "return ends a func body only")

@@ -39,15 +39,11 @@ class Pass:
 
     def text(self, explicit: tuple[str, ...] | None = None) -> str:
         """`name{opt=value,...}` with the options that were given (or that differ from the defaults)."""
-        parts = []
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if explicit is not None:
-                if f.name not in explicit:
-                    continue
-            elif v == f.default:
-                continue
-            parts.append(f"{f.name}={format_option(v)}")
+        if explicit is not None:  # as the user wrote them, in their order
+            names = list(explicit)
+        else:
+            names = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        parts = [f"{n}={format_option(getattr(self, n))}" for n in names]
         return self.name + ("{" + ",".join(parts) + "}" if parts else "")
 
 

@@ -28,7 +28,9 @@ CASES = {
     "mma-table-f16-masked-rows": ("document", "mma", "f16", 16, 2, 1, 40, 40, 1, 32, 32, 2),
     "mma-gqa-f16": ("plain", "mma", "f16", 16, 1, 4, 33, 40, 2, 32, 32, 2),
     # two m16 fragments per warp; and Q re-read from shared memory every k step
-    "mma-plain-f16-2frags": ("plain", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2),
+    "mma-plain-f16-2frags-2barriers": ("plain", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2, {"one_barrier": False}),
+    # block order in groups of 3 (b, h) pairs over 4 pairs: a full group and a remainder group
+    "mma-causal-f16-headgroups": ("causal", "mma", "f16", 16, 2, 2, 40, 24, 1, 16, 16, 1, {"head_group": 3}),
     "mma-causal-f16-2frags-qsmem": ("causal", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2, {"q_in_regs": False}),
     "simt-plain-f32-gqa-d24": ("plain", "simt", "f32", 24, 1, 4, 40, 40, 2, 32, 16, 1),
     "simt-causal-f16": ("causal", "simt", "f16", 16, 1, 2, 40, 40, 1, 32, 16, 1),

@@ -12,7 +12,8 @@ Kernel arguments (the runtime prepares them; all arrays are flat and contiguous)
     B, H, M, N
     table     int8 [B*H*nq*nk] (only for block_mask == "table")
     captures  in `spec.captures` order, as the caller gave them
-Launch: grid (cdiv(M, block_q), H, B), block (threads,), dynamic shared memory `smem_bytes(spec)`.
+Launch: `grid(spec, B, H, M, N)`, `threads_per_block(spec)` threads, `smem_bytes(spec)` bytes of dynamic
+shared memory.
 
 Two schedules:
 * "mma": each warp owns `block_q / num_warps` query rows (one or more m16 fragments). Q is loaded once
@@ -40,6 +41,7 @@ from .spec import FA2ForwardSpec
 __all__ = [
     "emit_fa2_forward",
     "emit_block_mask",
+    "grid",
     "smem_bytes",
     "threads_per_block",
     "validate_spec",
@@ -63,6 +65,7 @@ from falower.backends.numba_cuda.intrinsics import (
     ldsm_x4_trans,
     smem_base,
     cp_async_commit,
+    cp_async_wait0,
     cp_async_wait1,
     device_function,
     ex2,
@@ -122,6 +125,19 @@ class _Indent:
 # --------------------------------------------------------------------------------------------------
 # Spec checks and launch geometry
 # --------------------------------------------------------------------------------------------------
+
+
+def head_group(spec: FA2ForwardSpec) -> int:
+    """(b, h) pairs per block-order group of the tensor-core kernel (spec.extra["head_group"])."""
+    return int(spec.extra.get("head_group", 16))
+
+
+def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
+    """Launch grid of the forward kernel."""
+    nq = -(-M // spec.block_q)
+    if spec.path == "mma":
+        return (nq * H * B,)
+    return (nq, H, B)
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
@@ -339,9 +355,17 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c("g = lane >> 2")
         c("t2 = (lane & 3) * 2")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
-        c("qt = nq - 1 - cuda.blockIdx.x  # heaviest (causal) q tiles first")
-        c("h = cuda.blockIdx.y")
-        c("b = cuda.blockIdx.z")
+        HG = head_group(spec)
+        c(f"# 1-D grid in groups of {HG} (b, h) pairs; inside a group the q tiles go heaviest first")
+        c("# across the group's heads: causal tails stay short, and the K/V a wave reads stay in L2")
+        c("bid = cuda.blockIdx.x")
+        c(f"grp = bid // ({HG} * nq)")
+        c(f"idx = bid - grp * ({HG} * nq)")
+        c(f"gh = min({HG}, B * H - grp * {HG})")
+        c("qt = nq - 1 - idx // gh")
+        c(f"bh = grp * {HG} + idx % gh")
+        c("b = bh // H")
+        c("h = bh - b * H")
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c(f"q_head = (b * H + h) * M  # first row of this (b, h) in q, o, lse")
         c(f"kv_head = (b * (H // {G}) + hk) * N" if G > 1 else "kv_head = (b * H + hk) * N")
@@ -401,18 +425,30 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     f"{garr}, ({head} + grow) * {D} + ch * 8, nbytes)"
                 )
 
-        c("# prologue: Q and the first K tile (group 0), the first V tile (group 1)")
-        load_tile(BQ, str(QOFF), "q_lo", "M", "q", "q_head")
-        c("if kv_first <= kv_last:")
-        with c.indent():
-            load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kv_head")
-        c("cp_async_commit()")
-        c("if kv_first <= kv_last:")
-        with c.indent():
-            load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "kv_head")
-        c("cp_async_commit()")
-        c("cp_async_wait1()")
-        c("cuda.syncthreads()")
+        ONE_BARRIER = bool(spec.extra.get("one_barrier", True))
+        if ONE_BARRIER:
+            c("# prologue: Q and the first K and V tiles (one cp.async group)")
+            load_tile(BQ, str(QOFF), "q_lo", "M", "q", "q_head")
+            c("if kv_first <= kv_last:")
+            with c.indent():
+                load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kv_head")
+                load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "kv_head")
+            c("cp_async_commit()")
+            c("cp_async_wait0()")
+            c("cuda.syncthreads()")
+        else:
+            c("# prologue: Q and the first K tile (group 0), the first V tile (group 1)")
+            load_tile(BQ, str(QOFF), "q_lo", "M", "q", "q_head")
+            c("if kv_first <= kv_last:")
+            with c.indent():
+                load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kv_head")
+            c("cp_async_commit()")
+            c("if kv_first <= kv_last:")
+            with c.indent():
+                load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "kv_head")
+            c("cp_async_commit()")
+            c("cp_async_wait1()")
+            c("cuda.syncthreads()")
         QREG = q_in_registers(spec)
         c("# Q fragments stay in registers for the whole kv loop" if QREG else
           "# Q stays in shared memory; its fragments are re-read at every k step")
@@ -438,12 +474,21 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c(f"n_off = {2 * T} - k_off  # the other buffer")
             c("k_base = sb + k_off * 2")
             c(f"v_base = k_base + {T * 2}")
-            c("cp_async_wait1()  # K_j has landed (V_j may still be in flight)")
-            c("cuda.syncthreads()")
-            c("if jn <= kv_last:")
-            with c.indent():
-                load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kv_head")
-            c("cp_async_commit()")
+            if ONE_BARRIER:
+                c("cp_async_wait0()  # K_j and V_j have landed (issued one iteration ago)")
+                c("cuda.syncthreads()  # ... for every thread; and everyone is done with the other buffer")
+                c("if jn <= kv_last:")
+                with c.indent():
+                    load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kv_head")
+                    load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "kv_head")
+                c("cp_async_commit()")
+            else:
+                c("cp_async_wait1()  # K_j has landed (V_j may still be in flight)")
+                c("cuda.syncthreads()")
+                c("if jn <= kv_last:")
+                with c.indent():
+                    load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kv_head")
+                c("cp_async_commit()")
             c()
             c("# S = Q K^T")
             for mf in range(MF):
@@ -517,12 +562,13 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"pa_{mf}_{kk}_2 = {pack}(s_{mf}_{bb}_0, s_{mf}_{bb}_1)")
                     c(f"pa_{mf}_{kk}_3 = {pack}(s_{mf}_{bb}_2, s_{mf}_{bb}_3)")
             c()
-            c("cp_async_wait1()  # V_j has landed (K_jn may still be in flight)")
-            c("cuda.syncthreads()")
-            c("if jn <= kv_last:")
-            with c.indent():
-                load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "kv_head")
-            c("cp_async_commit()")
+            if not ONE_BARRIER:
+                c("cp_async_wait1()  # V_j has landed (K_jn may still be in flight)")
+                c("cuda.syncthreads()")
+                c("if jn <= kv_last:")
+                with c.indent():
+                    load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "kv_head")
+                c("cp_async_commit()")
             c()
             c("# O += P V, P packed straight from the S accumulators")
             for kk in range(KK):
@@ -537,7 +583,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("j = jn")
             c("buf ^= 1")
         c()
-        c("cp_async_wait1()")
+        c("cp_async_wait0()")
         c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
         for mf in range(MF):
             for r in range(2):

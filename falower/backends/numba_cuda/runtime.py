@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .emit_fa2 import emit_block_mask, emit_fa2_forward, smem_bytes, threads_per_block
+from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
 from .spec import FA2ForwardSpec
 
 __all__ = ["FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
@@ -278,7 +278,7 @@ class FA2ForwardKernel:
         args = [*flat, o_k, lse_k, *sizes, *extra, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
-        forward = self._kernel[(nq, H, B), self.threads, 0, self.smem]
+        forward = self._kernel[grid(s, B, H, M, N), self.threads, 0, self.smem]
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
         mask_args = [table, *sizes, *caps]
 
