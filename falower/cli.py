@@ -266,6 +266,12 @@ def _setup_opt(p: argparse.ArgumentParser) -> None:
                    help="interpret after every pass on random inputs; compare with the float64 reference")
     p.add_argument("--dot", metavar="OUT", help="write the final graph as Graphviz DOT to OUT")
     p.add_argument("--timing", action="store_true", help="report each pass's time (stderr)")
+    p.add_argument("--cost", action="store_true",
+                   help="show FLOPs and main-memory traffic (at --shapes) in every dump header and at the end")
+    p.add_argument("--print-kernel", action="store_true",
+                   help="also print the Numba CUDA source the numba-cuda backend emits for the final IR "
+                        "(at --shapes; needs the fa2-fwd form, no GPU)")
+    p.add_argument("--dtype", choices=("f16", "bf16"), help="input dtype for --print-kernel (default: the graph's)")
     p.add_argument("-o", "--output", metavar="OUT", help="write the final IR to OUT instead of stdout")
 
 
@@ -278,7 +284,7 @@ class OptResult:
 
 def run_opt(func: Func, pipeline: str, *, check: bool = False, shapes: Optional[Mapping[str, int]] = None,
             print_after_all: bool = False, print_after: Sequence[str] = (), print_after_change: bool = False,
-            dumps: Optional[TextIO] = None) -> OptResult:
+            dumps: Optional[TextIO] = None, cost_dims: Optional[Mapping[str, int]] = None) -> OptResult:
     """Lower `func` through `pipeline` with a PassManager; `records` holds what each pass did."""
     from .passes import PassManager, parse_pipeline
 
@@ -286,6 +292,10 @@ def run_opt(func: Func, pipeline: str, *, check: bool = False, shapes: Optional[
     pm = PassManager(parse_pipeline(pipeline), print_after_all=print_after_all, print_after=tuple(print_after),
                      print_after_change=print_after_change, check=check, shapes=env,
                      out=dumps if dumps is not None else sys.stderr)
+    if cost_dims is not None:
+        from .passes.cost import cost_header
+
+        pm.header_extra = cost_header(dict(cost_dims))
     try:
         out = pm.run(func)
     except FalowerError as e:
@@ -307,9 +317,11 @@ def cmd_opt(args: argparse.Namespace) -> int:
     if shapes and not args.check:
         check_shapes(func, shapes)  # still catch typos in --shapes
     after = tuple(n.strip() for n in args.print_ir_after.split(",") if n.strip()) if args.print_ir_after else ()
+    cost_dims = check_shapes(func, shapes) if (args.cost or args.print_kernel) else None
     try:
         res = run_opt(func, args.pipeline, check=args.check, shapes=shapes, print_after_all=args.print_ir_after_all,
-                      print_after=after, print_after_change=args.print_ir_after_change)
+                      print_after=after, print_after_change=args.print_ir_after_change,
+                      cost_dims=cost_dims if args.cost else None)
     except FalowerError as e:
         _report_checks(getattr(e, "records", []), sys.stderr)
         raise
@@ -325,6 +337,21 @@ def cmd_opt(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         print(f"timing: {'total':<24} {total * 1e3:8.2f} ms", file=sys.stderr)
     text = print_func(res.func)
+    if args.cost:
+        from .passes.cost import cost_of, format_cost
+
+        print(f"{format_cost(cost_of(res.func, cost_dims))} (shapes {format_shapes(_ordered_env(func, cost_dims))})",
+              file=sys.stderr)
+    if args.print_kernel:
+        from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
+        from .backends.numba_cuda.from_ir import analyse, build_spec
+
+        dtype = args.dtype or func.args[0].type.dtype
+        low = analyse(res.func)
+        dims = {k: v for k, v in cost_dims.items() if k in low.dims_used | {"D"}}  # type: ignore[union-attr]
+        path = "mma" if dims["D"] % 16 == 0 and dtype in ("f16", "bf16") else "simt"
+        text += "\n# ----- numba-cuda kernel source (D = %d, %s, %s path) -----\n" % (dims["D"], dtype, path)
+        text += emit_fa2_forward(build_spec(low, dims, dtype, path, None))
     if args.dot:
         from .ir.graph import to_dot
 

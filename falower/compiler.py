@@ -3,6 +3,7 @@ a backend: "numba-cuda" (GPU kernels) or "reference" (the numpy interpreter, for
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -11,7 +12,7 @@ from .errors import FalowerError, ShapeError
 from .ir.core import Func
 from .ir.dims import solve_dims
 from .ir.interp import Interpreter
-from .passes.manager import run_pipeline
+from .passes.manager import debug_level, run_pipeline
 
 BACKENDS = ("numba-cuda", "reference")
 
@@ -61,7 +62,13 @@ class CompiledAttention:
         key = (dtype, path, tuple(used.items()))
         if key not in self._kernels:
             spec = build_spec(self.analysis, used, dtype, path, self.num_warps)
-            self._kernels[key] = FA2ForwardKernel(spec)
+            kern = FA2ForwardKernel(spec)
+            level = debug_level()
+            if level >= 3:
+                print(f"[falower] kernel {spec.name}:\n{kern.source}", file=sys.stderr)
+            if level >= 4:
+                print(f"[falower] PTX of {spec.name}:\n{kern.ptx()}", file=sys.stderr)
+            self._kernels[key] = kern
         return self._kernels[key]
 
     def __call__(self, *inputs: Any):

@@ -295,3 +295,15 @@ def test_readme_and_ci_use_the_same_test_command() -> None:
     cmd = line.split("=", 1)[1].strip().strip("'")
     assert "pytest" in cmd
     assert cmd in (ROOT / "README.md").read_text()
+
+
+def test_opt_cost_in_headers_and_print_kernel(capsys) -> None:
+    from falower.cli import main
+
+    rc = main(["opt", "examples/causal.py", "-p", "fa2-fwd", "--cost", "--print-ir-after=tile",
+               "--shapes", "B=1,H=2,M=256,N=256,D=64", "--print-kernel"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert "// cost: " in err and "GFLOP" in err
+    assert "numba-cuda kernel source (D = 64, f16, mma path)" in out
+    assert "def score_fn(s, b, h, q, kv):" in out and "def tile_class_fn(" in out
