@@ -50,26 +50,46 @@ def log(*args) -> None:
 
 
 def parse_config(text: str) -> tuple:
-    """'128x64w8' -> (block_q=128, block_k=64, num_warps=8); a suffix '-qs' / '-qr' keeps Q in shared
-    memory / in registers (spec.extra["q_in_regs"]) instead of the emitter's default."""
-    text, _, opt = text.partition("-")
+    """'128x64w8' -> (128, 64, 8, {}) = (block_q, block_k, num_warps, spec.extra). Suffixes set extras:
+    '-qs' / '-qr' Q in shared memory / registers, '-2b' two barriers per kv tile (K and V waited for
+    separately), '-hgN' block order in groups of N (b, h) pairs."""
+    text, *opts = text.split("-")
     tiles, warps = text.split("w")
     bq, bk = tiles.split("x")
-    cfg = (int(bq), int(bk), int(warps))
-    return cfg + ({"qs": (False,), "qr": (True,)}[opt] if opt else ())
+    extra = {}
+    for o in opts:
+        if o in ("qs", "qr"):
+            extra["q_in_regs"] = o == "qr"
+        elif o == "2b":
+            extra["one_barrier"] = False
+        elif o.startswith("hg"):
+            extra["head_group"] = int(o[2:])
+        else:
+            raise ValueError(f"unknown config option {o!r} in {text!r}")
+    return (int(bq), int(bk), int(warps), extra)
 
 
 def config_tag(cfg: tuple) -> str:
-    tag = f"{cfg[0]}x{cfg[1]}w{cfg[2]}"
-    return tag + ("" if len(cfg) < 4 else "-qr" if cfg[3] else "-qs")
+    bq, bk, nw, *rest = cfg
+    extra = rest[0] if rest else {}
+    tag = f"{bq}x{bk}w{nw}"
+    if "q_in_regs" in extra:
+        tag += "-qr" if extra["q_in_regs"] else "-qs"
+    if extra.get("one_barrier") is False:
+        tag += "-2b"
+    if "head_group" in extra:
+        tag += f"-hg{extra['head_group']}"
+    return tag
 
 
-DEFAULT_CONFIG = {64: (128, 64, 4), 128: (64, 64, 4)}
+DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}
 
 
-def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple[int, int, int] | None = None):
+def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None):
     """Build the FA2 forward kernel for head dim D; returns a FA2ForwardKernel."""
-    bq, bk, nw, *qreg = config or DEFAULT_CONFIG[D]
+    config = config or DEFAULT_CONFIG[D]
+    bq, bk, nw = config[:3]
+    extra = dict(config[3]) if len(config) > 3 else {}
     scale_log2e = LOG2E / math.sqrt(D)
     src = f"SCALE_LOG2E = np.float32({scale_log2e!r})\n\ndef score_fn(s, b, h, q, kv):\n    return s * SCALE_LOG2E\n"
     kw = {}
@@ -83,9 +103,9 @@ def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple[int, int
         )
         kw = dict(has_mask=True, block_mask="static")
     spec = FA2ForwardSpec(
-        name=f"bench_{'causal' if causal else 'plain'}_{dtype}_d{D}_{config_tag((bq, bk, nw, *qreg)).replace('-', '_')}",
+        name=f"bench_{'causal' if causal else 'plain'}_{dtype}_d{D}_{config_tag(config).replace('-', '_')}",
         head_dim=D, dtype=dtype, path="mma", block_q=bq, block_k=bk, num_warps=nw,
-        device_source=src, extra={"q_in_regs": qreg[0]} if qreg else {}, **kw)
+        device_source=src, extra=extra, **kw)
     return FA2ForwardKernel(spec)
 
 

@@ -406,7 +406,30 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             return f"sb + (k_off + {T} + ({kk * 16} + v_row) * {D} + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2"
         c()
 
+        RSTEP = threads // CH if threads % CH == 0 else 0  # rows one sweep of the block covers
+        FAST_LOADS = RSTEP > 0 and RSTEP % (SWZ + 1) == 0
+        if FAST_LOADS:
+            c("# each thread copies the same 16-byte column chunk of every RSTEP-th row: one base address")
+            c("# per tile, the rest are immediate offsets (few registers)")
+            c(f"ld_r0 = tid // {CH}")
+            c(f"ld_ch = tid % {CH}")
+            c(f"ld_soff = (ld_r0 * {D} + ((ld_ch ^ (ld_r0 & {SWZ})) << 3)) * 2")
+
         def load_tile(rows: int, smem_off: str, row0: str, nrows: str, garr: str, head: str) -> None:
+            if FAST_LOADS and rows % RSTEP == 0:
+                c(f"ld_row = {row0} + ld_r0")
+                c(f"ld_g = ({head} + ld_row) * {D} + ld_ch * 8")
+                c(f"ld_safe = {head} * {D} + ld_ch * 8  # a valid address for zero-filled rows")
+                c(f"ld_s = sb + {smem_off} * 2 + ld_soff")
+                for it in range(rows // RSTEP):
+                    dr = it * RSTEP
+                    c(f"if ld_row + {dr} < {nrows}:")
+                    with c.indent():
+                        c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr * D}, 16)")
+                    c("else:")
+                    with c.indent():
+                        c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_safe, 0)")
+                return
             per = -(-rows * CH // threads)
             c(f"for it in range({per}):")
             with c.indent():
