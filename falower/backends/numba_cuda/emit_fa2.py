@@ -420,7 +420,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"ld_row = {row0} + ld_r0")
                 c(f"ld_g = ({head} + ld_row) * {D} + ld_ch * 8")
                 c(f"ld_safe = {head} * {D} + ld_ch * 8  # a valid address for zero-filled rows")
-                c(f"ld_s = sb + {smem_off} * 2 + ld_soff")
+                c(f"ld_s = sb + ({smem_off}) * 2 + ld_soff")
                 for it in range(rows // RSTEP):
                     dr = it * RSTEP
                     c(f"if ld_row + {dr} < {nrows}:")
