@@ -71,3 +71,46 @@ def test_example_error_rule(stem, dtype, D, N):
     fin = np.isfinite(want_lse)
     if fin.any():
         assert np.max(np.abs(lse[fin] - want_lse[fin])) <= 1e-3
+
+
+def _compile_one(job) -> str:
+    """Build and launch one specialisation on tiny inputs: fills Numba's disk cache for pytest."""
+    stem, dtype, D, N = job
+    g, c = graph(stem, dtype)
+    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": N, "N": N, "D": D})
+    host = [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+            for i, x in enumerate(random_inputs(g, env))]
+    tdt = torch.float16 if dtype == "f16" else torch.bfloat16
+    dev = [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", tdt) if i < 3
+           else torch.from_numpy(np.ascontiguousarray(x)).cuda() for i, x in enumerate(host)]
+    c(*dev)
+    torch.cuda.synchronize()
+    return f"{stem} {dtype} D={D} N={N}"
+
+
+def precompile_jobs() -> list[tuple]:
+    jobs = []
+    for stem in STEMS:
+        g, c = graph(stem, "f16")
+        per_n = "N" in c.analysis.dims_used or "M" in c.analysis.dims_used
+        for dtype in ("f16", "bf16"):
+            for D in (64, 128):
+                for N in ((1, 17, 128, 1000, 4096) if per_n else (17,)):
+                    jobs.append((stem, dtype, D, N))
+    return jobs
+
+
+if __name__ == "__main__":
+    # python tests/gpu/test_examples_gpu.py: compile every kernel the tests need in parallel processes,
+    # so pytest afterwards loads them from Numba's disk cache instead of compiling one after another.
+    import concurrent.futures
+    import multiprocessing
+    import os
+    import time
+
+    jobs = precompile_jobs()
+    t0 = time.time()
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 4),
+                                                mp_context=multiprocessing.get_context("spawn")) as ex:
+        done = list(ex.map(_compile_one, jobs))
+    print(f"precompiled {len(done)} kernels in {time.time() - t0:.1f}s", flush=True)
