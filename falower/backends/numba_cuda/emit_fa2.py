@@ -128,8 +128,16 @@ class _Indent:
 
 
 def head_group(spec: FA2ForwardSpec) -> int:
-    """(b, h) pairs per block-order group of the tensor-core kernel (spec.extra["head_group"])."""
-    return int(spec.extra.get("head_group", 16))
+    """(b, h) pairs per block-order group of the tensor-core kernel (spec.extra["head_group"]).
+
+    Measured on the H100 (benchmarks/NOTES.md, 2026-11-22): with a block mask the q tiles carry
+    unequal work, and 16 heads per group with the heaviest tiles first gave +6-7% (causal, D=128,
+    N=4k-16k); with equal tiles one (b, h) at a time (all its q tiles together, sharing K/V in L2) was
+    2-4% faster at N >= 4k.
+    """
+    if "head_group" in spec.extra:
+        return int(spec.extra["head_group"])
+    return 16 if spec.block_mask != "none" else 1
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
