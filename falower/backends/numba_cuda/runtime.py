@@ -125,7 +125,7 @@ class FA2ForwardKernel:
             self._mask_kernel = getattr(mod, spec.name + "_block_mask")
         self.threads = threads_per_block(spec)
         self.smem = smem_bytes(spec)
-        self._smem_set: set[tuple[int, int]] = set()
+        self._smem_set: set[tuple] = set()
 
     # ---------------------------------------------------------------------------- user helpers
     def print_kernel(self) -> None:
@@ -209,6 +209,10 @@ class FA2ForwardKernel:
 
         if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
             return
+        sig_key = (cuda.current_context().device.id,) + tuple(
+            (type(a), getattr(a, "dtype", None), getattr(a, "ndim", None)) for a in args)
+        if sig_key in self._smem_set:
+            return
         from numba.cuda.cudadrv.driver import binding, driver
 
         # One compiled overload per argument-type tuple (torch tensors and Numba device arrays may
@@ -221,14 +225,15 @@ class FA2ForwardKernel:
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
         self._smem_set.add(key)
+        self._smem_set.add(sig_key)  # the same argument kinds map to the same overload: skip next time
 
     def __call__(self, q: Any, k: Any, v: Any, *captures: Any):
         """Run the kernel; returns (o, lse) of the same kind as q (numpy in, numpy out)."""
-        launch, finish = self.prepare(q, k, v, *captures)
+        launch, finish = self.prepare(q, k, v, *captures, _wrap=False)
         launch()
         return finish()
 
-    def prepare(self, q: Any, k: Any, v: Any, *captures: Any):
+    def prepare(self, q: Any, k: Any, v: Any, *captures: Any, _wrap: bool = True):
         """Check and convert the inputs once; returns (launch, finish).
 
         `launch()` runs the block-mask kernel (table mode) and the forward kernel on the prepared
@@ -246,14 +251,17 @@ class FA2ForwardKernel:
         if kind == "torch":
             import torch
 
+            # Numba device arrays launch faster than torch tensors (whose array interface Numba re-reads
+            # at every launch) but cost a conversion each: worth it only for repeated launches.
+            wrap = cuda.as_cuda_array if _wrap else (lambda t: t)
             bits = torch.float32 if s.dtype == "f32" else torch.int16
-            flat = [cuda.as_cuda_array(x.detach().view(bits).reshape(-1)) for x in (q, k, v)]
+            flat = [wrap(x.detach().view(bits).reshape(-1)) for x in (q, k, v)]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            o_k = cuda.as_cuda_array(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
+            o_k = wrap(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
-            lse_k = cuda.as_cuda_array(lse.reshape(-1))
-            caps = [cuda.as_cuda_array(x.detach()) if hasattr(x, "detach") else x for x in captures]
-            table = (cuda.as_cuda_array(torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device))
+            lse_k = wrap(lse.reshape(-1))
+            caps = [wrap(x.detach()) if hasattr(x, "detach") else x for x in captures]
+            table = (wrap(torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device))
                      if self._mask_kernel else None)
         else:
             bits = np.float32 if s.dtype == "f32" else np.int16
