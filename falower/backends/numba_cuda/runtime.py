@@ -221,6 +221,7 @@ class FA2ForwardKernel:
         cufunc = compiled._codelibrary.get_cufunc()
         key = (id(compiled), cufunc.device.id)
         if key in self._smem_set:
+            self._smem_set.add(sig_key)
             return
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
