@@ -52,7 +52,8 @@ def log(*args) -> None:
 def parse_config(text: str) -> tuple:
     """'128x64w8' -> (128, 64, 8, {}) = (block_q, block_k, num_warps, spec.extra). Suffixes set extras:
     '-qs' / '-qr' Q in shared memory / registers, '-2b' two barriers per kv tile (K and V waited for
-    separately), '-hgN' block order in groups of N (b, h) pairs."""
+    separately), '-hgN' block order in groups of N (b, h) pairs, '-nows' no per-warp skipping of
+    masked rows in partial tiles."""
     text, *opts = text.split("-")
     tiles, warps = text.split("w")
     bq, bk = tiles.split("x")
@@ -62,6 +63,8 @@ def parse_config(text: str) -> tuple:
             extra["q_in_regs"] = o == "qr"
         elif o == "2b":
             extra["one_barrier"] = False
+        elif o == "nows":
+            extra["warp_skip"] = False
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
         else:
@@ -79,6 +82,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-2b"
     if "head_group" in extra:
         tag += f"-hg{extra['head_group']}"
+    if extra.get("warp_skip") is False:
+        tag += "-nows"
     return tag
 
 
@@ -159,6 +164,29 @@ def check(D, causal, config, dtype=None):
             "lse_err": lse_err, "ok": ok, "first_call_s": first}
 
 
+def _compile_one(job) -> str:
+    D, causal, cfg = job
+    kern = make_kernel(D, causal, "f16", cfg)
+    q = torch.randn(1, 1, 64, D, device="cuda", dtype=torch.float16)
+    kern(q, q, q)
+    torch.cuda.synchronize()
+    return f"D={D} causal={causal} {config_tag(cfg)}"
+
+
+def precompile(jobs) -> None:
+    """Compile every kernel in parallel processes; Numba's disk cache (cache=True, next to the generated
+    source) then lets this process load them instead of compiling one after another."""
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.time()
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4),
+                                                mp_context=ctx) as ex:
+        done = list(ex.map(_compile_one, jobs))
+    log(f"precompiled {len(done)} kernels in {time.time() - t0:.1f}s")
+
+
 def bench(fn, warmup=25, rep=100):
     import triton.testing
 
@@ -174,6 +202,7 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="comma-separated tile configs per D, e.g. 64x64w4,128x64w8")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--precompile", action="store_true", help="compile all kernels in parallel first")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     Ns = args.n or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
@@ -187,6 +216,9 @@ def main() -> None:
             configs_for[D] = cfgs
         else:
             configs_for[D] = [DEFAULT_CONFIG[D]]
+
+    if args.precompile:
+        precompile([(D, causal, cfg) for D in args.d for causal in causals for cfg in configs_for[D]])
 
     checks = []
     if not args.no_check:

@@ -521,6 +521,27 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kv_head")
                 c("cp_async_commit()")
             c()
+            WARP_SKIP = ONE_BARRIER and spec.block_mask == "static" and bool(spec.extra.get("warp_skip", True))
+            if WARP_SKIP:
+                c("# per-warp class of a partial tile: a warp whose rows the mask hides entirely skips the")
+                c("# tile (no barrier inside, so a warp-uniform branch is safe); a warp fully inside needs no mask")
+                _emit_need_mask(c, spec, "j")
+                c(f"wq_lo = q_lo + warp * {RW}")
+                c("if wq_lo >= M:")
+                with c.indent():
+                    c("wcls = 0")
+                c("elif cls == 1:")
+                with c.indent():
+                    c(
+                        f"wcls = tile_class_fn(b, h, wq_lo, min(wq_lo + {RW}, M) - 1, kv0, "
+                        f"min(kv0 + {BK}, N) - 1{caps})"
+                    )
+                c("else:")
+                with c.indent():
+                    c("wcls = cls")
+                c(f"need_mask = wcls == 1 or kv0 + {BK} > N")
+                c("if wcls != 0:")
+                c.level += 1
             c("# S = Q K^T")
             for mf in range(MF):
                 for jj in range(NJ):
@@ -539,7 +560,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                             qa = ", ".join(f"qf_{mf}_{ks}_{i}" for i in range(4))
                             c(f"{sv} = {mma}({qa}, {b0}, {b1}, {sv})")
             c()
-            _emit_need_mask(c, spec, "j")
+            if not WARP_SKIP:
+                _emit_need_mask(c, spec, "j")
             c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
 
             def score_block(masked: bool) -> None:
@@ -611,6 +633,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                             dn = 2 * dd + half
                             av = ", ".join(f"acc_{mf}_{dn}_{i}" for i in range(4))
                             c(f"{av} = {mma}({pa}, {b0}, {b1}, {av})")
+            if WARP_SKIP:
+                c.level -= 1
             c("j = jn")
             c("buf ^= 1")
         c()
