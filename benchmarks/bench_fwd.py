@@ -52,8 +52,8 @@ def log(*args) -> None:
 def parse_config(text: str) -> tuple:
     """'128x64w8' -> (128, 64, 8, {}) = (block_q, block_k, num_warps, spec.extra). Suffixes set extras:
     '-qs' / '-qr' Q in shared memory / registers, '-2b' two barriers per kv tile (K and V waited for
-    separately), '-hgN' block order in groups of N (b, h) pairs, '-nows' no per-warp skipping of
-    masked rows in partial tiles."""
+    separately), '-hgN' block order in groups of N (b, h) pairs, '-ws' / '-nows' per-warp skipping of
+    masked rows in partial tiles on / off (default off)."""
     text, *opts = text.split("-")
     tiles, warps = text.split("w")
     bq, bk = tiles.split("x")
@@ -65,6 +65,8 @@ def parse_config(text: str) -> tuple:
             extra["one_barrier"] = False
         elif o == "nows":
             extra["warp_skip"] = False
+        elif o == "ws":
+            extra["warp_skip"] = True
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
         else:
@@ -82,8 +84,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-2b"
     if "head_group" in extra:
         tag += f"-hg{extra['head_group']}"
-    if extra.get("warp_skip") is False:
-        tag += "-nows"
+    if "warp_skip" in extra:
+        tag += "-ws" if extra["warp_skip"] else "-nows"
     return tag
 
 

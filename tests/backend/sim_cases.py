@@ -32,6 +32,8 @@ CASES = {
     # block order in groups of 3 (b, h) pairs over 4 pairs: a full group and a remainder group
     "mma-causal-f16-headgroups": ("causal", "mma", "f16", 16, 2, 2, 40, 24, 1, 16, 16, 1, {"head_group": 3}),
     "mma-causal-f16-2frags-qsmem": ("causal", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2, {"q_in_regs": False}),
+    # per-warp skipping of hidden rows inside partial tiles (spec.extra["warp_skip"], off by default)
+    "mma-causal-f16-warpskip": ("causal", "mma", "f16", 16, 1, 1, 70, 45, 1, 64, 16, 2, {"warp_skip": True}),
     "simt-plain-f32-gqa-d24": ("plain", "simt", "f32", 24, 1, 4, 40, 40, 2, 32, 16, 1),
     "simt-causal-f16": ("causal", "simt", "f16", 16, 1, 2, 40, 40, 1, 32, 16, 1),
     "simt-bias-bf16": ("bias", "simt", "bf16", 16, 1, 2, 40, 35, 1, 32, 16, 1),
