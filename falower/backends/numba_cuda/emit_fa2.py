@@ -26,6 +26,13 @@ Two schedules:
 * "simt": one query row per thread (block_q threads), fp32 arithmetic from K/V tiles in shared memory.
   Slow, but simple and for any head dimension and dtype.
 
+Schedule knobs in `spec.extra` (all optional; defaults are the measured best on the H100, see
+benchmarks/NOTES.md): "q_in_regs" (bool: Q fragments in registers, default unless a warp owns >= 32 rows
+at D >= 128), "one_barrier" (bool, default True: K and V of the next tile prefetched together behind one
+barrier per tile), "head_group" (int: (b, h) pairs per block-order group; default 16 under a block mask,
+else 1), "warp_skip" (bool, default False: per-warp classification inside partial tiles).
+`recommended_schedule(head_dim, dtype, path)` gives the tile sizes and warps we measured best.
+
 Both work in the exp2 domain (`score_fn` returns log2(e)-scaled scores when `spec.exp2`), keep
 (m, l, acc) in registers, normalise once at the end, and write LSE = (m + log2 l) * ln 2. Rows with no
 unmasked score get O = 0 and LSE = -inf.
@@ -42,6 +49,7 @@ __all__ = [
     "emit_fa2_forward",
     "emit_block_mask",
     "grid",
+    "recommended_schedule",
     "smem_bytes",
     "threads_per_block",
     "validate_spec",
@@ -127,6 +135,22 @@ class _Indent:
 # --------------------------------------------------------------------------------------------------
 
 
+def recommended_schedule(head_dim: int, dtype: str = "f16", path: str = "mma") -> dict[str, int]:
+    """block_q, block_k, num_warps measured best on the H100 (benchmarks/NOTES.md, 2026-11-22).
+
+    mma path: 128 query rows, 4 warps of two m16 fragments each, 64-wide kv tiles, for D = 64 and 128
+    (8 warps of one fragment were 15-30% slower: every warp re-reads K and V from shared memory).
+    simt path: 64 rows (one per thread), 32-wide kv tiles (shared memory: 2 * 32 * D * 4 bytes).
+    """
+    if path == "mma":
+        if head_dim % 16:
+            raise ValueError(f"the tensor-core path needs head_dim % 16 == 0, got {head_dim}")
+        if head_dim <= 128:
+            return {"block_q": 128, "block_k": 64, "num_warps": 4}
+        return {"block_q": 64, "block_k": 32, "num_warps": 4}  # not timed: one fragment per warp
+    return {"block_q": 64, "block_k": 32 if head_dim <= 128 else 16, "num_warps": 2}
+
+
 def head_group(spec: FA2ForwardSpec) -> int:
     """(b, h) pairs per block-order group of the tensor-core kernel (spec.extra["head_group"]).
 
@@ -166,13 +190,16 @@ def _swizzle_mask(head_dim: int) -> int:
 def q_in_registers(spec: FA2ForwardSpec) -> bool:
     """Keep the Q fragments in registers for the whole kv loop (spec.extra["q_in_regs"]).
 
-    Default: yes unless a warp owns 32+ rows at D >= 128, where acc + S + Q would not fit in 255
-    registers; then Q stays in shared memory and is re-read with ldmatrix at every k step (as FA2 does).
+    Default: yes while acc + S + Q fragments need at most 160 of the 255 registers per thread
+    (acc D/2, S block_k/2, Q D/4 per m16 fragment); beyond that Q stays in shared memory and is re-read
+    with ldmatrix at every k step, as FA2 does. D=64 with two fragments (160) measured without spills,
+    D=128 with two fragments (256) needs shared memory.
     """
     if "q_in_regs" in spec.extra:
         return bool(spec.extra["q_in_regs"])
-    rows_per_warp = spec.block_q // spec.num_warps
-    return not (rows_per_warp >= 32 and spec.head_dim >= 128)
+    frags = spec.block_q // spec.num_warps // 16
+    D = spec.head_dim
+    return frags * (D // 2 + spec.block_k // 2 + D // 4) <= 160
 
 
 def _mma_layout(spec: FA2ForwardSpec) -> dict[str, int]:
