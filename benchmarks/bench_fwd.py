@@ -92,28 +92,22 @@ def config_tag(cfg: tuple) -> str:
 DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}
 
 
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles,canonicalize"
+
+
 def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None):
-    """Build the FA2 forward kernel for head dim D; returns a FA2ForwardKernel."""
+    """The kernel under test, as a user gets it: attention written with falower.attention, lowered by
+    the FA2 pipeline (tile sizes from `config`) and compiled by falower.compile; a FA2ForwardKernel."""
+    import falower as fl
+
     config = config or DEFAULT_CONFIG[D]
     bq, bk, nw = config[:3]
     extra = dict(config[3]) if len(config) > 3 else {}
-    scale_log2e = LOG2E / math.sqrt(D)
-    src = f"SCALE_LOG2E = np.float32({scale_log2e!r})\n\ndef score_fn(s, b, h, q, kv):\n    return s * SCALE_LOG2E\n"
-    kw = {}
-    if causal:
-        src += (
-            "\ndef mask_fn(b, h, q, kv):\n    return q >= kv\n"
-            "\ndef tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi):\n"
-            "    if kv_lo > q_hi:\n        return 0\n"
-            "    if kv_hi <= q_lo:\n        return 2\n"
-            "    return 1\n"
-        )
-        kw = dict(has_mask=True, block_mask="static")
-    spec = FA2ForwardSpec(
-        name=f"bench_{'causal' if causal else 'plain'}_{dtype}_d{D}_{config_tag(config).replace('-', '_')}",
-        head_dim=D, dtype=dtype, path="mma", block_q=bq, block_k=bk, num_warps=nw,
-        device_source=src, extra=extra, **kw)
-    return FA2ForwardKernel(spec)
+    mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
+    graph = fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype=dtype)
+    compiled = fl.compile(graph, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), path="mma",
+                          num_warps=nw, extra=extra)
+    return compiled.specialize(dtype, D=D)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,9 +24,10 @@ class CompiledAttention:
     reads) at the first call with those sizes, and caches the kernel for the next calls.
     """
 
-    def __init__(self, func: Func, lowered: Func, backend: str, path: str = "auto", num_warps: Optional[int] = None):
+    def __init__(self, func: Func, lowered: Func, backend: str, path: str = "auto", num_warps: Optional[int] = None,
+                 extra: Optional[dict] = None):
         self.func, self.lowered, self.backend = func, lowered, backend
-        self.path, self.num_warps = path, num_warps
+        self.path, self.num_warps, self.extra = path, num_warps, dict(extra or {})
         self._kernels: dict[tuple, Any] = {}
         if backend == "numba-cuda":
             from .backends.numba_cuda.from_ir import analyse
@@ -44,25 +45,36 @@ class CompiledAttention:
 
     def kernel(self, *inputs: Any):
         """The FA2ForwardKernel these inputs would run (built on first use)."""
-        from .backends.numba_cuda.from_ir import build_spec
-        from .backends.numba_cuda.runtime import FA2ForwardKernel
-
         if len(inputs) != len(self.func.args):
             names = ", ".join(a.name or "?" for a in self.func.args)
             raise ShapeError(f"@{self.func.name} takes {len(self.func.args)} inputs ({names}), got {len(inputs)}")
-        env = self._dims(inputs)
         dtype = _dtype_of(inputs[0])
         want = self.func.args[0].type.dtype
         if dtype != want:
             raise ShapeError(f"q has dtype {dtype} but the graph was traced for {want}")
+        return self.specialize(dtype, **self._dims(inputs))
+
+    def specialize(self, dtype: str, **env: int):
+        """The kernel for inputs of `dtype` and these sizes (D at least), without needing the inputs."""
+        from .backends.numba_cuda.from_ir import BackendError, build_spec
+        from .backends.numba_cuda.runtime import FA2ForwardKernel
+
+        if self.backend != "numba-cuda":
+            raise FalowerError("only the numba-cuda backend builds kernels")
+        if "D" not in env:
+            raise ShapeError("specialize needs the head dim D")
         path = self.path
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
         used = {k: env[k] for k in sorted(self.analysis.dims_used | {"D"}) if k in env}
         key = (dtype, path, tuple(used.items()))
         if key not in self._kernels:
-            spec = build_spec(self.analysis, used, dtype, path, self.num_warps)
-            kern = FA2ForwardKernel(spec)
+            spec = build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra)
+            try:
+                kern = FA2ForwardKernel(spec)
+            except ValueError as e:  # the emitter cannot build this schedule (tile sizes, head dim)
+                raise BackendError(f"numba-cuda backend: {e} (tiles {spec.block_q}x{spec.block_k}, "
+                                   f"D = {spec.head_dim}, {path} path; choose tiles with tile{{bq=..,bk=..}})") from None
             level = debug_level()
             if level >= 3:
                 print(f"[falower] kernel {spec.name}:\n{kern.source}", file=sys.stderr)
@@ -93,11 +105,11 @@ def _dtype_of(x: Any) -> str:
 
 
 def compile(func: Func, backend: str = "numba-cuda", pipeline: str = "fa2-fwd", path: str = "auto",
-            num_warps: Optional[int] = None, **pipeline_kwargs: Any) -> CompiledAttention:
+            num_warps: Optional[int] = None, extra: Optional[dict] = None, **pipeline_kwargs: Any) -> CompiledAttention:
     """Lower `func` with `pipeline` and build it for `backend` ("numba-cuda" or "reference")."""
     if backend not in BACKENDS:
         raise FalowerError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
     if path not in ("auto", "mma", "simt"):
         raise FalowerError(f"unknown path {path!r} (auto, mma or simt)")
     lowered = run_pipeline(func, pipeline, **pipeline_kwargs)
-    return CompiledAttention(func, lowered, backend, path, num_warps)
+    return CompiledAttention(func, lowered, backend, path, num_warps, extra)

@@ -12,5 +12,6 @@ from . import fuse, online_softmax, tile  # noqa: E402,F401  (registration)
 from . import mask_tiles  # noqa: E402,F401
 from .pipeline import named as _named  # noqa: E402
 
-_named("fa2-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64},online-softmax{exp2=true},mask-tiles,canonicalize")
+# 128 x 64 tiles: what the numba-cuda kernels run fastest on the H100 (benchmarks/NOTES.md)
+_named("fa2-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=128,bk=64},online-softmax{exp2=true},mask-tiles,canonicalize")
 _named("fa1-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64,order=fa1},online-softmax,canonicalize")

@@ -237,6 +237,20 @@ class _ScalarEmitter:
         raise BackendError(f"numba-cuda backend: no scalar form for op {n}")
 
 
+def _live_lines(lines: list[str], result: str) -> list[str]:
+    """Drop assignments nothing reads (a factor merged into a later multiply leaves its own line)."""
+    import re
+
+    keep: list[str] = []
+    used = set(re.findall(r"\bv\d+\b", result))
+    for line in reversed(lines):
+        target = line.strip().split(" = ", 1)[0]
+        if target in used:
+            keep.append(line)
+            used |= set(re.findall(r"\bv\d+\b", line.split(" = ", 1)[1]))
+    return keep[::-1]
+
+
 def _needed(region: Block, roots: list[Value]) -> set[int]:
     need: set[int] = set()
     stack = list(roots)
@@ -266,7 +280,7 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     e.names.update(_role_names(low.fused, region, cap_names))
     e.emit(region, [low.score])
     out.append(f"def score_fn(s, b, h, q, kv{sig_caps}):")
-    out += e.lines or []
+    out += _live_lines(e.lines, e.name(low.score))
     out.append(f"    return np.float32({e.name(low.score)})")
     if low.conj:
         pred = predicate_region(low.fused, low.conj)
@@ -277,7 +291,7 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
         pe.emit(pred, [res])
         out.append("")
         out.append(f"def mask_fn(b, h, q, kv{sig_caps}):")
-        out += pe.lines
+        out += _live_lines(pe.lines, pe.name(res))
         out.append(f"    return {pe.name(res)}")
         if low.block_mask == "static":
             out.append("")
@@ -371,16 +385,19 @@ def _const_pos_int(v: Value) -> bool:
     return isinstance(op, Op) and op.name == "const" and isinstance(op.attrs["value"], int) and op.attrs["value"] > 0
 
 
-def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_warps: Optional[int]) -> FA2ForwardSpec:
+def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_warps: Optional[int],
+               extra: Optional[dict] = None) -> FA2ForwardSpec:
     D = int(env["D"])
     src = device_source(low, env)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, v.type.rank) for i, v in enumerate(low.captures))
     bq, bk = low.block_q, low.block_k
     if path == "simt" and bq % 32:
         raise BackendError(f"numba-cuda backend: the SIMT path needs block_q a multiple of 32, got {bq}")
-    nw = num_warps or (max(1, min(8, bq // 16)) if path == "mma" else 1)
-    key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}"
+    # 4 warps measured best on the H100 (two m16 fragments each at bq = 128; benchmarks/NOTES.md)
+    nw = num_warps or (max(1, min(4, bq // 16)) if path == "mma" else 1)
+    key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}|{sorted((extra or {}).items())}"
     name = "fa2_" + low.func.name.replace("-", "_") + "_" + hashlib.sha1(key.encode()).hexdigest()[:10]
     return FA2ForwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
                           group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
-                          has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none")
+                          has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none",
+                          extra=dict(extra or {}))
