@@ -158,6 +158,19 @@ def uses(func: Func) -> dict[Value, list[Op]]:
     return out
 
 
+def backward_slice(block: Block, roots: list[Value]) -> list[Op]:
+    """The ops of `block` that `roots` depend on (directly or through other ops of `block`), in order."""
+    need: set[int] = set()
+    stack = list(roots)
+    while stack:
+        v = stack.pop()
+        op = v.owner
+        if isinstance(op, Op) and op.parent is block and id(op) not in need:
+            need.add(id(op))
+            stack.extend(op.operands)
+    return [op for op in block.ops if id(op) in need]
+
+
 def replace_uses(block: Block, old: Value, new: Value) -> None:
     """Replace `old` by `new` in every operand of `block` and the blocks nested in it."""
     for op in block.ops:

@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..errors import PassError
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value
+from ..ir.core import Block, Func, Op, Value, uses
 from ..ir.ops import OPS, OpTypeError
 from .canonicalize import const_value
 
@@ -108,7 +108,7 @@ def find_attention(func: Func, who: str) -> Attention:
     if x.type.rank != 4 or axis != 3:
         raise fail(f"the softmax reduces axis {axis} of {x.type}; only a softmax over the kv axis (the last "
                    f"axis of [B, H, M, N] scores) can be tiled")
-    users = _users(func)
+    users = uses(func)
     m_safe = next((u for u in users.get(m.result, []) if u.name == "where" and _guard(u.result, -math.inf, 0.0, m.result)), None)
     if m_safe is None:
         raise fail("reduce_max is not followed by the max guard of a decomposed softmax (run decompose-softmax)")
@@ -159,14 +159,6 @@ def find_attention(func: Func, who: str) -> Attention:
 def _what_reduces(func: Func) -> str:
     red = [op.name for op in func.walk() if op.name in ("reduce_sum", "reduce_max")]
     return f"the graph reduces with {', '.join(red)} but not as a softmax" if red else "the graph has no reduction"
-
-
-def _users(func: Func) -> dict[Value, list[Op]]:
-    out: dict[Value, list[Op]] = {}
-    for op in func.walk():
-        for v in op.operands:
-            out.setdefault(v, []).append(op)
-    return out
 
 
 def _single_user(users, v: Value, name: str) -> Optional[Op]:

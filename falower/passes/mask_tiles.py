@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value, clone_block
+from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
 from ..ir.dims import Sym, cdiv
 from ..ir.intervals import uses_data
 from ..ir.ops import OPS, OpTypeError
@@ -68,18 +68,8 @@ def predicate_region(fused: Op, conj: list[Value]) -> Block:
             vmap[a] = pred.args[("b", "h", "q", "kv").index(r)]
     for c, pa in zip(caps, pred.args[4:]):
         vmap[c] = pa
-    needed: set[int] = set()
-    stack = list(conj)
-    while stack:
-        v = stack.pop()
-        op = v.owner
-        if isinstance(op, Op) and op.parent is region and id(op) not in needed:
-            needed.add(id(op))
-            stack.extend(op.operands)
     b = Builder(pred)
-    for op in region.ops:
-        if id(op) not in needed:
-            continue
+    for op in backward_slice(region, conj):
         operands = [vmap[v] for v in op.operands]
         if op.name == "const":
             types = [r.type for r in op.results]

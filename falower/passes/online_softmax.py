@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value, clone_op, replace_uses
+from ..ir.core import Block, Func, Op, Value, backward_slice, clone_op, replace_uses
 from ..ir.dims import Const
 from ..ir.types import TensorType, scalar
 from .attention import _const_is, _guard, _is
@@ -91,7 +91,7 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
         body_m = lm.regions[0]
         if mx is None or mx.operands[0] is not body_m.args[1] or not _is(mx.operands[1], "reduce_max"):
             continue
-        if not _const_is_fill(lm.operands[2], -math.inf):
+        if not _const_is(lm.operands[2], -math.inf):
             continue
         x_a = _is(mx.operands[1], "reduce_max").operands[0]  # type: ignore[union-attr]
         m_safe = next((u for u in block.ops if u.name == "where" and _guard(u.result, -math.inf, 0.0, lm.result)), None)
@@ -122,10 +122,6 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
     return None
 
 
-def _const_is_fill(v: Value, x: float) -> bool:
-    return _const_is(v, x)
-
-
 def _sum_loop(op: Op, m_safe: Value) -> bool:
     (y,) = _yield_of(op)
     add = _is(y, "add")
@@ -149,19 +145,6 @@ def _pv_loop(op: Op, m_safe: Value, l_safe: Value) -> bool:
     e = _is(div.operands[0], "exp")
     sub = _is(e.operands[0], "sub") if e else None
     return sub is not None and sub.operands[1] is m_safe
-
-
-def _slice_ops(body: Block, roots: list[Value]) -> list[Op]:
-    """The ops of `body` that the roots depend on, in body order."""
-    need: set[int] = set()
-    stack = list(roots)
-    while stack:
-        v = stack.pop()
-        op = v.owner
-        if isinstance(op, Op) and op.parent is body and id(op) not in need:
-            need.add(id(op))
-            stack.extend(op.operands)
-    return [op for op in body.ops if id(op) in need]
 
 
 def _scale_region(b: Builder, x_op: Op) -> None:
@@ -235,7 +218,7 @@ class OnlineSoftmax(Pass):
 
         def body(lb: Builder, kj: Value, it: list[Value]):
             vmap: dict[Value, Value] = {body_c.args[0]: kj}
-            for op in _slice_ops(body_c, [tp.x_c, tp.vt]):
+            for op in backward_slice(body_c, [tp.x_c, tp.vt]):
                 nop = clone_op(op, vmap)
                 lb.block.append(nop)
                 if self.exp2 and op is tp.x_c.owner:
@@ -295,7 +278,7 @@ class OnlineSoftmax(Pass):
         _hoist_invariants(body, qloop)
         la = tp.loop_acc
         body_c = la.regions[0]
-        slice_ops = _slice_ops(body_c, [tp.x_c, tp.vt])
+        slice_ops = backward_slice(body_c, [tp.x_c, tp.vt])
         # which ops of the kv loop body depend on the q tile (must stay inside), which only on kj
         q_dependent: set[Value] = set(qbody.ops[i].results[0] for i in range(len(qbody.ops))
                                       if qbody.ops[i].results) | set(qbody.args)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from ...errors import FalowerError
-from ...ir.core import Block, Func, Op, Value
+from ...ir.core import Block, Func, Op, Value, backward_slice
 from ...ir.dims import Dim
 from ...ir.intervals import uses_data
 from ...ir.printer import print_func
@@ -148,10 +148,7 @@ class _ScalarEmitter:
     def emit(self, region: Block, roots: list[Value]) -> None:
         """One line per op; ops of constants are folded here, where every dim is known, and constant
         factors are merged (s / sqrt(D) * log2(e) becomes one multiply per score)."""
-        needed = _needed(region, roots)
-        for op in region.ops:
-            if id(op) not in needed:
-                continue
+        for op in backward_slice(region, roots):
             r = op.results[0]
             folded = self.fold(op)
             if folded is not None:
@@ -249,18 +246,6 @@ def _live_lines(lines: list[str], result: str) -> list[str]:
             keep.append(line)
             used |= set(re.findall(r"\bv\d+\b", line.split(" = ", 1)[1]))
     return keep[::-1]
-
-
-def _needed(region: Block, roots: list[Value]) -> set[int]:
-    need: set[int] = set()
-    stack = list(roots)
-    while stack:
-        v = stack.pop()
-        op = v.owner
-        if isinstance(op, Op) and op.parent is region and id(op) not in need:
-            need.add(id(op))
-            stack.extend(op.operands)
-    return need
 
 
 def _role_names(fused: Op, region: Block, cap_names: dict[Value, str]) -> dict[Value, str]:
