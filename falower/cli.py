@@ -348,7 +348,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
 
         dtype = args.dtype or func.args[0].type.dtype
         low = analyse(res.func)
-        dims = {k: v for k, v in cost_dims.items() if k in low.dims_used | {"D"}}  # type: ignore[union-attr]
+        dims = {"D": cost_dims["D"]}  # type: ignore[index]
         path = "mma" if dims["D"] % 16 == 0 and dtype in ("f16", "bf16") else "simt"
         text += "\n# ----- numba-cuda kernel source (D = %d, %s, %s path) -----\n" % (dims["D"], dtype, path)
         text += emit_fa2_forward(build_spec(low, dims, dtype, path, None))

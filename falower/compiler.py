@@ -66,7 +66,7 @@ class CompiledAttention:
         path = self.path
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
-        used = {k: env[k] for k in sorted(self.analysis.dims_used | {"D"}) if k in env}
+        used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
         key = (dtype, path, tuple(used.items()))
         if key not in self._kernels:
             spec = build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra)
@@ -89,6 +89,9 @@ class CompiledAttention:
             return tuple(Interpreter("native").run(self.lowered, arrays))
         k = self.kernel(*inputs)
         caps = [inputs[self.lowered.args.index(c)] for c in self.analysis.captures]
+        if self.analysis.runtime_dims:
+            env = self._dims(inputs)
+            caps += [int(env[d]) for d in self.analysis.runtime_dims]
         return k(inputs[0], inputs[1], inputs[2], *caps)
 
     @property

@@ -42,7 +42,8 @@ class Lowered:
     exp2: bool
     block_mask: str
     captures: list[Value]  # func args in the fused op's capture order
-    dims_used: set[str]
+    dims_used: set[str]  # dims the device functions read
+    runtime_dims: list[str]  # those passed at run time as scalar arguments (all but D: no recompiles per size)
 
 
 def analyse(func: Func) -> Lowered:
@@ -77,27 +78,17 @@ def analyse(func: Func) -> Lowered:
     caps = [v for v, r in zip(fused.operands, roles) if r == "cap"]
     cap_args = [_func_arg(func, v) for v in caps]
     dims: set[str] = set()
-    for op in region.ops:
+    for op in backward_slice(region, [score, *conj]):
         v = op.attrs.get("value")
         if isinstance(v, Dim):
             dims |= v.symbols()
-    dims.discard("N") if not _uses_n_outside_bounds(region) else None
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims)
+                   cap_args, dims, sorted(dims - {"D"}))
 
 
 def _is_bounds(v: Value) -> bool:
     op = v.owner
     return isinstance(op, Op) and bool(op.attrs.get("bounds"))
-
-
-def _uses_n_outside_bounds(region: Block) -> bool:
-    for op in region.ops:
-        if op.name == "const" and isinstance(op.attrs.get("value"), Dim) and "N" in op.attrs["value"].symbols():
-            users = [u for u in region.ops if op.results[0] in u.operands]
-            if any(not u.attrs.get("bounds") for u in users):
-                return True
-    return False
 
 
 def _func_arg(func: Func, v: Value) -> Value:
@@ -117,8 +108,28 @@ _BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "(
            "le": "({} <= {})", "gt": "({} > {})", "ge": "({} >= {})"}
 
 
+def dim_expr(d: Dim, env: Mapping[str, int]) -> str:
+    """A dim as Python: symbols known at compile time (D) become numbers, the others the scalar
+    arguments `dim_<name>` the kernel passes to its device functions."""
+    from ...ir.dims import BinDim, Const, Sym
+
+    if not (d.symbols() - env.keys()):
+        return str(d.eval(env))
+    if isinstance(d, Const):
+        return str(d.value)
+    if isinstance(d, Sym):
+        return f"dim_{d.name}"
+    assert isinstance(d, BinDim)
+    a, b = dim_expr(d.lhs, env), dim_expr(d.rhs, env)
+    return {"+": f"({a} + {b})", "-": f"({a} - {b})", "*": f"({a} * {b})", "fdiv": f"({a} // {b})",
+            "cdiv": f"(-(-{a} // {b}))", "min": f"min({a}, {b})", "max": f"max({a}, {b})"}[d.op]
+
+
 def _literal(value, dtype: str, env: Mapping[str, int]) -> str:
     if isinstance(value, Dim):
+        if value.symbols() - env.keys():
+            e = dim_expr(value, env)
+            return f"np.float32({e})" if is_float(dtype) else e
         value = value.eval(env)
     if dtype == "bool":
         return "True" if value else "False"
@@ -170,7 +181,10 @@ class _ScalarEmitter:
 
         if op.name == "const":
             v = op.attrs["value"]
-            v = v.eval(self.env) if isinstance(v, Dim) else v
+            if isinstance(v, Dim):
+                if v.symbols() - self.env.keys():
+                    return None  # a size known only at run time
+                v = v.eval(self.env)
             return Interpreter("native").store(np.asarray(v), op.results[0].type)
         if op.name in ("gather",) or not op.operands or any(v not in self.consts for v in op.operands):
             return None
@@ -258,7 +272,7 @@ def _role_names(fused: Op, region: Block, cap_names: dict[Value, str]) -> dict[V
 
 def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     cap_names = {v: f"cap_{v.name}" for v in low.captures}
-    sig_caps = "".join(f", {n}" for n in cap_names.values())
+    sig_caps = "".join(f", {n}" for n in cap_names.values()) + "".join(f", dim_{d}" for d in low.runtime_dims)
     region = low.fused.regions[0]
     out = []
     e = _ScalarEmitter(env, cap_names)
@@ -375,6 +389,7 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
     D = int(env["D"])
     src = device_source(low, env)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, v.type.rank) for i, v in enumerate(low.captures))
+    caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in low.runtime_dims)  # sizes, passed as scalars
     bq, bk = low.block_q, low.block_k
     if path == "simt" and bq % 32:
         raise BackendError(f"numba-cuda backend: the SIMT path needs block_q a multiple of 32, got {bq}")
