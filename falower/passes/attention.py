@@ -156,6 +156,14 @@ def find_attention(func: Func, who: str) -> Attention:
     return Attention(qk, q, k, v, gk, x, m, m_safe, e, l, l_safe, p, pv, chain, ret_index)
 
 
+def the_parallel_for(func: Func, fail, hint: str) -> Op:
+    """The one parallel_for of a tiled graph; `fail(msg)` makes the calling pass's error."""
+    pf = [op for op in func.body.ops if op.name == "parallel_for"]
+    if len(pf) != 1:
+        raise fail(f"needs a tiled graph (one parallel_for), found {len(pf)}: {hint}")
+    return pf[0]
+
+
 def _what_reduces(func: Func) -> str:
     red = [op.name for op in func.walk() if op.name in ("reduce_sum", "reduce_max")]
     return f"the graph reduces with {', '.join(red)} but not as a softmax" if red else "the graph has no reduction"

@@ -22,7 +22,7 @@ from ..ir.dims import Sym, cdiv
 from ..ir.intervals import uses_data
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
-from .attention import _const_is, _is
+from .attention import _const_is, _is, the_parallel_for
 from .base import Pass, register
 from .rewrite import dce
 
@@ -129,10 +129,7 @@ class MaskTiles(Pass):
     summary = "classify tile pairs empty/partial/full: skip empty tiles, mask only partial ones"
 
     def run(self, func: Func) -> Func:
-        pf = [op for op in func.body.ops if op.name == "parallel_for"]
-        if len(pf) != 1:
-            raise self.fail("needs a tiled graph (one parallel_for): run tile and online-softmax first")
-        par = pf[0]
+        par = the_parallel_for(func, self.fail, "run tile and online-softmax first")
         body = par.regions[0]
         loop = next((op for op in body.ops if op.name == "for" and len(op.operands) == 5), None)
         if loop is None:

@@ -35,7 +35,7 @@ from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_op, replace_uses
 from ..ir.dims import Const
 from ..ir.types import TensorType, scalar
-from .attention import _const_is, _guard, _is
+from .attention import _const_is, _guard, _is, the_parallel_for
 from .base import Pass, register
 from .rewrite import dce
 
@@ -122,29 +122,31 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
     return None
 
 
-def _sum_loop(op: Op, m_safe: Value) -> bool:
+def _accumulated(op: Op) -> Optional[Value]:
+    """The term a one-iter_arg loop adds each step (it yields iter_arg + term), or None."""
     (y,) = _yield_of(op)
     add = _is(y, "add")
     if add is None or add.operands[0] is not op.regions[0].args[1]:
-        return False
-    rs = _is(add.operands[1], "reduce_sum")
-    e = _is(rs.operands[0], "exp") if rs else None
+        return None
+    return add.operands[1]
+
+
+def _is_exp_minus(v: Optional[Value], m_safe: Value) -> bool:
+    """v == exp(x - m_safe)"""
+    e = _is(v, "exp") if v is not None else None
     sub = _is(e.operands[0], "sub") if e else None
     return sub is not None and sub.operands[1] is m_safe
+
+
+def _sum_loop(op: Op, m_safe: Value) -> bool:
+    rs = _is(t, "reduce_sum") if (t := _accumulated(op)) is not None else None
+    return rs is not None and _is_exp_minus(rs.operands[0], m_safe)
 
 
 def _pv_loop(op: Op, m_safe: Value, l_safe: Value) -> bool:
-    (y,) = _yield_of(op)
-    add = _is(y, "add")
-    if add is None or add.operands[0] is not op.regions[0].args[1]:
-        return False
-    mm = _is(add.operands[1], "tile.matmul")
+    mm = _is(t, "tile.matmul") if (t := _accumulated(op)) is not None else None
     div = _is(mm.operands[0], "div") if mm else None
-    if div is None or div.operands[1] is not l_safe:
-        return False
-    e = _is(div.operands[0], "exp")
-    sub = _is(e.operands[0], "sub") if e else None
-    return sub is not None and sub.operands[1] is m_safe
+    return div is not None and div.operands[1] is l_safe and _is_exp_minus(div.operands[0], m_safe)
 
 
 def _scale_region(b: Builder, x_op: Op) -> None:
@@ -178,10 +180,7 @@ class OnlineSoftmax(Pass):
     exp2: bool = False
 
     def run(self, func: Func) -> Func:
-        pf = [op for op in func.body.ops if op.name == "parallel_for"]
-        if len(pf) != 1:
-            raise self.fail("needs a tiled graph (one parallel_for): run tile first")
-        par = pf[0]
+        par = the_parallel_for(func, self.fail, "run tile first")
         body = par.regions[0]
         fa1 = next((op for op in body.ops if op.name == "for" and op.attrs.get("order") == "fa1"), None)
         block = fa1.regions[0] if fa1 is not None else body
