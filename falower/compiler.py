@@ -20,8 +20,8 @@ BACKENDS = ("numba-cuda", "reference")
 class CompiledAttention:
     """Call with the graph's inputs (q, k, v, then captured tensors in signature order); returns (o, lse).
 
-    The numba-cuda backend specialises on the head dim and dtype (and on any dim the score function
-    reads) at the first call with those sizes, and caches the kernel for the next calls.
+    The numba-cuda backend specialises on the head dim and dtype at the first call with them and caches
+    the kernel; other sizes the score function reads (N for a relative bias) are run-time arguments.
     """
 
     def __init__(self, func: Func, lowered: Func, backend: str, path: str = "auto", num_warps: Optional[int] = None,
@@ -45,6 +45,9 @@ class CompiledAttention:
 
     def kernel(self, *inputs: Any):
         """The FA2ForwardKernel these inputs would run (built on first use)."""
+        return self._kernel_and_dims(inputs)[0]
+
+    def _kernel_and_dims(self, inputs: tuple) -> tuple[Any, dict[str, int]]:
         if len(inputs) != len(self.func.args):
             names = ", ".join(a.name or "?" for a in self.func.args)
             raise ShapeError(f"@{self.func.name} takes {len(self.func.args)} inputs ({names}), got {len(inputs)}")
@@ -52,7 +55,8 @@ class CompiledAttention:
         want = self.func.args[0].type.dtype
         if dtype != want:
             raise ShapeError(f"q has dtype {dtype} but the graph was traced for {want}")
-        return self.specialize(dtype, **self._dims(inputs))
+        env = self._dims(inputs)
+        return self.specialize(dtype, **env), env
 
     def specialize(self, dtype: str, **env: int):
         """The kernel for inputs of `dtype` and these sizes (D at least), without needing the inputs."""
@@ -87,11 +91,9 @@ class CompiledAttention:
         if self.backend == "reference":
             arrays = [np.asarray(x) for x in inputs]
             return tuple(Interpreter("native").run(self.lowered, arrays))
-        k = self.kernel(*inputs)
+        k, env = self._kernel_and_dims(inputs)
         caps = [inputs[self.lowered.args.index(c)] for c in self.analysis.captures]
-        if self.analysis.runtime_dims:
-            env = self._dims(inputs)
-            caps += [int(env[d]) for d in self.analysis.runtime_dims]
+        caps += [int(env[d]) for d in self.analysis.runtime_dims]
         return k(inputs[0], inputs[1], inputs[2], *caps)
 
     @property
