@@ -177,3 +177,17 @@ def test_names_must_read_back_and_captures_must_be_distinct() -> None:
     a, b = fl.capture("t", "f32", "H"), fl.capture("t", "i32", "B,N")
     with pytest.raises(fl.FalowerError, match="two different captured tensors are named 't'"):
         fl.attention(score_mod=lambda s, bb, h, q, kv: s + a[h] + b[bb, q].to("f32"))
+
+
+SHIPPED_PASSES = sorted(n for n, c in fl.passes.PASSES.items() if c.__module__.startswith("falower."))
+
+
+@pytest.mark.parametrize("name", SHIPPED_PASSES)
+def test_every_pass_states_its_precondition_and_shows_before_after(name) -> None:
+    from falower.passes import PASSES
+
+    assert len(SHIPPED_PASSES) >= 6
+    doc = PASSES[name].__doc__ or ""
+    assert "Requires" in doc, f"{name}: docstring must say what the pass requires"
+    assert "=>" in doc, f"{name}: docstring must show IR before => after"
+    assert PASSES[name].summary, f"{name}: one-line summary for `falower passes`"

@@ -1,6 +1,6 @@
 """online-softmax{exp2}: the central rewrite. Three kv passes (max, sum, P @ V) become one loop.
 
-Recognised in each q tile (what tile produces):
+Requires: the tiled three-pass softmax that tile produces (run tile first); in each q tile:
 
     %m   = for kj iter_args(%mi = -inf)  { yield max(%mi, rowmax(X)) }
     %m_safe = where(%m == -inf, 0, %m)
@@ -8,7 +8,7 @@ Recognised in each q tile (what tile produces):
     %l_safe = where(%l == 0, 1, %l)
     %acc = for kj iter_args(%ai = 0)     { yield %ai + (exp(X - %m_safe) / %l_safe) @ Vt }
 
-where X is the same score tile computation in all three loops. Rewritten to (seed 000, step 1-2):
+where X is the same score tile computation in all three loops. Rewritten (seed 000, steps 1-2) =>
 
     %m, %l, %acc = for kj iter_args(%mi = -inf, %li = 0, %ai = 0) {
       %mn = max(%mi, rowmax(X));  %mn_safe = where(%mn == -inf, 0, %mn)
