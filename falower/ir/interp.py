@@ -311,18 +311,17 @@ class Interpreter:
         blk = op.regions[0]
         b = np.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
         h = np.arange(H, dtype=np.int32).reshape(1, H, 1, 1)
-        q = np.arange(M, dtype=np.int32).reshape(1, 1, M, 1)
         kv = np.arange(N, dtype=np.int32).reshape(1, 1, 1, N)
-        with np.errstate(all="ignore"):
-            (keep,) = self.block(blk, dict(zip(blk.args, [b, h, q, kv, *x])))
-        keep = np.broadcast_to(keep, (B, H, M, N))
         table = np.zeros((B, H, nq, nk), dtype=np.int8)
-        for i in range(nq):
+        for i in range(nq):  # one row of q tiles at a time: memory B*H*bq*N, not B*H*M*N
+            rows = min(bq, M - i * bq)
+            q = np.arange(i * bq, i * bq + rows, dtype=np.int32).reshape(1, 1, rows, 1)
+            with np.errstate(all="ignore"):
+                (keep,) = self.block(blk, dict(zip(blk.args, [b, h, q, kv, *x])))
+            keep = np.broadcast_to(keep, (B, H, rows, N))
             for j in range(nk):
-                blkm = keep[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
-                anyk = blkm.any(axis=(2, 3))
-                allk = blkm.all(axis=(2, 3))
-                table[:, :, i, j] = np.where(allk, 2, np.where(anyk, 1, 0))
+                part = keep[:, :, :, j * bk:(j + 1) * bk]
+                table[:, :, i, j] = np.where(part.all(axis=(2, 3)), 2, np.where(part.any(axis=(2, 3)), 1, 0))
         return [table]
 
     def _extent(self, op: Op, which: str) -> int:
