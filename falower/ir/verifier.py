@@ -132,9 +132,8 @@ class _Verifier:
     # ------------------------------------------------------------------------- structured ops
     @staticmethod
     def _yield_types(op: Op, blk: Block, want: list[TensorType], what: str) -> None:
-        term = blk.terminator
-        if term is None or term.name != "yield":
-            raise _Fail(op, f"{what} must end in yield")
+        term = blk.terminator  # its kind was checked when the region was walked (block())
+        assert term is not None
         got = [v.type for v in term.operands]
         if got != want:
             raise _Fail(term, f"yields ({', '.join(map(str, got))}) but {what} needs ({', '.join(map(str, want))})")
@@ -208,9 +207,8 @@ class _Verifier:
             raise _Fail(op, "needs one i32 induction variable per bound")
         if op.operands:
             raise _Fail(op, "takes no operands")
-        term = blk.terminator
-        if term is None or term.name != "tile.yield":
-            raise _Fail(op, "a parallel_for body must end in tile.yield")
+        term = blk.terminator  # a tile.yield: block() checked the region's terminator kind
+        assert term is not None
         specs = term.attrs.get("slices", ())
         if len(specs) != len(op.results):
             raise _Fail(term, f"yields {len(specs)} tiles for {len(op.results)} results")

@@ -104,11 +104,6 @@ class Fuse(Pass):
 
 def _hoist_before_use(block: Block) -> None:
     """Keep definitions before uses after inserting the fused op (a stable topological order)."""
-    pos = {id(op): i for i, op in enumerate(block.ops)}
-    defined_at = {}
-    for i, op in enumerate(block.ops):
-        for r in op.results:
-            defined_at[r] = i
     ordered: list[Op] = []
     placed: set[int] = set()
 
@@ -122,6 +117,6 @@ def _hoist_before_use(block: Block) -> None:
         placed.add(id(op))
         ordered.append(op)
 
-    for op in sorted(block.ops, key=lambda o: pos[id(o)]):
+    for op in list(block.ops):
         place(op)
     block.ops = ordered

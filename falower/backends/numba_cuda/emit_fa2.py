@@ -402,7 +402,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c("b = bh // H")
         c("h = bh - b * H")
         c(f"hk = h // {G}" if G > 1 else "hk = h")
-        c(f"q_head = (b * H + h) * M  # first row of this (b, h) in q, o, lse")
+        c("q_head = (b * H + h) * M  # first row of this (b, h) in q, o, lse")
         c(f"kv_head = (b * (H // {G}) + hk) * N" if G > 1 else "kv_head = (b * H + hk) * N")
         _emit_tile_range(c, spec)
         c()
@@ -512,7 +512,6 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
           "# Q stays in shared memory; its fragments are re-read at every k step")
         for mf in range(MF if QREG else 0):
             for ks in range(KS):
-                row = f"warp * {RW} + {mf * 16} + a_row"
                 c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
         c()
         c("# online-softmax state: rows g and g + 8 of each m16 fragment")
@@ -579,7 +578,6 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             for ks in range(KS):
                 if not QREG:
                     for mf in range(MF):
-                        row = f"warp * {RW} + {mf * 16} + a_row"
                         c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
                 for jp in range(BK // 16):
                     c(f"kb0, kb1, kb2, kb3 = ldsm_x4({k_addr(jp, ks)})")
