@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, TextIO
+from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 
 import numpy as np
 
@@ -280,6 +280,7 @@ class OptResult:
     func: Func
     records: list
     env: Optional[dict[str, int]]
+    suite: Any = None  # the CheckSuite --check ran
 
 
 def run_opt(func: Func, pipeline: str, *, check: bool = False, shapes: Optional[Mapping[str, int]] = None,
@@ -288,9 +289,10 @@ def run_opt(func: Func, pipeline: str, *, check: bool = False, shapes: Optional[
     """Lower `func` through `pipeline` with a PassManager; `records` holds what each pass did."""
     from .passes import PassManager, parse_pipeline
 
-    env = check_shapes(func, shapes or {}) if check else None
+    if check:
+        check_shapes(func, shapes or {})  # names must exist; --check varies the sizes not given
     pm = PassManager(parse_pipeline(pipeline), print_after_all=print_after_all, print_after=tuple(print_after),
-                     print_after_change=print_after_change, check=check, shapes=env,
+                     print_after_change=print_after_change, check=check, shapes=dict(shapes or {}),
                      out=dumps if dumps is not None else sys.stderr)
     if cost_dims is not None:
         from .passes.cost import cost_header
@@ -301,7 +303,7 @@ def run_opt(func: Func, pipeline: str, *, check: bool = False, shapes: Optional[
     except FalowerError as e:
         e.records = pm.records  # type: ignore[attr-defined]
         raise
-    return OptResult(out, pm.records, env)
+    return OptResult(out, pm.records, pm.suite.env if pm.suite else None, pm.suite)
 
 
 def _report_checks(records: Sequence, err: TextIO) -> None:
@@ -328,8 +330,8 @@ def cmd_opt(args: argparse.Namespace) -> int:
     if args.check:
         _report_checks(res.records, sys.stderr)
         env = _ordered_env(func, res.env or {})
-        print(f"numbers preserved after {_passes(len(res.records))} (float64 reference, shapes {format_shapes(env)})",
-              file=sys.stderr)
+        print(f"numbers preserved after {_passes(len(res.records))} (float64 reference, shapes {format_shapes(env)}; "
+              f"{res.suite.describe()})", file=sys.stderr)
     if args.timing:
         total = sum(r.seconds for r in res.records)
         for r in res.records:
@@ -556,7 +558,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for r in res.records:
             print(f"  {r.name:<24} {'yes' if r.changed else 'no':<8} {r.check or '-':<10} {r.seconds * 1e3:8.1f}")
         n_ops = sum(1 for _ in res.func.walk())
-        print(f"  numbers preserved after {_passes(len(res.records))}; {n_ops} ops in the result")
+        print(f"  numbers preserved after {_passes(len(res.records))} on {len(res.suite.cases)} size/data cases; "
+              f"{n_ops} ops in the result")
         if f.stem == args.show:
             shown = res.func
     if shown is not None:

@@ -21,3 +21,7 @@ class PassError(FalowerError):
 
 class ShapeError(FalowerError):
     """Inputs whose shapes or dtypes do not fit the graph."""
+
+
+class NaNError(FalowerError):
+    """The graph itself computes NaN on the inputs drawn for it, so its numbers cannot be checked."""

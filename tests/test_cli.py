@@ -54,7 +54,7 @@ def test_opt_causal_prints_each_pass_and_reports_numbers(capsys) -> None:
     assert "// ----- IR after decompose-softmax   [decompose-softmax] ----- //" in err
     assert "// ----- IR after canonicalize   [decompose-softmax, canonicalize] ----- //" in err
     assert "check: decompose-softmax ok\ncheck: canonicalize ok\n" in err
-    assert "numbers preserved after 2 passes (float64 reference, shapes B=2,H=3,M=77,N=93,D=16)" in err
+    assert "numbers preserved after 2 passes (float64 reference, shapes B=2,H=3,M=77,N=93,D=16; 11 cases: " in err
 
 
 def test_opt_check_with_shapes(capsys) -> None:

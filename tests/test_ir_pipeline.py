@@ -151,7 +151,7 @@ def test_registered_passes_are_documented() -> None:
 
 def test_check_catches_a_pass_that_changes_numbers() -> None:
     pm = PassManager(parse_pipeline("decompose-softmax,test-break-exp"), check=True)
-    with pytest.raises(PassError, match="--check failed after pass test-break-exp: output o: max error"):
+    with pytest.raises(PassError, match="--check failed after pass test-break-exp: M=77,N=93: output o: max error"):
         pm.run(causal())
     assert [r.check for r in pm.records][0] == "ok"
 

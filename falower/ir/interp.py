@@ -303,26 +303,38 @@ class Interpreter:
         return [np.int32(lo), np.int32(hi)]
 
     def op_mask_block_table(self, op: Op, x, env) -> list[np.ndarray]:
-        """Exact classification from the data: evaluate the predicate on every (q, kv) of each tile."""
-        t = op.results[0].type
-        B, H, nq, nk = self.shape(t)
-        bq, bk = op.attrs["bq"], op.attrs["bk"]
-        M, N = self._extent(op, "M"), self._extent(op, "N")
-        blk = op.regions[0]
+        """Exact classification from the data (see `block_classes` for what a class means)."""
+        B, H, nq, nk = self.shape(op.results[0].type)
+        return [self.block_classes(op.regions[0], x, B, H, nq, nk, op.attrs["bq"], op.attrs["bk"],
+                                   self._extent(op, "M"))]
+
+    def block_classes(self, pred: Block, captures: Sequence[np.ndarray], B: int, H: int, nq: int, nk: int,
+                      bq: int, bk: int, M: int) -> np.ndarray:
+        """The tile classes of a mask predicate over (b, h, q, kv), int8 [B, H, nq, nk].
+
+        One meaning for a tile class, shared by `mask.classify`, `mask.block_table` and the kernels: over the
+        rows q < M of the q tile (rows past M produce no output) and *every* one of the bk columns of the kv
+        tile, evaluated with the predicate as written, which includes the kv bound `kv < N` that `tile` adds.
+        FULL (2): every such position is kept; EMPTY (0): none is; PARTIAL (1): anything else. So a ragged
+        last kv tile is never FULL, and the unmasked full-tile path never sees padded columns. (The interval
+        classifier of `mask.classify` may answer PARTIAL where it cannot prove more; that is always safe.)
+        Evaluated one row of q tiles at a time: memory B*H*bq*nk*bk, not B*H*M*N. Pass H = 1 when the
+        predicate does not read h.
+        """
         b = np.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
         h = np.arange(H, dtype=np.int32).reshape(1, H, 1, 1)
-        kv = np.arange(N, dtype=np.int32).reshape(1, 1, 1, N)
+        kv = np.arange(nk * bk, dtype=np.int32).reshape(1, 1, 1, nk * bk)
         table = np.zeros((B, H, nq, nk), dtype=np.int8)
-        for i in range(nq):  # one row of q tiles at a time: memory B*H*bq*N, not B*H*M*N
+        for i in range(nq):
             rows = min(bq, M - i * bq)
+            if rows <= 0:
+                continue
             q = np.arange(i * bq, i * bq + rows, dtype=np.int32).reshape(1, 1, rows, 1)
             with np.errstate(all="ignore"):
-                (keep,) = self.block(blk, dict(zip(blk.args, [b, h, q, kv, *x])))
-            keep = np.broadcast_to(keep, (B, H, rows, N))
-            for j in range(nk):
-                part = keep[:, :, :, j * bk:(j + 1) * bk]
-                table[:, :, i, j] = np.where(part.all(axis=(2, 3)), 2, np.where(part.any(axis=(2, 3)), 1, 0))
-        return [table]
+                (keep,) = self.block(pred, dict(zip(pred.args, [b, h, q, kv, *captures])))
+            keep = np.broadcast_to(np.asarray(keep, dtype=bool), (B, H, rows, nk * bk)).reshape(B, H, rows, nk, bk)
+            table[:, :, i, :] = np.where(keep.all(axis=(2, 4)), 2, np.where(keep.any(axis=(2, 4)), 1, 0))
+        return table
 
     def _extent(self, op: Op, which: str) -> int:
         d = op.attrs.get("m" if which == "M" else "n")

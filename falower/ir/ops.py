@@ -283,11 +283,13 @@ _register("yield", "terminator", "any", None)
 _register("tile.yield", "terminator", "tile", None, doc="parallel_for terminator: tiles into result slices")
 _register("return", "terminator", "graph", None)
 _register("mask.classify", "mask", "tile", None, num_regions=1, isolated=True,
-          doc="0 empty / 1 partial / 2 full, by interval analysis of the mask over one tile pair")
+          doc="0 empty / 1 partial / 2 full, by interval analysis of the mask (kv bound included) over one "
+              "tile pair: a sound answer for the classes Interpreter.block_classes defines")
 _register("mask.kv_range", "mask", "tile", None, num_regions=1, isolated=True,
           doc="first and past-last kv tile that is not empty, for one q tile")
 _register("mask.block_table", "mask", "graph", None, num_regions=1, isolated=True,
-          doc="exact per-tile classification of a data-dependent mask, computed from the data at run time")
+          doc="exact per-tile classes of a data-dependent mask from the data at run time: rows q < M, every "
+              "column of the kv tile, the kv bound included (a ragged kv tile is never full)")
 
 TERMINATORS = ("yield", "tile.yield", "return")
 

@@ -629,9 +629,8 @@ class _Model:
         return got
 
     def _compute_table(self, table: Op, arrays: list) -> Any:
-        """What `Interpreter.op_mask_block_table` computes, one row of q tiles at a time (so N = 16k does not
-        need a [B,H,M,N] mask), and once for all heads when the predicate does not read h. The predicate
-        itself is evaluated by the interpreter."""
+        """What `Interpreter.op_mask_block_table` computes (`Interpreter.block_classes`), once for all heads
+        when the predicate does not read h."""
         import numpy as np
 
         from ..ir.interp import Interpreter
@@ -639,28 +638,11 @@ class _Model:
         it = Interpreter("f64")
         it.env_dims = dict(self.dims)
         B, H, nq, nk = table.results[0].type.concrete(self.dims)
-        bq, bk = table.attrs["bq"], table.attrs["bk"]
-        M = self.extent(dim(table.attrs.get("m", "M")))
-        N = self.extent(dim(table.attrs.get("n", "N")))
         blk = table.regions[0]
         hc = H if _pred_depends(blk, 1, through_gather=True) else 1
-        b = np.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
-        h = np.arange(hc, dtype=np.int32).reshape(1, hc, 1, 1)
-        kv = np.arange(N, dtype=np.int32).reshape(1, 1, 1, N)
-        caps = [np.asarray(a) for a in arrays]
-        out = np.zeros((B, hc, nq, nk), dtype=np.int8)
-        for i in range(nq):
-            rows = min((i + 1) * bq, M) - i * bq
-            q = np.arange(i * bq, i * bq + rows, dtype=np.int32).reshape(1, 1, rows, 1)
-            with np.errstate(all="ignore"):
-                (keep,) = it.block(blk, dict(zip(blk.args, [b, h, q, kv, *caps])))
-            keep = np.broadcast_to(np.asarray(keep, dtype=bool), (B, hc, rows, N))
-            pad = nk * bk - N
-            anyk = np.pad(keep, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=False)
-            allk = np.pad(keep, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=True)
-            anyk = anyk.reshape(B, hc, rows, nk, bk).any(axis=(2, 4))
-            allk = allk.reshape(B, hc, rows, nk, bk).all(axis=(2, 4))
-            out[:, :, i, :] = np.where(allk, 2, np.where(anyk, 1, 0))
+        M = self.extent(dim(table.attrs.get("m", "M")))
+        out = it.block_classes(blk, [np.asarray(a) for a in arrays], B, hc, nq, nk, table.attrs["bq"],
+                               table.attrs["bk"], M)
         return np.broadcast_to(out, (B, H, nq, nk))
 
     def table_class(self, table: Op, idx: list[Value], env: Mapping[Value, Any]) -> Optional[int]:

@@ -16,7 +16,7 @@ from ..errors import FalowerError, PassError, VerifyError
 from ..ir.core import Func
 from ..ir.printer import print_func
 from ..ir.verifier import verify
-from .check import Reference
+from .check import CheckSuite
 from .pipeline import Pipeline, parse_pipeline
 
 
@@ -47,6 +47,7 @@ class PassManager:
     debug: Optional[int] = None
     header_extra: Optional[Callable[[Func, Pipeline, int], str]] = None
     records: list[PassRecord] = field(default_factory=list)
+    suite: Optional[CheckSuite] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, str):
@@ -58,6 +59,13 @@ class PassManager:
             if n not in known:
                 raise FalowerError(f"--print-ir-after={n}: no pass named {n} in the pipeline ({self.pipeline})")
 
+    def tile_sizes(self) -> list[int]:
+        """Every tile size the pipeline's passes are given (bq, bk, ...): --check tries sizes around them."""
+        sizes = []
+        for p in self.pipeline.passes:  # type: ignore[union-attr]
+            sizes += [getattr(p, f) for f in ("bq", "bk") if isinstance(getattr(p, f, None), int)]
+        return sizes
+
     def _header(self, func: Func, i: int) -> str:
         done = ", ".join(str(s) for s in self.pipeline.stages[: i + 1])
         name = self.pipeline.stages[i].pass_.name
@@ -67,7 +75,8 @@ class PassManager:
 
     def run(self, func: Func) -> Func:
         verify(func)
-        ref = Reference.build(func, self.shapes) if self.check else None
+        ref = CheckSuite.build(func, self.shapes, tiles=self.tile_sizes()) if self.check else None
+        self.suite = ref
         removed: set[str] = set()
         before = print_func(func)
         for i, stage in enumerate(self.pipeline.stages):

@@ -9,6 +9,11 @@ included) the pass builds a predicate region over scalar (b, h, q, kv) and:
   partial one (mask per element), and skips an empty tile in the middle;
 - for masks that read data (document ids), emits `mask.block_table`, a step before the kernel that
   classifies every tile pair exactly from the data at run time; the loop reads its class from the table.
+
+A class means one thing everywhere (`Interpreter.block_classes`): it is taken over the rows q < M of the q
+tile and all bk columns of the kv tile with the predicate as written, the kv bound `kv < N` included. A
+ragged last kv tile is therefore never full, and the full-tile branch, which drops the whole predicate
+(bounds too), only ever runs on tiles where every column is in bounds and kept.
 """
 
 from __future__ import annotations

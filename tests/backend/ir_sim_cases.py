@@ -50,8 +50,34 @@ def run_case(stem: str, path: str) -> dict:
     }
 
 
+def run_table_case(mask: str, kind: str) -> dict:
+    """The block-mask kernel's tile classes equal the IR's `mask.block_table` (one meaning of a class)."""
+    import falower as fl
+    from falower.ir.interp import Interpreter
+    from falower.passes.check import bind_dims, random_inputs
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from data_masks import MASKS
+
+    g = MASKS[mask]()
+    env = bind_dims(g, SHAPES)
+    inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+              for i, x in enumerate(random_inputs(g, env, seed=2, kind=kind))]
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE, path="mma", num_warps=2)
+    caps = [inputs[c.lowered.args.index(v)] for v in c.analysis.captures]
+    caps += [int(env[d]) for d in c.analysis.runtime_dims]
+    got = c.kernel(*inputs).block_table(inputs[0], inputs[1], inputs[2], *caps)
+    op = next(o for o in c.lowered.walk() if o.name == "mask.block_table")
+    it = Interpreter("f64")
+    it.run(c.lowered, inputs, env)  # binds the sizes
+    (want,) = it.op(op, {v: x for v, x in zip(c.lowered.args, inputs)})
+    return {"id": f"table-{mask}-{kind}", "equal": bool(np.array_equal(got, want)),
+            "got": got.reshape(-1).tolist(), "want": want.reshape(-1).tolist()}
+
+
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 CASES = [(s, p) for s in STEMS for p in ("mma", "simt")]
+TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "unsorted"), ("dense", "sorted")]
 
 if __name__ == "__main__":
     wanted = sys.argv[1:]
@@ -61,5 +87,13 @@ if __name__ == "__main__":
             continue
         try:
             print(json.dumps(run_case(stem, path)), flush=True)
+        except Exception as e:  # report, the test fails on it
+            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
+    for mask, kind in TABLE_CASES:
+        cid = f"table-{mask}-{kind}"
+        if wanted and cid not in wanted:
+            continue
+        try:
+            print(json.dumps(run_table_case(mask, kind)), flush=True)
         except Exception as e:  # report, the test fails on it
             print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)

@@ -820,8 +820,9 @@ def emit_block_mask(spec: FA2ForwardSpec, threads: int = 128) -> str:
     """Source of the kernel `<name>_block_mask(table, B, H, M, N, *captures)`.
 
     Launch with grid (nk, nq, B * H) and `threads` threads; writes table[b, h, qt, j] (int8, flat):
-    0 if mask_fn drops every valid (q < M, kv < N) element of the block, 2 if it keeps every one,
-    1 otherwise. Bounds are not part of the class: the forward kernel handles ragged tiles itself.
+    the classes `Interpreter.block_classes` defines for `mask.block_table`: over the rows q < M and every
+    column of the kv tile, a column kv >= N counting as dropped (the IR's bounds conjunct), 0 if no element
+    is kept, 2 if every one is, 1 otherwise. So a ragged last kv tile is never full, as in the IR.
     """
     if not spec.has_mask:
         raise ValueError("emit_block_mask needs a spec with has_mask")
@@ -843,9 +844,9 @@ def emit_block_mask(spec: FA2ForwardSpec, threads: int = 128) -> str:
         with c.indent():
             c(f"qi = qt * {BQ} + e // {BK}")
             c(f"kv = j * {BK} + e % {BK}")
-            c("if qi < M and kv < N:")
+            c("if qi < M:")
             with c.indent():
-                c(f"if mask_fn(b, h, qi, kv{_cap_args(spec)}):")
+                c(f"if kv < N and mask_fn(b, h, qi, kv{_cap_args(spec)}):")
                 with c.indent():
                     c("any_kept = 1")
                 c("else:")

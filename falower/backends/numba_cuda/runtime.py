@@ -234,6 +234,19 @@ class FA2ForwardKernel:
         launch()
         return finish()
 
+    def block_table(self, q: Any, k: Any, v: Any, *captures: Any) -> np.ndarray:
+        """The tile classes the block-mask kernel computes for these inputs, int8 [B, H, nq, nk] on the host:
+        the same classes as the IR's `mask.block_table` (0 empty, 1 partial, 2 full; a ragged kv tile is
+        never full). For tests, and for seeing which tiles a data-dependent mask visits."""
+        if self._mask_kernel is None:
+            raise ValueError(f"{self.spec.name}: no block table (its mask is not data-dependent)")
+        launch, _ = self.prepare(q, k, v, *captures, _wrap=False)
+        launch()
+        table = launch.table  # type: ignore[attr-defined]
+        host = table.copy_to_host() if hasattr(table, "copy_to_host") else table.cpu().numpy()
+        B, H, M = (int(n) for n in q.shape[:3])
+        return host.reshape(B, H, -(-M // self.spec.block_q), -(-int(k.shape[2]) // self.spec.block_k))
+
     def prepare(self, q: Any, k: Any, v: Any, *captures: Any, _wrap: bool = True):
         """Check and convert the inputs once; returns (launch, finish).
 
@@ -295,6 +308,8 @@ class FA2ForwardKernel:
             if block_mask is not None:
                 block_mask(*mask_args)
             forward(*args)
+
+        launch.table = table  # type: ignore[attr-defined]  # the block classes, filled by launch() (table mode)
 
         def finish():
             if kind == "torch":
