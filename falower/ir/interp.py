@@ -183,6 +183,9 @@ class Interpreter:
     def op_squeeze(self, op: Op, x, env) -> list[np.ndarray]:
         return [np.squeeze(x[0], axis=op.attrs["axis"])]
 
+    def op_unsqueeze(self, op: Op, x, env) -> list[np.ndarray]:
+        return [np.expand_dims(x[0], axis=op.attrs["axis"])]
+
     def op_repeat_interleave(self, op: Op, x, env) -> list[np.ndarray]:
         return [np.repeat(x[0], op.attrs["repeats"], axis=op.attrs["axis"])]
 

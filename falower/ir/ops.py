@@ -208,7 +208,16 @@ def _infer_squeeze(ts, attrs):
     return [TensorType(ts[0].dtype, ts[0].shape[:axis] + ts[0].shape[axis + 1:])]
 
 
+def _infer_unsqueeze(ts, attrs):
+    _need(len(ts) == 1, "takes 1 operand")
+    axis = attrs.get("axis")
+    _need(isinstance(axis, int) and 0 <= axis <= ts[0].rank, f"axis {axis} out of range for {ts[0]}")
+    return [TensorType(ts[0].dtype, ts[0].shape[:axis] + (Const(1),) + ts[0].shape[axis:])]
+
+
 _register("squeeze", "data", "any", _infer_squeeze, doc="drop a size-1 axis (LSE rows)")
+_register("unsqueeze", "data", "any", _infer_unsqueeze,
+          doc="insert a size-1 axis (a saved LSE row statistic broadcast against [B,H,M,N] scores)")
 _register("const", "data", "any", _infer_const, doc="a constant filling its type (a scalar, or a tile)")
 _register("iota", "data", "graph", _infer_iota, doc="the index along `axis`, broadcastable (b, h, q_idx, kv_idx)")
 _register("gather", "data", "any", _infer_gather, doc="table[i0, i1, ...], indices broadcast and clamped")

@@ -32,7 +32,7 @@ FLOPs
   Scalar integer/bool ops (index arithmetic: `%k0 = mul %kj, 64`) cost nothing.
 - `reduce_max` / `reduce_sum`: 1 FLOP per *input* element. Graph-level `softmax`: 5 per element
   (max, subtract, exp, sum, divide).
-- `const`, `iota`, `tile.iota`, `tile.load`, `tile.insert`, `gather`, `squeeze`, `repeat_interleave`: 0.
+- `const`, `iota`, `tile.iota`, `tile.load`, `tile.insert`, `gather`, `squeeze`, `unsqueeze`, `repeat_interleave`: 0.
 - `fused`: the sum of its region's ops, at the region's shapes.
 - `mask.classify` / `mask.kv_range`: 0 (scalar interval arithmetic per tile, negligible).
   `mask.block_table`: (number of non-`const`, non-`gather` predicate ops) * B*H*M*N.
@@ -250,7 +250,7 @@ class _Model:
                 cur = owner.parent.operands[2 + cur.index - 1]
             elif isinstance(owner, Op) and owner.name == "for":
                 cur = owner.operands[2 + cur.index]
-            elif isinstance(owner, Op) and owner.name in ("tile.insert", "squeeze"):
+            elif isinstance(owner, Op) and owner.name in ("tile.insert", "squeeze", "unsqueeze"):
                 cur = owner.operands[0]
             else:
                 break
@@ -405,7 +405,7 @@ class _Model:
 
     def eager(self, op: Op) -> Cost:
         c = Cost()
-        if op.name in ("const", "iota", "squeeze"):
+        if op.name in ("const", "iota", "squeeze", "unsqueeze"):
             return c
         seen: set[Value] = set()
         for v in op.operands:

@@ -8,6 +8,7 @@ input graph in float64 on the same (rounded) inputs. N = 1, 17, 128, 1000, 4096;
 from __future__ import annotations
 
 import runpy
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +74,70 @@ def test_example_error_rule(stem, dtype, D, N):
         assert np.max(np.abs(lse[fin] - want_lse[fin])) <= 1e-3
 
 
+# ------------------------------------------------------------------ masks that read captured data (issue 7)
+sys.path.insert(0, str(ROOT / "tests"))
+from data_masks import MASKS, SIZES  # noqa: E402
+
+DATA_CONFIGS = [("f16", 64), ("bf16", 128)]
+
+
+def data_graph(mask: str, dtype: str) -> tuple:
+    key = (f"data:{mask}", dtype)
+    if key not in COMPILED:
+        g = MASKS[mask]()
+        if dtype != "f16":
+            text = fl.print_func(g).replace("f16[", f"{dtype}[").replace('"f16"', f'"{dtype}"')
+            g = fl.parse_func(text)
+        COMPILED[key] = (g, fl.compile(g, "numba-cuda"))
+    return COMPILED[key]
+
+
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant", "nothing", "blocks"])
+@pytest.mark.parametrize("M,N", SIZES)
+@pytest.mark.parametrize("dtype,D", DATA_CONFIGS)
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_data_mask_error_rule(mask, dtype, D, M, N, kind):
+    """Each data mask of issue 7 at ragged sizes and adversarial data: the kernel within FlashAttention's
+    rule of the float64 reference, and its block table equal to the IR's mask.block_table."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, c = data_graph(mask, dtype)
+    env = bind_dims(g, {"B": 2, "H": 2, "M": M, "N": N, "D": D})
+    raw = random_inputs(g, env, seed=M * 1000 + N, kind=kind)
+    host = [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+            for i, x in enumerate(raw)]
+    ref = Reference.build(g, env, inputs=host)
+    naive = interpret(g, host, precision=f"low:{dtype}")[0].astype(np.float64)
+    tdt = torch.float16 if dtype == "f16" else torch.bfloat16
+    dev = [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", tdt) if i < 3
+           else torch.from_numpy(np.ascontiguousarray(x)).cuda() for i, x in enumerate(host)]
+    o, lse = c(*dev)
+    torch.cuda.synchronize()
+    o = o.float().cpu().numpy().astype(np.float64)
+    lse = lse.cpu().numpy()
+    want, want_lse = ref.outputs["o"], ref.outputs["lse"]
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    err, naive_err = np.max(np.abs(o - want)), np.max(np.abs(naive - want))
+    assert err <= 2 * naive_err + 1e-5, f"kernel error {err:.3g} > 2 x naive {naive_err:.3g}"
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    fin = np.isfinite(want_lse)
+    if fin.any():
+        assert np.max(np.abs(lse[fin] - want_lse[fin])) <= 1e-3
+    # the kernel's tile classes are the IR's
+    caps = [dev[c.lowered.args.index(v)] for v in c.analysis.captures] + \
+        [int(env[d]) for d in c.analysis.runtime_dims]
+    got = c.kernel(*dev).block_table(dev[0], dev[1], dev[2], *caps)
+    it = fl.ir.interp.Interpreter("f64")
+    it.env_dims = dict(env)
+    op = next(x for x in c.lowered.walk() if x.name == "mask.block_table")
+    (table,) = it.op(op, {a: x for a, x in zip(c.lowered.args, host)})
+    assert np.array_equal(got, table)
+
+
 def _compile_one(job) -> str:
     """Build and launch one specialisation on tiny inputs: fills Numba's disk cache for pytest."""
     stem, dtype, D, N = job
-    g, c = graph(stem, dtype)
+    g, c = data_graph(stem[5:], dtype) if stem.startswith("data:") else graph(stem, dtype)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
             for i, x in enumerate(random_inputs(g, env))]
@@ -95,6 +156,7 @@ def precompile_jobs() -> list[tuple]:
         for dtype in ("f16", "bf16"):
             for D in (64, 128):
                 jobs.append((stem, dtype, D, 17))  # sizes other than D are run-time arguments
+    jobs += [(f"data:{m}", dtype, D, 17) for m in sorted(MASKS) for dtype, D in DATA_CONFIGS]
     return jobs
 
 
