@@ -1,0 +1,434 @@
+"""tile-bwd{bq,bk}: the backward function tiled in FlashAttention-2's order (seed 000, step 2).
+
+Input: the backward function `recompute` makes (inputs q, k, v, captures, O, LSE, dO; whole tensors). The
+pass gives every value an iteration space by dataflow: R if it varies along the query rows (q, O, dO, LSE,
+the q index), C if along the kv rows (k, v, the kv index), H if along the query heads; a score-shaped
+value is R and C. Matmuls then fall in three kinds: contracting the head dim (S = Q K^T, dP = dO V^T: a
+tile product), contracting R (dV = P^T dO, dK = dS^T Q: summed over q tiles) or contracting C (dQ = dS K:
+summed over kv tiles). From that, three loop nests:
+
+    %delta = parallel_for (b, h, q-tile)      row reductions that need no kv (Delta = rowsum(dO * O)),
+                                              computed once, before the main loop (FA2's preprocessing)
+    %dk, %dv = parallel_for (b, kv-head, kv-tile) {
+        for q tiles (and, under GQA, the query heads of the group) iter_args(dK, dV) {
+          recompute S, P = exp(X - LSE) for the tile; dV += P^T dO; dP = dO V^T; dS = ...; dK += dS^T Q
+        } }
+    %dq = parallel_for (b, h, q-tile) { for kv tiles iter_args(dQ) { ...; dQ += dS K } }
+
+dQ is computed by its own loop nest with q tiles outer (`dq=separate`, deterministic, as the Triton
+tutorial does); the kv-outer nest sums dK and dV of a kv head over the group's query heads, so GQA needs
+no atomics. Padded positions of ragged tiles are masked in the IR, not by the kernel's grace: the
+recomputed scores get `where(q < M and kv < N, x, -inf) {bounds}`, so P, and with it every contribution
+of a padded row or column, is 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..ir.builder import Builder
+from ..ir.core import Block, Func, Op, Value
+from ..ir.dims import Dim, cdiv, dim
+from ..ir.ops import OPS, OpTypeError
+from ..ir.types import TensorType, scalar
+from .base import Pass, register
+
+R, C, H = "R", "C", "H"
+Space = frozenset
+
+
+@dataclass
+class BackwardPlan:
+    """What the analysis of a backward function found."""
+
+    space: dict[Value, frozenset]
+    M: Dim
+    N: Dim
+    heads: Dim  # query heads
+    kv_heads: Dim
+    group: int
+    acc_kind: dict[int, str]  # id(matmul) -> "R" (summed over q tiles) or "C" (summed over kv tiles)
+    pre: set[int]  # ids of row reductions computed before the main loops
+    post: set[int]  # ids of ops after an accumulation (casts, group sums)
+    probs: set[int] = field(default_factory=set)  # ids of the recomputed P = exp(X - LSE): X gets the bounds
+
+
+def _root(v: Value) -> Value:
+    while isinstance(v.owner, Op) and v.owner.name in ("cast", "repeat_interleave"):
+        v = v.owner.operands[0]
+    return v
+
+
+def _axes(space: frozenset) -> tuple[Optional[str], Optional[str]]:
+    """What axes 2 and 3 of a rank-4 value of this space run over (None: the head dim, or size 1)."""
+    if R in space and C in space:
+        return R, C
+    if R in space:
+        return R, None
+    if C in space:
+        return C, None
+    return None, None
+
+
+@register
+@dataclass(frozen=True)
+class TileBwd(Pass):
+    """Tile the backward: Delta first, kv tiles outer for dK and dV, q tiles outer for dQ.
+
+    Requires: the backward function of recompute (run autodiff, decompose-softmax, delta, recompute).
+    Options: bq, bk (tile sizes), dq = separate (a second loop nest with q tiles outer; deterministic).
+
+        %p = exp (sub %x, %lse_safe) : f32[B,H,M,N]
+        %dv32 = matmul %p, %g {transpose_a} : f32[B,H,N,D]
+        %ds = ... : f32[B,H,M,N];  %dq32 = matmul %ds, %kf;  %dk32 = matmul %ds, %qf {transpose_a}
+    =>
+        %delta = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 64)) { ... reduce_sum (mul %gt, %ot) ... }
+        %dk, %dv = parallel_for (%b, %hk, %kj) in (B, H, cdiv(N, 64)) {
+          %dk_acc, %dv_acc = for %it = 0 to cdiv(M, 64) iter_args(...) {
+            ... %p = exp (sub %x, %lse_safe) : f32[64,64]
+            yield add(%dk_i, tile.matmul %ds, %qt {transpose_a}), add(%dv_i, tile.matmul %p, %gt {transpose_a})
+          } ... }
+        %dq = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 64)) { for %kj ... { ... tile.matmul %ds, %kt } }
+    """
+
+    name = "tile-bwd"
+    summary = "tile the backward: Delta preprocessing, kv-outer loop for dK/dV (q inner), q-outer loop for dQ"
+    bq: int = 64
+    bk: int = 64
+    dq: str = "separate"
+
+    removes = ("matmul",)
+
+    def __post_init__(self) -> None:
+        if self.bq < 1 or self.bk < 1:
+            raise ValueError("tile sizes must be positive")
+        if self.dq != "separate":
+            raise ValueError(f"dq must be 'separate' (a q-outer loop nest), got {self.dq!r}")
+
+    # ------------------------------------------------------------------------------ analysis
+    def analyse(self, func: Func) -> BackwardPlan:
+        if any(op.name == "parallel_for" for op in func.body.ops):
+            raise self.fail("the graph is already tiled")
+        if any(op.name == "softmax" for op in func.walk()):
+            raise self.fail("the graph has a softmax: this is not the backward function (run autodiff, "
+                            "decompose-softmax, delta and recompute first)")
+        scores = [op for op in func.body.ops if op.name == "matmul" and op.attrs.get("transpose_b")
+                  and not op.attrs.get("transpose_a") and op.results[0].type.rank == 4]
+        if not scores:
+            raise self.fail("no score product Q K^T (matmul with transpose_b): not a backward function")
+        space: dict[Value, frozenset] = {}
+        rows, cols = set(), set()
+        for mm in scores:
+            rows.add(_root(mm.operands[0]))
+            cols.add(_root(mm.operands[1]))
+        if rows & cols:
+            raise self.fail("the same input is contracted as a query and as a key")
+        M, N = scores[0].results[0].type.shape[2], scores[0].results[0].type.shape[3]
+        q_like = next(iter(rows))
+        for a in func.args:
+            t = a.type
+            if a in rows or (t.rank == 4 and a not in cols and t.shape[2] == M and t.shape[:2] == q_like.type.shape[:2]):
+                space[a] = Space({R, H})
+            elif a in cols:
+                space[a] = Space({C})
+            elif t.rank == 3 and t.shape[2] == M:
+                space[a] = Space({R, H})  # LSE
+            else:
+                space[a] = Space()  # a captured table, read whole through gathers
+        group = 1
+        acc_kind: dict[int, str] = {}
+        pre: set[int] = set()
+        post: set[int] = set()
+        probs: set[int] = set()
+        accumulated: set[Value] = set()
+        for op in func.body.ops:
+            if op.name == "return":
+                continue
+            ins = [space[v] for v in op.operands]
+            s: frozenset = Space().union(*ins) if ins else Space()
+            n = op.name
+            if n == "iota":
+                s = Space({[None, H, R, C][op.attrs["axis"]]} - {None})
+            elif n == "repeat_interleave":
+                if op.attrs["axis"] != 1:
+                    raise self.fail("only head repetition (repeat_interleave along axis 1, GQA) is supported")
+                group = op.attrs["repeats"]
+            elif n == "matmul":
+                ax = 2 if op.attrs.get("transpose_a") else 3
+                contracted = _axes(ins[0])[ax - 2]
+                s = s - {contracted} if contracted else s
+                if contracted:
+                    acc_kind[id(op)] = contracted
+                    if contracted == C:
+                        s = s | {H}
+            elif n in ("reduce_sum", "reduce_max"):
+                if _axes(ins[0])[op.attrs["axis"] - 2] is not None if op.operands[0].type.rank == 4 else True:
+                    raise self.fail(f"a {n} over the query or kv axis in the backward (axis {op.attrs['axis']} "
+                                    f"of {op.operands[0].type}): run delta first")
+                if R in s and C not in s:
+                    pre.add(id(op))
+            elif n == "exp" and _is_prob(op, space):
+                probs.add(id(op))
+            if any(v in accumulated for v in op.operands):
+                if not all(v in accumulated or not (space[v] & {R, C}) for v in op.operands):
+                    raise self.fail(f"{n} mixes an accumulated gradient with per-tile values")
+                post.add(id(op))
+                accumulated |= set(op.results)
+            if id(op) in acc_kind:
+                accumulated |= set(op.results)
+            for r in op.results:
+                space[r] = s
+        for v in func.results:
+            if v not in accumulated:
+                raise self.fail(f"result %{v.name or '?'} is not a sum over tiles (no dV = P^T dO, dK, dQ "
+                                f"product found for it)")
+        heads = q_like.type.shape[1]
+        kv_heads = next(iter(cols)).type.shape[1]
+        return BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs)
+
+    # -------------------------------------------------------------------------------- lowering
+    def run(self, func: Func) -> Func:
+        plan = self.analyse(func)
+        names = func.result_names
+        body = Block([a.type for a in func.args], [a.name for a in func.args])
+        argmap = dict(zip(func.args, body.args))
+        b = Builder(body)
+        stored = self._preprocess(func, plan, b, argmap)
+        outs: dict[Value, Value] = {}
+        c_results = [v for v in func.results if C in plan.space[v]]
+        r_results = [v for v in func.results if C not in plan.space[v]]
+        if c_results:
+            outs.update(zip(c_results, self._kv_nest(func, plan, b, argmap, stored, c_results)))
+        if r_results:
+            outs.update(zip(r_results, self._q_nest(func, plan, b, argmap, stored, r_results)))
+        b.ret(*[outs[v] for v in func.results])
+        new = Func(func.name, body, dict(func.attrs))
+        new.attrs["result_names"] = tuple(names)
+        return new
+
+    def _preprocess(self, func: Func, plan: BackwardPlan, b: Builder, argmap) -> dict[Value, Value]:
+        """Row reductions (Delta) in a q-tile nest of their own; returns original value -> stored tensor."""
+        pre = [op for op in func.body.ops if id(op) in plan.pre]
+        if not pre:
+            return {}
+        types = [TensorType("f32", r.results[0].type.shape) for r in pre]
+
+        def nest(pb: Builder, ivs: list[Value]):
+            bi, h, qi = ivs
+            q0 = pb.emit("mul", qi, pb.const(self.bq), name_hint="q0")
+            ctx = _Ctx(self, plan, argmap, {}, bi=bi, h=h, hk=None, q0=q0, k0=None)
+            ctx.scopes = [(Space({R, H}), pb, {})]
+            tiles = [ctx.emit(op.results[0]) for op in pre]
+            tiles = [t if t.type.dtype == "f32" else pb.cast(t, "f32") for t in tiles]
+            return [(t, [bi, h, (q0, self.bq), ":"]) for t in tiles]
+
+        results = b.parallel_for(["B", plan.heads, cdiv(plan.M, self.bq)], ["b", "h", "qi"], types, nest,
+                                 result_names=[op.results[0].name or "delta" for op in pre])
+        return {op.results[0]: r for op, r in zip(pre, results)}
+
+    def _kv_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value]) -> list[Value]:
+        G, bq, bk = plan.group, self.bq, self.bk
+        accs = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == R]
+        out_types = [v.type for v in results]
+
+        def nest(pb: Builder, ivs: list[Value]):
+            bi, hk, kj = ivs
+            k0 = pb.emit("mul", kj, pb.const(bk), name_hint="k0")
+            fixed = Space({C}) if G > 1 else Space({C, H})
+            ctx = _Ctx(self, plan, argmap, stored, bi=bi, h=hk if G == 1 else None, hk=hk, q0=None, k0=k0)
+            ctx.scopes = [(fixed, pb, {})]
+            nq = pb.const(cdiv(plan.M, bq), name_hint="nq")
+            total = pb.emit("mul", nq, pb.const(G), name_hint="n_inner") if G > 1 else nq
+            inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
+
+            def inner(lb: Builder, it: Value, state: list[Value]):
+                if G > 1:
+                    g = lb.emit("floordiv", it, nq, name_hint="g")
+                    ctx.h = lb.emit("add", lb.emit("mul", hk, lb.const(G)), g, name_hint="h")
+                    qi = lb.emit("mod", it, nq, name_hint="qi")
+                else:
+                    qi = it
+                ctx.q0 = lb.emit("mul", qi, lb.const(bq), name_hint="q0")
+                ctx.scopes.append((Space({R, C, H}), lb, {}))
+                nxt = [lb.emit("add", s, ctx.emit_product(op), name_hint=f"{op.results[0].name or 'acc'}_next")
+                       for s, op in zip(state, accs)]
+                ctx.scopes.pop()
+                return nxt
+
+            sums = pb.for_loop(pb.const(0), total, inits, inner, iv_name="it",
+                               iter_names=[f"{op.results[0].name or 'acc'}_i" for op in accs],
+                               result_names=[op.results[0].name or "acc" for op in accs])
+            ctx.finished = dict(zip([op.results[0] for op in accs], sums))
+            tiles = [ctx.emit_post(v) for v in results]
+            return [(t, [bi, hk, (k0, bk), ":"]) for t in tiles]
+
+        return b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], out_types, nest,
+                              result_names=[v.name for v in results])
+
+    def _q_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value]) -> list[Value]:
+        bq, bk = self.bq, self.bk
+        accs = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == C]
+        out_types = [v.type for v in results]
+
+        def nest(pb: Builder, ivs: list[Value]):
+            bi, h, qi = ivs
+            q0 = pb.emit("mul", qi, pb.const(bq), name_hint="q0")
+            hk = pb.emit("floordiv", h, pb.const(plan.group), name_hint="hk") if plan.group > 1 else h
+            ctx = _Ctx(self, plan, argmap, stored, bi=bi, h=h, hk=hk, q0=q0, k0=None)
+            ctx.scopes = [(Space({R, H}), pb, {})]
+            nk = pb.const(cdiv(plan.N, bk), name_hint="nk")
+            inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
+
+            def inner(lb: Builder, kj: Value, state: list[Value]):
+                ctx.k0 = lb.emit("mul", kj, lb.const(bk), name_hint="k0")
+                ctx.scopes.append((Space({R, C, H}), lb, {}))
+                nxt = [lb.emit("add", s, ctx.emit_product(op), name_hint=f"{op.results[0].name or 'acc'}_next")
+                       for s, op in zip(state, accs)]
+                ctx.scopes.pop()
+                return nxt
+
+            sums = pb.for_loop(pb.const(0), nk, inits, inner, iv_name="kj",
+                               iter_names=[f"{op.results[0].name or 'acc'}_i" for op in accs],
+                               result_names=[op.results[0].name or "acc" for op in accs])
+            ctx.finished = dict(zip([op.results[0] for op in accs], sums))
+            tiles = [ctx.emit_post(v) for v in results]
+            return [(t, [bi, h, (q0, bq), ":"]) for t in tiles]
+
+        return b.parallel_for(["B", plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], out_types, nest,
+                              result_names=[v.name for v in results])
+
+
+def _is_prob(op: Op, space: dict[Value, frozenset]) -> bool:
+    """exp(X - LSE): the recomputed P (its subtrahend is the saved row statistic, broadcast)."""
+    sub = op.operands[0].owner
+    if not isinstance(sub, Op) or sub.name != "sub":
+        return False
+    x, stat = sub.operands
+    return {R, C} <= space.get(x, Space()) and C not in space.get(stat, Space())
+
+
+class _Ctx:
+    """Emits the tile form of whole-tensor values inside one loop nest, each in the outermost scope whose
+    fixed indices it depends on (a value of the kv rows once per kv tile, a score tile per tile pair)."""
+
+    def __init__(self, tb: TileBwd, plan: BackwardPlan, argmap, stored, *, bi, h, hk, q0, k0):
+        self.tb, self.plan, self.argmap, self.stored = tb, plan, argmap, stored
+        self.bi, self.h, self.hk, self.q0, self.k0 = bi, h, hk, q0, k0
+        self.scopes: list[tuple[frozenset, Builder, dict]] = []
+        self.finished: dict[Value, Value] = {}
+
+    def tile_shape(self, v: Value) -> tuple:
+        s, t = self.plan.space[v], v.type
+        a2, a3 = _axes(s)
+        size = {R: self.tb.bq, C: self.tb.bk}
+        return tuple(dim(d) for d in (size[a2] if a2 else t.shape[2], size[a3] if a3 else t.shape[3]))
+
+    def _scope(self, v: Value) -> tuple[Builder, dict]:
+        need = self.plan.space[v] & {R, C, H}
+        for fixed, bld, memo in self.scopes:
+            if need <= fixed:
+                return bld, memo
+        return self.scopes[-1][1], self.scopes[-1][2]
+
+    def _lookup(self, v: Value) -> Optional[Value]:
+        for _, _, memo in self.scopes:
+            if v in memo:
+                return memo[v]
+        return None
+
+    def emit(self, v: Value) -> Value:
+        got = self._lookup(v)
+        if got is not None:
+            return got
+        if v in self.stored:
+            bld, memo = self.scopes[-1][1], self.scopes[-1][2]
+            bld, memo = self._scope(v)
+            memo[v] = bld.tile_load(self.stored[v], [self.bi, self.h, (self.q0, self.tb.bq), ":"],
+                                    name_hint=v.name)
+            return memo[v]
+        bld, memo = self._scope(v)
+        memo[v] = self._emit_new(v, bld)
+        return memo[v]
+
+    def _emit_new(self, v: Value, b: Builder) -> Value:
+        op = v.owner
+        if not isinstance(op, Op):  # a function argument
+            a = self.argmap[v]
+            s = self.plan.space[v]
+            if R in s:
+                idx = [self.bi, self.h, (self.q0, self.tb.bq)] + [":"] * (v.type.rank - 3)
+                return b.tile_load(a, idx, name_hint=f"{v.name}_t")
+            if C in s:
+                return b.tile_load(a, [self.bi, self.hk, (self.k0, self.tb.bk), ":"], name_hint=f"{v.name}_t")
+            return a  # a captured table, whole
+        n = op.name
+        if n == "iota":
+            axis = op.attrs["axis"]
+            if axis == 0:
+                return self.bi
+            if axis == 1:
+                return self.h
+            if axis == 2:
+                return b.tile_iota(self.q0, 0, [self.tb.bq, 1], name_hint=v.name or "q_idx")
+            return b.tile_iota(self.k0, 1, [1, self.tb.bk], name_hint=v.name or "kv_idx")
+        if n == "repeat_interleave":
+            return self.emit(op.operands[0])
+        if n == "const":
+            if v.type.rank and any(d != dim(1) for d in v.type.shape):
+                raise self.tb.fail(f"a constant of shape {v.type} cannot be tiled (canonicalize first)")
+            return b.const(op.attrs["value"], TensorType(v.type.dtype, ()), name_hint=v.name)
+        if n == "matmul":
+            if id(op) in self.plan.acc_kind:
+                raise self.tb.fail("an accumulated product is used before the sum over tiles is complete")
+            return b.emit("tile.matmul", self.emit(op.operands[0]), self.emit(op.operands[1]),
+                          name_hint=v.name, **op.attrs)
+        if id(op) in self.plan.probs:
+            operands = [self._bounded_prob_arg(b, op)]
+        else:
+            operands = [self.emit(x) for x in op.operands]
+        attrs = dict(op.attrs)
+        if n in ("reduce_sum", "reduce_max", "squeeze", "unsqueeze") and op.operands[0].type.rank >= 3:
+            attrs["axis"] = attrs["axis"] - 2
+        try:
+            types = OPS[n].infer([x.type for x in operands], attrs)  # type: ignore[misc]
+        except OpTypeError as e:
+            raise self.tb.fail(f"cannot move {n} to tiles: {e}") from None
+        return b.op(n, operands, types, attrs, names=[v.name]).results[0]
+
+    def _bounded_prob_arg(self, b: Builder, op: Op) -> Value:
+        """X - LSE with X = -inf past the last row or column: padded positions get P = 0."""
+        sub = op.operands[0].owner
+        assert isinstance(sub, Op)
+        x = self.emit(sub.operands[0])
+        stat = self.emit(sub.operands[1])
+        qi = b.tile_iota(self.q0, 0, [self.tb.bq, 1], name_hint="q_row")
+        ki = b.tile_iota(self.k0, 1, [1, self.tb.bk], name_hint="kv_col")
+        inb = b.emit("and", b.emit("lt", qi, b.const(self.plan.M)), b.emit("lt", ki, b.const(self.plan.N)),
+                     name_hint="in_bounds")
+        xb = b.op("where", [inb, x, b.const(-math.inf, scalar("f32"))], [x.type], {"bounds": True},
+                  names=["x_in"]).results[0]
+        return b.emit("sub", xb, stat, name_hint=sub.results[0].name)
+
+    def emit_product(self, op: Op) -> Value:
+        """One tile's term of an accumulated product (dV += P^T dO and the like)."""
+        return self.scopes[-1][1].emit("tile.matmul", self.emit(op.operands[0]), self.emit(op.operands[1]),
+                                       name_hint=f"{op.results[0].name or 'part'}_t", **op.attrs)
+
+    def emit_post(self, v: Value) -> Value:
+        """A result after its sum over tiles: the sum itself, then casts (and GQA's group sum, which the
+        loop over the group's heads already did)."""
+        if v in self.finished:
+            return self.finished[v]
+        op = v.owner
+        assert isinstance(op, Op)
+        if op.name == "group_sum":
+            return self.emit_post(op.operands[0])
+        operands = [self.emit_post(x) if x in self.finished or id(x.owner) in self.plan.post  # type: ignore[arg-type]
+                    else self.emit(x) for x in op.operands]
+        b = self.scopes[0][1]
+        types = OPS[op.name].infer([x.type for x in operands], dict(op.attrs))  # type: ignore[misc]
+        out = b.op(op.name, operands, types, dict(op.attrs), names=[v.name]).results[0]
+        self.finished[v] = out
+        return out
