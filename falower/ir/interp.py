@@ -305,6 +305,12 @@ class Interpreter:
                                     self.env_dims)
         return [np.int32(lo), np.int32(hi)]
 
+    def op_mask_q_range(self, op: Op, x, env) -> list[np.ndarray]:
+        b, h, k0, nq = (int(v) for v in x[:4])
+        lo, hi = intervals.q_range(op.regions[0], b, h, k0, op.attrs["bq"], op.attrs["bk"], nq, x[4:],
+                                   self.env_dims)
+        return [np.int32(lo), np.int32(hi)]
+
     def op_mask_block_table(self, op: Op, x, env) -> list[np.ndarray]:
         """Exact classification from the data (see `block_classes` for what a class means)."""
         B, H, nq, nk = self.shape(op.results[0].type)

@@ -152,3 +152,13 @@ def kv_range(block: Block, b: int, h: int, q0: int, bq: int, bk: int, nkv: int,
     live = [kj for kj in range(nk)
             if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env) != EMPTY]
     return (live[0], live[-1] + 1) if live else (0, 0)
+
+
+def q_range(block: Block, b: int, h: int, k0: int, bq: int, bk: int, nq_rows: int,
+            captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> tuple[int, int]:
+    """First and past-last q tile that is not empty for the kv tile at k0 (0, 0 when all are empty): the
+    transpose of `kv_range`, for the backward's loop over q tiles inside a kv tile."""
+    nq = -(-nq_rows // bq)
+    live = [qi for qi in range(nq)
+            if classify(block, b, h, qi * bq, qi * bq + bq - 1, k0, k0 + bk - 1, captures, env) != EMPTY]
+    return (live[0], live[-1] + 1) if live else (0, 0)

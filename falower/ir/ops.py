@@ -296,6 +296,8 @@ _register("mask.classify", "mask", "tile", None, num_regions=1, isolated=True,
               "tile pair: a sound answer for the classes Interpreter.block_classes defines")
 _register("mask.kv_range", "mask", "tile", None, num_regions=1, isolated=True,
           doc="first and past-last kv tile that is not empty, for one q tile")
+_register("mask.q_range", "mask", "tile", None, num_regions=1, isolated=True,
+          doc="first and past-last q tile that is not empty, for one kv tile (the backward's kv-outer loop)")
 _register("mask.block_table", "mask", "graph", None, num_regions=1, isolated=True,
           doc="exact per-tile classes of a data-dependent mask from the data at run time: rows q < M, every "
               "column of the kv tile, the kv bound included (a ragged kv tile is never full)")

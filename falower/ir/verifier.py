@@ -195,6 +195,13 @@ class _Verifier:
             raise _Fail(op, "gives the i32 first and past-last kv tile")
         self._predicate(op, 4)
 
+    def op_mask_q_range(self, op: Op, parent) -> None:
+        if len(op.operands) < 4 or any(v.type != I32 for v in op.operands[:4]):
+            raise _Fail(op, "operands are b, h, k0, nq (i32 scalars) then the captured tensors")
+        if [r.type for r in op.results] != [I32, I32]:
+            raise _Fail(op, "gives the i32 first and past-last q tile")
+        self._predicate(op, 4)
+
     def op_mask_block_table(self, op: Op, parent) -> None:
         if len(op.results) != 1 or op.results[0].type.dtype != "i8" or op.results[0].type.rank != 4:
             raise _Fail(op, "gives one i8 table [B, H, q tiles, kv tiles]")

@@ -29,14 +29,17 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value
+from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
+from ..ir.intervals import uses_data
 from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
-from ..ir.types import TensorType, scalar
+from ..ir.types import TensorType, is_float, scalar
+from .attention import _const_is, _is
 from .base import Pass, register
 
 R, C, H = "R", "C", "H"
 Space = frozenset
+I32 = scalar("i32")
 
 
 @dataclass
@@ -53,6 +56,9 @@ class BackwardPlan:
     pre: set[int]  # ids of row reductions computed before the main loops
     post: set[int]  # ids of ops after an accumulation (casts, group sums)
     probs: set[int] = field(default_factory=set)  # ids of the recomputed P = exp(X - LSE): X gets the bounds
+    conj: list[Value] = field(default_factory=list)  # the mask's conjuncts (bool, of indices and captures)
+    pred: Optional[Block] = None  # the mask as a scalar predicate (b, h, q, kv, captures), kv bound included
+    pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
 
 
 def _root(v: Value) -> Value:
@@ -98,6 +104,7 @@ class TileBwd(Pass):
     bq: int = 64
     bk: int = 64
     dq: str = "separate"
+    skip: bool = True
 
     removes = ("matmul",)
 
@@ -186,7 +193,46 @@ class TileBwd(Pass):
                                 f"product found for it)")
         heads = q_like.type.shape[1]
         kv_heads = next(iter(cols)).type.shape[1]
-        return BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs)
+        plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs)
+        if self.skip:
+            self._find_mask(func, plan)
+        return plan
+
+    def _find_mask(self, func: Func, plan: BackwardPlan) -> None:
+        """The mask on the recomputed scores: `where(c, x, -inf)` peeled off X, where c reads only indices
+        and captured tables. Its scalar predicate is what mask-tiles classifies tiles with (the kv bound
+        added, as tile adds it in the forward), so both directions share one meaning of a tile class."""
+        probs = [op for op in func.body.ops if id(op) in plan.probs]
+        if len(probs) != 1:
+            return
+        x = probs[0].operands[0].owner.operands[0]  # type: ignore[union-attr]
+        conj: list[Value] = []
+        while (w := _is(x, "where")) is not None and _const_is(w.operands[2], -math.inf) and \
+                _index_only(w.operands[0], func):
+            conj.append(w.operands[0])
+            x = w.operands[1]
+        if not conj:
+            return
+        caps = [a for a in func.args if not plan.space[a] and _reads(conj, a, func)]
+        pred = Block([scalar("i32")] * 4 + [c.type for c in caps], ["b", "h", "q", "kv"] + [c.name for c in caps])
+        pb = Builder(pred)
+        vmap: dict[Value, Value] = dict(zip(caps, pred.args[4:]))
+        for op in backward_slice(func.body, conj):
+            if op.name == "iota":
+                vmap[op.results[0]] = pred.args[op.attrs["axis"]]
+                continue
+            operands = [vmap[v] for v in op.operands]
+            types = [r.type for r in op.results] if op.name == "const" else \
+                OPS[op.name].infer([v.type for v in operands], dict(op.attrs))  # type: ignore[misc]
+            nop = pb.op(op.name, operands, types, dict(op.attrs), names=[r.name for r in op.results])
+            vmap.update(zip(op.results, nop.results))
+        keep = vmap[conj[-1]]
+        for c in reversed(conj[:-1]):
+            keep = pb.emit("and", keep, vmap[c], name_hint="keep")
+        inb = pb.op("lt", [pred.args[3], pb.const(plan.N)], [scalar("bool")], {"bounds": True},
+                    names=["in_bounds"]).results[0]
+        pb.op("yield", [pb.emit("and", keep, inb, name_hint="keep")], [])
+        plan.conj, plan.pred, plan.pred_caps = conj, pred, caps
 
     # -------------------------------------------------------------------------------- lowering
     def run(self, func: Func) -> Func:
@@ -196,13 +242,19 @@ class TileBwd(Pass):
         argmap = dict(zip(func.args, body.args))
         b = Builder(body)
         stored = self._preprocess(func, plan, b, argmap)
+        table = None
+        if plan.pred is not None and uses_data(plan.pred):  # classes from the data, once, for both nests
+            tbl_t = TensorType("i8", ("B", plan.heads, cdiv(plan.M, self.bq), cdiv(plan.N, self.bk)))
+            (table,) = b.op("mask.block_table", [argmap[c] for c in plan.pred_caps], [tbl_t],
+                            {"bq": self.bq, "bk": self.bk, "m": plan.M, "n": plan.N},
+                            [clone_block(plan.pred, {})], names=["block_class"]).results
         outs: dict[Value, Value] = {}
         c_results = [v for v in func.results if C in plan.space[v]]
         r_results = [v for v in func.results if C not in plan.space[v]]
         if c_results:
-            outs.update(zip(c_results, self._kv_nest(func, plan, b, argmap, stored, c_results)))
+            outs.update(zip(c_results, self._kv_nest(func, plan, b, argmap, stored, c_results, table)))
         if r_results:
-            outs.update(zip(r_results, self._q_nest(func, plan, b, argmap, stored, r_results)))
+            outs.update(zip(r_results, self._q_nest(func, plan, b, argmap, stored, r_results, table)))
         b.ret(*[outs[v] for v in func.results])
         new = Func(func.name, body, dict(func.attrs))
         new.attrs["result_names"] = tuple(names)
@@ -228,10 +280,10 @@ class TileBwd(Pass):
                                  result_names=[op.results[0].name or "delta" for op in pre])
         return {op.results[0]: r for op, r in zip(pre, results)}
 
-    def _kv_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value]) -> list[Value]:
+    def _kv_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value],
+                 table: Optional[Value]) -> list[Value]:
         G, bq, bk = plan.group, self.bq, self.bk
         accs = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == R]
-        out_types = [v.type for v in results]
 
         def nest(pb: Builder, ivs: list[Value]):
             bi, hk, kj = ivs
@@ -240,37 +292,36 @@ class TileBwd(Pass):
             ctx = _Ctx(self, plan, argmap, stored, bi=bi, h=hk if G == 1 else None, hk=hk, q0=None, k0=k0)
             ctx.scopes = [(fixed, pb, {})]
             nq = pb.const(cdiv(plan.M, bq), name_hint="nq")
-            total = pb.emit("mul", nq, pb.const(G), name_hint="n_inner") if G > 1 else nq
-            inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
+            lo, hi = pb.const(0), nq
+            if G > 1:
+                hi = pb.emit("mul", nq, pb.const(G), name_hint="n_inner")
+            elif plan.pred is not None and table is None:  # the q tiles that can see this kv tile
+                lo, hi = pb.op("mask.q_range", [bi, hk, k0, pb.const(plan.M), *ctx.caps()], [I32, I32],
+                               {"bq": bq, "bk": bk}, [clone_block(plan.pred, {})], names=["q_lo", "q_hi"]).results
+            pos: dict[str, Value] = {}
 
-            def inner(lb: Builder, it: Value, state: list[Value]):
+            def position(lb: Builder, it: Value) -> None:
                 if G > 1:
-                    g = lb.emit("floordiv", it, nq, name_hint="g")
-                    ctx.h = lb.emit("add", lb.emit("mul", hk, lb.const(G)), g, name_hint="h")
-                    qi = lb.emit("mod", it, nq, name_hint="qi")
+                    ctx.h = lb.emit("add", lb.emit("mul", hk, lb.const(G)), lb.emit("floordiv", it, nq), name_hint="h")
+                    pos["qi"] = lb.emit("mod", it, nq, name_hint="qi")
                 else:
-                    qi = it
-                ctx.q0 = lb.emit("mul", qi, lb.const(bq), name_hint="q0")
-                ctx.scopes.append((Space({R, C, H}), lb, {}))
-                nxt = [lb.emit("add", s, ctx.emit_product(op), name_hint=f"{op.results[0].name or 'acc'}_next")
-                       for s, op in zip(state, accs)]
-                ctx.scopes.pop()
-                return nxt
+                    pos["qi"] = it
+                ctx.q0 = lb.emit("mul", pos["qi"], lb.const(bq), name_hint="q0")
 
-            sums = pb.for_loop(pb.const(0), total, inits, inner, iv_name="it",
-                               iter_names=[f"{op.results[0].name or 'acc'}_i" for op in accs],
-                               result_names=[op.results[0].name or "acc" for op in accs])
+            def cls_of(lb: Builder) -> Value:
+                return ctx.tile_class(lb, table, pos["qi"], kj)
+
+            sums = self._loop(ctx, pb, lo, hi, accs, "it" if G > 1 else "qi", position, cls_of)
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
-            tiles = [ctx.emit_post(v) for v in results]
-            return [(t, [bi, hk, (k0, bk), ":"]) for t in tiles]
+            return [(ctx.emit_post(v), [bi, hk, (k0, bk), ":"]) for v in results]
 
-        return b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], out_types, nest,
-                              result_names=[v.name for v in results])
+        return b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results],
+                              nest, result_names=[v.name for v in results])
 
-    def _q_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value]) -> list[Value]:
+    def _q_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value],
+                table: Optional[Value]) -> list[Value]:
         bq, bk = self.bq, self.bk
         accs = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == C]
-        out_types = [v.type for v in results]
 
         def nest(pb: Builder, ivs: list[Value]):
             bi, h, qi = ivs
@@ -278,26 +329,74 @@ class TileBwd(Pass):
             hk = pb.emit("floordiv", h, pb.const(plan.group), name_hint="hk") if plan.group > 1 else h
             ctx = _Ctx(self, plan, argmap, stored, bi=bi, h=h, hk=hk, q0=q0, k0=None)
             ctx.scopes = [(Space({R, H}), pb, {})]
-            nk = pb.const(cdiv(plan.N, bk), name_hint="nk")
-            inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
+            lo, hi = pb.const(0), pb.const(cdiv(plan.N, bk), name_hint="nk")
+            if plan.pred is not None and table is None:  # the kv tiles this q tile can see
+                lo, hi = pb.op("mask.kv_range", [bi, h, q0, pb.const(plan.N), *ctx.caps()], [I32, I32],
+                               {"bq": bq, "bk": bk}, [clone_block(plan.pred, {})], names=["kv_lo", "kv_hi"]).results
+            pos: dict[str, Value] = {}
 
-            def inner(lb: Builder, kj: Value, state: list[Value]):
+            def position(lb: Builder, kj: Value) -> None:
+                pos["kj"] = kj
                 ctx.k0 = lb.emit("mul", kj, lb.const(bk), name_hint="k0")
-                ctx.scopes.append((Space({R, C, H}), lb, {}))
-                nxt = [lb.emit("add", s, ctx.emit_product(op), name_hint=f"{op.results[0].name or 'acc'}_next")
-                       for s, op in zip(state, accs)]
-                ctx.scopes.pop()
-                return nxt
 
-            sums = pb.for_loop(pb.const(0), nk, inits, inner, iv_name="kj",
-                               iter_names=[f"{op.results[0].name or 'acc'}_i" for op in accs],
-                               result_names=[op.results[0].name or "acc" for op in accs])
+            def cls_of(lb: Builder) -> Value:
+                return ctx.tile_class(lb, table, qi, pos["kj"])
+
+            sums = self._loop(ctx, pb, lo, hi, accs, "kj", position, cls_of)
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
-            tiles = [ctx.emit_post(v) for v in results]
-            return [(t, [bi, h, (q0, bq), ":"]) for t in tiles]
+            return [(ctx.emit_post(v), [bi, h, (q0, bq), ":"]) for v in results]
 
-        return b.parallel_for(["B", plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], out_types, nest,
+        return b.parallel_for(["B", plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], [v.type for v in results], nest,
                               result_names=[v.name for v in results])
+
+    def _loop(self, ctx: "_Ctx", pb: Builder, lo: Value, hi: Value, accs: list[Op], iv: str, position, cls_of):
+        """The inner loop over tiles, summing each accumulated product. With a mask, each tile's class
+        decides: empty tiles are skipped, full ones run without the mask (and without the kv bound),
+        partial ones with it."""
+        inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
+        names = [op.results[0].name or "acc" for op in accs]
+
+        def body(bb: Builder, full: bool) -> list[Value]:
+            ctx.scopes.append((Space({R, C, H}), bb, {}))
+            ctx.full = full
+            nxt = [bb.emit("add", st, ctx.emit_product(op), name_hint=f"{n}_next")
+                   for st, op, n in zip(ctx.state, accs, names)]
+            ctx.scopes.pop()
+            return nxt
+
+        def inner(lb: Builder, i: Value, state: list[Value]) -> list[Value]:
+            position(lb, i)
+            ctx.state = state
+            if ctx.plan.pred is None:
+                return body(lb, False)
+            cls = cls_of(lb)
+            empty = lb.emit("eq", cls, lb.const(0), name_hint="empty_tile")
+            full = lb.emit("eq", cls, lb.const(2), name_hint="full_tile")
+            types = [x.type for x in state]
+            nxt = [f"{n}_next" for n in names]
+            return lb.if_(empty, types, lambda sb: state,
+                          lambda sb: sb.if_(full, types, lambda fb: body(fb, True), lambda mb: body(mb, False),
+                                            result_names=nxt), result_names=nxt)
+
+        return pb.for_loop(lo, hi, inits, inner, iv_name=iv, iter_names=[f"{n}_i" for n in names],
+                           result_names=names)
+
+
+def _index_only(v: Value, func: Func) -> bool:
+    """A boolean computed from indices and captured tables only (a mask), not from q, k or the scores."""
+    if v.type.dtype != "bool":
+        return False
+    for op in backward_slice(func.body, [v]):
+        for x in op.operands:
+            if isinstance(x.owner, Block) and is_float(x.type.dtype) and op.name != "gather":
+                return False
+        if op.name == "matmul":
+            return False
+    return True
+
+
+def _reads(roots: list[Value], arg: Value, func: Func) -> bool:
+    return any(arg in op.operands for op in backward_slice(func.body, roots))
 
 
 def _is_prob(op: Op, space: dict[Value, frozenset]) -> bool:
@@ -318,6 +417,20 @@ class _Ctx:
         self.bi, self.h, self.hk, self.q0, self.k0 = bi, h, hk, q0, k0
         self.scopes: list[tuple[frozenset, Builder, dict]] = []
         self.finished: dict[Value, Value] = {}
+        self.full = False  # emitting a full tile: the mask and the kv bound are dropped
+        self.state: list[Value] = []
+
+    def caps(self) -> list[Value]:
+        return [self.argmap[c] for c in self.plan.pred_caps]
+
+    def tile_class(self, b: Builder, table: Optional[Value], qi: Value, kj: Value) -> Value:
+        """This tile pair's class: from the block table (data masks) or by interval analysis."""
+        if table is not None:
+            c8 = b.tile_load(table, [self.bi, self.h, qi, kj], name_hint="cls8")
+            return b.emit("cast", c8, to="i32", name_hint="cls")
+        assert self.plan.pred is not None
+        return b.op("mask.classify", [self.bi, self.h, self.q0, self.k0, *self.caps()], [I32],
+                    {"bq": self.tb.bq, "bk": self.tb.bk}, [clone_block(self.plan.pred, {})], names=["cls"]).results[0]
 
     def tile_shape(self, v: Value) -> tuple:
         s, t = self.plan.space[v], v.type
@@ -379,6 +492,8 @@ class _Ctx:
             if v.type.rank and any(d != dim(1) for d in v.type.shape):
                 raise self.tb.fail(f"a constant of shape {v.type} cannot be tiled (canonicalize first)")
             return b.const(op.attrs["value"], TensorType(v.type.dtype, ()), name_hint=v.name)
+        if n == "where" and self.full and op.operands[0] in self.plan.conj:
+            return self.emit(op.operands[1])  # a full tile keeps every score: no mask arithmetic
         if n == "matmul":
             if id(op) in self.plan.acc_kind:
                 raise self.tb.fail("an accumulated product is used before the sum over tiles is complete")
@@ -404,9 +519,10 @@ class _Ctx:
         x = self.emit(sub.operands[0])
         stat = self.emit(sub.operands[1])
         qi = b.tile_iota(self.q0, 0, [self.tb.bq, 1], name_hint="q_row")
-        ki = b.tile_iota(self.k0, 1, [1, self.tb.bk], name_hint="kv_col")
-        inb = b.emit("and", b.emit("lt", qi, b.const(self.plan.M)), b.emit("lt", ki, b.const(self.plan.N)),
-                     name_hint="in_bounds")
+        inb = b.emit("lt", qi, b.const(self.plan.M), name_hint="row_in_bounds")
+        if not self.full:  # a full tile is never ragged along kv (its class includes the kv bound)
+            ki = b.tile_iota(self.k0, 1, [1, self.tb.bk], name_hint="kv_col")
+            inb = b.emit("and", inb, b.emit("lt", ki, b.const(self.plan.N)), name_hint="in_bounds")
         xb = b.op("where", [inb, x, b.const(-math.inf, scalar("f32"))], [x.type], {"bounds": True},
                   names=["x_in"]).results[0]
         return b.emit("sub", xb, stat, name_hint=sub.results[0].name)
