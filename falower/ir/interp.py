@@ -245,6 +245,12 @@ class Interpreter:
         out[dst] = a[src]
         return [out]
 
+    def op_tile_atomic_add(self, op: Op, x, env) -> list[np.ndarray]:
+        acc, tile = x[0], x[1]
+        src, dst, _ = self._slices(acc.shape, op.attrs["slice"], x[2:])
+        acc[src] += tile[dst].astype(acc.dtype)
+        return []
+
     def op_tile_insert(self, op: Op, x, env) -> list[np.ndarray]:
         dst_arr, tile = x[0].copy(), x[1]
         src, dst, _ = self._slices(dst_arr.shape, op.attrs["slice"], x[2:])
@@ -264,16 +270,22 @@ class Interpreter:
         return state
 
     def op_parallel_for(self, op: Op, x, env) -> list[np.ndarray]:
+        """Every iteration writes its tiles into the stored results; accumulators (the last
+        `accumulators` results) start at zero and sum what every iteration's tile.atomic_add adds."""
         bounds = [dim(b).eval(self.env_dims) for b in op.attrs["bounds"]]
         blk = op.regions[0]
         outs = [np.zeros(self.shape(r.type), dtype=numpy_dtype(r.type.dtype) if self.precision == "native"
                          or not is_float(r.type.dtype) else np.float64) for r in op.results]
+        n_acc = op.attrs.get("accumulators", 0)
+        accs = outs[len(outs) - n_acc:]
         term = blk.terminator
         assert term is not None
         for ivs in itertools.product(*[range(b) for b in bounds]):
             inner = dict(env)
             for a, i in zip(blk.args, ivs):
                 inner[a] = np.int32(i)
+            for a, acc in zip(blk.args[len(bounds):], accs):
+                inner[a] = acc  # shared across iterations: tile.atomic_add adds into it in place
             vals = self.block(blk, inner)
             pos = 0
             for out, spec in zip(outs, term.attrs["slices"]):

@@ -276,10 +276,23 @@ def _infer_tile_matmul(ts, attrs):
     return _infer_matmul(ts, attrs)
 
 
+def _infer_tile_atomic_add(ts, attrs):
+    _need(len(ts) >= 2, "takes an accumulator and a tile")
+    acc, tile = ts[0], ts[1]
+    for t in ts[2:]:
+        _need(t.dtype == "i32" and t.is_scalar, f"slice offsets are i32 scalars, got {t}")
+    shape = _slice_shape(acc, attrs.get("slice", ()), len(ts) - 2)
+    _need(tuple(tile.shape) == tuple(shape), f"tile {tile} does not fit the slice {list(shape)} of {acc}")
+    _need(acc.dtype == "f32" and tile.dtype == "f32", "accumulates f32 into f32")
+    return []
+
+
 _register("tile.load", "data", "tile", _infer_tile_load, doc="a (ragged, zero-padded) tile of a tensor")
 _register("tile.insert", "data", "tile", _infer_tile_insert, doc="a tensor with a tile written into it")
 _register("tile.iota", "data", "tile", _infer_tile_iota, doc="start + index along `axis` of a tile")
 _register("tile.matmul", "contraction", "tile", _infer_tile_matmul, doc="tile product, f32 accumulation")
+_register("tile.atomic_add", "data", "tile", _infer_tile_atomic_add,
+          doc="add a tile into a parallel_for accumulator (the iterations' sum; atomics on a GPU)")
 
 
 # ---------------------------------------------------------------------------------- control flow

@@ -349,8 +349,17 @@ class Parser:
         self.take(":")
         return Op("tile.insert", [dst, tile, *idx], [self.type()], {"slice": spec})
 
+    def op_tile_atomic_add(self) -> Op:
+        tile = self.use()
+        self.take("into")
+        acc = self.use()
+        spec, idx = self.slice()
+        return Op("tile.atomic_add", [acc, tile, *idx], [], {"slice": spec})
+
     def op_tile_yield(self) -> Op:
         operands, specs = [], []
+        if self.peek() is None or self.peek().kind != "val":  # type: ignore[union-attr]
+            return Op("tile.yield", [], [], {"slices": ()})
         while True:
             operands.append(self.use())
             self.take("into")
@@ -393,6 +402,13 @@ class Parser:
         while self.accept(","):
             ivs.append(self.take(kind="val").text[1:])
         self.take(")")
+        accs: list[str] = []
+        if self.accept("accumulate"):
+            self.take("(")
+            accs.append(self.take(kind="val").text[1:])
+            while self.accept(","):
+                accs.append(self.take(kind="val").text[1:])
+            self.take(")")
         self.take("in")
         self.take("(")
         bounds = [self.dim_expr()]
@@ -403,11 +419,16 @@ class Parser:
         self.take(":")
         types = self.types()
         self.take("{")
-        blk = self.region(ivs, [TensorType("i32", ())] * len(ivs))
+        if len(accs) > len(types):
+            raise self.error(f"{len(accs)} accumulators for {len(types)} results")
+        acc_types = list(types[len(types) - len(accs):]) if accs else []
+        blk = self.region(ivs + accs, [TensorType("i32", ())] * len(ivs) + acc_types)
         self.block_ops(blk)
         self.scopes.pop()
         self.take("}")
         attrs["bounds"] = tuple(bounds)
+        if accs:
+            attrs["accumulators"] = len(accs)
         return Op("parallel_for", [], types, normalize_attrs(attrs), [blk])
 
     def op_if(self) -> Op:

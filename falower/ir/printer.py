@@ -143,6 +143,9 @@ class Printer:
             s = self._slice(spec, op.operands[2:])
             self.lines.append(f"{pad}{self._results(op)}tile.insert {n(op.operands[1])} into "
                               f"{n(op.operands[0])}{s} : {self._types(op)}")
+        elif name == "tile.atomic_add":
+            s = self._slice(op.attrs["slice"], op.operands[2:])
+            self.lines.append(f"{pad}tile.atomic_add {n(op.operands[1])} into {n(op.operands[0])}{s}")
         elif name == "tile.yield":
             parts, pos = [], 0
             for spec in op.attrs["slices"]:
@@ -150,7 +153,7 @@ class Printer:
                 tile, idx = op.operands[pos], op.operands[pos + 1: pos + 1 + k]
                 parts.append(f"{n(tile)} into {self._slice(spec, list(idx))}")
                 pos += 1 + k
-            self.lines.append(f"{pad}tile.yield " + ", ".join(parts))
+            self.lines.append(f"{pad}tile.yield" + (" " + ", ".join(parts) if parts else ""))
         elif name == "for" and len(op.operands) >= 2 and op.regions and op.regions[0].args:
             blk = op.regions[0]
             for a in blk.args:
@@ -167,10 +170,12 @@ class Printer:
             blk = op.regions[0]
             for a in blk.args:
                 self.n.define(a)
-            ivs = ", ".join(n(a) for a in blk.args)
+            nb = len(op.attrs["bounds"])
+            ivs = ", ".join(n(a) for a in blk.args[:nb])
+            accs = f" accumulate({', '.join(n(a) for a in blk.args[nb:])})" if len(blk.args) > nb else ""
             bounds = ", ".join(str(b) for b in op.attrs["bounds"])
-            attrs = format_attrs(op.attrs, skip=("bounds",))
-            self.lines.append(f"{pad}{self._results(op)}parallel_for ({ivs}) in ({bounds}){attrs} : "
+            attrs = format_attrs(op.attrs, skip=("bounds", "accumulators"))
+            self.lines.append(f"{pad}{self._results(op)}parallel_for ({ivs}){accs} in ({bounds}){attrs} : "
                               f"{self._types(op)} {{")
             self.block_ops(blk, depth + 1)
             self.lines.append(f"{pad}}}")

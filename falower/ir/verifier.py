@@ -195,6 +195,13 @@ class _Verifier:
             raise _Fail(op, "gives the i32 first and past-last kv tile")
         self._predicate(op, 4)
 
+    def op_tile_atomic_add(self, op: Op, parent) -> None:
+        acc = op.operands[0]
+        owner = acc.owner
+        pf = owner.parent if isinstance(owner, Block) else None
+        if pf is None or pf.name != "parallel_for" or acc.index < len(pf.attrs["bounds"]):
+            raise _Fail(op, "adds into an accumulator argument of an enclosing parallel_for")
+
     def op_mask_q_range(self, op: Op, parent) -> None:
         if len(op.operands) < 4 or any(v.type != I32 for v in op.operands[:4]):
             raise _Fail(op, "operands are b, h, k0, nq (i32 scalars) then the captured tensors")
@@ -210,17 +217,24 @@ class _Verifier:
     def op_parallel_for(self, op: Op, parent) -> None:
         bounds = op.attrs.get("bounds")
         blk = op.regions[0]
-        if not bounds or len(blk.args) != len(bounds) or any(a.type != I32 for a in blk.args):
-            raise _Fail(op, "needs one i32 induction variable per bound")
+        n_acc = op.attrs.get("accumulators", 0)
+        if not isinstance(n_acc, int) or not 0 <= n_acc <= len(op.results):
+            raise _Fail(op, f"accumulators must be a count of its results, got {n_acc!r}")
+        if not bounds or len(blk.args) != len(bounds) + n_acc or any(a.type != I32 for a in blk.args[:len(bounds)]):
+            raise _Fail(op, "needs one i32 induction variable per bound (then one argument per accumulator)")
+        stored = op.results[:len(op.results) - n_acc]
+        for a, r in zip(blk.args[len(bounds):], op.results[len(stored):]):
+            if a.type != r.type:
+                raise _Fail(op, f"accumulator {a.name or '?'}: {a.type} must have its result's type {r.type}")
         if op.operands:
             raise _Fail(op, "takes no operands")
         term = blk.terminator  # a tile.yield: block() checked the region's terminator kind
         assert term is not None
         specs = term.attrs.get("slices", ())
-        if len(specs) != len(op.results):
-            raise _Fail(term, f"yields {len(specs)} tiles for {len(op.results)} results")
+        if len(specs) != len(stored):
+            raise _Fail(term, f"yields {len(specs)} tiles for {len(stored)} stored results")
         pos = 0
-        for spec, res in zip(specs, op.results):
+        for spec, res in zip(specs, stored):
             k = sum(1 for s in spec if s != ":")
             tile, idx = term.operands[pos], term.operands[pos + 1: pos + 1 + k]
             pos += 1 + k

@@ -33,6 +33,8 @@ FLOPs
 - `reduce_max` / `reduce_sum`: 1 FLOP per *input* element. Graph-level `softmax`: 5 per element
   (max, subtract, exp, sum, divide).
 - `const`, `iota`, `tile.iota`, `tile.load`, `tile.insert`, `gather`, `squeeze`, `unsqueeze`, `repeat_interleave`: 0.
+- `tile.atomic_add`: one add per element; it reads and writes its slice of the accumulator (f32) in main
+  memory, as FA2's atomic dQ updates do.
 - `fused`: the sum of its region's ops, at the region's shapes.
 - `mask.classify` / `mask.kv_range`: 0 (scalar interval arithmetic per tile, negligible).
   `mask.block_table`: (number of non-`const`, non-`gather` predicate ops) * B*H*M*N.
@@ -160,7 +162,7 @@ def format_breakdown(cost: Cost) -> str:
 
 
 # -------------------------------------------------------------------------------------------- helpers
-_MASK_SCALAR = ("mask.classify", "mask.kv_range")
+_MASK_SCALAR = ("mask.classify", "mask.kv_range", "mask.q_range")
 
 
 def _lives_in_memory(t: TensorType) -> bool:
@@ -289,6 +291,8 @@ class _Model:
         """The operands of a mask op its answer depends on: b, h, the q offset and the kv offset only when the
         predicate reads them; `mask.kv_range`'s kv extent always."""
         deps = self._pred_args(op.regions[0])
+        if op.name == "mask.q_range":  # operands b, h, k0, nq: the kv offset stands where q0 does elsewhere
+            deps = (deps[0], deps[1], deps[3], True)
         out = [v for v, d in zip(op.operands[:4], deps) if d]
         if op.name == "mask.kv_range":
             out.append(op.operands[3])
@@ -315,7 +319,7 @@ class _Model:
                 table = self._block_tables.get(self.root(op.operands[0]))
                 if table is not None:
                     work += self._table_operands(op, table)
-            elif op.name == "tile.insert":
+            elif op.name in ("tile.insert", "tile.atomic_add"):
                 work += _sized_offsets(op.attrs["slice"], op.operands[2:])
             elif op.name == "tile.yield":
                 pos = 0
@@ -454,9 +458,9 @@ class _Model:
         steps: list[Op] = []
         for op in blk.ops:
             n = op.name
-            if n in ("for", "if", "tile.load", "tile.insert", "tile.yield"):
+            if n in ("for", "if", "tile.load", "tile.insert", "tile.atomic_add", "tile.yield"):
                 steps.append(op)
-                if n in ("tile.load", "tile.insert"):
+                if n in ("tile.load", "tile.insert", "tile.atomic_add"):
                     static.ran(n)
                 continue
             if n == "yield":
@@ -505,6 +509,12 @@ class _Model:
                 if self.in_memory(dst):
                     e = self.slice_elems(dst.type, op.attrs["slice"], op.operands[2:], env)
                     c.write(self.name(dst), e, DTYPE_BYTES[dst.type.dtype])
+            elif n == "tile.atomic_add":  # read, add, write back: an f32 read and write per element
+                acc = op.operands[0]
+                e = self.slice_elems(acc.type, op.attrs["slice"], op.operands[2:], env)
+                c.read(self.name(acc), e, DTYPE_BYTES[acc.type.dtype])
+                c.write(self.name(acc), e, DTYPE_BYTES[acc.type.dtype])
+                c.flops += e
             elif n == "tile.yield":
                 self.tile_yield(op, env, c)
             elif n == "for":
@@ -688,6 +698,17 @@ class _Model:
             # intervals.kv_range, with the classifications cached for the mask.classify ops in the loop
             live = [kj for kj in range(-(-x[3] // bk))
                     if self.classify(op.regions[0], b, h, q0, bq, kj * bk, bk, len(x) - 4) != intervals.EMPTY]
+            env[op.results[0]], env[op.results[1]] = (live[0], live[-1] + 1) if live else (0, 0)
+            return
+        if n == "mask.q_range":
+            args = self._pred_inputs(op.regions[0], [x[0], x[1], 0, x[2]])
+            if args is None or x[3] is None:
+                env[op.results[0]] = env[op.results[1]] = None
+                return
+            b, h, _, k0 = args
+            bq, bk = op.attrs["bq"], op.attrs["bk"]
+            live = [qi for qi in range(-(-x[3] // bq))
+                    if self.classify(op.regions[0], b, h, qi * bq, bq, k0, bk, len(x) - 4) != intervals.EMPTY]
             env[op.results[0]], env[op.results[1]] = (live[0], live[-1] + 1) if live else (0, 0)
             return
         if n == "const":

@@ -111,8 +111,9 @@ class TileBwd(Pass):
     def __post_init__(self) -> None:
         if self.bq < 1 or self.bk < 1:
             raise ValueError("tile sizes must be positive")
-        if self.dq != "separate":
-            raise ValueError(f"dq must be 'separate' (a q-outer loop nest), got {self.dq!r}")
+        if self.dq not in ("separate", "atomic"):
+            raise ValueError(f"dq must be 'separate' (a q-outer loop nest) or 'atomic' (added from the kv-outer "
+                             f"loop), got {self.dq!r}")
 
     # ------------------------------------------------------------------------------ analysis
     def analyse(self, func: Func) -> BackwardPlan:
@@ -251,10 +252,13 @@ class TileBwd(Pass):
         outs: dict[Value, Value] = {}
         c_results = [v for v in func.results if C in plan.space[v]]
         r_results = [v for v in func.results if C not in plan.space[v]]
-        if c_results:
-            outs.update(zip(c_results, self._kv_nest(func, plan, b, argmap, stored, c_results, table)))
-        if r_results:
-            outs.update(zip(r_results, self._q_nest(func, plan, b, argmap, stored, r_results, table)))
+        if self.dq == "atomic" and c_results:  # one nest: dQ's tiles are added into an accumulator
+            outs.update(self._kv_nest(func, plan, b, argmap, stored, c_results, table, r_results))
+        else:
+            if c_results:
+                outs.update(self._kv_nest(func, plan, b, argmap, stored, c_results, table, []))
+            if r_results:
+                outs.update(zip(r_results, self._q_nest(func, plan, b, argmap, stored, r_results, table)))
         b.ret(*[outs[v] for v in func.results])
         new = Func(func.name, body, dict(func.attrs))
         new.attrs["result_names"] = tuple(names)
@@ -281,11 +285,13 @@ class TileBwd(Pass):
         return {op.results[0]: r for op, r in zip(pre, results)}
 
     def _kv_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value],
-                 table: Optional[Value]) -> list[Value]:
+                 table: Optional[Value], atomic_results: list[Value]) -> dict[Value, Value]:
+        """dK, dV (and with dq=atomic dQ, added tile by tile into an accumulator of the nest)."""
         G, bq, bk = plan.group, self.bq, self.bk
         accs = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == R]
+        atomics = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == C] if atomic_results else []
 
-        def nest(pb: Builder, ivs: list[Value]):
+        def nest(pb: Builder, ivs: list[Value], acc_args: list[Value]):
             bi, hk, kj = ivs
             k0 = pb.emit("mul", kj, pb.const(bk), name_hint="k0")
             fixed = Space({C}) if G > 1 else Space({C, H})
@@ -311,12 +317,21 @@ class TileBwd(Pass):
             def cls_of(lb: Builder) -> Value:
                 return ctx.tile_class(lb, table, pos["qi"], kj)
 
+            ctx.atomics = list(zip(atomics, acc_args))
             sums = self._loop(ctx, pb, lo, hi, accs, "it" if G > 1 else "qi", position, cls_of)
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
             return [(ctx.emit_post(v), [bi, hk, (k0, bk), ":"]) for v in results]
 
-        return b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results],
-                              nest, result_names=[v.name for v in results])
+        acc_types = [TensorType("f32", op.results[0].type.shape) for op in atomics]
+        got = _parallel_for(b, ["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results],
+                            [v.name for v in results], acc_types, [f"{op.results[0].name or 'acc'}_acc" for op in atomics],
+                            nest)
+        outs = dict(zip(results, got[:len(results)]))
+        if atomics:  # after the nest: dQ's f32 sum through the ops that followed its product (a cast)
+            whole = dict(zip([op.results[0] for op in atomics], got[len(results):]))
+            for v in atomic_results:
+                outs[v] = _clone_post(b, v, whole, plan)
+        return outs
 
     def _q_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value],
                 table: Optional[Value]) -> list[Value]:
@@ -361,6 +376,10 @@ class TileBwd(Pass):
             ctx.full = full
             nxt = [bb.emit("add", st, ctx.emit_product(op), name_hint=f"{n}_next")
                    for st, op, n in zip(ctx.state, accs, names)]
+            for op, acc in ctx.atomics:  # dQ += dS K for this q tile, into the nest's accumulator
+                part = ctx.emit_product(op)
+                bb.op("tile.atomic_add", [acc, part, ctx.bi, ctx.h, ctx.q0], [],
+                      {"slice": ("i", "i", self.bq, ":")})
             ctx.scopes.pop()
             return nxt
 
@@ -380,6 +399,40 @@ class TileBwd(Pass):
 
         return pb.for_loop(lo, hi, inits, inner, iv_name=iv, iter_names=[f"{n}_i" for n in names],
                            result_names=names)
+
+
+def _parallel_for(b: Builder, bounds, iv_names, types, names, acc_types, acc_names, body) -> list[Value]:
+    """A parallel_for whose last results are accumulators (block arguments after the induction variables
+    that tile.atomic_add adds into); `body(builder, ivs, accumulators)` returns (tile, slice) per stored result."""
+    from ..ir.builder import _slice
+    from ..ir.dims import dim as to_dim
+
+    blk = Block([I32] * len(bounds) + list(acc_types), list(iv_names) + list(acc_names))
+    outs = body(Builder(blk), blk.args[:len(bounds)], blk.args[len(bounds):])
+    operands: list[Value] = []
+    specs = []
+    for tile, index in outs:
+        spec, idx = _slice(index)
+        operands += [tile, *idx]
+        specs.append(spec)
+    Builder(blk).op("tile.yield", operands, [], {"slices": tuple(specs)})
+    attrs = {"bounds": tuple(to_dim(x) for x in bounds)}
+    if acc_types:
+        attrs["accumulators"] = len(acc_types)
+    return b.op("parallel_for", [], list(types) + list(acc_types), attrs, [blk],
+                names=list(names) + [n.replace("_acc", "") for n in acc_names]).results
+
+
+def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPlan) -> Value:
+    """A result computed from whole accumulated sums at the top level (dQ's cast after its atomic sum)."""
+    if v in done:
+        return done[v]
+    op = v.owner
+    assert isinstance(op, Op)
+    operands = [_clone_post(b, x, done, plan) if x in done or id(x.owner) in plan.post else x for x in op.operands]
+    out = b.op(op.name, operands, [v.type], dict(op.attrs), names=[v.name]).results[0]
+    done[v] = out
+    return out
 
 
 def _index_only(v: Value, func: Func) -> bool:
@@ -419,6 +472,7 @@ class _Ctx:
         self.finished: dict[Value, Value] = {}
         self.full = False  # emitting a full tile: the mask and the kv bound are dropped
         self.state: list[Value] = []
+        self.atomics: list[tuple[Op, Value]] = []  # (product, accumulator) added tile by tile (dq=atomic)
 
     def caps(self) -> list[Value]:
         return [self.argmap[c] for c in self.plan.pred_caps]
