@@ -1,0 +1,173 @@
+"""The backward's rewrites after autodiff: delta, recompute and tile-bwd (issue 8).
+
+They are checked here on a joint function written by hand (tests/data/causal_joint.fl: causal attention
+and its gradients, the softmax's gradient in autodiff's form), so they are tested independently of the
+autodiff pass that produces such functions; tests/test_autodiff.py runs them on autodiff's output for every
+example.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import falower as fl
+from falower.errors import PassError
+from falower.passes import PassManager, parse_pipeline
+from falower.passes.check import CheckSuite, logsumexp_rows
+from falower.passes.cost import cost_of
+
+JOINT = Path(__file__).resolve().parent / "data" / "causal_joint.fl"
+GRAPH = "decompose-softmax,canonicalize,delta,recompute,canonicalize"
+
+
+def joint() -> fl.Func:
+    return fl.parse_func(JOINT.read_text())
+
+
+def inputs(M: int, N: int, B: int = 2, H: int = 3, D: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q, do = (rng.standard_normal((B, H, M, D)) for _ in range(2))
+    k, v = (rng.standard_normal((B, H, N, D)) for _ in range(2))
+    return q, k, v, do
+
+
+def saved(q, k, M, N):
+    """O's partner for the backward: LSE of the causal scores (the forward's output)."""
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    s = np.where(np.arange(M)[:, None] >= np.arange(N)[None, :], s, -np.inf)
+    return logsumexp_rows(s, 3)
+
+
+# ----------------------------------------------------------------------------------------------- delta
+def test_delta_turns_the_kv_row_sum_into_one_over_the_head_dim() -> None:
+    before = fl.run_pipeline(joint(), "decompose-softmax,canonicalize")
+    after = fl.run_pipeline(before, "delta")
+    red = lambda f: sorted(str(op.operands[0].type) for op in f.body.ops if op.name == "reduce_sum")  # noqa: E731
+    assert "f32[B,H,M,N]" in " ".join(red(before))  # rowsum(P * dP), and the softmax's own row sum
+    assert red(after).count("f32[B,H,M,D]") == 1  # Delta = rowsum(dO * O)
+    assert red(after).count("f32[B,H,M,N]") == 1  # only the forward's l = rowsum(e) is left
+    q, k, v, do = inputs(7, 9)
+    for a, b in zip(fl.interpret(before, [q, k, v, do]), fl.interpret(after, [q, k, v, do])):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_delta_refuses_a_graph_without_a_softmax_gradient() -> None:
+    g = fl.attention(name="plain")
+    with pytest.raises(PassError, match="pass delta: no softmax gradient under attention.*run autodiff first"):
+        fl.run_pipeline(g, "delta")
+
+
+# ------------------------------------------------------------------------------------------- recompute
+def test_recompute_returns_the_fa2_backward_signature() -> None:
+    bw = fl.run_pipeline(joint(), GRAPH)
+    assert [a.name for a in bw.args] == ["q", "k", "v", "o", "lse", "do"]
+    assert bw.result_names == ["dq", "dk", "dv"]
+    assert str(bw.args[4].type) == "f32[B,H,M]"
+    # P is recomputed from LSE; nothing of the forward's softmax statistics is left
+    names = [op.name for op in bw.body.ops]
+    assert "reduce_max" not in names and names.count("exp") == 1
+    assert any(op.name == "unsqueeze" and op.operands[0] is bw.args[4] for op in bw.body.ops)
+
+
+@pytest.mark.parametrize("M,N", [(7, 9), (1, 1), (9, 3)])
+def test_recompute_keeps_the_gradients(M: int, N: int) -> None:
+    q, k, v, do = inputs(M, N)
+    o, *grads = fl.interpret(joint(), [q, k, v, do])
+    bw = fl.run_pipeline(joint(), GRAPH)
+    for want, got in zip(grads, fl.interpret(bw, [q, k, v, o, saved(q, k, M, N), do])):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_recompute_refuses_a_graph_that_is_not_joint() -> None:
+    with pytest.raises(PassError, match="pass recompute: no cotangent inputs.*run autodiff first"):
+        fl.run_pipeline(fl.attention(name="plain"), "decompose-softmax,recompute")
+
+
+def test_recompute_needs_the_decomposed_softmax() -> None:
+    with pytest.raises(PassError, match="pass recompute: the forward still has a softmax op"):
+        fl.run_pipeline(joint(), "recompute")
+
+
+# -------------------------------------------------------------------------------------------- tile-bwd
+@pytest.mark.parametrize("opts", ["bq=4,bk=8", "bq=3,bk=5,skip=false", "bq=4,bk=8,dq=atomic",
+                                  "bq=8,bk=4,dq=atomic,skip=false"])
+@pytest.mark.parametrize("M,N", [(1, 1), (2, 2), (7, 9), (8, 8), (9, 3), (3, 17)])
+def test_tile_bwd_keeps_the_gradients(opts: str, M: int, N: int) -> None:
+    q, k, v, do = inputs(M, N)
+    o, *grads = fl.interpret(joint(), [q, k, v, do])
+    tiled = fl.run_pipeline(joint(), f"{GRAPH},tile-bwd{{{opts}}},canonicalize")
+    assert not any(op.name == "matmul" for op in tiled.walk())
+    got = fl.interpret(tiled, [q, k, v, o, saved(q, k, M, N), do])
+    for want, g in zip(grads, got):
+        assert not np.isnan(g).any()
+        np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
+
+
+def test_tile_bwd_reads_like_fa2() -> None:
+    """Delta first; kv tiles outer with dK, dV carried; q tiles inner recomputing P from LSE; dQ atomic."""
+    tiled = fl.run_pipeline(joint(), f"{GRAPH},tile-bwd{{dq=atomic}},canonicalize")
+    nests = [op for op in tiled.body.ops if op.name == "parallel_for"]
+    assert [r.name for n in nests for r in n.results] == ["delta", "dk", "dv", "dq32"]
+    kv = nests[1]
+    assert [str(b) for b in kv.attrs["bounds"]] == ["B", "H", "cdiv(N, 64)"]
+    assert kv.attrs["accumulators"] == 1
+    inner = next(op for op in kv.regions[0].ops if op.name == "for")
+    assert [a.name for a in inner.regions[0].args[1:]] == ["dv32_i", "dk32_i"]
+    assert inner.operands[0].owner.name == "mask.q_range"  # only the q tiles that can see this kv tile
+    walked = [op.name for op in inner.walk()]
+    assert "tile.atomic_add" in walked and walked.count("exp") == 2  # full and partial tiles each recompute P
+
+
+def test_tile_bwd_check_passes_on_the_edge_sizes() -> None:
+    pm = PassManager(parse_pipeline(f"{GRAPH},tile-bwd{{bq=16,bk=8}},canonicalize"), check=True)
+    pm.run(joint())
+    assert all(r.check == "ok" for r in pm.records)
+    sizes = {(c.env["M"], c.env["N"]) for c in pm.suite.cases}  # type: ignore[union-attr]
+    assert {(15, 15), (16, 16), (17, 17), (7, 7), (9, 9), (1, 1)} <= sizes
+
+
+def test_check_catches_a_backward_that_swaps_gradients() -> None:
+    bw = fl.run_pipeline(joint(), f"{GRAPH},tile-bwd{{bq=16,bk=8}}")
+    bw.attrs["result_names"] = ("dq", "dv", "dk")
+    problems = CheckSuite.build(joint(), {}, tiles=[16, 8]).compare(bw)
+    assert problems and "output dv: max error" in problems[0]
+
+
+def test_tile_bwd_refuses_what_is_not_a_backward() -> None:
+    with pytest.raises(PassError, match="pass tile-bwd: the graph has a softmax"):
+        fl.run_pipeline(joint(), "tile-bwd")
+    with pytest.raises(PassError, match="pass tile-bwd: no score product"):
+        fl.run_pipeline(fl.trace(lambda x: x * 2.0, name="f", x=fl.tensor("f32", "N")), "tile-bwd")
+
+
+# ------------------------------------------------------------------------------------------------ cost
+def test_cost_of_the_fa2_backward_is_its_closed_form() -> None:
+    """Non-causal-sized work (skip=false), dq=atomic: 5 products of 2*B*H*M*N*D FLOPs (the forward has 2);
+    q and dO read once per kv tile, LSE and Delta too; k, v, O read once; dQ's f32 tile read and written
+    once per tile pair; dK, dV, dQ written once."""
+    B, H, M, N, D, bq, bk = 1, 2, 256, 256, 64, 64, 64
+    tiled = fl.run_pipeline(joint(), f"{GRAPH},tile-bwd{{bq={bq},bk={bk},dq=atomic,skip=false}},canonicalize")
+    c = cost_of(tiled, dict(B=B, H=H, M=M, N=N, D=D))
+    mm = 2 * B * H * M * N * D
+    assert 5 * mm <= c.flops <= 5 * mm + 40 * B * H * M * N  # + the elementwise work on score tiles
+    Tc = N // bk
+    r, w = c.elems_read, c.elems_written
+    assert r["%q"] == Tc * B * H * M * D
+    assert r["%do"] == (Tc + 1) * B * H * M * D  # + once for Delta
+    assert r["%k"] == r["%v"] == B * H * N * D and r["%o"] == B * H * M * D
+    assert r["%lse"] == r["%delta"] == Tc * B * H * M
+    assert r["%dq32_acc"] == w["%dq32_acc"] == Tc * B * H * M * D
+    assert w["%dk"] == w["%dv"] == B * H * N * D and w["%dq"] == B * H * M * D
+
+
+def test_cost_recompute_saves_the_score_matrices() -> None:
+    dims = dict(B=1, H=8, M=1024, N=1024, D=64)
+    naive = cost_of(fl.run_pipeline(joint(), "decompose-softmax,canonicalize"), dims)
+    tiled = cost_of(fl.run_pipeline(joint(), f"{GRAPH},tile-bwd,canonicalize"), dims)
+    mn = dims["B"] * dims["H"] * dims["M"] * dims["N"]
+    assert naive.bytes_read > 10 * mn * 4  # every [B,H,M,N] intermediate goes through memory
+    assert max(tiled.reads.values()) < mn * 2  # no tensor moves even half a score matrix's bytes
+    assert tiled.bytes_total * 8 < naive.bytes_total
