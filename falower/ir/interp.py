@@ -251,6 +251,13 @@ class Interpreter:
         acc[src] += tile[dst].astype(acc.dtype)
         return []
 
+    def op_tile_scatter_add(self, op: Op, x, env) -> list[np.ndarray]:
+        acc, val, idx = x[0], np.asarray(x[1]), x[2:]
+        shape = np.broadcast_shapes(val.shape, *(np.shape(i) for i in idx))
+        clipped = tuple(np.broadcast_to(np.clip(i, 0, acc.shape[d] - 1), shape) for d, i in enumerate(idx))
+        np.add.at(acc, clipped, np.broadcast_to(val, shape).astype(acc.dtype))
+        return []
+
     def op_tile_insert(self, op: Op, x, env) -> list[np.ndarray]:
         dst_arr, tile = x[0].copy(), x[1]
         src, dst, _ = self._slices(dst_arr.shape, op.attrs["slice"], x[2:])

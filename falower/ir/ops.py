@@ -287,10 +287,23 @@ def _infer_tile_atomic_add(ts, attrs):
     return []
 
 
+def _infer_tile_scatter_add(ts, attrs):
+    _need(len(ts) >= 2, "takes an accumulator, values and one index per accumulator dimension")
+    acc, val, idx = ts[0], ts[1], ts[2:]
+    _need(len(idx) == acc.rank, f"accumulator {acc} has rank {acc.rank} but {len(idx)} indices are given")
+    for t in idx:
+        _need(is_int(t.dtype), f"scatter index must be an integer, got {t}")
+    _need(acc.dtype == "f32" and is_float(val.dtype), "adds float values into an f32 accumulator")
+    _bcast(list(idx) + [val])
+    return []
+
+
 _register("tile.load", "data", "tile", _infer_tile_load, doc="a (ragged, zero-padded) tile of a tensor")
 _register("tile.insert", "data", "tile", _infer_tile_insert, doc="a tensor with a tile written into it")
 _register("tile.iota", "data", "tile", _infer_tile_iota, doc="start + index along `axis` of a tile")
 _register("tile.matmul", "contraction", "tile", _infer_tile_matmul, doc="tile product, f32 accumulation")
+_register("tile.scatter_add", "data", "tile", _infer_tile_scatter_add,
+          doc="acc[i0, i1, ...] += values, indices broadcast and clamped as gather's (a captured table's gradient)")
 _register("tile.atomic_add", "data", "tile", _infer_tile_atomic_add,
           doc="add a tile into a parallel_for accumulator (the iterations' sum; atomics on a GPU)")
 

@@ -195,6 +195,9 @@ class _Verifier:
             raise _Fail(op, "gives the i32 first and past-last kv tile")
         self._predicate(op, 4)
 
+    def op_tile_scatter_add(self, op: Op, parent) -> None:
+        self.op_tile_atomic_add(op, parent)
+
     def op_tile_atomic_add(self, op: Op, parent) -> None:
         acc = op.operands[0]
         owner = acc.owner
@@ -232,7 +235,8 @@ class _Verifier:
         assert term is not None
         specs = term.attrs.get("slices", ())
         if len(specs) != len(stored):
-            raise _Fail(term, f"yields {len(specs)} tiles for {len(stored)} stored results")
+            acc_note = f" (besides {n_acc} accumulators)" if n_acc else ""
+            raise _Fail(term, f"yields {len(specs)} tiles for {len(stored)} results{acc_note}")
         pos = 0
         for spec, res in zip(specs, stored):
             k = sum(1 for s in spec if s != ":")

@@ -34,7 +34,7 @@ FLOPs
   (max, subtract, exp, sum, divide).
 - `const`, `iota`, `tile.iota`, `tile.load`, `tile.insert`, `gather`, `squeeze`, `unsqueeze`, `repeat_interleave`: 0.
 - `tile.atomic_add`: one add per element; it reads and writes its slice of the accumulator (f32) in main
-  memory, as FA2's atomic dQ updates do.
+  memory, as FA2's atomic dQ updates do. `tile.scatter_add` likewise, one read and write per value added.
 - `fused`: the sum of its region's ops, at the region's shapes.
 - `mask.classify` / `mask.kv_range`: 0 (scalar interval arithmetic per tile, negligible).
   `mask.block_table`: (number of non-`const`, non-`gather` predicate ops) * B*H*M*N.
@@ -458,9 +458,9 @@ class _Model:
         steps: list[Op] = []
         for op in blk.ops:
             n = op.name
-            if n in ("for", "if", "tile.load", "tile.insert", "tile.atomic_add", "tile.yield"):
+            if n in ("for", "if", "tile.load", "tile.insert", "tile.atomic_add", "tile.scatter_add", "tile.yield"):
                 steps.append(op)
-                if n in ("tile.load", "tile.insert", "tile.atomic_add"):
+                if n in ("tile.load", "tile.insert", "tile.atomic_add", "tile.scatter_add"):
                     static.ran(n)
                 continue
             if n == "yield":
@@ -512,6 +512,14 @@ class _Model:
             elif n == "tile.atomic_add":  # read, add, write back: an f32 read and write per element
                 acc = op.operands[0]
                 e = self.slice_elems(acc.type, op.attrs["slice"], op.operands[2:], env)
+                c.read(self.name(acc), e, DTYPE_BYTES[acc.type.dtype])
+                c.write(self.name(acc), e, DTYPE_BYTES[acc.type.dtype])
+                c.flops += e
+            elif n == "tile.scatter_add":  # one read-add-write of the accumulator per value added
+                acc = op.operands[0]
+                e = self.elems(op.operands[1].type)
+                for i in op.operands[2:]:
+                    e = max(e, self.elems(i.type))
                 c.read(self.name(acc), e, DTYPE_BYTES[acc.type.dtype])
                 c.write(self.name(acc), e, DTYPE_BYTES[acc.type.dtype])
                 c.flops += e
