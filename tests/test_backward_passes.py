@@ -171,3 +171,34 @@ def test_cost_recompute_saves_the_score_matrices() -> None:
     assert naive.bytes_read > 10 * mn * 4  # every [B,H,M,N] intermediate goes through memory
     assert max(tiled.reads.values()) < mn * 2  # no tensor moves even half a score matrix's bytes
     assert tiled.bytes_total * 8 < naive.bytes_total
+
+
+# ------------------------------------------------------------------------- accumulators (the IR's atomics)
+ACC = """func @rowsum(%x: f32[H,N]) -> (y: f32[H]) {
+  %y = parallel_for (%h, %j) accumulate(%acc) in (H, cdiv(N, 4)) : f32[H] {
+    %c = const 4 : i32
+    %j0 = mul %j, %c : i32
+    %t = tile.load %x[%h, %j0 : 4] : f32[4]
+    tile.scatter_add %acc, %t, %h
+    tile.yield
+  }
+  return %y
+}
+"""
+
+
+def test_accumulators_print_parse_and_sum_every_iteration() -> None:
+    f = fl.parse_func(ACC)
+    assert fl.print_func(f) == ACC
+    x = np.arange(14.0).reshape(2, 7)  # a ragged last tile: its padding adds zeros
+    (y,) = fl.interpret(f, [x])
+    np.testing.assert_array_equal(y, x.sum(axis=1))
+
+
+def test_atomic_adds_only_into_an_accumulator() -> None:
+    bad = ACC.replace("tile.scatter_add %acc, %t, %h", "tile.scatter_add %x, %t, %h, %j0")
+    with pytest.raises(fl.VerifyError, match="adds into an accumulator argument of an enclosing parallel_for"):
+        fl.verify(fl.parse_func(bad))
+    wrong_type = ACC.replace("accumulate(%acc) in (H, cdiv(N, 4)) : f32[H]", "accumulate(%acc) in (H, cdiv(N, 4)) : f16[H]")
+    with pytest.raises(fl.FalowerError):
+        fl.verify(fl.parse_func(wrong_type.replace("(y: f32[H])", "(y: f16[H])")))

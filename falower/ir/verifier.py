@@ -124,8 +124,7 @@ class _Verifier:
             if got != want:
                 raise _Fail(op, f"result type is {', '.join(map(str, want))} but the operands give "
                                 f"{', '.join(map(str, got))}")
-            return
-        check = getattr(self, "op_" + op.name.replace(".", "_"), None)
+        check = getattr(self, "op_" + op.name.replace(".", "_"), None)  # rules beyond types (where it may add)
         if check is not None:
             check(op, parent)
 
