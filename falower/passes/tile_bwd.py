@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..errors import PassError
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
 from ..ir.intervals import uses_data
@@ -56,6 +57,8 @@ class BackwardPlan:
     pre: set[int]  # ids of row reductions computed before the main loops
     post: set[int]  # ids of ops after an accumulation (casts, group sums)
     probs: set[int] = field(default_factory=set)  # ids of the recomputed P = exp(X - LSE): X gets the bounds
+    scatters: list[Op] = field(default_factory=list)  # captured tables' gradients (scatter_add), in order
+    scatter_path: set[int] = field(default_factory=set)  # ids of the ops computing their updates per tile
     conj: list[Value] = field(default_factory=list)  # the mask's conjuncts (bool, of indices and captures)
     pred: Optional[Block] = None  # the mask as a scalar predicate (b, h, q, kv, captures), kv bound included
     pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
@@ -146,6 +149,12 @@ class TileBwd(Pass):
             else:
                 space[a] = Space()  # a captured table, read whole through gathers
         group = 1
+        users: dict[int, list[Op]] = {}
+        for op in func.body.ops:
+            for v in op.operands:
+                users.setdefault(id(v), []).append(op)
+        scatters: list[Op] = []
+        scatter_path: set[int] = set()
         acc_kind: dict[int, str] = {}
         pre: set[int] = set()
         post: set[int] = set()
@@ -172,19 +181,27 @@ class TileBwd(Pass):
                     if contracted == C:
                         s = s | {H}
             elif n in ("reduce_sum", "reduce_max"):
-                if _axes(ins[0])[op.attrs["axis"] - 2] is not None if op.operands[0].type.rank == 4 else True:
-                    raise self.fail(f"a {n} over the query or kv axis in the backward (axis {op.attrs['axis']} "
-                                    f"of {op.operands[0].type}): run delta first")
-                if R in s and C not in s:
+                axis, rank = op.attrs["axis"], op.operands[0].type.rank
+                over_tiles = rank != 4 or axis < 2 or _axes(ins[0])[axis - 2] is not None
+                if over_tiles and n == "reduce_sum" and _feeds_scatter(op, users):
+                    scatter_path.add(id(op))  # a captured table's gradient, summed tile by tile
+                elif over_tiles:
+                    raise self.fail(f"a {n} over the batch, head, query or kv axis in the backward (axis {axis} "
+                                    f"of {op.operands[0].type}) that is not a captured tensor's gradient: "
+                                    f"run delta first")
+                elif R in s and C not in s:
                     pre.add(id(op))
+            elif n == "scatter_add":
+                scatters.append(op)
+                s = Space()
             elif n == "exp" and _is_prob(op, space):
                 probs.add(id(op))
-            if any(v in accumulated for v in op.operands):
+            if any(v in accumulated for v in op.operands) and n != "scatter_add":
                 if not all(v in accumulated or not (space[v] & {R, C}) for v in op.operands):
                     raise self.fail(f"{n} mixes an accumulated gradient with per-tile values")
                 post.add(id(op))
                 accumulated |= set(op.results)
-            if id(op) in acc_kind:
+            if id(op) in acc_kind or n == "scatter_add":
                 accumulated |= set(op.results)
             for r in op.results:
                 space[r] = s
@@ -194,7 +211,7 @@ class TileBwd(Pass):
                                 f"product found for it)")
         heads = q_like.type.shape[1]
         kv_heads = next(iter(cols)).type.shape[1]
-        plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs)
+        plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs, scatters, scatter_path)
         if self.skip:
             self._find_mask(func, plan)
         return plan
@@ -251,12 +268,14 @@ class TileBwd(Pass):
                             [clone_block(plan.pred, {})], names=["block_class"]).results
         outs: dict[Value, Value] = {}
         c_results = [v for v in func.results if C in plan.space[v]]
-        r_results = [v for v in func.results if C not in plan.space[v]]
-        if self.dq == "atomic" and c_results:  # one nest: dQ's tiles are added into an accumulator
-            outs.update(self._kv_nest(func, plan, b, argmap, stored, c_results, table, r_results))
+        r_results = [v for v in func.results if R in plan.space[v] and C not in plan.space[v]]
+        table_results = [v for v in func.results if v not in c_results and v not in r_results]  # captured grads
+        if not c_results:
+            raise self.fail("no gradient of k or v: the kv-outer loop nest has nothing to compute")
+        if self.dq == "atomic":  # one nest: dQ's tiles are added into an accumulator
+            outs.update(self._kv_nest(func, plan, b, argmap, stored, c_results, table, r_results + table_results))
         else:
-            if c_results:
-                outs.update(self._kv_nest(func, plan, b, argmap, stored, c_results, table, []))
+            outs.update(self._kv_nest(func, plan, b, argmap, stored, c_results, table, table_results))
             if r_results:
                 outs.update(zip(r_results, self._q_nest(func, plan, b, argmap, stored, r_results, table)))
         b.ret(*[outs[v] for v in func.results])
@@ -289,7 +308,9 @@ class TileBwd(Pass):
         """dK, dV (and with dq=atomic dQ, added tile by tile into an accumulator of the nest)."""
         G, bq, bk = plan.group, self.bq, self.bk
         accs = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == R]
-        atomics = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == C] if atomic_results else []
+        atomics = [op for op in func.body.ops if plan.acc_kind.get(id(op)) == C] \
+            if any(C not in plan.space[v] and R in plan.space[v] for v in atomic_results) else []
+        chains = _scatter_chains(plan.scatters)  # one accumulator per captured table's gradient
 
         def nest(pb: Builder, ivs: list[Value], acc_args: list[Value]):
             bi, hk, kj = ivs
@@ -318,19 +339,21 @@ class TileBwd(Pass):
                 return ctx.tile_class(lb, table, pos["qi"], kj)
 
             ctx.atomics = list(zip(atomics, acc_args))
+            ctx.scatter_accs = {id(op): acc for chain, acc in zip(chains, acc_args[len(atomics):]) for op in chain}
             sums = self._loop(ctx, pb, lo, hi, accs, "it" if G > 1 else "qi", position, cls_of)
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
             return [(ctx.emit_post(v), [bi, hk, (k0, bk), ":"]) for v in results]
 
-        acc_types = [TensorType("f32", op.results[0].type.shape) for op in atomics]
+        sums_of = [op for op in atomics] + [chain[-1] for chain in chains]
+        acc_types = [TensorType("f32", op.results[0].type.shape) for op in sums_of]
         got = _parallel_for(b, ["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results],
-                            [v.name for v in results], acc_types, [f"{op.results[0].name or 'acc'}_acc" for op in atomics],
-                            nest)
+                            [v.name for v in results], acc_types,
+                            [f"{op.results[0].name or 'grad'}_acc" for op in sums_of], nest)
         outs = dict(zip(results, got[:len(results)]))
-        if atomics:  # after the nest: dQ's f32 sum through the ops that followed its product (a cast)
-            whole = dict(zip([op.results[0] for op in atomics], got[len(results):]))
-            for v in atomic_results:
-                outs[v] = _clone_post(b, v, whole, plan)
+        # after the nest: the f32 sums through the ops that followed them (dQ's cast, a table's cast)
+        whole = dict(zip([op.results[0] for op in sums_of], got[len(results):]))
+        for v in atomic_results:
+            outs[v] = _clone_post(b, v, whole, plan)
         return outs
 
     def _q_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value],
@@ -380,6 +403,11 @@ class TileBwd(Pass):
                 part = ctx.emit_product(op)
                 bb.op("tile.atomic_add", [acc, part, ctx.bi, ctx.h, ctx.q0], [],
                       {"slice": ("i", "i", self.bq, ":")})
+            for op in ctx.plan.scatters:  # this tile's share of a captured table's gradient
+                upd = ctx.emit(op.operands[1])
+                upd = upd if upd.type.dtype == "f32" else bb.cast(upd, "f32")
+                bb.op("tile.scatter_add", [ctx.scatter_accs[id(op)], upd, *[ctx.emit(i) for i in op.operands[2:]]],
+                      [], {})
             ctx.scopes.pop()
             return nxt
 
@@ -429,10 +457,50 @@ def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPl
         return done[v]
     op = v.owner
     assert isinstance(op, Op)
-    operands = [_clone_post(b, x, done, plan) if x in done or id(x.owner) in plan.post else x for x in op.operands]
-    out = b.op(op.name, operands, [v.type], dict(op.attrs), names=[v.name]).results[0]
+    if op.name == "const":
+        out = b.const(op.attrs["value"], v.type, name_hint=v.name)
+    else:
+        if any(x not in done and id(x.owner) not in plan.post and not _is(x, "const") for x in op.operands):
+            raise PassError(f"pass tile-bwd: {op.name} combines a summed gradient with a value of the loops")
+        operands = [_clone_post(b, x, done, plan) for x in op.operands]
+        out = b.op(op.name, operands, [v.type], dict(op.attrs), names=[v.name]).results[0]
     done[v] = out
     return out
+
+
+def _feeds_scatter(op: Op, users: dict[int, list[Op]]) -> bool:
+    """Whether every use of `op`'s result ends, through elementwise ops and reductions, in the updates of a
+    scatter_add: then a sum over tiles is the accumulation the scatter does anyway."""
+    stack, seen = [op], set()
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        for u in users.get(id(cur.results[0]), []):
+            if u.name == "scatter_add":
+                if u.operands[1] is not cur.results[0]:
+                    return False
+            elif u.name in ("reduce_sum", "squeeze", "unsqueeze", "cast") or OPS[u.name].kind == "elementwise":
+                stack.append(u)
+            else:
+                return False
+    return True
+
+
+def _scatter_chains(scatters: list[Op]) -> list[list[Op]]:
+    """scatter_adds into the same table (one adds into the other's result) share one accumulator."""
+    chains: list[list[Op]] = []
+    owner: dict[int, list[Op]] = {}
+    for op in scatters:
+        prev = op.operands[0].owner
+        chain = owner.get(id(prev)) if isinstance(prev, Op) else None
+        if chain is None:
+            chain = []
+            chains.append(chain)
+        chain.append(op)
+        owner[id(op)] = chain
+    return chains
 
 
 def _index_only(v: Value, func: Func) -> bool:
@@ -473,6 +541,7 @@ class _Ctx:
         self.full = False  # emitting a full tile: the mask and the kv bound are dropped
         self.state: list[Value] = []
         self.atomics: list[tuple[Op, Value]] = []  # (product, accumulator) added tile by tile (dq=atomic)
+        self.scatter_accs: dict[int, Value] = {}  # id(scatter_add) -> the accumulator of its table's gradient
 
     def caps(self) -> list[Value]:
         return [self.argmap[c] for c in self.plan.pred_caps]
@@ -558,6 +627,8 @@ class _Ctx:
         else:
             operands = [self.emit(x) for x in op.operands]
         attrs = dict(op.attrs)
+        if id(op) in self.plan.scatter_path and op.operands[0].type.rank == 4 and attrs["axis"] < 2:
+            return operands[0]  # a sum over b or h: the accumulator adds up the iterations (b, h) already
         if n in ("reduce_sum", "reduce_max", "squeeze", "unsqueeze") and op.operands[0].type.rank >= 3:
             attrs["axis"] = attrs["axis"] - 2
         try:
