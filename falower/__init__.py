@@ -7,8 +7,8 @@
 
 from . import passes  # noqa: F401  (registers the passes)
 from .errors import FalowerError, ParseError, PassError, ShapeError, VerifyError
-from .frontend import (attention, capture, erf, exp, exp2, log, maximum, minimum, sigmoid, softmax, sqrt,
-                       tanh, tensor, trace, where)
+from .frontend import (attention, capture, ceil, cos, erf, exp, exp2, expm1, floor, log, log1p, maximum, minimum,
+                       round, rsqrt, sigmoid, sign, sin, softmax, sqrt, tan, tanh, tensor, trace, where)
 from .ir import Func, interpret, parse_func, print_func, verify
 from .passes import PassManager, parse_pipeline, run_pipeline
 from .compiler import CompiledAttention, compile  # noqa: A004  (falower.compile, like torch.compile)
@@ -20,6 +20,7 @@ def lower(func: Func, pipeline: str = "fa2-fwd", **kwargs) -> Func:
 
 
 __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp", "exp2", "log", "tanh",
-           "sigmoid", "erf", "sqrt", "maximum", "minimum", "lower", "interpret", "print_func", "parse_func",
+           "sigmoid", "erf", "sqrt", "sin", "cos", "tan", "log1p", "expm1", "rsqrt", "floor", "ceil", "round",
+           "sign", "maximum", "minimum", "lower", "interpret", "print_func", "parse_func",
            "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
            "PassError", "ShapeError", "VerifyError"]

@@ -37,7 +37,7 @@ class CompiledAttention:
     def _dims(self, inputs) -> dict[str, int]:
         pairs = []
         for a, x in zip(self.func.args, inputs):
-            shape = tuple(int(n) for n in x.shape)
+            shape = tuple(int(n) for n in getattr(x, "shape", ()))  # a Python number is a 0-d input
             if len(shape) != a.type.rank:
                 raise ShapeError(f"input %{a.name} must have rank {a.type.rank} ({a.type}), got shape {shape}")
             pairs += list(zip(a.type.shape, shape))
@@ -92,7 +92,7 @@ class CompiledAttention:
             arrays = [np.asarray(x) for x in inputs]
             return tuple(Interpreter("native").run(self.lowered, arrays))
         k, env = self._kernel_and_dims(inputs)
-        caps = [inputs[self.lowered.args.index(c)] for c in self.analysis.captures]
+        caps = [_scalar_if_0d(inputs[self.lowered.args.index(c)]) for c in self.analysis.captures]
         caps += [int(env[d]) for d in self.analysis.runtime_dims]
         return k(inputs[0], inputs[1], inputs[2], *caps)
 
@@ -102,6 +102,15 @@ class CompiledAttention:
         if not self._kernels:
             raise FalowerError("no kernel yet: call the compiled function once (or .kernel(*inputs))")
         return list(self._kernels.values())[-1].source
+
+
+def _scalar_if_0d(x: Any) -> Any:
+    """A captured scalar reaches the kernel as a scalar argument: its value changes, the kernel does not
+    (a 0-d torch tensor on the GPU is read back once, a synchronisation)."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and len(shape) == 0:
+        return x.item()
+    return x
 
 
 def _dtype_of(x: Any) -> str:

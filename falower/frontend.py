@@ -104,6 +104,11 @@ class SymTensor:
         raise FalowerError("a symbolic tensor has no truth value while tracing: use falower.where(cond, a, b) "
                            "instead of `if`, and & | ~ instead of and/or/not")
 
+    def __float__(self) -> float:
+        raise FalowerError(_math_call_message())
+
+    __int__ = __index__ = __complex__ = __float__  # type: ignore[assignment]
+
     def _v(self) -> Value:
         if self.transposed:
             raise FalowerError("a transposed tensor (.mT) can only be used as a matmul operand")
@@ -114,6 +119,8 @@ class SymTensor:
     def _lift(x: Any, like: "SymTensor") -> "SymTensor":
         if isinstance(x, SymTensor):
             return x
+        if isinstance(x, Capture):  # a captured tensor used directly (a 0-d window size, a temperature)
+            return x._sym()
         if isinstance(x, bool):
             return SymTensor(_builder().const(x))
         if isinstance(x, int):
@@ -140,13 +147,15 @@ class SymTensor:
         target = _promote(av.type.dtype, bv.type.dtype)
         if name in ("div", "pow") and not is_float(target):
             target = "f32"
+        if target == "bool" and name not in ("eq", "ne", "and", "or", "xor"):
+            target = "i32"  # arithmetic and ordering on masks count them as 0 and 1, as torch does
         bld = _builder()
         return SymTensor(bld.emit(name, bld.cast(av, target), bld.cast(bv, target)))
 
     def _unary(self, name: str) -> "SymTensor":
         v = self._v()
         bld = _builder()
-        if name not in ("neg", "abs", "not") and not is_float(v.type.dtype):
+        if name not in ("neg", "abs", "not", "sign") and not is_float(v.type.dtype):
             v = bld.cast(v, "f32")
         return SymTensor(bld.emit(name, v))
 
@@ -164,6 +173,7 @@ class SymTensor:
     def __mod__(self, o): return self._binary("mod", o)
     def __rmod__(self, o): return self._binary("mod", o, True)
     def __pow__(self, o): return self._binary("pow", o)
+    def __rpow__(self, o): return self._binary("pow", o, True)  # 2.0 ** -(h + 1): ALiBi's slopes
     def __lshift__(self, o): return self._binary("shl", o)
     def __rshift__(self, o): return self._binary("shr", o)
     def __and__(self, o): return self._binary("and", o)
@@ -210,6 +220,16 @@ class SymTensor:
     def sigmoid(self): return self._unary("sigmoid")
     def erf(self): return self._unary("erf")
     def sqrt(self): return self._unary("sqrt")
+    def sin(self): return self._unary("sin")
+    def cos(self): return self._unary("cos")
+    def tan(self): return self._unary("tan")
+    def log1p(self): return self._unary("log1p")
+    def expm1(self): return self._unary("expm1")
+    def rsqrt(self): return self._unary("rsqrt")
+    def floor(self): return self._unary("floor")
+    def ceil(self): return self._unary("ceil")
+    def round(self): return self._unary("round")
+    def sign(self): return self._unary("sign")
     def abs(self): return self._unary("abs")
 
     def to(self, dtype: str) -> "SymTensor":
@@ -244,11 +264,15 @@ class SymTensor:
         return SymTensor(_builder().emit("repeat_interleave", self._v(), axis=self._axis(dim), repeats=int(repeats)))
 
     def __getitem__(self, index: Any) -> "SymTensor":
-        """Indexing a captured table with index tensors is a gather (indices are clamped into range)."""
+        """Indexing a captured table with index tensors is a gather (indices are clamped into range). Fewer
+        indices than the table's rank give a row (`means[h]`), to index further or, when the rest of its dims
+        have size 1, to use as it is."""
         if not isinstance(index, tuple):
             index = (index,)
-        if len(index) != self.ndim:
+        if len(index) > self.ndim:
             raise FalowerError(f"indexing a rank-{self.ndim} tensor needs {self.ndim} indices, got {len(index)}")
+        if len(index) < self.ndim:
+            return _Row(self, index)
         bld = _builder()
         idx = []
         for i in index:
@@ -260,6 +284,67 @@ class SymTensor:
                 raise FalowerError(f"gather indices must be integers, got {t.dtype}")
             idx.append(bld.cast(t._v(), "i32"))
         return SymTensor(bld.emit("gather", self._v(), *idx))
+
+
+class _Row(SymTensor):
+    """`table[i]` with fewer indices than the table has dims: indexing it again completes the gather
+    (`means[h][kv]` is `means[h, kv]`); when the remaining dims have size 1 it is usable as it is."""
+
+    def __init__(self, table: SymTensor, index: tuple):
+        self.table, self.index = table, index
+        rest = table.shape[len(index):]
+        self.rest = rest
+        full = all(d == dim(1) for d in rest)
+        value = table[index + (0,) * len(rest)].value if full else None
+        super().__init__(value)  # type: ignore[arg-type]
+
+    @property
+    def dtype(self) -> str:
+        return self.table.dtype
+
+    def _v(self) -> Value:
+        if self.value is None:
+            dims = ", ".join(str(d) for d in self.rest)
+            raise FalowerError(f"a row of the captured {self.table.value.type} indexed with {len(self.index)} of "
+                               f"{self.table.ndim} indices has dims [{dims}] left: index it fully "
+                               f"(t[i, j] or t[i][j]) before using it in arithmetic")
+        return self.value
+
+    @property
+    def shape(self) -> tuple[Dim, ...]:
+        return self._v().type.shape
+
+    def __getitem__(self, index: Any) -> SymTensor:
+        index = index if isinstance(index, tuple) else (index,)
+        return self.table[self.index + index]
+
+
+_FL_EQUIVALENT = {"log": "log", "exp": "exp", "exp2": "exp2", "log2": "log2", "tanh": "tanh", "erf": "erf",
+                  "sqrt": "sqrt", "sin": "sin", "cos": "cos", "tan": "tan", "log1p": "log1p", "expm1": "expm1",
+                  "floor": "floor", "ceil": "ceil", "fabs": "abs", "pow": "** (a ** b)", "copysign": "sign"}
+
+
+def _math_call_message() -> str:
+    """Python's math functions turn their argument into a float, which a traced tensor cannot be: name the
+    falower function to use instead (found in the caller's source line where there is one)."""
+    import linecache
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back  # type: ignore[assignment]
+    called = None
+    if frame is not None:
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+        m = re.search(r"\bmath\.(\w+)\s*\(", line)
+        called = m.group(1) if m else None
+    if called is not None:
+        fl_name = _FL_EQUIVALENT.get(called)
+        instead = f"use fl.{fl_name}(x)" if fl_name and fl_name.isidentifier() else \
+            f"use {fl_name}" if fl_name else "falower has no equivalent of it yet"
+        return f"math.{called} cannot take a traced tensor (it needs a Python float): {instead}"
+    return ("a traced tensor cannot become a Python number (was it passed to a math.* function?): use the "
+            "falower functions instead, e.g. fl.erf, fl.exp, fl.log, fl.sin, fl.sqrt")
 
 
 def _keepdim_only(keepdim: bool) -> None:
@@ -319,6 +404,16 @@ def tanh(x): return _sym(x).tanh()
 def sigmoid(x): return _sym(x).sigmoid()
 def erf(x): return _sym(x).erf()
 def sqrt(x): return _sym(x).sqrt()
+def sin(x): return _sym(x).sin()
+def cos(x): return _sym(x).cos()
+def tan(x): return _sym(x).tan()
+def log1p(x): return _sym(x).log1p()
+def expm1(x): return _sym(x).expm1()
+def rsqrt(x): return _sym(x).rsqrt()
+def floor(x): return _sym(x).floor()
+def ceil(x): return _sym(x).ceil()
+def round(x): return _sym(x).round()  # noqa: A001  (the torch name)
+def sign(x): return _sym(x).sign()
 
 
 # ----------------------------------------------------------------------------------- captures
@@ -352,6 +447,21 @@ class Capture:
         if name.startswith("_") or name in ("name", "type"):
             raise AttributeError(name)
         return getattr(self._sym(), name)
+
+
+def _delegate(name: str) -> Callable:
+    def method(self: Capture, *args: Any) -> Any:
+        return getattr(self._sym(), name)(*args)
+    method.__name__ = name
+    return method
+
+
+# Operators look methods up on the type, not through __getattr__: a capture used directly in arithmetic
+# (`score * temperature`, `q - kv < window` with 0-d captures) forwards each one to its symbolic tensor.
+for _op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
+            "rmod", "pow", "rpow", "and", "rand", "or", "ror", "xor", "rxor", "lt", "le", "gt", "ge", "eq", "ne",
+            "neg", "abs", "invert", "float", "int", "index", "bool"):
+    setattr(Capture, f"__{_op}__", _delegate(f"__{_op}__"))
 
 
 def capture(name: str, dtype: str, shape: Union[str, Sequence[DimLike]]) -> Capture:

@@ -118,6 +118,9 @@ class Interpreter:
             "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2,
             "tanh": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
             "erf": _erf, "not": lambda a: np.logical_not(a) if a.dtype == np.bool_ else np.invert(a),
+            "sin": np.sin, "cos": np.cos, "tan": np.tan, "log1p": np.log1p, "expm1": np.expm1,
+            "rsqrt": lambda a: 1.0 / np.sqrt(a), "sign": np.sign, "floor": np.floor, "ceil": np.ceil,
+            "round": np.round,  # half to even, as torch.round
         }
         binary = {
             "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,

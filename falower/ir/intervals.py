@@ -12,13 +12,16 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional, Sequence
 
+import numpy as np
+
 from .core import Block, Value
 
 Interval = tuple[float, float]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 UNKNOWN: Interval = (-math.inf, math.inf)
-_MONOTONE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "erf", "sqrt")
+_MONOTONE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "erf", "sqrt", "log1p", "expm1", "floor", "ceil", "round",
+             "sign")
 
 
 def uses_data(block: Block) -> bool:
@@ -111,12 +114,21 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
             import numpy as np
 
             with np.errstate(all="ignore"):
-                f = {"exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
+                f = {"log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "round": np.round,
+                     "sign": np.sign,
+                     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
                      "sigmoid": lambda t: 1 / (1 + np.exp(-t)), "sqrt": np.sqrt,
                      "erf": lambda t: math.erf(t) if math.isfinite(t) else math.copysign(1.0, t)}[n]
                 r = (float(f(x[0][0])), float(f(x[0][1])))
             if any(math.isnan(t) for t in r):
                 r = UNKNOWN
+        elif n == "rsqrt":  # decreasing
+            with np.errstate(all="ignore"):
+                r = (float(1 / np.sqrt(x[0][1])), float(1 / np.sqrt(x[0][0])))
+            if any(math.isnan(t) for t in r):
+                r = UNKNOWN
+        elif n in ("sin", "cos"):
+            r = (-1.0, 1.0)
         else:  # gather and anything not modelled: data we cannot see
             r = UNKNOWN if op.results[0].type.dtype != "bool" else (0, 1)
         if op.results[0].type.dtype == "bool" and not _is_bool(r):
@@ -133,10 +145,21 @@ def _exact(x: Interval) -> bool:
     return x[0] == x[1]
 
 
+def _known(capture: object) -> Interval:
+    """A captured scalar (0-d) is known exactly when the tiles are classified at run time; tables are not."""
+    try:
+        a = np.asarray(capture)
+    except Exception:  # a device array: only its data is unknown here
+        return UNKNOWN
+    if a.ndim == 0 and a.dtype.kind in "iub":
+        return (float(a), float(a))
+    return UNKNOWN
+
+
 def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
              captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> int:
     """EMPTY, PARTIAL or FULL for rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive)."""
-    args: list[Interval] = [(b, b), (h, h), (q_lo, q_hi), (kv_lo, kv_hi)] + [UNKNOWN] * len(captures)
+    args: list[Interval] = [(b, b), (h, h), (q_lo, q_hi), (kv_lo, kv_hi)] + [_known(c) for c in captures]
     lo, hi = eval_interval(block, args, env)
     if lo == hi == 1:
         return FULL

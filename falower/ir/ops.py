@@ -56,8 +56,9 @@ def _same_dtype(types: list[TensorType]) -> str:
 
 
 # --------------------------------------------------------------------------------------- elementwise
-FLOAT_UNARY = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "erf", "sqrt")
-NUMERIC_UNARY = ("neg", "abs")
+FLOAT_UNARY = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "erf", "sqrt", "sin", "cos", "tan", "log1p", "expm1",
+               "rsqrt", "floor", "ceil", "round")
+NUMERIC_UNARY = ("neg", "abs", "sign")
 ARITH_BINARY = ("add", "sub", "mul", "max", "min")
 FLOAT_BINARY = ("div", "pow")
 INT_BINARY = ("floordiv", "mod", "shl", "shr")
@@ -98,8 +99,8 @@ for _n in INT_BINARY:
     _register(_n, "elementwise", "any", _binary(INT_DTYPES))
 for _n in LOGIC_BINARY:
     _register(_n, "elementwise", "any", _binary(("bool",) + INT_DTYPES))
-for _n in COMPARE:
-    _register(_n, "elementwise", "any", _binary(NUMERIC, result="bool"))
+for _n in COMPARE:  # == and != also between booleans (masks compared with masks)
+    _register(_n, "elementwise", "any", _binary(NUMERIC + (("bool",) if _n in ("eq", "ne") else ()), result="bool"))
 
 
 def _infer_cast(ts, attrs):

@@ -619,10 +619,12 @@ class _Model:
     def classify(self, pred: Block, b: int, h: int, q0: int, bq: int, k0: int, bk: int, ncaps: int) -> int:
         """intervals.classify of the tile pair at (q0, k0), cached: the predicates of a mask-tiles graph are
         structurally the same, so the cache is keyed on the predicate's printed form."""
-        key = (self._pred_key(pred), b, h, q0, bq, k0, bk)
+        # captured scalars (a window size) count with their value when `data` gives it; tables stay unknown
+        caps = [self.data.get(a.name) if a.type.rank == 0 else None for a in pred.args[4:4 + ncaps]]
+        key = (self._pred_key(pred), b, h, q0, bq, k0, bk, tuple(None if c is None else float(c) for c in caps))
         got = self._classes.get(key)
         if got is None:
-            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, [None] * ncaps)
+            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, caps)
             self._classes[key] = got
         return got
 

@@ -54,8 +54,8 @@ class Fuse(Pass):
             if any(v is l for l, _ in leaves):
                 return
             op = v.owner
-            if not isinstance(op, Op):  # a graph input: a captured table
-                if v.type.rank == 0 or v.owner is not func.body:
+            if not isinstance(op, Op):  # a graph input: a captured table, or a captured scalar (0-d)
+                if v.owner is not func.body:
                     raise self.fail(f"the score function reads %{v.name}, which is not a captured tensor")
                 leaves.append((v, "cap"))
                 return

@@ -75,8 +75,39 @@ def run_table_case(mask: str, kind: str) -> dict:
             "got": got.reshape(-1).tolist(), "want": want.reshape(-1).tolist()}
 
 
+def run_idiom_case(which: str) -> dict:
+    """Score functions with the frontend's newer maths, and a window passed as a captured scalar (two
+    values, one kernel), through falower.compile in the simulator."""
+    import falower as fl
+    from falower.passes.check import Reference, bind_dims, random_inputs
+
+    if which == "maths":
+        g = fl.attention(score_mod=lambda s, b, h, q, kv: s + fl.sin(q * 0.1) * fl.cos(kv * 0.2)
+                         + fl.round(s * 2.0) * 0.01 + fl.floor(s) * 0.01 + fl.sign(q - kv) * 0.1
+                         + fl.rsqrt(abs(s) + 1.0) + fl.log1p(abs(s)) - fl.expm1(s * 0.01) + fl.tan(s * 0.01),
+                         name="maths")
+        windows = [None]
+    else:
+        window = fl.capture("window", "i32", "")
+        g = fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < window), name="captured_window")
+        windows = [5, 17]
+    env = bind_dims(g, SHAPES)
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE, path="mma", num_warps=2)
+    errs = []
+    for w in windows:
+        raw = random_inputs(g, env, seed=3)
+        inputs = [x.astype(np.float16) for x in raw[:3]] + ([np.array(w, dtype=np.int32)] if w is not None else [])
+        ref = Reference.build(g, env, inputs=inputs)
+        o, lse = c(*inputs)
+        fin = np.isfinite(ref.outputs["lse"])
+        errs.append(max(float(np.max(np.abs(np.asarray(o, np.float64) - ref.outputs["o"]))),
+                        float(np.max(np.abs(lse[fin] - ref.outputs["lse"][fin]))) if fin.any() else 0.0))
+    return {"id": f"idiom-{which}", "err": max(errs), "kernels": len(c._kernels)}
+
+
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 CASES = [(s, p) for s in STEMS for p in ("mma", "simt")]
+IDIOM_CASES = ["maths", "window"]
 TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "unsorted"), ("dense", "sorted")]
 
 if __name__ == "__main__":
@@ -87,6 +118,14 @@ if __name__ == "__main__":
             continue
         try:
             print(json.dumps(run_case(stem, path)), flush=True)
+        except Exception as e:  # report, the test fails on it
+            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
+    for which in IDIOM_CASES:
+        cid = f"idiom-{which}"
+        if wanted and cid not in wanted:
+            continue
+        try:
+            print(json.dumps(run_idiom_case(which)), flush=True)
         except Exception as e:  # report, the test fails on it
             print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
     for mask, kind in TABLE_CASES:

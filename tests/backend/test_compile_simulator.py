@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ir_sim_cases import CASES, TABLE_CASES  # noqa: E402
+from ir_sim_cases import CASES, IDIOM_CASES, TABLE_CASES  # noqa: E402
 
 IDS = [f"{s}-{p}" for s, p in CASES]
 
@@ -54,3 +54,14 @@ def test_block_mask_kernel_classes_equal_the_ir(results, case_id):
     r = results[case_id]
     assert "error" not in r, r["error"] if "error" in r else ""
     assert r["equal"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", IDIOM_CASES)
+def test_frontend_idioms_compile_and_match(results, which):
+    """sin, cos, round, floor, sign, rsqrt, log1p, expm1, tan in a score function; a window passed as a 0-d
+    capture, run with two values by one kernel (a captured scalar is a kernel argument, not a constant)."""
+    r = results[f"idiom-{which}"]
+    assert "error" not in r, r["error"] if "error" in r else ""
+    assert r["err"] <= 4e-3, r
+    assert r["kernels"] == 1

@@ -134,9 +134,55 @@ def test_data_mask_error_rule(mask, dtype, D, M, N, kind):
     assert np.array_equal(got, table)
 
 
+# ------------------------------------------------------------ the frontend's newer idioms on the GPU (issue 7)
+def idiom_graph(which: str) -> tuple:
+    key = (f"idiom:{which}", "f16")
+    if key not in COMPILED:
+        if which == "maths":
+            g = fl.attention(score_mod=lambda s, b, h, q, kv: s + fl.sin(q * 0.1) * fl.cos(kv * 0.2)
+                             + fl.round(s * 2.0) * 0.01 + fl.floor(s) * 0.01 + fl.sign(q - kv) * 0.1
+                             + fl.rsqrt(abs(s) + 1.0) + fl.log1p(abs(s)) - fl.expm1(s * 0.01)
+                             + fl.tan(s * 0.01) + 2.0 ** -(h + 1) * (kv - q), name="maths")
+        else:
+            window = fl.capture("window", "i32", "")
+            g = fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < window), name="captured_window")
+        COMPILED[key] = (g, fl.compile(g, "numba-cuda"))
+    return COMPILED[key]
+
+
+@pytest.mark.parametrize("N", [17, 128, 1000])
+@pytest.mark.parametrize("which", ["maths", "window"])
+def test_idioms_error_rule(which, N):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, c = idiom_graph(which)
+    env = bind_dims(g, {"B": 1, "H": 2, "M": N, "N": N, "D": 64})
+    raw = random_inputs(g, env, seed=N)
+    host = [rounded(x, "f16") for x in raw[:3]]
+    dev = [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", torch.float16) for x in host]
+    for w in ([None] if which == "maths" else [1, 7, 300]):  # one kernel for every window size
+        extra = [] if w is None else [np.array(w, dtype=np.int32)]
+        ref = Reference.build(g, env, inputs=host + extra)
+        naive = interpret(g, host + extra, precision="low:f16")[0].astype(np.float64)
+        o, lse = c(*dev, *([] if w is None else [torch.tensor(w, dtype=torch.int32, device="cuda")]))
+        torch.cuda.synchronize()
+        o = o.float().cpu().numpy().astype(np.float64)
+        err, naive_err = np.max(np.abs(o - ref.outputs["o"])), np.max(np.abs(naive - ref.outputs["o"]))
+        assert err <= 2 * naive_err + 1e-5, f"window {w}: kernel error {err:.3g} > 2 x naive {naive_err:.3g}"
+    assert len(c._kernels) == 1
+
+
 def _compile_one(job) -> str:
     """Build and launch one specialisation on tiny inputs: fills Numba's disk cache for pytest."""
     stem, dtype, D, N = job
+    if stem.startswith("idiom:"):
+        g, c = idiom_graph(stem[6:])
+        env = bind_dims(g, {"B": 1, "H": 2, "M": N, "N": N, "D": D})
+        raw = random_inputs(g, env)
+        dev = [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", torch.float16) for x in raw[:3]]
+        c(*dev, *([4] if len(raw) > 3 else []))
+        torch.cuda.synchronize()
+        return f"{stem} D={D}"
     g, c = data_graph(stem[5:], dtype) if stem.startswith("data:") else graph(stem, dtype)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
@@ -157,6 +203,7 @@ def precompile_jobs() -> list[tuple]:
             for D in (64, 128):
                 jobs.append((stem, dtype, D, 17))  # sizes other than D are run-time arguments
     jobs += [(f"data:{m}", dtype, D, 17) for m in sorted(MASKS) for dtype, D in DATA_CONFIGS]
+    jobs += [(f"idiom:{w}", "f16", 64, 17) for w in ("maths", "window")]
     return jobs
 
 

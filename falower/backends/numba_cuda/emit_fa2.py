@@ -66,6 +66,10 @@ from numba import cuda
 
 from falower.backends.numba_cuda.intrinsics import (
     SIMULATOR,
+    cos_f32,
+    rint_f32,
+    sin_f32,
+    tan_f32,
     bf16_to_f32,
     cp_async16,
     cp_async16_s,

@@ -101,7 +101,11 @@ def _func_arg(func: Func, v: Value) -> Value:
 # ------------------------------------------------------------------------------------ scalar code
 _UNARY = {"exp": "math.exp({})", "exp2": "math.pow(np.float32(2.0), {})", "log": "math.log({})",
           "log2": "math.log2({})", "tanh": "math.tanh({})", "erf": "math.erf({})", "sqrt": "math.sqrt({})",
-          "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + math.exp(-{})))", "neg": "(-{})", "abs": "abs({})"}
+          "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + math.exp(-{})))", "neg": "(-{})", "abs": "abs({})",
+          "sin": "sin_f32({})", "cos": "cos_f32({})", "tan": "tan_f32({})", "log1p": "math.log1p({})",
+          "expm1": "math.expm1({})", "rsqrt": "(np.float32(1.0) / math.sqrt({}))",
+          "floor": "np.float32(math.floor({}))", "ceil": "np.float32(math.ceil({}))",
+          "round": "rint_f32({})"}  # f32 intrinsics: Numba's math.sin and round() compute in f64
 _BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})", "pow": "math.pow({}, {})",
            "max": "max({}, {})", "min": "min({}, {})", "floordiv": "({} // {})", "mod": "({} % {})",
            "shl": "({} << {})", "shr": "({} >> {})", "eq": "({} == {})", "ne": "({} != {})", "lt": "({} < {})",
@@ -221,6 +225,9 @@ class _ScalarEmitter:
         n, rt = op.name, op.results[0].type.dtype
         if n == "const":
             return _literal(op.attrs["value"], rt, self.env)
+        if n == "sign":  # -1, 0 or 1 in the operand's own type
+            e = f"(({x[0]} > 0) - ({x[0]} < 0))"
+            return f"np.float32{e}" if is_float(rt) else e
         if n in _UNARY:
             return _UNARY[n].format(*x)
         if n in _BINARY:
@@ -304,12 +311,18 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str) -> list[str
     iv: dict[Value, tuple[str, str]] = {}
     for a, (lo, hi) in zip(pred.args, [("b", "b"), ("h", "h"), ("q_lo", "q_hi"), ("kv_lo", "kv_hi")]):
         iv[a] = (lo, hi)
+    cap_names = [n.strip() for n in sig_caps.split(",") if n.strip()]
+    for a, nm in zip(pred.args[4:], cap_names):
+        if a.type.rank == 0 and a.type.dtype in ("i32", "i8", "bool"):
+            iv[a] = (nm, nm)  # a captured scalar: its value is known at run time, an exact interval
     k = 0
     for op in pred.ops:
         if op.name == "yield":
             lo, hi = iv[op.operands[0]]
             lines += [f"    if {lo} == 1:", "        return 2", f"    if {hi} == 0:", "        return 0", "    return 1"]
             return lines
+        if any(v not in iv for v in op.operands):  # a table or float scalar: this tile is partial (always safe)
+            return lines[:1] + ["    return 1"]
         x = [iv[v] for v in op.operands]
         lo, hi = f"i{k}_lo", f"i{k}_hi"
         k += 1

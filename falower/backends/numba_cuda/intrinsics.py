@@ -26,6 +26,8 @@ Public names (identical in both modes):
     cp_async16_s                   (shared byte address, global_array, g_index, src_bytes)
     pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
     ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
+    sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
+    rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
     f16_to_f32, bf16_to_f32        (bits: int16/uint16) -> f32
     f32_to_f16, f32_to_bf16        (x: f32) -> int16 bits
@@ -65,6 +67,10 @@ __all__ = [
     "bf16_to_f32",
     "f32_to_f16",
     "f32_to_bf16",
+    "sin_f32",
+    "cos_f32",
+    "tan_f32",
+    "rint_f32",
 ]
 
 
@@ -277,6 +283,18 @@ if SIMULATOR:
     def f32_to_bf16(x):
         return np.int16(np.uint16(_f32_to_bf16_bits(x)).view(np.int16))
 
+    def sin_f32(x):
+        return np.float32(np.sin(np.float32(x)))
+
+    def cos_f32(x):
+        return np.float32(np.cos(np.float32(x)))
+
+    def tan_f32(x):
+        return np.float32(np.tan(np.float32(x)))
+
+    def rint_f32(x):
+        return np.float32(np.rint(np.float32(x)))
+
 else:
     from llvmlite import ir
     from numba import cuda, types
@@ -286,6 +304,14 @@ else:
     def device_function(fn):
         """Device functions of generated kernels: always inlined at the NVVM level."""
         return cuda.jit(device=True, forceinline=True)(fn)
+
+    # float32 maths from libdevice: Numba's math.sin/cos/tan and round() on a float32 compute in f64
+    from numba.cuda import libdevice as _libdevice
+
+    sin_f32 = _libdevice.sinf
+    cos_f32 = _libdevice.cosf
+    tan_f32 = _libdevice.tanf
+    rint_f32 = _libdevice.rintf  # round half to even, as torch.round
 
     _U32 = types.uint32
     _F32 = types.float32
