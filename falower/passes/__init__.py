@@ -10,6 +10,7 @@ __all__ = ["PASSES", "Pass", "register", "PassManager", "run_pipeline", "NAMED_P
 
 from . import fuse, online_softmax, tile  # noqa: E402,F401  (registration)
 from . import mask_tiles  # noqa: E402,F401
+from . import autodiff  # noqa: E402,F401
 from .pipeline import named as _named  # noqa: E402
 
 # 128 x 64 tiles: what the numba-cuda kernels run fastest on the H100 (benchmarks/NOTES.md)
