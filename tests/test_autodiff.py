@@ -1,6 +1,6 @@
 """The autodiff pass (issue 8, item 1): the joint forward + backward function of every example equals the
 FA2 backward written in numpy from its formulas, and finite differences; fully masked rows give zero
-gradients; refusals are one line; the joint function is ordinary IR.
+gradients; refusals are one line; the joint function is ordinary IR; the cost model counts naive autodiff.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from falower.ir.ops import OPS
 from falower.ir.types import is_float, tensor
 from falower.passes.autodiff import RULES, Autodiff, is_joint_of
 from falower.passes.check import FD_TOL, Reference, finite_differences
+from falower.passes.cost import cost_of
 from test_hypothesis_graphs import apply_mask, build, mask_expr, score_chain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -416,3 +417,56 @@ def test_grad_of_random_score_and_mask_matches_finite_differences(chain, mask, d
         native = interpret(joint, ref.inputs + do, "native")
         assert not any(np.isnan(x).any() for x in native)
         assert np.all(got[1][empty] == 0) and np.all(native[1][empty] == 0)
+
+
+# ------------------------------------------------------------------------------------------- cost
+def test_cost_of_naive_autodiff_on_plain_attention_is_the_closed_form() -> None:
+    """Naive autodiff materialises P and dP. Counted by hand, op by op (mn, md, nd, m1: elements of a
+    [B,H,M,N], [B,H,M,D], [B,H,N,D], [B,H,M,1] tensor; f16 2 bytes, f32 4): the f32 [B,H,M,N] tensors are
+    written 8 times (S, S*scale, P; dP, P*dP, dP - r, P*(dP - r), dS) and read 13 times."""
+    B, H, M, N, D = 2, 3, 300, 500, 64
+    c = cost_of(fl.grad(load(ROOT / "examples" / "plain.py")), dict(B=B, H=H, M=M, N=N, D=D))
+    mn, md, nd, m1 = B * H * M * N, B * H * M * D, B * H * N * D, B * H * M
+    traffic = [  # (bytes read, bytes written) of each op of the joint function, in order
+        (2 * md + 2 * nd, 4 * mn),      # S = matmul q, k^T
+        (0, 4), (4, 4),                 # cast D to f32, sqrt: scalars
+        (4 * mn + 4, 4 * mn),           # S / sqrt(D)
+        (4 * mn, 4 * mn),               # P = softmax
+        (4 * mn + 2 * nd, 4 * md),      # O = P V
+        (4 * md, 2 * md),               # O to f16
+        (2 * md, 4 * md),               # dO to f32
+        (4 * md + 2 * nd, 4 * mn),      # dP = dO V^T
+        (4 * mn + 4 * md, 4 * nd),      # dV = P^T dO
+        (8 * mn, 4 * mn),               # P * dP
+        (4 * mn, 4 * m1),               # r = rowsum(P * dP)
+        (4 * mn + 4 * m1, 4 * mn),      # dP - r
+        (8 * mn, 4 * mn),               # P * (dP - r)
+        (4 * mn + 4, 4 * mn),           # dS = ... / sqrt(D)
+        (4 * mn + 2 * nd, 4 * md),      # dQ = dS K
+        (4 * mn + 2 * md, 4 * nd),      # dK = dS^T Q
+        (4 * md, 2 * md), (4 * nd, 2 * nd), (4 * nd, 2 * nd),  # dq, dk, dv to f16
+    ]
+    assert c.bytes_read == sum(r for r, _ in traffic)
+    assert c.bytes_written == sum(w for _, w in traffic)
+    assert c.elems_written["%5"] == mn and c.elems_read["%5"] == 4 * mn  # P: read by P V, dV, P*dP, P*(dP - r)
+    bhmnd = B * H * M * N * D
+    assert c.flops == 6 * 2 * bhmnd + (1 + 5 + 1 + 1 + 1 + 1 + 1) * mn + 3 * md + 2 * nd + 2
+
+
+def test_cost_of_the_adjoint_ops() -> None:
+    joint = fl.grad(load(ROOT / "examples" / "bias.py"))
+    env = dict(B=2, H=3, M=50, N=60, D=16)
+    c = cost_of(joint, env)
+    assert c.executions["scatter_add"] == 1
+    assert c.writes["%dbias"] == 3 * 50 * 60 * 4  # the whole table
+    gqa = cost_of(fl.grad(load(ROOT / "examples" / "gqa.py")), dict(B=1, HKV=2, M=10, N=12, D=8))
+    assert gqa.executions["group_sum"] == 2
+
+
+def test_falower_cost_shows_the_autodiff_stage(capsys) -> None:
+    code, out, err = cli(capsys, "cost", ROOT / "examples" / "causal.py", "-p", "autodiff",
+                         "--shapes", "B=1,H=8,M=1024,N=1024,D=64")
+    assert code == 0, err
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[2:]}
+    assert set(rows) == {"(input)", "autodiff"}
+    assert float(rows["autodiff"][1]) > 3 * float(rows["(input)"][1])  # P and dP, M x N, each moved many times
