@@ -1,6 +1,6 @@
 """The autodiff pass (issue 8, item 1): the joint forward + backward function of every example equals the
-FA2 backward written in numpy from its formulas, and finite differences; fully masked rows give zero
-gradients; refusals are one line; the joint function is ordinary IR; the cost model counts naive autodiff.
+FA2 backward written in numpy from its formulas, and finite differences; --check carries gradients through
+the pipeline; fully masked rows give zero gradients; refusals are one line; the joint function is ordinary IR.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from hypothesis import strategies as st
 import falower as fl
 from falower.cli import main
 from falower.errors import PassError
-from falower.ir import Func, interpret, new_func, parse_func, print_func, verify
+from falower.ir import Builder, Func, interpret, new_func, parse_func, print_func, verify
 from falower.ir.ops import OPS
 from falower.ir.types import is_float, tensor
+from falower.passes import PASSES, PassManager, parse_pipeline
 from falower.passes.autodiff import RULES, Autodiff, is_joint_of
 from falower.passes.check import FD_TOL, Reference, finite_differences
 from falower.passes.cost import cost_of
-from test_hypothesis_graphs import apply_mask, build, mask_expr, score_chain
+from test_hypothesis_graphs import SHAPES, apply_mask, build, mask_expr, score_chain
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -470,3 +471,72 @@ def test_falower_cost_shows_the_autodiff_stage(capsys) -> None:
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[2:]}
     assert set(rows) == {"(input)", "autodiff"}
     assert float(rows["autodiff"][1]) > 3 * float(rows["(input)"][1])  # P and dP, M x N, each moved many times
+
+# -------------------------------------------------------------------------------------- --check, CLI
+@pytest.mark.parametrize("pipeline", ["autodiff", "autodiff,decompose-softmax,canonicalize"])
+def test_opt_check_carries_gradients(capsys, pipeline: str) -> None:
+    code, out, err = cli(capsys, "opt", ROOT / "examples" / "causal.py", "-p", pipeline, "--check")
+    assert code == 0, err
+    for name in pipeline.split(","):
+        assert f"check: {name} ok" in err
+    assert "gradients: finite differences on 4 of them" in err
+    assert "%do: f16[B,H,M,D]" in out and "(o: f16[B,H,M,D], dq: f16[B,H,M,D]" in out
+
+
+def test_run_a_joint_function(capsys) -> None:
+    code, out, err = cli(capsys, "run", ROOT / "examples" / "bias.py", "--pipeline", "autodiff", "--shapes", "M=20,N=30")
+    assert code == 0, err
+    for name in ("o", "dq", "dk", "dv", "dbias"):
+        assert re.search(rf"  {name}: float.*  max abs error vs float64 ", out), out
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_check_passes_on_every_example(path: Path) -> None:
+    pm = PassManager(parse_pipeline("autodiff,decompose-softmax,canonicalize"), check=True,
+                     shapes={"M": 11, "N": 13})
+    pm.run(load(path))
+    assert [r.check for r in pm.records] == ["ok"] * 3
+    assert pm.suite is not None and pm.suite.finite_difference_cases >= 2
+    assert all(c.gradients for c in pm.suite.cases)
+
+
+def test_check_catches_a_wrong_derivative_rule(monkeypatch) -> None:
+    def wrong_softmax(bw, op, g, want):  # forgets the rowsum term
+        return [bw.emit("mul", bw.p(op.result, g), g)]
+
+    monkeypatch.setitem(RULES, "softmax", wrong_softmax)
+    with pytest.raises(PassError, match=r"--check failed after pass autodiff: M=1,N=1: output dq: max error .* "
+                                        r"\(reference: finite differences\)"):
+        fl.grad(load(ROOT / "examples" / "causal.py"), check=True)
+
+
+def test_check_catches_a_later_pass_that_breaks_a_gradient() -> None:
+    from dataclasses import dataclass
+
+    from falower.passes.base import Pass
+
+    @dataclass(frozen=True)
+    class DoubleDq(Pass):
+        name = "test-double-dq"
+        summary = "test only"
+
+        def run(self, func: Func) -> Func:
+            ret = func.body.ops.pop()
+            i = func.result_names.index("dq")
+            ret.operands[i] = Builder(func.body).emit("add", ret.operands[i], ret.operands[i])
+            func.body.append(ret)
+            return func
+
+    PASSES[DoubleDq.name] = DoubleDq
+    try:
+        with pytest.raises(PassError, match="--check failed after pass test-double-dq: M=77,N=93: output dq"):
+            fl.run_pipeline(load(ROOT / "examples" / "causal.py"), "autodiff,test-double-dq", check=True)
+    finally:
+        PASSES.pop(DoubleDq.name)
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chain=score_chain, mask=st.one_of(st.none(), mask_expr))
+def test_check_carries_gradients_through_decomposition(chain, mask) -> None:
+    pm = PassManager(parse_pipeline("autodiff,decompose-softmax,canonicalize"), check=True, shapes=SHAPES)
+    pm.run(build(chain, mask))
+    assert [r.check for r in pm.records] == ["ok"] * 3
