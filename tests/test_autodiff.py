@@ -212,7 +212,7 @@ def _dedent_block(text: str) -> str:
 
 # ------------------------------------------------------------------------------- fully masked rows
 @pytest.mark.parametrize("pipeline", ["autodiff", "decompose-softmax,autodiff", "autodiff,decompose-softmax,canonicalize"])
-@pytest.mark.parametrize("precision", ["f64", "native"])
+@pytest.mark.parametrize("precision", ["f64", "native", "low:f16", "low:bf16"])
 def test_fully_masked_rows_give_zero_gradients(pipeline: str, precision: str) -> None:
     g = load(ROOT / "examples" / "document.py")
     ref = Reference.build(g, {"B": 2, "H": 2, "M": 40, "N": 40, "D": 8})
