@@ -3,6 +3,7 @@
     import falower as fl
     g = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal")
     lowered = fl.lower(g, "fa2-fwd")           # the FA2 forward schedule, as IR
+    joint = fl.grad(g)                         # forward + backward: (q, k, v, do) -> (o, dq, dk, dv)
 """
 
 from . import passes  # noqa: F401  (registers the passes)
@@ -19,8 +20,15 @@ def lower(func: Func, pipeline: str = "fa2-fwd", **kwargs) -> Func:
     return run_pipeline(func, pipeline, **kwargs)
 
 
+def grad(func: Func, **kwargs) -> Func:
+    """The joint forward + backward function of a graph (the `autodiff` pass): it takes the arguments and a
+    cotangent `d<result>` per float result (`do`), and returns the results and `d<argument>` per float
+    argument (`dq`, `dk`, `dv`, captured float tensors). Keyword arguments go to PassManager (check=True)."""
+    return run_pipeline(func, "autodiff", **kwargs)
+
+
 __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp", "exp2", "log", "tanh",
            "sigmoid", "erf", "sqrt", "sin", "cos", "tan", "log1p", "expm1", "rsqrt", "floor", "ceil", "round",
-           "sign", "maximum", "minimum", "lower", "interpret", "print_func", "parse_func",
+           "sign", "maximum", "minimum", "lower", "grad", "interpret", "print_func", "parse_func",
            "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
            "PassError", "ShapeError", "VerifyError"]

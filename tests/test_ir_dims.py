@@ -47,6 +47,8 @@ def test_parse_print_round_trip(text) -> None:
     (cdiv(100, 64), Const(2)),
     (M + (-3), M - 3),
     (2 * N, N * 2),
+    ((M * 4) // 4, M),  # the kv heads of a GQA gradient: (HKV*4) // 4
+    (cdiv(N * 2, 2), N),
 ])
 def test_simplification_on_construction(built, simple) -> None:
     assert built == simple

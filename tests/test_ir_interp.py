@@ -186,3 +186,52 @@ def test_erf_and_sigmoid() -> None:
     e, s = interpret(f, [xs])
     np.testing.assert_allclose(e, [math.erf(v) for v in xs])
     np.testing.assert_allclose(s, 1 / (1 + np.exp(-xs)))
+
+
+# --------------------------------------------------------------------- the adjoints' ops (autodiff)
+def test_scatter_add_adds_at_clamped_indices_and_repeats_add_up() -> None:
+    """scatter_add is gather's adjoint: np.add.at with gather's clamping, updates broadcast with indices."""
+    f, b, (t, u, i) = new_func("s", [("t", tensor("f32", "N")), ("u", tensor("f32", "K")), ("i", tensor("i32", "K"))])
+    b.ret(b.emit("scatter_add", t, u, i))
+    idx = np.array([-5, 0, 1, 2, 3, 99, 1], dtype=np.int32)
+    upd = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+    for precision in ("f64", "native"):
+        (out,) = interpret(f, [np.array([100.0, 200.0, 300.0]), upd, idx], precision)
+        np.testing.assert_array_equal(out, [100 + 1 + 2, 200 + 4 + 64, 300 + 8 + 16 + 32])
+
+
+def test_scatter_add_broadcasts_updates_with_indices() -> None:
+    f, b, (t, u, i, j) = new_func("s", [("t", tensor("f32", "H", "N")), ("u", tensor("f32", 1, 1)),
+                                        ("i", tensor("i32", "H", 1)), ("j", tensor("i32", 1, "K"))])
+    b.ret(b.emit("scatter_add", t, u, i, j))
+    (out,) = interpret(f, [np.zeros((2, 3)), np.array([[1.5]]), np.array([[0], [1]], np.int32),
+                           np.array([[2, 0, 2]], np.int32)])
+    np.testing.assert_array_equal(out, [[1.5, 0, 3.0], [1.5, 0, 3.0]])
+
+
+def test_group_sum_sums_consecutive_runs_and_undoes_repeat_interleave() -> None:
+    f, b, (x,) = new_func("g", [("x", tensor("f32", "B", "HKV", "N"))])
+    r = b.emit("repeat_interleave", x, axis=1, repeats=3)
+    b.ret(b.emit("group_sum", r, axis=1, size=3), b.emit("group_sum", x, axis=2, size=2))
+    assert str(f.results[0].type) == "f32[B,HKV,N]"  # (HKV*3) // 3 = HKV
+    assert str(f.results[1].type) == "f32[B,HKV,fdiv(N, 2)]"
+    x0 = np.arange(2 * 2 * 4, dtype=np.float64).reshape(2, 2, 4)
+    s3, s2 = interpret(f, [x0])
+    np.testing.assert_array_equal(s3, 3 * x0)
+    np.testing.assert_array_equal(s2, x0[..., 0::2] + x0[..., 1::2])
+
+
+def test_group_sum_refuses_a_size_that_does_not_divide() -> None:
+    f, b, (x,) = new_func("g", [("x", tensor("f32", "N"))])
+    b.ret(b.emit("group_sum", x, axis=0, size=2))
+    with pytest.raises(ShapeError, match="not a multiple of 2"):
+        interpret(f, [np.zeros(5)])
+
+
+def test_unsqueeze_inserts_an_axis_squeeze_drops() -> None:
+    f, b, (x,) = new_func("u", [("x", tensor("f32", "M", "N"))])
+    u = b.emit("unsqueeze", x, axis=1)
+    assert str(u.type) == "f32[M,1,N]"
+    b.ret(u, b.emit("squeeze", u, axis=1))
+    u0, s0 = interpret(f, [np.ones((2, 3))])
+    assert u0.shape == (2, 1, 3) and s0.shape == (2, 3)

@@ -404,3 +404,38 @@ def test_builder_refuses_ill_typed_ops() -> None:
     b = Builder(blk)
     with pytest.raises(VerifyError, match="add: operand dtypes differ"):
         b.emit("add", *blk.args)
+
+
+# ---------------------------------------------------------------------- the adjoints' ops (autodiff)
+ADJOINTS = """func @a(%t: f32[H,N], %u: f32[1,H,M,N], %h: i32[1,H,1,1], %i: i32[1,1,M,N], %k: f32[B,H*4,N]) -> (out0: f32[H,N], out1: f32[B,H,N], out2: f32[1,H,M,N,1]) {
+  %0 = scatter_add %t, %u, %h, %i : f32[H,N]
+  %1 = group_sum %k {axis = 1, size = 4} : f32[B,H,N]
+  %2 = unsqueeze %u {axis = 4} : f32[1,H,M,N,1]
+  return %0, %1, %2
+}
+"""
+
+
+def test_adjoint_ops_verify_and_round_trip() -> None:
+    f = parse_func(ADJOINTS)
+    verify(f)
+    assert print_func(f) == ADJOINTS
+
+
+@pytest.mark.parametrize("edits, op, match", [
+    ([("scatter_add %t, %u, %h, %i", "scatter_add %t, %u, %h")], "scatter_add", "has rank 2 but 1 indices are given"),
+    ([("scatter_add %t, %u, %h, %i", "scatter_add %t, %u, %h, %u")], "scatter_add", "index must be an integer"),
+    ([("scatter_add %t, %u, %h, %i", "scatter_add %h, %h, %h, %i")], "scatter_add", "the table must be a float tensor"),
+    ([("scatter_add %t, %u, %h, %i", "scatter_add %t, %k, %h, %i")], "scatter_add", "do not broadcast"),
+    ([("%k: f32[B,H*4,N]", "%k: f32[B,H*4,6]"), ("{axis = 1, size = 4}", "{axis = 2, size = 4}")], "group_sum",
+     "axis 2 of f32[B,H*4,6] is not a multiple of 4"),
+    ([("{axis = 1, size = 4}", "{axis = 3, size = 4}")], "group_sum", "axis 3 out of range"),
+    ([("{axis = 1, size = 4}", "{axis = 1, size = 0}")], "group_sum", "size must be a positive int"),
+    ([("unsqueeze %u {axis = 4}", "unsqueeze %u {axis = 5}")], "unsqueeze", "axis 5 out of range"),
+])
+def test_adjoint_op_errors(edits: list[tuple[str, str]], op: str, match: str) -> None:
+    text = ADJOINTS
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    expect(parse_func(text), op, match)

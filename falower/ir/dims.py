@@ -180,6 +180,9 @@ def binop(op: str, a: Dim, b: Dim) -> Dim:
             return Const(0)
     if op in ("fdiv", "cdiv") and isinstance(b, Const) and b.value == 1:
         return a
+    if op in ("fdiv", "cdiv") and isinstance(a, BinDim) and a.op == "*" and isinstance(b, Const) and b.value > 0 \
+            and a.rhs == b:
+        return a.lhs  # (HKV*4) // 4 = HKV: the kv heads of a GQA gradient
     if op in ("min", "max") and a == b:
         return a
     return BinDim(op, a, b)

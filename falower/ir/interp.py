@@ -192,6 +192,29 @@ class Interpreter:
     def op_repeat_interleave(self, op: Op, x, env) -> list[np.ndarray]:
         return [np.repeat(x[0], op.attrs["repeats"], axis=op.attrs["axis"])]
 
+    def op_group_sum(self, op: Op, x, env) -> list[np.ndarray]:
+        """Sums of `size` consecutive entries along `axis`: x[.., g*size : (g+1)*size, ..] summed for each g."""
+        t = op.results[0].type
+        a, axis, size = x[0], op.attrs["axis"], op.attrs["size"]
+        if a.shape[axis] % size:
+            raise ShapeError(f"group_sum: axis {axis} has size {a.shape[axis]}, not a multiple of {size}")
+        if a.dtype.kind == "f":
+            a = a.astype(self.compute_dtype(t))
+        groups = a.reshape(a.shape[:axis] + (a.shape[axis] // size, size) + a.shape[axis + 1:])
+        return [self.store(groups.sum(axis=axis + 1), t)]
+
+    def op_scatter_add(self, op: Op, x, env) -> list[np.ndarray]:
+        """The table with every update added at its (clamped, as in gather) indices; repeated indices add up.
+        Updates and indices broadcast together: each element of the broadcast adds once."""
+        t = op.results[0].type
+        cd = self.compute_dtype(t)
+        table, upd, idx = x[0].astype(cd), x[1].astype(cd), x[2:]
+        clipped = [np.clip(i, 0, table.shape[d] - 1) for d, i in enumerate(idx)]
+        arrays = np.broadcast_arrays(upd, *clipped)
+        out = table.copy()
+        np.add.at(out, tuple(arrays[1:]), arrays[0])
+        return [self.store(out, t)]
+
     def _reduce(self, op: Op, a: np.ndarray, f) -> list[np.ndarray]:
         t = op.results[0].type
         if a.dtype.kind == "f":

@@ -216,14 +216,44 @@ def _infer_unsqueeze(ts, attrs):
     return [TensorType(ts[0].dtype, ts[0].shape[:axis] + (Const(1),) + ts[0].shape[axis:])]
 
 
+def _infer_scatter_add(ts, attrs):
+    _need(len(ts) >= 3, "takes a table, the updates and one index per table dimension")
+    table, upd, idx = ts[0], ts[1], ts[2:]
+    _need(is_float(table.dtype), f"the table must be a float tensor, got {table}")
+    _need(upd.dtype == table.dtype, f"updates {upd} and table {table} have different dtypes (insert a cast)")
+    _need(len(idx) == table.rank, f"table {table} has rank {table.rank} but {len(idx)} indices are given")
+    for t in idx:
+        _need(is_int(t.dtype), f"scatter_add index must be an integer, got {t}")
+    _bcast([upd] + list(idx))
+    return [table]
+
+
+def _infer_group_sum(ts, attrs):
+    _need(len(ts) == 1, "takes 1 operand")
+    t = ts[0]
+    _need(t.dtype in NUMERIC, "sums numbers")
+    axis, size = attrs.get("axis"), attrs.get("size")
+    _need(isinstance(axis, int) and 0 <= axis < t.rank, f"axis {axis} out of range for {t}")
+    _need(isinstance(size, int) and size >= 1, "size must be a positive int")
+    d = t.shape[axis]
+    _need(not isinstance(d, Const) or d.value % size == 0, f"axis {axis} of {t} is not a multiple of {size}")
+    shape = list(t.shape)
+    shape[axis] = d // size
+    return [TensorType(t.dtype, tuple(shape))]
+
+
 _register("squeeze", "data", "any", _infer_squeeze, doc="drop a size-1 axis (LSE rows)")
-_register("unsqueeze", "data", "any", _infer_unsqueeze,
-          doc="insert a size-1 axis (a saved LSE row statistic broadcast against [B,H,M,N] scores)")
+_register("unsqueeze", "data", "any", _infer_unsqueeze, doc="insert a size-1 axis (the adjoint of squeeze; a saved LSE row broadcast against [B,H,M,N])")
 _register("const", "data", "any", _infer_const, doc="a constant filling its type (a scalar, or a tile)")
 _register("iota", "data", "graph", _infer_iota, doc="the index along `axis`, broadcastable (b, h, q_idx, kv_idx)")
 _register("gather", "data", "any", _infer_gather, doc="table[i0, i1, ...], indices broadcast and clamped")
 _register("matmul", "contraction", "graph", _infer_matmul, doc="batched matmul, f32 accumulation")
 _register("repeat_interleave", "data", "graph", _infer_repeat, doc="GQA: repeat kv heads for query heads")
+_register("group_sum", "reduce", "graph", _infer_group_sum,
+          doc="sum each run of `size` consecutive entries along `axis` (the adjoint of repeat_interleave: GQA)")
+_register("scatter_add", "data", "graph", _infer_scatter_add,
+          doc="table + updates added at [i0, i1, ...] (indices broadcast and clamped as gather's; the adjoint "
+              "of gather)")
 _register("reduce_max", "reduce", "any", _infer_reduce)
 _register("reduce_sum", "reduce", "any", _infer_reduce)
 _register("softmax", "reduce", "graph", _infer_softmax)

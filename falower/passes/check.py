@@ -4,6 +4,12 @@ Inputs are drawn with a fixed seed at sizes that are not multiples of any tile; 
 ids) include -1, which the examples use for padding tokens, so fully masked rows occur where a mask allows.
 The reference is the input graph interpreted in float64; an output the input graph does not have (LSE,
 added by online-softmax) is compared with the log-sum-exp of the input graph's softmax operand.
+
+Gradients: when a pass (autodiff) turns the function into its joint forward + backward function (cotangent
+arguments `d<result>`, gradient results `d<argument>`), every case draws its cotangents (standard normal)
+and the check goes on. The pass that made the joint function is checked by an independent method, central
+finite differences in float64 of the loss sum(result * cotangent), on the tiny cases (M, N <= 9; some are
+added for it); its gradients, interpreted in float64, are then the reference for the passes after it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from ..errors import NaNError, ShapeError
 from ..ir.core import Func
 from ..ir.interp import Interpreter
 from ..ir.types import is_float
+from .autodiff import gradient_names, is_joint_of
 
 DEFAULT_SHAPES = {"B": 2, "H": 3, "HKV": 2, "M": 77, "N": 93, "D": 16}
 
@@ -176,15 +183,61 @@ def logsumexp_rows(x: np.ndarray, axis: int) -> np.ndarray:
     return np.squeeze(r, axis=axis)
 
 
+# Finite differences: the step, the tolerance they are held to (their own error is about 1e-9 here), and the
+# sizes at which they are affordable (two interpretations of the graph per float input element).
+FD_STEP = 1e-6
+FD_TOL = 1e-6
+FD_MAX_MN = 9
+FD_MAX_ELEMENTS = 4000
+# the cases added for finite differences: (M, N) pairs, and small batch, head and head-dim sizes (the rules
+# do not depend on them; the other cases keep the sizes the user gave)
+FD_SIZES = ((9, 7), (6, 9))
+FD_DIMS = {"B": 1, "H": 2, "HKV": 1, "D": 4}
+
+
+def finite_differences(func: Func, inputs: Sequence[np.ndarray], cotangents: Sequence[np.ndarray],
+                       env: Mapping[str, int], step: float = FD_STEP) -> list[np.ndarray]:
+    """Central differences in float64 of sum(result * cotangent) over the float results, with respect to
+    every float input, in argument order (what the joint function's gradients should be)."""
+    it = Interpreter("f64")
+    floats = [i for i, a in enumerate(func.args) if is_float(a.type.dtype)]
+    results = [i for i, v in enumerate(func.results) if is_float(v.type.dtype)]
+
+    def loss(xs: list[np.ndarray]) -> float:
+        outs = it.run(func, xs, env)
+        return float(sum(np.sum(outs[i] * ct) for i, ct in zip(results, cotangents)))
+
+    xs = [np.array(x, dtype=np.float64) if x.dtype.kind == "f" else x for x in inputs]
+    grads = []
+    for i in floats:
+        x = xs[i]
+        d = np.zeros(x.shape)
+        for idx in np.ndindex(*x.shape):
+            keep = x[idx]
+            x[idx] = keep + step
+            up = loss(xs)
+            x[idx] = keep - step
+            down = loss(xs)
+            x[idx] = keep
+            d[idx] = (up - down) / (2 * step)
+        grads.append(d)
+    return grads
+
+
 @dataclass
 class Reference:
-    """One check case: sizes, inputs, and the float64 outputs of the input graph on them."""
+    """One check case: sizes, inputs, and the float64 outputs of the input graph on them. Once a pass has
+    made the joint function, also its cotangents and the reference gradients (keyed `d<argument>`)."""
 
     func: Func
     env: dict[str, int]
     inputs: list[np.ndarray]
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     label: str = ""
+    seed: int = 0
+    cotangents: list[np.ndarray] = field(default_factory=list)
+    cotangent_names: list[str] = field(default_factory=list)
+    gradients: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def build(cls, func: Func, shapes: Optional[Mapping[str, int]] = None, seed: int = 0,
@@ -198,7 +251,7 @@ class Reference:
             inputs = random_inputs(func, env, seed, kind)
         inputs = [x.astype(np.float64) if x.dtype.kind == "f" else x for x in inputs]
         label = ",".join(f"{k}={env[k]}" for k in ("M", "N") if k in env) + (f" {kind} data" if uses_tables(func) else "")
-        ref = cls(func, env, inputs, label=label)
+        ref = cls(func, env, inputs, label=label, seed=seed)
         it = Interpreter("f64")
         outs = it.run(func, inputs, env)
         ref.outputs = dict(zip(func.result_names, outs))
@@ -212,51 +265,100 @@ class Reference:
                 ref.outputs["lse"] = lse
         return ref
 
+    def compare(self, func: Func, tol: float = 1e-7) -> list[str]:
+        """Problems found running `func` on the reference inputs (empty when the numbers match); a joint
+        function also gets the cotangents, and its gradients are compared with `gradients`."""
+        outs = Interpreter("f64").run(func, self.inputs_for(func), self.env)
+        problems = []
+        for name, got in zip(func.result_names, outs):
+            want = self.outputs.get(name, self.gradients.get(name))
+            if want is None:
+                continue
+            p = _compare_output(name, got, want, tol)
+            if p is not None:
+                problems.append(p)
+        return [f"{self.label}: {p}" if self.label else p for p in problems]
+
+    # ---------------------------------------------------------------------------------- gradients
     def inputs_for(self, func: Func) -> list[np.ndarray]:
-        """The reference inputs in `func`'s argument order, by name. A lowered function may take more than the
-        input graph did: what the forward saved for a backward (O, LSE) comes from the reference's outputs."""
-        if [a.name for a in func.args] == [a.name for a in self.func.args]:
+        """The inputs `func` takes, by name: the reference inputs; for a joint function of the input graph, the
+        cotangents too (drawn standard normal, once per case, from the case's seed); for a function that takes
+        what a forward saved for its backward (O, LSE), the reference's outputs of those names."""
+        names = [a.name for a in func.args]
+        primal = [a.name for a in self.func.args]
+        if names == primal:
             return self.inputs
-        given = {a.name: x for a, x in zip(self.func.args, self.inputs)}
+        if names[:len(primal)] == primal and is_joint_of(func, self.func):
+            if not self.cotangents:
+                rng = np.random.default_rng([self.seed, 1])
+                self.cotangents = [rng.standard_normal(a.type.concrete(self.env)) for a in func.args[len(primal):]]
+                self.cotangent_names = names[len(primal):]
+            return self.inputs + self.cotangents
+        given = dict(zip(primal, self.inputs))
+        given.update(zip(self.cotangent_names, self.cotangents))
         out = []
         for a in func.args:
             if a.name in given:
                 out.append(given[a.name])
             elif a.name in self.outputs:
-                want = np.asarray(self.outputs[a.name], dtype=np.float64)
-                out.append(want.reshape(a.type.concrete(self.env)))
+                out.append(np.asarray(self.outputs[a.name], dtype=np.float64).reshape(a.type.concrete(self.env)))
             else:
-                raise ShapeError(f"--check cannot supply input %{a.name} of @{func.name}: neither an input nor an "
-                                 f"output of the graph it is checked against")
+                raise ShapeError(f"--check cannot supply input %{a.name} of @{func.name}: neither an input, a "
+                                 f"cotangent nor an output of the graph it is checked against")
         return out
 
-    def compare(self, func: Func, tol: float = 1e-7) -> list[str]:
-        """Problems found running `func` on the reference inputs (empty when the numbers match)."""
-        outs = Interpreter("f64").run(func, self.inputs_for(func), self.env)
-        problems = []
-        for name, got in zip(func.result_names, outs):
-            want = self.outputs.get(name)
-            if want is None:
-                continue
-            got = np.asarray(got, dtype=np.float64)
-            want = np.broadcast_to(np.asarray(want, dtype=np.float64), got.shape) if want.size != got.size \
-                else np.asarray(want, dtype=np.float64).reshape(got.shape)
-            if np.isnan(got).any() and not np.isnan(want).any():
-                problems.append(f"output {name} has NaN at {_first_index(np.isnan(got))} where the reference has none")
-                continue
-            same_inf = np.array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0)) and \
-                np.array_equal(np.isinf(got) & (got < 0), np.isinf(want) & (want < 0))
-            if not same_inf:
-                bad = (np.isinf(got) != np.isinf(want)) | (np.isinf(got) & np.isinf(want) & (got != want))
-                problems.append(f"output {name}: infinities differ from the reference at {_first_index(bad)}")
-                continue
-            fin = np.isfinite(want)
-            if fin.any():
-                rel = np.where(fin, np.abs(got - np.where(fin, want, 0)) / (1.0 + np.abs(np.where(fin, want, 0))), 0)
-                err = float(np.max(rel))
-                if err > tol:
-                    problems.append(f"output {name}: max error {err:.3g} > {tol:g} at {_first_index(rel == err)}")
+    def adopt_gradients(self, joint: Func, tol: float = 1e-7, finite: bool = False) -> list[str]:
+        """Check the first joint function on this case and take its float64 gradients as the reference for
+        the passes after it. Its outputs must match the input graph's; its gradients must have no NaN, be 0
+        on the rows of q that are fully masked (where the LSE is -inf), and, with `finite`, match central
+        finite differences of the input graph."""
+        outs = dict(zip(joint.result_names, Interpreter("f64").run(joint, self.inputs_for(joint), self.env)))
+        names = gradient_names(self.func)
+        problems = [p for n, want in self.outputs.items() if n in outs
+                    for p in [_compare_output(n, outs[n], want, tol)] if p is not None]
+        for n in names:
+            got = np.asarray(outs[n], dtype=np.float64)
+            if np.isnan(got).any():
+                problems.append(f"gradient {n} has NaN at {_first_index(np.isnan(got))}")
+        lse, dq = self.outputs.get("lse"), outs.get("dq")
+        if not problems and lse is not None and dq is not None and np.shape(dq)[:np.ndim(lse)] == np.shape(lse):
+            bad = np.isneginf(lse) & np.any(np.asarray(dq) != 0, axis=-1)
+            if bad.any():
+                problems.append(f"gradient dq is not 0 on a fully masked row, at {_first_index(bad)}")
+        if not problems and finite:
+            fd = finite_differences(self.func, self.inputs, self.cotangents, self.env)
+            for n, want in zip(names, fd):
+                p = _compare_output(n, outs[n], want, FD_TOL)
+                if p is not None:
+                    problems.append(f"{p} (reference: finite differences)")
+        if not problems:
+            self.gradients = {n: np.asarray(outs[n], dtype=np.float64) for n in names}
         return [f"{self.label}: {p}" if self.label else p for p in problems]
+
+    def affordable_by_finite_differences(self) -> bool:
+        elems = sum(x.size for x, a in zip(self.inputs, self.func.args) if is_float(a.type.dtype))
+        return all(self.env.get(d, 1) <= FD_MAX_MN for d in ("M", "N")) and elems <= FD_MAX_ELEMENTS
+
+
+def _compare_output(name: str, got: np.ndarray, want: np.ndarray, tol: float) -> Optional[str]:
+    """What is wrong with output `name` (None when it matches `want` within `tol`, relative to 1 + |want|)."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.broadcast_to(np.asarray(want, dtype=np.float64), got.shape) if want.size != got.size \
+        else np.asarray(want, dtype=np.float64).reshape(got.shape)
+    if np.isnan(got).any() and not np.isnan(want).any():
+        return f"output {name} has NaN at {_first_index(np.isnan(got))} where the reference has none"
+    same_inf = np.array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0)) and \
+        np.array_equal(np.isinf(got) & (got < 0), np.isinf(want) & (want < 0))
+    if not same_inf:
+        bad = (np.isinf(got) != np.isinf(want)) | (np.isinf(got) & np.isinf(want) & (got != want))
+        return f"output {name}: infinities differ from the reference at {_first_index(bad)}"
+    fin = np.isfinite(want)
+    if fin.any():
+        rel = np.where(fin, np.abs(got - np.where(fin, want, 0)) / (1.0 + np.abs(np.where(fin, want, 0))), 0)
+        err = float(np.max(rel))
+        if err > tol:
+            return f"output {name}: max error {err:.3g} > {tol:g} at {_first_index(rel == err)}"
+    return None
 
 
 @dataclass
@@ -266,6 +368,9 @@ class CheckSuite:
     and exact tiles. Sizes the user gave are kept; only M and N are varied."""
 
     cases: list[Reference]
+    given: dict[str, int] = field(default_factory=dict)  # the sizes the user gave
+    joint: bool = False  # whether a pass has made the joint function (the cases then hold gradients)
+    finite_difference_cases: int = 0  # how many cases checked the joint function by finite differences
 
     @classmethod
     def build(cls, func: Func, shapes: Optional[Mapping[str, int]] = None, tiles: Iterable[int] = (),
@@ -277,7 +382,7 @@ class CheckSuite:
         if not varied:
             kinds = DATA_KINDS[1:] if uses_tables(func) else ()
             cases += [Reference.build(func, given, seed + 1 + i, kind=k) for i, k in enumerate(kinds)]
-            return cls(cases)
+            return cls(cases, given)
         kinds = DATA_KINDS if uses_tables(func) else ("sorted",)
         per_size = 2 if len(kinds) > 1 else 1
         i = 0
@@ -290,7 +395,7 @@ class CheckSuite:
             for _ in range(per_size):
                 cases.append(Reference.build(func, size, seed + 1 + i, kind=kinds[i % len(kinds)]))
                 i += 1
-        return cls(cases)
+        return cls(cases, given)
 
     @property
     def env(self) -> dict[str, int]:
@@ -301,14 +406,42 @@ class CheckSuite:
         sizes = list(dict.fromkeys(f"{c.env.get('M', '-')}x{c.env.get('N', '-')}" for c in self.cases))
         kinds = {c.label.split(" ", 1)[1] for c in self.cases if " " in c.label}
         data = f"; {len(kinds)} data kinds" if kinds else ""
-        return f"{len(self.cases)} cases: M x N in {', '.join(sizes)}{data}"
+        grads = f"; gradients: finite differences on {self.finite_difference_cases} of them" \
+            if self.finite_difference_cases else ""
+        return f"{len(self.cases)} cases: M x N in {', '.join(sizes)}{data}{grads}"
 
     def compare(self, func: Func, tol: float = 1e-7) -> list[str]:
-        """Problems of the first failing case (later cases are not run once one fails)."""
+        """Problems of the first failing case (later cases are not run once one fails). The first joint
+        function is checked by `start_gradients` instead."""
+        primal = self.cases[0].func
+        if not self.joint and len(func.args) > len(primal.args) and is_joint_of(func, primal):
+            return self.start_gradients(func, tol)
         for case in self.cases:
             problems = case.compare(func, tol)
             if problems:
                 return problems
+        return []
+
+    def start_gradients(self, joint: Func, tol: float = 1e-7) -> list[str]:
+        """Check the pass that made `joint`, the joint function of the input graph: every case's outputs and
+        NaN-free gradients, and, on the tiny cases (some added here, at FD_SIZES), gradients equal to finite
+        differences. Its gradients are then the reference of the passes after it."""
+        self.joint = True
+        primal = self.cases[0].func
+        kinds = ("sorted", "unsorted") if uses_tables(primal) else ("sorted",)
+        seed = max(c.seed for c in self.cases) + 1
+        for m, n in FD_SIZES:
+            for kind in kinds:
+                size = {**self.given, **FD_DIMS, "M": m, "N": n}
+                self.cases.append(Reference.build(primal, size, seed, kind=kind))
+                seed += 1
+        self.finite_difference_cases = 0
+        for case in self.cases:
+            finite = case.affordable_by_finite_differences()
+            problems = case.adopt_gradients(joint, tol, finite=finite)
+            if problems:
+                return problems
+            self.finite_difference_cases += finite
         return []
 
 

@@ -60,6 +60,11 @@ class BackwardPlan:
     scatters: list[Op] = field(default_factory=list)  # captured tables' gradients (scatter_add), in order
     scatter_path: set[int] = field(default_factory=set)  # ids of the ops computing their updates per tile
     conj: list[Value] = field(default_factory=list)  # the mask's conjuncts (bool, of indices and captures)
+    labels: dict[int, str] = field(default_factory=dict)  # id(summing op) -> the gradient it makes (dv, dq)
+
+    def label(self, op: Op) -> str:
+        """A readable name for a sum over tiles: the result it becomes (dv, dk, dq, d<capture>) + 32 for f32."""
+        return self.labels.get(id(op)) or op.results[0].name or "acc"
     pred: Optional[Block] = None  # the mask as a scalar predicate (b, h, q, kv, captures), kv bound included
     pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
 
@@ -212,6 +217,12 @@ class TileBwd(Pass):
         heads = q_like.type.shape[1]
         kv_heads = next(iter(cols)).type.shape[1]
         plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs, scatters, scatter_path)
+        for v, name in zip(func.results, func.result_names):  # name each sum after the result it becomes
+            x = v
+            while isinstance(x.owner, Op) and id(x.owner) in post and x.owner.operands:
+                x = next((o for o in x.owner.operands if o in accumulated), x.owner.operands[0])
+            if isinstance(x.owner, Op) and (id(x.owner) in acc_kind or x.owner.name == "scatter_add"):
+                plan.labels[id(x.owner)] = name if x.type.dtype == v.type.dtype else f"{name}32"
         if self.skip:
             self._find_mask(func, plan)
         return plan
@@ -262,7 +273,7 @@ class TileBwd(Pass):
         stored = self._preprocess(func, plan, b, argmap)
         table = None
         if plan.pred is not None and uses_data(plan.pred):  # classes from the data, once, for both nests
-            tbl_t = TensorType("i8", ("B", plan.heads, cdiv(plan.M, self.bq), cdiv(plan.N, self.bk)))
+            tbl_t = TensorType("i8", (dim("B"), plan.heads, cdiv(plan.M, self.bq), cdiv(plan.N, self.bk)))
             (table,) = b.op("mask.block_table", [argmap[c] for c in plan.pred_caps], [tbl_t],
                             {"bq": self.bq, "bk": self.bk, "m": plan.M, "n": plan.N},
                             [clone_block(plan.pred, {})], names=["block_class"]).results
@@ -348,7 +359,7 @@ class TileBwd(Pass):
         acc_types = [TensorType("f32", op.results[0].type.shape) for op in sums_of]
         got = _parallel_for(b, ["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results],
                             [v.name for v in results], acc_types,
-                            [f"{op.results[0].name or 'grad'}_acc" for op in sums_of], nest)
+                            [f"{plan.label(op)}_acc" for op in sums_of], nest)
         outs = dict(zip(results, got[:len(results)]))
         # after the nest: the f32 sums through the ops that followed them (dQ's cast, a table's cast)
         whole = dict(zip([op.results[0] for op in sums_of], got[len(results):]))
@@ -392,7 +403,7 @@ class TileBwd(Pass):
         decides: empty tiles are skipped, full ones run without the mask (and without the kv bound),
         partial ones with it."""
         inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
-        names = [op.results[0].name or "acc" for op in accs]
+        names = [ctx.plan.label(op) for op in accs]
 
         def body(bb: Builder, full: bool) -> list[Value]:
             ctx.scopes.append((Space({R, C, H}), bb, {}))
@@ -403,7 +414,8 @@ class TileBwd(Pass):
                 part = ctx.emit_product(op)
                 bb.op("tile.atomic_add", [acc, part, ctx.bi, ctx.h, ctx.q0], [],
                       {"slice": ("i", "i", self.bq, ":")})
-            for op in ctx.plan.scatters:  # this tile's share of a captured table's gradient
+            for op in [x for x in ctx.plan.scatters if id(x) in ctx.scatter_accs]:  # (the kv-outer nest only)
+                # this tile's share of a captured table's gradient
                 upd = ctx.emit(op.operands[1])
                 upd = upd if upd.type.dtype == "f32" else bb.cast(upd, "f32")
                 bb.op("tile.scatter_add", [ctx.scatter_accs[id(op)], upd, *[ctx.emit(i) for i in op.operands[2:]]],
@@ -655,7 +667,7 @@ class _Ctx:
     def emit_product(self, op: Op) -> Value:
         """One tile's term of an accumulated product (dV += P^T dO and the like)."""
         return self.scopes[-1][1].emit("tile.matmul", self.emit(op.operands[0]), self.emit(op.operands[1]),
-                                       name_hint=f"{op.results[0].name or 'part'}_t", **op.attrs)
+                                       name_hint=f"{self.plan.label(op)}_t", **op.attrs)
 
     def emit_post(self, v: Value) -> Value:
         """A result after its sum over tiles: the sum itself, then casts (and GQA's group sum, which the
