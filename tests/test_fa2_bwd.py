@@ -98,3 +98,21 @@ def test_lse_of_the_forward_is_what_the_backward_takes() -> None:
     s = q @ np.swapaxes(k, -1, -2) / 2.0
     s = np.where(np.arange(9)[:, None] >= np.arange(11)[None, :], s, -np.inf)
     np.testing.assert_allclose(lse, logsumexp_rows(s, 3), rtol=1e-12)
+
+
+@pytest.mark.parametrize("stem", ["alibi", "bias", "relative_bias", "gqa"])
+def test_deterministic_backward_has_no_atomics(stem: str) -> None:
+    """deterministic=true: dQ by its own q-outer nest, captured tables' gradients summed per kv tile into
+    partial tables and reduced in a fixed order afterwards; same numbers, no atomic adds in the IR."""
+    pipe = small_tiles(dq="separate", deterministic="true")
+    pm = PassManager(parse_pipeline(pipe), check=True, shapes=SMALL)
+    out = pm.run(example(stem))
+    assert all(r.check == "ok" for r in pm.records), [(r.name, r.check) for r in pm.records]
+    names = [op.name for op in out.walk()]
+    assert "tile.atomic_add" not in names and "tile.scatter_add" not in names
+    assert not any(op.attrs.get("accumulators") for op in out.walk() if op.name == "parallel_for")
+
+
+def test_deterministic_refuses_atomic_dq() -> None:
+    with pytest.raises(fl.ParseError, match="deterministic=true needs dq=separate"):
+        parse_pipeline("tile-bwd{dq=atomic,deterministic=true}")

@@ -251,7 +251,7 @@ _register("matmul", "contraction", "graph", _infer_matmul, doc="batched matmul, 
 _register("repeat_interleave", "data", "graph", _infer_repeat, doc="GQA: repeat kv heads for query heads")
 _register("group_sum", "reduce", "graph", _infer_group_sum,
           doc="sum each run of `size` consecutive entries along `axis` (the adjoint of repeat_interleave: GQA)")
-_register("scatter_add", "data", "graph", _infer_scatter_add,
+_register("scatter_add", "data", "any", _infer_scatter_add,
           doc="table + updates added at [i0, i1, ...] (indices broadcast and clamped as gather's; the adjoint "
               "of gather)")
 _register("reduce_max", "reduce", "any", _infer_reduce)

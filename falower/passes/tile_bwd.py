@@ -15,9 +15,12 @@ summed over kv tiles). From that, three loop nests:
         } }
     %dq = parallel_for (b, h, q-tile) { for kv tiles iter_args(dQ) { ...; dQ += dS K } }
 
-dQ is computed by its own loop nest with q tiles outer (`dq=separate`, deterministic, as the Triton
-tutorial does); the kv-outer nest sums dK and dV of a kv head over the group's query heads, so GQA needs
-no atomics. Padded positions of ragged tiles are masked in the IR, not by the kernel's grace: the
+dQ is computed by its own loop nest with q tiles outer (`dq=separate`, as the Triton tutorial does) or
+added tile by tile from the kv-outer nest into an f32 accumulator (`dq=atomic`, FlashAttention-2's choice:
+five products instead of seven). The kv-outer nest sums dK and dV of a kv head over the group's query
+heads, so GQA needs no atomics. Gradients of captured tables (autodiff's scatter_add) are added per tile
+into accumulators of the kv-outer nest (`tile.scatter_add`), or, with `deterministic=true`, into a copy
+per kv tile that is summed in a fixed order after the nest (memory: B * kv heads * kv tiles copies). Padded positions of ragged tiles are masked in the IR, not by the kernel's grace: the
 recomputed scores get `where(q < M and kv < N, x, -inf) {bounds}`, so P, and with it every contribution
 of a padded row or column, is 0.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import PassError
 from ..ir.builder import Builder
@@ -92,7 +95,9 @@ class TileBwd(Pass):
     """Tile the backward: Delta first, kv tiles outer for dK and dV, q tiles outer for dQ.
 
     Requires: the backward function of recompute (run autodiff, decompose-softmax, delta, recompute).
-    Options: bq, bk (tile sizes), dq = separate (a second loop nest with q tiles outer; deterministic).
+    Options: bq, bk (tile sizes); dq = separate (a second loop nest with q tiles outer) or atomic (added
+    from the kv-outer nest); skip (tile skipping from the mask, default true); deterministic (no atomics: dq
+    separate, captured tables' gradients reduced in a fixed order).
 
         %p = exp (sub %x, %lse_safe) : f32[B,H,M,N]
         %dv32 = matmul %p, %g {transpose_a} : f32[B,H,N,D]
@@ -113,6 +118,7 @@ class TileBwd(Pass):
     bk: int = 64
     dq: str = "separate"
     skip: bool = True
+    deterministic: bool = False
 
     removes = ("matmul",)
 
@@ -122,6 +128,8 @@ class TileBwd(Pass):
         if self.dq not in ("separate", "atomic"):
             raise ValueError(f"dq must be 'separate' (a q-outer loop nest) or 'atomic' (added from the kv-outer "
                              f"loop), got {self.dq!r}")
+        if self.deterministic and self.dq == "atomic":
+            raise ValueError("deterministic=true needs dq=separate: atomic adds sum in no fixed order")
 
     # ------------------------------------------------------------------------------ analysis
     def analyse(self, func: Func) -> BackwardPlan:
@@ -350,19 +358,39 @@ class TileBwd(Pass):
                 return ctx.tile_class(lb, table, pos["qi"], kj)
 
             ctx.atomics = list(zip(atomics, acc_args))
-            ctx.scatter_accs = {id(op): acc for chain, acc in zip(chains, acc_args[len(atomics):]) for op in chain}
-            sums = self._loop(ctx, pb, lo, hi, accs, "it" if G > 1 else "qi", position, cls_of)
+            if self.deterministic:  # each iteration sums its own copy of the table, summed in order afterwards
+                ctx.scatter_accs = {id(op): i for i, chain in enumerate(chains) for op in chain}
+                tables = [pb.const(0.0, TensorType("f32", c[-1].results[0].type.shape), name_hint=f"{plan.label(c[-1])}_0")
+                          for c in chains]
+            else:
+                ctx.scatter_accs = {id(op): acc for chain, acc in zip(chains, acc_args[len(atomics):]) for op in chain}
+                tables = []
+            out = self._loop(ctx, pb, lo, hi, accs, "it" if G > 1 else "qi", position, cls_of, tables)
+            sums, parts = out[:len(accs)], out[len(accs):]
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
-            return [(ctx.emit_post(v), [bi, hk, (k0, bk), ":"]) for v in results]
+            tiles = [(ctx.emit_post(v), [bi, hk, (k0, bk), ":"]) for v in results]
+            return tiles + [(t, [bi, hk, kj] + [":"] * t.type.rank) for t in parts]
 
-        sums_of = [op for op in atomics] + [chain[-1] for chain in chains]
+        part_chains = chains if self.deterministic else []
+        part_types = [TensorType("f32", (dim("B"), plan.kv_heads, cdiv(plan.N, bk)) + c[-1].results[0].type.shape)
+                      for c in part_chains]
+        sums_of = [op for op in atomics] + ([] if self.deterministic else [chain[-1] for chain in chains])
         acc_types = [TensorType("f32", op.results[0].type.shape) for op in sums_of]
-        got = _parallel_for(b, ["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results],
-                            [v.name for v in results], acc_types,
-                            [f"{plan.label(op)}_acc" for op in sums_of], nest)
+        got = _parallel_for(b, ["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"],
+                            [v.type for v in results] + part_types,
+                            [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
+                            acc_types, [f"{plan.label(op)}_acc" for op in sums_of], nest)
+        n_stored = len(results) + len(part_types)
         outs = dict(zip(results, got[:len(results)]))
         # after the nest: the f32 sums through the ops that followed them (dQ's cast, a table's cast)
-        whole = dict(zip([op.results[0] for op in sums_of], got[len(results):]))
+        whole = dict(zip([op.results[0] for op in sums_of], got[n_stored:]))
+        for chain, parts in zip(part_chains, got[len(results):n_stored]):
+            t = parts
+            for axis in (0, 1, 2):  # over b, the kv heads and the kv tiles, in that fixed order
+                t = b.emit("reduce_sum", t, axis=axis, name_hint=f"{plan.label(chain[-1])}_sum")
+            for _ in range(3):
+                t = b.emit("squeeze", t, axis=0)
+            whole[chain[-1].results[0]] = t
         for v in atomic_results:
             outs[v] = _clone_post(b, v, whole, plan)
         return outs
@@ -398,18 +426,21 @@ class TileBwd(Pass):
         return b.parallel_for(["B", plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], [v.type for v in results], nest,
                               result_names=[v.name for v in results])
 
-    def _loop(self, ctx: "_Ctx", pb: Builder, lo: Value, hi: Value, accs: list[Op], iv: str, position, cls_of):
-        """The inner loop over tiles, summing each accumulated product. With a mask, each tile's class
-        decides: empty tiles are skipped, full ones run without the mask (and without the kv bound),
-        partial ones with it."""
-        inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs]
-        names = [ctx.plan.label(op) for op in accs]
+    def _loop(self, ctx: "_Ctx", pb: Builder, lo: Value, hi: Value, accs: list[Op], iv: str, position, cls_of,
+              tables: Optional[list[Value]] = None):
+        """The inner loop over tiles, summing each accumulated product (and, deterministic, carrying this
+        iteration's copy of each captured table's gradient). With a mask, each tile's class decides: empty
+        tiles are skipped, full ones run without the mask (and without the kv bound), partial ones with it."""
+        tables = tables or []
+        inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs] + tables
+        names = [ctx.plan.label(op) for op in accs] + [t.name or "table" for t in tables]
 
         def body(bb: Builder, full: bool) -> list[Value]:
             ctx.scopes.append((Space({R, C, H}), bb, {}))
             ctx.full = full
             nxt = [bb.emit("add", st, ctx.emit_product(op), name_hint=f"{n}_next")
                    for st, op, n in zip(ctx.state, accs, names)]
+            carried = list(ctx.state[len(accs):])
             for op, acc in ctx.atomics:  # dQ += dS K for this q tile, into the nest's accumulator
                 part = ctx.emit_product(op)
                 bb.op("tile.atomic_add", [acc, part, ctx.bi, ctx.h, ctx.q0], [],
@@ -418,10 +449,14 @@ class TileBwd(Pass):
                 # this tile's share of a captured table's gradient
                 upd = ctx.emit(op.operands[1])
                 upd = upd if upd.type.dtype == "f32" else bb.cast(upd, "f32")
-                bb.op("tile.scatter_add", [ctx.scatter_accs[id(op)], upd, *[ctx.emit(i) for i in op.operands[2:]]],
-                      [], {})
+                idx = [ctx.emit(i) for i in op.operands[2:]]
+                where = ctx.scatter_accs[id(op)]
+                if isinstance(where, int):  # deterministic: into this iteration's own copy
+                    carried[where] = bb.emit("scatter_add", carried[where], upd, *idx, name_hint="table_next")
+                else:
+                    bb.op("tile.scatter_add", [where, upd, *idx], [], {})
             ctx.scopes.pop()
-            return nxt
+            return nxt + carried
 
         def inner(lb: Builder, i: Value, state: list[Value]) -> list[Value]:
             position(lb, i)
@@ -553,7 +588,8 @@ class _Ctx:
         self.full = False  # emitting a full tile: the mask and the kv bound are dropped
         self.state: list[Value] = []
         self.atomics: list[tuple[Op, Value]] = []  # (product, accumulator) added tile by tile (dq=atomic)
-        self.scatter_accs: dict[int, Value] = {}  # id(scatter_add) -> the accumulator of its table's gradient
+        # id(scatter_add) -> the accumulator of its table's gradient, or (deterministic) its loop state's index
+        self.scatter_accs: dict[int, Any] = {}
 
     def caps(self) -> list[Value]:
         return [self.argmap[c] for c in self.plan.pred_caps]
