@@ -101,11 +101,16 @@ class Builder:
         return op.results
 
     def parallel_for(self, bounds: Sequence[DimLike], iv_names: Sequence[str], result_types: Sequence[TensorType],
-                     body: Callable[["Builder", list[Value]], Sequence[tuple[Value, Sequence[Any]]]],
-                     result_names: Optional[Sequence[Optional[str]]] = None) -> list[Value]:
-        """`body` returns, per result, (tile, slice index) where the tile goes in the result."""
-        blk = Block([scalar("i32")] * len(bounds), list(iv_names))
-        outs = body(Builder(blk), blk.args)
+                     body: Callable[..., Sequence[tuple[Value, Sequence[Any]]]],
+                     result_names: Optional[Sequence[Optional[str]]] = None,
+                     accumulators: Sequence[tuple[TensorType, str]] = ()) -> list[Value]:
+        """`body(builder, ivs)` returns, per result, (tile, slice index) where the tile goes in the result.
+        With `accumulators` ((type, name) each) the body is called as `body(builder, ivs, accumulators)` and
+        the accumulators' sums are results after the stored ones."""
+        blk = Block([scalar("i32")] * len(bounds) + [t for t, _ in accumulators],
+                    list(iv_names) + [n for _, n in accumulators])
+        ivs = blk.args[:len(bounds)]
+        outs = body(Builder(blk), ivs, blk.args[len(bounds):]) if accumulators else body(Builder(blk), ivs)
         operands: list[Value] = []
         specs = []
         for tile, index in outs:
@@ -113,8 +118,11 @@ class Builder:
             operands += [tile, *idx]
             specs.append(spec)
         Builder(blk).op("tile.yield", operands, [], {"slices": tuple(specs)})
-        op = self.op("parallel_for", [], list(result_types), {"bounds": tuple(dim(b) for b in bounds)}, [blk],
-                     names=result_names)
+        attrs: dict[str, Any] = {"bounds": tuple(dim(b) for b in bounds)}
+        if accumulators:
+            attrs["accumulators"] = len(accumulators)
+        names = list(result_names or [None] * len(result_types)) + [n.removesuffix("_acc") for _, n in accumulators]
+        op = self.op("parallel_for", [], list(result_types) + [t for t, _ in accumulators], attrs, [blk], names=names)
         return op.results
 
     def if_(self, cond: Value, result_types: Sequence[TensorType],

@@ -703,27 +703,19 @@ class _Model:
             b, h, q0, k0 = args
             env[op.results[0]] = self.classify(op.regions[0], b, h, q0, op.attrs["bq"], k0, op.attrs["bk"], len(x) - 4)
             return
-        if n == "mask.kv_range":
-            args = self._pred_inputs(op.regions[0], x[:3] + [0])
+        if n in ("mask.kv_range", "mask.q_range"):
+            # intervals.kv_range / q_range, with the classifications cached for the mask.classify ops in the loop
+            transposed = n == "mask.q_range"  # operands b, h, k0, nq instead of b, h, q0, nkv
+            args = self._pred_inputs(op.regions[0], [x[0], x[1], 0, x[2]] if transposed else x[:3] + [0])
             if args is None or x[3] is None:
                 env[op.results[0]] = env[op.results[1]] = None
                 return
-            b, h, q0, _ = args
+            b, h, q0, k0 = args
             bq, bk = op.attrs["bq"], op.attrs["bk"]
-            # intervals.kv_range, with the classifications cached for the mask.classify ops in the loop
-            live = [kj for kj in range(-(-x[3] // bk))
-                    if self.classify(op.regions[0], b, h, q0, bq, kj * bk, bk, len(x) - 4) != intervals.EMPTY]
-            env[op.results[0]], env[op.results[1]] = (live[0], live[-1] + 1) if live else (0, 0)
-            return
-        if n == "mask.q_range":
-            args = self._pred_inputs(op.regions[0], [x[0], x[1], 0, x[2]])
-            if args is None or x[3] is None:
-                env[op.results[0]] = env[op.results[1]] = None
-                return
-            b, h, _, k0 = args
-            bq, bk = op.attrs["bq"], op.attrs["bk"]
-            live = [qi for qi in range(-(-x[3] // bq))
-                    if self.classify(op.regions[0], b, h, qi * bq, bq, k0, bk, len(x) - 4) != intervals.EMPTY]
+            step = bq if transposed else bk
+            live = [t for t in range(-(-x[3] // step))
+                    if self.classify(op.regions[0], b, h, t * bq if transposed else q0, bq,
+                                     k0 if transposed else t * bk, bk, len(x) - 4) != intervals.EMPTY]
             env[op.results[0]], env[op.results[1]] = (live[0], live[-1] + 1) if live else (0, 0)
             return
         if n == "const":

@@ -331,7 +331,7 @@ class TileBwd(Pass):
             if any(C not in plan.space[v] and R in plan.space[v] for v in atomic_results) else []
         chains = _scatter_chains(plan.scatters)  # one accumulator per captured table's gradient
 
-        def nest(pb: Builder, ivs: list[Value], acc_args: list[Value]):
+        def nest(pb: Builder, ivs: list[Value], acc_args: tuple = ()):
             bi, hk, kj = ivs
             k0 = pb.emit("mul", kj, pb.const(bk), name_hint="k0")
             fixed = Space({C}) if G > 1 else Space({C, H})
@@ -376,10 +376,9 @@ class TileBwd(Pass):
                       for c in part_chains]
         sums_of = [op for op in atomics] + ([] if self.deterministic else [chain[-1] for chain in chains])
         acc_types = [TensorType("f32", op.results[0].type.shape) for op in sums_of]
-        got = _parallel_for(b, ["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"],
-                            [v.type for v in results] + part_types,
-                            [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
-                            acc_types, [f"{plan.label(op)}_acc" for op in sums_of], nest)
+        got = b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results] + part_types,
+                             nest, [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
+                             list(zip(acc_types, [f"{plan.label(op)}_acc" for op in sums_of])))
         n_stored = len(results) + len(part_types)
         outs = dict(zip(results, got[:len(results)]))
         # after the nest: the f32 sums through the ops that followed them (dQ's cast, a table's cast)
@@ -474,28 +473,6 @@ class TileBwd(Pass):
 
         return pb.for_loop(lo, hi, inits, inner, iv_name=iv, iter_names=[f"{n}_i" for n in names],
                            result_names=names)
-
-
-def _parallel_for(b: Builder, bounds, iv_names, types, names, acc_types, acc_names, body) -> list[Value]:
-    """A parallel_for whose last results are accumulators (block arguments after the induction variables
-    that tile.atomic_add adds into); `body(builder, ivs, accumulators)` returns (tile, slice) per stored result."""
-    from ..ir.builder import _slice
-    from ..ir.dims import dim as to_dim
-
-    blk = Block([I32] * len(bounds) + list(acc_types), list(iv_names) + list(acc_names))
-    outs = body(Builder(blk), blk.args[:len(bounds)], blk.args[len(bounds):])
-    operands: list[Value] = []
-    specs = []
-    for tile, index in outs:
-        spec, idx = _slice(index)
-        operands += [tile, *idx]
-        specs.append(spec)
-    Builder(blk).op("tile.yield", operands, [], {"slices": tuple(specs)})
-    attrs = {"bounds": tuple(to_dim(x) for x in bounds)}
-    if acc_types:
-        attrs["accumulators"] = len(acc_types)
-    return b.op("parallel_for", [], list(types) + list(acc_types), attrs, [blk],
-                names=list(names) + [n.replace("_acc", "") for n in acc_names]).results
 
 
 def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPlan) -> Value:
