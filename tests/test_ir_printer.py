@@ -45,6 +45,7 @@ def test_printing_is_deterministic_and_does_not_depend_on_object_identity() -> N
     (7, "i32", "const 7 : i32"),
     (-7, "i32", "const -7 : i32"),
     (True, "bool", "const true : bool"),
+    (False, "bool", "const false : bool"),  # a value, not a flag: building it must keep it
 ])
 def test_constants_print_and_parse(value, type_, text) -> None:
     f, b, () = new_func("c", [])

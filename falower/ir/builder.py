@@ -23,8 +23,9 @@ def _normalize_attr(v: Any) -> Any:
 
 
 def normalize_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
-    """False flags are dropped and constant dims become ints, so built and parsed IR compare equal."""
-    return {k: _normalize_attr(v) for k, v in attrs.items() if v is not False and v is not None}
+    """False flags are dropped and constant dims become ints, so built and parsed IR compare equal. A
+    constant's `value` is data, not a flag: `const false` keeps it."""
+    return {k: _normalize_attr(v) for k, v in attrs.items() if (v is not False or k == "value") and v is not None}
 
 
 class Builder:
