@@ -8,7 +8,8 @@
 
 from . import passes  # noqa: F401  (registers the passes)
 from .errors import FalowerError, ParseError, PassError, ShapeError, VerifyError
-from .frontend import (attention, capture, ceil, cos, erf, exp, exp2, expm1, floor, log, log1p, maximum, minimum,
+from .frontend import absolute as abs  # noqa: A004  (torch's name)
+from .frontend import (attention, capture, ceil, cos, erf, exp, exp2, expm1, floor, log, log1p, log2, maximum, minimum,
                        round, rsqrt, sigmoid, sign, sin, softmax, sqrt, tan, tanh, tensor, trace, where)
 from .ir import Func, interpret, parse_func, print_func, verify
 from .passes import PassManager, parse_pipeline, run_pipeline
@@ -29,6 +30,6 @@ def grad(func: Func, **kwargs) -> Func:
 
 __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp", "exp2", "log", "tanh",
            "sigmoid", "erf", "sqrt", "sin", "cos", "tan", "log1p", "expm1", "rsqrt", "floor", "ceil", "round",
-           "sign", "maximum", "minimum", "lower", "grad", "interpret", "print_func", "parse_func",
+           "sign", "log2", "abs", "maximum", "minimum", "lower", "grad", "interpret", "print_func", "parse_func",
            "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
            "PassError", "ShapeError", "VerifyError"]

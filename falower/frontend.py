@@ -414,6 +414,8 @@ def floor(x): return _sym(x).floor()
 def ceil(x): return _sym(x).ceil()
 def round(x): return _sym(x).round()  # noqa: A001  (the torch name)
 def sign(x): return _sym(x).sign()
+def log2(x): return _sym(x).log2()
+def absolute(x): return _sym(x).abs()  # falower.abs (named so to leave Python's abs alone in this module)
 
 
 # ----------------------------------------------------------------------------------- captures

@@ -18,7 +18,7 @@ from falower.passes.cost import cost_of
 SHAPES = {"B": 2, "H": 3, "M": 21, "N": 19, "D": 4}
 UNARY = {"sin": np.sin, "cos": np.cos, "tan": np.tan, "log1p": np.log1p, "expm1": np.expm1,
          "rsqrt": lambda a: 1 / np.sqrt(a), "floor": np.floor, "ceil": np.ceil, "round": np.round, "sign": np.sign,
-         "exp": np.exp, "tanh": np.tanh, "sqrt": np.sqrt}
+         "exp": np.exp, "tanh": np.tanh, "sqrt": np.sqrt, "abs": np.abs, "log2": np.log2}
 
 
 def through_fa2(g: fl.Func, shapes=None) -> None:
