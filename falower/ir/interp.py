@@ -208,11 +208,8 @@ class Interpreter:
         Updates and indices broadcast together: each element of the broadcast adds once."""
         t = op.results[0].type
         cd = self.compute_dtype(t)
-        table, upd, idx = x[0].astype(cd), x[1].astype(cd), x[2:]
-        clipped = [np.clip(i, 0, table.shape[d] - 1) for d, i in enumerate(idx)]
-        arrays = np.broadcast_arrays(upd, *clipped)
-        out = table.copy()
-        np.add.at(out, tuple(arrays[1:]), arrays[0])
+        out = x[0].astype(cd)  # a copy: the op is pure
+        _scatter_into(out, x[1].astype(cd), x[2:])
         return [self.store(out, t)]
 
     def _reduce(self, op: Op, a: np.ndarray, f) -> list[np.ndarray]:
@@ -278,10 +275,7 @@ class Interpreter:
         return []
 
     def op_tile_scatter_add(self, op: Op, x, env) -> list[np.ndarray]:
-        acc, val, idx = x[0], np.asarray(x[1]), x[2:]
-        shape = np.broadcast_shapes(val.shape, *(np.shape(i) for i in idx))
-        clipped = tuple(np.broadcast_to(np.clip(i, 0, acc.shape[d] - 1), shape) for d, i in enumerate(idx))
-        np.add.at(acc, clipped, np.broadcast_to(val, shape).astype(acc.dtype))
+        _scatter_into(x[0], np.asarray(x[1]).astype(x[0].dtype), x[2:])  # in place: an accumulator
         return []
 
     def op_tile_insert(self, op: Op, x, env) -> list[np.ndarray]:
@@ -393,6 +387,14 @@ class Interpreter:
     def _extent(self, op: Op, which: str) -> int:
         d = op.attrs.get("m" if which == "M" else "n")
         return dim(d).eval(self.env_dims) if d is not None else self.env_dims[which]
+
+
+def _scatter_into(table: np.ndarray, values: np.ndarray, idx) -> None:
+    """table[i0, i1, ...] += values, in place; indices clamped as gather's, broadcast with the values, and
+    repeated indices add up (scatter_add and tile.scatter_add)."""
+    clipped = [np.clip(i, 0, table.shape[d] - 1) for d, i in enumerate(idx)]
+    arrays = np.broadcast_arrays(values, *clipped)
+    np.add.at(table, tuple(arrays[1:]), arrays[0])
 
 
 def _erf(a: np.ndarray) -> np.ndarray:

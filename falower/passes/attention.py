@@ -109,20 +109,7 @@ def find_attention(func: Func, who: str) -> Attention:
         raise fail(f"the softmax reduces axis {axis} of {x.type}; only a softmax over the kv axis (the last "
                    f"axis of [B, H, M, N] scores) can be tiled")
     users = uses(func)
-    m_safe = next((u for u in users.get(m.result, []) if u.name == "where" and _guard(u.result, -math.inf, 0.0, m.result)), None)
-    if m_safe is None:
-        raise fail("reduce_max is not followed by the max guard of a decomposed softmax (run decompose-softmax)")
-    sub = next((u for u in users.get(x, []) if u.name == "sub" and u.operands == [x, m_safe.result]), None)
-    e = _single_user(users, sub.result, "exp") if sub is not None else None
-    if e is None:
-        raise fail("no exp(x - max) after the row max: the reduction is not part of a softmax")
-    l = _single_user(users, e.result, "reduce_sum")
-    if l is None or l.attrs["axis"] != axis:
-        raise fail("no row sum of exp(x - max) over the same axis: the reduction is not part of a softmax")
-    l_safe = next((u for u in users.get(l.result, []) if u.name == "where" and _guard(u.result, 0.0, 1.0, l.result)), None)
-    p = next((u for u in users.get(e.result, []) if u.name == "div"), None)
-    if l_safe is None or p is None or p.operands != [e.result, l_safe.result]:
-        raise fail("exp(x - max) is not divided by its row sum: the reduction is not part of a softmax")
+    m_safe, sub, e, l, l_safe, p = decomposed_softmax(m, users, fail)
     pv = _single_user(users, p.result, "matmul")
     if pv is None or pv.operands[0] is not p.result or pv.attrs.get("transpose_a") or pv.attrs.get("transpose_b"):
         raise fail("the softmax result must feed a matmul P @ V (the value contraction over kv)")
@@ -154,6 +141,27 @@ def find_attention(func: Func, who: str) -> Attention:
     if len(ret.operands) != 1:
         raise fail("the graph must return only the attention output")
     return Attention(qk, q, k, v, gk, x, m, m_safe, e, l, l_safe, p, pv, chain, ret_index)
+
+
+def decomposed_softmax(m: Op, users: dict[Value, list[Op]], fail) -> tuple[Op, Op, Op, Op, Op, Op]:
+    """From a row max `m = reduce_max x`, the rest of decompose-softmax's form: (m_safe, x - m_safe, e, l,
+    l_safe, p = e / l_safe). `fail(msg)` makes the asking pass's error for the part that is missing."""
+    x, axis = m.operands[0], m.attrs["axis"]
+    m_safe = next((u for u in users.get(m.result, []) if u.name == "where" and _guard(u.result, -math.inf, 0.0, m.result)), None)
+    if m_safe is None:
+        raise fail("reduce_max is not followed by the max guard of a decomposed softmax (run decompose-softmax)")
+    sub = next((u for u in users.get(x, []) if u.name == "sub" and u.operands == [x, m_safe.result]), None)
+    e = _single_user(users, sub.result, "exp") if sub is not None else None
+    if sub is None or e is None:
+        raise fail("no exp(x - max) after the row max: the reduction is not part of a softmax")
+    l = _single_user(users, e.result, "reduce_sum")
+    if l is None or l.attrs["axis"] != axis:
+        raise fail("no row sum of exp(x - max) over the same axis: the reduction is not part of a softmax")
+    l_safe = next((u for u in users.get(l.result, []) if u.name == "where" and _guard(u.result, 0.0, 1.0, l.result)), None)
+    p = next((u for u in users.get(e.result, []) if u.name == "div"), None)
+    if l_safe is None or p is None or p.operands != [e.result, l_safe.result]:
+        raise fail("exp(x - max) is not divided by its row sum: the reduction is not part of a softmax")
+    return m_safe, sub, e, l, l_safe, p
 
 
 def the_parallel_for(func: Func, fail, hint: str) -> Op:

@@ -66,15 +66,24 @@ def predicate_region(fused: Op, conj: list[Value]) -> Block:
     region = fused.regions[0]
     roles = list(fused.attrs["roles"])
     caps = [a for a, r in zip(region.args, roles) if r == "cap"]
+    index = {a: ("b", "h", "q", "kv").index(r) for a, r in zip(region.args, roles) if r in ("b", "h", "q", "kv")}
+    pred, b, keep = build_predicate(region, conj, index, caps)
+    b.op("yield", [keep], [])
+    return pred
+
+
+def build_predicate(src: Block, conj: list[Value], index: dict[Value, int], caps: list[Value]
+                    ) -> tuple[Block, Builder, Value]:
+    """The conjuncts' computation in `src`, copied as scalar code into a new predicate block over
+    (b, h, q, kv, captured tensors...): `index` maps the values of `src` that are the b, h, q or kv index to
+    0..3. Returns the block (not yet terminated), a builder at its end and the AND of the conjuncts."""
     pred = Block([I32] * 4 + [c.type for c in caps], ["b", "h", "q", "kv"] + [c.name for c in caps])
-    vmap: dict[Value, Value] = {}
-    for a, r in zip(region.args, roles):
-        if r in ("b", "h", "q", "kv"):
-            vmap[a] = pred.args[("b", "h", "q", "kv").index(r)]
-    for c, pa in zip(caps, pred.args[4:]):
-        vmap[c] = pa
+    vmap: dict[Value, Value] = {v: pred.args[i] for v, i in index.items()}
+    vmap.update(zip(caps, pred.args[4:]))
     b = Builder(pred)
-    for op in backward_slice(region, conj):
+    for op in backward_slice(src, conj):
+        if all(r in vmap for r in op.results):
+            continue  # an index (an iota of a whole-tensor graph)
         operands = [vmap[v] for v in op.operands]
         if op.name == "const":
             types = [r.type for r in op.results]
@@ -86,11 +95,10 @@ def predicate_region(fused: Op, conj: list[Value]) -> Block:
         nop = b.op(op.name, operands, types, dict(op.attrs), names=[r.name for r in op.results])
         for r, nr in zip(op.results, nop.results):
             vmap[r] = nr
-    out = vmap[conj[-1]]
+    keep = vmap[conj[-1]]
     for c in reversed(conj[:-1]):
-        out = b.emit("and", out, vmap[c], name_hint="keep")
-    b.op("yield", [out], [])
-    return pred
+        keep = b.emit("and", keep, vmap[c], name_hint="keep")
+    return pred, b, keep
 
 
 def unmasked(fused: Op, score: Value) -> Block:

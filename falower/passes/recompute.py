@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value, clone_op
+from ..ir.core import Block, Func, Op, Value, clone_op, uses
 from ..ir.types import TensorType
-from .attention import _guard, _is
+from .attention import _is, decomposed_softmax
 from .base import Pass, register
 from .rewrite import dce
 
@@ -37,9 +37,7 @@ from .rewrite import dce
 class Softmax:
     """The decomposed softmax of the forward (decompose-softmax's form)."""
 
-    x: Value
-    m: Op
-    l: Op
+    x: Value  # the scores it normalises
     p: Op
     stats: set[int]  # ids of m, m_safe, e, l, l_safe and the ops between them: what P is made of
 
@@ -68,26 +66,10 @@ def find_softmax(func: Func, forward: list[Op], fail) -> Softmax:
     if len(maxes) != 1:
         raise fail(f"needs one decomposed softmax in the forward, found {len(maxes)} row maxima")
     m = maxes[0]
-    x = m.operands[0]
-    users: dict[int, list[Op]] = {}
-    for op in func.body.ops:
-        for v in op.operands:
-            users.setdefault(id(v), []).append(op)
-
-    def user(v: Value, name: str, pred=lambda op: True) -> Optional[Op]:
-        return next((u for u in users.get(id(v), []) if u.name == name and pred(u)), None)
-
-    m_safe = user(m.results[0], "where", lambda u: _guard(u.results[0], -math.inf, 0.0, m.results[0]))
-    sub = user(x, "sub", lambda u: m_safe is not None and u.operands[1] is m_safe.results[0])
-    e = user(sub.results[0], "exp") if sub is not None else None
-    l = user(e.results[0], "reduce_sum") if e is not None else None
-    l_safe = user(l.results[0], "where", lambda u: _guard(u.results[0], 0.0, 1.0, l.results[0])) if l else None
-    p = user(e.results[0], "div", lambda u: l_safe is not None and u.operands[1] is l_safe.results[0]) if e else None
-    if p is None or l is None:
-        raise fail("the forward's row max is not part of a decomposed softmax (run decompose-softmax)")
+    m_safe, sub, e, l, l_safe, p = decomposed_softmax(m, uses(func), fail)
     stat_ops = [m, m_safe, sub, e, l, l_safe, p]
-    guards = [_is(op.operands[0], "eq") for op in (m_safe, l_safe)]  # type: ignore[union-attr]
-    return Softmax(x, m, l, p, {id(op) for op in stat_ops + guards if op is not None})
+    guards = [_is(op.operands[0], "eq") for op in (m_safe, l_safe)]
+    return Softmax(m.operands[0], p, {id(op) for op in stat_ops + guards if op is not None})
 
 
 @register

@@ -20,9 +20,10 @@ added tile by tile from the kv-outer nest into an f32 accumulator (`dq=atomic`, 
 five products instead of seven). The kv-outer nest sums dK and dV of a kv head over the group's query
 heads, so GQA needs no atomics. Gradients of captured tables (autodiff's scatter_add) are added per tile
 into accumulators of the kv-outer nest (`tile.scatter_add`), or, with `deterministic=true`, into a copy
-per kv tile that is summed in a fixed order after the nest (memory: B * kv heads * kv tiles copies). Padded positions of ragged tiles are masked in the IR, not by the kernel's grace: the
-recomputed scores get `where(q < M and kv < N, x, -inf) {bounds}`, so P, and with it every contribution
-of a padded row or column, is 0.
+per kv tile that is summed in a fixed order after the nest (memory: B * kv heads * kv tiles copies).
+Padded positions of ragged tiles are masked in the IR, not by the kernel's grace: the recomputed scores
+get `where(q < M and kv < N, x, -inf) {bounds}`, so P, and with it every contribution of a padded row or
+column, is 0.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float, scalar
 from .attention import _const_is, _is
+from .mask_tiles import build_predicate
 from .base import Pass, register
 
 R, C, H = "R", "C", "H"
@@ -64,12 +66,12 @@ class BackwardPlan:
     scatter_path: set[int] = field(default_factory=set)  # ids of the ops computing their updates per tile
     conj: list[Value] = field(default_factory=list)  # the mask's conjuncts (bool, of indices and captures)
     labels: dict[int, str] = field(default_factory=dict)  # id(summing op) -> the gradient it makes (dv, dq)
+    pred: Optional[Block] = None  # the mask as a scalar predicate (b, h, q, kv, captures), kv bound included
+    pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
 
     def label(self, op: Op) -> str:
         """A readable name for a sum over tiles: the result it becomes (dv, dk, dq, d<capture>) + 32 for f32."""
         return self.labels.get(id(op)) or op.results[0].name or "acc"
-    pred: Optional[Block] = None  # the mask as a scalar predicate (b, h, q, kv, captures), kv bound included
-    pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
 
 
 def _root(v: Value) -> Value:
@@ -153,7 +155,8 @@ class TileBwd(Pass):
         q_like = next(iter(rows))
         for a in func.args:
             t = a.type
-            if a in rows or (t.rank == 4 and a not in cols and t.shape[2] == M and t.shape[:2] == q_like.type.shape[:2]):
+            like_q = t.rank == 4 and a not in cols and t.shape[2] == M and t.shape[:2] == q_like.type.shape[:2]
+            if a in rows or like_q:
                 space[a] = Space({R, H})
             elif a in cols:
                 space[a] = Space({C})
@@ -251,21 +254,8 @@ class TileBwd(Pass):
         if not conj:
             return
         caps = [a for a in func.args if not plan.space[a] and _reads(conj, a, func)]
-        pred = Block([scalar("i32")] * 4 + [c.type for c in caps], ["b", "h", "q", "kv"] + [c.name for c in caps])
-        pb = Builder(pred)
-        vmap: dict[Value, Value] = dict(zip(caps, pred.args[4:]))
-        for op in backward_slice(func.body, conj):
-            if op.name == "iota":
-                vmap[op.results[0]] = pred.args[op.attrs["axis"]]
-                continue
-            operands = [vmap[v] for v in op.operands]
-            types = [r.type for r in op.results] if op.name == "const" else \
-                OPS[op.name].infer([v.type for v in operands], dict(op.attrs))  # type: ignore[misc]
-            nop = pb.op(op.name, operands, types, dict(op.attrs), names=[r.name for r in op.results])
-            vmap.update(zip(op.results, nop.results))
-        keep = vmap[conj[-1]]
-        for c in reversed(conj[:-1]):
-            keep = pb.emit("and", keep, vmap[c], name_hint="keep")
+        iotas = {op.results[0]: op.attrs["axis"] for op in backward_slice(func.body, conj) if op.name == "iota"}
+        pred, pb, keep = build_predicate(func.body, conj, iotas, caps)
         inb = pb.op("lt", [pred.args[3], pb.const(plan.N)], [scalar("bool")], {"bounds": True},
                     names=["in_bounds"]).results[0]
         pb.op("yield", [pb.emit("and", keep, inb, name_hint="keep")], [])
@@ -360,8 +350,8 @@ class TileBwd(Pass):
             ctx.atomics = list(zip(atomics, acc_args))
             if self.deterministic:  # each iteration sums its own copy of the table, summed in order afterwards
                 ctx.scatter_accs = {id(op): i for i, chain in enumerate(chains) for op in chain}
-                tables = [pb.const(0.0, TensorType("f32", c[-1].results[0].type.shape), name_hint=f"{plan.label(c[-1])}_0")
-                          for c in chains]
+                tables = [pb.const(0.0, TensorType("f32", c[-1].results[0].type.shape),
+                                   name_hint=f"{plan.label(c[-1])}_0") for c in chains]
             else:
                 ctx.scatter_accs = {id(op): acc for chain, acc in zip(chains, acc_args[len(atomics):]) for op in chain}
                 tables = []
@@ -374,10 +364,11 @@ class TileBwd(Pass):
         part_chains = chains if self.deterministic else []
         part_types = [TensorType("f32", (dim("B"), plan.kv_heads, cdiv(plan.N, bk)) + c[-1].results[0].type.shape)
                       for c in part_chains]
-        sums_of = [op for op in atomics] + ([] if self.deterministic else [chain[-1] for chain in chains])
+        sums_of = atomics + ([] if self.deterministic else [chain[-1] for chain in chains])
         acc_types = [TensorType("f32", op.results[0].type.shape) for op in sums_of]
-        got = b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"], [v.type for v in results] + part_types,
-                             nest, [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
+        got = b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"],
+                             [v.type for v in results] + part_types, nest,
+                             [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
                              list(zip(acc_types, [f"{plan.label(op)}_acc" for op in sums_of])))
         n_stored = len(results) + len(part_types)
         outs = dict(zip(results, got[:len(results)]))
@@ -604,7 +595,6 @@ class _Ctx:
         if got is not None:
             return got
         if v in self.stored:
-            bld, memo = self.scopes[-1][1], self.scopes[-1][2]
             bld, memo = self._scope(v)
             memo[v] = bld.tile_load(self.stored[v], [self.bi, self.h, (self.q0, self.tb.bq), ":"],
                                     name_hint=v.name)

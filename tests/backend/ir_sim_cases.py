@@ -112,27 +112,13 @@ TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "
 
 if __name__ == "__main__":
     wanted = sys.argv[1:]
-    for stem, path in CASES:
-        cid = f"{stem}-{path}"
+    jobs = [(f"{stem}-{path}", run_case, (stem, path)) for stem, path in CASES]
+    jobs += [(f"idiom-{which}", run_idiom_case, (which,)) for which in IDIOM_CASES]
+    jobs += [(f"table-{mask}-{kind}", run_table_case, (mask, kind)) for mask, kind in TABLE_CASES]
+    for cid, run, args in jobs:
         if wanted and cid not in wanted:
             continue
         try:
-            print(json.dumps(run_case(stem, path)), flush=True)
-        except Exception as e:  # report, the test fails on it
-            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
-    for which in IDIOM_CASES:
-        cid = f"idiom-{which}"
-        if wanted and cid not in wanted:
-            continue
-        try:
-            print(json.dumps(run_idiom_case(which)), flush=True)
-        except Exception as e:  # report, the test fails on it
-            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
-    for mask, kind in TABLE_CASES:
-        cid = f"table-{mask}-{kind}"
-        if wanted and cid not in wanted:
-            continue
-        try:
-            print(json.dumps(run_table_case(mask, kind)), flush=True)
+            print(json.dumps(run(*args)), flush=True)
         except Exception as e:  # report, the test fails on it
             print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
