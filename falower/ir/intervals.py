@@ -111,8 +111,6 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
         elif n == "cast":
             r = x[0] if op.attrs["to"] != "bool" else ((0, 0) if x[0] == (0, 0) else (1, 1) if x[0][0] > 0 or x[0][1] < 0 else (0, 1))
         elif n in _MONOTONE:
-            import numpy as np
-
             with np.errstate(all="ignore"):
                 f = {"log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "round": np.round,
                      "sign": np.sign,

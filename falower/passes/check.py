@@ -250,7 +250,8 @@ class Reference:
             refuse_if_too_large(func, env)
             inputs = random_inputs(func, env, seed, kind)
         inputs = [x.astype(np.float64) if x.dtype.kind == "f" else x for x in inputs]
-        label = ",".join(f"{k}={env[k]}" for k in ("M", "N") if k in env) + (f" {kind} data" if uses_tables(func) else "")
+        label = ",".join(f"{k}={env[k]}" for k in ("M", "N") if k in env)
+        label += f" {kind} data" if uses_tables(func) else ""
         ref = cls(func, env, inputs, label=label, seed=seed)
         it = Interpreter("f64")
         outs = it.run(func, inputs, env)

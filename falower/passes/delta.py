@@ -32,15 +32,14 @@ class DeltaMatch:
     o: Value  # O = P @ V, the forward's value contraction
 
 
-def _as_pv_grad(dp: Value, p: Value, pv_by_operands: dict[tuple[int, int], Op]) -> Optional[DeltaMatch]:
+def _as_pv_grad(dp: Value, p: Value, pv_by_operands: dict[tuple[int, int], Op]) -> Optional[tuple[Value, Value]]:
+    """(G, O) when dP = G @ V^T and O = P @ V is in the function."""
     mm = _is(dp, "matmul")
     if mm is None or not mm.attrs.get("transpose_b") or mm.attrs.get("transpose_a"):
         return None
     g, v = mm.operands
     pv = pv_by_operands.get((id(p), id(_uncast(v))))
-    if pv is None:
-        return None
-    return DeltaMatch(rowsum=None, g=g, o=pv.results[0])  # type: ignore[arg-type]
+    return None if pv is None else (g, pv.results[0])
 
 
 def _uncast(v: Value) -> Value:
@@ -63,10 +62,9 @@ def find_delta(func: Func) -> list[DeltaMatch]:
             continue
         a, b = mul.operands
         for p, dp in ((a, b), (b, a)):
-            m = _as_pv_grad(dp, p, pvs)
-            if m is not None:
-                m.rowsum = op
-                found.append(m)
+            go = _as_pv_grad(dp, p, pvs)
+            if go is not None:
+                found.append(DeltaMatch(op, *go))
                 break
     return found
 
