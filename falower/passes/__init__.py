@@ -21,3 +21,7 @@ _named("fa1-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64,order=fa
 # q-outer alternative). The forward it pairs with is fa2-fwd, which produces that O and LSE.
 _named("fa2-bwd", "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,"
                   "tile-bwd{bq=64,bk=64,dq=atomic},canonicalize")
+# The same backward with no atomic adds anywhere: dQ by a q-outer nest, captured tables' gradients summed in a
+# fixed order. Same bits on every run (falower.compile(..., deterministic=True)).
+_named("fa2-bwd-deterministic", "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,"
+                                "tile-bwd{bq=64,bk=64,dq=separate,deterministic=true},canonicalize")
