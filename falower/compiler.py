@@ -138,7 +138,9 @@ class CompiledAttention:
             arrays = [_host_array(x) for x in ordered]
             return tuple(Interpreter("native").run(bwd, arrays))
         kern, env = self._backward_kernel_and_dims(inputs)
-        return kern(q, k, v, o, lse, do, *self._kernel_captures(inputs, env))
+        caps = [_scalar_if_0d(by_name[c.name]) for c in self._bwd_analysis.captures]
+        caps += [int(env[d]) for d in kern.spec.dims]
+        return kern(q, k, v, o, lse, do, *caps)
 
     def backward_kernel(self, *inputs: Any):
         """The FA2BackwardKernel these forward inputs' gradients would run (built on first use)."""

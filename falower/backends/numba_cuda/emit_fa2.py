@@ -359,6 +359,73 @@ def _mask_cond(spec: FA2ForwardSpec, q: str, kv: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Tile loads (shared by the forward and backward kernels)
+# --------------------------------------------------------------------------------------------------
+
+
+class TileLoader:
+    """Emits cp.async copies of [rows, D] tiles from global memory into swizzled shared memory.
+
+    A tile's row r, 16-byte chunk ch lands at chunk `ch ^ (r & swizzle)` of row r (row stride D), the
+    layout the ldmatrix addressing of both kernels assumes; rows at or past `nrows` are zero-filled.
+    When the block's threads cover whole rows in one sweep, each thread copies the same column chunk of
+    every RSTEP-th row from one base address (few registers); otherwise a generic loop.
+    """
+
+    def __init__(self, c: _Code, threads: int, head_dim: int) -> None:
+        self.c, self.threads, self.D = c, threads, head_dim
+        self.CH = head_dim // 8
+        self.SWZ = _swizzle_mask(head_dim)
+        self.RSTEP = threads // self.CH if threads % self.CH == 0 else 0  # rows one sweep of the block covers
+        self.FAST = self.RSTEP > 0 and self.RSTEP % (self.SWZ + 1) == 0
+
+    def setup(self) -> None:
+        """Per-thread offsets, emitted once before the first load."""
+        if self.FAST:
+            c, CH, D, SWZ = self.c, self.CH, self.D, self.SWZ
+            c("# each thread copies the same 16-byte column chunk of every RSTEP-th row: one base address")
+            c("# per tile, the rest are immediate offsets (few registers)")
+            c(f"ld_r0 = tid // {CH}")
+            c(f"ld_ch = tid % {CH}")
+            c(f"ld_soff = (ld_r0 * {D} + ((ld_ch ^ (ld_r0 & {SWZ})) << 3)) * 2")
+
+    def load(self, rows: int, smem_off: str, row0: str, nrows: str, garr: str, head: str) -> None:
+        """Rows row0 .. row0 + rows - 1 of `garr` (row (head + r) * D) to shared element offset smem_off."""
+        c, CH, D, SWZ, threads, RSTEP = self.c, self.CH, self.D, self.SWZ, self.threads, self.RSTEP
+        if self.FAST and rows % RSTEP == 0:
+            c(f"ld_row = {row0} + ld_r0")
+            c(f"ld_g = ({head} + ld_row) * {D} + ld_ch * 8")
+            c(f"ld_safe = {head} * {D} + ld_ch * 8  # a valid address for zero-filled rows")
+            c(f"ld_s = sb + ({smem_off}) * 2 + ld_soff")
+            for it in range(rows // RSTEP):
+                dr = it * RSTEP
+                c(f"if ld_row + {dr} < {nrows}:")
+                with c.indent():
+                    c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr * D}, 16)")
+                c("else:")
+                with c.indent():
+                    c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_safe, 0)")
+            return
+        per = -(-rows * CH // threads)
+        c(f"for it in range({per}):")
+        with c.indent():
+            c(f"cidx = tid + it * {threads}")
+            if (rows * CH) % threads:
+                c(f"if cidx >= {rows * CH}:")
+                with c.indent():
+                    c("break")
+            c(f"r = cidx // {CH}")
+            c(f"ch = cidx % {CH}")
+            c(f"grow = {row0} + r")
+            c(f"nbytes = 16 if grow < {nrows} else 0")
+            c(f"grow = min(grow, {nrows} - 1)")
+            c(
+                f"cp_async16_s(sb + ({smem_off} + r * {D} + ((ch ^ (r & {SWZ})) << 3)) * 2, "
+                f"{garr}, ({head} + grow) * {D} + ch * 8, nbytes)"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
 # Tensor-core schedule
 # --------------------------------------------------------------------------------------------------
 
@@ -445,47 +512,9 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             return f"sb + (k_off + {T} + ({kk * 16} + v_row) * {D} + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2"
         c()
 
-        RSTEP = threads // CH if threads % CH == 0 else 0  # rows one sweep of the block covers
-        FAST_LOADS = RSTEP > 0 and RSTEP % (SWZ + 1) == 0
-        if FAST_LOADS:
-            c("# each thread copies the same 16-byte column chunk of every RSTEP-th row: one base address")
-            c("# per tile, the rest are immediate offsets (few registers)")
-            c(f"ld_r0 = tid // {CH}")
-            c(f"ld_ch = tid % {CH}")
-            c(f"ld_soff = (ld_r0 * {D} + ((ld_ch ^ (ld_r0 & {SWZ})) << 3)) * 2")
-
-        def load_tile(rows: int, smem_off: str, row0: str, nrows: str, garr: str, head: str) -> None:
-            if FAST_LOADS and rows % RSTEP == 0:
-                c(f"ld_row = {row0} + ld_r0")
-                c(f"ld_g = ({head} + ld_row) * {D} + ld_ch * 8")
-                c(f"ld_safe = {head} * {D} + ld_ch * 8  # a valid address for zero-filled rows")
-                c(f"ld_s = sb + ({smem_off}) * 2 + ld_soff")
-                for it in range(rows // RSTEP):
-                    dr = it * RSTEP
-                    c(f"if ld_row + {dr} < {nrows}:")
-                    with c.indent():
-                        c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr * D}, 16)")
-                    c("else:")
-                    with c.indent():
-                        c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_safe, 0)")
-                return
-            per = -(-rows * CH // threads)
-            c(f"for it in range({per}):")
-            with c.indent():
-                c(f"cidx = tid + it * {threads}")
-                if (rows * CH) % threads:
-                    c(f"if cidx >= {rows * CH}:")
-                    with c.indent():
-                        c("break")
-                c(f"r = cidx // {CH}")
-                c(f"ch = cidx % {CH}")
-                c(f"grow = {row0} + r")
-                c(f"nbytes = 16 if grow < {nrows} else 0")
-                c(f"grow = min(grow, {nrows} - 1)")
-                c(
-                    f"cp_async16_s(sb + ({smem_off} + r * {D} + ((ch ^ (r & {SWZ})) << 3)) * 2, "
-                    f"{garr}, ({head} + grow) * {D} + ch * 8, nbytes)"
-                )
+        loader = TileLoader(c, threads, D)
+        loader.setup()
+        load_tile = loader.load
 
         ONE_BARRIER = bool(spec.extra.get("one_barrier", True))
         if ONE_BARRIER:

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
-from .spec import FA2ForwardSpec
+from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads
+from .spec import FA2BackwardSpec, FA2ForwardSpec
 
-__all__ = ["FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
+__all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
 
 _NP_DTYPES = {"f16": np.float16, "f32": np.float32}
 
@@ -371,3 +372,167 @@ def resource_usage(ptx: str, arch: str = "sm_90") -> dict[str, int]:
     m = re.search(r"(\d+) bytes stack frame", log)
     out["stack_frame"] = int(m.group(1)) if m else -1
     return out
+
+
+class FA2BackwardKernel:
+    """The compiled FA2 backward for `spec`: Delta (+ zeroed dQ accumulator), the block table of a data
+    mask, the main kernel (kv tiles outer) and dQ's conversion, launched in that order.
+
+    Attributes: `spec`, `source` (the main kernel's module), `delta_source`, `dq_source`, `mask_source`.
+    """
+
+    def __init__(self, spec: FA2BackwardSpec) -> None:
+        from .emit_fa2_bwd import emit_delta, emit_dq_convert, emit_fa2_backward
+
+        self.spec = spec
+        self.source = emit_fa2_backward(spec)
+        self.delta_source = emit_delta(spec)
+        self.dq_source = emit_dq_convert(spec)
+        self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None  # type: ignore[arg-type]
+        self._kernel = getattr(load_source(self.source, spec.name), spec.name)
+        self._delta = getattr(load_source(self.delta_source, spec.name + "_delta"), spec.name + "_delta")
+        self._dq = getattr(load_source(self.dq_source, spec.name + "_dq"), spec.name + "_dq")
+        self._mask_kernel = None
+        if self.mask_source is not None:
+            mod = load_source(self.mask_source, spec.name + "_bwd_block_mask")
+            self._mask_kernel = getattr(mod, spec.name + "_block_mask")
+        self.threads = bwd_threads(spec)
+        self.smem = bwd_smem_bytes(spec)
+        self._smem_set: set[tuple] = set()
+
+    _raise_smem_limit = FA2ForwardKernel._raise_smem_limit
+
+    def argtypes(self) -> tuple:
+        """Numba argument types of the main kernel (flat contiguous arrays, int64 sizes)."""
+        from numba import types
+
+        s = self.spec
+        elem = types.float32 if s.dtype == "f32" else types.int16
+        arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
+        out = arr(types.int32) if s.path == "mma" else arr(elem)
+        args = [arr(elem), arr(elem), arr(elem), arr(types.float32), arr(elem), arr(types.float32),
+                arr(types.float32), out, out] + [types.int64] * 4
+        if s.block_mask == "table":
+            args.append(arr(types.int8))
+        args += [arr(types.float32)] * len(s.grads)
+        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "i32": types.int32,
+                 "bool": types.boolean}
+        for c in s.captures:
+            args.append(types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype])
+        return tuple(args)
+
+    def ptx(self, cc: tuple[int, int] = (9, 0)) -> str:
+        """PTX of the main backward kernel for compute capability `cc` (no GPU needed)."""
+        return ptx_of(self._kernel, self.argtypes(), cc)
+
+    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any) -> tuple:
+        """Gradients (dq, dk, dv, *captured tables' gradients), of the same kind as q."""
+        launch, finish = self.prepare(q, k, v, o, lse, do, *captures)
+        launch()
+        return finish()
+
+    def prepare(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any):
+        """Check and convert the inputs once; returns (launch, finish) as FA2ForwardKernel.prepare does."""
+        from numba import cuda
+
+        s = self.spec
+        fwd_like = FA2ForwardKernel.__new__(FA2ForwardKernel)
+        fwd_like.spec = s  # type: ignore[assignment]
+        kind = FA2ForwardKernel._check(fwd_like, q, k, v, captures)  # type: ignore[arg-type]
+        for name, x, like in (("o", o, q), ("do", do, q)):
+            if tuple(int(n) for n in x.shape) != tuple(int(n) for n in like.shape):
+                raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+            if _dtype_name(x, _kind(x)) != s.dtype:
+                raise TypeError(f"{name} has dtype {_dtype_name(x, _kind(x))}, this kernel was built for {s.dtype}")
+            if not _is_contiguous(x, _kind(x)):
+                raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+        B, H, M, D = (int(n) for n in q.shape)
+        Hk, N = int(k.shape[1]), int(k.shape[2])
+        if tuple(int(n) for n in lse.shape) != (B, H, M):
+            raise ValueError(f"lse must have shape {(B, H, M)}, got {tuple(lse.shape)}")
+        nq, nk = -(-M // s.block_q), -(-N // s.block_k)
+        rows = B * H * M
+        grad_caps = [captures[g.capture] for g in s.grads]
+        if kind == "torch":
+            import torch
+
+            bits = torch.float32 if s.dtype == "f32" else torch.int16
+            pair = torch.int32 if s.path == "mma" else bits
+            flat = [x.detach().view(bits).reshape(-1) for x in (q, k, v, do, o)]
+            dev = q.device
+            lse_k = lse.detach().reshape(-1)
+            delta = torch.empty(rows, dtype=torch.float32, device=dev)
+            dq32 = torch.empty(rows * D, dtype=torch.float32, device=dev)
+            dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+            dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
+            dq_k, dk_k, dv_k = (x.view(pair).reshape(-1) for x in (dq, dk, dv))
+            grads = [torch.zeros(int(np.prod(x.shape)), dtype=torch.float32, device=dev) for x in grad_caps]
+            caps = [x.detach() if hasattr(x, "detach") else x for x in captures]
+            table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=dev) if self._mask_kernel else None
+        else:
+            bits = np.float32 if s.dtype == "f32" else np.int16
+            pair = np.uint32 if s.path == "mma" else bits
+
+            def dev_array(x):
+                if kind == "numpy":
+                    return cuda.to_device(np.ascontiguousarray(x))
+                return cuda.as_cuda_array(x)
+
+            if kind == "numpy":
+                flat = [cuda.to_device(np.ascontiguousarray(x).reshape(-1).view(bits)) for x in (q, k, v, do, o)]
+                lse_k = cuda.to_device(np.ascontiguousarray(lse, dtype=np.float32).reshape(-1))
+            else:
+                flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v, do, o)]
+                lse_k = cuda.as_cuda_array(lse).reshape(-1)
+            delta = cuda.device_array(rows, dtype=np.float32)
+            dq32 = cuda.device_array(rows * D, dtype=np.float32)
+            per = 2 if s.path == "mma" and s.dtype != "f32" else 1
+            dq_k = cuda.device_array(rows * D // per, dtype=pair)
+            dk_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
+            dv_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
+            grads = [cuda.to_device(np.zeros(int(np.prod(x.shape)), dtype=np.float32)) for x in grad_caps]
+            caps = [x if np.isscalar(x) else dev_array(x) for x in captures]
+            table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
+
+        qf, kf, vf, dof, of = flat
+        sizes = [B, H, M, N]
+        extra = [table] if table is not None else []
+        args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *extra, *grads, *caps]
+        if self.smem > 48 * 1024:
+            self._raise_smem_limit(self._kernel, args, self.smem)
+        main = self._kernel[bwd_grid(s, B, H, M, N), self.threads, 0, self.smem]
+        delta_k = self._delta[(-(-rows // 4),), 128]
+        ndq = rows * D
+        conv = self._dq[(-(-(ndq // 2 if s.path == "mma" else ndq) // 128),), 128]
+        block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
+
+        def launch() -> None:
+            delta_k(dof, of, delta, dq32, rows)
+            if block_mask is not None:
+                block_mask(table, *sizes, *caps)
+            main(*args)
+            conv(dq32, dq_k, ndq)
+
+        def finish() -> tuple:
+            if kind == "torch":
+                outs = [dq, dk, dv]
+                for g_buf, x in zip(grads, grad_caps):
+                    outs.append(g_buf.reshape(x.shape).to(x.dtype))
+                return tuple(outs)
+            if kind == "numpy":
+                out_dtype = np.dtype(q.dtype)
+                res = [dq_k.copy_to_host().view(out_dtype).reshape(B, H, M, D),
+                       dk_k.copy_to_host().view(out_dtype).reshape(B, Hk, N, D),
+                       dv_k.copy_to_host().view(out_dtype).reshape(B, Hk, N, D)]
+                for g_buf, x in zip(grads, grad_caps):
+                    res.append(g_buf.copy_to_host().reshape(x.shape).astype(x.dtype))
+                return tuple(res)
+            out_dtype = np.dtype(q.__cuda_array_interface__["typestr"])
+            res = [dq_k.view(bits).view(out_dtype).reshape(B, H, M, D),
+                   dk_k.view(bits).view(out_dtype).reshape(B, Hk, N, D),
+                   dv_k.view(bits).view(out_dtype).reshape(B, Hk, N, D)]
+            return tuple(res + [g_buf for g_buf in grads])
+
+        launch.table = table  # type: ignore[attr-defined]
+        return launch, finish

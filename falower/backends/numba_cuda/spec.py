@@ -76,3 +76,64 @@ class FA2ForwardSpec:
             raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32")
         if self.block_mask != "none" and not self.has_mask:
             raise ValueError("block_mask needs has_mask")
+
+
+@dataclass(frozen=True)
+class GradSpec:
+    """A captured table's gradient: what the elementwise function's outputs add into, and how.
+
+    `reduced`: the IR sums the contribution over the tile before adding it at tile-invariant indices (ALiBi's
+    slope per head): the kernel sums per thread and adds once per warp. Otherwise every element adds its
+    contribution at its own indices (a relative-position bias)."""
+
+    name: str  # the backward function's result, e.g. "dslopes"
+    capture: int  # index of the table in FA2BackwardSpec.captures
+    reduced: bool
+    n_index: int
+
+
+@dataclass(frozen=True)
+class FA2BackwardSpec:
+    """Everything the emitter needs to write the FA2 backward kernels (dq=atomic, kv tiles outer).
+
+    Layouts as the forward's: q, o, do [B, H, M, D]; k, v [B, H // group_size, N, D]; lse [B, H, M] f32.
+    Contract of `device_source` (from_ir_bwd.py): `elem_<branch>(s, dp, lse, delta, b, h, hk, q, kv,
+    interior, *captures) -> (p, ds, contribution, indices..., ...)` for each name in `branches` ("all", or
+    "full" and "partial"); `tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures)` for
+    block_mask == "static"; `mask_fn(b, h, q, kv, *captures)` for block_mask == "table". `captures` ends with
+    the run-time sizes the device functions read (dim_M, dim_N, ...: scalar arguments).
+    """
+
+    name: str
+    head_dim: int
+    dtype: str
+    path: str
+    block_q: int
+    block_k: int
+    num_warps: int
+    group_size: int = 1
+    captures: tuple[Capture, ...] = ()
+    device_source: str = ""
+    branches: tuple[str, ...] = ("all",)
+    block_mask: str = "none"
+    grads: tuple[GradSpec, ...] = ()
+    dims: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def has_mask(self) -> bool:
+        return self.block_mask != "none"
+
+    @property
+    def exp2(self) -> bool:
+        return False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"FA2BackwardSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"FA2BackwardSpec.path must be one of {PATHS}, got {self.path!r}")
+        if self.block_mask not in BLOCK_MASKS:
+            raise ValueError(f"FA2BackwardSpec.block_mask must be one of {BLOCK_MASKS}, got {self.block_mask!r}")
+        if self.path == "mma" and self.dtype == "f32":
+            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32")

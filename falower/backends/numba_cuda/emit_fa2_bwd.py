@@ -1,0 +1,613 @@
+"""Emit Numba CUDA source for the FlashAttention-2 backward from an `FA2BackwardSpec` (dq=atomic).
+
+Three kernels, in one module each:
+
+* `<name>_delta(do, o, delta, dq32, rows)`: Delta = rowsum(dO * O) (FA2's preprocessing), one warp per row;
+  it also zeroes the row of the f32 dQ accumulator, so no separate memset is launched.
+* `<name>(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, [table], *grad tables, *captures)`: the main
+  kernel. One block per (b, kv head, kv tile): K and V stay in shared memory; the block walks the query
+  heads of its group and their non-empty q tiles (classes from `tile_class_fn` or the block table), with the
+  next q tile's Q and dO prefetched by cp.async while the current one is computed.
+* `<name>_dq(dq32, dq, n)`: dQ's f32 accumulator to the input dtype.
+
+The tensor-core schedule ("mma"): warp w owns kv rows 16w .. 16w + 15 of the tile (block_k = 16 * warps)
+and computes S^T = K Q^T and dP^T = V dO^T with mma.sync (A = K or V rows, B = Q or dO rows, the forward's
+ldmatrix addressing), so P^T and dS^T sit in the accumulators in exactly the A-operand layout of dV += P^T dO
+and dK += dS^T Q (the forward's register trick, transposed). Per element the variant's `elem_<branch>`
+(emitted from the IR) turns (s, dp, lse, delta) into (p, ds, captured-gradient contributions). dS^T goes to
+shared memory once (f16, swizzled); after one barrier warp w computes dQ rows 16w .. 16w + 15 of the q tile
+(block_q = 16 * warps) as dS K and adds them into the f32 dQ accumulator with atomic adds, as FA2 does.
+dK and dV stay in registers over all q tiles and heads of the group, and are written once.
+
+The SIMT schedule ("simt", any head dim, f32): one kv row per thread, fp32 dot products from shared memory,
+dQ by atomic adds per element. Simple and slow; for f32 inputs and head dims the tensor cores do not take.
+"""
+
+from __future__ import annotations
+
+from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask
+from .spec import FA2BackwardSpec
+
+__all__ = ["emit_fa2_backward", "emit_delta", "emit_dq_convert", "bwd_grid", "bwd_smem_bytes",
+           "bwd_threads", "validate_backward_spec"]
+
+
+def _cap_names(spec: FA2BackwardSpec) -> list[str]:
+    return [f"cap_{i}_{c.name}" for i, c in enumerate(spec.captures)]
+
+
+def _cap_args(spec: FA2BackwardSpec) -> str:
+    return "".join(f", {c}" for c in _cap_names(spec))
+
+
+def _grad_args(spec: FA2BackwardSpec) -> str:
+    return "".join(f", grad_{i}" for i in range(len(spec.grads)))
+
+
+def bwd_threads(spec: FA2BackwardSpec) -> int:
+    return spec.num_warps * 32 if spec.path == "mma" else spec.block_k
+
+
+def bwd_grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
+    nk = -(-N // spec.block_k)
+    return (nk * B * (H // spec.group_size),)
+
+
+def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
+    """Shared memory of the tensor-core kernel, in uint16 elements: K, V, two Q and two dO buffers, dS^T,
+    then f32 lse and delta of the two q tiles (4 * block_q floats)."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    lay = {"K": 0, "V": BK * D, "Q": 2 * BK * D}
+    lay["DO"] = lay["Q"] + 2 * BQ * D
+    lay["DS"] = lay["DO"] + 2 * BQ * D
+    lay["ST"] = lay["DS"] + BK * BQ  # even: the f32 statistics start at float index ST // 2
+    lay["elems"] = lay["ST"] + 8 * BQ
+    return lay
+
+
+def bwd_smem_bytes(spec: FA2BackwardSpec) -> int:
+    if spec.path == "simt":
+        return 0
+    return 2 * _layout(spec)["elems"]
+
+
+def validate_backward_spec(spec: FA2BackwardSpec) -> None:
+    """Raise ValueError if this emitter cannot build the spec's schedule."""
+    D, BQ, BK, NW = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps
+    for fn in (f"def elem_{b}(" for b in spec.branches):
+        if fn not in spec.device_source:
+            raise ValueError(f"device_source must define {fn[4:-1]}")
+    if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
+        raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.block_mask == "table" and "def mask_fn" not in spec.device_source:
+        raise ValueError("block_mask='table' needs a mask_fn in device_source")
+    if spec.path == "simt":
+        if BK > 1024 or BK < 1:
+            raise ValueError("simt path: block_k (= threads per block) must be 1 .. 1024")
+        if 2 * D * 4 > 32 * 1024:
+            raise ValueError("simt path: head_dim too large for one staged row of Q and dO")
+        return
+    if D % 16:
+        raise ValueError(f"mma path: head_dim must be a multiple of 16, got {D}")
+    if BK != 16 * NW or BQ != 16 * NW:
+        raise ValueError(f"mma path: the backward needs block_q = block_k = 16 * num_warps (each warp owns 16 kv "
+                         f"rows and 16 rows of dQ), got {BQ}x{BK} with {NW} warps")
+    if bwd_smem_bytes(spec) > 227 * 1024:
+        raise ValueError(f"mma path: {bwd_smem_bytes(spec)} bytes of shared memory exceed 227 KB")
+
+
+def _module(spec: FA2BackwardSpec, body: str) -> str:
+    header = _HEADER.format(spec_repr=_spec_comment(spec)).replace("emit_fa2 --", "emit_fa2_bwd --")
+    header += "SMEM_U32 = np.dtype(np.uint32) if SIMULATOR else np.uint32\n"
+    header += "SMEM_F32 = np.dtype(np.float32) if SIMULATOR else np.float32\n"
+    return header + "\n\n" + _device_functions(spec) + "\n\n" + body
+
+
+def _class_expr(spec: FA2BackwardSpec, it: str) -> str:
+    """The class of the (head, q tile) numbered `it` against this block's kv tile."""
+    BQ, BK, G = spec.block_q, spec.block_k, spec.group_size
+    h = f"hk * {G} + {it} // nq" if G > 1 else "hk"
+    qt = f"{it} % nq" if G > 1 else it
+    if spec.block_mask == "static":
+        return (f"tile_class_fn(b, {h}, ({qt}) * {BQ}, ({qt}) * {BQ} + {BQ - 1}, kv0, kv0 + {BK - 1}"
+                f"{_cap_args(spec)})")
+    if spec.block_mask == "table":
+        return f"table[((b * H + {h}) * nq + {qt}) * nk + kj]"
+    return "2"
+
+
+def _emit_next(c: _Code, spec: FA2BackwardSpec, cur: str, out: str) -> None:
+    c(f"{out} = {cur} + 1")
+    if spec.block_mask != "none":
+        c(f"while {out} < total and {_class_expr(spec, out)} == 0:")
+        with c.indent():
+            c(f"{out} += 1")
+
+
+def _elem_call(spec: FA2BackwardSpec, branch: str, s: str, dp: str, lse: str, delta: str, q: str, kv: str,
+               outs: list[str]) -> str:
+    return (f"{', '.join(outs)} = elem_{branch}({s}, {dp}, {lse}, {delta}, b, h, hk, {q}, {kv}, interior"
+            f"{_cap_args(spec)})")
+
+
+def _grad_outs(spec: FA2BackwardSpec) -> list[list[str]]:
+    return [[f"gc{i}"] + [f"gi{i}_{j}" for j in range(g.n_index)] for i, g in enumerate(spec.grads)]
+
+
+def _flat_index(spec: FA2BackwardSpec, i: int) -> str:
+    """Row-major offset of gradient i's indices in its table, each clamped as the gather clamps."""
+    g = spec.grads[i]
+    table = _cap_names(spec)[g.capture]
+    expr = ""
+    for j in range(g.n_index):
+        idx = f"min(max(gi{i}_{j}, 0), {table}.shape[{j}] - 1)"
+        expr = idx if not expr else f"({expr}) * {table}.shape[{j}] + {idx}"
+    return expr or "0"
+
+
+def _emit_grad_element(c: _Code, spec: FA2BackwardSpec) -> None:
+    """After one element's elem call: its contributions to captured tables' gradients."""
+    for i, g in enumerate(spec.grads):
+        if g.reduced:
+            c(f"gsum{i} += gc{i}")
+        else:
+            c(f"if gc{i} != ZERO:")
+            with c.indent():
+                c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gc{i})")
+
+
+def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool) -> None:
+    """After a tile: the reduced contributions (ALiBi's slope), one atomic add per warp (or thread)."""
+    for i, g in enumerate(spec.grads):
+        if not g.reduced:
+            continue
+        if warp_reduce:
+            for m in (16, 8, 4, 2, 1):
+                c(f"gsum{i} += shfl_xor_f32(gsum{i}, {m})")
+            c("if lane == 0:")
+        else:
+            c(f"if gsum{i} != ZERO:")
+        with c.indent():
+            c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gsum{i})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensor-core schedule
+# --------------------------------------------------------------------------------------------------
+
+
+def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
+    D, BQ, BK, NW, G = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps, spec.group_size
+    threads = NW * 32
+    NJ = BQ // 8  # n8 tiles of S^T along q
+    KS = D // 16  # k16 steps of K Q^T
+    ND = D // 8  # n8 tiles of dK, dV, dQ along d
+    SWZ = _swizzle_mask(D)
+    SWZQ = _swizzle_mask(BQ)
+    lay = _layout(spec)
+    KO, VO, QO, DOO, DSO, STF = lay["K"], lay["V"], lay["Q"], lay["DO"], lay["DS"], lay["ST"] // 2
+    mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    table = ", table" if spec.block_mask == "table" else ""
+
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N{table}{_grad_args(spec)}"
+      f"{_cap_args(spec)}):")
+    with c.indent():
+        c(f'"""FA2 backward, tensor cores: D={D}, tiles {BQ}x{BK}, {NW} warps x 16 kv rows, {spec.dtype}."""')
+        c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        c("smem_w = cuda.shared.array(0, SMEM_U32)  # the same bytes as 32-bit words (dS^T stores)")
+        c("smem_f = cuda.shared.array(0, SMEM_F32)  # ... and as f32 (lse, delta of the q tiles)")
+        c("sb = smem_base(smem)")
+        c("tid = cuda.threadIdx.x")
+        c("lane = tid & 31")
+        c("warp = tid >> 5")
+        c("g = lane >> 2")
+        c("t2 = (lane & 3) * 2")
+        c(f"nq = (M + {BQ - 1}) // {BQ}")
+        c(f"nk = (N + {BK - 1}) // {BK}")
+        c(f"HK = H // {G}" if G > 1 else "HK = H")
+        c("# kv tile 0 of every (b, kv head) first: under a causal mask it sees the most q tiles")
+        c("kj = cuda.blockIdx.x // (B * HK)")
+        c("bh = cuda.blockIdx.x - kj * (B * HK)")
+        c("b = bh // HK")
+        c("hk = bh - b * HK")
+        c(f"kv0 = kj * {BK}")
+        c("kv_head = (b * HK + hk) * N")
+        c(f"total = nq * {G}" if G > 1 else "total = nq")
+        c()
+        c("a_row = lane & 15")
+        c("a_ch = lane >> 4")
+        c("k_row = (lane & 7) + ((lane >> 4) << 3)")
+        c("k_ch = (lane >> 3) & 1")
+        c("v_row = (lane & 7) + (((lane >> 3) & 1) << 3)")
+        c("v_ch = lane >> 4")
+        c(f"a_x = a_row & {SWZ}")
+        c(f"k_x = k_row & {SWZ}")
+        c(f"v_x = v_row & {SWZ}")
+        c(f"kq_x = k_row & {SWZQ}")
+        loader = TileLoader(c, threads, D)
+        loader.setup()
+
+        c("# K and V of this kv tile, once")
+        loader.load(BK, str(KO), "kv0", "N", "k", "kv_head")
+        loader.load(BK, str(VO), "kv0", "N", "v", "kv_head")
+        c()
+        c("# the first non-empty (head, q tile)")
+        c("it = 0")
+        if spec.block_mask != "none":
+            c(f"while it < total and {_class_expr(spec, 'it')} == 0:")
+            with c.indent():
+                c("it += 1")
+
+        def head_and_tile(itv: str, hv: str, qv: str) -> None:
+            if G > 1:
+                c(f"{hv} = hk * {G} + {itv} // nq")
+                c(f"{qv} = ({itv} % nq) * {BQ}")
+            else:
+                c(f"{hv} = hk")
+                c(f"{qv} = {itv} * {BQ}")
+
+        def load_q_tile(hv: str, qv: str, bufv: str) -> None:
+            c(f"qh = (b * H + {hv}) * M")
+            loader.load(BQ, f"{QO} + {bufv} * {BQ * D}", qv, "M", "q", "qh")
+            loader.load(BQ, f"{DOO} + {bufv} * {BQ * D}", qv, "M", "do", "qh")
+
+        c("if it < total:")
+        with c.indent():
+            head_and_tile("it", "h", "q0")
+            load_q_tile("h", "q0", "0")
+            c(f"if tid < {BQ}:")
+            with c.indent():
+                c("qq = q0 + tid")
+                c(f"smem_f[{STF} + tid] = lse[qh + qq] if qq < M else ZERO")
+                c(f"smem_f[{STF + 2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
+        c("cp_async_commit()")
+        c()
+        c("# dK and dV: rows g and g + 8 of this warp's 16 kv rows, in registers over every q tile")
+        for dn in range(ND):
+            c(f"dv_{dn}_0 = dv_{dn}_1 = dv_{dn}_2 = dv_{dn}_3 = ZERO")
+            c(f"dk_{dn}_0 = dk_{dn}_1 = dk_{dn}_2 = dk_{dn}_3 = ZERO")
+        c("buf = 0")
+        c("nl = ZERO")
+        c("nd = ZERO")
+        c("while it < total:")
+        with c.indent():
+            _emit_next(c, spec, "it", "itn")
+            c("cp_async_wait0()  # Q, dO of this tile (and K, V on the first) have landed")
+            c("cuda.syncthreads()  # ... for everyone; and everyone is done with the other buffers")
+            c("if itn < total:")
+            with c.indent():
+                head_and_tile("itn", "hn", "qn0")
+                load_q_tile("hn", "qn0", "(buf ^ 1)")
+                c(f"if tid < {BQ}:")
+                with c.indent():
+                    c("qq = qn0 + tid")
+                    c("nl = lse[qh + qq] if qq < M else ZERO")
+                    c("nd = delta[qh + qq] if qq < M else ZERO")
+            c("cp_async_commit()")
+            head_and_tile("it", "h", "q0")
+            c("q_head = (b * H + h) * M")
+            c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
+            c(f"cls = {_class_expr(spec, 'it')}")
+            c(f"qb = sb + ({QO} + buf * {BQ * D}) * 2")
+            c(f"ob = sb + ({DOO} + buf * {BQ * D}) * 2")
+            c(f"lse_f = {STF} + buf * {BQ}")
+            c(f"dlt_f = {STF + 2 * BQ} + buf * {BQ}")
+            c()
+            c("# S^T = K Q^T and dP^T = V dO^T: this warp's 16 kv rows against the tile's q rows")
+            for jj in range(NJ):
+                c(f"s_{jj}_0 = s_{jj}_1 = s_{jj}_2 = s_{jj}_3 = ZERO")
+                c(f"p_{jj}_0 = p_{jj}_1 = p_{jj}_2 = p_{jj}_3 = ZERO")
+            for ks in range(KS):
+                c(f"ka0, ka1, ka2, ka3 = ldsm_x4(sb + ({KO} + (warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)")
+                c(f"va0, va1, va2, va3 = ldsm_x4(sb + ({VO} + (warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)")
+                for jp in range(BQ // 16):
+                    off = f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
+                    c(f"qb0, qb1, qb2, qb3 = ldsm_x4(qb + {off})")
+                    c(f"ob0, ob1, ob2, ob3 = ldsm_x4(ob + {off})")
+                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
+                        jj = 2 * jp + half
+                        sv = ", ".join(f"s_{jj}_{i}" for i in range(4))
+                        pv = ", ".join(f"p_{jj}_{i}" for i in range(4))
+                        c(f"{sv} = {mma}(ka0, ka1, ka2, ka3, qb{b0}, qb{b1}, {sv})")
+                        c(f"{pv} = {mma}(va0, va1, va2, va3, ob{b0}, ob{b1}, {pv})")
+            c()
+            c("# per element: P and dS from the IR's elementwise code (s_ becomes P^T, p_ becomes dS^T)")
+            for i, g in enumerate(spec.grads):
+                if g.reduced:
+                    c(f"gsum{i} = ZERO")
+
+            def elementwise(branch: str) -> None:
+                outs_g = _grad_outs(spec)
+                for jj in range(NJ):
+                    for e in range(2):
+                        c(f"qi = q0 + {jj * 8 + e} + t2")
+                        c(f"lq = smem_f[lse_f + {jj * 8 + e} + t2]")
+                        c(f"dq_ = smem_f[dlt_f + {jj * 8 + e} + t2]")
+                        for r in range(2):
+                            i = 2 * r + e
+                            outs = [f"s_{jj}_{i}", f"p_{jj}_{i}"] + [x for og in outs_g for x in og]
+                            c(_elem_call(spec, branch, f"s_{jj}_{i}", f"p_{jj}_{i}", "lq", "dq_", "qi",
+                                         f"kv0 + warp * 16 + {8 * r} + g", outs))
+                            _emit_grad_element(c, spec)
+
+            branches = spec.branches
+            if len(branches) == 1:
+                elementwise(branches[0])
+            else:
+                c("if cls == 2:")
+                with c.indent():
+                    elementwise("full")
+                c("else:")
+                with c.indent():
+                    elementwise("partial")
+            _emit_grad_tile_end(c, spec, warp_reduce=True)
+            c()
+            c("# dV += P^T dO and dK += dS^T Q: P^T and dS^T packed straight from the accumulators")
+            for kk in range(BQ // 16):
+                a, bb = 2 * kk, 2 * kk + 1
+                c(f"pa0 = {pack}(s_{a}_0, s_{a}_1)")
+                c(f"pa1 = {pack}(s_{a}_2, s_{a}_3)")
+                c(f"pa2 = {pack}(s_{bb}_0, s_{bb}_1)")
+                c(f"pa3 = {pack}(s_{bb}_2, s_{bb}_3)")
+                c(f"da0 = {pack}(p_{a}_0, p_{a}_1)")
+                c(f"da1 = {pack}(p_{a}_2, p_{a}_3)")
+                c(f"da2 = {pack}(p_{bb}_0, p_{bb}_1)")
+                c(f"da3 = {pack}(p_{bb}_2, p_{bb}_3)")
+                c("# dS^T to shared memory (rows = kv, swizzled 16-byte chunks of q) for dQ = dS K")
+                for jj in (a, bb):
+                    for r in range(2):
+                        row = f"(warp * 16 + {8 * r} + g)"
+                        word = f"({DSO} + {row} * {BQ} + (({jj} ^ ({row} & {SWZQ})) << 3) + t2) >> 1"
+                        wv = "da0" if (jj == a and r == 0) else "da1" if jj == a else "da2" if r == 0 else "da3"
+                        c(f"smem_w[{word}] = {wv}")
+                for dd in range(D // 16):
+                    off = f"(({kk * 16} + v_row) * {D} + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2"
+                    c(f"ob0, ob1, ob2, ob3 = ldsm_x4_trans(ob + {off})")
+                    c(f"qb0, qb1, qb2, qb3 = ldsm_x4_trans(qb + {off})")
+                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
+                        dn = 2 * dd + half
+                        dvv = ", ".join(f"dv_{dn}_{i}" for i in range(4))
+                        dkv = ", ".join(f"dk_{dn}_{i}" for i in range(4))
+                        c(f"{dvv} = {mma}(pa0, pa1, pa2, pa3, ob{b0}, ob{b1}, {dvv})")
+                        c(f"{dkv} = {mma}(da0, da1, da2, da3, qb{b0}, qb{b1}, {dkv})")
+            c("cuda.syncthreads()  # dS^T is complete")
+            c()
+            c("# dQ rows 16 warp .. 16 warp + 15 of this q tile: dS K, added into the f32 accumulator")
+            for dn in range(ND):
+                c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
+            for kk in range(BK // 16):
+                c(f"sa0, sa1, sa2, sa3 = ldsm_x4_trans(sb + ({DSO} + ({kk * 16} + k_row) * {BQ} + "
+                  f"(((warp * 2 + k_ch) ^ kq_x) << 3)) * 2)")
+                for dd in range(D // 16):
+                    c(f"kb0, kb1, kb2, kb3 = ldsm_x4_trans(sb + ({KO} + ({kk * 16} + v_row) * {D} + "
+                      f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
+                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
+                        dn = 2 * dd + half
+                        dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
+                        c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kb{b0}, kb{b1}, {dqv})")
+            for r in range(2):
+                c(f"qi = q0 + warp * 16 + {8 * r} + g")
+                c("if qi < M:")
+                with c.indent():
+                    c(f"qrow = (q_head + qi) * {D} + t2")
+                    for dn in range(ND):
+                        c(f"cuda.atomic.add(dq32, qrow + {dn * 8}, dq_{dn}_{2 * r})")
+                        c(f"cuda.atomic.add(dq32, qrow + {dn * 8 + 1}, dq_{dn}_{2 * r + 1})")
+            c(f"if itn < total and tid < {BQ}:")
+            with c.indent():
+                c(f"smem_f[{STF} + (buf ^ 1) * {BQ} + tid] = nl")
+                c(f"smem_f[{STF + 2 * BQ} + (buf ^ 1) * {BQ} + tid] = nd")
+            c("it = itn")
+            c("buf ^= 1")
+        c()
+        c("cp_async_wait0()")
+        c("# dK, dV of this warp's kv rows, once")
+        for r in range(2):
+            c(f"kvi = kv0 + warp * 16 + {8 * r} + g")
+            c("if kvi < N:")
+            with c.indent():
+                c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
+                for dn in range(ND):
+                    c(f"dk[kvrow + {dn * 4}] = {pack}(dk_{dn}_{2 * r}, dk_{dn}_{2 * r + 1})")
+                    c(f"dv[kvrow + {dn * 4}] = {pack}(dv_{dn}_{2 * r}, dv_{dn}_{2 * r + 1})")
+    return c.text()
+
+
+# --------------------------------------------------------------------------------------------------
+# SIMT schedule
+# --------------------------------------------------------------------------------------------------
+
+
+def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
+    D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
+    QC = _simt_chunk(spec)
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
+    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}"}[spec.dtype]
+    table = ", table" if spec.block_mask == "table" else ""
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N{table}{_grad_args(spec)}"
+      f"{_cap_args(spec)}):")
+    with c.indent():
+        c(f'"""FA2 backward, SIMT fp32: D={D}, tiles {BQ}x{BK} (q rows {QC} at a time), one kv row per thread, '
+          f'{spec.dtype}."""')
+        c(f"q_s = cuda.shared.array(({QC}, {D}), np.float32)")
+        c(f"do_s = cuda.shared.array(({QC}, {D}), np.float32)")
+        c(f"st_s = cuda.shared.array((2, {QC}), np.float32)")
+        c(f"k_r = cuda.local.array({D}, np.float32)")
+        c(f"v_r = cuda.local.array({D}, np.float32)")
+        c(f"dk_r = cuda.local.array({D}, np.float32)")
+        c(f"dv_r = cuda.local.array({D}, np.float32)")
+        c("tid = cuda.threadIdx.x")
+        c(f"nq = (M + {BQ - 1}) // {BQ}")
+        c(f"nk = (N + {BK - 1}) // {BK}")
+        c(f"HK = H // {G}" if G > 1 else "HK = H")
+        c("kj = cuda.blockIdx.x // (B * HK)")
+        c("bh = cuda.blockIdx.x - kj * (B * HK)")
+        c("b = bh // HK")
+        c("hk = bh - b * HK")
+        c(f"kv0 = kj * {BK}")
+        c("kv_head = (b * HK + hk) * N")
+        c(f"total = nq * {G}" if G > 1 else "total = nq")
+        c("kvi = kv0 + tid")
+        c("kvc = min(kvi, N - 1)")
+        c(f"for d in range({D}):")
+        with c.indent():
+            c(f"x = {load.format(f'k[(kv_head + kvc) * {D} + d]')}")
+            c("k_r[d] = x if kvi < N else ZERO")
+            c(f"y = {load.format(f'v[(kv_head + kvc) * {D} + d]')}")
+            c("v_r[d] = y if kvi < N else ZERO")
+            c("dk_r[d] = ZERO")
+            c("dv_r[d] = ZERO")
+        c("it = 0")
+        c("while it < total:")
+        with c.indent():
+            if G > 1:
+                c(f"h = hk * {G} + it // nq")
+                c(f"q0 = (it % nq) * {BQ}")
+            else:
+                c("h = hk")
+                c(f"q0 = it * {BQ}")
+            c(f"cls = {_class_expr(spec, 'it')}")
+            c("if cls != 0:")
+            with c.indent():
+                c("q_head = (b * H + h) * M")
+                c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
+                for i, g in enumerate(spec.grads):
+                    if g.reduced:
+                        c(f"gsum{i} = ZERO")
+                c(f"for c0 in range(0, {BQ}, {QC}):")
+                with c.indent():
+                    c("cuda.syncthreads()  # everyone is done with the previous rows")
+                    c(f"for e in range(tid, {QC * D}, {BK}):")
+                    with c.indent():
+                        c(f"r = e // {D}")
+                        c(f"d = e % {D}")
+                        c("row = min(q0 + c0 + r, M - 1)")
+                        c(f"a = {load.format(f'q[(q_head + row) * {D} + d]')}")
+                        c(f"a2 = {load.format(f'do[(q_head + row) * {D} + d]')}")
+                        c("q_s[r, d] = a if q0 + c0 + r < M else ZERO")
+                        c("do_s[r, d] = a2 if q0 + c0 + r < M else ZERO")
+                    c(f"for e in range(tid, {QC}, {BK}):")
+                    with c.indent():
+                        c("row = min(q0 + c0 + e, M - 1)")
+                        c("st_s[0, e] = lse[q_head + row]")
+                        c("st_s[1, e] = delta[q_head + row]")
+                    c("cuda.syncthreads()")
+                    c(f"for r in range({QC}):")
+                    with c.indent():
+                        c("qi = q0 + c0 + r")
+                        c("s = ZERO")
+                        c("dpv = ZERO")
+                        c(f"for d in range({D}):")
+                        with c.indent():
+                            c("s += q_s[r, d] * k_r[d]")
+                            c("dpv += do_s[r, d] * v_r[d]")
+                        outs = ["p", "ds"] + [x for og in _grad_outs(spec) for x in og]
+
+                        def call(branch: str) -> None:
+                            c(_elem_call(spec, branch, "s", "dpv", "st_s[0, r]", "st_s[1, r]", "qi", "kvi", outs))
+                            _emit_grad_element(c, spec)
+
+                        if len(spec.branches) == 1:
+                            call(spec.branches[0])
+                        else:
+                            c("if cls == 2:")
+                            with c.indent():
+                                call("full")
+                            c("else:")
+                            with c.indent():
+                                call("partial")
+                        c(f"for d in range({D}):")
+                        with c.indent():
+                            c("dv_r[d] += p * do_s[r, d]")
+                            c("dk_r[d] += ds * q_s[r, d]")
+                        c("if ds != ZERO and qi < M:")
+                        with c.indent():
+                            c(f"for d in range({D}):")
+                            with c.indent():
+                                c(f"cuda.atomic.add(dq32, (q_head + qi) * {D} + d, ds * k_r[d])")
+                _emit_grad_tile_end(c, spec, warp_reduce=False)
+            c("it += 1")
+        c("if kvi < N:")
+        with c.indent():
+            c(f"for d in range({D}):")
+            with c.indent():
+                c(f"dk[(kv_head + kvi) * {D} + d] = {store.format('dk_r[d]')}")
+                c(f"dv[(kv_head + kvi) * {D} + d] = {store.format('dv_r[d]')}")
+    return c.text()
+
+
+def _simt_chunk(spec: FA2BackwardSpec) -> int:
+    """Query rows the SIMT kernel stages in shared memory at a time (Q and dO: 2 * rows * D floats <= 32 KB)."""
+    rows = spec.block_q
+    while rows > 1 and 2 * rows * spec.head_dim * 4 > 32 * 1024:
+        rows //= 2
+    while spec.block_q % rows:
+        rows -= 1
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Delta and dQ conversion
+# --------------------------------------------------------------------------------------------------
+
+
+def emit_delta(spec: FA2BackwardSpec) -> str:
+    """`<name>_delta(do, o, delta, dq32, rows)`: one warp per row; 4 rows per 128-thread block."""
+    D = spec.head_dim
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}_delta(do, o, delta, dq32, rows):")
+    with c.indent():
+        c('"""Delta = rowsum(dO * O) per row (FA2\'s preprocessing); zeroes the row of the f32 dQ accumulator."""')
+        c("lane = cuda.threadIdx.x & 31")
+        c("row = cuda.blockIdx.x * 4 + (cuda.threadIdx.x >> 5)")
+        c("if row < rows:")
+        with c.indent():
+            c("acc = ZERO")
+            c(f"for d in range(lane, {D}, 32):")
+            with c.indent():
+                c(f"acc += {load.format(f'do[row * {D} + d]')} * {load.format(f'o[row * {D} + d]')}")
+                c(f"dq32[row * {D} + d] = ZERO")
+            for m in (16, 8, 4, 2, 1):
+                c(f"acc += shfl_xor_f32(acc, {m})")
+            c("if lane == 0:")
+            with c.indent():
+                c("delta[row] = acc")
+    return _module(spec, c.text())
+
+
+def emit_dq_convert(spec: FA2BackwardSpec) -> str:
+    """`<name>_dq(dq32, dq, n)`: the f32 accumulator to the input dtype (dq as uint32 pairs on the mma path)."""
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}_dq(dq32, dq, n):")
+    with c.indent():
+        c("i = cuda.grid(1)")
+        if spec.dtype == "f32":
+            c("if i < n:")
+            with c.indent():
+                c("dq[i] = dq32[i]")
+        elif spec.path == "mma":
+            pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+            c("if 2 * i < n:")
+            with c.indent():
+                c(f"dq[i] = {pack}(dq32[2 * i], dq32[2 * i + 1])")
+        else:
+            store = "f32_to_f16" if spec.dtype == "f16" else "f32_to_bf16"
+            c("if i < n:")
+            with c.indent():
+                c(f"dq[i] = {store}(dq32[i])")
+    return _module(spec, c.text())
+
+
+def emit_fa2_backward(spec: FA2BackwardSpec) -> str:
+    """Numba CUDA source of the main backward kernel `spec.name` (a whole module)."""
+    validate_backward_spec(spec)
+    body = _emit_mma_kernel(spec) if spec.path == "mma" else _emit_simt_kernel(spec)
+    return _module(spec, body)

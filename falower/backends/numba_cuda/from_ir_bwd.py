@@ -1,0 +1,337 @@
+"""From the final fa2-bwd IR to an `FA2BackwardSpec`: the IR side of the backward kernels.
+
+The schedule comes from the IR: tile sizes, GQA's group, how dQ is made (`dq=atomic`: added tile by
+tile from the kv-outer nest; `dq=separate`: a q-outer nest), how tiles are classified (`mask.classify`
+on index intervals, or `mask.block_table` for masks that read data). The variant comes from the IR's
+values, translated op by op into scalar device functions:
+
+    elem_<branch>(s, dp, lse, delta, b, h, hk, q, kv, interior, *captures, *dims)
+        -> (p, ds, contribution_0, index_0_0, ..., contribution_1, ...)
+
+one per branch of the kv-outer loop body (`full` and `partial` tiles when the mask skips tiles, `all`
+otherwise). `s` is the raw q.k product and `dp` the raw dO.v product of one element (the two score-sized
+matrix products' entries), `lse` and `delta` the row's saved statistics; `p` is what the IR multiplies into
+dV (P recomputed from LSE) and `ds` what it multiplies into dK and dQ (the score function's derivative and
+the scale included): both are the IR's own values, emitted from autodiff's ops, so no variant is written by
+hand. `contribution_i` and its indices are what the IR's i-th `tile.scatter_add` adds into a captured
+table's gradient. Bounds (`where ... {bounds}`) are emitted as in the IR; `interior` (the tile lies inside
+q < M and kv < N) lets them fold away where they cannot be false.
+
+`tile_class_fn` is the IR's `mask.classify` region on index intervals and `mask_fn` the `mask.block_table`
+predicate; both keep the IR's bounds conjunct (kv < N), so a ragged kv tile is never full, as in the IR.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from ...ir.core import Block, Func, Op, Value
+from ...ir.printer import print_func
+from ...ir.types import is_float
+from .from_ir import BackendError, _interval_fn, _live_lines, _ScalarEmitter, dim_expr
+from .spec import Capture, FA2BackwardSpec, GradSpec
+
+_LEAVES = ("s", "dp", "lse", "delta")
+
+
+@dataclass
+class _Branch:
+    """One body of the kv-outer loop: the values the kernel needs from it."""
+
+    name: str  # "all", "full" or "partial"
+    s: Value  # tile.matmul q, k^T
+    dp: Value  # tile.matmul dO, v^T
+    p: Value  # what dV = P^T dO multiplies
+    ds: Value  # what dK = dS^T Q and dQ = dS K multiply
+    lse: Value  # tile.load of lse
+    delta: Value  # tile.load of delta
+    scatters: list[Op]  # tile.scatter_add into captured tables' gradients, in order
+
+
+@dataclass
+class BackwardLowered:
+    """What the backward IR fixes about its kernels, before the sizes of a call are known."""
+
+    func: Func
+    block_q: int
+    block_k: int
+    group: int
+    dq: str  # "atomic" or "separate"
+    block_mask: str  # "none", "static" or "table"
+    captures: list[Value]  # func args that are captured tensors, in signature order
+    branches: list[_Branch]
+    classify: Optional[Op]  # mask.classify of the kv-outer nest (static skipping)
+    table: Optional[Op]  # mask.block_table (data masks)
+    grads: list[tuple[str, int, bool, int]] = field(default_factory=list)  # (name, capture, reduced, n_index)
+    deterministic: bool = False
+
+
+def _role_args(func: Func) -> dict[str, Value]:
+    return {a.name: a for a in func.args if a.name in ("q", "k", "v", "o", "lse", "do")}
+
+
+def analyse_backward(func: Func, forward=None) -> BackwardLowered:
+    """Read the fa2-bwd IR (tile-bwd's output) into a BackwardLowered, or refuse with what is missing."""
+    del forward
+    roles = _role_args(func)
+    missing = [n for n in ("q", "k", "v", "o", "lse", "do") if n not in roles]
+    if missing:
+        raise BackendError(f"numba-cuda backend: the backward function needs arguments {', '.join(missing)} "
+                           "(lower with pipeline fa2-bwd)")
+    nests = [op for op in func.body.ops if op.name == "parallel_for"]
+    kv_nest = next((op for op in nests if any(r.name == "dk" for r in op.results)), None)
+    if len(nests) < 2 or kv_nest is None:
+        raise BackendError("numba-cuda backend: needs the fa2-bwd IR (a Delta nest and a kv-outer nest making dk, "
+                           "dv); lower with pipeline fa2-bwd first")
+    body = kv_nest.regions[0]
+    loops = [op for op in body.ops if op.name == "for"]
+    if len(loops) != 1:
+        raise BackendError("numba-cuda backend: the kv-outer nest must hold one loop over q tiles")
+    loop = loops[0]
+    k_load = next(op for op in body.ops if op.name == "tile.load" and op.operands[0] is roles["k"])
+    block_k = int(k_load.results[0].type.shape[0].value)  # type: ignore[union-attr]
+    group = 1
+    for op in loop.regions[0].ops:
+        if op.name == "mul" and op.operands[0] is body.args[1] and op.operands[1].owner.name == "const":
+            group = int(op.operands[1].owner.attrs["value"])  # type: ignore[union-attr]
+    bodies = _bodies(loop.regions[0])
+    branches = [_branch(name, blk, roles) for name, blk in bodies]
+    block_q = int(branches[0].lse.type.shape[0].value)  # type: ignore[union-attr]
+    classify = next((op for op in loop.walk() if op.name == "mask.classify"), None)
+    table = next((op for op in func.body.ops if op.name == "mask.block_table"), None)
+    block_mask = "table" if table is not None else "static" if classify is not None else "none"
+    dq = "atomic" if any(op.name == "tile.atomic_add" for op in kv_nest.walk()) else "separate"
+    deterministic = any(op.name == "scatter_add" for op in kv_nest.walk())
+    if dq == "separate" or deterministic:
+        raise BackendError("numba-cuda backend: the backward kernels are emitted for dq=atomic (pipeline fa2-bwd); "
+                           "the q-outer dQ nest and deterministic=true have no kernels yet")
+    captures = [a for a in func.args if a.name not in roles]
+    low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
+                          deterministic=deterministic)
+    low.grads = _grads(func, kv_nest, branches[0], captures)
+    return low
+
+
+def _bodies(loop_body: Block) -> list[tuple[str, Block]]:
+    """The kv-outer loop's bodies: one (`all`), or the full and partial branches under the tile class."""
+    ifs = [op for op in loop_body.ops if op.name == "if"]
+    if not ifs:
+        return [("all", loop_body)]
+    outer = ifs[0]  # if %empty_tile {yield unchanged} else {if %full_tile {full} else {partial}}
+    inner = next((op for op in outer.regions[1].ops if op.name == "if"), None)
+    if inner is None:
+        return [("partial", outer.regions[1])]
+    return [("full", inner.regions[0]), ("partial", inner.regions[1])]
+
+
+def _branch(name: str, blk: Block, roles: dict[str, Value]) -> _Branch:
+    def load_of(arr: Value) -> Optional[Value]:
+        for op in blk.ops:
+            if op.name == "tile.load" and op.operands[0] is arr:
+                return op.results[0]
+        return None
+
+    def root_load(v: Value) -> Optional[Value]:
+        op = v.owner
+        while isinstance(op, Op) and op.name == "cast":
+            v = op.operands[0]
+            op = v.owner
+        return op.operands[0] if isinstance(op, Op) and op.name == "tile.load" else None
+
+    mms = [op for op in blk.ops if op.name == "tile.matmul"]
+    s = dp = p = ds = None
+    for mm in mms:
+        a, b = (root_load(x) for x in mm.operands)
+        ta, tb = bool(mm.attrs.get("transpose_a")), bool(mm.attrs.get("transpose_b"))
+        if tb and a is roles["q"] and b is roles["k"]:
+            s = mm.results[0]
+        elif tb and a is roles["do"] and b is roles["v"]:
+            dp = mm.results[0]
+        elif ta and b is roles["do"]:
+            p = mm.operands[0]
+        elif ta and b is roles["q"]:
+            ds = mm.operands[0]
+    lse = load_of(roles["lse"])
+    delta = next((op.results[0] for op in blk.ops if op.name == "tile.load" and op.operands[0].name == "delta"), None)
+    if None in (s, dp, p, ds, lse, delta):
+        raise BackendError(f"numba-cuda backend: the {name} branch of the backward loop does not have FA2's five "
+                           "products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K)")
+    scatters = [op for op in blk.ops if op.name == "tile.scatter_add"]
+    return _Branch(name, s, dp, p, ds, lse, delta, scatters)  # type: ignore[arg-type]
+
+
+def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]) -> list[tuple[str, int, bool, int]]:
+    """(gradient name, capture index, reduced over the tile, number of indices) per tile.scatter_add."""
+    accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
+    out = []
+    for sc in branch.scatters:
+        acc = sc.operands[0]
+        k = accs.index(acc)
+        name = _result_name(func, nest.results[len(nest.results) - len(accs) + k])
+        table_name = name[1:] if name.startswith("d") else name
+        cap = next((i for i, c in enumerate(captures) if c.name == table_name), None)
+        if cap is None:
+            raise BackendError(f"numba-cuda backend: gradient {name} is not a captured table's")
+        value, idx = sc.operands[1], sc.operands[2:]
+        reduced = value.type.rank > 0 and all(int(n.value) == 1 for n in value.type.shape)  # type: ignore
+        out.append((name, cap, reduced and all(i.type.rank == 0 for i in idx), len(idx)))
+    return out
+
+
+def _result_name(func: Func, v: Value) -> str:
+    ret = func.body.terminator
+    for r, x in zip(func.results, ret.operands):  # type: ignore[union-attr]
+        if x is v:
+            return r.name
+    raise BackendError("numba-cuda backend: a captured table's gradient is not a result of the backward function")
+
+
+# ------------------------------------------------------------------------------------ scalar code
+class _ElementEmitter(_ScalarEmitter):
+    """Scalar code for one element of the score-sized tile values, across the nest's blocks."""
+
+    def __init__(self, env: Mapping[str, int], names: dict[Value, str], aliases: dict[Value, Value]):
+        super().__init__(env, {})
+        self.names.update(names)
+        self.aliases = aliases
+
+    def value(self, v: Value) -> str:
+        v = self.aliases.get(v, v)
+        if v in self.names:
+            return self.names[v]
+        op = v.owner
+        if not isinstance(op, Op):
+            raise BackendError(f"numba-cuda backend: no scalar for block argument %{v.name} in the backward")
+        if op.name == "unsqueeze":
+            nm = self.value(op.operands[0])
+            self.names[v] = nm
+            return nm
+        if op.name == "where" and op.attrs.get("bounds"):
+            c, x, y = (self.value(o) for o in op.operands)
+            self.names[v] = nm = f"v{self.n}"
+            self.n += 1
+            self.lines.append(f"    {nm} = {x} if interior else ({x} if {c} else {y})")
+            return nm
+        for o in op.operands:
+            self.value(o)
+        if op.name in ("tile.load", "tile.matmul", "reduce_sum", "reduce_max") or op.regions:
+            raise BackendError(f"numba-cuda backend: the backward's elementwise code reads {op.name} "
+                               f"(%{v.name}), which has no per-element form")
+        folded = self.fold(op)
+        if folded is not None:
+            self.consts[v] = folded
+            self.names[v] = _lit(folded, v)
+            return self.names[v]
+        expr = self.scaled_expr(op) or self.expr(op)
+        self.names[v] = nm = f"v{self.n}"
+        self.n += 1
+        self.lines.append(f"    {nm} = {expr}")
+        return nm
+
+
+def _lit(folded, v: Value) -> str:
+    from .from_ir import _literal
+
+    return _literal(folded.item(), v.type.dtype, {})
+
+
+def _strip_reductions(v: Value) -> Value:
+    op = v.owner
+    while isinstance(op, Op) and op.name == "reduce_sum":
+        v = op.operands[0]
+        op = v.owner
+    return v
+
+
+def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str) -> list[str]:
+    names: dict[Value, str] = {br.s: "s", br.dp: "dp", br.lse: "lse", br.delta: "delta"}
+    nest_args = next(op for op in low.func.body.ops if op.name == "parallel_for"
+                     and any(r.name == "dk" for r in op.results)).regions[0].args
+    names[nest_args[0]] = "b"
+    names[nest_args[1]] = "hk"
+    for c in low.captures:
+        names[c] = f"cap_{c.name}"
+    aliases: dict[Value, Value] = {}
+    for op in _walk_up(br):
+        if op.name == "tile.iota":
+            names[op.results[0]] = "q" if op.attrs["axis"] == 0 else "kv"
+        if op.name == "tile.load" and op.operands[0].name == "q":
+            names.setdefault(op.operands[2], "h")  # the query head (hk * G + i under GQA)
+    e = _ElementEmitter(env, names, aliases)
+    outs = [e.value(br.p), e.value(br.ds)]
+    for sc in br.scatters:
+        outs.append(e.value(_strip_reductions(sc.operands[1])))
+        outs += [e.value(i) for i in sc.operands[2:]]
+    res = ", ".join(outs)
+    lines = [f"def elem_{br.name}(s, dp, lse, delta, b, h, hk, q, kv, interior{sig}):"]
+    lines += _live_lines(e.lines, res)
+    lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
+    return lines
+
+
+def _walk_up(br: _Branch):
+    """The ops of the branch and of the blocks around it (iotas and loads may sit outside the branch)."""
+    blk = br.s.owner.parent  # type: ignore[union-attr]
+    while blk is not None:
+        yield from blk.ops
+        parent = blk.parent
+        blk = parent.parent if parent is not None else None
+
+
+def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], name: str, sig: str,
+                 cap_names: dict[Value, str]) -> list[str]:
+    """mask_fn from a predicate region over (b, h, q, kv, captured tables...)."""
+    e = _ScalarEmitter(env, {})
+    for a, nm in zip(region.args, ["b", "h", "q", "kv"]):
+        e.names[a] = nm
+    for a, v in zip(region.args[4:], operands[4:]):
+        e.names[a] = cap_names[v]
+    res = region.terminator.operands[0]  # type: ignore[union-attr]
+    e.emit(region, [res])
+    return [f"def {name}(b, h, q, kv{sig}):"] + _live_lines(e.lines, e.name(res)) + [f"    return {e.name(res)}"]
+
+
+def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, list[str]]:
+    """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>)."""
+    cap_names = {c: f"cap_{c.name}" for c in low.captures}
+    sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
+    out: list[str] = []
+    for br in low.branches:
+        out += _elem_fn(low, br, env, sig) + [""]
+    if low.classify is not None:
+        op = low.classify
+        region = op.regions[0]
+        region_caps = [cap_names[v] for v in op.operands[4:]]
+        lines = _interval_fn(region, env, "".join(f", {n}" for n in region_caps))
+        lines[0] = f"def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi{sig}):"
+        out += lines + [""]
+    if low.table is not None:
+        op = low.table
+        region = op.regions[0]
+        out += _pred_source(region, [None] * 4 + list(op.operands), env, "mask_fn", sig, cap_names) + [""]  # type: ignore
+    text = "\n".join(out)
+    dims = sorted(set(re.findall(r"\bdim_(\w+)", text)))
+    return text.replace(", DIMS", "".join(f", dim_{d}" for d in dims)), dims
+
+
+def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str, path: str,
+                        num_warps: Optional[int], extra: Optional[dict] = None) -> FA2BackwardSpec:
+    D = int(env["D"])
+    src, dims = device_source(low, env)
+    caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, v.type.rank) for i, v in enumerate(low.captures))
+    caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
+    grads = tuple(GradSpec(name, cap, reduced, n_index) for name, cap, reduced, n_index in low.grads)
+    bq, bk = low.block_q, low.block_k
+    nw = num_warps or (max(1, bk // 16) if path == "mma" else 1)
+    key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}|{sorted((extra or {}).items())}"
+    name = "fa2bwd_" + low.func.name.replace("-", "_") + "_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+    branches = tuple(br.name for br in low.branches)
+    return FA2BackwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
+                           group_size=low.group, captures=caps, device_source=src, branches=branches,
+                           block_mask=low.block_mask, grads=grads, dims=tuple(dims), extra=dict(extra or {}))
+
+
+__all__ = ["BackwardLowered", "analyse_backward", "build_backward_spec", "device_source", "dim_expr", "is_float"]
