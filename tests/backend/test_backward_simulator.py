@@ -1,0 +1,54 @@
+"""The FA2 backward kernels of every example, both paths, in the CUDA simulator: no GPU needed. The cases
+run in two subprocesses (the simulator must be on before numba.cuda is imported; two cores on CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bwd_sim_cases import CASES  # noqa: E402
+
+IDS = [f"{s}-{p}-{t}-{m}x{n}" for s, p, t, m, n in CASES]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = dict(os.environ)
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    halves = [IDS[0::2], IDS[1::2]]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "bwd_sim_cases.py"), *ids], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for ids in halves]
+    out = {}
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=1500)
+        if p.returncode != 0:
+            pytest.fail(f"simulator subprocess failed:\n{stderr[-4000:]}")
+        out.update({r["id"]: r for r in map(json.loads, filter(lambda l: l.startswith("{"), stdout.splitlines()))})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", IDS)
+def test_backward_kernels_match_the_ir(results, case_id):
+    r = results[case_id]
+    assert "error" not in r, r.get("error")
+    assert set(r["grads"]) >= {"dq", "dk", "dv"}
+    for name, g in r["grads"].items():
+        assert g["shape_ok"] and not g["nan"], (name, g)
+        # f16 outputs and f16 P, dS operands of the products: a few half-precision ulps of the largest value
+        assert g["err"] <= 4e-3 * max(1.0, g["scale"]), (name, g)
+    assert r["masked_dq_zero"], r
+    if case_id.startswith("document"):
+        assert r["masked_rows"] > 0  # padding tokens: rows with nothing to attend to, gradient zero
+    if case_id.startswith(("alibi", "relative_bias", "bias")):
+        assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
