@@ -147,14 +147,18 @@ class CompiledAttention:
         return self._backward_kernel_and_dims(inputs)[0]
 
     def _backward_kernel_and_dims(self, inputs: tuple) -> tuple[Any, dict[str, int]]:
+        env = self._dims(inputs)
+        return self._backward_kernel_and_dims_for(_dtype_of(inputs[0]), env["D"]), env
+
+    def _backward_kernel_and_dims_for(self, dtype: str, D: int):
+        """The backward kernel for inputs of `dtype` and head dim D (built on first use)."""
         from .backends.numba_cuda.from_ir import BackendError
         from .backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
         from .backends.numba_cuda.runtime import FA2BackwardKernel
 
         if self.backend != "numba-cuda":
             raise FalowerError("only the numba-cuda backend builds kernels")
-        dtype = _dtype_of(inputs[0])
-        env = self._dims(inputs)
+        env = {"D": D}
         path = self.path
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
@@ -172,7 +176,7 @@ class CompiledAttention:
             if level >= 3:
                 print(f"[falower] backward kernel {spec.name}:\n{kern.source}", file=sys.stderr)
             self._bwd_kernels[key] = kern
-        return self._bwd_kernels[key], env
+        return self._bwd_kernels[key]
 
     def _kernel_captures(self, inputs: tuple, env: dict[str, int]) -> list:
         caps = [_scalar_if_0d(inputs[self.lowered.args.index(c)]) for c in self.analysis.captures]
