@@ -1,16 +1,38 @@
 #!/usr/bin/env python3
-"""FA2 forward on the GPU: check, then time falower's Numba kernel against torch SDPA (FLASH, CUDNN).
+"""FA2 forward and backward on the GPU: check, then time falower against SDPA (FLASH, CUDNN) and Flex.
 
-Sweep (the FlashAttention-2 paper's): D = 64, 128; N = 512 .. 16k; B * N = 16k tokens; H * D = 2048;
-causal and not; fp16. FLOPs = 4 * B * H * N * N * D, halved for causal. Times are medians of
-triton.testing.do_bench (CUDA events). "ours" times the forward kernel launched on prepared buffers
-(`FA2ForwardKernel.prepare`); "ours+call" the whole Python call (checks, allocation, launch).
+Competitors: torch SDPA's FLASH (FlashAttention-2) and CUDNN backends, and FlexAttention (torch.compile).
 
-    python benchmarks/bench_fwd.py                 # the full sweep
-    python benchmarks/bench_fwd.py --quick         # D=64,128 at N=1k,4k only, fewer configs
-    python benchmarks/bench_fwd.py --configs 64x64w4,128x64w8 --n 4096
+Sweep (the FlashAttention-2 paper's): D = 64, 128; N = 1k .. 16k; B * N = 16k tokens; H * D = 2048;
+causal and not; fp16. FLOPs of the forward = 4 * B * H * N * N * D, halved for causal; of forward +
+backward 3.5x that (the backward's five N x N x D products to the forward's two). Times are medians of
+triton.testing.do_bench (CUDA events); TFLOP/s = FLOPs / time.
 
-Prints a short table last; writes bench.log, results.json and results.md to $OUT (default ./bench_out).
+What is timed:
+  forward          "ours <tiles>" the forward kernel launched on prepared buffers (FA2ForwardKernel.prepare);
+                   "ours+call" the whole Python call c.forward(q, k, v) (checks, allocation, launch);
+                   FLASH / CUDNN: torch SDPA with that backend; Flex: torch.compile(flex_attention).
+  forward+backward "ours <tiles>" the forward and backward kernels on prepared buffers
+                   (FA2ForwardKernel.prepare, then FA2BackwardKernel.prepare(q, k, v, o, lse, do));
+                   "ours+call" c.forward(...) then c.backward(...); "autograd" o, _ = c(q, k, v) on tensors
+                   that require grad, then o.backward(do); FLASH / CUDNN / Flex: o = attention(...),
+                   o.backward(do) (gradients set to None between runs, as do_bench does).
+  examples         every variant of examples/ at N = 4k (score_mod / mask_mod / captured tensors, GQA) against
+                   FlexAttention with the same score_mod and mask_mod (block mask built once, outside the
+                   timing, as a Flex user does); falower by its calls (c.forward, c.backward), captured float
+                   tensors' gradients included on both sides where Flex supports them. FLOPs count only the
+                   pairs the mask keeps.
+
+    python benchmarks/bench.py --precompile        # the full sweep, checks first
+    python benchmarks/bench.py --quick             # N = 1k, 4k; examples at the first D only
+    python benchmarks/bench.py --fwd               # forward only (what bench_fwd.py did)
+    python benchmarks/bench.py --bwd --no-examples # forward+backward only, plain and causal
+    python benchmarks/bench.py --configs 64x64w4,128x64w8 --n 4096
+    python benchmarks/bench.py --bwd-pipeline 'autodiff,...,tile-bwd{bq=64,bk=128,dq=atomic},canonicalize'
+
+A row that fails (a backend refusing a shape, a kernel that does not build) is logged and left NaN; the
+sweep goes on. Prints short tables last; writes bench.log, results.json and results.md to $OUT
+(default ./bench_out).
 """
 
 from __future__ import annotations
@@ -19,9 +41,13 @@ import argparse
 import json
 import math
 import os
+import runpy
 import sys
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,10 +57,11 @@ try:
 except ImportError:  # make_kernel alone works without torch (PTX inspection on a CPU machine)
     torch = None
 
-from falower.backends.numba_cuda import FA2ForwardKernel, FA2ForwardSpec  # noqa: E402
+from falower.backends.numba_cuda import FA2ForwardKernel, FA2ForwardSpec  # noqa: E402,F401
 
 LOG2E = 1.4426950408889634
 OUT = Path(os.environ.get("OUT", "./bench_out"))
+NAN = float("nan")
 
 
 def log(*args) -> None:
@@ -45,7 +72,7 @@ def log(*args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The kernel under test. One factory: today it writes the spec by hand; later falower.compile(...).
+# The kernels under test, as a user gets them: falower.attention, lowered and compiled by falower.compile.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -94,22 +121,34 @@ DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}
 
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles,canonicalize"
 
+_COMPILED: dict = {}
 
-def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None):
-    """The kernel under test, as a user gets it: attention written with falower.attention, lowered by
-    the FA2 pipeline (tile sizes from `config`) and compiled by falower.compile; a FA2ForwardKernel."""
+
+def make_compiled(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None,
+                  bwd_pipeline: Optional[str] = None):
+    """plain or causal attention written with falower.attention, lowered by the FA2 pipeline (forward tile
+    sizes from `config`; the backward by `bwd_pipeline`, default fa2-bwd) and compiled by falower.compile."""
     import falower as fl
 
     config = config or DEFAULT_CONFIG[D]
-    bq, bk, nw = config[:3]
-    extra = dict(config[3]) if len(config) > 3 else {}
-    mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
-    graph = fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype=dtype)
-    compiled = fl.compile(graph, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), path="mma",
-                          num_warps=nw, extra=extra)
-    return compiled.specialize(dtype, D=D)
+    key = (D, causal, dtype, config_tag(config), bwd_pipeline)
+    if key not in _COMPILED:
+        bq, bk, nw = config[:3]
+        extra = dict(config[3]) if len(config) > 3 else {}
+        mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
+        graph = fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype=dtype)
+        _COMPILED[key] = fl.compile(graph, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), path="mma",
+                                    num_warps=nw, extra=extra, backward=bwd_pipeline)
+    return _COMPILED[key]
 
 
+def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None):
+    """The forward kernel under test (an FA2ForwardKernel)."""
+    return make_compiled(D, causal, dtype, config).specialize(dtype, D=D)
+
+
+# ------------------------------------------------------------------------------------------------
+# References and competitors
 # ------------------------------------------------------------------------------------------------
 
 
@@ -119,6 +158,37 @@ def sdpa(q, k, v, causal, backend):
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     with sdpa_kernel(be):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+_FLEX: Any = None
+
+
+def flex_attention():
+    """torch.compile(flex_attention), once; every shape and mod compiles once (the cache limit raised so
+    the sweep's shapes never fall back to the slow eager path)."""
+    global _FLEX
+    if _FLEX is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention as fa
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
+        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 4096)
+        _FLEX = torch.compile(fa, dynamic=False)
+    return _FLEX
+
+
+def block_mask_for(mask_mod, B, H, N, per_batch: bool = False):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if mask_mod is None:
+        return None
+    return create_block_mask(mask_mod, B if per_batch else None, None, N, N, device="cuda")
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def reference64(q, k, v, causal):
@@ -156,17 +226,290 @@ def check(D, causal, config, dtype=None):
     rel = ((o.double() - ref).norm() / ref.norm()).item()
     lse_err = (lse.double() - ref_lse).abs().max().item()
     ok = err <= 2 * naive + 1e-5 and lse_err < 1e-3 and not torch.isnan(o).any().item()
-    return {"D": D, "causal": causal, "config": config, "max_err": err, "naive_err": naive, "rel_err": rel,
-            "lse_err": lse_err, "ok": ok, "first_call_s": first}
+    return {"what": "fwd", "D": D, "causal": causal, "config": config, "max_err": err, "naive_err": naive,
+            "rel_err": rel, "lse_err": lse_err, "ok": ok, "first_call_s": first}
+
+
+def check_bwd(D, causal, config, bwd_pipeline=None):
+    """FlashAttention-2's gradient rule at N = 1000: each of dq, dk, dv within 3x the error of naive fp16
+    attention's autograd (plus 1e-4 of the gradient's size), both against float64 autograd."""
+    torch.manual_seed(1)
+    B, H, N = 2, 4, 1000
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(4))
+    c = make_compiled(D, causal, "f16", config, bwd_pipeline)
+    t0 = time.time()
+    o, lse = c.forward(q, k, v)
+    grads = c.backward(q, k, v, o, lse, do)
+    torch.cuda.synchronize()
+    first = time.time() - t0
+    ref_in = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    reference64(*ref_in, causal)[0].backward(do.double())
+    low_in = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    naive_lowprec(*low_in, causal).backward(do)
+    out = {"what": "bwd", "D": D, "causal": causal, "config": config, "first_call_s": first, "ok": True}
+    for name, got, ref, low in zip(("dq", "dk", "dv"), grads, ref_in, low_in):
+        err = (got.double() - ref.grad).abs().max().item()
+        naive = (low.grad.double() - ref.grad).abs().max().item()
+        ok = err <= 3 * naive + 1e-4 * max(1.0, ref.grad.abs().max().item()) and not torch.isnan(got).any().item()
+        out[f"{name}_err"], out[f"{name}_naive"] = err, naive
+        out["ok"] = out["ok"] and ok
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The examples' variants, for falower (examples/<stem>.py) and for FlexAttention (the same maths in torch)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    stem: str
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    captures: dict = field(default_factory=dict)  # by the falower graph's argument names
+    group: int = 1  # query heads per kv head (GQA)
+    scale: Optional[float] = None
+    per_batch: bool = False  # the mask reads b (block mask per batch)
+
+
+def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
+    """examples/<stem>.py written as FlexAttention score_mod / mask_mod, with its captured tensors."""
+    dev = "cuda"
+    if stem == "plain":
+        return Variant(stem)
+    if stem == "causal":
+        return Variant(stem, mask_mod=causal_mask)
+    if stem == "naive_tensor_code":  # 0.125 whatever the head dim, as the example is written
+        return Variant(stem, scale=0.125)
+    if stem == "gqa":
+        return Variant(stem, group=4)
+    if stem == "alibi":
+        slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device=dev, dtype=torch.float32) / H)
+        return Variant(stem, score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q), mask_mod=causal_mask,
+                       captures={"slopes": slopes})
+    gen = torch.Generator(device=dev).manual_seed(0)  # the same captured values every time it is built
+    if stem == "bias":
+        bias = torch.randn(H, N, N, device=dev, dtype=torch.float32, generator=gen)
+        return Variant(stem, score_mod=lambda s, b, h, q, kv: s + bias[h, q, kv], captures={"bias": bias})
+    if stem == "relative_bias":
+        rel = torch.randn(H, 2 * N - 1, device=dev, dtype=torch.float32, generator=gen)
+        return Variant(stem, score_mod=lambda s, b, h, q, kv: s + rel[h, q - kv + (N - 1)],
+                       captures={"rel_bias": rel})
+    if stem == "softcap":
+        return Variant(stem, score_mod=lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0))
+    if stem == "sliding_window":
+        return Variant(stem, mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 48))
+    if stem == "prefix_lm":
+        return Variant(stem, mask_mod=lambda b, h, q, kv: (kv <= q) | (kv < 32))
+    if stem == "document":  # documents of random lengths (about 8 per row), the last 1/16 of a row padding
+        ids = torch.sort(torch.randint(0, 8, (B, N), generator=gen, device=dev), dim=-1).values
+        ids[:, N - N // 16:] = -1
+        doc = ids.to(dev, torch.int32)
+        return Variant(stem, mask_mod=lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (doc[b, q] >= 0),
+                       captures={"doc_id": doc}, per_batch=True)
+    raise KeyError(f"no FlexAttention version of example {stem!r}")
+
+
+def example_stems() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+
+
+def example_compiled(stem: str):
+    import falower as fl
+
+    key = ("example", stem)
+    if key not in _COMPILED:
+        g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+        _COMPILED[key] = fl.compile(g, "numba-cuda")
+    return _COMPILED[key]
+
+
+def mask_density(var: Variant, B: int, N: int) -> float:
+    """Fraction of (q, kv) pairs the mask keeps (1 without a mask): the FLOPs that count."""
+    if var.mask_mod is None:
+        return 1.0
+    b = torch.arange(B if var.per_batch else 1, device="cuda")[:, None, None, None]
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda")
+    idx = torch.arange(N, device="cuda")
+    keep = var.mask_mod(b, h, idx[None, None, :, None], idx[None, None, None, :])
+    return keep.float().mean().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+
+
+def bench(fn, warmup=25, rep=100, grad_to_none=None):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def measure(row: dict, key: str, flops: float, make_fn: Callable, grad_to_none=None) -> bool:
+    """row[key] = TFLOP/s of the function make_fn() returns; a failure anywhere is logged (with its traceback
+    when BENCH_TRACEBACK is set), the row goes on. Returns whether it worked."""
+    try:
+        fn = make_fn()
+        row[key] = flops / bench(fn, grad_to_none=grad_to_none) / 1e9
+        return True
+    except Exception as exc:  # a backend may refuse a shape; the backward kernel may not exist yet
+        row[key] = NAN
+        log(f"  {key} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        if os.environ.get("BENCH_TRACEBACK"):
+            log(traceback.format_exc())
+        return False
+
+
+def leaves(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
+    H = 2048 // D
+    B = max(1, 16384 // N)
+    flops = 4 * B * H * N * N * D / (2 if causal else 1)
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(4))
+    row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
+    block_mask = block_mask_for(causal_mask if causal else None, B, H, N) if not args.no_flex else None
+    if args.fwd:
+        if not args.no_sdpa:
+            for be in ("flash", "cudnn"):
+                measure(row, f"fwd {be}", flops, lambda be=be: lambda: sdpa(q, k, v, causal, be))
+        if not args.no_flex:
+            measure(row, "fwd flex", flops, lambda: lambda: flex_attention()(q, k, v, block_mask=block_mask))
+        for cfg in configs:
+            def prepared(cfg=cfg):
+                launch, _ = make_kernel(D, causal, "f16", cfg).prepare(q, k, v)
+                return launch
+
+            measure(row, f"fwd ours {config_tag(cfg)}", flops, prepared)
+        c = make_compiled(D, causal, "f16", configs[0], args.bwd_pipeline)
+        measure(row, "fwd ours+call", flops, lambda: lambda: c.forward(q, k, v))
+    if args.bwd:
+        f2 = 3.5 * flops
+        ql, kl, vl = leaves(q, k, v)
+        if not args.no_sdpa:
+            for be in ("flash", "cudnn"):
+                measure(row, f"bwd {be}", f2, lambda be=be: lambda: sdpa(ql, kl, vl, causal, be).backward(do),
+                        grad_to_none=[ql, kl, vl])
+        if not args.no_flex:
+            measure(row, "bwd flex", f2, lambda: lambda: flex_attention()(ql, kl, vl, block_mask=block_mask).backward(do),
+                    grad_to_none=[ql, kl, vl])
+        for cfg in configs:
+            def prepared_bwd(cfg=cfg):
+                c = make_compiled(D, causal, "f16", cfg, args.bwd_pipeline)
+                fwd_launch, fwd_finish = c.kernel(q, k, v).prepare(q, k, v)
+                fwd_launch()
+                o, lse = fwd_finish()
+                bwd_launch, _ = c.backward_kernel(q, k, v).prepare(q, k, v, o, lse, do)
+
+                def both():
+                    fwd_launch()
+                    bwd_launch()
+                return both
+
+            measure(row, f"bwd ours {config_tag(cfg)}", f2, prepared_bwd)
+        c = make_compiled(D, causal, "f16", configs[0], args.bwd_pipeline)
+
+        def call():
+            o, lse = c.forward(q, k, v)
+            c.backward(q, k, v, o, lse, do)
+
+        measure(row, "bwd ours+call", f2, lambda: call)
+        measure(row, "bwd autograd", f2, lambda: lambda: c(ql, kl, vl)[0].backward(do), grad_to_none=[ql, kl, vl])
+    return row
+
+
+def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
+    H = 2048 // D
+    B = max(1, 16384 // N)
+    var = variant(stem, B, H, N, D)
+    torch.manual_seed(0)
+    q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(B, H // var.group, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    do = torch.randn_like(q)
+    density = mask_density(var, B, N)
+    flops = 4 * B * H * N * N * D * density
+    row = {"example": stem, "D": D, "N": N, "B": B, "H": H, "density": density}
+    block_mask = block_mask_for(var.mask_mod, B, H, N, var.per_batch)
+    fx = dict(score_mod=var.score_mod, block_mask=block_mask, scale=var.scale, enable_gqa=var.group > 1)
+    c = example_compiled(stem)
+    caps = [var.captures[a.name] for a in c.func.args[3:]]
+    grad_caps = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in caps]
+    floats = [x for x in grad_caps if x.requires_grad]
+    if args.fwd:
+        measure(row, "fwd flex", flops, lambda: lambda: flex_attention()(q, k, v, **fx))
+        measure(row, "fwd ours+call", flops, lambda: lambda: c.forward(q, k, v, *caps))
+    if args.bwd:
+        f2 = 3.5 * flops
+        ql, kl, vl = leaves(q, k, v)
+        # Flex's mods close over their captured tensors: a second variant's, as leaves that require grad
+        sub = variant(stem, B, H, N, D)
+        sub_leaves = [x.requires_grad_(True) for x in sub.captures.values() if x.is_floating_point()]
+        fx_grad = dict(fx, score_mod=sub.score_mod)
+        row["flex capture grads"] = True
+        ok = measure(row, "bwd flex", f2, lambda: lambda: flex_attention()(ql, kl, vl, **fx_grad).backward(do),
+                     grad_to_none=[ql, kl, vl, *sub_leaves])
+        if not ok and sub_leaves:
+            log(f"  {stem}: Flex timed again without its captured tensors' gradients")
+            row["flex capture grads"] = False
+            measure(row, "bwd flex", f2, lambda: lambda: flex_attention()(ql, kl, vl, **fx).backward(do),
+                    grad_to_none=[ql, kl, vl])
+
+        def call():
+            o, lse = c.forward(q, k, v, *caps)
+            c.backward(q, k, v, o, lse, do, *caps)
+
+        measure(row, "bwd ours+call", f2, lambda: call)
+        measure(row, "bwd autograd", f2, lambda: lambda: c(ql, kl, vl, *grad_caps)[0].backward(do),
+                grad_to_none=[ql, kl, vl, *floats])
+    # sanity, not a check: falower against Flex (both fp16), relative to the output's size
+    try:
+        o_ours = c.forward(q, k, v, *caps)[0]
+        o_flex = flex_attention()(q, k, v, **fx)
+        row["o diff vs flex"] = ((o_ours.float() - o_flex.float()).abs().max() / o_flex.float().abs().max()).item()
+    except Exception as exc:
+        row["o diff vs flex"] = NAN
+        log(f"  {stem}: comparison with flex failed: {type(exc).__name__}: {str(exc)[:120]}")
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Precompiling in parallel processes
+# ------------------------------------------------------------------------------------------------
 
 
 def _compile_one(job) -> str:
-    D, causal, cfg = job
-    kern = make_kernel(D, causal, "f16", cfg)
-    q = torch.randn(1, 1, 64, D, device="cuda", dtype=torch.float16)
-    kern(q, q, q)
-    torch.cuda.synchronize()
-    return f"D={D} causal={causal} {config_tag(cfg)}"
+    """Build and launch one kernel on tiny inputs (fills Numba's disk cache); never raises."""
+    t0 = time.time()
+    try:
+        what, *rest = job
+        if what in ("fwd", "bwd"):
+            D, causal, cfg, bwd_pipeline = rest
+            c = make_compiled(D, causal, "f16", cfg, bwd_pipeline)
+            q = torch.randn(1, 1, 64, D, device="cuda", dtype=torch.float16)
+            if what == "fwd":
+                c.kernel(q, q, q)(q, q, q)
+            else:  # the forward is another job: any o and lse compile the backward
+                c.backward(q, q, q, q.clone(), torch.zeros(1, 1, 64, device="cuda"), q)
+        else:
+            stem, D = rest
+            c = example_compiled(stem)
+            H = 2048 // D
+            var = variant(stem, 1, H, 64, D)
+            q = torch.randn(1, H, 64, D, device="cuda", dtype=torch.float16)
+            kv = torch.randn(1, H // var.group, 64, D, device="cuda", dtype=torch.float16)
+            caps = [var.captures[a.name] for a in c.func.args[3:]]
+            if what == "ex-fwd":
+                c.forward(q, kv, kv, *caps)
+            else:
+                c.backward(q, kv, kv, q.clone(), torch.zeros(1, H, 64, device="cuda"), q, *caps)
+        torch.cuda.synchronize()
+    except Exception as exc:
+        return f"FAILED {job}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    return f"{job} {time.time() - t0:.1f}s"
 
 
 def precompile(jobs) -> None:
@@ -180,94 +523,164 @@ def precompile(jobs) -> None:
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4),
                                                 mp_context=ctx) as ex:
         done = list(ex.map(_compile_one, jobs))
+    for line in done:
+        if line.startswith("FAILED"):
+            log(f"  precompile {line}")
     log(f"precompiled {len(done)} kernels in {time.time() - t0:.1f}s")
 
 
-def bench(fn, warmup=25, rep=100):
-    import triton.testing
+# ------------------------------------------------------------------------------------------------
+# Tables
+# ------------------------------------------------------------------------------------------------
 
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+def _f(x, digits=0) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _ratio(a, b) -> str:
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
+    ours = [k for k in rows[0] if k.startswith(f"{phase} ours ")] if rows else []
+    extra = ["ours+call"] + (["autograd"] if phase == "bwd" else [])
+    others = ["flash", "cudnn", "flex"]
+    title = "forward" if phase == "fwd" else "forward + backward (FLOPs = 3.5 x forward)"
+    md = [f"TFLOP/s, fp16 {title}, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}", "",
+          "| D | causal | N | " + " | ".join(k[len(phase) + 1:] for k in ours) + " | " + " | ".join(extra)
+          + " | FLASH | CUDNN | Flex | best/FLASH | best/CUDNN | best/Flex |",
+          "|" + "---|" * (3 + len(ours) + len(extra) + 6)]
+    for r in rows:
+        vals = [r.get(k, NAN) for k in ours]
+        finite = [x for x in vals if not math.isnan(x)]
+        best = max(finite) if finite else NAN
+        ex = [r.get(f"{phase} ours+call", NAN)] + ([r.get("bwd autograd", NAN)] if phase == "bwd" else [])
+        ref = [r.get(f"{phase} {o}", NAN) for o in others]
+        md.append(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['N']} | " + " | ".join(_f(x) for x in vals)
+                  + " | " + " | ".join(_f(x) for x in ex) + " | " + " | ".join(_f(x) for x in ref) + " | "
+                  + " | ".join(_ratio(best, x) for x in ref) + " |")
+    return md
+
+
+def example_table(rows: list, dev: str) -> list[str]:
+    md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls", "",
+          "| example | D | keep | fwd ours | fwd Flex | ours/Flex | f+b ours | f+b autograd | f+b Flex | ours/Flex "
+          "| Flex dcap | o diff |",
+          "|" + "---|" * 12]
+    for r in rows:
+        md.append(f"| {r['example']} | {r['D']} | {r['density']:.2f} | {_f(r.get('fwd ours+call'))} | "
+                  f"{_f(r.get('fwd flex'))} | {_ratio(r.get('fwd ours+call'), r.get('fwd flex'))} | "
+                  f"{_f(r.get('bwd ours+call'))} | {_f(r.get('bwd autograd'))} | {_f(r.get('bwd flex'))} | "
+                  f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | "
+                  f"{'y' if r.get('flex capture grads', True) else 'n'} | {r.get('o diff vs flex', NAN):.1e} |")
+    return md
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="N = 1k, 4k; examples at the first D only")
+    ap.add_argument("--fwd", action="store_true", help="time the forward (default: forward and fwd+bwd)")
+    ap.add_argument("--bwd", action="store_true", help="time forward+backward (default: forward and fwd+bwd)")
     ap.add_argument("--d", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--n", type=int, nargs="*", default=None)
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    ap.add_argument("--configs", default="", help="comma-separated tile configs per D, e.g. 64x64w4,128x64w8")
+    ap.add_argument("--configs", default="", help="comma-separated forward tile configs, e.g. 64x64w4,128x64w8")
+    ap.add_argument("--bwd-pipeline", default=None, help="backward pipeline string (default fa2-bwd)")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-examples", action="store_true", help="skip the examples' variants at N = 4k")
+    ap.add_argument("--examples", default="", help="comma-separated example names (default: all)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--precompile", action="store_true", help="compile all kernels in parallel first")
     args = ap.parse_args()
+    if not args.fwd and not args.bwd:
+        args.fwd = args.bwd = True
     OUT.mkdir(parents=True, exist_ok=True)
-    Ns = args.n or ([1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384])
+    Ns = args.n or ([1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384])
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    stems = [] if args.no_examples else (args.examples.split(",") if args.examples else example_stems())
+    ex_ds = args.d[:1] if args.quick else args.d
     dev = torch.cuda.get_device_name()
-    log(f"# bench_fwd {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on {dev}; torch {torch.__version__}")
-    configs_for = {}
-    for D in args.d:
-        if args.configs:
-            cfgs = [parse_config(c) for c in args.configs.split(",")]
-            configs_for[D] = cfgs
-        else:
-            configs_for[D] = [DEFAULT_CONFIG[D]]
+    log(f"# bench {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on {dev}; torch {torch.__version__}; "
+        f"{'fwd ' if args.fwd else ''}{'fwd+bwd' if args.bwd else ''}")
+    configs_for = {D: [parse_config(c) for c in args.configs.split(",")] if args.configs else [DEFAULT_CONFIG[D]]
+                   for D in args.d}
 
     if args.precompile:
-        precompile([(D, causal, cfg) for D in args.d for causal in causals for cfg in configs_for[D]])
+        jobs = []  # backward kernels first (the slow ones); one per (D, causal): the forward tiles do not change it
+        for D in args.d:
+            for causal in causals:
+                if args.bwd:
+                    jobs.append(("bwd", D, causal, configs_for[D][0], args.bwd_pipeline))
+        jobs += [("ex-bwd", stem, D) for stem in stems for D in ex_ds] if args.bwd else []
+        jobs += [("fwd", D, causal, cfg, args.bwd_pipeline) for D in args.d for causal in causals
+                 for cfg in configs_for[D]]  # the fwd+bwd timing runs the forward kernel too
+        jobs += [("ex-fwd", stem, D) for stem in stems for D in ex_ds]
+        precompile(jobs)
 
     checks = []
     if not args.no_check:
         for D in args.d:
             for causal in causals:
-                for cfg in configs_for[D]:
-                    r = check(D, causal, cfg)
+                cfgs = configs_for[D]
+                todo = ([("fwd", cfg) for cfg in cfgs] if args.fwd else []) + ([("bwd", cfgs[0])] if args.bwd else [])
+                for what, cfg in todo:
+                    try:
+                        r = check(D, causal, cfg) if what == "fwd" else check_bwd(D, causal, cfg, args.bwd_pipeline)
+                    except Exception as exc:
+                        r = {"what": what, "D": D, "causal": causal, "config": cfg, "ok": False,
+                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+                        log(f"check {what} D={D} causal={causal} cfg={cfg}: FAILED TO RUN: {r['error']}")
+                        checks.append(r)
+                        continue
                     checks.append(r)
-                    log(f"check D={D} causal={causal} cfg={cfg}: max_err {r['max_err']:.2e} naive {r['naive_err']:.2e} "
-                        f"rel {r['rel_err']:.2e} lse {r['lse_err']:.2e} {'OK' if r['ok'] else 'FAIL'} "
-                        f"(first call {r['first_call_s']:.1f}s)")
+                    if what == "fwd":
+                        log(f"check fwd D={D} causal={causal} cfg={cfg}: max_err {r['max_err']:.2e} naive "
+                            f"{r['naive_err']:.2e} rel {r['rel_err']:.2e} lse {r['lse_err']:.2e} "
+                            f"{'OK' if r['ok'] else 'FAIL'} (first call {r['first_call_s']:.1f}s)")
+                    else:
+                        log(f"check bwd D={D} causal={causal}: " + " ".join(
+                            f"{n} {r[n + '_err']:.2e} (naive {r[n + '_naive']:.2e})" for n in ("dq", "dk", "dv"))
+                            + f" {'OK' if r['ok'] else 'FAIL'} (first call {r['first_call_s']:.1f}s)")
 
-    rows = []
+    rows, ex_rows = [], []
     for D in args.d:
-        H = 2048 // D
         for causal in causals:
             for N in Ns:
-                B = max(1, 16384 // N)
-                flops = 4 * B * H * N * N * D / (2 if causal else 1)
-                q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(3))
-                row = {"D": D, "N": N, "B": B, "H": H, "causal": causal}
-                if not args.no_sdpa:
-                    for be in ("flash", "cudnn"):
-                        try:
-                            ms = bench(lambda: sdpa(q, k, v, causal, be))
-                            row[be] = flops / ms / 1e9
-                        except Exception as exc:  # a backend may refuse a shape
-                            row[be] = float("nan")
-                            log(f"  {be} failed: {type(exc).__name__}: {str(exc)[:100]}")
-                for cfg in configs_for[D]:
-                    kern = make_kernel(D, causal, "f16", cfg)
-                    launch, finish = kern.prepare(q, k, v)
-                    ms = bench(launch)
-                    tag = config_tag(cfg)
-                    row[f"ours {tag}"] = flops / ms / 1e9
-                    if cfg == configs_for[D][0]:
-                        row["ours+call"] = flops / bench(lambda: kern(q, k, v)) / 1e9
+                try:
+                    row = time_row(args, D, causal, N, configs_for[D])
+                except Exception as exc:  # setup of the whole row (memory, say)
+                    log(f"row D={D} causal={causal} N={N} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                    continue
                 rows.append(row)
                 log(json.dumps(row))
-                del q, k, v
-    (OUT / "results.json").write_text(json.dumps({"device": dev, "checks": checks, "rows": rows}, indent=1))
+                torch.cuda.empty_cache()
+    for stem in stems:
+        for D in ex_ds:
+            try:
+                row = time_example(args, stem, D)
+            except Exception as exc:
+                log(f"example {stem} D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            ex_rows.append(row)
+            log(json.dumps(row))
+            torch.cuda.empty_cache()
+    (OUT / "results.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "checks": checks,
+                                                  "rows": rows, "examples": ex_rows}, indent=1, default=str))
 
-    keys = [k for k in rows[0] if k.startswith("ours ")] if rows else []
-    md = [f"TFLOP/s, fp16 forward, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}",
-          "", "| D | causal | N | " + " | ".join(keys) + " | ours+call | FLASH | CUDNN | best/FLASH | best/CUDNN |",
-          "|" + "---|" * (8 + len(keys))]
-    for r in rows:
-        best = max(r[k] for k in keys)
-        md.append(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['N']} | "
-                  + " | ".join(f"{r[k]:.0f}" for k in keys)
-                  + f" | {r.get('ours+call', float('nan')):.0f} | {r.get('flash', float('nan')):.0f} | "
-                  f"{r.get('cudnn', float('nan')):.0f} | {best / r.get('flash', float('nan')):.2f} | "
-                  f"{best / r.get('cudnn', float('nan')):.2f} |")
+    md = []
+    if rows and args.fwd:
+        md += sweep_table(rows, "fwd", dev) + [""]
+    if rows and args.bwd:
+        md += sweep_table(rows, "bwd", dev) + [""]
+    if ex_rows:
+        md += example_table(ex_rows, dev)
     (OUT / "results.md").write_text("\n".join(md) + "\n")
     log("\n".join(md))
     if checks and not all(c["ok"] for c in checks):

@@ -26,7 +26,8 @@ with (f16, D=64) and (bf16, D=128); causal, alibi and document also at (f16, 128
 1000, and at N = 4096 (B = 1, H = 2) with (f16, 64) and (bf16, 128). FALOWER_BWD_GRID=full runs every
 example at N = 1, 17, 128, 1000, 4096 x D = 64, 128 x f16, bf16. Also: fully masked rows (document ids of
 -1) get zero dq (and zero dk, dv on keys no one attends to); deterministic=True gives the same bits twice;
-torch autograd through `c(q, k, v, slopes)` gives c.backward's gradients.
+torch autograd through `c(q, k, v, slopes)` gives c.backward's gradients, also for q, k, v in a model's
+(transposed) layout.
 
     python tests/gpu/test_backward_gpu.py [pytest args]   # compiles kernels and the N = 4096 float64
                                                           # references in parallel processes, then pytest
@@ -250,31 +251,41 @@ def _leaves(dev: list) -> list:
     return [x.detach().clone().requires_grad_(True) if x.is_floating_point() else x for x in dev]
 
 
+def assert_same_gradients(names: list, got: list, want: list) -> None:
+    """Gradients of two runs of the default (dq=atomic) backward: dk and dv are each written by one block,
+    the same bits every run; dq and captured tables' gradients are sums of f32 atomic adds, whose order
+    varies, so they may differ in their last bits (1e-3 relative to the gradient's size covers that)."""
+    for n, a, b in zip(names, got, want):
+        a, b = a.float(), b.float()
+        if n in ("dk", "dv"):
+            assert torch.equal(a, b), n
+        else:
+            assert (a - b).abs().max().item() <= 1e-3 * max(1.0, b.abs().max().item()), n
+
+
 def test_torch_autograd_is_backward() -> None:
-    """loss.backward() through c(q, k, v, slopes) runs c.backward: with deterministic=True the very same
-    bits; with the default (atomic dQ) the gradients of the error rule."""
+    """loss.backward() through c(q, k, v, slopes) runs c.backward on the forward's o and lse: the same
+    gradients (up to the order of dQ's atomic adds), each on its own input, in its dtype, within the rule."""
     needs_cuda()
+    c = graph("alibi", "f16")[1]
     env, host, do_host = case_inputs("alibi", "f16", 64, 1000)
-    for c in (deterministic("alibi", "f16"), graph("alibi", "f16")[1]):
-        xs = _leaves(to_device(host, "f16"))
-        do = torch.from_numpy(np.asarray(do_host, dtype=np.float32)).to("cuda", torch.float16)
-        o, lse = c(*xs)
-        assert o.requires_grad and not lse.requires_grad
-        (o.float() * do.float()).sum().backward()
-        grads = [x.grad for x in xs]
-        assert all(g is not None for g in grads) and grads[3].dtype == torch.float32
-        if c.backward_pipeline == "fa2-bwd-deterministic":
-            want = c.backward(*(x.detach() for x in xs[:3]), o.detach(), lse, do, xs[3].detach())
-            for n, a, b in zip(c.gradient_names(), grads, want):
-                assert torch.equal(a, b.to(a.dtype)), n
-        assert_gradient_rule(c, tuple(grads), reference("alibi", "f16", 64, 1000))
+    xs = _leaves(to_device(host, "f16"))
+    do = torch.from_numpy(np.asarray(do_host, dtype=np.float32)).to("cuda", torch.float16)
+    o, lse = c(*xs)
+    assert o.requires_grad and not lse.requires_grad
+    (o.float() * do.float()).sum().backward()
+    grads = [x.grad for x in xs]
+    assert [g.dtype for g in grads] == [torch.float16] * 3 + [torch.float32]
+    want = c.backward(*(x.detach() for x in xs[:3]), o.detach(), lse, do, xs[3].detach())
+    assert_same_gradients(c.gradient_names(), grads, list(want))
+    assert_gradient_rule(c, tuple(grads), reference("alibi", "f16", 64, 1000))
 
 
 def test_autograd_takes_a_models_layout() -> None:
     """q, k, v as a model makes them, [B, N, H, D] transposed to [B, H, N, D] (not contiguous): the same
-    gradients as contiguous inputs (deterministic kernels, so the same bits)."""
+    output and gradients as from contiguous inputs."""
     needs_cuda()
-    c = deterministic("causal", "f16")
+    c = graph("causal", "f16")[1]
     env, host, do_host = case_inputs("causal", "f16", 64, 1000)
     base = to_device(host, "f16")
     do = torch.from_numpy(np.asarray(do_host, dtype=np.float32)).to("cuda", torch.float16)
@@ -285,8 +296,7 @@ def test_autograd_takes_a_models_layout() -> None:
     o2, _ = c(*plain)
     o2.backward(do)
     assert torch.equal(o1, o2)
-    for a, b in zip(strided, plain):
-        assert torch.equal(a.grad.transpose(1, 2), b.grad)
+    assert_same_gradients(["dq", "dk", "dv"], [a.grad.transpose(1, 2) for a in strided], [b.grad for b in plain])
 
 
 # ------------------------------------------------------------------------------ precompile (script)
