@@ -91,6 +91,7 @@ from falower.backends.numba_cuda.intrinsics import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
+    red_add_v4_f32,
 )
 
 NEG_INF = np.float32(-np.inf)

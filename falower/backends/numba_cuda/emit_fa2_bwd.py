@@ -388,14 +388,24 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                         dn = 2 * dd + half
                         dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
                         c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kb{b0}, kb{b1}, {dqv})")
-            for r in range(2):
-                c(f"qi = q0 + warp * 16 + {8 * r} + g")
+            c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes")
+            c("# of row g + 8, added by one 16-byte vector reduction (a quarter of the scalar atomics)")
+            c("odd = (lane & 1) == 1")
+            c("qi = q0 + warp * 16 + g + (8 if odd else 0)")
+            c(f"qrow = (q_head + qi) * {D} + (t2 - 2 if odd else t2)")
+            for dn in range(ND):
+                c(f"x0 = dq_{dn}_0 if odd else dq_{dn}_2")
+                c(f"x1 = dq_{dn}_1 if odd else dq_{dn}_3")
+                c("y0 = shfl_xor_f32(x0, 1)")
+                c("y1 = shfl_xor_f32(x1, 1)")
                 c("if qi < M:")
                 with c.indent():
-                    c(f"qrow = (q_head + qi) * {D} + t2")
-                    for dn in range(ND):
-                        c(f"cuda.atomic.add(dq32, qrow + {dn * 8}, dq_{dn}_{2 * r})")
-                        c(f"cuda.atomic.add(dq32, qrow + {dn * 8 + 1}, dq_{dn}_{2 * r + 1})")
+                    c("if odd:")
+                    with c.indent():
+                        c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, y0, y1, dq_{dn}_2, dq_{dn}_3)")
+                    c("else:")
+                    with c.indent():
+                        c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, dq_{dn}_0, dq_{dn}_1, y0, y1)")
             c(f"if itn < total and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[{STF} + (buf ^ 1) * {BQ} + tid] = nl")

@@ -226,6 +226,8 @@ class _ElementEmitter(_ScalarEmitter):
             self.names[v] = _lit(folded, v)
             return self.names[v]
         expr = self.scaled_expr(op) or self.expr(op)
+        if op.name == "exp":  # the fast exponential, as the forward's softmax: 2^(x log2 e) by ex2.approx
+            expr = f"ex2({self.names[op.operands[0]]} * LOG2E)"
         self.names[v] = nm = f"v{self.n}"
         self.n += 1
         self.lines.append(f"    {nm} = {expr}")

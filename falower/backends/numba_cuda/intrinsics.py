@@ -29,6 +29,8 @@ Public names (identical in both modes):
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
+    red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
+                                   vector reduction (sm_90; index a multiple of 4)
     f16_to_f32, bf16_to_f32        (bits: int16/uint16) -> f32
     f32_to_f16, f32_to_bf16        (x: f32) -> int16 bits
     device_function                decorator for inlined device functions in generated sources
@@ -63,6 +65,7 @@ __all__ = [
     "pack_bf16x2",
     "ex2",
     "shfl_xor_f32",
+    "red_add_v4_f32",
     "f16_to_f32",
     "bf16_to_f32",
     "f32_to_f16",
@@ -271,6 +274,13 @@ if SIMULATOR:
         lane, vals = _exchange(np.float32(x))
         return vals[lane ^ int(lane_mask)]
 
+    _red_lock = threading.Lock()
+
+    def red_add_v4_f32(arr, index, a, b, c, d):
+        with _red_lock:
+            for i, x in enumerate((a, b, c, d)):
+                arr[int(index) + i] += np.float32(x)
+
     def f16_to_f32(bits):
         return np.float32(_f16_bits_to_float(bits))
 
@@ -454,6 +464,20 @@ else:
             ga = _element_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
             nb = context.cast(builder, args[4], sig.args[4], types.uint32)
             _asm(context, builder, ptx, "l,l,r,~{memory}", [sa, ga, nb], [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def red_add_v4_f32(typingctx, arr, index, a, b, c, d):
+        """arr[index : index + 4] += (a, b, c, d) as one vector reduction (sm_90; index a multiple of 4)."""
+        sig = types.void(arr, index, a, b, c, d)
+        ptx = "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};"
+
+        def codegen(context, builder, sig, args):
+            ga = _element_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            vals = [context.cast(builder, v, ty, _F32) for v, ty in zip(args[2:], sig.args[2:])]
+            _asm(context, builder, ptx, "l,f,f,f,f,~{memory}", [ga, *vals], [], side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
