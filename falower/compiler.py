@@ -120,7 +120,7 @@ class CompiledAttention:
 
     def gradient_names(self) -> list[str]:
         """Names of what backward() returns, in order: dq, dk, dv, d<capture> per float capture."""
-        return [r.name or f"out{i}" for i, r in enumerate(self.lowered_backward.results)]
+        return list(self.lowered_backward.result_names)
 
     def backward(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any) -> tuple:
         """Gradients (dq, dk, dv, *d<float capture>) of the forward's o, given the forward's o and lse and

@@ -18,7 +18,8 @@ sys.setswitchinterval(5e-4)
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={t},dq=atomic}},canonicalize"
+BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={t},dq={dq}}},canonicalize"
+DQ = {"atomic": "atomic", "det": "separate,deterministic=true"}
 FWD = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,canonicalize"
 
 
@@ -28,7 +29,7 @@ def example(stem: str):
     return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, Func))
 
 
-def run_case(stem: str, path: str, tile: int, M: int, N: int) -> dict:
+def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic") -> dict:
     import falower as fl
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
@@ -37,7 +38,7 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int) -> dict:
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": 16})
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
               for i, x in enumerate(random_inputs(g, env, seed=1))]
-    bwd = BWD.format(t=tile)
+    bwd = BWD.format(t=tile, dq=DQ[dq])
     c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=bwd, path=path,
                    num_warps=tile // 16 if path == "mma" else None)
     ref = fl.compile(g, "reference", pipeline=FWD, backward=bwd)
@@ -49,11 +50,14 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int) -> dict:
     by = {a.name: x for a, x in zip(g.args, inputs)}
     by.update(o=o, lse=lse, do=do)
     want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
-    out = {"id": f"{stem}-{path}-{tile}-{M}x{N}", "grads": {}}
+    out = {"id": case_id((stem, path, tile, M, N, dq)), "grads": {}}
     for name, a, b in zip(c.gradient_names(), got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         out["grads"][name] = {"err": float(np.max(np.abs(a - b))), "scale": float(np.max(np.abs(b))),
                               "nan": bool(np.isnan(a).any()), "shape_ok": a.shape == b.shape}
+    if dq == "det":  # the same bits on a second run
+        again = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:])
+        out["same_bits"] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, again))
     masked = ~np.isfinite(lse)  # fully masked rows: the reference says dq = 0 there, the kernel must too
     out["masked_rows"] = int(masked.sum())
     out["masked_dq_zero"] = bool(np.all(np.asarray(got[0], np.float64)[masked] == 0))
@@ -63,13 +67,22 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int) -> dict:
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 # 16 x 16 tiles (one warp) at M = 20, N = 19: ragged q and kv tiles, a diagonal, every example on both paths;
 # 32 x 32 tiles (two warps, several q tiles per kv tile) at M = 40, N = 37 for the tensor-core path.
-CASES = [(s, p, 16, 20, 19) for s in STEMS for p in ("mma", "simt")]
-CASES += [(s, "mma", 32, 40, 37) for s in ("causal", "gqa", "relative_bias")]
+CASES = [(s, p, 16, 20, 19, "atomic") for s in STEMS for p in ("mma", "simt")]
+CASES += [(s, "mma", 32, 40, 37, "atomic") for s in ("causal", "gqa", "relative_bias")]
+# deterministic=true: dQ by the q-outer kernel, captured gradients summed per block in a fixed order
+CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document", "gqa", "prefix_lm")]
+CASES += [("alibi", "simt", 16, 20, 19, "det"), ("causal", "mma", 32, 40, 37, "det")]
+
+
+def case_id(case: tuple) -> str:
+    stem, path, tile, M, N, dq = case
+    return f"{stem}-{path}-{tile}-{M}x{N}" + ("-det" if dq == "det" else "")
+
 
 if __name__ == "__main__":
     wanted = sys.argv[1:]
     for case in CASES:
-        cid = f"{case[0]}-{case[1]}-{case[2]}-{case[3]}x{case[4]}"
+        cid = case_id(case)
         if wanted and cid not in wanted:
             continue
         try:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask
 from .spec import FA2BackwardSpec
 
-__all__ = ["emit_fa2_backward", "emit_delta", "emit_dq_convert", "bwd_grid", "bwd_smem_bytes",
-           "bwd_threads", "validate_backward_spec"]
+__all__ = ["emit_fa2_backward", "emit_delta", "emit_dq_convert", "emit_dq_kernel", "emit_parts_sum", "bwd_grid",
+           "bwd_smem_bytes", "bwd_threads", "dq_grid", "dq_smem_bytes", "dq_threads", "validate_backward_spec"]
 
 
 def _cap_names(spec: FA2BackwardSpec) -> list[str]:
@@ -61,7 +61,8 @@ def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     lay["DO"] = lay["Q"] + 2 * BQ * D
     lay["DS"] = lay["DO"] + 2 * BQ * D
     lay["ST"] = lay["DS"] + BK * BQ  # even: the f32 statistics start at float index ST // 2
-    lay["elems"] = lay["ST"] + 8 * BQ
+    lay["GP"] = lay["ST"] + 8 * BQ  # f32 partial sums of the warps (deterministic captured gradients)
+    lay["elems"] = lay["GP"] + 2 * spec.num_warps * len(spec.grads)
     return lay
 
 
@@ -74,7 +75,7 @@ def bwd_smem_bytes(spec: FA2BackwardSpec) -> int:
 def validate_backward_spec(spec: FA2BackwardSpec) -> None:
     """Raise ValueError if this emitter cannot build the spec's schedule."""
     D, BQ, BK, NW = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps
-    for fn in (f"def elem_{b}(" for b in spec.branches):
+    for fn in [f"def elem_{b}(" for b in spec.branches] + [f"def elemq_{b}(" for b in spec.q_branches]:
         if fn not in spec.device_source:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
@@ -89,7 +90,11 @@ def validate_backward_spec(spec: FA2BackwardSpec) -> None:
         return
     if D % 16:
         raise ValueError(f"mma path: head_dim must be a multiple of 16, got {D}")
-    if BK != 16 * NW or BQ != 16 * NW:
+    if spec.dq == "separate" and BK != 16 * NW:
+        raise ValueError(f"mma path: block_k must be 16 * num_warps, got {BK} with {NW} warps")
+    if spec.dq == "separate" and (BQ % 16 or BK % 16):
+        raise ValueError(f"mma path: the dQ kernel needs block_q and block_k multiples of 16, got {BQ}x{BK}")
+    if spec.dq == "atomic" and (BK != 16 * NW or BQ != 16 * NW):
         raise ValueError(f"mma path: the backward needs block_q = block_k = 16 * num_warps (each warp owns 16 kv "
                          f"rows and 16 rows of dQ), got {BQ}x{BK} with {NW} warps")
     if bwd_smem_bytes(spec) > 227 * 1024:
@@ -156,8 +161,33 @@ def _emit_grad_element(c: _Code, spec: FA2BackwardSpec) -> None:
                 c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gc{i})")
 
 
-def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool) -> None:
-    """After a tile: the reduced contributions (ALiBi's slope), one atomic add per warp (or thread)."""
+def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, partials: str = "{}") -> None:
+    """After a tile: the reduced contributions (ALiBi's slope), one atomic add per warp (or thread); in
+    deterministic mode summed over the block in a fixed order (warp shuffles, then the warps' or threads'
+    partials in `partials` by thread 0) into the block's own copy of the table, with no atomics."""
+    if spec.deterministic:
+        n = spec.num_warps if warp_reduce else spec.block_k
+        for i, g in enumerate(spec.grads):
+            if warp_reduce:
+                for m in (16, 8, 4, 2, 1):
+                    c(f"gsum{i} += shfl_xor_f32(gsum{i}, {m})")
+                c("if lane == 0:")
+                with c.indent():
+                    c(f"{partials.format(f'{i * n} + warp')} = gsum{i}")
+            else:
+                c(f"{partials.format(f'{i * n} + tid')} = gsum{i}")
+        c("cuda.syncthreads()  # every partial sum is in shared memory")
+        c("if tid == 0:")
+        with c.indent():
+            for i, g in enumerate(spec.grads):
+                c("tot = ZERO")
+                c(f"for w in range({n}):")
+                with c.indent():
+                    c(f"tot += {partials.format(f'{i * n} + w')}")
+                table = _cap_names(spec)[g.capture]
+                c(f"grad_{i}[cuda.blockIdx.x * {table}.size + {_flat_index(spec, i)}] += tot")
+        c("cuda.syncthreads()  # thread 0 has read the partials")
+        return
     for i, g in enumerate(spec.grads):
         if not g.reduced:
             continue
@@ -343,7 +373,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c("else:")
                 with c.indent():
                     elementwise("partial")
-            _emit_grad_tile_end(c, spec, warp_reduce=True)
+            _emit_grad_tile_end(c, spec, warp_reduce=True, partials=f"smem_f[{lay['GP'] // 2} + {{}}]")
             c()
             c("# dV += P^T dO and dK += dS^T Q: P^T and dS^T packed straight from the accumulators")
             for kk in range(BQ // 16):
@@ -357,7 +387,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"da2 = {pack}(p_{bb}_0, p_{bb}_1)")
                 c(f"da3 = {pack}(p_{bb}_2, p_{bb}_3)")
                 c("# dS^T to shared memory (rows = kv, swizzled 16-byte chunks of q) for dQ = dS K")
-                for jj in (a, bb):
+                for jj in ((a, bb) if spec.dq == "atomic" else ()):
                     for r in range(2):
                         row = f"(warp * 16 + {8 * r} + g)"
                         word = f"({DSO} + {row} * {BQ} + (({jj} ^ ({row} & {SWZQ})) << 3) + t2) >> 1"
@@ -373,39 +403,40 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                         dkv = ", ".join(f"dk_{dn}_{i}" for i in range(4))
                         c(f"{dvv} = {mma}(pa0, pa1, pa2, pa3, ob{b0}, ob{b1}, {dvv})")
                         c(f"{dkv} = {mma}(da0, da1, da2, da3, qb{b0}, qb{b1}, {dkv})")
-            c("cuda.syncthreads()  # dS^T is complete")
-            c()
-            c("# dQ rows 16 warp .. 16 warp + 15 of this q tile: dS K, added into the f32 accumulator")
-            for dn in range(ND):
-                c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
-            for kk in range(BK // 16):
-                c(f"sa0, sa1, sa2, sa3 = ldsm_x4_trans(sb + ({DSO} + ({kk * 16} + k_row) * {BQ} + "
-                  f"(((warp * 2 + k_ch) ^ kq_x) << 3)) * 2)")
-                for dd in range(D // 16):
-                    c(f"kb0, kb1, kb2, kb3 = ldsm_x4_trans(sb + ({KO} + ({kk * 16} + v_row) * {D} + "
-                      f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
-                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
-                        dn = 2 * dd + half
-                        dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
-                        c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kb{b0}, kb{b1}, {dqv})")
-            c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes")
-            c("# of row g + 8, added by one 16-byte vector reduction (a quarter of the scalar atomics)")
-            c("odd = (lane & 1) == 1")
-            c("qi = q0 + warp * 16 + g + (8 if odd else 0)")
-            c(f"qrow = (q_head + qi) * {D} + (t2 - 2 if odd else t2)")
-            for dn in range(ND):
-                c(f"x0 = dq_{dn}_0 if odd else dq_{dn}_2")
-                c(f"x1 = dq_{dn}_1 if odd else dq_{dn}_3")
-                c("y0 = shfl_xor_f32(x0, 1)")
-                c("y1 = shfl_xor_f32(x1, 1)")
-                c("if qi < M:")
-                with c.indent():
-                    c("if odd:")
+            if spec.dq == "atomic":
+                c("cuda.syncthreads()  # dS^T is complete")
+                c()
+                c("# dQ rows 16 warp .. 16 warp + 15 of this q tile: dS K, added into the f32 accumulator")
+                for dn in range(ND):
+                    c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
+                for kk in range(BK // 16):
+                    c(f"sa0, sa1, sa2, sa3 = ldsm_x4_trans(sb + ({DSO} + ({kk * 16} + k_row) * {BQ} + "
+                      f"(((warp * 2 + k_ch) ^ kq_x) << 3)) * 2)")
+                    for dd in range(D // 16):
+                        c(f"kb0, kb1, kb2, kb3 = ldsm_x4_trans(sb + ({KO} + ({kk * 16} + v_row) * {D} + "
+                          f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
+                        for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
+                            dn = 2 * dd + half
+                            dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
+                            c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kb{b0}, kb{b1}, {dqv})")
+                c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes")
+                c("# of row g + 8, added by one 16-byte vector reduction (a quarter of the scalar atomics)")
+                c("odd = (lane & 1) == 1")
+                c("qi = q0 + warp * 16 + g + (8 if odd else 0)")
+                c(f"qrow = (q_head + qi) * {D} + (t2 - 2 if odd else t2)")
+                for dn in range(ND):
+                    c(f"x0 = dq_{dn}_0 if odd else dq_{dn}_2")
+                    c(f"x1 = dq_{dn}_1 if odd else dq_{dn}_3")
+                    c("y0 = shfl_xor_f32(x0, 1)")
+                    c("y1 = shfl_xor_f32(x1, 1)")
+                    c("if qi < M:")
                     with c.indent():
-                        c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, y0, y1, dq_{dn}_2, dq_{dn}_3)")
-                    c("else:")
-                    with c.indent():
-                        c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, dq_{dn}_0, dq_{dn}_1, y0, y1)")
+                        c("if odd:")
+                        with c.indent():
+                            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, y0, y1, dq_{dn}_2, dq_{dn}_3)")
+                        c("else:")
+                        with c.indent():
+                            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, dq_{dn}_0, dq_{dn}_1, y0, y1)")
             c(f"if itn < total and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[{STF} + (buf ^ 1) * {BQ} + tid] = nl")
@@ -447,6 +478,8 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
         c(f"q_s = cuda.shared.array(({QC}, {D}), np.float32)")
         c(f"do_s = cuda.shared.array(({QC}, {D}), np.float32)")
         c(f"st_s = cuda.shared.array((2, {QC}), np.float32)")
+        if spec.deterministic and spec.grads:
+            c(f"gp_s = cuda.shared.array({len(spec.grads) * BK}, np.float32)")
         c(f"k_r = cuda.local.array({D}, np.float32)")
         c(f"v_r = cuda.local.array({D}, np.float32)")
         c(f"dk_r = cuda.local.array({D}, np.float32)")
@@ -535,12 +568,12 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                         with c.indent():
                             c("dv_r[d] += p * do_s[r, d]")
                             c("dk_r[d] += ds * q_s[r, d]")
-                        c("if ds != ZERO and qi < M:")
+                        c("if ds != ZERO and qi < M:" if spec.dq == "atomic" else "if False:  # dQ: its own kernel")
                         with c.indent():
                             c(f"for d in range({D}):")
                             with c.indent():
                                 c(f"cuda.atomic.add(dq32, (q_head + qi) * {D} + d, ds * k_r[d])")
-                _emit_grad_tile_end(c, spec, warp_reduce=False)
+                _emit_grad_tile_end(c, spec, warp_reduce=False, partials="gp_s[{}]")
             c("it += 1")
         c("if kvi < N:")
         with c.indent():
@@ -583,7 +616,8 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
             c(f"for d in range(lane, {D}, 32):")
             with c.indent():
                 c(f"acc += {load.format(f'do[row * {D} + d]')} * {load.format(f'o[row * {D} + d]')}")
-                c(f"dq32[row * {D} + d] = ZERO")
+                if spec.dq == "atomic":
+                    c(f"dq32[row * {D} + d] = ZERO")
             for m in (16, 8, 4, 2, 1):
                 c(f"acc += shfl_xor_f32(acc, {m})")
             c("if lane == 0:")
@@ -613,6 +647,297 @@ def emit_dq_convert(spec: FA2BackwardSpec) -> str:
             c("if i < n:")
             with c.indent():
                 c(f"dq[i] = {store}(dq32[i])")
+    return _module(spec, c.text())
+
+
+def _dq_class_expr(spec: FA2BackwardSpec, j: str) -> str:
+    BQ, BK = spec.block_q, spec.block_k
+    if spec.block_mask == "static":
+        return f"tile_class_q_fn(b, h, q0, q0 + {BQ - 1}, ({j}) * {BK}, ({j}) * {BK} + {BK - 1}{_cap_args(spec)})"
+    if spec.block_mask == "table":
+        return f"table[((b * H + h) * nq + qt) * nk + {j}]"
+    return "2"
+
+
+def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
+    """Block -> (b, h, q tile), heaviest q tiles first (causal), and the non-empty kv tiles' range."""
+    G, BQ, BK = spec.group_size, spec.block_q, spec.block_k
+    c(f"nq = (M + {BQ - 1}) // {BQ}")
+    c(f"nk = (N + {BK - 1}) // {BK}")
+    c("qt = nq - 1 - cuda.blockIdx.x // (B * H)")
+    c("bh = cuda.blockIdx.x % (B * H)")
+    c("b = bh // H")
+    c("h = bh - b * H")
+    c(f"hk = h // {G}" if G > 1 else "hk = h")
+    c(f"q0 = qt * {BQ}")
+    c("q_head = (b * H + h) * M")
+    c(f"kv_head = (b * (H // {G}) + hk) * N" if G > 1 else "kv_head = (b * H + hk) * N")
+    if spec.block_mask == "none":
+        c("kv_first = 0")
+        c("kv_last = nk - 1")
+    else:
+        c("kv_first = nk")
+        c("kv_last = -1")
+        c("for jt in range(nk):")
+        with c.indent():
+            c(f"if {_dq_class_expr(spec, 'jt')} != 0:")
+            with c.indent():
+                c("kv_first = min(kv_first, jt)")
+                c("kv_last = jt")
+
+
+def _emit_dq_next(c: _Code, spec: FA2BackwardSpec) -> None:
+    c("jn = j + 1")
+    if spec.block_mask != "none":
+        c(f"while jn <= kv_last and {_dq_class_expr(spec, 'jn')} == 0:")
+        with c.indent():
+            c("jn += 1")
+
+
+def _dq_elementwise(c: _Code, spec: FA2BackwardSpec, emit_one) -> None:
+    """The branch of the q-outer body for this tile class; `emit_one(branch)` emits the element code."""
+    if len(spec.q_branches) == 1:
+        emit_one(spec.q_branches[0])
+        return
+    c("if cls == 2:")
+    with c.indent():
+        emit_one("full")
+    c("else:")
+    with c.indent():
+        emit_one("partial")
+
+
+def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
+    """dQ by the q-outer nest (dq=separate): one block per (b, h, q tile), warp w owning q rows 16w .. 16w + 15;
+    K and V double-buffered by cp.async; S = Q K^T and dP = dO V^T as the forward's S, dS from elemq_<branch>,
+    dQ += dS K with dS packed straight from the accumulators (the forward's P V step). No atomics."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    NWQ = BQ // 16
+    threads = NWQ * 32
+    SWZ = _swizzle_mask(D)
+    NJ, KS, ND = BK // 8, D // 16, D // 8
+    QO, DOO, KO = 0, BQ * D, 2 * BQ * D
+    T = BK * D  # one K or V buffer; K0 V0 K1 V1
+    mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    table = ", table" if spec.block_mask == "table" else ""
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N{table}{_cap_args(spec)}):")
+    with c.indent():
+        c(f'"""dQ of the FA2 backward, q tiles outer (no atomics): D={D}, tiles {BQ}x{BK}, {NWQ} warps."""')
+        c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        c("sb = smem_base(smem)")
+        c("tid = cuda.threadIdx.x")
+        c("lane = tid & 31")
+        c("warp = tid >> 5")
+        c("g = lane >> 2")
+        c("t2 = (lane & 3) * 2")
+        _emit_dq_prologue(c, spec)
+        c("a_row = lane & 15")
+        c("a_ch = lane >> 4")
+        c("k_row = (lane & 7) + ((lane >> 4) << 3)")
+        c("k_ch = (lane >> 3) & 1")
+        c("v_row = (lane & 7) + (((lane >> 3) & 1) << 3)")
+        c("v_ch = lane >> 4")
+        c(f"a_x = a_row & {SWZ}")
+        c(f"k_x = k_row & {SWZ}")
+        c(f"v_x = v_row & {SWZ}")
+        loader = TileLoader(c, threads, D)
+        loader.setup()
+        loader.load(BQ, str(QO), "q0", "M", "q", "q_head")
+        loader.load(BQ, str(DOO), "q0", "M", "do", "q_head")
+        c("if kv_first <= kv_last:")
+        with c.indent():
+            loader.load(BK, str(KO), f"kv_first * {BK}", "N", "k", "kv_head")
+            loader.load(BK, str(KO + T), f"kv_first * {BK}", "N", "v", "kv_head")
+        c("cp_async_commit()")
+        for r in range(2):
+            c(f"qr{r} = q0 + warp * 16 + {8 * r} + g")
+            c(f"lse{r} = lse[q_head + qr{r}] if qr{r} < M else ZERO")
+            c(f"dlt{r} = delta[q_head + qr{r}] if qr{r} < M else ZERO")
+        for dn in range(ND):
+            c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
+        c("j = kv_first")
+        c("buf = 0")
+        c("while j <= kv_last:")
+        with c.indent():
+            _emit_dq_next(c, spec)
+            c(f"kb_ = sb + ({KO} + buf * {2 * T}) * 2")
+            c(f"vb_ = kb_ + {T * 2}")
+            c("cp_async_wait0()")
+            c("cuda.syncthreads()")
+            c("if jn <= kv_last:")
+            with c.indent():
+                loader.load(BK, f"{KO} + (buf ^ 1) * {2 * T}", f"jn * {BK}", "N", "k", "kv_head")
+                loader.load(BK, f"{KO} + (buf ^ 1) * {2 * T} + {T}", f"jn * {BK}", "N", "v", "kv_head")
+            c("cp_async_commit()")
+            c(f"kv0 = j * {BK}")
+            c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
+            c(f"cls = {_dq_class_expr(spec, 'j')}")
+            for jj in range(NJ):
+                c(f"s_{jj}_0 = s_{jj}_1 = s_{jj}_2 = s_{jj}_3 = ZERO")
+                c(f"p_{jj}_0 = p_{jj}_1 = p_{jj}_2 = p_{jj}_3 = ZERO")
+            for ks in range(KS):
+                arow = f"(warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)"
+                c(f"qa0, qa1, qa2, qa3 = ldsm_x4(sb + ({QO} + {arow}) * 2)")
+                c(f"da0, da1, da2, da3 = ldsm_x4(sb + ({DOO} + {arow}) * 2)")
+                for jp in range(BK // 16):
+                    off = f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
+                    c(f"kb0, kb1, kb2, kb3 = ldsm_x4(kb_ + {off})")
+                    c(f"vb0, vb1, vb2, vb3 = ldsm_x4(vb_ + {off})")
+                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
+                        jj = 2 * jp + half
+                        sv = ", ".join(f"s_{jj}_{i}" for i in range(4))
+                        pv = ", ".join(f"p_{jj}_{i}" for i in range(4))
+                        c(f"{sv} = {mma}(qa0, qa1, qa2, qa3, kb{b0}, kb{b1}, {sv})")
+                        c(f"{pv} = {mma}(da0, da1, da2, da3, vb{b0}, vb{b1}, {pv})")
+
+            def one(branch: str) -> None:
+                for jj in range(NJ):
+                    for i in range(4):
+                        r, e = i >> 1, i & 1
+                        c(f"s_{jj}_{i}, = elemq_{branch}(s_{jj}_{i}, p_{jj}_{i}, lse{r}, dlt{r}, b, h, hk, qr{r}, "
+                          f"kv0 + {jj * 8 + e} + t2, interior{_cap_args(spec)})")
+
+            _dq_elementwise(c, spec, one)
+            c("# dQ += dS K, dS packed from the accumulators")
+            for kk in range(BK // 16):
+                a, bb = 2 * kk, 2 * kk + 1
+                c(f"sa0 = {pack}(s_{a}_0, s_{a}_1)")
+                c(f"sa1 = {pack}(s_{a}_2, s_{a}_3)")
+                c(f"sa2 = {pack}(s_{bb}_0, s_{bb}_1)")
+                c(f"sa3 = {pack}(s_{bb}_2, s_{bb}_3)")
+                for dd in range(D // 16):
+                    c(f"kt0, kt1, kt2, kt3 = ldsm_x4_trans(kb_ + (({kk * 16} + v_row) * {D} + "
+                      f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
+                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
+                        dn = 2 * dd + half
+                        dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
+                        c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kt{b0}, kt{b1}, {dqv})")
+            c("j = jn")
+            c("buf ^= 1")
+        c("cp_async_wait0()")
+        for r in range(2):
+            c(f"if qr{r} < M:")
+            with c.indent():
+                c(f"qrow = ((q_head + qr{r}) * {D} + t2) >> 1")
+                for dn in range(ND):
+                    c(f"dq[qrow + {dn * 4}] = {pack}(dq_{dn}_{2 * r}, dq_{dn}_{2 * r + 1})")
+    return _module(spec, c.text())
+
+
+def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
+    """dQ by the q-outer nest on the SIMT path: one q row per thread, K and V rows staged in shared memory."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
+    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}"}[spec.dtype]
+    KC = BK
+    while KC > 1 and 2 * KC * D * 4 > 32 * 1024:
+        KC //= 2
+    while BK % KC:
+        KC -= 1
+    table = ", table" if spec.block_mask == "table" else ""
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N{table}{_cap_args(spec)}):")
+    with c.indent():
+        c(f'"""dQ of the FA2 backward, q tiles outer, SIMT fp32: one q row per thread, kv rows {KC} at a time."""')
+        c(f"k_s = cuda.shared.array(({KC}, {D}), np.float32)")
+        c(f"v_s = cuda.shared.array(({KC}, {D}), np.float32)")
+        c(f"q_r = cuda.local.array({D}, np.float32)")
+        c(f"do_r = cuda.local.array({D}, np.float32)")
+        c(f"dq_r = cuda.local.array({D}, np.float32)")
+        c("tid = cuda.threadIdx.x")
+        _emit_dq_prologue(c, spec)
+        c("qi = q0 + tid")
+        c("qc = min(qi, M - 1)")
+        c(f"for d in range({D}):")
+        with c.indent():
+            c(f"q_r[d] = {load.format(f'q[(q_head + qc) * {D} + d]')}")
+            c(f"do_r[d] = {load.format(f'do[(q_head + qc) * {D} + d]')}")
+            c("dq_r[d] = ZERO")
+        c("lq = lse[q_head + qc]")
+        c("dl = delta[q_head + qc]")
+        c("j = kv_first")
+        c("while j <= kv_last:")
+        with c.indent():
+            _emit_dq_next(c, spec)
+            c(f"kv0 = j * {BK}")
+            c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
+            c(f"cls = {_dq_class_expr(spec, 'j')}")
+            c(f"for c0 in range(0, {BK}, {KC}):")
+            with c.indent():
+                c("cuda.syncthreads()")
+                c(f"for e in range(tid, {KC * D}, {BQ}):")
+                with c.indent():
+                    c(f"r = e // {D}")
+                    c(f"d = e % {D}")
+                    c("row = min(kv0 + c0 + r, N - 1)")
+                    c(f"a = {load.format(f'k[(kv_head + row) * {D} + d]')}")
+                    c(f"a2 = {load.format(f'v[(kv_head + row) * {D} + d]')}")
+                    c("k_s[r, d] = a if kv0 + c0 + r < N else ZERO")
+                    c("v_s[r, d] = a2 if kv0 + c0 + r < N else ZERO")
+                c("cuda.syncthreads()")
+                c(f"for r in range({KC}):")
+                with c.indent():
+                    c("s = ZERO")
+                    c("dpv = ZERO")
+                    c(f"for d in range({D}):")
+                    with c.indent():
+                        c("s += q_r[d] * k_s[r, d]")
+                        c("dpv += do_r[d] * v_s[r, d]")
+
+                    def one(branch: str) -> None:
+                        c(f"ds, = elemq_{branch}(s, dpv, lq, dl, b, h, hk, qi, kv0 + c0 + r, interior{_cap_args(spec)})")
+
+                    _dq_elementwise(c, spec, one)
+                    c(f"for d in range({D}):")
+                    with c.indent():
+                        c("dq_r[d] += ds * k_s[r, d]")
+            c("j = jn")
+        c("if qi < M:")
+        with c.indent():
+            c(f"for d in range({D}):")
+            with c.indent():
+                c(f"dq[(q_head + qi) * {D} + d] = {store.format('dq_r[d]')}")
+    return _module(spec, c.text())
+
+
+def emit_dq_kernel(spec: FA2BackwardSpec) -> str:
+    """`<name>_dqk(q, k, v, lse, do, delta, dq, B, H, M, N, [table], *captures)`: dQ by the q-outer nest."""
+    return _emit_dq_mma_kernel(spec) if spec.path == "mma" else _emit_dq_simt_kernel(spec)
+
+
+def dq_grid(spec: FA2BackwardSpec, B: int, H: int, M: int) -> tuple[int, ...]:
+    return (-(-M // spec.block_q) * B * H,)
+
+
+def dq_threads(spec: FA2BackwardSpec) -> int:
+    return (spec.block_q // 16) * 32 if spec.path == "mma" else spec.block_q
+
+
+def dq_smem_bytes(spec: FA2BackwardSpec) -> int:
+    if spec.path == "simt":
+        return 0
+    return 2 * (2 * spec.block_q * spec.head_dim + 4 * spec.block_k * spec.head_dim)
+
+
+def emit_parts_sum(spec: FA2BackwardSpec) -> str:
+    """`<name>_parts(parts, out, nblocks, size)`: a captured table's gradient as the sum of the blocks' copies,
+    block 0 first (deterministic mode)."""
+    c = _Code()
+    c("@kernel_jit")
+    c(f"def {spec.name}_parts(parts, out, nblocks, size):")
+    with c.indent():
+        c("e = cuda.grid(1)")
+        c("if e < size:")
+        with c.indent():
+            c("acc = ZERO")
+            c("for j in range(nblocks):")
+            with c.indent():
+                c("acc += parts[j * size + e]")
+            c("out[e] = acc")
     return _module(spec, c.text())
 
 

@@ -67,6 +67,14 @@ class BackwardLowered:
     table: Optional[Op]  # mask.block_table (data masks)
     grads: list[tuple[str, int, bool, int]] = field(default_factory=list)  # (name, capture, reduced, n_index)
     deterministic: bool = False
+    q_branches: list[_Branch] = field(default_factory=list)  # the q-outer dQ nest's bodies (dq=separate)
+    q_classify: Optional[Op] = None
+    q_nest: Optional[Op] = None
+
+    @property
+    def kv_nest(self) -> Op:
+        return next(op for op in self.func.body.ops if op.name == "parallel_for"
+                    and any(r.name == "dk" for r in op.results))
 
 
 def _role_args(func: Func) -> dict[str, Value]:
@@ -105,13 +113,21 @@ def analyse_backward(func: Func, forward=None) -> BackwardLowered:
     block_mask = "table" if table is not None else "static" if classify is not None else "none"
     dq = "atomic" if any(op.name == "tile.atomic_add" for op in kv_nest.walk()) else "separate"
     deterministic = any(op.name == "scatter_add" for op in kv_nest.walk())
-    if dq == "separate" or deterministic:
-        raise BackendError("numba-cuda backend: the backward kernels are emitted for dq=atomic (pipeline fa2-bwd); "
-                           "the q-outer dQ nest and deterministic=true have no kernels yet")
     captures = [a for a in func.args if a.name not in roles]
     low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
                           deterministic=deterministic)
     low.grads = _grads(func, kv_nest, branches[0], captures)
+    if deterministic and not all(reduced for _, _, reduced, _ in low.grads):
+        raise BackendError("numba-cuda backend: deterministic=true with a captured table read at per-element "
+                           "indices (a relative-position bias) has no kernel yet; use the atomic backward (fa2-bwd)")
+    if dq == "separate":
+        q_nest = next((op for op in nests if any(r.name == "dq" for r in op.results)), None)
+        q_loops = [op for op in q_nest.regions[0].ops if op.name == "for"] if q_nest is not None else []
+        if len(q_loops) != 1:
+            raise BackendError("numba-cuda backend: dq=separate needs a q-outer nest with one loop over kv tiles")
+        low.q_branches = [_branch(name, blk, roles, want_p=False) for name, blk in _bodies(q_loops[0].regions[0])]
+        low.q_classify = next((op for op in q_loops[0].walk() if op.name == "mask.classify"), None)
+        low.q_nest = q_nest
     return low
 
 
@@ -127,9 +143,9 @@ def _bodies(loop_body: Block) -> list[tuple[str, Block]]:
     return [("full", inner.regions[0]), ("partial", inner.regions[1])]
 
 
-def _branch(name: str, blk: Block, roles: dict[str, Value]) -> _Branch:
+def _branch(name: str, blk: Block, roles: dict[str, Value], want_p: bool = True) -> _Branch:
     def load_of(arr: Value) -> Optional[Value]:
-        for op in blk.ops:
+        for op in _blocks_up(blk):
             if op.name == "tile.load" and op.operands[0] is arr:
                 return op.results[0]
         return None
@@ -154,23 +170,47 @@ def _branch(name: str, blk: Block, roles: dict[str, Value]) -> _Branch:
             p = mm.operands[0]
         elif ta and b is roles["q"]:
             ds = mm.operands[0]
+        elif not ta and not tb and b is roles["k"] and not want_p:
+            ds = mm.operands[0]
     lse = load_of(roles["lse"])
-    delta = next((op.results[0] for op in blk.ops if op.name == "tile.load" and op.operands[0].name == "delta"), None)
-    if None in (s, dp, p, ds, lse, delta):
+    delta = next((op.results[0] for op in _blocks_up(blk) if op.name == "tile.load"
+                  and op.operands[0].name == "delta"), None)
+    if want_p and None in (s, dp, p, ds, lse, delta):
         raise BackendError(f"numba-cuda backend: the {name} branch of the backward loop does not have FA2's five "
                            "products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K)")
-    scatters = [op for op in blk.ops if op.name == "tile.scatter_add"]
-    return _Branch(name, s, dp, p, ds, lse, delta, scatters)  # type: ignore[arg-type]
+    if not want_p and None in (s, dp, ds, lse, delta):
+        raise BackendError(f"numba-cuda backend: the {name} branch of the dQ loop does not have S = Q K^T, "
+                           "dP = dO V^T and dQ += dS K")
+    scatters = [op for op in blk.ops if op.name in ("tile.scatter_add", "scatter_add")]
+    return _Branch(name, s, dp, p if want_p else ds, ds, lse, delta, scatters)  # type: ignore[arg-type]
+
+
+def _blocks_up(blk: Block):
+    """The ops of `blk` and of the blocks around it (loads of the q tile may sit outside the branch)."""
+    while blk is not None:
+        yield from blk.ops
+        parent = blk.parent
+        blk = parent.parent if parent is not None else None
 
 
 def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]) -> list[tuple[str, int, bool, int]]:
-    """(gradient name, capture index, reduced over the tile, number of indices) per tile.scatter_add."""
+    """(gradient name, capture index, reduced over the tile, number of indices) per scatter into a captured
+    table's gradient: tile.scatter_add into an accumulator of the nest (atomic), or scatter_add into the loop's
+    copy of the table (deterministic: tables in the order of the gradients the function returns)."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
+    grad_results = func.result_names[3:]
+    roots: list[Value] = []
     out = []
     for sc in branch.scatters:
         acc = sc.operands[0]
-        k = accs.index(acc)
-        name = _result_name(func, nest.results[len(nest.results) - len(accs) + k])
+        if sc.name == "scatter_add":  # deterministic: follow the chain of scatters to the loop's table
+            while isinstance(acc.owner, Op) and acc.owner.name == "scatter_add":
+                acc = acc.owner.operands[0]
+            if acc not in roots:
+                roots.append(acc)
+            name = grad_results[roots.index(acc)]
+        else:
+            name = _result_name(func, nest.results[len(nest.results) - len(accs) + accs.index(acc)])
         table_name = name[1:] if name.startswith("d") else name
         cap = next((i for i, c in enumerate(captures) if c.name == table_name), None)
         if cap is None:
@@ -182,10 +222,9 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]) -> list
 
 
 def _result_name(func: Func, v: Value) -> str:
-    ret = func.body.terminator
-    for r, x in zip(func.results, ret.operands):  # type: ignore[union-attr]
+    for name, x in zip(func.result_names, func.results):
         if x is v:
-            return r.name
+            return name
     raise BackendError("numba-cuda backend: a captured table's gradient is not a result of the backward function")
 
 
@@ -248,39 +287,35 @@ def _strip_reductions(v: Value) -> Value:
     return v
 
 
-def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str) -> list[str]:
+def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False
+             ) -> list[str]:
+    """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
+    (ds,)."""
     names: dict[Value, str] = {br.s: "s", br.dp: "dp", br.lse: "lse", br.delta: "delta"}
-    nest_args = next(op for op in low.func.body.ops if op.name == "parallel_for"
-                     and any(r.name == "dk" for r in op.results)).regions[0].args
+    nest = low.q_nest if dq_nest else low.kv_nest
+    nest_args = nest.regions[0].args  # type: ignore[union-attr]
     names[nest_args[0]] = "b"
-    names[nest_args[1]] = "hk"
+    names[nest_args[1]] = "h" if dq_nest else "hk"
     for c in low.captures:
         names[c] = f"cap_{c.name}"
-    aliases: dict[Value, Value] = {}
-    for op in _walk_up(br):
+    for op in _blocks_up(br.s.owner.parent):  # type: ignore[union-attr]
         if op.name == "tile.iota":
             names[op.results[0]] = "q" if op.attrs["axis"] == 0 else "kv"
         if op.name == "tile.load" and op.operands[0].name == "q":
             names.setdefault(op.operands[2], "h")  # the query head (hk * G + i under GQA)
-    e = _ElementEmitter(env, names, aliases)
-    outs = [e.value(br.p), e.value(br.ds)]
-    for sc in br.scatters:
+        if op.name == "tile.load" and op.operands[0].name == "k":
+            names.setdefault(op.operands[2], "hk")  # the kv head (h // G under GQA)
+    e = _ElementEmitter(env, names, {})
+    outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
+    for sc in [] if dq_nest else br.scatters:
         outs.append(e.value(_strip_reductions(sc.operands[1])))
         outs += [e.value(i) for i in sc.operands[2:]]
     res = ", ".join(outs)
-    lines = [f"def elem_{br.name}(s, dp, lse, delta, b, h, hk, q, kv, interior{sig}):"]
+    fn = f"elemq_{br.name}" if dq_nest else f"elem_{br.name}"
+    lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{sig}):"]
     lines += _live_lines(e.lines, res)
     lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
     return lines
-
-
-def _walk_up(br: _Branch):
-    """The ops of the branch and of the blocks around it (iotas and loads may sit outside the branch)."""
-    blk = br.s.owner.parent  # type: ignore[union-attr]
-    while blk is not None:
-        yield from blk.ops
-        parent = blk.parent
-        blk = parent.parent if parent is not None else None
 
 
 def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], name: str, sig: str,
@@ -303,12 +338,15 @@ def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, li
     out: list[str] = []
     for br in low.branches:
         out += _elem_fn(low, br, env, sig) + [""]
-    if low.classify is not None:
-        op = low.classify
+    for br in low.q_branches:
+        out += _elem_fn(low, br, env, sig, dq_nest=True) + [""]
+    for fn, op in (("tile_class_fn", low.classify), ("tile_class_q_fn", low.q_classify)):
+        if op is None:
+            continue
         region = op.regions[0]
         region_caps = [cap_names[v] for v in op.operands[4:]]
         lines = _interval_fn(region, env, "".join(f", {n}" for n in region_caps))
-        lines[0] = f"def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi{sig}):"
+        lines[0] = f"def {fn}(b, h, q_lo, q_hi, kv_lo, kv_hi{sig}):"
         out += lines + [""]
     if low.table is not None:
         op = low.table
@@ -333,7 +371,9 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     branches = tuple(br.name for br in low.branches)
     return FA2BackwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
                            group_size=low.group, captures=caps, device_source=src, branches=branches,
-                           block_mask=low.block_mask, grads=grads, dims=tuple(dims), extra=dict(extra or {}))
+                           block_mask=low.block_mask, grads=grads, dims=tuple(dims), dq=low.dq,
+                           q_branches=tuple(br.name for br in low.q_branches), deterministic=low.deterministic,
+                           extra=dict(extra or {}))
 
 
 __all__ = ["BackwardLowered", "analyse_backward", "build_backward_spec", "device_source", "dim_expr", "is_float"]

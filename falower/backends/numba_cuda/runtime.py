@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
-from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads
+from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
 
 __all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
@@ -325,6 +325,13 @@ class FA2ForwardKernel:
         return launch, finish
 
 
+def _numel(x: Any) -> int:
+    n = getattr(x, "size", None)
+    if n is None or callable(n):
+        return int(x.numel())
+    return int(n)
+
+
 def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
     """PTX of a generated kernel. Works without a GPU: a device-function dispatcher asks the current
     device for its compute capability when it compiles, so with no driver we answer `cc` for it."""
@@ -382,22 +389,29 @@ class FA2BackwardKernel:
     """
 
     def __init__(self, spec: FA2BackwardSpec) -> None:
-        from .emit_fa2_bwd import emit_delta, emit_dq_convert, emit_fa2_backward
+        from .emit_fa2_bwd import emit_delta, emit_dq_convert, emit_dq_kernel, emit_fa2_backward, emit_parts_sum
 
         self.spec = spec
         self.source = emit_fa2_backward(spec)
         self.delta_source = emit_delta(spec)
-        self.dq_source = emit_dq_convert(spec)
+        # dq=atomic: the f32 accumulator's conversion; dq=separate: the q-outer dQ kernel
+        self.dq_source = emit_dq_convert(spec) if spec.dq == "atomic" else emit_dq_kernel(spec)
+        self.parts_source = emit_parts_sum(spec) if spec.deterministic and spec.grads else None
         self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None  # type: ignore[arg-type]
         self._kernel = getattr(load_source(self.source, spec.name), spec.name)
         self._delta = getattr(load_source(self.delta_source, spec.name + "_delta"), spec.name + "_delta")
-        self._dq = getattr(load_source(self.dq_source, spec.name + "_dq"), spec.name + "_dq")
+        dq_name = spec.name + ("_dq" if spec.dq == "atomic" else "_dqk")
+        self._dq = getattr(load_source(self.dq_source, dq_name), dq_name)
+        self._parts = None
+        if self.parts_source is not None:
+            self._parts = getattr(load_source(self.parts_source, spec.name + "_parts"), spec.name + "_parts")
         self._mask_kernel = None
         if self.mask_source is not None:
             mod = load_source(self.mask_source, spec.name + "_bwd_block_mask")
             self._mask_kernel = getattr(mod, spec.name + "_block_mask")
         self.threads = bwd_threads(spec)
         self.smem = bwd_smem_bytes(spec)
+        self.dq_smem = dq_smem_bytes(spec) if spec.dq == "separate" else 0
         self._smem_set: set[tuple] = set()
 
     _raise_smem_limit = FA2ForwardKernel._raise_smem_limit
@@ -467,7 +481,9 @@ class FA2BackwardKernel:
             dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
             dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
             dq_k, dk_k, dv_k = (x.view(pair).reshape(-1) for x in (dq, dk, dv))
-            grads = [torch.zeros(int(np.prod(x.shape)), dtype=torch.float32, device=dev) for x in grad_caps]
+            nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1  # deterministic: one copy per block
+            grads = [torch.zeros(nblk * int(np.prod(x.shape)), dtype=torch.float32, device=dev) for x in grad_caps]
+            sums = [torch.empty(int(np.prod(x.shape)), dtype=torch.float32, device=dev) for x in grad_caps]
             caps = [x.detach() if hasattr(x, "detach") else x for x in captures]
             table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=dev) if self._mask_kernel else None
         else:
@@ -491,33 +507,50 @@ class FA2BackwardKernel:
             dq_k = cuda.device_array(rows * D // per, dtype=pair)
             dk_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
             dv_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
-            grads = [cuda.to_device(np.zeros(int(np.prod(x.shape)), dtype=np.float32)) for x in grad_caps]
+            nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1  # deterministic: one copy per block
+            grads = [cuda.to_device(np.zeros(nblk * int(np.prod(x.shape)), dtype=np.float32)) for x in grad_caps]
+            sums = [cuda.device_array(int(np.prod(x.shape)), dtype=np.float32) for x in grad_caps]
             caps = [x if np.isscalar(x) else dev_array(x) for x in captures]
             table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
 
         qf, kf, vf, dof, of = flat
         sizes = [B, H, M, N]
         extra = [table] if table is not None else []
+        separate = s.dq == "separate"
+        if separate:
+            dq32 = delta  # not read: dQ comes from its own kernel
         args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *extra, *grads, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         main = self._kernel[bwd_grid(s, B, H, M, N), self.threads, 0, self.smem]
         delta_k = self._delta[(-(-rows // 4),), 128]
         ndq = rows * D
-        conv = self._dq[(-(-(ndq // 2 if s.path == "mma" else ndq) // 128),), 128]
+        if separate:
+            dq_args = [qf, kf, vf, lse_k, dof, delta, dq_k, *sizes, *extra, *caps]
+            if self.dq_smem > 48 * 1024:
+                self._raise_smem_limit(self._dq, dq_args, self.dq_smem)
+            conv = self._dq[dq_grid(s, B, H, M), dq_threads(s), 0, self.dq_smem]
+        else:
+            dq_args = [dq32, dq_k, ndq]
+            conv = self._dq[(-(-(ndq // 2 if s.path == "mma" else ndq) // 128),), 128]
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
+        parts = [(self._parts[(-(-_numel(out) // 128),), 128], g_buf, out)
+                 for g_buf, out in zip(grads, sums)] if self._parts is not None else []
 
         def launch() -> None:
             delta_k(dof, of, delta, dq32, rows)
             if block_mask is not None:
                 block_mask(table, *sizes, *caps)
             main(*args)
-            conv(dq32, dq_k, ndq)
+            for kern, g_buf, out in parts:
+                kern(g_buf, out, nblk, _numel(out))
+            conv(*dq_args)
 
         def finish() -> tuple:
+            final = sums if parts else grads
             if kind == "torch":
                 outs = [dq, dk, dv]
-                for g_buf, x in zip(grads, grad_caps):
+                for g_buf, x in zip(final, grad_caps):
                     outs.append(g_buf.reshape(x.shape).to(x.dtype))
                 return tuple(outs)
             if kind == "numpy":
@@ -525,14 +558,14 @@ class FA2BackwardKernel:
                 res = [dq_k.copy_to_host().view(out_dtype).reshape(B, H, M, D),
                        dk_k.copy_to_host().view(out_dtype).reshape(B, Hk, N, D),
                        dv_k.copy_to_host().view(out_dtype).reshape(B, Hk, N, D)]
-                for g_buf, x in zip(grads, grad_caps):
+                for g_buf, x in zip(final, grad_caps):
                     res.append(g_buf.copy_to_host().reshape(x.shape).astype(x.dtype))
                 return tuple(res)
             out_dtype = np.dtype(q.__cuda_array_interface__["typestr"])
             res = [dq_k.view(bits).view(out_dtype).reshape(B, H, M, D),
                    dk_k.view(bits).view(out_dtype).reshape(B, Hk, N, D),
                    dv_k.view(bits).view(out_dtype).reshape(B, Hk, N, D)]
-            return tuple(res + [g_buf for g_buf in grads])
+            return tuple(res + list(final))
 
         launch.table = table  # type: ignore[attr-defined]
         return launch, finish

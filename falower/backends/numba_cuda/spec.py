@@ -118,6 +118,9 @@ class FA2BackwardSpec:
     block_mask: str = "none"
     grads: tuple[GradSpec, ...] = ()
     dims: tuple[str, ...] = ()
+    dq: str = "atomic"  # "atomic": added from the kv-outer kernel; "separate": a q-outer kernel, no atomics
+    q_branches: tuple[str, ...] = ()  # elemq_<branch> of the q-outer dQ kernel (dq == "separate")
+    deterministic: bool = False  # captured tables' gradients into a copy per block, summed in a fixed order
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
