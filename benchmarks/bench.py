@@ -20,8 +20,8 @@ What is timed:
   examples         every variant of examples/ at N = 4k (score_mod / mask_mod / captured tensors, GQA) against
                    FlexAttention with the same score_mod and mask_mod (block mask built once, outside the
                    timing, as a Flex user does); falower by its calls (c.forward, c.backward), captured float
-                   tensors' gradients included on both sides where Flex supports them. FLOPs count only the
-                   pairs the mask keeps.
+                   tensors' gradients included (and Flex once more without them, as "no-dcap"); Flex's
+                   create_block_mask time is reported beside it. FLOPs count only the pairs the mask keeps.
 
     python benchmarks/bench.py --precompile        # the full sweep, checks first
     python benchmarks/bench.py --quick             # N = 1k, 4k; examples at the first D only
@@ -31,7 +31,8 @@ What is timed:
     python benchmarks/bench.py --bwd-pipeline 'autodiff,...,tile-bwd{bq=64,bk=128,dq=atomic},canonicalize'
 
 A row that fails (a backend refusing a shape, a kernel that does not build) is logged and left NaN; the
-sweep goes on. Prints short tables last; writes bench.log, results.json and results.md to $OUT
+sweep goes on. --quick with --precompile took 4.5 minutes on an H100 (Flex compiles most of it); the full
+sweep takes longer than one 10-minute device command: split it (--d 64, --d 128; --no-examples). Prints short tables last; writes bench.log, results.json and results.md to $OUT
 (default ./bench_out).
 """
 
@@ -403,7 +404,9 @@ def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
                 fwd_launch, fwd_finish = c.kernel(q, k, v).prepare(q, k, v)
                 fwd_launch()
                 o, lse = fwd_finish()
-                bwd_launch, _ = c.backward_kernel(q, k, v).prepare(q, k, v, o, lse, do)
+                kern = c.backward_kernel(q, k, v)
+                sizes = {"B": B, "H": H, "M": N, "N": N, "D": D}  # what c.backward passes after the captures
+                bwd_launch, _ = kern.prepare(q, k, v, o, lse, do, *(sizes[d] for d in kern.spec.dims))
 
                 def both():
                     fwd_launch()
@@ -422,6 +425,24 @@ def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
     return row
 
 
+# Flex's own kernel choice can ask for more shared memory than the H100 has with a captured f32 table in the
+# score_mod (bias, relative_bias at D = 64: 245760 > 232448 bytes); then smaller blocks / fewer stages.
+FLEX_OPTIONS = [None, {"num_stages": 1},
+                {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                 "BLOCK_N2": 32}]
+
+
+def measure_flex(row: dict, key: str, flops: float, call: Callable, grad_to_none=None) -> bool:
+    """measure() of call(kernel_options) with FLEX_OPTIONS in turn until one compiles; notes which."""
+    for opts in FLEX_OPTIONS:
+        if measure(row, key, flops, lambda: lambda: call(opts), grad_to_none):
+            if opts is not None:
+                row[f"{key} options"] = opts
+                log(f"  {key}: ran with kernel_options={opts}")
+            return True
+    return False
+
+
 def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     H = 2048 // D
     B = max(1, 16384 // N)
@@ -434,29 +455,34 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     flops = 4 * B * H * N * N * D * density
     row = {"example": stem, "D": D, "N": N, "B": B, "H": H, "density": density}
     block_mask = block_mask_for(var.mask_mod, B, H, N, var.per_batch)
-    fx = dict(score_mod=var.score_mod, block_mask=block_mask, scale=var.scale, enable_gqa=var.group > 1)
+    if var.mask_mod is not None:  # what Flex leaves out of its timing: a new mask (new document ids) costs this
+        try:
+            row["flex mask ms"] = bench(lambda: block_mask_for(var.mask_mod, B, H, N, var.per_batch), 5, 20)
+        except Exception as exc:
+            log(f"  {stem}: create_block_mask failed: {type(exc).__name__}: {str(exc)[:120]}")
+
+    def flex(qq, kk, vv, score_mod, opts):
+        return flex_attention()(qq, kk, vv, score_mod=score_mod, block_mask=block_mask, scale=var.scale,
+                                enable_gqa=var.group > 1, kernel_options=opts)
+
     c = example_compiled(stem)
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     grad_caps = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in caps]
     floats = [x for x in grad_caps if x.requires_grad]
     if args.fwd:
-        measure(row, "fwd flex", flops, lambda: lambda: flex_attention()(q, k, v, **fx))
+        measure_flex(row, "fwd flex", flops, lambda opts: flex(q, k, v, var.score_mod, opts))
         measure(row, "fwd ours+call", flops, lambda: lambda: c.forward(q, k, v, *caps))
     if args.bwd:
         f2 = 3.5 * flops
         ql, kl, vl = leaves(q, k, v)
-        # Flex's mods close over their captured tensors: a second variant's, as leaves that require grad
-        sub = variant(stem, B, H, N, D)
-        sub_leaves = [x.requires_grad_(True) for x in sub.captures.values() if x.is_floating_point()]
-        fx_grad = dict(fx, score_mod=sub.score_mod)
-        row["flex capture grads"] = True
-        ok = measure(row, "bwd flex", f2, lambda: lambda: flex_attention()(ql, kl, vl, **fx_grad).backward(do),
-                     grad_to_none=[ql, kl, vl, *sub_leaves])
-        if not ok and sub_leaves:
-            log(f"  {stem}: Flex timed again without its captured tensors' gradients")
-            row["flex capture grads"] = False
-            measure(row, "bwd flex", f2, lambda: lambda: flex_attention()(ql, kl, vl, **fx).backward(do),
-                    grad_to_none=[ql, kl, vl])
+        if floats:  # Flex's mods close over their tensors: a second variant's, as leaves that require grad
+            sub = variant(stem, B, H, N, D)
+            sub_leaves = [x.requires_grad_(True) for x in sub.captures.values() if x.is_floating_point()]
+            measure_flex(row, "bwd flex", f2, lambda opts: flex(ql, kl, vl, sub.score_mod, opts).backward(do),
+                         grad_to_none=[ql, kl, vl, *sub_leaves])
+        # without captured tensors' gradients (fixed slopes or bias; falower always computes them)
+        measure_flex(row, "bwd flex nodcap" if floats else "bwd flex", f2,
+                     lambda opts: flex(ql, kl, vl, var.score_mod, opts).backward(do), grad_to_none=[ql, kl, vl])
 
         def call():
             o, lse = c.forward(q, k, v, *caps)
@@ -468,7 +494,7 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     # sanity, not a check: falower against Flex (both fp16), relative to the output's size
     try:
         o_ours = c.forward(q, k, v, *caps)[0]
-        o_flex = flex_attention()(q, k, v, **fx)
+        o_flex = flex(q, k, v, var.score_mod, row.get("fwd flex options"))
         row["o diff vs flex"] = ((o_ours.float() - o_flex.float()).abs().max() / o_flex.float().abs().max()).item()
     except Exception as exc:
         row["o diff vs flex"] = NAN
@@ -566,16 +592,19 @@ def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
 
 
 def example_table(rows: list, dev: str) -> list[str]:
+    """Flex no-dcap: Flex without the captured tensors' gradients (falower always computes them);
+    mask ms: Flex's create_block_mask, outside its timings (falower classifies tiles inside each call)."""
     md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls", "",
           "| example | D | keep | fwd ours | fwd Flex | ours/Flex | f+b ours | f+b autograd | f+b Flex | ours/Flex "
-          "| Flex dcap | o diff |",
-          "|" + "---|" * 12]
+          "| f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff |",
+          "|" + "---|" * 14]
     for r in rows:
         md.append(f"| {r['example']} | {r['D']} | {r['density']:.2f} | {_f(r.get('fwd ours+call'))} | "
                   f"{_f(r.get('fwd flex'))} | {_ratio(r.get('fwd ours+call'), r.get('fwd flex'))} | "
                   f"{_f(r.get('bwd ours+call'))} | {_f(r.get('bwd autograd'))} | {_f(r.get('bwd flex'))} | "
-                  f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | "
-                  f"{'y' if r.get('flex capture grads', True) else 'n'} | {r.get('o diff vs flex', NAN):.1e} |")
+                  f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | {_f(r.get('bwd flex nodcap'))} | "
+                  f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex nodcap'))} | {_f(r.get('flex mask ms'), 2)} | "
+                  f"{r.get('o diff vs flex', NAN):.1e} |")
     return md
 
 
