@@ -94,9 +94,10 @@ def validate_backward_spec(spec: FA2BackwardSpec) -> None:
         raise ValueError(f"mma path: block_k must be 16 * num_warps, got {BK} with {NW} warps")
     if spec.dq == "separate" and (BQ % 16 or BK % 16):
         raise ValueError(f"mma path: the dQ kernel needs block_q and block_k multiples of 16, got {BQ}x{BK}")
-    if spec.dq == "atomic" and (BK != 16 * NW or BQ != 16 * NW):
-        raise ValueError(f"mma path: the backward needs block_q = block_k = 16 * num_warps (each warp owns 16 kv "
-                         f"rows and 16 rows of dQ), got {BQ}x{BK} with {NW} warps")
+    if spec.dq == "atomic" and (BK != 16 * NW or BQ % 16 or NW % (BQ // 16) or (D // 16) % (NW // (BQ // 16))):
+        raise ValueError(f"mma path: the backward needs block_k = 16 * num_warps (each warp owns 16 kv rows) and "
+                         f"block_q a multiple of 16 whose 16-row groups divide the warps (dQ's rows, the warps left "
+                         f"over splitting D), got {BQ}x{BK} with {NW} warps at D = {D}")
     if bwd_smem_bytes(spec) > 227 * 1024:
         raise ValueError(f"mma path: {bwd_smem_bytes(spec)} bytes of shared memory exceed 227 KB")
 
@@ -406,15 +407,20 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             if spec.dq == "atomic":
                 c("cuda.syncthreads()  # dS^T is complete")
                 c()
-                c("# dQ rows 16 warp .. 16 warp + 15 of this q tile: dS K, added into the f32 accumulator")
-                for dn in range(ND):
+                RG = BQ // 16  # 16-row groups of dQ; with more warps than groups, warps split D as well
+                CS = NW // RG
+                DC = D // CS  # columns of dQ one warp computes
+                c(f"# dQ rows 16 rg .. 16 rg + 15 of this q tile, columns cs * {DC} ..: dS K, into the f32 accumulator")
+                c(f"rg = warp % {RG}")
+                c(f"cb = (warp // {RG}) * {DC // 8}  # first 8-column chunk of this warp's dQ columns")
+                for dn in range(DC // 8):
                     c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
                 for kk in range(BK // 16):
                     c(f"sa0, sa1, sa2, sa3 = ldsm_x4_trans(sb + ({DSO} + ({kk * 16} + k_row) * {BQ} + "
-                      f"(((warp * 2 + k_ch) ^ kq_x) << 3)) * 2)")
-                    for dd in range(D // 16):
+                      f"(((rg * 2 + k_ch) ^ kq_x) << 3)) * 2)")
+                    for dd in range(DC // 16):
                         c(f"kb0, kb1, kb2, kb3 = ldsm_x4_trans(sb + ({KO} + ({kk * 16} + v_row) * {D} + "
-                          f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
+                          f"(((cb + {dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
                         for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
                             dn = 2 * dd + half
                             dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
@@ -422,9 +428,9 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes")
                 c("# of row g + 8, added by one 16-byte vector reduction (a quarter of the scalar atomics)")
                 c("odd = (lane & 1) == 1")
-                c("qi = q0 + warp * 16 + g + (8 if odd else 0)")
-                c(f"qrow = (q_head + qi) * {D} + (t2 - 2 if odd else t2)")
-                for dn in range(ND):
+                c("qi = q0 + rg * 16 + g + (8 if odd else 0)")
+                c(f"qrow = (q_head + qi) * {D} + cb * 8 + (t2 - 2 if odd else t2)")
+                for dn in range(DC // 8):
                     c(f"x0 = dq_{dn}_0 if odd else dq_{dn}_2")
                     c(f"x1 = dq_{dn}_1 if odd else dq_{dn}_3")
                     c("y0 = shfl_xor_f32(x0, 1)")

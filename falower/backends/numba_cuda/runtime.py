@@ -537,7 +537,14 @@ class FA2BackwardKernel:
         parts = [(self._parts[(-(-_numel(out) // 128),), 128], g_buf, out)
                  for g_buf, out in zip(grads, sums)] if self._parts is not None else []
 
+        zeros = [np.zeros(_numel(g_buf), dtype=np.float32) for g_buf in grads] if kind != "torch" else []
+
         def launch() -> None:
+            for i, g_buf in enumerate(grads):  # the tables' gradients are sums: start each launch from zero
+                if kind == "torch":
+                    g_buf.zero_()
+                else:
+                    g_buf.copy_to_device(zeros[i])
             delta_k(dof, of, delta, dq32, rows)
             if block_mask is not None:
                 block_mask(table, *sizes, *caps)
