@@ -19,8 +19,10 @@ _named("fa1-fwd", "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64,order=fa
 # The FA2 backward: the joint function, Delta, the backward that keeps O and LSE (recompute), tiled with kv
 # tiles outer and dQ added atomically, as FlashAttention-2 does (tile-bwd{dq=separate} is the deterministic
 # q-outer alternative). The forward it pairs with is fa2-fwd, which produces that O and LSE.
+# 64 x 128 tiles: 8 warps of 16 kv rows; on the H100 1.5x the speed of 64 x 64 (half the Q, dO loads and dQ
+# atomics per kv row; benchmarks/NOTES.md, 2026-11-23).
 _named("fa2-bwd", "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,"
-                  "tile-bwd{bq=64,bk=64,dq=atomic},canonicalize")
+                  "tile-bwd{bq=64,bk=128,dq=atomic},canonicalize")
 # The same backward with no atomic adds anywhere: dQ by a q-outer nest, captured tables' gradients summed in a
 # fixed order. Same bits on every run (falower.compile(..., deterministic=True)).
 _named("fa2-bwd-deterministic", "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,"

@@ -18,7 +18,7 @@ sys.setswitchinterval(5e-4)
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={t},dq={dq}}},canonicalize"
+BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={tk},dq={dq}}},canonicalize"
 DQ = {"atomic": "atomic", "det": "separate,deterministic=true"}
 FWD = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,canonicalize"
 
@@ -29,18 +29,18 @@ def example(stem: str):
     return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, Func))
 
 
-def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic") -> dict:
+def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16) -> dict:
     import falower as fl
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
     g = example(stem)
-    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": 16})
+    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": D})
+    bk = bk or tile
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
               for i, x in enumerate(random_inputs(g, env, seed=1))]
-    bwd = BWD.format(t=tile, dq=DQ[dq])
-    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=bwd, path=path,
-                   num_warps=tile // 16 if path == "mma" else None)
+    bwd = BWD.format(t=tile, tk=bk, dq=DQ[dq])
+    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=bwd, path=path)
     ref = fl.compile(g, "reference", pipeline=FWD, backward=bwd)
     o, lse = ref(*inputs)
     o, lse = o.astype(np.float16), lse.astype(np.float32)
@@ -50,7 +50,7 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic"
     by = {a.name: x for a, x in zip(g.args, inputs)}
     by.update(o=o, lse=lse, do=do)
     want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
-    out = {"id": case_id((stem, path, tile, M, N, dq)), "grads": {}}
+    out = {"id": case_id((stem, path, tile, M, N, dq, bk, D)), "grads": {}}
     for name, a, b in zip(c.gradient_names(), got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         out["grads"][name] = {"err": float(np.max(np.abs(a - b))), "scale": float(np.max(np.abs(b))),
@@ -72,11 +72,15 @@ CASES += [(s, "mma", 32, 40, 37, "atomic") for s in ("causal", "gqa", "relative_
 # deterministic=true: dQ by the q-outer kernel, captured gradients summed per block in a fixed order
 CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document", "gqa", "prefix_lm")]
 CASES += [("alibi", "simt", 16, 20, 19, "det"), ("causal", "mma", 32, 40, 37, "det")]
+# block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
+CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 
 
 def case_id(case: tuple) -> str:
-    stem, path, tile, M, N, dq = case
-    return f"{stem}-{path}-{tile}-{M}x{N}" + ("-det" if dq == "det" else "")
+    stem, path, tile, M, N, dq, *rest = case
+    bk, D = rest if rest else (tile, 16)
+    tiles = f"{tile}" if bk == tile else f"{tile}x{bk}"
+    return f"{stem}-{path}-{tiles}-{M}x{N}" + ("-det" if dq == "det" else "") + (f"-D{D}" if D != 16 else "")
 
 
 if __name__ == "__main__":
