@@ -527,12 +527,13 @@ def attention(
         if group_size > 1:
             k, v = k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1)
         s = q @ k.mT
+        acc = s.dtype  # f32, or f64 for f64 inputs
         if scale is not None:
             s = s * float(scale)
         elif isinstance(D, Dim) and D.is_const:
             s = s * (1.0 / math.sqrt(D.eval({})))
         else:
-            s = s / SymTensor(bld.const(D)).to("f32").sqrt()
+            s = s / SymTensor(bld.const(D)).to(s.dtype).sqrt()
         H = q.shape[1]
         b = SymTensor(bld.iota(0, ["B", 1, 1, 1], "b"))
         h = SymTensor(bld.iota(1, [1, H, 1, 1], "h"))
@@ -543,7 +544,7 @@ def attention(
             s = _sym(s)
             if not is_float(s.dtype):
                 raise FalowerError(f"score_mod must return a float tensor, got {s.dtype}")
-            s = s.to("f32")
+            s = s.to(acc)
         if mask_mod is not None:
             m = mask_mod(b, h, qi, ki)
             if not isinstance(m, SymTensor) or m.dtype != "bool":

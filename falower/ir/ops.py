@@ -167,7 +167,8 @@ def _infer_matmul(ts, attrs):
     _need(ak == bk, f"contraction dims differ: {ak} vs {bk}")
     batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
     _need(batch is not None, f"batch dims do not broadcast: {a} and {b}")
-    out = attrs.get("out_dtype", "f32")
+    # f32 accumulation, f64 when an operand is f64 (gradcheck's precision all the way through)
+    out = attrs.get("out_dtype", "f64" if "f64" in (a.dtype, b.dtype) else "f32")
     return [TensorType(out, tuple(batch) + (am, bn))]  # type: ignore[arg-type]
 
 
@@ -314,7 +315,7 @@ def _infer_tile_atomic_add(ts, attrs):
         _need(t.dtype == "i32" and t.is_scalar, f"slice offsets are i32 scalars, got {t}")
     shape = _slice_shape(acc, attrs.get("slice", ()), len(ts) - 2)
     _need(tuple(tile.shape) == tuple(shape), f"tile {tile} does not fit the slice {list(shape)} of {acc}")
-    _need(acc.dtype == "f32" and tile.dtype == "f32", "accumulates f32 into f32")
+    _need(acc.dtype in ("f32", "f64") and tile.dtype == acc.dtype, "accumulates f32 into f32 (or f64 into f64)")
     return []
 
 
@@ -324,7 +325,7 @@ def _infer_tile_scatter_add(ts, attrs):
     _need(len(idx) == acc.rank, f"accumulator {acc} has rank {acc.rank} but {len(idx)} indices are given")
     for t in idx:
         _need(is_int(t.dtype), f"scatter index must be an integer, got {t}")
-    _need(acc.dtype == "f32" and is_float(val.dtype), "adds float values into an f32 accumulator")
+    _need(acc.dtype in ("f32", "f64") and is_float(val.dtype), "adds float values into an f32 (or f64) accumulator")
     _bcast(list(idx) + [val])
     return []
 

@@ -198,7 +198,7 @@ class OnlineSoftmax(Pass):
     # ------------------------------------------------------------------------------ FA2 merge
     def _update(self, b: Builder, x: Value, vt: Value, mi: Value, li: Value, ai: Value):
         ex = "exp2" if self.exp2 else "exp"
-        row_t = scalar("f32")
+        row_t = scalar(x.type.dtype)  # the scores' float type: f32, or f64 for f64 inputs
         mn = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_new")
         mn_safe = b.emit("where", b.emit("eq", mn, b.const(-math.inf, row_t)), b.const(0.0, row_t), mn,
                          name_hint="m_new_safe")
@@ -228,7 +228,7 @@ class OnlineSoftmax(Pass):
         sb = Builder(scratch)
         m, l, acc = sb.for_loop(la.operands[0], la.operands[1], inits, body, iter_names=["m_i", "l_i", "acc_i"],
                                 result_names=["m", "l", "acc"])
-        row_t = scalar("f32")
+        row_t = scalar(l.type.dtype)
         l_safe = sb.emit("where", sb.emit("eq", l, sb.const(0.0, row_t)), sb.const(1.0, row_t), l, name_hint="l_safe")
         o = sb.emit("div", acc, l_safe, name_hint="o_tile")
         if self.exp2:
@@ -256,7 +256,7 @@ class OnlineSoftmax(Pass):
         term.operands = list(term.operands) + [lse_tile] + list(idx_ops)
         term.attrs["slices"] = tuple(term.attrs["slices"]) + (lse_spec,)
         o_t = par.results[0].type
-        lse_t = TensorType("f32", o_t.shape[:-1])
+        lse_t = TensorType(lse_tile.type.dtype, o_t.shape[:-1])
         new_par = Op("parallel_for", [], [r.type for r in par.results] + [lse_t], dict(par.attrs), [body],
                      [r.name for r in par.results] + ["lse"])
         i = func.body.ops.index(par)
@@ -287,7 +287,7 @@ class OnlineSoftmax(Pass):
         bqv = bq.value if isinstance(bq, Const) else 64
         b = Builder(Block())
         scratch = b.block
-        f32 = "f32"
+        f32 = tp.x_c.type.dtype  # the scores' float type: f32, or f64 for f64 inputs
         O0 = b.const(0.0, TensorType(f32, (M, D)), name_hint="O_init")
         l0 = b.const(0.0, TensorType(f32, (M, Const(1))), name_hint="l_init")
         m0 = b.const(-math.inf, TensorType(f32, (M, Const(1))), name_hint="m_init")
@@ -366,7 +366,7 @@ class OnlineSoftmax(Pass):
         for op in scratch.ops:
             op.parent = body
         body.ops = keep + scratch.ops
-        self._retype_par(func, par, TensorType("f32", o_t.shape[:-1]))
+        self._retype_par(func, par, TensorType(f32, o_t.shape[:-1]))
 
     def _retype_par(self, func: Func, par: Op, lse_t: TensorType) -> None:
         body = par.regions[0]

@@ -113,7 +113,7 @@ class Recompute(Pass):
             raise self.fail("the forward output must be P @ V or a cast of it (O is saved for the backward)")
 
         plain = [a for a in func.args if a not in cots]
-        o_t, lse_t = out.type, TensorType("f32", sm.x.type.shape[:-1])
+        o_t, lse_t = out.type, TensorType(sm.x.type.dtype, sm.x.type.shape[:-1])
         arg_types = [a.type for a in plain] + [o_t, lse_t] + [a.type for a in cots]
         arg_names = [a.name for a in plain] + [names[fwd_results[0]], "lse"] + [a.name for a in cots]
         body = Block(arg_types, arg_names)
@@ -131,8 +131,8 @@ class Recompute(Pass):
             if op is sm.p:
                 x = need(sm.x)
                 row = b.emit("unsqueeze", lse_in, axis=lse_in.type.rank, name_hint="lse_row")
-                inf = b.const(-math.inf, TensorType("f32", ()))
-                safe = b.emit("where", b.emit("eq", row, inf), b.const(0.0, TensorType("f32", ())), row,
+                inf = b.const(-math.inf, TensorType(row.type.dtype, ()))
+                safe = b.emit("where", b.emit("eq", row, inf), b.const(0.0, TensorType(row.type.dtype, ())), row,
                               name_hint="lse_safe")
                 vmap[v] = b.emit("exp", b.emit("sub", x, safe), name_hint="p")
             elif v is o32:

@@ -180,7 +180,7 @@ class Tile(Pass):
         qt = b.tile_load(att.q, [bi, h, (q0, bq), ":"], name_hint="qt")
         qidx = b.tile_iota(q0, 0, [bq, 1], name_hint="q_idx")
         zero, nk = b.const(0), b.const(cdiv("N", self.bk), name_hint="nk")
-        f32 = "f32"
+        f32 = att.x.type.dtype  # the scores' float type: f32, or f64 for f64 inputs
         row = tensor(f32, bq, 1)
         D = att.v.type.shape[3]
 

@@ -74,6 +74,11 @@ class BackwardPlan:
         return self.labels.get(id(op)) or op.results[0].name or "acc"
 
 
+def _acc_dtype(values) -> str:
+    """Sums accumulate in f32, or in f64 when what they sum is f64 (gradcheck's precision all the way)."""
+    return "f64" if any(v.type.dtype == "f64" for v in values) else "f32"
+
+
 def _root(v: Value) -> Value:
     while isinstance(v.owner, Op) and v.owner.name in ("cast", "repeat_interleave"):
         v = v.owner.operands[0]
@@ -297,7 +302,8 @@ class TileBwd(Pass):
         pre = [op for op in func.body.ops if id(op) in plan.pre]
         if not pre:
             return {}
-        types = [TensorType("f32", r.results[0].type.shape) for r in pre]
+        acc = _acc_dtype(r.results[0] for r in pre)
+        types = [TensorType(acc, r.results[0].type.shape) for r in pre]
 
         def nest(pb: Builder, ivs: list[Value]):
             bi, h, qi = ivs
@@ -305,7 +311,7 @@ class TileBwd(Pass):
             ctx = _Ctx(self, plan, argmap, {}, bi=bi, h=h, hk=None, q0=q0, k0=None)
             ctx.scopes = [(Space({R, H}), pb, {})]
             tiles = [ctx.emit(op.results[0]) for op in pre]
-            tiles = [t if t.type.dtype == "f32" else pb.cast(t, "f32") for t in tiles]
+            tiles = [t if t.type.dtype == acc else pb.cast(t, acc) for t in tiles]
             return [(t, [bi, h, (q0, self.bq), ":"]) for t in tiles]
 
         results = b.parallel_for(["B", plan.heads, cdiv(plan.M, self.bq)], ["b", "h", "qi"], types, nest,
@@ -350,7 +356,7 @@ class TileBwd(Pass):
             ctx.atomics = list(zip(atomics, acc_args))
             if self.deterministic:  # each iteration sums its own copy of the table, summed in order afterwards
                 ctx.scatter_accs = {id(op): i for i, chain in enumerate(chains) for op in chain}
-                tables = [pb.const(0.0, TensorType("f32", c[-1].results[0].type.shape),
+                tables = [pb.const(0.0, TensorType(_acc_dtype([c[-1].results[0]]), c[-1].results[0].type.shape),
                                    name_hint=f"{plan.label(c[-1])}_0") for c in chains]
             else:
                 ctx.scatter_accs = {id(op): acc for chain, acc in zip(chains, acc_args[len(atomics):]) for op in chain}
@@ -362,10 +368,11 @@ class TileBwd(Pass):
             return tiles + [(t, [bi, hk, kj] + [":"] * t.type.rank) for t in parts]
 
         part_chains = chains if self.deterministic else []
-        part_types = [TensorType("f32", (dim("B"), plan.kv_heads, cdiv(plan.N, bk)) + c[-1].results[0].type.shape)
+        part_types = [TensorType(_acc_dtype([c[-1].results[0]]),
+                                 (dim("B"), plan.kv_heads, cdiv(plan.N, bk)) + c[-1].results[0].type.shape)
                       for c in part_chains]
         sums_of = atomics + ([] if self.deterministic else [chain[-1] for chain in chains])
-        acc_types = [TensorType("f32", op.results[0].type.shape) for op in sums_of]
+        acc_types = [TensorType(_acc_dtype([op.results[0]]), op.results[0].type.shape) for op in sums_of]
         got = b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"],
                              [v.type for v in results] + part_types, nest,
                              [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
@@ -422,7 +429,8 @@ class TileBwd(Pass):
         iteration's copy of each captured table's gradient). With a mask, each tile's class decides: empty
         tiles are skipped, full ones run without the mask (and without the kv bound), partial ones with it."""
         tables = tables or []
-        inits = [pb.const(0.0, TensorType("f32", ctx.tile_shape(op.results[0]))) for op in accs] + tables
+        inits = [pb.const(0.0, TensorType(_acc_dtype([op.results[0]]), ctx.tile_shape(op.results[0]))) for op in accs]
+        inits += tables
         names = [ctx.plan.label(op) for op in accs] + [t.name or "table" for t in tables]
 
         def body(bb: Builder, full: bool) -> list[Value]:
@@ -438,9 +446,10 @@ class TileBwd(Pass):
             for op in [x for x in ctx.plan.scatters if id(x) in ctx.scatter_accs]:  # (the kv-outer nest only)
                 # this tile's share of a captured table's gradient
                 upd = ctx.emit(op.operands[1])
-                upd = upd if upd.type.dtype == "f32" else bb.cast(upd, "f32")
                 idx = [ctx.emit(i) for i in op.operands[2:]]
                 where = ctx.scatter_accs[id(op)]
+                acc = (carried[where] if isinstance(where, int) else where).type.dtype
+                upd = upd if upd.type.dtype == acc else bb.cast(upd, acc)
                 if isinstance(where, int):  # deterministic: into this iteration's own copy
                     carried[where] = bb.emit("scatter_add", carried[where], upd, *idx, name_hint="table_next")
                 else:
@@ -663,7 +672,7 @@ class _Ctx:
         if not self.full:  # a full tile is never ragged along kv (its class includes the kv bound)
             ki = b.tile_iota(self.k0, 1, [1, self.tb.bk], name_hint="kv_col")
             inb = b.emit("and", inb, b.emit("lt", ki, b.const(self.plan.N)), name_hint="in_bounds")
-        xb = b.op("where", [inb, x, b.const(-math.inf, scalar("f32"))], [x.type], {"bounds": True},
+        xb = b.op("where", [inb, x, b.const(-math.inf, scalar(x.type.dtype))], [x.type], {"bounds": True},
                   names=["x_in"]).results[0]
         return b.emit("sub", xb, stat, name_hint=sub.results[0].name)
 

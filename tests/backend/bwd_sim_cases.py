@@ -76,6 +76,35 @@ CASES += [("alibi", "simt", 16, 20, 19, "det"), ("causal", "mma", 32, 40, 37, "d
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 
 
+def run_f64_case(dq: str) -> dict:
+    """f64 inputs through the SIMT kernels (what gradcheck runs): forward and backward against the IR in
+    float64 (a graph traced in f64 accumulates in f64 all the way, and so do the kernels)."""
+    import falower as fl
+    from falower.ir.interp import Interpreter
+
+    slopes = fl.capture("slopes", "f64", "H")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
+                     mask_mod=lambda b, h, q, kv: q >= kv, name="alibi64", dtype="f64")
+    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=BWD.format(t=16, tk=16, dq=DQ[dq]))
+    rng = np.random.default_rng(0)
+    B, H, M, N, D = 1, 2, 20, 19, 16
+    q, k, v = (rng.standard_normal((B, H, n, D)) for n in (M, N, N))
+    sl = np.array([-0.3, -0.1])
+    o, lse = c(q, k, v, sl)
+    want_o, want_lse = Interpreter("f64").run(c.lowered, [q, k, v, sl])
+    do = rng.standard_normal(o.shape)
+    got = c.backward(q, k, v, o, lse, do, sl)
+    f = c.lowered_backward
+    by = dict(q=q, k=k, v=v, slopes=sl, o=o, lse=lse, do=do)
+    want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
+    errs = {"o": float(np.abs(o - want_o).max()), "lse": float(np.abs(lse - want_lse).max())}
+    errs.update({n: float(np.abs(a - b).max()) for n, a, b in zip(c.gradient_names(), got, want)})
+    return {"id": f"f64-{dq}", "errs": errs, "dtypes": sorted({str(np.asarray(x).dtype) for x in (o, lse, *got)})}
+
+
+F64_CASES = ["atomic", "det"]
+
+
 def case_id(case: tuple) -> str:
     stem, path, tile, M, N, dq, *rest = case
     bk, D = rest if rest else (tile, 16)
@@ -93,3 +122,10 @@ if __name__ == "__main__":
             print(json.dumps(run_case(*case)), flush=True)
         except Exception as e:  # report, the test fails on it
             print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
+    for dq in F64_CASES:
+        if wanted and f"f64-{dq}" not in wanted:
+            continue
+        try:
+            print(json.dumps(run_f64_case(dq)), flush=True)
+        except Exception as e:
+            print(json.dumps({"id": f"f64-{dq}", "error": f"{type(e).__name__}: {e}"}), flush=True)

@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bwd_sim_cases import CASES, case_id  # noqa: E402
+from bwd_sim_cases import CASES, F64_CASES, case_id  # noqa: E402
 
 IDS = [case_id(c) for c in CASES]
+F64_IDS = [f"f64-{dq}" for dq in F64_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def results(tmp_path_factory):
     env["NUMBA_ENABLE_CUDASIM"] = "1"
     env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-    halves = [IDS[0::2], IDS[1::2]]
+    halves = [IDS[0::2] + F64_IDS[:1], IDS[1::2] + F64_IDS[1:]]
     procs = [subprocess.Popen([sys.executable, str(HERE / "bwd_sim_cases.py"), *ids], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for ids in halves]
     out = {}
@@ -54,3 +55,15 @@ def test_backward_kernels_match_the_ir(results, case_id):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
     if case_id.endswith("-det"):
         assert r["same_bits"], r  # deterministic: no atomics, the same bits on every run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", F64_IDS)
+def test_f64_kernels_are_double_precision(results, case_id):
+    """f64 inputs (gradcheck's) run the SIMT kernels in double precision: forward and gradients equal the
+    IR's float64 values to ~1e-13 (an f32 step anywhere would show as ~1e-7)."""
+    r = results[case_id]
+    assert "error" not in r, r.get("error")
+    assert r["dtypes"] == ["float64"], r
+    for name, err in r["errs"].items():
+        assert err <= 1e-12, (name, r)

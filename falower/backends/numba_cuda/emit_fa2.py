@@ -99,6 +99,11 @@ ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
 LN2 = np.float32(0.6931471805599453)
 LOG2E = np.float32(1.4426950408889634)
+NEG_INF_64 = np.float64(-np.inf)
+ZERO_64 = np.float64(0.0)
+ONE_64 = np.float64(1.0)
+LN2_64 = np.float64(0.6931471805599453)
+LOG2E_64 = np.float64(1.4426950408889634)
 
 # Kernels are cached on disk (cache=True) when running on a GPU; the simulator takes no options.
 kernel_jit = cuda.jit if SIMULATOR else cuda.jit(cache=True)
@@ -239,8 +244,8 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if spec.path == "simt":
         if BQ % 32 != 0 or BQ > 1024:
             raise ValueError("simt path: block_q (= threads per block) must be a multiple of 32, <= 1024")
-        if 2 * BK * D * 4 > 48 * 1024:
-            raise ValueError("simt path: 2 * block_k * head_dim * 4 bytes of shared memory must fit in 48 KB")
+        if 2 * BK * D * (8 if spec.dtype == "f64" else 4) > 48 * 1024:
+            raise ValueError("simt path: 2 * block_k * head_dim floats of shared memory must fit in 48 KB")
         return
     if D % 16 != 0:
         raise ValueError(f"mma path: head_dim must be a multiple of 16, got {D}")
@@ -731,8 +736,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
 def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
     D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
     threads = BQ
-    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
-    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}"}[spec.dtype]
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
+    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}", "f64": "{}"}[spec.dtype]
 
     c = _Code()
     c("@kernel_jit")
@@ -830,7 +835,26 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
 
 def _module(spec: FA2ForwardSpec, body: str) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec))
-    return header + "\n\n" + _device_functions(spec) + "\n\n" + body
+    code = _device_functions(spec) + "\n\n" + body
+    return header + "\n\n" + (as_f64(code) if spec.dtype == "f64" else code)
+
+
+_F64_NAMES = [(r"\bnp\.float32\b", "np.float64"), (r"\bex2\(", "math.exp2("), (r"\bLN2\b", "LN2_64"),
+              (r"\bLOG2E\b", "LOG2E_64"), (r"\bNEG_INF\b", "NEG_INF_64"),
+              (r"\bZERO\b", "ZERO_64"), (r"\bONE\b", "ONE_64"), (r"\bsin_f32\(", "math.sin("),
+              (r"\bcos_f32\(", "math.cos("), (r"\btan_f32\(", "math.tan(")]
+
+
+def as_f64(code: str) -> str:
+    """The SIMT code in double precision (f64 inputs, for gradcheck): the same program with every float32
+    named float64 and the f32 intrinsics replaced by their f64 maths (exp2, sin, cos, tan, ln 2, log2 e)."""
+    import re
+
+    for pat, rep in _F64_NAMES:
+        code = re.sub(pat, rep, code)
+    if "rint_f32(" in code:
+        raise ValueError("round() in a score function has no f64 form in the SIMT kernel yet")
+    return code
 
 
 def _spec_comment(spec: FA2ForwardSpec) -> str:

@@ -25,7 +25,7 @@ dQ by atomic adds per element. Simple and slow; for f32 inputs and head dims the
 
 from __future__ import annotations
 
-from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask
+from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask, as_f64
 from .spec import FA2BackwardSpec
 
 __all__ = ["emit_fa2_backward", "emit_delta", "emit_dq_convert", "emit_dq_kernel", "emit_parts_sum", "bwd_grid",
@@ -106,7 +106,8 @@ def _module(spec: FA2BackwardSpec, body: str) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec)).replace("emit_fa2 --", "emit_fa2_bwd --")
     header += "SMEM_U32 = np.dtype(np.uint32) if SIMULATOR else np.uint32\n"
     header += "SMEM_F32 = np.dtype(np.float32) if SIMULATOR else np.float32\n"
-    return header + "\n\n" + _device_functions(spec) + "\n\n" + body
+    code = _device_functions(spec) + "\n\n" + body
+    return header + "\n\n" + (as_f64(code) if spec.dtype == "f64" else code)
 
 
 def _class_expr(spec: FA2BackwardSpec, it: str) -> str:
@@ -471,8 +472,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
 def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
     D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
     QC = _simt_chunk(spec)
-    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
-    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}"}[spec.dtype]
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
+    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}", "f64": "{}"}[spec.dtype]
     table = ", table" if spec.block_mask == "table" else ""
     c = _Code()
     c("@kernel_jit")
@@ -593,7 +594,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
 def _simt_chunk(spec: FA2BackwardSpec) -> int:
     """Query rows the SIMT kernel stages in shared memory at a time (Q and dO: 2 * rows * D floats <= 32 KB)."""
     rows = spec.block_q
-    while rows > 1 and 2 * rows * spec.head_dim * 4 > 32 * 1024:
+    while rows > 1 and 2 * rows * spec.head_dim * (8 if spec.dtype == "f64" else 4) > 32 * 1024:
         rows //= 2
     while spec.block_q % rows:
         rows -= 1
@@ -608,7 +609,7 @@ def _simt_chunk(spec: FA2BackwardSpec) -> int:
 def emit_delta(spec: FA2BackwardSpec) -> str:
     """`<name>_delta(do, o, delta, dq32, rows)`: one warp per row; 4 rows per 128-thread block."""
     D = spec.head_dim
-    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
     c = _Code()
     c("@kernel_jit")
     c(f"def {spec.name}_delta(do, o, delta, dq32, rows):")
@@ -616,6 +617,17 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
         c('"""Delta = rowsum(dO * O) per row (FA2\'s preprocessing); zeroes the row of the f32 dQ accumulator."""')
         c("lane = cuda.threadIdx.x & 31")
         c("row = cuda.blockIdx.x * 4 + (cuda.threadIdx.x >> 5)")
+        if spec.dtype == "f64":  # no f64 shuffle: lane 0 sums the row alone (gradcheck's tiny shapes)
+            c("if row < rows and lane == 0:")
+            with c.indent():
+                c("acc = ZERO")
+                c(f"for d in range({D}):")
+                with c.indent():
+                    c(f"acc += do[row * {D} + d] * o[row * {D} + d]")
+                    if spec.dq == "atomic":
+                        c(f"dq32[row * {D} + d] = ZERO")
+                c("delta[row] = acc")
+            return _module(spec, c.text())
         c("if row < rows:")
         with c.indent():
             c("acc = ZERO")
@@ -639,7 +651,7 @@ def emit_dq_convert(spec: FA2BackwardSpec) -> str:
     c(f"def {spec.name}_dq(dq32, dq, n):")
     with c.indent():
         c("i = cuda.grid(1)")
-        if spec.dtype == "f32":
+        if spec.dtype in ("f32", "f64"):
             c("if i < n:")
             with c.indent():
                 c("dq[i] = dq32[i]")
@@ -836,8 +848,8 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
 def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
     """dQ by the q-outer nest on the SIMT path: one q row per thread, K and V rows staged in shared memory."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
-    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})"}[spec.dtype]
-    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}"}[spec.dtype]
+    load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
+    store = {"f16": "f32_to_f16({})", "bf16": "f32_to_bf16({})", "f32": "{}", "f64": "{}"}[spec.dtype]
     KC = BK
     while KC > 1 and 2 * KC * D * 4 > 32 * 1024:
         KC //= 2

@@ -216,7 +216,7 @@ class _ScalarEmitter:
                 return None
             c = 1.0 / c
         base, f = self.factors.get(x, (self.name(x), 1.0))
-        total = float(np.float32(f * c))
+        total = float(f * c) if op.results[0].type.dtype == "f64" else float(np.float32(f * c))
         self.factors[op.results[0]] = (base, total)
         return f"({base} * np.float32({total!r}))"
 

@@ -29,7 +29,18 @@ from .spec import FA2BackwardSpec, FA2ForwardSpec
 
 __all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
 
-_NP_DTYPES = {"f16": np.float16, "f32": np.float32}
+_NP_DTYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
+
+
+def _acc_np(dtype: str):
+    """numpy type of the f32 statistics and accumulators (lse, delta, dQ, tables' gradients); f64 for f64."""
+    return np.float64 if dtype == "f64" else np.float32
+
+
+def _acc_torch(dtype: str):
+    import torch
+
+    return torch.float64 if dtype == "f64" else torch.float32
 
 
 def cache_dir() -> Path:
@@ -78,11 +89,12 @@ def _dtype_name(x: Any, kind: str) -> str:
     if kind == "torch":
         import torch
 
-        return {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}.get(x.dtype, str(x.dtype))
+        return {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+                torch.float64: "f64"}.get(x.dtype, str(x.dtype))
     dt = np.dtype(x.dtype) if kind == "numpy" else np.dtype(x.__cuda_array_interface__["typestr"])
     if dt.name == "bfloat16" or dt == np.dtype(np.uint16):  # ml_dtypes.bfloat16, or raw bf16 bits
         return "bf16"
-    return {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32"}.get(dt, str(dt))
+    return {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(dt, str(dt))
 
 
 def _is_contiguous(x: Any, kind: str) -> bool:
@@ -139,13 +151,14 @@ class FA2ForwardKernel:
         from numba import types
 
         s = self.spec
-        elem = types.float32 if s.dtype == "f32" else types.int16
+        elem = {"f32": types.float32, "f64": types.float64}.get(s.dtype, types.int16)
+        acc = types.float64 if s.dtype == "f64" else types.float32
         arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
         o = arr(types.int32) if s.path == "mma" else arr(elem)
-        args = [arr(elem), arr(elem), arr(elem), o, arr(types.float32)] + [types.int64] * 4
+        args = [arr(elem), arr(elem), arr(elem), o, arr(acc)] + [types.int64] * 4
         if s.block_mask == "table":
             args.append(arr(types.int8))
-        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "i32": types.int32,
+        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "f64": types.float64, "i32": types.int32,
                  "bool": types.boolean}
         for c in s.captures:
             args.append(types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype])
@@ -269,17 +282,17 @@ class FA2ForwardKernel:
             # Numba device arrays launch faster than torch tensors (whose array interface Numba re-reads
             # at every launch) but cost a conversion each: worth it only for repeated launches.
             wrap = cuda.as_cuda_array if _wrap else (lambda t: t)
-            bits = torch.float32 if s.dtype == "f32" else torch.int16
+            bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
             flat = [wrap(x.detach().view(bits).reshape(-1)) for x in (q, k, v)]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             o_k = wrap(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
-            lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
+            lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
             lse_k = wrap(lse.reshape(-1))
             caps = [wrap(x.detach()) if hasattr(x, "detach") else x for x in captures]
             table = (wrap(torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device))
                      if self._mask_kernel else None)
         else:
-            bits = np.float32 if s.dtype == "f32" else np.int16
+            bits = {"f32": np.float32, "f64": np.float64}.get(s.dtype, np.int16)
 
             def dev(x):
                 if kind == "numpy":
@@ -292,7 +305,7 @@ class FA2ForwardKernel:
                 flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v)]
             o_k = cuda.device_array(B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
                                     dtype=np.uint32 if s.path == "mma" else bits)
-            lse_k = cuda.device_array(B * H * M, dtype=np.float32)
+            lse_k = cuda.device_array(B * H * M, dtype=_acc_np(s.dtype))
             caps = [x if np.isscalar(x) else dev(x) for x in captures]
             table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
 
@@ -421,15 +434,15 @@ class FA2BackwardKernel:
         from numba import types
 
         s = self.spec
-        elem = types.float32 if s.dtype == "f32" else types.int16
+        elem = {"f32": types.float32, "f64": types.float64}.get(s.dtype, types.int16)
+        acc = types.float64 if s.dtype == "f64" else types.float32
         arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
         out = arr(types.int32) if s.path == "mma" else arr(elem)
-        args = [arr(elem), arr(elem), arr(elem), arr(types.float32), arr(elem), arr(types.float32),
-                arr(types.float32), out, out] + [types.int64] * 4
+        args = [arr(elem), arr(elem), arr(elem), arr(acc), arr(elem), arr(acc), arr(acc), out, out] + [types.int64] * 4
         if s.block_mask == "table":
             args.append(arr(types.int8))
-        args += [arr(types.float32)] * len(s.grads)
-        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "i32": types.int32,
+        args += [arr(acc)] * len(s.grads)
+        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "f64": types.float64, "i32": types.int32,
                  "bool": types.boolean}
         for c in s.captures:
             args.append(types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype])
@@ -470,25 +483,27 @@ class FA2BackwardKernel:
         if kind == "torch":
             import torch
 
-            bits = torch.float32 if s.dtype == "f32" else torch.int16
+            bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
             pair = torch.int32 if s.path == "mma" else bits
+            accd = _acc_torch(s.dtype)
             flat = [x.detach().view(bits).reshape(-1) for x in (q, k, v, do, o)]
             dev = q.device
             lse_k = lse.detach().reshape(-1)
-            delta = torch.empty(rows, dtype=torch.float32, device=dev)
-            dq32 = torch.empty(rows * D, dtype=torch.float32, device=dev)
+            delta = torch.empty(rows, dtype=accd, device=dev)
+            dq32 = torch.empty(rows * D, dtype=accd, device=dev)
             dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
             dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
             dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
             dq_k, dk_k, dv_k = (x.view(pair).reshape(-1) for x in (dq, dk, dv))
             nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1  # deterministic: one copy per block
-            grads = [torch.zeros(nblk * int(np.prod(x.shape)), dtype=torch.float32, device=dev) for x in grad_caps]
-            sums = [torch.empty(int(np.prod(x.shape)), dtype=torch.float32, device=dev) for x in grad_caps]
+            grads = [torch.zeros(nblk * int(np.prod(x.shape)), dtype=accd, device=dev) for x in grad_caps]
+            sums = [torch.empty(int(np.prod(x.shape)), dtype=accd, device=dev) for x in grad_caps]
             caps = [x.detach() if hasattr(x, "detach") else x for x in captures]
             table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=dev) if self._mask_kernel else None
         else:
-            bits = np.float32 if s.dtype == "f32" else np.int16
+            bits = {"f32": np.float32, "f64": np.float64}.get(s.dtype, np.int16)
             pair = np.uint32 if s.path == "mma" else bits
+            accd = _acc_np(s.dtype)
 
             def dev_array(x):
                 if kind == "numpy":
@@ -497,19 +512,19 @@ class FA2BackwardKernel:
 
             if kind == "numpy":
                 flat = [cuda.to_device(np.ascontiguousarray(x).reshape(-1).view(bits)) for x in (q, k, v, do, o)]
-                lse_k = cuda.to_device(np.ascontiguousarray(lse, dtype=np.float32).reshape(-1))
+                lse_k = cuda.to_device(np.ascontiguousarray(lse, dtype=accd).reshape(-1))
             else:
                 flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v, do, o)]
                 lse_k = cuda.as_cuda_array(lse).reshape(-1)
-            delta = cuda.device_array(rows, dtype=np.float32)
-            dq32 = cuda.device_array(rows * D, dtype=np.float32)
+            delta = cuda.device_array(rows, dtype=accd)
+            dq32 = cuda.device_array(rows * D, dtype=accd)
             per = 2 if s.path == "mma" and s.dtype != "f32" else 1
             dq_k = cuda.device_array(rows * D // per, dtype=pair)
             dk_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
             dv_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
             nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1  # deterministic: one copy per block
-            grads = [cuda.to_device(np.zeros(nblk * int(np.prod(x.shape)), dtype=np.float32)) for x in grad_caps]
-            sums = [cuda.device_array(int(np.prod(x.shape)), dtype=np.float32) for x in grad_caps]
+            grads = [cuda.to_device(np.zeros(nblk * int(np.prod(x.shape)), dtype=accd)) for x in grad_caps]
+            sums = [cuda.device_array(int(np.prod(x.shape)), dtype=accd) for x in grad_caps]
             caps = [x if np.isscalar(x) else dev_array(x) for x in captures]
             table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
 
@@ -537,7 +552,7 @@ class FA2BackwardKernel:
         parts = [(self._parts[(-(-_numel(out) // 128),), 128], g_buf, out)
                  for g_buf, out in zip(grads, sums)] if self._parts is not None else []
 
-        zeros = [np.zeros(_numel(g_buf), dtype=np.float32) for g_buf in grads] if kind != "torch" else []
+        zeros = [np.zeros(_numel(g_buf), dtype=_acc_np(s.dtype)) for g_buf in grads] if kind != "torch" else []
 
         def launch() -> None:
             for i, g_buf in enumerate(grads):  # the tables' gradients are sums: start each launch from zero

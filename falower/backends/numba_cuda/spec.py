@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("f16", "bf16", "f32")
+DTYPES = ("f16", "bf16", "f32", "f64")  # f64: SIMT only, for gradcheck
 PATHS = ("mma", "simt")
 BLOCK_MASKS = ("none", "static", "table")
 
@@ -72,8 +72,8 @@ class FA2ForwardSpec:
             raise ValueError(f"FA2ForwardSpec.path must be one of {PATHS}, got {self.path!r}")
         if self.block_mask not in BLOCK_MASKS:
             raise ValueError(f"FA2ForwardSpec.block_mask must be one of {BLOCK_MASKS}, got {self.block_mask!r}")
-        if self.path == "mma" and self.dtype == "f32":
-            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32")
+        if self.path == "mma" and self.dtype in ("f32", "f64"):
+            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32 and f64")
         if self.block_mask != "none" and not self.has_mask:
             raise ValueError("block_mask needs has_mask")
 
@@ -138,5 +138,5 @@ class FA2BackwardSpec:
             raise ValueError(f"FA2BackwardSpec.path must be one of {PATHS}, got {self.path!r}")
         if self.block_mask not in BLOCK_MASKS:
             raise ValueError(f"FA2BackwardSpec.block_mask must be one of {BLOCK_MASKS}, got {self.block_mask!r}")
-        if self.path == "mma" and self.dtype == "f32":
-            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32")
+        if self.path == "mma" and self.dtype in ("f32", "f64"):
+            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32 and f64")
