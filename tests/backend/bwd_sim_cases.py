@@ -72,6 +72,9 @@ CASES += [(s, "mma", 32, 40, 37, "atomic") for s in ("causal", "gqa", "relative_
 # deterministic=true: dQ by the q-outer kernel, captured gradients summed per block in a fixed order
 CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document", "gqa", "prefix_lm")]
 CASES += [("alibi", "simt", 16, 20, 19, "det"), ("causal", "mma", 32, 40, 37, "det")]
+# tables read at per-element indices: contributions staged, added by their address's owner in slot order
+CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 19, "det"),
+          ("relative_bias", "simt", 16, 20, 19, "det")]
 # block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 

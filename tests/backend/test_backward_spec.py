@@ -55,11 +55,16 @@ def test_gqa_group_and_deterministic_dq_nest():
     assert "def elemq_all(" in s.device_source
 
 
-def test_deterministic_refuses_per_element_table_gradients():
-    c = fl.compile(graph("relative_bias"), "numba-cuda", deterministic=True)
-    with pytest.raises(BackendError, match="deterministic=true with a captured table read at per-element"):
-        c.backward_kernel  # noqa: B018  (attribute access is fine; building needs inputs)
-        c._backward_kernel_and_dims_for("f16", 64)
+def test_deterministic_stages_per_element_table_gradients():
+    """deterministic=true: a table read at per-element indices is staged in shared memory and added in a fixed
+    order (no atomics); the reduced ALiBi slope goes through the warps' partial sums."""
+    from falower.backends.numba_cuda.emit_fa2_bwd import _staged, emit_fa2_backward
+
+    s = spec("relative_bias", "fa2-bwd-deterministic")
+    assert s.deterministic and _staged(s) == [0]
+    body = emit_fa2_backward(s).split("@kernel_jit", 1)[1]  # the kernel, not the module's imports
+    assert "cuda.atomic.add" not in body and "red_add" not in body and "ga - 1" in body
+    assert _staged(spec("alibi", "fa2-bwd-deterministic")) == []
 
 
 def test_backward_needs_the_fa2_bwd_ir():

@@ -57,7 +57,7 @@ FLOOR = 1e-4  # of max(1, max |g_ref64|)
 MAIN = [("f16", 64), ("bf16", 128)]
 OTHER = [("f16", 128), ("bf16", 64)]
 SUBSET = ["alibi", "causal", "document"]
-DETERMINISTIC = ["alibi", "causal", "document"]  # per-element tables (bias, relative_bias) have no such kernel
+DETERMINISTIC = ["alibi", "causal", "document", "relative_bias"]
 
 
 def grid() -> list[tuple]:

@@ -62,8 +62,14 @@ def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     lay["DS"] = lay["DO"] + 2 * BQ * D
     lay["ST"] = lay["DS"] + BK * BQ  # even: the f32 statistics start at float index ST // 2
     lay["GP"] = lay["ST"] + 8 * BQ  # f32 partial sums of the warps (deterministic captured gradients)
-    lay["elems"] = lay["GP"] + 2 * spec.num_warps * len(spec.grads)
+    lay["GX"] = lay["GP"] + 2 * spec.num_warps * len(spec.grads)  # deterministic per-element: (addr + 1, value)
+    lay["elems"] = lay["GX"] + 4 * BQ * BK * len(_staged(spec))
     return lay
+
+
+def _staged(spec: FA2BackwardSpec) -> list[int]:
+    """Gradients staged in shared memory and added in a fixed order (deterministic, per-element indices)."""
+    return [i for i, g in enumerate(spec.grads) if spec.deterministic and not g.reduced]
 
 
 def bwd_smem_bytes(spec: FA2BackwardSpec) -> int:
@@ -152,24 +158,51 @@ def _flat_index(spec: FA2BackwardSpec, i: int) -> str:
     return expr or "0"
 
 
-def _emit_grad_element(c: _Code, spec: FA2BackwardSpec) -> None:
-    """After one element's elem call: its contributions to captured tables' gradients."""
+def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "") -> None:
+    """After one element's elem call: its contributions to captured tables' gradients. In deterministic mode
+    a per-element contribution is staged (`stage` formats (k, slot) into the shared arrays' indices) and added
+    by `_emit_staged_adds` in a fixed order."""
     for i, g in enumerate(spec.grads):
         if g.reduced:
             c(f"gsum{i} += gc{i}")
+        elif spec.deterministic:
+            k = _staged(spec).index(i)
+            addr, val = stage.split("|")
+            c(f"{addr.format(k)} = {_flat_index(spec, i)} + 1 if gc{i} != ZERO else 0")
+            c(f"{val.format(k)} = gc{i}")
         else:
             c(f"if gc{i} != ZERO:")
             with c.indent():
                 c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gc{i})")
 
 
+def _emit_staged_adds(c: _Code, spec: FA2BackwardSpec, slots: int, threads: int, addr: str, val: str) -> None:
+    """Deterministic per-element gradients: after a barrier, thread t adds, slot by slot in order, the staged
+    contributions whose table address is t modulo the block size into the block's copy: each address has one
+    owner and one order, so the same bits on every run (slow: every thread reads every slot)."""
+    if not _staged(spec):
+        return
+    c("cuda.syncthreads()  # every contribution of the tile is staged")
+    for k, i in enumerate(_staged(spec)):
+        table = _cap_names(spec)[spec.grads[i].capture]
+        c(f"for sl in range({slots}):")
+        with c.indent():
+            c(f"ga = {addr.format(k, 'sl')}")
+            c(f"if ga != 0 and (ga - 1) % {threads} == tid:")
+            with c.indent():
+                c(f"grad_{i}[cuda.blockIdx.x * {table}.size + ga - 1] += {val.format(k, 'sl')}")
+    c("cuda.syncthreads()  # the staged contributions are read")
+
+
 def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, partials: str = "{}") -> None:
     """After a tile: the reduced contributions (ALiBi's slope), one atomic add per warp (or thread); in
     deterministic mode summed over the block in a fixed order (warp shuffles, then the warps' or threads'
     partials in `partials` by thread 0) into the block's own copy of the table, with no atomics."""
-    if spec.deterministic:
+    if spec.deterministic and any(g.reduced for g in spec.grads):
         n = spec.num_warps if warp_reduce else spec.block_k
         for i, g in enumerate(spec.grads):
+            if not g.reduced:
+                continue
             if warp_reduce:
                 for m in (16, 8, 4, 2, 1):
                     c(f"gsum{i} += shfl_xor_f32(gsum{i}, {m})")
@@ -182,6 +215,8 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
         c("if tid == 0:")
         with c.indent():
             for i, g in enumerate(spec.grads):
+                if not g.reduced:
+                    continue
                 c("tot = ZERO")
                 c(f"for w in range({n}):")
                 with c.indent():
@@ -189,6 +224,8 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
                 table = _cap_names(spec)[g.capture]
                 c(f"grad_{i}[cuda.blockIdx.x * {table}.size + {_flat_index(spec, i)}] += tot")
         c("cuda.syncthreads()  # thread 0 has read the partials")
+        return
+    if spec.deterministic:
         return
     for i, g in enumerate(spec.grads):
         if not g.reduced:
@@ -218,6 +255,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
     SWZQ = _swizzle_mask(BQ)
     lay = _layout(spec)
     KO, VO, QO, DOO, DSO, STF = lay["K"], lay["V"], lay["Q"], lay["DO"], lay["DS"], lay["ST"] // 2
+    GXW = lay["GX"] // 2  # staged addresses (u32 words), then values (f32), per staged gradient
+    GXF = GXW + BQ * BK * len(_staged(spec))
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     table = ", table" if spec.block_mask == "table" else ""
@@ -363,7 +402,9 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                             outs = [f"s_{jj}_{i}", f"p_{jj}_{i}"] + [x for og in outs_g for x in og]
                             c(_elem_call(spec, branch, f"s_{jj}_{i}", f"p_{jj}_{i}", "lq", "dq_", "qi",
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
-                            _emit_grad_element(c, spec)
+                            slot = f"(warp * 16 + {8 * r} + g) * {BQ} + {jj * 8 + e} + t2"
+                            _emit_grad_element(c, spec, f"smem_w[{GXW} + {{}} * {BQ * BK} + {slot}]|"
+                                                        f"smem_f[{GXF} + {{}} * {BQ * BK} + {slot}]")
 
             branches = spec.branches
             if len(branches) == 1:
@@ -376,6 +417,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 with c.indent():
                     elementwise("partial")
             _emit_grad_tile_end(c, spec, warp_reduce=True, partials=f"smem_f[{lay['GP'] // 2} + {{}}]")
+            _emit_staged_adds(c, spec, BQ * BK, threads, f"smem_w[{GXW} + {{}} * {BQ * BK} + {{}}]",
+                              f"smem_f[{GXF} + {{}} * {BQ * BK} + {{}}]")
             c()
             c("# dV += P^T dO and dK += dS^T Q: P^T and dS^T packed straight from the accumulators")
             for kk in range(BQ // 16):
@@ -487,6 +530,9 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
         c(f"st_s = cuda.shared.array((2, {QC}), np.float32)")
         if spec.deterministic and spec.grads:
             c(f"gp_s = cuda.shared.array({len(spec.grads) * BK}, np.float32)")
+        if _staged(spec):
+            c(f"gx_a = cuda.shared.array(({len(_staged(spec))}, {BK}), np.int32)")
+            c(f"gx_v = cuda.shared.array(({len(_staged(spec))}, {BK}), np.float32)")
         c(f"k_r = cuda.local.array({D}, np.float32)")
         c(f"v_r = cuda.local.array({D}, np.float32)")
         c(f"dk_r = cuda.local.array({D}, np.float32)")
@@ -560,7 +606,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
 
                         def call(branch: str) -> None:
                             c(_elem_call(spec, branch, "s", "dpv", "st_s[0, r]", "st_s[1, r]", "qi", "kvi", outs))
-                            _emit_grad_element(c, spec)
+                            _emit_grad_element(c, spec, "gx_a[{}, tid]|gx_v[{}, tid]")
 
                         if len(spec.branches) == 1:
                             call(spec.branches[0])
@@ -571,6 +617,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                             c("else:")
                             with c.indent():
                                 call("partial")
+                        _emit_staged_adds(c, spec, BK, BK, "gx_a[{}, {}]", "gx_v[{}, {}]")
                         c(f"for d in range({D}):")
                         with c.indent():
                             c("dv_r[d] += p * do_s[r, d]")

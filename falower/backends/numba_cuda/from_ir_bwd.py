@@ -117,9 +117,6 @@ def analyse_backward(func: Func, forward=None) -> BackwardLowered:
     low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
                           deterministic=deterministic)
     low.grads = _grads(func, kv_nest, branches[0], captures)
-    if deterministic and not all(reduced for _, _, reduced, _ in low.grads):
-        raise BackendError("numba-cuda backend: deterministic=true with a captured table read at per-element "
-                           "indices (a relative-position bias) has no kernel yet; use the atomic backward (fa2-bwd)")
     if dq == "separate":
         q_nest = next((op for op in nests if any(r.name == "dq" for r in op.results)), None)
         q_loops = [op for op in q_nest.regions[0].ops if op.name == "for"] if q_nest is not None else []
