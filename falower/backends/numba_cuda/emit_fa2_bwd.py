@@ -245,6 +245,30 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
 # --------------------------------------------------------------------------------------------------
 
 
+def _emit_score_products(c: _Code, mma: str, D: int, cols: int, a1: str, a2: str, b1: str, b2: str) -> None:
+    """The two score-sized products of both backward kernels, sharing their loop: s_ = A1 B1^T and
+    p_ = A2 B2^T, where A1, A2 are this warp's 16 rows of two [*, D] tiles at shared byte addresses a1, a2
+    (ldmatrix A layout) and B1, B2 `cols` rows of two tiles at b1, b2 (the forward's K-operand layout).
+    kv-outer: S^T = K Q^T and dP^T = V dO^T; q-outer: S = Q K^T and dP = dO V^T. Accumulators s_jj_i, p_jj_i."""
+    for jj in range(cols // 8):
+        c(f"s_{jj}_0 = s_{jj}_1 = s_{jj}_2 = s_{jj}_3 = ZERO")
+        c(f"p_{jj}_0 = p_{jj}_1 = p_{jj}_2 = p_{jj}_3 = ZERO")
+    for ks in range(D // 16):
+        arow = f"((warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2"
+        c(f"xa0, xa1, xa2, xa3 = ldsm_x4({a1} + {arow})")
+        c(f"ya0, ya1, ya2, ya3 = ldsm_x4({a2} + {arow})")
+        for jp in range(cols // 16):
+            off = f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
+            c(f"xb0, xb1, xb2, xb3 = ldsm_x4({b1} + {off})")
+            c(f"yb0, yb1, yb2, yb3 = ldsm_x4({b2} + {off})")
+            for half, (b0, bb) in enumerate((("0", "1"), ("2", "3"))):
+                jj = 2 * jp + half
+                sv = ", ".join(f"s_{jj}_{i}" for i in range(4))
+                pv = ", ".join(f"p_{jj}_{i}" for i in range(4))
+                c(f"{sv} = {mma}(xa0, xa1, xa2, xa3, xb{b0}, xb{bb}, {sv})")
+                c(f"{pv} = {mma}(ya0, ya1, ya2, ya3, yb{b0}, yb{bb}, {pv})")
+
+
 def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
     D, BQ, BK, NW, G = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps, spec.group_size
     threads = NW * 32
@@ -368,22 +392,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             c(f"dlt_f = {STF + 2 * BQ} + buf * {BQ}")
             c()
             c("# S^T = K Q^T and dP^T = V dO^T: this warp's 16 kv rows against the tile's q rows")
-            for jj in range(NJ):
-                c(f"s_{jj}_0 = s_{jj}_1 = s_{jj}_2 = s_{jj}_3 = ZERO")
-                c(f"p_{jj}_0 = p_{jj}_1 = p_{jj}_2 = p_{jj}_3 = ZERO")
-            for ks in range(KS):
-                c(f"ka0, ka1, ka2, ka3 = ldsm_x4(sb + ({KO} + (warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)")
-                c(f"va0, va1, va2, va3 = ldsm_x4(sb + ({VO} + (warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2)")
-                for jp in range(BQ // 16):
-                    off = f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
-                    c(f"qb0, qb1, qb2, qb3 = ldsm_x4(qb + {off})")
-                    c(f"ob0, ob1, ob2, ob3 = ldsm_x4(ob + {off})")
-                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
-                        jj = 2 * jp + half
-                        sv = ", ".join(f"s_{jj}_{i}" for i in range(4))
-                        pv = ", ".join(f"p_{jj}_{i}" for i in range(4))
-                        c(f"{sv} = {mma}(ka0, ka1, ka2, ka3, qb{b0}, qb{b1}, {sv})")
-                        c(f"{pv} = {mma}(va0, va1, va2, va3, ob{b0}, ob{b1}, {pv})")
+            _emit_score_products(c, mma, D, BQ, f"sb + {KO * 2}", f"sb + {VO * 2}", "qb", "ob")
             c()
             c("# per element: P and dS from the IR's elementwise code (s_ becomes P^T, p_ becomes dS^T)")
             for i, g in enumerate(spec.grads):
@@ -840,23 +849,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
             c(f"kv0 = j * {BK}")
             c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
             c(f"cls = {_dq_class_expr(spec, 'j')}")
-            for jj in range(NJ):
-                c(f"s_{jj}_0 = s_{jj}_1 = s_{jj}_2 = s_{jj}_3 = ZERO")
-                c(f"p_{jj}_0 = p_{jj}_1 = p_{jj}_2 = p_{jj}_3 = ZERO")
-            for ks in range(KS):
-                arow = f"(warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)"
-                c(f"qa0, qa1, qa2, qa3 = ldsm_x4(sb + ({QO} + {arow}) * 2)")
-                c(f"da0, da1, da2, da3 = ldsm_x4(sb + ({DOO} + {arow}) * 2)")
-                for jp in range(BK // 16):
-                    off = f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
-                    c(f"kb0, kb1, kb2, kb3 = ldsm_x4(kb_ + {off})")
-                    c(f"vb0, vb1, vb2, vb3 = ldsm_x4(vb_ + {off})")
-                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
-                        jj = 2 * jp + half
-                        sv = ", ".join(f"s_{jj}_{i}" for i in range(4))
-                        pv = ", ".join(f"p_{jj}_{i}" for i in range(4))
-                        c(f"{sv} = {mma}(qa0, qa1, qa2, qa3, kb{b0}, kb{b1}, {sv})")
-                        c(f"{pv} = {mma}(da0, da1, da2, da3, vb{b0}, vb{b1}, {pv})")
+            _emit_score_products(c, mma, D, BK, f"sb + {QO * 2}", f"sb + {DOO * 2}", "kb_", "vb_")
 
             def one(branch: str) -> None:
                 for jj in range(NJ):

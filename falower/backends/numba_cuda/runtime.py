@@ -158,10 +158,7 @@ class FA2ForwardKernel:
         args = [arr(elem), arr(elem), arr(elem), o, arr(acc)] + [types.int64] * 4
         if s.block_mask == "table":
             args.append(arr(types.int8))
-        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "f64": types.float64, "i32": types.int32,
-                 "bool": types.boolean}
-        for c in s.captures:
-            args.append(types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype])
+        args += _capture_types(s)
         return tuple(args)
 
     def ptx(self, cc: tuple[int, int] = (9, 0)) -> str:
@@ -338,6 +335,15 @@ class FA2ForwardKernel:
         return launch, finish
 
 
+def _capture_types(spec) -> list:
+    """Numba types of a spec's captured tensors (and scalar sizes), as the kernels take them."""
+    from numba import types
+
+    capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "f64": types.float64,
+             "i32": types.int32, "bool": types.boolean}
+    return [types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype] for c in spec.captures]
+
+
 def _numel(x: Any) -> int:
     n = getattr(x, "size", None)
     if n is None or callable(n):
@@ -442,10 +448,7 @@ class FA2BackwardKernel:
         if s.block_mask == "table":
             args.append(arr(types.int8))
         args += [arr(acc)] * len(s.grads)
-        capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "f64": types.float64, "i32": types.int32,
-                 "bool": types.boolean}
-        for c in s.captures:
-            args.append(types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype])
+        args += _capture_types(s)
         return tuple(args)
 
     def ptx(self, cc: tuple[int, int] = (9, 0)) -> str:

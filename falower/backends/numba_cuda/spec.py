@@ -66,14 +66,7 @@ class FA2ForwardSpec:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"FA2ForwardSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.path not in PATHS:
-            raise ValueError(f"FA2ForwardSpec.path must be one of {PATHS}, got {self.path!r}")
-        if self.block_mask not in BLOCK_MASKS:
-            raise ValueError(f"FA2ForwardSpec.block_mask must be one of {BLOCK_MASKS}, got {self.block_mask!r}")
-        if self.path == "mma" and self.dtype in ("f32", "f64"):
-            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32 and f64")
+        _check_schedule(self)
         if self.block_mask != "none" and not self.has_mask:
             raise ValueError("block_mask needs has_mask")
 
@@ -132,11 +125,17 @@ class FA2BackwardSpec:
         return False
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"FA2BackwardSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.path not in PATHS:
-            raise ValueError(f"FA2BackwardSpec.path must be one of {PATHS}, got {self.path!r}")
-        if self.block_mask not in BLOCK_MASKS:
-            raise ValueError(f"FA2BackwardSpec.block_mask must be one of {BLOCK_MASKS}, got {self.block_mask!r}")
-        if self.path == "mma" and self.dtype in ("f32", "f64"):
-            raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32 and f64")
+        _check_schedule(self)
+
+
+def _check_schedule(spec) -> None:
+    """The checks both specs share: known dtype, path and block mask; the tensor cores take f16 and bf16."""
+    kind = type(spec).__name__
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"{kind}.dtype must be one of {DTYPES}, got {spec.dtype!r}")
+    if spec.path not in PATHS:
+        raise ValueError(f"{kind}.path must be one of {PATHS}, got {spec.path!r}")
+    if spec.block_mask not in BLOCK_MASKS:
+        raise ValueError(f"{kind}.block_mask must be one of {BLOCK_MASKS}, got {spec.block_mask!r}")
+    if spec.path == "mma" and spec.dtype in ("f32", "f64"):
+        raise ValueError("the tensor-core path takes f16 or bf16 inputs; use path='simt' for f32 and f64")
