@@ -16,6 +16,24 @@ from .passes import PassManager, parse_pipeline, run_pipeline
 from .compiler import CompiledAttention, compile  # noqa: A004  (falower.compile, like torch.compile)
 
 
+_TORCH_API = ("flex_attention", "create_block_mask", "BlockMask")
+_FLEX_HELPERS = ("and_masks", "or_masks", "noop_mask")
+
+
+def __getattr__(name: str):
+    """FlexAttention's API, loaded on first use so that `import falower` never imports torch:
+    `from falower import flex_attention, create_block_mask, and_masks, or_masks, noop_mask`."""
+    if name in _TORCH_API:
+        from . import torch_mods
+
+        return getattr(torch_mods, name)
+    if name in _FLEX_HELPERS:
+        from . import torch_mods
+
+        return torch_mods.helper(name)
+    raise AttributeError(f"module 'falower' has no attribute {name!r}")
+
+
 def lower(func: Func, pipeline: str = "fa2-fwd", **kwargs) -> Func:
     """Run a pipeline string on a graph and return the lowered graph."""
     return run_pipeline(func, pipeline, **kwargs)
@@ -32,4 +50,5 @@ __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp",
            "sigmoid", "erf", "sqrt", "sin", "cos", "tan", "log1p", "expm1", "rsqrt", "floor", "ceil", "round",
            "sign", "log2", "abs", "maximum", "minimum", "lower", "grad", "interpret", "print_func", "parse_func",
            "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
-           "PassError", "ShapeError", "VerifyError"]
+           "PassError", "ShapeError", "VerifyError",
+           "flex_attention", "create_block_mask", "BlockMask", "and_masks", "or_masks", "noop_mask"]

@@ -101,8 +101,18 @@ class SymTensor:
         return f"SymTensor({self.value.type})"
 
     def __bool__(self) -> bool:
-        raise FalowerError("a symbolic tensor has no truth value while tracing: use falower.where(cond, a, b) "
-                           "instead of `if`, and & | ~ instead of and/or/not")
+        raise FalowerError("a symbolic tensor has no truth value while tracing (Python `if`, `and`, `or`, `not` on "
+                           "a traced value): use torch.where(cond, a, b) or falower.where(cond, a, b) instead of "
+                           "`if`, and & | ~ instead of and/or/not")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """torch functions called on symbolic tensors (`torch.where`, `torch.tanh`, indexing a torch tensor
+        with traced indices) map to falower's: score and mask functions written in torch trace as they are.
+        Only torch calls this, so torch is already imported; falower.torch_mods holds the table."""
+        from .torch_mods import torch_function
+
+        return torch_function(func, types, args, kwargs or {})
 
     def __float__(self) -> float:
         raise FalowerError(_math_call_message())
@@ -131,6 +141,10 @@ class SymTensor:
             return SymTensor(_builder().const(x, TensorType(dtype, ())))
         if isinstance(x, Dim):
             return SymTensor(_builder().const(x))
+        if type(x).__module__.startswith("torch") and hasattr(x, "shape"):  # a torch tensor a mod closes over
+            from .torch_mods import lift_tensor
+
+            return lift_tensor(x)
         try:
             import numpy as np
 
@@ -232,7 +246,14 @@ class SymTensor:
     def sign(self): return self._unary("sign")
     def abs(self): return self._unary("abs")
 
-    def to(self, dtype: str) -> "SymTensor":
+    def to(self, *args: Any, dtype: Any = None, **kwargs: Any) -> "SymTensor":
+        """A cast: `.to("f32")`, `.to(torch.float32)`, `.to(dtype=...)`; a device (torch's `.to(device)`)
+        means nothing while tracing and is ignored."""
+        for a in args:
+            if dtype is None and _is_dtype_like(a):
+                dtype = a
+        if dtype is None:
+            return self
         return SymTensor(_builder().cast(self._v(), _dtype_name(dtype)))
 
     def float(self) -> "SymTensor":
@@ -240,6 +261,84 @@ class SymTensor:
 
     def half(self) -> "SymTensor":
         return self.to("f16")
+
+    def double(self) -> "SymTensor":
+        return self.to("f64")
+
+    def bfloat16(self) -> "SymTensor":
+        return self.to("bf16")
+
+    def int(self) -> "SymTensor":
+        return self.to("i32")
+
+    long = int  # falower's integers are i32: indices and ids fit
+
+    def bool(self) -> "SymTensor":
+        return self.to("bool")
+
+    def type_as(self, other: "SymTensor") -> "SymTensor":
+        return self.to(_sym(other).dtype)
+
+    def clamp(self, min: Any = None, max: Any = None) -> "SymTensor":  # noqa: A002  (torch's names)
+        """torch.clamp: max(x, min) then min(., max), for floats and integers (NATTEN's kernel centres)."""
+        out = self
+        if min is not None:
+            out = out._binary("max", min)
+        if max is not None:
+            out = out._binary("min", max)
+        return out
+
+    clip = clamp
+
+    def clamp_min(self, m: Any) -> "SymTensor":
+        return self.clamp(min=m)
+
+    def clamp_max(self, m: Any) -> "SymTensor":
+        return self.clamp(max=m)
+
+    def maximum(self, o: Any) -> "SymTensor":
+        return self._binary("max", o)
+
+    def minimum(self, o: Any) -> "SymTensor":
+        return self._binary("min", o)
+
+    def pow(self, o: Any) -> "SymTensor":
+        return self._binary("pow", o)
+
+    def square(self) -> "SymTensor":
+        return self * self
+
+    def reciprocal(self) -> "SymTensor":
+        return 1.0 / self
+
+    def logical_and(self, o: Any) -> "SymTensor":
+        return self.bool() & (o.bool() if isinstance(o, SymTensor) else o)
+
+    def logical_or(self, o: Any) -> "SymTensor":
+        return self.bool() | (o.bool() if isinstance(o, SymTensor) else o)
+
+    def logical_not(self) -> "SymTensor":
+        return ~self.bool()
+
+    def new_full(self, size: Any, fill_value: Any, dtype: Any = None, **_device: Any) -> "SymTensor":
+        """A scalar constant (torch's `b.new_ones((), dtype=torch.bool)`, as in FlexAttention's and_masks and
+        noop_mask); only 0-d sizes: anything else would be a tensor of its own shape."""
+        if tuple(size) not in ((), (1,)):
+            raise FalowerError(f"new_full/new_ones/new_zeros while tracing make a scalar; size {tuple(size)} is not one")
+        dt = _dtype_name(dtype) if dtype is not None else self.dtype
+        value = bool(fill_value) if dt == "bool" else float(fill_value) if is_float(dt) else int(fill_value)
+        return SymTensor(_builder().const(value, TensorType(dt, ())))
+
+    def new_ones(self, size: Any = (), dtype: Any = None, **kw: Any) -> "SymTensor":
+        return self.new_full(size, 1, dtype)
+
+    def new_zeros(self, size: Any = (), dtype: Any = None, **kw: Any) -> "SymTensor":
+        return self.new_full(size, 0, dtype)
+
+    @property
+    def device(self) -> None:
+        """No device while tracing (torch code passes `device=b.device` along; it is ignored)."""
+        return None
 
     def _axis(self, d: int) -> int:
         if not -self.ndim <= d < self.ndim:
@@ -353,11 +452,23 @@ def _keepdim_only(keepdim: bool) -> None:
 
 
 _DTYPE_ALIASES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",
-                  "float64": "f64", "double": "f64", "int32": "i32", "int8": "i8", "bool": "bool"}
+                  "float64": "f64", "double": "f64", "int32": "i32", "int8": "i8", "bool": "bool",
+                  # falower has no 64/16-bit integers: torch's int64 indices and ids are computed in i32
+                  "int64": "i32", "long": "i32", "int": "i32", "int16": "i32", "short": "i32", "uint8": "i32"}
+
+
+def _is_dtype_like(x: Any) -> bool:
+    """A dtype argument of `.to(...)` (a torch dtype or a dtype name), as opposed to a device."""
+    if type(x).__name__ == "dtype" or isinstance(x, type):
+        return True
+    if isinstance(x, str):
+        return x.replace("torch.", "") in _DTYPE_ALIASES or x in FLOAT_DTYPES + ("i8", "i32", "bool")
+    return False
 
 
 def _dtype_name(d: Any) -> str:
-    s = str(d).replace("torch.", "").replace("numpy.", "")
+    s = getattr(d, "__name__", None) if isinstance(d, type) else None  # float, int, bool as in torch's .to(float)
+    s = s or str(d).replace("torch.", "").replace("numpy.", "")
     s = _DTYPE_ALIASES.get(s, s)
     if s not in FLOAT_DTYPES + ("i8", "i32", "bool"):
         raise FalowerError(f"unknown dtype {d!r}")
