@@ -30,10 +30,10 @@ class _FalowerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, compiled: Any, *inputs: Any):  # type: ignore[override]
-        # The kernels read row-major buffers; a q made by transposing a projection is not. One copy here
-        # (a no-op when already contiguous), as flash-attn's torch wrapper does, so layouts from an
-        # nn.Module work; autograd accepts a contiguous gradient for a strided input of the same shape.
-        inputs = tuple(_contiguous(x.detach()) if torch.is_tensor(x) else x for x in inputs)
+        # q, k, v may be strided views with a contiguous last dim (the kernels take their strides, so a
+        # model's transposed projections need no copy); captured tables are made contiguous.
+        inputs = tuple((_contiguous(x.detach()) if i < 3 else _dense(x.detach())) if torch.is_tensor(x) else x
+                       for i, x in enumerate(inputs))
         q = inputs[0]
         o, lse = compiled.forward(*inputs)
         o = _as_torch(o, like=q)
@@ -71,8 +71,17 @@ class _FalowerAttention(torch.autograd.Function):
         return tuple(out)
 
 
-def _contiguous(x: torch.Tensor) -> torch.Tensor:
+def _dense(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels take strided [B, H, N, D] views whose last dim is contiguous (a model's transposed
+    projections, without a copy); anything else (a broadcast gradient of stride 0) is made contiguous."""
+    if x.dim() == 4 and (x.shape[3] == 1 or x.stride(3) == 1) and min(x.stride()) >= 0 and all(
+            st > 0 or n == 1 for n, st in zip(x.shape, x.stride())):
+        return x
+    return _dense(x)
 
 
 def _as_torch(x: Any, like: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:

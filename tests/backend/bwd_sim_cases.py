@@ -108,6 +108,34 @@ def run_f64_case(dq: str) -> dict:
 F64_CASES = ["atomic", "det"]
 
 
+def run_strided_case(stem: str, path: str) -> dict:
+    """q, k, v and dO as [B, H, N, D] views of [B, N, H, D] arrays (a model's transposed projections): the
+    kernels take their strides, and give what the contiguous copies give (dQ up to its atomic adds' order)."""
+    import falower as fl
+    from falower.passes.check import bind_dims, random_inputs
+
+    g = example(stem)
+    env = bind_dims(g, {"B": 2, "H": 2, "HKV": 1, "M": 20, "N": 19, "D": 16})
+    inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+              for i, x in enumerate(random_inputs(g, env, seed=4))]
+    strided = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in inputs[:3]]
+    assert not strided[0].flags.c_contiguous
+    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=BWD.format(t=16, tk=16, dq="atomic"), path=path)
+    o, lse = c(*strided, *inputs[3:])
+    o2, lse2 = c(*inputs)
+    do = np.random.default_rng(6).standard_normal(o.shape).astype(np.float16)
+    do_s = np.ascontiguousarray(do.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    g1 = c.backward(*strided, o, lse, do_s, *inputs[3:])
+    g2 = c.backward(*inputs[:3], o, lse, do, *inputs[3:])
+    diffs = {n: float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+             for n, a, b in zip(c.gradient_names(), g1, g2)}
+    return {"id": f"strided-{stem}-{path}", "fwd_equal": bool(np.array_equal(o, o2) and np.array_equal(lse, lse2)),
+            "diffs": diffs}
+
+
+STRIDED_CASES = [("causal", "mma"), ("alibi", "mma"), ("gqa", "simt")]
+
+
 def case_id(case: tuple) -> str:
     stem, path, tile, M, N, dq, *rest = case
     bk, D = rest if rest else (tile, 16)
@@ -125,6 +153,13 @@ if __name__ == "__main__":
             print(json.dumps(run_case(*case)), flush=True)
         except Exception as e:  # report, the test fails on it
             print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
+    for stem, path in STRIDED_CASES:
+        if wanted and f"strided-{stem}-{path}" not in wanted:
+            continue
+        try:
+            print(json.dumps(run_strided_case(stem, path)), flush=True)
+        except Exception as e:
+            print(json.dumps({"id": f"strided-{stem}-{path}", "error": f"{type(e).__name__}: {e}"}), flush=True)
     for dq in F64_CASES:
         if wanted and f"f64-{dq}" not in wanted:
             continue

@@ -39,7 +39,7 @@ def arrays(B=1, H=4, M=8, N=8, D=64, Hk=2, dtype=np.float16):
         (lambda q, k, v: (q, k, np.zeros((1, 2, 4, 64), np.float16)), ValueError, "shapes differ"),
         (lambda q, k, v: arrays(D=32), ValueError, "head dim"),
         (lambda q, k, v: (np.zeros((1, 3, 8, 64), np.float16), k, v), ValueError, "group_size"),
-        (lambda q, k, v: (q.transpose(0, 2, 1, 3), k, v), ValueError, "contiguous"),
+        (lambda q, k, v: (q.transpose(0, 1, 3, 2), k, v), ValueError, "last dimension of q must be contiguous"),
         (lambda q, k, v: ([[1.0]], k, v), TypeError, "expected"),
     ],
 )

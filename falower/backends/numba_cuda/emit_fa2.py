@@ -5,11 +5,13 @@ functions (from `spec.device_source`) and one kernel named `spec.name`. `emit_bl
 a second module whose kernel `<name>_block_mask` classifies every (b, h, q-tile, kv-tile) block into an
 int8 table (0 empty, 1 partial, 2 full) for `block_mask == "table"`.
 
-Kernel arguments (the runtime prepares them; all arrays are flat and contiguous):
-    q, k, v   int16 bit patterns (f16/bf16) or float32 (f32), [B*H*M*D], [B*Hk*N*D], [B*Hk*N*D]
-    o         mma path: uint32 pairs [B*H*M*D/2]; simt path: like q [B*H*M*D]
+Kernel arguments (the runtime prepares them; all arrays are flat):
+    q, k, v   int16 bit patterns (f16/bf16) or float32/float64, flat views spanning the (possibly strided)
+              [B, H, M, D] / [B, Hk, N, D] tensors: element (b, h, r, d) is at b*x_sb + h*x_sh + r*x_sm + d
+    o         mma path: uint32 pairs [B*H*M*D/2]; simt path: like q [B*H*M*D] (contiguous)
     lse       float32 [B*H*M], natural log
     B, H, M, N
+    q_sb, q_sh, q_sm, k_sb, ..., v_sm   element strides of q, k, v (batch, head, row; the last dim is contiguous)
     table     int8 [B*H*nq*nk] (only for block_mask == "table")
     captures  in `spec.captures` order, as the caller gave them
 Launch: `grid(spec, B, H, M, N)`, `threads_per_block(spec)` threads, `smem_bytes(spec)` bytes of dynamic
@@ -284,9 +286,18 @@ def _cap_names(spec: FA2ForwardSpec) -> list[str]:
     return [f"cap_{i}_{c.name}" for i, c in enumerate(spec.captures)]
 
 
+STRIDES = "q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm"  # element strides of (batch, head, row)
+
+
 def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
-    return f"q, k, v, o, lse, B, H, M, N{table}{_cap_args(spec)}"
+    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{_cap_args(spec)}"
+
+
+def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[str, ...] = ("h", "hk", "hk")) -> None:
+    """<x>g = the element offset of this block's (b, head) slice of each strided input."""
+    for x, hd in zip(names, heads):
+        c(f"{x}g = b * {x}_sb + {hd} * {x}_sh")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,19 +406,20 @@ class TileLoader:
             c(f"ld_ch = tid % {CH}")
             c(f"ld_soff = (ld_r0 * {D} + ((ld_ch ^ (ld_r0 & {SWZ})) << 3)) * 2")
 
-    def load(self, rows: int, smem_off: str, row0: str, nrows: str, garr: str, head: str) -> None:
-        """Rows row0 .. row0 + rows - 1 of `garr` (row (head + r) * D) to shared element offset smem_off."""
+    def load(self, rows: int, smem_off: str, row0: str, nrows: str, garr: str, base: str, rs: str) -> None:
+        """Rows row0 .. row0 + rows - 1 of `garr` (row r at element base + r * rs, the row stride a kernel
+        argument: strided views load without copies) to shared element offset smem_off."""
         c, CH, D, SWZ, threads, RSTEP = self.c, self.CH, self.D, self.SWZ, self.threads, self.RSTEP
         if self.FAST and rows % RSTEP == 0:
             c(f"ld_row = {row0} + ld_r0")
-            c(f"ld_g = ({head} + ld_row) * {D} + ld_ch * 8")
-            c(f"ld_safe = {head} * {D} + ld_ch * 8  # a valid address for zero-filled rows")
+            c(f"ld_g = {base} + ld_row * {rs} + ld_ch * 8")
+            c(f"ld_safe = {base} + ld_ch * 8  # a valid address for zero-filled rows")
             c(f"ld_s = sb + ({smem_off}) * 2 + ld_soff")
             for it in range(rows // RSTEP):
                 dr = it * RSTEP
                 c(f"if ld_row + {dr} < {nrows}:")
                 with c.indent():
-                    c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr * D}, 16)")
+                    c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr} * {rs}, 16)")
                 c("else:")
                 with c.indent():
                     c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_safe, 0)")
@@ -427,7 +439,7 @@ class TileLoader:
             c(f"grow = min(grow, {nrows} - 1)")
             c(
                 f"cp_async16_s(sb + ({smem_off} + r * {D} + ((ch ^ (r & {SWZ})) << 3)) * 2, "
-                f"{garr}, ({head} + grow) * {D} + ch * 8, nbytes)"
+                f"{garr}, {base} + grow * {rs} + ch * 8, nbytes)"
             )
 
 
@@ -480,7 +492,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c("h = bh - b * H")
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M  # first row of this (b, h) in q, o, lse")
-        c(f"kv_head = (b * (H // {G}) + hk) * N" if G > 1 else "kv_head = (b * H + hk) * N")
+        emit_bases(c)
         _emit_tile_range(c, spec)
         c()
         c("# per-lane ldmatrix row/chunk offsets (A operand: Q; B operand: K; B operand transposed: V)")
@@ -525,24 +537,24 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         ONE_BARRIER = bool(spec.extra.get("one_barrier", True))
         if ONE_BARRIER:
             c("# prologue: Q and the first K and V tiles (one cp.async group)")
-            load_tile(BQ, str(QOFF), "q_lo", "M", "q", "q_head")
+            load_tile(BQ, str(QOFF), "q_lo", "M", "q", "qg", "q_sm")
             c("if kv_first <= kv_last:")
             with c.indent():
-                load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kv_head")
-                load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "kv_head")
+                load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kg", "k_sm")
+                load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "vg", "v_sm")
             c("cp_async_commit()")
             c("cp_async_wait0()")
             c("cuda.syncthreads()")
         else:
             c("# prologue: Q and the first K tile (group 0), the first V tile (group 1)")
-            load_tile(BQ, str(QOFF), "q_lo", "M", "q", "q_head")
+            load_tile(BQ, str(QOFF), "q_lo", "M", "q", "qg", "q_sm")
             c("if kv_first <= kv_last:")
             with c.indent():
-                load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kv_head")
+                load_tile(BK, "0", f"kv_first * {BK}", "N", "k", "kg", "k_sm")
             c("cp_async_commit()")
             c("if kv_first <= kv_last:")
             with c.indent():
-                load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "kv_head")
+                load_tile(BK, str(T), f"kv_first * {BK}", "N", "v", "vg", "v_sm")
             c("cp_async_commit()")
             c("cp_async_wait1()")
             c("cuda.syncthreads()")
@@ -575,15 +587,15 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c("cuda.syncthreads()  # ... for every thread; and everyone is done with the other buffer")
                 c("if jn <= kv_last:")
                 with c.indent():
-                    load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kv_head")
-                    load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "kv_head")
+                    load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kg", "k_sm")
+                    load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "vg", "v_sm")
                 c("cp_async_commit()")
             else:
                 c("cp_async_wait1()  # K_j has landed (V_j may still be in flight)")
                 c("cuda.syncthreads()")
                 c("if jn <= kv_last:")
                 with c.indent():
-                    load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kv_head")
+                    load_tile(BK, "n_off", f"jn * {BK}", "N", "k", "kg", "k_sm")
                 c("cp_async_commit()")
             c()
             # Off by default: measured 5-13% SLOWER on the H100 for causal at every N (2026-11-22, NOTES.md),
@@ -687,7 +699,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c("cuda.syncthreads()")
                 c("if jn <= kv_last:")
                 with c.indent():
-                    load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "kv_head")
+                    load_tile(BK, f"n_off + {T}", f"jn * {BK}", "N", "v", "vg", "v_sm")
                 c("cp_async_commit()")
             c()
             c("# O += P V, P packed straight from the S accumulators")
@@ -756,13 +768,13 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
         c("b = cuda.blockIdx.z")
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
-        c(f"kv_head = (b * (H // {G}) + hk) * N" if G > 1 else "kv_head = (b * H + hk) * N")
+        emit_bases(c)
         _emit_tile_range(c, spec)
         c("qi = q_lo + tid")
         c("qc = min(qi, M - 1)")
         c(f"for d in range({D}):")
         with c.indent():
-            c(f"q_r[d] = {load.format(f'q[(q_head + qc) * {D} + d]')}")
+            c(f"q_r[d] = {load.format('q[qg + qc * q_sm + d]')}")
             c("acc[d] = ZERO")
         c("m_i = NEG_INF")
         c("l_i = ZERO")
@@ -779,8 +791,8 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
                 c("row = kv0 + r")
                 c("if row < N:")
                 with c.indent():
-                    c(f"k_s[r, d] = {load.format(f'k[(kv_head + row) * {D} + d]')}")
-                    c(f"v_s[r, d] = {load.format(f'v[(kv_head + row) * {D} + d]')}")
+                    c(f"k_s[r, d] = {load.format('k[kg + row * k_sm + d]')}")
+                    c(f"v_s[r, d] = {load.format('v[vg + row * v_sm + d]')}")
                 c("else:")
                 with c.indent():
                     c("k_s[r, d] = ZERO")

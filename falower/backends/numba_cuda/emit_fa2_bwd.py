@@ -2,9 +2,9 @@
 
 Three kernels, in one module each:
 
-* `<name>_delta(do, o, delta, dq32, rows)`: Delta = rowsum(dO * O) (FA2's preprocessing), one warp per row;
+* `<name>_delta(do, o, delta, dq32, rows, H, M, *dO strides)`: Delta = rowsum(dO * O) (FA2's preprocessing), one warp per row;
   it also zeroes the row of the f32 dQ accumulator, so no separate memset is launched.
-* `<name>(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, [table], *grad tables, *captures)`: the main
+* `<name>(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, *strides, [table], *grad tables, *captures)`: the main
   kernel. One block per (b, kv head, kv tile): K and V stay in shared memory; the block walks the query
   heads of its group and their non-empty q tiles (classes from `tile_class_fn` or the block table), with the
   next q tile's Q and dO prefetched by cp.async while the current one is computed.
@@ -25,7 +25,10 @@ dQ by atomic adds per element. Simple and slow; for f32 inputs and head dims the
 
 from __future__ import annotations
 
-from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask, as_f64
+from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask, as_f64, emit_bases
+
+# element strides (batch, head, row) of q, k, v and dO: strided views run without copies
+STRIDES = "q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm, do_sb, do_sh, do_sm"
 from .spec import FA2BackwardSpec
 
 __all__ = ["emit_fa2_backward", "emit_delta", "emit_dq_convert", "emit_dq_kernel", "emit_parts_sum", "bwd_grid",
@@ -287,7 +290,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
 
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N{table}{_grad_args(spec)}"
+    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
       f"{_cap_args(spec)}):")
     with c.indent():
         c(f'"""FA2 backward, tensor cores: D={D}, tiles {BQ}x{BK}, {NW} warps x 16 kv rows, {spec.dtype}."""')
@@ -326,8 +329,9 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         loader.setup()
 
         c("# K and V of this kv tile, once")
-        loader.load(BK, str(KO), "kv0", "N", "k", "kv_head")
-        loader.load(BK, str(VO), "kv0", "N", "v", "kv_head")
+        emit_bases(c, ("k", "v"), ("hk", "hk"))
+        loader.load(BK, str(KO), "kv0", "N", "k", "kg", "k_sm")
+        loader.load(BK, str(VO), "kv0", "N", "v", "vg", "v_sm")
         c()
         c("# the first non-empty (head, q tile)")
         c("it = 0")
@@ -346,8 +350,10 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
 
         def load_q_tile(hv: str, qv: str, bufv: str) -> None:
             c(f"qh = (b * H + {hv}) * M")
-            loader.load(BQ, f"{QO} + {bufv} * {BQ * D}", qv, "M", "q", "qh")
-            loader.load(BQ, f"{DOO} + {bufv} * {BQ * D}", qv, "M", "do", "qh")
+            c(f"qg = b * q_sb + {hv} * q_sh")
+            c(f"dog = b * do_sb + {hv} * do_sh")
+            loader.load(BQ, f"{QO} + {bufv} * {BQ * D}", qv, "M", "q", "qg", "q_sm")
+            loader.load(BQ, f"{DOO} + {bufv} * {BQ * D}", qv, "M", "do", "dog", "do_sm")
 
         c("if it < total:")
         with c.indent():
@@ -529,7 +535,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N{table}{_grad_args(spec)}"
+    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
       f"{_cap_args(spec)}):")
     with c.indent():
         c(f'"""FA2 backward, SIMT fp32: D={D}, tiles {BQ}x{BK} (q rows {QC} at a time), one kv row per thread, '
@@ -557,13 +563,14 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
         c(f"kv0 = kj * {BK}")
         c("kv_head = (b * HK + hk) * N")
         c(f"total = nq * {G}" if G > 1 else "total = nq")
+        emit_bases(c, ("k", "v"), ("hk", "hk"))
         c("kvi = kv0 + tid")
         c("kvc = min(kvi, N - 1)")
         c(f"for d in range({D}):")
         with c.indent():
-            c(f"x = {load.format(f'k[(kv_head + kvc) * {D} + d]')}")
+            c(f"x = {load.format('k[kg + kvc * k_sm + d]')}")
             c("k_r[d] = x if kvi < N else ZERO")
-            c(f"y = {load.format(f'v[(kv_head + kvc) * {D} + d]')}")
+            c(f"y = {load.format('v[vg + kvc * v_sm + d]')}")
             c("v_r[d] = y if kvi < N else ZERO")
             c("dk_r[d] = ZERO")
             c("dv_r[d] = ZERO")
@@ -580,6 +587,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
             c("if cls != 0:")
             with c.indent():
                 c("q_head = (b * H + h) * M")
+                emit_bases(c, ("q", "do"), ("h", "h"))
                 c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
                 for i, g in enumerate(spec.grads):
                     if g.reduced:
@@ -592,8 +600,8 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                         c(f"r = e // {D}")
                         c(f"d = e % {D}")
                         c("row = min(q0 + c0 + r, M - 1)")
-                        c(f"a = {load.format(f'q[(q_head + row) * {D} + d]')}")
-                        c(f"a2 = {load.format(f'do[(q_head + row) * {D} + d]')}")
+                        c(f"a = {load.format('q[qg + row * q_sm + d]')}")
+                        c(f"a2 = {load.format('do[dog + row * do_sm + d]')}")
                         c("q_s[r, d] = a if q0 + c0 + r < M else ZERO")
                         c("do_s[r, d] = a2 if q0 + c0 + r < M else ZERO")
                     c(f"for e in range(tid, {QC}, {BK}):")
@@ -663,23 +671,25 @@ def _simt_chunk(spec: FA2BackwardSpec) -> int:
 
 
 def emit_delta(spec: FA2BackwardSpec) -> str:
-    """`<name>_delta(do, o, delta, dq32, rows)`: one warp per row; 4 rows per 128-thread block."""
+    """`<name>_delta(do, o, delta, dq32, rows, H, M, *dO strides)`: one warp per row; 4 rows per 128-thread block."""
     D = spec.head_dim
     load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}_delta(do, o, delta, dq32, rows):")
+    c(f"def {spec.name}_delta(do, o, delta, dq32, rows, H, M, do_sb, do_sh, do_sm):")
     with c.indent():
         c('"""Delta = rowsum(dO * O) per row (FA2\'s preprocessing); zeroes the row of the f32 dQ accumulator."""')
         c("lane = cuda.threadIdx.x & 31")
         c("row = cuda.blockIdx.x * 4 + (cuda.threadIdx.x >> 5)")
+        c("bh = row // M  # dO may be a strided view: its row's element offset from (b, h, m)")
+        c("dorow = (bh // H) * do_sb + (bh % H) * do_sh + (row - bh * M) * do_sm")
         if spec.dtype == "f64":  # no f64 shuffle: lane 0 sums the row alone (gradcheck's tiny shapes)
             c("if row < rows and lane == 0:")
             with c.indent():
                 c("acc = ZERO")
                 c(f"for d in range({D}):")
                 with c.indent():
-                    c(f"acc += do[row * {D} + d] * o[row * {D} + d]")
+                    c(f"acc += do[dorow + d] * o[row * {D} + d]")
                     if spec.dq == "atomic":
                         c(f"dq32[row * {D} + d] = ZERO")
                 c("delta[row] = acc")
@@ -689,7 +699,7 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
             c("acc = ZERO")
             c(f"for d in range(lane, {D}, 32):")
             with c.indent():
-                c(f"acc += {load.format(f'do[row * {D} + d]')} * {load.format(f'o[row * {D} + d]')}")
+                c(f"acc += {load.format('do[dorow + d]')} * {load.format(f'o[row * {D} + d]')}")
                 if spec.dq == "atomic":
                     c(f"dq32[row * {D} + d] = ZERO")
             for m in (16, 8, 4, 2, 1):
@@ -745,7 +755,7 @@ def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
     c(f"hk = h // {G}" if G > 1 else "hk = h")
     c(f"q0 = qt * {BQ}")
     c("q_head = (b * H + h) * M")
-    c(f"kv_head = (b * (H // {G}) + hk) * N" if G > 1 else "kv_head = (b * H + hk) * N")
+    emit_bases(c, ("q", "do", "k", "v"), ("h", "h", "hk", "hk"))
     if spec.block_mask == "none":
         c("kv_first = 0")
         c("kv_last = nk - 1")
@@ -797,7 +807,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N{table}{_cap_args(spec)}):")
+    c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N, {STRIDES}{table}{_cap_args(spec)}):")
     with c.indent():
         c(f'"""dQ of the FA2 backward, q tiles outer (no atomics): D={D}, tiles {BQ}x{BK}, {NWQ} warps."""')
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
@@ -819,12 +829,12 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         c(f"v_x = v_row & {SWZ}")
         loader = TileLoader(c, threads, D)
         loader.setup()
-        loader.load(BQ, str(QO), "q0", "M", "q", "q_head")
-        loader.load(BQ, str(DOO), "q0", "M", "do", "q_head")
+        loader.load(BQ, str(QO), "q0", "M", "q", "qg", "q_sm")
+        loader.load(BQ, str(DOO), "q0", "M", "do", "dog", "do_sm")
         c("if kv_first <= kv_last:")
         with c.indent():
-            loader.load(BK, str(KO), f"kv_first * {BK}", "N", "k", "kv_head")
-            loader.load(BK, str(KO + T), f"kv_first * {BK}", "N", "v", "kv_head")
+            loader.load(BK, str(KO), f"kv_first * {BK}", "N", "k", "kg", "k_sm")
+            loader.load(BK, str(KO + T), f"kv_first * {BK}", "N", "v", "vg", "v_sm")
         c("cp_async_commit()")
         for r in range(2):
             c(f"qr{r} = q0 + warp * 16 + {8 * r} + g")
@@ -843,8 +853,8 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
             c("cuda.syncthreads()")
             c("if jn <= kv_last:")
             with c.indent():
-                loader.load(BK, f"{KO} + (buf ^ 1) * {2 * T}", f"jn * {BK}", "N", "k", "kv_head")
-                loader.load(BK, f"{KO} + (buf ^ 1) * {2 * T} + {T}", f"jn * {BK}", "N", "v", "kv_head")
+                loader.load(BK, f"{KO} + (buf ^ 1) * {2 * T}", f"jn * {BK}", "N", "k", "kg", "k_sm")
+                loader.load(BK, f"{KO} + (buf ^ 1) * {2 * T} + {T}", f"jn * {BK}", "N", "v", "vg", "v_sm")
             c("cp_async_commit()")
             c(f"kv0 = j * {BK}")
             c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
@@ -898,7 +908,7 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N{table}{_cap_args(spec)}):")
+    c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N, {STRIDES}{table}{_cap_args(spec)}):")
     with c.indent():
         c(f'"""dQ of the FA2 backward, q tiles outer, SIMT fp32: one q row per thread, kv rows {KC} at a time."""')
         c(f"k_s = cuda.shared.array(({KC}, {D}), np.float32)")
@@ -912,8 +922,8 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
         c("qc = min(qi, M - 1)")
         c(f"for d in range({D}):")
         with c.indent():
-            c(f"q_r[d] = {load.format(f'q[(q_head + qc) * {D} + d]')}")
-            c(f"do_r[d] = {load.format(f'do[(q_head + qc) * {D} + d]')}")
+            c(f"q_r[d] = {load.format('q[qg + qc * q_sm + d]')}")
+            c(f"do_r[d] = {load.format('do[dog + qc * do_sm + d]')}")
             c("dq_r[d] = ZERO")
         c("lq = lse[q_head + qc]")
         c("dl = delta[q_head + qc]")
@@ -932,8 +942,8 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"r = e // {D}")
                     c(f"d = e % {D}")
                     c("row = min(kv0 + c0 + r, N - 1)")
-                    c(f"a = {load.format(f'k[(kv_head + row) * {D} + d]')}")
-                    c(f"a2 = {load.format(f'v[(kv_head + row) * {D} + d]')}")
+                    c(f"a = {load.format('k[kg + row * k_sm + d]')}")
+                    c(f"a2 = {load.format('v[vg + row * v_sm + d]')}")
                     c("k_s[r, d] = a if kv0 + c0 + r < N else ZERO")
                     c("v_s[r, d] = a2 if kv0 + c0 + r < N else ZERO")
                 c("cuda.syncthreads()")

@@ -155,7 +155,7 @@ class FA2ForwardKernel:
         acc = types.float64 if s.dtype == "f64" else types.float32
         arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
         o = arr(types.int32) if s.path == "mma" else arr(elem)
-        args = [arr(elem), arr(elem), arr(elem), o, arr(acc)] + [types.int64] * 4
+        args = [arr(elem), arr(elem), arr(elem), o, arr(acc)] + [types.int64] * (4 + 9)
         if s.block_mask == "table":
             args.append(arr(types.int8))
         args += _capture_types(s)
@@ -178,7 +178,12 @@ class FA2ForwardKernel:
                 raise TypeError(f"{name} has dtype {dt}, this kernel was built for {s.dtype}")
             if len(x.shape) != 4:
                 raise ValueError(f"{name} must be 4-D [B, heads, seq, D], got shape {tuple(x.shape)}")
-            if not _is_contiguous(x, kind):
+            if kind == "torch" and x.shape[3] > 1 and x.stride(3) != 1:
+                raise ValueError(f"the last dimension of {name} must be contiguous (stride 1), got strides "
+                                 f"{tuple(x.stride())}")
+            if kind == "numpy" and x.shape[3] > 1 and x.strides[3] != x.itemsize:
+                raise ValueError(f"the last dimension of {name} must be contiguous, got strides {x.strides}")
+            if kind == "cai" and not _is_contiguous(x, kind):
                 raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
         if kind == "torch":
             devs = {x.device for x in (q, k, v)}
@@ -208,10 +213,6 @@ class FA2ForwardKernel:
                 raise ValueError(f"capture {c.name} must be {c.ndim}-D, got shape {tuple(x.shape)}")
             if not _is_contiguous(x, ck):
                 raise ValueError(f"capture {c.name} must be contiguous")
-        if kind == "torch" and s.path == "mma":
-            for name, x in (("q", q), ("k", k), ("v", v)):
-                if x.data_ptr() % 16:
-                    raise ValueError(f"{name} must be 16-byte aligned for the tensor-core path")
         return kind
 
     # ---------------------------------------------------------------------------- launching
@@ -280,7 +281,9 @@ class FA2ForwardKernel:
             # at every launch) but cost a conversion each: worth it only for repeated launches.
             wrap = cuda.as_cuda_array if _wrap else (lambda t: t)
             bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
-            flat = [wrap(x.detach().view(bits).reshape(-1)) for x in (q, k, v)]
+            views = [_strided_view(x, bits, s.path == "mma") for x in (q, k, v)]
+            flat = [wrap(f) for f, _ in views]
+            strides = [n for _, st in views for n in st]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             o_k = wrap(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
@@ -297,9 +300,12 @@ class FA2ForwardKernel:
                 return cuda.as_cuda_array(x)
 
             if kind == "numpy":  # bit patterns, viewed on the host (ml_dtypes.bfloat16 included)
-                flat = [cuda.to_device(np.ascontiguousarray(x).reshape(-1).view(bits)) for x in (q, k, v)]
+                views = [_strided_view_np(x, bits) for x in (q, k, v)]
+                flat = [cuda.to_device(f) for f, _ in views]
+                strides = [n for _, st in views for n in st]
             else:
                 flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v)]
+                strides = [n for x in (q, k, v) for n in _contiguous_strides(x.shape)]
             o_k = cuda.device_array(B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
                                     dtype=np.uint32 if s.path == "mma" else bits)
             lse_k = cuda.device_array(B * H * M, dtype=_acc_np(s.dtype))
@@ -308,7 +314,7 @@ class FA2ForwardKernel:
 
         sizes = [B, H, M, N]
         extra = [table] if table is not None else []
-        args = [*flat, o_k, lse_k, *sizes, *extra, *caps]
+        args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         forward = self._kernel[grid(s, B, H, M, N), self.threads, 0, self.smem]
@@ -333,6 +339,39 @@ class FA2ForwardKernel:
             return o_k.view(bits).view(out_dtype).reshape(B, H, M, D), lse_k.reshape(B, H, M)
 
         return launch, finish
+
+
+def _contiguous_strides(shape) -> tuple[int, int, int]:
+    """Element strides (batch, head, row) of a contiguous [B, H, N, D] array."""
+    _, H, N, D = (int(n) for n in shape)
+    return (H * N * D, N * D, D)
+
+
+def _strided_view(x: Any, bits: Any, aligned: bool) -> tuple[Any, tuple[int, int, int]]:
+    """A torch [B, H, N, D] view whose last dim is contiguous as (1-D view spanning its elements in `bits`,
+    element strides (batch, head, row)): the kernels index b*sb + h*sh + r*sm + d, so a transposed
+    [B, N, H, D] projection runs without a copy. The tensor-core path copies 16-byte rows with cp.async: rows
+    whose start is not 16-byte aligned (a stride or offset not a multiple of 8 halves) are copied contiguous."""
+    import torch
+
+    x = x.detach()
+    if aligned and (any(st % 8 for st in x.stride()[:3]) or x.data_ptr() % 16):
+        x = x.clone(memory_format=torch.contiguous_format)
+    xv = x.view(bits)
+    span = 1 + sum((n - 1) * st for n, st in zip(xv.shape, xv.stride()))
+    flat = torch.as_strided(xv, (span,), (1,), xv.storage_offset())
+    return flat, tuple(int(st) for st in xv.stride()[:3])
+
+
+def _strided_view_np(x: np.ndarray, bits: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The numpy twin of _strided_view: the elements a [B, H, N, D] view spans, in bits, and its element
+    strides (batch, head, row), so host arrays in a transposed layout take the same kernel path."""
+    item = x.itemsize
+    if any(st < 0 or st % item for st in x.strides):
+        x = np.ascontiguousarray(x)
+    span = 1 + sum((n - 1) * (st // item) for n, st in zip(x.shape, x.strides))
+    flat = np.lib.stride_tricks.as_strided(x, (span,), (item,))
+    return np.ascontiguousarray(flat).view(bits), tuple(int(st // item) for st in x.strides[:3])
 
 
 def _capture_types(spec) -> list:
@@ -444,7 +483,7 @@ class FA2BackwardKernel:
         acc = types.float64 if s.dtype == "f64" else types.float32
         arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
         out = arr(types.int32) if s.path == "mma" else arr(elem)
-        args = [arr(elem), arr(elem), arr(elem), arr(acc), arr(elem), arr(acc), arr(acc), out, out] + [types.int64] * 4
+        args = [arr(elem), arr(elem), arr(elem), arr(acc), arr(elem), arr(acc), arr(acc), out, out] + [types.int64] * 16
         if s.block_mask == "table":
             args.append(arr(types.int8))
         args += [arr(acc)] * len(s.grads)
@@ -474,8 +513,12 @@ class FA2BackwardKernel:
                 raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
             if _dtype_name(x, _kind(x)) != s.dtype:
                 raise TypeError(f"{name} has dtype {_dtype_name(x, _kind(x))}, this kernel was built for {s.dtype}")
-            if not _is_contiguous(x, _kind(x)):
-                raise ValueError(f"{name} must be contiguous (row-major); call .contiguous() first")
+            if name == "o" and not _is_contiguous(x, _kind(x)):
+                raise ValueError("o must be contiguous (the forward's output is); call .contiguous() first")
+            if name == "do" and _kind(x) == "torch" and x.shape[3] > 1 and x.stride(3) != 1:
+                raise ValueError(f"the last dimension of do must be contiguous (stride 1), got strides {tuple(x.stride())}")
+            if name == "do" and _kind(x) == "cai" and not _is_contiguous(x, _kind(x)):
+                raise ValueError("do must be contiguous (row-major); call .contiguous() first")
         B, H, M, D = (int(n) for n in q.shape)
         Hk, N = int(k.shape[1]), int(k.shape[2])
         if tuple(int(n) for n in lse.shape) != (B, H, M):
@@ -489,7 +532,9 @@ class FA2BackwardKernel:
             bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
             pair = torch.int32 if s.path == "mma" else bits
             accd = _acc_torch(s.dtype)
-            flat = [x.detach().view(bits).reshape(-1) for x in (q, k, v, do, o)]
+            views = [_strided_view(x, bits, s.path == "mma") for x in (q, k, v, do)]
+            flat = [f for f, _ in views] + [o.detach().view(bits).reshape(-1)]
+            strides = [n for _, st in views for n in st]
             dev = q.device
             lse_k = lse.detach().reshape(-1)
             delta = torch.empty(rows, dtype=accd, device=dev)
@@ -514,10 +559,14 @@ class FA2BackwardKernel:
                 return cuda.as_cuda_array(x)
 
             if kind == "numpy":
-                flat = [cuda.to_device(np.ascontiguousarray(x).reshape(-1).view(bits)) for x in (q, k, v, do, o)]
+                views = [_strided_view_np(x, bits) for x in (q, k, v, do)]
+                flat = [cuda.to_device(f) for f, _ in views]
+                flat.append(cuda.to_device(np.ascontiguousarray(o).reshape(-1).view(bits)))
+                strides = [n for _, st in views for n in st]
                 lse_k = cuda.to_device(np.ascontiguousarray(lse, dtype=accd).reshape(-1))
             else:
                 flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v, do, o)]
+                strides = [n for x in (q, k, v, do) for n in _contiguous_strides(x.shape)]
                 lse_k = cuda.as_cuda_array(lse).reshape(-1)
             delta = cuda.device_array(rows, dtype=accd)
             dq32 = cuda.device_array(rows * D, dtype=accd)
@@ -537,14 +586,14 @@ class FA2BackwardKernel:
         separate = s.dq == "separate"
         if separate:
             dq32 = delta  # not read: dQ comes from its own kernel
-        args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *extra, *grads, *caps]
+        args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *strides, *extra, *grads, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         main = self._kernel[bwd_grid(s, B, H, M, N), self.threads, 0, self.smem]
         delta_k = self._delta[(-(-rows // 4),), 128]
         ndq = rows * D
         if separate:
-            dq_args = [qf, kf, vf, lse_k, dof, delta, dq_k, *sizes, *extra, *caps]
+            dq_args = [qf, kf, vf, lse_k, dof, delta, dq_k, *sizes, *strides, *extra, *caps]
             if self.dq_smem > 48 * 1024:
                 self._raise_smem_limit(self._dq, dq_args, self.dq_smem)
             conv = self._dq[dq_grid(s, B, H, M), dq_threads(s), 0, self.dq_smem]
@@ -563,7 +612,7 @@ class FA2BackwardKernel:
                     g_buf.zero_()
                 else:
                     g_buf.copy_to_device(zeros[i])
-            delta_k(dof, of, delta, dq32, rows)
+            delta_k(dof, of, delta, dq32, rows, H, M, *strides[9:12])
             if block_mask is not None:
                 block_mask(table, *sizes, *caps)
             main(*args)
