@@ -11,9 +11,7 @@ torch = pytest.importorskip("torch")
 import falower as fl  # noqa: E402
 
 
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype", ["f16", "bf16"])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, dtype, D", [(True, "f16", 64), (False, "bf16", 128)])
 def test_transposed_views_match_contiguous(causal: bool, dtype: str, D: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
