@@ -165,7 +165,7 @@ class CompiledAttention:
         key = (dtype, path, env["D"])
         if key not in self._bwd_kernels:
             if self._bwd_analysis is None:
-                self._bwd_analysis = analyse_backward(self.lowered_backward, self.analysis)
+                self._bwd_analysis = analyse_backward(self.lowered_backward)
             # the backward's warps follow its kv tile (16 kv rows a warp); num_warps is the forward's
             spec = build_backward_spec(self._bwd_analysis, {"D": env["D"]}, dtype, path, None, self.extra)
             try:

@@ -30,11 +30,9 @@ from typing import Mapping, Optional
 
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
-from ...ir.types import is_float
-from .from_ir import BackendError, _interval_fn, _live_lines, _ScalarEmitter, dim_expr
+from .from_ir import BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter
 from .spec import Capture, FA2BackwardSpec, GradSpec
 
-_LEAVES = ("s", "dp", "lse", "delta")
 
 
 @dataclass
@@ -81,9 +79,8 @@ def _role_args(func: Func) -> dict[str, Value]:
     return {a.name: a for a in func.args if a.name in ("q", "k", "v", "o", "lse", "do")}
 
 
-def analyse_backward(func: Func, forward=None) -> BackwardLowered:
+def analyse_backward(func: Func) -> BackwardLowered:
     """Read the fa2-bwd IR (tile-bwd's output) into a BackwardLowered, or refuse with what is missing."""
-    del forward
     roles = _role_args(func)
     missing = [n for n in ("q", "k", "v", "o", "lse", "do") if n not in roles]
     if missing:
@@ -229,13 +226,11 @@ def _result_name(func: Func, v: Value) -> str:
 class _ElementEmitter(_ScalarEmitter):
     """Scalar code for one element of the score-sized tile values, across the nest's blocks."""
 
-    def __init__(self, env: Mapping[str, int], names: dict[Value, str], aliases: dict[Value, Value]):
+    def __init__(self, env: Mapping[str, int], names: dict[Value, str]):
         super().__init__(env, {})
         self.names.update(names)
-        self.aliases = aliases
 
     def value(self, v: Value) -> str:
-        v = self.aliases.get(v, v)
         if v in self.names:
             return self.names[v]
         op = v.owner
@@ -271,8 +266,6 @@ class _ElementEmitter(_ScalarEmitter):
 
 
 def _lit(folded, v: Value) -> str:
-    from .from_ir import _literal
-
     return _literal(folded.item(), v.type.dtype, {})
 
 
@@ -302,7 +295,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
             names.setdefault(op.operands[2], "h")  # the query head (hk * G + i under GQA)
         if op.name == "tile.load" and op.operands[0].name == "k":
             names.setdefault(op.operands[2], "hk")  # the kv head (h // G under GQA)
-    e = _ElementEmitter(env, names, {})
+    e = _ElementEmitter(env, names)
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     for sc in [] if dq_nest else br.scatters:
         outs.append(e.value(_strip_reductions(sc.operands[1])))
@@ -373,4 +366,4 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
                            extra=dict(extra or {}))
 
 
-__all__ = ["BackwardLowered", "analyse_backward", "build_backward_spec", "device_source", "dim_expr", "is_float"]
+__all__ = ["BackwardLowered", "analyse_backward", "build_backward_spec", "device_source"]
