@@ -31,12 +31,13 @@ def _kernel(stem: str, D: int, dtype: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stem, D, dtype, max_spill", [("causal", 64, "f16", 64), ("alibi", 64, "bf16", 96),
-                                                        ("plain", 128, "f16", 256)])
+@pytest.mark.parametrize("stem, D, dtype, max_spill", [("causal", 64, "f16", 96), ("alibi", 64, "bf16", 128),
+                                                        ("plain", 128, "f16", 320)])
 def test_backward_mma_ptx(stem, D, dtype, max_spill):
     """Five products per tile pair on the tensor cores (S^T, dP^T, dV, dK: (64/16) * (64/8) or (D/16) * 8 each;
     dQ (64/16) * (D/8)), no f64, no local arrays; ptxas spills bounded by what was measured on 2026-11-23
-    (causal D=64: 48 bytes, D=128: 220 bytes: dK and dV accumulators (D/2 each) live beside S^T and dP^T)."""
+    (64 x 128 tiles with the strides as kernel arguments: causal f16 D=64 72 bytes, alibi bf16 D=64 96, plain
+    f16 D=128 248: dK and dV accumulators (D/2 each) live beside S^T and dP^T; the H100 timing did not move)."""
     kern = _kernel(stem, D, dtype)
     ptx = kern.ptx(cc=(9, 0))
     n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\." + dtype, ptx))
