@@ -55,13 +55,15 @@ def test_simt_ptx_compiles():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("D, max_spill", [(64, 32), (128, 128)])
+@pytest.mark.parametrize("D, max_spill", [(64, 32), (128, 192)])
 def test_default_schedule_resources(D, max_spill):
     """The benchmark's schedule (128 query rows, 4 warps of two m16 fragments, 64-wide kv tiles).
 
     At D = 128 acc (128) + S (64) + fragments exceed 255 registers by a little: ptxas spills ~100 bytes
     (the causal D = 64 kernel 24 bytes)
-    (measured 2026-11-22; the SASS shows a handful of LDL/STL per kv tile, L1 hits). Guard against growth.
+    (measured 2026-11-22; the SASS shows a handful of LDL/STL per kv tile, L1 hits). With the input strides as
+    kernel arguments (2026-11-23) D = 128 spills 144 bytes; its H100 time did not move (BENCHMARKS.md, strided
+    inputs). Guard against growth.
     """
     spec = make_spec("causal", D, "f16", path="mma", block_q=128, block_k=64, num_warps=4,
                      name=f"ptx_default_{D}")
