@@ -31,8 +31,9 @@ def _kernel(stem: str, D: int, dtype: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stem, D, dtype, max_spill", [("causal", 64, "f16", 96), ("alibi", 64, "bf16", 128),
-                                                        ("plain", 128, "f16", 320)])
+# One kernel (a PTX build takes 60-90 s on CI's two cores); bf16, D = 128 and captured tables are exercised by
+# the simulator cases and on the GPU (tests/gpu/test_backward_gpu.py).
+@pytest.mark.parametrize("stem, D, dtype, max_spill", [("causal", 64, "f16", 96)])
 def test_backward_mma_ptx(stem, D, dtype, max_spill):
     """Five products per tile pair on the tensor cores (S^T, dP^T, dV, dK: (64/16) * (64/8) or (D/16) * 8 each;
     dQ (64/16) * (D/8)), no f64, no local arrays; ptxas spills bounded by what was measured on 2026-11-23
