@@ -47,7 +47,8 @@ class FA2ForwardSpec:
     """Everything the emitter needs to write one FA2 forward kernel.
 
     Layouts: q is [B, H, M, D]; k and v are [B, H // group_size, N, D]; o is [B, H, M, D] in `dtype`;
-    lse is [B, H, M] float32 (natural log). All contiguous.
+    lse is [B, H, M] float32 (natural log). q, k, v may be strided views whose last dim is contiguous (their
+    strides are kernel arguments); o and lse are written contiguous.
     """
 
     name: str
