@@ -36,6 +36,9 @@ class CompiledAttention:
         self._bwd_analysis: Any = None
         self._kernels: dict[tuple, Any] = {}
         self._bwd_kernels: dict[tuple, Any] = {}
+        # warm calls: the input signature (shapes, strides, dtypes, devices) -> what the call runs
+        self._calls: dict[tuple, Any] = {}
+        self._bwd_calls: dict[tuple, Any] = {}
         if backend == "numba-cuda":
             from .backends.numba_cuda.from_ir import analyse
 
@@ -106,8 +109,16 @@ class CompiledAttention:
         if self.backend == "reference":
             arrays = [_host_array(x) for x in inputs]
             return tuple(Interpreter("native").run(self.lowered, arrays))
-        k, env = self._kernel_and_dims(inputs)
-        return k(inputs[0], inputs[1], inputs[2], *self._kernel_captures(inputs, env))
+        key = _signature(inputs)
+        call = self._calls.get(key) if key is not None else None
+        if call is None:
+            k, env = self._kernel_and_dims(inputs)
+            call = _WarmCall(k, [self.lowered.args.index(c) for c in self.analysis.captures],
+                             [c.type.dtype for c in self.analysis.captures],
+                             [int(env[d]) for d in self.analysis.runtime_dims], inputs[0])
+            if key is not None:
+                self._calls[key] = call
+        return call(inputs)
 
     # ------------------------------------------------------------------------------------ backward
     @property
@@ -137,10 +148,17 @@ class CompiledAttention:
         if self.backend == "reference":
             arrays = [_host_array(x) for x in ordered]
             return tuple(Interpreter("native").run(bwd, arrays))
-        kern, env = self._backward_kernel_and_dims(inputs)
-        caps = [_scalar_if_0d(by_name[c.name]) for c in self._bwd_analysis.captures]
-        caps += [int(env[d]) for d in kern.spec.dims]
-        return kern(q, k, v, o, lse, do, *caps)
+        key = _signature((q, k, v, o, lse, do, *captures))
+        call = self._bwd_calls.get(key) if key is not None else None
+        if call is None:
+            kern, env = self._backward_kernel_and_dims(inputs)
+            names = [a.name for a in self.func.args]  # q, k, v, captures; the call adds o, lse, do after v
+            call = _WarmCall(kern, [names.index(c.name) + 3 for c in self._bwd_analysis.captures],
+                             [c.type.dtype for c in self._bwd_analysis.captures],
+                             [int(env[d]) for d in kern.spec.dims], q, backward=True)
+            if key is not None:
+                self._bwd_calls[key] = call
+        return call((q, k, v, o, lse, do, *captures))
 
     def backward_kernel(self, *inputs: Any):
         """The FA2BackwardKernel these forward inputs' gradients would run (built on first use)."""
@@ -179,9 +197,6 @@ class CompiledAttention:
             self._bwd_kernels[key] = kern
         return self._bwd_kernels[key]
 
-    def _kernel_captures(self, inputs: tuple, env: dict[str, int]) -> list:
-        caps = [_scalar_if_0d(inputs[self.lowered.args.index(c)]) for c in self.analysis.captures]
-        return caps + [int(env[d]) for d in self.analysis.runtime_dims]
 
     @property
     def source(self) -> str:
@@ -211,13 +226,86 @@ def _host_array(x: Any) -> Any:
     return np.asarray(x)
 
 
-def _scalar_if_0d(x: Any) -> Any:
-    """A captured scalar reaches the kernel as a scalar argument: its value changes, the kernel does not
-    (a 0-d torch tensor on the GPU is read back once, a synchronisation)."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and len(shape) == 0:
-        return x.item()
-    return x
+_TENSOR: list = []  # torch.Tensor once torch is imported (falower never imports it for a signature)
+
+
+def _signature(inputs: tuple) -> Optional[tuple]:
+    """The key of a warm call: each torch tensor's shape, strides, dtype and device, each other input's type;
+    None when an input is not a torch tensor or a Python number (numpy arrays take the checked path)."""
+    if not _TENSOR:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        _TENSOR.append(torch.Tensor)
+    tensor = _TENSOR[0]
+    key = []
+    for x in inputs:
+        if isinstance(x, tensor):
+            key.append((x.shape, x.stride(), x.dtype, x.device))
+        elif isinstance(x, (int, float, bool)):
+            key.append(type(x))
+        else:
+            return None
+    return tuple(key)
+
+
+class _WarmCall:
+    """One input signature's call of a forward or backward kernel: which inputs are its captures, in the
+    kernel's order, and the run-time sizes it takes (known from the signature). A 0-d captured tensor reaches
+    the kernel as a 1-element view the kernel reads, never `.item()` (no synchronisation, capturable in a
+    CUDA graph); one of another dtype is converted on the device; a Python number given for it is copied
+    to a 1-element array once per value (`_number`)."""
+
+    __slots__ = ("kernel", "order", "dtypes", "dims", "backward", "_numbers", "_device")
+
+    def __init__(self, kernel: Any, order: list[int], dtypes: list[str], dims: list[int], like: Any,
+                 backward: bool = False):
+        self.kernel, self.order, self.dtypes, self.dims, self.backward = kernel, order, dtypes, dims, backward
+        self._numbers: dict[tuple, Any] = {}
+        self._device = getattr(like, "device", None) if type(like).__module__.startswith("torch") else None
+
+    def __call__(self, inputs: tuple):
+        caps = [self._capture(inputs[i], dt) for i, dt in zip(self.order, self.dtypes)] + self.dims
+        n = 6 if self.backward else 3
+        return self.kernel(*inputs[:n], *caps)
+
+    def _capture(self, x: Any, dtype: str) -> Any:
+        shape = getattr(x, "shape", None)
+        if shape is None:  # a Python number for a 0-d capture
+            return self._number(x, dtype) if self._device is not None else x
+        if len(shape) == 0 and self._device is not None:
+            import torch
+
+            want = _TORCH_DTYPES[dtype]
+            x = x.detach()
+            if x.dtype != want or x.device != self._device:
+                x = x.to(device=self._device, dtype=want)
+        return x
+
+    def _number(self, x: Any, dtype: str) -> Any:
+        key = (type(x), x, dtype)
+        t = self._numbers.get(key)
+        if t is None:
+            import torch
+
+            if len(self._numbers) > 64:
+                self._numbers.clear()
+            t = torch.full((), x, dtype=_TORCH_DTYPES[dtype], device=self._device)
+            self._numbers[key] = t
+        return t
+
+
+class _TorchDtypes(dict):
+    def __missing__(self, dtype: str) -> Any:
+        import torch
+
+        out = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64,
+               "i32": torch.int32, "i8": torch.int8, "bool": torch.bool}[dtype]
+        self[dtype] = out
+        return out
+
+
+_TORCH_DTYPES = _TorchDtypes()
 
 
 def _dtype_of(x: Any) -> str:

@@ -271,10 +271,16 @@ def _live_lines(lines: list[str], result: str) -> list[str]:
 
 def _role_names(fused: Op, region: Block, cap_names: dict[Value, str]) -> dict[Value, str]:
     out: dict[Value, str] = {}
-    caps = iter(cap_names.values())
+    caps = iter(cap_names.items())
     for a, r in zip(region.args, fused.attrs["roles"]):
-        out[a] = next(caps) if r == "cap" else r
+        out[a] = cap_ref(*next(caps)) if r == "cap" else r
     return out
+
+
+def cap_ref(v: Value, name: str) -> str:
+    """How the device functions read a captured value: a table by its name, a 0-d capture as `name[0]` (it
+    arrives as a 1-element device array, so a 0-d CUDA tensor reaches the kernel without a read-back)."""
+    return f"{name}[0]" if v.type.rank == 0 else name
 
 
 def device_source(low: Lowered, env: Mapping[str, int]) -> str:
@@ -291,7 +297,7 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     if low.conj:
         pred = predicate_region(low.fused, low.conj)
         pe = _ScalarEmitter(env, cap_names)
-        for a, nm in zip(pred.args, ["b", "h", "q", "kv"] + list(cap_names.values())):
+        for a, nm in zip(pred.args, ["b", "h", "q", "kv"] + [cap_ref(v, n) for v, n in cap_names.items()]):
             pe.names[a] = nm
         res = pred.terminator.operands[0]  # type: ignore[union-attr]
         pe.emit(pred, [res])
@@ -314,7 +320,7 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str) -> list[str
     cap_names = [n.strip() for n in sig_caps.split(",") if n.strip()]
     for a, nm in zip(pred.args[4:], cap_names):
         if a.type.rank == 0 and a.type.dtype in ("i32", "i8", "bool"):
-            iv[a] = (nm, nm)  # a captured scalar: its value is known at run time, an exact interval
+            iv[a] = (f"{nm}[0]", f"{nm}[0]")  # a captured scalar (1-element array): known at run time, exact
     k = 0
     for op in pred.ops:
         if op.name == "yield":
@@ -401,7 +407,8 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
                extra: Optional[dict] = None) -> FA2ForwardSpec:
     D = int(env["D"])
     src = device_source(low, env)
-    caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, v.type.rank) for i, v in enumerate(low.captures))
+    # a 0-d capture is a 1-element array (cap_ref); only the sizes are scalar arguments
+    caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in low.runtime_dims)  # sizes, passed as scalars
     bq, bk = low.block_q, low.block_k
     if path == "simt" and bq % 32:

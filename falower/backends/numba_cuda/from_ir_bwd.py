@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
-from .from_ir import BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter
+from .from_ir import BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref
 from .spec import Capture, FA2BackwardSpec, GradSpec
 
 
@@ -287,7 +287,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
     names[nest_args[0]] = "b"
     names[nest_args[1]] = "h" if dq_nest else "hk"
     for c in low.captures:
-        names[c] = f"cap_{c.name}"
+        names[c] = cap_ref(c, f"cap_{c.name}")
     for op in _blocks_up(br.s.owner.parent):  # type: ignore[union-attr]
         if op.name == "tile.iota":
             names[op.results[0]] = "q" if op.attrs["axis"] == 0 else "kv"
@@ -315,7 +315,7 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
     for a, nm in zip(region.args, ["b", "h", "q", "kv"]):
         e.names[a] = nm
     for a, v in zip(region.args[4:], operands[4:]):
-        e.names[a] = cap_names[v]
+        e.names[a] = cap_ref(v, cap_names[v])
     res = region.terminator.operands[0]  # type: ignore[union-attr]
     e.emit(region, [res])
     return [f"def {name}(b, h, q, kv{sig}):"] + _live_lines(e.lines, e.name(res)) + [f"    return {e.name(res)}"]
@@ -351,7 +351,7 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
                         num_warps: Optional[int], extra: Optional[dict] = None) -> FA2BackwardSpec:
     D = int(env["D"])
     src, dims = device_source(low, env)
-    caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, v.type.rank) for i, v in enumerate(low.captures))
+    caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     grads = tuple(GradSpec(name, cap, reduced, n_index) for name, cap, reduced, n_index in low.grads)
     bq, bk = low.block_q, low.block_k

@@ -9,17 +9,29 @@ The emitted source is written to `<cache dir>/<name>_<sha256[:16]>.py` (default 
 
 Inputs are checked before anything is launched; a wrong dtype, rank, shape, layout or device raises a
 one-line ValueError / TypeError.
+
+Torch CUDA tensors take a direct path: each kernel is compiled once for its canonical signature
+(`argtypes()`) when the kernel object is built, and launched with the driver's `cuLaunchKernel` on torch's
+current stream from a ctypes argument buffer laid out as Numba's kernel ABI (`ArgLayout`), kept per input
+signature (`_ForwardPlan`, `_BackwardPlan`) so that a call patches data pointers and launches: no typing of
+arrays, no host synchronisation, capturable in a CUDA graph. numpy inputs, other CUDA arrays and the
+simulator go through Numba's dispatcher (`prepare`). `FALOWER_DIRECT_LAUNCH=0` turns the direct path off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import os
+import struct
 import sys
 import tempfile
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -120,6 +132,532 @@ def _device_id(x: Any, kind: str) -> int | None:
     return -1 if kind == "cai" else None
 
 
+# --------------------------------------------------------------------------------------------------
+# Compile progress
+# --------------------------------------------------------------------------------------------------
+SLOW_COMPILE_S = 1.0  # a build that takes longer than this says so on stderr
+
+
+@contextmanager
+def compile_progress(label: str) -> Iterator[None]:
+    """One line on stderr when building `label` (emission and Numba's compile) passes SLOW_COMPILE_S, one
+    with the seconds when it is done; nothing for a fast build (a warm disk cache) or with FALOWER_QUIET=1."""
+    if os.environ.get("FALOWER_QUIET") == "1":
+        yield
+        return
+    start = time.perf_counter()
+    said = threading.Event()
+
+    def announce() -> None:
+        said.set()
+        print(f"[falower] compiling {label}...", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(SLOW_COMPILE_S, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if said.is_set():
+            print(f"[falower] compiled {label} in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def _label(spec: Any, kind: str) -> str:
+    return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim})"
+
+
+def _simulated() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+_GPU: Optional[bool] = None
+
+
+def _has_gpu() -> bool:
+    """A real CUDA device Numba can compile for and launch on (not the simulator); asked once."""
+    global _GPU
+    if _GPU is None:
+        if _simulated():
+            return False
+        try:
+            from numba import cuda
+
+            _GPU = bool(cuda.is_available())
+        except Exception:  # noqa: BLE001  (no driver, no numba-cuda: nothing to compile eagerly)
+            _GPU = False
+    return _GPU
+
+
+def _direct_enabled() -> bool:
+    return os.environ.get("FALOWER_DIRECT_LAUNCH", "1") != "0" and _has_gpu()
+
+
+# --------------------------------------------------------------------------------------------------
+# Direct launches: Numba's kernel ABI, packed by hand
+# --------------------------------------------------------------------------------------------------
+class ArgLayout:
+    """Where each argument of a Numba CUDA kernel lives among its parameters, in Numba's ABI
+    (`numba.cuda.dispatcher._Kernel._prepare_args`): an N-d array is 5 + 2N parameters (meminfo, parent,
+    nitems, itemsize, data pointer, shape[0..N-1], strides[0..N-1] in bytes; meminfo and parent are null),
+    a scalar is one parameter of its C type. Every parameter gets an 8-byte slot of one int64 buffer (the
+    driver copies each parameter's own size from its slot, little-endian), so a call patches slots in place.
+    Pure bookkeeping: testable without a GPU."""
+
+    def __init__(self, argtypes: tuple) -> None:
+        from numba import types
+        from numba.np.numpy_support import as_dtype
+
+        self.argtypes = tuple(argtypes)
+        self.first: list[int] = []     # first slot of each argument
+        self.ndim: list[int] = []      # array rank, or -1 for a scalar
+        self.itemsize: list[int] = []  # array element size, or the scalar's size
+        self.kinds: list[str] = []     # "array", "int", "f16", "f32", "f64", "bool"
+        n = 0
+        for t in self.argtypes:
+            self.first.append(n)
+            if isinstance(t, types.Array):
+                if t.layout != "C":
+                    raise TypeError(f"direct launches take C-contiguous arrays, got {t}")
+                self.ndim.append(t.ndim)
+                self.itemsize.append(as_dtype(t.dtype).itemsize)
+                self.kinds.append("array")
+                n += 5 + 2 * t.ndim
+                continue
+            self.ndim.append(-1)
+            if isinstance(t, types.Boolean):
+                kind = "bool"
+            elif isinstance(t, types.Integer):
+                kind = "int"
+            elif t in (types.float16, types.float32, types.float64):
+                kind = {types.float16: "f16", types.float32: "f32", types.float64: "f64"}[t]
+            else:
+                raise TypeError(f"direct launches take arrays, integers, floats and booleans, got {t}")
+            self.kinds.append(kind)
+            self.itemsize.append(as_dtype(t).itemsize)
+            n += 1
+        self.nslots = n
+
+    def data_slot(self, i: int) -> int:
+        """The slot of array argument i's data pointer."""
+        return self.first[i] + 4
+
+    def array_slots(self, i: int, shape: tuple[int, ...]) -> dict[int, int]:
+        """Every slot of array argument i but its data pointer, for a C-contiguous array of `shape`."""
+        nd = self.ndim[i]
+        if nd < 0:
+            raise TypeError(f"argument {i} is a scalar ({self.argtypes[i]}), not an array")
+        if len(shape) != nd:
+            raise ValueError(f"argument {i} is a {nd}-d array, got shape {tuple(shape)}")
+        f, item = self.first[i], self.itemsize[i]
+        out = {f: 0, f + 1: 0, f + 2: int(np.prod(shape, dtype=np.int64)) if shape else 1, f + 3: item}
+        stride = item
+        for d in reversed(range(nd)):
+            out[f + 5 + d] = int(shape[d])
+            out[f + 5 + nd + d] = stride
+            stride *= int(shape[d])
+        return out
+
+    def scalar_slot(self, i: int, value: Any) -> tuple[int, int]:
+        """(slot, int64 bit pattern) of scalar argument i holding `value`, as the kernel reads its C type."""
+        kind = self.kinds[i]
+        if kind == "array":
+            raise TypeError(f"argument {i} is an array ({self.argtypes[i]}), not a scalar")
+        return self.first[i], pack_scalar(kind, value, self.itemsize[i])
+
+
+def pack_scalar(kind: str, value: Any, size: int) -> int:
+    """The signed int64 whose low `size` bytes hold `value` as a C scalar of `kind` (little-endian)."""
+    if kind == "bool":
+        bits = 1 if value else 0
+    elif kind == "int":
+        bits = int(value) & ((1 << (8 * size)) - 1)
+    elif kind == "f16":
+        bits = int(np.array(value, dtype=np.float16).view(np.uint16))
+    elif kind == "f32":
+        bits = struct.unpack("<I", struct.pack("<f", float(value)))[0]
+    else:
+        bits = struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+class ArgBuffer:
+    """The parameters of one launch: an int64 slot per parameter and the array of pointers to the slots
+    that cuLaunchKernel reads (`address`). The driver copies the parameters when the launch is enqueued,
+    so one buffer serves every call (one thread at a time)."""
+
+    __slots__ = ("layout", "vals", "params", "address")
+
+    def __init__(self, layout: ArgLayout) -> None:
+        self.layout = layout
+        n = max(layout.nslots, 1)
+        self.vals = (ctypes.c_int64 * n)()
+        base = ctypes.addressof(self.vals)
+        self.params = (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+        self.address = ctypes.addressof(self.params)
+
+    def set(self, slots: dict[int, int]) -> None:
+        vals = self.vals
+        for i, x in slots.items():
+            vals[i] = x
+
+    def array(self, i: int, shape: tuple[int, ...], ptr: int = 0) -> int:
+        """Fill array argument i's slots; returns the slot of its data pointer (patched at each call)."""
+        self.set(self.layout.array_slots(i, shape))
+        slot = self.layout.data_slot(i)
+        self.vals[slot] = ptr
+        return slot
+
+    def scalar(self, i: int, value: Any) -> int:
+        slot, bits = self.layout.scalar_slot(i, value)
+        self.vals[slot] = bits
+        return slot
+
+
+class DirectKernel:
+    """One generated kernel compiled for `argtypes` (Numba's disk cache first), with its driver handle and
+    the dynamic shared memory limit raised once; `launch` enqueues it on a stream with cuLaunchKernel."""
+
+    def __init__(self, dispatcher: Any, argtypes: tuple, smem: int) -> None:
+        self.dispatcher = dispatcher
+        self.layout = ArgLayout(argtypes)
+        self.smem = smem
+        self.compiled = dispatcher.compile(tuple(argtypes))  # the overload for exactly these types
+        self._funcs: dict[int, Any] = {}
+
+    def function(self, device: int) -> Any:
+        """The CUfunction in `device`'s primary context (torch's and Numba's), loaded on first use."""
+        func = self._funcs.get(device)
+        if func is None:
+            from numba import cuda
+            from numba.cuda.cudadrv.driver import binding, driver
+
+            with cuda.gpus[device]:
+                cufunc = self.compiled._codelibrary.get_cufunc()
+                if self.smem > 48 * 1024:
+                    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                    driver.cuKernelSetAttribute(attr, self.smem, cufunc.handle, cufunc.device.id)
+                err, func = _cu().cuKernelGetFunction(cufunc.handle)
+                _check_cu(err, "cuKernelGetFunction")
+            self._funcs[device] = func
+        return func
+
+
+_CU: Any = None
+
+
+def _cu() -> Any:
+    global _CU
+    if _CU is None:
+        from cuda.bindings import driver as cu
+
+        _CU = cu
+    return _CU
+
+
+def _check_cu(err: Any, what: str) -> None:
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+
+
+def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer):
+    """A function of the stream that enqueues `func` with `buf`'s parameters (grid and block fixed)."""
+    cu = _cu()
+    launch = cu.cuLaunchKernel
+    gx, gy, gz = (tuple(int(g) for g in grid) + (1, 1))[:3]
+    address = buf.address
+    ok = cu.CUresult.CUDA_SUCCESS
+
+    def run(stream: int) -> None:
+        err = launch(func, gx, gy, gz, block, 1, 1, smem, stream, address, 0)[0]
+        if err != ok:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+
+    return run
+
+
+def _raw_stream_getter() -> Any:
+    """torch's current raw stream of a device index (torch._C's, else the public API's)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda d: torch.cuda.current_stream(d).cuda_stream
+
+
+_TORCH_ELEM = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i32": "int32",
+               "i8": "int8", "bool": "bool"}
+
+
+def _torch_capture_dtype(dtype: str) -> Any:
+    import torch
+
+    return getattr(torch, _TORCH_ELEM[dtype])
+
+
+def _tensor_strides(x: Any) -> tuple[int, int, int, int]:
+    """(batch, head, row) element strides of a [B, H, N, D] tensor and the span of elements it covers."""
+    st = x.stride()
+    span = 1 + sum((int(n) - 1) * int(t) for n, t in zip(x.shape, st))
+    return int(st[0]), int(st[1]), int(st[2]), span
+
+
+def _fast_ok(x: Any, aligned: bool) -> bool:
+    """A q/k/v/do view the kernels read in place (what _strided_view would not copy)."""
+    if x.dim() != 4 or (x.shape[3] > 1 and x.stride(3) != 1) or min(x.stride()) < 0:
+        return False
+    return not (aligned and any(st % 8 for st in x.stride()[:3]))
+
+
+def _cap_shape(x: Any) -> Optional[tuple[int, ...]]:
+    """The array shape a capture takes (a 0-d tensor is a 1-element array), None for a Python number."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return None
+    return tuple(int(n) for n in shape) or (1,)
+
+
+class _ForwardPlan:
+    """The forward's launches for one signature of torch inputs (shapes, strides, dtypes, device): grid,
+    argument buffers with every size and stride filled in; a call allocates o and lse (and the block table),
+    patches data pointers and enqueues the kernels on torch's current stream."""
+
+    def __init__(self, kern: "FA2ForwardKernel", q: Any, k: Any, v: Any, caps: tuple) -> None:
+        import torch
+
+        s = kern.spec
+        B, H, M, D = (int(n) for n in q.shape)
+        N = int(k.shape[2])
+        nq, nk = -(-M // s.block_q), -(-N // s.block_k)
+        mma = s.path == "mma"
+        self.aligned = mma
+        self.device = q.device
+        self.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.o_shape = (B, H, M, D)
+        self.lse_shape = (B, H, M)
+        self.lse_dtype = _acc_torch(s.dtype)
+        main = kern._direct_kernel("main")
+        buf = ArgBuffer(main.layout)
+        self.slots = []  # data-pointer slots of q, k, v
+        strides = []
+        for i, x in enumerate((q, k, v)):
+            sb, sh, sm, span = _tensor_strides(x)
+            self.slots.append(buf.array(i, (span,)))
+            strides += [sb, sh, sm]
+        n_o = B * H * M * D
+        self.o_slot = buf.array(3, (n_o // 2 if mma else n_o,))
+        self.lse_slot = buf.array(4, (B * H * M,))
+        for j, n in enumerate([B, H, M, N] + strides):
+            buf.scalar(5 + j, n)
+        nxt = 18
+        self.table_n = B * H * nq * nk if kern._mask_kernel is not None else 0
+        self.table_slots: list[tuple[ArgBuffer, int]] = []
+        if self.table_n:
+            self.table_slots.append((buf, buf.array(nxt, (self.table_n,))))
+            nxt += 1
+        self.bufs = [buf]
+        self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
+        self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
+        mask_buf = None
+        if self.table_n:
+            mk = kern._direct_kernel("mask")
+            mask_buf = ArgBuffer(mk.layout)
+            self.table_slots.append((mask_buf, mask_buf.array(0, (self.table_n,))))
+            for j, n in enumerate([B, H, M, N]):
+                mask_buf.scalar(1 + j, n)
+        for c, x in enumerate(caps):
+            for b, first in ((buf, nxt), (mask_buf, 5)):
+                if b is None:
+                    continue
+                i = first + c
+                if b.layout.ndim[i] >= 0:
+                    self.cap_slots[c].append((b, b.array(i, _cap_shape(x)), 0))
+                else:
+                    self.cap_scalars[c].append((b, i, 0))
+        dev = self.dev_index
+        self.launches = []
+        if self.table_n:
+            self.launches.append(_launcher(kern._direct_kernel("mask").function(dev), (nk, nq, B * H), 128, 0,
+                                           mask_buf))  # type: ignore[arg-type]
+        self.launches.append(_launcher(main.function(dev), grid(s, B, H, M, N), kern.threads, kern.smem, buf))
+        self.stream = _raw_stream_getter()
+
+    def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
+        import torch
+
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if self.aligned and (ptrs[0] | ptrs[1] | ptrs[2]) & 15:
+            return None  # rows not 16-byte aligned: the Numba path copies them
+        vals = self.bufs[0].vals
+        for slot, p in zip(self.slots, ptrs):
+            vals[slot] = p
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
+        vals[self.o_slot] = o.data_ptr()
+        vals[self.lse_slot] = lse.data_ptr()
+        for c, x in enumerate(caps):
+            for b, slot, _ in self.cap_slots[c]:
+                b.vals[slot] = x.data_ptr()
+            for b, i, _ in self.cap_scalars[c]:
+                b.scalar(i, x)
+        if self.table_n:
+            table = torch.empty(self.table_n, dtype=torch.int8, device=self.device)
+            for b, slot in self.table_slots:
+                b.vals[slot] = table.data_ptr()
+        stream = self.stream(self.dev_index)
+        for run in self.launches:
+            run(stream)
+        return o, lse
+
+
+class _BackwardPlan:
+    """The backward's launches for one signature of torch inputs, as _ForwardPlan: Delta (zeroing dQ's
+    accumulator), the block table, the main kernel, the per-block gradient sums and dQ's conversion (or the
+    q-outer dQ kernel), each from its own argument buffer, all on torch's current stream."""
+
+    def __init__(self, kern: "FA2BackwardKernel", q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any,
+                 caps: tuple) -> None:
+        import torch
+
+        s = kern.spec
+        B, H, M, D = (int(n) for n in q.shape)
+        Hk, N = int(k.shape[1]), int(k.shape[2])
+        nq, nk = -(-M // s.block_q), -(-N // s.block_k)
+        mma = s.path == "mma"
+        self.aligned = mma
+        self.device = q.device
+        self.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.acc = _acc_torch(s.dtype)
+        self.rows = rows = B * H * M
+        self.separate = s.dq == "separate"
+        self.q_shape, self.kv_shape = (B, H, M, D), (B, Hk, N, D)
+        per = 2 if mma else 1
+        strides, spans = [], []
+        for x in (q, k, v, do):
+            sb, sh, sm, span = _tensor_strides(x)
+            strides += [sb, sh, sm]
+            spans.append(span)
+        sizes = [B, H, M, N]
+        self.nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1
+        self.grad_caps = [g.capture for g in s.grads]
+        self.grad_n = [int(np.prod(_cap_shape(caps[i]) or (1,))) for i in self.grad_caps]
+        self.table_n = B * H * nq * nk if kern._mask_kernel is not None else 0
+        dev = self.dev_index
+        # every pointer a call patches: (name, buffer, slot); name indexes what __call__ gathers
+        self.patch: list[tuple[str, ArgBuffer, int]] = []
+        self.cap_slots: list[tuple[int, ArgBuffer, int]] = []  # (capture index, buffer, slot) of array captures
+        self.cap_scalars: list[tuple[int, ArgBuffer, int]] = []
+        self.launches: list = []
+
+        def buffer(which: str) -> tuple[DirectKernel, ArgBuffer]:
+            dk = kern._direct_kernel(which)
+            return dk, ArgBuffer(dk.layout)
+
+        def arrays(buf: ArgBuffer, first: int, items: list) -> int:
+            for i, (name, n) in enumerate(items):
+                self.patch.append((name, buf, buf.array(first + i, (n,))))
+            return first + len(items)
+
+        def scalars(buf: ArgBuffer, first: int, values: list) -> int:
+            for i, x in enumerate(values):
+                buf.scalar(first + i, x)
+            return first + len(values)
+
+        def captures(buf: ArgBuffer, first: int) -> None:
+            for c, x in enumerate(caps):
+                i = first + c
+                if buf.layout.ndim[i] >= 0:
+                    self.cap_slots.append((c, buf, buf.array(i, _cap_shape(x))))
+                else:
+                    self.cap_scalars.append((c, buf, i))
+
+        qkvdo = [("q", spans[0]), ("k", spans[1]), ("v", spans[2])]
+        n_dq, n_kv = rows * D, B * Hk * N * D
+        # Delta = rowsum(dO * O), and dQ's f32 accumulator zeroed
+        dk_, buf = buffer("delta")
+        nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_dq)])
+        scalars(buf, nxt, [rows, H, M, *strides[9:12]])
+        self.launches.append(_launcher(dk_.function(dev), (-(-rows // 4),), 128, 0, buf))
+        if self.table_n:
+            dk_, buf = buffer("mask")
+            nxt = arrays(buf, 0, [("table", self.table_n)])
+            captures(buf, scalars(buf, nxt, sizes))
+            self.launches.append(_launcher(dk_.function(dev), (nk, nq, B * H), 128, 0, buf))
+        dk_, buf = buffer("main")
+        nxt = arrays(buf, 0, qkvdo + [("lse", rows), ("do", spans[3]), ("delta", rows),
+                                      ("dq32", rows if self.separate else n_dq), ("dk", n_kv // per),
+                                      ("dv", n_kv // per)])
+        nxt = scalars(buf, nxt, sizes + strides)
+        if self.table_n:
+            nxt = arrays(buf, nxt, [("table", self.table_n)])
+        nxt = arrays(buf, nxt, [(f"grad{j}", self.nblk * n) for j, n in enumerate(self.grad_n)])
+        captures(buf, nxt)
+        self.launches.append(_launcher(dk_.function(dev), bwd_grid(s, B, H, M, N), kern.threads, kern.smem, buf))
+        if kern._parts is not None:
+            for j, n in enumerate(self.grad_n):
+                dk_, buf = buffer("parts")
+                scalars(buf, arrays(buf, 0, [(f"grad{j}", self.nblk * n), (f"sum{j}", n)]), [self.nblk, n])
+                self.launches.append(_launcher(dk_.function(dev), (-(-n // 128),), 128, 0, buf))
+        if self.separate:
+            dk_, buf = buffer("dq")
+            nxt = arrays(buf, 0, qkvdo + [("lse", rows), ("do", spans[3]), ("delta", rows), ("dq", n_dq // per)])
+            nxt = scalars(buf, nxt, sizes + strides)
+            if self.table_n:
+                nxt = arrays(buf, nxt, [("table", self.table_n)])
+            captures(buf, nxt)
+            self.launches.append(_launcher(dk_.function(dev), dq_grid(s, B, H, M), dq_threads(s), kern.dq_smem, buf))
+        else:
+            dk_, buf = buffer("dq")
+            scalars(buf, arrays(buf, 0, [("dq32", n_dq), ("dq", n_dq // per)]), [n_dq])
+            self.launches.append(_launcher(dk_.function(dev), (-(-(n_dq // per) // 128),), 128, 0, buf))
+        self.final = "sum" if kern._parts is not None else "grad"
+        self.stream = _raw_stream_getter()
+
+    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, caps: tuple) -> Optional[tuple]:
+        import torch
+
+        ptr = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "do": do.data_ptr()}
+        if self.aligned and (ptr["q"] | ptr["k"] | ptr["v"] | ptr["do"]) & 15:
+            return None  # rows not 16-byte aligned: the Numba path copies them
+        dev, acc = self.device, self.acc
+        ptr["o"], ptr["lse"] = o.data_ptr(), lse.data_ptr()
+        delta = torch.empty(self.rows, dtype=acc, device=dev)
+        ptr["delta"] = delta.data_ptr()
+        if self.separate:
+            ptr["dq32"] = ptr["delta"]  # not read: dQ comes from its own kernel
+        else:
+            dq32 = torch.empty(self.rows * self.q_shape[3], dtype=acc, device=dev)
+            ptr["dq32"] = dq32.data_ptr()
+        dq = torch.empty(self.q_shape, dtype=q.dtype, device=dev)
+        dk = torch.empty(self.kv_shape, dtype=k.dtype, device=dev)
+        dv = torch.empty(self.kv_shape, dtype=v.dtype, device=dev)
+        ptr["dq"], ptr["dk"], ptr["dv"] = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        grads = [torch.zeros(self.nblk * n, dtype=acc, device=dev) for n in self.grad_n]
+        sums = [torch.empty(n, dtype=acc, device=dev) for n in self.grad_n] if self.final == "sum" else []
+        for j, g in enumerate(grads):
+            ptr[f"grad{j}"] = g.data_ptr()
+        for j, g in enumerate(sums):
+            ptr[f"sum{j}"] = g.data_ptr()
+        if self.table_n:
+            table = torch.empty(self.table_n, dtype=torch.int8, device=dev)
+            ptr["table"] = table.data_ptr()
+        for name, buf, slot in self.patch:
+            buf.vals[slot] = ptr[name]
+        for c, buf, slot in self.cap_slots:
+            buf.vals[slot] = caps[c].data_ptr()
+        for c, buf, i in self.cap_scalars:
+            buf.scalar(i, caps[c])
+        stream = self.stream(self.dev_index)
+        for run in self.launches:
+            run(stream)
+        outs = [dq, dk, dv]
+        for g, c in zip(sums or grads, self.grad_caps):
+            x = caps[c]
+            outs.append(g.reshape(x.shape).to(x.dtype))
+        return tuple(outs)
+
+
 class FA2ForwardKernel:
     """One compiled FA2 forward kernel for `spec`.
 
@@ -128,17 +666,40 @@ class FA2ForwardKernel:
 
     def __init__(self, spec: FA2ForwardSpec) -> None:
         self.spec = spec
-        self.source = emit_fa2_forward(spec)
-        self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None
-        self._module = load_source(self.source, spec.name)
-        self._kernel = getattr(self._module, spec.name)
-        self._mask_kernel = None
-        if self.mask_source is not None:
-            mod = load_source(self.mask_source, spec.name + "_block_mask")
-            self._mask_kernel = getattr(mod, spec.name + "_block_mask")
         self.threads = threads_per_block(spec)
         self.smem = smem_bytes(spec)
         self._smem_set: set[tuple] = set()
+        self._direct: dict[str, DirectKernel] = {}
+        self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
+        with compile_progress(_label(spec, "forward")):
+            self.source = emit_fa2_forward(spec)
+            self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None
+            self._module = load_source(self.source, spec.name)
+            self._kernel = getattr(self._module, spec.name)
+            self._mask_kernel = None
+            if self.mask_source is not None:
+                mod = load_source(self.mask_source, spec.name + "_block_mask")
+                self._mask_kernel = getattr(mod, spec.name + "_block_mask")
+            if _has_gpu():  # compile now, for the one signature the direct launches use
+                self._direct_kernel("main")
+                if self._mask_kernel is not None:
+                    self._direct_kernel("mask")
+
+    def _direct_kernel(self, which: str) -> DirectKernel:
+        kern = self._direct.get(which)
+        if kern is None:
+            if which == "main":
+                kern = DirectKernel(self._kernel, self.argtypes(), self.smem)
+            else:
+                kern = DirectKernel(self._mask_kernel, self.mask_argtypes(), 0)
+            self._direct[which] = kern
+        return kern
+
+    def mask_argtypes(self) -> tuple:
+        """Numba argument types of the block-mask kernel (table mode): table, B, H, M, N, *captures."""
+        from numba import types
+
+        return (types.Array(types.int8, 1, "C"),) + (types.int64,) * 4 + tuple(_capture_types(self.spec))
 
     # ---------------------------------------------------------------------------- user helpers
     def print_kernel(self) -> None:
@@ -209,6 +770,8 @@ class FA2ForwardKernel:
             ck = _kind(x)
             if ck != kind and not (kind != "numpy" and ck == "cai"):
                 raise TypeError(f"capture {c.name} is a {ck} array, q/k/v are {kind}")
+            if len(x.shape) == 0 and c.ndim == 1:
+                continue  # a 0-d capture: the kernel reads it as a 1-element array
             if len(x.shape) != c.ndim:
                 raise ValueError(f"capture {c.name} must be {c.ndim}-D, got shape {tuple(x.shape)}")
             if not _is_contiguous(x, ck):
@@ -242,9 +805,33 @@ class FA2ForwardKernel:
 
     def __call__(self, q: Any, k: Any, v: Any, *captures: Any):
         """Run the kernel; returns (o, lse) of the same kind as q (numpy in, numpy out)."""
+        plan = self.plan(q, k, v, captures)
+        if plan is not None:
+            out = plan(q, k, v, captures)
+            if out is not None:
+                return out
         launch, finish = self.prepare(q, k, v, *captures, _wrap=False)
         launch()
         return finish()
+
+    def plan(self, q: Any, k: Any, v: Any, captures: tuple) -> Optional[_ForwardPlan]:
+        """The direct launches for these torch CUDA inputs' signature (made on first use), or None where
+        they do not apply (numpy or other arrays, the simulator, views the Numba path must copy, capture
+        dtypes other than the kernel's)."""
+        if not (type(q).__module__.startswith("torch") and _direct_enabled()):
+            return None
+        key = (_sig(q), _sig(k), _sig(v)) + tuple(_sig(x) for x in captures)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        plan = None
+        self._check(q, k, v, captures)
+        aligned = self.spec.path == "mma"
+        if all(_fast_ok(x, aligned) for x in (q, k, v)) and _captures_fit(self.spec, captures):
+            plan = _ForwardPlan(self, q, k, v, captures)
+        self._plans[key] = plan
+        return plan
 
     def block_table(self, q: Any, k: Any, v: Any, *captures: Any) -> np.ndarray:
         """The tile classes the block-mask kernel computes for these inputs, int8 [B, H, nq, nk] on the host:
@@ -288,7 +875,8 @@ class FA2ForwardKernel:
             o_k = wrap(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
             lse_k = wrap(lse.reshape(-1))
-            caps = [wrap(x.detach()) if hasattr(x, "detach") else x for x in captures]
+            caps = [wrap(x.detach()) if hasattr(x, "detach") else x
+                    for x in _one_element_captures(s, captures, "torch", q)]
             table = (wrap(torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device))
                      if self._mask_kernel else None)
         else:
@@ -309,7 +897,7 @@ class FA2ForwardKernel:
             o_k = cuda.device_array(B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
                                     dtype=np.uint32 if s.path == "mma" else bits)
             lse_k = cuda.device_array(B * H * M, dtype=_acc_np(s.dtype))
-            caps = [x if np.isscalar(x) else dev(x) for x in captures]
+            caps = [x if np.isscalar(x) else dev(x) for x in _one_element_captures(s, captures, kind, q)]
             table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
 
         sizes = [B, H, M, N]
@@ -383,6 +971,50 @@ def _capture_types(spec) -> list:
     return [types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype] for c in spec.captures]
 
 
+def _sig(x: Any) -> Any:
+    """What a plan depends on in one input: a tensor's shape, strides, dtype and device; a number's type."""
+    if type(x).__module__.startswith("torch"):
+        return (x.shape, x.stride(), x.dtype, x.device)
+    return type(x)
+
+
+def _captures_fit(spec, captures: tuple) -> bool:
+    """Captures the direct launches take as they are: torch tensors of the kernel's dtypes (contiguous, on
+    q's device) for array captures, Python numbers for scalar ones."""
+    for c, x in zip(spec.captures, captures):
+        if c.ndim == 0:
+            if hasattr(x, "shape"):
+                return False
+            continue
+        if not type(x).__module__.startswith("torch") or x.dtype != _torch_capture_dtype(c.dtype):
+            return False
+        if not x.is_cuda or not x.is_contiguous():
+            return False
+    return True
+
+
+def _one_element_captures(spec, captures: tuple, kind: str, like: Any) -> list:
+    """Captures for the Numba path, with a 0-d array or a Python number given for a 1-element capture
+    (how the kernels take a 0-d capture) reshaped or copied to one."""
+    out = []
+    for c, x in zip(spec.captures, captures):
+        if c.ndim == 1 and len(getattr(x, "shape", ())) == 0:
+            if kind == "torch":
+                import torch
+
+                x = (x.detach().reshape(1) if torch.is_tensor(x) else
+                     torch.full((1,), x, dtype=_torch_capture_dtype(c.dtype), device=like.device))
+            else:
+                x = np.asarray(x, dtype=_np_capture_dtype(c.dtype)).reshape(1)
+        out.append(x)
+    return out
+
+
+def _np_capture_dtype(dtype: str) -> Any:
+    return {"f16": np.float16, "bf16": np.int16, "f32": np.float32, "f64": np.float64, "i32": np.int32,
+            "i8": np.int8, "bool": np.bool_}[dtype]
+
+
 def _numel(x: Any) -> int:
     n = getattr(x, "size", None)
     if n is None or callable(n):
@@ -450,27 +1082,78 @@ class FA2BackwardKernel:
         from .emit_fa2_bwd import emit_delta, emit_dq_convert, emit_dq_kernel, emit_fa2_backward, emit_parts_sum
 
         self.spec = spec
-        self.source = emit_fa2_backward(spec)
-        self.delta_source = emit_delta(spec)
-        # dq=atomic: the f32 accumulator's conversion; dq=separate: the q-outer dQ kernel
-        self.dq_source = emit_dq_convert(spec) if spec.dq == "atomic" else emit_dq_kernel(spec)
-        self.parts_source = emit_parts_sum(spec) if spec.deterministic and spec.grads else None
-        self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None  # type: ignore[arg-type]
-        self._kernel = getattr(load_source(self.source, spec.name), spec.name)
-        self._delta = getattr(load_source(self.delta_source, spec.name + "_delta"), spec.name + "_delta")
-        dq_name = spec.name + ("_dq" if spec.dq == "atomic" else "_dqk")
-        self._dq = getattr(load_source(self.dq_source, dq_name), dq_name)
-        self._parts = None
-        if self.parts_source is not None:
-            self._parts = getattr(load_source(self.parts_source, spec.name + "_parts"), spec.name + "_parts")
-        self._mask_kernel = None
-        if self.mask_source is not None:
-            mod = load_source(self.mask_source, spec.name + "_bwd_block_mask")
-            self._mask_kernel = getattr(mod, spec.name + "_block_mask")
         self.threads = bwd_threads(spec)
         self.smem = bwd_smem_bytes(spec)
         self.dq_smem = dq_smem_bytes(spec) if spec.dq == "separate" else 0
         self._smem_set: set[tuple] = set()
+        self._direct: dict[str, DirectKernel] = {}
+        self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
+        with compile_progress(_label(spec, "backward")):
+            self.source = emit_fa2_backward(spec)
+            self.delta_source = emit_delta(spec)
+            # dq=atomic: the f32 accumulator's conversion; dq=separate: the q-outer dQ kernel
+            self.dq_source = emit_dq_convert(spec) if spec.dq == "atomic" else emit_dq_kernel(spec)
+            self.parts_source = emit_parts_sum(spec) if spec.deterministic and spec.grads else None
+            self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None  # type: ignore[arg-type]
+            self._kernel = getattr(load_source(self.source, spec.name), spec.name)
+            self._delta = getattr(load_source(self.delta_source, spec.name + "_delta"), spec.name + "_delta")
+            dq_name = spec.name + ("_dq" if spec.dq == "atomic" else "_dqk")
+            self._dq = getattr(load_source(self.dq_source, dq_name), dq_name)
+            self._parts = None
+            if self.parts_source is not None:
+                self._parts = getattr(load_source(self.parts_source, spec.name + "_parts"), spec.name + "_parts")
+            self._mask_kernel = None
+            if self.mask_source is not None:
+                mod = load_source(self.mask_source, spec.name + "_bwd_block_mask")
+                self._mask_kernel = getattr(mod, spec.name + "_block_mask")
+            if _has_gpu():  # compile now, for the signatures the direct launches use
+                for which in self._kernel_names():
+                    self._direct_kernel(which)
+
+    def _kernel_names(self) -> list[str]:
+        names = ["delta", "main", "dq"]
+        if self._mask_kernel is not None:
+            names.append("mask")
+        if self._parts is not None:
+            names.append("parts")
+        return names
+
+    def _direct_kernel(self, which: str) -> DirectKernel:
+        kern = self._direct.get(which)
+        if kern is None:
+            dispatcher = {"main": self._kernel, "delta": self._delta, "dq": self._dq, "mask": self._mask_kernel,
+                          "parts": self._parts}[which]
+            smem = {"main": self.smem, "dq": self.dq_smem}.get(which, 0)
+            kern = DirectKernel(dispatcher, self.kernel_argtypes(which), smem)
+            self._direct[which] = kern
+        return kern
+
+    def kernel_argtypes(self, which: str) -> tuple:
+        """Numba argument types of one of the backward's kernels: "main" (argtypes()), "delta", "dq" (the
+        accumulator's conversion, or the q-outer dQ kernel with dq=separate), "mask", "parts"."""
+        from numba import types
+
+        s = self.spec
+        if which == "main":
+            return self.argtypes()
+        elem = {"f32": types.float32, "f64": types.float64}.get(s.dtype, types.int16)
+        acc = types.float64 if s.dtype == "f64" else types.float32
+        arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
+        pair = arr(types.int32) if s.path == "mma" else arr(elem)
+        i64 = types.int64
+        caps = tuple(_capture_types(s))
+        table = (arr(types.int8),) if s.block_mask == "table" else ()
+        if which == "delta":
+            return (arr(elem), arr(elem), arr(acc), arr(acc)) + (i64,) * 6
+        if which == "dq" and s.dq == "separate":
+            return (arr(elem),) * 3 + (arr(acc), arr(elem), arr(acc), pair) + (i64,) * 16 + table + caps
+        if which == "dq":
+            return (arr(acc), pair, i64)
+        if which == "mask":
+            return (arr(types.int8),) + (i64,) * 4 + caps
+        if which == "parts":
+            return (arr(acc), arr(acc), i64, i64)
+        raise ValueError(f"no backward kernel {which!r}")
 
     _raise_smem_limit = FA2ForwardKernel._raise_smem_limit
 
@@ -496,14 +1179,38 @@ class FA2BackwardKernel:
 
     def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any) -> tuple:
         """Gradients (dq, dk, dv, *captured tables' gradients), of the same kind as q."""
+        plan = self.plan(q, k, v, o, lse, do, captures)
+        if plan is not None:
+            out = plan(q, k, v, o, lse, do, captures)
+            if out is not None:
+                return out
         launch, finish = self.prepare(q, k, v, o, lse, do, *captures)
         launch()
         return finish()
 
-    def prepare(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any):
-        """Check and convert the inputs once; returns (launch, finish) as FA2ForwardKernel.prepare does."""
-        from numba import cuda
+    def plan(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, captures: tuple) -> Optional[_BackwardPlan]:
+        """The direct launches for these torch CUDA inputs' signature (made on first use), or None (see
+        FA2ForwardKernel.plan)."""
+        if not (type(q).__module__.startswith("torch") and _direct_enabled()):
+            return None
+        key = tuple(_sig(x) for x in (q, k, v, o, lse, do)) + tuple(_sig(x) for x in captures)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        plan = None
+        self._check(q, k, v, o, lse, do, captures)
+        aligned = self.spec.path == "mma"
+        dense = all(_kind(x) == "torch" and x.is_cuda for x in (o, lse, do)) and o.is_contiguous() \
+            and lse.is_contiguous() and lse.dtype == _acc_torch(self.spec.dtype) and o.dtype == q.dtype \
+            and do.dtype == q.dtype
+        if dense and all(_fast_ok(x, aligned) for x in (q, k, v, do)) and _captures_fit(self.spec, captures):
+            plan = _BackwardPlan(self, q, k, v, o, lse, do, captures)
+        self._plans[key] = plan
+        return plan
 
+    def _check(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, captures: tuple) -> str:
+        """prepare's checks of the backward's inputs; returns their kind."""
         s = self.spec
         fwd_like = FA2ForwardKernel.__new__(FA2ForwardKernel)
         fwd_like.spec = s  # type: ignore[assignment]
@@ -519,10 +1226,19 @@ class FA2BackwardKernel:
                 raise ValueError(f"the last dimension of do must be contiguous (stride 1), got strides {tuple(x.stride())}")
             if name == "do" and _kind(x) == "cai" and not _is_contiguous(x, _kind(x)):
                 raise ValueError("do must be contiguous (row-major); call .contiguous() first")
-        B, H, M, D = (int(n) for n in q.shape)
-        Hk, N = int(k.shape[1]), int(k.shape[2])
+        B, H, M = (int(n) for n in q.shape[:3])
         if tuple(int(n) for n in lse.shape) != (B, H, M):
             raise ValueError(f"lse must have shape {(B, H, M)}, got {tuple(lse.shape)}")
+        return kind
+
+    def prepare(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any):
+        """Check and convert the inputs once; returns (launch, finish) as FA2ForwardKernel.prepare does."""
+        from numba import cuda
+
+        s = self.spec
+        kind = self._check(q, k, v, o, lse, do, captures)
+        B, H, M, D = (int(n) for n in q.shape)
+        Hk, N = int(k.shape[1]), int(k.shape[2])
         nq, nk = -(-M // s.block_q), -(-N // s.block_k)
         rows = B * H * M
         grad_caps = [captures[g.capture] for g in s.grads]
@@ -546,7 +1262,7 @@ class FA2BackwardKernel:
             nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1  # deterministic: one copy per block
             grads = [torch.zeros(nblk * int(np.prod(x.shape)), dtype=accd, device=dev) for x in grad_caps]
             sums = [torch.empty(int(np.prod(x.shape)), dtype=accd, device=dev) for x in grad_caps]
-            caps = [x.detach() if hasattr(x, "detach") else x for x in captures]
+            caps = [x.detach() if hasattr(x, "detach") else x for x in _one_element_captures(s, captures, kind, q)]
             table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=dev) if self._mask_kernel else None
         else:
             bits = {"f32": np.float32, "f64": np.float64}.get(s.dtype, np.int16)
@@ -577,7 +1293,7 @@ class FA2BackwardKernel:
             nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1  # deterministic: one copy per block
             grads = [cuda.to_device(np.zeros(nblk * int(np.prod(x.shape)), dtype=accd)) for x in grad_caps]
             sums = [cuda.device_array(int(np.prod(x.shape)), dtype=accd) for x in grad_caps]
-            caps = [x if np.isscalar(x) else dev_array(x) for x in captures]
+            caps = [x if np.isscalar(x) else dev_array(x) for x in _one_element_captures(s, captures, kind, q)]
             table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
 
         qf, kf, vf, dof, of = flat
