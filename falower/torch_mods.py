@@ -8,8 +8,10 @@ that sends torch functions here (`torch_function`), where each maps to falower's
 `fl.where`, `torch.tanh` to `fl.tanh`, `table[h, q_idx]` on a torch tensor to a gather of a captured input).
 Torch tensors the mods close over become graph inputs (`lift_tensor`), named after the variable that holds
 them, and are passed again at every call: a compiled graph is cached by the mods' code, the shapes and
-dtypes of the tensors they reach and the Python values they close over (`_fingerprint`), not by the tensors'
-contents, so new document ids or a trained bias table reuse the same kernels.
+dtypes of the tensors they reach and the Python values they close over (`_Walk`), not by the tensors'
+contents, so new document ids or a trained bias table reuse the same kernels. A warm call does not walk the
+mods again: it checks the reads the walk recorded (closure cells, globals, defaults, attributes) against
+what they gave (`_deps_leaves`), and walks again only when one differs.
 
 torch is imported lazily: this module may be imported without torch, and `import falower` never imports it.
 """
@@ -28,7 +30,7 @@ from .frontend import minimum as _minimum
 from .frontend import where as _fl_where
 
 # how many times a mod was traced and a graph compiled (tests check that warm calls do neither)
-stats = {"traces": 0, "compiles": 0}
+stats = {"traces": 0, "compiles": 0, "walks": 0}  # walks: fingerprints of a score_mod (warm calls make none)
 
 # graph inputs and value names a captured tensor must not take: the attention's own arguments, the names the
 # backward gives its extra inputs and gradients, and the index iotas
@@ -65,7 +67,7 @@ class _Captured:
 @dataclass
 class _Tracing:
     """What one trace of a pair of mods captures: torch tensors by identity, in the order first touched."""
-    leaves: list                                   # tensors reachable from the mods (see _fingerprint)
+    leaves: list                                   # tensors reachable from the mods (see _Walk)
     names: list                                    # a name hint per leaf (the variable holding it)
     by_id: dict = field(default_factory=dict)      # id(tensor) -> (Capture, _Captured)
     captured: list = field(default_factory=list)
@@ -266,12 +268,39 @@ def _global_names(code: _types.CodeType) -> list[str]:
     return names
 
 
+_MISSING = object()  # a global name, attribute or cell with no value
+
+
+@dataclass(frozen=True)
+class _TensorSig:
+    """What a key keeps of a torch tensor: its shape, dtype and device kind (not the tensor)."""
+    shape: tuple
+    dtype: str
+    device: str
+
+
+def _tensor_sig(t: Any) -> _TensorSig:
+    return _TensorSig(tuple(t.shape), str(t.dtype), t.device.type)
+
+
 class _Walk:
+    """Fingerprints a mod (`fp`) and records every read the fingerprint depends on (`deps`): a closure
+    cell's contents, a global's value, an attribute, a list's length and items. A later call checks those
+    reads again (`_deps_leaves`), a few identity comparisons, instead of walking the mod."""
+
     def __init__(self) -> None:
         self.leaves: list = []
         self.names: list = []
         self.keep: list = []  # objects keyed by id: held so the id is not reused while the key lives
+        self.deps: list = []  # (kind, container, key, expected): see _deps_leaves
         self.depth = 0
+
+    def read(self, kind: str, container: Any, key: Any = None) -> Any:
+        """container's cell / attribute / item `key`, recorded as a dependency of the key."""
+        value = _read(kind, container, key)
+        expected = _tensor_sig(value) if _is_torch_tensor(value) else value
+        self.deps.append((kind, container, key, expected))
+        return value
 
     def fp(self, obj: Any, hint: Optional[str] = None) -> Any:
         """A hashable key of everything a mod's trace depends on: its code, the Python values it closes
@@ -285,25 +314,27 @@ class _Walk:
             return ("V", type(obj).__name__, obj)
         if isinstance(obj, float):
             return ("V", "float", repr(obj))  # repr: nan keys equal to themselves
+        if obj is _MISSING:
+            return ("missing",)
         if self.depth > 24:
             self.keep.append(obj)
             return ("id", id(obj))
         self.depth += 1
         try:
             if isinstance(obj, (tuple, list)):
-                return ("L", tuple(self.fp(x, hint) for x in obj))
+                if isinstance(obj, list):
+                    self.deps.append(("len", obj, None, len(obj)))
+                return ("L", tuple(self.fp(self.read("item", obj, i), hint) for i in range(len(obj))))
             if isinstance(obj, functools.partial):
+                kw = obj.keywords
                 return ("P", self.fp(obj.func), self.fp(obj.args),
-                        tuple((k, self.fp(v, k)) for k, v in sorted(obj.keywords.items())))
+                        tuple((k, self.fp(self.read("item", kw, k), k)) for k in sorted(kw)))
             if isinstance(obj, _types.MethodType):  # a module's method: self.bias, self.window are its state
                 owner = obj.__self__
                 self.keep.append(owner)
                 attrs = []
                 for name in dict.fromkeys(_global_names(obj.__func__.__code__)):
-                    try:
-                        val = getattr(owner, name)
-                    except Exception:  # noqa: BLE001  (a name of the code that is not an attribute)
-                        continue
+                    val = self.read("attr", owner, name)
                     if _is_torch_tensor(val) or isinstance(val, (bool, int, float, str)):
                         attrs.append((name, self.fp(val, name)))
                 return ("M", self.fp(obj.__func__), id(owner), tuple(attrs))
@@ -315,30 +346,66 @@ class _Walk:
             self.depth -= 1
 
     def _function(self, f: _types.FunctionType) -> Any:
-        code = f.__code__
+        code = self.read("attr", f, "__code__")
         if (f.__module__ or "").startswith("torch.") and not code.co_freevars:
             return ("F", code)  # a torch helper such as noop_mask
         cells = []
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell (a name assigned later)
-                cells.append((name, "empty"))
-                continue
-            cells.append((name, self.fp(contents, name)))
+            contents = self.read("cell", cell)
+            cells.append((name, "empty" if contents is _MISSING else self.fp(contents, name)))
         globs = []
         g = f.__globals__
         for name in dict.fromkeys(_global_names(code)):
-            if name not in g:
+            val = self.read("item", g, name)
+            if val is _MISSING:
                 continue
-            val = g[name]
             if isinstance(val, (_types.ModuleType, type, _types.BuiltinFunctionType)):
                 continue  # torch, math, classes: their names are in the code already
             if _is_torch_tensor(val) or isinstance(val, (bool, int, float, str, tuple, list, functools.partial,
                                                          _types.FunctionType, _types.MethodType)):
                 globs.append((name, self.fp(val, name)))
-        return ("F", code, tuple(cells), tuple(globs), self.fp(f.__defaults__), self.fp(f.__kwdefaults__ and
-                                                                                        tuple(sorted(f.__kwdefaults__.items()))))
+        defaults = self.read("attr", f, "__defaults__")
+        kwdefaults = self.read("attr", f, "__kwdefaults__")
+        return ("F", code, tuple(cells), tuple(globs), self.fp(defaults),
+                self.fp(kwdefaults and tuple(sorted(kwdefaults.items()))))
+
+
+def _read(kind: str, container: Any, key: Any) -> Any:
+    if kind == "cell":
+        try:
+            return container.cell_contents
+        except ValueError:  # an empty cell (a name assigned later)
+            return _MISSING
+    if kind == "attr":
+        try:
+            return getattr(container, key)
+        except Exception:  # noqa: BLE001  (a name of the code that is not an attribute)
+            return _MISSING
+    if isinstance(container, dict):
+        return container.get(key, _MISSING)
+    return container[key] if key < len(container) else _MISSING
+
+
+def _deps_leaves(deps: list) -> Optional[list]:
+    """The torch tensors the mods reach now, in the walk's order, if every read a key depends on gives what
+    it gave when the key was made (the same object, an equal Python number or string, a tensor of the same
+    shape, dtype and device kind); None if any differs (walk the mods again)."""
+    leaves = []
+    for kind, container, key, expected in deps:
+        if kind == "len":
+            if len(container) != expected:
+                return None
+            continue
+        value = _read(kind, container, key)
+        if value is expected:
+            continue
+        if type(expected) is _TensorSig:
+            if not _is_torch_tensor(value) or _tensor_sig(value) != expected:
+                return None
+            leaves.append(value)
+        elif type(value) is not type(expected) or not isinstance(value, (bool, int, float, str)) or value != expected:
+            return None
+    return leaves
 
 
 @dataclass
@@ -347,6 +414,7 @@ class _ModKey:
     leaves: list
     names: list
     keep: list
+    deps: list = field(default_factory=list)
 
 
 def _mod_key(mod: Optional[Callable]) -> _ModKey:
@@ -354,9 +422,10 @@ def _mod_key(mod: Optional[Callable]) -> _ModKey:
         return _ModKey(None, [], [], [])
     if not callable(mod):
         raise FalowerError(f"a score_mod/mask_mod must be callable, got {type(mod).__name__}")
+    stats["walks"] += 1
     w = _Walk()
     key = w.fp(mod)
-    return _ModKey(key, w.leaves, w.names, w.keep)
+    return _ModKey(key, w.leaves, w.names, w.keep, w.deps)
 
 
 # ---------------------------------------------------------------------------------------- block masks
@@ -399,6 +468,37 @@ class _Entry:
 
 
 _CACHE: dict = {}
+
+
+@dataclass
+class _Fast:
+    """A warm call's shortcut to a cached graph: the mod objects (held, so their ids stay theirs), the reads
+    the score_mod's key depends on, and how its tensors alias."""
+    score_mod: tuple  # _identity(score_mod)
+    block_mask: Any
+    deps: list
+    aliases: tuple
+    entry: _Entry
+
+
+_FAST: dict = {}
+_FAST_LIMIT = 256  # mods made anew at each call (a lambda in a loop) would otherwise pile up here
+_NO_MOD = _ModKey(None, [], [], [])
+
+
+def _identity(mod: Any) -> tuple:
+    """The objects a mod is: itself, or a bound method's function and owner (`m.score_mod` is a new method
+    object at each access, the same function of the same module)."""
+    if isinstance(mod, _types.MethodType):
+        return (mod.__func__, mod.__self__)
+    return (mod,)
+
+
+def _aliases(leaves: list) -> tuple:
+    """For each tensor the mods reach, the first position it is reached at (the same tensor twice is one
+    captured input)."""
+    first: dict = {}
+    return tuple(first.setdefault(id(t), i) for i, t in enumerate(leaves))
 
 
 def _torch_dtype_name(t: Any) -> str:
@@ -486,18 +586,34 @@ def flex_attention(query: Any, key: Any, value: Any, score_mod: Optional[Callabl
     scale = None if scale is None else float(scale)
 
     mask_mod = block_mask.mask_mod if block_mask is not None else None
-    score = _mod_key(score_mod)
-    mask = block_mask._key if block_mask is not None else _mod_key(None)
-    leaves = score.leaves + mask.leaves
-    first = {}
-    aliases = tuple(first.setdefault(id(t), i) for i, t in enumerate(leaves))  # the same tensor reached twice
-    cache_key = (score.key, mask.key, aliases, dtype, group, scale, backend)
-    entry = _CACHE.get(cache_key)
+    mask = block_mask._key if block_mask is not None else _NO_MOD
+    # warm calls: the same mod objects whose recorded reads (closure cells, globals, defaults) still give
+    # what they gave: a few identity checks instead of a walk of the mods
+    ident = _identity(score_mod)
+    fast_key = (tuple(map(id, ident)), id(block_mask), dtype, group, scale, backend)
+    fast = _FAST.get(fast_key)
+    entry = None
+    if fast is not None and fast.block_mask is block_mask and all(a is b for a, b in zip(fast.score_mod, ident)):
+        score_leaves = _deps_leaves(fast.deps)
+        if score_leaves is not None:
+            leaves = score_leaves + mask.leaves
+            if _aliases(leaves) == fast.aliases:
+                entry = fast.entry
     if entry is None:
-        entry, cacheable = _build(score, mask, score_mod, mask_mod, dtype, group, scale, backend)
-        if cacheable:
-            _CACHE[cache_key] = entry
-            entry.keep = score.keep + mask.keep  # type: ignore[attr-defined]  (ids in the key stay unique)
+        score = _mod_key(score_mod)
+        leaves = score.leaves + mask.leaves
+        aliases = _aliases(leaves)
+        cache_key = (score.key, mask.key, aliases, dtype, group, scale, backend)
+        entry = _CACHE.get(cache_key)
+        if entry is None:
+            entry, cacheable = _build(score, mask, score_mod, mask_mod, dtype, group, scale, backend)
+            if cacheable:
+                _CACHE[cache_key] = entry
+                entry.keep = score.keep + mask.keep  # type: ignore[attr-defined]  (ids in the key stay unique)
+        if cache_key in _CACHE:
+            if len(_FAST) >= _FAST_LIMIT:
+                _FAST.clear()
+            _FAST[fast_key] = _Fast(ident, block_mask, score.deps, aliases, entry)
     caps = _capture_args(entry, leaves, query.device)
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
     o, lse = entry.compiled(q, k, v, *caps)
@@ -517,6 +633,7 @@ def _np_contiguous(x: Any) -> Any:
 def clear_cache() -> None:
     """Forget every compiled flex_attention graph (the next call traces and compiles again)."""
     _CACHE.clear()
+    _FAST.clear()
 
 
 # --------------------------------------------------------------------------- FlexAttention's helpers

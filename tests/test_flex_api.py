@@ -324,3 +324,126 @@ _GLOBAL_BIAS = torch.linspace(-1, 1, 9)
 
 def _global_bias_mod(score, b, h, q_idx, kv_idx):
     return score + _GLOBAL_BIAS[kv_idx]
+
+
+# ------------------------------------------------------------------------------------ warm-call cache keys
+def _check_mod(q, k, v, mod):
+    o = fl.flex_attention(q, k, v, score_mod=mod)
+    ref, _ = math_reference(q.double(), k.double(), v.double(), mod)
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_warm_calls_do_not_walk_the_mods():
+    """A warm call checks the reads the first call's walk recorded; it walks, traces and compiles nothing,
+    for a closure, a bound method made anew at each access, and a block mask."""
+    torch_mods.clear_cache()
+    table = torch.randn(9) * 0.3
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.randn(9) * 0.3)
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.bias[q_idx]
+
+    m = M()
+    q, k, v = _qkv(9)
+    bm = fl.create_block_mask(causal, None, None, 9, 9, device="cpu")
+    for f in (mod, m.score_mod):
+        fl.flex_attention(q, k, v, score_mod=f, block_mask=bm)
+    before = dict(torch_mods.stats)
+    with torch.no_grad():
+        for _ in range(3):
+            fl.flex_attention(q, k, v, score_mod=mod, block_mask=bm)
+            fl.flex_attention(q, k, v, score_mod=m.score_mod, block_mask=bm)
+    assert torch_mods.stats == before
+
+
+def test_a_changed_closure_constant_traces_again():
+    """`nonlocal` rebinding a Python constant the mod closes over: the same function object, another graph."""
+    torch_mods.clear_cache()
+    cap = 2.0
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    def set_cap(x):
+        nonlocal cap
+        cap = x
+
+    q, k, v = _qkv(9)
+    _check_mod(q, k, v, mod)
+    before = torch_mods.stats["traces"]
+    set_cap(30.0)
+    _check_mod(q, k, v, mod)
+    assert torch_mods.stats["traces"] == before + 1
+    _check_mod(q, k, v, mod)  # warm again
+    assert torch_mods.stats["traces"] == before + 1
+    set_cap(2.0)  # back to the first graph: found in the graph cache, not traced
+    _check_mod(q, k, v, mod)
+    assert torch_mods.stats["traces"] == before + 1
+
+
+_WINDOW = 3
+
+
+def _window_mod(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx - kv_idx < _WINDOW, score, score - 1.0)
+
+
+def test_a_changed_global_constant_traces_again():
+    global _WINDOW
+    torch_mods.clear_cache()
+    q, k, v = _qkv(9)
+    try:
+        _check_mod(q, k, v, _window_mod)
+        before = torch_mods.stats["traces"]
+        _WINDOW = 5
+        _check_mod(q, k, v, _window_mod)
+        assert torch_mods.stats["traces"] == before + 1
+    finally:
+        _WINDOW = 3
+
+
+def test_a_rebound_closed_over_tensor_is_read_and_a_new_shape_traces_again():
+    torch_mods.clear_cache()
+    table = torch.randn(9) * 0.3
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + table[kv_idx]
+
+    def rebind(t):
+        nonlocal table
+        table = t
+
+    q, k, v = _qkv(9)
+    _check_mod(q, k, v, mod)
+    before = dict(torch_mods.stats)
+    rebind(torch.randn(9) * 0.3)  # same shape and dtype: the same graph, fed the new tensor
+    _check_mod(q, k, v, mod)
+    assert torch_mods.stats["traces"] == before["traces"]
+    rebind(torch.randn(12) * 0.3)  # another shape: traced again
+    _check_mod(q, k, v, mod)
+    assert torch_mods.stats["traces"] == before["traces"] + 1
+    rebind(torch.randn(12, dtype=torch.float64))  # another dtype: traced again
+    _check_mod(q, k, v, mod)
+    assert torch_mods.stats["traces"] == before["traces"] + 2
+
+
+def test_deps_check_is_what_the_walk_read():
+    """_deps_leaves gives the tensors in the walk's order while the reads hold, None when one changes."""
+    a, b = torch.zeros(3), torch.ones(4)
+    scale = 2
+
+    def f(score, bb, h, q_idx, kv_idx):
+        return score * scale + a[q_idx] + b[kv_idx]
+
+    key = torch_mods._mod_key(f)
+    leaves = torch_mods._deps_leaves(key.deps)
+    assert [x is y for x, y in zip(leaves, key.leaves)] == [True, True] and len(leaves) == 2
+    f.__defaults__ = (1,)
+    assert torch_mods._deps_leaves(key.deps) is None
