@@ -249,6 +249,9 @@ def _signature(inputs: tuple) -> Optional[tuple]:
     return tuple(key)
 
 
+_UNSET = object()
+
+
 class _WarmCall:
     """One input signature's call of a forward or backward kernel: which inputs are its captures, in the
     kernel's order, and the run-time sizes it takes (known from the signature). A 0-d captured tensor reaches
@@ -256,30 +259,36 @@ class _WarmCall:
     CUDA graph); one of another dtype is converted on the device; a Python number given for it is copied
     to a 1-element array once per value (`_number`)."""
 
-    __slots__ = ("kernel", "order", "dtypes", "dims", "backward", "_numbers", "_device")
+    __slots__ = ("kernel", "order", "dtypes", "dims", "n", "plan", "_numbers", "_device")
 
     def __init__(self, kernel: Any, order: list[int], dtypes: list[str], dims: list[int], like: Any,
                  backward: bool = False):
-        self.kernel, self.order, self.dtypes, self.dims, self.backward = kernel, order, dtypes, dims, backward
+        self.kernel, self.order, self.dtypes, self.dims = kernel, order, dtypes, dims
+        self.n = 6 if backward else 3  # q, k, v (o, lse, do), then the captures
+        self.plan: Any = _UNSET  # the kernel's direct launches for this signature (None: the Numba path)
         self._numbers: dict[tuple, Any] = {}
         self._device = getattr(like, "device", None) if type(like).__module__.startswith("torch") else None
 
     def __call__(self, inputs: tuple):
         caps = [self._capture(inputs[i], dt) for i, dt in zip(self.order, self.dtypes)] + self.dims
-        n = 6 if self.backward else 3
-        return self.kernel(*inputs[:n], *caps)
+        arrays = inputs[:self.n]
+        plan = self.plan
+        if plan is _UNSET:  # the signature fixes everything the kernel's plan depends on: ask once
+            plan = self.plan = self.kernel.plan(*arrays, tuple(caps))
+        if plan is not None:
+            out = plan(*arrays, caps)
+            if out is not None:
+                return out
+        return self.kernel(*arrays, *caps)
 
     def _capture(self, x: Any, dtype: str) -> Any:
         shape = getattr(x, "shape", None)
         if shape is None:  # a Python number for a 0-d capture
             return self._number(x, dtype) if self._device is not None else x
         if len(shape) == 0 and self._device is not None:
-            import torch
-
             want = _TORCH_DTYPES[dtype]
-            x = x.detach()
             if x.dtype != want or x.device != self._device:
-                x = x.to(device=self._device, dtype=want)
+                x = x.detach().to(device=self._device, dtype=want)
         return x
 
     def _number(self, x: Any, dtype: str) -> Any:

@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Host time of one attention call (issue 10, item 3): falower against torch SDPA (FLASH) and torch's
+compiled flex_attention, at a size whose GPU time is negligible, so what is measured is Python, checks,
+allocation and the launch.
+
+Each row is `time.perf_counter` around many calls with no synchronisation in the loop (the GPU keeps up:
+each kernel takes a few microseconds), divided by the number of calls; the best of several repeats.
+
+  SDPA FLASH            F.scaled_dot_product_attention(q, k, v, is_causal=True) under sdpa_kernel(FLASH)
+  flex (torch.compile)  torch.compile(flex_attention)(q, k, v, score_mod=..., block_mask=...)
+  fl.compile            c(q, k, v), c = fl.compile(causal graph)
+  fl.flex_attention     fl.flex_attention(q, k, v, score_mod=..., block_mask=...)  (a 0-d captured tensor)
+  fl backward           c.backward(q, k, v, o, lse, do) (Delta, main kernel, dQ conversion)
+  launch alone          the forward plan's cuLaunchKernel calls and nothing else (the floor)
+
+Then a CUDA graph: a falower call captured with torch.cuda.graph, replayed on new inputs, compared with an
+eager call. `--warm` measures a new process with the disk cache present instead: import, trace and passes,
+building the kernel object (emission, source import, Numba's cache load, module load), the first call.
+
+    python benchmarks/call_overhead.py [--calls 2000] [--no-flex] [--json out.json]
+    python benchmarks/call_overhead.py --warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+B, H, N, D = 1, 2, 128, 64
+
+
+def per_call_us(fn, calls: int, repeats: int = 5) -> float:
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        best = min(best, (t1 - t0) / calls * 1e6)
+    return best
+
+
+def graphs():
+    import torch
+
+    import falower as fl
+
+    causal = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal")
+    slope = torch.tensor(-0.05, device="cuda")  # a 0-d captured tensor: read by the kernel, never .item()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slope * (kv_idx - q_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return causal, slope, score_mod, mask_mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--warm", action="store_true", help="time a warm first call in a new process")
+    ap.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.warm_child:
+        return warm_child()
+    if args.warm:
+        return warm(args.json)
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import falower as fl
+
+    causal, slope, score_mod, mask_mod = graphs()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    c = fl.compile(causal)
+    bm = fl.create_block_mask(mask_mod, None, None, N, N, device="cuda")
+    o, lse = c(q, k, v)
+    do = torch.randn_like(o)
+    fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    c.backward(q, k, v, o, lse, do)
+    rows: dict[str, float] = {}
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        rows["SDPA FLASH"] = per_call_us(sdpa, args.calls)
+    if not args.no_flex:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            tbm = create_block_mask(mask_mod, None, None, N, N, device="cuda")
+            flex = torch.compile(flex_attention)
+            t0 = time.perf_counter()
+            flex(q, k, v, score_mod=score_mod, block_mask=tbm)
+            print(f"torch.compile(flex_attention) first call: {time.perf_counter() - t0:.1f} s", flush=True)
+            rows["flex (torch.compile)"] = per_call_us(lambda: flex(q, k, v, score_mod=score_mod, block_mask=tbm),
+                                                       args.calls)
+        except Exception as e:  # noqa: BLE001  (report and go on)
+            print(f"flex (torch.compile) failed: {type(e).__name__}: {e}", flush=True)
+    rows["fl.compile"] = per_call_us(lambda: c(q, k, v), args.calls)
+    rows["fl.flex_attention"] = per_call_us(lambda: fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                                            args.calls)
+    rows["fl backward"] = per_call_us(lambda: c.backward(q, k, v, o, lse, do), args.calls)
+    kern = c.kernel(q, k, v)
+    plan = kern.plan(q, k, v, ())
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch_alone():
+        for run in plan.launches:
+            run(stream)
+
+    rows["launch alone"] = per_call_us(launch_alone, args.calls)
+
+    # CUDA graph: capture a falower call, replay on new inputs, compare with eager
+    static = [x.clone() for x in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            c(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, glse = c(*static)
+    for x in static:
+        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g))
+    graph.replay()
+    eo, else_ = c(*static)
+    torch.cuda.synchronize()
+    graph_ok = bool(torch.equal(go, eo) and torch.equal(glse, else_))
+    rows["CUDA graph replay"] = per_call_us(graph.replay, args.calls)
+
+    dev = torch.cuda.get_device_name()
+    print(f"\nhost time per call, {dev}, B={B} H={H} N={N} D={D} f16 causal, {time.strftime('%Y-%m-%d')}")
+    print(f"{'call':24s} {'us/call':>9s} {'vs SDPA':>9s}")
+    for name, us in rows.items():
+        print(f"{name:24s} {us:9.1f} {us - rows['SDPA FLASH']:+9.1f}")
+    print(f"CUDA graph capture/replay equals eager: {graph_ok}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": dev, "date": time.strftime("%Y-%m-%d"), "us": rows,
+                                               "graph_equal": graph_ok}, indent=1))
+    if not graph_ok:
+        sys.exit(1)
+
+
+# ------------------------------------------------------------------------------------------------ warm path
+def warm(json_path) -> None:
+    """Run warm_child twice in new processes (the first may compile; the second finds the disk cache)."""
+    for label in ("first process (may compile)", "second process (warm disk cache)"):
+        env = dict(os.environ, FALOWER_QUIET="1")
+        proc = subprocess.run([sys.executable, __file__, "--warm-child"], env=env, capture_output=True, text=True)
+        print(f"--- {label}\n{proc.stdout}{proc.stderr[-3000:]}", flush=True)
+        if json_path and label.startswith("second"):
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if line:
+                Path(json_path).write_text(line[-1])
+
+
+def warm_child() -> None:
+    stamps = {}
+    t0 = time.perf_counter()
+    import torch
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    stamps["import torch + CUDA init"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    import falower as fl
+    from falower.backends.numba_cuda import runtime
+
+    stamps["import falower"] = time.perf_counter() - t
+    t = time.perf_counter()
+    import numba.cuda  # noqa: F401
+
+    stamps["import numba.cuda"] = time.perf_counter() - t
+    parts = {"emit": 0.0, "load_source": 0.0, "numba compile/cache load": 0.0, "module load (cufunc)": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                parts[name] += time.perf_counter() - t
+        return wrapper
+
+    runtime.emit_fa2_forward = timed("emit", runtime.emit_fa2_forward)
+    runtime.emit_block_mask = timed("emit", runtime.emit_block_mask)
+    runtime.load_source = timed("load_source", runtime.load_source)
+    orig_init = runtime.DirectKernel.__init__
+    runtime.DirectKernel.__init__ = timed("numba compile/cache load", orig_init)
+    runtime.DirectKernel.function = timed("module load (cufunc)", runtime.DirectKernel.function)
+
+    t = time.perf_counter()
+    causal, slope, score_mod, mask_mod = graphs()
+    c = fl.compile(causal)
+    stamps["trace + fa2-fwd passes"] = time.perf_counter() - t
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    t = time.perf_counter()
+    c(q, k, v)
+    torch.cuda.synchronize()
+    stamps["first call (kernel build + launch)"] = time.perf_counter() - t
+    t = time.perf_counter()
+    bm = fl.create_block_mask(mask_mod, None, None, N, N, device="cuda")
+    fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    torch.cuda.synchronize()
+    stamps["first flex_attention (trace, passes, build, launch)"] = time.perf_counter() - t
+    for name, sec in list(stamps.items()) + [(f"  of which {k}", v) for k, v in parts.items()]:
+        print(f"{name:55s} {sec * 1e3:9.1f} ms")
+    total = sum(v for k, v in stamps.items() if not k.startswith("import torch"))
+    print(f"{'total after import torch (2 kernels)':55s} {total * 1e3:9.1f} ms")
+    print(json.dumps({"stamps_ms": {k: v * 1e3 for k, v in stamps.items()},
+                      "parts_ms": {k: v * 1e3 for k, v in parts.items()}, "total_ms": total * 1e3}))
+
+
+if __name__ == "__main__":
+    main()

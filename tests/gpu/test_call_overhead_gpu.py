@@ -1,0 +1,136 @@
+"""Cheap calls on the GPU (issue 10, item 3): the direct launcher gives the Numba path's bits, a warm call
+synchronises nothing (torch's sync debug mode set to error), a 0-d captured tensor changes the result
+without a recompile or a read-back, and a falower call captured in a CUDA graph replays equal to eager.
+Two kernels are compiled (causal D = 64 forward and backward) plus a flex forward with a 0-d capture."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import falower as fl  # noqa: E402
+from falower import torch_mods  # noqa: E402
+
+B, H, N, D = 2, 4, 200, 64  # ragged against the tiles
+
+
+@pytest.fixture(scope="module")
+def causal():
+    return fl.compile(fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal"))
+
+
+def _qkv(seed=0, requires_grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=g).requires_grad_(requires_grad)
+                 for _ in range(3))
+
+
+def _numba_forward(kern, *inputs):
+    launch, finish = kern.prepare(*inputs, _wrap=False)
+    launch()
+    return finish()
+
+
+def test_direct_launch_equals_the_numba_path(causal):
+    q, k, v = _qkv()
+    kern = causal.kernel(q, k, v)
+    assert kern.plan(q, k, v, ()) is not None  # the direct path applies
+    o1, lse1 = causal(q, k, v)
+    o2, lse2 = _numba_forward(kern, q, k, v)
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    do = torch.randn_like(o1)
+    g1 = causal.backward(q, k, v, o1, lse1, do)
+    bkern = causal.backward_kernel(q, k, v)
+    assert bkern.plan(q, k, v, o1, lse1, do, ()) is not None
+    launch, finish = bkern.prepare(q, k, v, o1, lse1, do)
+    launch()
+    g2 = finish()
+    for a, b in zip(g1[1:], g2[1:]):  # dk, dv: no atomics, the same bits
+        assert torch.equal(a, b)
+    torch.testing.assert_close(g1[0], g2[0], atol=2e-3, rtol=0)  # dq: atomic adds in another order
+    # strided views (a model's [B, N, H, D] projections) through the direct path too
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    o3, _ = causal(qt, k, v)
+    assert torch.equal(o3, o1)
+
+
+def test_a_warm_call_does_not_synchronise(causal):
+    q, k, v = _qkv(requires_grad=True)
+    slope = torch.tensor(-0.05, device="cuda")
+    bm = fl.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, N, N, device="cuda")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slope * (kv_idx - q_idx)
+
+    def step():
+        o, _ = causal(q, k, v)
+        o.sum().backward()
+        with torch.no_grad():
+            causal(q, k, v)
+            fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+
+    step()  # cold: builds plans
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_a_0d_capture_changes_value_without_recompiling_or_syncing():
+    torch_mods.clear_cache()
+    q, k, v = _qkv(1)
+    slope = torch.tensor(-0.05, device="cuda")
+    bm = fl.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, N, N, device="cuda")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slope * (kv_idx - q_idx)
+
+    def reference(s):
+        qi = torch.arange(N, device="cuda")
+        rel = (qi[None, :] - qi[:, None]).double()
+        scores = (q.double() @ k.double().transpose(-1, -2)) / D ** 0.5 + s * rel
+        scores = scores.masked_fill(rel > 0, float("-inf"))
+        return torch.softmax(scores, -1) @ v.double()
+
+    o1 = fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    before = dict(torch_mods.stats)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slope.fill_(-0.5)
+        o2 = fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch_mods.stats == before  # no walk, trace or compile
+    torch.testing.assert_close(o1.double(), reference(-0.05), atol=2e-3, rtol=0)
+    torch.testing.assert_close(o2.double(), reference(-0.5), atol=2e-3, rtol=0)
+    # the same compiled graph given a Python number for the 0-d capture, then another 0-d tensor: one kernel
+    compiled = next(iter(torch_mods._CACHE.values())).compiled
+    torch.testing.assert_close(compiled(q, k, v, -0.25)[0].double(), reference(-0.25), atol=2e-3, rtol=0)
+    torch.testing.assert_close(compiled(q, k, v, torch.tensor(-0.1, device="cuda"))[0].double(), reference(-0.1),
+                               atol=2e-3, rtol=0)
+    assert len(compiled._kernels) == 1
+
+
+def test_cuda_graph_capture_and_replay_equal_eager(causal):
+    static = list(_qkv(2))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            causal(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, glse = causal(*static)
+    for seed, x in enumerate(static):
+        x.copy_(_qkv(10 + seed)[0])
+    graph.replay()
+    eo, else_ = causal(*static)
+    torch.cuda.synchronize()
+    assert torch.equal(go, eo) and torch.equal(glse, else_)
