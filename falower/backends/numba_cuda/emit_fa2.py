@@ -45,6 +45,7 @@ from __future__ import annotations
 import ast
 import textwrap
 
+from .ssa_names import ssa_rename
 from .spec import FA2ForwardSpec
 
 __all__ = [
@@ -375,6 +376,22 @@ def _mask_cond(spec: FA2ForwardSpec, q: str, kv: str) -> str:
     return cond
 
 
+def emit_masked_score(c: _Code, spec: FA2ForwardSpec) -> None:
+    """`masked_score_fn(s, b, h, q, kv, N, *captures)`: one element of a partial or ragged tile, its score or
+    -inf where the mask (or kv >= N) drops it. A device function (inlined by NVVM) instead of an `if` per
+    element in the kernel: the branches stay out of the kernel's body, whose size drives Numba's front end."""
+    c("@device_function")
+    c(f"def masked_score_fn(s, b, h, q, kv, N{_cap_args(spec)}):")
+    with c.indent():
+        c(f"v = {_score_expr(spec, 's', 'q', 'kv')}")
+        c(f"if {_mask_cond(spec, 'q', 'kv')}:")
+        with c.indent():
+            c("v = NEG_INF")
+        c("return v")
+    c()
+    c()
+
+
 # --------------------------------------------------------------------------------------------------
 # Tile loads (shared by the forward and backward kernels)
 # --------------------------------------------------------------------------------------------------
@@ -417,6 +434,8 @@ class TileLoader:
             c(f"ld_s = sb + ({smem_off}) * 2 + ld_soff")
             for it in range(rows // RSTEP):
                 dr = it * RSTEP
+                # (one branch-free call per row here cut 10% of the front end's time but measured 88 more bytes
+                # of ptxas spills at D = 128: benchmarks/NOTES.md, "Compile time")
                 c(f"if ld_row + {dr} < {nrows}:")
                 with c.indent():
                     c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr} * {rs}, 16)")
@@ -466,7 +485,14 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     caps = _cap_args(spec)
 
+    def A(mf: int, dn: int, i: int) -> str:  # element i of O's accumulator fragment (mf, dn)
+        return f"acc[{(mf * ND + dn) * 4 + i}]"
+
+    def S(mf: int, jj: int, i: int) -> str:  # element i of S's accumulator fragment (mf, jj)
+        return f"sc[{(mf * NJ + jj) * 4 + i}]"
+
     c = _Code()
+    emit_masked_score(c, spec)
     c("@kernel_jit")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
@@ -566,12 +592,16 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
         c()
         c("# online-softmax state: rows g and g + 8 of each m16 fragment")
+        c("# acc (O) and sc (S) are per-thread arrays indexed only by constants: LLVM keeps every element in a")
+        c("# register, and Numba's front end sees element stores instead of hundreds of re-assigned variables")
+        c(f"acc = cuda.local.array({MF * ND * 4}, np.float32)")
+        c(f"sc = cuda.local.array({MF * NJ * 4}, np.float32)")
         for mf in range(MF):
             for r in range(2):
                 c(f"m_{mf}_{r} = NEG_INF")
                 c(f"l_{mf}_{r} = ZERO")
             for dn in range(ND):
-                c(f"acc_{mf}_{dn}_0 = acc_{mf}_{dn}_1 = acc_{mf}_{dn}_2 = acc_{mf}_{dn}_3 = ZERO")
+                c(f"{A(mf, dn, 0)} = {A(mf, dn, 1)} = {A(mf, dn, 2)} = {A(mf, dn, 3)} = ZERO")
         c()
         c("j = kv_first")
         c("buf = 0")
@@ -625,7 +655,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# S = Q K^T")
             for mf in range(MF):
                 for jj in range(NJ):
-                    c(f"s_{mf}_{jj}_0 = s_{mf}_{jj}_1 = s_{mf}_{jj}_2 = s_{mf}_{jj}_3 = ZERO")
+                    c(f"{S(mf, jj, 0)} = {S(mf, jj, 1)} = {S(mf, jj, 2)} = {S(mf, jj, 3)} = ZERO")
             for ks in range(KS):
                 if not QREG:
                     for mf in range(MF):
@@ -635,7 +665,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     for mf in range(MF):
                         for half, (b0, b1) in enumerate((("kb0", "kb1"), ("kb2", "kb3"))):
                             jj = 2 * jp + half
-                            sv = ", ".join(f"s_{mf}_{jj}_{i}" for i in range(4))
+                            sv = ", ".join(f"{S(mf, jj, i)}" for i in range(4))
                             qa = ", ".join(f"qf_{mf}_{ks}_{i}" for i in range(4))
                             c(f"{sv} = {mma}({qa}, {b0}, {b1}, {sv})")
             c()
@@ -650,13 +680,12 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                         c(f"qi = {q}")
                         for jj in range(NJ):
                             for e in range(2):
-                                name = f"s_{mf}_{jj}_{2 * r + e}"
+                                name = f"{S(mf, jj, 2 * r + e)}"
                                 kv = f"kv0 + {jj * 8 + e} + t2"
-                                c(f"{name} = {_score_expr(spec, name, 'qi', kv)}")
-                                if masked:
-                                    c(f"if {_mask_cond(spec, 'qi', kv)}:")
-                                    with c.indent():
-                                        c(f"{name} = NEG_INF")
+                                if masked:  # one call per element: no branch in the kernel body
+                                    c(f"{name} = masked_score_fn({name}, b, h, qi, {kv}, N{caps})")
+                                else:
+                                    c(f"{name} = {_score_expr(spec, name, 'qi', kv)}")
 
             c("if need_mask:")
             with c.indent():
@@ -668,7 +697,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# online softmax: new row max (quad shuffles), rescale, exponentiate")
             for mf in range(MF):
                 for r in range(2):
-                    vals = [f"s_{mf}_{jj}_{2 * r + e}" for jj in range(NJ) for e in range(2)]
+                    vals = [f"{S(mf, jj, 2 * r + e)}" for jj in range(NJ) for e in range(2)]
                     c(f"mx = {vals[0]}")
                     for v in vals[1:]:
                         c(f"mx = max(mx, {v})")
@@ -684,15 +713,15 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                         c(f"rs += {v}")
                     c(f"l_{mf}_{r} = l_{mf}_{r} * alpha + rs")
                     for dn in range(ND):
-                        c(f"acc_{mf}_{dn}_{2 * r} *= alpha")
-                        c(f"acc_{mf}_{dn}_{2 * r + 1} *= alpha")
+                        c(f"{A(mf, dn, 2 * r)} *= alpha")
+                        c(f"{A(mf, dn, 2 * r + 1)} *= alpha")
                 c("# P to 16-bit pairs now: the fp32 S registers die here (A-operand layout of P V)")
                 for kk in range(KK):
                     a, bb = 2 * kk, 2 * kk + 1
-                    c(f"pa_{mf}_{kk}_0 = {pack}(s_{mf}_{a}_0, s_{mf}_{a}_1)")
-                    c(f"pa_{mf}_{kk}_1 = {pack}(s_{mf}_{a}_2, s_{mf}_{a}_3)")
-                    c(f"pa_{mf}_{kk}_2 = {pack}(s_{mf}_{bb}_0, s_{mf}_{bb}_1)")
-                    c(f"pa_{mf}_{kk}_3 = {pack}(s_{mf}_{bb}_2, s_{mf}_{bb}_3)")
+                    c(f"pa_{mf}_{kk}_0 = {pack}({S(mf, a, 0)}, {S(mf, a, 1)})")
+                    c(f"pa_{mf}_{kk}_1 = {pack}({S(mf, a, 2)}, {S(mf, a, 3)})")
+                    c(f"pa_{mf}_{kk}_2 = {pack}({S(mf, bb, 0)}, {S(mf, bb, 1)})")
+                    c(f"pa_{mf}_{kk}_3 = {pack}({S(mf, bb, 2)}, {S(mf, bb, 3)})")
             c()
             if not ONE_BARRIER:
                 c("cp_async_wait1()  # V_j has landed (K_jn may still be in flight)")
@@ -710,7 +739,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                         pa = ", ".join(f"pa_{mf}_{kk}_{i}" for i in range(4))
                         for half, (b0, b1) in enumerate((("vb0", "vb1"), ("vb2", "vb3"))):
                             dn = 2 * dd + half
-                            av = ", ".join(f"acc_{mf}_{dn}_{i}" for i in range(4))
+                            av = ", ".join(f"{A(mf, dn, i)}" for i in range(4))
                             c(f"{av} = {mma}({pa}, {b0}, {b1}, {av})")
             if WARP_SKIP:
                 c.level -= 1
@@ -730,8 +759,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"obase = (q_head + qi) * {D // 2} + (t2 >> 1)")
                     for dn in range(ND):
                         c(
-                            f"o[obase + {dn * 4}] = {pack}(acc_{mf}_{dn}_{2 * r} * inv, "
-                            f"acc_{mf}_{dn}_{2 * r + 1} * inv)"
+                            f"o[obase + {dn * 4}] = {pack}({A(mf, dn, 2 * r)} * inv, "
+                            f"{A(mf, dn, 2 * r + 1)} * inv)"
                         )
                     c("if t2 == 0:")
                     with c.indent():
@@ -847,7 +876,7 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
 
 def _module(spec: FA2ForwardSpec, body: str) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec))
-    code = _device_functions(spec) + "\n\n" + body
+    code = _device_functions(spec) + "\n\n" + ssa_rename(body)  # unique names: a fast Numba front end
     return header + "\n\n" + (as_f64(code) if spec.dtype == "f64" else code)
 
 

@@ -30,9 +30,33 @@ from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comme
 # element strides (batch, head, row) of q, k, v and dO: strided views run without copies
 STRIDES = "q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm, do_sb, do_sh, do_sm"
 from .spec import FA2BackwardSpec
+from .ssa_names import ssa_rename
 
 __all__ = ["emit_fa2_backward", "emit_delta", "emit_dq_convert", "emit_dq_kernel", "emit_parts_sum", "bwd_grid",
            "bwd_smem_bytes", "bwd_threads", "dq_grid", "dq_smem_bytes", "dq_threads", "validate_backward_spec"]
+
+
+# Accumulator fragments live in per-thread arrays indexed only by constants (LLVM keeps each element in a
+# register): element i of n8 tile jj. Loop-carried or branch-merged scalars would each be a variable Numba's
+# front end rebuilds SSA form for, the bulk of a cold compile (benchmarks/NOTES.md, "Compile time").
+def SA(jj: int, i: int) -> str:  # S^T (kv-outer) or S (q-outer), later P
+    return f"sacc[{jj * 4 + i}]"
+
+
+def PA(jj: int, i: int) -> str:  # dP^T or dP, later dS
+    return f"pacc[{jj * 4 + i}]"
+
+
+def DKA(dn: int, i: int) -> str:
+    return f"dkacc[{dn * 4 + i}]"
+
+
+def DVA(dn: int, i: int) -> str:
+    return f"dvacc[{dn * 4 + i}]"
+
+
+def DQA(dn: int, i: int) -> str:
+    return f"dqacc[{dn * 4 + i}]"
 
 
 def _cap_names(spec: FA2BackwardSpec) -> list[str]:
@@ -115,7 +139,7 @@ def _module(spec: FA2BackwardSpec, body: str) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec)).replace("emit_fa2 --", "emit_fa2_bwd --")
     header += "SMEM_U32 = np.dtype(np.uint32) if SIMULATOR else np.uint32\n"
     header += "SMEM_F32 = np.dtype(np.float32) if SIMULATOR else np.float32\n"
-    code = _device_functions(spec) + "\n\n" + body
+    code = _device_functions(spec) + "\n\n" + ssa_rename(body)  # unique names: a fast Numba front end
     return header + "\n\n" + (as_f64(code) if spec.dtype == "f64" else code)
 
 
@@ -254,8 +278,8 @@ def _emit_score_products(c: _Code, mma: str, D: int, cols: int, a1: str, a2: str
     (ldmatrix A layout) and B1, B2 `cols` rows of two tiles at b1, b2 (the forward's K-operand layout).
     kv-outer: S^T = K Q^T and dP^T = V dO^T; q-outer: S = Q K^T and dP = dO V^T. Accumulators s_jj_i, p_jj_i."""
     for jj in range(cols // 8):
-        c(f"s_{jj}_0 = s_{jj}_1 = s_{jj}_2 = s_{jj}_3 = ZERO")
-        c(f"p_{jj}_0 = p_{jj}_1 = p_{jj}_2 = p_{jj}_3 = ZERO")
+        c(f"{SA(jj, 0)} = {SA(jj, 1)} = {SA(jj, 2)} = {SA(jj, 3)} = ZERO")
+        c(f"{PA(jj, 0)} = {PA(jj, 1)} = {PA(jj, 2)} = {PA(jj, 3)} = ZERO")
     for ks in range(D // 16):
         arow = f"((warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2"
         c(f"xa0, xa1, xa2, xa3 = ldsm_x4({a1} + {arow})")
@@ -266,8 +290,8 @@ def _emit_score_products(c: _Code, mma: str, D: int, cols: int, a1: str, a2: str
             c(f"yb0, yb1, yb2, yb3 = ldsm_x4({b2} + {off})")
             for half, (b0, bb) in enumerate((("0", "1"), ("2", "3"))):
                 jj = 2 * jp + half
-                sv = ", ".join(f"s_{jj}_{i}" for i in range(4))
-                pv = ", ".join(f"p_{jj}_{i}" for i in range(4))
+                sv = ", ".join(f"{SA(jj, i)}" for i in range(4))
+                pv = ", ".join(f"{PA(jj, i)}" for i in range(4))
                 c(f"{sv} = {mma}(xa0, xa1, xa2, xa3, xb{b0}, xb{bb}, {sv})")
                 c(f"{pv} = {mma}(ya0, ya1, ya2, ya3, yb{b0}, yb{bb}, {pv})")
 
@@ -366,10 +390,14 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"smem_f[{STF + 2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
         c("cp_async_commit()")
         c()
-        c("# dK and dV: rows g and g + 8 of this warp's 16 kv rows, in registers over every q tile")
+        c("# dK and dV: rows g and g + 8 of this warp's 16 kv rows, in registers over every q tile; S^T, dP^T per tile")
+        c(f"dkacc = cuda.local.array({ND * 4}, np.float32)")
+        c(f"dvacc = cuda.local.array({ND * 4}, np.float32)")
+        c(f"sacc = cuda.local.array({NJ * 4}, np.float32)")
+        c(f"pacc = cuda.local.array({NJ * 4}, np.float32)")
         for dn in range(ND):
-            c(f"dv_{dn}_0 = dv_{dn}_1 = dv_{dn}_2 = dv_{dn}_3 = ZERO")
-            c(f"dk_{dn}_0 = dk_{dn}_1 = dk_{dn}_2 = dk_{dn}_3 = ZERO")
+            c(f"{DVA(dn, 0)} = {DVA(dn, 1)} = {DVA(dn, 2)} = {DVA(dn, 3)} = ZERO")
+            c(f"{DKA(dn, 0)} = {DKA(dn, 1)} = {DKA(dn, 2)} = {DKA(dn, 3)} = ZERO")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -414,8 +442,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                         c(f"dq_ = smem_f[dlt_f + {jj * 8 + e} + t2]")
                         for r in range(2):
                             i = 2 * r + e
-                            outs = [f"s_{jj}_{i}", f"p_{jj}_{i}"] + [x for og in outs_g for x in og]
-                            c(_elem_call(spec, branch, f"s_{jj}_{i}", f"p_{jj}_{i}", "lq", "dq_", "qi",
+                            outs = [f"{SA(jj, i)}", f"{PA(jj, i)}"] + [x for og in outs_g for x in og]
+                            c(_elem_call(spec, branch, f"{SA(jj, i)}", f"{PA(jj, i)}", "lq", "dq_", "qi",
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
                             slot = f"(warp * 16 + {8 * r} + g) * {BQ} + {jj * 8 + e} + t2"
                             _emit_grad_element(c, spec, f"smem_w[{GXW} + {{}} * {BQ * BK} + {slot}]|"
@@ -438,14 +466,14 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             c("# dV += P^T dO and dK += dS^T Q: P^T and dS^T packed straight from the accumulators")
             for kk in range(BQ // 16):
                 a, bb = 2 * kk, 2 * kk + 1
-                c(f"pa0 = {pack}(s_{a}_0, s_{a}_1)")
-                c(f"pa1 = {pack}(s_{a}_2, s_{a}_3)")
-                c(f"pa2 = {pack}(s_{bb}_0, s_{bb}_1)")
-                c(f"pa3 = {pack}(s_{bb}_2, s_{bb}_3)")
-                c(f"da0 = {pack}(p_{a}_0, p_{a}_1)")
-                c(f"da1 = {pack}(p_{a}_2, p_{a}_3)")
-                c(f"da2 = {pack}(p_{bb}_0, p_{bb}_1)")
-                c(f"da3 = {pack}(p_{bb}_2, p_{bb}_3)")
+                c(f"pa0 = {pack}({SA(a, 0)}, {SA(a, 1)})")
+                c(f"pa1 = {pack}({SA(a, 2)}, {SA(a, 3)})")
+                c(f"pa2 = {pack}({SA(bb, 0)}, {SA(bb, 1)})")
+                c(f"pa3 = {pack}({SA(bb, 2)}, {SA(bb, 3)})")
+                c(f"da0 = {pack}({PA(a, 0)}, {PA(a, 1)})")
+                c(f"da1 = {pack}({PA(a, 2)}, {PA(a, 3)})")
+                c(f"da2 = {pack}({PA(bb, 0)}, {PA(bb, 1)})")
+                c(f"da3 = {pack}({PA(bb, 2)}, {PA(bb, 3)})")
                 c("# dS^T to shared memory (rows = kv, swizzled 16-byte chunks of q) for dQ = dS K")
                 for jj in ((a, bb) if spec.dq == "atomic" else ()):
                     for r in range(2):
@@ -459,8 +487,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"qb0, qb1, qb2, qb3 = ldsm_x4_trans(qb + {off})")
                     for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
                         dn = 2 * dd + half
-                        dvv = ", ".join(f"dv_{dn}_{i}" for i in range(4))
-                        dkv = ", ".join(f"dk_{dn}_{i}" for i in range(4))
+                        dvv = ", ".join(f"{DVA(dn, i)}" for i in range(4))
+                        dkv = ", ".join(f"{DKA(dn, i)}" for i in range(4))
                         c(f"{dvv} = {mma}(pa0, pa1, pa2, pa3, ob{b0}, ob{b1}, {dvv})")
                         c(f"{dkv} = {mma}(da0, da1, da2, da3, qb{b0}, qb{b1}, {dkv})")
             if spec.dq == "atomic":
@@ -517,8 +545,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
                 for dn in range(ND):
-                    c(f"dk[kvrow + {dn * 4}] = {pack}(dk_{dn}_{2 * r}, dk_{dn}_{2 * r + 1})")
-                    c(f"dv[kvrow + {dn * 4}] = {pack}(dv_{dn}_{2 * r}, dv_{dn}_{2 * r + 1})")
+                    c(f"dk[kvrow + {dn * 4}] = {pack}({DKA(dn, 2 * r)}, {DKA(dn, 2 * r + 1)})")
+                    c(f"dv[kvrow + {dn * 4}] = {pack}({DVA(dn, 2 * r)}, {DVA(dn, 2 * r + 1)})")
     return c.text()
 
 
@@ -840,8 +868,12 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
             c(f"qr{r} = q0 + warp * 16 + {8 * r} + g")
             c(f"lse{r} = lse[q_head + qr{r}] if qr{r} < M else ZERO")
             c(f"dlt{r} = delta[q_head + qr{r}] if qr{r} < M else ZERO")
+        c("# dQ of rows g and g + 8 of this warp's 16 q rows over every kv tile; S, dP per tile")
+        c(f"dqacc = cuda.local.array({ND * 4}, np.float32)")
+        c(f"sacc = cuda.local.array({NJ * 4}, np.float32)")
+        c(f"pacc = cuda.local.array({NJ * 4}, np.float32)")
         for dn in range(ND):
-            c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
+            c(f"{DQA(dn, 0)} = {DQA(dn, 1)} = {DQA(dn, 2)} = {DQA(dn, 3)} = ZERO")
         c("j = kv_first")
         c("buf = 0")
         c("while j <= kv_last:")
@@ -865,23 +897,23 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
                 for jj in range(NJ):
                     for i in range(4):
                         r, e = i >> 1, i & 1
-                        c(f"s_{jj}_{i}, = elemq_{branch}(s_{jj}_{i}, p_{jj}_{i}, lse{r}, dlt{r}, b, h, hk, qr{r}, "
+                        c(f"{SA(jj, i)}, = elemq_{branch}({SA(jj, i)}, {PA(jj, i)}, lse{r}, dlt{r}, b, h, hk, qr{r}, "
                           f"kv0 + {jj * 8 + e} + t2, interior{_cap_args(spec)})")
 
             _dq_elementwise(c, spec, one)
             c("# dQ += dS K, dS packed from the accumulators")
             for kk in range(BK // 16):
                 a, bb = 2 * kk, 2 * kk + 1
-                c(f"sa0 = {pack}(s_{a}_0, s_{a}_1)")
-                c(f"sa1 = {pack}(s_{a}_2, s_{a}_3)")
-                c(f"sa2 = {pack}(s_{bb}_0, s_{bb}_1)")
-                c(f"sa3 = {pack}(s_{bb}_2, s_{bb}_3)")
+                c(f"sa0 = {pack}({SA(a, 0)}, {SA(a, 1)})")
+                c(f"sa1 = {pack}({SA(a, 2)}, {SA(a, 3)})")
+                c(f"sa2 = {pack}({SA(bb, 0)}, {SA(bb, 1)})")
+                c(f"sa3 = {pack}({SA(bb, 2)}, {SA(bb, 3)})")
                 for dd in range(D // 16):
                     c(f"kt0, kt1, kt2, kt3 = ldsm_x4_trans(kb_ + (({kk * 16} + v_row) * {D} + "
                       f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
                     for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
                         dn = 2 * dd + half
-                        dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
+                        dqv = ", ".join(f"{DQA(dn, i)}" for i in range(4))
                         c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kt{b0}, kt{b1}, {dqv})")
             c("j = jn")
             c("buf ^= 1")
@@ -891,7 +923,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c(f"qrow = ((q_head + qr{r}) * {D} + t2) >> 1")
                 for dn in range(ND):
-                    c(f"dq[qrow + {dn * 4}] = {pack}(dq_{dn}_{2 * r}, dq_{dn}_{2 * r + 1})")
+                    c(f"dq[qrow + {dn * 4}] = {pack}({DQA(dn, 2 * r)}, {DQA(dn, 2 * r + 1)})")
     return _module(spec, c.text())
 
 

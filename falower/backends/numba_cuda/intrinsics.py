@@ -315,6 +315,58 @@ else:
         """Device functions of generated kernels: always inlined at the NVVM level."""
         return cuda.jit(device=True, forceinline=True)(fn)
 
+    def _linear_singly_assigned_variables() -> None:
+        """Replace numba-cuda's `Lower._find_singly_assigned_variable` with a linear-time equivalent.
+
+        The original (numba-cuda 0.30) rescans the whole defining block for every variable defined in one block
+        and used only there: quadratic in the block's length. Our kernels are long straight-line blocks of
+        uniquely named temporaries (ssa_names.py), where that scan was 30% of a cold compile (12 of 24 s at
+        D = 128; benchmarks/NOTES.md, "Compile time"). Same result: a variable is singly assigned when it is
+        not an alloca variable, is defined in exactly one block, is not used outside it, and has exactly one
+        assignment there. Only applied when the method is the one this was written against.
+        """
+        from collections import defaultdict
+
+        try:
+            from numba.cuda import lowering as _lowering
+            from numba.cuda.core import ir as _ir
+            from numba.cuda.core.analysis import compute_use_defs, must_use_alloca
+        except ImportError:  # another numba-cuda layout: keep its own method
+            return
+        original = getattr(_lowering.Lower, "_find_singly_assigned_variable", None)
+        if original is None or getattr(original, "__qualname__", "") != "Lower._find_singly_assigned_variable":
+            return
+
+        def _find_singly_assigned_variable(self):
+            blocks = self.func_ir.blocks
+            sav = set()
+            if not self.func_ir.func_id.is_generator:
+                use_defs = compute_use_defs(blocks)
+                alloca_vars = must_use_alloca(blocks)
+                def_blocks = defaultdict(set)
+                for blk, vl in use_defs.defmap.items():
+                    for var in vl:
+                        def_blocks[var].add(blk)
+                used_in = set()
+                for vl in use_defs.usemap.values():
+                    used_in.update(vl)
+                assigns = defaultdict(int)  # (block, name) -> assignments, one pass over every block
+                for label, block in self.blocks.items():
+                    for stmt in block.find_insts(_ir.assign_types):
+                        assigns[label, stmt.target.name] += 1
+                for var, blks in def_blocks.items():
+                    if var not in alloca_vars and len(blks) == 1 and var not in used_in:
+                        (defblk,) = blks
+                        if assigns[defblk, var] == 1:
+                            sav.add(var)
+            self._singly_assigned_vars = sav
+            self._blk_local_varmap = {}
+
+        _lowering.Lower._find_singly_assigned_variable = _find_singly_assigned_variable
+        _lowering.Lower._find_singly_assigned_variable_original = original
+
+    _linear_singly_assigned_variables()
+
     # float32 maths from libdevice: Numba's math.sin/cos/tan and round() on a float32 compute in f64
     from numba.cuda import libdevice as _libdevice
 

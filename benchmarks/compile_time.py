@@ -1,0 +1,263 @@
+"""Cold compile time of falower's kernels, broken down by stage (issue 10, item 5).
+
+For each kernel: trace (building the graph), passes (the lowering pipeline), emission (spec, kernel source,
+exec of the module), Numba's front end per compiler pass (exclusive times: a device function compiled inside
+a kernel pass is counted under its own passes), NVVM (LLVM IR -> PTX), ptxas (PTX -> SASS through nvJitLink,
+which also reports registers and spills), and the PTX's instruction mix. No GPU needed: it builds PTX for
+sm_90. With `--first-call` on a GPU machine it also times the real first launch (compile + load + run) of the
+forward kernels in a fresh process each.
+
+    python benchmarks/compile_time.py [--kernels causal_fwd_d64 ...] [--top 8] [--json out.json] [--first-call]
+
+Each kernel is compiled in a fresh process (a warm Numba would hide the work shared between kernels, e.g.
+the intrinsics' typing), with FALOWER_CACHE_DIR pointing at a new empty directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (how the graph is made, dtype, D, what to build)
+KERNELS = {
+    "causal_fwd_d64_f16": ("causal", "f16", 64, "fwd"),
+    "causal_fwd_d128_f16": ("causal", "f16", 128, "fwd"),
+    "alibi_fwd_d64_bf16": ("example:alibi", "bf16", 64, "fwd"),
+    "document_fwd_d64_f16": ("example:document", "f16", 64, "fwd"),
+    "causal_bwd_d128_f16": ("causal", "f16", 128, "bwd"),
+    "causal_bwd_det_d64_f16": ("causal", "f16", 64, "bwd-det"),
+}
+
+PTX_COUNTS = {
+    "mma": r"\bmma\.sync\.aligned",
+    "ldmatrix": r"\bldmatrix\.sync",
+    "cp.async": r"\bcp\.async\.cg",
+    "ld.local": r"\bld\.local\b",
+    "st.local": r"\bst\.local\b",
+    "bra": r"\bbra(\.uni)?\b",
+}
+
+
+def _instrument() -> tuple[dict, dict]:
+    """Time every Numba CUDA compiler pass (exclusive of nested passes) and every NVVM compilation."""
+    from numba.cuda.core import compiler_machinery as cm
+    from numba.cuda.cudadrv import nvvm
+
+    passes: dict[str, float] = {}
+    other = {"nvvm": 0.0}
+    stack: list[float] = []  # time spent in nested timed regions, per open region
+
+    def timed_region(fn, record):
+        def wrapper(*args, **kwargs):
+            stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = time.perf_counter() - t0
+                nested = stack.pop()
+                record(args, total - nested)
+                if stack:
+                    stack[-1] += total
+        return wrapper
+
+    def rec_pass(args, dt):
+        name = args[1].name() if hasattr(args[1], "name") else str(args[1])
+        passes[name] = passes.get(name, 0.0) + dt
+
+    def rec_nvvm(args, dt):
+        other["nvvm"] += dt
+
+    cm.PassManager._runPass = timed_region(cm.PassManager._runPass, lambda a, dt: rec_pass(a[1:], dt))
+    nvvm.compile_ir = timed_region(nvvm.compile_ir, rec_nvvm)
+    return passes, other
+
+
+def _graph(how: str, D: int):
+    import falower as fl
+
+    if how == "causal":
+        return fl.attention(mask_mod=lambda b, h, q, k: q >= k, name="causal", head_dim=D)
+    stem = how.split(":", 1)[1]
+    return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+
+
+def _bwd_extra_kernels(kern) -> list[tuple[str, object, tuple]]:
+    """(name, dispatcher, argtypes) of the backward's other kernels: Delta, and dQ's conversion or dQ kernel."""
+    from numba import types
+
+    from falower.backends.numba_cuda.runtime import _capture_types
+
+    s = kern.spec
+    elem = {"f32": types.float32, "f64": types.float64}.get(s.dtype, types.int16)
+    acc = types.float64 if s.dtype == "f64" else types.float32
+    arr = lambda t: types.Array(t, 1, "C")  # noqa: E731
+    i64 = types.int64
+    out = [("delta", kern._delta, (arr(elem), arr(elem), arr(acc), arr(acc), i64, i64, i64, i64, i64, i64))]
+    packed = arr(types.int32) if s.path == "mma" else arr(elem)
+    if s.dq == "atomic":
+        out.append(("dq_convert", kern._dq, (arr(acc), packed, i64)))
+    else:
+        args = [arr(elem)] * 3 + [arr(acc), arr(elem), arr(acc), packed] + [i64] * 16
+        if s.block_mask == "table":
+            args.append(arr(types.int8))
+        out.append(("dq_kernel", kern._dq, tuple(args + list(_capture_types(s)))))
+    return out
+
+
+def measure(name: str, top: int) -> dict:
+    """Compile one kernel (in this process) and return its breakdown."""
+    how, dtype, D, what = KERNELS[name]
+    passes, other = _instrument()
+    from falower.backends.numba_cuda.runtime import ptx_of, resource_usage
+
+    import falower as fl
+
+    res: dict = {"kernel": name}
+    t = time.perf_counter()
+    g = _graph(how, D)
+    res["trace"] = time.perf_counter() - t
+    t = time.perf_counter()
+    c = fl.compile(g, deterministic=(what == "bwd-det"))
+    if what != "fwd":
+        c.lowered_backward
+    res["passes"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if what == "fwd":
+        kern = c.specialize(dtype, D=D)
+        builds = [("main", kern._kernel, kern.argtypes())]
+    else:
+        kern = c._backward_kernel_and_dims_for(dtype, D)
+        builds = [("main", kern._kernel, kern.argtypes())] + _bwd_extra_kernels(kern)
+    res["emission"] = time.perf_counter() - t
+    res["source_lines"] = kern.source.count("\n")
+    res["kernels"] = {}
+    for kname, disp, argtypes in builds:
+        passes.clear()
+        other["nvvm"] = 0.0
+        t = time.perf_counter()
+        ptx = ptx_of(disp, argtypes, (9, 0))
+        ptx_s = time.perf_counter() - t
+        t = time.perf_counter()
+        usage = resource_usage(ptx, "sm_90")
+        ptxas_s = time.perf_counter() - t
+        front = sum(passes.values())
+        k = {
+            "ptx": ptx_s,
+            "front_end": front,
+            "nvvm": other["nvvm"],
+            "other": ptx_s - front - other["nvvm"],
+            "ptxas": ptxas_s,
+            "passes": dict(sorted(passes.items(), key=lambda kv: -kv[1])),
+            "registers": usage["registers"],
+            "spill_stores": usage["spill_stores"],
+            "spill_loads": usage["spill_loads"],
+            "stack_frame": usage["stack_frame"],
+            "ptx_counts": {k2: len(re.findall(p, ptx)) for k2, p in PTX_COUNTS.items()},
+        }
+        res["kernels"][kname] = k
+    res["total"] = res["trace"] + res["passes"] + res["emission"] + sum(
+        k["ptx"] + k["ptxas"] for k in res["kernels"].values())
+    del top
+    return res
+
+
+def first_call(name: str) -> dict:
+    """On a GPU: the first call of a forward kernel (compile, load, launch, synchronise)."""
+    import numpy as np
+    from numba import cuda
+
+    import falower as fl
+    from falower.passes.check import bind_dims, random_inputs
+
+    how, dtype, D, what = KERNELS[name]
+    if what != "fwd":
+        return {"kernel": name, "first_call": None}
+    g = _graph(how, D)
+    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": 256, "N": 256, "D": D})
+    np_dtype = np.float16 if dtype == "f16" else np.float32
+    inputs = [x.astype(np_dtype) if i < 3 else x for i, x in enumerate(random_inputs(g, env))]
+    if dtype == "bf16":
+        import torch  # bf16 inputs need torch
+
+        inputs = [torch.from_numpy(x).cuda().to(torch.bfloat16) if i < 3 else torch.from_numpy(x).cuda()
+                  for i, x in enumerate(inputs)]
+    t = time.perf_counter()
+    c = fl.compile(g)
+    c(*inputs)
+    cuda.synchronize()
+    return {"kernel": name, "first_call": time.perf_counter() - t}
+
+
+def _child(name: str, top: int, gpu: bool) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, FALOWER_CACHE_DIR=cache)
+        cmd = [sys.executable, __file__, "--child", name, "--top", str(top)] + (["--first-call"] if gpu else [])
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(ROOT))
+        if out.returncode != 0:
+            return {"kernel": name, "error": out.stderr[-2000:]}
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _print(res: dict, top: int) -> None:
+    if "error" in res:
+        print(f"{res['kernel']}: FAILED\n{res['error']}")
+        return
+    print(f"== {res['kernel']}  ({res['source_lines']} source lines)  total {res['total']:.2f} s")
+    print(f"   trace {res['trace']:.2f}  passes {res['passes']:.2f}  emission {res['emission']:.2f}")
+    for kname, k in res["kernels"].items():
+        print(f"   [{kname}] ptx {k['ptx']:.2f} s = front end {k['front_end']:.2f} + nvvm {k['nvvm']:.2f} "
+              f"+ other {k['other']:.2f};  ptxas {k['ptxas']:.2f} s")
+        tops = list(k["passes"].items())[:top]
+        print("      " + ", ".join(f"{n} {v:.2f}" for n, v in tops))
+        cnt = k["ptx_counts"]
+        print(f"      regs {k['registers']}  spill st/ld {k['spill_stores']}/{k['spill_loads']}  "
+              f"stack {k['stack_frame']}  " + " ".join(f"{n} {v}" for n, v in cnt.items()))
+    if res.get("first_call") is not None:
+        print(f"   first call on the GPU (compile + load + run): {res['first_call']:.2f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", nargs="*", default=list(KERNELS), choices=list(KERNELS))
+    ap.add_argument("--top", type=int, default=6, help="Numba passes to print per kernel")
+    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--first-call", action="store_true", help="also time the first call on a GPU (fwd kernels)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        res = measure(args.child, args.top)
+        if args.first_call:  # a second fresh process: nothing compiled yet
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, FALOWER_CACHE_DIR=cache)
+                code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                        f"import compile_time as ct; print(json.dumps(ct.first_call({args.child!r})))")
+                out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                res["first_call"] = json.loads(out.stdout.strip().splitlines()[-1])["first_call"] \
+                    if out.returncode == 0 else None
+        print(json.dumps(res))
+        return
+    results = []
+    for name in args.kernels:
+        res = _child(name, args.top, args.first_call)
+        _print(res, args.top)
+        results.append(res)
+        sys.stdout.flush()
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                "command": " ".join(sys.argv)}
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
