@@ -335,19 +335,27 @@ class Interpreter:
     def op_mask_classify(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, q0, k0 = (int(v) for v in x[:4])
         bq, bk = op.attrs["bq"], op.attrs["bk"]
-        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims)
+        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims,
+                               self._ranges(op, x))
         return [np.int32(c)]
+
+    def _ranges(self, op: Op, x) -> dict:
+        return intervals.range_tables(op.attrs.get("ranges", ()), x[4:])
+
+    def op_mask_ranges(self, op: Op, x, env) -> list[np.ndarray]:
+        t = intervals.minmax_table(x[0], op.attrs["axis"], op.attrs["granule"])
+        return [self.store(t, op.results[0].type)]
 
     def op_mask_kv_range(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, q0, nkv = (int(v) for v in x[:4])
         lo, hi = intervals.kv_range(op.regions[0], b, h, q0, op.attrs["bq"], op.attrs["bk"], nkv, x[4:],
-                                    self.env_dims)
+                                    self.env_dims, self._ranges(op, x))
         return [np.int32(lo), np.int32(hi)]
 
     def op_mask_q_range(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, k0, nq = (int(v) for v in x[:4])
         lo, hi = intervals.q_range(op.regions[0], b, h, k0, op.attrs["bq"], op.attrs["bk"], nq, x[4:],
-                                   self.env_dims)
+                                   self.env_dims, self._ranges(op, x))
         return [np.int32(lo), np.int32(hi)]
 
     def op_mask_block_table(self, op: Op, x, env) -> list[np.ndarray]:

@@ -10,7 +10,8 @@ reads data cannot be decided here; `uses_data` tells the mask analysis to classi
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -27,6 +28,57 @@ _MONOTONE = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "erf", "sqrt", "lo
 def uses_data(block: Block) -> bool:
     """True when the predicate reads a captured table (a gather), so only run-time data decides it."""
     return any(op.name == "gather" for op in block.ops)
+
+
+@dataclass(frozen=True)
+class RangeTable:
+    """What `mask.ranges` computes for one captured table: `minmax[..., j, ..., 0 / 1]` is the least / greatest
+    entry of the table over positions j*granule .. (j+1)*granule - 1 of `axis` (the last granule may be
+    short), every other index unchanged. A gather whose only varying index runs along `axis` takes its
+    interval from the granules that index's interval covers: sound for any index expression, and exact up to
+    the granule for sorted data such as document ids."""
+
+    minmax: Any
+    axis: int
+    granule: int
+    n: int  # the table's extent along `axis` (indices are clamped to it, as gather clamps them)
+
+    def lookup(self, idx: Sequence[Interval]) -> Interval:
+        n = self.n
+        point = [i for d, i in enumerate(idx) if d != self.axis]
+        if any(not (lo == hi and math.isfinite(lo)) for lo, hi in point):
+            return UNKNOWN
+        lo, hi = idx[self.axis]
+        lo = int(min(max(lo, 0), n - 1)) if math.isfinite(lo) else 0  # gather clamps its indices
+        hi = int(min(max(hi, 0), n - 1)) if math.isfinite(hi) else n - 1
+        where = [int(min(max(p[0], 0), s - 1)) for p, s in zip(point, self._other_extents)]
+        where.insert(self.axis, slice(lo // self.granule, hi // self.granule + 1))
+        part = self.minmax[tuple(where)]
+        return float(part[..., 0].min()), float(part[..., 1].max())
+
+    @property
+    def _other_extents(self) -> list[int]:
+        return [int(s) for d, s in enumerate(self.minmax.shape[:-1]) if d != self.axis]
+
+
+def range_tables(spec: Sequence[Sequence[int]], captures: Sequence[Any]) -> dict[int, RangeTable]:
+    """The `ranges` attribute of a mask op ([[capture index, axis, granule], ...], one per range-table operand,
+    which come last) with its operands `captures` (the captured tensors, then the range tables), as the
+    `ranges` argument of `eval_interval` (keyed by region-argument position, after b, h, q, kv)."""
+    first = len(captures) - len(spec)
+    return {4 + int(c): RangeTable(np.asarray(captures[first + j]), int(axis), int(g), int(np.shape(captures[c])[axis]))
+            for j, (c, axis, g) in enumerate(spec)}
+
+
+def minmax_table(table: Any, axis: int, granule: int) -> Any:
+    """`mask.ranges`: the least and greatest entry of each `granule` positions along `axis`, stacked on a new
+    last axis of size 2 (the table's dtype; bool tables as their 0/1 values)."""
+    a = np.asarray(table)
+    a = a.astype(np.int8) if a.dtype == np.bool_ else a
+    starts = np.arange(0, a.shape[axis], granule)
+    lo = np.minimum.reduceat(a, starts, axis=axis)
+    hi = np.maximum.reduceat(a, starts, axis=axis)
+    return np.stack([lo, hi], axis=-1)
 
 
 def _mul(a: Interval, b: Interval) -> Interval:
@@ -56,12 +108,16 @@ def _compare(name: str, a: Interval, b: Interval) -> Interval:
     return _bool(disjoint, not exact_equal)  # ne
 
 
-def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[str, int]] = None) -> Interval:
+def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[str, int]] = None,
+                  ranges: Optional[Mapping[int, RangeTable]] = None) -> Interval:
     """Evaluate a predicate region on intervals; the result is a bool interval (0,0), (1,1) or (0,1).
 
     `env` gives the sizes of symbolic dims (a `const N` in the predicate); without it they are unknown.
+    `ranges` maps a region argument's position (a captured table) to its `mask.ranges` table: a gather from
+    it is bounded by the granules its varying index covers instead of being unknown.
     """
     vals: dict[Value, Interval] = dict(zip(block.args, args))
+    ranged = {block.args[i]: t for i, t in (ranges or {}).items()}
     for op in block.ops:
         if op.name == "yield":
             return vals[op.operands[0]]
@@ -127,6 +183,8 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
                 r = UNKNOWN
         elif n in ("sin", "cos"):
             r = (-1.0, 1.0)
+        elif n == "gather" and op.operands[0] in ranged:
+            r = ranged[op.operands[0]].lookup(x[1:])
         else:  # gather and anything not modelled: data we cannot see
             r = UNKNOWN if op.results[0].type.dtype != "bool" else (0, 1)
         if op.results[0].type.dtype == "bool" and not _is_bool(r):
@@ -155,10 +213,11 @@ def _known(capture: object) -> Interval:
 
 
 def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
-             captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> int:
+             captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None,
+             ranges: Optional[Mapping[int, RangeTable]] = None) -> int:
     """EMPTY, PARTIAL or FULL for rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive)."""
     args: list[Interval] = [(b, b), (h, h), (q_lo, q_hi), (kv_lo, kv_hi)] + [_known(c) for c in captures]
-    lo, hi = eval_interval(block, args, env)
+    lo, hi = eval_interval(block, args, env, ranges)
     if lo == hi == 1:
         return FULL
     if lo == hi == 0:
@@ -167,19 +226,21 @@ def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_
 
 
 def kv_range(block: Block, b: int, h: int, q0: int, bq: int, bk: int, nkv: int,
-             captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> tuple[int, int]:
+             captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None,
+             ranges: Optional[Mapping[int, RangeTable]] = None) -> tuple[int, int]:
     """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty)."""
     nk = -(-nkv // bk)
     live = [kj for kj in range(nk)
-            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env) != EMPTY]
+            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env, ranges) != EMPTY]
     return (live[0], live[-1] + 1) if live else (0, 0)
 
 
 def q_range(block: Block, b: int, h: int, k0: int, bq: int, bk: int, nq_rows: int,
-            captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None) -> tuple[int, int]:
+            captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None,
+            ranges: Optional[Mapping[int, RangeTable]] = None) -> tuple[int, int]:
     """First and past-last q tile that is not empty for the kv tile at k0 (0, 0 when all are empty): the
     transpose of `kv_range`, for the backward's loop over q tiles inside a kv tile."""
     nq = -(-nq_rows // bq)
     live = [qi for qi in range(nq)
-            if classify(block, b, h, qi * bq, qi * bq + bq - 1, k0, k0 + bk - 1, captures, env) != EMPTY]
+            if classify(block, b, h, qi * bq, qi * bq + bq - 1, k0, k0 + bk - 1, captures, env, ranges) != EMPTY]
     return (live[0], live[-1] + 1) if live else (0, 0)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .dims import Const, Dim, dim
+from .dims import Const, Dim, cdiv, dim
 from .types import FLOAT_DTYPES, INT_DTYPES, TensorType, broadcast_shapes, is_float, is_int, scalar
 
 
@@ -356,6 +356,20 @@ _register("mask.kv_range", "mask", "tile", None, num_regions=1, isolated=True,
           doc="first and past-last kv tile that is not empty, for one q tile")
 _register("mask.q_range", "mask", "tile", None, num_regions=1, isolated=True,
           doc="first and past-last q tile that is not empty, for one kv tile (the backward's kv-outer loop)")
+def _infer_mask_ranges(ts, attrs):
+    _need(len(ts) == 1, "takes one captured table")
+    (t,) = ts
+    axis, g = attrs.get("axis"), attrs.get("granule")
+    _need(isinstance(axis, int) and 0 <= axis < t.rank, f"axis {axis!r} out of range for {t}")
+    _need(isinstance(g, int) and g >= 1, f"granule must be a positive int, got {g!r}")
+    shape = list(t.shape)
+    shape[axis] = cdiv(shape[axis], g)
+    return [TensorType("i8" if t.dtype == "bool" else t.dtype, (*shape, dim(2)))]
+
+
+_register("mask.ranges", "mask", "graph", _infer_mask_ranges,
+          doc="least and greatest entry of a captured table per granule of one axis ([..., 2], min then max): "
+              "what lets mask.classify bound a gather of run-time data by interval arithmetic")
 _register("mask.block_table", "mask", "graph", None, num_regions=1, isolated=True,
           doc="exact per-tile classes of a data-dependent mask from the data at run time: rows q < M, every "
               "column of the kv tile, the kv bound included (a ragged kv tile is never full)")

@@ -175,10 +175,33 @@ class _Verifier:
         caps_ops = op.operands[n_fixed:]
         if [a.type for a in blk.args[4:]] != [v.type for v in caps_ops]:
             raise _Fail(op, "captured tensor operands must match the predicate's arguments")
+        self._ranges(op, blk.args[4:])
         self._yield_types(op, blk, [BOOL], "a mask predicate")
         for k in ("bq", "bk"):
             if not isinstance(op.attrs.get(k), int) or op.attrs[k] < 1:
                 raise _Fail(op, f"needs a positive int attribute {k}")
+
+    def _ranges(self, op: Op, caps) -> None:
+        """`ranges = [[capture index, axis, granule], ...]`: the last operands are those captures' mask.ranges
+        tables, in that order; a range table is never itself the table of another."""
+        spec = op.attrs.get("ranges", ())
+        first = len(caps) - len(spec)
+        for j, entry in enumerate(spec):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and all(isinstance(e, int) for e in entry)):
+                raise _Fail(op, f"ranges entries are [capture index, axis, granule], got {entry!r}")
+            c, axis, g = entry
+            if not 0 <= c < first:
+                raise _Fail(op, f"ranges names capture {c}, but there are {first} captured tables before the ranges")
+            try:
+                (want,) = OPS["mask.ranges"].infer([caps[c].type], {"axis": axis, "granule": g})  # type: ignore[misc]
+            except OpTypeError as e:
+                raise _Fail(op, f"ranges entry {entry}: {e}") from None
+            if caps[first + j].type.dtype != want.dtype or caps[first + j].type.rank != want.rank:
+                raise _Fail(op, f"range table {j} must be {want} for capture {c}, got {caps[first + j].type}")
+
+    def op_mask_ranges(self, op: Op, parent) -> None:
+        if len(op.results) != 1:
+            raise _Fail(op, "gives one range table")
 
     def op_mask_classify(self, op: Op, parent) -> None:
         if len(op.operands) < 4 or any(v.type != I32 for v in op.operands[:4]):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
@@ -101,6 +102,52 @@ def build_predicate(src: Block, conj: list[Value], index: dict[Value, int], caps
     return pred, b, keep
 
 
+def range_plan(pred: Block) -> Optional[list[tuple[int, int]]]:
+    """(capture index, axis) for each captured table the predicate gathers from, when `mask.ranges` tables
+    let interval arithmetic bound every gather; None when they cannot (the dense `mask.block_table` then).
+
+    Each gather must read a captured table directly with indices that read no data, and at most one of its
+    indices may vary inside a tile (read q or kv): that axis is the one the range table summarises. A gather
+    whose indices are all fixed per tile (`window[h]`) gets axis 0 with granule 1, its exact values."""
+    deps: dict[Value, set] = {a: {i} for i, a in enumerate(pred.args)}
+    caps = {a: i for i, a in enumerate(pred.args[4:])}
+    axes: dict[int, int] = {}
+    for op in pred.ops:
+        d: set = set().union(*(deps.get(v, set()) for v in op.operands)) if op.operands else set()
+        if op.name == "gather":
+            table, idx = op.operands[0], op.operands[1:]
+            if table not in caps or any("data" in deps.get(i, set()) or deps.get(i, set()) & set(range(4, 4 + len(caps)))
+                                        for i in idx):
+                return None
+            varying = [n for n, i in enumerate(idx) if deps.get(i, set()) & {2, 3}]
+            if len(varying) > 1:
+                return None
+            axis = varying[0] if varying else -1
+            c = caps[table]
+            if axes.setdefault(c, axis) != axis:
+                return None  # one table read along two axes: one range table cannot bound both
+            d = d | {"data"}
+        for r in op.results:
+            deps[r] = d
+    return [(c, a) for c, a in axes.items()]
+
+
+def add_ranges(b: Builder, caps: list[Value], plan: list[tuple[int, int]], granule: int
+               ) -> tuple[list[Value], list[list[int]]]:
+    """Emit one `mask.ranges` per (capture, axis) of `plan`; returns the range tables and the `ranges`
+    attribute of the mask ops that read them."""
+    tables, spec = [], []
+    for c, axis in plan:
+        g = granule if axis >= 0 else 1
+        a = max(axis, 0)
+        name = f"{caps[c].name}_ranges" if caps[c].name else None
+        (t,) = b.op("mask.ranges", [caps[c]], OPS["mask.ranges"].infer([caps[c].type], {"axis": a, "granule": g}),
+                    {"axis": a, "granule": g}, names=[name]).results  # type: ignore[misc]
+        tables.append(t)
+        spec.append([c, a, g])
+    return tables, spec
+
+
 def unmasked(fused: Op, score: Value) -> Block:
     """A copy of the fused region that yields the score without the mask."""
     vmap: dict[Value, Value] = {}
@@ -140,6 +187,7 @@ class MaskTiles(Pass):
 
     name = "mask-tiles"
     summary = "classify tile pairs empty/partial/full: skip empty tiles, mask only partial ones"
+    data: str = "table"  # masks that read captured data: "table" (exact, dense) or "ranges" (mask.ranges)
 
     def run(self, func: Func) -> Func:
         par = the_parallel_for(func, self.fail, "run tile and online-softmax first")
@@ -170,9 +218,24 @@ class MaskTiles(Pass):
         k0 = kv_arg.owner.operands[0]  # type: ignore[union-attr]  # tile.iota %k0
         bk = kv_arg.type.shape[1].value  # type: ignore[union-attr]
         attrs = {"bq": bq, "bk": bk}
+        if self.data not in ("table", "ranges"):
+            raise self.fail(f"data must be table or ranges, got {self.data!r}")
         data = uses_data(pred)
+        plan = range_plan(pred) if data and self.data == "ranges" else None
         pre = Builder(Block())
         kj = lbody.args[0]
+        if plan is not None:  # run-time data bounded per granule: classified like a static mask
+            gb = Builder(Block())
+            tables, spec = add_ranges(gb, caps, plan, math.gcd(bq, bk))
+            i = func.body.ops.index(par)
+            for op in gb.block.ops:
+                op.parent = func.body
+            func.body.ops[i:i] = gb.block.ops
+            attrs["ranges"] = spec
+            caps = caps + tables
+            for t in tables:
+                pred.add_arg(t.type, t.name)
+            data = False
         if data:
             q_t = par.results[0].type
             B, H, M = q_t.shape[0], q_t.shape[1], q_t.shape[2]

@@ -40,7 +40,7 @@ from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float, scalar
 from .attention import _const_is, _is
-from .mask_tiles import build_predicate
+from .mask_tiles import add_ranges, build_predicate, range_plan
 from .base import Pass, register
 
 R, C, H = "R", "C", "H"
@@ -68,6 +68,8 @@ class BackwardPlan:
     labels: dict[int, str] = field(default_factory=dict)  # id(summing op) -> the gradient it makes (dv, dq)
     pred: Optional[Block] = None  # the mask as a scalar predicate (b, h, q, kv, captures), kv bound included
     pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
+    range_tables: list[Value] = field(default_factory=list)  # their mask.ranges tables (data=ranges)
+    range_spec: list = field(default_factory=list)  # the mask ops' `ranges` attribute
 
     def label(self, op: Op) -> str:
         """A readable name for a sum over tiles: the result it becomes (dv, dk, dq, d<capture>) + 32 for f32."""
@@ -125,6 +127,7 @@ class TileBwd(Pass):
     bk: int = 64
     dq: str = "separate"
     skip: bool = True
+    data: str = "table"  # masks that read captured data: "table" (exact, dense) or "ranges" (mask.ranges)
     deterministic: bool = False
 
     removes = ("matmul",)
@@ -275,7 +278,16 @@ class TileBwd(Pass):
         b = Builder(body)
         stored = self._preprocess(func, plan, b, argmap)
         table = None
-        if plan.pred is not None and uses_data(plan.pred):  # classes from the data, once, for both nests
+        if self.data not in ("table", "ranges"):
+            raise self.fail(f"data must be table or ranges, got {self.data!r}")
+        rplan = range_plan(plan.pred) if plan.pred is not None and uses_data(plan.pred) and self.data == "ranges" \
+            else None
+        if rplan is not None:  # run-time data bounded per granule: tiles classified like a static mask's
+            caps = [argmap[c] for c in plan.pred_caps]
+            plan.range_tables, plan.range_spec = add_ranges(b, caps, rplan, math.gcd(self.bq, self.bk))
+            for t in plan.range_tables:
+                plan.pred.add_arg(t.type, t.name)  # type: ignore[union-attr]
+        elif plan.pred is not None and uses_data(plan.pred):  # classes from the data, once, for both nests
             tbl_t = TensorType("i8", (dim("B"), plan.heads, cdiv(plan.M, self.bq), cdiv(plan.N, self.bk)))
             (table,) = b.op("mask.block_table", [argmap[c] for c in plan.pred_caps], [tbl_t],
                             {"bq": self.bq, "bk": self.bk, "m": plan.M, "n": plan.N},
@@ -339,7 +351,7 @@ class TileBwd(Pass):
                 hi = pb.emit("mul", nq, pb.const(G), name_hint="n_inner")
             elif plan.pred is not None and table is None:  # the q tiles that can see this kv tile
                 lo, hi = pb.op("mask.q_range", [bi, hk, k0, pb.const(plan.M), *ctx.caps()], [I32, I32],
-                               {"bq": bq, "bk": bk}, [clone_block(plan.pred, {})], names=["q_lo", "q_hi"]).results
+                               ctx.mask_attrs(), [clone_block(plan.pred, {})], names=["q_lo", "q_hi"]).results
             pos: dict[str, Value] = {}
 
             def position(lb: Builder, it: Value) -> None:
@@ -406,7 +418,7 @@ class TileBwd(Pass):
             lo, hi = pb.const(0), pb.const(cdiv(plan.N, bk), name_hint="nk")
             if plan.pred is not None and table is None:  # the kv tiles this q tile can see
                 lo, hi = pb.op("mask.kv_range", [bi, h, q0, pb.const(plan.N), *ctx.caps()], [I32, I32],
-                               {"bq": bq, "bk": bk}, [clone_block(plan.pred, {})], names=["kv_lo", "kv_hi"]).results
+                               ctx.mask_attrs(), [clone_block(plan.pred, {})], names=["kv_lo", "kv_hi"]).results
             pos: dict[str, Value] = {}
 
             def position(lb: Builder, kj: Value) -> None:
@@ -569,7 +581,11 @@ class _Ctx:
         self.scatter_accs: dict[int, Any] = {}
 
     def caps(self) -> list[Value]:
-        return [self.argmap[c] for c in self.plan.pred_caps]
+        return [self.argmap[c] for c in self.plan.pred_caps] + self.plan.range_tables
+
+    def mask_attrs(self) -> dict:
+        ranges = {"ranges": self.plan.range_spec} if self.plan.range_spec else {}
+        return {"bq": self.tb.bq, "bk": self.tb.bk, **ranges}
 
     def tile_class(self, b: Builder, table: Optional[Value], qi: Value, kj: Value) -> Value:
         """This tile pair's class: from the block table (data masks) or by interval analysis."""
@@ -578,7 +594,7 @@ class _Ctx:
             return b.emit("cast", c8, to="i32", name_hint="cls")
         assert self.plan.pred is not None
         return b.op("mask.classify", [self.bi, self.h, self.q0, self.k0, *self.caps()], [I32],
-                    {"bq": self.tb.bq, "bk": self.tb.bk}, [clone_block(self.plan.pred, {})], names=["cls"]).results[0]
+                    self.mask_attrs(), [clone_block(self.plan.pred, {})], names=["cls"]).results[0]
 
     def tile_shape(self, v: Value) -> tuple:
         s, t = self.plan.space[v], v.type
