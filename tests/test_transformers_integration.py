@@ -163,6 +163,12 @@ def test_refusals():
 
 
 # ---------------------------------------------------------------------------------------- whole models
+def _counts(stats=None) -> tuple:
+    """Traces and compiles so far (torch_mods.stats may count more, such as walks of new mod objects)."""
+    stats = torch_mods.stats if stats is None else stats
+    return stats["traces"], stats["compiles"]
+
+
 def _tiny(kind: str):
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -192,7 +198,7 @@ def test_model_logits_match_sdpa(kind):
         out = model(ids, attention_mask=am).logits
         after_first = dict(torch_mods.stats)
         again = model(ids, attention_mask=am).logits
-        assert torch_mods.stats == after_first  # a second forward neither traces nor compiles
+        assert _counts() == _counts(after_first)  # a second forward neither traces nor compiles
         assert after_first["traces"] - before["traces"] <= 1  # three layers, at most one trace
         torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
         assert torch.equal(out, again)
