@@ -396,11 +396,18 @@ def _deps_leaves(deps: list) -> Optional[list]:
             if len(container) != expected:
                 return None
             continue
-        value = _read(kind, container, key)
+        if kind == "cell":
+            try:
+                value = container.cell_contents
+            except ValueError:
+                value = _MISSING
+        else:
+            value = _read(kind, container, key)
         if value is expected:
             continue
         if type(expected) is _TensorSig:
-            if not _is_torch_tensor(value) or _tensor_sig(value) != expected:
+            if not (hasattr(value, "data_ptr") and value.shape == expected.shape and str(value.dtype) == expected.dtype
+                    and value.device.type == expected.device and _is_torch_tensor(value)):
                 return None
             leaves.append(value)
         elif type(value) is not type(expected) or not isinstance(value, (bool, int, float, str)) or value != expected:
@@ -545,13 +552,11 @@ def _capture_args(entry: _Entry, leaves: list, device: Any) -> list:
     return out
 
 
-def flex_attention(query: Any, key: Any, value: Any, score_mod: Optional[Callable] = None,
-                   block_mask: Optional[BlockMask] = None, scale: Optional[float] = None, enable_gqa: bool = False,
-                   return_lse: bool = False, kernel_options: Any = None, *, return_aux: Any = None) -> Any:
-    """torch.nn.attention.flex_attention.flex_attention on falower's kernels (numba-cuda for CUDA tensors,
-    the reference interpreter for CPU ones). query [B, Hq, L, E], key/value [B, Hkv, S, E]; returns the
-    output [B, Hq, L, E] (contiguous), or (output, lse) with return_lse (lse [B, Hq, L] in float32, natural
-    log). Differentiable: inputs or captured tensors that require grad go through falower's backward."""
+def _check_call(query: Any, key: Any, value: Any, block_mask: Any, scale: Any, enable_gqa: bool,
+                return_aux: Any) -> tuple:
+    """flex_attention's checks of its arguments; returns (dtype, group, backend, scale), remembered for the
+    call's signature (_CHECKED)."""
+    scale_arg = scale
     import torch
 
     if return_aux is not None:
@@ -584,6 +589,35 @@ def flex_attention(query: Any, key: Any, value: Any, score_mod: Optional[Callabl
     group = Hq // Hkv
     backend = "numba-cuda" if query.is_cuda else "reference"
     scale = None if scale is None else float(scale)
+    out = (dtype, group, backend, scale)
+    if len(_CHECKED) >= _FAST_LIMIT:
+        _CHECKED.clear()
+    _CHECKED[(query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, enable_gqa,
+              scale_arg, return_aux, type(block_mask), block_mask.seq_lengths if block_mask is not None else None)] = out
+    return out
+
+
+_CHECKED: dict = {}
+
+
+def flex_attention(query: Any, key: Any, value: Any, score_mod: Optional[Callable] = None,
+                   block_mask: Optional[BlockMask] = None, scale: Optional[float] = None, enable_gqa: bool = False,
+                   return_lse: bool = False, kernel_options: Any = None, *, return_aux: Any = None) -> Any:
+    """torch.nn.attention.flex_attention.flex_attention on falower's kernels (numba-cuda for CUDA tensors,
+    the reference interpreter for CPU ones). query [B, Hq, L, E], key/value [B, Hkv, S, E]; returns the
+    output [B, Hq, L, E] (contiguous), or (output, lse) with return_lse (lse [B, Hq, L] in float32, natural
+    log). Differentiable: inputs or captured tensors that require grad go through falower's backward."""
+    import torch
+
+    try:  # a call signature checked before skips the checks (warm calls: the same shapes every step)
+        checked = _CHECKED.get((query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+                                query.device, enable_gqa, scale, return_aux, type(block_mask),
+                                block_mask.seq_lengths if block_mask is not None else None))
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say what is wrong
+        checked = None
+    if checked is None:
+        checked = _check_call(query, key, value, block_mask, scale, enable_gqa, return_aux)
+    dtype, group, backend, scale = checked
 
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     mask = block_mask._key if block_mask is not None else _NO_MOD

@@ -102,3 +102,19 @@ def test_buffer_points_at_its_slots():
     assert read == [0, 0, 10, 4, 0x1000, 10, 4, 0xFFFFFFFD]
     assert slot == 4
     assert np.all(np.diff([params[i] for i in range(layout.nslots)]) == 8)
+
+
+def test_emitted_source_is_read_back_from_the_cache(monkeypatch):
+    from falower.backends.numba_cuda import runtime
+
+    calls = []
+
+    def emit(spec):
+        calls.append(spec)
+        return f"# source of {spec}\n"
+
+    assert runtime.emit_cached(emit, "spec-a", "forward") == "# source of spec-a\n"
+    assert runtime.emit_cached(emit, "spec-a", "forward") == "# source of spec-a\n"
+    assert runtime.emit_cached(emit, "spec-b", "forward") == "# source of spec-b\n"
+    assert runtime.emit_cached(emit, "spec-a", "delta") == "# source of spec-a\n"
+    assert calls == ["spec-a", "spec-b", "spec-a"]  # the second spec-a forward came from disk

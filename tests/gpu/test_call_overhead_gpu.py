@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 import falower as fl  # noqa: E402
 from falower import torch_mods  # noqa: E402
+from falower.compiler import _signature  # noqa: E402
 
 B, H, N, D = 2, 4, 200, 64  # ragged against the tiles
 
@@ -36,16 +37,16 @@ def _numba_forward(kern, *inputs):
 
 def test_direct_launch_equals_the_numba_path(causal):
     q, k, v = _qkv()
-    kern = causal.kernel(q, k, v)
-    assert kern.plan(q, k, v, ()) is not None  # the direct path applies
     o1, lse1 = causal(q, k, v)
-    o2, lse2 = _numba_forward(kern, q, k, v)
+    call = causal._calls[_signature((q, k, v))]
+    assert call.plan is not None  # the direct path applies
+    o2, lse2 = _numba_forward(call.kernel, q, k, v, *call.dims)
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
     do = torch.randn_like(o1)
     g1 = causal.backward(q, k, v, o1, lse1, do)
-    bkern = causal.backward_kernel(q, k, v)
-    assert bkern.plan(q, k, v, o1, lse1, do, ()) is not None
-    launch, finish = bkern.prepare(q, k, v, o1, lse1, do)
+    call = causal._bwd_calls[_signature((q, k, v, o1, lse1, do))]
+    assert call.plan is not None
+    launch, finish = call.kernel.prepare(q, k, v, o1, lse1, do, *call.dims)
     launch()
     g2 = finish()
     for a, b in zip(g1[1:], g2[1:]):  # dk, dv: no atomics, the same bits

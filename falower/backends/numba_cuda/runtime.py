@@ -81,6 +81,41 @@ def load_source(source: str, stem: str) -> Any:
     return module
 
 
+_EMITTERS: list[str] = []  # a hash of the emitters' own source, read once per process
+
+
+def _emitter_version() -> str:
+    if not _EMITTERS:
+        h = hashlib.sha256()
+        here = Path(__file__).resolve().parent
+        for name in sorted(p.name for p in here.glob("*.py")):
+            h.update(name.encode())
+            h.update((here / name).read_bytes())
+        _EMITTERS.append(h.hexdigest()[:16])
+    return _EMITTERS[0]
+
+
+def emit_cached(emit: Any, spec: Any, what: str) -> str:
+    """`emit(spec)`, remembered on disk next to the kernels: keyed by the spec (its repr: every field, the
+    device functions' source included) and a hash of the backend's own files, so a new process with a warm
+    cache reads the source instead of emitting it again (about 0.2 s a kernel), and an edited emitter
+    emits anew."""
+    key = hashlib.sha256(f"{what}|{_emitter_version()}|{spec!r}".encode()).hexdigest()[:24]
+    directory = cache_dir() / "emitted"
+    path = directory / f"{key}.py"
+    try:
+        return path.read_text()
+    except OSError:
+        pass
+    source = emit(spec)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return source
+
+
 # --------------------------------------------------------------------------------------------------
 # Array handling
 # --------------------------------------------------------------------------------------------------
@@ -360,12 +395,41 @@ def _check_cu(err: Any, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err!r}")
 
 
+_LIBCUDA_LAUNCH: list = []  # [ctypes cuLaunchKernel or None], looked up once
+
+
+def _ctypes_launch() -> Any:
+    """libcuda's cuLaunchKernel through ctypes (about a microsecond a call; the cuda.bindings wrapper
+    measured 5.5 us on an H100 host, building a parameter helper and handle objects each call), or None."""
+    if not _LIBCUDA_LAUNCH:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernel
+            u = ctypes.c_uint
+            fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _LIBCUDA_LAUNCH.append(fn)
+        except (OSError, AttributeError):
+            _LIBCUDA_LAUNCH.append(None)
+    return _LIBCUDA_LAUNCH[0]
+
+
 def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer):
     """A function of the stream that enqueues `func` with `buf`'s parameters (grid and block fixed)."""
-    cu = _cu()
-    launch = cu.cuLaunchKernel
     gx, gy, gz = (tuple(int(g) for g in grid) + (1, 1))[:3]
     address = buf.address
+    fast = _ctypes_launch()
+    if fast is not None and os.environ.get("FALOWER_LAUNCH") != "bindings":
+        handle = int(func)
+
+        def run_ctypes(stream: int) -> None:
+            err = fast(handle, gx, gy, gz, block, 1, 1, smem, stream, address, None)
+            if err:
+                raise RuntimeError(f"cuLaunchKernel failed: CUresult {err}")
+
+        return run_ctypes
+    cu = _cu()
+    launch = cu.cuLaunchKernel
     ok = cu.CUresult.CUDA_SUCCESS
 
     def run(stream: int) -> None:
@@ -622,13 +686,14 @@ class _BackwardPlan:
             return None  # rows not 16-byte aligned: the Numba path copies them
         dev, acc = self.device, self.acc
         ptr["o"], ptr["lse"] = o.data_ptr(), lse.data_ptr()
-        delta = torch.empty(self.rows, dtype=acc, device=dev)
-        ptr["delta"] = delta.data_ptr()
         if self.separate:
-            ptr["dq32"] = ptr["delta"]  # not read: dQ comes from its own kernel
-        else:
-            dq32 = torch.empty(self.rows * self.q_shape[3], dtype=acc, device=dev)
-            ptr["dq32"] = dq32.data_ptr()
+            scratch = torch.empty(self.rows, dtype=acc, device=dev)
+            ptr["delta"] = ptr["dq32"] = scratch.data_ptr()  # dq32 is not read: dQ comes from its own kernel
+        else:  # dQ's accumulator (16-byte aligned, for the vector reductions), then Delta, in one allocation
+            n_dq = self.rows * self.q_shape[3]
+            scratch = torch.empty(n_dq + self.rows, dtype=acc, device=dev)
+            ptr["dq32"] = scratch.data_ptr()
+            ptr["delta"] = ptr["dq32"] + n_dq * scratch.element_size()
         dq = torch.empty(self.q_shape, dtype=q.dtype, device=dev)
         dk = torch.empty(self.kv_shape, dtype=k.dtype, device=dev)
         dv = torch.empty(self.kv_shape, dtype=v.dtype, device=dev)
@@ -672,8 +737,8 @@ class FA2ForwardKernel:
         self._direct: dict[str, DirectKernel] = {}
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         with compile_progress(_label(spec, "forward")):
-            self.source = emit_fa2_forward(spec)
-            self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None
+            self.source = emit_cached(emit_fa2_forward, spec, "forward")
+            self.mask_source = emit_cached(emit_block_mask, spec, "block_mask") if spec.block_mask == "table" else None
             self._module = load_source(self.source, spec.name)
             self._kernel = getattr(self._module, spec.name)
             self._mask_kernel = None
@@ -1089,12 +1154,13 @@ class FA2BackwardKernel:
         self._direct: dict[str, DirectKernel] = {}
         self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
         with compile_progress(_label(spec, "backward")):
-            self.source = emit_fa2_backward(spec)
-            self.delta_source = emit_delta(spec)
+            self.source = emit_cached(emit_fa2_backward, spec, "backward")
+            self.delta_source = emit_cached(emit_delta, spec, "delta")
             # dq=atomic: the f32 accumulator's conversion; dq=separate: the q-outer dQ kernel
-            self.dq_source = emit_dq_convert(spec) if spec.dq == "atomic" else emit_dq_kernel(spec)
-            self.parts_source = emit_parts_sum(spec) if spec.deterministic and spec.grads else None
-            self.mask_source = emit_block_mask(spec) if spec.block_mask == "table" else None  # type: ignore[arg-type]
+            self.dq_source = emit_cached(emit_dq_convert if spec.dq == "atomic" else emit_dq_kernel, spec, "dq")
+            self.parts_source = emit_cached(emit_parts_sum, spec, "parts") if spec.deterministic and spec.grads else None
+            self.mask_source = (emit_cached(emit_block_mask, spec, "bwd_block_mask")  # type: ignore[arg-type]
+                                if spec.block_mask == "table" else None)
             self._kernel = getattr(load_source(self.source, spec.name), spec.name)
             self._delta = getattr(load_source(self.delta_source, spec.name + "_delta"), spec.name + "_delta")
             dq_name = spec.name + ("_dq" if spec.dq == "atomic" else "_dqk")
