@@ -649,7 +649,9 @@ def flex_attention(query: Any, key: Any, value: Any, score_mod: Optional[Callabl
                 _FAST.clear()
             _FAST[fast_key] = _Fast(ident, block_mask, score.deps, aliases, entry)
     caps = _capture_args(entry, leaves, query.device)
-    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
+    # strided views go to the kernels as they are (strides are kernel arguments: the [B, N, H, D] -> [B, H, N, D]
+    # transposes of model code cost no copy); only a last dimension that is not contiguous is copied
+    q, k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     o, lse = entry.compiled(q, k, v, *caps)
     if not torch.is_tensor(o):  # the reference backend without autograd returns numpy arrays
         o = torch.from_numpy(_np_contiguous(o)).to(device=query.device, dtype=query.dtype)

@@ -447,3 +447,27 @@ def test_deps_check_is_what_the_walk_read():
     assert [x is y for x, y in zip(leaves, key.leaves)] == [True, True] and len(leaves) == 2
     f.__defaults__ = (1,)
     assert torch_mods._deps_leaves(key.deps) is None
+
+
+def test_transposed_views_reach_the_compiled_call_without_a_copy(monkeypatch):
+    """[B, N, H, D] projections viewed as [B, H, N, D] (what transformers passes) go to the kernels as they are:
+    strides are kernel arguments; only a last dimension that is not contiguous is copied."""
+    case = CASES["causal"]
+    q, k, v = _qkv(33)
+    want = _run(case, q, k, v)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not qt.is_contiguous() and qt.stride(-1) == 1
+    seen = []
+    original = fl.CompiledAttention.__call__
+
+    def spy(self, *inputs):
+        seen.append(inputs[:3])
+        return original(self, *inputs)
+
+    monkeypatch.setattr(fl.CompiledAttention, "__call__", spy)
+    got = _run(case, qt, kt, vt)
+    assert all(a is b for a, b in zip(seen[-1], (qt, kt, vt)))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    qs = torch.as_strided(q.repeat_interleave(2, dim=-1), q.shape, (q.shape[1] * 33 * 32, 33 * 32, 32, 2))
+    _run(case, qs, k, v)
+    assert seen[-1][0] is not qs and seen[-1][0].is_contiguous()  # a strided last dim is copied
