@@ -119,7 +119,16 @@ def measure(name: str, top: int) -> dict:
     """Compile one kernel (in this process) and return its breakdown."""
     how, dtype, D, what = KERNELS[name]
     passes, other = _instrument()
+    from falower.backends.numba_cuda import intrinsics
     from falower.backends.numba_cuda.runtime import ptx_of, resource_usage
+
+    # ptx_of goes through numba-cuda's compile_ptx, whose pipeline is CUDACompiler by name; a launch compiles
+    # through the kernel dispatcher's own pipeline class: measure that one (FALOWER_NUMBA_PIPELINE=default: not)
+    lean = getattr(intrinsics, "_LEAN_PIPELINE", None)
+    if lean is not None and os.environ.get("FALOWER_NUMBA_PIPELINE", "lean") == "lean":
+        import numba.cuda.compiler as cuda_compiler
+
+        cuda_compiler.CUDACompiler = lean
 
     import falower as fl
 
@@ -145,12 +154,13 @@ def measure(name: str, top: int) -> dict:
     for kname, disp, argtypes in builds:
         passes.clear()
         other["nvvm"] = 0.0
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         ptx = ptx_of(disp, argtypes, (9, 0))
         ptx_s = time.perf_counter() - t
         t = time.perf_counter()
         usage = resource_usage(ptx, "sm_90")
         ptxas_s = time.perf_counter() - t
+        cpu = time.process_time() - cpu  # CPU seconds of this process: robust when other jobs share the cores
         front = sum(passes.values())
         k = {
             "ptx": ptx_s,
@@ -158,6 +168,7 @@ def measure(name: str, top: int) -> dict:
             "nvvm": other["nvvm"],
             "other": ptx_s - front - other["nvvm"],
             "ptxas": ptxas_s,
+            "cpu": cpu,
             "passes": dict(sorted(passes.items(), key=lambda kv: -kv[1])),
             "registers": usage["registers"],
             "spill_stores": usage["spill_stores"],
@@ -166,6 +177,8 @@ def measure(name: str, top: int) -> dict:
             "ptx_counts": {k2: len(re.findall(p, ptx)) for k2, p in PTX_COUNTS.items()},
         }
         res["kernels"][kname] = k
+        if os.environ.get("FALOWER_PTX_DIR"):  # keep the PTX, to diff it across changes
+            Path(os.environ["FALOWER_PTX_DIR"], f"{name}.{kname}.ptx").write_text(ptx)
     res["total"] = res["trace"] + res["passes"] + res["emission"] + sum(
         k["ptx"] + k["ptxas"] for k in res["kernels"].values())
     del top
@@ -217,7 +230,7 @@ def _print(res: dict, top: int) -> None:
     print(f"   trace {res['trace']:.2f}  passes {res['passes']:.2f}  emission {res['emission']:.2f}")
     for kname, k in res["kernels"].items():
         print(f"   [{kname}] ptx {k['ptx']:.2f} s = front end {k['front_end']:.2f} + nvvm {k['nvvm']:.2f} "
-              f"+ other {k['other']:.2f};  ptxas {k['ptxas']:.2f} s")
+              f"+ other {k['other']:.2f};  ptxas {k['ptxas']:.2f} s;  cpu {k.get('cpu', 0):.2f} s")
         tops = list(k["passes"].items())[:top]
         print("      " + ", ".join(f"{n} {v:.2f}" for n, v in tops))
         cnt = k["ptx_counts"]
@@ -233,6 +246,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=6, help="Numba passes to print per kernel")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--first-call", action="store_true", help="also time the first call on a GPU (fwd kernels)")
+    ap.add_argument("--ptx-dir", help="write each kernel's PTX here (NAME.KERNEL.ptx)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -247,6 +261,9 @@ def main() -> None:
                     if out.returncode == 0 else None
         print(json.dumps(res))
         return
+    if args.ptx_dir:
+        os.makedirs(args.ptx_dir, exist_ok=True)
+        os.environ["FALOWER_PTX_DIR"] = os.path.abspath(args.ptx_dir)
     results = []
     for name in args.kernels:
         res = _child(name, args.top, args.first_call)

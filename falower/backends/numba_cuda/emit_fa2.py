@@ -43,6 +43,7 @@ unmasked score get O = 0 and LSE = -inf.
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 
 from .ssa_names import ssa_rename
@@ -83,6 +84,7 @@ from falower.backends.numba_cuda.intrinsics import (
     cp_async_wait0,
     cp_async_wait1,
     device_function,
+    kernel_jit,  # cached on disk on a GPU, compiled through a lean Numba pipeline (intrinsics.py)
     ex2,
     f16_to_f32,
     f32_to_bf16,
@@ -108,8 +110,6 @@ ONE_64 = np.float64(1.0)
 LN2_64 = np.float64(0.6931471805599453)
 LOG2E_64 = np.float64(1.4426950408889634)
 
-# Kernels are cached on disk (cache=True) when running on a GPU; the simulator takes no options.
-kernel_jit = cuda.jit if SIMULATOR else cuda.jit(cache=True)
 # the simulator's dynamic shared memory wants a dtype instance
 SMEM_DTYPE = np.dtype(np.uint16) if SIMULATOR else np.uint16
 '''
@@ -392,6 +392,88 @@ def emit_masked_score(c: _Code, spec: FA2ForwardSpec) -> None:
     c()
 
 
+def emit_mma_helpers(c: _Code, mma: str) -> None:
+    """`mma_acc(x, i, a0..a3, b0, b1)`: x[i:i+4] += A B, one m16n8k16 mma on the fragment of a constant-indexed
+    accumulator array at element offset i; `mma_set`: the same from zero (a product's first k step).
+    A call is a few Numba IR statements where the written-out form costs ~25 (forward and backward kernels)."""
+    x4 = "x[i], x[i + 1], x[i + 2], x[i + 3]"
+    c("@device_function")
+    c("def mma_acc(x, i, a0, a1, a2, a3, b0, b1):")
+    with c.indent():
+        c(f"{x4} = {mma}(a0, a1, a2, a3, b0, b1, {x4})")
+    c()
+    c("@device_function")
+    c("def mma_set(x, i, a0, a1, a2, a3, b0, b1):")
+    with c.indent():
+        c(f"{x4} = {mma}(a0, a1, a2, a3, b0, b1, ZERO, ZERO, ZERO, ZERO)")
+    c()
+
+
+def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma: str, pack: str) -> None:
+    """Device functions for the repeated fragment work of the tensor-core forward, on the constant-indexed
+    accumulator arrays (S: `sc`, O: `acc`) at a constant element offset `i`:
+
+    mma_acc / mma_set   x[i:i+4] (+)= A B, one m16n8k16 mma (mma_set: the first k step, from zero)
+    score_row           scores of one thread's row (NJ n8 tiles x 2 elements) of S, log2 domain
+    masked_score_row    the same through masked_score_fn (partial or ragged tiles)
+    softmax_row         row max (quad shuffles), exponentiate in place; returns (m_new, alpha, row sum)
+    scale_row           one thread's row of O times alpha
+    store_row           one thread's row of O times 1/l, packed to 16-bit pairs, to global memory
+
+    Numba types a device function once per signature and a call is a few IR statements, where the same
+    code written out in the kernel costs ~10 statements per element access; NVVM inlines them
+    (forceinline), the offsets become constants and the arrays stay in registers (benchmarks/NOTES.md,
+    "Compile time", lever 6). The arithmetic and its order are the kernel's own, element for element."""
+    caps = _cap_args(spec)
+    emit_mma_helpers(c, mma)
+    offs = [jj * 4 + e for jj in range(NJ) for e in range(2)]  # a row's elements: n8 tile jj, column e
+    kvs = [jj * 8 + e for jj in range(NJ) for e in range(2)]
+    c("@device_function")
+    c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
+    with c.indent():
+        for o, k in zip(offs, kvs):
+            c(f"x[i + {o}] = {_score_expr(spec, f'x[i + {o}]', 'qi', f'kv + {k}')}")
+    c()
+    c("@device_function")
+    c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
+    with c.indent():
+        for o, k in zip(offs, kvs):
+            c(f"x[i + {o}] = masked_score_fn(x[i + {o}], b, h, qi, kv + {k}, N{caps})")
+    c()
+    c("@device_function")
+    c("def softmax_row(x, i, m_old):")
+    with c.indent():
+        c("mx = x[i]")
+        for o in offs[1:]:
+            c(f"mx = max(mx, x[i + {o}])")
+        c("mx = max(mx, shfl_xor_f32(mx, 1))")
+        c("mx = max(mx, shfl_xor_f32(mx, 2))")
+        c("m_new = max(m_old, mx)")
+        c("m_use = ZERO if m_new == NEG_INF else m_new")
+        c("alpha = ex2(m_old - m_use)")
+        c("rs = ZERO")
+        for o in offs:
+            c(f"v = ex2(x[i + {o}] - m_use)")
+            c(f"x[i + {o}] = v")
+            c("rs += v")
+        c("return m_new, alpha, rs")
+    c()
+    c("@device_function")
+    c("def scale_row(x, i, alpha):")
+    with c.indent():
+        for dn in range(ND):
+            c(f"x[i + {dn * 4}] *= alpha")
+            c(f"x[i + {dn * 4 + 1}] *= alpha")
+    c()
+    c("@device_function")
+    c("def store_row(o, obase, x, i, inv):")
+    with c.indent():
+        for dn in range(ND):
+            c(f"o[obase + {dn * 4}] = {pack}(x[i + {dn * 4}] * inv, x[i + {dn * 4 + 1}] * inv)")
+    c()
+    c()
+
+
 # --------------------------------------------------------------------------------------------------
 # Tile loads (shared by the forward and backward kernels)
 # --------------------------------------------------------------------------------------------------
@@ -493,6 +575,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
 
     c = _Code()
     emit_masked_score(c, spec)
+    emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
     c("@kernel_jit")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
@@ -504,6 +587,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c("warp = tid >> 5")
         c("g = lane >> 2")
         c("t2 = (lane & 3) * 2")
+        c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         HG = head_group(spec)
         c(f"# 1-D grid in groups of {HG} (b, h) pairs; inside a group the q tiles go heaviest first")
@@ -652,10 +736,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"need_mask = wcls == 1 or kv0 + {BK} > N")
                 c("if wcls != 0:")
                 c.level += 1
-            c("# S = Q K^T")
-            for mf in range(MF):
-                for jj in range(NJ):
-                    c(f"{S(mf, jj, 0)} = {S(mf, jj, 1)} = {S(mf, jj, 2)} = {S(mf, jj, 3)} = ZERO")
+            c("# S = Q K^T (the first k step starts from zero accumulators)")
             for ks in range(KS):
                 if not QREG:
                     for mf in range(MF):
@@ -665,9 +746,9 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     for mf in range(MF):
                         for half, (b0, b1) in enumerate((("kb0", "kb1"), ("kb2", "kb3"))):
                             jj = 2 * jp + half
-                            sv = ", ".join(f"{S(mf, jj, i)}" for i in range(4))
                             qa = ", ".join(f"qf_{mf}_{ks}_{i}" for i in range(4))
-                            c(f"{sv} = {mma}({qa}, {b0}, {b1}, {sv})")
+                            fn = "mma_set" if ks == 0 else "mma_acc"
+                            c(f"{fn}(sc, ofs_{(mf * NJ + jj) * 4}, {qa}, {b0}, {b1})")
             c()
             if not WARP_SKIP:
                 _emit_need_mask(c, spec, "j")
@@ -677,15 +758,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 for mf in range(MF):
                     for r in range(2):
                         q = f"q_lo + warp * {RW} + {mf * 16 + 8 * r} + g"
-                        c(f"qi = {q}")
-                        for jj in range(NJ):
-                            for e in range(2):
-                                name = f"{S(mf, jj, 2 * r + e)}"
-                                kv = f"kv0 + {jj * 8 + e} + t2"
-                                if masked:  # one call per element: no branch in the kernel body
-                                    c(f"{name} = masked_score_fn({name}, b, h, qi, {kv}, N{caps})")
-                                else:
-                                    c(f"{name} = {_score_expr(spec, name, 'qi', kv)}")
+                        fn = "masked_score_row" if masked else "score_row"
+                        c(f"{fn}(sc, ofs_{mf * NJ * 4 + 2 * r}, b, h, {q}, kv0 + t2, N{caps})")
 
             c("if need_mask:")
             with c.indent():
@@ -697,24 +771,9 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# online softmax: new row max (quad shuffles), rescale, exponentiate")
             for mf in range(MF):
                 for r in range(2):
-                    vals = [f"{S(mf, jj, 2 * r + e)}" for jj in range(NJ) for e in range(2)]
-                    c(f"mx = {vals[0]}")
-                    for v in vals[1:]:
-                        c(f"mx = max(mx, {v})")
-                    c("mx = max(mx, shfl_xor_f32(mx, 1))")
-                    c("mx = max(mx, shfl_xor_f32(mx, 2))")
-                    c(f"m_new = max(m_{mf}_{r}, mx)")
-                    c("m_use = ZERO if m_new == NEG_INF else m_new")
-                    c(f"alpha = ex2(m_{mf}_{r} - m_use)")
-                    c(f"m_{mf}_{r} = m_new")
-                    c("rs = ZERO")
-                    for v in vals:
-                        c(f"{v} = ex2({v} - m_use)")
-                        c(f"rs += {v}")
+                    c(f"m_{mf}_{r}, alpha, rs = softmax_row(sc, ofs_{mf * NJ * 4 + 2 * r}, m_{mf}_{r})")
                     c(f"l_{mf}_{r} = l_{mf}_{r} * alpha + rs")
-                    for dn in range(ND):
-                        c(f"{A(mf, dn, 2 * r)} *= alpha")
-                        c(f"{A(mf, dn, 2 * r + 1)} *= alpha")
+                    c(f"scale_row(acc, ofs_{mf * ND * 4 + 2 * r}, alpha)")
                 c("# P to 16-bit pairs now: the fp32 S registers die here (A-operand layout of P V)")
                 for kk in range(KK):
                     a, bb = 2 * kk, 2 * kk + 1
@@ -739,8 +798,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                         pa = ", ".join(f"pa_{mf}_{kk}_{i}" for i in range(4))
                         for half, (b0, b1) in enumerate((("vb0", "vb1"), ("vb2", "vb3"))):
                             dn = 2 * dd + half
-                            av = ", ".join(f"{A(mf, dn, i)}" for i in range(4))
-                            c(f"{av} = {mma}({pa}, {b0}, {b1}, {av})")
+                            c(f"mma_acc(acc, ofs_{(mf * ND + dn) * 4}, {pa}, {b0}, {b1})")
             if WARP_SKIP:
                 c.level -= 1
             c("j = jn")
@@ -756,17 +814,18 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"qi = q_lo + warp * {RW} + {mf * 16 + 8 * r} + g")
                 c("if qi < M:")
                 with c.indent():
-                    c(f"obase = (q_head + qi) * {D // 2} + (t2 >> 1)")
-                    for dn in range(ND):
-                        c(
-                            f"o[obase + {dn * 4}] = {pack}({A(mf, dn, 2 * r)} * inv, "
-                            f"{A(mf, dn, 2 * r + 1)} * inv)"
-                        )
+                    c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{mf * ND * 4 + 2 * r}, inv)")
                     c("if t2 == 0:")
                     with c.indent():
                         c(f"lse[q_head + qi] = (m_{mf}_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
     del caps
-    return c.text()
+    text = c.text()
+    # helper offsets as int64 variables, not constants: Numba types a constant argument as Literal[int] and
+    # compiles the helper once per distinct value; one variable per offset keeps one signature per helper
+    used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
+    ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)
+    defs = "\n".join(f"{ind}ofs_{n} = np.int64({n})" for n in used)
+    return re.sub(r"^ *__OFFSETS__$", lambda m: defs, text, count=1, flags=re.M)
 
 
 # --------------------------------------------------------------------------------------------------

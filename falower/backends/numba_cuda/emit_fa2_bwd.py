@@ -25,7 +25,17 @@ dQ by atomic adds per element. Simple and slow; for f32 inputs and head dims the
 
 from __future__ import annotations
 
-from .emit_fa2 import _HEADER, TileLoader, _Code, _device_functions, _spec_comment, _swizzle_mask, as_f64, emit_bases
+from .emit_fa2 import (
+    _HEADER,
+    TileLoader,
+    _Code,
+    _device_functions,
+    _spec_comment,
+    _swizzle_mask,
+    as_f64,
+    emit_bases,
+    emit_mma_helpers,
+)
 
 # element strides (batch, head, row) of q, k, v and dO: strided views run without copies
 STRIDES = "q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm, do_sb, do_sh, do_sm"
@@ -277,10 +287,8 @@ def _emit_score_products(c: _Code, mma: str, D: int, cols: int, a1: str, a2: str
     p_ = A2 B2^T, where A1, A2 are this warp's 16 rows of two [*, D] tiles at shared byte addresses a1, a2
     (ldmatrix A layout) and B1, B2 `cols` rows of two tiles at b1, b2 (the forward's K-operand layout).
     kv-outer: S^T = K Q^T and dP^T = V dO^T; q-outer: S = Q K^T and dP = dO V^T. Accumulators s_jj_i, p_jj_i."""
-    for jj in range(cols // 8):
-        c(f"{SA(jj, 0)} = {SA(jj, 1)} = {SA(jj, 2)} = {SA(jj, 3)} = ZERO")
-        c(f"{PA(jj, 0)} = {PA(jj, 1)} = {PA(jj, 2)} = {PA(jj, 3)} = ZERO")
     for ks in range(D // 16):
+        fn = "mma_set" if ks == 0 else "mma_acc"  # the first k step starts from zero accumulators
         arow = f"((warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2"
         c(f"xa0, xa1, xa2, xa3 = ldsm_x4({a1} + {arow})")
         c(f"ya0, ya1, ya2, ya3 = ldsm_x4({a2} + {arow})")
@@ -290,10 +298,8 @@ def _emit_score_products(c: _Code, mma: str, D: int, cols: int, a1: str, a2: str
             c(f"yb0, yb1, yb2, yb3 = ldsm_x4({b2} + {off})")
             for half, (b0, bb) in enumerate((("0", "1"), ("2", "3"))):
                 jj = 2 * jp + half
-                sv = ", ".join(f"{SA(jj, i)}" for i in range(4))
-                pv = ", ".join(f"{PA(jj, i)}" for i in range(4))
-                c(f"{sv} = {mma}(xa0, xa1, xa2, xa3, xb{b0}, xb{bb}, {sv})")
-                c(f"{pv} = {mma}(ya0, ya1, ya2, ya3, yb{b0}, yb{bb}, {pv})")
+                c(f"{fn}(sacc, {jj * 4}, xa0, xa1, xa2, xa3, xb{b0}, xb{bb})")
+                c(f"{fn}(pacc, {jj * 4}, ya0, ya1, ya2, ya3, yb{b0}, yb{bb})")
 
 
 def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
@@ -313,6 +319,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
 
     c = _Code()
+    emit_mma_helpers(c, mma)
     c("@kernel_jit")
     c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
       f"{_cap_args(spec)}):")
@@ -487,10 +494,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"qb0, qb1, qb2, qb3 = ldsm_x4_trans(qb + {off})")
                     for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
                         dn = 2 * dd + half
-                        dvv = ", ".join(f"{DVA(dn, i)}" for i in range(4))
-                        dkv = ", ".join(f"{DKA(dn, i)}" for i in range(4))
-                        c(f"{dvv} = {mma}(pa0, pa1, pa2, pa3, ob{b0}, ob{b1}, {dvv})")
-                        c(f"{dkv} = {mma}(da0, da1, da2, da3, qb{b0}, qb{b1}, {dkv})")
+                        c(f"mma_acc(dvacc, {dn * 4}, pa0, pa1, pa2, pa3, ob{b0}, ob{b1})")
+                        c(f"mma_acc(dkacc, {dn * 4}, da0, da1, da2, da3, qb{b0}, qb{b1})")
             if spec.dq == "atomic":
                 c("cuda.syncthreads()  # dS^T is complete")
                 c()
@@ -834,6 +839,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     table = ", table" if spec.block_mask == "table" else ""
     c = _Code()
+    emit_mma_helpers(c, mma)
     c("@kernel_jit")
     c(f"def {spec.name}_dqk(q, k, v, lse, do, delta, dq, B, H, M, N, {STRIDES}{table}{_cap_args(spec)}):")
     with c.indent():
@@ -913,8 +919,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
                       f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
                     for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
                         dn = 2 * dd + half
-                        dqv = ", ".join(f"{DQA(dn, i)}" for i in range(4))
-                        c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kt{b0}, kt{b1}, {dqv})")
+                        c(f"mma_acc(dqacc, {dn * 4}, sa0, sa1, sa2, sa3, kt{b0}, kt{b1})")
             c("j = jn")
             c("buf ^= 1")
         c("cp_async_wait0()")

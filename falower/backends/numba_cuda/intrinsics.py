@@ -49,6 +49,7 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 __all__ = [
     "SIMULATOR",
     "device_function",
+    "kernel_jit",
     "mma_f16",
     "mma_bf16",
     "ldmatrix_x4",
@@ -156,6 +157,8 @@ if SIMULATOR:
 
     def device_function(fn):
         return cuda.jit(device=True)(fn)
+
+    kernel_jit = cuda.jit  # the simulator takes no options
 
     def _unpack(word: int, to_float) -> tuple[float, float]:
         word = int(word) & 0xFFFFFFFF
@@ -313,7 +316,7 @@ else:
 
     def device_function(fn):
         """Device functions of generated kernels: always inlined at the NVVM level."""
-        return cuda.jit(device=True, forceinline=True)(fn)
+        return _lean(cuda.jit(device=True, forceinline=True)(fn))
 
     def _linear_singly_assigned_variables() -> None:
         """Replace numba-cuda's `Lower._find_singly_assigned_variable` with a linear-time equivalent.
@@ -366,6 +369,70 @@ else:
         _lowering.Lower._find_singly_assigned_variable_original = original
 
     _linear_singly_assigned_variables()
+
+    def _lean_pipeline():
+        """numba-cuda's CUDACompiler with its closure-inlining pass run only where there is something to inline.
+
+        InlineClosureLikes inlines calls of locally defined closures (`make_function`), `functools.reduce` and
+        list-building loops, and costs a walk with definition look-ups per call plus two liveness analyses of
+        the whole function: 8-19 s of a cold compile of our long kernels (benchmarks/NOTES.md, "Compile
+        time", lever 7). Generated kernels and their helpers contain none of those constructs; this pass
+        checks that (one scan) and runs the original pass wherever one occurs. Only for our kernels and
+        device functions (kernel_jit, device_function); None where numba-cuda's layout differs."""
+        try:
+            from numba.cuda.compiler import CUDACompiler
+            from numba.cuda.core import ir as _ir
+            from numba.cuda.core.compiler_machinery import FunctionPass, register_pass
+            from numba.cuda.core.untyped_passes import InlineClosureLikes
+        except ImportError:
+            return None
+
+        def needs_inlining(func_ir) -> bool:
+            for block in func_ir.blocks.values():
+                for inst in block.body:
+                    if not isinstance(inst, _ir.assign_types):
+                        continue
+                    v = inst.value
+                    if isinstance(v, _ir.expr_types) and v.op in ("make_function", "build_list"):
+                        return True
+                    if isinstance(v, _ir.global_types + _ir.freevar_types) and getattr(v.value, "__name__", "") == "reduce":
+                        return True
+            return False
+
+        @register_pass(mutates_CFG=True, analysis_only=False)
+        class InlineClosureLikesWhereAny(FunctionPass):
+            _name = "inline_closure_likes_where_any"
+
+            def __init__(self):
+                FunctionPass.__init__(self)
+
+            def run_pass(self, state):
+                if needs_inlining(state.func_ir):
+                    return InlineClosureLikes().run_pass(state)
+                return False
+
+        class LeanCUDACompiler(CUDACompiler):
+            def define_pipelines(self):
+                pms = super().define_pipelines()
+                for pm in pms:
+                    pm.passes = [(InlineClosureLikesWhereAny, d) if p is InlineClosureLikes else (p, d)
+                                 for p, d in pm.passes]
+                    pm._finalized = False
+                    pm.finalize()
+                return pms
+
+        return LeanCUDACompiler
+
+    _LEAN_PIPELINE = _lean_pipeline()
+
+    def _lean(disp):
+        if _LEAN_PIPELINE is not None and os.environ.get("FALOWER_NUMBA_PIPELINE", "lean") == "lean":
+            disp._compiler.pipeline_class = _LEAN_PIPELINE
+        return disp
+
+    def kernel_jit(fn):
+        """Kernels of generated sources: cached on disk, compiled through the lean pipeline."""
+        return _lean(cuda.jit(cache=True)(fn))
 
     # float32 maths from libdevice: Numba's math.sin/cos/tan and round() on a float32 compute in f64
     from numba.cuda import libdevice as _libdevice
