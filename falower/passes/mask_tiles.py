@@ -174,7 +174,10 @@ class MaskTiles(Pass):
     """Skip empty tiles, drop the mask on full tiles, evaluate it only on partial ones.
 
     Requires: the FA2 online-softmax loop (tile, online-softmax); graphs in the fa1 order or without a mask
-    are returned unchanged. Before/after (causal):
+    are returned unchanged. Option data: how a mask that reads captured tables is classified, "table" (the
+    exact dense `mask.block_table`) or "ranges" (`%doc_ranges = mask.ranges %doc {axis = 1, granule = 64}`
+    before the loop nest, then the kv_range / classify below with `ranges = [[0, 1, 64]]`; masks whose gathers
+    the ranges cannot bound keep the table). Before/after (causal):
 
         %m, %l, %acc = for %kj = %0 to %nk iter_args(...) {
           %x = fused %s, %q_idx, %kv_idx {...} { ... where(q >= kv, ..., -inf) ... }
@@ -227,10 +230,7 @@ class MaskTiles(Pass):
         if plan is not None:  # run-time data bounded per granule: classified like a static mask
             gb = Builder(Block())
             tables, spec = add_ranges(gb, caps, plan, math.gcd(bq, bk))
-            i = func.body.ops.index(par)
-            for op in gb.block.ops:
-                op.parent = func.body
-            func.body.ops[i:i] = gb.block.ops
+            _insert_before(func.body, par, gb.block.ops)
             attrs["ranges"] = spec
             caps = caps + tables
             for t in tables:
@@ -243,10 +243,7 @@ class MaskTiles(Pass):
             tb = Builder(Block())
             (tbl,) = tb.op("mask.block_table", caps, [tbl_t], {**attrs, "m": M, "n": "N"},
                            [_copy(pred)], names=["block_class"]).results
-            i = func.body.ops.index(par)
-            for op in tb.block.ops:
-                op.parent = func.body
-            func.body.ops[i:i] = tb.block.ops
+            _insert_before(func.body, par, tb.block.ops)
             qi = body.args[2]
             cb = Builder(Block())
             c8 = cb.tile_load(tbl, [bi, h, qi, kj], name_hint="cls8")
@@ -255,10 +252,7 @@ class MaskTiles(Pass):
             nkv = pre.const(Sym("N"), name_hint="nkv")
             lo, hi = pre.op("mask.kv_range", [bi, h, q0, nkv, *caps], [I32, I32], attrs, [_copy(pred)],
                             names=["kv_lo", "kv_hi"]).results
-            i = body.ops.index(loop)
-            for op in pre.block.ops:
-                op.parent = body
-            body.ops[i:i] = pre.block.ops
+            _insert_before(body, loop, pre.block.ops)
             loop.operands[0], loop.operands[1] = lo, hi
             cb = Builder(Block())
             (cls,) = cb.op("mask.classify", [bi, h, q0, k0, *caps], [I32], attrs, [_copy(pred)], names=["cls"]).results
@@ -312,6 +306,14 @@ class MaskTiles(Pass):
         for op in b.block.ops:
             op.parent = lbody
         lbody.ops = head + b.block.ops
+
+
+def _insert_before(block: Block, anchor: Op, ops: list[Op]) -> None:
+    """Move `ops` (built in a scratch block) into `block`, just before `anchor`."""
+    i = block.ops.index(anchor)
+    for op in ops:
+        op.parent = block
+    block.ops[i:i] = ops
 
 
 def _copy(blk: Block) -> Block:

@@ -106,7 +106,9 @@ class TileBwd(Pass):
     Requires: the backward function of recompute (run autodiff, decompose-softmax, delta, recompute).
     Options: bq, bk (tile sizes); dq = separate (a second loop nest with q tiles outer) or atomic (added
     from the kv-outer nest); skip (tile skipping from the mask, default true); deterministic (no atomics: dq
-    separate, captured tables' gradients reduced in a fixed order).
+    separate, captured tables' gradients reduced in a fixed order); data (masks that read captured tables:
+    "table", one dense mask.block_table, or "ranges", mask.ranges with q_range / kv_range / classify, as in
+    mask-tiles).
 
         %p = exp (sub %x, %lse_safe) : f32[B,H,M,N]
         %dv32 = matmul %p, %g {transpose_a} : f32[B,H,N,D]
