@@ -1,0 +1,82 @@
+"""The wgmma emulations (falower/backends/numba_cuda/wgmma.py) in the CUDA simulator, against numpy.
+
+The kernels are the GPU probe's (benchmarks/probe_wgmma.py), so the code the simulator checks is the code the
+H100 runs: S = Q K^T from two 128 B-swizzled K-major descriptors (D = 128 crosses a 64-column block), O = P V
+with P in registers and V MN-major, and the cp.async-pipelined GEMM. Cases run in one subprocess
+(wgmma_sim_cases.py) because the simulator must be on before numba.cuda is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from wgmma_sim_cases import CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ)
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
+    root = HERE.parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(HERE / "wgmma_sim_cases.py")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["id"]] = r
+    if proc.returncode != 0:
+        pytest.fail(f"simulator subprocess failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_wgmma_emulation(results, case):
+    r = results.get(case)
+    assert r is not None, f"case {case} produced no result"
+    assert r["ok"], r
+
+
+def test_descriptor_layouts():
+    """The descriptor decoding the emulations use, on its own: K-major and MN-major 128 B swizzle."""
+    from falower.backends.numba_cuda.wgmma import desc_hi, operand_addresses
+
+    # K-major: rows 128 B apart inside an 8-row atom, atoms SBO = 1024 apart, chunk XOR (row & 7)
+    desc = desc_hi(16, 1024) | ((4096 + 32) >> 4)
+    addr = operand_addresses(desc, 16, "k")
+    for r in range(16):
+        for k in range(16):
+            chunk = (32 + 2 * k) // 16
+            want = 4096 + r * 128 + ((chunk ^ (r & 7)) << 4) + (2 * k) % 16
+            assert addr[r, k] == want
+    # MN-major: 64 elements of a row contiguous (swizzled), 64-wide blocks LBO apart, k groups of 8 SBO apart
+    desc = desc_hi(64 * 128, 1024) | (2048 >> 4)
+    addr = operand_addresses(desc, 128, "mn")
+    for n in (0, 9, 63, 64, 100, 127):
+        for k in range(16):
+            row = 16 + k  # start 2048 = row 16 of the first block
+            want = (n // 64) * 64 * 128 + row * 128 + ((((n % 64) // 8) ^ (row & 7)) << 4) + (n % 8) * 2
+            assert addr[n, k] == want, (n, k)
+    assert np.all(operand_addresses(desc, 8, "mn") % 2 == 0)
+
+
+def test_factories_validate():
+    from falower.backends.numba_cuda import wgmma
+
+    with pytest.raises(ValueError):
+        wgmma.wgmma_ss("f32", 64)
+    with pytest.raises(ValueError):
+        wgmma.wgmma_rs("f16", 12)
+    with pytest.raises(ValueError):
+        wgmma.desc_hi(8, 1024)
