@@ -267,6 +267,8 @@ def run_gpu(size: int, configs: list[str]) -> list[dict]:
             k = torch.randn(N, D, device=dev, dtype=dt[kind])
             out = torch.zeros(64 * N, device=dev, dtype=torch.float32)
             kern, sm = ss_kernel(kind, N, D)
+            args = (_bits(q, torch), _bits(k, torch), cuda.as_cuda_array(out))
+            _set_smem(kern, args, sm)
             kern[1, 128, 0, sm](_bits(q, torch), _bits(k, torch), cuda.as_cuda_array(out))
             torch.cuda.synchronize()
             check(f"ss_{kind}_n{N}_d{D}", out.view(64, N), q.float() @ k.float().T, 1e-5)
