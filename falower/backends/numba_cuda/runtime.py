@@ -21,6 +21,7 @@ simulator go through Numba's dispatcher (`prepare`). `FALOWER_DIRECT_LAUNCH=0` t
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import os
@@ -31,10 +32,11 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from . import cubin_cache
 from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
 from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
@@ -114,6 +116,13 @@ def emit_cached(emit: Any, spec: Any, what: str) -> str:
         f.write(source)
     os.replace(tmp, path)
     return source
+
+
+def _ident(what: str, spec: Any, source: str) -> str:
+    """What identifies a kernel in the cubin cache (cubin_cache.cache_key adds the device and toolchain): its
+    role, its spec, its emitted source and the backend's own files (the argument types, the intrinsics)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    return f"{what}|{_emitter_version()}|{digest}|{spec!r}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,17 +219,13 @@ _GPU: Optional[bool] = None
 
 
 def _has_gpu() -> bool:
-    """A real CUDA device Numba can compile for and launch on (not the simulator); asked once."""
+    """A real CUDA device (not the simulator), asked of the driver through ctypes (no Numba import); once."""
     global _GPU
     if _GPU is None:
         if _simulated():
             return False
-        try:
-            from numba import cuda
-
-            _GPU = bool(cuda.is_available())
-        except Exception:  # noqa: BLE001  (no driver, no numba-cuda: nothing to compile eagerly)
-            _GPU = False
+        drv = cubin_cache.driver()
+        _GPU = bool(drv is not None and drv.available())
     return _GPU
 
 
@@ -240,37 +245,35 @@ class ArgLayout:
     Pure bookkeeping: testable without a GPU."""
 
     def __init__(self, argtypes: tuple) -> None:
-        from numba import types
-        from numba.np.numpy_support import as_dtype
+        self._build(describe_argtypes(argtypes), tuple(argtypes))
 
-        self.argtypes = tuple(argtypes)
+    @classmethod
+    def from_description(cls, description: tuple) -> "ArgLayout":
+        """The layout of `describe()`'s output: how a kernel loaded from falower's cubin cache (no Numba in the
+        process) gets its layout."""
+        layout = cls.__new__(cls)
+        layout._build(tuple(description), tuple(f"{k}[{nd}d]" if k == "array" else k for k, nd, _ in description))
+        return layout
+
+    def describe(self) -> tuple[tuple[str, int, int], ...]:
+        """(kind, ndim, itemsize) per argument: all the layout depends on, as plain data (stored in the cache)."""
+        return tuple(zip(self.kinds, self.ndim, self.itemsize))
+
+    def _build(self, description: tuple, argtypes: tuple) -> None:
+        self.argtypes = argtypes
         self.first: list[int] = []     # first slot of each argument
         self.ndim: list[int] = []      # array rank, or -1 for a scalar
         self.itemsize: list[int] = []  # array element size, or the scalar's size
         self.kinds: list[str] = []     # "array", "int", "f16", "f32", "f64", "bool"
         n = 0
-        for t in self.argtypes:
+        for kind, ndim, itemsize in description:
+            if kind not in _ARG_KINDS or (kind == "array") != (ndim >= 0):
+                raise ValueError(f"not an argument description: {(kind, ndim, itemsize)}")
             self.first.append(n)
-            if isinstance(t, types.Array):
-                if t.layout != "C":
-                    raise TypeError(f"direct launches take C-contiguous arrays, got {t}")
-                self.ndim.append(t.ndim)
-                self.itemsize.append(as_dtype(t.dtype).itemsize)
-                self.kinds.append("array")
-                n += 5 + 2 * t.ndim
-                continue
-            self.ndim.append(-1)
-            if isinstance(t, types.Boolean):
-                kind = "bool"
-            elif isinstance(t, types.Integer):
-                kind = "int"
-            elif t in (types.float16, types.float32, types.float64):
-                kind = {types.float16: "f16", types.float32: "f32", types.float64: "f64"}[t]
-            else:
-                raise TypeError(f"direct launches take arrays, integers, floats and booleans, got {t}")
             self.kinds.append(kind)
-            self.itemsize.append(as_dtype(t).itemsize)
-            n += 1
+            self.ndim.append(int(ndim))
+            self.itemsize.append(int(itemsize))
+            n += 5 + 2 * ndim if kind == "array" else 1
         self.nslots = n
 
     def data_slot(self, i: int) -> int:
@@ -299,6 +302,33 @@ class ArgLayout:
         if kind == "array":
             raise TypeError(f"argument {i} is an array ({self.argtypes[i]}), not a scalar")
         return self.first[i], pack_scalar(kind, value, self.itemsize[i])
+
+
+_ARG_KINDS = ("array", "int", "f16", "f32", "f64", "bool")
+
+
+def describe_argtypes(argtypes: tuple) -> tuple[tuple[str, int, int], ...]:
+    """(kind, ndim, itemsize) of each Numba argument type, as ArgLayout takes them (ndim -1 for a scalar)."""
+    from numba import types
+    from numba.np.numpy_support import as_dtype
+
+    out = []
+    for t in argtypes:
+        if isinstance(t, types.Array):
+            if t.layout != "C":
+                raise TypeError(f"direct launches take C-contiguous arrays, got {t}")
+            out.append(("array", t.ndim, as_dtype(t.dtype).itemsize))
+            continue
+        if isinstance(t, types.Boolean):
+            kind = "bool"
+        elif isinstance(t, types.Integer):
+            kind = "int"
+        elif t in (types.float16, types.float32, types.float64):
+            kind = {types.float16: "f16", types.float32: "f32", types.float64: "f64"}[t]
+        else:
+            raise TypeError(f"direct launches take arrays, integers, floats and booleans, got {t}")
+        out.append((kind, -1, as_dtype(t).itemsize))
+    return tuple(out)
 
 
 def pack_scalar(kind: str, value: Any, size: int) -> int:
@@ -350,30 +380,80 @@ class ArgBuffer:
 
 
 class DirectKernel:
-    """One generated kernel compiled for `argtypes` (Numba's disk cache first), with its driver handle and
-    the dynamic shared memory limit raised once; `launch` enqueues it on a stream with cuLaunchKernel."""
+    """One generated kernel for the direct launches. Its image (cubin, entry symbol, parameter layout) comes
+    from falower's cubin cache (`cubin_cache`: the process never imports Numba) or else from Numba's compile
+    for `argtypes` (Numba's disk cache first), and is then stored there; `function(device)` loads it with
+    the driver (cuModuleLoadData) in the device's primary context, shared memory limit raised once.
 
-    def __init__(self, dispatcher: Any, argtypes: tuple, smem: int) -> None:
-        self.dispatcher = dispatcher
-        self.layout = ArgLayout(argtypes)
+    `dispatcher` and `argtypes` are functions, called only when the kernel must be compiled (both import
+    Numba). `ident` names the kernel and the code that made it (role, spec, emitted source, a hash of the
+    backend's files): the cache key but for the device's compute capability. Built for `device` (default:
+    the current context's device), so that constructing the kernel object is where a compile happens."""
+
+    def __init__(self, dispatcher: Callable[[], Any], argtypes: Callable[[], tuple], smem: int, ident: str,
+                 device: Optional[int] = None) -> None:
+        self._dispatcher, self._argtypes = dispatcher, argtypes
         self.smem = smem
-        self.compiled = dispatcher.compile(tuple(argtypes))  # the overload for exactly these types
-        self._funcs: dict[int, Any] = {}
+        self.ident = ident
+        self._images: dict[tuple[int, int], tuple[str, cubin_cache.KernelImage, bool]] = {}  # cc -> key, image, cached
+        self._funcs: dict[int, int] = {}
+        self._layout: Optional[ArgLayout] = None
+        drv = cubin_cache.driver()
+        self.image(drv.compute_capability(drv.current_device() if device is None else device))
 
-    def function(self, device: int) -> Any:
-        """The CUfunction in `device`'s primary context (torch's and Numba's), loaded on first use."""
+    @property
+    def layout(self) -> ArgLayout:
+        if self._layout is None:
+            self._layout = ArgLayout(self._argtypes())
+        return self._layout
+
+    def image(self, cc: tuple[int, int]) -> cubin_cache.KernelImage:
+        """The kernel compiled for compute capability `cc`: from the cache, else compiled and stored."""
+        got = self._images.get(cc)
+        if got is None:
+            key = cubin_cache.cache_key(self.ident, cc)
+            img = cubin_cache.load(key)
+            cached = img is not None
+            if img is None:
+                img = self.compile(cc)
+                cubin_cache.store(key, img)
+            got = self._images[cc] = (key, img, cached)
+            if self._layout is None:
+                self._layout = ArgLayout.from_description(img.layout)
+        return got[1]
+
+    def compile(self, cc: tuple[int, int]) -> cubin_cache.KernelImage:
+        """Numba's compile of the kernel for exactly `argtypes`, linked for `cc`, as a cacheable image."""
+        argtypes = tuple(self._argtypes())
+        compiled = self._dispatcher().compile(argtypes)
+        lib = compiled._codelibrary
+        if lib._setup_functions or getattr(compiled, "debug", False) or getattr(compiled, "cooperative", False) \
+                or getattr(compiled, "shared_memory_carveout", None) is not None:
+            raise RuntimeError("falower's direct launches load a plain cubin: a kernel with module setup, debug, "
+                               "a cooperative launch or a carveout needs Numba's launch (FALOWER_DIRECT_LAUNCH=0)")
+        return cubin_cache.KernelImage(lib._entry_name, bytes(lib.get_cubin(cc=cc)), describe_argtypes(argtypes),
+                                       self.smem)
+
+    def function(self, device: int) -> int:
+        """The CUfunction in `device`'s primary context (torch's and Numba's), loaded on first use. A cached
+        cubin the driver refuses is dropped from the cache and compiled again, once."""
         func = self._funcs.get(device)
         if func is None:
-            from numba import cuda
-            from numba.cuda.cudadrv.driver import binding, driver
-
-            with cuda.gpus[device]:
-                cufunc = self.compiled._codelibrary.get_cufunc()
-                if self.smem > 48 * 1024:
-                    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                    driver.cuKernelSetAttribute(attr, self.smem, cufunc.handle, cufunc.device.id)
-                err, func = _cu().cuKernelGetFunction(cufunc.handle)
-                _check_cu(err, "cuKernelGetFunction")
+            drv = cubin_cache.driver()
+            cc = drv.compute_capability(device)
+            img = self.image(cc)
+            try:
+                func = drv.load_function(device, img.cubin, img.name, img.smem)
+            except cubin_cache.DriverError as e:
+                key, _, cached = self._images[cc]
+                if not cached:
+                    raise
+                print(f"[falower] cached kernel {key} did not load ({e}); compiling it again", file=sys.stderr)
+                cubin_cache.discard(key)
+                img = self.compile(cc)
+                cubin_cache.store(key, img)
+                self._images[cc] = (key, img, False)
+                func = drv.load_function(device, img.cubin, img.name, img.smem)
             self._funcs[device] = func
         return func
 
@@ -388,11 +468,6 @@ def _cu() -> Any:
 
         _CU = cu
     return _CU
-
-
-def _check_cu(err: Any, what: str) -> None:
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {err!r}")
 
 
 _LIBCUDA_LAUNCH: list = []  # [ctypes cuLaunchKernel or None], looked up once
@@ -431,6 +506,8 @@ def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer):
     cu = _cu()
     launch = cu.cuLaunchKernel
     ok = cu.CUresult.CUDA_SUCCESS
+    if isinstance(func, int):  # a handle from cubin_cache.Driver
+        func = cu.CUfunction(func)
 
     def run(stream: int) -> None:
         err = launch(func, gx, gy, gz, block, 1, 1, smem, stream, address, 0)[0]
@@ -515,7 +592,7 @@ class _ForwardPlan:
         for j, n in enumerate([B, H, M, N] + strides):
             buf.scalar(5 + j, n)
         nxt = 18
-        self.table_n = B * H * nq * nk if kern._mask_kernel is not None else 0
+        self.table_n = B * H * nq * nk if kern.mask_source is not None else 0
         self.table_slots: list[tuple[ArgBuffer, int]] = []
         if self.table_n:
             self.table_slots.append((buf, buf.array(nxt, (self.table_n,))))
@@ -606,7 +683,7 @@ class _BackwardPlan:
         self.nblk = bwd_grid(s, B, H, M, N)[0] if s.deterministic else 1
         self.grad_caps = [g.capture for g in s.grads]
         self.grad_n = [int(np.prod(_cap_shape(caps[i]) or (1,))) for i in self.grad_caps]
-        self.table_n = B * H * nq * nk if kern._mask_kernel is not None else 0
+        self.table_n = B * H * nq * nk if kern.mask_source is not None else 0
         dev = self.dev_index
         # every pointer a call patches: (name, buffer, slot); name indexes what __call__ gathers
         self.patch: list[tuple[str, ArgBuffer, int]] = []
@@ -658,7 +735,7 @@ class _BackwardPlan:
         nxt = arrays(buf, nxt, [(f"grad{j}", self.nblk * n) for j, n in enumerate(self.grad_n)])
         captures(buf, nxt)
         self.launches.append(_launcher(dk_.function(dev), bwd_grid(s, B, H, M, N), kern.threads, kern.smem, buf))
-        if kern._parts is not None:
+        if kern.parts_source is not None:
             for j, n in enumerate(self.grad_n):
                 dk_, buf = buffer("parts")
                 scalars(buf, arrays(buf, 0, [(f"grad{j}", self.nblk * n), (f"sum{j}", n)]), [self.nblk, n])
@@ -675,7 +752,7 @@ class _BackwardPlan:
             dk_, buf = buffer("dq")
             scalars(buf, arrays(buf, 0, [("dq32", n_dq), ("dq", n_dq // per)]), [n_dq])
             self.launches.append(_launcher(dk_.function(dev), (-(-(n_dq // per) // 128),), 128, 0, buf))
-        self.final = "sum" if kern._parts is not None else "grad"
+        self.final = "sum" if kern.parts_source is not None else "grad"
         self.stream = _raw_stream_getter()
 
     def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, caps: tuple) -> Optional[tuple]:
@@ -739,24 +816,32 @@ class FA2ForwardKernel:
         with compile_progress(_label(spec, "forward")):
             self.source = emit_cached(emit_fa2_forward, spec, "forward")
             self.mask_source = emit_cached(emit_block_mask, spec, "block_mask") if spec.block_mask == "table" else None
-            self._module = load_source(self.source, spec.name)
-            self._kernel = getattr(self._module, spec.name)
-            self._mask_kernel = None
-            if self.mask_source is not None:
-                mod = load_source(self.mask_source, spec.name + "_block_mask")
-                self._mask_kernel = getattr(mod, spec.name + "_block_mask")
-            if _has_gpu():  # compile now, for the one signature the direct launches use
+            if _has_gpu():  # compile now (or find the cubin), for the one signature the direct launches use
                 self._direct_kernel("main")
-                if self._mask_kernel is not None:
+                if self.mask_source is not None:
                     self._direct_kernel("mask")
+
+    # Numba's dispatchers, made on first use: importing the emitted module imports numba.cuda, which a warm
+    # process whose kernels come from the cubin cache never needs.
+    @functools.cached_property
+    def _kernel(self) -> Any:
+        return getattr(load_source(self.source, self.spec.name), self.spec.name)
+
+    @functools.cached_property
+    def _mask_kernel(self) -> Any:
+        if self.mask_source is None:
+            return None
+        return getattr(load_source(self.mask_source, self.spec.name + "_block_mask"), self.spec.name + "_block_mask")
 
     def _direct_kernel(self, which: str) -> DirectKernel:
         kern = self._direct.get(which)
         if kern is None:
             if which == "main":
-                kern = DirectKernel(self._kernel, self.argtypes(), self.smem)
+                kern = DirectKernel(lambda: self._kernel, self.argtypes, self.smem,
+                                    _ident("forward", self.spec, self.source))
             else:
-                kern = DirectKernel(self._mask_kernel, self.mask_argtypes(), 0)
+                kern = DirectKernel(lambda: self._mask_kernel, self.mask_argtypes, 0,
+                                    _ident("block_mask", self.spec, self.mask_source))
             self._direct[which] = kern
         return kern
 
@@ -1152,6 +1237,7 @@ class FA2BackwardKernel:
         self.dq_smem = dq_smem_bytes(spec) if spec.dq == "separate" else 0
         self._smem_set: set[tuple] = set()
         self._direct: dict[str, DirectKernel] = {}
+        self._dispatchers: dict[str, Any] = {}
         self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
         with compile_progress(_label(spec, "backward")):
             self.source = emit_cached(emit_fa2_backward, spec, "backward")
@@ -1161,36 +1247,48 @@ class FA2BackwardKernel:
             self.parts_source = emit_cached(emit_parts_sum, spec, "parts") if spec.deterministic and spec.grads else None
             self.mask_source = (emit_cached(emit_block_mask, spec, "bwd_block_mask")  # type: ignore[arg-type]
                                 if spec.block_mask == "table" else None)
-            self._kernel = getattr(load_source(self.source, spec.name), spec.name)
-            self._delta = getattr(load_source(self.delta_source, spec.name + "_delta"), spec.name + "_delta")
-            dq_name = spec.name + ("_dq" if spec.dq == "atomic" else "_dqk")
-            self._dq = getattr(load_source(self.dq_source, dq_name), dq_name)
-            self._parts = None
-            if self.parts_source is not None:
-                self._parts = getattr(load_source(self.parts_source, spec.name + "_parts"), spec.name + "_parts")
-            self._mask_kernel = None
-            if self.mask_source is not None:
-                mod = load_source(self.mask_source, spec.name + "_bwd_block_mask")
-                self._mask_kernel = getattr(mod, spec.name + "_block_mask")
-            if _has_gpu():  # compile now, for the signatures the direct launches use
+            if _has_gpu():  # compile now (or find the cubins), for the signatures the direct launches use
                 for which in self._kernel_names():
                     self._direct_kernel(which)
 
+    # Numba's dispatchers, made on first use (see FA2ForwardKernel._kernel)
+    def dispatcher(self, which: str) -> Any:
+        """Numba's dispatcher of one of the kernels (see kernel_argtypes), None for one this spec has not."""
+        found = self._dispatchers.get(which)
+        if found is None and which not in self._dispatchers:
+            name = self.spec.name
+            dq = name + ("_dq" if self.spec.dq == "atomic" else "_dqk")
+            source, stem, attr = {"main": (self.source, name, name),
+                                  "delta": (self.delta_source, name + "_delta", name + "_delta"),
+                                  "dq": (self.dq_source, dq, dq),
+                                  "parts": (self.parts_source, name + "_parts", name + "_parts"),
+                                  "mask": (self.mask_source, name + "_bwd_block_mask", name + "_block_mask")}[which]
+            found = getattr(load_source(source, stem), attr) if source is not None else None
+            self._dispatchers[which] = found
+        return found
+
+    _kernel = property(lambda self: self.dispatcher("main"))
+    _delta = property(lambda self: self.dispatcher("delta"))
+    _dq = property(lambda self: self.dispatcher("dq"))
+    _parts = property(lambda self: self.dispatcher("parts"))
+    _mask_kernel = property(lambda self: self.dispatcher("mask"))
+
     def _kernel_names(self) -> list[str]:
         names = ["delta", "main", "dq"]
-        if self._mask_kernel is not None:
+        if self.mask_source is not None:
             names.append("mask")
-        if self._parts is not None:
+        if self.parts_source is not None:
             names.append("parts")
         return names
 
     def _direct_kernel(self, which: str) -> DirectKernel:
         kern = self._direct.get(which)
         if kern is None:
-            dispatcher = {"main": self._kernel, "delta": self._delta, "dq": self._dq, "mask": self._mask_kernel,
-                          "parts": self._parts}[which]
+            source = {"main": self.source, "delta": self.delta_source, "dq": self.dq_source,
+                      "mask": self.mask_source, "parts": self.parts_source}[which]
             smem = {"main": self.smem, "dq": self.dq_smem}.get(which, 0)
-            kern = DirectKernel(dispatcher, self.kernel_argtypes(which), smem)
+            kern = DirectKernel(lambda: self.dispatcher(which), lambda: self.kernel_argtypes(which), smem,
+                                _ident(f"backward.{which}", self.spec, source))
             self._direct[which] = kern
         return kern
 

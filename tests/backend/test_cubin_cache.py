@@ -1,0 +1,272 @@
+"""falower's cubin cache (cubin_cache.py, runtime.DirectKernel) on a CPU: the file format and its checks,
+the key, atomic writes under concurrent writers, the fallbacks (corrupt file, a cubin the driver refuses),
+and the property the cache exists for: a warm new process builds and launches its kernels without
+importing Numba. The driver is a fake here; tests/gpu/test_cubin_cache_gpu.py runs the real one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+
+from falower.backends.numba_cuda import cubin_cache, runtime  # noqa: E402
+from falower.backends.numba_cuda.cubin_cache import KernelImage  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT = (("array", 1, 2), ("int", -1, 8), ("f32", -1, 4), ("bool", -1, 1))
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FALOWER_CUBIN_CACHE", raising=False)
+
+
+def _image(cubin: bytes = b"\x7fELF fake cubin", name: str = "_ZN8kernel") -> KernelImage:
+    return KernelImage(name, cubin, LAYOUT, 64 * 1024)
+
+
+# ---------------------------------------------------------------------------------------------- files
+def test_an_image_round_trips():
+    img = _image()
+    cubin_cache.store("k1", img)
+    assert cubin_cache.load("k1") == img
+    assert cubin_cache.load("k2") is None  # absent
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "garbage", "empty", "other key"])
+def test_a_damaged_file_reads_as_absent(damage):
+    img = _image()
+    data = cubin_cache.dumps("k1", img)
+    data = {"truncated": data[:-3], "flipped": data[:-1] + bytes([data[-1] ^ 1]), "garbage": b"\x00" * 40,
+            "empty": b"", "other key": cubin_cache.dumps("k0", img)}[damage]
+    assert cubin_cache.loads("k1", data) is None
+    path = cubin_cache.directory() / "k1.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    assert cubin_cache.load("k1") is None
+
+
+def test_the_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("FALOWER_CUBIN_CACHE", "0")
+    cubin_cache.store("k1", _image())
+    assert not cubin_cache.directory().exists() and cubin_cache.load("k1") is None
+
+
+def test_concurrent_writers_never_expose_half_a_file():
+    """Writers rename whole files into place: a reader sees the old image, the new one, or nothing."""
+    images = [_image(bytes([i]) * 200_000) for i in range(4)]
+    seen, stop = [], threading.Event()
+
+    def write(img):
+        for _ in range(30):
+            cubin_cache.store("k", img)
+
+    def read():
+        while not stop.is_set():
+            got = cubin_cache.load("k")
+            if got is not None:
+                seen.append(got in images)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(img,)) for img in images]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    reader.join()
+    assert seen and all(seen)
+    assert cubin_cache.load("k") in images
+    assert not list(cubin_cache.directory().glob("*.tmp"))  # no temporary left behind
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def test_the_key_depends_on_kernel_device_and_toolchain(monkeypatch):
+    base = cubin_cache.cache_key("forward|spec", (9, 0))
+    assert base == cubin_cache.cache_key("forward|spec", (9, 0))
+    assert base != cubin_cache.cache_key("forward|spec2", (9, 0))
+    assert base != cubin_cache.cache_key("forward|spec", (8, 0))
+    monkeypatch.setattr(cubin_cache, "_TOOLCHAIN", [])
+    monkeypatch.setenv("NUMBA_OPT", "1")  # Numba's code generation settings are part of the toolchain
+    assert base != cubin_cache.cache_key("forward|spec", (9, 0))
+
+
+def test_a_kernels_ident_names_its_source_and_spec():
+    s = "def k(): pass\n"
+    assert runtime._ident("forward", "spec", s) != runtime._ident("forward", "spec", s + "#")
+    assert runtime._ident("forward", "spec", s) != runtime._ident("forward", "spec2", s)
+    assert runtime._ident("forward", "spec", s) != runtime._ident("block_mask", "spec", s)
+
+
+def test_the_toolchain_fingerprint_does_not_import_numba():
+    code = ("import sys; from falower.backends.numba_cuda import cubin_cache; cubin_cache.toolchain(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def test_a_layout_survives_its_description():
+    from numba import types
+
+    argtypes = (types.Array(types.int16, 1, "C"), types.int64, types.Array(types.float32, 3, "C"), types.float16,
+                types.boolean, types.int32)
+    layout = runtime.ArgLayout(argtypes)
+    again = runtime.ArgLayout.from_description(json.loads(json.dumps(layout.describe())))
+    assert (again.first, again.ndim, again.itemsize, again.kinds, again.nslots) == \
+        (layout.first, layout.ndim, layout.itemsize, layout.kinds, layout.nslots)
+    with pytest.raises(ValueError):
+        runtime.ArgLayout.from_description((("array", -1, 4),))
+
+
+# ---------------------------------------------------------------------------------------------- DirectKernel
+class FakeDriver:
+    """cubin_cache.Driver's methods, recording loads; refuses cubins listed in `bad`."""
+
+    def __init__(self, bad=()):
+        self.loads, self.bad = [], set(bad)
+
+    def available(self):
+        return True
+
+    def current_device(self):
+        return 0
+
+    def compute_capability(self, ordinal):
+        return (9, 0)
+
+    def load_function(self, ordinal, cubin, name, smem):
+        if cubin in self.bad:
+            raise cubin_cache.DriverError("cuModuleLoadData failed: CUDA_ERROR_INVALID_IMAGE (200)")
+        self.loads.append((ordinal, cubin, name, smem))
+        return 1000 + len(self.loads)
+
+
+def _make(monkeypatch, drv, compiles, cubin=b"good cubin"):
+    monkeypatch.setattr(cubin_cache, "_DRIVER", [drv])
+    monkeypatch.setattr(runtime.DirectKernel, "compile",
+                        lambda self, cc: (compiles.append(cc), KernelImage("entry", cubin, LAYOUT, self.smem))[1])
+    return runtime.DirectKernel(lambda: None, lambda: (), 1024, "ident")
+
+
+def test_a_second_kernel_object_finds_the_first_ones_cubin(monkeypatch):
+    drv, compiles = FakeDriver(), []
+    first = _make(monkeypatch, drv, compiles)
+    assert compiles == [(9, 0)] and first.function(0) == 1001
+    second = _make(monkeypatch, drv, compiles)
+    assert compiles == [(9, 0)]  # no second compile
+    assert second.layout.describe() == LAYOUT and second.function(0) == 1002
+    assert drv.loads[-1] == (0, b"good cubin", "entry", 1024)
+
+
+def test_a_corrupt_file_is_compiled_again(monkeypatch):
+    drv, compiles = FakeDriver(), []
+    _make(monkeypatch, drv, compiles)
+    (path,) = cubin_cache.directory().glob("*.bin")
+    path.write_bytes(path.read_bytes()[:-1])
+    _make(monkeypatch, drv, compiles)
+    assert len(compiles) == 2 and cubin_cache.loads(path.stem, path.read_bytes()) is not None  # rewritten
+
+
+def test_a_cubin_the_driver_refuses_is_dropped_and_compiled_again(monkeypatch, capsys):
+    compiles = []
+    _make(monkeypatch, FakeDriver(), compiles, cubin=b"stale cubin")
+    drv = FakeDriver(bad={b"stale cubin"})
+    kern = _make(monkeypatch, drv, compiles, cubin=b"fresh cubin")
+    assert len(compiles) == 1  # found in the cache
+    assert kern.function(0) == 1001 and drv.loads[0][1] == b"fresh cubin"
+    assert "did not load" in capsys.readouterr().err
+    (path,) = cubin_cache.directory().glob("*.bin")
+    assert cubin_cache.loads(path.stem, path.read_bytes()).cubin == b"fresh cubin"
+
+
+def test_a_refused_fresh_compile_is_an_error(monkeypatch):
+    kern = _make(monkeypatch, FakeDriver(bad={b"bad"}), [], cubin=b"bad")
+    with pytest.raises(cubin_cache.DriverError):
+        kern.function(0)
+
+
+# ---------------------------------------------------------------------------------------------- new process
+CHILD = textwrap.dedent('''
+    import json, sys
+    from falower.backends.numba_cuda import cubin_cache, runtime
+
+    class FakeDriver:
+        loads = []
+        def available(self): return True
+        def current_device(self): return 0
+        def compute_capability(self, ordinal): return (9, 0)
+        def load_function(self, ordinal, cubin, name, smem):
+            self.loads.append(name)
+            return 1000 + len(self.loads)
+
+    drv = FakeDriver()
+    cubin_cache.set_driver(drv)
+    if sys.argv[1] == "cold":  # Numba types the kernels; linking a cubin needs a GPU: the cubin is faked
+        def compile_(self, cc):
+            argtypes = self._argtypes()
+            self._dispatcher()  # the emitted module imports (Numba's dispatcher exists)
+            return cubin_cache.KernelImage("entry_" + self.ident.split("|")[0], b"cubin", runtime.describe_argtypes(argtypes), self.smem)
+    else:
+        def compile_(self, cc):
+            raise AssertionError("a warm process compiled " + self.ident.split("|")[0])
+    runtime.DirectKernel.compile = compile_
+
+    import torch
+    torch.cuda.current_device = lambda: 0
+    launched = []
+    runtime._raw_stream_getter = lambda: (lambda device: 0)
+    runtime._launcher = lambda func, grid, block, smem, buf: (
+        lambda stream: launched.append((func, tuple(grid), block, smem, buf.layout.nslots)))
+
+    import falower as fl
+    doc = fl.capture("doc", "i32", "B,N")
+    graphs = {"causal": fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal"),
+              "document": fl.attention(mask_mod=lambda b, h, q, kv: doc[b, q] == doc[b, kv], name="document")}
+    q, k, v = (torch.zeros(1, 2, 100, 64, dtype=torch.float16) for _ in range(3))
+    docs = torch.zeros(1, 100, dtype=torch.int32)
+    out = {}
+    for name, g in graphs.items():
+        c = fl.compile(g)
+        caps = (docs,) if name == "document" else ()
+        fwd = c.specialize("f16", D=64)
+        o, lse = runtime._ForwardPlan(fwd, q, k, v, caps)(q, k, v, caps)  # CPU tensors, launches recorded
+        assert o.shape == q.shape and lse.shape == q.shape[:3]
+        bwd = c._backward_kernel_and_dims_for("f16", 64)
+        bcaps = caps + tuple(c._dims((q, k, v) + caps)[d] for d in bwd.spec.dims)
+        grads = runtime._BackwardPlan(bwd, q, k, v, o, lse, o, bcaps)(q, k, v, o, lse, o, bcaps)
+        assert grads[0].shape == q.shape
+    print(json.dumps({"numba": sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite")),
+                      "loads": sorted(drv.loads), "launched": len(launched)}))
+''')
+
+
+def test_a_warm_new_process_never_imports_numba(tmp_path):
+    """Two new processes on one cache dir: the first compiles (Numba types the kernels, the cubin is faked)
+    and stores; the second builds the same forward and backward kernels, plans and launches them (CPU
+    tensors, launches recorded) with nothing compiled and Numba never imported."""
+    pytest.importorskip("torch")
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, FALOWER_CACHE_DIR=str(tmp_path / "cache"), FALOWER_QUIET="1")
+    runs = {}
+    for mode in ("cold", "warm"):
+        proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["cold"]["numba"]  # the first process compiled with Numba
+    assert runs["warm"]["numba"] == []
+    assert runs["warm"]["loads"] == runs["cold"]["loads"]  # every kernel, from the cache
+    assert {"entry_forward", "entry_backward.main", "entry_backward.delta", "entry_backward.dq"} <= \
+        set(runs["warm"]["loads"])
+    assert runs["warm"]["launched"] == runs["cold"]["launched"] > 0
