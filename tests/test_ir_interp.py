@@ -83,6 +83,17 @@ def test_f16_native_rounds_and_f64_does_not() -> None:
     assert exact.dtype == np.float64 and exact[0] == (1.0 + 2.0 ** -11) ** 2
 
 
+def test_native_f64_products_accumulate_in_f64() -> None:
+    """A product of f64 matrices is exact to f64 rounding in native precision (it was summed in float32)."""
+    f, b, (x, y) = new_func("mm", [("x", tensor("f64", "M", "K")), ("y", tensor("f64", "K", "N"))])
+    b.ret(b.emit("matmul", x, y))
+    rng = np.random.default_rng(0)
+    xs, ys = rng.standard_normal((5, 33)), rng.standard_normal((33, 7))
+    (native,) = interpret(f, [xs, ys], "native")
+    assert native.dtype == np.float64
+    np.testing.assert_allclose(native, xs @ ys, rtol=1e-14, atol=1e-14)
+
+
 TILED = """func @tiled(%x: f32[M,4]) -> (out0: f32[M,4]) {
   %o = parallel_for (%i) in (cdiv(M, 8)) : f32[M,4] {
     %c8 = const 8 : i32

@@ -170,7 +170,7 @@ class Interpreter:
         return [self.store(table[tuple(clipped)], op.results[0].type)]
 
     def _matmul(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        cd = np.float64 if self.precision == "f64" else np.float32
+        cd = self.compute_dtype(op.results[0].type)  # f64 products accumulate in f64 (f32 lost ~1e-7)
         a, b = a.astype(cd), b.astype(cd)
         if op.attrs.get("transpose_a"):
             a = np.swapaxes(a, -1, -2)
