@@ -106,6 +106,19 @@ def test_tile_bwd_keeps_the_gradients(opts: str, M: int, N: int) -> None:
         np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("opts", ["dq=atomic", "dq=separate,deterministic=true"])
+def test_tile_bwd_sums_a_captured_scalars_gradient(opts: str) -> None:
+    """score * temp with a 0-d capture: autodiff sums its gradient over every axis; tile-bwd accumulates it
+    per tile as a one-slot table (it refused such a sum before) and the numbers hold at the edge sizes."""
+    temp = fl.capture("temp", "f32", ())
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s * temp, mask_mod=lambda b, h, q, kv: q >= kv, name="t")
+    pm = PassManager(parse_pipeline(f"autodiff,{GRAPH},tile-bwd{{bq=16,bk=8,{opts}}},canonicalize"), check=True)
+    tiled = pm.run(g)
+    assert all(r.check == "ok" for r in pm.records), [r.check for r in pm.records]
+    assert tiled.result_names[-1] == "dtemp" and tiled.results[-1].type.rank == 0
+    assert any(op.name in ("tile.scatter_add", "scatter_add") for op in tiled.walk())
+
+
 def test_tile_bwd_reads_like_fa2() -> None:
     """Delta first; kv tiles outer with dK, dV carried; q tiles inner recomputing P from LSE; dQ atomic."""
     tiled = fl.run_pipeline(joint(), f"{GRAPH},tile-bwd{{dq=atomic}},canonicalize")

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from ..errors import PassError
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
+from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block, replace_uses
 from ..ir.intervals import uses_data
 from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
@@ -147,6 +147,7 @@ class TileBwd(Pass):
     def analyse(self, func: Func) -> BackwardPlan:
         if any(op.name == "parallel_for" for op in func.body.ops):
             raise self.fail("the graph is already tiled")
+        _scalar_sums_as_scatters(func)
         if any(op.name == "softmax" for op in func.walk()):
             raise self.fail("the graph has a softmax: this is not the backward function (run autodiff, "
                             "decompose-softmax, delta and recompute first)")
@@ -504,6 +505,35 @@ def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPl
         out = b.op(op.name, operands, [v.type], dict(op.attrs), names=[v.name]).results[0]
     done[v] = out
     return out
+
+
+def _scalar_sums_as_scatters(func: Func) -> None:
+    """A captured scalar's gradient (autodiff's sum over every axis, squeezed to rank 0) becomes a one-slot
+    scatter_add (into f32[1] at index 0) squeezed to rank 0: the same sum, in the form whose per-tile
+    accumulation the kv-outer nest already does for gathered tables (a 0-d temperature, a softcap)."""
+    body = func.body
+    for r in func.results:
+        if r.type.rank != 0 or not is_float(r.type.dtype):
+            continue
+        z, chain = r, []
+        while isinstance(z.owner, Op) and z.owner.name == "cast":
+            z = z.owner.operands[0]
+        x = z
+        while isinstance(x.owner, Op) and x.owner.name == "squeeze":
+            chain.append(x.owner)
+            x = x.owner.operands[0]
+        if not chain or x.type.rank != 4 or not (isinstance(x.owner, Op) and x.owner.name == "reduce_sum"):
+            continue
+        at = body.ops.index(chain[0])
+        tail, body.ops = body.ops[at + 1:], body.ops[:at + 1]
+        b = Builder(body)
+        zeros = b.const(0.0, TensorType(x.type.dtype, (dim(1),)), name_hint="slot")
+        table = b.emit("scatter_add", zeros, x, b.const(0, I32), name_hint=f"{r.name or 'd'}_slot")
+        y = b.emit("squeeze", table, axis=0, name_hint=z.name)
+        body.ops.extend(tail)
+        replace_uses(body, z, y)
+        for op in chain:  # the squeezes are dead now
+            body.ops.remove(op)
 
 
 def _feeds_scatter(op: Op, users: dict[int, list[Op]]) -> bool:

@@ -80,33 +80,38 @@ CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 1
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 
 
-def run_f64_case(dq: str) -> dict:
+def run_f64_case(case: str) -> dict:
     """f64 inputs through the SIMT kernels (what gradcheck runs): forward and backward against the IR in
-    float64 (a graph traced in f64 accumulates in f64 all the way, and so do the kernels)."""
+    float64 (a graph traced in f64 accumulates in f64 all the way, and so do the kernels). `case` is the dq
+    mode, prefixed `scalar-` for a captured 0-d temperature (its gradient is a sum over every element)."""
     import falower as fl
     from falower.ir.interp import Interpreter
 
-    slopes = fl.capture("slopes", "f64", "H")
-    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
-                     mask_mod=lambda b, h, q, kv: q >= kv, name="alibi64", dtype="f64")
+    dq = case.removeprefix("scalar-")
+    B, H, M, N, D = 1, 2, 20, 19, 16
+    if case.startswith("scalar-"):
+        cap, val = fl.capture("temp", "f64", ()), np.array(0.7)
+        score = lambda s, b, h, q, kv: s * cap  # noqa: E731
+    else:
+        cap, val = fl.capture("slopes", "f64", "H"), np.array([-0.3, -0.1])
+        score = lambda s, b, h, q, kv: s + cap[h] * (kv - q)  # noqa: E731
+    g = fl.attention(score_mod=score, mask_mod=lambda b, h, q, kv: q >= kv, name="f64case", dtype="f64")
     c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=BWD.format(t=16, tk=16, dq=DQ[dq]))
     rng = np.random.default_rng(0)
-    B, H, M, N, D = 1, 2, 20, 19, 16
     q, k, v = (rng.standard_normal((B, H, n, D)) for n in (M, N, N))
-    sl = np.array([-0.3, -0.1])
-    o, lse = c(q, k, v, sl)
-    want_o, want_lse = Interpreter("f64").run(c.lowered, [q, k, v, sl])
+    o, lse = c(q, k, v, val)
+    want_o, want_lse = Interpreter("f64").run(c.lowered, [q, k, v, val])
     do = rng.standard_normal(o.shape)
-    got = c.backward(q, k, v, o, lse, do, sl)
+    got = c.backward(q, k, v, o, lse, do, val)
     f = c.lowered_backward
-    by = dict(q=q, k=k, v=v, slopes=sl, o=o, lse=lse, do=do)
+    by = {"q": q, "k": k, "v": v, g.args[3].name: val, "o": o, "lse": lse, "do": do}
     want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
     errs = {"o": float(np.abs(o - want_o).max()), "lse": float(np.abs(lse - want_lse).max())}
     errs.update({n: float(np.abs(a - b).max()) for n, a, b in zip(c.gradient_names(), got, want)})
-    return {"id": f"f64-{dq}", "errs": errs, "dtypes": sorted({str(np.asarray(x).dtype) for x in (o, lse, *got)})}
+    return {"id": f"f64-{case}", "errs": errs, "dtypes": sorted({str(np.asarray(x).dtype) for x in (o, lse, *got)})}
 
 
-F64_CASES = ["atomic", "det"]
+F64_CASES = ["atomic", "det", "scalar-atomic", "scalar-det"]
 
 
 def run_strided_case(stem: str, path: str) -> dict:

@@ -67,6 +67,7 @@ def test_f64_kernels_are_double_precision(results, case_id):
     r = results[case_id]
     assert "error" not in r, r.get("error")
     assert r["dtypes"] == ["float64"], r
+    assert len(r["errs"]) == 6, r  # o, lse, dq, dk, dv and the captured slopes' or temperature's gradient
     for name, err in r["errs"].items():
         assert err <= 1e-12, (name, r)
 

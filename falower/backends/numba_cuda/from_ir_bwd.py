@@ -216,7 +216,10 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]) -> list
 
 
 def _result_name(func: Func, v: Value) -> str:
+    """The result `v` becomes, directly or squeezed (a captured scalar's gradient is a one-slot table)."""
     for name, x in zip(func.result_names, func.results):
+        while x is not v and isinstance(x.owner, Op) and x.owner.name == "squeeze":
+            x = x.owner.operands[0]
         if x is v:
             return name
     raise BackendError("numba-cuda backend: a captured table's gradient is not a result of the backward function")
