@@ -97,7 +97,7 @@ def toolchain() -> str:
 def cache_key(ident: str, cc: tuple[int, int]) -> str:
     """The file name of a kernel's image: `ident` (what identifies the kernel and the code that built it,
     see runtime.DirectKernel), the compute capability it is compiled for and the toolchain."""
-    text = f"{ident}\0sm_{cc[0]}{cc[1]}\0{toolchain()}"
+    text = f"{ident}\0sm_{cc[0]}{cc[1]}{'a' if tuple(cc) >= (9, 0) else ''}\0{toolchain()}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -431,7 +431,10 @@ class DirectKernel:
                 or getattr(compiled, "shared_memory_carveout", None) is not None:
             raise RuntimeError("falower's direct launches load a plain cubin: a kernel with module setup, debug, "
                                "a cooperative launch or a carveout needs Numba's launch (FALOWER_DIRECT_LAUNCH=0)")
-        return cubin_cache.KernelImage(lib._entry_name, bytes(lib.get_cubin(cc=cc)), describe_argtypes(argtypes),
+        # the target Numba itself links for (CUDACodeLibrary._ensure_cc): sm_90a, not sm_90, on an H100, so
+        # the cubin is the one Numba's own cache holds and architecture-specific PTX (wgmma) assembles
+        target = (cc[0], cc[1], "a" if tuple(cc) >= (9, 0) else "")
+        return cubin_cache.KernelImage(lib._entry_name, bytes(lib.get_cubin(cc=target)), describe_argtypes(argtypes),
                                        self.smem)
 
     def function(self, device: int) -> int:
