@@ -50,6 +50,8 @@ Public names (identical in both modes):
                                           A B (+ acc if scale_d), A [64,16] and B [16,n] from shared memory
     wgmma_rs(kind, n, trans_b=0)          -> f(acc, off, a0, a1, a2, a3, desc_b, scale_d): A from registers
     cp_async_wait(n)                      -> f(): cp.async.wait_group n
+    rcp_approx(x)                         f32 -> f32, rcp.approx.ftz (an IEEE `1 / x` is rcp.rn, which ptxas
+                                          expands to a subroutine call: calls serialize every wgmma)
     desc_hi(lbo_bytes, sbo_bytes, swizzle=128)   host: the constant upper bits of a descriptor (int)
     make_desc(hi, addr)                   device: hi | start address (shared byte address: u32)
     swizzled_offset(r, c)                 device/host: byte offset of row r, 16-byte chunk c in a 128 B-swizzled
@@ -81,6 +83,7 @@ __all__ = [
     "wgmma_ss",
     "wgmma_rs",
     "cp_async_wait",
+    "rcp_approx",
     "desc_hi",
     "make_desc",
     "swizzled_offset",
@@ -242,6 +245,10 @@ if SIMULATOR:
     def cp_async_wait(n: int):
         return _noop
 
+    def rcp_approx(x):
+        with np.errstate(divide="ignore"):
+            return np.float32(np.float32(1.0) / np.float32(x))
+
 else:
     from llvmlite import ir
     from numba import types
@@ -298,6 +305,15 @@ else:
     @functools.lru_cache(maxsize=None)
     def cp_async_wait(n: int):
         return _void_asm(f"cp_async_wait{n}", f"cp.async.wait_group {int(n)};")
+
+    @intrinsic
+    def rcp_approx(typingctx, x):
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], _F32)
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()])
+            return builder.call(ir.InlineAsm(fnty, "rcp.approx.ftz.f32 $0, $1;", "=f,f"), [v])
+
+        return _F32(x), codegen
 
     def _regs_intrinsic(name: str, ptx: str, count: int):
         def typer(typingctx, acc, off):

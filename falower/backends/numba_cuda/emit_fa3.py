@@ -1,0 +1,293 @@
+"""Emit Numba CUDA source for a FlashAttention forward kernel on Hopper's warpgroup MMA (issue 11).
+
+`emit_fa3_forward(spec)` returns one Python module, like `emit_fa2.emit_fa2_forward`, from the same
+`FA2ForwardSpec` (same kernel arguments, same device-function contract: score_fn, mask_fn, tile_class_fn, the
+block table), and reuses emit_fa2's pieces rather than copying them: the variant's device functions, the kv-tile
+range and classification under a block mask, the masked score, and the per-row score / online-softmax / rescale /
+store helpers (the wgmma accumulator of m64nN is, per warp, mma.sync's C fragment repeated along N, so those
+helpers apply to one m16 fragment per warp unchanged). What is new is the schedule:
+
+* one warpgroup (4 warps, 128 threads) per 64 query rows, `block_q // 64` warpgroups per block;
+* Q, K and V in shared memory in wgmma's 128 B-swizzled layout, `[D // 64][rows][64]` 16-bit elements, row r's
+  16-byte chunk c at `r * 128 + ((c ^ (r & 7)) << 4)` of its 64-column block, from a 1024-byte aligned base
+  (wgmma.py describes the descriptors); K and V double-buffered by 16-byte cp.async with zero fill past N;
+* S = Q K^T: D/16 `wgmma m64n{block_k}k16` from two descriptors (both operands K-major);
+* P packed to 16-bit pairs from the S accumulators straight into the A registers of
+  O += P V: block_k/16 `wgmma m64n{D}k16` with V MN-major (trans-b), no trip through shared memory;
+* online softmax in the exp2 domain, one division at the end, LSE in natural log (as emit_fa2).
+
+Launch: grid `grid(spec, B, H, M, N)` = (q tiles, H, B) (no run-time division in the kernel: a 64-bit division is
+a subroutine call, and any call makes ptxas serialize every wgmma: benchmarks/NOTES.md, "wgmma"),
+`threads_per_block(spec)` threads, `smem_bytes(spec)` bytes of dynamic shared memory (raise the 48 KB limit).
+
+Not yet here (issue 11): producer/consumer warpgroups, setmaxnreg, overlapping one tile's softmax with the next
+tile's matmuls, TMA. The schedule waits for each product before using it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .emit_fa2 import (
+    _HEADER,
+    _Code,
+    _device_functions,
+    _emit_need_mask,
+    _emit_next_tile,
+    _emit_tile_range,
+    _signature,
+    _spec_comment,
+    emit_bases,
+    emit_fragment_helpers,
+    emit_masked_score,
+)
+from .spec import FA2ForwardSpec
+from .ssa_names import ssa_rename
+
+__all__ = ["emit_fa3_forward", "grid", "smem_bytes", "threads_per_block", "validate_spec", "recommended_schedule"]
+
+ALIGN = 1024  # 128 B-swizzle atoms at 1024-byte aligned shared addresses
+
+_WGMMA_IMPORTS = '''
+from falower.backends.numba_cuda.wgmma import (
+    desc_hi,
+    fence_proxy_async,
+    make_desc,
+    rcp_approx,
+    wgmma_commit,
+    wgmma_fence_regs,
+    wgmma_rs,
+    wgmma_ss,
+    wgmma_wait_regs,
+)
+'''
+
+
+def recommended_schedule(head_dim: int) -> dict[str, int]:
+    """Tile sizes for the wgmma forward: two warpgroups (128 query rows) and 128-wide kv tiles.
+
+    Not yet tuned on the H100 (benchmarks/NOTES.md, "wgmma"): FA3 uses 128 x 128 (D = 128) and 192 x 128 (D = 64)."""
+    return {"block_q": 128, "block_k": 128, "num_warps": 8}
+
+
+def threads_per_block(spec: FA2ForwardSpec) -> int:
+    return spec.num_warps * 32
+
+
+def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
+    return (-(-M // spec.block_q), H, B)
+
+
+def _layout(spec: FA2ForwardSpec) -> dict[str, int]:
+    """Byte offsets from the aligned base: Q, then K0, V0, K1, V1 (each [D // 64][rows][128 B])."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    tile = BK * D * 2
+    return {"q": 0, "kv": BQ * D * 2, "tile": tile, "total": BQ * D * 2 + 4 * tile}
+
+
+def smem_bytes(spec: FA2ForwardSpec) -> int:
+    return _layout(spec)["total"] + ALIGN
+
+
+def validate_spec(spec: FA2ForwardSpec) -> None:
+    D, BQ, BK, NW = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps
+    if spec.dtype not in ("f16", "bf16"):
+        raise ValueError(f"wgmma path: dtype must be f16 or bf16, got {spec.dtype}")
+    if D not in (64, 128):
+        raise ValueError(f"wgmma path: head_dim must be 64 or 128 for now, got {D}")
+    if BK % 16 or not 16 <= BK <= 256:
+        raise ValueError(f"wgmma path: block_k must be a multiple of 16 in [16, 256], got {BK}")
+    if BQ % 64 or NW != 4 * (BQ // 64):
+        raise ValueError(f"wgmma path: one warpgroup (4 warps) per 64 query rows, got block_q={BQ}, num_warps={NW}")
+    if "def score_fn" not in spec.device_source:
+        raise ValueError("device_source must define score_fn")
+    if spec.has_mask and "def mask_fn" not in spec.device_source:
+        raise ValueError("has_mask needs a mask_fn in device_source")
+    if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
+        raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    threads = NW * 32
+    if threads % (D // 8) or (threads // (D // 8)) % 8:
+        raise ValueError("wgmma path: the block's threads must cover 8-row multiples of a tile in one sweep")
+    if smem_bytes(spec) > 227 * 1024:
+        raise ValueError(f"wgmma path: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
+
+
+def _emit_loader_setup(c: _Code, threads: int, D: int) -> int:
+    """Per-thread offsets of the tile copies: thread tid copies 16-byte chunk `tid % CH` of rows
+    tid // CH + i * RSTEP (RSTEP a multiple of 8, so the swizzle term (row & 7) is the same for all of them)."""
+    CH = D // 8
+    c(f"ld_r0 = tid // {CH}")
+    c(f"ld_c = tid % {CH}")
+    c("ld_x = ((ld_c & 7) ^ (ld_r0 & 7)) << 4")
+    return threads // CH
+
+
+def _emit_load(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nrows: str, garr: str, base: str,
+               rs: str) -> None:
+    """cp.async rows row0 .. row0 + rows - 1 of `garr` (row r at element base + r * rs) into the swizzled
+    [D // 64][rows][64] tile at shared byte address sdst; rows >= nrows are zero-filled."""
+    c(f"ld_s = {sdst} + (ld_c >> 3) * {rows * 128} + ld_r0 * 128 + ld_x")
+    c(f"ld_row = {row0} + ld_r0")
+    c(f"ld_g = {base} + ld_row * {rs} + ld_c * 8")
+    c(f"ld_safe = {base} + ld_c * 8")
+    for i in range(rows // rstep):
+        dr = i * rstep
+        c(f"if ld_row + {dr} < {nrows}:")
+        with c.indent():
+            c(f"cp_async16_s(ld_s + {dr * 128}, {garr}, ld_g + {dr} * {rs}, 16)")
+        c("else:")
+        with c.indent():
+            c(f"cp_async16_s(ld_s + {dr * 128}, {garr}, ld_safe, 0)")
+
+
+def _emit_kernel(spec: FA2ForwardSpec) -> str:
+    D, BQ, BK, NW, G = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps, spec.group_size
+    threads = NW * 32
+    NJ, ND = BK // 8, D // 8
+    KS, KK = D // 16, BK // 16
+    lay = _layout(spec)
+    T, KVOFF = lay["tile"], lay["kv"]
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
+    caps = "".join(f", cap_{i}_{cp.name}" for i, cp in enumerate(spec.captures))
+
+    c = _Code()
+    c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
+    c(f'WG_O = wgmma_rs("{spec.dtype}", {D}, 1)  # O += P V: P in registers, V MN-major (trans-b)')
+    c(f"FENCE_S = wgmma_fence_regs({BK // 2})")
+    c(f"WAIT_S = wgmma_wait_regs(0, {BK // 2})")
+    c(f"FENCE_O = wgmma_fence_regs({D // 2})")
+    c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
+    c(f"HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
+    c(f"HI_V = desc_hi({BK * 128}, 1024)  # MN-major: 64-column blocks {BK * 128} bytes apart, 8-row groups 1024")
+    c()
+    emit_masked_score(c, spec)
+    emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
+    c("@kernel_jit")
+    c(f"def {spec.name}({_signature(spec)}):")
+    with c.indent():
+        c(f'"""FA forward on wgmma: D={D}, block {BQ}x{BK}, {BQ // 64} warpgroup(s), {spec.dtype}."""')
+        c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        c("sb0 = smem_base(smem)")
+        c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
+        c("tid = cuda.threadIdx.x")
+        c("lane = tid & 31")
+        c("warp = tid >> 5")
+        c("wg = tid >> 7")
+        c("g = lane >> 2")
+        c("t2 = (lane & 3) * 2")
+        c("__OFFSETS__")
+        c(f"nq = (M + {BQ - 1}) // {BQ}")
+        c("qt = nq - 1 - cuda.blockIdx.x  # heaviest q tiles first (causal)")
+        c("h = cuda.blockIdx.y")
+        c("b = cuda.blockIdx.z")
+        c(f"hk = h // {G}" if G > 1 else "hk = h")
+        c("q_head = (b * H + h) * M")
+        emit_bases(c)
+        _emit_tile_range(c, spec)
+        c()
+        rstep = _emit_loader_setup(c, threads, D)
+        c(f"sq = sb  # Q: [{D // 64}][{BQ}][128 B]")
+        c(f"q_wg = sq + wg * {64 * 128}  # this warpgroup's 64 rows inside each column block")
+        c("# prologue: Q and the first K and V tiles (one cp.async group)")
+        _emit_load(c, BQ, rstep, D, "sq", "q_lo", "M", "q", "qg", "q_sm")
+        c("if kv_first <= kv_last:")
+        with c.indent():
+            _emit_load(c, BK, rstep, D, f"sb + {KVOFF}", f"kv_first * {BK}", "N", "k", "kg", "k_sm")
+            _emit_load(c, BK, rstep, D, f"sb + {KVOFF + T}", f"kv_first * {BK}", "N", "v", "vg", "v_sm")
+        c("cp_async_commit()")
+        c()
+        c("# online-softmax state of this thread's rows g and g + 8 of its warp's 16; S and O accumulators in")
+        c("# constant-indexed local arrays (registers)")
+        c(f"acc = cuda.local.array({D // 2}, np.float32)")
+        c(f"sc = cuda.local.array({BK // 2}, np.float32)")
+        for r in range(2):
+            c(f"m_{r} = NEG_INF")
+            c(f"l_{r} = ZERO")
+        c(f"for i in range({D // 2}):")
+        with c.indent():
+            c("acc[i] = ZERO")
+        c("j = kv_first")
+        c("buf = 0")
+        c("while j <= kv_last:")
+        with c.indent():
+            _emit_next_tile(c, spec, "j", "jn")
+            c(f"k_base = sb + {KVOFF} + buf * {2 * T}")
+            c(f"v_base = k_base + {T}")
+            c(f"n_base = sb + {KVOFF + 2 * T} - buf * {2 * T}  # the other buffer")
+            c("cp_async_wait0()  # K_j and V_j have landed (this thread's copies)")
+            c("fence_proxy_async()  # ... and are visible to wgmma's async proxy")
+            c("cuda.syncthreads()  # ... for every thread; every warpgroup is done with the other buffer")
+            c("if jn <= kv_last:")
+            with c.indent():
+                _emit_load(c, BK, rstep, D, "n_base", f"jn * {BK}", "N", "k", "kg", "k_sm")
+                _emit_load(c, BK, rstep, D, f"n_base + {T}", f"jn * {BK}", "N", "v", "vg", "v_sm")
+            c("cp_async_commit()")
+            c()
+            c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
+            c("FENCE_S(sc, 0)")
+            for ks in range(KS):
+                qa = f"q_wg + {(ks // 4) * BQ * 128 + (ks % 4) * 32}"
+                ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
+                c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
+            c("wgmma_commit()")
+            c("WAIT_S(sc, 0)")
+            c()
+            _emit_need_mask(c, spec, "j")
+            c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
+            for masked, kw in ((True, "if need_mask:"), (False, "else:")):
+                c(kw)
+                with c.indent():
+                    fn = "masked_score_row" if masked else "score_row"
+                    for r in range(2):
+                        qrow = f"q_lo + warp * 16 + {8 * r} + g"
+                        c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
+            c("# online softmax: new row max (quad shuffles), rescale O, exponentiate")
+            for r in range(2):
+                c(f"m_{r}, alpha, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
+                c(f"l_{r} = l_{r} * alpha + rs")
+                c(f"scale_row(acc, ofs_{2 * r}, alpha)")
+            c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
+            for kk in range(KK):
+                a, bb = 8 * kk, 8 * kk + 4
+                c(f"pa_{kk}_0 = {pack}(sc[{a}], sc[{a + 1}])")
+                c(f"pa_{kk}_1 = {pack}(sc[{a + 2}], sc[{a + 3}])")
+                c(f"pa_{kk}_2 = {pack}(sc[{bb}], sc[{bb + 1}])")
+                c(f"pa_{kk}_3 = {pack}(sc[{bb + 2}], sc[{bb + 3}])")
+            c(f"# O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)")
+            c("FENCE_O(acc, 0)")
+            for kk in range(KK):
+                pa = ", ".join(f"pa_{kk}_{i}" for i in range(4))
+                c(f"WG_O(acc, 0, {pa}, make_desc(HI_V, v_base + {kk * 2048}), 1)")
+            c("wgmma_commit()")
+            c("WAIT_O(acc, 0)")
+            c("j = jn")
+            c("buf ^= 1")
+        c()
+        c("cp_async_wait0()")
+        c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
+        for r in range(2):
+            c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
+            c("lt = lt + shfl_xor_f32(lt, 2)")
+            c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+            c(f"qi = q_lo + warp * 16 + {8 * r} + g")
+            c("if qi < M:")
+            with c.indent():
+                c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{2 * r}, inv)")
+                c("if t2 == 0:")
+                with c.indent():
+                    c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+    text = c.text()
+    used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
+    ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)
+    defs = "\n".join(f"{ind}ofs_{n} = np.int64({n})" for n in used)
+    return re.sub(r"^ *__OFFSETS__$", lambda m: defs, text, count=1, flags=re.M)
+
+
+def emit_fa3_forward(spec: FA2ForwardSpec) -> str:
+    """Numba CUDA source of the wgmma forward kernel `spec.name` (a whole module)."""
+    validate_spec(spec)
+    header = _HEADER.format(spec_repr=_spec_comment(spec) + " schedule=wgmma").replace(
+        "emit_fa2 -- do not edit.", "emit_fa3 -- do not edit.")
+    code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))
+    return header + _WGMMA_IMPORTS + "\n\n" + code

@@ -1,0 +1,87 @@
+"""Simulator cases for test_fa3_simulator.py: the wgmma forward kernel (emit_fa3.py) on tiny shapes against the
+float64 reference, run in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case.
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python fa3_sim_cases.py [case-id ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.setswitchinterval(5e-4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
+
+# id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k)
+CASES = {
+    "plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 64, 32),
+    "causal-bf16-d64": ("causal", "bf16", 64, 1, 1, 40, 40, 1, 64, 16),
+    "bias-f16-d64-gqa": ("bias", "f16", 64, 1, 2, 33, 20, 2, 64, 16),
+    "causal-f16-d128-2wg": ("causal", "f16", 128, 1, 1, 80, 70, 1, 128, 32),
+}
+
+
+def launch_args(spec, q, k, v, caps):
+    """The forward kernel's arguments (emit_fa2's signature) for contiguous numpy inputs."""
+    B, H, M, D = q.shape
+    _, Hk, N, _ = k.shape
+    bits = [np.ascontiguousarray(x).view(np.int16).reshape(-1) for x in (q, k, v)]
+    o = np.zeros(B * H * M * D // 2, dtype=np.uint32)
+    lse = np.zeros(B * H * M, dtype=np.float32)
+    strides = (H * M * D, M * D, D, Hk * N * D, N * D, D, Hk * N * D, N * D, D)
+    return (*bits, o, lse, B, H, M, N, *strides, *caps), o, lse
+
+
+def run_case(case_id: str) -> dict:
+    from falower.backends.numba_cuda import emit_fa3
+    from falower.backends.numba_cuda.runtime import load_source
+
+    variant, dtype, D, B, H, M, N, G, bq, bk = CASES[case_id]
+    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=4 * (bq // 64),
+                     group_size=G, name=f"fa3sim_{case_id.replace('-', '_')}")
+    src = emit_fa3.emit_fa3_forward(spec)
+    kern = getattr(load_source(src, spec.name), spec.name)
+    q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
+    caps = random_captures(rng, variant, B, H, M, N)
+    args, o, lse = launch_args(spec, q, k, v, caps)
+    t0 = time.time()
+    kern[emit_fa3.grid(spec, B, H, M, N), emit_fa3.threads_per_block(spec), 0, emit_fa3.smem_bytes(spec)](*args)
+    seconds = time.time() - t0
+    qf, kf, vf = (as_float(x, dtype) for x in (q, k, v))
+    ro, rl = reference(qf, kf, vf, variant, caps, G)
+    if dtype == "f16":
+        of = o.view(np.float16).astype(np.float64).reshape(B, H, M, D)
+    else:
+        of = (o.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(B, H, M, D)
+    lse = lse.reshape(B, H, M)
+    masked = ~np.isfinite(rl)
+    return {
+        "id": case_id,
+        "dtype": dtype,
+        "o_err": float(np.abs(of - ro).max()),
+        "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
+        "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
+        "seconds": round(seconds, 1),
+    }
+
+
+def main(ids) -> None:
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+    for cid in ids or CASES:
+        try:
+            r = run_case(cid)
+        except Exception as exc:
+            import traceback
+
+            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
