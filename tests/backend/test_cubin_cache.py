@@ -270,3 +270,64 @@ def test_a_warm_new_process_never_imports_numba(tmp_path):
     assert {"entry_forward", "entry_backward.main", "entry_backward.delta", "entry_backward.dq"} <= \
         set(runs["warm"]["loads"])
     assert runs["warm"]["launched"] == runs["cold"]["launched"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- Driver
+class FakeLibcuda:
+    """libcuda's entry points as Python callables: out-parameters written through byref's `_obj`; records
+    every call; `fail` names an entry point that returns CUDA_ERROR_INVALID_IMAGE (200)."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail, self.current = [], fail, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name == self.fail:
+                return 200
+            out = args[0]._obj if args and hasattr(args[0], "_obj") else None
+            if name == "cuDeviceGetCount":
+                out.value = 1
+            elif name == "cuDeviceGet":
+                out.value = args[1].value
+            elif name == "cuDeviceGetAttribute":
+                out.value = {75: 9, 76: 0}[args[1].value]
+            elif name == "cuDevicePrimaryCtxRetain":
+                out.value = 0xC0
+            elif name == "cuCtxPushCurrent_v2":
+                self.current.append(args[0].value)
+            elif name == "cuCtxPopCurrent_v2":
+                out.value = self.current.pop()
+            elif name == "cuModuleLoadData":
+                assert bytes(args[1]).startswith(b"\x7fELF")
+                out.value = 0x30
+            elif name == "cuModuleGetFunction":
+                assert args[1].value == 0x30 and args[2] == b"_Z6kernel"
+                out.value = 0xF0
+            elif name == "cuGetErrorName":
+                args[1]._obj.value = b"CUDA_ERROR_INVALID_IMAGE"
+            elif name == "cuCtxGetDevice":
+                return 201  # no current context
+            return 0
+        return call
+
+
+def test_the_driver_loads_in_the_primary_context_and_raises_the_smem_limit():
+    lib = FakeLibcuda()
+    drv = cubin_cache.Driver(lib)
+    assert drv.available() and drv.current_device() == 0 and drv.compute_capability(0) == (9, 0)
+    assert drv.load_function(0, b"\x7fELF...", "_Z6kernel", 96 * 1024) == 0xF0
+    assert lib.current == []  # pushed and popped
+    assert lib.calls[-4:] == ["cuModuleLoadData", "cuModuleGetFunction", "cuFuncSetAttribute", "cuCtxPopCurrent_v2"]
+    drv.load_function(0, b"\x7fELF...", "_Z6kernel", 16 * 1024)
+    assert "cuFuncSetAttribute" not in lib.calls[-3:]  # the default 48 KiB suffices
+    assert lib.calls.count("cuDevicePrimaryCtxRetain") == 1
+
+
+def test_a_driver_error_names_the_call_and_pops_the_context():
+    lib = FakeLibcuda(fail="cuModuleLoadData")
+    drv = cubin_cache.Driver(lib)
+    with pytest.raises(cubin_cache.DriverError, match="cuModuleLoadData failed: CUDA_ERROR_INVALID_IMAGE"):
+        drv.load_function(0, b"\x7fELF...", "_Z6kernel", 0)
+    assert lib.current == []
+    assert not cubin_cache.Driver(FakeLibcuda(fail="cuInit")).available()
