@@ -16,6 +16,10 @@ current stream from a ctypes argument buffer laid out as Numba's kernel ABI (`Ar
 signature (`_ForwardPlan`, `_BackwardPlan`) so that a call patches data pointers and launches: no typing of
 arrays, no host synchronisation, capturable in a CUDA graph. numpy inputs, other CUDA arrays and the
 simulator go through Numba's dispatcher (`prepare`). `FALOWER_DIRECT_LAUNCH=0` turns the direct path off.
+
+The direct path's kernels come from falower's cubin cache when it has them (`cubin_cache`: `<cache
+dir>/cubin/`, loaded with the driver through ctypes), so a warm process never imports Numba: the emitted
+modules (and with them numba.cuda) are imported only when a kernel must be compiled or takes Numba's path.
 """
 
 from __future__ import annotations
