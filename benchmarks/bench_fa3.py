@@ -117,7 +117,8 @@ def main() -> None:
         smem = emit_fa3.smem_bytes(spec)
         driver.cuKernelSetAttribute(attr, smem, cufunc.handle, cufunc.device.id)
         g, nt = emit_fa3.grid(spec, B, H, M, N), emit_fa3.threads_per_block(spec)
-        return (lambda: compiled.launch(a, g, (nt, 1, 1), 0, smem)), o, lse
+        stream = cuda.default_stream()
+        return (lambda: compiled.launch(a, g, (nt, 1, 1), stream, smem)), o, lse
 
     dev = "cuda"
     torch.manual_seed(0)

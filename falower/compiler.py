@@ -39,6 +39,7 @@ class CompiledAttention:
         # warm calls: the input signature (shapes, strides, dtypes, devices) -> what the call runs
         self._calls: dict[tuple, Any] = {}
         self._bwd_calls: dict[tuple, Any] = {}
+        self._block_data: dict[str, Any] = {}  # kernel name -> BlockData (data-dependent masks' derived data)
         if backend == "numba-cuda":
             from .backends.numba_cuda.from_ir import analyse
 
@@ -115,7 +116,8 @@ class CompiledAttention:
             k, env = self._kernel_and_dims(inputs)
             call = _WarmCall(k, [self.lowered.args.index(c) for c in self.analysis.captures],
                              [c.type.dtype for c in self.analysis.captures],
-                             [int(env[d]) for d in self.analysis.runtime_dims], inputs[0])
+                             [int(env[d]) for d in self.analysis.runtime_dims], inputs[0],
+                             blocks=self.block_data(k))
             if key is not None:
                 self._calls[key] = call
         return call(inputs)
@@ -155,10 +157,22 @@ class CompiledAttention:
             names = [a.name for a in self.func.args]  # q, k, v, captures; the call adds o, lse, do after v
             call = _WarmCall(kern, [names.index(c.name) + 3 for c in self._bwd_analysis.captures],
                              [c.type.dtype for c in self._bwd_analysis.captures],
-                             [int(env[d]) for d in kern.spec.dims], q, backward=True)
+                             [int(env[d]) for d in kern.spec.dims], q, backward=True, blocks=self.block_data(kern))
             if key is not None:
                 self._bwd_calls[key] = call
         return call((q, k, v, o, lse, do, *captures))
+
+    def block_data(self, kern: Any) -> Any:
+        """The BlockData of a kernel whose spec has derived captures (range tables, the block list), one per
+        kernel, shared by every signature's call: block data made once per distinct captured data."""
+        from .backends.numba_cuda.block_data import BlockData, has_derived
+
+        if not has_derived(kern.spec):
+            return None
+        bd = self._block_data.get(kern.spec.name)
+        if bd is None:
+            bd = self._block_data[kern.spec.name] = BlockData(kern.spec)
+        return bd
 
     def backward_kernel(self, *inputs: Any):
         """The FA2BackwardKernel these forward inputs' gradients would run (built on first use)."""
@@ -259,11 +273,12 @@ class _WarmCall:
     CUDA graph); one of another dtype is converted on the device; a Python number given for it is copied
     to a 1-element array once per value (`_number`)."""
 
-    __slots__ = ("kernel", "order", "dtypes", "dims", "n", "plan", "_numbers", "_device")
+    __slots__ = ("kernel", "order", "dtypes", "dims", "n", "plan", "_numbers", "_device", "blocks")
 
     def __init__(self, kernel: Any, order: list[int], dtypes: list[str], dims: list[int], like: Any,
-                 backward: bool = False):
+                 backward: bool = False, blocks: Any = None):
         self.kernel, self.order, self.dtypes, self.dims = kernel, order, dtypes, dims
+        self.blocks = blocks  # BlockData: captures made from the data (range tables, block list), remembered
         self.n = 6 if backward else 3  # q, k, v (o, lse, do), then the captures
         self.plan: Any = _UNSET  # the kernel's direct launches for this signature (None: the Numba path)
         self._numbers: dict[tuple, Any] = {}
@@ -272,6 +287,10 @@ class _WarmCall:
     def __call__(self, inputs: tuple):
         caps = [self._capture(inputs[i], dt) for i, dt in zip(self.order, self.dtypes)] + self.dims
         arrays = inputs[:self.n]
+        if self.blocks is not None:
+            q, k = arrays[0], arrays[1]
+            sizes = (int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k.shape[2]))
+            caps += self.blocks.derive(caps, sizes, q)
         plan = self.plan
         if plan is _UNSET:  # the signature fixes everything the kernel's plan depends on: ask once
             plan = self.plan = self.kernel.plan(*arrays, tuple(caps))

@@ -209,7 +209,7 @@ def test_causal_mask_tiles_is_fast_at_16k() -> None:
 @needs_mask_tiles
 def test_data_dependent_mask_is_an_upper_bound() -> None:
     g = runpy.run_path(str(EX / "document.py"))["graph"]
-    f = lower(g, MASKED)
+    f = lower(g, MASKED.replace("mask-tiles", "mask-tiles{{data=table}}"))  # the dense table's costs
     B, H, M, N, d = 2, 2, 200, 200, 16
     c = cost_of(f, dict(B=B, H=H, M=M, N=N, D=d))
     nq = nk = cdiv(200, 64)
@@ -350,10 +350,11 @@ def test_cli_cost_per_tensor_and_errors(capsys) -> None:
     assert code == 0, err
     tensors = {ln.split()[0] for ln in out.splitlines() if ln.startswith("  %")}
     assert tensors == {"%q", "%k", "%v", "%O", "%l", "%m", "%o", "%lse"}
-    code = main(["cost", str(EX / "document.py"), "-p", MASKED.format(bq=64, bk=64), "--shapes", "M=256,N=256"])
+    code = main(["cost", str(EX / "document.py"), "-p", MASKED.replace("mask-tiles", "mask-tiles{{data=table}}")
+                 .format(bq=64, bk=64), "--shapes", "M=256,N=256"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "# from mask-tiles on: a data-dependent mask (mask.block_table)" in out
+    assert "# from mask-tiles{data=table} on: a data-dependent mask (mask.block_table)" in out
     code = main(["cost", str(EX / "plain.py"), "-p", "fuse", "--shapes", "Q=3"])
     _, err = capsys.readouterr()
     assert code == 1 and "falower: error: --shapes: Q is not a dimension" in err

@@ -40,7 +40,7 @@ def test_issue7_blocks_of_32_after_mask_tiles(n: int) -> None:
 
 
 def test_block_table_never_calls_a_ragged_tile_full() -> None:
-    g = fl.lower(MASKS["blocks"](), ISSUE_PIPELINE + ",mask-tiles")
+    g = fl.lower(MASKS["blocks"](), ISSUE_PIPELINE + ",mask-tiles{data=table}")
     table_op = next(op for op in g.walk() if op.name == "mask.block_table")
     it = fl.ir.interp.Interpreter("f64")
     it.env_dims = {"B": 1, "H": 1, "M": 130, "N": 130, "D": 8}
@@ -157,7 +157,9 @@ def _build(e) -> fl.Func:
 
 
 def _small_tiles() -> str:
-    return re.sub(r"\btile\{[^}]*\}|\btile\b(?!\{)", "tile{bq=4,bk=8}", NAMED_PIPELINES["fa2-fwd"], count=1)
+    # the dense block table (data=table) is what this file checks; data=ranges: tests/test_mask_ranges.py
+    p = re.sub(r"\btile\{[^}]*\}|\btile\b(?!\{)", "tile{bq=4,bk=8}", NAMED_PIPELINES["fa2-fwd"], count=1)
+    return p.replace("mask-tiles", "mask-tiles{data=table}")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,7 @@ import falower as fl
 from falower.errors import PassError
 from falower.ir import Func, interpret, parse_func, print_func
 from falower.ir.intervals import EMPTY, FULL, PARTIAL, classify
-from falower.passes import PassManager, parse_pipeline
+from falower.passes import NAMED_PIPELINES, PassManager, parse_pipeline
 from falower.passes.check import Reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,8 +79,17 @@ def test_gqa_loads_kv_heads_without_copies() -> None:
     assert "%hk = floordiv %h" in text and "tile.load %k[%b, %hk," in text
 
 
-def test_data_dependent_mask_gets_a_run_time_block_table() -> None:
+def test_data_dependent_mask_gets_range_tables() -> None:
+    """fa2-fwd classifies a document mask from per-granule ranges of its ids (mask-tiles' default data=ranges),
+    like a static mask: kv_range and classify, no dense block table."""
     text = print_func(fl.lower(load(ROOT / "examples" / "document.py"), "fa2-fwd"))
+    assert "mask.ranges %doc_id {axis = 1, granule = 64}" in text and "mask.kv_range" in text
+    assert "mask.block_table" not in text
+
+
+def test_data_dependent_mask_gets_a_run_time_block_table_with_data_table() -> None:
+    text = print_func(fl.lower(load(ROOT / "examples" / "document.py"),
+                               NAMED_PIPELINES["fa2-fwd"].replace("mask-tiles", "mask-tiles{data=table}")))
     assert "mask.block_table" in text and "mask.kv_range" not in text
 
 

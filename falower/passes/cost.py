@@ -197,6 +197,7 @@ class _Model:
         self.func = func
         self.dims = dict(dims)
         self.data = dict(data or {})
+        self._range_cache: dict[int, Any] = {}  # id(mask op) -> its range tables from `data` (or None)
         self._tables: dict[int, Any] = {}  # id(mask.block_table op) -> its exact table, when `data` has its inputs
         pr = Printer()
         pr.func(func)
@@ -271,12 +272,13 @@ class _Model:
         return "%" + self.names.get(shown, self.names.get(r, r.name or "?"))
 
     # ------------------------------------------------------------------------------- relevance
-    def _pred_args(self, region: Block) -> tuple[bool, bool, bool, bool]:
-        """Which of (b, h, q, kv) a mask predicate's answer depends on."""
-        key = id(region)
-        got = self._pred_deps.get(key)
+    def _pred_args(self, region: Block, through_gather: bool = False) -> tuple[bool, bool, bool, bool]:
+        """Which of (b, h, q, kv) a mask predicate's answer depends on (through gathers too when the tables
+        it reads are known, as range tables)."""
+        key = (id(region), through_gather)
+        got = self._pred_deps.get(key)  # type: ignore[call-overload]
         if got is None:
-            got = tuple(_pred_depends(region, i) for i in range(4))  # type: ignore[assignment]
+            got = tuple(_pred_depends(region, i, through_gather) for i in range(4))  # type: ignore[assignment]
             self._pred_deps[key] = got  # type: ignore[assignment]
         return got  # type: ignore[return-value]
 
@@ -292,7 +294,7 @@ class _Model:
     def _mask_operands(self, op: Op) -> list[Value]:
         """The operands of a mask op its answer depends on: b, h, the q offset and the kv offset only when the
         predicate reads them; `mask.kv_range`'s kv extent always."""
-        deps = self._pred_args(op.regions[0])
+        deps = self._pred_args(op.regions[0], self._range_tables(op) is not None)
         if op.name == "mask.q_range":  # operands b, h, k0, nq: the kv offset stands where q0 does elsewhere
             deps = (deps[0], deps[1], deps[3], True)
         out = [v for v, d in zip(op.operands[:4], deps) if d]
@@ -609,11 +611,12 @@ class _Model:
         return a if a._weight() >= b._weight() else b
 
     # -------------------------------------------------------------------------------- scalars
-    def _pred_inputs(self, region: Block, vals: list) -> Optional[list[int]]:
+    def _pred_inputs(self, region: Block, vals: list, op: Optional[Op] = None) -> Optional[list[int]]:
         """(b, h, q, kv) for the classifier: unknown ones the predicate does not read become 0; None when one
         it reads is unknown."""
         out = []
-        for v, d in zip(vals, self._pred_args(region)):
+        known_tables = op is not None and self._range_tables(op) is not None
+        for v, d in zip(vals, self._pred_args(region, known_tables)):
             if v is None:
                 if d:
                     return None
@@ -621,16 +624,42 @@ class _Model:
             out.append(int(v))
         return out
 
-    def classify(self, pred: Block, b: int, h: int, q0: int, bq: int, k0: int, bk: int, ncaps: int) -> int:
+    def classify(self, pred: Block, b: int, h: int, q0: int, bq: int, k0: int, bk: int, ncaps: int,
+                 op: Optional[Op] = None) -> int:
         """intervals.classify of the tile pair at (q0, k0), cached: the predicates of a mask-tiles graph are
         structurally the same, so the cache is keyed on the predicate's printed form."""
-        # captured scalars (a window size) count with their value when `data` gives it; tables stay unknown
+        # captured scalars (a window size) count with their value when `data` gives it; tables stay unknown,
+        # unless the mask op reads their mask.ranges and `data` gives the table (then bounded per granule)
         caps = [self.data.get(a.name) if a.type.rank == 0 else None for a in pred.args[4:4 + ncaps]]
-        key = (self._pred_key(pred), b, h, q0, bq, k0, bk, tuple(None if c is None else float(c) for c in caps))
+        ranges = self._range_tables(op) if op is not None else None
+        key = (self._pred_key(pred), b, h, q0, bq, k0, bk, tuple(None if c is None else float(c) for c in caps),
+               None if ranges is None else repr(op.attrs["ranges"]))  # type: ignore[union-attr]
         got = self._classes.get(key)
         if got is None:
-            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, caps)
+            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, caps, ranges=ranges)
             self._classes[key] = got
+        return got
+
+    def _range_tables(self, op: Op) -> Optional[dict]:
+        """The `ranges` of a mask op (intervals.range_tables) made from `data`'s tables, or None."""
+        spec = op.attrs.get("ranges")
+        if not spec:
+            return None
+        got = self._range_cache.get(id(op), False)
+        if got is not False:
+            return got
+        caps: list = [None] * (len(op.operands) - 4)
+        first = len(caps) - len(spec)
+        got = None
+        try:
+            for j, (c, axis, g) in enumerate(spec):
+                table = self.data[self.names.get(self.root(op.operands[4 + c]))]
+                caps[c] = table
+                caps[first + j] = intervals.minmax_table(table, axis, g)
+            got = intervals.range_tables(spec, caps)
+        except KeyError:  # a table `data` does not give: unknown, as without ranges
+            got = None
+        self._range_cache[id(op)] = got
         return got
 
     def _pred_key(self, pred: Block) -> Any:
@@ -696,17 +725,18 @@ class _Model:
         n = op.name
         x = [env.get(v) for v in op.operands]
         if n == "mask.classify":
-            args = self._pred_inputs(op.regions[0], x[:4])
+            args = self._pred_inputs(op.regions[0], x[:4], op)
             if args is None:
                 env[op.results[0]] = None
                 return
             b, h, q0, k0 = args
-            env[op.results[0]] = self.classify(op.regions[0], b, h, q0, op.attrs["bq"], k0, op.attrs["bk"], len(x) - 4)
+            env[op.results[0]] = self.classify(op.regions[0], b, h, q0, op.attrs["bq"], k0, op.attrs["bk"], len(x) - 4,
+                                               op)
             return
         if n in ("mask.kv_range", "mask.q_range"):
             # intervals.kv_range / q_range, with the classifications cached for the mask.classify ops in the loop
             transposed = n == "mask.q_range"  # operands b, h, k0, nq instead of b, h, q0, nkv
-            args = self._pred_inputs(op.regions[0], [x[0], x[1], 0, x[2]] if transposed else x[:3] + [0])
+            args = self._pred_inputs(op.regions[0], [x[0], x[1], 0, x[2]] if transposed else x[:3] + [0], op)
             if args is None or x[3] is None:
                 env[op.results[0]] = env[op.results[1]] = None
                 return
@@ -715,7 +745,7 @@ class _Model:
             step = bq if transposed else bk
             live = [t for t in range(-(-x[3] // step))
                     if self.classify(op.regions[0], b, h, t * bq if transposed else q0, bq,
-                                     k0 if transposed else t * bk, bk, len(x) - 4) != intervals.EMPTY]
+                                     k0 if transposed else t * bk, bk, len(x) - 4, op) != intervals.EMPTY]
             env[op.results[0]], env[op.results[1]] = (live[0], live[-1] + 1) if live else (0, 0)
             return
         if n == "const":

@@ -190,7 +190,7 @@ class MaskTiles(Pass):
 
     name = "mask-tiles"
     summary = "classify tile pairs empty/partial/full: skip empty tiles, mask only partial ones"
-    data: str = "table"  # masks that read captured data: "table" (exact, dense) or "ranges" (mask.ranges)
+    data: str = "ranges"  # masks reading captured data: "ranges" (mask.ranges, else the table) or "table"
 
     def run(self, func: Func) -> Func:
         par = the_parallel_for(func, self.fail, "run tile and online-softmax first")

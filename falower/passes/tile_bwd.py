@@ -129,7 +129,7 @@ class TileBwd(Pass):
     bk: int = 64
     dq: str = "separate"
     skip: bool = True
-    data: str = "table"  # masks that read captured data: "table" (exact, dense) or "ranges" (mask.ranges)
+    data: str = "ranges"  # masks reading captured data: "ranges" (mask.ranges, else the table) or "table"
     deterministic: bool = False
 
     removes = ("matmul",)

@@ -44,8 +44,19 @@ def test_relative_bias_gradient_is_added_per_element():
     assert [(g.name, g.reduced, g.n_index) for g in s.grads] == [("drel_bias", False, 2)]
 
 
-def test_document_mask_reads_the_block_table():
+def test_document_mask_classifies_tiles_from_range_tables():
+    """fa2-bwd (tile-bwd's default data=ranges): the document ids' per-granule min / max is a derived capture
+    after the sizes, and tile_class_fn bounds doc_id[b, q] and doc_id[b, kv] from it."""
     s = spec("document")
+    assert s.block_mask == "static"
+    assert s.captures[-1].derived == ("ranges", 0, 1, 64) and s.captures[-1].ndim == 3
+    src = s.device_source
+    assert "def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, cap_doc_id, dim_M, dim_N, rng_doc_id_ranges_1_64)" in src
+    assert "rng_doc_id_ranges_1_64[i0_lo_p0, i0_lo_g0, 0]" in src
+
+
+def test_document_mask_reads_the_block_table_with_data_table():
+    s = spec("document", fl.passes.NAMED_PIPELINES["fa2-bwd"].replace("}", ",data=table}", 1))
     assert s.block_mask == "table" and "def mask_fn(b, h, q, kv, cap_doc_id, dim_M, dim_N)" in s.device_source
 
 

@@ -58,7 +58,8 @@ def test_a_generated_kernels_layout_matches_its_ptx():
     doc_id = fl.capture("doc_id", "i32", "B,N")
     graph = fl.attention(mask_mod=lambda b, h, q, kv: (doc_id[b, q] == doc_id[b, kv]) & (doc_id[b, q] >= 0),
                          name="document")
-    c = fl.compile(graph, path="mma")
+    c = fl.compile(graph, path="mma", pipeline=fl.passes.NAMED_PIPELINES["fa2-fwd"].replace("mask-tiles",
+                                                                                           "mask-tiles{data=table}"))
     kern = c.specialize("f16", D=64)
     argtypes = kern.mask_argtypes()
     assert _entry_params(ptx_of(kern._mask_kernel, argtypes)) == _slot_sizes(ArgLayout(argtypes))

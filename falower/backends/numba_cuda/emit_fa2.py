@@ -238,8 +238,10 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     D, BQ, BK, NW = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps
     if D < 1 or BQ < 1 or BK < 1 or NW < 1 or spec.group_size < 1:
         raise ValueError("head_dim, block_q, block_k, num_warps and group_size must be positive")
-    if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
-        raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.block_mask in ("static", "list") and "def tile_class_fn" not in spec.device_source:
+        raise ValueError(f"block_mask={spec.block_mask!r} needs a tile_class_fn in device_source")
+    if spec.block_mask == "list" and not {("kv_count",), ("kv_tiles",)} <= {c.derived for c in spec.captures}:
+        raise ValueError("block_mask='list' needs the kv_count and kv_tiles captures")
     if "def score_fn" not in spec.device_source:
         raise ValueError("device_source must define score_fn")
     if spec.has_mask and "def mask_fn" not in spec.device_source:
@@ -317,6 +319,16 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec) -> None:
         c("kv_first = 0")
         c("kv_last = nk - 1")
         return
+    if spec.block_mask == "list":
+        kc, kt = _list_names(spec)
+        c("# the kv tiles this q tile visits, listed once per data (block_data.py): no scan, no empty tile")
+        c(f"kv_row = (b * H + h) * ((M + {BQ - 1}) // {BQ}) + qt")
+        c(f"kv_n = {kc}[kv_row]")
+        c("kv_row = kv_row * nk")
+        c("kv_pos = 0")
+        c(f"kv_first = ({kt}[kv_row] >> 1) if kv_n > 0 else 0")
+        c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
+        return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
     c("kv_first = nk")
     c("kv_last = -1")
@@ -338,11 +350,25 @@ def _tile_class_expr(spec: FA2ForwardSpec, j: str) -> str:
         )
     if spec.block_mask == "table":
         return f"table[((b * H + h) * nq + qt) * nk + {j}]"
+    if spec.block_mask == "list":
+        return "kv_cls"  # the current tile's, set by _emit_next_tile
     return "2"
+
+
+def _list_names(spec: FA2ForwardSpec) -> tuple[str, str]:
+    """The kernel arguments of the block list (block_mask == "list"): kv_count, kv_tiles."""
+    names = dict(zip((c.derived[:1] for c in spec.captures), _cap_names(spec)))
+    return names[("kv_count",)], names[("kv_tiles",)]
 
 
 def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str) -> None:
     """out = the next non-empty kv tile after cur (kv_last + 1 when none)."""
+    if spec.block_mask == "list":  # cur is entry kv_pos of the list
+        _, kt = _list_names(spec)
+        c(f"kv_cls = 1 if {kt}[kv_row + kv_pos] & 1 else 2  # tile {cur}: partial or full")
+        c("kv_pos += 1")
+        c(f"{out} = ({kt}[kv_row + kv_pos] >> 1) if kv_pos < kv_n else kv_last + 1")
+        return
     c(f"{out} = {cur} + 1")
     if spec.block_mask != "none":
         c(f"while {out} <= kv_last and {_tile_class_expr(spec, out)} == 0:")

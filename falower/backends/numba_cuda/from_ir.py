@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from ...errors import FalowerError
@@ -44,6 +44,7 @@ class Lowered:
     captures: list[Value]  # func args in the fused op's capture order
     dims_used: set[str]  # dims the device functions read
     runtime_dims: list[str]  # those passed at run time as scalar arguments (all but D: no recompiles per size)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # mask.ranges: (capture, axis, granule)
 
 
 def analyse(func: Func) -> Lowered:
@@ -77,13 +78,23 @@ def analyse(func: Func) -> Lowered:
         block_mask = "table" if uses_data(predicate_region(fused, conj)) else "static"
     caps = [v for v, r in zip(fused.operands, roles) if r == "cap"]
     cap_args = [_func_arg(func, v) for v in caps]
+    ranges = []
+    for op in func.body.ops:  # run-time data bounded per granule: tables the runtime makes (block_data.py)
+        if op.name == "mask.ranges":
+            src = _func_arg(func, op.operands[0])
+            if src not in cap_args:
+                raise BackendError(f"numba-cuda backend: mask.ranges of %{src.name}, which the score function "
+                                   "does not read")
+            ranges.append((cap_args.index(src), int(op.attrs["axis"]), int(op.attrs["granule"])))
+    if ranges and block_mask == "static":
+        block_mask = "list"  # tiles classified from the range tables once per data, visited from a list
     dims: set[str] = set()
     for op in backward_slice(region, [score, *conj]):
         v = op.attrs.get("value")
         if isinstance(v, Dim):
             dims |= v.symbols()
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims, sorted(dims - {"D"}))
+                   cap_args, dims, sorted(dims - {"D"}), ranges)
 
 
 def _is_bounds(v: Value) -> bool:
@@ -95,7 +106,28 @@ def _func_arg(func: Func, v: Value) -> Value:
     """A fused op's capture operand is a func argument (possibly through the parallel_for's scope)."""
     if isinstance(v.owner, Block) and v.owner is func.body:
         return v
-    raise BackendError("numba-cuda backend: captured tensors must be graph inputs")
+    raise BackendError("numba-cuda backend: captured tensors must be graph inputs (or mask.ranges of one)")
+
+
+def range_name(table: str, axis: int, granule: int) -> str:
+    """The kernel argument of a captured table's `mask.ranges` (one per table, axis and granule)."""
+    return f"{table}_ranges_{axis}_{granule}"
+
+
+def range_captures(tables: list[Value], ranges: list[tuple[int, int, int]], first: int) -> tuple[Capture, ...]:
+    """The derived captures of `ranges` ((capture index, axis, granule) into `tables`, which are the spec's
+    captures from index `first`): int32 for bool tables (the IR's i8), the table's dtype otherwise."""
+    out = []
+    for c, axis, g in ranges:
+        t = tables[c]
+        dt = "i32" if t.type.dtype in ("bool", "i8") else t.type.dtype
+        out.append(Capture(range_name(t.name or f"cap{c}", axis, g), dt, t.type.rank + 1,
+                           derived=("ranges", first + c, axis, g)))
+    return tuple(out)
+
+
+LIST_CAPTURES = (Capture("kv_count", "i32", 1, derived=("kv_count",)),
+                 Capture("kv_tiles", "i32", 1, derived=("kv_tiles",)))
 
 
 # ------------------------------------------------------------------------------------ scalar code
@@ -285,7 +317,11 @@ def cap_ref(v: Value, name: str) -> str:
 
 def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     cap_names = {v: f"cap_{v.name}" for v in low.captures}
-    sig_caps = "".join(f", {n}" for n in cap_names.values()) + "".join(f", dim_{d}" for d in low.runtime_dims)
+    # every device function takes every kernel capture: the caller's, the sizes, then the derived ones
+    derived = [f"rng_{range_name(low.captures[c].name or f'cap{c}', a, g)}" for c, a, g in low.ranges]
+    derived += ["blk_kv_count", "blk_kv_tiles"] if low.block_mask == "list" else []
+    sig_caps = "".join(f", {n}" for n in cap_names.values()) + "".join(f", dim_{d}" for d in low.runtime_dims) \
+        + "".join(f", {n}" for n in derived)
     region = low.fused.regions[0]
     out = []
     e = _ScalarEmitter(env, cap_names)
@@ -305,19 +341,27 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
         out.append(f"def mask_fn(b, h, q, kv{sig_caps}):")
         out += _live_lines(pe.lines, pe.name(res))
         out.append(f"    return {pe.name(res)}")
-        if low.block_mask == "static":
+        if low.block_mask in ("static", "list"):
             out.append("")
-            out += _interval_fn(pred, env, sig_caps)
+            ranges = {4 + c: (derived[j], a, g) for j, (c, a, g) in enumerate(low.ranges)}
+            out += _interval_fn(pred, env, sig_caps, ranges)
     return "\n".join(out) + "\n"
 
 
-def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str) -> list[str]:
-    """tile_class_fn: the predicate on index intervals (intervals.py semantics, as scalar code)."""
+def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
+                 ranges: Optional[Mapping[int, tuple[str, int, int]]] = None) -> list[str]:
+    """tile_class_fn: the predicate on index intervals (intervals.py semantics, as scalar code).
+
+    `ranges` maps a region argument's position (a captured table) to (the argument name of its `mask.ranges`
+    table, axis, granule): a gather from that table is bounded by the least and greatest entry of the granules
+    its axis index covers (`RangeTable.lookup`); its other indices must be one point per tile."""
     lines = [f"def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi{sig_caps}):"]
     iv: dict[Value, tuple[str, str]] = {}
     for a, (lo, hi) in zip(pred.args, [("b", "b"), ("h", "h"), ("q_lo", "q_hi"), ("kv_lo", "kv_hi")]):
         iv[a] = (lo, hi)
     cap_names = [n.strip() for n in sig_caps.split(",") if n.strip()]
+    table_names = dict(zip(pred.args[4:], cap_names))
+    ranged = {pred.args[i]: r for i, r in (ranges or {}).items()}
     for a, nm in zip(pred.args[4:], cap_names):
         if a.type.rank == 0 and a.type.dtype in ("i32", "i8", "bool"):
             iv[a] = (f"{nm}[0]", f"{nm}[0]")  # a captured scalar (1-element array): known at run time, exact
@@ -327,10 +371,16 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str) -> list[str
             lo, hi = iv[op.operands[0]]
             lines += [f"    if {lo} == 1:", "        return 2", f"    if {hi} == 0:", "        return 0", "    return 1"]
             return lines
+        lo, hi = f"i{k}_lo", f"i{k}_hi"
+        if op.name == "gather" and op.operands[0] in ranged and all(v in iv for v in op.operands[1:]):
+            k += 1
+            lines += ["    " + t for t in _range_lookup(table_names[op.operands[0]], *ranged[op.operands[0]],
+                                                        [iv[v] for v in op.operands[1:]], lo, hi)]
+            iv[op.results[0]] = (lo, hi)
+            continue
         if any(v not in iv for v in op.operands):  # a table or float scalar: this tile is partial (always safe)
             return lines[:1] + ["    return 1"]
         x = [iv[v] for v in op.operands]
-        lo, hi = f"i{k}_lo", f"i{k}_hi"
         k += 1
         n = op.name
         body: list[str]
@@ -398,6 +448,27 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str) -> list[str
     return lines[:1] + ["    return 1"]
 
 
+def _range_lookup(table: str, rng: str, axis: int, granule: int, idx: list[tuple[str, str]], lo: str, hi: str
+                  ) -> list[str]:
+    """Lines bounding `table[idx]` by its range table `rng` (`RangeTable.lookup`): indices clamped as gather
+    clamps them; an index off the axis that is not one point in this tile makes the tile partial."""
+    body, where = [], []
+    for d, (a, b) in enumerate(idx):
+        if d == axis:
+            body += [f"{lo}_g0 = min(max({a}, 0), {table}.shape[{d}] - 1) // {granule}",
+                     f"{lo}_g1 = min(max({b}, 0), {table}.shape[{d}] - 1) // {granule}"]
+            where.append("{g}")
+        else:
+            body += [f"if {a} != {b}:", "    return 1"] if a != b else []
+            body += [f"{lo}_p{d} = min(max({a}, 0), {table}.shape[{d}] - 1)"]
+            where.append(f"{lo}_p{d}")
+    at = ", ".join(where)
+    first, each = at.format(g=f"{lo}_g0"), at.format(g=f"{lo}_gi")
+    return body + [f"{lo} = {rng}[{first}, 0]", f"{hi} = {rng}[{first}, 1]",
+                   f"for {lo}_gi in range({lo}_g0 + 1, {lo}_g1 + 1):  # a tile spanning several granules",
+                   f"    {lo} = min({lo}, {rng}[{each}, 0])", f"    {hi} = max({hi}, {rng}[{each}, 1])"]
+
+
 def _const_pos_int(v: Value) -> bool:
     op = v.owner
     return isinstance(op, Op) and op.name == "const" and isinstance(op.attrs["value"], int) and op.attrs["value"] > 0
@@ -410,6 +481,8 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
     # a 0-d capture is a 1-element array (cap_ref); only the sizes are scalar arguments
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in low.runtime_dims)  # sizes, passed as scalars
+    caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
+    caps += LIST_CAPTURES if low.block_mask == "list" else ()
     bq, bk = low.block_q, low.block_k
     if path == "simt" and bq % 32:
         raise BackendError(f"numba-cuda backend: the SIMT path needs block_q a multiple of 32, got {bq}")

@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
-from .from_ir import BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref
+from .from_ir import BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures, range_name
 from .spec import Capture, FA2BackwardSpec, GradSpec
 
 
@@ -68,6 +68,8 @@ class BackwardLowered:
     q_branches: list[_Branch] = field(default_factory=list)  # the q-outer dQ nest's bodies (dq=separate)
     q_classify: Optional[Op] = None
     q_nest: Optional[Op] = None
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # mask.ranges: (capture, axis, granule)
+    range_values: list[Value] = field(default_factory=list)  # their results, in that order
 
     @property
     def kv_nest(self) -> Op:
@@ -114,6 +116,12 @@ def analyse_backward(func: Func) -> BackwardLowered:
     low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
                           deterministic=deterministic)
     low.grads = _grads(func, kv_nest, branches[0], captures)
+    for op in func.body.ops:  # range tables: derived captures the runtime makes from the data (block_data.py)
+        if op.name == "mask.ranges":
+            if op.operands[0] not in captures:
+                raise BackendError("numba-cuda backend: mask.ranges of a value that is not a captured input")
+            low.ranges.append((captures.index(op.operands[0]), int(op.attrs["axis"]), int(op.attrs["granule"])))
+            low.range_values.append(op.results[0])
     if dq == "separate":
         q_nest = next((op for op in nests if any(r.name == "dq" for r in op.results)), None)
         q_loops = [op for op in q_nest.regions[0].ops if op.name == "for"] if q_nest is not None else []
@@ -328,6 +336,9 @@ def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, li
     """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>)."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
     sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
+    for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
+        cap_names[v] = f"rng_{range_name(low.captures[c].name or f'cap{c}', a, g)}"
+        sig += f", {cap_names[v]}"
     out: list[str] = []
     for br in low.branches:
         out += _elem_fn(low, br, env, sig) + [""]
@@ -338,7 +349,10 @@ def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, li
             continue
         region = op.regions[0]
         region_caps = [cap_names[v] for v in op.operands[4:]]
-        lines = _interval_fn(region, env, "".join(f", {n}" for n in region_caps))
+        spec_r = op.attrs.get("ranges", ())
+        first = len(region_caps) - len(spec_r)
+        ranges = {4 + int(c): (region_caps[first + j], int(a), int(g)) for j, (c, a, g) in enumerate(spec_r)}
+        lines = _interval_fn(region, env, "".join(f", {n}" for n in region_caps), ranges)
         lines[0] = f"def {fn}(b, h, q_lo, q_hi, kv_lo, kv_hi{sig}):"
         out += lines + [""]
     if low.table is not None:
@@ -356,6 +370,7 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     src, dims = device_source(low, env)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
+    caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
     grads = tuple(GradSpec(name, cap, reduced, n_index) for name, cap, reduced, n_index in low.grads)
     bq, bk = low.block_q, low.block_k
     nw = num_warps or (max(1, bk // 16) if path == "mma" else 1)

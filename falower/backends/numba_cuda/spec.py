@@ -14,9 +14,16 @@ Contract of `device_source` (plain `def`s, no decorators; `math` and `np` are in
         when `exp2` is set. Does not apply the mask.
     mask_fn(b, h, q, kv, *captures) -> bool              (only when has_mask)
         True keeps the score, False makes it -inf.
-    tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures) -> int32   (only when block_mask == "static")
+    tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures) -> int32   (block_mask "static" or "list")
         Classifies the tile of rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive) for the user mask:
         0 = empty (skip the tile), 1 = partial (evaluate mask_fn), 2 = full (no mask arithmetic).
+
+Captures with a `derived` recipe are not the caller's: they come after the caller's captures and sizes and
+are made from them before the launch (block_data.py): `("ranges", i, axis, granule)` is `mask.ranges` of
+capture i (per-granule min / max along axis, [..., 2]); `("kv_count",)` and `("kv_tiles",)` are the
+block list of block_mask == "list": for q tile r = (b * H + h) * nq + qt, kv_count[r] kv tiles to visit,
+listed ascending in kv_tiles[r * nk : r * nk + kv_count[r]] as j * 2 + (1 if the tile is partial else 0),
+made by tile_class_fn (so the kernel visits no empty tile and scans nothing).
 
 Bounds are the kernel's job, not the device functions': rows q >= M are never stored, columns kv >= N
 are -inf. Captured tensors are passed after q, k, v in `captures` order; gathers in the device functions
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("f16", "bf16", "f32", "f64")  # f64: SIMT only, for gradcheck
 PATHS = ("mma", "simt")
-BLOCK_MASKS = ("none", "static", "table")
+BLOCK_MASKS = ("none", "static", "table", "list")
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Capture:
     name: str
     dtype: str  # "f16", "bf16", "f32", "i32" or "bool"
     ndim: int
+    derived: tuple = ()  # () for the caller's tensors; else how the runtime makes it (module docstring)
 
 
 @dataclass(frozen=True)
