@@ -63,7 +63,8 @@ def run_table_case(mask: str, kind: str) -> dict:
     env = bind_dims(g, SHAPES)
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
               for i, x in enumerate(random_inputs(g, env, seed=2, kind=kind))]
-    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE, path="mma", num_warps=2)
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE.replace("mask-tiles", "mask-tiles{data=table}"), path="mma",
+                   num_warps=2)  # the dense table (data=ranges, the default, makes no table)
     caps = [inputs[c.lowered.args.index(v)] for v in c.analysis.captures]
     caps += [int(env[d]) for d in c.analysis.runtime_dims]
     got = c.kernel(*inputs).block_table(inputs[0], inputs[1], inputs[2], *caps)
