@@ -24,6 +24,12 @@ CASES = {
     "bias-f16-d64-gqa": ("bias", "f16", 64, 1, 2, 33, 20, 2, 64, 16),
     "causal-f16-d128-2wg": ("causal", "f16", 128, 1, 1, 80, 70, 1, 128, 32),
 }
+# through the runtime (FA2ForwardKernel with spec.extra["schedule"] = "wgmma"): the same launch path as the
+# mma.sync kernel, block-mask table kernel included
+RUNTIME_CASES = {
+    "runtime-document-f16-d64": ("document", "f16", 64, 2, 1, 40, 40, 1, 64, 16),
+    "runtime-causal-bf16-d64-gqa": ("causal", "bf16", 64, 1, 2, 50, 33, 2, 64, 32),
+}
 
 
 def launch_args(spec, q, k, v, caps):
@@ -71,11 +77,39 @@ def run_case(case_id: str) -> dict:
     }
 
 
+def run_runtime_case(case_id: str) -> dict:
+    import dataclasses
+
+    from falower.backends.numba_cuda import FA2ForwardKernel
+
+    variant, dtype, D, B, H, M, N, G, bq, bk = RUNTIME_CASES[case_id]
+    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=4, group_size=G,
+                     name=f"fa3rt_{case_id.replace('-', '_')}")
+    kern = FA2ForwardKernel(dataclasses.replace(spec, extra={"schedule": "wgmma"}))
+    assert "wgmma_ss" in kern.source
+    q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
+    caps = random_captures(rng, variant, B, H, M, N)
+    o, lse = kern(q, k, v, *caps)
+    qf, kf, vf = (as_float(x, dtype) for x in (q, k, v))
+    ro, rl = reference(qf, kf, vf, variant, caps, G)
+    of = as_float(o, dtype)
+    masked = ~np.isfinite(rl)
+    return {
+        "id": case_id,
+        "dtype": dtype,
+        "o_err": float(np.abs(of - ro).max()),
+        "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
+        "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
+        "masked_ok": bool(np.all(np.isneginf(lse[masked])) and np.all(of[masked] == 0.0)),
+    }
+
+
 def main(ids) -> None:
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
-    for cid in ids or CASES:
+    for cid in ids or [*CASES, *RUNTIME_CASES]:
         try:
-            r = run_case(cid)
+            r = run_runtime_case(cid) if cid in RUNTIME_CASES else run_case(cid)
         except Exception as exc:
             import traceback
 

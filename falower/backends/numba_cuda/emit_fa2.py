@@ -177,8 +177,18 @@ def head_group(spec: FA2ForwardSpec) -> int:
     return 16 if spec.block_mask != "none" else 1
 
 
+def uses_wgmma(spec: FA2ForwardSpec) -> bool:
+    """spec.extra["schedule"] == "wgmma": the Hopper kernel of emit_fa3.py (issue 11; sm_90a only, f16/bf16,
+    opt-in until it is the faster one everywhere). Its launch geometry and source come from there."""
+    return spec.extra.get("schedule") == "wgmma"
+
+
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
     """Launch grid of the forward kernel."""
+    if uses_wgmma(spec):
+        from . import emit_fa3
+
+        return emit_fa3.grid(spec, B, H, M, N)
     nq = -(-M // spec.block_q)
     if spec.path == "mma":
         return (nq * H * B,)
@@ -186,6 +196,10 @@ def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
+    if uses_wgmma(spec):
+        from . import emit_fa3
+
+        return emit_fa3.threads_per_block(spec)
     if spec.path == "simt":
         return spec.block_q
     return spec.num_warps * 32
@@ -228,6 +242,10 @@ def _mma_layout(spec: FA2ForwardSpec) -> dict[str, int]:
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
     """Dynamic shared memory of the forward kernel, in bytes."""
+    if uses_wgmma(spec):
+        from . import emit_fa3
+
+        return emit_fa3.smem_bytes(spec)
     if spec.path == "simt":
         return 0
     return 2 * _mma_layout(spec)["elems"]
@@ -995,6 +1013,10 @@ def _spec_comment(spec: FA2ForwardSpec) -> str:
 
 def emit_fa2_forward(spec: FA2ForwardSpec) -> str:
     """Numba CUDA source of the forward kernel `spec.name` (a whole module)."""
+    if uses_wgmma(spec):
+        from . import emit_fa3
+
+        return emit_fa3.emit_fa3_forward(spec)
     validate_spec(spec)
     body = _emit_mma_kernel(spec) if spec.path == "mma" else _emit_simt_kernel(spec)
     return _module(spec, body)

@@ -16,6 +16,11 @@ helpers apply to one m16 fragment per warp unchanged). What is new is the schedu
   O += P V: block_k/16 `wgmma m64n{D}k16` with V MN-major (trans-b), no trip through shared memory;
 * online softmax in the exp2 domain, one division at the end, LSE in natural log (as emit_fa2).
 
+Chosen by `spec.extra["schedule"] = "wgmma"` (emit_fa2's entry points dispatch here): through the API,
+`falower.compile(graph, extra={"schedule": "wgmma"})`, or `pipeline_kwargs` / a pipeline string with
+`tile{bq=128,bk=128}` for the tiles measured best at D = 128 (benchmarks/NOTES.md, "wgmma"). Only for compute
+capability 9.0 (sm_90a) and f16/bf16; not chosen automatically yet.
+
 Launch: grid `grid(spec, B, H, M, N)` = (q tiles, H, B) (no run-time division in the kernel: a 64-bit division is
 a subroutine call, and any call makes ptxas serialize every wgmma: benchmarks/NOTES.md, "wgmma"),
 `threads_per_block(spec)` threads, `smem_bytes(spec)` bytes of dynamic shared memory (raise the 48 KB limit).
@@ -71,7 +76,8 @@ def recommended_schedule(head_dim: int) -> dict[str, int]:
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
-    return spec.num_warps * 32
+    """One warpgroup per 64 query rows (spec.num_warps, chosen for mma.sync, is not used here)."""
+    return 128 * (spec.block_q // 64)
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
@@ -90,22 +96,24 @@ def smem_bytes(spec: FA2ForwardSpec) -> int:
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
-    D, BQ, BK, NW = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps
-    if spec.dtype not in ("f16", "bf16"):
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    if spec.path != "mma" or spec.dtype not in ("f16", "bf16"):
         raise ValueError(f"wgmma path: dtype must be f16 or bf16, got {spec.dtype}")
     if D not in (64, 128):
         raise ValueError(f"wgmma path: head_dim must be 64 or 128 for now, got {D}")
     if BK % 16 or not 16 <= BK <= 256:
         raise ValueError(f"wgmma path: block_k must be a multiple of 16 in [16, 256], got {BK}")
-    if BQ % 64 or NW != 4 * (BQ // 64):
-        raise ValueError(f"wgmma path: one warpgroup (4 warps) per 64 query rows, got block_q={BQ}, num_warps={NW}")
+    if BQ % 64 or not 64 <= BQ <= 256:
+        raise ValueError(f"wgmma path: one warpgroup (4 warps) per 64 query rows, 1-4 of them; got block_q={BQ}")
+    if spec.block_mask not in ("none", "static", "table"):
+        raise ValueError(f"wgmma path: block_mask {spec.block_mask!r} is not supported yet")
     if "def score_fn" not in spec.device_source:
         raise ValueError("device_source must define score_fn")
     if spec.has_mask and "def mask_fn" not in spec.device_source:
         raise ValueError("has_mask needs a mask_fn in device_source")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
-    threads = NW * 32
+    threads = threads_per_block(spec)
     if threads % (D // 8) or (threads // (D // 8)) % 8:
         raise ValueError("wgmma path: the block's threads must cover 8-row multiples of a tile in one sweep")
     if smem_bytes(spec) > 227 * 1024:
@@ -141,8 +149,8 @@ def _emit_load(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nr
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
-    D, BQ, BK, NW, G = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps, spec.group_size
-    threads = NW * 32
+    D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
+    threads = threads_per_block(spec)
     NJ, ND = BK // 8, D // 8
     KS, KK = D // 16, BK // 16
     lay = _layout(spec)
