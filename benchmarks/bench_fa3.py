@@ -3,7 +3,7 @@ FLASH and CUDNN from the same run (issue 11). Kernels compile in parallel worker
 cache), then the main process loads them.
 
 Usage: python3 benchmarks/bench_fa3.py [--configs plain,128,128,128 causal,64,128,128 ...] [--n 4096]
-       a config is variant,D,block_q,block_k (variant: plain or causal)
+       a config is variant,D,block_q,block_k[,overlap] (variant: plain or causal; overlap: spec.extra["overlap"])
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ sys.path.insert(0, str(ROOT))
 def _spec(cfg: str):
     from variants import make_spec
 
-    variant, D, bq, bk = cfg.split(",")
+    import dataclasses
+
+    variant, D, bq, bk, *flags = cfg.split(",")
     D, bq, bk = int(D), int(bq), int(bk)
-    return make_spec(variant, D, "f16", path="mma", block_q=bq, block_k=bk, num_warps=4 * (bq // 64),
-                     name=f"fa3_{variant}_d{D}_{bq}x{bk}")
+    spec = make_spec(variant, D, "f16", path="mma", block_q=bq, block_k=bk, num_warps=4 * (bq // 64),
+                     name=f"fa3_{variant}_d{D}_{bq}x{bk}{'_' + '_'.join(flags) if flags else ''}")
+    return dataclasses.replace(spec, extra={"overlap": "overlap" in flags})
 
 
 def _argtypes(spec):

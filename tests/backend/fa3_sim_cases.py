@@ -17,12 +17,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
 
-# id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k)
+# id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k[, spec.extra])
 CASES = {
     "plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 64, 32),
     "causal-bf16-d64": ("causal", "bf16", 64, 1, 1, 40, 40, 1, 64, 16),
     "bias-f16-d64-gqa": ("bias", "f16", 64, 1, 2, 33, 20, 2, 64, 16),
     "causal-f16-d128-2wg": ("causal", "f16", 128, 1, 1, 80, 70, 1, 128, 32),
+    # spec.extra["overlap"]: S_j and P_{j-1} V_{j-1} in flight together, three V buffers
+    "overlap-causal-f16-d64": ("causal", "f16", 64, 1, 1, 70, 75, 1, 64, 16, {"overlap": True}),
+    "overlap-bias-bf16-d128-2wg-gqa": ("bias", "bf16", 128, 1, 2, 100, 40, 2, 128, 16, {"overlap": True}),
 }
 # through the runtime (FA2ForwardKernel with spec.extra["schedule"] = "wgmma"): the same launch path as the
 # mma.sync kernel, block-mask table kernel included
@@ -47,10 +50,14 @@ def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import emit_fa3
     from falower.backends.numba_cuda.runtime import load_source
 
-    variant, dtype, D, B, H, M, N, G, bq, bk = CASES[case_id]
+    import dataclasses
+
+    variant, dtype, D, B, H, M, N, G, bq, bk, *extra = CASES[case_id]
     rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=4 * (bq // 64),
                      group_size=G, name=f"fa3sim_{case_id.replace('-', '_')}")
+    if extra:
+        spec = dataclasses.replace(spec, extra=extra[0])
     src = emit_fa3.emit_fa3_forward(spec)
     kern = getattr(load_source(src, spec.name), spec.name)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)

@@ -84,11 +84,20 @@ def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int
     return (-(-M // spec.block_q), H, B)
 
 
+def overlapped(spec: FA2ForwardSpec) -> bool:
+    """spec.extra["overlap"]: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and do tile j's softmax
+    while the second runs (FA3's intra-warpgroup overlap). Needs a third V buffer: V_{j-1} is still read when
+    the loads of tile j + 1 are issued."""
+    return bool(spec.extra.get("overlap", False))
+
+
 def _layout(spec: FA2ForwardSpec) -> dict[str, int]:
-    """Byte offsets from the aligned base: Q, then K0, V0, K1, V1 (each [D // 64][rows][128 B])."""
+    """Byte offsets from the aligned base (each tile [D // 64][rows][128 B]): Q, then K0, V0, K1, V1; with
+    overlap Q, K0, K1, V0, V1, V2."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     tile = BK * D * 2
-    return {"q": 0, "kv": BQ * D * 2, "tile": tile, "total": BQ * D * 2 + 4 * tile}
+    n = 5 if overlapped(spec) else 4
+    return {"q": 0, "kv": BQ * D * 2, "tile": tile, "total": BQ * D * 2 + n * tile}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -148,6 +157,16 @@ def _emit_load(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nr
             c(f"cp_async16_s(ld_s + {dr * 128}, {garr}, ld_safe, 0)")
 
 
+def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
+    """O += P V from the pa_* registers and the V tile at shared address vbase (issued and committed)."""
+    c(f"# O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)")
+    c("FENCE_O(acc, 0)")
+    for kk in range(KK):
+        pa = ", ".join(f"pa_{kk}_{i}" for i in range(4))
+        c(f"WG_O(acc, 0, {pa}, make_desc(HI_V, {vbase} + {kk * 2048}), 1)")
+    c("wgmma_commit()")
+
+
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
     D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
     threads = threads_per_block(spec)
@@ -158,12 +177,14 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
     caps = "".join(f", cap_{i}_{cp.name}" for i, cp in enumerate(spec.captures))
+    OVL = overlapped(spec)
 
     c = _Code()
     c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
     c(f'WG_O = wgmma_rs("{spec.dtype}", {D}, 1)  # O += P V: P in registers, V MN-major (trans-b)')
     c(f"FENCE_S = wgmma_fence_regs({BK // 2})")
     c(f"WAIT_S = wgmma_wait_regs(0, {BK // 2})")
+    c(f"WAIT_S1 = wgmma_wait_regs(1, {BK // 2})  # S done, the P V issued after it may still run")
     c(f"FENCE_O = wgmma_fence_regs({D // 2})")
     c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
     c(f"HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
@@ -202,7 +223,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("if kv_first <= kv_last:")
         with c.indent():
             _emit_load(c, BK, rstep, D, f"sb + {KVOFF}", f"kv_first * {BK}", "N", "k", "kg", "k_sm")
-            _emit_load(c, BK, rstep, D, f"sb + {KVOFF + T}", f"kv_first * {BK}", "N", "v", "vg", "v_sm")
+            _emit_load(c, BK, rstep, D, f"sb + {KVOFF + (2 * T if OVL else T)}", f"kv_first * {BK}", "N", "v",
+                       "vg", "v_sm")
         c("cp_async_commit()")
         c()
         c("# online-softmax state of this thread's rows g and g + 8 of its warp's 16; S and O accumulators in")
@@ -217,19 +239,33 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c("acc[i] = ZERO")
         c("j = kv_first")
         c("buf = 0")
+        if OVL:
+            c("vbuf = 0")
+            c("have_prev = False  # P_{j-1} V_{j-1} still to issue")
+            c(f"pv_base = sb + {KVOFF + 2 * T}")
+            for kk in range(KK):
+                for i in range(4):
+                    c(f"pa_{kk}_{i} = np.uint32(0)")
         c("while j <= kv_last:")
         with c.indent():
             _emit_next_tile(c, spec, "j", "jn")
-            c(f"k_base = sb + {KVOFF} + buf * {2 * T}")
-            c(f"v_base = k_base + {T}")
-            c(f"n_base = sb + {KVOFF + 2 * T} - buf * {2 * T}  # the other buffer")
+            c(f"k_base = sb + {KVOFF} + buf * {T}" if OVL else f"k_base = sb + {KVOFF} + buf * {2 * T}")
+            if OVL:
+                c(f"v_base = sb + {KVOFF + 2 * T} + vbuf * {T}")
+                c(f"n_kbase = sb + {KVOFF + T} - buf * {T}")
+                c("vn = vbuf + 1 if vbuf < 2 else 0  # three V buffers, no run-time division")
+                c(f"n_vbase = sb + {KVOFF + 2 * T} + vn * {T}")
+            else:
+                c(f"v_base = k_base + {T}")
+                c(f"n_kbase = sb + {KVOFF + 2 * T} - buf * {2 * T}  # the other buffer")
+                c(f"n_vbase = n_kbase + {T}")
             c("cp_async_wait0()  # K_j and V_j have landed (this thread's copies)")
             c("fence_proxy_async()  # ... and are visible to wgmma's async proxy")
-            c("cuda.syncthreads()  # ... for every thread; every warpgroup is done with the other buffer")
+            c("cuda.syncthreads()  # ... for every thread; every warpgroup is done with the buffers loaded next")
             c("if jn <= kv_last:")
             with c.indent():
-                _emit_load(c, BK, rstep, D, "n_base", f"jn * {BK}", "N", "k", "kg", "k_sm")
-                _emit_load(c, BK, rstep, D, f"n_base + {T}", f"jn * {BK}", "N", "v", "vg", "v_sm")
+                _emit_load(c, BK, rstep, D, "n_kbase", f"jn * {BK}", "N", "k", "kg", "k_sm")
+                _emit_load(c, BK, rstep, D, "n_vbase", f"jn * {BK}", "N", "v", "vg", "v_sm")
             c("cp_async_commit()")
             c()
             c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
@@ -239,7 +275,17 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
                 c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
             c("wgmma_commit()")
-            c("WAIT_S(sc, 0)")
+            if OVL:
+                c("if have_prev:")
+                with c.indent():
+                    c("# O += P_{j-1} V_{j-1} runs while this tile's softmax does")
+                    _emit_pv(c, KK, D, "pv_base")
+                    c("WAIT_S1(sc, 0)")
+                c("else:")
+                with c.indent():
+                    c("WAIT_S(sc, 0)")
+            else:
+                c("WAIT_S(sc, 0)")
             c()
             _emit_need_mask(c, spec, "j")
             c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
@@ -250,11 +296,14 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                     for r in range(2):
                         qrow = f"q_lo + warp * 16 + {8 * r} + g"
                         c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
-            c("# online softmax: new row max (quad shuffles), rescale O, exponentiate")
+            c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
             for r in range(2):
-                c(f"m_{r}, alpha, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
-                c(f"l_{r} = l_{r} * alpha + rs")
-                c(f"scale_row(acc, ofs_{2 * r}, alpha)")
+                c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
+                c(f"l_{r} = l_{r} * alpha_{r} + rs")
+            if OVL:
+                c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")
+            for r in range(2):
+                c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
             c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
             for kk in range(KK):
                 a, bb = 8 * kk, 8 * kk + 4
@@ -262,15 +311,20 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"pa_{kk}_1 = {pack}(sc[{a + 2}], sc[{a + 3}])")
                 c(f"pa_{kk}_2 = {pack}(sc[{bb}], sc[{bb + 1}])")
                 c(f"pa_{kk}_3 = {pack}(sc[{bb + 2}], sc[{bb + 3}])")
-            c(f"# O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)")
-            c("FENCE_O(acc, 0)")
-            for kk in range(KK):
-                pa = ", ".join(f"pa_{kk}_{i}" for i in range(4))
-                c(f"WG_O(acc, 0, {pa}, make_desc(HI_V, v_base + {kk * 2048}), 1)")
-            c("wgmma_commit()")
-            c("WAIT_O(acc, 0)")
+            if OVL:
+                c("have_prev = True")
+                c("pv_base = v_base")
+                c("vbuf = vn")
+            else:
+                _emit_pv(c, KK, D, "v_base")
+                c("WAIT_O(acc, 0)")
             c("j = jn")
             c("buf ^= 1")
+        if OVL:
+            c("if have_prev:  # the last tile's P V")
+            with c.indent():
+                _emit_pv(c, KK, D, "pv_base")
+                c("WAIT_O(acc, 0)")
         c()
         c("cp_async_wait0()")
         c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
