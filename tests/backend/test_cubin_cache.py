@@ -331,3 +331,20 @@ def test_a_driver_error_names_the_call_and_pops_the_context():
         drv.load_function(0, b"\x7fELF...", "_Z6kernel", 0)
     assert lib.current == []
     assert not cubin_cache.Driver(FakeLibcuda(fail="cuInit")).available()
+
+
+def test_cubin_bytes_reads_what_numba_cuda_links():
+    """numba-cuda hands a linked cubin over as bytes, or (linking through cuda.core, as on the H100 machine)
+    as an ObjectCode whose `code` is the bytes or a file's path; anything else is refused by name."""
+    class ObjectCode:
+        def __init__(self, code):
+            self.code = code
+
+    assert cubin_cache.cubin_bytes(b"\x7fELF") == b"\x7fELF"
+    assert cubin_cache.cubin_bytes(ObjectCode(b"\x7fELF1")) == b"\x7fELF1"
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(b"\x7fELF2")
+    assert cubin_cache.cubin_bytes(ObjectCode(f.name)) == b"\x7fELF2"
+    with pytest.raises(TypeError, match="ObjectCode"):
+        cubin_cache.cubin_bytes(ObjectCode(None))

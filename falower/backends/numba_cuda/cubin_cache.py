@@ -36,7 +36,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["Driver", "KernelImage", "cache_key", "driver", "enabled", "load", "set_driver", "store", "toolchain"]
 
@@ -53,6 +53,19 @@ class KernelImage:
     cubin: bytes
     layout: tuple[tuple[str, int, int], ...]
     smem: int
+
+
+def cubin_bytes(obj: Any) -> bytes:
+    """The bytes of a linked cubin as numba-cuda hands it over: bytes, or (when it links through cuda.core, as
+    on the H100 machine) an ObjectCode whose `code` is the bytes or the path of a file holding them."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return bytes(obj)
+    code = getattr(obj, "code", None)
+    if isinstance(code, (bytes, bytearray, memoryview)):
+        return bytes(code)
+    if isinstance(code, str) and os.path.isfile(code):
+        return Path(code).read_bytes()
+    raise TypeError(f"cannot read a cubin out of {type(obj).__name__}")
 
 
 def enabled() -> bool:

@@ -438,7 +438,7 @@ class DirectKernel:
         # the target Numba itself links for (CUDACodeLibrary._ensure_cc): sm_90a, not sm_90, on an H100, so
         # the cubin is the one Numba's own cache holds and architecture-specific PTX (wgmma) assembles
         target = (cc[0], cc[1], "a" if tuple(cc) >= (9, 0) else "")
-        return cubin_cache.KernelImage(lib._entry_name, bytes(lib.get_cubin(cc=target)), describe_argtypes(argtypes),
+        return cubin_cache.KernelImage(lib._entry_name, cubin_cache.cubin_bytes(lib.get_cubin(cc=target)), describe_argtypes(argtypes),
                                        self.smem)
 
     def function(self, device: int) -> int:
