@@ -1,0 +1,165 @@
+"""Data-dependent masks through mask.ranges in the CUDA simulator (run in a subprocess with
+NUMBA_ENABLE_CUDASIM=1 by test_block_list_simulator.py). Prints one JSON line per case.
+
+`list` cases: the block list the runtime makes (block_data.py: range tables, then tile_class_fn per tile in
+the list kernel) against the exact classes (`Interpreter.block_classes`, a brute force over every (q, kv)
+pair): a tile left out must be empty and a tile called full must be full (a ragged last kv tile, which the
+kernel masks itself, only non-empty); on tiles inside both bounds the list's classes are the IR's own
+`mask.classify` (intervals.classify over the same range tables). `fwd` cases: the forward kernel visiting
+that list against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+sys.setswitchinterval(5e-4)
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
+           "canonicalize"
+
+
+def graph(mask: str):
+    from data_masks import MASKS
+
+    if mask == "document":
+        return runpy.run_path(str(ROOT / "examples" / "document.py"))["graph"]
+    return MASKS[mask]()
+
+
+def block_list_classes(c, inputs: list, env: dict, B: int, H: int, M: int, N: int, bq: int, bk: int):
+    """The classes the block list gives (0 when a tile is not listed), whether each row is ascending, and how
+    many rows skip an empty tile between two they visit."""
+    kern = c.kernel(*inputs)
+    assert kern.spec.block_mask == "list", kern.spec.block_mask
+    caps = [inputs[c.lowered.args.index(v)] for v in c.analysis.captures]
+    sizes = [int(env[d]) for d in c.analysis.runtime_dims]
+    count, tiles = c.block_data(kern).block_list(caps + sizes, (B, H, M, N), inputs[0])
+    nq, nk = -(-M // bq), -(-N // bk)
+    got = np.zeros((B, H, nq, nk), dtype=np.int8)
+    ascending = True
+    holes = 0
+    for b in range(B):
+        for h in range(H):
+            for i in range(nq):
+                row = tiles[b, h, i, :count[b, h, i]]
+                ascending &= bool(np.all(np.diff(row >> 1) > 0))
+                holes += int(np.any(np.diff(row >> 1) > 1))  # an empty tile between visited ones: skipped
+                got[b, h, i, row >> 1] = np.where(row & 1, 1, 2)
+    return got, ascending, holes
+
+
+def run_list_case(mask: str, kind: str, M: int, N: int, bq: int = 32, bk: int = 16) -> dict:
+    import falower as fl
+    from falower.ir.interp import Interpreter
+    from falower.ir.intervals import classify, minmax_table, range_tables
+    from falower.passes.check import bind_dims, random_inputs
+
+    g = graph(mask)
+    B, H = 2, 2
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": 16})
+    inputs = random_inputs(g, env, seed=M * 100 + N, kind=kind)
+    inputs = [x.astype(np.float16) if i < 3 else x for i, x in enumerate(inputs)]
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), path="mma", num_warps=2)
+    got, ascending, holes = block_list_classes(c, inputs, env, B, H, M, N, bq, bk)
+    nq, nk = got.shape[2:]
+    op = next(o for o in c.lowered.walk() if o.name == "mask.kv_range")
+    spec = op.attrs["ranges"]
+    by_arg = {a: x for a, x in zip(c.lowered.args, inputs)}
+    op_caps = [by_arg[v] for v in op.operands[4:4 + len(op.operands) - 4 - len(spec)]]
+    tables = [minmax_table(op_caps[ci], axis, gr) for ci, axis, gr in spec]
+    it = Interpreter("f64")
+    it.env_dims = env
+    exact = it.block_classes(op.regions[0], op_caps + tables, B, H, nq, nk, bq, bk, M)
+    ranges = range_tables(spec, op_caps + tables)
+    ragged = np.zeros(nk, dtype=bool)
+    ragged[-1] = N % bk != 0
+    bad_empty = (got == 0) & (exact != 0)
+    bad_full = (got == 2) & (exact != 2) & ~(ragged[None, None, None, :] & (exact != 0))
+    inside = 0
+    differ = 0
+    for b in range(B):
+        for h in range(H):
+            for i in range(nq):
+                if (i + 1) * bq > M:
+                    continue
+                for j in range(nk):
+                    if (j + 1) * bk > N:
+                        continue
+                    want = classify(op.regions[0], b, h, i * bq, i * bq + bq - 1, j * bk, j * bk + bk - 1,
+                                    op_caps + tables, env, ranges)
+                    inside += 1
+                    differ += int(want != got[b, h, i, j])
+    return {"id": f"list-{mask}-{kind}-{M}x{N}", "sound": not bool(bad_empty.any() or bad_full.any()),
+            "ascending": ascending, "holes": holes, "inside": inside, "differ_from_ir": differ,
+            "visited": int((got != 0).sum()), "exact_nonempty": int((exact != 0).sum()),
+            "skipped": int((got == 0).sum()), "full": int((got == 2).sum())}
+
+
+def run_fwd_case(mask: str, kind: str, M: int, N: int, path: str) -> dict:
+    import falower as fl
+    from falower.passes.check import Reference, bind_dims, random_inputs
+
+    g = graph(mask)
+    env = bind_dims(g, {"B": 2, "H": 2, "M": M, "N": N, "D": 16})
+    inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+              for i, x in enumerate(random_inputs(g, env, seed=M * 100 + N, kind=kind))]
+    ref = Reference.build(g, env, inputs=inputs)
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE.format(bq=32, bk=16), path=path,
+                   num_warps=2 if path == "mma" else None)
+    o, lse = c(*inputs)
+    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
+    fin = np.isfinite(want_lse)
+    got = np.asarray(o, dtype=np.float64)
+    _, _, holes = block_list_classes(c, inputs, env, 2, 2, M, N, 32, 16)
+    return {"id": f"fwd-{mask}-{kind}-{M}x{N}-{path}", "block_mask": c.kernel(*inputs).spec.block_mask,
+            "holes": holes,
+            "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
+            "o_err": float(np.max(np.abs(got - want_o))),
+            "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))) if fin.any() else 0.0,
+            "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), np.isneginf(want_lse))),
+            "masked_rows": int((~fin).sum())}
+
+
+# sizes around the tiles (32 x 16): 1, 2, tile - 1, tile, tile + 1, M != N both ways
+SIZES = [(1, 1), (2, 2), (31, 15), (32, 16), (33, 17), (40, 9), (9, 40), (65, 65)]
+# ascending, unsorted, constant, every id -1 (fully masked rows), all distinct ids (positions), descending
+KINDS = ["sorted", "unsorted", "constant", "nothing", "positions", "descending"]
+LIST_CASES = [("document", k, m, n) for k in KINDS for m, n in SIZES]
+LIST_CASES += [(mask, k, 65, 65) for mask in ("doc_per_head", "shared_prefix", "global_window", "threshold", "blocks")
+               for k in ("sorted", "unsorted", "blocks")]  # 65 x 65
+FWD_CASES = [("document", "sorted", 40, 37, "mma"), ("document", "sorted", 9, 40, "mma"), ("document", "unsorted", 40, 37, "mma"),
+             ("document", "nothing", 17, 33, "mma"), ("document", "positions", 33, 17, "simt"),
+             ("doc_per_head", "blocks", 40, 37, "simt"), ("global_window", "unsorted", 40, 37, "mma")]
+
+
+def list_id(case: tuple) -> str:
+    mask, kind, M, N = case
+    return f"list-{mask}-{kind}-{M}x{N}"
+
+
+def fwd_id(case: tuple) -> str:
+    mask, kind, M, N, path = case
+    return f"fwd-{mask}-{kind}-{M}x{N}-{path}"
+
+
+if __name__ == "__main__":
+    wanted = sys.argv[1:]
+    jobs = [(list_id(c), run_list_case, c) for c in LIST_CASES] + [(fwd_id(c), run_fwd_case, c) for c in FWD_CASES]
+    for cid, run, args in jobs:
+        if wanted and cid not in wanted:
+            continue
+        try:
+            print(json.dumps(run(*args)), flush=True)
+        except Exception as e:  # report, the test fails on it
+            import traceback
+
+            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}",
+                              "where": traceback.format_exc()[-1500:]}), flush=True)
