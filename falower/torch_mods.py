@@ -439,8 +439,12 @@ def _mod_key(mod: Optional[Callable]) -> _ModKey:
 class BlockMask:
     """falower's block mask: the mask_mod with its fingerprint and captured tensors, built once by
     `create_block_mask` and reused by every `flex_attention` call (every layer, every step). Which kv tiles
-    are empty, partial or full is decided inside the kernels from the traced mask (`mask.classify` /
-    `mask.block_table`), so nothing of size [M / tile, N / tile] is materialised here."""
+    are empty, partial or full comes from the traced mask: by interval arithmetic in the kernels for masks of
+    indices (`mask.classify`); for masks that read tensors (document ids) from per-tile min / max of those
+    tensors (`mask.ranges`) and, in the forward, a list of the kv tiles each q tile visits. That block data
+    is made on the first call with these tensors and remembered with them (their identity and version
+    counter: an in-place write makes it anew), so every layer and step reusing this mask reuses it; masks
+    the ranges cannot bound fall back to the dense `mask.block_table`."""
 
     def __init__(self, mask_mod: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
                  device: Any = None, BLOCK_SIZE: Any = 128):
@@ -547,8 +551,31 @@ def _capture_args(entry: _Entry, leaves: list, device: Any) -> list:
         want = {"f32": torch.float32, "f64": torch.float64, "i32": torch.int32, "i8": torch.int8,
                 "bool": torch.bool}[c.dtype]
         if t.dtype != want or t.device != device:
-            t = t.to(device=device, dtype=want)
+            t = _converted(t, device, want)
         out.append(t)
+    return out
+
+
+_CONVERTED: dict = {}  # (id, version, dtype, device) -> (weak reference to the tensor, its converted copy)
+
+
+def _converted(t: Any, device: Any, want: Any) -> Any:
+    """`t.to(device, want)`, the same copy again while `t` is the same tensor with the same contents (its
+    version counter): int64 document ids converted to int32 at every call would be new data at every call,
+    and the kernels' block data (range tables, block list) would be made anew each time. Tensors that
+    require grad are converted each call (autograd must see this call's conversion)."""
+    import weakref
+
+    if t.requires_grad:
+        return t.to(device=device, dtype=want)
+    key = (id(t), t._version, want, device)
+    hit = _CONVERTED.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    out = t.to(device=device, dtype=want)
+    if len(_CONVERTED) >= 64:
+        _CONVERTED.clear()
+    _CONVERTED[key] = (weakref.ref(t), out)
     return out
 
 
