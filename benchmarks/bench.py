@@ -472,6 +472,14 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     if args.fwd:
         measure_flex(row, "fwd flex", flops, lambda opts: flex(q, k, v, var.score_mod, opts))
         measure(row, "fwd ours+call", flops, lambda: lambda: c.forward(q, k, v, *caps))
+        blocks = c.block_data(c.kernel(q, k, v, *caps))
+        if blocks is not None:  # data-dependent mask (issue 12): range tables and block list, made once per ids
+            # tensor and reused by the timed calls above; what new ids cost (Flex's "flex mask ms" counterpart)
+            env = c._dims((q, k, v, *caps))
+            made = [*caps, *[int(env[d]) for d in c.analysis.runtime_dims]]
+            row["ours mask ms"] = bench(lambda: blocks._make(made, (B, H, N, N), q), 5, 20)
+            log(f"  {stem}: block data for new ids {row['ours mask ms']:.3f} ms "
+                f"(flex create_block_mask {row.get('flex mask ms', NAN):.3f} ms)")
     if args.bwd:
         f2 = 3.5 * flops
         ql, kl, vl = leaves(q, k, v)
