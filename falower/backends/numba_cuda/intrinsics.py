@@ -370,6 +370,112 @@ else:
 
     _linear_singly_assigned_variables()
 
+    def _memoized_builtin_call_types() -> None:
+        """Remember the signature Numba's CUDA typing context found for a builtin operator on given argument types.
+
+        `Function.get_call_type` (numba 0.68) tries every template registered for the operator, in order, on
+        every call: `a + b` on two integers walks past the overloads for arrays, tuples, strings, sets, ... (each
+        failing one hashes the compile flags), 0.3-0.5 ms each; our kernels' address arithmetic has thousands
+        of them, typed in each round of type inference and once more when lowered (benchmarks/NOTES.md,
+        "Compile time", lever 10). The answer depends only on the function type (its templates are in its key:
+        a newly registered overload makes a new one) and the argument types, so it is remembered per typing
+        context, and only where it cannot depend on the compilation's flags: the winning template's
+        implementation key is the operator itself (a plain `ConcreteTemplate`/`AbstractTemplate` such as the
+        integer, float and array-index rules), never an `@overload` compiled per flags. The side effect of a
+        first resolution (`_impl_keys[args]`, read by lowering) is replayed on every hit. Only applied when the
+        method is the one this was written against."""
+        try:
+            from numba.core.types import functions as _functions
+            from numba.cuda.target import CUDATypingContext
+        except ImportError:
+            return
+        original = _functions.BaseFunction.get_call_type
+        if getattr(original, "__qualname__", "") != "BaseFunction.get_call_type":
+            return
+        import builtins
+        import operator
+
+        plain = (types.Number, types.Boolean, types.Array, types.NoneType)
+
+        def get_call_type(self, context, args, kws):
+            if kws or not isinstance(context, CUDATypingContext) or not isinstance(self, _functions.Function):
+                return original(self, context, args, kws)
+            fn = self.typing_key
+            if not (getattr(fn, "__module__", None) in ("_operator", "operator") or fn in _BUILTINS) \
+                    or not all(isinstance(a, plain) for a in args):
+                return original(self, context, args, kws)
+            cache = context.__dict__.setdefault("_falower_call_types", {})
+            key = (self, args)
+            hit = cache.get(key)
+            if hit is not None:
+                sig, impl = hit
+                self._impl_keys[sig.args] = impl
+                return sig
+            sig = original(self, context, args, kws)
+            if sig is not None:
+                impl = self._impl_keys.get(sig.args)
+                if impl is fn:
+                    cache[key] = (sig, impl)
+            return sig
+
+        _BUILTINS = {builtins.max, builtins.min, builtins.abs, builtins.bool, builtins.int, builtins.float}
+        del operator
+        get_call_type.__qualname__ = "BaseFunction.get_call_type"  # the original's name: applied once
+        get_call_type.__wrapped__ = original
+        _functions.BaseFunction.get_call_type = get_call_type
+
+    _memoized_builtin_call_types()
+
+    def _refresh_only_when_registries_grew() -> None:
+        """Skip a Numba context `refresh()` when no registry it loads from has a registration it has not seen.
+
+        numba-cuda refreshes the target context (and with it the typing context) after every failed
+        implementation look-up, and there is one such failure by design per array access lowered
+        (`make_array` asks for an `__array__` implementation first) and per overload template typed: each refresh
+        re-imports and walks ~40 registries, ~0.5-1 ms, 10-15% of a cold compile of our kernels
+        (benchmarks/NOTES.md, "Compile time", lever 11). A refresh only ever installs registrations appended to
+        those registries since the last one, so when the total count of every registry's registration lists
+        (of this context and, for a target context, its typing context) is what it was after the last refresh,
+        there is nothing to install and the call returns. Only applied where the layout is the one this was
+        written against."""
+        try:
+            from numba.cuda.core import base as _base
+            from numba.cuda.typing import context as _typing
+        except ImportError:
+            return
+        target_refresh, typing_refresh = _base.BaseContext.refresh, _typing.BaseContext.refresh
+        if getattr(target_refresh, "__qualname__", "") != "BaseContext.refresh" or \
+                getattr(typing_refresh, "__qualname__", "") != "BaseContext.refresh":
+            return
+
+        def count(ctx) -> int:
+            n = 0
+            for registry, loader in ctx._registries.items():
+                for name in loader.registry_items:
+                    n += len(getattr(registry, name))
+            return n
+
+        def wrap(original, counts):
+            def refresh(self):
+                try:
+                    before = counts(self)
+                except AttributeError:  # not the layout this was written for
+                    return original(self)
+                if before and self.__dict__.get("_falower_refreshed_at") == before:
+                    return None
+                original(self)
+                self._falower_refreshed_at = counts(self)
+                return None
+
+            refresh.__qualname__ = "BaseContext.refresh"
+            refresh.__wrapped__ = original
+            return refresh
+
+        _typing.BaseContext.refresh = wrap(typing_refresh, lambda ctx: (count(ctx),))
+        _base.BaseContext.refresh = wrap(target_refresh, lambda ctx: (count(ctx), count(ctx.typing_context)))
+
+    _refresh_only_when_registries_grew()
+
     def _lean_pipeline():
         """numba-cuda's CUDACompiler with its closure-inlining pass run only where there is something to inline.
 
