@@ -181,7 +181,8 @@ class BlockData:
             tiles = torch.empty(rows * nk, dtype=torch.int32, device=like.device)
             stream = torch.cuda.current_stream(like.device).cuda_stream
             launch_stream = cuda.external_stream(stream) if stream else 0
-            args = [cuda.as_cuda_array(x) if _kind(x) == "torch" else x
+            # no synchronisation: the launch goes on torch's current stream, behind whatever made the tensors
+            args = [cuda.as_cuda_array(x, sync=False) if _kind(x) == "torch" else x
                     for x in _one_element_captures(spec, tuple(caps), "torch", like)]
         else:
             count = cuda.device_array(rows, dtype=np.int32)
@@ -189,7 +190,7 @@ class BlockData:
             launch_stream = 0
             args = [cuda.to_device(x) if isinstance(x, np.ndarray) else x
                     for x in _one_element_captures(spec, tuple(caps), kind, like)]
-        wrap = cuda.as_cuda_array if kind == "torch" else (lambda t: t)
+        wrap = (lambda t: cuda.as_cuda_array(t, sync=False)) if kind == "torch" else (lambda t: t)
         args = args[:n_caller] + [wrap(count), wrap(tiles)]
         blocks = -(-rows // THREADS)
         self._list_kernel[blocks, THREADS, launch_stream](B, H, M, N, *args)

@@ -86,8 +86,12 @@ def analyse(func: Func) -> Lowered:
                 raise BackendError(f"numba-cuda backend: mask.ranges of %{src.name}, which the score function "
                                    "does not read")
             ranges.append((cap_args.index(src), int(op.attrs["axis"]), int(op.attrs["granule"])))
-    if ranges and block_mask == "static":
-        block_mask = "list"  # tiles classified from the range tables once per data, visited from a list
+    if block_mask == "static" and any(g > 1 for _, _, g in ranges):
+        # tables read along q or kv (document ids): tiles classified from the range tables once per data by
+        # the list kernel, visited from the list. Tables read at one point per tile (start[b], window[h]:
+        # granule 1) stay with the in-kernel scan, which costs no extra launch when their data changes
+        # (a decoding step's offsets)
+        block_mask = "list"
     dims: set[str] = set()
     for op in backward_slice(region, [score, *conj]):
         v = op.attrs.get("value")
