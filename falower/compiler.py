@@ -28,10 +28,14 @@ class CompiledAttention:
     """
 
     def __init__(self, func: Func, lowered: Func, backend: str, path: str = "auto", num_warps: Optional[int] = None,
-                 extra: Optional[dict] = None, backward_pipeline: str = "fa2-bwd"):
+                 extra: Optional[dict] = None, backward_pipeline: str = "fa2-bwd", pipeline: str = "",
+                 pipeline_kwargs: Optional[dict] = None):
         self.func, self.lowered, self.backend = func, lowered, backend
         self.path, self.num_warps, self.extra = path, num_warps, dict(extra or {})
         self.backward_pipeline = backward_pipeline
+        self.pipeline, self.pipeline_kwargs = pipeline, dict(pipeline_kwargs or {})
+        self._retiled: dict[tuple[int, int], tuple[Func, Any]] = {}  # (bq, bk) -> (lowered, analysis)
+        self._built: dict[str, tuple[Func, Any]] = {}  # kernel name -> the (lowered, analysis) it came from
         self._lowered_bwd: Optional[Func] = None
         self._bwd_analysis: Any = None
         self._kernels: dict[tuple, Any] = {}
@@ -84,7 +88,8 @@ class CompiledAttention:
         used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
         key = (dtype, path, tuple(used.items()))
         if key not in self._kernels:
-            spec = build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra)
+            spec, built = self._forward_spec(used, dtype, path)
+            self._built[spec.name] = built
             try:
                 kern = FA2ForwardKernel(spec)
             except ValueError as e:  # the emitter cannot build this schedule (tile sizes, head dim)
@@ -97,6 +102,60 @@ class CompiledAttention:
                 print(f"[falower] PTX of {spec.name}:\n{kern.ptx()}", file=sys.stderr)
             self._kernels[key] = kern
         return self._kernels[key]
+
+    def _forward_spec(self, used: dict[str, int], dtype: str, path: str) -> tuple[Any, tuple[Func, Any]]:
+        """The forward kernel's spec and the (lowered IR, analysis) it is built from.
+
+        On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
+        `extra={"schedule": ...}` decides when given; otherwise `emit_fa3.auto_extra` (compute capability 9.x
+        from the driver, f16/bf16, D = 128, or D = 64 without a block mask; FALOWER_WGMMA=0/1 overrides), and
+        an automatic choice the spec machinery cannot build falls back to mma.sync, never to an error. With the
+        default pipeline the wgmma kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128): the
+        graph is lowered again with them, so the IR says the tiles the kernel runs."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.from_ir import build_spec
+        from .backends.numba_cuda.runtime import device_cc
+
+        base = (self.lowered, self.analysis)
+        asked = self.extra.get("schedule")
+        choice = None
+        if path == "mma" and asked is None:
+            low = self.analysis
+            choice = emit_fa3.auto_extra(dtype, used["D"], low.block_mask if low.conj else "none", device_cc())
+        elif path == "mma" and asked == "wgmma":
+            choice = {"schedule": "wgmma", "overlap": used["D"] == 128}
+        if choice is None:
+            return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
+        extra = {**choice, **self.extra}
+        built = base
+        want = emit_fa3.tiles(used["D"])
+        if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
+            built = self._retile(*want)
+        spec = build_spec(built[1], used, dtype, path, self.num_warps, extra)
+        if asked is None:
+            try:
+                emit_fa3.validate_spec(spec)
+            except ValueError:  # not built by the wgmma kernel yet: mma.sync, as if never chosen
+                return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
+        return spec, built
+
+    def _retile(self, bq: int, bk: int) -> tuple[Func, Any]:
+        """The graph lowered by the default pipeline with tile{bq,bk} instead of its tiles, and its analysis."""
+        import re
+
+        from .backends.numba_cuda.from_ir import analyse
+        from .passes import NAMED_PIPELINES
+
+        if (bq, bk) not in self._retiled:
+            text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}}}", NAMED_PIPELINES[self.pipeline], count=1)
+            lowered = run_pipeline(self.func, text, **self.pipeline_kwargs)
+            self._retiled[(bq, bk)] = (lowered, analyse(lowered))
+        return self._retiled[(bq, bk)]
+
+    def lowered_of(self, kernel: Any) -> Func:
+        """The lowered IR a forward kernel was built from (`lowered`, or the graph lowered again with the
+        wgmma kernel's tiles)."""
+        return self._built.get(kernel.spec.name, (self.lowered, None))[0]
 
     def __call__(self, *inputs: Any):
         if _wants_grad(inputs):
@@ -114,9 +173,10 @@ class CompiledAttention:
         call = self._calls.get(key) if key is not None else None
         if call is None:
             k, env = self._kernel_and_dims(inputs)
-            call = _WarmCall(k, [self.lowered.args.index(c) for c in self.analysis.captures],
-                             [c.type.dtype for c in self.analysis.captures],
-                             [int(env[d]) for d in self.analysis.runtime_dims], inputs[0],
+            lowered, analysis = self._built.get(k.spec.name, (self.lowered, self.analysis))
+            call = _WarmCall(k, [lowered.args.index(c) for c in analysis.captures],
+                             [c.type.dtype for c in analysis.captures],
+                             [int(env[d]) for d in analysis.runtime_dims], inputs[0],
                              blocks=self.block_data(k))
             if key is not None:
                 self._calls[key] = call
@@ -358,4 +418,5 @@ def compile(func: Func, backend: str = "numba-cuda", pipeline: str = "fa2-fwd", 
     if path not in ("auto", "mma", "simt"):
         raise FalowerError(f"unknown path {path!r} (auto, mma or simt)")
     lowered = run_pipeline(func, pipeline, **pipeline_kwargs)
-    return CompiledAttention(func, lowered, backend, path, num_warps, extra, backward_pipeline=backward)
+    return CompiledAttention(func, lowered, backend, path, num_warps, extra, backward_pipeline=backward,
+                             pipeline=pipeline, pipeline_kwargs=pipeline_kwargs)

@@ -34,6 +34,52 @@ RUNTIME_CASES = {
     "runtime-causal-bf16-d64-gqa": ("causal", "bf16", 64, 1, 2, 50, 33, 2, 64, 32),
 }
 
+# through falower.compile (the API's warm call, derived captures included): the document example, whose
+# data-dependent mask is visited from the per-q-tile block list (block_mask == "list", block_data.py), asked for
+# by extra={"schedule": "wgmma"}; and causal chosen by FALOWER_WGMMA=1 with no extra (the automatic choice, which
+# without the override never takes wgmma in the simulator). id: (example, ids kind, dtype, D, B, H, M, N, bq, bk,
+# extra, FALOWER_WGMMA)
+API_CASES = {
+    "api-document-list-f16-d64": ("document", "sorted", "f16", 64, 2, 2, 40, 37, 64, 16, {"schedule": "wgmma"}, ""),
+    "api-auto-causal-f16-d64": ("causal", "normal", "f16", 64, 1, 2, 33, 50, 64, 32, {}, "1"),
+}
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
+           "canonicalize"
+
+
+def run_api_case(case_id: str) -> dict:
+    import runpy
+
+    import falower as fl
+    from falower.passes.check import Reference, bind_dims, random_inputs as graph_inputs
+
+    stem, kind, dtype, D, B, H, M, N, bq, bk, extra, flag = API_CASES[case_id]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    g = runpy.run_path(os.path.join(root, "examples", f"{stem}.py"))["graph"]
+    assert dtype == "f16"  # numpy inputs: bf16 has no numpy dtype the API takes
+    env = bind_dims(g, {"B": B, "H": H, "HKV": H, "M": M, "N": N, "D": D})
+    raw = graph_inputs(g, env, seed=M * 100 + N, **({} if kind == "normal" else {"kind": kind}))
+    inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x for i, x in enumerate(raw)]
+    ref = Reference.build(g, env, inputs=inputs)
+    os.environ["FALOWER_WGMMA"] = flag
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), extra=extra)
+    kern = c.kernel(*inputs)
+    o, lse = c(*inputs)
+    os.environ["FALOWER_WGMMA"] = ""
+    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
+    fin = np.isfinite(want_lse)
+    of = as_float(o, dtype)
+    return {
+        "id": case_id,
+        "dtype": dtype,
+        "wgmma": kern.spec.extra.get("schedule") == "wgmma" and "wgmma_ss" in kern.source,
+        "block_mask": kern.spec.block_mask,
+        "o_err": float(np.abs(of - want_o).max()),
+        "lse_err": float(np.abs(lse[fin] - want_lse[fin]).max()) if fin.any() else 0.0,
+        "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
+        "masked_ok": bool(np.array_equal(np.isneginf(lse), np.isneginf(want_lse)) and np.all(of[~fin] == 0.0)),
+    }
+
 
 def launch_args(spec, q, k, v, caps):
     """The forward kernel's arguments (emit_fa2's signature) for contiguous numpy inputs."""
@@ -114,9 +160,10 @@ def run_runtime_case(case_id: str) -> dict:
 
 def main(ids) -> None:
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
-    for cid in ids or [*CASES, *RUNTIME_CASES]:
+    for cid in ids or [*CASES, *RUNTIME_CASES, *API_CASES]:
         try:
-            r = run_runtime_case(cid) if cid in RUNTIME_CASES else run_case(cid)
+            run = run_runtime_case if cid in RUNTIME_CASES else run_api_case if cid in API_CASES else run_case
+            r = run(cid)
         except Exception as exc:
             import traceback
 

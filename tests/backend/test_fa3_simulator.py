@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fa3_sim_cases import CASES, RUNTIME_CASES  # noqa: E402
+from fa3_sim_cases import API_CASES, CASES, RUNTIME_CASES  # noqa: E402
 
 TOL = {"f16": 4e-3, "bf16": 3e-2}
 
@@ -39,10 +39,11 @@ def results(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(RUNTIME_CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(RUNTIME_CASES) + sorted(API_CASES))
 def test_fa3_simulator(results, case):
     r = results.get(case)
     assert r is not None and "error" not in r, r
+    assert r.get("wgmma", True), r  # the API cases ran the wgmma kernel
     assert not r["nan"], r
     assert r.get("masked_ok", True), r
     assert r["o_err"] <= TOL[r["dtype"]], r

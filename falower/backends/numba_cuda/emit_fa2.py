@@ -178,8 +178,9 @@ def head_group(spec: FA2ForwardSpec) -> int:
 
 
 def uses_wgmma(spec: FA2ForwardSpec) -> bool:
-    """spec.extra["schedule"] == "wgmma": the Hopper kernel of emit_fa3.py (issue 11; sm_90a only, f16/bf16,
-    opt-in until it is the faster one everywhere). Its launch geometry and source come from there."""
+    """spec.extra["schedule"] == "wgmma": the Hopper kernel of emit_fa3.py (issue 11; sm_90a only, f16/bf16;
+    falower.compile chooses it on compute capability 9.x by emit_fa3.auto_extra). Its launch geometry and
+    source come from there."""
     return spec.extra.get("schedule") == "wgmma"
 
 

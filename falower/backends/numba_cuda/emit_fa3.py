@@ -16,10 +16,12 @@ helpers apply to one m16 fragment per warp unchanged). What is new is the schedu
   O += P V: block_k/16 `wgmma m64n{D}k16` with V MN-major (trans-b), no trip through shared memory;
 * online softmax in the exp2 domain, one division at the end, LSE in natural log (as emit_fa2).
 
-Chosen by `spec.extra["schedule"] = "wgmma"` (emit_fa2's entry points dispatch here): through the API,
-`falower.compile(graph, extra={"schedule": "wgmma"})`, or `pipeline_kwargs` / a pipeline string with
-`tile{bq=128,bk=128}` for the tiles measured best at D = 128 (benchmarks/NOTES.md, "wgmma"). Only for compute
-capability 9.0 (sm_90a) and f16/bf16; not chosen automatically yet.
+Built when `spec.extra["schedule"] == "wgmma"` (emit_fa2's entry points dispatch here). `falower.compile` sets it
+by itself on compute capability 9.x where `auto_extra` says so (D = 128; D = 64 without a block mask), with the
+tiles of `tiles` (the graph lowered again with tile{bq=128,bk=128} at D = 128), or when asked:
+`falower.compile(graph, extra={"schedule": "wgmma"})`; `FALOWER_WGMMA=0` / `extra={"schedule": "mma"}` keep
+mma.sync. Only for compute capability 9.0 (sm_90a) and f16/bf16, D = 64 or 128; every block mask kind (static
+classification, the block table, the per-q-tile block list of data-dependent masks) through emit_fa2's pieces.
 
 Launch: grid `grid(spec, B, H, M, N)` = (q tiles, H, B) (no run-time division in the kernel: a 64-bit division is
 a subroutine call, and any call makes ptxas serialize every wgmma: benchmarks/NOTES.md, "wgmma"),
@@ -31,7 +33,9 @@ tile's matmuls, TMA. The schedule waits for each product before using it.
 
 from __future__ import annotations
 
+import os
 import re
+from typing import Mapping, Optional
 
 from .emit_fa2 import (
     _HEADER,
@@ -49,7 +53,8 @@ from .emit_fa2 import (
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["emit_fa3_forward", "grid", "smem_bytes", "threads_per_block", "validate_spec", "recommended_schedule"]
+__all__ = ["auto_extra", "emit_fa3_forward", "grid", "recommended_schedule", "smem_bytes", "threads_per_block", "tiles",
+           "validate_spec"]
 
 ALIGN = 1024  # 128 B-swizzle atoms at 1024-byte aligned shared addresses
 
@@ -68,11 +73,44 @@ from falower.backends.numba_cuda.wgmma import (
 '''
 
 
-def recommended_schedule(head_dim: int) -> dict[str, int]:
-    """Tile sizes for the wgmma forward: two warpgroups (128 query rows) and 128-wide kv tiles.
+ENV = "FALOWER_WGMMA"  # "0": never chosen automatically; "1": chosen wherever the spec allows it (also with no GPU)
 
-    Not yet tuned on the H100 (benchmarks/NOTES.md, "wgmma"): FA3 uses 128 x 128 (D = 128) and 192 x 128 (D = 64)."""
-    return {"block_q": 128, "block_k": 128, "num_warps": 8}
+
+def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[int, int]],
+               env: Optional[Mapping[str, str]] = None) -> Optional[dict]:
+    """The automatic choice of the Hopper kernel: the spec.extra to build it with, or None for mma.sync.
+
+    Rule (measured on the H100, benchmarks/NOTES.md "wgmma"): the device's compute capability is 9.x (`cc`,
+    which the runtime asks of the driver; None where there is no GPU, the simulator included), f16 or bf16,
+    and D = 128 with any mask (plain 406 vs SDPA FLASH 329 TFLOP/s at N = 4k, causal 335 vs 300) or D = 64
+    without a block mask (363 vs 292); D = 64 under a block mask stays on mma.sync (causal 215 vs 269).
+    `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
+    the simulator). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to -4% at D = 64).
+    The caller still checks the spec with `validate_spec` and keeps mma.sync where it fails; the tiles are the
+    caller's too (`tiles`)."""
+    env = os.environ if env is None else env
+    flag = env.get(ENV, "")
+    if flag == "0" or dtype not in ("f16", "bf16") or head_dim not in (64, 128):
+        return None
+    if flag != "1":
+        if cc is None or cc[0] != 9:
+            return None
+        if head_dim == 64 and block_mask != "none":
+            return None
+    return {"schedule": "wgmma", "overlap": head_dim == 128}
+
+
+def tiles(head_dim: int) -> tuple[int, int]:
+    """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
+    N = 4k), 128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S)."""
+    return (128, 128) if head_dim == 128 else (128, 64)
+
+
+def recommended_schedule(head_dim: int) -> dict[str, int]:
+    """Tile sizes for the wgmma forward: two warpgroups (128 query rows), `tiles(head_dim)`; num_warps is
+    mma.sync's knob (8 = the two warpgroups' warps, for specs written by hand)."""
+    bq, bk = tiles(head_dim)
+    return {"block_q": bq, "block_k": bk, "num_warps": 8}
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
@@ -114,14 +152,14 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError(f"wgmma path: block_k must be a multiple of 16 in [16, 256], got {BK}")
     if BQ % 64 or not 64 <= BQ <= 256:
         raise ValueError(f"wgmma path: one warpgroup (4 warps) per 64 query rows, 1-4 of them; got block_q={BQ}")
-    if spec.block_mask not in ("none", "static", "table"):
-        raise ValueError(f"wgmma path: block_mask {spec.block_mask!r} is not supported yet")
+    if spec.block_mask == "list" and not {("kv_count",), ("kv_tiles",)} <= {c.derived for c in spec.captures}:
+        raise ValueError("block_mask='list' needs the kv_count and kv_tiles captures")
     if "def score_fn" not in spec.device_source:
         raise ValueError("device_source must define score_fn")
     if spec.has_mask and "def mask_fn" not in spec.device_source:
         raise ValueError("has_mask needs a mask_fn in device_source")
-    if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
-        raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.block_mask in ("static", "list") and "def tile_class_fn" not in spec.device_source:
+        raise ValueError(f"block_mask={spec.block_mask!r} needs a tile_class_fn in device_source")
     threads = threads_per_block(spec)
     if threads % (D // 8) or (threads // (D // 8)) % 8:
         raise ValueError("wgmma path: the block's threads must cover 8-row multiples of a tile in one sweep")

@@ -233,6 +233,19 @@ def _has_gpu() -> bool:
     return _GPU
 
 
+def device_cc() -> Optional[tuple[int, int]]:
+    """Compute capability of the current device (the driver's current context, else device 0), asked of the
+    driver through ctypes (no Numba import); None in the simulator or where there is no GPU. The automatic
+    choice of the wgmma kernel reads it (compiler.py, emit_fa3.auto_extra)."""
+    if not _has_gpu():
+        return None
+    drv = cubin_cache.driver()
+    try:
+        return drv.compute_capability(drv.current_device())
+    except cubin_cache.DriverError:
+        return None
+
+
 def _direct_enabled() -> bool:
     return os.environ.get("FALOWER_DIRECT_LAUNCH", "1") != "0" and _has_gpu()
 

@@ -1,0 +1,96 @@
+"""The automatic choice between the mma.sync kernel (emit_fa2) and the Hopper wgmma kernel (emit_fa3), on the CPU:
+the rule (`emit_fa3.auto_extra`), and `falower.compile` taking it from the device's compute capability (faked
+here: the runtime asks the driver, `runtime.device_cc`), the FALOWER_WGMMA override and `extra={"schedule":
+...}`. Kernels are only emitted (no GPU, no Numba compile)."""
+
+from __future__ import annotations
+
+import pytest
+
+import falower as fl
+from falower.backends.numba_cuda import emit_fa3, runtime
+
+
+def test_rule() -> None:
+    rule = emit_fa3.auto_extra
+    for D, mask, want in [(128, "none", True), (128, "static", True), (128, "table", True), (128, "list", True),
+                          (64, "none", True), (64, "static", False), (64, "list", False), (96, "none", False)]:
+        got = rule("f16", D, mask, (9, 0), {})
+        assert (got is not None) == want, (D, mask, got)
+        if got is not None:
+            assert got == {"schedule": "wgmma", "overlap": D == 128}
+    assert rule("bf16", 128, "none", (9, 0), {}) is not None
+    assert rule("f32", 128, "none", (9, 0), {}) is None
+    assert rule("f16", 128, "none", (8, 0), {}) is None  # not a Hopper GPU
+    assert rule("f16", 128, "none", None, {}) is None  # no GPU (the simulator included): never silently
+    assert rule("f16", 128, "none", (9, 0), {"FALOWER_WGMMA": "0"}) is None
+    assert rule("f16", 64, "static", None, {"FALOWER_WGMMA": "1"}) is not None  # forced: wherever it can
+    assert rule("f16", 96, "none", None, {"FALOWER_WGMMA": "1"}) is None
+    assert emit_fa3.tiles(128) == (128, 128) and emit_fa3.tiles(64) == (128, 64)
+
+
+@pytest.fixture
+def hopper(monkeypatch, tmp_path):
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FALOWER_WGMMA", raising=False)
+    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)  # emit only: nothing to compile for
+    return monkeypatch
+
+
+def _graph(causal: bool):
+    return fl.attention(mask_mod=(lambda b, h, q, kv: q >= kv) if causal else None, name="sel", dtype="f16")
+
+
+def _spec(c, D: int):
+    return c.specialize("f16", D=D).spec
+
+
+def test_compile_picks_wgmma_on_hopper(hopper) -> None:
+    c = fl.compile(_graph(False))
+    s = _spec(c, 128)
+    assert s.extra == {"schedule": "wgmma", "overlap": True} and (s.block_q, s.block_k) == (128, 128)
+    assert "wgmma_ss" in c.source
+    k = c.specialize("f16", D=128)
+    assert c.lowered_of(k) is not c.lowered  # lowered again with the wgmma tiles: the IR says 128 x 128
+    assert "tile.load" in fl.print_func(c.lowered_of(k)) and "f16[128,D]" in fl.print_func(c.lowered_of(k))
+    s = _spec(c, 64)
+    assert s.extra == {"schedule": "wgmma", "overlap": False} and (s.block_q, s.block_k) == (128, 64)
+    assert c.lowered_of(c.specialize("f16", D=64)) is c.lowered
+
+
+def test_d64_causal_stays_on_mma_sync(hopper) -> None:
+    c = fl.compile(_graph(True))
+    assert _spec(c, 64).extra == {}
+    assert _spec(c, 128).extra["schedule"] == "wgmma"
+
+
+def test_overrides(hopper) -> None:
+    hopper.setenv("FALOWER_WGMMA", "0")
+    assert _spec(fl.compile(_graph(False)), 128).extra == {}
+    hopper.setenv("FALOWER_WGMMA", "1")
+    assert _spec(fl.compile(_graph(True)), 64).extra["schedule"] == "wgmma"
+    hopper.delenv("FALOWER_WGMMA")
+    assert _spec(fl.compile(_graph(False), extra={"schedule": "mma"}), 128).extra == {"schedule": "mma"}
+    s = _spec(fl.compile(_graph(True), extra={"schedule": "wgmma"}), 64)  # explicit: chosen where auto is not
+    assert s.extra["schedule"] == "wgmma" and not s.extra["overlap"]
+    s = _spec(fl.compile(_graph(False), extra={"schedule": "wgmma", "overlap": False}), 128)
+    assert s.extra == {"schedule": "wgmma", "overlap": False} and s.block_k == 128  # the caller's knobs win
+
+
+def test_no_gpu_or_other_gpus_keep_mma_sync(hopper) -> None:
+    hopper.setattr(runtime, "device_cc", lambda: None)
+    assert _spec(fl.compile(_graph(False)), 128).extra == {}
+    hopper.setattr(runtime, "device_cc", lambda: (8, 0))
+    assert _spec(fl.compile(_graph(False)), 128).extra == {}
+
+
+def test_unsupported_specs_fall_back(hopper) -> None:
+    """Tiles the wgmma kernel cannot run (the caller's pipeline): mma.sync, no error; f32 stays on simt."""
+    pipe = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,canonicalize"
+    c = fl.compile(_graph(False), pipeline=pipe)
+    s = _spec(c, 128)
+    assert s.extra == {} and (s.block_q, s.block_k) == (32, 16)
+    c = fl.compile(_graph(False))
+    assert c.specialize("f32", D=64).spec.path == "simt"
+    assert _spec(c, 96).extra == {}
