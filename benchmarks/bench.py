@@ -9,8 +9,11 @@ backward 3.5x that (the backward's five N x N x D products to the forward's two)
 triton.testing.do_bench (CUDA events); TFLOP/s = FLOPs / time.
 
 What is timed:
-  forward          "ours <tiles>" the forward kernel launched on prepared buffers (FA2ForwardKernel.prepare);
-                   "ours+call" the whole Python call c.forward(q, k, v) (checks, allocation, launch);
+  forward          "ours <config>" the forward kernel launched on prepared buffers (FA2ForwardKernel.prepare):
+                   by default three configs side by side: the mma.sync kernel (128x64w4), the Hopper wgmma
+                   kernel (emit_fa3; 128x128w8-wg at D = 128, 128x64w8-wg at D = 64) and "auto", what
+                   falower.compile(graph) picks by itself (wgmma on an H100 where emit_fa3.auto_extra says so);
+                   "ours+call" the whole Python call c.forward(q, k, v) of "auto" (checks, allocation, launch);
                    FLASH / CUDNN: torch SDPA with that backend; Flex: torch.compile(flex_attention).
   forward+backward "ours <tiles>" the forward and backward kernels on prepared buffers
                    (FA2ForwardKernel.prepare, then FA2BackwardKernel.prepare(q, k, v, o, lse, do));
@@ -22,12 +25,16 @@ What is timed:
                    timing, as a Flex user does); falower by its calls (c.forward, c.backward), captured float
                    tensors' gradients included (and Flex once more without them, as "no-dcap"); Flex's
                    create_block_mask time is reported beside it. FLOPs count only the pairs the mask keeps.
+                   The forward is falower.compile's own choice ("fwd kernel": mma or wgmma); where that is
+                   wgmma, the mma.sync kernel is timed beside it ("fwd mma", extra={"schedule": "mma"}).
 
     python benchmarks/bench.py --precompile        # the full sweep, checks first
     python benchmarks/bench.py --quick             # N = 1k, 4k; examples at the first D only
     python benchmarks/bench.py --fwd               # forward only (what bench_fwd.py did)
     python benchmarks/bench.py --bwd --no-examples # forward+backward only, plain and causal
     python benchmarks/bench.py --configs 64x64w4,128x64w8 --n 4096
+    python benchmarks/bench.py --fwd --d 128 --configs 128x64w4,128x128w8-wg-noov,128x128w8-wg,auto
+                                                    # wgmma knobs (what bench_fa3.py timed, now folded in here)
     python benchmarks/bench.py --bwd-pipeline 'autodiff,...,tile-bwd{bq=64,bk=128,dq=atomic},canonicalize'
 
 A row that fails (a backend refusing a shape, a kernel that does not build) is logged and left NaN; the
@@ -77,11 +84,18 @@ def log(*args) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+AUTO = ("auto",)  # the config of falower.compile(graph) as a user calls it: its own tiles and schedule choice
+
+
 def parse_config(text: str) -> tuple:
-    """'128x64w8' -> (128, 64, 8, {}) = (block_q, block_k, num_warps, spec.extra). Suffixes set extras:
-    '-qs' / '-qr' Q in shared memory / registers, '-2b' two barriers per kv tile (K and V waited for
-    separately), '-hgN' block order in groups of N (b, h) pairs, '-ws' / '-nows' per-warp skipping of
-    masked rows in partial tiles on / off (default off)."""
+    """'128x64w8' -> (128, 64, 8, {}) = (block_q, block_k, num_warps, spec.extra): the mma.sync kernel.
+    'auto' -> AUTO: falower.compile's defaults (on an H100 the wgmma kernel where it is chosen, emit_fa3.auto_extra).
+    Suffixes set extras: '-wg' the Hopper wgmma kernel (emit_fa3; num_warps unused: one warpgroup per 64 rows),
+    '-ov' / '-noov' its softmax / P V overlap on / off (default: on at D = 128), '-qs' / '-qr' Q in shared memory
+    / registers, '-2b' two barriers per kv tile (K and V waited for separately), '-hgN' block order in groups of
+    N (b, h) pairs, '-ws' / '-nows' per-warp skipping of masked rows in partial tiles on / off (default off)."""
+    if text == "auto":
+        return AUTO
     text, *opts = text.split("-")
     tiles, warps = text.split("w")
     bq, bk = tiles.split("x")
@@ -97,15 +111,25 @@ def parse_config(text: str) -> tuple:
             extra["warp_skip"] = True
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
+        elif o == "wg":
+            extra["schedule"] = "wgmma"
+        elif o in ("ov", "noov"):
+            extra["overlap"] = o == "ov"
         else:
             raise ValueError(f"unknown config option {o!r} in {text!r}")
     return (int(bq), int(bk), int(warps), extra)
 
 
 def config_tag(cfg: tuple) -> str:
+    if cfg == AUTO:
+        return "auto"
     bq, bk, nw, *rest = cfg
     extra = rest[0] if rest else {}
     tag = f"{bq}x{bk}w{nw}"
+    if extra.get("schedule") == "wgmma":
+        tag += "-wg"
+    if "overlap" in extra:
+        tag += "-ov" if extra["overlap"] else "-noov"
     if "q_in_regs" in extra:
         tag += "-qr" if extra["q_in_regs"] else "-qs"
     if extra.get("one_barrier") is False:
@@ -117,7 +141,14 @@ def config_tag(cfg: tuple) -> str:
     return tag
 
 
-DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}
+DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}  # mma.sync (benchmarks/NOTES.md)
+# the wgmma kernel's tiles (emit_fa3.tiles: 128 x 128 at D = 128, 128 x 64 at D = 64; 8 = two warpgroups' warps)
+WGMMA_CONFIG = {64: (128, 64, 8, {"schedule": "wgmma"}), 128: (128, 128, 8, {"schedule": "wgmma"})}
+
+
+def default_configs(D: int) -> list:
+    """Without --configs: mma.sync, wgmma and what falower.compile picks by itself, side by side."""
+    return [DEFAULT_CONFIG[D], WGMMA_CONFIG[D], AUTO]
 
 
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles,canonicalize"
@@ -128,16 +159,21 @@ _COMPILED: dict = {}
 def make_compiled(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None,
                   bwd_pipeline: Optional[str] = None):
     """plain or causal attention written with falower.attention, lowered by the FA2 pipeline (forward tile
-    sizes from `config`; the backward by `bwd_pipeline`, default fa2-bwd) and compiled by falower.compile."""
+    sizes from `config`; the backward by `bwd_pipeline`, default fa2-bwd) and compiled by falower.compile.
+    A tile config without '-wg' is the mma.sync kernel (extra schedule "mma": never the automatic choice);
+    AUTO is falower.compile(graph) with its defaults."""
     import falower as fl
 
     config = config or DEFAULT_CONFIG[D]
     key = (D, causal, dtype, config_tag(config), bwd_pipeline)
     if key not in _COMPILED:
-        bq, bk, nw = config[:3]
-        extra = dict(config[3]) if len(config) > 3 else {}
         mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
         graph = fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype=dtype)
+        if config == AUTO:
+            _COMPILED[key] = fl.compile(graph, "numba-cuda", backward=bwd_pipeline)
+            return _COMPILED[key]
+        bq, bk, nw = config[:3]
+        extra = {"schedule": "mma", **(config[3] if len(config) > 3 else {})}
         _COMPILED[key] = fl.compile(graph, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), path="mma",
                                     num_warps=nw, extra=extra, backward=bwd_pipeline)
     return _COMPILED[key]
@@ -315,13 +351,15 @@ def example_stems() -> list[str]:
     return sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 
 
-def example_compiled(stem: str):
+def example_compiled(stem: str, schedule: Optional[str] = None):
+    """examples/<stem>.py by falower.compile: its own choice of kernel, or extra={"schedule": schedule}
+    ("mma": the mma.sync kernel, to time beside the automatic choice)."""
     import falower as fl
 
-    key = ("example", stem)
+    key = ("example", stem, schedule)
     if key not in _COMPILED:
         g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
-        _COMPILED[key] = fl.compile(g, "numba-cuda")
+        _COMPILED[key] = fl.compile(g, "numba-cuda", extra={"schedule": schedule} if schedule else None)
     return _COMPILED[key]
 
 
@@ -386,7 +424,7 @@ def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
                 return launch
 
             measure(row, f"fwd ours {config_tag(cfg)}", flops, prepared)
-        c = make_compiled(D, causal, "f16", configs[0], args.bwd_pipeline)
+        c = make_compiled(D, causal, "f16", AUTO if AUTO in configs else configs[0], args.bwd_pipeline)
         measure(row, "fwd ours+call", flops, lambda: lambda: c.forward(q, k, v))
     if args.bwd:
         f2 = 3.5 * flops
@@ -472,6 +510,10 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     if args.fwd:
         measure_flex(row, "fwd flex", flops, lambda opts: flex(q, k, v, var.score_mod, opts))
         measure(row, "fwd ours+call", flops, lambda: lambda: c.forward(q, k, v, *caps))
+        row["fwd kernel"] = c.kernel(q, k, v, *caps).spec.extra.get("schedule", "mma")
+        if row["fwd kernel"] != "mma":  # the automatic choice took wgmma: mma.sync beside it
+            cm = example_compiled(stem, "mma")
+            measure(row, "fwd mma+call", flops, lambda: lambda: cm.forward(q, k, v, *caps))
         blocks = c.block_data(c.kernel(q, k, v, *caps))
         if blocks is not None:  # data-dependent mask (issue 12): range tables and block list, made once per ids
             # tensor and reused by the timed calls above; what new ids cost (Flex's "flex mask ms" counterpart)
@@ -538,6 +580,8 @@ def _compile_one(job) -> str:
             caps = [var.captures[a.name] for a in c.func.args[3:]]
             if what == "ex-fwd":
                 c.forward(q, kv, kv, *caps)
+                if c.kernel(q, kv, kv, *caps).spec.extra.get("schedule", "mma") != "mma":
+                    example_compiled(stem, "mma").forward(q, kv, kv, *caps)
             else:
                 c.backward(q, kv, kv, q.clone(), torch.zeros(1, H, 64, device="cuda"), q, *caps)
         torch.cuda.synchronize()
@@ -579,35 +623,49 @@ def _ratio(a, b) -> str:
 
 
 def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
-    ours = [k for k in rows[0] if k.startswith(f"{phase} ours ")] if rows else []
+    ours = list(dict.fromkeys(k for r in rows for k in r if k.startswith(f"{phase} ours ")))  # per-D configs
     extra = ["ours+call"] + (["autograd"] if phase == "bwd" else [])
     others = ["flash", "cudnn", "flex"]
     title = "forward" if phase == "fwd" else "forward + backward (FLOPs = 3.5 x forward)"
+    # with the automatic config timed: its ratios to the others, and the best wgmma over the best mma.sync config
+    auto = f"{phase} ours auto" in ours
+    wg = [k for k in ours if k.split()[-1].split("-")[1:2] == ["wg"]]
+    mma = [k for k in ours if k not in wg and k != f"{phase} ours auto"]
+    cmp = (["auto/FLASH", "auto/CUDNN", "auto/Flex"] if auto else []) + (["wg/mma"] if wg and mma else [])
     md = [f"TFLOP/s, fp16 {title}, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}", "",
           "| D | causal | N | " + " | ".join(k[len(phase) + 1:] for k in ours) + " | " + " | ".join(extra)
-          + " | FLASH | CUDNN | Flex | best/FLASH | best/CUDNN | best/Flex |",
-          "|" + "---|" * (3 + len(ours) + len(extra) + 6)]
+          + " | FLASH | CUDNN | Flex | best/FLASH | best/CUDNN | best/Flex |" + "".join(f" {x} |" for x in cmp),
+          "|" + "---|" * (3 + len(ours) + len(extra) + 6 + len(cmp))]
+
+    def best_of(r, keys):
+        finite = [r[k] for k in keys if not math.isnan(r.get(k, NAN))]
+        return max(finite) if finite else NAN
+
     for r in rows:
         vals = [r.get(k, NAN) for k in ours]
-        finite = [x for x in vals if not math.isnan(x)]
-        best = max(finite) if finite else NAN
+        best = best_of(r, ours)
         ex = [r.get(f"{phase} ours+call", NAN)] + ([r.get("bwd autograd", NAN)] if phase == "bwd" else [])
         ref = [r.get(f"{phase} {o}", NAN) for o in others]
+        more = [_ratio(r.get(f"{phase} ours auto", NAN), x) for x in ref] if auto else []
+        more += [_ratio(best_of(r, wg), best_of(r, mma))] if wg and mma else []
         md.append(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['N']} | " + " | ".join(_f(x) for x in vals)
                   + " | " + " | ".join(_f(x) for x in ex) + " | " + " | ".join(_f(x) for x in ref) + " | "
-                  + " | ".join(_ratio(best, x) for x in ref) + " |")
+                  + " | ".join(_ratio(best, x) for x in ref) + " |" + "".join(f" {x} |" for x in more))
     return md
 
 
 def example_table(rows: list, dev: str) -> list[str]:
     """Flex no-dcap: Flex without the captured tensors' gradients (falower always computes them);
     mask ms: Flex's create_block_mask, outside its timings (falower classifies tiles inside each call)."""
-    md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls", "",
-          "| example | D | keep | fwd ours | fwd Flex | ours/Flex | f+b ours | f+b autograd | f+b Flex | ours/Flex "
-          "| f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff |",
-          "|" + "---|" * 14]
+    md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls "
+          "(fwd kernel: the automatic choice; fwd mma: the mma.sync kernel where that choice was wgmma)", "",
+          "| example | D | keep | fwd kernel | fwd ours | fwd mma | ours/mma | fwd Flex | ours/Flex | f+b ours "
+          "| f+b autograd | f+b Flex | ours/Flex | f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff |",
+          "|" + "---|" * 17]
     for r in rows:
-        md.append(f"| {r['example']} | {r['D']} | {r['density']:.2f} | {_f(r.get('fwd ours+call'))} | "
+        md.append(f"| {r['example']} | {r['D']} | {r['density']:.2f} | {r.get('fwd kernel', '-')} | "
+                  f"{_f(r.get('fwd ours+call'))} | {_f(r.get('fwd mma+call'))} | "
+                  f"{_ratio(r.get('fwd ours+call'), r.get('fwd mma+call'))} | "
                   f"{_f(r.get('fwd flex'))} | {_ratio(r.get('fwd ours+call'), r.get('fwd flex'))} | "
                   f"{_f(r.get('bwd ours+call'))} | {_f(r.get('bwd autograd'))} | {_f(r.get('bwd flex'))} | "
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | {_f(r.get('bwd flex nodcap'))} | "
@@ -646,7 +704,7 @@ def main() -> None:
     dev = torch.cuda.get_device_name()
     log(f"# bench {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on {dev}; torch {torch.__version__}; "
         f"{'fwd ' if args.fwd else ''}{'fwd+bwd' if args.bwd else ''}")
-    configs_for = {D: [parse_config(c) for c in args.configs.split(",")] if args.configs else [DEFAULT_CONFIG[D]]
+    configs_for = {D: [parse_config(c) for c in args.configs.split(",")] if args.configs else default_configs(D)
                    for D in args.d}
 
     if args.precompile:

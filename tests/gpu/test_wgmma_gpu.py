@@ -1,12 +1,18 @@
 """The Hopper wgmma path on the GPU (marked gpu; needs compute capability 9.0): the probe's wgmma forms against
-torch, and the wgmma forward through the public API (`extra={"schedule": "wgmma"}`, issue 11) within
-FlashAttention's error rule, on strided GQA views, with and without the softmax/P V overlap."""
+torch; every example through falower.compile's automatic choice (emit_fa3.auto_extra: wgmma at D = 128, and at
+D = 64 without a block mask) within FlashAttention's error rule, at a ragged N and at a multiple of the tiles,
+with the kernel it ran checked against the rule; the examples the rule keeps on mma.sync forced onto wgmma
+(`extra={"schedule": "wgmma"}`: every mask kind, the block list of data-dependent masks included); and strided
+GQA views with and without the softmax/P V overlap.
+
+Run: python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_gpu.py (kernels compile in the workers)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -18,6 +24,60 @@ import falower as fl  # noqa: E402
 def _hopper() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_examples_gpu import STEMS, assert_error_rule, graph, rounded  # noqa: E402
+
+
+def _inputs(g, D: int, N: int, dtype: str):
+    from falower.passes.check import bind_dims, random_inputs
+
+    env = bind_dims(g, {"B": 2, "H": 4, "HKV": 1, "M": N, "N": N, "D": D})
+    raw = random_inputs(g, env, seed=N + D)
+    return env, [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+                 for i, x in enumerate(raw)]
+
+
+@pytest.mark.parametrize("N", [256, 1000])  # a multiple of every tile (128 x 128, 128 x 64); ragged
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("stem", STEMS)
+def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None:
+    """falower.compile(graph) as a user calls it: the kernel the rule names, within the error rule."""
+    _hopper()
+    from falower.backends.numba_cuda import emit_fa3
+
+    g, c = graph(stem, dtype)
+    kern = c.specialize(dtype, D=D)
+    mask = c.analysis.block_mask if c.analysis.conj else "none"
+    want = emit_fa3.auto_extra(dtype, D, mask, (9, 0))  # FALOWER_WGMMA=0/1 in the environment applies
+    assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
+    if want:
+        assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(D)
+        assert kern.spec.extra["overlap"] == want["overlap"]
+    env, host = _inputs(g, D, N, dtype)
+    assert_error_rule(g, c, env, host, dtype)
+
+
+_FORCED: dict = {}
+
+
+@pytest.mark.parametrize("N", [256, 1000])
+@pytest.mark.parametrize("stem", STEMS)
+def test_example_forced_wgmma_d64(stem: str, N: int) -> None:
+    """D = 64 under a block mask (causal, windows, prefix, documents through the block list) stays on
+    mma.sync by default; asked for, the wgmma kernel runs it within the error rule too."""
+    _hopper()
+    g, auto = graph(stem, "f16")
+    if not auto.analysis.conj:
+        pytest.skip("no block mask: the automatic choice already runs wgmma at D = 64")
+    if stem not in _FORCED:
+        _FORCED[stem] = fl.compile(g, extra={"schedule": "wgmma"})
+    c = _FORCED[stem]
+    assert c.specialize("f16", D=64).spec.extra["schedule"] == "wgmma"
+    env, host = _inputs(g, 64, N, "f16")
+    assert_error_rule(g, c, env, host, "f16")
 
 
 def test_probe_forms() -> None:
@@ -37,9 +97,6 @@ def test_wgmma_forward_error_rule(causal: bool, dtype: str, D: int, overlap: boo
     """The project's error rule (tests/gpu/test_examples_gpu.py: naive attention with every float rounded to the
     input dtype) on the API path; then strided GQA views give the contiguous run's bits."""
     _hopper()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_examples_gpu import assert_error_rule, rounded
-
     from falower.passes.check import bind_dims, random_inputs
 
     g = fl.attention(mask_mod=(lambda b, h, q, kv: q >= kv) if causal else None, name="wgmma", dtype=dtype,
