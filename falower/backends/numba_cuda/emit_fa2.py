@@ -97,6 +97,12 @@ from falower.backends.numba_cuda.intrinsics import (
     pack_f16x2,
     shfl_xor_f32,
     red_add_v4_f32,
+    mma_acc_f16,
+    mma_set_f16,
+    mma_acc_bf16,
+    mma_set_bf16,
+    lget,
+    lset,
 )
 
 NEG_INF = np.float32(-np.inf)
@@ -121,15 +127,26 @@ class _Code:
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.level = 0
+        self.helpers: dict[str, list[str]] = {}  # device functions asked for while a kernel is written
 
     def __call__(self, line: str = "") -> None:
         self.lines.append(("    " * self.level + line) if line else "")
+
+    def helper(self, name: str, lines: list[str]) -> str:
+        """Ask for the top-level device function `name` (its source lines) while writing a kernel: it is
+        written once, ahead of the first `@kernel_jit`. Returns the name."""
+        self.helpers.setdefault(name, lines)
+        return name
 
     def indent(self) -> "_Indent":
         return _Indent(self)
 
     def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+        lines = self.lines
+        if self.helpers:
+            at = lines.index("@kernel_jit")
+            lines = lines[:at] + [ln for h in self.helpers.values() for ln in h + [""]] + lines[at:]
+        return "\n".join(lines) + "\n"
 
 
 class _Indent:
@@ -439,19 +456,54 @@ def emit_masked_score(c: _Code, spec: FA2ForwardSpec) -> None:
 
 def emit_mma_helpers(c: _Code, mma: str) -> None:
     """`mma_acc(x, i, a0..a3, b0, b1)`: x[i:i+4] += A B, one m16n8k16 mma on the fragment of a constant-indexed
-    accumulator array at element offset i; `mma_set`: the same from zero (a product's first k step).
-    A call is a few Numba IR statements where the written-out form costs ~25 (forward and backward kernels)."""
-    x4 = "x[i], x[i + 1], x[i + 2], x[i + 3]"
-    c("@device_function")
-    c("def mma_acc(x, i, a0, a1, a2, a3, b0, b1):")
-    with c.indent():
-        c(f"{x4} = {mma}(a0, a1, a2, a3, b0, b1, {x4})")
+    accumulator array at element offset i; `mma_set`: the same from zero (a product's first k step). Names for
+    the intrinsics that do it in place (intrinsics.py `mma_acc_f16`...: one GEP per element where Numba's
+    indexing lowered ~15 instructions; benchmarks/NOTES.md, "Compile time", lever 15)."""
+    kind = mma.split("_")[-1]
+    c(f"mma_acc = mma_acc_{kind}")
+    c(f"mma_set = mma_set_{kind}")
     c()
-    c("@device_function")
-    c("def mma_set(x, i, a0, a1, a2, a3, b0, b1):")
-    with c.indent():
-        c(f"{x4} = {mma}(a0, a1, a2, a3, b0, b1, ZERO, ZERO, ZERO, ZERO)")
-    c()
+
+
+def mma_step_helper(c: _Code, name: str, mma: str, ldsm: str, MF: int, stride: int, init: bool) -> str:
+    """`name(x, i, a_0_0..a_0_3, ..., a_<MF-1>_3, addr)`: one k16 step of a product against one 16-column
+    B tile, ldmatrix and mma together: b0..b3 = ldsm(addr) (`ldsm_x4`, or `ldsm_x4_trans` for V), then for each
+    of MF m16 fragments (A registers a_mf_*) x[i + mf * stride + 4 h : + 4] (+)= A (b_2h, b_2h+1), h = 0, 1; with
+    `init` the accumulators start from zero (a product's first k step). The same instructions in the same order
+    as the written-out step; a kernel calls it once per (k step, 16 columns), where writing it out cost ~30 Numba
+    IR statements (benchmarks/NOTES.md, "Compile time", lever 13). Asked for through `c.helper`."""
+    args = ", ".join(f"a{mf}_{r}" for mf in range(MF) for r in range(4))
+    lines = ["@device_function", f"def {name}(x, i, {args}, addr):", f"    b0, b1, b2, b3 = {ldsm}(addr)"]
+    fn = "mma_set" if init else "mma_acc"
+    for mf in range(MF):
+        a = ", ".join(f"a{mf}_{r}" for r in range(4))
+        for h in range(2):
+            lines.append(f"    {fn}(x, i + {mf * stride + 4 * h}, {a}, b{2 * h}, b{2 * h + 1})")
+    return c.helper(name, lines)
+
+
+def zero_helper(c: _Code, n: int) -> str:
+    """`zero_<n>(x)`: x[0 .. n-1] = 0 on a constant-indexed accumulator array (no instructions once in registers);
+    one call where the stores written out in the kernel cost ~1.5 Numba IR statements per element. Asked for
+    through `c.helper`."""
+    lines = ["@device_function", f"def zero_{n}(x):"]
+    for i in range(0, n, 4):
+        lines.append("    " + " = ".join(f"x[{j}]" for j in range(i, min(i + 4, n))) + " = ZERO")
+    return c.helper(f"zero_{n}", lines)
+
+
+def dual_step_helper(c: _Code, name: str, mma: str, ldsm: str, init: bool) -> str:
+    """`name(x, y, i, a0..a3, c0..c3, xaddr, yaddr)`: two products' k16 steps side by side (the backward's S^T
+    and dP^T, or dV and dK): b = ldsm(xaddr), d = ldsm(yaddr), then x[i:i+4] (+)= A (b0, b1), y[i:i+4] (+)= C (d0,
+    d1), x[i+4:i+8] (+)= A (b2, b3), y[i+4:i+8] (+)= C (d2, d3): the written-out order. Asked for through
+    `c.helper` (benchmarks/NOTES.md, "Compile time", lever 13)."""
+    lines = ["@device_function", f"def {name}(x, y, i, a0, a1, a2, a3, c0, c1, c2, c3, xaddr, yaddr):",
+             f"    b0, b1, b2, b3 = {ldsm}(xaddr)", f"    d0, d1, d2, d3 = {ldsm}(yaddr)"]
+    fn = "mma_set" if init else "mma_acc"
+    for h in range(2):
+        for arr, a, b in (("x", "a", "b"), ("y", "c", "d")):
+            lines.append(f"    {fn}({arr}, i + {4 * h}, {a}0, {a}1, {a}2, {a}3, {b}{2 * h}, {b}{2 * h + 1})")
+    return c.helper(name, lines)
 
 
 def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma: str, pack: str) -> None:
@@ -468,7 +520,9 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     Numba types a device function once per signature and a call is a few IR statements, where the same
     code written out in the kernel costs ~10 statements per element access; NVVM inlines them
     (forceinline), the offsets become constants and the arrays stay in registers (benchmarks/NOTES.md,
-    "Compile time", lever 6). The arithmetic and its order are the kernel's own, element for element."""
+    "Compile time", lever 6). The arithmetic and its order are the kernel's own, element for element. Elements
+    are read and written with `lget`/`lset` (intrinsics.py: one GEP where Numba's x[i] lowered ~15
+    instructions; lever 15)."""
     caps = _cap_args(spec)
     emit_mma_helpers(c, mma)
     offs = [jj * 4 + e for jj in range(NJ) for e in range(2)]  # a row's elements: n8 tile jj, column e
@@ -477,20 +531,20 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
         for o, k in zip(offs, kvs):
-            c(f"x[i + {o}] = {_score_expr(spec, f'x[i + {o}]', 'qi', f'kv + {k}')}")
+            c(f"lset(x, i + {o}, {_score_expr(spec, f'lget(x, i + {o})', 'qi', f'kv + {k}')})")
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
         for o, k in zip(offs, kvs):
-            c(f"x[i + {o}] = masked_score_fn(x[i + {o}], b, h, qi, kv + {k}, N{caps})")
+            c(f"lset(x, i + {o}, masked_score_fn(lget(x, i + {o}), b, h, qi, kv + {k}, N{caps}))")
     c()
     c("@device_function")
     c("def softmax_row(x, i, m_old):")
     with c.indent():
-        c("mx = x[i]")
+        c("mx = lget(x, i)")
         for o in offs[1:]:
-            c(f"mx = max(mx, x[i + {o}])")
+            c(f"mx = max(mx, lget(x, i + {o}))")
         c("mx = max(mx, shfl_xor_f32(mx, 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 2))")
         c("m_new = max(m_old, mx)")
@@ -498,8 +552,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c("alpha = ex2(m_old - m_use)")
         c("rs = ZERO")
         for o in offs:
-            c(f"v = ex2(x[i + {o}] - m_use)")
-            c(f"x[i + {o}] = v")
+            c(f"v = ex2(lget(x, i + {o}) - m_use)")
+            c(f"lset(x, i + {o}, v)")
             c("rs += v")
         c("return m_new, alpha, rs")
     c()
@@ -507,14 +561,14 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("def scale_row(x, i, alpha):")
     with c.indent():
         for dn in range(ND):
-            c(f"x[i + {dn * 4}] *= alpha")
-            c(f"x[i + {dn * 4 + 1}] *= alpha")
+            c(f"lset(x, i + {dn * 4}, lget(x, i + {dn * 4}) * alpha)")
+            c(f"lset(x, i + {dn * 4 + 1}, lget(x, i + {dn * 4 + 1}) * alpha)")
     c()
     c("@device_function")
     c("def store_row(o, obase, x, i, inv):")
     with c.indent():
         for dn in range(ND):
-            c(f"o[obase + {dn * 4}] = {pack}(x[i + {dn * 4}] * inv, x[i + {dn * 4 + 1}] * inv)")
+            c(f"o[obase + {dn * 4}] = {pack}(lget(x, i + {dn * 4}) * inv, lget(x, i + {dn * 4 + 1}) * inv)")
     c()
     c()
 
@@ -550,6 +604,22 @@ class TileLoader:
             c(f"ld_ch = tid % {CH}")
             c(f"ld_soff = (ld_r0 * {D} + ((ld_ch ^ (ld_r0 & {SWZ})) << 3)) * 2")
 
+    def _rows_helper(self, n: int) -> str:
+        """`load_rows_<n>(s, garr, g, safe, rs, row, nrows)`: this thread's n rows (RSTEP apart) of a tile, one
+        16-byte cp.async each, zero fill at or past nrows. One device function per row count, so the K and V
+        loads of a kernel share one compiled copy and their branches stay out of the kernel's body, whose
+        blocks and names drive Numba's front end (benchmarks/NOTES.md, "Compile time", lever 12). The branch per
+        row stays a branch: one branch-free call per row cut 10% of the front end's time but measured 88 more
+        bytes of ptxas spills at D = 128 (lever 4)."""
+        lines = ["@device_function", f"def load_rows_{n}(s, garr, g, safe, rs, row, nrows):"]
+        for it in range(n):
+            dr = it * self.RSTEP
+            lines += [f"    if row + {dr} < nrows:",
+                      f"        cp_async16_s(s + {dr * self.D * 2}, garr, g + {dr} * rs, 16)",
+                      "    else:",
+                      f"        cp_async16_s(s + {dr * self.D * 2}, garr, safe, 0)"]
+        return self.c.helper(f"load_rows_{n}", lines)
+
     def load(self, rows: int, smem_off: str, row0: str, nrows: str, garr: str, base: str, rs: str) -> None:
         """Rows row0 .. row0 + rows - 1 of `garr` (row r at element base + r * rs, the row stride a kernel
         argument: strided views load without copies) to shared element offset smem_off."""
@@ -559,16 +629,8 @@ class TileLoader:
             c(f"ld_g = {base} + ld_row * {rs} + ld_ch * 8")
             c(f"ld_safe = {base} + ld_ch * 8  # a valid address for zero-filled rows")
             c(f"ld_s = sb + ({smem_off}) * 2 + ld_soff")
-            for it in range(rows // RSTEP):
-                dr = it * RSTEP
-                # (one branch-free call per row here cut 10% of the front end's time but measured 88 more bytes
-                # of ptxas spills at D = 128: benchmarks/NOTES.md, "Compile time")
-                c(f"if ld_row + {dr} < {nrows}:")
-                with c.indent():
-                    c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_g + {dr} * {rs}, 16)")
-                c("else:")
-                with c.indent():
-                    c(f"cp_async16_s(ld_s + {dr * D * 2}, {garr}, ld_safe, 0)")
+            fn = self._rows_helper(rows // RSTEP)
+            c(f"{fn}(ld_s, {garr}, ld_g, ld_safe, {rs}, ld_row, {nrows})")
             return
         per = -(-rows * CH // threads)
         c(f"for it in range({per}):")
@@ -611,12 +673,6 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     caps = _cap_args(spec)
-
-    def A(mf: int, dn: int, i: int) -> str:  # element i of O's accumulator fragment (mf, dn)
-        return f"acc[{(mf * ND + dn) * 4 + i}]"
-
-    def S(mf: int, jj: int, i: int) -> str:  # element i of S's accumulator fragment (mf, jj)
-        return f"sc[{(mf * NJ + jj) * 4 + i}]"
 
     c = _Code()
     emit_masked_score(c, spec)
@@ -729,8 +785,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             for r in range(2):
                 c(f"m_{mf}_{r} = NEG_INF")
                 c(f"l_{mf}_{r} = ZERO")
-            for dn in range(ND):
-                c(f"{A(mf, dn, 0)} = {A(mf, dn, 1)} = {A(mf, dn, 2)} = {A(mf, dn, 3)} = ZERO")
+        c(f"{zero_helper(c, MF * ND * 4)}(acc)")
         c()
         c("j = kv_first")
         c("buf = 0")
@@ -782,18 +837,16 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c("if wcls != 0:")
                 c.level += 1
             c("# S = Q K^T (the first k step starts from zero accumulators)")
+            qk_set = mma_step_helper(c, "qk_set", mma, "ldsm_x4", MF, NJ * 4, init=True)
+            qk_acc = mma_step_helper(c, "qk_acc", mma, "ldsm_x4", MF, NJ * 4, init=False)
             for ks in range(KS):
                 if not QREG:
                     for mf in range(MF):
                         c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
+                qa = ", ".join(f"qf_{mf}_{ks}_{i}" for mf in range(MF) for i in range(4))
                 for jp in range(BK // 16):
-                    c(f"kb0, kb1, kb2, kb3 = ldsm_x4({k_addr(jp, ks)})")
-                    for mf in range(MF):
-                        for half, (b0, b1) in enumerate((("kb0", "kb1"), ("kb2", "kb3"))):
-                            jj = 2 * jp + half
-                            qa = ", ".join(f"qf_{mf}_{ks}_{i}" for i in range(4))
-                            fn = "mma_set" if ks == 0 else "mma_acc"
-                            c(f"{fn}(sc, ofs_{(mf * NJ + jj) * 4}, {qa}, {b0}, {b1})")
+                    # K rows 16 jp .. 16 jp + 15 (n8 tiles 2 jp, 2 jp + 1) against every fragment's Q
+                    c(f"{qk_set if ks == 0 else qk_acc}(sc, ofs_{2 * jp * 4}, {qa}, {k_addr(jp, ks)})")
             c()
             if not WARP_SKIP:
                 _emit_need_mask(c, spec, "j")
@@ -820,12 +873,13 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"l_{mf}_{r} = l_{mf}_{r} * alpha + rs")
                     c(f"scale_row(acc, ofs_{mf * ND * 4 + 2 * r}, alpha)")
                 c("# P to 16-bit pairs now: the fp32 S registers die here (A-operand layout of P V)")
+                pack_p = c.helper("pack_p", [  # S n8 tiles 2 kk, 2 kk + 1 (x[i .. i + 7]) -> four A-operand words
+                    "@device_function", "def pack_p(x, i):",
+                    *[f"    p{e} = {pack}(lget(x, i + {2 * e}), lget(x, i + {2 * e + 1}))" for e in range(4)],
+                    "    return p0, p1, p2, p3"])
                 for kk in range(KK):
-                    a, bb = 2 * kk, 2 * kk + 1
-                    c(f"pa_{mf}_{kk}_0 = {pack}({S(mf, a, 0)}, {S(mf, a, 1)})")
-                    c(f"pa_{mf}_{kk}_1 = {pack}({S(mf, a, 2)}, {S(mf, a, 3)})")
-                    c(f"pa_{mf}_{kk}_2 = {pack}({S(mf, bb, 0)}, {S(mf, bb, 1)})")
-                    c(f"pa_{mf}_{kk}_3 = {pack}({S(mf, bb, 2)}, {S(mf, bb, 3)})")
+                    pa = ", ".join(f"pa_{mf}_{kk}_{e}" for e in range(4))
+                    c(f"{pa} = {pack_p}(sc, ofs_{(mf * NJ + 2 * kk) * 4})")
             c()
             if not ONE_BARRIER:
                 c("cp_async_wait1()  # V_j has landed (K_jn may still be in flight)")
@@ -836,14 +890,12 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c("cp_async_commit()")
             c()
             c("# O += P V, P packed straight from the S accumulators")
+            pv_acc = mma_step_helper(c, "pv_acc", mma, "ldsm_x4_trans", MF, ND * 4, init=False)
             for kk in range(KK):
+                pa = ", ".join(f"pa_{mf}_{kk}_{i}" for mf in range(MF) for i in range(4))
                 for dd in range(D // 16):
-                    c(f"vb0, vb1, vb2, vb3 = ldsm_x4_trans({v_addr(kk, dd)})")
-                    for mf in range(MF):
-                        pa = ", ".join(f"pa_{mf}_{kk}_{i}" for i in range(4))
-                        for half, (b0, b1) in enumerate((("vb0", "vb1"), ("vb2", "vb3"))):
-                            dn = 2 * dd + half
-                            c(f"mma_acc(acc, ofs_{(mf * ND + dn) * 4}, {pa}, {b0}, {b1})")
+                    # V rows 16 kk .. 16 kk + 15, columns 16 dd .. 16 dd + 15 (n8 tiles 2 dd, 2 dd + 1 of O)
+                    c(f"{pv_acc}(acc, ofs_{2 * dd * 4}, {pa}, {v_addr(kk, dd)})")
             if WARP_SKIP:
                 c.level -= 1
             c("j = jn")
@@ -864,9 +916,15 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     with c.indent():
                         c(f"lse[q_head + qi] = (m_{mf}_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
     del caps
-    text = c.text()
-    # helper offsets as int64 variables, not constants: Numba types a constant argument as Literal[int] and
-    # compiles the helper once per distinct value; one variable per offset keeps one signature per helper
+    return bind_offsets(c.text())
+
+
+def bind_offsets(text: str) -> str:
+    """Define every `ofs_N` the text uses as `ofs_N = np.int64(N)` where the line `__OFFSETS__` stands.
+
+    Helper offsets are int64 variables, not constants: Numba types a constant argument as Literal[int] and
+    compiles the helper once per distinct value; one variable per offset keeps one signature per helper
+    (benchmarks/NOTES.md, "Compile time", lever 8). NVVM folds them back into constants."""
     used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
     ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)
     defs = "\n".join(f"{ind}ofs_{n} = np.int64({n})" for n in used)

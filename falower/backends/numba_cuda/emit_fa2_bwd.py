@@ -33,8 +33,12 @@ from .emit_fa2 import (
     _spec_comment,
     _swizzle_mask,
     as_f64,
+    bind_offsets,
+    dual_step_helper,
     emit_bases,
     emit_mma_helpers,
+    mma_step_helper,
+    zero_helper,
 )
 
 # element strides (batch, head, row) of q, k, v and dO: strided views run without copies
@@ -57,16 +61,12 @@ def PA(jj: int, i: int) -> str:  # dP^T or dP, later dS
     return f"pacc[{jj * 4 + i}]"
 
 
-def DKA(dn: int, i: int) -> str:
-    return f"dkacc[{dn * 4 + i}]"
-
-
-def DVA(dn: int, i: int) -> str:
-    return f"dvacc[{dn * 4 + i}]"
-
-
-def DQA(dn: int, i: int) -> str:
-    return f"dqacc[{dn * 4 + i}]"
+def _store_pairs_helper(c: _Code, ND: int, pack: str) -> str:
+    """`store_pairs(o, obase, x, i)`: one thread's row of a [*, 8 ND] fragment array (x[i + 4 dn], x[i + 4 dn + 1])
+    packed to 16-bit pairs at o[obase + 4 dn] (dK, dV, dQ out)."""
+    return c.helper("store_pairs", [
+        "@device_function", "def store_pairs(o, obase, x, i):",
+        *[f"    o[obase + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))" for dn in range(ND)]])
 
 
 def _cap_names(spec: FA2BackwardSpec) -> list[str]:
@@ -180,6 +180,27 @@ def _elem_call(spec: FA2BackwardSpec, branch: str, s: str, dp: str, lse: str, de
             f"{_cap_args(spec)})")
 
 
+def _elem_quad_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
+    """`elems_<branch>(x, y, i, col, smem_f, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior, *captures)`: the kv-outer
+    kernel's per-element step for one q column (q0 + col + t2) and this thread's two kv rows (kvr, kvr + 8): LSE
+    and Delta from shared memory, then elem_<branch> on (x[i], y[i]) and (x[i + 2], y[i + 2]) in place (S^T -> P^T,
+    dP^T -> dS^T). Without captured-table gradients only (those add per-element code after each call). One call
+    where the written-out form cost ~90 Numba IR statements (benchmarks/NOTES.md, "Compile time", lever 13)."""
+    caps = _cap_args(spec)
+    lines = ["@device_function",
+             f"def elems_{branch}(x, y, i, col, smem_f, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior{caps}):",
+             "    qi = q0 + col + t2",
+             "    lq = smem_f[lse_f + col + t2]",
+             "    dq_ = smem_f[dlt_f + col + t2]",
+             f"    s0, p0 = elem_{branch}(lget(x, i), lget(y, i), lq, dq_, b, h, hk, qi, kvr, interior{caps})",
+             "    lset(x, i, s0)",
+             "    lset(y, i, p0)",
+             f"    s1, p1 = elem_{branch}(lget(x, i + 2), lget(y, i + 2), lq, dq_, b, h, hk, qi, kvr + 8, interior{caps})",
+             "    lset(x, i + 2, s1)",
+             "    lset(y, i + 2, p1)"]
+    return c.helper(f"elems_{branch}", lines)
+
+
 def _grad_outs(spec: FA2BackwardSpec) -> list[list[str]]:
     return [[f"gc{i}"] + [f"gi{i}_{j}" for j in range(g.n_index)] for i, g in enumerate(spec.grads)]
 
@@ -282,24 +303,49 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
 # --------------------------------------------------------------------------------------------------
 
 
+def _xor_addressing(D: int) -> bool:
+    """Rows of a power-of-two number of 16-byte chunks: a k step of 16 columns is an XOR on a lane's byte offset."""
+    CH = D // 8
+    return CH & (CH - 1) == 0
+
+
+def _emit_lane_offsets(c: _Code, D: int) -> None:
+    """Byte offsets of each lane's ldmatrix row in a [*, D] tile (the forward's): A operand rows of this warp's 16
+    rows (`a_lane`), B operand rows (`k_lane`); k step s (16 columns) is `lane ^ (s << 5)` when D / 8 is a power of
+    two (`_xor_addressing`): two operations per ldmatrix address of the score products where the chunk arithmetic
+    written out cost nine Numba IR statements (benchmarks/NOTES.md, "Compile time", lever 14)."""
+    if not _xor_addressing(D):
+        return
+    c("# byte offsets of each lane's ldmatrix row in a tile; k step s of 16 columns is `^ (s << 5)`")
+    c(f"a_lane = ((warp * 16 + a_row) * {D} + ((a_ch ^ a_x) << 3)) * 2")
+    c(f"k_lane = (k_row * {D} + ((k_ch ^ k_x) << 3)) * 2")
+
+
+def _v_addr(D: int, base: str, kk: int, dd: int) -> str:
+    """Shared byte address of the transposed-B ldmatrix of rows 16 kk.., columns 16 dd.. of the tile at `base`.
+    Written out: the XOR form here (as in the score products) measured more ptxas spills (deterministic D = 64
+    backward 0 -> 4 bytes, D = 128 172 -> 180; benchmarks/NOTES.md, "Compile time", lever 14)."""
+    return f"{base} + (({kk * 16} + v_row) * {D} + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2"
+
+
 def _emit_score_products(c: _Code, mma: str, D: int, cols: int, a1: str, a2: str, b1: str, b2: str) -> None:
     """The two score-sized products of both backward kernels, sharing their loop: s_ = A1 B1^T and
     p_ = A2 B2^T, where A1, A2 are this warp's 16 rows of two [*, D] tiles at shared byte addresses a1, a2
     (ldmatrix A layout) and B1, B2 `cols` rows of two tiles at b1, b2 (the forward's K-operand layout).
     kv-outer: S^T = K Q^T and dP^T = V dO^T; q-outer: S = Q K^T and dP = dO V^T. Accumulators s_jj_i, p_jj_i."""
+    sp_set = dual_step_helper(c, "sp_set", mma, "ldsm_x4", init=True)  # the first k step starts from zero
+    sp_acc = dual_step_helper(c, "sp_acc", mma, "ldsm_x4", init=False)
+    xor = _xor_addressing(D)
     for ks in range(D // 16):
-        fn = "mma_set" if ks == 0 else "mma_acc"  # the first k step starts from zero accumulators
-        arow = f"((warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2"
+        arow = f"(a_lane ^ {ks << 5})" if xor else \
+            f"((warp * 16 + a_row) * {D} + ((({ks * 2} + a_ch) ^ a_x) << 3)) * 2"
         c(f"xa0, xa1, xa2, xa3 = ldsm_x4({a1} + {arow})")
         c(f"ya0, ya1, ya2, ya3 = ldsm_x4({a2} + {arow})")
         for jp in range(cols // 16):
-            off = f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
-            c(f"xb0, xb1, xb2, xb3 = ldsm_x4({b1} + {off})")
-            c(f"yb0, yb1, yb2, yb3 = ldsm_x4({b2} + {off})")
-            for half, (b0, bb) in enumerate((("0", "1"), ("2", "3"))):
-                jj = 2 * jp + half
-                c(f"{fn}(sacc, {jj * 4}, xa0, xa1, xa2, xa3, xb{b0}, xb{bb})")
-                c(f"{fn}(pacc, {jj * 4}, ya0, ya1, ya2, ya3, yb{b0}, yb{bb})")
+            off = f"{jp * 16 * D * 2} + (k_lane ^ {ks << 5})" if xor else \
+                f"(({jp * 16} + k_row) * {D} + ((({ks * 2} + k_ch) ^ k_x) << 3)) * 2"
+            c(f"{sp_set if ks == 0 else sp_acc}(sacc, pacc, ofs_{2 * jp * 4}, xa0, xa1, xa2, xa3, ya0, ya1, ya2, ya3, "
+              f"{b1} + {off}, {b2} + {off})")
 
 
 def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
@@ -334,6 +380,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         c("warp = tid >> 5")
         c("g = lane >> 2")
         c("t2 = (lane & 3) * 2")
+        c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
         c(f"HK = H // {G}" if G > 1 else "HK = H")
@@ -356,6 +403,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         c(f"k_x = k_row & {SWZ}")
         c(f"v_x = v_row & {SWZ}")
         c(f"kq_x = k_row & {SWZQ}")
+        _emit_lane_offsets(c, D)
         loader = TileLoader(c, threads, D)
         loader.setup()
 
@@ -402,9 +450,15 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         c(f"dvacc = cuda.local.array({ND * 4}, np.float32)")
         c(f"sacc = cuda.local.array({NJ * 4}, np.float32)")
         c(f"pacc = cuda.local.array({NJ * 4}, np.float32)")
-        for dn in range(ND):
-            c(f"{DVA(dn, 0)} = {DVA(dn, 1)} = {DVA(dn, 2)} = {DVA(dn, 3)} = ZERO")
-            c(f"{DKA(dn, 0)} = {DKA(dn, 1)} = {DKA(dn, 2)} = {DKA(dn, 3)} = ZERO")
+        if spec.dq == "atomic":  # this warp's dQ fragments of a tile: D / (warps / (block_q / 16)) columns
+            c(f"dqa = cuda.local.array({D // (NW // (BQ // 16)) // 2}, np.float32)")
+        c(f"{zero_helper(c, ND * 4)}(dvacc)")
+        c(f"{zero_helper(c, ND * 4)}(dkacc)")
+        if spec.dq == "atomic":
+            c("# dS^T word offsets of this thread's rows r = warp * 16 + g (+ 8): (DS + r * block_q + t2), swizzle r & mask")
+            for r in range(2):
+                c(f"dsw{r} = {DSO} + (warp * 16 + {8 * r} + g) * {BQ} + t2")
+                c(f"dsx{r} = (warp * 16 + {8 * r} + g) & {SWZQ}")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -440,8 +494,18 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 if g.reduced:
                     c(f"gsum{i} = ZERO")
 
+            if not spec.grads:
+                c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
+
             def elementwise(branch: str) -> None:
                 outs_g = _grad_outs(spec)
+                if not spec.grads:  # one helper call per (n8 tile, column): 4 elements
+                    fn = _elem_quad_helper(c, spec, branch)
+                    for jj in range(NJ):
+                        for e in range(2):
+                            c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, kvr, "
+                              f"b, h, hk, interior{_cap_args(spec)})")
+                    return
                 for jj in range(NJ):
                     for e in range(2):
                         c(f"qi = q0 + {jj * 8 + e} + t2")
@@ -471,31 +535,29 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                               f"smem_f[{GXF} + {{}} * {BQ * BK} + {{}}]")
             c()
             c("# dV += P^T dO and dK += dS^T Q: P^T and dS^T packed straight from the accumulators")
+            # helpers (benchmarks/NOTES.md, "Compile time", lever 13): P^T and dS^T of 16 q columns packed to
+            # A-operand pairs; dS^T's four words of them to shared memory, rows (warp * 16 + 8 r + g), swizzled
+            pk = c.helper("pack_pd", [
+                "@device_function", "def pack_pd(x, y, i):",
+                *[f"    {v}{e} = {pack}(lget({arr}, i + {2 * e}), lget({arr}, i + {2 * e + 1}))"
+                  for v, arr in (("pa", "x"), ("da", "y")) for e in range(4)],
+                "    return pa0, pa1, pa2, pa3, da0, da1, da2, da3"])
+            if spec.dq == "atomic":
+                st = c.helper("store_dst", [
+                    "@device_function", "def store_dst(smem_w, jj, w0, x0, w1, x1, d0, d1, d2, d3):",
+                    "    smem_w[(w0 + ((jj ^ x0) << 3)) >> 1] = d0",
+                    "    smem_w[(w1 + ((jj ^ x1) << 3)) >> 1] = d1",
+                    "    smem_w[(w0 + (((jj + 1) ^ x0) << 3)) >> 1] = d2",
+                    "    smem_w[(w1 + (((jj + 1) ^ x1) << 3)) >> 1] = d3"])
             for kk in range(BQ // 16):
-                a, bb = 2 * kk, 2 * kk + 1
-                c(f"pa0 = {pack}({SA(a, 0)}, {SA(a, 1)})")
-                c(f"pa1 = {pack}({SA(a, 2)}, {SA(a, 3)})")
-                c(f"pa2 = {pack}({SA(bb, 0)}, {SA(bb, 1)})")
-                c(f"pa3 = {pack}({SA(bb, 2)}, {SA(bb, 3)})")
-                c(f"da0 = {pack}({PA(a, 0)}, {PA(a, 1)})")
-                c(f"da1 = {pack}({PA(a, 2)}, {PA(a, 3)})")
-                c(f"da2 = {pack}({PA(bb, 0)}, {PA(bb, 1)})")
-                c(f"da3 = {pack}({PA(bb, 2)}, {PA(bb, 3)})")
-                c("# dS^T to shared memory (rows = kv, swizzled 16-byte chunks of q) for dQ = dS K")
-                for jj in ((a, bb) if spec.dq == "atomic" else ()):
-                    for r in range(2):
-                        row = f"(warp * 16 + {8 * r} + g)"
-                        word = f"({DSO} + {row} * {BQ} + (({jj} ^ ({row} & {SWZQ})) << 3) + t2) >> 1"
-                        wv = "da0" if (jj == a and r == 0) else "da1" if jj == a else "da2" if r == 0 else "da3"
-                        c(f"smem_w[{word}] = {wv}")
+                c(f"pa0, pa1, pa2, pa3, da0, da1, da2, da3 = {pk}(sacc, pacc, ofs_{kk * 8})")
+                if spec.dq == "atomic":
+                    c("# dS^T to shared memory (rows = kv, swizzled 16-byte chunks of q) for dQ = dS K")
+                    c(f"{st}(smem_w, ofs_{2 * kk}, dsw0, dsx0, dsw1, dsx1, da0, da1, da2, da3)")
+                dvdk = dual_step_helper(c, "dvdk_acc", mma, "ldsm_x4_trans", init=False)
                 for dd in range(D // 16):
-                    off = f"(({kk * 16} + v_row) * {D} + ((({dd * 2} + v_ch) ^ v_x) << 3)) * 2"
-                    c(f"ob0, ob1, ob2, ob3 = ldsm_x4_trans(ob + {off})")
-                    c(f"qb0, qb1, qb2, qb3 = ldsm_x4_trans(qb + {off})")
-                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
-                        dn = 2 * dd + half
-                        c(f"mma_acc(dvacc, {dn * 4}, pa0, pa1, pa2, pa3, ob{b0}, ob{b1})")
-                        c(f"mma_acc(dkacc, {dn * 4}, da0, da1, da2, da3, qb{b0}, qb{b1})")
+                    c(f"{dvdk}(dvacc, dkacc, ofs_{2 * dd * 4}, pa0, pa1, pa2, pa3, da0, da1, da2, da3, "
+                      f"{_v_addr(D, 'ob', kk, dd)}, {_v_addr(D, 'qb', kk, dd)})")
             if spec.dq == "atomic":
                 c("cuda.syncthreads()  # dS^T is complete")
                 c()
@@ -505,36 +567,39 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"# dQ rows 16 rg .. 16 rg + 15 of this q tile, columns cs * {DC} ..: dS K, into the f32 accumulator")
                 c(f"rg = warp % {RG}")
                 c(f"cb = (warp // {RG}) * {DC // 8}  # first 8-column chunk of this warp's dQ columns")
-                for dn in range(DC // 8):
-                    c(f"dq_{dn}_0 = dq_{dn}_1 = dq_{dn}_2 = dq_{dn}_3 = ZERO")
+                dq_set = mma_step_helper(c, "dqs_set", mma, "ldsm_x4_trans", 1, 0, init=True)
+                dq_acc = mma_step_helper(c, "dqs_acc", mma, "ldsm_x4_trans", 1, 0, init=False)
+                c(f"ds_lane = ({DSO} + k_row * {BQ} + (((rg * 2 + k_ch) ^ kq_x) << 3)) * 2  # dS^T rows 16 kk.. are + kk * {16 * BQ * 2}")
+                # K columns cb * 8 + 16 dd ..: an XOR on one lane offset when chunks and this warp's chunk
+                # count are powers of two (cb + 2 dd + v_ch has no carries), else written out
+                kxor = _xor_addressing(D) and (DC // 8) & (DC // 8 - 1) == 0
+                if kxor:
+                    c(f"kd_lane = (v_row * {D} + (((cb + v_ch) ^ v_x) << 3)) * 2")
                 for kk in range(BK // 16):
-                    c(f"sa0, sa1, sa2, sa3 = ldsm_x4_trans(sb + ({DSO} + ({kk * 16} + k_row) * {BQ} + "
-                      f"(((rg * 2 + k_ch) ^ kq_x) << 3)) * 2)")
+                    c(f"sa0, sa1, sa2, sa3 = ldsm_x4_trans(sb + ds_lane + {kk * 16 * BQ * 2})")
                     for dd in range(DC // 16):
-                        c(f"kb0, kb1, kb2, kb3 = ldsm_x4_trans(sb + ({KO} + ({kk * 16} + v_row) * {D} + "
-                          f"(((cb + {dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
-                        for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
-                            dn = 2 * dd + half
-                            dqv = ", ".join(f"dq_{dn}_{i}" for i in range(4))
-                            c(f"{dqv} = {mma}(sa0, sa1, sa2, sa3, kb{b0}, kb{b1}, {dqv})")
+                        addr = (f"sb + {(KO + kk * 16 * D) * 2} + (kd_lane ^ {dd << 5})" if kxor else
+                                f"sb + ({KO} + ({kk * 16} + v_row) * {D} + (((cb + {dd * 2} + v_ch) ^ v_x) << 3)) * 2")
+                        c(f"{dq_set if kk == 0 else dq_acc}(dqa, ofs_{2 * dd * 4}, sa0, sa1, sa2, sa3, {addr})")
                 c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes")
                 c("# of row g + 8, added by one 16-byte vector reduction (a quarter of the scalar atomics)")
+                red = c.helper("dq_red", [
+                    "@device_function", "def dq_red(dq32, at, x, i, odd, ok):",
+                    "    x0 = lget(x, i) if odd else lget(x, i + 2)",
+                    "    x1 = lget(x, i + 1) if odd else lget(x, i + 3)",
+                    "    y0 = shfl_xor_f32(x0, 1)",
+                    "    y1 = shfl_xor_f32(x1, 1)",
+                    "    if ok:",
+                    "        if odd:",
+                    "            red_add_v4_f32(dq32, at, y0, y1, lget(x, i + 2), lget(x, i + 3))",
+                    "        else:",
+                    "            red_add_v4_f32(dq32, at, lget(x, i), lget(x, i + 1), y0, y1)"])
                 c("odd = (lane & 1) == 1")
                 c("qi = q0 + rg * 16 + g + (8 if odd else 0)")
                 c(f"qrow = (q_head + qi) * {D} + cb * 8 + (t2 - 2 if odd else t2)")
+                c("q_ok = qi < M")
                 for dn in range(DC // 8):
-                    c(f"x0 = dq_{dn}_0 if odd else dq_{dn}_2")
-                    c(f"x1 = dq_{dn}_1 if odd else dq_{dn}_3")
-                    c("y0 = shfl_xor_f32(x0, 1)")
-                    c("y1 = shfl_xor_f32(x1, 1)")
-                    c("if qi < M:")
-                    with c.indent():
-                        c("if odd:")
-                        with c.indent():
-                            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, y0, y1, dq_{dn}_2, dq_{dn}_3)")
-                        c("else:")
-                        with c.indent():
-                            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, dq_{dn}_0, dq_{dn}_1, y0, y1)")
+                    c(f"{red}(dq32, qrow + {dn * 8}, dqa, ofs_{dn * 4}, odd, q_ok)")
             c(f"if itn < total and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[{STF} + (buf ^ 1) * {BQ} + tid] = nl")
@@ -544,15 +609,15 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         c()
         c("cp_async_wait0()")
         c("# dK, dV of this warp's kv rows, once")
+        sp = _store_pairs_helper(c, ND, pack)
         for r in range(2):
             c(f"kvi = kv0 + warp * 16 + {8 * r} + g")
             c("if kvi < N:")
             with c.indent():
                 c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
-                for dn in range(ND):
-                    c(f"dk[kvrow + {dn * 4}] = {pack}({DKA(dn, 2 * r)}, {DKA(dn, 2 * r + 1)})")
-                    c(f"dv[kvrow + {dn * 4}] = {pack}({DVA(dn, 2 * r)}, {DVA(dn, 2 * r + 1)})")
-    return c.text()
+                c(f"{sp}(dk, kvrow, dkacc, ofs_{2 * r})")
+                c(f"{sp}(dv, kvrow, dvacc, ofs_{2 * r})")
+    return bind_offsets(c.text())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -851,6 +916,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         c("warp = tid >> 5")
         c("g = lane >> 2")
         c("t2 = (lane & 3) * 2")
+        c("__OFFSETS__")
         _emit_dq_prologue(c, spec)
         c("a_row = lane & 15")
         c("a_ch = lane >> 4")
@@ -861,6 +927,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         c(f"a_x = a_row & {SWZ}")
         c(f"k_x = k_row & {SWZ}")
         c(f"v_x = v_row & {SWZ}")
+        _emit_lane_offsets(c, D)
         loader = TileLoader(c, threads, D)
         loader.setup()
         loader.load(BQ, str(QO), "q0", "M", "q", "qg", "q_sm")
@@ -878,8 +945,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         c(f"dqacc = cuda.local.array({ND * 4}, np.float32)")
         c(f"sacc = cuda.local.array({NJ * 4}, np.float32)")
         c(f"pacc = cuda.local.array({NJ * 4}, np.float32)")
-        for dn in range(ND):
-            c(f"{DQA(dn, 0)} = {DQA(dn, 1)} = {DQA(dn, 2)} = {DQA(dn, 3)} = ZERO")
+        c(f"{zero_helper(c, ND * 4)}(dqacc)")
         c("j = kv_first")
         c("buf = 0")
         c("while j <= kv_last:")
@@ -900,11 +966,19 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
             _emit_score_products(c, mma, D, BK, f"sb + {QO * 2}", f"sb + {DOO * 2}", "kb_", "vb_")
 
             def one(branch: str) -> None:
+                # one helper call per n8 tile: its 4 elements (rows qr0, qr1; columns kv0 + 8 jj + t2 + 0, 1)
+                lines = ["@device_function",
+                         f"def elemsq_{branch}(x, y, i, kvc, lse0, dlt0, qr0, lse1, dlt1, qr1, b, h, hk, interior"
+                         f"{_cap_args(spec)}):"]
+                for i in range(4):
+                    r, e = i >> 1, i & 1
+                    lines.append(f"    d{i}, = elemq_{branch}(lget(x, i + {i}), lget(y, i + {i}), lse{r}, dlt{r}, b, h, hk, "
+                                 f"qr{r}, kvc + {e}, interior{_cap_args(spec)})")
+                    lines.append(f"    lset(x, i + {i}, d{i})")
+                fn = c.helper(f"elemsq_{branch}", lines)
                 for jj in range(NJ):
-                    for i in range(4):
-                        r, e = i >> 1, i & 1
-                        c(f"{SA(jj, i)}, = elemq_{branch}({SA(jj, i)}, {PA(jj, i)}, lse{r}, dlt{r}, b, h, hk, qr{r}, "
-                          f"kv0 + {jj * 8 + e} + t2, interior{_cap_args(spec)})")
+                    c(f"{fn}(sacc, pacc, ofs_{jj * 4}, kv0 + {jj * 8} + t2, lse0, dlt0, qr0, lse1, dlt1, qr1, b, h, hk, "
+                      f"interior{_cap_args(spec)})")
 
             _dq_elementwise(c, spec, one)
             c("# dQ += dS K, dS packed from the accumulators")
@@ -914,22 +988,19 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"sa1 = {pack}({SA(a, 2)}, {SA(a, 3)})")
                 c(f"sa2 = {pack}({SA(bb, 0)}, {SA(bb, 1)})")
                 c(f"sa3 = {pack}({SA(bb, 2)}, {SA(bb, 3)})")
+                dq_acc = mma_step_helper(c, "dq_acc", mma, "ldsm_x4_trans", 1, 0, init=False)
                 for dd in range(D // 16):
-                    c(f"kt0, kt1, kt2, kt3 = ldsm_x4_trans(kb_ + (({kk * 16} + v_row) * {D} + "
-                      f"((({dd * 2} + v_ch) ^ v_x) << 3)) * 2)")
-                    for half, (b0, b1) in enumerate((("0", "1"), ("2", "3"))):
-                        dn = 2 * dd + half
-                        c(f"mma_acc(dqacc, {dn * 4}, sa0, sa1, sa2, sa3, kt{b0}, kt{b1})")
+                    c(f"{dq_acc}(dqacc, ofs_{2 * dd * 4}, sa0, sa1, sa2, sa3, {_v_addr(D, 'kb_', kk, dd)})")
             c("j = jn")
             c("buf ^= 1")
         c("cp_async_wait0()")
+        sp = _store_pairs_helper(c, ND, pack)
         for r in range(2):
             c(f"if qr{r} < M:")
             with c.indent():
                 c(f"qrow = ((q_head + qr{r}) * {D} + t2) >> 1")
-                for dn in range(ND):
-                    c(f"dq[qrow + {dn * 4}] = {pack}({DQA(dn, 2 * r)}, {DQA(dn, 2 * r + 1)})")
-    return _module(spec, c.text())
+                c(f"{sp}(dq, qrow, dqacc, ofs_{2 * r})")
+    return _module(spec, bind_offsets(c.text()))
 
 
 def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
