@@ -13,7 +13,7 @@ from falower.backends.numba_cuda import emit_fa3, runtime
 
 def test_rule() -> None:
     rule = emit_fa3.auto_extra
-    for D, mask, want in [(128, "none", True), (128, "static", True), (128, "table", True), (128, "list", True),
+    for D, mask, want in [(128, "none", True), (128, "static", True), (128, "table", True), (128, "list", False),
                           (64, "none", True), (64, "static", False), (64, "list", False), (96, "none", False)]:
         got = rule("f16", D, mask, (9, 0), {})
         assert (got is not None) == want, (D, mask, got)
