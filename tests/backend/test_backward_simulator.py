@@ -3,9 +3,6 @@ run in two subprocesses (the simulator must be on before numba.cuda is imported;
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from simulated import collect, spawn  # noqa: E402
 from bwd_sim_cases import CASES, F64_CASES, STRIDED_CASES, case_id  # noqa: E402
 
 IDS = [case_id(c) for c in CASES]
@@ -23,20 +21,12 @@ STRIDED_IDS = [f"strided-{s}-{p}" for s, p in STRIDED_CASES]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ)
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
     extra = F64_IDS + STRIDED_IDS
-    halves = [IDS[0::2] + extra[0::2], IDS[1::2] + extra[1::2]]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "bwd_sim_cases.py"), *ids], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for ids in halves]
+    halves = [IDS[0::2] + extra[0::2], IDS[1::2] + extra[1::2]]  # two processes: CI has two cores
+    procs = [spawn("bwd_sim_cases.py", tmp_path_factory.mktemp("kernels"), ids) for ids in halves]
     out = {}
     for p in procs:
-        stdout, stderr = p.communicate(timeout=1500)
-        if p.returncode != 0:
-            pytest.fail(f"simulator subprocess failed:\n{stderr[-4000:]}")
-        out.update({r["id"]: r for r in map(json.loads, filter(lambda l: l.startswith("{"), stdout.splitlines()))})
+        out.update(collect(p))
     return out
 
 

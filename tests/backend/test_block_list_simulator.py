@@ -6,9 +6,6 @@ subprocess (the simulator must be on before numba.cuda is imported): block_list_
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,20 +14,13 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from simulated import run_cases  # noqa: E402
 from block_list_cases import FWD_CASES, LIST_CASES, fwd_id, list_id  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ)
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "block_list_cases.py")], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    if proc.returncode != 0:
-        pytest.fail(f"simulator subprocess failed:\n{proc.stderr[-4000:]}")
-    return {r["id"]: r for r in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    return run_cases("block_list_cases.py", tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.mark.parametrize("case_id", [list_id(c) for c in LIST_CASES])

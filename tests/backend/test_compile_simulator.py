@@ -4,9 +4,6 @@ numba.cuda is imported)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from simulated import run_cases  # noqa: E402
 from ir_sim_cases import CASES, IDIOM_CASES, TABLE_CASES  # noqa: E402
 
 IDS = [f"{s}-{p}" for s, p in CASES]
@@ -22,15 +20,7 @@ IDS = [f"{s}-{p}" for s, p in CASES]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ)
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "ir_sim_cases.py")], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    if proc.returncode != 0:
-        pytest.fail(f"simulator subprocess failed:\n{proc.stderr[-4000:]}")
-    return {r["id"]: r for r in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    return run_cases("ir_sim_cases.py", tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.mark.slow

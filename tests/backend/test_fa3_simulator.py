@@ -3,10 +3,8 @@ one subprocess: the simulator must be on before numba.cuda is imported); and its
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from simulated import run_cases  # noqa: E402
 from fa3_sim_cases import API_CASES, CASES, RUNTIME_CASES  # noqa: E402
 
 TOL = {"f16": 4e-3, "bf16": 3e-2}
@@ -22,21 +21,7 @@ TOL = {"f16": 4e-3, "bf16": 3e-2}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ)
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-    root = HERE.parent.parent
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "fa3_sim_cases.py")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["id"]] = r
-    if proc.returncode != 0:
-        pytest.fail(f"simulator subprocess failed:\n{proc.stderr[-4000:]}")
-    return out
+    return run_cases("fa3_sim_cases.py", tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.mark.parametrize("case", sorted(CASES) + sorted(RUNTIME_CASES) + sorted(API_CASES))

@@ -6,9 +6,6 @@ The simulator must be switched on before numba.cuda is imported, so the cases ru
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from simulated import run_cases  # noqa: E402
 from sim_cases import CASES  # noqa: E402
 
 TOL = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-5}
@@ -24,21 +22,7 @@ TOL = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-5}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ)
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["FALOWER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernels"))
-    root = HERE.parent.parent
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "sim_cases.py")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["id"]] = r
-    if proc.returncode != 0:
-        pytest.fail(f"simulator subprocess failed:\n{proc.stderr[-4000:]}")
-    return out
+    return run_cases("sim_cases.py", tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.mark.slow

@@ -8,9 +8,6 @@ with P in registers and V MN-major, and the cp.async-pipelined GEMM. Cases run i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,25 +17,13 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from simulated import run_cases  # noqa: E402
 from wgmma_sim_cases import CASES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ)
-    env["NUMBA_ENABLE_CUDASIM"] = "1"
-    root = HERE.parent.parent
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "wgmma_sim_cases.py")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["id"]] = r
-    if proc.returncode != 0:
-        pytest.fail(f"simulator subprocess failed:\n{proc.stderr[-4000:]}")
-    return out
+    return run_cases("wgmma_sim_cases.py")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -1,0 +1,40 @@
+"""Run a `*_cases.py` script of this folder under the CUDA simulator, in a subprocess (the simulator must be on
+before numba.cuda is imported, and a subprocess keeps its state out of the test process), and collect the one
+JSON line per case it prints, by id. Shared by the simulator suites' module fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def spawn(script: str, cache_dir: Optional[Path] = None, ids: Sequence[str] = ()) -> subprocess.Popen:
+    """Start `script` (a file of this folder) on the simulator; `ids` limits it to those cases."""
+    env = dict(os.environ)
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
+    if cache_dir is not None:  # a fresh kernel cache: nothing compiled by another run is reused
+        env["FALOWER_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, str(HERE / script), *ids], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def collect(proc: subprocess.Popen, timeout: int = 1500) -> dict[str, dict]:
+    """The cases' results by id; the test fails with the script's stderr if it did not exit cleanly (a case's
+    own exception is reported in its JSON line, so the other cases still run)."""
+    stdout, stderr = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"simulator subprocess failed:\n{stderr[-4000:]}")
+    return {r["id"]: r for r in map(json.loads, filter(lambda l: l.startswith("{"), stdout.splitlines()))}
+
+
+def run_cases(script: str, cache_dir: Optional[Path] = None, timeout: int = 1500) -> dict[str, dict]:
+    return collect(spawn(script, cache_dir), timeout)
