@@ -121,6 +121,46 @@ if SIMULATOR:
     # threadIdx and its block manager; a warp is 32 consecutive linear thread ids.
     # ----------------------------------------------------------------------------------------------
 
+    def _guard_shared_allocation() -> None:
+        """Make the simulator's static shared arrays one per call site and launch, as on the GPU.
+
+        numba-cuda's simulator (0.30) creates a `cuda.shared.array` when the first thread reaches it, by a
+        check-then-insert on a dict with no lock: two threads switched between the check and the insert
+        get two different arrays, so a block's threads stop sharing memory and read whatever the other
+        array holds (uninitialised numpy memory: garbage or NaN). It struck CI's simulator backward tests
+        about once a run under load; tests/backend/test_simulator_shared_arrays.py reproduces it. The same
+        key (the caller's file and line), under a lock; the caller's frame read directly, not through
+        `traceback.extract_stack` (which also formats every frame's source line, per thread and array)."""
+        import sys
+
+        from numba.core import types
+        from numba.cuda.simulator import kernelapi
+        from numba.np import numpy_support
+
+        shared = kernelapi.FakeCUDAShared
+        if getattr(shared.array, "_falower_guarded", False):
+            return
+        unguarded = shared.array
+        lock = threading.Lock()
+
+        def array(self, shape, dtype, alignment=None):
+            if alignment is not None or shape == 0:  # an error, or the dynamic area: no per-site state
+                return unguarded(self, shape, dtype, alignment)
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            caller = sys._getframe(1)
+            key = (caller.f_code.co_filename, caller.f_lineno)
+            with lock:
+                res = self._allocations.get(key)
+                if res is None:
+                    res = self._allocations[key] = np.empty(shape, dtype)
+            return res
+
+        array._falower_guarded = True
+        shared.array = array
+
+    _guard_shared_allocation()
+
     _warp_lock = threading.Lock()
 
     class _Warp:
