@@ -94,3 +94,13 @@ def test_unsupported_specs_fall_back(hopper) -> None:
     c = fl.compile(_graph(False))
     assert c.specialize("f32", D=64).spec.path == "simt"
     assert _spec(c, 96).extra == {}
+
+
+def test_launch_bounds_where_two_blocks_fit(hopper) -> None:
+    """D = 64 (49 KB of shared memory a block) is built for two blocks per SM (launch bounds under @kernel_jit);
+    D = 128 (193 KB) for one, with no bounds."""
+    c = fl.compile(_graph(False))
+    k64, k128 = c.specialize("f16", D=64), c.specialize("f16", D=128)
+    assert emit_fa3.blocks_per_sm(k64.spec) == 2 and emit_fa3.blocks_per_sm(k128.spec) == 1
+    assert "@kernel_jit\n@launch_bounds(256, 2)" in k64.source
+    assert "@launch_bounds" not in k128.source

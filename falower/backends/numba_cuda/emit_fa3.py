@@ -44,6 +44,7 @@ from .emit_fa2 import (
     _emit_need_mask,
     _emit_next_tile,
     _emit_tile_range,
+    _score_args,
     _signature,
     _spec_comment,
     emit_bases,
@@ -53,12 +54,14 @@ from .emit_fa2 import (
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["auto_extra", "emit_fa3_forward", "grid", "recommended_schedule", "smem_bytes", "threads_per_block", "tiles",
+__all__ = ["auto_extra", "blocks_per_sm", "emit_fa3_forward", "grid", "recommended_schedule", "smem_bytes",
+           "threads_per_block", "tiles",
            "validate_spec"]
 
 ALIGN = 1024  # 128 B-swizzle atoms at 1024-byte aligned shared addresses
 
 _WGMMA_IMPORTS = '''
+from falower.backends.numba_cuda.intrinsics import launch_bounds
 from falower.backends.numba_cuda.wgmma import (
     desc_hi,
     fence_proxy_async,
@@ -144,6 +147,21 @@ def smem_bytes(spec: FA2ForwardSpec) -> int:
     return _layout(spec)["total"] + ALIGN
 
 
+SMEM_PER_SM = 233472  # H100: 228 KiB of shared memory per SM, 1 KiB of it reserved per block
+
+
+def blocks_per_sm(spec: FA2ForwardSpec) -> int:
+    """Blocks per SM the kernel is built for: 2 where two fit in shared memory and the S and O accumulators
+    (block_k / 2 + D / 2 f32 registers a thread) take at most half of the 128 registers two blocks of 256
+    threads leave a thread: D = 64 with 64-wide kv tiles (49 KB a block, 64 accumulators), else 1. With 2,
+    launch bounds cap registers at 128, which ptxas meets without spills for the plain and causal kernels;
+    uncapped, the causal D = 64 kernel took 139 and ran one block per SM (213 TFLOP/s against 371 for the
+    plain kernel at 101 registers, H100 N = 4k, 2026-11-23). 128-wide kv tiles at D = 64 spill under the cap."""
+    accumulators = spec.block_k // 2 + spec.head_dim // 2
+    fits = 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM and threads_per_block(spec) <= 256
+    return 2 if fits and accumulators <= 64 else 1
+
+
 def validate_spec(spec: FA2ForwardSpec) -> None:
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     if spec.path != "mma" or spec.dtype not in ("f16", "bf16"):
@@ -216,7 +234,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     T, KVOFF = lay["tile"], lay["kv"]
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
-    caps = "".join(f", cap_{i}_{cp.name}" for i, cp in enumerate(spec.captures))
+    caps = _score_args(spec)  # the captures, and the per-CTA values when score-licm hoisted some
     OVL = overlapped(spec)
 
     c = _Code()
@@ -233,6 +251,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     emit_masked_score(c, spec)
     emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
     c("@kernel_jit")
+    if blocks_per_sm(spec) > 1:
+        c(f"@launch_bounds({threads_per_block(spec)}, {blocks_per_sm(spec)})  # registers <= "
+          f"{65536 // (blocks_per_sm(spec) * threads_per_block(spec))}: two blocks per SM")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
         c(f'"""FA forward on wgmma: D={D}, block {BQ}x{BK}, {BQ // 64} warpgroup(s), {spec.dtype}."""')

@@ -38,6 +38,8 @@ Public names (identical in both modes):
     f16_to_f32, bf16_to_f32        (bits: int16/uint16) -> f32
     f32_to_f16, f32_to_bf16        (x: f32) -> int16 bits
     device_function                decorator for inlined device functions in generated sources
+    launch_bounds                  (max_threads, min_blocks) decorator under `@kernel_jit`: ptxas keeps registers
+                                   low enough for min_blocks blocks per SM (ignored by the simulator)
     SIMULATOR                      True when the emulations are in use
 """
 
@@ -54,6 +56,7 @@ __all__ = [
     "SIMULATOR",
     "device_function",
     "kernel_jit",
+    "launch_bounds",
     "mma_f16",
     "mma_bf16",
     "ldmatrix_x4",
@@ -111,6 +114,18 @@ def _f16_bits_to_float(bits: int) -> float:
 
 def _bf16_bits_to_float(bits: int) -> float:
     return float(np.array([(int(bits) & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+def launch_bounds(max_threads: int, min_blocks: int):
+    """Mark a generated kernel with CUDA launch bounds; `kernel_jit` (below it in the source, so applied after)
+    passes them to Numba. min_blocks = 2 caps registers at 65536 / (2 * max_threads): the wgmma forward at
+    D = 64 under a mask used 139 registers, one block per SM, where 2 fit in shared memory."""
+
+    def mark(fn):
+        fn.__falower_launch_bounds__ = (int(max_threads), int(min_blocks))
+        return fn
+
+    return mark
 
 
 if SIMULATOR:
@@ -610,8 +625,10 @@ else:
         return disp
 
     def kernel_jit(fn):
-        """Kernels of generated sources: cached on disk, compiled through the lean pipeline."""
-        return _lean(cuda.jit(cache=True)(fn))
+        """Kernels of generated sources: cached on disk, compiled through the lean pipeline, with the launch
+        bounds of `launch_bounds` where the source asks for them."""
+        bounds = getattr(fn, "__falower_launch_bounds__", None)
+        return _lean(cuda.jit(cache=True, launch_bounds=bounds)(fn) if bounds else cuda.jit(cache=True)(fn))
 
     # float32 maths from libdevice: Numba's math.sin/cos/tan and round() on a float32 compute in f64
     from numba.cuda import libdevice as _libdevice

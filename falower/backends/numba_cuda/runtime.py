@@ -1198,8 +1198,9 @@ def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
     from numba import cuda
     import numba.cuda.dispatcher as dispatcher_module
 
+    bounds = getattr(kernel.py_func, "__falower_launch_bounds__", None)  # as kernel_jit compiles it
     if cuda.is_available():
-        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bounds)
         return ptx
 
     class _NoDevice:
@@ -1208,7 +1209,7 @@ def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
     original = dispatcher_module.get_current_device
     dispatcher_module.get_current_device = lambda: _NoDevice
     try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bounds)
     finally:
         dispatcher_module.get_current_device = original
     return ptx
