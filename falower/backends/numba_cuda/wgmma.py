@@ -252,7 +252,6 @@ if SIMULATOR:
 else:
     from llvmlite import ir
     from numba import types
-    from numba.core import cgutils
     from numba.cuda.extending import intrinsic
 
     _F32 = types.float32
@@ -261,16 +260,17 @@ else:
     _I32 = types.int32
 
     def _acc_pointers(context, builder, arrty, arr, off, offty, count):
-        """Pointers to arr[off], ..., arr[off + count - 1] of a 1-D float32 array (local: SROA makes them registers)."""
+        """Pointers to arr[off], ..., arr[off + count - 1] of a 1-D float32 array (local: SROA makes them registers).
+
+        One GEP each from the array's data pointer (as intrinsics.py's `lget`/`lset`): cgutils' generic item
+        pointer spilled the array struct to a stack slot and loaded its data, shape and strides again for every
+        element, ~8 LLVM instructions each, 64 elements a call: 2/3 of the wgmma kernel's LLVM IR, which NVVM
+        then folded away (benchmarks/NOTES.md, "Compile time", lever 16)."""
         if not (isinstance(arrty, types.Array) and arrty.ndim == 1 and arrty.dtype == _F32):
             raise TypeError(f"wgmma accumulators must be a 1-D float32 array, got {arrty}")
-        ary = context.make_array(arrty)(context, builder, arr)
+        data = builder.extract_value(arr, context.data_model_manager[arrty].get_field_position("data"))
         base = context.cast(builder, off, offty, types.intp)
-        ptrs = []
-        for i in range(count):
-            idx = builder.add(base, context.get_constant(types.intp, i))
-            ptrs.append(cgutils.get_item_pointer(context, builder, arrty, ary, [idx], wraparound=False))
-        return ptrs
+        return [builder.gep(data, [builder.add(base, ir.Constant(base.type, i))], inbounds=True) for i in range(count)]
 
     def _asm_through_regs(context, builder, ptrs, ptx, extra_cons, extra_vals):
         """One inline asm whose first len(ptrs) operands are the f32 registers at ptrs, read and written in
