@@ -259,7 +259,10 @@ class CompiledAttention:
             if self._bwd_analysis is None:
                 self._bwd_analysis = analyse_backward(self.lowered_backward)
             # the backward's warps follow its kv tile (16 kv rows a warp); num_warps is the forward's
-            spec = build_backward_spec(self._bwd_analysis, {"D": env["D"]}, dtype, path, None, self.extra)
+            from .backends.numba_cuda.emit_fa3_bwd import backward_extra  # FALOWER_WGMMA_BWD=1: the wgmma kernel
+
+            spec = build_backward_spec(self._bwd_analysis, {"D": env["D"]}, dtype, path, None,
+                                       backward_extra(self.extra))
             try:
                 kern = FA2BackwardKernel(spec)
             except ValueError as e:

@@ -69,6 +69,15 @@ def _store_pairs_helper(c: _Code, ND: int, pack: str) -> str:
         *[f"    o[obase + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))" for dn in range(ND)]])
 
 
+def _wgmma(spec: FA2BackwardSpec):
+    """emit_fa3_bwd when spec.extra["bwd_schedule"] == "wgmma" (the main kernel on Hopper's wgmma), else None."""
+    if spec.extra.get("bwd_schedule") != "wgmma":
+        return None
+    from . import emit_fa3_bwd
+
+    return emit_fa3_bwd
+
+
 def _cap_names(spec: FA2BackwardSpec) -> list[str]:
     return [f"cap_{i}_{c.name}" for i, c in enumerate(spec.captures)]
 
@@ -82,11 +91,15 @@ def _grad_args(spec: FA2BackwardSpec) -> str:
 
 
 def bwd_threads(spec: FA2BackwardSpec) -> int:
+    if _wgmma(spec):
+        return _wgmma(spec).threads(spec)
     return spec.num_warps * 32 if spec.path == "mma" else spec.block_k
 
 
 def bwd_grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
     nk = -(-N // spec.block_k)
+    if _wgmma(spec):  # (kv heads, batch, kv tiles): the wgmma kernel divides by no run-time value
+        return (H // spec.group_size, B, nk)
     return (nk * B * (H // spec.group_size),)
 
 
@@ -110,6 +123,8 @@ def _staged(spec: FA2BackwardSpec) -> list[int]:
 
 
 def bwd_smem_bytes(spec: FA2BackwardSpec) -> int:
+    if _wgmma(spec):
+        return _wgmma(spec).smem_bytes(spec)
     if spec.path == "simt":
         return 0
     return 2 * _layout(spec)["elems"]
@@ -1119,6 +1134,8 @@ def emit_parts_sum(spec: FA2BackwardSpec) -> str:
 
 def emit_fa2_backward(spec: FA2BackwardSpec) -> str:
     """Numba CUDA source of the main backward kernel `spec.name` (a whole module)."""
+    if _wgmma(spec):  # the main kernel on Hopper's wgmma (emit_fa3_bwd.py; opt-in: spec.extra["bwd_schedule"])
+        return _wgmma(spec).emit_fa3_backward(spec)
     validate_backward_spec(spec)
     body = _emit_mma_kernel(spec) if spec.path == "mma" else _emit_simt_kernel(spec)
     return _module(spec, body)

@@ -1251,7 +1251,10 @@ class FA2BackwardKernel:
 
     def __init__(self, spec: FA2BackwardSpec) -> None:
         from .emit_fa2_bwd import emit_delta, emit_dq_convert, emit_dq_kernel, emit_fa2_backward, emit_parts_sum
+        from .emit_fa3_bwd import resolve
 
+        # the wgmma main kernel where asked and able; a spec it refuses runs on mma.sync (the reason kept)
+        spec, self.wgmma_refused = resolve(spec)
         self.spec = spec
         self.threads = bwd_threads(spec)
         self.smem = bwd_smem_bytes(spec)

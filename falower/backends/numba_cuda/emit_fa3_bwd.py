@@ -1,0 +1,488 @@
+"""Emit Numba CUDA source for the FlashAttention backward's main kernel on Hopper's warpgroup MMA (issue 11).
+
+`emit_fa3_backward(spec)` returns one Python module, like `emit_fa2_bwd.emit_fa2_backward`, from the same
+`FA2BackwardSpec` (same kernel arguments, same device-function contract: elem_<branch>, tile_class_fn, the block
+table, captured tables' gradients) and the same launch (grid `emit_fa2_bwd.bwd_grid`, 32 * num_warps threads).
+The Delta kernel and dQ's conversion are emit_fa2_bwd's, unchanged. What is new is the schedule (FA3's backward):
+
+* one block per (b, kv head, kv tile) of `block_k` = 64 or 128 rows; `block_k // 64` warpgroups, warpgroup w
+  owning kv rows 64 w .. 64 w + 63, so warp i (of all of them) owns kv rows 16 i .. 16 i + 15: exactly the rows
+  and the accumulator layout of the mma.sync kernel's warps (wgmma's D fragment is, per warp, mma.sync's C
+  fragment repeated along N), so its per-element code, captured-gradient reductions and stores apply unchanged;
+* K and V in shared memory for the whole loop, Q and dO (and LSE, Delta) of the next (head, q tile) loaded by
+  cp.async into the other buffer while the current one is computed; every tile in wgmma's 128 B-swizzled
+  layout `[D // 64][rows][64]` (wgmma.py), at 1024-byte aligned addresses;
+* S^T = K Q^T and dP^T = V dO^T: D/16 `wgmma m64n{block_q}k16` each, both operands K-major from descriptors;
+* per element the IR's elem_<branch> turns (s, dp, lse, delta) into (P^T, dS^T, gradient contributions);
+* dV += P^T dO and dK += dS^T Q: P^T and dS^T packed from the accumulators straight into the A registers of
+  `wgmma m64n{D}k16` (block_q/16 k steps), dO and Q MN-major (trans-b): no trip through shared memory;
+* dS^T to shared memory (the MN-major A layout of dQ's product), one barrier, then dQ = dS K by
+  `wgmma m64n{D / cs}k16` from two descriptors (dS^T trans-a, K trans-b), block_k/16 k steps: warpgroup w takes
+  the 64 q rows `w % (block_q / 64)` and the D / cs columns `w // (block_q / 64)` of them (cs = warpgroups per
+  64 q rows); added into the f32 dQ accumulator with 16-byte vector reductions (lanes t and t ^ 1 swap halves),
+  as the mma.sync kernel does;
+* dK and dV stay in registers over every q tile and head of the group and are written once.
+
+Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
+`falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`);
+opt-in until it is measured faster. `resolve(spec)` is what the runtime builds: the spec itself, or, where this
+kernel refuses it (`validate_spec`: a clear ValueError), the mma.sync spec, so an unsupported feature never gives
+wrong numbers. Supported: f16/bf16, D = 64 or 128, block_q 64 or 128 (block_q + D <= 192: the four accumulators
+in registers), block_k 64 or 128, GQA, every score function, tile classes from tile_class_fn or the block
+table, captured tables' gradients (reduced per tile, or per element by atomics). Refused (mma.sync runs): the
+deterministic mode (dq=separate, staged gradients), block lists (block_mask "list"), other head dims.
+
+No 64-bit division or modulo by a run-time value (a subroutine call makes ptxas serialize every wgmma;
+benchmarks/NOTES.md "wgmma"): the grid is (kv heads, batch, kv tiles) and the (head, q tile) walk keeps two
+counters. Element code with a division of its own still runs, serialized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+from .emit_fa2 import _Code, bind_offsets, emit_bases, zero_helper
+from .emit_fa2_bwd import (
+    PA,
+    SA,
+    STRIDES,
+    _cap_args,
+    _elem_call,
+    _elem_quad_helper,
+    _emit_grad_element,
+    _emit_grad_tile_end,
+    _grad_args,
+    _grad_outs,
+    _module,
+    _store_pairs_helper,
+)
+from .emit_fa3 import ALIGN, _emit_load, _emit_loader_setup
+from .spec import FA2BackwardSpec
+
+__all__ = ["ENV", "backward_extra", "emit_fa3_backward", "resolve", "smem_bytes", "threads", "uses_wgmma",
+           "validate_spec"]
+
+ENV = "FALOWER_WGMMA_BWD"  # "1": the wgmma backward wherever the spec allows it; "0": never
+
+_WGMMA_IMPORTS = '''
+from falower.backends.numba_cuda.wgmma import (
+    desc_hi,
+    fence_proxy_async,
+    make_desc,
+    wgmma_commit,
+    wgmma_fence_regs,
+    wgmma_rs,
+    wgmma_ss,
+    wgmma_wait_regs,
+)
+'''
+
+
+def uses_wgmma(spec: FA2BackwardSpec) -> bool:
+    """spec.extra["bwd_schedule"] == "wgmma": this module's kernel (emit_fa2_bwd dispatches on it)."""
+    return spec.extra.get("bwd_schedule") == "wgmma"
+
+
+def backward_extra(extra: Mapping, env: Optional[Mapping[str, str]] = None) -> dict:
+    """The spec.extra of a backward: `extra` itself when it says `bwd_schedule`, else with the wgmma schedule
+    when FALOWER_WGMMA_BWD=1 (opt-in: not chosen by itself on compute capability 9.x until it is measured
+    faster than mma.sync; benchmarks/NOTES.md "Backward on wgmma")."""
+    env = os.environ if env is None else env
+    out = dict(extra)
+    if "bwd_schedule" not in out and env.get(ENV, "") == "1":
+        out["bwd_schedule"] = "wgmma"
+    return out
+
+
+def threads(spec: FA2BackwardSpec) -> int:
+    """One warpgroup per 64 kv rows (the same 32 * block_k / 16 threads as the mma.sync kernel's warps)."""
+    return 128 * (spec.block_k // 64)
+
+
+def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
+    """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
+    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i))."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    kv, qt = BK * D * 2, BQ * D * 2
+    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt}
+    lay["ST"] = lay["DS"] + BK * BQ * 2
+    lay["total"] = lay["ST"] + 16 * BQ
+    return lay
+
+
+def smem_bytes(spec: FA2BackwardSpec) -> int:
+    return _layout(spec)["total"] + ALIGN
+
+
+def validate_spec(spec: FA2BackwardSpec) -> None:
+    """Raise ValueError (saying what) where this kernel cannot build the spec; `resolve` then takes mma.sync."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    if spec.path != "mma" or spec.dtype not in ("f16", "bf16"):
+        raise ValueError(f"wgmma backward: f16 or bf16 on the tensor-core path only, got {spec.dtype} ({spec.path})")
+    if D not in (64, 128):
+        raise ValueError(f"wgmma backward: head_dim must be 64 or 128, got {D}")
+    if BK not in (64, 128) or BQ not in (64, 128):
+        raise ValueError(f"wgmma backward: block_q and block_k must be 64 or 128 (one warpgroup per 64 kv rows, "
+                         f"dQ in m64 row groups), got {BQ}x{BK}")
+    if BQ > BK:
+        raise ValueError(f"wgmma backward: dQ's {BQ // 64} row groups of 64 need as many warpgroups "
+                         f"(block_k // 64 = {BK // 64})")
+    if BQ + D > 192:
+        raise ValueError(f"wgmma backward: S^T, dP^T (block_q / 2 each) and dK, dV (D / 2 each) f32 registers a "
+                         f"thread must stay <= 96 (block_q + D <= 192), got block_q = {BQ}, D = {D}")
+    if spec.dq != "atomic" or spec.deterministic:
+        raise ValueError("wgmma backward: the deterministic mode (dq=separate, gradients summed in a fixed order) "
+                         "is not built on wgmma yet")
+    if spec.block_mask not in ("none", "static", "table"):
+        raise ValueError(f"wgmma backward: block_mask={spec.block_mask!r} (block lists) is not built on wgmma yet")
+    for fn in [f"def elem_{b}(" for b in spec.branches]:
+        if fn not in spec.device_source:
+            raise ValueError(f"device_source must define {fn[4:-1]}")
+    if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
+        raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if not set(spec.branches) <= {"all", "full", "partial"}:
+        raise ValueError(f"wgmma backward: unknown branches {spec.branches}")
+    if spec.num_warps * 32 != threads(spec):
+        raise ValueError(f"wgmma backward: num_warps must be block_k // 16 = {BK // 16} (the runtime launches "
+                         f"32 * num_warps threads), got {spec.num_warps}")
+    if smem_bytes(spec) > 227 * 1024:
+        raise ValueError(f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
+
+
+def resolve(spec: FA2BackwardSpec) -> tuple[FA2BackwardSpec, Optional[str]]:
+    """(the spec to build, why wgmma was refused or None): a wgmma spec this kernel cannot build becomes the
+    mma.sync spec (`bwd_schedule` dropped, the name marked), never an error and never wrong numbers."""
+    if not uses_wgmma(spec):
+        return spec, None
+    try:
+        validate_spec(spec)
+    except ValueError as e:
+        extra = {k: v for k, v in spec.extra.items() if k != "bwd_schedule"}
+        return dataclasses.replace(spec, name=spec.name + "_mma", extra=extra), str(e)
+    return spec, None
+
+
+# --------------------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------------------
+
+
+def _class_expr(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
+    """The class of (group head hv, q tile qv) against this block's kv tile (no division: two counters)."""
+    BQ, BK, G = spec.block_q, spec.block_k, spec.group_size
+    h = f"hk * {G} + {hv}" if G > 1 else "hk"
+    if spec.block_mask == "static":
+        return (f"tile_class_fn(b, {h}, ({qv}) * {BQ}, ({qv}) * {BQ} + {BQ - 1}, kv0, kv0 + {BK - 1}"
+                f"{_cap_args(spec)})")
+    if spec.block_mask == "table":
+        return f"table[((b * H + {h}) * nq + {qv}) * nk + kj]"
+    return "2"
+
+
+def _more(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
+    return f"{hv} < {spec.group_size}" if spec.group_size > 1 else f"{qv} < nq"
+
+
+def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
+    """(hv, qv) = the pair after it in (head, q tile) order."""
+    c(f"{qv} += 1")
+    if spec.group_size > 1:
+        c(f"if {qv} == nq:")
+        with c.indent():
+            c(f"{qv} = 0")
+            c(f"{hv} += 1")
+
+
+def _emit_skip_empty(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
+    if spec.block_mask != "none":
+        c(f"while {_more(spec, hv, qv)} and {_class_expr(spec, hv, qv)} == 0:")
+        with c.indent():
+            _emit_step(c, spec, hv, qv)
+
+
+def _emit_kernel(spec: FA2BackwardSpec) -> str:
+    D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
+    NT = threads(spec)
+    NWG = BK // 64  # warpgroups
+    RG = BQ // 64  # dQ's 64-row groups
+    CS = NWG // RG  # warpgroups sharing one row group (they split D)
+    DC = D // CS  # dQ columns of one warpgroup
+    NJ = BQ // 8  # n8 tiles of S^T along q
+    KS = D // 16  # k16 steps of K Q^T
+    ND = D // 8
+    lay = _layout(spec)
+    KO, VO, QO, DOO, DSO, STO = lay["K"], lay["V"], lay["Q"], lay["DO"], lay["DS"], lay["ST"]
+    TQ = lay["qt"]
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    kind = spec.dtype
+    table = ", table" if spec.block_mask == "table" else ""
+    caps = _cap_args(spec)
+    # the column offset of warpgroup column split cs = 1 inside K's [D // 64][BK][128 B] tile (cs <= 1 here)
+    col1 = (DC // 64) * BK * 128 + (DC % 64) * 2
+
+    c = _Code()
+    c(f'WG_S = wgmma_ss("{kind}", {BQ})  # S^T = K Q^T, dP^T = V dO^T: both operands K-major')
+    c(f'WG_D = wgmma_rs("{kind}", {D}, 1)  # dV += P^T dO, dK += dS^T Q: A in registers, dO / Q MN-major')
+    c(f'WG_Q = wgmma_ss("{kind}", {DC}, 1, 1)  # dQ = dS K: dS^T MN-major (trans-a), K MN-major (trans-b)')
+    c(f"FENCE_S = wgmma_fence_regs({BQ // 2})")
+    c(f"WAIT_S = wgmma_wait_regs(0, {BQ // 2})")
+    c(f"FENCE_D = wgmma_fence_regs({D // 2})")
+    c(f"WAIT_D = wgmma_wait_regs(0, {D // 2})")
+    c(f"FENCE_Q = wgmma_fence_regs({DC // 2})")
+    c(f"WAIT_Q = wgmma_wait_regs(0, {DC // 2})")
+    c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
+    c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
+    c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
+    c()
+    c("@kernel_jit")
+    c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
+      f"{caps}):")
+    with c.indent():
+        c(f'"""FA backward on wgmma: D={D}, tiles {BQ}x{BK}, {NWG} warpgroup(s) x 64 kv rows, {kind}."""')
+        c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        c("smem_w = cuda.shared.array(0, SMEM_U32)  # the same bytes as 32-bit words (dS^T stores)")
+        c("smem_f = cuda.shared.array(0, SMEM_F32)  # ... and as f32 (lse, delta of the q tiles)")
+        c("sb0 = smem_base(smem)")
+        c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
+        c("sbr = sb - sb0  # the aligned base as a byte offset into the arrays")
+        c("tid = cuda.threadIdx.x")
+        c("lane = tid & 31")
+        c("warp = tid >> 5")
+        c("wg = tid >> 7")
+        c("g = lane >> 2")
+        c("t2 = (lane & 3) * 2")
+        c("__OFFSETS__")
+        c(f"nq = (M + {BQ - 1}) // {BQ}")
+        c(f"nk = (N + {BK - 1}) // {BK}")
+        c("# grid (kv heads, batch, kv tiles): kv tile 0 of every (b, kv head) first (causal: it sees the most q")
+        c("# tiles), and no run-time division (a call: ptxas would serialize every wgmma)")
+        c("hk = cuda.blockIdx.x")
+        c("b = cuda.blockIdx.y")
+        c("kj = cuda.blockIdx.z")
+        c(f"HK = H // {G}" if G > 1 else "HK = H")
+        c(f"kv0 = kj * {BK}")
+        c("kv_head = (b * HK + hk) * N")
+        c()
+        rstep = _emit_loader_setup(c, NT, D)
+        c("# K and V of this kv tile, once")
+        emit_bases(c, ("k", "v"), ("hk", "hk"))
+        _emit_load(c, BK, rstep, D, f"sb + {KO}", "kv0", "N", "k", "kg", "k_sm")
+        _emit_load(c, BK, rstep, D, f"sb + {VO}", "kv0", "N", "v", "vg", "v_sm")
+        c()
+        c("# the first non-empty (head of the group, q tile)")
+        c("hc = 0")
+        c("qc = 0")
+        _emit_skip_empty(c, spec, "hc", "qc")
+
+        def load_q_tile(hv: str, q0v: str, bufv: str) -> None:
+            c(f"hq = hk * {G} + {hv}" if G > 1 else "hq = hk")
+            c("qh = (b * H + hq) * M")
+            emit_bases(c, ("q", "do"), ("hq", "hq"))
+            _emit_load(c, BQ, rstep, D, f"sb + {QO} + {bufv} * {TQ}", q0v, "M", "q", "qg", "q_sm")
+            _emit_load(c, BQ, rstep, D, f"sb + {DOO} + {bufv} * {TQ}", q0v, "M", "do", "dog", "do_sm")
+
+        c(f"if {_more(spec, 'hc', 'qc')}:")
+        with c.indent():
+            load_q_tile("hc", f"qc * {BQ}", "0")
+            c(f"if tid < {BQ}:")
+            with c.indent():
+                c(f"qq = qc * {BQ} + tid")
+                c(f"smem_f[((sbr + {STO}) >> 2) + tid] = lse[qh + qq] if qq < M else ZERO")
+                c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
+        c("cp_async_commit()")
+        c()
+        c("# dK and dV: rows g and g + 8 of this warp's 16 kv rows, in registers over every q tile; S^T, dP^T per")
+        c("# tile; this warpgroup's dQ fragment of a tile")
+        c(f"dkacc = cuda.local.array({D // 2}, np.float32)")
+        c(f"dvacc = cuda.local.array({D // 2}, np.float32)")
+        c(f"sacc = cuda.local.array({BQ // 2}, np.float32)")
+        c(f"pacc = cuda.local.array({BQ // 2}, np.float32)")
+        c(f"dqa = cuda.local.array({DC // 2}, np.float32)")
+        c(f"{zero_helper(c, D // 2)}(dvacc)")
+        c(f"{zero_helper(c, D // 2)}(dkacc)")
+        c("# descriptors' addresses of this warpgroup: its 64 kv rows of K and V (A of S^T, dP^T), its dQ row group")
+        c("# of dS^T and column range of K (A and B of dQ)")
+        c(f"k_wg = sb + {KO} + wg * {64 * 128}")
+        c(f"v_wg = sb + {VO} + wg * {64 * 128}")
+        c(f"rgw = wg % {RG}" if RG > 1 else "rgw = 0")
+        c(("csw = wg" if RG == 1 else f"csw = wg // {RG}") if CS > 1 else "csw = 0")
+        c(f"ds_wg = sb + {DSO} + rgw * {BK * 128}")
+        c(f"kt_wg = sb + {KO} + csw * {col1}")
+        c("# dS^T word offsets of this thread's rows r = warp * 16 + g (+ 8), at its 4 bytes of a 16-byte chunk;")
+        c("# chunk j of a row r sits at chunk j ^ (r & 7) = j ^ g")
+        c(f"dsw0 = (sbr + {DSO} + (warp * 16 + g) * 128 + 2 * t2) >> 2")
+        c("dsw1 = dsw0 + 256")
+        c("buf = 0")
+        c("nl = ZERO")
+        c("nd = ZERO")
+        c(f"while {_more(spec, 'hc', 'qc')}:")
+        with c.indent():
+            c("hn = hc")
+            c("qn = qc")
+            _emit_step(c, spec, "hn", "qn")
+            _emit_skip_empty(c, spec, "hn", "qn")
+            c("cp_async_wait0()  # Q, dO of this tile (and K, V on the first) have landed")
+            c("fence_proxy_async()  # ... visible to wgmma's async proxy")
+            c("cuda.syncthreads()  # ... for everyone; and everyone is done with the other buffers and dS^T")
+            c(f"if {_more(spec, 'hn', 'qn')}:")
+            with c.indent():
+                load_q_tile("hn", f"qn * {BQ}", "(buf ^ 1)")
+                c(f"if tid < {BQ}:")
+                with c.indent():
+                    c(f"qq = qn * {BQ} + tid")
+                    c("nl = lse[qh + qq] if qq < M else ZERO")
+                    c("nd = delta[qh + qq] if qq < M else ZERO")
+            c("cp_async_commit()")
+            c(f"h = hk * {G} + hc" if G > 1 else "h = hk")
+            c(f"q0 = qc * {BQ}")
+            c("q_head = (b * H + h) * M")
+            c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
+            if len(spec.branches) > 1:
+                c(f"cls = {_class_expr(spec, 'hc', 'qc')}")
+            c(f"qb = sb + {QO} + buf * {TQ}")
+            c(f"ob = sb + {DOO} + buf * {TQ}")
+            c(f"lse_f = ((sbr + {STO}) >> 2) + buf * {BQ}")
+            c(f"dlt_f = lse_f + {2 * BQ}")
+            c()
+            c(f"# S^T = K Q^T and dP^T = V dO^T: {KS} + {KS} wgmma m64n{BQ}k16; k step s reads 16 columns of D:")
+            c("# block s // 4, byte 32 * (s % 4)")
+            c("FENCE_S(sacc, 0)")
+            c("FENCE_S(pacc, 0)")
+            for ks in range(KS):
+                a = f"{(ks // 4) * BK * 128 + (ks % 4) * 32}"
+                bq = f"{(ks // 4) * BQ * 128 + (ks % 4) * 32}"
+                c(f"WG_S(sacc, 0, make_desc(HI_KM, k_wg + {a}), make_desc(HI_KM, qb + {bq}), {int(ks > 0)})")
+            for ks in range(KS):
+                a = f"{(ks // 4) * BK * 128 + (ks % 4) * 32}"
+                bq = f"{(ks // 4) * BQ * 128 + (ks % 4) * 32}"
+                c(f"WG_S(pacc, 0, make_desc(HI_KM, v_wg + {a}), make_desc(HI_KM, ob + {bq}), {int(ks > 0)})")
+            c("wgmma_commit()")
+            c("WAIT_S(sacc, 0)")
+            c("WAIT_S(pacc, 0)")
+            c()
+            c("# per element: P and dS from the IR's elementwise code (sacc becomes P^T, pacc dS^T)")
+            for i, gr in enumerate(spec.grads):
+                if gr.reduced:
+                    c(f"gsum{i} = ZERO")
+            if not spec.grads:
+                c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
+
+            def elementwise(branch: str) -> None:
+                if not spec.grads:  # one helper call per (n8 tile, column): 4 elements
+                    fn = _elem_quad_helper(c, spec, branch)
+                    for jj in range(NJ):
+                        for e in range(2):
+                            c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, "
+                              f"kvr, b, h, hk, interior{caps})")
+                    return
+                outs_g = _grad_outs(spec)
+                for jj in range(NJ):
+                    for e in range(2):
+                        c(f"qi = q0 + {jj * 8 + e} + t2")
+                        c(f"lq = smem_f[lse_f + {jj * 8 + e} + t2]")
+                        c(f"dq_ = smem_f[dlt_f + {jj * 8 + e} + t2]")
+                        for r in range(2):
+                            i = 2 * r + e
+                            outs = [SA(jj, i), PA(jj, i)] + [x for og in outs_g for x in og]
+                            c(_elem_call(spec, branch, SA(jj, i), PA(jj, i), "lq", "dq_", "qi",
+                                         f"kv0 + warp * 16 + {8 * r} + g", outs))
+                            _emit_grad_element(c, spec)
+
+            if len(spec.branches) == 1:
+                elementwise(spec.branches[0])
+            else:
+                c("if cls == 2:")
+                with c.indent():
+                    elementwise("full")
+                c("else:")
+                with c.indent():
+                    elementwise("partial")
+            _emit_grad_tile_end(c, spec, warp_reduce=True)
+            c()
+            c(f"# dV += P^T dO and dK += dS^T Q: {BQ // 16} + {BQ // 16} wgmma m64n{D}k16, A packed from the")
+            c("# accumulators (n8 tiles 2k, 2k + 1 are k step k), k step k reads q rows 16k .. 16k + 15 (2048 bytes on);")
+            c("# dS^T's words to shared memory for dQ meanwhile")
+            pk = c.helper("pack_pd", [
+                "@device_function", "def pack_pd(x, y, i):",
+                *[f"    {v}{e} = {pack}(lget({arr}, i + {2 * e}), lget({arr}, i + {2 * e + 1}))"
+                  for v, arr in (("pa", "x"), ("da", "y")) for e in range(4)],
+                "    return pa0, pa1, pa2, pa3, da0, da1, da2, da3"])
+            st = c.helper("store_dst_wg", [
+                "@device_function", "def store_dst_wg(smem_w, w0, w1, o0, o1, d0, d1, d2, d3):",
+                "    smem_w[w0 + o0] = d0",
+                "    smem_w[w1 + o0] = d1",
+                "    smem_w[w0 + o1] = d2",
+                "    smem_w[w1 + o1] = d3"])
+            c("FENCE_D(dvacc, 0)")
+            c("FENCE_D(dkacc, 0)")
+            for kk in range(BQ // 16):
+                c(f"pa0, pa1, pa2, pa3, da0, da1, da2, da3 = {pk}(sacc, pacc, ofs_{kk * 8})")
+                c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, make_desc(HI_QT, ob + {kk * 2048}), 1)")
+                c(f"WG_D(dkacc, 0, da0, da1, da2, da3, make_desc(HI_QT, qb + {kk * 2048}), 1)")
+                j0, j1 = 2 * kk, 2 * kk + 1  # n8 tiles (8 q columns: one 16-byte chunk) of this k step
+                o0 = f"{(j0 // 8) * BK * 32} + (({j0 % 8} ^ g) << 2)"
+                o1 = f"{(j1 // 8) * BK * 32} + (({j1 % 8} ^ g) << 2)"
+                c(f"{st}(smem_w, dsw0, dsw1, {o0}, {o1}, da0, da1, da2, da3)")
+            c("wgmma_commit()")
+            c("fence_proxy_async()  # dS^T's generic stores visible to wgmma")
+            c("cuda.syncthreads()  # dS^T is complete")
+            c()
+            c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {BK // 16} wgmma m64n{DC}k16, k step")
+            c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)")
+            c("FENCE_Q(dqa, 0)")
+            for kk in range(BK // 16):
+                c(f"WG_Q(dqa, 0, make_desc(HI_KV, ds_wg + {kk * 2048}), make_desc(HI_KV, kt_wg + {kk * 2048}), "
+                  f"{int(kk > 0)})")
+            c("wgmma_commit()")
+            c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
+            c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
+            c("# g + 8, added by one 16-byte vector reduction")
+            red = c.helper("dq_red", [
+                "@device_function", "def dq_red(dq32, at, x, i, odd, ok):",
+                "    x0 = lget(x, i) if odd else lget(x, i + 2)",
+                "    x1 = lget(x, i + 1) if odd else lget(x, i + 3)",
+                "    y0 = shfl_xor_f32(x0, 1)",
+                "    y1 = shfl_xor_f32(x1, 1)",
+                "    if ok:",
+                "        if odd:",
+                "            red_add_v4_f32(dq32, at, y0, y1, lget(x, i + 2), lget(x, i + 3))",
+                "        else:",
+                "            red_add_v4_f32(dq32, at, lget(x, i), lget(x, i + 1), y0, y1)"])
+            c("odd = (lane & 1) == 1")
+            c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
+            c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
+            c("q_ok = qi < M")
+            for dn in range(DC // 8):
+                c(f"{red}(dq32, qrow + {dn * 8}, dqa, ofs_{dn * 4}, odd, q_ok)")
+            c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
+            with c.indent():
+                c(f"smem_f[((sbr + {STO}) >> 2) + (buf ^ 1) * {BQ} + tid] = nl")
+                c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + (buf ^ 1) * {BQ} + tid] = nd")
+            c("hc = hn")
+            c("qc = qn")
+            c("buf ^= 1")
+        c()
+        c("cp_async_wait0()")
+        c("WAIT_D(dvacc, 0)")
+        c("WAIT_D(dkacc, 0)")
+        c("# dK, dV of this warp's kv rows, once")
+        sp = _store_pairs_helper(c, ND, pack)
+        for r in range(2):
+            c(f"kvi = kv0 + warp * 16 + {8 * r} + g")
+            c("if kvi < N:")
+            with c.indent():
+                c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
+                c(f"{sp}(dk, kvrow, dkacc, ofs_{2 * r})")
+                c(f"{sp}(dv, kvrow, dvacc, ofs_{2 * r})")
+    return bind_offsets(c.text())
+
+
+def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
+    """Numba CUDA source of the wgmma backward's main kernel `spec.name` (a whole module)."""
+    validate_spec(spec)
+    src = _module(spec, _emit_kernel(spec))
+    marker = "\n# ---- the variant's device functions"
+    return src.replace(marker, _WGMMA_IMPORTS + marker, 1).replace(
+        "emit_fa2_bwd -- do not edit.", "emit_fa3_bwd -- do not edit.")
