@@ -945,3 +945,223 @@ else:
             return _asm(context, builder, "cvt.rn.bf16.f32 $0, $1;", "=h,f", [v], [_I16])
 
         return _I16(x), codegen
+
+
+# --------------------------------------------------------------------------------------------------
+# Warp specialization (issue 11, emit_fa3_ws.py): mbarriers, cp.async completion on an mbarrier, named barriers
+# with a thread count, setmaxnreg. Shared addresses are 32-bit shared-window byte addresses (smem_base + offset,
+# 8-byte aligned for an mbarrier), as for ldsm_x4 / cp_async16_s.
+#     mbar_init(addr, count)             mbarrier.init: a phase completes after `count` arrivals (one thread, then a
+#                                        barrier before any other thread uses it)
+#     mbar_arrive(addr)                  mbarrier.arrive (release, CTA scope)
+#     mbar_arrive_expect_tx(addr, tx)    mbarrier.arrive.expect_tx (for TMA; the emulation's copies are immediate)
+#     mbar_try_wait(addr, parity)        -> uint32: 1 once the phase of that parity has completed (try_wait.parity:
+#                                        the hardware suspends the thread a while before it answers 0)
+#     mbar_wait(addr, parity)            try_wait.parity in a loop until it succeeds (the loop inside one asm;
+#                                        its label is local to the asm's { } scope)
+#     cp_async_mbar_arrive_noinc(addr)   cp.async.mbarrier.arrive.noinc: one arrival once every cp.async this thread
+#                                        issued before it has landed (count it in mbar_init's count)
+#     bar_sync(id, count), bar_arrive(id, count)
+#                                        named barrier `id` (1..15; 0 is syncthreads') of `count` threads (a multiple
+#                                        of 32): bar.sync waits, bar.arrive only counts
+#     setmaxnreg_inc(n), setmaxnreg_dec(n)
+#                                        factories -> f(): setmaxnreg.{inc,dec}.sync.aligned.u32 n for the executing
+#                                        warpgroup (n a multiple of 8 in 24..256; the kernel needs launch bounds)
+# Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
+# generation counter; both live per block (keyed by the block's index and the address / id); waits block on the
+# condition with a timeout so that an aborted launch (another thread's exception) or a deadlock ends.
+# --------------------------------------------------------------------------------------------------
+
+__all__ += [
+    "mbar_init",
+    "mbar_arrive",
+    "mbar_arrive_expect_tx",
+    "mbar_try_wait",
+    "mbar_wait",
+    "cp_async_mbar_arrive_noinc",
+    "bar_sync",
+    "bar_arrive",
+    "setmaxnreg_inc",
+    "setmaxnreg_dec",
+]
+
+
+def _check_maxnreg(n: int) -> int:
+    n = int(n)
+    if n % 8 or not 24 <= n <= 256:
+        raise ValueError(f"setmaxnreg: a multiple of 8 in [24, 256], got {n}")
+    return n
+
+
+if SIMULATOR:
+    import functools as _functools
+    import time as _time
+
+    SYNC_TIMEOUT = float(os.environ.get("FALOWER_SIM_SYNC_TIMEOUT", "600"))  # seconds before a wait is a deadlock
+
+    class _MBarrier:
+        def __init__(self, count: int) -> None:
+            self.count = int(count)
+            self.pending = int(count)
+            self.phase = 0  # completed phases
+            self.cond = threading.Condition()
+
+        def arrive(self) -> None:
+            with self.cond:
+                self.pending -= 1
+                if self.pending < 0:
+                    raise RuntimeError("mbarrier: more arrivals than its count in one phase")
+                if self.pending == 0:
+                    self.phase += 1
+                    self.pending = self.count
+                    self.cond.notify_all()
+
+        def done(self, parity: int) -> bool:
+            return (self.phase & 1) != (int(parity) & 1)
+
+    class _NamedBarrier:
+        def __init__(self) -> None:
+            self.arrived = 0
+            self.generation = 0
+            self.cond = threading.Condition()
+
+        def arrive(self, count: int) -> int:
+            with self.cond:
+                gen = self.generation
+                self.arrived += 1
+                if self.arrived == int(count):
+                    self.arrived = 0
+                    self.generation += 1
+                    self.cond.notify_all()
+                return gen
+
+    def _sync_objects() -> dict:
+        th = threading.current_thread()
+        mgr = th._manager
+        with _warp_lock:
+            store = getattr(mgr, "_falower_sync", None)
+            if store is None:
+                store = mgr._falower_sync = {}
+        return store
+
+    def _block_key(kind: str, ident) -> tuple:
+        return (kind, tuple(threading.current_thread().blockIdx), int(ident))
+
+    def _mbar(addr) -> _MBarrier:
+        bar = _sync_objects().get(_block_key("mbar", addr))
+        if bar is None:
+            raise RuntimeError(f"mbarrier at shared byte {int(addr)} used before mbar_init")
+        return bar
+
+    def _wait_until(cond: threading.Condition, ready, what: str) -> None:
+        th = threading.current_thread()
+        start = _time.monotonic()
+        with cond:
+            while not ready():
+                if getattr(th, "abort", False):
+                    raise RuntimeError(f"abort flag set while waiting on {what}")
+                if _time.monotonic() - start > SYNC_TIMEOUT:
+                    raise RuntimeError(f"{what}: no progress in {SYNC_TIMEOUT:.0f} s (deadlock?)")
+                cond.wait(0.05)
+
+    def mbar_init(addr, count):
+        store = _sync_objects()
+        with _warp_lock:
+            store[_block_key("mbar", addr)] = _MBarrier(count)
+
+    def mbar_arrive(addr):
+        _mbar(addr).arrive()
+
+    def mbar_arrive_expect_tx(addr, tx):
+        _mbar(addr).arrive()
+
+    def mbar_try_wait(addr, parity):
+        if _mbar(addr).done(parity):
+            return np.uint32(1)
+        _time.sleep(0)  # a polling caller must let the other simulated threads run
+        return np.uint32(0)
+
+    def mbar_wait(addr, parity):
+        bar = _mbar(addr)
+        _wait_until(bar.cond, lambda: bar.done(parity), f"mbarrier at {int(addr)}, parity {int(parity)}")
+
+    def cp_async_mbar_arrive_noinc(addr):
+        _mbar(addr).arrive()  # the emulated cp.async copies synchronously: they have all landed
+
+    def _named(ident) -> _NamedBarrier:
+        store = _sync_objects()
+        key = _block_key("bar", ident)
+        bar = store.get(key)
+        if bar is None:
+            with _warp_lock:
+                bar = store.setdefault(key, _NamedBarrier())
+        return bar
+
+    def bar_sync(ident, count):
+        bar = _named(ident)
+        gen = bar.arrive(count)
+        _wait_until(bar.cond, lambda: bar.generation != gen, f"named barrier {int(ident)}")
+
+    def bar_arrive(ident, count):
+        _named(ident).arrive(count)
+
+    @_functools.lru_cache(maxsize=None)
+    def setmaxnreg_inc(n: int):
+        _check_maxnreg(n)
+        return lambda: None
+
+    @_functools.lru_cache(maxsize=None)
+    def setmaxnreg_dec(n: int):
+        _check_maxnreg(n)
+        return lambda: None
+
+else:
+    import functools as _functools
+
+    def _addr_asm(name: str, ptx: str, nargs: int, ret=None):
+        """An intrinsic of `nargs` u32 arguments (the first a shared address) around one asm; `ret` a Numba type
+        for one "=r" result ($0; the arguments follow), else void."""
+
+        def typer(typingctx, *args):
+            if len(args) != nargs:
+                raise TypeError(f"{name} takes {nargs} arguments")
+            sig = (ret or types.void)(*args)
+
+            def codegen(context, builder, sig, llargs):
+                vals = _cast_all(context, builder, sig, llargs, [_U32] * nargs)
+                cons = ",".join((["=r"] if ret else []) + ["r"] * nargs + ["~{memory}"])
+                res = _asm(context, builder, ptx, cons, vals, [ret] if ret else [], side_effect=True)
+                return res if ret else context.get_dummy_value()
+
+            return sig, codegen
+
+        # @intrinsic reads the typer's parameter list: one named parameter per argument
+        params = ", ".join(f"a{i}" for i in range(nargs))
+        ns = {"typer": typer}
+        exec(f"def {name}(typingctx, {params}):\n    return typer(typingctx, {params})", ns)
+        return intrinsic(ns[name])
+
+    mbar_init = _addr_asm("mbar_init", "mbarrier.init.shared::cta.b64 [$0], $1;", 2)
+    mbar_arrive = _addr_asm("mbar_arrive", "{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0]; }", 1)
+    mbar_arrive_expect_tx = _addr_asm(
+        "mbar_arrive_expect_tx", "{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1; }", 2)
+    mbar_try_wait = _addr_asm(
+        "mbar_try_wait",
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }", 2,
+        ret=types.uint32)
+    mbar_wait = _addr_asm(
+        "mbar_wait",
+        "{ .reg .pred p; FALOWER_MBAR_WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
+        "@!p bra FALOWER_MBAR_WAIT; }", 2)
+    cp_async_mbar_arrive_noinc = _addr_asm(
+        "cp_async_mbar_arrive_noinc", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1)
+    bar_sync = _addr_asm("bar_sync", "bar.sync $0, $1;", 2)
+    bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
+
+    @_functools.lru_cache(maxsize=None)
+    def setmaxnreg_inc(n: int):
+        return _void_asm_intrinsic(f"setmaxnreg_inc{n}", f"setmaxnreg.inc.sync.aligned.u32 {_check_maxnreg(n)};")
+
+    @_functools.lru_cache(maxsize=None)
+    def setmaxnreg_dec(n: int):
+        return _void_asm_intrinsic(f"setmaxnreg_dec{n}", f"setmaxnreg.dec.sync.aligned.u32 {_check_maxnreg(n)};")
