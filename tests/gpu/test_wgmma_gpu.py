@@ -1,6 +1,6 @@
 """The Hopper wgmma path on the GPU (marked gpu; needs compute capability 9.0): the probe's wgmma forms against
-torch; every example through falower.compile's automatic choice (emit_fa3.auto_extra: wgmma at D = 128, and at
-D = 64 without a block mask) within FlashAttention's error rule, at a ragged N and at a multiple of the tiles,
+torch; every example through falower.compile's automatic choice (emit_fa3.auto_extra: wgmma at D = 128 but for block
+lists, and at D = 64) within FlashAttention's error rule, at a ragged N and at a multiple of the tiles,
 with the kernel it ran checked against the rule; the examples the rule keeps on mma.sync forced onto wgmma
 (`extra={"schedule": "wgmma"}`: every mask kind, the block list of data-dependent masks included); and strided
 GQA views with and without the softmax/P V overlap.

@@ -85,9 +85,10 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     Rule (measured on the H100, benchmarks/NOTES.md "wgmma"): the device's compute capability is 9.x (`cc`,
     which the runtime asks of the driver; None where there is no GPU, the simulator included), f16 or bf16,
     and D = 128 with any mask but a block list (plain 406 vs SDPA FLASH 329 TFLOP/s at N = 4k, causal 335 vs
-    300) or D = 64 without a block mask (363 vs 292); D = 64 under a block mask stays on mma.sync (causal 215
-    vs 269), and so do block lists (data-dependent masks: document at D = 128, 11% kept, 87 vs 102 TFLOP/s
-    on mma.sync's finer 128 x 64 tiles, H100 2026-11-23).
+    300; block lists, data-dependent masks, stay on mma.sync's finer 128 x 64 tiles: document, 11% kept, 87 vs
+    102 TFLOP/s), or D = 64 with any mask (two blocks per SM since `blocks_per_sm`: causal 282 vs 263 on
+    mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71, alibi 207 vs 181, sliding window 19 vs 20;
+    H100 2026-11-23).
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
     the simulator). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to -4% at D = 64).
     The caller still checks the spec with `validate_spec` and keeps mma.sync where it fails; the tiles are the
@@ -99,7 +100,7 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     if flag != "1":
         if cc is None or cc[0] != 9:
             return None
-        if (head_dim == 64 and block_mask != "none") or block_mask == "list":
+        if head_dim == 128 and block_mask == "list":
             return None
     return {"schedule": "wgmma", "overlap": head_dim == 128}
 
