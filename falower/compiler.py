@@ -108,7 +108,7 @@ class CompiledAttention:
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
         `extra={"schedule": ...}` decides when given; otherwise `emit_fa3.auto_extra` (compute capability 9.x
-        from the driver, f16/bf16, D = 128, or D = 64 without a block mask; FALOWER_WGMMA=0/1 overrides), and
+        from the driver, f16/bf16, D = 64, or D = 128 but for block lists; FALOWER_WGMMA=0/1 overrides), and
         an automatic choice the spec machinery cannot build falls back to mma.sync, never to an error. With the
         default pipeline the wgmma kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128): the
         graph is lowered again with them, so the IR says the tiles the kernel runs."""

@@ -1,8 +1,8 @@
 """The Hopper wgmma path on the GPU (marked gpu; needs compute capability 9.0): the probe's wgmma forms against
 torch; every example through falower.compile's automatic choice (emit_fa3.auto_extra: wgmma at D = 128 but for block
 lists, and at D = 64) within FlashAttention's error rule, at a ragged N and at a multiple of the tiles,
-with the kernel it ran checked against the rule; the examples the rule keeps on mma.sync forced onto wgmma
-(`extra={"schedule": "wgmma"}`: every mask kind, the block list of data-dependent masks included); and strided
+with the kernel it ran checked against the rule; the examples the rule keeps on mma.sync (block lists at
+D = 128) forced onto wgmma (`extra={"schedule": "wgmma"}`); and strided
 GQA views with and without the softmax/P V overlap.
 
 Run: python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_gpu.py (kernels compile in the workers)."""
@@ -65,18 +65,21 @@ _FORCED: dict = {}
 
 @pytest.mark.parametrize("N", [256, 1000])
 @pytest.mark.parametrize("stem", STEMS)
-def test_example_forced_wgmma_d64(stem: str, N: int) -> None:
-    """D = 64 under a block mask (causal, windows, prefix, documents through the block list) stays on
-    mma.sync by default; asked for, the wgmma kernel runs it within the error rule too."""
+def test_example_forced_wgmma_d128(stem: str, N: int) -> None:
+    """What the rule keeps on mma.sync (block lists of data-dependent masks at D = 128): asked for, the wgmma
+    kernel runs it within the error rule too."""
     _hopper()
+    from falower.backends.numba_cuda import emit_fa3
+
     g, auto = graph(stem, "f16")
-    if not auto.analysis.conj:
-        pytest.skip("no block mask: the automatic choice already runs wgmma at D = 64")
+    mask = auto.analysis.block_mask if auto.analysis.conj else "none"
+    if emit_fa3.auto_extra("f16", 128, mask, (9, 0)) is not None:
+        pytest.skip("the automatic choice already runs wgmma here (test_example_automatic_choice)")
     if stem not in _FORCED:
         _FORCED[stem] = fl.compile(g, extra={"schedule": "wgmma"})
     c = _FORCED[stem]
-    assert c.specialize("f16", D=64).spec.extra["schedule"] == "wgmma"
-    env, host = _inputs(g, 64, N, "f16")
+    assert c.specialize("f16", D=128).spec.extra["schedule"] == "wgmma"
+    env, host = _inputs(g, 128, N, "f16")
     assert_error_rule(g, c, env, host, "f16")
 
 
