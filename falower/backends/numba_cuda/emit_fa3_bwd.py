@@ -101,6 +101,14 @@ def threads(spec: FA2BackwardSpec) -> int:
     return 128 * (spec.block_k // 64)
 
 
+def dq_split(spec: FA2BackwardSpec) -> str:
+    """How the warpgroups share dQ = dS K of a q tile (spec.extra["dq_split"]): "n" (default) warpgroups of one
+    64-row group of q take D / cs columns each, over all block_k kv rows (one reduction per dQ element and
+    block); "k" (block_q = 64) each warpgroup its own 64 kv rows (its own dS^T rows) and every column: no
+    column offsets inside a swizzle atom (D = 64: n32 at +64 bytes under "n"), twice the reductions."""
+    return str(spec.extra.get("dq_split", "n"))
+
+
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
     then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i))."""
@@ -142,6 +150,9 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
+        raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
+                         f"{dq_split(spec)!r} with block_q = {BQ}")
     if not set(spec.branches) <= {"all", "full", "partial"}:
         raise ValueError(f"wgmma backward: unknown branches {spec.branches}")
     if spec.num_warps * 32 != threads(spec):
@@ -207,8 +218,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     NT = threads(spec)
     NWG = BK // 64  # warpgroups
     RG = BQ // 64  # dQ's 64-row groups
-    CS = NWG // RG  # warpgroups sharing one row group (they split D)
+    KSPLIT = dq_split(spec) == "k"  # each warpgroup: its own kv rows, every column
+    CS = 1 if KSPLIT else NWG // RG  # warpgroups sharing one row group (they split D)
     DC = D // CS  # dQ columns of one warpgroup
+    KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
     NJ = BQ // 8  # n8 tiles of S^T along q
     KS = D // 16  # k16 steps of K Q^T
     ND = D // 8
@@ -308,8 +321,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"v_wg = sb + {VO} + wg * {64 * 128}")
         c(f"rgw = wg % {RG}" if RG > 1 else "rgw = 0")
         c(("csw = wg" if RG == 1 else f"csw = wg // {RG}") if CS > 1 else "csw = 0")
-        c(f"ds_wg = sb + {DSO} + rgw * {BK * 128}")
-        c(f"kt_wg = sb + {KO} + csw * {col1}")
+        if KSPLIT:
+            c("# dQ split over kv rows: this warpgroup's own 64 rows of dS^T and K, every column")
+            c(f"ds_wg = sb + {DSO} + wg * {64 * 128}")
+            c(f"kt_wg = sb + {KO} + wg * {64 * 128}")
+        else:
+            c(f"ds_wg = sb + {DSO} + rgw * {BK * 128}")
+            c(f"kt_wg = sb + {KO} + csw * {col1}")
         c("# dS^T word offsets of this thread's rows r = warp * 16 + g (+ 8), at its 4 bytes of a 16-byte chunk;")
         c("# chunk j of a row r sits at chunk j ^ (r & 7) = j ^ g")
         c(f"dsw0 = (sbr + {DSO} + (warp * 16 + g) * 128 + 2 * t2) >> 2")
@@ -429,10 +447,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("fence_proxy_async()  # dS^T's generic stores visible to wgmma")
             c("cuda.syncthreads()  # dS^T is complete")
             c()
-            c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {BK // 16} wgmma m64n{DC}k16, k step")
-            c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)")
+            c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {KQ} wgmma m64n{DC}k16, k step")
+            c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)"
+              + (" of this warpgroup's 64" if KSPLIT else ""))
             c("FENCE_Q(dqa, 0)")
-            for kk in range(BK // 16):
+            for kk in range(KQ):
                 c(f"WG_Q(dqa, 0, make_desc(HI_KV, ds_wg + {kk * 2048}), make_desc(HI_KV, kt_wg + {kk * 2048}), "
                   f"{int(kk > 0)})")
             c("wgmma_commit()")

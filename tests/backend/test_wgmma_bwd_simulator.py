@@ -1,0 +1,137 @@
+"""The wgmma backward (emit_fa3_bwd.py): its kernels in the CUDA simulator against the IR in float64
+(wgmma_bwd_sim_cases.py, two subprocesses: the simulator must be on before numba.cuda is imported; two cores on
+CI); on the CPU, which specs it refuses (the runtime then builds mma.sync) and how it is asked for; its PTX for
+sm_90a (no GPU: wgmma counts, no calls that would serialize them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from simulated import collect, spawn  # noqa: E402
+from wgmma_bwd_sim_cases import CASES  # noqa: E402
+
+TOL = {"f16": 4e-3, "bf16": 3e-2}  # of max(1, max |g|): f16 / bf16 P and dS operands, outputs in the dtype
+IDS = list(CASES)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    halves = [IDS[0::2], IDS[1::2]]
+    procs = [spawn("wgmma_bwd_sim_cases.py", tmp_path_factory.mktemp("kernels"), ids) for ids in halves]
+    out = {}
+    for p in procs:
+        out.update(collect(p))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", IDS)
+def test_wgmma_backward_matches_the_ir(results, case_id):
+    r = results.get(case_id)
+    assert r is not None and "error" not in r, r
+    assert r["wgmma"] and r["refused"] is None, r  # the wgmma kernel ran, not the mma.sync fallback
+    assert set(r["grads"]) >= {"dq", "dk", "dv"}
+    for name, g in r["grads"].items():
+        assert g["shape_ok"] and not g["nan"], (name, g)
+        assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
+    assert r["masked_dq_zero"], r
+    if case_id.startswith(("alibi", "relative_bias")):
+        assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
+
+
+# ------------------------------------------------------------------------------------ CPU: selection
+def _spec(stem: str = "causal", D: int = 64, dtype: str = "f16", extra=None, pipeline: str = "fa2-bwd"):
+    import falower as fl
+    from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
+
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+    c = fl.compile(g, "numba-cuda", backward=pipeline)
+    return build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, dtype, "mma", None,
+                               {"bwd_schedule": "wgmma", **(extra or {})})
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(head_dim=96), "head_dim"),
+    (dict(block_q=128, block_k=64), "row groups"),
+    (dict(dq="separate"), "deterministic"),
+    (dict(deterministic=True), "deterministic"),
+    (dict(block_mask="list"), "block lists"),
+    (dict(extra={"bwd_schedule": "wgmma", "dq_split": "k"}, block_q=128), "dq_split"),
+])
+def test_refused_specs_fall_back_to_mma_sync(change, why):
+    """A spec the wgmma kernel cannot build: a ValueError that says why, and `resolve` (what FA2BackwardKernel
+    builds) gives the mma.sync spec instead of an error or wrong numbers."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    spec = dataclasses.replace(_spec(), **change)
+    with pytest.raises(ValueError, match=why):
+        emit_fa3_bwd.validate_spec(spec)
+    built, reason = emit_fa3_bwd.resolve(spec)
+    assert why in reason and "bwd_schedule" not in built.extra and not emit_fa3_bwd.uses_wgmma(built)
+    assert built.name != spec.name  # another kernel, another name
+
+
+def test_runtime_builds_mma_sync_for_a_refused_spec(tmp_path, monkeypatch):
+    """FA2BackwardKernel of a refused wgmma spec (the deterministic pipeline): the mma.sync kernel, the reason
+    kept. (Emitting needs no GPU.)"""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    kern = FA2BackwardKernel(_spec("alibi", pipeline="fa2-bwd-deterministic"))
+    assert "deterministic" in kern.wgmma_refused
+    assert "wgmma_ss" not in kern.source and "ldsm_x4" in kern.source
+    ok = FA2BackwardKernel(_spec("alibi"))
+    assert ok.wgmma_refused is None and "wgmma_ss" in ok.source
+    assert (ok.threads, ok.smem) == (256, 83968)  # two warpgroups; K, V, 2 Q, 2 dO, dS^T, statistics, align
+
+
+def test_asked_for_by_extra_or_environment(monkeypatch):
+    from falower.backends.numba_cuda.emit_fa3_bwd import ENV, backward_extra
+
+    assert backward_extra({}, {}) == {}
+    assert backward_extra({}, {ENV: "1"}) == {"bwd_schedule": "wgmma"}
+    assert backward_extra({"bwd_schedule": "mma"}, {ENV: "1"}) == {"bwd_schedule": "mma"}  # extra wins
+    assert backward_extra({"schedule": "wgmma"}, {ENV: "0"}) == {"schedule": "wgmma"}  # the forward's knob only
+    import falower as fl
+
+    monkeypatch.setenv(ENV, "1")  # through falower.compile: its backward spec asks for wgmma
+    c = fl.compile(runpy.run_path(str(ROOT / "examples" / "causal.py"))["graph"], "numba-cuda")
+    assert backward_extra(c.extra)["bwd_schedule"] == "wgmma"
+
+
+# ------------------------------------------------------------------------------------ PTX (no GPU)
+@pytest.mark.slow
+@pytest.mark.parametrize("stem, D", [("causal", 64), ("alibi", 128)])
+def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
+    """wgmma count per q tile (S^T, dP^T: D/16 each at n = block_q; dV, dK: block_q/16 each at n = D; dQ: block_k/16
+    at n = D / 2), no f64, and no calls or 64-bit divisions (ptxas serializes every wgmma of a function with a call:
+    C7509)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel, resource_usage
+
+    kern = FA2BackwardKernel(_spec(stem, D))
+    assert kern.wgmma_refused is None
+    ptx = kern.ptx((9, 0))
+    counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (32, 64, 128)}
+    # 64 x 128 tiles: S^T, dP^T D/16 each at n64; dV, dK 4 each at n = D; dQ 8 at n = D / 2
+    assert counts == ({32: 8, 64: 16, 128: 0} if D == 64 else {32: 0, 64: 24, 128: 8}), counts
+    assert not re.search(r"\.f64\b", ptx)
+    assert not re.search(r"\bcall\b|\brcp\.rn\b|\b(div|rem)\.[su]64\b", ptx)
+    try:
+        usage = resource_usage(ptx.replace(".target sm_90\n", ".target sm_90a\n"), "sm_90a")
+    except Exception as exc:
+        pytest.skip(f"nvJitLink unavailable: {exc}")
+    assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]

@@ -1,0 +1,110 @@
+"""Simulator cases for test_wgmma_bwd_simulator.py: the wgmma backward (emit_fa3_bwd.py) through falower.compile on
+tiny ragged shapes, against the backward function's own IR interpreted in float64 (as bwd_sim_cases.py does), run
+in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case.
+
+The kernels are fed the reference's O and LSE and a random dO; the gradients must be the IR's program: tile classes,
+bounds and captured tables' gradients included. wgmma's smallest tiles (64 x 64: one warpgroup) keep the
+simulator's time down; cases run the fa2-bwd shape (64 x 128: two warpgroups, dQ's columns split between them, or
+with dq_split "k" its kv rows) and the 128 x 128 shape (dQ's rows split). bf16 goes in as raw uint16 bits (numpy
+has no bfloat16). Specs the kernel refuses are test_wgmma_bwd_simulator.py's CPU tests (resolve).
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python wgmma_bwd_sim_cases.py [case-id ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+sys.setswitchinterval(5e-4)
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={bq},bk={bk},dq={dq}}},canonicalize"
+FWD = "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64},online-softmax{exp2=true},mask-tiles,canonicalize"
+
+# id: (example, dtype, B, H, HKV, M, N, D, block_q, block_k[, spec.extra beyond bwd_schedule])
+CASES = {
+    "causal-f16-d64-20x19": ("causal", "f16", 1, 2, 2, 20, 19, 64, 64, 64),
+    "alibi-f16-d64-65x63": ("alibi", "f16", 1, 2, 2, 65, 63, 64, 64, 64),  # the slopes' gradient, 2 q tiles
+    "gqa-bf16-d64-20x19": ("gqa", "bf16", 1, 2, 1, 20, 19, 64, 64, 64),  # group of 2: one block walks 2 heads
+    # fa2-bwd's shape: two warpgroups, dQ's 64 columns split between them (n32 from +64 bytes in K's rows)
+    "sliding_window-f16-d64-63x130-2wg": ("sliding_window", "f16", 1, 1, 1, 63, 130, 64, 64, 128),
+    "relative_bias-f16-d128-20x19": ("relative_bias", "f16", 1, 2, 2, 20, 19, 128, 64, 64),  # per-element grads
+    "prefix_lm-bf16-d64-100x65-128x128": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128),  # dQ's rows split
+    "causal-bf16-d128-40x130-2wg-dqk": ("causal", "bf16", 1, 1, 1, 40, 130, 128, 64, 128, {"dq_split": "k"}),
+}
+
+
+def _bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Inputs as the kernel takes them: f16 arrays, or bf16 as raw uint16 bits (round to nearest even)."""
+    if dtype == "f16":
+        return x.astype(np.float16)
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _float(x: np.ndarray, dtype: str) -> np.ndarray:
+    x = np.asarray(x)
+    if dtype == "bf16" or x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def run_case(case_id: str) -> dict:
+    import falower as fl
+    from falower.ir.interp import Interpreter
+    from falower.passes.check import bind_dims, random_inputs
+
+    stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = CASES[case_id]
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+    env = bind_dims(g, {"B": B, "H": H, "HKV": HKV, "M": M, "N": N, "D": D})
+    raw = random_inputs(g, env, seed=M * 1000 + N)
+    ins = [_bits(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x for i, x in enumerate(raw)]
+    as_f = [_float(x, dtype) if i < 3 else x for i, x in enumerate(ins)]  # the values the kernel sees
+    bwd = BWD.format(bq=bq, bk=bk, dq="atomic")
+    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=bwd, extra={"bwd_schedule": "wgmma", **(rest[0] if rest else {})})
+    ref = fl.compile(g, "reference", pipeline=FWD, backward=bwd)
+    o, lse = ref(*[x.astype(np.float32) if i < 3 else x for i, x in enumerate(as_f)])
+    o, lse = _bits(o, dtype), lse.astype(np.float32)
+    do = _bits(np.random.default_rng(5).standard_normal(o.shape), dtype)
+    kern = c._backward_kernel_and_dims_for(dtype, D)
+    t0 = time.time()
+    got = kern(ins[0], ins[1], ins[2], o, lse, do, *ins[3:], *(env[d.removeprefix("dim_")] for d in kern.spec.dims))
+    seconds = time.time() - t0
+    f = c.lowered_backward
+    by = {a.name: x for a, x in zip(g.args, as_f)}
+    by.update(o=_float(o, dtype), lse=lse, do=_float(do, dtype))
+    want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
+    out = {"id": case_id, "dtype": dtype, "wgmma": kern.spec.extra.get("bwd_schedule") == "wgmma"
+           and "wgmma_ss" in kern.source, "refused": kern.wgmma_refused, "grads": {}, "seconds": round(seconds, 1)}
+    for name, a, b in zip(c.gradient_names(), got, want):
+        a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
+        b = np.asarray(b, np.float64)
+        out["grads"][name] = {"err": float(np.max(np.abs(a - b))), "scale": float(np.max(np.abs(b))),
+                              "nan": bool(np.isnan(a).any()), "shape_ok": a.shape == b.shape}
+    masked = ~np.isfinite(lse)  # fully masked rows: the reference says dq = 0 there, the kernel must too
+    out["masked_rows"] = int(masked.sum())
+    out["masked_dq_zero"] = bool(np.all(_float(got[0], dtype)[masked] == 0))
+    return out
+
+
+def main(ids) -> None:
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+    for cid in ids or list(CASES):
+        try:
+            r = run_case(cid)
+        except Exception:
+            import traceback
+
+            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
