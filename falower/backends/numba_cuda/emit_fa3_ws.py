@@ -1,0 +1,368 @@
+"""Emit Numba CUDA source for the warp-specialized FlashAttention forward on Hopper's wgmma (issue 11, FA3's schedule).
+
+`emit_fa3_ws_forward(spec)` returns one Python module from the same `FA2ForwardSpec` and kernel arguments as
+emit_fa3 / emit_fa2, built from their pieces by import (the variant's device functions, tile range / next tile /
+tile class under every block mask kind, the masked score, the per-row score / softmax / rescale / store helpers,
+emit_fa3's swizzled cp.async tile loads and its P V issue). What is new is the schedule:
+
+* three warpgroups (384 threads) for block_q = 128: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers
+  (64 query rows each). `setmaxnreg` moves registers from the producer (down to 40) to the consumers (up to 232):
+  the kernel carries launch bounds (384, 1), so ptxas starts every thread at 168;
+* the producer issues every load with cp.async: Q once, then K_j and V_j of each visited kv tile into a ring of
+  `stages` (2, or 3) shared-memory stages. Each load ends with `cp.async.mbarrier.arrive.noinc` on the stage's
+  full barrier (full_k[s], full_v[s]: 128 arrivals, one per producer thread once its copies have landed); before
+  refilling a stage it waits on the stage's empty barrier (empty_k[s], empty_v[s]: one arrival per consumer thread);
+* consumers wait on the full barriers by phase parity (`mbarrier.try_wait.parity`), make the copies visible to the
+  async proxy (`fence.proxy.async`) and issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together (emit_fa3's overlap:
+  the softmax of tile j runs while P_{j-1} V_{j-1} does); K_j's stage is released once S_j is done, V_{j-1}'s once
+  P_{j-1} V_{j-1} is;
+* ping-pong: each consumer warpgroup issues its wgmmas only in its turn, `bar.sync 1 + w, 256` (w = 0, 1), and hands
+  the turn over right after issuing (`bar.arrive 2 - w, 256`), so one warpgroup's softmax runs while the other's
+  wgmmas occupy the tensor cores (warpgroup 1 starts: warpgroup 2 arrives once on barrier 1 first). No block-wide
+  barrier after the set-up.
+
+Built when `spec.extra["schedule"] == "wgmma-ws"` (emit_fa2 and emit_fa3 dispatch here). Knobs in spec.extra:
+"stages" (2; 3 fits at D = 128 with 128 x 128 tiles: 225 KB), "pingpong" (True), "regs" ((40, 232): producer and
+consumer registers). block_q must be 128 (two consumer warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
+
+Not here yet: TMA (the producer's 128 threads each issue 2 * block_k * D / 1024 16-byte copies a kv tile), a
+persistent tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
+softmax one tile behind).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .emit_fa2 import (
+    _HEADER,
+    _Code,
+    _device_functions,
+    _emit_need_mask,
+    _emit_next_tile,
+    _emit_tile_range,
+    _score_args,
+    _signature,
+    _spec_comment,
+    emit_bases,
+    emit_fragment_helpers,
+    emit_masked_score,
+)
+from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_load, _emit_loader_setup, _emit_pv
+from .emit_fa3 import grid as _fa3_grid
+from .emit_fa3 import validate_spec as _fa3_validate
+from .spec import FA2ForwardSpec
+from .ssa_names import ssa_rename
+
+__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "smem_bytes", "threads_per_block", "uses_ws", "validate_spec"]
+
+SCHEDULE = "wgmma-ws"
+PRODUCER_THREADS = 128
+SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
+
+_WS_IMPORTS = '''
+from falower.backends.numba_cuda.intrinsics import (
+    bar_arrive,
+    bar_sync,
+    cp_async_mbar_arrive_noinc,
+    mbar_arrive,
+    mbar_init,
+    mbar_wait,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+)
+'''
+
+
+def uses_ws(spec: FA2ForwardSpec) -> bool:
+    return spec.extra.get("schedule") == SCHEDULE
+
+
+def stages(spec: FA2ForwardSpec) -> int:
+    return int(spec.extra.get("stages", 2))
+
+
+def pingpong(spec: FA2ForwardSpec) -> bool:
+    return bool(spec.extra.get("pingpong", True))
+
+
+def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
+    """(producer, consumer) registers a thread after setmaxnreg."""
+    p, c = spec.extra.get("regs", (40, 232))
+    return int(p), int(c)
+
+
+def threads_per_block(spec: FA2ForwardSpec) -> int:
+    """One producer warpgroup and one consumer warpgroup per 64 query rows."""
+    return PRODUCER_THREADS + 128 * (spec.block_q // 64)
+
+
+def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
+    return _fa3_grid(spec, B, H, M, N)
+
+
+def _layout(spec: FA2ForwardSpec) -> dict[str, int]:
+    """Byte offsets from the 1024-byte aligned base: Q [D // 64][block_q][128 B], then per stage s K_s and V_s
+    ([D // 64][block_k][128 B] each), then the mbarriers: Q's, full_k[s], full_v[s], empty_k[s], empty_v[s]."""
+    D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
+    tile = BK * D * 2
+    kv = BQ * D * 2
+    bars = kv + 2 * S * tile
+    return {"tile": tile, "kv": kv, "bars": bars, "full_k": 8, "full_v": 8 + 8 * S, "empty_k": 8 + 16 * S,
+            "empty_v": 8 + 24 * S, "total": bars + 8 + 32 * S}
+
+
+def smem_bytes(spec: FA2ForwardSpec) -> int:
+    return _layout(spec)["total"] + ALIGN
+
+
+def validate_spec(spec: FA2ForwardSpec) -> None:
+    _fa3_validate(spec)
+    if spec.block_q != 128:
+        raise ValueError(f"wgmma-ws: block_q must be 128 (two consumer warpgroups), got {spec.block_q}")
+    if stages(spec) not in (2, 3, 4):
+        raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
+    p, c = registers(spec)
+    for n in (p, c):
+        if n % 8 or not 24 <= n <= 256:
+            raise ValueError(f"wgmma-ws: setmaxnreg counts are multiples of 8 in [24, 256], got {(p, c)}")
+    if PRODUCER_THREADS * p + (threads_per_block(spec) - PRODUCER_THREADS) * c > 65536:
+        raise ValueError(f"wgmma-ws: registers {(p, c)} exceed the SM's 65536")
+    if smem_bytes(spec) > SMEM_LIMIT:
+        raise ValueError(f"wgmma-ws: {smem_bytes(spec)} bytes of shared memory exceed 227 KB "
+                         f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim})")
+
+
+def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
+    D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
+    T, KV = lay["tile"], lay["kv"]
+    c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
+    rstep = _emit_loader_setup(c, PRODUCER_THREADS, D)
+    c("# Q once; its barrier completes when the 128 producer threads' copies have landed")
+    _emit_load(c, BQ, rstep, D, "sb", "q_lo", "M", "q", "qg", "q_sm")
+    c("cp_async_mbar_arrive_noinc(bars)")
+    c("j = kv_first")
+    c("stage = 0")
+    c("phase = 0")
+    c("while j <= kv_last:")
+    with c.indent():
+        _emit_next_tile(c, spec, "j", "jn")
+        c(f"k_dst = sb + {KV} + stage * {2 * T}")
+        c("sbar = bars + stage * 8")
+        c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's K")
+        _emit_load(c, BK, rstep, D, "k_dst", f"j * {BK}", "N", "k", "kg", "k_sm")
+        c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_k']})")
+        c(f"mbar_wait(sbar + {lay['empty_v']}, phase ^ 1)  # ... and with its V")
+        _emit_load(c, BK, rstep, D, f"k_dst + {T}", f"j * {BK}", "N", "v", "vg", "v_sm")
+        c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_v']})")
+        c("j = jn")
+        c("stage += 1")
+        c(f"if stage == {S}:")
+        with c.indent():
+            c("stage = 0")
+            c("phase ^= 1")
+    c("cp_async_wait0()  # leave no copy in flight")
+
+
+def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
+    D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
+    T, KV = lay["tile"], lay["kv"]
+    KS, KK = D // 16, BK // 16
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    caps = _score_args(spec)
+    PP = pingpong(spec)
+    c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
+    c(f"ctid = tid - {PRODUCER_THREADS}")
+    c("lane = tid & 31")
+    c("warp = ctid >> 5  # consumer warp 0..7: rows 16 warp .. 16 warp + 15 of the q tile")
+    c("cw = ctid >> 7  # consumer warpgroup 0, 1")
+    c("g = lane >> 2")
+    c("t2 = (lane & 3) * 2")
+    c(f"q_wg = sb + cw * {64 * 128}  # this warpgroup's 64 rows inside each column block of Q")
+    if PP:
+        c("if cw == 1:")
+        with c.indent():
+            c("bar_arrive(1, 256)  # warpgroup 0 issues first")
+    c(f"acc = cuda.local.array({D // 2}, np.float32)")
+    c(f"sc = cuda.local.array({BK // 2}, np.float32)")
+    for r in range(2):
+        c(f"m_{r} = NEG_INF")
+        c(f"l_{r} = ZERO")
+    c(f"for i in range({D // 2}):")
+    with c.indent():
+        c("acc[i] = ZERO")
+    for kk in range(KK):
+        for i in range(4):
+            c(f"pa_{kk}_{i} = np.uint32(0)")
+    c("mbar_wait(bars, 0)  # Q has landed")
+    c("j = kv_first")
+    c("stage = 0")
+    c("phase = 0")
+    c("pstage = 0  # the stage and phase of tile j - 1 (its V is read by P_{j-1} V_{j-1})")
+    c("pphase = 0")
+    c("have_prev = False")
+    c("while j <= kv_last:")
+    with c.indent():
+        _emit_next_tile(c, spec, "j", "jn")
+        c(f"k_base = sb + {KV} + stage * {2 * T}")
+        c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
+        c(f"mbar_wait(bars + {lay['full_k']} + stage * 8, phase)  # K_j has landed")
+        c("if have_prev:")
+        with c.indent():
+            c(f"mbar_wait(bars + {lay['full_v']} + pstage * 8, pphase)  # V_(j-1) has landed")
+        c("fence_proxy_async()  # the copies are visible to wgmma's async proxy")
+        if PP:
+            c("bar_sync(1 + cw, 256)  # this warpgroup's turn on the tensor cores")
+        c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
+        c("FENCE_S(sc, 0)")
+        for ks in range(KS):
+            qa = f"q_wg + {(ks // 4) * BQ * 128 + (ks % 4) * 32}"
+            ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
+            c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
+        c("wgmma_commit()")
+        c("if have_prev:")
+        with c.indent():
+            c("# O += P_{j-1} V_{j-1} runs while this tile's softmax does")
+            _emit_pv(c, KK, D, "pv_base")
+        if PP:
+            c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
+        c("if have_prev:")
+        with c.indent():
+            c("WAIT_S1(sc, 0)")
+        c("else:")
+        with c.indent():
+            c("WAIT_S(sc, 0)")
+        c(f"mbar_arrive(bars + {lay['empty_k']} + stage * 8)  # this thread is done with K_j")
+        c()
+        _emit_need_mask(c, spec, "j")
+        c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
+        for masked, kw in ((True, "if need_mask:"), (False, "else:")):
+            c(kw)
+            with c.indent():
+                fn = "masked_score_row" if masked else "score_row"
+                for r in range(2):
+                    qrow = f"q_lo + warp * 16 + {8 * r} + g"
+                    c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
+        c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
+        for r in range(2):
+            c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
+            c(f"l_{r} = l_{r} * alpha_{r} + rs")
+        c("if have_prev:")
+        with c.indent():
+            c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")
+            c(f"mbar_arrive(bars + {lay['empty_v']} + pstage * 8)  # this thread is done with V_(j-1)")
+        for r in range(2):
+            c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
+        c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
+        for kk in range(KK):
+            a, bb = 8 * kk, 8 * kk + 4
+            c(f"pa_{kk}_0 = {pack}(sc[{a}], sc[{a + 1}])")
+            c(f"pa_{kk}_1 = {pack}(sc[{a + 2}], sc[{a + 3}])")
+            c(f"pa_{kk}_2 = {pack}(sc[{bb}], sc[{bb + 1}])")
+            c(f"pa_{kk}_3 = {pack}(sc[{bb + 2}], sc[{bb + 3}])")
+        c("have_prev = True")
+        c("pstage = stage")
+        c("pphase = phase")
+        c("j = jn")
+        c("stage += 1")
+        c(f"if stage == {S}:")
+        with c.indent():
+            c("stage = 0")
+            c("phase ^= 1")
+    c("if have_prev:  # the last tile's P V")
+    with c.indent():
+        c(f"mbar_wait(bars + {lay['full_v']} + pstage * 8, pphase)")
+        c("fence_proxy_async()")
+        c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
+        _emit_pv(c, KK, D, "pv_base")
+        c("WAIT_O(acc, 0)")
+    c()
+    c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
+    for r in range(2):
+        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
+        c("lt = lt + shfl_xor_f32(lt, 2)")
+        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+        c(f"qi = q_lo + warp * 16 + {8 * r} + g")
+        c("if qi < M:")
+        with c.indent():
+            c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{2 * r}, inv)")
+            c("if t2 == 0:")
+            with c.indent():
+                c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+
+
+def _emit_kernel(spec: FA2ForwardSpec) -> str:
+    D, BQ, BK, G, S = spec.head_dim, spec.block_q, spec.block_k, spec.group_size, stages(spec)
+    NJ, ND = BK // 8, D // 8
+    mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    lay = _layout(spec)
+    threads = threads_per_block(spec)
+    consumers = threads - PRODUCER_THREADS
+    p_regs, c_regs = registers(spec)
+
+    c = _Code()
+    c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
+    c(f'WG_O = wgmma_rs("{spec.dtype}", {D}, 1)  # O += P V: P in registers, V MN-major (trans-b)')
+    c(f"FENCE_S = wgmma_fence_regs({BK // 2})")
+    c(f"WAIT_S = wgmma_wait_regs(0, {BK // 2})")
+    c(f"WAIT_S1 = wgmma_wait_regs(1, {BK // 2})  # S done, the P V issued after it may still run")
+    c(f"FENCE_O = wgmma_fence_regs({D // 2})")
+    c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
+    c("HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
+    c(f"HI_V = desc_hi({BK * 128}, 1024)  # MN-major: 64-column blocks {BK * 128} bytes apart, 8-row groups 1024")
+    c(f"SETMAXNREG_DEC = setmaxnreg_dec({p_regs})")
+    c(f"SETMAXNREG_INC = setmaxnreg_inc({c_regs})")
+    c()
+    emit_masked_score(c, spec)
+    emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
+    c("@kernel_jit")
+    c(f"@launch_bounds({threads}, 1)  # .maxntid: setmaxnreg needs it; every thread starts at "
+      f"{(65536 // threads) // 8 * 8} registers")
+    c(f"def {spec.name}({_signature(spec)}):")
+    with c.indent():
+        c(f'"""FA forward on wgmma, warp-specialized: D={D}, block {BQ}x{BK}, 1 producer + {BQ // 64} consumer '
+          f'warpgroups, {S} stages, {spec.dtype}."""')
+        c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        c("sb0 = smem_base(smem)")
+        c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
+        c("tid = cuda.threadIdx.x")
+        c("__OFFSETS__")
+        c(f"nq = (M + {BQ - 1}) // {BQ}")
+        c("qt = nq - 1 - cuda.blockIdx.x  # heaviest q tiles first (causal)")
+        c("h = cuda.blockIdx.y")
+        c("b = cuda.blockIdx.z")
+        c(f"hk = h // {G}" if G > 1 else "hk = h")
+        c("q_head = (b * H + h) * M")
+        emit_bases(c)
+        _emit_tile_range(c, spec)
+        c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
+        c("if tid == 0:")
+        with c.indent():
+            c(f"mbar_init(bars, {PRODUCER_THREADS})")
+            for s in range(S):
+                c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {PRODUCER_THREADS})")
+                c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {PRODUCER_THREADS})")
+                c(f"mbar_init(bars + {lay['empty_k'] + 8 * s}, {consumers})")
+                c(f"mbar_init(bars + {lay['empty_v'] + 8 * s}, {consumers})")
+        c("cuda.syncthreads()  # the barriers are initialised (the only block-wide barrier)")
+        c(f"if tid < {PRODUCER_THREADS}:")
+        with c.indent():
+            _emit_producer(c, spec, lay)
+        c("else:")
+        with c.indent():
+            _emit_consumer(c, spec, lay)
+    text = c.text()
+    used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
+    ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)
+    defs = "\n".join(f"{ind}ofs_{n} = np.int64({n})" for n in used)
+    return re.sub(r"^ *__OFFSETS__$", lambda m: defs, text, count=1, flags=re.M)
+
+
+def emit_fa3_ws_forward(spec: FA2ForwardSpec) -> str:
+    """Numba CUDA source of the warp-specialized wgmma forward kernel `spec.name` (a whole module)."""
+    validate_spec(spec)
+    header = _HEADER.format(spec_repr=_spec_comment(spec) + f" schedule={SCHEDULE}").replace(
+        "emit_fa2 -- do not edit.", "emit_fa3_ws -- do not edit.")
+    code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))
+    return header + _WGMMA_IMPORTS + _WS_IMPORTS + "\n\n" + code

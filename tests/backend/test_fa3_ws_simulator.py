@@ -1,0 +1,75 @@
+"""Warp specialization (issue 11): the intrinsics of intrinsics.py (mbarriers, cp.async completion on an mbarrier,
+named barriers, setmaxnreg) in a producer/consumer ring, and the warp-specialized wgmma forward (emit_fa3_ws.py)
+in the CUDA simulator against the float64 reference (ws_sim_cases.py, one subprocess); their PTX for sm_90a."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from simulated import run_cases  # noqa: E402
+from ws_sim_cases import CASES, RING_CASES, ring_kernel_source  # noqa: E402
+
+TOL = {"f16": 4e-3, "bf16": 3e-2}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_cases("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("case", sorted(RING_CASES))
+def test_ring_simulator(results, case):
+    """Every tile reaches both consumer warpgroups intact through the ring, and they take turns 0, 1, 0, 1, ..."""
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert r["sums_ok"] and r["order_ok"], r
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fa3_ws_simulator(results, case):
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert not r["nan"], r
+    assert r["o_err"] <= TOL[r["dtype"]], r
+    assert r["lse_err"] <= 1e-3, r
+
+
+def _real_target(monkeypatch, tmp_path):
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+
+
+def _link(ptx: str) -> dict:
+    from falower.backends.numba_cuda.runtime import resource_usage
+
+    try:
+        return resource_usage(ptx.replace(".target sm_90\n", ".target sm_90a\n"), "sm_90a")
+    except Exception as exc:
+        pytest.skip(f"nvJitLink unavailable: {exc}")
+
+
+def test_ring_ptx(tmp_path, monkeypatch):
+    """The intrinsics assemble for sm_90a: setmaxnreg under .maxntid, the wait loop's label once per asm scope."""
+    _real_target(monkeypatch, tmp_path)
+    from numba import types
+
+    from falower.backends.numba_cuda.runtime import load_source, ptx_of
+
+    ring = load_source(ring_kernel_source().replace("__STAGES__", "2"), "ws_ring_ptx").ring
+    ptx = ptx_of(ring, (types.uint16[::1], types.int64, types.int64[::1], types.int64[::1]))
+    for needle in (".maxntid 384, 1, 1", "setmaxnreg.dec.sync.aligned.u32 40;", "setmaxnreg.inc.sync.aligned.u32 232;",
+                   "mbarrier.init.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
+                   "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.arrive.shared::cta.b64", "bar.arrive",
+                   "bar.sync"):
+        assert needle in ptx, needle
+    usage = _link(ptx)
+    assert usage["spill_stores"] == 0, usage["log"]

@@ -1,0 +1,172 @@
+"""Simulator cases for test_fa3_ws_simulator.py: the warp-specialization intrinsics (mbarriers, cp.async completion
+on an mbarrier, named barriers, setmaxnreg; intrinsics.py) in a producer/consumer ring, and the warp-specialized
+wgmma forward (emit_fa3_ws.py) on tiny ragged shapes against the float64 reference. Run in a subprocess with
+NUMBA_ENABLE_CUDASIM=1 (tests/backend/simulated.py). One JSON line per case.
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python ws_sim_cases.py [case-id ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.setswitchinterval(5e-4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+# id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k, spec.extra)
+CASES = {
+    "ws-plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 128, 16, {"stages": 2}),
+    "ws-causal-bf16-d64-3stages": ("causal", "bf16", 64, 1, 1, 75, 70, 1, 128, 16, {"stages": 3}),
+    "ws-plain-f16-d128-gqa": ("plain", "f16", 128, 1, 2, 40, 50, 2, 128, 16, {}),
+    "ws-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {}),
+}
+RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
+
+
+def ring_kernel_source() -> str:
+    """A producer warpgroup streams `tiles` tiles (8 16-bit words a thread) through a ring of `stages` shared
+    buffers (cp.async + cp_async_mbar_arrive_noinc on full[s]; waits on empty[s]); two consumer warpgroups wait on
+    full[s], sum the tile, release it (one arrival per consumer thread on empty[s]) and take turns through named barriers 1
+    and 2 (FA3's ping-pong), writing the turn order to `order`."""
+    return '''
+import numpy as np
+from numba import cuda, types
+from falower.backends.numba_cuda.intrinsics import (bar_arrive, bar_sync, cp_async16_s, cp_async_mbar_arrive_noinc,
+    kernel_jit, launch_bounds, mbar_arrive, mbar_init, mbar_wait, setmaxnreg_dec, setmaxnreg_inc, smem_base)
+
+DEC = setmaxnreg_dec(40)
+INC = setmaxnreg_inc(232)
+STAGES = __STAGES__
+TILE = 1024  # 16-bit words a tile: 128 producer threads x 8
+
+
+@kernel_jit
+@launch_bounds(384, 1)
+def ring(src, tiles, sums, order):
+    smem = cuda.shared.array(0, types.uint16)
+    sb = smem_base(smem)
+    tid = cuda.threadIdx.x
+    bars = sb + STAGES * TILE * 2  # full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s), turn counter after
+    if tid == 0:
+        for s in range(STAGES):
+            mbar_init(bars + 8 * s, 128)
+            mbar_init(bars + 8 * (STAGES + s), 256)
+        smem[STAGES * TILE + 4 * STAGES * 2 + 2] = 0
+    cuda.syncthreads()
+    if tid < 128:
+        DEC()
+        stage = 0
+        phase = 0
+        for i in range(tiles):
+            mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1)
+            cp_async16_s(sb + stage * TILE * 2 + tid * 16, src, i * TILE + tid * 8, 16)
+            cp_async_mbar_arrive_noinc(bars + 8 * stage)
+            stage += 1
+            if stage == STAGES:
+                stage = 0
+                phase ^= 1
+    else:
+        INC()
+        ctid = tid - 128
+        cw = ctid >> 7
+        if cw == 1:
+            bar_arrive(1, 256)
+        stage = 0
+        phase = 0
+        for i in range(tiles):
+            mbar_wait(bars + 8 * stage, phase)
+            bar_sync(1 + cw, 256)
+            if ctid == 0 or ctid == 128:
+                order[2 * i + cw] = smem[STAGES * TILE + 4 * STAGES * 2 + 2] + cw * 100
+                smem[STAGES * TILE + 4 * STAGES * 2 + 2] += 1
+            bar_arrive(2 - cw, 256)
+            acc = 0
+            for e in range(8):
+                acc += smem[stage * TILE + (ctid & 127) * 8 + e]
+            sums[i * 256 + ctid] = acc
+            mbar_arrive(bars + 8 * (STAGES + stage))  # every consumer thread: its own reads are done
+            stage += 1
+            if stage == STAGES:
+                stage = 0
+                phase ^= 1
+'''
+
+
+def run_ring_case(case_id: str) -> dict:
+    from falower.backends.numba_cuda.runtime import load_source
+
+    stages, tiles = RING_CASES[case_id]
+    src_text = ring_kernel_source().replace("__STAGES__", str(stages))
+    ring = load_source(src_text, f"ws_ring_{stages}").ring
+    rng = np.random.default_rng(stages)
+    src = rng.integers(0, 100, size=tiles * 1024, dtype=np.uint16)
+    sums = np.zeros(tiles * 256, dtype=np.int64)
+    order = np.zeros(2 * tiles, dtype=np.int64)
+    smem = stages * 2048 + 8 * 2 * stages + 16
+    ring[1, 384, 0, smem](src, tiles, sums, order)
+    want = src.reshape(tiles, 128, 8).sum(axis=2).astype(np.int64)
+    got0, got1 = sums.reshape(tiles, 2, 128)[:, 0], sums.reshape(tiles, 2, 128)[:, 1]
+    return {"id": case_id, "sums_ok": bool(np.array_equal(got0, want) and np.array_equal(got1, want)),
+            "order_ok": order.tolist() == [2 * i + cw * 101 for i in range(tiles) for cw in (0, 1)],
+            "order": order.tolist()}
+
+
+def run_case(case_id: str) -> dict:
+    from fa3_sim_cases import launch_args
+    from variants import as_float, make_spec, random_captures, random_inputs, reference
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.backends.numba_cuda.runtime import load_source
+
+    variant, dtype, D, B, H, M, N, G, bq, bk, extra = CASES[case_id]
+    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
+                     name=f"ws_{case_id.replace('-', '_')}")
+    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", **extra})
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    kern = getattr(load_source(src, spec.name), spec.name)
+    q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
+    caps = random_captures(rng, variant, B, H, M, N)
+    args, o, lse = launch_args(spec, q, k, v, caps)
+    t0 = time.time()
+    kern[emit_fa3_ws.grid(spec, B, H, M, N), emit_fa3_ws.threads_per_block(spec), 0,
+         emit_fa3_ws.smem_bytes(spec)](*args)
+    seconds = time.time() - t0
+    qf, kf, vf = (as_float(x, dtype) for x in (q, k, v))
+    ro, rl = reference(qf, kf, vf, variant, caps, G)
+    if dtype == "f16":
+        of = o.view(np.float16).astype(np.float64).reshape(B, H, M, D)
+    else:
+        of = (o.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(B, H, M, D)
+    lse = lse.reshape(B, H, M)
+    masked = ~np.isfinite(rl)
+    return {
+        "id": case_id,
+        "dtype": dtype,
+        "o_err": float(np.abs(of - ro).max()),
+        "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
+        "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
+        "seconds": round(seconds, 1),
+    }
+
+
+def main(ids) -> None:
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+    for cid in ids or [*RING_CASES, *CASES]:
+        try:
+            r = run_ring_case(cid) if cid in RING_CASES else run_case(cid)
+        except Exception as exc:
+            import traceback
+
+            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
