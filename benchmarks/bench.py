@@ -36,6 +36,11 @@ What is timed:
     python benchmarks/bench.py --fwd --d 128 --configs 128x64w4,128x128w8-wg-noov,128x128w8-wg,auto
                                                     # wgmma knobs (what bench_fa3.py timed, now folded in here)
     python benchmarks/bench.py --bwd-pipeline 'autodiff,...,tile-bwd{bq=64,bk=128,dq=atomic},canonicalize'
+    python benchmarks/bench.py --bwd --no-examples --bwd-wgmma --n 4096
+                                                    # the backward on wgmma (emit_fa3_bwd) beside mma.sync: each
+                                                    # tile config once more with '-bwg' (same forward)
+    FALOWER_WGMMA_BWD=1 python benchmarks/bench.py --bwd --examples alibi,causal --no-sdpa
+                                                    # the examples' backward on wgmma (their calls)
 
 A row that fails (a backend refusing a shape, a kernel that does not build) is logged and left NaN; the
 sweep goes on. --quick with --precompile took 4.5 minutes on an H100 (Flex compiles most of it); the full
@@ -93,7 +98,9 @@ def parse_config(text: str) -> tuple:
     Suffixes set extras: '-wg' the Hopper wgmma kernel (emit_fa3; num_warps unused: one warpgroup per 64 rows),
     '-ov' / '-noov' its softmax / P V overlap on / off (default: on at D = 128), '-qs' / '-qr' Q in shared memory
     / registers, '-2b' two barriers per kv tile (K and V waited for separately), '-hgN' block order in groups of
-    N (b, h) pairs, '-ws' / '-nows' per-warp skipping of masked rows in partial tiles on / off (default off)."""
+    N (b, h) pairs, '-ws' / '-nows' per-warp skipping of masked rows in partial tiles on / off (default off);
+    the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
+    keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k"."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -115,6 +122,10 @@ def parse_config(text: str) -> tuple:
             extra["schedule"] = "wgmma"
         elif o in ("ov", "noov"):
             extra["overlap"] = o == "ov"
+        elif o == "bwg":
+            extra["bwd_schedule"] = "wgmma"
+        elif o == "bdqk":
+            extra.update(bwd_schedule="wgmma", dq_split="k")
         else:
             raise ValueError(f"unknown config option {o!r} in {text!r}")
     return (int(bq), int(bk), int(warps), extra)
@@ -138,7 +149,26 @@ def config_tag(cfg: tuple) -> str:
         tag += f"-hg{extra['head_group']}"
     if "warp_skip" in extra:
         tag += "-ws" if extra["warp_skip"] else "-nows"
+    if extra.get("dq_split") == "k":
+        tag += "-bdqk"
+    elif extra.get("bwd_schedule") == "wgmma":
+        tag += "-bwg"
     return tag
+
+
+def _bwd_only(cfg: tuple) -> bool:
+    """A '-bwg' twin: the same forward as the config before it, only its backward differs."""
+    return cfg != AUTO and len(cfg) > 3 and cfg[3].get("bwd_schedule") == "wgmma"
+
+
+def with_wgmma_backward(configs: list) -> list:
+    """--bwd-wgmma: each tile config, then the same config with the backward on wgmma ('-bwg')."""
+    out = []
+    for cfg in configs:
+        out.append(cfg)
+        if cfg != AUTO and (cfg[3] if len(cfg) > 3 else {}).get("bwd_schedule") is None:
+            out.append((*cfg[:3], {**(cfg[3] if len(cfg) > 3 else {}), "bwd_schedule": "wgmma"}))
+    return out
 
 
 DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}  # mma.sync (benchmarks/NOTES.md)
@@ -173,7 +203,7 @@ def make_compiled(D: int, causal: bool, dtype: str = "f16", config: tuple | None
             _COMPILED[key] = fl.compile(graph, "numba-cuda", backward=bwd_pipeline)
             return _COMPILED[key]
         bq, bk, nw = config[:3]
-        extra = {"schedule": "mma", **(config[3] if len(config) > 3 else {})}
+        extra = {"schedule": "mma", "bwd_schedule": "mma", **(config[3] if len(config) > 3 else {})}
         _COMPILED[key] = fl.compile(graph, "numba-cuda", pipeline=PIPELINE.format(bq=bq, bk=bk), path="mma",
                                     num_warps=nw, extra=extra, backward=bwd_pipeline)
     return _COMPILED[key]
@@ -418,7 +448,7 @@ def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
                 measure(row, f"fwd {be}", flops, lambda be=be: lambda: sdpa(q, k, v, causal, be))
         if not args.no_flex:
             measure(row, "fwd flex", flops, lambda: lambda: flex_attention()(q, k, v, block_mask=block_mask))
-        for cfg in configs:
+        for cfg in [x for x in configs if not _bwd_only(x)]:
             def prepared(cfg=cfg):
                 launch, _ = make_kernel(D, causal, "f16", cfg).prepare(q, k, v)
                 return launch
@@ -629,9 +659,12 @@ def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
     title = "forward" if phase == "fwd" else "forward + backward (FLOPs = 3.5 x forward)"
     # with the automatic config timed: its ratios to the others, and the best wgmma over the best mma.sync config
     auto = f"{phase} ours auto" in ours
-    wg = [k for k in ours if k.split()[-1].split("-")[1:2] == ["wg"]]
-    mma = [k for k in ours if k not in wg and k != f"{phase} ours auto"]
+    bwg = [k for k in ours if k.endswith(("-bwg", "-bdqk"))]  # the backward on wgmma (emit_fa3_bwd)
+    bmma = [k.rsplit("-", 1)[0] for k in bwg if k.rsplit("-", 1)[0] in ours]  # their twins on mma.sync
+    wg = [k for k in ours if k.split()[-1].split("-")[1:2] == ["wg"] and k not in bwg]
+    mma = [k for k in ours if k not in wg and k not in bwg and k != f"{phase} ours auto"]
     cmp = (["auto/FLASH", "auto/CUDNN", "auto/Flex"] if auto else []) + (["wg/mma"] if wg and mma else [])
+    cmp += ["bwg/bmma", "bwg/FLASH"] if phase == "bwd" and bwg and bmma else []
     md = [f"TFLOP/s, fp16 {title}, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}", "",
           "| D | causal | N | " + " | ".join(k[len(phase) + 1:] for k in ours) + " | " + " | ".join(extra)
           + " | FLASH | CUDNN | Flex | best/FLASH | best/CUDNN | best/Flex |" + "".join(f" {x} |" for x in cmp),
@@ -648,6 +681,8 @@ def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
         ref = [r.get(f"{phase} {o}", NAN) for o in others]
         more = [_ratio(r.get(f"{phase} ours auto", NAN), x) for x in ref] if auto else []
         more += [_ratio(best_of(r, wg), best_of(r, mma))] if wg and mma else []
+        if phase == "bwd" and bwg and bmma:  # best fwd+bwd with the wgmma backward over the best with mma.sync's
+            more += [_ratio(best_of(r, bwg), best_of(r, bmma)), _ratio(best_of(r, bwg), r.get("bwd flash", NAN))]
         md.append(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['N']} | " + " | ".join(_f(x) for x in vals)
                   + " | " + " | ".join(_f(x) for x in ex) + " | " + " | ".join(_f(x) for x in ref) + " | "
                   + " | ".join(_ratio(best, x) for x in ref) + " |" + "".join(f" {x} |" for x in more))
@@ -693,6 +728,8 @@ def main() -> None:
     ap.add_argument("--examples", default="", help="comma-separated example names (default: all)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--precompile", action="store_true", help="compile all kernels in parallel first")
+    ap.add_argument("--bwd-wgmma", action="store_true",
+                    help="time each tile config once more with the backward on wgmma ('-bwg', emit_fa3_bwd)")
     args = ap.parse_args()
     if not args.fwd and not args.bwd:
         args.fwd = args.bwd = True
@@ -706,6 +743,8 @@ def main() -> None:
         f"{'fwd ' if args.fwd else ''}{'fwd+bwd' if args.bwd else ''}")
     configs_for = {D: [parse_config(c) for c in args.configs.split(",")] if args.configs else default_configs(D)
                    for D in args.d}
+    if args.bwd_wgmma:
+        configs_for = {D: with_wgmma_backward(cfgs) for D, cfgs in configs_for.items()}
 
     if args.precompile:
         jobs = []  # backward kernels first (the slow ones); one per (D, causal): the forward tiles do not change it
@@ -713,9 +752,11 @@ def main() -> None:
             for causal in causals:
                 if args.bwd:
                     jobs.append(("bwd", D, causal, configs_for[D][0], args.bwd_pipeline))
+                    jobs += [("bwd", D, causal, cfg, args.bwd_pipeline) for cfg in configs_for[D][1:]
+                             if cfg != AUTO and len(cfg) > 3 and cfg[3].get("bwd_schedule") == "wgmma"]
         jobs += [("ex-bwd", stem, D) for stem in stems for D in ex_ds] if args.bwd else []
         jobs += [("fwd", D, causal, cfg, args.bwd_pipeline) for D in args.d for causal in causals
-                 for cfg in configs_for[D]]  # the fwd+bwd timing runs the forward kernel too
+                 for cfg in configs_for[D] if not _bwd_only(cfg)]  # the fwd+bwd timing runs the forward kernel too
         jobs += [("ex-fwd", stem, D) for stem in stems for D in ex_ds]
         precompile(jobs)
 
@@ -724,7 +765,10 @@ def main() -> None:
         for D in args.d:
             for causal in causals:
                 cfgs = configs_for[D]
-                todo = ([("fwd", cfg) for cfg in cfgs] if args.fwd else []) + ([("bwd", cfgs[0])] if args.bwd else [])
+                bwg = [cfg for cfg in cfgs[1:] if cfg != AUTO and len(cfg) > 3 and cfg[3].get("bwd_schedule") == "wgmma"]
+                todo = ([("fwd", cfg) for cfg in cfgs if not _bwd_only(cfg)] if args.fwd else [])
+                todo += [("bwd", cfgs[0])] if args.bwd else []
+                todo += [("bwd", cfg) for cfg in bwg] if args.bwd else []  # each wgmma backward checked too
                 for what, cfg in todo:
                     try:
                         r = check(D, causal, cfg) if what == "fwd" else check_bwd(D, causal, cfg, args.bwd_pipeline)
@@ -740,7 +784,7 @@ def main() -> None:
                             f"{r['naive_err']:.2e} rel {r['rel_err']:.2e} lse {r['lse_err']:.2e} "
                             f"{'OK' if r['ok'] else 'FAIL'} (first call {r['first_call_s']:.1f}s)")
                     else:
-                        log(f"check bwd D={D} causal={causal}: " + " ".join(
+                        log(f"check bwd D={D} causal={causal} cfg={config_tag(cfg)}: " + " ".join(
                             f"{n} {r[n + '_err']:.2e} (naive {r[n + '_naive']:.2e})" for n in ("dq", "dk", "dv"))
                             + f" {'OK' if r['ok'] else 'FAIL'} (first call {r['first_call_s']:.1f}s)")
 

@@ -1,0 +1,121 @@
+"""The backward's main kernel on Hopper's wgmma (emit_fa3_bwd.py) on the GPU (marked gpu; needs compute capability
+9.0): every example's gradients through `falower.compile(g, extra={"bwd_schedule": "wgmma"})` under
+FlashAttention-2's gradient rule against float64 (tests/gpu/test_backward_gpu.py's rule, references and inputs),
+at D = 64 and 128, f16 and bf16, N = 17 (one ragged tile), 1000 and 4096; the kernel that ran checked (wgmma,
+or mma.sync only where emit_fa3_bwd refuses the spec: the block lists of data-dependent masks); its error no worse
+than the mma.sync backward's on the same inputs; dq_split "k"; torch autograd through it.
+
+Run: python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_bwd_gpu.py (kernels compile in the workers);
+FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import falower as fl  # noqa: E402
+from test_backward_gpu import (  # noqa: E402
+    FLOOR,
+    assert_gradient_rule,
+    case_inputs,
+    host64,
+    reference,
+    run_backward,
+)
+from test_examples_gpu import STEMS, graph, to_device  # noqa: E402
+
+_COMPILED: dict = {}
+
+
+def _hopper() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+
+
+def wgmma(stem: str, dtype: str, **extra):
+    """The example compiled with the wgmma backward asked for (the forward is falower.compile's own choice)."""
+    key = (stem, dtype, tuple(sorted(extra.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = fl.compile(graph(stem, dtype)[0], "numba-cuda", extra={"bwd_schedule": "wgmma", **extra})
+    return _COMPILED[key]
+
+
+def assert_ran_wgmma(c, dtype: str, D: int) -> None:
+    kern = c._backward_kernel_and_dims_for(dtype, D)
+    if kern.spec.block_mask == "list" or kern.wgmma_refused:  # data masks' block lists: mma.sync, said so
+        assert kern.wgmma_refused and "block lists" in kern.wgmma_refused, kern.wgmma_refused
+        return
+    assert kern.spec.extra.get("bwd_schedule") == "wgmma" and "wgmma_ss" in kern.source
+
+
+def grid() -> list[tuple]:
+    cases = [(s, dt, D, N) for s in STEMS for dt in ("f16", "bf16") for D in (64, 128) for N in (17, 1000)]
+    cases += [(s, dt, D, 4096) for s in ("plain", "causal", "alibi") for dt, D in (("f16", 64), ("bf16", 128))]
+    return cases
+
+
+@pytest.mark.parametrize("stem,dtype,D,N", grid())
+def test_wgmma_backward_error_rule(stem: str, dtype: str, D: int, N: int) -> None:
+    _hopper()
+    c = wgmma(stem, dtype)
+    env, host, do = case_inputs(stem, dtype, D, N)
+    *_, grads = run_backward(c, host, do, dtype)
+    assert_ran_wgmma(c, dtype, D)
+    assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+
+
+@pytest.mark.parametrize("stem", ["plain", "causal", "alibi", "gqa", "relative_bias"])
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("f16", 128), ("bf16", 128)])
+def test_wgmma_backward_no_worse_than_mma_sync(stem: str, dtype: str, D: int) -> None:
+    """The same inputs through the mma.sync backward (graph()'s compile) and the wgmma one: each gradient's error
+    against float64 within 1.5x the mma.sync kernel's (plus the floor), and the two within 2x that of each other."""
+    _hopper()
+    N = 1000
+    env, host, do = case_inputs(stem, dtype, D, N)
+    ref = reference(stem, dtype, D, N)
+    mma = graph(stem, dtype)[1]
+    *_, g_mma = run_backward(mma, host, do, dtype)
+    c = wgmma(stem, dtype)
+    *_, g_wg = run_backward(c, host, do, dtype)
+    assert_ran_wgmma(c, dtype, D)
+    assert mma._backward_kernel_and_dims_for(dtype, D).spec.extra.get("bwd_schedule") != "wgmma"
+    for n, a, b in zip(c.gradient_names(), g_wg, g_mma):
+        want = ref[f"ref_{n}"]
+        floor = FLOOR * max(1.0, float(np.abs(want).max()))
+        e_wg, e_mma = (float(np.abs(host64(x) - want).max()) for x in (a, b))
+        assert e_wg <= 1.5 * e_mma + floor, f"{n}: wgmma {e_wg:.3g} vs mma.sync {e_mma:.3g}"
+        assert float(np.abs(host64(a) - host64(b)).max()) <= 2 * (e_wg + e_mma) + floor, n
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "alibi"])
+def test_dq_split_k(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dq_split"] = "k": dQ of each warpgroup's own kv rows (the A/B knob against the column split)."""
+    _hopper()
+    c = wgmma(stem, dtype, dq_split="k")
+    for N in (1000, 4096):
+        env, host, do = case_inputs(stem, dtype, D, N)
+        *_, grads = run_backward(c, host, do, dtype)
+        assert_ran_wgmma(c, dtype, D)
+        assert c._backward_kernel_and_dims_for(dtype, D).spec.extra["dq_split"] == "k"
+        assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+
+
+def test_torch_autograd_runs_the_wgmma_backward() -> None:
+    """loss.backward() through c(q, k, v, slopes) runs the wgmma backward: its gradients, each on its own input."""
+    _hopper()
+    c = wgmma("alibi", "f16")
+    env, host, do_host = case_inputs("alibi", "f16", 64, 1000)
+    xs = [x.detach().clone().requires_grad_(True) if x.is_floating_point() else x for x in to_device(host, "f16")]
+    do = torch.from_numpy(np.asarray(do_host, dtype=np.float32)).to("cuda", torch.float16)
+    o, lse = c(*xs)
+    (o.float() * do.float()).sum().backward()
+    assert_ran_wgmma(c, "f16", 64)
+    assert_gradient_rule(c, tuple(x.grad for x in xs), reference("alibi", "f16", 64, 1000))
