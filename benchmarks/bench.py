@@ -98,7 +98,10 @@ def parse_config(text: str) -> tuple:
     Suffixes set extras: '-wg' the Hopper wgmma kernel (emit_fa3; num_warps unused: one warpgroup per 64 rows),
     '-ov' / '-noov' its softmax / P V overlap on / off (default: on at D = 128), '-qs' / '-qr' Q in shared memory
     / registers, '-2b' two barriers per kv tile (K and V waited for separately), '-hgN' block order in groups of
-    N (b, h) pairs, '-ws' / '-nows' per-warp skipping of masked rows in partial tiles on / off (default off);
+    N (b, h) pairs, '-wskip' / '-nowskip' per-warp skipping of masked rows in partial tiles on / off (default
+    off; '-ws' / '-nows' until the warp-specialized kernel took '-ws'), '-ws' the warp-specialized wgmma kernel
+    (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-stN' its ring
+    of N K/V stages (default 2);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k"."""
     if text == "auto":
@@ -112,10 +115,14 @@ def parse_config(text: str) -> tuple:
             extra["q_in_regs"] = o == "qr"
         elif o == "2b":
             extra["one_barrier"] = False
-        elif o == "nows":
+        elif o == "nowskip":
             extra["warp_skip"] = False
-        elif o == "ws":
+        elif o == "wskip":
             extra["warp_skip"] = True
+        elif o == "ws":
+            extra["schedule"] = "wgmma-ws"
+        elif o.startswith("st") and o[2:].isdigit():
+            extra["stages"] = int(o[2:])
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
         elif o == "wg":
@@ -139,6 +146,10 @@ def config_tag(cfg: tuple) -> str:
     tag = f"{bq}x{bk}w{nw}"
     if extra.get("schedule") == "wgmma":
         tag += "-wg"
+    if extra.get("schedule") == "wgmma-ws":
+        tag += "-ws"
+    if "stages" in extra:
+        tag += f"-st{extra['stages']}"
     if "overlap" in extra:
         tag += "-ov" if extra["overlap"] else "-noov"
     if "q_in_regs" in extra:
@@ -148,7 +159,7 @@ def config_tag(cfg: tuple) -> str:
     if "head_group" in extra:
         tag += f"-hg{extra['head_group']}"
     if "warp_skip" in extra:
-        tag += "-ws" if extra["warp_skip"] else "-nows"
+        tag += "-wskip" if extra["warp_skip"] else "-nowskip"
     if extra.get("dq_split") == "k":
         tag += "-bdqk"
     elif extra.get("bwd_schedule") == "wgmma":

@@ -73,3 +73,47 @@ def test_ring_ptx(tmp_path, monkeypatch):
         assert needle in ptx, needle
     usage = _link(ptx)
     assert usage["spill_stores"] == 0, usage["log"]
+
+
+def _with_maxnreg(ptx: str, regs) -> str:
+    """The PTX as the linker sees it under `max_registers` (ptxas -maxrregcount = a .maxnreg on the entry)."""
+    if not regs:
+        return ptx
+    return re.sub(r"(\.entry [^{]*?\)\s*)\{", lambda m: m.group(1) + f".maxnreg {regs}\n{{", ptx, count=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, D", [("plain", 128), ("causal", 64)])
+def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
+    """wgmma counts, no local memory, no f64, no calls; 288 threads at <= 224 registers without spills; the wgmma
+    role branch is warp-uniform (no C7518) and nothing is a call (no C7509)."""
+    _real_target(monkeypatch, tmp_path)
+    import dataclasses
+
+    from variants import make_spec
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_of
+
+    spec = make_spec(variant, D, "f16", path="mma", block_q=128, block_k=128, num_warps=8,
+                     name=f"fa3_ws_ptx_{variant}_{D}")
+    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws"})
+    assert emit_fa3_ws.threads_per_block(spec) == 288
+    kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
+    argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
+    ptx = ptx_of(kern, argtypes, (9, 0))
+    n_s = ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16")
+    n_o = ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.f16.f16")
+    # S = Q K^T once in the loop; P V in the loop and once after it
+    assert (n_s, n_o) == ((D // 16, 2 * 8) if D != 128 else (D // 16 + 2 * 8,) * 2), (n_s, n_o)
+    assert "setmaxnreg" not in ptx and ".maxntid" not in ptx  # the producer warp needs neither
+    assert ptx.count("cp.async.mbarrier.arrive.noinc") == 3 and "bar.sync" in ptx and "bar.arrive" in ptx
+    assert not re.search(r"\.f64\b", ptx)
+    assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    assert not re.search(r"\bcall\b|\brcp\.rn\b|\bdiv\.[su]64\b", ptx)
+    regs = getattr(kern.py_func, "__falower_max_registers__", None)
+    assert regs == 224
+    usage = _link(_with_maxnreg(ptx, regs))
+    for code in ("C7509", "C7518"):
+        assert code not in usage["log"], usage["log"]
+    assert usage["spill_stores"] == 0 and usage["registers"] <= 224, usage["log"]

@@ -25,6 +25,8 @@ CASES = {
     "ws-causal-bf16-d64-3stages": ("causal", "bf16", 64, 1, 1, 75, 70, 1, 128, 16, {"stages": 3}),
     "ws-plain-f16-d128-gqa": ("plain", "f16", 128, 1, 2, 40, 50, 2, 128, 16, {}),
     "ws-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {}),
+    # a producer warpgroup with setmaxnreg (40 / 232) instead of the producer warp
+    "ws-bias-f16-d64-pwg": ("bias", "f16", 64, 1, 1, 50, 40, 1, 128, 16, {"producer": "warpgroup"}),
 }
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
 

@@ -198,7 +198,7 @@ def uses_wgmma(spec: FA2ForwardSpec) -> bool:
     """spec.extra["schedule"] == "wgmma": the Hopper kernel of emit_fa3.py (issue 11; sm_90a only, f16/bf16;
     falower.compile chooses it on compute capability 9.x by emit_fa3.auto_extra). Its launch geometry and
     source come from there."""
-    return spec.extra.get("schedule") == "wgmma"
+    return spec.extra.get("schedule") in ("wgmma", "wgmma-ws")  # -ws: warp-specialized (emit_fa3_ws.py)
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:

@@ -120,6 +120,10 @@ def recommended_schedule(head_dim: int) -> dict[str, int]:
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
     """One warpgroup per 64 query rows (spec.num_warps, chosen for mma.sync, is not used here)."""
+    if spec.extra.get("schedule") == "wgmma-ws":  # the warp-specialized schedule: emit_fa3_ws.py
+        from . import emit_fa3_ws
+
+        return emit_fa3_ws.threads_per_block(spec)
     return 128 * (spec.block_q // 64)
 
 
@@ -144,6 +148,10 @@ def _layout(spec: FA2ForwardSpec) -> dict[str, int]:
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
+    if spec.extra.get("schedule") == "wgmma-ws":  # the warp-specialized schedule: emit_fa3_ws.py
+        from . import emit_fa3_ws
+
+        return emit_fa3_ws.smem_bytes(spec)
     return _layout(spec)["total"] + ALIGN
 
 
@@ -409,6 +417,10 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
 
 def emit_fa3_forward(spec: FA2ForwardSpec) -> str:
     """Numba CUDA source of the wgmma forward kernel `spec.name` (a whole module)."""
+    if spec.extra.get("schedule") == "wgmma-ws":  # the warp-specialized schedule: emit_fa3_ws.py
+        from . import emit_fa3_ws
+
+        return emit_fa3_ws.emit_fa3_ws_forward(spec)
     validate_spec(spec)
     header = _HEADER.format(spec_repr=_spec_comment(spec) + " schedule=wgmma").replace(
         "emit_fa2 -- do not edit.", "emit_fa3 -- do not edit.")

@@ -41,14 +41,17 @@ from .emit_fa2 import (
     _emit_need_mask,
     _emit_next_tile,
     _emit_tile_range,
-    _score_args,
     _signature,
     _spec_comment,
     emit_bases,
     emit_fragment_helpers,
     emit_masked_score,
 )
-from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_load, _emit_loader_setup, _emit_pv
+try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has them
+    from .emit_fa2 import _score_args
+except ImportError:  # pragma: no cover - before score-licm lands
+    from .emit_fa2 import _cap_args as _score_args
+from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_load, _emit_loader_setup
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
@@ -57,11 +60,13 @@ from .ssa_names import ssa_rename
 __all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "smem_bytes", "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
-PRODUCER_THREADS = 128
+MAX_REGS_WARP = 224  # 288 threads (a producer warp + two consumer warpgroups): 224 x 288 <= 65536
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
 from falower.backends.numba_cuda.intrinsics import (
+    max_registers,
+    warp_uniform,
     bar_arrive,
     bar_sync,
     cp_async_mbar_arrive_noinc,
@@ -92,9 +97,18 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     return int(p), int(c)
 
 
+def producer(spec: FA2ForwardSpec) -> str:
+    """spec.extra["producer"]: "warp" (default) or "warpgroup" (see the module docstring)."""
+    return str(spec.extra.get("producer", "warp"))
+
+
+def producer_threads(spec: FA2ForwardSpec) -> int:
+    return 32 if producer(spec) == "warp" else 128
+
+
 def threads_per_block(spec: FA2ForwardSpec) -> int:
-    """One producer warpgroup and one consumer warpgroup per 64 query rows."""
-    return PRODUCER_THREADS + 128 * (spec.block_q // 64)
+    """The producer's threads and one consumer warpgroup per 64 query rows."""
+    return producer_threads(spec) + 128 * (spec.block_q // 64)
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
@@ -117,29 +131,92 @@ def smem_bytes(spec: FA2ForwardSpec) -> int:
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
-    _fa3_validate(spec)
+    """emit_fa3's checks (dtype, D, tiles, masks, captures) on the spec as the wgmma kernel would take it, then this
+    schedule's own."""
+    import dataclasses
+
+    _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}))
     if spec.block_q != 128:
         raise ValueError(f"wgmma-ws: block_q must be 128 (two consumer warpgroups), got {spec.block_q}")
     if stages(spec) not in (2, 3, 4):
         raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
+    if producer(spec) not in ("warp", "warpgroup"):
+        raise ValueError(f"wgmma-ws: producer must be 'warp' or 'warpgroup', got {producer(spec)!r}")
     p, c = registers(spec)
     for n in (p, c):
         if n % 8 or not 24 <= n <= 256:
             raise ValueError(f"wgmma-ws: setmaxnreg counts are multiples of 8 in [24, 256], got {(p, c)}")
-    if PRODUCER_THREADS * p + (threads_per_block(spec) - PRODUCER_THREADS) * c > 65536:
+    if producer(spec) == "warpgroup" and 128 * p + (threads_per_block(spec) - 128) * c > 65536:
         raise ValueError(f"wgmma-ws: registers {(p, c)} exceed the SM's 65536")
     if smem_bytes(spec) > SMEM_LIMIT:
         raise ValueError(f"wgmma-ws: {smem_bytes(spec)} bytes of shared memory exceed 227 KB "
                          f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim})")
 
 
+def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
+    """O += P V from the pa_<k>_<i> registers and the V tile at shared address vbase (issued and committed). Kept
+    here rather than imported: emit_fa3's own is being reshaped for compile time (a device function over a packed
+    array), and this kernel's register use was measured with the scalar form."""
+    c(f"# O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)")
+    c("FENCE_O(acc, 0)")
+    for kk in range(KK):
+        pa = ", ".join(f"pa_{kk}_{i}" for i in range(4))
+        c(f"WG_O(acc, 0, {pa}, make_desc(HI_V, {vbase} + {kk * 2048}), 1)")
+    c("wgmma_commit()")
+
+
+def _emit_load_warp(c: _Code, rows: int, D: int, sdst: str, row0: str, nrows: str, garr: str, base: str,
+                    rs: str) -> None:
+    """One warp's cp.async of rows row0 .. row0 + rows - 1 of `garr` into the swizzled [D // 64][rows][64] tile at
+    shared byte address sdst (rows >= nrows zero-filled): lane l copies rows l % 8 + 8 m (so the swizzle term
+    row & 7 is the lane's own constant) and 16-byte chunks l // 8 + 4 i; the chunks' shared offsets pw_<i> and the
+    row's global offset are set up once (`_emit_warp_loader_setup`)."""
+    CH = D // 8
+    c(f"pw_row = {row0} + pw_r")
+    c(f"pw_g = {base} + pw_row * {rs} + pw_c * 8")
+    c(f"pw_s = {sdst} + pw_r * 128")
+    for m in range(rows // 8):
+        c(f"if pw_row + {8 * m} < {nrows}:")
+        with c.indent():
+            for i in range(CH // 4):
+                c(f"cp_async16_s(pw_s + pw_{i} + {m * 1024 + 0}, {garr}, pw_g + {8 * m} * {rs} + {32 * i}, 16)")
+        c("else:")
+        with c.indent():
+            for i in range(CH // 4):
+                c(f"cp_async16_s(pw_s + pw_{i} + {m * 1024}, {garr}, {base}, 0)")
+
+
+def _emit_warp_loader_setup(c: _Code, D: int, rows_of: dict[str, int]) -> None:
+    """Per-lane constants of `_emit_load_warp`: pw_r (row in 8), pw_c (first chunk), and per chunk i the byte offset
+    of chunk pw_c + 4 i inside a row of the swizzled tile, for a tile of `rows` rows (column block stride
+    rows * 128: Q and the K/V tiles differ only when block_q != block_k, so each tile height gets its own)."""
+    c("pw_r = ptid & 7")
+    c("pw_c = ptid >> 3")
+    for tag, rows in rows_of.items():
+        for i in range(D // 32):
+            c(f"pw{tag}_{i} = ((pw_c + {4 * i}) >> 3) * {rows * 128} + ((((pw_c + {4 * i}) & 7) ^ pw_r) << 4)")
+
+
 def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
     T, KV = lay["tile"], lay["kv"]
-    c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
-    rstep = _emit_loader_setup(c, PRODUCER_THREADS, D)
-    c("# Q once; its barrier completes when the 128 producer threads' copies have landed")
-    _emit_load(c, BQ, rstep, D, "sb", "q_lo", "M", "q", "qg", "q_sm")
+    WARP = producer(spec) == "warp"
+    if WARP:
+        c(f"ptid = tid - {threads_per_block(spec) - 32}  # the producer warp's lane")
+        _emit_warp_loader_setup(c, D, {"q": BQ, "k": BK})
+
+        def load(rows, sdst, row0, nrows, garr, base, rs, tag):
+            for i in range(D // 32):
+                c(f"pw_{i} = pw{tag}_{i}")
+            _emit_load_warp(c, rows, D, sdst, row0, nrows, garr, base, rs)
+    else:
+        c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
+        rstep = _emit_loader_setup(c, 128, D)
+
+        def load(rows, sdst, row0, nrows, garr, base, rs, tag):
+            _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
+    c(f"# Q once; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
+    load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
     c("cp_async_mbar_arrive_noinc(bars)")
     c("j = kv_first")
     c("stage = 0")
@@ -150,10 +227,10 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c(f"k_dst = sb + {KV} + stage * {2 * T}")
         c("sbar = bars + stage * 8")
         c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's K")
-        _emit_load(c, BK, rstep, D, "k_dst", f"j * {BK}", "N", "k", "kg", "k_sm")
+        load(BK, "k_dst", f"j * {BK}", "N", "k", "kg", "k_sm", "k")
         c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_k']})")
         c(f"mbar_wait(sbar + {lay['empty_v']}, phase ^ 1)  # ... and with its V")
-        _emit_load(c, BK, rstep, D, f"k_dst + {T}", f"j * {BK}", "N", "v", "vg", "v_sm")
+        load(BK, f"k_dst + {T}", f"j * {BK}", "N", "v", "vg", "v_sm", "k")
         c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_v']})")
         c("j = jn")
         c("stage += 1")
@@ -171,11 +248,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     caps = _score_args(spec)
     PP = pingpong(spec)
-    c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
-    c(f"ctid = tid - {PRODUCER_THREADS}")
+    if producer(spec) == "warpgroup":
+        c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
+        c("ctid = tid - 128")
+    else:
+        c("ctid = tid  # the consumer warpgroups are warpgroups 0 and 1 (wgmma's warpgroups are aligned)")
     c("lane = tid & 31")
     c("warp = ctid >> 5  # consumer warp 0..7: rows 16 warp .. 16 warp + 15 of the q tile")
-    c("cw = ctid >> 7  # consumer warpgroup 0, 1")
+    c(f"cw = {'role' if producer(spec) == 'warp' else '(role - 4)'} >> 2  # consumer warpgroup 0, 1 (warp-uniform)")
     c("g = lane >> 2")
     c("t2 = (lane & 3) * 2")
     c(f"q_wg = sb + cw * {64 * 128}  # this warpgroup's 64 rows inside each column block of Q")
@@ -220,17 +300,19 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
             ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
             c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
         c("wgmma_commit()")
+        c("# one branch from the P V issue to the wait for S: split in two, ptxas sees a path where S is still in")
+        c("# flight while the softmax writes its registers, and serializes every wgmma (C7513)")
         c("if have_prev:")
         with c.indent():
             c("# O += P_{j-1} V_{j-1} runs while this tile's softmax does")
             _emit_pv(c, KK, D, "pv_base")
-        if PP:
-            c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
-        c("if have_prev:")
-        with c.indent():
+            if PP:
+                c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
             c("WAIT_S1(sc, 0)")
         c("else:")
         with c.indent():
+            if PP:
+                c("bar_arrive(2 - cw, 256)")
             c("WAIT_S(sc, 0)")
         c(f"mbar_arrive(bars + {lay['empty_k']} + stage * 8)  # this thread is done with K_j")
         c()
@@ -298,8 +380,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     lay = _layout(spec)
     threads = threads_per_block(spec)
-    consumers = threads - PRODUCER_THREADS
+    consumers = threads - producer_threads(spec)
     p_regs, c_regs = registers(spec)
+    WARP = producer(spec) == "warp"
 
     c = _Code()
     c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
@@ -311,18 +394,22 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
     c("HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_V = desc_hi({BK * 128}, 1024)  # MN-major: 64-column blocks {BK * 128} bytes apart, 8-row groups 1024")
-    c(f"SETMAXNREG_DEC = setmaxnreg_dec({p_regs})")
-    c(f"SETMAXNREG_INC = setmaxnreg_inc({c_regs})")
+    if not WARP:
+        c(f"SETMAXNREG_DEC = setmaxnreg_dec({p_regs})")
+        c(f"SETMAXNREG_INC = setmaxnreg_inc({c_regs})")
     c()
     emit_masked_score(c, spec)
     emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
     c("@kernel_jit")
-    c(f"@launch_bounds({threads}, 1)  # .maxntid: setmaxnreg needs it; every thread starts at "
-      f"{(65536 // threads) // 8 * 8} registers")
+    if WARP:  # no launch bounds: ptxas would size registers for 384 threads (168), see intrinsics.max_registers
+        c(f"@max_registers({MAX_REGS_WARP})  # {threads} threads x {MAX_REGS_WARP} registers fit the SM's 65536")
+    else:
+        c(f"@launch_bounds({threads}, 1)  # .maxntid (setmaxnreg needs it): every thread starts at "
+          f"{(65536 // threads) // 8 * 8} registers")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
         c(f'"""FA forward on wgmma, warp-specialized: D={D}, block {BQ}x{BK}, 1 producer + {BQ // 64} consumer '
-          f'warpgroups, {S} stages, {spec.dtype}."""')
+          f'warpgroups, {S} stages, {spec.dtype}."""'.replace("1 producer +", f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
@@ -339,19 +426,29 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
         c("if tid == 0:")
         with c.indent():
-            c(f"mbar_init(bars, {PRODUCER_THREADS})")
+            c(f"mbar_init(bars, {producer_threads(spec)})")
             for s in range(S):
-                c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {PRODUCER_THREADS})")
-                c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {PRODUCER_THREADS})")
+                c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {producer_threads(spec)})")
+                c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {producer_threads(spec)})")
                 c(f"mbar_init(bars + {lay['empty_k'] + 8 * s}, {consumers})")
                 c(f"mbar_init(bars + {lay['empty_v'] + 8 * s}, {consumers})")
         c("cuda.syncthreads()  # the barriers are initialised (the only block-wide barrier)")
-        c(f"if tid < {PRODUCER_THREADS}:")
-        with c.indent():
-            _emit_producer(c, spec, lay)
-        c("else:")
-        with c.indent():
-            _emit_consumer(c, spec, lay)
+        c("role = warp_uniform(tid >> 5)  # the warp's index, provably the same in its lanes (wgmma in a branch on "
+          "tid is serialized: C7518)")
+        if WARP:
+            c(f"if role >= {consumers // 32}:")
+            with c.indent():
+                _emit_producer(c, spec, lay)
+            c("else:")
+            with c.indent():
+                _emit_consumer(c, spec, lay)
+        else:
+            c("if role < 4:")
+            with c.indent():
+                _emit_producer(c, spec, lay)
+            c("else:")
+            with c.indent():
+                _emit_consumer(c, spec, lay)
     text = c.text()
     used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
     ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)

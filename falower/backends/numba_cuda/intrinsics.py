@@ -128,6 +128,19 @@ def launch_bounds(max_threads: int, min_blocks: int):
     return mark
 
 
+def max_registers(n: int):
+    """Cap a generated kernel's registers a thread at n (ptxas -maxrregcount, given to the linker by `kernel_jit`;
+    ignored by the simulator). For block sizes that are not a multiple of 128 without launch bounds: ptxas on
+    sm_90 sizes a `.maxntid 288` kernel's registers as if it had 384 threads (168 a thread), while 288 threads at
+    224 fit the SM's 65536 (emit_fa3_ws.py's producer warp + two consumer warpgroups)."""
+
+    def mark(fn):
+        fn.__falower_max_registers__ = int(n)
+        return fn
+
+    return mark
+
+
 if SIMULATOR:
     from numba import cuda
 
@@ -626,9 +639,15 @@ else:
 
     def kernel_jit(fn):
         """Kernels of generated sources: cached on disk, compiled through the lean pipeline, with the launch
-        bounds of `launch_bounds` where the source asks for them."""
+        bounds of `launch_bounds` and the register cap of `max_registers` where the source asks for them."""
+        opts = {"cache": True}
         bounds = getattr(fn, "__falower_launch_bounds__", None)
-        return _lean(cuda.jit(cache=True, launch_bounds=bounds)(fn) if bounds else cuda.jit(cache=True)(fn))
+        if bounds:
+            opts["launch_bounds"] = bounds
+        regs = getattr(fn, "__falower_max_registers__", None)
+        if regs:
+            opts["max_registers"] = regs
+        return _lean(cuda.jit(**opts)(fn))
 
     # float32 maths from libdevice: Numba's math.sin/cos/tan and round() on a float32 compute in f64
     from numba.cuda import libdevice as _libdevice
@@ -964,6 +983,9 @@ else:
 #     bar_sync(id, count), bar_arrive(id, count)
 #                                        named barrier `id` (1..15; 0 is syncthreads') of `count` threads (a multiple
 #                                        of 32): bar.sync waits, bar.arrive only counts
+#     warp_uniform(x)                    -> int32: lane 0's x (shfl.sync.idx): a value ptxas knows is the same in
+#                                        every lane, for warp-role branches around wgmma (a branch on threadIdx
+#                                        itself is divergent to ptxas, which then serializes the wgmmas: C7518)
 #     setmaxnreg_inc(n), setmaxnreg_dec(n)
 #                                        factories -> f(): setmaxnreg.{inc,dec}.sync.aligned.u32 n for the executing
 #                                        warpgroup (n a multiple of 8 in 24..256; the kernel needs launch bounds)
@@ -983,6 +1005,8 @@ __all__ += [
     "bar_arrive",
     "setmaxnreg_inc",
     "setmaxnreg_dec",
+    "warp_uniform",
+    "max_registers",
 ]
 
 
@@ -1105,6 +1129,10 @@ if SIMULATOR:
     def bar_arrive(ident, count):
         _named(ident).arrive(count)
 
+    def warp_uniform(x):
+        lane, vals = _exchange(int(x))
+        return np.int32(vals[0])
+
     @_functools.lru_cache(maxsize=None)
     def setmaxnreg_inc(n: int):
         _check_maxnreg(n)
@@ -1157,6 +1185,15 @@ else:
         "cp_async_mbar_arrive_noinc", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1)
     bar_sync = _addr_asm("bar_sync", "bar.sync $0, $1;", 2)
     bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
+
+    @intrinsic
+    def warp_uniform(typingctx, x):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [types.int32])
+            return _asm(context, builder, "shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r", [v], [types.int32],
+                        side_effect=True)
+
+        return types.int32(x), codegen
 
     @_functools.lru_cache(maxsize=None)
     def setmaxnreg_inc(n: int):

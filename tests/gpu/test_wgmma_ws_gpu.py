@@ -1,0 +1,61 @@
+"""The warp-specialized wgmma forward (emit_fa3_ws.py, extra={"schedule": "wgmma-ws"}) on an sm_90 GPU (marked gpu):
+plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 and 3 stages, within FlashAttention's
+error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
+128 x 128 tiles; and the kernel's registers (no spills) as Numba linked it.
+
+Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import falower as fl  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_examples_gpu import assert_error_rule, rounded  # noqa: E402
+
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq=128,bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
+           "canonicalize"
+_COMPILED: dict = {}
+
+
+def _hopper() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+
+
+def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
+    key = (causal, dtype, bk, tuple(sorted(extra.items())))
+    if key not in _COMPILED:
+        g = fl.attention(mask_mod=(lambda b, h, q, kv: q >= kv) if causal else None, name="ws", dtype=dtype,
+                         group_size=2)
+        _COMPILED[key] = (g, fl.compile(g, pipeline=PIPELINE.format(bk=bk),
+                                        extra={"schedule": "wgmma-ws", **extra}))
+    return _COMPILED[key]
+
+
+@pytest.mark.parametrize("N", [1000, 4096])
+@pytest.mark.parametrize("causal, dtype, D, bk, extra", [
+    (False, "f16", 128, 128, {}),
+    (True, "f16", 128, 128, {}),
+    (False, "bf16", 128, 128, {"stages": 3}),
+    (True, "f16", 64, 128, {}),
+    (False, "f16", 64, 64, {"stages": 3}),
+])
+def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
+    _hopper()
+    from falower.passes.check import bind_dims, random_inputs
+
+    g, c = _compiled(causal, dtype, bk, extra)
+    kern = c.specialize(dtype, D=D)
+    assert kern.spec.extra["schedule"] == "wgmma-ws" and "mbar_wait" in kern.source
+    B, H = (2, 4) if N <= 1000 else (1, 2)
+    env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": D})
+    host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + D)]
+    assert_error_rule(g, c, env, host, dtype)
