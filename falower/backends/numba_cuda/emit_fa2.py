@@ -321,6 +321,12 @@ def _cap_args(spec: FA2ForwardSpec) -> str:
     return "".join(f", {c}" for c in _cap_names(spec))
 
 
+def _score_args(spec: FA2ForwardSpec) -> str:
+    """What the score functions take after the captures: the per-CTA values `hz` when the device source has a
+    `cta_fn` (values score-licm hoisted out of the score function, computed once by `_emit_tile_range`)."""
+    return _cap_args(spec) + (", hz" if "def cta_fn(" in spec.device_source else "")
+
+
 def _cap_names(spec: FA2ForwardSpec) -> list[str]:
     return [f"cap_{i}_{c.name}" for i, c in enumerate(spec.captures)]
 
@@ -348,6 +354,8 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec) -> None:
     """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible)."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
+    if "def cta_fn(" in spec.device_source:
+        c(f"hz = cta_fn(b, h{caps})  # the score function's per-CTA values (score-licm), once per program")
     c(f"nk = (N + {BK - 1}) // {BK}")
     c(f"q_lo = qt * {BQ}")
     c(f"q_hi = min(q_lo + {BQ}, M) - 1")
@@ -426,7 +434,7 @@ def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str) -> None:
 
 
 def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
-    e = f"score_fn({s}, b, h, {q}, {kv}{_cap_args(spec)})"
+    e = f"score_fn({s}, b, h, {q}, {kv}{_score_args(spec)})"
     return f"np.float32({e})" if spec.exp2 else f"np.float32({e}) * LOG2E"
 
 
@@ -443,7 +451,7 @@ def emit_masked_score(c: _Code, spec: FA2ForwardSpec) -> None:
     -inf where the mask (or kv >= N) drops it. A device function (inlined by NVVM) instead of an `if` per
     element in the kernel: the branches stay out of the kernel's body, whose size drives Numba's front end."""
     c("@device_function")
-    c(f"def masked_score_fn(s, b, h, q, kv, N{_cap_args(spec)}):")
+    c(f"def masked_score_fn(s, b, h, q, kv, N{_score_args(spec)}):")
     with c.indent():
         c(f"v = {_score_expr(spec, 's', 'q', 'kv')}")
         c(f"if {_mask_cond(spec, 'q', 'kv')}:")
@@ -523,7 +531,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     "Compile time", lever 6). The arithmetic and its order are the kernel's own, element for element. Elements
     are read and written with `lget`/`lset` (intrinsics.py: one GEP where Numba's x[i] lowered ~15
     instructions; lever 15)."""
-    caps = _cap_args(spec)
+    caps = _score_args(spec)
     emit_mma_helpers(c, mma)
     offs = [jj * 4 + e for jj in range(NJ) for e in range(2)]  # a row's elements: n8 tile jj, column e
     kvs = [jj * 8 + e for jj in range(NJ) for e in range(2)]
@@ -857,7 +865,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     for r in range(2):
                         q = f"q_lo + warp * {RW} + {mf * 16 + 8 * r} + g"
                         fn = "masked_score_row" if masked else "score_row"
-                        c(f"{fn}(sc, ofs_{mf * NJ * 4 + 2 * r}, b, h, {q}, kv0 + t2, N{caps})")
+                        c(f"{fn}(sc, ofs_{mf * NJ * 4 + 2 * r}, b, h, {q}, kv0 + t2, N{_score_args(spec)})")
 
             c("if need_mask:")
             with c.indent():

@@ -44,6 +44,7 @@ from .emit_fa2 import (
     _emit_need_mask,
     _emit_next_tile,
     _emit_tile_range,
+    _score_args,
     _signature,
     _spec_comment,
     emit_bases,
@@ -242,7 +243,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     T, KVOFF = lay["tile"], lay["kv"]
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
-    caps = "".join(f", cap_{i}_{cp.name}" for i, cp in enumerate(spec.captures))
+    caps = _score_args(spec)  # the captures, and the per-CTA values when score-licm hoisted some
     OVL = overlapped(spec)
 
     c = _Code()

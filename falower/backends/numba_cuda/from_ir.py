@@ -93,7 +93,7 @@ def analyse(func: Func) -> Lowered:
         # (a decoding step's offsets)
         block_mask = "list"
     dims: set[str] = set()
-    for op in backward_slice(region, [score, *conj]):
+    for op in backward_slice(region, [score, *conj]) + hoisted_ops(fused):
         v = op.attrs.get("value")
         if isinstance(v, Dim):
             dims |= v.symbols()
@@ -199,7 +199,10 @@ class _ScalarEmitter:
     def emit(self, region: Block, roots: list[Value]) -> None:
         """One line per op; ops of constants are folded here, where every dim is known, and constant
         factors are merged (s / sqrt(D) * log2(e) becomes one multiply per score)."""
-        for op in backward_slice(region, roots):
+        self.emit_ops(backward_slice(region, roots))
+
+    def emit_ops(self, ops: list[Op]) -> None:
+        for op in ops:
             r = op.results[0]
             folded = self.fold(op)
             if folded is not None:
@@ -279,6 +282,8 @@ class _ScalarEmitter:
         if n == "cast":
             to = op.attrs["to"]
             if is_float(to):
+                if op.operands[0].type.dtype == "i32":  # the IR's i32: a 32-bit conversion (s64 is slower)
+                    return f"np.float32(np.int32({x[0]}))"
                 return f"np.float32({x[0]})"
             if to == "bool":
                 return f"({x[0]} != 0)"
@@ -309,8 +314,110 @@ def _role_names(fused: Op, region: Block, cap_names: dict[Value, str]) -> dict[V
     out: dict[Value, str] = {}
     caps = iter(cap_names.items())
     for a, r in zip(region.args, fused.attrs["roles"]):
+        if r in ("cta", "row", "col"):
+            continue  # hoisted by score-licm: named by device_source
         out[a] = cap_ref(*next(caps)) if r == "cap" else r
     return out
+
+
+HOISTED_ROLES = ("cta", "row", "col")
+
+
+def hoisted_ops(fused: Op) -> list[Op]:
+    """The ops outside `fused` that compute its hoisted operands (roles cta, row, col: score-licm), in order,
+    back to the operands with the base roles (s, b, h, q, kv, cap)."""
+    roles = list(fused.attrs["roles"])
+    leaves = {v for v, r in zip(fused.operands, roles) if r not in HOISTED_ROLES}
+    seen: set[int] = set()
+    out: list[Op] = []
+
+    def visit(v: Value) -> None:
+        op = v.owner
+        if v in leaves or not isinstance(op, Op) or id(op) in seen:
+            return
+        seen.add(id(op))
+        if op.regions or op.name.startswith("tile.") or op.name in ("for", "if", "parallel_for"):
+            raise BackendError(f"numba-cuda backend: a hoisted score value is computed by {op.name}, which the "
+                               "scalar device code cannot express")
+        for o in op.operands:
+            visit(o)
+        out.append(op)
+
+    for v, r in zip(fused.operands, roles):
+        if r in HOISTED_ROLES:
+            visit(v)
+    return out
+
+
+def _emit_hoisted(low: "Lowered", env: Mapping[str, int], cap_names: dict[Value, str], sig_caps: str
+                  ) -> tuple[list[str], dict[Value, str], list[str]]:
+    """The device code of the values score-licm hoisted out of the score function.
+
+    Per-CTA values (role cta) that are not constants become `cta_fn(b, h, *captures)`, which the kernels call
+    once, before the kv loop, and pass on as the tuple `hz` (a load such as `slopes[h]` once per program).
+    Per-row and per-column values (roles row, col) are written at the top of `score_fn` from q and kv: pure
+    arithmetic of values fixed for the kv loop (q) or for a tile's column (kv), which NVVM computes once per
+    row (hoisted out of the loop) and once per column (shared by the thread's rows).
+    Returns (cta_fn's lines or [], the region arguments' names, score_fn's leading lines)."""
+    fused = low.fused
+    roles = list(fused.attrs["roles"])
+    region = fused.regions[0]
+    base = {"s": "s", "b": "b", "h": "h", "q": "q", "kv": "kv"}
+    caps = iter(cap_names.items())
+    leaf_names: dict[Value, str] = {}
+    for v, r in zip(fused.operands, roles):
+        if r == "cap":
+            leaf_names[v] = cap_ref(*next(caps))
+        elif r in base:
+            leaf_names[v] = base[r]
+    ops = hoisted_ops(fused)
+    cta_roots = [v for v, r in zip(fused.operands, roles) if r == "cta"]
+    # the per-CTA slice first: it must not read q or kv
+    e = _ScalarEmitter(env, cap_names)
+    e.names.update(leaf_names)
+    cta_ops = [op for op in ops if not _reads(op, [v for v, r in zip(fused.operands, roles) if r in ("q", "kv")])]
+    e.emit_ops(cta_ops)
+    names: dict[Value, str] = {}
+    cta_lines: list[str] = []
+    returned: list[str] = []
+    for v in cta_roots:
+        if v in e.consts:  # a constant (the folded scale): a literal, folded where every dim is known
+            names[v] = e.name(v)
+        else:
+            names[v] = f"hz[{len(returned)}]"
+            returned.append(e.name(v))
+    if returned:
+        cta_lines = [f"def cta_fn(b, h{sig_caps}):"]
+        cta_lines += _live_lines(e.lines, " ".join(returned))
+        cta_lines.append(f"    return ({', '.join(returned)},)")
+    # rows and columns: written into score_fn (reading the cta values through hz)
+    re_ = _ScalarEmitter(env, cap_names)
+    re_.names.update(leaf_names)
+    for v in cta_roots:
+        re_.names[v] = names[v]
+        if v in e.consts:
+            re_.consts[v] = e.consts[v]
+    re_.n = 1000  # distinct from the region's v<N>
+    rest_roots = [v for v, r in zip(fused.operands, roles) if r in ("row", "col")]
+    re_.emit_ops([op for op in ops if all(r not in re_.names for r in op.results)])  # unused lines drop below
+    for v in rest_roots:
+        names[v] = re_.name(v)
+    lines = _live_lines(re_.lines, " ".join(names[v] for v in rest_roots)) if rest_roots else []
+    arg_names = {a: names[v] for a, v, r in zip(region.args, fused.operands, roles) if r in HOISTED_ROLES}
+    return cta_lines, arg_names, lines
+
+
+def _reads(op: Op, targets: list[Value]) -> bool:
+    stack, seen = list(op.operands), set()
+    while stack:
+        v = stack.pop()
+        if any(v is t for t in targets):
+            return True
+        o = v.owner
+        if isinstance(o, Op) and id(o) not in seen:
+            seen.add(id(o))
+            stack.extend(o.operands)
+    return False
 
 
 def cap_ref(v: Value, name: str) -> str:
@@ -328,11 +435,18 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
         + "".join(f", {n}" for n in derived)
     region = low.fused.regions[0]
     out = []
+    cta_lines, hoisted, lead = _emit_hoisted(low, env, cap_names, sig_caps)
+    if cta_lines:
+        out += cta_lines + [""]
     e = _ScalarEmitter(env, cap_names)
     e.names.update(_role_names(low.fused, region, cap_names))
+    e.names.update(hoisted)
     e.emit(region, [low.score])
-    out.append(f"def score_fn(s, b, h, q, kv{sig_caps}):")
-    out += _live_lines(e.lines, e.name(low.score))
+    hz = ", hz" if cta_lines else ""
+    out.append(f"def score_fn(s, b, h, q, kv{sig_caps}{hz}):")
+    body = _live_lines(e.lines, e.name(low.score))
+    used = " ".join(body) + " " + e.name(low.score)
+    out += [ln for ln in _live_lines(lead, used)] + body
     out.append(f"    return np.float32({e.name(low.score)})")
     if low.conj:
         pred = predicate_region(low.fused, low.conj)
