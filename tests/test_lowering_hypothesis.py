@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import falower as fl
 from falower.passes import PassManager, parse_pipeline
 
-PIPELINE = "decompose-softmax,canonicalize,fuse,tile{bq=16,bk=16},online-softmax{exp2=%s},mask-tiles,canonicalize"
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{bq=16,bk=16},online-softmax{exp2=%s},mask-tiles,score-licm,canonicalize"
 
 
 def score_terms():

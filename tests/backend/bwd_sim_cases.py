@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent.parent
 BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={tk},dq={dq}}},canonicalize"
 DQ = {"atomic": "atomic", "det": "separate,deterministic=true"}
-FWD = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,canonicalize"
+FWD = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
 
 
 def example(stem: str):

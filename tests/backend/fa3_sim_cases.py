@@ -44,7 +44,7 @@ API_CASES = {
     "api-auto-causal-f16-d64": ("causal", "normal", "f16", 64, 1, 2, 33, 50, 64, 32, {}, "1"),
 }
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
-           "canonicalize"
+           "score-licm,canonicalize"
 
 
 def run_api_case(case_id: str) -> dict:

@@ -14,7 +14,7 @@ sys.setswitchinterval(5e-4)
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PIPELINE = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,canonicalize"
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
 SHAPES = {"B": 1, "H": 2, "HKV": 1, "M": 40, "N": 37, "D": 16}
 
 

@@ -1,0 +1,136 @@
+"""score-licm (issue 12): the score function keeps only per-element work.
+
+Numbers: the pass changes rounding only (folded factors) or nothing at all (the index casts). Interpreted in
+float64, before and after agree to a few units of 2^-53 of the scores (|s| / sqrt(D) and |slope * (kv - q)|
+stay below ~1e3 here, so 1e-10 absolute on O and LSE leaves three orders of magnitude of margin, while a
+wrong rewrite (a dropped term, a factor applied twice, a slope of the wrong head) moves them by > 1e-3).
+Where every folded factor is exact (D = 4: 1 / sqrt(D) = 0.5; no log2(e)), the native-precision (f32)
+interpretation is bit-identical, which is the exactness claim of the strength reduction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import falower as fl
+from falower.errors import PassError
+from falower.ir import interpret, parse_func, print_func
+from falower.passes import run_pipeline
+from falower.passes.check import Reference
+
+from test_examples import VARIANTS, example
+
+ROOT = Path(__file__).resolve().parent.parent
+BQ, BK = 8, 4
+BEFORE = f"decompose-softmax,canonicalize,fuse,tile{{bq={BQ},bk={BK}}},online-softmax{{exp2=true}},mask-tiles"
+AFTER = BEFORE + ",score-licm"
+SIZES = [(1, 1), (2, 2), (BQ - 1, BK + 1), (BQ + 1, BK - 1), (1, 2 * BK + 1), (2 * BQ + 1, 3)]  # M != N too
+
+
+def _fused(func: fl.Func) -> list:
+    return [op for op in func.walk() if op.name == "fused"]
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return {stem: (run_pipeline(example(stem), BEFORE), run_pipeline(example(stem), AFTER)) for stem in VARIANTS}
+
+
+@pytest.mark.parametrize("stem", VARIANTS)
+def test_preserves_the_numbers_in_float64(stem, lowered) -> None:
+    before, after = lowered[stem]
+    fl.verify(after)
+    for M, N in SIZES:
+        ref = Reference.build(example(stem), {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": 4}, seed=M * 31 + N)
+        a = interpret(before, ref.inputs, "f64", ref.env)
+        b = interpret(after, ref.inputs, "f64", ref.env)
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(y, x, rtol=0, atol=1e-10, err_msg=f"{stem} M={M} N={N}")
+            np.testing.assert_array_equal(np.isneginf(y), np.isneginf(x))  # fully masked rows stay -inf
+
+
+def test_strength_reduction_is_exact_in_f32() -> None:
+    """No log2(e) and D = 4: every fold is exact, so the f32 interpretation cannot move by one bit; the
+    ALiBi distance cast(kv) - cast(q) equals cast(kv - q)."""
+    pipe = "decompose-softmax,canonicalize,fuse,tile{bq=8,bk=4},online-softmax,mask-tiles"
+    g = example("alibi")
+    before, after = run_pipeline(g, pipe), run_pipeline(g, pipe + ",score-licm")
+    assert "kv_f" in print_func(after)
+    for M, N in [(1, 1), (7, 5), (9, 13), (40, 37)]:
+        ref = Reference.build(g, {"B": 1, "H": 3, "M": M, "N": N, "D": 4}, seed=M + N)
+        for x, y in zip(interpret(before, ref.inputs, "native", ref.env), interpret(after, ref.inputs, "native", ref.env)):
+            np.testing.assert_array_equal(x, y)
+
+
+def _body_of(func: fl.Func):
+    par = next(op for op in func.body.ops if op.name == "parallel_for")
+    loop = next(op for op in par.regions[0].ops if op.name == "for")
+    return par.regions[0], loop
+
+
+def test_alibi_moves_the_slope_the_scale_and_the_row_out() -> None:
+    func = fl.lower(example("alibi"), "fa2-fwd")
+    body, loop = _body_of(func)
+    outside = {op.name for op in body.ops[: body.ops.index(loop)]}
+    assert "gather" in outside  # slopes[h]: once per program, before the kv loop
+    for fused in _fused(func):
+        region = fused.regions[0]
+        names = [op.name for op in region.ops]
+        assert "gather" not in names and "div" not in names  # no load, no division per element
+        assert not any(op.name == "cast" and op.operands[0].type.dtype == "i32" for op in region.ops)
+        roles = fused.attrs["roles"]
+        assert roles.count("cta") == 2 and "row" in roles and "col" in roles
+        hoisted = dict(zip(roles, fused.operands))
+        assert hoisted["row"].owner.parent is body and hoisted["row"].type.shape[1].value == 1  # per row
+        assert hoisted["col"].owner.parent is not body  # per kv tile: in the loop, outside the region
+    full = _fused(func)[0].regions[0]
+    # the full tile's whole score function: s * scale + slope_log2 * (kv_f - q_f)
+    assert sorted(op.name for op in full.ops) == ["add", "mul", "mul", "sub", "yield"]
+    text = print_func(func)
+    assert "%scale = div" in text and "%q_f = cast %q_idx" in text and "%kv_f = cast %kv_idx" in text
+    assert print_func(parse_func(text)) == text
+
+
+@pytest.mark.parametrize("stem, ops", [("causal", ["mul"]), ("plain", ["mul"]), ("softcap", ["mul", "mul", "tanh"]),
+                                       ("relative_bias", ["add", "gather", "mul", "mul", "sub"])])
+def test_what_stays_per_element(stem, ops) -> None:
+    func = fl.lower(example(stem), "fa2-fwd")
+    full = _fused(func)[0].regions[0]
+    assert sorted(op.name for op in full.ops if op.name not in ("yield", "const")) == ops
+
+
+def test_relative_bias_index_is_regrouped_per_row() -> None:
+    """q - kv + (N - 1) => (q + (N - 1)) - kv: one add per row, not per element (exact: i32 wraps)."""
+    func = fl.lower(example("relative_bias"), "fa2-fwd")
+    body, loop = _body_of(func)
+    fused = _fused(func)[0]
+    row = dict(zip(fused.attrs["roles"], fused.operands))["row"]
+    assert row.owner.name == "add" and row.owner.parent is body
+
+
+def test_the_mask_stays_as_mask_tiles_left_it() -> None:
+    """The partial tile's mask conjuncts are not hoisted (the backends' classifiers read them in place)."""
+    for stem in ("document", "sliding_window", "prefix_lm"):
+        func = fl.lower(example(stem), "fa2-fwd")
+        partial = _fused(func)[1].regions[0]
+        assert any(op.name == "where" for op in partial.ops), stem
+
+
+def test_idempotent_and_a_no_op_without_a_score_function() -> None:
+    once = run_pipeline(example("alibi"), AFTER)
+    assert print_func(run_pipeline(once, "score-licm")) == print_func(once)
+    bwd = run_pipeline(example("alibi"), "fa2-bwd")  # autodiff inlined the score function: nothing to do
+    assert not _fused(bwd)
+    assert print_func(run_pipeline(bwd, "score-licm")) == print_func(bwd)
+
+
+def test_clear_error_before_tiling() -> None:
+    with pytest.raises(PassError, match="score-licm.*parallel_for"):
+        run_pipeline(example("alibi"), "decompose-softmax,fuse,score-licm")
+
+
+def test_in_the_named_forward_pipeline() -> None:
+    assert "mask-tiles,score-licm,canonicalize" in fl.passes.NAMED_PIPELINES["fa2-fwd"]
