@@ -441,10 +441,11 @@ class BlockMask:
     `create_block_mask` and reused by every `flex_attention` call (every layer, every step). Which kv tiles
     are empty, partial or full comes from the traced mask: by interval arithmetic in the kernels for masks of
     indices (`mask.classify`); for masks that read tensors (document ids) from per-tile min / max of those
-    tensors (`mask.ranges`) and, in the forward, a list of the kv tiles each q tile visits. That block data
-    is made on the first call with these tensors and remembered with them (their identity and version
-    counter: an in-place write makes it anew), so every layer and step reusing this mask reuses it; masks
-    the ranges cannot bound fall back to the dense `mask.block_table`."""
+    tensors (`mask.ranges`) and lists of the tiles to visit (the forward's kv tiles per q tile, the
+    backward's q tiles per kv tile). That block data is made on the first call with these tensors and
+    remembered with them (their identity and version counter: an in-place write makes it anew), so every
+    layer and step reusing this mask reuses it; masks the ranges cannot bound fall back to the dense
+    `mask.block_table`, remembered the same way."""
 
     def __init__(self, mask_mod: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
                  device: Any = None, BLOCK_SIZE: Any = 128):

@@ -46,13 +46,36 @@ def test_relative_bias_gradient_is_added_per_element():
 
 def test_document_mask_classifies_tiles_from_range_tables():
     """fa2-bwd (tile-bwd's default data=ranges): the document ids' per-granule min / max is a derived capture
-    after the sizes, and tile_class_fn bounds doc_id[b, q] and doc_id[b, kv] from it."""
+    after the sizes, and tile_class_fn bounds doc_id[b, q] and doc_id[b, kv] from it; the kv-outer kernel
+    visits the q tiles of each kv tile from a list made from those classes (block_mask "list")."""
     s = spec("document")
-    assert s.block_mask == "static"
-    assert s.captures[-1].derived == ("ranges", 0, 1, 64) and s.captures[-1].ndim == 3
+    assert s.block_mask == "list"
+    assert [c.derived for c in s.captures[3:]] == [("ranges", 0, 1, 64), ("q_count",), ("q_tiles",)]
+    assert s.captures[3].ndim == 3
     src = s.device_source
-    assert "def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, cap_doc_id, dim_M, dim_N, rng_doc_id_ranges_1_64)" in src
+    assert ("def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, cap_doc_id, dim_M, dim_N, rng_doc_id_ranges_1_64, "
+            "blk_q_count, blk_q_tiles)") in src
     assert "rng_doc_id_ranges_1_64[i0_lo_p0, i0_lo_g0, 0]" in src
+
+
+def test_document_backward_kernels_walk_their_lists():
+    """The kv-outer kernel (both paths) reads its next (head, q tile) from q_tiles, no tile_class_fn call; the
+    deterministic dQ kernel walks its kv tiles from kv_tiles; extra bwd_block_list=False keeps the scan."""
+    from falower.backends.numba_cuda.emit_fa2_bwd import emit_dq_kernel, emit_fa2_backward
+
+    for path in ("mma", "simt"):
+        low = analyse_backward(fl.lower(graph("document"), "fa2-bwd"))
+        s = build_backward_spec(low, {"D": 64}, "f16" if path == "mma" else "f32", path, None)
+        body = emit_fa2_backward(s).split("def " + s.name + "(")[1]
+        assert "cap_5_q_tiles[" in body and "tile_class_fn(" not in body, path
+    det = spec("document", "fa2-bwd-deterministic")
+    assert [c.derived[0] for c in det.captures[4:]] == ["q_count", "q_tiles", "kv_count", "kv_tiles"]
+    dq = emit_dq_kernel(det).split("def " + det.name + "_dqk(")[1]
+    assert "cap_7_kv_tiles[" in dq and "tile_class_q_fn(" not in dq
+    low = analyse_backward(fl.lower(graph("document"), "fa2-bwd"))
+    scan = build_backward_spec(low, {"D": 64}, "f16", "mma", None, {"bwd_block_list": False})
+    assert scan.block_mask == "static" and scan.captures[-1].derived[0] == "ranges"
+    assert "tile_class_fn(" in emit_fa2_backward(scan).split("def " + scan.name + "(")[1]
 
 
 def test_document_mask_reads_the_block_table_with_data_table():

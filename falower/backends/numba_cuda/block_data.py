@@ -4,20 +4,36 @@ A document mask `doc[b, q] == doc[b, kv]` is classified per tile from `mask.rang
 greatest document id of each granule of rows, O(N) to make), and the forward visits its kv tiles from a
 block list (per q tile: how many kv tiles to visit and which, partial ones flagged), made by the kernel's
 own `tile_class_fn` over those ranges: O(B * H * nq * nk) scalar work, never a pass over the (q, kv) pairs.
-Both arrive at the kernels as captures whose `Capture.derived` says how to make them (spec.py).
+The backward (kv tiles outer) visits its q tiles from the transposed list (per kv tile: which (head, q tile)
+pairs of its kv head's group, partial ones flagged), and its q-outer dQ kernel (deterministic mode) from a
+list like the forward's, both made by one list kernel from the backward's own tile_class_fn /
+tile_class_q_fn, called with exactly the arguments the kernels' scan would use: the list holds exactly the
+tiles the scan would visit, with the scan's classes. All arrive at the kernels as captures whose
+`Capture.derived` says how to make them (spec.py).
 
-`BlockData.derive` makes them for one call, and remembers them with the data they came from: a torch tensor
-is recognised by its identity (a weak reference: a new tensor at a recycled address is not mistaken for it)
-and its version counter (an in-place write makes it new data), a Python number by its value. So every
-layer and every step that passes the same document ids (one `falower.create_block_mask`, or the same
-tensor to a compiled call) makes the block data once. numpy inputs (the reference and simulator paths) have
-no version counter and are made anew at each call.
+Masks the range analysis cannot bound (a table read at an index computed from data, a table read along both
+q and kv) keep the dense `mask.block_table`: a kernel evaluates the mask at every (q, kv) pair. `BlockTables`
+remembers that table with its data, so it is evaluated once per distinct data, not at every call.
+
+`BlockData.derive` and `BlockTables.entry` remember what they make with the data it came from (`data_key`):
+a torch tensor is recognised by its identity (a weak reference: a new tensor at a recycled address is not
+mistaken for it) and its version counter (an in-place write makes it new data), a Python or numpy number by
+its value, a numpy array by its content (dtype, shape and a 128-bit BLAKE2 digest of its bytes: O(size of
+the captured tables), far below the O(B * H * M * N) dense evaluation and no more than the host-to-device
+copy numpy inputs pay at every call anyway; numpy has no version counter, and an identity would not see an
+in-place write). So every layer and every step that passes the same document ids (one
+`falower.create_block_mask`, or the same tensor to a compiled call) makes the block data once. Other CUDA
+arrays (`__cuda_array_interface__` objects: no version counter, content on the device) are not remembered:
+made at every call. A write through a raw pointer (a Numba kernel writing into a torch tensor) does not bump
+torch's version counter: call `tensor.add_(0)` or pass a new tensor after one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -44,6 +60,91 @@ def _kind(x: Any) -> str:
     if isinstance(x, np.ndarray) or np.isscalar(x):
         return "numpy"
     return "cai"
+
+
+# ------------------------------------------------------------------------------------ remembering
+def data_key(caps: list, sizes: tuple) -> Optional[tuple]:
+    """What data derived from `caps` at `sizes` depends on (module docstring): per capture a torch tensor's
+    identity, version, shape, strides, dtype and device; a number's type and value; a numpy array's dtype,
+    shape and content digest. None when an input cannot be recognised again (other CUDA arrays)."""
+    key: list = [sizes]
+    for x in caps:
+        kind = _kind(x)
+        if kind == "torch":
+            key.append((id(x), x._version, tuple(x.shape), x.stride(), x.dtype, x.device))
+        elif np.isscalar(x):
+            key.append((type(x), x))
+        elif kind == "numpy":
+            a = np.ascontiguousarray(x)
+            digest = hashlib.blake2b(a.reshape(-1).view(np.uint8), digest_size=16).digest()
+            key.append(("numpy", a.dtype.str, np.shape(x), digest))
+        else:
+            return None
+    return tuple(key)
+
+
+class _Memo:
+    """At most `_LIMIT` values made from captured data, by `data_key`; a torch capture must still be the very
+    tensor the value was made from (its weak reference), so a recycled id() is never mistaken for it."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, tuple[list, Any]] = {}
+
+    def get(self, key: Optional[tuple], caps: list) -> Any:
+        if key is None:
+            return None
+        hit = self._cache.get(key)
+        if hit is not None and all(r() is x for r, x in zip(hit[0], caps) if r is not None):
+            return hit[1]
+        return None
+
+    def put(self, key: Optional[tuple], caps: list, value: Any) -> None:
+        if key is None:
+            return
+        if len(self._cache) >= _LIMIT:
+            self._cache.clear()
+        refs = [weakref.ref(x) if _kind(x) == "torch" else None for x in caps]
+        self._cache[key] = (refs, value)
+
+
+class BlockTable:
+    """One dense block table (int8 [B * H * nq * nk], flat) and whether its mask kernel has been launched:
+    a launch that finds it unfilled runs the mask kernel first (on the same stream, so the table is ready
+    before any kernel enqueued after it reads it) and marks it filled."""
+
+    __slots__ = ("table", "filled")
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.filled = False
+
+
+class BlockTables:
+    """The dense block tables of one kernel whose mask the range analysis cannot bound (block_mask ==
+    "table"), remembered with the data they came from (`data_key`): the mask is evaluated densely once per
+    distinct data. `evaluations` counts the mask kernel's launches (for tests and for looking)."""
+
+    def __init__(self) -> None:
+        self._memo = _Memo()
+        self.evaluations = 0
+
+    def entry(self, caps: list, sizes: tuple, alloc: Callable[[], Any]) -> BlockTable:
+        """The table for these captures (all of the kernel's, the sizes included) and (B, H, M, N): the one
+        remembered, or a new one from `alloc()`, not yet filled."""
+        caps = list(caps)
+        key = data_key(caps, tuple(sizes))
+        found = self._memo.get(key, caps)
+        if found is None:
+            found = BlockTable(alloc())
+            self._memo.put(key, caps, found)
+        return found
+
+    def fill(self, entry: BlockTable, launch: Callable[[], None]) -> None:
+        """Run `launch` (the mask kernel into entry.table) unless the table is filled already."""
+        if not entry.filled:
+            launch()
+            entry.filled = True
+            self.evaluations += 1
 
 
 def range_table(x: Any, axis: int, granule: int, dtype: str) -> Any:
@@ -107,6 +208,113 @@ def emit_block_list(spec: FA2ForwardSpec) -> str:
     return _module(spec, c.text())
 
 
+LIST_TAGS = ("kv_count", "kv_tiles", "q_count", "q_tiles")
+
+
+def list_layout(spec: Any, sizes: tuple[int, int, int, int]) -> list[tuple[str, int]]:
+    """(derived tag, length) of each block-list capture of `spec`, in the spec's order. The forward's and the
+    backward's q-outer dQ kernel's: kv_count [B * H * nq], kv_tiles [B * H * nq * nk]; the backward's
+    kv-outer kernel's: q_count [B * HK * nk], q_tiles [B * HK * nk * G * nq] (row r = (b * HK + hk) * nk + kj
+    lists entries it * 2 + partial, it = i * nq + qt for query head hk * G + i of the kv head's group)."""
+    B, H, M, N = sizes
+    nq, nk = -(-M // spec.block_q), -(-N // spec.block_k)
+    G = spec.group_size
+    length = {"kv_count": B * H * nq, "kv_tiles": B * H * nq * nk, "q_count": B * (H // G) * nk,
+              "q_tiles": B * (H // G) * nk * G * nq}
+    return [(c.derived[0], length[c.derived[0]]) for c in spec.captures if c.derived[:1] and c.derived[0] in LIST_TAGS]
+
+
+def list_rows(spec: Any, sizes: tuple[int, int, int, int]) -> int:
+    """Threads of the list kernel: one per list row (the backward's kv-outer rows, then its q-outer rows)."""
+    B, H, M, N = sizes
+    nq, nk = -(-M // spec.block_q), -(-N // spec.block_k)
+    tags = {t for t, _ in list_layout(spec, sizes)}
+    return (B * (H // spec.group_size) * nk if "q_count" in tags else 0) + (B * H * nq if "kv_count" in tags else 0)
+
+
+def bwd_list_source(spec: Any) -> str:
+    """The backward list kernel's work for one row, as a plain `def bwd_list_row(r, B, H, M, N, *captures)`
+    (the list captures are its outputs): the kernel runs it on the device, `host_block_lists` in Python, the
+    same text. Rows r < B * HK * nk: kv tile kj of (b, kv head hk), its (head, q tile) pairs `it` in the
+    kv-outer kernel's order, classed by tile_class_fn exactly as that kernel's scan classes them
+    (emit_fa2_bwd._class_expr); then (dQ q-outer kernel) rows (b * H + h) * nq + qt, kv tiles classed by
+    tile_class_q_fn as emit_fa2_bwd._dq_class_expr does."""
+    from .emit_fa2_bwd import _cap_args, _cap_names
+
+    BQ, BK, G = spec.block_q, spec.block_k, spec.group_size
+    arg = {c.derived[0]: n for c, n in zip(spec.captures, _cap_names(spec)) if c.derived[:1] and c.derived[0] in LIST_TAGS}
+    caps = _cap_args(spec)
+    out = [f"def bwd_list_row(r, B, H, M, N{caps}):",
+           f"    nq = (M + {BQ - 1}) // {BQ}",
+           f"    nk = (N + {BK - 1}) // {BK}",
+           f"    HK = H // {G}",
+           f"    total = nq * {G}",
+           "    rows_kv = B * HK * nk" if "q_count" in arg else "    rows_kv = 0"]
+    if "q_count" in arg:
+        out += ["    if r < rows_kv:",
+                "        kj = r % nk",
+                "        bh = r // nk",
+                "        b = bh // HK",
+                "        hk = bh - b * HK",
+                f"        kv0 = kj * {BK}",
+                "        cnt = 0",
+                "        for it in range(total):",
+                f"            h = hk * {G} + it // nq",
+                "            qt = it % nq",
+                f"            cls = tile_class_fn(b, h, qt * {BQ}, qt * {BQ} + {BQ - 1}, kv0, kv0 + {BK - 1}{caps})",
+                "            if cls != 0:",
+                f"                {arg['q_tiles']}[r * total + cnt] = it * 2 + (1 if cls == 1 else 0)",
+                "                cnt += 1",
+                f"        {arg['q_count']}[r] = cnt"]
+    if "kv_count" in arg:
+        out += ["    r2 = r - rows_kv",
+                "    if r2 >= 0 and r2 < B * H * nq:",
+                "        qt = r2 % nq",
+                "        bh = r2 // nq",
+                "        b = bh // H",
+                "        h = bh - b * H",
+                f"        q0 = qt * {BQ}",
+                "        cnt = 0",
+                "        for j in range(nk):",
+                f"            cls = tile_class_q_fn(b, h, q0, q0 + {BQ - 1}, j * {BK}, j * {BK} + {BK - 1}{caps})",
+                "            if cls != 0:",
+                f"                {arg['kv_tiles']}[r2 * nk + cnt] = j * 2 + (1 if cls == 1 else 0)",
+                "                cnt += 1",
+                f"        {arg['kv_count']}[r2] = cnt"]
+    return "\n".join(out) + "\n"
+
+
+def emit_bwd_block_list(spec: Any) -> str:
+    """Source of the kernel `<name>_block_list(B, H, M, N, *captures)` of a backward spec with block_mask ==
+    "list": one thread per list row (`bwd_list_row`). Launch with ceil(list_rows / 128) blocks of 128."""
+    from .emit_fa2 import _Code
+    from .emit_fa2_bwd import _cap_args, _module
+
+    c = _Code()
+    c("@device_function")
+    for line in bwd_list_source(spec).splitlines():
+        c(line)
+    c()
+    c("@kernel_jit")
+    c(f"def {spec.name}_block_list(B, H, M, N{_cap_args(spec)}):")
+    with c.indent():
+        c('"""Per kv tile: the (head, q tile) pairs to visit; per q tile (dQ kernel): the kv tiles."""')
+        c(f"bwd_list_row(cuda.blockIdx.x * {THREADS} + cuda.threadIdx.x, B, H, M, N{_cap_args(spec)})")
+    return _module(spec, c.text())
+
+
+def host_block_lists(spec: Any, caps: list, sizes: tuple[int, int, int, int]) -> list[np.ndarray]:
+    """The backward's block lists made on the host by the list kernel's own row code, run as Python over
+    numpy arrays (`caps`: the caller's captures, the sizes and the range tables): for tests without a GPU."""
+    ns: dict = {"math": math, "np": np}
+    exec(compile(spec.device_source + "\n" + bwd_list_source(spec), "<bwd_list>", "exec"), ns)  # noqa: S102
+    outs = [np.full(n, -1, dtype=np.int32) for _, n in list_layout(spec, sizes)]
+    row = ns["bwd_list_row"]
+    for r in range(list_rows(spec, sizes)):
+        row(r, *sizes, *caps, *outs)
+    return outs
+
+
 class BlockData:
     """The derived captures of one kernel's spec, made per call and remembered with their data."""
 
@@ -114,37 +322,20 @@ class BlockData:
         self.spec = spec
         self.first = caller_count(spec)
         self._list_kernel: Any = None
-        self._cache: dict[tuple, tuple[list, list]] = {}
+        self._memo = _Memo()
 
-    # ------------------------------------------------------------------------------------ caching
-    def _key(self, caps: list, sizes: tuple) -> Optional[tuple]:
-        """What the derived data depends on: the sizes and each capture's identity and version; None when an
-        input cannot be recognised again (numpy, CUDA array interface objects)."""
-        key: list = [sizes]
-        for x in caps:
-            kind = _kind(x)
-            if kind == "torch":
-                key.append((id(x), x._version, tuple(x.shape), x.stride(), x.dtype, x.device))
-            elif np.isscalar(x):
-                key.append((type(x), x))
-            else:
-                return None
-        return tuple(key)
+    @property
+    def _cache(self) -> dict:  # what is remembered, by key (tests look)
+        return self._memo._cache
 
     def derive(self, caps: list, sizes: tuple[int, int, int, int], like: Any) -> list:
         """The derived captures for these caller captures (tensors and sizes) and (B, H, M, N)."""
         caps = list(caps[:self.first])
-        key = self._key(caps, sizes)
-        if key is not None:
-            hit = self._cache.get(key)
-            if hit is not None and all(r() is x for r, x in zip(hit[0], caps) if r is not None):
-                return hit[1]
-        out = self._make(caps, sizes, like)
-        if key is not None:
-            if len(self._cache) >= _LIMIT:
-                self._cache.clear()
-            refs = [weakref.ref(x) if _kind(x) == "torch" else None for x in caps]
-            self._cache[key] = (refs, out)
+        key = data_key(caps, sizes)
+        out = self._memo.get(key, caps)
+        if out is None:
+            out = self._make(caps, sizes, like)
+            self._memo.put(key, caps, out)
         return out
 
     # ------------------------------------------------------------------------------------ making
@@ -155,8 +346,7 @@ class BlockData:
             if c.derived[0] == "ranges":
                 _, i, axis, g = c.derived
                 out.append(range_table(caps[i], axis, g, c.dtype))
-        listed = [c.derived[0] for c in spec.captures[self.first:] if c.derived[0] in ("kv_count", "kv_tiles")]
-        if listed:
+        if list_layout(spec, sizes):
             out += self._block_list(caps + out, sizes, like)
         return out
 
@@ -164,46 +354,51 @@ class BlockData:
         from numba import cuda
 
         from .runtime import _one_element_captures, load_source
+        from .spec import FA2BackwardSpec
 
         spec = self.spec
         B, H, M, N = sizes
-        rows = B * H * -(-M // spec.block_q)
-        nk = -(-N // spec.block_k)
+        layout = list_layout(spec, sizes)
+        backward = isinstance(spec, FA2BackwardSpec)
+        rows = list_rows(spec, sizes)
         kind = _kind(like)
         if self._list_kernel is None:
-            mod = load_source(emit_block_list(spec), spec.name + "_block_list")
+            mod = load_source((emit_bwd_block_list if backward else emit_block_list)(spec), spec.name + "_block_list")
             self._list_kernel = getattr(mod, spec.name + "_block_list")
         n_caller = len(caps)
         if kind == "torch":
             import torch
 
-            count = torch.empty(rows, dtype=torch.int32, device=like.device)
-            tiles = torch.empty(rows * nk, dtype=torch.int32, device=like.device)
+            lists = [torch.empty(n, dtype=torch.int32, device=like.device) for _, n in layout]
             stream = torch.cuda.current_stream(like.device).cuda_stream
             launch_stream = cuda.external_stream(stream) if stream else 0
             # no synchronisation: the launch goes on torch's current stream, behind whatever made the tensors
             args = [cuda.as_cuda_array(x, sync=False) if _kind(x) == "torch" else x
                     for x in _one_element_captures(spec, tuple(caps), "torch", like)]
         else:
-            count = cuda.device_array(rows, dtype=np.int32)
-            tiles = cuda.device_array(rows * nk, dtype=np.int32)
+            lists = [cuda.device_array(n, dtype=np.int32) for _, n in layout]
             launch_stream = 0
             args = [cuda.to_device(x) if isinstance(x, np.ndarray) else x
                     for x in _one_element_captures(spec, tuple(caps), kind, like)]
         wrap = (lambda t: cuda.as_cuda_array(t, sync=False)) if kind == "torch" else (lambda t: t)
-        args = args[:n_caller] + [wrap(count), wrap(tiles)]
-        blocks = -(-rows // THREADS)
-        self._list_kernel[blocks, THREADS, launch_stream](B, H, M, N, *args)
+        args = args[:n_caller] + [wrap(x) for x in lists]
+        if rows:
+            self._list_kernel[-(-rows // THREADS), THREADS, launch_stream](B, H, M, N, *args)
         if kind == "numpy":
-            return [count.copy_to_host(), tiles.copy_to_host()]
-        return [count, tiles]
+            return [x.copy_to_host() for x in lists]
+        return lists
+
+    def lists(self, caps: list, sizes: tuple[int, int, int, int], like: Any) -> dict[str, np.ndarray]:
+        """The block lists by derived tag (flat, list_layout's lengths), on the host: for tests and looking."""
+        out = self.derive(caps, sizes, like)
+        layout = list_layout(self.spec, sizes)
+        host = [x.cpu().numpy() if _kind(x) == "torch" else np.asarray(x) if _kind(x) == "numpy"
+                else x.copy_to_host() for x in out[len(out) - len(layout):]]
+        return {tag: h for (tag, _), h in zip(layout, host)}
 
     def block_list(self, caps: list, sizes: tuple[int, int, int, int], like: Any) -> tuple[np.ndarray, np.ndarray]:
         """(kv_count [B, H, nq], kv_tiles [B, H, nq, nk]) on the host, for tests and for looking."""
-        out = self.derive(caps, sizes, like)
-        count, tiles = out[-2], out[-1]
-        host = [x.cpu().numpy() if _kind(x) == "torch" else np.asarray(x) if _kind(x) == "numpy"
-                else x.copy_to_host() for x in (count, tiles)]
+        got = self.lists(caps, sizes, like)
         B, H, M, N = sizes
         nq, nk = -(-M // self.spec.block_q), -(-N // self.spec.block_k)
-        return host[0].reshape(B, H, nq), host[1].reshape(B, H, nq, nk)
+        return got["kv_count"].reshape(B, H, nq), got["kv_tiles"].reshape(B, H, nq, nk)

@@ -6,8 +6,10 @@ Three kernels, in one module each:
   it also zeroes the row of the f32 dQ accumulator, so no separate memset is launched.
 * `<name>(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, *strides, [table], *grad tables, *captures)`: the main
   kernel. One block per (b, kv head, kv tile): K and V stay in shared memory; the block walks the query
-  heads of its group and their non-empty q tiles (classes from `tile_class_fn` or the block table), with the
-  next q tile's Q and dO prefetched by cp.async while the current one is computed.
+  heads of its group and their non-empty q tiles (classes from `tile_class_fn`, the block table, or for data
+  masks classified from range tables (block_mask "list") the list of this kv tile's (head, q tile) pairs that
+  block_data.py makes once per data), with the next q tile's Q and dO prefetched by cp.async while the current
+  one is computed.
 * `<name>_dq(dq32, dq, n)`: dQ's f32 accumulator to the input dtype.
 
 The tensor-core schedule ("mma"): warp w owns kv rows 16w .. 16w + 15 of the tile (block_k = 16 * warps)
@@ -136,8 +138,12 @@ def validate_backward_spec(spec: FA2BackwardSpec) -> None:
     for fn in [f"def elem_{b}(" for b in spec.branches] + [f"def elemq_{b}(" for b in spec.q_branches]:
         if fn not in spec.device_source:
             raise ValueError(f"device_source must define {fn[4:-1]}")
-    if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
-        raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.block_mask in ("static", "list") and "def tile_class_fn" not in spec.device_source:
+        raise ValueError(f"block_mask={spec.block_mask!r} needs a tile_class_fn in device_source")
+    if spec.block_mask == "list" and not {"q_count", "q_tiles"} <= set(_list_args(spec)):
+        raise ValueError("block_mask='list' needs the q_count and q_tiles captures")
+    if spec.block_mask == "list" and spec.dq == "separate" and not {"kv_count", "kv_tiles"} <= set(_list_args(spec)):
+        raise ValueError("block_mask='list' with dq='separate' needs the kv_count and kv_tiles captures")
     if spec.block_mask == "table" and "def mask_fn" not in spec.device_source:
         raise ValueError("block_mask='table' needs a mask_fn in device_source")
     if spec.path == "simt":
@@ -168,6 +174,30 @@ def _module(spec: FA2BackwardSpec, body: str) -> str:
     return header + "\n\n" + (as_f64(code) if spec.dtype == "f64" else code)
 
 
+def _list_args(spec: FA2BackwardSpec) -> dict[str, str]:
+    """The kernel arguments of the block lists (block_mask == "list"), by derived tag (block_data.list_layout)."""
+    return {c.derived[0]: n for c, n in zip(spec.captures, _cap_names(spec))
+            if c.derived[:1] and c.derived[0] in ("q_count", "q_tiles", "kv_count", "kv_tiles")}
+
+
+def _emit_first(c: _Code, spec: FA2BackwardSpec) -> None:
+    """it = the first (head, q tile) this kv tile visits (total when none)."""
+    if spec.block_mask == "list":
+        a = _list_args(spec)
+        c("# the (head, q tile) pairs this kv tile visits, listed once per data (block_data.py): no scan")
+        c("q_row = (b * HK + hk) * nk + kj")
+        c(f"q_n = {a['q_count']}[q_row]")
+        c("q_row = q_row * total")
+        c("q_pos = 0")
+        c(f"it = ({a['q_tiles']}[q_row] >> 1) if q_n > 0 else total")
+        return
+    c("it = 0")
+    if spec.block_mask != "none":
+        c(f"while it < total and {_class_expr(spec, 'it')} == 0:")
+        with c.indent():
+            c("it += 1")
+
+
 def _class_expr(spec: FA2BackwardSpec, it: str) -> str:
     """The class of the (head, q tile) numbered `it` against this block's kv tile."""
     BQ, BK, G = spec.block_q, spec.block_k, spec.group_size
@@ -178,10 +208,18 @@ def _class_expr(spec: FA2BackwardSpec, it: str) -> str:
                 f"{_cap_args(spec)})")
     if spec.block_mask == "table":
         return f"table[((b * H + {h}) * nq + {qt}) * nk + kj]"
+    if spec.block_mask == "list":
+        return "it_cls"  # the current pair's, set by _emit_next
     return "2"
 
 
 def _emit_next(c: _Code, spec: FA2BackwardSpec, cur: str, out: str) -> None:
+    if spec.block_mask == "list":  # cur is entry q_pos of the list
+        qtl = _list_args(spec)["q_tiles"]
+        c(f"it_cls = 1 if {qtl}[q_row + q_pos] & 1 else 2  # pair {cur}: partial or full")
+        c("q_pos += 1")
+        c(f"{out} = ({qtl}[q_row + q_pos] >> 1) if q_pos < q_n else total")
+        return
     c(f"{out} = {cur} + 1")
     if spec.block_mask != "none":
         c(f"while {out} < total and {_class_expr(spec, out)} == 0:")
@@ -428,11 +466,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         loader.load(BK, str(VO), "kv0", "N", "v", "vg", "v_sm")
         c()
         c("# the first non-empty (head, q tile)")
-        c("it = 0")
-        if spec.block_mask != "none":
-            c(f"while it < total and {_class_expr(spec, 'it')} == 0:")
-            with c.indent():
-                c("it += 1")
+        _emit_first(c, spec)
 
         def head_and_tile(itv: str, hv: str, qv: str) -> None:
             if G > 1:
@@ -687,9 +721,15 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
             c("v_r[d] = y if kvi < N else ZERO")
             c("dk_r[d] = ZERO")
             c("dv_r[d] = ZERO")
-        c("it = 0")
+        listed = spec.block_mask == "list"
+        if listed:
+            _emit_first(c, spec)
+        else:
+            c("it = 0")
         c("while it < total:")
         with c.indent():
+            if listed:
+                _emit_next(c, spec, "it", "itn")
             if G > 1:
                 c(f"h = hk * {G} + it // nq")
                 c(f"q0 = (it % nq) * {BQ}")
@@ -758,7 +798,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                             with c.indent():
                                 c(f"cuda.atomic.add(dq32, (q_head + qi) * {D} + d, ds * k_r[d])")
                 _emit_grad_tile_end(c, spec, warp_reduce=False, partials="gp_s[{}]")
-            c("it += 1")
+            c("it = itn" if listed else "it += 1")
         c("if kvi < N:")
         with c.indent():
             c(f"for d in range({D}):")
@@ -853,6 +893,8 @@ def _dq_class_expr(spec: FA2BackwardSpec, j: str) -> str:
         return f"tile_class_q_fn(b, h, q0, q0 + {BQ - 1}, ({j}) * {BK}, ({j}) * {BK} + {BK - 1}{_cap_args(spec)})"
     if spec.block_mask == "table":
         return f"table[((b * H + h) * nq + qt) * nk + {j}]"
+    if spec.block_mask == "list":
+        return "kv_cls"  # the current tile's, set by _emit_dq_next
     return "2"
 
 
@@ -872,6 +914,15 @@ def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
     if spec.block_mask == "none":
         c("kv_first = 0")
         c("kv_last = nk - 1")
+    elif spec.block_mask == "list":
+        a = _list_args(spec)
+        c("# the kv tiles this q tile visits, listed once per data (block_data.py): no scan, no empty tile")
+        c("kv_row = (b * H + h) * nq + qt")
+        c(f"kv_n = {a['kv_count']}[kv_row]")
+        c("kv_row = kv_row * nk")
+        c("kv_pos = 0")
+        c(f"kv_first = ({a['kv_tiles']}[kv_row] >> 1) if kv_n > 0 else 0")
+        c(f"kv_last = ({a['kv_tiles']}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
     else:
         c("kv_first = nk")
         c("kv_last = -1")
@@ -884,6 +935,12 @@ def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
 
 
 def _emit_dq_next(c: _Code, spec: FA2BackwardSpec) -> None:
+    if spec.block_mask == "list":  # j is entry kv_pos of the list
+        kvt = _list_args(spec)["kv_tiles"]
+        c(f"kv_cls = 1 if {kvt}[kv_row + kv_pos] & 1 else 2  # tile j: partial or full")
+        c("kv_pos += 1")
+        c(f"jn = ({kvt}[kv_row + kv_pos] >> 1) if kv_pos < kv_n else kv_last + 1")
+        return
     c("jn = j + 1")
     if spec.block_mask != "none":
         c(f"while jn <= kv_last and {_dq_class_expr(spec, 'jn')} == 0:")

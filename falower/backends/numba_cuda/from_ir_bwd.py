@@ -23,6 +23,7 @@ predicate; both keep the IR's bounds conjunct (kv < N), so a ragged kv tile is n
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class BackwardLowered:
     block_k: int
     group: int
     dq: str  # "atomic" or "separate"
-    block_mask: str  # "none", "static" or "table"
+    block_mask: str  # "none", "static", "list" (static classes, visited from block lists) or "table"
     captures: list[Value]  # func args that are captured tensors, in signature order
     branches: list[_Branch]
     classify: Optional[Op]  # mask.classify of the kv-outer nest (static skipping)
@@ -75,6 +76,15 @@ class BackwardLowered:
     def kv_nest(self) -> Op:
         return next(op for op in self.func.body.ops if op.name == "parallel_for"
                     and any(r.name == "dk" for r in op.results))
+
+
+def list_captures(dq: str) -> tuple[Capture, ...]:
+    """The backward's block lists (block_mask == "list", block_data.list_layout): the kv-outer kernel's q tiles
+    per kv tile, and with dq=separate the q-outer dQ kernel's kv tiles per q tile."""
+    out = (Capture("q_count", "i32", 1, derived=("q_count",)), Capture("q_tiles", "i32", 1, derived=("q_tiles",)))
+    if dq == "separate":
+        out += (Capture("kv_count", "i32", 1, derived=("kv_count",)), Capture("kv_tiles", "i32", 1, derived=("kv_tiles",)))
+    return out
 
 
 def _role_args(func: Func) -> dict[str, Value]:
@@ -122,6 +132,11 @@ def analyse_backward(func: Func) -> BackwardLowered:
                 raise BackendError("numba-cuda backend: mask.ranges of a value that is not a captured input")
             low.ranges.append((captures.index(op.operands[0]), int(op.attrs["axis"]), int(op.attrs["granule"])))
             low.range_values.append(op.results[0])
+    if block_mask == "static" and any(g > 1 for _, _, g in low.ranges):
+        # tables read along q or kv (document ids), as the forward: each kv tile's q tiles (and the dQ kernel's
+        # kv tiles) listed once per data by the list kernel (block_data.py), visited with no scan
+        # (extra={"bwd_block_list": False} keeps the scan, for comparing the two)
+        low.block_mask = "list"
     if dq == "separate":
         q_nest = next((op for op in nests if any(r.name == "dq" for r in op.results)), None)
         q_loops = [op for op in q_nest.regions[0].ops if op.name == "for"] if q_nest is not None else []
@@ -339,6 +354,8 @@ def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, li
     for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
         cap_names[v] = f"rng_{range_name(low.captures[c].name or f'cap{c}', a, g)}"
         sig += f", {cap_names[v]}"
+    if low.block_mask == "list":  # the block lists, last (the spec's derived captures' order)
+        sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
     out: list[str] = []
     for br in low.branches:
         out += _elem_fn(low, br, env, sig) + [""]
@@ -367,10 +384,13 @@ def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, li
 def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str, path: str,
                         num_warps: Optional[int], extra: Optional[dict] = None) -> FA2BackwardSpec:
     D = int(env["D"])
+    if low.block_mask == "list" and (extra or {}).get("bwd_block_list") is False:
+        low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
     src, dims = device_source(low, env)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
+    caps += list_captures(low.dq) if low.block_mask == "list" else ()
     grads = tuple(GradSpec(name, cap, reduced, n_index) for name, cap, reduced, n_index in low.grads)
     bq, bk = low.block_q, low.block_k
     nw = num_warps or (max(1, bk // 16) if path == "mma" else 1)

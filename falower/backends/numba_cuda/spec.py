@@ -102,8 +102,11 @@ class FA2BackwardSpec:
     Contract of `device_source` (from_ir_bwd.py): `elem_<branch>(s, dp, lse, delta, b, h, hk, q, kv,
     interior, *captures) -> (p, ds, contribution, indices..., ...)` for each name in `branches` ("all", or
     "full" and "partial"); `tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures)` for
-    block_mask == "static"; `mask_fn(b, h, q, kv, *captures)` for block_mask == "table". `captures` ends with
-    the run-time sizes the device functions read (dim_M, dim_N, ...: scalar arguments).
+    block_mask == "static" or "list"; `mask_fn(b, h, q, kv, *captures)` for block_mask == "table". `captures`
+    ends with the run-time sizes the device functions read (dim_M, dim_N, ...: scalar arguments), then the
+    derived ones: range tables, and with block_mask == "list" the block lists `("q_count",)`, `("q_tiles",)`
+    (per kv tile the (head, q tile) pairs to visit) and with dq == "separate" `("kv_count",)`, `("kv_tiles",)`
+    (per q tile the kv tiles), laid out as block_data.list_layout says.
     """
 
     name: str
