@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from . import cubin_cache
+from .block_data import BlockTables
 from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
 from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
@@ -638,9 +639,10 @@ class _ForwardPlan:
                     self.cap_scalars[c].append((b, i, 0))
         dev = self.dev_index
         self.launches = []
-        if self.table_n:
-            self.launches.append(_launcher(kern._direct_kernel("mask").function(dev), (nk, nq, B * H), 128, 0,
-                                           mask_buf))  # type: ignore[arg-type]
+        self.tables, self.sizes = kern.block_tables, (B, H, M, N)
+        if self.table_n:  # the dense block table: launched only for data not seen before (block_data.BlockTables)
+            self.mask_launch = _launcher(kern._direct_kernel("mask").function(dev), (nk, nq, B * H), 128, 0,
+                                         mask_buf)  # type: ignore[arg-type]
         self.launches.append(_launcher(main.function(dev), grid(s, B, H, M, N), kern.threads, kern.smem, buf))
         self.stream = _raw_stream_getter()
 
@@ -662,11 +664,13 @@ class _ForwardPlan:
                 b.vals[slot] = x.data_ptr()
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
-        if self.table_n:
-            table = torch.empty(self.table_n, dtype=torch.int8, device=self.device)
-            for b, slot in self.table_slots:
-                b.vals[slot] = table.data_ptr()
         stream = self.stream(self.dev_index)
+        if self.table_n:
+            entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8,
+                                                                            device=self.device))
+            for b, slot in self.table_slots:
+                b.vals[slot] = entry.table.data_ptr()
+            self.tables.fill(entry, lambda: self.mask_launch(stream))
         for run in self.launches:
             run(stream)
         return o, lse
@@ -740,11 +744,12 @@ class _BackwardPlan:
         nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_dq)])
         scalars(buf, nxt, [rows, H, M, *strides[9:12]])
         self.launches.append(_launcher(dk_.function(dev), (-(-rows // 4),), 128, 0, buf))
-        if self.table_n:
+        self.tables, self.sizes = kern.block_tables, tuple(sizes)
+        if self.table_n:  # the dense block table: launched only for data not seen before (block_data.BlockTables)
             dk_, buf = buffer("mask")
             nxt = arrays(buf, 0, [("table", self.table_n)])
             captures(buf, scalars(buf, nxt, sizes))
-            self.launches.append(_launcher(dk_.function(dev), (nk, nq, B * H), 128, 0, buf))
+            self.mask_launch = _launcher(dk_.function(dev), (nk, nq, B * H), 128, 0, buf)
         dk_, buf = buffer("main")
         nxt = arrays(buf, 0, qkvdo + [("lse", rows), ("do", spans[3]), ("delta", rows),
                                       ("dq32", rows if self.separate else n_dq), ("dk", n_kv // per),
@@ -802,8 +807,8 @@ class _BackwardPlan:
         for j, g in enumerate(sums):
             ptr[f"sum{j}"] = g.data_ptr()
         if self.table_n:
-            table = torch.empty(self.table_n, dtype=torch.int8, device=dev)
-            ptr["table"] = table.data_ptr()
+            entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8, device=dev))
+            ptr["table"] = entry.table.data_ptr()
         for name, buf, slot in self.patch:
             buf.vals[slot] = ptr[name]
         for c, buf, slot in self.cap_slots:
@@ -811,6 +816,8 @@ class _BackwardPlan:
         for c, buf, i in self.cap_scalars:
             buf.scalar(i, caps[c])
         stream = self.stream(self.dev_index)
+        if self.table_n:
+            self.tables.fill(entry, lambda: self.mask_launch(stream))
         for run in self.launches:
             run(stream)
         outs = [dq, dk, dv]
@@ -833,6 +840,7 @@ class FA2ForwardKernel:
         self._smem_set: set[tuple] = set()
         self._direct: dict[str, DirectKernel] = {}
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
+        self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
             self.source = emit_cached(emit_fa2_forward, spec, "forward")
             self.mask_source = emit_cached(emit_block_mask, spec, "block_mask") if spec.block_mask == "table" else None
@@ -1047,8 +1055,7 @@ class FA2ForwardKernel:
             lse_k = wrap(lse.reshape(-1))
             caps = [wrap(x.detach()) if hasattr(x, "detach") else x
                     for x in _one_element_captures(s, captures, "torch", q)]
-            table = (wrap(torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device))
-                     if self._mask_kernel else None)
+            alloc = lambda: torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device)  # noqa: E731
         else:
             bits = {"f32": np.float32, "f64": np.float64}.get(s.dtype, np.int16)
 
@@ -1068,7 +1075,10 @@ class FA2ForwardKernel:
                                     dtype=np.uint32 if s.path == "mma" else bits)
             lse_k = cuda.device_array(B * H * M, dtype=_acc_np(s.dtype))
             caps = [x if np.isscalar(x) else dev(x) for x in _one_element_captures(s, captures, kind, q)]
-            table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
+            alloc = lambda: cuda.device_array(B * H * nq * nk, dtype=np.int8)  # noqa: E731
+        # the dense block table (table mode): the one made for these data before, or one the launch fills
+        entry = self.block_tables.entry(list(captures), (B, H, M, N), alloc) if self._mask_kernel else None
+        table = None if entry is None else wrap(entry.table) if kind == "torch" else entry.table
 
         sizes = [B, H, M, N]
         extra = [table] if table is not None else []
@@ -1081,7 +1091,7 @@ class FA2ForwardKernel:
 
         def launch() -> None:
             if block_mask is not None:
-                block_mask(*mask_args)
+                self.block_tables.fill(entry, lambda: block_mask(*mask_args))
             forward(*args)
 
         launch.table = table  # type: ignore[attr-defined]  # the block classes, filled by launch() (table mode)
@@ -1263,6 +1273,7 @@ class FA2BackwardKernel:
         self._direct: dict[str, DirectKernel] = {}
         self._dispatchers: dict[str, Any] = {}
         self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
+        self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "backward")):
             self.source = emit_cached(emit_fa2_backward, spec, "backward")
             self.delta_source = emit_cached(emit_delta, spec, "delta")
@@ -1451,7 +1462,7 @@ class FA2BackwardKernel:
             grads = [torch.zeros(nblk * int(np.prod(x.shape)), dtype=accd, device=dev) for x in grad_caps]
             sums = [torch.empty(int(np.prod(x.shape)), dtype=accd, device=dev) for x in grad_caps]
             caps = [x.detach() if hasattr(x, "detach") else x for x in _one_element_captures(s, captures, kind, q)]
-            table = torch.empty(B * H * nq * nk, dtype=torch.int8, device=dev) if self._mask_kernel else None
+            alloc = lambda: torch.empty(B * H * nq * nk, dtype=torch.int8, device=dev)  # noqa: E731
         else:
             bits = {"f32": np.float32, "f64": np.float64}.get(s.dtype, np.int16)
             pair = np.uint32 if s.path == "mma" else bits
@@ -1482,7 +1493,10 @@ class FA2BackwardKernel:
             grads = [cuda.to_device(np.zeros(nblk * int(np.prod(x.shape)), dtype=accd)) for x in grad_caps]
             sums = [cuda.device_array(int(np.prod(x.shape)), dtype=accd) for x in grad_caps]
             caps = [x if np.isscalar(x) else dev_array(x) for x in _one_element_captures(s, captures, kind, q)]
-            table = cuda.device_array(B * H * nq * nk, dtype=np.int8) if self._mask_kernel else None
+            alloc = lambda: cuda.device_array(B * H * nq * nk, dtype=np.int8)  # noqa: E731
+        # the dense block table (table mode): the one made for these data before, or one the launch fills
+        entry = self.block_tables.entry(list(captures), (B, H, M, N), alloc) if self._mask_kernel else None
+        table = None if entry is None else entry.table
 
         qf, kf, vf, dof, of = flat
         sizes = [B, H, M, N]
@@ -1518,7 +1532,7 @@ class FA2BackwardKernel:
                     g_buf.copy_to_device(zeros[i])
             delta_k(dof, of, delta, dq32, rows, H, M, *strides[9:12])
             if block_mask is not None:
-                block_mask(table, *sizes, *caps)
+                self.block_tables.fill(entry, lambda: block_mask(table, *sizes, *caps))
             main(*args)
             for kern, g_buf, out in parts:
                 kern(g_buf, out, nblk, _numel(out))
