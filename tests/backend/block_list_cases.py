@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "backend"))
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
            "canonicalize"
 
@@ -129,6 +130,93 @@ def run_fwd_case(mask: str, kind: str, M: int, N: int, path: str) -> dict:
             "masked_rows": int((~fin).sum())}
 
 
+def run_bwd_case(kind: str, M: int, N: int, path: str, dq: str) -> dict:
+    """The document example's backward visiting its block lists (per kv tile the q tiles; dq=det: per q tile
+    the kv tiles too) against the backward IR interpreted in float64 (bwd_sim_cases.run_case), 16 x 16 tiles;
+    and how many (kv tile, q tile) pairs the kv-outer list leaves out, rows with a gap among them."""
+    import falower as fl
+    from bwd_sim_cases import BWD, DQ, FWD, run_case
+    from falower.passes.check import bind_dims, random_inputs
+
+    out = run_case("document", path, 16, M, N, dq, kind=kind)
+    out["id"] = bwd_id((kind, M, N, path, dq))
+    g = graph("document")
+    env = bind_dims(g, {"B": 1, "H": 2, "M": M, "N": N, "D": 16})
+    inputs = random_inputs(g, env, seed=1, kind=kind)  # run_case's ids (its seed, its kind)
+    inputs = [x.astype(np.float16) if i < 3 else x for i, x in enumerate(inputs)]
+    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=BWD.format(t=16, tk=16, dq=DQ[dq]), path=path)
+    kern = c.backward_kernel(*inputs)
+    caps = [inputs[3]] + [int(env[d]) for d in kern.spec.dims]
+    lists = c.block_data(kern).lists(caps, (1, 2, M, N), inputs[0])
+    nq, nk = -(-M // 16), -(-N // 16)
+    count, tiles = lists["q_count"], lists["q_tiles"]
+    out["skipped"] = int(2 * nq * nk - count.sum())
+    out["holes"] = sum(int(np.any(np.diff(tiles[r * nq: r * nq + count[r]] >> 1) > 1)) for r in range(2 * nk))
+    return out
+
+
+def run_table_case(M: int, N: int, backward: bool = False) -> dict:
+    """A mask the range analysis cannot bound (offsets[ids[q]] <= kv: a table read at an index read from data)
+    keeps the dense block table; called twice with the same ids and offsets it is evaluated once, with offsets
+    written in place once more, and the numbers are the reference's every time (row 0 and other rows fully
+    masked: offsets past the last kv). With `backward`, two backward calls evaluate the backward's table once."""
+    import falower as fl
+    from falower.passes.check import Reference, bind_dims
+
+    g = graph("nested")
+    env = bind_dims(g, {"B": 1, "H": 1, "M": M, "N": N, "D": 16})
+    rng = np.random.default_rng(M * 100 + N)
+    q = rng.standard_normal((1, 1, M, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, N, 16)).astype(np.float16) for _ in range(2))
+    ids = rng.integers(0, N, size=N).astype(np.int32)
+    offsets = rng.integers(0, N + 2, size=N).astype(np.int32)
+    offsets[ids[0]] = N  # row 0 (and every row of its id) attends to nothing
+    names = [a.name for a in g.args[3:]]
+    tables = {"ids": ids, "offsets": offsets}
+    inputs = [q, k, v] + [tables[n] for n in names]
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE.format(bq=32, bk=16), path="mma", num_warps=2,
+                   backward=bwd_pipeline() if backward else None)
+    kern = c.kernel(*inputs)
+    errs, counts, masked = [], [], 0
+
+    def run() -> None:
+        nonlocal masked
+        ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
+        o, lse = c(*inputs)
+        want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
+        fin = np.isfinite(want_lse)
+        masked = max(masked, int((~fin).sum()))
+        ok = bool(np.array_equal(np.isneginf(lse), ~fin)) and not np.isnan(o).any()
+        err = float(np.max(np.abs(np.asarray(o, np.float64) - want_o)))
+        lerr = float(np.max(np.abs(lse[fin] - want_lse[fin]))) if fin.any() else 0.0
+        errs.append(err if ok and lerr <= 1e-3 else float("inf"))
+        counts.append(kern.block_tables.evaluations)
+
+    run()
+    run()  # the same arrays: not evaluated again
+    offsets[:] = np.where(np.arange(N) % 2 == 0, 0, N)  # in place: every other id keeps all, the rest nothing
+    run()
+    out = {"id": table_id((M, N, backward)), "block_mask": kern.spec.block_mask, "evaluations": counts,
+           "errs": errs, "masked_rows": masked}
+    if backward:
+        o, lse = c(*inputs)
+        do = np.random.default_rng(3).standard_normal(o.shape).astype(np.float16)
+        bk = c.backward_kernel(*inputs)
+        g1 = c.backward(q, k, v, o, lse, do, *inputs[3:])
+        g2 = c.backward(q, k, v, o, lse, do, *inputs[3:])
+        out["bwd_block_mask"] = bk.spec.block_mask
+        out["bwd_evaluations"] = bk.block_tables.evaluations
+        out["bwd_same"] = all(np.array_equal(np.asarray(a), np.asarray(b)) or name == "dq"
+                              for name, a, b in zip(c.gradient_names(), g1, g2))
+    return out
+
+
+def bwd_pipeline() -> str:
+    from bwd_sim_cases import BWD, DQ
+
+    return BWD.format(t=16, tk=16, dq=DQ["atomic"])
+
+
 # sizes around the tiles (32 x 16): 1, 2, tile - 1, tile, tile + 1, M != N both ways
 SIZES = [(1, 1), (2, 2), (31, 15), (32, 16), (33, 17), (40, 9), (9, 40), (65, 65)]
 # ascending, unsorted, constant, every id -1 (fully masked rows), all distinct ids (positions), descending
@@ -140,6 +228,25 @@ FWD_CASES = [("document", "sorted", 40, 37, "mma"), ("document", "sorted", 9, 40
              ("document", "nothing", 17, 33, "mma"), ("document", "positions", 33, 17, "simt"),
              ("doc_per_head", "blocks", 40, 37, "simt"), ("global_window", "unsorted", 40, 37, "mma"),
              ("threshold", "positions", 40, 37, "mma")]  # thr[h]: range tables, in-kernel scan (static)
+
+
+# the backward over its lists (16 x 16 tiles): ragged sizes, ids unsorted, constant, all distinct, all padding,
+# and sorted ones whose lists have gaps; both paths, both ways of making dQ
+BWD_CASES = [("unsorted", 40, 37, "mma", "atomic"), ("constant", 33, 17, "mma", "det"),
+             ("positions", 17, 33, "simt", "atomic"), ("nothing", 20, 19, "mma", "det"),
+             ("sorted", 65, 50, "mma", "atomic")]
+# the dense block table, once per distinct data: sizes 1, 2, tile - 1, tile + 1, M != N both ways (32 x 16)
+TABLE_CASES = [(1, 1, False), (2, 2, False), (31, 15, False), (33, 17, True), (40, 9, False), (9, 40, False)]
+
+
+def bwd_id(case: tuple) -> str:
+    kind, M, N, path, dq = case
+    return f"bwd-document-{kind}-{M}x{N}-{path}-{dq}"
+
+
+def table_id(case: tuple) -> str:
+    M, N, backward = case
+    return f"table-nested-{M}x{N}" + ("-bwd" if backward else "")
 
 
 def list_id(case: tuple) -> str:
@@ -155,6 +262,7 @@ def fwd_id(case: tuple) -> str:
 if __name__ == "__main__":
     wanted = sys.argv[1:]
     jobs = [(list_id(c), run_list_case, c) for c in LIST_CASES] + [(fwd_id(c), run_fwd_case, c) for c in FWD_CASES]
+    jobs += [(bwd_id(c), run_bwd_case, c) for c in BWD_CASES] + [(table_id(c), run_table_case, c) for c in TABLE_CASES]
     for cid, run, args in jobs:
         if wanted and cid not in wanted:
             continue

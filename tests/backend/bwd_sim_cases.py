@@ -29,7 +29,8 @@ def example(stem: str):
     return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, Func))
 
 
-def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16) -> dict:
+def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16,
+             kind: str = "sorted") -> dict:
     import falower as fl
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
@@ -38,7 +39,7 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic"
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": D})
     bk = bk or tile
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
-              for i, x in enumerate(random_inputs(g, env, seed=1))]
+              for i, x in enumerate(random_inputs(g, env, seed=1, kind=kind))]
     bwd = BWD.format(t=tile, tk=bk, dq=DQ[dq])
     c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=bwd, path=path)
     ref = fl.compile(g, "reference", pipeline=FWD, backward=bwd)
@@ -50,7 +51,8 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic"
     by = {a.name: x for a, x in zip(g.args, inputs)}
     by.update(o=o, lse=lse, do=do)
     want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
-    out = {"id": case_id((stem, path, tile, M, N, dq, bk, D)), "grads": {}}
+    out = {"id": case_id((stem, path, tile, M, N, dq, bk, D)), "grads": {},
+           "block_mask": c.backward_kernel(*inputs).spec.block_mask}
     for name, a, b in zip(c.gradient_names(), got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         out["grads"][name] = {"err": float(np.max(np.abs(a - b))), "scale": float(np.max(np.abs(b))),
