@@ -392,15 +392,16 @@ def example_stems() -> list[str]:
     return sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 
 
-def example_compiled(stem: str, schedule: Optional[str] = None):
+def example_compiled(stem: str, schedule: Optional[str] = None, **extra):
     """examples/<stem>.py by falower.compile: its own choice of kernel, or extra={"schedule": schedule}
-    ("mma": the mma.sync kernel, to time beside the automatic choice)."""
+    ("mma": the mma.sync kernel, to time beside the automatic choice), plus any other `extra`."""
     import falower as fl
 
-    key = ("example", stem, schedule)
+    key = ("example", stem, schedule, tuple(sorted(extra.items())))
     if key not in _COMPILED:
         g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
-        _COMPILED[key] = fl.compile(g, "numba-cuda", extra={"schedule": schedule} if schedule else None)
+        opts = {**({"schedule": schedule} if schedule else {}), **extra}
+        _COMPILED[key] = fl.compile(g, "numba-cuda", extra=opts or None)
     return _COMPILED[key]
 
 
@@ -580,6 +581,14 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
             c.backward(q, k, v, o, lse, do, *caps)
 
         measure(row, "bwd ours+call", f2, lambda: call)
+        # the backward alone (2.5 of the forward's FLOPs), on the forward's o and lse
+        o_b, lse_b = c.forward(q, k, v, *caps)
+        measure(row, "bwd only", 2.5 * flops, lambda: lambda: c.backward(q, k, v, o_b, lse_b, do, *caps))
+        if c.backward_kernel(q, k, v, *caps).spec.block_mask == "list":  # issue 12: beside the scan it replaced
+            scan = example_compiled(stem, bwd_block_list=False)
+            measure(row, "bwd only scan", 2.5 * flops, lambda: lambda: scan.backward(q, k, v, o_b, lse_b, do, *caps))
+            log(f"  {stem}: backward alone {row.get('bwd only', NAN):.0f} TFLOP/s over its block lists, "
+                f"{row.get('bwd only scan', NAN):.0f} scanning the range tables")
         measure(row, "bwd autograd", f2, lambda: lambda: c(ql, kl, vl, *grad_caps)[0].backward(do),
                 grad_to_none=[ql, kl, vl, *floats])
     # sanity, not a check: falower against Flex (both fp16), relative to the output's size
@@ -702,12 +711,15 @@ def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
 
 def example_table(rows: list, dev: str) -> list[str]:
     """Flex no-dcap: Flex without the captured tensors' gradients (falower always computes them);
-    mask ms: Flex's create_block_mask, outside its timings (falower classifies tiles inside each call)."""
+    mask ms: Flex's create_block_mask, outside its timings (falower classifies tiles inside each call).
+    bwd ours: the backward alone; bwd scan: the same, its kv-outer kernel scanning range tables instead of
+    visiting block lists (data-dependent masks only, issue 12)."""
     md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls "
           "(fwd kernel: the automatic choice; fwd mma: the mma.sync kernel where that choice was wgmma)", "",
           "| example | D | keep | fwd kernel | fwd ours | fwd mma | ours/mma | fwd Flex | ours/Flex | f+b ours "
-          "| f+b autograd | f+b Flex | ours/Flex | f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff |",
-          "|" + "---|" * 17]
+          "| f+b autograd | f+b Flex | ours/Flex | f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff "
+          "| bwd ours | bwd scan |",
+          "|" + "---|" * 19]
     for r in rows:
         md.append(f"| {r['example']} | {r['D']} | {r['density']:.2f} | {r.get('fwd kernel', '-')} | "
                   f"{_f(r.get('fwd ours+call'))} | {_f(r.get('fwd mma+call'))} | "
@@ -716,7 +728,7 @@ def example_table(rows: list, dev: str) -> list[str]:
                   f"{_f(r.get('bwd ours+call'))} | {_f(r.get('bwd autograd'))} | {_f(r.get('bwd flex'))} | "
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | {_f(r.get('bwd flex nodcap'))} | "
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex nodcap'))} | {_f(r.get('flex mask ms'), 2)} | "
-                  f"{r.get('o diff vs flex', NAN):.1e} |")
+                  f"{r.get('o diff vs flex', NAN):.1e} | {_f(r.get('bwd only'))} | {_f(r.get('bwd only scan'))} |")
     return md
 
 

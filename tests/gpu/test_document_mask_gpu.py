@@ -2,6 +2,11 @@
 tables, the forward's block list, made once per document-id tensor) against a float64 reference, with
 FlashAttention's error rule; the block data is made once and reused across calls; and the forward's speed
 against the same kernels' plain attention over the kept entries (printed; the bench compares with Flex).
+The backward visits block lists too (issue 12: per kv tile the q tiles, and the deterministic dQ kernel's per
+q tile kv tiles): both backward pipelines against float64 autograd, the device's lists equal to the list
+kernel's row code run on the host, made once per tensor and anew after an in-place write, and the backward's
+time over the lists against the range-table scan they replace (printed). A mask the range analysis cannot
+bound evaluates its dense block table once per distinct data.
 
     python -m pytest -q -s tests/gpu/test_document_mask_gpu.py
 """
@@ -23,11 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 COMPILED: dict = {}
 
 
-def compiled():
-    if "doc" not in COMPILED:
+def compiled(**kw):
+    """The document example compiled (kw: falower.compile's, e.g. deterministic=True or extra={...})."""
+    key = ("doc", tuple(sorted((k, repr(v)) for k, v in kw.items())))
+    if key not in COMPILED:
         g = runpy.run_path(str(ROOT / "examples" / "document.py"))["graph"]
-        COMPILED["doc"] = fl.compile(g, "numba-cuda")
-    return COMPILED["doc"]
+        COMPILED[key] = fl.compile(g, "numba-cuda", **kw)
+    return COMPILED[key]
 
 
 def doc_ids(kind: str, B: int, N: int, gen) -> "torch.Tensor":
@@ -143,3 +150,185 @@ def test_document_forward_speed_against_plain():
     print(f"\ndocument mask: {t_doc:.3f} ms, plain: {t_plain:.3f} ms, density {keep:.3f}, "
           f"document TFLOP/s over kept entries {4 * B * H * N * N * D * keep / t_doc / 1e9:.0f}, "
           f"plain {4 * B * H * N * N * D / t_plain / 1e9:.0f}")
+
+
+def _grads_close(got, want, name):
+    scale = want.abs().max().item() + 1e-6
+    assert not torch.isnan(got).any(), name
+    assert (got.double() - want).abs().max().item() <= 2e-2 * scale + 1e-3, name
+
+
+def _backward_lists(c, q, k, v, doc):
+    """(kernel, the lists the runtime made on the device, the list kernel's row code run on the host)."""
+    import numpy as np
+
+    from falower.backends.numba_cuda.block_data import host_block_lists, list_layout
+    from falower.ir.intervals import minmax_table
+
+    kern = c.backward_kernel(q, k, v, doc)
+    B, H, N = doc.shape[0], q.shape[1], doc.shape[1]
+    dims = [int({"M": q.shape[2], "N": k.shape[2]}[d]) for d in kern.spec.dims]
+    got = c.block_data(kern).lists([doc, *dims], (B, H, q.shape[2], k.shape[2]), q)
+    host_doc = doc.cpu().numpy()
+    ranges = [minmax_table(host_doc, c_.derived[2], c_.derived[3]).astype(np.int32)
+              for c_ in kern.spec.captures if c_.derived[:1] == ("ranges",)]
+    want = host_block_lists(kern.spec, [host_doc, *dims, *ranges], (B, H, q.shape[2], k.shape[2]))
+    return kern, got, dict(zip([t for t, _ in list_layout(kern.spec, (B, H, q.shape[2], k.shape[2]))], want))
+
+
+def _same_lists(spec, got, want, sizes):
+    """Counts equal, and each row's listed entries (the rest of a row is not written on the device)."""
+    import numpy as np
+
+    B, H, M, N = sizes
+    nq, nk = -(-M // spec.block_q), -(-N // spec.block_k)
+    for count, tiles, width in (("q_count", "q_tiles", nq * spec.group_size), ("kv_count", "kv_tiles", nk)):
+        if count not in want:
+            continue
+        np.testing.assert_array_equal(got[count], want[count])
+        for r, n in enumerate(want[count]):
+            np.testing.assert_array_equal(got[tiles][r * width: r * width + n], want[tiles][r * width: r * width + n])
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant", "distinct", "padding"])
+@pytest.mark.parametrize("N", [1, 63, 130, 1000, 2048])
+def test_document_backward_over_block_lists(kind, N, deterministic):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(N + 7)
+    B, H, D = 2, 4, 128
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+    doc = doc_ids(kind, B, N, gen)
+    c = compiled(deterministic=deterministic)
+    o, lse = c.forward(q, k, v, doc)
+    kern, got, want = _backward_lists(c, q, k, v, doc)
+    assert kern.spec.block_mask == "list"
+    assert ("kv_count" in got) == deterministic  # the q-outer dQ kernel's list: deterministic mode only
+    _same_lists(kern.spec, got, want, (B, H, N, N))
+    ql, kl, vl = (x.double().requires_grad_(True) for x in (q, k, v))
+    ro, _, _ = reference(ql, kl, vl, doc)
+    ro.backward(do.double())
+    grads = c.backward(q, k, v, o, lse, do, doc)[:3]
+    for name, g, want_g in zip(("dq", "dk", "dv"), grads, (ql.grad, kl.grad, vl.grad)):
+        _grads_close(g, want_g, name)
+    if deterministic:  # no atomics: the same bits again
+        assert all(torch.equal(a, b) for a, b in zip(grads, c.backward(q, k, v, o, lse, do, doc)[:3]))
+
+
+def test_backward_block_lists_made_once_per_tensor():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    B, H, N, D = 2, 4, 1024, 128
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+    doc = doc_ids("sorted", B, N, gen)
+    c = compiled()
+    o, lse = c.forward(q, k, v, doc)
+    c.backward(q, k, v, o, lse, do, doc)
+    bd = c.block_data(c.backward_kernel(q, k, v, doc))
+    made = {key: val for key, (_, val) in bd._cache.items()}
+    c.backward(q, k, v, o, lse, do, doc)
+    assert bd._cache.keys() == made.keys() and all(bd._cache[key][1] is made[key] for key in made)  # made once
+    doc[:, N // 3: N // 2] = 5  # in place: new lists, and the gradients of the new mask
+    o, lse = c.forward(q, k, v, doc)
+    dq, dk, dv = c.backward(q, k, v, o, lse, do, doc)[:3]
+    assert any(key not in made for key in bd._cache)  # made anew for the new version
+    ql, kl, vl = (x.double().requires_grad_(True) for x in (q, k, v))
+    ro, _, _ = reference(ql, kl, vl, doc)
+    ro.backward(do.double())
+    for name, g, want_g in (("dq", dq, ql.grad), ("dk", dk, kl.grad), ("dv", dv, vl.grad)):
+        _grads_close(g, want_g, name)
+    kern, got, want = _backward_lists(c, q, k, v, doc)
+    _same_lists(kern.spec, got, want, (B, H, N, N))
+    nq = -(-N // kern.spec.block_q)
+    assert (got["q_count"] < nq).any()  # sorted ids: a kv tile visits only the q tiles of its documents
+
+
+def test_document_backward_speed_lists_against_scan():
+    """Printed, not asserted: ms of the document backward (8 documents a row, 1/16 padding; B = 4, H = 16,
+    N = 4096, D = 128) over its block lists and scanning the range tables (extra bwd_block_list=False), and of
+    plain attention's backward."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import runpy as _r
+
+    B, H, N, D = 4, 16, 4096, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+    doc = doc_ids("sorted", B, N, gen)
+    c, scan = compiled(), compiled(extra={"bwd_block_list": False})
+    assert scan.backward_kernel(q, k, v, doc).spec.block_mask == "static"
+    plain = fl.compile(_r.run_path(str(ROOT / "examples" / "plain.py"))["graph"], "numba-cuda")
+    o, lse = c.forward(q, k, v, doc)
+    po, plse = plain.forward(q, k, v)
+
+    def ms(fn):
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+    a = c.backward(q, k, v, o, lse, do, doc)
+    b = scan.backward(q, k, v, o, lse, do, doc)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # dK, dV: the same tiles in the same order
+    keep = ((doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)).float().mean().item()
+    t_list = ms(lambda: c.backward(q, k, v, o, lse, do, doc))
+    t_scan = ms(lambda: scan.backward(q, k, v, o, lse, do, doc))
+    t_plain = ms(lambda: plain.backward(q, k, v, po, plse, do))
+    flops = 2.5 * 4 * B * H * N * N * D
+    print(f"\ndocument backward: lists {t_list:.3f} ms, scan {t_scan:.3f} ms (scan/lists {t_scan / t_list:.2f}), "
+          f"plain {t_plain:.3f} ms, density {keep:.3f}; TFLOP/s over kept entries: lists "
+          f"{flops * keep / t_list / 1e9:.0f}, scan {flops * keep / t_scan / 1e9:.0f}, plain {flops / t_plain / 1e9:.0f}")
+
+
+def test_dense_block_table_once_per_data():
+    """offsets[ids[q]] <= kv: a table read at an index read from data, which the range analysis cannot bound:
+    the dense block table is evaluated once for calls with the same tensors (forward and backward each),
+    again after an in-place write, and the numbers follow the data."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    ids_t = fl.capture("ids", "i32", "N")
+    offsets_t = fl.capture("offsets", "i32", "N")
+    g = fl.attention(mask_mod=lambda b, h, q, kv: offsets_t[ids_t[q]] <= kv, name="nested_gpu")
+    c = fl.compile(g, "numba-cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    B, H, N, D = 2, 4, 1000, 64
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+    ids = torch.randint(0, N, (N,), device="cuda", generator=gen, dtype=torch.int32)
+    offsets = torch.randint(0, N + 2, (N,), device="cuda", generator=gen, dtype=torch.int32)
+    offsets[ids[0]] = N  # rows of that id attend to nothing
+    fwd = c.kernel(q, k, v, ids, offsets)
+    assert fwd.spec.block_mask == "table"
+
+    def ref(qq, kk, vv):
+        keep = (offsets[ids.long()][:, None] <= torch.arange(N, device="cuda")[None, :])
+        s = (qq @ kk.transpose(-1, -2)) / math.sqrt(D)
+        s = s.masked_fill(~keep, -math.inf)
+        rows = keep.any(-1)
+        p = torch.softmax(s.masked_fill(~rows[:, None], 0.0), dim=-1) * rows[:, None]
+        return p.to(qq.dtype) @ vv, rows
+
+    for step in range(3):
+        o, lse = c.forward(q, k, v, ids, offsets)
+        o2, lse2 = c.forward(q, k, v, ids, offsets)
+        assert torch.equal(o, o2)
+        assert fwd.block_tables.evaluations == step + 1  # once for the two calls with this data
+        want, rows = ref(q.double(), k.double(), v.double())
+        assert (o.double() - want).abs().max().item() < 2e-2
+        assert (o[..., ~rows, :] == 0).all() and torch.isneginf(lse[..., ~rows]).all()
+        ql, kl, vl = (x.double().requires_grad_(True) for x in (q, k, v))
+        ref(ql, kl, vl)[0].backward(do.double())
+        bwd = c.backward_kernel(q, k, v, ids, offsets)
+        for _ in range(2):
+            grads = c.backward(q, k, v, o, lse, do, ids, offsets)[:3]
+        assert bwd.spec.block_mask == "table" and bwd.block_tables.evaluations == step + 1
+        for name, g_, w in zip(("dq", "dk", "dv"), grads, (ql.grad, kl.grad, vl.grad)):
+            _grads_close(g_, w, name)
+        offsets[: N // 4] = offsets[: N // 4].flip(0) + step  # in place: new data
