@@ -103,7 +103,8 @@ def parse_config(text: str) -> tuple:
     (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-stN' its ring
     of N K/V stages (default 2);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
-    keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k"."""
+    keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
+    its descriptors built inside the loop (opaque_desc)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -133,6 +134,8 @@ def parse_config(text: str) -> tuple:
             extra["bwd_schedule"] = "wgmma"
         elif o == "bdqk":
             extra.update(bwd_schedule="wgmma", dq_split="k")
+        elif o == "bop":
+            extra.update(bwd_schedule="wgmma", opaque_desc="k,v,ds,kt")
         else:
             raise ValueError(f"unknown config option {o!r} in {text!r}")
     return (int(bq), int(bk), int(warps), extra)
@@ -162,6 +165,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-wskip" if extra["warp_skip"] else "-nowskip"
     if extra.get("dq_split") == "k":
         tag += "-bdqk"
+    elif extra.get("opaque_desc"):
+        tag += "-bop"
     elif extra.get("bwd_schedule") == "wgmma":
         tag += "-bwg"
     return tag
@@ -679,7 +684,7 @@ def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
     title = "forward" if phase == "fwd" else "forward + backward (FLOPs = 3.5 x forward)"
     # with the automatic config timed: its ratios to the others, and the best wgmma over the best mma.sync config
     auto = f"{phase} ours auto" in ours
-    bwg = [k for k in ours if k.endswith(("-bwg", "-bdqk"))]  # the backward on wgmma (emit_fa3_bwd)
+    bwg = [k for k in ours if k.endswith(("-bwg", "-bdqk", "-bop"))]  # the backward on wgmma (emit_fa3_bwd)
     bmma = [k.rsplit("-", 1)[0] for k in bwg if k.rsplit("-", 1)[0] in ours]  # their twins on mma.sync
     wg = [k for k in ours if k.split()[-1].split("-")[1:2] == ["wg"] and k not in bwg]
     mma = [k for k in ours if k not in wg and k not in bwg and k != f"{phase} ours auto"]

@@ -71,6 +71,7 @@ from falower.backends.numba_cuda.wgmma import (
     desc_hi,
     fence_proxy_async,
     make_desc,
+    opaque_u32,
     wgmma_commit,
     wgmma_fence_regs,
     wgmma_rs,
@@ -107,6 +108,14 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     block); "k" (block_q = 64) each warpgroup its own 64 kv rows (its own dS^T rows) and every column: no
     column offsets inside a swizzle atom (D = 64: n32 at +64 bytes under "n"), twice the reductions."""
     return str(spec.extra.get("dq_split", "n"))
+
+
+def _opaque(spec: FA2BackwardSpec) -> tuple[str, ...]:
+    """spec.extra["opaque_desc"]: the operands whose descriptors are built inside the loop (wgmma.opaque_u32), a
+    comma-separated subset of k, v, ds, kt; default none (LLVM hoists them: 2 registers each). ptxas's spills at
+    D = 128 move either way (sm_90a, bytes none / all: plain 40 / 144, causal 52 / 0, alibi 36 / 0, gqa 68 / 16):
+    an A/B for the GPU, not a settled choice."""
+    return tuple(x for x in str(spec.extra.get("opaque_desc", "")).split(",") if x)
 
 
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
@@ -359,6 +368,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
             if len(spec.branches) > 1:
                 c(f"cls = {_class_expr(spec, 'hc', 'qc')}")
+            which = _opaque(spec)
+            if which:
+                c("# loop-invariant operands' addresses made opaque once a tile: their descriptors are built here,")
+                c("# not hoisted out of the loop (2 registers each)")
+            for nm in ("k", "v", "ds", "kt"):
+                c(f"{nm}_wl = opaque_u32({nm}_wg)" if nm in which else f"{nm}_wl = {nm}_wg")
             c(f"qb = sb + {QO} + buf * {TQ}")
             c(f"ob = sb + {DOO} + buf * {TQ}")
             c(f"lse_f = ((sbr + {STO}) >> 2) + buf * {BQ}")
@@ -371,11 +386,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             for ks in range(KS):
                 a = f"{(ks // 4) * BK * 128 + (ks % 4) * 32}"
                 bq = f"{(ks // 4) * BQ * 128 + (ks % 4) * 32}"
-                c(f"WG_S(sacc, 0, make_desc(HI_KM, k_wg + {a}), make_desc(HI_KM, qb + {bq}), {int(ks > 0)})")
+                c(f"WG_S(sacc, 0, make_desc(HI_KM, k_wl + {a}), make_desc(HI_KM, qb + {bq}), {int(ks > 0)})")
             for ks in range(KS):
                 a = f"{(ks // 4) * BK * 128 + (ks % 4) * 32}"
                 bq = f"{(ks // 4) * BQ * 128 + (ks % 4) * 32}"
-                c(f"WG_S(pacc, 0, make_desc(HI_KM, v_wg + {a}), make_desc(HI_KM, ob + {bq}), {int(ks > 0)})")
+                c(f"WG_S(pacc, 0, make_desc(HI_KM, v_wl + {a}), make_desc(HI_KM, ob + {bq}), {int(ks > 0)})")
             c("wgmma_commit()")
             c("WAIT_S(sacc, 0)")
             c("WAIT_S(pacc, 0)")
@@ -452,7 +467,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
               + (" of this warpgroup's 64" if KSPLIT else ""))
             c("FENCE_Q(dqa, 0)")
             for kk in range(KQ):
-                c(f"WG_Q(dqa, 0, make_desc(HI_KV, ds_wg + {kk * 2048}), make_desc(HI_KV, kt_wg + {kk * 2048}), "
+                c(f"WG_Q(dqa, 0, make_desc(HI_KV, ds_wl + {kk * 2048}), make_desc(HI_KV, kt_wl + {kk * 2048}), "
                   f"{int(kk > 0)})")
             c("wgmma_commit()")
             c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")

@@ -52,6 +52,10 @@ Public names (identical in both modes):
     cp_async_wait(n)                      -> f(): cp.async.wait_group n
     rcp_approx(x)                         f32 -> f32, rcp.approx.ftz (an IEEE `1 / x` is rcp.rn, which ptxas
                                           expands to a subroutine call: calls serialize every wgmma)
+    opaque_u32(x)                         x as uint32, through an empty asm the compilers cannot see into: an address
+                                          made opaque once per loop iteration keeps the descriptors built from it
+                                          inside the loop (LLVM hoists loop-invariant descriptors, 2 registers
+                                          each: the backward's K / V / dS^T ones were 64 registers across its loop)
     desc_hi(lbo_bytes, sbo_bytes, swizzle=128)   host: the constant upper bits of a descriptor (int)
     make_desc(hi, addr)                   device: hi | start address (shared byte address: u32)
     swizzled_offset(r, c)                 device/host: byte offset of row r, 16-byte chunk c in a 128 B-swizzled
@@ -84,6 +88,7 @@ __all__ = [
     "wgmma_rs",
     "cp_async_wait",
     "rcp_approx",
+    "opaque_u32",
     "desc_hi",
     "make_desc",
     "swizzled_offset",
@@ -245,6 +250,9 @@ if SIMULATOR:
     def cp_async_wait(n: int):
         return _noop
 
+    def opaque_u32(x):
+        return np.uint32(int(x) & 0xFFFFFFFF)
+
     def rcp_approx(x):
         with np.errstate(divide="ignore"):
             return np.float32(np.float32(1.0) / np.float32(x))
@@ -305,6 +313,15 @@ else:
     @functools.lru_cache(maxsize=None)
     def cp_async_wait(n: int):
         return _void_asm(f"cp_async_wait{n}", f"cp.async.wait_group {int(n)};")
+
+    @intrinsic
+    def opaque_u32(typingctx, x):
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], _U32)
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            return builder.call(ir.InlineAsm(fnty, "mov.b32 $0, $1;", "=r,r", side_effect=True), [v])
+
+        return _U32(x), codegen
 
     @intrinsic
     def rcp_approx(typingctx, x):
