@@ -110,7 +110,8 @@ def data_graph(mask: str, dtype: str) -> tuple:
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_data_mask_error_rule(mask, dtype, D, M, N, kind):
     """Each data mask of issue 7 at ragged sizes and adversarial data: the kernel within FlashAttention's
-    rule of the float64 reference, and its block table equal to the IR's mask.block_table."""
+    rule of the float64 reference, and its block table equal to the IR's mask.block_table (a dense table), or
+    its block list sound against the mask at every pair (masks classified from range tables, issue 12)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g, c = data_graph(mask, dtype)
@@ -123,13 +124,44 @@ def test_data_mask_error_rule(mask, dtype, D, M, N, kind):
     caps = [dev[c.lowered.args.index(v)] for v in c.analysis.captures] + \
         [int(env[d]) for d in c.analysis.runtime_dims]
     kern = c.kernel(*dev)
-    got = kern.block_table(dev[0], dev[1], dev[2], *caps)
     it = fl.ir.interp.Interpreter("f64")
     it.env_dims = dict(env)
     low = c.lowered_of(kern)  # the IR the kernel came from (its tiles: the wgmma kernel's may differ)
+    if kern.spec.block_mask == "list":  # classified from range tables: sound against every pair's mask
+        assert_block_list_sound(c, kern, low, it, dev, host, env, M, N)
+        return
+    if kern.spec.block_mask != "table":  # tiles classified in the kernel from range tables (data=ranges): no
+        return  # table to compare; the error rule above is the check (the simulator suites test the classes)
+    got = kern.block_table(dev[0], dev[1], dev[2], *caps)
     op = next(x for x in low.walk() if x.name == "mask.block_table")
     (table,) = it.op(op, {a: x for a, x in zip(low.args, host)})
     assert np.array_equal(got, table)
+
+
+def assert_block_list_sound(c, kern, low, it, dev, host, env, M: int, N: int) -> None:
+    """The kernel's block list (made on the device from the range tables) never skips a tile with a kept pair
+    and never calls a tile full that has a masked pair (a ragged last kv tile is never full): the IR's exact
+    classes of every tile (the mask at every pair) against the list's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+    from block_list_cases import block_list_classes
+
+    from falower.ir.intervals import minmax_table
+
+    B, H = (int(n) for n in dev[0].shape[:2])
+    bq, bk = kern.spec.block_q, kern.spec.block_k
+    got, _, _ = block_list_classes(c, dev, env, B, H, M, N, bq, bk)
+    op = next(o for o in low.walk() if o.name == "mask.kv_range")
+    spec = op.attrs["ranges"]
+    by_arg = {a: x for a, x in zip(low.args, host)}
+    op_caps = [by_arg[v] for v in op.operands[4:4 + len(op.operands) - 4 - len(spec)]]
+    tables = [minmax_table(op_caps[ci], axis, gr) for ci, axis, gr in spec]
+    nq, nk = got.shape[2:]
+    exact = it.block_classes(op.regions[0], op_caps + tables, B, H, nq, nk, bq, bk, M)
+    ragged = np.zeros(nk, dtype=bool)
+    ragged[-1] = N % bk != 0
+    assert not ((got == 0) & (exact != 0)).any(), "a tile with a kept pair is not in the list"
+    assert not ((got == 2) & (exact != 2) & ~(ragged[None, None, None, :] & (exact != 0))).any(), \
+        "a tile with a masked pair is listed as full"
 
 
 # ------------------------------------------------------------ the frontend's newer idioms on the GPU (issue 7)
