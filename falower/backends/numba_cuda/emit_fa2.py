@@ -490,14 +490,27 @@ def mma_step_helper(c: _Code, name: str, mma: str, ldsm: str, MF: int, stride: i
     return c.helper(name, lines)
 
 
+def mma_row_helper(c: _Code, name: str, step: str, MF: int, n: int, base_step: int) -> str:
+    """`name(x, i, a_0_0..a_<MF-1>_3, b, l)`: n calls of the k16-step helper `step` (`mma_step_helper`) along a row
+    of 16-column B tiles, tile t at x[i + 8 t]: with base_step, B tile t at shared address b + t * base_step + l
+    (K tiles: l the lane's XOR-ed offset of the k step); with base_step 0, at b + (l ^ (t << 5)) (V: the 16
+    columns of O are the XOR). The kernel's addresses term for term; a kernel makes 8 calls where it made 32
+    (benchmarks/NOTES.md, "Compile time", lever 20). Asked for through `c.helper`."""
+    args = ", ".join(f"a{mf}_{r}" for mf in range(MF) for r in range(4))
+    lines = ["@device_function", f"def {name}(x, i, {args}, b, l):"]
+    for t in range(n):
+        addr = f"b + {t * base_step} + l" if base_step else f"b + (l ^ {t << 5})"
+        lines.append(f"    {step}(x, i + {8 * t}, {args}, {addr})")
+    return c.helper(name, lines)
+
+
 def zero_helper(c: _Code, n: int) -> str:
     """`zero_<n>(x)`: x[0 .. n-1] = 0 on a constant-indexed accumulator array (no instructions once in registers);
-    one call where the stores written out in the kernel cost ~1.5 Numba IR statements per element. Asked for
-    through `c.helper`."""
-    lines = ["@device_function", f"def zero_{n}(x):"]
-    for i in range(0, n, 4):
-        lines.append("    " + " = ".join(f"x[{j}]" for j in range(i, min(i + 4, n))) + " = ZERO")
-    return c.helper(f"zero_{n}", lines)
+    one call where the stores written out in the kernel cost ~1.5 Numba IR statements per element, and a loop
+    (NVVM unrolls it; the array stays in registers) where n stores written out in the helper cost ~0.3 s of a
+    cold compile at n = 128 (benchmarks/NOTES.md, "Compile time", lever 19). Asked for through `c.helper`."""
+    return c.helper(f"zero_{n}", ["@device_function", f"def zero_{n}(x):", f"    for e in range({n}):",
+                                  "        lset(x, e, ZERO)"])
 
 
 def dual_step_helper(c: _Code, name: str, mma: str, ldsm: str, init: bool) -> str:
@@ -533,50 +546,67 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     instructions; lever 15)."""
     caps = _score_args(spec)
     emit_mma_helpers(c, mma)
-    offs = [jj * 4 + e for jj in range(NJ) for e in range(2)]  # a row's elements: n8 tile jj, column e
-    kvs = [jj * 8 + e for jj in range(NJ) for e in range(2)]
+    # a row's elements: n8 tile jj, columns 2t and 2t + 1 at x[i + 4 jj], x[i + 4 jj + 1] (kv, kv + 1 + 8 jj)
     c("@device_function")
     c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
-        for o, k in zip(offs, kvs):
-            c(f"lset(x, i + {o}, {_score_expr(spec, f'lget(x, i + {o})', 'qi', f'kv + {k}')})")
+        c(f"for jj in range({NJ}):")
+        with c.indent():
+            c("e = i + jj * 4")
+            c("k = kv + jj * 8")
+            c(f"lset(x, e, {_score_expr(spec, 'lget(x, e)', 'qi', 'k')})")
+            c(f"lset(x, e + 1, {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})")
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
-        for o, k in zip(offs, kvs):
-            c(f"lset(x, i + {o}, masked_score_fn(lget(x, i + {o}), b, h, qi, kv + {k}, N{caps}))")
+        c(f"for jj in range({NJ}):")
+        with c.indent():
+            c("e = i + jj * 4")
+            c("k = kv + jj * 8")
+            c(f"lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))")
+            c(f"lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))")
     c()
     c("@device_function")
     c("def softmax_row(x, i, m_old):")
     with c.indent():
-        c("mx = lget(x, i)")
-        for o in offs[1:]:
-            c(f"mx = max(mx, lget(x, i + {o}))")
+        c("mx = max(lget(x, i), lget(x, i + 1))")
+        c(f"for jj in range(1, {NJ}):")
+        with c.indent():
+            c("mx = max(mx, lget(x, i + jj * 4))")
+            c("mx = max(mx, lget(x, i + jj * 4 + 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 2))")
         c("m_new = max(m_old, mx)")
         c("m_use = ZERO if m_new == NEG_INF else m_new")
         c("alpha = ex2(m_old - m_use)")
         c("rs = ZERO")
-        for o in offs:
-            c(f"v = ex2(lget(x, i + {o}) - m_use)")
-            c(f"lset(x, i + {o}, v)")
-            c("rs += v")
+        c(f"for jj in range({NJ}):")
+        with c.indent():
+            c("e = i + jj * 4")
+            c("v0 = ex2(lget(x, e) - m_use)")
+            c("lset(x, e, v0)")
+            c("v1 = ex2(lget(x, e + 1) - m_use)")
+            c("lset(x, e + 1, v1)")
+            c("rs = rs + v0 + v1")
         c("return m_new, alpha, rs")
     c()
     c("@device_function")
     c("def scale_row(x, i, alpha):")
     with c.indent():
-        for dn in range(ND):
-            c(f"lset(x, i + {dn * 4}, lget(x, i + {dn * 4}) * alpha)")
-            c(f"lset(x, i + {dn * 4 + 1}, lget(x, i + {dn * 4 + 1}) * alpha)")
+        c(f"for dn in range({ND}):")
+        with c.indent():
+            c("e = i + dn * 4")
+            c("lset(x, e, lget(x, e) * alpha)")
+            c("lset(x, e + 1, lget(x, e + 1) * alpha)")
     c()
     c("@device_function")
     c("def store_row(o, obase, x, i, inv):")
     with c.indent():
-        for dn in range(ND):
-            c(f"o[obase + {dn * 4}] = {pack}(lget(x, i + {dn * 4}) * inv, lget(x, i + {dn * 4 + 1}) * inv)")
+        c(f"for dn in range({ND}):")
+        with c.indent():
+            c("e = i + dn * 4")
+            c(f"o[obase + dn * 4] = {pack}(lget(x, e) * inv, lget(x, e + 1) * inv)")
     c()
     c()
 
@@ -584,6 +614,20 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
 # --------------------------------------------------------------------------------------------------
 # Tile loads (shared by the forward and backward kernels)
 # --------------------------------------------------------------------------------------------------
+
+
+def rows_helper(c: _Code, name: str, n: int, rstep: int, row_bytes: int) -> str:
+    """`name(s, garr, g, safe, rs, row, nrows)`: n rows of a tile, rstep rows apart, one 16-byte cp.async each:
+    row row + i * rstep from garr[g + i * rstep * rs] to shared byte address s + i * rstep * row_bytes, zero
+    fill (from the valid address `safe`) at or past nrows. One branch per row (lever 4 below). Asked for
+    through `c.helper`; `TileLoader` (row_bytes = 2 D) and emit_fa3's swizzled tiles (128) use it."""
+    return c.helper(name, ["@device_function", f"def {name}(s, garr, g, safe, rs, row, nrows):",
+                           f"    for it in range({n}):",
+                           f"        dr = it * {rstep}",
+                           "        if row + dr < nrows:",
+                           f"            cp_async16_s(s + dr * {row_bytes}, garr, g + dr * rs, 16)",
+                           "        else:",
+                           f"            cp_async16_s(s + dr * {row_bytes}, garr, safe, 0)"])
 
 
 class TileLoader:
@@ -619,14 +663,7 @@ class TileLoader:
         blocks and names drive Numba's front end (benchmarks/NOTES.md, "Compile time", lever 12). The branch per
         row stays a branch: one branch-free call per row cut 10% of the front end's time but measured 88 more
         bytes of ptxas spills at D = 128 (lever 4)."""
-        lines = ["@device_function", f"def load_rows_{n}(s, garr, g, safe, rs, row, nrows):"]
-        for it in range(n):
-            dr = it * self.RSTEP
-            lines += [f"    if row + {dr} < nrows:",
-                      f"        cp_async16_s(s + {dr * self.D * 2}, garr, g + {dr} * rs, 16)",
-                      "    else:",
-                      f"        cp_async16_s(s + {dr * self.D * 2}, garr, safe, 0)"]
-        return self.c.helper(f"load_rows_{n}", lines)
+        return rows_helper(self.c, f"load_rows_{n}", n, self.RSTEP, self.D * 2)
 
     def load(self, rows: int, smem_off: str, row0: str, nrows: str, garr: str, base: str, rs: str) -> None:
         """Rows row0 .. row0 + rows - 1 of `garr` (row r at element base + r * rs, the row stride a kernel
@@ -852,6 +889,11 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     for mf in range(MF):
                         c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
                 qa = ", ".join(f"qf_{mf}_{ks}_{i}" for mf in range(MF) for i in range(4))
+                if XORADDR:  # K rows 16 jp .. 16 jp + 15 (n8 tiles 2 jp, 2 jp + 1), jp = 0 .. BK / 16 - 1
+                    row = mma_row_helper(c, f"{qk_set if ks == 0 else qk_acc}_row", qk_set if ks == 0 else qk_acc,
+                                         MF, BK // 16, 16 * D * 2)
+                    c(f"{row}(sc, ofs_0, {qa}, k_base, (k_lane ^ {ks << 5}))")
+                    continue
                 for jp in range(BK // 16):
                     # K rows 16 jp .. 16 jp + 15 (n8 tiles 2 jp, 2 jp + 1) against every fragment's Q
                     c(f"{qk_set if ks == 0 else qk_acc}(sc, ofs_{2 * jp * 4}, {qa}, {k_addr(jp, ks)})")
@@ -901,6 +943,10 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             pv_acc = mma_step_helper(c, "pv_acc", mma, "ldsm_x4_trans", MF, ND * 4, init=False)
             for kk in range(KK):
                 pa = ", ".join(f"pa_{mf}_{kk}_{i}" for mf in range(MF) for i in range(4))
+                if XORADDR:  # V rows 16 kk .. 16 kk + 15, columns 16 dd .. 16 dd + 15 (n8 tiles 2 dd, 2 dd + 1 of O)
+                    c(f"{mma_row_helper(c, 'pv_acc_row', pv_acc, MF, D // 16, 0)}(acc, ofs_0, {pa}, "
+                      f"v_base + {kk * 16 * D * 2}, v_lane)")
+                    continue
                 for dd in range(D // 16):
                     # V rows 16 kk .. 16 kk + 15, columns 16 dd .. 16 dd + 15 (n8 tiles 2 dd, 2 dd + 1 of O)
                     c(f"{pv_acc}(acc, ofs_{2 * dd * 4}, {pa}, {v_addr(kk, dd)})")

@@ -50,6 +50,7 @@ from .emit_fa2 import (
     emit_bases,
     emit_fragment_helpers,
     emit_masked_score,
+    rows_helper,
 )
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
@@ -214,24 +215,36 @@ def _emit_load(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nr
     c(f"ld_row = {row0} + ld_r0")
     c(f"ld_g = {base} + ld_row * {rs} + ld_c * 8")
     c(f"ld_safe = {base} + ld_c * 8")
-    for i in range(rows // rstep):
-        dr = i * rstep
-        c(f"if ld_row + {dr} < {nrows}:")
-        with c.indent():
-            c(f"cp_async16_s(ld_s + {dr * 128}, {garr}, ld_g + {dr} * {rs}, 16)")
-        c("else:")
-        with c.indent():
-            c(f"cp_async16_s(ld_s + {dr * 128}, {garr}, ld_safe, 0)")
+    # one device function per row count, shared by the Q, K and V loads: their branches (one per row) stay out
+    # of the kernel's body (benchmarks/NOTES.md, "Compile time", lever 17)
+    fn = rows_helper(c, f"load_swz_rows_{rows // rstep}", rows // rstep, rstep, 128)
+    c(f"{fn}(ld_s, {garr}, ld_g, ld_safe, {rs}, ld_row, {nrows})")
 
 
 def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
-    """O += P V from the pa_* registers and the V tile at shared address vbase (issued and committed)."""
-    c(f"# O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)")
-    c("FENCE_O(acc, 0)")
+    """O += P V from the A words in `pa` and the V tile at shared address vbase (issued and committed), through
+    the device function `pv_wgmma`: the loop and the overlapped schedule's last tile share one compiled copy (16
+    wgmma call sites of 64 accumulators each were half of the kernel's LLVM IR; benchmarks/NOTES.md, "Compile
+    time", lever 18). P travels as a constant-indexed uint32 array (registers, as the accumulators): 32 words as
+    arguments would make Python pass them as a built list (more than 30 arguments), which Numba types as a
+    chain of tuple concatenations."""
+    lines = ["@device_function", "def pv_wgmma(acc, pa, vbase):",
+             f"    # O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)",
+             "    FENCE_O(acc, 0)"]
     for kk in range(KK):
-        pa = ", ".join(f"pa_{kk}_{i}" for i in range(4))
-        c(f"WG_O(acc, 0, {pa}, make_desc(HI_V, {vbase} + {kk * 2048}), 1)")
-    c("wgmma_commit()")
+        pa = ", ".join(f"lget(pa, {4 * kk + i})" for i in range(4))
+        lines.append(f"    WG_O(acc, 0, {pa}, make_desc(HI_V, vbase + {kk * 2048}), 1)")
+    lines.append("    wgmma_commit()")
+    c(f"{c.helper('pv_wgmma', lines)}(acc, pa, {vbase})")
+
+
+def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
+    """`pack_pa(pa, x)`: P (the S accumulators x after the softmax) to 16-bit pairs, the A words of P V: k step k
+    takes n8 tiles 2k and 2k + 1, pa[4k .. 4k + 3] = (x[8k], x[8k + 1]), (x[8k + 2], x[8k + 3]), (x[8k + 4],
+    x[8k + 5]), (x[8k + 6], x[8k + 7]) (mma.sync's A fragment: the wgmma accumulator per warp is mma.sync's C
+    fragment repeated along N)."""
+    return c.helper("pack_pa", ["@device_function", "def pack_pa(pa, x):", f"    for w in range({4 * KK}):",
+                                f"        lset(pa, w, {pack}(lget(x, 2 * w), lget(x, 2 * w + 1)))"])
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
@@ -301,6 +314,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("# constant-indexed local arrays (registers)")
         c(f"acc = cuda.local.array({D // 2}, np.float32)")
         c(f"sc = cuda.local.array({BK // 2}, np.float32)")
+        c(f"pa = cuda.local.array({BK // 4}, np.uint32)  # P packed: the A words of P V, 4 per k16 step")
         for r in range(2):
             c(f"m_{r} = NEG_INF")
             c(f"l_{r} = ZERO")
@@ -313,9 +327,6 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c("vbuf = 0")
             c("have_prev = False  # P_{j-1} V_{j-1} still to issue")
             c(f"pv_base = sb + {KVOFF + 2 * T}")
-            for kk in range(KK):
-                for i in range(4):
-                    c(f"pa_{kk}_{i} = np.uint32(0)")
         c("while j <= kv_last:")
         with c.indent():
             _emit_next_tile(c, spec, "j", "jn")
@@ -375,12 +386,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             for r in range(2):
                 c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
             c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
-            for kk in range(KK):
-                a, bb = 8 * kk, 8 * kk + 4
-                c(f"pa_{kk}_0 = {pack}(sc[{a}], sc[{a + 1}])")
-                c(f"pa_{kk}_1 = {pack}(sc[{a + 2}], sc[{a + 3}])")
-                c(f"pa_{kk}_2 = {pack}(sc[{bb}], sc[{bb + 1}])")
-                c(f"pa_{kk}_3 = {pack}(sc[{bb + 2}], sc[{bb + 3}])")
+            c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
             if OVL:
                 c("have_prev = True")
                 c("pv_base = v_base")
