@@ -1,0 +1,82 @@
+"""The shape of the emitted forward kernels that drives a cold compile (benchmarks/NOTES.md, "Compile time").
+
+Numba's front end costs time per IR statement and per block of each function it compiles, and a device function
+costs once however often it is called; so the kernels keep repeated work in helpers compiled once, the helpers
+loop over their n8 tiles (NVVM unrolls them) instead of writing every element out, and no call passes more
+than 30 arguments (CPython then builds a list, which Numba types as a chain of tuple concatenations: ~0.4 s for
+one 34-argument call). Checked on the emitted source's syntax tree: no GPU and no Numba compile needed."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import make_spec  # noqa: E402
+
+from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward  # noqa: E402
+
+# (schedule, D, block_q, block_k, num_warps) -> at most this many statements in the kernel function and in any helper
+KERNELS = {
+    "mma-d64": (None, 64, 128, 64, 4),
+    "mma-d128": (None, 128, 128, 64, 4),
+    "wgmma-d128": ({"schedule": "wgmma", "overlap": True}, 128, 128, 128, 8),
+    "wgmma-d64": ({"schedule": "wgmma", "overlap": False}, 64, 128, 64, 8),
+}
+MAX_KERNEL_STMTS = {"mma-d64": 240, "mma-d128": 250, "wgmma-d128": 180, "wgmma-d64": 160}  # 2026-11-23: 195, 209, 146, 130
+MAX_KERNEL_IFS = 14  # the tile range, the next tile, need_mask, the prologue, the epilogue: no branch per row
+MAX_HELPER_STMTS = 24  # per-element work is a loop over n8 tiles, not 32-64 statements written out
+
+
+def _module(name: str) -> ast.Module:
+    extra, D, bq, bk, nw = KERNELS[name]
+    spec = make_spec("causal", D, "f16", path="mma", block_q=bq, block_k=bk, num_warps=nw, name=f"shape_{D}")
+    if extra:
+        spec = dataclasses.replace(spec, extra=extra)
+    return ast.parse(emit_fa2_forward(spec))
+
+
+def _functions(mod: ast.Module) -> tuple[ast.FunctionDef, list[ast.FunctionDef]]:
+    fns = [n for n in mod.body if isinstance(n, ast.FunctionDef)]
+    is_kernel = lambda f: any(isinstance(d, ast.Name) and d.id == "kernel_jit" for d in f.decorator_list)  # noqa: E731
+    (kernel,) = [f for f in fns if is_kernel(f)]
+    return kernel, [f for f in fns if not is_kernel(f)]
+
+
+def _count(fn: ast.AST, kind: type) -> int:
+    return sum(isinstance(n, kind) for n in ast.walk(fn)) - isinstance(fn, kind)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_and_helpers_stay_small(name: str) -> None:
+    kernel, helpers = _functions(_module(name))
+    assert _count(kernel, ast.stmt) <= MAX_KERNEL_STMTS[name], _count(kernel, ast.stmt)
+    assert _count(kernel, ast.If) <= MAX_KERNEL_IFS, _count(kernel, ast.If)
+    generated = [h for h in helpers if h.name not in ("score_fn", "mask_fn", "tile_class_fn", "masked_score_fn")]
+    assert generated, "the kernel's repeated work is in helpers"
+    for h in generated:
+        assert _count(h, ast.stmt) <= MAX_HELPER_STMTS, (h.name, _count(h, ast.stmt))
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_no_call_with_more_than_30_arguments(name: str) -> None:
+    for node in ast.walk(_module(name)):
+        if isinstance(node, ast.Call):
+            assert len(node.args) + len(node.keywords) <= 30, ast.unparse(node)[:120]
+
+
+def test_wgmma_kernel_shares_its_helpers() -> None:
+    """One load helper for the Q, K and V tiles (prologue and loop), one P V helper for the loop and the last
+    tile (overlap), one P packing helper: each compiled once."""
+    kernel, helpers = _functions(_module("wgmma-d128"))
+    calls = [n.func.id for n in ast.walk(kernel) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    names = {h.name for h in helpers}
+    loads = [c for c in calls if c.startswith("load_swz_rows_")]
+    assert len(loads) == 5 and len(set(loads)) == 1 and loads[0] in names, loads
+    assert calls.count("pv_wgmma") == 2 and "pv_wgmma" in names
+    assert calls.count("pack_pa") == 1 and "pack_pa" in names
+    assert "cp_async16_s" not in calls and "WG_O" not in calls
