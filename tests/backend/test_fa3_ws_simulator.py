@@ -86,7 +86,8 @@ def _with_maxnreg(ptx: str, regs) -> str:
 @pytest.mark.parametrize("variant, D", [("plain", 128), ("causal", 64)])
 def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
     """wgmma counts, no local memory, no f64, no calls; 288 threads at <= 224 registers without spills; the wgmma
-    role branch is warp-uniform (no C7518) and nothing is a call (no C7509)."""
+    role branch is warp-uniform (no C7518), nothing is a call (no C7509), and no wgmma is serialized (no C7513 /
+    C7517)."""
     _real_target(monkeypatch, tmp_path)
     import dataclasses
 
@@ -116,4 +117,6 @@ def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
     usage = _link(_with_maxnreg(ptx, regs))
     for code in ("C7509", "C7518"):
         assert code not in usage["log"], usage["log"]
+    # the wgmmas are not serialized: the wait for P V is on every path before O is rescaled and P packed
+    assert "C7513" not in usage["log"] and "C7517" not in usage["log"], usage["log"]
     assert usage["spill_stores"] == 0 and usage["registers"] <= 224, usage["log"]

@@ -329,9 +329,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         for r in range(2):
             c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
             c(f"l_{r} = l_{r} * alpha_{r} + rs")
+        c("# the wait for P_{j-1} V_{j-1} on every path, not under `if have_prev`: ptxas cannot tie this branch to")
+        c("# the one that issued it, sees a path where O += P V is in flight while scale_row writes O and the pack")
+        c("# below writes P (both inputs of that wgmma), and serializes every wgmma (C7513, and C7517: a wait it")
+        c("# injects itself); with nothing committed the wait returns at once")
+        c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")
         c("if have_prev:")
         with c.indent():
-            c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")
             c(f"mbar_arrive(bars + {lay['empty_v']} + pstage * 8)  # this thread is done with V_(j-1)")
         for r in range(2):
             c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
