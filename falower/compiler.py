@@ -259,10 +259,12 @@ class CompiledAttention:
             if self._bwd_analysis is None:
                 self._bwd_analysis = analyse_backward(self.lowered_backward)
             # the backward's warps follow its kv tile (16 kv rows a warp); num_warps is the forward's
-            from .backends.numba_cuda.emit_fa3_bwd import backward_extra  # FALOWER_WGMMA_BWD=1: the wgmma kernel
+            from .backends.numba_cuda.emit_fa3_bwd import backward_extra  # Hopper at D = 128: the wgmma kernel
+            from .backends.numba_cuda.runtime import device_cc
 
-            spec = build_backward_spec(self._bwd_analysis, {"D": env["D"]}, dtype, path, None,
-                                       backward_extra(self.extra))
+            extra = backward_extra(self.extra, dtype=dtype, head_dim=env["D"],
+                                   cc=device_cc() if path == "mma" else None)
+            spec = build_backward_spec(self._bwd_analysis, {"D": env["D"]}, dtype, path, None, extra)
             try:
                 kern = FA2BackwardKernel(spec)
             except ValueError as e:

@@ -103,11 +103,35 @@ def test_asked_for_by_extra_or_environment(monkeypatch):
     assert backward_extra({}, {ENV: "1"}) == {"bwd_schedule": "wgmma"}
     assert backward_extra({"bwd_schedule": "mma"}, {ENV: "1"}) == {"bwd_schedule": "mma"}  # extra wins
     assert backward_extra({"schedule": "wgmma"}, {ENV: "0"}) == {"schedule": "wgmma"}  # the forward's knob only
+    # by itself: Hopper, f16/bf16, D = 128 (measured faster); not D = 64, not other GPUs, not without a GPU
+    assert backward_extra({}, {}, "f16", 128, (9, 0)) == {"bwd_schedule": "wgmma"}
+    assert backward_extra({}, {}, "bf16", 128, (9, 0)) == {"bwd_schedule": "wgmma"}
+    for args in (("f16", 64, (9, 0)), ("f16", 128, (8, 0)), ("f16", 128, None), ("f32", 128, (9, 0))):
+        assert backward_extra({}, {}, *args) == {}, args
+    assert backward_extra({}, {ENV: "0"}, "f16", 128, (9, 0)) == {}
     import falower as fl
 
     monkeypatch.setenv(ENV, "1")  # through falower.compile: its backward spec asks for wgmma
     c = fl.compile(runpy.run_path(str(ROOT / "examples" / "causal.py"))["graph"], "numba-cuda")
     assert backward_extra(c.extra)["bwd_schedule"] == "wgmma"
+
+
+def test_chosen_by_itself_on_hopper_at_d128(monkeypatch, tmp_path):
+    """falower.compile on an H100 (compute capability faked, nothing compiled): the backward's main kernel on
+    wgmma at D = 128, on mma.sync at D = 64 and where no Hopper GPU is seen."""
+    import falower as fl
+    from falower.backends.numba_cuda import runtime
+    from falower.backends.numba_cuda.emit_fa3_bwd import ENV
+
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+    g = runpy.run_path(str(ROOT / "examples" / "causal.py"))["graph"]
+    for cc, D, want in [((9, 0), 128, "wgmma"), ((9, 0), 64, None), ((8, 0), 128, None), (None, 128, None)]:
+        monkeypatch.setattr(runtime, "device_cc", lambda cc=cc: cc)
+        kern = fl.compile(g, "numba-cuda")._backward_kernel_and_dims_for("f16", D)
+        assert kern.spec.extra.get("bwd_schedule") == want, (cc, D, kern.spec.extra)
+        assert ("wgmma_ss" in kern.source) == (want == "wgmma")
 
 
 # ------------------------------------------------------------------------------------ PTX (no GPU)
