@@ -82,12 +82,20 @@ def _with_maxnreg(ptx: str, regs) -> str:
     return re.sub(r"(\.entry [^{]*?\)\s*)\{", lambda m: m.group(1) + f".maxnreg {regs}\n{{", ptx, count=1)
 
 
+# spill bytes (stores) measured with nvJitLink / ptxas 13.0, sm_90a, -maxrregcount 168 (2026-11-23): the bound the
+# test holds the kernel to (plain D = 64: 0; causal D = 128: 208)
+SPILLS_168 = {("plain", 128): 180, ("causal", 64): 116}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, D", [("plain", 128), ("causal", 64)])
 def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
-    """wgmma counts, no local memory, no f64, no calls; 288 threads at <= 224 registers without spills; the wgmma
-    role branch is warp-uniform (no C7518), nothing is a call (no C7509), and no wgmma is serialized (no C7513 /
-    C7517)."""
+    """wgmma counts, no local memory in the PTX, no f64, no calls; 288 threads capped at 168 registers (the most a
+    9-warp block can launch with: warps are allocated in groups of 4; 224 failed on the H100 with 701), spills no
+    more than measured; the wgmma role branch is warp-uniform (no C7518), nothing is a call (no C7509), and no wgmma
+    is serialized by a non-wgmma write to its registers (no C7513 / C7517). At D = 128, 168 registers are too few
+    to keep O and P of the P V in flight while the softmax holds S: ptxas serializes for lack of registers (C7512);
+    D = 64 does not."""
     _real_target(monkeypatch, tmp_path)
     import dataclasses
 
@@ -113,10 +121,13 @@ def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
     assert not re.search(r"\bcall\b|\brcp\.rn\b|\bdiv\.[su]64\b", ptx)
     regs = getattr(kern.py_func, "__falower_max_registers__", None)
-    assert regs == 224
+    assert regs == emit_fa3_ws.MAX_REGS_WARP == 168 and emit_fa3_ws.registers_fit(288, regs)
     usage = _link(_with_maxnreg(ptx, regs))
     for code in ("C7509", "C7518"):
         assert code not in usage["log"], usage["log"]
     # the wgmmas are not serialized: the wait for P V is on every path before O is rescaled and P packed
     assert "C7513" not in usage["log"] and "C7517" not in usage["log"], usage["log"]
-    assert usage["spill_stores"] == 0 and usage["registers"] <= 224, usage["log"]
+    if D == 64:
+        assert "C7512" not in usage["log"], usage["log"]
+    assert usage["registers"] <= 168, usage["log"]
+    assert usage["spill_stores"] <= SPILLS_168[variant, D], usage["log"]

@@ -5,12 +5,20 @@ emit_fa3 / emit_fa2, built from their pieces by import (the variant's device fun
 tile class under every block mask kind, the masked score, the per-row score / softmax / rescale / store helpers,
 emit_fa3's swizzled cp.async tile loads and its P V issue). What is new is the schedule:
 
-* three warpgroups (384 threads) for block_q = 128: warpgroup 0 is the producer, warpgroups 1 and 2 the consumers
-  (64 query rows each). `setmaxnreg` moves registers from the producer (down to 40) to the consumers (up to 232):
-  the kernel carries launch bounds (384, 1), so ptxas starts every thread at 168;
+* two consumer warpgroups (64 query rows each, block_q = 128) and a producer: by default one producer warp
+  (288 threads, the warp after the consumers), or a producer warpgroup (`extra["producer"] = "warpgroup"`, 384
+  threads, warpgroup 0) that would hand registers to the consumers by `setmaxnreg` (40 / 232) -- but ptxas ignores
+  setmaxnreg when it compiles relocatable code (C7504), which is how Numba links (nvJitLink), so under Numba every
+  thread keeps the 168 registers that launch bounds (384, 1) give;
+* registers: the SM allocates registers to warps in groups of 4, so a 9-warp block (288 threads) is sized like 12
+  warps: 12 x 32 x 168 = 64512 fits the 65536, 176 does not. The producer-warp kernel is capped at 168
+  (`MAX_REGS_WARP`, ptxas -maxrregcount through intrinsics.max_registers); at 224 every launch failed on the H100
+  with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701). At 168, D = 128 spills (plain 180 bytes, causal 208) and ptxas
+  serializes the wgmmas for lack of registers (C7512): the softmax of S_j (64 registers) runs while
+  P_{j-1} V_{j-1} holds O (64) and P (32). `registers_fit` is the rule; tests/backend check every emitted kernel;
 * the producer issues every load with cp.async: Q once, then K_j and V_j of each visited kv tile into a ring of
   `stages` (2, or 3) shared-memory stages. Each load ends with `cp.async.mbarrier.arrive.noinc` on the stage's
-  full barrier (full_k[s], full_v[s]: 128 arrivals, one per producer thread once its copies have landed); before
+  full barrier (full_k[s], full_v[s]: one arrival per producer thread once its copies have landed); before
   refilling a stage it waits on the stage's empty barrier (empty_k[s], empty_v[s]: one arrival per consumer thread);
 * consumers wait on the full barriers by phase parity (`mbarrier.try_wait.parity`), make the copies visible to the
   async proxy (`fence.proxy.async`) and issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} together (emit_fa3's overlap:
@@ -22,11 +30,12 @@ emit_fa3's swizzled cp.async tile loads and its P V issue). What is new is the s
   barrier after the set-up.
 
 Built when `spec.extra["schedule"] == "wgmma-ws"` (emit_fa2 and emit_fa3 dispatch here). Knobs in spec.extra:
-"stages" (2; 3 fits at D = 128 with 128 x 128 tiles: 225 KB), "pingpong" (True), "regs" ((40, 232): producer and
-consumer registers). block_q must be 128 (two consumer warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
+"producer" ("warp"; "warpgroup"), "stages" (2; 3 fits at D = 128 with 128 x 128 tiles: 225 KB), "pingpong"
+(True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts). block_q must be 128 (two consumer
+warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
 
-Not here yet: TMA (the producer's 128 threads each issue 2 * block_k * D / 1024 16-byte copies a kv tile), a
-persistent tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
+Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
+a persistent tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
 softmax one tile behind).
 """
 
@@ -57,10 +66,18 @@ from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "smem_bytes", "threads_per_block", "uses_ws", "validate_spec"]
+__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "register_cap", "registers_fit", "smem_bytes",
+           "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
-MAX_REGS_WARP = 224  # 288 threads (a producer warp + two consumer warpgroups): 224 x 288 <= 65536
+# 288 threads (a producer warp + two consumer warpgroups) are 9 warps, and the SM allocates registers to warps in
+# groups of 4: the block is sized like 12 warps, 12 x 32 x 168 = 64512 <= 65536 (176: 67584). 224 made every launch
+# fail on the H100 (CUresult 701, CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, 2026-11-23); ptxas sizes a `.maxntid 288`
+# kernel at 168 for the same reason.
+MAX_REGS_WARP = 168
+REGISTER_FILE = 65536  # 32-bit registers an SM (and at most a block) on sm_90
+MAX_REGS_THREAD = 255  # ptxas's cap with neither launch bounds nor -maxrregcount
+PRODUCERS = ("warp", "warpgroup")  # spec.extra["producer"]
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
@@ -111,6 +128,27 @@ def threads_per_block(spec: FA2ForwardSpec) -> int:
     return producer_threads(spec) + 128 * (spec.block_q // 64)
 
 
+def registers_fit(threads: int, regs: int) -> bool:
+    """Whether a block of `threads` threads at `regs` registers a thread can launch on one SM: registers go to warps
+    in units of 256 (8 a thread) and warps are allocated in groups of 4, so 288 threads (9 warps) take 12 warps'
+    worth. The H100 refused 288 x 224 (CUresult 701) that the plain product 288 x 224 = 64512 would allow."""
+    warps = -(-threads // 32)
+    warps = -(-warps // 4) * 4
+    return warps * 32 * (-(-regs // 8) * 8) <= REGISTER_FILE
+
+
+def register_cap(spec: FA2ForwardSpec) -> int:
+    """The registers a thread the emitted kernel may use: its -maxrregcount, else what launch bounds (threads, 1)
+    leave (65536 / threads in the 4-warp granularity, down to a multiple of 8), else ptxas's 255."""
+    threads = threads_per_block(spec)
+    if producer(spec) == "warp":
+        return MAX_REGS_WARP
+    if producer(spec) == "warpgroup":
+        warps = -(-(-(-threads // 32)) // 4) * 4
+        return min(MAX_REGS_THREAD, REGISTER_FILE // (warps * 32) // 8 * 8)
+    return MAX_REGS_THREAD
+
+
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
     return _fa3_grid(spec, B, H, M, N)
 
@@ -140,14 +178,17 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError(f"wgmma-ws: block_q must be 128 (two consumer warpgroups), got {spec.block_q}")
     if stages(spec) not in (2, 3, 4):
         raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
-    if producer(spec) not in ("warp", "warpgroup"):
-        raise ValueError(f"wgmma-ws: producer must be 'warp' or 'warpgroup', got {producer(spec)!r}")
+    if producer(spec) not in PRODUCERS:
+        raise ValueError(f"wgmma-ws: producer must be one of {PRODUCERS}, got {producer(spec)!r}")
     p, c = registers(spec)
     for n in (p, c):
         if n % 8 or not 24 <= n <= 256:
             raise ValueError(f"wgmma-ws: setmaxnreg counts are multiples of 8 in [24, 256], got {(p, c)}")
     if producer(spec) == "warpgroup" and 128 * p + (threads_per_block(spec) - 128) * c > 65536:
         raise ValueError(f"wgmma-ws: registers {(p, c)} exceed the SM's 65536")
+    if not registers_fit(threads_per_block(spec), register_cap(spec)):
+        raise ValueError(f"wgmma-ws: {threads_per_block(spec)} threads x {register_cap(spec)} registers do not fit "
+                         f"the SM's {REGISTER_FILE} (warps allocated in groups of 4): the launch would fail (701)")
     if smem_bytes(spec) > SMEM_LIMIT:
         raise ValueError(f"wgmma-ws: {smem_bytes(spec)} bytes of shared memory exceed 227 KB "
                          f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim})")
@@ -405,8 +446,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     emit_masked_score(c, spec)
     emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
     c("@kernel_jit")
-    if WARP:  # no launch bounds: ptxas would size registers for 384 threads (168), see intrinsics.max_registers
-        c(f"@max_registers({MAX_REGS_WARP})  # {threads} threads x {MAX_REGS_WARP} registers fit the SM's 65536")
+    if WARP:  # -maxrregcount, no launch bounds: the same 168 (see MAX_REGS_WARP), and no .maxntid to require
+        c(f"@max_registers({MAX_REGS_WARP})  # {threads} threads ({-(-threads // 128) * 4} warps' worth: groups of 4) x "
+          f"{MAX_REGS_WARP} registers fit the SM's 65536")
     else:
         c(f"@launch_bounds({threads}, 1)  # .maxntid (setmaxnreg needs it): every thread starts at "
           f"{(65536 // threads) // 8 * 8} registers")

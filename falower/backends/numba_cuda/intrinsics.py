@@ -130,9 +130,10 @@ def launch_bounds(max_threads: int, min_blocks: int):
 
 def max_registers(n: int):
     """Cap a generated kernel's registers a thread at n (ptxas -maxrregcount, given to the linker by `kernel_jit`;
-    ignored by the simulator). For block sizes that are not a multiple of 128 without launch bounds: ptxas on
-    sm_90 sizes a `.maxntid 288` kernel's registers as if it had 384 threads (168 a thread), while 288 threads at
-    224 fit the SM's 65536 (emit_fa3_ws.py's producer warp + two consumer warpgroups)."""
+    ignored by the simulator). The cap must leave the block launchable: the SM allocates registers to warps in
+    groups of 4, so a 288-thread block (9 warps) is sized like 384 threads and takes at most 168 a thread -- which
+    is why ptxas sizes a `.maxntid 288` kernel at 168; 288 x 224 failed every launch on the H100 with
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (emit_fa3_ws.MAX_REGS_WARP, emit_fa3_ws.registers_fit)."""
 
     def mark(fn):
         fn.__falower_max_registers__ = int(n)
