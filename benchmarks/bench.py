@@ -100,8 +100,9 @@ def parse_config(text: str) -> tuple:
     / registers, '-2b' two barriers per kv tile (K and V waited for separately), '-hgN' block order in groups of
     N (b, h) pairs, '-wskip' / '-nowskip' per-warp skipping of masked rows in partial tiles on / off (default
     off; '-ws' / '-nows' until the warp-specialized kernel took '-ws'), '-ws' the warp-specialized wgmma kernel
-    (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-stN' its ring
-    of N K/V stages (default 2);
+    (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-wsn' the same
+    without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
+    ring of N K/V stages (default 2; '-wsn': 3 where they fit);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -122,6 +123,8 @@ def parse_config(text: str) -> tuple:
             extra["warp_skip"] = True
         elif o == "ws":
             extra["schedule"] = "wgmma-ws"
+        elif o == "wsn":
+            extra.update(schedule="wgmma-ws", producer="none")
         elif o.startswith("st") and o[2:].isdigit():
             extra["stages"] = int(o[2:])
         elif o.startswith("hg"):
@@ -150,7 +153,7 @@ def config_tag(cfg: tuple) -> str:
     if extra.get("schedule") == "wgmma":
         tag += "-wg"
     if extra.get("schedule") == "wgmma-ws":
-        tag += "-ws"
+        tag += "-wsn" if extra.get("producer") == "none" else "-ws"
     if "stages" in extra:
         tag += f"-st{extra['stages']}"
     if "overlap" in extra:

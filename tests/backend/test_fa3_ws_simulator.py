@@ -131,3 +131,43 @@ def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
         assert "C7512" not in usage["log"], usage["log"]
     assert usage["registers"] <= 168, usage["log"]
     assert usage["spill_stores"] <= SPILLS_168[variant, D], usage["log"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, D", [("plain", 128), ("causal", 128), ("causal", 64)])
+def test_fa3_ws_none_ptx(variant, D, tmp_path, monkeypatch):
+    """Producer "none": 256 threads, no register cap (8 warps x 255 fit), no launch bounds, no setmaxnreg; each
+    warpgroup's Q load, the ring prologue's S - 1 loads and one K (warpgroup 0) or V (warpgroup 1) load per kv
+    tile, each ending in cp.async.mbarrier.arrive.noinc; no spills, no local memory, and no ptxas C75xx warning at
+    all (no serialized wgmma: C7512 / C7513 / C7517; no C7509 / C7518). Measured (nvJitLink / ptxas 13.0, sm_90a):
+    214 registers at D = 128 (plain and causal), 182 causal D = 64."""
+    _real_target(monkeypatch, tmp_path)
+    import dataclasses
+
+    from variants import make_spec
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_of
+
+    spec = make_spec(variant, D, "f16", path="mma", block_q=128, block_k=128, num_warps=8,
+                     name=f"fa3_wsn_ptx_{variant}_{D}")
+    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "none"})
+    S = emit_fa3_ws.stages(spec)
+    assert emit_fa3_ws.threads_per_block(spec) == 256 and S == 3  # 3 stages fit at D = 128: 230512 bytes
+    kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
+    argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
+    ptx = ptx_of(kern, argtypes, (9, 0))
+    n_s = ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16")
+    n_o = ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.f16.f16")
+    assert (n_s, n_o) == ((D // 16, 2 * 8) if D != 128 else (D // 16 + 2 * 8,) * 2), (n_s, n_o)
+    assert "setmaxnreg" not in ptx and ".maxntid" not in ptx and ".maxnreg" not in ptx
+    assert getattr(kern.py_func, "__falower_max_registers__", None) is None
+    assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1 + (S - 1) + 2, ptx.count("cp.async.mbarrier.arrive")
+    assert "bar.sync" in ptx and "bar.arrive" in ptx
+    assert not re.search(r"\.f64\b", ptx)
+    assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    assert not re.search(r"\bcall\b|\brcp\.rn\b|\bdiv\.[su]64\b", ptx)
+    usage = _link(ptx)
+    assert not re.search(r"C75\d\d", usage["log"]), usage["log"]
+    assert usage["spill_stores"] == 0 and usage["registers"] <= 255, usage["log"]
+    assert emit_fa3_ws.registers_fit(256, usage["registers"])

@@ -27,6 +27,14 @@ CASES = {
     "ws-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {}),
     # a producer warpgroup with setmaxnreg (40 / 232) instead of the producer warp
     "ws-bias-f16-d64-pwg": ("bias", "f16", 64, 1, 1, 50, 40, 1, 128, 16, {"producer": "warpgroup"}),
+    # no producer: warpgroup 0 streams K, warpgroup 1 V through the ring (3 stages by default, 2 asked)
+    "ws-none-plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 128, 16, {"producer": "none"}),
+    "ws-none-causal-bf16-d64-2stages": ("causal", "bf16", 64, 1, 1, 75, 70, 1, 128, 16,
+                                        {"producer": "none", "stages": 2}),
+    "ws-none-plain-f16-d128-gqa": ("plain", "f16", 128, 1, 2, 40, 50, 2, 128, 16, {"producer": "none"}),
+    "ws-none-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {"producer": "none"}),
+    "ws-none-causal-f16-d128-2stages": ("causal", "f16", 128, 1, 1, 130, 200, 1, 128, 32,
+                                        {"producer": "none", "stages": 2}),
 }
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
 

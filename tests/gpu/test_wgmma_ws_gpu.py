@@ -1,7 +1,7 @@
 """The warp-specialized wgmma forward (emit_fa3_ws.py, extra={"schedule": "wgmma-ws"}) on an sm_90 GPU (marked gpu):
 plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 and 3 stages, within FlashAttention's
 error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
-128 x 128 tiles; and the kernel's registers (no spills) as Numba linked it.
+128 x 128 tiles; the producer warp (288 threads, 168 registers) and no producer (extra producer "none", 256).
 
 Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
 
@@ -47,6 +47,10 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (False, "bf16", 128, 128, {"stages": 3}),
     (True, "f16", 64, 128, {}),
     (False, "f16", 64, 64, {"stages": 3}),
+    # no producer: 256 threads, warpgroup 0 loads K, warpgroup 1 V (3 stages by default)
+    (False, "f16", 128, 128, {"producer": "none"}),
+    (True, "f16", 128, 128, {"producer": "none"}),
+    (True, "bf16", 64, 128, {"producer": "none", "stages": 2}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()

@@ -16,6 +16,15 @@ emit_fa3's swizzled cp.async tile loads and its P V issue). What is new is the s
   with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701). At 168, D = 128 spills (plain 180 bytes, causal 208) and ptxas
   serializes the wgmmas for lack of registers (C7512): the softmax of S_j (64 registers) runs while
   P_{j-1} V_{j-1} holds O (64) and P (32). `registers_fit` is the rule; tests/backend check every emitted kernel;
+* no producer (`extra["producer"] = "none"`): 256 threads, the two consumer warpgroups, no register cap (8 warps x
+  255 fit: 214 at D = 128, no spills, no C75xx). Each warpgroup loads its own 64 Q rows (own Q tile and barrier);
+  warpgroup 0 streams K, warpgroup 1 V through the ring, `stages` - 1 tiles ahead (3 stages by default where they
+  fit: 230512 bytes at D = 128 with 128 x 128 tiles), each load a cp.async ending in
+  `cp.async.mbarrier.arrive.noinc` on the stage's full barrier (128 arrivals) and issued only after the stage's
+  empty barrier completed (both warpgroups released it). The roles follow the ping-pong: warpgroup 0 refills
+  K_(j-1)'s stage right after its S_j is done, when warpgroup 1's S_(j-1) (issued before it) is done too; warpgroup
+  1, a turn behind, refills V_(j-1)'s stage after its own P_(j-1) V_(j-1), which warpgroup 0 finished first. So
+  neither waits on the other in the common case. A block list's loader walks its own cursor (lkv_pos);
 * the producer issues every load with cp.async: Q once, then K_j and V_j of each visited kv tile into a ring of
   `stages` (2, or 3) shared-memory stages. Each load ends with `cp.async.mbarrier.arrive.noinc` on the stage's
   full barrier (full_k[s], full_v[s]: one arrival per producer thread once its copies have landed); before
@@ -30,7 +39,8 @@ emit_fa3's swizzled cp.async tile loads and its P V issue). What is new is the s
   barrier after the set-up.
 
 Built when `spec.extra["schedule"] == "wgmma-ws"` (emit_fa2 and emit_fa3 dispatch here). Knobs in spec.extra:
-"producer" ("warp"; "warpgroup"), "stages" (2; 3 fits at D = 128 with 128 x 128 tiles: 225 KB), "pingpong"
+"producer" ("warp"; "warpgroup", "none"), "stages" (2, "none": 3 where it fits; 3 fits at D = 128 with 128 x 128
+tiles: 225 KB), "pingpong"
 (True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts). block_q must be 128 (two consumer
 warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
 
@@ -77,7 +87,7 @@ SCHEDULE = "wgmma-ws"
 MAX_REGS_WARP = 168
 REGISTER_FILE = 65536  # 32-bit registers an SM (and at most a block) on sm_90
 MAX_REGS_THREAD = 255  # ptxas's cap with neither launch bounds nor -maxrregcount
-PRODUCERS = ("warp", "warpgroup")  # spec.extra["producer"]
+PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
@@ -101,7 +111,13 @@ def uses_ws(spec: FA2ForwardSpec) -> bool:
 
 
 def stages(spec: FA2ForwardSpec) -> int:
-    return int(spec.extra.get("stages", 2))
+    """spec.extra["stages"]; by default 2, and for producer "none" 3 where they fit in shared memory (the loads
+    are issued S - 1 tiles ahead: with 2 stages, one)."""
+    if "stages" in spec.extra:
+        return int(spec.extra["stages"])
+    if producer(spec) == "none" and _layout(spec, 3)["total"] + ALIGN <= SMEM_LIMIT:
+        return 3
+    return 2
 
 
 def pingpong(spec: FA2ForwardSpec) -> bool:
@@ -115,12 +131,12 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
 
 
 def producer(spec: FA2ForwardSpec) -> str:
-    """spec.extra["producer"]: "warp" (default) or "warpgroup" (see the module docstring)."""
+    """spec.extra["producer"]: "warp" (default), "warpgroup" or "none" (see the module docstring)."""
     return str(spec.extra.get("producer", "warp"))
 
 
 def producer_threads(spec: FA2ForwardSpec) -> int:
-    return 32 if producer(spec) == "warp" else 128
+    return {"warp": 32, "warpgroup": 128, "none": 0}[producer(spec)]
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
@@ -146,22 +162,26 @@ def register_cap(spec: FA2ForwardSpec) -> int:
     if producer(spec) == "warpgroup":
         warps = -(-(-(-threads // 32)) // 4) * 4
         return min(MAX_REGS_THREAD, REGISTER_FILE // (warps * 32) // 8 * 8)
-    return MAX_REGS_THREAD
+    return MAX_REGS_THREAD  # producer "none": 256 threads, 8 x 32 x 256 = 65536
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
     return _fa3_grid(spec, B, H, M, N)
 
 
-def _layout(spec: FA2ForwardSpec) -> dict[str, int]:
-    """Byte offsets from the 1024-byte aligned base: Q [D // 64][block_q][128 B], then per stage s K_s and V_s
-    ([D // 64][block_k][128 B] each), then the mbarriers: Q's, full_k[s], full_v[s], empty_k[s], empty_v[s]."""
-    D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
+def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
+    """Byte offsets from the 1024-byte aligned base: Q [D // 64][block_q][128 B] (producer "none": one
+    [D // 64][64][128 B] tile per consumer warpgroup, each loads its own), then per stage s K_s and V_s
+    ([D // 64][block_k][128 B] each), then the mbarriers: Q's (one, or one per warpgroup), full_k[s], full_v[s],
+    empty_k[s], empty_v[s]."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    S = stages(spec) if S is None else S
     tile = BK * D * 2
     kv = BQ * D * 2
     bars = kv + 2 * S * tile
-    return {"tile": tile, "kv": kv, "bars": bars, "full_k": 8, "full_v": 8 + 8 * S, "empty_k": 8 + 16 * S,
-            "empty_v": 8 + 24 * S, "total": bars + 8 + 32 * S}
+    q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
+    return {"tile": tile, "kv": kv, "bars": bars, "full_k": q, "full_v": q + 8 * S, "empty_k": q + 16 * S,
+            "empty_v": q + 24 * S, "total": bars + q + 32 * S}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -282,6 +302,47 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("cp_async_wait0()  # leave no copy in flight")
 
 
+def _emit_loader_next(c: _Code, spec: FA2ForwardSpec) -> None:
+    """ljn = the visited kv tile after lj: `_emit_next_tile` on the loader's own cursor (a block list's position
+    lkv_pos, not the consumer's kv_pos: the same threads walk the list twice, S - 1 tiles apart)."""
+    tmp = _Code()
+    tmp.level = c.level
+    _emit_next_tile(tmp, spec, "lj", "ljn")
+    for line in tmp.lines:
+        c.lines.append(re.sub(r"\bkv_(pos|cls)\b", r"lkv_\1", line))
+
+
+def _emit_loader_step(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], kind: str | None) -> None:
+    """Producer "none": this warpgroup's next ring load, tile lj into stage lstage, if any is left: wait until both
+    warpgroups have released the stage (its empty barrier), cp.async the tile (K by warpgroup 0, V by warpgroup 1;
+    kind "k" / "v" where the caller knows which, None for a branch on cw) and let the copies' completion arrive
+    on the stage's full barrier (`cp.async.mbarrier.arrive.noinc`, 128 arrivals)."""
+    D, BK, S, T = spec.head_dim, spec.block_k, stages(spec), lay["tile"]
+    rstep = 128 // (D // 8)
+    c("if lj <= kv_last:")
+    with c.indent():
+        c("mbar_wait(l_empty + lstage * 8, lphase ^ 1)  # both warpgroups are done with this stage's tile")
+        c(f"l_dst = l_dst0 + lstage * {2 * T}")
+        args = {"k": ("k", "kg", "k_sm"), "v": ("v", "vg", "v_sm")}
+        if kind is None:
+            c("if cw == 0:")
+            with c.indent():
+                _emit_load(c, BK, rstep, D, "l_dst", f"lj * {BK}", "N", *args["k"])
+            c("else:")
+            with c.indent():
+                _emit_load(c, BK, rstep, D, "l_dst", f"lj * {BK}", "N", *args["v"])
+        else:
+            _emit_load(c, BK, rstep, D, "l_dst", f"lj * {BK}", "N", *args[kind])
+        c("cp_async_mbar_arrive_noinc(l_full + lstage * 8)")
+        _emit_loader_next(c, spec)
+        c("lj = ljn")
+        c("lstage += 1")
+        c(f"if lstage == {S}:")
+        with c.indent():
+            c("lstage = 0")
+            c("lphase ^= 1")
+
+
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
     T, KV = lay["tile"], lay["kv"]
@@ -289,6 +350,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     caps = _score_args(spec)
     PP = pingpong(spec)
+    NONE = producer(spec) == "none"
     if producer(spec) == "warpgroup":
         c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
         c("ctid = tid - 128")
@@ -296,10 +358,16 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c("ctid = tid  # the consumer warpgroups are warpgroups 0 and 1 (wgmma's warpgroups are aligned)")
     c("lane = tid & 31")
     c("warp = ctid >> 5  # consumer warp 0..7: rows 16 warp .. 16 warp + 15 of the q tile")
-    c(f"cw = {'role' if producer(spec) == 'warp' else '(role - 4)'} >> 2  # consumer warpgroup 0, 1 (warp-uniform)")
+    c(f"cw = {'(role - 4)' if producer(spec) == 'warpgroup' else 'role'} >> 2  # consumer warpgroup 0, 1 "
+      "(warp-uniform)")
     c("g = lane >> 2")
     c("t2 = (lane & 3) * 2")
-    c(f"q_wg = sb + cw * {64 * 128}  # this warpgroup's 64 rows inside each column block of Q")
+    if NONE:
+        QCB = 64 * 128
+        c(f"q_wg = sb + cw * {64 * D * 2}  # this warpgroup's own [D // 64][64][128 B] Q tile")
+    else:
+        QCB = BQ * 128
+        c(f"q_wg = sb + cw * {64 * 128}  # this warpgroup's 64 rows inside each column block of Q")
     if PP:
         c("if cw == 1:")
         with c.indent():
@@ -315,7 +383,29 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     for kk in range(KK):
         for i in range(4):
             c(f"pa_{kk}_{i} = np.uint32(0)")
-    c("mbar_wait(bars, 0)  # Q has landed")
+    if NONE:
+        CH = D // 8
+        c("# no producer: each warpgroup loads its own Q rows, then warpgroup 0 streams K, warpgroup 1 V through the")
+        c(f"# ring, {S - 1} tile(s) ahead of its use; wgmma never waits on a copy this thread is still issuing")
+        c("wtid = ctid & 127")
+        c(f"ld_r0 = wtid // {CH}")
+        c(f"ld_c = wtid % {CH}")
+        c("ld_x = ((ld_c & 7) ^ (ld_r0 & 7)) << 4")
+        c(f"l_full = bars + {lay['full_k']} + cw * {8 * S}  # full_k[] for warpgroup 0, full_v[] for 1")
+        c(f"l_empty = bars + {lay['empty_k']} + cw * {8 * S}")
+        c(f"l_dst0 = sb + {KV} + cw * {T}  # stage 0's K (V)")
+        _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
+        c("cp_async_mbar_arrive_noinc(bars + cw * 8)")
+        c("lj = kv_first  # the loader's cursor: the next tile to load, its stage and phase")
+        c("lstage = 0")
+        c("lphase = 0")
+        if spec.block_mask == "list":
+            c("lkv_pos = 0")
+        for _ in range(S - 1):
+            _emit_loader_step(c, spec, lay, None)
+        c("mbar_wait(bars + cw * 8, 0)  # this warpgroup's Q has landed")
+    else:
+        c("mbar_wait(bars, 0)  # Q has landed")
     c("j = kv_first")
     c("stage = 0")
     c("phase = 0")
@@ -337,7 +427,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
         c("FENCE_S(sc, 0)")
         for ks in range(KS):
-            qa = f"q_wg + {(ks // 4) * BQ * 128 + (ks % 4) * 32}"
+            qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
             ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
             c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
         c("wgmma_commit()")
@@ -356,6 +446,11 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
                 c("bar_arrive(2 - cw, 256)")
             c("WAIT_S(sc, 0)")
         c(f"mbar_arrive(bars + {lay['empty_k']} + stage * 8)  # this thread is done with K_j")
+        if NONE:
+            c(f"if cw == 0:  # K_(j + {S - 1}) into K_(j - 1)'s stage: warpgroup 1 released it when its S_(j-1) was "
+              "done, before this S_j")
+            with c.indent():
+                _emit_loader_step(c, spec, lay, "k")
         c()
         _emit_need_mask(c, spec, "j")
         c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
@@ -378,6 +473,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c("if have_prev:")
         with c.indent():
             c(f"mbar_arrive(bars + {lay['empty_v']} + pstage * 8)  # this thread is done with V_(j-1)")
+        if NONE:
+            c(f"if cw == 1:  # V_(j + {S - 1}) into V_(j - 1)'s stage: warpgroup 0, a turn ahead, has released it")
+            with c.indent():
+                _emit_loader_step(c, spec, lay, "v")
         for r in range(2):
             c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
         c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
@@ -403,6 +502,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         _emit_pv(c, KK, D, "pv_base")
         c("WAIT_O(acc, 0)")
+    if NONE:
+        c("cp_async_wait0()  # every copy was waited for through its full barrier; leave none in flight")
     c()
     c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
     for r in range(2):
@@ -428,6 +529,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     consumers = threads - producer_threads(spec)
     p_regs, c_regs = registers(spec)
     WARP = producer(spec) == "warp"
+    NONE = producer(spec) == "none"
 
     c = _Code()
     c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
@@ -439,7 +541,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
     c("HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_V = desc_hi({BK * 128}, 1024)  # MN-major: 64-column blocks {BK * 128} bytes apart, 8-row groups 1024")
-    if not WARP:
+    if producer(spec) == "warpgroup":
         c(f"SETMAXNREG_DEC = setmaxnreg_dec({p_regs})")
         c(f"SETMAXNREG_INC = setmaxnreg_inc({c_regs})")
     c()
@@ -449,13 +551,16 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     if WARP:  # -maxrregcount, no launch bounds: the same 168 (see MAX_REGS_WARP), and no .maxntid to require
         c(f"@max_registers({MAX_REGS_WARP})  # {threads} threads ({-(-threads // 128) * 4} warps' worth: groups of 4) x "
           f"{MAX_REGS_WARP} registers fit the SM's 65536")
+    elif NONE:
+        c(f"# {threads} threads: no register cap needed, 8 warps x 32 x 255 registers fit the SM's 65536")
     else:
         c(f"@launch_bounds({threads}, 1)  # .maxntid (setmaxnreg needs it): every thread starts at "
           f"{(65536 // threads) // 8 * 8} registers")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
         c(f'"""FA forward on wgmma, warp-specialized: D={D}, block {BQ}x{BK}, 1 producer + {BQ // 64} consumer '
-          f'warpgroups, {S} stages, {spec.dtype}."""'.replace("1 producer +", f"a producer {producer(spec)} +"))
+          f'warpgroups, {S} stages, {spec.dtype}."""'.replace(
+              "1 producer +", "no producer (the consumers load)," if NONE else f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
@@ -470,18 +575,25 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         emit_bases(c)
         _emit_tile_range(c, spec)
         c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
+        loaders = 128 if NONE else producer_threads(spec)  # producer "none": one warpgroup fills each ring
         c("if tid == 0:")
         with c.indent():
-            c(f"mbar_init(bars, {producer_threads(spec)})")
+            if NONE:
+                for w in range(BQ // 64):
+                    c(f"mbar_init(bars + {8 * w}, 128)  # warpgroup {w}'s Q")
+            else:
+                c(f"mbar_init(bars, {producer_threads(spec)})")
             for s in range(S):
-                c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {producer_threads(spec)})")
-                c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {producer_threads(spec)})")
+                c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
+                c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['empty_k'] + 8 * s}, {consumers})")
                 c(f"mbar_init(bars + {lay['empty_v'] + 8 * s}, {consumers})")
         c("cuda.syncthreads()  # the barriers are initialised (the only block-wide barrier)")
         c("role = warp_uniform(tid >> 5)  # the warp's index, provably the same in its lanes (wgmma in a branch on "
           "tid is serialized: C7518)")
-        if WARP:
+        if NONE:
+            _emit_consumer(c, spec, lay)
+        elif WARP:
             c(f"if role >= {consumers // 32}:")
             with c.indent():
                 _emit_producer(c, spec, lay)
