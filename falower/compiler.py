@@ -135,8 +135,15 @@ class CompiledAttention:
         if asked is None:
             try:
                 emit_fa3.validate_spec(spec)
-            except ValueError:  # not built by the wgmma kernel yet: mma.sync, as if never chosen
-                return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
+            except ValueError:
+                if choice.get("schedule") != "wgmma-ws":  # not built by the wgmma kernel yet: mma.sync
+                    return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
+                plain = {"schedule": "wgmma", "overlap": used["D"] == 128, **self.extra}  # the non-specialized one
+                spec = build_spec(built[1], used, dtype, path, self.num_warps, plain)
+                try:
+                    emit_fa3.validate_spec(spec)
+                except ValueError:
+                    return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
         return spec, built
 
     def _retile(self, bq: int, bk: int) -> tuple[Func, Any]:

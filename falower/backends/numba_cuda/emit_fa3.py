@@ -90,7 +90,11 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     300; block lists, data-dependent masks, stay on mma.sync's finer 128 x 64 tiles: document, 11% kept, 87 vs
     102 TFLOP/s), or D = 64 with any mask (two blocks per SM since `blocks_per_sm`: causal 282 vs 263 on
     mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71, alibi 207 vs 181, sliding window 19 vs 20;
-    H100 2026-11-23).
+    H100 2026-11-23). At D = 128 without a mask or under a static block mask, the warp-specialized schedule
+    with no producer warp (emit_fa3_ws.py, `producer: "none"`: the two warpgroups load a 3-stage mbarrier ring
+    themselves and take turns on the tensor cores): plain 444 vs 409 TFLOP/s for this module's kernel at N = 4k
+    (FLASH 341: 1.30x; Flex 452), causal 363 vs 330 (FLASH 304, Flex 359); block tables keep this module's kernel
+    (not measured on it), and a spec emit_fa3_ws refuses falls back to it (compiler.py).
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
     the simulator). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to -4% at D = 64).
     The caller still checks the spec with `validate_spec` and keeps mma.sync where it fails; the tiles are the
@@ -104,6 +108,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
             return None
         if head_dim == 128 and block_mask == "list":
             return None
+    if head_dim == 128 and block_mask in ("none", "static"):  # the 256-thread warp-specialized kernel
+        return {"schedule": "wgmma-ws", "producer": "none"}
     return {"schedule": "wgmma", "overlap": head_dim == 128}
 
 
@@ -173,6 +179,10 @@ def blocks_per_sm(spec: FA2ForwardSpec) -> int:
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
+    if spec.extra.get("schedule") == "wgmma-ws":  # the warp-specialized schedule checks this and its own
+        from .emit_fa3_ws import validate_spec as validate_ws
+
+        return validate_ws(spec)
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     if spec.path != "mma" or spec.dtype not in ("f16", "bf16"):
         raise ValueError(f"wgmma path: dtype must be f16 or bf16, got {spec.dtype}")
