@@ -206,7 +206,8 @@ def measure(name: str, top: int) -> dict:
         ptx = ptx_of(disp, argtypes, (9, 0))
         ptx_s = time.perf_counter() - t
         t = time.perf_counter()
-        if what == "fwd-wgmma":  # wgmma needs sm_90a (numba-cuda names sm_90 in the PTX it prints)
+        if "wgmma." in ptx:  # wgmma needs sm_90a (numba-cuda names sm_90 in the PTX it prints); on an H100 the
+            # automatic choice puts the D = 128 backward and forward on wgmma too
             usage = resource_usage(ptx.replace(".target sm_90\n", ".target sm_90a\n"), "sm_90a")
         else:
             usage = resource_usage(ptx, "sm_90")
