@@ -26,9 +26,15 @@ KERNELS = {
     "mma-d128": (None, 128, 128, 64, 4),
     "wgmma-d128": ({"schedule": "wgmma", "overlap": True}, 128, 128, 128, 8),
     "wgmma-d64": ({"schedule": "wgmma", "overlap": False}, 64, 128, 64, 8),
+    # the warp-specialized forward an H100 picks at D = 128 (emit_fa3_ws.py, no producer warp)
+    "ws-d128": ({"schedule": "wgmma-ws", "producer": "none"}, 128, 128, 128, 8),
 }
-MAX_KERNEL_STMTS = {"mma-d64": 240, "mma-d128": 250, "wgmma-d128": 180, "wgmma-d64": 160}  # 2026-11-23: 195, 209, 146, 130
+MAX_KERNEL_STMTS = {"mma-d64": 240, "mma-d128": 250, "wgmma-d128": 180, "wgmma-d64": 160,
+                    "ws-d128": 240}  # 2026-11-23: 195, 209, 146, 130, 201 (324 before round 5)
 MAX_KERNEL_IFS = 14  # the tile range, the next tile, need_mask, the prologue, the epilogue: no branch per row
+# the ws kernel's own: the four ring loads (two in the prologue, each K or V by warpgroup, and one for each
+# warpgroup in the loop, each with its stage wrap), have_prev around the P V issue and the V release
+MAX_KERNEL_IFS_OF = {"ws-d128": 26}  # 2026-11-23: 25
 MAX_HELPER_STMTS = 24  # per-element work is a loop over n8 tiles, not 32-64 statements written out
 
 
@@ -55,7 +61,7 @@ def _count(fn: ast.AST, kind: type) -> int:
 def test_kernel_and_helpers_stay_small(name: str) -> None:
     kernel, helpers = _functions(_module(name))
     assert _count(kernel, ast.stmt) <= MAX_KERNEL_STMTS[name], _count(kernel, ast.stmt)
-    assert _count(kernel, ast.If) <= MAX_KERNEL_IFS, _count(kernel, ast.If)
+    assert _count(kernel, ast.If) <= MAX_KERNEL_IFS_OF.get(name, MAX_KERNEL_IFS), _count(kernel, ast.If)
     generated = [h for h in helpers if h.name not in ("score_fn", "mask_fn", "tile_class_fn", "masked_score_fn")]
     assert generated, "the kernel's repeated work is in helpers"
     for h in generated:
@@ -80,3 +86,21 @@ def test_wgmma_kernel_shares_its_helpers() -> None:
     assert calls.count("pv_wgmma") == 2 and "pv_wgmma" in names
     assert calls.count("pack_pa") == 1 and "pack_pa" in names
     assert "cp_async16_s" not in calls and "WG_O" not in calls
+
+
+def test_ws_kernel_shares_its_helpers() -> None:
+    """The warp-specialized kernel (compile time round 5): emit_fa3's P V and P packing helpers, S = Q K^T as one
+    helper, each ring load's address arithmetic and row loads in one helper (six sites), the next visited tile of a
+    static block mask in one helper (the consumer's loop and the four loader steps): nothing written out."""
+    kernel, helpers = _functions(_module("ws-d128"))
+    calls = [n.func.id for n in ast.walk(kernel) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    names = {h.name for h in helpers}
+    assert calls.count("pv_wgmma") == 2 and "pv_wgmma" in names
+    assert calls.count("pack_pa") == 1 and "pack_pa" in names
+    assert calls.count("qk_wgmma") == 1 and "qk_wgmma" in names
+    assert calls.count("ring_tile") == 6 and "ring_tile" in names
+    assert calls.count("next_tile") == 5 and "next_tile" in names  # causal: a static block mask
+    assert [c for c in calls if c.startswith("load_swz_rows_")] == ["load_swz_rows_8"]  # Q; K, V in ring_tile
+    assert calls.count("tile_class_fn") == 2  # the tile range and need_mask; the next tile's in next_tile
+    assert "cp_async16_s" not in calls and "WG_O" not in calls and "WG_S" not in calls
+

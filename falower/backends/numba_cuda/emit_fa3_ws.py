@@ -3,7 +3,9 @@
 `emit_fa3_ws_forward(spec)` returns one Python module from the same `FA2ForwardSpec` and kernel arguments as
 emit_fa3 / emit_fa2, built from their pieces by import (the variant's device functions, tile range / next tile /
 tile class under every block mask kind, the masked score, the per-row score / softmax / rescale / store helpers,
-emit_fa3's swizzled cp.async tile loads and its P V issue). What is new is the schedule:
+emit_fa3's swizzled cp.async tile loads, its P V issue over the packed P array and its P packing). The kernel's
+repeated work is in device functions compiled once (S = Q K^T, each ring load, the next tile of a static block
+mask: benchmarks/NOTES.md, "Compile time", round 5). What is new is the schedule:
 
 * two consumer warpgroups (64 query rows each, block_q = 128) and a producer: by default one producer warp
   (288 threads, the warp after the consumers), or a producer warpgroup (`extra["producer"] = "warpgroup"`, 384
@@ -56,12 +58,14 @@ import re
 from .emit_fa2 import (
     _HEADER,
     _Code,
+    _cap_args,
     _device_functions,
     _emit_need_mask,
     _emit_next_tile,
     _emit_tile_range,
     _signature,
     _spec_comment,
+    _tile_class_expr,
     emit_bases,
     emit_fragment_helpers,
     emit_masked_score,
@@ -70,7 +74,7 @@ try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has the
     from .emit_fa2 import _score_args
 except ImportError:  # pragma: no cover - before score-licm lands
     from .emit_fa2 import _cap_args as _score_args
-from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_load, _emit_loader_setup
+from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_load, _emit_loader_setup, _emit_pv, _pack_pa_helper
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
@@ -214,18 +218,6 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
                          f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim})")
 
 
-def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
-    """O += P V from the pa_<k>_<i> registers and the V tile at shared address vbase (issued and committed). Kept
-    here rather than imported: emit_fa3's own is being reshaped for compile time (a device function over a packed
-    array), and this kernel's register use was measured with the scalar form."""
-    c(f"# O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)")
-    c("FENCE_O(acc, 0)")
-    for kk in range(KK):
-        pa = ", ".join(f"pa_{kk}_{i}" for i in range(4))
-        c(f"WG_O(acc, 0, {pa}, make_desc(HI_V, {vbase} + {kk * 2048}), 1)")
-    c("wgmma_commit()")
-
-
 def _emit_load_warp(c: _Code, rows: int, D: int, sdst: str, row0: str, nrows: str, garr: str, base: str,
                     rs: str) -> None:
     """One warp's cp.async of rows row0 .. row0 + rows - 1 of `garr` into the swizzled [D // 64][rows][64] tile at
@@ -302,12 +294,30 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("cp_async_wait0()  # leave no copy in flight")
 
 
+def _emit_next(c: _Code, spec: FA2ForwardSpec, cur: str, out: str) -> None:
+    """out = the next visited kv tile after cur: `_emit_next_tile`, but under a static block mask through one device
+    function `next_tile` (its `while` over tile_class_fn was written out five times: the consumer's loop and each
+    loader step, ~40 Numba IR statements a copy; benchmarks/NOTES.md, "Compile time", round 5)."""
+    if spec.block_mask != "static":
+        _emit_next_tile(c, spec, cur, out)
+        return
+    caps = _cap_args(spec)
+    fn = c.helper("next_tile", [
+        "@device_function", f"def next_tile(j, kv_last, b, h, q_lo, q_hi, N{caps}):",
+        "    jn = j + 1",
+        f"    while jn <= kv_last and {_tile_class_expr(spec, 'jn')} == 0:",
+        "        jn += 1",
+        "    return jn"])
+    c(f"{out} = {fn}({cur}, kv_last, b, h, q_lo, q_hi, N{caps})")
+
+
 def _emit_loader_next(c: _Code, spec: FA2ForwardSpec) -> None:
-    """ljn = the visited kv tile after lj: `_emit_next_tile` on the loader's own cursor (a block list's position
+    """ljn = the visited kv tile after lj: `_emit_next` on the loader's own cursor (a block list's position
     lkv_pos, not the consumer's kv_pos: the same threads walk the list twice, S - 1 tiles apart)."""
     tmp = _Code()
     tmp.level = c.level
-    _emit_next_tile(tmp, spec, "lj", "ljn")
+    tmp.helpers = c.helpers
+    _emit_next(tmp, spec, "lj", "ljn")
     for line in tmp.lines:
         c.lines.append(re.sub(r"\bkv_(pos|cls)\b", r"lkv_\1", line))
 
@@ -323,16 +333,24 @@ def _emit_loader_step(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], kind:
     with c.indent():
         c("mbar_wait(l_empty + lstage * 8, lphase ^ 1)  # both warpgroups are done with this stage's tile")
         c(f"l_dst = l_dst0 + lstage * {2 * T}")
+        # the tile's address arithmetic and its row loads in one device function (six sites: ~30 Numba IR
+        # statements each written out)
+        body = _Code()
+        body.helpers = c.helpers
+        body.level = 1
+        _emit_load(body, BK, rstep, D, "l_dst", f"lj * {BK}", "N", "arr", "g0", "sm")
+        fn = c.helper("ring_tile", ["@device_function", "def ring_tile(l_dst, arr, g0, sm, lj, N, ld_c, ld_r0, ld_x):"]
+                      + body.lines)
         args = {"k": ("k", "kg", "k_sm"), "v": ("v", "vg", "v_sm")}
         if kind is None:
             c("if cw == 0:")
             with c.indent():
-                _emit_load(c, BK, rstep, D, "l_dst", f"lj * {BK}", "N", *args["k"])
+                c(f"{fn}(l_dst, {', '.join(args['k'])}, lj, N, ld_c, ld_r0, ld_x)")
             c("else:")
             with c.indent():
-                _emit_load(c, BK, rstep, D, "l_dst", f"lj * {BK}", "N", *args["v"])
+                c(f"{fn}(l_dst, {', '.join(args['v'])}, lj, N, ld_c, ld_r0, ld_x)")
         else:
-            _emit_load(c, BK, rstep, D, "l_dst", f"lj * {BK}", "N", *args[kind])
+            c(f"{fn}(l_dst, {', '.join(args[kind])}, lj, N, ld_c, ld_r0, ld_x)")
         c("cp_async_mbar_arrive_noinc(l_full + lstage * 8)")
         _emit_loader_next(c, spec)
         c("lj = ljn")
@@ -380,9 +398,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c(f"for i in range({D // 2}):")
     with c.indent():
         c("acc[i] = ZERO")
-    for kk in range(KK):
-        for i in range(4):
-            c(f"pa_{kk}_{i} = np.uint32(0)")
+    c(f"pa = cuda.local.array({BK // 4}, np.uint32)  # P packed: the A words of P V, 4 per k16 step")
     if NONE:
         CH = D // 8
         c("# no producer: each warpgroup loads its own Q rows, then warpgroup 0 streams K, warpgroup 1 V through the")
@@ -414,7 +430,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("have_prev = False")
     c("while j <= kv_last:")
     with c.indent():
-        _emit_next_tile(c, spec, "j", "jn")
+        _emit_next(c, spec, "j", "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         c(f"mbar_wait(bars + {lay['full_k']} + stage * 8, phase)  # K_j has landed")
@@ -425,12 +441,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         if PP:
             c("bar_sync(1 + cw, 256)  # this warpgroup's turn on the tensor cores")
         c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
-        c("FENCE_S(sc, 0)")
+        lines = ["@device_function", "def qk_wgmma(sc, q_wg, k_base):", "    FENCE_S(sc, 0)"]
         for ks in range(KS):
             qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
             ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
-            c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
-        c("wgmma_commit()")
+            lines.append(f"    WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
+        lines.append("    wgmma_commit()")
+        c(f"{c.helper('qk_wgmma', lines)}(sc, q_wg, k_base)  # one device function: 8 call sites of 64 accumulators")
         c("# one branch from the P V issue to the wait for S: split in two, ptxas sees a path where S is still in")
         c("# flight while the softmax writes its registers, and serializes every wgmma (C7513)")
         c("if have_prev:")
@@ -480,12 +497,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         for r in range(2):
             c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
         c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
-        for kk in range(KK):
-            a, bb = 8 * kk, 8 * kk + 4
-            c(f"pa_{kk}_0 = {pack}(sc[{a}], sc[{a + 1}])")
-            c(f"pa_{kk}_1 = {pack}(sc[{a + 2}], sc[{a + 3}])")
-            c(f"pa_{kk}_2 = {pack}(sc[{bb}], sc[{bb + 1}])")
-            c(f"pa_{kk}_3 = {pack}(sc[{bb + 2}], sc[{bb + 3}])")
+        c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
         c("have_prev = True")
         c("pstage = stage")
         c("pphase = phase")
