@@ -104,3 +104,23 @@ def test_ws_kernel_shares_its_helpers() -> None:
     assert calls.count("tile_class_fn") == 2  # the tile range and need_mask; the next tile's in next_tile
     assert "cp_async16_s" not in calls and "WG_O" not in calls and "WG_S" not in calls
 
+
+@pytest.mark.parametrize("name", ["mma-d64", "mma-d128"])
+def test_mma_kernel_writes_out_no_fragments(name: str) -> None:
+    """mma.sync (compile time round 5): P packed into a constant-indexed uint32 array once per m16 fragment and read
+    by the P V row helper, the epilogue's arithmetic in two helpers, and at D = 128 (Q in shared memory) the Q
+    fragments' ldmatrix inside the S row helper: the kernel unpacks no 4-tuples (~13 Numba IR statements each)."""
+    kernel, helpers = _functions(_module(name))
+    calls = [n.func.id for n in ast.walk(kernel) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    names = {h.name for h in helpers}
+    assert _count(kernel, ast.stmt) <= 190, _count(kernel, ast.stmt)  # 2026-11-23: 180 / 178 (195 / 209 before)
+    assert calls.count("pack_p_row") == 2 and calls.count("pv_acc_prow") == 4 and "pack_p" not in calls
+    assert calls.count("row_total") == 4 and calls.count("row_lse") == 4
+    assert {"pack_p_row", "pv_acc_prow", "row_total", "row_lse"} <= names
+    tuples = [n for n in ast.walk(kernel) if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Tuple)
+              and len(n.targets[0].elts) == 4]
+    if name == "mma-d128":
+        assert "ldsm_x4" not in calls and calls.count("qk_set_qrow") == 1 and calls.count("qk_acc_qrow") == 7
+        assert not tuples, ast.unparse(tuples[0])
+    else:  # Q in registers: its 8 fragments loaded once, before the loop
+        assert calls.count("ldsm_x4") == 8 and len(tuples) == 8

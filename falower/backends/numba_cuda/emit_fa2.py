@@ -504,6 +504,59 @@ def mma_row_helper(c: _Code, name: str, step: str, MF: int, n: int, base_step: i
     return c.helper(name, lines)
 
 
+def mma_qrow_helper(c: _Code, name: str, step: str, MF: int, n: int, base_step: int, a_step: int) -> str:
+    """`name(x, i, q, ql, b, l)`: `mma_row_helper`'s row with the A fragments loaded inside: a_mf_0..3 =
+    ldsm_x4(q + mf * a_step + ql) for each of MF m16 fragments (Q in shared memory: q the warp's fragment base,
+    ql the lane's XOR-ed offset of the k step), then the n calls of `step` along the row of K tiles at
+    b + t * base_step + l. The kernel's addresses term for term; the kernel no longer writes out MF ldmatrix calls
+    and their 4-tuples per k step (~190 of the D = 128 kernel's Numba IR statements; benchmarks/NOTES.md,
+    "Compile time", round 5). Asked for through `c.helper`."""
+    args = ", ".join(f"a{mf}_{r}" for mf in range(MF) for r in range(4))
+    lines = ["@device_function", f"def {name}(x, i, q, ql, b, l):"]
+    for mf in range(MF):
+        lines.append(f"    {', '.join(f'a{mf}_{r}' for r in range(4))} = ldsm_x4(q + {mf * a_step} + ql)")
+    for t in range(n):
+        lines.append(f"    {step}(x, i + {8 * t}, {args}, b + {t * base_step} + l)")
+    return c.helper(name, lines)
+
+
+def pack_p_row_helper(c: _Code, KK: int, pack: str) -> str:
+    """`pack_p_row(pw, w, x, i)`: one m16 fragment's P (S accumulators x[i .. i + 8 KK - 1] after the softmax) to
+    16-bit pairs, the A words of P V: pw[w + e] = pack(x[i + 2 e], x[i + 2 e + 1]), e < 4 KK (k step kk's words
+    at w + 4 kk), in the written-out order. pw is a constant-indexed uint32 array (registers); one call per
+    fragment where KK calls returned 4-tuples (benchmarks/NOTES.md, "Compile time", round 5). Asked for through
+    `c.helper`."""
+    return c.helper("pack_p_row", ["@device_function", "def pack_p_row(pw, w, x, i):", f"    for e in range({4 * KK}):",
+                                   f"        lset(pw, w + e, {pack}(lget(x, i + 2 * e), lget(x, i + 2 * e + 1)))"])
+
+
+def mma_prow_helper(c: _Code, name: str, step: str, MF: int, n: int, a_stride: int) -> str:
+    """`name(x, i, pw, w, b, l)`: `mma_row_helper`'s V row (B tile t at b + (l ^ (t << 5))) with the A words read
+    from the packed-P array: a_mf_r = pw[w + mf * a_stride + r] (`pack_p_row`'s layout, a_stride = 4 KK). One
+    call of 6 arguments per k step where the kernel passed 4 MF words (benchmarks/NOTES.md, "Compile time",
+    round 5). Asked for through `c.helper`."""
+    args = ", ".join(f"a{mf}_{r}" for mf in range(MF) for r in range(4))
+    lines = ["@device_function", f"def {name}(x, i, pw, w, b, l):"]
+    for mf in range(MF):
+        for r in range(4):
+            lines.append(f"    a{mf}_{r} = lget(pw, w + {mf * a_stride + r})")
+    for t in range(n):
+        lines.append(f"    {step}(x, i + {8 * t}, {args}, b + (l ^ {t << 5}))")
+    return c.helper(name, lines)
+
+
+def row_total_helpers(c: _Code) -> tuple[str, str]:
+    """`row_total(l) -> (lt, inv)`: a row's softmax sum over its lane quad (two shuffles) and its reciprocal (0 for a
+    fully masked row); `row_lse(m, lt)`: its LSE in natural log (-inf for a fully masked row). The epilogue's
+    arithmetic once instead of once per row; its branches stay in the kernel (benchmarks/NOTES.md, "Compile time",
+    round 5). Asked for through `c.helper`."""
+    return (c.helper("row_total", ["@device_function", "def row_total(l):", "    lt = l + shfl_xor_f32(l, 1)",
+                                   "    lt = lt + shfl_xor_f32(lt, 2)",
+                                   "    return lt, ONE / lt if lt > ZERO else ZERO"]),
+            c.helper("row_lse", ["@device_function", "def row_lse(m, lt):",
+                                 "    return (m + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF"]))
+
+
 def zero_helper(c: _Code, n: int) -> str:
     """`zero_<n>(x)`: x[0 .. n-1] = 0 on a constant-indexed accumulator array (no instructions once in registers);
     one call where the stores written out in the kernel cost ~1.5 Numba IR statements per element, and a loop
@@ -826,6 +879,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c("# register, and Numba's front end sees element stores instead of hundreds of re-assigned variables")
         c(f"acc = cuda.local.array({MF * ND * 4}, np.float32)")
         c(f"sc = cuda.local.array({MF * NJ * 4}, np.float32)")
+        if XORADDR:
+            c(f"pw = cuda.local.array({MF * KK * 4}, np.uint32)  # P packed: the A words of P V")
         for mf in range(MF):
             for r in range(2):
                 c(f"m_{mf}_{r} = NEG_INF")
@@ -885,6 +940,11 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             qk_set = mma_step_helper(c, "qk_set", mma, "ldsm_x4", MF, NJ * 4, init=True)
             qk_acc = mma_step_helper(c, "qk_acc", mma, "ldsm_x4", MF, NJ * 4, init=False)
             for ks in range(KS):
+                if XORADDR and not QREG:  # the Q fragments' ldmatrix inside the row helper
+                    row = mma_qrow_helper(c, f"{qk_set if ks == 0 else qk_acc}_qrow", qk_set if ks == 0 else qk_acc,
+                                          MF, BK // 16, 16 * D * 2, 16 * D * 2)
+                    c(f"{row}(sc, ofs_0, q_frag_base, (a_lane ^ {ks << 5}), k_base, (k_lane ^ {ks << 5}))")
+                    continue
                 if not QREG:
                     for mf in range(MF):
                         c(f"qf_{mf}_{ks}_0, qf_{mf}_{ks}_1, qf_{mf}_{ks}_2, qf_{mf}_{ks}_3 = ldsm_x4({q_addr(mf, ks)})")
@@ -923,6 +983,9 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"l_{mf}_{r} = l_{mf}_{r} * alpha + rs")
                     c(f"scale_row(acc, ofs_{mf * ND * 4 + 2 * r}, alpha)")
                 c("# P to 16-bit pairs now: the fp32 S registers die here (A-operand layout of P V)")
+                if XORADDR:  # into the constant-indexed uint32 array pw: fragment mf's k step kk at 4 (mf KK + kk)
+                    c(f"{pack_p_row_helper(c, KK, pack)}(pw, ofs_{mf * KK * 4}, sc, ofs_{mf * NJ * 4})")
+                    continue
                 pack_p = c.helper("pack_p", [  # S n8 tiles 2 kk, 2 kk + 1 (x[i .. i + 7]) -> four A-operand words
                     "@device_function", "def pack_p(x, i):",
                     *[f"    p{e} = {pack}(lget(x, i + {2 * e}), lget(x, i + {2 * e + 1}))" for e in range(4)],
@@ -942,6 +1005,10 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# O += P V, P packed straight from the S accumulators")
             pv_acc = mma_step_helper(c, "pv_acc", mma, "ldsm_x4_trans", MF, ND * 4, init=False)
             for kk in range(KK):
+                if XORADDR:  # V rows 16 kk .. 16 kk + 15; the A words from pw
+                    c(f"{mma_prow_helper(c, 'pv_acc_prow', pv_acc, MF, D // 16, KK * 4)}(acc, ofs_0, pw, ofs_{4 * kk}, "
+                      f"v_base + {kk * 16 * D * 2}, v_lane)")
+                    continue
                 pa = ", ".join(f"pa_{mf}_{kk}_{i}" for mf in range(MF) for i in range(4))
                 if XORADDR:  # V rows 16 kk .. 16 kk + 15, columns 16 dd .. 16 dd + 15 (n8 tiles 2 dd, 2 dd + 1 of O)
                     c(f"{mma_row_helper(c, 'pv_acc_row', pv_acc, MF, D // 16, 0)}(acc, ofs_0, {pa}, "
@@ -957,7 +1024,19 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c()
         c("cp_async_wait0()")
         c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
-        for mf in range(MF):
+        if XORADDR:  # the row's arithmetic in helpers, its branches here
+            tot, lsev = row_total_helpers(c)
+            for mf in range(MF):
+                for r in range(2):
+                    c(f"lt, inv = {tot}(l_{mf}_{r})")
+                    c(f"qi = q_lo + warp * {RW} + {mf * 16 + 8 * r} + g")
+                    c("if qi < M:")
+                    with c.indent():
+                        c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{mf * ND * 4 + 2 * r}, inv)")
+                        c("if t2 == 0:")
+                        with c.indent():
+                            c(f"lse[q_head + qi] = {lsev}(m_{mf}_{r}, lt)")
+        for mf in range(0 if XORADDR else MF):
             for r in range(2):
                 c(f"lt = l_{mf}_{r} + shfl_xor_f32(l_{mf}_{r}, 1)")
                 c("lt = lt + shfl_xor_f32(lt, 2)")
