@@ -11,6 +11,7 @@ the driver's cuInit (`driver`), Numba's primary context (`context`), nvJitLink (
 (`load`), Numba's and falower's disk caches, and the rest (the emitter, exec of the module, Python around them).
 
     python benchmarks/compile_time.py [--kernels causal_fwd_d64 ...] [--top 8] [--json out.json] [--first-call]
+                                      [--ptx-dir DIR] [--profile DIR]
 
 Each kernel is compiled in a fresh process (a warm Numba would hide the work shared between kernels, e.g.
 the intrinsics' typing and the ~1 s Numba spends loading its typing registries at a process's first compile,
@@ -190,6 +191,12 @@ def measure(name: str, top: int) -> dict:
         c.lowered_backward
     res["passes"] = time.perf_counter() - t
     t = time.perf_counter()
+    prof = None
+    if os.environ.get("FALOWER_PROFILE_DIR"):  # cProfile of the emission (on a GPU machine: the cold compile)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     if what.startswith("fwd"):
         kern = c.specialize(dtype, D=D)
         want = {"fwd-wgmma": "wgmma", "fwd-wgmma-ws": "wgmma-ws"}.get(what)
@@ -200,6 +207,9 @@ def measure(name: str, top: int) -> dict:
         kern = c._backward_kernel_and_dims_for(dtype, D)
         builds = [("main", kern._kernel, kern.argtypes())] + _bwd_extra_kernels(kern)
     res["emission"] = time.perf_counter() - t
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(str(Path(os.environ["FALOWER_PROFILE_DIR"], f"{name}.prof")))
     # on a GPU machine the kernel object compiled, loaded and cached its kernel here: the cold compile's parts
     res["emission_parts"] = {"front_end": sum(passes.values()), **{k: v for k, v in other.items() if v}}
     res["source_lines"] = kern.source.count("\n")
@@ -310,6 +320,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--first-call", action="store_true", help="also time the first call on a GPU (fwd kernels)")
     ap.add_argument("--ptx-dir", help="write each kernel's PTX here (NAME.KERNEL.ptx)")
+    ap.add_argument("--profile", help="write a cProfile of each kernel's emission here (NAME.prof; pstats)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -324,6 +335,9 @@ def main() -> None:
                     if out.returncode == 0 else None
         print(json.dumps(res))
         return
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["FALOWER_PROFILE_DIR"] = os.path.abspath(args.profile)
     if args.ptx_dir:
         os.makedirs(args.ptx_dir, exist_ok=True)
         os.environ["FALOWER_PTX_DIR"] = os.path.abspath(args.ptx_dir)

@@ -28,6 +28,10 @@ def test_rule() -> None:
     assert rule("f16", 128, "none", (9, 0), {"FALOWER_WGMMA": "0"}) is None
     assert rule("f16", 64, "static", None, {"FALOWER_WGMMA": "1"}) is not None  # forced: wherever it can
     assert rule("f16", 96, "none", None, {"FALOWER_WGMMA": "1"}) is None
+    ws = {"schedule": "wgmma-ws", "producer": "none"}  # FALOWER_WGMMA=ws: the warp-specialized kernel, lists too
+    assert all(rule("f16", 128, m, (9, 0), {"FALOWER_WGMMA": "ws"}) == ws for m in ("none", "static", "list"))
+    assert rule("f16", 64, "list", (9, 0), {"FALOWER_WGMMA": "ws"}) == {"schedule": "wgmma", "overlap": False}
+    assert rule("f32", 128, "list", (9, 0), {"FALOWER_WGMMA": "ws"}) is None
     assert emit_fa3.tiles(128) == (128, 128) and emit_fa3.tiles(64) == (128, 64)
 
 

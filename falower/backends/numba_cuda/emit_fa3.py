@@ -96,14 +96,17 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     (FLASH 341: 1.30x; Flex 452), causal 363 vs 330 (FLASH 304, Flex 359); block tables keep this module's kernel
     (not measured on it), and a spec emit_fa3_ws refuses falls back to it (compiler.py).
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
-    the simulator). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to -4% at D = 64).
+    the simulator), `FALOWER_WGMMA=ws` takes the warp-specialized kernel at D = 128 under block lists too (to
+    measure it there). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to -4% at D = 64).
     The caller still checks the spec with `validate_spec` and keeps mma.sync where it fails; the tiles are the
     caller's too (`tiles`)."""
     env = os.environ if env is None else env
     flag = env.get(ENV, "")
     if flag == "0" or dtype not in ("f16", "bf16") or head_dim not in (64, 128):
         return None
-    if flag != "1":
+    if flag == "ws" and head_dim == 128:  # measuring: the warp-specialized kernel for every mask, block lists too
+        return {"schedule": "wgmma-ws", "producer": "none"}
+    if flag not in ("1", "ws"):
         if cc is None or cc[0] != 9:
             return None
         if head_dim == 128 and block_mask == "list":
