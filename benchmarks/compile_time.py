@@ -66,7 +66,8 @@ _GPU_PARTS = [
     ("falower.backends.numba_cuda.cubin_cache", "Driver.available", "driver"),  # cuInit through ctypes
     ("falower.backends.numba_cuda.cubin_cache", "Driver.compute_capability", "driver"),
     ("numba.cuda.cudadrv.devices", "_Runtime.get_or_create_context", "context"),  # Numba's primary context (1st call)
-    ("numba.cuda.cudadrv.driver", "_Linker.complete", "link"),  # nvJitLink: ptxas on the PTX
+    ("numba.cuda.cudadrv.driver", "_Linker.complete", "link"),  # Numba's link (cuda.core, nvJitLink)
+    ("falower.backends.numba_cuda.runtime", "nvjitlink_cubin", "link"),  # falower's direct nvJitLink link
     ("numba.cuda.cudadrv.driver", "Context.create_module_image", "load"),  # cuModuleLoadData
     ("numba.cuda.core.caching", "Cache.save_overload", "numba_cache"),  # Numba's disk cache (pickle, index)
     ("falower.backends.numba_cuda.cubin_cache", "store", "cubin_cache"),  # falower's cubin cache

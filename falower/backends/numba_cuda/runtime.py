@@ -36,7 +36,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -450,10 +450,9 @@ class DirectKernel:
             raise RuntimeError("falower's direct launches load a plain cubin: a kernel with module setup, debug, "
                                "a cooperative launch or a carveout needs Numba's launch (FALOWER_DIRECT_LAUNCH=0)")
         # the target Numba itself links for (CUDACodeLibrary._ensure_cc): sm_90a, not sm_90, on an H100, so
-        # the cubin is the one Numba's own cache holds and architecture-specific PTX (wgmma) assembles
+        # architecture-specific PTX (wgmma) assembles
         target = (cc[0], cc[1], "a" if tuple(cc) >= (9, 0) else "")
-        return cubin_cache.KernelImage(lib._entry_name, cubin_cache.cubin_bytes(lib.get_cubin(cc=target)), describe_argtypes(argtypes),
-                                       self.smem)
+        return cubin_cache.KernelImage(lib._entry_name, link_cubin(lib, target), describe_argtypes(argtypes), self.smem)
 
     def function(self, device: int) -> int:
         """The CUfunction in `device`'s primary context (torch's and Numba's), loaded on first use. A cached
@@ -1225,23 +1224,48 @@ def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
     return ptx
 
 
+def nvjitlink_cubin(ptxes: Sequence[str], arch: str, options: Sequence[str] = ()) -> tuple[bytes, str]:
+    """PTX -> cubin with nvJitLink, called directly: (cubin, info log)."""
+    from cuda.bindings import nvjitlink
+
+    handle = nvjitlink.create(1 + len(options), [f"-arch={arch}", *options])
+    try:
+        for i, ptx in enumerate(ptxes):
+            data = ptx.encode()
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), f"kernel{i}.ptx")
+        nvjitlink.complete(handle)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+    finally:
+        nvjitlink.destroy(handle)
+    return bytes(cubin), bytes(log).decode(errors="replace")
+
+
+def link_cubin(lib: Any, cc: tuple) -> bytes:
+    """The cubin of a compiled Numba kernel (`lib`, its CUDACodeLibrary) for `cc` (Numba's (major, minor,
+    suffix)). Its PTX goes to nvJitLink directly: Numba's own link (cuda.core's Linker) cost 1.38 s of the
+    warp-specialized forward's 7.9 s cold compile on the H100 host, nvJitLink 0.18 s on the same PTX with the
+    same 222 registers (benchmarks/probe_link.py, benchmarks/NOTES.md "Compile time"). A library Numba would
+    link more into (LTO, linked files, cudadevrt) keeps Numba's link."""
+    if getattr(lib, "_lto", False) or getattr(lib, "_linking_files", None) or getattr(lib, "needs_cudadevrt", False) \
+            or os.environ.get("FALOWER_NUMBA_LINK") == "1":
+        return cubin_cache.cubin_bytes(lib.get_cubin(cc=cc))
+    options = [f"-maxrregcount={lib._max_registers}"] if getattr(lib, "_max_registers", None) else []
+    arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"  # as Numba's _Linker names it (sm_90a)
+    try:
+        cubin, _ = nvjitlink_cubin(lib.get_asm_strs(cc=cc), arch, options)
+    except ImportError:  # no cuda.bindings: Numba's link
+        return cubin_cache.cubin_bytes(lib.get_cubin(cc=cc))
+    return cubin
+
+
 def resource_usage(ptx: str, arch: str = "sm_90") -> dict[str, int]:
     """Link PTX with nvJitLink (no GPU needed) and read registers / spills from its verbose log."""
     import re
 
-    from cuda.bindings import nvjitlink
-
-    handle = nvjitlink.create(2, [f"-arch={arch}", "-verbose"])
-    try:
-        data = ptx.encode()
-        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
-        nvjitlink.complete(handle)
-        size = nvjitlink.get_info_log_size(handle)
-        buf = bytearray(size)
-        nvjitlink.get_info_log(handle, buf)
-        log = bytes(buf).decode(errors="replace")
-    finally:
-        nvjitlink.destroy(handle)
+    _, log = nvjitlink_cubin([ptx], arch, ["-verbose"])
     out = {"log": log}
     m = re.search(r"Used (\d+) registers", log)
     out["registers"] = int(m.group(1)) if m else -1
