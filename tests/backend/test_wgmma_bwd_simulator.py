@@ -103,10 +103,11 @@ def test_asked_for_by_extra_or_environment(monkeypatch):
     assert backward_extra({}, {ENV: "1"}) == {"bwd_schedule": "wgmma"}
     assert backward_extra({"bwd_schedule": "mma"}, {ENV: "1"}) == {"bwd_schedule": "mma"}  # extra wins
     assert backward_extra({"schedule": "wgmma"}, {ENV: "0"}) == {"schedule": "wgmma"}  # the forward's knob only
-    # by itself: Hopper, f16/bf16, D = 128 (measured faster); not D = 64, not other GPUs, not without a GPU
-    assert backward_extra({}, {}, "f16", 128, (9, 0)) == {"bwd_schedule": "wgmma"}
-    assert backward_extra({}, {}, "bf16", 128, (9, 0)) == {"bwd_schedule": "wgmma"}
-    for args in (("f16", 64, (9, 0)), ("f16", 128, (8, 0)), ("f16", 128, None), ("f32", 128, (9, 0))):
+    # by itself: Hopper, f16/bf16, D = 64 and 128 (measured faster); not other head dims, not other GPUs, not
+    # without a GPU
+    for args in (("f16", 128, (9, 0)), ("bf16", 128, (9, 0)), ("f16", 64, (9, 0)), ("bf16", 64, (9, 0))):
+        assert backward_extra({}, {}, *args) == {"bwd_schedule": "wgmma"}, args
+    for args in (("f16", 96, (9, 0)), ("f16", 128, (8, 0)), ("f16", 128, None), ("f32", 128, (9, 0))):
         assert backward_extra({}, {}, *args) == {}, args
     assert backward_extra({}, {ENV: "0"}, "f16", 128, (9, 0)) == {}
     import falower as fl

@@ -25,7 +25,7 @@ The Delta kernel and dQ's conversion are emit_fa2_bwd's, unchanged. What is new 
 
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
 `falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`),
-which also takes it by itself on compute capability 9.x at D = 128 (measured faster there; D = 64 not yet). `resolve(spec)` is what the runtime builds: the spec itself, or, where this
+which also takes it by itself on compute capability 9.x at D = 64 and 128 (measured faster at both). `resolve(spec)` is what the runtime builds: the spec itself, or, where this
 kernel refuses it (`validate_spec`: a clear ValueError), the mma.sync spec, so an unsupported feature never gives
 wrong numbers. Supported: f16/bf16, D = 64 or 128, block_q 64 or 128 (block_q + D <= 192: the four accumulators
 in registers), block_k 64 or 128, GQA, every score function, tile classes from tile_class_fn or the block
@@ -90,16 +90,16 @@ def backward_extra(extra: Mapping, env: Optional[Mapping[str, str]] = None, dtyp
                    head_dim: Optional[int] = None, cc: Optional[tuple[int, int]] = None) -> dict:
     """The spec.extra of a backward: `extra` itself when it says `bwd_schedule`; else the wgmma schedule when
     FALOWER_WGMMA_BWD=1, or by itself on compute capability 9.x (`cc`, from the driver; None without a GPU or
-    in the simulator) for f16/bf16 at D = 128, where it was measured faster than mma.sync (H100, N = 4k, fwd +
-    bwd with the wgmma forward: 280 vs 253 TFLOP/s plain, 292 vs 232 causal; benchmarks/NOTES.md "Backward on
-    wgmma"). D = 64 stays on mma.sync until measured. FALOWER_WGMMA_BWD=0 never takes it. A spec the kernel
-    refuses (deterministic mode, block lists) still falls back to mma.sync (`resolve`)."""
+    in the simulator) for f16/bf16 at D = 64 and 128, where it was measured faster than mma.sync (H100, N = 4k,
+    fwd + bwd with the wgmma forward: D = 128 280 vs 253 TFLOP/s plain, 292 vs 232 causal; D = 64 270 vs 225
+    plain, 234 vs 190 causal; benchmarks/NOTES.md "Backward on wgmma"). FALOWER_WGMMA_BWD=0 never takes it. A
+    spec the kernel refuses (deterministic mode, block lists) still falls back to mma.sync (`resolve`)."""
     env = os.environ if env is None else env
     out = dict(extra)
     flag = env.get(ENV, "")
     if "bwd_schedule" in out or flag == "0":
         return out
-    if flag == "1" or (cc is not None and cc[0] == 9 and dtype in ("f16", "bf16") and head_dim == 128):
+    if flag == "1" or (cc is not None and cc[0] == 9 and dtype in ("f16", "bf16") and head_dim in (64, 128)):
         out["bwd_schedule"] = "wgmma"
     return out
 
