@@ -227,7 +227,11 @@ LIST_CASES += [(mask, k, 65, 65) for mask in ("doc_per_head", "shared_prefix", "
 FWD_CASES = [("document", "sorted", 40, 37, "mma"), ("document", "sorted", 9, 40, "mma"), ("document", "unsorted", 40, 37, "mma"),
              ("document", "nothing", 17, 33, "mma"), ("document", "positions", 33, 17, "simt"),
              ("doc_per_head", "blocks", 40, 37, "simt"), ("global_window", "unsorted", 40, 37, "mma"),
-             ("threshold", "positions", 40, 37, "mma")]  # thr[h]: range tables, in-kernel scan (static)
+             ("threshold", "positions", 40, 37, "mma"),  # thr[h]: range tables, in-kernel scan (static)
+             # the mma kernel reads its list one entry ahead: lists of one entry, of every tile (constant ids,
+             # a ragged last tile), and long ones with gaps (sorted 65 x 65: up to 5 entries a row)
+             ("document", "sorted", 1, 1, "mma"), ("document", "constant", 33, 17, "mma"),
+             ("document", "sorted", 65, 65, "mma")]
 
 
 # the backward over its lists (16 x 16 tiles): ragged sizes, ids unsorted, constant, all distinct, all padding,

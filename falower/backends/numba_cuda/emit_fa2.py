@@ -405,8 +405,29 @@ def _list_names(spec: FA2ForwardSpec) -> tuple[str, str]:
     return names[("kv_count",)], names[("kv_tiles",)]
 
 
-def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str) -> None:
-    """out = the next non-empty kv tile after cur (kv_last + 1 when none)."""
+def _emit_list_ahead(c: _Code, spec: FA2ForwardSpec) -> None:
+    """Block list, before the kv loop of a kernel that walks it with `_emit_next_tile(..., ahead=True)`: the
+    current entry (kv_cur) and the next (kv_nx, or the end kv_last + 1) in registers, so an iteration issues its
+    next tile's copies without first waiting on a global load of the list."""
+    _, kt = _list_names(spec)
+    c(f"kv_cur = {kt}[kv_row] if kv_n > 0 else 0  # entry kv_pos: tile j and its class")
+    c(f"kv_nx = {kt}[kv_row + 1] if kv_n > 1 else (kv_last + 1) * 2  # entry kv_pos + 1: the next tile")
+    c("kv_at = kv_row + 2  # the entry to load next, up to kv_end")
+    c("kv_end = kv_row + kv_n")
+
+
+def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: bool = False) -> None:
+    """out = the next non-empty kv tile after cur (kv_last + 1 when none). `ahead` (block list, after
+    `_emit_list_ahead`): out comes from the entry loaded one iteration ago, and the entry after out is loaded
+    now, a whole tile's work before the next iteration needs it."""
+    if spec.block_mask == "list" and ahead:
+        _, kt = _list_names(spec)
+        c(f"kv_cls = 1 if kv_cur & 1 else 2  # tile {cur}: partial or full")
+        c(f"{out} = kv_nx >> 1")
+        c("kv_cur = kv_nx")
+        c(f"kv_nx = {kt}[kv_at] if kv_at < kv_end else (kv_last + 1) * 2")
+        c("kv_at += 1")
+        return
     if spec.block_mask == "list":  # cur is entry kv_pos of the list
         _, kt = _list_names(spec)
         c(f"kv_cls = 1 if {kt}[kv_row + kv_pos] & 1 else 2  # tile {cur}: partial or full")
@@ -895,11 +916,13 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"l_{mf}_{r} = ZERO")
         c(f"{zero_helper(c, MF * ND * 4)}(acc)")
         c()
+        if spec.block_mask == "list":
+            _emit_list_ahead(c, spec)
         c("j = kv_first")
         c("buf = 0")
         c("while j <= kv_last:")
         with c.indent():
-            _emit_next_tile(c, spec, "j", "jn")
+            _emit_next_tile(c, spec, "j", "jn", ahead=True)
             c(f"k_off = buf * {2 * T}")
             c(f"n_off = {2 * T} - k_off  # the other buffer")
             c("k_base = sb + k_off * 2")
