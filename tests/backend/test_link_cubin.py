@@ -63,3 +63,20 @@ def test_link_cubin_links_the_ptx_itself_and_leaves_numba_what_it_links_more_int
         assert runtime.link_cubin(lib, (9, 0, "")) == b"numba's" and lib.numba_links == 1, kw
     monkeypatch.setenv("FALOWER_NUMBA_LINK", "1")
     assert runtime.link_cubin(_Lib(ptx), (9, 0, "")) == b"numba's"
+
+
+def test_compiles_run_the_lean_pipeline(monkeypatch) -> None:
+    """numba-cuda's compile_cuda names its pipeline by the module global CUDACompiler: lean_compiles swaps it for
+    the compile only (the lean pipeline skips InlineClosureLikes where there is nothing to inline)."""
+    import numba.cuda.compiler as cuda_compiler
+    from numba.cuda.core.untyped_passes import InlineClosureLikes
+
+    runs = []
+    original_run = InlineClosureLikes.run_pass
+    monkeypatch.setattr(InlineClosureLikes, "run_pass", lambda self, state: runs.append(1) or original_run(self, state))
+    before = cuda_compiler.CUDACompiler
+    _ptx()
+    assert runs == [] and cuda_compiler.CUDACompiler is before  # lean: not run; the global restored
+    monkeypatch.setenv("FALOWER_NUMBA_PIPELINE", "default")
+    _ptx()
+    assert runs  # numba-cuda's own pipeline runs it

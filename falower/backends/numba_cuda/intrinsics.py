@@ -45,6 +45,7 @@ Public names (identical in both modes):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -56,6 +57,7 @@ __all__ = [
     "SIMULATOR",
     "device_function",
     "kernel_jit",
+    "lean_compiles",
     "launch_bounds",
     "mma_f16",
     "mma_bf16",
@@ -238,6 +240,10 @@ if SIMULATOR:
         return cuda.jit(device=True)(fn)
 
     kernel_jit = cuda.jit  # the simulator takes no options
+
+    def lean_compiles():
+        """No Numba pipeline to swap under the simulator."""
+        return contextlib.nullcontext()
 
     def _unpack(word: int, to_float) -> tuple[float, float]:
         word = int(word) & 0xFFFFFFFF
@@ -638,10 +644,34 @@ else:
             disp._compiler.pipeline_class = _LEAN_PIPELINE
         return disp
 
+    @contextlib.contextmanager
+    def lean_compiles():
+        """Compile under the lean pipeline: numba-cuda's compile_cuda (which kernels and device functions both go
+        through) names its pipeline by the module global `CUDACompiler`, not by the dispatcher's
+        `_compiler.pipeline_class` that `_lean` sets, so the lean pipeline reached only benchmarks/compile_time.py,
+        which swapped that global; here it is swapped for one compile, under Numba's compiler lock (no other
+        compile sees it). FALOWER_NUMBA_PIPELINE=default keeps numba-cuda's own."""
+        import numba.cuda.compiler as _cuda_compiler
+        from numba.cuda.core.compiler_lock import global_compiler_lock
+
+        if _LEAN_PIPELINE is None or os.environ.get("FALOWER_NUMBA_PIPELINE", "lean") != "lean" or \
+                not isinstance(getattr(_cuda_compiler, "CUDACompiler", None), type):
+            yield
+            return
+        with global_compiler_lock:
+            original = _cuda_compiler.CUDACompiler
+            _cuda_compiler.CUDACompiler = _LEAN_PIPELINE
+            try:
+                yield
+            finally:
+                _cuda_compiler.CUDACompiler = original
+
     def kernel_jit(fn):
         """Kernels of generated sources: cached on disk, compiled through the lean pipeline, with the launch
-        bounds of `launch_bounds` and the register cap of `max_registers` where the source asks for them."""
-        opts = {"cache": True}
+        bounds of `launch_bounds` and the register cap of `max_registers` where the source asks for them; no
+        link-time optimisation (numba-cuda's default): NVVM compiles the kernel and its device functions as one
+        module already, and LTO ran NVVM a second time and optimised again at link time (runtime.compile_unbound)."""
+        opts = {"cache": True, "lto": False}
         bounds = getattr(fn, "__falower_launch_bounds__", None)
         if bounds:
             opts["launch_bounds"] = bounds

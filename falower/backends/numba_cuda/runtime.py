@@ -443,7 +443,7 @@ class DirectKernel:
     def compile(self, cc: tuple[int, int]) -> cubin_cache.KernelImage:
         """Numba's compile of the kernel for exactly `argtypes`, linked for `cc`, as a cacheable image."""
         argtypes = tuple(self._argtypes())
-        compiled = self._dispatcher().compile(argtypes)
+        compiled = compile_unbound(self._dispatcher(), argtypes)
         lib = compiled._codelibrary
         if lib._setup_functions or getattr(compiled, "debug", False) or getattr(compiled, "cooperative", False) \
                 or getattr(compiled, "shared_memory_carveout", None) is not None:
@@ -1207,9 +1207,12 @@ def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
     from numba import cuda
     import numba.cuda.dispatcher as dispatcher_module
 
+    from .intrinsics import lean_compiles
+
     bounds = getattr(kernel.py_func, "__falower_launch_bounds__", None)  # as kernel_jit compiles it
     if cuda.is_available():
-        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bounds)
+        with lean_compiles():
+            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bounds)
         return ptx
 
     class _NoDevice:
@@ -1218,10 +1221,35 @@ def ptx_of(kernel, argtypes: tuple, cc: tuple[int, int] = (9, 0)) -> str:
     original = dispatcher_module.get_current_device
     dispatcher_module.get_current_device = lambda: _NoDevice
     try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bounds)
+        with lean_compiles():
+            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=cc, launch_bounds=bounds)
     finally:
         dispatcher_module.get_current_device = original
     return ptx
+
+
+def compile_unbound(dispatcher: Any, argtypes: tuple) -> Any:
+    """Numba's compiled kernel for `argtypes` (a numba.cuda _Kernel), made without what Dispatcher.compile adds
+    for Numba's own launches: `bind()` links the kernel through Numba's linker and loads it into Numba's context,
+    and the result is pickled into Numba's disk cache; the direct launches link the PTX themselves
+    (`link_cubin`), load the cubin with the driver and keep it in falower's cubin cache, so those were a second
+    link and a second cache: ~0.7 s of a 3.9 s cold compile on the H100 host (benchmarks/NOTES.md "Compile
+    time", round 6). Always without link-time optimisation: numba-cuda's default (lto=True) made NVVM run twice
+    (PTX, then LTO-IR) and nvJitLink optimise the whole kernel again, for a program NVVM already compiled whole
+    (its device functions are in the kernel's NVVM module). Falls back to Dispatcher.compile where numba-cuda's
+    layout differs."""
+    try:
+        from numba.cuda.dispatcher import _Kernel
+    except ImportError:
+        return dispatcher.compile(argtypes)
+    opts = dict(getattr(dispatcher, "targetoptions", {}))
+    if "lto" not in opts or getattr(dispatcher, "py_func", None) is None:
+        return dispatcher.compile(argtypes)
+    opts["lto"] = False
+    from .intrinsics import lean_compiles
+
+    with lean_compiles():
+        return _Kernel(dispatcher.py_func, tuple(argtypes), **opts)
 
 
 def nvjitlink_cubin(ptxes: Sequence[str], arch: str, options: Sequence[str] = ()) -> tuple[bytes, str]:
