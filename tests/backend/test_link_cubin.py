@@ -80,3 +80,27 @@ def test_compiles_run_the_lean_pipeline(monkeypatch) -> None:
     monkeypatch.setenv("FALOWER_NUMBA_PIPELINE", "default")
     _ptx()
     assert runs  # numba-cuda's own pipeline runs it
+
+
+def test_compile_unbound_skips_bind_and_lto(monkeypatch) -> None:
+    """Dispatcher.compile would bind (a Numba link + load, which needs a GPU) and link with LTO: compile_unbound
+    makes the _Kernel only, LTO off unless FALOWER_LTO=1."""
+    import numba.cuda.dispatcher as dispatcher_module
+    from numba.cuda import codegen
+
+    class _NoDevice:
+        compute_capability = (9, 0)
+
+    monkeypatch.setattr(dispatcher_module, "get_current_device", lambda: _NoDevice)
+    monkeypatch.setattr(codegen.CUDACodeLibrary, "_ensure_cc", lambda self, cc: (9, 0, "a") if cc is None else cc)
+    from falower.backends.numba_cuda.intrinsics import kernel_jit
+
+    def twice(a):
+        a[0] = a[0] * 2.0
+
+    k = kernel_jit(twice)
+    kern = runtime.compile_unbound(k, (types.float32[::1],))
+    assert not kern._codelibrary._lto and not k.overloads  # nothing bound, nothing in the dispatcher
+    assert runtime.link_cubin(kern._codelibrary, (9, 0, "a"))[:4] == b"\x7fELF"
+    monkeypatch.setenv("FALOWER_LTO", "1")
+    assert runtime.compile_unbound(kernel_jit(twice), (types.float32[::1],))._codelibrary._lto

@@ -1236,8 +1236,9 @@ def compile_unbound(dispatcher: Any, argtypes: tuple) -> Any:
     link and a second cache: ~0.7 s of a 3.9 s cold compile on the H100 host (benchmarks/NOTES.md "Compile
     time", round 6). Always without link-time optimisation: numba-cuda's default (lto=True) made NVVM run twice
     (PTX, then LTO-IR) and nvJitLink optimise the whole kernel again, for a program NVVM already compiled whole
-    (its device functions are in the kernel's NVVM module). Falls back to Dispatcher.compile where numba-cuda's
-    layout differs."""
+    (its device functions are in the kernel's NVVM module); FALOWER_LTO=1 keeps it (then link_cubin leaves the
+    link to Numba), to compare the code either makes. Falls back to Dispatcher.compile where numba-cuda's layout
+    differs."""
     try:
         from numba.cuda.dispatcher import _Kernel
     except ImportError:
@@ -1245,7 +1246,7 @@ def compile_unbound(dispatcher: Any, argtypes: tuple) -> Any:
     opts = dict(getattr(dispatcher, "targetoptions", {}))
     if "lto" not in opts or getattr(dispatcher, "py_func", None) is None:
         return dispatcher.compile(argtypes)
-    opts["lto"] = False
+    opts["lto"] = os.environ.get("FALOWER_LTO") == "1"  # 1: numba-cuda's LTO link, to compare the code it makes
     from .intrinsics import lean_compiles
 
     with lean_compiles():
