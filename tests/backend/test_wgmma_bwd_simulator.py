@@ -117,9 +117,9 @@ def test_asked_for_by_extra_or_environment(monkeypatch):
     assert backward_extra(c.extra)["bwd_schedule"] == "wgmma"
 
 
-def test_chosen_by_itself_on_hopper_at_d128(monkeypatch, tmp_path):
+def test_chosen_by_itself_on_hopper(monkeypatch, tmp_path):
     """falower.compile on an H100 (compute capability faked, nothing compiled): the backward's main kernel on
-    wgmma at D = 128, on mma.sync at D = 64 and where no Hopper GPU is seen."""
+    wgmma at D = 128 and 64, on mma.sync where no Hopper GPU is seen."""
     import falower as fl
     from falower.backends.numba_cuda import runtime
     from falower.backends.numba_cuda.emit_fa3_bwd import ENV
@@ -128,7 +128,7 @@ def test_chosen_by_itself_on_hopper_at_d128(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
     g = runpy.run_path(str(ROOT / "examples" / "causal.py"))["graph"]
-    for cc, D, want in [((9, 0), 128, "wgmma"), ((9, 0), 64, None), ((8, 0), 128, None), (None, 128, None)]:
+    for cc, D, want in [((9, 0), 128, "wgmma"), ((9, 0), 64, "wgmma"), ((8, 0), 128, None), (None, 128, None)]:
         monkeypatch.setattr(runtime, "device_cc", lambda cc=cc: cc)
         kern = fl.compile(g, "numba-cuda")._backward_kernel_and_dims_for("f16", D)
         assert kern.spec.extra.get("bwd_schedule") == want, (cc, D, kern.spec.extra)
