@@ -69,12 +69,15 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic"
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 # 16 x 16 tiles (one warp) at M = 20, N = 19: ragged q and kv tiles, a diagonal, every example on both paths;
 # 32 x 32 tiles (two warps, several q tiles per kv tile) at M = 40, N = 37 for the tensor-core path.
-SIMT_STEMS = ("alibi", "causal", "document", "gqa", "relative_bias")  # the SIMT path shares the IR side
+# the SIMT path shares the IR side (alibi and GQA on it: the deterministic and strided cases)
+SIMT_STEMS = ("causal", "document", "relative_bias")
 CASES = [(s, p, 16, 20, 19, "atomic") for s in STEMS for p in ("mma", "simt") if p == "mma" or s in SIMT_STEMS]
 CASES += [(s, "mma", 32, 40, 37, "atomic") for s in ("causal", "gqa", "relative_bias")]
-# deterministic=true: dQ by the q-outer kernel, captured gradients summed per block in a fixed order
-CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document", "gqa", "prefix_lm")]
-CASES += [("alibi", "simt", 16, 20, 19, "det"), ("causal", "mma", 32, 40, 37, "det")]
+# deterministic=true: dQ by the q-outer kernel, captured gradients summed per block in a fixed order (GQA and
+# prefix LM on it, and causal at 32 x 32 tiles, cut for CI time: the atomic cases run them, alibi / causal /
+# document / the per-element tables the deterministic kernel)
+CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document")]
+CASES += [("alibi", "simt", 16, 20, 19, "det")]
 # tables read at per-element indices: contributions staged, added by their address's owner in slot order
 CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 19, "det"),
           ("relative_bias", "simt", 16, 20, 19, "det")]

@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k, spec.extra)
 CASES = {
     "ws-plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 128, 16, {"stages": 2}),
-    "ws-causal-bf16-d64-3stages": ("causal", "bf16", 64, 1, 1, 75, 70, 1, 128, 16, {"stages": 3}),
-    "ws-plain-f16-d128-gqa": ("plain", "f16", 128, 1, 2, 40, 50, 2, 128, 16, {}),
+    # (the producer warp at D = 128 with GQA and bf16 with 3 stages were cut for CI time: GQA, bf16 and 3 stages
+    # run in the no-producer cases below, the producer warp in its D = 64 and causal D = 128 cases)
     "ws-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {}),
     # a producer warpgroup with setmaxnreg (40 / 232) instead of the producer warp
     "ws-bias-f16-d64-pwg": ("bias", "f16", 64, 1, 1, 50, 40, 1, 128, 16, {"producer": "warpgroup"}),
@@ -33,7 +33,7 @@ CASES = {
                                         {"producer": "none", "stages": 2}),
     "ws-none-plain-f16-d128-gqa": ("plain", "f16", 128, 1, 2, 40, 50, 2, 128, 16, {"producer": "none"}),
     "ws-none-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {"producer": "none"}),
-    "ws-none-causal-f16-d128-2stages": ("causal", "f16", 128, 1, 1, 130, 200, 1, 128, 32,
+    "ws-none-causal-f16-d128-2stages": ("causal", "f16", 128, 1, 1, 130, 140, 1, 128, 32,
                                         {"producer": "none", "stages": 2}),
 }
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
