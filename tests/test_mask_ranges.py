@@ -132,7 +132,7 @@ def test_sorted_document_ids_are_classified_exactly(docs: int) -> None:
             assert not inexact.any()
 
 
-@pytest.mark.parametrize("M,N", [(67, 67), (17, 130)])
+@pytest.mark.parametrize("M,N", [(45, 43), (17, 130)])  # 16 x 8 tiles: ragged both ways, M != N
 @pytest.mark.parametrize("mask", RANGED)
 def test_numbers_through_the_forward(mask: str, M: int, N: int) -> None:
     pm = PassManager(parse_pipeline(FWD % (16, 8)), check=True, shapes={"B": 2, "H": 2, "M": M, "N": N, "D": 4})

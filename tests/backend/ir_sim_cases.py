@@ -107,7 +107,10 @@ def run_idiom_case(which: str) -> dict:
 
 
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
-CASES = [(s, p) for s in STEMS for p in ("mma", "simt")]
+# every example on the tensor-core path; the SIMT path (f32 / f64 / odd head dims) on the examples that stress
+# its own code (masked rows, per-element tables, GQA, causal tiles): the rest were cut for CI time
+SIMT_STEMS = {"causal", "document", "gqa", "relative_bias"}
+CASES = [(s, p) for s in STEMS for p in ("mma", "simt") if p == "mma" or s in SIMT_STEMS]
 IDIOM_CASES = ["maths", "window"]
 TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "unsorted"), ("dense", "sorted")]
 
