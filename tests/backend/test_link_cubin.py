@@ -104,3 +104,12 @@ def test_compile_unbound_skips_bind_and_lto(monkeypatch) -> None:
     assert runtime.link_cubin(kern._codelibrary, (9, 0, "a"))[:4] == b"\x7fELF"
     monkeypatch.setenv("FALOWER_LTO", "1")
     assert runtime.compile_unbound(kernel_jit(twice), (types.float32[::1],))._codelibrary._lto
+
+
+def test_lto_cubins_are_cached_apart(monkeypatch) -> None:
+    from falower.backends.numba_cuda import cubin_cache
+
+    monkeypatch.delenv("FALOWER_LTO", raising=False)
+    plain = cubin_cache.cache_key("k", (9, 0))
+    monkeypatch.setenv("FALOWER_LTO", "1")
+    assert cubin_cache.cache_key("k", (9, 0)) != plain

@@ -109,8 +109,10 @@ def toolchain() -> str:
 
 def cache_key(ident: str, cc: tuple[int, int]) -> str:
     """The file name of a kernel's image: `ident` (what identifies the kernel and the code that built it,
-    see runtime.DirectKernel), the compute capability it is compiled for and the toolchain."""
-    text = f"{ident}\0sm_{cc[0]}{cc[1]}{'a' if tuple(cc) >= (9, 0) else ''}\0{toolchain()}"
+    see runtime.DirectKernel), the compute capability it is compiled for, the toolchain, and whether numba-cuda's
+    LTO link made it (FALOWER_LTO=1, runtime.compile_unbound: other code from the same source)."""
+    lto = "\0lto" if os.environ.get("FALOWER_LTO") == "1" else ""
+    text = f"{ident}\0sm_{cc[0]}{cc[1]}{'a' if tuple(cc) >= (9, 0) else ''}\0{toolchain()}{lto}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
