@@ -400,7 +400,7 @@ class ArgBuffer:
 class DirectKernel:
     """One generated kernel for the direct launches. Its image (cubin, entry symbol, parameter layout) comes
     from falower's cubin cache (`cubin_cache`: the process never imports Numba) or else from Numba's compile
-    for `argtypes` (Numba's disk cache first), and is then stored there; `function(device)` loads it with
+    for `argtypes` (`compile_unbound`, linked by `link_cubin`), and is then stored there; `function(device)` loads it with
     the driver (cuModuleLoadData) in the device's primary context, shared memory limit raised once.
 
     `dispatcher` and `argtypes` are functions, called only when the kernel must be compiled (both import
