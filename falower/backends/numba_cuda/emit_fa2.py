@@ -1055,30 +1055,24 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c()
         c("cp_async_wait0()")
         c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
-        if XORADDR:  # the row's arithmetic in helpers, its branches here
-            tot, lsev = row_total_helpers(c)
-            for mf in range(MF):
-                for r in range(2):
-                    c(f"lt, inv = {tot}(l_{mf}_{r})")
-                    c(f"qi = q_lo + warp * {RW} + {mf * 16 + 8 * r} + g")
-                    c("if qi < M:")
-                    with c.indent():
-                        c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{mf * ND * 4 + 2 * r}, inv)")
-                        c("if t2 == 0:")
-                        with c.indent():
-                            c(f"lse[q_head + qi] = {lsev}(m_{mf}_{r}, lt)")
-        for mf in range(0 if XORADDR else MF):
+        tot, lsev = row_total_helpers(c) if XORADDR else (None, None)  # the row's arithmetic in helpers
+        for mf in range(MF):
             for r in range(2):
-                c(f"lt = l_{mf}_{r} + shfl_xor_f32(l_{mf}_{r}, 1)")
-                c("lt = lt + shfl_xor_f32(lt, 2)")
-                c("inv = ONE / lt if lt > ZERO else ZERO")
+                if tot is not None:
+                    c(f"lt, inv = {tot}(l_{mf}_{r})")
+                else:
+                    c(f"lt = l_{mf}_{r} + shfl_xor_f32(l_{mf}_{r}, 1)")
+                    c("lt = lt + shfl_xor_f32(lt, 2)")
+                    c("inv = ONE / lt if lt > ZERO else ZERO")
                 c(f"qi = q_lo + warp * {RW} + {mf * 16 + 8 * r} + g")
-                c("if qi < M:")
+                c("if qi < M:")  # the branches stay here (as one helper with them, spills grew: round 5)
                 with c.indent():
                     c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{mf * ND * 4 + 2 * r}, inv)")
                     c("if t2 == 0:")
                     with c.indent():
-                        c(f"lse[q_head + qi] = (m_{mf}_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+                        lse = f"{lsev}(m_{mf}_{r}, lt)" if lsev is not None else \
+                            f"(m_{mf}_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF"
+                        c(f"lse[q_head + qi] = {lse}")
     del caps
     return bind_offsets(c.text())
 
