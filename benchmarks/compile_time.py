@@ -169,17 +169,10 @@ def measure(name: str, top: int) -> dict:
 
     imports = (time.perf_counter() - t, time.process_time() - cpu0)
     passes, other = _instrument()
-    from falower.backends.numba_cuda import intrinsics
     from falower.backends.numba_cuda.runtime import ptx_of, resource_usage
 
-    # ptx_of goes through numba-cuda's compile_ptx, whose pipeline is CUDACompiler by name; a launch compiles
-    # through the kernel dispatcher's own pipeline class: measure that one (FALOWER_NUMBA_PIPELINE=default: not)
-    lean = getattr(intrinsics, "_LEAN_PIPELINE", None)
-    if lean is not None and os.environ.get("FALOWER_NUMBA_PIPELINE", "lean") == "lean":
-        import numba.cuda.compiler as cuda_compiler
-
-        cuda_compiler.CUDACompiler = lean
-
+    # ptx_of and a launch's compile (runtime.compile_unbound) both run under intrinsics.lean_compiles: the same
+    # pipeline is measured (FALOWER_NUMBA_PIPELINE=default: numba-cuda's own, for both)
     import falower as fl
 
     res: dict = {"kernel": name, "imports": imports[0], "imports_cpu": imports[1]}

@@ -424,7 +424,7 @@ else:
 
     def device_function(fn):
         """Device functions of generated kernels: always inlined at the NVVM level."""
-        return _lean(cuda.jit(device=True, forceinline=True)(fn))
+        return cuda.jit(device=True, forceinline=True)(fn)
 
     def _linear_singly_assigned_variables() -> None:
         """Replace numba-cuda's `Lower._find_singly_assigned_variable` with a linear-time equivalent.
@@ -592,7 +592,7 @@ else:
         the whole function: 8-19 s of a cold compile of our long kernels (benchmarks/NOTES.md, "Compile
         time", lever 7). Generated kernels and their helpers contain none of those constructs; this pass
         checks that (one scan) and runs the original pass wherever one occurs. Only for our kernels and
-        device functions (kernel_jit, device_function); None where numba-cuda's layout differs."""
+        device functions (`lean_compiles`); None where numba-cuda's layout differs."""
         try:
             from numba.cuda.compiler import CUDACompiler
             from numba.cuda.core import ir as _ir
@@ -639,18 +639,13 @@ else:
 
     _LEAN_PIPELINE = _lean_pipeline()
 
-    def _lean(disp):
-        if _LEAN_PIPELINE is not None and os.environ.get("FALOWER_NUMBA_PIPELINE", "lean") == "lean":
-            disp._compiler.pipeline_class = _LEAN_PIPELINE
-        return disp
-
     @contextlib.contextmanager
     def lean_compiles():
         """Compile under the lean pipeline: numba-cuda's compile_cuda (which kernels and device functions both go
-        through) names its pipeline by the module global `CUDACompiler`, not by the dispatcher's
-        `_compiler.pipeline_class` that `_lean` sets, so the lean pipeline reached only benchmarks/compile_time.py,
-        which swapped that global; here it is swapped for one compile, under Numba's compiler lock (no other
-        compile sees it). FALOWER_NUMBA_PIPELINE=default keeps numba-cuda's own."""
+        through) names its pipeline by the module global `CUDACompiler`, not by a dispatcher's
+        `_compiler.pipeline_class` (which falower used to set, reaching nothing: only benchmarks/compile_time.py,
+        which swapped the global, had the lean pipeline); here it is swapped for one compile, under Numba's compiler
+        lock (no other compile sees it). FALOWER_NUMBA_PIPELINE=default keeps numba-cuda's own."""
         import numba.cuda.compiler as _cuda_compiler
         from numba.cuda.core.compiler_lock import global_compiler_lock
 
@@ -678,7 +673,7 @@ else:
         regs = getattr(fn, "__falower_max_registers__", None)
         if regs:
             opts["max_registers"] = regs
-        return _lean(cuda.jit(**opts)(fn))
+        return cuda.jit(**opts)(fn)
 
     # float32 maths from libdevice: Numba's math.sin/cos/tan and round() on a float32 compute in f64
     from numba.cuda import libdevice as _libdevice
