@@ -32,3 +32,54 @@ def test_folding_keeps_the_float64_meaning() -> None:
     (nat_want,) = interpret(f, [x], "native")
     (nat_got,) = interpret(g, [x], "native")
     np.testing.assert_allclose(nat_got, nat_want, rtol=2.5e-7)
+
+
+# ------------------------------------------------------------------------------- random constant expressions
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+UNARY = ["exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "sin", "cos", "log1p", "expm1", "rsqrt", "neg",
+         "abs", "floor", "round"]
+BINARY = ["add", "sub", "mul", "max", "min", "div"]
+_F32 = tensor("f32")
+
+
+def _exprs():
+    leaf = st.one_of(st.just(("x",)), st.floats(-8, 8, allow_nan=False, width=64).map(lambda v: ("c", v)))
+    return st.recursive(leaf, lambda inner: st.one_of(
+        st.tuples(st.sampled_from(UNARY), inner).map(lambda t: ("u", *t)),
+        st.tuples(st.sampled_from(BINARY), inner, inner).map(lambda t: ("b", *t))), max_leaves=6)
+
+
+def _build(tree):
+    f, b, (x,) = new_func("k", [("x", tensor("f32", "N"))])
+
+    def emit(t):
+        if t[0] == "x":
+            return x
+        if t[0] == "c":
+            return b.const(t[1], _F32)
+        if t[0] == "u":
+            return b.emit(t[1], emit(t[2]))
+        return b.emit(t[1], emit(t[2]), emit(t[3]))
+
+    y = emit(tree)
+    if y.type.is_scalar:  # an expression of constants only: add the input so the result has x's shape
+        y = b.emit("add", x, y)
+    b.ret(y)
+    return f
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=_exprs())
+def test_canonicalize_keeps_every_expressions_float64_value(tree) -> None:
+    """Whatever canonicalize folds, the float64 interpretation is the same numbers (NaN where NaN, inf where inf)."""
+    f = _build(tree)
+    g = fl.run_pipeline(f, "canonicalize")
+    x = np.array([0.5, -1.25, 3.0, 0.0])
+    with np.errstate(all="ignore"):
+        (want,) = interpret(f, [x], "f64")
+        (got,) = interpret(g, [x], "f64")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-13, atol=0)
