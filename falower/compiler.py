@@ -123,28 +123,30 @@ class CompiledAttention:
             low = self.analysis
             choice = emit_fa3.auto_extra(dtype, used["D"], low.block_mask if low.conj else "none", device_cc())
         elif path == "mma" and asked == "wgmma":
-            choice = {"schedule": "wgmma", "overlap": used["D"] == 128}
-        if choice is None:
+            choice = emit_fa3.plain_extra(used["D"])
+
+        def mma_sync():
             return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
-        extra = {**choice, **self.extra}
+
+        if choice is None:
+            return mma_sync()
         built = base
         want = emit_fa3.tiles(used["D"])
         if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
             built = self._retile(*want)
-        spec = build_spec(built[1], used, dtype, path, self.num_warps, extra)
-        if asked is None:
+        # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that
+        # to mma.sync, as if never chosen
+        tries = [choice] + ([emit_fa3.plain_extra(used["D"])] if choice.get("schedule") == "wgmma-ws" else [])
+        for extra in tries:
+            spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **self.extra})
+            if asked is not None:
+                return spec, built
             try:
                 emit_fa3.validate_spec(spec)
             except ValueError:
-                if choice.get("schedule") != "wgmma-ws":  # not built by the wgmma kernel yet: mma.sync
-                    return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
-                plain = {"schedule": "wgmma", "overlap": used["D"] == 128, **self.extra}  # the non-specialized one
-                spec = build_spec(built[1], used, dtype, path, self.num_warps, plain)
-                try:
-                    emit_fa3.validate_spec(spec)
-                except ValueError:
-                    return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
-        return spec, built
+                continue
+            return spec, built
+        return mma_sync()
 
     def _retile(self, bq: int, bk: int) -> tuple[Func, Any]:
         """The graph lowered by the default pipeline with tile{bq,bk} instead of its tiles, and its analysis."""

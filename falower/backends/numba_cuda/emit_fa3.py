@@ -78,6 +78,7 @@ from falower.backends.numba_cuda.wgmma import (
 
 
 ENV = "FALOWER_WGMMA"  # "0": never chosen automatically; "1": chosen wherever the spec allows it (also with no GPU)
+WS_EXTRA = {"schedule": "wgmma-ws", "producer": "none"}  # the warp-specialized kernel the automatic choice takes
 
 
 def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[int, int]],
@@ -105,14 +106,19 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     if flag == "0" or dtype not in ("f16", "bf16") or head_dim not in (64, 128):
         return None
     if flag == "ws" and head_dim == 128:  # measuring: the warp-specialized kernel for every mask, block lists too
-        return {"schedule": "wgmma-ws", "producer": "none"}
+        return dict(WS_EXTRA)
     if flag not in ("1", "ws"):
         if cc is None or cc[0] != 9:
             return None
         if head_dim == 128 and block_mask == "list":
             return None
     if head_dim == 128 and block_mask in ("none", "static"):  # the 256-thread warp-specialized kernel
-        return {"schedule": "wgmma-ws", "producer": "none"}
+        return dict(WS_EXTRA)
+    return plain_extra(head_dim)
+
+
+def plain_extra(head_dim: int) -> dict:
+    """spec.extra of this module's (non-specialized) kernel: the softmax / P V overlap at D = 128 only."""
     return {"schedule": "wgmma", "overlap": head_dim == 128}
 
 
@@ -258,6 +264,23 @@ def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
     fragment repeated along N)."""
     return c.helper("pack_pa", ["@device_function", "def pack_pa(pa, x):", f"    for w in range({4 * KK}):",
                                 f"        lset(pa, w, {pack}(lget(x, 2 * w), lget(x, 2 * w + 1)))"])
+
+
+def _emit_epilogue(c: _Code, D: int) -> None:
+    """A warpgroup's epilogue (this kernel's and emit_fa3_ws's): each thread's two rows normalised by their sum
+    over the lane quad, stored, and their LSE; fully masked rows -> O = 0, LSE = -inf."""
+    c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
+    for r in range(2):
+        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
+        c("lt = lt + shfl_xor_f32(lt, 2)")
+        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+        c(f"qi = q_lo + warp * 16 + {8 * r} + g")
+        c("if qi < M:")
+        with c.indent():
+            c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{2 * r}, inv)")
+            c("if t2 == 0:")
+            with c.indent():
+                c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
@@ -416,18 +439,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c("WAIT_O(acc, 0)")
         c()
         c("cp_async_wait0()")
-        c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
-        for r in range(2):
-            c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
-            c("lt = lt + shfl_xor_f32(lt, 2)")
-            c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
-            c(f"qi = q_lo + warp * 16 + {8 * r} + g")
-            c("if qi < M:")
-            with c.indent():
-                c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{2 * r}, inv)")
-                c("if t2 == 0:")
-                with c.indent():
-                    c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+        _emit_epilogue(c, D)
     text = c.text()
     used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
     ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)

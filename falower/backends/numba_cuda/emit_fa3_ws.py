@@ -74,7 +74,7 @@ try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has the
     from .emit_fa2 import _score_args
 except ImportError:  # pragma: no cover - before score-licm lands
     from .emit_fa2 import _cap_args as _score_args
-from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_load, _emit_loader_setup, _emit_pv, _pack_pa_helper
+from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_epilogue, _emit_load, _emit_loader_setup, _emit_pv, _pack_pa_helper
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
@@ -152,9 +152,12 @@ def registers_fit(threads: int, regs: int) -> bool:
     """Whether a block of `threads` threads at `regs` registers a thread can launch on one SM: registers go to warps
     in units of 256 (8 a thread) and warps are allocated in groups of 4, so 288 threads (9 warps) take 12 warps'
     worth. The H100 refused 288 x 224 (CUresult 701) that the plain product 288 x 224 = 64512 would allow."""
-    warps = -(-threads // 32)
-    warps = -(-warps // 4) * 4
-    return warps * 32 * (-(-regs // 8) * 8) <= REGISTER_FILE
+    return _allocated_warps(threads) * 32 * (-(-regs // 8) * 8) <= REGISTER_FILE
+
+
+def _allocated_warps(threads: int) -> int:
+    """The warps the SM sizes a block's registers for: its warps rounded up to a multiple of 4."""
+    return -(-(-(-threads // 32)) // 4) * 4
 
 
 def register_cap(spec: FA2ForwardSpec) -> int:
@@ -164,8 +167,7 @@ def register_cap(spec: FA2ForwardSpec) -> int:
     if producer(spec) == "warp":
         return MAX_REGS_WARP
     if producer(spec) == "warpgroup":
-        warps = -(-(-(-threads // 32)) // 4) * 4
-        return min(MAX_REGS_THREAD, REGISTER_FILE // (warps * 32) // 8 * 8)
+        return min(MAX_REGS_THREAD, REGISTER_FILE // (_allocated_warps(threads) * 32) // 8 * 8)
     return MAX_REGS_THREAD  # producer "none": 256 threads, 8 x 32 x 256 = 65536
 
 
@@ -517,18 +519,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     if NONE:
         c("cp_async_wait0()  # every copy was waited for through its full barrier; leave none in flight")
     c()
-    c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
-    for r in range(2):
-        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
-        c("lt = lt + shfl_xor_f32(lt, 2)")
-        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
-        c(f"qi = q_lo + warp * 16 + {8 * r} + g")
-        c("if qi < M:")
-        with c.indent():
-            c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{2 * r}, inv)")
-            c("if t2 == 0:")
-            with c.indent():
-                c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+    _emit_epilogue(c, D)
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
