@@ -87,6 +87,33 @@ def _with_maxnreg(ptx: str, regs) -> str:
 SPILLS_168 = {("plain", 128): 180, ("causal", 64): 116}
 
 
+def _ws_ptx(variant: str, D: int, extra: dict, name: str):
+    """(spec, kernel, sm_90 PTX) of the warp-specialized forward for `variant` at D, 128 x 128 tiles, f16."""
+    import dataclasses
+
+    from variants import make_spec
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_of
+
+    spec = make_spec(variant, D, "f16", path="mma", block_q=128, block_k=128, num_warps=8, name=name)
+    spec = dataclasses.replace(spec, extra=extra)
+    kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
+    argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
+    return spec, kern, ptx_of(kern, argtypes, (9, 0))
+
+
+def _assert_wgmma_counts_and_clean(ptx: str, D: int) -> None:
+    """S = Q K^T once in the loop, P V in the loop and once after it; no f64, no local memory, nothing that is a
+    call (a call makes ptxas serialize every wgmma)."""
+    n_s = ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16")
+    n_o = ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.f16.f16")
+    assert (n_s, n_o) == ((D // 16, 2 * 8) if D != 128 else (D // 16 + 2 * 8,) * 2), (n_s, n_o)
+    assert not re.search(r"\.f64\b", ptx)
+    assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    assert not re.search(r"\bcall\b|\brcp\.rn\b|\bdiv\.[su]64\b", ptx)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, D", [("plain", 128), ("causal", 64)])
 def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
@@ -97,29 +124,13 @@ def test_fa3_ws_ptx(variant, D, tmp_path, monkeypatch):
     to keep O and P of the P V in flight while the softmax holds S: ptxas serializes for lack of registers (C7512);
     D = 64 does not."""
     _real_target(monkeypatch, tmp_path)
-    import dataclasses
-
-    from variants import make_spec
-
     from falower.backends.numba_cuda import emit_fa3_ws
-    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_of
 
-    spec = make_spec(variant, D, "f16", path="mma", block_q=128, block_k=128, num_warps=8,
-                     name=f"fa3_ws_ptx_{variant}_{D}")
-    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws"})
+    spec, kern, ptx = _ws_ptx(variant, D, {"schedule": "wgmma-ws"}, f"fa3_ws_ptx_{variant}_{D}")
     assert emit_fa3_ws.threads_per_block(spec) == 288
-    kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
-    argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
-    ptx = ptx_of(kern, argtypes, (9, 0))
-    n_s = ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16")
-    n_o = ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.f16.f16")
-    # S = Q K^T once in the loop; P V in the loop and once after it
-    assert (n_s, n_o) == ((D // 16, 2 * 8) if D != 128 else (D // 16 + 2 * 8,) * 2), (n_s, n_o)
+    _assert_wgmma_counts_and_clean(ptx, D)
     assert "setmaxnreg" not in ptx and ".maxntid" not in ptx  # the producer warp needs neither
     assert ptx.count("cp.async.mbarrier.arrive.noinc") == 3 and "bar.sync" in ptx and "bar.arrive" in ptx
-    assert not re.search(r"\.f64\b", ptx)
-    assert not re.search(r"\b(ld|st)\.local\b", ptx)
-    assert not re.search(r"\bcall\b|\brcp\.rn\b|\bdiv\.[su]64\b", ptx)
     regs = getattr(kern.py_func, "__falower_max_registers__", None)
     assert regs == emit_fa3_ws.MAX_REGS_WARP == 168 and emit_fa3_ws.registers_fit(288, regs)
     usage = _link(_with_maxnreg(ptx, regs))
@@ -142,31 +153,16 @@ def test_fa3_ws_none_ptx(variant, D, tmp_path, monkeypatch):
     all (no serialized wgmma: C7512 / C7513 / C7517; no C7509 / C7518). Measured (nvJitLink / ptxas 13.0, sm_90a):
     214 registers at D = 128 (plain and causal), 182 causal D = 64."""
     _real_target(monkeypatch, tmp_path)
-    import dataclasses
-
-    from variants import make_spec
-
     from falower.backends.numba_cuda import emit_fa3_ws
-    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_of
 
-    spec = make_spec(variant, D, "f16", path="mma", block_q=128, block_k=128, num_warps=8,
-                     name=f"fa3_wsn_ptx_{variant}_{D}")
-    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "none"})
+    spec, kern, ptx = _ws_ptx(variant, D, {"schedule": "wgmma-ws", "producer": "none"}, f"fa3_wsn_ptx_{variant}_{D}")
     S = emit_fa3_ws.stages(spec)
     assert emit_fa3_ws.threads_per_block(spec) == 256 and S == 3  # 3 stages fit at D = 128: 230512 bytes
-    kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
-    argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
-    ptx = ptx_of(kern, argtypes, (9, 0))
-    n_s = ptx.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16")
-    n_o = ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.f16.f16")
-    assert (n_s, n_o) == ((D // 16, 2 * 8) if D != 128 else (D // 16 + 2 * 8,) * 2), (n_s, n_o)
+    _assert_wgmma_counts_and_clean(ptx, D)
     assert "setmaxnreg" not in ptx and ".maxntid" not in ptx and ".maxnreg" not in ptx
     assert getattr(kern.py_func, "__falower_max_registers__", None) is None
     assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1 + (S - 1) + 2, ptx.count("cp.async.mbarrier.arrive")
     assert "bar.sync" in ptx and "bar.arrive" in ptx
-    assert not re.search(r"\.f64\b", ptx)
-    assert not re.search(r"\b(ld|st)\.local\b", ptx)
-    assert not re.search(r"\bcall\b|\brcp\.rn\b|\bdiv\.[su]64\b", ptx)
     usage = _link(ptx)
     assert not re.search(r"C75\d\d", usage["log"]), usage["log"]
     assert usage["spill_stores"] == 0 and usage["registers"] <= 255, usage["log"]
