@@ -7,7 +7,7 @@ This probe times, each in a fresh process (imports and first-use costs included,
     core        cuda.core Linker, as Numba calls it
     nvjitlink   cuda.bindings.nvjitlink directly (create, add PTX, complete, get the cubin)
     culink      the driver's linker through ctypes (cuLinkCreate / AddData / Complete): a cubin to cache
-    module      cuModuleLoadDataEx on the PTX (the driver compiles it, whole program, nothing to cache)
+    module      cuModuleLoadData on the PTX (the driver compiles it, whole program, nothing to cache)
 
 and reports each route's registers (from the loaded function where a GPU is present).
 
@@ -51,12 +51,18 @@ def _context(call):
     call("cuCtxSetCurrent", ctx)
 
 
-def _registers(call, image: bytes, entry: str) -> int:
-    mod, fn, regs = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()
-    call("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(image))
+def _registers(call, mod: ctypes.c_void_p, entry: str) -> int:
+    """Registers a thread of `entry` in the loaded module `mod`."""
+    fn, regs = ctypes.c_void_p(), ctypes.c_int()
     call("cuModuleGetFunction", ctypes.byref(fn), mod, entry.encode())
     call("cuFuncGetAttribute", ctypes.byref(regs), 4, fn)  # CU_FUNC_ATTRIBUTE_NUM_REGS
     return regs.value
+
+
+def _load(call, image: bytes) -> ctypes.c_void_p:
+    mod = ctypes.c_void_p()
+    call("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(image))
+    return mod
 
 
 def route(name: str, ptx: str, arch: str) -> dict:
@@ -96,12 +102,9 @@ def route(name: str, ptx: str, arch: str) -> dict:
             cubin = ctypes.string_at(img, size.value)
             call("cuLinkDestroy", state)
         else:
-            mod, fn, regs = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()
-            call("cuModuleLoadDataEx", ctypes.byref(mod), ctypes.c_char_p(data + b"\0"), 0, None, None)
+            mod = _load(call, data + b"\0")  # the driver compiles the PTX
             out["seconds"] = time.perf_counter() - t
-            call("cuModuleGetFunction", ctypes.byref(fn), mod, entry.encode())
-            call("cuFuncGetAttribute", ctypes.byref(regs), 4, fn)
-            out["registers"] = regs.value
+            out["registers"] = _registers(call, mod, entry)
             return out
     else:
         raise SystemExit(f"probe_link: unknown route {name!r}")
@@ -110,7 +113,7 @@ def route(name: str, ptx: str, arch: str) -> dict:
     try:
         lib, call = _cuda()
         _context(call)
-        out["registers"] = _registers(call, cubin, entry)
+        out["registers"] = _registers(call, _load(call, cubin), entry)
     except (OSError, RuntimeError) as e:  # no GPU here: the time stands, the registers are unknown
         out["registers"] = f"n/a ({e})"
     return out
