@@ -54,6 +54,7 @@ import argparse
 import json
 import math
 import os
+import re
 import runpy
 import sys
 import time
@@ -385,6 +386,8 @@ def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
         return Variant(stem, score_mod=lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0))
     if stem == "sliding_window":
         return Variant(stem, mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 48))
+    if stem in BENCH_GRAPHS:  # a bench-only variant: the same mask_mod for falower and Flex
+        return Variant(stem, mask_mod=BENCH_GRAPHS[stem])
     if stem == "prefix_lm":
         return Variant(stem, mask_mod=lambda b, h, q, kv: (kv <= q) | (kv < 32))
     if stem == "document":  # documents of random lengths (about 8 per row), the last 1/16 of a row padding
@@ -396,8 +399,28 @@ def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
     raise KeyError(f"no FlexAttention version of example {stem!r}")
 
 
+def _window(width: int) -> Callable:
+    def sliding_window(b, h, q_idx, kv_idx):
+        dist = q_idx - kv_idx
+        return (dist >= 0) & (dist < width)
+    return sliding_window
+
+
+# Variants the bench builds itself (not files in examples/): issue 12's measured configuration of the sliding
+# window, 1024 wide (the example's 48 keeps 1% of the pairs: every CTA visits two tiles)
+BENCH_GRAPHS = {"sliding_window_1024": _window(1024)}
+
+
+def example_graph(stem: str):
+    import falower as fl
+
+    if stem in BENCH_GRAPHS:
+        return fl.attention(mask_mod=BENCH_GRAPHS[stem], name=stem)
+    return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+
+
 def example_stems() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+    return sorted(p.stem for p in (ROOT / "examples").glob("*.py")) + list(BENCH_GRAPHS)
 
 
 def example_compiled(stem: str, schedule: Optional[str] = None, **extra):
@@ -407,9 +430,25 @@ def example_compiled(stem: str, schedule: Optional[str] = None, **extra):
 
     key = ("example", stem, schedule, tuple(sorted(extra.items())))
     if key not in _COMPILED:
-        g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+        g = example_graph(stem)
         opts = {**({"schedule": schedule} if schedule else {}), **extra}
         _COMPILED[key] = fl.compile(g, "numba-cuda", extra=opts or None)
+    return _COMPILED[key]
+
+
+def example_compiled_config(stem: str, cfg: tuple):
+    """examples/<stem>.py under one tile config of --ex-configs ('128x64w8-wsn': the default pipeline with those
+    tiles, that kernel), to time beside the automatic choice."""
+    import falower as fl
+    from falower.passes import NAMED_PIPELINES
+
+    key = ("example-config", stem, config_tag(cfg))
+    if key not in _COMPILED:
+        bq, bk, nw = cfg[:3]
+        text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}}}", NAMED_PIPELINES["fa2-fwd"], count=1)
+        extra = {"schedule": "mma", **(cfg[3] if len(cfg) > 3 else {})}
+        _COMPILED[key] = fl.compile(example_graph(stem), "numba-cuda", pipeline=text, path="mma", num_warps=nw,
+                                    extra=extra)
     return _COMPILED[key]
 
 
@@ -564,6 +603,20 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
         if row["fwd kernel"] != "mma":  # the automatic choice took wgmma: mma.sync beside it
             cm = example_compiled(stem, "mma")
             measure(row, "fwd mma+call", flops, lambda: lambda: cm.forward(q, k, v, *caps))
+        o_auto = c.forward(q, k, v, *caps)[0].float()
+        for cfg in args.ex_configs:  # other kernels for the same variant, by their calls
+            tag = config_tag(cfg)
+            try:
+                cc = example_compiled_config(stem, cfg)
+                diff = (cc.forward(q, k, v, *caps)[0].float() - o_auto).abs().max().item()
+                row[f"fwd {tag} diff"] = diff
+                if not diff <= 2e-2 * max(1.0, o_auto.abs().max().item()):
+                    log(f"  {stem} {tag}: output differs from the automatic choice's by {diff:.2e}: not timed")
+                    continue
+            except Exception as exc:
+                log(f"  {stem} {tag} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                continue
+            measure(row, f"fwd {tag}+call", flops, lambda cc=cc: lambda: cc.forward(q, k, v, *caps))
         blocks = c.block_data(c.kernel(q, k, v, *caps))
         if blocks is not None:  # data-dependent mask (issue 12): range tables and block list, made once per ids
             # tensor and reused by the timed calls above; what new ids cost (Flex's "flex mask ms" counterpart)
@@ -629,8 +682,8 @@ def _compile_one(job) -> str:
             else:  # the forward is another job: any o and lse compile the backward
                 c.backward(q, q, q, q.clone(), torch.zeros(1, 1, 64, device="cuda"), q)
         else:
-            stem, D = rest
-            c = example_compiled(stem)
+            stem, D, *cfg = rest
+            c = example_compiled_config(stem, cfg[0]) if cfg else example_compiled(stem)
             H = 2048 // D
             var = variant(stem, 1, H, 64, D)
             q = torch.randn(1, H, 64, D, device="cuda", dtype=torch.float16)
@@ -638,7 +691,7 @@ def _compile_one(job) -> str:
             caps = [var.captures[a.name] for a in c.func.args[3:]]
             if what == "ex-fwd":
                 c.forward(q, kv, kv, *caps)
-                if c.kernel(q, kv, kv, *caps).spec.extra.get("schedule", "mma") != "mma":
+                if not cfg and c.kernel(q, kv, kv, *caps).spec.extra.get("schedule", "mma") != "mma":
                     example_compiled(stem, "mma").forward(q, kv, kv, *caps)
             else:
                 c.backward(q, kv, kv, q.clone(), torch.zeros(1, H, 64, device="cuda"), q, *caps)
@@ -737,6 +790,16 @@ def example_table(rows: list, dev: str) -> list[str]:
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | {_f(r.get('bwd flex nodcap'))} | "
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex nodcap'))} | {_f(r.get('flex mask ms'), 2)} | "
                   f"{r.get('o diff vs flex', NAN):.1e} | {_f(r.get('bwd only'))} | {_f(r.get('bwd only scan'))} |")
+    tags = list(dict.fromkeys(k[4:-5] for r in rows for k in r if k.startswith("fwd ") and k.endswith("+call")
+                              and k not in ("fwd ours+call", "fwd mma+call")))
+    if tags:  # --ex-configs: the same variants under other kernels
+        md += ["", "Forward under other kernels (--ex-configs), TFLOP/s of the kept pairs by the call, and over Flex", "",
+               "| example | D | auto | " + " | ".join(tags) + " | Flex | " + " | ".join(f"{t}/Flex" for t in tags) + " |",
+               "|" + "---|" * (4 + 2 * len(tags))]
+        for r in rows:
+            vals = [r.get(f"fwd {t}+call") for t in tags]
+            md.append(f"| {r['example']} | {r['D']} | {_f(r.get('fwd ours+call'))} | " + " | ".join(_f(x) for x in vals)
+                      + f" | {_f(r.get('fwd flex'))} | " + " | ".join(_ratio(x, r.get('fwd flex')) for x in vals) + " |")
     return md
 
 
@@ -757,6 +820,8 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-examples", action="store_true", help="skip the examples' variants at N = 4k")
     ap.add_argument("--examples", default="", help="comma-separated example names (default: all)")
+    ap.add_argument("--ex-configs", default="",
+                    help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--precompile", action="store_true", help="compile all kernels in parallel first")
     ap.add_argument("--bwd-wgmma", action="store_true",
@@ -764,6 +829,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.fwd and not args.bwd:
         args.fwd = args.bwd = True
+    args.ex_configs = [parse_config(c) for c in args.ex_configs.split(",") if c]
     OUT.mkdir(parents=True, exist_ok=True)
     Ns = args.n or ([1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384])
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
@@ -789,6 +855,7 @@ def main() -> None:
         jobs += [("fwd", D, causal, cfg, args.bwd_pipeline) for D in args.d for causal in causals
                  for cfg in configs_for[D] if not _bwd_only(cfg)]  # the fwd+bwd timing runs the forward kernel too
         jobs += [("ex-fwd", stem, D) for stem in stems for D in ex_ds]
+        jobs += [("ex-fwd", stem, D, cfg) for stem in stems for D in ex_ds for cfg in args.ex_configs]
         precompile(jobs)
 
     checks = []
