@@ -171,6 +171,56 @@ def range_table(x: Any, axis: int, granule: int, dtype: str) -> Any:
     return out if kind == "numpy" else cuda.to_device(out)
 
 
+RUN_END = 1 << 30  # a run that reaches the end of its slice: every kv past the table (clamped to it) is in it
+
+
+def run_table(x: Any, axis: int) -> Any:
+    """The run bounds of an integer table along `axis`, [*x.shape, 2] int32: for each entry, the first index of
+    the run of equal entries it is in and one past its last (RUN_END where the run ends the slice), when every
+    value of its slice (the other indices fixed) lies in one run; (-1, -1) for every entry of a slice where some
+    value comes back after another (then the kernels evaluate the mask themselves). With it a document mask
+    doc[b, q] == doc[b, kv] keeps, per row, exactly kv in [lo, hi) (row_bounds.py). O(n log n) a slice."""
+    kind = _kind(x)
+    if kind == "torch":
+        import torch
+
+        t = x.detach().movedim(axis, -1).to(torch.int64)
+        n = t.shape[-1]
+        idx = torch.arange(n, device=t.device).expand_as(t)
+        change = t[..., 1:] != t[..., :-1]
+        first = torch.cat([torch.ones_like(t[..., :1], dtype=torch.bool), change], dim=-1)
+        last = torch.cat([change, torch.ones_like(t[..., :1], dtype=torch.bool)], dim=-1)
+        lo = torch.where(first, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+        hi = torch.where(last, idx, torch.full_like(idx, n - 1)).flip(-1).cummin(dim=-1).values.flip(-1) + 1
+        hi = torch.where(hi == n, torch.full_like(hi, RUN_END), hi)
+        srt = torch.sort(t, dim=-1).values
+        exact = (first.sum(-1) == 1 + (srt[..., 1:] != srt[..., :-1]).sum(-1))[..., None]
+        out = torch.stack([torch.where(exact, lo, -1), torch.where(exact, hi, -1)], dim=-1)
+        return out.movedim(-2, axis).to(torch.int32).contiguous()
+    from numba import cuda
+
+    host = np.asarray(x) if kind == "numpy" else cuda.as_cuda_array(x).copy_to_host()
+    out = np.ascontiguousarray(run_table_host(host, axis))
+    return out if kind == "numpy" else cuda.to_device(out)
+
+
+def run_table_host(x: np.ndarray, axis: int) -> np.ndarray:
+    """`run_table` in numpy (the reference its torch form is tested against)."""
+    t = np.moveaxis(np.asarray(x).astype(np.int64), axis, -1)
+    n = t.shape[-1]
+    idx = np.broadcast_to(np.arange(n), t.shape)
+    change = t[..., 1:] != t[..., :-1]
+    first = np.concatenate([np.ones_like(t[..., :1], dtype=bool), change], axis=-1)
+    last = np.concatenate([change, np.ones_like(t[..., :1], dtype=bool)], axis=-1)
+    lo = np.maximum.accumulate(np.where(first, idx, 0), axis=-1)
+    hi = np.flip(np.minimum.accumulate(np.flip(np.where(last, idx, n - 1), -1), axis=-1), -1) + 1
+    hi = np.where(hi == n, RUN_END, hi)
+    srt = np.sort(t, axis=-1)
+    exact = (first.sum(-1) == 1 + (srt[..., 1:] != srt[..., :-1]).sum(-1))[..., None]
+    out = np.stack([np.where(exact, lo, -1), np.where(exact, hi, -1)], axis=-1)
+    return np.moveaxis(out, -2, axis).astype(np.int32)
+
+
 def emit_block_list(spec: FA2ForwardSpec) -> str:
     """Source of the kernel `<name>_block_list(B, H, M, N, *captures)`: one thread per (b, h, q tile) row
     r = (b * H + h) * nq + qt writes kv_count[r] and the row's kv tiles to visit (block_mask == "list"),
@@ -346,6 +396,9 @@ class BlockData:
             if c.derived[0] == "ranges":
                 _, i, axis, g = c.derived
                 out.append(range_table(caps[i], axis, g, c.dtype))
+            elif c.derived[0] == "runs":
+                _, i, axis = c.derived
+                out.append(run_table(caps[i], axis))
         if list_layout(spec, sizes):
             out += self._block_list(caps + out, sizes, like)
         return out

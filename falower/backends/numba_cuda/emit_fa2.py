@@ -327,6 +327,11 @@ def _score_args(spec: FA2ForwardSpec) -> str:
     return _cap_args(spec) + (", hz" if "def cta_fn(" in spec.device_source else "")
 
 
+def has_row_bounds(spec: FA2ForwardSpec) -> bool:
+    """The mask keeps one kv interval per row and the device source says which (`row_bounds_fn`, row_bounds.py)."""
+    return spec.has_mask and "def row_bounds_fn(" in spec.device_source
+
+
 def _cap_names(spec: FA2ForwardSpec) -> list[str]:
     return [f"cap_{i}_{c.name}" for i, c in enumerate(spec.captures)]
 
@@ -642,12 +647,37 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
-        c(f"for jj in range({NJ}):")
-        with c.indent():
-            c("e = i + jj * 4")
-            c("k = kv + jj * 8")
-            c(f"lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))")
-            c(f"lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))")
+        per_element = [f"for jj in range({NJ}):",
+                       "    e = i + jj * 4",
+                       "    k = kv + jj * 8",
+                       f"    lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
+                       f"    lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))"]
+        if not has_row_bounds(spec):
+            for line in per_element:
+                c(line)
+        else:
+            # the mask keeps one kv interval per row (row_bounds.py): its bounds once per row, relative to this
+            # thread's first column and clamped into 32 bits; an element is two compares against a constant.
+            # Where the bounds are not exact (run tables of ids that come back), mask_fn per element
+            c(f"lo, hi, exact = row_bounds_fn(b, h, qi{_cap_args(spec)})")
+            c("if exact:")
+            with c.indent():
+                c(f"lo_r = np.int32(min(max(lo - kv, -1), {8 * NJ + 1}))")
+                c(f"hi_r = np.int32(min(max(min(hi, N) - kv, -1), {8 * NJ + 1}))")
+                c(f"for jj in range({NJ}):")
+                with c.indent():
+                    c("e = i + jj * 4")
+                    c("k = kv + jj * 8")
+                    c("c0 = np.int32(jj * 8)")
+                    c("c1 = np.int32(jj * 8 + 1)")
+                    c(f"v0 = {_score_expr(spec, 'lget(x, e)', 'qi', 'k')}")
+                    c(f"v1 = {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')}")
+                    c("lset(x, e, v0 if (c0 >= lo_r) & (c0 < hi_r) else NEG_INF)")
+                    c("lset(x, e + 1, v1 if (c1 >= lo_r) & (c1 < hi_r) else NEG_INF)")
+            c("else:")
+            with c.indent():
+                for line in per_element:
+                    c(line)
     c()
     c("@device_function")
     c("def softmax_row(x, i, m_old):")

@@ -45,6 +45,7 @@ class Lowered:
     dims_used: set[str]  # dims the device functions read
     runtime_dims: list[str]  # those passed at run time as scalar arguments (all but D: no recompiles per size)
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # mask.ranges: (capture, axis, granule)
+    runs: list[tuple[int, int]] = field(default_factory=list)  # run tables the row bounds read: (capture, axis)
 
 
 def analyse(func: Func) -> Lowered:
@@ -97,8 +98,11 @@ def analyse(func: Func) -> Lowered:
         v = op.attrs.get("value")
         if isinstance(v, Dim):
             dims |= v.symbols()
+    from .row_bounds import runs_wanted
+
+    runs = runs_wanted(predicate_region(fused, conj)) if conj else []
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims, sorted(dims - {"D"}), ranges)
+                   cap_args, dims, sorted(dims - {"D"}), ranges, runs)
 
 
 def _is_bounds(v: Value) -> bool:
@@ -128,6 +132,15 @@ def range_captures(tables: list[Value], ranges: list[tuple[int, int, int]], firs
         out.append(Capture(range_name(t.name or f"cap{c}", axis, g), dt, t.type.rank + 1,
                            derived=("ranges", first + c, axis, g)))
     return tuple(out)
+
+
+def run_captures(tables: list[Value], runs: list[tuple[int, int]], first: int) -> tuple[Capture, ...]:
+    """The derived captures of `runs` ((capture index, axis) into `tables`, the spec's captures from `first`):
+    int32 [*table.shape, 2] run bounds (block_data.run_table)."""
+    from .row_bounds import run_name
+
+    return tuple(Capture(run_name(tables[c].name or f"cap{c}", axis), "i32", tables[c].type.rank + 1,
+                         derived=("runs", first + c, axis)) for c, axis in runs)
 
 
 LIST_CAPTURES = (Capture("kv_count", "i32", 1, derived=("kv_count",)),
@@ -427,9 +440,13 @@ def cap_ref(v: Value, name: str) -> str:
 
 
 def device_source(low: Lowered, env: Mapping[str, int]) -> str:
+    from .row_bounds import row_bounds_lines, run_name
+
     cap_names = {v: f"cap_{v.name}" for v in low.captures}
     # every device function takes every kernel capture: the caller's, the sizes, then the derived ones
     derived = [f"rng_{range_name(low.captures[c].name or f'cap{c}', a, g)}" for c, a, g in low.ranges]
+    run_names = {(c, a): f"rng_{run_name(low.captures[c].name or f'cap{c}', a)}" for c, a in low.runs}
+    derived += list(run_names.values())
     derived += ["blk_kv_count", "blk_kv_tiles"] if low.block_mask == "list" else []
     sig_caps = "".join(f", {n}" for n in cap_names.values()) + "".join(f", dim_{d}" for d in low.runtime_dims) \
         + "".join(f", {n}" for n in derived)
@@ -459,6 +476,9 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
         out.append(f"def mask_fn(b, h, q, kv{sig_caps}):")
         out += _live_lines(pe.lines, pe.name(res))
         out.append(f"    return {pe.name(res)}")
+        bounds = row_bounds_lines(pred, env, sig_caps, cap_names, run_names)
+        if bounds is not None:  # one kv interval per row: partial tiles compare against it (row_bounds.py)
+            out += [""] + bounds
         if low.block_mask in ("static", "list"):
             out.append("")
             ranges = {4 + c: (derived[j], a, g) for j, (c, a, g) in enumerate(low.ranges)}
@@ -600,6 +620,7 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in low.runtime_dims)  # sizes, passed as scalars
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
+    caps += run_captures(low.captures, low.runs, 0)
     caps += LIST_CAPTURES if low.block_mask == "list" else ()
     bq, bk = low.block_q, low.block_k
     if path == "simt" and bq % 32:
