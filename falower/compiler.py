@@ -108,9 +108,9 @@ class CompiledAttention:
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
         `extra={"schedule": ...}` decides when given; otherwise `emit_fa3.auto_extra` (compute capability 9.x
-        from the driver, f16/bf16, D = 64, or D = 128 but for block lists; FALOWER_WGMMA=0/1 overrides), and
-        an automatic choice the spec machinery cannot build falls back to mma.sync, never to an error. With the
-        default pipeline the wgmma kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128): the
+        from the driver, f16/bf16, D = 64 or 128; FALOWER_WGMMA=0/1 overrides), and an automatic choice the spec
+        machinery cannot build falls back to mma.sync, never to an error. With the default pipeline the wgmma
+        kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
         graph is lowered again with them, so the IR says the tiles the kernel runs."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import build_spec
@@ -119,9 +119,9 @@ class CompiledAttention:
         base = (self.lowered, self.analysis)
         asked = self.extra.get("schedule")
         choice = None
+        mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
         if path == "mma" and asked is None:
-            low = self.analysis
-            choice = emit_fa3.auto_extra(dtype, used["D"], low.block_mask if low.conj else "none", device_cc())
+            choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc())
         elif path == "mma" and asked == "wgmma":
             choice = emit_fa3.plain_extra(used["D"])
 
@@ -131,7 +131,7 @@ class CompiledAttention:
         if choice is None:
             return mma_sync()
         built = base
-        want = emit_fa3.tiles(used["D"])
+        want = emit_fa3.tiles(used["D"], mask_kind)
         if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
             built = self._retile(*want)
         # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that

@@ -13,11 +13,11 @@ from falower.backends.numba_cuda import emit_fa3, runtime
 
 def test_rule() -> None:
     rule = emit_fa3.auto_extra
-    for D, mask, want in [(128, "none", True), (128, "static", True), (128, "table", True), (128, "list", False),
+    for D, mask, want in [(128, "none", True), (128, "static", True), (128, "table", True), (128, "list", True),
                           (64, "none", True), (64, "static", True), (64, "list", True), (96, "none", False)]:
         got = rule("f16", D, mask, (9, 0), {})
         assert (got is not None) == want, (D, mask, got)
-        if got is not None and D == 128 and mask in ("none", "static"):  # the warp-specialized kernel
+        if got is not None and D == 128 and mask in ("none", "static", "list"):  # the warp-specialized kernel
             assert got == {"schedule": "wgmma-ws", "producer": "none"}
         elif got is not None:
             assert got == {"schedule": "wgmma", "overlap": D == 128}
@@ -33,6 +33,7 @@ def test_rule() -> None:
     assert rule("f16", 64, "list", (9, 0), {"FALOWER_WGMMA": "ws"}) == {"schedule": "wgmma", "overlap": False}
     assert rule("f32", 128, "list", (9, 0), {"FALOWER_WGMMA": "ws"}) is None
     assert emit_fa3.tiles(128) == (128, 128) and emit_fa3.tiles(64) == (128, 64)
+    assert emit_fa3.tiles(128, "list") == (128, 64) and emit_fa3.tiles(128, "static") == (128, 128)
 
 
 @pytest.fixture

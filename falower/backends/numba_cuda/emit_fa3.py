@@ -87,32 +87,30 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
 
     Rule (measured on the H100, benchmarks/NOTES.md "wgmma"): the device's compute capability is 9.x (`cc`,
     which the runtime asks of the driver; None where there is no GPU, the simulator included), f16 or bf16,
-    and D = 128 with any mask but a block list (plain 406 vs SDPA FLASH 329 TFLOP/s at N = 4k, causal 335 vs
-    300; block lists, data-dependent masks, stay on mma.sync's finer 128 x 64 tiles: document, 11% kept, 87 vs
-    102 TFLOP/s), or D = 64 with any mask (two blocks per SM since `blocks_per_sm`: causal 282 vs 263 on
-    mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71, alibi 207 vs 181, sliding window 19 vs 20;
-    H100 2026-11-23). At D = 128 without a mask or under a static block mask, the warp-specialized schedule
-    with no producer warp (emit_fa3_ws.py, `producer: "none"`: the two warpgroups load a 3-stage mbarrier ring
-    themselves and take turns on the tensor cores): plain 444 vs 409 TFLOP/s for this module's kernel at N = 4k
-    (FLASH 341: 1.30x; Flex 452), causal 363 vs 330 (FLASH 304, Flex 359); block tables keep this module's kernel
-    (not measured on it), and a spec emit_fa3_ws refuses falls back to it (compiler.py).
+    and D = 128 or 64. At D = 128 without a mask, under a static block mask or a block list, the
+    warp-specialized schedule with no producer warp (emit_fa3_ws.py, `producer: "none"`: the two warpgroups
+    load a 3-stage mbarrier ring themselves and take turns on the tensor cores): plain 444 vs 409 TFLOP/s for
+    this module's kernel at N = 4k (FLASH 341: 1.30x; Flex 452), causal 363 vs 330 (FLASH 304, Flex 359); block
+    lists (data-dependent masks) on its 128 x 64 tiles (`tiles`): document 173 vs 144 on mma.sync and 135 on
+    128 x 128 tiles (Flex 193; H100 2026-11-23, with the row bounds of row_bounds.py). Block tables (masks the
+    range analysis cannot bound) keep this module's kernel (not measured on the other), and a spec emit_fa3_ws
+    refuses falls back to it (compiler.py). At D = 64, this module's kernel under any mask (two blocks per SM
+    since `blocks_per_sm`: causal 282 vs 263 on mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71,
+    alibi 207 vs 181, sliding window 19 vs 20).
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
-    the simulator), `FALOWER_WGMMA=ws` takes the warp-specialized kernel at D = 128 under block lists too (to
-    measure it there). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to -4% at D = 64).
-    The caller still checks the spec with `validate_spec` and keeps mma.sync where it fails; the tiles are the
-    caller's too (`tiles`)."""
+    the simulator), `FALOWER_WGMMA=ws` the warp-specialized kernel at D = 128 under every mask kind, block
+    tables too (to measure it there). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to
+    -4% at D = 64). The caller still checks the spec with `validate_spec` and keeps mma.sync where it fails; the
+    tiles are the caller's too (`tiles`)."""
     env = os.environ if env is None else env
     flag = env.get(ENV, "")
     if flag == "0" or dtype not in ("f16", "bf16") or head_dim not in (64, 128):
         return None
-    if flag == "ws" and head_dim == 128:  # measuring: the warp-specialized kernel for every mask, block lists too
+    if flag == "ws" and head_dim == 128:  # measuring: the warp-specialized kernel for every mask kind
         return dict(WS_EXTRA)
-    if flag not in ("1", "ws"):
-        if cc is None or cc[0] != 9:
-            return None
-        if head_dim == 128 and block_mask == "list":
-            return None
-    if head_dim == 128 and block_mask in ("none", "static"):  # the 256-thread warp-specialized kernel
+    if flag not in ("1", "ws") and (cc is None or cc[0] != 9):
+        return None
+    if head_dim == 128 and block_mask in ("none", "static", "list"):  # the 256-thread warp-specialized kernel
         return dict(WS_EXTRA)
     return plain_extra(head_dim)
 
@@ -122,10 +120,11 @@ def plain_extra(head_dim: int) -> dict:
     return {"schedule": "wgmma", "overlap": head_dim == 128}
 
 
-def tiles(head_dim: int) -> tuple[int, int]:
+def tiles(head_dim: int, block_mask: str = "none") -> tuple[int, int]:
     """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
-    N = 4k), 128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S)."""
-    return (128, 128) if head_dim == 128 else (128, 64)
+    N = 4k), but 128 x 64 under a block list (the document mask's partial tiles waste less: 173 vs 135);
+    128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S)."""
+    return (128, 128) if head_dim == 128 and block_mask != "list" else (128, 64)
 
 
 def recommended_schedule(head_dim: int) -> dict[str, int]:
