@@ -100,7 +100,9 @@ def analyse(func: Func) -> Lowered:
             dims |= v.symbols()
     from .row_bounds import runs_wanted
 
-    runs = runs_wanted(predicate_region(fused, conj)) if conj else []
+    # run tables only where block data is made per data anyway (block lists): a dense block table's kernels
+    # take the caller's captures alone
+    runs = runs_wanted(predicate_region(fused, conj)) if conj and block_mask == "list" else []
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
                    cap_args, dims, sorted(dims - {"D"}), ranges, runs)
 
@@ -303,7 +305,10 @@ class _ScalarEmitter:
             return f"int({x[0]})"
         if n == "gather":
             table = x[0]
-            idx = ", ".join(f"min(max({i}, 0), {table}.shape[{d}] - 1)" for d, i in enumerate(x[1:]))
+            # the clamp in 32 bits (the IR's indices are i32; a table dim is below 2^31): two 32-bit min/max
+            # where Numba's 64-bit ints cost two instructions each, per element of a score that gathers
+            idx = ", ".join(f"np.uint32(min(max(np.int32({i}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
+                            for d, i in enumerate(x[1:]))
             val = f"{table}[{idx}]"
             return f"np.float32({val})" if is_float(rt) else val
         raise BackendError(f"numba-cuda backend: no scalar form for op {n}")
