@@ -77,6 +77,7 @@ from falower.backends.numba_cuda.intrinsics import (
     bf16_to_f32,
     cp_async16,
     cp_async16_s,
+    prefetch_l2,
     ldsm_x4,
     ldsm_x4_trans,
     smem_base,

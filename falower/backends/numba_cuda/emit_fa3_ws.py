@@ -296,6 +296,20 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("cp_async_wait0()  # leave no copy in flight")
 
 
+def _emit_score_prefetch(c: _Code, spec: FA2ForwardSpec, nxt: str) -> None:
+    """Where the score gathers a table per element (a bias[h, q, kv], a relative bias): the entries of the next
+    visited kv tile into L2 (prefetch.global.L2, no registers held), before this tile's wait for K, so the
+    softmax does not wait on DRAM for them. Thread t of the two consumer warpgroups takes row t % 128 and
+    32-column chunks 32 (t // 128) + 64 i: 128-byte lines of a row-major table; a table read along a diagonal
+    (relative bias) gets the lines its tile touches too. Beyond the last tile it prefetches the last again."""
+    if "def score_prefetch_fn(" not in spec.device_source:
+        return
+    BK = spec.block_k
+    c(f"pf_kv = min({nxt}, kv_last) * {BK} + ((tid >> 7) & 1) * 32  # the next tile's gathers into L2")
+    for i in range(max(1, BK // 64)):
+        c(f"score_prefetch_fn(b, h, q_lo + (tid & 127), pf_kv + {64 * i}{_score_args(spec)})")
+
+
 def _emit_next(c: _Code, spec: FA2ForwardSpec, cur: str, out: str) -> None:
     """out = the next visited kv tile after cur: `_emit_next_tile`, but under a static block mask through one device
     function `next_tile` (its `while` over tile_class_fn was written out five times: the consumer's loop and each
@@ -433,6 +447,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("while j <= kv_last:")
     with c.indent():
         _emit_next(c, spec, "j", "jn")
+        _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         c(f"mbar_wait(bars + {lay['full_k']} + stage * 8, phase)  # K_j has landed")

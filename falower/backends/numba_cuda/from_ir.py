@@ -207,6 +207,7 @@ class _ScalarEmitter:
         self.factors: dict[Value, tuple[str, float]] = {}
         self.lines: list[str] = []
         self.n = 0
+        self.prefetch = False  # gathers become prefetch_l2 of the element (score_prefetch_fn)
 
     def name(self, v: Value) -> str:
         return self.names[v]
@@ -309,7 +310,7 @@ class _ScalarEmitter:
             # where Numba's 64-bit ints cost two instructions each, per element of a score that gathers
             idx = ", ".join(f"np.uint32(min(max(np.int32({i}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
                             for d, i in enumerate(x[1:]))
-            val = f"{table}[{idx}]"
+            val = f"prefetch_l2({table}, ({idx},))" if self.prefetch else f"{table}[{idx}]"
             return f"np.float32({val})" if is_float(rt) else val
         raise BackendError(f"numba-cuda backend: no scalar form for op {n}")
 
@@ -470,6 +471,20 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     used = " ".join(body) + " " + e.name(low.score)
     out += [ln for ln in _live_lines(lead, used)] + body
     out.append(f"    return np.float32({e.name(low.score)})")
+    gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
+    if gathers:  # the score reads tables per element: the kernels prefetch the next kv tile's entries into L2
+        pf = _ScalarEmitter(env, cap_names)
+        pf.prefetch = True
+        pf.names.update(e.names)
+        pf.emit(region, [low.score])
+        wanted = " ".join(pf.name(op.results[0]) for op in gathers)
+        body = _live_lines(pf.lines, wanted)
+        used = " ".join(body) + " " + wanted
+        out.append("")
+        out.append(f"def score_prefetch_fn(b, h, q, kv{sig_caps}{hz}):")
+        out.append("    s = np.float32(0)")
+        out += [ln for ln in _live_lines(lead, used)] + body
+        out.append("    return 0")
     if low.conj:
         pred = predicate_region(low.fused, low.conj)
         pe = _ScalarEmitter(env, cap_names)

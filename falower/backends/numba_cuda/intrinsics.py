@@ -24,6 +24,8 @@ Public names (identical in both modes):
     smem_base                      (smem_u16_array) -> uint32 shared-window byte address of element 0
     ldsm_x4, ldsm_x4_trans         (shared byte address: uint32) -> (r0, r1, r2, r3)   (32-bit addressing)
     cp_async16_s                   (shared byte address, global_array, g_index, src_bytes)
+    prefetch_l2                    (global_array, (i0, i1, ...)) -> int32 0: prefetch.global.L2 of that element
+                                   (a hint: the score's gathers of the next kv tile; no-op in the simulator)
     pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
     ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
@@ -65,6 +67,7 @@ __all__ = [
     "ldmatrix_x4_trans",
     "cp_async16",
     "cp_async16_s",
+    "prefetch_l2",
     "smem_base",
     "ldsm_x4",
     "ldsm_x4_trans",
@@ -364,6 +367,9 @@ if SIMULATOR:
 
     def cp_async_commit():
         pass
+
+    def prefetch_l2(garr, idx):
+        return np.int32(0)  # a hint: nothing to emulate
 
     def cp_async_wait0():
         pass
@@ -861,6 +867,25 @@ else:
             nb = context.cast(builder, args[3], sig.args[3], _U32)
             _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, ga, nb], [], side_effect=True)
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, garr, idx):
+        """prefetch.global.L2 of garr[idx] (idx a tuple of indices, one per dimension, in range); returns 0."""
+        sig = types.int32(garr, idx)
+        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; prefetch.global.L2 [ga]; }"
+
+        def codegen(context, builder, sig, args):
+            arrty, idxty = sig.args
+            ary = context.make_array(arrty)(context, builder, args[0])
+            n = len(idxty) if isinstance(idxty, types.BaseTuple) else 1
+            raw = cgutils.unpack_tuple(builder, args[1], n) if n > 1 or isinstance(idxty, types.BaseTuple) else [args[1]]
+            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
+            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+            _asm(context, builder, ptx, "l,~{memory}", [builder.ptrtoint(ptr, ir.IntType(64))], [], side_effect=True)
+            return context.get_constant(types.int32, 0)
 
         return sig, codegen
 
