@@ -103,7 +103,8 @@ def parse_config(text: str) -> tuple:
     off; '-ws' / '-nows' until the warp-specialized kernel took '-ws'), '-ws' the warp-specialized wgmma kernel
     (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-wsn' the same
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
-    ring of N K/V stages (default 2; '-wsn': 3 where they fit);
+    ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
+    ahead (default 1);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -128,6 +129,8 @@ def parse_config(text: str) -> tuple:
             extra.update(schedule="wgmma-ws", producer="none")
         elif o.startswith("st") and o[2:].isdigit():
             extra["stages"] = int(o[2:])
+        elif o.startswith("pf") and o[2:].isdigit():
+            extra["prefetch_tiles"] = int(o[2:])
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
         elif o == "wg":
@@ -165,6 +168,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-2b"
     if "head_group" in extra:
         tag += f"-hg{extra['head_group']}"
+    if "prefetch_tiles" in extra:
+        tag += f"-pf{extra['prefetch_tiles']}"
     if "warp_skip" in extra:
         tag += "-wskip" if extra["warp_skip"] else "-nowskip"
     if extra.get("dq_split") == "k":

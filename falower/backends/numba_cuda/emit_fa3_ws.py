@@ -301,11 +301,14 @@ def _emit_score_prefetch(c: _Code, spec: FA2ForwardSpec, nxt: str) -> None:
     visited kv tile into L2 (prefetch.global.L2, no registers held), before this tile's wait for K, so the
     softmax does not wait on DRAM for them. Thread t of the two consumer warpgroups takes row t % 128 and
     32-column chunks 32 (t // 128) + 64 i: 128-byte lines of a row-major table; a table read along a diagonal
-    (relative bias) gets the lines its tile touches too. Beyond the last tile it prefetches the last again."""
+    (relative bias) gets the lines its tile touches too. Beyond the last tile it prefetches the last again.
+    `extra["prefetch_tiles"]` (default 1) prefetches that many tiles ahead instead (to measure)."""
     if "def score_prefetch_fn(" not in spec.device_source:
         return
     BK = spec.block_k
-    c(f"pf_kv = min({nxt}, kv_last) * {BK} + ((tid >> 7) & 1) * 32  # the next tile's gathers into L2")
+    ahead = int(spec.extra.get("prefetch_tiles", 1))  # tiles ahead (static ranges only; a block list: the next)
+    tile = nxt if ahead == 1 or spec.block_mask == "list" else f"{nxt} + {ahead - 1}"
+    c(f"pf_kv = min({tile}, kv_last) * {BK} + ((tid >> 7) & 1) * 32  # a later tile's gathers into L2")
     for i in range(max(1, BK // 64)):
         c(f"score_prefetch_fn(b, h, q_lo + (tid & 127), pf_kv + {64 * i}{_score_args(spec)})")
 
