@@ -26,7 +26,8 @@ def spec(g, pipeline: str = "fa2-fwd"):
 def test_document_ids_get_range_tables_and_a_block_list():
     s = spec(runpy.run_path(str(ROOT / "examples" / "document.py"))["graph"])
     assert s.block_mask == "list"
-    assert [c.derived for c in s.captures] == [(), ("ranges", 0, 1, 64), ("kv_count",), ("kv_tiles",)]
+    assert [c.derived for c in s.captures] == [(), ("ranges", 0, 1, 64), ("runs", 0, 1), ("kv_count",), ("kv_tiles",)]
+    assert "rng_doc_id_runs_1[" in s.device_source  # the row bounds of partial tiles (row_bounds.py)
     assert "rng_doc_id_ranges_1_64[i0_lo_p0, i0_lo_g0, 0]" in s.device_source
 
 
