@@ -45,6 +45,7 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
+from typing import Optional
 
 from .ssa_names import ssa_rename
 from .spec import FA2ForwardSpec
@@ -465,6 +466,28 @@ def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
     return f"np.float32({e})" if spec.exp2 else f"np.float32({e}) * LOG2E"
 
 
+_SCALE_ONLY = re.compile(r"def score_fn\(s, b, h, q, kv[^)]*\):\n    v0 = \(s \* np\.float32\(([-+0-9.eE]+)\)\)\n"
+                         r"    return np\.float32\(v0\)\n")
+
+
+def folded_scale(spec: FA2ForwardSpec) -> Optional[str]:
+    """The score's scale where the score is nothing but `s * c` (c > 0, log2 domain: plain attention and every
+    mask-only variant), as a literal; None otherwise. The tensor-core kernels then keep raw s in the score
+    registers, take the row max on them (max(s) c == max(s c) for c > 0, rounding being monotone) and fold c into
+    the exponent, `ex2(s * c - m)`: one FFMA where a multiply and a subtract were (FA2's and Triton's form)."""
+    if not spec.exp2 or spec.path != "mma":
+        return None
+    m = _SCALE_ONLY.search(spec.device_source)
+    if m is None or not float(m.group(1)) > 0:
+        return None
+    return f"np.float32({m.group(1)})"
+
+
+def _score_expr_tc(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
+    """_score_expr in the tensor-core kernels' score registers: raw s where the scale is folded."""
+    return s if folded_scale(spec) else _score_expr(spec, s, q, kv)
+
+
 def _mask_cond(spec: FA2ForwardSpec, q: str, kv: str) -> str:
     """Condition under which an element is dropped (-inf) on a tile that needs masking."""
     cond = f"{kv} >= N"
@@ -484,7 +507,7 @@ def emit_masked_score(c: _Code, spec: FA2ForwardSpec) -> None:
     c("@device_function")
     c(f"def masked_score_fn(s, b, h, q, kv, N{_score_args(spec)}):")
     with c.indent():
-        c(f"v = {_score_expr(spec, 's', 'q', 'kv')}")
+        c(f"v = {_score_expr_tc(spec, 's', 'q', 'kv')}")
         if spec.has_mask:
             c(f"keep = (kv < N) & mask_fn(b, h, q, kv{_cap_args(spec)})")
             c("return v if keep else NEG_INF")
@@ -633,17 +656,21 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     are read and written with `lget`/`lset` (intrinsics.py: one GEP where Numba's x[i] lowered ~15
     instructions; lever 15)."""
     caps = _score_args(spec)
+    scale = folded_scale(spec)
     emit_mma_helpers(c, mma)
     # a row's elements: n8 tile jj, columns 2t and 2t + 1 at x[i + 4 jj], x[i + 4 jj + 1] (kv, kv + 1 + 8 jj)
     c("@device_function")
     c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
-        c(f"for jj in range({NJ}):")
-        with c.indent():
-            c("e = i + jj * 4")
-            c("k = kv + jj * 8")
-            c(f"lset(x, e, {_score_expr(spec, 'lget(x, e)', 'qi', 'k')})")
-            c(f"lset(x, e + 1, {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})")
+        if scale:  # the scale goes into softmax_row's exponent: the raw scores stay
+            c("return")
+        else:
+            c(f"for jj in range({NJ}):")
+            with c.indent():
+                c("e = i + jj * 4")
+                c("k = kv + jj * 8")
+                c(f"lset(x, e, {_score_expr(spec, 'lget(x, e)', 'qi', 'k')})")
+                c(f"lset(x, e + 1, {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})")
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
@@ -671,8 +698,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                     c("k = kv + jj * 8")
                     c("c0 = np.int32(jj * 8)")
                     c("c1 = np.int32(jj * 8 + 1)")
-                    c(f"v0 = {_score_expr(spec, 'lget(x, e)', 'qi', 'k')}")
-                    c(f"v1 = {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')}")
+                    c(f"v0 = {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')}")
+                    c(f"v1 = {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')}")
                     c("lset(x, e, v0 if (c0 >= lo_r) & (c0 < hi_r) else NEG_INF)")
                     c("lset(x, e + 1, v1 if (c1 >= lo_r) & (c1 < hi_r) else NEG_INF)")
             c("else:")
@@ -690,16 +717,21 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             c("mx = max(mx, lget(x, i + jj * 4 + 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 2))")
-        c("m_new = max(m_old, mx)")
+        c(f"m_new = max(m_old, mx * {scale})" if scale else "m_new = max(m_old, mx)")
         c("m_use = ZERO if m_new == NEG_INF else m_new")
         c("alpha = ex2(m_old - m_use)")
         c("rs = ZERO")
+        if scale:  # one FFMA (NVVM does not contract Numba's multiply and subtract by itself)
+            c("m_neg = -m_use")
+            x0, x1 = f"cuda.fma(lget(x, e), {scale}, m_neg)", f"cuda.fma(lget(x, e + 1), {scale}, m_neg)"
+        else:
+            x0, x1 = "lget(x, e) - m_use", "lget(x, e + 1) - m_use"
         c(f"for jj in range({NJ}):")
         with c.indent():
             c("e = i + jj * 4")
-            c("v0 = ex2(lget(x, e) - m_use)")
+            c(f"v0 = ex2({x0})")
             c("lset(x, e, v0)")
-            c("v1 = ex2(lget(x, e + 1) - m_use)")
+            c(f"v1 = ex2({x1})")
             c("lset(x, e + 1, v1)")
             c("rs = rs + v0 + v1")
         c("return m_new, alpha, rs")
