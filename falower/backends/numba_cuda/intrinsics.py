@@ -879,9 +879,9 @@ else:
         def codegen(context, builder, sig, args):
             arrty, idxty = sig.args
             ary = context.make_array(arrty)(context, builder, args[0])
-            n = len(idxty) if isinstance(idxty, types.BaseTuple) else 1
-            raw = cgutils.unpack_tuple(builder, args[1], n) if n > 1 or isinstance(idxty, types.BaseTuple) else [args[1]]
-            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
+            is_tuple = isinstance(idxty, types.BaseTuple)
+            tys = list(idxty) if is_tuple else [idxty]
+            raw = cgutils.unpack_tuple(builder, args[1], len(tys)) if is_tuple else [args[1]]
             idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
             ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
             _asm(context, builder, ptx, "l,~{memory}", [builder.ptrtoint(ptr, ir.IntType(64))], [], side_effect=True)

@@ -13,8 +13,11 @@ The analysis (`row_bounds_lines`) reads the predicate region of mask-tiles (b, h
 must be affine in it with coefficient -1, 0 or 1 (kv, q - kv, kv + c, casts between integer types); a comparison
 of two such values with a nonzero kv coefficient is a half-line or a point of kv; `and` intersects (and ANDs the
 conditions that do not read kv); `or` of two intervals unbounded on the same side is their hull, which is then
-their union. Anything else (a gather indexed by kv, `ne`, `not` of a kv test, a coefficient of 2) gives no
-bounds, and the kernels keep evaluating mask_fn per element. The bounds are exact, not a cover: lo <= kv < hi
+their union. An equality of a table gathered at kv with the same table gathered at q (the other indices the
+same: `doc[b, q] == doc[b, kv]`) is the run of equal entries around q, read from a run table the runtime makes
+per data (`runs_wanted`, block_data.run_table; block lists only), exact where the ids do not come back. Anything
+else (another gather indexed by kv, `ne`, `not` of a kv test, a coefficient of 2) gives no bounds, and the
+kernels keep evaluating mask_fn per element. The bounds are exact, not a cover: lo <= kv < hi
 holds exactly when mask_fn is true (tests/backend/test_row_bounds.py checks that pointwise, by hypothesis over
 random affine masks too).
 """
@@ -70,7 +73,7 @@ def runs_wanted(pred: Block) -> list[tuple[int, int]]:
     """The (table, axis) pairs whose run table (`run_table`, made per data by block_data.py) the row bounds
     read: tables are positions among the predicate's captured tables (pred.args[4:])."""
     want: list[tuple[int, int]] = []
-    return want if _walk(pred, {}, [], {}, want) is not None else []
+    return want if _walk(pred, {}, "", {}, want) is not None else []
 
 
 def run_name(table: str, axis: int) -> str:
@@ -85,10 +88,10 @@ def row_bounds_lines(pred: Block, env: Mapping[str, int], sig_caps: str, cap_nam
     where it is false (run tables of data whose equal values are not contiguous) the caller evaluates the
     mask itself. None where the predicate is not one interval of kv per row by the module docstring's rules.
     `run_names`: the argument names of the run tables `runs_wanted` asked for."""
-    return _walk(pred, env, [sig_caps], dict(cap_names), None, dict(run_names or {}))
+    return _walk(pred, env, sig_caps, dict(cap_names), None, dict(run_names or {}))
 
 
-def _walk(pred: Block, env: Mapping[str, int], sig: list[str], cap_names: dict, want: Optional[list],
+def _walk(pred: Block, env: Mapping[str, int], sig_caps: str, cap_names: dict, want: Optional[list],
           run_names: Optional[dict] = None) -> Optional[list[str]]:
     """row_bounds_lines' analysis; with `want` a list, only collects the run tables it needs into it."""
     from .from_ir import _ScalarEmitter, cap_ref
@@ -138,7 +141,7 @@ def _walk(pred: Block, env: Mapping[str, int], sig: list[str], cap_names: dict, 
             res = interval(op.operands[0])
             if res is None or want is not None:
                 return None if res is None else []
-            lines = [f"def row_bounds_fn(b, h, q{sig[0]}):"] + e.lines
+            lines = [f"def row_bounds_fn(b, h, q{sig_caps}):"] + e.lines
             lo = _fold("max", res.lo) if res.lo else "0"
             hi = _fold("min", res.hi) if res.hi else str(1 << 40)
             lines += [f"    lo = {lo}", f"    hi = {hi}"]

@@ -14,9 +14,10 @@ Contract of `device_source` (plain `def`s, no decorators; `math` and `np` are in
         when `exp2` is set. Does not apply the mask.
     mask_fn(b, h, q, kv, *captures) -> bool              (only when has_mask)
         True keeps the score, False makes it -inf.
-    row_bounds_fn(b, h, q, *captures) -> (lo, hi)        (only where the mask keeps one kv interval per row)
-        mask_fn(b, h, q, kv) == (lo <= kv < hi) for every kv (row_bounds.py); partial tiles compare against
-        it instead of calling mask_fn per element. lo may be negative and hi past N.
+    row_bounds_fn(b, h, q, *captures) -> (lo, hi, exact)  (only where the mask keeps one kv interval per row)
+        where exact, mask_fn(b, h, q, kv) == (lo <= kv < hi) for every kv (row_bounds.py), and partial tiles
+        compare against it instead of calling mask_fn per element; lo may be negative and hi past N. exact is
+        False only for rows whose run table (ids that come back) gives no interval: mask_fn per element there.
     tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures) -> int32   (block_mask "static" or "list")
         Classifies the tile of rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive) for the user mask:
         0 = empty (skip the tile), 1 = partial (evaluate mask_fn), 2 = full (no mask arithmetic).
