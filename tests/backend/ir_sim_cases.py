@@ -106,18 +106,64 @@ def run_idiom_case(which: str) -> dict:
     return {"id": f"idiom-{which}", "err": max(errs), "kernels": len(c._kernels)}
 
 
+LD_PAIR_CALLS = [0]
+
+
+def count_ld_pair() -> None:
+    """Count the simulator's ld_pair calls (installed before any kernel module is built: each imports it by
+    name, and a module is built once per spec and shared by the cases)."""
+    from falower.backends.numba_cuda import intrinsics
+
+    real = intrinsics.ld_pair
+
+    def counted(garr, idx):
+        LD_PAIR_CALLS[0] += 1
+        return real(garr, idx)
+
+    intrinsics.ld_pair = counted
+
+
+def run_pair_case(which: str) -> dict:
+    """A bias table read at [h, q, kv] through `score_pair_fn` (one 8-byte load for columns kv, kv + 1): an even
+    N (the pairs path), an odd one (rows start off 8-byte alignment: `pairs_aligned` says no, the per-element
+    path), a table shorter than N (kv past its end clamps, as gather does, inside the pairs path). Counts the
+    ld_pair calls to show which path ran. A table whose address is off alignment is the GPU suite's (numpy
+    inputs are copied to aligned device arrays here)."""
+    import falower as fl
+    from falower.passes.check import Reference, bind_dims, random_inputs
+
+    LD_PAIR_CALLS[0] = 0
+    if which == "short":
+        tab = fl.capture("tab", "f32", "H,M,6")
+        g = fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[h, q, kv], name="short_table")
+    else:
+        g = example("bias")
+    env = bind_dims(g, {**SHAPES, "B": 3, "N": 37 if which == "odd" else 38})  # B != H: the grid puts b inner
+    inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32)
+              for i, x in enumerate(random_inputs(g, env, seed=4))]
+    ref = Reference.build(g, env, inputs=inputs)
+    c = fl.compile(g, "numba-cuda", pipeline=PIPELINE, path="mma", num_warps=2)
+    o, lse = c(*inputs)
+    return {"id": f"pairs-{which}", "err": max(float(np.max(np.abs(np.asarray(o, np.float64) - ref.outputs["o"]))),
+                                               float(np.max(np.abs(lse - ref.outputs["lse"])))),
+            "ld_pair": LD_PAIR_CALLS[0], "pair_fn": "def score_pair_fn(" in c.kernel(*inputs).spec.device_source}
+
+
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 # every example on the tensor-core path; the SIMT path (f32 / f64 / odd head dims) on the examples that stress
 # its own code (masked rows, per-element tables, GQA, causal tiles): the rest were cut for CI time
 SIMT_STEMS = {"causal", "document", "gqa", "relative_bias"}
 CASES = [(s, p) for s in STEMS for p in ("mma", "simt") if p == "mma" or s in SIMT_STEMS]
 IDIOM_CASES = ["maths", "window"]
+PAIR_CASES = ["aligned", "odd", "short"]
 TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "unsorted"), ("dense", "sorted")]
 
 if __name__ == "__main__":
     wanted = sys.argv[1:]
+    count_ld_pair()
     jobs = [(f"{stem}-{path}", run_case, (stem, path)) for stem, path in CASES]
     jobs += [(f"idiom-{which}", run_idiom_case, (which,)) for which in IDIOM_CASES]
+    jobs += [(f"pairs-{which}", run_pair_case, (which,)) for which in PAIR_CASES]
     jobs += [(f"table-{mask}-{kind}", run_table_case, (mask, kind)) for mask, kind in TABLE_CASES]
     for cid, run, args in jobs:
         if wanted and cid not in wanted:

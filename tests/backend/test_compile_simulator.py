@@ -13,7 +13,7 @@ pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulated import run_cases  # noqa: E402
-from ir_sim_cases import CASES, IDIOM_CASES, TABLE_CASES  # noqa: E402
+from ir_sim_cases import CASES, IDIOM_CASES, PAIR_CASES, TABLE_CASES  # noqa: E402
 
 IDS = [f"{s}-{p}" for s, p in CASES]
 
@@ -55,3 +55,15 @@ def test_frontend_idioms_compile_and_match(results, which):
     assert "error" not in r, r["error"] if "error" in r else ""
     assert r["err"] <= 4e-3, r
     assert r["kernels"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", PAIR_CASES)
+def test_table_pairs_match_and_take_their_path(results, which):
+    """A table read at [h, q, kv] by column pairs (`score_pair_fn`, one 8-byte load): right on an aligned table,
+    on one of odd rows (which must take the per-element path) and on one shorter than N (clamped)."""
+    r = results[f"pairs-{which}"]
+    assert "error" not in r, r["error"] if "error" in r else ""
+    assert r["pair_fn"], r
+    assert r["err"] <= 4e-3, r
+    assert (r["ld_pair"] > 0) == (which != "odd"), r

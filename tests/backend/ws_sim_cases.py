@@ -26,7 +26,10 @@ CASES = {
     # run in the no-producer cases below, the producer warp in its D = 64 and causal D = 128 cases)
     "ws-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {}),
     # a producer warpgroup with setmaxnreg (40 / 232) instead of the producer warp
-    "ws-bias-f16-d64-pwg": ("bias", "f16", 64, 1, 1, 50, 40, 1, 128, 16, {"producer": "warpgroup"}),
+    # (two batch rows on a grid with the batch innermost, as from_ir asks for a bias with no batch axis:
+    # spec.batch_inner, taken out of the extras by run_case)
+    "ws-bias-f16-d64-pwg": ("bias", "f16", 64, 2, 1, 50, 40, 1, 128, 16, {"producer": "warpgroup",
+                                                                          "batch_inner": True}),
     # no producer: warpgroup 0 streams K, warpgroup 1 V through the ring (3 stages by default, 2 asked)
     "ws-none-plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 128, 16, {"producer": "none"}),
     "ws-none-causal-bf16-d64-2stages": ("causal", "bf16", 64, 1, 1, 75, 70, 1, 128, 16,
@@ -138,7 +141,9 @@ def run_case(case_id: str) -> dict:
     rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
                      name=f"ws_{case_id.replace('-', '_')}")
-    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", **extra})
+    extra = dict(extra)
+    spec = dataclasses.replace(spec, batch_inner=extra.pop("batch_inner", False),
+                               extra={"schedule": "wgmma-ws", **extra})
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     kern = getattr(load_source(src, spec.name), spec.name)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)

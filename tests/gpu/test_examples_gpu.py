@@ -202,6 +202,32 @@ def test_idioms_error_rule(which, N):
     assert len(c._kernels) == 1
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_bias_table_by_pairs_on_the_batch_inner_grid(D):
+    """bias[h, q, kv] (no batch axis): three batch rows on the grid that runs the batch innermost
+    (spec.batch_inner), the table read two columns a load (score_pair_fn) at an even N; then the same values at
+    an address 4 bytes past an 8-byte boundary, where `pairs_aligned` sends the kernel down the per-element path:
+    the same numbers out (the same arithmetic on the same values; NVVM may contract the two paths apart by an ulp)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, c = graph("bias", "f16")
+    env = bind_dims(g, {"B": 3, "H": 2, "HKV": 1, "M": 300, "N": 266, "D": D})
+    host = [rounded(x, "f16") if i < 3 else x.astype(np.float32) for i, x in enumerate(random_inputs(g, env, seed=D))]
+    dev = assert_error_rule(g, c, env, host, "f16")
+    spec = c.kernel(*dev).spec
+    assert spec.batch_inner and "def score_pair_fn(" in spec.device_source
+    o1, l1 = c(*dev)
+    buf = torch.empty(dev[3].numel() + 2, dtype=torch.float32, device="cuda")
+    start = 1 if buf.data_ptr() % 8 == 0 else 0
+    off = buf[start:start + dev[3].numel()].view(dev[3].shape)
+    off.copy_(dev[3])
+    assert off.data_ptr() % 8 == 4
+    o2, l2 = c(*dev[:3], off)
+    torch.cuda.synchronize()
+    assert (o1.float() - o2.float()).abs().max().item() <= 2e-3
+    assert (l1 - l2).abs().max().item() <= 1e-5
+
+
 def _compile_one(job) -> str:
     """Build and launch one specialisation on tiny inputs: fills Numba's disk cache for pytest."""
     stem, dtype, D, N = job

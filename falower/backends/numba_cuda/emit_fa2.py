@@ -79,6 +79,8 @@ from falower.backends.numba_cuda.intrinsics import (
     cp_async16,
     cp_async16_s,
     prefetch_l2,
+    ld_pair,
+    pairs_aligned,
     ldsm_x4,
     ldsm_x4_trans,
     smem_base,
@@ -212,7 +214,22 @@ def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...
     nq = -(-M // spec.block_q)
     if spec.path == "mma":
         return (nq * H * B,)
-    return (nq, H, B)
+    return grid_3d(spec, nq, B, H)
+
+
+def grid_3d(spec: FA2ForwardSpec, nq: int, B: int, H: int) -> tuple[int, int, int]:
+    """(q tiles, heads, batch), or (q tiles, batch, heads) where `spec.batch_inner`: `emit_block_index` reads it."""
+    return (nq, B, H) if spec.batch_inner else (nq, H, B)
+
+
+def emit_block_index(c: "_Code", spec: FA2ForwardSpec) -> None:
+    """h, b of this program on a `grid_3d` grid."""
+    if spec.batch_inner:
+        c("b = cuda.blockIdx.y  # the batch innermost: its rows of one (head, q tile) share the score's table in L2")
+        c("h = cuda.blockIdx.z")
+    else:
+        c("h = cuda.blockIdx.y")
+        c("b = cuda.blockIdx.z")
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
@@ -327,6 +344,12 @@ def _score_args(spec: FA2ForwardSpec) -> str:
     """What the score functions take after the captures: the per-CTA values `hz` when the device source has a
     `cta_fn` (values score-licm hoisted out of the score function, computed once by `_emit_tile_range`)."""
     return _cap_args(spec) + (", hz" if "def cta_fn(" in spec.device_source else "")
+
+
+def has_score_pairs(spec: FA2ForwardSpec) -> bool:
+    """The score reads a table at [.., kv] and the device source reads column pairs by one load (`score_pair_fn`,
+    from_ir.pair_gathers)."""
+    return "def score_pair_fn(" in spec.device_source
 
 
 def has_row_bounds(spec: FA2ForwardSpec) -> bool:
@@ -665,12 +688,30 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         if scale:  # the scale goes into softmax_row's exponent: the raw scores stay
             c("return")
         else:
-            c(f"for jj in range({NJ}):")
-            with c.indent():
-                c("e = i + jj * 4")
-                c("k = kv + jj * 8")
-                c(f"lset(x, e, {_score_expr(spec, 'lget(x, e)', 'qi', 'k')})")
-                c(f"lset(x, e + 1, {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})")
+            per_element = [f"for jj in range({NJ}):",
+                           "    e = i + jj * 4",
+                           "    k = kv + jj * 8",
+                           f"    lset(x, e, {_score_expr(spec, 'lget(x, e)', 'qi', 'k')})",
+                           f"    lset(x, e + 1, {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})"]
+            if has_score_pairs(spec):
+                # a table read at [.., kv]: columns k, k + 1 (k even) by one 8-byte load where the table is
+                # aligned for it (a branch once per row, not per pair: the loads stay in one basic block)
+                to_log2 = "" if spec.exp2 else " * LOG2E"
+                c(f"if pairs_ok_fn(b, h{caps}):")
+                with c.indent():
+                    c(f"for jj in range({NJ}):")
+                    with c.indent():
+                        c("e = i + jj * 4")
+                        c(f"v0, v1 = score_pair_fn(lget(x, e), lget(x, e + 1), b, h, qi, kv + jj * 8{caps})")
+                        c(f"lset(x, e, np.float32(v0){to_log2})")
+                        c(f"lset(x, e + 1, np.float32(v1){to_log2})")
+                c("else:")
+                with c.indent():
+                    for line in per_element:
+                        c(line)
+            else:
+                for line in per_element:
+                    c(line)
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
@@ -889,8 +930,12 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         c(f"gh = min({HG}, B * H - grp * {HG})")
         c("qt = nq - 1 - idx // gh")
         c(f"bh = grp * {HG} + idx % gh")
-        c("b = bh // H")
-        c("h = bh - b * H")
+        if spec.batch_inner:  # the batch innermost: its rows of one head share the score's table in L2
+            c("h = bh // B")
+            c("b = bh - h * B")
+        else:
+            c("b = bh // H")
+            c("h = bh - b * H")
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M  # first row of this (b, h) in q, o, lse")
         emit_bases(c)
@@ -1176,8 +1221,7 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
         c("tid = cuda.threadIdx.x")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c("qt = nq - 1 - cuda.blockIdx.x")
-        c("h = cuda.blockIdx.y")
-        c("b = cuda.blockIdx.z")
+        emit_block_index(c, spec)
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)

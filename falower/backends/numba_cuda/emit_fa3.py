@@ -48,8 +48,10 @@ from .emit_fa2 import (
     _signature,
     _spec_comment,
     emit_bases,
+    emit_block_index,
     emit_fragment_helpers,
     emit_masked_score,
+    grid_3d,
     rows_helper,
 )
 from .spec import FA2ForwardSpec
@@ -144,7 +146,7 @@ def threads_per_block(spec: FA2ForwardSpec) -> int:
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
-    return (-(-M // spec.block_q), H, B)
+    return grid_3d(spec, -(-M // spec.block_q), B, H)
 
 
 def overlapped(spec: FA2ForwardSpec) -> bool:
@@ -326,8 +328,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c("qt = nq - 1 - cuda.blockIdx.x  # heaviest q tiles first (causal)")
-        c("h = cuda.blockIdx.y")
-        c("b = cuda.blockIdx.z")
+        emit_block_index(c, spec)
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)

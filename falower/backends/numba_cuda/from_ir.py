@@ -472,6 +472,9 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     out += [ln for ln in _live_lines(lead, used)] + body
     out.append(f"    return np.float32({e.name(low.score)})")
     gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
+    pair_lines = _score_pair_lines(region, gathers, e, lead, body, low, sig_caps, hz)
+    if pair_lines:  # two adjacent columns' table entries by one 8-byte load
+        out += [""] + pair_lines
     if gathers:  # the score reads tables per element: the kernels prefetch the next kv tile's entries into L2
         pf = _ScalarEmitter(env, cap_names)
         pf.prefetch = True
@@ -504,6 +507,102 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
             ranges = {4 + c: (derived[j], a, g) for j, (c, a, g) in enumerate(low.ranges)}
             out += _interval_fn(pred, env, sig_caps, ranges)
     return "\n".join(out) + "\n"
+
+
+def _kv_dependent(region: Block, kv_args: set) -> set:
+    """The region's values computed from `kv_args` (kv and the hoisted per-column values: those that change
+    along a row)."""
+    dep = set(kv_args)
+    for op in region.ops:
+        if any(o in dep for o in op.operands):
+            dep.update(op.results)
+    return dep
+
+
+def pair_gathers(region: Block, gathers: list[Op], roles: list[str], cap_args: set) -> list[Op]:
+    """The gathers of a score that read a row's adjacent columns from adjacent elements: a captured table of a
+    f32 indexed by kv itself on its last axis and by nothing that changes along the row elsewhere
+    (`bias[h, q, kv]`). Two columns kv, kv + 1 (kv even) then cost one 8-byte load where the table is aligned
+    for it (`pairs_aligned`): half the load instructions and half the L2 sectors of two 4-byte loads, whose
+    warp-wide requests each use half of the 8 sectors they fetch (benchmarks/NOTES.md, the bias table)."""
+    kv_args = {a for a, r in zip(region.args, roles) if r in ("kv", "col")}
+    kv = [a for a, r in zip(region.args, roles) if r == "kv"]
+    dep = _kv_dependent(region, kv_args)
+    out = []
+    for op in gathers:
+        table, *idx = op.operands
+        if table not in cap_args or table.type.rank == 0 or table.type.dtype != "f32":
+            continue
+        if kv and idx[-1] is kv[0] and not any(i in dep for i in idx[:-1]):
+            out.append(op)
+    return out
+
+
+def batch_shared_table(low: "Lowered") -> bool:
+    """Whether the score gathers per element (its indices read q or kv) from a table that no batch index
+    selects (`bias[h, q, kv]`): then every batch row reads the same entries, and a grid with the batch
+    innermost (spec.batch_inner) runs those rows together so the table comes from DRAM once, not once per row."""
+    region = low.fused.regions[0]
+    roles = list(low.fused.attrs["roles"])
+    by_role = {r: [a for a, rr in zip(region.args, roles) if rr == r] for r in set(roles)}
+
+    def hoisted_reads(a: Value, role: str) -> bool:  # a cta / row / col value computed from the b (q, kv) operand
+        v = low.fused.operands[region.args.index(a)]
+        base = [o for o, r in zip(low.fused.operands, roles) if r == role]
+        return isinstance(v.owner, Op) and _reads(v.owner, base)
+
+    hoisted = [a for a, r in zip(region.args, roles) if r in HOISTED_ROLES]
+    b_args = set(by_role.get("b", [])) | {a for a in hoisted if hoisted_reads(a, "b")}
+    qkv_args = set(by_role.get("q", []) + by_role.get("kv", [])) | {
+        a for a in hoisted if hoisted_reads(a, "q") or hoisted_reads(a, "kv")}
+    on_b, on_qkv = _kv_dependent(region, b_args), _kv_dependent(region, qkv_args)
+    return any(op.name == "gather" and any(i in on_qkv for i in op.operands[1:])
+               and not any(i in on_b for i in op.operands[1:]) for op in backward_slice(region, [low.score]))
+
+
+def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lead: list[str], body: list[str],
+                      low: "Lowered", sig_caps: str, hz: str) -> list[str]:
+    """`pairs_ok_fn` and `score_pair_fn(s0, s1, b, h, q, kv, ...)`: the scores of columns kv and kv + 1 (kv even)
+    with each pair gather (`pair_gathers`) read by one `ld_pair`; [] where the score has none. The second
+    column's code is the first's with its names renamed (v<N> -> w<N>, s -> s1, kv -> kv1): NVVM shares what
+    does not depend on kv. Indices clamp as `gather` does (kv >= 0): the pair starts at min(kv, L - 2), column kv
+    takes its second element where kv > L - 2, column kv + 1 always the second."""
+    import re
+
+    roles = list(low.fused.attrs["roles"])
+    cap_args = {a for a, r in zip(region.args, roles) if r == "cap"}
+    pairs = pair_gathers(region, gathers, roles, cap_args)
+    if not pairs:
+        return []
+    used = " ".join(body) + " " + e.name(low.score)
+    first = [ln for ln in _live_lines(lead, used)] + body
+    second = [re.sub(r"\bs\b", "s1", re.sub(r"\bkv\b", "kv1", re.sub(r"\bv(\d+)\b", r"w\1", ln))) for ln in first]
+    first = [re.sub(r"\bs\b", "s0", ln) for ln in first]
+    tables = []
+    for op in pairs:
+        nm = e.name(op.results[0])
+        k = nm[1:]
+        table = e.name(op.operands[0])
+        tables.append(table)
+        r = op.operands[0].type.rank
+        idx = [f"np.uint32(min(max(np.int32({e.name(i)}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
+               for d, i in enumerate(op.operands[1:-1])]
+        last = f"np.int32({table}.shape[{r - 1}] - 2)"
+        start = f"np.uint32(min(kk{k}, {last}))"
+        cast = "np.float32" if is_float(op.results[0].type.dtype) else ""
+        mine = [f"    kk{k} = np.int32(kv)",
+                f"    pr{k} = ld_pair({table}, ({', '.join(idx + [start])},))",
+                f"    {nm} = {cast}(pr{k}[1] if kk{k} > {last} else pr{k}[0])"]
+        first = [x for ln in first for x in (mine if ln.startswith(f"    {nm} = ") else [ln])]
+        second = [f"    w{k} = {cast}(pr{k}[1])"
+                  if ln.startswith(f"    w{k} = ") else ln for ln in second]
+    res = e.name(low.score)
+    res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
+    ok = " & ".join(f"pairs_aligned({t}) & ({t}.shape[{op.operands[0].type.rank - 1}] >= 2)"
+                    for t, op in zip(tables, pairs))
+    return ([f"def pairs_ok_fn(b, h{sig_caps}{hz}):", f"    return {ok}", "",
+             f"def score_pair_fn(s0, s1, b, h, q, kv{sig_caps}{hz}):", "    kv1 = kv + 1"]
+            + first + second + [f"    return np.float32({res}), np.float32({res2})"])
 
 
 def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
@@ -652,4 +751,4 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
     return FA2ForwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
                           group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
                           has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none",
-                          extra=dict(extra or {}))
+                          batch_inner=batch_shared_table(low), extra=dict(extra or {}))

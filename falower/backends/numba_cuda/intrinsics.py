@@ -26,6 +26,11 @@ Public names (identical in both modes):
     cp_async16_s                   (shared byte address, global_array, g_index, src_bytes)
     prefetch_l2                    (global_array, (i0, i1, ...)) -> int32 0: prefetch.global.L2 of that element
                                    (a hint: the score's gathers of the next kv tile; no-op in the simulator)
+    ld_pair                        (global_array, (i0, ..., ik)) -> (a[i0, .., ik], a[i0, .., ik + 1]), one 8-byte
+                                   load of a 4-byte dtype (the caller has checked `pairs_aligned` and the range)
+    pairs_aligned                  (global_array) -> bool: 4-byte elements, the last axis contiguous and even, the
+                                   other strides and the data address multiples of 8 bytes (so every even last
+                                   index starts an 8-byte aligned pair)
     pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
     ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
@@ -68,6 +73,8 @@ __all__ = [
     "cp_async16",
     "cp_async16_s",
     "prefetch_l2",
+    "ld_pair",
+    "pairs_aligned",
     "smem_base",
     "ldsm_x4",
     "ldsm_x4_trans",
@@ -370,6 +377,16 @@ if SIMULATOR:
 
     def prefetch_l2(garr, idx):
         return np.int32(0)  # a hint: nothing to emulate
+
+    def ld_pair(garr, idx):
+        last = tuple(idx[:-1]) + (idx[-1] + 1,)
+        return garr[tuple(idx)], garr[last]
+
+    def pairs_aligned(garr):
+        a = np.asarray(garr)
+        if a.ndim == 0 or a.itemsize != 4 or a.strides[-1] != 4 or a.shape[-1] % 2:
+            return False
+        return all(st % 8 == 0 for st in a.strides[:-1]) and a.__array_interface__["data"][0] % 8 == 0
 
     def cp_async_wait0():
         pass
@@ -886,6 +903,54 @@ else:
             ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
             _asm(context, builder, ptx, "l,~{memory}", [builder.ptrtoint(ptr, ir.IntType(64))], [], side_effect=True)
             return context.get_constant(types.int32, 0)
+
+        return sig, codegen
+
+    @intrinsic
+    def ld_pair(typingctx, garr, idx):
+        """(garr[..., i], garr[..., i + 1]) by one 8-byte vector load (ld.v2.b32): the caller has checked
+        `pairs_aligned(garr)`, that i is even and that i + 1 is in range."""
+        if garr.dtype.bitwidth != 32:
+            return None
+        sig = types.UniTuple(garr.dtype, 2)(garr, idx)
+
+        def codegen(context, builder, sig, args):
+            arrty, idxty = sig.args
+            ary = context.make_array(arrty)(context, builder, args[0])
+            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
+            raw = cgutils.unpack_tuple(builder, args[1], len(tys)) if isinstance(idxty, types.BaseTuple) else [args[1]]
+            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+            elt = context.get_value_type(arrty.dtype)
+            vec = builder.load(builder.bitcast(ptr, ir.PointerType(ir.VectorType(elt, 2))), align=8)
+            pair = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e)) for e in range(2)]
+            return context.make_tuple(builder, sig.return_type, pair)
+
+        return sig, codegen
+
+    @intrinsic
+    def pairs_aligned(typingctx, garr):
+        """Whether every even index of garr's last axis starts an 8-byte aligned pair: 4-byte elements, the last
+        axis contiguous with an even length, every other stride and the data address multiples of 8."""
+        if not isinstance(garr, types.Array) or garr.dtype.bitwidth != 32 or garr.ndim == 0:
+            return None
+        sig = types.boolean(garr)
+
+        def codegen(context, builder, sig, args):
+            arrty = sig.args[0]
+            ary = context.make_array(arrty)(context, builder, args[0])
+            i64 = ir.IntType(64)
+            shapes = cgutils.unpack_tuple(builder, ary.shape, arrty.ndim)
+            strides = cgutils.unpack_tuple(builder, ary.strides, arrty.ndim)
+            ok = builder.icmp_unsigned("==", strides[-1], ir.Constant(strides[-1].type, 4))
+            ok = builder.and_(ok, builder.icmp_unsigned("==", builder.and_(shapes[-1], ir.Constant(i64, 1)),
+                                                        ir.Constant(i64, 0)))
+            bits = builder.ptrtoint(ary.data, i64)
+            for st in strides[:-1]:
+                bits = builder.or_(bits, st)
+            ok = builder.and_(ok, builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(i64, 7)),
+                                                        ir.Constant(i64, 0)))
+            return ok
 
         return sig, codegen
 

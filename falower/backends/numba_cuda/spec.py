@@ -76,6 +76,9 @@ class FA2ForwardSpec:
     device_source: str = ""
     has_mask: bool = False
     block_mask: str = "none"
+    # the score reads a table per element that no batch index selects (bias[h, q, kv]): the grid runs the batch
+    # innermost, so the batch rows of one (head, q tile) run together and share the table's lines in L2
+    batch_inner: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

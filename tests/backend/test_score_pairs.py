@@ -1,0 +1,81 @@
+"""Tables read by column pairs and grids with the batch innermost (from_ir.pair_gathers, batch_shared_table):
+which scores qualify, and what the emitted kernels do with them. The numbers are the simulator's
+(test_compile_simulator.py: pairs-* cases; the warp-specialized kernel's bias case on the batch-inner grid) and
+the GPU suite's (test_examples_gpu.py: an aligned and a misaligned table)."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import falower as fl
+from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward, grid
+from falower.backends.numba_cuda.from_ir import analyse, build_spec
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _spec(g, extra=None):
+    return build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16", "mma", None, extra)
+
+
+def _example(stem: str):
+    return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+
+
+@pytest.mark.parametrize("stem,pairs,inner", [("bias", True, True), ("relative_bias", False, True),
+                                              ("alibi", False, False), ("document", False, False),
+                                              ("plain", False, False), ("softcap", False, False)])
+def test_which_examples_qualify(stem: str, pairs: bool, inner: bool) -> None:
+    spec = _spec(_example(stem))
+    assert ("def score_pair_fn(" in spec.device_source) == pairs
+    assert spec.batch_inner == inner
+
+
+def test_a_batch_axis_keeps_the_grid_and_still_pairs() -> None:
+    bias = fl.capture("bias", "f32", "B,H,M,N")
+    spec = _spec(fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[b, h, q, kv], name="bias4"))
+    assert "def score_pair_fn(" in spec.device_source and not spec.batch_inner
+
+
+@pytest.mark.parametrize("index", ["shifted", "transposed", "offset_by_q", "i32"])
+def test_what_does_not_pair(index: str) -> None:
+    """Pairs need kv itself on the last axis, nothing else changing along the row, and an f32 table."""
+    if index == "i32":
+        tab = fl.capture("tab", "i32", "H,M,N")
+        mod = lambda s, b, h, q, kv: s + tab[h, q, kv] * 0.5  # noqa: E731
+    else:
+        tab = fl.capture("tab", "f32", "H,M,N" if index != "transposed" else "H,N,M")
+        mod = {"shifted": lambda s, b, h, q, kv: s + tab[h, q, kv + 1],
+               "transposed": lambda s, b, h, q, kv: s + tab[h, kv, q],
+               "offset_by_q": lambda s, b, h, q, kv: s + tab[h, q, q + kv]}[index]
+    spec = _spec(fl.attention(score_mod=mod, name=f"probe_{index}"))
+    assert "def score_pair_fn(" not in spec.device_source
+    assert spec.batch_inner  # a per-element table with no batch axis all the same
+
+
+def test_the_kernel_reads_pairs_once_per_row_check() -> None:
+    """score_row branches on pairs_ok_fn once per row, then reads each pair by ld_pair; the grid and the block
+    index put the batch innermost."""
+    spec = _spec(_example("bias"))
+    src = emit_fa2_forward(spec)
+    row = src[src.index("def score_row("):src.index("def masked_score_row(")]
+    assert row.count("pairs_ok_fn(") == 1 and "score_pair_fn(" in row and "score_fn(" in row
+    pair_fn = spec.device_source[spec.device_source.index("def score_pair_fn("):]
+    assert pair_fn.count("ld_pair(") == 1 and "cap_bias[" not in pair_fn.split("def score_prefetch_fn")[0]
+    assert re.search(r"h = bh // B\n\s*b = bh - h \* B", src)
+    simt = build_spec(analyse(fl.lower(_example("bias"), "fa2-fwd")), {"D": 64}, "f32", "simt", None)
+    assert grid(simt, 3, 2, 100, 100) == (-(-100 // simt.block_q), 3, 2)  # (q tiles, B, H)
+
+
+def test_ld_pair_reaches_an_8_byte_load() -> None:
+    """The pair is one ld.global.v2.f32 in the PTX (NVVM, no GPU needed)."""
+    pytest.importorskip("numba")
+    c = fl.compile(_example("bias"), "numba-cuda")
+    q = np.zeros((1, 2, 64, 64), np.float16)
+    ptx = c.kernel(q, q, q, np.zeros((2, 64, 64), np.float32)).ptx(cc=(9, 0))
+    assert re.search(r"ld\.global\.v2\.f32", ptx)
