@@ -18,6 +18,9 @@ Contract of `device_source` (plain `def`s, no decorators; `math` and `np` are in
         where exact, mask_fn(b, h, q, kv) == (lo <= kv < hi) for every kv (row_bounds.py), and partial tiles
         compare against it instead of calling mask_fn per element; lo may be negative and hi past N. exact is
         False only for rows whose run table (ids that come back) gives no interval: mask_fn per element there.
+    score_pair_fn(s0, s1, b, h, q, kv, *captures) -> (float32, float32)   (only where the score reads a table at
+        [.., kv]: from_ir.pair_gathers) score_fn of columns kv and kv + 1 (kv even), the table's two entries by one
+        8-byte load; only called where pairs_ok_fn(b, h, *captures) holds (the tables are aligned for it).
     tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi, *captures) -> int32   (block_mask "static" or "list")
         Classifies the tile of rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive) for the user mask:
         0 = empty (skip the tile), 1 = partial (evaluate mask_fn), 2 = full (no mask arithmetic).
