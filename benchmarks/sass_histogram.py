@@ -1,0 +1,77 @@
+"""Opcode histograms of compiled kernels' SASS (cuobjdump -sass), to compare the instructions falower's kernels
+issue with FlexAttention's (Triton's cubins) where ncu says we issue more of them.
+
+    python3 benchmarks/sass_histogram.py --falower plain --triton 'flex_attention' [--top 30]
+
+--falower NAME: every falower cubin in the kernel cache (FALOWER_CACHE_DIR/cubin/*.bin, cubin_cache.py) whose
+kernel name contains NAME; --triton NAME: every cubin under ~/.triton/cache whose file name contains NAME. Prints
+per kernel the total, then the most frequent opcodes side by side (the opcode without its modifiers' suffixes
+after the first dot: FFMA, MUFU.EX2, HMMA...). Static counts (instructions in the binary), not executed ones:
+the loop body dominates both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def sass_ops(cubin: bytes) -> collections.Counter:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter()
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)?)", out):
+        ops[m.group(1)] += 1
+    return ops
+
+
+def falower_cubins(name: str) -> list[tuple[str, bytes]]:
+    from falower.backends.numba_cuda import cubin_cache
+
+    out = []
+    for p in sorted(cubin_cache.directory().glob("*.bin")):
+        img = cubin_cache.loads(p.stem, p.read_bytes())
+        if img is not None and name in img.name:
+            out.append((img.name, img.cubin))
+    return out
+
+
+def triton_cubins(name: str) -> list[tuple[str, bytes]]:
+    root = Path.home() / ".triton" / "cache"
+    return [(p.stem, p.read_bytes()) for p in sorted(root.rglob("*.cubin")) if name in p.name]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--falower", default="")
+    ap.add_argument("--triton", default="")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    kernels = (falower_cubins(args.falower) if args.falower else []) + (
+        triton_cubins(args.triton) if args.triton else [])
+    if not kernels:
+        sys.exit("sass_histogram: no cubin matched")
+    hists = [(n, sass_ops(c)) for n, c in kernels]
+    for n, h in hists:
+        print(f"{n}: {sum(h.values())} instructions")
+    total = collections.Counter()
+    for _, h in hists:
+        total.update(h)
+    names = [n[:18] for n, _ in hists]
+    print("| opcode | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for op, _ in total.most_common(args.top):
+        print(f"| {op} | " + " | ".join(str(h.get(op, 0)) for _, h in hists) + " |")
+
+
+if __name__ == "__main__":
+    main()
