@@ -104,7 +104,8 @@ def parse_config(text: str) -> tuple:
     (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-wsn' the same
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
-    ahead (default 1);
+    ahead (default 1); '-nott' their score's table read by gathers, not in tiles through shared memory
+    (extra table_tiles);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -131,6 +132,8 @@ def parse_config(text: str) -> tuple:
             extra["stages"] = int(o[2:])
         elif o.startswith("pf") and o[2:].isdigit():
             extra["prefetch_tiles"] = int(o[2:])
+        elif o == "nott":
+            extra["table_tiles"] = False
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
         elif o == "wg":
@@ -170,6 +173,8 @@ def config_tag(cfg: tuple) -> str:
         tag += f"-hg{extra['head_group']}"
     if "prefetch_tiles" in extra:
         tag += f"-pf{extra['prefetch_tiles']}"
+    if extra.get("table_tiles") is False:
+        tag += "-nott"
     if "warp_skip" in extra:
         tag += "-wskip" if extra["warp_skip"] else "-nowskip"
     if extra.get("dq_split") == "k":

@@ -79,3 +79,43 @@ def test_ld_pair_reaches_an_8_byte_load() -> None:
     q = np.zeros((1, 2, 64, 64), np.float16)
     ptx = c.kernel(q, q, q, np.zeros((2, 64, 64), np.float32)).ptx(cc=(9, 0))
     assert re.search(r"ld\.global\.v2\.f32", ptx)
+
+
+def _ws_spec(g, **extra):
+    import dataclasses
+
+    spec = _spec(g)
+    return dataclasses.replace(spec, head_dim=128, block_q=128, block_k=128, num_warps=8,
+                               extra={"schedule": "wgmma-ws", "producer": "none", **extra})
+
+
+@pytest.mark.parametrize("which,tiles", [("bias", True), ("bias4", True), ("offset_by_q", False),
+                                         ("relative_bias", False)])
+def test_which_tables_copy_in_tiles(which: str, tiles: bool) -> None:
+    """A [q, kv] tile of one table (q itself before kv, the axes before fixed for the program) copies into shared
+    memory (from_ir.tile_gather: tile_ok_fn, tile_chunk_fn, score_pair_vals_fn)."""
+    tab = fl.capture("tab", "f32", "B,H,M,N" if which == "bias4" else "H,M,N")
+    g = {"bias": lambda: _example("bias"), "relative_bias": lambda: _example("relative_bias"),
+         "bias4": lambda: fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[b, h, q, kv], name="t4"),
+         "offset_by_q": lambda: fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[h, q, q + kv], name="tq")}[which]()
+    src = _spec(g).device_source
+    assert all((f"def {fn}(" in src) == tiles for fn in ("tile_ok_fn", "tile_chunk_fn", "score_pair_vals_fn"))
+
+
+def test_the_ws_kernel_copies_the_tile_ahead() -> None:
+    """The warp-specialized kernel (no producer) gives the table tile 64 KB of shared memory, which leaves 2 K / V
+    stages at D = 128 and still fits; each warpgroup waits for its rows, reads them, releases them (a named
+    barrier of its 128 threads) and copies the next tile's. `table_tiles: False` keeps the gathers."""
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    spec = _ws_spec(_example("bias"))
+    assert emit_fa3_ws.table_tiles(spec) and emit_fa3_ws.stages(spec) == 2
+    assert emit_fa3_ws.smem_bytes(spec) <= emit_fa3_ws.SMEM_LIMIT
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    loop = src[src.index("while j <= kv_last:", src.index("tile_on = tile_ok_fn(")):]
+    for needle in ("mbar_wait(t_full, tphase)", "score_row_tile(", "bar_sync(3 + cw, 128)", "table_rows("):
+        assert needle in loop, needle
+    assert loop.index("mbar_wait(t_full") < loop.index("score_row_tile(") < loop.index("bar_sync(3 + cw, 128)")
+    off = _ws_spec(_example("bias"), table_tiles=False)
+    assert not emit_fa3_ws.table_tiles(off) and emit_fa3_ws.stages(off) == 3
+    assert "score_row_tile(" not in emit_fa3_ws.emit_fa3_ws_forward(off).split("@kernel_jit")[1]

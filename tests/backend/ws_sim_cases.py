@@ -34,6 +34,13 @@ CASES = {
     "ws-none-plain-f16-d64-ragged": ("plain", "f16", 64, 1, 1, 70, 45, 1, 128, 16, {"producer": "none"}),
     "ws-none-causal-bf16-d64-2stages": ("causal", "bf16", 64, 1, 1, 75, 70, 1, 128, 16,
                                         {"producer": "none", "stages": 2}),
+    # the bias read from a [q, kv] tile of the table copied into shared memory a kv tile ahead (from_ir's device
+    # source: tile_chunk_fn, score_pair_vals_fn; `ir_source`, taken out of the extras by run_case); rows of N = 72
+    # are 16-byte aligned (the last kv tile ragged), of N = 71 not (the kernel keeps the per-element gathers)
+    "ws-none-bias-tile-f16-d64": ("bias", "f16", 64, 1, 1, 70, 72, 1, 128, 32, {"producer": "none",
+                                                                               "ir_source": True}),
+    "ws-none-bias-gather-f16-d64": ("bias", "f16", 64, 1, 1, 70, 71, 1, 128, 32, {"producer": "none",
+                                                                                 "ir_source": True}),
     "ws-none-plain-f16-d128-gqa": ("plain", "f16", 128, 1, 2, 40, 50, 2, 128, 16, {"producer": "none"}),
     "ws-none-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {"producer": "none"}),
     "ws-none-causal-f16-d128-2stages": ("causal", "f16", 128, 1, 1, 130, 140, 1, 128, 32,
@@ -143,7 +150,18 @@ def run_case(case_id: str) -> dict:
                      name=f"ws_{case_id.replace('-', '_')}")
     extra = dict(extra)
     spec = dataclasses.replace(spec, batch_inner=extra.pop("batch_inner", False),
-                               extra={"schedule": "wgmma-ws", **extra})
+                               extra={"schedule": "wgmma-ws", **{k: v for k, v in extra.items() if k != "ir_source"}})
+    if extra.get("ir_source"):  # the example's own device source, as from_ir writes it (same score as the variant)
+        import runpy
+
+        import falower as fl
+        from falower.backends.numba_cuda.from_ir import analyse, build_spec
+
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        g = next(v for v in runpy.run_path(os.path.join(root, "examples", f"{variant}.py")).values()
+                 if isinstance(v, fl.Func))
+        ir = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, dtype, "mma", None)
+        spec = dataclasses.replace(spec, device_source=ir.device_source, batch_inner=ir.batch_inner)
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     kern = getattr(load_source(src, spec.name), spec.name)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)

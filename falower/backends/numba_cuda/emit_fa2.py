@@ -81,6 +81,9 @@ from falower.backends.numba_cuda.intrinsics import (
     prefetch_l2,
     ld_pair,
     pairs_aligned,
+    rows_aligned16,
+    cp_async16_nd,
+    lds_v2_f32,
     ldsm_x4,
     ldsm_x4_trans,
     smem_base,
@@ -350,6 +353,12 @@ def has_score_pairs(spec: FA2ForwardSpec) -> bool:
     """The score reads a table at [.., kv] and the device source reads column pairs by one load (`score_pair_fn`,
     from_ir.pair_gathers)."""
     return "def score_pair_fn(" in spec.device_source
+
+
+def has_tile_table(spec: FA2ForwardSpec) -> bool:
+    """The score reads a [q, kv] tile of one table, which a kernel may copy into shared memory ahead of its use
+    (`tile_chunk_fn`, `score_pair_vals_fn`: from_ir.tile_gather)."""
+    return "def tile_chunk_fn(" in spec.device_source
 
 
 def has_row_bounds(spec: FA2ForwardSpec) -> bool:
@@ -712,6 +721,22 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             else:
                 for line in per_element:
                     c(line)
+    if has_tile_table(spec) and not scale:
+        c()
+        c("@device_function")
+        c(f"def score_row_tile(x, i, b, h, qi, kv, N{caps}, srow, sw):")
+        with c.indent():
+            c("# the table's entries from this row of its tile in shared memory (srow: the row's byte address; 16-byte")
+            c("# chunk c of the row at chunk c ^ sw: the 4 rows of a half-warp's 8-byte loads in distinct banks)")
+            c(f"for jj in range({NJ}):")
+            with c.indent():
+                c("e = i + jj * 4")
+                c("col = np.uint32((kv & 7) + jj * 8)")
+                c("g0, g1 = lds_v2_f32(srow + ((((col >> 2) ^ sw) << 4) | ((col & 3) << 2)))")
+                c(f"v0, v1 = score_pair_vals_fn(lget(x, e), lget(x, e + 1), g0, g1, b, h, qi, kv + jj * 8{caps})")
+                to_log2 = "" if spec.exp2 else " * LOG2E"
+                c(f"lset(x, e, np.float32(v0){to_log2})")
+                c(f"lset(x, e + 1, np.float32(v1){to_log2})")
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")

@@ -70,6 +70,7 @@ from .emit_fa2 import (
     emit_block_index,
     emit_fragment_helpers,
     emit_masked_score,
+    has_tile_table,
 )
 try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has them
     from .emit_fa2 import _score_args
@@ -123,6 +124,14 @@ def stages(spec: FA2ForwardSpec) -> int:
     if producer(spec) == "none" and _layout(spec, 3)["total"] + ALIGN <= SMEM_LIMIT:
         return 3
     return 2
+
+
+def table_tiles(spec: FA2ForwardSpec) -> bool:
+    """The score reads a [q, kv] tile of a table (emit_fa2.has_tile_table) and this kernel copies it into shared
+    memory a kv tile ahead: each consumer warpgroup its own 64 rows, by cp.async right after its softmax read the
+    previous tile, so the softmax reads shared memory instead of waiting on L2 (`extra["table_tiles"]`, default
+    on; producer "none" only). Its 64 KB (128 x 128 f32) leave 2 K / V stages at D = 128."""
+    return has_tile_table(spec) and producer(spec) == "none" and bool(spec.extra.get("table_tiles", True))
 
 
 def pingpong(spec: FA2ForwardSpec) -> bool:
@@ -185,10 +194,12 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     S = stages(spec) if S is None else S
     tile = BK * D * 2
     kv = BQ * D * 2
-    bars = kv + 2 * S * tile
+    table = BQ * BK * 4 if table_tiles(spec) else 0  # the score's table tile, f32, one buffer (tb)
+    bars = kv + 2 * S * tile + table
     q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
-    return {"tile": tile, "kv": kv, "bars": bars, "full_k": q, "full_v": q + 8 * S, "empty_k": q + 16 * S,
-            "empty_v": q + 24 * S, "total": bars + q + 32 * S}
+    tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
+    return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "bars": bars, "full_k": q, "full_v": q + 8 * S,
+            "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "total": bars + q + 32 * S + tf}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -442,6 +453,27 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c("mbar_wait(bars + cw * 8, 0)  # this warpgroup's Q has landed")
     else:
         c("mbar_wait(bars, 0)  # Q has landed")
+    TT = table_tiles(spec)
+    if TT:
+        lg = (BK // 4).bit_length() - 1
+        rows_fn = c.helper("table_rows", [
+            "@device_function", f"def table_rows(t_wg, wtid, b, h, q0, kv0{caps}):",
+            f"    for i in range({BK // 8}):  # 64 rows x {BK // 4} 16-byte chunks, 128 threads: a warp copies a row",
+            "        ci = wtid + 128 * i",
+            f"        row = ci >> {lg}",
+            f"        cc = ci & {BK // 4 - 1}",
+            f"        tile_chunk_fn(t_wg + np.uint32(row * {BK * 4}) + np.uint32((cc ^ (((row & 3) << 1) & {BK // 4 - 1})) "
+            "<< 4), b, h, "
+            f"q0 + row, kv0 + cc * 4{caps})"])
+        c("# the score's table: this warpgroup's 64 rows of its [q, kv] tile in shared memory, copied a kv tile ahead")
+        c(f"t_wg = sb + {lay['tb']} + cw * {64 * BK * 4}")
+        c(f"t_full = bars + {lay['table_full']} + cw * 8")
+        c(f"tile_on = tile_ok_fn(b, h, N{caps})  # else (rows off 16-byte alignment, a short table) the gathers")
+        c("tphase = 0")
+        c("if tile_on:")
+        with c.indent():
+            c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, kv_first * {BK}{caps})")
+            c("cp_async_mbar_arrive_noinc(t_full)")
     c("j = kv_first")
     c("stage = 0")
     c("phase = 0")
@@ -451,7 +483,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("while j <= kv_last:")
     with c.indent():
         _emit_next(c, spec, "j", "jn")
-        _emit_score_prefetch(c, spec, "jn")
+        if TT:
+            c("if not tile_on:")
+            with c.indent():
+                _emit_score_prefetch(c, spec, "jn")
+        else:
+            _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         c(f"mbar_wait(bars + {lay['full_k']} + stage * 8, phase)  # K_j has landed")
@@ -492,13 +529,38 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c()
         _emit_need_mask(c, spec, "j")
         c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
+        if TT:
+            c("if tile_on:")
+            with c.indent():
+                c("mbar_wait(t_full, tphase)  # this warpgroup's rows of the table tile have landed")
+                c("tphase ^= 1")
         for masked, kw in ((True, "if need_mask:"), (False, "else:")):
             c(kw)
             with c.indent():
                 fn = "masked_score_row" if masked else "score_row"
+                if TT and not masked:
+                    c("if tile_on:")
+                    with c.indent():
+                        for r in range(2):
+                            qrow = f"q_lo + warp * 16 + {8 * r} + g"
+                            srow = f"t_wg + np.uint32(((warp & 3) * 16 + {8 * r} + g) * {BK * 4})"
+                            c(f"score_row_tile(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps}, {srow}, "
+                              f"np.uint32(((g & 3) << 1) & {BK // 4 - 1}))")
+                    c("else:")
+                    c.level += 1
                 for r in range(2):
                     qrow = f"q_lo + warp * 16 + {8 * r} + g"
                     c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
+                if TT and not masked:
+                    c.level -= 1
+        if TT:
+            c("if tile_on:")
+            with c.indent():
+                c("bar_sync(3 + cw, 128)  # the warpgroup has read the tile: refill it with the next one's rows")
+                c("if jn <= kv_last:")
+                with c.indent():
+                    c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, jn * {BK}{caps})")
+                c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
         for r in range(2):
             c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
@@ -604,6 +666,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"mbar_init(bars + {8 * w}, 128)  # warpgroup {w}'s Q")
             else:
                 c(f"mbar_init(bars, {producer_threads(spec)})")
+            if table_tiles(spec):
+                for w in range(BQ // 64):
+                    c(f"mbar_init(bars + {lay['table_full'] + 8 * w}, 128)  # warpgroup {w}'s table tile")
             for s in range(S):
                 c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")

@@ -598,11 +598,68 @@ def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lea
                   if ln.startswith(f"    w{k} = ") else ln for ln in second]
     res = e.name(low.score)
     res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
+    tile = _tile_table_lines(region, pairs, roles, e, lead, body, res, sig_caps, hz)
     ok = " & ".join(f"pairs_aligned({t}) & ({t}.shape[{op.operands[0].type.rank - 1}] >= 2)"
                     for t, op in zip(tables, pairs))
     return ([f"def pairs_ok_fn(b, h{sig_caps}{hz}):", f"    return {ok}", "",
              f"def score_pair_fn(s0, s1, b, h, q, kv{sig_caps}{hz}):", "    kv1 = kv + 1"]
-            + first + second + [f"    return np.float32({res}), np.float32({res2})"])
+            + first + second + [f"    return np.float32({res}), np.float32({res2})"] + tile)
+
+
+def tile_gather(region: Block, pairs: list[Op], roles: list[str]) -> Optional[Op]:
+    """The score's one pair gather that reads a [q, kv] tile of its table: q itself on the axis before kv's, the
+    axes before it fixed for the program (b, h or constants: nothing that reads q or kv). A kernel can copy
+    the tile's rows into shared memory ahead of its use (`tile_chunk_fn`) instead of loading it in the softmax."""
+    if len(pairs) != 1:
+        return None
+    q = [a for a, r in zip(region.args, roles) if r == "q"]
+    moving = _kv_dependent(region, {a for a, r in zip(region.args, roles) if r in ("q", "kv", "row", "col")})
+    op = pairs[0]
+    idx = op.operands[1:]
+    if len(idx) < 2 or not q or idx[-2] is not q[0] or any(i in moving for i in idx[:-2]):
+        return None
+    return op
+
+
+def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_ScalarEmitter", lead: list[str],
+                      body: list[str], res: str, sig_caps: str, hz: str) -> list[str]:
+    """Where the score reads a [q, kv] tile of one table (`tile_gather`): `tile_ok_fn` (the table's rows
+    16-byte aligned and at least N long: every 16-byte chunk a kernel copies is whole or past the end),
+    `tile_chunk_fn(sdst, b, h, q, kv, ...)` (cp.async of table[.., q, kv : kv + 4] into shared memory at sdst, q
+    clamped as gather clamps it, zeros past the row's end) and `score_pair_vals_fn(s0, s1, g0, g1, b, h, q, kv,
+    ...)`: score_pair_fn with the table's two entries given. [] otherwise."""
+    import re
+
+    op = tile_gather(region, pairs, roles)
+    if op is None:
+        return []
+    nm = e.name(op.results[0])
+    table = e.name(op.operands[0])
+    r = op.operands[0].type.rank
+    lead_names = [e.name(i) for i in op.operands[1:-2]]
+    used = " ".join(body) + " " + res
+    lines = [ln for ln in _live_lines(lead, used)] + body
+    need = _live_lines(lines, " ".join(lead_names)) if lead_names else []
+    idx = [f"np.uint32(min(max(np.int32({n}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
+           for d, n in enumerate(lead_names)]
+    idx.append(f"np.uint32(min(max(np.int32(q), np.int32(0)), np.int32({table}.shape[{r - 2}] - 1)))")
+    chunk = [f"def tile_chunk_fn(sdst, b, h, q, kv{sig_caps}{hz}):",
+             *need,
+             f"    nb = min(max(np.int32({table}.shape[{r - 1}]) - np.int32(kv), np.int32(0)), np.int32(4)) * 4",
+             "    kc = np.uint32(kv) if nb > 0 else np.uint32(0)",
+             f"    cp_async16_nd(sdst, {table}, ({', '.join(idx)}, kc), nb)"]
+    live = _live_lines(lines, res)
+    first = [re.sub(r"\bs\b", "s0", ln) for ln in live]
+    second = [re.sub(r"\bs\b", "s1", re.sub(r"\bkv\b", "kv1", re.sub(r"\bv(\d+)\b", r"w\1", ln))) for ln in live]
+    w = "w" + nm[1:]
+    first = [f"    {nm} = g0" if ln.startswith(f"    {nm} = ") else ln for ln in first]
+    second = [f"    {w} = g1" if ln.startswith(f"    {w} = ") else ln for ln in second]
+    res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
+    return ["", f"def tile_ok_fn(b, h, N{sig_caps}{hz}):",
+            f"    return rows_aligned16({table}) & (np.int32({table}.shape[{r - 1}]) >= np.int32(N))", "", *chunk, "",
+            f"def score_pair_vals_fn(s0, s1, g0, g1, b, h, q, kv{sig_caps}{hz}):", "    kv1 = kv + 1",
+            *first, *second,
+            f"    return np.float32({res}), np.float32({res2})"]
 
 
 def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,

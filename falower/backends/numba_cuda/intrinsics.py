@@ -28,6 +28,11 @@ Public names (identical in both modes):
                                    (a hint: the score's gathers of the next kv tile; no-op in the simulator)
     ld_pair                        (global_array, (i0, ..., ik)) -> (a[i0, .., ik], a[i0, .., ik + 1]), one 8-byte
                                    load of a 4-byte dtype (the caller has checked `pairs_aligned` and the range)
+    rows_aligned16                 (global_array) -> bool: the last axis contiguous, the other strides and the data
+                                   address multiples of 16 bytes (16-byte copies of a row start aligned)
+    cp_async16_nd                  (shared byte address, global_array, (i0, ..., ik), src_bytes): cp.async of 16
+                                   bytes from garr[i0, .., ik] (zero-filled past src_bytes)
+    lds_v2_f32                     (shared byte address) -> (f32, f32): one 8-byte shared load
     pairs_aligned                  (global_array) -> bool: 4-byte elements, the last axis contiguous and even, the
                                    other strides and the data address multiples of 8 bytes (so every even last
                                    index starts an 8-byte aligned pair)
@@ -75,6 +80,9 @@ __all__ = [
     "prefetch_l2",
     "ld_pair",
     "pairs_aligned",
+    "rows_aligned16",
+    "cp_async16_nd",
+    "lds_v2_f32",
     "smem_base",
     "ldsm_x4",
     "ldsm_x4_trans",
@@ -381,6 +389,29 @@ if SIMULATOR:
     def ld_pair(garr, idx):
         last = tuple(idx[:-1]) + (idx[-1] + 1,)
         return garr[tuple(idx)], garr[last]
+
+    def rows_aligned16(garr):
+        a = np.asarray(garr)
+        if a.ndim == 0 or a.strides[-1] != a.itemsize:
+            return False
+        return all(st % 16 == 0 for st in a.strides[:-1]) and a.__array_interface__["data"][0] % 16 == 0
+
+    def cp_async16_nd(saddr, garr, idx, src_bytes):
+        smem = _block_smem()
+        a = np.asarray(garr)
+        row = a[tuple(int(i) for i in idx[:-1])]
+        n = 16 // a.itemsize
+        k = int(src_bytes) // a.itemsize
+        dst = smem.view(a.dtype)
+        at = int(saddr) // a.itemsize
+        dst[at:at + n] = 0
+        if k:
+            dst[at:at + k] = row[int(idx[-1]):int(idx[-1]) + k]
+
+    def lds_v2_f32(saddr):
+        f = _block_smem().view(np.float32)
+        at = int(saddr) // 4
+        return np.float32(f[at]), np.float32(f[at + 1])
 
     def pairs_aligned(garr):
         a = np.asarray(garr)
@@ -925,6 +956,63 @@ else:
             vec = builder.load(builder.bitcast(ptr, ir.PointerType(ir.VectorType(elt, 2))), align=8)
             pair = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e)) for e in range(2)]
             return context.make_tuple(builder, sig.return_type, pair)
+
+        return sig, codegen
+
+    @intrinsic
+    def rows_aligned16(typingctx, garr):
+        """Whether garr's last axis is contiguous and its other strides and data address are multiples of 16."""
+        if not isinstance(garr, types.Array) or garr.ndim == 0:
+            return None
+        sig = types.boolean(garr)
+
+        def codegen(context, builder, sig, args):
+            arrty = sig.args[0]
+            ary = context.make_array(arrty)(context, builder, args[0])
+            i64 = ir.IntType(64)
+            strides = cgutils.unpack_tuple(builder, ary.strides, arrty.ndim)
+            item = context.get_abi_sizeof(context.get_data_type(arrty.dtype))
+            ok = builder.icmp_unsigned("==", strides[-1], ir.Constant(strides[-1].type, item))
+            bits = builder.ptrtoint(ary.data, i64)
+            for st in strides[:-1]:
+                bits = builder.or_(bits, st)
+            return builder.and_(ok, builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(i64, 15)),
+                                                          ir.Constant(i64, 0)))
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async16_nd(typingctx, saddr, garr, idx, src_bytes):
+        """cp.async of 16 bytes from garr[idx] (a tuple, one index per axis) to the shared byte address saddr,
+        zero-filled past src_bytes (0..16): a row chunk of a table the score reads."""
+        sig = types.void(saddr, garr, idx, src_bytes)
+        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+
+        def codegen(context, builder, sig, args):
+            sty, arrty, idxty, nty = sig.args
+            sa = context.cast(builder, args[0], sty, _U32)
+            ary = context.make_array(arrty)(context, builder, args[1])
+            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
+            raw = cgutils.unpack_tuple(builder, args[2], len(tys)) if isinstance(idxty, types.BaseTuple) else [args[2]]
+            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+            nb = context.cast(builder, args[3], nty, _U32)
+            _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, builder.ptrtoint(ptr, ir.IntType(64)), nb], [],
+                 side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def lds_v2_f32(typingctx, saddr):
+        """(f32, f32) at the shared byte address saddr (8-byte aligned): one ld.shared.v2.f32."""
+        sig = types.UniTuple(_F32, 2)(saddr)
+        ptx = "ld.shared.v2.f32 {$0, $1}, [$2];"
+
+        def codegen(context, builder, sig, args):
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            res = _asm(context, builder, ptx, "=f,=f,r,~{memory}", [sa], [_F32, _F32], side_effect=True)
+            return _tuple_result(context, builder, sig, res, 2)
 
         return sig, codegen
 
