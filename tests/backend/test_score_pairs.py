@@ -99,7 +99,8 @@ def test_which_tables_copy_in_tiles(which: str, tiles: bool) -> None:
          "bias4": lambda: fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[b, h, q, kv], name="t4"),
          "offset_by_q": lambda: fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[h, q, q + kv], name="tq")}[which]()
     src = _spec(g).device_source
-    assert all((f"def {fn}(" in src) == tiles for fn in ("tile_ok_fn", "tile_chunk_fn", "score_pair_vals_fn"))
+    assert all((f"def {fn}(" in src) == tiles
+               for fn in ("tile_ok_fn", "tile_chunk_fn", "tile_geom_fn", "score_pair_vals_fn"))
 
 
 def test_the_ws_kernel_copies_the_tile_ahead() -> None:
@@ -113,7 +114,8 @@ def test_the_ws_kernel_copies_the_tile_ahead() -> None:
     assert emit_fa3_ws.smem_bytes(spec) <= emit_fa3_ws.SMEM_LIMIT
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     loop = src[src.index("while j <= kv_last:", src.index("tile_on = tile_ok_fn(")):]
-    for needle in ("mbar_wait(t_full, tphase)", "score_row_tile(", "bar_sync(3 + cw, 128)", "table_rows("):
+    for needle in ("mbar_wait(t_full, tphase)", "score_row_tile(", "bar_sync(3 + cw, 128)", "table_rows(",
+                   "table_rows_at("):
         assert needle in loop, needle
     assert loop.index("mbar_wait(t_full") < loop.index("score_row_tile(") < loop.index("bar_sync(3 + cw, 128)")
     off = _ws_spec(_example("bias"), table_tiles=False)

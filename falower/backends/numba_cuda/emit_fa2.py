@@ -84,6 +84,8 @@ from falower.backends.numba_cuda.intrinsics import (
     rows_aligned16,
     cp_async16_nd,
     lds_v2_f32,
+    elem_addr,
+    cp_async16_a,
     ldsm_x4,
     ldsm_x4_trans,
     smem_base,

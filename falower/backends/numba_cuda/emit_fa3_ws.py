@@ -465,14 +465,36 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
             f"        tile_chunk_fn(t_wg + np.uint32(row * {BK * 4}) + np.uint32((cc ^ (((row & 3) << 1) & {BK // 4 - 1})) "
             "<< 4), b, h, "
             f"q0 + row, kv0 + cc * 4{caps})"])
+        RSTEP = 128 // (BK // 4)  # rows between a thread's successive chunks: its column chunk and row & 3 stay
+        fast_fn = c.helper("table_rows_at", [
+            "@device_function", "def table_rows_at(t_dst, t_src, t_rs, kv0):",
+            f"    src = t_src + np.uint64(kv0 * 4)",
+            f"    for i in range({BK // 8}):  # a tile inside the table: from the kept row addresses",
+            f"        cp_async16_a(t_dst + np.uint32(i * {RSTEP * BK * 4}), src + np.uint64(i) * t_rs, 16)"])
         c("# the score's table: this warpgroup's 64 rows of its [q, kv] tile in shared memory, copied a kv tile ahead")
         c(f"t_wg = sb + {lay['tb']} + cw * {64 * BK * 4}")
         c(f"t_full = bars + {lay['table_full']} + cw * 8")
         c(f"tile_on = tile_ok_fn(b, h, N{caps})  # else (rows off 16-byte alignment, a short table) the gathers")
         c("tphase = 0")
+        c(f"t_r0 = wtid >> {lg}  # this thread copies column chunk t_cc of rows t_r0 + {RSTEP} i")
+        c(f"t_cc = wtid & {BK // 4 - 1}")
+        c(f"t_dst = t_wg + np.uint32(t_r0 * {BK * 4}) + np.uint32((t_cc ^ (((t_r0 & 3) << 1) & {BK // 4 - 1})) << 4)")
+        c(f"t_src, t_rs, t_rows, t_cols = tile_geom_fn(b, h, q_lo + cw * 64 + t_r0{caps})")
+        c("t_src = t_src + np.uint64(t_cc * 16)")
+        c(f"t_rs = np.uint64(t_rs * {RSTEP})")
+        c("t_in = q_lo + cw * 64 + 64 <= t_rows  # every row of this warpgroup's tiles inside the table")
+
+        def copy(jt: str) -> None:
+            c(f"if t_in and ({jt} + 1) * {BK} <= t_cols:")
+            with c.indent():
+                c(f"{fast_fn}(t_dst, t_src, t_rs, {jt} * {BK})")
+            c("else:  # rows or columns past the table's end: clamped rows, zeros past the row")
+            with c.indent():
+                c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, {jt} * {BK}{caps})")
+
         c("if tile_on:")
         with c.indent():
-            c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, kv_first * {BK}{caps})")
+            copy("kv_first")
             c("cp_async_mbar_arrive_noinc(t_full)")
     c("j = kv_first")
     c("stage = 0")
@@ -559,7 +581,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
                 c("bar_sync(3 + cw, 128)  # the warpgroup has read the tile: refill it with the next one's rows")
                 c("if jn <= kv_last:")
                 with c.indent():
-                    c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, jn * {BK}{caps})")
+                    copy("jn")
                 c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
         for r in range(2):

@@ -626,8 +626,10 @@ def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_Sca
     """Where the score reads a [q, kv] tile of one table (`tile_gather`): `tile_ok_fn` (the table's rows
     16-byte aligned and at least N long: every 16-byte chunk a kernel copies is whole or past the end),
     `tile_chunk_fn(sdst, b, h, q, kv, ...)` (cp.async of table[.., q, kv : kv + 4] into shared memory at sdst, q
-    clamped as gather clamps it, zeros past the row's end) and `score_pair_vals_fn(s0, s1, g0, g1, b, h, q, kv,
-    ...)`: score_pair_fn with the table's two entries given. [] otherwise."""
+    clamped as gather clamps it, zeros past the row's end), `tile_geom_fn(b, h, q, ...)` (the address of row
+    clamp(q)'s first entry, the row stride in bytes, the table's rows and columns: where a tile lies inside the
+    table a kernel copies it from addresses it keeps, a few instructions a chunk) and `score_pair_vals_fn(s0, s1,
+    g0, g1, b, h, q, kv, ...)`: score_pair_fn with the table's two entries given. [] otherwise."""
     import re
 
     op = tile_gather(region, pairs, roles)
@@ -655,8 +657,12 @@ def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_Sca
     first = [f"    {nm} = g0" if ln.startswith(f"    {nm} = ") else ln for ln in first]
     second = [f"    {w} = g1" if ln.startswith(f"    {w} = ") else ln for ln in second]
     res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
+    geom = [f"def tile_geom_fn(b, h, q{sig_caps}{hz}):", *need,
+            f"    return (elem_addr({table}, ({', '.join(idx[:-1] + [idx[-1], 'np.uint32(0)'])},)), "
+            f"np.int64({table}.strides[{r - 2}]), np.int32({table}.shape[{r - 2}]), np.int32({table}.shape[{r - 1}]))"]
     return ["", f"def tile_ok_fn(b, h, N{sig_caps}{hz}):",
             f"    return rows_aligned16({table}) & (np.int32({table}.shape[{r - 1}]) >= np.int32(N))", "", *chunk, "",
+            *geom, "",
             f"def score_pair_vals_fn(s0, s1, g0, g1, b, h, q, kv{sig_caps}{hz}):", "    kv1 = kv + 1",
             *first, *second,
             f"    return np.float32({res}), np.float32({res2})"]

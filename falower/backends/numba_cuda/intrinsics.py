@@ -33,6 +33,8 @@ Public names (identical in both modes):
     cp_async16_nd                  (shared byte address, global_array, (i0, ..., ik), src_bytes): cp.async of 16
                                    bytes from garr[i0, .., ik] (zero-filled past src_bytes)
     lds_v2_f32                     (shared byte address) -> (f32, f32): one 8-byte shared load
+    elem_addr                      (global_array, (i0, ..., ik)) -> uint64 generic address of that element
+    cp_async16_a                   (shared byte address, uint64 generic address, src_bytes): cp.async of 16 bytes
     pairs_aligned                  (global_array) -> bool: 4-byte elements, the last axis contiguous and even, the
                                    other strides and the data address multiples of 8 bytes (so every even last
                                    index starts an 8-byte aligned pair)
@@ -83,6 +85,8 @@ __all__ = [
     "rows_aligned16",
     "cp_async16_nd",
     "lds_v2_f32",
+    "elem_addr",
+    "cp_async16_a",
     "smem_base",
     "ldsm_x4",
     "ldsm_x4_trans",
@@ -407,6 +411,27 @@ if SIMULATOR:
         dst[at:at + n] = 0
         if k:
             dst[at:at + k] = row[int(idx[-1]):int(idx[-1]) + k]
+
+    _ADDRS: dict = {}  # simulated generic addresses: an array's data address -> the array
+
+    def elem_addr(garr, idx):
+        a = np.asarray(garr)
+        base = a.__array_interface__["data"][0]
+        with _warp_lock:
+            _ADDRS[base] = a
+        return np.uint64(base + sum(int(i) * st for i, st in zip(idx, a.strides)))
+
+    def cp_async16_a(saddr, gaddr, src_bytes):
+        gaddr = int(gaddr)
+        with _warp_lock:
+            base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
+        if not a.flags.c_contiguous:
+            raise NotImplementedError("cp_async16_a emulation: contiguous arrays only")
+        raw = a.reshape(-1).view(np.uint8)
+        smem = _block_smem().view(np.uint8)
+        at, off, n = int(saddr), gaddr - base, int(src_bytes)
+        smem[at:at + 16] = 0
+        smem[at:at + n] = raw[off:off + n]
 
     def lds_v2_f32(saddr):
         f = _block_smem().view(np.float32)
@@ -999,6 +1024,38 @@ else:
             nb = context.cast(builder, args[3], nty, _U32)
             _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, builder.ptrtoint(ptr, ir.IntType(64)), nb], [],
                  side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def elem_addr(typingctx, garr, idx):
+        """The generic address (uint64) of garr[idx], idx a tuple with one index per axis."""
+        sig = types.uint64(garr, idx)
+
+        def codegen(context, builder, sig, args):
+            arrty, idxty = sig.args
+            ary = context.make_array(arrty)(context, builder, args[0])
+            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
+            raw = cgutils.unpack_tuple(builder, args[1], len(tys)) if isinstance(idxty, types.BaseTuple) else [args[1]]
+            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+            return builder.ptrtoint(ptr, ir.IntType(64))
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async16_a(typingctx, saddr, gaddr, src_bytes):
+        """cp.async of 16 bytes from the generic address gaddr to the shared byte address saddr (zero past
+        src_bytes): the copies of a table tile whose row addresses the kernel keeps."""
+        sig = types.void(saddr, gaddr, src_bytes)
+        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+
+        def codegen(context, builder, sig, args):
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            ga = context.cast(builder, args[1], sig.args[1], types.uint64)
+            nb = context.cast(builder, args[2], sig.args[2], _U32)
+            _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, ga, nb], [], side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
