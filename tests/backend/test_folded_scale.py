@@ -1,7 +1,7 @@
-"""The scale folded into the exponent (emit_fa2.folded_scale): where the score is nothing but `s * c`, the
-tensor-core kernels keep raw s, take the row max on it and exponentiate `ex2(fma(s, c, -m))`. Which variants
-qualify, and that the emitted helpers say so; the numbers are the simulator's and the GPU suite's (every
-example through the same helpers)."""
+"""The scale folded into the exponent (emit_fa2.folded_scale): where the exp2 score is x * c with c > 0 (x = s for
+plain attention and every mask-only variant, x = score_raw_fn for a bias or softcap), the tensor-core kernels keep
+x, take the row max on it and exponentiate `ex2(fma(x, c, -m))`. Which variants qualify, and that the emitted
+helpers say so; the numbers are the simulator's and the GPU suite's (every example through the same helpers)."""
 
 from __future__ import annotations
 
@@ -22,19 +22,40 @@ def _spec(stem: str, path: str = "mma"):
     return build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16" if path == "mma" else "f32", path, None)
 
 
-@pytest.mark.parametrize("stem,folded", [("plain", True), ("causal", True), ("document", True),
-                                         ("sliding_window", True), ("prefix_lm", True), ("alibi", False),
-                                         ("softcap", False), ("bias", False), ("relative_bias", False)])
-def test_which_scores_fold(stem: str, folded: bool) -> None:
+@pytest.mark.parametrize("stem,folded,raw", [("plain", True, False), ("causal", True, False),
+                                             ("document", True, False), ("sliding_window", True, False),
+                                             ("prefix_lm", True, False), ("alibi", False, False),
+                                             ("softcap", True, True), ("bias", True, True),
+                                             ("relative_bias", True, True)])
+def test_which_scores_fold(stem: str, folded: bool, raw: bool) -> None:
     spec = _spec(stem)
     got = folded_scale(spec)
     assert (got is not None) == folded, (stem, got)
+    assert ("def score_raw_fn(" in spec.device_source) == raw
     src = emit_fa2_forward(spec)
     softmax = src[src.index("def softmax_row("):src.index("def scale_row(")]
     assert ("cuda.fma(" in softmax) == folded
     score_row = src[src.index("def score_row("):src.index("def masked_score_row(")]
-    assert ("score_fn(" not in score_row) == folded  # raw scores stay in the registers
+    assert ("score_fn(" not in score_row) == folded  # x stays in the registers, never the scaled score
+    assert ("score_raw_fn(" in score_row) == raw
 
 
 def test_the_simt_path_keeps_its_own_softmax() -> None:
     assert folded_scale(_spec("plain", "simt")) is None
+
+
+def test_the_factor_is_the_scores_own() -> None:
+    """score_fn == score_raw_fn * score_scale, evaluated in float64 on the emitted functions (softcap: tanh)."""
+    import math
+
+    import numpy as np
+
+    for stem in ("softcap", "bias"):
+        spec = _spec(stem)
+        ns = {"np": np, "math": math}
+        exec(spec.device_source, ns)
+        caps = (np.random.default_rng(0).standard_normal((2, 8, 8)).astype(np.float32),) if stem == "bias" else ()
+        for s in (-3.0, 0.0, 0.5, 40.0):
+            want = ns["score_fn"](np.float32(s), 0, 1, 2, 3, *caps)
+            got = ns["score_raw_fn"](np.float32(s), 0, 1, 2, 3, *caps) * spec.score_scale
+            assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (stem, s)

@@ -64,9 +64,11 @@ def test_the_kernel_reads_pairs_once_per_row_check() -> None:
     spec = _spec(_example("bias"))
     src = emit_fa2_forward(spec)
     row = src[src.index("def score_row("):src.index("def masked_score_row(")]
-    assert row.count("pairs_ok_fn(") == 1 and "score_pair_fn(" in row and "score_fn(" in row
+    assert row.count("pairs_ok_fn(") == 1 and "score_pair_fn(" in row and "score_raw_fn(" in row  # folded scale
     pair_fn = spec.device_source[spec.device_source.index("def score_pair_fn("):]
-    assert pair_fn.count("ld_pair(") == 1 and "cap_bias[" not in pair_fn.split("def score_prefetch_fn")[0]
+    pair_fn = pair_fn[:pair_fn.index("\n\n")]
+    assert pair_fn.count("ld_pair(") == 1 and "cap_bias[" not in pair_fn
+    assert "1.4426950" not in pair_fn  # x of x * log2(e): the factor goes into the exponent
     assert re.search(r"h = bh // B\n\s*b = bh - h \* B", src)
     simt = build_spec(analyse(fl.lower(_example("bias"), "fa2-fwd")), {"D": 64}, "f32", "simt", None)
     assert grid(simt, 3, 2, 100, 100) == (-(-100 // simt.block_q), 3, 2)  # (q tiles, B, H)

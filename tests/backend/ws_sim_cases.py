@@ -161,7 +161,8 @@ def run_case(case_id: str) -> dict:
         g = next(v for v in runpy.run_path(os.path.join(root, "examples", f"{variant}.py")).values()
                  if isinstance(v, fl.Func))
         ir = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, dtype, "mma", None)
-        spec = dataclasses.replace(spec, device_source=ir.device_source, batch_inner=ir.batch_inner)
+        spec = dataclasses.replace(spec, device_source=ir.device_source, batch_inner=ir.batch_inner,
+                                   score_scale=ir.score_scale)
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     kern = getattr(load_source(src, spec.name), spec.name)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)

@@ -500,26 +500,28 @@ def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
     return f"np.float32({e})" if spec.exp2 else f"np.float32({e}) * LOG2E"
 
 
-_SCALE_ONLY = re.compile(r"def score_fn\(s, b, h, q, kv[^)]*\):\n    v0 = \(s \* np\.float32\(([-+0-9.eE]+)\)\)\n"
-                         r"    return np\.float32\(v0\)\n")
-
-
 def folded_scale(spec: FA2ForwardSpec) -> Optional[str]:
-    """The score's scale where the score is nothing but `s * c` (c > 0, log2 domain: plain attention and every
-    mask-only variant), as a literal; None otherwise. The tensor-core kernels then keep raw s in the score
-    registers, take the row max on them (max(s) c == max(s c) for c > 0, rounding being monotone) and fold c into
-    the exponent, `ex2(s * c - m)`: one FFMA where a multiply and a subtract were (FA2's and Triton's form)."""
-    if not spec.exp2 or spec.path != "mma":
+    """The score's last constant factor c as a literal where from_ir found the exp2 score to be x * c with c > 0
+    (`spec.score_scale`: plain attention and every mask-only variant, x = s; a bias, x = s * 0.125 + bias, c =
+    log2(e); softcap, x = tanh(s c1)); None otherwise. The tensor-core kernels then keep x in the score registers,
+    take the row max on it (max(x) c == max(x c) for c > 0, rounding being monotone) and fold c into the exponent,
+    `ex2(x * c - m)`: one FFMA where a multiply and a subtract were (FA2's and Triton's form for x = s)."""
+    if not spec.exp2 or spec.path != "mma" or not spec.score_scale > 0:
         return None
-    m = _SCALE_ONLY.search(spec.device_source)
-    if m is None or not float(m.group(1)) > 0:
-        return None
-    return f"np.float32({m.group(1)})"
+    return f"np.float32({float(spec.score_scale)!r})"
+
+
+def raw_is_s(spec: FA2ForwardSpec) -> bool:
+    """Under a folded scale, x is s itself (no score_raw_fn): the raw dot products stay as they are."""
+    return "def score_raw_fn(" not in spec.device_source
 
 
 def _score_expr_tc(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
-    """_score_expr in the tensor-core kernels' score registers: raw s where the scale is folded."""
-    return s if folded_scale(spec) else _score_expr(spec, s, q, kv)
+    """_score_expr in the tensor-core kernels' score registers: x of x * c where the scale is folded (s itself, or
+    score_raw_fn)."""
+    if not folded_scale(spec):
+        return _score_expr(spec, s, q, kv)
+    return s if raw_is_s(spec) else f"np.float32(score_raw_fn({s}, b, h, {q}, {kv}{_score_args(spec)}))"
 
 
 def _mask_cond(spec: FA2ForwardSpec, q: str, kv: str) -> str:
@@ -696,14 +698,14 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("@device_function")
     c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
-        if scale:  # the scale goes into softmax_row's exponent: the raw scores stay
+        if scale and raw_is_s(spec):  # the scale goes into softmax_row's exponent: the raw scores stay
             c("return")
         else:
             per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
                            "    k = kv + jj * 8",
-                           f"    lset(x, e, {_score_expr(spec, 'lget(x, e)', 'qi', 'k')})",
-                           f"    lset(x, e + 1, {_score_expr(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})"]
+                           f"    lset(x, e, {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')})",
+                           f"    lset(x, e + 1, {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})"]
             if has_score_pairs(spec):
                 # a table read at [.., kv]: columns k, k + 1 (k even) by one 8-byte load where the table is
                 # aligned for it (a branch once per row, not per pair: the loads stay in one basic block)
@@ -723,7 +725,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             else:
                 for line in per_element:
                     c(line)
-    if has_tile_table(spec) and not scale:
+    if has_tile_table(spec):
         c()
         c("@device_function")
         c(f"def score_row_tile(x, i, b, h, qi, kv, N{caps}, srow, sw):")

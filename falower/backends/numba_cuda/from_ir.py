@@ -377,7 +377,8 @@ def _emit_hoisted(low: "Lowered", env: Mapping[str, int], cap_names: dict[Value,
     Per-row and per-column values (roles row, col) are written at the top of `score_fn` from q and kv: pure
     arithmetic of values fixed for the kv loop (q) or for a tile's column (kv), which NVVM computes once per
     row (hoisted out of the loop) and once per column (shared by the thread's rows).
-    Returns (cta_fn's lines or [], the region arguments' names, score_fn's leading lines)."""
+    Returns (cta_fn's lines or [], the region arguments' names, score_fn's leading lines, the constant region
+    arguments' values)."""
     fused = low.fused
     roles = list(fused.attrs["roles"])
     region = fused.regions[0]
@@ -423,7 +424,8 @@ def _emit_hoisted(low: "Lowered", env: Mapping[str, int], cap_names: dict[Value,
         names[v] = re_.name(v)
     lines = _live_lines(re_.lines, " ".join(names[v] for v in rest_roots)) if rest_roots else []
     arg_names = {a: names[v] for a, v, r in zip(region.args, fused.operands, roles) if r in HOISTED_ROLES}
-    return cta_lines, arg_names, lines
+    consts = {a: e.consts[v] for a, v, r in zip(region.args, fused.operands, roles) if r == "cta" and v in e.consts}
+    return cta_lines, arg_names, lines, consts
 
 
 def _reads(op: Op, targets: list[Value]) -> bool:
@@ -445,7 +447,10 @@ def cap_ref(v: Value, name: str) -> str:
     return f"{name}[0]" if v.type.rank == 0 else name
 
 
-def device_source(low: Lowered, env: Mapping[str, int]) -> str:
+def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = None) -> str:
+    """The device functions of the spec's contract (spec.py). `info`, where given, receives "score_scale": the
+    score's last constant factor c > 0 where the exp2 score is c * x (0.0 otherwise), which the tensor-core kernels
+    fold into the exponent (score_raw_fn returns x where x is not s itself)."""
     from .row_bounds import row_bounds_lines, run_name
 
     cap_names = {v: f"cap_{v.name}" for v in low.captures}
@@ -458,12 +463,13 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
         + "".join(f", {n}" for n in derived)
     region = low.fused.regions[0]
     out = []
-    cta_lines, hoisted, lead = _emit_hoisted(low, env, cap_names, sig_caps)
+    cta_lines, hoisted, lead, hoisted_consts = _emit_hoisted(low, env, cap_names, sig_caps)
     if cta_lines:
         out += cta_lines + [""]
     e = _ScalarEmitter(env, cap_names)
     e.names.update(_role_names(low.fused, region, cap_names))
     e.names.update(hoisted)
+    e.consts.update(hoisted_consts)  # a folded scale is a constant factor (merged, and known to _score_factor)
     e.emit(region, [low.score])
     hz = ", hz" if cta_lines else ""
     out.append(f"def score_fn(s, b, h, q, kv{sig_caps}{hz}):")
@@ -471,8 +477,14 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
     used = " ".join(body) + " " + e.name(low.score)
     out += [ln for ln in _live_lines(lead, used)] + body
     out.append(f"    return np.float32({e.name(low.score)})")
+    root, scale = _score_factor(e, low)
+    if info is not None:
+        info["score_scale"] = scale
+    if scale and root != "s":  # the score before its last constant factor, which the kernels fold into ex2's FFMA
+        raw = _live_lines([ln for ln in _live_lines(lead, used)] + body, root)
+        out += ["", f"def score_raw_fn(s, b, h, q, kv{sig_caps}{hz}):", *raw, f"    return np.float32({root})"]
     gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
-    pair_lines = _score_pair_lines(region, gathers, e, lead, body, low, sig_caps, hz)
+    pair_lines = _score_pair_lines(region, gathers, e, lead, body, low, sig_caps, hz, root)
     if pair_lines:  # two adjacent columns' table entries by one 8-byte load
         out += [""] + pair_lines
     if gathers:  # the score reads tables per element: the kernels prefetch the next kv tile's entries into L2
@@ -507,6 +519,17 @@ def device_source(low: Lowered, env: Mapping[str, int]) -> str:
             ranges = {4 + c: (derived[j], a, g) for j, (c, a, g) in enumerate(low.ranges)}
             out += _interval_fn(pred, env, sig_caps, ranges)
     return "\n".join(out) + "\n"
+
+
+def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float]:
+    """(x, c) where the exp2-domain score is x * c with c a finite constant > 0 (the emitter merged the score's
+    constant factors: `(s / sqrt(D) + bias) * log2(e)` is x = s * 0.125 + bias, c = log2(e)); else (score, 0.0).
+    max(x) c == max(x c) for c > 0, so the kernels may take the row max on x and exponentiate ex2(x c - m)."""
+    name = e.name(low.score)
+    base, c = e.factors.get(low.score, (name, 0.0))
+    if not low.exp2 or low.score.type.dtype != "f32" or not (0.0 < c < float("inf")):
+        return name, 0.0
+    return base, float(c)
 
 
 def _kv_dependent(region: Block, kv_args: set) -> set:
@@ -561,7 +584,7 @@ def batch_shared_table(low: "Lowered") -> bool:
 
 
 def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lead: list[str], body: list[str],
-                      low: "Lowered", sig_caps: str, hz: str) -> list[str]:
+                      low: "Lowered", sig_caps: str, hz: str, root: str) -> list[str]:
     """`pairs_ok_fn` and `score_pair_fn(s0, s1, b, h, q, kv, ...)`: the scores of columns kv and kv + 1 (kv even)
     with each pair gather (`pair_gathers`) read by one `ld_pair`; [] where the score has none. The second
     column's code is the first's with its names renamed (v<N> -> w<N>, s -> s1, kv -> kv1): NVVM shares what
@@ -575,7 +598,7 @@ def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lea
     if not pairs:
         return []
     used = " ".join(body) + " " + e.name(low.score)
-    first = [ln for ln in _live_lines(lead, used)] + body
+    first = _live_lines([ln for ln in _live_lines(lead, used)] + body, root)  # root: the score, or x of x * c
     second = [re.sub(r"\bs\b", "s1", re.sub(r"\bkv\b", "kv1", re.sub(r"\bv(\d+)\b", r"w\1", ln))) for ln in first]
     first = [re.sub(r"\bs\b", "s0", ln) for ln in first]
     tables = []
@@ -596,7 +619,7 @@ def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lea
         first = [x for ln in first for x in (mine if ln.startswith(f"    {nm} = ") else [ln])]
         second = [f"    w{k} = {cast}(pr{k}[1])"
                   if ln.startswith(f"    w{k} = ") else ln for ln in second]
-    res = e.name(low.score)
+    res = root
     res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
     tile = _tile_table_lines(region, pairs, roles, e, lead, body, res, sig_caps, hz)
     ok = " & ".join(f"pairs_aligned({t}) & ({t}.shape[{op.operands[0].type.rank - 1}] >= 2)"
@@ -797,7 +820,8 @@ def _const_pos_int(v: Value) -> bool:
 def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_warps: Optional[int],
                extra: Optional[dict] = None) -> FA2ForwardSpec:
     D = int(env["D"])
-    src = device_source(low, env)
+    info: dict = {}
+    src = device_source(low, env, info)
     # a 0-d capture is a 1-element array (cap_ref); only the sizes are scalar arguments
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in low.runtime_dims)  # sizes, passed as scalars
@@ -814,4 +838,5 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
     return FA2ForwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
                           group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
                           has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none",
-                          batch_inner=batch_shared_table(low), extra=dict(extra or {}))
+                          batch_inner=batch_shared_table(low), score_scale=info["score_scale"],
+                          extra=dict(extra or {}))

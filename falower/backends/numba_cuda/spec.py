@@ -18,6 +18,9 @@ Contract of `device_source` (plain `def`s, no decorators; `math` and `np` are in
         where exact, mask_fn(b, h, q, kv) == (lo <= kv < hi) for every kv (row_bounds.py), and partial tiles
         compare against it instead of calling mask_fn per element; lo may be negative and hi past N. exact is
         False only for rows whose run table (ids that come back) gives no interval: mask_fn per element there.
+    score_raw_fn(s, b, h, q, kv, *captures) -> float32   (only where score_scale > 0 and x is not s itself)
+        score_fn / score_scale: the score before its last constant factor. Where score_scale > 0 the pair
+        functions below return this x, not the score.
     score_pair_fn(s0, s1, b, h, q, kv, *captures) -> (float32, float32)   (only where the score reads a table at
         [.., kv]: from_ir.pair_gathers) score_fn of columns kv and kv + 1 (kv even), the table's two entries by one
         8-byte load; only called where pairs_ok_fn(b, h, *captures) holds (the tables are aligned for it).
@@ -82,6 +85,10 @@ class FA2ForwardSpec:
     # the score reads a table per element that no batch index selects (bias[h, q, kv]): the grid runs the batch
     # innermost, so the batch rows of one (head, q tile) run together and share the table's lines in L2
     batch_inner: bool = False
+    # > 0 where the score is c * x with x what `score_raw_fn` returns (or s itself where the source has no
+    # score_raw_fn) and c this positive constant: the tensor-core kernels keep x, take the row max on it and fold c
+    # into the exponent's FFMA (emit_fa2.folded_scale); 0 otherwise
+    score_scale: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
