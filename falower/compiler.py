@@ -113,15 +113,16 @@ class CompiledAttention:
         kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
         graph is lowered again with them, so the IR says the tiles the kernel runs."""
         from .backends.numba_cuda import emit_fa3
-        from .backends.numba_cuda.from_ir import build_spec
+        from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
         from .backends.numba_cuda.runtime import device_cc
 
         base = (self.lowered, self.analysis)
         asked = self.extra.get("schedule")
         choice = None
         mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
+        table_tile = reads_table_tile(self.analysis)
         if path == "mma" and asked is None:
-            choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc())
+            choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc(), table_tile=table_tile)
         elif path == "mma" and asked == "wgmma":
             choice = emit_fa3.plain_extra(used["D"])
 
@@ -131,7 +132,7 @@ class CompiledAttention:
         if choice is None:
             return mma_sync()
         built = base
-        want = emit_fa3.tiles(used["D"], mask_kind)
+        want = emit_fa3.tiles(used["D"], mask_kind, table_tile and choice.get("schedule") == "wgmma-ws")
         if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
             built = self._retile(*want)
         # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that

@@ -120,3 +120,21 @@ def test_specialized_kernel_falls_back_to_wgmma(hopper) -> None:
     c = fl.compile(_graph(True), extra={"stages": 4})
     s = _spec(c, 128)
     assert s.extra["schedule"] == "wgmma" and s.extra["overlap"] and s.extra["stages"] == 4
+
+
+def test_a_table_tile_takes_the_specialized_kernel_at_d64(hopper) -> None:
+    """A score reading a [q, kv] tile of a table (bias[h, q, kv]) takes the warp-specialized kernel on 128 x 128
+    tiles at D = 64 too, where it copies the tile into shared memory; a per-head table read along a diagonal
+    (relative bias) does not."""
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent.parent
+    assert emit_fa3.auto_extra("f16", 64, "none", (9, 0), {}, table_tile=True) == {"schedule": "wgmma-ws",
+                                                                                  "producer": "none"}
+    assert emit_fa3.tiles(64, "none", True) == (128, 128) and emit_fa3.tiles(64, "none", False) == (128, 64)
+    for stem, ws in (("bias", True), ("relative_bias", False)):
+        g = next(v for v in runpy.run_path(str(root / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+        s = _spec(fl.compile(g), 64)
+        assert (s.extra.get("schedule") == "wgmma-ws") == ws, (stem, s.extra)
+        assert (s.block_q, s.block_k) == ((128, 128) if ws else (128, 64))

@@ -84,7 +84,7 @@ WS_EXTRA = {"schedule": "wgmma-ws", "producer": "none"}  # the warp-specialized 
 
 
 def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[int, int]],
-               env: Optional[Mapping[str, str]] = None) -> Optional[dict]:
+               env: Optional[Mapping[str, str]] = None, table_tile: bool = False) -> Optional[dict]:
     """The automatic choice of the Hopper kernel: the spec.extra to build it with, or None for mma.sync.
 
     Rule (measured on the H100, benchmarks/NOTES.md "wgmma"): the device's compute capability is 9.x (`cc`,
@@ -99,6 +99,10 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     refuses falls back to it (compiler.py). At D = 64, this module's kernel under any mask (two blocks per SM
     since `blocks_per_sm`: causal 282 vs 263 on mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71,
     alibi 207 vs 181, sliding window 19 vs 20).
+    A score that reads a [q, kv] tile of a table (`table_tile`: from_ir.reads_table_tile, a bias[h, q, kv]) takes
+    the warp-specialized kernel at D = 64 too, on 128 x 128 tiles (`tiles`), which copies the table's tile into
+    shared memory a kv tile ahead: bias 204 vs 189 on this module's kernel (Flex's own config failed; H100
+    2026-11-24).
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
     the simulator), `FALOWER_WGMMA=ws` the warp-specialized kernel at D = 128 under every mask kind, block
     tables too (to measure it there). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to
@@ -114,6 +118,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return None
     if head_dim == 128 and block_mask in ("none", "static", "list"):  # the 256-thread warp-specialized kernel
         return dict(WS_EXTRA)
+    if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)
+        return dict(WS_EXTRA)
     return plain_extra(head_dim)
 
 
@@ -122,10 +128,13 @@ def plain_extra(head_dim: int) -> dict:
     return {"schedule": "wgmma", "overlap": head_dim == 128}
 
 
-def tiles(head_dim: int, block_mask: str = "none") -> tuple[int, int]:
+def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False) -> tuple[int, int]:
     """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
     N = 4k), but 128 x 64 under a block list (the document mask's partial tiles waste less: 173 vs 135);
-    128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S)."""
+    128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S), except for a score that
+    reads a table tile (`auto_extra`: 128 x 128 on the warp-specialized kernel)."""
+    if head_dim == 64 and table_tile and block_mask == "none":
+        return (128, 128)
     return (128, 128) if head_dim == 128 and block_mask != "list" else (128, 64)
 
 

@@ -521,6 +521,16 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
     return "\n".join(out) + "\n"
 
 
+def reads_table_tile(low: "Lowered") -> bool:
+    """Whether the score reads a [q, kv] tile of one table (`tile_gather`), which the warp-specialized kernel
+    copies into shared memory: the automatic kernel choice takes it at D = 64 too (emit_fa3.auto_extra)."""
+    region = low.fused.regions[0]
+    roles = list(low.fused.attrs["roles"])
+    gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
+    pairs = pair_gathers(region, gathers, roles, {a for a, r in zip(region.args, roles) if r == "cap"})
+    return tile_gather(region, pairs, roles) is not None
+
+
 def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float]:
     """(x, c) where the exp2-domain score is x * c with c a finite constant > 0 (the emitter merged the score's
     constant factors: `(s / sqrt(D) + bias) * log2(e)` is x = s * 0.125 + bias, c = log2(e)); else (score, 0.0).
