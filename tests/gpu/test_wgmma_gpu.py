@@ -47,14 +47,17 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
     """falower.compile(graph) as a user calls it: the kernel the rule names, within the error rule."""
     _hopper()
     from falower.backends.numba_cuda import emit_fa3
+    from falower.backends.numba_cuda.from_ir import reads_table_tile
 
     g, c = graph(stem, dtype)
     kern = c.specialize(dtype, D=D)
     mask = c.analysis.block_mask if c.analysis.conj else "none"
-    want = emit_fa3.auto_extra(dtype, D, mask, (9, 0))  # FALOWER_WGMMA=0/1 in the environment applies
+    tile = reads_table_tile(c.analysis)  # a bias[h, q, kv]: the ws kernel at D = 64 too
+    want = emit_fa3.auto_extra(dtype, D, mask, (9, 0), table_tile=tile)  # FALOWER_WGMMA=0/1 in the env applies
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
-        assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(D, mask)
+        assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(D, mask, tile and
+                                                                      want.get("schedule") == "wgmma-ws")
         assert {k: kern.spec.extra.get(k) for k in want} == want
     env, host = _inputs(g, D, N, dtype)
     assert_error_rule(g, c, env, host, dtype)
