@@ -46,6 +46,12 @@ tiles: 225 KB), "pingpong"
 (True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts). block_q must be 128 (two consumer
 warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
 
+A score that reads a [q, kv] tile of a table (a bias[h, q, kv]: emit_fa2.has_tile_table) gets the tile in shared
+memory under producer "none" (`table_tiles`): each consumer warpgroup copies its 64 rows of tile j + 1 by cp.async
+right after its softmax read tile j (after a named barrier of its 128 threads), and waits for them on its own
+mbarrier before the next softmax; 16-byte chunks swizzled by (row & 3) << 1 so a half-warp's 8-byte reads hit
+distinct banks. 64 KB at 128 x 128: K / V keep 2 stages at D = 128.
+
 Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
 a persistent tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
 softmax one tile behind).
@@ -54,6 +60,7 @@ softmax one tile behind).
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from .emit_fa2 import (
     _HEADER,
@@ -392,6 +399,57 @@ def _emit_loader_step(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], kind:
             c("lphase ^= 1")
 
 
+def _emit_table_tile_setup(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> Callable[[str], None]:
+    """Producer "none" with `table_tiles`: the per-thread state of the table tile's copies (this warpgroup's buffer
+    t_wg and barrier t_full, tile_on from tile_ok_fn, the row address t_src and stride t_rs of this thread's column
+    chunk t_cc, its swizzled shared address t_dst), and the first tile's copy. Returns copy(jt), which emits the
+    copy of tile jt: from the kept addresses where the tile lies inside the table (an add and a cp.async a chunk),
+    else through tile_chunk_fn (clamped rows, zeros past a row's end)."""
+    BK = spec.block_k
+    caps = _score_args(spec)
+    lg = (BK // 4).bit_length() - 1
+    rows_fn = c.helper("table_rows", [
+        "@device_function", f"def table_rows(t_wg, wtid, b, h, q0, kv0{caps}):",
+        f"    for i in range({BK // 8}):  # 64 rows x {BK // 4} 16-byte chunks, 128 threads: a warp copies a row",
+        "        ci = wtid + 128 * i",
+        f"        row = ci >> {lg}",
+        f"        cc = ci & {BK // 4 - 1}",
+        f"        tile_chunk_fn(t_wg + np.uint32(row * {BK * 4}) + np.uint32((cc ^ (((row & 3) << 1) & {BK // 4 - 1})) "
+        f"<< 4), b, h, q0 + row, kv0 + cc * 4{caps})"])
+    RSTEP = 128 // (BK // 4)  # rows between a thread's successive chunks: its column chunk and row & 3 stay
+    fast_fn = c.helper("table_rows_at", [
+        "@device_function", "def table_rows_at(t_dst, t_src, t_rs, kv0):",
+        "    src = t_src + np.uint64(kv0 * 4)",
+        f"    for i in range({BK // 8}):  # a tile inside the table: from the kept row addresses",
+        f"        cp_async16_a(t_dst + np.uint32(i * {RSTEP * BK * 4}), src + np.uint64(i) * t_rs, 16)"])
+    c("# the score's table: this warpgroup's 64 rows of its [q, kv] tile in shared memory, copied a kv tile ahead")
+    c(f"t_wg = sb + {lay['tb']} + cw * {64 * BK * 4}")
+    c(f"t_full = bars + {lay['table_full']} + cw * 8")
+    c(f"tile_on = tile_ok_fn(b, h, N{caps})  # else (rows off 16-byte alignment, a short table) the gathers")
+    c("tphase = 0")
+    c(f"t_r0 = wtid >> {lg}  # this thread copies column chunk t_cc of rows t_r0 + {RSTEP} i")
+    c(f"t_cc = wtid & {BK // 4 - 1}")
+    c(f"t_dst = t_wg + np.uint32(t_r0 * {BK * 4}) + np.uint32((t_cc ^ (((t_r0 & 3) << 1) & {BK // 4 - 1})) << 4)")
+    c(f"t_src, t_rs, t_rows, t_cols = tile_geom_fn(b, h, q_lo + cw * 64 + t_r0{caps})")
+    c("t_src = t_src + np.uint64(t_cc * 16)")
+    c(f"t_rs = np.uint64(t_rs * {RSTEP})")
+    c("t_in = q_lo + cw * 64 + 64 <= t_rows  # every row of this warpgroup's tiles inside the table")
+
+    def copy(jt: str) -> None:
+        c(f"if t_in and ({jt} + 1) * {BK} <= t_cols:")
+        with c.indent():
+            c(f"{fast_fn}(t_dst, t_src, t_rs, {jt} * {BK})")
+        c("else:  # rows or columns past the table's end: clamped rows, zeros past the row")
+        with c.indent():
+            c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, {jt} * {BK}{caps})")
+
+    c("if tile_on:")
+    with c.indent():
+        copy("kv_first")
+        c("cp_async_mbar_arrive_noinc(t_full)")
+    return copy
+
+
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
     T, KV = lay["tile"], lay["kv"]
@@ -454,48 +512,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     else:
         c("mbar_wait(bars, 0)  # Q has landed")
     TT = table_tiles(spec)
-    if TT:
-        lg = (BK // 4).bit_length() - 1
-        rows_fn = c.helper("table_rows", [
-            "@device_function", f"def table_rows(t_wg, wtid, b, h, q0, kv0{caps}):",
-            f"    for i in range({BK // 8}):  # 64 rows x {BK // 4} 16-byte chunks, 128 threads: a warp copies a row",
-            "        ci = wtid + 128 * i",
-            f"        row = ci >> {lg}",
-            f"        cc = ci & {BK // 4 - 1}",
-            f"        tile_chunk_fn(t_wg + np.uint32(row * {BK * 4}) + np.uint32((cc ^ (((row & 3) << 1) & {BK // 4 - 1})) "
-            "<< 4), b, h, "
-            f"q0 + row, kv0 + cc * 4{caps})"])
-        RSTEP = 128 // (BK // 4)  # rows between a thread's successive chunks: its column chunk and row & 3 stay
-        fast_fn = c.helper("table_rows_at", [
-            "@device_function", "def table_rows_at(t_dst, t_src, t_rs, kv0):",
-            f"    src = t_src + np.uint64(kv0 * 4)",
-            f"    for i in range({BK // 8}):  # a tile inside the table: from the kept row addresses",
-            f"        cp_async16_a(t_dst + np.uint32(i * {RSTEP * BK * 4}), src + np.uint64(i) * t_rs, 16)"])
-        c("# the score's table: this warpgroup's 64 rows of its [q, kv] tile in shared memory, copied a kv tile ahead")
-        c(f"t_wg = sb + {lay['tb']} + cw * {64 * BK * 4}")
-        c(f"t_full = bars + {lay['table_full']} + cw * 8")
-        c(f"tile_on = tile_ok_fn(b, h, N{caps})  # else (rows off 16-byte alignment, a short table) the gathers")
-        c("tphase = 0")
-        c(f"t_r0 = wtid >> {lg}  # this thread copies column chunk t_cc of rows t_r0 + {RSTEP} i")
-        c(f"t_cc = wtid & {BK // 4 - 1}")
-        c(f"t_dst = t_wg + np.uint32(t_r0 * {BK * 4}) + np.uint32((t_cc ^ (((t_r0 & 3) << 1) & {BK // 4 - 1})) << 4)")
-        c(f"t_src, t_rs, t_rows, t_cols = tile_geom_fn(b, h, q_lo + cw * 64 + t_r0{caps})")
-        c("t_src = t_src + np.uint64(t_cc * 16)")
-        c(f"t_rs = np.uint64(t_rs * {RSTEP})")
-        c("t_in = q_lo + cw * 64 + 64 <= t_rows  # every row of this warpgroup's tiles inside the table")
-
-        def copy(jt: str) -> None:
-            c(f"if t_in and ({jt} + 1) * {BK} <= t_cols:")
-            with c.indent():
-                c(f"{fast_fn}(t_dst, t_src, t_rs, {jt} * {BK})")
-            c("else:  # rows or columns past the table's end: clamped rows, zeros past the row")
-            with c.indent():
-                c(f"{rows_fn}(t_wg, wtid, b, h, q_lo + cw * 64, {jt} * {BK}{caps})")
-
-        c("if tile_on:")
-        with c.indent():
-            copy("kv_first")
-            c("cp_async_mbar_arrive_noinc(t_full)")
+    copy = _emit_table_tile_setup(c, spec, lay) if TT else None
     c("j = kv_first")
     c("stage = 0")
     c("phase = 0")
