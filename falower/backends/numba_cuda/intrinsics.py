@@ -786,6 +786,28 @@ else:
         elems = [builder.extract_value(res, i) for i in range(n)]
         return context.make_tuple(builder, sig.return_type, elems)
 
+    def _item_ptr(context, builder, arrty, arr, idxty, idx):
+        """Pointer to arr[idx], idx a tuple with one index per axis (or one index), through the array's strides."""
+        ary = context.make_array(arrty)(context, builder, arr)
+        is_tuple = isinstance(idxty, types.BaseTuple)
+        tys = list(idxty) if is_tuple else [idxty]
+        raw = cgutils.unpack_tuple(builder, idx, len(tys)) if is_tuple else [idx]
+        idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
+        return cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+
+    def _rows_aligned(context, builder, arrty, arr, item, align):
+        """i1: the last axis contiguous (stride `item` bytes), the other strides and the data address multiples of
+        `align` bytes."""
+        ary = context.make_array(arrty)(context, builder, arr)
+        i64 = ir.IntType(64)
+        strides = cgutils.unpack_tuple(builder, ary.strides, arrty.ndim)
+        ok = builder.icmp_unsigned("==", strides[-1], ir.Constant(strides[-1].type, item))
+        bits = builder.ptrtoint(ary.data, i64)
+        for st in strides[:-1]:
+            bits = builder.or_(bits, st)
+        return builder.and_(ok, builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(i64, align - 1)),
+                                                      ir.Constant(i64, 0)))
+
     def _element_address(context, builder, arrty, arr, index, indexty):
         """Generic address (i64) of arr[index] for a 1-D array."""
         ary = context.make_array(arrty)(context, builder, arr)
@@ -950,13 +972,7 @@ else:
         ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; prefetch.global.L2 [ga]; }"
 
         def codegen(context, builder, sig, args):
-            arrty, idxty = sig.args
-            ary = context.make_array(arrty)(context, builder, args[0])
-            is_tuple = isinstance(idxty, types.BaseTuple)
-            tys = list(idxty) if is_tuple else [idxty]
-            raw = cgutils.unpack_tuple(builder, args[1], len(tys)) if is_tuple else [args[1]]
-            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+            ptr = _item_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             _asm(context, builder, ptx, "l,~{memory}", [builder.ptrtoint(ptr, ir.IntType(64))], [], side_effect=True)
             return context.get_constant(types.int32, 0)
 
@@ -971,13 +987,8 @@ else:
         sig = types.UniTuple(garr.dtype, 2)(garr, idx)
 
         def codegen(context, builder, sig, args):
-            arrty, idxty = sig.args
-            ary = context.make_array(arrty)(context, builder, args[0])
-            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
-            raw = cgutils.unpack_tuple(builder, args[1], len(tys)) if isinstance(idxty, types.BaseTuple) else [args[1]]
-            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
-            elt = context.get_value_type(arrty.dtype)
+            ptr = _item_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            elt = context.get_value_type(sig.args[0].dtype)
             vec = builder.load(builder.bitcast(ptr, ir.PointerType(ir.VectorType(elt, 2))), align=8)
             pair = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e)) for e in range(2)]
             return context.make_tuple(builder, sig.return_type, pair)
@@ -992,17 +1003,8 @@ else:
         sig = types.boolean(garr)
 
         def codegen(context, builder, sig, args):
-            arrty = sig.args[0]
-            ary = context.make_array(arrty)(context, builder, args[0])
-            i64 = ir.IntType(64)
-            strides = cgutils.unpack_tuple(builder, ary.strides, arrty.ndim)
-            item = context.get_abi_sizeof(context.get_data_type(arrty.dtype))
-            ok = builder.icmp_unsigned("==", strides[-1], ir.Constant(strides[-1].type, item))
-            bits = builder.ptrtoint(ary.data, i64)
-            for st in strides[:-1]:
-                bits = builder.or_(bits, st)
-            return builder.and_(ok, builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(i64, 15)),
-                                                          ir.Constant(i64, 0)))
+            item = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
+            return _rows_aligned(context, builder, sig.args[0], args[0], item, 16)
 
         return sig, codegen
 
@@ -1014,14 +1016,9 @@ else:
         ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
 
         def codegen(context, builder, sig, args):
-            sty, arrty, idxty, nty = sig.args
-            sa = context.cast(builder, args[0], sty, _U32)
-            ary = context.make_array(arrty)(context, builder, args[1])
-            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
-            raw = cgutils.unpack_tuple(builder, args[2], len(tys)) if isinstance(idxty, types.BaseTuple) else [args[2]]
-            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
-            nb = context.cast(builder, args[3], nty, _U32)
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            ptr = _item_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2])
+            nb = context.cast(builder, args[3], sig.args[3], _U32)
             _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, builder.ptrtoint(ptr, ir.IntType(64)), nb], [],
                  side_effect=True)
             return context.get_dummy_value()
@@ -1034,12 +1031,7 @@ else:
         sig = types.uint64(garr, idx)
 
         def codegen(context, builder, sig, args):
-            arrty, idxty = sig.args
-            ary = context.make_array(arrty)(context, builder, args[0])
-            tys = list(idxty) if isinstance(idxty, types.BaseTuple) else [idxty]
-            raw = cgutils.unpack_tuple(builder, args[1], len(tys)) if isinstance(idxty, types.BaseTuple) else [args[1]]
-            idxs = [context.cast(builder, v, t, types.intp) for v, t in zip(raw, tys)]
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, idxs, wraparound=False)
+            ptr = _item_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             return builder.ptrtoint(ptr, ir.IntType(64))
 
         return sig, codegen
@@ -1083,19 +1075,11 @@ else:
 
         def codegen(context, builder, sig, args):
             arrty = sig.args[0]
-            ary = context.make_array(arrty)(context, builder, args[0])
             i64 = ir.IntType(64)
-            shapes = cgutils.unpack_tuple(builder, ary.shape, arrty.ndim)
-            strides = cgutils.unpack_tuple(builder, ary.strides, arrty.ndim)
-            ok = builder.icmp_unsigned("==", strides[-1], ir.Constant(strides[-1].type, 4))
-            ok = builder.and_(ok, builder.icmp_unsigned("==", builder.and_(shapes[-1], ir.Constant(i64, 1)),
-                                                        ir.Constant(i64, 0)))
-            bits = builder.ptrtoint(ary.data, i64)
-            for st in strides[:-1]:
-                bits = builder.or_(bits, st)
-            ok = builder.and_(ok, builder.icmp_unsigned("==", builder.and_(bits, ir.Constant(i64, 7)),
-                                                        ir.Constant(i64, 0)))
-            return ok
+            shapes = cgutils.unpack_tuple(builder, context.make_array(arrty)(context, builder, args[0]).shape,
+                                          arrty.ndim)
+            even = builder.icmp_unsigned("==", builder.and_(shapes[-1], ir.Constant(i64, 1)), ir.Constant(i64, 0))
+            return builder.and_(_rows_aligned(context, builder, arrty, args[0], 4, 8), even)
 
         return sig, codegen
 
