@@ -24,7 +24,7 @@ def _spec(stem: str, path: str = "mma"):
 
 @pytest.mark.parametrize("stem,folded,raw", [("plain", True, False), ("causal", True, False),
                                              ("document", True, False), ("sliding_window", True, False),
-                                             ("prefix_lm", True, False), ("alibi", False, False),
+                                             ("prefix_lm", True, False), ("alibi", True, True),
                                              ("softcap", True, True), ("bias", True, True),
                                              ("relative_bias", True, True)])
 def test_which_scores_fold(stem: str, folded: bool, raw: bool) -> None:
@@ -45,17 +45,23 @@ def test_the_simt_path_keeps_its_own_softmax() -> None:
 
 
 def test_the_factor_is_the_scores_own() -> None:
-    """score_fn == score_raw_fn * score_scale, evaluated in float64 on the emitted functions (softcap: tanh)."""
+    """score_fn == score_raw_fn * score_scale, evaluated in float64 on the emitted functions (softcap: tanh; ALiBi:
+    x = s + d * (slope log2(e) / c), the slope through cta_fn), with cuda.fma as a * b + c."""
     import math
+    import types
 
     import numpy as np
 
-    for stem in ("softcap", "bias"):
+    rng = np.random.default_rng(0)
+    for stem in ("softcap", "bias", "alibi", "relative_bias"):
         spec = _spec(stem)
-        ns = {"np": np, "math": math}
+        ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c)}
         exec(spec.device_source, ns)
-        caps = (np.random.default_rng(0).standard_normal((2, 8, 8)).astype(np.float32),) if stem == "bias" else ()
+        caps = {"bias": (rng.standard_normal((2, 8, 8)).astype(np.float32),),
+                "alibi": (np.array([0.5, 0.25], np.float32),),
+                "relative_bias": (rng.standard_normal((2, 15)).astype(np.float32), 8)}.get(stem, ())
+        hz = (ns["cta_fn"](0, 1, *caps),) if "cta_fn" in ns else ()
         for s in (-3.0, 0.0, 0.5, 40.0):
-            want = ns["score_fn"](np.float32(s), 0, 1, 2, 3, *caps)
-            got = ns["score_raw_fn"](np.float32(s), 0, 1, 2, 3, *caps) * spec.score_scale
-            assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (stem, s)
+            want = ns["score_fn"](np.float32(s), 0, 1, 6, 3, *caps, *hz)
+            got = ns["score_raw_fn"](np.float32(s), 0, 1, 6, 3, *caps, *hz) * spec.score_scale
+            assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (stem, s, got, want)

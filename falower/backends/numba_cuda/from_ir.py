@@ -208,6 +208,9 @@ class _ScalarEmitter:
         self.lines: list[str] = []
         self.n = 0
         self.prefetch = False  # gathers become prefetch_l2 of the element (score_prefetch_fn)
+        self.contract = False  # f32 a * b + c as one cuda.fma where the product has no other use (the forward's score)
+        self.uses: dict[Value, int] = {}
+        self.mul_ops: dict[Value, Op] = {}
 
     def name(self, v: Value) -> str:
         return self.names[v]
@@ -219,15 +222,20 @@ class _ScalarEmitter:
 
     def emit_ops(self, ops: list[Op]) -> None:
         for op in ops:
+            for v in op.operands:
+                self.uses[v] = self.uses.get(v, 0) + 1
+        for op in ops:
             r = op.results[0]
             folded = self.fold(op)
             if folded is not None:
                 self.consts[r] = folded
                 self.names[r] = _literal(folded.item(), r.type.dtype, self.env)
                 continue
+            if op.name == "mul":
+                self.mul_ops[r] = op
             expr = self.scaled_expr(op)
             if expr is None:
-                expr = self.expr(op)
+                expr = self.fma_expr(op) or self.expr(op)
             nm = f"v{self.n}"
             self.n += 1
             self.names[r] = nm
@@ -252,6 +260,27 @@ class _ScalarEmitter:
             y = it.store(it.elementwise(op.name, op, [self.consts[v] for v in op.operands], op.results[0].type),
                          op.results[0].type)
         return y if y.size == 1 else None
+
+    def product(self, v: Value) -> Optional[tuple[str, str]]:
+        """(a, b) where v = a * b is an f32 product with no other use, which an add may fuse (contract)."""
+        if not self.contract or v.type.dtype != "f32" or self.uses.get(v, 0) != 1:
+            return None
+        if v in self.factors:  # a product by a merged constant
+            base, c = self.factors[v]
+            return base, f"np.float32({c!r})"
+        op = self.mul_ops.get(v)
+        return (self.name(op.operands[0]), self.name(op.operands[1])) if op is not None else None
+
+    def fma_expr(self, op: Op) -> Optional[str]:
+        """f32 add(a * b, c) as cuda.fma(a, b, c): one FFMA where NVVM keeps Numba's multiply and add apart."""
+        if op.name != "add" or op.results[0].type.dtype != "f32":
+            return None
+        x, y = op.operands
+        for p, other in ((x, y), (y, x)):
+            ab = self.product(p)
+            if ab is not None and other.type.dtype == "f32":
+                return f"cuda.fma({ab[0]}, {ab[1]}, {self.name(other)})"
+        return None
 
     def scaled_expr(self, op: Op) -> Optional[str]:
         """x * c, x / c and (x * c1) * c2 as one multiply by a folded float32 constant."""
@@ -467,6 +496,7 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
     if cta_lines:
         out += cta_lines + [""]
     e = _ScalarEmitter(env, cap_names)
+    e.contract = True
     e.names.update(_role_names(low.fused, region, cap_names))
     e.names.update(hoisted)
     e.consts.update(hoisted_consts)  # a folded scale is a constant factor (merged, and known to _score_factor)
@@ -477,14 +507,15 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
     used = " ".join(body) + " " + e.name(low.score)
     out += [ln for ln in _live_lines(lead, used)] + body
     out.append(f"    return np.float32({e.name(low.score)})")
-    root, scale = _score_factor(e, low)
+    root, scale, raw_lines = _score_factor(e, low)
     if info is not None:
         info["score_scale"] = scale
-    if scale and root != "s":  # the score before its last constant factor, which the kernels fold into ex2's FFMA
-        raw = _live_lines([ln for ln in _live_lines(lead, used)] + body, root)
+    body_x = body + raw_lines  # the score's lines and those of x (x * c = the score)
+    if scale and root != "s":  # the score before its constant factor, which the kernels fold into ex2's FFMA
+        raw = _live_lines([ln for ln in _live_lines(lead, used)] + body_x, root)
         out += ["", f"def score_raw_fn(s, b, h, q, kv{sig_caps}{hz}):", *raw, f"    return np.float32({root})"]
     gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
-    pair_lines = _score_pair_lines(region, gathers, e, lead, body, low, sig_caps, hz, root)
+    pair_lines = _score_pair_lines(region, gathers, e, lead, body_x, low, sig_caps, hz, root)
     if pair_lines:  # two adjacent columns' table entries by one 8-byte load
         out += [""] + pair_lines
     if gathers:  # the score reads tables per element: the kernels prefetch the next kv tile's entries into L2
@@ -531,15 +562,41 @@ def reads_table_tile(low: "Lowered") -> bool:
     return tile_gather(region, pairs, roles) is not None
 
 
-def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float]:
-    """(x, c) where the exp2-domain score is x * c with c a finite constant > 0 (the emitter merged the score's
-    constant factors: `(s / sqrt(D) + bias) * log2(e)` is x = s * 0.125 + bias, c = log2(e)); else (score, 0.0).
-    max(x) c == max(x c) for c > 0, so the kernels may take the row max on x and exponentiate ex2(x c - m)."""
+def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float, list[str]]:
+    """(x, c, lines) where the exp2-domain score is x * c with c a finite constant > 0, `lines` computing x where
+    it is new; else (score, 0.0, []). max(x) c == max(x c) for c > 0, so the kernels may take the row max on x and
+    exponentiate ex2(x c - m) by one FFMA. Two forms: the emitter merged the score's last constant factors
+    (`(s / sqrt(D) + bias) * log2(e)`: x = s * 0.125 + bias, c = log2(e)); or the score is s * c + u * w with w
+    fixed for the program (ALiBi's `s * scale + d * slope`): x = s + u * (w / c), one FFMA, the division by c
+    once per program where NVVM hoists w / c out of the loop."""
     name = e.name(low.score)
+    if not low.exp2 or low.score.type.dtype != "f32":
+        return name, 0.0, []
     base, c = e.factors.get(low.score, (name, 0.0))
-    if not low.exp2 or low.score.type.dtype != "f32" or not (0.0 < c < float("inf")):
-        return name, 0.0
-    return base, float(c)
+    if 0.0 < c < float("inf"):
+        return base, float(c), []
+    op = low.score.owner
+    if not isinstance(op, Op) or op.name != "add":
+        return name, 0.0, []
+    region = low.fused.regions[0]
+    fixed = {a for a, r in zip(region.args, low.fused.attrs["roles"]) if r == "cta"}
+    for p, other in (op.operands, op.operands[::-1]):
+        base, c = e.factors.get(p, ("", 0.0))
+        if not (0.0 < c < float("inf")) or e.uses.get(p, 0) != 1 or other.type.dtype != "f32":
+            continue
+        inv = f"np.float32({float(1.0 / c)!r})"
+        mul = e.mul_ops.get(other)
+        u_w = [(u, w) for u, w in ((mul.operands[0], mul.operands[1]), (mul.operands[1], mul.operands[0]))
+               if w in fixed or w in e.consts] if mul is not None else []
+        nm = f"v{e.n}"
+        e.n += 1
+        if u_w:
+            u, w = u_w[0]
+            line = f"    {nm} = cuda.fma({e.name(u)}, ({e.name(w)} * {inv}), {base})"
+        else:
+            line = f"    {nm} = cuda.fma({e.name(other)}, {inv}, {base})"
+        return nm, float(c), [line]
+    return name, 0.0, []
 
 
 def _kv_dependent(region: Block, kv_args: set) -> set:
