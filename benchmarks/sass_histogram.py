@@ -4,7 +4,8 @@ issue with FlexAttention's (Triton's cubins) where ncu says we issue more of the
     python3 benchmarks/sass_histogram.py --falower plain --triton 'flex_attention' [--top 30]
 
 --falower NAME: every falower cubin in the kernel cache (FALOWER_CACHE_DIR/cubin/*.bin, cubin_cache.py) whose
-kernel name contains NAME; --triton NAME: every cubin under ~/.triton/cache whose file name contains NAME. Prints
+kernel name contains NAME; --triton NAME: every cubin in Triton's cache or torch inductor's whose file name
+contains NAME. Prints
 per kernel the total, then the most frequent opcodes side by side (the opcode without its modifiers' suffixes
 after the first dot: FFMA, MUFU.EX2, HMMA...). Static counts (instructions in the binary), not executed ones:
 the loop body dominates both.
@@ -46,8 +47,19 @@ def falower_cubins(name: str) -> list[tuple[str, bytes]]:
 
 
 def triton_cubins(name: str) -> list[tuple[str, bytes]]:
-    root = Path.home() / ".triton" / "cache"
-    return [(p.stem, p.read_bytes()) for p in sorted(root.rglob("*.cubin")) if name in p.name]
+    """Triton's cubins: its own cache (TRITON_CACHE_DIR, ~/.triton/cache) and torch inductor's, where
+    FlexAttention's kernels land (/tmp/torchinductor_<user>/triton: on the H100 ~/.triton/cache did not exist)."""
+    import glob
+    import os
+
+    roots = [Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))]
+    roots += [Path(p) for p in glob.glob("/tmp/torchinductor_*")]
+    found = {}
+    for root in roots:
+        for p in sorted(root.rglob("*.cubin")) if root.exists() else []:
+            if name in p.name:
+                found.setdefault(p.stem, p.read_bytes())
+    return sorted(found.items())
 
 
 def main() -> None:
