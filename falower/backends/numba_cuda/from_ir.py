@@ -196,6 +196,30 @@ def _literal(value, dtype: str, env: Mapping[str, int]) -> str:
     return str(int(value))
 
 
+def clamped_index(table: str, axis: int, index: str) -> str:
+    """`index` clamped into `table`'s axis as gather clamps it, in 32 bits (the IR's indices are i32; a table dim
+    is below 2^31): two 32-bit min / max where Numba's 64-bit ints cost two instructions each, per element of a
+    score that gathers; unsigned, so the element address needs no wraparound."""
+    return f"np.uint32(min(max(np.int32({index}), np.int32(0)), np.int32({table}.shape[{axis}] - 1)))"
+
+
+def column_pair(lines: list[str]) -> tuple[list[str], list[str]]:
+    """A score's lines for columns kv and kv + 1: the first with s as s0, the second renamed throughout (v<N> ->
+    w<N>, s -> s1, kv -> kv1); NVVM shares what does not depend on kv."""
+    import re
+
+    first = [re.sub(r"\bs\b", "s0", ln) for ln in lines]
+    second = [re.sub(r"\bs\b", "s1", re.sub(r"\bkv\b", "kv1", second_name(ln))) for ln in lines]
+    return first, second
+
+
+def second_name(text: str) -> str:
+    """The second column's names in `text` (v<N> -> w<N>: column_pair)."""
+    import re
+
+    return re.sub(r"\bv(\d+)\b", r"w\1", text)
+
+
 class _ScalarEmitter:
     """Python source computing one region's values per element (all its ops are elementwise)."""
 
@@ -335,10 +359,7 @@ class _ScalarEmitter:
             return f"int({x[0]})"
         if n == "gather":
             table = x[0]
-            # the clamp in 32 bits (the IR's indices are i32; a table dim is below 2^31): two 32-bit min/max
-            # where Numba's 64-bit ints cost two instructions each, per element of a score that gathers
-            idx = ", ".join(f"np.uint32(min(max(np.int32({i}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
-                            for d, i in enumerate(x[1:]))
+            idx = ", ".join(clamped_index(table, d, i) for d, i in enumerate(x[1:]))
             val = f"prefetch_l2({table}, ({idx},))" if self.prefetch else f"{table}[{idx}]"
             return f"np.float32({val})" if is_float(rt) else val
         raise BackendError(f"numba-cuda backend: no scalar form for op {n}")
@@ -657,17 +678,14 @@ def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lea
     column's code is the first's with its names renamed (v<N> -> w<N>, s -> s1, kv -> kv1): NVVM shares what
     does not depend on kv. Indices clamp as `gather` does (kv >= 0): the pair starts at min(kv, L - 2), column kv
     takes its second element where kv > L - 2, column kv + 1 always the second."""
-    import re
-
     roles = list(low.fused.attrs["roles"])
     cap_args = {a for a, r in zip(region.args, roles) if r == "cap"}
     pairs = pair_gathers(region, gathers, roles, cap_args)
     if not pairs:
         return []
     used = " ".join(body) + " " + e.name(low.score)
-    first = _live_lines([ln for ln in _live_lines(lead, used)] + body, root)  # root: the score, or x of x * c
-    second = [re.sub(r"\bs\b", "s1", re.sub(r"\bkv\b", "kv1", re.sub(r"\bv(\d+)\b", r"w\1", ln))) for ln in first]
-    first = [re.sub(r"\bs\b", "s0", ln) for ln in first]
+    live = _live_lines([ln for ln in _live_lines(lead, used)] + body, root)  # root: the score, or x of x * c
+    first, second = column_pair(live)
     tables = []
     for op in pairs:
         nm = e.name(op.results[0])
@@ -675,8 +693,7 @@ def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lea
         table = e.name(op.operands[0])
         tables.append(table)
         r = op.operands[0].type.rank
-        idx = [f"np.uint32(min(max(np.int32({e.name(i)}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
-               for d, i in enumerate(op.operands[1:-1])]
+        idx = [clamped_index(table, d, e.name(i)) for d, i in enumerate(op.operands[1:-1])]
         last = f"np.int32({table}.shape[{r - 1}] - 2)"
         start = f"np.uint32(min(kk{k}, {last}))"
         cast = "np.float32" if is_float(op.results[0].type.dtype) else ""
@@ -686,14 +703,12 @@ def _score_pair_lines(region: Block, gathers: list[Op], e: "_ScalarEmitter", lea
         first = [x for ln in first for x in (mine if ln.startswith(f"    {nm} = ") else [ln])]
         second = [f"    w{k} = {cast}(pr{k}[1])"
                   if ln.startswith(f"    w{k} = ") else ln for ln in second]
-    res = root
-    res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
-    tile = _tile_table_lines(region, pairs, roles, e, lead, body, res, sig_caps, hz)
+    tile = _tile_table_lines(region, pairs, roles, e, live, root, sig_caps, hz)
     ok = " & ".join(f"pairs_aligned({t}) & ({t}.shape[{op.operands[0].type.rank - 1}] >= 2)"
                     for t, op in zip(tables, pairs))
     return ([f"def pairs_ok_fn(b, h{sig_caps}{hz}):", f"    return {ok}", "",
              f"def score_pair_fn(s0, s1, b, h, q, kv{sig_caps}{hz}):", "    kv1 = kv + 1"]
-            + first + second + [f"    return np.float32({res}), np.float32({res2})"] + tile)
+            + first + second + [f"    return np.float32({root}), np.float32({second_name(root)})"] + tile)
 
 
 def tile_gather(region: Block, pairs: list[Op], roles: list[str]) -> Optional[Op]:
@@ -711,17 +726,16 @@ def tile_gather(region: Block, pairs: list[Op], roles: list[str]) -> Optional[Op
     return op
 
 
-def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_ScalarEmitter", lead: list[str],
-                      body: list[str], res: str, sig_caps: str, hz: str) -> list[str]:
+def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_ScalarEmitter", live: list[str],
+                      res: str, sig_caps: str, hz: str) -> list[str]:
     """Where the score reads a [q, kv] tile of one table (`tile_gather`): `tile_ok_fn` (the table's rows
     16-byte aligned and at least N long: every 16-byte chunk a kernel copies is whole or past the end),
     `tile_chunk_fn(sdst, b, h, q, kv, ...)` (cp.async of table[.., q, kv : kv + 4] into shared memory at sdst, q
     clamped as gather clamps it, zeros past the row's end), `tile_geom_fn(b, h, q, ...)` (the address of row
     clamp(q)'s first entry, the row stride in bytes, the table's rows and columns: where a tile lies inside the
     table a kernel copies it from addresses it keeps, a few instructions a chunk) and `score_pair_vals_fn(s0, s1,
-    g0, g1, b, h, q, kv, ...)`: score_pair_fn with the table's two entries given. [] otherwise."""
-    import re
-
+    g0, g1, b, h, q, kv, ...)`: score_pair_fn with the table's two entries given (`live`: the lines that compute
+    `res`, the score or x of x * c). [] otherwise."""
     op = tile_gather(region, pairs, roles)
     if op is None:
         return []
@@ -729,24 +743,17 @@ def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_Sca
     table = e.name(op.operands[0])
     r = op.operands[0].type.rank
     lead_names = [e.name(i) for i in op.operands[1:-2]]
-    used = " ".join(body) + " " + res
-    lines = [ln for ln in _live_lines(lead, used)] + body
-    need = _live_lines(lines, " ".join(lead_names)) if lead_names else []
-    idx = [f"np.uint32(min(max(np.int32({n}), np.int32(0)), np.int32({table}.shape[{d}] - 1)))"
-           for d, n in enumerate(lead_names)]
-    idx.append(f"np.uint32(min(max(np.int32(q), np.int32(0)), np.int32({table}.shape[{r - 2}] - 1)))")
+    need = _live_lines(live, " ".join(lead_names)) if lead_names else []
+    idx = [clamped_index(table, d, n) for d, n in enumerate(lead_names + ["q"])]
     chunk = [f"def tile_chunk_fn(sdst, b, h, q, kv{sig_caps}{hz}):",
              *need,
              f"    nb = min(max(np.int32({table}.shape[{r - 1}]) - np.int32(kv), np.int32(0)), np.int32(4)) * 4",
              "    kc = np.uint32(kv) if nb > 0 else np.uint32(0)",
              f"    cp_async16_nd(sdst, {table}, ({', '.join(idx)}, kc), nb)"]
-    live = _live_lines(lines, res)
-    first = [re.sub(r"\bs\b", "s0", ln) for ln in live]
-    second = [re.sub(r"\bs\b", "s1", re.sub(r"\bkv\b", "kv1", re.sub(r"\bv(\d+)\b", r"w\1", ln))) for ln in live]
-    w = "w" + nm[1:]
+    first, second = column_pair(live)
+    w = second_name(nm)
     first = [f"    {nm} = g0" if ln.startswith(f"    {nm} = ") else ln for ln in first]
     second = [f"    {w} = g1" if ln.startswith(f"    {w} = ") else ln for ln in second]
-    res2 = re.sub(r"\bv(\d+)\b", r"w\1", res)
     geom = [f"def tile_geom_fn(b, h, q{sig_caps}{hz}):", *need,
             f"    return (elem_addr({table}, ({', '.join(idx[:-1] + [idx[-1], 'np.uint32(0)'])},)), "
             f"np.int64({table}.strides[{r - 2}]), np.int32({table}.shape[{r - 2}]), np.int32({table}.shape[{r - 1}]))"]
@@ -755,7 +762,7 @@ def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_Sca
             *geom, "",
             f"def score_pair_vals_fn(s0, s1, g0, g1, b, h, q, kv{sig_caps}{hz}):", "    kv1 = kv + 1",
             *first, *second,
-            f"    return np.float32({res}), np.float32({res2})"]
+            f"    return np.float32({res}), np.float32({second_name(res)})"]
 
 
 def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
