@@ -694,6 +694,19 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     caps = _score_args(spec)
     scale = folded_scale(spec)
     emit_mma_helpers(c, mma)
+    to_log2 = "" if spec.exp2 else " * LOG2E"
+
+    def pair_loop(pair: str, before: tuple[str, ...] = ()) -> None:
+        """The row's column pairs (k, k + 1 at x[e], x[e + 1]) from `pair`, a call returning both scores."""
+        c(f"for jj in range({NJ}):")
+        with c.indent():
+            c("e = i + jj * 4")
+            for line in before:
+                c(line)
+            c(f"v0, v1 = {pair}")
+            c(f"lset(x, e, np.float32(v0){to_log2})")
+            c(f"lset(x, e + 1, np.float32(v1){to_log2})")
+
     # a row's elements: n8 tile jj, columns 2t and 2t + 1 at x[i + 4 jj], x[i + 4 jj + 1] (kv, kv + 1 + 8 jj)
     c("@device_function")
     c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
@@ -709,15 +722,9 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             if has_score_pairs(spec):
                 # a table read at [.., kv]: columns k, k + 1 (k even) by one 8-byte load where the table is
                 # aligned for it (a branch once per row, not per pair: the loads stay in one basic block)
-                to_log2 = "" if spec.exp2 else " * LOG2E"
                 c(f"if pairs_ok_fn(b, h{caps}):")
                 with c.indent():
-                    c(f"for jj in range({NJ}):")
-                    with c.indent():
-                        c("e = i + jj * 4")
-                        c(f"v0, v1 = score_pair_fn(lget(x, e), lget(x, e + 1), b, h, qi, kv + jj * 8{caps})")
-                        c(f"lset(x, e, np.float32(v0){to_log2})")
-                        c(f"lset(x, e + 1, np.float32(v1){to_log2})")
+                    pair_loop(f"score_pair_fn(lget(x, e), lget(x, e + 1), b, h, qi, kv + jj * 8{caps})")
                 c("else:")
                 with c.indent():
                     for line in per_element:
@@ -732,15 +739,9 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         with c.indent():
             c("# the table's entries from this row of its tile in shared memory (srow: the row's byte address; 16-byte")
             c("# chunk c of the row at chunk c ^ sw: the 4 rows of a half-warp's 8-byte loads in distinct banks)")
-            c(f"for jj in range({NJ}):")
-            with c.indent():
-                c("e = i + jj * 4")
-                c("col = np.uint32((kv & 7) + jj * 8)")
-                c("g0, g1 = lds_v2_f32(srow + ((((col >> 2) ^ sw) << 4) | ((col & 3) << 2)))")
-                c(f"v0, v1 = score_pair_vals_fn(lget(x, e), lget(x, e + 1), g0, g1, b, h, qi, kv + jj * 8{caps})")
-                to_log2 = "" if spec.exp2 else " * LOG2E"
-                c(f"lset(x, e, np.float32(v0){to_log2})")
-                c(f"lset(x, e + 1, np.float32(v1){to_log2})")
+            pair_loop(f"score_pair_vals_fn(lget(x, e), lget(x, e + 1), g0, g1, b, h, qi, kv + jj * 8{caps})",
+                      ("col = np.uint32((kv & 7) + jj * 8)",
+                       "g0, g1 = lds_v2_f32(srow + ((((col >> 2) ^ sw) << 4) | ((col & 3) << 2)))"))
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
