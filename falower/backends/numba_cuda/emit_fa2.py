@@ -82,7 +82,6 @@ from falower.backends.numba_cuda.intrinsics import (
     ld_pair,
     pairs_aligned,
     rows_aligned16,
-    cp_async16_nd,
     lds_v2_f32,
     elem_addr,
     cp_async16_a,

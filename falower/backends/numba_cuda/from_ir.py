@@ -749,7 +749,7 @@ def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_Sca
              *need,
              f"    nb = min(max(np.int32({table}.shape[{r - 1}]) - np.int32(kv), np.int32(0)), np.int32(4)) * 4",
              "    kc = np.uint32(kv) if nb > 0 else np.uint32(0)",
-             f"    cp_async16_nd(sdst, {table}, ({', '.join(idx)}, kc), nb)"]
+             f"    cp_async16_a(sdst, elem_addr({table}, ({', '.join(idx)}, kc)), nb)"]
     first, second = column_pair(live)
     w = second_name(nm)
     first = [f"    {nm} = g0" if ln.startswith(f"    {nm} = ") else ln for ln in first]

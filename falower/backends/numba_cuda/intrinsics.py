@@ -30,11 +30,10 @@ Public names (identical in both modes):
                                    load of a 4-byte dtype (the caller has checked `pairs_aligned` and the range)
     rows_aligned16                 (global_array) -> bool: the last axis contiguous, the other strides and the data
                                    address multiples of 16 bytes (16-byte copies of a row start aligned)
-    cp_async16_nd                  (shared byte address, global_array, (i0, ..., ik), src_bytes): cp.async of 16
-                                   bytes from garr[i0, .., ik] (zero-filled past src_bytes)
     lds_v2_f32                     (shared byte address) -> (f32, f32): one 8-byte shared load
     elem_addr                      (global_array, (i0, ..., ik)) -> uint64 generic address of that element
     cp_async16_a                   (shared byte address, uint64 generic address, src_bytes): cp.async of 16 bytes
+                                   (zero-filled past src_bytes; with elem_addr, from any element of an n-d array)
     pairs_aligned                  (global_array) -> bool: 4-byte elements, the last axis contiguous and even, the
                                    other strides and the data address multiples of 8 bytes (so every even last
                                    index starts an 8-byte aligned pair)
@@ -83,7 +82,6 @@ __all__ = [
     "ld_pair",
     "pairs_aligned",
     "rows_aligned16",
-    "cp_async16_nd",
     "lds_v2_f32",
     "elem_addr",
     "cp_async16_a",
@@ -394,23 +392,14 @@ if SIMULATOR:
         last = tuple(idx[:-1]) + (idx[-1] + 1,)
         return garr[tuple(idx)], garr[last]
 
-    def rows_aligned16(garr):
-        a = np.asarray(garr)
+    def _rows_aligned(a, align):
+        """The last axis contiguous, the other strides and the data address multiples of `align` bytes."""
         if a.ndim == 0 or a.strides[-1] != a.itemsize:
             return False
-        return all(st % 16 == 0 for st in a.strides[:-1]) and a.__array_interface__["data"][0] % 16 == 0
+        return all(st % align == 0 for st in a.strides[:-1]) and a.__array_interface__["data"][0] % align == 0
 
-    def cp_async16_nd(saddr, garr, idx, src_bytes):
-        smem = _block_smem()
-        a = np.asarray(garr)
-        row = a[tuple(int(i) for i in idx[:-1])]
-        n = 16 // a.itemsize
-        k = int(src_bytes) // a.itemsize
-        dst = smem.view(a.dtype)
-        at = int(saddr) // a.itemsize
-        dst[at:at + n] = 0
-        if k:
-            dst[at:at + k] = row[int(idx[-1]):int(idx[-1]) + k]
+    def rows_aligned16(garr):
+        return _rows_aligned(np.asarray(garr), 16)
 
     _ADDRS: dict = {}  # simulated generic addresses: an array's data address -> the array
 
@@ -440,9 +429,7 @@ if SIMULATOR:
 
     def pairs_aligned(garr):
         a = np.asarray(garr)
-        if a.ndim == 0 or a.itemsize != 4 or a.strides[-1] != 4 or a.shape[-1] % 2:
-            return False
-        return all(st % 8 == 0 for st in a.strides[:-1]) and a.__array_interface__["data"][0] % 8 == 0
+        return a.ndim > 0 and a.itemsize == 4 and a.shape[-1] % 2 == 0 and _rows_aligned(a, 8)
 
     def cp_async_wait0():
         pass
@@ -951,10 +938,13 @@ else:
 
         return _U32(smem), codegen
 
+    # 16 bytes from a generic address ($1) to a 32-bit shared address ($0), zero-filled past $2 bytes
+    _CP_ASYNC_TO_SHARED = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+
     @intrinsic
     def cp_async16_s(typingctx, saddr, garr, g_index, src_bytes):
         sig = types.void(saddr, garr, g_index, src_bytes)
-        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+        ptx = _CP_ASYNC_TO_SHARED
 
         def codegen(context, builder, sig, args):
             sa = context.cast(builder, args[0], sig.args[0], _U32)
@@ -1009,23 +999,6 @@ else:
         return sig, codegen
 
     @intrinsic
-    def cp_async16_nd(typingctx, saddr, garr, idx, src_bytes):
-        """cp.async of 16 bytes from garr[idx] (a tuple, one index per axis) to the shared byte address saddr,
-        zero-filled past src_bytes (0..16): a row chunk of a table the score reads."""
-        sig = types.void(saddr, garr, idx, src_bytes)
-        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
-
-        def codegen(context, builder, sig, args):
-            sa = context.cast(builder, args[0], sig.args[0], _U32)
-            ptr = _item_ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2])
-            nb = context.cast(builder, args[3], sig.args[3], _U32)
-            _asm(context, builder, ptx, "r,l,r,~{memory}", [sa, builder.ptrtoint(ptr, ir.IntType(64)), nb], [],
-                 side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
     def elem_addr(typingctx, garr, idx):
         """The generic address (uint64) of garr[idx], idx a tuple with one index per axis."""
         sig = types.uint64(garr, idx)
@@ -1041,7 +1014,7 @@ else:
         """cp.async of 16 bytes from the generic address gaddr to the shared byte address saddr (zero past
         src_bytes): the copies of a table tile whose row addresses the kernel keeps."""
         sig = types.void(saddr, gaddr, src_bytes)
-        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+        ptx = _CP_ASYNC_TO_SHARED
 
         def codegen(context, builder, sig, args):
             sa = context.cast(builder, args[0], sig.args[0], _U32)
