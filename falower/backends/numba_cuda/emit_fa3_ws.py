@@ -573,25 +573,28 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
             with c.indent():
                 c("mbar_wait(t_full, tphase)  # this warpgroup's rows of the table tile have landed")
                 c("tphase ^= 1")
-        for masked, kw in ((True, "if need_mask:"), (False, "else:")):
-            c(kw)
-            with c.indent():
-                fn = "masked_score_row" if masked else "score_row"
-                if TT and not masked:
-                    c("if tile_on:")
-                    with c.indent():
-                        for r in range(2):
-                            qrow = f"q_lo + warp * 16 + {8 * r} + g"
-                            srow = f"t_wg + np.uint32(((warp & 3) * 16 + {8 * r} + g) * {BK * 4})"
-                            c(f"score_row_tile(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps}, {srow}, "
-                              f"np.uint32(((g & 3) << 1) & {BK // 4 - 1}))")
-                    c("else:")
-                    c.level += 1
-                for r in range(2):
-                    qrow = f"q_lo + warp * 16 + {8 * r} + g"
-                    c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
-                if TT and not masked:
-                    c.level -= 1
+        def score_rows(fn: str, tail: str = "") -> None:
+            """The thread's two rows of S through `fn`; `tail` adds arguments after N (per row, {r})."""
+            for r in range(2):
+                qrow = f"q_lo + warp * 16 + {8 * r} + g"
+                c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps}{tail.format(r=8 * r)})")
+
+        table_row = (f", t_wg + np.uint32(((warp & 3) * 16 + {{r}} + g) * {BK * 4}), "
+                     f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
+        c("if need_mask:")
+        with c.indent():
+            score_rows("masked_score_row")
+        c("else:")
+        with c.indent():
+            if TT:
+                c("if tile_on:")
+                with c.indent():
+                    score_rows("score_row_tile", table_row)
+                c("else:")
+                with c.indent():
+                    score_rows("score_row")
+            else:
+                score_rows("score_row")
         if TT:
             c("if tile_on:")
             with c.indent():
