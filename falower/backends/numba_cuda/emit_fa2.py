@@ -45,7 +45,7 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
-from typing import Optional
+from typing import Callable, Optional
 
 from .ssa_names import ssa_rename
 from .spec import FA2ForwardSpec
@@ -104,6 +104,9 @@ from falower.backends.numba_cuda.intrinsics import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
+    ballot,
+    lowest_bit,
+    highest_bit,
     red_add_v4_f32,
     mma_acc_f16,
     mma_set_f16,
@@ -414,16 +417,25 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec) -> None:
         c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
-    c("kv_first = nk")
-    c("kv_last = -1")
-    c("for jt in range(nk):")
-    with c.indent():
-        c(f"cls = {_tile_class_expr(spec, 'jt')}")
-        c("if cls != 0:")
-        with c.indent():
-            c("kv_first = min(kv_first, jt)")
-            c("kv_last = jt")
+    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last")
     del caps
+
+
+def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: str, last: str) -> None:
+    """first, last = the first and the last j in [0, count) whose class `class_of(j)` is not 0 (count and -1 when
+    there is none). Why a ballot: the serial scan classified one tile after another, ~20 dependent instructions a
+    tile before the first copy could be issued (64 tiles at N = 4k: more than a narrow window's whole kv loop);
+    here the 32 lanes classify 32 tiles at once. Every lane of the warp must be here (the ballot is warp-wide)."""
+    c(f"{first} = {count}")
+    c(f"{last} = -1")
+    c(f"for jc in range(0, {count}, 32):  # 32 tiles a step, one a lane, gathered by one ballot")
+    with c.indent():
+        c("jt = jc + (cuda.threadIdx.x & 31)")
+        c(f"live = ballot(jt < {count} and {class_of('jt')} != 0)")
+        c("if live != 0:")
+        with c.indent():
+            c(f"{first} = min({first}, jc + lowest_bit(live))")
+            c(f"{last} = jc + highest_bit(live)")
 
 
 def _tile_class_expr(spec: FA2ForwardSpec, j: str) -> str:

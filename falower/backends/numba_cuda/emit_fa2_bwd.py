@@ -39,6 +39,7 @@ from .emit_fa2 import (
     dual_step_helper,
     emit_bases,
     emit_mma_helpers,
+    emit_tile_scan,
     mma_step_helper,
     zero_helper,
 )
@@ -924,14 +925,7 @@ def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
         c(f"kv_first = ({a['kv_tiles']}[kv_row] >> 1) if kv_n > 0 else 0")
         c(f"kv_last = ({a['kv_tiles']}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
     else:
-        c("kv_first = nk")
-        c("kv_last = -1")
-        c("for jt in range(nk):")
-        with c.indent():
-            c(f"if {_dq_class_expr(spec, 'jt')} != 0:")
-            with c.indent():
-                c("kv_first = min(kv_first, jt)")
-                c("kv_last = jt")
+        emit_tile_scan(c, lambda j: _dq_class_expr(spec, j), "nk", "kv_first", "kv_last")
 
 
 def _emit_dq_next(c: _Code, spec: FA2BackwardSpec) -> None:

@@ -42,6 +42,8 @@ Public names (identical in both modes):
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
+    ballot                         (pred) -> uint32: bit i set where lane i's pred is nonzero (full warp)
+    lowest_bit, highest_bit        (m: uint32, m != 0) -> int32: the index of m's lowest / highest set bit
     red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
                                    vector reduction (sm_90; index a multiple of 4)
     mma_acc_f16, mma_acc_bf16      (f32 array x, i, a0..a3, b0, b1): x[i:i+4] += A B, one mma on four elements of a
@@ -95,6 +97,9 @@ __all__ = [
     "pack_bf16x2",
     "ex2",
     "shfl_xor_f32",
+    "ballot",
+    "lowest_bit",
+    "highest_bit",
     "red_add_v4_f32",
     "mma_acc_f16",
     "mma_set_f16",
@@ -450,6 +455,17 @@ if SIMULATOR:
     def shfl_xor_f32(x, lane_mask):
         lane, vals = _exchange(np.float32(x))
         return vals[lane ^ int(lane_mask)]
+
+    def ballot(pred):
+        _, vals = _exchange(bool(pred))
+        return np.uint32(sum(1 << i for i, p in enumerate(vals) if p))
+
+    def lowest_bit(m):
+        m = int(m) & 0xFFFFFFFF
+        return np.int32((m & -m).bit_length() - 1)
+
+    def highest_bit(m):
+        return np.int32((int(m) & 0xFFFFFFFF).bit_length() - 1)
 
     _red_lock = threading.Lock()
 
@@ -1149,6 +1165,34 @@ else:
             return _asm(context, builder, ptx, "=f,f,r", [v, m], [_F32], side_effect=True)
 
         return _F32(x, lane_mask), codegen
+
+    _I32 = types.int32
+
+    @intrinsic
+    def ballot(typingctx, pred):
+        def codegen(context, builder, sig, args):
+            (p,) = _cast_all(context, builder, sig, args, [_U32])
+            ptx = "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, 0xffffffff; }"
+            return _asm(context, builder, ptx, "=r,r", [p], [_U32], side_effect=True)
+
+        return _U32(pred), codegen
+
+    @intrinsic
+    def lowest_bit(typingctx, m):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [_U32])
+            ptx = "{ .reg .b32 r; brev.b32 r, $1; bfind.shiftamt.u32 $0, r; }"  # clz(brev(m)) = ctz(m)
+            return _asm(context, builder, ptx, "=r,r", [v], [_I32])
+
+        return _I32(m), codegen
+
+    @intrinsic
+    def highest_bit(typingctx, m):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [_U32])
+            return _asm(context, builder, "bfind.u32 $0, $1;", "=r,r", [v], [_I32])
+
+        return _I32(m), codegen
 
     @intrinsic
     def f16_to_f32(typingctx, bits):

@@ -1,0 +1,32 @@
+"""The first / last non-empty kv tile found by a ballot over 32 tiles at a time (emit_fa2.emit_tile_scan) equals
+the serial scan's answer on every lane: counts of 1, 2, a chunk minus one / plus one, several chunks, none
+non-empty, gaps inside the range, and random classes. The ballot and the bit intrinsics run as the simulator's
+emulations; their PTX is checked by test_ptx's kernels (vote.sync.ballot in the masked forward)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from simulated import collect, spawn  # noqa: E402
+from tile_scan_cases import CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results():
+    return collect(spawn("tile_scan_cases.py"), timeout=600)
+
+
+def test_every_case_ran(results):
+    assert set(CASES) <= set(results) and len(results) == len(CASES) + 6
+
+
+@pytest.mark.parametrize("cid", sorted(CASES) + [f"random-{i}" for i in range(6)])
+def test_scan_matches_the_serial_scan(results, cid):
+    r = next(v for k, v in results.items() if k == cid or k.startswith(cid + "-"))
+    assert r["got"] == [r["want"]], r  # every lane the same answer, the serial one
