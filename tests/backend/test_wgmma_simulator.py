@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from simulated import run_cases  # noqa: E402
+from simulated import collect, run_cases, spawn  # noqa: E402
 from wgmma_sim_cases import CASES  # noqa: E402
 
 
@@ -31,6 +31,13 @@ def test_wgmma_emulation(results, case):
     r = results.get(case)
     assert r is not None, f"case {case} produced no result"
     assert r["ok"], r
+
+
+def test_descriptor_words_equal_make_desc():
+    """The kernels' K / V descriptors are one 32-bit word plus (offset >> 4) a k step (desc_word, desc_at): equal to
+    make_desc of the offset address, for every hi the kernels use and addresses over all of shared memory."""
+    r = collect(spawn("desc_cases.py"), timeout=300)["desc-words"]
+    assert r["checked"] == 768 and r["mismatches"] == 0, r
 
 
 def test_descriptor_layouts():

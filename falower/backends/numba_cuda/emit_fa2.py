@@ -468,10 +468,19 @@ def _emit_list_ahead(c: _Code, spec: FA2ForwardSpec) -> None:
     c("kv_end = kv_row + kv_n")
 
 
-def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: bool = False) -> None:
+def carries_class(spec: FA2ForwardSpec) -> bool:
+    """Whether the kv loop classifies its tiles by tile_class_fn / the block table (static or table block masks):
+    there the next tile's search leaves the class it computed (`_emit_next_tile(..., carry=)`) for the tile's own
+    need_mask, one classification a tile instead of two."""
+    return spec.block_mask in ("static", "table")
+
+
+def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: bool = False,
+                    carry: Optional[str] = None) -> None:
     """out = the next non-empty kv tile after cur (kv_last + 1 when none). `ahead` (block list, after
     `_emit_list_ahead`): out comes from the entry loaded one iteration ago, and the entry after out is loaded
-    now, a whole tile's work before the next iteration needs it."""
+    now, a whole tile's work before the next iteration needs it. `carry` (where `carries_class`): the class of out
+    is left in that variable (0 when there is none)."""
     if spec.block_mask == "list" and ahead:
         _, kt = _list_names(spec)
         c(f"kv_cls = 1 if kv_cur & 1 else 2  # tile {cur}: partial or full")
@@ -487,13 +496,23 @@ def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: b
         c(f"{out} = ({kt}[kv_row + kv_pos] >> 1) if kv_pos < kv_n else kv_last + 1")
         return
     c(f"{out} = {cur} + 1")
-    if spec.block_mask != "none":
+    if carry is not None and carries_class(spec):
+        c(f"{carry} = 0")
+        c(f"while {out} <= kv_last:")
+        with c.indent():
+            c(f"{carry} = {_tile_class_expr(spec, out)}")
+            c(f"if {carry} != 0:")
+            with c.indent():
+                c("break")
+            c(f"{out} += 1")
+    elif spec.block_mask != "none":
         c(f"while {out} <= kv_last and {_tile_class_expr(spec, out)} == 0:")
         with c.indent():
             c(f"{out} += 1")
 
 
-def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str) -> None:
+def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] = None) -> None:
+    """need_mask: tile j is partial or ragged. `cls`: its class, already known (`_emit_next_tile`'s carry)."""
     BK = spec.block_k
     c(f"kv0 = {j} * {BK}")
     if spec.block_mask == "none":
@@ -501,6 +520,8 @@ def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str) -> None:
             c("need_mask = True")
         else:
             c(f"need_mask = kv0 + {BK} > N")
+    elif cls is not None and carries_class(spec):
+        c(f"need_mask = {cls} == 1 or kv0 + {BK} > N")
     else:
         c(f"cls = {_tile_class_expr(spec, j)}")
         c(f"need_mask = cls == 1 or kv0 + {BK} > N")

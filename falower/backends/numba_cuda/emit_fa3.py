@@ -45,8 +45,10 @@ from .emit_fa2 import (
     _emit_next_tile,
     _emit_tile_range,
     _score_args,
+    _tile_class_expr,
     _signature,
     _spec_comment,
+    carries_class,
     emit_bases,
     emit_block_index,
     emit_fragment_helpers,
@@ -66,7 +68,9 @@ ALIGN = 1024  # 128 B-swizzle atoms at 1024-byte aligned shared addresses
 _WGMMA_IMPORTS = '''
 from falower.backends.numba_cuda.intrinsics import launch_bounds
 from falower.backends.numba_cuda.wgmma import (
+    desc_at,
     desc_hi,
+    desc_word,
     fence_proxy_async,
     make_desc,
     rcp_approx,
@@ -250,6 +254,34 @@ def _emit_load(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nr
     c(f"{fn}(ld_s, {garr}, ld_g, ld_safe, {rs}, ld_row, {nrows})")
 
 
+def _emit_row_addresses(c: _Code, garr: str, base: str, rs: str, rstep: int) -> None:
+    """Before the kv loop: `<garr>_at`, the byte address of this thread's chunk of row 0 of garr's (b, head) slice,
+    and `<garr>_rb` / `<garr>_rs`, the bytes a row and between this thread's rows: a tile with every row inside
+    (`_emit_load_inside`) then costs a multiply and an add a row instead of `_emit_load`'s 64-bit index
+    arithmetic and a compare per row (~40 integer instructions a kv tile at D = 64)."""
+    c(f"{garr}_at = elem_addr({garr}, ({base} + ld_r0 * {rs} + ld_c * 8,))")
+    c(f"{garr}_rb = np.uint64({rs} * 2)")
+    c(f"{garr}_rs = np.uint64({rs} * {2 * rstep})")
+
+
+def _emit_load_inside(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nrows: str, garr: str,
+                      base: str, rs: str) -> None:
+    """`_emit_load` of a tile of K or V (the addresses of `_emit_row_addresses`): rows wholly inside take the
+    copies from the kept addresses, a tile reaching past nrows the zero-filling path."""
+    c(f"if {row0} + {rows} <= {nrows}:")
+    with c.indent():
+        n = rows // rstep
+        fn = c.helper(f"copy_rows_{n}", [
+            "@device_function", f"def copy_rows_{n}(s, a, step):",
+            f"    for it in range({n}):",
+            f"        cp_async16_a(s + it * {rstep * 128}, a + np.uint64(it) * step, 16)"])
+        c(f"{fn}({sdst} + (ld_c >> 3) * {rows * 128} + ld_r0 * 128 + ld_x, "
+          f"{garr}_at + np.uint64({row0}) * {garr}_rb, {garr}_rs)")
+    c("else:")
+    with c.indent():
+        _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
+
+
 def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
     """O += P V from the A words in `pa` and the V tile at shared address vbase (issued and committed), through
     the device function `pv_wgmma`: the loop and the overlapped schedule's last tile share one compiled copy (16
@@ -257,14 +289,15 @@ def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
     time", lever 18). P travels as a constant-indexed uint32 array (registers, as the accumulators): 32 words as
     arguments would make Python pass them as a built list (more than 30 arguments), which Numba types as a
     chain of tuple concatenations."""
-    lines = ["@device_function", "def pv_wgmma(acc, pa, vbase):",
-             f"    # O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on)",
+    lines = ["@device_function", "def pv_wgmma(acc, pa, dv):",
+             f"    # O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on: the",
+             "    # descriptor word dv = desc_word(HI_V, V's address) plus 128)",
              "    FENCE_O(acc, 0)"]
     for kk in range(KK):
         pa = ", ".join(f"lget(pa, {4 * kk + i})" for i in range(4))
-        lines.append(f"    WG_O(acc, 0, {pa}, make_desc(HI_V, vbase + {kk * 2048}), 1)")
+        lines.append(f"    WG_O(acc, 0, {pa}, desc_at(HI_V, dv + {kk * 128}), 1)")
     lines.append("    wgmma_commit()")
-    c(f"{c.helper('pv_wgmma', lines)}(acc, pa, {vbase})")
+    c(f"{c.helper('pv_wgmma', lines)}(acc, pa, desc_word(HI_V, {vbase}))")
 
 
 def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
@@ -354,6 +387,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             _emit_load(c, BK, rstep, D, f"sb + {KVOFF + (2 * T if OVL else T)}", f"kv_first * {BK}", "N", "v",
                        "vg", "v_sm")
         c("cp_async_commit()")
+        _emit_row_addresses(c, "k", "kg", "k_sm", rstep)
+        _emit_row_addresses(c, "v", "vg", "v_sm", rstep)
         c()
         c("# online-softmax state of this thread's rows g and g + 8 of its warp's 16; S and O accumulators in")
         c("# constant-indexed local arrays (registers)")
@@ -372,9 +407,11 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c("vbuf = 0")
             c("have_prev = False  # P_{j-1} V_{j-1} still to issue")
             c(f"pv_base = sb + {KVOFF + 2 * T}")
+        if carries_class(spec):
+            c(f"cls_j = {_tile_class_expr(spec, 'kv_first')} if kv_first <= kv_last else 0  # tile j's class")
         c("while j <= kv_last:")
         with c.indent():
-            _emit_next_tile(c, spec, "j", "jn")
+            _emit_next_tile(c, spec, "j", "jn", carry="cls_n")
             c(f"k_base = sb + {KVOFF} + buf * {T}" if OVL else f"k_base = sb + {KVOFF} + buf * {2 * T}")
             if OVL:
                 c(f"v_base = sb + {KVOFF + 2 * T} + vbuf * {T}")
@@ -390,16 +427,17 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c("cuda.syncthreads()  # ... for every thread; every warpgroup is done with the buffers loaded next")
             c("if jn <= kv_last:")
             with c.indent():
-                _emit_load(c, BK, rstep, D, "n_kbase", f"jn * {BK}", "N", "k", "kg", "k_sm")
-                _emit_load(c, BK, rstep, D, "n_vbase", f"jn * {BK}", "N", "v", "vg", "v_sm")
+                _emit_load_inside(c, BK, rstep, D, "n_kbase", f"jn * {BK}", "N", "k", "kg", "k_sm")
+                _emit_load_inside(c, BK, rstep, D, "n_vbase", f"jn * {BK}", "N", "v", "vg", "v_sm")
             c("cp_async_commit()")
             c()
             c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
             c("FENCE_S(sc, 0)")
+            c("dk = desc_word(HI_QK, k_base)  # K's descriptors: this word plus a k step's offset >> 4")
             for ks in range(KS):
                 qa = f"q_wg + {(ks // 4) * BQ * 128 + (ks % 4) * 32}"
-                ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
-                c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
+                ka = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
+                c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), {0 if ks == 0 else 1})")
             c("wgmma_commit()")
             if OVL:
                 c("if have_prev:")
@@ -413,7 +451,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             else:
                 c("WAIT_S(sc, 0)")
             c()
-            _emit_need_mask(c, spec, "j")
+            _emit_need_mask(c, spec, "j", cls="cls_j")
             c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
             for masked, kw in ((True, "if need_mask:"), (False, "else:")):
                 c(kw)
@@ -440,6 +478,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 _emit_pv(c, KK, D, "v_base")
                 c("WAIT_O(acc, 0)")
             c("j = jn")
+            if carries_class(spec):
+                c("cls_j = cls_n")
             c("buf ^= 1")
         if OVL:
             c("if have_prev:  # the last tile's P V")

@@ -538,13 +538,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         if PP:
             c("bar_sync(1 + cw, 256)  # this warpgroup's turn on the tensor cores")
         c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
-        lines = ["@device_function", "def qk_wgmma(sc, q_wg, k_base):", "    FENCE_S(sc, 0)"]
+        lines = ["@device_function", "def qk_wgmma(sc, q_wg, dk):", "    FENCE_S(sc, 0)"]
         for ks in range(KS):
             qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
-            ka = f"k_base + {(ks // 4) * BK * 128 + (ks % 4) * 32}"
-            lines.append(f"    WG_S(sc, 0, make_desc(HI_QK, {qa}), make_desc(HI_QK, {ka}), {0 if ks == 0 else 1})")
+            ka = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
+            lines.append(f"    WG_S(sc, 0, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), {0 if ks == 0 else 1})")
         lines.append("    wgmma_commit()")
-        c(f"{c.helper('qk_wgmma', lines)}(sc, q_wg, k_base)  # one device function: 8 call sites of 64 accumulators")
+        c(f"{c.helper('qk_wgmma', lines)}(sc, q_wg, desc_word(HI_QK, k_base))  # one device function: 8 call sites "
+          "of 64 accumulators; K's descriptors a word plus offset >> 4")
         c("# one branch from the P V issue to the wait for S: split in two, ptxas sees a path where S is still in")
         c("# flight while the softmax writes its registers, and serializes every wgmma (C7513)")
         c("if have_prev:")

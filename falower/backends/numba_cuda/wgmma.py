@@ -58,6 +58,8 @@ Public names (identical in both modes):
                                           each: the backward's K / V / dS^T ones were 64 registers across its loop)
     desc_hi(lbo_bytes, sbo_bytes, swizzle=128)   host: the constant upper bits of a descriptor (int)
     make_desc(hi, addr)                   device: hi | start address (shared byte address: u32)
+    desc_word(hi, addr), desc_at(hi, w)   device: make_desc's low word (u32), and the descriptor of word w =
+                                          desc_word(hi, addr) + (offset >> 4): one add a k step
     swizzled_offset(r, c)                 device/host: byte offset of row r, 16-byte chunk c in a 128 B-swizzled
                                           [rows, 64] block
     kind is "f16" or "bf16"; n a multiple of 8 up to 256; trans_* = 1 means that operand is MN-major.
@@ -91,6 +93,8 @@ __all__ = [
     "opaque_u32",
     "desc_hi",
     "make_desc",
+    "desc_word",
+    "desc_at",
     "swizzled_offset",
     "SWIZZLE_CODES",
 ]
@@ -116,8 +120,18 @@ def desc_hi(lbo_bytes: int, sbo_bytes: int, swizzle: int = 128) -> int:
 
 @device_function
 def make_desc(hi, addr):
-    """Descriptor of the operand at shared byte address `addr` (< 256 KB) with the upper bits `hi`."""
-    return np.int64(hi) | np.int64((addr >> 4) & 0x3FFF)
+    """Descriptor of the operand at shared byte address `addr` (< 256 KB) with the upper bits `hi`. In 32 bits:
+    Numba's addresses are 64-bit sums, and a 64-bit shift and mask cost the uniform pipe ~7 instructions a
+    descriptor; through the truncation LLVM computes the sum in 32 bits too."""
+    return np.int64(hi) | np.int64((np.uint32(addr) >> np.uint32(4)) & np.uint32(0x3FFF))
+
+
+@device_function
+def desc_word(hi, addr):
+    """The low 32 bits of make_desc(hi, addr): the start address field and hi's LBO. A tile's descriptors are
+    this word plus (byte offset >> 4) each (`desc_at`), one 32-bit add a wgmma instead of a descriptor apiece."""
+    return np.uint32((np.uint32(addr) >> np.uint32(4)) & np.uint32(0x3FFF)) | np.uint32(hi & 0xFFFFFFFF)
+
 
 
 @device_function
@@ -253,6 +267,9 @@ if SIMULATOR:
     def opaque_u32(x):
         return np.uint32(int(x) & 0xFFFFFFFF)
 
+    def desc_at(hi, word):
+        return np.int64((int(hi) & ~0xFFFFFFFF) | (int(word) & 0xFFFFFFFF))
+
     def rcp_approx(x):
         with np.errstate(divide="ignore"):
             return np.float32(np.float32(1.0) / np.float32(x))
@@ -322,6 +339,21 @@ else:
             return builder.call(ir.InlineAsm(fnty, "mov.b32 $0, $1;", "=r,r", side_effect=True), [v])
 
         return _U32(x), codegen
+
+    @intrinsic
+    def desc_at(typingctx, hi, word):
+        """make_desc(hi, addr + off) from word = desc_word(hi, addr) + (off >> 4): the address stays below 256 KB
+        (all of shared memory), so the 14-bit field never carries into LBO (bit 16 on; bits 14-15 are zero). One
+        mov.b64 of two 32-bit halves: as a Numba sum the word stayed 64-bit (a carry add a k step), and the or with
+        hi a 64-bit op."""
+        def codegen(context, builder, sig, args):
+            h = context.cast(builder, args[0], sig.args[0], _I64)
+            w = context.cast(builder, args[1], sig.args[1], _U32)
+            top = builder.trunc(builder.lshr(h, ir.Constant(h.type, 32)), ir.IntType(32))
+            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(32), ir.IntType(32)])
+            return builder.call(ir.InlineAsm(fnty, "mov.b64 $0, {$1, $2};", "=l,r,r"), [w, top])
+
+        return _I64(hi, word), codegen
 
     @intrinsic
     def rcp_approx(typingctx, x):
