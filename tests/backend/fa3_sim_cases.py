@@ -42,6 +42,10 @@ RUNTIME_CASES = {
 API_CASES = {
     "api-document-list-f16-d64": ("document", "sorted", "f16", 64, 2, 2, 40, 37, 64, 16, {"schedule": "wgmma"}, ""),
     "api-auto-causal-f16-d64": ("causal", "normal", "f16", 64, 1, 2, 33, 50, 64, 32, {}, "1"),
+    # the warp-specialized kernel (no producer) on the same block lists, its partial tiles' row bounds (run tables)
+    # computed once before the kv loop: 5 kv tiles of one q tile, full, partial and empty among them
+    "api-document-list-ws-f16-d64": ("document", "sorted", "f16", 64, 1, 2, 70, 75, 128, 16,
+                                     {"schedule": "wgmma-ws", "producer": "none"}, ""),
 }
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
            "score-licm,canonicalize"
@@ -72,8 +76,9 @@ def run_api_case(case_id: str) -> dict:
     return {
         "id": case_id,
         "dtype": dtype,
-        "wgmma": kern.spec.extra.get("schedule") == "wgmma" and "wgmma_ss" in kern.source,
+        "wgmma": kern.spec.extra.get("schedule") == extra.get("schedule", "wgmma") and "wgmma_ss" in kern.source,
         "block_mask": kern.spec.block_mask,
+        "bounds_hoisted": "rb_lo0" in kern.source,  # the row bounds read before the kv loop (emit_row_bounds)
         "o_err": float(np.abs(of - want_o).max()),
         "lse_err": float(np.abs(lse[fin] - want_lse[fin]).max()) if fin.any() else 0.0,
         "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),

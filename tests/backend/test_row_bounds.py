@@ -182,3 +182,26 @@ def test_runs_under_an_or_are_not_asked_for() -> None:
     g = fl.attention(mask_mod=lambda b, h, q, kv: (kv < plen[b]) | (doc[b, q] == doc[b, kv]), name="sp")
     low = analyse(fl.lower(g, "fa2-fwd"))
     assert low.runs == [] and "row_bounds_fn" not in device_source(low, {"D": 64})
+
+
+@pytest.mark.parametrize("stem, reads", [("document", True), ("causal", False), ("sliding_window", False),
+                                         ("prefix_lm", False), ("alibi", False), ("plain", False)])
+def test_row_bounds_that_read_tables_are_hoisted(stem: str, reads: bool) -> None:
+    """The wgmma kernels read a row's bounds once before the kv loop where they are loads from captured tables
+    (emit_fa2.row_bounds_read_data: the document mask's ids and run table); static bounds stay in the partial tiles."""
+    import dataclasses
+
+    from falower.backends.numba_cuda.emit_fa2 import row_bounds_read_data
+    from falower.backends.numba_cuda.emit_fa3_ws import emit_fa3_ws_forward
+    g = _example(stem)
+    c = fl.compile(g, "numba-cuda")  # the default pipeline's 128 x 64 tiles
+    env = {"B": 1, "H": 2, "HKV": 2, "M": 130, "N": 130, "D": 64}
+    from falower.passes.check import bind_dims, random_inputs
+
+    inputs = random_inputs(g, bind_dims(g, env), seed=0, **({"kind": "sorted"} if stem == "document" else {}))
+    inputs = [x.astype(np.float16) if i < 3 else x for i, x in enumerate(inputs)]
+    spec = c.kernel(*inputs).spec
+    assert row_bounds_read_data(spec) is reads
+    ws = emit_fa3_ws_forward(dataclasses.replace(spec, block_q=128, extra={"schedule": "wgmma-ws", "producer": "none"}))
+    loop = ws.index("while j <= kv_last:")
+    assert ("= row_bounds_fn(" in ws[:loop] and "masked_score_row_in(sc" in ws[loop:]) is reads

@@ -370,6 +370,26 @@ def has_row_bounds(spec: FA2ForwardSpec) -> bool:
     return spec.has_mask and "def row_bounds_fn(" in spec.device_source
 
 
+def row_bounds_read_data(spec: FA2ForwardSpec) -> bool:
+    """The row bounds read captured tables (a document mask's ids and run table): three dependent global loads
+    per row and partial tile, the same for every kv tile of the row. Kernels that can afford the registers compute
+    them once before the kv loop (`emit_row_bounds`, `masked_score_row_in`); static bounds (causal, windows: a few
+    integer operations) stay where they are used."""
+    if not has_row_bounds(spec):
+        return False
+    m = re.search(r"def row_bounds_fn\(.*?\n(?=\S|\Z)", spec.device_source + "\n", re.S)
+    return m is not None and "[" in m.group(0).split("\n", 1)[1]
+
+
+def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: list[tuple[str, str]]) -> None:
+    """Before the kv loop: for each (suffix, row) the row's bounds rb_lo<s>, rb_hi<s> (int32) and rb_ex<s>, as
+    `masked_score_row_in` takes them."""
+    for sfx, row in rows:
+        c(f"rb_lo{sfx}, rb_hi{sfx}, rb_ex{sfx} = row_bounds_fn(b, h, {row}{_cap_args(spec)})  # once, not per tile")
+        c(f"rb_lo{sfx} = np.int32(rb_lo{sfx})")
+        c(f"rb_hi{sfx} = np.int32(rb_hi{sfx})")
+
+
 def _cap_names(spec: FA2ForwardSpec) -> list[str]:
     return [f"cap_{i}_{c.name}" for i, c in enumerate(spec.captures)]
 
@@ -791,6 +811,13 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             # thread's first column and clamped into 32 bits; an element is two compares against a constant.
             # Where the bounds are not exact (run tables of ids that come back), mask_fn per element
             c(f"lo, hi, exact = row_bounds_fn(b, h, qi{_cap_args(spec)})")
+            c(f"masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{caps})")
+    if has_row_bounds(spec):
+        c()
+        c("@device_function")
+        c(f"def masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{caps}):")
+        with c.indent():
+            c("# masked_score_row with the row's bounds given (computed once before the kv loop, or just now)")
             c("if exact:")
             with c.indent():
                 c(f"lo_r = np.int32(min(max(lo - kv, -1), {8 * NJ + 1}))")

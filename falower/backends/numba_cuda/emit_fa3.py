@@ -53,7 +53,9 @@ from .emit_fa2 import (
     emit_block_index,
     emit_fragment_helpers,
     emit_masked_score,
+    emit_row_bounds,
     grid_3d,
+    row_bounds_read_data,
     rows_helper,
 )
 from .spec import FA2ForwardSpec
@@ -401,6 +403,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c(f"for i in range({D // 2}):")
         with c.indent():
             c("acc[i] = ZERO")
+        HOIST = row_bounds_read_data(spec)
+        if HOIST:
+            emit_row_bounds(c, spec, [(str(r), f"q_lo + warp * 16 + {8 * r} + g") for r in range(2)])
         c("j = kv_first")
         c("buf = 0")
         if OVL:
@@ -456,10 +461,14 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             for masked, kw in ((True, "if need_mask:"), (False, "else:")):
                 c(kw)
                 with c.indent():
-                    fn = "masked_score_row" if masked else "score_row"
                     for r in range(2):
                         qrow = f"q_lo + warp * 16 + {8 * r} + g"
-                        c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
+                        if masked and HOIST:
+                            c(f"masked_score_row_in(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N, rb_lo{r}, rb_hi{r}, "
+                              f"rb_ex{r}{caps})")
+                        else:
+                            fn = "masked_score_row" if masked else "score_row"
+                            c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
             c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
             for r in range(2):
                 c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")

@@ -77,7 +77,9 @@ from .emit_fa2 import (
     emit_block_index,
     emit_fragment_helpers,
     emit_masked_score,
+    emit_row_bounds,
     has_tile_table,
+    row_bounds_read_data,
 )
 try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has them
     from .emit_fa2 import _score_args
@@ -513,6 +515,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c("mbar_wait(bars, 0)  # Q has landed")
     TT = table_tiles(spec)
     copy = _emit_table_tile_setup(c, spec, lay) if TT else None
+    HOIST = row_bounds_read_data(spec)
+    if HOIST:
+        emit_row_bounds(c, spec, [(str(r), f"q_lo + warp * 16 + {8 * r} + g") for r in range(2)])
     c("j = kv_first")
     c("stage = 0")
     c("phase = 0")
@@ -584,7 +589,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
         c("if need_mask:")
         with c.indent():
-            score_rows("masked_score_row")
+            if HOIST:
+                for r in range(2):
+                    c(f"masked_score_row_in(sc, ofs_{2 * r}, b, h, q_lo + warp * 16 + {8 * r} + g, kv0 + t2, N, "
+                      f"rb_lo{r}, rb_hi{r}, rb_ex{r}{caps})")
+            else:
+                score_rows("masked_score_row")
         c("else:")
         with c.indent():
             if TT:
