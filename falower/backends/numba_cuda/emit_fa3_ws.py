@@ -67,6 +67,7 @@ from .emit_fa2 import (
     _Code,
     _cap_args,
     _device_functions,
+    _emit_list_ahead,
     _emit_need_mask,
     _emit_next_tile,
     _emit_tile_range,
@@ -524,9 +525,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("pstage = 0  # the stage and phase of tile j - 1 (its V is read by P_{j-1} V_{j-1})")
     c("pphase = 0")
     c("have_prev = False")
+    if spec.block_mask == "list":  # the next entry loaded a tile ahead: no list load waits at the loop's top
+        _emit_list_ahead(c, spec)
     c("while j <= kv_last:")
     with c.indent():
-        _emit_next(c, spec, "j", "jn")
+        if spec.block_mask == "list":
+            _emit_next_tile(c, spec, "j", "jn", ahead=True)
+        else:
+            _emit_next(c, spec, "j", "jn")
         if TT:
             c("if not tile_on:")
             with c.indent():
