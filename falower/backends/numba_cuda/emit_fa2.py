@@ -382,12 +382,13 @@ def row_bounds_read_data(spec: FA2ForwardSpec) -> bool:
 
 
 def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: list[tuple[str, str]]) -> None:
-    """Before the kv loop: for each (suffix, row) the row's bounds rb_lo<s>, rb_hi<s> (int32) and rb_ex<s>, as
-    `masked_score_row_in` takes them."""
+    """Before the kv loop: for each (suffix, row) the row's bounds rb_lo<s>, rb_hi<s> and rb_ex<s>, as
+    `masked_score_row_in` takes them: clamped into [-1, N + 1] (which keeps the same columns of [0, N): a bound
+    may be a table's entry or an unbounded side's 2**40) and then 32-bit, two registers a row fewer."""
     for sfx, row in rows:
         c(f"rb_lo{sfx}, rb_hi{sfx}, rb_ex{sfx} = row_bounds_fn(b, h, {row}{_cap_args(spec)})  # once, not per tile")
-        c(f"rb_lo{sfx} = np.int32(rb_lo{sfx})")
-        c(f"rb_hi{sfx} = np.int32(rb_hi{sfx})")
+        c(f"rb_lo{sfx} = np.int32(min(max(rb_lo{sfx}, -1), N + 1))")
+        c(f"rb_hi{sfx} = np.int32(min(max(rb_hi{sfx}, -1), N + 1))")
 
 
 def _cap_names(spec: FA2ForwardSpec) -> list[str]:
