@@ -30,3 +30,26 @@ def test_every_case_ran(results):
 def test_scan_matches_the_serial_scan(results, cid):
     r = next(v for k, v in results.items() if k == cid or k.startswith(cid + "-"))
     assert r["got"] == [r["want"]], r  # every lane the same answer, the serial one
+
+
+@pytest.mark.parametrize("path, block_q", [("simt", 32), ("mma", 64)])
+def test_forward_kernels_scan_by_ballot(path, block_q):
+    from variants import make_spec
+
+    from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward
+
+    src = emit_fa2_forward(make_spec("causal", 64, "f16", path=path, block_q=block_q, block_k=16,
+                                     num_warps=max(1, block_q // 16)))
+    assert "live = ballot(" in src
+
+
+def test_blocks_of_partial_warps_keep_the_serial_scan():
+    """A ballot names all 32 lanes: a block of 16 threads (the SIMT dQ kernel, one thread a q row, block_q 16)
+    would wait for lanes that do not exist (undefined on the GPU; the simulator's backward cases hung), so
+    `warp_wide=False` keeps the serial scan (emit_fa2_bwd passes block_q % 32 == 0)."""
+    from falower.backends.numba_cuda.emit_fa2 import _Code, emit_tile_scan
+
+    c = _Code()
+    emit_tile_scan(c, lambda j: f"cls[{j}]", "n", "first", "last", warp_wide=False)
+    text = c.text()
+    assert "ballot" not in text and "for jt in range(n):" in text

@@ -414,8 +414,9 @@ def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _emit_tile_range(c: _Code, spec: FA2ForwardSpec) -> None:
-    """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible)."""
+def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True) -> None:
+    """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible). `warp_wide`: the
+    block is whole warps (the scan may take a ballot: `emit_tile_scan`)."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
@@ -438,17 +439,27 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec) -> None:
         c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
-    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last")
+    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide)
     del caps
 
 
-def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: str, last: str) -> None:
+def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: str, last: str,
+                   warp_wide: bool = True) -> None:
     """first, last = the first and the last j in [0, count) whose class `class_of(j)` is not 0 (count and -1 when
     there is none). Why a ballot: the serial scan classified one tile after another, ~20 dependent instructions a
     tile before the first copy could be issued (64 tiles at N = 4k: more than a narrow window's whole kv loop);
-    here the 32 lanes classify 32 tiles at once. Every lane of the warp must be here (the ballot is warp-wide)."""
+    here the 32 lanes classify 32 tiles at once. Every lane of the warp must be here (the ballot is warp-wide):
+    a block that is not whole warps (the SIMT kernels' one thread a row, 16 rows) keeps the serial scan."""
     c(f"{first} = {count}")
     c(f"{last} = -1")
+    if not warp_wide:
+        c(f"for jt in range({count}):")
+        with c.indent():
+            c(f"if {class_of('jt')} != 0:")
+            with c.indent():
+                c(f"{first} = min({first}, jt)")
+                c(f"{last} = jt")
+        return
     c(f"for jc in range(0, {count}, 32):  # 32 tiles a step, one a lane, gathered by one ballot")
     with c.indent():
         c("jt = jc + (cuda.threadIdx.x & 31)")
@@ -1315,7 +1326,7 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)
-        _emit_tile_range(c, spec)
+        _emit_tile_range(c, spec, warp_wide=threads % 32 == 0)
         c("qi = q_lo + tid")
         c("qc = min(qi, M - 1)")
         c(f"for d in range({D}):")

@@ -899,7 +899,7 @@ def _dq_class_expr(spec: FA2BackwardSpec, j: str) -> str:
     return "2"
 
 
-def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
+def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec, warp_wide: bool = True) -> None:
     """Block -> (b, h, q tile), heaviest q tiles first (causal), and the non-empty kv tiles' range."""
     G, BQ, BK = spec.group_size, spec.block_q, spec.block_k
     c(f"nq = (M + {BQ - 1}) // {BQ}")
@@ -925,7 +925,7 @@ def _emit_dq_prologue(c: _Code, spec: FA2BackwardSpec) -> None:
         c(f"kv_first = ({a['kv_tiles']}[kv_row] >> 1) if kv_n > 0 else 0")
         c(f"kv_last = ({a['kv_tiles']}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
     else:
-        emit_tile_scan(c, lambda j: _dq_class_expr(spec, j), "nk", "kv_first", "kv_last")
+        emit_tile_scan(c, lambda j: _dq_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide)
 
 
 def _emit_dq_next(c: _Code, spec: FA2BackwardSpec) -> None:
@@ -1091,7 +1091,7 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
         c(f"do_r = cuda.local.array({D}, np.float32)")
         c(f"dq_r = cuda.local.array({D}, np.float32)")
         c("tid = cuda.threadIdx.x")
-        _emit_dq_prologue(c, spec)
+        _emit_dq_prologue(c, spec, warp_wide=BQ % 32 == 0)  # one thread a q row
         c("qi = q0 + tid")
         c("qc = min(qi, M - 1)")
         c(f"for d in range({D}):")
