@@ -105,7 +105,7 @@ def parse_config(text: str) -> tuple:
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
     ahead (default 1); '-nott' their score's table read by gathers, not in tiles through shared memory
-    (extra table_tiles);
+    (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -134,6 +134,8 @@ def parse_config(text: str) -> tuple:
             extra["prefetch_tiles"] = int(o[2:])
         elif o == "nott":
             extra["table_tiles"] = False
+        elif o == "nopp":
+            extra["pingpong"] = False
         elif o.startswith("hg"):
             extra["head_group"] = int(o[2:])
         elif o == "wg":
