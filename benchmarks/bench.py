@@ -177,6 +177,8 @@ def config_tag(cfg: tuple) -> str:
         tag += f"-pf{extra['prefetch_tiles']}"
     if extra.get("table_tiles") is False:
         tag += "-nott"
+    if extra.get("pingpong") is False:
+        tag += "-nopp"
     if "warp_skip" in extra:
         tag += "-wskip" if extra["warp_skip"] else "-nowskip"
     if extra.get("dq_split") == "k":
