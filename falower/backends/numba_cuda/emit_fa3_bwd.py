@@ -43,7 +43,7 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
-from .emit_fa2 import _Code, bind_offsets, emit_bases, zero_helper
+from .emit_fa2 import _Code, bind_offsets, emit_bases, emit_tile_scan, zero_helper
 from .emit_fa2_bwd import (
     PA,
     SA,
@@ -209,7 +209,27 @@ def _class_expr(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
 
 
 def _more(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
+    """(hv, qv) is at or before the last non-empty pair (`_emit_pair_range`'s p_last under a block mask): the walk
+    stops there instead of classifying every empty q tile after a window's end."""
+    if spec.block_mask in ("static", "table"):
+        return f"{hv} * nq + {qv} <= p_last" if spec.group_size > 1 else f"{qv} <= p_last"
     return f"{hv} < {spec.group_size}" if spec.group_size > 1 else f"{qv} < nq"
+
+
+def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
+    """hc, qc = the first non-empty (head of the group, q tile) pair, p_last the last one's number (hv * nq + qv),
+    by a ballot over 32 pairs at a time (emit_fa2.emit_tile_scan: the block is whole warpgroups); without a block
+    mask, pair 0 and the last."""
+    G = spec.group_size
+    if spec.block_mask not in ("static", "table"):
+        c("hc = 0")
+        c("qc = 0")
+        return
+    hv = (lambda j: f"({j}) // nq") if G > 1 else (lambda j: "0")
+    emit_tile_scan(c, lambda j: _class_expr(spec, hv(j), f"({j}) % nq" if G > 1 else j), f"nq * {G}" if G > 1
+                   else "nq", "p_first", "p_last")
+    c(f"hc = p_first // nq" if G > 1 else "hc = 0")
+    c(f"qc = p_first - hc * nq" if G > 1 else "qc = p_first")
 
 
 def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
@@ -300,10 +320,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         _emit_load(c, BK, rstep, D, f"sb + {KO}", "kv0", "N", "k", "kg", "k_sm")
         _emit_load(c, BK, rstep, D, f"sb + {VO}", "kv0", "N", "v", "vg", "v_sm")
         c()
-        c("# the first non-empty (head of the group, q tile)")
-        c("hc = 0")
-        c("qc = 0")
-        _emit_skip_empty(c, spec, "hc", "qc")
+        c("# the first and last non-empty (head of the group, q tile)")
+        _emit_pair_range(c, spec)
 
         def load_q_tile(hv: str, q0v: str, bufv: str) -> None:
             c(f"hq = hk * {G} + {hv}" if G > 1 else "hq = hk")
