@@ -83,6 +83,9 @@ CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 1
           ("relative_bias", "simt", 16, 20, 19, "det")]
 # block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
+# the 48-wide window at 16-row tiles: kv tile 0 sees q tiles 0-3 of 5, the walk (first and last pair by a ballot)
+# ends there; ending one pair early fails it
+CASES += [("sliding_window", "mma", 16, 80, 40, "atomic")]
 
 
 def run_f64_case(case: str) -> dict:

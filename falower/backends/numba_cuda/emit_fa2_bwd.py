@@ -182,7 +182,8 @@ def _list_args(spec: FA2BackwardSpec) -> dict[str, str]:
 
 
 def _emit_first(c: _Code, spec: FA2BackwardSpec) -> None:
-    """it = the first (head, q tile) this kv tile visits (total when none)."""
+    """it = the first (head, q tile) this kv tile visits (total when none; under a static or table block mask total
+    becomes the last one's number + 1)."""
     if spec.block_mask == "list":
         a = _list_args(spec)
         c("# the (head, q tile) pairs this kv tile visits, listed once per data (block_data.py): no scan")
@@ -192,11 +193,13 @@ def _emit_first(c: _Code, spec: FA2BackwardSpec) -> None:
         c("q_pos = 0")
         c(f"it = ({a['q_tiles']}[q_row] >> 1) if q_n > 0 else total")
         return
+    if spec.block_mask in ("static", "table"):
+        # the first and the last non-empty pair by a ballot (the mma kernel's block is whole warps); the walk ends at
+        # the last (total = it_last + 1) instead of classifying every empty q tile after a window's end
+        emit_tile_scan(c, lambda j: _class_expr(spec, j), "total", "it", "it_last")
+        c("total = it_last + 1")
+        return
     c("it = 0")
-    if spec.block_mask != "none":
-        c(f"while it < total and {_class_expr(spec, 'it')} == 0:")
-        with c.indent():
-            c("it += 1")
 
 
 def _class_expr(spec: FA2BackwardSpec, it: str) -> str:
