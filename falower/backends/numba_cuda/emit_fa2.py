@@ -381,14 +381,25 @@ def row_bounds_read_data(spec: FA2ForwardSpec) -> bool:
     return m is not None and "[" in m.group(0).split("\n", 1)[1]
 
 
-def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: list[tuple[str, str]]) -> None:
-    """Before the kv loop: for each (suffix, row) the row's bounds rb_lo<s>, rb_hi<s> and rb_ex<s>, as
-    `masked_score_row_in` takes them: clamped into [-1, N + 1] (which keeps the same columns of [0, N): a bound
-    may be a table's entry or an unbounded side's 2**40) and then 32-bit, two registers a row fewer."""
-    for sfx, row in rows:
-        c(f"rb_lo{sfx}, rb_hi{sfx}, rb_ex{sfx} = row_bounds_fn(b, h, {row}{_cap_args(spec)})  # once, not per tile")
-        c(f"rb_lo{sfx} = np.int32(min(max(rb_lo{sfx}, -1), N + 1))")
-        c(f"rb_hi{sfx} = np.int32(min(max(rb_hi{sfx}, -1), N + 1))")
+def emit_row_bounds(c: _Code, spec: FA2ForwardSpec) -> None:
+    """Before the kv loop: the bounds rb_lo<r>, rb_hi<r>, rb_ex<r> of this thread's two rows of a wgmma tile
+    (q_lo + warp * 16 + r + g, r = 0, 8), as `emit_masked_rows` passes them to `masked_score_row_in`: clamped into
+    [-1, N + 1] (which keeps the same columns of [0, N): a bound may be a table's entry or an unbounded side's
+    2**40) and then 32-bit, two registers a row fewer."""
+    for r in (0, 8):
+        c(f"rb_lo{r}, rb_hi{r}, rb_ex{r} = row_bounds_fn(b, h, q_lo + warp * 16 + {r} + g{_cap_args(spec)})  "
+          "# once, not per tile")
+        c(f"rb_lo{r} = np.int32(min(max(rb_lo{r}, -1), N + 1))")
+        c(f"rb_hi{r} = np.int32(min(max(rb_hi{r}, -1), N + 1))")
+
+
+def emit_masked_rows(c: _Code, caps: str, hoisted: bool) -> None:
+    """A partial tile's scores in the wgmma kernels: this thread's two rows of S (accumulators from ofs_0, ofs_2)
+    through masked_score_row, or, where `emit_row_bounds` read the bounds before the loop, masked_score_row_in."""
+    for r in (0, 8):
+        row = f"sc, ofs_{r // 4}, b, h, q_lo + warp * 16 + {r} + g, kv0 + t2, N"
+        c(f"masked_score_row_in({row}, rb_lo{r}, rb_hi{r}, rb_ex{r}{caps})" if hoisted
+          else f"masked_score_row({row}{caps})")
 
 
 def _cap_names(spec: FA2ForwardSpec) -> list[str]:

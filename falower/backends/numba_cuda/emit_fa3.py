@@ -52,6 +52,7 @@ from .emit_fa2 import (
     emit_bases,
     emit_block_index,
     emit_fragment_helpers,
+    emit_masked_rows,
     emit_masked_score,
     emit_row_bounds,
     grid_3d,
@@ -405,7 +406,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c("acc[i] = ZERO")
         HOIST = row_bounds_read_data(spec)
         if HOIST:
-            emit_row_bounds(c, spec, [(str(r), f"q_lo + warp * 16 + {8 * r} + g") for r in range(2)])
+            emit_row_bounds(c, spec)
         c("j = kv_first")
         c("buf = 0")
         if OVL:
@@ -458,17 +459,13 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c()
             _emit_need_mask(c, spec, "j", cls="cls_j")
             c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
-            for masked, kw in ((True, "if need_mask:"), (False, "else:")):
-                c(kw)
-                with c.indent():
-                    for r in range(2):
-                        qrow = f"q_lo + warp * 16 + {8 * r} + g"
-                        if masked and HOIST:
-                            c(f"masked_score_row_in(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N, rb_lo{r}, rb_hi{r}, "
-                              f"rb_ex{r}{caps})")
-                        else:
-                            fn = "masked_score_row" if masked else "score_row"
-                            c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps})")
+            c("if need_mask:")
+            with c.indent():
+                emit_masked_rows(c, caps, HOIST)
+            c("else:")
+            with c.indent():
+                for r in range(2):
+                    c(f"score_row(sc, ofs_{2 * r}, b, h, q_lo + warp * 16 + {8 * r} + g, kv0 + t2, N{caps})")
             c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
             for r in range(2):
                 c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")

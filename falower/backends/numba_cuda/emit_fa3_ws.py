@@ -77,6 +77,7 @@ from .emit_fa2 import (
     emit_bases,
     emit_block_index,
     emit_fragment_helpers,
+    emit_masked_rows,
     emit_masked_score,
     emit_row_bounds,
     has_tile_table,
@@ -518,7 +519,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     copy = _emit_table_tile_setup(c, spec, lay) if TT else None
     HOIST = row_bounds_read_data(spec)
     if HOIST:
-        emit_row_bounds(c, spec, [(str(r), f"q_lo + warp * 16 + {8 * r} + g") for r in range(2)])
+        emit_row_bounds(c, spec)
     c("j = kv_first")
     c("stage = 0")
     c("phase = 0")
@@ -595,12 +596,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
         c("if need_mask:")
         with c.indent():
-            if HOIST:
-                for r in range(2):
-                    c(f"masked_score_row_in(sc, ofs_{2 * r}, b, h, q_lo + warp * 16 + {8 * r} + g, kv0 + t2, N, "
-                      f"rb_lo{r}, rb_hi{r}, rb_ex{r}{caps})")
-            else:
-                score_rows("masked_score_row")
+            emit_masked_rows(c, caps, HOIST)
         c("else:")
         with c.indent():
             if TT:
