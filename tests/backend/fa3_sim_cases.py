@@ -26,6 +26,11 @@ CASES = {
     # spec.extra["overlap"]: S_j and P_{j-1} V_{j-1} in flight together, three V buffers
     "overlap-causal-f16-d64": ("causal", "f16", 64, 1, 1, 70, 75, 1, 64, 16, {"overlap": True}),
     "overlap-bias-bf16-d128-2wg-gqa": ("bias", "bf16", 128, 1, 2, 100, 40, 2, 128, 16, {"overlap": True}),
+    # spec.extra["wg_rows"] = 128: one warpgroup per 128 rows, two 64-row halves a thread (sc / sc1, acc / acc1);
+    # the second q tile holds 2 rows (its second half empty), ragged kv tiles, causal rows fully masked past N
+    "r128-causal-f16-d64": ("causal", "f16", 64, 1, 1, 130, 75, 1, 128, 16, {"wg_rows": 128}),
+    "r128-bias-bf16-d64-gqa": ("bias", "bf16", 64, 1, 2, 100, 40, 2, 128, 32, {"wg_rows": 128}),
+    "r128-plain-f16-d128-2wg": ("plain", "f16", 128, 1, 1, 200, 33, 1, 256, 16, {"wg_rows": 128}),
 }
 # through the runtime (FA2ForwardKernel with spec.extra["schedule"] = "wgmma"): the same launch path as the
 # mma.sync kernel, block-mask table kernel included
@@ -51,6 +56,9 @@ API_CASES = {
     "api-nested-table-f16-d64": ("nested", "normal", "f16", 64, 1, 2, 70, 75, 128, 64, {"schedule": "wgmma"}, ""),
     "api-nested-table-ws-f16-d64": ("nested", "normal", "f16", 64, 1, 1, 70, 75, 128, 16,
                                     {"schedule": "wgmma-ws", "producer": "none"}, ""),
+    # 128 rows a warpgroup: the four rows' hoisted bounds (rb_lo0, 8, 64, 72) on the block list
+    "api-document-list-r128-f16-d64": ("document", "sorted", "f16", 64, 1, 2, 140, 75, 128, 16,
+                                       {"schedule": "wgmma", "wg_rows": 128}, ""),
 }
 
 

@@ -86,6 +86,25 @@ def test_example_forced_wgmma_d128(stem: str, N: int) -> None:
     assert_error_rule(g, c, env, host, "f16")
 
 
+_R128: dict = {}
+
+
+@pytest.mark.parametrize("N", [256, 1000])
+@pytest.mark.parametrize("stem", STEMS)
+def test_example_wg_rows_128_d64(stem: str, N: int) -> None:
+    """emit_fa3 with one warpgroup per 128 rows (extra wg_rows=128: two 64-row halves a thread) on every example
+    at D = 64, within the error rule."""
+    _hopper()
+    g, _ = graph(stem, "f16")
+    if stem not in _R128:
+        _R128[stem] = fl.compile(g, extra={"schedule": "wgmma", "wg_rows": 128})
+    c = _R128[stem]
+    spec = c.specialize("f16", D=64).spec
+    assert (spec.extra["schedule"], spec.extra["wg_rows"], spec.block_q) == ("wgmma", 128, 128), spec.extra
+    env, host = _inputs(g, 64, N, "f16")
+    assert_error_rule(g, c, env, host, "f16")
+
+
 def test_probe_forms() -> None:
     _hopper()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

@@ -45,7 +45,7 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from .ssa_names import ssa_rename
 from .spec import FA2ForwardSpec
@@ -381,23 +381,48 @@ def row_bounds_read_data(spec: FA2ForwardSpec) -> bool:
     return m is not None and "[" in m.group(0).split("\n", 1)[1]
 
 
-def emit_row_bounds(c: _Code, spec: FA2ForwardSpec) -> None:
-    """Before the kv loop: the bounds rb_lo<r>, rb_hi<r>, rb_ex<r> of this thread's two rows of a wgmma tile
-    (q_lo + warp * 16 + r + g, r = 0, 8), as `emit_masked_rows` passes them to `masked_score_row_in`: clamped into
-    [-1, N + 1] (which keeps the same columns of [0, N): a bound may be a table's entry or an unbounded side's
-    2**40) and then 32-bit, two registers a row fewer."""
-    for r in (0, 8):
-        c(f"rb_lo{r}, rb_hi{r}, rb_ex{r} = row_bounds_fn(b, h, q_lo + warp * 16 + {r} + g{_cap_args(spec)})  "
-          "# once, not per tile")
+class ThreadRow(NamedTuple):
+    """One of a thread's rows of a wgmma tile: `k` names its softmax state (m_k, l_k), `off` its hoisted bounds
+    (rb_lo<off>: the row's offset in the warpgroup's tile, 0 / 8 in the first 64 rows, 64 / 72 in the second), `sc`
+    and `acc` its S and O accumulator arrays, `ofs` its first element in them, `row` its query index."""
+    k: int
+    off: int
+    sc: str
+    acc: str
+    ofs: str
+    row: str
+
+
+def wgmma_thread_rows(halves: int = 1) -> list[ThreadRow]:
+    """A thread's rows of a wgmma tile: g and g + 8 of its warp's 16 in each 64-row half of its warpgroup's rows
+    (`halves` = rows per warpgroup // 64; the second half's accumulators in sc1 / acc1, its rows from `wrow`,
+    which the kernel defines as q_lo + wg * 128 + (warp & 3) * 16 + g)."""
+    rows = [ThreadRow(k, r, "sc", "acc", f"ofs_{r // 4}", f"q_lo + warp * 16 + {r} + g")
+            for k, r in enumerate((0, 8))]
+    if halves == 2:
+        rows = [ThreadRow(2 * h + k, 64 * h + r, f"sc{h or ''}", f"acc{h or ''}", f"ofs_{r // 4}",
+                          f"wrow + {64 * h + r}") for h in range(2) for k, r in enumerate((0, 8))]
+    return rows
+
+
+def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: Optional[list[ThreadRow]] = None) -> None:
+    """Before the kv loop: the bounds rb_lo<off>, rb_hi<off>, rb_ex<off> of this thread's rows of a wgmma tile
+    (`wgmma_thread_rows`), as `emit_masked_rows` passes them to `masked_score_row_in`: clamped into [-1, N + 1]
+    (which keeps the same columns of [0, N): a bound may be a table's entry or an unbounded side's 2**40) and then
+    32-bit, two registers a row fewer."""
+    for t in rows or wgmma_thread_rows():
+        r = t.off
+        c(f"rb_lo{r}, rb_hi{r}, rb_ex{r} = row_bounds_fn(b, h, {t.row}{_cap_args(spec)})  # once, not per tile")
         c(f"rb_lo{r} = np.int32(min(max(rb_lo{r}, -1), N + 1))")
         c(f"rb_hi{r} = np.int32(min(max(rb_hi{r}, -1), N + 1))")
 
 
-def emit_masked_rows(c: _Code, caps: str, hoisted: bool) -> None:
-    """A partial tile's scores in the wgmma kernels: this thread's two rows of S (accumulators from ofs_0, ofs_2)
-    through masked_score_row, or, where `emit_row_bounds` read the bounds before the loop, masked_score_row_in."""
-    for r in (0, 8):
-        row = f"sc, ofs_{r // 4}, b, h, q_lo + warp * 16 + {r} + g, kv0 + t2, N"
+def emit_masked_rows(c: _Code, caps: str, hoisted: bool, rows: Optional[list[ThreadRow]] = None) -> None:
+    """A partial tile's scores in the wgmma kernels: this thread's rows of S (`wgmma_thread_rows`) through
+    masked_score_row, or, where `emit_row_bounds` read the bounds before the loop, masked_score_row_in."""
+    for t in rows or wgmma_thread_rows():
+        r = t.off
+        row = f"{t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N"
         c(f"masked_score_row_in({row}, rb_lo{r}, rb_hi{r}, rb_ex{r}{caps})" if hoisted
           else f"masked_score_row({row}{caps})")
 

@@ -58,6 +58,7 @@ from .emit_fa2 import (
     grid_3d,
     row_bounds_read_data,
     rows_helper,
+    wgmma_thread_rows,
 )
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
@@ -152,13 +153,22 @@ def recommended_schedule(head_dim: int) -> dict[str, int]:
     return {"block_q": bq, "block_k": bk, "num_warps": 8}
 
 
+def wg_rows(spec: FA2ForwardSpec) -> int:
+    """Query rows a warpgroup owns (spec.extra["wg_rows"]): 64 (one m64 wgmma row block; the default) or 128
+    (two: each thread holds four rows, S and O of the second half in sc1 / acc1). With 128, a block of 128 rows
+    is one warpgroup: the per-tile costs a thread pays (copies, descriptors, loop control, the block's barrier)
+    are spread over twice the scores, and the second half's S = Q K^T runs while the first half's softmax does
+    (FlexAttention's structure at D = 64: one warpgroup per 128 rows)."""
+    return int(spec.extra.get("wg_rows", 64))
+
+
 def threads_per_block(spec: FA2ForwardSpec) -> int:
-    """One warpgroup per 64 query rows (spec.num_warps, chosen for mma.sync, is not used here)."""
+    """One warpgroup per `wg_rows` query rows (spec.num_warps, chosen for mma.sync, is not used here)."""
     if spec.extra.get("schedule") == "wgmma-ws":  # the warp-specialized schedule: emit_fa3_ws.py
         from . import emit_fa3_ws
 
         return emit_fa3_ws.threads_per_block(spec)
-    return 128 * (spec.block_q // 64)
+    return 128 * (spec.block_q // wg_rows(spec))
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
@@ -199,9 +209,13 @@ def blocks_per_sm(spec: FA2ForwardSpec) -> int:
     launch bounds cap registers at 128, which ptxas meets without spills for the plain and causal kernels;
     uncapped, the causal D = 64 kernel took 139 and ran one block per SM (213 TFLOP/s against 371 for the
     plain kernel at 101 registers, H100 N = 4k, 2026-11-23). 128-wide kv tiles at D = 64 spill under the cap."""
-    accumulators = spec.block_k // 2 + spec.head_dim // 2
-    fits = 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM and threads_per_block(spec) <= 256
-    return 2 if fits and accumulators <= 64 else 1
+    if "blocks_per_sm" in spec.extra:  # asked for (measuring): launch bounds for that many blocks
+        return int(spec.extra["blocks_per_sm"])
+    halves = wg_rows(spec) // 64
+    accumulators = halves * (spec.block_k // 2 + spec.head_dim // 2)
+    threads = threads_per_block(spec)
+    fits = 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM and threads <= 256
+    return 2 if fits and accumulators <= 64 * (256 // threads) else 1
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -216,8 +230,13 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError(f"wgmma path: head_dim must be 64 or 128 for now, got {D}")
     if BK % 16 or not 16 <= BK <= 256:
         raise ValueError(f"wgmma path: block_k must be a multiple of 16 in [16, 256], got {BK}")
-    if BQ % 64 or not 64 <= BQ <= 256:
-        raise ValueError(f"wgmma path: one warpgroup (4 warps) per 64 query rows, 1-4 of them; got block_q={BQ}")
+    if wg_rows(spec) not in (64, 128):
+        raise ValueError(f"wgmma path: wg_rows (query rows a warpgroup) must be 64 or 128, got {wg_rows(spec)}")
+    if BQ % wg_rows(spec) or not 64 <= BQ <= 256:
+        raise ValueError(f"wgmma path: one warpgroup (4 warps) per {wg_rows(spec)} query rows, 1-4 of them; "
+                         f"got block_q={BQ}")
+    if wg_rows(spec) == 128 and overlapped(spec):
+        raise ValueError("wgmma path: the softmax / P V overlap needs 64 rows a warpgroup (wg_rows=64)")
     if spec.block_mask == "list" and not {("kv_count",), ("kv_tiles",)} <= {c.derived for c in spec.captures}:
         raise ValueError("block_mask='list' needs the kv_count and kv_tiles captures")
     if "def score_fn" not in spec.device_source:
@@ -285,7 +304,7 @@ def _emit_load_inside(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: 
         _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
 
 
-def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
+def _emit_pv(c: _Code, KK: int, D: int, vbase: str, half: str = "") -> None:
     """O += P V from the A words in `pa` and the V tile at shared address vbase (issued and committed), through
     the device function `pv_wgmma`: the loop and the overlapped schedule's last tile share one compiled copy (16
     wgmma call sites of 64 accumulators each were half of the kernel's LLVM IR; benchmarks/NOTES.md, "Compile
@@ -300,7 +319,7 @@ def _emit_pv(c: _Code, KK: int, D: int, vbase: str) -> None:
         pa = ", ".join(f"lget(pa, {4 * kk + i})" for i in range(4))
         lines.append(f"    WG_O(acc, 0, {pa}, desc_at(HI_V, dv + {kk * 128}), 1)")
     lines.append("    wgmma_commit()")
-    c(f"{c.helper('pv_wgmma', lines)}(acc, pa, desc_word(HI_V, {vbase}))")
+    c(f"{c.helper('pv_wgmma', lines)}(acc{half}, pa{half}, desc_word(HI_V, {vbase}))")
 
 
 def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
@@ -312,18 +331,19 @@ def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
                                 f"        lset(pa, w, {pack}(lget(x, 2 * w), lget(x, 2 * w + 1)))"])
 
 
-def _emit_epilogue(c: _Code, D: int) -> None:
-    """A warpgroup's epilogue (this kernel's and emit_fa3_ws's): each thread's two rows normalised by their sum
-    over the lane quad, stored, and their LSE; fully masked rows -> O = 0, LSE = -inf."""
+def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None) -> None:
+    """A warpgroup's epilogue (this kernel's and emit_fa3_ws's): each of the thread's rows (`wgmma_thread_rows`)
+    normalised by its sum over the lane quad, stored, and its LSE; fully masked rows -> O = 0, LSE = -inf."""
     c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
-    for r in range(2):
+    for t in rows or wgmma_thread_rows():
+        r = t.k
         c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
         c("lt = lt + shfl_xor_f32(lt, 2)")
         c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
-        c(f"qi = q_lo + warp * 16 + {8 * r} + g")
+        c(f"qi = {t.row}")
         c("if qi < M:")
         with c.indent():
-            c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), acc, ofs_{2 * r}, inv)")
+            c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), {t.acc}, {t.ofs}, inv)")
             c("if t2 == 0:")
             with c.indent():
                 c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
@@ -340,6 +360,10 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
     caps = _score_args(spec)  # the captures, and the per-CTA values when score-licm hoisted some
     OVL = overlapped(spec)
+    WR = wg_rows(spec)
+    HALVES = WR // 64
+    ROWS = wgmma_thread_rows(HALVES)
+    SUF = [""] + ["1"] * (HALVES - 1)  # the accumulator arrays' suffix of each 64-row half
 
     c = _Code()
     c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
@@ -360,7 +384,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
           f"{65536 // (blocks_per_sm(spec) * threads_per_block(spec))}: two blocks per SM")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
-        c(f'"""FA forward on wgmma: D={D}, block {BQ}x{BK}, {BQ // 64} warpgroup(s), {spec.dtype}."""')
+        c(f'"""FA forward on wgmma: D={D}, block {BQ}x{BK}, {BQ // WR} warpgroup(s) of {WR} rows, {spec.dtype}."""')
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
@@ -381,7 +405,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c()
         rstep = _emit_loader_setup(c, threads, D)
         c(f"sq = sb  # Q: [{D // 64}][{BQ}][128 B]")
-        c(f"q_wg = sq + wg * {64 * 128}  # this warpgroup's 64 rows inside each column block")
+        c(f"q_wg = sq + wg * {WR * 128}  # this warpgroup's {WR} rows inside each column block")
+        if HALVES == 2:
+            c("wrow = q_lo + wg * 128 + (warp & 3) * 16 + g  # this thread's first row")
         c("# prologue: Q and the first K and V tiles (one cp.async group)")
         _emit_load(c, BQ, rstep, D, "sq", "q_lo", "M", "q", "qg", "q_sm")
         c("if kv_first <= kv_last:")
@@ -393,20 +419,23 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         _emit_row_addresses(c, "k", "kg", "k_sm", rstep)
         _emit_row_addresses(c, "v", "vg", "v_sm", rstep)
         c()
-        c("# online-softmax state of this thread's rows g and g + 8 of its warp's 16; S and O accumulators in")
+        c("# online-softmax state of this thread's rows g and g + 8 of its warp's 16" +
+          (" in each 64-row half" if HALVES == 2 else "") + "; S and O accumulators in")
         c("# constant-indexed local arrays (registers)")
-        c(f"acc = cuda.local.array({D // 2}, np.float32)")
-        c(f"sc = cuda.local.array({BK // 2}, np.float32)")
-        c(f"pa = cuda.local.array({BK // 4}, np.uint32)  # P packed: the A words of P V, 4 per k16 step")
-        for r in range(2):
-            c(f"m_{r} = NEG_INF")
-            c(f"l_{r} = ZERO")
+        for u in SUF:
+            c(f"acc{u} = cuda.local.array({D // 2}, np.float32)")
+            c(f"sc{u} = cuda.local.array({BK // 2}, np.float32)")
+            c(f"pa{u} = cuda.local.array({BK // 4}, np.uint32)  # P packed: the A words of P V, 4 per k16 step")
+        for t in ROWS:
+            c(f"m_{t.k} = NEG_INF")
+            c(f"l_{t.k} = ZERO")
         c(f"for i in range({D // 2}):")
         with c.indent():
-            c("acc[i] = ZERO")
+            for u in SUF:
+                c(f"acc{u}[i] = ZERO")
         HOIST = row_bounds_read_data(spec)
         if HOIST:
-            emit_row_bounds(c, spec)
+            emit_row_bounds(c, spec, ROWS)
         c("j = kv_first")
         c("buf = 0")
         if OVL:
@@ -437,14 +466,17 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 _emit_load_inside(c, BK, rstep, D, "n_vbase", f"jn * {BK}", "N", "v", "vg", "v_sm")
             c("cp_async_commit()")
             c()
-            c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
-            c("FENCE_S(sc, 0)")
+            c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16" + (" a half" if HALVES == 2 else "") +
+              "; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
+            for u in SUF:
+                c(f"FENCE_S(sc{u}, 0)")
             c("dk = desc_word(HI_QK, k_base)  # K's descriptors: this word plus a k step's offset >> 4")
-            for ks in range(KS):
-                qa = f"q_wg + {(ks // 4) * BQ * 128 + (ks % 4) * 32}"
-                ka = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
-                c(f"WG_S(sc, 0, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), {0 if ks == 0 else 1})")
-            c("wgmma_commit()")
+            for hh, u in enumerate(SUF):
+                for ks in range(KS):
+                    qa = f"q_wg + {hh * 64 * 128 + (ks // 4) * BQ * 128 + (ks % 4) * 32}"
+                    ka = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
+                    c(f"WG_S(sc{u}, 0, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), {0 if ks == 0 else 1})")
+                c("wgmma_commit()")
             if OVL:
                 c("if have_prev:")
                 with c.indent():
@@ -454,35 +486,44 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c("else:")
                 with c.indent():
                     c("WAIT_S(sc, 0)")
+            elif HALVES == 2:
+                c("WAIT_S1(sc, 0)  # the first half's S is done; the second half's may still run")
             else:
                 c("WAIT_S(sc, 0)")
             c()
             _emit_need_mask(c, spec, "j", cls="cls_j")
-            c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
-            c("if need_mask:")
-            with c.indent():
-                emit_masked_rows(c, caps, HOIST)
-            c("else:")
-            with c.indent():
-                for r in range(2):
-                    c(f"score_row(sc, ofs_{2 * r}, b, h, q_lo + warp * 16 + {8 * r} + g, kv0 + t2, N{caps})")
-            c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
-            for r in range(2):
-                c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
-                c(f"l_{r} = l_{r} * alpha_{r} + rs")
-            if OVL:
-                c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")
-            for r in range(2):
-                c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
-            c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
-            c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
-            if OVL:
-                c("have_prev = True")
-                c("pv_base = v_base")
-                c("vbuf = vn")
-            else:
-                _emit_pv(c, KK, D, "v_base")
-                c("WAIT_O(acc, 0)")
+            for hh, u in enumerate(SUF):
+                rows = [t for t in ROWS if t.sc == f"sc{u}"]
+                if hh == 1:
+                    c("# the second half: its S (P V of the first half may still run)")
+                    c("WAIT_S1(sc1, 0)")
+                c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
+                c("if need_mask:")
+                with c.indent():
+                    emit_masked_rows(c, caps, HOIST, rows)
+                c("else:")
+                with c.indent():
+                    for t in rows:
+                        c(f"score_row({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{caps})")
+                c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
+                for t in rows:
+                    c(f"m_{t.k}, alpha_{t.k}, rs = softmax_row({t.sc}, {t.ofs}, m_{t.k})")
+                    c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
+                if OVL:
+                    c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")
+                for t in rows:
+                    c(f"scale_row({t.acc}, {t.ofs}, alpha_{t.k})")
+                c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
+                c(f"{_pack_pa_helper(c, KK, pack)}(pa{u}, sc{u})")
+                if OVL:
+                    c("have_prev = True")
+                    c("pv_base = v_base")
+                    c("vbuf = vn")
+                else:
+                    _emit_pv(c, KK, D, "v_base", u)
+            if not OVL:
+                for u in SUF:
+                    c(f"WAIT_O(acc{u}, 0)")
             c("j = jn")
             if carries_class(spec):
                 c("cls_j = cls_n")
@@ -494,7 +535,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c("WAIT_O(acc, 0)")
         c()
         c("cp_async_wait0()")
-        _emit_epilogue(c, D)
+        _emit_epilogue(c, D, ROWS)
     text = c.text()
     used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
     ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)
