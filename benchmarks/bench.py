@@ -105,8 +105,9 @@ def parse_config(text: str) -> tuple:
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
     ahead (default 1); '-nott' their score's table read by gathers, not in tiles through shared memory
-    (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-r128'
-    emit_fa3's warpgroups own 128 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM;
+    (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-r128' /
+    '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
+    an SM;
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -137,8 +138,8 @@ def parse_config(text: str) -> tuple:
             extra["table_tiles"] = False
         elif o == "nopp":
             extra["pingpong"] = False
-        elif o == "r128":
-            extra["wg_rows"] = 128
+        elif o in ("r64", "r128"):
+            extra["wg_rows"] = int(o[1:])
         elif o.startswith("b") and o[1:].isdigit():
             extra["blocks_per_sm"] = int(o[1:])
         elif o.startswith("hg"):

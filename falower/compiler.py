@@ -124,7 +124,7 @@ class CompiledAttention:
         if path == "mma" and asked is None:
             choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc(), table_tile=table_tile)
         elif path == "mma" and asked == "wgmma":
-            choice = emit_fa3.plain_extra(used["D"])
+            choice = emit_fa3.plain_extra(used["D"], mask_kind)
 
         def mma_sync():
             return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
@@ -135,9 +135,11 @@ class CompiledAttention:
         want = emit_fa3.tiles(used["D"], mask_kind, table_tile and choice.get("schedule") == "wgmma-ws")
         if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
             built = self._retile(*want)
+        if built[1].block_q % choice.get("wg_rows", 64):  # the caller's tiles: a warpgroup per 64 rows of them
+            choice = {k: v for k, v in choice.items() if k != "wg_rows"}
         # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that
         # to mma.sync, as if never chosen
-        tries = [choice] + ([emit_fa3.plain_extra(used["D"])] if choice.get("schedule") == "wgmma-ws" else [])
+        tries = [choice] + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
         for extra in tries:
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **self.extra})
             if asked is not None:

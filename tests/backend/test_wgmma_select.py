@@ -19,8 +19,9 @@ def test_rule() -> None:
         assert (got is not None) == want, (D, mask, got)
         if got is not None and D == 128 and mask in ("none", "static", "list"):  # the warp-specialized kernel
             assert got == {"schedule": "wgmma-ws", "producer": "none"}
-        elif got is not None:
-            assert got == {"schedule": "wgmma", "overlap": D == 128}
+        elif got is not None:  # 128 rows a warpgroup at D = 64 without a mask or under a static one
+            rows = {"wg_rows": 128} if D == 64 and mask in ("none", "static") else {}
+            assert got == {"schedule": "wgmma", "overlap": D == 128, **rows}
     assert rule("bf16", 128, "none", (9, 0), {}) is not None
     assert rule("f32", 128, "none", (9, 0), {}) is None
     assert rule("f16", 128, "none", (8, 0), {}) is None  # not a Hopper GPU
@@ -62,14 +63,15 @@ def test_compile_picks_wgmma_on_hopper(hopper) -> None:
     assert c.lowered_of(k) is not c.lowered  # lowered again with the wgmma tiles: the IR says 128 x 128
     assert "tile.load" in fl.print_func(c.lowered_of(k)) and "f16[128,D]" in fl.print_func(c.lowered_of(k))
     s = _spec(c, 64)
-    assert s.extra == {"schedule": "wgmma", "overlap": False} and (s.block_q, s.block_k) == (128, 64)
+    assert s.extra == {"schedule": "wgmma", "overlap": False, "wg_rows": 128} and (s.block_q, s.block_k) == (128, 64)
     assert c.lowered_of(c.specialize("f16", D=64)) is c.lowered
 
 
 def test_d64_causal_takes_wgmma(hopper) -> None:
-    """D = 64 under a mask: wgmma since its kernel runs two blocks per SM (it lost to mma.sync before)."""
+    """D = 64 under a mask: wgmma since its kernel runs two blocks per SM (it lost to mma.sync before), with 128
+    rows a warpgroup under a static mask."""
     c = fl.compile(_graph(True))
-    assert _spec(c, 64).extra == {"schedule": "wgmma", "overlap": False}
+    assert _spec(c, 64).extra == {"schedule": "wgmma", "overlap": False, "wg_rows": 128}
     assert _spec(c, 128).extra["schedule"] == "wgmma-ws"
 
 
@@ -104,14 +106,37 @@ def test_unsupported_specs_fall_back(hopper) -> None:
     assert _spec(c, 96).extra == {}
 
 
-def test_launch_bounds_where_two_blocks_fit(hopper) -> None:
-    """D = 64 (49 KB of shared memory a block) is built for two blocks per SM (launch bounds under @kernel_jit);
-    D = 128 (193 KB) for one, with no bounds."""
+def test_caller_tiles_of_64_rows_keep_64_rows_a_warpgroup(hopper) -> None:
+    """The caller's pipeline with 64-row q tiles at D = 64: the wgmma kernel with one warpgroup of 64 rows (not 128
+    rows a warpgroup, which those tiles cannot hold, and not a fall back to mma.sync); asked for explicitly too."""
+    pipe = "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=32},online-softmax{exp2=true},mask-tiles,canonicalize"
+    for extra in (None, {"schedule": "wgmma"}):
+        s = _spec(fl.compile(_graph(True), pipeline=pipe, extra=extra), 64)
+        assert s.extra == {"schedule": "wgmma", "overlap": False} and (s.block_q, s.block_k) == (64, 32), s.extra
+    from falower.backends.numba_cuda.from_ir import BackendError
+
+    with pytest.raises(BackendError, match="per 128 query rows, 1-4 of them; got block_q=64"):  # asked: an error
+        _spec(fl.compile(_graph(True), pipeline=pipe, extra={"schedule": "wgmma", "wg_rows": 128}), 64)
+
+
+def test_launch_bounds_where_blocks_fit(hopper) -> None:
+    """D = 64 (49 KB of shared memory a block): one warpgroup of 128 rows, built for three blocks per SM (launch
+    bounds under @kernel_jit: 168 registers a thread); two warpgroups of 64 rows for two (the document mask's
+    block lists, whose hoisted row bounds spill at 168). D = 128 (193 KB) for one, with no bounds."""
     c = fl.compile(_graph(False))
     k64, k128 = c.specialize("f16", D=64), c.specialize("f16", D=128)
-    assert emit_fa3.blocks_per_sm(k64.spec) == 2 and emit_fa3.blocks_per_sm(k128.spec) == 1
-    assert "@kernel_jit\n@launch_bounds(256, 2)" in k64.source
+    assert emit_fa3.blocks_per_sm(k64.spec) == 3 and emit_fa3.blocks_per_sm(k128.spec) == 1
+    assert "@kernel_jit\n@launch_bounds(128, 3)" in k64.source
     assert "@launch_bounds" not in k128.source
+    k = fl.compile(_graph(False), extra={"schedule": "wgmma", "wg_rows": 64}).specialize("f16", D=64)
+    assert emit_fa3.blocks_per_sm(k.spec) == 2 and "@kernel_jit\n@launch_bounds(256, 2)" in k.source
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent.parent
+    doc = runpy.run_path(str(root / "examples" / "document.py"))["graph"]
+    forced = fl.compile(doc, extra={"schedule": "wgmma", "wg_rows": 128}).specialize("f16", D=64)
+    assert emit_fa3.blocks_per_sm(forced.spec) == 2 and "@launch_bounds(128, 2)" in forced.source
 
 
 def test_specialized_kernel_falls_back_to_wgmma(hopper) -> None:

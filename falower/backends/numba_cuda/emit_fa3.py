@@ -106,7 +106,7 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     range analysis cannot bound) keep this module's kernel (not measured on the other), and a spec emit_fa3_ws
     refuses falls back to it (compiler.py). At D = 64, this module's kernel under any mask (two blocks per SM
     since `blocks_per_sm`: causal 282 vs 263 on mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71,
-    alibi 207 vs 181, sliding window 19 vs 20).
+    alibi 207 vs 181, sliding window 19 vs 20), with one warpgroup per 128 rows where `plain_extra` says.
     A score that reads a [q, kv] tile of a table (`table_tile`: from_ir.reads_table_tile, a bias[h, q, kv]) takes
     the warp-specialized kernel at D = 64 too, on 128 x 128 tiles (`tiles`), which copies the table's tile into
     shared memory a kv tile ahead: bias 204 vs 189 on this module's kernel (Flex's own config failed; H100
@@ -128,12 +128,19 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return dict(WS_EXTRA)
     if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)
         return dict(WS_EXTRA)
-    return plain_extra(head_dim)
+    return plain_extra(head_dim, block_mask)
 
 
-def plain_extra(head_dim: int) -> dict:
-    """spec.extra of this module's (non-specialized) kernel: the softmax / P V overlap at D = 128 only."""
-    return {"schedule": "wgmma", "overlap": head_dim == 128}
+def plain_extra(head_dim: int, block_mask: str = "none") -> dict:
+    """spec.extra of this module's (non-specialized) kernel: the softmax / P V overlap at D = 128 only; at D = 64
+    without a mask or under a static one, one warpgroup per 128 rows (`wg_rows`), three blocks an SM
+    (`blocks_per_sm`): plain 402 vs 391 TFLOP/s for two warpgroups of 64 rows, causal 366 vs 340, prefix LM 360
+    vs 320, sliding window 1024 309 vs 274 (Flex 398 / 349 / 352 / 286; H100 N = 4k, 2026-11-24). Block lists
+    (the document mask: 174 vs 193, its hoisted row bounds spill there) and block tables keep 64 rows."""
+    extra = {"schedule": "wgmma", "overlap": head_dim == 128}
+    if head_dim == 64 and block_mask in ("none", "static"):
+        extra["wg_rows"] = 128
+    return extra
 
 
 def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False) -> tuple[int, int]:
@@ -211,11 +218,19 @@ def blocks_per_sm(spec: FA2ForwardSpec) -> int:
     plain kernel at 101 registers, H100 N = 4k, 2026-11-23). 128-wide kv tiles at D = 64 spill under the cap."""
     if "blocks_per_sm" in spec.extra:  # asked for (measuring): launch bounds for that many blocks
         return int(spec.extra["blocks_per_sm"])
-    halves = wg_rows(spec) // 64
-    accumulators = halves * (spec.block_k // 2 + spec.head_dim // 2)
     threads = threads_per_block(spec)
+    if wg_rows(spec) == 128:
+        # 128 rows a warpgroup: S, O and P's words (160 registers at D = 64, 64-wide kv tiles) fit the 168 a
+        # thread of three 128-thread blocks gets, without spills for the static masks (plain 402 vs 374 TFLOP/s
+        # for two blocks, causal 366 vs 324: H100 N = 4k, 2026-11-24); row bounds read from tables and kept
+        # across the loop (row_bounds_read_data: 12 registers more) spill there (the document mask: 174 vs 183)
+        need = spec.block_k + spec.head_dim + spec.block_k // 4
+        if need <= 160 and not row_bounds_read_data(spec) and 3 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM:
+            return 3
+        return 2 if threads == 128 and 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM else 1
+    accumulators = spec.block_k // 2 + spec.head_dim // 2
     fits = 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM and threads <= 256
-    return 2 if fits and accumulators <= 64 * (256 // threads) else 1
+    return 2 if fits and accumulators <= 64 else 1
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -381,7 +396,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c("@kernel_jit")
     if blocks_per_sm(spec) > 1:
         c(f"@launch_bounds({threads_per_block(spec)}, {blocks_per_sm(spec)})  # registers <= "
-          f"{65536 // (blocks_per_sm(spec) * threads_per_block(spec))}: two blocks per SM")
+          f"{65536 // (blocks_per_sm(spec) * threads_per_block(spec))}: {blocks_per_sm(spec)} blocks per SM")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
         c(f'"""FA forward on wgmma: D={D}, block {BQ}x{BK}, {BQ // WR} warpgroup(s) of {WR} rows, {spec.dtype}."""')
