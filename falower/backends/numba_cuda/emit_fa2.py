@@ -838,10 +838,20 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c(f"def score_row_tile(x, i, b, h, qi, kv, N{caps}, srow, sw):")
         with c.indent():
             c("# the table's entries from this row of its tile in shared memory (srow: the row's byte address; 16-byte")
-            c("# chunk c of the row at chunk c ^ sw: the 4 rows of a half-warp's 8-byte loads in distinct banks)")
-            pair_loop(f"score_pair_vals_fn(lget(x, e), lget(x, e + 1), g0, g1, b, h, qi, kv + jj * 8{caps})",
-                      ("col = np.uint32((kv & 7) + jj * 8)",
-                       "g0, g1 = lds_v2_f32(srow + ((((col >> 2) ^ sw) << 4) | ((col & 3) << 2)))"))
+            c("# chunk c of the row at chunk c ^ sw, sw even: the 4 rows of a half-warp's 8-byte loads in distinct")
+            c("# banks). Columns kv + 8 jj, + 1 (kv & 7 = 2t) are chunk 2 jj + (t >> 1), at byte 32 (jj ^ (sw >> 1))")
+            c("# + 4 (kv & 7): four addresses a row (jj & 3), the rest offsets of 128 (jj >> 2) bytes the loads take as")
+            c("# immediates (the column's swizzle per pair was ~8 integer instructions a load)")
+            c("a_t = srow + np.uint32((kv & 7) << 2)")
+            c("s1 = np.uint32(sw >> 1)")
+            for k in range(min(4, NJ)):
+                c(f"a_{k} = a_t + ((np.uint32({k}) ^ s1) << np.uint32(5))")
+            for jj in range(NJ):
+                c(f"g0, g1 = lds_v2_f32(a_{jj & 3} + np.uint32({128 * (jj >> 2)}))")
+                c(f"v0, v1 = score_pair_vals_fn(lget(x, i + {4 * jj}), lget(x, i + {4 * jj + 1}), g0, g1, b, h, qi, "
+                  f"kv + {8 * jj}{caps})")
+                c(f"lset(x, i + {4 * jj}, np.float32(v0){to_log2})")
+                c(f"lset(x, i + {4 * jj + 1}, np.float32(v1){to_log2})")
     c()
     c("@device_function")
     c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")

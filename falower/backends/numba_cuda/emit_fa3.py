@@ -301,18 +301,22 @@ def _emit_row_addresses(c: _Code, garr: str, base: str, rs: str, rstep: int) -> 
     c(f"{garr}_rs = np.uint64({rs} * {2 * rstep})")
 
 
+def copy_rows_helper(c: _Code, n: int, rstep: int) -> str:
+    """`copy_rows_<n>(s, a, step)`: n 16-byte cp.async from global addresses a + i * step to shared s + i * rstep
+    rows of 128 bytes (a thread's chunks of a tile wholly inside its array, from kept row addresses)."""
+    return c.helper(f"copy_rows_{n}", [
+        "@device_function", f"def copy_rows_{n}(s, a, step):",
+        f"    for it in range({n}):",
+        f"        cp_async16_a(s + it * {rstep * 128}, a + np.uint64(it) * step, 16)"])
+
+
 def _emit_load_inside(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nrows: str, garr: str,
                       base: str, rs: str) -> None:
     """`_emit_load` of a tile of K or V (the addresses of `_emit_row_addresses`): rows wholly inside take the
     copies from the kept addresses, a tile reaching past nrows the zero-filling path."""
     c(f"if {row0} + {rows} <= {nrows}:")
     with c.indent():
-        n = rows // rstep
-        fn = c.helper(f"copy_rows_{n}", [
-            "@device_function", f"def copy_rows_{n}(s, a, step):",
-            f"    for it in range({n}):",
-            f"        cp_async16_a(s + it * {rstep * 128}, a + np.uint64(it) * step, 16)"])
-        c(f"{fn}({sdst} + (ld_c >> 3) * {rows * 128} + ld_r0 * 128 + ld_x, "
+        c(f"{copy_rows_helper(c, rows // rstep, rstep)}({sdst} + (ld_c >> 3) * {rows * 128} + ld_r0 * 128 + ld_x, "
           f"{garr}_at + np.uint64({row0}) * {garr}_rb, {garr}_rs)")
     c("else:")
     with c.indent():

@@ -87,7 +87,16 @@ try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has the
     from .emit_fa2 import _score_args
 except ImportError:  # pragma: no cover - before score-licm lands
     from .emit_fa2 import _cap_args as _score_args
-from .emit_fa3 import ALIGN, _WGMMA_IMPORTS, _emit_epilogue, _emit_load, _emit_loader_setup, _emit_pv, _pack_pa_helper
+from .emit_fa3 import (
+    ALIGN,
+    _WGMMA_IMPORTS,
+    _emit_epilogue,
+    _emit_load,
+    _emit_loader_setup,
+    _emit_pv,
+    _pack_pa_helper,
+    copy_rows_helper,
+)
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
@@ -384,15 +393,20 @@ def _emit_loader_step(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], kind:
         fn = c.helper("ring_tile", ["@device_function", "def ring_tile(l_dst, arr, g0, sm, lj, N, ld_c, ld_r0, ld_x):"]
                       + body.lines)
         args = {"k": ("k", "kg", "k_sm"), "v": ("v", "vg", "v_sm")}
+        c(f"if (lj + 1) * {BK} <= N:  # a tile wholly inside N: from the kept row addresses (l_at)")
+        with c.indent():
+            c(f"{copy_rows_helper(c, BK // rstep, rstep)}(l_dst + (ld_c >> 3) * {BK * 128} + ld_r0 * 128 + ld_x, "
+              f"l_at + np.uint64(lj * {BK}) * l_rb, l_rs)")
+        c("elif cw == 0:" if kind is None else "else:")
         if kind is None:
-            c("if cw == 0:")
             with c.indent():
                 c(f"{fn}(l_dst, {', '.join(args['k'])}, lj, N, ld_c, ld_r0, ld_x)")
             c("else:")
             with c.indent():
                 c(f"{fn}(l_dst, {', '.join(args['v'])}, lj, N, ld_c, ld_r0, ld_x)")
         else:
-            c(f"{fn}(l_dst, {', '.join(args[kind])}, lj, N, ld_c, ld_r0, ld_x)")
+            with c.indent():
+                c(f"{fn}(l_dst, {', '.join(args[kind])}, lj, N, ld_c, ld_r0, ld_x)")
         c("cp_async_mbar_arrive_noinc(l_full + lstage * 8)")
         _emit_loader_next(c, spec)
         c("lj = ljn")
@@ -503,6 +517,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c(f"l_full = bars + {lay['full_k']} + cw * {8 * S}  # full_k[] for warpgroup 0, full_v[] for 1")
         c(f"l_empty = bars + {lay['empty_k']} + cw * {8 * S}")
         c(f"l_dst0 = sb + {KV} + cw * {T}  # stage 0's K (V)")
+        c("# this thread's chunk of row 0 of its (b, head) slice of K (V), the bytes a row and between its rows: a")
+        c("# tile inside N then costs an add a copy (the row loads' 64-bit index and bound: ~8 instructions a copy)")
+        c("l_at = elem_addr(k, (kg + ld_r0 * k_sm + ld_c * 8,)) if cw == 0 else elem_addr(v, (vg + ld_r0 * v_sm + "
+          "ld_c * 8,))")
+        c("l_rb = np.uint64((k_sm if cw == 0 else v_sm) * 2)")
+        c(f"l_rs = l_rb * np.uint64({128 // CH})")
         _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
         c("cp_async_mbar_arrive_noinc(bars + cw * 8)")
         c("lj = kv_first  # the loader's cursor: the next tile to load, its stage and phase")
