@@ -5,6 +5,7 @@ to put under a profiler (the bench's timing loop launches thousands of kernels a
         --section SpeedOfLight --section WarpStateStats --section Occupancy \
         python3 benchmarks/run_variant.py document --d 128 --who both
 
+--bwd adds the backward (falower's dQ and dK / dV kernels; Flex's through autograd).
 Variants and their captured data are bench.py's (`bench.variant`, `bench.example_compiled`); with --config the
 falower kernel is that tile config's (`bench.parse_config`, e.g. 128x64w8-wsn), otherwise the automatic choice.
 """
@@ -26,6 +27,8 @@ def main() -> None:
     ap.add_argument("--who", choices=["falower", "flex", "both"], default="falower")
     ap.add_argument("--config", default="", help="a bench tile config for falower (default: automatic choice)")
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--bwd", action="store_true", help="then the backward: falower's c.backward (its dQ and dK / dV "
+                    "kernels), Flex's through autograd")
     args = ap.parse_args()
 
     import torch
@@ -45,12 +48,20 @@ def main() -> None:
         print(f"falower {args.stem}: {kern.spec.name} schedule {kern.spec.extra.get('schedule', 'mma')} "
               f"tiles {kern.spec.block_q}x{kern.spec.block_k}", flush=True)
         for _ in range(args.reps):
-            c.forward(q, k, v, *caps)
+            o, lse = c.forward(q, k, v, *caps)
+        if args.bwd:
+            do = torch.randn_like(q)
+            for _ in range(args.reps):
+                c.backward(q, k, v, o, lse, do, *caps)
     if args.who in ("flex", "both") and (var.mask_mod is not None or var.score_mod is not None):
         block_mask = bench.block_mask_for(var.mask_mod, B, H, N, var.per_batch)
         flex = bench.flex_attention()
+        ql, kl, vl = (x.detach().requires_grad_(args.bwd) for x in (q, k, v))
         for _ in range(args.reps):
-            flex(q, k, v, score_mod=var.score_mod, block_mask=block_mask, scale=var.scale, enable_gqa=var.group > 1)
+            o = flex(ql, kl, vl, score_mod=var.score_mod, block_mask=block_mask, scale=var.scale,
+                     enable_gqa=var.group > 1)
+            if args.bwd:
+                o.backward(torch.randn_like(o))
     torch.cuda.synchronize()
 
 
