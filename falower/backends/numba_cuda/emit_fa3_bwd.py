@@ -50,7 +50,6 @@ from .emit_fa2_bwd import (
     STRIDES,
     _cap_args,
     _elem_call,
-    _elem_quad_helper,
     _emit_grad_element,
     _emit_grad_tile_end,
     _grad_args,
@@ -58,7 +57,7 @@ from .emit_fa2_bwd import (
     _module,
     _store_pairs_helper,
 )
-from .emit_fa3 import ALIGN, _emit_load, _emit_loader_setup
+from .emit_fa3 import ALIGN, _emit_load, _emit_load_inside, _emit_loader_setup, _emit_row_addresses
 from .spec import FA2BackwardSpec
 
 __all__ = ["ENV", "backward_extra", "emit_fa3_backward", "resolve", "smem_bytes", "threads", "uses_wgmma",
@@ -68,7 +67,9 @@ ENV = "FALOWER_WGMMA_BWD"  # "1": the wgmma backward wherever the spec allows it
 
 _WGMMA_IMPORTS = '''
 from falower.backends.numba_cuda.wgmma import (
+    desc_at,
     desc_hi,
+    desc_word,
     fence_proxy_async,
     make_desc,
     opaque_u32,
@@ -79,6 +80,26 @@ from falower.backends.numba_cuda.wgmma import (
     wgmma_wait_regs,
 )
 '''
+
+
+def _elem_pairs_helper(c: _Code, spec: FA2BackwardSpec, branch: str, doff: int) -> str:
+    """`elem_pairs_<branch>(x, y, i, la, qi, kvr, b, h, hk, interior, *captures)`: the per-element step of one n8
+    tile of S^T / dP^T: this thread's columns qi, qi + 1 (qi even) and kv rows kvr, kvr + 8 at x[i .. i + 3]
+    (mma's C fragment), elem_<branch> in place (S^T -> P^T, dP^T -> dS^T). LSE and Delta of the two columns by
+    one 8-byte shared load each from the byte address la (Delta `doff` bytes on), q and kv in 32 bits: Numba's
+    float-array indexing (64-bit, negative-index wraparound) and 64-bit compares were ~7 integer instructions an
+    element. Without captured-table gradients only (those add per-element code after each call)."""
+    caps = _cap_args(spec)
+    lines = ["@device_function",
+             f"def elem_pairs_{branch}(x, y, i, la, qi, kvr, b, h, hk, interior{caps}):",
+             "    lq0, lq1 = lds_v2_f32(la)",
+             f"    dl0, dl1 = lds_v2_f32(la + {doff})"]
+    for k, (col, row) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
+        lines += [f"    s{k}, p{k} = elem_{branch}(lget(x, i + {k}), lget(y, i + {k}), lq{col}, dl{col}, b, h, hk, "
+                  f"qi + np.int32({col}), kvr + np.int32({row}), interior{caps})",
+                  f"    lset(x, i + {k}, s{k})",
+                  f"    lset(y, i + {k}, p{k})"]
+    return c.helper(f"elem_pairs_{branch}", lines)
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -327,8 +348,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"hq = hk * {G} + {hv}" if G > 1 else "hq = hk")
             c("qh = (b * H + hq) * M")
             emit_bases(c, ("q", "do"), ("hq", "hq"))
-            _emit_load(c, BQ, rstep, D, f"sb + {QO} + {bufv} * {TQ}", q0v, "M", "q", "qg", "q_sm")
-            _emit_load(c, BQ, rstep, D, f"sb + {DOO} + {bufv} * {TQ}", q0v, "M", "do", "dog", "do_sm")
+            # a tile inside M from this (b, head)'s row addresses: an add a copy, not the row loads' 64-bit index
+            # and bound (~7 instructions a copy)
+            _emit_row_addresses(c, "q", "qg", "q_sm", rstep)
+            _emit_row_addresses(c, "do", "dog", "do_sm", rstep)
+            _emit_load_inside(c, BQ, rstep, D, f"sb + {QO} + {bufv} * {TQ}", q0v, "M", "q", "qg", "q_sm")
+            _emit_load_inside(c, BQ, rstep, D, f"sb + {DOO} + {bufv} * {TQ}", q0v, "M", "do", "dog", "do_sm")
 
         c(f"if {_more(spec, 'hc', 'qc')}:")
         with c.indent():
@@ -408,14 +433,15 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# block s // 4, byte 32 * (s % 4)")
             c("FENCE_S(sacc, 0)")
             c("FENCE_S(pacc, 0)")
-            for ks in range(KS):
-                a = f"{(ks // 4) * BK * 128 + (ks % 4) * 32}"
-                bq = f"{(ks // 4) * BQ * 128 + (ks % 4) * 32}"
-                c(f"WG_S(sacc, 0, make_desc(HI_KM, k_wl + {a}), make_desc(HI_KM, qb + {bq}), {int(ks > 0)})")
-            for ks in range(KS):
-                a = f"{(ks // 4) * BK * 128 + (ks % 4) * 32}"
-                bq = f"{(ks // 4) * BQ * 128 + (ks % 4) * 32}"
-                c(f"WG_S(pacc, 0, make_desc(HI_KM, v_wl + {a}), make_desc(HI_KM, ob + {bq}), {int(ks > 0)})")
+            c("# descriptors: a word a tile and operand, plus a k step's offset >> 4 (desc_at: one mov a wgmma where")
+            c("# make_desc cost ~6 uniform instructions)")
+            for nm, base in (("k", "k_wl"), ("q", "qb"), ("v", "v_wl"), ("o", "ob")):
+                c(f"w_{nm} = desc_word(HI_KM, {base})")
+            for acc, A, B in (("sacc", "w_k", "w_q"), ("pacc", "w_v", "w_o")):
+                for ks in range(KS):
+                    a = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
+                    bq = ((ks // 4) * BQ * 128 + (ks % 4) * 32) >> 4
+                    c(f"WG_S({acc}, 0, desc_at(HI_KM, {A} + {a}), desc_at(HI_KM, {B} + {bq}), {int(ks > 0)})")
             c("wgmma_commit()")
             c("WAIT_S(sacc, 0)")
             c("WAIT_S(pacc, 0)")
@@ -425,15 +451,16 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 if gr.reduced:
                     c(f"gsum{i} = ZERO")
             if not spec.grads:
-                c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
+                c("kvr = np.int32(kv0 + warp * 16 + g)  # this thread's first kv row (the second is kvr + 8)")
+                c("qt2 = np.int32(q0 + t2)  # its first q column")
+                c(f"la = sb + {STO} + buf * {4 * BQ} + t2 * 4  # the shared byte address of its columns' LSE")
 
-            def elementwise(branch: str) -> None:
-                if not spec.grads:  # one helper call per (n8 tile, column): 4 elements
-                    fn = _elem_quad_helper(c, spec, branch)
+            def elementwise(branch: str, interior: str = "interior") -> None:
+                if not spec.grads:  # one helper call per n8 tile: this thread's 2 columns x 2 rows
+                    fn = _elem_pairs_helper(c, spec, branch, 8 * BQ)
                     for jj in range(NJ):
-                        for e in range(2):
-                            c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, "
-                              f"kvr, b, h, hk, interior{caps})")
+                        c(f"{fn}(sacc, pacc, ofs_{jj * 4}, la + {jj * 32}, qt2 + {jj * 8}, kvr, b, h, hk, "
+                          f"{interior}{caps})")
                     return
                 outs_g = _grad_outs(spec)
                 for jj in range(NJ):
@@ -448,15 +475,26 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
                             _emit_grad_element(c, spec)
 
-            if len(spec.branches) == 1:
-                elementwise(spec.branches[0])
+            def branches(interior: str = "interior") -> None:
+                if len(spec.branches) == 1:
+                    elementwise(spec.branches[0], interior)
+                else:
+                    c("if cls == 2:")
+                    with c.indent():
+                        elementwise("full", interior)
+                    c("else:")
+                    with c.indent():
+                        elementwise("partial", interior)
+
+            if spec.grads:
+                branches()
             else:
-                c("if cls == 2:")
+                c("if interior:  # a constant: the elementwise code's bound checks fold away")
                 with c.indent():
-                    elementwise("full")
+                    branches("True")
                 c("else:")
                 with c.indent():
-                    elementwise("partial")
+                    branches()
             _emit_grad_tile_end(c, spec, warp_reduce=True)
             c()
             c(f"# dV += P^T dO and dK += dS^T Q: {BQ // 16} + {BQ // 16} wgmma m64n{D}k16, A packed from the")
@@ -475,10 +513,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 "    smem_w[w1 + o1] = d3"])
             c("FENCE_D(dvacc, 0)")
             c("FENCE_D(dkacc, 0)")
+            c("t_o = desc_word(HI_QT, ob)")
+            c("t_q = desc_word(HI_QT, qb)")
             for kk in range(BQ // 16):
                 c(f"pa0, pa1, pa2, pa3, da0, da1, da2, da3 = {pk}(sacc, pacc, ofs_{kk * 8})")
-                c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, make_desc(HI_QT, ob + {kk * 2048}), 1)")
-                c(f"WG_D(dkacc, 0, da0, da1, da2, da3, make_desc(HI_QT, qb + {kk * 2048}), 1)")
+                c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, desc_at(HI_QT, t_o + {kk * 128}), 1)")
+                c(f"WG_D(dkacc, 0, da0, da1, da2, da3, desc_at(HI_QT, t_q + {kk * 128}), 1)")
                 j0, j1 = 2 * kk, 2 * kk + 1  # n8 tiles (8 q columns: one 16-byte chunk) of this k step
                 o0 = f"{(j0 // 8) * BK * 32} + (({j0 % 8} ^ g) << 2)"
                 o1 = f"{(j1 // 8) * BK * 32} + (({j1 % 8} ^ g) << 2)"
@@ -491,9 +531,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)"
               + (" of this warpgroup's 64" if KSPLIT else ""))
             c("FENCE_Q(dqa, 0)")
+            c("w_ds = desc_word(HI_KV, ds_wl)")
+            c("w_kt = desc_word(HI_KV, kt_wl)")
             for kk in range(KQ):
-                c(f"WG_Q(dqa, 0, make_desc(HI_KV, ds_wl + {kk * 2048}), make_desc(HI_KV, kt_wl + {kk * 2048}), "
-                  f"{int(kk > 0)})")
+                c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128}), {int(kk > 0)})")
             c("wgmma_commit()")
             c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
