@@ -50,6 +50,7 @@ from .emit_fa2_bwd import (
     STRIDES,
     _cap_args,
     _elem_call,
+    _elem_quad_helper,
     _emit_grad_element,
     _emit_grad_tile_end,
     _grad_args,
@@ -80,26 +81,6 @@ from falower.backends.numba_cuda.wgmma import (
     wgmma_wait_regs,
 )
 '''
-
-
-def _elem_pairs_helper(c: _Code, spec: FA2BackwardSpec, branch: str, doff: int) -> str:
-    """`elem_pairs_<branch>(x, y, i, la, qi, kvr, b, h, hk, interior, *captures)`: the per-element step of one n8
-    tile of S^T / dP^T: this thread's columns qi, qi + 1 (qi even) and kv rows kvr, kvr + 8 at x[i .. i + 3]
-    (mma's C fragment), elem_<branch> in place (S^T -> P^T, dP^T -> dS^T). LSE and Delta of the two columns by
-    one 8-byte shared load each from the byte address la (Delta `doff` bytes on), q and kv in 32 bits: Numba's
-    float-array indexing (64-bit, negative-index wraparound) and 64-bit compares were ~7 integer instructions an
-    element. Without captured-table gradients only (those add per-element code after each call)."""
-    caps = _cap_args(spec)
-    lines = ["@device_function",
-             f"def elem_pairs_{branch}(x, y, i, la, qi, kvr, b, h, hk, interior{caps}):",
-             "    lq0, lq1 = lds_v2_f32(la)",
-             f"    dl0, dl1 = lds_v2_f32(la + {doff})"]
-    for k, (col, row) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):
-        lines += [f"    s{k}, p{k} = elem_{branch}(lget(x, i + {k}), lget(y, i + {k}), lq{col}, dl{col}, b, h, hk, "
-                  f"qi + np.int32({col}), kvr + np.int32({row}), interior{caps})",
-                  f"    lset(x, i + {k}, s{k})",
-                  f"    lset(y, i + {k}, p{k})"]
-    return c.helper(f"elem_pairs_{branch}", lines)
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -451,16 +432,15 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 if gr.reduced:
                     c(f"gsum{i} = ZERO")
             if not spec.grads:
-                c("kvr = np.int32(kv0 + warp * 16 + g)  # this thread's first kv row (the second is kvr + 8)")
-                c("qt2 = np.int32(q0 + t2)  # its first q column")
-                c(f"la = sb + {STO} + buf * {4 * BQ} + t2 * 4  # the shared byte address of its columns' LSE")
+                c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
 
-            def elementwise(branch: str, interior: str = "interior") -> None:
-                if not spec.grads:  # one helper call per n8 tile: this thread's 2 columns x 2 rows
-                    fn = _elem_pairs_helper(c, spec, branch, 8 * BQ)
+            def elementwise(branch: str) -> None:
+                if not spec.grads:  # one helper call per (n8 tile, column): 4 elements
+                    fn = _elem_quad_helper(c, spec, branch)
                     for jj in range(NJ):
-                        c(f"{fn}(sacc, pacc, ofs_{jj * 4}, la + {jj * 32}, qt2 + {jj * 8}, kvr, b, h, hk, "
-                          f"{interior}{caps})")
+                        for e in range(2):
+                            c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, "
+                              f"kvr, b, h, hk, interior{caps})")
                     return
                 outs_g = _grad_outs(spec)
                 for jj in range(NJ):
@@ -475,26 +455,15 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
                             _emit_grad_element(c, spec)
 
-            def branches(interior: str = "interior") -> None:
-                if len(spec.branches) == 1:
-                    elementwise(spec.branches[0], interior)
-                else:
-                    c("if cls == 2:")
-                    with c.indent():
-                        elementwise("full", interior)
-                    c("else:")
-                    with c.indent():
-                        elementwise("partial", interior)
-
-            if spec.grads:
-                branches()
+            if len(spec.branches) == 1:
+                elementwise(spec.branches[0])
             else:
-                c("if interior:  # a constant: the elementwise code's bound checks fold away")
+                c("if cls == 2:")
                 with c.indent():
-                    branches("True")
+                    elementwise("full")
                 c("else:")
                 with c.indent():
-                    branches()
+                    elementwise("partial")
             _emit_grad_tile_end(c, spec, warp_reduce=True)
             c()
             c(f"# dV += P^T dO and dK += dS^T Q: {BQ // 16} + {BQ // 16} wgmma m64n{D}k16, A packed from the")
