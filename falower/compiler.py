@@ -135,7 +135,9 @@ class CompiledAttention:
         want = emit_fa3.tiles(used["D"], mask_kind, table_tile and choice.get("schedule") == "wgmma-ws")
         if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
             built = self._retile(*want)
-        if built[1].block_q % choice.get("wg_rows", 64):  # the caller's tiles: a warpgroup per 64 rows of them
+        # 128 rows a warpgroup is a default: the caller's tiles (64 rows) or knobs (the softmax / P V overlap, which
+        # needs 64) keep 64 rows a warpgroup unless the caller asked for wg_rows itself
+        if "wg_rows" not in self.extra and (built[1].block_q % choice.get("wg_rows", 64) or self.extra.get("overlap")):
             choice = {k: v for k, v in choice.items() if k != "wg_rows"}
         # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that
         # to mma.sync, as if never chosen

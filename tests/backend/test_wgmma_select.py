@@ -84,6 +84,9 @@ def test_overrides(hopper) -> None:
     assert _spec(fl.compile(_graph(False), extra={"schedule": "mma"}), 128).extra == {"schedule": "mma"}
     s = _spec(fl.compile(_graph(True), extra={"schedule": "wgmma"}), 64)  # explicit: chosen where auto is not
     assert s.extra["schedule"] == "wgmma" and not s.extra["overlap"]
+    s = _spec(fl.compile(_graph(True), extra={"schedule": "wgmma", "overlap": True}), 64)  # the overlap: 64 rows
+    assert s.extra == {"schedule": "wgmma", "overlap": True}
+    emit_fa3.validate_spec(s)
     s = _spec(fl.compile(_graph(False), extra={"schedule": "wgmma", "overlap": False}), 128)
     assert s.extra == {"schedule": "wgmma", "overlap": False} and s.block_k == 128  # the caller's knobs win
 
