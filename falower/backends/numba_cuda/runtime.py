@@ -43,7 +43,7 @@ import numpy as np
 from . import cubin_cache
 from .block_data import BlockTables
 from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
-from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, dq_grid, dq_smem_bytes, dq_threads
+from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
 
 __all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
@@ -742,7 +742,7 @@ class _BackwardPlan:
         dk_, buf = buffer("delta")
         nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_dq)])
         scalars(buf, nxt, [rows, H, M, *strides[9:12]])
-        self.launches.append(_launcher(dk_.function(dev), (-(-rows // 4),), 128, 0, buf))
+        self.launches.append(_launcher(dk_.function(dev), delta_grid(B, H, M), 128, 0, buf))
         self.tables, self.sizes = kern.block_tables, tuple(sizes)
         if self.table_n:  # the dense block table: launched only for data not seen before (block_data.BlockTables)
             dk_, buf = buffer("mask")
@@ -1561,7 +1561,7 @@ class FA2BackwardKernel:
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         main = self._kernel[bwd_grid(s, B, H, M, N), self.threads, 0, self.smem]
-        delta_k = self._delta[(-(-rows // 4),), 128]
+        delta_k = self._delta[delta_grid(B, H, M), 128]
         ndq = rows * D
         if separate:
             dq_args = [qf, kf, vf, lse_k, dof, delta, dq_k, *sizes, *strides, *extra, *caps]
