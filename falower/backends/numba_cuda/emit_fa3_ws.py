@@ -390,29 +390,23 @@ def _emit_loader_step(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], kind:
         body.helpers = c.helpers
         body.level = 1
         _emit_load(body, BK, rstep, D, "l_dst", f"lj * {BK}", "N", "arr", "g0", "sm")
-        slow = c.helper("ring_tile", ["@device_function",
-                                      "def ring_tile(l_dst, arr, g0, sm, lj, N, ld_c, ld_r0, ld_x):"] + body.lines)
-        # a tile wholly inside N from the kept row addresses (l_at): an add a copy, not the row loads' 64-bit index
-        # and bound; the choice inside the helper, so the kernel's body keeps one call a site (compile time)
-        fn = c.helper("ring_copy", [
-            "@device_function",
-            "def ring_copy(l_dst, arr, g0, sm, lj, N, ld_c, ld_r0, ld_x, l_at, l_rb, l_rs):",
-            f"    if (lj + 1) * {BK} <= N:",
-            f"        {copy_rows_helper(c, BK // rstep, rstep)}(l_dst + (ld_c >> 3) * {BK * 128} + ld_r0 * 128 + ld_x, "
-            f"l_at + np.uint64(lj * {BK}) * l_rb, l_rs)",
-            "    else:",
-            f"        {slow}(l_dst, arr, g0, sm, lj, N, ld_c, ld_r0, ld_x)"])
+        fn = c.helper("ring_tile", ["@device_function", "def ring_tile(l_dst, arr, g0, sm, lj, N, ld_c, ld_r0, ld_x):"]
+                      + body.lines)
         args = {"k": ("k", "kg", "k_sm"), "v": ("v", "vg", "v_sm")}
-        tail = "lj, N, ld_c, ld_r0, ld_x, l_at, l_rb, l_rs"
+        c(f"if (lj + 1) * {BK} <= N:  # a tile wholly inside N: from the kept row addresses (l_at)")
+        with c.indent():
+            c(f"{copy_rows_helper(c, BK // rstep, rstep)}(l_dst + (ld_c >> 3) * {BK * 128} + ld_r0 * 128 + ld_x, "
+              f"l_at + np.uint64(lj * {BK}) * l_rb, l_rs)")
+        c("elif cw == 0:" if kind is None else "else:")
         if kind is None:
-            c("if cw == 0:")
             with c.indent():
-                c(f"{fn}(l_dst, {', '.join(args['k'])}, {tail})")
+                c(f"{fn}(l_dst, {', '.join(args['k'])}, lj, N, ld_c, ld_r0, ld_x)")
             c("else:")
             with c.indent():
-                c(f"{fn}(l_dst, {', '.join(args['v'])}, {tail})")
+                c(f"{fn}(l_dst, {', '.join(args['v'])}, lj, N, ld_c, ld_r0, ld_x)")
         else:
-            c(f"{fn}(l_dst, {', '.join(args[kind])}, {tail})")
+            with c.indent():
+                c(f"{fn}(l_dst, {', '.join(args[kind])}, lj, N, ld_c, ld_r0, ld_x)")
         c("cp_async_mbar_arrive_noinc(l_full + lstage * 8)")
         _emit_loader_next(c, spec)
         c("lj = ljn")
