@@ -33,8 +33,10 @@ MAX_KERNEL_STMTS = {"mma-d64": 240, "mma-d128": 250, "wgmma-d128": 180, "wgmma-d
                     "ws-d128": 240}  # 2026-11-23: 195, 209, 146, 130, 201 (324 before round 5)
 MAX_KERNEL_IFS = 14  # the tile range, the next tile, need_mask, the prologue, the epilogue: no branch per row
 # the ws kernel's own: the four ring loads (two in the prologue, each K or V by warpgroup, and one for each
-# warpgroup in the loop, each with its stage wrap), have_prev around the P V issue and the V release
-MAX_KERNEL_IFS_OF = {"ws-d128": 26}  # 2026-11-23: 25
+# warpgroup in the loop, each with its stage wrap), have_prev around the P V issue and the V release; each ring
+# load's choice of a tile inside N (kept row addresses) or the ragged one (2026-11-24: +3, measured on the H100
+# in that form; moved into a helper, ptxas spilled more in the bias kernel, 64 -> 88 bytes, unmeasured there)
+MAX_KERNEL_IFS_OF = {"ws-d128": 29}  # 2026-11-23: 25, then 26
 MAX_HELPER_STMTS = 24  # per-element work is a loop over n8 tiles, not 32-64 statements written out
 
 
