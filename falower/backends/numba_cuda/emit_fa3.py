@@ -7,7 +7,9 @@ range and classification under a block mask, the masked score, and the per-row s
 store helpers (the wgmma accumulator of m64nN is, per warp, mma.sync's C fragment repeated along N, so those
 helpers apply to one m16 fragment per warp unchanged). What is new is the schedule:
 
-* one warpgroup (4 warps, 128 threads) per 64 query rows, `block_q // 64` warpgroups per block;
+* one warpgroup (4 warps, 128 threads) per 64 query rows, `block_q // 64` warpgroups per block; or per 128 rows
+  (`wg_rows`: the default at D = 64 without a mask or under a static one), each thread holding two 64-row halves
+  whose S and P V wgmmas overlap the other half's softmax;
 * Q, K and V in shared memory in wgmma's 128 B-swizzled layout, `[D // 64][rows][64]` 16-bit elements, row r's
   16-byte chunk c at `r * 128 + ((c ^ (r & 7)) << 4)` of its 64-column block, from a 1024-byte aligned base
   (wgmma.py describes the descriptors); K and V double-buffered by 16-byte cp.async with zero fill past N;
@@ -27,8 +29,8 @@ Launch: grid `grid(spec, B, H, M, N)` = (q tiles, H, B) (no run-time division in
 a subroutine call, and any call makes ptxas serialize every wgmma: benchmarks/NOTES.md, "wgmma"),
 `threads_per_block(spec)` threads, `smem_bytes(spec)` bytes of dynamic shared memory (raise the 48 KB limit).
 
-Not yet here (issue 11): producer/consumer warpgroups, setmaxnreg, overlapping one tile's softmax with the next
-tile's matmuls, TMA. The schedule waits for each product before using it.
+Not here: producer/consumer warpgroups and setmaxnreg (emit_fa3_ws.py has them), TMA. With 64 rows a warpgroup
+the schedule waits for each product before using it unless `overlap` is on (D = 128).
 """
 
 from __future__ import annotations
