@@ -140,6 +140,11 @@ def test_launch_bounds_where_blocks_fit(hopper) -> None:
     doc = runpy.run_path(str(root / "examples" / "document.py"))["graph"]
     forced = fl.compile(doc, extra={"schedule": "wgmma", "wg_rows": 128}).specialize("f16", D=64)
     assert emit_fa3.blocks_per_sm(forced.spec) == 2 and "@launch_bounds(128, 2)" in forced.source
+    # two warpgroups of 128 rows (256 threads): one block, not three blocks of 85 registers a thread
+    import dataclasses
+
+    wide = dataclasses.replace(k64.spec, block_q=256)
+    assert emit_fa3.threads_per_block(wide) == 256 and emit_fa3.blocks_per_sm(wide) == 1
 
 
 def test_specialized_kernel_falls_back_to_wgmma(hopper) -> None:

@@ -227,7 +227,8 @@ def blocks_per_sm(spec: FA2ForwardSpec) -> int:
         # for two blocks, causal 366 vs 324: H100 N = 4k, 2026-11-24); row bounds read from tables and kept
         # across the loop (row_bounds_read_data: 12 registers more) spill there (the document mask: 174 vs 183)
         need = spec.block_k + spec.head_dim + spec.block_k // 4
-        if need <= 160 and not row_bounds_read_data(spec) and 3 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM:
+        fits3 = 3 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM
+        if threads == 128 and need <= 160 and not row_bounds_read_data(spec) and fits3:
             return 3
         return 2 if threads == 128 and 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM else 1
     accumulators = spec.block_k // 2 + spec.head_dim // 2
