@@ -31,6 +31,10 @@ CASES = {
     "r128-causal-f16-d64": ("causal", "f16", 64, 1, 1, 130, 75, 1, 128, 16, {"wg_rows": 128}),
     "r128-bias-bf16-d64-gqa": ("bias", "bf16", 64, 1, 2, 100, 40, 2, 128, 32, {"wg_rows": 128}),
     "r128-plain-f16-d128-2wg": ("plain", "f16", 128, 1, 1, 200, 33, 1, 256, 16, {"wg_rows": 128}),
+    # one row, one key (the second half and 127 of the first half's rows empty); a q tile minus one by a kv tile
+    # plus one
+    "r128-causal-f16-d64-1x1": ("causal", "f16", 64, 1, 1, 1, 1, 1, 128, 64, {"wg_rows": 128}),
+    "r128-bias-bf16-d64-127x65": ("bias", "bf16", 64, 1, 1, 127, 65, 1, 128, 64, {"wg_rows": 128}),
 }
 # through the runtime (FA2ForwardKernel with spec.extra["schedule"] = "wgmma"): the same launch path as the
 # mma.sync kernel, block-mask table kernel included
