@@ -107,7 +107,7 @@ def parse_config(text: str) -> tuple:
     ahead (default 1); '-nott' their score's table read by gathers, not in tiles through shared memory
     (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
-    an SM;
+    an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -138,6 +138,8 @@ def parse_config(text: str) -> tuple:
             extra["table_tiles"] = False
         elif o == "nopp":
             extra["pingpong"] = False
+        elif o == "tree":
+            extra["tree_softmax"] = True
         elif o in ("r64", "r128"):
             extra["wg_rows"] = int(o[1:])
         elif o.startswith("b") and o[1:].isdigit():
@@ -187,6 +189,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nopp"
     if "wg_rows" in extra:
         tag += f"-r{extra['wg_rows']}"
+    if extra.get("tree_softmax"):
+        tag += "-tree"
     if "blocks_per_sm" in extra:
         tag += f"-b{extra['blocks_per_sm']}"
     if "warp_skip" in extra:

@@ -774,6 +774,21 @@ def dual_step_helper(c: _Code, name: str, mma: str, ldsm: str, init: bool) -> st
     return c.helper(name, lines)
 
 
+def tree_softmax(spec: FA2ForwardSpec) -> bool:
+    """spec.extra["tree_softmax"]: softmax_row's row max and row sum over four chains instead of one (to measure:
+    not on by default). The sum's rounding differs from the one-chain order; the max is the same."""
+    return bool(spec.extra.get("tree_softmax", False))
+
+
+def _tree(op: str, terms: list[str]) -> str:
+    """terms combined pairwise: max(max(a, b), max(c, d)) or (a + b) + (c + d)."""
+    while len(terms) > 1:
+        pairs = [terms[k:k + 2] for k in range(0, len(terms), 2)]
+        terms = [(f"max({p[0]}, {p[1]})" if op == "max" else f"({p[0]} + {p[1]})") if len(p) == 2 else p[0]
+                 for p in pairs]
+    return terms[0]
+
+
 def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma: str, pack: str) -> None:
     """Device functions for the repeated fragment work of the tensor-core forward, on the constant-indexed
     accumulator arrays (S: `sc`, O: `acc`) at a constant element offset `i`:
@@ -898,11 +913,26 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("@device_function")
     c("def softmax_row(x, i, m_old):")
     with c.indent():
-        c("mx = max(lget(x, i), lget(x, i + 1))")
-        c(f"for jj in range(1, {NJ}):")
-        with c.indent():
-            c("mx = max(mx, lget(x, i + jj * 4))")
-            c("mx = max(mx, lget(x, i + jj * 4 + 1))")
+        K = min(4, NJ) if tree_softmax(spec) else 1
+        if K > 1:
+            # the row max and sum over K chains of n8 tiles (jj % K), combined at the end: a chain K times shorter
+            # for the one warp a scheduler that runs a ping-pong turn's softmax (the max is the same to the bit)
+            c(f"mq = cuda.local.array({K}, np.float32)")
+            c(f"rq = cuda.local.array({K}, np.float32)")
+            c(f"for k in range({K}):")
+            with c.indent():
+                c("lset(mq, k, max(lget(x, i + k * 4), lget(x, i + k * 4 + 1)))")
+                c("lset(rq, k, ZERO)")
+            c(f"for jj in range({K}, {NJ}):")
+            with c.indent():
+                c(f"lset(mq, jj & {K - 1}, max(lget(mq, jj & {K - 1}), max(lget(x, i + jj * 4), lget(x, i + jj * 4 + 1))))")
+            c("mx = " + _tree("max", [f"lget(mq, {k})" for k in range(K)]))
+        else:
+            c("mx = max(lget(x, i), lget(x, i + 1))")
+            c(f"for jj in range(1, {NJ}):")
+            with c.indent():
+                c("mx = max(mx, lget(x, i + jj * 4))")
+                c("mx = max(mx, lget(x, i + jj * 4 + 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 2))")
         c(f"m_new = max(m_old, mx * {scale})" if scale else "m_new = max(m_old, mx)")
@@ -921,7 +951,12 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             c("lset(x, e, v0)")
             c(f"v1 = ex2({x1})")
             c("lset(x, e + 1, v1)")
-            c("rs = rs + v0 + v1")
+            if K > 1:
+                c(f"lset(rq, jj & {K - 1}, lget(rq, jj & {K - 1}) + v0 + v1)")
+            else:
+                c("rs = rs + v0 + v1")
+        if K > 1:
+            c("rs = " + _tree("add", [f"lget(rq, {k})" for k in range(K)]))
         c("return m_new, alpha, rs")
     c()
     c("@device_function")
