@@ -82,6 +82,7 @@ from .emit_fa2 import (
     emit_row_bounds,
     has_tile_table,
     row_bounds_read_data,
+    wgmma_thread_rows,
 )
 try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has them
     from .emit_fa2 import _score_args
@@ -106,6 +107,7 @@ __all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "register_cap", "registers
            "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
+ROWS = wgmma_thread_rows()  # a consumer thread's two rows of its warpgroup's 64 (emit_fa3's 64-row layout)
 # 288 threads (a producer warp + two consumer warpgroups) are 9 warps, and the SM allocates registers to warps in
 # groups of 4: the block is sized like 12 warps, 12 x 32 x 168 = 64512 <= 65536 (176: 67584). 224 made every launch
 # fail on the H100 (CUresult 701, CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, 2026-11-23); ptxas sizes a `.maxntid 288`
@@ -499,9 +501,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
             c("bar_arrive(1, 256)  # warpgroup 0 issues first")
     c(f"acc = cuda.local.array({D // 2}, np.float32)")
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
-    for r in range(2):
-        c(f"m_{r} = NEG_INF")
-        c(f"l_{r} = ZERO")
+    for t in ROWS:
+        c(f"m_{t.k} = NEG_INF")
+        c(f"l_{t.k} = ZERO")
     c(f"for i in range({D // 2}):")
     with c.indent():
         c("acc[i] = ZERO")
@@ -607,10 +609,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
                 c("mbar_wait(t_full, tphase)  # this warpgroup's rows of the table tile have landed")
                 c("tphase ^= 1")
         def score_rows(fn: str, tail: str = "") -> None:
-            """The thread's two rows of S through `fn`; `tail` adds arguments after N (per row, {r})."""
-            for r in range(2):
-                qrow = f"q_lo + warp * 16 + {8 * r} + g"
-                c(f"{fn}(sc, ofs_{2 * r}, b, h, {qrow}, kv0 + t2, N{caps}{tail.format(r=8 * r)})")
+            """The thread's two rows of S through `fn`; `tail` adds arguments after N (per row, {r}: its offset)."""
+            for t in ROWS:
+                c(f"{fn}({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{caps}{tail.format(r=t.off)})")
 
         table_row = (f", t_wg + np.uint32(((warp & 3) * 16 + {{r}} + g) * {BK * 4}), "
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
@@ -637,9 +638,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
                     copy("jn")
                 c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
-        for r in range(2):
-            c(f"m_{r}, alpha_{r}, rs = softmax_row(sc, ofs_{2 * r}, m_{r})")
-            c(f"l_{r} = l_{r} * alpha_{r} + rs")
+        for t in ROWS:
+            c(f"m_{t.k}, alpha_{t.k}, rs = softmax_row({t.sc}, {t.ofs}, m_{t.k})")
+            c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
         c("# the wait for P_{j-1} V_{j-1} on every path, not under `if have_prev`: ptxas cannot tie this branch to")
         c("# the one that issued it, sees a path where O += P V is in flight while scale_row writes O and the pack")
         c("# below writes P (both inputs of that wgmma), and serializes every wgmma (C7513, and C7517: a wait it")
@@ -652,8 +653,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
             c(f"if cw == 1:  # V_(j + {S - 1}) into V_(j - 1)'s stage: warpgroup 0, a turn ahead, has released it")
             with c.indent():
                 _emit_loader_step(c, spec, lay, "v")
-        for r in range(2):
-            c(f"scale_row(acc, ofs_{2 * r}, alpha_{r})")
+        for t in ROWS:
+            c(f"scale_row({t.acc}, {t.ofs}, alpha_{t.k})")
         c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
         c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
         c("have_prev = True")
