@@ -72,7 +72,6 @@ from falower.backends.numba_cuda.wgmma import (
     desc_hi,
     desc_word,
     fence_proxy_async,
-    make_desc,
     opaque_u32,
     wgmma_commit,
     wgmma_fence_regs,
