@@ -135,13 +135,21 @@ class CompiledAttention:
         want = emit_fa3.tiles(used["D"], mask_kind, table_tile and choice.get("schedule") == "wgmma-ws")
         if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
             built = self._retile(*want)
-        # 128 rows a warpgroup is a default: the caller's tiles (64 rows) or knobs (the softmax / P V overlap, which
-        # needs 64) keep 64 rows a warpgroup unless the caller asked for wg_rows itself
-        if "wg_rows" not in self.extra and (built[1].block_q % choice.get("wg_rows", 64) or self.extra.get("overlap")):
-            choice = {k: v for k, v in choice.items() if k != "wg_rows"}
+
+        def fit_rows(extra: dict) -> dict:
+            """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
+            tiles of a fallback from the warp-specialized kernel) or the caller's knobs (the softmax / P V overlap,
+            which needs 64) keep 64 rows a warpgroup unless the caller asked for wg_rows itself."""
+            low = built[1]
+            if "wg_rows" in self.extra or "wg_rows" not in extra or (
+                    emit_fa3.wide_rows_fit(low.block_q, low.block_k, used["D"]) and not self.extra.get("overlap")):
+                return extra
+            return {k: v for k, v in extra.items() if k != "wg_rows"}
+
         # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that
         # to mma.sync, as if never chosen
         tries = [choice] + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
+        tries = [fit_rows(extra) for extra in tries]
         for extra in tries:
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **self.extra})
             if asked is not None:

@@ -155,6 +155,21 @@ def test_specialized_kernel_falls_back_to_wgmma(hopper) -> None:
     assert s.extra["schedule"] == "wgmma" and s.extra["overlap"] and s.extra["stages"] == 4
 
 
+def test_fallback_from_the_specialized_kernel_keeps_64_rows_on_wide_tiles(hopper) -> None:
+    """The bias table at D = 64 takes the warp-specialized kernel on 128 x 128 tiles; where that kernel refuses the
+    spec (stages past shared memory), the plain wgmma kernel on the same tiles keeps 64 rows a warpgroup: 128 rows
+    would hold 256 accumulator registers a thread."""
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent.parent
+    g = runpy.run_path(str(root / "examples" / "bias.py"))["graph"]
+    s = _spec(fl.compile(g, extra={"stages": 6}), 64)
+    assert s.extra["schedule"] == "wgmma" and "wg_rows" not in s.extra and (s.block_q, s.block_k) == (128, 128)
+    assert emit_fa3.wide_rows_fit(128, 64, 64) and not emit_fa3.wide_rows_fit(128, 128, 64)
+    assert not emit_fa3.wide_rows_fit(64, 64, 64)
+
+
 def test_a_table_tile_takes_the_specialized_kernel_at_d64(hopper) -> None:
     """A score reading a [q, kv] tile of a table (bias[h, q, kv]) takes the warp-specialized kernel on 128 x 128
     tiles at D = 64 too, where it copies the tile into shared memory; a per-head table read along a diagonal

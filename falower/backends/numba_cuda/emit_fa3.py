@@ -171,6 +171,21 @@ def wg_rows(spec: FA2ForwardSpec) -> int:
     return int(spec.extra.get("wg_rows", 64))
 
 
+WIDE_ROWS_REGISTERS = 160  # S, O and P's words of 128 rows a warpgroup at D = 64, 64-wide kv tiles (measured)
+
+
+def wide_rows_registers(block_k: int, head_dim: int) -> int:
+    """A thread's accumulator registers with 128 rows a warpgroup: two halves of S (block_k / 2), O (D / 2) and P's
+    16-bit pairs (block_k / 4)."""
+    return 2 * (block_k // 2 + head_dim // 2 + block_k // 4)
+
+
+def wide_rows_fit(block_q: int, block_k: int, head_dim: int) -> bool:
+    """128 rows a warpgroup where it was measured to pay: 128-row multiples of q tiles whose accumulators fit
+    WIDE_ROWS_REGISTERS (D = 64 with 64-wide kv tiles; 128-wide ones would hold 256 and spill)."""
+    return block_q % 128 == 0 and wide_rows_registers(block_k, head_dim) <= WIDE_ROWS_REGISTERS
+
+
 def threads_per_block(spec: FA2ForwardSpec) -> int:
     """One warpgroup per `wg_rows` query rows (spec.num_warps, chosen for mma.sync, is not used here)."""
     if spec.extra.get("schedule") == "wgmma-ws":  # the warp-specialized schedule: emit_fa3_ws.py
@@ -226,9 +241,9 @@ def blocks_per_sm(spec: FA2ForwardSpec) -> int:
         # thread of three 128-thread blocks gets, without spills for the static masks (plain 402 vs 374 TFLOP/s
         # for two blocks, causal 366 vs 324: H100 N = 4k, 2026-11-24); row bounds read from tables and kept
         # across the loop (row_bounds_read_data: 12 registers more) spill there (the document mask: 174 vs 183)
-        need = spec.block_k + spec.head_dim + spec.block_k // 4
+        need = wide_rows_registers(spec.block_k, spec.head_dim)
         fits3 = 3 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM
-        if threads == 128 and need <= 160 and not row_bounds_read_data(spec) and fits3:
+        if threads == 128 and need <= WIDE_ROWS_REGISTERS and not row_bounds_read_data(spec) and fits3:
             return 3
         return 2 if threads == 128 and 2 * (smem_bytes(spec) + 1024) <= SMEM_PER_SM else 1
     accumulators = spec.block_k // 2 + spec.head_dim // 2
