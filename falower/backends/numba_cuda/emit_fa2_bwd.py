@@ -2,7 +2,7 @@
 
 Three kernels, in one module each:
 
-* `<name>_delta(do, o, delta, dq32, rows, H, M, *dO strides)`: Delta = rowsum(dO * O) (FA2's preprocessing), one warp per row;
+* `<name>_delta(do, o, delta, dq32, H, M, *dO strides)`: Delta = rowsum(dO * O) (FA2's preprocessing), one warp per row;
   it also zeroes the row of the f32 dQ accumulator, so no separate memset is launched.
 * `<name>(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, *strides, [table], *grad tables, *captures)`: the main
   kernel. One block per (b, kv head, kv tile): K and V stay in shared memory; the block walks the query
@@ -838,13 +838,13 @@ def delta_grid(B: int, H: int, M: int) -> tuple[int, int, int]:
 
 
 def emit_delta(spec: FA2BackwardSpec) -> str:
-    """`<name>_delta(do, o, delta, dq32, rows, H, M, *dO strides)`: one warp per row; 4 rows per 128-thread block,
+    """`<name>_delta(do, o, delta, dq32, H, M, *dO strides)`: one warp per row; 4 rows per 128-thread block,
     launched on `delta_grid`."""
     D = spec.head_dim
     load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}_delta(do, o, delta, dq32, rows, H, M, do_sb, do_sh, do_sm):")
+    c(f"def {spec.name}_delta(do, o, delta, dq32, H, M, do_sb, do_sh, do_sm):")
     with c.indent():
         c('"""Delta = rowsum(dO * O) per row (FA2\'s preprocessing); zeroes the row of the f32 dQ accumulator."""')
         c("lane = cuda.threadIdx.x & 31")

@@ -741,7 +741,7 @@ class _BackwardPlan:
         # Delta = rowsum(dO * O), and dQ's f32 accumulator zeroed
         dk_, buf = buffer("delta")
         nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_dq)])
-        scalars(buf, nxt, [rows, H, M, *strides[9:12]])
+        scalars(buf, nxt, [H, M, *strides[9:12]])
         self.launches.append(_launcher(dk_.function(dev), delta_grid(B, H, M), 128, 0, buf))
         self.tables, self.sizes = kern.block_tables, tuple(sizes)
         if self.table_n:  # the dense block table: launched only for data not seen before (block_data.BlockTables)
@@ -1583,7 +1583,7 @@ class FA2BackwardKernel:
                     g_buf.zero_()
                 else:
                     g_buf.copy_to_device(zeros[i])
-            delta_k(dof, of, delta, dq32, rows, H, M, *strides[9:12])
+            delta_k(dof, of, delta, dq32, H, M, *strides[9:12])
             if block_mask is not None:
                 self.block_tables.fill(entry, lambda: block_mask(table, *sizes, *caps))
             main(*args)
