@@ -1396,7 +1396,7 @@ class FA2BackwardKernel:
         caps = tuple(_capture_types(s))
         table = (arr(types.int8),) if s.block_mask == "table" else ()
         if which == "delta":
-            return (arr(elem), arr(elem), arr(acc), arr(acc)) + (i64,) * 6
+            return (arr(elem), arr(elem), arr(acc), arr(acc)) + (i64,) * 5
         if which == "dq" and s.dq == "separate":
             return (arr(elem),) * 3 + (arr(acc), arr(elem), arr(acc), pair) + (i64,) * 16 + table + caps
         if which == "dq":
