@@ -414,6 +414,9 @@ def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
         return Variant(stem, score_mod=lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0))
     if stem == "sliding_window":
         return Variant(stem, mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 48))
+    if stem == "softcap_approx":  # tanh.approx.f32 on both sides (FlashAttention's softcap)
+        tanh = flex_tanh_approx()
+        return Variant(stem, score_mod=lambda s, b, h, q, kv: 30.0 * tanh(s / 30.0))
     if stem in BENCH_GRAPHS:  # a bench-only variant: the same mask_mod for falower and Flex
         return Variant(stem, mask_mod=BENCH_GRAPHS[stem])
     if stem == "prefix_lm":
@@ -437,6 +440,42 @@ def _window(width: int) -> Callable:
 # Variants the bench builds itself (not files in examples/): issue 12's measured configuration of the sliding
 # window, 1024 wide (the example's 48 keeps 1% of the pairs: every CTA visits two tiles)
 BENCH_GRAPHS = {"sliding_window_1024": _window(1024)}
+# ... and score_mods: the softcap example with the hardware's tanh (fl.tanh(approx=True), op tanh_approx)
+BENCH_SCORE_GRAPHS = {"softcap_approx": lambda s, b, h, q, kv: 30.0 * _fl().tanh(s / 30.0, approx=True)}
+
+
+def _fl():
+    import falower as fl
+
+    return fl
+
+
+_FLEX_TANH: list = []
+
+
+def flex_tanh_approx() -> Callable:
+    """tanh.approx.f32 inside a Flex score_mod: attention-gym's recipe (a custom op that inductor lowers to one
+    inline-asm instruction), so falower's tanh_approx is timed against Flex running the same instruction."""
+    if not _FLEX_TANH:
+        from functools import partial
+
+        from torch._inductor.lowering import make_pointwise, register_lowering
+        from torch._inductor.virtualized import ops
+
+        @torch.library.custom_op("falower_bench::tanh_approx", mutates_args=())
+        def tanh_approx(x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x)
+
+        @tanh_approx.register_fake
+        def _(x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x)
+
+        def lowering(x):
+            return make_pointwise(partial(ops.inline_asm_elementwise, asm="tanh.approx.f32 $0, $1;"))(x)
+
+        register_lowering(torch.ops.falower_bench.tanh_approx)(lowering)
+        _FLEX_TANH.append(tanh_approx)
+    return _FLEX_TANH[0]
 
 
 def example_graph(stem: str):
@@ -444,11 +483,13 @@ def example_graph(stem: str):
 
     if stem in BENCH_GRAPHS:
         return fl.attention(mask_mod=BENCH_GRAPHS[stem], name=stem)
+    if stem in BENCH_SCORE_GRAPHS:
+        return fl.attention(score_mod=BENCH_SCORE_GRAPHS[stem], name=stem)
     return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
 
 
 def example_stems() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "examples").glob("*.py")) + list(BENCH_GRAPHS)
+    return sorted(p.stem for p in (ROOT / "examples").glob("*.py")) + list(BENCH_GRAPHS) + list(BENCH_SCORE_GRAPHS)
 
 
 def example_compiled(stem: str, schedule: Optional[str] = None, **extra):

@@ -230,7 +230,11 @@ class SymTensor:
     def exp2(self): return self._unary("exp2")
     def log(self): return self._unary("log")
     def log2(self): return self._unary("log2")
-    def tanh(self): return self._unary("tanh")
+    def tanh(self, approx: bool = False):
+        """tanh; approx=True allows the hardware's approximation (op tanh_approx: one MUFU.TANH on the H100, relative
+        error documented as ~2^-11, measured 2^-16.5; FlashAttention's softcap) where the exact one costs two MUFU
+        operations and ~15 instructions (a softcap at 1.4x the speed: BENCHMARKS.md)."""
+        return self._unary("tanh_approx" if approx else "tanh")
     def sigmoid(self): return self._unary("sigmoid")
     def erf(self): return self._unary("erf")
     def sqrt(self): return self._unary("sqrt")
@@ -511,7 +515,7 @@ def minimum(a: Any, b: Any) -> SymTensor:
 def exp(x): return _sym(x).exp()
 def exp2(x): return _sym(x).exp2()
 def log(x): return _sym(x).log()
-def tanh(x): return _sym(x).tanh()
+def tanh(x, approx: bool = False): return _sym(x).tanh(approx)
 def sigmoid(x): return _sym(x).sigmoid()
 def erf(x): return _sym(x).erf()
 def sqrt(x): return _sym(x).sqrt()

@@ -116,7 +116,7 @@ class Interpreter:
             x = [a.astype(cd) if a.dtype.kind == "f" else a for a in x]
         unary = {
             "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2,
-            "tanh": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
+            "tanh": np.tanh, "tanh_approx": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
             "erf": _erf, "not": lambda a: np.logical_not(a) if a.dtype == np.bool_ else np.invert(a),
             "sin": np.sin, "cos": np.cos, "tan": np.tan, "log1p": np.log1p, "expm1": np.expm1,
             "rsqrt": lambda a: 1.0 / np.sqrt(a), "sign": np.sign, "floor": np.floor, "ceil": np.ceil,

@@ -88,7 +88,7 @@ def _needed(ops: Sequence[Op], roots: Sequence[Value], active: set[Value]) -> se
 
 # ops whose result is finite even where an operand is infinite (exp(-inf) = 0; an exp that overflows to +inf
 # makes the forward itself infinite, so its gradient is lost anyway)
-_FINITE = ("exp", "exp2", "expm1", "tanh", "sigmoid", "erf", "softmax", "sin", "cos", "sign", "floor", "ceil",
+_FINITE = ("exp", "exp2", "expm1", "tanh", "tanh_approx", "sigmoid", "erf", "softmax", "sin", "cos", "sign", "floor", "ceil",
            "round", "rsqrt")
 
 
@@ -223,6 +223,8 @@ RULES.update({
     "log": _unary(lambda bw, g, x, y: bw.emit("div", g, x)),
     "log2": _unary(lambda bw, g, x, y: bw.emit("div", g, bw.emit("mul", x, _c(bw, math.log(2.0), g)))),
     "tanh": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("sub", _c(bw, 1.0, g), bw.emit("mul", y, y)))),
+    # 1 - y^2 of the forward's own (approximate) y, as FlashAttention's fast softcap backward
+    "tanh_approx": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("sub", _c(bw, 1.0, g), bw.emit("mul", y, y)))),
     "sqrt": _unary(lambda bw, g, x, y: bw.emit("div", g, bw.emit("mul", y, _c(bw, 2.0, g)))),
     "sigmoid": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("mul", y, bw.emit("sub", _c(bw, 1.0, g), y)))),
     "erf": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit(

@@ -75,6 +75,7 @@ from falower.backends.numba_cuda.intrinsics import (
     rint_f32,
     sin_f32,
     tan_f32,
+    tanh_approx_f32,
     bf16_to_f32,
     cp_async16,
     cp_async16_s,
@@ -1492,7 +1493,8 @@ def _module(spec: FA2ForwardSpec, body: str) -> str:
 _F64_NAMES = [(r"\bnp\.float32\b", "np.float64"), (r"\bex2\(", "math.exp2("), (r"\bLN2\b", "LN2_64"),
               (r"\bLOG2E\b", "LOG2E_64"), (r"\bNEG_INF\b", "NEG_INF_64"),
               (r"\bZERO\b", "ZERO_64"), (r"\bONE\b", "ONE_64"), (r"\bsin_f32\(", "math.sin("),
-              (r"\bcos_f32\(", "math.cos("), (r"\btan_f32\(", "math.tan(")]
+              (r"\bcos_f32\(", "math.cos("), (r"\btan_f32\(", "math.tan("),
+              (r"\btanh_approx_f32\(", "math.tanh(")]
 
 
 def as_f64(code: str) -> str:

@@ -151,7 +151,8 @@ LIST_CAPTURES = (Capture("kv_count", "i32", 1, derived=("kv_count",)),
 
 # ------------------------------------------------------------------------------------ scalar code
 _UNARY = {"exp": "math.exp({})", "exp2": "math.pow(np.float32(2.0), {})", "log": "math.log({})",
-          "log2": "math.log2({})", "tanh": "math.tanh({})", "erf": "math.erf({})", "sqrt": "math.sqrt({})",
+          "log2": "math.log2({})", "tanh": "math.tanh({})", "tanh_approx": "tanh_approx_f32({})",
+          "erf": "math.erf({})", "sqrt": "math.sqrt({})",
           "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + math.exp(-{})))", "neg": "(-{})", "abs": "abs({})",
           "sin": "sin_f32({})", "cos": "cos_f32({})", "tan": "tan_f32({})", "log1p": "math.log1p({})",
           "expm1": "math.expm1({})", "rsqrt": "(np.float32(1.0) / math.sqrt({}))",

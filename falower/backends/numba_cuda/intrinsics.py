@@ -39,6 +39,7 @@ Public names (identical in both modes):
                                    index starts an 8-byte aligned pair)
     pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
     ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
+    tanh_approx_f32                (x: f32) -> f32, tanh.approx.f32 (one MUFU.TANH; the IR's tanh_approx)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
@@ -96,6 +97,7 @@ __all__ = [
     "pack_f16x2",
     "pack_bf16x2",
     "ex2",
+    "tanh_approx_f32",
     "shfl_xor_f32",
     "ballot",
     "lowest_bit",
@@ -451,6 +453,9 @@ if SIMULATOR:
     def ex2(x):
         with np.errstate(over="ignore", under="ignore"):
             return np.float32(np.exp2(np.float32(x)))
+
+    def tanh_approx_f32(x):  # the simulator computes the definition, tanh, in f32
+        return np.float32(np.tanh(np.float32(x)))
 
     def shfl_xor_f32(x, lane_mask):
         lane, vals = _exchange(np.float32(x))
@@ -1154,6 +1159,14 @@ else:
         def codegen(context, builder, sig, args):
             (v,) = _cast_all(context, builder, sig, args, [_F32])
             return _asm(context, builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", [v], [_F32])
+
+        return _F32(x), codegen
+
+    @intrinsic
+    def tanh_approx_f32(typingctx, x):
+        def codegen(context, builder, sig, args):
+            (v,) = _cast_all(context, builder, sig, args, [_F32])
+            return _asm(context, builder, "tanh.approx.f32 $0, $1;", "=f,f", [v], [_F32])
 
         return _F32(x), codegen
 
