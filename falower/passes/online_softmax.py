@@ -19,6 +19,15 @@ where X is the same score tile computation in all three loops. Rewritten (seed 0
     %o = %acc / where(%l == 0, 1, %l)             one division, after the loop (FA2)
     %lse = %m + log(%l)                           a new output, for the backward
 
+With lazy=T (T > 0, in the exponent's base: log2 units under exp2) the running max moves only when a tile's
+max exceeds it by more than T (FlashAttention-4's conditional rescaling):
+
+      %mc = max(%mi, rowmax(X));  %mn = where(%mc > %mi + T, %mc, %mi)
+
+so p <= base^T (2^8 = 256 for T = 8: within f16 and the f32 sums) and on every tile that keeps the max the
+correction is exp(0) = 1 exactly: the kernels skip O's rescale there (a multiply by one), which is most tiles
+after the first. The numbers are those of the eager update up to rounding (O = acc / l with the same m in both).
+
 A row whose every score is -inf keeps m = -inf, l = 0: O = 0 and LSE = -inf, never NaN. With exp2=true
 the loop works in base 2: X is multiplied by log2(e) inside the score function (the backend folds it into
 the scale) and LSE is converted back to natural log. For tile{order=fa1} the kv loop is moved outside
@@ -178,8 +187,14 @@ class OnlineSoftmax(Pass):
     name = "online-softmax"
     summary = "three kv passes -> one loop with loop-carried (m, l, acc), deferred normalisation, LSE output"
     exp2: bool = False
+    lazy: float = 0.0
 
     def run(self, func: Func) -> Func:
+        if not (self.lazy >= 0 and math.isfinite(self.lazy)):
+            raise self.fail(f"lazy={self.lazy}: the rescale threshold must be a finite number >= 0 (0: rescale every tile)")
+        if self.lazy > 30:
+            raise self.fail(f"lazy={self.lazy}: p could reach base^{self.lazy}, past f16's range (at most 30 here; "
+                            "FlashAttention-4 uses 8 in log2 units)")
         par = the_parallel_for(func, self.fail, "run tile first")
         body = par.regions[0]
         fa1 = next((op for op in body.ops if op.name == "for" and op.attrs.get("order") == "fa1"), None)
@@ -191,6 +206,8 @@ class OnlineSoftmax(Pass):
             lse_tile = self._merge(block, tp)
             self._add_lse_output(func, par, lse_tile)
         else:
+            if self.lazy:
+                raise self.fail("lazy rescaling needs the FA2 order (tile{order=fa1} writes m back every kv step)")
             self._fa1(func, par, fa1, tp)
         dce(func)
         return func
@@ -199,7 +216,12 @@ class OnlineSoftmax(Pass):
     def _update(self, b: Builder, x: Value, vt: Value, mi: Value, li: Value, ai: Value):
         ex = "exp2" if self.exp2 else "exp"
         row_t = scalar(x.type.dtype)  # the scores' float type: f32, or f64 for f64 inputs
-        mn = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_new")
+        if self.lazy:  # the max moves only past mi + T (mi = -inf: any finite max moves it)
+            mc = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_max")
+            moved = b.emit("gt", mc, b.emit("add", mi, b.const(float(self.lazy), row_t)), name_hint="m_moved")
+            mn = b.emit("where", moved, mc, mi, name_hint="m_new")
+        else:
+            mn = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_new")
         mn_safe = b.emit("where", b.emit("eq", mn, b.const(-math.inf, row_t)), b.const(0.0, row_t), mn,
                          name_hint="m_new_safe")
         c = b.emit(ex, b.emit("sub", mi, mn_safe), name_hint="corr")
@@ -222,6 +244,8 @@ class OnlineSoftmax(Pass):
                 lb.block.append(nop)
                 if self.exp2 and op is tp.x_c.owner:
                     _scale_region(lb, nop)
+                if self.lazy and op is tp.x_c.owner:
+                    nop.attrs["lazy_rescale"] = float(self.lazy)  # the backend's cue (from_ir reads it)
             return self._update(lb, vmap[tp.x_c], vmap[tp.vt], *it)
 
         scratch = Block()

@@ -39,6 +39,12 @@ CASES = {
     "simt-bias-bf16": ("bias", "simt", "bf16", 16, 1, 2, 40, 35, 1, 32, 16, 1),
     "simt-table-f32-masked-rows": ("document", "simt", "f32", 16, 2, 1, 40, 40, 1, 32, 16, 1),
     "simt-plain-f32-n1": ("plain", "simt", "f32", 16, 1, 1, 17, 1, 1, 32, 16, 1),
+    # online-softmax{lazy=T} (spec.lazy_rescale): T = 0.5 makes the max both move and stay across kv tiles (and
+    # O's rescale both run and be skipped); 8 on fully masked rows (m = -inf throughout)
+    "mma-causal-f16-lazy": ("causal", "mma", "f16", 16, 1, 2, 40, 70, 1, 16, 16, 1, {"lazy_rescale": 0.5}),
+    "mma-table-f16-masked-rows-lazy": ("document", "mma", "f16", 16, 2, 1, 40, 40, 1, 32, 32, 2,
+                                       {"lazy_rescale": 8.0}),
+    "simt-causal-f16-lazy": ("causal", "simt", "f16", 16, 1, 2, 40, 70, 1, 32, 16, 1, {"lazy_rescale": 0.5}),
 }
 
 
@@ -50,7 +56,8 @@ def run_case(case_id: str) -> dict:
     spec = make_spec(variant, D, dtype, path=path, block_q=bq, block_k=bk, num_warps=nw, group_size=G,
                      name=f"sim_{case_id.replace('-', '_')}")
     if extra:
-        spec = dataclasses.replace(spec, extra=extra[0])
+        extra = dict(extra[0])
+        spec = dataclasses.replace(spec, lazy_rescale=extra.pop("lazy_rescale", 0.0), extra=extra)
     kern = FA2ForwardKernel(spec)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
     caps = random_captures(rng, variant, B, H, M, N)

@@ -42,6 +42,7 @@ unmasked score get O = 0 and LSE = -inf.
 
 from __future__ import annotations
 
+import contextlib
 import ast
 import re
 import textwrap
@@ -601,6 +602,13 @@ def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
     return f"np.float32({e})" if spec.exp2 else f"np.float32({e}) * LOG2E"
 
 
+def lazy_threshold(spec: FA2ForwardSpec) -> str:
+    """online-softmax{lazy=T}'s T where the kernels keep the row max: the IR's exponent base is the kernels' base 2
+    under exp2, natural otherwise (the kernels multiply such scores by log2(e), `_score_expr`)."""
+    t = spec.lazy_rescale if spec.exp2 else spec.lazy_rescale * 1.4426950408889634
+    return f"np.float32({float(t)!r})"
+
+
 def folded_scale(spec: FA2ForwardSpec) -> Optional[str]:
     """The score's last constant factor c as a literal where from_ir found the exp2 score to be x * c with c > 0
     (`spec.score_scale`: plain attention and every mask-only variant, x = s; a bias, x = s * 0.125 + bias, c =
@@ -937,6 +945,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c("mx = max(mx, shfl_xor_f32(mx, 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 2))")
         c(f"m_new = max(m_old, mx * {scale})" if scale else "m_new = max(m_old, mx)")
+        if spec.lazy_rescale:  # online-softmax{lazy=T}: the max moves only past m_old + T (alpha is then 1)
+            c(f"m_new = m_new if m_new > m_old + {lazy_threshold(spec)} else m_old")
         c("m_use = ZERO if m_new == NEG_INF else m_new")
         c("alpha = ex2(m_old - m_use)")
         c("rs = ZERO")
@@ -963,6 +973,10 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("@device_function")
     c("def scale_row(x, i, alpha):")
     with c.indent():
+        if spec.lazy_rescale:  # a multiply by one (the max kept) is skipped: most tiles after the first
+            c("if alpha == ONE:")
+            with c.indent():
+                c("return")
         c(f"for dn in range({ND}):")
         with c.indent():
             c("e = i + dn * 4")
@@ -1454,13 +1468,18 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
                 c("p_r[cidx] = s")
                 c("mx = max(mx, s)")
             c("m_new = max(m_i, mx)")
+            if spec.lazy_rescale:  # online-softmax{lazy=T}
+                c(f"m_new = m_new if m_new > m_i + {lazy_threshold(spec)} else m_i")
             c("m_use = ZERO if m_new == NEG_INF else m_new")
             c("alpha = ex2(m_i - m_use)")
             c("m_i = m_new")
             c("l_i *= alpha")
-            c(f"for d in range({D}):")
-            with c.indent():
-                c("acc[d] *= alpha")
+            if spec.lazy_rescale:
+                c("if alpha != ONE:")
+            with c.indent() if spec.lazy_rescale else contextlib.nullcontext():
+                c(f"for d in range({D}):")
+                with c.indent():
+                    c("acc[d] *= alpha")
             c(f"for cidx in range({BK}):")
             with c.indent():
                 c("p = ex2(p_r[cidx] - m_use)")

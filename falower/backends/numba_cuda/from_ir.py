@@ -46,6 +46,7 @@ class Lowered:
     runtime_dims: list[str]  # those passed at run time as scalar arguments (all but D: no recompiles per size)
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # mask.ranges: (capture, axis, granule)
     runs: list[tuple[int, int]] = field(default_factory=list)  # run tables the row bounds read: (capture, axis)
+    lazy_rescale: float = 0.0  # online-softmax{lazy=T}'s threshold (0: the max moves on every tile)
 
 
 def analyse(func: Func) -> Lowered:
@@ -103,8 +104,12 @@ def analyse(func: Func) -> Lowered:
     # run tables only where block data is made per data anyway (block lists): a dense block table's kernels
     # take the caller's captures alone
     runs = runs_wanted(predicate_region(fused, conj)) if conj and block_mask == "list" else []
+    lazy = float(fused.attrs.get("lazy_rescale", 0.0))
+    if lazy and not any(op.name == "gt" and op.results[0].name.startswith("m_moved") for op in par.walk()):
+        raise BackendError("numba-cuda backend: the score function says lazy_rescale but the kv loop has no "
+                           "conditional max (m_moved); lower with online-softmax{lazy=T}")
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims, sorted(dims - {"D"}), ranges, runs)
+                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy)
 
 
 def _is_bounds(v: Value) -> bool:
@@ -914,4 +919,4 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
                           group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
                           has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none",
                           batch_inner=batch_shared_table(low), score_scale=info["score_scale"],
-                          extra=dict(extra or {}))
+                          lazy_rescale=low.lazy_rescale, extra=dict(extra or {}))

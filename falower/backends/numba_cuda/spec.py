@@ -89,6 +89,9 @@ class FA2ForwardSpec:
     # score_raw_fn) and c this positive constant: the tensor-core kernels keep x, take the row max on it and fold c
     # into the exponent's FFMA (emit_fa2.folded_scale); 0 otherwise
     score_scale: float = 0.0
+    # > 0: online-softmax{lazy=T}'s conditional rescale (the IR's m_new = where(m_max > m_i + T, m_max, m_i)), T in
+    # the IR's exponent base; the kernels then skip O's rescale where the correction is 1 (emit_fa2.softmax_row)
+    lazy_rescale: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
