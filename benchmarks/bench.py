@@ -194,6 +194,8 @@ def config_tag(cfg: tuple) -> str:
         tag += f"-r{extra['wg_rows']}"
     if extra.get("tree_softmax"):
         tag += "-tree"
+    if extra.get("lazy"):
+        tag += "-lazy"
     if "blocks_per_sm" in extra:
         tag += f"-b{extra['blocks_per_sm']}"
     if "warp_skip" in extra:
