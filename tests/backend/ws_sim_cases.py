@@ -45,6 +45,10 @@ CASES = {
     "ws-none-causal-f16-d128": ("causal", "f16", 128, 1, 1, 90, 85, 1, 128, 32, {"producer": "none"}),
     "ws-none-causal-f16-d128-2stages": ("causal", "f16", 128, 1, 1, 130, 140, 1, 128, 32,
                                         {"producer": "none", "stages": 2}),
+    # online-softmax{lazy=T} (spec.lazy_rescale, taken out of the extras by run_case): T = 0.5 makes the max move
+    # and stay across kv tiles, so O's rescale both runs and is skipped (skips_unit_rescale: this kernel only)
+    "ws-none-causal-f16-d64-lazy": ("causal", "f16", 64, 1, 1, 70, 90, 1, 128, 16,
+                                    {"producer": "none", "lazy_rescale": 0.5}),
 }
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
 
@@ -150,6 +154,7 @@ def run_case(case_id: str) -> dict:
                      name=f"ws_{case_id.replace('-', '_')}")
     extra = dict(extra)
     spec = dataclasses.replace(spec, batch_inner=extra.pop("batch_inner", False),
+                               lazy_rescale=extra.pop("lazy_rescale", 0.0),
                                extra={"schedule": "wgmma-ws", **{k: v for k, v in extra.items() if k != "ir_source"}})
     if extra.get("ir_source"):  # the example's own device source, as from_ir writes it (same score as the variant)
         import runpy

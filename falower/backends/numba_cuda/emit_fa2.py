@@ -42,7 +42,6 @@ unmasked score get O = 0 and LSE = -inf.
 
 from __future__ import annotations
 
-import contextlib
 import ast
 import re
 import textwrap
@@ -602,6 +601,14 @@ def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
     return f"np.float32({e})" if spec.exp2 else f"np.float32({e}) * LOG2E"
 
 
+def skips_unit_rescale(spec: FA2ForwardSpec) -> bool:
+    """Under online-softmax{lazy=T}, whether scale_row branches around O's rescale where alpha == 1 (the same bits
+    as multiplying). Only the warp-specialized kernel: measured on the H100 (benchmarks/NOTES.md, "Conditional
+    rescale") it gains there (its rescale follows the wait for P V anyway), while in emit_fa3's 128-row kernel at
+    D = 64 the branches cost 2-11%: they cut the code that ptxas interleaves with the other half's products."""
+    return bool(spec.lazy_rescale) and spec.extra.get("schedule") == "wgmma-ws"
+
+
 def lazy_threshold(spec: FA2ForwardSpec) -> str:
     """online-softmax{lazy=T}'s T where the kernels keep the row max: the IR's exponent base is the kernels' base 2
     under exp2, natural otherwise (the kernels multiply such scores by log2(e), `_score_expr`)."""
@@ -973,7 +980,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("@device_function")
     c("def scale_row(x, i, alpha):")
     with c.indent():
-        if spec.lazy_rescale:  # a multiply by one (the max kept) is skipped: most tiles after the first
+        if skips_unit_rescale(spec):  # a multiply by one (the max kept) is skipped: most tiles after the first
             c("if alpha == ONE:")
             with c.indent():
                 c("return")
@@ -1474,12 +1481,9 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
             c("alpha = ex2(m_i - m_use)")
             c("m_i = m_new")
             c("l_i *= alpha")
-            if spec.lazy_rescale:
-                c("if alpha != ONE:")
-            with c.indent() if spec.lazy_rescale else contextlib.nullcontext():
-                c(f"for d in range({D}):")
-                with c.indent():
-                    c("acc[d] *= alpha")
+            c(f"for d in range({D}):")
+            with c.indent():
+                c("acc[d] *= alpha")
             c(f"for cidx in range({BK}):")
             with c.indent():
                 c("p = ex2(p_r[cidx] - m_use)")
