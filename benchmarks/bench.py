@@ -107,8 +107,8 @@ def parse_config(text: str) -> tuple:
     ahead (default 1); '-nott' their score's table read by gathers, not in tiles through shared memory
     (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
-    an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-lazy' the pipeline's
-    online-softmax{exp2=true,lazy=8} (O rescaled only where the row max moves past 8 in log2 units);
+    an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
+    online-softmax without lazy=8 (the row max, and O's rescale, move on every kv tile);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""
@@ -139,8 +139,8 @@ def parse_config(text: str) -> tuple:
             extra["table_tiles"] = False
         elif o == "nopp":
             extra["pingpong"] = False
-        elif o == "lazy":
-            extra["lazy"] = 8.0
+        elif o == "eager":
+            extra["eager"] = True
         elif o == "tree":
             extra["tree_softmax"] = True
         elif o in ("r64", "r128"):
@@ -194,8 +194,8 @@ def config_tag(cfg: tuple) -> str:
         tag += f"-r{extra['wg_rows']}"
     if extra.get("tree_softmax"):
         tag += "-tree"
-    if extra.get("lazy"):
-        tag += "-lazy"
+    if extra.get("eager"):
+        tag += "-eager"
     if "blocks_per_sm" in extra:
         tag += f"-b{extra['blocks_per_sm']}"
     if "warp_skip" in extra:
@@ -521,8 +521,8 @@ def example_compiled_config(stem: str, cfg: tuple):
         bq, bk, nw = cfg[:3]
         text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}}}", NAMED_PIPELINES["fa2-fwd"], count=1)
         extra = {"schedule": "mma", **(cfg[3] if len(cfg) > 3 else {})}
-        if extra.pop("lazy", None):
-            text = text.replace("online-softmax{exp2=true}", "online-softmax{exp2=true,lazy=8}")
+        if extra.pop("eager", None):
+            text = text.replace("online-softmax{exp2=true,lazy=8}", "online-softmax{exp2=true}")
         _COMPILED[key] = fl.compile(example_graph(stem), "numba-cuda", pipeline=text, path="mma", num_warps=nw,
                                     extra=extra)
     return _COMPILED[key]

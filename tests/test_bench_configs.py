@@ -1,7 +1,7 @@
 """benchmarks/bench.py's tile configs: every option's tag survives parse_config -> config_tag.
 
 The tag keys the compiled kernels and the table's columns, so an option the tag drops times the config without
-it under its name (the '-lazy' option did, once: both columns were the same kernel)."""
+it under its name (the '-lazy' option, now '-eager', did once: both columns were the same kernel)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 bench = pytest.importorskip("bench")
 
 
-@pytest.mark.parametrize("text", ["128x64w4", "128x64w4-wg-r128", "128x64w4-wg-r128-lazy", "128x128w8-wsn-lazy",
+@pytest.mark.parametrize("text", ["128x64w4", "128x64w4-wg-r128", "128x64w4-wg-r128-eager", "128x128w8-wsn-eager",
                                   "128x128w8-wsn-tree", "128x64w8-wsn-st3-nott-nopp-b2", "128x128w8-ws-pf2",
                                   "64x128w4-bwg", "64x128w4-bdqk", "128x64w4-wg-ov-qr-2b-hg4-wskip"])
 def test_config_tags_round_trip(text):
