@@ -105,11 +105,23 @@ def analyse(func: Func) -> Lowered:
     # take the caller's captures alone
     runs = runs_wanted(predicate_region(fused, conj)) if conj and block_mask == "list" else []
     lazy = float(fused.attrs.get("lazy_rescale", 0.0))
-    if lazy and not any(op.name == "gt" and op.results[0].name.startswith("m_moved") for op in par.walk()):
+    if lazy and not any(_is_lazy_max(op, lazy) for op in par.walk()):
         raise BackendError("numba-cuda backend: the score function says lazy_rescale but the kv loop has no "
                            "conditional max (m_moved); lower with online-softmax{lazy=T}")
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
                    cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy)
+
+
+def _is_lazy_max(op: Op, threshold: float) -> bool:
+    """online-softmax{lazy=T}'s select: where(gt(m_max, add(m_i, T)), m_max, m_i) (by structure: names may be
+    gone after later passes)."""
+    if op.name != "where" or op.operands[0].owner is None or op.operands[0].owner.name != "gt":
+        return False
+    gt = op.operands[0].owner
+    add = gt.operands[1].owner
+    return (gt.operands[0] is op.operands[1] and add is not None and add.name == "add"
+            and add.operands[0] is op.operands[2] and add.operands[1].owner is not None
+            and add.operands[1].owner.attrs.get("value") == threshold)
 
 
 def _is_bounds(v: Value) -> bool:
