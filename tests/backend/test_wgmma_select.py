@@ -34,7 +34,7 @@ def test_rule() -> None:
     assert rule("f16", 64, "list", (9, 0), {"FALOWER_WGMMA": "ws"}) == {"schedule": "wgmma", "overlap": False}
     assert rule("f32", 128, "list", (9, 0), {"FALOWER_WGMMA": "ws"}) is None
     assert emit_fa3.tiles(128) == (128, 128) and emit_fa3.tiles(64) == (128, 64)
-    assert emit_fa3.tiles(128, "list") == (128, 64) and emit_fa3.tiles(128, "static") == (128, 128)
+    assert emit_fa3.tiles(128, "list") == (128, 128) and emit_fa3.tiles(64, "list") == (128, 64)
 
 
 @pytest.fixture

@@ -103,8 +103,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     warp-specialized schedule with no producer warp (emit_fa3_ws.py, `producer: "none"`: the two warpgroups
     load a 3-stage mbarrier ring themselves and take turns on the tensor cores): plain 444 vs 409 TFLOP/s for
     this module's kernel at N = 4k (FLASH 341: 1.30x; Flex 452), causal 363 vs 330 (FLASH 304, Flex 359); block
-    lists (data-dependent masks) on its 128 x 64 tiles (`tiles`): document 173 vs 144 on mma.sync and 135 on
-    128 x 128 tiles (Flex 193; H100 2026-11-23, with the row bounds of row_bounds.py). Block tables (masks the
+    lists (data-dependent masks): document 173 vs 144 on mma.sync (Flex 193; H100 2026-11-23, with the row bounds
+    of row_bounds.py), 227 on 128 x 128 tiles since (`tiles`; Flex 192). Block tables (masks the
     range analysis cannot bound) keep this module's kernel (not measured on the other), and a spec emit_fa3_ws
     refuses falls back to it (compiler.py). At D = 64, this module's kernel under any mask (two blocks per SM
     since `blocks_per_sm`: causal 282 vs 263 on mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71,
@@ -147,12 +147,13 @@ def plain_extra(head_dim: int, block_mask: str = "none") -> dict:
 
 def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False) -> tuple[int, int]:
     """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
-    N = 4k), but 128 x 64 under a block list (the document mask's partial tiles waste less: 173 vs 135);
+    N = 4k), block lists included since the row bounds and the ws kernel's copies (the document mask, 8 documents
+    a row at N = 4k: 227 vs 204 on 128 x 64, twice in one call, H100 2026-11-24; 135 vs 173 before them);
     128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S), except for a score that
     reads a table tile (`auto_extra`: 128 x 128 on the warp-specialized kernel)."""
     if head_dim == 64 and table_tile and block_mask == "none":
         return (128, 128)
-    return (128, 128) if head_dim == 128 and block_mask != "list" else (128, 64)
+    return (128, 128) if head_dim == 128 else (128, 64)
 
 
 def recommended_schedule(head_dim: int) -> dict[str, int]:
