@@ -192,9 +192,10 @@ class OnlineSoftmax(Pass):
     def run(self, func: Func) -> Func:
         if not (self.lazy >= 0 and math.isfinite(self.lazy)):
             raise self.fail(f"lazy={self.lazy}: the rescale threshold must be a finite number >= 0 (0: rescale every tile)")
-        if self.lazy > 30:
-            raise self.fail(f"lazy={self.lazy}: p could reach base^{self.lazy}, past f16's range (at most 30 here; "
-                            "FlashAttention-4 uses 8 in log2 units)")
+        top = 15.0 if self.exp2 else 15.0 * LN2  # p <= base^T must stay below f16's largest value, 65504 < 2^16
+        if self.lazy > top:
+            raise self.fail(f"lazy={self.lazy}: p could reach {'2' if self.exp2 else 'e'}^{self.lazy}, past f16's "
+                            f"largest value 65504 (at most {top:.4g} here; FlashAttention-4 uses 8 in log2 units)")
         par = the_parallel_for(func, self.fail, "run tile first")
         body = par.regions[0]
         fa1 = next((op for op in body.ops if op.name == "for" and op.attrs.get("order") == "fa1"), None)

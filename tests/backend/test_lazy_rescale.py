@@ -54,7 +54,8 @@ def test_attribute_without_the_select_is_refused():
         analyse(low)
 
 
-@pytest.mark.parametrize("opts, why", [("lazy=-1", "finite number >= 0"), ("lazy=40", "past f16's range")])
+@pytest.mark.parametrize("opts, why", [("lazy=-1", "finite number >= 0"), ("exp2=true,lazy=16", "past f16's largest"),
+                                       ("lazy=11", "at most 10.4")])
 def test_bad_thresholds_are_refused(opts, why):
     with pytest.raises(PassError, match=why):
         run_pipeline(graph("plain"), f"decompose-softmax,canonicalize,fuse,tile{{bq=8,bk=4}},online-softmax{{{opts}}}")
