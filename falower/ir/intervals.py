@@ -171,7 +171,9 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
                 f = {"log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "round": np.round,
                      "sign": np.sign,
                      "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
-                     "tanh_approx": np.tanh,  # sound for the kernel too: MUFU.TANH is monotone and within [-1, 1]
+                     # the definition's interval; a kernel's partial tiles evaluate the approximation, so a mask
+                     # on tanh_approx may differ from the IR where a value is within its error of a threshold
+                     "tanh_approx": np.tanh,
                      "sigmoid": lambda t: 1 / (1 + np.exp(-t)), "sqrt": np.sqrt,
                      "erf": lambda t: math.erf(t) if math.isfinite(t) else math.copysign(1.0, t)}[n]
                 r = (float(f(x[0][0])), float(f(x[0][1])))
