@@ -217,12 +217,10 @@ class OnlineSoftmax(Pass):
     def _update(self, b: Builder, x: Value, vt: Value, mi: Value, li: Value, ai: Value):
         ex = "exp2" if self.exp2 else "exp"
         row_t = scalar(x.type.dtype)  # the scores' float type: f32, or f64 for f64 inputs
+        mn = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_max" if self.lazy else "m_new")
         if self.lazy:  # the max moves only past mi + T (mi = -inf: any finite max moves it)
-            mc = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_max")
-            moved = b.emit("gt", mc, b.emit("add", mi, b.const(float(self.lazy), row_t)), name_hint="m_moved")
-            mn = b.emit("where", moved, mc, mi, name_hint="m_new")
-        else:
-            mn = b.emit("max", mi, b.emit("reduce_max", x, axis=1), name_hint="m_new")
+            moved = b.emit("gt", mn, b.emit("add", mi, b.const(float(self.lazy), row_t)), name_hint="m_moved")
+            mn = b.emit("where", moved, mn, mi, name_hint="m_new")
         mn_safe = b.emit("where", b.emit("eq", mn, b.const(-math.inf, row_t)), b.const(0.0, row_t), mn,
                          name_hint="m_new_safe")
         c = b.emit(ex, b.emit("sub", mi, mn_safe), name_hint="corr")
