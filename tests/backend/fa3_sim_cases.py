@@ -28,7 +28,9 @@ CASES = {
     "overlap-bias-bf16-d128-2wg-gqa": ("bias", "bf16", 128, 1, 2, 100, 40, 2, 128, 16, {"overlap": True}),
     # spec.extra["wg_rows"] = 128: one warpgroup per 128 rows, two 64-row halves a thread (sc / sc1, acc / acc1);
     # the second q tile holds 2 rows (its second half empty), ragged kv tiles, causal rows fully masked past N
-    "r128-causal-f16-d64": ("causal", "f16", 64, 1, 1, 130, 75, 1, 128, 16, {"wg_rows": 128}),
+    # two heads: the grid (heads, q tiles, batch) of a block mask (emit_fa2.grid_3d) hands out both heads' second q
+    # tile first
+    "r128-causal-f16-d64": ("causal", "f16", 64, 1, 2, 130, 75, 1, 128, 16, {"wg_rows": 128}),
     "r128-bias-bf16-d64-gqa": ("bias", "bf16", 64, 1, 2, 100, 40, 2, 128, 32, {"wg_rows": 128}),
     "r128-plain-f16-d128-2wg": ("plain", "f16", 128, 1, 1, 200, 33, 1, 256, 16, {"wg_rows": 128}),
     # one row, one key (the second half and 127 of the first half's rows empty); a q tile minus one by a kv tile

@@ -47,7 +47,8 @@ CASES = {
                                         {"producer": "none", "stages": 2}),
     # online-softmax{lazy=T} (spec.lazy_rescale, taken out of the extras by run_case): T = 0.5 makes the max move
     # and stay across kv tiles, so O's rescale both runs and is skipped (skips_unit_rescale: this kernel only)
-    "ws-none-causal-f16-d64-lazy": ("causal", "f16", 64, 1, 1, 70, 90, 1, 128, 16,
+    # (two heads: under a block mask the grid is (heads, q tiles, batch), emit_fa2.grid_3d)
+    "ws-none-causal-f16-d64-lazy": ("causal", "f16", 64, 1, 2, 70, 90, 1, 128, 16,
                                     {"producer": "none", "lazy_rescale": 0.5}),
 }
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)

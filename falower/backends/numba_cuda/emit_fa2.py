@@ -32,7 +32,7 @@ Schedule knobs in `spec.extra` (all optional; defaults are the measured best on 
 benchmarks/NOTES.md): "q_in_regs" (bool: Q fragments in registers, default unless a warp owns >= 32 rows
 at D >= 128), "one_barrier" (bool, default True: K and V of the next tile prefetched together behind one
 barrier per tile), "head_group" (int: (b, h) pairs per block-order group; default 16 under a block mask,
-else 1), "warp_skip" (bool, default False: per-warp classification inside partial tiles).
+else 1; the 3-D grids of the SIMT and wgmma kernels take only 1 or all H heads of a batch: `heads_first`), "warp_skip" (bool, default False: per-warp classification inside partial tiles).
 `recommended_schedule(head_dim, dtype, path)` gives the tile sizes and warps we measured best.
 
 Both work in the exp2 domain (`score_fn` returns log2(e)-scaled scores when `spec.exp2`), keep
@@ -225,19 +225,44 @@ def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...
     return grid_3d(spec, nq, B, H)
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y (and z)
+
+
+def heads_first(spec: FA2ForwardSpec) -> bool:
+    """Whether a `grid_3d` grid puts the heads (the batch where `spec.batch_inner`) fastest and the q tiles next:
+    a group of H (b, h) pairs, the heaviest q tiles first across them. `head_group` > 1: the 3-D kernels cannot
+    take any other group size without a run-time division in the kernel, which the wgmma kernels must not have
+    (a 64-bit division is a call, and any call serializes every wgmma), so the group is a grid dimension."""
+    return head_group(spec) > 1
+
+
 def grid_3d(spec: FA2ForwardSpec, nq: int, B: int, H: int) -> tuple[int, int, int]:
-    """(q tiles, heads, batch), or (q tiles, batch, heads) where `spec.batch_inner`: `emit_block_index` reads it."""
-    return (nq, B, H) if spec.batch_inner else (nq, H, B)
+    """The 3-D launch grid that `emit_program_index` reads. Blocks go out x fastest: without a block mask (equal
+    q tiles) (q tiles, heads, batch), so one (b, h)'s q tiles run together and share its K / V in L2; under a
+    block mask (`heads_first`) (heads, q tiles, batch), so the heaviest q tiles of a batch's heads go first and
+    the light ones fill the tail. With `spec.batch_inner` the batch and the heads trade places."""
+    inner, outer = (B, H) if spec.batch_inner else (H, B)
+    if not heads_first(spec):
+        return (nq, inner, outer)
+    if nq > MAX_GRID_Y:
+        raise ValueError(f"{nq} q tiles of {spec.block_q} rows exceed the grid's y limit of {MAX_GRID_Y}: "
+                         f"use fewer rows a call (M <= {MAX_GRID_Y * spec.block_q})")
+    return (inner, nq, outer)
 
 
-def emit_block_index(c: "_Code", spec: FA2ForwardSpec) -> None:
-    """h, b of this program on a `grid_3d` grid."""
-    if spec.batch_inner:
-        c("b = cuda.blockIdx.y  # the batch innermost: its rows of one (head, q tile) share the score's table in L2")
-        c("h = cuda.blockIdx.z")
+def emit_program_index(c: "_Code", spec: FA2ForwardSpec) -> None:
+    """qt, h, b of this program on a `grid_3d` grid (needs `nq`): the heaviest q tiles first (causal)."""
+    inner, outer = ("b", "h") if spec.batch_inner else ("h", "b")
+    if heads_first(spec):
+        c("qt = nq - 1 - cuda.blockIdx.y  # the heaviest q tiles of this batch's heads first: light ones fill the "
+          "tail")
+        c(f"{inner} = cuda.blockIdx.x")
     else:
-        c("h = cuda.blockIdx.y")
-        c("b = cuda.blockIdx.z")
+        c("qt = nq - 1 - cuda.blockIdx.x")
+        c(f"{inner} = cuda.blockIdx.y")
+    if spec.batch_inner:
+        c("# the batch innermost: its rows of one (head, q tile) share the score's table in L2")
+    c(f"{outer} = cuda.blockIdx.z")
 
 
 def threads_per_block(spec: FA2ForwardSpec) -> int:
@@ -1424,8 +1449,7 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
         c(f"p_r = cuda.local.array({BK}, np.float32)")
         c("tid = cuda.threadIdx.x")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
-        c("qt = nq - 1 - cuda.blockIdx.x")
-        emit_block_index(c, spec)
+        emit_program_index(c, spec)
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)

@@ -25,8 +25,9 @@ tiles of `tiles` (the graph lowered again with tile{bq=128,bk=128} at D = 128), 
 mma.sync. Only for compute capability 9.0 (sm_90a) and f16/bf16, D = 64 or 128; every block mask kind (static
 classification, the block table, the per-q-tile block list of data-dependent masks) through emit_fa2's pieces.
 
-Launch: grid `grid(spec, B, H, M, N)` = (q tiles, H, B) (no run-time division in the kernel: a 64-bit division is
-a subroutine call, and any call makes ptxas serialize every wgmma: benchmarks/NOTES.md, "wgmma"),
+Launch: grid `grid(spec, B, H, M, N)` = (q tiles, H, B), under a block mask (H, q tiles, B) so the heaviest q tiles
+of a batch's heads go first (emit_fa2.grid_3d; no run-time division in the kernel: a 64-bit division is a
+subroutine call, and any call makes ptxas serialize every wgmma: benchmarks/NOTES.md, "wgmma"),
 `threads_per_block(spec)` threads, `smem_bytes(spec)` bytes of dynamic shared memory (raise the 48 KB limit).
 
 Not here: producer/consumer warpgroups and setmaxnreg (emit_fa3_ws.py has them), TMA. With 64 rows a warpgroup
@@ -52,7 +53,7 @@ from .emit_fa2 import (
     _spec_comment,
     carries_class,
     emit_bases,
-    emit_block_index,
+    emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
     emit_masked_score,
@@ -434,8 +435,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("t2 = (lane & 3) * 2")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
-        c("qt = nq - 1 - cuda.blockIdx.x  # heaviest q tiles first (causal)")
-        emit_block_index(c, spec)
+        emit_program_index(c, spec)
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)

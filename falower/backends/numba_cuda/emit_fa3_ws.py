@@ -75,7 +75,7 @@ from .emit_fa2 import (
     _spec_comment,
     _tile_class_expr,
     emit_bases,
-    emit_block_index,
+    emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
     emit_masked_score,
@@ -727,8 +727,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("tid = cuda.threadIdx.x")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
-        c("qt = nq - 1 - cuda.blockIdx.x  # heaviest q tiles first (causal)")
-        emit_block_index(c, spec)
+        emit_program_index(c, spec)
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)
