@@ -108,6 +108,8 @@ from falower.backends.numba_cuda.intrinsics import (
     ballot,
     lowest_bit,
     highest_bit,
+    warp_min,
+    warp_max,
     red_add_v4_f32,
     mma_acc_f16,
     mma_set_f16,
@@ -476,9 +478,10 @@ def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True) -> None:
+def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False) -> None:
     """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible). `warp_wide`: the
-    block is whole warps (the scan may take a ballot: `emit_tile_scan`)."""
+    block is whole warps (the scan may take a ballot: `emit_tile_scan`); `uniform`: the scan by warp reductions
+    whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`)."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
@@ -501,17 +504,26 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True) -> 
         c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
-    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide)
+    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide,
+                   uniform and warp_wide)
     del caps
 
 
 def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: str, last: str,
-                   warp_wide: bool = True) -> None:
+                   warp_wide: bool = True, uniform: bool = False) -> None:
     """first, last = the first and the last j in [0, count) whose class `class_of(j)` is not 0 (count and -1 when
     there is none). Why a ballot: the serial scan classified one tile after another, ~20 dependent instructions a
     tile before the first copy could be issued (64 tiles at N = 4k: more than a narrow window's whole kv loop);
     here the 32 lanes classify 32 tiles at once. Every lane of the warp must be here (the ballot is warp-wide):
-    a block that is not whole warps (the SIMT kernels' one thread a row, 16 rows) keeps the serial scan."""
+    a block that is not whole warps (the SIMT kernels' one thread a row, 16 rows) keeps the serial scan.
+    `uniform` (sm_80+; the wgmma kernels): each lane keeps its own first / last over its tiles (jt = lane, lane +
+    32, ...), and one `warp_min` / `warp_max` (redux.sync) after the loop gives the warp's. The ballot's result is
+    the same in every lane, but ptxas does not know it (nor of a shuffle of lane 0, nor of a value carried through
+    the scan's loop even when each step's was reduced): every value the kv loop derived from the bounds then lived
+    in per-lane registers, the loop's control compared 64-bit values with ISETP pairs and every wgmma descriptor
+    went to the uniform registers by R2UR (the causal ws kernel at D = 128: +14% warp instructions a tile over
+    plain, ncu source counters; 60 R2UR in its SASS, 1 with this scan, 240 registers -> 220: benchmarks/NOTES.md).
+    REDUX writes a uniform register."""
     c(f"{first} = {count}")
     c(f"{last} = -1")
     if not warp_wide:
@@ -521,6 +533,18 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
             with c.indent():
                 c(f"{first} = min({first}, jt)")
                 c(f"{last} = jt")
+        return
+    if uniform:
+        c(f"for jt in range(cuda.threadIdx.x & 31, {count}, 32):  # 32 tiles a step, one a lane")
+        with c.indent():
+            c(f"if {class_of('jt')} != 0:")
+            with c.indent():
+                c(f"{first} = min({first}, jt)")
+                c(f"{last} = jt")
+        c("# over the warp, after the loop: a value carried through the loop was per-lane to ptxas even when each")
+        c("# step's was reduced (REDUX: a uniform register); a fresh reduction is uniform")
+        c(f"{first} = np.int64(warp_min(np.int32({first})))")
+        c(f"{last} = np.int64(warp_max(np.int32({last})))")
         return
     c(f"for jc in range(0, {count}, 32):  # 32 tiles a step, one a lane, gathered by one ballot")
     with c.indent():

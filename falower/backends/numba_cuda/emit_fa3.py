@@ -439,7 +439,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)
-        _emit_tile_range(c, spec)
+        _emit_tile_range(c, spec, uniform=True)
         c()
         rstep = _emit_loader_setup(c, threads, D)
         c(f"sq = sb  # Q: [{D // 64}][{BQ}][128 B]")

@@ -731,7 +731,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c(f"hk = h // {G}" if G > 1 else "hk = h")
         c("q_head = (b * H + h) * M")
         emit_bases(c)
-        _emit_tile_range(c, spec)
+        _emit_tile_range(c, spec, uniform=True)
         c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
         loaders = 128 if NONE else producer_threads(spec)  # producer "none": one warpgroup fills each ring
         c("if tid == 0:")

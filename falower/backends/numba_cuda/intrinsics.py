@@ -45,6 +45,10 @@ Public names (identical in both modes):
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
     ballot                         (pred) -> uint32: bit i set where lane i's pred is nonzero (full warp)
     lowest_bit, highest_bit        (m: uint32, m != 0) -> int32: the index of m's lowest / highest set bit
+    warp_min, warp_max             (x: int32) -> int32: the least / greatest x over the warp's 32 lanes
+                                   (redux.sync, sm_80+): its SASS (REDUX) writes a uniform register, so ptxas
+                                   knows the result is the same in every lane, which a ballot's or a shuffle's
+                                   result is not to it
     red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
                                    vector reduction (sm_90; index a multiple of 4)
     mma_acc_f16, mma_acc_bf16      (f32 array x, i, a0..a3, b0, b1): x[i:i+4] += A B, one mma on four elements of a
@@ -102,6 +106,8 @@ __all__ = [
     "ballot",
     "lowest_bit",
     "highest_bit",
+    "warp_min",
+    "warp_max",
     "red_add_v4_f32",
     "mma_acc_f16",
     "mma_set_f16",
@@ -471,6 +477,14 @@ if SIMULATOR:
 
     def highest_bit(m):
         return np.int32((int(m) & 0xFFFFFFFF).bit_length() - 1)
+
+    def warp_min(x):
+        _, vals = _exchange(int(x))
+        return np.int32(min(vals))
+
+    def warp_max(x):
+        _, vals = _exchange(int(x))
+        return np.int32(max(vals))
 
     _red_lock = threading.Lock()
 
@@ -1206,6 +1220,21 @@ else:
             return _asm(context, builder, "bfind.u32 $0, $1;", "=r,r", [v], [_I32])
 
         return _I32(m), codegen
+
+    def _redux(op: str):
+        @intrinsic
+        def redux(typingctx, x):
+            def codegen(context, builder, sig, args):
+                (v,) = _cast_all(context, builder, sig, args, [_I32])
+                return _asm(context, builder, f"redux.sync.{op}.s32 $0, $1, 0xffffffff;", "=r,r", [v], [_I32],
+                            side_effect=True)
+
+            return _I32(x), codegen
+
+        return redux
+
+    warp_min = _redux("min")
+    warp_max = _redux("max")
 
     @intrinsic
     def f16_to_f32(typingctx, bits):
