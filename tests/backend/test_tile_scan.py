@@ -1,6 +1,7 @@
 """The first / last non-empty kv tile found by a ballot over 32 tiles at a time (emit_fa2.emit_tile_scan) equals
 the serial scan's answer on every lane: counts of 1, 2, a chunk minus one / plus one, several chunks, none
-non-empty, gaps inside the range, and random classes. The ballot and the bit intrinsics run as the simulator's
+non-empty, gaps inside the range, and random classes; and the wgmma kernels' scan (`uniform`: each lane's own
+tiles, then one warp_min / warp_max) the same. The ballot and the bit intrinsics run as the simulator's
 emulations; their PTX is checked by test_ptx's kernels (vote.sync.ballot in the masked forward)."""
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ def results():
 
 
 def test_every_case_ran(results):
-    assert set(CASES) <= set(results) and len(results) == len(CASES) + 6
+    assert set(CASES) <= set(results) and {c + "-uniform" for c in CASES} <= set(results)
+    assert len(results) == 2 * (len(CASES) + 6)
 
 
-@pytest.mark.parametrize("cid", sorted(CASES) + [f"random-{i}" for i in range(6)])
+@pytest.mark.parametrize("cid", [c + u for c in sorted(CASES) + [f"random-{i}" for i in range(6)]
+                                 for u in ("", "-uniform")])
 def test_scan_matches_the_serial_scan(results, cid):
-    r = next(v for k, v in results.items() if k == cid or k.startswith(cid + "-"))
+    base, uniform = cid.removesuffix("-uniform"), cid.endswith("-uniform")  # random ids also carry their count
+    r = next(v for k, v in results.items() if k.endswith("-uniform") == uniform
+             and (k.removesuffix("-uniform") == base or k.startswith(base + "-")))
     assert r["got"] == [r["want"]], r  # every lane the same answer, the serial one
 
 

@@ -10,18 +10,21 @@ import sys
 import numpy as np
 
 
-def scan_kernel():
+def scan_kernel(uniform: bool = False):
+    """The scan by ballot, or (`uniform`, the wgmma kernels') by each lane's own tiles and one warp_min / warp_max."""
     from falower.backends.numba_cuda.emit_fa2 import _Code, emit_tile_scan
-    from falower.backends.numba_cuda.intrinsics import ballot, highest_bit, lowest_bit  # noqa: F401 (the source's)
+    from falower.backends.numba_cuda.intrinsics import (  # noqa: F401 (the source's)
+        ballot, highest_bit, lowest_bit, warp_max, warp_min)
     from numba import cuda  # noqa: F401
 
     c = _Code()
     c("def scan(cls, out, n):")
     with c.indent():
-        emit_tile_scan(c, lambda j: f"cls[{j}]", "n", "kv_first", "kv_last")
+        emit_tile_scan(c, lambda j: f"cls[{j}]", "n", "kv_first", "kv_last", uniform=uniform)
         c("out[cuda.threadIdx.x, 0] = kv_first")
         c("out[cuda.threadIdx.x, 1] = kv_last")
-    scope = dict(globals(), cuda=cuda, ballot=ballot, lowest_bit=lowest_bit, highest_bit=highest_bit)
+    scope = dict(globals(), cuda=cuda, ballot=ballot, lowest_bit=lowest_bit, highest_bit=highest_bit,
+                 warp_min=warp_min, warp_max=warp_max)
     exec(c.text(), scope)
     return cuda.jit(scope["scan"])
 
@@ -41,7 +44,7 @@ CASES = {  # id -> tile classes (0 empty, 1 partial, 2 full)
 
 
 def main(ids: list[str]) -> None:
-    kern = scan_kernel()
+    kerns = {"": scan_kernel(), "-uniform": scan_kernel(uniform=True)}
     rng = np.random.default_rng(0)
     cases = dict(CASES)
     for i in range(6):  # random classes over random counts
@@ -51,11 +54,13 @@ def main(ids: list[str]) -> None:
         if ids and cid not in ids:
             continue
         arr = np.array(cls, np.int32)
-        out = np.zeros((32, 2), np.int64)
-        kern[1, 32](arr, out, len(cls))
         live = [j for j, x in enumerate(cls) if x != 0]
         want = [live[0], live[-1]] if live else [len(cls), -1]
-        print(json.dumps({"id": cid, "got": sorted({tuple(int(v) for v in r) for r in out}), "want": want}), flush=True)
+        for suffix, kern in kerns.items():
+            out = np.zeros((32, 2), np.int64)
+            kern[1, 32](arr, out, len(cls))
+            print(json.dumps({"id": cid + suffix, "got": sorted({tuple(int(v) for v in r) for r in out}),
+                              "want": want}), flush=True)
 
 
 if __name__ == "__main__":
