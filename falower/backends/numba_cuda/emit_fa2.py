@@ -32,7 +32,8 @@ Schedule knobs in `spec.extra` (all optional; defaults are the measured best on 
 benchmarks/NOTES.md): "q_in_regs" (bool: Q fragments in registers, default unless a warp owns >= 32 rows
 at D >= 128), "one_barrier" (bool, default True: K and V of the next tile prefetched together behind one
 barrier per tile), "head_group" (int: (b, h) pairs per block-order group; default 16 under a block mask,
-else 1; the 3-D grids of the SIMT and wgmma kernels take only 1 or all H heads of a batch: `heads_first`), "warp_skip" (bool, default False: per-warp classification inside partial tiles).
+else 1; the 3-D grids of the SIMT and wgmma kernels take only 1 or all H heads of a batch: `heads_first`),
+"warp_skip" (bool, default False: per-warp classification inside partial tiles).
 `recommended_schedule(head_dim, dtype, path)` gives the tile sizes and warps we measured best.
 
 Both work in the exp2 domain (`score_fn` returns log2(e)-scaled scores when `spec.exp2`), keep
@@ -504,8 +505,7 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
         c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
-    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide,
-                   uniform and warp_wide)
+    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform)
     del caps
 
 
@@ -522,25 +522,21 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
     the scan's loop even when each step's was reduced): every value the kv loop derived from the bounds then lived
     in per-lane registers, the loop's control compared 64-bit values with ISETP pairs and every wgmma descriptor
     went to the uniform registers by R2UR (the causal ws kernel at D = 128: +14% warp instructions a tile over
-    plain, ncu source counters; 60 R2UR in its SASS, 1 with this scan, 240 registers -> 220: benchmarks/NOTES.md).
+    plain, ncu source counters; 60 R2UR in its SASS, 1 with this scan, 240 registers -> 222: benchmarks/NOTES.md).
     REDUX writes a uniform register."""
+    uniform = uniform and warp_wide  # the reductions are warp-wide too
     c(f"{first} = {count}")
     c(f"{last} = -1")
-    if not warp_wide:
-        c(f"for jt in range({count}):")
+    if not warp_wide or uniform:  # serially: every tile in this thread, or (uniform) this lane's every 32nd
+        c(f"for jt in range(cuda.threadIdx.x & 31, {count}, 32):  # 32 tiles a step, one a lane" if uniform
+          else f"for jt in range({count}):")
         with c.indent():
             c(f"if {class_of('jt')} != 0:")
             with c.indent():
                 c(f"{first} = min({first}, jt)")
                 c(f"{last} = jt")
-        return
-    if uniform:
-        c(f"for jt in range(cuda.threadIdx.x & 31, {count}, 32):  # 32 tiles a step, one a lane")
-        with c.indent():
-            c(f"if {class_of('jt')} != 0:")
-            with c.indent():
-                c(f"{first} = min({first}, jt)")
-                c(f"{last} = jt")
+        if not uniform:
+            return
         c("# over the warp, after the loop: a value carried through the loop was per-lane to ptxas even when each")
         c("# step's was reduced (REDUX: a uniform register); a fresh reduction is uniform")
         c(f"{first} = np.int64(warp_min(np.int32({first})))")

@@ -1144,6 +1144,20 @@ else:
         typer.__qualname__ = name
         return intrinsic(typer)
 
+    def _unary_asm_intrinsic(name, ptx, arg, ret, constraints, side_effect=False):
+        """An intrinsic of one `arg` value around one asm with one `ret` result (ex2, tanh.approx, bfind, redux)."""
+
+        def typer(typingctx, x):
+            def codegen(context, builder, sig, args):
+                (v,) = _cast_all(context, builder, sig, args, [arg])
+                return _asm(context, builder, ptx, constraints, [v], [ret], side_effect=side_effect)
+
+            return ret(x), codegen
+
+        typer.__name__ = name
+        typer.__qualname__ = name
+        return intrinsic(typer)
+
     cp_async_commit = _void_asm_intrinsic("cp_async_commit", "cp.async.commit_group;")
     cp_async_wait0 = _void_asm_intrinsic("cp_async_wait0", "cp.async.wait_group 0;")
     cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
@@ -1168,21 +1182,8 @@ else:
     def pack_bf16x2(typingctx, lo, hi):
         return _U32(lo, hi), _pack_codegen("bf16")
 
-    @intrinsic
-    def ex2(typingctx, x):
-        def codegen(context, builder, sig, args):
-            (v,) = _cast_all(context, builder, sig, args, [_F32])
-            return _asm(context, builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", [v], [_F32])
-
-        return _F32(x), codegen
-
-    @intrinsic
-    def tanh_approx_f32(typingctx, x):
-        def codegen(context, builder, sig, args):
-            (v,) = _cast_all(context, builder, sig, args, [_F32])
-            return _asm(context, builder, "tanh.approx.f32 $0, $1;", "=f,f", [v], [_F32])
-
-        return _F32(x), codegen
+    ex2 = _unary_asm_intrinsic("ex2", "ex2.approx.ftz.f32 $0, $1;", _F32, _F32, "=f,f")
+    tanh_approx_f32 = _unary_asm_intrinsic("tanh_approx_f32", "tanh.approx.f32 $0, $1;", _F32, _F32, "=f,f")
 
     @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):
@@ -1213,28 +1214,11 @@ else:
 
         return _I32(m), codegen
 
-    @intrinsic
-    def highest_bit(typingctx, m):
-        def codegen(context, builder, sig, args):
-            (v,) = _cast_all(context, builder, sig, args, [_U32])
-            return _asm(context, builder, "bfind.u32 $0, $1;", "=r,r", [v], [_I32])
-
-        return _I32(m), codegen
-
-    def _redux(op: str):
-        @intrinsic
-        def redux(typingctx, x):
-            def codegen(context, builder, sig, args):
-                (v,) = _cast_all(context, builder, sig, args, [_I32])
-                return _asm(context, builder, f"redux.sync.{op}.s32 $0, $1, 0xffffffff;", "=r,r", [v], [_I32],
-                            side_effect=True)
-
-            return _I32(x), codegen
-
-        return redux
-
-    warp_min = _redux("min")
-    warp_max = _redux("max")
+    highest_bit = _unary_asm_intrinsic("highest_bit", "bfind.u32 $0, $1;", _U32, _I32, "=r,r")
+    warp_min = _unary_asm_intrinsic("warp_min", "redux.sync.min.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
+                                    side_effect=True)
+    warp_max = _unary_asm_intrinsic("warp_max", "redux.sync.max.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
+                                    side_effect=True)
 
     @intrinsic
     def f16_to_f32(typingctx, bits):
