@@ -51,6 +51,21 @@ CASES = {
     "ws-none-causal-f16-d64-lazy": ("causal", "f16", 64, 1, 2, 70, 90, 1, 128, 16,
                                     {"producer": "none", "lazy_rescale": 0.5}),
 }
+# Persistent (extra persistent = blocks; test_ws_persistent_simulator.py): each block walks several (q tile, head,
+# batch) items in serpentine order, the next item's Q and first tiles loaded before the epilogue of the one before;
+# the ring's stage and phase and the Q barrier's parity carry across items, so every item after the first reuses
+# stages the one before filled (its last V's stage included)
+PERSIST_CASES = {
+    # 8 items on 3 blocks (3, 3, 2), 3 kv tiles an item, a ragged q tile, M != N; the batch innermost
+    "ws-none-causal-f16-d64-persist": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
+                                       {"producer": "none", "persistent": 3, "batch_inner": True}),
+    # GQA, bf16, D = 128, 2 stages, without a block mask (the grid's q tiles fastest): 4 items on 2 blocks
+    "ws-none-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
+                                            {"producer": "none", "persistent": 2, "stages": 2}),
+}
+# The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is
+# all padding (doc_id -1), an item with no kv tile, between items that have some. id: (M, N, blocks)
+COMPILED_CASES = {"ws-none-document-persist": (130, 130, 3)}
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
 
 
@@ -149,7 +164,7 @@ def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import emit_fa3_ws
     from falower.backends.numba_cuda.runtime import load_source
 
-    variant, dtype, D, B, H, M, N, G, bq, bk, extra = CASES[case_id]
+    variant, dtype, D, B, H, M, N, G, bq, bk, extra = {**CASES, **PERSIST_CASES}[case_id]
     rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
                      name=f"ws_{case_id.replace('-', '_')}")
@@ -196,11 +211,51 @@ def run_case(case_id: str) -> dict:
     }
 
 
+def run_compiled_case(case_id: str) -> dict:
+    """examples/document.py compiled by falower.compile onto the persistent ws kernel (D = 64, 128 x 32 tiles),
+    against the reference interpreter in float64."""
+    import runpy
+
+    import falower as fl
+    from falower.passes.check import Reference, bind_dims
+
+    M, N, blocks = COMPILED_CASES[case_id]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    g = runpy.run_path(os.path.join(root, "examples", "document.py"))["graph"]
+    B, H, D = 2, 2, 64
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
+    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    doc = np.sort(rng.integers(0, 4, size=(B, max(M, N)))).astype(np.int32)
+    doc[1, 128:] = -1  # batch row 1's second q tile: padding only, nothing to visit
+    doc[0, 5] = -1  # one padding row inside a tile
+    inputs = [q, k, v, doc]
+    ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
+    from falower.passes import NAMED_PIPELINES
+
+    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", "tile{bq=128,bk=32}")
+    assert pipe != NAMED_PIPELINES["fa2-fwd"], pipe
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
+                   extra={"schedule": "wgmma-ws", "producer": "none", "persistent": blocks})
+    spec = c.kernel(*inputs).spec
+    o, lse = c(*inputs)
+    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
+    fin = np.isfinite(want_lse)
+    got = np.asarray(o, dtype=np.float64)
+    return {"id": case_id, "dtype": "f16", "block_mask": spec.block_mask, "persistent": spec.extra.get("persistent"),
+            "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
+            "o_err": float(np.max(np.abs(got - want_o))),
+            "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))),
+            "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin)), "masked_rows": int((~fin).sum())}
+
+
 def main(ids) -> None:
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
     for cid in ids or [*RING_CASES, *CASES]:
         try:
-            r = run_ring_case(cid) if cid in RING_CASES else run_case(cid)
+            r = (run_ring_case(cid) if cid in RING_CASES else run_compiled_case(cid) if cid in COMPILED_CASES
+                 else run_case(cid))
         except Exception as exc:
             import traceback
 

@@ -1,7 +1,8 @@
 """The warp-specialized wgmma forward (emit_fa3_ws.py, extra={"schedule": "wgmma-ws"}) on an sm_90 GPU (marked gpu):
 plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 and 3 stages, within FlashAttention's
 error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
-128 x 128 tiles; the producer warp (288 threads, 168 registers) and no producer (extra producer "none", 256).
+128 x 128 tiles; the producer warp (288 threads, 168 registers) and no producer (extra producer "none", 256),
+persistent or not (extra persistent).
 
 Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
 
@@ -51,6 +52,9 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (False, "f16", 128, 128, {"producer": "none"}),
     (True, "f16", 128, 128, {"producer": "none"}),
     (True, "bf16", 64, 128, {"producer": "none", "stages": 2}),
+    # persistent: 5 / 3 blocks walk the 64 (q tile, head, batch) items, the ring carried across items
+    (True, "f16", 128, 128, {"producer": "none", "persistent": 5}),
+    (False, "bf16", 64, 128, {"producer": "none", "persistent": 3, "stages": 2}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()

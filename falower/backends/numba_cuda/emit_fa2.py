@@ -219,9 +219,9 @@ def uses_wgmma(spec: FA2ForwardSpec) -> bool:
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
     """Launch grid of the forward kernel."""
     if uses_wgmma(spec):
-        from . import emit_fa3
+        from . import emit_fa3, emit_fa3_ws
 
-        return emit_fa3.grid(spec, B, H, M, N)
+        return (emit_fa3_ws if emit_fa3_ws.uses_ws(spec) else emit_fa3).grid(spec, B, H, M, N)
     nq = -(-M // spec.block_q)
     if spec.path == "mma":
         return (nq * H * B,)
@@ -392,6 +392,61 @@ def has_tile_table(spec: FA2ForwardSpec) -> bool:
     """The score reads a [q, kv] tile of one table, which a kernel may copy into shared memory ahead of its use
     (`tile_chunk_fn`, `score_pair_vals_fn`: from_ir.tile_gather)."""
     return "def tile_chunk_fn(" in spec.device_source
+
+
+def _grid_axes(spec: FA2ForwardSpec) -> tuple[tuple[str, str], ...]:
+    """The (extent, what it indexes) of `grid_3d`'s x, y, z as kernel expressions: "qt" (counted from the last q
+    tile), "h" or "b"."""
+    inner, outer = ("B", "b"), ("H", "h")
+    if not spec.batch_inner:
+        inner, outer = outer, inner
+    if heads_first(spec):
+        return (inner, ("nq", "qt"), outer)
+    return (("nq", "qt"), inner, outer)
+
+
+def emit_persistent_start(c: "_Code", spec: FA2ForwardSpec) -> None:
+    """A persistent kernel's first item: block c takes item c of `grid_3d`'s order (x fastest), kept as the
+    coordinates it_x, it_y, it_z (needs `nq`), and it_rnd, the parity of the round (`emit_persistent_next`)."""
+    c("it_x = cuda.blockIdx.x  # this block's first item: the hardware order of grid_3d's blocks, x fastest")
+    c("it_y = 0")
+    c("it_z = 0")
+    c("it_rnd = 0")
+    _emit_item_carry(c, spec)
+
+
+def emit_persistent_next(c: "_Code", spec: FA2ForwardSpec) -> None:
+    """The block's next item, rounds of gridDim.x items in serpentine order: block c takes item c of even rounds
+    and gridDim.x - 1 - c of odd ones, so a block that took a heavy item of one round takes a light one of the
+    next (the items of a round are ordered heaviest first: a causal mask's q tiles, `heads_first`). No division
+    (a 64-bit division is a call, which serializes every wgmma): the step is added to x and carried into y, z."""
+    c("it_step = 2 * cuda.blockIdx.x + 1 if it_rnd else 2 * (cuda.gridDim.x - cuda.blockIdx.x) - 1")
+    c("it_rnd ^= 1")
+    c("it_x += it_step")
+    _emit_item_carry(c, spec)
+
+
+def _emit_item_carry(c: "_Code", spec: FA2ForwardSpec) -> None:
+    (nx, _), (ny, _), _ = _grid_axes(spec)
+    c(f"while it_x >= {nx}:")
+    with c.indent():
+        c(f"it_x -= {nx}")
+        c("it_y += 1")
+    c(f"while it_y >= {ny}:")
+    with c.indent():
+        c(f"it_y -= {ny}")
+        c("it_z += 1")
+
+
+def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec) -> None:
+    """qt, h, b of the item (it_x, it_y, it_z), and it_ok: whether it is one (past the last item, the last one's
+    coordinates: a kernel that computes an item's state before it knows whether to use it reads no table out of
+    range)."""
+    axes = _grid_axes(spec)
+    nz = axes[2][0]
+    c(f"it_ok = it_z < {nz}")
+    for v, (n, what) in zip(("it_x", "it_y", "min(it_z, " + nz + " - 1)"), axes):
+        c(f"qt = nq - 1 - {v}" if what == "qt" else f"{what} = {v}")
 
 
 def has_row_bounds(spec: FA2ForwardSpec) -> bool:

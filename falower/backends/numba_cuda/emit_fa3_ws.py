@@ -60,7 +60,7 @@ softmax one tile behind).
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, Optional
 
 from .emit_fa2 import (
     _HEADER,
@@ -75,6 +75,9 @@ from .emit_fa2 import (
     _spec_comment,
     _tile_class_expr,
     emit_bases,
+    emit_persistent_index,
+    emit_persistent_next,
+    emit_persistent_start,
     emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
@@ -203,7 +206,17 @@ def register_cap(spec: FA2ForwardSpec) -> int:
     return MAX_REGS_THREAD  # producer "none": 256 threads, 8 x 32 x 256 = 65536
 
 
+def persistent(spec: FA2ForwardSpec) -> int:
+    """spec.extra["persistent"]: the blocks of a persistent launch (0: one block a q tile). Each block walks work
+    items (q tile, head, batch) in `emit_persistent_next`'s serpentine order and, before the epilogue of one, loads
+    the next one's Q and its first K / V tiles, so a block's start (its Q and first tiles' latency, the barriers,
+    the tile scan) overlaps the previous item's last P V and its stores."""
+    return int(spec.extra.get("persistent", 0))
+
+
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
+    if persistent(spec):
+        return (min(persistent(spec), -(-M // spec.block_q) * B * H), 1, 1)
     return _fa3_grid(spec, B, H, M, N)
 
 
@@ -246,6 +259,11 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             raise ValueError(f"wgmma-ws: setmaxnreg counts are multiples of 8 in [24, 256], got {(p, c)}")
     if producer(spec) == "warpgroup" and 128 * p + (threads_per_block(spec) - 128) * c > 65536:
         raise ValueError(f"wgmma-ws: registers {(p, c)} exceed the SM's 65536")
+    if persistent(spec) < 0:
+        raise ValueError(f"wgmma-ws: persistent must be a number of blocks >= 1 (0: off), got {persistent(spec)}")
+    if persistent(spec) and (producer(spec) != "none" or table_tiles(spec)):
+        raise ValueError("wgmma-ws: persistent needs producer 'none' and no table tiles (its per-item state is "
+                         "not carried across items there)")
     if not registers_fit(threads_per_block(spec), register_cap(spec)):
         raise ValueError(f"wgmma-ws: {threads_per_block(spec)} threads x {register_cap(spec)} registers do not fit "
                          f"the SM's {REGISTER_FILE} (warps allocated in groups of 4): the launch would fail (701)")
@@ -470,8 +488,12 @@ def _emit_table_tile_setup(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) 
     return copy
 
 
-def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
+def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
+                   item_state: Optional[Callable[[_Code], None]] = None) -> None:
+    """The consumer warpgroups. `item_state` (persistent kernels): emits the state of the item it_x, it_y, it_z
+    (qt, h, b, their bases and kv tile range), which the kernel's prologue emitted once otherwise."""
     D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
+    PERSIST = item_state is not None
     T, KV = lay["tile"], lay["kv"]
     KS, KK = D // 16, BK // 16
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
@@ -501,12 +523,17 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
             c("bar_arrive(1, 256)  # warpgroup 0 issues first")
     c(f"acc = cuda.local.array({D // 2}, np.float32)")
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
-    for t in ROWS:
-        c(f"m_{t.k} = NEG_INF")
-        c(f"l_{t.k} = ZERO")
-    c(f"for i in range({D // 2}):")
-    with c.indent():
-        c("acc[i] = ZERO")
+
+    def zero_state() -> None:
+        for t in ROWS:
+            c(f"m_{t.k} = NEG_INF")
+            c(f"l_{t.k} = ZERO")
+        c(f"for i in range({D // 2}):")
+        with c.indent():
+            c("acc[i] = ZERO")
+
+    if not PERSIST:
+        zero_state()
     c(f"pa = cuda.local.array({BK // 4}, np.uint32)  # P packed: the A words of P V, 4 per k16 step")
     if NONE:
         CH = D // 8
@@ -519,35 +546,102 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         c(f"l_full = bars + {lay['full_k']} + cw * {8 * S}  # full_k[] for warpgroup 0, full_v[] for 1")
         c(f"l_empty = bars + {lay['empty_k']} + cw * {8 * S}")
         c(f"l_dst0 = sb + {KV} + cw * {T}  # stage 0's K (V)")
-        c("# this thread's chunk of row 0 of its (b, head) slice of K (V), the bytes a row and between its rows: a")
-        c("# tile inside N then costs an add a copy (the row loads' 64-bit index and bound: ~8 instructions a copy)")
-        c("l_at = elem_addr(k, (kg + ld_r0 * k_sm + ld_c * 8,)) if cw == 0 else elem_addr(v, (vg + ld_r0 * v_sm + "
-          "ld_c * 8,))")
         c("l_rb = np.uint64((k_sm if cw == 0 else v_sm) * 2)")
         c(f"l_rs = l_rb * np.uint64({128 // CH})")
-        _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
-        c("cp_async_mbar_arrive_noinc(bars + cw * 8)")
-        c("lj = kv_first  # the loader's cursor: the next tile to load, its stage and phase")
+
+        def item_loads(qphase: str) -> None:
+            """The item's Q rows of this warpgroup and the first S - 1 tiles of its ring (`qphase`: the Q
+            barrier's parity the wait will take)."""
+            c("# this thread's chunk of row 0 of its (b, head) slice of K (V), the bytes a row and between its "
+              "rows: a")
+            c("# tile inside N then costs an add a copy (the row loads' 64-bit index and bound: ~8 instructions a "
+              "copy)")
+            c("l_at = elem_addr(k, (kg + ld_r0 * k_sm + ld_c * 8,)) if cw == 0 else elem_addr(v, (vg + ld_r0 * "
+              "v_sm + ld_c * 8,))")
+            if PERSIST:
+                c("if it_ok:  # the previous item's S wgmmas are done: its Q rows are free")
+            with c.indent() if PERSIST else _no_indent():
+                _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
+                c("cp_async_mbar_arrive_noinc(bars + cw * 8)")
+            c("lj = kv_first  # the loader's cursor: the next tile to load, its stage and phase")
+            if not PERSIST:
+                c("lstage = 0")
+                c("lphase = 0")
+            if spec.block_mask == "list":
+                c("lkv_pos = 0")
+            for _ in range(S - 1):
+                _emit_loader_step(c, spec, lay, None)
+    TT = table_tiles(spec)
+    HOIST = row_bounds_read_data(spec)
+
+    def item_start(qphase: str) -> None:
+        """Wait for the item's Q; then the per-item state the kv loop reads."""
+        if NONE:
+            c(f"mbar_wait(bars + cw * 8, {qphase})  # this warpgroup's Q has landed")
+        else:
+            c("mbar_wait(bars, 0)  # Q has landed")
+        if HOIST:
+            emit_row_bounds(c, spec)
+        c("j = kv_first")
+        if not PERSIST:
+            c("stage = 0")
+            c("phase = 0")
+            c("pstage = 0  # the stage and phase of tile j - 1 (its V is read by P_{j-1} V_{j-1})")
+            c("pphase = 0")
+        c("have_prev = False")
+
+    def last_pv() -> None:
+        c("if have_prev:  # the last tile's P V")
+        with c.indent():
+            c(f"mbar_wait(bars + {lay['full_v']} + pstage * 8, pphase)")
+            c("fence_proxy_async()")
+            c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
+            _emit_pv(c, KK, D, "pv_base")
+            c("WAIT_O(acc, 0)")
+            if PERSIST:  # the ring goes on into the next item: its loader will refill this stage
+                c(f"mbar_arrive(bars + {lay['empty_v']} + pstage * 8)  # this thread is done with the last V")
+
+    if PERSIST:
+        c("stage = 0  # the ring's stage and phase carry from item to item: the loader runs ahead across them")
+        c("phase = 0")
         c("lstage = 0")
         c("lphase = 0")
-        if spec.block_mask == "list":
-            c("lkv_pos = 0")
-        for _ in range(S - 1):
-            _emit_loader_step(c, spec, lay, None)
-        c("mbar_wait(bars + cw * 8, 0)  # this warpgroup's Q has landed")
+        c("pstage = 0")
+        c("pphase = 0")
+        c("qphase = 0")
+        c("have_prev = False")
+        c("cur_ok = False  # an item is in flight: its last P V and epilogue are still to do")
+        c("eq_head = 0")
+        c("eq_lo = 0")
+        for t in ROWS:  # defined on every path into the epilogue (Numba's bytecode analysis asks it)
+            c(f"m_{t.k} = NEG_INF")
+            c(f"l_{t.k} = ZERO")
+        emit_persistent_start(c, spec)
+        c("while True:")
+        c.level += 1
+        c("# the next item's state, Q and first tiles, issued before this item's last P V and epilogue")
+        item_state(c)
+        c("if not it_ok:")
+        with c.indent():
+            c("kv_last = kv_first - 1  # nothing to load")
+        item_loads("qphase")
+        c("if cur_ok:")
+        with c.indent():
+            last_pv()
+            _emit_epilogue_at(c, D, "eq_head", "eq_lo")
+        c("if not it_ok:")
+        with c.indent():
+            c("break")
+        c("cur_ok = True")
+        emit_persistent_next(c, spec)
+        zero_state()
+        item_start("qphase")
+        c("qphase ^= 1")
     else:
-        c("mbar_wait(bars, 0)  # Q has landed")
-    TT = table_tiles(spec)
+        if NONE:
+            item_loads("0")
+        item_start("0")
     copy = _emit_table_tile_setup(c, spec, lay) if TT else None
-    HOIST = row_bounds_read_data(spec)
-    if HOIST:
-        emit_row_bounds(c, spec)
-    c("j = kv_first")
-    c("stage = 0")
-    c("phase = 0")
-    c("pstage = 0  # the stage and phase of tile j - 1 (its V is read by P_{j-1} V_{j-1})")
-    c("pphase = 0")
-    c("have_prev = False")
     if spec.block_mask == "list":  # the next entry loaded a tile ahead: no list load waits at the loop's top
         _emit_list_ahead(c, spec)
     c("while j <= kv_last:")
@@ -666,17 +760,36 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         with c.indent():
             c("stage = 0")
             c("phase ^= 1")
-    c("if have_prev:  # the last tile's P V")
-    with c.indent():
-        c(f"mbar_wait(bars + {lay['full_v']} + pstage * 8, pphase)")
-        c("fence_proxy_async()")
-        c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
-        _emit_pv(c, KK, D, "pv_base")
-        c("WAIT_O(acc, 0)")
+    if PERSIST:
+        c("eq_head = q_head  # the item's output rows, for its epilogue after the next item's loads")
+        c("eq_lo = q_lo")
+        c.level -= 1
+        c("cp_async_wait0()  # every copy was waited for through its full barrier; leave none in flight")
+        return
+    last_pv()
     if NONE:
         c("cp_async_wait0()  # every copy was waited for through its full barrier; leave none in flight")
     c()
     _emit_epilogue(c, D)
+
+
+def _emit_epilogue_at(c: _Code, D: int, head: str, lo: str) -> None:
+    """emit_fa3's epilogue for the item whose (b, h) row offset and first query row are `head` and `lo` (a
+    persistent kernel has already set q_head / q_lo to the next item's)."""
+    tmp = _Code()
+    tmp.level = c.level
+    tmp.helpers = c.helpers
+    _emit_epilogue(tmp, D)
+    for line in tmp.lines:
+        c.lines.append(re.sub(r"\bq_lo\b", lo, re.sub(r"\bq_head\b", head, line)))
+
+
+class _no_indent:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
@@ -727,11 +840,19 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("tid = cuda.threadIdx.x")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
-        emit_program_index(c, spec)
-        c(f"hk = h // {G}" if G > 1 else "hk = h")
-        c("q_head = (b * H + h) * M")
-        emit_bases(c)
-        _emit_tile_range(c, spec, uniform=True)
+
+        def item_state(c: _Code) -> None:
+            if persistent(spec):
+                emit_persistent_index(c, spec)
+            else:
+                emit_program_index(c, spec)
+            c(f"hk = h // {G}" if G > 1 else "hk = h")
+            c("q_head = (b * H + h) * M")
+            emit_bases(c)
+            _emit_tile_range(c, spec, uniform=True)
+
+        if not persistent(spec):
+            item_state(c)
         c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
         loaders = 128 if NONE else producer_threads(spec)  # producer "none": one warpgroup fills each ring
         c("if tid == 0:")
@@ -753,7 +874,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c("role = warp_uniform(tid >> 5)  # the warp's index, provably the same in its lanes (wgmma in a branch on "
           "tid is serialized: C7518)")
         if NONE:
-            _emit_consumer(c, spec, lay)
+            _emit_consumer(c, spec, lay, item_state if persistent(spec) else None)
         elif WARP:
             c(f"if role >= {consumers // 32}:")
             with c.indent():

@@ -1,0 +1,55 @@
+"""The persistent warp-specialized forward (emit_fa3_ws.py, extra "persistent"): blocks that walk several work
+items, with the ring's stages, the Q barrier's parity and the loader running ahead across items, in the CUDA
+simulator against the float64 reference (ws_sim_cases.py's PERSIST_CASES and the document example through
+falower.compile, COMPILED_CASES: a block list with an item that visits nothing). Their own subprocess, beside
+test_fa3_ws_simulator's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from simulated import collect, spawn  # noqa: E402
+from ws_sim_cases import COMPILED_CASES, PERSIST_CASES  # noqa: E402
+
+TOL = {"f16": 4e-3, "bf16": 3e-2}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return collect(spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*PERSIST_CASES, *COMPILED_CASES]))
+
+
+@pytest.mark.parametrize("case", sorted(PERSIST_CASES) + sorted(COMPILED_CASES))
+def test_persistent_simulator(results, case):
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert not r["nan"], r
+    assert r["o_err"] <= TOL[r["dtype"]], r
+    assert r["lse_err"] <= 1e-3, r
+    if case in COMPILED_CASES:
+        assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
+        assert r["lse_inf_ok"] and r["masked_rows"] >= 2, r  # the padding rows: O = 0, LSE = -inf
+
+
+def test_grid_and_validation():
+    """A persistent grid has min(blocks, items) blocks; the schedule refuses what it cannot carry across items."""
+    import dataclasses
+
+    from variants import make_spec
+
+    from falower.backends.numba_cuda import emit_fa2, emit_fa3_ws
+
+    spec = make_spec("causal", 128, "f16", path="mma", block_q=128, block_k=128, num_warps=8)
+    ws = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "none", "persistent": 132})
+    assert emit_fa2.grid(ws, 4, 16, 4096, 4096) == (132, 1, 1)
+    assert emit_fa2.grid(ws, 1, 2, 200, 200) == (4, 1, 1)  # 2 q tiles x 2 heads: one block an item
+    for extra, what in (({"producer": "warp", "persistent": 4}, "producer 'none'"),
+                        ({"producer": "none", "persistent": -1}, "persistent must be")):
+        with pytest.raises(ValueError, match=what):
+            emit_fa3_ws.validate_spec(dataclasses.replace(spec, extra={"schedule": "wgmma-ws", **extra}))
