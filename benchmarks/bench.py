@@ -105,7 +105,8 @@ def parse_config(text: str) -> tuple:
     (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-wsn' the same
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
-    ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile); '-nott' their score's table read by gathers, not in tiles through shared memory
+    ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile);
+    '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott' their score's table read by gathers, not in tiles through shared memory
     (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
     an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
@@ -136,6 +137,8 @@ def parse_config(text: str) -> tuple:
             extra["stages"] = int(o[2:])
         elif o.startswith("pf") and o[2:].isdigit():
             extra["prefetch_tiles"] = int(o[2:])
+        elif o.startswith("xp") and o[2:].isdigit():
+            extra["ex2_poly"] = int(o[2:])
         elif o.startswith("p") and o[1:].isdigit():
             extra["persistent"] = int(o[1:])
         elif o == "nott":
@@ -189,6 +192,8 @@ def config_tag(cfg: tuple) -> str:
         tag += f"-hg{extra['head_group']}"
     if "prefetch_tiles" in extra:
         tag += f"-pf{extra['prefetch_tiles']}"
+    if "ex2_poly" in extra:
+        tag += f"-xp{extra['ex2_poly']}"
     if "persistent" in extra:
         tag += f"-p{extra['persistent']}"
     if extra.get("table_tiles") is False:

@@ -39,6 +39,8 @@ CASES = {
     "r128-bias-bf16-d64-127x65": ("bias", "bf16", 64, 1, 1, 127, 65, 1, 128, 64, {"wg_rows": 128}),
     # spec.extra["tree_softmax"]: the row max and sum over four chains (a kv tile of 64: 8 n8 tiles, 2 a chain)
     "tree-causal-f16-d64": ("causal", "f16", 64, 1, 1, 70, 75, 1, 128, 64, {"wg_rows": 128, "tree_softmax": True}),
+    # spec.extra["ex2_poly"]: 5 of a row's 8 exponentials by the FMA pipe's polynomial (masked ones: exactly 0)
+    "ex2poly-causal-f16-d64": ("causal", "f16", 64, 1, 1, 70, 75, 1, 128, 32, {"wg_rows": 128, "ex2_poly": 5}),
 }
 # through the runtime (FA2ForwardKernel with spec.extra["schedule"] = "wgmma"): the same launch path as the
 # mma.sync kernel, block-mask table kernel included

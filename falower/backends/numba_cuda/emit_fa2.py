@@ -96,6 +96,7 @@ from falower.backends.numba_cuda.intrinsics import (
     device_function,
     kernel_jit,  # cached on disk on a GPU, compiled through a lean Numba pipeline (intrinsics.py)
     ex2,
+    ex2_poly,
     f16_to_f32,
     f32_to_bf16,
     f32_to_f16,
@@ -709,6 +710,15 @@ def skips_unit_rescale(spec: FA2ForwardSpec) -> bool:
     return bool(spec.lazy_rescale) and spec.extra.get("schedule") == "wgmma-ws"
 
 
+def ex2_poly_count(spec: FA2ForwardSpec) -> int:
+    """spec.extra["ex2_poly"]: how many of a thread's row of exponentials in a tile (2 * block_k / 8 on the tensor
+    core paths) `softmax_row` computes by `ex2_poly` on the FMA pipe instead of MUFU's ex2 (0: none). Where the
+    softmax waits on MUFU (16 results a clock an SM: at D = 64 one ex2 an element takes as long as the tile's
+    mma, a softcap's tanh.approx doubles it) moving some of them to the FMA pipe (128 a clock, ~9 instructions
+    each) shortens the critical pipe."""
+    return int(spec.extra.get("ex2_poly", 0))
+
+
 def lazy_threshold(spec: FA2ForwardSpec) -> str:
     """online-softmax{lazy=T}'s T where the kernels keep the row max: the IR's exponent base is the kernels' base 2
     under exp2, natural otherwise (the kernels multiply such scores by log2(e), `_score_expr`)."""
@@ -1062,17 +1072,30 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             x0, x1 = f"cuda.fma(lget(x, e), {scale}, m_neg)", f"cuda.fma(lget(x, e + 1), {scale}, m_neg)"
         else:
             x0, x1 = "lget(x, e) - m_use", "lget(x, e + 1) - m_use"
-        c(f"for jj in range({NJ}):")
-        with c.indent():
-            c("e = i + jj * 4")
-            c(f"v0 = ex2({x0})")
+        npoly = ex2_poly_count(spec)
+        if not 0 <= npoly <= 2 * NJ:
+            raise ValueError(f"ex2_poly: {npoly} is not a count of a row's {2 * NJ} exponentials in a tile")
+        poly = set(([2 * jj + 1 for jj in range(NJ)] + [2 * jj for jj in range(NJ)])[:npoly])
+
+        def exp_pair(jj: str, f0: str = "ex2", f1: str = "ex2") -> None:
+            c(f"e = i + {jj} * 4")
+            c(f"v0 = {f0}({x0})")
             c("lset(x, e, v0)")
-            c(f"v1 = ex2({x1})")
+            c(f"v1 = {f1}({x1})")
             c("lset(x, e + 1, v1)")
             if K > 1:
-                c(f"lset(rq, jj & {K - 1}, lget(rq, jj & {K - 1}) + v0 + v1)")
+                c(f"lset(rq, {jj} & {K - 1}, lget(rq, {jj} & {K - 1}) + v0 + v1)")
             else:
                 c("rs = rs + v0 + v1")
+
+        if npoly:  # written out: which of a row's elements take the polynomial is fixed per element
+            c(f"# {npoly} of the row's {2 * NJ} exponentials on the FMA pipe (ex2_poly), the rest on MUFU (ex2)")
+            for jj in range(NJ):
+                exp_pair(str(jj), *("ex2_poly" if 2 * jj + h in poly else "ex2" for h in (0, 1)))
+        else:
+            c(f"for jj in range({NJ}):")
+            with c.indent():
+                exp_pair("jj")
         if K > 1:
             c("rs = " + _tree("add", [f"lget(rq, {k})" for k in range(K)]))
         c("return m_new, alpha, rs")

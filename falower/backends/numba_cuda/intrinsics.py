@@ -39,6 +39,9 @@ Public names (identical in both modes):
                                    index starts an 8-byte aligned pair)
     pack_f16x2, pack_bf16x2        (lo: f32, hi: f32) -> uint32 (round to nearest even)
     ex2                            (x: f32) -> f32, 2**x (ex2.approx.ftz)
+    ex2_poly                       (x: f32, x <= 64) -> f32, 2**x on the FMA and integer pipes, not MUFU: x
+                                   rounded to j + f (|f| <= 1/2) by a 1.5 * 2**23 shift, 2**f by a cubic
+                                   (relative error 1.0e-4), j added to the exponent; x <= -127 (-inf) gives 0
     tanh_approx_f32                (x: f32) -> f32, tanh.approx.f32 (one MUFU.TANH; the IR's tanh_approx)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
@@ -101,6 +104,7 @@ __all__ = [
     "pack_f16x2",
     "pack_bf16x2",
     "ex2",
+    "ex2_poly",
     "tanh_approx_f32",
     "shfl_xor_f32",
     "ballot",
@@ -175,6 +179,41 @@ def max_registers(n: int):
         return fn
 
     return mark
+
+
+# ex2_poly: 2**x without MUFU (the SFU does 16 results a clock an SM, the FMA pipe 128): x = j + f by the
+# round-to-nearest shift 1.5 * 2**23 (t's low mantissa bits are then j in two's complement, so t << 23 is j in the
+# exponent field), 2**f = 1 + f (c1 + f (c2 + f c3)) on |f| <= 1/2 with c0 exactly 1 (x = -127, where -inf is
+# clamped, gives p = 1 and exponent 127 - 127 = 0: exactly 0), then j added to p's exponent. The cubic was fitted
+# for relative error (Lawson's minimax iteration): 1.0e-4 at most, under f16's half ulp (2.4e-4), which P is
+# rounded to before P V. 9 instructions: 7 on the FMA pipe, 2 integer.
+EX2_SHIFT = 12582912.0  # 1.5 * 2**23
+EX2_POLY = (0.6932829022407532, 0.24221037328243256, 0.05500858277082443)  # c1, c2, c3
+
+
+def _f32_hex(v: float) -> str:
+    return "0f%08X" % int(np.array([v], dtype=np.float32).view(np.uint32)[0])
+
+
+EX2_POLY_PTX = ("{ .reg .f32 x, t, r, f, p; .reg .b32 i, b; "
+                f"max.f32 x, $1, {_f32_hex(-127.0)}; add.rn.f32 t, x, {_f32_hex(EX2_SHIFT)}; "
+                f"sub.rn.f32 r, t, {_f32_hex(EX2_SHIFT)}; sub.rn.f32 f, x, r; "
+                f"fma.rn.f32 p, f, {_f32_hex(EX2_POLY[2])}, {_f32_hex(EX2_POLY[1])}; "
+                f"fma.rn.f32 p, p, f, {_f32_hex(EX2_POLY[0])}; fma.rn.f32 p, p, f, {_f32_hex(1.0)}; "
+                "mov.b32 i, t; shl.b32 i, i, 23; mov.b32 b, p; add.s32 b, b, i; mov.b32 $0, b; }")
+
+
+def ex2_poly_f32(x) -> np.float32:
+    """EX2_POLY_PTX's steps in numpy float32, each rounded as the PTX rounds it (an FMA rounds once): the
+    simulator's ex2_poly, and what the tests hold the PTX's constants to."""
+    xf = np.float32(max(np.float32(x), np.float32(-127.0)))  # PTX max.f32: a NaN operand gives the other
+    t = np.float32(xf + np.float32(EX2_SHIFT))
+    f = np.float32(xf - np.float32(t - np.float32(EX2_SHIFT)))
+    p = np.float32(EX2_POLY[2])
+    for c in (EX2_POLY[1], EX2_POLY[0], 1.0):
+        p = np.float32(np.float64(p) * np.float64(f) + np.float64(np.float32(c)))
+    bits = (int(np.float32(p).view(np.uint32)) + (int(t.view(np.int32)) << 23)) & 0xFFFFFFFF
+    return np.uint32(bits).view(np.float32)
 
 
 if SIMULATOR:
@@ -459,6 +498,9 @@ if SIMULATOR:
     def ex2(x):
         with np.errstate(over="ignore", under="ignore"):
             return np.float32(np.exp2(np.float32(x)))
+
+    def ex2_poly(x):
+        return ex2_poly_f32(x)
 
     def tanh_approx_f32(x):  # the simulator computes the definition, tanh, in f32
         return np.float32(np.tanh(np.float32(x)))
@@ -1183,6 +1225,7 @@ else:
         return _U32(lo, hi), _pack_codegen("bf16")
 
     ex2 = _unary_asm_intrinsic("ex2", "ex2.approx.ftz.f32 $0, $1;", _F32, _F32, "=f,f")
+    ex2_poly = _unary_asm_intrinsic("ex2_poly", EX2_POLY_PTX, _F32, _F32, "=f,f")
     tanh_approx_f32 = _unary_asm_intrinsic("tanh_approx_f32", "tanh.approx.f32 $0, $1;", _F32, _F32, "=f,f")
 
     @intrinsic
