@@ -546,19 +546,24 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c(f"l_full = bars + {lay['full_k']} + cw * {8 * S}  # full_k[] for warpgroup 0, full_v[] for 1")
         c(f"l_empty = bars + {lay['empty_k']} + cw * {8 * S}")
         c(f"l_dst0 = sb + {KV} + cw * {T}  # stage 0's K (V)")
-        c("l_rb = np.uint64((k_sm if cw == 0 else v_sm) * 2)")
-        c(f"l_rs = l_rb * np.uint64({128 // CH})")
 
-        def item_loads(qphase: str) -> None:
-            """The item's Q rows of this warpgroup and the first S - 1 tiles of its ring (`qphase`: the Q
-            barrier's parity the wait will take)."""
+        def row_address() -> None:
             c("# this thread's chunk of row 0 of its (b, head) slice of K (V), the bytes a row and between its "
               "rows: a")
             c("# tile inside N then costs an add a copy (the row loads' 64-bit index and bound: ~8 instructions a "
               "copy)")
             c("l_at = elem_addr(k, (kg + ld_r0 * k_sm + ld_c * 8,)) if cw == 0 else elem_addr(v, (vg + ld_r0 * "
               "v_sm + ld_c * 8,))")
+
+        if not PERSIST:  # a persistent kernel's item sets it (item_loads)
+            row_address()
+        c("l_rb = np.uint64((k_sm if cw == 0 else v_sm) * 2)")
+        c(f"l_rs = l_rb * np.uint64({128 // CH})")
+
+        def item_loads() -> None:
+            """The item's Q rows of this warpgroup and the first S - 1 tiles of its ring."""
             if PERSIST:
+                row_address()
                 c("if it_ok:  # the previous item's S wgmmas are done: its Q rows are free")
             with c.indent() if PERSIST else _no_indent():
                 _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
@@ -574,12 +579,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     TT = table_tiles(spec)
     HOIST = row_bounds_read_data(spec)
 
-    def item_start(qphase: str) -> None:
-        """Wait for the item's Q; then the per-item state the kv loop reads."""
+    def item_start(qphase: str) -> Optional[Callable[[str], None]]:
+        """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
+        (`_emit_table_tile_setup`; not in persistent kernels)."""
         if NONE:
             c(f"mbar_wait(bars + cw * 8, {qphase})  # this warpgroup's Q has landed")
         else:
             c("mbar_wait(bars, 0)  # Q has landed")
+        copy = _emit_table_tile_setup(c, spec, lay) if TT else None
         if HOIST:
             emit_row_bounds(c, spec)
         c("j = kv_first")
@@ -589,6 +596,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("pstage = 0  # the stage and phase of tile j - 1 (its V is read by P_{j-1} V_{j-1})")
             c("pphase = 0")
         c("have_prev = False")
+        return copy
 
     def last_pv() -> None:
         c("if have_prev:  # the last tile's P V")
@@ -624,7 +632,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("if not it_ok:")
         with c.indent():
             c("kv_last = kv_first - 1  # nothing to load")
-        item_loads("qphase")
+        item_loads()
         c("if cur_ok:")
         with c.indent():
             last_pv()
@@ -635,13 +643,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("cur_ok = True")
         emit_persistent_next(c, spec)
         zero_state()
-        item_start("qphase")
+        copy = item_start("qphase")
         c("qphase ^= 1")
     else:
         if NONE:
-            item_loads("0")
-        item_start("0")
-    copy = _emit_table_tile_setup(c, spec, lay) if TT else None
+            item_loads()
+        copy = item_start("0")
     if spec.block_mask == "list":  # the next entry loaded a tile ahead: no list load waits at the loop's top
         _emit_list_ahead(c, spec)
     c("while j <= kv_last:")
