@@ -59,6 +59,7 @@ softmax one tile behind).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Callable, Optional
 
@@ -565,7 +566,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             if PERSIST:
                 row_address()
                 c("if it_ok:  # the previous item's S wgmmas are done: its Q rows are free")
-            with c.indent() if PERSIST else _no_indent():
+            with c.indent() if PERSIST else contextlib.nullcontext():
                 _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
                 c("cp_async_mbar_arrive_noinc(bars + cw * 8)")
             c("lj = kv_first  # the loader's cursor: the next tile to load, its stage and phase")
@@ -789,14 +790,6 @@ def _emit_epilogue_at(c: _Code, D: int, head: str, lo: str) -> None:
     _emit_epilogue(tmp, D)
     for line in tmp.lines:
         c.lines.append(re.sub(r"\bq_lo\b", lo, re.sub(r"\bq_head\b", head, line)))
-
-
-class _no_indent:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
