@@ -446,7 +446,7 @@ def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec) -> None:
     axes = _grid_axes(spec)
     nz = axes[2][0]
     c(f"it_ok = it_z < {nz}")
-    for v, (n, what) in zip(("it_x", "it_y", "min(it_z, " + nz + " - 1)"), axes):
+    for v, (_, what) in zip(("it_x", "it_y", f"min(it_z, {nz} - 1)"), axes):
         c(f"qt = nq - 1 - {v}" if what == "qt" else f"{what} = {v}")
 
 

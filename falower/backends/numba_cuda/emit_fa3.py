@@ -370,9 +370,10 @@ def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
                                 f"        lset(pa, w, {pack}(lget(x, 2 * w), lget(x, 2 * w + 1)))"])
 
 
-def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None) -> None:
+def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None, head: str = "q_head") -> None:
     """A warpgroup's epilogue (this kernel's and emit_fa3_ws's): each of the thread's rows (`wgmma_thread_rows`)
-    normalised by its sum over the lane quad, stored, and its LSE; fully masked rows -> O = 0, LSE = -inf."""
+    normalised by its sum over the lane quad, stored, and its LSE; fully masked rows -> O = 0, LSE = -inf. `head`:
+    the (b, h) slice's first row of O and LSE (a persistent kernel's item before the one q_head now holds)."""
     c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
     for t in rows or wgmma_thread_rows():
         r = t.k
@@ -382,10 +383,10 @@ def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None) -> None:
         c(f"qi = {t.row}")
         c("if qi < M:")
         with c.indent():
-            c(f"store_row(o, (q_head + qi) * {D // 2} + (t2 >> 1), {t.acc}, {t.ofs}, inv)")
+            c(f"store_row(o, ({head} + qi) * {D // 2} + (t2 >> 1), {t.acc}, {t.ofs}, inv)")
             c("if t2 == 0:")
             with c.indent():
-                c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+                c(f"lse[{head} + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:

@@ -637,7 +637,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("if cur_ok:")
         with c.indent():
             last_pv()
-            _emit_epilogue_at(c, D, "eq_head", "eq_lo")
+            # the item's rows: q_head / q_lo already hold the next item's
+            _emit_epilogue(c, D, [t._replace(row=t.row.replace("q_lo", "eq_lo")) for t in ROWS], head="eq_head")
         c("if not it_ok:")
         with c.indent():
             c("break")
@@ -779,17 +780,6 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("cp_async_wait0()  # every copy was waited for through its full barrier; leave none in flight")
     c()
     _emit_epilogue(c, D)
-
-
-def _emit_epilogue_at(c: _Code, D: int, head: str, lo: str) -> None:
-    """emit_fa3's epilogue for the item whose (b, h) row offset and first query row are `head` and `lo` (a
-    persistent kernel has already set q_head / q_lo to the next item's)."""
-    tmp = _Code()
-    tmp.level = c.level
-    tmp.helpers = c.helpers
-    _emit_epilogue(tmp, D)
-    for line in tmp.lines:
-        c.lines.append(re.sub(r"\bq_lo\b", lo, re.sub(r"\bq_head\b", head, line)))
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
