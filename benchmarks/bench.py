@@ -107,7 +107,8 @@ def parse_config(text: str) -> tuple:
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
     ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile);
     '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott' their score's table read by gathers, not in tiles through shared memory
-    (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-r128' /
+    (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their
+    kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
     an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
     online-softmax without lazy=8 (the row max, and O's rescale, move on every kv tile);
@@ -145,6 +146,8 @@ def parse_config(text: str) -> tuple:
             extra["table_tiles"] = False
         elif o == "nopp":
             extra["pingpong"] = False
+        elif o == "nowalk":
+            extra["walk"] = False
         elif o == "eager":
             extra["eager"] = True
         elif o == "tree":
@@ -200,6 +203,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nott"
     if extra.get("pingpong") is False:
         tag += "-nopp"
+    if extra.get("walk") is False:
+        tag += "-nowalk"
     if "wg_rows" in extra:
         tag += f"-r{extra['wg_rows']}"
     if extra.get("tree_softmax"):

@@ -67,6 +67,23 @@ PERSIST_CASES = {
 # all padding (doc_id -1), an item with no kv tile, between items that have some. id: (M, N, blocks)
 COMPILED_CASES = {"ws-none-document-persist": (130, 130, 3)}
 RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
+# Static masks with row bounds through falower.compile, where the ws kernel walks [kv_first, kv_last] and takes a
+# tile's class from where it lies (emit_fa2.walks_range): causal on the persistent kernel (items whose ranges
+# differ; q tile 1's full tiles 0-3 next to partial tile 4, which is not ragged, and a ragged last kv tile), a
+# window whose first visited tile has rows that see none of it, and a mask whose rows' intervals are apart (kv in
+# [40 q, 40 q + 2), M != N): empty tiles inside the range, walked as masked ones. id: (example or mask, B, H, M, N,
+# extra)
+WALK_CASES = {
+    "walk-causal-persist": ("causal", 2, 2, 200, 200, {"persistent": 3}),
+    "walk-window": ("sliding_window", 1, 2, 130, 130, {}),
+    "walk-gaps": ("gaps", 1, 1, 5, 170, {}),
+}
+
+
+def _gaps(b, h, q_idx, kv_idx):
+    """Row q keeps kv in [40 q, 40 q + 2): one interval a row (row bounds), 40 apart."""
+    d = kv_idx - q_idx * 40
+    return (d >= 0) & (d < 2)
 
 
 def ring_kernel_source() -> str:
@@ -250,12 +267,49 @@ def run_compiled_case(case_id: str) -> dict:
             "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin)), "masked_rows": int((~fin).sum())}
 
 
+def run_walk_case(case_id: str) -> dict:
+    """A static mask with row bounds through falower.compile on the ws kernel (D = 64, 128 x 32 tiles), against
+    the reference interpreter in float64; says whether the kernel walked the range (emit_fa2.walks_range)."""
+    import runpy
+
+    import falower as fl
+    from falower.backends.numba_cuda.emit_fa2 import walks_range
+    from falower.passes import NAMED_PIPELINES
+    from falower.passes.check import Reference, bind_dims
+
+    what, B, H, M, N, extra = WALK_CASES[case_id]
+    if what == "gaps":
+        g = fl.attention(mask_mod=_gaps, name="gaps")
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        g = runpy.run_path(os.path.join(root, "examples", f"{what}.py"))["graph"]
+    D = 64
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
+    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    ref = Reference.build(g, env, inputs=[x.astype(np.float64) for x in (q, k, v)])
+    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", "tile{bq=128,bk=32}")
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
+                   extra={"schedule": "wgmma-ws", "producer": "none", **extra})
+    kern = c.kernel(q, k, v)
+    o, lse = c(q, k, v)
+    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
+    fin = np.isfinite(want_lse)
+    got = np.asarray(o, dtype=np.float64)
+    return {"id": case_id, "dtype": "f16", "walks": walks_range(kern.spec) and "kf_first" in kern.source,
+            "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
+            "o_err": float(np.max(np.abs(got - want_o))),
+            "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))) if fin.any() else 0.0,
+            "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin))}
+
+
 def main(ids) -> None:
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
     for cid in ids or [*RING_CASES, *CASES]:
         try:
             r = (run_ring_case(cid) if cid in RING_CASES else run_compiled_case(cid) if cid in COMPILED_CASES
-                 else run_case(cid))
+                 else run_walk_case(cid) if cid in WALK_CASES else run_case(cid))
         except Exception as exc:
             import traceback
 

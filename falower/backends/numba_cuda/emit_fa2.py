@@ -112,6 +112,7 @@ from falower.backends.numba_cuda.intrinsics import (
     highest_bit,
     warp_min,
     warp_max,
+    warp_sum,
     red_add_v4_f32,
     mma_acc_f16,
     mma_set_f16,
@@ -535,10 +536,12 @@ def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False) -> None:
+def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False,
+                     walk: bool = False) -> None:
     """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible). `warp_wide`: the
     block is whole warps (the scan may take a ballot: `emit_tile_scan`); `uniform`: the scan by warp reductions
-    whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`)."""
+    whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`); `walk` (with uniform): the kernel
+    walks the range where `walks_range` says, and the scan also finds its full tiles (kf_first, kf_last)."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
@@ -561,12 +564,33 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
         c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
-    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform)
+    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform,
+                   full_range=uniform and walk and walks_range(spec))
     del caps
 
 
+def walks_range(spec: FA2ForwardSpec) -> bool:
+    """Whether the wgmma kernels walk every tile of [kv_first, kv_last] and take a tile's class from where it lies
+    (`range_class_expr`) instead of evaluating tile_class_fn again for each tile they visit (the next tile's
+    search, the tile's own class, the loader's search: the causal ws kernel at D = 128 issued +10% warp
+    instructions a tile over plain by ncu, benchmarks/NOTES.md). Static block masks that keep one kv interval per
+    row (`has_row_bounds`: causal, windows, prefix LM, chunks): their ranges have no empty tile inside and their
+    full tiles are contiguous. A mask that breaks either stays correct (`emit_tile_scan(full_range=True)` then
+    treats every tile of the range as partial, and a masked empty tile adds nothing), only slower. Why not a run-time
+    test of the range: a flag, or bounds chosen by it, tested in the kv loop made ptxas move the whole loop's
+    control out of the uniform registers (local SASS of the causal ws kernel: UISETP 111 -> 7, R2UR 1 -> 4).
+    `extra["walk"] = False` keeps the search (measuring: bench '-nowalk')."""
+    return spec.block_mask == "static" and has_row_bounds(spec) and spec.extra.get("walk", True) is not False
+
+
+def range_class_expr(j: str) -> str:
+    """Tile j's class where the kernel walks its range (`walks_range`): full inside [kf_first, kf_last], partial
+    elsewhere."""
+    return f"(2 if kf_first <= {j} and {j} <= kf_last else 1)"
+
+
 def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: str, last: str,
-                   warp_wide: bool = True, uniform: bool = False) -> None:
+                   warp_wide: bool = True, uniform: bool = False, full_range: bool = False) -> None:
     """first, last = the first and the last j in [0, count) whose class `class_of(j)` is not 0 (count and -1 when
     there is none). Why a ballot: the serial scan classified one tile after another, ~20 dependent instructions a
     tile before the first copy could be issued (64 tiles at N = 4k: more than a narrow window's whole kv loop);
@@ -579,24 +603,48 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
     in per-lane registers, the loop's control compared 64-bit values with ISETP pairs and every wgmma descriptor
     went to the uniform registers by R2UR (the causal ws kernel at D = 128: +14% warp instructions a tile over
     plain, ncu source counters; 60 R2UR in its SASS, 1 with this scan, 240 registers -> 222: benchmarks/NOTES.md).
-    REDUX writes a uniform register."""
+    REDUX writes a uniform register.
+    `full_range` (uniform only; the kernels that walk the range, `walks_range`) also defines kf_first, kf_last:
+    the first and last full tile (class 2), or the empty range (count, -1) where there is none or where they are
+    not contiguous (each lane counts its full tiles; warp_sum against the range's length), so that every tile
+    inside [kf_first, kf_last] is full."""
     uniform = uniform and warp_wide  # the reductions are warp-wide too
+    assert not full_range or uniform, "the full range is the uniform scan's"
     c(f"{first} = {count}")
     c(f"{last} = -1")
+    if full_range:
+        c(f"kf_first = {count}")
+        c("kf_last = -1")
+        c("n_full = 0")
     if not warp_wide or uniform:  # serially: every tile in this thread, or (uniform) this lane's every 32nd
         c(f"for jt in range(cuda.threadIdx.x & 31, {count}, 32):  # 32 tiles a step, one a lane" if uniform
           else f"for jt in range({count}):")
         with c.indent():
-            c(f"if {class_of('jt')} != 0:")
+            if full_range:
+                c(f"cl = {class_of('jt')}")
+            c("if cl != 0:" if full_range else f"if {class_of('jt')} != 0:")
             with c.indent():
                 c(f"{first} = min({first}, jt)")
                 c(f"{last} = jt")
+                if full_range:
+                    c("if cl == 2:")
+                    with c.indent():
+                        c("kf_first = min(kf_first, jt)")
+                        c("kf_last = jt")
+                        c("n_full += 1")
         if not uniform:
             return
         c("# over the warp, after the loop: a value carried through the loop was per-lane to ptxas even when each")
         c("# step's was reduced (REDUX: a uniform register); a fresh reduction is uniform")
         c(f"{first} = np.int64(warp_min(np.int32({first})))")
         c(f"{last} = np.int64(warp_max(np.int32({last})))")
+        if full_range:
+            c("kf_first = np.int64(warp_min(np.int32(kf_first)))")
+            c("kf_last = np.int64(warp_max(np.int32(kf_last)))")
+            c("if warp_sum(np.int32(n_full)) != kf_last - kf_first + 1:  # a partial tile between full ones")
+            with c.indent():
+                c(f"kf_first = np.int64({count})  # then every tile is masked")
+                c("kf_last = np.int64(-1)")
         return
     c(f"for jc in range(0, {count}, 32):  # 32 tiles a step, one a lane, gathered by one ballot")
     with c.indent():
@@ -646,11 +694,17 @@ def carries_class(spec: FA2ForwardSpec) -> bool:
 
 
 def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: bool = False,
-                    carry: Optional[str] = None) -> None:
+                    carry: Optional[str] = None, walk: bool = False) -> None:
     """out = the next non-empty kv tile after cur (kv_last + 1 when none). `ahead` (block list, after
     `_emit_list_ahead`): out comes from the entry loaded one iteration ago, and the entry after out is loaded
     now, a whole tile's work before the next iteration needs it. `carry` (where `carries_class`): the class of out
-    is left in that variable (0 when there is none)."""
+    is left in that variable (0 when there is none). `walk` (a kernel that scanned for it, where `walks_range`):
+    out is cur + 1 and its class where it lies."""
+    if walk and walks_range(spec):
+        c(f"{out} = {cur} + 1  # the range has no empty tile inside (walks_range)")
+        if carry is not None:
+            c(f"{carry} = {range_class_expr(out)} if {out} <= kv_last else 0")
+        return
     if spec.block_mask == "list" and ahead:
         _, kt = _list_names(spec)
         c(f"kv_cls = 1 if kv_cur & 1 else 2  # tile {cur}: partial or full")
@@ -681,10 +735,14 @@ def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: b
             c(f"{out} += 1")
 
 
-def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] = None) -> None:
-    """need_mask: tile j is partial or ragged. `cls`: its class, already known (`_emit_next_tile`'s carry)."""
+def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] = None, walk: bool = False) -> None:
+    """need_mask: tile j is partial or ragged. `cls`: its class, already known (`_emit_next_tile`'s carry).
+    `walk` (where `walks_range`): the class from where j lies."""
     BK = spec.block_k
     c(f"kv0 = {j} * {BK}")
+    if walk and walks_range(spec) and cls is None:
+        c(f"need_mask = {range_class_expr(j)} == 1 or kv0 + {BK} > N")
+        return
     if spec.block_mask == "none":
         if spec.has_mask:
             c("need_mask = True")

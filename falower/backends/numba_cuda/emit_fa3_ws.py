@@ -86,6 +86,7 @@ from .emit_fa2 import (
     emit_row_bounds,
     has_tile_table,
     row_bounds_read_data,
+    walks_range,
     wgmma_thread_rows,
 )
 try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has them
@@ -331,7 +332,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("phase = 0")
     c("while j <= kv_last:")
     with c.indent():
-        _emit_next_tile(c, spec, "j", "jn")
+        _emit_next_tile(c, spec, "j", "jn", walk=True)
         c(f"k_dst = sb + {KV} + stage * {2 * T}")
         c("sbar = bars + stage * 8")
         c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's K")
@@ -369,9 +370,10 @@ def _emit_score_prefetch(c: _Code, spec: FA2ForwardSpec, nxt: str) -> None:
 def _emit_next(c: _Code, spec: FA2ForwardSpec, cur: str, out: str) -> None:
     """out = the next visited kv tile after cur: `_emit_next_tile`, but under a static block mask through one device
     function `next_tile` (its `while` over tile_class_fn was written out five times: the consumer's loop and each
-    loader step, ~40 Numba IR statements a copy; benchmarks/NOTES.md, "Compile time", round 5)."""
-    if spec.block_mask != "static":
-        _emit_next_tile(c, spec, cur, out)
+    loader step, ~40 Numba IR statements a copy; benchmarks/NOTES.md, "Compile time", round 5); cur + 1 where the
+    kernel walks the range (`walks_range`)."""
+    if spec.block_mask != "static" or walks_range(spec):
+        _emit_next_tile(c, spec, cur, out, walk=True)
         return
     caps = _cap_args(spec)
     fn = c.helper("next_tile", [
@@ -704,7 +706,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_loader_step(c, spec, lay, "k")
         c()
-        _emit_need_mask(c, spec, "j")
+        _emit_need_mask(c, spec, "j", walk=True)
         c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
         if TT:
             c("if tile_on:")
@@ -839,7 +841,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"hk = h // {G}" if G > 1 else "hk = h")
             c("q_head = (b * H + h) * M")
             emit_bases(c)
-            _emit_tile_range(c, spec, uniform=True)
+            _emit_tile_range(c, spec, uniform=True, walk=True)
 
         if not persistent(spec):
             item_state(c)

@@ -52,6 +52,7 @@ Public names (identical in both modes):
                                    (redux.sync, sm_80+): its SASS (REDUX) writes a uniform register, so ptxas
                                    knows the result is the same in every lane, which a ballot's or a shuffle's
                                    result is not to it
+    warp_sum                       (x: int32) -> int32: the sum of x over the warp's 32 lanes (redux.sync.add)
     red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
                                    vector reduction (sm_90; index a multiple of 4)
     mma_acc_f16, mma_acc_bf16      (f32 array x, i, a0..a3, b0, b1): x[i:i+4] += A B, one mma on four elements of a
@@ -112,6 +113,7 @@ __all__ = [
     "highest_bit",
     "warp_min",
     "warp_max",
+    "warp_sum",
     "red_add_v4_f32",
     "mma_acc_f16",
     "mma_set_f16",
@@ -527,6 +529,10 @@ if SIMULATOR:
     def warp_max(x):
         _, vals = _exchange(int(x))
         return np.int32(max(vals))
+
+    def warp_sum(x):
+        _, vals = _exchange(int(x))
+        return np.int32(sum(vals))
 
     _red_lock = threading.Lock()
 
@@ -1261,6 +1267,8 @@ else:
     warp_min = _unary_asm_intrinsic("warp_min", "redux.sync.min.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
                                     side_effect=True)
     warp_max = _unary_asm_intrinsic("warp_max", "redux.sync.max.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
+                                    side_effect=True)
+    warp_sum = _unary_asm_intrinsic("warp_sum", "redux.sync.add.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
                                     side_effect=True)
 
     @intrinsic

@@ -1,0 +1,67 @@
+"""The warp-specialized forward walking its kv range (emit_fa2.walks_range): under a static mask with row bounds
+the kernel visits every tile of [kv_first, kv_last] and takes a tile's class from where it lies, with no
+tile_class_fn in the kv loop. Run through falower.compile in the CUDA simulator against the float64 reference
+(ws_sim_cases.py's WALK_CASES: causal on the persistent kernel, a window, and a mask with empty tiles inside its
+range); and the emitted source, which says where tile_class_fn is still evaluated."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from simulated import collect, spawn  # noqa: E402
+from ws_sim_cases import WALK_CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return collect(spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*WALK_CASES]))
+
+
+@pytest.mark.parametrize("case", sorted(WALK_CASES))
+def test_walking_the_range_matches_the_reference(results, case):
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert r["walks"], r  # the kernel took the path under test
+    assert not r["nan"], r
+    assert r["o_err"] <= 4e-3 and r["lse_err"] <= 1e-3, r
+    assert r["lse_inf_ok"], r  # rows that see nothing (the gaps mask: none here) keep LSE = -inf
+
+
+def _ws_source(example: str) -> str:
+    import runpy
+
+    import falower as fl
+
+    g = runpy.run_path(str(HERE.parents[1] / "examples" / f"{example}.py"))["graph"]
+    c = fl.compile(g, "numba-cuda", extra={"schedule": "wgmma-ws", "producer": "none"})
+    return c.specialize("f16", D=128).source
+
+
+@pytest.mark.parametrize("example", ["causal", "sliding_window", "prefix_lm"])
+def test_the_kv_loop_does_not_classify_tiles(example):
+    """tile_class_fn runs in the scan before the loop only: the next tile is j + 1, a tile's class where it lies."""
+    src = _ws_source(example)
+    body = src.split("while j <= kv_last:", 1)[1]
+    assert "kf_first" in src and "warp_sum(" in src
+    assert "tile_class_fn(" not in body and "next_tile(" not in src
+    assert "jn = j + 1" in body and "(2 if kf_first <= j and j <= kf_last else 1)" in body
+
+
+def test_masks_without_row_bounds_keep_the_search():
+    """A static mask that is not one interval a row (kv in two disjoint bands) keeps the search and the
+    classification in the loop (an empty tile inside its range is skipped, not walked)."""
+    import falower as fl
+
+    def bands(b, h, q_idx, kv_idx):
+        return (kv_idx < 64) | ((kv_idx >= 512) & (kv_idx <= q_idx))
+
+    c = fl.compile(fl.attention(mask_mod=bands, name="bands"), "numba-cuda",
+                   extra={"schedule": "wgmma-ws", "producer": "none"})
+    src = c.specialize("f16", D=128).source
+    assert "kf_first" not in src and "next_tile(" in src
