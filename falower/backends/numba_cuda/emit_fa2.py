@@ -574,9 +574,11 @@ def walks_range(spec: FA2ForwardSpec) -> bool:
     (`range_class_expr`) instead of evaluating tile_class_fn again for each tile they visit (the next tile's
     search, the tile's own class, the loader's search: the causal ws kernel at D = 128 issued +10% warp
     instructions a tile over plain by ncu, benchmarks/NOTES.md). Static block masks that keep one kv interval per
-    row (`has_row_bounds`: causal, windows, prefix LM, chunks): their ranges have no empty tile inside and their
-    full tiles are contiguous. A mask that breaks either stays correct (`emit_tile_scan(full_range=True)` then
-    treats every tile of the range as partial, and a masked empty tile adds nothing), only slower. Why not a run-time
+    row (`has_row_bounds`): their full tiles are contiguous (inside the intersection of the rows' intervals), and
+    where neighbouring rows' intervals meet (causal, windows, prefix LM, chunks) no empty tile lies inside the
+    range. A mask whose rows' intervals lie apart stays correct, only slower: its empty tiles inside the range are
+    walked as masked ones and add nothing (and were the full tiles not contiguous, `emit_tile_scan(full_range=True)`
+    would leave the full range empty: every tile masked). Why not a run-time
     test of the range: a flag, or bounds chosen by it, tested in the kv loop made ptxas move the whole loop's
     control out of the uniform registers (local SASS of the causal ws kernel: UISETP 111 -> 7, R2UR 1 -> 4).
     `extra["walk"] = False` keeps the search (measuring: bench '-nowalk')."""

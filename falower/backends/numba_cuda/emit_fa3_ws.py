@@ -42,11 +42,9 @@ mask: benchmarks/NOTES.md, "Compile time", round 5). What is new is the schedule
 
 Built when `spec.extra["schedule"] == "wgmma-ws"` (emit_fa2 and emit_fa3 dispatch here). Knobs in spec.extra:
 "producer" ("warp"; "warpgroup", "none"), "stages" (2, "none": 3 where it fits; 3 fits at D = 128 with 128 x 128
-tiles: 225 KB), "pingpong"
-(True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts), "walk" (True: under a static mask with row
-bounds the kv loop walks [kv_first, kv_last], each tile's class from where it lies; emit_fa2.walks_range). block_q
-must be 128 (two consumer
-warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
+tiles: 225 KB), "pingpong" (True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts), "walk" (True:
+under a static mask with row bounds the kv loop walks [kv_first, kv_last], each tile's class from where it lies;
+emit_fa2.walks_range). block_q must be 128 (two consumer warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
 
 A score that reads a [q, kv] tile of a table (a bias[h, q, kv]: emit_fa2.has_tile_table) gets the tile in shared
 memory under producer "none" (`table_tiles`): each consumer warpgroup copies its 64 rows of tile j + 1 by cp.async
