@@ -14,10 +14,8 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from simulated import run_cases  # noqa: E402
+from simulated import FORWARD_O_TOL as TOL, run_cases  # noqa: E402
 from ws_sim_cases import CASES, RING_CASES, ring_kernel_source  # noqa: E402
-
-TOL = {"f16": 4e-3, "bf16": 3e-2}
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,8 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from simulated import collect, spawn  # noqa: E402
+from simulated import FORWARD_O_TOL as TOL, collect, spawn  # noqa: E402
 from ws_sim_cases import COMPILED_CASES, PERSIST_CASES  # noqa: E402
-
-TOL = {"f16": 4e-3, "bf16": 3e-2}
 
 
 @pytest.fixture(scope="module")

@@ -536,12 +536,11 @@ def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False,
-                     walk: bool = False) -> None:
+def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False) -> None:
     """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible). `warp_wide`: the
     block is whole warps (the scan may take a ballot: `emit_tile_scan`); `uniform`: the scan by warp reductions
-    whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`); `walk` (with uniform): the kernel
-    walks the range where `walks_range` says, and the scan also finds its full tiles (kf_first, kf_last)."""
+    whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`); where the kernel walks the range
+    (`walks_range`) the scan also finds its full tiles (kf_first, kf_last)."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
@@ -565,12 +564,12 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
     emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform,
-                   full_range=uniform and walk and walks_range(spec))
+                   full_range=uniform and walks_range(spec))
     del caps
 
 
 def walks_range(spec: FA2ForwardSpec) -> bool:
-    """Whether the wgmma kernels walk every tile of [kv_first, kv_last] and take a tile's class from where it lies
+    """Whether the warp-specialized kernel (emit_fa3_ws) walks every tile of [kv_first, kv_last] and take a tile's class from where it lies
     (`range_class_expr`) instead of evaluating tile_class_fn again for each tile they visit (the next tile's
     search, the tile's own class, the loader's search: the causal ws kernel at D = 128 issued +10% warp
     instructions a tile over plain by ncu, benchmarks/NOTES.md). Static block masks that keep one kv interval per
@@ -578,11 +577,13 @@ def walks_range(spec: FA2ForwardSpec) -> bool:
     where neighbouring rows' intervals meet (causal, windows, prefix LM, chunks) no empty tile lies inside the
     range. A mask whose rows' intervals lie apart stays correct, only slower: its empty tiles inside the range are
     walked as masked ones and add nothing (and were the full tiles not contiguous, `emit_tile_scan(full_range=True)`
-    would leave the full range empty: every tile masked). Why not a run-time
-    test of the range: a flag, or bounds chosen by it, tested in the kv loop made ptxas move the whole loop's
-    control out of the uniform registers (local SASS of the causal ws kernel: UISETP 111 -> 7, R2UR 1 -> 4).
+    would leave the full range empty: every tile masked). Why not a run-time test of the range: a flag, or bounds
+    chosen by it, tested in the kv loop made ptxas move the whole loop's control out of the uniform registers
+    (local SASS of the causal ws kernel: UISETP 111 -> 7, R2UR 1 -> 4). emit_fa3's kernel keeps its one
+    classification a tile (`carries_class`): walking spilled 32-36 bytes under its D = 64 register cap.
     `extra["walk"] = False` keeps the search (measuring: bench '-nowalk')."""
-    return spec.block_mask == "static" and has_row_bounds(spec) and spec.extra.get("walk", True) is not False
+    return (spec.extra.get("schedule") == "wgmma-ws" and spec.block_mask == "static" and has_row_bounds(spec)
+            and spec.extra.get("walk", True) is not False)
 
 
 def range_class_expr(j: str) -> str:
@@ -696,13 +697,13 @@ def carries_class(spec: FA2ForwardSpec) -> bool:
 
 
 def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: bool = False,
-                    carry: Optional[str] = None, walk: bool = False) -> None:
+                    carry: Optional[str] = None) -> None:
     """out = the next non-empty kv tile after cur (kv_last + 1 when none). `ahead` (block list, after
     `_emit_list_ahead`): out comes from the entry loaded one iteration ago, and the entry after out is loaded
     now, a whole tile's work before the next iteration needs it. `carry` (where `carries_class`): the class of out
-    is left in that variable (0 when there is none). `walk` (a kernel that scanned for it, where `walks_range`):
-    out is cur + 1 and its class where it lies."""
-    if walk and walks_range(spec):
+    is left in that variable (0 when there is none). Where the kernel walks the range (`walks_range`): out is
+    cur + 1 and its class where it lies."""
+    if walks_range(spec):
         c(f"{out} = {cur} + 1  # the range has no empty tile inside (walks_range)")
         if carry is not None:
             c(f"{carry} = {range_class_expr(out)} if {out} <= kv_last else 0")
@@ -737,12 +738,12 @@ def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: b
             c(f"{out} += 1")
 
 
-def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] = None, walk: bool = False) -> None:
-    """need_mask: tile j is partial or ragged. `cls`: its class, already known (`_emit_next_tile`'s carry).
-    `walk` (where `walks_range`): the class from where j lies."""
+def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] = None) -> None:
+    """need_mask: tile j is partial or ragged. `cls`: its class, already known (`_emit_next_tile`'s carry); where
+    the kernel walks the range (`walks_range`), from where j lies."""
     BK = spec.block_k
     c(f"kv0 = {j} * {BK}")
-    if walk and walks_range(spec) and cls is None:
+    if walks_range(spec) and cls is None:
         c(f"need_mask = {range_class_expr(j)} == 1 or kv0 + {BK} > N")
         return
     if spec.block_mask == "none":

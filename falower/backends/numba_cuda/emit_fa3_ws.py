@@ -332,7 +332,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
     c("phase = 0")
     c("while j <= kv_last:")
     with c.indent():
-        _emit_next_tile(c, spec, "j", "jn", walk=True)
+        _emit_next_tile(c, spec, "j", "jn")
         c(f"k_dst = sb + {KV} + stage * {2 * T}")
         c("sbar = bars + stage * 8")
         c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's K")
@@ -373,7 +373,7 @@ def _emit_next(c: _Code, spec: FA2ForwardSpec, cur: str, out: str) -> None:
     loader step, ~40 Numba IR statements a copy; benchmarks/NOTES.md, "Compile time", round 5); cur + 1 where the
     kernel walks the range (`walks_range`)."""
     if spec.block_mask != "static" or walks_range(spec):
-        _emit_next_tile(c, spec, cur, out, walk=True)
+        _emit_next_tile(c, spec, cur, out)
         return
     caps = _cap_args(spec)
     fn = c.helper("next_tile", [
@@ -706,7 +706,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_loader_step(c, spec, lay, "k")
         c()
-        _emit_need_mask(c, spec, "j", walk=True)
+        _emit_need_mask(c, spec, "j")
         c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
         if TT:
             c("if tile_on:")
@@ -841,7 +841,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"hk = h // {G}" if G > 1 else "hk = h")
             c("q_head = (b * H + h) * M")
             emit_bases(c)
-            _emit_tile_range(c, spec, uniform=True, walk=True)
+            _emit_tile_range(c, spec, uniform=True)
 
         if not persistent(spec):
             item_state(c)
