@@ -106,8 +106,9 @@ def parse_config(text: str) -> tuple:
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
     ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile);
-    '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott' their score's table read by gathers, not in tiles through shared memory
-    (extra table_tiles); '-nopp' their consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their
+    '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott'
+    their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
+    consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their
     kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
     an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
