@@ -109,7 +109,8 @@ def parse_config(text: str) -> tuple:
     '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott'
     their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their
-    kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-r128' /
+    kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the
+    score's per-element score_raw_fn where it has a column step (extra col_step: ALiBi); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
     an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
     online-softmax without lazy=8 (the row max, and O's rescale, move on every kv tile);
@@ -149,6 +150,8 @@ def parse_config(text: str) -> tuple:
             extra["pingpong"] = False
         elif o == "nowalk":
             extra["walk"] = False
+        elif o == "nocs":
+            extra["col_step"] = False
         elif o == "eager":
             extra["eager"] = True
         elif o == "tree":

@@ -37,7 +37,9 @@ def test_which_scores_fold(stem: str, folded: bool, raw: bool) -> None:
     assert ("cuda.fma(" in softmax) == folded
     score_row = src[src.index("def score_row("):src.index("def masked_score_row(")]
     assert ("score_fn(" not in score_row) == folded  # x stays in the registers, never the scaled score
-    assert ("score_raw_fn(" in score_row) == raw
+    step = "def score_col_fn(" in spec.device_source  # ALiBi: x by its column step (test_col_step.py)
+    assert ("score_raw_fn(" in score_row) == (raw and not step)
+    assert ("score_col_fn(" in score_row) == step
 
 
 def test_the_simt_path_keeps_its_own_softmax() -> None:

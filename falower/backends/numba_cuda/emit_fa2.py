@@ -803,6 +803,26 @@ def raw_is_s(spec: FA2ForwardSpec) -> bool:
     return "def score_raw_fn(" not in spec.device_source
 
 
+def col_step(spec: FA2ForwardSpec) -> bool:
+    """Whether the tensor-core kernels take x = s + w kv + r(q) (from_ir._kv_coef: ALiBi's slope times the distance)
+    by its column step: a thread's element at column kv0 + o (o = 8 jj + 0 / 1 from its first column kv0) is
+    s + w o, one FFMA by a constant, and r(q) + w kv0 (`score_raw_fn` of s = 0) goes into softmax_row's row max and
+    exponent once per row and tile: ex2 is shift-invariant along a row, so the max taken without it plus it is
+    the row max of x, and ex2(x c - m) the same exponent. Where the element cost I2F, FADD and FFMA, and the
+    column's index arithmetic, it costs one FFMA (benchmarks/NOTES.md, "ALiBi by its column step").
+    spec.extra["col_step"] = False keeps the per-element score_raw_fn (bench '-nocs')."""
+    return bool(folded_scale(spec)) and "def score_col_fn(" in spec.device_source \
+        and spec.extra.get("col_step", True) is not False
+
+
+def softmax_call(spec: FA2ForwardSpec, sc: str, ofs: str, m: str, row: str, kv: str) -> str:
+    """softmax_row's call for a thread's row `row` whose first column is `kv`: under `col_step` with the row's
+    offset r(q) + w kv (score_raw_fn at s = 0)."""
+    if not col_step(spec):
+        return f"softmax_row({sc}, {ofs}, {m})"
+    return f"softmax_row({sc}, {ofs}, {m}, np.float32(score_raw_fn(ZERO, b, h, {row}, {kv}{_score_args(spec)})))"
+
+
 def _score_expr_tc(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
     """_score_expr in the tensor-core kernels' score registers: x of x * c where the scale is folded (s itself, or
     score_raw_fn)."""
@@ -827,20 +847,24 @@ def emit_masked_score(c: _Code, spec: FA2ForwardSpec) -> None:
     as any q already is), and with no load under a branch a tile's mask is straight-line code that NVVM turns
     into selects and whose gathers it shares between elements (the document mask's doc_id[b, q] once per row,
     doc_id[b, kv] once per column: 128 -> 20 loads a thread per partial 128 x 64 tile at D = 128)."""
-    c("@device_function")
-    c(f"def masked_score_fn(s, b, h, q, kv, N{_score_args(spec)}):")
-    with c.indent():
-        c(f"v = {_score_expr_tc(spec, 's', 'q', 'kv')}")
-        if spec.has_mask:
-            c(f"keep = (kv < N) & mask_fn(b, h, q, kv{_cap_args(spec)})")
-            c("return v if keep else NEG_INF")
+    for step in (False, True) if col_step(spec) else (False,):
+        c("@device_function")
+        if step:  # col_step: x relative to the row's offset, o the column's offset from the thread's first
+            c(f"def masked_col_score_fn(s, cstep, o, b, h, q, kv, N{_score_args(spec)}):")
         else:
-            c(f"if {_mask_cond(spec, 'q', 'kv')}:")
-            with c.indent():
-                c("v = NEG_INF")
-            c("return v")
-    c()
-    c()
+            c(f"def masked_score_fn(s, b, h, q, kv, N{_score_args(spec)}):")
+        with c.indent():
+            c("v = cuda.fma(cstep, o, s)" if step else f"v = {_score_expr_tc(spec, 's', 'q', 'kv')}")
+            if spec.has_mask:
+                c(f"keep = (kv < N) & mask_fn(b, h, q, kv{_cap_args(spec)})")
+                c("return v if keep else NEG_INF")
+            else:
+                c(f"if {_mask_cond(spec, 'q', 'kv')}:")
+                with c.indent():
+                    c("v = NEG_INF")
+                c("return v")
+        c()
+        c()
 
 
 def emit_mma_helpers(c: _Code, mma: str) -> None:
@@ -995,6 +1019,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     instructions; lever 15)."""
     caps = _score_args(spec)
     scale = folded_scale(spec)
+    step = col_step(spec)
     emit_mma_helpers(c, mma)
     to_log2 = "" if spec.exp2 else " * LOG2E"
 
@@ -1015,6 +1040,13 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     with c.indent():
         if scale and raw_is_s(spec):  # the scale goes into softmax_row's exponent: the raw scores stay
             c("return")
+        elif step:  # x = s + w o, o the column's offset from kv (the rest is softmax_row's row offset)
+            c(f"cstep = score_col_fn(b, h{caps})")
+            c(f"for jj in range({NJ}):")
+            with c.indent():
+                c("e = i + jj * 4")
+                c("lset(x, e, cuda.fma(cstep, np.float32(jj * 8), lget(x, e)))")
+                c("lset(x, e + 1, cuda.fma(cstep, np.float32(jj * 8 + 1), lget(x, e + 1)))")
         else:
             per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
@@ -1063,6 +1095,14 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                        "    k = kv + jj * 8",
                        f"    lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
                        f"    lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))"]
+        if step:
+            per_element = [f"cstep = score_col_fn(b, h{caps})",
+                           f"for jj in range({NJ}):",
+                           "    e = i + jj * 4",
+                           "    k = kv + jj * 8",
+                           f"    lset(x, e, masked_col_score_fn(lget(x, e), cstep, np.float32(jj * 8), b, h, qi, k, N{caps}))",
+                           f"    lset(x, e + 1, masked_col_score_fn(lget(x, e + 1), cstep, np.float32(jj * 8 + 1), b, h, "
+                           f"qi, k + 1, N{caps}))"]
         if not has_row_bounds(spec):
             for line in per_element:
                 c(line)
@@ -1078,6 +1118,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c(f"def masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{caps}):")
         with c.indent():
             c("# masked_score_row with the row's bounds given (computed once before the kv loop, or just now)")
+            if step:
+                c(f"cstep = score_col_fn(b, h{caps})")
             c("if exact:")
             with c.indent():
                 c(f"lo_r = np.int32(min(max(lo - kv, -1), {8 * NJ + 1}))")
@@ -1088,17 +1130,21 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                     c("k = kv + jj * 8")
                     c("c0 = np.int32(jj * 8)")
                     c("c1 = np.int32(jj * 8 + 1)")
-                    c(f"v0 = {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')}")
-                    c(f"v1 = {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')}")
+                    if step:
+                        c("v0 = cuda.fma(cstep, np.float32(c0), lget(x, e))")
+                        c("v1 = cuda.fma(cstep, np.float32(c1), lget(x, e + 1))")
+                    else:
+                        c(f"v0 = {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')}")
+                        c(f"v1 = {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')}")
                     c("lset(x, e, v0 if (c0 >= lo_r) & (c0 < hi_r) else NEG_INF)")
                     c("lset(x, e + 1, v1 if (c1 >= lo_r) & (c1 < hi_r) else NEG_INF)")
             c("else:")
             with c.indent():
-                for line in per_element:
+                for line in per_element[1:] if step else per_element:  # cstep: above
                     c(line)
     c()
     c("@device_function")
-    c("def softmax_row(x, i, m_old):")
+    c("def softmax_row(x, i, m_old, roff):" if step else "def softmax_row(x, i, m_old):")
     with c.indent():
         K = min(4, NJ) if tree_softmax(spec) else 1
         if K > 1:
@@ -1120,6 +1166,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             with c.indent():
                 c("mx = max(mx, lget(x, i + jj * 4))")
                 c("mx = max(mx, lget(x, i + jj * 4 + 1))")
+        if step:  # this thread's row offset (col_step), before the quad's threads (whose offsets differ) meet
+            c("mx = mx + roff")
         c("mx = max(mx, shfl_xor_f32(mx, 1))")
         c("mx = max(mx, shfl_xor_f32(mx, 2))")
         c(f"m_new = max(m_old, mx * {scale})" if scale else "m_new = max(m_old, mx)")
@@ -1129,7 +1177,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c("alpha = ex2(m_old - m_use)")
         c("rs = ZERO")
         if scale:  # one FFMA (NVVM does not contract Numba's multiply and subtract by itself)
-            c("m_neg = -m_use")
+            c(f"m_neg = cuda.fma(roff, {scale}, -m_use)" if step else "m_neg = -m_use")
             x0, x1 = f"cuda.fma(lget(x, e), {scale}, m_neg)", f"cuda.fma(lget(x, e + 1), {scale}, m_neg)"
         else:
             x0, x1 = "lget(x, e) - m_use", "lget(x, e + 1) - m_use"
@@ -1506,7 +1554,9 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# online softmax: new row max (quad shuffles), rescale, exponentiate")
             for mf in range(MF):
                 for r in range(2):
-                    c(f"m_{mf}_{r}, alpha, rs = softmax_row(sc, ofs_{mf * NJ * 4 + 2 * r}, m_{mf}_{r})")
+                    q = f"q_lo + warp * {RW} + {mf * 16 + 8 * r} + g"
+                    call = softmax_call(spec, "sc", f"ofs_{mf * NJ * 4 + 2 * r}", f"m_{mf}_{r}", q, "kv0 + t2")
+                    c(f"m_{mf}_{r}, alpha, rs = {call}")
                     c(f"l_{mf}_{r} = l_{mf}_{r} * alpha + rs")
                     c(f"scale_row(acc, ofs_{mf * ND * 4 + 2 * r}, alpha)")
                 c("# P to 16-bit pairs now: the fp32 S registers die here (A-operand layout of P V)")

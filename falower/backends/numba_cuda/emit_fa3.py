@@ -56,6 +56,7 @@ from .emit_fa2 import (
     emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
+    softmax_call,
     emit_masked_score,
     emit_row_bounds,
     grid_3d,
@@ -546,7 +547,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                         c(f"score_row({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{caps})")
                 c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
                 for t in rows:
-                    c(f"m_{t.k}, alpha_{t.k}, rs = softmax_row({t.sc}, {t.ofs}, m_{t.k})")
+                    c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, 'kv0 + t2')}")
                     c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
                 if OVL:
                     c("WAIT_O(acc, 0)  # P_{j-1} V_{j-1} is done: O can be rescaled, the P registers reused")

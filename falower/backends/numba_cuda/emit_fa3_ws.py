@@ -82,6 +82,7 @@ from .emit_fa2 import (
     emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
+    softmax_call,
     emit_masked_score,
     emit_row_bounds,
     has_tile_table,
@@ -744,7 +745,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
         for t in ROWS:
-            c(f"m_{t.k}, alpha_{t.k}, rs = softmax_row({t.sc}, {t.ofs}, m_{t.k})")
+            c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, 'kv0 + t2')}")
             c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
         c("# the wait for P_{j-1} V_{j-1} on every path, not under `if have_prev`: ptxas cannot tie this branch to")
         c("# the one that issued it, sees a path where O += P V is in flight while scale_row writes O and the pack")

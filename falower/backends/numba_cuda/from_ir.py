@@ -253,6 +253,7 @@ class _ScalarEmitter:
         self.contract = False  # f32 a * b + c as one cuda.fma where the product has no other use (the forward's score)
         self.uses: dict[Value, int] = {}
         self.mul_ops: dict[Value, Op] = {}
+        self.col_step = ""  # x's step per column where x = s + w kv + r(q) (_score_factor, _kv_coef)
 
     def name(self, v: Value) -> str:
         return self.names[v]
@@ -553,6 +554,8 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
     if scale and root != "s":  # the score before its constant factor, which the kernels fold into ex2's FFMA
         raw = _live_lines([ln for ln in _live_lines(lead, used)] + body_x, root)
         out += ["", f"def score_raw_fn(s, b, h, q, kv{sig_caps}{hz}):", *raw, f"    return np.float32({root})"]
+        if e.col_step:  # x = s + w kv + r(q): the step of x from one column to the next, once per program
+            out += ["", f"def score_col_fn(b, h{sig_caps}{hz}):", f"    return np.float32({e.col_step})"]
     gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
     pair_lines = _score_pair_lines(region, gathers, e, lead, body_x, low, sig_caps, hz, root)
     if pair_lines:  # two adjacent columns' table entries by one 8-byte load
@@ -632,10 +635,77 @@ def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float, list
         if u_w:
             u, w = u_w[0]
             line = f"    {nm} = cuda.fma({e.name(u)}, ({e.name(w)} * {inv}), {base})"
+            k = _kv_coef(low, u, e) if base == "s" else None
+            if k:  # x = s + (k kv + r) w': per column k w' (score_col_fn), the rest per row (module docstring)
+                e.col_step = f"(np.float32({e.name(w)} * {inv}) * np.float32({k!r}))"
         else:
             line = f"    {nm} = cuda.fma({e.name(other)}, {inv}, {base})"
         return nm, float(c), [line]
     return name, 0.0, []
+
+
+def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter") -> Optional[float]:
+    """k where the score region's value v is k * kv + r, k a constant and r reading neither kv nor s (ALiBi's
+    distance cast(kv) - cast(q): k = 1); None where v is not of that form. Integer kv is exact in f32 (kv < 2^24),
+    so the column's part of v * w is k * w * kv: the kernels add k * w times the column's offset from the thread's
+    first column per element, and the rest once per row and tile (emit_fa2.col_step)."""
+    region = low.fused.regions[0]
+    roles = dict(zip(region.args, low.fused.attrs["roles"]))
+    kv_idx = [o for o, r in zip(low.fused.operands, low.fused.attrs["roles"]) if r == "kv"]
+    memo: dict[Value, Optional[float]] = {}
+
+    def coef(x: Value) -> Optional[float]:
+        if x in memo:
+            return memo[x]
+        memo[x] = out = _coef(x)
+        return out
+
+    def const(x: Value) -> Optional[float]:
+        if x in e.consts:
+            return float(e.consts[x])
+        op = x.owner
+        val = op.attrs.get("value") if isinstance(op, Op) and op.name == "const" else None
+        return float(val) if isinstance(val, (int, float)) else None
+
+    def _coef(x: Value) -> Optional[float]:
+        if const(x) is not None:
+            return 0.0
+        if kv_idx and x is kv_idx[0]:
+            return 1.0
+        if x in roles:
+            r = roles[x]
+            if r == "kv":
+                return 1.0
+            if r == "col":  # a hoisted per-column value: the same form outside the region, back to kv_idx
+                return coef(low.fused.operands[region.args.index(x)])
+            return None if r == "s" else 0.0  # q, row, cta, b, h, cap: the same along a row
+        op = x.owner
+        if not isinstance(op, Op):
+            return 0.0  # outside the region, under a per-column value: a loop's index other than kv's
+        if op.regions:
+            return None
+        cs = [coef(o) for o in op.operands]
+        if any(k is None for k in cs):
+            return None
+        if all(k == 0.0 for k in cs):
+            return 0.0
+        src = op.operands[0].type.dtype if op.operands else ""
+        if op.name == "cast" and (x.type.dtype == "f32" and src in ("f32", "i32", "i64")
+                                  or x.type.dtype in ("i32", "i64") and src in ("i32", "i64")):
+            return cs[0]  # an integer index is exact in f32 (below 2^24); a float to an integer is not linear
+        if op.name in ("add", "sub") and x.type.dtype in ("f32", "i32"):
+            return cs[0] + cs[1] if op.name == "add" else cs[0] - cs[1]
+        if op.name == "neg":
+            return -cs[0]
+        if op.name == "mul":
+            a, b = op.operands
+            for k, other in ((cs[0], b), (cs[1], a)):
+                if k != 0.0 and const(other) is not None:
+                    return k * const(other)
+        return None
+
+    k = coef(v)
+    return k if k is not None and k != 0.0 and math.isfinite(k) else None
 
 
 def _kv_dependent(region: Block, kv_args: set) -> set:

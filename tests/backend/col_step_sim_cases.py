@@ -1,0 +1,98 @@
+"""Simulator cases for test_col_step_simulator.py: scores of the form s + w kv + r(q) (ALiBi) taken by their column
+step (emit_fa2.col_step) on each tensor-core kernel, through falower.compile against the reference interpreter in
+float64, run in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case.
+
+The slopes are steep and of both signs (1.5 and -0.75 a unit of distance: a row's offset r(q) + w kv0 moves the
+exponent by up to ~200 between tiles, and a negative slope makes far keys the largest scores), so a row offset
+applied to the wrong row, tile or thread moves O by far more than the tolerance.
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python col_step_sim_cases.py [case-id ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.setswitchinterval(5e-4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import falower as fl  # noqa: E402
+
+slopes = fl.capture("slopes", "f32", "H")
+
+
+def _alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _bands(b, h, q_idx, kv_idx):
+    """No row bounds (two intervals a row): partial tiles go through masked_col_score_fn per element."""
+    return (kv_idx < 20) | ((kv_idx >= 40) & (kv_idx <= q_idx + 30))
+
+
+# id: (mask, M, N, D, tile (bq, bk), spec.extra); the kernel is the extra's (none: mma.sync, the simulator's
+# automatic choice). Ragged last q and kv tiles everywhere; M != N where the mask allows it.
+CASES = {
+    # the warp-specialized kernel walking causal's range: full, partial (exact row bounds) and ragged tiles
+    "ws-causal": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
+    # the same kernel under a mask with no row bounds (masked_col_score_fn), rows that see only the first band
+    "ws-bands": ("bands", 40, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
+    # emit_fa3, one warpgroup a 128 rows (two halves a thread, the second half's rows from wrow)
+    "fa3-r128-causal": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
+    # the mma.sync kernel without a mask: only the ragged kv tile is masked
+    "mma-plain": ("none", 33, 50, 32, (64, 32), {}),
+}
+
+
+def run_case(case_id: str) -> dict:
+    from falower.backends.numba_cuda.emit_fa2 import col_step
+    from falower.passes import NAMED_PIPELINES
+    from falower.passes.check import Reference, bind_dims
+
+    mask, M, N, D, (bq, bk), extra = CASES[case_id]
+    mask_mod = {"causal": _causal, "bands": _bands, "none": None}[mask]
+    g = fl.attention(score_mod=_alibi, mask_mod=mask_mod, name=f"alibi_{mask}")
+    B, H = 1, 2
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
+    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    sl = np.array([1.5, -0.75], np.float32)
+    ref = Reference.build(g, env, inputs=[*(x.astype(np.float64) for x in (q, k, v)), sl.astype(np.float64)])
+    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=extra)
+    kern = c.kernel(q, k, v, sl)
+    o, lse = c(q, k, v, sl)
+    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
+    fin = np.isfinite(want_lse)
+    got = np.asarray(o, dtype=np.float64)
+    return {"id": case_id, "dtype": "f16", "col_step": col_step(kern.spec) and "score_col_fn(" in kern.source,
+            "schedule": kern.spec.extra.get("schedule", "mma"),
+            "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
+            "o_err": float(np.max(np.abs(got - want_o))),
+            "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))) if fin.any() else 0.0,
+            "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin))}
+
+
+def main(ids) -> None:
+    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
+    for cid in ids or list(CASES):
+        try:
+            r = run_case(cid)
+        except Exception:
+            import traceback
+
+            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
+        print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

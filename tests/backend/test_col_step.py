@@ -1,0 +1,131 @@
+"""Scores of the form s + w kv + r(q) by their column step (from_ir._kv_coef, emit_fa2.col_step): which scores
+qualify, that the parts the kernels add (s + w o per element, r(q) + w kv0 per row and tile) sum to the score,
+and what the emitted kernels compute where. The numbers are the simulator's (test_col_step_simulator.py) and the
+GPU suite's (test_examples_gpu.py: ALiBi on every kernel the automatic choice takes)."""
+
+from __future__ import annotations
+
+import math
+import runpy
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import falower as fl
+from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
+from falower.backends.numba_cuda.emit_fa2 import col_step, emit_fa2_forward
+from falower.backends.numba_cuda.from_ir import analyse, build_spec
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+slopes = fl.capture("slopes", "f32", "H")
+
+
+def _spec(g, extra=None, D=64):
+    return build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None, extra)
+
+
+def _example(stem: str):
+    return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+
+
+def _mod(expr):
+    return fl.attention(score_mod=lambda score, b, h, q_idx, kv_idx: expr(score, h, q_idx, kv_idx), name="m")
+
+
+SCORES = {  # name: (score_mod, its column step a unit of w = slopes[h] (None: no step))
+    "alibi": (lambda s, h, q, kv: s + slopes[h] * (kv - q), 1.0),
+    "reversed": (lambda s, h, q, kv: s + slopes[h] * (q - kv), -1.0),
+    "twice": (lambda s, h, q, kv: s + slopes[h] * (kv * 2 - q), 2.0),
+    "half": (lambda s, h, q, kv: s + slopes[h] * ((kv - q + 3) * 0.5), 0.5),
+    "product": (lambda s, h, q, kv: s + slopes[h] * (kv * q), None),
+    "square": (lambda s, h, q, kv: s + slopes[h] * (kv * kv), None),
+    "row only": (lambda s, h, q, kv: s + slopes[h] * q, None),  # nothing along the row: no step to take
+    "tanh": (lambda s, h, q, kv: fl.tanh(s) + slopes[h] * (kv - q), None),  # x is not s plus a step
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORES))
+def test_which_scores_step(name):
+    mod, step = SCORES[name]
+    spec = _spec(_mod(mod))
+    assert col_step(spec) == (step is not None), spec.device_source
+    if step is None:
+        return
+    ns = _namespace(spec)
+    sl = np.array([0.375, -1.25], np.float32)
+    hz = ns["cta_fn"](0, 1, sl)
+    w = float(sl[1]) * math.log2(math.e) / spec.score_scale
+    assert float(ns["score_col_fn"](0, 1, sl, hz)) == pytest.approx(step * w, rel=1e-6)
+
+
+@pytest.mark.parametrize("stem,step", [("alibi", True), ("plain", False), ("causal", False), ("softcap", False),
+                                       ("bias", False), ("relative_bias", False), ("document", False)])
+def test_the_examples(stem, step):
+    assert col_step(_spec(_example(stem))) == step
+
+
+def _namespace(spec) -> dict:
+    ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c)}
+    exec(spec.device_source, ns)
+    return ns
+
+
+@pytest.mark.parametrize("name", ["alibi", "twice", "half"])
+def test_the_parts_sum_to_the_score(name):
+    """x(s, q, kv) == (s + w (kv - kv0)) + x(0, q, kv0) for any first column kv0 of the thread: what score_row adds
+    per element plus what softmax_row adds per row (f32 device functions, so to their rounding)."""
+    spec = _spec(_mod(SCORES[name][0]))
+    ns = _namespace(spec)
+    sl = np.array([0.5, 1.5], np.float32)
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        h = int(rng.integers(0, 2))
+        hz = ns["cta_fn"](0, h, sl)
+        s = np.float32(rng.standard_normal() * 10)
+        q, kv0 = (int(x) for x in rng.integers(0, 5000, 2))
+        o = int(rng.integers(0, 128))
+        want = float(ns["score_raw_fn"](s, 0, h, q, kv0 + o, sl, hz))
+        row = float(ns["score_raw_fn"](np.float32(0), 0, h, q, kv0, sl, hz))
+        got = float(s) + float(ns["score_col_fn"](0, h, sl, hz)) * o + row
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want), abs(row)), (q, kv0, o, got, want)
+
+
+def _kernels(g, D=128):
+    """The forward kernels' sources: mma.sync, emit_fa3 (128 rows a warpgroup) and the warp-specialized one."""
+    out = {"mma": emit_fa2_forward(_spec(g, D=D)),
+           "fa3": emit_fa3.emit_fa3_forward(_spec(g, {"schedule": "wgmma", "wg_rows": 128}, D=64)),
+           "ws": emit_fa3_ws.emit_fa3_ws_forward(_spec(g, {"schedule": "wgmma-ws", "producer": "none"}, D=D))}
+    return out
+
+
+def _fn(src: str, name: str) -> str:
+    start = src.index(f"def {name}(")
+    return src[start:src.index("\n@", start) if "\n@" in src[start:] else len(src)]
+
+
+@pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
+def test_the_kernels_take_the_step(kernel):
+    """score_row: one FFMA an element by the column's offset, no score_raw_fn (its casts and distance); the row's
+    offset in softmax_row's max (before the quad's shuffles) and exponent; every softmax_row call passes it."""
+    src = _kernels(_example("alibi"))[kernel]
+    score_row = _fn(src, "score_row")
+    assert "score_raw_fn(" not in score_row and "cuda.fma(cstep, np.float32(jj * 8), lget(x, e))" in score_row
+    softmax = _fn(src, "softmax_row")
+    assert softmax.startswith("def softmax_row(x, i, m_old, roff):")
+    assert softmax.index("mx = mx + roff") < softmax.index("shfl_xor_f32(mx, 1)")
+    assert "m_neg = cuda.fma(roff, " in softmax
+    calls = [ln for ln in src.splitlines() if "softmax_row(" in ln and "def softmax_row" not in ln]
+    assert calls and all("score_raw_fn(ZERO, b, h, " in ln and "kv0 + t2" in ln for ln in calls), calls
+    masked = _fn(src, "masked_score_row_in")
+    assert "score_raw_fn(" not in masked and "masked_col_score_fn(" in masked  # exact bounds, and mask_fn's path
+
+
+def test_the_knob_keeps_the_per_element_score():
+    """extra col_step = False (bench '-nocs'): score_raw_fn per element, softmax_row without a row offset."""
+    src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none",
+                                                                     "col_step": False}, D=128))
+    assert "score_raw_fn(" in _fn(src, "score_row") and "score_col_fn(" not in _fn(src, "score_row")
+    assert _fn(src, "softmax_row").startswith("def softmax_row(x, i, m_old):")
+    assert "masked_col_score_fn" not in src
