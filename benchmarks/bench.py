@@ -209,6 +209,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nopp"
     if extra.get("walk") is False:
         tag += "-nowalk"
+    if extra.get("col_step") is False:
+        tag += "-nocs"
     if "wg_rows" in extra:
         tag += f"-r{extra['wg_rows']}"
     if extra.get("tree_softmax"):
