@@ -110,7 +110,8 @@ def parse_config(text: str) -> tuple:
     their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their
     kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the
-    score's per-element score_raw_fn where it has a column step (extra col_step: ALiBi); '-r128' /
+    score's per-element score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped
+    gather per element where a row's entries lie at constant offsets (extra row_gather: relative bias); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
     an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
     online-softmax without lazy=8 (the row max, and O's rescale, move on every kv tile);
@@ -152,6 +153,8 @@ def parse_config(text: str) -> tuple:
             extra["walk"] = False
         elif o == "nocs":
             extra["col_step"] = False
+        elif o == "norg":
+            extra["row_gather"] = False
         elif o == "eager":
             extra["eager"] = True
         elif o == "tree":
@@ -211,6 +214,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nowalk"
     if extra.get("col_step") is False:
         tag += "-nocs"
+    if extra.get("row_gather") is False:
+        tag += "-norg"
     if "wg_rows" in extra:
         tag += f"-r{extra['wg_rows']}"
     if extra.get("tree_softmax"):

@@ -1,6 +1,10 @@
-"""Simulator cases for test_col_step_simulator.py: scores of the form s + w kv + r(q) (ALiBi) taken by their column
-step (emit_fa2.col_step) on each tensor-core kernel, through falower.compile against the reference interpreter in
-float64, run in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case.
+"""Simulator cases for test_col_step_simulator.py: scores whose index arithmetic is taken along a row by constant
+offsets from the thread's first column, on each tensor-core kernel, through falower.compile against the reference
+interpreter in float64, run in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case.
+
+- ALiBi, s + w kv + r(q), by its column step (emit_fa2.col_step);
+- the relative bias, rel[h, q - kv + N - 1], by a row's index and constant offsets (emit_fa2.row_gather), M > N
+  so that some rows' indices leave the table (those rows keep the clamped gather).
 
 The slopes are steep and of both signs (1.5 and -0.75 a unit of distance: a row's offset r(q) + w kv0 moves the
 exponent by up to ~200 between tiles, and a negative slope makes far keys the largest scores), so a row offset
@@ -39,7 +43,8 @@ def _bands(b, h, q_idx, kv_idx):
 
 
 # id: (mask, M, N, D, tile (bq, bk), spec.extra); the kernel is the extra's (none: mma.sync, the simulator's
-# automatic choice). Ragged last q and kv tiles everywhere; M != N where the mask allows it.
+# automatic choice). Ragged last q and kv tiles everywhere; M != N where the mask allows it. The relative bias
+# cases: mask "relbias" (none: the example itself).
 CASES = {
     # the warp-specialized kernel walking causal's range: full, partial (exact row bounds) and ragged tiles
     "ws-causal": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
@@ -49,23 +54,36 @@ CASES = {
     "fa3-r128-causal": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     # the mma.sync kernel without a mask: only the ragged kv tile is masked
     "mma-plain": ("none", 33, 50, 32, (64, 32), {}),
+    # the relative bias (one head): rows q >= N + kv read past the table (clamped), the others at constant offsets
+    "ws-relbias": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
+    "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
+    "mma-relbias": ("relbias", 40, 33, 32, (64, 32), {}),
 }
 
 
 def run_case(case_id: str) -> dict:
-    from falower.backends.numba_cuda.emit_fa2 import col_step
+    import runpy
+
+    from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather
     from falower.passes import NAMED_PIPELINES
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
-    mask_mod = {"causal": _causal, "bands": _bands, "none": None}[mask]
-    g = fl.attention(score_mod=_alibi, mask_mod=mask_mod, name=f"alibi_{mask}")
-    B, H = 1, 2
-    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
+    B, H = 1, 1 if mask == "relbias" else 2
     rng = np.random.default_rng(5)
+    if mask == "relbias":
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        g = runpy.run_path(os.path.join(root, "examples", "relative_bias.py"))["graph"]
+        sl = (rng.standard_normal((H, 2 * N - 1)) * 3).astype(np.float32)  # the table, steep
+        taken = row_gather
+    else:
+        mask_mod = {"causal": _causal, "bands": _bands, "none": None}[mask]
+        g = fl.attention(score_mod=_alibi, mask_mod=mask_mod, name=f"alibi_{mask}")
+        sl = np.array([1.5, -0.75], np.float32)
+        taken = col_step
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
     q = rng.standard_normal((B, H, M, D)).astype(np.float16)
     k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
-    sl = np.array([1.5, -0.75], np.float32)
     ref = Reference.build(g, env, inputs=[*(x.astype(np.float64) for x in (q, k, v)), sl.astype(np.float64)])
     pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
     c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=extra)
@@ -74,7 +92,8 @@ def run_case(case_id: str) -> dict:
     want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
     fin = np.isfinite(want_lse)
     got = np.asarray(o, dtype=np.float64)
-    return {"id": case_id, "dtype": "f16", "col_step": col_step(kern.spec) and "score_col_fn(" in kern.source,
+    fn = "gather_row_fn(" if mask == "relbias" else "score_col_fn("
+    return {"id": case_id, "dtype": "f16", "taken": taken(kern.spec) and fn in kern.source,
             "schedule": kern.spec.extra.get("schedule", "mma"),
             "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
             "o_err": float(np.max(np.abs(got - want_o))),

@@ -1,6 +1,7 @@
-"""Scores of the form s + w kv + r(q) by their column step (from_ir._kv_coef, emit_fa2.col_step): which scores
-qualify, that the parts the kernels add (s + w o per element, r(q) + w kv0 per row and tile) sum to the score,
-and what the emitted kernels compute where. The numbers are the simulator's (test_col_step_simulator.py) and the
+"""Index arithmetic taken along a row. Scores of the form s + w kv + r(q) by their column step (from_ir._kv_coef,
+emit_fa2.col_step), and tables read at k kv + r(q) (a relative bias) by a row's index and constant offsets
+(from_ir._row_gather, emit_fa2.row_gather): which scores qualify, that the parts the kernels compute (per element,
+per row and tile) give the score, and what the emitted kernels compute where. The numbers are the simulator's (test_col_step_simulator.py) and the
 GPU suite's (test_examples_gpu.py: ALiBi on every kernel the automatic choice takes)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 import falower as fl
 from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
-from falower.backends.numba_cuda.emit_fa2 import col_step, emit_fa2_forward
+from falower.backends.numba_cuda.emit_fa2 import col_step, emit_fa2_forward, row_gather
 from falower.backends.numba_cuda.from_ir import analyse, build_spec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -129,3 +130,74 @@ def test_the_knob_keeps_the_per_element_score():
     assert "score_raw_fn(" in _fn(src, "score_row") and "score_col_fn(" not in _fn(src, "score_row")
     assert _fn(src, "softmax_row").startswith("def softmax_row(x, i, m_old):")
     assert "masked_col_score_fn" not in src
+
+
+rel = fl.capture("rel", "f32", ["H", "L"])
+GATHERS = {  # name: (score_mod, row_gather taken)
+    "q - kv": (lambda s, h, q, kv: s + rel[h, q - kv + 40], True),
+    "kv - q": (lambda s, h, q, kv: s + rel[h, kv - q + 40], True),
+    "2 kv": (lambda s, h, q, kv: s + rel[h, kv * 2 - q], False),  # a step of 2: no constant offsets of 1
+    "kv in a lead index": (lambda s, h, q, kv: s + rel[kv, q], False),
+    # rel[h, kv] reads only kv: score-licm computes it once per column, outside the score, so one gather is left
+    "and a column's entry": (lambda s, h, q, kv: s + rel[h, q - kv + 40] * rel[h, kv], True),
+    "two along a row": (lambda s, h, q, kv: s + rel[h, q - kv + 40] * rel[h, q + kv], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_which_gathers_take_a_row_index(name):
+    mod, taken = GATHERS[name]
+    assert row_gather(_spec(_mod(mod))) == taken
+
+
+@pytest.mark.parametrize("stem,taken", [("relative_bias", True), ("bias", False), ("alibi", False),
+                                        ("document", False), ("softcap", False)])
+def test_the_examples_gather(stem, taken):
+    assert row_gather(_spec(_example(stem))) == taken
+
+
+@pytest.mark.parametrize("name", ["q - kv", "kv - q"])
+def test_a_rows_entries_are_the_gathers(name):
+    """Where gather_row_fn says a row's columns kv .. kv + span index inside the table, score_gathered_fn of
+    gather_elem_fn at offset o is score_raw_fn at column kv + o (the same entry, bit for bit); where it says they
+    do not, one of them lies outside (the kernels then clamp per element)."""
+    spec = _spec(_mod(GATHERS[name][0]))
+    ns = _namespace(spec)
+    L, span = 90, 9
+    table = np.random.default_rng(1).standard_normal((2, L)).astype(np.float32)
+    seen = {True: 0, False: 0}
+    for q in range(0, 60, 3):
+        for kv in range(0, 70, 5):
+            gr = ns["gather_row_fn"](0, 1, q, kv, span, table)
+            inside = [0 <= (q - (kv + o) + 40 if name == "q - kv" else kv + o - q + 40) < L for o in range(span + 1)]
+            assert bool(gr[0]) == all(inside), (q, kv)
+            seen[bool(gr[0])] += 1
+            if not gr[0]:
+                continue
+            for o in range(span + 1):
+                s = np.float32(0.5 * o - 1)
+                g = ns["gather_elem_fn"](gr, o, table)
+                assert ns["score_gathered_fn"](s, g, 0, 1, q, kv + o, table) == ns["score_raw_fn"](s, 0, 1, q, kv + o,
+                                                                                                   table)
+    assert seen[True] and seen[False]
+
+
+@pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
+def test_the_kernels_read_a_row_by_offsets(kernel):
+    """score_row: gather_row_fn once a row, then per element one gather_elem_fn at offset jj * 8 (+ 1) and
+    score_gathered_fn, with the clamped per-element score_raw_fn only under `else`; the span is the row's last
+    column offset."""
+    src = _kernels(_example("relative_bias"))[kernel]
+    score_row = _fn(src, "score_row")
+    fast, slow = score_row.split("    else:", 1)
+    assert "gather_row_fn(b, h, qi, kv, " in fast and "if gr[0]:" in fast
+    assert "gather_row_fn(b, h, qi, kv, 57," in fast  # 64-column tiles: 8 n8 tiles, the last offset 8 * 7 + 1
+    assert "gather_elem_fn(gr, jj * 8," in fast and "gather_elem_fn(gr, jj * 8 + 1," in fast
+    assert "score_raw_fn(" not in fast and "score_raw_fn(" in slow
+
+
+def test_the_row_gather_knob():
+    src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("relative_bias"), {"schedule": "wgmma-ws",
+                                                                             "producer": "none", "row_gather": False},
+                                                D=128))
+    assert "gather_row_fn(" not in _fn(src, "score_row") and "score_raw_fn(" in _fn(src, "score_row")

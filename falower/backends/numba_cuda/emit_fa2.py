@@ -815,6 +815,18 @@ def col_step(spec: FA2ForwardSpec) -> bool:
         and spec.extra.get("col_step", True) is not False
 
 
+def row_gather(spec: FA2ForwardSpec) -> bool:
+    """Whether score_row reads the score's table by a row's index and constant offsets (from_ir._row_gather: a
+    relative bias `rel[h, q - kv + N - 1]`): gather_row_fn once per row and tile gives the table's indices at the
+    thread's first column and whether its columns' indices all lie inside the table; if so each element is one
+    load at a constant offset from that index (an immediate in its address) and score_gathered_fn, where it was the
+    index's arithmetic, two clamps and the address per element. Rows whose indices leave the table (M > N, or a
+    short table) keep the clamped per-element gather. spec.extra["row_gather"] = False keeps it everywhere (bench
+    '-norg')."""
+    return bool(folded_scale(spec)) and "def gather_row_fn(" in spec.device_source \
+        and spec.extra.get("row_gather", True) is not False
+
+
 def softmax_call(spec: FA2ForwardSpec, sc: str, ofs: str, m: str, row: str, kv: str) -> str:
     """softmax_row's call for a thread's row `row` whose first column is `kv`: under `col_step` with the row's
     offset r(q) + w kv (score_raw_fn at s = 0)."""
@@ -1059,6 +1071,24 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                 c(f"if pairs_ok_fn(b, h{caps}):")
                 with c.indent():
                     pair_loop(f"score_pair_fn(lget(x, e), lget(x, e + 1), b, h, qi, kv + jj * 8{caps})")
+                c("else:")
+                with c.indent():
+                    for line in per_element:
+                        c(line)
+            elif row_gather(spec):
+                # the row's table entries at constant offsets from its index at column kv, where they all lie
+                # inside the table (a branch once per row and tile)
+                c(f"gr = gather_row_fn(b, h, qi, kv, {8 * (NJ - 1) + 1}{caps})")
+                c("if gr[0]:")
+                with c.indent():
+                    c(f"for jj in range({NJ}):")
+                    with c.indent():
+                        c("e = i + jj * 4")
+                        for u in (0, 1):
+                            k = f"kv + jj * 8 + {u}" if u else "kv + jj * 8"
+                            g = f"gather_elem_fn(gr, jj * 8{' + 1' if u else ''}{_cap_args(spec)})"
+                            c(f"lset(x, e{' + 1' if u else ''}, np.float32(score_gathered_fn(lget(x, e{' + 1' if u else ''}), "
+                              f"{g}, b, h, qi, {k}{caps})))")
                 c("else:")
                 with c.indent():
                     for line in per_element:

@@ -551,6 +551,7 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
     if info is not None:
         info["score_scale"] = scale
     body_x = body + raw_lines  # the score's lines and those of x (x * c = the score)
+    raw: list[str] = []
     if scale and root != "s":  # the score before its constant factor, which the kernels fold into ex2's FFMA
         raw = _live_lines([ln for ln in _live_lines(lead, used)] + body_x, root)
         out += ["", f"def score_raw_fn(s, b, h, q, kv{sig_caps}{hz}):", *raw, f"    return np.float32({root})"]
@@ -560,6 +561,10 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
     pair_lines = _score_pair_lines(region, gathers, e, lead, body_x, low, sig_caps, hz, root)
     if pair_lines:  # two adjacent columns' table entries by one 8-byte load
         out += [""] + pair_lines
+    row_gather = _row_gather(low, e, gathers) if raw and not pair_lines else None
+    if row_gather:  # a relative bias: the row's entries at constant offsets from one index a row
+        rg_lines = _row_gather_lines(*row_gather, e, raw, root, sig_caps, hz)
+        out += [""] + rg_lines if rg_lines else []
     if gathers:  # the score reads tables per element: the kernels prefetch the next kv tile's entries into L2
         pf = _ScalarEmitter(env, cap_names)
         pf.prefetch = True
@@ -644,11 +649,12 @@ def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float, list
     return name, 0.0, []
 
 
-def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter") -> Optional[float]:
+def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter", zero: bool = False) -> Optional[float]:
     """k where the score region's value v is k * kv + r, k a constant and r reading neither kv nor s (ALiBi's
     distance cast(kv) - cast(q): k = 1); None where v is not of that form. Integer kv is exact in f32 (kv < 2^24),
     so the column's part of v * w is k * w * kv: the kernels add k * w times the column's offset from the thread's
-    first column per element, and the rest once per row and tile (emit_fa2.col_step)."""
+    first column per element, and the rest once per row and tile (emit_fa2.col_step). `zero`: k = 0 (v does not
+    change along a row) is an answer too."""
     region = low.fused.regions[0]
     roles = dict(zip(region.args, low.fused.attrs["roles"]))
     kv_idx = [o for o, r in zip(low.fused.operands, low.fused.attrs["roles"]) if r == "kv"]
@@ -705,7 +711,61 @@ def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter") -> Optional[float]:
         return None
 
     k = coef(v)
-    return k if k is not None and k != 0.0 and math.isfinite(k) else None
+    return k if k is not None and (k != 0.0 or zero) and math.isfinite(k) else None
+
+
+def _row_gather(low: "Lowered", e: "_ScalarEmitter", gathers: list[Op]) -> Optional[tuple[Op, int]]:
+    """(gather, k) where the score's one gather that changes along a row reads a f32 table at indices that do not,
+    but for the last, which is k * kv + r with k = +-1 (a relative bias `rel[h, q - kv + N - 1]`): a thread's
+    row then reads table[i.., il + k o] at the constant offsets o of its columns from il, the index at its first
+    column (emit_fa2.row_gather); None otherwise."""
+    region = low.fused.regions[0]
+    roles = list(low.fused.attrs["roles"])
+    kv_args = {a for a, r in zip(region.args, roles) if r in ("kv", "col")}
+    dep = _kv_dependent(region, kv_args)
+    along = [op for op in gathers if any(i in dep for i in op.operands[1:])]
+    if len(along) != 1:
+        return None
+    op = along[0]
+    table, *idx = op.operands
+    if roles[region.args.index(table)] != "cap" if table in region.args else True:
+        return None
+    if op.results[0].type.dtype != "f32" or any(_kv_coef(low, i, e, zero=True) != 0.0 for i in idx[:-1]):
+        return None
+    k = _kv_coef(low, idx[-1], e)
+    return (op, int(k)) if k in (1.0, -1.0) else None
+
+
+def _row_gather_lines(op: Op, k: int, e: "_ScalarEmitter", lines: list[str], root: str, sig_caps: str,
+                      hz: str) -> list[str]:
+    """`gather_row_fn(b, h, q, kv, span, ...)` -> (ok, the table's indices at column kv: the leading ones clamped as
+    gather clamps them, the last as is, 64-bit unsigned), ok where columns kv .. kv + span all index inside the
+    table unclamped; `gather_elem_fn(gr, o, ...)` the entry at column kv + o; `score_gathered_fn(s, g, b, h, q, kv,
+    ...)` score_raw_fn with the entry g given. `lines`: score_raw_fn's (the gather's line among them)."""
+    table = e.name(op.operands[0])
+    names = [e.name(i) for i in op.operands[1:]]
+    g = e.name(op.results[0])
+    head = f"    {g} = "
+    if sum(ln.startswith(head) for ln in lines) != 1:
+        return []
+    given = [f"{head}np.float32(g)" if ln.startswith(head) else ln for ln in lines]
+    r = len(names)
+    last = f"np.int32({table}.shape[{r - 1}] - 1)"
+    ok = f"(il >= 0) & (il <= {last} - span)" if k == 1 else f"(il >= span) & (il <= {last})"
+    lead = [clamped_index(table, d, n) for d, n in enumerate(names[:-1])]
+    step = "+" if k == 1 else "-"
+    elem = ", ".join([f"gr[{d + 1}]" for d in range(r - 1)] + [f"gr[{r}] {step} np.uint64(o)"])
+    return [f"def gather_row_fn(b, h, q, kv, span{sig_caps}{hz}):",
+            *_live_lines(lines, " ".join(names)),
+            f"    il = np.int32({names[-1]})",
+            f"    return ({ok}, {''.join(x + ', ' for x in lead)}np.uint64(il))",
+            "",
+            f"def gather_elem_fn(gr, o{sig_caps}):",
+            f"    return np.float32({table}[{elem}])",
+            "",
+            f"def score_gathered_fn(s, g, b, h, q, kv{sig_caps}{hz}):",
+            *_live_lines(given, root),
+            f"    return np.float32({root})"]
 
 
 def _kv_dependent(region: Block, kv_args: set) -> set:
