@@ -1,8 +1,9 @@
 """Index arithmetic taken along a row. Scores of the form s + w kv + r(q) by their column step (from_ir._kv_coef,
 emit_fa2.col_step), and tables read at k kv + r(q) (a relative bias) by a row's index and constant offsets
 (from_ir._row_gather, emit_fa2.row_gather): which scores qualify, that the parts the kernels compute (per element,
-per row and tile) give the score, and what the emitted kernels compute where. The numbers are the simulator's (test_col_step_simulator.py) and the
-GPU suite's (test_examples_gpu.py: ALiBi on every kernel the automatic choice takes)."""
+per row and tile) give the score, and what the emitted kernels compute where. The numbers are the simulator's
+(test_col_step_simulator.py) and the GPU suite's (test_examples_gpu.py: ALiBi and the relative bias on every
+kernel the automatic choice takes)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python wgmma_bwd_sim_cases.py [case-id ...]
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 sys.setswitchinterval(5e-4)
 
 import numpy as np  # noqa: E402
+from sim_script import run_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={bq},bk={bk},dq={dq}}},canonicalize"
@@ -98,15 +98,7 @@ def run_case(case_id: str) -> dict:
 
 
 def main(ids) -> None:
-    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
-    for cid in ids or list(CASES):
-        try:
-            r = run_case(cid)
-        except Exception:
-            import traceback
-
-            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
-        print(json.dumps(r), flush=True)
+    run_main(ids or list(CASES), run_case)
 
 
 if __name__ == "__main__":

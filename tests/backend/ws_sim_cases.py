@@ -9,7 +9,6 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python ws_sim_cases.py [case-id ...]
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -18,6 +17,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from sim_script import against_reference, run_main  # noqa: E402
 
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k, spec.extra)
 CASES = {
@@ -257,14 +257,8 @@ def run_compiled_case(case_id: str) -> dict:
                    extra={"schedule": "wgmma-ws", "producer": "none", "persistent": blocks})
     spec = c.kernel(*inputs).spec
     o, lse = c(*inputs)
-    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
-    fin = np.isfinite(want_lse)
-    got = np.asarray(o, dtype=np.float64)
     return {"id": case_id, "dtype": "f16", "block_mask": spec.block_mask, "persistent": spec.extra.get("persistent"),
-            "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
-            "o_err": float(np.max(np.abs(got - want_o))),
-            "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))),
-            "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin)), "masked_rows": int((~fin).sum())}
+            **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 
 def run_walk_case(case_id: str) -> dict:
@@ -294,27 +288,14 @@ def run_walk_case(case_id: str) -> dict:
                    extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.kernel(q, k, v)
     o, lse = c(q, k, v)
-    want_o, want_lse = ref.outputs["o"], ref.outputs["lse"]
-    fin = np.isfinite(want_lse)
-    got = np.asarray(o, dtype=np.float64)
     return {"id": case_id, "dtype": "f16", "walks": walks_range(kern.spec) and "kf_first" in kern.source,
-            "nan": bool(np.isnan(got).any() or np.isnan(lse).any()),
-            "o_err": float(np.max(np.abs(got - want_o))),
-            "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))) if fin.any() else 0.0,
-            "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin))}
+            **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 
 def main(ids) -> None:
-    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
-    for cid in ids or [*RING_CASES, *CASES]:
-        try:
-            r = (run_ring_case(cid) if cid in RING_CASES else run_compiled_case(cid) if cid in COMPILED_CASES
-                 else run_walk_case(cid) if cid in WALK_CASES else run_case(cid))
-        except Exception as exc:
-            import traceback
-
-            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
-        print(json.dumps(r), flush=True)
+    run_main(ids or [*RING_CASES, *CASES], lambda cid: (
+        run_ring_case(cid) if cid in RING_CASES else run_compiled_case(cid) if cid in COMPILED_CASES
+        else run_walk_case(cid) if cid in WALK_CASES else run_case(cid)))
 
 
 if __name__ == "__main__":

@@ -1084,11 +1084,10 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                     c(f"for jj in range({NJ}):")
                     with c.indent():
                         c("e = i + jj * 4")
-                        for u in (0, 1):
-                            k = f"kv + jj * 8 + {u}" if u else "kv + jj * 8"
-                            g = f"gather_elem_fn(gr, jj * 8{' + 1' if u else ''}{_cap_args(spec)})"
-                            c(f"lset(x, e{' + 1' if u else ''}, np.float32(score_gathered_fn(lget(x, e{' + 1' if u else ''}), "
-                              f"{g}, b, h, qi, {k}{caps})))")
+                        for u in ("", " + 1"):  # columns kv + 8 jj, kv + 8 jj + 1 at x[e], x[e + 1]
+                            g = f"gather_elem_fn(gr, jj * 8{u}{_cap_args(spec)})"
+                            c(f"lset(x, e{u}, np.float32(score_gathered_fn(lget(x, e{u}), {g}, b, h, qi, "
+                              f"kv + jj * 8{u}{caps})))")
                 c("else:")
                 with c.indent():
                     for line in per_element:
@@ -1129,10 +1128,9 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             per_element = [f"cstep = score_col_fn(b, h{caps})",
                            f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
-                           "    k = kv + jj * 8",
-                           f"    lset(x, e, masked_col_score_fn(lget(x, e), cstep, np.float32(jj * 8), b, h, qi, k, N{caps}))",
-                           f"    lset(x, e + 1, masked_col_score_fn(lget(x, e + 1), cstep, np.float32(jj * 8 + 1), b, h, "
-                           f"qi, k + 1, N{caps}))"]
+                           "    k = kv + jj * 8"]
+            per_element += [f"    lset(x, e{u}, masked_col_score_fn(lget(x, e{u}), cstep, np.float32(jj * 8{u}), "
+                            f"b, h, qi, k{u}, N{caps}))" for u in ("", " + 1")]
         if not has_row_bounds(spec):
             for line in per_element:
                 c(line)
