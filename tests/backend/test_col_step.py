@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import falower as fl
 from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
@@ -202,3 +204,24 @@ def test_the_row_gather_knob():
                                                                              "producer": "none", "row_gather": False},
                                                 D=128))
     assert "gather_row_fn(" not in _fn(src, "score_row") and "score_raw_fn(" in _fn(src, "score_row")
+
+
+@settings(max_examples=25, deadline=None)
+@given(a=st.integers(-3, 3), bq=st.integers(-3, 3), c=st.integers(-50, 50), o=st.integers(0, 127),
+       q=st.integers(0, 4000), kv0=st.integers(0, 4000))
+def test_affine_scores_step_by_their_kv_coefficient(a, bq, c, o, q, kv0):
+    """s + slope * (a kv - b q + c): a column step exactly where a != 0, of a * slope * log2(e) / c_exp, and the
+    per-element and per-row parts sum to the score at any column (f32 device functions, to their rounding)."""
+    spec = _spec(_mod(lambda s, h, qi, kv: s + slopes[h] * (kv * a - qi * bq + c)))
+    assert col_step(spec) == (a != 0)
+    if a == 0:
+        return
+    ns = _namespace(spec)
+    sl = np.array([0.75, -0.3], np.float32)
+    hz = ns["cta_fn"](0, 1, sl)
+    step = float(ns["score_col_fn"](0, 1, sl, hz))
+    assert step == pytest.approx(a * float(sl[1]) * math.log2(math.e) / spec.score_scale, rel=1e-6)
+    s = np.float32(1.25)
+    want = float(ns["score_raw_fn"](s, 0, 1, q, kv0 + o, sl, hz))
+    row = float(ns["score_raw_fn"](np.float32(0), 0, 1, q, kv0, sl, hz))
+    assert abs(float(s) + step * o + row - want) <= 1e-5 * max(1.0, abs(want), abs(row))
