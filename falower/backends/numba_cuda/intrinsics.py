@@ -114,6 +114,8 @@ __all__ = [
     "warp_min",
     "warp_max",
     "warp_sum",
+    "global_timer",
+    "sm_id",
     "red_add_v4_f32",
     "mma_acc_f16",
     "mma_set_f16",
@@ -533,6 +535,14 @@ if SIMULATOR:
     def warp_sum(x):
         _, vals = _exchange(int(x))
         return np.int32(sum(vals))
+
+    def global_timer():
+        import time as _t
+
+        return np.uint64(_t.perf_counter_ns())
+
+    def sm_id():
+        return np.uint32(0)
 
     _red_lock = threading.Lock()
 
@@ -1270,6 +1280,22 @@ else:
                                     side_effect=True)
     warp_sum = _unary_asm_intrinsic("warp_sum", "redux.sync.add.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
                                     side_effect=True)
+
+    @intrinsic
+    def global_timer(typingctx):
+        """%globaltimer (ns), for measuring tools (benchmarks/timeline.py); a side effect, so never hoisted."""
+        def codegen(context, builder, sig, args):
+            return _asm(context, builder, "mov.u64 $0, %globaltimer;", "=l", [], [types.uint64], side_effect=True)
+
+        return types.uint64(), codegen
+
+    @intrinsic
+    def sm_id(typingctx):
+        """%smid: the SM a block runs on (benchmarks/timeline.py)."""
+        def codegen(context, builder, sig, args):
+            return _asm(context, builder, "mov.u32 $0, %smid;", "=r", [], [_U32], side_effect=True)
+
+        return _U32(), codegen
 
     @intrinsic
     def f16_to_f32(typingctx, bits):

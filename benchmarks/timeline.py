@@ -1,0 +1,166 @@
+"""Where a q tile's time goes in the warp-specialized forward (no producer: the automatic kernel at D = 128): the
+kernel's source with %globaltimer stamps added, launched once on the GPU, and per block and consumer warpgroup the
+time from its start until its Q has landed (prologue), its kv loop, its epilogue, and the gap on its SM until the
+next block starts there. A line fitted through loop time against kv tiles gives the per-tile time and the loop's
+fixed cost (the ping-pong's ramp and tail); the per-item cost is that plus the prologue, the epilogue and the gap
+(benchmarks/NOTES.md: the variants' fits had it at ~1.4 tile-times).
+
+    python3 benchmarks/timeline.py causal --d 128 --n 4096 [--config 128x128w8-wsn] [--json out.json]
+
+The stamps cost a few instructions a warpgroup; the timed kernel is otherwise the one the bench times. Needs torch
+and a GPU (or the CUDA simulator, tiny shapes: NUMBA_ENABLE_CUDASIM=1 ... --n 256 --b 1 --h 2 --d 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles")
+
+
+def stamped_source(source: str, name: str) -> str:
+    """The ws kernel's module with the stamps: t0 at entry, t1 when the warpgroup's Q has landed, t2 after the kv
+    loop, t3 at the end; thread 0 of each consumer warpgroup writes them, its SM and its tile count to tl_buf."""
+    lines = source.split("\n")
+    out: list[str] = []
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    body = lines[start + 1:end]
+    while body and not body[-1].strip():
+        body.pop()
+    if any(ln.strip().startswith("return") for ln in body):
+        raise SystemExit("timeline: the kernel returns early; its stamps would be lost")
+    anchors = {"# this warpgroup's Q has landed": "tl_t1", "cp_async_wait0()  # every copy was waited for": "tl_t2"}
+    found = set()
+    for i, ln in enumerate(lines[:start + 1]):
+        out.append(ln.replace("):", ", tl_buf):") if i == start else ln)
+    for j, ln in enumerate(body):
+        ind = ln[:len(ln) - len(ln.lstrip())]
+        for key, var in anchors.items():
+            if key in ln and var == "tl_t2":
+                out.append(f"{ind}tl_t2 = global_timer()")
+                found.add(var)
+        out.append(ln)
+        if j == 0:  # the docstring
+            out.append(f"{ind}tl_t0 = global_timer()")
+        for key, var in anchors.items():
+            if key in ln and var == "tl_t1":
+                out.append(f"{ind}tl_t1 = global_timer()")
+                found.add(var)
+    if found != set(anchors.values()):
+        raise SystemExit(f"timeline: anchors not found in the kernel: {set(anchors.values()) - found}")
+    out += ["    tl_t3 = global_timer()",
+            "    if (tid & 127) == 0:",
+            "        tl_i = (((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x)"
+            " * 2 + (tid >> 7)) * 6",
+            "        tl_buf[tl_i] = tl_t0",
+            "        tl_buf[tl_i + 1] = tl_t1",
+            "        tl_buf[tl_i + 2] = tl_t2",
+            "        tl_buf[tl_i + 3] = tl_t3",
+            "        tl_buf[tl_i + 4] = np.uint64(sm_id())",
+            "        tl_buf[tl_i + 5] = np.uint64(kv_last - kv_first + 1)"]
+    out += lines[end:]
+    text = "\n".join(out)
+    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import "
+                        "global_timer, sm_id\n", 1)
+
+
+def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
+    """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS."""
+    import torch
+
+    import bench
+    from falower.backends.numba_cuda.runtime import load_source
+
+    var = bench.variant(stem, B, H, N, D)
+    dev = "cuda"
+    q = torch.randn(B, H, N, D, device=dev, dtype=torch.float16)
+    k, v = (torch.randn(B, H // var.group, N, D, device=dev, dtype=torch.float16) for _ in range(2))
+    c = bench.example_compiled_config(stem, bench.parse_config(config)) if config else bench.example_compiled(stem)
+    caps = [var.captures[a.name] for a in c.func.args[3:]]
+    kern = c.kernel(q, k, v, *caps)
+    s = kern.spec
+    if s.extra.get("schedule") != "wgmma-ws" or s.extra.get("producer") != "none" or s.extra.get("persistent"):
+        raise SystemExit(f"timeline: {s.name} is not the warp-specialized kernel without a producer ({s.extra})")
+    seen: dict = {}
+
+    class Recorder:  # stands in for the kernel while prepare() builds the arguments
+        def __getitem__(self, cfg):
+            seen["cfg"] = cfg
+            return lambda *a: seen.__setitem__("args", a)
+
+    real, real_raise = kern._kernel, kern._raise_smem_limit
+    kern._kernel, kern._raise_smem_limit = Recorder(), (lambda *a: None)
+    try:
+        launch, _ = kern.prepare(q, k, v, *caps)
+        launch()
+    finally:
+        kern._kernel, kern._raise_smem_limit = real, real_raise
+    grid, threads, _, smem = seen["cfg"]
+    blocks = int(np.prod(grid))
+    mod = load_source(stamped_source(kern.source, s.name), s.name + "_timeline")
+    stamped = getattr(mod, s.name)
+    tl = torch.zeros(blocks * 2 * 6, dtype=torch.int64, device=dev)
+    from numba import cuda
+
+    args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
+    kern._raise_smem_limit(stamped, args, smem)
+    for _ in range(3):  # the first launch compiles; the last is the one read
+        stamped[grid, threads, 0, smem](*args)
+    torch.cuda.synchronize()
+    return tl.cpu().numpy().view(np.uint64).reshape(blocks * 2, 6).astype(np.float64)
+
+
+def summarize(t: np.ndarray) -> dict:
+    """Medians in us, the loop's line through (tiles, time), and the per-item cost in tile-times."""
+    t = t[t[:, 3] > 0]
+    t0 = t[:, 0].min()
+    start, ql, le, end = ((t[:, i] - t0) / 1e3 for i in range(4))
+    sm, tiles = t[:, 4].astype(int), t[:, 5]
+    blk_start, blk_end = start[0::2], np.maximum(end[0::2], end[1::2])
+    blk_sm = sm[0::2]
+    gaps = []
+    for m in np.unique(blk_sm):
+        idx = np.argsort(blk_start[blk_sm == m])
+        s_m, e_m = blk_start[blk_sm == m][idx], blk_end[blk_sm == m][idx]
+        gaps += list(s_m[1:] - e_m[:-1])
+    loop = le - ql
+    busy = tiles > 0
+    slope, icpt = np.polyfit(tiles[busy], loop[busy], 1) if len(np.unique(tiles[busy])) > 1 else (
+        float(np.median(loop[busy] / tiles[busy])), 0.0)
+    pro, epi = float(np.median(ql - start)), float(np.median(end - le))
+    gap = float(np.median(gaps)) if gaps else 0.0
+    return {"warpgroups": int(len(t)), "kernel_us": float(end.max()), "prologue_us": pro,
+            "loop_us_per_tile": float(slope), "loop_fixed_us": float(icpt), "epilogue_us": epi,
+            "sm_gap_us": gap, "wg_skew_us": float(np.median(np.abs(end[0::2] - end[1::2]))),
+            "item_cost_tiles": (pro + float(icpt) + epi + gap) / float(slope) if slope > 0 else float("nan"),
+            "mean_tiles": float(tiles.mean())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stem")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--b", type=int, default=0, help="batch (default: 16384 // N, at least 1)")
+    ap.add_argument("--h", type=int, default=0, help="heads (default: 2048 // D)")
+    ap.add_argument("--config", default="", help="a bench tile config (default: the automatic choice)")
+    ap.add_argument("--json", default="", help="write the raw stamps and the summary here")
+    a = ap.parse_args()
+    B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
+    t = run(a.stem, a.d, a.n, B, H, a.config)
+    summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H, **summarize(t)}
+    print(json.dumps(summary), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"summary": summary, "fields": FIELDS, "stamps": t.tolist()}))
+
+
+if __name__ == "__main__":
+    main()
