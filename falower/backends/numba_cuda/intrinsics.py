@@ -94,6 +94,9 @@ __all__ = [
     "pairs_aligned",
     "rows_aligned16",
     "lds_v2_f32",
+    "sts_u32",
+    "lds_v4_u32",
+    "stg_v4_u32",
     "elem_addr",
     "cp_async16_a",
     "smem_base",
@@ -482,6 +485,18 @@ if SIMULATOR:
         f = _block_smem().view(np.float32)
         at = int(saddr) // 4
         return np.float32(f[at]), np.float32(f[at + 1])
+
+    def sts_u32(saddr, val):
+        _block_smem().view(np.uint32)[int(saddr) // 4] = np.uint32(val)
+
+    def lds_v4_u32(saddr):
+        u = _block_smem().view(np.uint32)
+        at = int(saddr) // 4
+        return tuple(np.uint32(u[at + i]) for i in range(4))
+
+    def stg_v4_u32(arr, index, a, b, c, d):
+        for i, x in enumerate((a, b, c, d)):
+            arr[int(index) + i] = np.uint32(x)
 
     def pairs_aligned(garr):
         a = np.asarray(garr)
@@ -1172,6 +1187,46 @@ else:
             ga = _element_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
             nb = context.cast(builder, args[4], sig.args[4], types.uint32)
             _asm(context, builder, ptx, "l,l,r,~{memory}", [sa, ga, nb], [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def sts_u32(typingctx, saddr, val):
+        """One 32-bit word to the shared byte address saddr (st.shared.u32)."""
+        sig = types.void(saddr, val)
+
+        def codegen(context, builder, sig, args):
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            v = context.cast(builder, args[1], sig.args[1], _U32)
+            _asm(context, builder, "st.shared.u32 [$0], $1;", "r,r,~{memory}", [sa, v], [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def lds_v4_u32(typingctx, saddr):
+        """Four 32-bit words at the shared byte address saddr (16-byte aligned): one ld.shared.v4.u32."""
+        sig = types.UniTuple(_U32, 4)(saddr)
+
+        def codegen(context, builder, sig, args):
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            res = _asm(context, builder, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}", [sa],
+                       [_U32] * 4, side_effect=True)
+            return _tuple_result(context, builder, sig, res, 4)
+
+        return sig, codegen
+
+    @intrinsic
+    def stg_v4_u32(typingctx, arr, index, a, b, c, d):
+        """arr[index : index + 4] = (a, b, c, d) as one 16-byte store (index a multiple of 4)."""
+        sig = types.void(arr, index, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            ga = _element_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            vals = [context.cast(builder, v, ty, _U32) for v, ty in zip(args[2:], sig.args[2:])]
+            _asm(context, builder, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", [ga, *vals], [],
+                 side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -1,0 +1,54 @@
+"""The warp-specialized kernel's epilogue through shared memory (emit_fa3_ws.staged_epilogue): which kernels take
+it, and what the emitted source does. The numbers are the simulator's (test_fa3_ws_simulator.py and
+test_ws_range_walk_simulator.py run the no-producer kernel with ragged rows past M; reading the chunks without
+their swizzle, checked by hand, puts O off by 2.8) and the GPU suite's."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+import falower as fl
+from falower.backends.numba_cuda import emit_fa3_ws
+from falower.backends.numba_cuda.from_ir import analyse, build_spec
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _source(extra: dict, stem: str = "causal", D: int = 128) -> str:
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+    spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None,
+                      {"schedule": "wgmma-ws", **extra})
+    return emit_fa3_ws.emit_fa3_ws_forward(spec)
+
+
+def _epilogue(src: str) -> str:
+    return src[src.index("# epilogue:"):]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_no_producer_kernel_stages_O(D):
+    """Both rows of a thread into the warpgroup's Q tile, one named barrier of its 128 threads, then D / 16
+    16-byte chunks a thread, each read at its swizzled place and stored where its row is inside M."""
+    src = _source({"producer": "none"}, D=D)
+    epi = re.sub(r"\b(lr|qi|ch|c16)__\d+\b", r"\1", _epilogue(src))  # the SSA renamer's suffixes
+    assert epi.count("stage_row(q_wg + lr * ") == 2 and "store_row(" not in epi
+    assert "bar_sync(5 + cw, 128)" in epi
+    assert f"for ei in range({D // 16}):" in epi
+    assert "lds_v4_u32(q_wg + lr * " in epi and "((c16 ^ (lr & 7)) << 4)" in epi
+    assert "if qi < M:" in epi and "stg_v4_u32(o, " in epi
+    stage = src[src.index("def stage_row("):]
+    assert "sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)" in stage  # the same swizzle on the way in
+
+
+@pytest.mark.parametrize("extra", [{"producer": "none", "staged_epilogue": False},
+                                   {"producer": "none", "persistent": 2},
+                                   {"producer": "warp"}])
+def test_the_other_kernels_store_from_the_fragments(extra):
+    """The knob off, the persistent kernel (whose Q tile holds the next item's rows by then) and the kernels with
+    a producer (whose Q tiles interleave the warpgroups' rows) keep store_row."""
+    epi = _epilogue(_source(extra))
+    assert "store_row(" in epi and "stg_v4_u32(" not in epi
