@@ -1,7 +1,8 @@
-"""The warp-specialized kernel's epilogue through shared memory (emit_fa3_ws.staged_epilogue): which kernels take
-it, and what the emitted source does. The numbers are the simulator's (test_fa3_ws_simulator.py and
-test_ws_range_walk_simulator.py run the no-producer kernel with ragged rows past M; reading the chunks without
-their swizzle, checked by hand, puts O off by 2.8) and the GPU suite's."""
+"""The epilogue through shared memory (emit_fa3._emit_staged_epilogue; emit_fa3_ws.staged_epilogue,
+emit_fa3.staged_epilogue): which kernels take it, and what the emitted source does. The numbers are the
+simulator's (test_fa3_ws_simulator.py and test_ws_range_walk_simulator.py run the no-producer kernel, and
+test_fa3_simulator.py emit_fa3 at D = 64 with 64 and 128 rows a warpgroup, with ragged rows past M; reading the
+chunks without their swizzle, checked by hand, puts O off by 2.8) and the GPU suite's."""
 
 from __future__ import annotations
 
@@ -52,3 +53,28 @@ def test_the_other_kernels_store_from_the_fragments(extra):
     a producer (whose Q tiles interleave the warpgroups' rows) keep store_row."""
     epi = _epilogue(_source(extra))
     assert "store_row(" in epi and "stg_v4_u32(" not in epi
+
+
+def _fa3_source(extra: dict, D: int, stem: str = "causal") -> str:
+    from falower.backends.numba_cuda import emit_fa3
+
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.Func))
+    spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None, {"schedule": "wgmma", **extra})
+    return emit_fa3.emit_fa3_forward(spec)
+
+
+@pytest.mark.parametrize("wg_rows,halves", [(128, 2), (64, 1)])
+def test_emit_fa3_stages_O_at_D64(wg_rows, halves):
+    """emit_fa3 at D = 64 (a warpgroup's rows of Q are one column block): every row of the thread staged (four
+    with 128 rows a warpgroup), the block's barrier, then wg_rows * 8 / 128 chunks a thread."""
+    epi = re.sub(r"\b(lr|qi|ch|c16)__\d+\b", r"\1", _epilogue(_fa3_source({"wg_rows": wg_rows}, 64)))
+    assert epi.count("stage_row(q_wg + lr * ") == 2 * halves and "store_row(" not in epi
+    assert "cuda.syncthreads()" in epi and f"for ei in range({wg_rows * 8 // 128}):" in epi
+    assert f"qi = q_lo + wg * {wg_rows} + lr" in epi
+
+
+def test_emit_fa3_keeps_the_fragment_stores_at_D128():
+    """At D = 128 a warpgroup's rows of Q are split over two column blocks: the direct stores stay."""
+    epi = _epilogue(_fa3_source({}, 128))
+    assert "store_row(" in epi and "stg_v4_u32(" not in epi
+    assert "store_row(" in _epilogue(_fa3_source({"wg_rows": 128, "staged_epilogue": False}, 64))

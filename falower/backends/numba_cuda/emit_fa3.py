@@ -74,7 +74,7 @@ __all__ = ["auto_extra", "blocks_per_sm", "emit_fa3_forward", "grid", "recommend
 ALIGN = 1024  # 128 B-swizzle atoms at 1024-byte aligned shared addresses
 
 _WGMMA_IMPORTS = '''
-from falower.backends.numba_cuda.intrinsics import launch_bounds
+from falower.backends.numba_cuda.intrinsics import launch_bounds, lds_v4_u32, stg_v4_u32, sts_u32
 from falower.backends.numba_cuda.wgmma import (
     desc_at,
     desc_hi,
@@ -390,6 +390,58 @@ def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None, head: str = "q
                 c(f"lse[{head} + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
 
 
+def staged_epilogue(spec: FA2ForwardSpec) -> bool:
+    """Whether this kernel stores O through its warpgroups' Q tiles (`_emit_staged_epilogue`): at D = 64, where a
+    warpgroup's rows of Q are one contiguous WR * 128 bytes (one column block); spec.extra["staged_epilogue"] =
+    False keeps the direct stores (bench '-nose')."""
+    return spec.head_dim == 64 and not overlapped(spec) and spec.extra.get("staged_epilogue", True) is not False
+
+
+def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, first_row: str, wtid: str,
+                          barrier: str) -> None:
+    """A warpgroup's epilogue through shared memory (this kernel's at D = 64 and emit_fa3_ws's): each of the
+    thread's rows normalised into the warpgroup's own Q tile at q_wg (`wr` rows of D, contiguous, free once the
+    last S is done; its LSE as `_emit_epilogue` writes it), `barrier`, then the warpgroup's rows (the first
+    `first_row`) to O by 16-byte chunks, `wtid` the thread in the warpgroup: coalesced, a warp's store is whole
+    rows, where the fragment's own layout gives 4-byte stores each touching 8 rows. benchmarks/timeline.py measured
+    that epilogue at ~1.5 us an item at D = 128 (NOTES, "Counting the per-item cost"). The 16-byte chunks are
+    swizzled by the row (chunk ^ (row & 7)): the fragment's writes (8 rows a warp) and the chunks' reads (8
+    chunks of a row a quarter-warp) are then free of bank conflicts."""
+    ND, CH = D // 8, D // 8  # a thread's pairs of a row; 16-byte chunks of a row
+    lines = ["@device_function", "def stage_row(sa, sw, x, i, inv):",
+             "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
+             f"    for dn in range({ND}):",
+             "        e = i + dn * 4",
+             f"        v = {pack}(lget(x, e) * inv, lget(x, e + 1) * inv)",
+             "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
+    stage = c.helper("stage_row", lines)
+    c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf; O through this")
+    c("# warpgroup's Q tile in shared memory (its last S is done), then to global memory by 16-byte chunks")
+    for t in rows:
+        r = t.k
+        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
+        c("lt = lt + shfl_xor_f32(lt, 2)")
+        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+        c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's {wr}")
+        c(f"{stage}(q_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
+        c(f"qi = {t.row}")
+        c("if qi < M and t2 == 0:")
+        with c.indent():
+            c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+    c(barrier)
+    c(f"ew = {wtid}")
+    c(f"for ei in range({wr * CH // 128}):")
+    with c.indent():
+        c("ch = ew + ei * 128")
+        c(f"lr = ch // {CH}")
+        c(f"c16 = ch % {CH}")
+        c(f"qi = {first_row} + lr")
+        c(f"w0, w1, w2, w3 = lds_v4_u32(q_wg + lr * {2 * D} + ((c16 ^ (lr & 7)) << 4))")
+        c("if qi < M:")
+        with c.indent():
+            c(f"stg_v4_u32(o, (q_head + qi) * {D // 2} + c16 * 4, w0, w1, w2, w3)")
+
+
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
     D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
     threads = threads_per_block(spec)
@@ -575,7 +627,11 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c("WAIT_O(acc, 0)")
         c()
         c("cp_async_wait0()")
-        _emit_epilogue(c, D, ROWS)
+        if staged_epilogue(spec):
+            _emit_staged_epilogue(c, D, pack, ROWS, WR, f"q_lo + wg * {WR}", "tid & 127",
+                                  "cuda.syncthreads()  # every warpgroup's rows are in shared memory")
+        else:
+            _emit_epilogue(c, D, ROWS)
     text = c.text()
     used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
     ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)

@@ -98,6 +98,7 @@ from .emit_fa3 import (
     ALIGN,
     _WGMMA_IMPORTS,
     _emit_epilogue,
+    _emit_staged_epilogue,
     _emit_load,
     _emit_loader_setup,
     _emit_pv,
@@ -136,60 +137,16 @@ from falower.backends.numba_cuda.intrinsics import (
     mbar_wait,
     setmaxnreg_dec,
     setmaxnreg_inc,
-    lds_v4_u32,
-    stg_v4_u32,
-    sts_u32,
 )
 '''
 
 
 def staged_epilogue(spec: FA2ForwardSpec) -> bool:
     """Whether a warpgroup stores O through its own Q tile in shared memory (no producer, not persistent: its 64
-    rows x D are one contiguous 64 * D * 2 bytes, free once its last S is done) by 16-byte coalesced stores, where
-    the fragment layout gives 4-byte stores each touching 8 rows: measured by benchmarks/timeline.py, that epilogue
-    took ~1.5 us an item at D = 128, ~0.9 of a kv tile's time (NOTES, "Counting the per-item cost"). A swizzle of
-    the 16-byte chunks by the row (chunk ^ (row & 7)) keeps both the fragment's writes and the chunks' reads free
-    of bank conflicts. spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose')."""
+    rows x D are one contiguous 64 * D * 2 bytes, free once its last S is done) by 16-byte coalesced stores
+    (emit_fa3._emit_staged_epilogue), where the fragment layout gives 4-byte stores each touching 8 rows.
+    spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose')."""
     return producer(spec) == "none" and not persistent(spec) and spec.extra.get("staged_epilogue", True) is not False
-
-
-def _emit_staged_epilogue(c: _Code, spec: FA2ForwardSpec, pack: str) -> None:
-    """`staged_epilogue`'s code: each of the thread's rows normalised into the warpgroup's Q tile (and its LSE),
-    the warpgroup's named barrier, then its 64 rows to O by 16-byte chunks (D / 16 a thread)."""
-    D = spec.head_dim
-    ND, CH = D // 8, D // 8  # a thread's pairs of a row; 16-byte chunks of a row
-    lines = ["@device_function", "def stage_row(sa, sw, x, i, inv):",
-             "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
-             f"    for dn in range({ND}):",
-             "        e = i + dn * 4",
-             f"        v = {pack}(lget(x, e) * inv, lget(x, e + 1) * inv)",
-             "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
-    stage = c.helper("stage_row", lines)
-    c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf; O through this")
-    c("# warpgroup's Q tile in shared memory (its last S is done), then to global memory by 16-byte chunks")
-    for t in wgmma_thread_rows():
-        r = t.k
-        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
-        c("lt = lt + shfl_xor_f32(lt, 2)")
-        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
-        c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
-        c(f"{stage}(q_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
-        c(f"qi = {t.row}")
-        c("if qi < M and t2 == 0:")
-        with c.indent():
-            c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
-    c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
-    c("ew = ctid & 127")
-    c(f"for ei in range({64 * CH // 128}):")
-    with c.indent():
-        c("ch = ew + ei * 128")
-        c(f"lr = ch // {CH}")
-        c(f"c16 = ch % {CH}")
-        c("qi = q_lo + cw * 64 + lr")
-        c(f"w0, w1, w2, w3 = lds_v4_u32(q_wg + lr * {2 * D} + ((c16 ^ (lr & 7)) << 4))")
-        c("if qi < M:")
-        with c.indent():
-            c(f"stg_v4_u32(o, (q_head + qi) * {D // 2} + c16 * 4, w0, w1, w2, w3)")
 
 
 def uses_ws(spec: FA2ForwardSpec) -> bool:
@@ -835,7 +792,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("cp_async_wait0()  # every copy was waited for through its full barrier; leave none in flight")
     c()
     if staged_epilogue(spec):
-        _emit_staged_epilogue(c, spec, pack)
+        _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
+                              "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
     else:
         _emit_epilogue(c, D)
 
