@@ -112,7 +112,8 @@ def parse_config(text: str) -> tuple:
     kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the
     score's per-element score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped
     gather per element where a row's entries lie at constant offsets (extra row_gather: relative bias); '-nose'
-    the '-wsn' kernel's O stored from the fragments, not through shared memory (extra staged_epilogue); '-r128' /
+    / '-se' O stored from the fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's
+    default is through shared memory, emit_fa3's at D = 64 from the fragments); '-r128' /
     '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
     an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
     online-softmax without lazy=8 (the row max, and O's rescale, move on every kv tile);
@@ -156,8 +157,8 @@ def parse_config(text: str) -> tuple:
             extra["col_step"] = False
         elif o == "norg":
             extra["row_gather"] = False
-        elif o == "nose":
-            extra["staged_epilogue"] = False
+        elif o in ("se", "nose"):
+            extra["staged_epilogue"] = o == "se"
         elif o == "eager":
             extra["eager"] = True
         elif o == "tree":
@@ -219,8 +220,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nocs"
     if extra.get("row_gather") is False:
         tag += "-norg"
-    if extra.get("staged_epilogue") is False:
-        tag += "-nose"
+    if "staged_epilogue" in extra:
+        tag += "-se" if extra["staged_epilogue"] else "-nose"
     if "wg_rows" in extra:
         tag += f"-r{extra['wg_rows']}"
     if extra.get("tree_softmax"):

@@ -37,6 +37,11 @@ CASES = {
     # plus one
     "r128-causal-f16-d64-1x1": ("causal", "f16", 64, 1, 1, 1, 1, 1, 128, 64, {"wg_rows": 128}),
     "r128-bias-bf16-d64-127x65": ("bias", "bf16", 64, 1, 1, 127, 65, 1, 128, 64, {"wg_rows": 128}),
+    # spec.extra["staged_epilogue"]: O through the warpgroups' Q tiles (128 rows a warpgroup: rows past M in the
+    # second q tile; 64 rows, two warpgroups, ragged)
+    "staged-r128-causal-f16-d64": ("causal", "f16", 64, 1, 2, 130, 75, 1, 128, 16,
+                                   {"wg_rows": 128, "staged_epilogue": True}),
+    "staged-plain-f16-d64-2wg": ("plain", "f16", 64, 1, 1, 70, 45, 1, 128, 32, {"staged_epilogue": True}),
     # spec.extra["tree_softmax"]: the row max and sum over four chains (a kv tile of 64: 8 n8 tiles, 2 a chain)
     "tree-causal-f16-d64": ("causal", "f16", 64, 1, 1, 70, 75, 1, 128, 64, {"wg_rows": 128, "tree_softmax": True}),
     # spec.extra["ex2_poly"]: 5 of a row's 8 exponentials by the FMA pipe's polynomial (masked ones: exactly 0)

@@ -65,16 +65,18 @@ def _fa3_source(extra: dict, D: int, stem: str = "causal") -> str:
 
 @pytest.mark.parametrize("wg_rows,halves", [(128, 2), (64, 1)])
 def test_emit_fa3_stages_O_at_D64(wg_rows, halves):
-    """emit_fa3 at D = 64 (a warpgroup's rows of Q are one column block): every row of the thread staged (four
-    with 128 rows a warpgroup), the block's barrier, then wg_rows * 8 / 128 chunks a thread."""
-    epi = re.sub(r"\b(lr|qi|ch|c16)__\d+\b", r"\1", _epilogue(_fa3_source({"wg_rows": wg_rows}, 64)))
+    """emit_fa3 at D = 64 where asked (a warpgroup's rows of Q are one column block): every row of the thread
+    staged (four with 128 rows a warpgroup), the block's barrier, then wg_rows * 8 / 128 chunks a thread."""
+    epi = re.sub(r"\b(lr|qi|ch|c16)__\d+\b", r"\1",
+                 _epilogue(_fa3_source({"wg_rows": wg_rows, "staged_epilogue": True}, 64)))
     assert epi.count("stage_row(q_wg + lr * ") == 2 * halves and "store_row(" not in epi
     assert "cuda.syncthreads()" in epi and f"for ei in range({wg_rows * 8 // 128}):" in epi
     assert f"qi = q_lo + wg * {wg_rows} + lr" in epi
 
 
-def test_emit_fa3_keeps_the_fragment_stores_at_D128():
-    """At D = 128 a warpgroup's rows of Q are split over two column blocks: the direct stores stay."""
-    epi = _epilogue(_fa3_source({}, 128))
+def test_emit_fa3_stores_from_the_fragments_unless_asked():
+    """emit_fa3 stages O only where asked (measured: no gain at D = 64), and never at D = 128, where a
+    warpgroup's rows of Q are split over two column blocks."""
+    assert "store_row(" in _epilogue(_fa3_source({"wg_rows": 128}, 64))
+    epi = _epilogue(_fa3_source({"staged_epilogue": True}, 128))
     assert "store_row(" in epi and "stg_v4_u32(" not in epi
-    assert "store_row(" in _epilogue(_fa3_source({"wg_rows": 128, "staged_epilogue": False}, 64))

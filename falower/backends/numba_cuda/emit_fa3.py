@@ -391,10 +391,13 @@ def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None, head: str = "q
 
 
 def staged_epilogue(spec: FA2ForwardSpec) -> bool:
-    """Whether this kernel stores O through its warpgroups' Q tiles (`_emit_staged_epilogue`): at D = 64, where a
-    warpgroup's rows of Q are one contiguous WR * 128 bytes (one column block); spec.extra["staged_epilogue"] =
-    False keeps the direct stores (bench '-nose')."""
-    return spec.head_dim == 64 and not overlapped(spec) and spec.extra.get("staged_epilogue", True) is not False
+    """Whether this kernel stores O through its warpgroups' Q tiles (`_emit_staged_epilogue`): only where asked
+    (spec.extra["staged_epilogue"] = True, bench '-se'), and at D = 64, where a warpgroup's rows of Q are one
+    contiguous WR * 128 bytes (one column block). Not the default: measured at D = 64 against the direct stores in
+    one call (H100, benchmarks/NOTES.md "Counting the per-item cost"): plain -2%, GQA -4%, softcap_approx -1%,
+    causal +1%, ALiBi +5%, inside the spread of the same kernel timed twice there (3-6%); three blocks an SM
+    already hide one block's epilogue behind the others' loops."""
+    return spec.head_dim == 64 and not overlapped(spec) and spec.extra.get("staged_epilogue") is True
 
 
 def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, first_row: str, wtid: str,
