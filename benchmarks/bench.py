@@ -108,15 +108,15 @@ def parse_config(text: str) -> tuple:
     ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile);
     '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott'
     their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
-    consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their
-    kv loop searching and classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the
-    score's per-element score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped
-    gather per element where a row's entries lie at constant offsets (extra row_gather: relative bias); '-nose'
-    / '-se' O stored from the fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's
-    default is through shared memory, emit_fa3's at D = 64 from the fragments); '-r128' /
-    '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows), '-bN' its launch bounds for N blocks
-    an SM; '-tree' the softmax's row max and sum over four chains (extra tree_softmax); '-eager' the pipeline's
-    online-softmax without lazy=8 (the row max, and O's rescale, move on every kv tile);
+    consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
+    classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
+    score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
+    row's entries lie at constant offsets (extra row_gather: relative bias); '-nose' / '-se' O stored from the
+    fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
+    memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
+    rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum
+    over four chains (extra tree_softmax); '-eager' the pipeline's online-softmax without lazy=8 (the row max, and
+    O's rescale, move on every kv tile);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc)."""

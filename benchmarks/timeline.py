@@ -37,25 +37,24 @@ def stamped_source(source: str, name: str) -> str:
         body.pop()
     if any(ln.strip().startswith("return") for ln in body):
         raise SystemExit("timeline: the kernel returns early; its stamps would be lost")
-    anchors = {"# this warpgroup's Q has landed": "tl_t1", "cp_async_wait0()  # every copy was waited for": "tl_t2"}
+    after = "# this warpgroup's Q has landed"  # tl_t1 goes after this line, tl_t2 before the next one
+    before = "cp_async_wait0()  # every copy was waited for"
     found = set()
     for i, ln in enumerate(lines[:start + 1]):
         out.append(ln.replace("):", ", tl_buf):") if i == start else ln)
     for j, ln in enumerate(body):
         ind = ln[:len(ln) - len(ln.lstrip())]
-        for key, var in anchors.items():
-            if key in ln and var == "tl_t2":
-                out.append(f"{ind}tl_t2 = global_timer()")
-                found.add(var)
+        if before in ln:
+            out.append(f"{ind}tl_t2 = global_timer()")
+            found.add("tl_t2")
         out.append(ln)
         if j == 0:  # the docstring
             out.append(f"{ind}tl_t0 = global_timer()")
-        for key, var in anchors.items():
-            if key in ln and var == "tl_t1":
-                out.append(f"{ind}tl_t1 = global_timer()")
-                found.add(var)
-    if found != set(anchors.values()):
-        raise SystemExit(f"timeline: anchors not found in the kernel: {set(anchors.values()) - found}")
+        if after in ln:
+            out.append(f"{ind}tl_t1 = global_timer()")
+            found.add("tl_t1")
+    if found != {"tl_t1", "tl_t2"}:
+        raise SystemExit(f"timeline: anchors not found in the kernel: {{'tl_t1', 'tl_t2'}} - {found}")
     out += ["    tl_t3 = global_timer()",
             "    if (tid & 127) == 0:",
             "        tl_i = (((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x)"

@@ -569,19 +569,19 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
 
 
 def walks_range(spec: FA2ForwardSpec) -> bool:
-    """Whether the warp-specialized kernel (emit_fa3_ws) walks every tile of [kv_first, kv_last] and take a tile's class from where it lies
-    (`range_class_expr`) instead of evaluating tile_class_fn again for each tile they visit (the next tile's
-    search, the tile's own class, the loader's search: the causal ws kernel at D = 128 issued +10% warp
-    instructions a tile over plain by ncu, benchmarks/NOTES.md). Static block masks that keep one kv interval per
-    row (`has_row_bounds`): their full tiles are contiguous (inside the intersection of the rows' intervals), and
-    where neighbouring rows' intervals meet (causal, windows, prefix LM, chunks) no empty tile lies inside the
+    """Whether the warp-specialized kernel (emit_fa3_ws) walks every tile of [kv_first, kv_last] and takes a tile's
+    class from where it lies (`range_class_expr`) instead of evaluating tile_class_fn again for each tile it visits
+    (the next tile's search, the tile's own class, the loader's search: the causal ws kernel at D = 128 issued +10%
+    warp instructions a tile over plain by ncu, benchmarks/NOTES.md). Static block masks that keep one kv interval
+    per row (`has_row_bounds`): their full tiles are contiguous (inside the intersection of the rows' intervals),
+    and where neighbouring rows' intervals meet (causal, windows, prefix LM, chunks) no empty tile lies inside the
     range. A mask whose rows' intervals lie apart stays correct, only slower: its empty tiles inside the range are
     walked as masked ones and add nothing (and were the full tiles not contiguous, `emit_tile_scan(full_range=True)`
     would leave the full range empty: every tile masked). Why not a run-time test of the range: a flag, or bounds
-    chosen by it, tested in the kv loop made ptxas move the whole loop's control out of the uniform registers
-    (local SASS of the causal ws kernel: UISETP 111 -> 7, R2UR 1 -> 4). emit_fa3's kernel keeps its one
-    classification a tile (`carries_class`): walking spilled 32-36 bytes under its D = 64 register cap.
-    `extra["walk"] = False` keeps the search (measuring: bench '-nowalk')."""
+    chosen by it, tested in the kv loop made ptxas move the whole loop's control out of the uniform registers (local
+    SASS of the causal ws kernel: UISETP 111 -> 7, R2UR 1 -> 4). emit_fa3's kernel keeps its one classification a
+    tile (`carries_class`): walking spilled 32-36 bytes under its D = 64 register cap. `extra["walk"] = False` keeps
+    the search (measuring: bench '-nowalk')."""
     return (spec.extra.get("schedule") == "wgmma-ws" and spec.block_mask == "static" and has_row_bounds(spec)
             and spec.extra.get("walk", True) is not False)
 
@@ -1124,15 +1124,15 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                        "    k = kv + jj * 8",
                        f"    lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
                        f"    lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))"]
+        cstep = [f"cstep = score_col_fn(b, h{caps})"] if step else []  # the column step, once per row
         if step:
-            per_element = [f"cstep = score_col_fn(b, h{caps})",
-                           f"for jj in range({NJ}):",
+            per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
                            "    k = kv + jj * 8"]
             per_element += [f"    lset(x, e{u}, masked_col_score_fn(lget(x, e{u}), cstep, np.float32(jj * 8{u}), "
                             f"b, h, qi, k{u}, N{caps}))" for u in ("", " + 1")]
         if not has_row_bounds(spec):
-            for line in per_element:
+            for line in cstep + per_element:
                 c(line)
         else:
             # the mask keeps one kv interval per row (row_bounds.py): its bounds once per row, relative to this
@@ -1146,8 +1146,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c(f"def masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{caps}):")
         with c.indent():
             c("# masked_score_row with the row's bounds given (computed once before the kv loop, or just now)")
-            if step:
-                c(f"cstep = score_col_fn(b, h{caps})")
+            for line in cstep:
+                c(line)
             c("if exact:")
             with c.indent():
                 c(f"lo_r = np.int32(min(max(lo - kv, -1), {8 * NJ + 1}))")
@@ -1168,7 +1168,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                     c("lset(x, e + 1, v1 if (c1 >= lo_r) & (c1 < hi_r) else NEG_INF)")
             c("else:")
             with c.indent():
-                for line in per_element[1:] if step else per_element:  # cstep: above
+                for line in per_element:
                     c(line)
     c()
     c("@device_function")

@@ -371,23 +371,32 @@ def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
                                 f"        lset(pa, w, {pack}(lget(x, 2 * w), lget(x, 2 * w + 1)))"])
 
 
+def _emit_row_inv(c: _Code, r: int) -> None:
+    """inv = 1 / the row's sum over the lane quad (0 for a fully masked row), and that sum in lt: both epilogues."""
+    c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
+    c("lt = lt + shfl_xor_f32(lt, 2)")
+    c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+
+
+def _lse_line(r: int, head: str) -> str:
+    """The row's LSE in natural log (-inf for a fully masked row), after `_emit_row_inv`."""
+    return f"lse[{head} + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF"
+
+
 def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None, head: str = "q_head") -> None:
     """A warpgroup's epilogue (this kernel's and emit_fa3_ws's): each of the thread's rows (`wgmma_thread_rows`)
     normalised by its sum over the lane quad, stored, and its LSE; fully masked rows -> O = 0, LSE = -inf. `head`:
     the (b, h) slice's first row of O and LSE (a persistent kernel's item before the one q_head now holds)."""
     c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf")
     for t in rows or wgmma_thread_rows():
-        r = t.k
-        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
-        c("lt = lt + shfl_xor_f32(lt, 2)")
-        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+        _emit_row_inv(c, t.k)
         c(f"qi = {t.row}")
         c("if qi < M:")
         with c.indent():
             c(f"store_row(o, ({head} + qi) * {D // 2} + (t2 >> 1), {t.acc}, {t.ofs}, inv)")
             c("if t2 == 0:")
             with c.indent():
-                c(f"lse[{head} + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+                c(_lse_line(t.k, head))
 
 
 def staged_epilogue(spec: FA2ForwardSpec) -> bool:
@@ -410,10 +419,10 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     that epilogue at ~1.5 us an item at D = 128 (NOTES, "Counting the per-item cost"). The 16-byte chunks are
     swizzled by the row (chunk ^ (row & 7)): the fragment's writes (8 rows a warp) and the chunks' reads (8
     chunks of a row a quarter-warp) are then free of bank conflicts."""
-    ND, CH = D // 8, D // 8  # a thread's pairs of a row; 16-byte chunks of a row
+    CH = D // 8  # a row's 16-byte chunks, and a thread's pairs of a row (n8 tiles of O)
     lines = ["@device_function", "def stage_row(sa, sw, x, i, inv):",
              "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
-             f"    for dn in range({ND}):",
+             f"    for dn in range({CH}):",
              "        e = i + dn * 4",
              f"        v = {pack}(lget(x, e) * inv, lget(x, e + 1) * inv)",
              "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
@@ -421,16 +430,13 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf; O through this")
     c("# warpgroup's Q tile in shared memory (its last S is done), then to global memory by 16-byte chunks")
     for t in rows:
-        r = t.k
-        c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
-        c("lt = lt + shfl_xor_f32(lt, 2)")
-        c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+        _emit_row_inv(c, t.k)
         c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's {wr}")
         c(f"{stage}(q_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
         c(f"qi = {t.row}")
         c("if qi < M and t2 == 0:")
         with c.indent():
-            c(f"lse[q_head + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF")
+            c(_lse_line(t.k, "q_head"))
     c(barrier)
     c(f"ew = {wtid}")
     c(f"for ei in range({wr * CH // 128}):")

@@ -728,7 +728,7 @@ def _row_gather(low: "Lowered", e: "_ScalarEmitter", gathers: list[Op]) -> Optio
         return None
     op = along[0]
     table, *idx = op.operands
-    if roles[region.args.index(table)] != "cap" if table in region.args else True:
+    if table not in region.args or roles[region.args.index(table)] != "cap":
         return None
     if op.results[0].type.dtype != "f32" or any(_kv_coef(low, i, e, zero=True) != 0.0 for i in idx[:-1]):
         return None
