@@ -111,7 +111,8 @@ def parse_config(text: str) -> tuple:
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
-    row's entries lie at constant offsets (extra row_gather: relative bias); '-nose' / '-se' O stored from the
+    row's entries lie at constant offsets (extra row_gather: relative bias); '-ltanh' libdevice's tanhf where the
+    kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nose' / '-se' O stored from the
     fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
     memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
     rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum
@@ -157,6 +158,8 @@ def parse_config(text: str) -> tuple:
             extra["col_step"] = False
         elif o == "norg":
             extra["row_gather"] = False
+        elif o == "ltanh":
+            extra["tanh"] = "libdevice"
         elif o in ("se", "nose"):
             extra["staged_epilogue"] = o == "se"
         elif o == "eager":
@@ -220,6 +223,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nocs"
     if extra.get("row_gather") is False:
         tag += "-norg"
+    if extra.get("tanh") == "libdevice":
+        tag += "-ltanh"
     if "staged_epilogue" in extra:
         tag += "-se" if extra["staged_epilogue"] else "-nose"
     if "wg_rows" in extra:

@@ -2,7 +2,8 @@
 
 Everything before the backend treats it as tanh, so every number the IR computes is tanh's: the interpreter, the
 gradient (1 - y^2), the lowered pipelines. Only the op's name differs, and the backend maps it to one
-`tanh.approx.f32` (MUFU.TANH) where `tanh` costs libdevice's two MUFU operations and ~15 instructions; the GPU
+`tanh.approx.f32` (MUFU.TANH) where `tanh` costs two MUFU operations and three more instructions
+(intrinsics.tanh_ex2_f32; libdevice's ~15 where extra tanh = "libdevice"); the GPU
 tests (tests/gpu/test_tanh_approx_gpu.py) bound the instruction's error and hold the kernels to the error rules.
 """
 
@@ -73,11 +74,13 @@ def test_pipelines_keep_the_op_and_the_numbers(pipeline):
 
 
 def test_backend_emits_the_instruction():
-    """The forward and backward kernels call the intrinsic (tanh.approx.f32), never libdevice's math.tanh; the
-    exact graph keeps math.tanh."""
+    """The forward and backward kernels call the intrinsic (tanh.approx.f32), never a full tanh; the exact graph
+    keeps a full tanh (tanh_ex2_f32 in the tensor-core kernels, libdevice's where asked)."""
     pytest.importorskip("numba")
     c = fl.compile(softcap(True), "numba-cuda")
     for src in (c.specialize("f16", D=64).source, c._backward_kernel_and_dims_for("f16", 64).source):
-        assert "tanh_approx_f32(" in src and "math.tanh(" not in src
+        assert "tanh_approx_f32(" in src and "math.tanh(" not in src and "tanh_ex2_f32((" not in src
     exact = fl.compile(softcap(False), "numba-cuda").specialize("f16", D=64).source
-    assert "math.tanh(" in exact and "tanh_approx_f32(" not in exact
+    assert "tanh_ex2_f32((" in exact and "tanh_approx_f32(" not in exact
+    lib = fl.compile(softcap(False), "numba-cuda", extra={"tanh": "libdevice"}).specialize("f16", D=64).source
+    assert "math.tanh(" in lib and "tanh_ex2_f32((" not in lib

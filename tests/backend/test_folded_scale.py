@@ -54,10 +54,13 @@ def test_the_factor_is_the_scores_own() -> None:
 
     import numpy as np
 
+    from falower.backends.numba_cuda.intrinsics import tanh_ex2_steps
+
     rng = np.random.default_rng(0)
     for stem in ("softcap", "bias", "alibi", "relative_bias"):
         spec = _spec(stem)
-        ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c)}
+        ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c),
+              "tanh_ex2_f32": tanh_ex2_steps}
         exec(spec.device_source, ns)
         caps = {"bias": (rng.standard_normal((2, 8, 8)).astype(np.float32),),
                 "alibi": (np.array([0.5, 0.25], np.float32),),

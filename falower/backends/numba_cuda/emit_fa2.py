@@ -77,6 +77,7 @@ from falower.backends.numba_cuda.intrinsics import (
     sin_f32,
     tan_f32,
     tanh_approx_f32,
+    tanh_ex2_f32,
     bf16_to_f32,
     cp_async16,
     cp_async16_s,

@@ -254,6 +254,7 @@ class _ScalarEmitter:
         self.uses: dict[Value, int] = {}
         self.mul_ops: dict[Value, Op] = {}
         self.col_step = ""  # x's step per column where x = s + w kv + r(q) (_score_factor, _kv_coef)
+        self.tanh_ex2 = False  # f32 tanh as intrinsics.tanh_ex2_f32 (`tanh_by_ex2`), not libdevice's
 
     def name(self, v: Value) -> str:
         return self.names[v]
@@ -348,6 +349,10 @@ class _ScalarEmitter:
         return f"({base} * np.float32({total!r}))"
 
     def expr(self, op: Op) -> str:
+        import numpy as np
+
+        from .intrinsics import TWO_LOG2E
+
         x = [self.name(v) for v in op.operands]
         n, rt = op.name, op.results[0].type.dtype
         if n == "const":
@@ -355,6 +360,9 @@ class _ScalarEmitter:
         if n == "sign":  # -1, 0 or 1 in the operand's own type
             e = f"(({x[0]} > 0) - ({x[0]} < 0))"
             return f"np.float32{e}" if is_float(rt) else e
+        if n == "tanh" and self.tanh_ex2 and rt == "f32":  # 2 log2(e) merged into the argument's constant factor
+            base, f = self.factors.get(op.operands[0], (x[0], 1.0))
+            return f"tanh_ex2_f32(({base} * np.float32({float(np.float32(f * TWO_LOG2E))!r})))"
         if n in _UNARY:
             return _UNARY[n].format(*x)
         if n in _BINARY:
@@ -516,10 +524,22 @@ def cap_ref(v: Value, name: str) -> str:
     return f"{name}[0]" if v.type.rank == 0 else name
 
 
-def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = None) -> str:
+def tanh_by_ex2(path: str, extra: Optional[Mapping]) -> bool:
+    """Whether the kernels compute the IR's tanh as intrinsics.tanh_ex2_f32, 1 - 2 / (1 + 2**(2 log2(e) x)): the
+    tensor-core kernels, whose f16 / bf16 scores carry errors far above its absolute ~2**-22 and whose softcap was
+    bound by libdevice's ~16 instructions an element (benchmarks/NOTES.md, "The softcap's tanh by ex2 and rcp").
+    extra["tanh"] = "libdevice" keeps libdevice's tanhf (2 ulp; bench '-ltanh'); the SIMT kernels (f32, f64) always
+    do."""
+    how = (extra or {}).get("tanh", "ex2")
+    if how not in ("ex2", "libdevice"):
+        raise BackendError(f"numba-cuda backend: extra['tanh'] must be 'ex2' or 'libdevice', got {how!r}")
+    return path == "mma" and how == "ex2"
+
+
+def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = None, tanh_ex2: bool = False) -> str:
     """The device functions of the spec's contract (spec.py). `info`, where given, receives "score_scale": the
     score's last constant factor c > 0 where the exp2 score is c * x (0.0 otherwise), which the tensor-core kernels
-    fold into the exponent (score_raw_fn returns x where x is not s itself)."""
+    fold into the exponent (score_raw_fn returns x where x is not s itself). `tanh_ex2`: `tanh_by_ex2`."""
     from .row_bounds import row_bounds_lines, run_name
 
     cap_names = {v: f"cap_{v.name}" for v in low.captures}
@@ -537,6 +557,7 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
         out += cta_lines + [""]
     e = _ScalarEmitter(env, cap_names)
     e.contract = True
+    e.tanh_ex2 = tanh_ex2
     e.names.update(_role_names(low.fused, region, cap_names))
     e.names.update(hoisted)
     e.consts.update(hoisted_consts)  # a folded scale is a constant factor (merged, and known to _score_factor)
@@ -1043,7 +1064,7 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
                extra: Optional[dict] = None) -> FA2ForwardSpec:
     D = int(env["D"])
     info: dict = {}
-    src = device_source(low, env, info)
+    src = device_source(low, env, info, tanh_by_ex2(path, extra))
     # a 0-d capture is a 1-element array (cap_ref); only the sizes are scalar arguments
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in low.runtime_dims)  # sizes, passed as scalars

@@ -31,7 +31,8 @@ from typing import Mapping, Optional
 
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
-from .from_ir import BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures, range_name
+from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
+                      range_name, tanh_by_ex2)
 from .spec import Capture, FA2BackwardSpec, GradSpec
 
 
@@ -303,10 +304,10 @@ def _strip_reductions(v: Value) -> Value:
     return v
 
 
-def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False
-             ) -> list[str]:
+def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
+             tanh_ex2: bool = False) -> list[str]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
-    (ds,)."""
+    (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P."""
     names: dict[Value, str] = {br.s: "s", br.dp: "dp", br.lse: "lse", br.delta: "delta"}
     nest = low.q_nest if dq_nest else low.kv_nest
     nest_args = nest.regions[0].args  # type: ignore[union-attr]
@@ -322,6 +323,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
         if op.name == "tile.load" and op.operands[0].name == "k":
             names.setdefault(op.operands[2], "hk")  # the kv head (h // G under GQA)
     e = _ElementEmitter(env, names)
+    e.tanh_ex2 = tanh_ex2
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     for sc in [] if dq_nest else br.scatters:
         outs.append(e.value(_strip_reductions(sc.operands[1])))
@@ -347,8 +349,9 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
     return [f"def {name}(b, h, q, kv{sig}):"] + _live_lines(e.lines, e.name(res)) + [f"    return {e.name(res)}"]
 
 
-def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, list[str]]:
-    """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>)."""
+def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False) -> tuple[str, list[str]]:
+    """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>). `tanh_ex2`:
+    from_ir.tanh_by_ex2."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
     sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
     for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
@@ -358,9 +361,9 @@ def device_source(low: BackwardLowered, env: Mapping[str, int]) -> tuple[str, li
         sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
     out: list[str] = []
     for br in low.branches:
-        out += _elem_fn(low, br, env, sig) + [""]
+        out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2) + [""]
     for br in low.q_branches:
-        out += _elem_fn(low, br, env, sig, dq_nest=True) + [""]
+        out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2) + [""]
     for fn, op in (("tile_class_fn", low.classify), ("tile_class_q_fn", low.q_classify)):
         if op is None:
             continue
@@ -386,7 +389,7 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     D = int(env["D"])
     if low.block_mask == "list" and (extra or {}).get("bwd_block_list") is False:
         low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
-    src, dims = device_source(low, env)
+    src, dims = device_source(low, env, tanh_by_ex2(path, extra))
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)

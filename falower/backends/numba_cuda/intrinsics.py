@@ -43,6 +43,9 @@ Public names (identical in both modes):
                                    rounded to j + f (|f| <= 1/2) by a 1.5 * 2**23 shift, 2**f by a cubic
                                    (relative error 1.0e-4), j added to the exponent; x <= -127 (-inf) gives 0
     tanh_approx_f32                (x: f32) -> f32, tanh.approx.f32 (one MUFU.TANH; the IR's tanh_approx)
+    tanh_ex2_f32                   (y: f32) -> f32, tanh(y / (2 log2 e)) as 1 - 2 / (1 + 2**y): ex2 and rcp on
+                                   MUFU and two FMA-pipe instructions, absolute error ~2**-22 (the tensor-core
+                                   kernels' tanh; TANH_EX2_PTX)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
@@ -110,6 +113,7 @@ __all__ = [
     "ex2",
     "ex2_poly",
     "tanh_approx_f32",
+    "tanh_ex2_f32",
     "shfl_xor_f32",
     "ballot",
     "lowest_bit",
@@ -221,6 +225,30 @@ def ex2_poly_f32(x) -> np.float32:
         p = np.float32(np.float64(p) * np.float64(f) + np.float64(np.float32(c)))
     bits = (int(np.float32(p).view(np.uint32)) + (int(t.view(np.int32)) << 23)) & 0xFFFFFFFF
     return np.uint32(bits).view(np.float32)
+
+
+# tanh_ex2: the IR's tanh in the tensor-core kernels, where a score's error that matters is absolute (P = 2**(x c
+# - m) moves by c ln 2 times it, relatively). libdevice's tanhf (2 ulp) is ~16 instructions and two MUFU operations
+# an element beside a polynomial for small |x|; this is 1 - 2 / (1 + e), e = 2**y with y = 2 log2(e) x folded into
+# the argument's multiply by from_ir: ex2, add, rcp, fma, the same two MUFU operations and two FMA-pipe ones. Its
+# absolute error is ~2**-22 everywhere (ex2.approx's and rcp.approx's relative errors through 2 r (1 - r) and 2 r),
+# its relative error therefore large for |x| << 1, where 1 - 2 r cancels: a score takes it as c tanh(s / c), whose
+# error is absolute. Saturates to +-1 (e = inf: r = 0; e = 0: r = 1) and keeps NaN.
+TWO_LOG2E = 2.8853900817779268  # tanh(x) = 1 - 2 / (1 + 2**(2 log2(e) x))
+
+TANH_EX2_PTX = ("{ .reg .f32 e, d, r; ex2.approx.ftz.f32 e, $1; "
+                f"add.rn.f32 d, e, {_f32_hex(1.0)}; rcp.approx.ftz.f32 r, d; "
+                f"fma.rn.f32 $0, r, {_f32_hex(-2.0)}, {_f32_hex(1.0)}; }}")
+
+
+def tanh_ex2_steps(y) -> np.float32:
+    """TANH_EX2_PTX's steps in numpy float32 (ex2 and rcp rounded once, as if exact): the simulator's tanh_ex2_f32,
+    and what the tests hold the PTX's constants to."""
+    with np.errstate(over="ignore", under="ignore", divide="ignore"):
+        e = np.float32(np.exp2(np.float32(y)))
+        d = np.float32(e + np.float32(1.0))
+        r = np.float32(np.float32(1.0) / d)
+    return np.float32(np.float64(r) * -2.0 + 1.0)
 
 
 if SIMULATOR:
@@ -523,6 +551,9 @@ if SIMULATOR:
 
     def tanh_approx_f32(x):  # the simulator computes the definition, tanh, in f32
         return np.float32(np.tanh(np.float32(x)))
+
+    def tanh_ex2_f32(y):
+        return tanh_ex2_steps(y)
 
     def shfl_xor_f32(x, lane_mask):
         lane, vals = _exchange(np.float32(x))
@@ -1298,6 +1329,7 @@ else:
     ex2 = _unary_asm_intrinsic("ex2", "ex2.approx.ftz.f32 $0, $1;", _F32, _F32, "=f,f")
     ex2_poly = _unary_asm_intrinsic("ex2_poly", EX2_POLY_PTX, _F32, _F32, "=f,f")
     tanh_approx_f32 = _unary_asm_intrinsic("tanh_approx_f32", "tanh.approx.f32 $0, $1;", _F32, _F32, "=f,f")
+    tanh_ex2_f32 = _unary_asm_intrinsic("tanh_ex2_f32", TANH_EX2_PTX, _F32, _F32, "=f,f")
 
     @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):

@@ -1,0 +1,73 @@
+"""On the GPU: the IR's tanh in the tensor-core kernels, intrinsics.tanh_ex2_f32 (1 - 2 / (1 + 2**y): ex2.approx,
+rcp.approx and two FMA-pipe instructions, where libdevice's tanhf is ~16 instructions an element).
+
+Checked here: the instruction sequence's absolute error against float64 tanh over a sweep of f32 values (the bound
+from_ir.tanh_by_ex2 documents), and the softcap example under both tanhs within the error rules every example is held
+to (test_examples_gpu, test_backward_gpu run the default, this one, on all their shapes)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import falower as fl  # noqa: E402
+from falower.passes.check import bind_dims, random_inputs  # noqa: E402
+from test_backward_gpu import needs_cuda  # noqa: E402
+from test_examples_gpu import assert_error_rule, graph, rounded  # noqa: E402
+
+# the float32 steps rounded exactly reach 2^-22.4 (tests/backend/test_tanh_ex2.py); ex2.approx and rcp.approx add
+# their own relative errors (~2^-22 each), through 2 r (1 - r) <= 1/2 and 2 r <= 1
+BOUND = 2.0 ** -20
+
+
+def test_tanh_ex2_absolute_error_bound():
+    """Every swept f32 x in [-20, 20] plus |x| from 1e-30 to 1: |tanh_ex2(2 log2(e) x) - tanh(x)| <= 2^-20, in
+    [-1, 1], exactly +-1 where |x| >= 10."""
+    needs_cuda()
+    from numba import cuda
+
+    from falower.backends.numba_cuda.intrinsics import TWO_LOG2E, tanh_ex2_f32
+
+    k = np.float32(TWO_LOG2E)
+
+    @cuda.jit
+    def run(x, y):
+        i = cuda.grid(1)
+        if i < x.size:
+            y[i] = tanh_ex2_f32(x[i] * k)
+
+    small = np.logspace(-30, 0, 200_001)
+    x = np.concatenate([np.linspace(-20, 20, 2_000_001), small, -small]).astype(np.float32)
+    dy = cuda.to_device(np.zeros_like(x))
+    run[(x.size + 255) // 256, 256](cuda.to_device(x), dy)
+    y = dy.copy_to_host().astype(np.float64)
+    err = np.abs(y - np.tanh(x.astype(np.float64)))
+    print(f"tanh_ex2_f32: max absolute error {err.max():.3g} (2^{np.log2(err.max()):.2f})")
+    assert err.max() <= BOUND
+    assert np.all(np.abs(y) <= 1.0)
+    big = np.abs(x) >= 10
+    assert np.all(np.abs(y[big]) == 1.0)
+
+
+@pytest.mark.parametrize("N", [1, 17, 1000, 4096])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("tanh", ["ex2", "libdevice"])
+def test_softcap_forward_error_rule(tanh, D, N):
+    """Both tanhs within the forward's error rule, and the kernels' outputs within f16's reach of each other."""
+    needs_cuda()
+    dtype = "f16"
+    g, _ = graph("softcap", dtype)
+    c = fl.compile(g, "numba-cuda", extra={"tanh": tanh})
+    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": N, "N": N, "D": D})
+    raw = random_inputs(g, env, seed=N + D)
+    host = [rounded(x, dtype) for x in raw[:3]]
+    assert_error_rule(g, c, env, host, dtype)
+    src = c.specialize(dtype, D=D).source
+    assert ("tanh_ex2_f32((" in src) == (tanh == "ex2") and ("math.tanh(" in src) == (tanh == "libdevice")
