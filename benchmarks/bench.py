@@ -752,6 +752,12 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
         # the backward alone (2.5 of the forward's FLOPs), on the forward's o and lse
         o_b, lse_b = c.forward(q, k, v, *caps)
         measure(row, "bwd only", 2.5 * flops, lambda: lambda: c.backward(q, k, v, o_b, lse_b, do, *caps))
+        for cfg in args.ex_configs if not args.fwd else ():  # --bwd alone: other configs' backward (A / B)
+            tag = config_tag(cfg)
+            cc = example_compiled_config(stem, cfg)
+            if measure(row, f"bwd only {tag}", 2.5 * flops,
+                       lambda cc=cc: lambda: cc.backward(q, k, v, o_b, lse_b, do, *caps)):
+                log(f"  {stem}: backward alone {row['bwd only']:.0f} TFLOP/s, {row[f'bwd only {tag}']:.0f} under {tag}")
         if c.backward_kernel(q, k, v, *caps).spec.block_mask == "list":  # issue 12: beside the scan it replaced
             scan = example_compiled(stem, bwd_block_list=False)
             measure(row, "bwd only scan", 2.5 * flops, lambda: lambda: scan.backward(q, k, v, o_b, lse_b, do, *caps))
