@@ -348,3 +348,21 @@ def test_cubin_bytes_reads_what_numba_cuda_links():
     assert cubin_cache.cubin_bytes(ObjectCode(f.name)) == b"\x7fELF2"
     with pytest.raises(TypeError, match="ObjectCode"):
         cubin_cache.cubin_bytes(ObjectCode(None))
+
+
+def test_building_the_specs_does_not_import_numba():
+    """A warm process builds its kernels' specs (device sources included) before it finds their cubins: the softcap's
+    forward and backward specs, tanh_ex2's argument factor among them, need no Numba (the GPU test of a warm
+    process caught from_ir importing intrinsics.py for a constant)."""
+    code = ("import sys, falower as fl\n"
+            "from falower.backends.numba_cuda.from_ir import analyse, build_spec\n"
+            "from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec\n"
+            "g = fl.attention(score_mod=lambda s, b, h, q, kv: 30.0 * fl.tanh(s / 30.0), name='softcap')\n"
+            "c = fl.compile(g, 'numba-cuda')\n"
+            "f = build_spec(analyse(c.lowered), {'D': 64}, 'f16', 'mma', None)\n"
+            "b = build_backward_spec(analyse_backward(c.lowered_backward), {'D': 64}, 'f16', 'mma', None)\n"
+            "assert 'tanh_ex2_f32(' in f.device_source and 'tanh_ex2_f32(' in b.device_source\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -12,11 +12,11 @@ import pytest
 
 import falower as fl
 from falower.backends.numba_cuda import intrinsics as I
-from falower.backends.numba_cuda.from_ir import BackendError, tanh_by_ex2
+from falower.backends.numba_cuda.from_ir import TWO_LOG2E, BackendError, tanh_by_ex2
 
 
 def steps(x):
-    return np.array([I.tanh_ex2_steps(np.float32(v) * np.float32(I.TWO_LOG2E)) for v in np.asarray(x, np.float32)],
+    return np.array([I.tanh_ex2_steps(np.float32(v) * np.float32(TWO_LOG2E)) for v in np.asarray(x, np.float32)],
                     dtype=np.float64)
 
 
@@ -67,7 +67,7 @@ def test_the_argument_factor_is_merged(D):
     forward's score and the backward's recomputation of P; the SIMT kernels (f32) keep libdevice's tanhf."""
     pytest.importorskip("numba")
     c = fl.compile(_softcap(), "numba-cuda")
-    k = float(np.float32(float(np.float32(D ** -0.5 / 30.0)) * I.TWO_LOG2E))
+    k = float(np.float32(float(np.float32(D ** -0.5 / 30.0)) * TWO_LOG2E))
     fwd = c.specialize("f16", D=D).source
     bwd = c._backward_kernel_and_dims_for("f16", D).source
     for src in (fwd, bwd):

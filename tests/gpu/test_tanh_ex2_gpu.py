@@ -33,7 +33,8 @@ def test_tanh_ex2_absolute_error_bound():
     needs_cuda()
     from numba import cuda
 
-    from falower.backends.numba_cuda.intrinsics import TWO_LOG2E, tanh_ex2_f32
+    from falower.backends.numba_cuda.from_ir import TWO_LOG2E
+    from falower.backends.numba_cuda.intrinsics import tanh_ex2_f32
 
     k = np.float32(TWO_LOG2E)
 
