@@ -120,7 +120,8 @@ def parse_config(text: str) -> tuple:
     O's rescale, move on every kv tile);
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
-    its descriptors built inside the loop (opaque_desc)."""
+    its descriptors built inside the loop (opaque_desc), '-bgt' with a reduced gradient (ALiBi's slope) added once a
+    tile, not held across tiles (extra hold_grads)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -180,6 +181,8 @@ def parse_config(text: str) -> tuple:
             extra["bwd_schedule"] = "wgmma"
         elif o == "bdqk":
             extra.update(bwd_schedule="wgmma", dq_split="k")
+        elif o == "bgt":
+            extra["hold_grads"] = False
         elif o == "bop":
             extra.update(bwd_schedule="wgmma", opaque_desc="k,v,ds,kt")
         else:
@@ -243,6 +246,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-bop"
     elif extra.get("bwd_schedule") == "wgmma":
         tag += "-bwg"
+    if extra.get("hold_grads") is False:
+        tag += "-bgt"
     return tag
 
 

@@ -160,3 +160,22 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
     except Exception as exc:
         pytest.skip(f"nvJitLink unavailable: {exc}")
     assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
+
+
+def test_reduced_gradients_are_held_across_tiles():
+    """ALiBi's slope gradient: summed over the block's tiles and added where its index changes and after the walk
+    (emit_fa2_bwd.held_grads), not once a tile; '-bgt' (hold_grads False) and kernels without a reduced gradient
+    keep the per-tile form or none."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.emit_fa2_bwd import held_grads
+
+    held = emit_fa3_bwd.emit_fa3_backward(_spec("alibi"))
+    assert held_grads(_spec("alibi")) and not held_grads(_spec("alibi", extra={"hold_grads": False}))
+    assert not held_grads(_spec("causal")) and not held_grads(_spec("relative_bias"))  # per-element grads
+    add = "cuda.atomic.add(grad_0, ghold0, gacc0)"
+    walk_end = held.index("hc = hn")  # the walk's last statements
+    assert held.count(add) == 2 and held.count("cuda.atomic.add(") == 2
+    assert held.index("if gat0 != ghold0:") < held.index(add) < walk_end  # where the index changes
+    assert held.index(add, walk_end) > walk_end  # what is held, after the walk
+    per_tile = emit_fa3_bwd.emit_fa3_backward(_spec("alibi", extra={"hold_grads": False}))
+    assert "ghold0" not in per_tile and "cuda.atomic.add(grad_0, min(max(gi0_0" in per_tile

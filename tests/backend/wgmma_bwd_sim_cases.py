@@ -32,6 +32,10 @@ FWD = "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64},online-softmax{exp2
 CASES = {
     "causal-f16-d64-20x19": ("causal", "f16", 1, 2, 2, 20, 19, 64, 64, 64),
     "alibi-f16-d64-65x63": ("alibi", "f16", 1, 2, 2, 65, 63, 64, 64, 64),  # the slopes' gradient, 2 q tiles
+    # the slopes' gradient held across a block's tiles (emit_fa2_bwd.held_grads) where the slope's head changes
+    # inside the block's walk: a group of 2 query heads a kv head, 2 q tiles each; and added once a tile ('-bgt')
+    "alibi_gqa-f16-d64-65x63": ("alibi_gqa", "f16", 1, 4, 2, 65, 63, 64, 64, 64),
+    "alibi-f16-d64-65x63-bgt": ("alibi", "f16", 1, 2, 2, 65, 63, 64, 64, 64, {"hold_grads": False}),
     "gqa-bf16-d64-20x19": ("gqa", "bf16", 1, 2, 1, 20, 19, 64, 64, 64),  # group of 2: one block walks 2 heads
     # fa2-bwd's shape: two warpgroups, dQ's 64 columns split between them (n32 from +64 bytes in K's rows)
     "sliding_window-f16-d64-63x130-2wg": ("sliding_window", "f16", 1, 1, 1, 63, 130, 64, 64, 128),
@@ -42,6 +46,18 @@ CASES = {
     # of 4, kv tile 1 q tiles 2-3; the walk ends at the last, not at nq (ending one early fails it: dq err 1.95)
     "sliding_window-f16-d64-200x130": ("sliding_window", "f16", 1, 1, 1, 200, 130, 64, 64, 128),
 }
+
+
+def _alibi_gqa():
+    """ALiBi under GQA: the slope is the query head's, so it changes inside a kv head's walk."""
+    import falower as fl
+
+    slopes = fl.capture("slopes", "f32", "H")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q), mask_mod=lambda b, h, q, kv: q >= kv,
+                        group_size=2, name="alibi_gqa")
+
+
+TEST_GRAPHS = {"alibi_gqa": _alibi_gqa}
 
 
 def _bits(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -65,7 +81,8 @@ def run_case(case_id: str) -> dict:
     from falower.passes.check import bind_dims, random_inputs
 
     stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = CASES[case_id]
-    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+    g = TEST_GRAPHS[stem]() if stem in TEST_GRAPHS else \
+        next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
     env = bind_dims(g, {"B": B, "H": H, "HKV": HKV, "M": M, "N": N, "D": D})
     raw = random_inputs(g, env, seed=M * 1000 + N)
     ins = [_bits(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x for i, x in enumerate(raw)]

@@ -355,6 +355,60 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
             c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gsum{i})")
 
 
+def held_grads(spec: FA2BackwardSpec) -> bool:
+    """Whether a kernel that calls `_emit_grad_hold` holds the reduced contributions (ALiBi's slope) across its q
+    loop and adds them once per warp and index, not once per warp and tile: the index of a reduced gradient is
+    a tile's (rank 0: the head's or the batch's, from_ir_bwd._grads), so it changes only where the loop's head
+    does. Every warp of every block adding into the same few words once a tile serialized at L2 (ALiBi's backward:
+    long-scoreboard stalls 7.6x causal's; benchmarks/NOTES.md, "ALiBi's backward"). spec.extra["hold_grads"] =
+    False keeps one add a tile (bench '-bgt')."""
+    return not spec.deterministic and any(g.reduced for g in spec.grads) \
+        and spec.extra.get("hold_grads", True) is not False
+
+
+def _emit_grad_flush(c: _Code, spec: FA2BackwardSpec, i: int) -> None:
+    """Warp-sum gradient i's held contribution and add it at the held index (lane 0)."""
+    for m in (16, 8, 4, 2, 1):
+        c(f"gacc{i} += shfl_xor_f32(gacc{i}, {m})")
+    c("if lane == 0:")
+    with c.indent():
+        c(f"cuda.atomic.add(grad_{i}, ghold{i}, gacc{i})")
+
+
+def _emit_grad_hold_start(c: _Code, spec: FA2BackwardSpec) -> None:
+    """Before the q loop (`held_grads`): nothing held (index -1)."""
+    for i, g in enumerate(spec.grads):
+        if g.reduced:
+            c(f"gacc{i} = ZERO")
+            c(f"ghold{i} = -1")
+
+
+def _emit_grad_hold(c: _Code, spec: FA2BackwardSpec) -> None:
+    """After a tile (`held_grads`): where its index differs from the held one (warp-uniform: a head's), add what
+    is held there and hold the new index; then hold the tile's sum too."""
+    for i, g in enumerate(spec.grads):
+        if not g.reduced:
+            continue
+        c(f"gat{i} = {_flat_index(spec, i)}")
+        c(f"if gat{i} != ghold{i}:")
+        with c.indent():
+            c(f"if ghold{i} >= 0:")
+            with c.indent():
+                _emit_grad_flush(c, spec, i)
+            c(f"gacc{i} = ZERO")
+            c(f"ghold{i} = gat{i}")
+        c(f"gacc{i} += gsum{i}")
+
+
+def _emit_grad_hold_end(c: _Code, spec: FA2BackwardSpec) -> None:
+    """After the q loop (`held_grads`): add what is held."""
+    for i, g in enumerate(spec.grads):
+        if g.reduced:
+            c(f"if ghold{i} >= 0:")
+            with c.indent():
+                _emit_grad_flush(c, spec, i)
+
+
 # --------------------------------------------------------------------------------------------------
 # Tensor-core schedule
 # --------------------------------------------------------------------------------------------------

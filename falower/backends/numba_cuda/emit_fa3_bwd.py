@@ -52,11 +52,15 @@ from .emit_fa2_bwd import (
     _elem_call,
     _elem_quad_helper,
     _emit_grad_element,
+    _emit_grad_hold,
+    _emit_grad_hold_end,
+    _emit_grad_hold_start,
     _emit_grad_tile_end,
     _grad_args,
     _grad_outs,
     _module,
     _store_pairs_helper,
+    held_grads,
 )
 from .emit_fa3 import ALIGN, _emit_load, _emit_load_inside, _emit_loader_setup, _emit_row_addresses
 from .spec import FA2BackwardSpec
@@ -374,6 +378,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
+        HOLD = held_grads(spec)
+        if HOLD:
+            c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
+            _emit_grad_hold_start(c, spec)
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -463,7 +471,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("else:")
                 with c.indent():
                     elementwise("partial")
-            _emit_grad_tile_end(c, spec, warp_reduce=True)
+            if HOLD:
+                _emit_grad_hold(c, spec)
+            else:
+                _emit_grad_tile_end(c, spec, warp_reduce=True)
             c()
             c(f"# dV += P^T dO and dK += dS^T Q: {BQ // 16} + {BQ // 16} wgmma m64n{D}k16, A packed from the")
             c("# accumulators (n8 tiles 2k, 2k + 1 are k step k), k step k reads q rows 16k .. 16k + 15 (2048 bytes on);")
@@ -532,6 +543,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("qc = qn")
             c("buf ^= 1")
         c()
+        if HOLD:
+            _emit_grad_hold_end(c, spec)
         c("cp_async_wait0()")
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
