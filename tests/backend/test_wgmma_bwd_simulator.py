@@ -164,8 +164,8 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
 
 def test_reduced_gradients_are_held_across_tiles():
     """ALiBi's slope gradient: summed over the block's tiles and added where its index changes and after the walk
-    (emit_fa2_bwd.held_grads), not once a tile; '-bgt' (hold_grads False) and kernels without a reduced gradient
-    keep the per-tile form or none."""
+    (emit_fa2_bwd.held_grads), not once a tile, by the wgmma and the mma.sync kernels; '-bgt' (hold_grads False)
+    keeps the per-tile form; kernels without a reduced gradient and the deterministic mode have none."""
     from falower.backends.numba_cuda import emit_fa3_bwd
     from falower.backends.numba_cuda.emit_fa2_bwd import held_grads
 
@@ -179,3 +179,10 @@ def test_reduced_gradients_are_held_across_tiles():
     assert held.index(add, walk_end) > walk_end  # what is held, after the walk
     per_tile = emit_fa3_bwd.emit_fa3_backward(_spec("alibi", extra={"hold_grads": False}))
     assert "ghold0" not in per_tile and "cuda.atomic.add(grad_0, min(max(gi0_0" in per_tile
+    # the mma.sync kernel the same way (its deterministic mode sums per block in a fixed order instead)
+    from falower.backends.numba_cuda.emit_fa2_bwd import emit_fa2_backward
+
+    mma = emit_fa2_backward(dataclasses.replace(_spec("alibi"), extra={}))
+    assert "wgmma" not in mma and mma.count(add) == 2 and "if gat0 != ghold0:" in mma
+    det = _spec("alibi", pipeline="fa2-bwd-deterministic")
+    assert not held_grads(det) and "ghold0" not in emit_fa2_backward(dataclasses.replace(det, extra={}))

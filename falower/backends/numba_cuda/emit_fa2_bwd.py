@@ -356,7 +356,7 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
 
 
 def held_grads(spec: FA2BackwardSpec) -> bool:
-    """Whether a kernel that calls `_emit_grad_hold` holds the reduced contributions (ALiBi's slope) across its q
+    """Whether the tensor-core kernels (mma.sync and wgmma) hold the reduced contributions (ALiBi's slope) across its q
     loop and adds them once per warp and index, not once per warp and tile: the index of a reduced gradient is
     a tile's (rank 0: the head's or the batch's, from_ir_bwd._grads), so it changes only where the loop's head
     does. Every warp of every block adding into the same few words once a tile serialized at L2 (ALiBi's backward:
@@ -569,6 +569,10 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
+        HOLD = held_grads(spec)
+        if HOLD:
+            c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
+            _emit_grad_hold_start(c, spec)
         c("while it < total:")
         with c.indent():
             _emit_next(c, spec, "it", "itn")
@@ -637,7 +641,10 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c("else:")
                 with c.indent():
                     elementwise("partial")
-            _emit_grad_tile_end(c, spec, warp_reduce=True, partials=f"smem_f[{lay['GP'] // 2} + {{}}]")
+            if HOLD:
+                _emit_grad_hold(c, spec)
+            else:
+                _emit_grad_tile_end(c, spec, warp_reduce=True, partials=f"smem_f[{lay['GP'] // 2} + {{}}]")
             _emit_staged_adds(c, spec, BQ * BK, threads, f"smem_w[{GXW} + {{}} * {BQ * BK} + {{}}]",
                               f"smem_f[{GXF} + {{}} * {BQ * BK} + {{}}]")
             c()
@@ -714,6 +721,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             c("it = itn")
             c("buf ^= 1")
         c()
+        if HOLD:
+            _emit_grad_hold_end(c, spec)
         c("cp_async_wait0()")
         c("# dK, dV of this warp's kv rows, once")
         sp = _store_pairs_helper(c, ND, pack)
