@@ -186,3 +186,58 @@ def test_reduced_gradients_are_held_across_tiles():
     assert "wgmma" not in mma and mma.count(add) == 2 and "if gat0 != ghold0:" in mma
     det = _spec("alibi", pipeline="fa2-bwd-deterministic")
     assert not held_grads(det) and "ghold0" not in emit_fa2_backward(dataclasses.replace(det, extra={}))
+
+
+def _rel_graph(index):
+    """A relative-bias-like graph whose table index is index(q, kv, N) (the table is [H, 4N])."""
+    import falower as fl
+    from falower.ir import dim
+
+    N = dim("N")
+    tab = fl.capture("tab", "f32", ["H", N * 4])
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[h, index(q, kv, N)], name="relx")
+
+
+@pytest.mark.parametrize("index, span", [
+    (lambda q, kv, N: q - kv + (N - 1), (1, -1)),
+    (lambda q, kv, N: kv - q + (N - 1), (-1, 1)),
+    (lambda q, kv, N: 2 * (q - kv) + 2 * N, (2, -2)),
+    (lambda q, kv, N: q + N, (1, 0)),
+    (lambda q, kv, N: q * kv, None),
+    (lambda q, kv, N: (q - kv) // 2 + N, None),
+])
+def test_a_gradients_index_span(index, span):
+    """from_ir_bwd._index_span: the last index's coefficients in q and kv where it is a q + b kv + c; the wgmma
+    backward then bins the gradient by |a| (block_q - 1) + |b| (block_k - 1) + 1 entries (binned_grads)."""
+    import falower as fl
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
+
+    c = fl.compile(_rel_graph(index), "numba-cuda")
+    spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": 64}, "f16", "mma", None,
+                               {"bwd_schedule": "wgmma"})
+    (g,) = spec.grads
+    assert g.span == (span or ())
+    bins = emit_fa3_bwd.binned_grads(spec)
+    if span is None:
+        assert bins == {} and "gidx0_fn" not in spec.device_source
+    else:
+        a, b = span
+        assert bins == {0: abs(a) * (spec.block_q - 1) + abs(b) * (spec.block_k - 1) + 1}
+        assert "def gidx0_fn(" in spec.device_source
+        assert emit_fa3_bwd._layout(spec)["total"] >= emit_fa3_bwd._layout(spec)["GB0"] + 4 * bins[0]
+
+
+def test_binned_gradients_in_the_kernel():
+    """The relative bias: contributions to shared bins from the tile's first entry, then one add an entry after the
+    tile's barrier; '-bgb' (grad_bins False) and the bias table (its q and kv both vary: no span) add per element."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    spec = _spec("relative_bias", D=128)
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    assert f"glo0 = min(max(gidx0_fn(b, h, hk, q0, kv0 + {spec.block_k - 1}," in src  # q - kv: least at (q0, kv_hi)
+    assert "cuda.atomic.add(smem_f, " in src and src.count("cuda.atomic.add(grad_0, ") == 1
+    assert src.index("# dS^T is complete") < src.index("cuda.atomic.add(grad_0, ")
+    off = emit_fa3_bwd.emit_fa3_backward(_spec("relative_bias", D=128, extra={"grad_bins": False}))
+    assert "glo0" not in off and "cuda.atomic.add(smem_f" not in off
+    assert emit_fa3_bwd.binned_grads(_spec("bias")) == {}

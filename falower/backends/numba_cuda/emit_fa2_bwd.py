@@ -27,6 +27,8 @@ dQ by atomic adds per element. Simple and slow; for f32 inputs and head dims the
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .emit_fa2 import (
     _HEADER,
     TileLoader,
@@ -262,24 +264,35 @@ def _grad_outs(spec: FA2BackwardSpec) -> list[list[str]]:
     return [[f"gc{i}"] + [f"gi{i}_{j}" for j in range(g.n_index)] for i, g in enumerate(spec.grads)]
 
 
-def _flat_index(spec: FA2BackwardSpec, i: int) -> str:
-    """Row-major offset of gradient i's indices in its table, each clamped as the gather clamps."""
+def _flat_index(spec: FA2BackwardSpec, i: int, last: str = "") -> str:
+    """Row-major offset of gradient i's indices in its table, each clamped as the gather clamps (`last`: the
+    last index's clamped value given as an expression instead)."""
     g = spec.grads[i]
     table = _cap_names(spec)[g.capture]
     expr = ""
     for j in range(g.n_index):
-        idx = f"min(max(gi{i}_{j}, 0), {table}.shape[{j}] - 1)"
+        idx = last if last and j == g.n_index - 1 else _clamped_grad_index(spec, i, j)
         expr = idx if not expr else f"({expr}) * {table}.shape[{j}] + {idx}"
     return expr or "0"
 
 
-def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "") -> None:
+def _clamped_grad_index(spec: FA2BackwardSpec, i: int, j: int) -> str:
+    return f"min(max(gi{i}_{j}, 0), {_cap_names(spec)[spec.grads[i].capture]}.shape[{j}] - 1)"
+
+
+def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "", bins: Optional[dict] = None) -> None:
     """After one element's elem call: its contributions to captured tables' gradients. In deterministic mode
     a per-element contribution is staged (`stage` formats (k, slot) into the shared arrays' indices) and added
-    by `_emit_staged_adds` in a fixed order."""
+    by `_emit_staged_adds` in a fixed order. `bins`: gradient -> the f32 index of its bins in shared memory
+    (emit_fa3_bwd.binned_grads): the contribution goes to bin (its last index - glo<i>)."""
     for i, g in enumerate(spec.grads):
         if g.reduced:
             c(f"gsum{i} += gc{i}")
+        elif bins and i in bins:
+            c(f"if gc{i} != ZERO:")
+            with c.indent():
+                c(f"cuda.atomic.add(smem_f, {bins[i]} + {_clamped_grad_index(spec, i, g.n_index - 1)} - glo{i}, "
+                  f"gc{i})")
         elif spec.deterministic:
             k = _staged(spec).index(i)
             addr, val = stage.split("|")

@@ -49,6 +49,7 @@ from .emit_fa2_bwd import (
     SA,
     STRIDES,
     _cap_args,
+    _cap_names,
     _elem_call,
     _elem_quad_helper,
     _emit_grad_element,
@@ -56,6 +57,7 @@ from .emit_fa2_bwd import (
     _emit_grad_hold_end,
     _emit_grad_hold_start,
     _emit_grad_tile_end,
+    _flat_index,
     _grad_args,
     _grad_outs,
     _module,
@@ -130,14 +132,36 @@ def _opaque(spec: FA2BackwardSpec) -> tuple[str, ...]:
     return tuple(x for x in str(spec.extra.get("opaque_desc", "")).split(",") if x)
 
 
+def binned_grads(spec: FA2BackwardSpec) -> dict[int, int]:
+    """Gradient -> its bins: the per-element gradients whose tile falls in few consecutive entries of the table
+    (GradSpec.span (a, b): |a| (block_q - 1) + |b| (block_k - 1) + 1 of them; a relative bias's diagonals) are
+    summed per entry in shared memory, then added to the table once per entry and tile, where every element added
+    its own (8192 reductions a 64 x 128 tile into 2N - 1 words a head, contending at L2 as ALiBi's did;
+    benchmarks/NOTES.md "ALiBi's backward"). spec.extra["grad_bins"] = False keeps the per-element adds (bench
+    '-bgb')."""
+    if spec.extra.get("grad_bins", True) is False:
+        return {}
+    out = {}
+    for i, g in enumerate(spec.grads):
+        if g.span and not g.reduced:
+            a, b = g.span
+            out[i] = abs(a) * (spec.block_q - 1) + abs(b) * (spec.block_k - 1) + 1
+    return out
+
+
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
-    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i))."""
+    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)),
+    then the f32 bins of `binned_grads` (gradient i's at GB<i>)."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     kv, qt = BK * D * 2, BQ * D * 2
     lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt}
     lay["ST"] = lay["DS"] + BK * BQ * 2
-    lay["total"] = lay["ST"] + 16 * BQ
+    at = lay["ST"] + 16 * BQ
+    for i, w in binned_grads(spec).items():
+        lay[f"GB{i}"] = at
+        at += -(-4 * w // 16) * 16
+    lay["total"] = at
     return lay
 
 
@@ -382,6 +406,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if HOLD:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
+        BINS = {i: f"((sbr + {lay[f'GB{i}']}) >> 2)" for i in binned_grads(spec)}
+        for i, w in binned_grads(spec).items():
+            c(f"# gradient {i}'s tile falls in {w} consecutive entries: summed per entry in shared memory, zero first")
+            c(f"for t in range(tid, {w}, {NT}):")
+            with c.indent():
+                c(f"smem_f[{BINS[i]} + t] = ZERO")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -438,6 +468,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             for i, gr in enumerate(spec.grads):
                 if gr.reduced:
                     c(f"gsum{i} = ZERO")
+            for i in BINS:  # the tile's first entry: the last index at the corner where it is least
+                a, bb = spec.grads[i].span
+                qc_ = "q0" if a >= 0 else f"q0 + {BQ - 1}"
+                kc_ = "kv0" if bb >= 0 else f"kv0 + {BK - 1}"
+                table = _cap_names(spec)[spec.grads[i].capture]
+                last = spec.grads[i].n_index - 1
+                c(f"glo{i} = min(max(gidx{i}_fn(b, h, hk, {qc_}, {kc_}{caps}), 0), {table}.shape[{last}] - 1)")
             if not spec.grads:
                 c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
 
@@ -460,7 +497,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                             outs = [SA(jj, i), PA(jj, i)] + [x for og in outs_g for x in og]
                             c(_elem_call(spec, branch, SA(jj, i), PA(jj, i), "lq", "dq_", "qi",
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
-                            _emit_grad_element(c, spec)
+                            _emit_grad_element(c, spec, bins=BINS)
 
             if len(spec.branches) == 1:
                 elementwise(spec.branches[0])
@@ -504,7 +541,16 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"{st}(smem_w, dsw0, dsw1, {o0}, {o1}, da0, da1, da2, da3)")
             c("wgmma_commit()")
             c("fence_proxy_async()  # dS^T's generic stores visible to wgmma")
-            c("cuda.syncthreads()  # dS^T is complete")
+            c("cuda.syncthreads()  # dS^T is complete" + (" (and the tile's bins)" if BINS else ""))
+            for i, w in binned_grads(spec).items():
+                c(f"for t in range(tid, {w}, {NT}):  # the bins to the table, zeroed for the next tile (after the "
+                  "loop's barrier)")
+                with c.indent():
+                    c(f"gv = smem_f[{BINS[i]} + t]")
+                    c("if gv != ZERO:")
+                    with c.indent():
+                        c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i, last=f'glo{i} + t')}, gv)")
+                        c(f"smem_f[{BINS[i]} + t] = ZERO")
             c()
             c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {KQ} wgmma m64n{DC}k16, k step")
             c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)"

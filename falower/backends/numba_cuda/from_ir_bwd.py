@@ -31,6 +31,7 @@ from typing import Mapping, Optional
 
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
+from ...ir.types import is_float
 from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
                       range_name, tanh_by_ex2)
 from .spec import Capture, FA2BackwardSpec, GradSpec
@@ -65,7 +66,10 @@ class BackwardLowered:
     branches: list[_Branch]
     classify: Optional[Op]  # mask.classify of the kv-outer nest (static skipping)
     table: Optional[Op]  # mask.block_table (data masks)
-    grads: list[tuple[str, int, bool, int]] = field(default_factory=list)  # (name, capture, reduced, n_index)
+    # (name, capture, reduced, n_index, span): span (a, b) where a gradient added per element has its last index
+    # a q + b kv + c and the others the tile's (`_index_span`), () otherwise
+    grads: list[tuple[str, int, bool, int, tuple]] = field(default_factory=list)
+    grad_index: list[Optional[Value]] = field(default_factory=list)  # the last index of each spanned gradient
     deterministic: bool = False
     q_branches: list[_Branch] = field(default_factory=list)  # the q-outer dQ nest's bodies (dq=separate)
     q_classify: Optional[Op] = None
@@ -126,7 +130,7 @@ def analyse_backward(func: Func) -> BackwardLowered:
     captures = [a for a in func.args if a.name not in roles]
     low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
                           deterministic=deterministic)
-    low.grads = _grads(func, kv_nest, branches[0], captures)
+    low.grads, low.grad_index = _grads(func, kv_nest, branches[0], captures)
     for op in func.body.ops:  # range tables: derived captures the runtime makes from the data (block_data.py)
         if op.name == "mask.ranges":
             if op.operands[0] not in captures:
@@ -211,14 +215,52 @@ def _blocks_up(blk: Block):
         blk = parent.parent if parent is not None else None
 
 
-def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]) -> list[tuple[str, int, bool, int]]:
-    """(gradient name, capture index, reduced over the tile, number of indices) per scatter into a captured
+def _index_span(v: Value) -> Optional[tuple[int, int]]:
+    """(a, b) where the tile-sized integer index v is a q + b kv + c: q and kv the tile's iotas, c the same for
+    every element of the tile (rank 0: a head's, a size); None where it is not (a gather of q, a product of q
+    and kv, ...). A relative bias's rel[h, q - kv + N - 1] has (1, -1)."""
+    op = v.owner
+    if v.type.rank == 0 or not isinstance(op, Op):
+        return (0, 0) if v.type.rank == 0 else None
+    if op.name == "tile.iota":
+        return (1, 0) if op.attrs["axis"] == 0 else (0, 1)
+    if op.name == "const":
+        return (0, 0)
+    if op.name in ("unsqueeze", "broadcast_to") or (op.name == "cast" and not is_float(v.type.dtype)
+                                                     and not is_float(op.operands[0].type.dtype)):
+        return _index_span(op.operands[0])
+    if op.name in ("add", "sub"):
+        x, y = (_index_span(o) for o in op.operands)
+        if x is None or y is None:
+            return None
+        sign = 1 if op.name == "add" else -1
+        return (x[0] + sign * y[0], x[1] + sign * y[1])
+    if op.name == "neg":
+        x = _index_span(op.operands[0])
+        return None if x is None else (-x[0], -x[1])
+    if op.name == "mul":
+        x, y = (_index_span(o) for o in op.operands)
+        for u, w, o in ((x, y, op.operands[1]), (y, x, op.operands[0])):
+            if u is not None and w == (0, 0) and isinstance(o.owner, Op) and o.owner.name == "const" \
+                    and isinstance(o.owner.attrs["value"], int):
+                return (u[0] * o.owner.attrs["value"], u[1] * o.owner.attrs["value"])
+        return None
+    return None
+
+
+def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
+           ) -> tuple[list[tuple[str, int, bool, int, tuple]], list[Optional[Value]]]:
+    """(gradient name, capture index, reduced over the tile, number of indices, span) per scatter into a captured
     table's gradient: tile.scatter_add into an accumulator of the nest (atomic), or scatter_add into the loop's
-    copy of the table (deterministic: tables in the order of the gradients the function returns)."""
+    copy of the table (deterministic: tables in the order of the gradients the function returns); and the last
+    index of each spanned one. Span: `_index_span` of the last index where the others are the tile's, so a tile's
+    contributions fall in |a| (block_q - 1) + |b| (block_k - 1) + 1 consecutive entries (emit_fa3_bwd bins them in
+    shared memory)."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
     grad_results = func.result_names[3:]
     roots: list[Value] = []
     out = []
+    last: list[Optional[Value]] = []
     for sc in branch.scatters:
         acc = sc.operands[0]
         if sc.name == "scatter_add":  # deterministic: follow the chain of scatters to the loop's table
@@ -235,8 +277,14 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]) -> list
             raise BackendError(f"numba-cuda backend: gradient {name} is not a captured table's")
         value, idx = sc.operands[1], sc.operands[2:]
         reduced = value.type.rank > 0 and all(int(n.value) == 1 for n in value.type.shape)  # type: ignore
-        out.append((name, cap, reduced and all(i.type.rank == 0 for i in idx), len(idx)))
-    return out
+        reduced = reduced and all(i.type.rank == 0 for i in idx)
+        spans = [_index_span(i) for i in idx]
+        span: tuple = ()
+        if not reduced and idx and spans[-1] not in (None, (0, 0)) and all(x == (0, 0) for x in spans[:-1]):
+            span = spans[-1]  # type: ignore[assignment]
+        out.append((name, cap, reduced, len(idx), span))
+        last.append(idx[-1] if span else None)
+    return out, last
 
 
 def _result_name(func: Func, v: Value) -> str:
@@ -308,6 +356,31 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
              tanh_ex2: bool = False) -> list[str]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
     (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P."""
+    e = _ElementEmitter(env, _elem_names(low, br, dq_nest))
+    e.tanh_ex2 = tanh_ex2
+    outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
+    for sc in [] if dq_nest else br.scatters:
+        outs.append(e.value(_strip_reductions(sc.operands[1])))
+        outs += [e.value(i) for i in sc.operands[2:]]
+    res = ", ".join(outs)
+    fn = f"elemq_{br.name}" if dq_nest else f"elem_{br.name}"
+    lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{sig}):"]
+    lines += _live_lines(e.lines, res)
+    lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
+    return lines
+
+
+def _grad_index_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, i: int, v: Value
+                   ) -> list[str]:
+    """gidx<i>_fn(b, h, hk, q, kv, ...): the last index of spanned gradient i (GradSpec.span) at one element, which
+    the wgmma backward evaluates at a tile's corner: the first of the tile's consecutive entries."""
+    e = _ElementEmitter(env, _elem_names(low, br, False))
+    r = e.value(v)
+    return [f"def gidx{i}_fn(b, h, hk, q, kv{sig}):", *_live_lines(e.lines, r), f"    return {r}"]
+
+
+def _elem_names(low: BackwardLowered, br: _Branch, dq_nest: bool) -> dict[Value, str]:
+    """The scalar names of a branch's per-element inputs: s, dp, lse, delta, b, the heads, q, kv, the captures."""
     names: dict[Value, str] = {br.s: "s", br.dp: "dp", br.lse: "lse", br.delta: "delta"}
     nest = low.q_nest if dq_nest else low.kv_nest
     nest_args = nest.regions[0].args  # type: ignore[union-attr]
@@ -322,18 +395,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
             names.setdefault(op.operands[2], "h")  # the query head (hk * G + i under GQA)
         if op.name == "tile.load" and op.operands[0].name == "k":
             names.setdefault(op.operands[2], "hk")  # the kv head (h // G under GQA)
-    e = _ElementEmitter(env, names)
-    e.tanh_ex2 = tanh_ex2
-    outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
-    for sc in [] if dq_nest else br.scatters:
-        outs.append(e.value(_strip_reductions(sc.operands[1])))
-        outs += [e.value(i) for i in sc.operands[2:]]
-    res = ", ".join(outs)
-    fn = f"elemq_{br.name}" if dq_nest else f"elem_{br.name}"
-    lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{sig}):"]
-    lines += _live_lines(e.lines, res)
-    lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
-    return lines
+    return names
 
 
 def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], name: str, sig: str,
@@ -364,6 +426,9 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
         out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2) + [""]
     for br in low.q_branches:
         out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2) + [""]
+    for i, v in enumerate(low.grad_index):
+        if v is not None:
+            out += _grad_index_fn(low, low.branches[0], env, sig, i, v) + [""]
     for fn, op in (("tile_class_fn", low.classify), ("tile_class_q_fn", low.q_classify)):
         if op is None:
             continue
@@ -394,7 +459,7 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
     caps += list_captures(low.dq) if low.block_mask == "list" else ()
-    grads = tuple(GradSpec(name, cap, reduced, n_index) for name, cap, reduced, n_index in low.grads)
+    grads = tuple(GradSpec(name, cap, reduced, n_index, span) for name, cap, reduced, n_index, span in low.grads)
     bq, bk = low.block_q, low.block_k
     nw = num_warps or (max(1, bk // 16) if path == "mma" else 1)
     key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}|{sorted((extra or {}).items())}"

@@ -112,6 +112,9 @@ class GradSpec:
     capture: int  # index of the table in FA2BackwardSpec.captures
     reduced: bool
     n_index: int
+    # (a, b): the last index is a q + b kv + c and the others the tile's (a relative bias: (1, -1)); the device
+    # source then has gidx<i>_fn(b, h, hk, q, kv, *captures) -> that index. () otherwise
+    span: tuple = ()
 
 
 @dataclass(frozen=True)
