@@ -121,8 +121,8 @@ def parse_config(text: str) -> tuple:
     the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc), '-bgt' with a reduced gradient (ALiBi's slope) added once a
-    tile, not held across tiles (extra hold_grads), '-bgb' with a per-element gradient (the relative bias's) added
-    per element, not summed by entry in shared memory first (extra grad_bins)."""
+    tile, not held across tiles (extra hold_grads), '-bgg' with a per-element gradient (the relative bias's) added
+    per element, not summed a group of a thread's elements at the same entry first (extra grad_groups)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -184,8 +184,8 @@ def parse_config(text: str) -> tuple:
             extra.update(bwd_schedule="wgmma", dq_split="k")
         elif o == "bgt":
             extra["hold_grads"] = False
-        elif o == "bgb":
-            extra["grad_bins"] = False
+        elif o == "bgg":
+            extra["grad_groups"] = False
         elif o == "bop":
             extra.update(bwd_schedule="wgmma", opaque_desc="k,v,ds,kt")
         else:
@@ -251,8 +251,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-bwg"
     if extra.get("hold_grads") is False:
         tag += "-bgt"
-    if extra.get("grad_bins") is False:
-        tag += "-bgb"
+    if extra.get("grad_groups") is False:
+        tag += "-bgg"
     return tag
 
 

@@ -208,7 +208,7 @@ def _rel_graph(index):
 ])
 def test_a_gradients_index_span(index, span):
     """from_ir_bwd._index_span: the last index's coefficients in q and kv where it is a q + b kv + c; the wgmma
-    backward then bins the gradient by |a| (block_q - 1) + |b| (block_k - 1) + 1 entries (binned_grads)."""
+    backward then sums a thread's elements at the same entry before adding them (grouped_grads)."""
     import falower as fl
     from falower.backends.numba_cuda import emit_fa3_bwd
     from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
@@ -218,26 +218,27 @@ def test_a_gradients_index_span(index, span):
                                {"bwd_schedule": "wgmma"})
     (g,) = spec.grads
     assert g.span == (span or ())
-    bins = emit_fa3_bwd.binned_grads(spec)
+    groups = emit_fa3_bwd.grouped_grads(spec)
     if span is None:
-        assert bins == {} and "gidx0_fn" not in spec.device_source
+        assert groups == {} and "gidx0_fn" not in spec.device_source
     else:
-        a, b = span
-        assert bins == {0: abs(a) * (spec.block_q - 1) + abs(b) * (spec.block_k - 1) + 1}
-        assert "def gidx0_fn(" in spec.device_source
-        assert emit_fa3_bwd._layout(spec)["total"] >= emit_fa3_bwd._layout(spec)["GB0"] + 4 * bins[0]
+        assert groups == {0: span} and "def gidx0_fn(" in spec.device_source
 
 
-def test_binned_gradients_in_the_kernel():
-    """The relative bias: contributions to shared bins from the tile's first entry, then one add an entry after the
-    tile's barrier; '-bgb' (grad_bins False) and the bias table (its q and kv both vary: no span) add per element."""
+def test_grouped_gradients_in_the_kernel():
+    """The relative bias at 64 x 128: a thread's 64 elements in 18 groups of one entry each (q - kv offsets 8 (jj -
+    r) + e from the thread's base), summed in registers, one add a group; '-bgg' (grad_groups False) and the bias
+    table (its q and kv both vary: no span) add per element."""
+    import re
+
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     spec = _spec("relative_bias", D=128)
     src = emit_fa3_bwd.emit_fa3_backward(spec)
-    assert f"glo0 = min(max(gidx0_fn(b, h, hk, q0, kv0 + {spec.block_k - 1}," in src  # q - kv: least at (q0, kv_hi)
-    assert "cuda.atomic.add(smem_f, " in src and src.count("cuda.atomic.add(grad_0, ") == 1
-    assert src.index("# dS^T is complete") < src.index("cuda.atomic.add(grad_0, ")
-    off = emit_fa3_bwd.emit_fa3_backward(_spec("relative_bias", D=128, extra={"grad_bins": False}))
-    assert "glo0" not in off and "cuda.atomic.add(smem_f" not in off
-    assert emit_fa3_bwd.binned_grads(_spec("bias")) == {}
+    assert "gbase0 = gidx0_fn(b, h, hk, q0 + t2, kv0 + warp * 16 + g," in src
+    inits = set(re.findall(r"(gd0_m?\d+) = ZERO", src))
+    assert len(inits) == 18 and {"gd0_m8", "gd0_57"} <= inits  # offsets -8 .. 57: 8 (jj - r) + e, jj < 8, r < 2
+    assert src.count("cuda.atomic.add(grad_0, ") == 18 and "cuda.atomic.add(grad_0, (min(max(gi0_0" in src
+    off = emit_fa3_bwd.emit_fa3_backward(_spec("relative_bias", D=128, extra={"grad_groups": False}))
+    assert "gbase0" not in off and "gd0_" not in off
+    assert emit_fa3_bwd.grouped_grads(_spec("bias")) == {}

@@ -271,28 +271,21 @@ def _flat_index(spec: FA2BackwardSpec, i: int, last: str = "") -> str:
     table = _cap_names(spec)[g.capture]
     expr = ""
     for j in range(g.n_index):
-        idx = last if last and j == g.n_index - 1 else _clamped_grad_index(spec, i, j)
+        idx = last if last and j == g.n_index - 1 else f"min(max(gi{i}_{j}, 0), {table}.shape[{j}] - 1)"
         expr = idx if not expr else f"({expr}) * {table}.shape[{j}] + {idx}"
     return expr or "0"
 
 
-def _clamped_grad_index(spec: FA2BackwardSpec, i: int, j: int) -> str:
-    return f"min(max(gi{i}_{j}, 0), {_cap_names(spec)[spec.grads[i].capture]}.shape[{j}] - 1)"
-
-
-def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "", bins: Optional[dict] = None) -> None:
+def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "", groups: Optional[dict] = None) -> None:
     """After one element's elem call: its contributions to captured tables' gradients. In deterministic mode
     a per-element contribution is staged (`stage` formats (k, slot) into the shared arrays' indices) and added
-    by `_emit_staged_adds` in a fixed order. `bins`: gradient -> the f32 index of its bins in shared memory
-    (emit_fa3_bwd.binned_grads): the contribution goes to bin (its last index - glo<i>)."""
+    by `_emit_staged_adds` in a fixed order. `groups`: gradient -> the register that sums this element's group
+    (emit_fa3_bwd.grouped_grads: the elements at the same entry)."""
     for i, g in enumerate(spec.grads):
         if g.reduced:
             c(f"gsum{i} += gc{i}")
-        elif bins and i in bins:
-            c(f"if gc{i} != ZERO:")
-            with c.indent():
-                c(f"cuda.atomic.add(smem_f, {bins[i]} + {_clamped_grad_index(spec, i, g.n_index - 1)} - glo{i}, "
-                  f"gc{i})")
+        elif groups and i in groups:
+            c(f"{groups[i]} += gc{i}")
         elif spec.deterministic:
             k = _staged(spec).index(i)
             addr, val = stage.split("|")

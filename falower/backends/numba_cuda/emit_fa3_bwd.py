@@ -132,36 +132,32 @@ def _opaque(spec: FA2BackwardSpec) -> tuple[str, ...]:
     return tuple(x for x in str(spec.extra.get("opaque_desc", "")).split(",") if x)
 
 
-def binned_grads(spec: FA2BackwardSpec) -> dict[int, int]:
-    """Gradient -> its bins: the per-element gradients whose tile falls in few consecutive entries of the table
-    (GradSpec.span (a, b): |a| (block_q - 1) + |b| (block_k - 1) + 1 of them; a relative bias's diagonals) are
-    summed per entry in shared memory, then added to the table once per entry and tile, where every element added
-    its own (8192 reductions a 64 x 128 tile into 2N - 1 words a head, contending at L2 as ALiBi's did;
-    benchmarks/NOTES.md "ALiBi's backward"). spec.extra["grad_bins"] = False keeps the per-element adds (bench
-    '-bgb')."""
-    if spec.extra.get("grad_bins", True) is False:
+def grouped_grads(spec: FA2BackwardSpec) -> dict[int, tuple[int, int]]:
+    """Gradient -> its span (a, b) where a per-element gradient's last index is a q + b kv + c (GradSpec.span; a
+    relative bias's diagonals): a thread's elements at q columns q0 + t2 + 8 jj + e and kv rows kv_w + g + 8 r sit at
+    index base + a (8 jj + e) + b 8 r, so those with the same offset share one entry; the thread sums them in
+    registers (18 groups of its 64 elements for a relative bias at 64 x 128) and adds each group once, where every
+    element added its own (8192 reductions a tile into 2N - 1 words a head, contending at L2 as ALiBi's did;
+    benchmarks/NOTES.md "The relative bias's gradient"). spec.extra["grad_groups"] = False keeps the per-element
+    adds (bench '-bgg')."""
+    if spec.extra.get("grad_groups", True) is False:
         return {}
-    out = {}
-    for i, g in enumerate(spec.grads):
-        if g.span and not g.reduced:
-            a, b = g.span
-            out[i] = abs(a) * (spec.block_q - 1) + abs(b) * (spec.block_k - 1) + 1
-    return out
+    return {i: g.span for i, g in enumerate(spec.grads) if g.span and not g.reduced}
+
+
+def _key(offset: int) -> str:
+    """A group's name from its index offset (m3 for -3)."""
+    return f"m{-offset}" if offset < 0 else str(offset)
 
 
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
-    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)),
-    then the f32 bins of `binned_grads` (gradient i's at GB<i>)."""
+    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i))."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     kv, qt = BK * D * 2, BQ * D * 2
     lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt}
     lay["ST"] = lay["DS"] + BK * BQ * 2
-    at = lay["ST"] + 16 * BQ
-    for i, w in binned_grads(spec).items():
-        lay[f"GB{i}"] = at
-        at += -(-4 * w // 16) * 16
-    lay["total"] = at
+    lay["total"] = lay["ST"] + 16 * BQ
     return lay
 
 
@@ -406,12 +402,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if HOLD:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
-        BINS = {i: f"((sbr + {lay[f'GB{i}']}) >> 2)" for i in binned_grads(spec)}
-        for i, w in binned_grads(spec).items():
-            c(f"# gradient {i}'s tile falls in {w} consecutive entries: summed per entry in shared memory, zero first")
-            c(f"for t in range(tid, {w}, {NT}):")
-            with c.indent():
-                c(f"smem_f[{BINS[i]} + t] = ZERO")
+        GROUPS = grouped_grads(spec)
+        # per grouped gradient: offset from the thread's base index -> its group's sum
+        keys = {i: sorted({a * (8 * jj + e) + bb * 8 * r for jj in range(NJ) for e in range(2) for r in range(2)})
+                for i, (a, bb) in GROUPS.items()}
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -468,13 +462,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             for i, gr in enumerate(spec.grads):
                 if gr.reduced:
                     c(f"gsum{i} = ZERO")
-            for i in BINS:  # the tile's first entry: the last index at the corner where it is least
-                a, bb = spec.grads[i].span
-                qc_ = "q0" if a >= 0 else f"q0 + {BQ - 1}"
-                kc_ = "kv0" if bb >= 0 else f"kv0 + {BK - 1}"
-                table = _cap_names(spec)[spec.grads[i].capture]
-                last = spec.grads[i].n_index - 1
-                c(f"glo{i} = min(max(gidx{i}_fn(b, h, hk, {qc_}, {kc_}{caps}), 0), {table}.shape[{last}] - 1)")
+            for i in GROUPS:  # the thread's base index (its first q column and kv row); its groups' sums
+                c(f"gbase{i} = gidx{i}_fn(b, h, hk, q0 + t2, kv0 + warp * 16 + g{caps})")
+                for k in keys[i]:
+                    c(f"gd{i}_{_key(k)} = ZERO")
             if not spec.grads:
                 c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
 
@@ -497,7 +488,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                             outs = [SA(jj, i), PA(jj, i)] + [x for og in outs_g for x in og]
                             c(_elem_call(spec, branch, SA(jj, i), PA(jj, i), "lq", "dq_", "qi",
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
-                            _emit_grad_element(c, spec, bins=BINS)
+                            _emit_grad_element(c, spec, groups={
+                                gi: f"gd{gi}_{_key(a * (8 * jj + e) + bb * 8 * r)}" for gi, (a, bb) in GROUPS.items()})
 
             if len(spec.branches) == 1:
                 elementwise(spec.branches[0])
@@ -512,6 +504,14 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 _emit_grad_hold(c, spec)
             else:
                 _emit_grad_tile_end(c, spec, warp_reduce=True)
+            for i in GROUPS:  # each group's sum once, at its entry (clamped as the gather clamps)
+                table = _cap_names(spec)[spec.grads[i].capture]
+                last = spec.grads[i].n_index - 1
+                for k in keys[i]:
+                    c(f"if gd{i}_{_key(k)} != ZERO:")
+                    with c.indent():
+                        ent = f"min(max(gbase{i} + {k}, 0), {table}.shape[{last}] - 1)"
+                        c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i, last=ent)}, gd{i}_{_key(k)})")
             c()
             c(f"# dV += P^T dO and dK += dS^T Q: {BQ // 16} + {BQ // 16} wgmma m64n{D}k16, A packed from the")
             c("# accumulators (n8 tiles 2k, 2k + 1 are k step k), k step k reads q rows 16k .. 16k + 15 (2048 bytes on);")
@@ -541,16 +541,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"{st}(smem_w, dsw0, dsw1, {o0}, {o1}, da0, da1, da2, da3)")
             c("wgmma_commit()")
             c("fence_proxy_async()  # dS^T's generic stores visible to wgmma")
-            c("cuda.syncthreads()  # dS^T is complete" + (" (and the tile's bins)" if BINS else ""))
-            for i, w in binned_grads(spec).items():
-                c(f"for t in range(tid, {w}, {NT}):  # the bins to the table, zeroed for the next tile (after the "
-                  "loop's barrier)")
-                with c.indent():
-                    c(f"gv = smem_f[{BINS[i]} + t]")
-                    c("if gv != ZERO:")
-                    with c.indent():
-                        c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i, last=f'glo{i} + t')}, gv)")
-                        c(f"smem_f[{BINS[i]} + t] = ZERO")
+            c("cuda.syncthreads()  # dS^T is complete")
             c()
             c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {KQ} wgmma m64n{DC}k16, k step")
             c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)"
