@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
@@ -223,6 +225,18 @@ def test_a_gradients_index_span(index, span):
         assert groups == {} and "gidx0_fn" not in spec.device_source
     else:
         assert groups == {0: span} and "def gidx0_fn(" in spec.device_source
+
+
+@settings(max_examples=15, deadline=None)
+@given(a=st.integers(-3, 3), b=st.integers(-3, 3), c=st.integers(0, 3))
+def test_a_gradients_index_span_of_any_affine_form(a, b, c):
+    """a q + b kv + c N: the span is (a, b), and none where the index is the same for the whole tile."""
+    import falower as fl
+    from falower.backends.numba_cuda.from_ir_bwd import analyse_backward
+
+    c_ = fl.compile(_rel_graph(lambda q, kv, N: q * a + kv * b + N * c), "numba-cuda")
+    ((*_, span),) = analyse_backward(c_.lowered_backward).grads
+    assert span == (() if (a, b) == (0, 0) else (a, b))
 
 
 def test_grouped_gradients_in_the_kernel():
