@@ -43,6 +43,8 @@ CASES = {
     # the relative bias's gradient summed by entry in registers first (emit_fa3_bwd.grouped_grads): 3 q tiles of
     # 64 x 128, M > N (rows past the table's ends clamp into its first and last entries)
     "relative_bias-f16-d64-130x70-2wg": ("relative_bias", "f16", 1, 1, 1, 130, 70, 64, 64, 128),
+    # the same under a causal mask: the groups' adds in both the full and the partial tiles' code
+    "relative_bias_causal-f16-d64-130x130": ("relative_bias_causal", "f16", 1, 1, 1, 130, 130, 64, 64, 64),
     "prefix_lm-bf16-d64-100x65-128x128": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128),  # dQ's rows split
     "causal-bf16-d128-40x130-2wg-dqk": ("causal", "bf16", 1, 1, 1, 40, 130, 128, 64, 128, {"dq_split": "k"}),
     # the window's q tiles of a kv tile found by a ballot (emit_fa3_bwd._emit_pair_range): kv tile 0 sees q tiles 0-2
@@ -60,7 +62,18 @@ def _alibi_gqa():
                         group_size=2, name="alibi_gqa")
 
 
-TEST_GRAPHS = {"alibi_gqa": _alibi_gqa}
+def _relative_bias_causal():
+    """The relative bias under a causal mask: full and partial tiles, two elementwise branches."""
+    import falower as fl
+    from falower.ir import dim
+
+    N = dim("N")
+    rel = fl.capture("rel_bias", "f32", ["H", N * 2 - 1])
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + rel[h, q - kv + (N - 1)],
+                        mask_mod=lambda b, h, q, kv: q >= kv, name="relative_bias_causal")
+
+
+TEST_GRAPHS = {"alibi_gqa": _alibi_gqa, "relative_bias_causal": _relative_bias_causal}
 
 
 def _bits(x: np.ndarray, dtype: str) -> np.ndarray:
