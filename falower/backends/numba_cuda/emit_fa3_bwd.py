@@ -403,20 +403,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
         GROUPS = grouped_grads(spec)
-        # per grouped gradient: the offsets from the thread's base index (its groups), and the element (jj, e, r) in
-        # the elementwise code's order after which each group is complete: its add goes there, so only the groups
-        # still open hold registers (4 of 18 for a relative bias)
-        order = [(jj, e, r) for jj in range(NJ) for e in range(2) for r in range(2)]
-        keys = {i: sorted({a * (8 * jj + e) + bb * 8 * r for jj, e, r in order}) for i, (a, bb) in GROUPS.items()}
-        done = {i: {a * (8 * jj + e) + bb * 8 * r: (jj, e, r) for jj, e, r in order} for i, (a, bb) in GROUPS.items()}
-
-        def group_add(i: int, k: int) -> None:
-            """Group k of gradient i, complete: its sum once, at its entry (clamped as the gather clamps)."""
-            table = _cap_names(spec)[spec.grads[i].capture]
-            ent = f"min(max(gbase{i} + {k}, 0), {table}.shape[{spec.grads[i].n_index - 1}] - 1)"
-            c(f"if gd{i}_{_key(k)} != ZERO:")
-            with c.indent():
-                c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i, last=ent)}, gd{i}_{_key(k)})")
+        # per grouped gradient: offset from the thread's base index -> its group's sum
+        keys = {i: sorted({a * (8 * jj + e) + bb * 8 * r for jj in range(NJ) for e in range(2) for r in range(2)})
+                for i, (a, bb) in GROUPS.items()}
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -501,10 +490,6 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
                             _emit_grad_element(c, spec, groups={
                                 gi: f"gd{gi}_{_key(a * (8 * jj + e) + bb * 8 * r)}" for gi, (a, bb) in GROUPS.items()})
-                            for gi, (a, bb) in GROUPS.items():
-                                k = a * (8 * jj + e) + bb * 8 * r
-                                if done[gi][k] == (jj, e, r):
-                                    group_add(gi, k)
 
             if len(spec.branches) == 1:
                 elementwise(spec.branches[0])
@@ -519,6 +504,14 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 _emit_grad_hold(c, spec)
             else:
                 _emit_grad_tile_end(c, spec, warp_reduce=True)
+            for i in GROUPS:  # each group's sum once, at its entry (clamped as the gather clamps)
+                table = _cap_names(spec)[spec.grads[i].capture]
+                last = spec.grads[i].n_index - 1
+                for k in keys[i]:
+                    c(f"if gd{i}_{_key(k)} != ZERO:")
+                    with c.indent():
+                        ent = f"min(max(gbase{i} + {k}, 0), {table}.shape[{last}] - 1)"
+                        c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i, last=ent)}, gd{i}_{_key(k)})")
             c()
             c(f"# dV += P^T dO and dK += dS^T Q: {BQ // 16} + {BQ // 16} wgmma m64n{D}k16, A packed from the")
             c("# accumulators (n8 tiles 2k, 2k + 1 are k step k), k step k reads q rows 16k .. 16k + 15 (2048 bytes on);")
