@@ -352,18 +352,16 @@ def _emit_grad_tile_end(c: _Code, spec: FA2BackwardSpec, warp_reduce: bool, part
         if not g.reduced:
             continue
         if warp_reduce:
-            for m in (16, 8, 4, 2, 1):
-                c(f"gsum{i} += shfl_xor_f32(gsum{i}, {m})")
-            c("if lane == 0:")
+            _emit_warp_add(c, i, f"gsum{i}", _flat_index(spec, i))
         else:
             c(f"if gsum{i} != ZERO:")
-        with c.indent():
-            c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gsum{i})")
+            with c.indent():
+                c(f"cuda.atomic.add(grad_{i}, {_flat_index(spec, i)}, gsum{i})")
 
 
 def held_grads(spec: FA2BackwardSpec) -> bool:
-    """Whether the tensor-core kernels (mma.sync and wgmma) hold the reduced contributions (ALiBi's slope) across its q
-    loop and adds them once per warp and index, not once per warp and tile: the index of a reduced gradient is
+    """Whether the tensor-core kernels (mma.sync and wgmma) hold the reduced contributions (ALiBi's slope) across their
+    q loop and add them once per warp and index, not once per warp and tile: the index of a reduced gradient is
     a tile's (rank 0: the head's or the batch's, from_ir_bwd._grads), so it changes only where the loop's head
     does. Every warp of every block adding into the same few words once a tile serialized at L2 (ALiBi's backward:
     long-scoreboard stalls 7.6x causal's; benchmarks/NOTES.md, "ALiBi's backward"). spec.extra["hold_grads"] =
@@ -372,13 +370,18 @@ def held_grads(spec: FA2BackwardSpec) -> bool:
         and spec.extra.get("hold_grads", True) is not False
 
 
-def _emit_grad_flush(c: _Code, spec: FA2BackwardSpec, i: int) -> None:
-    """Warp-sum gradient i's held contribution and add it at the held index (lane 0)."""
+def _emit_warp_add(c: _Code, i: int, value: str, index: str) -> None:
+    """Warp-sum `value` (a register of every lane) by shuffles; lane 0 adds it to gradient i at `index`."""
     for m in (16, 8, 4, 2, 1):
-        c(f"gacc{i} += shfl_xor_f32(gacc{i}, {m})")
+        c(f"{value} += shfl_xor_f32({value}, {m})")
     c("if lane == 0:")
     with c.indent():
-        c(f"cuda.atomic.add(grad_{i}, ghold{i}, gacc{i})")
+        c(f"cuda.atomic.add(grad_{i}, {index}, {value})")
+
+
+def _emit_grad_flush(c: _Code, spec: FA2BackwardSpec, i: int) -> None:
+    """Gradient i's held contribution, warp-summed, added at the held index."""
+    _emit_warp_add(c, i, f"gacc{i}", f"ghold{i}")
 
 
 def _emit_grad_hold_start(c: _Code, spec: FA2BackwardSpec) -> None:

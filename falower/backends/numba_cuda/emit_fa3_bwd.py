@@ -403,9 +403,15 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
         GROUPS = grouped_grads(spec)
-        # per grouped gradient: offset from the thread's base index -> its group's sum
-        keys = {i: sorted({a * (8 * jj + e) + bb * 8 * r for jj in range(NJ) for e in range(2) for r in range(2)})
-                for i, (a, bb) in GROUPS.items()}
+
+        def offset(i: int, jj: int, e: int, r: int) -> int:
+            """Element (jj, e, r)'s index offset from the thread's base for grouped gradient i: its group."""
+            a, bb = GROUPS[i]
+            return a * (8 * jj + e) + bb * 8 * r
+
+        # per grouped gradient: its groups, the distinct offsets of a thread's elements
+        keys = {i: sorted({offset(i, jj, e, r) for jj in range(NJ) for e in range(2) for r in range(2)})
+                for i in GROUPS}
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -489,7 +495,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                             c(_elem_call(spec, branch, SA(jj, i), PA(jj, i), "lq", "dq_", "qi",
                                          f"kv0 + warp * 16 + {8 * r} + g", outs))
                             _emit_grad_element(c, spec, groups={
-                                gi: f"gd{gi}_{_key(a * (8 * jj + e) + bb * 8 * r)}" for gi, (a, bb) in GROUPS.items()})
+                                gi: f"gd{gi}_{_key(offset(gi, jj, e, r))}" for gi in GROUPS})
 
             if len(spec.branches) == 1:
                 elementwise(spec.branches[0])

@@ -253,9 +253,9 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
     """(gradient name, capture index, reduced over the tile, number of indices, span) per scatter into a captured
     table's gradient: tile.scatter_add into an accumulator of the nest (atomic), or scatter_add into the loop's
     copy of the table (deterministic: tables in the order of the gradients the function returns); and the last
-    index of each spanned one. Span: `_index_span` of the last index where the others are the tile's, so a tile's
-    contributions fall in |a| (block_q - 1) + |b| (block_k - 1) + 1 consecutive entries (emit_fa3_bwd bins them in
-    shared memory)."""
+    index of each spanned one. Span: `_index_span` of the last index where the others are the tile's, so a thread's
+    elements at the same offset from its first element share one entry (emit_fa3_bwd.grouped_grads sums them in
+    registers)."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
     grad_results = func.result_names[3:]
     roots: list[Value] = []
@@ -373,7 +373,8 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
 def _grad_index_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, i: int, v: Value
                    ) -> list[str]:
     """gidx<i>_fn(b, h, hk, q, kv, ...): the last index of spanned gradient i (GradSpec.span) at one element, which
-    the wgmma backward evaluates at a tile's corner: the first of the tile's consecutive entries."""
+    the wgmma backward evaluates at a thread's first q column and kv row: the base its groups' entries are offsets
+    from."""
     e = _ElementEmitter(env, _elem_names(low, br, False))
     r = e.value(v)
     return [f"def gidx{i}_fn(b, h, hk, q, kv{sig}):", *_live_lines(e.lines, r), f"    return {r}"]

@@ -230,10 +230,10 @@ def ex2_poly_f32(x) -> np.float32:
 # tanh_ex2: the IR's tanh in the tensor-core kernels, where a score's error that matters is absolute (P = 2**(x c
 # - m) moves by c ln 2 times it, relatively). libdevice's tanhf (2 ulp) is ~16 instructions and two MUFU operations
 # an element beside a polynomial for small |x|; this is 1 - 2 / (1 + e), e = 2**y with y = 2 log2(e) x folded into
-# the argument's multiply by from_ir (from_ir.TWO_LOG2E): ex2, add, rcp, fma, the same two MUFU operations and two FMA-pipe ones. Its
-# absolute error is ~2**-22 everywhere (ex2.approx's and rcp.approx's relative errors through 2 r (1 - r) and 2 r),
-# its relative error therefore large for |x| << 1, where 1 - 2 r cancels: a score takes it as c tanh(s / c), whose
-# error is absolute. Saturates to +-1 (e = inf: r = 0; e = 0: r = 1) and keeps NaN.
+# the argument's multiply by from_ir (from_ir.TWO_LOG2E): ex2, add, rcp, fma, the same two MUFU operations and two
+# FMA-pipe ones. Its absolute error is ~2**-22 everywhere (ex2.approx's and rcp.approx's relative errors through
+# 2 r (1 - r) and 2 r), its relative error therefore large for |x| << 1, where 1 - 2 r cancels: a score takes it as
+# c tanh(s / c), whose error is absolute. Saturates to +-1 (e = inf: r = 0; e = 0: r = 1) and keeps NaN.
 TANH_EX2_PTX = ("{ .reg .f32 e, d, r; ex2.approx.ftz.f32 e, $1; "
                 f"add.rn.f32 d, e, {_f32_hex(1.0)}; rcp.approx.ftz.f32 r, d; "
                 f"fma.rn.f32 $0, r, {_f32_hex(-2.0)}, {_f32_hex(1.0)}; }}")
