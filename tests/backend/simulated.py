@@ -18,9 +18,11 @@ HERE = Path(__file__).resolve().parent
 FORWARD_O_TOL = {"f16": 4e-3, "bf16": 3e-2}
 
 
-def spawn(script: str, cache_dir: Optional[Path] = None, ids: Sequence[str] = ()) -> subprocess.Popen:
-    """Start `script` (a file of this folder) on the simulator; `ids` limits it to those cases."""
-    env = dict(os.environ)
+def spawn(script: str, cache_dir: Optional[Path] = None, ids: Sequence[str] = (),
+          env_extra: Optional[dict[str, str]] = None) -> subprocess.Popen:
+    """Start `script` (a file of this folder) on the simulator; `ids` limits it to those cases; `env_extra` adds
+    to its environment (FALOWER_SIM_SLOW_WARP)."""
+    env = {**os.environ, **(env_extra or {})}
     env["NUMBA_ENABLE_CUDASIM"] = "1"
     if cache_dir is not None:  # a fresh kernel cache: nothing compiled by another run is reused
         env["FALOWER_CACHE_DIR"] = str(cache_dir)

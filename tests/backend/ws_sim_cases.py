@@ -63,6 +63,13 @@ PERSIST_CASES = {
     "ws-none-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
                                             {"producer": "none", "persistent": 2, "stages": 2}),
 }
+# Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py): two items of whole q tiles on one block,
+# where the next item's Q rows must not be copied before the whole warpgroup has read the last S's
+SLOW_WARP_CASES = {
+    "ws-none-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
+                                           {"producer": "none", "persistent": 1}),
+}
+SLOW_WARP_SECONDS = 0.2
 # The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is
 # all padding (doc_id -1), an item with no kv tile, between items that have some. id: (M, N, blocks)
 COMPILED_CASES = {"ws-none-document-persist": (130, 130, 3)}
@@ -181,7 +188,7 @@ def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import emit_fa3_ws
     from falower.backends.numba_cuda.runtime import load_source
 
-    variant, dtype, D, B, H, M, N, G, bq, bk, extra = {**CASES, **PERSIST_CASES}[case_id]
+    variant, dtype, D, B, H, M, N, G, bq, bk, extra = {**CASES, **PERSIST_CASES, **SLOW_WARP_CASES}[case_id]
     rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
                      name=f"ws_{case_id.replace('-', '_')}")

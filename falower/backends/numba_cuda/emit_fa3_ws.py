@@ -123,6 +123,9 @@ MAX_REGS_WARP = 168
 REGISTER_FILE = 65536  # 32-bit registers an SM (and at most a block) on sm_90
 MAX_REGS_THREAD = 255  # ptxas's cap with neither launch bounds nor -maxrregcount
 PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
+# named barriers (0 is __syncthreads): 1, 2 the ping-pong's turns; 3 + cw a consumer warpgroup's table tile; 5 + cw
+# its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item
+Q_FREE_BARRIER = 7
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
@@ -577,6 +580,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             """The item's Q rows of this warpgroup and the first S - 1 tiles of its ring."""
             if PERSIST:
                 row_address()
+                # a warp's wait returns when its own part of the warpgroup's S is done, and a warp copies Q rows of
+                # the other three warps' parts (ld_r0 + 16 i): the whole warpgroup must be past its last S first
+                c(f"bar_sync({Q_FREE_BARRIER} + cw, 128)  # every warp of this warpgroup has read the item's Q rows")
                 c("if it_ok:  # the previous item's S wgmmas are done: its Q rows are free")
             with c.indent() if PERSIST else contextlib.nullcontext():
                 _emit_load(c, 64, 128 // CH, D, "q_wg", "q_lo + cw * 64", "M", "q", "qg", "q_sm")
