@@ -1,9 +1,8 @@
 """The persistent warp-specialized forward (emit_fa3_ws.py, extra "persistent"): blocks that walk several work
 items, with the ring's stages, the Q barrier's parity and the loader running ahead across items, in the CUDA
 simulator against the float64 reference (ws_sim_cases.py's PERSIST_CASES and the document example through
-falower.compile, COMPILED_CASES: a block list with an item that visits nothing), and with warp 1 of each warpgroup
-slowed (SLOW_WARP_CASES: the next item's Q rows copied only once the whole warpgroup has read the last ones; without
-the warpgroup's barrier o_err was 1.16). Their own subprocesses, beside test_fa3_ws_simulator's."""
+falower.compile, COMPILED_CASES: a block list with an item that visits nothing). Their own subprocess, beside
+test_fa3_ws_simulator's; test_ws_slow_warp_simulator runs a persistent case with a slowed warp."""
 
 from __future__ import annotations
 
@@ -16,18 +15,15 @@ pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulated import FORWARD_O_TOL as TOL, collect, spawn  # noqa: E402
-from ws_sim_cases import COMPILED_CASES, PERSIST_CASES, SLOW_WARP_CASES, SLOW_WARP_SECONDS  # noqa: E402
+from ws_sim_cases import COMPILED_CASES, PERSIST_CASES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    fast = spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*PERSIST_CASES, *COMPILED_CASES])
-    slow = spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*SLOW_WARP_CASES],
-                 {"FALOWER_SIM_SLOW_WARP": str(SLOW_WARP_SECONDS)})
-    return {**collect(fast), **collect(slow)}
+    return collect(spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*PERSIST_CASES, *COMPILED_CASES]))
 
 
-@pytest.mark.parametrize("case", sorted(PERSIST_CASES) + sorted(SLOW_WARP_CASES) + sorted(COMPILED_CASES))
+@pytest.mark.parametrize("case", sorted(PERSIST_CASES) + sorted(COMPILED_CASES))
 def test_persistent_simulator(results, case):
     r = results.get(case)
     assert r is not None and "error" not in r, r

@@ -63,11 +63,14 @@ PERSIST_CASES = {
     "ws-none-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
                                             {"producer": "none", "persistent": 2, "stages": 2}),
 }
-# Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py): two items of whole q tiles on one block,
-# where the next item's Q rows must not be copied before the whole warpgroup has read the last S's
+# Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
+# warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
+# (two items of whole q tiles on one block), and the staged epilogue at D = 128, whose rows of 256 bytes span two
+# warps' rows of the Q tile (the default kernel at D = 128; o_err 0.29 without the warpgroup's barrier)
 SLOW_WARP_CASES = {
     "ws-none-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
                                            {"producer": "none", "persistent": 1}),
+    "ws-none-plain-f16-d128-staged-slow": ("plain", "f16", 128, 1, 1, 128, 32, 1, 128, 16, {"producer": "none"}),
 }
 SLOW_WARP_SECONDS = 0.2
 # The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is

@@ -410,7 +410,7 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
 
 
 def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, first_row: str, wtid: str,
-                          barrier: str) -> None:
+                          barrier: str, free_barrier: str = "") -> None:
     """A warpgroup's epilogue through shared memory (this kernel's at D = 64 and emit_fa3_ws's): each of the
     thread's rows normalised into the warpgroup's own Q tile at q_wg (`wr` rows of D, contiguous, free once the
     last S is done; its LSE as `_emit_epilogue` writes it), `barrier`, then the warpgroup's rows (the first
@@ -418,7 +418,9 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     rows, where the fragment's own layout gives 4-byte stores each touching 8 rows. benchmarks/timeline.py measured
     that epilogue at ~1.5 us an item at D = 128 (NOTES, "Counting the per-item cost"). The 16-byte chunks are
     swizzled by the row (chunk ^ (row & 7)): the fragment's writes (8 rows a warp) and the chunks' reads (8
-    chunks of a row a quarter-warp) are then free of bank conflicts."""
+    chunks of a row a quarter-warp) are then free of bank conflicts. Above D = 64 a staged row of 2 D bytes spans
+    rows of the Q tile's [D // 64][64][128 B] layout that other warps' parts of S read, and a warp's wgmma wait
+    returns when its own part is done: `free_barrier` (the warpgroup's) goes first there."""
     CH = D // 8  # a row's 16-byte chunks, and a thread's pairs of a row (n8 tiles of O)
     lines = ["@device_function", "def stage_row(sa, sw, x, i, inv):",
              "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
@@ -427,6 +429,11 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
              f"        v = {pack}(lget(x, e) * inv, lget(x, e + 1) * inv)",
              "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
     stage = c.helper("stage_row", lines)
+    if D > 64:
+        if not free_barrier:
+            raise ValueError(f"staged epilogue at D = {D}: a warp's staged rows overlap other warps' Q rows; "
+                             "it needs the warpgroup's barrier first")
+        c(free_barrier)
     c("# epilogue: one division per row, LSE in natural log, fully masked rows -> O = 0, LSE = -inf; O through this")
     c("# warpgroup's Q tile in shared memory (its last S is done), then to global memory by 16-byte chunks")
     for t in rows:

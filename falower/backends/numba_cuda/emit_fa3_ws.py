@@ -799,7 +799,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c()
     if staged_epilogue(spec):
         _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
-                              "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
+                              "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
+                              "bar_sync(5 + cw, 128)  # every warp of this warpgroup is past its last S: its Q tile "
+                              "is free")
     else:
         _emit_epilogue(c, D)
 
