@@ -370,6 +370,35 @@ def held_grads(spec: FA2BackwardSpec) -> bool:
         and spec.extra.get("hold_grads", True) is not False
 
 
+
+def _emit_dq_reductions(c: _Code, n8: int) -> None:
+    """Add this thread's dQ fragment (dqa: n8 n8-tiles of rows g, g + 8) into dq32 at qrow (the thread's row, qi,
+    and first column, set by the caller for `odd`) by 16-byte vector reductions: lanes t and t ^ 1 swap halves in
+    place (selects around two shuffles, every lane), then even lanes hold 4 consecutive columns of row g and odd
+    lanes of row g + 8, and every reduction sits under one `if qi < M`. Each reduction once sat behind its own two
+    branches (a red call per parity: two asm statements LLVM cannot merge), and ptxas, at 255 registers, recomputed
+    the address from the block index in each (ncu of the wgmma backward: that block was 36% of its stall samples)."""
+    swap = c.helper("dq_swap", [
+        "@device_function", "def dq_swap(x, i, odd):",
+        "    x0 = lget(x, i) if odd else lget(x, i + 2)",
+        "    x1 = lget(x, i + 1) if odd else lget(x, i + 3)",
+        "    y0 = shfl_xor_f32(x0, 1)",
+        "    y1 = shfl_xor_f32(x1, 1)",
+        "    if odd:",
+        "        lset(x, i, y0)",
+        "        lset(x, i + 1, y1)",
+        "    else:",
+        "        lset(x, i + 2, y0)",
+        "        lset(x, i + 3, y1)"])
+    for dn in range(n8):
+        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
+    c("if qi < M:")
+    with c.indent():
+        for dn in range(n8):
+            o = f"ofs_{dn * 4}"
+            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
+              f"lget(dqa, {o} + 3))")
+
 def _emit_warp_add(c: _Code, i: int, value: str, index: str) -> None:
     """Warp-sum `value` (a register of every lane) by shuffles; lane 0 adds it to gradient i at `index`."""
     for m in (16, 8, 4, 2, 1):
@@ -706,23 +735,10 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                         c(f"{dq_set if kk == 0 else dq_acc}(dqa, ofs_{2 * dd * 4}, sa0, sa1, sa2, sa3, {addr})")
                 c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes")
                 c("# of row g + 8, added by one 16-byte vector reduction (a quarter of the scalar atomics)")
-                red = c.helper("dq_red", [
-                    "@device_function", "def dq_red(dq32, at, x, i, odd, ok):",
-                    "    x0 = lget(x, i) if odd else lget(x, i + 2)",
-                    "    x1 = lget(x, i + 1) if odd else lget(x, i + 3)",
-                    "    y0 = shfl_xor_f32(x0, 1)",
-                    "    y1 = shfl_xor_f32(x1, 1)",
-                    "    if ok:",
-                    "        if odd:",
-                    "            red_add_v4_f32(dq32, at, y0, y1, lget(x, i + 2), lget(x, i + 3))",
-                    "        else:",
-                    "            red_add_v4_f32(dq32, at, lget(x, i), lget(x, i + 1), y0, y1)"])
                 c("odd = (lane & 1) == 1")
                 c("qi = q0 + rg * 16 + g + (8 if odd else 0)")
                 c(f"qrow = (q_head + qi) * {D} + cb * 8 + (t2 - 2 if odd else t2)")
-                c("q_ok = qi < M")
-                for dn in range(DC // 8):
-                    c(f"{red}(dq32, qrow + {dn * 8}, dqa, ofs_{dn * 4}, odd, q_ok)")
+                _emit_dq_reductions(c, DC // 8)
             c(f"if itn < total and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[{STF} + (buf ^ 1) * {BQ} + tid] = nl")

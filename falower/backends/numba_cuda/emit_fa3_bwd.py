@@ -56,6 +56,7 @@ from .emit_fa2_bwd import (
     _emit_grad_hold,
     _emit_grad_hold_end,
     _emit_grad_hold_start,
+    _emit_dq_reductions,
     _emit_grad_tile_end,
     _flat_index,
     _grad_args,
@@ -561,23 +562,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
             c("# g + 8, added by one 16-byte vector reduction")
-            red = c.helper("dq_red", [
-                "@device_function", "def dq_red(dq32, at, x, i, odd, ok):",
-                "    x0 = lget(x, i) if odd else lget(x, i + 2)",
-                "    x1 = lget(x, i + 1) if odd else lget(x, i + 3)",
-                "    y0 = shfl_xor_f32(x0, 1)",
-                "    y1 = shfl_xor_f32(x1, 1)",
-                "    if ok:",
-                "        if odd:",
-                "            red_add_v4_f32(dq32, at, y0, y1, lget(x, i + 2), lget(x, i + 3))",
-                "        else:",
-                "            red_add_v4_f32(dq32, at, lget(x, i), lget(x, i + 1), y0, y1)"])
             c("odd = (lane & 1) == 1")
             c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
             c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
-            c("q_ok = qi < M")
-            for dn in range(DC // 8):
-                c(f"{red}(dq32, qrow + {dn * 8}, dqa, ofs_{dn * 4}, odd, q_ok)")
+            _emit_dq_reductions(c, DC // 8)
             c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[((sbr + {STO}) >> 2) + (buf ^ 1) * {BQ} + tid] = nl")
