@@ -18,6 +18,15 @@ HERE = Path(__file__).resolve().parent
 FORWARD_O_TOL = {"f16": 4e-3, "bf16": 3e-2}
 
 
+def assert_forward_close(r: Optional[dict]) -> None:
+    """A forward case's result: present, no error, no NaN, O within FORWARD_O_TOL of the float64 reference and the
+    kept rows' LSE within 1e-3."""
+    assert r is not None and "error" not in r, r
+    assert not r["nan"], r
+    assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]], r
+    assert r["lse_err"] <= 1e-3, r
+
+
 def spawn(script: str, cache_dir: Optional[Path] = None, ids: Sequence[str] = (),
           env_extra: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """Start `script` (a file of this folder) on the simulator; `ids` limits it to those cases; `env_extra` adds
