@@ -64,7 +64,8 @@ Public names (identical in both modes):
                                           [rows, 64] block
     kind is "f16" or "bf16"; n a multiple of 8 up to 256; trans_* = 1 means that operand is MN-major.
     The factories cache: the same arguments give the same function.
-    SIMULATOR                             True when the emulations are in use
+    SIMULATOR                             True when the emulations are in use (FALOWER_SIM_SLOW_WARP=seconds: warp 1
+                                          of each warpgroup sleeps before each operand read, a warp running ahead)
 """
 
 from __future__ import annotations
