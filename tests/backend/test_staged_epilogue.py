@@ -80,3 +80,22 @@ def test_emit_fa3_stores_from_the_fragments_unless_asked():
     assert "store_row(" in _epilogue(_fa3_source({"wg_rows": 128}, 64))
     epi = _epilogue(_fa3_source({"staged_epilogue": True}, 128))
     assert "store_row(" in epi and "stg_v4_u32(" not in epi
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_warpgroup_barrier_comes_before_the_staged_rows(D):
+    """At D = 128 a staged row of 256 bytes covers rows of the Q tile that other warps' parts of S read, so the
+    warpgroup's barrier goes first (without it the slowed-warp simulator case reads o_err 0.75); at D = 64 a warp's
+    staged rows are its own and no barrier is added. Building it at D = 128 without one is refused."""
+    from falower.backends.numba_cuda.emit_fa2 import _Code, wgmma_thread_rows
+    from falower.backends.numba_cuda.emit_fa3 import _emit_staged_epilogue
+
+    src = _source({"producer": "none"}, D=D)
+    free = "its Q tile is free"
+    if D == 64:
+        assert free not in src
+        return
+    assert src.count(free) == 1 and src.index(free) < src.index("# epilogue:") < src.index("stage_row(q_wg")
+    with pytest.raises(ValueError, match="needs the warpgroup's barrier"):
+        _emit_staged_epilogue(_Code(), D, "pack_f16x2", wgmma_thread_rows(), 64, "q_lo", "tid & 127",
+                              "bar_sync(5, 128)")

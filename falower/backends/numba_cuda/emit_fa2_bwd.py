@@ -370,7 +370,6 @@ def held_grads(spec: FA2BackwardSpec) -> bool:
         and spec.extra.get("hold_grads", True) is not False
 
 
-
 def _emit_dq_reductions(c: _Code, n8: int) -> None:
     """Add this thread's dQ fragment (dqa: n8 n8-tiles of rows g, g + 8) into dq32 at qrow (the thread's row, qi,
     and first column, set by the caller for `odd`) by 16-byte vector reductions: lanes t and t ^ 1 swap halves in
@@ -398,6 +397,7 @@ def _emit_dq_reductions(c: _Code, n8: int) -> None:
             o = f"ofs_{dn * 4}"
             c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
               f"lget(dqa, {o} + 3))")
+
 
 def _emit_warp_add(c: _Code, i: int, value: str, index: str) -> None:
     """Warp-sum `value` (a register of every lane) by shuffles; lane 0 adds it to gradient i at `index`."""
