@@ -299,6 +299,18 @@ if SIMULATOR:
 
     _warp_lock = threading.Lock()
 
+    # Seconds that warp 1 of each warpgroup (every fourth warp) sleeps before each emulated shared-memory read of
+    # ldmatrix, lds_v2_f32 / lds_v4_u32 and wgmma's operands (0: none). The emulated threads run close to lockstep;
+    # on the GPU a warp runs ahead of the others, and a kernel that rewrites shared memory another warp still reads
+    # gives wrong numbers here too with it (README, "Debugging"). Plain `smem[i]` reads are Numba's: not slowed.
+    SLOW_WARP = float(os.environ.get("FALOWER_SIM_SLOW_WARP", "0"))
+
+    def slow_warp() -> None:
+        if SLOW_WARP and (threading.current_thread().thread_id // 32) % 4 == 1:
+            import time
+
+            time.sleep(SLOW_WARP)
+
     class _Warp:
         """Scratch for one warp: two alternating slots of 32 entries and a 32-party barrier.
 
@@ -405,6 +417,7 @@ if SIMULATOR:
         x[int(i)] = v
 
     def _ldmatrix(smem, index, trans):
+        slow_warp()
         lane, addrs = _exchange(int(index))
         g, t = lane >> 2, lane & 3
         out = []
@@ -508,6 +521,7 @@ if SIMULATOR:
         smem[at:at + n] = raw[off:off + n]
 
     def lds_v2_f32(saddr):
+        slow_warp()
         f = _block_smem().view(np.float32)
         at = int(saddr) // 4
         return np.float32(f[at]), np.float32(f[at + 1])
@@ -516,6 +530,7 @@ if SIMULATOR:
         _block_smem().view(np.uint32)[int(saddr) // 4] = np.uint32(val)
 
     def lds_v4_u32(saddr):
+        slow_warp()
         u = _block_smem().view(np.uint32)
         at = int(saddr) // 4
         return tuple(np.uint32(u[at + i]) for i in range(4))

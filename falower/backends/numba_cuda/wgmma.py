@@ -65,15 +65,13 @@ Public names (identical in both modes):
     kind is "f16" or "bf16"; n a multiple of 8 up to 256; trans_* = 1 means that operand is MN-major.
     The factories cache: the same arguments give the same function.
     SIMULATOR                             True when the emulations are in use (FALOWER_SIM_SLOW_WARP=seconds: warp 1
-                                          of each warpgroup sleeps before each operand read, a warp running ahead)
+                                          of each warpgroup sleeps before each operand read: intrinsics.slow_warp)
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
-import time
 
 import numpy as np
 
@@ -191,15 +189,10 @@ if SIMULATOR:
         lane = tid % 32
         return lane, (tid // 32) % 4, lane >> 2, lane & 3
 
-    # Seconds that warp 1 of each warpgroup sleeps before each operand read (0: none). The emulated threads run close
-    # to lockstep, and each thread's wgmma reads shared memory when it is issued; on the GPU a warp's wait returns
-    # when its own part of the warpgroup's product is done. A slow warp lets the others run ahead, so a kernel that
-    # rewrites an operand before the whole warpgroup is past its product reads wrong numbers here too.
-    SLOW_WARP = float(os.environ.get("FALOWER_SIM_SLOW_WARP", "0"))
-
     def _read_operand(desc, rows, major, kind):
-        if SLOW_WARP and (threading.current_thread().thread_id // 32) % 4 == 1:
-            time.sleep(SLOW_WARP)
+        # each thread's wgmma reads shared memory when it is issued, while on the GPU a warp's wait returns when its
+        # own part of the warpgroup's product is done: FALOWER_SIM_SLOW_WARP lets the other warps run ahead
+        _intr.slow_warp()
         smem = _intr._block_smem()
         addr = operand_addresses(desc, rows, major)
         if addr.min() < 0 or addr.max() >= smem.size * smem.itemsize:
