@@ -111,7 +111,9 @@ def parse_config(text: str) -> tuple:
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
-    row's entries lie at constant offsets (extra row_gather: relative bias); '-ltanh' libdevice's tanhf where the
+    row's entries lie at constant offsets (extra row_gather: relative bias); '-nohalf' the '-wsn' kernel's whole
+    tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
+    '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nose' / '-se' O stored from the
     fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
     memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
@@ -160,6 +162,10 @@ def parse_config(text: str) -> tuple:
             extra["col_step"] = False
         elif o == "norg":
             extra["row_gather"] = False
+        elif o == "nohalf":
+            extra["half_tiles"] = False
+        elif o == "halfpv":
+            extra["half_tiles"] = "pv"
         elif o == "ltanh":
             extra["tanh"] = "libdevice"
         elif o in ("se", "nose"):
@@ -229,6 +235,10 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nocs"
     if extra.get("row_gather") is False:
         tag += "-norg"
+    if extra.get("half_tiles") is False:
+        tag += "-nohalf"
+    if extra.get("half_tiles") == "pv":
+        tag += "-halfpv"
     if extra.get("tanh") == "libdevice":
         tag += "-ltanh"
     if "staged_epilogue" in extra:

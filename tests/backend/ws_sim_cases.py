@@ -89,6 +89,77 @@ WALK_CASES = {
     "walk-gaps": ("gaps", 1, 1, 5, 170, {}),
 }
 
+# Half tiles (emit_fa3_ws.half_tiles): a warpgroup multiplies only the column half of a kv tile its 64 rows keep,
+# through falower.compile on the ws kernel. id: (example, B, H, M, N, D, block_k). The helpers each path calls are
+# counted (HALF_PATHS), so a case shows it took them: the 48-wide window's far tiles keep only their upper half
+# (hull starts 17 columns into a 32-wide tile), the ragged last row (M = 200: rows to 199) and last column (N)
+# leave only the lower half, tiles no row of a warpgroup keeps take one all-masked half; the document's ids change
+# inside tiles and have a padding run; D = 128 reads K's halves in both of its 64-column blocks
+# ('-pv': extra half_tiles "pv", S whole and only P V by halves)
+HALF_CASES = {
+    "half-window-d128": ("sliding_window", 1, 1, 200, 170, 128, 32, {}),
+    "half-document-d64": ("document", 2, 1, 200, 200, 64, 64, {}),
+    "half-document-d64-pv": ("document", 1, 1, 200, 200, 64, 64, {"half_tiles": "pv"}),
+}
+HALF_PATHS = ("qk_halves", "qk_half0", "qk_half1", "pv_wgmma", "pv_half0", "pv_half1")
+
+
+def _doc_ids(B: int, N: int) -> np.ndarray:
+    """Sorted document ids whose boundaries fall inside tiles (at 40, 100, 105), a padding run (-1) at 180 .. 189
+    and a last document after it; batch row 1 is one document and a padding tail."""
+    doc = np.zeros((B, N), dtype=np.int32)
+    for b in range(B):
+        if b % 2 == 0:
+            for lo, hi, d in ((40, 100, 1), (100, 105, 2), (105, 180, 3), (180, 190, -1), (190, N, 4)):
+                doc[b, lo:hi] = d
+        else:
+            doc[b, N - 37:] = -1
+    return doc
+
+
+def run_half_case(case_id: str) -> dict:
+    """A mask with row bounds on the ws kernel with half tiles (the default), against the reference interpreter in
+    float64, with the calls of each S / P V helper counted (the simulator calls the kernel's module globals)."""
+    import runpy
+    import threading
+
+    import falower as fl
+    from falower.backends.numba_cuda.emit_fa3_ws import half_mode
+    from falower.passes import NAMED_PIPELINES
+    from falower.passes.check import Reference, bind_dims
+
+    t0 = time.perf_counter()
+    what, B, H, M, N, D, bk, extra = HALF_CASES[case_id]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    g = runpy.run_path(os.path.join(root, "examples", f"{what}.py"))["graph"]
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
+    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    inputs = [q, k, v] + ([_doc_ids(B, N)] if what == "document" else [])  # one table of N ids (M == N)
+    ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
+    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq=128,bk={bk}}}")
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
+                   extra={"schedule": "wgmma-ws", "producer": "none", **extra})
+    kern = c.kernel(*inputs)
+    glb = kern._kernel.fn.__globals__
+    counts = dict.fromkeys(HALF_PATHS, 0)
+    lock = threading.Lock()
+
+    def counted(name, fn):
+        def call(*a):
+            with lock:
+                counts[name] += 1
+            return fn(*a)
+        return call
+
+    for name in HALF_PATHS:
+        if name in glb:
+            glb[name] = counted(name, glb[name])
+    o, lse = c(*inputs)
+    return {"id": case_id, "dtype": "f16", "half_mode": half_mode(kern.spec), "block_mask": kern.spec.block_mask,
+            "calls": counts, "seconds": round(time.perf_counter() - t0, 1), **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
+
 
 def _gaps(b, h, q_idx, kv_idx):
     """Row q keeps kv in [40 q, 40 q + 2): one interval a row (row bounds), 40 apart."""
@@ -305,7 +376,8 @@ def run_walk_case(case_id: str) -> dict:
 def main(ids) -> None:
     run_main(ids or [*RING_CASES, *CASES], lambda cid: (
         run_ring_case(cid) if cid in RING_CASES else run_compiled_case(cid) if cid in COMPILED_CASES
-        else run_walk_case(cid) if cid in WALK_CASES else run_case(cid)))
+        else run_walk_case(cid) if cid in WALK_CASES else run_half_case(cid) if cid in HALF_CASES
+        else run_case(cid)))
 
 
 if __name__ == "__main__":

@@ -344,22 +344,26 @@ def _emit_load_inside(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: 
         _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
 
 
-def _emit_pv(c: _Code, KK: int, D: int, vbase: str, half: str = "") -> None:
+def _emit_pv(c: _Code, KK: int, D: int, vbase: str, half: str = "", steps: Optional[range] = None,
+             name: str = "pv_wgmma") -> None:
     """O += P V from the A words in `pa` and the V tile at shared address vbase (issued and committed), through
     the device function `pv_wgmma`: the loop and the overlapped schedule's last tile share one compiled copy (16
     wgmma call sites of 64 accumulators each were half of the kernel's LLVM IR; benchmarks/NOTES.md, "Compile
     time", lever 18). P travels as a constant-indexed uint32 array (registers, as the accumulators): 32 words as
     arguments would make Python pass them as a built list (more than 30 arguments), which Numba types as a
-    chain of tuple concatenations."""
-    lines = ["@device_function", "def pv_wgmma(acc, pa, dv):",
-             f"    # O += P V: {KK} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on: the",
+    chain of tuple concatenations. `steps`: only these k steps (emit_fa3_ws's half tiles, whose other kv rows
+    have P = 0), in the device function `name`."""
+    steps = range(KK) if steps is None else steps
+    lines = ["@device_function", f"def {name}(acc, pa, dv):",
+             f"    # O += P V: {len(steps)} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on: "
+             "the",
              "    # descriptor word dv = desc_word(HI_V, V's address) plus 128)",
              "    FENCE_O(acc, 0)"]
-    for kk in range(KK):
+    for kk in steps:
         pa = ", ".join(f"lget(pa, {4 * kk + i})" for i in range(4))
         lines.append(f"    WG_O(acc, 0, {pa}, desc_at(HI_V, dv + {kk * 128}), 1)")
     lines.append("    wgmma_commit()")
-    c(f"{c.helper('pv_wgmma', lines)}(acc{half}, pa{half}, desc_word(HI_V, {vbase}))")
+    c(f"{c.helper(name, lines)}(acc{half}, pa{half}, desc_word(HI_V, {vbase}))")
 
 
 def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:

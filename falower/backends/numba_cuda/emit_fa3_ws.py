@@ -85,6 +85,7 @@ from .emit_fa2 import (
     softmax_call,
     emit_masked_score,
     emit_row_bounds,
+    has_row_bounds,
     has_tile_table,
     row_bounds_read_data,
     walks_range,
@@ -110,7 +111,7 @@ from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "register_cap", "registers_fit", "smem_bytes",
+__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit", "smem_bytes",
            "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
@@ -150,6 +151,31 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
     (emit_fa3._emit_staged_epilogue), where the fragment layout gives 4-byte stores each touching 8 rows.
     spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose')."""
     return producer(spec) == "none" and not persistent(spec) and spec.extra.get("staged_epilogue", True) is not False
+
+
+def half_tiles(spec: FA2ForwardSpec) -> bool:
+    """Whether a consumer warpgroup multiplies only the column half of a kv tile that its own 64 rows keep.
+
+    Why: a ragged mask's partial tiles are where a variant loses to plain attention (benchmarks/NOTES.md, "What
+    128 x 128 tiles allow": a document mask keeps 0.68 of each visited 128 x 128 tile, a 1024-wide window 0.89);
+    at 64 rows x 64 columns they keep 0.81 and 0.94. A mask with row bounds (row_bounds.py) gives the interval
+    hull of the warpgroup's rows once per item (`row_hull`, a warp's redux over its warpgroup's 64 rows); a tile
+    half outside it is masked in every row the warpgroup stores, so its S = Q K^T is an m64n(BK/2) wgmma on the
+    other half of K (or none), and its P V skips the half's k steps (P = 0 there). The skipped half's scores are
+    stale registers, which the partial tile's mask (a select, not an add) replaces by -inf. Producer "none", not
+    persistent, no table tiles, block_k a multiple of 32 (a half is whole P V k steps and 8-row swizzle groups);
+    `extra["half_tiles"] = False` keeps the whole tiles (bench '-nohalf')."""
+    return (producer(spec) == "none" and not persistent(spec) and not table_tiles(spec) and has_row_bounds(spec)
+            and spec.block_k % 32 == 0 and spec.extra.get("half_tiles", True) is not False)
+
+
+def half_mode(spec: FA2ForwardSpec) -> str:
+    """"" (whole tiles), "s" (`half_tiles`: S and P V by halves; every S as two m64n(BK/2) halves, since ptxas
+    serializes every wgmma where S mixes m64nBK and m64n(BK/2): C7511) or "pv" (`extra["half_tiles"] = "pv"`: S
+    whole, only P V by halves; bench '-halfpv')."""
+    if not half_tiles(spec):
+        return ""
+    return "pv" if spec.extra.get("half_tiles") == "pv" else "s"
 
 
 def uses_ws(spec: FA2ForwardSpec) -> bool:
@@ -504,6 +530,32 @@ def _emit_table_tile_setup(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) 
     return copy
 
 
+def _emit_row_hull(c: _Code, spec: FA2ForwardSpec) -> None:
+    """hw_lo, hw_hi: the hull of the kv intervals its warpgroup's rows keep (`half_tiles`), the same in every
+    thread of the warpgroup: each warp bounds all 64 rows (a lane two of them), then redux.sync min / max, whose
+    result ptxas knows is warp-uniform (the S issue branches on it around wgmma). Rows past M, and rows that keep
+    nothing, add nothing; a row whose bounds are not exact (a run table of ids that come back) covers [0, N)."""
+    caps = _cap_args(spec)
+    fn = c.helper("row_hull", [
+        "@device_function", f"def row_hull(b, h, q, M, N{caps}):",
+        "    # one row's kept kv interval, clamped to [0, N]; (N + 1, -1) where it keeps nothing or lies past M",
+        f"    lo, hi, ex = row_bounds_fn(b, h, q{caps})",
+        "    lo = min(max(lo, 0), N)",
+        "    hi = min(max(hi, 0), N)",
+        "    if q >= M or (ex and lo >= hi):",
+        "        return np.int32(N + 1), np.int32(-1)",
+        "    if not ex:",
+        "        return np.int32(0), np.int32(N)",
+        "    return np.int32(lo), np.int32(hi)"])
+    c("# half tiles: the kv hull of this warpgroup's 64 rows, once per item (each warp bounds all 64)")
+    c("hr = q_lo + cw * 64 + g + (lane & 3) * 8")
+    c(f"hw_lo, hw_hi = {fn}(b, h, hr, M, N{caps})")
+    c(f"hw_lo2, hw_hi2 = {fn}(b, h, hr + 32, M, N{caps})")
+    c("hw_lo = warp_min(min(hw_lo, hw_lo2))")
+    c("hw_hi = warp_max(max(hw_hi, hw_hi2))")
+    c("phs = 3")
+
+
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                    item_state: Optional[Callable[[_Code], None]] = None) -> None:
     """The consumer warpgroups. `item_state` (persistent kernels): emits the state of the item it_x, it_y, it_z
@@ -597,6 +649,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_loader_step(c, spec, lay, None)
     TT = table_tiles(spec)
     HOIST = row_bounds_read_data(spec)
+    HALF = half_mode(spec)
+    H2 = BK // 2
 
     def item_start(qphase: str) -> Optional[Callable[[str], None]]:
         """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
@@ -617,13 +671,26 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("have_prev = False")
         return copy
 
+    def pv(vbase: str) -> None:
+        """O += P_{j-1} V_{j-1}; with half tiles only the k steps of the halves tile j - 1 kept (phs)."""
+        if not HALF:
+            _emit_pv(c, KK, D, vbase)
+            return
+        c("if phs == 3:")
+        with c.indent():
+            _emit_pv(c, KK, D, vbase)
+        for hv in (2, 1):
+            c(f"elif phs == {hv}:" if hv == 2 else "else:")
+            with c.indent():
+                _emit_pv(c, KK, D, vbase, steps=range((hv - 1) * KK // 2, hv * KK // 2), name=f"pv_half{hv - 1}")
+
     def last_pv() -> None:
         c("if have_prev:  # the last tile's P V")
         with c.indent():
             c(f"mbar_wait(bars + {lay['full_v']} + pstage * 8, pphase)")
             c("fence_proxy_async()")
             c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
-            _emit_pv(c, KK, D, "pv_base")
+            pv("pv_base")
             c("WAIT_O(acc, 0)")
             if PERSIST:  # the ring goes on into the next item: its loader will refill this stage
                 c(f"mbar_arrive(bars + {lay['empty_v']} + pstage * 8)  # this thread is done with the last V")
@@ -669,6 +736,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if NONE:
             item_loads()
         copy = item_start("0")
+        if HALF:
+            _emit_row_hull(c, spec)
     if spec.block_mask == "list":  # the next entry loaded a tile ahead: no list load waits at the loop's top
         _emit_list_ahead(c, spec)
     c("while j <= kv_last:")
@@ -699,22 +768,65 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             ka = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
             lines.append(f"    WG_S(sc, 0, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), {0 if ks == 0 else 1})")
         lines.append("    wgmma_commit()")
-        c(f"{c.helper('qk_wgmma', lines)}(sc, q_wg, desc_word(HI_QK, k_base))  # one device function: 8 call sites "
-          "of 64 accumulators; K's descriptors a word plus offset >> 4")
-        c("# one branch from the P V issue to the wait for S: split in two, ptxas sees a path where S is still in")
-        c("# flight while the softmax writes its registers, and serializes every wgmma (C7513)")
-        c("if have_prev:")
-        with c.indent():
-            c("# O += P_{j-1} V_{j-1} runs while this tile's softmax does")
-            _emit_pv(c, KK, D, "pv_base")
-            if PP:
-                c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
-            c("WAIT_S1(sc, 0)")
-        c("else:")
-        with c.indent():
-            if PP:
-                c("bar_arrive(2 - cw, 256)")
-            c("WAIT_S(sc, 0)")
+        qk = c.helper('qk_wgmma', lines)
+
+        def issue_and_wait(call: str, wait: str, wait1: str, ofs: int) -> None:
+            """S's issue (`call`), the P V of tile j - 1 beside it, and the wait for S (`wait` / `wait1`, on the
+            accumulators at sc[ofs:])."""
+            c(call)
+            c("# one branch from the P V issue to the wait for S: split in two, ptxas sees a path where S is still "
+              "in")
+            c("# flight while the softmax writes its registers, and serializes every wgmma (C7513)")
+            c("if have_prev:")
+            with c.indent():
+                c("# O += P_{j-1} V_{j-1} runs while this tile's softmax does")
+                pv("pv_base")
+                if PP:
+                    c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
+                c(f"{wait1}(sc, {ofs})")
+            c("else:")
+            with c.indent():
+                if PP:
+                    c("bar_arrive(2 - cw, 256)")
+                c(f"{wait}(sc, {ofs})")
+
+        full = f"{qk}(sc, q_wg, desc_word(HI_QK, k_base))"
+        if HALF:
+            c(f"kv0h = j * {BK}")
+            c(f"hs = (1 if kv0h < hw_hi and kv0h + {H2} > hw_lo else 0) | (2 if kv0h + {H2} < hw_hi and kv0h + {BK} > "
+              f"hw_lo else 0)  # the halves of tile j this warpgroup's rows keep")
+            c("if hs == 0:")
+            with c.indent():
+                c("hs = 1  # no row here keeps tile j: one half, all masked (its P V adds zero)")
+        if HALF != "s":
+            issue_and_wait(f"{full}  # one device function: 8 call sites of 64 accumulators; K's descriptors a word "
+                           "plus offset >> 4", "WAIT_S", "WAIT_S1", 0)
+        else:
+            def qk_lines(name: str, halves: tuple[int, ...], fence: str) -> list[str]:
+                hl = ["@device_function", f"def {name}(sc, q_wg, dk):",
+                      f"    # S's columns of half {' and '.join(map(str, halves))}: m64n{H2}k16 on K's rows there "
+                      f"({H2} x 128 bytes on in each column block)", f"    {fence}"]
+                for half in halves:
+                    for ks in range(KS):
+                        qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
+                        ka = ((ks // 4) * BK * 128 + half * H2 * 128 + (ks % 4) * 32) >> 4
+                        hl.append(f"    WG_SH(sc, {half * H2 // 2}, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + "
+                                  f"{ka}), {0 if ks == 0 else 1})")
+                return hl + ["    wgmma_commit()"]
+
+            c(f"# each path issues S and waits for it itself, and a whole tile is two m64n{H2} halves: a path that")
+            c(f"# issued one shape and waited on another's registers, or m64n{BK} beside m64n{H2} on S at all, made")
+            c("# ptxas serialize every wgmma (C7511 / C7515)")
+            c("if hs == 3:")
+            with c.indent():
+                both = c.helper("qk_halves", qk_lines("qk_halves", (0, 1), "FENCE_S(sc, 0)"))
+                issue_and_wait(f"{both}(sc, q_wg, desc_word(HI_QK, k_base))", "WAIT_S", "WAIT_S1", 0)
+            for hv in (2, 1):
+                half = hv - 1
+                fn = c.helper(f"qk_half{half}", qk_lines(f"qk_half{half}", (half,), f"FENCE_SH(sc, {half * H2 // 2})"))
+                c(f"elif hs == {hv}:" if hv == 2 else "else:")
+                with c.indent():
+                    issue_and_wait(f"{fn}(sc, q_wg, desc_word(HI_QK, k_base))", "WAIT_SH", "WAIT_SH1", half * H2 // 2)
         c(f"mbar_arrive(bars + {lay['empty_k']} + stage * 8)  # this thread is done with K_j")
         if NONE:
             c(f"if cw == 0:  # K_(j + {S - 1}) into K_(j - 1)'s stage: warpgroup 1 released it when its S_(j-1) was "
@@ -723,6 +835,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_loader_step(c, spec, lay, "k")
         c()
         _emit_need_mask(c, spec, "j")
+        if HALF:
+            c("if hs != 3:")
+            with c.indent():
+                c("need_mask = True  # the skipped half's scores (stale registers, or S) to -inf: its P is 0")
         c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
         if TT:
             c("if tile_on:")
@@ -779,6 +895,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
         c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
         c("have_prev = True")
+        if HALF:
+            c("phs = hs")
         c("pstage = stage")
         c("pphase = phase")
         c("j = jn")
@@ -821,6 +939,11 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c = _Code()
     c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
     c(f'WG_O = wgmma_rs("{spec.dtype}", {D}, 1)  # O += P V: P in registers, V MN-major (trans-b)')
+    if half_mode(spec) == "s":
+        c(f'WG_SH = wgmma_ss("{spec.dtype}", {BK // 2})  # half of S (half_tiles): m64n{BK // 2}')
+        c(f"FENCE_SH = wgmma_fence_regs({BK // 4})")
+        c(f"WAIT_SH = wgmma_wait_regs(0, {BK // 4})")
+        c(f"WAIT_SH1 = wgmma_wait_regs(1, {BK // 4})")
     c(f"FENCE_S = wgmma_fence_regs({BK // 2})")
     c(f"WAIT_S = wgmma_wait_regs(0, {BK // 2})")
     c(f"WAIT_S1 = wgmma_wait_regs(1, {BK // 2})  # S done, the P V issued after it may still run")
