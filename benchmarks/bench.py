@@ -111,7 +111,7 @@ def parse_config(text: str) -> tuple:
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
-    row's entries lie at constant offsets (extra row_gather: relative bias); '-nohalf' the '-wsn' kernel's whole
+    row's entries lie at constant offsets (extra row_gather: relative bias); '-half' the '-wsn' kernel's half
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nose' / '-se' O stored from the
@@ -162,8 +162,8 @@ def parse_config(text: str) -> tuple:
             extra["col_step"] = False
         elif o == "norg":
             extra["row_gather"] = False
-        elif o == "nohalf":
-            extra["half_tiles"] = False
+        elif o == "half":
+            extra["half_tiles"] = True
         elif o == "halfpv":
             extra["half_tiles"] = "pv"
         elif o == "ltanh":
@@ -235,8 +235,8 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nocs"
     if extra.get("row_gather") is False:
         tag += "-norg"
-    if extra.get("half_tiles") is False:
-        tag += "-nohalf"
+    if extra.get("half_tiles") is True:
+        tag += "-half"
     if extra.get("half_tiles") == "pv":
         tag += "-halfpv"
     if extra.get("tanh") == "libdevice":

@@ -89,7 +89,7 @@ WALK_CASES = {
     "walk-gaps": ("gaps", 1, 1, 5, 170, {}),
 }
 
-# Half tiles (emit_fa3_ws.half_tiles): a warpgroup multiplies only the column half of a kv tile its 64 rows keep,
+# Half tiles (emit_fa3_ws.half_tiles, extra half_tiles: off by default): a warpgroup multiplies only the column half of a kv tile its 64 rows keep,
 # through falower.compile on the ws kernel. id: (example, B, H, M, N, D, block_k). The helpers each path calls are
 # counted (HALF_PATHS), so a case shows it took them: the 48-wide window's far tiles keep only their upper half
 # (hull starts 17 columns into a 32-wide tile), the ragged last row (M = 200: rows to 199) and last column (N)
@@ -97,8 +97,8 @@ WALK_CASES = {
 # inside tiles and have a padding run; D = 128 reads K's halves in both of its 64-column blocks
 # ('-pv': extra half_tiles "pv", S whole and only P V by halves)
 HALF_CASES = {
-    "half-window-d128": ("sliding_window", 1, 1, 200, 170, 128, 32, {}),
-    "half-document-d64": ("document", 2, 1, 200, 200, 64, 64, {}),
+    "half-window-d128": ("sliding_window", 1, 1, 200, 170, 128, 32, {"half_tiles": True}),
+    "half-document-d64": ("document", 2, 1, 200, 200, 64, 64, {"half_tiles": True}),
     "half-document-d64-pv": ("document", 1, 1, 200, 200, 64, 64, {"half_tiles": "pv"}),
 }
 HALF_PATHS = ("qk_halves", "qk_half0", "qk_half1", "pv_wgmma", "pv_half0", "pv_half1")
@@ -118,7 +118,7 @@ def _doc_ids(B: int, N: int) -> np.ndarray:
 
 
 def run_half_case(case_id: str) -> dict:
-    """A mask with row bounds on the ws kernel with half tiles (the default), against the reference interpreter in
+    """A mask with row bounds on the ws kernel with half tiles (asked for in the case's extra), against the reference interpreter in
     float64, with the calls of each S / P V helper counted (the simulator calls the kernel's module globals)."""
     import runpy
     import threading

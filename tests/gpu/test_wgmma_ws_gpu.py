@@ -2,7 +2,7 @@
 plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 and 3 stages, within FlashAttention's
 error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
 128 x 128 tiles; the producer warp (288 threads, 168 registers) and no producer (extra producer "none", 256),
-persistent or not (extra persistent).
+persistent or not (extra persistent), with half tiles or not (extra half_tiles).
 
 Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
 
@@ -55,6 +55,10 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     # persistent: 5 / 3 blocks walk the 64 (q tile, head, batch) items, the ring carried across items
     (True, "f16", 128, 128, {"producer": "none", "persistent": 5}),
     (False, "bf16", 64, 128, {"producer": "none", "persistent": 3, "stages": 2}),
+    # half tiles (extra half_tiles, off by default): S as m64n64 halves and P V by the kept half, or P V only
+    (True, "f16", 128, 128, {"producer": "none", "half_tiles": True}),
+    (True, "bf16", 128, 128, {"producer": "none", "half_tiles": "pv"}),
+    (True, "f16", 64, 128, {"producer": "none", "half_tiles": True}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()
@@ -63,6 +67,7 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
     g, c = _compiled(causal, dtype, bk, extra)
     kern = c.specialize(dtype, D=D)
     assert kern.spec.extra["schedule"] == "wgmma-ws" and "mbar_wait" in kern.source
+    assert ("row_hull(" in kern.source) == bool(extra.get("half_tiles"))  # the path under test
     B, H = (2, 4) if N <= 1000 else (1, 2)
     env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + D)]

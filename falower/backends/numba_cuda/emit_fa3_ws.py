@@ -163,10 +163,13 @@ def half_tiles(spec: FA2ForwardSpec) -> bool:
     half outside it is masked in every row the warpgroup stores, so its S = Q K^T is an m64n(BK/2) wgmma on the
     other half of K (or none), and its P V skips the half's k steps (P = 0 there). The skipped half's scores are
     stale registers, which the partial tile's mask (a select, not an add) replaces by -inf. Producer "none", not
-    persistent, no table tiles, block_k a multiple of 32 (a half is whole P V k steps and 8-row swizzle groups);
-    `extra["half_tiles"] = False` keeps the whole tiles (bench '-nohalf')."""
+    persistent, no table tiles, block_k a multiple of 32 (a half is whole P V k steps and 8-row swizzle groups).
+    Off by default, asked for by `extra["half_tiles"]` = True (bench '-half') or "pv" ('-halfpv'): measured on the
+    H100 (benchmarks/NOTES.md, "Half tiles"), the m64n64 halves cost the full tiles more than the skipped halves
+    save (causal -2%, prefix LM -4%, document -3%) and P V by halves alone moved causal +2.5%, the 1024 window
+    +1.5% and the document -3%: these partial tiles are not bound by the tensor pipe."""
     return (producer(spec) == "none" and not persistent(spec) and not table_tiles(spec) and has_row_bounds(spec)
-            and spec.block_k % 32 == 0 and spec.extra.get("half_tiles", True) is not False)
+            and spec.block_k % 32 == 0 and spec.extra.get("half_tiles", False) in (True, "pv"))
 
 
 def half_mode(spec: FA2ForwardSpec) -> str:
