@@ -160,9 +160,10 @@ def half_tiles(spec: FA2ForwardSpec) -> bool:
     128 x 128 tiles allow": a document mask keeps 0.68 of each visited 128 x 128 tile, a 1024-wide window 0.89);
     at 64 rows x 64 columns they keep 0.81 and 0.94. A mask with row bounds (row_bounds.py) gives the interval
     hull of the warpgroup's rows once per item (`row_hull`, a warp's redux over its warpgroup's 64 rows); a tile
-    half outside it is masked in every row the warpgroup stores, so its S = Q K^T is an m64n(BK/2) wgmma on the
-    other half of K (or none), and its P V skips the half's k steps (P = 0 there). The skipped half's scores are
-    stale registers, which the partial tile's mask (a select, not an add) replaces by -inf. Producer "none", not
+    half outside it is masked in every row the warpgroup stores, so S = Q K^T multiplies only the other half of K
+    (`half_mode`; a tile neither half of which it keeps takes one, all masked) and P V skips the half's k steps
+    (P = 0 there). The skipped half's scores (stale registers, or S's) are what the partial tile's mask (a select,
+    not an add) replaces by -inf. Producer "none", not
     persistent, no table tiles, block_k a multiple of 32 (a half is whole P V k steps and 8-row swizzle groups).
     Off by default, asked for by `extra["half_tiles"]` = True (bench '-half') or "pv" ('-halfpv'): measured on the
     H100 (benchmarks/NOTES.md, "Half tiles"), the m64n64 halves cost the full tiles more than the skipped halves
@@ -556,7 +557,6 @@ def _emit_row_hull(c: _Code, spec: FA2ForwardSpec) -> None:
     c(f"hw_lo2, hw_hi2 = {fn}(b, h, hr + 32, M, N{caps})")
     c("hw_lo = warp_min(min(hw_lo, hw_lo2))")
     c("hw_hi = warp_max(max(hw_hi, hw_hi2))")
-    c("phs = 3")
 
 
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
@@ -671,6 +671,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("phase = 0")
             c("pstage = 0  # the stage and phase of tile j - 1 (its V is read by P_{j-1} V_{j-1})")
             c("pphase = 0")
+        if HALF:
+            c("phs = 3  # the halves tile j - 1 kept (read once have_prev)")
         c("have_prev = False")
         return copy
 
@@ -765,13 +767,21 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if PP:
             c("bar_sync(1 + cw, 256)  # this warpgroup's turn on the tensor cores")
         c(f"# S = Q K^T: {KS} wgmma m64n{BK}k16; k step s reads 16 columns: block s // 4, byte 32 * (s % 4)")
-        lines = ["@device_function", "def qk_wgmma(sc, q_wg, dk):", "    FENCE_S(sc, 0)"]
-        for ks in range(KS):
-            qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
-            ka = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
-            lines.append(f"    WG_S(sc, 0, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), {0 if ks == 0 else 1})")
-        lines.append("    wgmma_commit()")
-        qk = c.helper('qk_wgmma', lines)
+
+        def qk_lines(name: str, fence: str, parts: tuple[tuple[str, int, int], ...], note: tuple[str, ...] = ()
+                     ) -> list[str]:
+            """The device function `name`: S's wgmmas, one k step a call, for each part (the wgmma, its first
+            accumulator, its first kv row: K's rows at row0 x 128 bytes on in each column block), then commit."""
+            out = ["@device_function", f"def {name}(sc, q_wg, dk):", *note, f"    {fence}"]
+            for wg, acc0, row0 in parts:
+                for ks in range(KS):
+                    qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
+                    ka = ((ks // 4) * BK * 128 + row0 * 128 + (ks % 4) * 32) >> 4
+                    out.append(f"    {wg}(sc, {acc0}, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), "
+                               f"{0 if ks == 0 else 1})")
+            return out + ["    wgmma_commit()"]
+
+        qk = c.helper('qk_wgmma', qk_lines("qk_wgmma", "FENCE_S(sc, 0)", (("WG_S", 0, 0),)))
 
         def issue_and_wait(call: str, wait: str, wait1: str, ofs: int) -> None:
             """S's issue (`call`), the P V of tile j - 1 beside it, and the wait for S (`wait` / `wait1`, on the
@@ -805,28 +815,22 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             issue_and_wait(f"{full}  # one device function: 8 call sites of 64 accumulators; K's descriptors a word "
                            "plus offset >> 4", "WAIT_S", "WAIT_S1", 0)
         else:
-            def qk_lines(name: str, halves: tuple[int, ...], fence: str) -> list[str]:
-                hl = ["@device_function", f"def {name}(sc, q_wg, dk):",
-                      f"    # S's columns of half {' and '.join(map(str, halves))}: m64n{H2}k16 on K's rows there "
-                      f"({H2} x 128 bytes on in each column block)", f"    {fence}"]
-                for half in halves:
-                    for ks in range(KS):
-                        qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
-                        ka = ((ks // 4) * BK * 128 + half * H2 * 128 + (ks % 4) * 32) >> 4
-                        hl.append(f"    WG_SH(sc, {half * H2 // 2}, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + "
-                                  f"{ka}), {0 if ks == 0 else 1})")
-                return hl + ["    wgmma_commit()"]
+            def half_lines(name: str, halves: tuple[int, ...], fence: str) -> list[str]:
+                note = (f"    # S's columns of half {' and '.join(map(str, halves))}: m64n{H2}k16 on K's rows there "
+                        f"({H2} x 128 bytes on in each column block)",)
+                return qk_lines(name, fence, tuple(("WG_SH", h * H2 // 2, h * H2) for h in halves), note)
 
             c(f"# each path issues S and waits for it itself, and a whole tile is two m64n{H2} halves: a path that")
             c(f"# issued one shape and waited on another's registers, or m64n{BK} beside m64n{H2} on S at all, made")
             c("# ptxas serialize every wgmma (C7511 / C7515)")
             c("if hs == 3:")
             with c.indent():
-                both = c.helper("qk_halves", qk_lines("qk_halves", (0, 1), "FENCE_S(sc, 0)"))
+                both = c.helper("qk_halves", half_lines("qk_halves", (0, 1), "FENCE_S(sc, 0)"))
                 issue_and_wait(f"{both}(sc, q_wg, desc_word(HI_QK, k_base))", "WAIT_S", "WAIT_S1", 0)
             for hv in (2, 1):
                 half = hv - 1
-                fn = c.helper(f"qk_half{half}", qk_lines(f"qk_half{half}", (half,), f"FENCE_SH(sc, {half * H2 // 2})"))
+                fn = c.helper(f"qk_half{half}", half_lines(f"qk_half{half}", (half,),
+                                                           f"FENCE_SH(sc, {half * H2 // 2})"))
                 c(f"elif hs == {hv}:" if hv == 2 else "else:")
                 with c.indent():
                     issue_and_wait(f"{fn}(sc, q_wg, desc_word(HI_QK, k_base))", "WAIT_SH", "WAIT_SH1", half * H2 // 2)
