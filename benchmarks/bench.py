@@ -111,7 +111,9 @@ def parse_config(text: str) -> tuple:
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
-    row's entries lie at constant offsets (extra row_gather: relative bias); '-half' the '-wsn' kernel's half
+    row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
+    a thread's rows g and g + 8 could share them (extra row_pairs), '-ge' the '-wsn' kernel's shared entries read
+    before the waits for K and S (extra gather_early); '-half' the '-wsn' kernel's half
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nose' / '-se' O stored from the
@@ -162,6 +164,10 @@ def parse_config(text: str) -> tuple:
             extra["col_step"] = False
         elif o == "norg":
             extra["row_gather"] = False
+        elif o == "norp":
+            extra["row_pairs"] = False
+        elif o == "ge":
+            extra["gather_early"] = True
         elif o == "half":
             extra["half_tiles"] = True
         elif o == "halfpv":
@@ -235,6 +241,10 @@ def config_tag(cfg: tuple) -> str:
         tag += "-nocs"
     if extra.get("row_gather") is False:
         tag += "-norg"
+    if extra.get("row_pairs") is False:
+        tag += "-norp"
+    if extra.get("gather_early"):
+        tag += "-ge"
     if extra.get("half_tiles") is True:
         tag += "-half"
     if extra.get("half_tiles") == "pv":

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import falower as fl
 from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
-from falower.backends.numba_cuda.emit_fa2 import col_step, emit_fa2_forward, row_gather
+from falower.backends.numba_cuda.emit_fa2 import col_step, emit_fa2_forward, row_gather, row_gather_shift
 from falower.backends.numba_cuda.from_ir import analyse, build_spec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -96,11 +96,12 @@ def test_the_parts_sum_to_the_score(name):
         assert abs(got - want) <= 1e-5 * max(1.0, abs(want), abs(row)), (q, kv0, o, got, want)
 
 
-def _kernels(g, D=128):
+def _kernels(g, extra=None, D=128):
     """The forward kernels' sources: mma.sync, emit_fa3 (128 rows a warpgroup) and the warp-specialized one."""
-    out = {"mma": emit_fa2_forward(_spec(g, D=D)),
-           "fa3": emit_fa3.emit_fa3_forward(_spec(g, {"schedule": "wgmma", "wg_rows": 128}, D=64)),
-           "ws": emit_fa3_ws.emit_fa3_ws_forward(_spec(g, {"schedule": "wgmma-ws", "producer": "none"}, D=D))}
+    x = extra or {}
+    out = {"mma": emit_fa2_forward(_spec(g, x, D=D)),
+           "fa3": emit_fa3.emit_fa3_forward(_spec(g, {"schedule": "wgmma", "wg_rows": 128, **x}, D=64)),
+           "ws": emit_fa3_ws.emit_fa3_ws_forward(_spec(g, {"schedule": "wgmma-ws", "producer": "none", **x}, D=D))}
     return out
 
 
@@ -151,6 +152,54 @@ GATHERS = {  # name: (score_mod, row_gather taken)
 def test_which_gathers_take_a_row_index(name):
     mod, taken = GATHERS[name]
     assert row_gather(_spec(_mod(mod))) == taken
+
+
+ROW_PAIRS = {  # name: (score_mod, the shift of row q + 8's entries from row q's, in n8 tiles; None: no sharing)
+    "q - kv": (lambda s, h, q, kv: s + rel[h, q - kv + 40], -1),
+    "kv - q": (lambda s, h, q, kv: s + rel[h, kv - q + 40], -1),
+    "q + kv": (lambda s, h, q, kv: s + rel[h, q + kv], 1),
+    "-q - kv": (lambda s, h, q, kv: s + rel[h, 80 - q - kv], 1),
+    "2 q - kv": (lambda s, h, q, kv: s + rel[h, q * 2 - kv + 40], None),  # row q + 8 is 16 columns away
+    "q in a lead index": (lambda s, h, q, kv: s + rel[q, q - kv + 40], None),  # rows q, q + 8 read other rows
+    "kv - row's table entry": (lambda s, h, q, kv: s + rel[h, kv - rel2[h, q]], None),  # not affine in q
+}
+rel2 = fl.capture("rel2", "i32", ["H", "M"])
+
+
+@pytest.mark.parametrize("name", sorted(ROW_PAIRS))
+def test_which_row_pairs_share_their_loads(name):
+    """from_ir._row_gather's shift: the last index a q + k kv + r' with a k = +-1, the leading ones the same down a
+    column; the kernels' score_row_pair then shares all but one n8 tile's entries between rows g and g + 8."""
+    mod, shift = ROW_PAIRS[name]
+    spec = _spec(_mod(mod))
+    assert row_gather(spec), spec.device_source
+    assert row_gather_shift(spec) == shift, spec.device_source
+    assert row_gather_shift(_spec(_mod(mod), {"row_pairs": False})) is None
+
+
+@pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
+def test_the_kernels_share_a_row_pairs_loads(kernel):
+    """The relative bias: every unmasked score call is score_row_pair (rows g and g + 8 together), whose loads are
+    2 NJ + 2 entries (34 at 128-column tiles, 18 at 64); with row_pairs off, score_row a row."""
+    src = _kernels(_example("relative_bias"))[kernel]
+    load = _fn(src, "score_pair_load")
+    nj = 8  # 64-column tiles
+    assert load.count("gather_elem_fn(gr,") == 2 * nj and load.count("gather_elem_fn(gr8,") == 2
+    calls = [ln.strip() for ln in src.splitlines() if ln.strip().startswith(("score_row(sc", "score_row_pair(sc"))]
+    assert calls and all(c.startswith("score_row_pair(") for c in calls), calls
+    off = _kernels(_example("relative_bias"), {"row_pairs": False})[kernel]
+    assert "def score_row_pair(" not in off and "score_row(sc" in off
+
+
+def test_gather_early_reads_before_the_waits():
+    """extra gather_early: the ws kernel loads the tile's entries (score_pair_load) before it waits for K, and the
+    unmasked path hands them to score_row_pair_given."""
+    src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("relative_bias"), {"schedule": "wgmma-ws",
+                                                                             "producer": "none", "gather_early": True},
+                                                D=128))
+    load = src.index("gl = score_pair_load(")
+    assert load < src.index("mbar_wait(bars", load) and "score_row_pair_given(sc, ofs_0, " in src
+    assert src.index("score_row_pair_given(sc, ofs_0, ") > src.index("WAIT_S", load)
 
 
 @pytest.mark.parametrize("stem,taken", [("relative_bias", True), ("bias", False), ("alibi", False),

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from col_step_sim_cases import CASES  # noqa: E402
+from col_step_sim_cases import CASES, PAIRS  # noqa: E402
 from simulated import FORWARD_O_TOL, collect, spawn  # noqa: E402
 
 
@@ -35,3 +35,22 @@ def test_the_column_step_matches_the_reference(results, case):
     assert not r["nan"], r
     assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]] and r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r
+
+
+@pytest.mark.parametrize("case", sorted(PAIRS))
+def test_a_threads_row_pair_shares_its_table_loads(results, case):
+    """The pair's shared loads ran (score_row_pair_given's calls beyond those that fell back to two score_row
+    calls), and so did the fallback, for a pair with a row outside the table; O matched above. A shared entry
+    taken from the wrong n8 tile (a shift's sign flipped) moves O far past the tolerance (checked by hand)."""
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert r["shift"] == PAIRS[case], r
+    pairs, rows = r["calls"]["score_row_pair_given"], r["calls"]["score_row"]
+    assert rows > 0 and rows % 2 == 0 and pairs > rows // 2, r
+    assert r["early"] == bool(CASES[case][5].get("gather_early")), r
+
+
+def test_alibi_has_no_row_pairs(results):
+    assert all(results[c]["shift"] is None and results[c]["calls"]["score_row_pair_given"] == 0
+               for c in CASES if c not in PAIRS and c in results), results
+

@@ -2,7 +2,7 @@
 plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 and 3 stages, within FlashAttention's
 error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
 128 x 128 tiles; the producer warp (288 threads, 168 registers) and no producer (extra producer "none", 256),
-persistent or not (extra persistent), with half tiles or not (extra half_tiles).
+persistent or not (extra persistent), with half tiles or not (extra half_tiles); the relative bias's row pairs.
 
 Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -71,4 +72,33 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
     B, H = (2, 4) if N <= 1000 else (1, 2)
     env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + D)]
+    assert_error_rule(g, c, env, host, dtype)
+
+
+@pytest.mark.parametrize("M, N", [(1000, 1000), (1500, 700), (300, 4096)])
+@pytest.mark.parametrize("dtype, D, extra", [
+    ("f16", 128, {}),
+    ("bf16", 128, {"gather_early": True}),
+    ("f16", 64, {"gather_early": True}),
+])
+def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: int) -> None:
+    """The relative bias on the no-producer ws kernel, a thread's rows g and g + 8 sharing their table loads
+    (emit_fa2.row_gather_shift), the entries read before the waits or after; M > N puts rows' indices outside the
+    table (their pairs fall back to each row's own clamped path)."""
+    _hopper()
+    import runpy
+
+    from falower.passes.check import bind_dims, random_inputs
+
+    root = Path(__file__).resolve().parent.parent.parent
+    g = next(v for v in runpy.run_path(str(root / "examples" / "relative_bias.py")).values()
+             if isinstance(v, fl.Func))
+    if dtype != "f16":
+        g = fl.parse_func(fl.print_func(g).replace("f16[", f"{dtype}[").replace('"f16"', f'"{dtype}"'))
+    c = fl.compile(g, pipeline=PIPELINE.format(bk=128), extra={"schedule": "wgmma-ws", "producer": "none", **extra})
+    kern = c.specialize(dtype, D=D)
+    assert "score_row_pair" in kern.source and ("gl = score_pair_load(" in kern.source) == bool(extra)
+    env = bind_dims(g, {"B": 2, "H": 3, "M": M, "N": N, "D": D})
+    host = [rounded(x, dtype) if i < 3 else x.astype(np.float32)
+            for i, x in enumerate(random_inputs(g, env, seed=M + N + D))]
     assert_error_rule(g, c, env, host, dtype)

@@ -816,6 +816,41 @@ def col_step(spec: FA2ForwardSpec) -> bool:
         and spec.extra.get("col_step", True) is not False
 
 
+def row_gather_shift(spec: FA2ForwardSpec) -> Optional[int]:
+    """Where score_row reads its table by a row's index (`row_gather`) and row q + 8's entry at column kv + o is row
+    q's at kv + o + 8 shift (from_ir._row_gather: the relative bias, shift -1), `shift`: a thread's rows g and
+    g + 8 (its two rows of an m16 / m64 fragment, whose columns are the same 8 jj + 2t, + 1) then share all their
+    loads but one column pair, 2 NJ + 2 a tile where they took 4 NJ (`score_row_pair`). None otherwise, or with
+    spec.extra["row_pairs"] = False (bench '-norp')."""
+    m = re.search(r"^ROW_GATHER_SHIFT = (-?\d+)", spec.device_source, re.M)
+    if m is None or not row_gather(spec) or spec.extra.get("row_pairs", True) is False:
+        return None
+    return int(m.group(1))
+
+
+def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv0 + t2", tail: str = "",
+                    given: str = "") -> list[str]:
+    """The unmasked score calls of a thread's rows: a fragment's rows g and g + 8 (`off` 8 apart, the same
+    accumulators, the second's elements 2 after the first's) in one `score_row_pair` where they share their table
+    loads (`row_gather_shift`), the rest one `score_row` a row. `tail`: arguments after N (per row, {r}: its off).
+    `given`: the pair's entries, loaded before (`score_pair_load`; one pair of rows)."""
+    caps = _score_args(spec)
+    pairs = row_gather_shift(spec) is not None and not tail
+    out: list[str] = []
+    k = 0
+    while k < len(rows):
+        t = rows[k]
+        u = rows[k + 1] if k + 1 < len(rows) else None
+        if pairs and u is not None and u.off == t.off + 8 and u.sc == t.sc:
+            out.append(f"score_row_pair_given({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps}, {given})" if given
+                       else f"score_row_pair({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})")
+            k += 2
+            continue
+        out.append(f"score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps}{tail.format(r=t.off)})")
+        k += 1
+    return out
+
+
 def row_gather(spec: FA2ForwardSpec) -> bool:
     """Whether score_row reads the score's table by a row's index and constant offsets (from_ir._row_gather: a
     relative bias `rel[h, q - kv + N - 1]`): gather_row_fn once per row and tile gives the table's indices at the
@@ -1096,6 +1131,60 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             else:
                 for line in per_element:
                     c(line)
+    shift = row_gather_shift(spec)
+    if shift is not None:
+        # the row pair's entries: jj < NJ row qi's n8 tiles (two each), then row qi + 8's tiles that row qi lacks
+        own8 = [m for m in range(NJ) if not 0 <= m + shift < NJ]
+        names = [f"g{jj}_{u}" for jj in range(NJ) for u in (0, 1)] + [f"h{m}_{u}" for m in own8 for u in (0, 1)]
+        span = 8 * (NJ - 1) + 1
+        cap = _cap_args(spec)
+        at = f"kv + o {'+' if shift > 0 else '-'} 8"
+        c()
+        c("@device_function")
+        c(f"def score_pair_load(b, h, qi, kv{caps}):")
+        with c.indent():
+            c(f"# rows qi and qi + 8's table entries: row qi + 8's at column kv + o are row qi's at {at}")
+            c(f"# (row_gather_shift), so the two rows load {len(names)} entries, not {4 * NJ}; (False, zeros) where")
+            c("# a row's columns leave the table (score_row_pair_given then takes score_row's clamped path)")
+            c(f"gr = gather_row_fn(b, h, qi, kv, {span}{caps})")
+            c(f"gr8 = gather_row_fn(b, h, qi + 8, kv, {span}{caps})")
+            c("if gr[0] and gr8[0]:")
+            with c.indent():
+                loads = [f"gather_elem_fn(gr, {8 * jj + u}{cap})" for jj in range(NJ) for u in (0, 1)]
+                loads += [f"gather_elem_fn(gr8, {8 * m + u}{cap})" for m in own8 for u in (0, 1)]
+                c("return (True, " + ", ".join(loads) + ")")
+            c("z = np.float32(0)")
+            c("return (False, " + ", ".join("z" for _ in names) + ")")
+        c()
+        c("@device_function")
+        c(f"def score_row_pair_given(x, i, b, h, qi, kv, N{caps}, ld):")
+        with c.indent():
+            c("# rows qi (x[i + 4 jj], + 1) and qi + 8 (x[i + 2 + 4 jj], + 1) with the entries score_pair_load read")
+            c("if ld[0]:")
+            with c.indent():
+                def elem(e: int, g: str, q: str, o: int) -> None:
+                    c(f"lset(x, i + {e}, np.float32(score_gathered_fn(lget(x, i + {e}), {g}, b, h, {q}, "
+                      f"kv + {o}{caps})))")
+
+                for jj in range(NJ):
+                    for u in (0, 1):
+                        g = f"ld[{1 + names.index(f'g{jj}_{u}')}]"
+                        elem(4 * jj + u, g, "qi", 8 * jj + u)
+                        m = jj - shift  # row qi + 8's n8 tile whose entries these are too
+                        if 0 <= m < NJ:
+                            elem(4 * m + 2 + u, g, "qi + 8", 8 * m + u)
+                for m in own8:
+                    for u in (0, 1):
+                        elem(4 * m + 2 + u, f"ld[{1 + names.index(f'h{m}_{u}')}]", "qi + 8", 8 * m + u)
+            c("else:")
+            with c.indent():
+                c(f"score_row(x, i, b, h, qi, kv, N{caps})")
+                c(f"score_row(x, i + 2, b, h, qi + 8, kv, N{caps})")
+        c()
+        c("@device_function")
+        c(f"def score_row_pair(x, i, b, h, qi, kv, N{caps}):")
+        with c.indent():
+            c(f"score_row_pair_given(x, i, b, h, qi, kv, N{caps}, score_pair_load(b, h, qi, kv{caps}))")
     if has_tile_table(spec):
         c()
         c("@device_function")
@@ -1567,11 +1656,14 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
             c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
 
             def score_block(masked: bool) -> None:
-                for mf in range(MF):
-                    for r in range(2):
-                        q = f"q_lo + warp * {RW} + {mf * 16 + 8 * r} + g"
-                        fn = "masked_score_row" if masked else "score_row"
-                        c(f"{fn}(sc, ofs_{mf * NJ * 4 + 2 * r}, b, h, {q}, kv0 + t2, N{_score_args(spec)})")
+                rows = [ThreadRow(2 * mf + r, mf * 16 + 8 * r, "sc", "", f"ofs_{mf * NJ * 4 + 2 * r}",
+                                  f"q_lo + warp * {RW} + {mf * 16 + 8 * r} + g") for mf in range(MF) for r in range(2)]
+                if not masked:
+                    for line in score_row_calls(spec, rows):
+                        c(line)
+                    return
+                for t in rows:
+                    c(f"masked_score_row({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{_score_args(spec)})")
 
             c("if need_mask:")
             with c.indent():

@@ -62,6 +62,7 @@ from .emit_fa2 import (
     grid_3d,
     row_bounds_read_data,
     rows_helper,
+    score_row_calls,
     wgmma_thread_rows,
 )
 from .spec import FA2ForwardSpec
@@ -615,8 +616,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                     emit_masked_rows(c, caps, HOIST, rows)
                 c("else:")
                 with c.indent():
-                    for t in rows:
-                        c(f"score_row({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{caps})")
+                    for line in score_row_calls(spec, rows):
+                        c(line)
                 c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
                 for t in rows:
                     c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, 'kv0 + t2')}")

@@ -88,6 +88,8 @@ from .emit_fa2 import (
     has_row_bounds,
     has_tile_table,
     row_bounds_read_data,
+    row_gather_shift,
+    score_row_calls,
     walks_range,
     wgmma_thread_rows,
 )
@@ -180,6 +182,13 @@ def half_mode(spec: FA2ForwardSpec) -> str:
     if not half_tiles(spec):
         return ""
     return "pv" if spec.extra.get("half_tiles") == "pv" else "s"
+
+
+def gather_early(spec: FA2ForwardSpec) -> bool:
+    """spec.extra["gather_early"] (bench '-ge'): where a thread's row pair shares its table loads
+    (emit_fa2.row_gather_shift), read a tile's entries before the waits for K and S (`score_pair_load`), so that
+    their L2 latency runs beside the products; they then hold 2 NJ + 2 registers across the wait."""
+    return bool(spec.extra.get("gather_early", False)) and row_gather_shift(spec) is not None and not table_tiles(spec)
 
 
 def uses_ws(spec: FA2ForwardSpec) -> bool:
@@ -654,6 +663,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     HOIST = row_bounds_read_data(spec)
     HALF = half_mode(spec)
     H2 = BK // 2
+    EARLY = gather_early(spec)
 
     def item_start(qphase: str) -> Optional[Callable[[str], None]]:
         """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
@@ -759,6 +769,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
+        if EARLY:
+            c("# the score's table entries for this tile, read before the waits for K and S: their latency (an L2")
+            c("# read a tile: its columns move on by 128) runs beside the products, not in the softmax's turn")
+            c(f"gl = score_pair_load(b, h, {ROWS[0].row}, j * {BK} + t2{caps})")
         c(f"mbar_wait(bars + {lay['full_k']} + stage * 8, phase)  # K_j has landed")
         c("if have_prev:")
         with c.indent():
@@ -854,6 +868,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("tphase ^= 1")
         def score_rows(fn: str, tail: str = "") -> None:
             """The thread's two rows of S through `fn`; `tail` adds arguments after N (per row, {r}: its offset)."""
+            if fn == "score_row":
+                for line in score_row_calls(spec, ROWS, given="gl" if EARLY else ""):
+                    c(line)
+                return
             for t in ROWS:
                 c(f"{fn}({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{caps}{tail.format(r=t.off)})")
 

@@ -671,15 +671,18 @@ def _score_factor(e: "_ScalarEmitter", low: "Lowered") -> tuple[str, float, list
     return name, 0.0, []
 
 
-def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter", zero: bool = False) -> Optional[float]:
+def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter", zero: bool = False,
+             along: str = "kv") -> Optional[float]:
     """k where the score region's value v is k * kv + r, k a constant and r reading neither kv nor s (ALiBi's
     distance cast(kv) - cast(q): k = 1); None where v is not of that form. Integer kv is exact in f32 (kv < 2^24),
     so the column's part of v * w is k * w * kv: the kernels add k * w times the column's offset from the thread's
     first column per element, and the rest once per row and tile (emit_fa2.col_step). `zero`: k = 0 (v does not
-    change along a row) is an answer too."""
+    change along a row) is an answer too. `along="q"`: the same down a column (k * q + r, r reading neither q nor
+    s; the hoisted per-row values followed back to q), which _row_gather's row pairs ask of a gather's index."""
     region = low.fused.regions[0]
     roles = dict(zip(region.args, low.fused.attrs["roles"]))
-    kv_idx = [o for o, r in zip(low.fused.operands, low.fused.attrs["roles"]) if r == "kv"]
+    kv_idx = [o for o, r in zip(low.fused.operands, low.fused.attrs["roles"]) if r == along]
+    hoisted, fixed = ("col", "kv") if along == "kv" else ("row", "q")
     memo: dict[Value, Optional[float]] = {}
 
     def coef(x: Value) -> Optional[float]:
@@ -702,11 +705,11 @@ def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter", zero: bool = False) 
             return 1.0
         if x in roles:
             r = roles[x]
-            if r == "kv":
+            if r == fixed:
                 return 1.0
-            if r == "col":  # a hoisted per-column value: the same form outside the region, back to kv_idx
+            if r == hoisted:  # a hoisted per-column (row) value: the same form outside the region, back to kv_idx
                 return coef(low.fused.operands[region.args.index(x)])
-            return None if r == "s" else 0.0  # q, row, cta, b, h, cap: the same along a row
+            return None if r == "s" else 0.0  # (along kv) q, row, cta, b, h, cap: the same along a row
         op = x.owner
         if not isinstance(op, Op):
             return 0.0  # outside the region, under a per-column value: a loop's index other than kv's
@@ -736,11 +739,14 @@ def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter", zero: bool = False) 
     return k if k is not None and (k != 0.0 or zero) and math.isfinite(k) else None
 
 
-def _row_gather(low: "Lowered", e: "_ScalarEmitter", gathers: list[Op]) -> Optional[tuple[Op, int]]:
-    """(gather, k) where the score's one gather that changes along a row reads a f32 table at indices that do not,
-    but for the last, which is k * kv + r with k = +-1 (a relative bias `rel[h, q - kv + N - 1]`): a thread's
-    row then reads table[i.., il + k o] at the constant offsets o of its columns from il, the index at its first
-    column (emit_fa2.row_gather); None otherwise."""
+def _row_gather(low: "Lowered", e: "_ScalarEmitter", gathers: list[Op]) -> Optional[tuple[Op, int, Optional[int]]]:
+    """(gather, k, shift) where the score's one gather that changes along a row reads a f32 table at indices that
+    do not, but for the last, which is k * kv + r with k = +-1 (a relative bias `rel[h, q - kv + N - 1]`): a
+    thread's row then reads table[i.., il + k o] at the constant offsets o of its columns from il, the index at its
+    first column (emit_fa2.row_gather); None otherwise. `shift` (-1, 1, or None): where the leading indices do
+    not change down a column and the last is a q + k kv + r' with a k = shift (the relative bias: -1), row q + 8's
+    entry at column kv + o is row q's at kv + o + 8 shift, so a thread's rows g and g + 8 share their loads
+    (emit_fa2.row_gather_shift). (A table read at kv alone is no gather here: score-licm hoists it per column.)"""
     region = low.fused.regions[0]
     roles = list(low.fused.attrs["roles"])
     kv_args = {a for a, r in zip(region.args, roles) if r in ("kv", "col")}
@@ -755,11 +761,16 @@ def _row_gather(low: "Lowered", e: "_ScalarEmitter", gathers: list[Op]) -> Optio
     if op.results[0].type.dtype != "f32" or any(_kv_coef(low, i, e, zero=True) != 0.0 for i in idx[:-1]):
         return None
     k = _kv_coef(low, idx[-1], e)
-    return (op, int(k)) if k in (1.0, -1.0) else None
+    if k not in (1.0, -1.0):
+        return None
+    a = _kv_coef(low, idx[-1], e, zero=True, along="q")
+    lead_q = [_kv_coef(low, i, e, zero=True, along="q") for i in idx[:-1]]
+    shift = int(a * k) if a is not None and a * k in (-1.0, 1.0) and all(c == 0.0 for c in lead_q) else None
+    return op, int(k), shift
 
 
-def _row_gather_lines(op: Op, k: int, e: "_ScalarEmitter", lines: list[str], root: str, sig_caps: str,
-                      hz: str) -> list[str]:
+def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter", lines: list[str], root: str,
+                      sig_caps: str, hz: str) -> list[str]:
     """`gather_row_fn(b, h, q, kv, span, ...)` -> (ok, the table's indices at column kv: the leading ones clamped as
     gather clamps them, the last as is, 64-bit unsigned), ok where columns kv .. kv + span all index inside the
     table unclamped; `gather_elem_fn(gr, o, ...)` the entry at column kv + o; `score_gathered_fn(s, g, b, h, q, kv,
@@ -777,7 +788,9 @@ def _row_gather_lines(op: Op, k: int, e: "_ScalarEmitter", lines: list[str], roo
     lead = [clamped_index(table, d, n) for d, n in enumerate(names[:-1])]
     step = "+" if k == 1 else "-"
     elem = ", ".join([f"gr[{d + 1}]" for d in range(r - 1)] + [f"gr[{r}] {step} np.uint64(o)"])
-    return [f"def gather_row_fn(b, h, q, kv, span{sig_caps}{hz}):",
+    marker = [] if shift is None else [f"ROW_GATHER_SHIFT = {shift}  # row q + 8 at column kv + o reads row q's "
+                                        "entry at kv + o + 8 ROW_GATHER_SHIFT", ""]
+    return marker + [f"def gather_row_fn(b, h, q, kv, span{sig_caps}{hz}):",
             *_live_lines(lines, " ".join(names)),
             f"    il = np.int32({names[-1]})",
             f"    return ({ok}, {''.join(x + ', ' for x in lead)}np.uint64(il))",
