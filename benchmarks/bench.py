@@ -112,11 +112,12 @@ def parse_config(text: str) -> tuple:
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
     row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
-    a thread's rows g and g + 8 could share them (extra row_pairs), '-ge' the '-wsn' kernel's shared entries read
-    before the waits for K and S (extra gather_early); '-half' the '-wsn' kernel's half
+    a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
+    after the waits for K and S, not before (extra gather_early); '-half' the '-wsn' kernel's half
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
-    kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nose' / '-se' O stored from the
+    kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not the FMA
+    pipe's polynomial where a tile's scores are in its range (extra tanh_small); '-nose' / '-se' O stored from the
     fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
     memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
     rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum
@@ -166,8 +167,10 @@ def parse_config(text: str) -> tuple:
             extra["row_gather"] = False
         elif o == "norp":
             extra["row_pairs"] = False
-        elif o == "ge":
-            extra["gather_early"] = True
+        elif o == "nots":
+            extra["tanh_small"] = False
+        elif o == "noge":
+            extra["gather_early"] = False
         elif o == "half":
             extra["half_tiles"] = True
         elif o == "halfpv":
@@ -243,8 +246,10 @@ def config_tag(cfg: tuple) -> str:
         tag += "-norg"
     if extra.get("row_pairs") is False:
         tag += "-norp"
-    if extra.get("gather_early"):
-        tag += "-ge"
+    if extra.get("tanh_small") is False:
+        tag += "-nots"
+    if extra.get("gather_early") is False:
+        tag += "-noge"
     if extra.get("half_tiles") is True:
         tag += "-half"
     if extra.get("half_tiles") == "pv":

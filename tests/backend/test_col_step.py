@@ -185,21 +185,24 @@ def test_the_kernels_share_a_row_pairs_loads(kernel):
     load = _fn(src, "score_pair_load")
     nj = 8  # 64-column tiles
     assert load.count("gather_elem_fn(gr,") == 2 * nj and load.count("gather_elem_fn(gr8,") == 2
-    calls = [ln.strip() for ln in src.splitlines() if ln.strip().startswith(("score_row(sc", "score_row_pair(sc"))]
-    assert calls and all(c.startswith("score_row_pair(") for c in calls), calls
+    calls = [ln.strip() for ln in src.splitlines() if ln.strip().startswith(("score_row(sc", "score_row_pair"))]
+    assert calls and all(c.startswith("score_row_pair") for c in calls), calls  # (the ws kernel's: _given)
     off = _kernels(_example("relative_bias"), {"row_pairs": False})[kernel]
     assert "def score_row_pair(" not in off and "score_row(sc" in off
 
 
 def test_gather_early_reads_before_the_waits():
-    """extra gather_early: the ws kernel loads the tile's entries (score_pair_load) before it waits for K, and the
-    unmasked path hands them to score_row_pair_given."""
-    src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("relative_bias"), {"schedule": "wgmma-ws",
-                                                                             "producer": "none", "gather_early": True},
-                                                D=128))
+    """The ws kernel loads the tile's entries (score_pair_load) before it waits for K, and the unmasked path hands
+    them to score_row_pair_given; extra gather_early = False reads them in score_row_pair, after the waits."""
+    def ws(extra):
+        return emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("relative_bias"), {"schedule": "wgmma-ws",
+                                                                                  "producer": "none", **extra}, D=128))
+    src = ws({})
     load = src.index("gl = score_pair_load(")
     assert load < src.index("mbar_wait(bars", load) and "score_row_pair_given(sc, ofs_0, " in src
     assert src.index("score_row_pair_given(sc, ofs_0, ") > src.index("WAIT_S", load)
+    late = ws({"gather_early": False})
+    assert "gl = score_pair_load(" not in late and "score_row_pair(sc, ofs_0, " in late
 
 
 @pytest.mark.parametrize("stem,taken", [("relative_bias", True), ("bias", False), ("alibi", False),

@@ -78,6 +78,7 @@ from falower.backends.numba_cuda.intrinsics import (
     tan_f32,
     tanh_approx_f32,
     tanh_ex2_f32,
+    tanh_small_f32,
     bf16_to_f32,
     cp_async16,
     cp_async16_s,
@@ -828,6 +829,19 @@ def row_gather_shift(spec: FA2ForwardSpec) -> Optional[int]:
     return int(m.group(1))
 
 
+def small_scores(spec: FA2ForwardSpec) -> Optional[float]:
+    """The bound on |s| under which score_raw_small_fn's tanh is the FMA pipe's polynomial (from_ir
+    `SCORE_SMALL_S`: the softcap c tanh(s / c) with |s scale| <= c), where the unmasked scores go per element
+    through score_raw_fn: a tile whose scores all lie there (a max of |s| a thread, a ballot a warp) takes
+    score_row_small, the rest score_row's tanh_ex2 (two MUFU operations an element; the softcap's bound). None
+    otherwise, or with spec.extra["tanh_small"] = False (bench '-nots')."""
+    m = re.search(r"^SCORE_SMALL_S = ([0-9.e+-]+)", spec.device_source, re.M)
+    if m is None or spec.extra.get("tanh_small", True) is False or not folded_scale(spec) or col_step(spec) \
+            or row_gather(spec) or has_score_pairs(spec):
+        return None
+    return float(m.group(1))
+
+
 def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv0 + t2", tail: str = "",
                     given: str = "") -> list[str]:
     """The unmasked score calls of a thread's rows: a fragment's rows g and g + 8 (`off` 8 apart, the same
@@ -835,6 +849,13 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
     loads (`row_gather_shift`), the rest one `score_row` a row. `tail`: arguments after N (per row, {r}: its off).
     `given`: the pair's entries, loaded before (`score_pair_load`; one pair of rows)."""
     caps = _score_args(spec)
+    if small_scores(spec) is not None and not tail and not given:
+        absmax = [f"score_absmax({t.sc}, {t.ofs})" for t in rows]
+        big = absmax[0] if len(absmax) == 1 else f"max({', '.join(absmax)})"
+        small = [f"    score_row_small({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
+        exact = [f"    score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
+        return [f"if ballot({big} > SCORE_SMALL_S) == 0:  # every score of the warp's rows in tanh_small's range",
+                *small, "else:", *exact]
     pairs = row_gather_shift(spec) is not None and not tail
     out: list[str] = []
     k = 0
@@ -1131,6 +1152,29 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             else:
                 for line in per_element:
                     c(line)
+    if small_scores(spec) is not None:
+        c()
+        c("@device_function")
+        c(f"def score_row_small(x, i, b, h, qi, kv, N{caps}):")
+        with c.indent():
+            c("# score_row with the FMA pipe's tanh (score_raw_small_fn): the caller has seen every |s| in range")
+            c(f"for jj in range({NJ}):")
+            with c.indent():
+                c("e = i + jj * 4")
+                c("k = kv + jj * 8")
+                c(f"lset(x, e, np.float32(score_raw_small_fn(lget(x, e), b, h, qi, k{caps})))")
+                c(f"lset(x, e + 1, np.float32(score_raw_small_fn(lget(x, e + 1), b, h, qi, k + 1{caps})))")
+        c()
+        c("@device_function")
+        c("def score_absmax(x, i):")
+        with c.indent():
+            c("# the largest |s| of one thread's row (a NaN may drop out: its tanh is NaN on either path)")
+            c("m = max(abs(lget(x, i)), abs(lget(x, i + 1)))")
+            c(f"for jj in range(1, {NJ}):")
+            with c.indent():
+                c("m = max(m, abs(lget(x, i + jj * 4)))")
+                c("m = max(m, abs(lget(x, i + jj * 4 + 1)))")
+            c("return m")
     shift = row_gather_shift(spec)
     if shift is not None:
         # the row pair's entries: jj < NJ row qi's n8 tiles (two each), then row qi + 8's tiles that row qi lacks

@@ -185,10 +185,12 @@ def half_mode(spec: FA2ForwardSpec) -> str:
 
 
 def gather_early(spec: FA2ForwardSpec) -> bool:
-    """spec.extra["gather_early"] (bench '-ge'): where a thread's row pair shares its table loads
-    (emit_fa2.row_gather_shift), read a tile's entries before the waits for K and S (`score_pair_load`), so that
-    their L2 latency runs beside the products; they then hold 2 NJ + 2 registers across the wait."""
-    return bool(spec.extra.get("gather_early", False)) and row_gather_shift(spec) is not None and not table_tiles(spec)
+    """Where a thread's row pair shares its table loads (emit_fa2.row_gather_shift), read a tile's entries before
+    the waits for K and S (`score_pair_load`), so that their L2 latency runs beside the products, not in the
+    softmax's turn; they then hold 2 NJ + 2 registers across the wait. The relative bias at D = 128 +11% (NOTES,
+    "The relative bias's row pairs"). spec.extra["gather_early"] = False reads them after (bench '-noge')."""
+    return spec.extra.get("gather_early", True) is not False and row_gather_shift(spec) is not None \
+        and not table_tiles(spec)
 
 
 def uses_ws(spec: FA2ForwardSpec) -> bool:

@@ -579,6 +579,7 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
         out += ["", f"def score_raw_fn(s, b, h, q, kv{sig_caps}{hz}):", *raw, f"    return np.float32({root})"]
         if e.col_step:  # x = s + w kv + r(q): the step of x from one column to the next, once per program
             out += ["", f"def score_col_fn(b, h{sig_caps}{hz}):", f"    return np.float32({e.col_step})"]
+        out += _small_score_lines(raw, root, sig_caps, hz)
     gathers = [op for op in backward_slice(region, [low.score]) if op.name == "gather"]
     pair_lines = _score_pair_lines(region, gathers, e, lead, body_x, low, sig_caps, hz, root)
     if pair_lines:  # two adjacent columns' table entries by one 8-byte load
@@ -801,6 +802,30 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
             f"def score_gathered_fn(s, g, b, h, q, kv{sig_caps}{hz}):",
             *_live_lines(given, root),
             f"    return np.float32({root})"]
+
+
+def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> list[str]:
+    """Where every tanh of score_raw_fn's lines is tanh_ex2_f32 of s times a constant K (the softcap, c tanh(s /
+    c)): `SCORE_SMALL_S`, the |s| under which each such argument lies in tanh_small_f32's range (|s K| <=
+    TANH_SMALL_Y), and `score_raw_small_fn`, score_raw_fn with tanh_small_f32, the FMA pipe's polynomial, for a
+    tile whose scores all lie there (emit_fa2.small_scores); [] otherwise."""
+    import re
+
+    import numpy as np
+
+    from .intrinsics import TANH_SMALL_Y
+
+    text = "\n".join(raw)
+    calls = re.findall(r"tanh_ex2_f32\(\((\w+) \* np\.float32\(([^()]+)\)\)\)", text)
+    if not calls or text.count("tanh_ex2_f32(") != len(calls) or any(base != "s" for base, _ in calls):
+        return []
+    k = max(abs(float(c)) for _, c in calls)
+    if not math.isfinite(k) or k == 0.0:
+        return []
+    bound = float(np.float32(TANH_SMALL_Y / k * (1.0 - 2.0 ** -20)))  # f32 s * K rounds up by at most an ulp
+    return ["", f"SCORE_SMALL_S = {bound!r}  # |s| <= this: every tanh's argument |s K| <= TANH_SMALL_Y", "",
+            f"def score_raw_small_fn(s, b, h, q, kv{sig_caps}{hz}):",
+            *[ln.replace("tanh_ex2_f32(", "tanh_small_f32(") for ln in raw], f"    return np.float32({root})"]
 
 
 def _kv_dependent(region: Block, kv_args: set) -> set:

@@ -46,6 +46,9 @@ Public names (identical in both modes):
     tanh_ex2_f32                   (y: f32) -> f32, tanh(y / (2 log2 e)) as 1 - 2 / (1 + 2**y): ex2 and rcp on
                                    MUFU and two FMA-pipe instructions, absolute error ~2**-22 (the tensor-core
                                    kernels' tanh; TANH_EX2_PTX)
+    tanh_small_f32                 (y: f32, |y| <= TANH_SMALL_Y) -> f32, the same tanh(y / (2 log2 e)) by an odd
+                                   polynomial on the FMA pipe, no MUFU: 8 instructions, absolute error ~2**-22.7
+                                   (TANH_SMALL_PTX; the kernels take it for a tile whose scores all lie in range)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
@@ -114,6 +117,7 @@ __all__ = [
     "ex2_poly",
     "tanh_approx_f32",
     "tanh_ex2_f32",
+    "tanh_small_f32",
     "shfl_xor_f32",
     "ballot",
     "lowest_bit",
@@ -247,6 +251,31 @@ def tanh_ex2_steps(y) -> np.float32:
         d = np.float32(e + np.float32(1.0))
         r = np.float32(np.float32(1.0) / d)
     return np.float32(np.float64(r) * -2.0 + 1.0)
+
+
+# tanh_small: tanh(y / (2 log2 e)) for |y| <= TANH_SMALL_Y (|tanh's argument| <= 1) as y R(y^2), R of degree 6 fitted
+# for absolute error (Lawson's minimax iteration, coefficients rounded to f32): 1.46e-7 (2**-22.7) at most with every
+# step rounded as the PTX rounds it, under tanh_ex2's 2**-22.4. One multiply for u = y^2, six FMAs, one multiply by y:
+# 8 FMA-pipe instructions where tanh_ex2 takes two MUFU operations, which bound the softcap (three an element with
+# softmax's ex2, against plain's one). The kernels check that a tile's scores are in range (a max of |s| and a
+# ballot) and take tanh_ex2 otherwise (emit_fa2.small_scores).
+TANH_SMALL_Y = 2.0 * 1.4426950408889634  # |y| <= 2 log2(e): |x| <= 1
+TANH_SMALL_POLY = (0.34657347202301025, -0.013875526376068592, 0.0006659904029220343, -3.199020284228027e-05,
+                   1.4408163906409754e-06, -5.15656566335565e-08, 1.0030335451105543e-09)
+TANH_SMALL_PTX = ("{ .reg .f32 u, p; mul.rn.f32 u, $1, $1; "
+                  f"fma.rn.f32 p, u, {_f32_hex(TANH_SMALL_POLY[6])}, {_f32_hex(TANH_SMALL_POLY[5])}; "
+                  + "".join(f"fma.rn.f32 p, p, u, {_f32_hex(c)}; " for c in TANH_SMALL_POLY[4::-1])
+                  + "mul.rn.f32 $0, $1, p; }")
+
+
+def tanh_small_steps(y) -> np.float32:
+    """TANH_SMALL_PTX's steps in numpy float32, each rounded as the PTX rounds it: the simulator's tanh_small_f32."""
+    y = np.float32(y)
+    u = np.float32(y * y)
+    p = np.float32(TANH_SMALL_POLY[6])
+    for c in TANH_SMALL_POLY[5::-1]:
+        p = np.float32(np.float64(p) * np.float64(u) + np.float64(np.float32(c)))
+    return np.float32(y * p)
 
 
 if SIMULATOR:
@@ -567,6 +596,9 @@ if SIMULATOR:
 
     def tanh_ex2_f32(y):
         return tanh_ex2_steps(y)
+
+    def tanh_small_f32(y):
+        return tanh_small_steps(y)
 
     def shfl_xor_f32(x, lane_mask):
         lane, vals = _exchange(np.float32(x))
@@ -1343,6 +1375,7 @@ else:
     ex2_poly = _unary_asm_intrinsic("ex2_poly", EX2_POLY_PTX, _F32, _F32, "=f,f")
     tanh_approx_f32 = _unary_asm_intrinsic("tanh_approx_f32", "tanh.approx.f32 $0, $1;", _F32, _F32, "=f,f")
     tanh_ex2_f32 = _unary_asm_intrinsic("tanh_ex2_f32", TANH_EX2_PTX, _F32, _F32, "=f,f")
+    tanh_small_f32 = _unary_asm_intrinsic("tanh_small_f32", TANH_SMALL_PTX, _F32, _F32, "=f,f")
 
     @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):

@@ -1,0 +1,78 @@
+"""Simulator cases for test_tanh_small_simulator.py: the softcap (30 tanh(s / 30)) on each tensor-core kernel, a
+tile's tanh by the FMA pipe's polynomial where every score of the warp's rows lies in its range (emit_fa2.
+small_scores) and by tanh_ex2 elsewhere, through falower.compile against the reference interpreter in float64, in a
+subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case, with the calls of score_row_small and score_row
+counted (the simulator calls the kernel's module globals): some query rows are scaled up so that their warps' scores
+leave the range, so each case takes both paths.
+
+Usage: NUMBA_ENABLE_CUDASIM=1 python tanh_small_sim_cases.py [case-id ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+sys.setswitchinterval(5e-4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+from sim_script import against_reference, run_main  # noqa: E402
+
+# id: (M, N, D, tile (bq, bk), spec.extra, the query rows scaled by 40); ragged last tiles, M != N
+CASES = {
+    "ws-softcap": (130, 90, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}, (40, 56)),
+    "fa3-r128-softcap": (70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}, (0, 9)),
+    "mma-softcap": (40, 70, 32, (64, 32), {}, (16, 24)),
+}
+
+
+def run_case(case_id: str) -> dict:
+    import runpy
+
+    import falower as fl
+    from falower.backends.numba_cuda.emit_fa2 import small_scores
+    from falower.passes import NAMED_PIPELINES
+    from falower.passes.check import Reference, bind_dims
+
+    M, N, D, (bq, bk), extra, (r0, r1) = CASES[case_id]
+    B, H = 1, 2
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    g = runpy.run_path(os.path.join(root, "examples", "softcap.py"))["graph"]
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((B, H, M, D)).astype(np.float32)
+    q[:, :, r0:r1] *= 40.0  # these rows' scaled scores reach ~40 sigma: their warps take tanh_ex2
+    q = q.astype(np.float16)
+    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
+    ref = Reference.build(g, env, inputs=[x.astype(np.float64) for x in (q, k, v)])
+    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=extra)
+    kern = c.kernel(q, k, v)
+    glb = kern._kernel.fn.__globals__
+    calls = dict.fromkeys(("score_row_small", "score_row"), 0)
+    lock = threading.Lock()
+
+    def counted(name, fn):
+        def call(*a):
+            with lock:
+                calls[name] += 1
+            return fn(*a)
+        return call
+
+    for name in calls:
+        if name in glb:
+            glb[name] = counted(name, glb[name])
+    o, lse = c(q, k, v)
+    return {"id": case_id, "dtype": "f16", "schedule": kern.spec.extra.get("schedule", "mma"),
+            "bound": small_scores(kern.spec), "calls": calls,
+            **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
+
+
+def main(ids) -> None:
+    run_main(ids or list(CASES), run_case)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

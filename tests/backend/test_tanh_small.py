@@ -1,0 +1,101 @@
+"""tanh_small_f32 (intrinsics.py): tanh(y / (2 log2 e)) for |y| <= TANH_SMALL_Y by an odd polynomial on the FMA
+pipe, and where the kernels take it (from_ir's SCORE_SMALL_S and score_raw_small_fn, emit_fa2.small_scores): a tile
+whose scores all lie in range, checked by a max of |s| and a ballot. Its float32 steps (the simulator's version)
+against float64 tanh, the PTX's constants, which scores qualify and what the kernels emit. The numbers through the
+kernels: test_tanh_small_simulator.py and, on the GPU, test_examples_gpu.py's softcap."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import falower as fl
+from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
+from falower.backends.numba_cuda import intrinsics as I
+from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward, small_scores
+from falower.backends.numba_cuda.from_ir import TWO_LOG2E, analyse, build_spec
+
+rel = fl.capture("rel", "f32", ["H", "L"])
+
+
+def steps(y):
+    return np.array([I.tanh_small_steps(v) for v in np.asarray(y, np.float32)], dtype=np.float64)
+
+
+def test_absolute_error_over_its_range():
+    """|steps - tanh| <= 2**-22.5 over |y| <= TANH_SMALL_Y, below tanh_ex2's 2**-22, tiny |y| relatively exact."""
+    y = np.concatenate([np.linspace(-I.TANH_SMALL_Y, I.TANH_SMALL_Y, 60001), np.logspace(-30, 0, 1001)])
+    want = np.tanh(y.astype(np.float32).astype(np.float64) / TWO_LOG2E)
+    got = steps(y)
+    assert np.max(np.abs(got - want)) <= 2.0 ** -22.5
+    tiny = np.logspace(-30, -3, 200)
+    assert np.allclose(steps(tiny), np.tanh(tiny.astype(np.float32).astype(np.float64) / TWO_LOG2E), rtol=1e-6,
+                       atol=0)
+    assert I.tanh_small_steps(np.float32(0.0)) == 0.0 and np.isnan(I.tanh_small_steps(np.float32(np.nan)))
+
+
+def test_ptx_is_the_steps():
+    """The PTX's constants are TANH_SMALL_POLY's, highest first, and its operations one multiply, six FMAs, one
+    multiply: nothing on MUFU."""
+    consts = [float(np.array([int(h, 16)], dtype=np.uint32).view(np.float32)[0])
+              for h in re.findall(r"0f([0-9A-F]{8})", I.TANH_SMALL_PTX)]
+    assert consts == [float(np.float32(c)) for c in I.TANH_SMALL_POLY[::-1]]
+    assert re.findall(r"\b(mul|fma|ex2|rcp|tanh)\.", I.TANH_SMALL_PTX) == ["mul"] + ["fma"] * 6 + ["mul"]
+
+
+def _spec(mod, extra=None, D=64):
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: mod(s, h, q, kv), name="m")
+    return build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None, extra)
+
+
+SCORES = {  # name: (score_mod, small path taken)
+    "softcap": (lambda s, h, q, kv: 30.0 * fl.tanh(s / 30.0), True),
+    "softcap 50": (lambda s, h, q, kv: 50.0 * fl.tanh(s / 50.0), True),
+    "tanh of s": (lambda s, h, q, kv: fl.tanh(s), True),
+    "tanh of s plus one": (lambda s, h, q, kv: fl.tanh(s + 1.0), False),  # its argument is not s times a constant
+    "tanh of q": (lambda s, h, q, kv: s + fl.tanh(q * 0.01), False),
+    "hardware tanh": (lambda s, h, q, kv: 30.0 * fl.tanh(s / 30.0, approx=True), False),
+    "softcap and a relative bias": (lambda s, h, q, kv: 30.0 * fl.tanh(s / 30.0) + rel[h, q - kv + 40], False),
+    "plain": (lambda s, h, q, kv: s, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORES))
+def test_which_scores_take_the_polynomial(name):
+    mod, taken = SCORES[name]
+    spec = _spec(mod)
+    assert (small_scores(spec) is not None) == taken, spec.device_source
+    assert small_scores(_spec(mod, {"tanh_small": False})) is None
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_bound_keeps_every_argument_in_range(D):
+    """SCORE_SMALL_S for the softcap is TANH_SMALL_Y over the argument's factor scale / 30 * 2 log2(e), a hair
+    under, so that f32's s * K at |s| = SCORE_SMALL_S stays in range."""
+    bound = small_scores(_spec(SCORES["softcap"][0], D=D))
+    k = np.float32(float(np.float32(D ** -0.5 / 30.0)) * TWO_LOG2E)
+    assert abs(np.float32(bound) * k) <= I.TANH_SMALL_Y
+    assert bound == pytest.approx(I.TANH_SMALL_Y / float(k), rel=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
+def test_the_kernels_branch_on_a_ballot(kernel):
+    """Every unmasked score call sits under `if ballot(max(|s|) > SCORE_SMALL_S) == 0:` with score_row_small on
+    the true side and score_row (tanh_ex2) on the false side; the masked path keeps tanh_ex2."""
+    mod = SCORES["softcap"][0]
+    src = {"mma": lambda x: emit_fa2_forward(_spec(mod, x, D=128)),
+           "fa3": lambda x: emit_fa3.emit_fa3_forward(_spec(mod, {"schedule": "wgmma", "wg_rows": 128, **x})),
+           "ws": lambda x: emit_fa3_ws.emit_fa3_ws_forward(_spec(mod, {"schedule": "wgmma-ws", "producer": "none",
+                                                                        **x}, D=128))}[kernel]
+    on = src({})
+    lines = [ln.strip() for ln in on.splitlines()]
+    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(") and "> SCORE_SMALL_S) == 0:" in ln]
+    assert checks
+    for i in checks:
+        assert lines[i + 1].startswith("score_row_small(sc")
+        assert "else:" in lines[i + 1:i + 8] and any(ln.startswith("score_row(sc") for ln in lines[i + 1:i + 9])
+    assert "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
+    off = src({"tanh_small": False})
+    assert "score_row_small(sc" not in off and "> SCORE_SMALL_S" not in off
