@@ -36,6 +36,13 @@ def test_absolute_error_over_its_range():
     assert I.tanh_small_steps(np.float32(0.0)) == 0.0 and np.isnan(I.tanh_small_steps(np.float32(np.nan)))
 
 
+def test_the_range_is_the_same_in_from_ir():
+    """from_ir keeps its own copy of the range (a warm process builds specs without importing intrinsics)."""
+    from falower.backends.numba_cuda import from_ir
+
+    assert from_ir.TANH_SMALL_Y == I.TANH_SMALL_Y
+
+
 def test_ptx_is_the_steps():
     """The PTX's constants are TANH_SMALL_POLY's, highest first, and its operations one multiply, six FMAs, one
     multiply: nothing on MUFU."""

@@ -804,6 +804,11 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
             f"    return np.float32({root})"]
 
 
+# intrinsics.TANH_SMALL_Y, tanh_small_f32's range (|y| <= 2 log2 e: tanh's argument within +-1), here without
+# importing intrinsics (Numba): a warm process builds its specs without it (tests/gpu/test_cubin_cache_gpu.py)
+TANH_SMALL_Y = TWO_LOG2E
+
+
 def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> list[str]:
     """Where every tanh of score_raw_fn's lines is tanh_ex2_f32 of s times a constant K (the softcap, c tanh(s /
     c)): `SCORE_SMALL_S`, the |s| under which each such argument lies in tanh_small_f32's range (|s K| <=
@@ -812,8 +817,6 @@ def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> lis
     import re
 
     import numpy as np
-
-    from .intrinsics import TANH_SMALL_Y
 
     text = "\n".join(raw)
     calls = re.findall(r"tanh_ex2_f32\(\((\w+) \* np\.float32\(([^()]+)\)\)\)", text)
