@@ -7,6 +7,7 @@ kernel the automatic choice takes)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import runpy
 import types
@@ -277,3 +278,38 @@ def test_affine_scores_step_by_their_kv_coefficient(a, bq, c, o, q, kv0):
     want = float(ns["score_raw_fn"](s, 0, 1, q, kv0 + o, sl, hz))
     row = float(ns["score_raw_fn"](np.float32(0), 0, 1, q, kv0, sl, hz))
     assert abs(float(s) + step * o + row - want) <= 1e-5 * max(1.0, abs(want), abs(row))
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_namespace(mod, kernel="ws"):
+    """The kernel's score_row, score_pair_load and score_row_pair_given, run as Python on numpy rows (lget / lset
+    on an array), beside the device source's functions."""
+    spec = _spec(_mod(mod), {"schedule": "wgmma-ws", "producer": "none"} if kernel == "ws" else None, D=128)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec) if kernel == "ws" else emit_fa2_forward(spec)
+    ns = _namespace(spec)
+    ns.update(lget=lambda x, i: x[i], lset=lambda x, i, v: x.__setitem__(i, v),
+              NEG_INF=np.float32(-np.inf), ZERO=np.float32(0))
+    for name in ("score_row", "score_pair_load", "score_row_pair_given", "score_row_pair"):
+        exec(_fn(src, name).replace("@device_function", ""), ns)
+    return ns
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(["q - kv", "kv - q", "q + kv", "-q - kv"]), q=st.integers(0, 120),
+       kv=st.integers(0, 15).map(lambda t: 8 * t), t=st.integers(0, 3), L=st.integers(1, 200),
+       seed=st.integers(0, 2 ** 16))
+def test_a_row_pair_is_its_two_rows(name, q, kv, t, L, seed):
+    """score_row_pair_given(score_pair_load(...)) writes both rows exactly as score_row does a row at a time, for
+    tables of any length L (rows inside it share their loads, a pair with a row outside falls back) and any q, the
+    thread's first column kv + 2t: the shared entries are the same loads at the same indices."""
+    ns = _pair_namespace(ROW_PAIRS[name][0])
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((2, L)).astype(np.float32)
+    x0 = rng.standard_normal(32).astype(np.float32)  # a thread's two rows of a 64-column tile (8 n8 tiles)
+    want = x0.copy()
+    ns["score_row"](want, 0, 0, 1, q, kv + 2 * t, 300, table)
+    ns["score_row"](want, 2, 0, 1, q + 8, kv + 2 * t, 300, table)
+    got = x0.copy()
+    ld = ns["score_pair_load"](0, 1, q, kv + 2 * t, table)
+    ns["score_row_pair_given"](got, 0, 0, 1, q, kv + 2 * t, 300, table, ld)
+    assert np.array_equal(got, want), (ld[0], got - want)

@@ -106,3 +106,30 @@ def test_the_kernels_branch_on_a_ballot(kernel):
     assert "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
     off = src({"tanh_small": False})
     assert "score_row_small(sc" not in off and "> SCORE_SMALL_S" not in off
+
+
+def test_score_row_small_is_score_row_in_range():
+    """The ws kernel's score_row_small and score_row, run as Python on a thread's rows (the simulator's steps of
+    both tanhs): within 2^-21 of each other for scores up to SCORE_SMALL_S, and score_absmax is the rows' max |s|."""
+    import math
+    import types
+
+    spec = _spec(SCORES["softcap"][0], {"schedule": "wgmma-ws", "producer": "none"}, D=128)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c),
+          "tanh_ex2_f32": I.tanh_ex2_steps, "tanh_small_f32": I.tanh_small_steps,
+          "lget": lambda x, i: x[i], "lset": lambda x, i, v: x.__setitem__(i, v)}
+    exec(spec.device_source, ns)
+    for name in ("score_row", "score_row_small", "score_absmax"):
+        start = src.index(f"def {name}(")
+        exec(src[start:src.index("\n@", start)], ns)
+    bound = small_scores(spec)
+    rng = np.random.default_rng(0)
+    n = spec.block_k // 2  # a thread's two rows: block_k / 8 n8 tiles of 2 x 2 elements
+    for scale in (1.0, 0.3, 1.0 / 64):
+        x = (rng.uniform(-1, 1, n) * bound * scale).astype(np.float32)
+        a, b = x.copy(), x.copy()
+        ns["score_row"](a, 0, 0, 0, 5, 0, 128)
+        ns["score_row_small"](b, 0, 0, 0, 5, 0, 128)
+        assert np.max(np.abs(a.astype(np.float64) - b)) <= 2.0 ** -21
+        assert max(ns["score_absmax"](x, 0), ns["score_absmax"](x, 2)) == np.max(np.abs(x))
