@@ -69,17 +69,13 @@ CASES = {
     "ws-relbias": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     "mma-relbias": ("relbias", 40, 33, 32, (64, 32), {}),
-    # the relative bias's entries read after the waits for K and S (gather_early off; the ws kernel's default reads
-    # them before)
-    "ws-relbias-late": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none",
-                                                             "gather_early": False}),
     # row pairs 8 columns the other way (a table read at q + kv); the last kv tiles' rows leave the table (their
     # own paths)
-    "ws-hankel": ("hankel", 72, 90, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
+    "ws-hankel": ("hankel", 40, 70, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
 }
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it
-PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "ws-relbias-late": -1, "ws-hankel": 1}
+PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "ws-hankel": 1}
 
 
 def run_case(case_id: str) -> dict:
