@@ -33,3 +33,26 @@ def against_reference(o, lse, want_o: np.ndarray, want_lse: np.ndarray) -> dict:
             "o_err": float(np.max(np.abs(got - want_o))),
             "lse_err": float(np.max(np.abs(lse[fin] - want_lse[fin]))) if fin.any() else 0.0,
             "lse_inf_ok": bool(np.array_equal(np.isneginf(lse), ~fin)), "masked_rows": int((~fin).sum())}
+
+
+def count_calls(kern, names: Iterable[str]) -> dict[str, int]:
+    """Wrap the kernel's device functions `names` (the simulator calls its module globals) so that each call is
+    counted; returns the counts, filled in as the kernel runs (a case shows which paths it took)."""
+    import threading
+
+    glb = kern._kernel.fn.__globals__
+    counts = dict.fromkeys(names, 0)
+    lock = threading.Lock()
+
+    def counted(name, fn):
+        def call(*a):
+            with lock:
+                counts[name] += 1
+            return fn(*a)
+        return call
+
+    for name in counts:
+        if name in glb:
+            glb[name] = counted(name, glb[name])
+    return counts
+

@@ -1,4 +1,4 @@
-"""Simulator cases for test_tanh_small_simulator.py: the softcap (30 tanh(s / 30)) on each tensor-core kernel, a
+"""Simulator cases for test_tanh_small_simulator.py: the softcap (30 tanh(s / 30)) on the two wgmma kernels, a
 tile's tanh by the FMA pipe's polynomial where every score of the warp's rows lies in its range (emit_fa2.
 small_scores) and by tanh_ex2 elsewhere, through falower.compile against the reference interpreter in float64, in a
 subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case, with the calls of score_row_small and score_row
@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import against_reference, run_main  # noqa: E402
+from sim_script import against_reference, count_calls, run_main  # noqa: E402
 
 # id: (M, N, D, tile (bq, bk), spec.extra, the query rows scaled by 40); ragged last tiles, M != N
 CASES = {
     "ws-softcap": (100, 90, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}, (40, 56)),
     "fa3-r128-softcap": (70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}, (0, 9)),
-    "mma-softcap": (40, 70, 32, (64, 32), {}, (16, 24)),
 }
 
 
@@ -50,20 +48,7 @@ def run_case(case_id: str) -> dict:
     pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
     c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=extra)
     kern = c.kernel(q, k, v)
-    glb = kern._kernel.fn.__globals__
-    calls = dict.fromkeys(("score_row_small", "score_row"), 0)
-    lock = threading.Lock()
-
-    def counted(name, fn):
-        def call(*a):
-            with lock:
-                calls[name] += 1
-            return fn(*a)
-        return call
-
-    for name in calls:
-        if name in glb:
-            glb[name] = counted(name, glb[name])
+    calls = count_calls(kern, ("score_row_small", "score_row"))
     o, lse = c(q, k, v)
     return {"id": case_id, "dtype": "f16", "schedule": kern.spec.extra.get("schedule", "mma"),
             "bound": small_scores(kern.spec), "calls": calls,

@@ -1,7 +1,8 @@
 """The softcap's tanh by the FMA pipe's polynomial on tiles whose scores lie in its range, tanh_ex2 elsewhere
-(emit_fa2.small_scores), on every tensor-core forward kernel through falower.compile in the CUDA simulator against
+(emit_fa2.small_scores), on the two wgmma forward kernels through falower.compile in the CUDA simulator against
 the float64 reference (tanh_small_sim_cases.py: ragged tiles, M != N, some query rows scaled out of the range). Each
-case must have taken both paths."""
+case must have taken both paths. The mma.sync kernel's call site is the same `score_row_calls` lines
+(test_tanh_small.py checks its branch; the helpers themselves run there as Python against score_row)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import against_reference, run_main  # noqa: E402
+from sim_script import against_reference, count_calls, run_main  # noqa: E402
 
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k, spec.extra)
 CASES = {
@@ -121,7 +121,6 @@ def run_half_case(case_id: str) -> dict:
     """A mask with row bounds on the ws kernel with half tiles (asked for in the case's extra), against the reference interpreter in
     float64, with the calls of each S / P V helper counted (the simulator calls the kernel's module globals)."""
     import runpy
-    import threading
 
     import falower as fl
     from falower.backends.numba_cuda.emit_fa3_ws import half_mode
@@ -142,20 +141,7 @@ def run_half_case(case_id: str) -> dict:
     c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
                    extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.kernel(*inputs)
-    glb = kern._kernel.fn.__globals__
-    counts = dict.fromkeys(HALF_PATHS, 0)
-    lock = threading.Lock()
-
-    def counted(name, fn):
-        def call(*a):
-            with lock:
-                counts[name] += 1
-            return fn(*a)
-        return call
-
-    for name in HALF_PATHS:
-        if name in glb:
-            glb[name] = counted(name, glb[name])
+    counts = count_calls(kern, HALF_PATHS)
     o, lse = c(*inputs)
     return {"id": case_id, "dtype": "f16", "half_mode": half_mode(kern.spec), "block_mask": kern.spec.block_mask,
             "calls": counts, "seconds": round(time.perf_counter() - t0, 1), **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}

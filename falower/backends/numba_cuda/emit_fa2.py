@@ -1104,6 +1104,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             c(f"lset(x, e + 1, np.float32(v1){to_log2})")
 
     # a row's elements: n8 tile jj, columns 2t and 2t + 1 at x[i + 4 jj], x[i + 4 jj + 1] (kv, kv + 1 + 8 jj)
+    per_element: list[str] = []  # score_row's generic body (score_raw_fn an element), where it has one
     c("@device_function")
     c(f"def score_row(x, i, b, h, qi, kv, N{caps}):")
     with c.indent():
@@ -1152,18 +1153,14 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             else:
                 for line in per_element:
                     c(line)
-    if small_scores(spec) is not None:
+    if small_scores(spec) is not None and per_element:
         c()
         c("@device_function")
         c(f"def score_row_small(x, i, b, h, qi, kv, N{caps}):")
         with c.indent():
             c("# score_row with the FMA pipe's tanh (score_raw_small_fn): the caller has seen every |s| in range")
-            c(f"for jj in range({NJ}):")
-            with c.indent():
-                c("e = i + jj * 4")
-                c("k = kv + jj * 8")
-                c(f"lset(x, e, np.float32(score_raw_small_fn(lget(x, e), b, h, qi, k{caps})))")
-                c(f"lset(x, e + 1, np.float32(score_raw_small_fn(lget(x, e + 1), b, h, qi, k + 1{caps})))")
+            for line in per_element:
+                c(line.replace("score_raw_fn(", "score_raw_small_fn("))
         c()
         c("@device_function")
         c("def score_absmax(x, i):")
