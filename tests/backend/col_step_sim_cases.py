@@ -24,7 +24,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import against_reference, count_calls, run_main  # noqa: E402
+from sim_script import against_reference, count_calls, example_graph, random_qkv, run_main, tiled_pipeline  # noqa: E402,E501
 
 import falower as fl  # noqa: E402
 
@@ -68,18 +68,14 @@ PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1}
 
 
 def run_case(case_id: str) -> dict:
-    import runpy
-
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.passes import NAMED_PIPELINES
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
     B, H = 1, 1 if mask == "relbias" else 2
     rng = np.random.default_rng(5)
     if mask == "relbias":
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        g = runpy.run_path(os.path.join(root, "examples", "relative_bias.py"))["graph"]
+        g = example_graph("relative_bias")
         sl = (rng.standard_normal((H, 2 * N - 1)) * 3).astype(np.float32)  # the table, steep
         taken = row_gather
     else:
@@ -88,11 +84,9 @@ def run_case(case_id: str) -> dict:
         sl = np.array([1.5, -0.75], np.float32)
         taken = col_step
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
-    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
-    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    q, k, v = random_qkv(rng, B, H, M, N, D)
     ref = Reference.build(g, env, inputs=[*(x.astype(np.float64) for x in (q, k, v)), sl.astype(np.float64)])
-    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=extra)
+    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v, sl)
     calls = count_calls(kern, ("score_row_pair_given", "score_row"))
     o, lse = c(q, k, v, sl)

@@ -1,11 +1,13 @@
 """What the simulator case scripts (`*_cases.py`, run in a subprocess by simulated.py) share: the main loop that
-prints one JSON line per case (a case's exception in its own line, so the other cases still run), and a compiled
-call's outputs against the reference interpreter's."""
+prints one JSON line per case (a case's exception in its own line, so the other cases still run), a compiled
+call's outputs against the reference interpreter's, and the set-up of a case compiled from an example: its graph,
+random inputs, a tile size, and the count of the kernel's device-function calls."""
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 from typing import Callable, Iterable
 
 import numpy as np
@@ -55,4 +57,29 @@ def count_calls(kern, names: Iterable[str]) -> dict[str, int]:
         if name in glb:
             glb[name] = counted(name, glb[name])
     return counts
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+
+
+def example_graph(stem: str):
+    """examples/<stem>.py's `graph`."""
+    return runpy.run_path(os.path.join(EXAMPLES, f"{stem}.py"))["graph"]
+
+
+def random_qkv(rng: np.random.Generator, B: int, H: int, M: int, N: int, D: int) -> tuple:
+    """q [B, H, M, D], then k and v [B, H, N, D], standard normal rounded to f16, drawn from rng in that order."""
+    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
+    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    return q, k, v
+
+
+def tiled_pipeline(bq: int, bk: int) -> str:
+    """The fa2-fwd pipeline with its tile pass at bq x bk (the simulator's small tiles)."""
+    from falower.passes import NAMED_PIPELINES
+
+    base = NAMED_PIPELINES["fa2-fwd"]
+    pipe = base.replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
+    assert pipe != base or (bq, bk) == (128, 64), f"no tile{{bq=128,bk=64}} in fa2-fwd: {base}"
+    return pipe
 

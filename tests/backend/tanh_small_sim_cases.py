@@ -17,7 +17,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import against_reference, count_calls, run_main  # noqa: E402
+from sim_script import against_reference, count_calls, example_graph, run_main, tiled_pipeline  # noqa: E402
 
 # id: (M, N, D, tile (bq, bk), spec.extra, the query rows scaled by 40); ragged last tiles, M != N
 CASES = {
@@ -27,17 +27,13 @@ CASES = {
 
 
 def run_case(case_id: str) -> dict:
-    import runpy
-
     import falower as fl
     from falower.backends.numba_cuda.emit_fa2 import small_scores
-    from falower.passes import NAMED_PIPELINES
     from falower.passes.check import Reference, bind_dims
 
     M, N, D, (bq, bk), extra, (r0, r1) = CASES[case_id]
     B, H = 1, 2
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    g = runpy.run_path(os.path.join(root, "examples", "softcap.py"))["graph"]
+    g = example_graph("softcap")
     rng = np.random.default_rng(7)
     q = rng.standard_normal((B, H, M, D)).astype(np.float32)
     q[:, :, r0:r1] *= 40.0  # these rows' scaled scores reach ~40 sigma: their warps take tanh_ex2
@@ -45,8 +41,7 @@ def run_case(case_id: str) -> dict:
     k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
     ref = Reference.build(g, env, inputs=[x.astype(np.float64) for x in (q, k, v)])
-    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq={bq},bk={bk}}}")
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=extra)
+    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v)
     calls = count_calls(kern, ("score_row_small", "score_row"))
     o, lse = c(q, k, v)

@@ -17,7 +17,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import against_reference, count_calls, run_main  # noqa: E402
+from sim_script import against_reference, count_calls, example_graph, random_qkv, run_main, tiled_pipeline  # noqa: E402,E501
 
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k, spec.extra)
 CASES = {
@@ -120,25 +120,18 @@ def _doc_ids(B: int, N: int) -> np.ndarray:
 def run_half_case(case_id: str) -> dict:
     """A mask with row bounds on the ws kernel with half tiles (asked for in the case's extra), against the reference interpreter in
     float64, with the calls of each S / P V helper counted (the simulator calls the kernel's module globals)."""
-    import runpy
-
     import falower as fl
     from falower.backends.numba_cuda.emit_fa3_ws import half_mode
-    from falower.passes import NAMED_PIPELINES
     from falower.passes.check import Reference, bind_dims
 
     t0 = time.perf_counter()
     what, B, H, M, N, D, bk, extra = HALF_CASES[case_id]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    g = runpy.run_path(os.path.join(root, "examples", f"{what}.py"))["graph"]
+    g = example_graph(what)
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
-    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    q, k, v = random_qkv(np.random.default_rng(5), B, H, M, N, D)
     inputs = [q, k, v] + ([_doc_ids(B, N)] if what == "document" else [])  # one table of N ids (M == N)
     ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
-    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", f"tile{{bq=128,bk={bk}}}")
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
+    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(128, bk), path="mma",
                    extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.kernel(*inputs)
     counts = count_calls(kern, HALF_PATHS)
@@ -298,29 +291,21 @@ def run_case(case_id: str) -> dict:
 def run_compiled_case(case_id: str) -> dict:
     """examples/document.py compiled by falower.compile onto the persistent ws kernel (D = 64, 128 x 32 tiles),
     against the reference interpreter in float64."""
-    import runpy
-
     import falower as fl
     from falower.passes.check import Reference, bind_dims
 
     M, N, blocks = COMPILED_CASES[case_id]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    g = runpy.run_path(os.path.join(root, "examples", "document.py"))["graph"]
+    g = example_graph("document")
     B, H, D = 2, 2, 64
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
     rng = np.random.default_rng(7)
-    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
-    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    q, k, v = random_qkv(rng, B, H, M, N, D)
     doc = np.sort(rng.integers(0, 4, size=(B, max(M, N)))).astype(np.int32)
     doc[1, 128:] = -1  # batch row 1's second q tile: padding only, nothing to visit
     doc[0, 5] = -1  # one padding row inside a tile
     inputs = [q, k, v, doc]
     ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
-    from falower.passes import NAMED_PIPELINES
-
-    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", "tile{bq=128,bk=32}")
-    assert pipe != NAMED_PIPELINES["fa2-fwd"], pipe
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
+    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(128, 32), path="mma",
                    extra={"schedule": "wgmma-ws", "producer": "none", "persistent": blocks})
     spec = c.kernel(*inputs).spec
     o, lse = c(*inputs)
@@ -331,27 +316,17 @@ def run_compiled_case(case_id: str) -> dict:
 def run_walk_case(case_id: str) -> dict:
     """A static mask with row bounds through falower.compile on the ws kernel (D = 64, 128 x 32 tiles), against
     the reference interpreter in float64; says whether the kernel walked the range (emit_fa2.walks_range)."""
-    import runpy
-
     import falower as fl
     from falower.backends.numba_cuda.emit_fa2 import walks_range
-    from falower.passes import NAMED_PIPELINES
     from falower.passes.check import Reference, bind_dims
 
     what, B, H, M, N, extra = WALK_CASES[case_id]
-    if what == "gaps":
-        g = fl.attention(mask_mod=_gaps, name="gaps")
-    else:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        g = runpy.run_path(os.path.join(root, "examples", f"{what}.py"))["graph"]
+    g = fl.attention(mask_mod=_gaps, name="gaps") if what == "gaps" else example_graph(what)
     D = 64
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
-    rng = np.random.default_rng(11)
-    q = rng.standard_normal((B, H, M, D)).astype(np.float16)
-    k, v = (rng.standard_normal((B, H, N, D)).astype(np.float16) for _ in range(2))
+    q, k, v = random_qkv(np.random.default_rng(11), B, H, M, N, D)
     ref = Reference.build(g, env, inputs=[x.astype(np.float64) for x in (q, k, v)])
-    pipe = NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}", "tile{bq=128,bk=32}")
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma",
+    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(128, 32), path="mma",
                    extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.kernel(q, k, v)
     o, lse = c(q, k, v)
