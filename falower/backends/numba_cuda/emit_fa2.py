@@ -1153,7 +1153,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             else:
                 for line in per_element:
                     c(line)
-    if small_scores(spec) is not None and per_element:
+    if small_scores(spec) is not None:
+        assert per_element, "small_scores asks for score_row's per-element path, which this score_row lacks"
         c()
         c("@device_function")
         c(f"def score_row_small(x, i, b, h, qi, kv, N{caps}):")
