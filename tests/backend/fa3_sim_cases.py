@@ -15,6 +15,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from sim_script import case_rng  # noqa: E402
 from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
 
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k[, spec.extra])
@@ -140,7 +141,7 @@ def run_case(case_id: str) -> dict:
     import dataclasses
 
     variant, dtype, D, B, H, M, N, G, bq, bk, *extra = CASES[case_id]
-    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    rng = case_rng(case_id)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=4 * (bq // 64),
                      group_size=G, name=f"fa3sim_{case_id.replace('-', '_')}")
     if extra:
@@ -177,7 +178,7 @@ def run_runtime_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import FA2ForwardKernel
 
     variant, dtype, D, B, H, M, N, G, bq, bk = RUNTIME_CASES[case_id]
-    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    rng = case_rng(case_id)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=4, group_size=G,
                      name=f"fa3rt_{case_id.replace('-', '_')}")
     kern = FA2ForwardKernel(dataclasses.replace(spec, extra={"schedule": "wgmma"}))

@@ -15,6 +15,7 @@ sys.setswitchinterval(5e-4)  # the simulator's threads hand over the GIL far mor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from sim_script import case_rng  # noqa: E402
 from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
 
 # id: (variant, path, dtype, D, B, H, M, N, group_size, block_q, block_k, num_warps[, spec.extra])
@@ -52,7 +53,7 @@ def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import FA2ForwardKernel
 
     variant, path, dtype, D, B, H, M, N, G, bq, bk, nw, *extra = CASES[case_id]
-    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    rng = case_rng(case_id)
     spec = make_spec(variant, D, dtype, path=path, block_q=bq, block_k=bk, num_warps=nw, group_size=G,
                      name=f"sim_{case_id.replace('-', '_')}")
     if extra:

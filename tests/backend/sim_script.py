@@ -26,6 +26,14 @@ def run_main(ids: Iterable[str], run: Callable[[str], dict]) -> None:
         print(json.dumps(r), flush=True)
 
 
+def case_rng(case_id: str) -> np.random.Generator:
+    """A case's random generator, seeded by its id's CRC (str's hash() changes from process to process, and a case
+    whose inputs change from run to run cannot be re-run to look at a failure)."""
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(case_id.encode()))
+
+
 def against_reference(o, lse, want_o: np.ndarray, want_lse: np.ndarray) -> dict:
     """O and LSE of a call against the reference's (float64): NaNs, the largest errors (LSE over the rows that see
     something), and whether exactly the rows that see nothing have LSE = -inf."""

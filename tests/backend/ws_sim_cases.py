@@ -17,7 +17,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import against_reference, count_calls, example_graph, random_qkv, run_main, tiled_pipeline  # noqa: E402,E501
+from sim_script import against_reference, case_rng, count_calls, example_graph, random_qkv, run_main, tiled_pipeline  # noqa: E402,E501
 
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k, spec.extra)
 CASES = {
@@ -242,7 +242,7 @@ def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.runtime import load_source
 
     variant, dtype, D, B, H, M, N, G, bq, bk, extra = {**CASES, **PERSIST_CASES, **SLOW_WARP_CASES}[case_id]
-    rng = np.random.default_rng(abs(hash(case_id)) % 2**32)
+    rng = case_rng(case_id)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
                      name=f"ws_{case_id.replace('-', '_')}")
     extra = dict(extra)

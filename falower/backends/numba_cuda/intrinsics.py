@@ -6,7 +6,7 @@ When the CUDA simulator is on (`NUMBA_ENABLE_CUDASIM=1`, read when this module i
 names are bound to Python functions that follow the PTX fragment layouts, so a kernel that uses the
 tensor-core path runs unchanged in the simulator. Warp-collective operations (mma, ldmatrix, shuffles)
 are emulated by exchanging each lane's operands through a per-warp scratch area guarded by a per-warp
-`threading.Barrier(32)`; kernels must therefore call them with all 32 lanes of a warp (uniform control
+32-party barrier (sim_threads.HandOverBarrier); kernels must therefore call them with all 32 lanes of a warp (uniform control
 flow), which is what the hardware requires too.
 
 Fragment layouts (lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3), two 16-bit values per uint32
@@ -280,6 +280,7 @@ def tanh_small_steps(y) -> np.float32:
 
 if SIMULATOR:
     from numba import cuda
+    from falower.backends.numba_cuda.sim_threads import HandOverBarrier, install_block_manager
 
     # ----------------------------------------------------------------------------------------------
     # Emulations. Each simulated CUDA thread is a Python thread (numba's BlockThread) that knows its
@@ -325,6 +326,7 @@ if SIMULATOR:
         shared.array = array
 
     _guard_shared_allocation()
+    install_block_manager()
 
     _warp_lock = threading.Lock()
 
@@ -349,7 +351,7 @@ if SIMULATOR:
         """
 
         def __init__(self) -> None:
-            self.barrier = threading.Barrier(32)
+            self.barrier = HandOverBarrier(32)
             self.slots = [[None] * 32, [None] * 32]
 
     def _lane_and_warp():

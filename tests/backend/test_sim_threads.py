@@ -1,0 +1,135 @@
+"""The simulator's barriers (falower/backends/numba_cuda/sim_threads.py): the hand-over barrier as plain threads,
+and the block manager it replaces numba-cuda's with, in the simulator (sim_threads_cases.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from falower.backends.numba_cuda.sim_threads import HandOverBarrier
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(threads, seconds: float = 30):
+    """Start the threads (daemons: one stuck at a broken barrier must not hold the test process) and join them
+    within `seconds` in all."""
+    import time
+
+    for t in threads:
+        t.daemon = True
+        t.start()
+    end = time.monotonic() + seconds
+    for t in threads:
+        t.join(timeout=max(0.0, end - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a thread is stuck at the barrier"
+
+
+def _until(cond, seconds: float = 30) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, "the threads never reached the barrier"
+        time.sleep(0.001)
+
+
+def test_no_thread_passes_before_all_arrive():
+    """32 threads, 200 rounds: each writes its slot, waits, and reads every slot of the round; a barrier that let a
+    thread through early (or woke one twice) shows a slot from the round before."""
+    n, rounds = 32, 200
+    bar = HandOverBarrier(n)
+    slots = [[-1] * n, [-1] * n]
+    stale = []
+
+    def lane(i):
+        for r in range(rounds):
+            slots[r & 1][i] = r
+            bar.wait()
+            if any(v != r for v in slots[r & 1]):
+                stale.append((i, r))
+
+    _run([threading.Thread(target=lane, args=(i,)) for i in range(n)])
+    assert stale == []
+
+
+def test_a_party_that_leaves_no_longer_counts():
+    """4 parties; one leaves while the others wait (a simulated thread that returned): they pass, and the next
+    round needs only the three."""
+    bar = HandOverBarrier(4)
+    passed = []
+
+    def waiter(i):
+        bar.wait()
+        bar.wait()
+        passed.append(i)
+
+    threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    _until(lambda: bar._arrived == 3)
+    bar.leave()
+    _run([])
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(passed) == [0, 1, 2]
+
+
+def test_abort_raises_in_every_waiter():
+    bar = HandOverBarrier(3)
+    errors = []
+
+    def waiter():
+        try:
+            bar.wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=waiter, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    _until(lambda: bar._arrived == 2)
+    bar.abort()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(errors) == 2 and all("abort" in e for e in errors)
+    with pytest.raises(RuntimeError, match="abort"):
+        bar.wait()
+
+
+@pytest.fixture(scope="module")
+def sim():
+    pytest.importorskip("numba")
+    sys.path.insert(0, str(HERE))
+    from simulated import collect, spawn
+
+    return collect(spawn("sim_threads_cases.py"), timeout=300)
+
+
+def test_simulator_block_manager_is_installed(sim):
+    assert all(r.get("installed") for r in sim.values()), sim
+
+
+def test_simulator_barrier_waits_for_the_live_threads_only(sim):
+    """Threads 40-63 return before the first barrier; the other 40 take 40 barriers and read every round right."""
+    r = sim["early-exit"]
+    assert "error" not in r, r
+    assert r["stale_reads"] == 0, r
+
+
+def test_simulator_block_votes(sim):
+    r = sim["votes"]
+    assert "error" not in r, r
+    assert r["rows"] == [[32], [1], [1], [0]], r
+
+
+def test_simulator_exception_is_raised_by_the_launch(sim):
+    """Thread 7 of block 1 indexes out of bounds between two barriers: the launch raises its IndexError, named by
+    the thread and block, and does not wait on the threads it stopped."""
+    r = sim["raises"]
+    assert "error" not in r, r
+    assert r["message"] is not None and "tid=[7, 0, 0]" in r["message"] and "ctaid=[1, 0, 0]" in r["message"], r
+    assert r["seconds"] < 60, r
