@@ -135,77 +135,53 @@ def parse_config(text: str) -> tuple:
     bq, bk = tiles.split("x")
     extra = {}
     for o in opts:
-        if o in ("qs", "qr"):
-            extra["q_in_regs"] = o == "qr"
-        elif o == "2b":
-            extra["one_barrier"] = False
-        elif o == "nowskip":
-            extra["warp_skip"] = False
-        elif o == "wskip":
-            extra["warp_skip"] = True
-        elif o == "ws":
-            extra["schedule"] = "wgmma-ws"
-        elif o == "wsn":
-            extra.update(schedule="wgmma-ws", producer="none")
-        elif o.startswith("st") and o[2:].isdigit():
-            extra["stages"] = int(o[2:])
-        elif o.startswith("pf") and o[2:].isdigit():
-            extra["prefetch_tiles"] = int(o[2:])
-        elif o.startswith("xp") and o[2:].isdigit():
-            extra["ex2_poly"] = int(o[2:])
-        elif o.startswith("p") and o[1:].isdigit():
-            extra["persistent"] = int(o[1:])
-        elif o == "nott":
-            extra["table_tiles"] = False
-        elif o == "nopp":
-            extra["pingpong"] = False
-        elif o == "nowalk":
-            extra["walk"] = False
-        elif o == "nocs":
-            extra["col_step"] = False
-        elif o == "norg":
-            extra["row_gather"] = False
-        elif o == "norp":
-            extra["row_pairs"] = False
-        elif o == "nots":
-            extra["tanh_small"] = False
-        elif o == "noge":
-            extra["gather_early"] = False
-        elif o == "half":
-            extra["half_tiles"] = True
-        elif o == "halfpv":
-            extra["half_tiles"] = "pv"
-        elif o == "ltanh":
-            extra["tanh"] = "libdevice"
-        elif o in ("se", "nose"):
-            extra["staged_epilogue"] = o == "se"
-        elif o == "eager":
-            extra["eager"] = True
-        elif o == "tree":
-            extra["tree_softmax"] = True
-        elif o in ("r64", "r128"):
-            extra["wg_rows"] = int(o[1:])
-        elif o.startswith("b") and o[1:].isdigit():
-            extra["blocks_per_sm"] = int(o[1:])
-        elif o.startswith("hg"):
-            extra["head_group"] = int(o[2:])
-        elif o == "wg":
-            extra["schedule"] = "wgmma"
-        elif o in ("ov", "noov"):
-            extra["overlap"] = o == "ov"
-        elif o == "bwg":
-            extra["bwd_schedule"] = "wgmma"
-        elif o == "bdqk":
-            extra.update(bwd_schedule="wgmma", dq_split="k")
-        elif o == "bgt":
-            extra["hold_grads"] = False
-        elif o == "bgg":
-            extra["grad_groups"] = False
-        elif o == "bop":
-            extra.update(bwd_schedule="wgmma", opaque_desc="k,v,ds,kt")
+        num = re.fullmatch(r"([a-z]+)(\d+)", o)
+        if o in _FLAGS:
+            extra.update(_FLAGS[o])
+        elif num and num[1] in _NUMBERS:
+            extra[_NUMBERS[num[1]]] = int(num[2])
         else:
             raise ValueError(f"unknown config option {o!r} in {text!r}")
     return (int(bq), int(bk), int(warps), extra)
+
+
+# The config options in the order config_tag writes them (the scripts and BENCHMARKS.md name configs by their
+# tags): a numeric option (its prefix, the extra it sets to the number), or a group of flags (suffix, the extras it
+# sets), of which the tag takes the first whose extras the config has.
+CONFIG_OPTIONS: list = [
+    (("wg", {"schedule": "wgmma"}), ("wsn", {"schedule": "wgmma-ws", "producer": "none"}),
+     ("ws", {"schedule": "wgmma-ws"})),
+    ("st", "stages"),
+    (("ov", {"overlap": True}), ("noov", {"overlap": False})),
+    (("qr", {"q_in_regs": True}), ("qs", {"q_in_regs": False})),
+    (("2b", {"one_barrier": False}),),
+    ("hg", "head_group"),
+    ("pf", "prefetch_tiles"),
+    ("xp", "ex2_poly"),
+    ("p", "persistent"),
+    (("nott", {"table_tiles": False}),),
+    (("nopp", {"pingpong": False}),),
+    (("nowalk", {"walk": False}),),
+    (("nocs", {"col_step": False}),),
+    (("norg", {"row_gather": False}),),
+    (("norp", {"row_pairs": False}),),
+    (("nots", {"tanh_small": False}),),
+    (("noge", {"gather_early": False}),),
+    (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),
+    (("ltanh", {"tanh": "libdevice"}),),
+    (("se", {"staged_epilogue": True}), ("nose", {"staged_epilogue": False})),
+    ("r", "wg_rows"),
+    (("tree", {"tree_softmax": True}),),
+    (("eager", {"eager": True}),),
+    ("b", "blocks_per_sm"),
+    (("wskip", {"warp_skip": True}), ("nowskip", {"warp_skip": False})),
+    (("bdqk", {"bwd_schedule": "wgmma", "dq_split": "k"}),
+     ("bop", {"bwd_schedule": "wgmma", "opaque_desc": "k,v,ds,kt"}), ("bwg", {"bwd_schedule": "wgmma"})),
+    (("bgt", {"hold_grads": False}),),
+    (("bgg", {"grad_groups": False}),),
+]
+_FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
+_NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}
 
 
 def config_tag(cfg: tuple) -> str:
@@ -214,70 +190,14 @@ def config_tag(cfg: tuple) -> str:
     bq, bk, nw, *rest = cfg
     extra = rest[0] if rest else {}
     tag = f"{bq}x{bk}w{nw}"
-    if extra.get("schedule") == "wgmma":
-        tag += "-wg"
-    if extra.get("schedule") == "wgmma-ws":
-        tag += "-wsn" if extra.get("producer") == "none" else "-ws"
-    if "stages" in extra:
-        tag += f"-st{extra['stages']}"
-    if "overlap" in extra:
-        tag += "-ov" if extra["overlap"] else "-noov"
-    if "q_in_regs" in extra:
-        tag += "-qr" if extra["q_in_regs"] else "-qs"
-    if extra.get("one_barrier") is False:
-        tag += "-2b"
-    if "head_group" in extra:
-        tag += f"-hg{extra['head_group']}"
-    if "prefetch_tiles" in extra:
-        tag += f"-pf{extra['prefetch_tiles']}"
-    if "ex2_poly" in extra:
-        tag += f"-xp{extra['ex2_poly']}"
-    if "persistent" in extra:
-        tag += f"-p{extra['persistent']}"
-    if extra.get("table_tiles") is False:
-        tag += "-nott"
-    if extra.get("pingpong") is False:
-        tag += "-nopp"
-    if extra.get("walk") is False:
-        tag += "-nowalk"
-    if extra.get("col_step") is False:
-        tag += "-nocs"
-    if extra.get("row_gather") is False:
-        tag += "-norg"
-    if extra.get("row_pairs") is False:
-        tag += "-norp"
-    if extra.get("tanh_small") is False:
-        tag += "-nots"
-    if extra.get("gather_early") is False:
-        tag += "-noge"
-    if extra.get("half_tiles") is True:
-        tag += "-half"
-    if extra.get("half_tiles") == "pv":
-        tag += "-halfpv"
-    if extra.get("tanh") == "libdevice":
-        tag += "-ltanh"
-    if "staged_epilogue" in extra:
-        tag += "-se" if extra["staged_epilogue"] else "-nose"
-    if "wg_rows" in extra:
-        tag += f"-r{extra['wg_rows']}"
-    if extra.get("tree_softmax"):
-        tag += "-tree"
-    if extra.get("eager"):
-        tag += "-eager"
-    if "blocks_per_sm" in extra:
-        tag += f"-b{extra['blocks_per_sm']}"
-    if "warp_skip" in extra:
-        tag += "-wskip" if extra["warp_skip"] else "-nowskip"
-    if extra.get("dq_split") == "k":
-        tag += "-bdqk"
-    elif extra.get("opaque_desc"):
-        tag += "-bop"
-    elif extra.get("bwd_schedule") == "wgmma":
-        tag += "-bwg"
-    if extra.get("hold_grads") is False:
-        tag += "-bgt"
-    if extra.get("grad_groups") is False:
-        tag += "-bgg"
+    for opt in CONFIG_OPTIONS:
+        if isinstance(opt[0], str):
+            if opt[1] in extra:
+                tag += f"-{opt[0]}{extra[opt[1]]}"
+            continue
+        suffix = next((sfx for sfx, ex in opt if all(k in extra and extra[k] == v for k, v in ex.items())), None)
+        if suffix is not None:
+            tag += f"-{suffix}"
     return tag
 
 

@@ -21,3 +21,29 @@ bench = pytest.importorskip("bench")
                                   "64x128w4-bwg", "64x128w4-bdqk", "128x128w8-wsn-bgt", "64x128w4-bwg-bgt", "128x128w8-wsn-bgg", "64x128w4-bwg-bgt-bgg", "128x64w4-wg-ov-qr-2b-hg4-wskip"])
 def test_config_tags_round_trip(text):
     assert bench.config_tag(bench.parse_config(text)) == text
+
+
+def _every_option() -> list[str]:
+    """Each option of bench.CONFIG_OPTIONS as its tag writes it (a numeric one with 3)."""
+    return [f"{opt[0]}3" if isinstance(opt[0], str) else sfx for opt in bench.CONFIG_OPTIONS
+            for sfx in ([None] if isinstance(opt[0], str) else [s for s, _ in opt])]
+
+
+@pytest.mark.parametrize("option", _every_option())
+def test_every_option_round_trips_alone(option):
+    text = f"128x128w8-{option}"
+    assert bench.config_tag(bench.parse_config(text)) == text
+
+
+def test_one_option_of_each_group_round_trips_together():
+    """The first option of every group and every numeric option in one config, in the table's order: no option's
+    extras make the tag write another's."""
+    text = "128x128w8-" + "-".join(f"{opt[0]}3" if isinstance(opt[0], str) else opt[0][0]
+                                   for opt in bench.CONFIG_OPTIONS)
+    assert bench.config_tag(bench.parse_config(text)) == text
+
+
+@pytest.mark.parametrize("bad", ["128x128w8-nosuch", "128x128w8-st", "128x128w8-wsn-zz4"])
+def test_unknown_options_are_refused(bad):
+    with pytest.raises(ValueError, match="unknown config option"):
+        bench.parse_config(bad)
