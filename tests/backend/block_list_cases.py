@@ -12,7 +12,6 @@ that list against the float64 reference.
 from __future__ import annotations
 
 import json
-import runpy
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "backend"))
+from sim_script import example_graph  # noqa: E402
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
            "canonicalize"
 
@@ -31,7 +31,7 @@ def graph(mask: str):
     from data_masks import MASKS
 
     if mask == "document":
-        return runpy.run_path(str(ROOT / "examples" / "document.py"))["graph"]
+        return example_graph("document")
     return MASKS[mask]()
 
 

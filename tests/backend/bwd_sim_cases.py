@@ -9,24 +9,18 @@ the program the IR says, tile classes, bounds and captured tables' gradients inc
 from __future__ import annotations
 
 import json
-import runpy
 import sys
 from pathlib import Path
 
 sys.setswitchinterval(5e-4)
 
 import numpy as np  # noqa: E402
+from sim_script import example_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={tk},dq={dq}}},canonicalize"
 DQ = {"atomic": "atomic", "det": "separate,deterministic=true"}
 FWD = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
-
-
-def example(stem: str):
-    from falower.ir import Func
-
-    return next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, Func))
 
 
 def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16,
@@ -35,7 +29,7 @@ def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic"
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
-    g = example(stem)
+    g = example_graph(stem)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": D})
     bk = bk or tile
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
@@ -128,7 +122,7 @@ def run_strided_case(stem: str, path: str) -> dict:
     import falower as fl
     from falower.passes.check import bind_dims, random_inputs
 
-    g = example(stem)
+    g = example_graph(stem)
     env = bind_dims(g, {"B": 2, "H": 2, "HKV": 1, "M": 20, "N": 19, "D": 16})
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
               for i, x in enumerate(random_inputs(g, env, seed=4))]

@@ -6,7 +6,6 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python fa3_sim_cases.py [case-id ...]
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,7 +14,7 @@ sys.setswitchinterval(5e-4)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from sim_script import case_rng  # noqa: E402
+from sim_script import case_rng, example_graph, run_main  # noqa: E402
 from variants import as_float, make_spec, random_captures, random_inputs, reference  # noqa: E402
 
 # id: (variant, dtype, D, B, H, M, N, group_size, block_q, block_k[, spec.extra])
@@ -89,14 +88,11 @@ PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-s
 
 
 def run_api_case(case_id: str) -> dict:
-    import runpy
-
     import falower as fl
     from falower.passes.check import Reference, bind_dims, random_inputs as graph_inputs
 
     stem, kind, dtype, D, B, H, M, N, bq, bk, extra, flag = API_CASES[case_id]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    g = nested_graph() if stem == "nested" else runpy.run_path(os.path.join(root, "examples", f"{stem}.py"))["graph"]
+    g = nested_graph() if stem == "nested" else example_graph(stem)
     assert dtype == "f16"  # numpy inputs: bf16 has no numpy dtype the API takes
     env = bind_dims(g, {"B": B, "H": H, "HKV": H, "M": M, "N": N, "D": D})
     raw = graph_inputs(g, env, seed=M * 100 + N, **({} if kind == "normal" else {"kind": kind}))
@@ -201,16 +197,8 @@ def run_runtime_case(case_id: str) -> dict:
 
 
 def main(ids) -> None:
-    assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
-    for cid in ids or [*CASES, *RUNTIME_CASES, *API_CASES]:
-        try:
-            run = run_runtime_case if cid in RUNTIME_CASES else run_api_case if cid in API_CASES else run_case
-            r = run(cid)
-        except Exception as exc:
-            import traceback
-
-            r = {"id": cid, "error": traceback.format_exc()[-3000:]}
-        print(json.dumps(r), flush=True)
+    run_main(ids or [*CASES, *RUNTIME_CASES, *API_CASES], lambda cid: (
+        run_runtime_case if cid in RUNTIME_CASES else run_api_case if cid in API_CASES else run_case)(cid))
 
 
 if __name__ == "__main__":

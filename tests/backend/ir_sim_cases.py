@@ -4,32 +4,24 @@ NUMBA_ENABLE_CUDASIM=1 by test_compile_simulator.py). Prints one JSON line per c
 from __future__ import annotations
 
 import json
-import os
-import runpy
 import sys
 from pathlib import Path
 
 sys.setswitchinterval(5e-4)
 
 import numpy as np  # noqa: E402
+from sim_script import example_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
 SHAPES = {"B": 1, "H": 2, "HKV": 1, "M": 40, "N": 37, "D": 16}
 
 
-def example(stem: str):
-    from falower.ir import Func
-
-    graphs = [v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, Func)]
-    return graphs[0]
-
-
 def run_case(stem: str, path: str) -> dict:
     import falower as fl
     from falower.passes.check import Reference, bind_dims, random_inputs
 
-    g = example(stem)
+    g = example_graph(stem)
     env = bind_dims(g, SHAPES)
     # q, k, v in f16; captured float tables in f32; the reference sees the same rounded values in float64
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
@@ -137,7 +129,7 @@ def run_pair_case(which: str) -> dict:
         tab = fl.capture("tab", "f32", "H,M,6")
         g = fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[h, q, kv], name="short_table")
     else:
-        g = example("bias")
+        g = example_graph("bias")
     env = bind_dims(g, {**SHAPES, "B": 3, "N": 37 if which == "odd" else 38})  # B != H: the grid puts b inner
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32)
               for i, x in enumerate(random_inputs(g, env, seed=4))]

@@ -71,8 +71,15 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.
 
 
 def example_graph(stem: str):
-    """examples/<stem>.py's `graph`."""
-    return runpy.run_path(os.path.join(EXAMPLES, f"{stem}.py"))["graph"]
+    """examples/<stem>.py's graph: its `graph`, or the one Func it defines (naive_tensor_code.py's traced function)."""
+    from falower.ir import Func
+
+    ns = runpy.run_path(os.path.join(EXAMPLES, f"{stem}.py"))
+    if "graph" in ns:
+        return ns["graph"]
+    funcs = [v for v in ns.values() if isinstance(v, Func)]
+    assert len(funcs) == 1, f"examples/{stem}.py: no `graph` and {len(funcs)} Funcs"
+    return funcs[0]
 
 
 def random_qkv(rng: np.random.Generator, B: int, H: int, M: int, N: int, D: int) -> tuple:

@@ -13,8 +13,6 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python wgmma_bwd_sim_cases.py [case-id ...]
 
 from __future__ import annotations
 
-import os
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 sys.setswitchinterval(5e-4)
 
 import numpy as np  # noqa: E402
-from sim_script import run_main  # noqa: E402
+from sim_script import example_graph, run_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={bq},bk={bk},dq={dq}}},canonicalize"
@@ -97,8 +95,7 @@ def run_case(case_id: str) -> dict:
     from falower.passes.check import bind_dims, random_inputs
 
     stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = CASES[case_id]
-    g = TEST_GRAPHS[stem]() if stem in TEST_GRAPHS else \
-        next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+    g = TEST_GRAPHS[stem]() if stem in TEST_GRAPHS else example_graph(stem)
     env = bind_dims(g, {"B": B, "H": H, "HKV": HKV, "M": M, "N": N, "D": D})
     raw = random_inputs(g, env, seed=M * 1000 + N)
     ins = [_bits(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x for i, x in enumerate(raw)]
