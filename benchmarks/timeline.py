@@ -7,6 +7,10 @@ fixed cost (the ping-pong's ramp and tail); the per-item cost is that plus the p
 
     python3 benchmarks/timeline.py causal --d 128 --n 4096 [--config 128x128w8-wsn] [--json out.json]
 
+With a persistent config (`--config 128x128w8-wsn-p132`) the stamps are an item's instead: its Q landed, its kv
+loop's end, its epilogue's end; the summary's `loop_end_to_next_q_us` is what one item's end costs the next item
+(what the persistent kernel was built to hide), `item_cost_tiles` that plus the loop's fixed cost, in tile-times.
+
 The stamps cost a few instructions a warpgroup; the timed kernel is otherwise the one the bench times. Needs torch
 and a GPU (or the CUDA simulator, tiny shapes: NUMBA_ENABLE_CUDASIM=1 ... --n 256 --b 1 --h 2 --d 64).
 """
@@ -71,6 +75,70 @@ def stamped_source(source: str, name: str) -> str:
                         "global_timer, sm_id\n", 1)
 
 
+ITEMS = 32  # a persistent block's items stamped (2048 items on 132 blocks: 16)
+ITEM_FIELDS = ("q_landed", "loop_end", "end", "sm", "tiles")
+
+
+def stamped_persistent_source(source: str, name: str) -> str:
+    """The persistent ws kernel's module with stamps an item: when the warpgroup's Q has landed, when its kv loop
+    ended (the top of the item loop, where the next item's loads are issued), and after its epilogue; thread 0 of
+    each consumer warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item]."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    out: list[str] = []
+    found = set()
+    rec = [f"        if cur_ok and (tid & 127) == 0 and tl_k < {ITEMS}:",
+           f"            tl_i = ((cuda.blockIdx.x * 2 + (tid >> 7)) * {ITEMS} + tl_k) * 5",
+           "            tl_buf[tl_i] = tl_q",
+           "            tl_buf[tl_i + 1] = tl_le",
+           "            tl_buf[tl_i + 2] = global_timer()",
+           "            tl_buf[tl_i + 3] = np.uint64(sm_id())",
+           "            tl_buf[tl_i + 4] = np.uint64(tl_nt)",
+           "        if cur_ok:",
+           "            tl_k += 1"]
+    for i, ln in enumerate(lines):
+        if i == start:
+            ln = ln.replace("):", ", tl_buf):")
+        if i > start and ln == "        if not it_ok:" and lines[i + 1].strip() == "break":
+            out += rec
+            found.add("record")
+        out.append(ln)
+        if i > start and ln.strip().startswith("cur_ok = False"):
+            out += ["    tl_k = 0", "    tl_q = global_timer()", "    tl_le = tl_q", "    tl_nt = 0"]
+            found.add("init")
+        if i > start and ln == "    while True:":
+            out.append("        tl_le = global_timer()")
+            found.add("loop_end")
+        if i > start and "# this warpgroup's Q has landed" in ln:
+            out += ["        tl_q = global_timer()", "        tl_nt = kv_last - kv_first + 1"]
+            found.add("q")
+    if found != {"record", "init", "loop_end", "q"}:
+        raise SystemExit(f"timeline: anchors not found in the persistent kernel: {found}")
+    return "\n".join(out).replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics "
+                                  "import global_timer, sm_id\n", 1)
+
+
+def summarize_persistent(t: np.ndarray) -> dict:
+    """t [blocks x 2 warpgroups, ITEMS, 5]: the loop's line through (tiles, time), the epilogue, and the time from
+    one item's loop end to the next one's Q landed (what the persistent kernel was built to hide)."""
+    loops, tiles, epis, between = [], [], [], []
+    for wg in t:
+        wg = wg[wg[:, 2] > 0]
+        loops += list((wg[:, 1] - wg[:, 0]) / 1e3)
+        tiles += list(wg[:, 4])
+        epis += list((wg[:, 2] - wg[:, 1]) / 1e3)
+        between += list((wg[1:, 0] - wg[:-1, 1]) / 1e3)
+    loops, tiles = np.array(loops), np.array(tiles)
+    busy = tiles > 0
+    slope, icpt = np.polyfit(tiles[busy], loops[busy], 1) if len(np.unique(tiles[busy])) > 1 else (
+        float(np.median(loops[busy] / tiles[busy])), 0.0)
+    gap = float(np.median(between))
+    return {"items": int(len(loops)), "loop_us_per_tile": float(slope), "loop_fixed_us": float(icpt),
+            "epilogue_us": float(np.median(epis)), "loop_end_to_next_q_us": gap,
+            "item_cost_tiles": (gap + float(icpt)) / float(slope) if slope > 0 else float("nan"),
+            "mean_tiles": float(tiles.mean())}
+
+
 def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
     """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS."""
     import torch
@@ -86,7 +154,8 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern = c.kernel(q, k, v, *caps)
     s = kern.spec
-    if s.extra.get("schedule") != "wgmma-ws" or s.extra.get("producer") != "none" or s.extra.get("persistent"):
+    persist = int(s.extra.get("persistent", 0))
+    if s.extra.get("schedule") != "wgmma-ws" or s.extra.get("producer") != "none":
         raise SystemExit(f"timeline: {s.name} is not the warp-specialized kernel without a producer ({s.extra})")
     seen: dict = {}
 
@@ -104,9 +173,11 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
         kern._kernel, kern._raise_smem_limit = real, real_raise
     grid, threads, _, smem = seen["cfg"]
     blocks = int(np.prod(grid))
-    mod = load_source(stamped_source(kern.source, s.name), s.name + "_timeline")
+    stamp = stamped_persistent_source if persist else stamped_source
+    mod = load_source(stamp(kern.source, s.name), s.name + "_timeline")
     stamped = getattr(mod, s.name)
-    tl = torch.zeros(blocks * 2 * 6, dtype=torch.int64, device=dev)
+    width = ITEMS * 5 if persist else 6
+    tl = torch.zeros(blocks * 2 * width, dtype=torch.int64, device=dev)
     from numba import cuda
 
     args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
@@ -114,7 +185,8 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
     for _ in range(3):  # the first launch compiles; the last is the one read
         stamped[grid, threads, 0, smem](*args)
     torch.cuda.synchronize()
-    return tl.cpu().numpy().view(np.uint64).reshape(blocks * 2, 6).astype(np.float64)
+    t = tl.cpu().numpy().view(np.uint64).astype(np.float64)
+    return t.reshape(blocks * 2, ITEMS, 5) if persist else t.reshape(blocks * 2, 6)
 
 
 def summarize(t: np.ndarray) -> dict:
@@ -155,7 +227,8 @@ def main() -> None:
     a = ap.parse_args()
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
     t = run(a.stem, a.d, a.n, B, H, a.config)
-    summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H, **summarize(t)}
+    summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H,
+               **(summarize_persistent(t) if t.ndim == 3 else summarize(t))}
     print(json.dumps(summary), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": summary, "fields": FIELDS, "stamps": t.tolist()}))

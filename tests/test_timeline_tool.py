@@ -20,10 +20,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 timeline = pytest.importorskip("timeline")
 
 
-def _ws(stem: str = "causal"):
+def _ws(stem: str = "causal", **extra):
     g = runpy.run_path(str(ROOT / "examples" / f"{stem}.py"))["graph"]
     spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 128}, "f16", "mma", None,
-                      {"schedule": "wgmma-ws", "producer": "none"})
+                      {"schedule": "wgmma-ws", "producer": "none", **extra})
     return spec, emit_fa3_ws.emit_fa3_ws_forward(spec)
 
 
@@ -62,3 +62,35 @@ def test_the_summary_reads_the_stamps():
     assert s["loop_us_per_tile"] == pytest.approx(2.0) and s["loop_fixed_us"] == pytest.approx(0.5)
     assert s["sm_gap_us"] == pytest.approx(0.25)
     assert s["item_cost_tiles"] == pytest.approx((1.0 + 0.5 + 1.5 + 0.25) / 2.0)
+
+
+def test_the_persistent_stamps_go_in_order():
+    """An item's record: its Q landed (before its kv loop), its loop's end (the top of the item loop, before the
+    next item's loads), then after its epilogue, written before the loop breaks."""
+    spec, src = _ws(persistent=132)
+    out = timeline.stamped_persistent_source(src, spec.name)
+    compile(out, "stamped", "exec")
+    assert ", tl_buf):" in out
+    top = out.index("    while True:\n        tl_le = global_timer()")
+    rec = out.index("        if cur_ok and (tid & 127) == 0 and tl_k < ")
+    assert top < rec < out.index("            break") < out.index("        tl_q = global_timer()")
+    assert out.index("# this warpgroup's Q has landed") < out.index("        tl_q = global_timer()")
+    with pytest.raises(SystemExit, match="anchors not found"):
+        timeline.stamped_persistent_source(src.replace("    while True:", "    while 1:"), spec.name)
+
+
+def test_the_persistent_summary_reads_the_stamps():
+    """Two warpgroups of two items each (3 and 5 tiles): 2 us a tile plus 0.5 fixed, epilogue 1 us, 0.75 us from
+    an item's loop end to the next one's Q."""
+    t = np.zeros((2, timeline.ITEMS, 5))
+    for wg in range(2):
+        now = 1e6
+        for k, tiles in enumerate((3, 5)):
+            le = now + 500 + 2000 * tiles
+            t[wg, k] = [now, le, le + 1000, 0, tiles]
+            now = le + 750
+    s = timeline.summarize_persistent(t)
+    assert s["items"] == 4 and s["epilogue_us"] == pytest.approx(1.0)
+    assert s["loop_us_per_tile"] == pytest.approx(2.0) and s["loop_fixed_us"] == pytest.approx(0.5)
+    assert s["loop_end_to_next_q_us"] == pytest.approx(0.75)
+    assert s["item_cost_tiles"] == pytest.approx((0.75 + 0.5) / 2.0)
