@@ -29,6 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles")
 
 
+def _with_timer_import(text: str) -> str:
+    """A stamped module's source with the two intrinsics its stamps call imported."""
+    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import "
+                        "global_timer, sm_id\n", 1)
+
+
+def _loop_line(tiles: np.ndarray, loops: np.ndarray) -> tuple[float, float]:
+    """The line through (kv tiles, loop time) of the items that visit some: us a tile and the loop's fixed cost
+    (with a single tile count, the median time a tile and no fixed cost)."""
+    busy = tiles > 0
+    if len(np.unique(tiles[busy])) > 1:
+        slope, icpt = np.polyfit(tiles[busy], loops[busy], 1)
+        return float(slope), float(icpt)
+    return float(np.median(loops[busy] / tiles[busy])), 0.0
+
+
 def stamped_source(source: str, name: str) -> str:
     """The ws kernel's module with the stamps: t0 at entry, t1 when the warpgroup's Q has landed, t2 after the kv
     loop, t3 at the end; thread 0 of each consumer warpgroup writes them, its SM and its tile count to tl_buf."""
@@ -71,8 +87,7 @@ def stamped_source(source: str, name: str) -> str:
             "        tl_buf[tl_i + 5] = np.uint64(kv_last - kv_first + 1)"]
     out += lines[end:]
     text = "\n".join(out)
-    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import "
-                        "global_timer, sm_id\n", 1)
+    return _with_timer_import(text)
 
 
 ITEMS = 32  # a persistent block's items stamped (2048 items on 132 blocks: 16)
@@ -114,8 +129,7 @@ def stamped_persistent_source(source: str, name: str) -> str:
             found.add("q")
     if found != {"record", "init", "loop_end", "q"}:
         raise SystemExit(f"timeline: anchors not found in the persistent kernel: {found}")
-    return "\n".join(out).replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics "
-                                  "import global_timer, sm_id\n", 1)
+    return _with_timer_import("\n".join(out))
 
 
 def summarize_persistent(t: np.ndarray) -> dict:
@@ -128,14 +142,12 @@ def summarize_persistent(t: np.ndarray) -> dict:
         tiles += list(wg[:, 4])
         epis += list((wg[:, 2] - wg[:, 1]) / 1e3)
         between += list((wg[1:, 0] - wg[:-1, 1]) / 1e3)
-    loops, tiles = np.array(loops), np.array(tiles)
-    busy = tiles > 0
-    slope, icpt = np.polyfit(tiles[busy], loops[busy], 1) if len(np.unique(tiles[busy])) > 1 else (
-        float(np.median(loops[busy] / tiles[busy])), 0.0)
+    tiles = np.array(tiles)
+    slope, icpt = _loop_line(tiles, np.array(loops))
     gap = float(np.median(between))
-    return {"items": int(len(loops)), "loop_us_per_tile": float(slope), "loop_fixed_us": float(icpt),
+    return {"items": int(len(loops)), "loop_us_per_tile": slope, "loop_fixed_us": icpt,
             "epilogue_us": float(np.median(epis)), "loop_end_to_next_q_us": gap,
-            "item_cost_tiles": (gap + float(icpt)) / float(slope) if slope > 0 else float("nan"),
+            "item_cost_tiles": (gap + icpt) / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles.mean())}
 
 
@@ -202,16 +214,13 @@ def summarize(t: np.ndarray) -> dict:
         idx = np.argsort(blk_start[blk_sm == m])
         s_m, e_m = blk_start[blk_sm == m][idx], blk_end[blk_sm == m][idx]
         gaps += list(s_m[1:] - e_m[:-1])
-    loop = le - ql
-    busy = tiles > 0
-    slope, icpt = np.polyfit(tiles[busy], loop[busy], 1) if len(np.unique(tiles[busy])) > 1 else (
-        float(np.median(loop[busy] / tiles[busy])), 0.0)
+    slope, icpt = _loop_line(tiles, le - ql)
     pro, epi = float(np.median(ql - start)), float(np.median(end - le))
     gap = float(np.median(gaps)) if gaps else 0.0
     return {"warpgroups": int(len(t)), "kernel_us": float(end.max()), "prologue_us": pro,
-            "loop_us_per_tile": float(slope), "loop_fixed_us": float(icpt), "epilogue_us": epi,
+            "loop_us_per_tile": slope, "loop_fixed_us": icpt, "epilogue_us": epi,
             "sm_gap_us": gap, "wg_skew_us": float(np.median(np.abs(end[0::2] - end[1::2]))),
-            "item_cost_tiles": (pro + float(icpt) + epi + gap) / float(slope) if slope > 0 else float("nan"),
+            "item_cost_tiles": (pro + icpt + epi + gap) / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles.mean())}
 
 
