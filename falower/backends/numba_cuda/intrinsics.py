@@ -6,8 +6,8 @@ When the CUDA simulator is on (`NUMBA_ENABLE_CUDASIM=1`, read when this module i
 names are bound to Python functions that follow the PTX fragment layouts, so a kernel that uses the
 tensor-core path runs unchanged in the simulator. Warp-collective operations (mma, ldmatrix, shuffles)
 are emulated by exchanging each lane's operands through a per-warp scratch area guarded by a per-warp
-32-party barrier (sim_threads.HandOverBarrier); kernels must therefore call them with all 32 lanes of a warp (uniform control
-flow), which is what the hardware requires too.
+32-party barrier (sim_threads.HandOverBarrier); kernels must therefore call them with all 32 lanes of a
+warp (uniform control flow), which is what the hardware requires too.
 
 Fragment layouts (lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3), two 16-bit values per uint32
 with the lower column in the low half:

@@ -72,11 +72,13 @@ class HandOverBarrier:
         if self.aborted:
             raise RuntimeError("abort flag set on syncthreads clear")
 
-    def leave(self) -> None:
+    def leave(self) -> int:
+        """Take a party out; the parties left."""
         with self._mu:
             self._live -= 1
             if self._arrived and self._arrived == self._live:
                 self._open()
+            return self._live
 
     def abort(self) -> None:
         with self._mu:
@@ -92,25 +94,19 @@ def _run_block(self, grid_point, *args):
     n = int(np.prod(self._block_dim))
     barrier = HandOverBarrier(n)
     done = threading.Event()
-    left = [n]
-    left_lock = threading.Lock()
-    first: list = []  # the thread whose exception aborted the block
+    first: list = []  # the thread whose exception aborted the block (appended before it aborts the others)
     threads = []
 
     def target():
         try:
             self._f(*args)
         except BaseException:
-            with left_lock:
-                first.append(threading.current_thread())
+            first.append(threading.current_thread())
             barrier.abort()  # the others raise at their barriers: the launch reports this thread's exception
             raise
         finally:
-            barrier.leave()
-            with left_lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    done.set()
+            if barrier.leave() == 0:
+                done.set()
 
     self._falower_barrier = barrier
     for block_point in np.ndindex(*self._block_dim):
