@@ -170,7 +170,6 @@ CONFIG_OPTIONS: list = [
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),
     (("ltanh", {"tanh": "libdevice"}),),
     (("se", {"staged_epilogue": True}), ("nose", {"staged_epilogue": False})),
-    (("qpf", {"q_prefetch": True}), ("noqpf", {"q_prefetch": False})),
     ("r", "wg_rows"),
     (("tree", {"tree_softmax": True}),),
     (("eager", {"eager": True}),),

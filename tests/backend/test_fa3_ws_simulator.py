@@ -15,7 +15,7 @@ pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulated import assert_forward_close, run_cases  # noqa: E402
-from ws_sim_cases import CASES, PREFETCH_CASES, RING_CASES, ring_kernel_source  # noqa: E402
+from ws_sim_cases import CASES, RING_CASES, ring_kernel_source  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,6 @@ def test_ring_simulator(results, case):
 def test_fa3_ws_simulator(results, case):
     r = results.get(case)
     assert_forward_close(r)
-
-
-@pytest.mark.parametrize("case", sorted(PREFETCH_CASES))
-def test_next_wave_q_prefetch_simulator(results, case):
-    """Each block prefetches the Q tile of the block one wave on, and nothing else: the recorded prefetch_l2 calls are
-    exactly the 128-byte lines of blocks 2 .. 7's Q tiles (the simulator's sm_count() is 2), each once, every index
-    in range (the emulation raises on one that is not), and the numbers are right."""
-    r = results.get(case)
-    assert_forward_close(r)
-    assert r["prefetches"] > 0 and r["prefetch_ok"], r
 
 
 def _real_target(monkeypatch, tmp_path):
@@ -202,21 +192,3 @@ def test_fa3_ws_score_gathers_are_prefetched(tmp_path, monkeypatch):
         counts[stem] = ("def score_prefetch_fn(" in spec.device_source, ptx.count("prefetch.global.L2"))
         _assert_wgmma_counts_and_clean(ptx, 128)
     assert counts == {"bias": (True, 2), "plain": (False, 0)}, counts
-
-
-@pytest.mark.slow
-def test_fa3_ws_q_prefetch_ptx(tmp_path, monkeypatch):
-    """With the next wave's Q prefetched (extra q_prefetch), the causal D = 128 kernel stays clean: %nsmid read once,
-    prefetch.global.L2 for the Q lines (and none without the knob), its quotients by rcp.approx with no division
-    (a 64-bit division is a call: every wgmma serialized), no f64, no local memory, no spills, no C75xx."""
-    _real_target(monkeypatch, tmp_path)
-    _, _, plain = _ws_ptx("causal", 128, {"schedule": "wgmma-ws", "producer": "none"}, "fa3_wsn_ptx_noqpf")
-    _, _, ptx = _ws_ptx("causal", 128, {"schedule": "wgmma-ws", "producer": "none", "q_prefetch": True},
-                        "fa3_wsn_ptx_qpf")
-    assert "%nsmid" not in plain and "prefetch.global.L2" not in plain
-    assert ptx.count("%nsmid") == 1 and ptx.count("prefetch.global.L2") >= 1
-    _assert_wgmma_counts_and_clean(ptx, 128)
-    assert not re.search(r"\bdiv\.", ptx)
-    usage = _link(ptx)
-    assert not re.search(r"C75\d\d", usage["log"]), usage["log"]
-    assert usage["spill_stores"] == 0, usage["log"]

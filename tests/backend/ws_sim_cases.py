@@ -51,13 +51,6 @@ CASES = {
     "ws-none-causal-f16-d64-lazy": ("causal", "f16", 64, 1, 2, 70, 90, 1, 128, 16,
                                     {"producer": "none", "lazy_rescale": 0.5}),
 }
-# Each block prefetches into L2 the Q tile of the block one wave on (extra q_prefetch; the simulator's sm_count() is
-# intrinsics.SIM_SM_COUNT = 2): 8 blocks on a (heads, q tiles, batch) grid, so a block's successor two on crosses a
-# head, a q tile and the batch; the last q tile is ragged (22 rows). run_case checks the prefetched lines exactly.
-PREFETCH_CASES = {
-    "ws-none-causal-f16-d64-qprefetch": ("causal", "f16", 64, 2, 2, 150, 20, 1, 128, 16,
-                                         {"producer": "none", "q_prefetch": True}),
-}
 # Persistent (extra persistent = blocks; test_ws_persistent_simulator.py): each block walks several (q tile, head,
 # batch) items in serpentine order, the next item's Q and first tiles loaded before the epilogue of the one before;
 # the ring's stage and phase and the Q barrier's parity carry across items, so every item after the first reuses
@@ -248,8 +241,7 @@ def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda import emit_fa3_ws
     from falower.backends.numba_cuda.runtime import load_source
 
-    variant, dtype, D, B, H, M, N, G, bq, bk, extra = {**CASES, **PERSIST_CASES, **SLOW_WARP_CASES,
-                                                       **PREFETCH_CASES}[case_id]
+    variant, dtype, D, B, H, M, N, G, bq, bk, extra = {**CASES, **PERSIST_CASES, **SLOW_WARP_CASES}[case_id]
     rng = case_rng(case_id)
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
                      name=f"ws_{case_id.replace('-', '_')}")
@@ -274,20 +266,10 @@ def run_case(case_id: str) -> dict:
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
     caps = random_captures(rng, variant, B, H, M, N)
     args, o, lse = launch_args(spec, q, k, v, caps)
-    from falower.backends.numba_cuda import intrinsics
-
-    intrinsics.PREFETCH_LOG = [] if emit_fa3_ws.q_prefetch(spec) else None
-    grid = emit_fa3_ws.grid(spec, B, H, M, N)
     t0 = time.time()
-    kern[grid, emit_fa3_ws.threads_per_block(spec), 0, emit_fa3_ws.smem_bytes(spec)](*args)
+    kern[emit_fa3_ws.grid(spec, B, H, M, N), emit_fa3_ws.threads_per_block(spec), 0,
+         emit_fa3_ws.smem_bytes(spec)](*args)
     seconds = time.time() - t0
-    prefetch = {}
-    if intrinsics.PREFETCH_LOG is not None:
-        got = sorted(flat for arr, flat in intrinsics.PREFETCH_LOG)
-        arrays_ok = all(arr.size == args[0].size for arr, _ in intrinsics.PREFETCH_LOG)
-        prefetch = {"prefetches": len(got), "prefetch_ok": arrays_ok and got == _next_wave_lines(
-            spec, grid, B, H, M, D, intrinsics.SIM_SM_COUNT)}
-        intrinsics.PREFETCH_LOG = None
     qf, kf, vf = (as_float(x, dtype) for x in (q, k, v))
     ro, rl = reference(qf, kf, vf, variant, caps, G)
     if dtype == "f16":
@@ -303,24 +285,7 @@ def run_case(case_id: str) -> dict:
         "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
         "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
         "seconds": round(seconds, 1),
-        **prefetch,
     }
-
-
-def _next_wave_lines(spec, grid, B, H, M, D, wave) -> list:
-    """Written out here rather than taken from emit_fa2: the first element of each 128-byte line of the Q tiles of
-    blocks `wave` .. end of `grid` (x fastest; under a block mask x = heads, y = q tiles from the last, z = batch),
-    each once, for contiguous q [B, H, M, D]."""
-    from falower.backends.numba_cuda.emit_fa2 import heads_first
-
-    gx, gy, gz = grid
-    assert heads_first(spec) and not spec.batch_inner and (gx, gz) == (H, B), (grid, spec.block_mask)
-    out = []
-    for n in range(wave, gx * gy * gz):
-        h, qt, b = n % gx, gy - 1 - (n // gx) % gy, n // (gx * gy)
-        for row in range(qt * spec.block_q, min(qt * spec.block_q + spec.block_q, M)):
-            out += [((b * H + h) * M + row) * D + c for c in range(0, D, 64)]
-    return sorted(out)
 
 
 def run_compiled_case(case_id: str) -> dict:
@@ -370,7 +335,7 @@ def run_walk_case(case_id: str) -> dict:
 
 
 def main(ids) -> None:
-    run_main(ids or [*RING_CASES, *CASES, *PREFETCH_CASES], lambda cid: (
+    run_main(ids or [*RING_CASES, *CASES], lambda cid: (
         run_ring_case(cid) if cid in RING_CASES else run_compiled_case(cid) if cid in COMPILED_CASES
         else run_walk_case(cid) if cid in WALK_CASES else run_half_case(cid) if cid in HALF_CASES
         else run_case(cid)))

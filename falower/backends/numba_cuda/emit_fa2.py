@@ -442,55 +442,6 @@ def _emit_item_carry(c: "_Code", spec: FA2ForwardSpec) -> None:
         c("it_z += 1")
 
 
-def emit_small_udiv(c: "_Code", out: str, n: str, d: str) -> None:
-    """out = n // d for 0 <= n < 2^22, 0 < d, without a division instruction (a 64-bit division is a call, which
-    serializes every wgmma): a float reciprocal (rcp.approx: relative error < 2^-22) gives the quotient within one,
-    and one step each way makes it exact."""
-    c(f"{out} = np.int32(np.float32({n}) * rcp_approx(np.float32({d})))")
-    c(f"if {out} * ({d}) > {n}:")
-    with c.indent():
-        c(f"{out} -= 1")
-    c(f"elif ({out} + 1) * ({d}) <= {n}:")
-    with c.indent():
-        c(f"{out} += 1")
-
-
-def emit_next_wave_prefetch(c: "_Code", spec: FA2ForwardSpec, threads: int, blocks_per_sm: int = 1) -> None:
-    """Prefetch into L2 the Q tile of the block one wave on: `grid_3d`'s blocks go out x fastest, about
-    sm_count() x blocks_per_sm run at once, and a block that ends is followed on its SM by about the first block
-    not yet started, this one's index plus that count. So its Q (read once, cold in HBM) is in L2 when that block's
-    prologue loads it: the prologue's wait is an L2 latency, not an HBM one (benchmarks/NOTES.md, "Counting the
-    per-item cost": the prologue is 1.3-1.8 us of a ~2 tile-time cost an item). Blocks of the last wave prefetch
-    nothing; a guess that misses costs one line of L2 a thread. Needs `nq`, `tid` and the kernel's q strides."""
-    axes = _grid_axes(spec)
-    (nx, _), (ny, _), (nz, _) = axes
-    lines = spec.block_q * spec.head_dim * 2 // 128  # 128-byte lines of a Q tile (16-bit elements)
-    per_row = spec.head_dim * 2 // 128
-    assert per_row >= 1 and per_row & (per_row - 1) == 0, spec.head_dim
-    c("# the Q tile of the block one wave on, into L2 (emit_next_wave_prefetch; extra q_prefetch=False: none)")
-    c(f"pf_n = np.int32(cuda.blockIdx.x + {nx} * (cuda.blockIdx.y + {ny} * cuda.blockIdx.z)"
-      f" + sm_count() * {blocks_per_sm})")
-    emit_small_udiv(c, "pf_z", "pf_n", f"{nx} * {ny}")
-    c(f"if pf_z < {nz}:")
-    with c.indent():
-        c(f"pf_r = pf_n - pf_z * ({nx} * {ny})")
-        emit_small_udiv(c, "pf_y", "pf_r", nx)
-        c(f"pf_x = pf_r - pf_y * {nx}")
-        names = {}
-        for v, (_, what) in zip(("pf_x", "pf_y", "pf_z"), axes):
-            names[what] = f"(nq - 1 - {v})" if what == "qt" else v
-        c(f"pf_row0 = {names['qt']} * {spec.block_q}")
-        c(f"pf_g = {names['b']} * q_sb + {names['h']} * q_sh")
-        c(f"for pf_i in range(tid, {lines}, {threads}):")
-        with c.indent():
-            shift = per_row.bit_length() - 1
-            c(f"pf_row = pf_row0 + (pf_i >> {shift})" if shift else "pf_row = pf_row0 + pf_i")
-            c("if pf_row < M:")
-            with c.indent():
-                col = f" + (pf_i & {per_row - 1}) * 64" if per_row > 1 else ""
-                c(f"prefetch_l2(q, (pf_g + pf_row * q_sm{col},))")
-
-
 def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec) -> None:
     """qt, h, b of the item (it_x, it_y, it_z), and it_ok: whether it is one (past the last item, the last one's
     coordinates: a kernel that computes an item's state before it knows whether to use it reads no table out of

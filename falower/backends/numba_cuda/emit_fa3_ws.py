@@ -79,7 +79,6 @@ from .emit_fa2 import (
     emit_persistent_index,
     emit_persistent_next,
     emit_persistent_start,
-    emit_next_wave_prefetch,
     emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
@@ -114,7 +113,7 @@ from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "half_tiles", "q_prefetch", "register_cap", "registers_fit", "smem_bytes",
+__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit", "smem_bytes",
            "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
@@ -144,7 +143,6 @@ from falower.backends.numba_cuda.intrinsics import (
     mbar_wait,
     setmaxnreg_dec,
     setmaxnreg_inc,
-    sm_count,
 )
 '''
 
@@ -155,13 +153,6 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
     (emit_fa3._emit_staged_epilogue), where the fragment layout gives 4-byte stores each touching 8 rows.
     spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose')."""
     return producer(spec) == "none" and not persistent(spec) and spec.extra.get("staged_epilogue", True) is not False
-
-
-def q_prefetch(spec: FA2ForwardSpec) -> bool:
-    """Whether each block prefetches into L2 the Q tile of the block one wave on (emit_fa2.emit_next_wave_prefetch),
-    so that block's prologue waits for L2, not HBM. Not in a persistent kernel (it loads its next item's Q itself).
-    spec.extra["q_prefetch"] = False turns it off (bench '-noqpf')."""
-    return not persistent(spec) and spec.extra.get("q_prefetch", False) is not False
 
 
 def half_tiles(spec: FA2ForwardSpec) -> bool:
@@ -1026,8 +1017,6 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
 
         if not persistent(spec):
             item_state(c)
-            if q_prefetch(spec):
-                emit_next_wave_prefetch(c, spec, threads)
         c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
         loaders = 128 if NONE else producer_threads(spec)  # producer "none": one warpgroup fills each ring
         c("if tid == 0:")

@@ -127,7 +127,6 @@ __all__ = [
     "warp_sum",
     "global_timer",
     "sm_id",
-    "sm_count",
     "red_add_v4_f32",
     "mma_acc_f16",
     "mma_set_f16",
@@ -515,20 +514,8 @@ if SIMULATOR:
     def cp_async_commit():
         pass
 
-    # The simulator's %nsmid (sm_count): small, so that a tiny grid still has blocks one "wave" on and the kernels'
-    # next-wave prefetch is exercised. PREFETCH_LOG: a list to record each prefetch_l2 as (array, flat element
-    # index), for tests; None records nothing.
-    SIM_SM_COUNT = 2
-    PREFETCH_LOG = None
-
     def prefetch_l2(garr, idx):
-        """A hint, so nothing to emulate; but its element must exist (an out-of-range index raises here, where the
-        GPU would prefetch some other line), and PREFETCH_LOG, where set, records it."""
-        flat = int(np.ravel_multi_index(tuple(int(i) for i in idx), garr.shape))
-        if PREFETCH_LOG is not None:
-            with _warp_lock:
-                PREFETCH_LOG.append((garr, flat))
-        return np.int32(0)
+        return np.int32(0)  # a hint: nothing to emulate
 
     def ld_pair(garr, idx):
         last = tuple(idx[:-1]) + (idx[-1] + 1,)
@@ -649,9 +636,6 @@ if SIMULATOR:
 
     def sm_id():
         return np.uint32(0)
-
-    def sm_count():
-        return np.uint32(SIM_SM_COUNT)
 
     _red_lock = threading.Lock()
 
@@ -1439,15 +1423,6 @@ else:
             return _asm(context, builder, "mov.u64 $0, %globaltimer;", "=l", [], [types.uint64], side_effect=True)
 
         return types.uint64(), codegen
-
-    @intrinsic
-    def sm_count(typingctx):
-        """%nsmid: the GPU's count of SM identifiers (the SMs, or an upper bound where ids have gaps), no side
-        effect: the kernels' guess of how many blocks run at once (emit_fa2.emit_next_wave_prefetch)."""
-        def codegen(context, builder, sig, args):
-            return _asm(context, builder, "mov.u32 $0, %nsmid;", "=r", [], [_U32])
-
-        return _U32(), codegen
 
     @intrinsic
     def sm_id(typingctx):
