@@ -170,6 +170,7 @@ CONFIG_OPTIONS: list = [
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),
     (("ltanh", {"tanh": "libdevice"}),),
     (("se", {"staged_epilogue": True}), ("nose", {"staged_epilogue": False})),
+    ("el", "early_loads"),
     ("r", "wg_rows"),
     (("tree", {"tree_softmax": True}),),
     (("eager", {"eager": True}),),

@@ -50,6 +50,10 @@ CASES = {
     # (two heads: under a block mask the grid is (heads, q tiles, batch), emit_fa2.grid_3d)
     "ws-none-causal-f16-d64-lazy": ("causal", "f16", 64, 1, 2, 70, 90, 1, 128, 16,
                                     {"producer": "none", "lazy_rescale": 0.5}),
+    # the ring's first tiles split around the wait for Q (early_loads "10": K_0 before it, V_0 and both second
+    # tiles after), 3 stages, ragged tiles both ways
+    "ws-none-causal-f16-d64-early10": ("causal", "f16", 64, 1, 1, 70, 90, 1, 128, 16,
+                                       {"producer": "none", "early_loads": "10"}),
 }
 # Persistent (extra persistent = blocks; test_ws_persistent_simulator.py): each block walks several (q tile, head,
 # batch) items in serpentine order, the next item's Q and first tiles loaded before the epilogue of the one before;

@@ -113,7 +113,7 @@ from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["SCHEDULE", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit", "smem_bytes",
+__all__ = ["SCHEDULE", "early_loads", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit", "smem_bytes",
            "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
@@ -153,6 +153,21 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
     (emit_fa3._emit_staged_epilogue), where the fragment layout gives 4-byte stores each touching 8 rows.
     spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose')."""
     return producer(spec) == "none" and not persistent(spec) and spec.extra.get("staged_epilogue", True) is not False
+
+
+def early_loads(spec: FA2ForwardSpec) -> tuple[int, int]:
+    """(K, V): how many of the first S - 1 ring tiles warpgroup 0 (K) and 1 (V) load before waiting for their Q rows;
+    the rest they load right after it. Why: the prologue is bound by the SM's share of L2 bandwidth, not by Q's
+    latency (benchmarks/NOTES.md, "The next wave's Q"): Q (32 KB), K_0 and V_0 and the further stages (64 KB
+    each) all arrive together, while the first S needs only Q and K_0. spec.extra["early_loads"] = "KV", two digits
+    (bench '-elKV'); default all S - 1 before (the kernel as it was). A persistent kernel keeps its own order."""
+    S = stages(spec)
+    raw = spec.extra.get("early_loads", f"{S - 1}{S - 1}")
+    text = f"{raw:02d}" if isinstance(raw, int) and not isinstance(raw, bool) else str(raw)  # bench's -el01 is 1
+    if len(text) != 2 or not text.isdigit() or max(int(text[0]), int(text[1])) > S - 1:
+        raise ValueError(f"wgmma-ws: early_loads is two digits (K, V), each at most stages - 1 = {S - 1}, "
+                         f"got {text!r}")
+    return int(text[0]), int(text[1])
 
 
 def half_tiles(spec: FA2ForwardSpec) -> bool:
@@ -659,8 +674,21 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("lphase = 0")
             if spec.block_mask == "list":
                 c("lkv_pos = 0")
-            for _ in range(S - 1):
-                _emit_loader_step(c, spec, lay, None)
+            ring_loads(early=True)
+
+        def ring_loads(early: bool) -> None:
+            """The first S - 1 tiles of this warpgroup's ring: those `early_loads` puts before the wait for Q
+            (early), or the rest, right after it."""
+            ek, ev = early_loads(spec)
+            for i in range(S - 1):
+                k_now, v_now = (i < ek) == early, (i < ev) == early
+                if k_now and v_now:
+                    _emit_loader_step(c, spec, lay, None)
+                elif k_now or v_now:
+                    c(f"if cw == {0 if k_now else 1}:  # {'K' if k_now else 'V'}_{i} "
+                      f"{'before' if early else 'after'} the wait for Q (early_loads)")
+                    with c.indent():
+                        _emit_loader_step(c, spec, lay, "k" if k_now else "v")
     TT = table_tiles(spec)
     HOIST = row_bounds_read_data(spec)
     HALF = half_mode(spec)
@@ -672,6 +700,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         (`_emit_table_tile_setup`; not in persistent kernels)."""
         if NONE:
             c(f"mbar_wait(bars + cw * 8, {qphase})  # this warpgroup's Q has landed")
+            if not PERSIST:
+                ring_loads(early=False)
         else:
             c("mbar_wait(bars, 0)  # Q has landed")
         copy = _emit_table_tile_setup(c, spec, lay) if TT else None

@@ -515,7 +515,10 @@ if SIMULATOR:
         pass
 
     def prefetch_l2(garr, idx):
-        return np.int32(0)  # a hint: nothing to emulate
+        """A hint, so nothing to emulate; but its element must exist: an out-of-range index raises here, where the
+        GPU would quietly prefetch some other line."""
+        np.ravel_multi_index(tuple(int(i) for i in idx), garr.shape)
+        return np.int32(0)
 
     def ld_pair(garr, idx):
         last = tuple(idx[:-1]) + (idx[-1] + 1,)
