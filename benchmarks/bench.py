@@ -732,6 +732,98 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     return row
 
 
+def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]:
+    """Per example: TFLOP/s of falower's whole call and of Flex, each the median over the rounds, their spread
+    ((max - min) / median), and the two ratios the issue asks about taken round by round (falower over plain
+    falower, falower over Flex) as median, min and max. times[(stem, who)] = one time in ms per round, who "ours"
+    or "flex"; a round where a needed time is missing drops out of that ratio."""
+    import statistics
+
+    def tflops(stem: str, who: str) -> list[float]:
+        return [flops[stem] / t / 1e9 for t in times.get((stem, who), [])]
+
+    def ratios(a: list[float], b: list[float]) -> list[float]:
+        return [x / y for x, y in zip(a, b) if x == x and y == y and y > 0]
+
+    def stats(xs: list[float]) -> dict:
+        if not xs:
+            return {"median": NAN, "min": NAN, "max": NAN}
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    out = []
+    ours_plain = tflops(plain, "ours")
+    for stem in flops:
+        ours, flex = tflops(stem, "ours"), tflops(stem, "flex")
+        o, f = stats(ours), stats(flex)
+        out.append({"example": stem, "rounds": len(ours), "ours": o["median"],
+                    "ours spread": (o["max"] - o["min"]) / o["median"] if ours else NAN, "flex": f["median"],
+                    "of plain": stats(ratios(ours, ours_plain)) if ours_plain else stats([]),
+                    "over flex": stats(ratios(ours, flex))})
+    return out
+
+
+def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096) -> list[dict]:
+    """--rounds: every example's whole falower call and its Flex twin (the same mods and block mask), timed in
+    `rounds` rounds, each round every call once (do_bench, 5 ms warm-up, 25 ms) in a fresh random order. The GPU's
+    clocks drift across a run by more than the gaps issue 12 asks about (one kernel read 3-8% apart in one call):
+    interleaving spreads the drift over every call alike, and the ratios are taken within each round."""
+    import random
+
+    H = 2048 // D
+    B = max(1, 16384 // N)
+    calls, flops, diffs = {}, {}, {}
+    for stem in (["plain"] if "plain" not in stems else []) + list(stems):
+        var = variant(stem, B, H, N, D)
+        torch.manual_seed(0)
+        q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(B, H // var.group, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        flops[stem] = 4 * B * H * N * N * D * mask_density(var, B, N)
+        c = example_compiled(stem)
+        caps = [var.captures[a.name] for a in c.func.args[3:]]
+        calls[(stem, "ours")] = (lambda c=c, q=q, k=k, v=v, caps=caps: c.forward(q, k, v, *caps))
+        block_mask = block_mask_for(var.mask_mod, B, H, N, var.per_batch)
+        for opts in FLEX_OPTIONS:  # the first kernel options Flex compiles with, as measure_flex takes them
+            def fx(q=q, k=k, v=v, var=var, block_mask=block_mask, opts=opts):
+                return flex_attention()(q, k, v, score_mod=var.score_mod, block_mask=block_mask, scale=var.scale,
+                                        enable_gqa=var.group > 1, kernel_options=opts)
+            try:
+                fx()
+                torch.cuda.synchronize()
+            except Exception as exc:
+                log(f"  rounds: {stem} Flex with {opts}: {type(exc).__name__}")
+                continue
+            calls[(stem, "flex")] = fx
+            o_ours, o_flex = c.forward(q, k, v, *caps)[0].float(), fx().float()
+            diffs[stem] = ((o_ours - o_flex).abs().max() / o_flex.abs().max()).item()
+            break
+    times: dict = {key: [] for key in calls}
+    rng = random.Random(0)
+    for r in range(rounds):
+        order = list(calls)
+        rng.shuffle(order)
+        for key in order:
+            times[key].append(bench(calls[key], 5, 25))
+        log(f"  rounds: {r + 1} / {rounds} done")
+    out = rounds_summary(times, flops)
+    for row in out:
+        row["D"] = D
+        row["o diff vs flex"] = diffs.get(row["example"], NAN)  # sanity, not a check (both fp16)
+    return out
+
+
+def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
+    md = [f"Examples at N = 4k, D = {rows[0]['D'] if rows else '-'}, fp16, {dev}: {rounds} interleaved rounds "
+          "(every call once a round, in a random order); TFLOP/s of the kept pairs by the whole call, the median "
+          "over rounds; ratios taken within each round, median [min, max]", "",
+          "| example | falower | spread | of plain | Flex | falower / Flex | o diff |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, f = r["of plain"], r["over flex"]
+        md.append(f"| {r['example']} | {r['ours']:.0f} | {100 * r['ours spread']:.1f}% | {p['median']:.3f} "
+                  f"[{p['min']:.3f}, {p['max']:.3f}] | {r['flex']:.0f} | {f['median']:.2f} "
+                  f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} |")
+    return md
+
+
 # ------------------------------------------------------------------------------------------------
 # Precompiling in parallel processes
 # ------------------------------------------------------------------------------------------------
@@ -889,6 +981,10 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-examples", action="store_true", help="skip the examples' variants at N = 4k")
     ap.add_argument("--examples", default="", help="comma-separated example names (default: all)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="time every example's forward and its Flex twin in this many interleaved rounds (ratios "
+                         "to plain and to Flex taken round by round); with --fwd alone and no --ex-configs, "
+                         "instead of one example after another")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
     ap.add_argument("--no-check", action="store_true")
@@ -967,7 +1063,8 @@ def main() -> None:
                 rows.append(row)
                 log(json.dumps(row))
                 torch.cuda.empty_cache()
-    for stem in stems:
+    one_by_one = not (args.rounds and args.fwd and not args.bwd and not args.ex_configs)
+    for stem in stems if one_by_one else ():  # --rounds alone: the interleaved rounds below instead
         for D in ex_ds:
             try:
                 row = time_example(args, stem, D)
@@ -977,8 +1074,16 @@ def main() -> None:
             ex_rows.append(row)
             log(json.dumps(row))
             torch.cuda.empty_cache()
+    round_rows = []
+    if args.rounds and stems and args.fwd:
+        for D in ex_ds:
+            try:
+                round_rows += time_examples_rounds(stems, D, args.rounds)
+            except Exception as exc:
+                log(f"rounds D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
     (OUT / "results.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "checks": checks,
-                                                  "rows": rows, "examples": ex_rows}, indent=1, default=str))
+                                                  "rows": rows, "examples": ex_rows, "rounds": round_rows},
+                                                 indent=1, default=str))
 
     md = []
     if rows and args.fwd:
@@ -987,6 +1092,10 @@ def main() -> None:
         md += sweep_table(rows, "bwd", dev) + [""]
     if ex_rows:
         md += example_table(ex_rows, dev)
+    for D in ex_ds:
+        mine = [r for r in round_rows if r["D"] == D]
+        if mine:
+            md += [""] + rounds_table(mine, dev, args.rounds)
     (OUT / "results.md").write_text("\n".join(md) + "\n")
     log("\n".join(md))
     if checks and not all(c["ok"] for c in checks):

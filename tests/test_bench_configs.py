@@ -47,3 +47,23 @@ def test_one_option_of_each_group_round_trips_together():
 def test_unknown_options_are_refused(bad):
     with pytest.raises(ValueError, match="unknown config option"):
         bench.parse_config(bad)
+
+
+def test_rounds_summary_ratios_by_round():
+    """--rounds takes the ratios within each round: a clock drift that slows every call of a round alike leaves
+    them exact, where the medians of the two series taken apart would not be; a missing Flex time drops only its
+    round from that ratio."""
+    flops = {"plain": 2e12, "causal": 1e12}
+    drift = [1.0, 1.3, 0.8, 1.1, 1.2]  # each round's clock factor: times scale with it
+    times = {("plain", "ours"): [4.0 * f for f in drift], ("causal", "ours"): [2.2 * f for f in drift],
+             ("plain", "flex"): [5.0 * f for f in drift], ("causal", "flex"): [3.3 * f for f in drift[:4]]}
+    rows = {r["example"]: r for r in bench.rounds_summary(times, flops)}
+    causal = rows["causal"]
+    assert causal["rounds"] == 5
+    assert causal["of plain"]["min"] == pytest.approx(causal["of plain"]["max"])
+    assert causal["of plain"]["median"] == pytest.approx((1e12 / 2.2) / (2e12 / 4.0))
+    assert causal["over flex"]["median"] == pytest.approx(3.3 / 2.2)
+    assert causal["ours"] == pytest.approx(1e12 / (2.2 * 1.1) / 1e9)  # the median round's TFLOP/s
+    assert causal["ours spread"] == pytest.approx((1 / 0.8 - 1 / 1.3) / (1 / 1.1))
+    assert rows["plain"]["of plain"]["median"] == pytest.approx(1.0)
+    assert rows["plain"]["over flex"]["median"] == pytest.approx(5.0 / 4.0)
