@@ -90,6 +90,82 @@ def stamped_source(source: str, name: str) -> str:
     return _with_timer_import(text)
 
 
+# --phases: (name, anchor, where) -- a %clock64 stamp after (or before) the first kernel line holding the anchor, in
+# order; the span a phase names runs from the stamp before it. Cycles inside one block are exact where %globaltimer
+# moves in 0.26 us steps; two %globaltimer stamps a warpgroup give the SM clock to convert them.
+PHASES = (
+    ("set-up", "cuda.syncthreads()  # the barriers are initialised", "after"),
+    ("Q issued", "cp_async_mbar_arrive_noinc(bars + cw * 8)", "after"),
+    ("ring issued", "# this warpgroup's Q has landed", "before"),
+    ("Q wait", "# this warpgroup's Q has landed", "after"),
+    ("kv loop", "cp_async_wait0()  # every copy was waited for", "before"),
+    ("last S barrier", "# every warp of this warpgroup is past its last S", "after"),
+    ("O staged", "# the warpgroup's rows are in shared memory", "after"),
+)
+
+
+def stamped_phases_source(source: str, name: str) -> str:
+    """The ws kernel's module with a %clock64 stamp at entry, at each PHASES anchor and at the end, and %globaltimer
+    at entry and end; thread 0 of each consumer warpgroup writes them, its SM and its tile count to tl_buf."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    body = lines[start + 1:end]
+    while body and not body[-1].strip():
+        body.pop()
+    if any(ln.strip().startswith("return") for ln in body):
+        raise SystemExit("timeline: the kernel returns early; its stamps would be lost")
+    out = [ln.replace("):", ", tl_buf):") if i == start else ln for i, ln in enumerate(lines[:start + 1])]
+    todo = list(enumerate(PHASES, start=1))
+    for j, ln in enumerate(body):
+        ind = ln[:len(ln) - len(ln.lstrip())]
+        while todo and todo[0][1][1] in ln and todo[0][1][2] == "before":
+            out.append(f"{ind}tl_c{todo.pop(0)[0]} = clock64()")
+        out.append(ln)
+        if j == 0:  # the docstring
+            out += [f"{ind}tl_g0 = global_timer()", f"{ind}tl_c0 = clock64()"]
+        while todo and todo[0][1][1] in ln and todo[0][1][2] == "after":
+            out.append(f"{ind}tl_c{todo.pop(0)[0]} = clock64()")
+    if todo:
+        raise SystemExit(f"timeline: phase anchors not found in the kernel: {[p[1][1] for p in todo]}")
+    n = len(PHASES) + 2
+    width = n + 4
+    out += [f"    tl_c{n - 1} = clock64()",
+            "    tl_g1 = global_timer()",
+            "    if (tid & 127) == 0:",
+            "        tl_i = (((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x)"
+            f" * 2 + (tid >> 7)) * {width}"]
+    out += [f"        tl_buf[tl_i + {i}] = tl_c{i}" for i in range(n)]
+    out += [f"        tl_buf[tl_i + {n}] = tl_g0",
+            f"        tl_buf[tl_i + {n + 1}] = tl_g1",
+            f"        tl_buf[tl_i + {n + 2}] = np.uint64(sm_id())",
+            f"        tl_buf[tl_i + {n + 3}] = np.uint64(kv_last - kv_first + 1)"]
+    out += lines[end:]
+    text = "\n".join(out)
+    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import "
+                        "clock64, global_timer, sm_id\n", 1)
+
+
+def summarize_phases(t: np.ndarray) -> dict:
+    """Per phase the median span over the warpgroups, in us at the SM clock (the median over warpgroups of their
+    cycles over their %globaltimer span, taken where that span is long enough for the timer's steps not to
+    matter), and the same for the loop a tile (the loop phase over the tile count)."""
+    n = len(PHASES) + 2
+    t = t[t[:, n + 1] > 0]
+    cycles = t[:, 1:n] - t[:, 0:n - 1]
+    ns = t[:, n + 1] - t[:, n]
+    long = ns > 20_000
+    ghz = float(np.median((t[long, n - 1] - t[long, 0]) / ns[long])) if long.any() else float("nan")
+    names = ["set-up", *[p[0] for p in PHASES[1:]], "stores"]
+    spans = {f"{nm}_us": float(np.median(cycles[:, i])) / ghz / 1e3 for i, nm in enumerate(names)}
+    tiles = t[:, n + 3]
+    busy = tiles > 0
+    loop_i = names.index("kv loop")
+    per_tile = float(np.median(cycles[busy, loop_i] / tiles[busy])) / ghz / 1e3
+    return {"warpgroups": int(len(t)), "sm_ghz": ghz, **spans, "loop_us_per_tile": per_tile,
+            "mean_tiles": float(tiles.mean())}
+
+
 ITEMS = 32  # a persistent block's items stamped (2048 items on 132 blocks: 16)
 ITEM_FIELDS = ("q_landed", "loop_end", "end", "sm", "tiles")
 
@@ -151,8 +227,9 @@ def summarize_persistent(t: np.ndarray) -> dict:
             "mean_tiles": float(tiles.mean())}
 
 
-def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
-    """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS."""
+def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False) -> np.ndarray:
+    """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS (with `phases`,
+    stamped_phases_source's record a warpgroup)."""
     import torch
 
     import bench
@@ -185,10 +262,12 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
         kern._kernel, kern._raise_smem_limit = real, real_raise
     grid, threads, _, smem = seen["cfg"]
     blocks = int(np.prod(grid))
-    stamp = stamped_persistent_source if persist else stamped_source
-    mod = load_source(stamp(kern.source, s.name), s.name + "_timeline")
+    if phases and persist:
+        raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
+    stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
+    mod = load_source(stamp(kern.source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)
-    width = ITEMS * 5 if persist else 6
+    width = len(PHASES) + 6 if phases else ITEMS * 5 if persist else 6
     tl = torch.zeros(blocks * 2 * width, dtype=torch.int64, device=dev)
     from numba import cuda
 
@@ -198,7 +277,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str) -> np.ndarray:
         stamped[grid, threads, 0, smem](*args)
     torch.cuda.synchronize()
     t = tl.cpu().numpy().view(np.uint64).astype(np.float64)
-    return t.reshape(blocks * 2, ITEMS, 5) if persist else t.reshape(blocks * 2, 6)
+    return t.reshape(blocks * 2, ITEMS, 5) if persist else t.reshape(blocks * 2, width)
 
 
 def summarize(t: np.ndarray) -> dict:
@@ -233,11 +312,14 @@ def main() -> None:
     ap.add_argument("--h", type=int, default=0, help="heads (default: 2048 // D)")
     ap.add_argument("--config", default="", help="a bench tile config (default: the automatic choice)")
     ap.add_argument("--json", default="", help="write the raw stamps and the summary here")
+    ap.add_argument("--phases", action="store_true",
+                    help="the block's own spans by %%clock64: set-up, Q and ring issued, Q's wait, the loop, the "
+                         "epilogue's barrier, staging and stores")
     a = ap.parse_args()
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
-    t = run(a.stem, a.d, a.n, B, H, a.config)
+    t = run(a.stem, a.d, a.n, B, H, a.config, a.phases)
     summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H,
-               **(summarize_persistent(t) if t.ndim == 3 else summarize(t))}
+               **(summarize_phases(t) if a.phases else summarize_persistent(t) if t.ndim == 3 else summarize(t))}
     print(json.dumps(summary), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": summary, "fields": FIELDS, "stamps": t.tolist()}))

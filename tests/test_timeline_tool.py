@@ -94,3 +94,40 @@ def test_the_persistent_summary_reads_the_stamps():
     assert s["loop_us_per_tile"] == pytest.approx(2.0) and s["loop_fixed_us"] == pytest.approx(0.5)
     assert s["loop_end_to_next_q_us"] == pytest.approx(0.75)
     assert s["item_cost_tiles"] == pytest.approx((0.75 + 0.5) / 2.0)
+
+
+@pytest.mark.parametrize("stem", ["plain", "causal", "document"])
+def test_the_phase_stamps_go_in_order(stem):
+    """--phases: a %clock64 stamp at entry, one at each anchor of timeline.PHASES in order (before or after its
+    line, as the table says) and one at the end, each exactly once, in every kind of kernel the bench times."""
+    spec, src = _ws(stem)
+    out = timeline.stamped_phases_source(src, spec.name)
+    compile(out, "stamped", "exec")
+    assert "import clock64, global_timer, sm_id" in out and ", tl_buf):" in out
+    n = len(timeline.PHASES) + 2
+    at = [out.index(f"tl_c{i} = clock64()") for i in range(n)]
+    assert at == sorted(at) and all(out.count(f"tl_c{i} = clock64()") == 1 for i in range(n))
+    for i, (_, anchor, where) in enumerate(timeline.PHASES, start=1):
+        line = out.index(anchor)
+        assert (at[i] > line) if where == "after" else (at[i] < line), (i, anchor)
+    with pytest.raises(SystemExit, match="phase anchors not found"):
+        timeline.stamped_phases_source(src.replace("# the warpgroup's rows are in shared memory", "#"), spec.name)
+
+
+def test_the_phase_summary_reads_the_stamps():
+    """Warpgroups at 1.5 GHz: each phase's cycles come back in us, the loop a tile over the tile count."""
+    n = len(timeline.PHASES) + 2
+    spans = [300, 600, 150, 1500, 0, 450, 900, 1200]  # cycles of set-up .. stores; the loop's is set per row
+    rows = []
+    for w, tiles in enumerate((4, 8, 8, 16)):
+        cyc = list(spans)
+        cyc[4] = 3000 * tiles
+        clocks = np.concatenate([[1e9], 1e9 + np.cumsum(cyc)])
+        g0 = 5e6 + 1e5 * w
+        rows.append([*clocks, g0, g0 + (clocks[-1] - clocks[0]) / 1.5, w, tiles])
+    s = timeline.summarize_phases(np.array(rows, dtype=np.float64))
+    assert s["sm_ghz"] == pytest.approx(1.5)
+    assert s["set-up_us"] == pytest.approx(0.2) and s["Q wait_us"] == pytest.approx(1.0)
+    assert s["stores_us"] == pytest.approx(0.8)
+    assert s["loop_us_per_tile"] == pytest.approx(2.0)
+    assert len([k for k in s if k.endswith("_us")]) == n - 1  # one span a phase, the stores last

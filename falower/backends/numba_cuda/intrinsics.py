@@ -126,6 +126,7 @@ __all__ = [
     "warp_max",
     "warp_sum",
     "global_timer",
+    "clock64",
     "sm_id",
     "red_add_v4_f32",
     "mma_acc_f16",
@@ -639,6 +640,11 @@ if SIMULATOR:
 
     def sm_id():
         return np.uint32(0)
+
+    def clock64():
+        import time as _t
+
+        return np.uint64(_t.perf_counter_ns())
 
     _red_lock = threading.Lock()
 
@@ -1424,6 +1430,16 @@ else:
         """%globaltimer (ns), for measuring tools (benchmarks/timeline.py); a side effect, so never hoisted."""
         def codegen(context, builder, sig, args):
             return _asm(context, builder, "mov.u64 $0, %globaltimer;", "=l", [], [types.uint64], side_effect=True)
+
+        return types.uint64(), codegen
+
+    @intrinsic
+    def clock64(typingctx):
+        """%clock64: the SM's cycle counter, for measuring tools (benchmarks/timeline.py --phases: spans inside a
+        block far below %globaltimer's 0.26 us steps); a side effect, so never hoisted or merged."""
+        def codegen(context, builder, sig, args):
+            return _asm(context, builder, "mov.u64 $0, %clock64;", "=l,~{memory}", [], [types.uint64],
+                        side_effect=True)
 
         return types.uint64(), codegen
 
