@@ -150,7 +150,7 @@ def parse_config(text: str) -> tuple:
 # sets), of which the tag takes the first whose extras the config has.
 CONFIG_OPTIONS: list = [
     (("wg", {"schedule": "wgmma"}), ("wsn", {"schedule": "wgmma-ws", "producer": "none"}),
-     ("ws", {"schedule": "wgmma-ws"})),
+     ("wsg", {"schedule": "wgmma-ws", "producer": "warpgroup"}), ("ws", {"schedule": "wgmma-ws"})),
     ("st", "stages"),
     (("ov", {"overlap": True}), ("noov", {"overlap": False})),
     (("qr", {"q_in_regs": True}), ("qs", {"q_in_regs": False})),

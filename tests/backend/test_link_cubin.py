@@ -113,3 +113,21 @@ def test_lto_cubins_are_cached_apart(monkeypatch) -> None:
     plain = cubin_cache.cache_key("k", (9, 0))
     monkeypatch.setenv("FALOWER_LTO", "1")
     assert cubin_cache.cache_key("k", (9, 0)) != plain
+
+
+def test_setmaxnreg_kernels_go_to_the_driver_as_whole_program_ptx(monkeypatch) -> None:
+    """A kernel whose one PTX module uses setmaxnreg is not linked (ptxas would ignore setmaxnreg: C7504): its image
+    is the PTX itself, null-terminated and targeted at sm_90a, for the driver to compile whole at load. Not where the
+    PTX calls out to another module, nor under FALOWER_PTX_JIT=0, nor under a -maxrregcount cap (a linker option)."""
+    ptx = ".version 9.0\n.target sm_90\n.address_size 64\n.visible .entry k()\n{\n\tsetmaxnreg.inc.sync.aligned.u32 232;\n\tret;\n}\n"
+    seen = []
+    monkeypatch.setattr(runtime, "nvjitlink_cubin", lambda p, arch, opts: seen.append(arch) or (b"linked", ""))
+    img = runtime.link_cubin(_Lib(ptx), (9, 0, "a"))
+    assert img.endswith(b"\0") and b".target sm_90a\n" in img and b"setmaxnreg.inc" in img and seen == []
+    assert img[:-1].decode() == ptx.replace(".target sm_90\n", ".target sm_90a\n")
+    assert runtime.link_cubin(_Lib(ptx, _max_registers=168), (9, 0, "a")) == b"linked"
+    assert runtime.link_cubin(_Lib(ptx.replace("{\n", ".extern .func f();\n{\n")), (9, 0, "a")) == b"linked"
+    assert runtime.link_cubin(_Lib(_ptx()), (9, 0, "a")) == b"linked"  # no setmaxnreg: linked as before
+    monkeypatch.setenv("FALOWER_PTX_JIT", "0")
+    assert runtime.link_cubin(_Lib(ptx), (9, 0, "a")) == b"linked"
+    assert seen == ["sm_90a"] * 4

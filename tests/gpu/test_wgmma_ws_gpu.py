@@ -1,7 +1,8 @@
 """The warp-specialized wgmma forward (emit_fa3_ws.py, extra={"schedule": "wgmma-ws"}) on an sm_90 GPU (marked gpu):
 plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 and 3 stages, within FlashAttention's
 error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
-128 x 128 tiles; the producer warp (288 threads, 168 registers) and no producer (extra producer "none", 256),
+128 x 128 tiles; the producer warp (288 threads, 168 registers), a producer warpgroup with setmaxnreg (384, its PTX
+compiled whole-program by the driver) and no producer (extra producer "none", 256),
 persistent or not (extra persistent), with half tiles or not (extra half_tiles); the relative bias's row pairs.
 
 Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
@@ -60,6 +61,11 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (True, "f16", 128, 128, {"producer": "none", "half_tiles": True}),
     (True, "bf16", 128, 128, {"producer": "none", "half_tiles": "pv"}),
     (True, "f16", 64, 128, {"producer": "none", "half_tiles": True}),
+    # a producer warpgroup (40 registers) and consumers at 232 by setmaxnreg: the PTX goes to the driver, which
+    # compiles it whole-program (runtime.whole_program_ptx; a linker's relocatable compile ignores setmaxnreg)
+    (False, "f16", 128, 128, {"producer": "warpgroup"}),
+    (True, "f16", 128, 128, {"producer": "warpgroup", "stages": 3}),
+    (True, "bf16", 64, 128, {"producer": "warpgroup"}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()
@@ -73,6 +79,9 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
     env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + D)]
     assert_error_rule(g, c, env, host, dtype)
+    if extra.get("producer") == "warpgroup":  # the route under test: PTX loaded by the driver, not a linked cubin
+        image = kern._direct_kernel("main").image(torch.cuda.get_device_capability())
+        assert image.cubin.endswith(b"\0") and b"setmaxnreg.inc.sync.aligned.u32 232" in image.cubin
 
 
 @pytest.mark.parametrize("M, N", [(1000, 1000), (1500, 700), (300, 4096)])

@@ -47,7 +47,9 @@ _HEADER = struct.Struct("<I")  # length of the JSON header that follows MAGIC
 @dataclass(frozen=True)
 class KernelImage:
     """What a direct launch needs of one compiled kernel: the cubin, its entry symbol, the parameter layout
-    (`runtime.ArgLayout.describe()`: one (kind, ndim, itemsize) per argument) and its dynamic shared memory."""
+    (`runtime.ArgLayout.describe()`: one (kind, ndim, itemsize) per argument) and its dynamic shared memory.
+    `cubin` is what cuModuleLoadData takes: a cubin, or null-terminated PTX that the driver compiles as a whole
+    program when it loads it (`runtime.whole_program_ptx`: kernels with setmaxnreg)."""
 
     name: str
     cubin: bytes

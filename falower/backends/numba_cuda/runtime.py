@@ -29,6 +29,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import struct
 import sys
 import tempfile
@@ -1272,19 +1273,41 @@ def nvjitlink_cubin(ptxes: Sequence[str], arch: str, options: Sequence[str] = ()
     return bytes(cubin), bytes(log).decode(errors="replace")
 
 
+def whole_program_ptx(ptxes: Sequence[str]) -> bool:
+    """Whether a kernel's PTX must be compiled as a whole program (by the driver, when it loads the PTX) rather
+    than linked: its one module uses setmaxnreg, which ptxas ignores in a relocatable compile (warning C7504), and
+    every compile through a linker (nvJitLink, Numba's, the driver's cuLink) is relocatable. So a producer
+    warpgroup at 40 registers and consumers at 232 (FA3's split) only exist this way. FALOWER_PTX_JIT=0 links
+    such PTX anyway (setmaxnreg then ignored), to compare."""
+    return (len(ptxes) == 1 and "setmaxnreg." in ptxes[0] and ".extern .func" not in ptxes[0]
+            and os.environ.get("FALOWER_PTX_JIT") != "0")
+
+
+def ptx_image(ptx: str, arch: str) -> bytes:
+    """PTX as an image for cuModuleLoadData (null-terminated), its target set to `arch` (Numba writes sm_90 where
+    it builds for sm_90a, which wgmma and setmaxnreg need): the driver compiles it, whole program, at load."""
+    ptx = re.sub(r"^\.target sm_\d+a?\b", f".target {arch}", ptx, count=1, flags=re.M)
+    return ptx.encode() + b"\0"
+
+
 def link_cubin(lib: Any, cc: tuple) -> bytes:
     """The cubin of a compiled Numba kernel (`lib`, its CUDACodeLibrary) for `cc` (Numba's (major, minor,
     suffix)). Its PTX goes to nvJitLink directly: Numba's own link (cuda.core's Linker) cost 1.38 s of the
     warp-specialized forward's 7.9 s cold compile on the H100 host, nvJitLink 0.18 s on the same PTX with the
     same 222 registers (benchmarks/probe_link.py, benchmarks/NOTES.md "Compile time"). A library Numba would
-    link more into (LTO, linked files, cudadevrt) keeps Numba's link."""
+    link more into (LTO, linked files, cudadevrt) keeps Numba's link. A kernel that needs a whole-program compile
+    (`whole_program_ptx`: setmaxnreg) gets its PTX as the image instead, which the driver compiles when it loads
+    it."""
     if getattr(lib, "_lto", False) or getattr(lib, "_linking_files", None) or getattr(lib, "needs_cudadevrt", False) \
             or os.environ.get("FALOWER_NUMBA_LINK") == "1":
         return cubin_cache.cubin_bytes(lib.get_cubin(cc=cc))
     options = [f"-maxrregcount={lib._max_registers}"] if getattr(lib, "_max_registers", None) else []
     arch = f"sm_{cc[0]}{cc[1]}{cc[2] if len(cc) > 2 else ''}"  # as Numba's _Linker names it (sm_90a)
+    ptxes = lib.get_asm_strs(cc=cc)
+    if whole_program_ptx(ptxes) and not options:
+        return ptx_image(ptxes[0], arch)
     try:
-        cubin, _ = nvjitlink_cubin(lib.get_asm_strs(cc=cc), arch, options)
+        cubin, _ = nvjitlink_cubin(ptxes, arch, options)
     except ImportError:  # no cuda.bindings: Numba's link
         return cubin_cache.cubin_bytes(lib.get_cubin(cc=cc))
     return cubin
@@ -1292,8 +1315,6 @@ def link_cubin(lib: Any, cc: tuple) -> bytes:
 
 def resource_usage(ptx: str, arch: str = "sm_90") -> dict[str, int]:
     """Link PTX with nvJitLink (no GPU needed) and read registers / spills from its verbose log."""
-    import re
-
     _, log = nvjitlink_cubin([ptx], arch, ["-verbose"])
     out = {"log": log}
     m = re.search(r"Used (\d+) registers", log)
