@@ -171,6 +171,7 @@ CONFIG_OPTIONS: list = [
     (("ltanh", {"tanh": "libdevice"}),),
     (("se", {"staged_epilogue": True}), ("nose", {"staged_epilogue": False})),
     ("el", "early_loads"),
+    ("pr", "producer_regs"),
     ("r", "wg_rows"),
     (("tree", {"tree_softmax": True}),),
     (("eager", {"eager": True}),),

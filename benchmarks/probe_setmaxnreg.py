@@ -7,7 +7,7 @@ hands such a kernel's PTX to the driver (`whole_program_ptx`). This probe compil
 prints each route's registers, spills and warnings: nvJitLink's verbose log, and the driver's JIT log
 (cuModuleLoadDataEx with CU_JIT_INFO_LOG_BUFFER and CU_JIT_LOG_VERBOSE). Needs a GPU for the driver route.
 
-    python3 benchmarks/probe_setmaxnreg.py [--variant plain] [--d 128] [--stages 2]
+    python3 benchmarks/probe_setmaxnreg.py [--variant plain] [--d 128] [--stages 2] [--producer-regs 40]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def kernel_ptx(variant: str, D: int, stages: int) -> tuple[str, str]:
+def kernel_ptx(variant: str, D: int, stages: int, producer_regs: int = 0) -> tuple[str, str]:
     """(entry name, sm_90a PTX) of the producer-warpgroup ws kernel for examples/<variant>.py at D, f16."""
     import runpy
 
@@ -34,7 +34,8 @@ def kernel_ptx(variant: str, D: int, stages: int) -> tuple[str, str]:
 
     g = runpy.run_path(str(ROOT / "examples" / f"{variant}.py"))["graph"]
     spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None,
-                      {"schedule": "wgmma-ws", "producer": "warpgroup", "stages": stages})
+                      {"schedule": "wgmma-ws", "producer": "warpgroup", "stages": stages,
+                       **({"producer_regs": producer_regs} if producer_regs else {})})
     kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
     argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
     ptx = ptx_of(kern, argtypes, (9, 0))
@@ -90,9 +91,11 @@ def main() -> None:
     ap.add_argument("--variant", default="plain")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--producer-regs", type=int, default=0, help="the producer's setmaxnreg (default 40)")
     a = ap.parse_args()
-    entry, ptx = kernel_ptx(a.variant, a.d, a.stages)
-    out = {"variant": a.variant, "D": a.d, "stages": a.stages, "setmaxnreg": ptx.count("setmaxnreg."),
+    entry, ptx = kernel_ptx(a.variant, a.d, a.stages, a.producer_regs)
+    out = {"variant": a.variant, "D": a.d, "stages": a.stages, "producer_regs": a.producer_regs or 40,
+           "setmaxnreg": re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 \d+", ptx),
            "nvjitlink": linked(ptx)}
     try:
         out["driver"] = driver_jit(ptx, entry)

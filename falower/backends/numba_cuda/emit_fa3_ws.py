@@ -235,7 +235,13 @@ def pingpong(spec: FA2ForwardSpec) -> bool:
 
 
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
-    """(producer, consumer) registers a thread after setmaxnreg."""
+    """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
+    the consumers at the most the SM's 65536 leave them (128 p + 256 c, c a multiple of 8; bench '-prP'), or
+    (40, 232). Measured through the driver's whole-program compile (the only one that keeps setmaxnreg): at 40 the
+    producer's code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
+    if "producer_regs" in spec.extra:
+        p = int(spec.extra["producer_regs"])
+        return p, min(256, (REGISTER_FILE - 128 * p) // 256 // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
     return int(p), int(c)
 
