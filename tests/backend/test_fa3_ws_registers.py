@@ -79,13 +79,21 @@ def test_every_producer_covered():
     assert covered == set(emit_fa3_ws.PRODUCERS), covered
 
 
-@pytest.mark.parametrize("p, c", [(24, 240), (40, 232), (56, 224), (64, 224), (80, 216)])
+@pytest.mark.parametrize("p, c", [(24, 240), (40, 232), (56, 224), (64, 216), (80, 208)])
 def test_producer_regs_give_the_consumers_the_rest(p, c):
-    """extra producer_regs = p: the consumers get the most a 384-thread block leaves (128 p + 256 c <= 65536, c a
-    multiple of 8), and the kernel says so in its setmaxnreg lines."""
+    """extra producer_regs = p: the consumers get the most the block's launch allocation leaves (384 threads x 168:
+    128 p + 256 c <= 64512, c a multiple of 8), and the kernel says so in its setmaxnreg lines. A consumer's inc past
+    what the producer's dec freed waits for ever: the H100 hung at (80, 216), sized against the SM's 65536."""
     spec = make_spec("plain", 128, "f16", path="mma", block_q=128, block_k=128, num_warps=8, name="ws_pr")
     spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "producer_regs": p})
     assert emit_fa3_ws.registers(spec) == (p, c)
-    assert 128 * p + 256 * c <= 65536 < 128 * p + 256 * (c + 8)
+    assert 128 * p + 256 * c <= 384 * 168 < 128 * p + 256 * (c + 8)
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     assert f"setmaxnreg_dec({p})" in src and f"setmaxnreg_inc({c})" in src
+
+
+def test_register_split_past_the_launch_allocation_is_refused():
+    spec = make_spec("plain", 128, "f16", path="mma", block_q=128, block_k=128, num_warps=8, name="ws_pr")
+    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "regs": (80, 216)})
+    with pytest.raises(ValueError, match="allocated at launch"):
+        emit_fa3_ws.emit_fa3_ws_forward(spec)

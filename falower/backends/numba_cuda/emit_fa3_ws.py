@@ -236,12 +236,13 @@ def pingpong(spec: FA2ForwardSpec) -> bool:
 
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
-    the consumers at the most the SM's 65536 leave them (128 p + 256 c, c a multiple of 8; bench '-prP'), or
+    the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
+    of 8; bench '-prP'), or
     (40, 232). Measured through the driver's whole-program compile (the only one that keeps setmaxnreg): at 40 the
     producer's code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
     if "producer_regs" in spec.extra:
         p = int(spec.extra["producer_regs"])
-        return p, min(256, (REGISTER_FILE - 128 * p) // 256 // 8 * 8)
+        return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // 256 // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
     return int(p), int(c)
 
@@ -334,8 +335,12 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     for n in (p, c):
         if n % 8 or not 24 <= n <= 256:
             raise ValueError(f"wgmma-ws: setmaxnreg counts are multiples of 8 in [24, 256], got {(p, c)}")
-    if producer(spec) == "warpgroup" and 128 * p + (threads_per_block(spec) - 128) * c > 65536:
-        raise ValueError(f"wgmma-ws: registers {(p, c)} exceed the SM's 65536")
+    if producer(spec) == "warpgroup" and 128 * p + (threads_per_block(spec) - 128) * c \
+            > threads_per_block(spec) * register_cap(spec):
+        # setmaxnreg moves registers inside the block's launch allocation (384 x 168 = 64512, not the SM's 65536):
+        # a consumer's inc past what the producer's dec freed waits for ever (the H100 hung at (80, 216))
+        raise ValueError(f"wgmma-ws: registers {(p, c)} exceed the block's {threads_per_block(spec)} x "
+                         f"{register_cap(spec)} allocated at launch")
     if persistent(spec) < 0:
         raise ValueError(f"wgmma-ws: persistent must be a number of blocks >= 1 (0: off), got {persistent(spec)}")
     if persistent(spec) and (producer(spec) != "none" or table_tiles(spec)):
