@@ -29,10 +29,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles")
 
 
-def _with_timer_import(text: str) -> str:
-    """A stamped module's source with the two intrinsics its stamps call imported."""
+def _with_timer_import(text: str, names: str = "global_timer, sm_id") -> str:
+    """A stamped module's source with the intrinsics its stamps call imported."""
     return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import "
-                        "global_timer, sm_id\n", 1)
+                        f"{names}\n", 1)
+
+
+def _kernel_body(source: str, name: str) -> tuple[list[str], int, int, list[str]]:
+    """(the module's lines, the kernel's `def` line, the line after the kernel, the kernel's body without trailing
+    blank lines); a kernel that returns early is refused, since stamps written at its end would be lost."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    body = lines[start + 1:end]
+    while body and not body[-1].strip():
+        body.pop()
+    if any(ln.strip().startswith("return") for ln in body):
+        raise SystemExit("timeline: the kernel returns early; its stamps would be lost")
+    return lines, start, end, body
 
 
 def _loop_line(tiles: np.ndarray, loops: np.ndarray) -> tuple[float, float]:
@@ -48,15 +62,8 @@ def _loop_line(tiles: np.ndarray, loops: np.ndarray) -> tuple[float, float]:
 def stamped_source(source: str, name: str) -> str:
     """The ws kernel's module with the stamps: t0 at entry, t1 when the warpgroup's Q has landed, t2 after the kv
     loop, t3 at the end; thread 0 of each consumer warpgroup writes them, its SM and its tile count to tl_buf."""
-    lines = source.split("\n")
+    lines, start, end, body = _kernel_body(source, name)
     out: list[str] = []
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
-    body = lines[start + 1:end]
-    while body and not body[-1].strip():
-        body.pop()
-    if any(ln.strip().startswith("return") for ln in body):
-        raise SystemExit("timeline: the kernel returns early; its stamps would be lost")
     after = "# this warpgroup's Q has landed"  # tl_t1 goes after this line, tl_t2 before the next one
     before = "cp_async_wait0()  # every copy was waited for"
     found = set()
@@ -107,14 +114,7 @@ PHASES = (
 def stamped_phases_source(source: str, name: str) -> str:
     """The ws kernel's module with a %clock64 stamp at entry, at each PHASES anchor and at the end, and %globaltimer
     at entry and end; thread 0 of each consumer warpgroup writes them, its SM and its tile count to tl_buf."""
-    lines = source.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
-    body = lines[start + 1:end]
-    while body and not body[-1].strip():
-        body.pop()
-    if any(ln.strip().startswith("return") for ln in body):
-        raise SystemExit("timeline: the kernel returns early; its stamps would be lost")
+    lines, start, end, body = _kernel_body(source, name)
     out = [ln.replace("):", ", tl_buf):") if i == start else ln for i, ln in enumerate(lines[:start + 1])]
     todo = list(enumerate(PHASES, start=1))
     for j, ln in enumerate(body):
@@ -141,9 +141,7 @@ def stamped_phases_source(source: str, name: str) -> str:
             f"        tl_buf[tl_i + {n + 2}] = np.uint64(sm_id())",
             f"        tl_buf[tl_i + {n + 3}] = np.uint64(kv_last - kv_first + 1)"]
     out += lines[end:]
-    text = "\n".join(out)
-    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import "
-                        "clock64, global_timer, sm_id\n", 1)
+    return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
 
 def summarize_phases(t: np.ndarray) -> dict:
