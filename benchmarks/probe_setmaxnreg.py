@@ -30,7 +30,7 @@ def kernel_ptx(variant: str, D: int, stages: int, producer_regs: int = 0) -> tup
     import falower as fl
     from falower.backends.numba_cuda import emit_fa3_ws
     from falower.backends.numba_cuda.from_ir import analyse, build_spec
-    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_of
+    from falower.backends.numba_cuda.runtime import FA2ForwardKernel, load_source, ptx_image, ptx_of
 
     g = runpy.run_path(str(ROOT / "examples" / f"{variant}.py"))["graph"]
     spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None,
@@ -38,8 +38,7 @@ def kernel_ptx(variant: str, D: int, stages: int, producer_regs: int = 0) -> tup
                        **({"producer_regs": producer_regs} if producer_regs else {})})
     kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
     argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
-    ptx = ptx_of(kern, argtypes, (9, 0))
-    ptx = re.sub(r"^\.target sm_90\b", ".target sm_90a", ptx, count=1, flags=re.M)
+    ptx = ptx_image(ptx_of(kern, argtypes, (9, 0)), "sm_90a")[:-1].decode()  # as link_cubin hands it over
     return re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1), ptx
 
 

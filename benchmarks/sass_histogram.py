@@ -42,6 +42,10 @@ def falower_cubins(name: str) -> list[tuple[str, bytes]]:
     for p in sorted(cubin_cache.directory().glob("*.bin")):
         img = cubin_cache.loads(p.stem, p.read_bytes())
         if img is not None and name in img.name:
+            if img.cubin[:4] != b"\x7fELF":  # PTX the driver compiles at load (runtime.whole_program_ptx)
+                print(f"sass_histogram: {img.name} is kept as PTX (the driver compiles it): no SASS to count",
+                      file=sys.stderr)
+                continue
             out.append((img.name, img.cubin))
     return out
 

@@ -152,8 +152,9 @@ def summarize_phases(t: np.ndarray) -> dict:
     t = t[t[:, n + 1] > 0]
     cycles = t[:, 1:n] - t[:, 0:n - 1]
     ns = t[:, n + 1] - t[:, n]
-    long = ns > 20_000
-    ghz = float(np.median((t[long, n - 1] - t[long, 0]) / ns[long])) if long.any() else float("nan")
+    long = ns > 20_000  # spans of many timer steps; where there are none (a small launch), the pooled ratio
+    ghz = float(np.median((t[long, n - 1] - t[long, 0]) / ns[long])) if long.any() else \
+        float((t[:, n - 1] - t[:, 0]).sum() / max(ns.sum(), 1.0))
     names = ["set-up", *[p[0] for p in PHASES[1:]], "stores"]
     spans = {f"{nm}_us": float(np.median(cycles[:, i])) / ghz / 1e3 for i, nm in enumerate(names)}
     tiles = t[:, n + 3]

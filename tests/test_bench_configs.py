@@ -67,3 +67,15 @@ def test_rounds_summary_ratios_by_round():
     assert causal["ours spread"] == pytest.approx((1 / 0.8 - 1 / 1.3) / (1 / 1.1))
     assert rows["plain"]["of plain"]["median"] == pytest.approx(1.0)
     assert rows["plain"]["over flex"]["median"] == pytest.approx(5.0 / 4.0)
+
+
+def test_rounds_summary_drops_a_failed_round():
+    """A call that failed in one round (NaN) leaves that round out of its medians and ratios, not the table."""
+    flops = {"plain": 2e12, "causal": 1e12}
+    times = {("plain", "ours"): [4.0, 4.0, 4.0], ("causal", "ours"): [2.0, float("nan"), 2.5],
+             ("plain", "flex"): [5.0, 5.0, 5.0], ("causal", "flex"): [3.0, 3.0, 3.0]}
+    causal = {r["example"]: r for r in bench.rounds_summary(times, flops)}["causal"]
+    assert causal["rounds"] == 2
+    assert causal["of plain"]["min"] == pytest.approx((1e12 / 2.5) / (2e12 / 4.0))
+    assert causal["of plain"]["max"] == pytest.approx((1e12 / 2.0) / (2e12 / 4.0))
+    assert causal["over flex"]["median"] == pytest.approx((3.0 / 2.0 + 3.0 / 2.5) / 2)

@@ -131,3 +131,15 @@ def test_the_phase_summary_reads_the_stamps():
     assert s["stores_us"] == pytest.approx(0.8)
     assert s["loop_us_per_tile"] == pytest.approx(2.0)
     assert len([k for k in s if k.endswith("_us")]) == n - 1  # one span a phase, the stores last
+
+
+def test_the_phase_summary_of_a_small_launch():
+    """No warpgroup long enough for the timer's steps not to matter (a small --n): the clock comes from the pooled
+    cycles over the pooled time, not NaN."""
+    n = len(timeline.PHASES) + 2
+    rows = []
+    for w in range(4):
+        clocks = 1e9 + np.concatenate([[0], np.cumsum([300] * (n - 1))])
+        rows.append([*clocks, 5e6 + w * 1e4, 5e6 + w * 1e4 + (clocks[-1] - clocks[0]) / 2.0, w, 1])
+    s = timeline.summarize_phases(np.array(rows, dtype=np.float64))
+    assert s["sm_ghz"] == pytest.approx(2.0) and s["set-up_us"] == pytest.approx(0.15)

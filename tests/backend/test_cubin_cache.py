@@ -366,3 +366,49 @@ def test_building_the_specs_does_not_import_numba():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_the_key_separates_linked_setmaxnreg_kernels(monkeypatch):
+    """FALOWER_PTX_JIT=0 links a setmaxnreg kernel where it otherwise goes to the driver as PTX: another image, so
+    another key (a warm cache must not hand the one over for the other)."""
+    monkeypatch.delenv("FALOWER_PTX_JIT", raising=False)
+    jit = cubin_cache.cache_key("k", (9, 0))
+    monkeypatch.setenv("FALOWER_PTX_JIT", "0")
+    assert cubin_cache.cache_key("k", (9, 0)) != jit
+    monkeypatch.setenv("FALOWER_PTX_JIT", "1")
+    assert cubin_cache.cache_key("k", (9, 0)) == jit
+
+
+def test_ptx_the_driver_refuses_says_why():
+    """A PTX image goes through cuModuleLoadDataEx with the JIT's error log, and a refusal carries that log in its
+    one line (a cubin keeps cuModuleLoadData)."""
+    import ctypes
+
+    calls = []
+
+    class Lib:
+        def cuCtxPushCurrent_v2(self, ctx):
+            return 0
+
+        def cuCtxPopCurrent_v2(self, out):
+            return 0
+
+        def cuModuleLoadData(self, module, image):
+            calls.append("cubin")
+            return 0
+
+        def cuModuleGetFunction(self, func, module, name):
+            return 0
+
+        def cuModuleLoadDataEx(self, module, image, n, opts, vals):
+            calls.append("ptx")
+            ctypes.memmove(vals[0], b"ptxas fatal   : Unsupported .version 9.9\0", 41)
+            return 218  # CUDA_ERROR_INVALID_PTX
+
+    drv = cubin_cache.Driver(lib=Lib())
+    drv._ctx[0] = 1
+    drv.load_function(0, b"\x7fELF....", "k", 0)
+    with pytest.raises(cubin_cache.DriverError, match=r"could not compile k's PTX \(CUresult 218\): ptxas fatal : "
+                                                      r"Unsupported \.version 9\.9"):
+        drv.load_function(0, b".version 9.9\n.target sm_90a\n\0", "k", 0)
+    assert calls == ["cubin", "ptx"]

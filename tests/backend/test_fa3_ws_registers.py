@@ -92,8 +92,13 @@ def test_producer_regs_give_the_consumers_the_rest(p, c):
     assert f"setmaxnreg_dec({p})" in src and f"setmaxnreg_inc({c})" in src
 
 
-def test_register_split_past_the_launch_allocation_is_refused():
+@pytest.mark.parametrize("extra, what", [
+    ({"regs": (80, 216)}, "allocated at launch"),
+    ({"producer_regs": 200}, "producer down and the consumers up"),  # (200, 152): a dec that raises, an inc that lowers
+    ({"regs": (40, 232), "producer_regs": 56}, "not both"),
+])
+def test_register_splits_setmaxnreg_cannot_make_are_refused(extra, what):
     spec = make_spec("plain", 128, "f16", path="mma", block_q=128, block_k=128, num_warps=8, name="ws_pr")
-    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "regs": (80, 216)})
-    with pytest.raises(ValueError, match="allocated at launch"):
+    spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup", **extra})
+    with pytest.raises(ValueError, match=what):
         emit_fa3_ws.emit_fa3_ws_forward(spec)

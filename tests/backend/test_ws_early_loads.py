@@ -25,14 +25,18 @@ def _source(extra: dict) -> str:
 
 
 def _loads_around_q_wait(src: str) -> tuple[list[str], list[str]]:
-    """The ring loads of the prologue before and after the wait for Q, each as "both", "k" or "v"."""
+    """The ring loads of the prologue before and after the wait for Q, each as "both", "k" or "v": read off the
+    arrays each load block copies (ring_tile's), not off its comment."""
     prologue = src[:src.index("while j <= kv_last:")]
     before, after = prologue.split("# this warpgroup's Q has landed")
+
     def kinds(part: str) -> list[str]:
+        blocks = part.split("if lj <= kv_last:")[1:]
         out = []
-        for m in re.finditer(r"(if cw == (\d):  # [KV]_\d [a-z]+ the wait for Q \(early_loads\)\n)?\s*if lj <= kv_last:",
-                             part):
-            out.append({None: "both", "0": "k", "1": "v"}[m.group(2)])
+        for blk in blocks:
+            blk = blk[:blk.index("cp_async_mbar_arrive_noinc(l_full")]
+            arrays = set(re.findall(r"ring_tile\(l_dst\w*, (k|v), ", blk))
+            out.append({frozenset("kv"): "both", frozenset("k"): "k", frozenset("v"): "v"}[frozenset(arrays)])
         return out
     return kinds(before), kinds(after)
 
@@ -59,3 +63,13 @@ def test_split(text, before, after):
 def test_refused(text):
     with pytest.raises(ValueError, match="early_loads is two digits"):
         _source({"early_loads": text})
+
+
+@pytest.mark.parametrize("extra", [{"persistent": 4}, {"producer": "warpgroup"}, {"producer": "warp"}])
+def test_a_split_is_refused_where_others_load(extra):
+    """A persistent kernel issues the ring's first tiles with the next item's Q and a producer issues them all:
+    a split there would leave loads out (a persistent kernel with "01" never loaded K_0 and hung in the
+    simulator). Without the knob every kernel is accepted."""
+    _source(extra)
+    with pytest.raises(ValueError, match="early_loads splits"):
+        _source({"early_loads": "01", **extra})

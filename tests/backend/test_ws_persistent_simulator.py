@@ -1,5 +1,6 @@
 """The persistent warp-specialized forward (emit_fa3_ws.py, extra "persistent"): blocks that walk several work
-items, with the ring's stages, the Q barrier's parity and the loader running ahead across items, in the CUDA
+items, with the ring's stages, the Q barrier's parity and the loader running ahead across items (the consumers
+loading, or a producer warpgroup: PERSIST_CASES "ws-pwg-*"), in the CUDA
 simulator against the float64 reference (ws_sim_cases.py's PERSIST_CASES and the document example through
 falower.compile, COMPILED_CASES: a block list with an item that visits nothing). Their own subprocess, beside
 test_fa3_ws_simulator's; test_ws_slow_warp_simulator runs a persistent case with a slowed warp."""
@@ -44,7 +45,9 @@ def test_grid_and_validation():
     ws = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "none", "persistent": 132})
     assert emit_fa2.grid(ws, 4, 16, 4096, 4096) == (132, 1, 1)
     assert emit_fa2.grid(ws, 1, 2, 200, 200) == (4, 1, 1)  # 2 q tiles x 2 heads: one block an item
-    for extra, what in (({"producer": "warp", "persistent": 4}, "producer 'none'"),
+    emit_fa3_ws.validate_spec(dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                               "persistent": 4}))
+    for extra, what in (({"producer": "warp", "persistent": 4}, "producer 'none' or 'warpgroup'"),
                         ({"producer": "none", "persistent": -1}, "persistent must be")):
         with pytest.raises(ValueError, match=what):
             emit_fa3_ws.validate_spec(dataclasses.replace(spec, extra={"schedule": "wgmma-ws", **extra}))

@@ -66,6 +66,12 @@ PERSIST_CASES = {
     # GQA, bf16, D = 128, 2 stages, without a block mask (the grid's q tiles fastest): 4 items on 2 blocks
     "ws-none-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
                                             {"producer": "none", "persistent": 2, "stages": 2}),
+    # a producer warpgroup walks the items and their tiles as one stream, each item's Q once both consumer
+    # warpgroups are past the last item's last S (q_empty): the same 8 items on 3 blocks; and GQA bf16 at D = 128
+    "ws-pwg-causal-f16-d64-persist": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
+                                      {"producer": "warpgroup", "persistent": 3, "batch_inner": True}),
+    "ws-pwg-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
+                                           {"producer": "warpgroup", "persistent": 2}),
 }
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
@@ -75,6 +81,9 @@ SLOW_WARP_CASES = {
     "ws-none-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
                                            {"producer": "none", "persistent": 1}),
     "ws-none-plain-f16-d128-staged-slow": ("plain", "f16", 128, 1, 1, 128, 32, 1, 128, 16, {"producer": "none"}),
+    # the producer warpgroup refilling Q for the block's next item while a slowed consumer warp may still read it
+    "ws-pwg-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
+                                          {"producer": "warpgroup", "persistent": 1}),
 }
 SLOW_WARP_SECONDS = 0.2
 # The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is

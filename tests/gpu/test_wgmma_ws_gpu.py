@@ -66,6 +66,9 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (False, "f16", 128, 128, {"producer": "warpgroup"}),
     (True, "f16", 128, 128, {"producer": "warpgroup", "stages": 3}),
     (True, "bf16", 64, 128, {"producer": "warpgroup"}),
+    # persistent with the producer warpgroup: the ring across items, each item's Q after the last one's last S
+    (True, "f16", 128, 128, {"producer": "warpgroup", "producer_regs": 56, "persistent": 5}),
+    (False, "bf16", 64, 128, {"producer": "warpgroup", "persistent": 3}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()

@@ -112,8 +112,10 @@ def toolchain() -> str:
 def cache_key(ident: str, cc: tuple[int, int]) -> str:
     """The file name of a kernel's image: `ident` (what identifies the kernel and the code that built it,
     see runtime.DirectKernel), the compute capability it is compiled for, the toolchain, and whether numba-cuda's
-    LTO link made it (FALOWER_LTO=1, runtime.compile_unbound: other code from the same source)."""
+    LTO link made it (FALOWER_LTO=1, runtime.compile_unbound: other code from the same source), and whether a
+    setmaxnreg kernel is to be linked rather than compiled whole by the driver (FALOWER_PTX_JIT=0: another image)."""
     lto = "\0lto" if os.environ.get("FALOWER_LTO") == "1" else ""
+    lto += "\0linked" if os.environ.get("FALOWER_PTX_JIT") == "0" else ""
     text = f"{ident}\0sm_{cc[0]}{cc[1]}{'a' if tuple(cc) >= (9, 0) else ''}\0{toolchain()}{lto}"
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -256,6 +258,18 @@ class Driver:
             ctx = self._ctx[ordinal] = int(handle.value or 0)
         return ctx
 
+    def _load_ptx(self, module: ctypes.c_void_p, image: Any, name: str) -> None:
+        """cuModuleLoadDataEx on a PTX image with the JIT's error log (CU_JIT_ERROR_LOG_BUFFER and its size), so a
+        refusal (a PTX version newer than the driver, say) says why in its one line."""
+        size = 1 << 14
+        log = ctypes.create_string_buffer(size)
+        opts = (ctypes.c_int * 2)(5, 6)  # CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES
+        vals = (ctypes.c_void_p * 2)(ctypes.cast(log, ctypes.c_void_p), ctypes.c_void_p(size))
+        rc = self.lib.cuModuleLoadDataEx(ctypes.byref(module), image, 2, opts, vals)
+        if rc != 0:
+            why = " ".join(log.value.decode(errors="replace").split())[:300] or "no log"
+            raise DriverError(f"the driver could not compile {name}'s PTX (CUresult {rc}): {why}")
+
     def load_function(self, ordinal: int, cubin: bytes, name: str, smem: int) -> int:
         """Load `cubin` into device `ordinal`'s primary context and return the CUfunction `name`, its dynamic
         shared memory limit raised to `smem` where that is over the default 48 KiB."""
@@ -264,7 +278,10 @@ class Driver:
         try:
             module, func = ctypes.c_void_p(), ctypes.c_void_p()
             image = ctypes.create_string_buffer(cubin, len(cubin))
-            self._call("cuModuleLoadData", ctypes.byref(module), image)
+            if cubin[:4] == b"\x7fELF":
+                self._call("cuModuleLoadData", ctypes.byref(module), image)
+            else:  # PTX the driver compiles (runtime.whole_program_ptx): its error log names what went wrong
+                self._load_ptx(module, image, name)
             self._call("cuModuleGetFunction", ctypes.byref(func), module, name.encode())
             if smem > 48 * 1024:
                 self._call("cuFuncSetAttribute", func, ctypes.c_int(_MAX_DYNAMIC_SHARED), ctypes.c_int(smem))

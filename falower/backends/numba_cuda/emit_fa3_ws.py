@@ -157,10 +157,11 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
 
 def early_loads(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(K, V): how many of the first S - 1 ring tiles warpgroup 0 (K) and 1 (V) load before waiting for their Q rows;
-    the rest they load right after it. Why: the prologue is bound by the SM's share of L2 bandwidth, not by Q's
-    latency (benchmarks/NOTES.md, "The next wave's Q"): Q (32 KB), K_0 and V_0 and the further stages (64 KB
-    each) all arrive together, while the first S needs only Q and K_0. spec.extra["early_loads"] = "KV", two digits
-    (bench '-elKV'); default all S - 1 before (the kernel as it was). A persistent kernel keeps its own order."""
+    the rest they load right after it. Why: a guess that the prologue was bound by the SM's share of L2 bandwidth
+    (benchmarks/NOTES.md, "The ring's first tiles after the wait for Q": measured, no gain; kept to measure).
+    spec.extra["early_loads"] = "KV", two digits (bench '-elKV'); default all S - 1 before (the kernel as it was).
+    Only where the consumers load one item a block: validate_spec refuses a split with a producer or in a
+    persistent kernel, whose loads it would leave out."""
     S = stages(spec)
     raw = spec.extra.get("early_loads", f"{S - 1}{S - 1}")
     text = f"{raw:02d}" if isinstance(raw, int) and not isinstance(raw, bool) else str(raw)  # bench's -el01 is 1
@@ -288,7 +289,11 @@ def persistent(spec: FA2ForwardSpec) -> int:
     """spec.extra["persistent"]: the blocks of a persistent launch (0: one block a q tile). Each block walks work
     items (q tile, head, batch) in `emit_persistent_next`'s serpentine order and, before the epilogue of one, loads
     the next one's Q and its first K / V tiles, so a block's start (its Q and first tiles' latency, the barriers,
-    the tile scan) overlaps the previous item's last P V and its stores."""
+    the tile scan) overlaps the previous item's last P V and its stores. With producer "none" the consumers issue
+    those loads themselves (in front of their epilogue); with producer "warpgroup" the producer walks the items'
+    tiles as one stream through the ring and loads each item's Q as soon as both consumer warpgroups are past the
+    previous item's last S (the q_empty mbarrier), while they do its last P V and epilogue (benchmarks/NOTES.md,
+    "What the measurements now ask of the kernel"; not yet timed). Static ranges only with the producer."""
     return int(spec.extra.get("persistent", 0))
 
 
@@ -311,8 +316,10 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     bars = kv + 2 * S * tile + table
     q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
+    qe = 8 if persistent(spec) and producer(spec) != "none" else 0  # Q free for the producer's next item
     return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "bars": bars, "full_k": q, "full_v": q + 8 * S,
-            "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "total": bars + q + 32 * S + tf}
+            "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
+            "total": bars + q + 32 * S + tf + qe}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -343,9 +350,20 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
                          f"{register_cap(spec)} allocated at launch")
     if persistent(spec) < 0:
         raise ValueError(f"wgmma-ws: persistent must be a number of blocks >= 1 (0: off), got {persistent(spec)}")
-    if persistent(spec) and (producer(spec) != "none" or table_tiles(spec)):
-        raise ValueError("wgmma-ws: persistent needs producer 'none' and no table tiles (its per-item state is "
-                         "not carried across items there)")
+    if persistent(spec) and (producer(spec) == "warp" or table_tiles(spec)):
+        raise ValueError("wgmma-ws: persistent needs producer 'none' or 'warpgroup' and no table tiles (its "
+                         "per-item state is not carried across items there)")
+    if early_loads(spec) != (stages(spec) - 1,) * 2 and (persistent(spec) or producer(spec) != "none"):
+        raise ValueError("wgmma-ws: early_loads splits the consumers' own loads of a block's one item: not with a "
+                         "producer or a persistent kernel")
+    if producer(spec) == "warpgroup" and not p <= register_cap(spec) <= c:
+        raise ValueError(f"wgmma-ws: setmaxnreg takes the producer down and the consumers up from the "
+                         f"{register_cap(spec)} registers of the launch: got {(p, c)}")
+    if "regs" in spec.extra and "producer_regs" in spec.extra:
+        raise ValueError("wgmma-ws: give regs or producer_regs, not both")
+    if persistent(spec) and producer(spec) == "warpgroup" and (spec.block_mask == "list" or half_tiles(spec)):
+        raise ValueError("wgmma-ws: persistent with a producer warpgroup walks static ranges only: no block list, "
+                         "no half tiles")
     if not registers_fit(threads_per_block(spec), register_cap(spec)):
         raise ValueError(f"wgmma-ws: {threads_per_block(spec)} threads x {register_cap(spec)} registers do not fit "
                          f"the SM's {REGISTER_FILE} (warps allocated in groups of 4): the launch would fail (701)")
@@ -386,8 +404,14 @@ def _emit_warp_loader_setup(c: _Code, D: int, rows_of: dict[str, int]) -> None:
             c(f"pw{tag}_{i} = ((pw_c + {4 * i}) >> 3) * {rows * 128} + ((((pw_c + {4 * i}) & 7) ^ pw_r) << 4)")
 
 
-def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
+def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
+                   item_state: Optional[Callable[[_Code], None]] = None) -> None:
+    """The producer: Q, then each visited kv tile's K and V into the ring. `item_state` (a persistent kernel): the
+    same for each of the block's items in turn, the ring's stage and phase carried across them, each item's Q once
+    both consumer warpgroups are past the previous item's last S (the q_empty barrier), so the next item's Q and
+    first tiles load while the consumers finish the item before (its last P V and epilogue)."""
     D, BQ, BK, S = spec.head_dim, spec.block_q, spec.block_k, stages(spec)
+    PERSIST = item_state is not None
     T, KV = lay["tile"], lay["kv"]
     WARP = producer(spec) == "warp"
     if WARP:
@@ -404,12 +428,24 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
 
         def load(rows, sdst, row0, nrows, garr, base, rs, tag):
             _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
-    c(f"# Q once; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
+    c("stage = 0")
+    c("phase = 0")
+    if PERSIST:
+        c("qe_phase = 0")
+        emit_persistent_start(c, spec)
+        c("while True:")
+        c.level += 1
+        item_state(c)
+        c("if not it_ok:")
+        with c.indent():
+            c("break")
+        c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
+          "last S")
+        c("qe_phase ^= 1")
+    c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
     load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
     c("cp_async_mbar_arrive_noinc(bars)")
     c("j = kv_first")
-    c("stage = 0")
-    c("phase = 0")
     c("while j <= kv_last:")
     with c.indent():
         _emit_next_tile(c, spec, "j", "jn")
@@ -427,6 +463,9 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
         with c.indent():
             c("stage = 0")
             c("phase ^= 1")
+    if PERSIST:
+        emit_persistent_next(c, spec)
+        c.level -= 1
     c("cp_async_wait0()  # leave no copy in flight")
 
 
@@ -714,7 +753,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             if not PERSIST:
                 ring_loads(early=False)
         else:
-            c("mbar_wait(bars, 0)  # Q has landed")
+            c(f"mbar_wait(bars, {qphase})  # Q has landed")
         copy = _emit_table_tile_setup(c, spec, lay) if TT else None
         if HOIST:
             emit_row_bounds(c, spec)
@@ -753,7 +792,27 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             if PERSIST:  # the ring goes on into the next item: its loader will refill this stage
                 c(f"mbar_arrive(bars + {lay['empty_v']} + pstage * 8)  # this thread is done with the last V")
 
-    if PERSIST:
+    if PERSIST and not NONE:
+        # a producer warpgroup loads every item's Q and tiles, running ahead across items: the consumers take the
+        # items one after another, and free Q for the next item once both warpgroups are past their last S
+        c("stage = 0  # the ring's stage and phase carry from item to item: the producer runs ahead across them")
+        c("phase = 0")
+        c("pstage = 0")
+        c("pphase = 0")
+        c("qphase = 0")
+        for t in ROWS:  # defined on every path (Numba's bytecode analysis asks it)
+            c(f"m_{t.k} = NEG_INF")
+            c(f"l_{t.k} = ZERO")
+        emit_persistent_start(c, spec)
+        c("while True:")
+        c.level += 1
+        item_state(c)
+        c("if not it_ok:")
+        with c.indent():
+            c("break")
+        zero_state()
+        copy = item_start("qphase")
+    elif PERSIST:
         c("stage = 0  # the ring's stage and phase carry from item to item: the loader runs ahead across them")
         c("phase = 0")
         c("lstage = 0")
@@ -973,6 +1032,15 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         with c.indent():
             c("stage = 0")
             c("phase ^= 1")
+    if PERSIST and not NONE:
+        c(f"mbar_arrive(bars + {lay['q_empty']})  # this thread is past the item's last S: the producer may refill Q")
+        last_pv()
+        c()
+        _emit_epilogue(c, D)
+        c("qphase ^= 1")
+        emit_persistent_next(c, spec)
+        c.level -= 1
+        return
     if PERSIST:
         c("eq_head = q_head  # the item's output rows, for its epilogue after the next item's loads")
         c("eq_lo = q_lo")
@@ -1070,6 +1138,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             if table_tiles(spec):
                 for w in range(BQ // 64):
                     c(f"mbar_init(bars + {lay['table_full'] + 8 * w}, 128)  # warpgroup {w}'s table tile")
+            if persistent(spec) and not NONE:
+                c(f"mbar_init(bars + {lay['q_empty']}, {consumers})  # Q free for the producer's next item")
             for s in range(S):
                 c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")
@@ -1088,12 +1158,13 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             with c.indent():
                 _emit_consumer(c, spec, lay)
         else:
+            per_item = item_state if persistent(spec) else None
             c("if role < 4:")
             with c.indent():
-                _emit_producer(c, spec, lay)
+                _emit_producer(c, spec, lay, per_item)
             c("else:")
             with c.indent():
-                _emit_consumer(c, spec, lay)
+                _emit_consumer(c, spec, lay, per_item)
     text = c.text()
     used = sorted({int(n) for n in re.findall(r"\bofs_(\d+)\b", text)})
     ind = re.search(r"^( *)__OFFSETS__$", text, re.M).group(1)
