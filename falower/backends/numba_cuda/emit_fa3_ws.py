@@ -9,9 +9,10 @@ mask: benchmarks/NOTES.md, "Compile time", round 5). What is new is the schedule
 
 * two consumer warpgroups (64 query rows each, block_q = 128) and a producer: by default one producer warp
   (288 threads, the warp after the consumers), or a producer warpgroup (`extra["producer"] = "warpgroup"`, 384
-  threads, warpgroup 0) that would hand registers to the consumers by `setmaxnreg` (40 / 232) -- but ptxas ignores
-  setmaxnreg when it compiles relocatable code (C7504), which is how Numba links (nvJitLink), so under Numba every
-  thread keeps the 168 registers that launch bounds (384, 1) give;
+  threads, warpgroup 0) that hands registers to the consumers by `setmaxnreg` (40 / 232, or `producer_regs`).
+  ptxas ignores setmaxnreg in a relocatable compile (C7504), which every linker makes, so such a kernel's PTX goes
+  to the driver, which compiles it as a whole program at load (runtime.whole_program_ptx; measured on the H100:
+  no C7504, 116 bytes of spills at 40 / 232 at D = 128, none at 56 / 224);
 * registers: the SM allocates registers to warps in groups of 4, so a 9-warp block (288 threads) is sized like 12
   warps: 12 x 32 x 168 = 64512 fits the 65536, 176 does not. The producer-warp kernel is capped at 168
   (`MAX_REGS_WARP`, ptxas -maxrregcount through intrinsics.max_registers); at 224 every launch failed on the H100
@@ -52,8 +53,12 @@ right after its softmax read tile j (after a named barrier of its 128 threads), 
 mbarrier before the next softmax; 16-byte chunks swizzled by (row & 3) << 1 so a half-warp's 8-byte reads hit
 distinct banks. 64 KB at 128 x 128: K / V keep 2 stages at D = 128.
 
+Persistent (`extra["persistent"]` = blocks): with producer "none" the consumers load the next item's Q and first
+tiles in front of their epilogue; with a producer warpgroup the producer runs the ring across items and refills Q
+once both consumer warpgroups are past an item's last S (the q_empty mbarrier). Items in a static serpentine order.
+
 Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
-a persistent tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
+a dynamic tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
 softmax one tile behind).
 """
 
