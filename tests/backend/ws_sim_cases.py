@@ -67,11 +67,10 @@ PERSIST_CASES = {
     "ws-none-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
                                             {"producer": "none", "persistent": 2, "stages": 2}),
     # a producer warpgroup walks the items and their tiles as one stream, each item's Q once both consumer
-    # warpgroups are past the last item's last S (q_empty): the same 8 items on 3 blocks; and GQA bf16 at D = 128
+    # warpgroups are past the last item's last S (q_empty): the same 8 items on 3 blocks (GQA bf16 at D = 128 on 2
+    # blocks passed too, o_err 3.3e-3; cut for CI time: the GPU cases run D = 128)
     "ws-pwg-causal-f16-d64-persist": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
                                       {"producer": "warpgroup", "persistent": 3, "batch_inner": True}),
-    "ws-pwg-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
-                                           {"producer": "warpgroup", "persistent": 2}),
 }
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
