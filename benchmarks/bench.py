@@ -779,7 +779,8 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096) -> lis
         try:
             _rounds_calls(stem, B, H, N, D, calls, flops, diffs)
         except Exception as exc:  # one example's set-up (a compile, memory) leaves the others' rounds
-            log(f"  rounds: {stem} left out: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            first = str(exc).splitlines()[0][:160] if str(exc) else ""
+            log(f"  rounds: {stem} left out: {type(exc).__name__}: {first}")
             for who in ("ours", "flex"):
                 calls.pop((stem, who), None)
             flops.pop(stem, None)

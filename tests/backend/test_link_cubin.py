@@ -119,7 +119,8 @@ def test_setmaxnreg_kernels_go_to_the_driver_as_whole_program_ptx(monkeypatch) -
     """A kernel whose one PTX module uses setmaxnreg is not linked (ptxas would ignore setmaxnreg: C7504): its image
     is the PTX itself, null-terminated and targeted at sm_90a, for the driver to compile whole at load. Not where the
     PTX calls out to another module, nor under FALOWER_PTX_JIT=0, nor under a -maxrregcount cap (a linker option)."""
-    ptx = ".version 9.0\n.target sm_90\n.address_size 64\n.visible .entry k()\n{\n\tsetmaxnreg.inc.sync.aligned.u32 232;\n\tret;\n}\n"
+    ptx = (".version 9.0\n.target sm_90\n.address_size 64\n.visible .entry k()\n{\n"
+           "\tsetmaxnreg.inc.sync.aligned.u32 232;\n\tret;\n}\n")
     seen = []
     monkeypatch.setattr(runtime, "nvjitlink_cubin", lambda p, arch, opts: seen.append(arch) or (b"linked", ""))
     img = runtime.link_cubin(_Lib(ptx), (9, 0, "a"))

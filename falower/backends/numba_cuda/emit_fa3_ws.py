@@ -118,8 +118,8 @@ from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
 
-__all__ = ["SCHEDULE", "early_loads", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit", "smem_bytes",
-           "threads_per_block", "uses_ws", "validate_spec"]
+__all__ = ["SCHEDULE", "early_loads", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit",
+           "smem_bytes", "threads_per_block", "uses_ws", "validate_spec"]
 
 SCHEDULE = "wgmma-ws"
 ROWS = wgmma_thread_rows()  # a consumer thread's two rows of its warpgroup's 64 (emit_fa3's 64-row layout)
@@ -243,9 +243,8 @@ def pingpong(spec: FA2ForwardSpec) -> bool:
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
-    of 8; bench '-prP'), or
-    (40, 232). Measured through the driver's whole-program compile (the only one that keeps setmaxnreg): at 40 the
-    producer's code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
+    of 8; bench '-prP'), or (40, 232). Measured through the driver's whole-program compile (the only one that keeps
+    setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
     if "producer_regs" in spec.extra:
         p = int(spec.extra["producer_regs"])
         return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // 256 // 8 * 8)
