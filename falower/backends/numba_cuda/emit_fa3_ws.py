@@ -408,6 +408,25 @@ def _emit_warp_loader_setup(c: _Code, D: int, rows_of: dict[str, int]) -> None:
             c(f"pw{tag}_{i} = ((pw_c + {4 * i}) >> 3) * {rows * 128} + ((((pw_c + {4 * i}) & 7) ^ pw_r) << 4)")
 
 
+def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[_Code], None]) -> None:
+    """The head of a persistent block's loop over its items, as the producer warpgroup and the consumers walk it
+    alike (the same items in the same order): the first item, `while True:`, the item's state, out past the last.
+    Leaves the code one level in; `_emit_item_loop_end` closes it."""
+    emit_persistent_start(c, spec)
+    c("while True:")
+    c.level += 1
+    item_state(c)
+    c("if not it_ok:")
+    with c.indent():
+        c("break")
+
+
+def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec) -> None:
+    """The tail of `_emit_item_loop_start`'s loop: the next item, one level out."""
+    emit_persistent_next(c, spec)
+    c.level -= 1
+
+
 def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                    item_state: Optional[Callable[[_Code], None]] = None) -> None:
     """The producer: Q, then each visited kv tile's K and V into the ring. `item_state` (a persistent kernel): the
@@ -436,13 +455,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c("phase = 0")
     if PERSIST:
         c("qe_phase = 0")
-        emit_persistent_start(c, spec)
-        c("while True:")
-        c.level += 1
-        item_state(c)
-        c("if not it_ok:")
-        with c.indent():
-            c("break")
+        _emit_item_loop_start(c, spec, item_state)
         c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
           "last S")
         c("qe_phase ^= 1")
@@ -468,8 +481,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("stage = 0")
             c("phase ^= 1")
     if PERSIST:
-        emit_persistent_next(c, spec)
-        c.level -= 1
+        _emit_item_loop_end(c, spec)
     c("cp_async_wait0()  # leave no copy in flight")
 
 
@@ -807,13 +819,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         for t in ROWS:  # defined on every path (Numba's bytecode analysis asks it)
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
-        emit_persistent_start(c, spec)
-        c("while True:")
-        c.level += 1
-        item_state(c)
-        c("if not it_ok:")
-        with c.indent():
-            c("break")
+        _emit_item_loop_start(c, spec, item_state)
         zero_state()
         copy = item_start("qphase")
     elif PERSIST:
@@ -1042,8 +1048,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c()
         _emit_epilogue(c, D)
         c("qphase ^= 1")
-        emit_persistent_next(c, spec)
-        c.level -= 1
+        _emit_item_loop_end(c, spec)
         return
     if PERSIST:
         c("eq_head = q_head  # the item's output rows, for its epilogue after the next item's loads")
