@@ -741,6 +741,8 @@ def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]
     import statistics
 
     def tflops(stem: str, who: str) -> list[float]:
+        if who == "flex":  # "causal -wsg-p132": another kernel for causal, against causal's Flex twin
+            stem = stem.split(" ")[0]
         return [flops[stem] / t / 1e9 for t in times.get((stem, who), [])]
 
     def ratios(a: list[float], b: list[float]) -> list[float]:
@@ -765,11 +767,12 @@ def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]
     return out
 
 
-def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096) -> list[dict]:
+def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, configs: tuple = ()) -> list[dict]:
     """--rounds: every example's whole falower call and its Flex twin (the same mods and block mask), timed in
     `rounds` rounds, each round every call once (do_bench, 5 ms warm-up, 25 ms) in a fresh random order. The GPU's
     clocks drift across a run by more than the gaps issue 12 asks about (one kernel read 3-8% apart in one call):
-    interleaving spreads the drift over every call alike, and the ratios are taken within each round."""
+    interleaving spreads the drift over every call alike, and the ratios are taken within each round. Each of
+    `configs` (--ex-configs) adds the example under that kernel as a row "<stem> <tag>", in the same rounds."""
     import random
 
     H = 2048 // D
@@ -777,7 +780,7 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096) -> lis
     calls, flops, diffs = {}, {}, {}
     for stem in (["plain"] if "plain" not in stems else []) + list(stems):
         try:
-            _rounds_calls(stem, B, H, N, D, calls, flops, diffs)
+            _rounds_calls(stem, B, H, N, D, calls, flops, diffs, configs)
         except Exception as exc:  # one example's set-up (a compile, memory) leaves the others' rounds
             first = str(exc).splitlines()[0][:160] if str(exc) else ""
             log(f"  rounds: {stem} left out: {type(exc).__name__}: {first}")
@@ -803,10 +806,11 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096) -> lis
     return out
 
 
-def _rounds_calls(stem: str, B: int, H: int, N: int, D: int, calls: dict, flops: dict, diffs: dict) -> None:
+def _rounds_calls(stem: str, B: int, H: int, N: int, D: int, calls: dict, flops: dict, diffs: dict,
+                  configs: tuple = ()) -> None:
     """The example's whole falower call and its Flex twin (the first kernel options Flex compiles with, as
     measure_flex takes them) into `calls`, its kept FLOPs into `flops`, falower's output against Flex's into
-    `diffs`."""
+    `diffs`; each of `configs` whose output matches the automatic choice's as "<stem> <tag>"."""
     var = variant(stem, B, H, N, D)
     torch.manual_seed(0)
     q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
@@ -815,6 +819,20 @@ def _rounds_calls(stem: str, B: int, H: int, N: int, D: int, calls: dict, flops:
     c = example_compiled(stem)
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     calls[(stem, "ours")] = (lambda c=c, q=q, k=k, v=v, caps=caps: c.forward(q, k, v, *caps))
+    o_auto = c.forward(q, k, v, *caps)[0].float()
+    for cfg in configs:
+        name = f"{stem} {config_tag(cfg)}"
+        try:
+            cc = example_compiled_config(stem, cfg)
+            diff = (cc.forward(q, k, v, *caps)[0].float() - o_auto).abs().max().item()
+        except Exception as exc:
+            log(f"  rounds: {name} left out: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            continue
+        if not diff <= 2e-2 * max(1.0, o_auto.abs().max().item()):
+            log(f"  rounds: {name}: output differs from the automatic choice's by {diff:.2e}: left out")
+            continue
+        calls[(name, "ours")] = (lambda cc=cc, q=q, k=k, v=v, caps=caps: cc.forward(q, k, v, *caps))
+        flops[name] = flops[stem]
     block_mask = block_mask_for(var.mask_mod, B, H, N, var.per_batch)
     for opts in FLEX_OPTIONS:  # the first kernel options Flex compiles with, as measure_flex takes them
         def fx(q=q, k=k, v=v, var=var, block_mask=block_mask, opts=opts):
@@ -1004,8 +1022,8 @@ def main() -> None:
     ap.add_argument("--examples", default="", help="comma-separated example names (default: all)")
     ap.add_argument("--rounds", type=int, default=0,
                     help="time every example's forward and its Flex twin in this many interleaved rounds (ratios "
-                         "to plain and to Flex taken round by round); with --fwd alone and no --ex-configs, "
-                         "instead of one example after another")
+                         "to plain and to Flex taken round by round; --ex-configs join the rounds as "
+                         "rows '<example> <tag>'); with --fwd alone, instead of one example after another")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
     ap.add_argument("--no-check", action="store_true")
@@ -1084,8 +1102,8 @@ def main() -> None:
                 rows.append(row)
                 log(json.dumps(row))
                 torch.cuda.empty_cache()
-    one_by_one = not (args.rounds and args.fwd and not args.bwd and not args.ex_configs)
-    for stem in stems if one_by_one else ():  # --rounds alone: the interleaved rounds below instead
+    one_by_one = not (args.rounds and args.fwd and not args.bwd)
+    for stem in stems if one_by_one else ():  # --rounds --fwd: the interleaved rounds below instead
         for D in ex_ds:
             try:
                 row = time_example(args, stem, D)
@@ -1099,7 +1117,7 @@ def main() -> None:
     if args.rounds and stems and args.fwd:
         for D in ex_ds:
             try:
-                round_rows += time_examples_rounds(stems, D, args.rounds)
+                round_rows += time_examples_rounds(stems, D, args.rounds, configs=tuple(args.ex_configs))
             except Exception as exc:
                 log(f"rounds D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
     (OUT / "results.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "checks": checks,

@@ -79,3 +79,16 @@ def test_rounds_summary_drops_a_failed_round():
     assert causal["of plain"]["min"] == pytest.approx((1e12 / 2.5) / (2e12 / 4.0))
     assert causal["of plain"]["max"] == pytest.approx((1e12 / 2.0) / (2e12 / 4.0))
     assert causal["over flex"]["median"] == pytest.approx((3.0 / 2.0 + 3.0 / 2.5) / 2)
+
+
+def test_rounds_summary_config_rows_share_their_examples_flex():
+    """An --ex-configs row ("causal -wsg-p132") is the same example under another kernel: its FLOPs are the
+    example's and its Flex ratio is against the example's Flex twin, round by round."""
+    flops = {"plain": 2e12, "causal": 1e12, "causal -wsg-p132": 1e12}
+    times = {("plain", "ours"): [4.0, 4.0], ("causal", "ours"): [2.0, 2.0], ("causal -wsg-p132", "ours"): [1.6, 1.8],
+             ("plain", "flex"): [5.0, 5.0], ("causal", "flex"): [3.2, 3.6]}
+    row = {r["example"]: r for r in bench.rounds_summary(times, flops)}["causal -wsg-p132"]
+    assert row["rounds"] == 2
+    assert row["over flex"]["min"] == pytest.approx(2.0) and row["over flex"]["max"] == pytest.approx(2.0)
+    assert row["of plain"]["median"] == pytest.approx(((1e12 / 1.6) / 5e11 + (1e12 / 1.8) / 5e11) / 2)
+    assert row["flex"] == pytest.approx((1e12 / 3.2 + 1e12 / 3.6) / 2 / 1e9)
