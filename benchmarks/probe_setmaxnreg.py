@@ -8,6 +8,9 @@ prints each route's registers, spills and warnings: nvJitLink's verbose log, and
 (cuModuleLoadDataEx with CU_JIT_INFO_LOG_BUFFER and CU_JIT_LOG_VERBOSE). Needs a GPU for the driver route.
 
     python3 benchmarks/probe_setmaxnreg.py [--variant plain] [--d 128] [--stages 2] [--producer-regs 40]
+        [--persistent 132]
+
+Without a GPU, a CUDA toolkit's ptxas (whole program) gives the same spill count ("ptxas" in the output).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def kernel_ptx(variant: str, D: int, stages: int, producer_regs: int = 0) -> tuple[str, str]:
+def kernel_ptx(variant: str, D: int, stages: int, producer_regs: int = 0, persistent: int = 0) -> tuple[str, str]:
     """(entry name, sm_90a PTX) of the producer-warpgroup ws kernel for examples/<variant>.py at D, f16."""
     import runpy
 
@@ -35,7 +38,8 @@ def kernel_ptx(variant: str, D: int, stages: int, producer_regs: int = 0) -> tup
     g = runpy.run_path(str(ROOT / "examples" / f"{variant}.py"))["graph"]
     spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None,
                       {"schedule": "wgmma-ws", "producer": "warpgroup", "stages": stages,
-                       **({"producer_regs": producer_regs} if producer_regs else {})})
+                       **({"producer_regs": producer_regs} if producer_regs else {}),
+                       **({"persistent": persistent} if persistent else {})})
     kern = getattr(load_source(emit_fa3_ws.emit_fa3_ws_forward(spec), spec.name), spec.name)
     argtypes = FA2ForwardKernel.argtypes(type("Holder", (), {"spec": spec})())
     ptx = ptx_image(ptx_of(kern, argtypes, (9, 0)), "sm_90a")[:-1].decode()  # as link_cubin hands it over
@@ -48,6 +52,34 @@ def linked(ptx: str) -> dict:
     u = resource_usage(ptx, "sm_90a")
     return {"registers": u["registers"], "spill_stores": u["spill_stores"],
             "warnings": sorted(set(re.findall(r"C75\d\d", u["log"])))}
+
+
+def ptxas_whole(ptx: str) -> dict:
+    """A CUDA toolkit's ptxas on the PTX as a whole program (not relocatable: setmaxnreg holds, as under the
+    driver's JIT), where one is on PATH: the same spill count without a GPU."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("ptxas")
+    if exe is None:
+        return {"error": "no ptxas on PATH"}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        for _ in range(2):  # an older ptxas than the PTX's ISA: once more, at the version it names as its own
+            src.write_text(ptx)
+            run = subprocess.run([exe, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                 capture_output=True, text=True)
+            log = run.stdout + run.stderr
+            older = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", log)
+            if run.returncode == 0 or not older:
+                break
+            ptx = re.sub(r"^\.version [\d.]+", f".version {older.group(1)}", ptx, count=1, flags=re.M)
+    if run.returncode != 0:
+        return {"error": f"ptxas rc {run.returncode}", "log": log[-2000:]}
+    regs, spills = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(regs.group(1)) if regs else -1, "spill_stores": int(spills.group(1)) if spills else -1,
+            "warnings": sorted(set(re.findall(r"C75\d\d", log)))}
 
 
 def driver_jit(ptx: str, entry: str) -> dict:
@@ -91,11 +123,12 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--producer-regs", type=int, default=0, help="the producer's setmaxnreg (default 40)")
+    ap.add_argument("--persistent", type=int, default=0, help="blocks of a persistent kernel (default: one an item)")
     a = ap.parse_args()
-    entry, ptx = kernel_ptx(a.variant, a.d, a.stages, a.producer_regs)
+    entry, ptx = kernel_ptx(a.variant, a.d, a.stages, a.producer_regs, a.persistent)
     out = {"variant": a.variant, "D": a.d, "stages": a.stages, "producer_regs": a.producer_regs or 40,
            "setmaxnreg": re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32 \d+", ptx),
-           "nvjitlink": linked(ptx)}
+           "persistent": a.persistent, "nvjitlink": linked(ptx), "ptxas": ptxas_whole(ptx)}
     try:
         out["driver"] = driver_jit(ptx, entry)
     except OSError as exc:
