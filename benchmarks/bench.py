@@ -105,7 +105,8 @@ def parse_config(text: str) -> tuple:
     (emit_fa3_ws: a producer warp and two consumer warpgroups in ping-pong; num_warps unused), '-wsn' the same
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
-    ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile);
+    ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile),
+    '-ioc' its items heaviest first over the whole launch (extra item_order "cost");
     '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott'
     their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
@@ -159,6 +160,7 @@ CONFIG_OPTIONS: list = [
     ("pf", "prefetch_tiles"),
     ("xp", "ex2_poly"),
     ("p", "persistent"),
+    (("ioc", {"item_order": "cost"}),),
     (("nott", {"table_tiles": False}),),
     (("nopp", {"pingpong": False}),),
     (("nowalk", {"walk": False}),),

@@ -1,6 +1,7 @@
 """The 3-D grids' block order (emit_fa2.grid_3d / emit_program_index): every (q tile, head, batch) exactly once,
 and, in the order the hardware hands blocks out (x fastest), the heaviest q tiles of a batch's heads first under a
-block mask, one (b, h)'s q tiles together without. The emitted lines are run as Python here, no GPU needed."""
+block mask, one (b, h)'s q tiles together without. A persistent kernel's walk of its items (emit_persistent_start /
+_next / _index, item_order "grid" or "cost") likewise. The emitted lines are run as Python here, no GPU needed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from falower.backends.numba_cuda.emit_fa2 import MAX_GRID_Y, _Code, emit_program_index, grid_3d, heads_first
+from falower.backends.numba_cuda.emit_fa2 import (
+    MAX_GRID_Y,
+    _Code,
+    emit_persistent_index,
+    emit_persistent_next,
+    emit_persistent_start,
+    emit_program_index,
+    grid_3d,
+    heads_first,
+    item_order,
+)
 from tests.backend.variants import make_spec
 
 
@@ -67,3 +78,59 @@ def test_too_many_q_tiles_for_the_grid_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="grid's y limit"):
         grid_3d(spec, MAX_GRID_Y + 1, 1, 1)
     assert grid_3d(spec, MAX_GRID_Y, 1, 1) == (1, MAX_GRID_Y, 1)
+
+
+def _walks(spec, blocks: int, nq: int, B: int, H: int) -> list[list[tuple[int, int, int]]]:
+    """Per block of a persistent launch, the (qt, h, b) of the items it takes, in its order."""
+    c = _Code()
+    emit_persistent_start(c, spec)
+    c("while True:")
+    with c.indent():
+        emit_persistent_index(c, spec)
+        c("if not it_ok:")
+        with c.indent():
+            c("break")
+        c("walk.append((qt, h, b))")
+        emit_persistent_next(c, spec)
+    code = compile(c.text(), "<persistent walk>", "exec")
+    out = []
+    for x in range(blocks):
+        env = {"nq": nq, "B": B, "H": H, "walk": [], "min": min,
+               "cuda": SimpleNamespace(blockIdx=SimpleNamespace(x=x), gridDim=SimpleNamespace(x=blocks))}
+        exec(code, env)
+        out.append(env["walk"])
+    return out
+
+
+@pytest.mark.parametrize("variant", ["causal", "plain"])
+@pytest.mark.parametrize("order", ["grid", "cost"])
+@pytest.mark.parametrize("batch_inner", [False, True])
+@pytest.mark.parametrize("blocks,nq,B,H", [(1, 1, 1, 1), (3, 2, 2, 2), (5, 7, 1, 4), (132, 32, 4, 16),
+                                           (7, 3, 2, 1), (16, 2, 1, 2)])
+def test_persistent_walk_takes_every_item_once(variant, order, batch_inner, blocks, nq, B, H) -> None:
+    spec = dataclasses.replace(_spec(variant, item_order=order), batch_inner=batch_inner)
+    walks = _walks(spec, blocks, nq, B, H)
+    taken = [it for w in walks for it in w]
+    assert sorted(taken) == sorted((qt, h, b) for qt in range(nq) for h in range(H) for b in range(B))
+
+
+def test_cost_order_balances_causal_items() -> None:
+    """Causal at N = 4k (32 q tiles of 128 rows, q tile t visits t + 1 kv tiles), B = 4, H = 16 on 132 blocks: the
+    grid order's serpentine rounds drift against the cost cycle of 16 heads x 32 q tiles and leave the busiest
+    block far above the mean; item_order "cost" (every item heaviest first) keeps it within two items' work of
+    the least. Both orders take the same items: only the balance differs."""
+    def busiest(order: str) -> tuple[int, int]:
+        walks = _walks(_spec("causal", item_order=order), 132, 32, 4, 16)
+        work = [sum(qt + 1 for qt, _, _ in w) for w in walks]
+        return max(work), min(work)
+
+    mean = 4 * 16 * sum(range(1, 33)) / 132
+    grid_max, _ = busiest("grid")
+    cost_max, cost_min = busiest("cost")
+    assert grid_max > 1.1 * mean
+    assert cost_max < 1.02 * mean and cost_max - cost_min <= 2 * 32
+
+
+def test_unknown_item_order_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="item_order must be one of"):
+        item_order(_spec("causal", item_order="random"))

@@ -70,6 +70,8 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     # persistent with the producer warpgroup: the ring across items, each item's Q after the last one's last S
     (True, "f16", 128, 128, {"producer": "warpgroup", "producer_regs": 56, "persistent": 5}),
     (False, "bf16", 64, 128, {"producer": "warpgroup", "persistent": 3}),
+    # ... its default registers (120 / 192) and the launch's items heaviest first (item_order "cost")
+    (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 7, "item_order": "cost"}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()

@@ -398,12 +398,31 @@ def has_tile_table(spec: FA2ForwardSpec) -> bool:
     return "def tile_chunk_fn(" in spec.device_source
 
 
+ITEM_ORDERS = ("grid", "cost")
+
+
+def item_order(spec: FA2ForwardSpec) -> str:
+    """spec.extra["item_order"], the order a persistent kernel's blocks walk their items in: "grid" (default),
+    `grid_3d`'s order, as one block an item runs; "cost", the q tiles outermost, so the whole launch's items go
+    heaviest first (a causal mask's) and the serpentine rounds of `emit_persistent_next` pair heavy with light
+    items across every block. Under "grid" with a block mask the items' costs cycle every H (or B) x nq items,
+    which a round of gridDim.x items does not divide, and the pairing drifts (benchmarks/NOTES.md, twenty-first
+    session)."""
+    order = str(spec.extra.get("item_order", "grid"))
+    if order not in ITEM_ORDERS:
+        raise ValueError(f"item_order must be one of {ITEM_ORDERS}, got {order!r}")
+    return order
+
+
 def _grid_axes(spec: FA2ForwardSpec) -> tuple[tuple[str, str], ...]:
     """The (extent, what it indexes) of `grid_3d`'s x, y, z as kernel expressions: "qt" (counted from the last q
-    tile), "h" or "b"."""
+    tile), "h" or "b". A persistent kernel walks its items in this order, or by `item_order` "cost" with the q
+    tiles outermost."""
     inner, outer = ("B", "b"), ("H", "h")
     if not spec.batch_inner:
         inner, outer = outer, inner
+    if item_order(spec) == "cost":
+        return (inner, outer, ("nq", "qt"))
     if heads_first(spec):
         return (inner, ("nq", "qt"), outer)
     return (("nq", "qt"), inner, outer)

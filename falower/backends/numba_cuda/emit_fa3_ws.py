@@ -82,6 +82,7 @@ from .emit_fa2 import (
     _tile_class_expr,
     emit_bases,
     emit_persistent_index,
+    item_order,
     emit_persistent_next,
     emit_persistent_start,
     emit_program_index,
@@ -243,10 +244,12 @@ def pingpong(spec: FA2ForwardSpec) -> bool:
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
-    of 8; bench '-prP'), or (40, 232). Measured through the driver's whole-program compile (the only one that keeps
+    of 8; bench '-prP'; a persistent kernel: p = 120), or (40, 232). Measured through the driver's whole-program compile (the only one that keeps
     setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
-    if "producer_regs" in spec.extra:
-        p = int(spec.extra["producer_regs"])
+    if "producer_regs" in spec.extra or ("regs" not in spec.extra and persistent(spec)):
+        # persistent: the producer walks items too and needs 120 (at 56 / 224 the kernel spilled 280 bytes, at
+        # 112 / 192 32; 120 / 192 none: ptxas and the H100's driver alike, probe_setmaxnreg.py --persistent)
+        p = int(spec.extra.get("producer_regs", 120))
         return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // 256 // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
     return int(p), int(c)
@@ -365,6 +368,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
                          f"{register_cap(spec)} registers of the launch: got {(p, c)}")
     if "regs" in spec.extra and "producer_regs" in spec.extra:
         raise ValueError("wgmma-ws: give regs or producer_regs, not both")
+    if item_order(spec) != "grid" and not persistent(spec):
+        raise ValueError(f"wgmma-ws: item_order {item_order(spec)!r} orders a persistent kernel's items: one block "
+                         "an item runs in the hardware's order (set persistent)")
     if persistent(spec) and producer(spec) == "warpgroup" and (spec.block_mask == "list" or half_tiles(spec)):
         raise ValueError("wgmma-ws: persistent with a producer warpgroup walks static ranges only: no block list, "
                          "no half tiles")
