@@ -106,7 +106,8 @@ def parse_config(text: str) -> tuple:
     without the producer (256 threads: warpgroup 0 loads K, warpgroup 1 V; extra producer "none"), '-stN' their
     ring of N K/V stages (default 2; '-wsn': 3 where they fit); '-pfN' the score gathers' L2 prefetch N kv tiles
     ahead (default 1); '-pN' the '-wsn' kernel persistent, N blocks (extra persistent; 0: one block a q tile),
-    '-ioc' its items heaviest first over the whole launch (extra item_order "cost");
+    '-ioc' its items heaviest first over the whole launch (extra item_order "cost"), '-iod' from a global counter
+    in the grid's order (item_order "dynamic": producer warpgroup only);
     '-xpN' N of a thread's row of exponentials in a tile by the FMA pipe's polynomial (extra ex2_poly); '-nott'
     their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
@@ -160,7 +161,7 @@ CONFIG_OPTIONS: list = [
     ("pf", "prefetch_tiles"),
     ("xp", "ex2_poly"),
     ("p", "persistent"),
-    (("ioc", {"item_order": "cost"}),),
+    (("ioc", {"item_order": "cost"}), ("iod", {"item_order": "dynamic"})),
     (("nott", {"table_tiles": False}),),
     (("nopp", {"pingpong": False}),),
     (("nowalk", {"walk": False}),),

@@ -127,7 +127,10 @@ def launch_args(spec, q, k, v, caps):
     o = np.zeros(B * H * M * D // 2, dtype=np.uint32)
     lse = np.zeros(B * H * M, dtype=np.float32)
     strides = (H * M * D, M * D, D, Hk * N * D, N * D, D, Hk * N * D, N * D, D)
-    return (*bits, o, lse, B, H, M, N, *strides, *caps), o, lse
+    from falower.backends.numba_cuda.emit_fa2 import uses_work_counter
+
+    work = (np.zeros(2, dtype=np.int32),) if uses_work_counter(spec) else ()  # item_order "dynamic"'s counter
+    return (*bits, o, lse, B, H, M, N, *strides, *work, *caps), o, lse
 
 
 def run_case(case_id: str) -> dict:

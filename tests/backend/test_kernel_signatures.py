@@ -55,3 +55,18 @@ def test_backward_kernels_match_their_signatures(stem, deterministic):
     for which in kern._kernel_names():
         source, fn = defs[which]
         assert n_params(source, fn) == len(kern.kernel_argtypes(which)), (which, name)
+
+
+@pytest.mark.parametrize("stem", ["causal", "plain", "alibi"])
+def test_dynamic_item_order_takes_its_counter(stem):
+    """item_order "dynamic" adds `work` (int32 [2]) after the sizes and strides, before the captures, on both
+    sides: the emitted kernel and the Numba signature of its direct launch."""
+    from numba import types
+
+    kern = fl.compile(graph(stem), "numba-cuda",
+                      extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
+                             "item_order": "dynamic"}).specialize("f16", D=128)
+    params = [a.arg for a in next(n for n in ast.walk(ast.parse(kern.source))
+                                  if isinstance(n, ast.FunctionDef) and n.name == kern.spec.name).args.args]
+    assert len(params) == len(kern.argtypes())
+    assert params[18] == "work" and kern.argtypes()[18] == types.Array(types.int32, 1, "C")

@@ -28,6 +28,8 @@ def results(tmp_path_factory):
 def test_persistent_simulator(results, case):
     r = results.get(case)
     assert_forward_close(r)
+    if "work_left" in r:  # item_order "dynamic": every launch leaves the counter as it found it
+        assert r["work_left"] == [0, 0], r
     if case in COMPILED_CASES:
         assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
         assert r["lse_inf_ok"] and r["masked_rows"] >= 2, r  # the padding rows: O = 0, LSE = -inf
@@ -48,6 +50,10 @@ def test_grid_and_validation():
     emit_fa3_ws.validate_spec(dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                "persistent": 4}))
     for extra, what in (({"producer": "warp", "persistent": 4}, "producer 'none' or 'warpgroup'"),
-                        ({"producer": "none", "persistent": -1}, "persistent must be")):
+                        ({"producer": "none", "persistent": -1}, "persistent must be"),
+                        ({"producer": "none", "persistent": 4, "item_order": "dynamic"}, "needs persistent and"),
+                        ({"producer": "warpgroup", "item_order": "dynamic"}, "needs persistent and"),
+                        ({"producer": "warpgroup", "item_order": "cost"}, "orders a persistent kernel's items"),
+                        ({"producer": "warpgroup", "persistent": 4, "item_order": "x"}, "item_order must be")):
         with pytest.raises(ValueError, match=what):
             emit_fa3_ws.validate_spec(dataclasses.replace(spec, extra={"schedule": "wgmma-ws", **extra}))

@@ -73,6 +73,10 @@ PERSIST_CASES = {
     "ws-pwg-causal-f16-d64-persist": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
                                       {"producer": "warpgroup", "persistent": 3, "batch_inner": True,
                                        "item_order": "cost"}),
+    # the items from a global counter (item_order "dynamic"): the producer's tickets handed to the consumers, the
+    # counter zeroed again by the last block (8 items on 3 blocks, heads fastest under the causal mask)
+    "ws-pwg-causal-f16-d64-dynamic": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
+                                      {"producer": "warpgroup", "persistent": 3, "item_order": "dynamic"}),
 }
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
@@ -82,9 +86,10 @@ SLOW_WARP_CASES = {
     "ws-none-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
                                            {"producer": "none", "persistent": 1}),
     "ws-none-plain-f16-d128-staged-slow": ("plain", "f16", 128, 1, 1, 128, 32, 1, 128, 16, {"producer": "none"}),
-    # the producer warpgroup refilling Q for the block's next item while a slowed consumer warp may still read it
+    # the producer warpgroup refilling Q for the block's next item while a slowed consumer warp may still read it,
+    # and handing over each item's ticket (item_order "dynamic") while a slowed warp may not have read the last
     "ws-pwg-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
-                                          {"producer": "warpgroup", "persistent": 1}),
+                                          {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
 }
 SLOW_WARP_SECONDS = 0.2
 # The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is
@@ -299,6 +304,8 @@ def run_case(case_id: str) -> dict:
         "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
         "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
         "seconds": round(seconds, 1),
+        # item_order "dynamic": the counter the last block leaves zeroed for the next launch
+        **({"work_left": [int(x) for x in args[18]]} if extra.get("item_order") == "dynamic" else {}),
     }
 
 

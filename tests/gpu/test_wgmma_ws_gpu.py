@@ -72,6 +72,9 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (False, "bf16", 64, 128, {"producer": "warpgroup", "persistent": 3}),
     # ... its default registers (120 / 192) and the launch's items heaviest first (item_order "cost")
     (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 7, "item_order": "cost"}),
+    # ... the items from a global counter (item_order "dynamic"; repeated calls and streams below)
+    (True, "f16", 128, 128, {"producer": "warpgroup", "persistent": 11, "item_order": "dynamic"}),
+    (False, "bf16", 64, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()
@@ -90,6 +93,30 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
         consumer_regs = emit_fa3_ws.registers(kern.spec)[1]  # 232, or what producer_regs leaves them
         assert image.cubin.endswith(b"\0")
         assert f"setmaxnreg.inc.sync.aligned.u32 {consumer_regs}".encode() in image.cubin
+
+
+@pytest.mark.parametrize("blocks", [1, 5, 132])
+def test_dynamic_item_order_repeats_on_streams(blocks: int) -> None:
+    """item_order "dynamic" takes items from a counter its last block zeroes: call after call, on torch's default
+    stream and on a second one (its own counter), every output is bitwise the grid-order kernel's (the same
+    items, the same arithmetic; only which block takes which differs), and every counter is left at zero."""
+    _hopper()
+    extra = {"producer": "warpgroup", "persistent": blocks}
+    _, ref = _compiled(True, "f16", 128, extra)
+    _, dyn = _compiled(True, "f16", 128, {**extra, "item_order": "dynamic"})
+    torch.manual_seed(blocks)
+    q = torch.randn(2, 4, 1100, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 1100, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    want = ref.forward(q, k, v)[0]
+    side = torch.cuda.Stream()
+    for i in range(4):
+        with torch.cuda.stream(side if i % 2 else torch.cuda.current_stream()):
+            got = dyn.forward(q, k, v)[0]
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (i, (got.float() - want.float()).abs().max().item())
+    kern = dyn.specialize("f16", D=128)
+    assert len(kern._work) == 2  # one counter for each stream
+    assert all(w.tolist() == [0, 0] for w in kern._work.values())
 
 
 @pytest.mark.parametrize("M, N", [(1000, 1000), (1500, 700), (300, 4096)])

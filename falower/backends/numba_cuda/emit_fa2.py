@@ -398,7 +398,7 @@ def has_tile_table(spec: FA2ForwardSpec) -> bool:
     return "def tile_chunk_fn(" in spec.device_source
 
 
-ITEM_ORDERS = ("grid", "cost")
+ITEM_ORDERS = ("grid", "cost", "dynamic")
 
 
 def item_order(spec: FA2ForwardSpec) -> str:
@@ -407,7 +407,9 @@ def item_order(spec: FA2ForwardSpec) -> str:
     heaviest first (a causal mask's) and the serpentine rounds of `emit_persistent_next` pair heavy with light
     items across every block. Under "grid" with a block mask the items' costs cycle every H (or B) x nq items,
     which a round of gridDim.x items does not divide, and the pairing drifts (benchmarks/NOTES.md, twenty-first
-    session)."""
+    session); "cost" balances but spreads every head's K / V over the launch at once (L2). "dynamic": the grid's
+    order, each block taking the next item from a global counter when it is ready for one (the hardware's own
+    order for one block an item; the kernel's `work` argument, `uses_work_counter`)."""
     order = str(spec.extra.get("item_order", "grid"))
     if order not in ITEM_ORDERS:
         raise ValueError(f"item_order must be one of {ITEM_ORDERS}, got {order!r}")
@@ -541,9 +543,16 @@ def _cap_names(spec: FA2ForwardSpec) -> list[str]:
 STRIDES = "q_sb, q_sh, q_sm, k_sb, k_sh, k_sm, v_sb, v_sh, v_sm"  # element strides of (batch, head, row)
 
 
+def uses_work_counter(spec: FA2ForwardSpec) -> bool:
+    """The kernel takes `work`, int32 [2] zeroed before its first launch: the next item's ticket and the blocks
+    done; the last block done zeroes both again for the next launch (item_order "dynamic")."""
+    return item_order(spec) == "dynamic"
+
+
 def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
-    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{_cap_args(spec)}"
+    work = ", work" if uses_work_counter(spec) else ""
+    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{_cap_args(spec)}"
 
 
 def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[str, ...] = ("h", "hk", "hk")) -> None:

@@ -83,6 +83,8 @@ from .emit_fa2 import (
     emit_bases,
     emit_persistent_index,
     item_order,
+    uses_work_counter,
+    _emit_item_carry,
     emit_persistent_next,
     emit_persistent_start,
     emit_program_index,
@@ -324,9 +326,10 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
     qe = 8 if persistent(spec) and producer(spec) != "none" else 0  # Q free for the producer's next item
+    itf = 8 if uses_work_counter(spec) else 0  # the next item's ticket is in `tick` (item_order "dynamic")
     return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
-            "total": bars + q + 32 * S + tf + qe}
+            "item_full": q + 32 * S + tf + qe, "total": bars + q + 32 * S + tf + qe + itf}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -368,6 +371,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
                          f"{register_cap(spec)} registers of the launch: got {(p, c)}")
     if "regs" in spec.extra and "producer_regs" in spec.extra:
         raise ValueError("wgmma-ws: give regs or producer_regs, not both")
+    if uses_work_counter(spec) and not (persistent(spec) and producer(spec) == "warpgroup"):
+        raise ValueError("wgmma-ws: item_order 'dynamic' needs persistent and producer 'warpgroup' (its producer "
+                         "takes the items from the counter and hands them to the consumers)")
     if item_order(spec) != "grid" and not persistent(spec):
         raise ValueError(f"wgmma-ws: item_order {item_order(spec)!r} orders a persistent kernel's items: one block "
                          "an item runs in the hardware's order (set persistent)")
@@ -414,23 +420,77 @@ def _emit_warp_loader_setup(c: _Code, D: int, rows_of: dict[str, int]) -> None:
             c(f"pw{tag}_{i} = ((pw_c + {4 * i}) >> 3) * {rows * 128} + ((((pw_c + {4 * i}) & 7) ^ pw_r) << 4)")
 
 
-def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[_Code], None]) -> None:
+def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[_Code], None],
+                          lay: Optional[dict[str, int]] = None, producer_side: bool = False) -> None:
     """The head of a persistent block's loop over its items, as the producer warpgroup and the consumers walk it
     alike (the same items in the same order): the first item, `while True:`, the item's state, out past the last.
-    Leaves the code one level in; `_emit_item_loop_end` closes it."""
-    emit_persistent_start(c, spec)
+    Leaves the code one level in; `_emit_item_loop_end` closes it. The producer's side waits at the top for both
+    consumer warpgroups to be past the last item's last S (q_empty) before it loads the next item's Q.
+
+    item_order "dynamic": producer thread 0 draws tickets from the global counter (`work[0]`), one item ahead;
+    at the top of each item, once q_empty says every consumer thread has read the last ticket, it writes the next
+    into `tick[ip]` and arrives on item_full, on which all 384 threads wait and read it (two slots and one phase
+    an item: a thread cannot be two items behind, since the producer's next write waits for the consumers' q_empty
+    and their kv loop for every producer thread's loads). The ticket, an item's index in the grid's order, moves
+    (it_x, it_y, it_z) by the difference from the last one: `emit_persistent_next`'s carry, no division."""
+    dynamic = uses_work_counter(spec)
+    if dynamic:
+        c("it_x = 0  # the tickets carry (it_x, it_y, it_z) from item 0")
+        c("it_y = 0")
+        c("it_z = 0")
+        c("it_t = 0")
+        c("ip = 0  # the ticket's slot in tick and the parity of item_full's phase")
+        if producer_side:
+            c("if tid == 0:")
+            with c.indent():
+                c("tk_next = cuda.atomic.add(work, 0, 1)  # the block's first item")
+            c("else:")
+            with c.indent():
+                c("tk_next = 0")
+    else:
+        emit_persistent_start(c, spec)
     c("while True:")
     c.level += 1
+    if producer_side:
+        c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
+          "last S")
+        c("qe_phase ^= 1")
+    if dynamic:
+        if producer_side:
+            c("if tid == 0:  # every thread has read the last ticket: hand over the next")
+            with c.indent():
+                c("tick[ip] = tk_next")
+                c(f"mbar_arrive(bars + {lay['item_full']})")
+        c(f"mbar_wait(bars + {lay['item_full']}, ip)")
+        c("tk = tick[ip]")
+        c("ip ^= 1")
+        c("it_x += tk - it_t  # the grid's order: the carry of emit_persistent_next")
+        c("it_t = tk")
+        _emit_item_carry(c, spec)
     item_state(c)
     c("if not it_ok:")
     with c.indent():
         c("break")
+    if dynamic and producer_side:
+        c("if tid == 0:")
+        with c.indent():
+            c("tk_next = cuda.atomic.add(work, 0, 1)  # the next item's ticket, drawn while this one loads")
 
 
-def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec) -> None:
-    """The tail of `_emit_item_loop_start`'s loop: the next item, one level out."""
-    emit_persistent_next(c, spec)
+def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec, producer_side: bool = False) -> None:
+    """The tail of `_emit_item_loop_start`'s loop: the next item, one level out. Item order "dynamic", on the
+    producer's side: thread 0 counts its block done after the loop, and the last block done zeroes the counter for
+    the next launch (every block has drawn its last ticket by then: it counts itself done only after it)."""
+    if not uses_work_counter(spec):
+        emit_persistent_next(c, spec)
     c.level -= 1
+    if uses_work_counter(spec) and producer_side:
+        c("if tid == 0:")
+        with c.indent():
+            c("if cuda.atomic.add(work, 1, 1) == cuda.gridDim.x - 1:  # the last block done: zero for the next launch")
+            with c.indent():
+                c("work[0] = 0")
+                c("work[1] = 0")
 
 
 def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
@@ -461,10 +521,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c("phase = 0")
     if PERSIST:
         c("qe_phase = 0")
-        _emit_item_loop_start(c, spec, item_state)
-        c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
-          "last S")
-        c("qe_phase ^= 1")
+        _emit_item_loop_start(c, spec, item_state, lay, producer_side=True)
     c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
     load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
     c("cp_async_mbar_arrive_noinc(bars)")
@@ -487,7 +544,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("stage = 0")
             c("phase ^= 1")
     if PERSIST:
-        _emit_item_loop_end(c, spec)
+        _emit_item_loop_end(c, spec, producer_side=True)
     c("cp_async_wait0()  # leave no copy in flight")
 
 
@@ -825,7 +882,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         for t in ROWS:  # defined on every path (Numba's bytecode analysis asks it)
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
-        _emit_item_loop_start(c, spec, item_state)
+        _emit_item_loop_start(c, spec, item_state, lay)
         zero_state()
         copy = item_start("qphase")
     elif PERSIST:
@@ -1123,6 +1180,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
           f'warpgroups, {S} stages, {spec.dtype}."""'.replace(
               "1 producer +", "no producer (the consumers load)," if NONE else f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        if uses_work_counter(spec):
+            c("tick = cuda.shared.array(2, np.int32)  # the items' tickets from the producer (item_order dynamic)")
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
         c("tid = cuda.threadIdx.x")
@@ -1155,6 +1214,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"mbar_init(bars + {lay['table_full'] + 8 * w}, 128)  # warpgroup {w}'s table tile")
             if persistent(spec) and not NONE:
                 c(f"mbar_init(bars + {lay['q_empty']}, {consumers})  # Q free for the producer's next item")
+            if uses_work_counter(spec):
+                c(f"mbar_init(bars + {lay['item_full']}, 1)  # the next item's ticket is in tick")
             for s in range(S):
                 c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import cubin_cache
 from .block_data import BlockTables
-from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block
+from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_work_counter
 from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
 
@@ -618,6 +618,11 @@ class _ForwardPlan:
         if self.table_n:
             self.table_slots.append((buf, buf.array(nxt, (self.table_n,))))
             nxt += 1
+        self.kern = kern
+        self.work_slot, self.work_stream = None, None
+        if uses_work_counter(s):
+            self.work_slot = buf.array(nxt, (2,))
+            nxt += 1
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
         self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
@@ -665,6 +670,9 @@ class _ForwardPlan:
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
         stream = self.stream(self.dev_index)
+        if self.work_slot is not None and self.work_stream != stream:  # the counter of this stream
+            vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
+            self.work_stream = stream
         if self.table_n:
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8,
                                                                             device=self.device))
@@ -840,6 +848,7 @@ class FA2ForwardKernel:
         self._smem_set: set[tuple] = set()
         self._direct: dict[str, DirectKernel] = {}
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
+        self._work: dict[tuple, Any] = {}  # work_counter's arrays
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
             self.source = emit_cached(emit_fa2_forward, spec, "forward")
@@ -897,8 +906,28 @@ class FA2ForwardKernel:
         args = [arr(elem), arr(elem), arr(elem), o, arr(acc)] + [types.int64] * (4 + 9)
         if s.block_mask == "table":
             args.append(arr(types.int8))
+        if uses_work_counter(s):
+            args.append(arr(types.int32))
         args += _capture_types(s)
         return tuple(args)
+
+    def work_counter(self, kind: str, device: Any = None, stream: int = 0) -> Any:
+        """The `work` array of a kernel that takes its items from a counter (emit_fa2.uses_work_counter): int32
+        [2], zeroed once when made; each launch leaves it zeroed (its last block resets it). One per (device,
+        stream), so launches on two streams at once do not share tickets; launches on one stream run in order."""
+        key = (kind, str(device), stream)
+        buf = self._work.get(key)
+        if buf is None:
+            if kind == "torch":
+                import torch
+
+                buf = torch.zeros(2, dtype=torch.int32, device=device)
+            else:
+                from numba import cuda
+
+                buf = cuda.to_device(np.zeros(2, dtype=np.int32))
+            self._work[key] = buf
+        return buf
 
     def ptx(self, cc: tuple[int, int] = (9, 0)) -> str:
         """PTX of the forward kernel for compute capability `cc` (no GPU needed)."""
@@ -1082,6 +1111,9 @@ class FA2ForwardKernel:
 
         sizes = [B, H, M, N]
         extra = [table] if table is not None else []
+        if uses_work_counter(s):  # Numba launches on the default stream
+            work = self.work_counter(kind, q.device if kind == "torch" else None)
+            extra.append(wrap(work) if kind == "torch" else work)
         args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
