@@ -10,6 +10,9 @@ fixed cost (the ping-pong's ramp and tail); the per-item cost is that plus the p
 With a persistent config (`--config 128x128w8-wsn-p132`) the stamps are an item's instead: its Q landed, its kv
 loop's end, its epilogue's end; the summary's `loop_end_to_next_q_us` is what one item's end costs the next item
 (what the persistent kernel was built to hide), `item_cost_tiles` that plus the loop's fixed cost, in tile-times.
+The persistent kernel with a producer warpgroup (`--config 128x128w8-wsg-p132-iod`) is stamped in its consumers
+(`summarize_producer`: the wait for Q after the item's state, the loop, the epilogue, the time between items) and
+launched as falower launches it (the driver's whole-program compile, which keeps setmaxnreg).
 
 The stamps cost a few instructions a warpgroup; the timed kernel is otherwise the one the bench times. Needs torch
 and a GPU (or the CUDA simulator, tiny shapes: NUMBA_ENABLE_CUDASIM=1 ... --n 256 --b 1 --h 2 --d 64).
@@ -226,6 +229,106 @@ def summarize_persistent(t: np.ndarray) -> dict:
             "mean_tiles": float(tiles.mean())}
 
 
+PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles")
+
+
+def stamped_producer_source(source: str, name: str) -> str:
+    """The persistent kernel with a producer warpgroup, stamped in its consumers an item: once the item's state is
+    known (its ticket read, its kv range scanned), when its Q has landed, when its last S is done (q_empty), and
+    after its epilogue; thread 0 of each consumer warpgroup writes them, its SM and the item's tiles to
+    tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
+    out: list[str] = []
+    found = set()
+
+    def ind(ln: str) -> str:
+        return ln[:len(ln) - len(ln.lstrip())]
+
+    for i, ln in enumerate(lines):
+        if i == start:
+            ln = ln.replace("):", ", tl_buf):")
+        if i > consumers and ln.strip() == "qphase ^= 1" and "record" not in found:
+            sp = ind(ln)
+            out += [f"{sp}if (tid & 127) == 0 and tl_k < {ITEMS}:",
+                    f"{sp}    tl_i = ((cuda.blockIdx.x * 2 + ((tid >> 7) - 1)) * {ITEMS} + tl_k) * 6",
+                    f"{sp}    tl_buf[tl_i] = tl_s",
+                    f"{sp}    tl_buf[tl_i + 1] = tl_q",
+                    f"{sp}    tl_buf[tl_i + 2] = tl_le",
+                    f"{sp}    tl_buf[tl_i + 3] = global_timer()",
+                    f"{sp}    tl_buf[tl_i + 4] = np.uint64(sm_id())",
+                    f"{sp}    tl_buf[tl_i + 5] = np.uint64(tl_nt)",
+                    f"{sp}tl_k += 1"]
+            found.add("record")
+        out.append(ln)
+        if i == consumers:
+            sp = ind(ln)
+            out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
+                    f"{sp}tl_nt = 0"]
+            found.add("init")
+        if i > consumers and ln.strip() == "break" and "start" not in found:
+            sp = ind(lines[i - 1])
+            out.append(f"{sp}tl_s = global_timer()")
+            found.add("start")
+        if i > consumers and "# Q has landed" in ln and "q" not in found:
+            sp = ind(ln)
+            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_nt = kv_last - kv_first + 1"]
+            found.add("q")
+        if i > consumers and "past the item's last S" in ln and "loop_end" not in found:
+            out.append(f"{ind(ln)}tl_le = global_timer()")
+            found.add("loop_end")
+    if found != {"record", "init", "start", "q", "loop_end"}:
+        raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
+    return _with_timer_import("\n".join(out))
+
+
+def summarize_producer(t: np.ndarray) -> dict:
+    """t [blocks x 2 warpgroups, ITEMS, 6] (PRODUCER_FIELDS): medians in us of the wait for Q after the item's
+    state (`q_wait_us`), the loop's line through (tiles, time), the last P V and epilogue, and the time from one
+    item's end to the next one's state (`between_us`: the ticket, the carry and the tile scan), and the per-item
+    cost those make in tile-times; `kernel_us` from the first stamp to the last."""
+    qw, loops, tiles, epis, between = [], [], [], [], []
+    t0, t1 = np.inf, 0.0
+    for wg in t:
+        wg = wg[wg[:, 3] > 0]
+        if not len(wg):
+            continue
+        t0, t1 = min(t0, wg[:, 0].min()), max(t1, wg[:, 3].max())
+        qw += list((wg[:, 1] - wg[:, 0]) / 1e3)
+        loops += list((wg[:, 2] - wg[:, 1]) / 1e3)
+        tiles += list(wg[:, 5])
+        epis += list((wg[:, 3] - wg[:, 2]) / 1e3)
+        between += list((wg[1:, 0] - wg[:-1, 3]) / 1e3)
+    tiles_a = np.array(tiles)
+    slope, icpt = _loop_line(tiles_a, np.array(loops))
+    med = {k: float(np.median(v)) if v else float("nan") for k, v in
+           (("q_wait_us", qw), ("epilogue_us", epis), ("between_us", between))}
+    per_item = med["q_wait_us"] + icpt + med["epilogue_us"] + med["between_us"]
+    return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
+            "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
+            "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan")}
+
+
+def _direct_launch(dispatcher, argtypes: tuple, smem: int, args: tuple, grid: tuple, threads: int) -> None:
+    """Launch a stamped kernel as falower's direct launches do (runtime.DirectKernel: a kernel whose PTX uses
+    setmaxnreg goes to the driver whole-program, which Numba's own launch would not do)."""
+    import hashlib
+
+    from falower.backends.numba_cuda.runtime import ArgBuffer, DirectKernel, _launcher
+
+    ident = "timeline-" + hashlib.sha1(repr((argtypes, id(dispatcher))).encode()).hexdigest()
+    dk = DirectKernel(lambda: dispatcher, lambda: argtypes, smem, ident)
+    buf = ArgBuffer(dk.layout)
+    for i, a in enumerate(args):
+        cai = getattr(a, "__cuda_array_interface__", None)
+        if cai is not None:
+            buf.array(i, tuple(cai["shape"]), cai["data"][0])
+        else:
+            buf.scalar(i, a)
+    _launcher(dk.function(0), grid, threads, smem, buf)(0)
+
+
 def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False) -> np.ndarray:
     """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS (with `phases`,
     stamped_phases_source's record a warpgroup)."""
@@ -243,8 +346,12 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     kern = c.kernel(q, k, v, *caps)
     s = kern.spec
     persist = int(s.extra.get("persistent", 0))
-    if s.extra.get("schedule") != "wgmma-ws" or s.extra.get("producer") != "none":
-        raise SystemExit(f"timeline: {s.name} is not the warp-specialized kernel without a producer ({s.extra})")
+    with_producer = s.extra.get("producer") == "warpgroup" and persist > 0
+    if s.extra.get("schedule") != "wgmma-ws" or (s.extra.get("producer") != "none" and not with_producer):
+        raise SystemExit(f"timeline: {s.name} is not the warp-specialized kernel without a producer, nor the "
+                         f"persistent one with a producer warpgroup ({s.extra})")
+    if with_producer and phases:
+        raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
     seen: dict = {}
 
     class Recorder:  # stands in for the kernel while prepare() builds the arguments
@@ -263,6 +370,17 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     blocks = int(np.prod(grid))
     if phases and persist:
         raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
+    if with_producer:
+        from numba import cuda, types
+
+        mod = load_source(stamped_producer_source(kern.source, s.name), s.name + "_ptimeline")
+        tl = torch.zeros(blocks * 2 * ITEMS * 6, dtype=torch.int64, device=dev)
+        args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
+        argtypes = (*kern.argtypes(), types.Array(types.uint64, 1, "C"))
+        for _ in range(3):  # the last launch is the one read (the counter is zeroed by each launch's last block)
+            _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads)
+        torch.cuda.synchronize()
+        return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * 2, ITEMS, 6)
     stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
     mod = load_source(stamp(kern.source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)
@@ -318,7 +436,8 @@ def main() -> None:
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
     t = run(a.stem, a.d, a.n, B, H, a.config, a.phases)
     summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H,
-               **(summarize_phases(t) if a.phases else summarize_persistent(t) if t.ndim == 3 else summarize(t))}
+               **(summarize_phases(t) if a.phases else summarize_producer(t) if t.ndim == 3 and t.shape[2] == 6
+                  else summarize_persistent(t) if t.ndim == 3 else summarize(t))}
     print(json.dumps(summary), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"summary": summary, "fields": FIELDS, "stamps": t.tolist()}))
