@@ -273,7 +273,10 @@ def stamped_producer_source(source: str, name: str) -> str:
             found.add("start")
         if i > consumers and "# Q has landed" in ln and "q" not in found:
             sp = ind(ln)
-            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_nt = kv_last - kv_first + 1"]
+            # the kv range by the names the loop below reads (ssa_names renames the consumers' copies)
+            first = next(x.strip()[4:] for x in lines[i + 1:] if x.strip().startswith("j = "))
+            last = next(x.strip()[len("while j <= "):-1] for x in lines[i + 1:] if x.strip().startswith("while j <= "))
+            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_nt = {last} - {first} + 1"]
             found.add("q")
         if i > consumers and "past the item's last S" in ln and "loop_end" not in found:
             out.append(f"{ind(ln)}tl_le = global_timer()")
@@ -377,7 +380,10 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
         tl = torch.zeros(blocks * 2 * ITEMS * 6, dtype=torch.int64, device=dev)
         args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
         argtypes = (*kern.argtypes(), types.Array(types.uint64, 1, "C"))
-        for _ in range(3):  # the last launch is the one read (the counter is zeroed by each launch's last block)
+        for i in range(3):  # the last launch is the one read (the counter is zeroed by each launch's last block)
+            if i == 2:  # a block's items vary from launch to launch: no stamps left from an earlier one
+                torch.cuda.synchronize()
+                tl.zero_()
             _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads)
         torch.cuda.synchronize()
         return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * 2, ITEMS, 6)
