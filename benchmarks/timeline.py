@@ -229,14 +229,16 @@ def summarize_persistent(t: np.ndarray) -> dict:
             "mean_tiles": float(tiles.mean())}
 
 
-PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles")
+PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
+                   "loop_cycles")
 
 
 def stamped_producer_source(source: str, name: str) -> str:
     """The persistent kernel with a producer warpgroup, stamped in its consumers an item: once the item's state is
     known (its ticket read, its kv range scanned), when its Q has landed, when its last S is done (q_empty), and
-    after its epilogue; thread 0 of each consumer warpgroup writes them, its SM and the item's tiles to
-    tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
+    after its epilogue (%globaltimer, 256 ns steps on the H100); and by %clock64, the cycles its kv loop spent in
+    the waits for K and for V to land (summed over its tiles) and the loop's cycles; thread 0 of each consumer
+    warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
     lines = source.split("\n")
     start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
@@ -246,44 +248,56 @@ def stamped_producer_source(source: str, name: str) -> str:
     def ind(ln: str) -> str:
         return ln[:len(ln) - len(ln.lstrip())]
 
+    NF = len(PRODUCER_FIELDS)
     for i, ln in enumerate(lines):
         if i == start:
             ln = ln.replace("):", ", tl_buf):")
+        for tag, anchor in (("k", "# K_j has landed"), ("v", "# V_(j-1) has landed")):
+            if ln is not None and i > consumers and anchor in ln and "record" not in found:  # the kv loop
+                out += [f"{ind(ln)}tl_c0 = clock64()", ln, f"{ind(ln)}tl_w{tag} += clock64() - tl_c0"]
+                found.add(f"wait_{tag}")
+                ln = None
+        if ln is None:
+            continue
         if i > consumers and ln.strip() == "qphase ^= 1" and "record" not in found:
             sp = ind(ln)
             out += [f"{sp}if (tid & 127) == 0 and tl_k < {ITEMS}:",
-                    f"{sp}    tl_i = ((cuda.blockIdx.x * 2 + ((tid >> 7) - 1)) * {ITEMS} + tl_k) * 6",
+                    f"{sp}    tl_i = ((cuda.blockIdx.x * 2 + ((tid >> 7) - 1)) * {ITEMS} + tl_k) * {NF}",
                     f"{sp}    tl_buf[tl_i] = tl_s",
                     f"{sp}    tl_buf[tl_i + 1] = tl_q",
                     f"{sp}    tl_buf[tl_i + 2] = tl_le",
                     f"{sp}    tl_buf[tl_i + 3] = global_timer()",
                     f"{sp}    tl_buf[tl_i + 4] = np.uint64(sm_id())",
                     f"{sp}    tl_buf[tl_i + 5] = np.uint64(tl_nt)",
+                    f"{sp}    tl_buf[tl_i + 6] = np.uint64(tl_wk)",
+                    f"{sp}    tl_buf[tl_i + 7] = np.uint64(tl_wv)",
+                    f"{sp}    tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
         if i == consumers:
             sp = ind(ln)
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
-                    f"{sp}tl_nt = 0"]
+                    f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk",
+                    f"{sp}tl_cq = clock64()", f"{sp}tl_cle = tl_cq"]
             found.add("init")
         if i > consumers and ln.strip() == "break" and "start" not in found:
             sp = ind(lines[i - 1])
-            out.append(f"{sp}tl_s = global_timer()")
+            out += [f"{sp}tl_s = global_timer()", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk"]
             found.add("start")
         if i > consumers and "# Q has landed" in ln and "q" not in found:
             sp = ind(ln)
             # the kv range by the names the loop below reads (ssa_names renames the consumers' copies)
             first = next(x.strip()[4:] for x in lines[i + 1:] if x.strip().startswith("j = "))
             last = next(x.strip()[len("while j <= "):-1] for x in lines[i + 1:] if x.strip().startswith("while j <= "))
-            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_nt = {last} - {first} + 1"]
+            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1"]
             found.add("q")
         if i > consumers and "past the item's last S" in ln and "loop_end" not in found:
-            out.append(f"{ind(ln)}tl_le = global_timer()")
+            out += [f"{ind(ln)}tl_le = global_timer()", f"{ind(ln)}tl_cle = clock64()"]
             found.add("loop_end")
-    if found != {"record", "init", "start", "q", "loop_end"}:
+    if found != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
-    return _with_timer_import("\n".join(out))
+    return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
 
 def summarize_producer(t: np.ndarray) -> dict:
@@ -308,9 +322,17 @@ def summarize_producer(t: np.ndarray) -> dict:
     med = {k: float(np.median(v)) if v else float("nan") for k, v in
            (("q_wait_us", qw), ("epilogue_us", epis), ("between_us", between))}
     per_item = med["q_wait_us"] + icpt + med["epilogue_us"] + med["between_us"]
+    rows = t.reshape(-1, t.shape[-1])
+    rows = rows[(rows[:, 3] > 0) & (rows[:, 5] > 0)]
+    waits = {}
+    if t.shape[-1] >= 9 and len(rows):  # %clock64 cycles: the kv loop's waits for K and V, a tile and a share
+        for name, col in (("k", 6), ("v", 7)):
+            waits[f"{name}_wait_cycles_per_tile"] = float(np.median(rows[:, col] / rows[:, 5]))
+            waits[f"{name}_wait_share"] = float(rows[:, col].sum() / max(rows[:, 8].sum(), 1.0))
+        waits["loop_cycles_per_tile"] = float(np.median(rows[:, 8] / rows[:, 5]))
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
-            "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan")}
+            "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}
 
 
 def _direct_launch(dispatcher, argtypes: tuple, smem: int, args: tuple, grid: tuple, threads: int) -> None:
@@ -377,7 +399,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
         from numba import cuda, types
 
         mod = load_source(stamped_producer_source(kern.source, s.name), s.name + "_ptimeline")
-        tl = torch.zeros(blocks * 2 * ITEMS * 6, dtype=torch.int64, device=dev)
+        tl = torch.zeros(blocks * 2 * ITEMS * len(PRODUCER_FIELDS), dtype=torch.int64, device=dev)
         args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
         argtypes = (*kern.argtypes(), types.Array(types.uint64, 1, "C"))
         for i in range(3):  # the last launch is the one read (the counter is zeroed by each launch's last block)
@@ -386,7 +408,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
                 tl.zero_()
             _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads)
         torch.cuda.synchronize()
-        return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * 2, ITEMS, 6)
+        return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * 2, ITEMS, len(PRODUCER_FIELDS))
     stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
     mod = load_source(stamp(kern.source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)
@@ -442,7 +464,7 @@ def main() -> None:
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
     t = run(a.stem, a.d, a.n, B, H, a.config, a.phases)
     summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H,
-               **(summarize_phases(t) if a.phases else summarize_producer(t) if t.ndim == 3 and t.shape[2] == 6
+               **(summarize_phases(t) if a.phases else summarize_producer(t) if t.ndim == 3 and t.shape[2] != 5
                   else summarize_persistent(t) if t.ndim == 3 else summarize(t))}
     print(json.dumps(summary), flush=True)
     if a.json:

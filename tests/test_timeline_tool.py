@@ -143,3 +143,46 @@ def test_the_phase_summary_of_a_small_launch():
         rows.append([*clocks, 5e6 + w * 1e4, 5e6 + w * 1e4 + (clocks[-1] - clocks[0]) / 2.0, w, 1])
     s = timeline.summarize_phases(np.array(rows, dtype=np.float64))
     assert s["sm_ghz"] == pytest.approx(2.0) and s["set-up_us"] == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("stem", ["plain", "causal"])
+def test_the_producer_kernels_stamps_go_in_order(stem):
+    """The persistent kernel with a producer warpgroup, stamped in its consumers: per item the start after its
+    state, Q landed, loop end (q_empty), the record before `qphase ^= 1`; the waits for K and V bracketed by
+    %clock64 inside the kv loop; the kv range read by the names the consumers' loop uses."""
+    spec, src = _ws(stem, producer="warpgroup", persistent=132, item_order="dynamic")
+    out = timeline.stamped_producer_source(src, spec.name)
+    compile(out, "stamped", "exec")
+    assert ", tl_buf):" in out and "import clock64, global_timer, sm_id" in out
+    consumers = out.index("SETMAXNREG_INC()")
+    marks = ["tl_s = global_timer()\n", "tl_q = global_timer()", "tl_c0 = clock64()", "tl_wk += clock64() - tl_c0",
+             "tl_wv += clock64() - tl_c0", "tl_le = global_timer()", "tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)"]
+    at = [out.index(m, consumers) for m in marks]
+    assert at == sorted(at), marks
+    assert out.index("# K_j has landed", consumers) < at[3] and out.index("# Q has landed", consumers) < at[1]
+    loop = out[consumers:]
+    first = loop[loop.index("\n", loop.index("# Q has landed")):]
+    j0 = first.split("j = ", 1)[1].split("\n", 1)[0]
+    assert f"tl_nt = " in out and f" - {j0} + 1" in out
+    with pytest.raises(SystemExit, match="anchors not found"):
+        timeline.stamped_producer_source(src.replace("# K_j has landed", "#"), spec.name)
+
+
+def test_the_producer_summary_reads_the_stamps():
+    """Two warpgroups of two items (3 and 5 tiles): Q waited 0.25 us after the state, 2 us a tile plus 0.5 fixed,
+    epilogue 1 us, 0.75 us between items; K waits 100 cycles a tile, V 50, the loop 2000 cycles a tile."""
+    t = np.zeros((2, timeline.ITEMS, len(timeline.PRODUCER_FIELDS)))
+    for wg in range(2):
+        now = 1e6
+        for k, tiles in enumerate((3, 5)):
+            q = now + 250
+            le = q + 500 + 2000 * tiles
+            t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles]
+            now = le + 1000 + 750
+    s = timeline.summarize_producer(t)
+    assert s["items"] == 4 and s["q_wait_us"] == pytest.approx(0.25) and s["epilogue_us"] == pytest.approx(1.0)
+    assert s["loop_us_per_tile"] == pytest.approx(2.0) and s["loop_fixed_us"] == pytest.approx(0.5)
+    assert s["between_us"] == pytest.approx(0.75)
+    assert s["item_cost_tiles"] == pytest.approx((0.25 + 0.5 + 1.0 + 0.75) / 2.0)
+    assert s["k_wait_cycles_per_tile"] == pytest.approx(100) and s["v_wait_cycles_per_tile"] == pytest.approx(50)
+    assert s["k_wait_share"] == pytest.approx(0.05) and s["loop_cycles_per_tile"] == pytest.approx(2000)
