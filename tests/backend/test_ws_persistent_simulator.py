@@ -57,3 +57,31 @@ def test_grid_and_validation():
                         ({"producer": "warpgroup", "persistent": 4, "item_order": "x"}, "item_order must be")):
         with pytest.raises(ValueError, match=what):
             emit_fa3_ws.validate_spec(dataclasses.replace(spec, extra={"schedule": "wgmma-ws", **extra}))
+
+
+def test_the_persistent_producer_stages_o_apart_where_it_fits():
+    """The persistent kernel with a producer warpgroup stages O through a buffer of its own (the Q tile is being
+    refilled for the next item) where it fits beside the ring under 227 KB, and stores from the fragments where it
+    does not (D = 128 with 3 stages) or where asked (staged_epilogue False); the kernel's source says which."""
+    import dataclasses
+
+    from variants import make_spec
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    base = make_spec("causal", 128, "f16", path="mma", block_q=128, block_k=128, num_warps=8)
+
+    def spec(D=128, **extra):
+        s = make_spec("causal", D, "f16", path="mma", block_q=128, block_k=128, num_warps=8) if D != 128 else base
+        return dataclasses.replace(s, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 8,
+                                             "item_order": "dynamic", **extra})
+
+    for s, staged in ((spec(), True), (spec(stages=3), False), (spec(staged_epilogue=False), False),
+                      (spec(64, stages=4), True)):
+        lay = emit_fa3_ws._layout(s)
+        assert emit_fa3_ws.staged_epilogue(s) is staged and (lay["o"] > 0) is staged
+        assert emit_fa3_ws.smem_bytes(s) <= emit_fa3_ws.SMEM_LIMIT
+        if staged:  # after the ring, before the barriers, two warpgroups' 64 rows of D
+            assert lay["o"] + 2 * 64 * 2 * s.head_dim == lay["bars"]
+        src = emit_fa3_ws.emit_fa3_ws_forward(s)
+        assert ("o_wg = sb + " in src) is staged and ("stage_row(" in src) is staged

@@ -67,8 +67,9 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (False, "f16", 128, 128, {"producer": "warpgroup"}),
     (True, "f16", 128, 128, {"producer": "warpgroup", "stages": 3}),
     (True, "bf16", 64, 128, {"producer": "warpgroup"}),
-    # persistent with the producer warpgroup: the ring across items, each item's Q after the last one's last S
-    (True, "f16", 128, 128, {"producer": "warpgroup", "producer_regs": 56, "persistent": 5}),
+    # persistent with the producer warpgroup: the ring across items, each item's Q after the last one's last S;
+    # O staged through a buffer of its own where it fits (2 stages), or stored from the fragments (False, 3 stages)
+    (True, "f16", 128, 128, {"producer": "warpgroup", "producer_regs": 56, "persistent": 5, "staged_epilogue": False}),
     (False, "bf16", 64, 128, {"producer": "warpgroup", "persistent": 3}),
     # ... its default registers (120 / 192) and the launch's items heaviest first (item_order "cost")
     (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 7, "item_order": "cost"}),

@@ -415,7 +415,7 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
 
 
 def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, first_row: str, wtid: str,
-                          barrier: str, free_barrier: str = "") -> None:
+                          barrier: str, free_barrier: str = "", base: str = "q_wg") -> None:
     """A warpgroup's epilogue through shared memory (this kernel's at D = 64 and emit_fa3_ws's): each of the
     thread's rows normalised into the warpgroup's own Q tile at q_wg (`wr` rows of D, contiguous, free once the
     last S is done; its LSE as `_emit_epilogue` writes it), `barrier`, then the warpgroup's rows (the first
@@ -425,7 +425,9 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     swizzled by the row (chunk ^ (row & 7)): the fragment's writes (8 rows a warp) and the chunks' reads (8
     chunks of a row a quarter-warp) are then free of bank conflicts. Above D = 64 a staged row of 2 D bytes spans
     rows of the Q tile's [D // 64][64][128 B] layout that other warps' parts of S read, and a warp's wgmma wait
-    returns when its own part is done: `free_barrier` (the warpgroup's) goes first there."""
+    returns when its own part is done: `free_barrier` (the warpgroup's) goes first there. `base`: another buffer
+    of `wr` rows of D to stage through (emit_fa3_ws's persistent producer kernel, whose Q tile is being refilled);
+    its `free_barrier` then keeps a warp from staging over rows another is still storing from the last item."""
     CH = D // 8  # a row's 16-byte chunks, and a thread's pairs of a row (n8 tiles of O)
     lines = ["@device_function", "def stage_row(sa, sw, x, i, inv):",
              "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
@@ -444,7 +446,7 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     for t in rows:
         _emit_row_inv(c, t.k)
         c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's {wr}")
-        c(f"{stage}(q_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
+        c(f"{stage}({base} + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
         c(f"qi = {t.row}")
         c("if qi < M and t2 == 0:")
         with c.indent():
@@ -457,7 +459,7 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
         c(f"lr = ch // {CH}")
         c(f"c16 = ch % {CH}")
         c(f"qi = {first_row} + lr")
-        c(f"w0, w1, w2, w3 = lds_v4_u32(q_wg + lr * {2 * D} + ((c16 ^ (lr & 7)) << 4))")
+        c(f"w0, w1, w2, w3 = lds_v4_u32({base} + lr * {2 * D} + ((c16 ^ (lr & 7)) << 4))")
         c("if qi < M:")
         with c.indent():
             c(f"stg_v4_u32(o, (q_head + qi) * {D // 2} + c16 * 4, w0, w1, w2, w3)")

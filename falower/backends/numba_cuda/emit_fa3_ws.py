@@ -159,8 +159,14 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
     """Whether a warpgroup stores O through its own Q tile in shared memory (no producer, not persistent: its 64
     rows x D are one contiguous 64 * D * 2 bytes, free once its last S is done) by 16-byte coalesced stores
     (emit_fa3._emit_staged_epilogue), where the fragment layout gives 4-byte stores each touching 8 rows.
-    spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose')."""
-    return producer(spec) == "none" and not persistent(spec) and spec.extra.get("staged_epilogue", True) is not False
+    spec.extra["staged_epilogue"] = False keeps the direct stores (bench '-nose'). The persistent kernel with a
+    producer warpgroup stages through a buffer of its own (`_layout`'s "o", 64 rows of D a warpgroup) where it fits
+    beside the ring: its direct stores took 2.8 us an item against the staged 1.3 (timeline.py, H100 2026-11-27)."""
+    if spec.extra.get("staged_epilogue", True) is False:
+        return False
+    if persistent(spec) and producer(spec) == "warpgroup":
+        return _layout(spec)["o"] > 0
+    return producer(spec) == "none" and not persistent(spec)
 
 
 def early_loads(spec: FA2ForwardSpec) -> tuple[int, int]:
@@ -315,19 +321,26 @@ def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int
 def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: Q [D // 64][block_q][128 B] (producer "none": one
     [D // 64][64][128 B] tile per consumer warpgroup, each loads its own), then per stage s K_s and V_s
-    ([D // 64][block_k][128 B] each), then the mbarriers: Q's (one, or one per warpgroup), full_k[s], full_v[s],
-    empty_k[s], empty_v[s]."""
+    ([D // 64][block_k][128 B] each), the score's table tile (table_tiles), the persistent producer kernel's O
+    buffer (two warpgroups' 64 rows of D, where it fits), then the mbarriers: Q's (one, or one per warpgroup),
+    full_k[s], full_v[s], empty_k[s], empty_v[s], table_full, q_empty, item_full."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     S = stages(spec) if S is None else S
     tile = BK * D * 2
     kv = BQ * D * 2
     table = BQ * BK * 4 if table_tiles(spec) else 0  # the score's table tile, f32, one buffer (tb)
-    bars = kv + 2 * S * tile + table
+    # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
+    o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
+                           and spec.extra.get("staged_epilogue", True) is not False) else 0
+    if o_buf and kv + 2 * S * tile + table + o_buf + 8 * (1 + 4 * S + 2) + ALIGN > SMEM_LIMIT:
+        o_buf = 0
+    bars = kv + 2 * S * tile + table + o_buf
     q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
     qe = 8 if persistent(spec) and producer(spec) != "none" else 0  # Q free for the producer's next item
     itf = 8 if uses_work_counter(spec) else 0  # the next item's ticket is in `tick` (item_order "dynamic")
-    return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "bars": bars, "full_k": q, "full_v": q + 8 * S,
+    return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_buf and kv + 2 * S * tile + table,
+            "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
             "item_full": q + 32 * S + tf + qe, "total": bars + q + 32 * S + tf + qe + itf}
 
@@ -1109,7 +1122,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c(f"mbar_arrive(bars + {lay['q_empty']})  # this thread is past the item's last S: the producer may refill Q")
         last_pv()
         c()
-        _emit_epilogue(c, D)
+        if staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
+            c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
+            _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
+                                  "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
+                                  "bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last "
+                                  "item's O rows", base="o_wg")
+        else:
+            _emit_epilogue(c, D)
         c("qphase ^= 1")
         _emit_item_loop_end(c, spec)
         return
