@@ -55,11 +55,13 @@ distinct banks. 64 KB at 128 x 128: K / V keep 2 stages at D = 128.
 
 Persistent (`extra["persistent"]` = blocks): with producer "none" the consumers load the next item's Q and first
 tiles in front of their epilogue; with a producer warpgroup the producer runs the ring across items and refills Q
-once both consumer warpgroups are past an item's last S (the q_empty mbarrier). Items in a static serpentine order.
+once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
+its own where it fits. Items in a static serpentine order (`item_order` "grid" or "cost"), or, with the producer
+warpgroup, from a global counter ("dynamic"). Timed on the H100 (benchmarks/NOTES.md, twenty-first session): not a
+default; its masked tiles run slower than one block an item's.
 
 Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
-a dynamic tile scheduler, intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the
-softmax one tile behind).
+intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
 """
 
 from __future__ import annotations
@@ -252,8 +254,9 @@ def pingpong(spec: FA2ForwardSpec) -> bool:
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
-    of 8; bench '-prP'; a persistent kernel: p = 120), or (40, 232). Measured through the driver's whole-program compile (the only one that keeps
-    setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
+    of 8; bench '-prP'; a persistent kernel: p = 120), or (40, 232). Measured through the driver's whole-program
+    compile (the only one that keeps setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128,
+    benchmarks/NOTES.md "setmaxnreg")."""
     if "producer_regs" in spec.extra or ("regs" not in spec.extra and persistent(spec)):
         # persistent: the producer walks items too and needs 120 (at 56 / 224 the kernel spilled 280 bytes, at
         # 112 / 192 32; 120 / 192 none: ptxas and the H100's driver alike, probe_setmaxnreg.py --persistent)
@@ -308,7 +311,7 @@ def persistent(spec: FA2ForwardSpec) -> int:
     those loads themselves (in front of their epilogue); with producer "warpgroup" the producer walks the items'
     tiles as one stream through the ring and loads each item's Q as soon as both consumer warpgroups are past the
     previous item's last S (the q_empty mbarrier), while they do its last P V and epilogue (benchmarks/NOTES.md,
-    "What the measurements now ask of the kernel"; not yet timed). Static ranges only with the producer."""
+    "The persistent producer kernel timed"). Static ranges only with the producer."""
     return int(spec.extra.get("persistent", 0))
 
 
@@ -329,20 +332,22 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     tile = BK * D * 2
     kv = BQ * D * 2
     table = BQ * BK * 4 if table_tiles(spec) else 0  # the score's table tile, f32, one buffer (tb)
-    # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
-    o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
-                           and spec.extra.get("staged_epilogue", True) is not False) else 0
-    if o_buf and kv + 2 * S * tile + table + o_buf + 8 * (1 + 4 * S + 2) + ALIGN > SMEM_LIMIT:
-        o_buf = 0
-    bars = kv + 2 * S * tile + table + o_buf
     q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
     qe = 8 if persistent(spec) and producer(spec) != "none" else 0  # Q free for the producer's next item
     itf = 8 if uses_work_counter(spec) else 0  # the next item's ticket is in `tick` (item_order "dynamic")
-    return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_buf and kv + 2 * S * tile + table,
+    barrier_bytes = q + 32 * S + tf + qe + itf
+    o_at = kv + 2 * S * tile + table
+    # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
+    o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
+                           and spec.extra.get("staged_epilogue", True) is not False) else 0
+    if o_at + o_buf + barrier_bytes + ALIGN > SMEM_LIMIT:
+        o_buf = 0
+    bars = o_at + o_buf
+    return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
             "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
-            "item_full": q + 32 * S + tf + qe, "total": bars + q + 32 * S + tf + qe + itf}
+            "item_full": q + 32 * S + tf + qe, "total": bars + barrier_bytes}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
