@@ -550,7 +550,7 @@ def measure(row: dict, key: str, flops: float, make_fn: Callable, grad_to_none=N
         return True
     except Exception as exc:  # a backend may refuse a shape; the backward kernel may not exist yet
         row[key] = NAN
-        log(f"  {key} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        log(f"  {key} failed: {type(exc).__name__}: {first_line(exc)}")
         if os.environ.get("BENCH_TRACEBACK"):
             log(traceback.format_exc())
         return False
@@ -673,17 +673,11 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
         o_auto = c.forward(q, k, v, *caps)[0].float()
         for cfg in args.ex_configs:  # other kernels for the same variant, by their calls
             tag = config_tag(cfg)
-            try:
-                cc = example_compiled_config(stem, cfg)
-                diff = (cc.forward(q, k, v, *caps)[0].float() - o_auto).abs().max().item()
+            cc, diff = config_matching(stem, cfg, (q, k, v, *caps), o_auto)
+            if diff == diff:
                 row[f"fwd {tag} diff"] = diff
-                if not diff <= 2e-2 * max(1.0, o_auto.abs().max().item()):
-                    log(f"  {stem} {tag}: output differs from the automatic choice's by {diff:.2e}: not timed")
-                    continue
-            except Exception as exc:
-                log(f"  {stem} {tag} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
-                continue
-            measure(row, f"fwd {tag}+call", flops, lambda cc=cc: lambda: cc.forward(q, k, v, *caps))
+            if cc is not None:
+                measure(row, f"fwd {tag}+call", flops, lambda cc=cc: lambda: cc.forward(q, k, v, *caps))
         blocks = c.block_data(c.kernel(q, k, v, *caps))
         if blocks is not None:  # data-dependent mask (issue 12): range tables and block list, made once per ids
             # tensor and reused by the timed calls above; what new ids cost (Flex's "flex mask ms" counterpart)
@@ -785,11 +779,11 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
         try:
             _rounds_calls(stem, B, H, N, D, calls, flops, diffs, configs)
         except Exception as exc:  # one example's set-up (a compile, memory) leaves the others' rounds
-            first = str(exc).splitlines()[0][:160] if str(exc) else ""
-            log(f"  rounds: {stem} left out: {type(exc).__name__}: {first}")
-            for who in ("ours", "flex"):
-                calls.pop((stem, who), None)
-            flops.pop(stem, None)
+            log(f"  rounds: {stem} left out: {type(exc).__name__}: {first_line(exc)}")
+            for key in [key for key in calls if key[0].split(" ")[0] == stem]:  # its config rows too
+                calls.pop(key)
+            for name in [name for name in flops if name.split(" ")[0] == stem]:
+                flops.pop(name)
     times: dict = {key: [] for key in calls}
     rng = random.Random(0)
     for r in range(rounds):
@@ -809,6 +803,28 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     return out
 
 
+def config_matching(stem: str, cfg: tuple, inputs: tuple, o_auto) -> tuple[Optional[Any], float]:
+    """examples/<stem>.py under tile config `cfg` (--ex-configs) and its output's largest difference from the
+    automatic choice's `o_auto` on `inputs`; the compiled call is None (and the reason logged) where it failed or
+    its output differs by more than 2e-2 of O's scale: not timed. The difference is NaN where it failed."""
+    tag = config_tag(cfg)
+    try:
+        cc = example_compiled_config(stem, cfg)
+        diff = (cc.forward(*inputs)[0].float() - o_auto).abs().max().item()
+    except Exception as exc:
+        log(f"  {stem} {tag} failed: {type(exc).__name__}: {first_line(exc)}")
+        return None, NAN
+    if not diff <= 2e-2 * max(1.0, o_auto.abs().max().item()):
+        log(f"  {stem} {tag}: output differs from the automatic choice's by {diff:.2e}: not timed")
+        return None, diff
+    return cc, diff
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, at most 160 characters: what the logs and tables say of a failure."""
+    return str(exc).splitlines()[0][:160] if str(exc) else ""
+
+
 def _rounds_calls(stem: str, B: int, H: int, N: int, D: int, calls: dict, flops: dict, diffs: dict,
                   configs: tuple = ()) -> None:
     """The example's whole falower call and its Flex twin (the first kernel options Flex compiles with, as
@@ -825,14 +841,8 @@ def _rounds_calls(stem: str, B: int, H: int, N: int, D: int, calls: dict, flops:
     o_auto = c.forward(q, k, v, *caps)[0].float()
     for cfg in configs:
         name = f"{stem} {config_tag(cfg)}"
-        try:
-            cc = example_compiled_config(stem, cfg)
-            diff = (cc.forward(q, k, v, *caps)[0].float() - o_auto).abs().max().item()
-        except Exception as exc:
-            log(f"  rounds: {name} left out: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
-            continue
-        if not diff <= 2e-2 * max(1.0, o_auto.abs().max().item()):
-            log(f"  rounds: {name}: output differs from the automatic choice's by {diff:.2e}: left out")
+        cc, _ = config_matching(stem, cfg, (q, k, v, *caps), o_auto)
+        if cc is None:
             continue
         calls[(name, "ours")] = (lambda cc=cc, q=q, k=k, v=v, caps=caps: cc.forward(q, k, v, *caps))
         flops[name] = flops[stem]
@@ -900,7 +910,7 @@ def _compile_one(job) -> str:
                 c.backward(q, kv, kv, q.clone(), torch.zeros(1, H, 64, device="cuda"), q, *caps)
         torch.cuda.synchronize()
     except Exception as exc:
-        return f"FAILED {job}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        return f"FAILED {job}: {type(exc).__name__}: {first_line(exc)}"
     return f"{job} {time.time() - t0:.1f}s"
 
 
@@ -1079,7 +1089,7 @@ def main() -> None:
                         r = check(D, causal, cfg) if what == "fwd" else check_bwd(D, causal, cfg, args.bwd_pipeline)
                     except Exception as exc:
                         r = {"what": what, "D": D, "causal": causal, "config": cfg, "ok": False,
-                             "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+                             "error": f"{type(exc).__name__}: {first_line(exc)}"}
                         log(f"check {what} D={D} causal={causal} cfg={cfg}: FAILED TO RUN: {r['error']}")
                         checks.append(r)
                         continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -92,3 +93,51 @@ def test_rounds_summary_config_rows_share_their_examples_flex():
     assert row["over flex"]["min"] == pytest.approx(2.0) and row["over flex"]["max"] == pytest.approx(2.0)
     assert row["of plain"]["median"] == pytest.approx(((1e12 / 1.6) / 5e11 + (1e12 / 1.8) / 5e11) / 2)
     assert row["flex"] == pytest.approx((1e12 / 3.2 + 1e12 / 3.6) / 2 / 1e9)
+
+
+class _T:
+    """Enough of a torch tensor for config_matching: float(), subtraction, abs(), max(), item()."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a, dtype=np.float64)
+
+    def float(self):
+        return self
+
+    def __sub__(self, other):
+        return _T(self.a - other.a)
+
+    def abs(self):
+        return _T(np.abs(self.a))
+
+    def max(self):
+        return _T(self.a.max())
+
+    def item(self):
+        return float(self.a)
+
+
+def test_config_matching_times_only_a_config_that_agrees(monkeypatch):
+    """--ex-configs, one block an example or in rounds: a config whose output is within 2e-2 of O's scale of the
+    automatic choice's is timed; one further off, or one that fails to build, is left out with its reason logged
+    (a failure's difference NaN)."""
+    logged = []
+    monkeypatch.setattr(bench, "log", logged.append)
+    o_auto = _T([[0.5, -2.0]])
+
+    def compiled(out):
+        return type("C", (), {"forward": lambda self, *x: (_T(out),)})()
+
+    monkeypatch.setattr(bench, "example_compiled_config", lambda stem, cfg: compiled([[0.5, -2.03]]))
+    cc, diff = bench.config_matching("causal", bench.parse_config("128x128w8-wsg"), (), o_auto)
+    assert cc is not None and diff == pytest.approx(0.03)
+    monkeypatch.setattr(bench, "example_compiled_config", lambda stem, cfg: compiled([[0.5, -2.05]]))
+    cc, diff = bench.config_matching("causal", bench.parse_config("128x128w8-wsg"), (), o_auto)
+    assert cc is None and diff == pytest.approx(0.05) and "differs" in logged[-1]
+
+    def broken(stem, cfg):
+        raise ValueError("wgmma-ws: no such thing\nsecond line")
+
+    monkeypatch.setattr(bench, "example_compiled_config", broken)
+    cc, diff = bench.config_matching("causal", bench.parse_config("128x128w8-wsg"), (), o_auto)
+    assert cc is None and diff != diff and logged[-1].endswith("ValueError: wgmma-ws: no such thing")
