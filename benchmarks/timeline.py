@@ -176,8 +176,7 @@ def stamped_persistent_source(source: str, name: str) -> str:
     """The persistent ws kernel's module with stamps an item: when the warpgroup's Q has landed, when its kv loop
     ended (the top of the item loop, where the next item's loads are issued), and after its epilogue; thread 0 of
     each consumer warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item]."""
-    lines = source.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    lines, start, _, _ = _kernel_body(source, name)
     out: list[str] = []
     found = set()
     rec = [f"        if cur_ok and (tid & 127) == 0 and tl_k < {ITEMS}:",
@@ -239,8 +238,7 @@ def stamped_producer_source(source: str, name: str) -> str:
     after its epilogue (%globaltimer, 256 ns steps on the H100); and by %clock64, the cycles its kv loop spent in
     the waits for K and for V to land (summed over its tiles) and the loop's cycles; thread 0 of each consumer
     warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
-    lines = source.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
     out: list[str] = []
     found = set()
