@@ -113,8 +113,10 @@ from .emit_fa3 import (
     _emit_epilogue,
     _emit_staged_epilogue,
     _emit_load,
+    _emit_load_inside,
     _emit_loader_setup,
     _emit_pv,
+    _emit_row_addresses,
     _pack_pa_helper,
     copy_rows_helper,
 )
@@ -534,7 +536,10 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         rstep = _emit_loader_setup(c, 128, D)
 
         def load(rows, sdst, row0, nrows, garr, base, rs, tag):
-            _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
+            if garr == "q":
+                _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
+            else:  # K, V: a tile inside N from the kept row addresses (an add a copy, not ~8 integer instructions)
+                _emit_load_inside(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
     c("stage = 0")
     c("phase = 0")
     if PERSIST:
@@ -543,6 +548,12 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
     load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
     c("cp_async_mbar_arrive_noinc(bars)")
+    if not WARP:
+        # this thread's chunk of row 0 of the item's (b, head) slices of K and V, the bytes a row and between its
+        # rows: the kv loop's copies then add to them (the index arithmetic of `_emit_load` cost the producer ~250
+        # instructions a warp a tile, half of them on the FMA pipe the consumers' softmax uses; NOTES)
+        _emit_row_addresses(c, "k", "kg", "k_sm", rstep)
+        _emit_row_addresses(c, "v", "vg", "v_sm", rstep)
     c("j = kv_first")
     c("while j <= kv_last:")
     with c.indent():
