@@ -114,7 +114,7 @@ class CompiledAttention:
         graph is lowered again with them, so the IR says the tiles the kernel runs."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
-        from .backends.numba_cuda.runtime import device_cc
+        from .backends.numba_cuda.runtime import device_cc, device_sm_count
 
         base = (self.lowered, self.analysis)
         asked = self.extra.get("schedule")
@@ -122,7 +122,8 @@ class CompiledAttention:
         mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
         table_tile = reads_table_tile(self.analysis)
         if path == "mma" and asked is None:
-            choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc(), table_tile=table_tile)
+            choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc(), table_tile=table_tile,
+                                         sm_count=device_sm_count())
         elif path == "mma" and asked == "wgmma":
             choice = emit_fa3.plain_extra(used["D"], mask_kind)
 
@@ -146,9 +147,10 @@ class CompiledAttention:
                 return extra
             return {k: v for k, v in extra.items() if k != "wg_rows"}
 
-        # an automatic choice the wgmma kernels refuse falls back: the warp-specialized one to the plain one, that
-        # to mma.sync, as if never chosen
-        tries = [choice] + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
+        # an automatic choice the wgmma kernels refuse falls back: the persistent warp-specialized one to one block
+        # an item, that to the plain one, that to mma.sync, as if never chosen
+        tries = [choice] + ([dict(emit_fa3.WS_EXTRA)] if choice.get("persistent") else []) \
+            + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
         tries = [fit_rows(extra) for extra in tries]
         for extra in tries:
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **self.extra})

@@ -186,3 +186,39 @@ def test_a_table_tile_takes_the_specialized_kernel_at_d64(hopper) -> None:
         s = _spec(fl.compile(g), 64)
         assert (s.extra.get("schedule") == "wgmma-ws") == ws, (stem, s.extra)
         assert (s.block_q, s.block_k) == ((128, 128) if ws else (128, 64))
+
+
+def test_rule_persistent_where_the_sm_count_is_known() -> None:
+    """D = 128 without a block list or a table tile, on a GPU whose SM count the driver gave: the persistent
+    producer-warpgroup kernel, one block an SM, items from the counter; block lists, table tiles, D = 64 and no
+    SM count (the simulator) keep what they took."""
+    rule = emit_fa3.auto_extra
+    want = {"schedule": "wgmma-ws", "producer": "warpgroup", "item_order": "dynamic", "persistent": 132}
+    for mask in ("none", "static"):
+        assert rule("f16", 128, mask, (9, 0), {}, sm_count=132) == want
+        assert rule("bf16", 128, mask, (9, 0), {}, sm_count=114) == {**want, "persistent": 114}
+        assert rule("f16", 128, mask, (9, 0), {}, sm_count=None) == emit_fa3.WS_EXTRA
+        assert rule("f16", 128, mask, (9, 0), {}, table_tile=True, sm_count=132) == emit_fa3.WS_EXTRA
+    assert rule("f16", 128, "list", (9, 0), {}, sm_count=132) == emit_fa3.WS_EXTRA
+    assert rule("f16", 64, "static", (9, 0), {}, sm_count=132)["schedule"] == "wgmma"
+    assert rule("f16", 128, "none", (8, 0), {}, sm_count=132) is None
+    assert rule("f16", 128, "none", (9, 0), {"FALOWER_WGMMA": "ws"}, sm_count=132) == emit_fa3.WS_EXTRA
+
+
+def test_compile_takes_the_persistent_kernel_and_falls_back(hopper) -> None:
+    """falower.compile with an SM count from the driver: the persistent kernel at D = 128 (its spec valid), one
+    block an item where the caller's knobs make it invalid (early_loads splits the consumers' own loads), and
+    the caller's own schedule untouched."""
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    for causal in (False, True):
+        s = _spec(fl.compile(_graph(causal)), 128)
+        assert s.extra == {**emit_fa3.PERSIST_EXTRA, "persistent": 132}, s.extra
+        emit_fa3.validate_spec(s)
+        assert emit_fa3_ws.uses_work_counter(s) and emit_fa3_ws.grid(s, 2, 3, 4096, 4096) == (132, 1, 1)
+    s = _spec(fl.compile(_graph(True), extra={"early_loads": "10"}), 128)
+    assert s.extra == {**emit_fa3.WS_EXTRA, "early_loads": "10"}, s.extra
+    emit_fa3.validate_spec(s)
+    assert _spec(fl.compile(_graph(True)), 64).extra["schedule"] == "wgmma"
+    assert _spec(fl.compile(_graph(True), extra={"schedule": "wgmma-ws"}), 128).extra == {"schedule": "wgmma-ws"}

@@ -46,14 +46,15 @@ def _inputs(g, D: int, N: int, dtype: str):
 def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None:
     """falower.compile(graph) as a user calls it: the kernel the rule names, within the error rule."""
     _hopper()
-    from falower.backends.numba_cuda import emit_fa3
+    from falower.backends.numba_cuda import emit_fa3, runtime
     from falower.backends.numba_cuda.from_ir import reads_table_tile
 
     g, c = graph(stem, dtype)
     kern = c.specialize(dtype, D=D)
     mask = c.analysis.block_mask if c.analysis.conj else "none"
     tile = reads_table_tile(c.analysis)  # a bias[h, q, kv]: the ws kernel at D = 64 too
-    want = emit_fa3.auto_extra(dtype, D, mask, (9, 0), table_tile=tile)  # FALOWER_WGMMA=0/1 in the env applies
+    want = emit_fa3.auto_extra(dtype, D, mask, (9, 0), table_tile=tile,  # FALOWER_WGMMA=0/1 in the env applies
+                               sm_count=runtime.device_sm_count())
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(D, mask, tile and
@@ -72,7 +73,7 @@ def test_example_forced_wgmma_d128(stem: str, N: int) -> None:
     """The plain wgmma kernel (emit_fa3) where the rule takes the warp-specialized one at D = 128 (no mask,
     static masks, block lists): asked for, it runs them within the error rule too (it is the fallback)."""
     _hopper()
-    from falower.backends.numba_cuda import emit_fa3
+    from falower.backends.numba_cuda import emit_fa3, runtime
 
     g, auto = graph(stem, "f16")
     mask = auto.analysis.block_mask if auto.analysis.conj else "none"

@@ -193,6 +193,7 @@ def discard(key: str) -> None:
 # The driver: libcuda through ctypes
 # --------------------------------------------------------------------------------------------------
 _CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{MAJOR,MINOR}
+_SM_COUNT = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
@@ -208,6 +209,7 @@ class Driver:
         self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
         self._ctx: dict[int, int] = {}
         self._cc: dict[int, tuple[int, int]] = {}
+        self._sms: dict[int, int] = {}
         self._ok: Optional[bool] = None
 
     def _call(self, what: str, *args) -> None:
@@ -249,6 +251,15 @@ class Driver:
             self._call("cuDeviceGetAttribute", ctypes.byref(minor), ctypes.c_int(_CC_MINOR), dev)
             cc = self._cc[ordinal] = (major.value, minor.value)
         return cc
+
+    def sm_count(self, ordinal: int) -> int:
+        """The device's streaming multiprocessors (the blocks of a persistent launch)."""
+        n = self._sms.get(ordinal)
+        if n is None:
+            value = ctypes.c_int()
+            self._call("cuDeviceGetAttribute", ctypes.byref(value), ctypes.c_int(_SM_COUNT), self._device(ordinal))
+            n = self._sms[ordinal] = value.value
+        return n
 
     def _primary_context(self, ordinal: int) -> int:
         ctx = self._ctx.get(ordinal)

@@ -248,6 +248,18 @@ def device_cc() -> Optional[tuple[int, int]]:
         return None
 
 
+def device_sm_count() -> Optional[int]:
+    """The current device's multiprocessor count, asked of the driver like `device_cc`; None in the simulator or
+    where there is no GPU. The automatic choice sizes its persistent launch by it (emit_fa3.auto_extra)."""
+    if not _has_gpu():
+        return None
+    drv = cubin_cache.driver()
+    try:
+        return drv.sm_count(drv.current_device())
+    except cubin_cache.DriverError:
+        return None
+
+
 def _direct_enabled() -> bool:
     return os.environ.get("FALOWER_DIRECT_LAUNCH", "1") != "0" and _has_gpu()
 
