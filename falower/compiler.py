@@ -112,7 +112,7 @@ class CompiledAttention:
         machinery cannot build falls back to mma.sync, never to an error. With the default pipeline the wgmma
         kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
         graph is lowered again with them, so the IR says the tiles the kernel runs."""
-        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
         from .backends.numba_cuda.runtime import device_cc, device_sm_count
 
@@ -159,6 +159,8 @@ class CompiledAttention:
             try:
                 emit_fa3.validate_spec(spec)
             except ValueError:
+                continue
+            if not emit_fa3_ws.persistent_pays(spec):  # measured slower there: one block an item
                 continue
             return spec, built
         return mma_sync()

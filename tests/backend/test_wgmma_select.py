@@ -222,3 +222,19 @@ def test_compile_takes_the_persistent_kernel_and_falls_back(hopper) -> None:
     emit_fa3.validate_spec(s)
     assert _spec(fl.compile(_graph(True)), 64).extra["schedule"] == "wgmma"
     assert _spec(fl.compile(_graph(True), extra={"schedule": "wgmma-ws"}), 128).extra == {"schedule": "wgmma-ws"}
+
+
+def test_compile_keeps_one_block_an_item_for_a_relative_bias(hopper) -> None:
+    """A relative bias (a row pair's table entries read ahead of the waits) stays on one block an item: its
+    persistent form spilled and ran slower (emit_fa3_ws.persistent_pays); ALiBi, whose slope is a row's, does not."""
+    import runpy
+    from pathlib import Path
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    ex = Path(__file__).resolve().parents[2] / "examples"
+    rel = fl.compile(runpy.run_path(str(ex / "relative_bias.py"))["graph"]).specialize("f16", D=128).spec
+    assert rel.extra == emit_fa3.WS_EXTRA and emit_fa3_ws.gather_early(rel)
+    alibi = fl.compile(runpy.run_path(str(ex / "alibi.py"))["graph"]).specialize("f16", D=128).spec
+    assert alibi.extra.get("persistent") == 132 and emit_fa3_ws.persistent_pays(alibi)
