@@ -19,7 +19,8 @@ helpers apply to one m16 fragment per warp unchanged). What is new is the schedu
 * online softmax in the exp2 domain, one division at the end, LSE in natural log (as emit_fa2).
 
 Built when `spec.extra["schedule"] == "wgmma"` (emit_fa2's entry points dispatch here). `falower.compile` sets it
-by itself on compute capability 9.x where `auto_extra` says so (D = 64; D = 128 but for block lists), with the
+by itself on compute capability 9.x where `auto_extra` says so (D = 64 and D = 128 under a block table; elsewhere
+at D = 128 the warp-specialized kernel of emit_fa3_ws, persistent where the SM count is known), with the
 tiles of `tiles` (the graph lowered again with tile{bq=128,bk=128} at D = 128), or when asked:
 `falower.compile(graph, extra={"schedule": "wgmma"})`; `FALOWER_WGMMA=0` / `extra={"schedule": "mma"}` keep
 mma.sync. Only for compute capability 9.0 (sm_90a) and f16/bf16, D = 64 or 128; every block mask kind (static

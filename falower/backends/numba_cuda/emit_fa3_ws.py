@@ -57,8 +57,10 @@ Persistent (`extra["persistent"]` = blocks): with producer "none" the consumers 
 tiles in front of their epilogue; with a producer warpgroup the producer runs the ring across items and refills Q
 once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
 its own where it fits. Items in a static serpentine order (`item_order` "grid" or "cost"), or, with the producer
-warpgroup, from a global counter ("dynamic"). Timed on the H100 (benchmarks/NOTES.md, twenty-first session): not a
-default; its masked tiles run slower than one block an item's.
+warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
+default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
+its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
+"The producer's copies").
 
 Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
 intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
