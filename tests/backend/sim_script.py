@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import time
 from typing import Callable, Iterable
 
 import numpy as np
@@ -17,12 +18,14 @@ def run_main(ids: Iterable[str], run: Callable[[str], dict]) -> None:
     """Run `run(case_id)` for each id and print its JSON line; the simulator must be on."""
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
     for cid in ids:
+        t0 = time.monotonic()
         try:
             r = run(cid)
         except Exception:
             import traceback
 
             r = {"id": cid, "error": traceback.format_exc()[-3000:]}
+        r.setdefault("seconds", round(time.monotonic() - t0, 1))  # what each case costs CI (the suite's budget)
         print(json.dumps(r), flush=True)
 
 
