@@ -291,7 +291,7 @@ class FakeLibcuda:
             elif name == "cuDeviceGet":
                 out.value = args[1].value
             elif name == "cuDeviceGetAttribute":
-                out.value = {75: 9, 76: 0}[args[1].value]
+                out.value = {75: 9, 76: 0, 16: 132}[args[1].value]  # cc 9.0, 132 SMs
             elif name == "cuDevicePrimaryCtxRetain":
                 out.value = 0xC0
             elif name == "cuCtxPushCurrent_v2":
@@ -322,6 +322,15 @@ def test_the_driver_loads_in_the_primary_context_and_raises_the_smem_limit():
     drv.load_function(0, b"\x7fELF...", "_Z6kernel", 16 * 1024)
     assert "cuFuncSetAttribute" not in lib.calls[-3:]  # the default 48 KiB suffices
     assert lib.calls.count("cuDevicePrimaryCtxRetain") == 1
+
+
+def test_the_driver_gives_the_sm_count_once():
+    lib = FakeLibcuda()
+    drv = cubin_cache.Driver(lib)
+    assert drv.sm_count(0) == 132 and drv.sm_count(0) == 132
+    assert lib.calls.count("cuDeviceGetAttribute") == 1  # cached per device
+    with pytest.raises(cubin_cache.DriverError, match="cuDeviceGetAttribute"):
+        cubin_cache.Driver(FakeLibcuda(fail="cuDeviceGetAttribute")).sm_count(0)
 
 
 def test_a_driver_error_names_the_call_and_pops_the_context():

@@ -235,29 +235,28 @@ def _has_gpu() -> bool:
     return _GPU
 
 
-def device_cc() -> Optional[tuple[int, int]]:
-    """Compute capability of the current device (the driver's current context, else device 0), asked of the
-    driver through ctypes (no Numba import); None in the simulator or where there is no GPU. The automatic
-    choice of the wgmma kernel reads it (compiler.py, emit_fa3.auto_extra)."""
+def _ask_device(attribute: str) -> Any:
+    """`Driver.<attribute>(device)` of the current device (the driver's current context, else device 0), through
+    ctypes (no Numba import); None in the simulator, where there is no GPU, or where the driver refuses."""
     if not _has_gpu():
         return None
     drv = cubin_cache.driver()
     try:
-        return drv.compute_capability(drv.current_device())
+        return getattr(drv, attribute)(drv.current_device())
     except cubin_cache.DriverError:
         return None
+
+
+def device_cc() -> Optional[tuple[int, int]]:
+    """Compute capability of the current device, or None (`_ask_device`). The automatic choice of the wgmma kernel
+    reads it (compiler.py, emit_fa3.auto_extra)."""
+    return _ask_device("compute_capability")
 
 
 def device_sm_count() -> Optional[int]:
-    """The current device's multiprocessor count, asked of the driver like `device_cc`; None in the simulator or
-    where there is no GPU. The automatic choice sizes its persistent launch by it (emit_fa3.auto_extra)."""
-    if not _has_gpu():
-        return None
-    drv = cubin_cache.driver()
-    try:
-        return drv.sm_count(drv.current_device())
-    except cubin_cache.DriverError:
-        return None
+    """The current device's multiprocessor count, or None (`_ask_device`). The automatic choice sizes its persistent
+    launch by it (emit_fa3.auto_extra)."""
+    return _ask_device("sm_count")
 
 
 def _direct_enabled() -> bool:
