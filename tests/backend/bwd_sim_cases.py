@@ -8,14 +8,13 @@ the program the IR says, tile classes, bounds and captured tables' gradients inc
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.setswitchinterval(5e-4)
 
 import numpy as np  # noqa: E402
-from sim_script import example_graph  # noqa: E402
+from sim_script import example_graph, run_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{{bq={t},bk={tk},dq={dq}}},canonicalize"
@@ -152,26 +151,7 @@ def case_id(case: tuple) -> str:
 
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:]
-    for case in CASES:
-        cid = case_id(case)
-        if wanted and cid not in wanted:
-            continue
-        try:
-            print(json.dumps(run_case(*case)), flush=True)
-        except Exception as e:  # report, the test fails on it
-            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
-    for stem, path in STRIDED_CASES:
-        if wanted and f"strided-{stem}-{path}" not in wanted:
-            continue
-        try:
-            print(json.dumps(run_strided_case(stem, path)), flush=True)
-        except Exception as e:
-            print(json.dumps({"id": f"strided-{stem}-{path}", "error": f"{type(e).__name__}: {e}"}), flush=True)
-    for dq in F64_CASES:
-        if wanted and f"f64-{dq}" not in wanted:
-            continue
-        try:
-            print(json.dumps(run_f64_case(dq)), flush=True)
-        except Exception as e:
-            print(json.dumps({"id": f"f64-{dq}", "error": f"{type(e).__name__}: {e}"}), flush=True)
+    jobs = {case_id(case): (run_case, case) for case in CASES}
+    jobs.update({f"strided-{stem}-{path}": (run_strided_case, (stem, path)) for stem, path in STRIDED_CASES})
+    jobs.update({f"f64-{dq}": (run_f64_case, (dq,)) for dq in F64_CASES})
+    run_main([c for c in jobs if not sys.argv[1:] or c in sys.argv[1:]], lambda cid: jobs[cid][0](*jobs[cid][1]))

@@ -3,14 +3,13 @@ NUMBA_ENABLE_CUDASIM=1 by test_compile_simulator.py). Prints one JSON line per c
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.setswitchinterval(5e-4)
 
 import numpy as np  # noqa: E402
-from sim_script import example_graph  # noqa: E402
+from sim_script import example_graph, run_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
@@ -151,16 +150,9 @@ PAIR_CASES = ["aligned", "odd", "short"]
 TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "unsorted"), ("dense", "sorted")]
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:]
     count_ld_pair()
-    jobs = [(f"{stem}-{path}", run_case, (stem, path)) for stem, path in CASES]
-    jobs += [(f"idiom-{which}", run_idiom_case, (which,)) for which in IDIOM_CASES]
-    jobs += [(f"pairs-{which}", run_pair_case, (which,)) for which in PAIR_CASES]
-    jobs += [(f"table-{mask}-{kind}", run_table_case, (mask, kind)) for mask, kind in TABLE_CASES]
-    for cid, run, args in jobs:
-        if wanted and cid not in wanted:
-            continue
-        try:
-            print(json.dumps(run(*args)), flush=True)
-        except Exception as e:  # report, the test fails on it
-            print(json.dumps({"id": cid, "error": f"{type(e).__name__}: {e}"}), flush=True)
+    jobs = {f"{stem}-{path}": (run_case, (stem, path)) for stem, path in CASES}
+    jobs.update({f"idiom-{which}": (run_idiom_case, (which,)) for which in IDIOM_CASES})
+    jobs.update({f"pairs-{which}": (run_pair_case, (which,)) for which in PAIR_CASES})
+    jobs.update({f"table-{mask}-{kind}": (run_table_case, (mask, kind)) for mask, kind in TABLE_CASES})
+    run_main([c for c in jobs if not sys.argv[1:] or c in sys.argv[1:]], lambda cid: jobs[cid][0](*jobs[cid][1]))
