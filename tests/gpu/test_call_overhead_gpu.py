@@ -135,3 +135,40 @@ def test_cuda_graph_capture_and_replay_equal_eager(causal):
     eo, else_ = causal(*static)
     torch.cuda.synchronize()
     assert torch.equal(go, eo) and torch.equal(glse, else_)
+
+
+def test_two_graphs_of_the_counter_kernel_replay_at_once(causal):
+    """At D = 128 on Hopper the forward draws its items from a counter (the persistent kernel). Two graphs captured
+    on torch's one capture stream, replayed at once on two streams, each equal to eager: each captured launch has a
+    counter of its own (FA2ForwardKernel.work_counter); sharing one, the graphs' blocks would take each other's
+    tickets and leave rows unwritten."""
+    from falower.backends.numba_cuda.emit_fa2 import uses_work_counter
+
+    def qkv(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return [torch.randn(4, 8, 1024, 128, device="cuda", dtype=torch.float16, generator=g) for _ in range(3)]
+
+    ins = [qkv(1), qkv(2)]
+    if not uses_work_counter(causal.kernel(*ins[0]).spec):
+        pytest.skip("this GPU's automatic choice does not take the counter kernel (not Hopper)")
+    for x in ins:  # warm: compiled, planned
+        causal(*x)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for x in ins:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(causal(*x))
+        graphs.append(g)
+    want = [causal(*x) for x in ins]
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for _ in range(5):
+        for g, s in zip(graphs, streams):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                g.replay()
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for (go, glse), (eo, else_) in zip(outs, want):
+            assert torch.equal(go, eo) and torch.equal(glse, else_)

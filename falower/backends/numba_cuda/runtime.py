@@ -681,9 +681,11 @@ class _ForwardPlan:
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
         stream = self.stream(self.dev_index)
-        if self.work_slot is not None and self.work_stream != stream:  # the counter of this stream
-            vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
-            self.work_stream = stream
+        if self.work_slot is not None:  # the counter of this stream (a captured launch: its own, work_counter)
+            capturing = torch.cuda.is_current_stream_capturing()
+            if capturing or self.work_stream != stream:
+                vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
+                self.work_stream = None if capturing else stream
         if self.table_n:
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8,
                                                                             device=self.device))
@@ -860,6 +862,7 @@ class FA2ForwardKernel:
         self._direct: dict[str, DirectKernel] = {}
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
+        self._captured: list[Any] = []  # the counters of launches captured into CUDA graphs, kept alive with them
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
             self.source = emit_cached(emit_fa2_forward, spec, "forward")
@@ -925,13 +928,20 @@ class FA2ForwardKernel:
     def work_counter(self, kind: str, device: Any = None, stream: int = 0) -> Any:
         """The `work` array of a kernel that takes its items from a counter (emit_fa2.uses_work_counter): int32
         [2], zeroed once when made; each launch leaves it zeroed (its last block resets it). One per (device,
-        stream), so launches on two streams at once do not share tickets; launches on one stream run in order."""
+        stream), so launches on two streams at once do not share tickets; launches on one stream run in order. A
+        launch captured into a CUDA graph gets a counter of its own, zeroed in the graph before it: two graphs captured
+        on one stream (torch's capture stream is one for the process) may be replayed at once on two."""
+        if kind == "torch":
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                buf = torch.zeros(2, dtype=torch.int32, device=device)
+                self._captured.append(buf)
+                return buf
         key = (kind, str(device), stream)
         buf = self._work.get(key)
         if buf is None:
             if kind == "torch":
-                import torch
-
                 buf = torch.zeros(2, dtype=torch.int32, device=device)
             else:
                 from numba import cuda
