@@ -160,8 +160,8 @@ class CompiledAttention:
                 emit_fa3.validate_spec(spec)
             except ValueError:
                 continue
-            if not emit_fa3_ws.persistent_pays(spec):  # measured slower there: one block an item
-                continue
+            if "persistent" not in self.extra and not emit_fa3_ws.persistent_pays(spec):
+                continue  # the automatic choice's persistence, measured slower there: one block an item
             return spec, built
         return mma_sync()
 

@@ -238,3 +238,7 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias(hopper) -> None:
     assert rel.extra == emit_fa3.WS_EXTRA and emit_fa3_ws.gather_early(rel)
     alibi = fl.compile(runpy.run_path(str(ex / "alibi.py"))["graph"]).specialize("f16", D=128).spec
     assert alibi.extra.get("persistent") == 132 and emit_fa3_ws.persistent_pays(alibi)
+    # the caller's own persistence is the caller's: kept (the knobs win), not a silent fall back to mma.sync
+    mine = {"producer": "warpgroup", "persistent": 66, "item_order": "dynamic"}
+    own = fl.compile(runpy.run_path(str(ex / "relative_bias.py"))["graph"], extra=mine).specialize("f16", D=128).spec
+    assert own.extra == {"schedule": "wgmma-ws", **mine}, own.extra
