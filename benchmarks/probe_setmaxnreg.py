@@ -21,6 +21,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,9 +55,10 @@ def linked(ptx: str) -> dict:
             "warnings": sorted(set(re.findall(r"C75\d\d", u["log"])))}
 
 
-def ptxas_whole(ptx: str) -> dict:
+def ptxas_whole(ptx: str, cubin: Optional[Path] = None) -> dict:
     """A CUDA toolkit's ptxas on the PTX as a whole program (not relocatable: setmaxnreg holds, as under the
-    driver's JIT), where one is on PATH: the same spill count without a GPU."""
+    driver's JIT), where one is on PATH: the same spill count without a GPU. `cubin`: where to keep the output
+    (sass_local.py disassembles it)."""
     import shutil
     import subprocess
     import tempfile
@@ -75,6 +77,8 @@ def ptxas_whole(ptx: str) -> dict:
             if run.returncode == 0 or not older:
                 break
             ptx = re.sub(r"^\.version [\d.]+", f".version {older.group(1)}", ptx, count=1, flags=re.M)
+        if run.returncode == 0 and cubin is not None:
+            Path(cubin).write_bytes((Path(tmp) / "k.cubin").read_bytes())
     if run.returncode != 0:
         return {"error": f"ptxas rc {run.returncode}", "log": log[-2000:]}
     regs, spills = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
