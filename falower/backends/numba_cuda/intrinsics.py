@@ -171,6 +171,42 @@ def _bf16_bits_to_float(bits: int) -> float:
     return float(np.array([(int(bits) & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0])
 
 
+def frag_halves(frags, kind: str) -> np.ndarray:
+    """The 16-bit halves of a warp's 32-bit fragment words as float64: frags[lane] is a lane's words (any ints),
+    the result [32, 2 * words] holds each word's low half then its high half."""
+    words = (np.array(frags, dtype=np.int64) & 0xFFFFFFFF).astype(np.uint32)
+    halves = words.view(np.uint16)  # little-endian: the low half first
+    if kind == "f16":
+        return halves.view(np.float16).astype(np.float64)
+    return (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+_LANE_G = np.arange(32) >> 2  # a lane's group (row within 8) and thread-in-group (column pair within 8)
+_LANE_T = np.arange(32) & 3
+
+
+def frag_a_tile(h: np.ndarray) -> np.ndarray:
+    """The 16 x 16 A operand of m16n8k16 (and of wgmma's register A, a warp's 16 rows) from frag_halves of the
+    lanes' a0..a3: word w holds rows g + 8 (w & 1), columns 2 t + 8 (w >> 1) and the next."""
+    A = np.zeros((16, 16), dtype=np.float64)
+    for w in range(4):
+        r, c = _LANE_G + 8 * (w & 1), 2 * _LANE_T + 8 * (w >> 1)
+        A[r, c] = h[:, 2 * w]
+        A[r, c + 1] = h[:, 2 * w + 1]
+    return A
+
+
+def frag_b_tile(h: np.ndarray, first: int) -> np.ndarray:
+    """The 16 x 8 B operand of m16n8k16 from frag_halves, the lanes' b0 and b1 at words first and first + 1:
+    word j holds rows 2 t + 8 j and the next, column g."""
+    B = np.zeros((16, 8), dtype=np.float64)
+    for j in range(2):
+        r = 2 * _LANE_T + 8 * j
+        B[r, _LANE_G] = h[:, 2 * (first + j)]
+        B[r + 1, _LANE_G] = h[:, 2 * (first + j) + 1]
+    return B
+
+
 def launch_bounds(max_threads: int, min_blocks: int):
     """Mark a generated kernel with CUDA launch bounds; `kernel_jit` (below it in the source, so applied after)
     passes them to Numba. min_blocks = 2 caps registers at 65536 / (2 * max_threads): the wgmma forward at
@@ -354,6 +390,7 @@ if SIMULATOR:
         def __init__(self) -> None:
             self.barrier = HandOverBarrier(32)
             self.slots = [[None] * 32, [None] * 32]
+            self.memo = None  # (exchange number, the warp's shared result): _exchange_once
 
     def _lane_and_warp():
         th = threading.current_thread()
@@ -385,6 +422,20 @@ if SIMULATOR:
         warp.barrier.wait()
         return lane, warp.slots[slot]
 
+    def _exchange_once(value, compute):
+        """Publish this lane's value; return (lane, compute(all 32 lanes' values)), computed by the first lane past
+        the barrier and shared with the warp's other lanes (a warp's product, not 32 of them). Keyed by the
+        exchange's number: a lane of the next exchange cannot pass its barrier before every lane read this one."""
+        lane, warp, slot = _lane_and_warp()
+        number = threading.current_thread()._falower_exchanges
+        warp.slots[slot][lane] = value
+        warp.barrier.wait()
+        memo = warp.memo
+        if memo is None or memo[0] != number:
+            memo = (number, compute(warp.slots[slot]))
+            warp.memo = memo
+        return lane, memo[1]
+
     def device_function(fn):
         return cuda.jit(device=True)(fn)
 
@@ -394,53 +445,39 @@ if SIMULATOR:
         """No Numba pipeline to swap under the simulator."""
         return contextlib.nullcontext()
 
-    def _unpack(word: int, to_float) -> tuple[float, float]:
-        word = int(word) & 0xFFFFFFFF
-        return to_float(word & 0xFFFF), to_float(word >> 16)
+    def _mma(kind, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        def product(frags):
+            h = frag_halves(frags, kind)
+            return (frag_a_tile(h) @ frag_b_tile(h, 4)).astype(np.float32)  # each entry one f64 sum, rounded
 
-    def _mma(to_float, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        lane, frags = _exchange((a0, a1, a2, a3, b0, b1))
-        A = np.zeros((16, 16), dtype=np.float64)
-        B = np.zeros((16, 8), dtype=np.float64)
-        for ln in range(32):
-            g, t = ln >> 2, ln & 3
-            fa0, fa1, fa2, fa3, fb0, fb1 = frags[ln]
-            A[g, 2 * t : 2 * t + 2] = _unpack(fa0, to_float)
-            A[g + 8, 2 * t : 2 * t + 2] = _unpack(fa1, to_float)
-            A[g, 2 * t + 8 : 2 * t + 10] = _unpack(fa2, to_float)
-            A[g + 8, 2 * t + 8 : 2 * t + 10] = _unpack(fa3, to_float)
-            B[2 * t : 2 * t + 2, g] = _unpack(fb0, to_float)
-            B[2 * t + 8 : 2 * t + 10, g] = _unpack(fb1, to_float)
+        lane, P = _exchange_once((a0, a1, a2, a3, b0, b1), product)
         g, t = lane >> 2, lane & 3
-        r0 = A[g] @ B[:, 2 * t]
-        r1 = A[g] @ B[:, 2 * t + 1]
-        r2 = A[g + 8] @ B[:, 2 * t]
-        r3 = A[g + 8] @ B[:, 2 * t + 1]
         f = np.float32
-        return (f(f(r0) + f(c0)), f(f(r1) + f(c1)), f(f(r2) + f(c2)), f(f(r3) + f(c3)))
+        return (f(P[g, 2 * t] + f(c0)), f(P[g, 2 * t + 1] + f(c1)), f(P[g + 8, 2 * t] + f(c2)),
+                f(P[g + 8, 2 * t + 1] + f(c3)))
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        return _mma(_f16_bits_to_float, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return _mma("f16", a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        return _mma(_bf16_bits_to_float, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        return _mma("bf16", a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
-    def _mma_into(to_float, init, x, i, a0, a1, a2, a3, b0, b1):
+    def _mma_into(kind, init, x, i, a0, a1, a2, a3, b0, b1):
         i = int(i)
         c = (np.float32(0),) * 4 if init else (x[i], x[i + 1], x[i + 2], x[i + 3])
-        x[i], x[i + 1], x[i + 2], x[i + 3] = _mma(to_float, a0, a1, a2, a3, b0, b1, *c)
+        x[i], x[i + 1], x[i + 2], x[i + 3] = _mma(kind, a0, a1, a2, a3, b0, b1, *c)
 
     def mma_acc_f16(x, i, a0, a1, a2, a3, b0, b1):
-        _mma_into(_f16_bits_to_float, False, x, i, a0, a1, a2, a3, b0, b1)
+        _mma_into("f16", False, x, i, a0, a1, a2, a3, b0, b1)
 
     def mma_set_f16(x, i, a0, a1, a2, a3, b0, b1):
-        _mma_into(_f16_bits_to_float, True, x, i, a0, a1, a2, a3, b0, b1)
+        _mma_into("f16", True, x, i, a0, a1, a2, a3, b0, b1)
 
     def mma_acc_bf16(x, i, a0, a1, a2, a3, b0, b1):
-        _mma_into(_bf16_bits_to_float, False, x, i, a0, a1, a2, a3, b0, b1)
+        _mma_into("bf16", False, x, i, a0, a1, a2, a3, b0, b1)
 
     def mma_set_bf16(x, i, a0, a1, a2, a3, b0, b1):
-        _mma_into(_bf16_bits_to_float, True, x, i, a0, a1, a2, a3, b0, b1)
+        _mma_into("bf16", True, x, i, a0, a1, a2, a3, b0, b1)
 
     def lget(x, i):
         return x[int(i)]

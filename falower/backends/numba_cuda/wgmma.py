@@ -230,14 +230,7 @@ if SIMULATOR:
 
         def wgmma_rs_emul(acc, off, a0, a1, a2, a3, desc_b, scale_d):
             lane, frags = _intr._exchange((a0, a1, a2, a3))  # the warp's 16 rows of A
-            A = np.zeros((16, 16), dtype=np.float64)
-            for ln in range(32):
-                g, t = ln >> 2, ln & 3
-                words = np.array([int(x) & 0xFFFFFFFF for x in frags[ln]], dtype=np.uint32)
-                lo = _to_float(words & 0xFFFF, kind)
-                hi = _to_float(words >> 16, kind)
-                for i, (r, c) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                    A[r, c], A[r, c + 1] = lo[i], hi[i]
+            A = _intr.frag_a_tile(_intr.frag_halves(frags, kind))
             B = _read_operand(desc_b, n, "mn" if trans_b else "k", kind)
             g, t = lane >> 2, lane & 3
             _accumulate(acc, off, A[[g, g + 8]], B, n, scale_d, t)
