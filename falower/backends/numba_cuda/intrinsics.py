@@ -510,6 +510,8 @@ if SIMULATOR:
         th = threading.current_thread()
         mgr = th._manager
         key = ("smem", tuple(th.blockIdx))
+        if array is None:  # a read of what the block registered: no lock (a block's threads all read it)
+            return mgr._falower_smem[key]
         with _warp_lock:
             store = getattr(mgr, "_falower_smem", None)
             if store is None:

@@ -156,4 +156,42 @@ def install_block_manager() -> bool:
     simk.BlockManager.run = _run_block
     simk.BlockThread.syncthreads = _syncthreads
     simk.BlockThread.run = _thread_run
+    if not getattr(simk.FakeCUDAKernel.__call__, "_falower", False):
+        simk.FakeCUDAKernel.__call__ = _kernel_call(simk.FakeCUDAKernel.__call__)
     return True
+
+
+_LAUNCHED: dict[int, int] = {}  # id(module globals) of the kernels being launched -> launches under way
+
+
+def _kernel_call(original):
+    """FakeCUDAKernel.__call__ that calls a device function of the launched kernel's own module directly. The
+    simulator enters `swapped_cuda_module` on every device call, which takes two locks twice (a global one and
+    the module's): with a block's 128-384 threads calling device functions, the threads queued on those locks
+    and the kernel's system time exceeded its user time (a wgmma backward case: 25 s against 18). The launch
+    holds the swap of its kernel's module for its whole run, so a device function whose globals are that
+    module's needs none of its own, nor does one whose module holds no numba.cuda to swap (falower's wgmma
+    helpers); others take the simulator's path."""
+    from numba import cuda
+    from numba.cuda.simulator import kernel as simk
+
+    def call(self, *args):
+        if self._device or simk._kernel_context:
+            globs = self.fn.__globals__
+            bare = self.__dict__.get("_falower_bare")
+            if bare is None:  # whether its module holds no numba.cuda (asked once a device function)
+                bare = self._falower_bare = not any(v is cuda for v in list(globs.values()))
+            if bare or _LAUNCHED.get(id(globs)):
+                return self.fn(*args)
+            return original(self, *args)
+        key = id(self.fn.__globals__)
+        _LAUNCHED[key] = _LAUNCHED.get(key, 0) + 1  # launches are made from one host thread
+        try:
+            return original(self, *args)
+        finally:
+            _LAUNCHED[key] -= 1
+            if not _LAUNCHED[key]:
+                del _LAUNCHED[key]
+
+    call._falower = True
+    return call

@@ -194,12 +194,21 @@ if SIMULATOR:
         # own part of the warpgroup's product is done: FALOWER_SIM_SLOW_WARP lets the other warps run ahead
         _intr.slow_warp()
         smem = _intr._block_smem()
-        addr = operand_addresses(desc, rows, major)
-        if addr.min() < 0 or addr.max() >= smem.size * smem.itemsize:
-            raise IndexError(f"wgmma operand outside shared memory: bytes {addr.min()}..{addr.max()}")
+        index, lo, hi = _operand_index(int(desc), rows, major)
+        if lo < 0 or hi >= smem.size * smem.itemsize:
+            raise IndexError(f"wgmma operand outside shared memory: bytes {lo}..{hi}")
         if smem.itemsize != 2:
             raise TypeError("the emulation reads a 16-bit dynamic shared array (registered by smem_base)")
-        return _to_float(smem[addr // 2], kind)
+        return _to_float(smem[index], kind)
+
+    @functools.lru_cache(maxsize=4096)
+    def _operand_index(desc, rows, major):
+        """operand_addresses as 16-bit element indices, with its lowest and highest byte: a block's threads and
+        tiles reuse a few descriptors, which each thread decoded on every wgmma (a third of a case's time)."""
+        addr = operand_addresses(desc, rows, major)
+        index = addr // 2
+        index.flags.writeable = False
+        return index, int(addr.min()), int(addr.max())
 
     def _accumulate(acc, off, rows2x16, b_nx16, n, scale_d, t):
         vals = rows2x16 @ b_nx16.T  # [2, n] in float64
@@ -229,8 +238,9 @@ if SIMULATOR:
         _check(kind, n)
 
         def wgmma_rs_emul(acc, off, a0, a1, a2, a3, desc_b, scale_d):
-            lane, frags = _intr._exchange((a0, a1, a2, a3))  # the warp's 16 rows of A
-            A = _intr.frag_a_tile(_intr.frag_halves(frags, kind))
+            # the warp's 16 rows of A, built once for its 32 lanes
+            lane, A = _intr._exchange_once((a0, a1, a2, a3),
+                                           lambda frags: _intr.frag_a_tile(_intr.frag_halves(frags, kind)))
             B = _read_operand(desc_b, n, "mn" if trans_b else "k", kind)
             g, t = lane >> 2, lane & 3
             _accumulate(acc, off, A[[g, g + 8]], B, n, scale_d, t)
