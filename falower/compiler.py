@@ -160,14 +160,8 @@ class CompiledAttention:
                 emit_fa3.validate_spec(spec)
             except ValueError:
                 continue
-            knobs = {} if "persistent" in self.extra else {  # the caller's own persistence is the caller's
-                k: v for k, v in emit_fa3_ws.persistent_knobs(spec).items() if k not in self.extra}
-            if knobs:  # what the automatic persistent form needs for this score, below the caller's knobs
-                spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **knobs, **self.extra})
-                try:
-                    emit_fa3.validate_spec(spec)
-                except ValueError:
-                    continue
+            if "persistent" not in self.extra and not emit_fa3_ws.persistent_pays(spec):
+                continue  # the automatic choice's persistence, measured slower there: one block an item
             return spec, built
         return mma_sync()
 

@@ -59,25 +59,3 @@ def test_each_captured_launch_gets_its_own_counter_kept_alive(fake_torch):
     assert k._captured == [g1, g2] and eager not in k._captured
     fake_torch.capturing = False
     assert FA2ForwardKernel.work_counter(k, "torch", "cuda:0", 7) is eager  # eager launches: the stream's again
-
-
-def test_the_plans_capture_check_reads_the_drivers_status(fake_torch):
-    """The per-call check of the counter kernel's plan (runtime.capture_check_of, libcuda's cuStreamIsCapturing
-    faked): status NONE is eager, ACTIVE and INVALIDATED are a capture, and a refusal by the driver asks torch."""
-    import ctypes
-
-    from falower.backends.numba_cuda.runtime import capture_check_of
-
-    answers = {}
-
-    def driver(stream, where):
-        rc, status = answers[stream]
-        ctypes.c_int.from_address(where).value = status
-        return rc
-
-    check = capture_check_of(driver)
-    answers.update({1: (0, 0), 2: (0, 1), 3: (0, 2), 4: (906, 0)})
-    assert [check(s) for s in (1, 2, 3)] == [False, True, True]
-    assert check(4) is False
-    fake_torch.capturing = True
-    assert check(4) is True and check(1) is False  # the driver's answer where it gives one

@@ -55,12 +55,13 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
     tile = reads_table_tile(c.analysis)  # a bias[h, q, kv]: the ws kernel at D = 64 too
     want = emit_fa3.auto_extra(dtype, D, mask, (9, 0), table_tile=tile,  # FALOWER_WGMMA=0/1 in the env applies
                                sm_count=runtime.device_sm_count())
-    if want and want.get("persistent"):  # what the persistent form adds for this score (a relative bias's reads)
+    if want and want.get("persistent") and kern.spec.extra == emit_fa3.WS_EXTRA:  # the persistent form refused
         import dataclasses
 
         from falower.backends.numba_cuda import emit_fa3_ws
 
-        want = {**want, **emit_fa3_ws.persistent_knobs(dataclasses.replace(kern.spec, extra=want))}
+        assert not emit_fa3_ws.persistent_pays(dataclasses.replace(kern.spec, extra=want)), stem
+        want = dict(emit_fa3.WS_EXTRA)
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(D, mask, tile and

@@ -58,7 +58,7 @@ tiles in front of their epilogue; with a producer warpgroup the producer runs th
 once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
 its own where it fits. Items in a static serpentine order (`item_order` "grid" or "cost"), or, with the producer
 warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
-default on Hopper (emit_fa3.auto_extra, `persistent_knobs`): once its producer copied K / V from kept row addresses,
+default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
 its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
 "The producer's copies").
 
@@ -229,17 +229,12 @@ def gather_early(spec: FA2ForwardSpec) -> bool:
         and not table_tiles(spec)
 
 
-def persistent_knobs(spec: FA2ForwardSpec) -> dict:
-    """What the automatic choice's persistent producer-warpgroup form (emit_fa3.auto_extra chose it by mask and D
-    alone) adds for this spec, in falower.compile, below the caller's own knobs. Where the score reads a row
-    pair's table entries ahead of the waits (`gather_early`, a relative bias), those registers held across the
-    waits do not fit the consumers' 192 (220 bytes spilled; 301 against 453 TFLOP/s one block an item): read them
-    after the waits and give the producer 88 registers, the consumers 208 (24 bytes spilled by ptxas 13.0; H100
-    2026-11-27, whole call at N = 4k, medians of 7 rounds: 462 against one block an item's 439; reading after the
-    waits at 120 / 192 alone 408, 88 / 208 alone 444; benchmarks/NOTES.md "The relative bias persistent")."""
-    if persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec):
-        return {"gather_early": False, "producer_regs": 88}
-    return {}
+def persistent_pays(spec: FA2ForwardSpec) -> bool:
+    """Whether the automatic choice keeps its persistent producer-warpgroup form for this spec (falower.compile;
+    emit_fa3.auto_extra chose it by mask and D alone): not where the score reads a row pair's table entries ahead
+    of the waits (`gather_early`, a relative bias), since those registers held across the waits do not fit the
+    consumers' 192 (220 bytes spilled; 301 against 453 TFLOP/s one block an item, H100 2026-11-27)."""
+    return not (persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec))
 
 
 def uses_ws(spec: FA2ForwardSpec) -> bool:

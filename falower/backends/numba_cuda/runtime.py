@@ -521,45 +521,6 @@ def _ctypes_launch() -> Any:
     return _LIBCUDA_LAUNCH[0]
 
 
-_LIBCUDA_CAPTURING: list = []  # [a function of the raw stream], looked up once
-
-
-def _torch_capturing(stream: int) -> bool:
-    import torch
-
-    return bool(torch.cuda.is_current_stream_capturing())
-
-
-def capture_check_of(is_capturing: Any) -> Any:
-    """A function of a raw stream that asks `is_capturing(stream, status_address)` (libcuda's cuStreamIsCapturing)
-    whether the stream is capturing into a CUDA graph: status ACTIVE (1) or INVALIDATED (2), not NONE (0). Where
-    the driver refuses (CUresult != 0: the legacy stream while another stream captures) torch's own check of
-    the current stream answers. The status lives in the call (ctypes lets go of the GIL in the call)."""
-
-    def capturing(stream: int) -> bool:
-        status = ctypes.c_int(0)
-        if is_capturing(stream, ctypes.addressof(status)):
-            return _torch_capturing(stream)
-        return status.value != 0
-
-    return capturing
-
-
-def _capture_check() -> Any:
-    """Whether a raw stream is capturing (capture_check_of libcuda's cuStreamIsCapturing through ctypes, or torch's
-    check where libcuda is not at hand). torch.cuda.is_current_stream_capturing measured 2.8 us a call on the
-    H100 host (2026-11-27), paid on every call of a kernel that takes its items from a counter."""
-    if not _LIBCUDA_CAPTURING:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuStreamIsCapturing
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _LIBCUDA_CAPTURING.append(capture_check_of(fn))
-        except (OSError, AttributeError):
-            _LIBCUDA_CAPTURING.append(_torch_capturing)
-    return _LIBCUDA_CAPTURING[0]
-
-
 def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer):
     """A function of the stream that enqueues `func` with `buf`'s parameters (grid and block fixed)."""
     gx, gy, gz = (tuple(int(g) for g in grid) + (1, 1))[:3]
@@ -700,7 +661,6 @@ class _ForwardPlan:
                                          mask_buf)  # type: ignore[arg-type]
         self.launches.append(_launcher(main.function(dev), grid(s, B, H, M, N), kern.threads, kern.smem, buf))
         self.stream = _raw_stream_getter()
-        self.capturing = _capture_check()
 
     def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
         import torch
@@ -722,7 +682,7 @@ class _ForwardPlan:
                 b.scalar(i, x)
         stream = self.stream(self.dev_index)
         if self.work_slot is not None:  # the counter of this stream (a captured launch: its own, work_counter)
-            capturing = self.capturing(stream)
+            capturing = torch.cuda.is_current_stream_capturing()
             if capturing or self.work_stream != stream:
                 vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
                 self.work_stream = None if capturing else stream
