@@ -49,3 +49,28 @@ def test_producer_warp_keeps_its_lane_layout():
                                extra={"schedule": "wgmma-ws", "producer": "warp"})
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     assert "k_at = elem_addr" not in src and "pw_g = " in src
+
+
+def test_persistent_producer_walks_each_items_block_list():
+    """A block list (the document mask) on the persistent kernel with the producer warpgroup: the producer reads
+    each item's list (its count, then entry after entry) as it loads, the consumers walk the same list for the
+    tiles' classes, and an item with no entry loads no K / V. Correct on the H100 (test_document_mask_gpu.py) and
+    in the simulator (run by hand, 2026-11-27: o_err 6.1e-4, an all-padding item among them); not faster there
+    than one block an item (215 against 229 TFLOP/s, benchmarks/NOTES.md), so not the automatic choice."""
+    import runpy
+
+    import falower as fl
+
+    ex = Path(__file__).resolve().parents[2] / "examples"
+    g = runpy.run_path(str(ex / "document.py"))["graph"]
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic"}
+    kern = fl.compile(g, extra=extra).specialize("f16", D=128)
+    spec = kern.spec
+    assert spec.block_mask == "list" and emit_fa3_ws.uses_work_counter(spec)
+    emit_fa3_ws.validate_spec(spec)
+    body = _producer_body(kern.source)
+    item = body[body.index("while True:"):]
+    assert re.search(r"^\s*kv_n = \w+\[kv_row\]", item, re.M) and "kv_pos = 0" in item  # each item's list, anew
+    loop = item[item.index("while j <= kv_last:"):]
+    assert "kv_pos += 1" in loop and "copy_rows_" in loop  # entry after entry, each tile's K and V copied
+    assert "kv_last = (" in item and "if kv_n > 0 else -1" in item  # an empty list: the loop does not run

@@ -94,6 +94,35 @@ def test_document_forward_and_backward(kind, N):
         assert (got.double() - want).abs().max().item() <= 2e-2 * scale + 1e-3, name
 
 
+PERSIST_PWG = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic"}
+
+
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant", "distinct", "padding"])
+@pytest.mark.parametrize("N", [1, 130, 1000, 2048])
+def test_document_forward_on_the_persistent_producer_kernel(kind, N):
+    """The block list on the persistent kernel whose producer warpgroup walks each item's list as it loads (5
+    blocks take the items from the counter, so each walks many items, some of them empty: all padding)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    gen = torch.Generator(device="cuda").manual_seed(N + 1)
+    B, H, D = 2, 4, 128
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+    doc = doc_ids(kind, B, N, gen)
+    c = compiled(extra=PERSIST_PWG)
+    spec = c.kernel(q, k, v, doc).spec
+    assert spec.block_mask == "list" and spec.extra.get("producer") == "warpgroup" and spec.extra["persistent"] == 5
+    for _ in range(2):  # the counter left at zero for the next call
+        o, lse = c.forward(q, k, v, doc)
+        ref_o, ref_lse, rows = reference(q.double(), k.double(), v.double(), doc)
+        naive_o, _, _ = reference(q, k, v, doc)
+        err = (o.double() - ref_o)[rows].abs().max().item() if rows.any() else 0.0
+        naive_err = (naive_o.double() - ref_o)[rows].abs().max().item() if rows.any() else 0.0
+        assert err <= 2 * naive_err + 1e-5, (err, naive_err)
+        if rows.any():
+            assert (lse.double() - ref_lse)[rows].abs().max().item() < 1e-3
+        assert torch.isneginf(lse[~rows]).all() and (o[~rows] == 0).all()
+
+
 def test_block_data_is_made_once_per_tensor():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

@@ -407,9 +407,8 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if item_order(spec) != "grid" and not persistent(spec):
         raise ValueError(f"wgmma-ws: item_order {item_order(spec)!r} orders a persistent kernel's items: one block "
                          "an item runs in the hardware's order (set persistent)")
-    if persistent(spec) and producer(spec) == "warpgroup" and (spec.block_mask == "list" or half_tiles(spec)):
-        raise ValueError("wgmma-ws: persistent with a producer warpgroup walks static ranges only: no block list, "
-                         "no half tiles")
+    if persistent(spec) and producer(spec) == "warpgroup" and half_tiles(spec):
+        raise ValueError("wgmma-ws: persistent with a producer warpgroup takes whole tiles: no half tiles")
     if not registers_fit(threads_per_block(spec), register_cap(spec)):
         raise ValueError(f"wgmma-ws: {threads_per_block(spec)} threads x {register_cap(spec)} registers do not fit "
                          f"the SM's {REGISTER_FILE} (warps allocated in groups of 4): the launch would fail (701)")
