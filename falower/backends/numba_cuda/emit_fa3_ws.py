@@ -564,9 +564,12 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         _emit_row_addresses(c, "k", "kg", "k_sm", rstep)
         _emit_row_addresses(c, "v", "vg", "v_sm", rstep)
     c("j = kv_first")
+    LIST = spec.block_mask == "list"
+    if LIST:  # a block list: the next entry read a tile ahead, so no copy waits on a global read of the list
+        _emit_list_ahead(c, spec)
     c("while j <= kv_last:")
     with c.indent():
-        _emit_next_tile(c, spec, "j", "jn")
+        _emit_next_tile(c, spec, "j", "jn", ahead=LIST)
         c(f"k_dst = sb + {KV} + stage * {2 * T}")
         c("sbar = bars + stage * 8")
         c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's K")
