@@ -29,6 +29,24 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), x, out)
 
 
+_UNARY = {
+    "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2,
+    "tanh": np.tanh, "tanh_approx": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
+    "erf": lambda a: _erf(a), "not": lambda a: np.logical_not(a) if a.dtype == np.bool_ else np.invert(a),
+    "sin": np.sin, "cos": np.cos, "tan": np.tan, "log1p": np.log1p, "expm1": np.expm1,
+    "rsqrt": lambda a: 1.0 / np.sqrt(a), "sign": np.sign, "floor": np.floor, "ceil": np.ceil,
+    "round": np.round,  # half to even, as torch.round
+}
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,
+    "min": np.minimum, "pow": np.power, "floordiv": np.floor_divide, "mod": np.mod,
+    "shl": np.left_shift, "shr": np.right_shift, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
+    "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+}
+# (interpreter class, op name) -> its op_<name> method, or False for the elementwise rules (looked up once)
+_HANDLERS: dict = {}
+
+
 class Interpreter:
     def __init__(self, precision: str = "f64"):
         if precision not in ("f64", "native", "low:f16", "low:bf16"):
@@ -102,9 +120,12 @@ class Interpreter:
     def op(self, op: Op, env: dict[Value, np.ndarray]) -> list[np.ndarray]:
         x = [env[v] for v in op.operands]
         n = op.name
-        handler = getattr(self, "op_" + n.replace(".", "_"), None)
-        if handler is not None:
-            return handler(op, x, env)
+        key = (type(self), n)
+        handler = _HANDLERS.get(key)
+        if handler is None:
+            handler = _HANDLERS[key] = getattr(type(self), "op_" + n.replace(".", "_"), False)
+        if handler:
+            return handler(self, op, x, env)
         rt = op.results[0].type if op.results else None
         with np.errstate(all="ignore"):
             y = self.elementwise(n, op, x, rt)
@@ -114,20 +135,7 @@ class Interpreter:
         if rt is not None and is_float(rt.dtype) and n not in ("cast", "where"):
             cd = self.compute_dtype(rt)
             x = [a.astype(cd) if a.dtype.kind == "f" else a for a in x]
-        unary = {
-            "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2,
-            "tanh": np.tanh, "tanh_approx": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
-            "erf": _erf, "not": lambda a: np.logical_not(a) if a.dtype == np.bool_ else np.invert(a),
-            "sin": np.sin, "cos": np.cos, "tan": np.tan, "log1p": np.log1p, "expm1": np.expm1,
-            "rsqrt": lambda a: 1.0 / np.sqrt(a), "sign": np.sign, "floor": np.floor, "ceil": np.ceil,
-            "round": np.round,  # half to even, as torch.round
-        }
-        binary = {
-            "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "max": np.maximum,
-            "min": np.minimum, "pow": np.power, "floordiv": np.floor_divide, "mod": np.mod,
-            "shl": np.left_shift, "shr": np.right_shift, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
-            "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-        }
+        unary, binary = _UNARY, _BINARY
         if n in unary:
             return unary[n](x[0])
         if n in binary:
