@@ -189,9 +189,9 @@ def test_a_table_tile_takes_the_specialized_kernel_at_d64(hopper) -> None:
 
 
 def test_rule_persistent_where_the_sm_count_is_known() -> None:
-    """D = 128 without a block list or a table tile, on a GPU whose SM count the driver gave: the persistent
-    producer-warpgroup kernel, one block an SM, items from the counter; block lists, table tiles, D = 64 and no
-    SM count (the simulator) keep what they took."""
+    """D = 128 without a table tile, on a GPU whose SM count the driver gave: the persistent producer-warpgroup
+    kernel, one block an SM, items from the counter (under a block list with an 88-register producer); table
+    tiles, D = 64 and no SM count (the simulator) keep what they took."""
     rule = emit_fa3.auto_extra
     want = {"schedule": "wgmma-ws", "producer": "warpgroup", "item_order": "dynamic", "persistent": 132}
     for mask in ("none", "static"):
@@ -199,7 +199,9 @@ def test_rule_persistent_where_the_sm_count_is_known() -> None:
         assert rule("bf16", 128, mask, (9, 0), {}, sm_count=114) == {**want, "persistent": 114}
         assert rule("f16", 128, mask, (9, 0), {}, sm_count=None) == emit_fa3.WS_EXTRA
         assert rule("f16", 128, mask, (9, 0), {}, table_tile=True, sm_count=132) == emit_fa3.WS_EXTRA
-    assert rule("f16", 128, "list", (9, 0), {}, sm_count=132) == emit_fa3.WS_EXTRA
+    assert rule("f16", 128, "list", (9, 0), {}, sm_count=132) == {**emit_fa3.PERSIST_EXTRA, "persistent": 132,
+                                                                   "producer_regs": 88}
+    assert rule("f16", 128, "list", (9, 0), {}, sm_count=None) == emit_fa3.WS_EXTRA
     assert rule("f16", 64, "static", (9, 0), {}, sm_count=132)["schedule"] == "wgmma"
     assert rule("f16", 128, "none", (8, 0), {}, sm_count=132) is None
     assert rule("f16", 128, "none", (9, 0), {"FALOWER_WGMMA": "ws"}, sm_count=132) == emit_fa3.WS_EXTRA
@@ -222,6 +224,25 @@ def test_compile_takes_the_persistent_kernel_and_falls_back(hopper) -> None:
     emit_fa3.validate_spec(s)
     assert _spec(fl.compile(_graph(True)), 64).extra["schedule"] == "wgmma"
     assert _spec(fl.compile(_graph(True), extra={"schedule": "wgmma-ws"}), 128).extra == {"schedule": "wgmma-ws"}
+
+
+def test_compile_takes_the_persistent_kernel_under_a_block_list(hopper) -> None:
+    """The document mask (a block list) through falower.compile with an SM count: the persistent producer kernel
+    with its producer at 88 registers and the consumers at 208 (their list walk spilled at 120 / 192); the
+    caller's own registers win."""
+    import runpy
+    from pathlib import Path
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    g = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "document.py"))["graph"]
+    s = fl.compile(g).specialize("f16", D=128).spec
+    assert s.block_mask == "list" and s.extra == {**emit_fa3.PERSIST_EXTRA, "persistent": 132, "producer_regs": 88}
+    emit_fa3.validate_spec(s)
+    assert emit_fa3_ws.registers(s) == (88, 208) and emit_fa3_ws.uses_work_counter(s)
+    mine = fl.compile(g, extra={"producer_regs": 120}).specialize("f16", D=128).spec
+    assert emit_fa3_ws.registers(mine) == (120, 192)
 
 
 def test_compile_keeps_one_block_an_item_for_a_relative_bias(hopper) -> None:

@@ -95,9 +95,12 @@ from falower.backends.numba_cuda.wgmma import (
 
 ENV = "FALOWER_WGMMA"  # "0": never chosen automatically; "1": chosen wherever the spec allows it (also with no GPU)
 WS_EXTRA = {"schedule": "wgmma-ws", "producer": "none"}  # the warp-specialized kernel the automatic choice takes
-# ... and, at D = 128 without a block list or a table tile on a GPU whose SM count is known, its persistent form: a
-# producer warpgroup, one block an SM, the items from a global counter (extra persistent = the SM count)
+# ... and, at D = 128 without a table tile on a GPU whose SM count is known, its persistent form: a producer
+# warpgroup, one block an SM, the items from a global counter (extra persistent = the SM count)
 PERSIST_EXTRA = {"schedule": "wgmma-ws", "producer": "warpgroup", "item_order": "dynamic"}
+# ... under a block list with the producer at 88 registers and the consumers at 208: their list walk spilled 116
+# bytes at 120 / 192 (32 here, ptxas 13.0), and ran slower than one block an item there (215 against 229 TFLOP/s)
+PERSIST_LIST_PRODUCER_REGS = 88
 
 
 def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[int, int]],
@@ -117,12 +120,15 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     refuses falls back to it (compiler.py). At D = 64, this module's kernel under any mask (two blocks per SM
     since `blocks_per_sm`: causal 282 vs 263 on mma.sync at N = 4k, 208 vs 178 at N = 1k; document 97 vs 71,
     alibi 207 vs 181, sliding window 19 vs 20), with one warpgroup per 128 rows where `plain_extra` says.
-    At D = 128 without a block list or a table tile, and where the device's SM count is known (`sm_count`, from the
+    At D = 128 without a table tile, and where the device's SM count is known (`sm_count`, from the
     driver: not in the simulator), that kernel's persistent form (`PERSIST_EXTRA`): a producer warpgroup copies
     K and V for two consumer warpgroups, one block an SM walks items drawn from a global counter, so an item's
     start and epilogue hide under the next one's loads. Whole call, N = 4k, interleaved rounds against the
     one-block-an-item kernel (H100 2026-11-27, benchmarks/NOTES.md "The producer's copies"): plain 563 vs 525,
     causal 518 vs 473, prefix LM 545 vs 472, ALiBi 495 vs 450, sliding window 1024 428 vs 370, softcap 401 vs 364.
+    Under a block list, the same with the producer at 88 registers (`PERSIST_LIST_PRODUCER_REGS`): the document
+    mask 244 vs 231 and 229 vs 217 in two calls (H100 2026-11-27, NOTES "Block lists on the persistent kernel");
+    the static masks ran slower at 88 (causal 507 vs 544), so they keep 120.
     A score that reads a [q, kv] tile of a table (`table_tile`: from_ir.reads_table_tile, a bias[h, q, kv]) takes
     the warp-specialized kernel at D = 64 too, on 128 x 128 tiles (`tiles`), which copies the table's tile into
     shared memory a kv tile ahead: bias 204 vs 189 on this module's kernel (Flex's own config failed; H100
@@ -142,6 +148,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return None
     if head_dim == 128 and block_mask in ("none", "static") and not table_tile and sm_count:
         return {**PERSIST_EXTRA, "persistent": int(sm_count)}
+    if head_dim == 128 and block_mask == "list" and not table_tile and sm_count:
+        return {**PERSIST_EXTRA, "persistent": int(sm_count), "producer_regs": PERSIST_LIST_PRODUCER_REGS}
     if head_dim == 128 and block_mask in ("none", "static", "list"):  # the 256-thread warp-specialized kernel
         return dict(WS_EXTRA)
     if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)
