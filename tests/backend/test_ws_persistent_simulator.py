@@ -2,7 +2,7 @@
 items, with the ring's stages, the Q barrier's parity and the loader running ahead across items (the consumers
 loading, or a producer warpgroup: PERSIST_CASES "ws-pwg-*"), in the CUDA
 simulator against the float64 reference (ws_sim_cases.py's PERSIST_CASES and the document example through
-falower.compile, COMPILED_CASES: a block list with an item that visits nothing). Their own subprocess, beside
+falower.compile, COMPILED_CASES: a block list with an item that visits nothing, walked by the producer warpgroup). Their own subprocess, beside
 test_fa3_ws_simulator's; test_ws_slow_warp_simulator runs a persistent case with a slowed warp."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def test_persistent_simulator(results, case):
         assert r["work_left"] == [0, 0], r
     if case in COMPILED_CASES:
         assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
+        assert r["producer"] == COMPILED_CASES[case][3], r
         assert r["lse_inf_ok"] and r["masked_rows"] >= 2, r  # the padding rows: O = 0, LSE = -inf
 
 
