@@ -246,3 +246,24 @@ def test_unsqueeze_inserts_an_axis_squeeze_drops() -> None:
     b.ret(u, b.emit("squeeze", u, axis=1))
     u0, s0 = interpret(f, [np.ones((2, 3))])
     assert u0.shape == (2, 1, 3) and s0.shape == (2, 3)
+
+
+def test_consts_made_once_a_run_are_read_only_and_outputs_are_the_callers() -> None:
+    """The interpreter makes a const or iota once a run (not on every pass through a loop) and read-only, so that
+    an op writing into one in place raises instead of changing it for the next use; what a run returns is the
+    caller's to write into, a const returned as is included."""
+    from falower.ir.interp import Interpreter
+
+    f, b, (x,) = new_func("c", [("x", tensor("f32", "N"))])
+    c = b.const(2.0, tensor("f32", "N"))
+    b.ret(b.emit("mul", x, c), c)
+    it = Interpreter("f64")
+    y, c0 = it.run(f, [np.arange(3.0)])
+    np.testing.assert_array_equal(y, [0.0, 2.0, 4.0])
+    c0[:] = 7.0  # the caller's copy
+    assert not it._made[id(c.owner)][1].flags.writeable
+    with pytest.raises(ValueError):
+        it._made[id(c.owner)][1][0] = 1.0
+    y, c1 = it.run(f, [np.arange(3.0)])
+    np.testing.assert_array_equal(c1, 2.0)
+    np.testing.assert_array_equal(y, [0.0, 2.0, 4.0])

@@ -57,6 +57,7 @@ class Interpreter:
         # compares a kernel with this.
         self.low = precision.split(":")[1] if precision.startswith("low:") else None
         self.env_dims: dict[str, int] = {}
+        self._made: dict[int, tuple[Op, np.ndarray]] = {}  # const / iota values of this run (_made_once)
 
     # ------------------------------------------------------------------------------------ dtypes
     def store(self, x: Any, t: TensorType) -> np.ndarray:
@@ -94,12 +95,23 @@ class Interpreter:
             pairs += list(zip(a.type.shape, x.shape))
             arrays.append(x)
         self.env_dims = solve_dims(pairs, dict(dims or {}))
+        self._made = {}
         env: dict[Value, np.ndarray] = {}
         for a, x in zip(args, arrays):
             env[a] = self.store(x, a.type)
         outs = self.block(func.body, env)
         self.top_env = env
-        return outs
+        return [o if o.flags.writeable else o.copy() for o in outs]
+
+    def _made_once(self, op: Op, make: Any) -> np.ndarray:
+        """The value of a const or iota op, made once a run (a loop's body re-ran them every iteration) and
+        read-only, so that an op writing into it in place would raise instead of changing it for the next."""
+        hit = self._made.get(id(op))
+        if hit is None:
+            arr = make()
+            arr.flags.writeable = False
+            hit = self._made[id(op)] = (op, arr)  # the op kept alive with its id
+        return hit[1]
 
     def block(self, blk: Block, env: dict[Value, np.ndarray]) -> list[np.ndarray]:
         self.last_env = env
@@ -154,19 +166,24 @@ class Interpreter:
         raise NotImplementedError(f"the interpreter has no rule for {n}")
 
     def op_const(self, op: Op, x, env) -> list[np.ndarray]:
-        t = op.results[0].type
-        v = op.attrs["value"]
-        if isinstance(v, Dim):
-            v = v.eval(self.env_dims)
-        return [self.store(np.full(self.shape(t), v), t)]
+        def make() -> np.ndarray:
+            t = op.results[0].type
+            v = op.attrs["value"]
+            if isinstance(v, Dim):
+                v = v.eval(self.env_dims)
+            return self.store(np.full(self.shape(t), v), t)
+
+        return [self._made_once(op, make)]
 
     def op_iota(self, op: Op, x, env) -> list[np.ndarray]:
-        t = op.results[0].type
-        shape = self.shape(t)
-        axis = op.attrs["axis"]
-        view = [1] * len(shape)
-        view[axis] = shape[axis]
-        return [np.broadcast_to(np.arange(shape[axis], dtype=np.int32).reshape(view), shape).copy()]
+        def make() -> np.ndarray:
+            shape = self.shape(op.results[0].type)
+            axis = op.attrs["axis"]
+            view = [1] * len(shape)
+            view[axis] = shape[axis]
+            return np.broadcast_to(np.arange(shape[axis], dtype=np.int32).reshape(view), shape).copy()
+
+        return [self._made_once(op, make)]
 
     def op_tile_iota(self, op: Op, x, env) -> list[np.ndarray]:
         (r,) = self.op_iota(op, x, env)
