@@ -60,7 +60,9 @@ its own where it fits. Items in a static serpentine order (`item_order` "grid" o
 warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
 default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
 its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
-"The producer's copies").
+"The producer's copies"); under a block list too, with the producer at 88 registers
+(emit_fa3.PERSIST_LIST_PRODUCER_REGS: the consumers' list walk spilled at 192), its producer reading each item's
+list a tile ahead of its copies.
 
 Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
 intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
