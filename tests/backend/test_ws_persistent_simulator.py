@@ -2,8 +2,9 @@
 items, with the ring's stages, the Q barrier's parity and the loader running ahead across items (the consumers
 loading, or a producer warpgroup: PERSIST_CASES "ws-pwg-*"), in the CUDA
 simulator against the float64 reference (ws_sim_cases.py's PERSIST_CASES and the document example through
-falower.compile, COMPILED_CASES: a block list with an item that visits nothing, walked by the producer warpgroup). Their own subprocess, beside
-test_fa3_ws_simulator's; test_ws_slow_warp_simulator runs a persistent case with a slowed warp."""
+falower.compile, COMPILED_CASES: a block list with an item that visits nothing, walked by the producer
+warpgroup). Their own subprocess, beside test_fa3_ws_simulator's; test_ws_slow_warp_simulator runs a persistent
+case with a slowed warp."""
 
 from __future__ import annotations
 

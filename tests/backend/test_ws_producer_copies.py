@@ -53,10 +53,11 @@ def test_producer_warp_keeps_its_lane_layout():
 
 def test_persistent_producer_walks_each_items_block_list():
     """A block list (the document mask) on the persistent kernel with the producer warpgroup: the producer reads
-    each item's list (its count, then entry after entry, a tile ahead of the copies) as it loads, the consumers walk the same list for the
-    tiles' classes, and an item with no entry loads no K / V. Correct on the H100 (test_document_mask_gpu.py) and
-    in the simulator (run by hand, 2026-11-27: o_err 6.1e-4, an all-padding item among them); the automatic
-    choice at D = 128 with an 88-register producer (test_wgmma_select.py)."""
+    each item's list (its count, then entry after entry, a tile ahead of the copies) as it loads, the consumers
+    walk the same list for the tiles' classes, and an item with no entry loads no K / V. Correct on the H100
+    (test_document_mask_gpu.py) and in the simulator (test_ws_persistent_simulator.py's document case, an
+    all-padding item among its items); the automatic choice at D = 128 with an 88-register producer
+    (test_wgmma_select.py)."""
     import runpy
 
     import falower as fl
