@@ -43,6 +43,9 @@ _BINARY = {
     "shl": np.left_shift, "shr": np.right_shift, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
     "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
 }
+# and / or / xor: (on booleans, on integers)
+_LOGICAL = {"and": (np.logical_and, np.bitwise_and), "or": (np.logical_or, np.bitwise_or),
+            "xor": (np.logical_xor, np.bitwise_xor)}
 # (interpreter class, op name) -> its op_<name> method, or False for the elementwise rules (looked up once)
 _HANDLERS: dict = {}
 
@@ -147,14 +150,12 @@ class Interpreter:
         if rt is not None and is_float(rt.dtype) and n not in ("cast", "where"):
             cd = self.compute_dtype(rt)
             x = [a.astype(cd) if a.dtype.kind == "f" else a for a in x]
-        unary, binary = _UNARY, _BINARY
-        if n in unary:
-            return unary[n](x[0])
-        if n in binary:
-            return binary[n](x[0], x[1])
-        if n in ("and", "or", "xor"):
-            f = {"and": (np.logical_and, np.bitwise_and), "or": (np.logical_or, np.bitwise_or),
-                 "xor": (np.logical_xor, np.bitwise_xor)}[n]
+        if n in _UNARY:
+            return _UNARY[n](x[0])
+        if n in _BINARY:
+            return _BINARY[n](x[0], x[1])
+        if n in _LOGICAL:
+            f = _LOGICAL[n]
             return f[0](x[0], x[1]) if x[0].dtype == np.bool_ else f[1](x[0], x[1])
         if n == "where":
             return np.where(x[0], x[1], x[2])
