@@ -368,6 +368,10 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern = c.kernel(q, k, v, *caps)
     s = kern.spec
+    from falower.backends.numba_cuda.block_data import BlockData, has_derived
+
+    if has_derived(s):  # a block list and the range tables it is made from, as the compiled call derives them
+        caps = caps + BlockData(s).derive(caps, (B, H, N, N), q)
     persist = int(s.extra.get("persistent", 0))
     with_producer = s.extra.get("producer") == "warpgroup" and persist > 0
     if s.extra.get("schedule") != "wgmma-ws" or (s.extra.get("producer") != "none" and not with_producer):
