@@ -115,7 +115,10 @@ def parse_config(text: str) -> tuple:
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
     row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
-    after the waits for K and S, not before (extra gather_early); '-half' the '-wsn' kernel's half
+    after the waits for K and S, not before (extra gather_early); '-nolh' the persistent producer kernel's items
+    starting on their block list's global reads, not on its head handed over with the ticket (extra list_head),
+    '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
+    runs (extra bounds_in_s); '-half' the '-wsn' kernel's half
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not the FMA
@@ -170,6 +173,8 @@ CONFIG_OPTIONS: list = [
     (("norp", {"row_pairs": False}),),
     (("nots", {"tanh_small": False}),),
     (("noge", {"gather_early": False}),),
+    (("nolh", {"list_head": False}),),
+    (("nobs", {"bounds_in_s": False}),),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),
     (("ltanh", {"tanh": "libdevice"}),),
     (("se", {"staged_epilogue": True}), ("nose", {"staged_epilogue": False})),

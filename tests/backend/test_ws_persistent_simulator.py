@@ -34,6 +34,8 @@ def test_persistent_simulator(results, case):
     if case in COMPILED_CASES:
         assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
         assert r["producer"] == COMPILED_CASES[case][3], r
+        # the producer warpgroup hands each item's list head over beside its ticket (list_head_shared)
+        assert r["list_head"] == (r["producer"] == "warpgroup"), r
         assert r["lse_inf_ok"] and r["masked_rows"] >= 2, r  # the padding rows: O = 0, LSE = -inf
 
 

@@ -51,29 +51,79 @@ def test_producer_warp_keeps_its_lane_layout():
     assert "k_at = elem_addr" not in src and "pw_g = " in src
 
 
-def test_persistent_producer_walks_each_items_block_list():
+@pytest.mark.parametrize("head", [True, False], ids=["list-head", "nolh"])
+def test_persistent_producer_walks_each_items_block_list(head):
     """A block list (the document mask) on the persistent kernel with the producer warpgroup: the producer reads
     each item's list (its count, then entry after entry, a tile ahead of the copies) as it loads, the consumers
     walk the same list for the tiles' classes, and an item with no entry loads no K / V. Correct on the H100
     (test_document_mask_gpu.py) and in the simulator (test_ws_persistent_simulator.py's document case, an
     all-padding item among its items); the automatic choice at D = 128 with an 88-register producer
-    (test_wgmma_select.py)."""
+    (test_wgmma_select.py). By default (`list_head_shared`) the list's head (count, first, second and last
+    entries) comes with the ticket in shared memory, read by producer thread 0 before the handover; '-nolh' reads
+    it from the list at each item's start."""
     import runpy
 
     import falower as fl
 
     ex = Path(__file__).resolve().parents[2] / "examples"
     g = runpy.run_path(str(ex / "document.py"))["graph"]
-    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic"}
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic",
+             **({} if head else {"list_head": False})}
     kern = fl.compile(g, extra=extra).specialize("f16", D=128)
     spec = kern.spec
     assert spec.block_mask == "list" and emit_fa3_ws.uses_work_counter(spec)
+    assert emit_fa3_ws.list_head_shared(spec) == head
     emit_fa3_ws.validate_spec(spec)
-    body = _producer_body(kern.source)
+    src = kern.source
+    body = _producer_body(src)
     item = body[body.index("while True:"):]
-    assert re.search(r"^\s*kv_n = \w+\[kv_row\]", item, re.M) and "kv_pos = 0" in item  # each item's list, anew
+    consumer = src[src.index("SETMAXNREG_INC()"):]
+    citem = consumer[consumer.index("while True:"):re.search(r"while j <= kv_last(__\d+)?:", consumer).start()]
+    for part in (item[:item.index("while j <= kv_last:")], citem):  # an item's start, producer's and consumers'
+        if head:  # no global read of the list before the loop: the head comes from tick
+            assert re.search(r"^\s*kv_n(__\d+)? = kv_hn", part, re.M) and "tick[2 + 4 * ip]" in part
+            assert not re.search(r"cap_\d+_kv_(count|tiles)\[", part)
+        else:
+            assert re.search(r"^\s*kv_n(__\d+)? = \w+\[kv_row(__\d+)?\]", part, re.M) and "tick[2" not in part
+    # the head is written beside the ticket by thread 0 from reads made before the handover
+    assert ("tick[2 + 4 * ip] = hn_n" in body) == head
+    if head:  # ... read again after each item's last copies, for the next ticket
+        tail = item[item.index("while j <= kv_last:"):]
+        assert re.search(r"hn_n = \w+\[hn_r", tail)
+    assert "kv_pos = 0" in item  # each item's list, anew
     loop = item[item.index("while j <= kv_last:"):]
     assert "kv_cur = " in item[:item.index("while j <= kv_last:")]  # the first two entries read before the loop
     # entry after entry, each read a tile ahead of its copies; each tile's K and V copied
     assert re.search(r"kv_nx = \w+\[kv_at\]", loop) and "copy_rows_" in loop
     assert "kv_last = (" in item and "if kv_n > 0 else -1" in item  # an empty list: the loop does not run
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["in-s", "nobs"])
+def test_document_row_bounds_read_in_the_first_s(late):
+    """The consumers of the persistent producer kernel read their rows' bounds from the document ids (three global
+    loads a row) between the item's first S issue and its wait (`bounds_in_s`), not before the kv loop, where
+    their clamps held the warpgroup one L2 round trip before its S. '-nobs' keeps them before the loop. The
+    numbers: test_ws_persistent_simulator.py's document case (its partial tiles read the bounds) and the GPU's
+    test_document_mask_gpu.py."""
+    import runpy
+
+    import falower as fl
+
+    ex = Path(__file__).resolve().parents[2] / "examples"
+    g = runpy.run_path(str(ex / "document.py"))["graph"]
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic",
+             **({} if late else {"bounds_in_s": False})}
+    kern = fl.compile(g, extra=extra).specialize("f16", D=128)
+    assert emit_fa3_ws.bounds_in_s(kern.spec) == late
+    consumer = kern.source[kern.source.index("SETMAXNREG_INC()"):]
+    loop_at = re.search(r"while j <= kv_last(__\d+)?:", consumer).start()
+    calls = [m.start() for m in re.finditer(r"= row_bounds_fn\(", consumer)]
+    assert len(calls) == 2  # rows g and g + 8
+    if late:
+        first_s = consumer.index("qk_wgmma(", loop_at)
+        wait = consumer.index("WAIT_S(sc, 0)", first_s)
+        assert all(first_s < at < wait for at in calls)  # inside the first tile's branch, before S's wait
+        assert consumer.index("else:", first_s) < calls[0]  # ... the branch with no P V before it (have_prev False)
+        assert re.search(r"rb_lo0_raw, rb_hi0_raw, rb_ex0 = row_bounds_fn", consumer)  # 32-bit after the clamp
+    else:
+        assert all(at < loop_at for at in calls)

@@ -329,10 +329,12 @@ def run_compiled_case(case_id: str) -> dict:
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(128, 32), path="mma",
                    extra={"schedule": "wgmma-ws", "producer": prod, "persistent": blocks,
                           **({"item_order": "dynamic"} if prod == "warpgroup" else {})})
+    from falower.backends.numba_cuda.emit_fa3_ws import list_head_shared
+
     spec = c.kernel(*inputs).spec
     o, lse = c(*inputs)
     return {"id": case_id, "dtype": "f16", "block_mask": spec.block_mask, "persistent": spec.extra.get("persistent"),
-            "producer": spec.extra.get("producer"),
+            "producer": spec.extra.get("producer"), "list_head": list_head_shared(spec),
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

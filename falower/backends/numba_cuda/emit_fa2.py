@@ -451,27 +451,28 @@ def emit_persistent_next(c: "_Code", spec: FA2ForwardSpec) -> None:
     _emit_item_carry(c, spec)
 
 
-def _emit_item_carry(c: "_Code", spec: FA2ForwardSpec) -> None:
+def _emit_item_carry(c: "_Code", spec: FA2ForwardSpec, p: str = "it") -> None:
+    """Carries the item coordinates <p>_x, <p>_y, <p>_z (x fastest) into their extents after <p>_x grew."""
     (nx, _), (ny, _), _ = _grid_axes(spec)
-    c(f"while it_x >= {nx}:")
+    c(f"while {p}_x >= {nx}:")
     with c.indent():
-        c(f"it_x -= {nx}")
-        c("it_y += 1")
-    c(f"while it_y >= {ny}:")
+        c(f"{p}_x -= {nx}")
+        c(f"{p}_y += 1")
+    c(f"while {p}_y >= {ny}:")
     with c.indent():
-        c(f"it_y -= {ny}")
-        c("it_z += 1")
+        c(f"{p}_y -= {ny}")
+        c(f"{p}_z += 1")
 
 
-def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec) -> None:
-    """qt, h, b of the item (it_x, it_y, it_z), and it_ok: whether it is one (past the last item, the last one's
-    coordinates: a kernel that computes an item's state before it knows whether to use it reads no table out of
-    range)."""
+def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec, p: str = "it", suffix: str = "") -> None:
+    """qt, h, b of the item (<p>_x, <p>_y, <p>_z), and <p>_ok: whether it is one (past the last item, the last
+    one's coordinates: a kernel that computes an item's state before it knows whether to use it reads no table
+    out of range). `suffix` names the outputs qt<suffix>, h<suffix>, b<suffix> (another item's, beside these)."""
     axes = _grid_axes(spec)
     nz = axes[2][0]
-    c(f"it_ok = it_z < {nz}")
-    for v, (_, what) in zip(("it_x", "it_y", f"min(it_z, {nz} - 1)"), axes):
-        c(f"qt = nq - 1 - {v}" if what == "qt" else f"{what} = {v}")
+    c(f"{p}_ok = {p}_z < {nz}")
+    for v, (_, what) in zip((f"{p}_x", f"{p}_y", f"min({p}_z, {nz} - 1)"), axes):
+        c(f"qt{suffix} = nq - 1 - {v}" if what == "qt" else f"{what}{suffix} = {v}")
 
 
 def has_row_bounds(spec: FA2ForwardSpec) -> bool:
@@ -514,16 +515,18 @@ def wgmma_thread_rows(halves: int = 1) -> list[ThreadRow]:
     return rows
 
 
-def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: Optional[list[ThreadRow]] = None) -> None:
+def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: Optional[list[ThreadRow]] = None, raw: str = "") -> None:
     """Before the kv loop: the bounds rb_lo<off>, rb_hi<off>, rb_ex<off> of this thread's rows of a wgmma tile
     (`wgmma_thread_rows`), as `emit_masked_rows` passes them to `masked_score_row_in`: clamped into [-1, N + 1]
     (which keeps the same columns of [0, N): a bound may be a table's entry or an unbounded side's 2**40) and then
-    32-bit, two registers a row fewer."""
+    32-bit, two registers a row fewer. `raw`: a suffix for the unclamped values' own names, where the bounds are
+    read inside the kv loop (a loop-carried name that took both would be typed 64-bit)."""
     for t in rows or wgmma_thread_rows():
         r = t.off
-        c(f"rb_lo{r}, rb_hi{r}, rb_ex{r} = row_bounds_fn(b, h, {t.row}{_cap_args(spec)})  # once, not per tile")
-        c(f"rb_lo{r} = np.int32(min(max(rb_lo{r}, -1), N + 1))")
-        c(f"rb_hi{r} = np.int32(min(max(rb_hi{r}, -1), N + 1))")
+        lo, hi = f"rb_lo{r}{raw}", f"rb_hi{r}{raw}"
+        c(f"{lo}, {hi}, rb_ex{r} = row_bounds_fn(b, h, {t.row}{_cap_args(spec)})  # once, not per tile")
+        c(f"rb_lo{r} = np.int32(min(max({lo}, -1), N + 1))")
+        c(f"rb_hi{r} = np.int32(min(max({hi}, -1), N + 1))")
 
 
 def emit_masked_rows(c: _Code, caps: str, hoisted: bool, rows: Optional[list[ThreadRow]] = None) -> None:
@@ -566,11 +569,14 @@ def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[
 # --------------------------------------------------------------------------------------------------
 
 
-def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False) -> None:
+def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False,
+                     head: bool = False) -> None:
     """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible). `warp_wide`: the
     block is whole warps (the scan may take a ballot: `emit_tile_scan`); `uniform`: the scan by warp reductions
     whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`); where the kernel walks the range
-    (`walks_range`) the scan also finds its full tiles (kf_first, kf_last)."""
+    (`walks_range`) the scan also finds its full tiles (kf_first, kf_last). `head` (block list): the row's count
+    and its first, second and last entries are already in kv_hn, kv_h0, kv_h1, kv_hl (handed over in shared
+    memory: emit_fa3_ws.list_head_shared), not read from the list."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
@@ -586,11 +592,12 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
         kc, kt = _list_names(spec)
         c("# the kv tiles this q tile visits, listed once per data (block_data.py): no scan, no empty tile")
         c(f"kv_row = (b * H + h) * ((M + {BQ - 1}) // {BQ}) + qt")
-        c(f"kv_n = {kc}[kv_row]")
+        c("kv_n = kv_hn" if head else f"kv_n = {kc}[kv_row]")
         c("kv_row = kv_row * nk")
         c("kv_pos = 0")
-        c(f"kv_first = ({kt}[kv_row] >> 1) if kv_n > 0 else 0")
-        c(f"kv_last = ({kt}[kv_row + kv_n - 1] >> 1) if kv_n > 0 else -1")
+        first, last = ("kv_h0", "kv_hl") if head else (f"{kt}[kv_row]", f"{kt}[kv_row + kv_n - 1]")
+        c(f"kv_first = ({first} >> 1) if kv_n > 0 else 0")
+        c(f"kv_last = ({last} >> 1) if kv_n > 0 else -1")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
     emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform,
@@ -708,13 +715,15 @@ def _list_names(spec: FA2ForwardSpec) -> tuple[str, str]:
     return names[("kv_count",)], names[("kv_tiles",)]
 
 
-def _emit_list_ahead(c: _Code, spec: FA2ForwardSpec) -> None:
+def _emit_list_ahead(c: _Code, spec: FA2ForwardSpec, head: bool = False) -> None:
     """Block list, before the kv loop of a kernel that walks it with `_emit_next_tile(..., ahead=True)`: the
     current entry (kv_cur) and the next (kv_nx, or the end kv_last + 1) in registers, so an iteration issues its
-    next tile's copies without first waiting on a global load of the list."""
+    next tile's copies without first waiting on a global load of the list. `head`: the first two entries are
+    kv_h0, kv_h1 (`_emit_tile_range`'s head)."""
     _, kt = _list_names(spec)
-    c(f"kv_cur = {kt}[kv_row] if kv_n > 0 else 0  # entry kv_pos: tile j and its class")
-    c(f"kv_nx = {kt}[kv_row + 1] if kv_n > 1 else (kv_last + 1) * 2  # entry kv_pos + 1: the next tile")
+    e0, e1 = ("kv_h0", "kv_h1") if head else (f"{kt}[kv_row]", f"{kt}[kv_row + 1]")
+    c(f"kv_cur = {e0} if kv_n > 0 else 0  # entry kv_pos: tile j and its class")
+    c(f"kv_nx = {e1} if kv_n > 1 else (kv_last + 1) * 2  # entry kv_pos + 1: the next tile")
     c("kv_at = kv_row + 2  # the entry to load next, up to kv_end")
     c("kv_end = kv_row + kv_n")
 

@@ -329,6 +329,50 @@ def persistent(spec: FA2ForwardSpec) -> int:
     return int(spec.extra.get("persistent", 0))
 
 
+def list_head_shared(spec: FA2ForwardSpec) -> bool:
+    """Whether the ticket's handover also carries the item's block-list head: its count and its first, second and
+    last entries, read by producer thread 0 while the previous item's copies are in flight and written beside the
+    ticket in `tick` (slots 2 + 4 ip ..), so that no thread starts an item on two dependent global reads of the
+    list (kv_count, then kv_tiles). Why: a document item is ~5 kv tiles, and its consumers' start waited on those
+    reads (benchmarks/NOTES.md, "The list's head beside the ticket"). Block lists on the persistent
+    producer-warpgroup kernel with item_order "dynamic"; `extra["list_head"] = False` reads the list as before
+    (bench '-nolh')."""
+    return (spec.block_mask == "list" and bool(persistent(spec)) and producer(spec) == "warpgroup"
+            and uses_work_counter(spec) and spec.extra.get("list_head", True) is not False)
+
+
+def bounds_in_s(spec: FA2ForwardSpec) -> bool:
+    """Whether the consumers read their rows' bounds (row bounds from captured data: a document mask's ids and run
+    table, `row_bounds_read_data`) in the shadow of the item's first S, between its issue and its wait, rather
+    than before the kv loop, where the clamps that use them stalled the warpgroup one L2 round trip before it
+    could issue S (an item's start, ~5 tiles an item under the document mask). The persistent producer-warpgroup
+    kernel (no half tiles); `extra["bounds_in_s"] = False` reads them before the loop (bench '-nobs')."""
+    return (row_bounds_read_data(spec) and bool(persistent(spec)) and producer(spec) == "warpgroup"
+            and not half_tiles(spec) and spec.extra.get("bounds_in_s", True) is not False)
+
+
+def _emit_head_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
+    """Producer thread 0 (`list_head_shared`): hn_n, hn_0, hn_1, hn_l = the block-list head of the item of ticket
+    tk_next, its coordinates carried from the current item's (it_x, it_y, it_z at ticket it_t) as every thread
+    carries them at the handover. Where it is emitted (before the item loop, and after an item's last copies) the
+    reads' latency runs while the consumers still work on the item before."""
+    from .emit_fa2 import _list_names
+
+    kc, kt = _list_names(spec)
+    BQ, BK = spec.block_q, spec.block_k
+    c("hx_x = it_x + tk_next - it_t  # the next ticket's item, carried from this one's")
+    c("hx_y = it_y")
+    c("hx_z = it_z")
+    _emit_item_carry(c, spec, "hx")
+    emit_persistent_index(c, spec, "hx", "_hx")
+    c(f"hn_r = (b_hx * H + h_hx) * ((M + {BQ - 1}) // {BQ}) + qt_hx")
+    c(f"hn_n = {kc}[hn_r]")
+    c(f"hn_r = hn_r * ((N + {BK - 1}) // {BK})")
+    c(f"hn_0 = {kt}[hn_r] if hn_n > 0 else 0")
+    c(f"hn_1 = {kt}[hn_r + 1] if hn_n > 1 else 0")
+    c(f"hn_l = {kt}[hn_r + hn_n - 1] if hn_n > 0 else 0")
+
+
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
     if persistent(spec):
         return (min(persistent(spec), -(-M // spec.block_q) * B * H), 1, 1)
@@ -465,6 +509,7 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     and their kv loop for every producer thread's loads). The ticket, an item's index in the grid's order, moves
     (it_x, it_y, it_z) by the difference from the last one: `emit_persistent_next`'s carry, no division."""
     dynamic = uses_work_counter(spec)
+    HEAD = list_head_shared(spec)
     if dynamic:
         c("it_x = 0  # the tickets carry (it_x, it_y, it_z) from item 0")
         c("it_y = 0")
@@ -472,9 +517,14 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         c("it_t = 0")
         c("ip = 0  # the ticket's slot in tick and the parity of item_full's phase")
         if producer_side:
+            if HEAD:
+                for v in ("hn_n", "hn_0", "hn_1", "hn_l"):
+                    c(f"{v} = 0  # the next item's list head: thread 0's (list_head_shared)")
             c("if tid == 0:")
             with c.indent():
                 c("tk_next = cuda.atomic.add(work, 0, 1)  # the block's first item")
+                if HEAD:
+                    _emit_head_prefetch(c, spec)
             c("else:")
             with c.indent():
                 c("tk_next = 0")
@@ -491,9 +541,15 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
             c("if tid == 0:  # every thread has read the last ticket: hand over the next")
             with c.indent():
                 c("tick[ip] = tk_next")
+                if HEAD:
+                    for k, v in enumerate(("hn_n", "hn_0", "hn_1", "hn_l")):
+                        c(f"tick[{2 + k} + 4 * ip] = {v}")
                 c(f"mbar_arrive(bars + {lay['item_full']})")
         c(f"mbar_wait(bars + {lay['item_full']}, ip)")
         c("tk = tick[ip]")
+        if HEAD:
+            for k, v in enumerate(("kv_hn", "kv_h0", "kv_h1", "kv_hl")):
+                c(f"{v} = tick[{2 + k} + 4 * ip]" + ("  # the item's list head (list_head_shared)" if k == 0 else ""))
         c("ip ^= 1")
         c("it_x += tk - it_t  # the grid's order: the carry of emit_persistent_next")
         c("it_t = tk")
@@ -568,7 +624,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c("j = kv_first")
     LIST = spec.block_mask == "list"
     if LIST:  # a block list: the next entry read a tile ahead, so no copy waits on a global read of the list
-        _emit_list_ahead(c, spec)
+        _emit_list_ahead(c, spec, head=list_head_shared(spec))
     c("while j <= kv_last:")
     with c.indent():
         _emit_next_tile(c, spec, "j", "jn", ahead=LIST)
@@ -587,6 +643,10 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("stage = 0")
             c("phase ^= 1")
     if PERSIST:
+        if list_head_shared(spec):
+            c("if tid == 0:  # the next item's list head, read while this item's last copies land")
+            with c.indent():
+                _emit_head_prefetch(c, spec)
         _emit_item_loop_end(c, spec, producer_side=True)
     c("cp_async_wait0()  # leave no copy in flight")
 
@@ -863,6 +923,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                         _emit_loader_step(c, spec, lay, "k" if k_now else "v")
     TT = table_tiles(spec)
     HOIST = row_bounds_read_data(spec)
+    LATE = bounds_in_s(spec)
     HALF = half_mode(spec)
     H2 = BK // 2
     EARLY = gather_early(spec)
@@ -877,7 +938,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         else:
             c(f"mbar_wait(bars, {qphase})  # Q has landed")
         copy = _emit_table_tile_setup(c, spec, lay) if TT else None
-        if HOIST:
+        if LATE:  # read in the item's first S's shadow (bounds_in_s); defined on every path for Numba
+            for t in ROWS:
+                c(f"rb_lo{t.off} = np.int32(0)")
+                c(f"rb_hi{t.off} = np.int32(0)")
+                c(f"rb_ex{t.off} = False")
+        elif HOIST:
             emit_row_bounds(c, spec)
         c("j = kv_first")
         if not PERSIST:
@@ -972,7 +1038,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if HALF:
             _emit_row_hull(c, spec)
     if spec.block_mask == "list":  # the next entry loaded a tile ahead: no list load waits at the loop's top
-        _emit_list_ahead(c, spec)
+        _emit_list_ahead(c, spec, head=list_head_shared(spec))
     c("while j <= kv_last:")
     with c.indent():
         if spec.block_mask == "list":
@@ -1033,6 +1099,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 if PP:
                     c("bar_arrive(2 - cw, 256)")
+                if LATE:
+                    c("# the item's first tile: its rows' bounds read while S is in flight (bounds_in_s)")
+                    emit_row_bounds(c, spec, raw="_raw")
                 c(f"{wait}(sc, {ofs})")
 
         full = f"{qk}(sc, q_wg, desc_word(HI_QK, k_base))"
@@ -1231,7 +1300,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
               "1 producer +", "no producer (the consumers load)," if NONE else f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
         if uses_work_counter(spec):
-            c("tick = cuda.shared.array(2, np.int32)  # the items' tickets from the producer (item_order dynamic)")
+            c(f"tick = cuda.shared.array({10 if list_head_shared(spec) else 2}, np.int32)  # the items' tickets "
+              "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
         c("tid = cuda.threadIdx.x")
@@ -1246,7 +1316,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"hk = h // {G}" if G > 1 else "hk = h")
             c("q_head = (b * H + h) * M")
             emit_bases(c)
-            _emit_tile_range(c, spec, uniform=True)
+            _emit_tile_range(c, spec, uniform=True, head=list_head_shared(spec))
 
         if not persistent(spec):
             item_state(c)
