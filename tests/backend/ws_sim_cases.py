@@ -75,6 +75,15 @@ PERSIST_CASES = {
     "ws-pwg-causal-f16-d64-persist": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
                                       {"producer": "warpgroup", "persistent": 3, "batch_inner": True,
                                        "item_order": "dynamic"}),
+    # an item's last P V and epilogue go with the next item's first tile (emit_fa3_ws.epilogue_in_s): 128 x 128
+    # causal tiles make items of 1, 2 and 3 kv tiles (the last ragged), 6 items on one block, heads alternating,
+    # so a one-tile item's P V (the item's first, which starts O from zero) is carried into the next item and the
+    # last item's flushed. Head 0's V holds an inf ("poison_head", taken out of the extras by run_case): its O is
+    # not finite, and head 1's items, each after one of head 0's on the block, must not inherit it through O's
+    # registers (o_err is head 1's; "poisoned" says head 0's O is not all finite)
+    "ws-pwg-causal-f16-d64-bk128-persist": ("causal", "f16", 64, 1, 2, 300, 300, 1, 128, 128,
+                                            {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
+                                             "poison_head": 0}),
 }
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
@@ -265,6 +274,7 @@ def run_case(case_id: str) -> dict:
     spec = make_spec(variant, D, dtype, path="mma", block_q=bq, block_k=bk, num_warps=8, group_size=G,
                      name=f"ws_{case_id.replace('-', '_')}")
     extra = dict(extra)
+    poison = extra.pop("poison_head", None)
     spec = dataclasses.replace(spec, batch_inner=extra.pop("batch_inner", False),
                                lazy_rescale=extra.pop("lazy_rescale", 0.0),
                                extra={"schedule": "wgmma-ws", **{k: v for k, v in extra.items() if k != "ir_source"}})
@@ -283,6 +293,8 @@ def run_case(case_id: str) -> dict:
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     kern = getattr(load_source(src, spec.name), spec.name)
     q, k, v = random_inputs(rng, dtype, B, H, M, N, D, G)
+    if poison is not None:  # an inf in one head's V (row 5): its O is not finite, the other heads' must be exact
+        v[:, poison // G, 5, :] = np.inf
     caps = random_captures(rng, variant, B, H, M, N)
     args, o, lse = launch_args(spec, q, k, v, caps)
     t0 = time.time()
@@ -297,12 +309,16 @@ def run_case(case_id: str) -> dict:
         of = (o.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(B, H, M, D)
     lse = lse.reshape(B, H, M)
     masked = ~np.isfinite(rl)
+    keep = np.ones(H, dtype=bool)
+    if poison is not None:
+        keep[poison] = False
     return {
         "id": case_id,
         "dtype": dtype,
-        "o_err": float(np.abs(of - ro).max()),
+        **({"poisoned": bool(not np.isfinite(of[:, poison]).all())} if poison is not None else {}),
+        "o_err": float(np.abs(of[:, keep] - ro[:, keep]).max()),
         "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
-        "nan": bool(np.isnan(of).any() or np.isnan(lse).any()),
+        "nan": bool(np.isnan(of[:, keep]).any() or np.isnan(lse[:, keep]).any()),
         "seconds": round(seconds, 1),
         # item_order "dynamic": the counter the last block leaves zeroed for the next launch
         **({"work_left": [int(x) for x in args[18]]} if extra.get("item_order") == "dynamic" else {}),

@@ -367,25 +367,29 @@ def _emit_load_inside(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: 
 
 
 def _emit_pv(c: _Code, KK: int, D: int, vbase: str, half: str = "", steps: Optional[range] = None,
-             name: str = "pv_wgmma") -> None:
+             name: str = "pv_wgmma", scale_d: str = "") -> None:
     """O += P V from the A words in `pa` and the V tile at shared address vbase (issued and committed), through
     the device function `pv_wgmma`: the loop and the overlapped schedule's last tile share one compiled copy (16
     wgmma call sites of 64 accumulators each were half of the kernel's LLVM IR; benchmarks/NOTES.md, "Compile
     time", lever 18). P travels as a constant-indexed uint32 array (registers, as the accumulators): 32 words as
     arguments would make Python pass them as a built list (more than 30 arguments), which Numba types as a
     chain of tuple concatenations. `steps`: only these k steps (emit_fa3_ws's half tiles, whose other kv rows
-    have P = 0), in the device function `name`."""
+    have P = 0), in the device function `name`. `scale_d`: an expression for the first k step's scale-d (0: O =
+    P V, the old O ignored; the device function `<name>_sd` takes it as its argument `sd`)."""
     steps = range(KK) if steps is None else steps
-    lines = ["@device_function", f"def {name}(acc, pa, dv):",
+    if scale_d:
+        name += "_sd"
+    lines = ["@device_function", f"def {name}(acc, pa, dv{', sd' if scale_d else ''}):",
              f"    # O += P V: {len(steps)} wgmma m64n{D}k16, k step k reads kv rows 16k .. 16k + 15 (2048 bytes on: "
              "the",
              "    # descriptor word dv = desc_word(HI_V, V's address) plus 128)",
              "    FENCE_O(acc, 0)"]
     for kk in steps:
         pa = ", ".join(f"lget(pa, {4 * kk + i})" for i in range(4))
-        lines.append(f"    WG_O(acc, 0, {pa}, desc_at(HI_V, dv + {kk * 128}), 1)")
+        sd = "sd" if scale_d and kk == steps[0] else "1"
+        lines.append(f"    WG_O(acc, 0, {pa}, desc_at(HI_V, dv + {kk * 128}), {sd})")
     lines.append("    wgmma_commit()")
-    c(f"{c.helper(name, lines)}(acc{half}, pa{half}, desc_word(HI_V, {vbase}))")
+    c(f"{c.helper(name, lines)}(acc{half}, pa{half}, desc_word(HI_V, {vbase}){', ' + scale_d if scale_d else ''})")
 
 
 def _pack_pa_helper(c: _Code, KK: int, pack: str) -> str:
@@ -449,14 +453,7 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     returns when its own part is done: `free_barrier` (the warpgroup's) goes first there. `base`: another buffer
     of `wr` rows of D to stage through (emit_fa3_ws's persistent producer kernel, whose Q tile is being refilled);
     its `free_barrier` then keeps a warp from staging over rows another is still storing from the last item."""
-    CH = D // 8  # a row's 16-byte chunks, and a thread's pairs of a row (n8 tiles of O)
-    lines = ["@device_function", "def stage_row(sa, sw, x, i, inv):",
-             "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
-             f"    for dn in range({CH}):",
-             "        e = i + dn * 4",
-             f"        v = {pack}(lget(x, e) * inv, lget(x, e + 1) * inv)",
-             "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
-    stage = c.helper("stage_row", lines)
+    stage = stage_row_helper(c, D, pack)
     if D > 64:
         if not free_barrier:
             raise ValueError(f"staged epilogue at D = {D}: a warp's staged rows overlap other warps' Q rows; "
@@ -473,6 +470,30 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
         with c.indent():
             c(_lse_line(t.k, "q_head"))
     c(barrier)
+    emit_staged_stores(c, D, wr, first_row, wtid, base)
+
+
+def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False) -> str:
+    """The device function `stage_row` of the staged epilogues: a row's O pairs times inv, packed, into its
+    swizzled row of a staging buffer. `zero_masked` (`stage_row_z`): a row with inv = 0 (fully masked, or an
+    item with no kv tile) stages zeros whatever O holds, for an epilogue whose O was not zeroed at the item's
+    start (emit_fa3_ws.epilogue_in_s: O may still hold the item before's, inf or NaN included)."""
+    name = "stage_row_z" if zero_masked else "stage_row"
+    value = f"{pack}(lget(x, e) * inv, lget(x, e + 1) * inv)"
+    lines = ["@device_function", f"def {name}(sa, sw, x, i, inv):",
+             "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
+             f"    for dn in range({D // 8}):",
+             "        e = i + dn * 4",
+             f"        v = {value} if inv > ZERO else np.uint32(0)" if zero_masked else f"        v = {value}",
+             "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
+    return c.helper(name, lines)
+
+
+def emit_staged_stores(c: _Code, D: int, wr: int, first_row: str, wtid: str, base: str,
+                       head: str = "q_head") -> None:
+    """The staged epilogue's second half: the `wr` staged rows of D at `base` (the first `first_row` of the
+    slice at `head`) to O by 16-byte chunks, `wtid` the thread in the warpgroup."""
+    CH = D // 8
     c(f"ew = {wtid}")
     c(f"for ei in range({wr * CH // 128}):")
     with c.indent():
@@ -483,7 +504,7 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
         c(f"w0, w1, w2, w3 = lds_v4_u32({base} + lr * {2 * D} + ((c16 ^ (lr & 7)) << 4))")
         c("if qi < M:")
         with c.indent():
-            c(f"stg_v4_u32(o, (q_head + qi) * {D // 2} + c16 * 4, w0, w1, w2, w3)")
+            c(f"stg_v4_u32(o, ({head} + qi) * {D // 2} + c16 * 4, w0, w1, w2, w3)")
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:

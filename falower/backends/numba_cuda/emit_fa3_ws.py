@@ -115,7 +115,9 @@ from .emit_fa3 import (
     ALIGN,
     _WGMMA_IMPORTS,
     _emit_epilogue,
+    _emit_row_inv,
     _emit_staged_epilogue,
+    _lse_line,
     _emit_load,
     _emit_load_inside,
     _emit_loader_setup,
@@ -123,6 +125,8 @@ from .emit_fa3 import (
     _emit_row_addresses,
     _pack_pa_helper,
     copy_rows_helper,
+    emit_staged_stores,
+    stage_row_helper,
 )
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
@@ -341,6 +345,24 @@ def list_head_shared(spec: FA2ForwardSpec) -> bool:
             and uses_work_counter(spec) and spec.extra.get("list_head", True) is not False)
 
 
+def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
+    """Whether an item's last P V goes with the next item's first tile (as P_{j-1} V_{j-1} goes with S_j inside an
+    item: the ring's V stage and P's registers carry over) and its epilogue follows that tile's softmax, instead of
+    the item's end waiting for its last P V behind the other warpgroup's turn and storing O before the next item's
+    first S is issued. The LSE and 1 / l are written at the item's end (they need no O), the row's 1 / l and the
+    item's rows kept per thread in shared memory (ep_f, ep_i: no registers held across the next item's tile); an
+    item with no kv tile and the block's last item flush the kept epilogue where they are. Why: the timeline put a
+    document item's epilogue at ~2 us, 1.1 tile-times of its ~5 (benchmarks/NOTES.md, "The last P V with the next
+    item"). The persistent producer-warpgroup kernel with its staged epilogue and ping-pong turns, no half tiles,
+    and no block list: there the consumers' list walk and row bounds already fill their 208 registers, and ptxas
+    spilled 100-120 bytes in the kv loop with it (the document -15% on the H100, 2026-11-27); `extra[
+    "epilogue_in_s"] = False` keeps the epilogue at the item's end (bench '-noes'), True asks for it under a block
+    list too."""
+    asked = spec.extra.get("epilogue_in_s", spec.block_mask != "list")
+    return (bool(persistent(spec)) and producer(spec) == "warpgroup" and staged_epilogue(spec) and pingpong(spec)
+            and not half_tiles(spec) and asked is not False)
+
+
 def bounds_in_s(spec: FA2ForwardSpec) -> bool:
     """Whether the consumers read their rows' bounds (row bounds from captured data: a document mask's ids and run
     table, `row_bounds_read_data`) in the shadow of the item's first S, between its issue and its wait, rather
@@ -399,7 +421,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
     o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
                            and spec.extra.get("staged_epilogue", True) is not False) else 0
-    if o_at + o_buf + barrier_bytes + ALIGN > SMEM_LIMIT:
+    if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) > SMEM_LIMIT:
         o_buf = 0
     bars = o_at + o_buf
     return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
@@ -409,7 +431,17 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
+    """The dynamic shared memory a block asks for (the kernel's static arrays come on top: `static_bytes`)."""
     return _layout(spec)["total"] + ALIGN
+
+
+KEPT_BYTES = 256 * 2 * 4 + 2 * 2 * 8  # epilogue_in_s: a consumer thread's two rows' 1 / l, a warpgroup's item rows
+
+
+def static_bytes(spec: FA2ForwardSpec) -> int:
+    """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state."""
+    tick = 4 * (10 if list_head_shared(spec) else 2) if uses_work_counter(spec) else 0
+    return tick + (KEPT_BYTES if epilogue_in_s(spec) else 0)
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -458,8 +490,8 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if not registers_fit(threads_per_block(spec), register_cap(spec)):
         raise ValueError(f"wgmma-ws: {threads_per_block(spec)} threads x {register_cap(spec)} registers do not fit "
                          f"the SM's {REGISTER_FILE} (warps allocated in groups of 4): the launch would fail (701)")
-    if smem_bytes(spec) > SMEM_LIMIT:
-        raise ValueError(f"wgmma-ws: {smem_bytes(spec)} bytes of shared memory exceed 227 KB "
+    if smem_bytes(spec) + static_bytes(spec) > SMEM_LIMIT:
+        raise ValueError(f"wgmma-ws: {smem_bytes(spec) + static_bytes(spec)} bytes of shared memory exceed 227 KB "
                          f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim})")
 
 
@@ -853,13 +885,19 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c(f"acc = cuda.local.array({D // 2}, np.float32)")
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
 
+    DEFER = epilogue_in_s(spec)
+
+    def zero_acc() -> None:
+        c(f"for i in range({D // 2}):")
+        with c.indent():
+            c("acc[i] = ZERO")
+
     def zero_state() -> None:
         for t in ROWS:
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
-        c(f"for i in range({D // 2}):")
-        with c.indent():
-            c("acc[i] = ZERO")
+        if not DEFER:  # else after the kept epilogue: the item before's last P V is still to add to O
+            zero_acc()
 
     if not PERSIST:
         zero_state()
@@ -953,13 +991,28 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("pphase = 0")
         if HALF:
             c("phs = 3  # the halves tile j - 1 kept (read once have_prev)")
-        c("have_prev = False")
+        if not DEFER:  # else the item before's last P V, if any, goes with this item's first tile
+            c("have_prev = False")
         return copy
+
+    def kept_epilogue() -> None:
+        """The kept item's epilogue (epilogue_in_s), its last P V done: O times the kept 1 / l staged through the
+        warpgroup's O buffer and stored to the kept rows; then O zeroed for the item now running."""
+        stage = stage_row_helper(c, D, pack, zero_masked=True)  # an item with no tile: O = 0, not O's leftovers
+        c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
+        c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, after")
+        c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
+        for t in ROWS:
+            c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
+            c(f"{stage}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
+        c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
+        emit_staged_stores(c, D, 64, "ep_lo + cw * 64", "ctid & 127", "o_wg", head="ep_head")
+        c("ep_pend = False")
 
     def pv(vbase: str) -> None:
         """O += P_{j-1} V_{j-1}; with half tiles only the k steps of the halves tile j - 1 kept (phs)."""
         if not HALF:
-            _emit_pv(c, KK, D, vbase)
+            _emit_pv(c, KK, D, vbase, scale_d="pv_sd" if DEFER else "")
             return
         c("if phs == 3:")
         with c.indent():
@@ -991,8 +1044,20 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         for t in ROWS:  # defined on every path (Numba's bytecode analysis asks it)
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
+        if DEFER:
+            c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
+            c("ep_pend = False  # an item's last P V and epilogue wait for the next item's first tile (epilogue_in_s)")
+            c("have_prev = False  # a P V to issue with the next S: carried from item to item")
+            c("pv_sd = 1  # that P V's first k step adds to O (1) or starts it (0)")
+            zero_acc()
         _emit_item_loop_start(c, spec, item_state, lay)
         zero_state()
+        if DEFER:
+            c("if ep_pend and kv_last < kv_first:  # no kv tile here to carry the item before's last P V")
+            with c.indent():
+                last_pv()
+                c("have_prev = False")
+                kept_epilogue()
         copy = item_start("qphase")
     elif PERSIST:
         c("stage = 0  # the ring's stage and phase carry from item to item: the loader runs ahead across them")
@@ -1094,6 +1159,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 pv("pv_base")
                 if PP:
                     c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
+                if LATE and DEFER:  # the item's first tile carries the item before's last P V (epilogue_in_s)
+                    c("if j == kv_first:  # the item's first tile: its rows' bounds read while S is in flight")
+                    with c.indent():
+                        emit_row_bounds(c, spec, raw="_raw")
                 c(f"{wait1}(sc, {ofs})")
             c("else:")
             with c.indent():
@@ -1202,10 +1271,19 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"if cw == 1:  # V_(j + {S - 1}) into V_(j - 1)'s stage: warpgroup 0, a turn ahead, has released it")
             with c.indent():
                 _emit_loader_step(c, spec, lay, "v")
+        if DEFER:  # P first: S is then dead, and the kept epilogue has O beside P's registers only
+            c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
+            c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
+            c("pv_sd = 0 if j == kv_first else 1  # the item's first P V starts O from zero (wgmma's scale-d): O")
+            c("# is not zeroed at the item's start, where the item before's last P V may still be adding to it")
+            c("if ep_pend:  # the item before's epilogue: its last P V ran beside this tile's S (epilogue_in_s)")
+            with c.indent():
+                kept_epilogue()
         for t in ROWS:
             c(f"scale_row({t.acc}, {t.ofs}, alpha_{t.k})")
-        c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
-        c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
+        if not DEFER:
+            c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
+            c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
         c("have_prev = True")
         if HALF:
             c("phs = hs")
@@ -1219,6 +1297,26 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("phase ^= 1")
     if PERSIST and not NONE:
         c(f"mbar_arrive(bars + {lay['q_empty']})  # this thread is past the item's last S: the producer may refill Q")
+        if DEFER:
+            c("# the last P V and O's epilogue go with the next item's first tile (epilogue_in_s): the LSE now, 1 / l")
+            c("# and the item's rows kept in shared memory; P's registers and the V stage (pstage) carry over")
+            for t in ROWS:
+                _emit_row_inv(c, t.k)
+                c(f"qi = {t.row}")
+                c("if qi < M and t2 == 0:")
+                with c.indent():
+                    c(_lse_line(t.k, "q_head"))
+                c(f"ep_f[ctid * 2 + {t.k}] = inv")
+            c("ep_i[cw * 2] = q_head  # every thread of the warpgroup writes the same")
+            c("ep_i[cw * 2 + 1] = q_lo")
+            c("ep_pend = True")
+            c("qphase ^= 1")
+            _emit_item_loop_end(c, spec)
+            c("if ep_pend:  # the block's last item")
+            with c.indent():
+                last_pv()
+                kept_epilogue()
+            return
         last_pv()
         c()
         if staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
@@ -1299,6 +1397,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
           f'warpgroups, {S} stages, {spec.dtype}."""'.replace(
               "1 producer +", "no producer (the consumers load)," if NONE else f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
+        if epilogue_in_s(spec):
+            c("ep_f = cuda.shared.array(512, np.float32)  # a consumer thread's kept 1 / l, a row each (epilogue_in_s)")
+            c("ep_i = cuda.shared.array(4, np.int64)  # a consumer warpgroup's kept item: q_head, q_lo")
         if uses_work_counter(spec):
             c(f"tick = cuda.shared.array({10 if list_head_shared(spec) else 2}, np.int32)  # the items' tickets "
               "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))
