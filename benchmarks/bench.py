@@ -118,8 +118,9 @@ def parse_config(text: str) -> tuple:
     after the waits for K and S, not before (extra gather_early); '-nolh' the persistent producer kernel's items
     starting on their block list's global reads, not on its head handed over with the ticket (extra list_head),
     '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
-    runs (extra bounds_in_s), '-noes' an item's last P V and epilogue at its own end, not with the next item's
-    first tile (extra epilogue_in_s); '-half' the '-wsn' kernel's half
+    runs (extra bounds_in_s), '-noes' / '-es' an item's last P V and epilogue at its own end / with the next
+    item's first tile (extra epilogue_in_s; by default with it except under a block list or the softcap's tanh);
+    '-half' the '-wsn' kernel's half
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not the FMA
@@ -176,7 +177,7 @@ CONFIG_OPTIONS: list = [
     (("noge", {"gather_early": False}),),
     (("nolh", {"list_head": False}),),
     (("nobs", {"bounds_in_s": False}),),
-    (("noes", {"epilogue_in_s": False}),),
+    (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),
     (("ltanh", {"tanh": "libdevice"}),),
     (("se", {"staged_epilogue": True}), ("nose", {"staged_epilogue": False})),

@@ -96,6 +96,7 @@ from .emit_fa2 import (
     emit_program_index,
     emit_fragment_helpers,
     emit_masked_rows,
+    small_scores,
     softmax_call,
     emit_masked_score,
     emit_row_bounds,
@@ -353,12 +354,13 @@ def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     item's rows kept per thread in shared memory (ep_f, ep_i: no registers held across the next item's tile); an
     item with no kv tile and the block's last item flush the kept epilogue where they are. Why: the timeline put a
     document item's epilogue at ~2 us, 1.1 tile-times of its ~5 (benchmarks/NOTES.md, "The last P V with the next
-    item"). The persistent producer-warpgroup kernel with its staged epilogue and ping-pong turns, no half tiles,
-    and no block list: there the consumers' list walk and row bounds already fill their 208 registers, and ptxas
-    spilled 100-120 bytes in the kv loop with it (the document -15% on the H100, 2026-11-27); `extra[
-    "epilogue_in_s"] = False` keeps the epilogue at the item's end (bench '-noes'), True asks for it under a block
-    list too."""
-    asked = spec.extra.get("epilogue_in_s", spec.block_mask != "list")
+    item"). The persistent producer-warpgroup kernel with its staged epilogue and ping-pong turns, no half tiles.
+    Not by default where the consumers' registers are already full and ptxas (13.0, sm_90a, the driver's whole
+    program compile) then spills in the kv loop: a block list (the list walk and row bounds at 208 registers: 100-
+    120 bytes, the document -15% on the H100, 2026-11-27) and the softcap's two tanh paths (`small_scores`: 164
+    bytes against 48, -7%). `extra["epilogue_in_s"]` False keeps the epilogue at the item's end (bench '-noes'),
+    True asks for it there too ('-es')."""
+    asked = spec.extra.get("epilogue_in_s", spec.block_mask != "list" and small_scores(spec) is None)
     return (bool(persistent(spec)) and producer(spec) == "warpgroup" and staged_epilogue(spec) and pingpong(spec)
             and not half_tiles(spec) and asked is not False)
 
@@ -991,7 +993,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("pphase = 0")
         if HALF:
             c("phs = 3  # the halves tile j - 1 kept (read once have_prev)")
-        if not DEFER:  # else the item before's last P V, if any, goes with this item's first tile
+        if DEFER:  # the item before's last P V, if any, goes with this item's first tile
+            c("fresh = True  # the item's first tile is next")
+        else:
             c("have_prev = False")
         return copy
 
@@ -999,6 +1003,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         """The kept item's epilogue (epilogue_in_s), its last P V done: O times the kept 1 / l staged through the
         warpgroup's O buffer and stored to the kept rows; then O zeroed for the item now running."""
         stage = stage_row_helper(c, D, pack, zero_masked=True)  # an item with no tile: O = 0, not O's leftovers
+        c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
         c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
         c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, after")
         c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
@@ -1045,7 +1050,6 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
         if DEFER:
-            c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
             c("ep_pend = False  # an item's last P V and epilogue wait for the next item's first tile (epilogue_in_s)")
             c("have_prev = False  # a P V to issue with the next S: carried from item to item")
             c("pv_sd = 1  # that P V's first k step adds to O (1) or starts it (0)")
@@ -1160,7 +1164,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 if PP:
                     c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
                 if LATE and DEFER:  # the item's first tile carries the item before's last P V (epilogue_in_s)
-                    c("if j == kv_first:  # the item's first tile: its rows' bounds read while S is in flight")
+                    c("if fresh:  # the item's first tile: its rows' bounds read while S is in flight")
                     with c.indent():
                         emit_row_bounds(c, spec, raw="_raw")
                 c(f"{wait1}(sc, {ofs})")
@@ -1274,7 +1278,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if DEFER:  # P first: S is then dead, and the kept epilogue has O beside P's registers only
             c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
             c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
-            c("pv_sd = 0 if j == kv_first else 1  # the item's first P V starts O from zero (wgmma's scale-d): O")
+            c("pv_sd = 0 if fresh else 1  # the item's first P V starts O from zero (wgmma's scale-d): O")
             c("# is not zeroed at the item's start, where the item before's last P V may still be adding to it")
             c("if ep_pend:  # the item before's epilogue: its last P V ran beside this tile's S (epilogue_in_s)")
             with c.indent():
@@ -1285,6 +1289,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("# P to 16-bit pairs: n8 tiles 2k, 2k + 1 of S are the A fragment of k step k")
             c(f"{_pack_pa_helper(c, KK, pack)}(pa, sc)")
         c("have_prev = True")
+        if DEFER:
+            c("fresh = False")
         if HALF:
             c("phs = hs")
         c("pstage = stage")
