@@ -1001,7 +1001,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
 
     def kept_epilogue() -> None:
         """The kept item's epilogue (epilogue_in_s), its last P V done: O times the kept 1 / l staged through the
-        warpgroup's O buffer and stored to the kept rows; then O zeroed for the item now running."""
+        warpgroup's O buffer and stored to the kept rows. O is not zeroed after it: the item now running starts O
+        with its first P V (scale-d 0), and a row with 1 / l = 0 stages zeros whatever O holds."""
         stage = stage_row_helper(c, D, pack, zero_masked=True)  # an item with no tile: O = 0, not O's leftovers
         c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
         c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
