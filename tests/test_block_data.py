@@ -251,3 +251,18 @@ def test_block_tables_follow_a_tensors_version() -> None:
     keep[0, 0] = False  # an in-place write bumps the version counter
     assert bt.entry([keep], sizes, lambda: torch.zeros(1)) is not e1
     assert bt.entry([keep.clone()], sizes, lambda: torch.zeros(1)) is not e1  # another tensor
+
+
+def test_a_block_list_past_32_bit_positions_is_a_clear_error() -> None:
+    """The kernels walk a block list by 32-bit positions (emit_fa2._emit_list_ahead): a list of 2**31 entries or
+    more is refused by name, not wrapped around; one entry fewer is laid out."""
+    g = runpy.run_path(str(ROOT / "examples" / "document.py"))["graph"]
+    spec = fl.compile(g).specialize("f16", D=64).spec
+    tags = dict(list_layout(spec, (1, 1, 256, 256)))
+    assert "kv_tiles" in tags and tags["kv_tiles"] == (256 // spec.block_q) * (256 // spec.block_k)
+    nq = nk = 1 << 11  # 2**22 tiles a (b, h) row
+    rows = (1 << 31) // (nq * nk)  # (b, h) rows that make 2**31 entries
+    big = (rows, 1, nq * spec.block_q, nk * spec.block_k)
+    with pytest.raises(ValueError, match=r"block list of B=512.*over the kernels' 32-bit positions"):
+        list_layout(spec, big)
+    dict(list_layout(spec, (rows - 1, 1, nq * spec.block_q, nk * spec.block_k)))  # just under: laid out

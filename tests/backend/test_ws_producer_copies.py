@@ -94,7 +94,7 @@ def test_persistent_producer_walks_each_items_block_list(head):
     loop = item[item.index("while j <= kv_last:"):]
     assert "kv_cur = " in item[:item.index("while j <= kv_last:")]  # the first two entries read before the loop
     # entry after entry, each read a tile ahead of its copies; each tile's K and V copied
-    assert re.search(r"kv_nx = \w+\[kv_at\]", loop) and "copy_rows_" in loop
+    assert re.search(r"kv_nx = np\.int32\(\w+\[kv_at\]", loop) and "copy_rows_" in loop  # a 32-bit walk
     assert "kv_last = (" in item and "if kv_n > 0 else -1" in item  # an empty list: the loop does not run
 
 

@@ -271,7 +271,15 @@ def list_layout(spec: Any, sizes: tuple[int, int, int, int]) -> list[tuple[str, 
     G = spec.group_size
     length = {"kv_count": B * H * nq, "kv_tiles": B * H * nq * nk, "q_count": B * (H // G) * nk,
               "q_tiles": B * (H // G) * nk * G * nq}
-    return [(c.derived[0], length[c.derived[0]]) for c in spec.captures if c.derived[:1] and c.derived[0] in LIST_TAGS]
+    out = [(c.derived[0], length[c.derived[0]]) for c in spec.captures if c.derived[:1] and c.derived[0] in LIST_TAGS]
+    if any(n >= LIST_LIMIT for _, n in out):  # the kernels walk a list by 32-bit positions (emit_fa2._emit_list_ahead)
+        raise ValueError(f"block list of B={B}, H={H}, M={M}, N={N} at {spec.block_q} x {spec.block_k} tiles has "
+                         f"{max(n for _, n in out)} entries, over the kernels' 32-bit positions ({LIST_LIMIT - 1}): "
+                         "split the batch")
+    return out
+
+
+LIST_LIMIT = 1 << 31  # a block list's entries, addressed by int32 in the kernels
 
 
 def list_rows(spec: Any, sizes: tuple[int, int, int, int]) -> int:

@@ -719,13 +719,15 @@ def _emit_list_ahead(c: _Code, spec: FA2ForwardSpec, head: bool = False) -> None
     """Block list, before the kv loop of a kernel that walks it with `_emit_next_tile(..., ahead=True)`: the
     current entry (kv_cur) and the next (kv_nx, or the end kv_last + 1) in registers, so an iteration issues its
     next tile's copies without first waiting on a global load of the list. `head`: the first two entries are
-    kv_h0, kv_h1 (`_emit_tile_range`'s head)."""
+    kv_h0, kv_h1 (`_emit_tile_range`'s head). The walk is 32-bit (block_data.LIST_LIMIT refuses a longer list):
+    in 64 bits it held four more registers through the kv loop, and the persistent producer kernel's consumers
+    spilled 96 bytes with epilogue_in_s (ptxas 13.0), none in 32."""
     _, kt = _list_names(spec)
     e0, e1 = ("kv_h0", "kv_h1") if head else (f"{kt}[kv_row]", f"{kt}[kv_row + 1]")
-    c(f"kv_cur = {e0} if kv_n > 0 else 0  # entry kv_pos: tile j and its class")
-    c(f"kv_nx = {e1} if kv_n > 1 else (kv_last + 1) * 2  # entry kv_pos + 1: the next tile")
-    c("kv_at = kv_row + 2  # the entry to load next, up to kv_end")
-    c("kv_end = kv_row + kv_n")
+    c(f"kv_cur = np.int32({e0} if kv_n > 0 else 0)  # entry kv_pos: tile j and its class")
+    c(f"kv_nx = np.int32({e1} if kv_n > 1 else (kv_last + 1) * 2)  # entry kv_pos + 1: the next tile")
+    c("kv_at = np.int32(kv_row + 2)  # the entry to load next, up to kv_end")
+    c("kv_end = np.int32(kv_row + kv_n)")
 
 
 def carries_class(spec: FA2ForwardSpec) -> bool:
@@ -752,8 +754,8 @@ def _emit_next_tile(c: _Code, spec: FA2ForwardSpec, cur: str, out: str, ahead: b
         c(f"kv_cls = 1 if kv_cur & 1 else 2  # tile {cur}: partial or full")
         c(f"{out} = kv_nx >> 1")
         c("kv_cur = kv_nx")
-        c(f"kv_nx = {kt}[kv_at] if kv_at < kv_end else (kv_last + 1) * 2")
-        c("kv_at += 1")
+        c(f"kv_nx = np.int32({kt}[kv_at] if kv_at < kv_end else (kv_last + 1) * 2)")
+        c("kv_at += np.int32(1)")
         return
     if spec.block_mask == "list":  # cur is entry kv_pos of the list
         _, kt = _list_names(spec)

@@ -356,11 +356,11 @@ def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     document item's epilogue at ~2 us, 1.1 tile-times of its ~5 (benchmarks/NOTES.md, "The last P V with the next
     item"). The persistent producer-warpgroup kernel with its staged epilogue and ping-pong turns, no half tiles.
     Not by default where the consumers' registers are already full and ptxas (13.0, sm_90a, the driver's whole
-    program compile) then spills in the kv loop: a block list (the list walk and row bounds at 208 registers: 100-
-    120 bytes, the document -15% on the H100, 2026-11-27) and the softcap's two tanh paths (`small_scores`: 164
-    bytes against 48, -7%). `extra["epilogue_in_s"]` False keeps the epilogue at the item's end (bench '-noes'),
-    True asks for it there too ('-es')."""
-    asked = spec.extra.get("epilogue_in_s", spec.block_mask != "list" and small_scores(spec) is None)
+    program compile) then spills in the kv loop: the softcap's two tanh paths (`small_scores`: 164 bytes against
+    48, -7% on the H100, 2026-11-27). A block list spilled 96-120 bytes with it (the document -15%) while its walk
+    was 64-bit, none since it is 32-bit (emit_fa2._emit_list_ahead). `extra["epilogue_in_s"]` False keeps the
+    epilogue at the item's end (bench '-noes'), True asks for it there too ('-es')."""
+    asked = spec.extra.get("epilogue_in_s", small_scores(spec) is None)
     return (bool(persistent(spec)) and producer(spec) == "warpgroup" and staged_epilogue(spec) and pingpong(spec)
             and not half_tiles(spec) and asked is not False)
 
