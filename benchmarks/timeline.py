@@ -12,7 +12,10 @@ loop's end, its epilogue's end; the summary's `loop_end_to_next_q_us` is what on
 (what the persistent kernel was built to hide), `item_cost_tiles` that plus the loop's fixed cost, in tile-times.
 The persistent kernel with a producer warpgroup (`--config 128x128w8-wsg-p132-iod`) is stamped in its consumers
 (`summarize_producer`: the wait for Q after the item's state, the loop, the epilogue, the time between items) and
-launched as falower launches it (the driver's whole-program compile, which keeps setmaxnreg).
+launched as falower launches it (the driver's whole-program compile, which keeps setmaxnreg). Where that kernel
+carries an item's last P V and epilogue into the next item's first tile (emit_fa3_ws.epilogue_in_s, its default but
+for the softcap), the stamp "epilogue" spans only the item's end (its LSE): the epilogue itself is inside the next
+item's loop, and `item_cost_tiles` (the fit) is what compares with a kernel without it.
 
 The stamps cost a few instructions a warpgroup; the timed kernel is otherwise the one the bench times. Needs torch
 and a GPU (or the CUDA simulator, tiny shapes: NUMBA_ENABLE_CUDASIM=1 ... --n 256 --b 1 --h 2 --d 64).
