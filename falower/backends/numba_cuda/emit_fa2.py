@@ -591,7 +591,7 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
     if spec.block_mask == "list":
         kc, kt = _list_names(spec)
         c("# the kv tiles this q tile visits, listed once per data (block_data.py): no scan, no empty tile")
-        c(f"kv_row = (b * H + h) * ((M + {BQ - 1}) // {BQ}) + qt")
+        c(f"kv_row = {list_row_expr(spec, 'b', 'h', 'qt')}")
         c("kv_n = kv_hn" if head else f"kv_n = {kc}[kv_row]")
         c("kv_row = kv_row * nk")
         c("kv_pos = 0")
@@ -707,6 +707,12 @@ def _tile_class_expr(spec: FA2ForwardSpec, j: str) -> str:
     if spec.block_mask == "list":
         return "kv_cls"  # the current tile's, set by _emit_next_tile
     return "2"
+
+
+def list_row_expr(spec: FA2ForwardSpec, b: str, h: str, qt: str) -> str:
+    """The block list's row of q tile qt of (b, h) (block_data.emit_block_list's layout: (b * H + h) * nq + qt), as
+    a kernel expression: the kernels' item state and the persistent producer's look-ahead read the same rows."""
+    return f"({b} * H + {h}) * ((M + {spec.block_q - 1}) // {spec.block_q}) + {qt}"
 
 
 def _list_names(spec: FA2ForwardSpec) -> tuple[str, str]:

@@ -88,6 +88,7 @@ from .emit_fa2 import (
     _tile_class_expr,
     emit_bases,
     emit_persistent_index,
+    list_row_expr,
     item_order,
     uses_work_counter,
     _emit_item_carry,
@@ -383,13 +384,13 @@ def _emit_head_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
     from .emit_fa2 import _list_names
 
     kc, kt = _list_names(spec)
-    BQ, BK = spec.block_q, spec.block_k
+    BK = spec.block_k
     c("hx_x = it_x + tk_next - it_t  # the next ticket's item, carried from this one's")
     c("hx_y = it_y")
     c("hx_z = it_z")
     _emit_item_carry(c, spec, "hx")
     emit_persistent_index(c, spec, "hx", "_hx")
-    c(f"hn_r = (b_hx * H + h_hx) * ((M + {BQ - 1}) // {BQ}) + qt_hx")
+    c(f"hn_r = {list_row_expr(spec, 'b_hx', 'h_hx', 'qt_hx')}")
     c(f"hn_n = {kc}[hn_r]")
     c(f"hn_r = hn_r * ((N + {BK - 1}) // {BK})")
     c(f"hn_0 = {kt}[hn_r] if hn_n > 0 else 0")
@@ -423,6 +424,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
     o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
                            and spec.extra.get("staged_epilogue", True) is not False) else 0
+    # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
     if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) > SMEM_LIMIT:
         o_buf = 0
     bars = o_at + o_buf
@@ -437,12 +439,19 @@ def smem_bytes(spec: FA2ForwardSpec) -> int:
     return _layout(spec)["total"] + ALIGN
 
 
-KEPT_BYTES = 256 * 2 * 4 + 2 * 2 * 8  # epilogue_in_s: a consumer thread's two rows' 1 / l, a warpgroup's item rows
+KEPT_F32 = 256 * 2  # epilogue_in_s's static arrays: ep_f, a consumer thread's two rows' 1 / l; ep_i, a
+KEPT_I64 = 2 * 2  # consumer warpgroup's kept item (q_head, q_lo)
+KEPT_BYTES = 4 * KEPT_F32 + 8 * KEPT_I64
+
+
+def tick_words(spec: FA2ForwardSpec) -> int:
+    """The int32 words of `tick` (item_order "dynamic"): two tickets, and with `list_head_shared` their heads."""
+    return 10 if list_head_shared(spec) else 2
 
 
 def static_bytes(spec: FA2ForwardSpec) -> int:
     """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state."""
-    tick = 4 * (10 if list_head_shared(spec) else 2) if uses_work_counter(spec) else 0
+    tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
     return tick + (KEPT_BYTES if epilogue_in_s(spec) else 0)
 
 
@@ -1405,10 +1414,11 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
               "1 producer +", "no producer (the consumers load)," if NONE else f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
         if epilogue_in_s(spec):
-            c("ep_f = cuda.shared.array(512, np.float32)  # a consumer thread's kept 1 / l, a row each (epilogue_in_s)")
-            c("ep_i = cuda.shared.array(4, np.int64)  # a consumer warpgroup's kept item: q_head, q_lo")
+            c(f"ep_f = cuda.shared.array({KEPT_F32}, np.float32)  # a consumer thread's kept 1 / l, a row each "
+              "(epilogue_in_s)")
+            c(f"ep_i = cuda.shared.array({KEPT_I64}, np.int64)  # a consumer warpgroup's kept item: q_head, q_lo")
         if uses_work_counter(spec):
-            c(f"tick = cuda.shared.array({10 if list_head_shared(spec) else 2}, np.int32)  # the items' tickets "
+            c(f"tick = cuda.shared.array({tick_words(spec)}, np.int32)  # the items' tickets "
               "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
