@@ -176,6 +176,7 @@ CONFIG_OPTIONS: list = [
     (("nots", {"tanh_small": False}),),
     (("noge", {"gather_early": False}),),
     (("nolh", {"list_head": False}),),
+    (("nors", {"range_shared": False}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

@@ -232,14 +232,15 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
-                   "loop_cycles")
+                   "loop_cycles", "k0_wait_cycles")
 
 
 def stamped_producer_source(source: str, name: str) -> str:
     """The persistent kernel with a producer warpgroup, stamped in its consumers an item: once the item's state is
     known (its ticket read, its kv range scanned), when its Q has landed, when its last S is done (q_empty), and
     after its epilogue (%globaltimer, 256 ns steps on the H100); and by %clock64, the cycles its kv loop spent in
-    the waits for K and for V to land (summed over its tiles) and the loop's cycles; thread 0 of each consumer
+    the waits for K and for V to land (summed over its tiles), its first tile's wait for K alone (where the ring
+    had not loaded ahead across the item's start) and the loop's cycles; thread 0 of each consumer
     warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
     lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
@@ -256,6 +257,8 @@ def stamped_producer_source(source: str, name: str) -> str:
         for tag, anchor in (("k", "# K_j has landed"), ("v", "# V_(j-1) has landed")):
             if ln is not None and i > consumers and anchor in ln and "record" not in found:  # the kv loop
                 out += [f"{ind(ln)}tl_c0 = clock64()", ln, f"{ind(ln)}tl_w{tag} += clock64() - tl_c0"]
+                if tag == "k":  # the item's first tile's wait for K: what the ring had not loaded ahead
+                    out += [f"{ind(ln)}if tl_f:", f"{ind(ln)}    tl_wk0 = clock64() - tl_c0", f"{ind(ln)}tl_f = False"]
                 found.add(f"wait_{tag}")
                 ln = None
         if ln is None:
@@ -273,13 +276,15 @@ def stamped_producer_source(source: str, name: str) -> str:
                     f"{sp}    tl_buf[tl_i + 6] = np.uint64(tl_wk)",
                     f"{sp}    tl_buf[tl_i + 7] = np.uint64(tl_wv)",
                     f"{sp}    tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)",
+                    f"{sp}    tl_buf[tl_i + 9] = np.uint64(tl_wk0)",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
         if i == consumers:
             sp = ind(ln)
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
-                    f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk",
+                    f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
+                    f"{sp}tl_f = False",
                     f"{sp}tl_cq = clock64()", f"{sp}tl_cle = tl_cq"]
             found.add("init")
         if i > consumers and ln.strip() == "break" and "start" not in found:
@@ -291,7 +296,8 @@ def stamped_producer_source(source: str, name: str) -> str:
             # the kv range by the names the loop below reads (ssa_names renames the consumers' copies)
             first = next(x.strip()[4:] for x in lines[i + 1:] if x.strip().startswith("j = "))
             last = next(x.strip()[len("while j <= "):-1] for x in lines[i + 1:] if x.strip().startswith("while j <= "))
-            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1"]
+            out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1",
+                    f"{sp}tl_wk0 = np.uint64(0)", f"{sp}tl_f = True"]
             found.add("q")
         if i > consumers and "past the item's last S" in ln and "loop_end" not in found:
             out += [f"{ind(ln)}tl_le = global_timer()", f"{ind(ln)}tl_cle = clock64()"]
@@ -331,6 +337,8 @@ def summarize_producer(t: np.ndarray) -> dict:
             waits[f"{name}_wait_cycles_per_tile"] = float(np.median(rows[:, col] / rows[:, 5]))
             waits[f"{name}_wait_share"] = float(rows[:, col].sum() / max(rows[:, 8].sum(), 1.0))
         waits["loop_cycles_per_tile"] = float(np.median(rows[:, 8] / rows[:, 5]))
+    if t.shape[-1] >= 10 and len(rows):  # the first tile's wait for K, in cycles: the ring's refill at an item
+        waits["k0_wait_cycles"] = float(np.median(rows[:, 9]))
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}

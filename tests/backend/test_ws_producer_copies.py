@@ -130,3 +130,47 @@ def test_document_row_bounds_read_in_the_first_s(late):
         assert re.search(r"rb_lo0_raw, rb_hi0_raw, rb_ex0 = row_bounds_fn", consumer)  # 32-bit after the clamp
     else:
         assert len(calls) == 2 and all(at < loop_at for at in calls)  # rows g and g + 8, before the loop
+
+
+@pytest.mark.parametrize("stem", ["causal", "sliding_window"])
+@pytest.mark.parametrize("shared", [True, False], ids=["range-shared", "nors"])
+def test_static_range_comes_with_the_ticket(stem, shared):
+    """A static mask the persistent producer kernel walks (causal, a window): by default (`range_shared`) the
+    producer's first warp scans the next ticket's item (kv_first, kv_last, kf_first, kf_last) after the item's
+    last copies, thread 0 writes the four beside the ticket, and no warp scans at an item's start: each reads them
+    from `tick` and takes them through a warp reduction (REDUX: uniform to ptxas). '-nors' scans in every warp.
+    The numbers: test_ws_persistent_simulator.py's causal cases on the producer warpgroup (items of 1, 2 and 3
+    tiles, full and partial) and the GPU's examples."""
+    import runpy
+
+    import falower as fl
+
+    g = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / f"{stem}.py"))["graph"]
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic",
+             **({} if shared else {"range_shared": False})}
+    kern = fl.compile(g, extra=extra).specialize("f16", D=128)
+    assert kern.spec.block_mask == "static" and emit_fa3_ws.range_shared(kern.spec) == shared
+    src = kern.source
+    body = _producer_body(src)
+    item = body[body.index("while True:"):]
+    consumer = src[src.index("SETMAXNREG_INC()"):]
+    citem = consumer[consumer.index("while True:"):re.search(r"while j <= kv_last(__\d+)?:", consumer).start()]
+    for part in (item[:item.index("while j <= kv_last:")], citem):  # an item's start, producer's and consumers'
+        assert ("tile_class_fn(" in part) != shared
+        if shared:
+            for k, v in enumerate(("kv_first", "kv_last", "kf_first", "kf_last")):
+                red = "warp_min" if k % 2 == 0 else "warp_max"
+                assert re.search(rf"^\s*{v}(__\d+)? = np\.int64\({red}\(kv_r{k}(__\d+)?\)\)", part, re.M), v
+                assert re.search(rf"kv_r{k}(__\d+)? = tick\[{2 + k} \+ 4 \* ip\]", part), v
+    assert f"tick = cuda.shared.array({10 if shared else 2}, np.int32)" in src
+    if not shared:
+        assert "hr_0" not in src
+        return
+    for k in range(4):  # thread 0 hands the range over beside the ticket
+        assert f"tick[{2 + k} + 4 * ip] = hr_{k}" in body
+    # scanned by the first warp for the block's first ticket, and after each item's last copies for the next
+    scans = [m.start() for m in re.finditer(r"if role == 0:  # the (first|next) item's kv range", body)]
+    assert len(scans) == 2 and scans[0] < body.index("while True:") < item.index("while j <= kv_last:") + \
+        body.index("while True:") < scans[1]
+    assert "warp_uniform(tk_next)" in body and re.search(r"tile_class_fn\(b_hx(__\d+)?, h_hx", body)
+    assert re.search(r"^\s*hr_2 = np\.int64\(nk_hx(__\d+)?\)  # then every tile is masked", body, re.M)

@@ -570,13 +570,15 @@ def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[
 
 
 def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uniform: bool = False,
-                     head: bool = False) -> None:
+                     head: bool = False, shared: bool = False) -> None:
     """Defines nk, q_lo, q_hi, kv_first, kv_last (kv_last < kv_first when nothing is visible). `warp_wide`: the
     block is whole warps (the scan may take a ballot: `emit_tile_scan`); `uniform`: the scan by warp reductions
     whose result ptxas knows is uniform (the wgmma kernels: `emit_tile_scan`); where the kernel walks the range
     (`walks_range`) the scan also finds its full tiles (kf_first, kf_last). `head` (block list): the row's count
     and its first, second and last entries are already in kv_hn, kv_h0, kv_h1, kv_hl (handed over in shared
-    memory: emit_fa3_ws.list_head_shared), not read from the list."""
+    memory: emit_fa3_ws.list_head_shared), not read from the list. `shared` (a static mask the kernel walks): the
+    range and its full tiles are already in kv_r0 .. kv_r3 (scanned by the producer's first warp an item ahead and
+    handed over in shared memory: emit_fa3_ws.range_shared), not scanned here."""
     BQ, BK = spec.block_q, spec.block_k
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
@@ -598,6 +600,13 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
         first, last = ("kv_h0", "kv_hl") if head else (f"{kt}[kv_row]", f"{kt}[kv_row + kv_n - 1]")
         c(f"kv_first = ({first} >> 1) if kv_n > 0 else 0")
         c(f"kv_last = ({last} >> 1) if kv_n > 0 else -1")
+        return
+    if shared:
+        assert uniform and walks_range(spec), "a handed-over range is the walking kernels' uniform one"
+        c("# the kv range and its full tiles as the producer's first warp scanned them (range_shared); the same in")
+        c("# every lane, and a reduction's result is uniform to ptxas (REDUX), as the scan's own was")
+        for k, v in enumerate(("kv_first", "kv_last", "kf_first", "kf_last")):
+            c(f"{v} = np.int64({'warp_min' if k % 2 == 0 else 'warp_max'}(kv_r{k}))")
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
     emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform,
@@ -630,7 +639,8 @@ def range_class_expr(j: str) -> str:
 
 
 def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: str, last: str,
-                   warp_wide: bool = True, uniform: bool = False, full_range: bool = False) -> None:
+                   warp_wide: bool = True, uniform: bool = False, full_range: bool = False,
+                   full: tuple[str, str] = ("kf_first", "kf_last")) -> None:
     """first, last = the first and the last j in [0, count) whose class `class_of(j)` is not 0 (count and -1 when
     there is none). Why a ballot: the serial scan classified one tile after another, ~20 dependent instructions a
     tile before the first copy could be issued (64 tiles at N = 4k: more than a narrow window's whole kv loop);
@@ -647,14 +657,15 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
     `full_range` (uniform only; the kernels that walk the range, `walks_range`) also defines kf_first, kf_last:
     the first and last full tile (class 2), or the empty range (count, -1) where there is none or where they are
     not contiguous (each lane counts its full tiles; warp_sum against the range's length), so that every tile
-    inside [kf_first, kf_last] is full."""
+    inside [kf_first, kf_last] is full; `full` names them otherwise (another item's scan beside this one's)."""
+    kf, kl = full
     uniform = uniform and warp_wide  # the reductions are warp-wide too
     assert not full_range or uniform, "the full range is the uniform scan's"
     c(f"{first} = {count}")
     c(f"{last} = -1")
     if full_range:
-        c(f"kf_first = {count}")
-        c("kf_last = -1")
+        c(f"{kf} = {count}")
+        c(f"{kl} = -1")
         c("n_full = 0")
     if not warp_wide or uniform:  # serially: every tile in this thread, or (uniform) this lane's every 32nd
         c(f"for jt in range(cuda.threadIdx.x & 31, {count}, 32):  # 32 tiles a step, one a lane" if uniform
@@ -669,8 +680,8 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
                 if full_range:
                     c("if cl == 2:")
                     with c.indent():
-                        c("kf_first = min(kf_first, jt)")
-                        c("kf_last = jt")
+                        c(f"{kf} = min({kf}, jt)")
+                        c(f"{kl} = jt")
                         c("n_full += 1")
         if not uniform:
             return
@@ -679,12 +690,12 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
         c(f"{first} = np.int64(warp_min(np.int32({first})))")
         c(f"{last} = np.int64(warp_max(np.int32({last})))")
         if full_range:
-            c("kf_first = np.int64(warp_min(np.int32(kf_first)))")
-            c("kf_last = np.int64(warp_max(np.int32(kf_last)))")
-            c("if warp_sum(np.int32(n_full)) != kf_last - kf_first + 1:  # a partial tile between full ones")
+            c(f"{kf} = np.int64(warp_min(np.int32({kf})))")
+            c(f"{kl} = np.int64(warp_max(np.int32({kl})))")
+            c(f"if warp_sum(np.int32(n_full)) != {kl} - {kf} + 1:  # a partial tile between full ones")
             with c.indent():
-                c(f"kf_first = np.int64({count})  # then every tile is masked")
-                c("kf_last = np.int64(-1)")
+                c(f"{kf} = np.int64({count})  # then every tile is masked")
+                c(f"{kl} = np.int64(-1)")
         return
     c(f"for jc in range(0, {count}, 32):  # 32 tiles a step, one a lane, gathered by one ballot")
     with c.indent():
@@ -696,12 +707,15 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
             c(f"{last} = jc + highest_bit(live)")
 
 
-def _tile_class_expr(spec: FA2ForwardSpec, j: str) -> str:
+def _tile_class_expr(spec: FA2ForwardSpec, j: str, sfx: str = "") -> str:
+    """Tile j's class; `sfx` reads another item's b, h, q_lo, q_hi (b<sfx>, ...: a static mask only)."""
     BK = spec.block_k
     if spec.block_mask == "static":
         return (
-            f"tile_class_fn(b, h, q_lo, q_hi, {j} * {BK}, min({j} * {BK} + {BK}, N) - 1{_cap_args(spec)})"
+            f"tile_class_fn(b{sfx}, h{sfx}, q_lo{sfx}, q_hi{sfx}, {j} * {BK}, min({j} * {BK} + {BK}, N) - 1"
+            f"{_cap_args(spec)})"
         )
+    assert not sfx, "another item's class: static masks only"
     if spec.block_mask == "table":
         return f"table[((b * H + h) * nq + qt) * nk + {j}]"
     if spec.block_mask == "list":

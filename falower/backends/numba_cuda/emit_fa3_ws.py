@@ -108,6 +108,7 @@ from .emit_fa2 import (
     score_row_calls,
     walks_range,
     wgmma_thread_rows,
+    emit_tile_scan,
 )
 try:  # the score functions' per-CTA values (score-licm), where emit_fa2 has them
     from .emit_fa2 import _score_args
@@ -347,6 +348,47 @@ def list_head_shared(spec: FA2ForwardSpec) -> bool:
             and uses_work_counter(spec) and spec.extra.get("list_head", True) is not False)
 
 
+def range_shared(spec: FA2ForwardSpec) -> bool:
+    """Whether the ticket's handover also carries the item's kv range and its full tiles (kv_first, kv_last,
+    kf_first, kf_last), scanned by the producer's first warp while the previous item's last copies are in flight
+    and written beside the ticket in `tick` (slots 2 + 4 ip ..), so that no consumer scans at an item's start. Why:
+    the timeline put the consumers' time from one item's end to the next one's first S at ~1.4 us under causal and
+    window masks against ~0.4 us without a mask (2026-11-27), the scan (`emit_tile_scan`: tile_class_fn a lane,
+    then five warp reductions) in the consumers' path while the tensor cores wait. Static masks the kernel walks
+    (`walks_range`) on the persistent producer-warpgroup kernel with item_order "dynamic";
+    `extra["range_shared"] = False` scans in every warp as before (bench '-nors')."""
+    return (spec.block_mask == "static" and walks_range(spec) and bool(persistent(spec))
+            and producer(spec) == "warpgroup" and uses_work_counter(spec)
+            and spec.extra.get("range_shared", True) is not False)
+
+
+def _handed_over(spec: FA2ForwardSpec) -> tuple[str, ...]:
+    """The four values beside each ticket in `tick`, as the producer's thread 0 holds them before the handover:
+    the list head (list_head_shared) or the kv range (range_shared); none otherwise."""
+    if list_head_shared(spec):
+        return ("hn_n", "hn_0", "hn_1", "hn_l")
+    if range_shared(spec):
+        return ("hr_0", "hr_1", "hr_2", "hr_3")
+    return ()
+
+
+def _emit_range_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
+    """The producer's first warp (`range_shared`): hr_0 .. hr_3 = kv_first, kv_last, kf_first, kf_last of the
+    item of ticket tk_next (thread 0's, to the warp by a shuffle), its coordinates carried from the current item's
+    as every thread carries them at the handover, by the same scan the item's warps ran themselves."""
+    BQ, BK = spec.block_q, spec.block_k
+    c("hx_x = it_x + warp_uniform(tk_next) - it_t  # the next ticket's item, carried from this one's")
+    c("hx_y = it_y")
+    c("hx_z = it_z")
+    _emit_item_carry(c, spec, "hx")
+    emit_persistent_index(c, spec, "hx", "_hx")
+    c(f"q_lo_hx = qt_hx * {BQ}")
+    c(f"q_hi_hx = min(q_lo_hx + {BQ}, M) - 1")
+    c(f"nk_hx = (N + {BK - 1}) // {BK}")
+    emit_tile_scan(c, lambda j: _tile_class_expr(spec, j, "_hx"), "nk_hx", "hr_0", "hr_1", True, True,
+                   full_range=True, full=("hr_2", "hr_3"))
+
+
 def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     """Whether an item's last P V goes with the next item's first tile (as P_{j-1} V_{j-1} goes with S_j inside an
     item: the ring's V stage and P's registers carry over) and its epilogue follows that tile's softmax, instead of
@@ -446,7 +488,7 @@ KEPT_BYTES = 4 * KEPT_F32 + 8 * KEPT_I64
 
 def tick_words(spec: FA2ForwardSpec) -> int:
     """The int32 words of `tick` (item_order "dynamic"): two tickets, and with `list_head_shared` their heads."""
-    return 10 if list_head_shared(spec) else 2
+    return 10 if _handed_over(spec) else 2
 
 
 def static_bytes(spec: FA2ForwardSpec) -> int:
@@ -553,6 +595,8 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     (it_x, it_y, it_z) by the difference from the last one: `emit_persistent_next`'s carry, no division."""
     dynamic = uses_work_counter(spec)
     HEAD = list_head_shared(spec)
+    RANGE = range_shared(spec)
+    BESIDE = _handed_over(spec)
     if dynamic:
         c("it_x = 0  # the tickets carry (it_x, it_y, it_z) from item 0")
         c("it_y = 0")
@@ -560,9 +604,9 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         c("it_t = 0")
         c("ip = 0  # the ticket's slot in tick and the parity of item_full's phase")
         if producer_side:
-            if HEAD:
-                for v in ("hn_n", "hn_0", "hn_1", "hn_l"):
-                    c(f"{v} = 0  # the next item's list head: thread 0's (list_head_shared)")
+            for v in BESIDE:
+                c(f"{v} = 0  # " + ("the next item's list head: thread 0's (list_head_shared)" if HEAD else
+                                    "the next item's kv range: the first warp's (range_shared)"))
             c("if tid == 0:")
             with c.indent():
                 c("tk_next = cuda.atomic.add(work, 0, 1)  # the block's first item")
@@ -571,6 +615,10 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
             c("else:")
             with c.indent():
                 c("tk_next = 0")
+            if RANGE:
+                c("if role == 0:  # the first item's kv range")
+                with c.indent():
+                    _emit_range_prefetch(c, spec)
     else:
         emit_persistent_start(c, spec)
     c("while True:")
@@ -584,15 +632,16 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
             c("if tid == 0:  # every thread has read the last ticket: hand over the next")
             with c.indent():
                 c("tick[ip] = tk_next")
-                if HEAD:
-                    for k, v in enumerate(("hn_n", "hn_0", "hn_1", "hn_l")):
-                        c(f"tick[{2 + k} + 4 * ip] = {v}")
+                for k, v in enumerate(BESIDE):
+                    c(f"tick[{2 + k} + 4 * ip] = {v}")
                 c(f"mbar_arrive(bars + {lay['item_full']})")
         c(f"mbar_wait(bars + {lay['item_full']}, ip)")
         c("tk = tick[ip]")
-        if HEAD:
-            for k, v in enumerate(("kv_hn", "kv_h0", "kv_h1", "kv_hl")):
-                c(f"{v} = tick[{2 + k} + 4 * ip]" + ("  # the item's list head (list_head_shared)" if k == 0 else ""))
+        if BESIDE:
+            what = "the item's list head (list_head_shared)" if HEAD else "the item's kv range (range_shared)"
+            for k, v in enumerate(("kv_hn", "kv_h0", "kv_h1", "kv_hl") if HEAD else
+                                  ("kv_r0", "kv_r1", "kv_r2", "kv_r3")):
+                c(f"{v} = tick[{2 + k} + 4 * ip]" + (f"  # {what}" if k == 0 else ""))
         c("ip ^= 1")
         c("it_x += tk - it_t  # the grid's order: the carry of emit_persistent_next")
         c("it_t = tk")
@@ -690,6 +739,10 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("if tid == 0:  # the next item's list head, read while this item's last copies land")
             with c.indent():
                 _emit_head_prefetch(c, spec)
+        if range_shared(spec):
+            c("if role == 0:  # the next item's kv range, scanned while this item's last copies land")
+            with c.indent():
+                _emit_range_prefetch(c, spec)
         _emit_item_loop_end(c, spec, producer_side=True)
     c("cp_async_wait0()  # leave no copy in flight")
 
@@ -1434,7 +1487,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"hk = h // {G}" if G > 1 else "hk = h")
             c("q_head = (b * H + h) * M")
             emit_bases(c)
-            _emit_tile_range(c, spec, uniform=True, head=list_head_shared(spec))
+            _emit_tile_range(c, spec, uniform=True, head=list_head_shared(spec), shared=range_shared(spec))
 
         if not persistent(spec):
             item_state(c)
