@@ -263,7 +263,7 @@ def stamped_producer_source(source: str, name: str) -> str:
                 ln = None
         if ln is None:
             continue
-        if i > consumers and ln.strip() == "qphase ^= 1" and "record" not in found:
+        if i > consumers and ln.strip() in ("qphase ^= 1", "qk += 1") and "record" not in found:
             sp = ind(ln)
             out += [f"{sp}if (tid & 127) == 0 and tl_k < {ITEMS}:",
                     f"{sp}    tl_i = ((cuda.blockIdx.x * 2 + ((tid >> 7) - 1)) * {ITEMS} + tl_k) * {NF}",

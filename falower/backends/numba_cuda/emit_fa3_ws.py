@@ -348,6 +348,23 @@ def list_head_shared(spec: FA2ForwardSpec) -> bool:
             and uses_work_counter(spec) and spec.extra.get("list_head", True) is not False)
 
 
+def _q_double_asked(spec: FA2ForwardSpec) -> bool:
+    return (bool(persistent(spec)) and producer(spec) == "warpgroup"
+            and spec.extra.get("staged_epilogue", True) is not False and spec.extra.get("q_double", True) is not False)
+
+
+def q_double(spec: FA2ForwardSpec) -> bool:
+    """Whether the persistent producer kernel has two Q buffers, item k's Q in buffer k & 1, each warpgroup's 64
+    rows a [D // 64][64][128 B] tile of its own (the layout of producer "none"), and stages an item's O through
+    its own rows of that item's buffer (the O buffer's room is the second Q buffer: the same shared memory). The
+    producer loads item k's Q once item k - 2's epilogue is done (its buffer's q_empty barrier), not once item k - 1's
+    last S is: so the next item's Q and first tiles load while the item before still runs, where with one buffer
+    they loaded in the gap between the two. Why: the timeline put that gap (an item's end to the next one's Q) at
+    ~1 us an item without a mask, whose items are ~32 tiles, and the masks' items are 5-17 (2026-11-27).
+    `extra["q_double"] = False` keeps one Q buffer and the O buffer (bench '-noqd')."""
+    return _layout(spec)["q1"] > 0
+
+
 def range_shared(spec: FA2ForwardSpec) -> bool:
     """Whether the ticket's handover also carries the item's kv range and its full tiles (kv_first, kv_last,
     kf_first, kf_last), scanned by the producer's first warp while the previous item's last copies are in flight
@@ -450,17 +467,20 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: Q [D // 64][block_q][128 B] (producer "none": one
     [D // 64][64][128 B] tile per consumer warpgroup, each loads its own), then per stage s K_s and V_s
     ([D // 64][block_k][128 B] each), the score's table tile (table_tiles), the persistent producer kernel's O
-    buffer (two warpgroups' 64 rows of D, where it fits), then the mbarriers: Q's (one, or one per warpgroup),
-    full_k[s], full_v[s], empty_k[s], empty_v[s], table_full, q_empty, item_full."""
+    buffer (two warpgroups' 64 rows of D, where it fits; under `q_double` the second Q buffer "q1" instead, both
+    Q buffers in the per-warpgroup layout), then the mbarriers: Q's (one, one per warpgroup, or one per Q buffer),
+    full_k[s], full_v[s], empty_k[s], empty_v[s], table_full, q_empty (one per Q buffer under q_double),
+    item_full."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     S = stages(spec) if S is None else S
     tile = BK * D * 2
     kv = BQ * D * 2
     table = BQ * BK * 4 if table_tiles(spec) else 0  # the score's table tile, f32, one buffer (tb)
-    q = 8 * (BQ // 64 if producer(spec) == "none" else 1)
+    two_q = _q_double_asked(spec)
+    q = 8 * (BQ // 64 if producer(spec) == "none" else 2 if two_q else 1)
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
-    qe = 8 if persistent(spec) and producer(spec) != "none" else 0  # Q free for the producer's next item
-    itf = 8 if uses_work_counter(spec) else 0  # the next item's ticket is in `tick` (item_order "dynamic")
+    qe = (16 if two_q else 8) if persistent(spec) and producer(spec) != "none" else 0  # Q free for the next item
+    itf = (16 if two_q else 8) if uses_work_counter(spec) else 0  # the next ticket is in `tick` ("dynamic")
     barrier_bytes = q + 32 * S + tf + qe + itf
     o_at = kv + 2 * S * tile + table
     # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
@@ -471,7 +491,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
         o_buf = 0
     bars = o_at + o_buf
     return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
-            "bars": bars, "full_k": q, "full_v": q + 8 * S,
+            "q1": o_at if o_buf and two_q else 0, "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
             "item_full": q + 32 * S + tf + qe, "total": bars + barrier_bytes}
 
@@ -591,8 +611,13 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     at the top of each item, once q_empty says every consumer thread has read the last ticket, it writes the next
     into `tick[ip]` and arrives on item_full, on which all 384 threads wait and read it (two slots and one phase
     an item: a thread cannot be two items behind, since the producer's next write waits for the consumers' q_empty
-    and their kv loop for every producer thread's loads). The ticket, an item's index in the grid's order, moves
-    (it_x, it_y, it_z) by the difference from the last one: `emit_persistent_next`'s carry, no division."""
+    and their kv loop for every producer thread's loads). Under `q_double` the producer's next write waits only for
+    the buffer of the item before last, and the first two for nothing: two item_full barriers then, one a slot,
+    each's parity flipping every second ticket (both from the item count, pq or qk); the write into a slot waits
+    for the buffer freed after the slot's last item's successor's Q has landed, which every producer thread's
+    copies complete, so no thread is a phase behind on a slot's barrier. The ticket, an item's index in the grid's
+    order, moves (it_x, it_y, it_z) by the difference from the last one: `emit_persistent_next`'s carry, no
+    division."""
     dynamic = uses_work_counter(spec)
     HEAD = list_head_shared(spec)
     RANGE = range_shared(spec)
@@ -602,7 +627,8 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         c("it_y = 0")
         c("it_z = 0")
         c("it_t = 0")
-        c("ip = 0  # the ticket's slot in tick and the parity of item_full's phase")
+        if not q_double(spec):  # (with it the item count, pq or qk, gives the slot and the parity)
+            c("ip = 0  # the ticket's slot in tick and the parity of item_full's phase")
         if producer_side:
             for v in BESIDE:
                 c(f"{v} = 0  # " + ("the next item's list head: thread 0's (list_head_shared)" if HEAD else
@@ -623,26 +649,33 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         emit_persistent_start(c, spec)
     c("while True:")
     c.level += 1
-    if producer_side:
+    if producer_side and q_double(spec):
+        c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups are "
+          "done with this Q buffer's last item (its epilogue)")
+    elif producer_side:
         c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
           "last S")
         c("qe_phase ^= 1")
     if dynamic:
+        if q_double(spec):  # ticket k: slot k & 1, its barrier's parity (k >> 1) & 1; k the items so far
+            cnt = "pq" if producer_side else "qk"
+            c(f"ip = {cnt} & 1  # the ticket's slot in tick and its item_full barrier")
         if producer_side:
             c("if tid == 0:  # every thread has read the last ticket: hand over the next")
             with c.indent():
                 c("tick[ip] = tk_next")
                 for k, v in enumerate(BESIDE):
                     c(f"tick[{2 + k} + 4 * ip] = {v}")
-                c(f"mbar_arrive(bars + {lay['item_full']})")
-        c(f"mbar_wait(bars + {lay['item_full']}, ip)")
+                c(f"mbar_arrive(bars + {lay['item_full']}" + (" + ip * 8)" if q_double(spec) else ")"))
+        c(f"mbar_wait(bars + {lay['item_full']}" + (f" + ip * 8, ({cnt} >> 1) & 1)" if q_double(spec) else ", ip)"))
         c("tk = tick[ip]")
         if BESIDE:
             what = "the item's list head (list_head_shared)" if HEAD else "the item's kv range (range_shared)"
             for k, v in enumerate(("kv_hn", "kv_h0", "kv_h1", "kv_hl") if HEAD else
                                   ("kv_r0", "kv_r1", "kv_r2", "kv_r3")):
                 c(f"{v} = tick[{2 + k} + 4 * ip]" + (f"  # {what}" if k == 0 else ""))
-        c("ip ^= 1")
+        if not q_double(spec):
+            c("ip ^= 1")
         c("it_x += tk - it_t  # the grid's order: the carry of emit_persistent_next")
         c("it_t = tk")
         _emit_item_carry(c, spec)
@@ -701,12 +734,19 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_load_inside(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
     c("stage = 0")
     c("phase = 0")
+    QD = q_double(spec)
     if PERSIST:
-        c("qe_phase = 0")
+        c("pq = 0  # the producer's items: item pq's Q in buffer pq & 1 (q_double)" if QD else "qe_phase = 0")
         _emit_item_loop_start(c, spec, item_state, lay, producer_side=True)
     c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
-    load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
-    c("cp_async_mbar_arrive_noinc(bars)")
+    if QD:  # each consumer warpgroup's 64 rows a tile of their own in the item's buffer
+        c(f"q_dst = sb + {lay['q1']}  # buffer 1")
+        _emit_q_tiles_load(c, D, rstep)
+        c("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
+        c("pq += 1")
+    else:
+        load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
+        c("cp_async_mbar_arrive_noinc(bars)")
     if not WARP:
         # this thread's chunk of row 0 of the item's (b, head) slices of K and V, the bytes a row and between its
         # rows: the kv loop's copies then add to them (the index arithmetic of `_emit_load` cost the producer ~250
@@ -745,6 +785,35 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_range_prefetch(c, spec)
         _emit_item_loop_end(c, spec, producer_side=True)
     c("cp_async_wait0()  # leave no copy in flight")
+
+
+def _emit_q_tiles_load(c: _Code, D: int, rstep: int) -> None:
+    """`q_double`'s Q copy: rows q_lo .. q_lo + 127 into the two consumer warpgroups' [D // 64][64][128 B] tiles at
+    q_dst (rows 64 on in the second, 64 * D * 2 bytes on), by one helper call from one set of row addresses as the
+    one-tile copy (`_emit_load`): two calls of it, one a tile, made ptxas spill 500 bytes in the producer of the
+    kernel without a mask (ptxas 13.0)."""
+    n, h = 128 // rstep, 64 // rstep  # rows a thread, in each tile
+    jump = 64 * D * 2 - 64 * 128  # a row past the first tile: from where the first tile's layout puts it
+    c(f"ld_s = (ld_c >> 3) * {64 * 128} + ld_r0 * 128 + ld_x")
+    c("ld_row = q_lo + ld_r0")
+    c("ld_g = qg + ld_row * q_sm + ld_c * 8")
+    c("ld_safe = qg + ld_c * 8")
+    name = f"load_q_tiles_{n}"
+    fn = c.helper(name, ["@device_function", f"def {name}(s, garr, g, safe, rs, row, nrows):",
+                         "    # rows it * RSTEP of two 64-row tiles: the first half of them into the first",
+                         f"    for it in range({n}):",
+                         f"        dr = it * {rstep}",
+                         f"        sa = s + dr * 128" + (f" + (it // {h}) * {jump}" if jump else ""),
+                         "        if row + dr < nrows:",
+                         "            cp_async16_s(sa, garr, g + dr * rs, 16)",
+                         "        else:",
+                         "            cp_async16_s(sa, garr, safe, 0)"])
+    c("if pq & 1:  # a constant base on each path: a computed one made ptxas spill (ptxas 13.0)")
+    with c.indent():
+        c(f"{fn}(ld_s + q_dst, q, ld_g, ld_safe, q_sm, ld_row, M)")
+    c("else:")
+    with c.indent():
+        c(f"{fn}(ld_s + sb, q, ld_g, ld_safe, q_sm, ld_row, M)")
 
 
 def _emit_score_prefetch(c: _Code, spec: FA2ForwardSpec, nxt: str) -> None:
@@ -936,9 +1005,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
       "(warp-uniform)")
     c("g = lane >> 2")
     c("t2 = (lane & 3) * 2")
+    QD = q_double(spec)
     if NONE:
         QCB = 64 * 128
         c(f"q_wg = sb + cw * {64 * D * 2}  # this warpgroup's own [D // 64][64][128 B] Q tile")
+    elif QD:
+        QCB = 64 * 128  # q_wg, this warpgroup's own [D // 64][64][128 B] tile in the item's Q buffer: per item
     else:
         QCB = BQ * 128
         c(f"q_wg = sb + cw * {64 * 128}  # this warpgroup's 64 rows inside each column block of Q")
@@ -1037,6 +1109,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"mbar_wait(bars + cw * 8, {qphase})  # this warpgroup's Q has landed")
             if not PERSIST:
                 ring_loads(early=False)
+        elif QD:  # (q_wg, this warpgroup's own Q tile in the item's buffer: made from qk at each tile's S)
+            c("mbar_wait(bars + (qk & 1) * 8, (qk >> 1) & 1)  # Q has landed")
         else:
             c(f"mbar_wait(bars, {qphase})  # Q has landed")
         copy = _emit_table_tile_setup(c, spec, lay) if TT else None
@@ -1066,7 +1140,11 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         warpgroup's O buffer and stored to the kept rows. O is not zeroed after it: the item now running starts O
         with its first P V (scale-d 0), and a row with 1 / l = 0 stages zeros whatever O holds."""
         stage = stage_row_helper(c, D, pack, zero_masked=True)  # an item with no tile: O = 0, not O's leftovers
-        c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
+        if QD:  # the kept item is the one before this (qk counts it done)
+            c(f"o_wg = sb + ((qk - 1) & 1) * {lay['q1']} + cw * {64 * 2 * D}  # this warpgroup's own Q tile in "
+              "the kept item's buffer")
+        else:
+            c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
         c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
         c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, after")
         c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
@@ -1075,6 +1153,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"{stage}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
         c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
         emit_staged_stores(c, D, 64, "ep_lo + cw * 64", "ctid & 127", "o_wg", head="ep_head")
+        if QD:
+            c(f"mbar_arrive(bars + {lay['q_empty']} + ((qk - 1) & 1) * 8)  # this thread is done with the kept "
+              "item's Q buffer: the producer may load an item into it")
         c("ep_pend = False")
 
     def pv(vbase: str) -> None:
@@ -1108,7 +1189,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("phase = 0")
         c("pstage = 0")
         c("pphase = 0")
-        c("qphase = 0")
+        c("qk = 0  # the items done: item qk's Q in buffer qk & 1 (q_double)" if QD else "qphase = 0")
         for t in ROWS:  # defined on every path (Numba's bytecode analysis asks it)
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
@@ -1119,13 +1200,22 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             zero_acc()
         _emit_item_loop_start(c, spec, item_state, lay)
         zero_state()
-        if DEFER:
+
+        def flush_at_empty_item() -> None:
             c("if ep_pend and kv_last < kv_first:  # no kv tile here to carry the item before's last P V")
             with c.indent():
                 last_pv()
                 c("have_prev = False")
                 kept_epilogue()
+
+        if DEFER and not QD:
+            flush_at_empty_item()
         copy = item_start("qphase")
+        if DEFER and QD:  # after the item's Q: its landing says every producer thread has read this item's ticket,
+            # so the buffer this frees cannot let thread 0 hand over a ticket into this one's slot before every
+            # producer thread has waited for this one (two phases of the slot's barrier ahead: its parity would read
+            # the wrong one)
+            flush_at_empty_item()
     elif PERSIST:
         c("stage = 0  # the ring's stage and phase carry from item to item: the loader runs ahead across them")
         c("phase = 0")
@@ -1184,6 +1274,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         else:
             _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
+        if QD:  # from the item count each tile: held across the item it cost the document's consumers spills
+            c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {64 * D * 2}  # this warpgroup's own Q tile in the item's "
+              "buffer")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         if EARLY:
             c("# the score's table entries for this tile, read before the waits for K and S: their latency (an L2")
@@ -1365,7 +1458,11 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("stage = 0")
             c("phase ^= 1")
     if PERSIST and not NONE:
-        c(f"mbar_arrive(bars + {lay['q_empty']})  # this thread is past the item's last S: the producer may refill Q")
+        if QD:  # its Q buffer is freed after its epilogue, whose O is staged there
+            c("# this thread is past the item's last S")
+        else:
+            c(f"mbar_arrive(bars + {lay['q_empty']})  # this thread is past the item's last S: the producer may "
+              "refill Q")
         if DEFER:
             c("# the last P V and O's epilogue go with the next item's first tile (epilogue_in_s): the LSE now, 1 / l")
             c("# and the item's rows kept in shared memory; P's registers and the V stage (pstage) carry over")
@@ -1379,7 +1476,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("ep_i[cw * 2] = q_head  # every thread of the warpgroup writes the same")
             c("ep_i[cw * 2 + 1] = q_lo")
             c("ep_pend = True")
-            c("qphase ^= 1")
+            c("qk += 1" if QD else "qphase ^= 1")
             _emit_item_loop_end(c, spec)
             c("if ep_pend:  # the block's last item")
             with c.indent():
@@ -1388,7 +1485,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             return
         last_pv()
         c()
-        if staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
+        if QD:  # through the warpgroup's own Q tile, then that Q buffer is free
+            _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
+                                  "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
+                                  "bar_sync(5 + cw, 128)  # every warp of this warpgroup is past its last S: its Q "
+                                  "tile is free")
+            c(f"mbar_arrive(bars + {lay['q_empty']} + (qk & 1) * 8)  # this thread is done with the item's Q "
+              "buffer: the producer may load an item into it")
+        elif staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
             _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
                                   "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
@@ -1396,7 +1500,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                                   "item's O rows", base="o_wg")
         else:
             _emit_epilogue(c, D)
-        c("qphase ^= 1")
+        c("qk += 1" if QD else "qphase ^= 1")
         _emit_item_loop_end(c, spec)
         return
     if PERSIST:
@@ -1499,14 +1603,21 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 for w in range(BQ // 64):
                     c(f"mbar_init(bars + {8 * w}, 128)  # warpgroup {w}'s Q")
             else:
-                c(f"mbar_init(bars, {producer_threads(spec)})")
+                for w in range(2 if q_double(spec) else 1):
+                    c(f"mbar_init(bars + {8 * w}, {producer_threads(spec)})  # Q buffer {w}'s" if q_double(spec)
+                      else f"mbar_init(bars, {producer_threads(spec)})")
             if table_tiles(spec):
                 for w in range(BQ // 64):
                     c(f"mbar_init(bars + {lay['table_full'] + 8 * w}, 128)  # warpgroup {w}'s table tile")
             if persistent(spec) and not NONE:
-                c(f"mbar_init(bars + {lay['q_empty']}, {consumers})  # Q free for the producer's next item")
+                for w in range(2 if q_double(spec) else 1):
+                    c(f"mbar_init(bars + {lay['q_empty'] + 8 * w}, {consumers})  # Q " +
+                      (f"buffer {w} free for the producer's next item in it" if q_double(spec) else
+                       "free for the producer's next item"))
             if uses_work_counter(spec):
-                c(f"mbar_init(bars + {lay['item_full']}, 1)  # the next item's ticket is in tick")
+                for w in range(2 if q_double(spec) else 1):
+                    c(f"mbar_init(bars + {lay['item_full'] + 8 * w}, 1)  # the next item's ticket is in tick" +
+                      (f"[{w}]" if q_double(spec) else ""))
             for s in range(S):
                 c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")

@@ -1,0 +1,137 @@
+"""Two Q buffers on the persistent producer kernel (emit_fa3_ws.q_double): item k's Q in buffer k & 1, each
+consumer warpgroup's 64 rows a tile of their own there, the item's O staged through those rows, and the buffer
+freed for item k + 2 after the item's epilogue, so the producer loads the next item's Q while the item before runs.
+Emitted sources only (no Numba); the numbers: test_ws_persistent_simulator.py's producer-warpgroup cases (causal
+items of 1, 2 and 3 tiles, an inf in one head's V, the document's empty item), test_ws_slow_warp_simulator.py's
+(a slowed warp on the producer kernel) and the GPU's examples."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import make_spec  # noqa: E402
+
+from falower.backends.numba_cuda import emit_fa3_ws  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PERSIST = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic"}
+
+
+def _spec(extra=None, D=128):
+    return dataclasses.replace(make_spec("causal", D, block_q=128, block_k=128, num_warps=8),
+                               extra={**PERSIST, **(extra or {})})
+
+
+def _parts(src: str) -> tuple[str, str]:
+    """(the producer's branch, the consumers')."""
+    start = src.index("SETMAXNREG_DEC()")
+    cons = src.index("SETMAXNREG_INC()", start)
+    return src[start:cons], src[cons:]
+
+
+def test_which_kernels_take_it_and_its_shared_memory():
+    assert emit_fa3_ws.q_double(_spec()) and emit_fa3_ws.q_double(_spec(D=64))
+    assert not emit_fa3_ws.q_double(_spec({"q_double": False}))  # '-noqd'
+    assert not emit_fa3_ws.q_double(_spec({"staged_epilogue": False}))  # no room kept for a second buffer
+    assert not emit_fa3_ws.q_double(_spec({"persistent": 0, "item_order": "grid"}))  # one block an item
+    assert not emit_fa3_ws.q_double(_spec({"producer": "none"}))  # the consumers load their own Q
+    for D in (64, 128):
+        on, off = emit_fa3_ws._layout(_spec(D=D)), emit_fa3_ws._layout(_spec({"q_double": False}, D=D))
+        # the second buffer takes the O buffer's room; one more Q, q_empty and item_full barrier each
+        assert on["q1"] == off["o"] == on["o"] > 0 and on["q1"] >= 128 * D * 2
+        assert emit_fa3_ws.smem_bytes(_spec(D=D)) - emit_fa3_ws.smem_bytes(_spec({"q_double": False}, D=D)) == 24
+        assert on["total"] + emit_fa3_ws.ALIGN + emit_fa3_ws.static_bytes(_spec(D=D)) <= emit_fa3_ws.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_producer_loads_item_k_into_buffer_k_and_1(D):
+    spec = _spec(D=D)
+    q1, qe, itf = (emit_fa3_ws._layout(spec)[k] for k in ("q1", "q_empty", "item_full"))
+    prod, _ = _parts(emit_fa3_ws.emit_fa3_ws_forward(spec))
+    item = prod[prod.index("while True:"):]
+    # the buffer of the item before last freed (its epilogue done) before this item's ticket is handed over
+    wait = item.index(f"mbar_wait(bars + {qe} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)")
+    assert wait < item.index("ip = pq & 1") < item.index("tick[ip] = tk_next") < \
+        item.index(f"mbar_arrive(bars + {itf} + ip * 8)")
+    # a barrier a slot, each's parity from the item count: ticket k in slot k & 1, parity (k >> 1) & 1
+    assert f"mbar_wait(bars + {itf} + ip * 8, (pq >> 1) & 1)" in item and "ip ^= 1" not in item
+    # each consumer warpgroup's 64 rows a [D // 64][64][128 B] tile: two 64-row loads into the item's buffer
+    # one set of row addresses from buffer 0's tile offsets, the buffer's base added on each of two paths (a base
+    # computed from pq made ptxas spill in the producer)
+    assert f"q_dst = sb + {q1}  # buffer 1" in item
+    loads = re.findall(r"ld_s(?:__\d+)? = ([^\n]*)", item[:item.index("while j <= kv_last:")])
+    assert loads == ["(ld_c >> 3) * 8192 + ld_r0 * 128 + ld_x"], loads
+    n = 128 // (128 // (D // 8))  # a thread's rows: 128 threads, D / 8 chunks a row
+    assert re.search(rf"if pq & 1:[^\n]*\n\s*load_q_tiles_{n}\(ld_s \+ q_dst, q, ld_g, ld_safe, q_sm, ld_row, M\)\n"
+                     rf"\s*else:\n\s*load_q_tiles_{n}\(ld_s \+ sb, ", item)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    helper = src[src.index(f"def load_q_tiles_{n}("):]
+    helper = helper[:helper.index("@device_function")]
+    # the second half of a thread's rows into the second tile: its rows 64 on, 64 * D * 2 bytes from the first's
+    jump = 64 * D * 2 - 64 * 128
+    assert (f"sa = s + dr * 128 + (it // {n // 2}) * {jump}" if jump else "sa = s + dr * 128\n") in helper
+    arrive = item.index("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
+    assert arrive < item.index("pq += 1") < item.index("while j <= kv_last:")
+    assert "qe_phase" not in prod
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_consumers_read_and_free_the_items_buffer(D):
+    spec = _spec(D=D)
+    assert emit_fa3_ws.epilogue_in_s(spec)
+    q1, qe = (emit_fa3_ws._layout(spec)[k] for k in ("q1", "q_empty"))
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    _, cons = _parts(src)
+    # S reads this warpgroup's own tile: its column blocks 64 rows (8192 bytes) apart
+    if D == 128:
+        assert "make_desc(HI_QK, q_wg + 8192)" in src and "q_wg + 16384" not in src
+    item = cons[cons.index("while True:"):]
+    itf = emit_fa3_ws._layout(spec)["item_full"]
+    assert re.search(rf"ip(__\d+)? = qk & 1  #[^\n]*\n\s*mbar_wait\(bars \+ {itf} \+ ip(__\d+)? \* 8, \(qk >> 1\) & 1\)",
+                     item)
+    landed = item.index("mbar_wait(bars + (qk & 1) * 8, (qk >> 1) & 1)  # Q has landed")
+    loop = item.index("while j <= kv_last")
+    assert landed < loop
+    # q_wg made from the item count at each tile's S (not held across the item: registers)
+    q_at = item.index(f"q_wg = sb + (qk & 1) * {q1} + cw * {64 * D * 2}", loop)
+    assert q_at < item.index("qk_wgmma(sc, q_wg", loop)
+    assert len(re.findall(r"\bq_wg(__\d+)? = ", cons)) == 1
+    # an item with no tile flushes the item before's epilogue only once its own Q has landed
+    assert landed < item.index("if ep_pend and kv_last")
+    # no release at the last S: the buffer holds the item's O until its (kept) epilogue has stored it
+    end = item.index("# this thread is past the item's last S")
+    assert "mbar_arrive" not in item[end:item.index("qk += 1", end)]
+    kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\) \* " + str(q1), cons)]
+    frees = [m.start() for m in re.finditer(re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)"), cons)]
+    assert len(kept) == len(frees) == 3  # an empty item's flush, the first tile's, the block's last item's
+    for k, f in zip(kept, frees):
+        assert k < cons.index("stg_v4_u32(", k) < f  # freed after its rows were read back and stored
+
+
+def test_the_epilogue_at_the_items_end_stages_through_its_own_tile():
+    """The softcap keeps its epilogue at the item's end (epilogue_in_s off): staged through the warpgroup's own
+    tile of the item's buffer (q_wg), which is then freed."""
+    import falower as fl
+
+    g = runpy.run_path(str(EXAMPLES / "softcap.py"))["graph"]
+    spec = fl.compile(g, extra=PERSIST).specialize("f16", D=128).spec
+    assert emit_fa3_ws.q_double(spec) and not emit_fa3_ws.epilogue_in_s(spec)
+    qe = emit_fa3_ws._layout(spec)["q_empty"]
+    _, cons = _parts(emit_fa3_ws.emit_fa3_ws_forward(spec))
+    end = cons.index("# this thread is past the item's last S")
+    tail = cons[end:cons.index("qk += 1", end)]
+    assert re.search(r"stage_row\(q_wg \+ lr(__\d+)? \* 256", tail)
+    assert tail.index("stg_v4_u32(") < tail.index(f"mbar_arrive(bars + {qe} + (qk & 1) * 8)")
+
+
+def test_off_it_is_the_kernel_before():
+    src = emit_fa3_ws.emit_fa3_ws_forward(_spec({"q_double": False}))
+    assert "qk" not in re.findall(r"\b\w+\b", src) and "q_dst" not in src and "ip ^= 1" in src
+    assert "qe_phase ^= 1" in src and "q_wg = sb + cw * 8192" in src
