@@ -177,7 +177,7 @@ CONFIG_OPTIONS: list = [
     (("noge", {"gather_early": False}),),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),
-    (("noqd", {"q_double": False}),),
+    (("noqd", {"q_double": False}), ("qd", {"q_double": True})),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

@@ -349,8 +349,11 @@ def list_head_shared(spec: FA2ForwardSpec) -> bool:
 
 
 def _q_double_asked(spec: FA2ForwardSpec) -> bool:
+    """q_double unless extra["q_double"] says otherwise; by default not where epilogue_in_s is off by default (the
+    softcap's two tanh paths: measured -5% with it, H100 2026-11-28, one call of 7 rounds)."""
+    asked = spec.extra.get("q_double", small_scores(spec) is None)
     return (bool(persistent(spec)) and producer(spec) == "warpgroup"
-            and spec.extra.get("staged_epilogue", True) is not False and spec.extra.get("q_double", True) is not False)
+            and spec.extra.get("staged_epilogue", True) is not False and asked is not False)
 
 
 def q_double(spec: FA2ForwardSpec) -> bool:
@@ -360,8 +363,11 @@ def q_double(spec: FA2ForwardSpec) -> bool:
     producer loads item k's Q once item k - 2's epilogue is done (its buffer's q_empty barrier), not once item k - 1's
     last S is: so the next item's Q and first tiles load while the item before still runs, where with one buffer
     they loaded in the gap between the two. Why: the timeline put that gap (an item's end to the next one's Q) at
-    ~1 us an item without a mask, whose items are ~32 tiles, and the masks' items are 5-17 (2026-11-27).
-    `extra["q_double"] = False` keeps one Q buffer and the O buffer (bench '-noqd')."""
+    ~1 us an item without a mask, whose items are ~32 tiles, and the masks' items are 5-17 (2026-11-27). Measured
+    with `range_shared` against neither (H100 2026-11-28, 7 rounds): plain +3%, causal +3%, ALiBi +4%, the 1024
+    window +14%, the document +4% (q_double alone there); the softcap -5%, which keeps one buffer by default
+    (`_q_double_asked`). `extra["q_double"] = False` keeps one Q buffer and the O buffer (bench '-noqd'), True asks
+    for two where the default would not ('-qd')."""
     return _layout(spec)["q1"] > 0
 
 
