@@ -56,7 +56,9 @@ distinct banks. 64 KB at 128 x 128: K / V keep 2 stages at D = 128.
 Persistent (`extra["persistent"]` = blocks): with producer "none" the consumers load the next item's Q and first
 tiles in front of their epilogue; with a producer warpgroup the producer runs the ring across items and refills Q
 once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
-its own where it fits. Items in a static serpentine order (`item_order` "grid" or "cost"), or, with the producer
+its own where it fits; by default two Q buffers in that room instead (`q_double`: item k's Q loads once item
+k - 2's epilogue has staged its O through it), and under a static mask the next item's kv range scanned by the
+producer and handed over with its ticket (`range_shared`). Items in a static serpentine order (`item_order` "grid" or "cost"), or, with the producer
 warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
 default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
 its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
