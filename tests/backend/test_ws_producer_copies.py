@@ -25,6 +25,15 @@ def _producer_body(src: str) -> str:
     return src[start:src.index("SETMAXNREG_INC()", start)]
 
 
+def _item_starts(src: str) -> tuple[str, str, str]:
+    """(the producer's item loop, its part before the kv loop, the consumers' item loop before their kv loop)."""
+    body = _producer_body(src)
+    item = body[body.index("while True:"):]
+    consumer = src[src.index("SETMAXNREG_INC()"):]
+    citem = consumer[consumer.index("while True:"):re.search(r"while j <= kv_last(__\d+)?:", consumer).start()]
+    return item, item[:item.index("while j <= kv_last:")], citem
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("extra", [{}, {"persistent": 5, "item_order": "dynamic"}], ids=["one-item", "persistent"])
 def test_producer_warpgroup_copies_k_and_v_from_kept_addresses(D, extra):
@@ -76,10 +85,8 @@ def test_persistent_producer_walks_each_items_block_list(head):
     emit_fa3_ws.validate_spec(spec)
     src = kern.source
     body = _producer_body(src)
-    item = body[body.index("while True:"):]
-    consumer = src[src.index("SETMAXNREG_INC()"):]
-    citem = consumer[consumer.index("while True:"):re.search(r"while j <= kv_last(__\d+)?:", consumer).start()]
-    for part in (item[:item.index("while j <= kv_last:")], citem):  # an item's start, producer's and consumers'
+    item, pstart, citem = _item_starts(src)
+    for part in (pstart, citem):  # an item's start, producer's and consumers'
         if head:  # no global read of the list before the loop: the head comes from tick
             assert re.search(r"^\s*kv_n(__\d+)? = kv_hn", part, re.M) and re.search(r"tick\[2 \+ 4 \* ip(__\d+)?\]", part)
             assert not re.search(r"cap_\d+_kv_(count|tiles)\[", part)
@@ -152,10 +159,8 @@ def test_static_range_comes_with_the_ticket(stem, shared):
     assert kern.spec.block_mask == "static" and emit_fa3_ws.range_shared(kern.spec) == shared
     src = kern.source
     body = _producer_body(src)
-    item = body[body.index("while True:"):]
-    consumer = src[src.index("SETMAXNREG_INC()"):]
-    citem = consumer[consumer.index("while True:"):re.search(r"while j <= kv_last(__\d+)?:", consumer).start()]
-    for part in (item[:item.index("while j <= kv_last:")], citem):  # an item's start, producer's and consumers'
+    item, pstart, citem = _item_starts(src)
+    for part in (pstart, citem):  # an item's start, producer's and consumers'
         assert ("tile_class_fn(" in part) != shared
         if shared:
             for k, v in enumerate(("kv_first", "kv_last", "kf_first", "kf_last")):

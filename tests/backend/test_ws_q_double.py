@@ -76,7 +76,8 @@ def test_the_producer_loads_item_k_into_buffer_k_and_1(D):
     helper = helper[:helper.index("@device_function")]
     # the second half of a thread's rows into the second tile: its rows 64 on, 64 * D * 2 bytes from the first's
     jump = 64 * D * 2 - 64 * 128
-    assert (f"sa = s + dr * 128 + (it // {n // 2}) * {jump}" if jump else "sa = s + dr * 128\n") in helper
+    at = f"s + dr * 128 + (it // {n // 2}) * {jump}" if jump else "s + dr * 128"
+    assert helper.count(f"cp_async16_s({at}, garr, ") == 2, helper
     arrive = item.index("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
     assert arrive < item.index("pq += 1") < item.index("while j <= kv_last:")
     assert "qe_phase" not in prod

@@ -1453,18 +1453,22 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
 # --------------------------------------------------------------------------------------------------
 
 
-def rows_helper(c: _Code, name: str, n: int, rstep: int, row_bytes: int) -> str:
+def rows_helper(c: _Code, name: str, n: int, rstep: int, row_bytes: int, split: tuple[int, int] = (0, 0)) -> str:
     """`name(s, garr, g, safe, rs, row, nrows)`: n rows of a tile, rstep rows apart, one 16-byte cp.async each:
     row row + i * rstep from garr[g + i * rstep * rs] to shared byte address s + i * rstep * row_bytes, zero
     fill (from the valid address `safe`) at or past nrows. One branch per row (lever 4 below). Asked for
-    through `c.helper`; `TileLoader` (row_bytes = 2 D) and emit_fa3's swizzled tiles (128) use it."""
+    through `c.helper`; `TileLoader` (row_bytes = 2 D) and emit_fa3's swizzled tiles (128) use it. `split`
+    (h, jump): rows i >= h land jump bytes further (a tile's second half in a tile of its own: emit_fa3_ws's
+    two warpgroups' Q tiles)."""
+    h, jump = split
+    at = f"s + dr * {row_bytes}" + (f" + (it // {h}) * {jump}" if jump else "")
     return c.helper(name, ["@device_function", f"def {name}(s, garr, g, safe, rs, row, nrows):",
                            f"    for it in range({n}):",
                            f"        dr = it * {rstep}",
                            "        if row + dr < nrows:",
-                           f"            cp_async16_s(s + dr * {row_bytes}, garr, g + dr * rs, 16)",
+                           f"            cp_async16_s({at}, garr, g + dr * rs, 16)",
                            "        else:",
-                           f"            cp_async16_s(s + dr * {row_bytes}, garr, safe, 0)"])
+                           f"            cp_async16_s({at}, garr, safe, 0)"])
 
 
 class TileLoader:

@@ -107,6 +107,7 @@ from .emit_fa2 import (
     has_tile_table,
     row_bounds_read_data,
     row_gather_shift,
+    rows_helper,
     score_row_calls,
     walks_range,
     wgmma_thread_rows,
@@ -397,16 +398,22 @@ def _handed_over(spec: FA2ForwardSpec) -> tuple[str, ...]:
     return ()
 
 
+def _emit_next_ticket_item(c: _Code, spec: FA2ForwardSpec, ticket: str) -> None:
+    """qt_hx, h_hx, b_hx: the item of the next ticket (`ticket`, tk_next as this thread has it), carried from the
+    current item's coordinates as every thread carries them at the handover (the producer's look-aheads)."""
+    c(f"hx_x = it_x + {ticket} - it_t  # the next ticket's item, carried from this one's")
+    c("hx_y = it_y")
+    c("hx_z = it_z")
+    _emit_item_carry(c, spec, "hx")
+    emit_persistent_index(c, spec, "hx", "_hx")
+
+
 def _emit_range_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
     """The producer's first warp (`range_shared`): hr_0 .. hr_3 = kv_first, kv_last, kf_first, kf_last of the
     item of ticket tk_next (thread 0's, to the warp by a shuffle), its coordinates carried from the current item's
     as every thread carries them at the handover, by the same scan the item's warps ran themselves."""
     BQ, BK = spec.block_q, spec.block_k
-    c("hx_x = it_x + warp_uniform(tk_next) - it_t  # the next ticket's item, carried from this one's")
-    c("hx_y = it_y")
-    c("hx_z = it_z")
-    _emit_item_carry(c, spec, "hx")
-    emit_persistent_index(c, spec, "hx", "_hx")
+    _emit_next_ticket_item(c, spec, "warp_uniform(tk_next)")
     c(f"q_lo_hx = qt_hx * {BQ}")
     c(f"q_hi_hx = min(q_lo_hx + {BQ}, M) - 1")
     c(f"nk_hx = (N + {BK - 1}) // {BK}")
@@ -452,11 +459,7 @@ def _emit_head_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
 
     kc, kt = _list_names(spec)
     BK = spec.block_k
-    c("hx_x = it_x + tk_next - it_t  # the next ticket's item, carried from this one's")
-    c("hx_y = it_y")
-    c("hx_z = it_z")
-    _emit_item_carry(c, spec, "hx")
-    emit_persistent_index(c, spec, "hx", "_hx")
+    _emit_next_ticket_item(c, spec, "tk_next")
     c(f"hn_r = {list_row_expr(spec, 'b_hx', 'h_hx', 'qt_hx')}")
     c(f"hn_n = {kc}[hn_r]")
     c(f"hn_r = hn_r * ((N + {BK - 1}) // {BK})")
@@ -796,26 +799,18 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
 
 
 def _emit_q_tiles_load(c: _Code, D: int, rstep: int) -> None:
-    """`q_double`'s Q copy: rows q_lo .. q_lo + 127 into the two consumer warpgroups' [D // 64][64][128 B] tiles at
-    q_dst (rows 64 on in the second, 64 * D * 2 bytes on), by one helper call from one set of row addresses as the
-    one-tile copy (`_emit_load`): two calls of it, one a tile, made ptxas spill 500 bytes in the producer of the
-    kernel without a mask (ptxas 13.0)."""
+    """`q_double`'s Q copy: rows q_lo .. q_lo + 127 into the two consumer warpgroups' [D // 64][64][128 B] tiles of
+    the item's buffer (rows 64 on in the second, 64 * D * 2 bytes on), by one helper call from one set of row
+    addresses as the one-tile copy (`_emit_load`), the buffer's base added on one of two branches: a base computed
+    from pq made ptxas hoist the copies' row offsets out of the item loop and spill 500 bytes in the producer of the
+    kernel without a mask (ptxas 13.0, 120 registers)."""
     n, h = 128 // rstep, 64 // rstep  # rows a thread, in each tile
     jump = 64 * D * 2 - 64 * 128  # a row past the first tile: from where the first tile's layout puts it
     c(f"ld_s = (ld_c >> 3) * {64 * 128} + ld_r0 * 128 + ld_x")
     c("ld_row = q_lo + ld_r0")
     c("ld_g = qg + ld_row * q_sm + ld_c * 8")
     c("ld_safe = qg + ld_c * 8")
-    name = f"load_q_tiles_{n}"
-    fn = c.helper(name, ["@device_function", f"def {name}(s, garr, g, safe, rs, row, nrows):",
-                         "    # rows it * RSTEP of two 64-row tiles: the first half of them into the first",
-                         f"    for it in range({n}):",
-                         f"        dr = it * {rstep}",
-                         f"        sa = s + dr * 128" + (f" + (it // {h}) * {jump}" if jump else ""),
-                         "        if row + dr < nrows:",
-                         "            cp_async16_s(sa, garr, g + dr * rs, 16)",
-                         "        else:",
-                         "            cp_async16_s(sa, garr, safe, 0)"])
+    fn = rows_helper(c, f"load_q_tiles_{n}", n, rstep, 128, (h, jump))
     c("if pq & 1:  # a constant base on each path: a computed one made ptxas spill (ptxas 13.0)")
     with c.indent():
         c(f"{fn}(ld_s + q_dst, q, ld_g, ld_safe, q_sm, ld_row, M)")
