@@ -1214,10 +1214,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if DEFER and not QD:
             flush_at_empty_item()
         copy = item_start("qphase")
-        if DEFER and QD:  # after the item's Q: its landing says every producer thread has read this item's ticket,
-            # so the buffer this frees cannot let thread 0 hand over a ticket into this one's slot before every
-            # producer thread has waited for this one (two phases of the slot's barrier ahead: its parity would read
-            # the wrong one)
+        if DEFER and QD:  # after the item's Q, as the simulator ran it (conservative: the buffer this frees lets
+            # the producer hand over ticket qk + 1 into ticket qk - 1's slot, whose every reader has already waited
+            # for it, the producer threads before their copies of Q(qk - 1); the phase aliasing the simulator found
+            # came from one item_full barrier for both slots, now one a slot)
             flush_at_empty_item()
     elif PERSIST:
         c("stage = 0  # the ring's stage and phase carry from item to item: the loader runs ahead across them")
