@@ -232,7 +232,7 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
-                   "loop_cycles", "k0_wait_cycles")
+                   "loop_cycles", "k0_wait_cycles", "first_tile_cycles", "kept_epilogue_cycles")
 
 
 def stamped_producer_source(source: str, name: str) -> str:
@@ -240,7 +240,8 @@ def stamped_producer_source(source: str, name: str) -> str:
     known (its ticket read, its kv range scanned), when its Q has landed, when its last S is done (q_empty), and
     after its epilogue (%globaltimer, 256 ns steps on the H100); and by %clock64, the cycles its kv loop spent in
     the waits for K and for V to land (summed over its tiles), its first tile's wait for K alone (where the ring
-    had not loaded ahead across the item's start) and the loop's cycles; thread 0 of each consumer
+    had not loaded ahead across the item's start), the loop's cycles, its first tile's (from Q landed) and, under
+    epilogue_in_s, the kept epilogue's block in the loop (summed over its tiles); thread 0 of each consumer
     warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
     lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
@@ -251,6 +252,14 @@ def stamped_producer_source(source: str, name: str) -> str:
         return ln[:len(ln) - len(ln.lstrip())]
 
     NF = len(PRODUCER_FIELDS)
+    # the kept epilogue inside the kv loop (epilogue_in_s): its block's first line, and the line after the block
+    kept_at = next((i for i in range(consumers, len(lines)) if "if ep_pend:  # the item before's epilogue" in lines[i]),
+                   None)
+    kept_end = None
+    if kept_at is not None:
+        depth = len(ind(lines[kept_at]))
+        kept_end = next(i for i in range(kept_at + 1, len(lines))
+                        if lines[i].strip() and len(ind(lines[i])) <= depth)
     for i, ln in enumerate(lines):
         if i == start:
             ln = ln.replace("):", ", tl_buf):")
@@ -263,6 +272,11 @@ def stamped_producer_source(source: str, name: str) -> str:
                 ln = None
         if ln is None:
             continue
+        if i == kept_at:
+            out.append(f"{ind(ln)}tl_c2 = clock64()")
+            found.add("kept")
+        if i == kept_end:
+            out.append(f"{ind(lines[kept_at])}tl_ep += clock64() - tl_c2")
         if i > consumers and ln.strip() in ("qphase ^= 1", "qk += 1") and "record" not in found:
             sp = ind(ln)
             out += [f"{sp}if (tid & 127) == 0 and tl_k < {ITEMS}:",
@@ -277,6 +291,8 @@ def stamped_producer_source(source: str, name: str) -> str:
                     f"{sp}    tl_buf[tl_i + 7] = np.uint64(tl_wv)",
                     f"{sp}    tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)",
                     f"{sp}    tl_buf[tl_i + 9] = np.uint64(tl_wk0)",
+                    f"{sp}    tl_buf[tl_i + 10] = np.uint64(tl_c1)",
+                    f"{sp}    tl_buf[tl_i + 11] = np.uint64(tl_ep)",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -284,8 +300,8 @@ def stamped_producer_source(source: str, name: str) -> str:
             sp = ind(ln)
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
                     f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
-                    f"{sp}tl_f = False",
-                    f"{sp}tl_cq = clock64()", f"{sp}tl_cle = tl_cq"]
+                    f"{sp}tl_f = False", f"{sp}tl_c1 = tl_wk", f"{sp}tl_f1 = False", f"{sp}tl_ep = tl_wk",
+                    f"{sp}tl_c2 = tl_wk", f"{sp}tl_cq = clock64()", f"{sp}tl_cle = tl_cq"]
             found.add("init")
         if i > consumers and ln.strip() == "break" and "start" not in found:
             sp = ind(lines[i - 1])
@@ -297,12 +313,18 @@ def stamped_producer_source(source: str, name: str) -> str:
             first = next(x.strip()[4:] for x in lines[i + 1:] if x.strip().startswith("j = "))
             last = next(x.strip()[len("while j <= "):-1] for x in lines[i + 1:] if x.strip().startswith("while j <= "))
             out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1",
-                    f"{sp}tl_wk0 = np.uint64(0)", f"{sp}tl_f = True"]
+                    f"{sp}tl_wk0 = np.uint64(0)", f"{sp}tl_f = True", f"{sp}tl_c1 = np.uint64(0)",
+                    f"{sp}tl_f1 = True", f"{sp}tl_ep = np.uint64(0)"]
             found.add("q")
+        if i > consumers and ln.strip() == "pstage = stage" and "first" not in found:  # the kv loop's tile end
+            sp = ind(ln)
+            out += [f"{sp}if tl_f1:  # the item's first tile (with the item before's kept epilogue)",
+                    f"{sp}    tl_c1 = clock64() - tl_cq", f"{sp}tl_f1 = False"]
+            found.add("first")
         if i > consumers and "past the item's last S" in ln and "loop_end" not in found:
             out += [f"{ind(ln)}tl_le = global_timer()", f"{ind(ln)}tl_cle = clock64()"]
             found.add("loop_end")
-    if found != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v"}:
+    if found - {"kept"} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -339,6 +361,10 @@ def summarize_producer(t: np.ndarray) -> dict:
         waits["loop_cycles_per_tile"] = float(np.median(rows[:, 8] / rows[:, 5]))
     if t.shape[-1] >= 10 and len(rows):  # the first tile's wait for K, in cycles: the ring's refill at an item
         waits["k0_wait_cycles"] = float(np.median(rows[:, 9]))
+    if t.shape[-1] >= 12 and len(rows):  # the first tile from Q landed (the kept epilogue in it), and that epilogue
+        waits["first_tile_cycles"] = float(np.median(rows[:, 10]))
+        kept = rows[rows[:, 11] > 0, 11]
+        waits["kept_epilogue_cycles"] = float(np.median(kept)) if len(kept) else 0.0
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}

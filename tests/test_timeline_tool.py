@@ -156,8 +156,10 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
     assert ", tl_buf):" in out and "import clock64, global_timer, sm_id" in out
     consumers = out.index("SETMAXNREG_INC()")
     marks = ["tl_s = global_timer()\n", "tl_q = global_timer()", "tl_c0 = clock64()", "tl_wk += clock64() - tl_c0",
-             "tl_wk0 = clock64() - tl_c0", "tl_wv += clock64() - tl_c0", "tl_le = global_timer()",
-             "tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)", "tl_buf[tl_i + 9] = np.uint64(tl_wk0)"]
+             "tl_wk0 = clock64() - tl_c0", "tl_wv += clock64() - tl_c0", "tl_c2 = clock64()",
+             "tl_ep += clock64() - tl_c2", "tl_c1 = clock64() - tl_cq", "tl_le = global_timer()",
+             "tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)", "tl_buf[tl_i + 9] = np.uint64(tl_wk0)",
+             "tl_buf[tl_i + 11] = np.uint64(tl_ep)"]
     at = [out.index(m, consumers) for m in marks]
     assert at == sorted(at), marks
     assert out.index("# K_j has landed", consumers) < at[3] and out.index("# Q has landed", consumers) < at[1]
@@ -178,7 +180,8 @@ def test_the_producer_summary_reads_the_stamps():
         for k, tiles in enumerate((3, 5)):
             q = now + 250
             le = q + 500 + 2000 * tiles
-            t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles, 300 + 100 * k]
+            t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles, 300 + 100 * k,
+                        4000 + 1000 * k, 1500 * k]
             now = le + 1000 + 750
     s = timeline.summarize_producer(t)
     assert s["items"] == 4 and s["q_wait_us"] == pytest.approx(0.25) and s["epilogue_us"] == pytest.approx(1.0)
@@ -188,3 +191,5 @@ def test_the_producer_summary_reads_the_stamps():
     assert s["k_wait_cycles_per_tile"] == pytest.approx(100) and s["v_wait_cycles_per_tile"] == pytest.approx(50)
     assert s["k_wait_share"] == pytest.approx(0.05) and s["loop_cycles_per_tile"] == pytest.approx(2000)
     assert s["k0_wait_cycles"] == pytest.approx(350)
+    # the first tile from Q landed; the kept epilogue's median over the items that had one (each block's second)
+    assert s["first_tile_cycles"] == pytest.approx(4500) and s["kept_epilogue_cycles"] == pytest.approx(1500)
