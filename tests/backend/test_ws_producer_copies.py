@@ -88,7 +88,8 @@ def test_persistent_producer_walks_each_items_block_list(head):
     item, pstart, citem = _item_starts(src)
     for part in (pstart, citem):  # an item's start, producer's and consumers'
         if head:  # no global read of the list before the loop: the head comes from tick
-            assert re.search(r"^\s*kv_n(__\d+)? = kv_hn", part, re.M) and re.search(r"tick\[2 \+ 4 \* ip(__\d+)?\]", part)
+            assert re.search(r"^\s*kv_n(__\d+)? = kv_hn", part, re.M)
+            assert re.search(r"tick\[2 \+ 4 \* ip(__\d+)?\]", part)
             assert not re.search(r"cap_\d+_kv_(count|tiles)\[", part)
         else:
             assert re.search(r"^\s*kv_n(__\d+)? = \w+\[kv_row(__\d+)?\]", part, re.M) and "tick[2" not in part

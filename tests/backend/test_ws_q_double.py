@@ -95,8 +95,8 @@ def test_the_consumers_read_and_free_the_items_buffer(D):
         assert "make_desc(HI_QK, q_wg + 8192)" in src and "q_wg + 16384" not in src
     item = cons[cons.index("while True:"):]
     itf = emit_fa3_ws._layout(spec)["item_full"]
-    assert re.search(rf"ip(__\d+)? = qk & 1  #[^\n]*\n\s*mbar_wait\(bars \+ {itf} \+ ip(__\d+)? \* 8, \(qk >> 1\) & 1\)",
-                     item)
+    slot = rf"ip(__\d+)? = qk & 1  #[^\n]*\n\s*"
+    assert re.search(slot + rf"mbar_wait\(bars \+ {itf} \+ ip(__\d+)? \* 8, \(qk >> 1\) & 1\)", item)
     landed = item.index("mbar_wait(bars + (qk & 1) * 8, (qk >> 1) & 1)  # Q has landed")
     loop = item.index("while j <= kv_last")
     assert landed < loop

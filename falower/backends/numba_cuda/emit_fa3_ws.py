@@ -58,8 +58,8 @@ tiles in front of their epilogue; with a producer warpgroup the producer runs th
 once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
 its own where it fits; by default two Q buffers in that room instead (`q_double`: item k's Q loads once item
 k - 2's epilogue has staged its O through it), and under a static mask the next item's kv range scanned by the
-producer and handed over with its ticket (`range_shared`). Items in a static serpentine order (`item_order` "grid" or "cost"), or, with the producer
-warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
+producer and handed over with its ticket (`range_shared`). Items in a static serpentine order (`item_order` "grid"
+or "cost"), or, with the producer warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
 default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
 its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
 "The producer's copies"); under a block list too, with the producer at 88 registers
