@@ -113,6 +113,16 @@ RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
 # extra)
 WALK_CASES = {
     "walk-causal-persist": ("causal", 2, 2, 200, 200, {"persistent": 3}),
+    # a window on the persistent producer kernel (the D = 128 default on the H100): each item's range scanned by the
+    # producer and handed over with its ticket (emit_fa3_ws.range_shared), two Q buffers (q_double); 48 wide over
+    # 32-wide tiles, partial tiles at both ends of each range and full ones between, 4 items on 3 blocks (causal
+    # there: the same cases passed, 2026-11-28, cut for CI time; PERSIST_CASES' causal ones take q_double)
+    "walk-window-persist-pwg": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
+                                                                   "item_order": "dynamic"}),
+    # ... with the producer storing each item's staged O (emit_fa3_ws.o_by_producer, off by default): the block's
+    # last item's after its loop
+    "walk-window-persist-obp": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
+                                                                   "item_order": "dynamic", "o_by_producer": True}),
     "walk-window": ("sliding_window", 1, 2, 130, 130, {}),
     "walk-gaps": ("gaps", 1, 1, 5, 170, {}),
 }
@@ -371,7 +381,10 @@ def run_walk_case(case_id: str) -> dict:
                    extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.kernel(q, k, v)
     o, lse = c(q, k, v)
-    return {"id": case_id, "dtype": "f16", "walks": walks_range(kern.spec) and "kf_first" in kern.source,
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    paths = {name: getattr(emit_fa3_ws, name)(kern.spec) for name in ("range_shared", "q_double", "o_by_producer")}
+    return {"id": case_id, "dtype": "f16", "walks": walks_range(kern.spec) and "kf_first" in kern.source, **paths,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

@@ -155,6 +155,7 @@ PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
 # named barriers (0 is __syncthreads): 1, 2 the ping-pong's turns; 3 + cw a consumer warpgroup's table tile; 5 + cw
 # its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item
 Q_FREE_BARRIER = 7
+PRODUCER_BARRIER = 9  # the producer warpgroup's 128 threads (o_by_producer: its O reads before its next Q copy)
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
@@ -421,6 +422,17 @@ def _emit_range_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
                    full_range=True, full=("hr_2", "hr_3"))
 
 
+def o_by_producer(spec: FA2ForwardSpec) -> bool:
+    """Whether the producer warpgroup stores an item's staged O (`q_double` with `epilogue_in_s`): the consumers
+    stage it into the item's Q tiles and arrive on the buffer's "O staged" mbarrier (no barrier among themselves
+    after it, no reads back, no stores), and the producer, which waits for that buffer before it loads the Q of the
+    item two on anyway, reads the rows back and stores them (16 chunks of 16 bytes a thread), then its next Q.
+    Why: the timeline put the kept epilogue at 1800-2400 cycles an item inside a consumer warpgroup's turn (H100
+    2026-11-28), the other warpgroup waiting for the tensor cores meanwhile; of that the read back and the stores
+    are half the instructions. Off by default until measured: `extra["o_by_producer"] = True` (bench '-obp')."""
+    return bool(spec.extra.get("o_by_producer", False)) and q_double(spec) and epilogue_in_s(spec)
+
+
 def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     """Whether an item's last P V goes with the next item's first tile (as P_{j-1} V_{j-1} goes with S_j inside an
     item: the ring's V stage and P's registers carry over) and its epilogue follows that tile's softmax, instead of
@@ -492,7 +504,8 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
     qe = (16 if two_q else 8) if persistent(spec) and producer(spec) != "none" else 0  # Q free for the next item
     itf = (16 if two_q else 8) if uses_work_counter(spec) else 0  # the next ticket is in `tick` ("dynamic")
-    barrier_bytes = q + 32 * S + tf + qe + itf
+    ost = 16 if two_q and spec.extra.get("o_by_producer", False) else 0  # a Q buffer's O is staged (o_by_producer)
+    barrier_bytes = q + 32 * S + tf + qe + itf + ost
     o_at = kv + 2 * S * tile + table
     # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
     o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
@@ -504,7 +517,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
             "q1": o_at if o_buf and two_q else 0, "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
-            "item_full": q + 32 * S + tf + qe, "total": bars + barrier_bytes}
+            "item_full": q + 32 * S + tf + qe, "o_staged": q + 32 * S + tf + qe + itf, "total": bars + barrier_bytes}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -660,7 +673,14 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         emit_persistent_start(c, spec)
     c("while True:")
     c.level += 1
-    if producer_side and q_double(spec):
+    if producer_side and o_by_producer(spec):
+        c(f"mbar_wait(bars + {lay['o_staged']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups "
+          "staged the O of this Q buffer's last item")
+        c("if pq >= 2:  # its rows to O (o_by_producer)")
+        with c.indent():
+            _emit_producer_store_out(c, spec, lay)
+        c(f"bar_sync({PRODUCER_BARRIER}, 128)  # every producer thread has read the rows the next Q copy overwrites")
+    elif producer_side and q_double(spec):
         c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups are "
           "done with this Q buffer's last item (its epilogue)")
     elif producer_side:
@@ -698,6 +718,17 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         c("if tid == 0:")
         with c.indent():
             c("tk_next = cuda.atomic.add(work, 0, 1)  # the next item's ticket, drawn while this one loads")
+
+
+def _emit_producer_store_out(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
+    """`o_by_producer`: the producer's 128 threads store the O rows the consumers staged in Q buffer pq & 1 (its
+    item's, whose O rows start at ob_lo of slice ob_head), both warpgroups' tiles, 16-byte chunks."""
+    D = spec.head_dim
+    c("ob_head = oh_1 if pq & 1 else oh_0  # the buffer's item: its (b, h) slice and first row")
+    c("ob_lo = ol_1 if pq & 1 else ol_0")
+    c(f"ob = sb + (pq & 1) * {lay['q1']}")
+    for w in range(2):
+        emit_staged_stores(c, D, 64, f"ob_lo + {64 * w}", "tid", f"ob + {64 * D * 2 * w}", head="ob_head")
 
 
 def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec, producer_side: bool = False) -> None:
@@ -746,6 +777,10 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c("stage = 0")
     c("phase = 0")
     QD = q_double(spec)
+    OBP = o_by_producer(spec)
+    if OBP:
+        for v in ("oh_0", "ol_0", "oh_1", "ol_1"):
+            c(f"{v} = np.int64(0)  # the (b, h) slice and first row of the item in Q buffer 0 / 1 (o_by_producer)")
     if PERSIST:
         c("pq = 0  # the producer's items: item pq's Q in buffer pq & 1 (q_double)" if QD else "qe_phase = 0")
         _emit_item_loop_start(c, spec, item_state, lay, producer_side=True)
@@ -754,6 +789,15 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c(f"q_dst = sb + {lay['q1']}  # buffer 1")
         _emit_q_tiles_load(c, D, rstep)
         c("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
+        if OBP:  # whose O this buffer will hold
+            c("if pq & 1:")
+            with c.indent():
+                c("oh_1 = q_head")
+                c("ol_1 = q_lo")
+            c("else:")
+            with c.indent():
+                c("oh_0 = q_head")
+                c("ol_0 = q_lo")
         c("pq += 1")
     else:
         load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
@@ -795,6 +839,12 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_range_prefetch(c, spec)
         _emit_item_loop_end(c, spec, producer_side=True)
+        if OBP:
+            c("if pq > 0:  # the block's last item's O, staged by the consumers' last flush")
+            with c.indent():
+                c("pq -= 1")
+                c(f"mbar_wait(bars + {lay['o_staged']} + (pq & 1) * 8, (pq >> 1) & 1)")
+                _emit_producer_store_out(c, spec, lay)
     c("cp_async_wait0()  # leave no copy in flight")
 
 
@@ -1025,6 +1075,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
 
     DEFER = epilogue_in_s(spec)
+    OBP = o_by_producer(spec)
 
     def zero_acc() -> None:
         c(f"for i in range({D // 2}):")
@@ -1149,11 +1200,18 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         else:
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
         c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
-        c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, after")
-        c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
+        if not OBP:
+            c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, "
+              "after")
+            c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
         for t in ROWS:
             c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
             c(f"{stage}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
+        if OBP:  # the producer reads them back and stores them, then loads the next Q into the buffer
+            c(f"mbar_arrive(bars + {lay['o_staged']} + ((qk - 1) & 1) * 8)  # this thread's rows of the kept item's O "
+              "are staged")
+            c("ep_pend = False")
+            return
         c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
         emit_staged_stores(c, D, 64, "ep_lo + cw * 64", "ctid & 127", "o_wg", head="ep_head")
         if QD:
@@ -1621,6 +1679,10 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 for w in range(2 if q_double(spec) else 1):
                     c(f"mbar_init(bars + {lay['item_full'] + 8 * w}, 1)  # the next item's ticket is in tick" +
                       (f"[{w}]" if q_double(spec) else ""))
+            if o_by_producer(spec):
+                for w in range(2):
+                    c(f"mbar_init(bars + {lay['o_staged'] + 8 * w}, {consumers})  # Q buffer {w}'s item's O is "
+                      "staged")
             for s in range(S):
                 c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")
