@@ -147,8 +147,8 @@ def test_static_range_comes_with_the_ticket(stem, shared):
     producer's first warp scans the next ticket's item (kv_first, kv_last, kf_first, kf_last) after the item's
     last copies, thread 0 writes the four beside the ticket, and no warp scans at an item's start: each reads them
     from `tick` and takes them through a warp reduction (REDUX: uniform to ptxas). '-nors' scans in every warp.
-    The numbers: test_ws_persistent_simulator.py's causal cases on the producer warpgroup (items of 1, 2 and 3
-    tiles, full and partial) and the GPU's examples."""
+    The numbers: test_ws_range_walk_simulator.py's window cases on the producer warpgroup (partial tiles at both
+    ends of each range, full ones between) and the GPU's examples."""
     import runpy
 
     import falower as fl
