@@ -142,31 +142,31 @@ def test_off_it_is_the_kernel_before():
 
 def test_the_producer_stores_the_staged_o_when_asked():
     """`o_by_producer` (off by default): the consumers' kept epilogue stages O into the kept item's Q tiles and
-    arrives on that buffer's "O staged" barrier, no read back, no stores, no Q-free arrival; the producer waits for
-    it where it waited for the buffer's Q-free, stores the rows (the item two back: slot pq & 1's head and rows,
-    set at that item's Q copy), syncs its 128 threads before the next Q copy overwrites them, and after its loop
-    stores the block's last item's."""
+    arrives on that buffer's q_empty barrier once staged, no read back, no stores; the producer waits there as it
+    does for the buffer anyway, stores the rows (the item two back: slot pq & 1's head and rows, set at that item's
+    Q copy), syncs its 128 threads before the next Q copy overwrites them, and after its loop stores the block's
+    last item's. The same barriers as without it: no more shared memory."""
     assert not emit_fa3_ws.o_by_producer(_spec())
     spec = _spec({"o_by_producer": True})
     assert emit_fa3_ws.o_by_producer(spec)
     assert not emit_fa3_ws.o_by_producer(_spec({"o_by_producer": True, "q_double": False}))
     assert not emit_fa3_ws.o_by_producer(_spec({"o_by_producer": True, "epilogue_in_s": False}))
     lay = emit_fa3_ws._layout(spec)
-    ost, qe = lay["o_staged"], lay["q_empty"]
-    assert lay["total"] - emit_fa3_ws._layout(_spec())["total"] == 16  # two more barriers
+    qe = lay["q_empty"]
+    assert lay == emit_fa3_ws._layout(_spec())  # no barrier of its own
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     prod, cons = _parts(src)
-    assert f"mbar_init(bars + {ost}, 256)" in src and f"mbar_init(bars + {ost + 8}, 256)" in src
-    # consumers: stage, arrive; nothing read back or stored, the Q-free barriers untouched
+    # consumers: stage, arrive on the buffer's q_empty; nothing read back or stored
     kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\)", cons)]
-    staged = [m.start() for m in re.finditer(re.escape(f"mbar_arrive(bars + {ost} + ((qk - 1) & 1) * 8)"), cons)]
+    staged = [m.start() for m in re.finditer(re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)"), cons)]
     assert len(kept) == len(staged) == 3
-    assert "lds_v4_u32(" not in cons and "stg_v4_u32(" not in cons and f"mbar_arrive(bars + {qe}" not in cons
+    assert "lds_v4_u32(" not in cons and "stg_v4_u32(" not in cons
     for k, a in zip(kept, staged):
         assert k < cons.index("stage_row_z(", k) < a
+        assert "bar_sync(" not in cons[cons.index("stage_row_z(", k):a]  # no barrier among them after staging
     # producer: the wait, the store-out of the item two back, the producer's barrier, then the ticket and the Q copy
     item = prod[prod.index("while True:"):]
-    wait = item.index(f"mbar_wait(bars + {ost} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)")
+    wait = item.index(f"mbar_wait(bars + {qe} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)")
     store = item.index("if pq >= 2:  # its rows to O")
     sync = item.index("bar_sync(9, 128)")
     assert wait < store < item.index("lds_v4_u32(", store) < item.index("stg_v4_u32(", store) < sync
@@ -174,7 +174,6 @@ def test_the_producer_stores_the_staged_o_when_asked():
     assert "ob_head = oh_1 if pq & 1 else oh_0" in item
     copy = item.index("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
     assert copy < item.index("oh_1 = q_head", copy) < item.index("pq += 1", copy)
-    assert f"mbar_wait(bars + {qe}" not in prod  # the Q-free barriers are not used
     tail = prod[prod.index("if pq > 0:  # the block's last item's O"):]
-    assert tail.index("pq -= 1") < tail.index(f"mbar_wait(bars + {ost} + (pq & 1) * 8, (pq >> 1) & 1)") < \
+    assert tail.index("pq -= 1") < tail.index(f"mbar_wait(bars + {qe} + (pq & 1) * 8, (pq >> 1) & 1)") < \
         tail.index("stg_v4_u32(")

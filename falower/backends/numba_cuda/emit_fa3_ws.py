@@ -424,9 +424,10 @@ def _emit_range_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
 
 def o_by_producer(spec: FA2ForwardSpec) -> bool:
     """Whether the producer warpgroup stores an item's staged O (`q_double` with `epilogue_in_s`): the consumers
-    stage it into the item's Q tiles and arrive on the buffer's "O staged" mbarrier (no barrier among themselves
-    after it, no reads back, no stores), and the producer, which waits for that buffer before it loads the Q of the
-    item two on anyway, reads the rows back and stores them (16 chunks of 16 bytes a thread), then its next Q.
+    stage it into the item's Q tiles and arrive on the buffer's q_empty barrier as soon as it is staged (no barrier
+    among themselves after it, no reads back, no stores), and the producer, which waits there before it loads the
+    Q of the item two on anyway, reads the rows back and stores them (16 chunks of 16 bytes a thread), then its
+    next Q.
     Why: the timeline put the kept epilogue at 1800-2400 cycles an item inside a consumer warpgroup's turn (H100
     2026-11-28), the other warpgroup waiting for the tensor cores meanwhile; of that the read back and the stores
     are half the instructions. Off by default until measured: `extra["o_by_producer"] = True` (bench '-obp')."""
@@ -504,8 +505,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
     qe = (16 if two_q else 8) if persistent(spec) and producer(spec) != "none" else 0  # Q free for the next item
     itf = (16 if two_q else 8) if uses_work_counter(spec) else 0  # the next ticket is in `tick` ("dynamic")
-    ost = 16 if two_q and spec.extra.get("o_by_producer", False) else 0  # a Q buffer's O is staged (o_by_producer)
-    barrier_bytes = q + 32 * S + tf + qe + itf + ost
+    barrier_bytes = q + 32 * S + tf + qe + itf
     o_at = kv + 2 * S * tile + table
     # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
     o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
@@ -517,7 +517,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
             "q1": o_at if o_buf and two_q else 0, "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
-            "item_full": q + 32 * S + tf + qe, "o_staged": q + 32 * S + tf + qe + itf, "total": bars + barrier_bytes}
+            "item_full": q + 32 * S + tf + qe, "total": bars + barrier_bytes}
 
 
 def smem_bytes(spec: FA2ForwardSpec) -> int:
@@ -531,7 +531,8 @@ KEPT_BYTES = 4 * KEPT_F32 + 8 * KEPT_I64
 
 
 def tick_words(spec: FA2ForwardSpec) -> int:
-    """The int32 words of `tick` (item_order "dynamic"): two tickets, and with `list_head_shared` their heads."""
+    """The int32 words of `tick` (item_order "dynamic"): two tickets, and beside each four words where the handover
+    carries them (`_handed_over`: a block list's head, or a static mask's kv range)."""
     return 10 if _handed_over(spec) else 2
 
 
@@ -673,16 +674,15 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         emit_persistent_start(c, spec)
     c("while True:")
     c.level += 1
-    if producer_side and o_by_producer(spec):
-        c(f"mbar_wait(bars + {lay['o_staged']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups "
-          "staged the O of this Q buffer's last item")
-        c("if pq >= 2:  # its rows to O (o_by_producer)")
-        with c.indent():
-            _emit_producer_store_out(c, spec, lay)
-        c(f"bar_sync({PRODUCER_BARRIER}, 128)  # every producer thread has read the rows the next Q copy overwrites")
-    elif producer_side and q_double(spec):
+    if producer_side and q_double(spec):
         c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups are "
-          "done with this Q buffer's last item (its epilogue)")
+          "done with this Q buffer's last item (" + ("its O staged" if o_by_producer(spec) else "its epilogue") + ")")
+        if o_by_producer(spec):
+            c("if pq >= 2:  # its rows to O (o_by_producer)")
+            with c.indent():
+                _emit_producer_store_out(c, spec, lay)
+            c(f"bar_sync({PRODUCER_BARRIER}, 128)  # every producer thread has read the rows the next Q copy "
+              "overwrites")
     elif producer_side:
         c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
           "last S")
@@ -843,7 +843,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("if pq > 0:  # the block's last item's O, staged by the consumers' last flush")
             with c.indent():
                 c("pq -= 1")
-                c(f"mbar_wait(bars + {lay['o_staged']} + (pq & 1) * 8, (pq >> 1) & 1)")
+                c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, (pq >> 1) & 1)")
                 _emit_producer_store_out(c, spec, lay)
     c("cp_async_wait0()  # leave no copy in flight")
 
@@ -1208,8 +1208,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
             c(f"{stage}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
         if OBP:  # the producer reads them back and stores them, then loads the next Q into the buffer
-            c(f"mbar_arrive(bars + {lay['o_staged']} + ((qk - 1) & 1) * 8)  # this thread's rows of the kept item's O "
-              "are staged")
+            c(f"mbar_arrive(bars + {lay['q_empty']} + ((qk - 1) & 1) * 8)  # this thread's rows of the kept item's O "
+              "are staged: the producer stores them")
             c("ep_pend = False")
             return
         c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
@@ -1679,10 +1679,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 for w in range(2 if q_double(spec) else 1):
                     c(f"mbar_init(bars + {lay['item_full'] + 8 * w}, 1)  # the next item's ticket is in tick" +
                       (f"[{w}]" if q_double(spec) else ""))
-            if o_by_producer(spec):
-                for w in range(2):
-                    c(f"mbar_init(bars + {lay['o_staged'] + 8 * w}, {consumers})  # Q buffer {w}'s item's O is "
-                      "staged")
+
             for s in range(S):
                 c(f"mbar_init(bars + {lay['full_k'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")
