@@ -178,7 +178,7 @@ CONFIG_OPTIONS: list = [
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),
     (("noqd", {"q_double": False}), ("qd", {"q_double": True})),
-    (("obp", {"o_by_producer": True}),),
+    (("nobk", {"bulk_store": False}), ("bk", {"bulk_store": True})),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

@@ -56,6 +56,33 @@ def raises(out):
     out[t] = t
 
 
+from falower.backends.numba_cuda.intrinsics import (  # noqa: E402
+    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, smem_base, sts_u32, syncwarp)
+
+
+@cuda.jit
+def bulk(out, late):
+    """A warp stages 64 words, lane 0 bulk-copies them to out[1:65] (16-byte aligned: out[0] is padding) and waits
+    for the copy's read; with `late` the warp writes the staging again before that wait, which the GPU may or may
+    not have read by then: the emulation reads at the wait, so the rewrite shows in out."""
+    sm = cuda.shared.array(64, np.uint32)
+    sb = smem_base(sm)
+    t = cuda.threadIdx.x
+    sts_u32(sb + 8 * t, t + 1)
+    sts_u32(sb + 8 * t + 4, t + 101)
+    syncwarp()
+    if t == 0:
+        bulk_store(elem_addr(out, (4,)), sb, 256)
+        bulk_commit()
+    if late:
+        syncwarp()
+        sts_u32(sb + 8 * t, 0)
+        syncwarp()
+    bulk_wait_read0()
+    syncwarp()
+    sts_u32(sb + 8 * t + 4, 0)  # after the wait: no effect on out
+
+
 def run_case(cid: str) -> dict:
     from numba.cuda.simulator import kernel as simk
 
@@ -77,8 +104,17 @@ def run_case(cid: str) -> dict:
         except IndexError as e:
             msg = str(e)
         return {"id": cid, "installed": installed, "message": msg, "seconds": time.time() - t0}
+    if cid in ("bulk", "bulk-late"):
+        out = np.zeros(68, np.uint32)
+        bulk[1, 32](out, cid == "bulk-late")
+        bad = None
+        try:
+            bulk_store(elem_addr(out, (0,)), 0, 24)  # not a multiple of 16 bytes
+        except ValueError as e:
+            bad = str(e)
+        return {"id": cid, "installed": installed, "out": out.tolist(), "misaligned": bad}
     raise KeyError(cid)
 
 
 if __name__ == "__main__":
-    run_main(sys.argv[1:] or ["early-exit", "votes", "raises"], run_case)
+    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", "bulk", "bulk-late"], run_case)

@@ -133,3 +133,17 @@ def test_simulator_exception_is_raised_by_the_launch(sim):
     assert "error" not in r, r
     assert r["message"] is not None and "tid=[7, 0, 0]" in r["message"] and "ctaid=[1, 0, 0]" in r["message"], r
     assert r["seconds"] < 60, r
+
+
+def test_simulator_bulk_copy_reads_at_the_wait(sim):
+    """intrinsics.bulk_store in the simulator: the copy lands at the thread's bulk_wait_read0 and reads shared
+    memory then, so a kernel that writes a staged row before that wait gives wrong numbers (as it may on the GPU);
+    sizes and addresses not multiples of 16 bytes are refused."""
+    staged = [x for t in range(32) for x in (t + 1, t + 101)]
+    r = sim["bulk"]
+    assert "error" not in r, r
+    assert r["out"] == [0] * 4 + staged, r
+    r = sim["bulk-late"]
+    assert "error" not in r, r
+    assert r["out"] == [0] * 4 + [x for t in range(32) for x in (0, t + 101)], r
+    assert r["misaligned"] and "16-byte" in r["misaligned"], r

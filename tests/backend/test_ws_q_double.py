@@ -3,7 +3,7 @@ consumer warpgroup's 64 rows a tile of their own there, the item's O staged thro
 freed for item k + 2 after the item's epilogue, so the producer loads the next item's Q while the item before runs.
 Emitted sources only (no Numba); the numbers: test_ws_persistent_simulator.py's producer-warpgroup cases (causal
 items of 1, 2 and 3 tiles, an inf in one head's V, the document's empty item), test_ws_slow_warp_simulator.py's
-(a slowed warp on the producer kernel), test_ws_range_walk_simulator.py's windows (with `o_by_producer` too) and the
+(a slowed warp on the producer kernel), test_ws_range_walk_simulator.py's windows (with `bulk_store` and without) and the
 GPU's examples."""
 
 from __future__ import annotations
@@ -44,10 +44,14 @@ def test_which_kernels_take_it_and_its_shared_memory():
     assert not emit_fa3_ws.q_double(_spec({"persistent": 0, "item_order": "grid"}))  # one block an item
     assert not emit_fa3_ws.q_double(_spec({"producer": "none"}))  # the consumers load their own Q
     for D in (64, 128):
-        on, off = emit_fa3_ws._layout(_spec(D=D)), emit_fa3_ws._layout(_spec({"q_double": False}, D=D))
+        nobk = {"bulk_store": False}  # the tiles 64 rows of D (bulk_store's are 16 bytes a row wider)
+        on, off = emit_fa3_ws._layout(_spec(nobk, D=D)), emit_fa3_ws._layout(_spec({"q_double": False}, D=D))
         # the second buffer takes the O buffer's room; one more Q, q_empty and item_full barrier each
         assert on["q1"] == off["o"] == on["o"] > 0 and on["q1"] >= 128 * D * 2
-        assert emit_fa3_ws.smem_bytes(_spec(D=D)) - emit_fa3_ws.smem_bytes(_spec({"q_double": False}, D=D)) == 24
+        assert emit_fa3_ws.smem_bytes(_spec(nobk, D=D)) - emit_fa3_ws.smem_bytes(_spec({"q_double": False}, D=D)) \
+            == 24
+        wide = emit_fa3_ws._layout(_spec(D=D))  # four tiles wider, the ring after the first buffer
+        assert wide["total"] - on["total"] == 4 * (wide["qwg"] - 128 * D) and wide["q1"] == wide["o"] > 0
         assert on["total"] + emit_fa3_ws.ALIGN + emit_fa3_ws.static_bytes(_spec(D=D)) <= emit_fa3_ws.SMEM_LIMIT
 
 
@@ -76,7 +80,7 @@ def test_the_producer_loads_item_k_into_buffer_k_and_1(D):
     helper = src[src.index(f"def load_q_tiles_{n}("):]
     helper = helper[:helper.index("@device_function")]
     # the second half of a thread's rows into the second tile: its rows 64 on, 64 * D * 2 bytes from the first's
-    jump = 64 * D * 2 - 64 * 128
+    jump = emit_fa3_ws._layout(spec)["qwg"] - 64 * 128
     at = f"s + dr * 128 + (it // {n // 2}) * {jump}" if jump else "s + dr * 128"
     assert helper.count(f"cp_async16_s({at}, garr, ") == 2, helper
     arrive = item.index("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
@@ -102,14 +106,19 @@ def test_the_consumers_read_and_free_the_items_buffer(D):
     loop = item.index("while j <= kv_last")
     assert landed < loop
     # q_wg made from the item count at each tile's S (not held across the item: registers)
-    q_at = item.index(f"q_wg = sb + (qk & 1) * {q1} + cw * {64 * D * 2}", loop)
+    q_at = item.index(f"q_wg = sb + (qk & 1) * {q1} + cw * {emit_fa3_ws._layout(spec)['qwg']}", loop)
     assert q_at < item.index("qk_wgmma(sc, q_wg", loop)
     assert len(re.findall(r"\bq_wg(__\d+)? = ", cons)) == 1
     # an item with no tile flushes the item before's epilogue only once its own Q has landed
     assert landed < item.index("if ep_pend and kv_last")
     # no release at the last S: the buffer holds the item's O until its (kept) epilogue has stored it
     end = item.index("# this thread is past the item's last S")
-    assert "mbar_arrive" not in item[end:item.index("qk += 1", end)]
+    assert f"mbar_arrive(bars + {qe} + (qk & 1)" not in item[end:item.index("qk += 1", end)]
+    # without bulk_store: each kept epilogue frees the kept item's buffer after reading its rows back and storing
+    # them (with it: test_the_kept_epilogue_stores_o_by_bulk_copies)
+    nobk = _spec({"bulk_store": False}, D=D)
+    q1, qe = (emit_fa3_ws._layout(nobk)[k] for k in ("q1", "q_empty"))
+    _, cons = _parts(emit_fa3_ws.emit_fa3_ws_forward(nobk))
     kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\) \* " + str(q1), cons)]
     frees = [m.start() for m in re.finditer(re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)"), cons)]
     assert len(kept) == len(frees) == 3  # an empty item's flush, the first tile's, the block's last item's
@@ -140,40 +149,40 @@ def test_off_it_is_the_kernel_before():
     assert "qe_phase ^= 1" in src and "q_wg = sb + cw * 8192" in src
 
 
-def test_the_producer_stores_the_staged_o_when_asked():
-    """`o_by_producer` (off by default): the consumers' kept epilogue stages O into the kept item's Q tiles and
-    arrives on that buffer's q_empty barrier once staged, no read back, no stores; the producer waits there as it
-    does for the buffer anyway, stores the rows (the item two back: slot pq & 1's head and rows, set at that item's
-    Q copy), syncs its 128 threads before the next Q copy overwrites them, and after its loop stores the block's
-    last item's. The same barriers as without it: no more shared memory."""
-    assert not emit_fa3_ws.o_by_producer(_spec())
-    spec = _spec({"o_by_producer": True})
-    assert emit_fa3_ws.o_by_producer(spec)
-    assert not emit_fa3_ws.o_by_producer(_spec({"o_by_producer": True, "q_double": False}))
-    assert not emit_fa3_ws.o_by_producer(_spec({"o_by_producer": True, "epilogue_in_s": False}))
+def test_the_kept_epilogue_stores_o_by_bulk_copies():
+    """`bulk_store` (the default with epilogue_in_s): each warp stages its own 16 rows of the kept item's O into
+    its Q tile at 2 D + 16 bytes a row (no swizzle, no barrier after), fences them for the async proxy, and its lane
+    0 issues one bulk copy a row (operands made uniform by redux); the kept item's Q buffer is released (q_empty)
+    only after this thread's copies have read shared memory, at the next tile's S or the item's end, or at once
+    where the kept epilogue is a flush. No read back and no 16-byte stores in the consumers."""
+    spec = _spec()
+    assert emit_fa3_ws.bulk_store(spec) and emit_fa3_ws.bulk_store(_spec(D=64))
+    assert not emit_fa3_ws.bulk_store(_spec({"bulk_store": False}))  # '-nobk'
+    assert not emit_fa3_ws.bulk_store(_spec({"q_double": False}))
+    assert not emit_fa3_ws.bulk_store(_spec({"epilogue_in_s": False}))
+    for D in (64, 128):
+        lay, off = emit_fa3_ws._layout(_spec(D=D)), emit_fa3_ws._layout(_spec({"bulk_store": False}, D=D))
+        assert off["qwg"] == 64 * 2 * D and lay["qwg"] == -(-64 * (2 * D + 16) // 1024) * 1024
+        assert lay["qwg"] % 1024 == 0 and lay["kv"] == 2 * lay["qwg"] and lay["q1"] % 1024 == 0
+        assert lay["total"] + emit_fa3_ws.ALIGN + emit_fa3_ws.static_bytes(_spec(D=D)) <= emit_fa3_ws.SMEM_LIMIT
     lay = emit_fa3_ws._layout(spec)
-    qe = lay["q_empty"]
-    assert lay == emit_fa3_ws._layout(_spec())  # no barrier of its own
-    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
-    prod, cons = _parts(src)
-    # consumers: stage, arrive on the buffer's q_empty; nothing read back or stored
-    kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\)", cons)]
-    staged = [m.start() for m in re.finditer(re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)"), cons)]
-    assert len(kept) == len(staged) == 3
+    qe, qwg = lay["q_empty"], lay["qwg"]
+    prod, cons = _parts(emit_fa3_ws.emit_fa3_ws_forward(spec))
+    assert f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {qwg}" in cons
+    assert f"ld_s + sb" in prod  # the producer's Q copy: the second warpgroup's tile qwg bytes on (its helper's jump)
     assert "lds_v4_u32(" not in cons and "stg_v4_u32(" not in cons
-    for k, a in zip(kept, staged):
-        assert k < cons.index("stage_row_z(", k) < a
-        assert "bar_sync(" not in cons[cons.index("stage_row_z(", k):a]  # no barrier among them after staging
-    # producer: the wait, the store-out of the item two back, the producer's barrier, then the ticket and the Q copy
-    item = prod[prod.index("while True:"):]
-    wait = item.index(f"mbar_wait(bars + {qe} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)")
-    store = item.index("if pq >= 2:  # its rows to O")
-    sync = item.index("bar_sync(9, 128)")
-    assert wait < store < item.index("lds_v4_u32(", store) < item.index("stg_v4_u32(", store) < sync
-    assert sync < item.index("tick[ip] = tk_next") < item.index("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
-    assert "ob_head = oh_1 if pq & 1 else oh_0" in item
-    copy = item.index("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
-    assert copy < item.index("oh_1 = q_head", copy) < item.index("pq += 1", copy)
-    tail = prod[prod.index("if pq > 0:  # the block's last item's O"):]
-    assert tail.index("pq -= 1") < tail.index(f"mbar_wait(bars + {qe} + (pq & 1) * 8, (pq >> 1) & 1)") < \
-        tail.index("stg_v4_u32(")
+    arrive = re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)")
+    kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\)", cons)]
+    assert len(kept) == 3  # the item's first tile, an empty item's flush, the block's last item
+    for k in kept:
+        st = cons.index("stage_row_z(", k)
+        assert "bar_sync(" not in cons[st:cons.index("bulk_store(", st)]  # the warp's own rows: no barrier after
+        assert st < cons.index("fence_proxy_async()", st) < cons.index("syncwarp()", st) < \
+            cons.index("if lane == 0:", st) < cons.index("bulk_store(", st) < cons.index("bulk_commit()", st)
+    assert re.search(r"stage_row_z\(o_wg(__\d+)? \+ lr(__\d+)? \* 272 \+ 2 \* t2, np.uint32\(0\)", cons)
+    # every release waits for this thread's copies to have read, then the warp's, then arrives
+    for m in re.finditer(arrive, cons):
+        before = cons[:m.start()]
+        assert before.rindex("bulk_wait_read0()") > before.rindex("if ob_pend")
+        assert before.rindex("syncwarp()") > before.rindex("bulk_wait_read0()")
+    assert len(re.findall(arrive, cons)) == len(re.findall(r"bulk_wait_read0\(\)", cons)) >= 3

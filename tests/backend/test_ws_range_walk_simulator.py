@@ -3,7 +3,7 @@ the kernel visits every tile of [kv_first, kv_last] and takes a tile's class fro
 tile_class_fn in the kv loop. Run through falower.compile in the CUDA simulator against the float64 reference
 (ws_sim_cases.py's WALK_CASES: causal on the persistent kernel, with and without the producer warpgroup, whose
 producer scans each item's range and hands it over (emit_fa3_ws.range_shared), a window on it, with the producer
-storing O too (o_by_producer), a window one block an item, and a mask with empty tiles inside its range); and the
+storing O by bulk copies (bulk_store) and without, a window one block an item, and a mask with empty tiles inside its range); and the
 emitted source, which says where tile_class_fn is still evaluated."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_walking_the_range_matches_the_reference(results, case):
     assert r["walks"], r  # the kernel took the path under test
     extra = WALK_CASES[case][-1]
     pwg = extra.get("producer") == "warpgroup"  # the persistent producer kernel's own paths
-    assert r["range_shared"] == r["q_double"] == pwg and r["o_by_producer"] == bool(extra.get("o_by_producer")), r
+    assert r["range_shared"] == r["q_double"] == pwg and r["bulk_store"] == (pwg and extra.get("bulk_store", True)), r
     assert not r["nan"], r
     assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]] and r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r  # rows that see nothing (the gaps mask: none here) keep LSE = -inf

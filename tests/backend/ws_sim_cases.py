@@ -119,10 +119,10 @@ WALK_CASES = {
     # there: the same cases passed, 2026-11-28, cut for CI time; PERSIST_CASES' causal ones take q_double)
     "walk-window-persist-pwg": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
                                                                    "item_order": "dynamic"}),
-    # ... with the producer storing each item's staged O (emit_fa3_ws.o_by_producer, off by default): the block's
-    # last item's after its loop
-    "walk-window-persist-obp": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
-                                                                   "item_order": "dynamic", "o_by_producer": True}),
+    # (the kept epilogue's O stored by bulk copies, emit_fa3_ws.bulk_store: each kept item's Q buffer released a
+    # tile later or at the item's end, the block's last at its flush) ... and by the threads' own stores
+    "walk-window-persist-nobk": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
+                                                                    "item_order": "dynamic", "bulk_store": False}),
     "walk-window": ("sliding_window", 1, 2, 130, 130, {}),
     "walk-gaps": ("gaps", 1, 1, 5, 170, {}),
 }
@@ -383,7 +383,7 @@ def run_walk_case(case_id: str) -> dict:
     o, lse = c(q, k, v)
     from falower.backends.numba_cuda import emit_fa3_ws
 
-    paths = {name: getattr(emit_fa3_ws, name)(kern.spec) for name in ("range_shared", "q_double", "o_by_producer")}
+    paths = {name: getattr(emit_fa3_ws, name)(kern.spec) for name in ("range_shared", "q_double", "bulk_store")}
     return {"id": case_id, "dtype": "f16", "walks": walks_range(kern.spec) and "kf_first" in kern.source, **paths,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 

@@ -57,8 +57,9 @@ Persistent (`extra["persistent"]` = blocks): with producer "none" the consumers 
 tiles in front of their epilogue; with a producer warpgroup the producer runs the ring across items and refills Q
 once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
 its own where it fits; by default two Q buffers in that room instead (`q_double`: item k's Q loads once item
-k - 2's epilogue has staged its O through it), and under a static mask the next item's kv range scanned by the
-producer and handed over with its ticket (`range_shared`). Items in a static serpentine order (`item_order` "grid"
+k - 2's epilogue has staged its O through it, each warp's rows then stored by bulk copies: `bulk_store`), and
+under a static mask the next item's kv range scanned by the producer and handed over with its ticket
+(`range_shared`). Items in a static serpentine order (`item_order` "grid"
 or "cost"), or, with the producer warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
 default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
 its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
@@ -66,7 +67,8 @@ its masked tiles ran as fast as plain ones and it led one block an item on every
 (emit_fa3.PERSIST_LIST_PRODUCER_REGS: the consumers' list walk spilled at 192), its producer reading each item's
 list a tile ahead of its copies.
 
-Not here yet: TMA (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile),
+Not here yet: TMA tensor copies (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies
+a kv tile; O's rows go out by one plain bulk copy each, 16 a warp, where a tensor map would take two),
 intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
 """
 
@@ -155,7 +157,6 @@ PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
 # named barriers (0 is __syncthreads): 1, 2 the ping-pong's turns; 3 + cw a consumer warpgroup's table tile; 5 + cw
 # its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item
 Q_FREE_BARRIER = 7
-PRODUCER_BARRIER = 9  # the producer warpgroup's 128 threads (o_by_producer: its O reads before its next Q copy)
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
@@ -164,12 +165,16 @@ from falower.backends.numba_cuda.intrinsics import (
     warp_uniform,
     bar_arrive,
     bar_sync,
+    bulk_commit,
+    bulk_store,
+    bulk_wait_read0,
     cp_async_mbar_arrive_noinc,
     mbar_arrive,
     mbar_init,
     mbar_wait,
     setmaxnreg_dec,
     setmaxnreg_inc,
+    syncwarp,
 )
 '''
 
@@ -375,6 +380,34 @@ def q_double(spec: FA2ForwardSpec) -> bool:
     return _layout(spec)["q1"] > 0
 
 
+def bulk_pitch(D: int) -> int:
+    """The bytes between staged O rows under `bulk_store`: a row of D 16-bit values and 16 bytes, so that the 8 rows
+    a warp's fragment store touches (4 words each) start 4 banks apart and meet all 32 banks once."""
+    return 2 * D + 16
+
+
+def _bulk_asked(spec: FA2ForwardSpec) -> bool:
+    return (_q_double_asked(spec) and _epilogue_in_s_asked(spec) and spec.block_q == 128
+            and spec.extra.get("bulk_store", True) is not False)
+
+
+def bulk_store(spec: FA2ForwardSpec) -> bool:
+    """Whether the kept epilogue (`epilogue_in_s` with `q_double`) stores O by bulk copies: each warp stages its own
+    16 rows unswizzled (`bulk_pitch` bytes a row, in the kept item's Q tile, which has the room for it) and its
+    lanes 0-15 issue one `cp.async.bulk` shared-to-global copy of a row each (O's rows of D are contiguous); the
+    kept item's Q buffer is released once the copies have read their rows, at the next tile's S or the item's
+    end. No barrier among the warpgroup's warps after the staging, no read back, no stores in a thread's
+    instructions. Lane 0 issues the warp's copies with their operands made uniform by redux (the copy takes
+    uniform registers: per-lane operands made ptxas loop over the lanes), 16 unrolled where every row is inside O.
+    Why: the timeline put the kept epilogue at 1800-2400 cycles an item in a consumer warpgroup's turn (with the
+    producer warpgroup storing O instead, the consumers' part fell to 1295 cycles, but the producer's next loads
+    came late and every example but the softcap lost 1-9%). Measured against the threads' stores (H200,
+    2026-11-28, two calls of 9 and 11 rounds): plain +2.0 / +4.8%, causal +5.5 / +4.3%, ALiBi +0.8 / +6.1%, the
+    document +4.0 / +4.1%, the 1024 window -2.3 / -0.2%. `extra["bulk_store"] = False` keeps the stores (bench
+    '-nobk')."""
+    return _bulk_asked(spec) and q_double(spec) and _layout(spec)["qwg"] > 64 * spec.head_dim * 2
+
+
 def range_shared(spec: FA2ForwardSpec) -> bool:
     """Whether the ticket's handover also carries the item's kv range and its full tiles (kv_first, kv_last,
     kf_first, kf_last), scanned by the producer's first warp while the previous item's last copies are in flight
@@ -422,18 +455,6 @@ def _emit_range_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
                    full_range=True, full=("hr_2", "hr_3"))
 
 
-def o_by_producer(spec: FA2ForwardSpec) -> bool:
-    """Whether the producer warpgroup stores an item's staged O (`q_double` with `epilogue_in_s`): the consumers
-    stage it into the item's Q tiles and arrive on the buffer's q_empty barrier as soon as it is staged (no barrier
-    among themselves after it, no reads back, no stores), and the producer, which waits there before it loads the
-    Q of the item two on anyway, reads the rows back and stores them (16 chunks of 16 bytes a thread), then its
-    next Q.
-    Why: the timeline put the kept epilogue at 1800-2400 cycles an item inside a consumer warpgroup's turn (H100
-    2026-11-28), the other warpgroup waiting for the tensor cores meanwhile; of that the read back and the stores
-    are half the instructions. Off by default until measured: `extra["o_by_producer"] = True` (bench '-obp')."""
-    return bool(spec.extra.get("o_by_producer", False)) and q_double(spec) and epilogue_in_s(spec)
-
-
 def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     """Whether an item's last P V goes with the next item's first tile (as P_{j-1} V_{j-1} goes with S_j inside an
     item: the ring's V stage and P's registers carry over) and its epilogue follows that tile's softmax, instead of
@@ -448,9 +469,14 @@ def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     48, -7% on the H100, 2026-11-27). A block list spilled 96-120 bytes with it (the document -15%) while its walk
     was 64-bit, none since it is 32-bit (emit_fa2._emit_list_ahead). `extra["epilogue_in_s"]` False keeps the
     epilogue at the item's end (bench '-noes'), True asks for it there too ('-es')."""
+    return _epilogue_in_s_asked(spec) and staged_epilogue(spec)
+
+
+def _epilogue_in_s_asked(spec: FA2ForwardSpec) -> bool:
+    """`epilogue_in_s` but for its room (the O buffer, which `_layout` decides: it asks this)."""
     asked = spec.extra.get("epilogue_in_s", small_scores(spec) is None)
-    return (bool(persistent(spec)) and producer(spec) == "warpgroup" and staged_epilogue(spec) and pingpong(spec)
-            and not half_tiles(spec) and asked is not False)
+    return (bool(persistent(spec)) and producer(spec) == "warpgroup" and pingpong(spec) and not half_tiles(spec)
+            and asked is not False)
 
 
 def bounds_in_s(spec: FA2ForwardSpec) -> bool:
@@ -498,23 +524,29 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     S = stages(spec) if S is None else S
     tile = BK * D * 2
-    kv = BQ * D * 2
-    table = BQ * BK * 4 if table_tiles(spec) else 0  # the score's table tile, f32, one buffer (tb)
     two_q = _q_double_asked(spec)
+    table = BQ * BK * 4 if table_tiles(spec) else 0  # the score's table tile, f32, one buffer (tb)
     q = 8 * (BQ // 64 if producer(spec) == "none" else 2 if two_q else 1)
     tf = 8 * (BQ // 64) if table else 0  # the table tile's full barrier, one per consumer warpgroup
     qe = (16 if two_q else 8) if persistent(spec) and producer(spec) != "none" else 0  # Q free for the next item
     itf = (16 if two_q else 8) if uses_work_counter(spec) else 0  # the next ticket is in `tick` ("dynamic")
     barrier_bytes = q + 32 * S + tf + qe + itf
-    o_at = kv + 2 * S * tile + table
-    # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
-    o_buf = BQ * D * 2 if (persistent(spec) and producer(spec) == "warpgroup"
-                           and spec.extra.get("staged_epilogue", True) is not False) else 0
-    # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
-    if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) > SMEM_LIMIT:
+    # a consumer warpgroup's Q tile under q_double: 64 rows of D, or (bulk_store) the room to stage its O at
+    # bulk_pitch bytes a row, rounded up to the 1024 bytes the next tile's 128-byte swizzle asks; the first that
+    # fits with the O buffer
+    for qwg in ([-(-64 * bulk_pitch(D) // 1024) * 1024] if two_q and _bulk_asked(spec) else []) + [64 * D * 2]:
+        kv = BQ // 64 * qwg if two_q else BQ * D * 2
+        o_at = kv + 2 * S * tile + table
+        # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
+        o_buf = kv if (persistent(spec) and producer(spec) == "warpgroup"
+                       and spec.extra.get("staged_epilogue", True) is not False) else 0
+        # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
+        if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) <= SMEM_LIMIT:
+            break
+    else:
         o_buf = 0
     bars = o_at + o_buf
-    return {"tile": tile, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
+    return {"tile": tile, "qwg": qwg, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
             "q1": o_at if o_buf and two_q else 0, "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
             "item_full": q + 32 * S + tf + qe, "total": bars + barrier_bytes}
@@ -676,13 +708,7 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     c.level += 1
     if producer_side and q_double(spec):
         c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups are "
-          "done with this Q buffer's last item (" + ("its O staged" if o_by_producer(spec) else "its epilogue") + ")")
-        if o_by_producer(spec):
-            c("if pq >= 2:  # its rows to O (o_by_producer)")
-            with c.indent():
-                _emit_producer_store_out(c, spec, lay)
-            c(f"bar_sync({PRODUCER_BARRIER}, 128)  # every producer thread has read the rows the next Q copy "
-              "overwrites")
+          "done with this Q buffer's last item (its epilogue)")
     elif producer_side:
         c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
           "last S")
@@ -718,17 +744,6 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
         c("if tid == 0:")
         with c.indent():
             c("tk_next = cuda.atomic.add(work, 0, 1)  # the next item's ticket, drawn while this one loads")
-
-
-def _emit_producer_store_out(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
-    """`o_by_producer`: the producer's 128 threads store the O rows the consumers staged in Q buffer pq & 1 (its
-    item's, whose O rows start at ob_lo of slice ob_head), both warpgroups' tiles, 16-byte chunks."""
-    D = spec.head_dim
-    c("ob_head = oh_1 if pq & 1 else oh_0  # the buffer's item: its (b, h) slice and first row")
-    c("ob_lo = ol_1 if pq & 1 else ol_0")
-    c(f"ob = sb + (pq & 1) * {lay['q1']}")
-    for w in range(2):
-        emit_staged_stores(c, D, 64, f"ob_lo + {64 * w}", "tid", f"ob + {64 * D * 2 * w}", head="ob_head")
 
 
 def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec, producer_side: bool = False) -> None:
@@ -777,27 +792,14 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c("stage = 0")
     c("phase = 0")
     QD = q_double(spec)
-    OBP = o_by_producer(spec)
-    if OBP:
-        for v in ("oh_0", "ol_0", "oh_1", "ol_1"):
-            c(f"{v} = np.int64(0)  # the (b, h) slice and first row of the item in Q buffer 0 / 1 (o_by_producer)")
     if PERSIST:
         c("pq = 0  # the producer's items: item pq's Q in buffer pq & 1 (q_double)" if QD else "qe_phase = 0")
         _emit_item_loop_start(c, spec, item_state, lay, producer_side=True)
     c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
     if QD:  # each consumer warpgroup's 64 rows a tile of their own in the item's buffer
         c(f"q_dst = sb + {lay['q1']}  # buffer 1")
-        _emit_q_tiles_load(c, D, rstep)
+        _emit_q_tiles_load(c, D, rstep, lay["qwg"])
         c("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
-        if OBP:  # whose O this buffer will hold
-            c("if pq & 1:")
-            with c.indent():
-                c("oh_1 = q_head")
-                c("ol_1 = q_lo")
-            c("else:")
-            with c.indent():
-                c("oh_0 = q_head")
-                c("ol_0 = q_lo")
         c("pq += 1")
     else:
         load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
@@ -839,23 +841,17 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_range_prefetch(c, spec)
         _emit_item_loop_end(c, spec, producer_side=True)
-        if OBP:
-            c("if pq > 0:  # the block's last item's O, staged by the consumers' last flush")
-            with c.indent():
-                c("pq -= 1")
-                c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, (pq >> 1) & 1)")
-                _emit_producer_store_out(c, spec, lay)
     c("cp_async_wait0()  # leave no copy in flight")
 
 
-def _emit_q_tiles_load(c: _Code, D: int, rstep: int) -> None:
+def _emit_q_tiles_load(c: _Code, D: int, rstep: int, qwg: int) -> None:
     """`q_double`'s Q copy: rows q_lo .. q_lo + 127 into the two consumer warpgroups' [D // 64][64][128 B] tiles of
-    the item's buffer (rows 64 on in the second, 64 * D * 2 bytes on), by one helper call from one set of row
+    the item's buffer (rows 64 on in the second, `qwg` bytes on), by one helper call from one set of row
     addresses as the one-tile copy (`_emit_load`), the buffer's base added on one of two branches: a base computed
     from pq made ptxas hoist the copies' row offsets out of the item loop and spill 500 bytes in the producer of the
     kernel without a mask (ptxas 13.0, 120 registers)."""
     n, h = 128 // rstep, 64 // rstep  # rows a thread, in each tile
-    jump = 64 * D * 2 - 64 * 128  # a row past the first tile: from where the first tile's layout puts it
+    jump = qwg - 64 * 128  # a row past the first tile: from where the first tile's layout puts it
     c(f"ld_s = (ld_c >> 3) * {64 * 128} + ld_r0 * 128 + ld_x")
     c("ld_row = q_lo + ld_r0")
     c("ld_g = qg + ld_row * q_sm + ld_c * 8")
@@ -1075,7 +1071,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
 
     DEFER = epilogue_in_s(spec)
-    OBP = o_by_producer(spec)
+    BULK = bulk_store(spec)
+    QWG = lay["qwg"]  # a consumer warpgroup's Q tile in a buffer (q_double), bytes
 
     def zero_acc() -> None:
         c(f"for i in range({D // 2}):")
@@ -1189,35 +1186,80 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("have_prev = False")
         return copy
 
-    def kept_epilogue() -> None:
+    def kept_epilogue(release_now: bool = False) -> None:
         """The kept item's epilogue (epilogue_in_s), its last P V done: O times the kept 1 / l staged through the
         warpgroup's O buffer and stored to the kept rows. O is not zeroed after it: the item now running starts O
-        with its first P V (scale-d 0), and a row with 1 / l = 0 stages zeros whatever O holds."""
+        with its first P V (scale-d 0), and a row with 1 / l = 0 stages zeros whatever O holds. Under `bulk_store`
+        each warp stages its own 16 rows unswizzled and stores them by one bulk copy a row, and the kept item's Q
+        buffer is released once those copies have read it (`bulk_release`: here if `release_now`, else at the next
+        tile's S or the item's end)."""
         stage = stage_row_helper(c, D, pack, zero_masked=True)  # an item with no tile: O = 0, not O's leftovers
         if QD:  # the kept item is the one before this (qk counts it done)
-            c(f"o_wg = sb + ((qk - 1) & 1) * {lay['q1']} + cw * {64 * 2 * D}  # this warpgroup's own Q tile in "
+            c(f"o_wg = sb + ((qk - 1) & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in "
               "the kept item's buffer")
         else:
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
-        c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
-        if not OBP:
+        def read_kept_item() -> None:
             c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, "
               "after")
             c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
+
+        if BULK:  # no barrier after the staging: read before the first
+            read_kept_item()
+        c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
+        if BULK:
+            pitch = bulk_pitch(D)
+            for t in ROWS:
+                c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64, {pitch} bytes a row")
+                c(f"{stage}(o_wg + lr * {pitch} + 2 * t2, np.uint32(0), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
+            c("fence_proxy_async()  # the staged rows are visible to the bulk copies (the async proxy)")
+            c("syncwarp()  # this warp's 16 rows are staged")
+            c("# lane 0 copies the warp's rows, one bulk copy a row; their first row, count and shared address through")
+            c("# redux, which ptxas knows are uniform: the copies' operands are uniform registers, no loop over lanes")
+            c("ob_q = ep_lo + cw * 64 + (warp & 3) * 16")
+            c("ob_row = warp_min(np.int32(ep_head + ob_q))  # O's row of the warp's first")
+            c("ob_n = warp_min(np.int32(min(16, M - ob_q)))  # its rows inside O")
+            c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {16 * pitch}))")
+            c("if lane == 0:")
+            with c.indent():
+                c("ob_g = elem_addr(o, (ob_row * " + str(D // 2) + ",))")
+                c("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates")
+                with c.indent():
+                    c("for r in range(16):")
+                    with c.indent():
+                        c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
+                c("else:  # O's last rows")
+                with c.indent():
+                    c("for r in range(ob_n):")
+                    with c.indent():
+                        c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
+                c("bulk_commit()")
+            c("ob_pend = True")
+            if release_now:
+                bulk_release()
+            c("ep_pend = False")
+            return
+        read_kept_item()
         for t in ROWS:
             c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
             c(f"{stage}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
-        if OBP:  # the producer reads them back and stores them, then loads the next Q into the buffer
-            c(f"mbar_arrive(bars + {lay['q_empty']} + ((qk - 1) & 1) * 8)  # this thread's rows of the kept item's O "
-              "are staged: the producer stores them")
-            c("ep_pend = False")
-            return
         c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
         emit_staged_stores(c, D, 64, "ep_lo + cw * 64", "ctid & 127", "o_wg", head="ep_head")
         if QD:
             c(f"mbar_arrive(bars + {lay['q_empty']} + ((qk - 1) & 1) * 8)  # this thread is done with the kept "
               "item's Q buffer: the producer may load an item into it")
         c("ep_pend = False")
+
+    def bulk_release() -> None:
+        """`bulk_store`: once this warp's bulk copies of the kept item's O have read their rows, every thread
+        releases the kept item's Q buffer (its q_empty barrier) to the producer."""
+        c("if ob_pend:  # the kept item's O is in flight to global memory from its Q buffer")
+        with c.indent():
+            c("bulk_wait_read0()  # this thread's bulk copies have read shared memory (none: at once)")
+            c("syncwarp()  # ... and every lane's of this warp")
+            c(f"mbar_arrive(bars + {lay['q_empty']} + ((qk - 1) & 1) * 8)  # the producer may load an item into "
+              "the kept item's Q buffer")
+            c("ob_pend = False")
 
     def pv(vbase: str) -> None:
         """O += P_{j-1} V_{j-1}; with half tiles only the k steps of the halves tile j - 1 kept (phs)."""
@@ -1258,6 +1300,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("ep_pend = False  # an item's last P V and epilogue wait for the next item's first tile (epilogue_in_s)")
             c("have_prev = False  # a P V to issue with the next S: carried from item to item")
             c("pv_sd = 1  # that P V's first k step adds to O (1) or starts it (0)")
+            if BULK:
+                c("ob_pend = False  # the kept item's O is being stored from its Q buffer (bulk_store)")
             zero_acc()
         _emit_item_loop_start(c, spec, item_state, lay)
         zero_state()
@@ -1267,7 +1311,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 last_pv()
                 c("have_prev = False")
-                kept_epilogue()
+                kept_epilogue(release_now=True)
 
         if DEFER and not QD:
             flush_at_empty_item()
@@ -1336,7 +1380,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         if QD:  # from the item count each tile: held across the item it cost the document's consumers spills
-            c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {64 * D * 2}  # this warpgroup's own Q tile in the item's "
+            c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in the item's "
               "buffer")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         if EARLY:
@@ -1426,6 +1470,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 with c.indent():
                     issue_and_wait(f"{fn}(sc, q_wg, desc_word(HI_QK, k_base))", "WAIT_SH", "WAIT_SH1", half * H2 // 2)
         c(f"mbar_arrive(bars + {lay['empty_k']} + stage * 8)  # this thread is done with K_j")
+        if BULK:  # the kept item's O went out a tile ago: its bulk copies have long read their rows
+            bulk_release()
         if NONE:
             c(f"if cw == 0:  # K_(j + {S - 1}) into K_(j - 1)'s stage: warpgroup 1 released it when its S_(j-1) was "
               "done, before this S_j")
@@ -1536,13 +1582,15 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c(f"ep_f[ctid * 2 + {t.k}] = inv")
             c("ep_i[cw * 2] = q_head  # every thread of the warpgroup writes the same")
             c("ep_i[cw * 2 + 1] = q_lo")
+            if BULK:  # an item of one tile: its kept epilogue's copies are still in flight
+                bulk_release()
             c("ep_pend = True")
             c("qk += 1" if QD else "qphase ^= 1")
             _emit_item_loop_end(c, spec)
             c("if ep_pend:  # the block's last item")
             with c.indent():
                 last_pv()
-                kept_epilogue()
+                kept_epilogue(release_now=True)  # no thread leaves with its bulk copies still reading
             return
         last_pv()
         c()

@@ -1547,9 +1547,19 @@ else:
 #     setmaxnreg_inc(n), setmaxnreg_dec(n)
 #                                        factories -> f(): setmaxnreg.{inc,dec}.sync.aligned.u32 n for the executing
 #                                        warpgroup (n a multiple of 8 in 24..256; the kernel needs launch bounds)
+#     syncwarp()                         bar.warp.sync of the full warp (Numba's simulator has no syncwarp)
+#     bulk_store(gaddr, saddr, nbytes)   cp.async.bulk.global.shared::cta.bulk_group: nbytes (a multiple of 16) from
+#                                        the shared byte address saddr to the generic address gaddr (elem_addr), both
+#                                        16-byte aligned; the shared side is read asynchronously, after a
+#                                        fence.proxy.async of the threads that wrote it
+#     bulk_commit(), bulk_wait_read0()   cp.async.bulk.commit_group; cp.async.bulk.wait_group.read 0: this thread's
+#                                        committed bulk copies have read their shared memory (which may then be
+#                                        written again; the kernel must not exit before)
 # Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
 # generation counter; both live per block (keyed by the block's index and the address / id); waits block on the
 # condition with a timeout so that an aborted launch (another thread's exception) or a deadlock ends.
+# A bulk copy is kept per thread and done at the thread's bulk_wait_read0 (reading shared memory then: a kernel
+# that writes a staged row again before that wait gives wrong numbers here too), syncwarp is the warp's exchange.
 # --------------------------------------------------------------------------------------------------
 
 __all__ += [
@@ -1565,6 +1575,10 @@ __all__ += [
     "setmaxnreg_dec",
     "warp_uniform",
     "max_registers",
+    "syncwarp",
+    "bulk_store",
+    "bulk_commit",
+    "bulk_wait_read0",
 ]
 
 
@@ -1691,6 +1705,36 @@ if SIMULATOR:
         lane, vals = _exchange(int(x))
         return np.int32(vals[0])
 
+    def syncwarp():
+        _exchange(None)
+
+    def bulk_store(gaddr, saddr, nbytes):
+        gaddr, saddr, n = int(gaddr), int(saddr), int(nbytes)
+        if n % 16 or gaddr % 16 or saddr % 16:
+            raise ValueError(f"bulk_store: 16-byte aligned addresses and size, got {gaddr:#x}, {saddr:#x}, {n}")
+        th = threading.current_thread()
+        pending = getattr(th, "_falower_bulk", None)
+        if pending is None:
+            pending = th._falower_bulk = []
+        pending.append((gaddr, saddr, n))
+
+    def bulk_commit():
+        pass
+
+    def bulk_wait_read0():
+        pending = getattr(threading.current_thread(), "_falower_bulk", None)
+        if not pending:
+            return
+        slow_warp()  # a warp that is late to read lets the others run on to the staged rows
+        smem = _block_smem().view(np.uint8)
+        for gaddr, saddr, n in pending:
+            with _warp_lock:
+                base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
+            if not a.flags.c_contiguous or gaddr + n > base + a.nbytes:
+                raise RuntimeError("bulk_store emulation: a contiguous array, the copy inside it")
+            a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = smem[saddr:saddr + n]
+        pending.clear()
+
     @_functools.lru_cache(maxsize=None)
     def setmaxnreg_inc(n: int):
         _check_maxnreg(n)
@@ -1742,6 +1786,25 @@ else:
     cp_async_mbar_arrive_noinc = _addr_asm(
         "cp_async_mbar_arrive_noinc", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1)
     bar_sync = _addr_asm("bar_sync", "bar.sync $0, $1;", 2)
+    syncwarp = _void_asm_intrinsic("syncwarp", "bar.warp.sync 0xffffffff;")
+    bulk_commit = _void_asm_intrinsic("bulk_commit", "cp.async.bulk.commit_group;")
+    bulk_wait_read0 = _void_asm_intrinsic("bulk_wait_read0", "cp.async.bulk.wait_group.read 0;")
+
+    @intrinsic
+    def bulk_store(typingctx, gaddr, saddr, nbytes):
+        """nbytes from the shared byte address saddr to the generic address gaddr, one bulk copy (async proxy)."""
+        sig = types.void(gaddr, saddr, nbytes)
+        ptx = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $0; "
+               "cp.async.bulk.global.shared::cta.bulk_group [ga], [$1], $2; }")
+
+        def codegen(context, builder, sig, args):
+            ga = context.cast(builder, args[0], sig.args[0], types.uint64)
+            sa = context.cast(builder, args[1], sig.args[1], _U32)
+            nb = context.cast(builder, args[2], sig.args[2], _U32)
+            _asm(context, builder, ptx, "l,r,r,~{memory}", [ga, sa, nb], [], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
     bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
 
     @intrinsic
