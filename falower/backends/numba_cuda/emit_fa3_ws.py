@@ -1223,16 +1223,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("if lane == 0:")
             with c.indent():
                 c("ob_g = elem_addr(o, (ob_row * " + str(D // 2) + ",))")
-                c("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates")
-                with c.indent():
-                    c("for r in range(16):")
+                for head, rows in (("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates", "16"),
+                                   ("else:  # O's last rows", "ob_n")):
+                    c(head)
                     with c.indent():
-                        c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
-                c("else:  # O's last rows")
-                with c.indent():
-                    c("for r in range(ob_n):")
-                    with c.indent():
-                        c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
+                        c(f"for r in range({rows}):")
+                        with c.indent():
+                            c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
                 c("bulk_commit()")
             c("ob_pend = True")
             if release_now:
