@@ -60,25 +60,40 @@ from falower.backends.numba_cuda.intrinsics import (  # noqa: E402
     bulk_commit, bulk_store, bulk_wait_read0, elem_addr, smem_base, sts_u32, syncwarp)
 
 
+BULK_MODES = {"bulk": 0, "bulk-late": 1, "bulk-uncommitted": 2, "bulk-left": 3, "bulk-early": 4}
+
+
 @cuda.jit
-def bulk(out, late):
-    """A warp stages 64 words, lane 0 bulk-copies them to out[1:65] (16-byte aligned: out[0] is padding) and waits
-    for the copy's read; with `late` the warp writes the staging again before that wait, which the GPU may or may
-    not have read by then: the emulation reads at the wait, so the rewrite shows in out."""
+def bulk(out, mode):
+    """A warp stages 64 words, lane 0 bulk-copies them to out[4:68] (16-byte aligned) and waits for the copy's
+    read (mode 0). Wrong kernels: the warp writes the staging again before that wait (1), the copy is not committed
+    (2), lane 0 returns without the wait (3), lane 0 issues before the other lanes have staged (4: no warp sync)."""
     sm = cuda.shared.array(64, np.uint32)
     sb = smem_base(sm)
     t = cuda.threadIdx.x
-    sts_u32(sb + 8 * t, t + 1)
-    sts_u32(sb + 8 * t + 4, t + 101)
+    sts_u32(sb + 8 * t, 1000)
+    sts_u32(sb + 8 * t + 4, 1000)
     syncwarp()
+    if mode != 4 or t > 0:
+        sts_u32(sb + 8 * t, t + 1)
+        sts_u32(sb + 8 * t + 4, t + 101)
+    if mode != 4:
+        syncwarp()
     if t == 0:
         bulk_store(elem_addr(out, (4,)), sb, 256)
-        bulk_commit()
-    if late:
+        if mode != 2:
+            bulk_commit()
+    if mode == 4:
+        if t == 0:
+            sts_u32(sb, 1)
+            sts_u32(sb + 4, 101)
+        syncwarp()
+    if mode == 1:
         syncwarp()
         sts_u32(sb + 8 * t, 0)
         syncwarp()
-    bulk_wait_read0()
+    if mode != 3:
+        bulk_wait_read0()
     syncwarp()
     sts_u32(sb + 8 * t + 4, 0)  # after the wait: no effect on out
 
@@ -104,17 +119,21 @@ def run_case(cid: str) -> dict:
         except IndexError as e:
             msg = str(e)
         return {"id": cid, "installed": installed, "message": msg, "seconds": time.time() - t0}
-    if cid in ("bulk", "bulk-late"):
+    if cid in BULK_MODES:
         out = np.zeros(68, np.uint32)
-        bulk[1, 32](out, cid == "bulk-late")
+        try:
+            bulk[1, 32](out, BULK_MODES[cid])
+            msg = None
+        except RuntimeError as e:
+            msg = str(e)
         bad = None
         try:
             bulk_store(elem_addr(out, (0,)), 0, 24)  # not a multiple of 16 bytes
         except ValueError as e:
             bad = str(e)
-        return {"id": cid, "installed": installed, "out": out.tolist(), "misaligned": bad}
+        return {"id": cid, "installed": installed, "out": out.tolist(), "raised": msg, "misaligned": bad}
     raise KeyError(cid)
 
 
 if __name__ == "__main__":
-    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", "bulk", "bulk-late"], run_case)
+    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES], run_case)

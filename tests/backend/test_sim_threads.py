@@ -135,15 +135,24 @@ def test_simulator_exception_is_raised_by_the_launch(sim):
     assert r["seconds"] < 60, r
 
 
-def test_simulator_bulk_copy_reads_at_the_wait(sim):
-    """intrinsics.bulk_store in the simulator: the copy lands at the thread's bulk_wait_read0 and reads shared
-    memory then, so a kernel that writes a staged row before that wait gives wrong numbers (as it may on the GPU);
-    sizes and addresses not multiples of 16 bytes are refused."""
-    staged = [x for t in range(32) for x in (t + 1, t + 101)]
+def test_simulator_bulk_copy_lands_at_the_wait(sim):
+    """intrinsics.bulk_store in the simulator: the copy lands at the thread's bulk_wait_read0 with its source as
+    issued; sizes and addresses not multiples of 16 bytes are refused."""
     r = sim["bulk"]
-    assert "error" not in r, r
-    assert r["out"] == [0] * 4 + staged, r
-    r = sim["bulk-late"]
-    assert "error" not in r, r
-    assert r["out"] == [0] * 4 + [x for t in range(32) for x in (0, t + 101)], r
+    assert "error" not in r and r["raised"] is None, r
+    assert r["out"] == [0] * 4 + [x for t in range(32) for x in (t + 1, t + 101)], r
     assert r["misaligned"] and "16-byte" in r["misaligned"], r
+
+
+@pytest.mark.parametrize("case, what", [("bulk-late", "changed between the copy's issue and its wait"),
+                                        ("bulk-early", "changed between the copy's issue and its wait"),
+                                        ("bulk-uncommitted", "not committed"),
+                                        ("bulk-left", "returned with bulk copies not waited for")])
+def test_simulator_bulk_copy_races_raise(sim, case, what):
+    """A staged row written again before the wait, a lane's row written after the copy's issue (no warp sync), a
+    copy never committed, a thread that returns with its copy pending: each raises from the launch, where the GPU
+    would give whatever it read; nothing lands."""
+    r = sim[case]
+    assert "error" not in r, r
+    assert r["raised"] and what in r["raised"], r
+    assert r["out"] == [0] * 68, r

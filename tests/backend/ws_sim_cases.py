@@ -97,6 +97,11 @@ SLOW_WARP_CASES = {
     # and handing over each item's ticket (item_order "dynamic") while a slowed warp may not have read the last
     "ws-pwg-plain-f16-d64-persist-slow": ("plain", "f16", 64, 1, 2, 128, 32, 1, 128, 16,
                                           {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
+    # ... and each item's Q buffer reused two items on (q_double), its O stored by bulk copies that must have read
+    # their rows before the buffer is released (bulk_store: 6 items of 1-3 kv tiles on one block; with the release
+    # moved before the copies' wait, o_err 3.2 here, and the case without a slowed warp passed)
+    "ws-pwg-causal-f16-d64-bk128-persist-slow": ("causal", "f16", 64, 1, 2, 300, 300, 1, 128, 128,
+                                                 {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
 }
 SLOW_WARP_SECONDS = 0.2
 # The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is

@@ -394,11 +394,11 @@ def _bulk_asked(spec: FA2ForwardSpec) -> bool:
 def bulk_store(spec: FA2ForwardSpec) -> bool:
     """Whether the kept epilogue (`epilogue_in_s` with `q_double`) stores O by bulk copies: each warp stages its own
     16 rows unswizzled (`bulk_pitch` bytes a row, in the kept item's Q tile, which has the room for it) and its
-    lanes 0-15 issue one `cp.async.bulk` shared-to-global copy of a row each (O's rows of D are contiguous); the
-    kept item's Q buffer is released once the copies have read their rows, at the next tile's S or the item's
-    end. No barrier among the warpgroup's warps after the staging, no read back, no stores in a thread's
-    instructions. Lane 0 issues the warp's copies with their operands made uniform by redux (the copy takes
-    uniform registers: per-lane operands made ptxas loop over the lanes), 16 unrolled where every row is inside O.
+    lane 0 issues one `cp.async.bulk` shared-to-global copy a row (O's rows of D are contiguous), 16 unrolled where
+    every row is inside O, their operands made uniform by redux (the copy takes uniform registers: per-lane
+    operands made ptxas loop over the lanes); the kept item's Q buffer is released once the copies have read their
+    rows, at the next tile's S or the item's end. No barrier among the warpgroup's warps after the staging, no read
+    back, no stores in a thread's instructions.
     Why: the timeline put the kept epilogue at 1800-2400 cycles an item in a consumer warpgroup's turn (with the
     producer warpgroup storing O instead, the consumers' part fell to 1295 cycles, but the producer's next loads
     came late and every example but the softcap lost 1-9%). Measured against the threads' stores (H200,

@@ -1558,8 +1558,10 @@ else:
 # Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
 # generation counter; both live per block (keyed by the block's index and the address / id); waits block on the
 # condition with a timeout so that an aborted launch (another thread's exception) or a deadlock ends.
-# A bulk copy is kept per thread and done at the thread's bulk_wait_read0 (reading shared memory then: a kernel
-# that writes a staged row again before that wait gives wrong numbers here too), syncwarp is the warp's exchange.
+# A bulk copy is kept per thread with its source as it was at the issue, and done at the thread's bulk_wait_read0,
+# which raises if the source changed in between (the GPU may read it at any time there: a race, such as a row
+# restaged before the wait or a lane's row written after the copy's issue), if a copy was never committed, or if
+# the thread returns with copies not waited for; syncwarp is the warp's exchange.
 # --------------------------------------------------------------------------------------------------
 
 __all__ += [
@@ -1708,6 +1710,11 @@ if SIMULATOR:
     def syncwarp():
         _exchange(None)
 
+    def _bulk_left(th) -> None:
+        if getattr(th, "_falower_bulk", None):
+            raise RuntimeError("bulk_store: the thread returned with bulk copies not waited for (bulk_wait_read0): "
+                               "their shared source may be gone before the copy reads it")
+
     def bulk_store(gaddr, saddr, nbytes):
         gaddr, saddr, n = int(gaddr), int(saddr), int(nbytes)
         if n % 16 or gaddr % 16 or saddr % 16:
@@ -1716,23 +1723,31 @@ if SIMULATOR:
         pending = getattr(th, "_falower_bulk", None)
         if pending is None:
             pending = th._falower_bulk = []
-        pending.append((gaddr, saddr, n))
+            th._falower_exit_checks = [*getattr(th, "_falower_exit_checks", ()), _bulk_left]
+        source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()  # what the copy may read from now on
+        pending.append([gaddr, saddr, n, source, False])
 
     def bulk_commit():
-        pass
+        for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():
+            copy[4] = True
 
     def bulk_wait_read0():
         pending = getattr(threading.current_thread(), "_falower_bulk", None)
         if not pending:
             return
+        if not all(copy[4] for copy in pending):
+            raise RuntimeError("bulk_wait_read0: a bulk copy was issued but not committed (bulk_commit)")
         slow_warp()  # a warp that is late to read lets the others run on to the staged rows
         smem = _block_smem().view(np.uint8)
-        for gaddr, saddr, n in pending:
+        for gaddr, saddr, n, source, _ in pending:
+            if not np.array_equal(smem[saddr:saddr + n], source):
+                raise RuntimeError(f"bulk copy from shared byte {saddr}: its source changed between the copy's "
+                                   "issue and its wait (a race: the GPU may read either)")
             with _warp_lock:
                 base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
             if not a.flags.c_contiguous or gaddr + n > base + a.nbytes:
                 raise RuntimeError("bulk_store emulation: a contiguous array, the copy inside it")
-            a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = smem[saddr:saddr + n]
+            a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = source
         pending.clear()
 
     @_functools.lru_cache(maxsize=None)

@@ -100,6 +100,8 @@ def _run_block(self, grid_point, *args):
     def target():
         try:
             self._f(*args)
+            for check in getattr(threading.current_thread(), "_falower_exit_checks", ()):
+                check(threading.current_thread())  # what a thread must not leave behind (intrinsics' bulk copies)
         except BaseException:
             first.append(threading.current_thread())
             barrier.abort()  # the others raise at their barriers: the launch reports this thread's exception
