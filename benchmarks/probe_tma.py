@@ -41,38 +41,21 @@ FENCES = ("none", "gpu", "sys")
 
 def _intrinsics():
     """tma_load_2d(sdst, map, col, row, mbar), tma_store_2d(map, col, row, ssrc) and the map's acquire fences,
-    each one inline-PTX call (the map a generic address: a u64)."""
-    from llvmlite import ir
+    each one inline-PTX call (the map a generic address: a u64), made as intrinsics.py makes its mbarrier ones."""
     from numba import types
-    from numba.cuda.extending import intrinsic
 
-    def asm(name: str, ptx: str, argtys: tuple):
-        cons = ",".join({"u32": "r", "i32": "r", "u64": "l"}[t] for t in argtys) + ",~{memory}"
-        casts = {"u32": types.uint32, "i32": types.int32, "u64": types.uint64}
+    from falower.backends.numba_cuda.intrinsics import _addr_asm
 
-        def typer(typingctx, *args):
-            sig = types.void(*args)
-
-            def codegen(context, builder, sig, llargs):
-                vals = [context.cast(builder, v, ty, casts[t]) for v, ty, t in zip(llargs, sig.args, argtys)]
-                fnty = ir.FunctionType(ir.VoidType(), [v.type for v in vals])
-                builder.call(ir.InlineAsm(fnty, ptx, cons, side_effect=True), vals)
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        params = ", ".join(f"a{i}" for i in range(len(argtys)))
-        ns = {"typer": typer}
-        exec(f"def {name}(typingctx, {params}):\n    return typer(typingctx, {params})", ns)
-        return intrinsic(ns[name])
-
+    u32, u64, i32 = types.uint32, types.uint64, types.int32
     return {
-        "tma_load_2d": asm("tma_load_2d", "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                           " [$0], [$1, {$2, $3}], [$4];", ("u32", "u64", "i32", "i32", "u32")),
-        "tma_store_2d": asm("tma_store_2d", "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [$0, {$1, $2}], "
-                            "[$3];", ("u64", "i32", "i32", "u32")),
-        "acquire_gpu": asm("acquire_gpu", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", ("u64",)),
-        "acquire_sys": asm("acquire_sys", "fence.proxy.tensormap::generic.acquire.sys [$0], 128;", ("u64",)),
+        "tma_load_2d": _addr_asm("tma_load_2d", "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx"
+                                 "::bytes [$0], [$1, {$2, $3}], [$4];", 5, arg_types=(u32, u64, i32, i32, u32)),
+        "tma_store_2d": _addr_asm("tma_store_2d", "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group "
+                                  "[$0, {$1, $2}], [$3];", 4, arg_types=(u64, i32, i32, u32)),
+        "acquire_gpu": _addr_asm("acquire_gpu", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", 1,
+                                 arg_types=(u64,)),
+        "acquire_sys": _addr_asm("acquire_sys", "fence.proxy.tensormap::generic.acquire.sys [$0], 128;", 1,
+                                 arg_types=(u64,)),
     }
 
 
@@ -189,8 +172,8 @@ def run_gpu() -> dict:
 
     load_dump, store_box = kernels()
     lib = _driver()
-    res: dict = {"device": cuda.get_current_device().name.decode() if isinstance(
-        cuda.get_current_device().name, bytes) else str(cuda.get_current_device().name)}
+    name = cuda.get_current_device().name
+    res: dict = {"device": name.decode() if isinstance(name, bytes) else str(name)}
     rows, cols = 256, 128
     x = (np.arange(rows)[:, None] * 256 + np.arange(cols)[None, :]).astype(np.uint16)  # row and column in the bits
     dx = cuda.to_device(x)

@@ -387,6 +387,7 @@ def bulk_pitch(D: int) -> int:
 
 
 def _bulk_asked(spec: FA2ForwardSpec) -> bool:
+    """`bulk_store` but for its room (the wider Q tiles, which `_layout` decides: it asks this)."""
     return (_q_double_asked(spec) and _epilogue_in_s_asked(spec) and spec.block_q == 128
             and spec.extra.get("bulk_store", True) is not False)
 
@@ -1199,6 +1200,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
               "the kept item's buffer")
         else:
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
+
         def read_kept_item() -> None:
             c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, "
               "after")

@@ -1763,9 +1763,11 @@ if SIMULATOR:
 else:
     import functools as _functools
 
-    def _addr_asm(name: str, ptx: str, nargs: int, ret=None):
+    def _addr_asm(name: str, ptx: str, nargs: int, ret=None, arg_types: tuple = ()):
         """An intrinsic of `nargs` u32 arguments (the first a shared address) around one asm; `ret` a Numba type
-        for one "=r" result ($0; the arguments follow), else void."""
+        for one "=r" result ($0; the arguments follow), else void. `arg_types`: the arguments' integer types
+        instead (a 64-bit one, a generic address, goes in an "l" register)."""
+        targets = list(arg_types) or [_U32] * nargs
 
         def typer(typingctx, *args):
             if len(args) != nargs:
@@ -1773,8 +1775,9 @@ else:
             sig = (ret or types.void)(*args)
 
             def codegen(context, builder, sig, llargs):
-                vals = _cast_all(context, builder, sig, llargs, [_U32] * nargs)
-                cons = ",".join((["=r"] if ret else []) + ["r"] * nargs + ["~{memory}"])
+                vals = _cast_all(context, builder, sig, llargs, targets)
+                ins = ["l" if t.bitwidth == 64 else "r" for t in targets]
+                cons = ",".join((["=r"] if ret else []) + ins + ["~{memory}"])
                 res = _asm(context, builder, ptx, cons, vals, [ret] if ret else [], side_effect=True)
                 return res if ret else context.get_dummy_value()
 
@@ -1804,22 +1807,9 @@ else:
     syncwarp = _void_asm_intrinsic("syncwarp", "bar.warp.sync 0xffffffff;")
     bulk_commit = _void_asm_intrinsic("bulk_commit", "cp.async.bulk.commit_group;")
     bulk_wait_read0 = _void_asm_intrinsic("bulk_wait_read0", "cp.async.bulk.wait_group.read 0;")
-
-    @intrinsic
-    def bulk_store(typingctx, gaddr, saddr, nbytes):
-        """nbytes from the shared byte address saddr to the generic address gaddr, one bulk copy (async proxy)."""
-        sig = types.void(gaddr, saddr, nbytes)
-        ptx = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $0; "
-               "cp.async.bulk.global.shared::cta.bulk_group [ga], [$1], $2; }")
-
-        def codegen(context, builder, sig, args):
-            ga = context.cast(builder, args[0], sig.args[0], types.uint64)
-            sa = context.cast(builder, args[1], sig.args[1], _U32)
-            nb = context.cast(builder, args[2], sig.args[2], _U32)
-            _asm(context, builder, ptx, "l,r,r,~{memory}", [ga, sa, nb], [], side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
+    bulk_store = _addr_asm(  # nbytes from the shared byte address $1 to the generic address $0 (async proxy)
+        "bulk_store", "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.global.shared::cta.bulk_group [ga], "
+        "[$1], $2; }", 3, arg_types=(types.uint64, _U32, _U32))
     bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
 
     @intrinsic
