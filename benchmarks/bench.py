@@ -179,6 +179,7 @@ CONFIG_OPTIONS: list = [
     (("nors", {"range_shared": False}),),
     (("noqd", {"q_double": False}), ("qd", {"q_double": True})),
     (("nobk", {"bulk_store": False}), ("bk", {"bulk_store": True})),
+    (("notma", {"tma_store": False}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

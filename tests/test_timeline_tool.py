@@ -167,7 +167,7 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
     eb, es = out.index("tl_eb += clock64() - tl_c2"), out.index("tl_es += clock64() - tl_c2")
     assert out.rindex("is done with the last item's O rows", 0, eb) > out.rindex("tl_c2 = clock64()", 0, eb)
     assert out.rindex("this warp's 16 rows are staged", 0, es) > eb
-    assert out.index("bulk_store(", es) < out.index("tl_ep += clock64() - tl_c2")
+    assert out.index("tma_store_3d(", es) < out.index("tl_ep += clock64() - tl_c2")  # the copies (tma_store)
     loop = out[consumers:]
     first = loop[loop.index("\n", loop.index("# Q has landed")):]
     j0 = first.split("j = ", 1)[1].split("\n", 1)[0]

@@ -127,10 +127,19 @@ def launch_args(spec, q, k, v, caps):
     o = np.zeros(B * H * M * D // 2, dtype=np.uint32)
     lse = np.zeros(B * H * M, dtype=np.float32)
     strides = (H * M * D, M * D, D, Hk * N * D, N * D, D, Hk * N * D, N * D, D)
-    from falower.backends.numba_cuda.emit_fa2 import uses_work_counter
+    from falower.backends.numba_cuda.emit_fa2 import uses_o_map, uses_work_counter
+    from falower.backends.numba_cuda.intrinsics import sim_tensor_map
+    from falower.backends.numba_cuda.tensor_maps import o_map_geometry
 
     work = (np.zeros(2, dtype=np.int32),) if uses_work_counter(spec) else ()  # item_order "dynamic"'s counter
-    return (*bits, o, lse, B, H, M, N, *strides, *work, *caps), o, lse
+    o_arg = o
+    if uses_o_map(spec):  # O's tensor map (tma_store): the simulator's stand-in for the driver's, over the device
+        from numba import cuda  # array the kernel writes (a host array would be copied in and back over it)
+
+        o_arg = cuda.to_device(o)
+        o = np.asarray(o_arg)  # its memory
+        work += (sim_tensor_map(o.view(np.uint16), *o_map_geometry(B * H, M, D)),)
+    return (*bits, o_arg, lse, B, H, M, N, *strides, *work, *caps), o, lse
 
 
 def run_case(case_id: str) -> dict:

@@ -57,7 +57,8 @@ def raises(out):
 
 
 from falower.backends.numba_cuda.intrinsics import (  # noqa: E402
-    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, smem_base, sts_u32, syncwarp)
+    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, sim_tensor_map, smem_base, sts_u32, syncwarp,
+    tensormap_acquire, tma_store_3d)
 
 
 BULK_MODES = {"bulk": 0, "bulk-late": 1, "bulk-uncommitted": 2, "bulk-left": 3, "bulk-early": 4}
@@ -98,6 +99,37 @@ def bulk(out, mode):
     sts_u32(sb + 8 * t + 4, 0)  # after the wait: no effect on out
 
 
+TMA_MODES = {"tma": 0, "tma-late": 1, "tma-unaligned": 2, "tma-not-a-map": 3}
+TMA_SHAPE = (2, 20, 64)  # O's (slices, rows, columns) of 16-bit values, as tensor_maps.o_map_geometry lays O
+
+
+@cuda.jit
+def tma(omap, other, mode):
+    """A warp stages a box of 16 rows x 64 16-bit values (value r * 64 + e + 1 at row r, column e) in the 128-byte
+    swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)) and lane 0 stores it by tma_store_3d at row 8 of slice
+    0: rows 8-19 land, the box's last 4 rows lie past the slice's 20 (not written: slice 1 keeps its values).
+    Wrong kernels: the box restaged before the wait (1), a shared address not 1024-byte aligned (2), a plain
+    array's address as the map (3)."""
+    sm = cuda.shared.array(1536, np.uint32)
+    sb = (smem_base(sm) + np.uint32(1023)) & np.uint32(0xFFFFFC00)
+    t = cuda.threadIdx.x
+    for i in range(16):  # lane t: row t // 2, chunks 4 (t % 2) .. + 3, two 16-bit values a word
+        r = t // 2
+        c = (t % 2) * 4 + i // 4
+        e = c * 8 + (i % 4) * 2
+        sts_u32(sb + r * 128 + ((c ^ (r & 7)) << 4) + (i % 4) * 4, (r * 64 + e + 1) | ((r * 64 + e + 2) << 16))
+    syncwarp()
+    if t == 0:
+        m = elem_addr(other, (0,)) if mode == 3 else elem_addr(omap, (0,))
+        tensormap_acquire(m)
+        tma_store_3d(m, 0, 8, 0, sb + 16 if mode == 2 else sb)
+        bulk_commit()
+    if mode == 1:
+        syncwarp()  # after lane 0's issue
+        sts_u32(sb, 0)
+    bulk_wait_read0()
+
+
 def run_case(cid: str) -> dict:
     from numba.cuda.simulator import kernel as simk
 
@@ -132,8 +164,20 @@ def run_case(cid: str) -> dict:
         except ValueError as e:
             bad = str(e)
         return {"id": cid, "installed": installed, "out": out.tolist(), "raised": msg, "misaligned": bad}
+    if cid in TMA_MODES:
+        from numba import cuda as _cuda
+
+        out = _cuda.to_device(np.full(TMA_SHAPE, 0xBEEF, np.uint16))  # the device array the kernel writes
+        S, R, C = TMA_SHAPE
+        m = sim_tensor_map(np.asarray(out), (C, R, S), (2 * C, 2 * C * R), (64, 16, 1))
+        try:
+            tma[1, 32](m, np.zeros(16, np.uint8), TMA_MODES[cid])
+            msg = None
+        except (RuntimeError, ValueError) as e:
+            msg = str(e)
+        return {"id": cid, "installed": installed, "out": np.asarray(out).tolist(), "raised": msg}
     raise KeyError(cid)
 
 
 if __name__ == "__main__":
-    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES], run_case)
+    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES, *TMA_MODES], run_case)

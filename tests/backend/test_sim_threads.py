@@ -7,6 +7,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from falower.backends.numba_cuda.sim_threads import HandOverBarrier
@@ -156,3 +157,27 @@ def test_simulator_bulk_copy_races_raise(sim, case, what):
     assert "error" not in r, r
     assert r["raised"] and what in r["raised"], r
     assert r["out"] == [0] * 68, r
+
+
+def test_simulator_tma_store_writes_the_box_inside_the_tensor(sim):
+    """intrinsics.tma_store_3d in the simulator (O's stores under emit_fa3_ws.tma_store): a box staged in the
+    128-byte swizzle lands unswizzled at the wait, rows 8-19 of slice 0; the box's rows past the slice's 20 are not
+    written (they would be slice 1's first rows), nor is anything else."""
+    r = sim["tma"]
+    assert "error" not in r and r["raised"] is None, r
+    out = np.array(r["out"], dtype=np.int64)
+    want = np.full((2, 20, 64), 0xBEEF)
+    want[0, 8:20] = np.arange(12)[:, None] * 64 + np.arange(64)[None, :] + 1
+    assert np.array_equal(out, want), np.argwhere(out != want)[:5]
+
+
+@pytest.mark.parametrize("case, what", [("tma-late", "changed between the copy's issue and its wait"),
+                                        ("tma-unaligned", "1024-byte aligned"),
+                                        ("tma-not-a-map", "not a simulated tensor map")])
+def test_simulator_tma_store_errors_raise(sim, case, what):
+    """A box restaged before the copy's wait, a box not on the swizzle's 1024-byte alignment, an address that is not
+    a map's: each raises from the launch, and nothing lands."""
+    r = sim[case]
+    assert "error" not in r, r
+    assert r["raised"] and what in r["raised"], r
+    assert all(x == 0xBEEF for plane in r["out"] for row in plane for x in row), r

@@ -88,9 +88,9 @@ def test_the_persistent_producer_stages_o_apart_where_it_fits():
         lay = emit_fa3_ws._layout(s)
         assert emit_fa3_ws.staged_epilogue(s) is staged and (lay["o"] > 0) is staged
         assert emit_fa3_ws.smem_bytes(s) <= emit_fa3_ws.SMEM_LIMIT
-        if staged:  # after the ring, before the barriers, two warpgroups' 64 rows of D (bulk_store: each row
-            # 16 bytes more, a warpgroup's tile rounded up to 1024 bytes)
-            row = 2 * s.head_dim + (16 if emit_fa3_ws.bulk_store(s) else 0)
+        if staged:  # after the ring, before the barriers, two warpgroups' 64 rows of D (bulk_store by a copy a row:
+            # each row 16 bytes more, a warpgroup's tile rounded up to 1024 bytes; by TMA tensor copies none more)
+            row = 2 * s.head_dim + (16 if emit_fa3_ws.bulk_store(s) and not emit_fa3_ws.tma_store(s) else 0)
             assert lay["qwg"] == -(-64 * row // 1024) * 1024 and lay["o"] + 2 * lay["qwg"] == lay["bars"]
         src = emit_fa3_ws.emit_fa3_ws_forward(s)
-        assert ("o_wg = sb + " in src) is staged and bool(re.search(r"stage_row(_z)?\(", src)) is staged
+        assert ("o_wg = sb + " in src) is staged and bool(re.search(r"stage_row(_z)?(_box)?\(", src)) is staged

@@ -149,29 +149,44 @@ def test_off_it_is_the_kernel_before():
     assert "qe_phase ^= 1" in src and "q_wg = sb + cw * 8192" in src
 
 
+ROWS = {"tma_store": False}  # bulk_store by one copy a row ('-notma')
+
+
+def _release_chain(cons: str, qe: int) -> None:
+    """Every release of the kept item's Q buffer waits for this thread's copies to have read, then the warp's,
+    then arrives."""
+    arrive = re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)")
+    for m in re.finditer(arrive, cons):
+        before = cons[:m.start()]
+        assert before.rindex("bulk_wait_read0()") > before.rindex("if ob_pend")
+        assert before.rindex("syncwarp()") > before.rindex("bulk_wait_read0()")
+    assert len(re.findall(arrive, cons)) == len(re.findall(r"bulk_wait_read0\(\)", cons)) >= 3
+
+
 def test_the_kept_epilogue_stores_o_by_bulk_copies():
-    """`bulk_store` (the default with epilogue_in_s): each warp stages its own 16 rows of the kept item's O into
-    its Q tile at 2 D + 16 bytes a row (no swizzle, no barrier after), fences them for the async proxy, and its lane
-    0 issues one bulk copy a row (operands made uniform by redux); the kept item's Q buffer is released (q_empty)
-    only after this thread's copies have read shared memory, at the next tile's S or the item's end, or at once
-    where the kept epilogue is a flush. No read back and no 16-byte stores in the consumers."""
-    spec = _spec()
-    assert emit_fa3_ws.bulk_store(spec) and emit_fa3_ws.bulk_store(_spec(D=64))
+    """`bulk_store` (the default with epilogue_in_s) without tma_store: each warp stages its own 16 rows of the kept
+    item's O into its Q tile at 2 D + 16 bytes a row (no swizzle, no barrier after), fences them for the async
+    proxy, and its lane 0 issues one bulk copy a row (operands made uniform by redux); the kept item's Q buffer is
+    released (q_empty) only after this thread's copies have read shared memory, at the next tile's S or the item's
+    end, or at once where the kept epilogue is a flush. No read back and no 16-byte stores in the consumers."""
+    spec = _spec(ROWS)
+    assert emit_fa3_ws.bulk_store(spec) and emit_fa3_ws.bulk_store(_spec(ROWS, D=64))
+    assert not emit_fa3_ws.tma_store(spec) and emit_fa3_ws.tma_store(_spec())
     assert not emit_fa3_ws.bulk_store(_spec({"bulk_store": False}))  # '-nobk'
     assert not emit_fa3_ws.bulk_store(_spec({"q_double": False}))
     assert not emit_fa3_ws.bulk_store(_spec({"epilogue_in_s": False}))
     for D in (64, 128):
-        lay, off = emit_fa3_ws._layout(_spec(D=D)), emit_fa3_ws._layout(_spec({"bulk_store": False}, D=D))
+        lay, off = emit_fa3_ws._layout(_spec(ROWS, D=D)), emit_fa3_ws._layout(_spec({"bulk_store": False}, D=D))
         assert off["qwg"] == 64 * 2 * D and lay["qwg"] == -(-64 * (2 * D + 16) // 1024) * 1024
         assert lay["qwg"] % 1024 == 0 and lay["kv"] == 2 * lay["qwg"] and lay["q1"] % 1024 == 0
-        assert lay["total"] + emit_fa3_ws.ALIGN + emit_fa3_ws.static_bytes(_spec(D=D)) <= emit_fa3_ws.SMEM_LIMIT
+        assert lay["total"] + emit_fa3_ws.ALIGN + emit_fa3_ws.static_bytes(_spec(ROWS, D=D)) <= \
+            emit_fa3_ws.SMEM_LIMIT
     lay = emit_fa3_ws._layout(spec)
     qe, qwg = lay["q_empty"], lay["qwg"]
     prod, cons = _parts(emit_fa3_ws.emit_fa3_ws_forward(spec))
     assert f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {qwg}" in cons
     assert f"ld_s + sb" in prod  # the producer's Q copy: the second warpgroup's tile qwg bytes on (its helper's jump)
     assert "lds_v4_u32(" not in cons and "stg_v4_u32(" not in cons
-    arrive = re.escape(f"mbar_arrive(bars + {qe} + ((qk - 1) & 1) * 8)")
     kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\)", cons)]
     assert len(kept) == 3  # the item's first tile, an empty item's flush, the block's last item
     for k in kept:
@@ -180,9 +195,41 @@ def test_the_kept_epilogue_stores_o_by_bulk_copies():
         assert st < cons.index("fence_proxy_async()", st) < cons.index("syncwarp()", st) < \
             cons.index("if lane == 0:", st) < cons.index("bulk_store(", st) < cons.index("bulk_commit()", st)
     assert re.search(r"stage_row_z\(o_wg(__\d+)? \+ lr(__\d+)? \* 272 \+ 2 \* t2, np.uint32\(0\)", cons)
-    # every release waits for this thread's copies to have read, then the warp's, then arrives
-    for m in re.finditer(arrive, cons):
-        before = cons[:m.start()]
-        assert before.rindex("bulk_wait_read0()") > before.rindex("if ob_pend")
-        assert before.rindex("syncwarp()") > before.rindex("bulk_wait_read0()")
-    assert len(re.findall(arrive, cons)) == len(re.findall(r"bulk_wait_read0\(\)", cons)) >= 3
+    assert "tma_store_3d(" not in cons and "omap" not in emit_fa3_ws.emit_fa3_ws_forward(spec)
+    _release_chain(cons, qe)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
+    """`tma_store` (the default): each warp stages its 16 rows in the 128-byte swizzle as D / 64 boxes of 16 rows x
+    128 bytes (2048 bytes apart, its own 32 D bytes of the kept item's Q tile, which keeps 64 rows of D: no
+    padding), and its lane 0 stores each box by one tensor copy through O's map (`omap`, after `work`; acquired
+    once by each copying lane at the start) at (64 box, the warp's first row, the item's (b, h) slice), kept for
+    the item in ep_i instead of its first flat row. The release chain is bulk_store's."""
+    spec = _spec(D=D)
+    assert emit_fa3_ws.tma_store(spec) and emit_fa3_ws.bulk_store(spec)
+    assert not emit_fa3_ws.tma_store(_spec({"bulk_store": False}, D=D))
+    lay = emit_fa3_ws._layout(spec)
+    assert lay["qwg"] == 64 * 2 * D and lay["kv"] == 2 * lay["qwg"]
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    assert re.search(r"def \w+\(q, k, v, o, lse, .*, work, omap\):", src)
+    prod, cons = _parts(src)
+    assert "omap" not in prod
+    assert cons.index("omap_g = elem_addr(omap, (0,))") < cons.index("tensormap_acquire(omap_g)") < \
+        cons.index("tma_store_3d(")
+    assert "ep_i[cw * 2] = b" in cons and "ep_i[cw * 2] = q_head" not in cons
+    assert "bulk_store(" not in cons and "stg_v4_u32(" not in cons
+    kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\)", cons)]
+    assert len(kept) == 3
+    for k in kept:
+        st = cons.index("stage_row_z_box(", k)
+        stores = cons[st:cons.index("bulk_commit()", st)]
+        assert re.search(r"stage_row_z_box\(o_wg(__\d+)? \+ \(warp & 3\) \* " + str(32 * D) +
+                         r" \+ lr(__\d+)? \* 128 \+ 2 \* t2, np.uint32\(lr(__\d+)? & 7\)", stores)
+        assert "bar_sync(" not in stores and stores.index("fence_proxy_async()") < stores.index("syncwarp()") < \
+            stores.index("if lane == 0:")
+        copies = re.findall(r"tma_store_3d\(omap_g, (\d+), ob_q(?:__\d+)?, ob_bh(?:__\d+)?, ob_s(?:__\d+)? \+ (\d+)\)",
+                            stores)
+        assert copies == [(str(64 * b), str(2048 * b)) for b in range(D // 64)]
+    assert "(dn >> 3) * 2048" in src  # the box helper: column block dn // 8 in the next box
+    _release_chain(cons, lay["q_empty"])

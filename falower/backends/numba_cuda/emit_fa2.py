@@ -552,10 +552,21 @@ def uses_work_counter(spec: FA2ForwardSpec) -> bool:
     return item_order(spec) == "dynamic"
 
 
+def uses_o_map(spec: FA2ForwardSpec) -> bool:
+    """The kernel takes `omap`, O's tensor map (uint8 [128] in global memory: tensor_maps.py), after `work`: the
+    warp-specialized kernel stores O by TMA tensor copies (emit_fa3_ws.tma_store)."""
+    if not uses_wgmma(spec):
+        return False
+    from . import emit_fa3_ws
+
+    return emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.tma_store(spec)
+
+
 def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     work = ", work" if uses_work_counter(spec) else ""
-    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{_cap_args(spec)}"
+    omap = ", omap" if uses_o_map(spec) else ""
+    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{_cap_args(spec)}"
 
 
 def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[str, ...] = ("h", "hk", "hk")) -> None:

@@ -473,19 +473,23 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     emit_staged_stores(c, D, wr, first_row, wtid, base)
 
 
-def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False) -> str:
+def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False, box_bytes: int = 0) -> str:
     """The device function `stage_row` of the staged epilogues: a row's O pairs times inv, packed, into its
     swizzled row of a staging buffer. `zero_masked` (`stage_row_z`): a row with inv = 0 (fully masked, or an
     item with no kv tile) stages zeros whatever O holds, for an epilogue whose O was not zeroed at the item's
-    start (emit_fa3_ws.epilogue_in_s: O may still hold the item before's, inf or NaN included)."""
-    name = "stage_row_z" if zero_masked else "stage_row"
+    start (emit_fa3_ws.epilogue_in_s: O may still hold the item before's, inf or NaN included). `box_bytes`
+    (`_box`): the row is 128 bytes of each of D / 64 boxes `box_bytes` apart (a TMA copy's 64-column boxes)."""
+    name = ("stage_row_z" if zero_masked else "stage_row") + ("_box" if box_bytes else "")
     value = f"{pack}(lget(x, e) * inv, lget(x, e + 1) * inv)"
+    where = (f"sa + np.uint32((dn >> 3) * {box_bytes}) + ((np.uint32(dn & 7) ^ sw) << np.uint32(4))" if box_bytes
+             else "sa + ((np.uint32(dn) ^ sw) << np.uint32(4))")
     lines = ["@device_function", f"def {name}(sa, sw, x, i, inv):",
-             "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw)",
+             "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw" +
+             (f"; chunk dn % 8 ^ sw of box dn // 8)" if box_bytes else ")"),
              f"    for dn in range({D // 8}):",
              "        e = i + dn * 4",
              f"        v = {value} if inv > ZERO else np.uint32(0)" if zero_masked else f"        v = {value}",
-             "        sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)"]
+             f"        sts_u32({where}, v)"]
     return c.helper(name, lines)
 
 

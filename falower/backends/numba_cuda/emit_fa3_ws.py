@@ -137,6 +137,7 @@ from .emit_fa3 import (
     stage_row_helper,
 )
 from .emit_fa3 import grid as _fa3_grid
+from .tensor_maps import O_BOX_ROWS
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
@@ -175,6 +176,8 @@ from falower.backends.numba_cuda.intrinsics import (
     setmaxnreg_dec,
     setmaxnreg_inc,
     syncwarp,
+    tensormap_acquire,
+    tma_store_3d,
 )
 '''
 
@@ -406,7 +409,22 @@ def bulk_store(spec: FA2ForwardSpec) -> bool:
     2026-11-28, two calls of 9 and 11 rounds): plain +2.0 / +4.8%, causal +5.5 / +4.3%, ALiBi +0.8 / +6.1%, the
     document +4.0 / +4.1%, the 1024 window -2.3 / -0.2%. `extra["bulk_store"] = False` keeps the stores (bench
     '-nobk')."""
-    return _bulk_asked(spec) and q_double(spec) and _layout(spec)["qwg"] > 64 * spec.head_dim * 2
+    return _bulk_asked(spec) and q_double(spec) and (_tma_asked(spec) or _layout(spec)["qwg"] > 64 * spec.head_dim * 2)
+
+
+def _tma_asked(spec: FA2ForwardSpec) -> bool:
+    return _bulk_asked(spec) and spec.dtype in ("f16", "bf16") and spec.extra.get("tma_store", True) is not False
+
+
+def tma_store(spec: FA2ForwardSpec) -> bool:
+    """Whether `bulk_store`'s copies are TMA tensor copies: each warp stages its 16 rows of O in the 128-byte swizzle
+    (two boxes of 64 columns at D = 128, the Q tile's own layout, so the Q tiles keep their 64 rows of D) and its
+    lane 0 stores them by one `cp.async.bulk.tensor` a box through O's tensor map (`omap`, tensor_maps.py), which
+    writes no row past M; the kernel takes the map after `work` (emit_fa2.uses_o_map).
+    Why: the timeline put the kept epilogue at ~2300 cycles (H200, 2026-11-28, causal, D = 128, N = 4096), ~1500
+    of them after the rows were staged: lane 0 issuing its 16 row copies. `extra["tma_store"] = False` keeps the row
+    copies (bench '-notma')."""
+    return _tma_asked(spec) and q_double(spec)
 
 
 def range_shared(spec: FA2ForwardSpec) -> bool:
@@ -535,7 +553,8 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     # a consumer warpgroup's Q tile under q_double: 64 rows of D, or (bulk_store) the room to stage its O at
     # bulk_pitch bytes a row, rounded up to the 1024 bytes the next tile's 128-byte swizzle asks; the first that
     # fits with the O buffer
-    for qwg in ([-(-64 * bulk_pitch(D) // 1024) * 1024] if two_q and _bulk_asked(spec) else []) + [64 * D * 2]:
+    pad = two_q and _bulk_asked(spec) and not _tma_asked(spec)
+    for qwg in ([-(-64 * bulk_pitch(D) // 1024) * 1024] if pad else []) + [64 * D * 2]:
         kv = BQ // 64 * qwg if two_q else BQ * D * 2
         o_at = kv + 2 * S * tile + table
         # the persistent producer kernel's O staging buffer (`staged_epilogue`), where it fits under SMEM_LIMIT
@@ -559,7 +578,8 @@ def smem_bytes(spec: FA2ForwardSpec) -> int:
 
 
 KEPT_F32 = 256 * 2  # epilogue_in_s's static arrays: ep_f, a consumer thread's two rows' 1 / l; ep_i, a
-KEPT_I64 = 2 * 2  # consumer warpgroup's kept item (q_head, q_lo)
+KEPT_I64 = 2 * 2  # consumer warpgroup's kept item (q_head, or its (b, h) under tma_store; q_lo)
+BOX_BYTES = O_BOX_ROWS * 128  # a warp's box of O under tma_store: 16 rows of 64 16-bit columns
 KEPT_BYTES = 4 * KEPT_F32 + 8 * KEPT_I64
 
 
@@ -1073,7 +1093,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
 
     DEFER = epilogue_in_s(spec)
     BULK = bulk_store(spec)
+    TMA = tma_store(spec)
     QWG = lay["qwg"]  # a consumer warpgroup's Q tile in a buffer (q_double), bytes
+    if TMA:
+        c("omap_g = elem_addr(omap, (0,))  # O's tensor map in global memory (tma_store)")
+        c("if lane == 0:  # the lanes that store O by it")
+        with c.indent():
+            c("tensormap_acquire(omap_g)")
 
     def zero_acc() -> None:
         c(f"for i in range({D // 2}):")
@@ -1194,7 +1220,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         each warp stages its own 16 rows unswizzled and stores them by one bulk copy a row, and the kept item's Q
         buffer is released once those copies have read it (`bulk_release`: here if `release_now`, else at the next
         tile's S or the item's end)."""
-        stage = stage_row_helper(c, D, pack, zero_masked=True)  # an item with no tile: O = 0, not O's leftovers
+        # an item with no tile: O = 0, not O's leftovers
+        stage = stage_row_helper(c, D, pack, zero_masked=True, box_bytes=BOX_BYTES if TMA else 0)
         if QD:  # the kept item is the one before this (qk counts it done)
             c(f"o_wg = sb + ((qk - 1) & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in "
               "the kept item's buffer")
@@ -1202,13 +1229,37 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
 
         def read_kept_item() -> None:
-            c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice and first row: read before the barrier below, "
-              "after")
+            c("ep_head = ep_i[cw * 2]  # the kept item's (b, h) slice" + ("" if TMA else "'s first row") +
+              ": read before the barrier below, after")
             c("ep_lo = ep_i[cw * 2 + 1]  # which this warpgroup's threads may write the next item's")
 
         if BULK:  # no barrier after the staging: read before the first
             read_kept_item()
         c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
+        if TMA:
+            wbytes = 16 * 2 * D  # a warp's boxes: D / 64 of 16 rows x 128 bytes, in the 128-byte swizzle
+            for t in ROWS:
+                c(f"lr = {t.off} + g  # the row in the warp's 16: its boxes' row")
+                c(f"{stage}(o_wg + (warp & 3) * {wbytes} + lr * 128 + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, "
+                  f"ep_f[ctid * 2 + {t.k}])")
+            c("fence_proxy_async()  # the staged rows are visible to the tensor copies (the async proxy)")
+            c("syncwarp()  # this warp's 16 rows are staged")
+            c("# lane 0 stores the warp's boxes by TMA; their row, slice and shared address through redux, which ptxas")
+            c("# knows are uniform (the copy takes uniform registers)")
+            c("ob_q = warp_min(np.int32(ep_lo + cw * 64 + (warp & 3) * 16))  # the warp's first row in its slice")
+            c("ob_bh = warp_min(np.int32(ep_head))")
+            c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {wbytes}))")
+            c("if lane == 0:")
+            with c.indent():
+                for hb in range(D // 64):
+                    c(f"tma_store_3d(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES})  # rows past M are "
+                      "not written")
+                c("bulk_commit()")
+            c("ob_pend = True")
+            if release_now:
+                bulk_release()
+            c("ep_pend = False")
+            return
         if BULK:
             pitch = bulk_pitch(D)
             for t in ROWS:
@@ -1579,7 +1630,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 with c.indent():
                     c(_lse_line(t.k, "q_head"))
                 c(f"ep_f[ctid * 2 + {t.k}] = inv")
-            c("ep_i[cw * 2] = q_head  # every thread of the warpgroup writes the same")
+            c(("ep_i[cw * 2] = b * H + h  # O's (b, h) slice for its map (tma_store); " if TMA else
+               "ep_i[cw * 2] = q_head  # ") + "every thread of the warpgroup writes the same")
             c("ep_i[cw * 2 + 1] = q_lo")
             if BULK:  # an item of one tile: its kept epilogue's copies are still in flight
                 bulk_release()

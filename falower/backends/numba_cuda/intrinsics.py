@@ -1555,10 +1555,19 @@ else:
 #     bulk_commit(), bulk_wait_read0()   cp.async.bulk.commit_group; cp.async.bulk.wait_group.read 0: this thread's
 #                                        committed bulk copies have read their shared memory (which may then be
 #                                        written again; the kernel must not exit before)
+#     tma_store_3d(map, c0, c1, c2, saddr)
+#                                        cp.async.bulk.tensor.3d.global.shared::cta.bulk_group: the box at
+#                                        coordinates (c0, c1, c2) (innermost first) of the tensor the map describes
+#                                        (`map` the generic address of a 128-byte CUtensorMap in global memory:
+#                                        tensor_maps.py) from the shared byte address saddr, laid out as the map's
+#                                        swizzle lays it; rows past the tensor's bounds are not written. Committed
+#                                        and waited for as bulk_store's copies
+#     tensormap_acquire(map)             fence.proxy.tensormap::generic.acquire.gpu on the map's 128 bytes: the
+#                                        tensor copies of this thread see the map as written before the launch
 # Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
 # generation counter; both live per block (keyed by the block's index and the address / id); waits block on the
 # condition with a timeout so that an aborted launch (another thread's exception) or a deadlock ends.
-# A bulk copy is kept per thread with its source as it was at the issue, and done at the thread's bulk_wait_read0,
+# A bulk copy (a tensor copy too) is kept per thread with its source as it was at the issue, and done at the thread's bulk_wait_read0,
 # which raises if the source changed in between (the GPU may read it at any time there: a race, such as a row
 # restaged before the wait or a lane's row written after the copy's issue), if a copy was never committed, or if
 # the thread returns with copies not waited for; syncwarp is the warp's exchange.
@@ -1581,7 +1590,14 @@ __all__ += [
     "bulk_store",
     "bulk_commit",
     "bulk_wait_read0",
+    "tma_store_3d",
+    "tensormap_acquire",
+    "sim_tensor_map",
+    "SIM_MAP_MAGIC",
 ]
+
+
+SIM_MAP_MAGIC = 0x4D5245574F4C4146  # "FALOWERM": the first word of a simulated tensor map (sim_tensor_map)
 
 
 def _check_maxnreg(n: int) -> int:
@@ -1719,35 +1735,106 @@ if SIMULATOR:
         gaddr, saddr, n = int(gaddr), int(saddr), int(nbytes)
         if n % 16 or gaddr % 16 or saddr % 16:
             raise ValueError(f"bulk_store: 16-byte aligned addresses and size, got {gaddr:#x}, {saddr:#x}, {n}")
+        pending = _bulk_pending()
+        source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()  # what the copy may read from now on
+        pending.append([saddr, n, source, False, lambda src: _write_global(gaddr, src)])
+
+    def _write_global(gaddr: int, source: np.ndarray) -> None:
+        n = len(source)
+        with _warp_lock:
+            base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
+        if not a.flags.c_contiguous or gaddr + n > base + a.nbytes:
+            raise RuntimeError("bulk_store emulation: a contiguous array, the copy inside it")
+        a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = source
+
+    def _bulk_pending() -> list:
         th = threading.current_thread()
         pending = getattr(th, "_falower_bulk", None)
         if pending is None:
             pending = th._falower_bulk = []
             th._falower_exit_checks = [*getattr(th, "_falower_exit_checks", ()), _bulk_left]
-        source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()  # what the copy may read from now on
-        pending.append([gaddr, saddr, n, source, False])
+        return pending
+
+    _TENSOR_MAPS: dict = {}  # the simulator's tensor maps: key -> (array, dims, byte strides, box, swizzle)
+
+    def sim_tensor_map(array, dims, strides, box, swizzle: int = 128) -> np.ndarray:
+        """The simulator's stand-in for a CUtensorMap: 128 bytes holding SIM_MAP_MAGIC and a key to the
+        description (a C-contiguous array; dims and box innermost first, in elements; `strides` the bytes between
+        consecutive indices of dims 1 ..; `swizzle` 128 or 0 bytes), as tensor_maps.py makes it on the host."""
+        a = np.asarray(array)
+        if not a.flags.c_contiguous:
+            raise ValueError("sim_tensor_map: a C-contiguous array")
+        if swizzle not in (0, 128) or (swizzle and box[0] * 2 != 128):
+            raise ValueError(f"sim_tensor_map: 16-bit boxes of 128-byte rows under the 128-byte swizzle, got "
+                             f"box {tuple(box)}, swizzle {swizzle}")
+        with _warp_lock:
+            key = len(_TENSOR_MAPS) + 1
+            _TENSOR_MAPS[key] = (a, tuple(int(d) for d in dims), tuple(int(s) for s in strides),
+                                 tuple(int(b) for b in box), int(swizzle))
+        m = np.zeros(16, np.uint64)
+        m[0], m[1] = SIM_MAP_MAGIC, key
+        return m.view(np.uint8)
+
+    def _sim_map(maddr: int):
+        with _warp_lock:
+            base, a = next(((b, x) for b, x in _ADDRS.items() if b <= maddr < b + max(x.nbytes, 1)), (None, None))
+        if a is None or maddr != base or a.nbytes < 16:
+            raise RuntimeError(f"tma copy: the map address {maddr:#x} is not a simulated tensor map's (elem_addr of "
+                               "sim_tensor_map's array)")
+        words = np.ascontiguousarray(a).reshape(-1).view(np.uint8)[:16].view(np.uint64)
+        if int(words[0]) != SIM_MAP_MAGIC or int(words[1]) not in _TENSOR_MAPS:
+            raise RuntimeError("tma copy: the map's bytes are not a simulated tensor map (sim_tensor_map)")
+        return _TENSOR_MAPS[int(words[1])]
+
+    def tensormap_acquire(maddr):
+        _sim_map(int(maddr))
+
+    def tma_store_3d(maddr, c0, c1, c2, saddr):
+        a, dims, strides, box, swizzle = _sim_map(int(maddr))
+        saddr, coords = int(saddr), (int(c0), int(c1), int(c2))
+        if len(dims) != 3:
+            raise RuntimeError(f"tma_store_3d: a map of rank 3, got {len(dims)}")
+        if saddr % (1024 if swizzle else 128):
+            raise ValueError(f"tma_store_3d: the shared box at {saddr:#x} is not {1024 if swizzle else 128}-byte "
+                             "aligned")
+        rows, row_bytes = box[1] * box[2], box[0] * a.itemsize
+        n = rows * row_bytes
+        source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()
+
+        def write(src: np.ndarray) -> None:
+            raw = a.reshape(-1).view(np.uint8)
+            for r in range(rows):
+                i1, i2 = coords[1] + r % box[1], coords[2] + r // box[1]
+                if not (0 <= i1 < dims[1] and 0 <= i2 < dims[2]):
+                    continue  # outside the tensor: not written
+                row = src[r * row_bytes:(r + 1) * row_bytes]
+                if swizzle:  # chunk k of the row lies at chunk k ^ (r & 7) (the box is 1024-byte aligned)
+                    row = row.reshape(-1, 16)[np.arange(row_bytes // 16) ^ (r & 7)].reshape(-1)
+                for e in range(box[0]):
+                    i0 = coords[0] + e
+                    if 0 <= i0 < dims[0]:
+                        at = i0 * a.itemsize + i1 * strides[0] + i2 * strides[1]
+                        raw[at:at + a.itemsize] = row[e * a.itemsize:(e + 1) * a.itemsize]
+
+        _bulk_pending().append([saddr, n, source, False, write])
 
     def bulk_commit():
         for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():
-            copy[4] = True
+            copy[3] = True
 
     def bulk_wait_read0():
         pending = getattr(threading.current_thread(), "_falower_bulk", None)
         if not pending:
             return
-        if not all(copy[4] for copy in pending):
+        if not all(copy[3] for copy in pending):
             raise RuntimeError("bulk_wait_read0: a bulk copy was issued but not committed (bulk_commit)")
         slow_warp()  # a warp that is late to read lets the others run on to the staged rows
         smem = _block_smem().view(np.uint8)
-        for gaddr, saddr, n, source, _ in pending:
+        for saddr, n, source, _, write in pending:
             if not np.array_equal(smem[saddr:saddr + n], source):
                 raise RuntimeError(f"bulk copy from shared byte {saddr}: its source changed between the copy's "
                                    "issue and its wait (a race: the GPU may read either)")
-            with _warp_lock:
-                base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
-            if not a.flags.c_contiguous or gaddr + n > base + a.nbytes:
-                raise RuntimeError("bulk_store emulation: a contiguous array, the copy inside it")
-            a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = source
+            write(source)
         pending.clear()
 
     @_functools.lru_cache(maxsize=None)
@@ -1811,6 +1898,14 @@ else:
         "bulk_store", "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.global.shared::cta.bulk_group [ga], "
         "[$1], $2; }", 3, arg_types=(types.uint64, _U32, _U32))
     bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
+    tma_store_3d = _addr_asm(  # the box at ($1, $2, $3) of the map at the generic address $0, from shared $4
+        "tma_store_3d", "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [$0, {$1, $2, $3}], [$4];", 5,
+        arg_types=(types.uint64, types.int32, types.int32, types.int32, _U32))
+    tensormap_acquire = _addr_asm("tensormap_acquire", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", 1,
+                                  arg_types=(types.uint64,))
+
+    def sim_tensor_map(array, dims, strides, box, swizzle: int = 128):
+        raise RuntimeError("sim_tensor_map: the simulator's; on a GPU tensor_maps.py encodes a CUtensorMap")
 
     @intrinsic
     def warp_uniform(typingctx, x):

@@ -43,9 +43,11 @@ import numpy as np
 
 from . import cubin_cache
 from .block_data import BlockTables
-from .emit_fa2 import emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_work_counter
+from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_o_map,
+                       uses_work_counter)
 from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
+from .tensor_maps import MAP_BYTES, OMaps
 
 __all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
 
@@ -634,6 +636,10 @@ class _ForwardPlan:
         if uses_work_counter(s):
             self.work_slot = buf.array(nxt, (2,))
             nxt += 1
+        self.omap_slot = None
+        if uses_o_map(s):  # O's tensor map: O is new each call, its map kept by O's address (tensor_maps.OMaps)
+            self.omap_slot = buf.array(nxt, (MAP_BYTES,))
+            nxt += 1
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
         self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
@@ -681,8 +687,11 @@ class _ForwardPlan:
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
         stream = self.stream(self.dev_index)
+        capturing = torch.cuda.is_current_stream_capturing() if (self.work_slot, self.omap_slot) != (None, None) \
+            else False
+        if self.omap_slot is not None:  # O's tensor map (the one made for this O's address before, if any)
+            vals[self.omap_slot] = self.kern.o_maps.torch(o, capturing, stream).data_ptr()
         if self.work_slot is not None:  # the counter of this stream (a captured launch: its own, work_counter)
-            capturing = torch.cuda.is_current_stream_capturing()
             if capturing or self.work_stream != stream:
                 vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
                 self.work_stream = None if capturing else stream
@@ -863,6 +872,7 @@ class FA2ForwardKernel:
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
         self._captured: list[Any] = []  # the counters of launches captured into CUDA graphs, kept alive with them
+        self.o_maps = OMaps(spec.dtype)  # O's tensor maps (emit_fa2.uses_o_map)
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
             self.source = emit_cached(emit_fa2_forward, spec, "forward")
@@ -922,6 +932,8 @@ class FA2ForwardKernel:
             args.append(arr(types.int8))
         if uses_work_counter(s):
             args.append(arr(types.int32))
+        if uses_o_map(s):
+            args.append(arr(types.uint8))
         args += _capture_types(s)
         return tuple(args)
 
@@ -1135,6 +1147,8 @@ class FA2ForwardKernel:
         if uses_work_counter(s):  # Numba launches on the default stream
             work = self.work_counter(kind, q.device if kind == "torch" else None)
             extra.append(wrap(work) if kind == "torch" else work)
+        if uses_o_map(s):  # O's tensor map (tensor_maps.OMaps)
+            extra.append(wrap(self.o_maps.torch(o)) if kind == "torch" else self.o_maps.numba(o_k, B * H, M, D))
         args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)

@@ -1,0 +1,175 @@
+"""Tensor maps (CUtensorMap) for the kernels' TMA tensor copies: O's stores in the warp-specialized kernel's kept
+epilogue (emit_fa3_ws.tma_store).
+
+A TMA tensor copy names its tensor by a 128-byte map that the CUDA driver encodes on the host
+(cuTensorMapEncodeTiled). CUDA C passes it as a __grid_constant__ parameter, which Numba cannot; PTX also takes a
+map in global memory by its generic address, so the kernels take it as a 128-byte uint8 array (`omap`) and copy by
+`elem_addr(omap, (0,))` (benchmarks/probe_tma.py checked this path on an H200: the box's 128-byte swizzle, rows
+past the tensor's end not written). A map holds O's address, so a call with a new O needs a new map: `OMaps` keeps
+them by O's address and shape, never rewritten once made, so a launch still in flight never reads a map being
+changed; torch's caching allocator hands a loop of calls the same O, so the encode (~5 us) and the launch that
+writes the map (`put_map`) are paid once. In the simulator a map's bytes are a key to the tensor's description
+(intrinsics.sim_tensor_map).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from typing import Any, Optional
+
+import numpy as np
+
+MAP_BYTES = 128
+O_BOX_ROWS = 16  # a consumer warp's rows of O: one box a warp and 64 columns (128 bytes, the swizzle's span)
+O_BOX_COLS = 64
+KEEP = 64  # maps kept per kernel (most recently used); those a CUDA graph captured are kept for good
+
+_CU_DTYPE = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_SWIZZLE_128B = 3
+
+
+class TensorMapError(RuntimeError):
+    """The driver refused a map (its CUresult named)."""
+
+
+_LIB: Optional[Any] = None
+
+
+def _driver() -> Any:
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p,
+                                               ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u32),
+                                               ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                               ctypes.c_int]
+        _LIB = lib
+    return _LIB
+
+
+def o_map_geometry(BH: int, M: int, D: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """O [B H, M, D] of 16-bit values as a rank-3 map (innermost first): dims (D, M, B H), byte strides of dims 1
+    and 2, and the box a warp stores (64 columns of 16 rows of one (b, h) slice: rows past M are not written, so
+    a box never reaches the next slice's rows)."""
+    return (D, M, BH), (2 * D, 2 * D * M), (O_BOX_COLS, O_BOX_ROWS, 1)
+
+
+def encode_o_map(ptr: int, BH: int, M: int, D: int, dtype: str) -> bytes:
+    """The driver's CUtensorMap of O at device address `ptr` (o_map_geometry, 128-byte swizzle)."""
+    if dtype not in _CU_DTYPE:
+        raise ValueError(f"tensor map of O: f16 or bf16, got {dtype!r}")
+    dims, strides, box = o_map_geometry(BH, M, D)
+    buf = ctypes.create_string_buffer(MAP_BYTES + 64)
+    at = (ctypes.addressof(buf) + 63) & ~63  # the map is 64-byte aligned
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = _driver().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _CU_DTYPE[dtype], 3, ctypes.c_void_p(ptr),
+                                          (u64 * 3)(*dims), (u64 * 2)(*strides), (u32 * 3)(*box), (u32 * 3)(1, 1, 1),
+                                          0, _SWIZZLE_128B, 0, 0)
+    if rc != 0:
+        raise TensorMapError(f"cuTensorMapEncodeTiled for O [{BH}, {M}, {D}] at {ptr:#x}: CUresult {rc}")
+    return ctypes.string_at(at, MAP_BYTES)
+
+
+_PUT_WORDS = "falower_put_words"
+
+
+def _put_words_ptx(cc: tuple[int, int]) -> bytes:
+    """A one-thread kernel that writes its 16 u64 parameters to dst: a map's bytes reach the device inside a
+    launch's parameters, so a CUDA graph capture records them (a host copy would need pinned memory that lives as
+    long as the graph, and none may be allocated while a stream captures)."""
+    words = MAP_BYTES // 8
+    params = ", ".join(["\t.param .u64 dst"] + [f".param .u64 w{i}" for i in range(words)])
+    body = "".join(f"\tld.param.u64 %w, [w{i}];\n\tst.global.u64 [%a+{8 * i}], %w;\n" for i in range(words))
+    return (f".version 7.8\n.target sm_{cc[0]}{cc[1]}\n.address_size 64\n"
+            f".visible .entry {_PUT_WORDS}({params})\n{{\n\t.reg .b64 %a, %w;\n\tld.param.u64 %a, [dst];\n"
+            f"\tcvta.to.global.u64 %a, %a;\n{body}\tret;\n}}\n").encode() + b"\0"
+
+
+_PUT_FUNCS: dict = {}  # device ordinal -> CUfunction
+
+
+def put_map(device: int, dst: int, data: bytes, stream: int) -> None:
+    """Enqueue on `stream` the write of a map's 128 bytes to the device address `dst` (device `device`)."""
+    from . import cubin_cache
+    from .runtime import _ctypes_launch
+
+    func = _PUT_FUNCS.get(device)
+    if func is None:
+        drv = cubin_cache.driver()
+        func = _PUT_FUNCS[device] = drv.load_function(device, _put_words_ptx(drv.compute_capability(device)),
+                                                      _PUT_WORDS, 0)
+    words = np.frombuffer(data, np.uint64)
+    vals = (ctypes.c_uint64 * (1 + len(words)))(dst, *(int(w) for w in words))
+    base = ctypes.addressof(vals)
+    params = (ctypes.c_void_p * len(vals))(*range(base, base + 8 * len(vals), 8))
+    launch = _ctypes_launch()
+    if launch is None:
+        raise TensorMapError("no cuLaunchKernel in libcuda to write a tensor map with")
+    err = launch(int(func), 1, 1, 1, 1, 1, 1, 0, stream, ctypes.addressof(params), None)
+    if err:
+        raise TensorMapError(f"writing a tensor map: cuLaunchKernel CUresult {err}")
+
+
+class OMaps:
+    """One kernel's maps of O, kept by (kind, device, stream, address, B H, M, D) as device arrays of 128 bytes:
+    `torch(o)` for a torch tensor (its map a torch tensor on O's device, written by a launch: `put_map`),
+    `numba(o_k, ...)` for a Numba device array (the simulator's included). At most KEEP are kept, the least
+    recently used dropped; one made or used while a CUDA graph captures is kept for good (the graph holds its
+    address)."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self._maps: OrderedDict = OrderedDict()
+        self._captured: list = []
+
+    def _get(self, key: tuple, make) -> Any:
+        m = self._maps.get(key)
+        if m is None:
+            m = self._maps[key] = make()
+            while len(self._maps) > KEEP:
+                self._maps.popitem(last=False)
+        else:
+            self._maps.move_to_end(key)
+        return m
+
+    def torch(self, o: Any, capturing: Optional[bool] = None, stream: int = 0) -> Any:
+        """The map of a contiguous torch O [B, H, M, D] (f16 / bf16), as a uint8 tensor on O's device, made on and
+        kept for the current stream (`stream` its handle: a map dropped from the cache is then reused only after the
+        launches of its stream that read it). `capturing`: whether that stream captures a CUDA graph (asked of torch
+        when not given)."""
+        import torch
+
+        B, H, M, D = (int(n) for n in o.shape)
+        key = ("torch", str(o.device), stream, o.data_ptr(), B * H, M, D)
+        if capturing is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+
+        def make() -> Any:
+            data = encode_o_map(o.data_ptr(), B * H, M, D, self.dtype)
+            dev = torch.empty(MAP_BYTES // 8, dtype=torch.int64, device=o.device)  # 8-byte words, 128-byte aligned
+            put_map(o.device.index if o.device.index is not None else torch.cuda.current_device(), dev.data_ptr(),
+                    data, stream or torch.cuda.current_stream(o.device).cuda_stream)
+            return dev.view(torch.uint8)  # the kernel's argument type
+
+        m = self._get(key, make)
+        if capturing:
+            self._captured.append(m)
+        return m
+
+    def numba(self, o_k: Any, BH: int, M: int, D: int) -> Any:
+        """The map of O as the kernel takes it (o_k, a flat Numba device array of O's [B H, M, D] 16-bit values),
+        as a Numba device array; in the simulator, intrinsics.sim_tensor_map's stand-in."""
+        from numba import cuda
+
+        from .intrinsics import SIMULATOR, sim_tensor_map
+
+        if SIMULATOR:
+            arr = np.asarray(o_k).view(np.uint16)  # the array the kernel writes (the simulator's device array)
+            dims, strides, box = o_map_geometry(BH, M, D)
+            return cuda.to_device(sim_tensor_map(arr, dims, strides, box))
+        ptr = int(o_k.device_ctypes_pointer.value)
+        key = ("numba", ptr, BH, M, D)
+        return self._get(key, lambda: cuda.to_device(np.frombuffer(encode_o_map(ptr, BH, M, D, self.dtype),
+                                                                   np.uint8).copy()))

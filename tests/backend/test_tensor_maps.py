@@ -1,0 +1,47 @@
+"""tensor_maps.py without a GPU: O's map geometry, the map writer's PTX, and the cache's keep-and-drop rule (the
+driver's encode and the writes run in tests/gpu/test_tensor_maps_gpu.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from falower.backends.numba_cuda import tensor_maps
+
+
+def test_o_is_a_rank_3_map_whose_box_stops_at_its_slice():
+    dims, strides, box = tensor_maps.o_map_geometry(BH=6, M=200, D=128)
+    assert dims == (128, 200, 6)  # innermost first: a box's rows past M are outside, not the next slice's
+    assert strides == (256, 256 * 200) and all(s % 16 == 0 for s in strides)
+    assert box == (64, 16, 1) and box[0] * 2 == 128  # the 128-byte swizzle's span
+
+
+def test_the_writer_stores_its_16_words():
+    ptx = tensor_maps._put_words_ptx((9, 0)).decode()
+    assert ptx.endswith("\0") and ".target sm_90\n" in ptx
+    assert ptx.count(".param .u64 w") == 16
+    offsets = [int(x) for x in re.findall(r"st\.global\.u64 \[%a\+(\d+)\]", ptx)]
+    assert offsets == list(range(0, 128, 8))
+
+
+def test_the_cache_keeps_the_recent_maps_and_drops_the_oldest():
+    maps = tensor_maps.OMaps("f16")
+    made = []
+
+    def make(k):
+        made.append(k)
+        return f"map{k}"
+
+    for k in range(tensor_maps.KEEP):
+        assert maps._get(("k", k), lambda k=k: make(k)) == f"map{k}"
+    maps._get(("k", 0), lambda: make("again"))  # used again: now the most recent
+    maps._get(("k", "new"), lambda: make("new"))  # one more: the least recent (1) is dropped
+    assert made[-1] == "new" and "again" not in made
+    maps._get(("k", 1), lambda: make("1 again"))
+    assert made[-1] == "1 again" and len(maps._maps) == tensor_maps.KEEP
+
+
+def test_an_encode_asks_for_a_16_bit_type():
+    with pytest.raises(ValueError, match="f16 or bf16"):
+        tensor_maps.encode_o_map(0, 1, 1, 64, "f32")

@@ -1,0 +1,48 @@
+"""O's tensor maps on the GPU (tensor_maps.py, emit_fa3_ws.tma_store): a map written by its launch holds the
+driver's bytes, and the D = 128 forward (the persistent kernel, O stored by TMA tensor copies) stays right while O
+moves: more distinct outputs than the cache keeps, each call's O a new address, the early maps dropped and made
+again."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import falower as fl  # noqa: E402
+from falower.backends.numba_cuda import tensor_maps  # noqa: E402
+
+
+def test_a_map_written_by_its_launch_holds_the_drivers_bytes():
+    o = torch.empty(2, 3, 100, 128, device="cuda", dtype=torch.float16)
+    maps = tensor_maps.OMaps("f16")
+    m = maps.torch(o)
+    torch.cuda.synchronize()
+    want = tensor_maps.encode_o_map(o.data_ptr(), 6, 100, 128, "f16")
+    assert m.dtype == torch.uint8 and m.numel() == 128 and m.data_ptr() % 128 == 0
+    assert bytes(m.cpu().numpy().tobytes()) == want
+    assert maps.torch(o) is m  # kept: the same O, the same map
+    with pytest.raises(ValueError, match="f16 or bf16"):
+        tensor_maps.encode_o_map(o.data_ptr(), 6, 100, 128, "f32")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_forward_stays_right_while_o_moves(dtype):
+    """KEEP + 6 calls whose outputs all stay alive (a new O address each), M = 200 (ragged against the 16-row boxes);
+    then the first inputs again (their maps were dropped): every output equals torch's."""
+    causal = fl.compile(fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, M, D = 1, 2, 200, 128
+    ins = [[torch.randn(B, H, M, D, device="cuda", dtype=dtype, generator=g) for _ in range(3)] for _ in range(3)]
+    from falower.backends.numba_cuda.emit_fa2 import uses_o_map
+
+    assert uses_o_map(causal.kernel(*ins[0]).spec)  # the automatic choice on Hopper stores O by TMA
+    want = [torch.nn.functional.scaled_dot_product_attention(*(x.float() for x in qkv), is_causal=True)
+            for qkv in ins]
+    outs = [(i % 3, causal(*ins[i % 3])[0]) for i in range(tensor_maps.KEEP + 6)]
+    assert len({o.data_ptr() for _, o in outs}) == len(outs)
+    outs += [(0, causal(*ins[0])[0])]
+    for i, o in outs:
+        torch.testing.assert_close(o.float(), want[i], atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=0)
