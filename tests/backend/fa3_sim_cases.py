@@ -127,9 +127,9 @@ def launch_args(spec, q, k, v, caps):
     o = np.zeros(B * H * M * D // 2, dtype=np.uint32)
     lse = np.zeros(B * H * M, dtype=np.float32)
     strides = (H * M * D, M * D, D, Hk * N * D, N * D, D, Hk * N * D, N * D, D)
-    from falower.backends.numba_cuda.emit_fa2 import uses_o_map, uses_work_counter
+    from falower.backends.numba_cuda.emit_fa2 import uses_kv_maps, uses_o_map, uses_work_counter
     from falower.backends.numba_cuda.intrinsics import sim_tensor_map
-    from falower.backends.numba_cuda.tensor_maps import o_map_geometry
+    from falower.backends.numba_cuda.tensor_maps import kv_map_geometry, o_map_geometry
 
     work = (np.zeros(2, dtype=np.int32),) if uses_work_counter(spec) else ()  # item_order "dynamic"'s counter
     o_arg = o
@@ -139,6 +139,12 @@ def launch_args(spec, q, k, v, caps):
         o_arg = cuda.to_device(o)
         o = np.asarray(o_arg)  # its memory
         work += (sim_tensor_map(o.view(np.uint16), *o_map_geometry(B * H, M, D)),)
+    if uses_kv_maps(spec):  # K's and V's maps (tma_loads), over the device arrays the kernel reads
+        from numba import cuda
+
+        bits = [bits[0]] + [cuda.to_device(x) for x in bits[1:]]
+        work += tuple(sim_tensor_map(np.asarray(x).view(np.uint16),
+                                     *kv_map_geometry(B, Hk, N, D, strides[3:6], spec.block_k)) for x in bits[1:])
     return (*bits, o_arg, lse, B, H, M, N, *strides, *work, *caps), o, lse
 
 

@@ -57,8 +57,8 @@ def raises(out):
 
 
 from falower.backends.numba_cuda.intrinsics import (  # noqa: E402
-    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, sim_tensor_map, smem_base, sts_u32, syncwarp,
-    tensormap_acquire, tma_store_3d)
+    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, lds_v4_u32, mbar_arrive_expect_tx, mbar_init, mbar_try_wait,
+    sim_tensor_map, smem_base, sts_u32, syncwarp, tensormap_acquire, tma_load_4d, tma_store_3d)
 
 
 BULK_MODES = {"bulk": 0, "bulk-late": 1, "bulk-uncommitted": 2, "bulk-left": 3, "bulk-early": 4}
@@ -130,6 +130,36 @@ def tma(omap, other, mode):
     bulk_wait_read0()
 
 
+LOAD_SHAPE = (2, 3, 20, 64)  # K's (batch, heads, rows, columns) of 16-bit values
+
+
+@cuda.jit
+def tma_load(kmap, dump, ready):
+    """Thread 0 announces 2048 bytes on an mbarrier of count 1 and loads the box of rows 8-23 of head 2, batch 1 by
+    tma_load_4d (rows 20-23 past the tensor: zeros); ready[0] records whether the barrier's phase was done after the
+    announce alone (it must not be: the bytes are not in), ready[1] after the copy. The warp dumps the box as it lies
+    (128-byte swizzled)."""
+    sm = cuda.shared.array(1024, np.uint32)
+    sb = (smem_base(sm) + np.uint32(1023)) & np.uint32(0xFFFFFC00)
+    bar = sb + np.uint32(2048)
+    t = cuda.threadIdx.x
+    if t == 0:
+        m = elem_addr(kmap, (0,))
+        tensormap_acquire(m)
+        mbar_init(bar, 1)
+        mbar_arrive_expect_tx(bar, 2048)
+        ready[0] = mbar_try_wait(bar, 0)
+        tma_load_4d(sb, m, 0, 8, 2, 1, bar)
+        ready[1] = mbar_try_wait(bar, 0)
+    syncwarp()
+    for i in range(4):
+        w0, w1, w2, w3 = lds_v4_u32(sb + np.uint32(16 * (t + 32 * i)))
+        dump[4 * (t + 32 * i)] = w0
+        dump[4 * (t + 32 * i) + 1] = w1
+        dump[4 * (t + 32 * i) + 2] = w2
+        dump[4 * (t + 32 * i) + 3] = w3
+
+
 def run_case(cid: str) -> dict:
     from numba.cuda.simulator import kernel as simk
 
@@ -176,8 +206,20 @@ def run_case(cid: str) -> dict:
         except (RuntimeError, ValueError) as e:
             msg = str(e)
         return {"id": cid, "installed": installed, "out": np.asarray(out).tolist(), "raised": msg}
+    if cid == "tma-load":
+        from numba import cuda as _cuda
+
+        Bn, Hn, R, C = LOAD_SHAPE
+        k = np.arange(Bn * Hn * R * C, dtype=np.uint16).reshape(LOAD_SHAPE)
+        kd = _cuda.to_device(k)
+        m = sim_tensor_map(np.asarray(kd), (C, R, Hn, Bn), (2 * C, 2 * C * R, 2 * C * R * Hn), (64, 16, 1, 1))
+        dump = np.zeros(512, np.uint32)
+        ready = np.zeros(2, np.uint32)
+        tma_load[1, 32](m, dump, ready)
+        return {"id": cid, "installed": installed, "dump": dump.view(np.uint16).tolist(), "ready": ready.tolist(),
+                "k": k[1, 2].tolist()}
     raise KeyError(cid)
 
 
 if __name__ == "__main__":
-    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES, *TMA_MODES], run_case)
+    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES, *TMA_MODES, "tma-load"], run_case)

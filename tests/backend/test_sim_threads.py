@@ -181,3 +181,18 @@ def test_simulator_tma_store_errors_raise(sim, case, what):
     assert "error" not in r, r
     assert r["raised"] and what in r["raised"], r
     assert all(x == 0xBEEF for plane in r["out"] for row in plane for x in row), r
+
+
+def test_simulator_tma_load_lands_swizzled_with_zeros_past_the_tensor(sim):
+    """intrinsics.tma_load_4d in the simulator (K and V under emit_fa3_ws.tma_loads): the box of rows 8-23 of
+    head 2, batch 1 lands in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)), its rows past the
+    tensor's 20 as zeros; the mbarrier's phase waits for the announced bytes, not only for the arrival."""
+    r = sim["tma-load"]
+    assert "error" not in r, r
+    assert r["ready"] == [0, 1], r
+    k = np.array(r["k"], dtype=np.int64)
+    want = np.zeros((16, 64), np.int64)
+    want[:12] = k[8:20]
+    got = np.array(r["dump"], dtype=np.int64).reshape(16, 8, 8)
+    unswizzled = np.stack([got[i][np.arange(8) ^ (i & 7)] for i in range(16)]).reshape(16, 64)
+    assert np.array_equal(unswizzled, want)

@@ -17,6 +17,14 @@ def test_o_is_a_rank_3_map_whose_box_stops_at_its_slice():
     assert box == (64, 16, 1) and box[0] * 2 == 128  # the 128-byte swizzle's span
 
 
+def test_k_and_v_are_rank_4_maps_over_their_views_strides():
+    """A [B, N, Hk, D] projection viewed as [B, Hk, N, D]: element strides (N Hk D, D, Hk D) as the kernels take
+    them, in bytes, innermost first after D."""
+    dims, strides, box = tensor_maps.kv_map_geometry(2, 4, 300, 128, (300 * 4 * 128, 128, 4 * 128), 128)
+    assert dims == (128, 300, 4, 2) and strides == (2 * 4 * 128, 2 * 128, 2 * 300 * 4 * 128)
+    assert box == (64, 128, 1, 1)
+
+
 def test_the_writer_stores_its_16_words():
     ptx = tensor_maps._put_words_ptx((9, 0)).decode()
     assert ptx.endswith("\0") and ".target sm_90\n" in ptx
@@ -26,7 +34,7 @@ def test_the_writer_stores_its_16_words():
 
 
 def test_the_cache_keeps_the_recent_maps_and_drops_the_oldest():
-    maps = tensor_maps.OMaps("f16")
+    maps = tensor_maps.TensorMaps("f16")
     made = []
 
     def make(k):
@@ -42,6 +50,8 @@ def test_the_cache_keeps_the_recent_maps_and_drops_the_oldest():
     assert made[-1] == "1 again" and len(maps._maps) == tensor_maps.KEEP
 
 
-def test_an_encode_asks_for_a_16_bit_type():
+def test_an_encode_asks_for_a_16_bit_type_and_16_byte_strides():
     with pytest.raises(ValueError, match="f16 or bf16"):
         tensor_maps.encode_o_map(0, 1, 1, 64, "f32")
+    with pytest.raises(tensor_maps.TensorMapError, match="multiples of 16"):  # before the driver is asked
+        tensor_maps.encode_map(0, tensor_maps.kv_map_geometry(1, 1, 10, 64, (640, 640, 60), 128), "f16", "K")

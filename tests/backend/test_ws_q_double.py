@@ -233,3 +233,33 @@ def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
         assert copies == [(str(64 * b), str(2048 * b)) for b in range(D // 64)]
     assert "(dn >> 3) * 2048" in src  # the box helper: column block dn // 8 in the next box
     _release_chain(cons, lay["q_empty"])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_producer_loads_k_and_v_by_tma_when_asked(D):
+    """`tma_loads` (off by default): the kernel takes K's and V's maps after O's; the stages' full barriers count one
+    arrival (thread 0's expect_tx, the tile's bytes completing the phase); thread 0 alone waits for a stage to be
+    free, announces the tile's bytes and issues one copy a 64-column block at (64 b, j BK, hk, b); no thread keeps
+    K's or V's row addresses or issues their 16-byte copies. Q and the consumers are as without it."""
+    assert not emit_fa3_ws.tma_loads(_spec(D=D))
+    spec = _spec({"tma_loads": True}, D=D)
+    assert emit_fa3_ws.tma_loads(spec)
+    lay, T = emit_fa3_ws._layout(spec), emit_fa3_ws._layout(spec)["tile"]
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    assert re.search(r"def \w+\(q, k, v, o, lse, .*, work, omap, kmap, vmap\):", src)
+    for x in ("full_k", "full_v"):
+        assert f"mbar_init(bars + {lay[x]}, 1)" in src
+    prod, cons = _parts(src)
+    loop = prod[prod.index("while j <= kv_last:"):]
+    body = loop[loop.index("if tid == 0:"):]
+    for x, off in (("k", ""), ("v", f" + {T}")):
+        wait = body.index(f"mbar_wait(sbar + {lay['empty_' + x]}, phase ^ 1)")
+        expect = body.index(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})")
+        copies = [body.index(f"tma_load_4d(k_dst{off} + {hb * 128 * 128}, {x}map_g, {hb * 64}, j * 128, hk, b, "
+                             f"sbar + {lay['full_' + x]})") for hb in range(D // 64)]
+        assert wait < expect < min(copies)
+    assert "cp_async_mbar_arrive_noinc(sbar" not in prod and "k_at" not in prod
+    assert prod.index("tensormap_acquire(kmap_g)") < prod.index("while j <= kv_last:")
+    base = _parts(emit_fa3_ws.emit_fa3_ws_forward(_spec(D=D)))[1]
+    strip = lambda s: re.sub(r"__\d+", "", s)  # noqa: E731
+    assert strip(cons) == strip(base)  # the consumers' code is the same

@@ -91,6 +91,11 @@ PERSIST_CASES = {
     # head's) and boxes wholly past M (rows 208-255 of q tile 1); 4 items on one block, heads alternating
     "ws-pwg-causal-f16-d128-bk128-persist-tma": ("causal", "f16", 128, 1, 2, 200, 200, 1, 128, 128,
                                                  {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
+    # K and V by TMA loads too (emit_fa3_ws.tma_loads: one producer thread, expect_tx on the stages' full barriers):
+    # GQA (kv head h // 2 by the map's coordinate), N = 200 (the last tile's rows past N zeros), M != N
+    "ws-pwg-causal-f16-d128-bk128-persist-tmal": ("causal", "f16", 128, 1, 4, 150, 200, 2, 128, 128,
+                                                  {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
+                                                   "tma_loads": True}),
 }
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows

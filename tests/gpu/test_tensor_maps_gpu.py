@@ -17,13 +17,13 @@ from falower.backends.numba_cuda import tensor_maps  # noqa: E402
 
 def test_a_map_written_by_its_launch_holds_the_drivers_bytes():
     o = torch.empty(2, 3, 100, 128, device="cuda", dtype=torch.float16)
-    maps = tensor_maps.OMaps("f16")
-    m = maps.torch(o)
+    maps = tensor_maps.TensorMaps("f16")
+    m = maps.torch_o(o)
     torch.cuda.synchronize()
     want = tensor_maps.encode_o_map(o.data_ptr(), 6, 100, 128, "f16")
     assert m.dtype == torch.uint8 and m.numel() == 128 and m.data_ptr() % 128 == 0
     assert bytes(m.cpu().numpy().tobytes()) == want
-    assert maps.torch(o) is m  # kept: the same O, the same map
+    assert maps.torch_o(o) is m  # kept: the same O, the same map
     with pytest.raises(ValueError, match="f16 or bf16"):
         tensor_maps.encode_o_map(o.data_ptr(), 6, 100, 128, "f32")
 
@@ -50,3 +50,26 @@ def test_the_forward_stays_right_while_o_moves(dtype):
     for i, o in outs:
         err = (o.double() - want[i]).abs().max().item()
         assert err <= bound[i], (i, err, bound[i])
+
+
+def test_k_and_v_loaded_by_tma_from_strided_views():
+    """tma_loads (off by default): K and V as [B, N, Hk, D] projections viewed as [B, Hk, N, D] (their maps' strides
+    are the views'), GQA, N = 300 (the last tile's rows past N zeros): equal to torch's on contiguous copies."""
+    B, H, Hk, M, N, D = 2, 4, 2, 200, 300, 128
+    g = fl.attention(mask_mod=None, name="tmal", dtype="f16", group_size=2)
+    c = fl.compile(g, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
+                             "item_order": "dynamic", "tma_loads": True})
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, H, M, D, device="cuda", dtype=torch.float16, generator=gen)
+    k, v = (torch.randn(B, N, Hk, D, device="cuda", dtype=torch.float16, generator=gen).transpose(1, 2)
+            for _ in range(2))
+    from falower.backends.numba_cuda.emit_fa2 import uses_kv_maps
+
+    assert uses_kv_maps(c.kernel(q, k, v).spec) and not k.is_contiguous()
+    o, _ = c(q, k, v)
+    kk, vv = (x.repeat_interleave(2, dim=1).double() for x in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), kk, vv)
+    bound = 2 * (torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1),
+                                                                  v.repeat_interleave(2, dim=1)).double()
+                 - want).abs().max().item() + 1e-3
+    assert (o.double() - want).abs().max().item() <= bound

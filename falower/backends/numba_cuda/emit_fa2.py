@@ -562,11 +562,22 @@ def uses_o_map(spec: FA2ForwardSpec) -> bool:
     return emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.tma_store(spec)
 
 
+def uses_kv_maps(spec: FA2ForwardSpec) -> bool:
+    """The kernel takes `kmap, vmap`, K's and V's tensor maps (uint8 [128] each: tensor_maps.py), after `omap`: the
+    warp-specialized kernel's producer loads K and V by TMA tensor copies (emit_fa3_ws.tma_loads)."""
+    if not uses_wgmma(spec):
+        return False
+    from . import emit_fa3_ws
+
+    return emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.tma_loads(spec)
+
+
 def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     work = ", work" if uses_work_counter(spec) else ""
     omap = ", omap" if uses_o_map(spec) else ""
-    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{_cap_args(spec)}"
+    kvmaps = ", kmap, vmap" if uses_kv_maps(spec) else ""
+    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{kvmaps}{_cap_args(spec)}"
 
 
 def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[str, ...] = ("h", "hk", "hk")) -> None:

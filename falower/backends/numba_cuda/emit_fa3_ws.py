@@ -171,12 +171,14 @@ from falower.backends.numba_cuda.intrinsics import (
     bulk_wait_read0,
     cp_async_mbar_arrive_noinc,
     mbar_arrive,
+    mbar_arrive_expect_tx,
     mbar_init,
     mbar_wait,
     setmaxnreg_dec,
     setmaxnreg_inc,
     syncwarp,
     tensormap_acquire,
+    tma_load_4d,
     tma_store_3d,
 )
 '''
@@ -414,6 +416,18 @@ def bulk_store(spec: FA2ForwardSpec) -> bool:
 
 def _tma_asked(spec: FA2ForwardSpec) -> bool:
     return _bulk_asked(spec) and spec.dtype in ("f16", "bf16") and spec.extra.get("tma_store", True) is not False
+
+
+def tma_loads(spec: FA2ForwardSpec) -> bool:
+    """Whether the producer warpgroup loads K and V by TMA tensor copies (`extra["tma_loads"]`, off by default: not
+    yet measured; bench '-tmal'): its thread 0 waits for a stage to be free, announces the tile's bytes on the
+    stage's full barrier (`mbarrier.expect_tx`, count 1) and issues one `cp.async.bulk.tensor.4d` a 64-column block
+    through K's or V's map (`kmap`, `vmap`, after `omap`; any 16-byte strides, GQA by the kv head's coordinate, rows
+    past N zeros), where 128 threads issued 2 x 128 16-byte cp.async a tile. Q keeps its copies.
+    Why (to measure): the producer's copies share the SM's issue slots with the consumers' softmax, and one thread's
+    copies would let the producer give up registers to the consumers (the document's and the softcap's spills)."""
+    return (spec.extra.get("tma_loads", False) is True and spec.dtype in ("f16", "bf16") and q_double(spec)
+            and persistent(spec) and producer(spec) == "warpgroup")
 
 
 def tma_store(spec: FA2ForwardSpec) -> bool:
@@ -825,7 +839,15 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     else:
         load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
         c("cp_async_mbar_arrive_noinc(bars)")
-    if not WARP:
+    TMAL = tma_loads(spec)
+    if TMAL:
+        c("kmap_g = elem_addr(kmap, (0,))  # K's and V's tensor maps in global memory (tma_loads)")
+        c("vmap_g = elem_addr(vmap, (0,))")
+        c("if tid == 0:  # the thread that copies K and V")
+        with c.indent():
+            c("tensormap_acquire(kmap_g)")
+            c("tensormap_acquire(vmap_g)")
+    elif not WARP:
         # this thread's chunk of row 0 of the item's (b, head) slices of K and V, the bytes a row and between its
         # rows: the kv loop's copies then add to them (the index arithmetic of `_emit_load` cost the producer ~250
         # instructions a warp a tile, half of them on the FMA pipe the consumers' softmax uses; NOTES)
@@ -840,12 +862,24 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         _emit_next_tile(c, spec, "j", "jn", ahead=LIST)
         c(f"k_dst = sb + {KV} + stage * {2 * T}")
         c("sbar = bars + stage * 8")
-        c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's K")
-        load(BK, "k_dst", f"j * {BK}", "N", "k", "kg", "k_sm", "k")
-        c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_k']})")
-        c(f"mbar_wait(sbar + {lay['empty_v']}, phase ^ 1)  # ... and with its V")
-        load(BK, f"k_dst + {T}", f"j * {BK}", "N", "v", "vg", "v_sm", "k")
-        c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_v']})")
+        if TMAL:
+            c("if tid == 0:  # K and V by TMA, a copy a 64-column block of the tile's rows (rows past N: zeros)")
+            with c.indent():
+                for x, off, what in (("k", "", "K"), ("v", f" + {T}", "V")):
+                    c(f"mbar_wait(sbar + {lay['empty_' + x]}, phase ^ 1)  # both consumer warpgroups are done with "
+                      f"this stage's {what}")
+                    c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
+                    for hb in range(D // 64):
+                        c(f"tma_load_4d(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, j * {BK}, hk, b, "
+                          f"sbar + {lay['full_' + x]})")
+        else:
+            c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's "
+              "K")
+            load(BK, "k_dst", f"j * {BK}", "N", "k", "kg", "k_sm", "k")
+            c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_k']})")
+            c(f"mbar_wait(sbar + {lay['empty_v']}, phase ^ 1)  # ... and with its V")
+            load(BK, f"k_dst + {T}", f"j * {BK}", "N", "v", "vg", "v_sm", "k")
+            c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_v']})")
         c("j = jn")
         c("stage += 1")
         c(f"if stage == {S}:")
@@ -1757,6 +1791,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             item_state(c)
         c(f"bars = sb + {lay['bars']}  # mbarriers: Q, full_k[{S}], full_v[{S}], empty_k[{S}], empty_v[{S}]")
         loaders = 128 if NONE else producer_threads(spec)  # producer "none": one warpgroup fills each ring
+        if tma_loads(spec):
+            loaders = 1  # one thread's expect_tx; the copies' bytes complete the phase
         c("if tid == 0:")
         with c.indent():
             if NONE:

@@ -1562,6 +1562,12 @@ else:
 #                                        tensor_maps.py) from the shared byte address saddr, laid out as the map's
 #                                        swizzle lays it; rows past the tensor's bounds are not written. Committed
 #                                        and waited for as bulk_store's copies
+#     tma_load_4d(sdst, map, c0, c1, c2, c3, mbar)
+#                                        cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes:
+#                                        the box at (c0 .. c3) of the map's tensor into shared memory at sdst, laid
+#                                        out as the map's swizzle lays it, elements past the tensor's bounds zero; its
+#                                        bytes complete on the mbarrier at mbar (whose phase also waits for the bytes
+#                                        an mbar_arrive_expect_tx announced)
 #     tensormap_acquire(map)             fence.proxy.tensormap::generic.acquire.gpu on the map's 128 bytes: the
 #                                        tensor copies of this thread see the map as written before the launch
 # Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
@@ -1591,6 +1597,7 @@ __all__ += [
     "bulk_commit",
     "bulk_wait_read0",
     "tma_store_3d",
+    "tma_load_4d",
     "tensormap_acquire",
     "sim_tensor_map",
     "SIM_MAP_MAGIC",
@@ -1617,18 +1624,28 @@ if SIMULATOR:
         def __init__(self, count: int) -> None:
             self.count = int(count)
             self.pending = int(count)
+            self.tx = 0  # the phase's bytes announced (expect_tx) and not yet completed (complete_tx)
             self.phase = 0  # completed phases
             self.cond = threading.Condition()
 
-        def arrive(self) -> None:
+        def _complete_if_done(self) -> None:
+            if self.pending == 0 and self.tx == 0:
+                self.phase += 1
+                self.pending = self.count
+                self.cond.notify_all()
+
+        def arrive(self, tx: int = 0) -> None:
             with self.cond:
+                self.tx += int(tx)
                 self.pending -= 1
                 if self.pending < 0:
                     raise RuntimeError("mbarrier: more arrivals than its count in one phase")
-                if self.pending == 0:
-                    self.phase += 1
-                    self.pending = self.count
-                    self.cond.notify_all()
+                self._complete_if_done()
+
+        def complete_tx(self, nbytes: int) -> None:
+            with self.cond:
+                self.tx -= int(nbytes)
+                self._complete_if_done()
 
         def done(self, parity: int) -> bool:
             return (self.phase & 1) != (int(parity) & 1)
@@ -1687,7 +1704,7 @@ if SIMULATOR:
         _mbar(addr).arrive()
 
     def mbar_arrive_expect_tx(addr, tx):
-        _mbar(addr).arrive()
+        _mbar(addr).arrive(tx)
 
     def mbar_try_wait(addr, parity):
         if _mbar(addr).done(parity):
@@ -1818,6 +1835,37 @@ if SIMULATOR:
 
         _bulk_pending().append([saddr, n, source, False, write])
 
+    def tma_load_4d(sdst, maddr, c0, c1, c2, c3, mbar):
+        """The box lands at once (the issuing thread has waited for its stage to be free), then its bytes complete
+        on the mbarrier."""
+        a, dims, strides, box, swizzle = _sim_map(int(maddr))
+        sdst, coords = int(sdst), (int(c0), int(c1), int(c2), int(c3))
+        if len(dims) != 4:
+            raise RuntimeError(f"tma_load_4d: a map of rank 4, got {len(dims)}")
+        if sdst % (1024 if swizzle else 128):
+            raise ValueError(f"tma_load_4d: the shared box at {sdst:#x} is not {1024 if swizzle else 128}-byte "
+                             "aligned")
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8) if not a.flags.c_contiguous else \
+            a.reshape(-1).view(np.uint8)
+        isz = a.itemsize
+        row_bytes, rows = box[0] * isz, box[1] * box[2] * box[3]
+        smem = _block_smem().view(np.uint8)
+        for r in range(rows):
+            i1 = coords[1] + r % box[1]
+            i2 = coords[2] + (r // box[1]) % box[2]
+            i3 = coords[3] + r // (box[1] * box[2])
+            row = np.zeros(row_bytes, np.uint8)
+            if 0 <= i1 < dims[1] and 0 <= i2 < dims[2] and 0 <= i3 < dims[3]:
+                for e in range(box[0]):
+                    i0 = coords[0] + e
+                    if 0 <= i0 < dims[0]:
+                        at = i0 * isz + i1 * strides[0] + i2 * strides[1] + i3 * strides[2]
+                        row[e * isz:(e + 1) * isz] = raw[at:at + isz]
+            if swizzle:  # chunk k of the row lies at chunk k ^ (r & 7) (the box is 1024-byte aligned)
+                row = row.reshape(-1, 16)[np.arange(row_bytes // 16) ^ (r & 7)].reshape(-1)
+            smem[sdst + r * row_bytes:sdst + (r + 1) * row_bytes] = row
+        _mbar(mbar).complete_tx(rows * row_bytes)
+
     def bulk_commit():
         for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():
             copy[3] = True
@@ -1901,6 +1949,10 @@ else:
     tma_store_3d = _addr_asm(  # the box at ($1, $2, $3) of the map at the generic address $0, from shared $4
         "tma_store_3d", "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [$0, {$1, $2, $3}], [$4];", 5,
         arg_types=(types.uint64, types.int32, types.int32, types.int32, _U32))
+    tma_load_4d = _addr_asm(  # the box at ($2 .. $5) of the map at $1 into shared $0, its bytes completing on $6
+        "tma_load_4d", "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [$0], "
+        "[$1, {$2, $3, $4, $5}], [$6];", 7,
+        arg_types=(_U32, types.uint64, types.int32, types.int32, types.int32, types.int32, _U32))
     tensormap_acquire = _addr_asm("tensormap_acquire", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", 1,
                                   arg_types=(types.uint64,))
 

@@ -43,11 +43,11 @@ import numpy as np
 
 from . import cubin_cache
 from .block_data import BlockTables
-from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_o_map,
-                       uses_work_counter)
+from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_kv_maps,
+                       uses_o_map, uses_work_counter)
 from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
-from .tensor_maps import MAP_BYTES, OMaps
+from .tensor_maps import MAP_BYTES, TensorMaps, kv_map_geometry, o_map_geometry
 
 __all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
 
@@ -578,11 +578,17 @@ def _tensor_strides(x: Any) -> tuple[int, int, int, int]:
     return int(st[0]), int(st[1]), int(st[2]), span
 
 
-def _fast_ok(x: Any, aligned: bool) -> bool:
+def _fast_ok(x: Any, aligned: bool, tma: bool = False) -> bool:
     """A q/k/v/do view the kernels read in place (what _strided_view would not copy)."""
     if x.dim() != 4 or (x.shape[3] > 1 and x.stride(3) != 1) or min(x.stride()) < 0:
         return False
-    return not (aligned and any(st % 8 for st in x.stride()[:3]))
+    return not (aligned and any(st % 8 for st in x.stride()[:3])) and not (tma and _tma_strides_bad(x))
+
+
+def _tma_strides_bad(x: Any) -> bool:
+    """Whether a K / V view has a stride a TMA map cannot take (emit_fa3_ws.tma_loads): 0 (a broadcast view), which
+    cp.async reads in place but a map's strides must be positive multiples of 16 bytes."""
+    return any(st == 0 for st in x.stride()[:3])
 
 
 def _cap_shape(x: Any) -> Optional[tuple[int, ...]]:
@@ -637,9 +643,16 @@ class _ForwardPlan:
             self.work_slot = buf.array(nxt, (2,))
             nxt += 1
         self.omap_slot = None
-        if uses_o_map(s):  # O's tensor map: O is new each call, its map kept by O's address (tensor_maps.OMaps)
+        if uses_o_map(s):  # O's tensor map: O is new each call, its map kept by O's address (tensor_maps.TensorMaps)
             self.omap_slot = buf.array(nxt, (MAP_BYTES,))
             nxt += 1
+        self.kv_maps = []  # (slot, input index, geometry, name) of K's and V's maps (tma_loads)
+        if uses_kv_maps(s):
+            Hk = int(k.shape[1])
+            for i, name in ((1, "K"), (2, "V")):
+                self.kv_maps.append((buf.array(nxt, (MAP_BYTES,)), i,
+                                     kv_map_geometry(B, Hk, N, D, tuple(strides[3 * i:3 * i + 3]), s.block_k), name))
+                nxt += 1
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
         self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
@@ -688,9 +701,11 @@ class _ForwardPlan:
                 b.scalar(i, x)
         stream = self.stream(self.dev_index)
         capturing = torch.cuda.is_current_stream_capturing() if (self.work_slot, self.omap_slot) != (None, None) \
-            else False
+            or self.kv_maps else False
         if self.omap_slot is not None:  # O's tensor map (the one made for this O's address before, if any)
-            vals[self.omap_slot] = self.kern.o_maps.torch(o, capturing, stream).data_ptr()
+            vals[self.omap_slot] = self.kern.maps.torch_o(o, capturing, stream).data_ptr()
+        for slot, i, geometry, name in self.kv_maps:
+            vals[slot] = self.kern.maps.torch(ptrs[i], self.device, geometry, capturing, stream, name).data_ptr()
         if self.work_slot is not None:  # the counter of this stream (a captured launch: its own, work_counter)
             if capturing or self.work_stream != stream:
                 vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
@@ -872,7 +887,7 @@ class FA2ForwardKernel:
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
         self._captured: list[Any] = []  # the counters of launches captured into CUDA graphs, kept alive with them
-        self.o_maps = OMaps(spec.dtype)  # O's tensor maps (emit_fa2.uses_o_map)
+        self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
             self.source = emit_cached(emit_fa2_forward, spec, "forward")
@@ -934,6 +949,8 @@ class FA2ForwardKernel:
             args.append(arr(types.int32))
         if uses_o_map(s):
             args.append(arr(types.uint8))
+        if uses_kv_maps(s):
+            args += [arr(types.uint8)] * 2
         args += _capture_types(s)
         return tuple(args)
 
@@ -1068,7 +1085,8 @@ class FA2ForwardKernel:
         plan = None
         self._check(q, k, v, captures)
         aligned = self.spec.path == "mma"
-        if all(_fast_ok(x, aligned) for x in (q, k, v)) and _captures_fit(self.spec, captures):
+        tma = uses_kv_maps(self.spec)
+        if all(_fast_ok(x, aligned, tma and x is not q) for x in (q, k, v)) and _captures_fit(self.spec, captures):
             plan = _ForwardPlan(self, q, k, v, captures)
         self._plans[key] = plan
         return plan
@@ -1108,7 +1126,9 @@ class FA2ForwardKernel:
             # at every launch) but cost a conversion each: worth it only for repeated launches.
             wrap = cuda.as_cuda_array if _wrap else (lambda t: t)
             bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
-            views = [_strided_view(x, bits, s.path == "mma") for x in (q, k, v)]
+            tma = uses_kv_maps(s)  # K and V by TMA maps: a broadcast view copied (_tma_strides_bad)
+            views = [_strided_view(x if not (tma and i and _tma_strides_bad(x)) else x.contiguous(), bits,
+                                   s.path == "mma") for i, x in enumerate((q, k, v))]
             flat = [wrap(f) for f, _ in views]
             strides = [n for _, st in views for n in st]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -1127,7 +1147,9 @@ class FA2ForwardKernel:
                 return cuda.as_cuda_array(x)
 
             if kind == "numpy":  # bit patterns, viewed on the host (ml_dtypes.bfloat16 included)
-                views = [_strided_view_np(x, bits) for x in (q, k, v)]
+                tma = uses_kv_maps(s)  # K and V by TMA maps: a broadcast view (a stride 0) copied
+                views = [_strided_view_np(np.ascontiguousarray(x) if tma and i and 0 in x.strides[:3] else x, bits)
+                         for i, x in enumerate((q, k, v))]
                 flat = [cuda.to_device(f) for f, _ in views]
                 strides = [n for _, st in views for n in st]
             else:
@@ -1147,8 +1169,14 @@ class FA2ForwardKernel:
         if uses_work_counter(s):  # Numba launches on the default stream
             work = self.work_counter(kind, q.device if kind == "torch" else None)
             extra.append(wrap(work) if kind == "torch" else work)
-        if uses_o_map(s):  # O's tensor map (tensor_maps.OMaps)
-            extra.append(wrap(self.o_maps.torch(o)) if kind == "torch" else self.o_maps.numba(o_k, B * H, M, D))
+        if uses_o_map(s):  # O's tensor map (tensor_maps.TensorMaps)
+            extra.append(wrap(self.maps.torch_o(o)) if kind == "torch" else
+                         self.maps.numba(o_k, o_map_geometry(B * H, M, D)))
+        if uses_kv_maps(s):  # K's and V's (tma_loads): over the views the kernel reads
+            for i, name in ((1, "K"), (2, "V")):
+                geometry = kv_map_geometry(B, int(k.shape[1]), N, D, tuple(strides[3 * i:3 * i + 3]), s.block_k)
+                extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, what=name))
+                             if kind == "torch" else self.maps.numba(flat[i], geometry, name))
         args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)

@@ -1,12 +1,12 @@
 """Tensor maps (CUtensorMap) for the kernels' TMA tensor copies: O's stores in the warp-specialized kernel's kept
-epilogue (emit_fa3_ws.tma_store).
+epilogue (emit_fa3_ws.tma_store), K's and V's loads in its producer (emit_fa3_ws.tma_loads).
 
 A TMA tensor copy names its tensor by a 128-byte map that the CUDA driver encodes on the host
 (cuTensorMapEncodeTiled). CUDA C passes it as a __grid_constant__ parameter, which Numba cannot; PTX also takes a
 map in global memory by its generic address, so the kernels take it as a 128-byte uint8 array (`omap`) and copy by
 `elem_addr(omap, (0,))` (benchmarks/probe_tma.py checked this path on an H200: the box's 128-byte swizzle, rows
-past the tensor's end not written). A map holds O's address, so a call with a new O needs a new map: `OMaps` keeps
-them by O's address and shape, never rewritten once made, so a launch still in flight never reads a map being
+past the tensor's end not written); the producer's loads of K and V too (emit_fa3_ws.tma_loads, off by default). A
+map holds its tensor's address, so a call with a new O needs a new map: `TensorMaps` keeps them by address and shape, never rewritten once made, so a launch still in flight never reads a map being
 changed; torch's caching allocator hands a loop of calls the same O, so the encode (~5 us) and the launch that
 writes the map (`put_map`) are paid once. In the simulator a map's bytes are a key to the tensor's description
 (intrinsics.sim_tensor_map).
@@ -49,27 +49,48 @@ def _driver() -> Any:
     return _LIB
 
 
-def o_map_geometry(BH: int, M: int, D: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+Geometry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # dims, byte strides of dims 1 .., box
+
+
+def o_map_geometry(BH: int, M: int, D: int) -> Geometry:
     """O [B H, M, D] of 16-bit values as a rank-3 map (innermost first): dims (D, M, B H), byte strides of dims 1
     and 2, and the box a warp stores (64 columns of 16 rows of one (b, h) slice: rows past M are not written, so
     a box never reaches the next slice's rows)."""
     return (D, M, BH), (2 * D, 2 * D * M), (O_BOX_COLS, O_BOX_ROWS, 1)
 
 
-def encode_o_map(ptr: int, BH: int, M: int, D: int, dtype: str) -> bytes:
-    """The driver's CUtensorMap of O at device address `ptr` (o_map_geometry, 128-byte swizzle)."""
+def kv_map_geometry(B: int, Hk: int, N: int, D: int, strides: tuple[int, int, int], BK: int) -> Geometry:
+    """K or V [B, Hk, N, D] of 16-bit values, its element strides (batch, head, row) as the kernels take them (a
+    strided view included: TMA takes any multiple of 16 bytes), as a rank-4 map: dims (D, N, Hk, B), and the box a
+    producer loads (64 columns of a kv tile's BK rows: rows past N arrive as zeros)."""
+    sb, sh, sm = (2 * int(x) for x in strides)
+    return (D, N, Hk, B), (sm, sh, sb), (O_BOX_COLS, BK, 1, 1)
+
+
+def encode_map(ptr: int, geometry: Geometry, dtype: str, what: str = "O") -> bytes:
+    """The driver's CUtensorMap (128-byte swizzle, zeros out of bounds) of the 16-bit tensor at device address
+    `ptr` with `geometry`."""
     if dtype not in _CU_DTYPE:
-        raise ValueError(f"tensor map of O: f16 or bf16, got {dtype!r}")
-    dims, strides, box = o_map_geometry(BH, M, D)
+        raise ValueError(f"tensor map of {what}: f16 or bf16, got {dtype!r}")
+    dims, strides, box = geometry
+    rank = len(dims)
+    if any(st % 16 or st <= 0 for st in strides) or ptr % 16:
+        raise TensorMapError(f"tensor map of {what}: its address and byte strides must be positive multiples of 16, "
+                             f"got {ptr:#x} and {strides}")
     buf = ctypes.create_string_buffer(MAP_BYTES + 64)
     at = (ctypes.addressof(buf) + 63) & ~63  # the map is 64-byte aligned
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    rc = _driver().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _CU_DTYPE[dtype], 3, ctypes.c_void_p(ptr),
-                                          (u64 * 3)(*dims), (u64 * 2)(*strides), (u32 * 3)(*box), (u32 * 3)(1, 1, 1),
-                                          0, _SWIZZLE_128B, 0, 0)
+    rc = _driver().cuTensorMapEncodeTiled(ctypes.c_void_p(at), _CU_DTYPE[dtype], rank, ctypes.c_void_p(ptr),
+                                          (u64 * rank)(*dims), (u64 * (rank - 1))(*strides), (u32 * rank)(*box),
+                                          (u32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B, 0, 0)
     if rc != 0:
-        raise TensorMapError(f"cuTensorMapEncodeTiled for O [{BH}, {M}, {D}] at {ptr:#x}: CUresult {rc}")
+        raise TensorMapError(f"cuTensorMapEncodeTiled for {what} {list(reversed(dims))} at {ptr:#x}: CUresult {rc}")
     return ctypes.string_at(at, MAP_BYTES)
+
+
+def encode_o_map(ptr: int, BH: int, M: int, D: int, dtype: str) -> bytes:
+    """The driver's CUtensorMap of O at device address `ptr` (o_map_geometry)."""
+    return encode_map(ptr, o_map_geometry(BH, M, D), dtype)
 
 
 _PUT_WORDS = "falower_put_words"
@@ -112,12 +133,12 @@ def put_map(device: int, dst: int, data: bytes, stream: int) -> None:
         raise TensorMapError(f"writing a tensor map: cuLaunchKernel CUresult {err}")
 
 
-class OMaps:
-    """One kernel's maps of O, kept by (kind, device, stream, address, B H, M, D) as device arrays of 128 bytes:
-    `torch(o)` for a torch tensor (its map a torch tensor on O's device, written by a launch: `put_map`),
-    `numba(o_k, ...)` for a Numba device array (the simulator's included). At most KEEP are kept, the least
-    recently used dropped; one made or used while a CUDA graph captures is kept for good (the graph holds its
-    address)."""
+class TensorMaps:
+    """One kernel's tensor maps, kept by (kind, device, stream, address, geometry) as device arrays of 128 bytes:
+    `torch(ptr, device, geometry)` for torch tensors (the map a torch uint8 tensor on the device, written by a launch:
+    `put_map`), `numba(arr, geometry)` for Numba device arrays (the simulator's included: `arr` the array the
+    kernel reads or writes, whose 16-bit elements the geometry counts). At most KEEP are kept, the least recently
+    used dropped; one made or used while a CUDA graph captures is kept for good (the graph holds its address)."""
 
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
@@ -134,23 +155,22 @@ class OMaps:
             self._maps.move_to_end(key)
         return m
 
-    def torch(self, o: Any, capturing: Optional[bool] = None, stream: int = 0) -> Any:
-        """The map of a contiguous torch O [B, H, M, D] (f16 / bf16), as a uint8 tensor on O's device, made on and
-        kept for the current stream (`stream` its handle: a map dropped from the cache is then reused only after the
-        launches of its stream that read it). `capturing`: whether that stream captures a CUDA graph (asked of torch
-        when not given)."""
+    def torch(self, ptr: int, device: Any, geometry: Geometry, capturing: Optional[bool] = None, stream: int = 0,
+              what: str = "O") -> Any:
+        """The map of the tensor at `ptr` on torch device `device`, made on and kept for the current stream
+        (`stream` its handle: a map dropped from the cache is then reused only after the launches of its stream that
+        read it). `capturing`: whether that stream captures a CUDA graph (asked of torch when not given)."""
         import torch
 
-        B, H, M, D = (int(n) for n in o.shape)
-        key = ("torch", str(o.device), stream, o.data_ptr(), B * H, M, D)
+        key = ("torch", str(device), stream, ptr, geometry)
         if capturing is None:
             capturing = torch.cuda.is_current_stream_capturing()
 
         def make() -> Any:
-            data = encode_o_map(o.data_ptr(), B * H, M, D, self.dtype)
-            dev = torch.empty(MAP_BYTES // 8, dtype=torch.int64, device=o.device)  # 8-byte words, 128-byte aligned
-            put_map(o.device.index if o.device.index is not None else torch.cuda.current_device(), dev.data_ptr(),
-                    data, stream or torch.cuda.current_stream(o.device).cuda_stream)
+            data = encode_map(ptr, geometry, self.dtype, what)
+            dev = torch.empty(MAP_BYTES // 8, dtype=torch.int64, device=device)  # 8-byte words, 128-byte aligned
+            put_map(device.index if device.index is not None else torch.cuda.current_device(), dev.data_ptr(), data,
+                    stream or torch.cuda.current_stream(device).cuda_stream)
             return dev.view(torch.uint8)  # the kernel's argument type
 
         m = self._get(key, make)
@@ -158,18 +178,21 @@ class OMaps:
             self._captured.append(m)
         return m
 
-    def numba(self, o_k: Any, BH: int, M: int, D: int) -> Any:
-        """The map of O as the kernel takes it (o_k, a flat Numba device array of O's [B H, M, D] 16-bit values),
-        as a Numba device array; in the simulator, intrinsics.sim_tensor_map's stand-in."""
+    def torch_o(self, o: Any, capturing: Optional[bool] = None, stream: int = 0) -> Any:
+        """The map of a contiguous torch O [B, H, M, D] (f16 / bf16): o_map_geometry."""
+        B, H, M, D = (int(n) for n in o.shape)
+        return self.torch(o.data_ptr(), o.device, o_map_geometry(B * H, M, D), capturing, stream)
+
+    def numba(self, arr: Any, geometry: Geometry, what: str = "O") -> Any:
+        """The map of a Numba device array as a Numba device array; in the simulator, intrinsics.sim_tensor_map's
+        stand-in over `arr` itself."""
         from numba import cuda
 
         from .intrinsics import SIMULATOR, sim_tensor_map
 
         if SIMULATOR:
-            arr = np.asarray(o_k).view(np.uint16)  # the array the kernel writes (the simulator's device array)
-            dims, strides, box = o_map_geometry(BH, M, D)
-            return cuda.to_device(sim_tensor_map(arr, dims, strides, box))
-        ptr = int(o_k.device_ctypes_pointer.value)
-        key = ("numba", ptr, BH, M, D)
-        return self._get(key, lambda: cuda.to_device(np.frombuffer(encode_o_map(ptr, BH, M, D, self.dtype),
+            return cuda.to_device(sim_tensor_map(np.asarray(arr).view(np.uint16), *geometry))
+        ptr = int(arr.device_ctypes_pointer.value)
+        key = ("numba", ptr, geometry)
+        return self._get(key, lambda: cuda.to_device(np.frombuffer(encode_map(ptr, geometry, self.dtype, what),
                                                                    np.uint8).copy()))
