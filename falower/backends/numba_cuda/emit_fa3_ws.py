@@ -1270,53 +1270,47 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if BULK:  # no barrier after the staging: read before the first
             read_kept_item()
         c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
-        if TMA:
-            wbytes = 16 * 2 * D  # a warp's boxes: D / 64 of 16 rows x 128 bytes, in the 128-byte swizzle
-            for t in ROWS:
-                c(f"lr = {t.off} + g  # the row in the warp's 16: its boxes' row")
-                c(f"{stage}(o_wg + (warp & 3) * {wbytes} + lr * 128 + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, "
-                  f"ep_f[ctid * 2 + {t.k}])")
-            c("fence_proxy_async()  # the staged rows are visible to the tensor copies (the async proxy)")
-            c("syncwarp()  # this warp's 16 rows are staged")
-            c("# lane 0 stores the warp's boxes by TMA; their row, slice and shared address through redux, which ptxas")
-            c("# knows are uniform (the copy takes uniform registers)")
-            c("ob_q = warp_min(np.int32(ep_lo + cw * 64 + (warp & 3) * 16))  # the warp's first row in its slice")
-            c("ob_bh = warp_min(np.int32(ep_head))")
-            c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {wbytes}))")
-            c("if lane == 0:")
-            with c.indent():
-                for hb in range(D // 64):
-                    c(f"tma_store_3d(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES})  # rows past M are "
-                      "not written")
-                c("bulk_commit()")
-            c("ob_pend = True")
-            if release_now:
-                bulk_release()
-            c("ep_pend = False")
-            return
         if BULK:
-            pitch = bulk_pitch(D)
+            # each warp stages its own 16 rows: by TMA as D / 64 boxes of 16 rows x 128 bytes in the 128-byte swizzle,
+            # else unswizzled at `pitch` bytes a row, one bulk copy a row
+            wbytes, pitch = 16 * 2 * D, bulk_pitch(D)
             for t in ROWS:
-                c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64, {pitch} bytes a row")
-                c(f"{stage}(o_wg + lr * {pitch} + 2 * t2, np.uint32(0), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
-            c("fence_proxy_async()  # the staged rows are visible to the bulk copies (the async proxy)")
+                if TMA:
+                    c(f"lr = {t.off} + g  # the row in the warp's 16: its boxes' row")
+                    c(f"{stage}(o_wg + (warp & 3) * {wbytes} + lr * 128 + 2 * t2, np.uint32(lr & 7), {t.acc}, "
+                      f"{t.ofs}, ep_f[ctid * 2 + {t.k}])")
+                else:
+                    c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64, {pitch} bytes a row")
+                    c(f"{stage}(o_wg + lr * {pitch} + 2 * t2, np.uint32(0), {t.acc}, {t.ofs}, "
+                      f"ep_f[ctid * 2 + {t.k}])")
+            c("fence_proxy_async()  # the staged rows are visible to the copies (the async proxy)")
             c("syncwarp()  # this warp's 16 rows are staged")
-            c("# lane 0 copies the warp's rows, one bulk copy a row; their first row, count and shared address through")
-            c("# redux, which ptxas knows are uniform: the copies' operands are uniform registers, no loop over lanes")
-            c("ob_q = ep_lo + cw * 64 + (warp & 3) * 16")
-            c("ob_row = warp_min(np.int32(ep_head + ob_q))  # O's row of the warp's first")
-            c("ob_n = warp_min(np.int32(min(16, M - ob_q)))  # its rows inside O")
-            c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {16 * pitch}))")
+            c("# lane 0 copies the warp's rows; the copies' operands through redux, which ptxas knows are uniform (a")
+            c("# copy takes uniform registers: per-lane operands made ptxas loop over the lanes)")
+            if TMA:
+                c("ob_q = warp_min(np.int32(ep_lo + cw * 64 + (warp & 3) * 16))  # the warp's first row in its slice")
+                c("ob_bh = warp_min(np.int32(ep_head))")
+                c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {wbytes}))")
+            else:
+                c("ob_q = ep_lo + cw * 64 + (warp & 3) * 16")
+                c("ob_row = warp_min(np.int32(ep_head + ob_q))  # O's row of the warp's first")
+                c("ob_n = warp_min(np.int32(min(16, M - ob_q)))  # its rows inside O")
+                c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {16 * pitch}))")
             c("if lane == 0:")
             with c.indent():
-                c("ob_g = elem_addr(o, (ob_row * " + str(D // 2) + ",))")
-                for head, rows in (("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates", "16"),
-                                   ("else:  # O's last rows", "ob_n")):
-                    c(head)
-                    with c.indent():
-                        c(f"for r in range({rows}):")
+                if TMA:
+                    for hb in range(D // 64):
+                        c(f"tma_store_3d(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES})  # rows past M "
+                          "are not written")
+                else:
+                    c("ob_g = elem_addr(o, (ob_row * " + str(D // 2) + ",))")
+                    for head, rows in (("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates",
+                                        "16"), ("else:  # O's last rows", "ob_n")):
+                        c(head)
                         with c.indent():
-                            c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
+                            c(f"for r in range({rows}):")
+                            with c.indent():
+                                c(f"bulk_store(ob_g + np.uint64(r * {2 * D}), ob_s + r * {pitch}, {2 * D})")
                 c("bulk_commit()")
             c("ob_pend = True")
             if release_now:
