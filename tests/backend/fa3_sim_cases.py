@@ -129,7 +129,7 @@ def launch_args(spec, q, k, v, caps):
     strides = (H * M * D, M * D, D, Hk * N * D, N * D, D, Hk * N * D, N * D, D)
     from falower.backends.numba_cuda.emit_fa2 import uses_kv_maps, uses_o_map, uses_work_counter
     from falower.backends.numba_cuda.intrinsics import sim_tensor_map
-    from falower.backends.numba_cuda.tensor_maps import kv_map_geometry, o_map_geometry
+    from falower.backends.numba_cuda.tensor_maps import o_map_geometry, qkv_map_geometry
 
     work = (np.zeros(2, dtype=np.int32),) if uses_work_counter(spec) else ()  # item_order "dynamic"'s counter
     o_arg = o
@@ -139,12 +139,13 @@ def launch_args(spec, q, k, v, caps):
         o_arg = cuda.to_device(o)
         o = np.asarray(o_arg)  # its memory
         work += (sim_tensor_map(o.view(np.uint16), *o_map_geometry(B * H, M, D)),)
-    if uses_kv_maps(spec):  # K's and V's maps (tma_loads), over the device arrays the kernel reads
+    if uses_kv_maps(spec):  # Q's, K's and V's maps (tma_loads), over the device arrays the kernel reads
         from numba import cuda
 
-        bits = [bits[0]] + [cuda.to_device(x) for x in bits[1:]]
-        work += tuple(sim_tensor_map(np.asarray(x).view(np.uint16),
-                                     *kv_map_geometry(B, Hk, N, D, strides[3:6], spec.block_k)) for x in bits[1:])
+        bits = [cuda.to_device(x) for x in bits]
+        work += tuple(sim_tensor_map(np.asarray(x).view(np.uint16), *qkv_map_geometry(
+            B, heads, rows, D, strides[3 * i:3 * i + 3], 64 if i == 0 else spec.block_k))
+            for i, (x, heads, rows) in enumerate(zip(bits, (H, Hk, Hk), (M, N, N))))
     return (*bits, o_arg, lse, B, H, M, N, *strides, *work, *caps), o, lse
 
 

@@ -20,7 +20,7 @@ def test_o_is_a_rank_3_map_whose_box_stops_at_its_slice():
 def test_k_and_v_are_rank_4_maps_over_their_views_strides():
     """A [B, N, Hk, D] projection viewed as [B, Hk, N, D]: element strides (N Hk D, D, Hk D) as the kernels take
     them, in bytes, innermost first after D."""
-    dims, strides, box = tensor_maps.kv_map_geometry(2, 4, 300, 128, (300 * 4 * 128, 128, 4 * 128), 128)
+    dims, strides, box = tensor_maps.qkv_map_geometry(2, 4, 300, 128, (300 * 4 * 128, 128, 4 * 128), 128)
     assert dims == (128, 300, 4, 2) and strides == (2 * 4 * 128, 2 * 128, 2 * 300 * 4 * 128)
     assert box == (64, 128, 1, 1)
 
@@ -54,4 +54,4 @@ def test_an_encode_asks_for_a_16_bit_type_and_16_byte_strides():
     with pytest.raises(ValueError, match="f16 or bf16"):
         tensor_maps.encode_o_map(0, 1, 1, 64, "f32")
     with pytest.raises(tensor_maps.TensorMapError, match="multiples of 16"):  # before the driver is asked
-        tensor_maps.encode_map(0, tensor_maps.kv_map_geometry(1, 1, 10, 64, (640, 640, 60), 128), "f16", "K")
+        tensor_maps.encode_map(0, tensor_maps.qkv_map_geometry(1, 1, 10, 64, (640, 640, 60), 128), "f16", "K")

@@ -563,8 +563,8 @@ def uses_o_map(spec: FA2ForwardSpec) -> bool:
 
 
 def uses_kv_maps(spec: FA2ForwardSpec) -> bool:
-    """The kernel takes `kmap, vmap`, K's and V's tensor maps (uint8 [128] each: tensor_maps.py), after `omap`: the
-    warp-specialized kernel's producer loads K and V by TMA tensor copies (emit_fa3_ws.tma_loads)."""
+    """The kernel takes `qmap, kmap, vmap`, Q's, K's and V's tensor maps (uint8 [128] each: tensor_maps.py), after
+    `omap`: the warp-specialized kernel's producer loads them by TMA tensor copies (emit_fa3_ws.tma_loads)."""
     if not uses_wgmma(spec):
         return False
     from . import emit_fa3_ws
@@ -576,7 +576,7 @@ def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     work = ", work" if uses_work_counter(spec) else ""
     omap = ", omap" if uses_o_map(spec) else ""
-    kvmaps = ", kmap, vmap" if uses_kv_maps(spec) else ""
+    kvmaps = ", qmap, kmap, vmap" if uses_kv_maps(spec) else ""
     return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{kvmaps}{_cap_args(spec)}"
 
 

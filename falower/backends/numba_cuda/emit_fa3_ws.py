@@ -291,11 +291,14 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
     of 8; bench '-prP'; a persistent kernel: p = 120), or (40, 232). Measured through the driver's whole-program
     compile (the only one that keeps setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128,
-    benchmarks/NOTES.md "setmaxnreg")."""
+    benchmarks/NOTES.md "setmaxnreg"); under tma_loads p = 56."""
     if "producer_regs" in spec.extra or ("regs" not in spec.extra and persistent(spec)):
         # persistent: the producer walks items too and needs 120 (at 56 / 224 the kernel spilled 280 bytes, at
         # 112 / 192 32; 120 / 192 none: ptxas and the H100's driver alike, probe_setmaxnreg.py --persistent)
-        p = int(spec.extra.get("producer_regs", 120))
+        # tma_loads: one producer thread copies, with no row addresses kept: 56, the consumers at 224 (local ptxas
+        # 13.0, 2026-11-28: causal spills none, the document 8 bytes, 136 at pr88's 208; at 40 the producer's item
+        # walk spills 32 bytes under causal, at 24 128 under the document)
+        p = int(spec.extra.get("producer_regs", 56 if tma_loads(spec) else 120))
         return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // 256 // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
     return int(p), int(c)
@@ -817,37 +820,49 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             _emit_load_warp(c, rows, D, sdst, row0, nrows, garr, base, rs)
     else:
         c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
-        rstep = _emit_loader_setup(c, 128, D)
+        rstep = 0 if tma_loads(spec) else _emit_loader_setup(c, 128, D)
 
         def load(rows, sdst, row0, nrows, garr, base, rs, tag):
             if garr == "q":
                 _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
             else:  # K, V: a tile inside N from the kept row addresses (an add a copy, not ~8 integer instructions)
                 _emit_load_inside(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
+    TMAL = tma_loads(spec)
+    if TMAL:
+        for x in "qkv":
+            c(f"{x}map_g = elem_addr({x}map, (0,))  # {x.upper()}'s tensor map in global memory (tma_loads)")
+        c("if tid == 0:  # the thread that copies Q, K and V")
+        with c.indent():
+            for x in "qkv":
+                c(f"tensormap_acquire({x}map_g)")
     c("stage = 0")
     c("phase = 0")
     QD = q_double(spec)
     if PERSIST:
         c("pq = 0  # the producer's items: item pq's Q in buffer pq & 1 (q_double)" if QD else "qe_phase = 0")
         _emit_item_loop_start(c, spec, item_state, lay, producer_side=True)
-    c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
-    if QD:  # each consumer warpgroup's 64 rows a tile of their own in the item's buffer
+    if TMAL:  # q_double: each consumer warpgroup's 64 rows, a copy a 64-column block (rows past M zeros)
+        c("if tid == 0:  # Q by TMA: its barrier completes when the item's Q bytes have landed")
+        with c.indent():
+            c("q_bar = bars + (pq & 1) * 8")
+            c(f"q_buf = sb + (pq & 1) * {lay['q1']}  # buffer pq & 1")
+            c(f"mbar_arrive_expect_tx(q_bar, {BQ * D * 2})")
+            for w in range(BQ // 64):
+                for hb in range(D // 64):
+                    c(f"tma_load_4d(q_buf + {w * lay['qwg'] + hb * 64 * 128}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, "
+                      "b, q_bar)")
+        c("pq += 1")
+    elif QD:  # each consumer warpgroup's 64 rows a tile of their own in the item's buffer
+        c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
         c(f"q_dst = sb + {lay['q1']}  # buffer 1")
         _emit_q_tiles_load(c, D, rstep, lay["qwg"])
         c("cp_async_mbar_arrive_noinc(bars + (pq & 1) * 8)")
         c("pq += 1")
     else:
+        c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
         load(BQ, "sb", "q_lo", "M", "q", "qg", "q_sm", "q")
         c("cp_async_mbar_arrive_noinc(bars)")
-    TMAL = tma_loads(spec)
-    if TMAL:
-        c("kmap_g = elem_addr(kmap, (0,))  # K's and V's tensor maps in global memory (tma_loads)")
-        c("vmap_g = elem_addr(vmap, (0,))")
-        c("if tid == 0:  # the thread that copies K and V")
-        with c.indent():
-            c("tensormap_acquire(kmap_g)")
-            c("tensormap_acquire(vmap_g)")
-    elif not WARP:
+    if not (WARP or TMAL):
         # this thread's chunk of row 0 of the item's (b, head) slices of K and V, the bytes a row and between its
         # rows: the kv loop's copies then add to them (the index arithmetic of `_emit_load` cost the producer ~250
         # instructions a warp a tile, half of them on the FMA pipe the consumers' softmax uses; NOTES)
@@ -1794,7 +1809,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"mbar_init(bars + {8 * w}, 128)  # warpgroup {w}'s Q")
             else:
                 for w in range(2 if q_double(spec) else 1):
-                    c(f"mbar_init(bars + {8 * w}, {producer_threads(spec)})  # Q buffer {w}'s" if q_double(spec)
+                    c(f"mbar_init(bars + {8 * w}, {1 if tma_loads(spec) else producer_threads(spec)})  # Q buffer "
+                      f"{w}'s" if q_double(spec)
                       else f"mbar_init(bars, {producer_threads(spec)})")
             if table_tiles(spec):
                 for w in range(BQ // 64):

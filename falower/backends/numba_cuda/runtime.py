@@ -47,7 +47,7 @@ from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, thre
                        uses_o_map, uses_work_counter)
 from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_grid, dq_smem_bytes, dq_threads
 from .spec import FA2BackwardSpec, FA2ForwardSpec
-from .tensor_maps import MAP_BYTES, TensorMaps, kv_map_geometry, o_map_geometry
+from .tensor_maps import MAP_BYTES, TensorMaps, o_map_geometry, qkv_map_geometry
 
 __all__ = ["FA2BackwardKernel", "FA2ForwardKernel", "cache_dir", "load_source", "ptx_of", "resource_usage"]
 
@@ -586,7 +586,7 @@ def _fast_ok(x: Any, aligned: bool, tma: bool = False) -> bool:
 
 
 def _tma_strides_bad(x: Any) -> bool:
-    """Whether a K / V view has a stride a TMA map cannot take (emit_fa3_ws.tma_loads): 0 (a broadcast view), which
+    """Whether a Q / K / V view has a stride a TMA map cannot take (emit_fa3_ws.tma_loads): 0 (a broadcast view), which
     cp.async reads in place but a map's strides must be positive multiples of 16 bytes."""
     return any(st == 0 for st in x.stride()[:3])
 
@@ -646,12 +646,12 @@ class _ForwardPlan:
         if uses_o_map(s):  # O's tensor map: O is new each call, its map kept by O's address (tensor_maps.TensorMaps)
             self.omap_slot = buf.array(nxt, (MAP_BYTES,))
             nxt += 1
-        self.kv_maps = []  # (slot, input index, geometry, name) of K's and V's maps (tma_loads)
+        self.kv_maps = []  # (slot, input index, geometry, name) of Q's, K's and V's maps (tma_loads)
         if uses_kv_maps(s):
-            Hk = int(k.shape[1])
-            for i, name in ((1, "K"), (2, "V")):
-                self.kv_maps.append((buf.array(nxt, (MAP_BYTES,)), i,
-                                     kv_map_geometry(B, Hk, N, D, tuple(strides[3 * i:3 * i + 3]), s.block_k), name))
+            for i, x, name in ((0, q, "Q"), (1, k, "K"), (2, v, "V")):
+                geometry = qkv_map_geometry(B, int(x.shape[1]), int(x.shape[2]), D, tuple(strides[3 * i:3 * i + 3]),
+                                            64 if i == 0 else s.block_k)
+                self.kv_maps.append((buf.array(nxt, (MAP_BYTES,)), i, geometry, name))
                 nxt += 1
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
@@ -950,7 +950,7 @@ class FA2ForwardKernel:
         if uses_o_map(s):
             args.append(arr(types.uint8))
         if uses_kv_maps(s):
-            args += [arr(types.uint8)] * 2
+            args += [arr(types.uint8)] * 3  # qmap, kmap, vmap
         args += _capture_types(s)
         return tuple(args)
 
@@ -1086,7 +1086,7 @@ class FA2ForwardKernel:
         self._check(q, k, v, captures)
         aligned = self.spec.path == "mma"
         tma = uses_kv_maps(self.spec)
-        if all(_fast_ok(x, aligned, tma and x is not q) for x in (q, k, v)) and _captures_fit(self.spec, captures):
+        if all(_fast_ok(x, aligned, tma) for x in (q, k, v)) and _captures_fit(self.spec, captures):
             plan = _ForwardPlan(self, q, k, v, captures)
         self._plans[key] = plan
         return plan
@@ -1126,9 +1126,9 @@ class FA2ForwardKernel:
             # at every launch) but cost a conversion each: worth it only for repeated launches.
             wrap = cuda.as_cuda_array if _wrap else (lambda t: t)
             bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
-            tma = uses_kv_maps(s)  # K and V by TMA maps: a broadcast view copied (_tma_strides_bad)
-            views = [_strided_view(x if not (tma and i and _tma_strides_bad(x)) else x.contiguous(), bits,
-                                   s.path == "mma") for i, x in enumerate((q, k, v))]
+            tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view copied (_tma_strides_bad)
+            views = [_strided_view(x.contiguous() if tma and _tma_strides_bad(x) else x, bits, s.path == "mma")
+                     for x in (q, k, v)]
             flat = [wrap(f) for f, _ in views]
             strides = [n for _, st in views for n in st]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -1147,9 +1147,9 @@ class FA2ForwardKernel:
                 return cuda.as_cuda_array(x)
 
             if kind == "numpy":  # bit patterns, viewed on the host (ml_dtypes.bfloat16 included)
-                tma = uses_kv_maps(s)  # K and V by TMA maps: a broadcast view (a stride 0) copied
-                views = [_strided_view_np(np.ascontiguousarray(x) if tma and i and 0 in x.strides[:3] else x, bits)
-                         for i, x in enumerate((q, k, v))]
+                tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view (a stride 0) copied
+                views = [_strided_view_np(np.ascontiguousarray(x) if tma and 0 in x.strides[:3] else x, bits)
+                         for x in (q, k, v)]
                 flat = [cuda.to_device(f) for f, _ in views]
                 strides = [n for _, st in views for n in st]
             else:
@@ -1172,9 +1172,10 @@ class FA2ForwardKernel:
         if uses_o_map(s):  # O's tensor map (tensor_maps.TensorMaps)
             extra.append(wrap(self.maps.torch_o(o)) if kind == "torch" else
                          self.maps.numba(o_k, o_map_geometry(B * H, M, D)))
-        if uses_kv_maps(s):  # K's and V's (tma_loads): over the views the kernel reads
-            for i, name in ((1, "K"), (2, "V")):
-                geometry = kv_map_geometry(B, int(k.shape[1]), N, D, tuple(strides[3 * i:3 * i + 3]), s.block_k)
+        if uses_kv_maps(s):  # Q's, K's and V's (tma_loads): over the views the kernel reads
+            for i, x, name in ((0, q, "Q"), (1, k, "K"), (2, v, "V")):
+                geometry = qkv_map_geometry(B, int(x.shape[1]), int(x.shape[2]), D, tuple(strides[3 * i:3 * i + 3]),
+                                            64 if i == 0 else s.block_k)
                 extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, what=name))
                              if kind == "torch" else self.maps.numba(flat[i], geometry, name))
         args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]

@@ -59,12 +59,13 @@ def o_map_geometry(BH: int, M: int, D: int) -> Geometry:
     return (D, M, BH), (2 * D, 2 * D * M), (O_BOX_COLS, O_BOX_ROWS, 1)
 
 
-def kv_map_geometry(B: int, Hk: int, N: int, D: int, strides: tuple[int, int, int], BK: int) -> Geometry:
-    """K or V [B, Hk, N, D] of 16-bit values, its element strides (batch, head, row) as the kernels take them (a
+def qkv_map_geometry(B: int, Hk: int, N: int, D: int, strides: tuple[int, int, int], rows: int) -> Geometry:
+    """Q, K or V [B, Hk, N, D] of 16-bit values, its element strides (batch, head, row) as the kernels take them (a
     strided view included: TMA takes any multiple of 16 bytes), as a rank-4 map: dims (D, N, Hk, B), and the box a
-    producer loads (64 columns of a kv tile's BK rows: rows past N arrive as zeros)."""
+    producer loads (64 columns of `rows` rows: a kv tile's, or a consumer warpgroup's 64 of Q; rows past N arrive as
+    zeros)."""
     sb, sh, sm = (2 * int(x) for x in strides)
-    return (D, N, Hk, B), (sm, sh, sb), (O_BOX_COLS, BK, 1, 1)
+    return (D, N, Hk, B), (sm, sh, sb), (O_BOX_COLS, rows, 1, 1)
 
 
 def encode_map(ptr: int, geometry: Geometry, dtype: str, what: str = "O") -> bytes:
