@@ -233,10 +233,12 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
                    "loop_cycles", "k0_wait_cycles", "first_tile_cycles", "kept_epilogue_cycles", "kept_barrier_cycles",
-                   "kept_staged_cycles")
-# inside the kept epilogue's block: the line after which its barrier has been passed, and its rows are staged
+                   "kept_staged_cycles", "kept_redux_cycles")
+# inside the kept epilogue's block: the line after which its barrier has been passed, its rows are staged, and
+# (bulk_store) the copies' operands are made uniform (their redux: the copies follow)
 KEPT_MARKS = (("tl_eb", ("is done with the last item's O rows",)),
-              ("tl_es", ("this warp's 16 rows are staged", "the warpgroup's rows are in shared memory")))
+              ("tl_es", ("this warp's 16 rows are staged", "the warpgroup's rows are in shared memory")),
+              ("tl_er", ("= warp_min(np.int32(o_wg",)))
 
 
 def stamped_producer_source(source: str, name: str) -> str:
@@ -246,8 +248,9 @@ def stamped_producer_source(source: str, name: str) -> str:
     the waits for K and for V to land (summed over its tiles), its first tile's wait for K alone (where the ring
     had not loaded ahead across the item's start), the loop's cycles, its first tile's (from Q landed) and, under
     epilogue_in_s, the kept epilogue's block in the loop (summed over its tiles), and inside it the cycles to its
-    first barrier passed and to its rows staged (KEPT_MARKS); thread 0 of each consumer
-    warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
+    first barrier passed, to its rows staged and (bulk_store) to its copies' operands made uniform (KEPT_MARKS);
+    thread 0 of each consumer warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item]
+    (PRODUCER_FIELDS)."""
     lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
     out: list[str] = []
@@ -302,6 +305,7 @@ def stamped_producer_source(source: str, name: str) -> str:
                     f"{sp}    tl_buf[tl_i + 11] = np.uint64(tl_ep)",
                     f"{sp}    tl_buf[tl_i + 12] = np.uint64(tl_eb)",
                     f"{sp}    tl_buf[tl_i + 13] = np.uint64(tl_es)",
+                    f"{sp}    tl_buf[tl_i + 14] = np.uint64(tl_er)",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -313,7 +317,8 @@ def stamped_producer_source(source: str, name: str) -> str:
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
                     f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
                     f"{sp}tl_f = False", f"{sp}tl_c1 = tl_wk", f"{sp}tl_f1 = False", f"{sp}tl_ep = tl_wk",
-                    f"{sp}tl_c2 = tl_wk", f"{sp}tl_eb = tl_wk", f"{sp}tl_es = tl_wk", f"{sp}tl_cq = clock64()",
+                    f"{sp}tl_c2 = tl_wk", f"{sp}tl_eb = tl_wk", f"{sp}tl_es = tl_wk", f"{sp}tl_er = tl_wk",
+                    f"{sp}tl_cq = clock64()",
                     f"{sp}tl_cle = tl_cq"]
             found.add("init")
         if i > consumers and ln.strip() == "break" and "start" not in found:
@@ -327,7 +332,8 @@ def stamped_producer_source(source: str, name: str) -> str:
             last = next(x.strip()[len("while j <= "):-1] for x in lines[i + 1:] if x.strip().startswith("while j <= "))
             out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1",
                     f"{sp}tl_wk0 = np.uint64(0)", f"{sp}tl_f = True", f"{sp}tl_c1 = np.uint64(0)",
-                    f"{sp}tl_f1 = True", f"{sp}tl_ep = np.uint64(0)", f"{sp}tl_eb = tl_ep", f"{sp}tl_es = tl_ep"]
+                    f"{sp}tl_f1 = True", f"{sp}tl_ep = np.uint64(0)", f"{sp}tl_eb = tl_ep", f"{sp}tl_es = tl_ep",
+                    f"{sp}tl_er = tl_ep"]
             found.add("q")
         if i > consumers and ln.strip() == "pstage = stage" and "first" not in found:  # the kv loop's tile end
             sp = ind(ln)
@@ -339,7 +345,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             found.add("loop_end")
     if "kept" in found and not {"tl_eb", "tl_es"} <= found:
         raise SystemExit(f"timeline: the kept epilogue's barrier or staging not found: {found}")
-    if found - {"kept", "tl_eb", "tl_es"} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
+    if found - {"kept", "tl_eb", "tl_es", "tl_er"} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -380,8 +386,8 @@ def summarize_producer(t: np.ndarray) -> dict:
         waits["first_tile_cycles"] = float(np.median(rows[:, 10]))
         kept = rows[:, 11] > 0
         waits["kept_epilogue_cycles"] = float(np.median(rows[kept, 11])) if kept.any() else 0.0
-        if t.shape[-1] >= 14:  # inside it: to its first barrier passed, to its rows staged
-            for name, col in (("kept_barrier_cycles", 12), ("kept_staged_cycles", 13)):
+        if t.shape[-1] >= 15:  # inside it: to its first barrier passed, its rows staged, its copies' redux done
+            for name, col in (("kept_barrier_cycles", 12), ("kept_staged_cycles", 13), ("kept_redux_cycles", 14)):
                 waits[name] = float(np.median(rows[kept, col])) if kept.any() else 0.0
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
