@@ -25,6 +25,15 @@ def test_k_and_v_are_rank_4_maps_over_their_views_strides():
     assert box == (64, 128, 1, 1)
 
 
+def test_a_dimension_of_one_index_takes_a_dense_stride():
+    """A broadcast view's zero stride on a dimension of one index (torch's expand, numpy's broadcast_to) never moves:
+    the map takes the dense stride there, which the driver accepts, and keeps the real ones elsewhere."""
+    dims, strides, _ = tensor_maps.qkv_map_geometry(1, 1, 300, 64, (0, 0, 64), 128)
+    assert dims == (64, 300, 1, 1) and strides == (128, 128 * 300, 128 * 300)
+    _, strides, _ = tensor_maps.qkv_map_geometry(2, 3, 1, 64, (1000, 64, 0), 64)
+    assert strides == (128, 128, 2000)
+
+
 def test_the_writer_stores_its_16_words():
     ptx = tensor_maps._put_words_ptx((9, 0)).decode()
     assert ptx.endswith("\0") and ".target sm_90\n" in ptx

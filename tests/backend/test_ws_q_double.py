@@ -237,8 +237,9 @@ def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_the_producer_loads_q_k_and_v_by_tma_when_asked(D):
-    """`tma_loads` (off by default): the kernel takes Q's, K's and V's maps after O's; the Q buffers' and the stages'
-    full barriers count one arrival (thread 0's expect_tx, the bytes completing the phase); thread 0 alone
+    """`tma_loads` (off by default): the kernel takes Q's, K's and V's maps after O's; the stages' full barriers
+    count one arrival (thread 0's expect_tx, the bytes completing the phase), the Q buffers' the producer's 128
+    threads (thread 0's expect_tx and the others' arrivals, once past the item's ticket); thread 0 alone
     acquires the maps once, and for each item announces the item's Q bytes and copies each consumer warpgroup's 64
     rows a 64-column block at (64 b, q_lo + 64 w, h, b) into the item's buffer, then for each tile waits for a stage
     to be free, announces the tile's bytes and issues one copy a 64-column block at (64 b, j BK, hk, b). No thread
@@ -253,13 +254,17 @@ def test_the_producer_loads_q_k_and_v_by_tma_when_asked(D):
     lay, T = emit_fa3_ws._layout(spec), emit_fa3_ws._layout(spec)["tile"]
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     assert re.search(r"def \w+\(q, k, v, o, lse, .*, work, omap, qmap, kmap, vmap\):", src)
-    for at in (0, 8, lay["full_k"], lay["full_v"]):
+    for at in (lay["full_k"], lay["full_v"]):
         assert f"mbar_init(bars + {at}, 1)" in src
+    for at in (0, 8):  # the Q buffers: thread 0's expect_tx and the other 127 producer threads' arrivals
+        assert f"mbar_init(bars + {at}, 128)" in src
     prod, cons = _parts(src)
     items = prod.index("while True:")
     assert all(prod.index(f"tensormap_acquire({x}map_g)") < items for x in "qkv")
     q = prod[prod.index("q_bar = bars + (pq & 1) * 8", items):]
     assert q.index(f"q_buf = sb + (pq & 1) * {lay['q1']}") < q.index(f"mbar_arrive_expect_tx(q_bar, {128 * D * 2})")
+    # the other producer threads arrive once past the item's ticket: none falls an item behind thread 0
+    assert q.index("tma_load_4d(") < q.index("else:") < q.index("mbar_arrive(q_bar)") < q.index("pq += 1")
     for w in (0, 1):
         for hb in range(D // 64):
             assert f"tma_load_4d(q_buf + {w * lay['qwg'] + hb * 8192}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, b, " \

@@ -422,11 +422,13 @@ def _tma_asked(spec: FA2ForwardSpec) -> bool:
 
 
 def tma_loads(spec: FA2ForwardSpec) -> bool:
-    """Whether the producer warpgroup loads K and V by TMA tensor copies (`extra["tma_loads"]`, off by default: not
-    yet measured; bench '-tmal'): its thread 0 waits for a stage to be free, announces the tile's bytes on the
-    stage's full barrier (`mbarrier.expect_tx`, count 1) and issues one `cp.async.bulk.tensor.4d` a 64-column block
-    through K's or V's map (`kmap`, `vmap`, after `omap`; any 16-byte strides, GQA by the kv head's coordinate, rows
-    past N zeros), where 128 threads issued 2 x 128 16-byte cp.async a tile. Q keeps its copies.
+    """Whether the producer warpgroup loads Q, K and V by TMA tensor copies (`extra["tma_loads"]`, off by default:
+    read in one call only, benchmarks/NOTES.md; bench '-tmal'): its thread 0 waits for a stage to be free, announces
+    the tile's bytes on the stage's full barrier (`mbarrier.expect_tx`, count 1) and issues one
+    `cp.async.bulk.tensor.4d` a 64-column block through K's or V's map (`qmap, kmap, vmap` after `omap`; any 16-byte
+    strides, GQA by the kv head's coordinate, rows
+    past N zeros), where 128 threads issued 2 x 128 16-byte cp.async a tile; each item's Q likewise (four copies),
+    the other producer threads arriving on its barrier (so none falls an item behind the ticket handover).
     Why (to measure): the producer's copies share the SM's issue slots with the consumers' softmax, and one thread's
     copies would let the producer give up registers to the consumers (the document's and the softcap's spills)."""
     return (spec.extra.get("tma_loads", False) is True and spec.dtype in ("f16", "bf16") and q_double(spec)
@@ -842,15 +844,18 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("pq = 0  # the producer's items: item pq's Q in buffer pq & 1 (q_double)" if QD else "qe_phase = 0")
         _emit_item_loop_start(c, spec, item_state, lay, producer_side=True)
     if TMAL:  # q_double: each consumer warpgroup's 64 rows, a copy a 64-column block (rows past M zeros)
-        c("if tid == 0:  # Q by TMA: its barrier completes when the item's Q bytes have landed")
+        c("q_bar = bars + (pq & 1) * 8")
+        c("if tid == 0:  # Q by TMA: its barrier completes when the item's Q bytes and every producer thread are in")
         with c.indent():
-            c("q_bar = bars + (pq & 1) * 8")
             c(f"q_buf = sb + (pq & 1) * {lay['q1']}  # buffer pq & 1")
             c(f"mbar_arrive_expect_tx(q_bar, {BQ * D * 2})")
             for w in range(BQ // 64):
                 for hb in range(D // 64):
                     c(f"tma_load_4d(q_buf + {w * lay['qwg'] + hb * 64 * 128}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, "
                       "b, q_bar)")
+        c("else:  # the other producer threads are past the item's ticket: none can fall an item behind, where its")
+        with c.indent():  # wait on the next ticket would alias a phase and its read race thread 0's next write
+            c("mbar_arrive(q_bar)")
         c("pq += 1")
     elif QD:  # each consumer warpgroup's 64 rows a tile of their own in the item's buffer
         c(f"# Q; its barrier completes when the {producer_threads(spec)} producer threads' copies have landed")
@@ -1809,8 +1814,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                     c(f"mbar_init(bars + {8 * w}, 128)  # warpgroup {w}'s Q")
             else:
                 for w in range(2 if q_double(spec) else 1):
-                    c(f"mbar_init(bars + {8 * w}, {1 if tma_loads(spec) else producer_threads(spec)})  # Q buffer "
-                      f"{w}'s" if q_double(spec)
+                    c(f"mbar_init(bars + {8 * w}, {producer_threads(spec)})  # Q buffer {w}'s" if q_double(spec)
                       else f"mbar_init(bars, {producer_threads(spec)})")
             if table_tiles(spec):
                 for w in range(BQ // 64):

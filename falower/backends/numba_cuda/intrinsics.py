@@ -1784,6 +1784,10 @@ if SIMULATOR:
         if swizzle not in (0, 128) or (swizzle and box[0] * 2 != 128):
             raise ValueError(f"sim_tensor_map: 16-bit boxes of 128-byte rows under the 128-byte swizzle, got "
                              f"box {tuple(box)}, swizzle {swizzle}")
+        # what the driver's encode refuses (tensor_maps.encode_map), so a kernel the GPU could not run fails here too
+        if any(int(st) <= 0 or int(st) % 16 for st in strides) or any(not 0 < int(b) <= 256 for b in box):
+            raise ValueError(f"sim_tensor_map: byte strides must be positive multiples of 16 and a box's sides at "
+                             f"most 256, got strides {tuple(strides)}, box {tuple(box)}")
         with _warp_lock:
             key = len(_TENSOR_MAPS) + 1
             _TENSOR_MAPS[key] = (a, tuple(int(d) for d in dims), tuple(int(s) for s in strides),

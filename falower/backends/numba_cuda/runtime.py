@@ -588,7 +588,7 @@ def _fast_ok(x: Any, aligned: bool, tma: bool = False) -> bool:
 def _tma_strides_bad(x: Any) -> bool:
     """Whether a Q / K / V view has a stride a TMA map cannot take (emit_fa3_ws.tma_loads): 0 (a broadcast view), which
     cp.async reads in place but a map's strides must be positive multiples of 16 bytes."""
-    return any(st == 0 for st in x.stride()[:3])
+    return any(st == 0 and n > 1 for st, n in zip(x.stride()[:3], x.shape[:3]))
 
 
 def _cap_shape(x: Any) -> Optional[tuple[int, ...]]:
@@ -1148,8 +1148,8 @@ class FA2ForwardKernel:
 
             if kind == "numpy":  # bit patterns, viewed on the host (ml_dtypes.bfloat16 included)
                 tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view (a stride 0) copied
-                views = [_strided_view_np(np.ascontiguousarray(x) if tma and 0 in x.strides[:3] else x, bits)
-                         for x in (q, k, v)]
+                views = [_strided_view_np(np.ascontiguousarray(x) if tma and any(
+                    st == 0 and n > 1 for st, n in zip(x.strides[:3], x.shape[:3])) else x, bits) for x in (q, k, v)]
                 flat = [cuda.to_device(f) for f, _ in views]
                 strides = [n for _, st in views for n in st]
             else:
@@ -1170,13 +1170,13 @@ class FA2ForwardKernel:
             work = self.work_counter(kind, q.device if kind == "torch" else None)
             extra.append(wrap(work) if kind == "torch" else work)
         if uses_o_map(s):  # O's tensor map (tensor_maps.TensorMaps)
-            extra.append(wrap(self.maps.torch_o(o)) if kind == "torch" else
+            extra.append(wrap(self.maps.torch_o(o, stream=0)) if kind == "torch" else  # Numba's default stream
                          self.maps.numba(o_k, o_map_geometry(B * H, M, D)))
         if uses_kv_maps(s):  # Q's, K's and V's (tma_loads): over the views the kernel reads
             for i, x, name in ((0, q, "Q"), (1, k, "K"), (2, v, "V")):
                 geometry = qkv_map_geometry(B, int(x.shape[1]), int(x.shape[2]), D, tuple(strides[3 * i:3 * i + 3]),
                                             64 if i == 0 else s.block_k)
-                extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, what=name))
+                extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, stream=0, what=name))
                              if kind == "torch" else self.maps.numba(flat[i], geometry, name))
         args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]
         if self.smem > 48 * 1024:

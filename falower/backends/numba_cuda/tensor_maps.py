@@ -23,7 +23,8 @@ import numpy as np
 MAP_BYTES = 128
 O_BOX_ROWS = 16  # a consumer warp's rows of O: one box a warp and 64 columns (128 bytes, the swizzle's span)
 O_BOX_COLS = 64
-KEEP = 64  # maps kept per kernel (most recently used); those a CUDA graph captured are kept for good
+KEEP = 1024  # maps kept per kernel (most recently used: a model's layers each keep their O; 128 bytes each); those a
+# CUDA graph captured are kept for good
 
 _CU_DTYPE = {"f16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
 _SWIZZLE_128B = 3
@@ -65,6 +66,11 @@ def qkv_map_geometry(B: int, Hk: int, N: int, D: int, strides: tuple[int, int, i
     producer loads (64 columns of `rows` rows: a kv tile's, or a consumer warpgroup's 64 of Q; rows past N arrive as
     zeros)."""
     sb, sh, sm = (2 * int(x) for x in strides)
+    # a dimension of one index never moves by its stride, which may then be anything (a broadcast view's 0): the map
+    # takes the dense one
+    sm = sm if N > 1 else 2 * D
+    sh = sh if Hk > 1 else sm * N
+    sb = sb if B > 1 else sh * Hk
     return (D, N, Hk, B), (sm, sh, sb), (O_BOX_COLS, rows, 1, 1)
 
 
@@ -144,7 +150,7 @@ class TensorMaps:
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
         self._maps: OrderedDict = OrderedDict()
-        self._captured: list = []
+        self._captured: dict = {}  # the maps CUDA graphs read, by address: kept alive with the graphs
 
     def _get(self, key: tuple, make) -> Any:
         m = self._maps.get(key)
@@ -156,14 +162,17 @@ class TensorMaps:
             self._maps.move_to_end(key)
         return m
 
-    def torch(self, ptr: int, device: Any, geometry: Geometry, capturing: Optional[bool] = None, stream: int = 0,
-              what: str = "O") -> Any:
-        """The map of the tensor at `ptr` on torch device `device`, made on and kept for the current stream
-        (`stream` its handle: a map dropped from the cache is then reused only after the launches of its stream that
-        read it). `capturing`: whether that stream captures a CUDA graph (asked of torch when not given)."""
+    def torch(self, ptr: int, device: Any, geometry: Geometry, capturing: Optional[bool] = None,
+              stream: Optional[int] = None, what: str = "O") -> Any:
+        """The map of the tensor at `ptr` on torch device `device`, made on and kept for the stream the kernel runs
+        on (`stream` its handle; None: torch's current stream): a map dropped from the cache is then reused only after
+        the launches of its stream that read it. `capturing`: whether that stream captures a CUDA graph (asked of
+        torch when not given); a map made while capturing is written only when the graph replays, so it is the
+        graph's alone (kept for good, never in the cache), and a cached map a graph reads is kept for good too."""
         import torch
 
-        key = ("torch", str(device), stream, ptr, geometry)
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
         if capturing is None:
             capturing = torch.cuda.is_current_stream_capturing()
 
@@ -171,15 +180,19 @@ class TensorMaps:
             data = encode_map(ptr, geometry, self.dtype, what)
             dev = torch.empty(MAP_BYTES // 8, dtype=torch.int64, device=device)  # 8-byte words, 128-byte aligned
             put_map(device.index if device.index is not None else torch.cuda.current_device(), dev.data_ptr(), data,
-                    stream or torch.cuda.current_stream(device).cuda_stream)
+                    stream)
             return dev.view(torch.uint8)  # the kernel's argument type
 
-        m = self._get(key, make)
+        key = ("torch", str(device), stream, ptr, geometry)
         if capturing:
-            self._captured.append(m)
-        return m
+            m = self._maps.get(key)
+            if m is None:
+                m = make()
+            self._captured[m.data_ptr()] = m
+            return m
+        return self._get(key, make)
 
-    def torch_o(self, o: Any, capturing: Optional[bool] = None, stream: int = 0) -> Any:
+    def torch_o(self, o: Any, capturing: Optional[bool] = None, stream: Optional[int] = None) -> Any:
         """The map of a contiguous torch O [B, H, M, D] (f16 / bf16): o_map_geometry."""
         B, H, M, D = (int(n) for n in o.shape)
         return self.torch(o.data_ptr(), o.device, o_map_geometry(B * H, M, D), capturing, stream)
