@@ -137,7 +137,8 @@ LOAD_SHAPE = (2, 3, 20, 64)  # K's (batch, heads, rows, columns) of 16-bit value
 def tma_load(kmap, dump, ready):
     """Thread 0 announces 2048 bytes on an mbarrier of count 1 and loads the box of rows 8-23 of head 2, batch 1 by
     tma_load_4d (rows 20-23 past the tensor: zeros); ready[0] records whether the barrier's phase was done after the
-    announce alone (it must not be: the bytes are not in), ready[1] after the copy. The warp dumps the box as it lies
+    announce alone (it must not be: the bytes are not in), ready[1] after the copy, ready[2] the box's first word
+    read between the copy's issue and any wait (the stage's old 0xDEAD: the simulator lands a load at a wait). The warp dumps the box as it lies
     (128-byte swizzled)."""
     sm = cuda.shared.array(1024, np.uint32)
     sb = (smem_base(sm) + np.uint32(1023)) & np.uint32(0xFFFFFC00)
@@ -147,9 +148,12 @@ def tma_load(kmap, dump, ready):
         m = elem_addr(kmap, (0,))
         tensormap_acquire(m)
         mbar_init(bar, 1)
+        sts_u32(sb, 0xDEAD)  # the stage's old bytes
         mbar_arrive_expect_tx(bar, 2048)
         ready[0] = mbar_try_wait(bar, 0)
         tma_load_4d(sb, m, 0, 8, 2, 1, bar)
+        w0, w1, w2, w3 = lds_v4_u32(sb)  # read before any wait: the box need not have landed
+        ready[2] = w0
         ready[1] = mbar_try_wait(bar, 0)
     syncwarp()
     for i in range(4):
@@ -214,7 +218,7 @@ def run_case(cid: str) -> dict:
         kd = _cuda.to_device(k)
         m = sim_tensor_map(np.asarray(kd), (C, R, Hn, Bn), (2 * C, 2 * C * R, 2 * C * R * Hn), (64, 16, 1, 1))
         dump = np.zeros(512, np.uint32)
-        ready = np.zeros(2, np.uint32)
+        ready = np.zeros(3, np.uint32)
         tma_load[1, 32](m, dump, ready)
         return {"id": cid, "installed": installed, "dump": dump.view(np.uint16).tolist(), "ready": ready.tolist(),
                 "k": k[1, 2].tolist()}

@@ -186,10 +186,11 @@ def test_simulator_tma_store_errors_raise(sim, case, what):
 def test_simulator_tma_load_lands_swizzled_with_zeros_past_the_tensor(sim):
     """intrinsics.tma_load_4d in the simulator (K and V under emit_fa3_ws.tma_loads): the box of rows 8-23 of
     head 2, batch 1 lands in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)), its rows past the
-    tensor's 20 as zeros; the mbarrier's phase waits for the announced bytes, not only for the arrival."""
+    tensor's 20 as zeros; the mbarrier's phase waits for the announced bytes, not only for the arrival; the box
+    lands at a wait on its barrier, so a thread reading the stage before waiting reads its old bytes."""
     r = sim["tma-load"]
     assert "error" not in r, r
-    assert r["ready"] == [0, 1], r
+    assert r["ready"] == [0, 1, 0xDEAD], r  # a read before any wait sees the old bytes: an early reader is caught
     k = np.array(r["k"], dtype=np.int64)
     want = np.zeros((16, 64), np.int64)
     want[:12] = k[8:20]

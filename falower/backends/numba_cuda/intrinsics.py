@@ -1625,6 +1625,7 @@ if SIMULATOR:
             self.count = int(count)
             self.pending = int(count)
             self.tx = 0  # the phase's bytes announced (expect_tx) and not yet completed (complete_tx)
+            self.loads: list = []  # TMA loads issued on it and not landed: (shared memory, byte offset, bytes)
             self.phase = 0  # completed phases
             self.cond = threading.Condition()
 
@@ -1646,6 +1647,15 @@ if SIMULATOR:
             with self.cond:
                 self.tx -= int(nbytes)
                 self._complete_if_done()
+
+        def land(self) -> None:
+            """The TMA loads issued on this barrier land when a thread first waits on it (tma_load_4d): a reader that
+            does not wait reads the stage's old bytes, as it might on the GPU."""
+            with self.cond:
+                loads, self.loads = self.loads, []
+            for smem, at, data in loads:
+                smem[at:at + len(data)] = data
+                self.complete_tx(len(data))
 
         def done(self, parity: int) -> bool:
             return (self.phase & 1) != (int(parity) & 1)
@@ -1707,6 +1717,7 @@ if SIMULATOR:
         _mbar(addr).arrive(tx)
 
     def mbar_try_wait(addr, parity):
+        _mbar(addr).land()
         if _mbar(addr).done(parity):
             return np.uint32(1)
         _time.sleep(0)  # a polling caller must let the other simulated threads run
@@ -1714,7 +1725,9 @@ if SIMULATOR:
 
     def mbar_wait(addr, parity):
         bar = _mbar(addr)
-        _wait_until(bar.cond, lambda: bar.done(parity), f"mbarrier at {int(addr)}, parity {int(parity)}")
+        bar.land()
+        _wait_until(bar.cond, lambda: (bar.land(), bar.done(parity))[1],
+                    f"mbarrier at {int(addr)}, parity {int(parity)}")
 
     def cp_async_mbar_arrive_noinc(addr):
         _mbar(addr).arrive()  # the emulated cp.async copies synchronously: they have all landed
@@ -1840,8 +1853,8 @@ if SIMULATOR:
         _bulk_pending().append([saddr, n, source, False, write])
 
     def tma_load_4d(sdst, maddr, c0, c1, c2, c3, mbar):
-        """The box lands at once (the issuing thread has waited for its stage to be free), then its bytes complete
-        on the mbarrier."""
+        """The box is read from the tensor at the issue and lands, its bytes completing on the mbarrier, when a
+        thread next waits on that barrier (`_MBarrier.land`)."""
         a, dims, strides, box, swizzle = _sim_map(int(maddr))
         sdst, coords = int(sdst), (int(c0), int(c1), int(c2), int(c3))
         if len(dims) != 4:
@@ -1854,6 +1867,7 @@ if SIMULATOR:
         isz = a.itemsize
         row_bytes, rows = box[0] * isz, box[1] * box[2] * box[3]
         smem = _block_smem().view(np.uint8)
+        data = np.empty(rows * row_bytes, np.uint8)
         for r in range(rows):
             i1 = coords[1] + r % box[1]
             i2 = coords[2] + (r // box[1]) % box[2]
@@ -1867,8 +1881,10 @@ if SIMULATOR:
                         row[e * isz:(e + 1) * isz] = raw[at:at + isz]
             if swizzle:  # chunk k of the row lies at chunk k ^ (r & 7) (the box is 1024-byte aligned)
                 row = row.reshape(-1, 16)[np.arange(row_bytes // 16) ^ (r & 7)].reshape(-1)
-            smem[sdst + r * row_bytes:sdst + (r + 1) * row_bytes] = row
-        _mbar(mbar).complete_tx(rows * row_bytes)
+            data[r * row_bytes:(r + 1) * row_bytes] = row
+        bar = _mbar(mbar)
+        with bar.cond:
+            bar.loads.append((smem, sdst, data))
 
     def bulk_commit():
         for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():
