@@ -119,11 +119,10 @@ def kernels():
 
 
 def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
-                                           ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32),
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    """libcuda with cuTensorMapEncodeTiled typed (tensor_maps._driver, the kernels' own) and the address replace."""
+    from falower.backends.numba_cuda.tensor_maps import _driver as maps_driver
+
+    lib = maps_driver()
     lib.cuTensorMapReplaceAddress.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
 

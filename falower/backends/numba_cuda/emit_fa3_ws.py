@@ -57,7 +57,8 @@ Persistent (`extra["persistent"]` = blocks): with producer "none" the consumers 
 tiles in front of their epilogue; with a producer warpgroup the producer runs the ring across items and refills Q
 once both consumer warpgroups are past an item's last S (the q_empty mbarrier), and stages O through a buffer of
 its own where it fits; by default two Q buffers in that room instead (`q_double`: item k's Q loads once item
-k - 2's epilogue has staged its O through it, each warp's rows then stored by bulk copies: `bulk_store`), and
+k - 2's epilogue has staged its O through it, each warp's rows then stored by two TMA tensor copies: `bulk_store`,
+`tma_store`), and
 under a static mask the next item's kv range scanned by the producer and handed over with its ticket
 (`range_shared`). Items in a static serpentine order (`item_order` "grid"
 or "cost"), or, with the producer warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
@@ -67,9 +68,9 @@ its masked tiles ran as fast as plain ones and it led one block an item on every
 (emit_fa3.PERSIST_LIST_PRODUCER_REGS: the consumers' list walk spilled at 192), its producer reading each item's
 list a tile ahead of its copies.
 
-Not here yet: TMA tensor copies (the producer's threads each issue 2 * block_k * D / (16 x threads) 16-byte copies
-a kv tile; O's rows go out by one plain bulk copy each, 16 a warp, where a tensor map would take two),
-intra-warpgroup overlap of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
+Q, K and V by TMA tensor copies from one producer thread (`tma_loads`) are built but off by default (the producer's
+threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile). Not here yet: intra-warpgroup overlap
+of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
 """
 
 from __future__ import annotations
@@ -137,10 +138,10 @@ from .emit_fa3 import (
     stage_row_helper,
 )
 from .emit_fa3 import grid as _fa3_grid
-from .tensor_maps import O_BOX_ROWS
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
 from .ssa_names import ssa_rename
+from .tensor_maps import O_BOX_ROWS
 
 __all__ = ["SCHEDULE", "early_loads", "emit_fa3_ws_forward", "grid", "half_tiles", "register_cap", "registers_fit",
            "smem_bytes", "threads_per_block", "uses_ws", "validate_spec"]
@@ -812,6 +813,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     PERSIST = item_state is not None
     T, KV = lay["tile"], lay["kv"]
     WARP = producer(spec) == "warp"
+    TMAL = tma_loads(spec)
     if WARP:
         c(f"ptid = tid - {threads_per_block(spec) - 32}  # the producer warp's lane")
         _emit_warp_loader_setup(c, D, {"q": BQ, "k": BK})
@@ -822,14 +824,13 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             _emit_load_warp(c, rows, D, sdst, row0, nrows, garr, base, rs)
     else:
         c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
-        rstep = 0 if tma_loads(spec) else _emit_loader_setup(c, 128, D)
+        rstep = 0 if TMAL else _emit_loader_setup(c, 128, D)  # TMA: no thread keeps row addresses
 
         def load(rows, sdst, row0, nrows, garr, base, rs, tag):
             if garr == "q":
                 _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
             else:  # K, V: a tile inside N from the kept row addresses (an add a copy, not ~8 integer instructions)
                 _emit_load_inside(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
-    TMAL = tma_loads(spec)
     if TMAL:
         for x in "qkv":
             c(f"{x}map_g = elem_addr({x}map, (0,))  # {x.upper()}'s tensor map in global memory (tma_loads)")
@@ -1271,9 +1272,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         """The kept item's epilogue (epilogue_in_s), its last P V done: O times the kept 1 / l staged through the
         warpgroup's O buffer and stored to the kept rows. O is not zeroed after it: the item now running starts O
         with its first P V (scale-d 0), and a row with 1 / l = 0 stages zeros whatever O holds. Under `bulk_store`
-        each warp stages its own 16 rows unswizzled and stores them by one bulk copy a row, and the kept item's Q
-        buffer is released once those copies have read it (`bulk_release`: here if `release_now`, else at the next
-        tile's S or the item's end)."""
+        each warp stages its own 16 rows and its lane 0 stores them (`tma_store`: swizzled, two tensor copies at
+        D = 128; else unswizzled, one bulk copy a row), and the kept item's Q buffer is released once those copies
+        have read it (`bulk_release`: here if `release_now`, else at the next tile's S or the item's end)."""
         # an item with no tile: O = 0, not O's leftovers
         stage = stage_row_helper(c, D, pack, zero_masked=True, box_bytes=BOX_BYTES if TMA else 0)
         if QD:  # the kept item is the one before this (qk counts it done)

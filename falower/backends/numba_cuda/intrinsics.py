@@ -1725,8 +1725,7 @@ if SIMULATOR:
 
     def mbar_wait(addr, parity):
         bar = _mbar(addr)
-        bar.land()
-        _wait_until(bar.cond, lambda: (bar.land(), bar.done(parity))[1],
+        _wait_until(bar.cond, lambda: (bar.land(), bar.done(parity))[1],  # the barrier's loads land at a wait
                     f"mbarrier at {int(addr)}, parity {int(parity)}")
 
     def cp_async_mbar_arrive_noinc(addr):
@@ -1823,68 +1822,70 @@ if SIMULATOR:
     def tensormap_acquire(maddr):
         _sim_map(int(maddr))
 
-    def tma_store_3d(maddr, c0, c1, c2, saddr):
+    def _tma_map(maddr, rank: int, saddr: int, what: str):
+        """The simulated map at maddr, checked for `rank` and the shared box's alignment at saddr."""
         a, dims, strides, box, swizzle = _sim_map(int(maddr))
-        saddr, coords = int(saddr), (int(c0), int(c1), int(c2))
-        if len(dims) != 3:
-            raise RuntimeError(f"tma_store_3d: a map of rank 3, got {len(dims)}")
+        if len(dims) != rank:
+            raise RuntimeError(f"{what}: a map of rank {rank}, got {len(dims)}")
         if saddr % (1024 if swizzle else 128):
-            raise ValueError(f"tma_store_3d: the shared box at {saddr:#x} is not {1024 if swizzle else 128}-byte "
-                             "aligned")
-        rows, row_bytes = box[1] * box[2], box[0] * a.itemsize
-        n = rows * row_bytes
+            raise ValueError(f"{what}: the shared box at {saddr:#x} is not {1024 if swizzle else 128}-byte aligned")
+        return a, dims, strides, box, swizzle
+
+    def _box_rows(dims, strides, box, coords, isz: int):
+        """Each row r of a box (its rows running over dims 1 .., innermost first) with the (element, byte offset in
+        the tensor) of its elements inside the tensor: none for a row outside it."""
+        for r in range(int(np.prod(box[1:]))):
+            idx, rest = [], r
+            for d in range(1, len(dims)):
+                idx.append(coords[d] + rest % box[d])
+                rest //= box[d]
+            if not all(0 <= i < n for i, n in zip(idx, dims[1:])):
+                yield r, []
+                continue
+            base = sum(i * st for i, st in zip(idx, strides))
+            yield r, [(e, (coords[0] + e) * isz + base) for e in range(box[0]) if 0 <= coords[0] + e < dims[0]]
+
+    def _swizzle_row(row: np.ndarray, r: int, swizzle: int) -> np.ndarray:
+        """A box row between its tensor order and its shared layout: under the 128-byte swizzle chunk k lies at chunk
+        k ^ (r & 7) (the box 1024-byte aligned); the permutation is its own inverse."""
+        if not swizzle:
+            return row
+        return row.reshape(-1, 16)[np.arange(len(row) // 16) ^ (r & 7)].reshape(-1)
+
+    def tma_store_3d(maddr, c0, c1, c2, saddr):
+        saddr = int(saddr)
+        a, dims, strides, box, swizzle = _tma_map(maddr, 3, saddr, "tma_store_3d")
+        isz = a.itemsize
+        row_bytes = box[0] * isz
+        n = int(np.prod(box[1:])) * row_bytes
         source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()
 
         def write(src: np.ndarray) -> None:
             raw = a.reshape(-1).view(np.uint8)
-            for r in range(rows):
-                i1, i2 = coords[1] + r % box[1], coords[2] + r // box[1]
-                if not (0 <= i1 < dims[1] and 0 <= i2 < dims[2]):
-                    continue  # outside the tensor: not written
-                row = src[r * row_bytes:(r + 1) * row_bytes]
-                if swizzle:  # chunk k of the row lies at chunk k ^ (r & 7) (the box is 1024-byte aligned)
-                    row = row.reshape(-1, 16)[np.arange(row_bytes // 16) ^ (r & 7)].reshape(-1)
-                for e in range(box[0]):
-                    i0 = coords[0] + e
-                    if 0 <= i0 < dims[0]:
-                        at = i0 * a.itemsize + i1 * strides[0] + i2 * strides[1]
-                        raw[at:at + a.itemsize] = row[e * a.itemsize:(e + 1) * a.itemsize]
+            for r, elems in _box_rows(dims, strides, box, (int(c0), int(c1), int(c2)), isz):  # outside: not written
+                row = _swizzle_row(src[r * row_bytes:(r + 1) * row_bytes], r, swizzle)
+                for e, at in elems:
+                    raw[at:at + isz] = row[e * isz:(e + 1) * isz]
 
         _bulk_pending().append([saddr, n, source, False, write])
 
     def tma_load_4d(sdst, maddr, c0, c1, c2, c3, mbar):
         """The box is read from the tensor at the issue and lands, its bytes completing on the mbarrier, when a
         thread next waits on that barrier (`_MBarrier.land`)."""
-        a, dims, strides, box, swizzle = _sim_map(int(maddr))
-        sdst, coords = int(sdst), (int(c0), int(c1), int(c2), int(c3))
-        if len(dims) != 4:
-            raise RuntimeError(f"tma_load_4d: a map of rank 4, got {len(dims)}")
-        if sdst % (1024 if swizzle else 128):
-            raise ValueError(f"tma_load_4d: the shared box at {sdst:#x} is not {1024 if swizzle else 128}-byte "
-                             "aligned")
-        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8) if not a.flags.c_contiguous else \
-            a.reshape(-1).view(np.uint8)
+        sdst = int(sdst)
+        a, dims, strides, box, swizzle = _tma_map(maddr, 4, sdst, "tma_load_4d")
+        raw = a.reshape(-1).view(np.uint8)
         isz = a.itemsize
-        row_bytes, rows = box[0] * isz, box[1] * box[2] * box[3]
-        smem = _block_smem().view(np.uint8)
-        data = np.empty(rows * row_bytes, np.uint8)
-        for r in range(rows):
-            i1 = coords[1] + r % box[1]
-            i2 = coords[2] + (r // box[1]) % box[2]
-            i3 = coords[3] + r // (box[1] * box[2])
-            row = np.zeros(row_bytes, np.uint8)
-            if 0 <= i1 < dims[1] and 0 <= i2 < dims[2] and 0 <= i3 < dims[3]:
-                for e in range(box[0]):
-                    i0 = coords[0] + e
-                    if 0 <= i0 < dims[0]:
-                        at = i0 * isz + i1 * strides[0] + i2 * strides[1] + i3 * strides[2]
-                        row[e * isz:(e + 1) * isz] = raw[at:at + isz]
-            if swizzle:  # chunk k of the row lies at chunk k ^ (r & 7) (the box is 1024-byte aligned)
-                row = row.reshape(-1, 16)[np.arange(row_bytes // 16) ^ (r & 7)].reshape(-1)
-            data[r * row_bytes:(r + 1) * row_bytes] = row
+        row_bytes = box[0] * isz
+        data = np.empty(int(np.prod(box[1:])) * row_bytes, np.uint8)
+        for r, elems in _box_rows(dims, strides, box, (int(c0), int(c1), int(c2), int(c3)), isz):
+            row = np.zeros(row_bytes, np.uint8)  # elements outside the tensor: zeros
+            for e, at in elems:
+                row[e * isz:(e + 1) * isz] = raw[at:at + isz]
+            data[r * row_bytes:(r + 1) * row_bytes] = _swizzle_row(row, r, swizzle)
         bar = _mbar(mbar)
         with bar.cond:
-            bar.loads.append((smem, sdst, data))
+            bar.loads.append((_block_smem().view(np.uint8), sdst, data))
 
     def bulk_commit():
         for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():

@@ -582,13 +582,25 @@ def _fast_ok(x: Any, aligned: bool, tma: bool = False) -> bool:
     """A q/k/v/do view the kernels read in place (what _strided_view would not copy)."""
     if x.dim() != 4 or (x.shape[3] > 1 and x.stride(3) != 1) or min(x.stride()) < 0:
         return False
-    return not (aligned and any(st % 8 for st in x.stride()[:3])) and not (tma and _tma_strides_bad(x))
+    return not (aligned and any(st % 8 for st in x.stride()[:3])) and not (tma and _broadcast(x.stride(), x.shape))
 
 
-def _tma_strides_bad(x: Any) -> bool:
-    """Whether a Q / K / V view has a stride a TMA map cannot take (emit_fa3_ws.tma_loads): 0 (a broadcast view), which
-    cp.async reads in place but a map's strides must be positive multiples of 16 bytes."""
-    return any(st == 0 and n > 1 for st, n in zip(x.stride()[:3], x.shape[:3]))
+def _broadcast(strides: Any, shape: Any) -> bool:
+    """Whether a Q / K / V view (torch's strides or numpy's) has a stride a TMA map cannot take
+    (emit_fa3_ws.tma_loads): 0 on a dimension of more than one index (a broadcast view), which cp.async reads in
+    place but a map's strides must be positive multiples of 16 bytes (tensor_maps.qkv_map_geometry gives a
+    dimension of one index a dense stride)."""
+    return any(st == 0 and n > 1 for st, n in zip(tuple(strides)[:3], tuple(shape)[:3]))
+
+
+def _qkv_geometries(spec: FA2ForwardSpec, q: Any, k: Any, v: Any, strides: list) -> list:
+    """(input index, map geometry, name) of Q's, K's and V's tensor maps (emit_fa3_ws.tma_loads), over the element
+    strides the kernel takes (`strides`: q's three, then k's, then v's): boxes of a consumer warpgroup's 64 rows of Q,
+    of a kv tile's rows of K and V."""
+    B, D = int(q.shape[0]), spec.head_dim
+    return [(i, qkv_map_geometry(B, int(x.shape[1]), int(x.shape[2]), D, tuple(strides[3 * i:3 * i + 3]),
+                                 64 if i == 0 else spec.block_k), name)
+            for i, (x, name) in enumerate(((q, "Q"), (k, "K"), (v, "V")))]
 
 
 def _cap_shape(x: Any) -> Optional[tuple[int, ...]]:
@@ -648,11 +660,11 @@ class _ForwardPlan:
             nxt += 1
         self.kv_maps = []  # (slot, input index, geometry, name) of Q's, K's and V's maps (tma_loads)
         if uses_kv_maps(s):
-            for i, x, name in ((0, q, "Q"), (1, k, "K"), (2, v, "V")):
-                geometry = qkv_map_geometry(B, int(x.shape[1]), int(x.shape[2]), D, tuple(strides[3 * i:3 * i + 3]),
-                                            64 if i == 0 else s.block_k)
+            for i, geometry, name in _qkv_geometries(s, q, k, v, strides):
                 self.kv_maps.append((buf.array(nxt, (MAP_BYTES,)), i, geometry, name))
                 nxt += 1
+        # whether a call asks torch if its stream captures a graph (a counter or a map of its own then)
+        self.ask_capture = self.work_slot is not None or self.omap_slot is not None or bool(self.kv_maps)
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
         self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
@@ -700,8 +712,7 @@ class _ForwardPlan:
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
         stream = self.stream(self.dev_index)
-        capturing = torch.cuda.is_current_stream_capturing() if (self.work_slot, self.omap_slot) != (None, None) \
-            or self.kv_maps else False
+        capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
         if self.omap_slot is not None:  # O's tensor map (the one made for this O's address before, if any)
             vals[self.omap_slot] = self.kern.maps.torch_o(o, capturing, stream).data_ptr()
         for slot, i, geometry, name in self.kv_maps:
@@ -1126,9 +1137,9 @@ class FA2ForwardKernel:
             # at every launch) but cost a conversion each: worth it only for repeated launches.
             wrap = cuda.as_cuda_array if _wrap else (lambda t: t)
             bits = {"f32": torch.float32, "f64": torch.float64}.get(s.dtype, torch.int16)
-            tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view copied (_tma_strides_bad)
-            views = [_strided_view(x.contiguous() if tma and _tma_strides_bad(x) else x, bits, s.path == "mma")
-                     for x in (q, k, v)]
+            tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view copied (_broadcast)
+            views = [_strided_view(x.contiguous() if tma and _broadcast(x.stride(), x.shape) else x, bits,
+                                   s.path == "mma") for x in (q, k, v)]
             flat = [wrap(f) for f, _ in views]
             strides = [n for _, st in views for n in st]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -1147,9 +1158,9 @@ class FA2ForwardKernel:
                 return cuda.as_cuda_array(x)
 
             if kind == "numpy":  # bit patterns, viewed on the host (ml_dtypes.bfloat16 included)
-                tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view (a stride 0) copied
-                views = [_strided_view_np(np.ascontiguousarray(x) if tma and any(
-                    st == 0 and n > 1 for st, n in zip(x.strides[:3], x.shape[:3])) else x, bits) for x in (q, k, v)]
+                tma = uses_kv_maps(s)  # Q, K and V by TMA maps: a broadcast view copied (_broadcast)
+                views = [_strided_view_np(np.ascontiguousarray(x) if tma and _broadcast(x.strides, x.shape) else x,
+                                          bits) for x in (q, k, v)]
                 flat = [cuda.to_device(f) for f, _ in views]
                 strides = [n for _, st in views for n in st]
             else:
@@ -1173,9 +1184,7 @@ class FA2ForwardKernel:
             extra.append(wrap(self.maps.torch_o(o, stream=0)) if kind == "torch" else  # Numba's default stream
                          self.maps.numba(o_k, o_map_geometry(B * H, M, D)))
         if uses_kv_maps(s):  # Q's, K's and V's (tma_loads): over the views the kernel reads
-            for i, x, name in ((0, q, "Q"), (1, k, "K"), (2, v, "V")):
-                geometry = qkv_map_geometry(B, int(x.shape[1]), int(x.shape[2]), D, tuple(strides[3 * i:3 * i + 3]),
-                                            64 if i == 0 else s.block_k)
+            for i, geometry, name in _qkv_geometries(s, q, k, v, strides):
                 extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, stream=0, what=name))
                              if kind == "torch" else self.maps.numba(flat[i], geometry, name))
         args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]

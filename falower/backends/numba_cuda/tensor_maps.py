@@ -1,14 +1,14 @@
 """Tensor maps (CUtensorMap) for the kernels' TMA tensor copies: O's stores in the warp-specialized kernel's kept
-epilogue (emit_fa3_ws.tma_store), K's and V's loads in its producer (emit_fa3_ws.tma_loads).
+epilogue (emit_fa3_ws.tma_store), Q's, K's and V's loads in its producer (emit_fa3_ws.tma_loads, off by default).
 
 A TMA tensor copy names its tensor by a 128-byte map that the CUDA driver encodes on the host
 (cuTensorMapEncodeTiled). CUDA C passes it as a __grid_constant__ parameter, which Numba cannot; PTX also takes a
 map in global memory by its generic address, so the kernels take it as a 128-byte uint8 array (`omap`) and copy by
 `elem_addr(omap, (0,))` (benchmarks/probe_tma.py checked this path on an H200: the box's 128-byte swizzle, rows
-past the tensor's end not written); the producer's loads of K and V too (emit_fa3_ws.tma_loads, off by default). A
-map holds its tensor's address, so a call with a new O needs a new map: `TensorMaps` keeps them by address and shape, never rewritten once made, so a launch still in flight never reads a map being
-changed; torch's caching allocator hands a loop of calls the same O, so the encode (~5 us) and the launch that
-writes the map (`put_map`) are paid once. In the simulator a map's bytes are a key to the tensor's description
+past the tensor's end not written). A map holds its tensor's address, so a call with a new O needs a new map:
+`TensorMaps` keeps them by address and shape, never rewritten once made, so a launch still in flight never reads a
+map being changed; torch's caching allocator hands a loop of calls the same O, so the encode (~5 us) and the launch
+that writes the map (`put_map`) are paid once. In the simulator a map's bytes are a key to the tensor's description
 (intrinsics.sim_tensor_map).
 """
 
