@@ -180,7 +180,7 @@ CONFIG_OPTIONS: list = [
     (("noqd", {"q_double": False}), ("qd", {"q_double": True})),
     (("nobk", {"bulk_store": False}), ("bk", {"bulk_store": True})),
     (("notma", {"tma_store": False}),),
-    (("tmal", {"tma_loads": True}),),
+    (("tmal", {"tma_loads": True}), ("notmal", {"tma_loads": False})),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

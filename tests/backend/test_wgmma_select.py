@@ -199,8 +199,7 @@ def test_rule_persistent_where_the_sm_count_is_known() -> None:
         assert rule("bf16", 128, mask, (9, 0), {}, sm_count=114) == {**want, "persistent": 114}
         assert rule("f16", 128, mask, (9, 0), {}, sm_count=None) == emit_fa3.WS_EXTRA
         assert rule("f16", 128, mask, (9, 0), {}, table_tile=True, sm_count=132) == emit_fa3.WS_EXTRA
-    assert rule("f16", 128, "list", (9, 0), {}, sm_count=132) == {**emit_fa3.PERSIST_EXTRA, "persistent": 132,
-                                                                   "producer_regs": 88}
+    assert rule("f16", 128, "list", (9, 0), {}, sm_count=132) == want
     assert rule("f16", 128, "list", (9, 0), {}, sm_count=None) == emit_fa3.WS_EXTRA
     assert rule("f16", 64, "static", (9, 0), {}, sm_count=132)["schedule"] == "wgmma"
     assert rule("f16", 128, "none", (8, 0), {}, sm_count=132) is None
@@ -228,8 +227,9 @@ def test_compile_takes_the_persistent_kernel_and_falls_back(hopper) -> None:
 
 def test_compile_takes_the_persistent_kernel_under_a_block_list(hopper) -> None:
     """The document mask (a block list) through falower.compile with an SM count: the persistent producer kernel
-    with its producer at 88 registers and the consumers at 208 (their list walk spilled at 120 / 192); the
-    caller's own registers win."""
+    loading Q, K and V by TMA, its producer at 56 registers and the consumers at 224; without tma_loads the
+    producer at 88 and the consumers at 208 (their list walk spilled at 120 / 192); the caller's own registers
+    win."""
     import runpy
     from pathlib import Path
 
@@ -238,9 +238,11 @@ def test_compile_takes_the_persistent_kernel_under_a_block_list(hopper) -> None:
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     g = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "document.py"))["graph"]
     s = fl.compile(g).specialize("f16", D=128).spec
-    assert s.block_mask == "list" and s.extra == {**emit_fa3.PERSIST_EXTRA, "persistent": 132, "producer_regs": 88}
+    assert s.block_mask == "list" and s.extra == {**emit_fa3.PERSIST_EXTRA, "persistent": 132}
     emit_fa3.validate_spec(s)
-    assert emit_fa3_ws.registers(s) == (88, 208) and emit_fa3_ws.uses_work_counter(s)
+    assert emit_fa3_ws.tma_loads(s) and emit_fa3_ws.registers(s) == (56, 224) and emit_fa3_ws.uses_work_counter(s)
+    rows = fl.compile(g, extra={"tma_loads": False}).specialize("f16", D=128).spec
+    assert not emit_fa3_ws.tma_loads(rows) and emit_fa3_ws.registers(rows) == (88, 208)
     mine = fl.compile(g, extra={"producer_regs": 120}).specialize("f16", D=128).spec
     assert emit_fa3_ws.registers(mine) == (120, 192)
 

@@ -35,7 +35,8 @@ def _item_starts(src: str) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("extra", [{}, {"persistent": 5, "item_order": "dynamic"}], ids=["one-item", "persistent"])
+@pytest.mark.parametrize("extra", [{}, {"persistent": 5, "item_order": "dynamic", "tma_loads": False}],
+                         ids=["one-item", "persistent"])
 def test_producer_warpgroup_copies_k_and_v_from_kept_addresses(D, extra):
     spec = dataclasses.replace(make_spec("causal", D, block_q=128, block_k=128, num_warps=8),
                                extra={"schedule": "wgmma-ws", "producer": "warpgroup", **extra})
@@ -60,14 +61,15 @@ def test_producer_warp_keeps_its_lane_layout():
     assert "k_at = elem_addr" not in src and "pw_g = " in src
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma-loads", "row-copies"])
 @pytest.mark.parametrize("head", [True, False], ids=["list-head", "nolh"])
-def test_persistent_producer_walks_each_items_block_list(head):
+def test_persistent_producer_walks_each_items_block_list(head, tma):
     """A block list (the document mask) on the persistent kernel with the producer warpgroup: the producer reads
     each item's list (its count, then entry after entry, a tile ahead of the copies) as it loads, the consumers
     walk the same list for the tiles' classes, and an item with no entry loads no K / V. Correct on the H100
     (test_document_mask_gpu.py) and in the simulator (test_ws_persistent_simulator.py's document case, an
-    all-padding item among its items); the automatic choice at D = 128 with an 88-register producer
-    (test_wgmma_select.py). By default (`list_head_shared`) the list's head (count, first, second and last
+    all-padding item among its items); the automatic choice at D = 128 (test_wgmma_select.py). Its copies are
+    one thread's TMA loads by default, the producer's 16-byte copies under '-notmal'. By default (`list_head_shared`) the list's head (count, first, second and last
     entries) comes with the ticket in shared memory, read by producer thread 0 before the handover; '-nolh' reads
     it from the list at each item's start."""
     import runpy
@@ -77,7 +79,7 @@ def test_persistent_producer_walks_each_items_block_list(head):
     ex = Path(__file__).resolve().parents[2] / "examples"
     g = runpy.run_path(str(ex / "document.py"))["graph"]
     extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic",
-             **({} if head else {"list_head": False})}
+             **({} if head else {"list_head": False}), **({} if tma else {"tma_loads": False})}
     kern = fl.compile(g, extra=extra).specialize("f16", D=128)
     spec = kern.spec
     assert spec.block_mask == "list" and emit_fa3_ws.uses_work_counter(spec)
@@ -102,7 +104,8 @@ def test_persistent_producer_walks_each_items_block_list(head):
     loop = item[item.index("while j <= kv_last:"):]
     assert "kv_cur = " in item[:item.index("while j <= kv_last:")]  # the first two entries read before the loop
     # entry after entry, each read a tile ahead of its copies; each tile's K and V copied
-    assert re.search(r"kv_nx = np\.int32\(\w+\[kv_at\]", loop) and "copy_rows_" in loop  # a 32-bit walk
+    assert re.search(r"kv_nx = np\.int32\(\w+\[kv_at\]", loop)  # a 32-bit walk
+    assert emit_fa3_ws.tma_loads(spec) == tma and ("copy_rows_" in loop) != tma and ("tma_load_4d(" in loop) == tma
     assert "kv_last = (" in item and "if kv_n > 0 else -1" in item  # an empty list: the loop does not run
 
 

@@ -25,6 +25,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PERSIST = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 5, "item_order": "dynamic"}
 
 
+ROW_LOADS = {"tma_loads": False}  # the producer's 128 threads copy Q, K and V by 16-byte cp.async ('-notmal')
+
+
 def _spec(extra=None, D=128):
     return dataclasses.replace(make_spec("causal", D, block_q=128, block_k=128, num_warps=8),
                                extra={**PERSIST, **(extra or {})})
@@ -57,7 +60,7 @@ def test_which_kernels_take_it_and_its_shared_memory():
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_the_producer_loads_item_k_into_buffer_k_and_1(D):
-    spec = _spec(D=D)
+    spec = _spec(ROW_LOADS, D=D)
     q1, qe, itf = (emit_fa3_ws._layout(spec)[k] for k in ("q1", "q_empty", "item_full"))
     prod, _ = _parts(emit_fa3_ws.emit_fa3_ws_forward(spec))
     item = prod[prod.index("while True:"):]
@@ -169,7 +172,7 @@ def test_the_kept_epilogue_stores_o_by_bulk_copies():
     proxy, and its lane 0 issues one bulk copy a row (operands made uniform by redux); the kept item's Q buffer is
     released (q_empty) only after this thread's copies have read shared memory, at the next tile's S or the item's
     end, or at once where the kept epilogue is a flush. No read back and no 16-byte stores in the consumers."""
-    spec = _spec(ROWS)
+    spec = _spec({**ROWS, **ROW_LOADS})
     assert emit_fa3_ws.bulk_store(spec) and emit_fa3_ws.bulk_store(_spec(ROWS, D=64))
     assert not emit_fa3_ws.tma_store(spec) and emit_fa3_ws.tma_store(_spec())
     assert not emit_fa3_ws.bulk_store(_spec({"bulk_store": False}))  # '-nobk'
@@ -212,7 +215,7 @@ def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
     lay = emit_fa3_ws._layout(spec)
     assert lay["qwg"] == 64 * 2 * D and lay["kv"] == 2 * lay["qwg"]
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
-    assert re.search(r"def \w+\(q, k, v, o, lse, .*, work, omap\):", src)
+    assert re.search(r"def \w+\(q, k, v, o, lse, .*, work, omap, qmap, kmap, vmap\):", src)  # Q, K, V's by TMA too
     prod, cons = _parts(src)
     assert "omap" not in prod
     assert cons.index("omap_g = elem_addr(omap, (0,))") < cons.index("tensormap_acquire(omap_g)") < \
@@ -236,20 +239,21 @@ def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_the_producer_loads_q_k_and_v_by_tma_when_asked(D):
-    """`tma_loads` (off by default): the kernel takes Q's, K's and V's maps after O's; the stages' full barriers
+def test_the_producer_loads_q_k_and_v_by_tma(D):
+    """`tma_loads` (on by default under two Q buffers): the kernel takes Q's, K's and V's maps after O's; the stages' full barriers
     count one arrival (thread 0's expect_tx, the bytes completing the phase), the Q buffers' the producer's 128
     threads (thread 0's expect_tx and the others' arrivals, once past the item's ticket); thread 0 alone
     acquires the maps once, and for each item announces the item's Q bytes and copies each consumer warpgroup's 64
     rows a 64-column block at (64 b, q_lo + 64 w, h, b) into the item's buffer, then for each tile waits for a stage
     to be free, announces the tile's bytes and issues one copy a 64-column block at (64 b, j BK, hk, b). No thread
     keeps row addresses or issues 16-byte copies. The consumers are as without it."""
-    assert not emit_fa3_ws.tma_loads(_spec(D=D))
-    spec = _spec({"tma_loads": True}, D=D)
-    assert emit_fa3_ws.tma_loads(spec)
+    assert not emit_fa3_ws.tma_loads(_spec({"tma_loads": False}, D=D))
+    spec = _spec(D=D)
+    assert emit_fa3_ws.tma_loads(spec) and emit_fa3_ws.tma_loads(_spec({"tma_loads": True}, D=D))
     # one copying thread: the producer at 56 registers, the consumers at 224 (120 / 192 without; an asked
     # producer_regs still holds)
-    assert emit_fa3_ws.registers(spec) == (56, 224) and emit_fa3_ws.registers(_spec(D=D)) == (120, 192)
+    assert emit_fa3_ws.registers(spec) == (56, 224)
+    assert emit_fa3_ws.registers(_spec({"tma_loads": False}, D=D)) == (120, 192)
     assert emit_fa3_ws.registers(_spec({"tma_loads": True, "producer_regs": 88}, D=D)) == (88, 208)
     lay, T = emit_fa3_ws._layout(spec), emit_fa3_ws._layout(spec)["tile"]
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)

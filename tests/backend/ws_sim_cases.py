@@ -81,17 +81,19 @@ PERSIST_CASES = {
     # last item's flushed. Head 0's V holds an inf ("poison_head", taken out of the extras by run_case): its O is
     # not finite, and head 1's items, each after one of head 0's on the block, must not inherit it through O's
     # registers (o_err is head 1's; "poisoned" says head 0's O is not all finite)
-    # (its O stored by one bulk copy a row, emit_fa3_ws.bulk_store without tma_store; the slowed case below and the
-    # D = 128 one store by TMA tensor copies)
+    # (its O stored by one bulk copy a row, emit_fa3_ws.bulk_store without tma_store, its Q, K and V loaded by TMA;
+    # the slowed case below and the D = 128 one store by TMA tensor copies)
     "ws-pwg-causal-f16-d64-bk128-persist": ("causal", "f16", 64, 1, 2, 300, 300, 1, 128, 128,
                                             {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
                                              "poison_head": 0, "tma_store": False}),
     # O by TMA tensor copies at D = 128 (emit_fa3_ws.tma_store): two 64-column boxes a warp, M = 200 ragged inside
     # a warp's 16 rows (the copy writes rows 192-199 of the box at 192 and none past M, which would be the next
-    # head's) and boxes wholly past M (rows 208-255 of q tile 1); 4 items on one block, heads alternating
+    # head's) and boxes wholly past M (rows 208-255 of q tile 1); 4 items on one block, heads alternating; Q, K
+    # and V by the producer's 16-byte copies (tma_loads off: the cases above and below load by TMA)
     "ws-pwg-causal-f16-d128-bk128-persist-tma": ("causal", "f16", 128, 1, 2, 200, 200, 1, 128, 128,
-                                                 {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
-    # K and V by TMA loads too (emit_fa3_ws.tma_loads: one producer thread, expect_tx on the stages' full barriers):
+                                                 {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
+                                                  "tma_loads": False}),
+    # Q, K and V by TMA loads too (emit_fa3_ws.tma_loads: one producer thread, expect_tx on the stages' full barriers):
     # GQA (kv head h // 2 by the map's coordinate), N = 200 (the last tile's rows past N zeros), M != N
     "ws-pwg-causal-f16-d128-bk128-persist-tmal": ("causal", "f16", 128, 1, 4, 150, 200, 2, 128, 128,
                                                   {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",

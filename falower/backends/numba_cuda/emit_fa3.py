@@ -98,9 +98,6 @@ WS_EXTRA = {"schedule": "wgmma-ws", "producer": "none"}  # the warp-specialized 
 # ... and, at D = 128 without a table tile on a GPU whose SM count is known, its persistent form: a producer
 # warpgroup, one block an SM, the items from a global counter (extra persistent = the SM count)
 PERSIST_EXTRA = {"schedule": "wgmma-ws", "producer": "warpgroup", "item_order": "dynamic"}
-# ... under a block list with the producer at 88 registers and the consumers at 208: their list walk spilled 116
-# bytes at 120 / 192 (32 here, ptxas 13.0), and ran slower than one block an item there (215 against 229 TFLOP/s)
-PERSIST_LIST_PRODUCER_REGS = 88
 
 
 def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[int, int]],
@@ -126,9 +123,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     start and epilogue hide under the next one's loads. Whole call, N = 4k, interleaved rounds against the
     one-block-an-item kernel (H100 2026-11-27, benchmarks/NOTES.md "The producer's copies"): plain 563 vs 525,
     causal 518 vs 473, prefix LM 545 vs 472, ALiBi 495 vs 450, sliding window 1024 428 vs 370, softcap 401 vs 364.
-    Under a block list, the same with the producer at 88 registers (`PERSIST_LIST_PRODUCER_REGS`): the document
-    mask 244 vs 231 and 229 vs 217 in two calls (H100 2026-11-27, NOTES "Block lists on the persistent kernel");
-    the static masks ran slower at 88 (causal 507 vs 544), so they keep 120.
+    Under a block list the same kernel: the document mask 244 vs 231 and 229 vs 217 in two calls (H100
+    2026-11-27, NOTES "Block lists on the persistent kernel"; its producer's registers: emit_fa3_ws.registers).
     A score that reads a [q, kv] tile of a table (`table_tile`: from_ir.reads_table_tile, a bias[h, q, kv]) takes
     the warp-specialized kernel at D = 64 too, on 128 x 128 tiles (`tiles`), which copies the table's tile into
     shared memory a kv tile ahead: bias 204 vs 189 on this module's kernel (Flex's own config failed; H100
@@ -146,10 +142,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return dict(WS_EXTRA)
     if flag not in ("1", "ws") and (cc is None or cc[0] != 9):
         return None
-    if head_dim == 128 and block_mask in ("none", "static") and not table_tile and sm_count:
+    if head_dim == 128 and block_mask in ("none", "static", "list") and not table_tile and sm_count:
         return {**PERSIST_EXTRA, "persistent": int(sm_count)}
-    if head_dim == 128 and block_mask == "list" and not table_tile and sm_count:
-        return {**PERSIST_EXTRA, "persistent": int(sm_count), "producer_regs": PERSIST_LIST_PRODUCER_REGS}
     if head_dim == 128 and block_mask in ("none", "static", "list"):  # the 256-thread warp-specialized kernel
         return dict(WS_EXTRA)
     if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)

@@ -64,12 +64,11 @@ under a static mask the next item's kv range scanned by the producer and handed 
 or "cost"), or, with the producer warpgroup, from a global counter ("dynamic"). With the producer warpgroup and the counter it is the D = 128
 default on Hopper (emit_fa3.auto_extra, `persistent_pays`): once its producer copied K / V from kept row addresses,
 its masked tiles ran as fast as plain ones and it led one block an item on every example timed (benchmarks/NOTES.md,
-"The producer's copies"); under a block list too, with the producer at 88 registers
-(emit_fa3.PERSIST_LIST_PRODUCER_REGS: the consumers' list walk spilled at 192), its producer reading each item's
-list a tile ahead of its copies.
+"The producer's copies"); under a block list too, its producer reading each item's list a tile ahead of its copies.
 
-Q, K and V by TMA tensor copies from one producer thread (`tma_loads`) are built but off by default (the producer's
-threads each issue 2 * block_k * D / (16 x threads) 16-byte copies a kv tile). Not here yet: intra-warpgroup overlap
+Under the persistent kernel with two Q buffers, one producer thread loads Q, K and V by TMA tensor copies
+(`tma_loads`, the default since the twenty-eighth session); without it the producer's threads each issue
+2 * block_k * D / (16 x threads) 16-byte copies a kv tile. Not here yet: intra-warpgroup overlap
 of the O rescale with the next S (FA3 does it by keeping the softmax one tile behind).
 """
 
@@ -287,10 +286,13 @@ def pingpong(spec: FA2ForwardSpec) -> bool:
     return bool(spec.extra.get("pingpong", True))
 
 
+LIST_PRODUCER_REGS = 88  # a persistent kernel's producer registers under a block list without tma_loads
+
+
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
-    of 8; bench '-prP'; a persistent kernel: p = 120), or (40, 232). Measured through the driver's whole-program
+    of 8; bench '-prP'; a persistent kernel: p = 120, 88 under a block list), or (40, 232). Measured through the driver's whole-program
     compile (the only one that keeps setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128,
     benchmarks/NOTES.md "setmaxnreg"); under tma_loads p = 56."""
     if "producer_regs" in spec.extra or ("regs" not in spec.extra and persistent(spec)):
@@ -299,7 +301,10 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
         # tma_loads: one producer thread copies, with no row addresses kept: 56, the consumers at 224 (local ptxas
         # 13.0, 2026-11-28: causal spills none, the document 8 bytes, 136 at pr88's 208; at 40 the producer's item
         # walk spills 32 bytes under causal, at 24 128 under the document)
-        p = int(spec.extra.get("producer_regs", 56 if tma_loads(spec) else 120))
+        # without tma_loads under a block list: 88, the consumers at 208 (their list walk spilled 116 bytes at
+        # 120 / 192, and ran slower than one block an item there: 215 against 229 TFLOP/s, H100 2026-11-27)
+        p = int(spec.extra.get("producer_regs", 56 if tma_loads(spec) else LIST_PRODUCER_REGS
+                               if spec.block_mask == "list" else 120))
         return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // 256 // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
     return int(p), int(c)
@@ -423,16 +428,19 @@ def _tma_asked(spec: FA2ForwardSpec) -> bool:
 
 
 def tma_loads(spec: FA2ForwardSpec) -> bool:
-    """Whether the producer warpgroup loads Q, K and V by TMA tensor copies (`extra["tma_loads"]`, off by default:
-    read in one call only, benchmarks/NOTES.md; bench '-tmal'): its thread 0 waits for a stage to be free, announces
+    """Whether the producer warpgroup loads Q, K and V by TMA tensor copies (`extra["tma_loads"]`, on by default
+    where the kernel has two Q buffers; False keeps the 16-byte copies, bench '-notmal'): its thread 0 waits for a stage to be free, announces
     the tile's bytes on the stage's full barrier (`mbarrier.expect_tx`, count 1) and issues one
     `cp.async.bulk.tensor.4d` a 64-column block through K's or V's map (`qmap, kmap, vmap` after `omap`; any 16-byte
     strides, GQA by the kv head's coordinate, rows
     past N zeros), where 128 threads issued 2 x 128 16-byte cp.async a tile; each item's Q likewise (four copies),
     the other producer threads arriving on its barrier (so none falls an item behind the ticket handover).
-    Why (to measure): the producer's copies share the SM's issue slots with the consumers' softmax, and one thread's
-    copies would let the producer give up registers to the consumers (the document's and the softcap's spills)."""
-    return (spec.extra.get("tma_loads", False) is True and spec.dtype in ("f16", "bf16") and q_double(spec)
+    Why: the producer's copies shared the SM's issue slots with the consumers' softmax, and one thread's copies let
+    the producer give up registers to the consumers (56 / 224: the document's spills 136 -> 8 bytes). Measured on
+    the H200 against the 16-byte copies in four calls (5, 9, 11 and 13 rounds, 2026-11-28, benchmarks/NOTES.md "Q,
+    K and V by TMA loads"), medians: plain +11%, +0.3%, +6%, +9%; the document +5%, +1.5%, +3%, +9%; causal and
+    ALiBi within the noise either way (-5% to +5%)."""
+    return (spec.extra.get("tma_loads", True) is not False and spec.dtype in ("f16", "bf16") and q_double(spec)
             and persistent(spec) and producer(spec) == "warpgroup")
 
 

@@ -1,5 +1,5 @@
 """Tensor maps (CUtensorMap) for the kernels' TMA tensor copies: O's stores in the warp-specialized kernel's kept
-epilogue (emit_fa3_ws.tma_store), Q's, K's and V's loads in its producer (emit_fa3_ws.tma_loads, off by default).
+epilogue (emit_fa3_ws.tma_store), Q's, K's and V's loads in its producer (emit_fa3_ws.tma_loads).
 
 A TMA tensor copy names its tensor by a 128-byte map that the CUDA driver encodes on the host
 (cuTensorMapEncodeTiled). CUDA C passes it as a __grid_constant__ parameter, which Numba cannot; PTX also takes a
