@@ -130,14 +130,15 @@ def test_the_consumers_read_and_free_the_items_buffer(D):
 
 
 def test_the_epilogue_at_the_items_end_stages_through_its_own_tile():
-    """The softcap keeps its epilogue at the item's end (epilogue_in_s off) and one Q buffer by default; asked for
-    two, it stages O through the warpgroup's own tile of the item's buffer (q_wg), which is then freed."""
+    """The softcap keeps its epilogue at the item's end (epilogue_in_s off) with two Q buffers by default (and Q,
+    K and V by TMA): it stages O through the warpgroup's own tile of the item's buffer (q_wg), which is then freed;
+    '-noqd' keeps one buffer."""
     import falower as fl
 
     g = runpy.run_path(str(EXAMPLES / "softcap.py"))["graph"]
-    assert not emit_fa3_ws.q_double(fl.compile(g, extra=PERSIST).specialize("f16", D=128).spec)  # its default
-    spec = fl.compile(g, extra={**PERSIST, "q_double": True}).specialize("f16", D=128).spec  # asked ('-qd')
-    assert emit_fa3_ws.q_double(spec) and not emit_fa3_ws.epilogue_in_s(spec)
+    spec = fl.compile(g, extra=PERSIST).specialize("f16", D=128).spec  # its default
+    assert emit_fa3_ws.q_double(spec) and not emit_fa3_ws.epilogue_in_s(spec) and emit_fa3_ws.tma_loads(spec)
+    assert not emit_fa3_ws.q_double(fl.compile(g, extra={**PERSIST, "q_double": False}).specialize("f16", D=128).spec)
     qe = emit_fa3_ws._layout(spec)["q_empty"]
     _, cons = _parts(emit_fa3_ws.emit_fa3_ws_forward(spec))
     end = cons.index("# this thread is past the item's last S")

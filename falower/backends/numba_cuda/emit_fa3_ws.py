@@ -372,9 +372,11 @@ def list_head_shared(spec: FA2ForwardSpec) -> bool:
 
 
 def _q_double_asked(spec: FA2ForwardSpec) -> bool:
-    """q_double unless extra["q_double"] says otherwise; by default not where epilogue_in_s is off by default (the
-    softcap's two tanh paths: measured -5% with it, H100 2026-11-28, one call of 7 rounds)."""
-    asked = spec.extra.get("q_double", small_scores(spec) is None)
+    """q_double unless extra["q_double"] says otherwise. The softcap (its two tanh paths, epilogue_in_s off) once
+    kept one buffer (-5% with two, H100 2026-11-28, one call of 7 rounds); with two it now also loads by TMA
+    (tma_loads, its consumers at 224 registers: local ptxas spills 48 -> 0 bytes) and measured 400 against 385
+    TFLOP/s for one buffer (H200 2026-11-28, 11 rounds, within the spread), so it takes two like every example."""
+    asked = spec.extra.get("q_double", True)
     return (bool(persistent(spec)) and producer(spec) == "warpgroup"
             and spec.extra.get("staged_epilogue", True) is not False and asked is not False)
 
