@@ -233,12 +233,14 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
                    "loop_cycles", "k0_wait_cycles", "first_tile_cycles", "kept_epilogue_cycles", "kept_barrier_cycles",
-                   "kept_staged_cycles", "kept_redux_cycles")
-# inside the kept epilogue's block: the line after which its barrier has been passed, its rows are staged, and
-# (bulk_store) the copies' operands are made uniform (their redux: the copies follow)
+                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles")
+# inside the kept epilogue's block: the line after which its barrier has been passed, its rows are staged,
+# (bulk_store) the copies' operands are made uniform (their redux: the copies follow), and lane 0 (thread 0 stamps)
+# has issued and committed the copies
 KEPT_MARKS = (("tl_eb", ("is done with the last item's O rows",)),
               ("tl_es", ("this warp's 16 rows are staged", "the warpgroup's rows are in shared memory")),
-              ("tl_er", ("= warp_min(np.int32(o_wg",)))
+              ("tl_er", ("= warp_min(np.int32(o_wg",)),
+              ("tl_ec", ("bulk_commit()",)))
 
 
 def stamped_producer_source(source: str, name: str) -> str:
@@ -306,6 +308,7 @@ def stamped_producer_source(source: str, name: str) -> str:
                     f"{sp}    tl_buf[tl_i + 12] = np.uint64(tl_eb)",
                     f"{sp}    tl_buf[tl_i + 13] = np.uint64(tl_es)",
                     f"{sp}    tl_buf[tl_i + 14] = np.uint64(tl_er)",
+                    f"{sp}    tl_buf[tl_i + 15] = np.uint64(tl_ec)",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -317,7 +320,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
                     f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
                     f"{sp}tl_f = False", f"{sp}tl_c1 = tl_wk", f"{sp}tl_f1 = False", f"{sp}tl_ep = tl_wk",
-                    f"{sp}tl_c2 = tl_wk", f"{sp}tl_eb = tl_wk", f"{sp}tl_es = tl_wk", f"{sp}tl_er = tl_wk",
+                    f"{sp}tl_c2 = tl_wk", f"{sp}tl_eb = tl_wk", f"{sp}tl_es = tl_wk", f"{sp}tl_er = tl_wk", f"{sp}tl_ec = tl_wk",
                     f"{sp}tl_cq = clock64()",
                     f"{sp}tl_cle = tl_cq"]
             found.add("init")
@@ -333,7 +336,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1",
                     f"{sp}tl_wk0 = np.uint64(0)", f"{sp}tl_f = True", f"{sp}tl_c1 = np.uint64(0)",
                     f"{sp}tl_f1 = True", f"{sp}tl_ep = np.uint64(0)", f"{sp}tl_eb = tl_ep", f"{sp}tl_es = tl_ep",
-                    f"{sp}tl_er = tl_ep"]
+                    f"{sp}tl_er = tl_ep", f"{sp}tl_ec = tl_ep"]
             found.add("q")
         if i > consumers and ln.strip() == "pstage = stage" and "first" not in found:  # the kv loop's tile end
             sp = ind(ln)
@@ -345,7 +348,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             found.add("loop_end")
     if "kept" in found and not {"tl_eb", "tl_es"} <= found:
         raise SystemExit(f"timeline: the kept epilogue's barrier or staging not found: {found}")
-    if found - {"kept", "tl_eb", "tl_es", "tl_er"} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
+    if found - {"kept", "tl_eb", "tl_es", "tl_er", "tl_ec"} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -386,8 +389,10 @@ def summarize_producer(t: np.ndarray) -> dict:
         waits["first_tile_cycles"] = float(np.median(rows[:, 10]))
         kept = rows[:, 11] > 0
         waits["kept_epilogue_cycles"] = float(np.median(rows[kept, 11])) if kept.any() else 0.0
-        if t.shape[-1] >= 15:  # inside it: to its first barrier passed, its rows staged, its copies' redux done
-            for name, col in (("kept_barrier_cycles", 12), ("kept_staged_cycles", 13), ("kept_redux_cycles", 14)):
+        if t.shape[-1] >= 15:  # inside it: to its first barrier passed, its rows staged, its copies' redux done and
+            # (16 fields) lane 0's copies issued
+            for name, col in (("kept_barrier_cycles", 12), ("kept_staged_cycles", 13), ("kept_redux_cycles", 14),
+                              ("kept_issued_cycles", 15))[:t.shape[-1] - 12]:
                 waits[name] = float(np.median(rows[kept, col])) if kept.any() else 0.0
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),

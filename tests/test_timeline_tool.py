@@ -161,7 +161,7 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
              "tl_ep += clock64() - tl_c2", "tl_c1 = clock64() - tl_cq", "tl_le = global_timer()",
              "tl_buf[tl_i + 8] = np.uint64(tl_cle - tl_cq)", "tl_buf[tl_i + 9] = np.uint64(tl_wk0)",
              "tl_buf[tl_i + 11] = np.uint64(tl_ep)", "tl_buf[tl_i + 13] = np.uint64(tl_es)",
-             "tl_buf[tl_i + 14] = np.uint64(tl_er)"]
+             "tl_buf[tl_i + 14] = np.uint64(tl_er)", "tl_buf[tl_i + 15] = np.uint64(tl_ec)"]
     at = [out.index(m, consumers) for m in marks]
     assert at == sorted(at), marks
     assert out.index("# K_j has landed", consumers) < at[3] and out.index("# Q has landed", consumers) < at[1]
@@ -170,8 +170,10 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
     assert out.rindex("is done with the last item's O rows", 0, eb) > out.rindex("tl_c2 = clock64()", 0, eb)
     assert out.rindex("this warp's 16 rows are staged", 0, es) > eb
     er = out.index("tl_er += clock64() - tl_c2")  # after the copies' redux, before the copies (tma_store)
+    ec = out.index("tl_ec += clock64() - tl_c2")  # after lane 0 issued and committed the copies
     assert es < out.rindex("= warp_min(np.int32(o_wg", 0, er) < er < out.index("tma_store_3d(", er) < \
-        out.index("tl_ep += clock64() - tl_c2")
+        out.index("bulk_commit()", er) < ec < out.index("tl_ep += clock64() - tl_c2")
+    assert out[out.rindex("\n", 0, ec):ec].count(" ") > out[out.rindex("\n", 0, er):er].count(" ")  # in lane 0's branch
     loop = out[consumers:]
     first = loop[loop.index("\n", loop.index("# Q has landed")):]
     j0 = first.split("j = ", 1)[1].split("\n", 1)[0]
@@ -190,7 +192,7 @@ def test_the_producer_summary_reads_the_stamps():
             q = now + 250
             le = q + 500 + 2000 * tiles
             t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles, 300 + 100 * k,
-                        4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k]
+                        4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k, 1300 * k]
             now = le + 1000 + 750
     s = timeline.summarize_producer(t)
     assert s["items"] == 4 and s["q_wait_us"] == pytest.approx(0.25) and s["epilogue_us"] == pytest.approx(1.0)
@@ -203,4 +205,4 @@ def test_the_producer_summary_reads_the_stamps():
     # the first tile from Q landed; the kept epilogue's median over the items that had one (each block's second)
     assert s["first_tile_cycles"] == pytest.approx(4500) and s["kept_epilogue_cycles"] == pytest.approx(1500)
     assert s["kept_barrier_cycles"] == pytest.approx(400) and s["kept_staged_cycles"] == pytest.approx(900)
-    assert s["kept_redux_cycles"] == pytest.approx(1100)
+    assert s["kept_redux_cycles"] == pytest.approx(1100) and s["kept_issued_cycles"] == pytest.approx(1300)
