@@ -23,12 +23,18 @@ from sim_script import against_reference, count_calls, example_graph, run_main, 
 CASES = {
     "ws-softcap": (100, 90, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}, (40, 56)),
     "fa3-r128-softcap": (70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}, (0, 9)),
+    # the persistent producer kernel as the softcap takes it by default: two Q buffers, Q, K and V by TMA loads,
+    # the epilogue at the item's end through the item's own Q tile (not in the next item's S); four items on one
+    # block, kv tile 0 full (the small path is a full tile's), tile 1 ragged
+    "pwg-persist-softcap": (150, 200, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                      "persistent": 1, "item_order": "dynamic"}, (40, 56)),
 }
 
 
 def run_case(case_id: str) -> dict:
     import falower as fl
     from falower.backends.numba_cuda.emit_fa2 import small_scores
+    from falower.backends.numba_cuda.emit_fa3_ws import epilogue_in_s, q_double, tma_loads
     from falower.passes.check import Reference, bind_dims
 
     M, N, D, (bq, bk), extra, (r0, r1) = CASES[case_id]
@@ -45,8 +51,10 @@ def run_case(case_id: str) -> dict:
     kern = c.kernel(q, k, v)
     calls = count_calls(kern, ("score_row_small", "score_row"))
     o, lse = c(q, k, v)
+    ws = kern.spec.extra.get("schedule") == "wgmma-ws"
     return {"id": case_id, "dtype": "f16", "schedule": kern.spec.extra.get("schedule", "mma"),
             "bound": small_scores(kern.spec), "calls": calls,
+            "form": [f(kern.spec) if ws else False for f in (q_double, tma_loads, epilogue_in_s)],
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 
