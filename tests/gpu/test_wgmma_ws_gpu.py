@@ -76,11 +76,11 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     # ... the items from a global counter (item_order "dynamic"; repeated calls and streams below)
     (True, "f16", 128, 128, {"producer": "warpgroup", "persistent": 11, "item_order": "dynamic"}),
     (False, "bf16", 64, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}),
-    # ... K and V by TMA loads from one producer thread (tma_loads, off by default): GQA's kv head and N = 1000's
-    # last tile (rows past N zeros) by the maps
+    # ... Q, K and V by TMA loads from one producer thread (tma_loads, the default under two Q buffers): GQA's kv
+    # head and N = 1000's last tile (rows past N zeros) by the maps; and by the producer threads' 16-byte copies
     (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic", "tma_loads": True}),
     (False, "f16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
-                              "tma_loads": True}),
+                              "tma_loads": False}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()
