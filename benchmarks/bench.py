@@ -769,11 +769,16 @@ def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]
     for stem in flops:
         ours, flex = tflops(stem, "ours"), tflops(stem, "flex")
         o, f = stats(ours), stats(flex)
+        base = stem.split(" ")[0]
+        paired = ratios(ours, tflops(base, "ours")) if base != stem else []
         out.append({"example": stem, "rounds": sum(1 for x in ours if x == x), "ours": o["median"],
                     "ours spread": (o["max"] - o["min"]) / o["median"] if o["median"] == o["median"] else NAN,
                     "flex": f["median"],
                     "of plain": stats(ratios(ours, ours_plain)) if ours_plain else stats([]),
-                    "over flex": stats(ratios(ours, flex))})
+                    "over flex": stats(ratios(ours, flex)),
+                    # an --ex-configs row against its example's default kernel, round by round, and the rounds
+                    # it was the faster in: a paired reading, where the two rows' medians each carry the drift
+                    "of default": {**stats(paired), "wins": sum(1 for x in paired if x > 1), "n": len(paired)}})
     return out
 
 
@@ -880,12 +885,14 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
     md = [f"Examples at N = 4k, D = {rows[0]['D'] if rows else '-'}, fp16, {dev}: {rounds} interleaved rounds "
           "(every call once a round, in a random order); TFLOP/s of the kept pairs by the whole call, the median "
           "over rounds; ratios taken within each round, median [min, max]", "",
-          "| example | falower | spread | of plain | Flex | falower / Flex | o diff |", "|---|---|---|---|---|---|---|"]
+          "| example | falower | spread | of plain | Flex | falower / Flex | o diff | of default (rounds faster) |",
+          "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p, f = r["of plain"], r["over flex"]
+        p, f, d = r["of plain"], r["over flex"], r.get("of default", {"n": 0})
+        paired = (f"{d['median']:.3f} [{d['min']:.3f}, {d['max']:.3f}] ({d['wins']}/{d['n']})" if d["n"] else "-")
         md.append(f"| {r['example']} | {r['ours']:.0f} | {100 * r['ours spread']:.1f}% | {p['median']:.3f} "
                   f"[{p['min']:.3f}, {p['max']:.3f}] | {r['flex']:.0f} | {f['median']:.2f} "
-                  f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} |")
+                  f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} | {paired} |")
     return md
 
 
@@ -1049,7 +1056,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0,
                     help="time every example's forward and its Flex twin in this many interleaved rounds (ratios "
                          "to plain and to Flex taken round by round; --ex-configs join the rounds as "
-                         "rows '<example> <tag>'); with --fwd alone, instead of one example after another")
+                         "rows '<example> <tag>', each also over its example's default row round by round, with "
+                         "the rounds it was faster in); with --fwd alone, instead of one example after another")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
     ap.add_argument("--no-check", action="store_true")

@@ -95,6 +95,25 @@ def test_rounds_summary_config_rows_share_their_examples_flex():
     assert row["flex"] == pytest.approx((1e12 / 3.2 + 1e12 / 3.6) / 2 / 1e9)
 
 
+def test_rounds_summary_pairs_a_config_row_with_its_default():
+    """An --ex-configs row's "of default": its TFLOP/s over its example's default row round by round (a drift that
+    slows a whole round cancels), and the rounds it was faster in; a default row has none."""
+    flops = {"plain": 2e12, "causal": 1e12, "causal -tmal": 1e12}
+    drift = [1.0, 1.4, 0.7, 1.2]
+    times = {("plain", "ours"): [4.0 * f for f in drift], ("causal", "ours"): [2.0 * f for f in drift],
+             ("causal -tmal", "ours"): [t * f for t, f in zip((1.9, 2.1, 1.8, 1.95), drift)]}
+    rows = {r["example"]: r for r in bench.rounds_summary(times, flops)}
+    d = rows["causal -tmal"]["of default"]
+    assert d["n"] == 4 and d["wins"] == 3  # 2.1 > 2.0: the second round the default was faster
+    assert d["min"] == pytest.approx(2.0 / 2.1) and d["max"] == pytest.approx(2.0 / 1.8)
+    assert d["median"] == pytest.approx((2.0 / 1.9 + 2.0 / 1.95) / 2)
+    assert rows["causal"]["of default"]["n"] == 0
+    rows["causal"]["o diff vs flex"] = rows["causal -tmal"]["o diff vs flex"] = 1e-4
+    rows["causal"]["D"] = 128
+    table = bench.rounds_table([rows["causal"], rows["causal -tmal"]], "H200", 4)
+    assert table[-2].endswith("| - |") and "(3/4) |" in table[-1], table
+
+
 class _T:
     """Enough of a torch tensor for config_matching: float(), subtraction, abs(), max(), item()."""
 
