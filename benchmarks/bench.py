@@ -818,6 +818,8 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     for row in out:
         row["D"] = D
         row["o diff vs flex"] = diffs.get(row["example"], NAN)  # sanity, not a check (both fp16)
+        # each round's time in ms, ours and Flex's (results.json): any pairing can be taken again later
+        row["round ms"] = {who: times.get((row["example"], who), []) for who in ("ours", "flex")}
     return out
 
 
