@@ -292,9 +292,9 @@ LIST_PRODUCER_REGS = 88  # a persistent kernel's producer registers under a bloc
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
-    of 8; bench '-prP'; a persistent kernel: p = 120, 88 under a block list), or (40, 232). Measured through the driver's whole-program
-    compile (the only one that keeps setmaxnreg): at 40 the producer's code spills (116 bytes at D = 128,
-    benchmarks/NOTES.md "setmaxnreg"); under tma_loads p = 56."""
+    of 8; bench '-prP'; a persistent kernel: p = 120, 88 under a block list, 56 under tma_loads), or (40, 232).
+    Measured through the driver's whole-program compile (the only one that keeps setmaxnreg): at 40 the producer's
+    code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
     if "producer_regs" in spec.extra or ("regs" not in spec.extra and persistent(spec)):
         # persistent: the producer walks items too and needs 120 (at 56 / 224 the kernel spilled 280 bytes, at
         # 112 / 192 32; 120 / 192 none: ptxas and the H100's driver alike, probe_setmaxnreg.py --persistent)
@@ -431,19 +431,18 @@ def _tma_asked(spec: FA2ForwardSpec) -> bool:
 
 def tma_loads(spec: FA2ForwardSpec) -> bool:
     """Whether the producer warpgroup loads Q, K and V by TMA tensor copies (`extra["tma_loads"]`, on by default
-    where the kernel has two Q buffers; False keeps the 16-byte copies, bench '-notmal'): its thread 0 waits for a stage to be free, announces
-    the tile's bytes on the stage's full barrier (`mbarrier.expect_tx`, count 1) and issues one
-    `cp.async.bulk.tensor.4d` a 64-column block through K's or V's map (`qmap, kmap, vmap` after `omap`; any 16-byte
-    strides, GQA by the kv head's coordinate, rows
-    past N zeros), where 128 threads issued 2 x 128 16-byte cp.async a tile; each item's Q likewise (four copies),
-    the other producer threads arriving on its barrier (so none falls an item behind the ticket handover).
+    wherever the kernel has two Q buffers, which only the persistent producer-warpgroup kernel has; False keeps the
+    16-byte copies, bench '-notmal'). Its thread 0 waits for a stage to be free, announces the tile's bytes on the
+    stage's full barrier (`mbarrier.expect_tx`, count 1) and issues one `cp.async.bulk.tensor.4d` a 64-column block
+    through K's or V's map (`qmap, kmap, vmap` after `omap`; any 16-byte strides, GQA by the kv head's coordinate,
+    rows past N zeros), where 128 threads issued 2 x 128 16-byte cp.async a tile; each item's Q likewise (four
+    copies), the other producer threads arriving on its barrier (so none falls an item behind the ticket handover).
     Why: the producer's copies shared the SM's issue slots with the consumers' softmax, and one thread's copies let
     the producer give up registers to the consumers (56 / 224: the document's spills 136 -> 8 bytes). Measured on
     the H200 against the 16-byte copies in four calls (5, 9, 11 and 13 rounds, 2026-11-28, benchmarks/NOTES.md "Q,
-    K and V by TMA loads"), medians: plain +11%, +0.3%, +6%, +9%; the document +5%, +1.5%, +3%, +9%; causal and
-    ALiBi within the noise either way (-5% to +5%)."""
-    return (spec.extra.get("tma_loads", True) is not False and spec.dtype in ("f16", "bf16") and q_double(spec)
-            and persistent(spec) and producer(spec) == "warpgroup")
+    K and V by TMA loads made the default"), medians: plain +11%, +0.3%, +6%, +9%; the document +5%, +1.5%, +3%,
+    +9%; causal and ALiBi within the noise either way (-5% to +5%)."""
+    return spec.extra.get("tma_loads", True) is not False and spec.dtype in ("f16", "bf16") and q_double(spec)
 
 
 def tma_store(spec: FA2ForwardSpec) -> bool:
