@@ -241,6 +241,7 @@ KEPT_MARKS = (("tl_eb", ("is done with the last item's O rows",)),
               ("tl_es", ("this warp's 16 rows are staged", "the warpgroup's rows are in shared memory")),
               ("tl_er", ("= warp_min(np.int32(o_wg",)),
               ("tl_ec", ("bulk_commit()",)))
+KEPT_VARS = tuple(v for v, _ in KEPT_MARKS)
 
 
 def stamped_producer_source(source: str, name: str) -> str:
@@ -305,10 +306,7 @@ def stamped_producer_source(source: str, name: str) -> str:
                     f"{sp}    tl_buf[tl_i + 9] = np.uint64(tl_wk0)",
                     f"{sp}    tl_buf[tl_i + 10] = np.uint64(tl_c1)",
                     f"{sp}    tl_buf[tl_i + 11] = np.uint64(tl_ep)",
-                    f"{sp}    tl_buf[tl_i + 12] = np.uint64(tl_eb)",
-                    f"{sp}    tl_buf[tl_i + 13] = np.uint64(tl_es)",
-                    f"{sp}    tl_buf[tl_i + 14] = np.uint64(tl_er)",
-                    f"{sp}    tl_buf[tl_i + 15] = np.uint64(tl_ec)",
+                    *(f"{sp}    tl_buf[tl_i + {12 + n}] = np.uint64({v})" for n, v in enumerate(KEPT_VARS)),
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -320,7 +318,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
                     f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
                     f"{sp}tl_f = False", f"{sp}tl_c1 = tl_wk", f"{sp}tl_f1 = False", f"{sp}tl_ep = tl_wk",
-                    f"{sp}tl_c2 = tl_wk", f"{sp}tl_eb = tl_wk", f"{sp}tl_es = tl_wk", f"{sp}tl_er = tl_wk", f"{sp}tl_ec = tl_wk",
+                    f"{sp}tl_c2 = tl_wk", *(f"{sp}{v} = tl_wk" for v in KEPT_VARS),
                     f"{sp}tl_cq = clock64()",
                     f"{sp}tl_cle = tl_cq"]
             found.add("init")
@@ -335,8 +333,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             last = next(x.strip()[len("while j <= "):-1] for x in lines[i + 1:] if x.strip().startswith("while j <= "))
             out += [f"{sp}tl_q = global_timer()", f"{sp}tl_cq = clock64()", f"{sp}tl_nt = {last} - {first} + 1",
                     f"{sp}tl_wk0 = np.uint64(0)", f"{sp}tl_f = True", f"{sp}tl_c1 = np.uint64(0)",
-                    f"{sp}tl_f1 = True", f"{sp}tl_ep = np.uint64(0)", f"{sp}tl_eb = tl_ep", f"{sp}tl_es = tl_ep",
-                    f"{sp}tl_er = tl_ep", f"{sp}tl_ec = tl_ep"]
+                    f"{sp}tl_f1 = True", f"{sp}tl_ep = np.uint64(0)", *(f"{sp}{v} = tl_ep" for v in KEPT_VARS)]
             found.add("q")
         if i > consumers and ln.strip() == "pstage = stage" and "first" not in found:  # the kv loop's tile end
             sp = ind(ln)
@@ -348,7 +345,7 @@ def stamped_producer_source(source: str, name: str) -> str:
             found.add("loop_end")
     if "kept" in found and not {"tl_eb", "tl_es"} <= found:
         raise SystemExit(f"timeline: the kept epilogue's barrier or staging not found: {found}")
-    if found - {"kept", "tl_eb", "tl_es", "tl_er", "tl_ec"} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
+    if found - {"kept", *KEPT_VARS} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -391,8 +388,7 @@ def summarize_producer(t: np.ndarray) -> dict:
         waits["kept_epilogue_cycles"] = float(np.median(rows[kept, 11])) if kept.any() else 0.0
         if t.shape[-1] >= 15:  # inside it: to its first barrier passed, its rows staged, its copies' redux done and
             # (16 fields) lane 0's copies issued
-            for name, col in (("kept_barrier_cycles", 12), ("kept_staged_cycles", 13), ("kept_redux_cycles", 14),
-                              ("kept_issued_cycles", 15))[:t.shape[-1] - 12]:
+            for col, name in enumerate(PRODUCER_FIELDS[12:t.shape[-1]], 12):
                 waits[name] = float(np.median(rows[kept, col])) if kept.any() else 0.0
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
