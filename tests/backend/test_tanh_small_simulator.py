@@ -1,8 +1,9 @@
 """The softcap's tanh by the FMA pipe's polynomial on tiles whose scores lie in its range, tanh_ex2 elsewhere
 (emit_fa2.small_scores), on the two wgmma forward kernels through falower.compile in the CUDA simulator against
 the float64 reference (tanh_small_sim_cases.py: ragged tiles, M != N, some query rows scaled out of the range; the
-persistent producer kernel in the softcap's default form too). Each case must have taken both paths. The mma.sync kernel's call site is the same `score_row_calls` lines
-(test_tanh_small.py checks its branch; the helpers themselves run there as Python against score_row)."""
+persistent producer kernel in the softcap's default form too). Each case must have taken both paths. The mma.sync
+kernel's call site is the same `score_row_calls` lines (test_tanh_small.py checks its branch; the helpers themselves
+run there as Python against score_row)."""
 
 from __future__ import annotations
 
@@ -30,5 +31,5 @@ def test_the_small_tanh_matches_the_reference(results, case):
     assert r["schedule"] == CASES[case][4].get("schedule", "mma"), r
     assert r["bound"] is not None and r["bound"] > 0, r
     assert r["calls"]["score_row_small"] > 0 and r["calls"]["score_row"] > 0, r  # both paths ran
-    if CASES[case][4].get("persistent"):  # the softcap's default form: two Q buffers, TMA loads, its epilogue at the end
+    if CASES[case][4].get("persistent"):  # the softcap's default: two Q buffers, TMA loads, its epilogue at the end
         assert r["form"] == [True, True, False], r

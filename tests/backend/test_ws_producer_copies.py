@@ -69,9 +69,9 @@ def test_persistent_producer_walks_each_items_block_list(head, tma):
     walk the same list for the tiles' classes, and an item with no entry loads no K / V. Correct on the H100
     (test_document_mask_gpu.py) and in the simulator (test_ws_persistent_simulator.py's document case, an
     all-padding item among its items); the automatic choice at D = 128 (test_wgmma_select.py). Its copies are
-    one thread's TMA loads by default, the producer's 16-byte copies under '-notmal'. By default (`list_head_shared`) the list's head (count, first, second and last
-    entries) comes with the ticket in shared memory, read by producer thread 0 before the handover; '-nolh' reads
-    it from the list at each item's start."""
+    one thread's TMA loads by default, the producer's 16-byte copies under '-notmal'. By default
+    (`list_head_shared`) the list's head (count, first, second and last entries) comes with the ticket in shared
+    memory, read by producer thread 0 before the handover; '-nolh' reads it from the list at each item's start."""
     import runpy
 
     import falower as fl

@@ -241,13 +241,13 @@ def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_the_producer_loads_q_k_and_v_by_tma(D):
-    """`tma_loads` (on by default under two Q buffers): the kernel takes Q's, K's and V's maps after O's; the stages' full barriers
-    count one arrival (thread 0's expect_tx, the bytes completing the phase), the Q buffers' the producer's 128
-    threads (thread 0's expect_tx and the others' arrivals, once past the item's ticket); thread 0 alone
-    acquires the maps once, and for each item announces the item's Q bytes and copies each consumer warpgroup's 64
-    rows a 64-column block at (64 b, q_lo + 64 w, h, b) into the item's buffer, then for each tile waits for a stage
-    to be free, announces the tile's bytes and issues one copy a 64-column block at (64 b, j BK, hk, b). No thread
-    keeps row addresses or issues 16-byte copies. The consumers are as without it."""
+    """`tma_loads` (on by default under two Q buffers): the kernel takes Q's, K's and V's maps after O's; the
+    stages' full barriers count one arrival (thread 0's expect_tx, the bytes completing the phase), the Q buffers'
+    the producer's 128 threads (thread 0's expect_tx and the others' arrivals, once past the item's ticket); thread
+    0 alone acquires the maps once, and for each item announces the item's Q bytes and copies each consumer
+    warpgroup's 64 rows a 64-column block at (64 b, q_lo + 64 w, h, b) into the item's buffer, then for each tile
+    waits for a stage to be free, announces the tile's bytes and issues one copy a 64-column block at
+    (64 b, j BK, hk, b). No thread keeps row addresses or issues 16-byte copies. The consumers are as without it."""
     assert not emit_fa3_ws.tma_loads(_spec({"tma_loads": False}, D=D))
     spec = _spec(D=D)
     assert emit_fa3_ws.tma_loads(spec) and emit_fa3_ws.tma_loads(_spec({"tma_loads": True}, D=D))

@@ -53,8 +53,9 @@ def test_the_forward_stays_right_while_o_moves(dtype):
 
 
 def test_k_and_v_loaded_by_tma_from_strided_views():
-    """tma_loads (the default, asked here explicitly): K and V as [B, N, Hk, D] projections viewed as [B, Hk, N, D] (their maps' strides
-    are the views'), GQA, N = 300 (the last tile's rows past N zeros): equal to torch's on contiguous copies."""
+    """tma_loads (the default, asked here explicitly): K and V as [B, N, Hk, D] projections viewed as [B, Hk, N, D]
+    (their maps' strides are the views'), GQA, N = 300 (the last tile's rows past N zeros): equal to torch's on
+    contiguous copies."""
     B, H, Hk, M, N, D = 2, 4, 2, 200, 300, 128
     g = fl.attention(mask_mod=None, name="tmal", dtype="f16", group_size=2)
     c = fl.compile(g, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
