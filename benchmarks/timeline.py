@@ -250,10 +250,10 @@ def stamped_producer_source(source: str, name: str) -> str:
     after its epilogue (%globaltimer, 256 ns steps on the H100); and by %clock64, the cycles its kv loop spent in
     the waits for K and for V to land (summed over its tiles), its first tile's wait for K alone (where the ring
     had not loaded ahead across the item's start), the loop's cycles, its first tile's (from Q landed) and, under
-    epilogue_in_s, the kept epilogue's block in the loop (summed over its tiles), and inside it the cycles to its
-    first barrier passed, to its rows staged and (bulk_store) to its copies' operands made uniform (KEPT_MARKS);
-    thread 0 of each consumer warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item]
-    (PRODUCER_FIELDS)."""
+    epilogue_in_s, the kept epilogue's block in the loop (from its first line to its last: the tiles that skip it
+    add nothing), and inside it the cycles to its first barrier passed, to its rows staged, (bulk_store) to its
+    copies' operands made uniform and to lane 0's copies issued (KEPT_MARKS); thread 0 of each consumer warpgroup
+    writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
     lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
     out: list[str] = []
@@ -283,11 +283,12 @@ def stamped_producer_source(source: str, name: str) -> str:
                 ln = None
         if ln is None:
             continue
-        if i == kept_at:
+        # inside the block (its first and after its last line): the tiles that skip it add nothing
+        if kept_at is not None and i == kept_at + 1:
             out.append(f"{ind(ln)}tl_c2 = clock64()")
             found.add("kept")
         if i == kept_end:
-            out.append(f"{ind(lines[kept_at])}tl_ep += clock64() - tl_c2")
+            out.append(f"{ind(lines[kept_at + 1])}tl_ep += clock64() - tl_c2")
         marks = [v for v, anchors in KEPT_MARKS if any(a in ln for a in anchors)] if kept_at is not None and \
             kept_at < i < kept_end else []
         if i > consumers and ln.strip() in ("qphase ^= 1", "qk += 1") and "record" not in found:

@@ -174,6 +174,12 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
     assert es < out.rindex("= warp_min(np.int32(o_wg", 0, er) < er < out.index("tma_store_3d(", er) < \
         out.index("bulk_commit()", er) < ec < out.index("tl_ep += clock64() - tl_c2")
     assert out[out.rindex("\n", 0, ec):ec].count(" ") > out[out.rindex("\n", 0, er):er].count(" ")  # in lane 0's branch
+    # the block's own start and end, inside it (one level below its `if`): a tile that skips it adds nothing
+    head = out.index("if ep_pend:  # the item before's epilogue", consumers)
+    c2, ep = out.index("tl_c2 = clock64()", consumers), out.index("tl_ep += clock64() - tl_c2")
+    depth = head - out.rindex("\n", 0, head) - 1
+    assert head < c2 and out.index("\n", head) + 1 + depth + 4 == c2, out[head:c2 + 20]
+    assert out[out.rindex("\n", 0, ep) + 1:ep] == " " * (depth + 4)
     loop = out[consumers:]
     first = loop[loop.index("\n", loop.index("# Q has landed")):]
     j0 = first.split("j = ", 1)[1].split("\n", 1)[0]
