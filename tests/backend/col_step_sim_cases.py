@@ -60,15 +60,21 @@ CASES = {
     "ws-relbias": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     "mma-relbias": ("relbias", 40, 33, 32, (64, 32), {}),
+    # the persistent producer kernel as the relative bias takes it by default at D = 128 (Q, K and V by TMA
+    # loads, two Q buffers, the entries read ahead of the waits): two items on one block, each with rows outside
+    # the table, kv tile 1 ragged
+    "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                                 "persistent": 1, "item_order": "dynamic"}),
 }
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
-PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1}
+PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1}
 
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
+    from falower.backends.numba_cuda.emit_fa3_ws import tma_loads
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -94,6 +100,7 @@ def run_case(case_id: str) -> dict:
     return {"id": case_id, "dtype": "f16", "taken": taken(kern.spec) and fn in kern.source,
             "schedule": kern.spec.extra.get("schedule", "mma"), "shift": row_gather_shift(kern.spec),
             "early": "gl = score_pair_load(" in kern.source, "calls": calls,
+            "tma_loads": kern.spec.extra.get("schedule") == "wgmma-ws" and tma_loads(kern.spec),
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

@@ -247,9 +247,12 @@ def test_compile_takes_the_persistent_kernel_under_a_block_list(hopper) -> None:
     assert emit_fa3_ws.registers(mine) == (120, 192)
 
 
-def test_compile_keeps_one_block_an_item_for_a_relative_bias(hopper) -> None:
-    """A relative bias (a row pair's table entries read ahead of the waits) stays on one block an item: its
-    persistent form spilled and ran slower (emit_fa3_ws.persistent_pays); ALiBi, whose slope is a row's, does not."""
+def test_compile_keeps_one_block_an_item_for_a_relative_bias_only_without_tma_loads(hopper) -> None:
+    """A relative bias (a row pair's table entries read ahead of the waits) takes the persistent kernel where its
+    producer loads by TMA (consumers at 224 registers: measured faster, emit_fa3_ws.persistent_pays), and stays on
+    one block an item where the producer's threads copy (consumers at 192: spilled and slower); ALiBi, whose slope
+    is a row's, is persistent either way."""
+    import dataclasses
     import runpy
     from pathlib import Path
 
@@ -257,11 +260,16 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias(hopper) -> None:
 
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     ex = Path(__file__).resolve().parents[2] / "examples"
-    rel = fl.compile(runpy.run_path(str(ex / "relative_bias.py"))["graph"]).specialize("f16", D=128).spec
-    assert rel.extra == emit_fa3.WS_EXTRA and emit_fa3_ws.gather_early(rel)
+    rel_g = runpy.run_path(str(ex / "relative_bias.py"))["graph"]
+    rel = fl.compile(rel_g).specialize("f16", D=128).spec
+    assert rel.extra.get("persistent") == 132 and emit_fa3_ws.gather_early(rel) and emit_fa3_ws.tma_loads(rel)
+    assert emit_fa3_ws.persistent_pays(rel) and emit_fa3_ws.registers(rel) == (56, 224)
+    copies = fl.compile(rel_g, extra={"tma_loads": False}).specialize("f16", D=128).spec
+    assert copies.extra == {**emit_fa3.WS_EXTRA, "tma_loads": False}, copies.extra
+    assert not emit_fa3_ws.persistent_pays(dataclasses.replace(rel, extra={**rel.extra, "tma_loads": False}))
     alibi = fl.compile(runpy.run_path(str(ex / "alibi.py"))["graph"]).specialize("f16", D=128).spec
     assert alibi.extra.get("persistent") == 132 and emit_fa3_ws.persistent_pays(alibi)
     # the caller's own persistence is the caller's: kept (the knobs win), not a silent fall back to mma.sync
     mine = {"producer": "warpgroup", "persistent": 66, "item_order": "dynamic"}
-    own = fl.compile(runpy.run_path(str(ex / "relative_bias.py"))["graph"], extra=mine).specialize("f16", D=128).spec
+    own = fl.compile(rel_g, extra=mine).specialize("f16", D=128).spec
     assert own.extra == {"schedule": "wgmma-ws", **mine}, own.extra

@@ -255,9 +255,11 @@ def gather_early(spec: FA2ForwardSpec) -> bool:
 def persistent_pays(spec: FA2ForwardSpec) -> bool:
     """Whether the automatic choice keeps its persistent producer-warpgroup form for this spec (falower.compile;
     emit_fa3.auto_extra chose it by mask and D alone): not where the score reads a row pair's table entries ahead
-    of the waits (`gather_early`, a relative bias), since those registers held across the waits do not fit the
-    consumers' 192 (220 bytes spilled; 301 against 453 TFLOP/s one block an item, H100 2026-11-27)."""
-    return not (persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec))
+    of the waits (`gather_early`, a relative bias) and the producer copies by its threads, since those registers
+    held across the waits do not fit the consumers' 192 (220 bytes spilled; 301 against 453 TFLOP/s one block an
+    item, H100 2026-11-27). Under tma_loads the consumers have 224 (local ptxas: 64 bytes spilled) and the
+    persistent form won: 490 against 438 TFLOP/s, faster in 11 of 11 paired rounds (H200 2026-11-28)."""
+    return not (persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec) and not tma_loads(spec))
 
 
 def uses_ws(spec: FA2ForwardSpec) -> bool:
