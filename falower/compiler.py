@@ -162,6 +162,9 @@ class CompiledAttention:
                 continue
             if "persistent" not in self.extra and not emit_fa3_ws.persistent_pays(spec):
                 continue  # the automatic choice's persistence, measured slower there: one block an item
+            if "ex2_poly" not in self.extra and emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.auto_ex2_poly(spec):
+                spec = build_spec(built[1], used, dtype, path, self.num_warps,
+                                  {**extra, "ex2_poly": emit_fa3_ws.auto_ex2_poly(spec), **self.extra})
             return spec, built
         return mma_sync()
 

@@ -273,3 +273,30 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias_only_without_tma_lo
     mine = {"producer": "warpgroup", "persistent": 66, "item_order": "dynamic"}
     own = fl.compile(rel_g, extra=mine).specialize("f16", D=128).spec
     assert own.extra == {"schedule": "wgmma-ws", **mine}, own.extra
+
+
+def test_compile_puts_a_share_of_the_exponentials_on_the_fma_pipe_beside_tanh_approx(hopper) -> None:
+    """A score with tanh.approx (a MUFU operation an element beside the exponential's) takes ex2_poly 8 on the D =
+    128 kernel that loads by TMA (emit_fa3_ws.auto_ex2_poly, measured faster); the exact tanh, plain attention,
+    D = 64 and the caller's own ex2_poly do not."""
+    from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.backends.numba_cuda.emit_fa2 import ex2_poly_count
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+
+    def softcap(approx: bool):
+        return fl.attention(score_mod=lambda s, b, h, q, kv: 30.0 * fl.tanh(s / 30.0, approx=approx),
+                            name=f"softcap_{approx}", dtype="f16")
+
+    for dtype in ("f16", "bf16"):
+        spec = fl.compile(softcap(True)).specialize(dtype, D=128).spec
+        assert spec.extra.get("ex2_poly") == emit_fa3_ws.AUTO_EX2_POLY == ex2_poly_count(spec) == 8, spec.extra
+        assert emit_fa3_ws.tma_loads(spec) and spec.extra.get("persistent") == 132
+        assert f"{ex2_poly_count(spec)} of the row's 32 exponentials on the FMA pipe" in \
+            fl.compile(softcap(True)).specialize(dtype, D=128).source
+    assert "ex2_poly" not in _spec(fl.compile(softcap(True)), 64).extra
+    assert "ex2_poly" not in _spec(fl.compile(softcap(False)), 128).extra
+    assert "ex2_poly" not in _spec(fl.compile(_graph(False)), 128).extra
+    assert _spec(fl.compile(softcap(True), extra={"ex2_poly": 0}), 128).extra["ex2_poly"] == 0
+    # without TMA loads (the producer's threads copy) none
+    assert "ex2_poly" not in _spec(fl.compile(softcap(True), extra={"tma_loads": False}), 128).extra

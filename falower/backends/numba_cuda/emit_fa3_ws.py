@@ -431,6 +431,22 @@ def _tma_asked(spec: FA2ForwardSpec) -> bool:
     return _bulk_asked(spec) and spec.dtype in ("f16", "bf16") and spec.extra.get("tma_store", True) is not False
 
 
+AUTO_EX2_POLY = 8  # of a thread's row's 32 exponentials in a 128-wide kv tile
+
+
+def auto_ex2_poly(spec: FA2ForwardSpec) -> int:
+    """The automatic choice's share of the softmax's exponentials on the FMA pipe (emit_fa2.ex2_poly_count; falower.
+    compile sets extra["ex2_poly"] unless the caller did): AUTO_EX2_POLY where the score takes a MUFU operation of
+    its own an element (tanh.approx, the IR's tanh_approx) beside the exponential's, on the D = 128 kernel that
+    loads by TMA (tma_loads: the producer's one thread leaves the issue slots to the consumers); 0 elsewhere.
+    Measured on the H200 (2026-11-28, paired rounds against ex2_poly 0): softcap_approx +4.5% (8 of 9 rounds
+    faster) and +3.7% (7 of 11); plain -7%, the relative bias -6%, the exact softcap (tanh by ex2 and rcp, or the
+    FMA pipe's polynomial on small tiles) -2%, which keep none."""
+    if not (tma_loads(spec) and spec.head_dim == 128 and spec.block_k == 128):
+        return 0
+    return AUTO_EX2_POLY if "tanh_approx_f32(" in spec.device_source else 0
+
+
 def tma_loads(spec: FA2ForwardSpec) -> bool:
     """Whether the producer warpgroup loads Q, K and V by TMA tensor copies (`extra["tma_loads"]`, on by default
     wherever the kernel has two Q buffers, which only the persistent producer-warpgroup kernel has; False keeps the
