@@ -415,9 +415,22 @@ def _direct_launch(dispatcher, argtypes: tuple, smem: int, args: tuple, grid: tu
     _launcher(dk.function(0), grid, threads, smem, buf)(0)
 
 
-def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False) -> np.ndarray:
+def replaced_source(source: str, replace: list[str]) -> str:
+    """The kernel's source with each 'OLD::NEW' of `replace` applied (every occurrence; OLD must occur): a floor
+    experiment, e.g. a score's table loads replaced by a constant, to time what the loads cost. Its numbers are
+    wrong by design; only its stamps are read."""
+    for r in replace:
+        old, sep, new = r.partition("::")
+        if not sep or old not in source:
+            raise SystemExit(f"timeline: --replace {r!r}: " + ("no '::'" if not sep else "OLD is not in the kernel"))
+        source = source.replace(old, new)
+    return source
+
+
+def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False,
+        replace: list[str] | None = None) -> np.ndarray:
     """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS (with `phases`,
-    stamped_phases_source's record a warpgroup)."""
+    stamped_phases_source's record a warpgroup); `replace` edits the kernel's source first (replaced_source)."""
     import torch
 
     import bench
@@ -442,6 +455,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
                          f"persistent one with a producer warpgroup ({s.extra})")
     if with_producer and phases:
         raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
+    source = replaced_source(kern.source, replace or [])
     seen: dict = {}
 
     class Recorder:  # stands in for the kernel while prepare() builds the arguments
@@ -463,7 +477,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     if with_producer:
         from numba import cuda, types
 
-        mod = load_source(stamped_producer_source(kern.source, s.name), s.name + "_ptimeline")
+        mod = load_source(stamped_producer_source(source, s.name), s.name + "_ptimeline")
         tl = torch.zeros(blocks * 2 * ITEMS * len(PRODUCER_FIELDS), dtype=torch.int64, device=dev)
         args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
         argtypes = (*kern.argtypes(), types.Array(types.uint64, 1, "C"))
@@ -475,7 +489,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
         torch.cuda.synchronize()
         return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * 2, ITEMS, len(PRODUCER_FIELDS))
     stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
-    mod = load_source(stamp(kern.source, s.name), s.name + ("_phases" if phases else "_timeline"))
+    mod = load_source(stamp(source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)
     width = len(PHASES) + 6 if phases else ITEMS * 5 if persist else 6
     tl = torch.zeros(blocks * 2 * width, dtype=torch.int64, device=dev)
@@ -525,10 +539,13 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="the block's own spans by %%clock64: set-up, Q and ring issued, Q's wait, the loop, the "
                          "epilogue's barrier, staging and stores")
+    ap.add_argument("--replace", action="append", default=[], metavar="OLD::NEW",
+                    help="edit the kernel's source first, every occurrence (a floor experiment: its numbers are wrong)")
     a = ap.parse_args()
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
-    t = run(a.stem, a.d, a.n, B, H, a.config, a.phases)
+    t = run(a.stem, a.d, a.n, B, H, a.config, a.phases, a.replace)
     summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H,
+               **({"replaced": len(a.replace)} if a.replace else {}),
                **(summarize_phases(t) if a.phases else summarize_producer(t) if t.ndim == 3 and t.shape[2] != 5
                   else summarize_persistent(t) if t.ndim == 3 else summarize(t))}
     print(json.dumps(summary), flush=True)

@@ -212,3 +212,13 @@ def test_the_producer_summary_reads_the_stamps():
     assert s["first_tile_cycles"] == pytest.approx(4500) and s["kept_epilogue_cycles"] == pytest.approx(1500)
     assert s["kept_barrier_cycles"] == pytest.approx(400) and s["kept_staged_cycles"] == pytest.approx(900)
     assert s["kept_redux_cycles"] == pytest.approx(1100) and s["kept_issued_cycles"] == pytest.approx(1300)
+
+
+def test_a_floor_experiment_replaces_every_occurrence_or_says_why_not():
+    src = "a = load(x)\nb = load(x)\n"
+    assert timeline.replaced_source(src, ["load(x)::ONE"]) == "a = ONE\nb = ONE\n"
+    assert timeline.replaced_source(src, []) == src
+    with pytest.raises(SystemExit, match="OLD is not in the kernel"):
+        timeline.replaced_source(src, ["store(x)::ONE"])
+    with pytest.raises(SystemExit, match="no '::'"):
+        timeline.replaced_source(src, ["load(x)"])
