@@ -65,11 +65,17 @@ CASES = {
     # the table, kv tile 1 ragged
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic"}),
+    # ... with each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice): its entries clamped as
+    # the gather clamps them, so rows outside the table read it too (the pairs' fallback never runs)
+    "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
+                                                                       "producer": "warpgroup", "persistent": 1,
+                                                                       "item_order": "dynamic", "row_slice": True}),
 }
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
-PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1}
+PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
+         "pwg-persist-relbias-slice": -1}
 
 
 def run_case(case_id: str) -> dict:
@@ -94,7 +100,7 @@ def run_case(case_id: str) -> dict:
     ref = Reference.build(g, env, inputs=[*(x.astype(np.float64) for x in (q, k, v)), sl.astype(np.float64)])
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v, sl)
-    calls = count_calls(kern, ("score_row_pair_given", "score_row"))
+    calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice"))
     o, lse = c(q, k, v, sl)
     fn = "score_col_fn(" if taken is col_step else "gather_row_fn("
     return {"id": case_id, "dtype": "f16", "taken": taken(kern.spec) and fn in kern.source,

@@ -313,3 +313,55 @@ def test_a_row_pair_is_its_two_rows(name, q, kv, t, L, seed):
     ld = ns["score_pair_load"](0, 1, q, kv + 2 * t, table)
     ns["score_row_pair_given"](got, 0, 0, 1, q, kv + 2 * t, 300, table, ld)
     assert np.array_equal(got, want), (ld[0], got - want)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, shift) in ROW_PAIRS.items() if shift is not None))
+def test_a_warpgroups_run_of_the_table_holds_every_entry_its_rows_read(name):
+    """emit_fa3_ws.row_slice: a warpgroup's 64 rows read a 128-column tile's entries from one run of the table,
+    from il(q_wg, kv0) + slice_start; each thread's entries at its base plus score_pair_slice's constant offsets
+    (emit_fa2.pair_slice_offsets). For every (a, k) sign pair and every thread, each entry lands on the run index of
+    the element it is (row qi's column kv + o: a rw + k (t2 + o) - start; row qi + 8's own: a (rw + 8) + ...),
+    inside the run's 64 + 127 entries and its SLICE_ENTRIES."""
+    import dataclasses
+
+    from falower.backends.numba_cuda.emit_fa2 import pair_slice_offsets, row_gather_step
+
+    mod, shift = ROW_PAIRS[name]
+    spec = dataclasses.replace(_spec(_mod(mod), D=128), block_q=128, block_k=128)
+    k = row_gather_step(spec)
+    a = shift * k
+    assert "def gather_slice_fn(" in spec.device_source and k in (1, -1) and a in (1, -1)
+    offs, lo = pair_slice_offsets(spec)
+    start = emit_fa3_ws.slice_start(spec)
+    nj = 16
+    own8 = [m for m in range(nj) if not 0 <= m + shift < nj]
+    want_rel = [(0, 8 * jj + u) for jj in range(nj) for u in (0, 1)] + [(8, 8 * m + u) for m in own8 for u in (0, 1)]
+    assert len(offs) == len(want_rel) == 2 * nj + 2 and min(offs) == 0
+    for warp in range(4):
+        for g in range(8):
+            for t2 in (0, 2, 4, 6):
+                rw = warp * 16 + g
+                base = a * rw + k * t2 + lo - start  # as the kernel computes it
+                for off, (dr, o) in zip(offs, want_rel):
+                    at = base + off
+                    assert at == a * (rw + dr) + k * (t2 + o) - start, (warp, g, t2, dr, o)
+                    assert 0 <= at < 64 + 127 <= emit_fa3_ws.SLICE_ENTRIES, at
+
+
+def test_row_slice_is_asked_for_and_only_on_the_persistent_producer_kernel():
+    rel_g = _example("relative_bias")
+    pwg = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
+    import dataclasses
+
+    def spec(extra):
+        return dataclasses.replace(_spec(rel_g, extra, D=128), block_q=128, block_k=128)
+
+    assert not emit_fa3_ws.row_slice(spec(pwg))
+    on = spec({**pwg, "row_slice": True})
+    assert emit_fa3_ws.row_slice(on) and emit_fa3_ws.static_bytes(on) - emit_fa3_ws.static_bytes(spec(pwg)) == \
+        emit_fa3_ws.SLICE_BYTES
+    src = emit_fa3_ws.emit_fa3_ws_forward(on)
+    assert "gl = score_pair_slice(rsl, " in src and "gl = score_pair_load(" not in src
+    assert "score_prefetch_fn(" not in src.split("def fa2_")[1]  # the run's loads are the kernel's own
+    assert not emit_fa3_ws.row_slice(spec({"schedule": "wgmma-ws", "producer": "none", "row_slice": True}))
+    assert not emit_fa3_ws.row_slice(spec({**pwg, "row_slice": True, "gather_early": False}))

@@ -125,16 +125,24 @@ def test_dynamic_item_order_repeats_on_streams(blocks: int) -> None:
     assert all(w.tolist() == [0, 0] for w in kern._work.values())
 
 
+PERSIST_PWG = {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
+
+
 @pytest.mark.parametrize("M, N", [(1000, 1000), (1500, 700), (300, 4096)])
 @pytest.mark.parametrize("dtype, D, extra", [
     ("f16", 128, {"gather_early": False}),
     ("bf16", 128, {}),
     ("f16", 64, {}),
+    ("f16", 128, PERSIST_PWG),
+    ("f16", 128, {**PERSIST_PWG, "row_slice": True}),
+    ("bf16", 128, {**PERSIST_PWG, "row_slice": True}),
 ])
 def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: int) -> None:
-    """The relative bias on the no-producer ws kernel, a thread's rows g and g + 8 sharing their table loads
-    (emit_fa2.row_gather_shift), the entries read before the waits or after; M > N puts rows' indices outside the
-    table (their pairs fall back to each row's own clamped path)."""
+    """The relative bias on the no-producer ws kernel and on the persistent producer one (TMA loads), a thread's
+    rows g and g + 8 sharing their table loads (emit_fa2.row_gather_shift), the entries read before the waits or
+    after, or from each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice); M > N puts rows'
+    indices outside the table (their pairs fall back to each row's own clamped path, or read the run's clamped
+    entries)."""
     _hopper()
     import runpy
 
@@ -147,7 +155,9 @@ def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: 
         g = fl.parse_func(fl.print_func(g).replace("f16[", f"{dtype}[").replace('"f16"', f'"{dtype}"'))
     c = fl.compile(g, pipeline=PIPELINE.format(bk=128), extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.specialize(dtype, D=D)
-    assert "score_row_pair" in kern.source and ("gl = score_pair_load(" in kern.source) == (not extra)
+    early = extra.get("gather_early", True) is not False and not extra.get("row_slice")
+    assert "score_row_pair" in kern.source and ("gl = score_pair_load(" in kern.source) == early
+    assert ("score_pair_slice(rsl" in kern.source) == bool(extra.get("row_slice"))
     env = bind_dims(g, {"B": 2, "H": 3, "M": M, "N": N, "D": D})
     host = [rounded(x, dtype) if i < 3 else x.astype(np.float32)
             for i, x in enumerate(random_inputs(g, env, seed=M + N + D))]

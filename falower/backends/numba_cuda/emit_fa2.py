@@ -953,6 +953,27 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
     return out
 
 
+def row_gather_step(spec: FA2ForwardSpec) -> Optional[int]:
+    """k of a row gather's last index k kv + r (from_ir._row_gather: +-1; the relative bias -1), where it has a
+    row pair shift (`ROW_GATHER_STEP`); None otherwise."""
+    m = re.search(r"^ROW_GATHER_STEP = (-?\d+)", spec.device_source, re.M)
+    return int(m.group(1)) if m is not None and row_gather_shift(spec) is not None else None
+
+
+def pair_slice_offsets(spec: FA2ForwardSpec) -> tuple[list[int], int]:
+    """score_pair_load's entries (its order: row qi's column pairs, then row qi + 8's own) as offsets in a run of
+    the table from the thread's first entry (row qi's at column kv: index il), il + k o for row qi's column kv + o
+    and il + 8 a + k o for row qi + 8's (a = shift k, the index's step down a column), shifted so that the least
+    is 0; and that shift (the least il-relative offset, <= 0). score_pair_slice reads entry i at base + offsets[i]."""
+    NJ = spec.block_k // 8
+    shift, k = row_gather_shift(spec), row_gather_step(spec)
+    a = shift * k
+    own8 = [m for m in range(NJ) if not 0 <= m + shift < NJ]
+    rel = [k * (8 * jj + u) for jj in range(NJ) for u in (0, 1)] + [8 * a + k * (8 * m + u) for m in own8 for u in (0, 1)]
+    lo = min(rel)
+    return [r - lo for r in rel], lo
+
+
 def row_gather(spec: FA2ForwardSpec) -> bool:
     """Whether score_row reads the score's table by a row's index and constant offsets (from_ir._row_gather: a
     relative bias `rel[h, q - kv + N - 1]`): gather_row_fn once per row and tile gives the table's indices at the
@@ -1299,6 +1320,16 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             with c.indent():
                 c(f"score_row(x, i, b, h, qi, kv, N{caps})")
                 c(f"score_row(x, i + 2, b, h, qi + 8, kv, N{caps})")
+        if row_gather_step(spec) is not None and "def gather_slice_fn(" in spec.device_source:
+            offs, _ = pair_slice_offsets(spec)
+            c()
+            c("@device_function")
+            c("def score_pair_slice(sl, base):")
+            with c.indent():
+                c("# score_pair_load's entries from a warpgroup's run of the table in shared memory (emit_fa3_ws.")
+                c("# row_slice): base is the thread's least entry, each other a constant offset from it")
+                c("u = np.uint32(base)")
+                c("return (True, " + ", ".join(f"sl[u + np.uint32({o})]" for o in offs) + ")")
         c()
         c("@device_function")
         c(f"def score_row_pair(x, i, b, h, qi, kv, N{caps}):")

@@ -109,6 +109,8 @@ from .emit_fa2 import (
     has_tile_table,
     row_bounds_read_data,
     row_gather_shift,
+    row_gather_step,
+    pair_slice_offsets,
     rows_helper,
     score_row_calls,
     walks_range,
@@ -250,6 +252,33 @@ def gather_early(spec: FA2ForwardSpec) -> bool:
     "The relative bias's row pairs"). spec.extra["gather_early"] = False reads them after (bench '-noge')."""
     return spec.extra.get("gather_early", True) is not False and row_gather_shift(spec) is not None \
         and not table_tiles(spec)
+
+
+SLICE_ENTRIES = 256  # a consumer warpgroup's run of the table for one kv tile, f32 (64 + block_k - 1 used)
+SLICE_BARRIER = 9  # + cw: the warpgroup's run is in shared memory
+SLICE_BYTES = 2 * 2 * SLICE_ENTRIES * 4  # two warpgroups, two buffers each
+
+
+def row_slice(spec: FA2ForwardSpec) -> bool:
+    """Where a row pair's table entries are read ahead of the waits (`gather_early`: the relative bias), whether
+    each consumer warpgroup instead copies the one run of the table its 64 rows read for the tile (their last index
+    a q + k kv + r with a, k = +-1: 64 + 127 entries) into shared memory, two entries a thread loaded before the
+    waits and stored after S's, and the rows read their 34 entries from there (`score_pair_slice`, constant
+    offsets) where they took 34 global loads (extra["row_slice"], bench '-rs'). The run's entries are clamped into
+    the table as the gather clamps each index, so every tile may read it. Two buffers a warpgroup (a running
+    parity): a warp still reading tile j's run has not passed tile j + 1's barrier, before which no warp writes
+    tile j + 2's. Persistent producer-warpgroup kernel, 128 x 128 tiles."""
+    return bool(spec.extra.get("row_slice", False)) and gather_early(spec) and producer(spec) == "warpgroup" \
+        and bool(persistent(spec)) and spec.block_q == 128 and spec.block_k == 128 \
+        and row_gather_step(spec) is not None and "def gather_slice_fn(" in spec.device_source
+
+
+def slice_start(spec: FA2ForwardSpec) -> int:
+    """The run's first index relative to il(q_wg, kv0), the index at the warpgroup's first row and the tile's first
+    column: min(0, 63 a) + min(0, (block_k - 1) k)."""
+    k = row_gather_step(spec)
+    a = row_gather_shift(spec) * k
+    return min(0, 63 * a) + min(0, (spec.block_k - 1) * k)
 
 
 def persistent_pays(spec: FA2ForwardSpec) -> bool:
@@ -608,7 +637,8 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
         o_buf = kv if (persistent(spec) and producer(spec) == "warpgroup"
                        and spec.extra.get("staged_epilogue", True) is not False) else 0
         # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
-        if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) <= SMEM_LIMIT:
+        if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) \
+                + (SLICE_BYTES if row_slice(spec) else 0) <= SMEM_LIMIT:
             break
     else:
         o_buf = 0
@@ -639,7 +669,7 @@ def tick_words(spec: FA2ForwardSpec) -> int:
 def static_bytes(spec: FA2ForwardSpec) -> int:
     """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
-    return tick + (KEPT_BYTES if epilogue_in_s(spec) else 0)
+    return tick + (KEPT_BYTES if epilogue_in_s(spec) else 0) + (SLICE_BYTES if row_slice(spec) else 0)
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -1261,6 +1291,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     HALF = half_mode(spec)
     H2 = BK // 2
     EARLY = gather_early(spec)
+    RS = row_slice(spec)
 
     def item_start(qphase: str) -> Optional[Callable[[str], None]]:
         """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
@@ -1425,6 +1456,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if DEFER:
             c("ep_pend = False  # an item's last P V and epilogue wait for the next item's first tile (epilogue_in_s)")
             c("have_prev = False  # a P V to issue with the next S: carried from item to item")
+            if RS:
+                c("sl_par = 0  # which of the warpgroup's two runs of the table the next tile writes (row_slice)")
             c("pv_sd = 1  # that P V's first k step adds to O (1) or starts it (0)")
             if BULK:
                 c("ob_pend = False  # the kept item's O is being stored from its Q buffer (bulk_store)")
@@ -1502,14 +1535,20 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("if not tile_on:")
             with c.indent():
                 _emit_score_prefetch(c, spec, "jn")
-        else:
+        elif not RS:  # (a run of the table is two loads a thread, issued below ahead of the waits)
             _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         if QD:  # from the item count each tile: held across the item it cost the document's consumers spills
             c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in the item's "
               "buffer")
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
-        if EARLY:
+        if RS:
+            c("# this warpgroup's run of the table for the tile (row_slice), two entries a thread, loaded before the")
+            c("# waits for K and S and stored once S is done")
+            for n in (0, 1):
+                c(f"sv{n} = gather_slice_fn(b, h, q_lo + cw * 64, j * {BK}, {slice_start(spec) + 128 * n} + "
+                  f"(ctid & 127){caps})")
+        elif EARLY:
             c("# the score's table entries for this tile, read before the waits for K and S: their latency (an L2")
             c("# read a tile: its columns move on by 128) runs beside the products, not in the softmax's turn")
             c(f"gl = score_pair_load(b, h, {ROWS[0].row}, j * {BK} + t2{caps})")
@@ -1604,6 +1643,17 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_loader_step(c, spec, lay, "k")
         c()
+        if RS:
+            _, lo_off = pair_slice_offsets(spec)
+            k = row_gather_step(spec)
+            a = row_gather_shift(spec) * k
+            c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
+            c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
+            c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
+            c(f"bar_sync({SLICE_BARRIER} + cw, 128)  # the warpgroup's run of the table is in shared memory")
+            c("sl_par ^= 1")
+            c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
+            c(f"gl = score_pair_slice(rsl, sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)})")
         _emit_need_mask(c, spec, "j")
         if HALF:
             c("if hs != 3:")
@@ -1810,6 +1860,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"ep_f = cuda.shared.array({KEPT_F32}, np.float32)  # a consumer thread's kept 1 / l, a row each "
               "(epilogue_in_s)")
             c(f"ep_i = cuda.shared.array({KEPT_I64}, np.int64)  # a consumer warpgroup's kept item: q_head, q_lo")
+        if row_slice(spec):
+            c(f"rsl = cuda.shared.array({SLICE_BYTES // 4}, np.float32)  # the consumer warpgroups' runs of the "
+              "table, two each (row_slice)")
         if uses_work_counter(spec):
             c(f"tick = cuda.shared.array({tick_words(spec)}, np.int32)  # the items' tickets "
               "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))

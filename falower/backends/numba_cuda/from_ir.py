@@ -790,8 +790,18 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
     step = "+" if k == 1 else "-"
     elem = ", ".join([f"gr[{d + 1}]" for d in range(r - 1)] + [f"gr[{r}] {step} np.uint64(o)"])
     marker = [] if shift is None else [f"ROW_GATHER_SHIFT = {shift}  # row q + 8 at column kv + o reads row q's "
-                                        "entry at kv + o + 8 ROW_GATHER_SHIFT", ""]
-    return marker + [f"def gather_row_fn(b, h, q, kv, span{sig_caps}{hz}):",
+                                        "entry at kv + o + 8 ROW_GATHER_SHIFT",
+                                        f"ROW_GATHER_STEP = {k}  # column kv + o reads the entry at il + o ROW_GATHER_STEP",
+                                        ""]
+    # (with a shift: the entry at il(q, kv) + e, both indices clamped as gather clamps them; a warpgroup's rows read
+    # a tile's entries from one run of the table, which emit_fa3_ws.row_slice copies into shared memory this way)
+    slice_fn = [] if shift is None else [
+        f"def gather_slice_fn(b, h, q, kv, e{sig_caps}{hz}):",
+        *_live_lines(lines, " ".join(names)),
+        f"    il = np.int32({names[-1]}) + np.int32(e)",
+        f"    return np.float32({table}[{', '.join(lead + [clamped_index(table, r - 1, 'il')])}])",
+        ""]
+    return marker + slice_fn + [f"def gather_row_fn(b, h, q, kv, span{sig_caps}{hz}):",
             *_live_lines(lines, " ".join(names)),
             f"    il = np.int32({names[-1]})",
             f"    return ({ok}, {''.join(x + ', ' for x in lead)}np.uint64(il))",
