@@ -61,15 +61,16 @@ CASES = {
     "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     "mma-relbias": ("relbias", 40, 33, 32, (64, 32), {}),
     # the persistent producer kernel as the relative bias takes it by default at D = 128 (Q, K and V by TMA
-    # loads, two Q buffers, the entries read ahead of the waits): two items on one block, each with rows outside
-    # the table, kv tile 1 ragged
-    "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
-                                                                 "persistent": 1, "item_order": "dynamic"}),
-    # ... with each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice): its entries clamped as
-    # the gather clamps them, so rows outside the table read it too (the pairs' fallback never runs)
+    # loads, two Q buffers), each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice): its
+    # entries clamped as the gather clamps them, so rows outside the table read it too (the pairs' fallback never
+    # runs); two items on one block, each with rows outside the table, kv tile 1 ragged
     "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
                                                                        "producer": "warpgroup", "persistent": 1,
-                                                                       "item_order": "dynamic", "row_slice": True}),
+                                                                       "item_order": "dynamic"}),
+    # ... with the entries read from global memory ahead of the waits (row_slice off)
+    "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                                 "persistent": 1, "item_order": "dynamic",
+                                                                 "row_slice": False}),
 }
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the

@@ -348,7 +348,7 @@ def test_a_warpgroups_run_of_the_table_holds_every_entry_its_rows_read(name):
                     assert 0 <= at < 64 + 127 <= emit_fa3_ws.SLICE_ENTRIES, at
 
 
-def test_row_slice_is_asked_for_and_only_on_the_persistent_producer_kernel():
+def test_row_slice_is_the_persistent_producer_kernels_default_and_only_its():
     rel_g = _example("relative_bias")
     pwg = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
     import dataclasses
@@ -356,12 +356,13 @@ def test_row_slice_is_asked_for_and_only_on_the_persistent_producer_kernel():
     def spec(extra):
         return dataclasses.replace(_spec(rel_g, extra, D=128), block_q=128, block_k=128)
 
-    assert not emit_fa3_ws.row_slice(spec(pwg))
-    on = spec({**pwg, "row_slice": True})
-    assert emit_fa3_ws.row_slice(on) and emit_fa3_ws.static_bytes(on) - emit_fa3_ws.static_bytes(spec(pwg)) == \
+    off = spec({**pwg, "row_slice": False})
+    assert not emit_fa3_ws.row_slice(off) and "gl = score_pair_load(" in emit_fa3_ws.emit_fa3_ws_forward(off)
+    on = spec(pwg)
+    assert emit_fa3_ws.row_slice(on) and emit_fa3_ws.static_bytes(on) - emit_fa3_ws.static_bytes(off) == \
         emit_fa3_ws.SLICE_BYTES
     src = emit_fa3_ws.emit_fa3_ws_forward(on)
     assert "gl = score_pair_slice(rsl, " in src and "gl = score_pair_load(" not in src
     assert "score_prefetch_fn(" not in src.split("def fa2_")[1]  # the run's loads are the kernel's own
-    assert not emit_fa3_ws.row_slice(spec({"schedule": "wgmma-ws", "producer": "none", "row_slice": True}))
-    assert not emit_fa3_ws.row_slice(spec({**pwg, "row_slice": True, "gather_early": False}))
+    assert not emit_fa3_ws.row_slice(spec({"schedule": "wgmma-ws", "producer": "none"}))
+    assert not emit_fa3_ws.row_slice(spec({**pwg, "gather_early": False}))

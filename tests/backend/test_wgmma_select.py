@@ -263,7 +263,7 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias_only_without_tma_lo
     rel_g = runpy.run_path(str(ex / "relative_bias.py"))["graph"]
     rel = fl.compile(rel_g).specialize("f16", D=128).spec
     assert rel.extra.get("persistent") == 132 and emit_fa3_ws.gather_early(rel) and emit_fa3_ws.tma_loads(rel)
-    assert emit_fa3_ws.persistent_pays(rel) and emit_fa3_ws.registers(rel) == (56, 224)
+    assert emit_fa3_ws.persistent_pays(rel) and emit_fa3_ws.registers(rel) == (56, 224) and emit_fa3_ws.row_slice(rel)
     copies = fl.compile(rel_g, extra={"tma_loads": False}).specialize("f16", D=128).spec
     assert copies.extra == {**emit_fa3.WS_EXTRA, "tma_loads": False}, copies.extra
     assert not emit_fa3_ws.persistent_pays(dataclasses.replace(rel, extra={**rel.extra, "tma_loads": False}))
