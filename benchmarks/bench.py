@@ -115,9 +115,10 @@ def parse_config(text: str) -> tuple:
     score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
     row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
-    after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from each
-    consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-nolh' the persistent producer kernel's items
-    starting on their block list's global reads, not on its head handed over with the ticket (extra list_head),
+    after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
+    each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-nolh'
+    the persistent producer kernel's items starting on their block list's global reads, not on its head handed
+    over with the ticket (extra list_head),
     '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
     runs (extra bounds_in_s), '-noes' / '-es' an item's last P V and epilogue at its own end / with the next
     item's first tile (extra epilogue_in_s; by default with it except under a block list or the softcap's tanh);
