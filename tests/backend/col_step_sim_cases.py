@@ -67,6 +67,11 @@ CASES = {
     "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
                                                                        "producer": "warpgroup", "persistent": 1,
                                                                        "item_order": "dynamic"}),
+    # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state)
+    "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
+                                                                            "producer": "warpgroup", "persistent": 1,
+                                                                            "item_order": "dynamic",
+                                                                            "epilogue_in_s": False}),
     # ... with the entries read from global memory ahead of the waits (row_slice off)
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic",
@@ -76,7 +81,7 @@ CASES = {
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
 PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
-         "pwg-persist-relbias-slice": -1}
+         "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1}
 
 
 def run_case(case_id: str) -> dict:

@@ -969,7 +969,8 @@ def pair_slice_offsets(spec: FA2ForwardSpec) -> tuple[list[int], int]:
     shift, k = row_gather_shift(spec), row_gather_step(spec)
     a = shift * k
     own8 = [m for m in range(NJ) if not 0 <= m + shift < NJ]
-    rel = [k * (8 * jj + u) for jj in range(NJ) for u in (0, 1)] + [8 * a + k * (8 * m + u) for m in own8 for u in (0, 1)]
+    rel = [k * (8 * jj + u) for jj in range(NJ) for u in (0, 1)]
+    rel += [8 * a + k * (8 * m + u) for m in own8 for u in (0, 1)]
     lo = min(rel)
     return [r - lo for r in rel], lo
 

@@ -669,7 +669,8 @@ def tick_words(spec: FA2ForwardSpec) -> int:
 
 
 def static_bytes(spec: FA2ForwardSpec) -> int:
-    """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state."""
+    """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state, the
+    consumer warpgroups' runs of the table (row_slice)."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
     return tick + (KEPT_BYTES if epilogue_in_s(spec) else 0) + (SLICE_BYTES if row_slice(spec) else 0)
 
@@ -1455,11 +1456,11 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         for t in ROWS:  # defined on every path (Numba's bytecode analysis asks it)
             c(f"m_{t.k} = NEG_INF")
             c(f"l_{t.k} = ZERO")
+        if RS:
+            c("sl_par = 0  # which of the warpgroup's two runs of the table the next tile writes (row_slice)")
         if DEFER:
             c("ep_pend = False  # an item's last P V and epilogue wait for the next item's first tile (epilogue_in_s)")
             c("have_prev = False  # a P V to issue with the next S: carried from item to item")
-            if RS:
-                c("sl_par = 0  # which of the warpgroup's two runs of the table the next tile writes (row_slice)")
             c("pv_sd = 1  # that P V's first k step adds to O (1) or starts it (0)")
             if BULK:
                 c("ob_pend = False  # the kept item's O is being stored from its Q buffer (bulk_store)")
@@ -1655,7 +1656,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"bar_sync({SLICE_BARRIER} + cw, 128)  # the warpgroup's run of the table is in shared memory")
             c("sl_par ^= 1")
             c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
-            c(f"gl = score_pair_slice(rsl, sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)})")
+            base = f"sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)}"
+            c(f"gl = score_pair_slice(rsl, {base})")
         _emit_need_mask(c, spec, "j")
         if HALF:
             c("if hs != 3:")

@@ -791,7 +791,8 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
     elem = ", ".join([f"gr[{d + 1}]" for d in range(r - 1)] + [f"gr[{r}] {step} np.uint64(o)"])
     marker = [] if shift is None else [f"ROW_GATHER_SHIFT = {shift}  # row q + 8 at column kv + o reads row q's "
                                         "entry at kv + o + 8 ROW_GATHER_SHIFT",
-                                        f"ROW_GATHER_STEP = {k}  # column kv + o reads the entry at il + o ROW_GATHER_STEP",
+                                        f"ROW_GATHER_STEP = {k}  # column kv + o reads the entry at il + o "
+                                        "ROW_GATHER_STEP",
                                         ""]
     # (with a shift: the entry at il(q, kv) + e, both indices clamped as gather clamps them; a warpgroup's rows read
     # a tile's entries from one run of the table, which emit_fa3_ws.row_slice copies into shared memory this way)
