@@ -56,6 +56,11 @@ CASES = {
     "fa3-r128-causal": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     # the mma.sync kernel without a mask: only the ragged kv tile is masked
     "mma-plain": ("none", 33, 50, 32, (64, 32), {}),
+    # the persistent producer kernel with each item's kv tiles from the last down (emit_fa3_ws.kv_reverse): the
+    # diagonal tile first, where ALiBi's row max lies, then the tiles whose offsets fall away from it
+    "pwg-persist-causal-rev": ("causal", 150, 260, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                                   "persistent": 1, "item_order": "dynamic",
+                                                                   "kv_reverse": True}),
     # the relative bias (one head): rows q >= N + kv read past the table (clamped), the others at constant offsets
     "ws-relbias": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
@@ -86,7 +91,7 @@ PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persi
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.backends.numba_cuda.emit_fa3_ws import tma_loads
+    from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, tma_loads
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -113,6 +118,7 @@ def run_case(case_id: str) -> dict:
             "schedule": kern.spec.extra.get("schedule", "mma"), "shift": row_gather_shift(kern.spec),
             "early": "gl = score_pair_load(" in kern.source, "calls": calls,
             "tma_loads": kern.spec.extra.get("schedule") == "wgmma-ws" and tma_loads(kern.spec),
+            "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

@@ -33,6 +33,7 @@ def test_the_column_step_matches_the_reference(results, case):
     want = CASES[case][5].get("schedule", "mma")
     assert r["schedule"] == want, r
     assert r["tma_loads"] == (CASES[case][5].get("producer") == "warpgroup"), r
+    assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
     assert not r["nan"], r
     assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]] and r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r

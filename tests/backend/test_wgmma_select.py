@@ -300,3 +300,29 @@ def test_compile_puts_a_share_of_the_exponentials_on_the_fma_pipe_beside_tanh_ap
     assert _spec(fl.compile(softcap(True), extra={"ex2_poly": 0}), 128).extra["ex2_poly"] == 0
     # without TMA loads (the producer's threads copy) none
     assert "ex2_poly" not in _spec(fl.compile(softcap(True), extra={"tma_loads": False}), 128).extra
+
+
+def test_kv_reverse_is_asked_for_and_mirrors_every_tile_position(hopper) -> None:
+    """extra kv_reverse (off by default): the persistent producer kernel visits an item's kv tiles from kv_last
+    down, its loop counter unchanged and each tile's position mirrored where one is read: the producer's TMA
+    coordinate and the consumers' kv0 (their class and scores); refused under a block list or without TMA loads."""
+    import runpy
+    from pathlib import Path
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    ex = Path(__file__).resolve().parents[2] / "examples"
+    alibi = runpy.run_path(str(ex / "alibi.py"))["graph"]
+    assert not emit_fa3_ws.kv_reverse(fl.compile(alibi).specialize("f16", D=128).spec)
+    kern = fl.compile(alibi, extra={"kv_reverse": True}).specialize("f16", D=128)
+    assert emit_fa3_ws.kv_reverse(kern.spec) and kern.spec.extra.get("persistent") == 132
+    src = kern.source
+    assert src.count("(kv_first__") >= 2 and "kv0 = (kv_first" in src, src  # the consumers' kv0, mirrored
+    producer = src[:src.index("SETMAXNREG_INC()")]
+    assert "tma_load_4d(k_dst + 0, kmap_g, 0, (kv_first" in producer, producer[-3000:]
+    assert "j = kv_first" in producer and "while j <= kv_last" in producer  # the loop itself unchanged
+    copies = fl.compile(alibi, extra={"kv_reverse": True, "tma_loads": False}).specialize("f16", D=128).spec
+    assert not emit_fa3_ws.kv_reverse(copies)
+    doc = runpy.run_path(str(ex / "document.py"))["graph"]
+    assert not emit_fa3_ws.kv_reverse(fl.compile(doc, extra={"kv_reverse": True}).specialize("f16", D=128).spec)

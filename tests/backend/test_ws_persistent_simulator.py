@@ -34,6 +34,8 @@ def test_persistent_simulator(results, case):
         assert r["work_left"] == [0, 0], r
     if "poisoned" in r:  # the poisoned head's O is not finite; the others (checked above) inherit none of it
         assert r["poisoned"], r
+    if case in PERSIST_CASES:  # the kv tiles from the last down where asked (emit_fa3_ws.kv_reverse)
+        assert r["kv_reverse"] == bool(PERSIST_CASES[case][-1].get("kv_reverse")), r
     if case in COMPILED_CASES:
         assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
         assert r["producer"] == COMPILED_CASES[case][3], r

@@ -33,6 +33,7 @@ def test_walking_the_range_matches_the_reference(results, case):
     extra = WALK_CASES[case][-1]
     pwg = extra.get("producer") == "warpgroup"  # the persistent producer kernel's own paths
     assert r["range_shared"] == r["q_double"] == pwg and r["bulk_store"] == (pwg and extra.get("bulk_store", True)), r
+    assert r["kv_reverse"] == bool(extra.get("kv_reverse")), r  # (the tiles from the last down)
     assert not r["nan"], r
     assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]] and r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r  # rows that see nothing (the gaps mask: none here) keep LSE = -inf

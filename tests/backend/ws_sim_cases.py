@@ -98,6 +98,11 @@ PERSIST_CASES = {
     "ws-pwg-causal-f16-d128-bk128-persist-tmal": ("causal", "f16", 128, 1, 4, 150, 200, 2, 128, 128,
                                                   {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
                                                    "tma_loads": True}),
+    # ... the kv tiles from the last down (emit_fa3_ws.kv_reverse): the ragged last tile of N first, M != N, bf16
+    # (masks walking their range: WALK_CASES' -rev cases)
+    "ws-pwg-plain-bf16-d64-bk128-persist-rev": ("plain", "bf16", 64, 1, 1, 150, 300, 1, 128, 128,
+                                                {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
+                                                 "kv_reverse": True}),
 }
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
@@ -142,6 +147,12 @@ WALK_CASES = {
     # tile later or at the item's end, the block's last at its flush) ... and by the threads' own stores
     "walk-window-persist-nobk": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
                                                                     "item_order": "dynamic", "bulk_store": False}),
+    # ... and with each item's kv tiles from the last down (emit_fa3_ws.kv_reverse): the diagonal tile first, the
+    # window's far edge last; causal on 2 blocks, M != N
+    "walk-window-persist-pwg-rev": ("sliding_window", 1, 2, 256, 256, {"producer": "warpgroup", "persistent": 3,
+                                                                       "item_order": "dynamic", "kv_reverse": True}),
+    "walk-causal-persist-pwg-rev": ("causal", 1, 2, 200, 230, {"producer": "warpgroup", "persistent": 2,
+                                                               "item_order": "dynamic", "kv_reverse": True}),
     "walk-window": ("sliding_window", 1, 2, 130, 130, {}),
     "walk-gaps": ("gaps", 1, 1, 5, 170, {}),
 }
@@ -349,6 +360,7 @@ def run_case(case_id: str) -> dict:
         "lse_err": float(np.abs(lse[~masked] - rl[~masked]).max()) if (~masked).any() else 0.0,
         "nan": bool(np.isnan(of[:, keep]).any() or np.isnan(lse[:, keep]).any()),
         "seconds": round(seconds, 1),
+        "kv_reverse": emit_fa3_ws.kv_reverse(spec),
         # item_order "dynamic": the counter the last block leaves zeroed for the next launch
         **({"work_left": [int(x) for x in args[18]]} if extra.get("item_order") == "dynamic" else {}),
     }
@@ -402,7 +414,8 @@ def run_walk_case(case_id: str) -> dict:
     o, lse = c(q, k, v)
     from falower.backends.numba_cuda import emit_fa3_ws
 
-    paths = {name: getattr(emit_fa3_ws, name)(kern.spec) for name in ("range_shared", "q_double", "bulk_store")}
+    paths = {name: getattr(emit_fa3_ws, name)(kern.spec) for name in ("range_shared", "q_double", "bulk_store",
+                                                                          "kv_reverse")}
     return {"id": case_id, "dtype": "f16", "walks": walks_range(kern.spec) and "kf_first" in kern.source, **paths,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 

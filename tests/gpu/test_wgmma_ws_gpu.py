@@ -81,6 +81,10 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic", "tma_loads": True}),
     (False, "f16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
                               "tma_loads": False}),
+    # ... each item's kv tiles from the last down (kv_reverse): causal's diagonal tile first; N = 1000's ragged tile
+    (True, "f16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic", "kv_reverse": True}),
+    (False, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
+                               "kv_reverse": True}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()
@@ -90,6 +94,7 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
     kern = c.specialize(dtype, D=D)
     assert kern.spec.extra["schedule"] == "wgmma-ws" and "mbar_wait" in kern.source
     assert ("row_hull(" in kern.source) == bool(extra.get("half_tiles"))  # the path under test
+    assert emit_fa3_ws.kv_reverse(kern.spec) == bool(extra.get("kv_reverse"))
     B, H = (2, 4) if N <= 1000 else (1, 2)
     env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + D)]

@@ -283,6 +283,24 @@ def slice_start(spec: FA2ForwardSpec) -> int:
     return min(0, 63 * a) + min(0, (spec.block_k - 1) * k)
 
 
+def kv_reverse(spec: FA2ForwardSpec) -> bool:
+    """Whether an item's kv tiles are visited from kv_last down to kv_first (extra["kv_reverse"], off by default;
+    bench '-rev'): the loops keep their counter j from kv_first up, and each tile's position is kv_first + kv_last
+    - j wherever one is read (the producer's TMA coordinate, the consumers' kv0, their tile class, the score's
+    table reads). Why: under causal the diagonal tile comes first, and a score that grows toward the diagonal
+    (ALiBi) finds its row max there, so O is not rescaled on the tiles after it (the rescale is 146 cycles of
+    ALiBi's 3312 a tile, 76 of causal's 2988: timeline --replace, H200 2026-11-28). The persistent producer-warpgroup
+    kernel with TMA loads, without a mask or walking its range (`walks_range`: no tile inside the range is
+    skipped), without half tiles."""
+    return bool(spec.extra.get("kv_reverse", False)) and producer(spec) == "warpgroup" and bool(persistent(spec)) \
+        and tma_loads(spec) and (spec.block_mask == "none" or walks_range(spec)) and not half_mode(spec)
+
+
+def tile_at(spec: FA2ForwardSpec, j: str) -> str:
+    """Tile j's position in the kv range: j itself, or under kv_reverse the mirror kv_first + kv_last - j."""
+    return f"(kv_first + kv_last - {j})" if kv_reverse(spec) else j
+
+
 def persistent_pays(spec: FA2ForwardSpec) -> bool:
     """Whether the automatic choice keeps its persistent producer-warpgroup form for this spec (falower.compile;
     emit_fa3.auto_extra chose it by mask and D alone): not where the score reads a row pair's table entries ahead
@@ -951,8 +969,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                       f"this stage's {what}")
                     c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
                     for hb in range(D // 64):
-                        c(f"tma_load_4d(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, j * {BK}, hk, b, "
-                          f"sbar + {lay['full_' + x]})")
+                        c(f"tma_load_4d(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, {tile_at(spec, 'j')} * "
+                          f"{BK}, hk, b, sbar + {lay['full_' + x]})")
         else:
             c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's "
               "K")
@@ -1539,7 +1557,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_score_prefetch(c, spec, "jn")
         elif not RS:  # (a run of the table is two loads a thread, issued below ahead of the waits)
-            _emit_score_prefetch(c, spec, "jn")
+            _emit_score_prefetch(c, spec, tile_at(spec, "jn"))
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         if QD:  # from the item count each tile: held across the item it cost the document's consumers spills
             c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in the item's "
@@ -1549,12 +1567,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("# this warpgroup's run of the table for the tile (row_slice), two entries a thread, loaded before the")
             c("# waits for K and S and stored once S is done")
             for n in (0, 1):
-                c(f"sv{n} = gather_slice_fn(b, h, q_lo + cw * 64, j * {BK}, {slice_start(spec) + 128 * n} + "
-                  f"(ctid & 127){caps})")
+                c(f"sv{n} = gather_slice_fn(b, h, q_lo + cw * 64, {tile_at(spec, 'j')} * {BK}, "
+                  f"{slice_start(spec) + 128 * n} + (ctid & 127){caps})")
         elif EARLY:
             c("# the score's table entries for this tile, read before the waits for K and S: their latency (an L2")
             c("# read a tile: its columns move on by 128) runs beside the products, not in the softmax's turn")
-            c(f"gl = score_pair_load(b, h, {ROWS[0].row}, j * {BK} + t2{caps})")
+            c(f"gl = score_pair_load(b, h, {ROWS[0].row}, {tile_at(spec, 'j')} * {BK} + t2{caps})")
         c(f"mbar_wait(bars + {lay['full_k']} + stage * 8, phase)  # K_j has landed")
         c("if have_prev:")
         with c.indent():
@@ -1658,7 +1676,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
             base = f"sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)}"
             c(f"gl = score_pair_slice(rsl, {base})")
-        _emit_need_mask(c, spec, "j")
+        _emit_need_mask(c, spec, tile_at(spec, "j"))
         if HALF:
             c("if hs != 3:")
             with c.indent():
