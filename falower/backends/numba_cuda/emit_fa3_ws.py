@@ -291,8 +291,8 @@ def kv_reverse(spec: FA2ForwardSpec) -> bool:
     (ALiBi) finds its row max there, so O is not rescaled on the tiles after it (the rescale is 146 cycles of
     ALiBi's 3312 a tile, 76 of causal's 2988: timeline --replace, H200 2026-11-28). The persistent producer-warpgroup
     kernel with TMA loads, without a mask or walking its range (`walks_range`: no tile inside the range is
-    skipped), without half tiles. Measured (H200 2026-11-28, one call): ALiBi's loop 3312 -> 3218 cycles a tile,
-    paired 1.032 (4 of 7 rounds); causal 0.976 (1 of 7), plain 1.018 (4 of 7): not yet a default."""
+    skipped), without half tiles. Measured (H200 2026-11-28, two calls): ALiBi's loop 3312 -> 3218 cycles a tile,
+    faster in 12 of 20 paired rounds (~+2%); causal slower in 16 of 20 (~-2.5%): not a default."""
     return bool(spec.extra.get("kv_reverse", False)) and producer(spec) == "warpgroup" and bool(persistent(spec)) \
         and tma_loads(spec) and (spec.block_mask == "none" or walks_range(spec)) and not half_mode(spec)
 
