@@ -695,11 +695,11 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
                 row[f"fwd {tag} diff"] = diff
             if cc is not None:
                 measure(row, f"fwd {tag}+call", flops, lambda cc=cc: lambda: cc.forward(q, k, v, *caps))
-        blocks = c.block_data(c.kernel(q, k, v, *caps))
+        kern, env = c._kernel_and_dims((q, k, v, *caps))
+        blocks = c.block_data(kern)
         if blocks is not None:  # data-dependent mask (issue 12): range tables and block list, made once per ids
             # tensor and reused by the timed calls above; what new ids cost (Flex's "flex mask ms" counterpart)
-            env = c._dims((q, k, v, *caps))
-            made = [*caps, *[int(env[d]) for d in c.analysis.runtime_dims]]
+            made = [*caps, *c.runtime_sizes(kern, env)]
             row["ours mask ms"] = bench(lambda: blocks._make(made, (B, H, N, N), q), 5, 20)
             log(f"  {stem}: block data for new ids {row['ours mask ms']:.3f} ms "
                 f"(flex create_block_mask {row.get('flex mask ms', NAN):.3f} ms)")

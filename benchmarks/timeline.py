@@ -444,8 +444,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern, env = c._kernel_and_dims((q, k, v, *caps))
     s = kern.spec
-    analysis = c._built.get(s.name, (c.lowered, c.analysis))[1]
-    caps = caps + [int(env[d]) for d in analysis.runtime_dims]  # the sizes the score reads (N), as a call adds them
+    caps = caps + c.runtime_sizes(kern, env)  # the sizes the score reads (N), as a call adds them
     from falower.backends.numba_cuda.block_data import BlockData, has_derived
 
     if has_derived(s):  # a block list and the range tables it is made from, as the compiled call derives them

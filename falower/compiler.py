@@ -162,9 +162,10 @@ class CompiledAttention:
                 continue
             if "persistent" not in self.extra and not emit_fa3_ws.persistent_pays(spec):
                 continue  # the automatic choice's persistence, measured slower there: one block an item
-            if "ex2_poly" not in self.extra and emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.auto_ex2_poly(spec):
+            poly = 0 if "ex2_poly" in self.extra else emit_fa3_ws.auto_ex2_poly(spec)
+            if poly:  # the automatic share of exponentials on the FMA pipe, shown in spec.extra
                 spec = build_spec(built[1], used, dtype, path, self.num_warps,
-                                  {**extra, "ex2_poly": emit_fa3_ws.auto_ex2_poly(spec), **self.extra})
+                                  {**extra, "ex2_poly": poly, **self.extra})
             return spec, built
         return mma_sync()
 
@@ -193,6 +194,12 @@ class CompiledAttention:
             return differentiable_call(self, inputs)
         return self.forward(*inputs)
 
+    def runtime_sizes(self, kernel: Any, env: dict[str, int]) -> list[int]:
+        """The sizes a call passes `kernel` after its captures (its lowered graph's runtime dims: a relative bias's
+        N), from the dims `env` of the call's inputs."""
+        analysis = self._built.get(kernel.spec.name, (self.lowered, self.analysis))[1]
+        return [int(env[d]) for d in analysis.runtime_dims]
+
     def forward(self, *inputs: Any):
         """(o, lse) without autograd: the forward kernel (or the interpreter for the reference backend)."""
         if self.backend == "reference":
@@ -204,8 +211,7 @@ class CompiledAttention:
             k, env = self._kernel_and_dims(inputs)
             lowered, analysis = self._built.get(k.spec.name, (self.lowered, self.analysis))
             call = _WarmCall(k, [lowered.args.index(c) for c in analysis.captures],
-                             [c.type.dtype for c in analysis.captures],
-                             [int(env[d]) for d in analysis.runtime_dims], inputs[0],
+                             [c.type.dtype for c in analysis.captures], self.runtime_sizes(k, env), inputs[0],
                              blocks=self.block_data(k))
             if key is not None:
                 self._calls[key] = call

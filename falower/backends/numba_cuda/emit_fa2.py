@@ -955,19 +955,29 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
 
 def row_gather_step(spec: FA2ForwardSpec) -> Optional[int]:
     """k of a row gather's last index k kv + r (from_ir._row_gather: +-1; the relative bias -1), where it has a
-    row pair shift (`ROW_GATHER_STEP`); None otherwise."""
+    row pair shift (`ROW_GATHER_STEP`) and from_ir wrote the run's loads beside it (`gather_slice_fn`); None
+    otherwise."""
     m = re.search(r"^ROW_GATHER_STEP = (-?\d+)", spec.device_source, re.M)
-    return int(m.group(1)) if m is not None and row_gather_shift(spec) is not None else None
+    if m is None or row_gather_shift(spec) is None or "def gather_slice_fn(" not in spec.device_source:
+        return None
+    return int(m.group(1))
+
+
+def row_gather_signs(spec: FA2ForwardSpec) -> tuple[int, int]:
+    """(a, k) of a row gather's last index a q + k kv + r where it has a step (`row_gather_step`): k, and a =
+    shift k (row_gather_shift = a k, both +-1)."""
+    k = row_gather_step(spec)
+    return row_gather_shift(spec) * k, k
 
 
 def pair_slice_offsets(spec: FA2ForwardSpec) -> tuple[list[int], int]:
     """score_pair_load's entries (its order: row qi's column pairs, then row qi + 8's own) as offsets in a run of
     the table from the thread's first entry (row qi's at column kv: index il), il + k o for row qi's column kv + o
-    and il + 8 a + k o for row qi + 8's (a = shift k, the index's step down a column), shifted so that the least
-    is 0; and that shift (the least il-relative offset, <= 0). score_pair_slice reads entry i at base + offsets[i]."""
+    and il + 8 a + k o for row qi + 8's (`row_gather_signs`), shifted so that the least is 0; and that shift (the
+    least il-relative offset, <= 0). score_pair_slice reads entry i at base + offsets[i]."""
     NJ = spec.block_k // 8
-    shift, k = row_gather_shift(spec), row_gather_step(spec)
-    a = shift * k
+    shift = row_gather_shift(spec)
+    a, k = row_gather_signs(spec)
     own8 = [m for m in range(NJ) if not 0 <= m + shift < NJ]
     rel = [k * (8 * jj + u) for jj in range(NJ) for u in (0, 1)]
     rel += [8 * a + k * (8 * m + u) for m in own8 for u in (0, 1)]
@@ -1321,7 +1331,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             with c.indent():
                 c(f"score_row(x, i, b, h, qi, kv, N{caps})")
                 c(f"score_row(x, i + 2, b, h, qi + 8, kv, N{caps})")
-        if row_gather_step(spec) is not None and "def gather_slice_fn(" in spec.device_source:
+        if row_gather_step(spec) is not None:
             offs, _ = pair_slice_offsets(spec)
             c()
             c("@device_function")

@@ -109,6 +109,7 @@ from .emit_fa2 import (
     has_tile_table,
     row_bounds_read_data,
     row_gather_shift,
+    row_gather_signs,
     row_gather_step,
     pair_slice_offsets,
     rows_helper,
@@ -271,15 +272,13 @@ def row_slice(spec: FA2ForwardSpec) -> bool:
     tiles. Measured (H200 2026-11-28): the kv loop 3825 -> 3317 cycles a tile (timeline; with the loads replaced
     by a constant, 3177; plain 2866), 471 -> 518 TFLOP/s, faster in 8 of 11 paired rounds (1.080)."""
     return spec.extra.get("row_slice", True) is not False and gather_early(spec) and producer(spec) == "warpgroup" \
-        and bool(persistent(spec)) and spec.block_q == 128 and spec.block_k == 128 \
-        and row_gather_step(spec) is not None and "def gather_slice_fn(" in spec.device_source
+        and bool(persistent(spec)) and spec.block_q == 128 and spec.block_k == 128 and row_gather_step(spec) is not None
 
 
 def slice_start(spec: FA2ForwardSpec) -> int:
     """The run's first index relative to il(q_wg, kv0), the index at the warpgroup's first row and the tile's first
     column: min(0, 63 a) + min(0, (block_k - 1) k)."""
-    k = row_gather_step(spec)
-    a = row_gather_shift(spec) * k
+    a, k = row_gather_signs(spec)
     return min(0, 63 * a) + min(0, (spec.block_k - 1) * k)
 
 
@@ -492,7 +491,7 @@ def auto_ex2_poly(spec: FA2ForwardSpec) -> int:
     Measured on the H200 (2026-11-28, paired rounds against ex2_poly 0): softcap_approx +4.5% (8 of 9 rounds
     faster) and +3.7% (7 of 11); plain -7%, the relative bias -6%, the exact softcap (tanh by ex2 and rcp, or the
     FMA pipe's polynomial on small tiles) -2%, which keep none."""
-    if not (tma_loads(spec) and spec.head_dim == 128 and spec.block_k == 128):
+    if not (uses_ws(spec) and tma_loads(spec) and spec.head_dim == 128 and spec.block_k == 128):
         return 0
     return AUTO_EX2_POLY if "tanh_approx_f32(" in spec.device_source else 0
 
@@ -1667,8 +1666,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c()
         if RS:
             _, lo_off = pair_slice_offsets(spec)
-            k = row_gather_step(spec)
-            a = row_gather_shift(spec) * k
+            a, k = row_gather_signs(spec)
             c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
             c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
             c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
