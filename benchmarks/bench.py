@@ -118,7 +118,7 @@ def parse_config(text: str) -> tuple:
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
-    over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse),
+    over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the last one second),
     '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
     runs (extra bounds_in_s), '-noes' / '-es' an item's last P V and epilogue at its own end / with the next
     item's first tile (extra epilogue_in_s; by default with it except under a block list or the softcap's tanh);
@@ -178,7 +178,7 @@ CONFIG_OPTIONS: list = [
     (("nots", {"tanh_small": False}),),
     (("noge", {"gather_early": False}),),
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
-    (("rev", {"kv_reverse": True}),),
+    (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"})),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),
     (("noqd", {"q_double": False}), ("qd", {"q_double": True})),

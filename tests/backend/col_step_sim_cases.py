@@ -61,6 +61,10 @@ CASES = {
     "pwg-persist-causal-rev": ("causal", 150, 260, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                    "persistent": 1, "item_order": "dynamic",
                                                                    "kv_reverse": True}),
+    # ... with the last tile second (kv_reverse "second": kv_last - 1, kv_last, then down): q tile 2 visits 1, 2, 0
+    "pwg-persist-causal-rev2": ("causal", 300, 390, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                                    "persistent": 1, "item_order": "dynamic",
+                                                                    "kv_reverse": "second"}),
     # the relative bias (one head): rows q >= N + kv read past the table (clamped), the others at constant offsets
     "ws-relbias": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),

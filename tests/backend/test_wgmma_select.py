@@ -9,6 +9,7 @@ import pytest
 
 import falower as fl
 from falower.backends.numba_cuda import emit_fa3, runtime
+from falower.backends.numba_cuda.from_ir import BackendError
 
 
 def test_rule() -> None:
@@ -116,7 +117,6 @@ def test_caller_tiles_of_64_rows_keep_64_rows_a_warpgroup(hopper) -> None:
     for extra in (None, {"schedule": "wgmma"}):
         s = _spec(fl.compile(_graph(True), pipeline=pipe, extra=extra), 64)
         assert s.extra == {"schedule": "wgmma", "overlap": False} and (s.block_q, s.block_k) == (64, 32), s.extra
-    from falower.backends.numba_cuda.from_ir import BackendError
 
     with pytest.raises(BackendError, match="per 128 query rows, 1-4 of them; got block_q=64"):  # asked: an error
         _spec(fl.compile(_graph(True), pipeline=pipe, extra={"schedule": "wgmma", "wg_rows": 128}), 64)
@@ -326,3 +326,29 @@ def test_kv_reverse_is_asked_for_and_mirrors_every_tile_position(hopper) -> None
     assert not emit_fa3_ws.kv_reverse(copies)
     doc = runpy.run_path(str(ex / "document.py"))["graph"]
     assert not emit_fa3_ws.kv_reverse(fl.compile(doc, extra={"kv_reverse": True}).specialize("f16", D=128).spec)
+
+
+def test_kv_reverse_second_visits_every_tile_once_the_last_one_second(hopper) -> None:
+    """extra kv_reverse "second": the positions tile_at gives for j = kv_first .. kv_last are a permutation of the
+    range, kv_last - 1 first and kv_last second where the range has two tiles or more, then down to kv_first; the
+    kernel reads that expression; an unknown value is refused by name."""
+    import runpy
+    from pathlib import Path
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    alibi = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "alibi.py"))["graph"]
+    kern = fl.compile(alibi, extra={"kv_reverse": "second"}).specialize("f16", D=128)
+    assert emit_fa3_ws.kv_reverse(kern.spec) and emit_fa3_ws.kv_last_second(kern.spec)
+    expr = emit_fa3_ws.tile_at(kern.spec, "j")
+    assert "else kv_last" in kern.source and "kv_last - 1 + j" in kern.source  # the producer's and consumers' j
+    for first in range(0, 4):
+        for last in range(first, first + 6):
+            order = [eval(expr, {"j": j, "kv_first": first, "kv_last": last}) for j in range(first, last + 1)]
+            assert sorted(order) == list(range(first, last + 1)), (first, last, order)
+            want = [last] if last == first else [last - 1, last] + list(range(last - 2, first - 1, -1))
+            assert order == want, (first, last, order)
+    assert not emit_fa3_ws.kv_last_second(fl.compile(alibi, extra={"kv_reverse": True}).specialize("f16", D=128).spec)
+    with pytest.raises(BackendError, match="kv_reverse is True, False or 'second'"):
+        fl.compile(alibi, extra={"kv_reverse": "first"}).specialize("f16", D=128)

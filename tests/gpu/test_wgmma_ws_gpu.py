@@ -85,6 +85,9 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     (True, "f16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic", "kv_reverse": True}),
     (False, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
                                "kv_reverse": True}),
+    # ... the last tile second (kv_reverse "second"): kv_last - 1, causal's diagonal, then down
+    (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
+                              "kv_reverse": "second"}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()

@@ -291,13 +291,29 @@ def kv_reverse(spec: FA2ForwardSpec) -> bool:
     ALiBi's 3312 a tile, 76 of causal's 2988: timeline --replace, H200 2026-11-28). The persistent producer-warpgroup
     kernel with TMA loads, without a mask or walking its range (`walks_range`: no tile inside the range is
     skipped), without half tiles. Measured (H200 2026-11-28, two calls): ALiBi's loop 3312 -> 3218 cycles a tile,
-    faster in 12 of 20 paired rounds (~+2%); causal slower in 16 of 20 (~-2.5%): not a default."""
-    return bool(spec.extra.get("kv_reverse", False)) and producer(spec) == "warpgroup" and bool(persistent(spec)) \
+    faster in 12 of 20 paired rounds (~+2%); causal slower in 16 of 20 (~-2.5%): not a default.
+    extra["kv_reverse"] = "second" (bench '-rev2') visits kv_last second, after kv_last - 1 (`kv_last_second`)."""
+    asked = spec.extra.get("kv_reverse", False)
+    if asked not in (False, True, "second"):
+        raise ValueError(f"wgmma-ws: extra kv_reverse is True, False or 'second' (the last tile second), not {asked!r}")
+    return bool(asked) and producer(spec) == "warpgroup" and bool(persistent(spec)) \
         and tma_loads(spec) and (spec.block_mask == "none" or walks_range(spec)) and not half_mode(spec)
 
 
+def kv_last_second(spec: FA2ForwardSpec) -> bool:
+    """Whether kv_reverse visits an item's last tile second: kv_last - 1, kv_last, kv_last - 2, ... kv_first. Why:
+    the reversed order put causal's masked diagonal tile first, beside the item before's carried P V and epilogue
+    (its first tile 3935 -> 4478 cycles, causal ~-2.5% paired); second, a full tile leads as in the forward order,
+    and ALiBi's row max still stands after two tiles, where the forward order moves it on every tile."""
+    return kv_reverse(spec) and spec.extra.get("kv_reverse") == "second"
+
+
 def tile_at(spec: FA2ForwardSpec, j: str) -> str:
-    """Tile j's position in the kv range: j itself, or under kv_reverse the mirror kv_first + kv_last - j."""
+    """Tile j's position in the kv range: j itself, or under kv_reverse the mirror kv_first + kv_last - j (with
+    `kv_last_second` the range's first two visits swapped: kv_last - 1, then kv_last)."""
+    if kv_last_second(spec):
+        return (f"(kv_first + kv_last - {j} if {j} > kv_first + 1 or kv_last == kv_first "
+                f"else kv_last - 1 + {j} - kv_first)")
     return f"(kv_first + kv_last - {j})" if kv_reverse(spec) else j
 
 
