@@ -118,7 +118,8 @@ def parse_config(text: str) -> tuple:
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
-    over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the last one second),
+    over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
+    the last one second, ALiBi's default; '-norev' from the first up),
     '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
     runs (extra bounds_in_s), '-noes' / '-es' an item's last P V and epilogue at its own end / with the next
     item's first tile (extra epilogue_in_s; by default with it except under a block list or the softcap's tanh);
@@ -126,7 +127,8 @@ def parse_config(text: str) -> tuple:
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not the FMA
-    pipe's polynomial where a tile's scores are in its range (extra tanh_small); '-nose' / '-se' O stored from the
+    pipe's polynomial where a tile's scores are in its range (extra tanh_small); '-notiny' not the shorter
+    polynomial where they are within a quarter of the cap (extra tanh_tiny); '-nose' / '-se' O stored from the
     fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
     memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
     rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum
@@ -176,9 +178,10 @@ CONFIG_OPTIONS: list = [
     (("norg", {"row_gather": False}),),
     (("norp", {"row_pairs": False}),),
     (("nots", {"tanh_small": False}),),
+    (("notiny", {"tanh_tiny": False}),),
     (("noge", {"gather_early": False}),),
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
-    (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"})),
+    (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),
     (("noqd", {"q_double": False}), ("qd", {"q_double": True})),

@@ -162,10 +162,11 @@ class CompiledAttention:
                 continue
             if "persistent" not in self.extra and not emit_fa3_ws.persistent_pays(spec):
                 continue  # the automatic choice's persistence, measured slower there: one block an item
-            poly = 0 if "ex2_poly" in self.extra else emit_fa3_ws.auto_ex2_poly(spec)
-            if poly:  # the automatic share of exponentials on the FMA pipe, shown in spec.extra
-                spec = build_spec(built[1], used, dtype, path, self.num_warps,
-                                  {**extra, "ex2_poly": poly, **self.extra})
+            auto = {"ex2_poly": 0 if "ex2_poly" in self.extra else emit_fa3_ws.auto_ex2_poly(spec),
+                    "kv_reverse": False if "kv_reverse" in self.extra else emit_fa3_ws.auto_kv_reverse(spec)}
+            auto = {k: v for k, v in auto.items() if v}
+            if auto:  # the automatic share of exponentials on the FMA pipe and kv order, shown in spec.extra
+                spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **self.extra})
             return spec, built
         return mma_sync()
 

@@ -14,7 +14,7 @@ import pytest
 import falower as fl
 from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
 from falower.backends.numba_cuda import intrinsics as I
-from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward, small_scores
+from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward, small_scores, tiny_scores
 from falower.backends.numba_cuda.from_ir import TWO_LOG2E, analyse, build_spec
 
 rel = fl.capture("rel", "f32", ["H", "L"])
@@ -52,6 +52,27 @@ def test_ptx_is_the_steps():
     assert re.findall(r"\b(mul|fma|ex2|rcp|tanh)\.", I.TANH_SMALL_PTX) == ["mul"] + ["fma"] * 6 + ["mul"]
 
 
+def test_tiny_absolute_error_and_ptx():
+    """tanh_tiny's f32 steps within 2**-23.2 of tanh over |y| <= TANH_TINY_Y (a quarter of tanh_small's range),
+    tiny |y| relatively exact, NaN kept; its PTX one multiply, two FMAs, one multiply with TANH_TINY_POLY's
+    constants; from_ir's copy of the range the same."""
+    from falower.backends.numba_cuda import from_ir
+
+    assert I.TANH_TINY_Y == I.TANH_SMALL_Y / 4 and from_ir.TANH_TINY_Y == I.TANH_TINY_Y
+    y = np.concatenate([np.linspace(-I.TANH_TINY_Y, I.TANH_TINY_Y, 60001), np.logspace(-30, np.log10(0.7), 1001)])
+    want = np.tanh(y.astype(np.float32).astype(np.float64) / TWO_LOG2E)
+    got = np.array([I.tanh_tiny_steps(v) for v in np.asarray(y, np.float32)], dtype=np.float64)
+    assert np.max(np.abs(got - want)) <= 2.0 ** -23.2
+    tiny = np.logspace(-30, -3, 200)
+    assert np.allclose([I.tanh_tiny_steps(v) for v in tiny.astype(np.float32)],
+                       np.tanh(tiny.astype(np.float32).astype(np.float64) / TWO_LOG2E), rtol=1e-6, atol=0)
+    assert np.isnan(I.tanh_tiny_steps(np.float32(np.nan)))
+    consts = [float(np.array([int(h, 16)], dtype=np.uint32).view(np.float32)[0])
+              for h in re.findall(r"0f([0-9A-F]{8})", I.TANH_TINY_PTX)]
+    assert consts == [float(np.float32(c)) for c in I.TANH_TINY_POLY[::-1]]
+    assert re.findall(r"\b(mul|fma|ex2|rcp|tanh)\.", I.TANH_TINY_PTX) == ["mul", "fma", "fma", "mul"]
+
+
 def _spec(mod, extra=None, D=64):
     g = fl.attention(score_mod=lambda s, b, h, q, kv: mod(s, h, q, kv), name="m")
     return build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None, extra)
@@ -75,6 +96,8 @@ def test_which_scores_take_the_polynomial(name):
     spec = _spec(mod)
     assert (small_scores(spec) is not None) == taken, spec.device_source
     assert small_scores(_spec(mod, {"tanh_small": False})) is None
+    assert (tiny_scores(spec) is not None) == taken and tiny_scores(_spec(mod, {"tanh_small": False})) is None
+    assert tiny_scores(_spec(mod, {"tanh_tiny": False})) is None
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -85,12 +108,16 @@ def test_the_bound_keeps_every_argument_in_range(D):
     k = np.float32(float(np.float32(D ** -0.5 / 30.0)) * TWO_LOG2E)
     assert abs(np.float32(bound) * k) <= I.TANH_SMALL_Y
     assert bound == pytest.approx(I.TANH_SMALL_Y / float(k), rel=1e-5)
+    tiny = tiny_scores(_spec(SCORES["softcap"][0], D=D))
+    assert abs(np.float32(tiny) * k) <= I.TANH_TINY_Y and tiny == pytest.approx(I.TANH_TINY_Y / float(k), rel=1e-5)
 
 
 @pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
 def test_the_kernels_branch_on_a_ballot(kernel):
-    """Every unmasked score call sits under `if ballot(max(|s|) > SCORE_SMALL_S) == 0:` with score_row_small on
-    the true side and score_row (tanh_ex2) on the false side; the masked path keeps tanh_ex2."""
+    """Every unmasked score call sits under `if ballot(sbig > SCORE_TINY_S) == 0:` with score_row_tiny on the true
+    side, `elif ballot(sbig > SCORE_SMALL_S) == 0:` with score_row_small, and score_row (tanh_ex2) on the false
+    side, sbig the rows' max |s|; without tanh_tiny the same with the first branch gone; the masked path keeps
+    tanh_ex2."""
     mod = SCORES["softcap"][0]
     src = {"mma": lambda x: emit_fa2_forward(_spec(mod, x, D=128)),
            "fa3": lambda x: emit_fa3.emit_fa3_forward(_spec(mod, {"schedule": "wgmma", "wg_rows": 128, **x})),
@@ -98,14 +125,25 @@ def test_the_kernels_branch_on_a_ballot(kernel):
                                                                         **x}, D=128))}[kernel]
     on = src({})
     lines = [ln.strip() for ln in on.splitlines()]
-    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(") and "> SCORE_SMALL_S) == 0:" in ln]
+    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(sbig > SCORE_TINY_S) == 0:")]
     assert checks
+    for i in checks:
+        assert lines[i - 1].startswith("sbig = ") and "score_absmax(" in lines[i - 1]
+        assert lines[i + 1].startswith("score_row_tiny(sc")
+        j = next(k for k in range(i + 1, i + 6) if lines[k].startswith("elif "))
+        assert lines[j].startswith("elif ballot(sbig > SCORE_SMALL_S) == 0:") and lines[j + 1].startswith(
+            "score_row_small(sc")
+        assert "else:" in lines[j + 1:j + 8] and any(ln.startswith("score_row(sc") for ln in lines[j + 1:j + 9])
+    assert "tanh_tiny_f32((s * " in on and "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
+    two = src({"tanh_tiny": False})
+    lines = [ln.strip() for ln in two.splitlines()]
+    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(") and "> SCORE_SMALL_S) == 0:" in ln]
+    assert checks and "score_row_tiny(sc" not in two and "> SCORE_TINY_S" not in two
     for i in checks:
         assert lines[i + 1].startswith("score_row_small(sc")
         assert "else:" in lines[i + 1:i + 8] and any(ln.startswith("score_row(sc") for ln in lines[i + 1:i + 9])
-    assert "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
     off = src({"tanh_small": False})
-    assert "score_row_small(sc" not in off and "> SCORE_SMALL_S" not in off
+    assert "score_row_small(sc" not in off and "> SCORE_SMALL_S" not in off and "score_row_tiny(sc" not in off
 
 
 def test_score_row_small_is_score_row_in_range():
@@ -117,19 +155,24 @@ def test_score_row_small_is_score_row_in_range():
     spec = _spec(SCORES["softcap"][0], {"schedule": "wgmma-ws", "producer": "none"}, D=128)
     src = emit_fa3_ws.emit_fa3_ws_forward(spec)
     ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c),
-          "tanh_ex2_f32": I.tanh_ex2_steps, "tanh_small_f32": I.tanh_small_steps,
+          "tanh_ex2_f32": I.tanh_ex2_steps, "tanh_small_f32": I.tanh_small_steps, "tanh_tiny_f32": I.tanh_tiny_steps,
           "lget": lambda x, i: x[i], "lset": lambda x, i, v: x.__setitem__(i, v)}
     exec(spec.device_source, ns)
-    for name in ("score_row", "score_row_small", "score_absmax"):
+    for name in ("score_row", "score_row_small", "score_row_tiny", "score_absmax"):
         start = src.index(f"def {name}(")
         exec(src[start:src.index("\n@", start)], ns)
     bound = small_scores(spec)
     rng = np.random.default_rng(0)
     n = spec.block_k // 2  # a thread's two rows: block_k / 8 n8 tiles of 2 x 2 elements
-    for scale in (1.0, 0.3, 1.0 / 64):
+    assert tiny_scores(spec) == pytest.approx(bound / 4, rel=1e-6)
+    for scale in (1.0, 0.3, 0.25, 1.0 / 64):
         x = (rng.uniform(-1, 1, n) * bound * scale).astype(np.float32)
         a, b = x.copy(), x.copy()
         ns["score_row"](a, 0, 0, 0, 5, 0, 128)
         ns["score_row_small"](b, 0, 0, 0, 5, 0, 128)
         assert np.max(np.abs(a.astype(np.float64) - b)) <= 2.0 ** -21
+        if scale * bound <= tiny_scores(spec):  # tanh_tiny's range: |s| up to a quarter of tanh_small's
+            c = x.copy()
+            ns["score_row_tiny"](c, 0, 0, 0, 5, 0, 128)
+            assert np.max(np.abs(a.astype(np.float64) - c)) <= 2.0 ** -21
         assert max(ns["score_absmax"](x, 0), ns["score_absmax"](x, 2)) == np.max(np.abs(x))

@@ -314,7 +314,7 @@ def test_kv_reverse_is_asked_for_and_mirrors_every_tile_position(hopper) -> None
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     ex = Path(__file__).resolve().parents[2] / "examples"
     alibi = runpy.run_path(str(ex / "alibi.py"))["graph"]
-    assert not emit_fa3_ws.kv_reverse(fl.compile(alibi).specialize("f16", D=128).spec)
+    assert not emit_fa3_ws.kv_reverse(fl.compile(alibi, extra={"kv_reverse": False}).specialize("f16", D=128).spec)
     kern = fl.compile(alibi, extra={"kv_reverse": True}).specialize("f16", D=128)
     assert emit_fa3_ws.kv_reverse(kern.spec) and kern.spec.extra.get("persistent") == 132
     src = kern.source
@@ -350,5 +350,16 @@ def test_kv_reverse_second_visits_every_tile_once_the_last_one_second(hopper) ->
             want = [last] if last == first else [last - 1, last] + list(range(last - 2, first - 1, -1))
             assert order == want, (first, last, order)
     assert not emit_fa3_ws.kv_last_second(fl.compile(alibi, extra={"kv_reverse": True}).specialize("f16", D=128).spec)
+    # the automatic choice: "second" for ALiBi under causal (a column step, a walked range), shown in spec.extra;
+    # not for causal alone, ALiBi without its mask, or where the kernel cannot take it (16-byte copies)
+    assert fl.compile(alibi).specialize("f16", D=128).spec.extra["kv_reverse"] == "second"
+    assert "kv_reverse" not in fl.compile(alibi).specialize("f16", D=64).spec.extra  # not the persistent kernel
+    ex = Path(__file__).resolve().parents[2] / "examples"
+    causal = runpy.run_path(str(ex / "causal.py"))["graph"]
+    assert "kv_reverse" not in fl.compile(causal).specialize("f16", D=128).spec.extra
+    slopes = fl.capture("slopes", "f32", "H")
+    unmasked = fl.attention(score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q), name="alibi_nomask")
+    assert "kv_reverse" not in fl.compile(unmasked).specialize("f16", D=128).spec.extra
+    assert "kv_reverse" not in fl.compile(alibi, extra={"tma_loads": False}).specialize("f16", D=128).spec.extra
     with pytest.raises(BackendError, match="kv_reverse is True, False or 'second'"):
         fl.compile(alibi, extra={"kv_reverse": "first"}).specialize("f16", D=128)

@@ -74,44 +74,51 @@ def test_softcap_forward_error_rule(tanh, D, N):
     assert ("tanh_ex2_f32((" in src) == (tanh == "ex2") and ("math.tanh(" in src) == (tanh == "libdevice")
 
 
-def test_tanh_small_is_its_steps():
-    """tanh_small_f32 (the FMA pipe's polynomial, no approximate instruction): bit for bit its float32 steps
-    (intrinsics.tanh_small_steps) over |y| <= TANH_SMALL_Y, and within 2^-22.5 of tanh(y / (2 log2 e))."""
+@pytest.mark.parametrize("tier", ["small", "tiny"])
+def test_tanh_small_is_its_steps(tier):
+    """tanh_small_f32 and tanh_tiny_f32 (the FMA pipe's polynomials, no approximate instruction): bit for bit their
+    float32 steps (intrinsics.tanh_small_steps, tanh_tiny_steps) over their ranges, and within 2^-22.5 (tanh_tiny:
+    2^-23.2) of tanh(y / (2 log2 e))."""
     needs_cuda()
     from numba import cuda
 
     from falower.backends.numba_cuda import intrinsics as I
 
+    fn, steps, Y, bound = {"small": (I.tanh_small_f32, I.tanh_small_steps, I.TANH_SMALL_Y, 2.0 ** -22.5),
+                           "tiny": (I.tanh_tiny_f32, I.tanh_tiny_steps, I.TANH_TINY_Y, 2.0 ** -23.2)}[tier]
+
     @cuda.jit
     def run(x, y):
         i = cuda.grid(1)
         if i < x.size:
-            y[i] = I.tanh_small_f32(x[i])
+            y[i] = fn(x[i])
 
-    x = np.concatenate([np.linspace(-I.TANH_SMALL_Y, I.TANH_SMALL_Y, 400_001), np.logspace(-30, 0, 2001)])
+    x = np.concatenate([np.linspace(-Y, Y, 400_001), np.logspace(-30, np.log10(Y), 2001)])
     x = x.astype(np.float32)
     dy = cuda.to_device(np.zeros_like(x))
     run[(x.size + 255) // 256, 256](cuda.to_device(x), dy)
     y = dy.copy_to_host()
-    want = np.array([I.tanh_small_steps(v) for v in x[::97]], np.float32)
+    want = np.array([steps(v) for v in x[::97]], np.float32)
     assert np.array_equal(y[::97], want)
     err = np.abs(y.astype(np.float64) - np.tanh(x.astype(np.float64) / (2.0 * 1.4426950408889634)))
-    print(f"tanh_small_f32: max absolute error {err.max():.3g} (2^{np.log2(err.max()):.2f})")
-    assert err.max() <= 2.0 ** -22.5
+    print(f"tanh_{tier}_f32: max absolute error {err.max():.3g} (2^{np.log2(err.max()):.2f})")
+    assert err.max() <= bound
 
 
 @pytest.mark.parametrize("N", [17, 1000, 4096])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("scale", [1.0, 8.0])
+@pytest.mark.parametrize("scale", [1.0, 2.0, 8.0])
 def test_softcap_small_tanh_error_rule(scale, D, N):
-    """The softcap with its tiles' tanh by the polynomial where their scores are in range (the default: |s scale|
-    <= 30) and by tanh_ex2 elsewhere. Unscaled queries keep every scaled score near N(0, 1), in range; scaled by 8
-    a score leaves it at ~3.75 sigma, so some warps' tiles take each path. Within the forward's error rule, and
-    within f16's reach of the kernel without the polynomial (extra tanh_small False)."""
+    """The softcap with its tiles' tanh by the short polynomial where their scores are within a quarter of the cap
+    (|s scale| <= 7.5), by the long one where they are within it (<= 30), by tanh_ex2 elsewhere. Unscaled queries
+    keep every scaled score near N(0, 1), in the short one's range; scaled by 2 a score leaves it at ~3.75 sigma,
+    scaled by 8 the long one's, so some warps' tiles take each path. Within the forward's error rule, and within
+    f16's reach of the kernel without the polynomials (extra tanh_small False)."""
     needs_cuda()
     dtype = "f16"
     g, c = graph("softcap", dtype)
-    assert "score_row_small(" in c.specialize(dtype, D=D).source
+    assert "score_row_small(" in c.specialize(dtype, D=D).source and "score_row_tiny(" in c.specialize(
+        dtype, D=D).source
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": N, "N": N, "D": D})
     raw = random_inputs(g, env, seed=N + D + 1)
     raw[0] = raw[0] * scale

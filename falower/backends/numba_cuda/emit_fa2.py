@@ -79,6 +79,7 @@ from falower.backends.numba_cuda.intrinsics import (
     tanh_approx_f32,
     tanh_ex2_f32,
     tanh_small_f32,
+    tanh_tiny_f32,
     bf16_to_f32,
     cp_async16,
     cp_async16_s,
@@ -923,6 +924,17 @@ def small_scores(spec: FA2ForwardSpec) -> Optional[float]:
     return float(m.group(1))
 
 
+def tiny_scores(spec: FA2ForwardSpec) -> Optional[float]:
+    """The bound on |s| under which score_raw_tiny_fn's tanh is tanh_tiny_f32 (from_ir `SCORE_TINY_S`: |s scale| <=
+    c / 4), a polynomial of 4 instructions where tanh_small's takes 8: a warp's tile whose scores all lie there takes
+    score_row_tiny, tested before small_scores' bound. Where small_scores takes its path; None otherwise, or with
+    spec.extra["tanh_tiny"] = False (bench '-notiny')."""
+    if small_scores(spec) is None or spec.extra.get("tanh_tiny", True) is False:
+        return None
+    m = re.search(r"^SCORE_TINY_S = ([0-9.e+-]+)", spec.device_source, re.M)
+    return None if m is None else float(m.group(1))
+
+
 def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv0 + t2", tail: str = "",
                     given: str = "") -> list[str]:
     """The unmasked score calls of a thread's rows: a fragment's rows g and g + 8 (`off` 8 apart, the same
@@ -935,8 +947,14 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
         big = absmax[0] if len(absmax) == 1 else f"max({', '.join(absmax)})"
         small = [f"    score_row_small({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
         exact = [f"    score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
-        return [f"if ballot({big} > SCORE_SMALL_S) == 0:  # every score of the warp's rows in tanh_small's range",
-                *small, "else:", *exact]
+        check = "if" if tiny_scores(spec) is None else "elif"
+        tiny = [] if check == "if" else [
+            "sbig = " + big, "if ballot(sbig > SCORE_TINY_S) == 0:  # every score of the warp's rows in tanh_tiny's range",
+            *[f"    score_row_tiny({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]]
+        if tiny:
+            big = "sbig"
+        return [*tiny, f"{check} ballot({big} > SCORE_SMALL_S) == 0:  # every score of the warp's rows in tanh_small's "
+                "range", *small, "else:", *exact]
     pairs = row_gather_shift(spec) is not None and not tail
     out: list[str] = []
     k = 0
@@ -1275,6 +1293,14 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             c("# score_row with the FMA pipe's tanh (score_raw_small_fn): the caller has seen every |s| in range")
             for line in per_element:
                 c(line.replace("score_raw_fn(", "score_raw_small_fn("))
+        if tiny_scores(spec) is not None:
+            c()
+            c("@device_function")
+            c(f"def score_row_tiny(x, i, b, h, qi, kv, N{caps}):")
+            with c.indent():
+                c("# score_row with tanh_tiny (score_raw_tiny_fn): the caller has seen every |s| in its range")
+                for line in per_element:
+                    c(line.replace("score_raw_fn(", "score_raw_tiny_fn("))
         c()
         c("@device_function")
         c("def score_absmax(x, i):")

@@ -115,6 +115,7 @@ from .emit_fa2 import (
     rows_helper,
     score_row_calls,
     walks_range,
+    col_step,
     wgmma_thread_rows,
     emit_tile_scan,
 )
@@ -298,6 +299,20 @@ def kv_reverse(spec: FA2ForwardSpec) -> bool:
         raise ValueError(f"wgmma-ws: extra kv_reverse is True, False or 'second' (the last tile second), not {asked!r}")
     return bool(asked) and producer(spec) == "warpgroup" and bool(persistent(spec)) \
         and tma_loads(spec) and (spec.block_mask == "none" or walks_range(spec)) and not half_mode(spec)
+
+
+def auto_kv_reverse(spec: FA2ForwardSpec) -> object:
+    """The automatic choice's kv order (falower.compile sets extra["kv_reverse"] unless the caller did): "second"
+    for a score with a column step (ALiBi, emit_fa2.col_step) under a mask the kernel walks (causal), where the
+    kernel can take it; False elsewhere. Measured on the H200 (2026-11-28, paired against the forward order): ALiBi
+    reversed faster in 23 of 35 rounds over three calls (~+2%), its kernel 510 -> 496 us by the timeline, the same
+    with "second" (its loop 3312 -> 3201 cycles a tile, its first tile unchanged where the reversed order's grew by
+    ~500); causal gained nothing either way (0.97-0.995 paired), and keeps the forward order."""
+    if not (col_step(spec) and spec.block_mask == "static" and walks_range(spec)):
+        return False
+    import dataclasses
+
+    return "second" if kv_reverse(dataclasses.replace(spec, extra={**spec.extra, "kv_reverse": "second"})) else False
 
 
 def kv_last_second(spec: FA2ForwardSpec) -> bool:

@@ -818,13 +818,15 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
 # intrinsics.TANH_SMALL_Y, tanh_small_f32's range (|y| <= 2 log2 e: tanh's argument within +-1), here without
 # importing intrinsics (Numba): a warm process builds its specs without it (tests/gpu/test_cubin_cache_gpu.py)
 TANH_SMALL_Y = TWO_LOG2E
+TANH_TINY_Y = TWO_LOG2E / 4.0  # intrinsics.TANH_TINY_Y: tanh_tiny_f32's range (tanh's argument within +-1/4)
 
 
 def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> list[str]:
     """Where every tanh of score_raw_fn's lines is tanh_ex2_f32 of s times a constant K (the softcap, c tanh(s /
     c)): `SCORE_SMALL_S`, the |s| under which each such argument lies in tanh_small_f32's range (|s K| <=
     TANH_SMALL_Y), and `score_raw_small_fn`, score_raw_fn with tanh_small_f32, the FMA pipe's polynomial, for a
-    tile whose scores all lie there (emit_fa2.small_scores); [] otherwise."""
+    tile whose scores all lie there (emit_fa2.small_scores); the same for tanh_tiny_f32's narrower range
+    (`SCORE_TINY_S`, `score_raw_tiny_fn`: emit_fa2.tiny_scores); [] otherwise."""
     import re
 
     import numpy as np
@@ -836,10 +838,13 @@ def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> lis
     k = max(abs(float(c)) for _, c in calls)
     if not math.isfinite(k) or k == 0.0:
         return []
-    bound = float(np.float32(TANH_SMALL_Y / k * (1.0 - 2.0 ** -20)))  # f32 s * K rounds up by at most an ulp
-    return ["", f"SCORE_SMALL_S = {bound!r}  # |s| <= this: every tanh's argument |s K| <= TANH_SMALL_Y", "",
-            f"def score_raw_small_fn(s, b, h, q, kv{sig_caps}{hz}):",
-            *[ln.replace("tanh_ex2_f32(", "tanh_small_f32(") for ln in raw], f"    return np.float32({root})"]
+    out = []
+    for tier, y in (("small", TANH_SMALL_Y), ("tiny", TANH_TINY_Y)):
+        bound = float(np.float32(y / k * (1.0 - 2.0 ** -20)))  # f32 s * K rounds up by at most an ulp
+        out += ["", f"SCORE_{tier.upper()}_S = {bound!r}  # |s| <= this: every tanh's argument |s K| <= "
+                f"TANH_{tier.upper()}_Y", "", f"def score_raw_{tier}_fn(s, b, h, q, kv{sig_caps}{hz}):",
+                *[ln.replace("tanh_ex2_f32(", f"tanh_{tier}_f32(") for ln in raw], f"    return np.float32({root})"]
+    return out
 
 
 def _kv_dependent(region: Block, kv_args: set) -> set:

@@ -49,6 +49,8 @@ Public names (identical in both modes):
     tanh_small_f32                 (y: f32, |y| <= TANH_SMALL_Y) -> f32, the same tanh(y / (2 log2 e)) by an odd
                                    polynomial on the FMA pipe, no MUFU: 8 instructions, absolute error ~2**-22.7
                                    (TANH_SMALL_PTX; the kernels take it for a tile whose scores all lie in range)
+    tanh_tiny_f32                  (y: f32, |y| <= TANH_TINY_Y) -> f32, the same in 4 instructions for |tanh's
+                                   argument| <= 1/4, absolute error ~2**-23.3 (TANH_TINY_PTX)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
@@ -118,6 +120,7 @@ __all__ = [
     "tanh_approx_f32",
     "tanh_ex2_f32",
     "tanh_small_f32",
+    "tanh_tiny_f32",
     "shfl_xor_f32",
     "ballot",
     "lowest_bit",
@@ -290,6 +293,24 @@ def tanh_ex2_steps(y) -> np.float32:
     return np.float32(np.float64(r) * -2.0 + 1.0)
 
 
+def _odd_poly_ptx(coeffs: tuple) -> str:
+    """y R(y^2) with R's coefficients lowest first: one multiply for u = y^2, len - 1 FMAs (Horner), one by y."""
+    return ("{ .reg .f32 u, p; mul.rn.f32 u, $1, $1; "
+            f"fma.rn.f32 p, u, {_f32_hex(coeffs[-1])}, {_f32_hex(coeffs[-2])}; "
+            + "".join(f"fma.rn.f32 p, p, u, {_f32_hex(c)}; " for c in coeffs[-3::-1])
+            + "mul.rn.f32 $0, $1, p; }")
+
+
+def _odd_poly_steps(y, coeffs: tuple) -> np.float32:
+    """_odd_poly_ptx's steps in numpy float32, each rounded as the PTX rounds it."""
+    y = np.float32(y)
+    u = np.float32(y * y)
+    p = np.float32(coeffs[-1])
+    for c in coeffs[-2::-1]:
+        p = np.float32(np.float64(p) * np.float64(u) + np.float64(np.float32(c)))
+    return np.float32(y * p)
+
+
 # tanh_small: tanh(y / (2 log2 e)) for |y| <= TANH_SMALL_Y (|tanh's argument| <= 1) as y R(y^2), R of degree 6 fitted
 # for absolute error (Lawson's minimax iteration, coefficients rounded to f32): 1.46e-7 (2**-22.7) at most with every
 # step rounded as the PTX rounds it, under tanh_ex2's 2**-22.4. One multiply for u = y^2, six FMAs, one multiply by y:
@@ -299,20 +320,27 @@ def tanh_ex2_steps(y) -> np.float32:
 TANH_SMALL_Y = 2.0 * 1.4426950408889634  # |y| <= 2 log2(e): |x| <= 1
 TANH_SMALL_POLY = (0.34657347202301025, -0.013875526376068592, 0.0006659904029220343, -3.199020284228027e-05,
                    1.4408163906409754e-06, -5.15656566335565e-08, 1.0030335451105543e-09)
-TANH_SMALL_PTX = ("{ .reg .f32 u, p; mul.rn.f32 u, $1, $1; "
-                  f"fma.rn.f32 p, u, {_f32_hex(TANH_SMALL_POLY[6])}, {_f32_hex(TANH_SMALL_POLY[5])}; "
-                  + "".join(f"fma.rn.f32 p, p, u, {_f32_hex(c)}; " for c in TANH_SMALL_POLY[4::-1])
-                  + "mul.rn.f32 $0, $1, p; }")
+TANH_SMALL_PTX = _odd_poly_ptx(TANH_SMALL_POLY)
+
+# tanh_tiny: the same for |y| <= TANH_TINY_Y (|tanh's argument| <= 1/4) with R of degree 2 (Lawson, f32
+# coefficients, the first pinned to 1 / (2 log2 e) so that tiny |y| stay relatively exact): 9.8e-8 (2**-23.3) at most
+# through the f32 steps, under tanh_small's error, in 4 instructions where
+# tanh_small takes 8. Why: the softcap on its polynomial path was bound by issue slots (NOTES "The softcap's tanh on
+# the FMA pipe"), ~14.5 instructions an element, of which the tanh was 9; scores with |s scale| <= c / 4 (c the
+# cap) take this one (emit_fa2.tiny_scores).
+TANH_TINY_Y = 0.5 * 1.4426950408889634  # |y| <= log2(e) / 2: |x| <= 1/4
+TANH_TINY_POLY = (0.3465735912322998, -0.013871696777641773, 0.000642322120256722)
+TANH_TINY_PTX = _odd_poly_ptx(TANH_TINY_POLY)
 
 
 def tanh_small_steps(y) -> np.float32:
     """TANH_SMALL_PTX's steps in numpy float32, each rounded as the PTX rounds it: the simulator's tanh_small_f32."""
-    y = np.float32(y)
-    u = np.float32(y * y)
-    p = np.float32(TANH_SMALL_POLY[6])
-    for c in TANH_SMALL_POLY[5::-1]:
-        p = np.float32(np.float64(p) * np.float64(u) + np.float64(np.float32(c)))
-    return np.float32(y * p)
+    return _odd_poly_steps(y, TANH_SMALL_POLY)
+
+
+def tanh_tiny_steps(y) -> np.float32:
+    """TANH_TINY_PTX's steps in numpy float32: the simulator's tanh_tiny_f32."""
+    return _odd_poly_steps(y, TANH_TINY_POLY)
 
 
 if SIMULATOR:
@@ -644,6 +672,9 @@ if SIMULATOR:
 
     def tanh_small_f32(y):
         return tanh_small_steps(y)
+
+    def tanh_tiny_f32(y):
+        return tanh_tiny_steps(y)
 
     def shfl_xor_f32(x, lane_mask):
         lane, vals = _exchange(np.float32(x))
@@ -1426,6 +1457,7 @@ else:
     tanh_approx_f32 = _unary_asm_intrinsic("tanh_approx_f32", "tanh.approx.f32 $0, $1;", _F32, _F32, "=f,f")
     tanh_ex2_f32 = _unary_asm_intrinsic("tanh_ex2_f32", TANH_EX2_PTX, _F32, _F32, "=f,f")
     tanh_small_f32 = _unary_asm_intrinsic("tanh_small_f32", TANH_SMALL_PTX, _F32, _F32, "=f,f")
+    tanh_tiny_f32 = _unary_asm_intrinsic("tanh_tiny_f32", TANH_TINY_PTX, _F32, _F32, "=f,f")
 
     @intrinsic
     def shfl_xor_f32(typingctx, x, lane_mask):
