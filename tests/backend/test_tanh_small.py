@@ -73,6 +73,30 @@ def test_tiny_absolute_error_and_ptx():
     assert re.findall(r"\b(mul|fma|ex2|rcp|tanh)\.", I.TANH_TINY_PTX) == ["mul", "fma", "fma", "mul"]
 
 
+@pytest.mark.parametrize("cap, D", [(30.0, 128), (50.0, 64), (30.0, 256)])
+def test_tiny_folded_into_its_factor(cap, D):
+    """The softcap's tanh_tiny takes its argument's factor K in its coefficients (tanh_polys.folded: s R'(s^2),
+    R'_i = K^(2i+1) R_i): one multiply fewer. Its f32 steps within 2**-23 of tanh(s K / (2 log2 e)) over |s| <=
+    SCORE_TINY_S; a factor whose powers would leave f32's range keeps tanh_tiny_f32 (s * K)."""
+    from falower.backends.numba_cuda.tanh_polys import TANH_TINY_POLY, folded
+
+    spec = _spec(lambda s, h, q, kv: cap * fl.tanh(s / cap), D=D)
+    src = spec.device_source
+    k = float(re.search(r"# tanh_tiny_f32\(s \* ([0-9.e+-]+)\)", src).group(1))
+    c = [np.float32(float(v)) for v in re.findall(r"np\.float32\(([0-9.e+-]+)\)", src[src.index("def tanh_tiny_folded_fn"):
+                                                                              src.index("SCORE_TINY_S")])]
+    assert len(c) == 3 and "tanh_tiny_folded_fn(s)" in src[src.index("def score_raw_tiny_fn"):]
+    c2, c1, c0 = c
+    bound = tiny_scores(_spec(lambda s, h, q, kv: cap * fl.tanh(s / cap), D=D))
+    x = np.linspace(-bound, bound, 100001).astype(np.float32)
+    u = (x * x).astype(np.float32)
+    q = (u.astype(np.float64) * c2 + c1).astype(np.float32)
+    q = (q.astype(np.float64) * u + c0).astype(np.float32)
+    got = (x * q).astype(np.float32).astype(np.float64)
+    assert np.max(np.abs(got - np.tanh(x.astype(np.float64) * k / TWO_LOG2E))) <= 2.0 ** -23
+    assert folded(TANH_TINY_POLY, 1e-30) is None and folded(TANH_TINY_POLY, 1e30) is None
+
+
 def _spec(mod, extra=None, D=64):
     g = fl.attention(score_mod=lambda s, b, h, q, kv: mod(s, h, q, kv), name="m")
     return build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": D}, "f16", "mma", None, extra)
@@ -134,7 +158,7 @@ def test_the_kernels_branch_on_a_ballot(kernel):
         assert lines[j].startswith("elif ballot(sbig > SCORE_SMALL_S) == 0:") and lines[j + 1].startswith(
             "score_row_small(sc")
         assert "else:" in lines[j + 1:j + 8] and any(ln.startswith("score_row(sc") for ln in lines[j + 1:j + 9])
-    assert "tanh_tiny_f32((s * " in on and "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
+    assert "tanh_tiny_folded_fn(s)" in on and "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
     two = src({"tanh_tiny": False})
     lines = [ln.strip() for ln in two.splitlines()]
     checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(") and "> SCORE_SMALL_S) == 0:" in ln]

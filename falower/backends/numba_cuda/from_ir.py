@@ -815,10 +815,9 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
             f"    return np.float32({root})"]
 
 
-# intrinsics.TANH_SMALL_Y, tanh_small_f32's range (|y| <= 2 log2 e: tanh's argument within +-1), here without
-# importing intrinsics (Numba): a warm process builds its specs without it (tests/gpu/test_cubin_cache_gpu.py)
-TANH_SMALL_Y = TWO_LOG2E
-TANH_TINY_Y = TWO_LOG2E / 4.0  # intrinsics.TANH_TINY_Y: tanh_tiny_f32's range (tanh's argument within +-1/4)
+# tanh_small_f32's and tanh_tiny_f32's ranges and coefficients, from tanh_polys (no Numba: a warm process builds its
+# specs without importing intrinsics, tests/gpu/test_cubin_cache_gpu.py)
+from .tanh_polys import TANH_SMALL_Y, TANH_TINY_POLY, TANH_TINY_Y, f32, folded  # noqa: E402
 
 
 def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> list[str]:
@@ -841,9 +840,22 @@ def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> lis
     out = []
     for tier, y in (("small", TANH_SMALL_Y), ("tiny", TANH_TINY_Y)):
         bound = float(np.float32(y / k * (1.0 - 2.0 ** -20)))  # f32 s * K rounds up by at most an ulp
+        body = [ln.replace("tanh_ex2_f32(", f"tanh_{tier}_f32(") for ln in raw]
+        coeffs = folded(TANH_TINY_POLY, float(np.float32(calls[0][1]))) if tier == "tiny" and len(calls) == 1 \
+            else None
+        if coeffs is not None:  # one tanh: its argument's multiply folded into the coefficients (one instruction)
+            call = f"tanh_ex2_f32((s * np.float32({calls[0][1]})))"
+            body = [ln.replace(call, "tanh_tiny_folded_fn(s)") for ln in raw]
+            out += ["", "def tanh_tiny_folded_fn(s):",
+                    f"    # tanh_tiny_f32(s * {calls[0][1]}) with the factor in its coefficients: s R'(s^2), R'_i = "
+                    "K^(2i+1) R_i",
+                    "    u = s * s",
+                    f"    p = cuda.fma(u, np.float32({f32(coeffs[2])!r}), np.float32({f32(coeffs[1])!r}))",
+                    f"    p = cuda.fma(p, u, np.float32({f32(coeffs[0])!r}))",
+                    "    return s * p"]
         out += ["", f"SCORE_{tier.upper()}_S = {bound!r}  # |s| <= this: every tanh's argument |s K| <= "
                 f"TANH_{tier.upper()}_Y", "", f"def score_raw_{tier}_fn(s, b, h, q, kv{sig_caps}{hz}):",
-                *[ln.replace("tanh_ex2_f32(", f"tanh_{tier}_f32(") for ln in raw], f"    return np.float32({root})"]
+                *body, f"    return np.float32({root})"]
     return out
 
 

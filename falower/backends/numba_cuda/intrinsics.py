@@ -83,6 +83,8 @@ import threading
 
 import numpy as np
 
+from .tanh_polys import TANH_SMALL_POLY, TANH_SMALL_Y, TANH_TINY_POLY, TANH_TINY_Y
+
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 __all__ = [
@@ -317,10 +319,7 @@ def _odd_poly_steps(y, coeffs: tuple) -> np.float32:
 # 8 FMA-pipe instructions where tanh_ex2 takes two MUFU operations, which bound the softcap (three an element with
 # softmax's ex2, against plain's one). The kernels check that a tile's scores are in range (a max of |s| and a
 # ballot) and take tanh_ex2 otherwise (emit_fa2.small_scores).
-TANH_SMALL_Y = 2.0 * 1.4426950408889634  # |y| <= 2 log2(e): |x| <= 1
-TANH_SMALL_POLY = (0.34657347202301025, -0.013875526376068592, 0.0006659904029220343, -3.199020284228027e-05,
-                   1.4408163906409754e-06, -5.15656566335565e-08, 1.0030335451105543e-09)
-TANH_SMALL_PTX = _odd_poly_ptx(TANH_SMALL_POLY)
+TANH_SMALL_PTX = _odd_poly_ptx(TANH_SMALL_POLY)  # TANH_SMALL_Y, _POLY: tanh_polys.py
 
 # tanh_tiny: the same for |y| <= TANH_TINY_Y (|tanh's argument| <= 1/4) with R of degree 2 (Lawson, f32
 # coefficients, the first pinned to 1 / (2 log2 e) so that tiny |y| stay relatively exact): 9.8e-8 (2**-23.3) at most
@@ -328,9 +327,7 @@ TANH_SMALL_PTX = _odd_poly_ptx(TANH_SMALL_POLY)
 # tanh_small takes 8. Why: the softcap on its polynomial path was bound by issue slots (NOTES "The softcap's tanh on
 # the FMA pipe"), ~14.5 instructions an element, of which the tanh was 9; scores with |s scale| <= c / 4 (c the
 # cap) take this one (emit_fa2.tiny_scores).
-TANH_TINY_Y = 0.5 * 1.4426950408889634  # |y| <= log2(e) / 2: |x| <= 1/4
-TANH_TINY_POLY = (0.3465735912322998, -0.013871696777641773, 0.000642322120256722)
-TANH_TINY_PTX = _odd_poly_ptx(TANH_TINY_POLY)
+TANH_TINY_PTX = _odd_poly_ptx(TANH_TINY_POLY)  # TANH_TINY_Y, _POLY: tanh_polys.py
 
 
 def tanh_small_steps(y) -> np.float32:
