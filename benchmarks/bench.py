@@ -128,8 +128,7 @@ def parse_config(text: str) -> tuple:
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
     kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not the FMA
     pipe's polynomial where a tile's scores are in its range (extra tanh_small); '-notiny' not the shorter
-    polynomial where they are within a quarter of the cap (extra tanh_tiny), '-nots2' that polynomial in the score
-    registers before the softmax, not in the softmax's exponent (extra tiny_softmax); '-nose' / '-se' O stored from the
+    polynomial where they are within a quarter of the cap (extra tanh_tiny); '-nose' / '-se' O stored from the
     fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
     memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
     rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum
@@ -180,7 +179,6 @@ CONFIG_OPTIONS: list = [
     (("norp", {"row_pairs": False}),),
     (("nots", {"tanh_small": False}),),
     (("notiny", {"tanh_tiny": False}),),
-    (("nots2", {"tiny_softmax": False}),),
     (("noge", {"gather_early": False}),),
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),

@@ -147,7 +147,7 @@ def test_the_kernels_branch_on_a_ballot(kernel):
            "fa3": lambda x: emit_fa3.emit_fa3_forward(_spec(mod, {"schedule": "wgmma", "wg_rows": 128, **x})),
            "ws": lambda x: emit_fa3_ws.emit_fa3_ws_forward(_spec(mod, {"schedule": "wgmma-ws", "producer": "none",
                                                                         **x}, D=128))}[kernel]
-    on = src({} if kernel != "ws" else {"tiny_softmax": False})
+    on = src({})
     lines = [ln.strip() for ln in on.splitlines()]
     checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(sbig > SCORE_TINY_S) == 0:")]
     assert checks
@@ -168,59 +168,6 @@ def test_the_kernels_branch_on_a_ballot(kernel):
         assert "else:" in lines[i + 1:i + 8] and any(ln.startswith("score_row(sc") for ln in lines[i + 1:i + 9])
     off = src({"tanh_small": False})
     assert "score_row_small(sc" not in off and "> SCORE_SMALL_S" not in off and "score_row_tiny(sc" not in off
-    if kernel == "ws":  # its softmax takes tanh_tiny's tiles from their raw scores (fused_tiny)
-        lines = [ln.strip() for ln in src({}).splitlines()]
-        flags = [i for i, ln in enumerate(lines) if ln.startswith("tny = ballot(sbig > SCORE_TINY_S) == 0")]
-        assert flags and any(ln.startswith("tny = False") for ln in lines[:flags[0]])
-        for i in flags:
-            assert lines[i + 1] == "if not tny:" and lines[i + 2].startswith("if ballot(sbig > SCORE_SMALL_S) == 0:")
-        calls = [i for i, ln in enumerate(lines) if "= softmax_row_tiny(sc, " in ln]
-        assert len(calls) == 2 and all(lines[i - 1] == "if tny:" and lines[i + 1] == "else:" for i in calls)
-
-
-def test_softmax_row_tiny_is_score_row_tiny_then_softmax_row():
-    """The ws kernel's softmax_row_tiny on raw scores, run as Python (f32 steps as numpy rounds them), against
-    score_row_tiny then softmax_row: the same row max within an ulp of its size, the same exponentials within 2^-18
-    (relative), the same row sum; rows of scores up to SCORE_TINY_S of both signs, and m_old above and below."""
-    import math
-    import types
-
-    from falower.backends.numba_cuda.emit_fa2 import fused_tiny
-
-    spec = _spec(SCORES["softcap"][0], {"schedule": "wgmma-ws", "producer": "none"}, D=128)
-    assert fused_tiny(spec) is not None
-    assert fused_tiny(_spec(SCORES["softcap"][0], {"schedule": "wgmma-ws", "producer": "none",
-                                                   "tiny_softmax": False}, D=128)) is None
-    assert fused_tiny(_spec(SCORES["softcap"][0], {"schedule": "wgmma-ws", "producer": "none", "ex2_poly": 4},
-                            D=128)) is None
-    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
-    f32 = np.float32
-
-    def fma(a, b, c):
-        return f32(np.float64(a) * np.float64(b) + np.float64(c))
-
-    ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=fma), "ZERO": f32(0), "NEG_INF": f32(-np.inf),
-          "ex2": lambda v: f32(np.exp2(np.float64(v))), "shfl_xor_f32": lambda v, m: v,
-          "tanh_ex2_f32": I.tanh_ex2_steps, "tanh_small_f32": I.tanh_small_steps, "tanh_tiny_f32": I.tanh_tiny_steps,
-          "lget": lambda x, i: x[i], "lset": lambda x, i, v: x.__setitem__(i, v)}
-    exec(spec.device_source, ns)
-    for name in ("score_row_tiny", "softmax_row", "softmax_row_tiny"):
-        start = src.index(f"def {name}(")
-        exec(src[start:src.index("\n@", start)], ns)
-    bound = tiny_scores(spec)
-    rng = np.random.default_rng(1)
-    n = spec.block_k // 2
-    for lo, hi in ((-1.0, 1.0), (-1.0, -0.5), (0.2, 1.0), (-0.01, 0.01)):
-        x = (rng.uniform(lo, hi, n) * bound).astype(np.float32)
-        for m_old in (f32(-np.inf), f32(-50.0), f32(50.0)):
-            a, b = x.copy(), x.copy()
-            ns["score_row_tiny"](a, 0, 0, 0, 5, 0, 128)
-            want = ns["softmax_row"](a, 0, m_old)
-            got = ns["softmax_row_tiny"](b, 0, m_old)
-            assert abs(got[0] - want[0]) <= 1e-6 * max(1.0, abs(want[0])), (lo, hi, m_old, got, want)
-            assert got[1] == pytest.approx(want[1], rel=2e-6) and got[2] == pytest.approx(want[2], rel=2e-6)
-            k = np.arange(n) % 4 < 2  # a row's elements: 2 of every 4 (the fragment's layout)
-            assert np.allclose(b[k], a[k], rtol=2.0 ** -18, atol=0), (lo, hi, m_old)
 
 
 def test_score_row_small_is_score_row_in_range():

@@ -32,10 +32,7 @@ def test_the_small_tanh_matches_the_reference(results, case):
     assert r["bound"] is not None and r["bound"] > 0, r
     assert r["tiny_bound"] is not None and 0 < r["tiny_bound"] < r["bound"], r
     assert r["calls"]["score_row_small"] > 0 and r["calls"]["score_row"] > 0, r  # all three paths ran
-    ws = CASES[case][4].get("schedule") == "wgmma-ws"  # its softmax takes tanh_tiny's tiles (fused_tiny)
-    assert r["fused_tiny"] == ws, r
-    assert r["calls"]["softmax_row_tiny" if ws else "score_row_tiny"] > 0, r
-    assert r["calls"]["score_row_tiny" if ws else "softmax_row_tiny"] == 0, r
+    assert r["calls"]["score_row_tiny"] > 0, r
     if CASES[case][4].get("persistent"):  # the softcap's default: two Q buffers, TMA loads, its epilogue at the end
         assert r["form"] == [True, True, False], r
 

@@ -935,27 +935,6 @@ def tiny_scores(spec: FA2ForwardSpec) -> Optional[float]:
     return None if m is None else float(m.group(1))
 
 
-def fused_tiny(spec: FA2ForwardSpec) -> Optional[tuple]:
-    """The coefficients of softmax_row_tiny's exponent where the warp-specialized kernel's softmax takes tanh_tiny's
-    tiles from their raw scores: the score c t(s) = s R(s^2), R = c R' (R' the folded tanh_tiny's, from_ir
-    `TINY_COEFFS`; c the folded scale) rounded to f32, lowest first. t is increasing everywhere (R' 's derivative
-    has no real root), so a row's max score is s R(s^2) at its max s, and each exponent is one FFMA s R(s^2) - m
-    where score_row_tiny's multiply by s and softmax_row's FFMA by c were two. The ws kernel with tanh_tiny folded,
-    a one-chain softmax on MUFU alone (no ex2_poly, no tree_softmax); `extra["tiny_softmax"] = False` keeps
-    score_row_tiny (bench '-nots2')."""
-    if spec.extra.get("schedule") != "wgmma-ws" or tiny_scores(spec) is None or folded_scale(spec) is None \
-            or ex2_poly_count(spec) or tree_softmax(spec) or col_step(spec) \
-            or spec.extra.get("tiny_softmax", True) is False:
-        return None
-    m = re.search(r"^TINY_COEFFS = \(([^)]*)\)", spec.device_source, re.M)
-    if m is None:
-        return None
-    import struct
-
-    c = float(spec.score_scale)
-    return tuple(struct.unpack("f", struct.pack("f", float(v) * c))[0] for v in m.group(1).split(","))
-
-
 def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv0 + t2", tail: str = "",
                     given: str = "") -> list[str]:
     """The unmasked score calls of a thread's rows: a fragment's rows g and g + 8 (`off` 8 apart, the same
@@ -968,11 +947,6 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
         big = absmax[0] if len(absmax) == 1 else f"max({', '.join(absmax)})"
         small = [f"    score_row_small({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
         exact = [f"    score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
-        if fused_tiny(spec) is not None:  # tanh_tiny's tiles keep their raw scores for softmax_row_tiny
-            return ["sbig = " + big,
-                    "tny = ballot(sbig > SCORE_TINY_S) == 0  # every score of the warp's rows in tanh_tiny's range",
-                    "if not tny:", f"    if ballot(sbig > SCORE_SMALL_S) == 0:  # ... in tanh_small's range",
-                    *["    " + ln for ln in small], "    else:", *["    " + ln for ln in exact]]
         check = "if" if tiny_scores(spec) is None else "elif"
         tiny = [] if check == "if" else [
             "sbig = " + big, "if ballot(sbig > SCORE_TINY_S) == 0:  # every score of the warp's rows in tanh_tiny's range",
@@ -1539,40 +1513,6 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         if K > 1:
             c("rs = " + _tree("add", [f"lget(rq, {k})" for k in range(K)]))
         c("return m_new, alpha, rs")
-    fused = fused_tiny(spec)
-    if fused is not None:
-        c()
-        c("@device_function")
-        c("def softmax_row_tiny(x, i, m_old):")
-        with c.indent():
-            c("# softmax_row for a row of raw scores s within tanh_tiny's range (fused_tiny): its score s R(s^2) is")
-            c("# increasing in s, so the row max is R's at the max s; each exponent one FFMA s R(s^2) - m")
-            c("mx = max(lget(x, i), lget(x, i + 1))")
-            c(f"for jj in range(1, {NJ}):")
-            with c.indent():
-                c("mx = max(mx, lget(x, i + jj * 4))")
-                c("mx = max(mx, lget(x, i + jj * 4 + 1))")
-            c("mx = max(mx, shfl_xor_f32(mx, 1))")
-            c("mx = max(mx, shfl_xor_f32(mx, 2))")
-            r = ("cuda.fma(cuda.fma({u}, np.float32(" + repr(fused[2]) + "), np.float32(" + repr(fused[1])
-                 + ")), {u}, np.float32(" + repr(fused[0]) + "))")
-            c(f"m_new = max(m_old, mx * {r.format(u='(mx * mx)')})")
-            if spec.lazy_rescale:
-                c(f"m_new = m_new if m_new > m_old + {lazy_threshold(spec)} else m_old")
-            c("m_use = ZERO if m_new == NEG_INF else m_new")
-            c("alpha = ex2(m_old - m_use)")
-            c("rs = ZERO")
-            c("m_neg = -m_use")
-            c(f"for jj in range({NJ}):")
-            with c.indent():
-                c("e = i + jj * 4")
-                for u, v in (("", "v0"), (" + 1", "v1")):
-                    c(f"s{v[1]} = lget(x, e{u})")
-                    c(f"u{v[1]} = s{v[1]} * s{v[1]}")
-                    c(f"{v} = ex2(cuda.fma(s{v[1]}, {r.format(u='u' + v[1])}, m_neg))")
-                    c(f"lset(x, e{u}, {v})")
-                c("rs = rs + v0 + v1")
-            c("return m_new, alpha, rs")
     c()
     c("@device_function")
     c("def scale_row(x, i, alpha):")

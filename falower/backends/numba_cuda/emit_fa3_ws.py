@@ -102,7 +102,6 @@ from .emit_fa2 import (
     emit_fragment_helpers,
     emit_masked_rows,
     small_scores,
-    fused_tiny,
     softmax_call,
     emit_masked_score,
     emit_row_bounds,
@@ -1729,8 +1728,6 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
 
         table_row = (f", t_wg + np.uint32(((warp & 3) * 16 + {{r}} + g) * {BK * 4}), "
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
-        if fused_tiny(spec) is not None:
-            c("tny = False  # the unmasked path sets it where every score of the warp's rows is in tanh_tiny's range")
         c("if need_mask:")
         with c.indent():
             emit_masked_rows(c, caps, HOIST)
@@ -1755,16 +1752,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
         for t in ROWS:
-            call = f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, 'kv0 + t2')}"
-            if fused_tiny(spec) is not None:
-                c("if tny:")
-                with c.indent():
-                    c(f"m_{t.k}, alpha_{t.k}, rs = softmax_row_tiny({t.sc}, {t.ofs}, m_{t.k})")
-                c("else:")
-                with c.indent():
-                    c(call)
-            else:
-                c(call)
+            c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, 'kv0 + t2')}")
             c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
         c("# the wait for P_{j-1} V_{j-1} on every path, not under `if have_prev`: ptxas cannot tie this branch to")
         c("# the one that issued it, sees a path where O += P V is in flight while scale_row writes O and the pack")

@@ -846,8 +846,7 @@ def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> lis
         if coeffs is not None:  # one tanh: its argument's multiply folded into the coefficients (one instruction)
             call = f"tanh_ex2_f32((s * np.float32({calls[0][1]})))"
             body = [ln.replace(call, "tanh_tiny_folded_fn(s)") for ln in raw]
-            out += ["", f"TINY_COEFFS = ({f32(coeffs[0])!r}, {f32(coeffs[1])!r}, {f32(coeffs[2])!r})  # "
-                    "tanh_tiny_folded_fn's R', lowest first", "", "def tanh_tiny_folded_fn(s):",
+            out += ["", "def tanh_tiny_folded_fn(s):",
                     f"    # tanh_tiny_f32(s * {calls[0][1]}) with the factor in its coefficients: s R'(s^2), R'_i = "
                     "K^(2i+1) R_i",
                     "    u = s * s",
