@@ -1286,21 +1286,15 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                     c(line)
     if small_scores(spec) is not None:
         assert per_element, "small_scores asks for score_row's per-element path, which this score_row lacks"
-        c()
-        c("@device_function")
-        c(f"def score_row_small(x, i, b, h, qi, kv, N{caps}):")
-        with c.indent():
-            c("# score_row with the FMA pipe's tanh (score_raw_small_fn): the caller has seen every |s| in range")
-            for line in per_element:
-                c(line.replace("score_raw_fn(", "score_raw_small_fn("))
-        if tiny_scores(spec) is not None:
+        for tier in ("small", "tiny") if tiny_scores(spec) is not None else ("small",):
             c()
             c("@device_function")
-            c(f"def score_row_tiny(x, i, b, h, qi, kv, N{caps}):")
+            c(f"def score_row_{tier}(x, i, b, h, qi, kv, N{caps}):")
             with c.indent():
-                c("# score_row with tanh_tiny (score_raw_tiny_fn): the caller has seen every |s| in its range")
+                c(f"# score_row with the FMA pipe's tanh_{tier} (score_raw_{tier}_fn): the caller has seen every |s| "
+                  "in its range")
                 for line in per_element:
-                    c(line.replace("score_raw_fn(", "score_raw_tiny_fn("))
+                    c(line.replace("score_raw_fn(", f"score_raw_{tier}_fn("))
         c()
         c("@device_function")
         c("def score_absmax(x, i):")
