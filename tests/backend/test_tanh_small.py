@@ -83,8 +83,8 @@ def test_tiny_folded_into_its_factor(cap, D):
     spec = _spec(lambda s, h, q, kv: cap * fl.tanh(s / cap), D=D)
     src = spec.device_source
     k = float(re.search(r"# tanh_tiny_f32\(s \* ([0-9.e+-]+)\)", src).group(1))
-    c = [np.float32(float(v)) for v in re.findall(r"np\.float32\(([0-9.e+-]+)\)", src[src.index("def tanh_tiny_folded_fn"):
-                                                                              src.index("SCORE_TINY_S")])]
+    fold = src[src.index("def tanh_tiny_folded_fn"):src.index("SCORE_TINY_S")]
+    c = [np.float32(float(v)) for v in re.findall(r"np\.float32\(([0-9.e+-]+)\)", fold)]
     assert len(c) == 3 and "tanh_tiny_folded_fn(s)" in src[src.index("def score_raw_tiny_fn"):]
     c2, c1, c0 = c
     bound = tiny_scores(_spec(lambda s, h, q, kv: cap * fl.tanh(s / cap), D=D))
@@ -138,10 +138,10 @@ def test_the_bound_keeps_every_argument_in_range(D):
 
 @pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
 def test_the_kernels_branch_on_a_ballot(kernel):
-    """Every unmasked score call sits under `if ballot(sbig > SCORE_TINY_S) == 0:` with score_row_tiny on the true
-    side, `elif ballot(sbig > SCORE_SMALL_S) == 0:` with score_row_small, and score_row (tanh_ex2) on the false
-    side, sbig the rows' max |s|; without tanh_tiny the same with the first branch gone; the masked path keeps
-    tanh_ex2."""
+    """Every unmasked score call sits under `if ballot(not (sbig <= SCORE_TINY_S)) == 0:` with score_row_tiny on
+    the true side, `elif ballot(not (sbig <= SCORE_SMALL_S)) == 0:` with score_row_small, and score_row (tanh_ex2)
+    on the false side, sbig the rows' max |s| (a NaN votes out of range); without tanh_tiny the same with the first
+    branch gone; the masked path keeps tanh_ex2."""
     mod = SCORES["softcap"][0]
     src = {"mma": lambda x: emit_fa2_forward(_spec(mod, x, D=128)),
            "fa3": lambda x: emit_fa3.emit_fa3_forward(_spec(mod, {"schedule": "wgmma", "wg_rows": 128, **x})),
@@ -149,25 +149,56 @@ def test_the_kernels_branch_on_a_ballot(kernel):
                                                                         **x}, D=128))}[kernel]
     on = src({})
     lines = [ln.strip() for ln in on.splitlines()]
-    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(sbig > SCORE_TINY_S) == 0:")]
+    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(not (sbig <= SCORE_TINY_S)) == 0:")]
     assert checks
     for i in checks:
         assert lines[i - 1].startswith("sbig = ") and "score_absmax(" in lines[i - 1]
         assert lines[i + 1].startswith("score_row_tiny(sc")
         j = next(k for k in range(i + 1, i + 6) if lines[k].startswith("elif "))
-        assert lines[j].startswith("elif ballot(sbig > SCORE_SMALL_S) == 0:") and lines[j + 1].startswith(
+        assert lines[j].startswith("elif ballot(not (sbig <= SCORE_SMALL_S)) == 0:") and lines[j + 1].startswith(
             "score_row_small(sc")
         assert "else:" in lines[j + 1:j + 8] and any(ln.startswith("score_row(sc") for ln in lines[j + 1:j + 9])
     assert "tanh_tiny_folded_fn(s)" in on and "tanh_small_f32((s * " in on and "tanh_ex2_f32((s * " in on
     two = src({"tanh_tiny": False})
     lines = [ln.strip() for ln in two.splitlines()]
-    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(") and "> SCORE_SMALL_S) == 0:" in ln]
-    assert checks and "score_row_tiny(sc" not in two and "> SCORE_TINY_S" not in two
+    checks = [i for i, ln in enumerate(lines) if ln.startswith("if ballot(not (sbig <= SCORE_SMALL_S)) == 0:")]
+    assert checks and "score_row_tiny(sc" not in two and "SCORE_TINY_S)" not in two
     for i in checks:
-        assert lines[i + 1].startswith("score_row_small(sc")
+        assert lines[i - 1].startswith("sbig = ") and lines[i + 1].startswith("score_row_small(sc")
         assert "else:" in lines[i + 1:i + 8] and any(ln.startswith("score_row(sc") for ln in lines[i + 1:i + 9])
     off = src({"tanh_small": False})
-    assert "score_row_small(sc" not in off and "> SCORE_SMALL_S" not in off and "score_row_tiny(sc" not in off
+    assert "score_row_small(sc" not in off and "SCORE_SMALL_S)" not in off and "score_row_tiny(sc" not in off
+
+
+def test_a_nan_votes_out_of_range():
+    """A thread whose rows hold a NaN (row g) and large scores (row g + 8) must not send row g + 8 through a
+    polynomial: its vote (not sbig <= bound) is out of range whichever row's max comes first. Run as Python on
+    the ws kernel's emitted branch: the path taken is score_row, whose tanh of 1000 is 1, not the polynomial's."""
+    import math
+    import types
+
+    spec = _spec(SCORES["softcap"][0], {"schedule": "wgmma-ws", "producer": "none"}, D=128)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    taken = []
+    ns = {"np": np, "math": math, "cuda": types.SimpleNamespace(fma=lambda a, b, c: a * b + c),
+          "ballot": lambda p: int(bool(p)), "lget": lambda x, i: x[i], "lset": lambda x, i, v: x.__setitem__(i, v)}
+    exec(spec.device_source, ns)
+    start = src.index("def score_absmax(")
+    exec(src[start:src.index("\n@", start)], ns)
+    for name in ("score_row_tiny", "score_row_small", "score_row"):
+        ns[name] = (lambda n: lambda *a: taken.append(n))(name)
+    lines = [ln.strip() for ln in src.splitlines()]
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("if ballot(not (sbig <= SCORE_TINY_S))"))
+    branch = "\n".join([lines[i - 1], lines[i], "    " + lines[i + 1], "    " + lines[i + 2]] +
+                        [ln if ln.startswith(("elif", "else")) else "    " + ln for ln in lines[i + 3:i + 9]])
+    n = spec.block_k // 2
+    for first in (True, False):  # the NaN's row first or second in sbig's max
+        sc = np.full(2 * n, 1000.0, np.float32)
+        sc[np.arange(2 * n) % 4 < 2 if first else np.arange(2 * n) % 4 >= 2] = np.nan
+        taken.clear()
+        exec(branch, {**ns, "sc": sc, "ofs_0": 0, "ofs_2": 2, "b": 0, "h": 0, "q_lo": 0, "warp": 0, "g": 0, "kv0": 0,
+                      "t2": 0, "N": 128, "b__1": 0, "h__1": 0, "q_lo__1": 0})
+        assert taken and set(taken) == {"score_row"}, (first, taken, branch)
 
 
 def test_score_row_small_is_score_row_in_range():

@@ -2,8 +2,9 @@
 (emit_fa2.small_scores), on the two wgmma forward kernels through falower.compile in the CUDA simulator against
 the float64 reference (tanh_small_sim_cases.py: ragged tiles, M != N, some query rows scaled out of the range; the
 persistent producer kernel in the softcap's default form too, and in tanh.approx's with ex2_poly). Each softcap case
-must have taken all three paths (tanh_tiny, tanh_small, tanh_ex2). The mma.sync kernel's call site is the same `score_row_calls` lines (test_tanh_small.py
-checks its branch; the helpers themselves run there as Python against score_row)."""
+must have taken all three paths (tanh_tiny, tanh_small, tanh_ex2). The mma.sync kernel's call site is the same
+`score_row_calls` lines (test_tanh_small.py checks its branch; the helpers themselves run there as Python against
+score_row)."""
 
 from __future__ import annotations
 

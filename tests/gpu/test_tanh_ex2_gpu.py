@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import falower as fl  # noqa: E402
 from falower.passes.check import bind_dims, random_inputs  # noqa: E402
 from test_backward_gpu import needs_cuda  # noqa: E402
-from test_examples_gpu import assert_error_rule, graph, rounded  # noqa: E402
+from test_examples_gpu import assert_error_rule, graph, rounded, to_device  # noqa: E402
 
 # the float32 steps rounded exactly reach 2^-22.4 (tests/backend/test_tanh_ex2.py); ex2.approx and rcp.approx add
 # their own relative errors (~2^-22 each), through 2 r (1 - r) <= 1/2 and 2 r <= 1
@@ -127,3 +127,26 @@ def test_softcap_small_tanh_error_rule(scale, D, N):
     o_small = c(*dev)[0].float()
     o_exact = fl.compile(g, "numba-cuda", extra={"tanh_small": False})(*dev)[0].float()
     assert torch.allclose(o_small, o_exact, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_softcap_nan_row_beside_large_scores(D):
+    """A query row with a NaN (row 0) and one whose scores leave every polynomial's range (row 8, scaled by 40) are
+    the same thread's rows g and g + 8: the NaN's vote must send both to tanh_ex2 (score_row_calls votes out of
+    range unless max |s| <= the bound), not carry row 8 into a polynomial. Row 0 comes out NaN, every other row as
+    the kernel without the polynomials computes it (extra tanh_small False), row 8 included."""
+    needs_cuda()
+    dtype = "f16"
+    g, c = graph("softcap", dtype)
+    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": 256, "N": 256, "D": D})
+    raw = random_inputs(g, env, seed=D + 3)
+    q = np.array(raw[0], np.float32)
+    q[:, :, 0, 0] = np.nan
+    q[:, :, 8, :] *= 40.0
+    host = [rounded(x, dtype) for x in (q, raw[1], raw[2])]
+    dev = to_device(host, dtype)
+    o = c(*dev)[0].float().cpu().numpy()
+    exact = fl.compile(g, "numba-cuda", extra={"tanh_small": False})(*dev)[0].float().cpu().numpy()
+    assert np.isnan(o[:, :, 0]).all()
+    assert np.isfinite(o[:, :, 1:]).all()
+    assert np.allclose(o[:, :, 1:], exact[:, :, 1:], atol=2e-3, rtol=0), np.abs(o[:, :, 8] - exact[:, :, 8]).max()

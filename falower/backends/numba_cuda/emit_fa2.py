@@ -944,17 +944,18 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
     caps = _score_args(spec)
     if small_scores(spec) is not None and not tail and not given:
         absmax = [f"score_absmax({t.sc}, {t.ofs})" for t in rows]
-        big = absmax[0] if len(absmax) == 1 else f"max({', '.join(absmax)})"
         small = [f"    score_row_small({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
         exact = [f"    score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
-        check = "if" if tiny_scores(spec) is None else "elif"
-        tiny = [] if check == "if" else [
-            "sbig = " + big, "if ballot(sbig > SCORE_TINY_S) == 0:  # every score of the warp's rows in tanh_tiny's range",
-            *[f"    score_row_tiny({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]]
-        if tiny:
-            big = "sbig"
-        return [*tiny, f"{check} ballot({big} > SCORE_SMALL_S) == 0:  # every score of the warp's rows in tanh_small's "
-                "range", *small, "else:", *exact]
+        # a thread votes "out of range" unless sbig <= the bound: a NaN max (a NaN score; max keeps a first NaN)
+        # then takes tanh_ex2 for both rows, so that it cannot carry the other row's large scores into a polynomial
+        out = ["sbig = " + (absmax[0] if len(absmax) == 1 else f"max({', '.join(absmax)})")]
+        check, note = "if", "  # every score of the warp's rows in tanh_{}'s range"
+        if tiny_scores(spec) is not None:
+            out += ["if ballot(not (sbig <= SCORE_TINY_S)) == 0:" + note.format("tiny"),
+                    *[f"    score_row_tiny({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]]
+            check = "elif"
+        return [*out, f"{check} ballot(not (sbig <= SCORE_SMALL_S)) == 0:" + note.format("small"), *small, "else:",
+                *exact]
     pairs = row_gather_shift(spec) is not None and not tail
     out: list[str] = []
     k = 0
@@ -1299,7 +1300,8 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
         c("@device_function")
         c("def score_absmax(x, i):")
         with c.indent():
-            c("# the largest |s| of one thread's row (a NaN may drop out: its tanh is NaN on either path), by a")
+            c("# the largest |s| of one thread's row (a NaN may drop out, or win: score_row_calls' vote sends a")
+            c("# NaN to tanh_ex2; a NaN dropped leaves its own row NaN on any path), by a")
             c("# tree: it stands between S's wait and the tile's first tanh (a chain of 2 NJ measured no gain)")
             c("return " + _tree("max", [f"abs(lget(x, i + {4 * jj + u}))" for jj in range(NJ) for u in (0, 1)]))
     shift = row_gather_shift(spec)

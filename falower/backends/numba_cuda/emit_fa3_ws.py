@@ -292,8 +292,9 @@ def kv_reverse(spec: FA2ForwardSpec) -> bool:
     ALiBi's 3312 a tile, 76 of causal's 2988: timeline --replace, H200 2026-11-28). The persistent producer-warpgroup
     kernel with TMA loads, without a mask or walking its range (`walks_range`: no tile inside the range is
     skipped), without half tiles. Measured (H200 2026-11-28, two calls): ALiBi's loop 3312 -> 3218 cycles a tile,
-    faster in 12 of 20 paired rounds (~+2%); causal slower in 16 of 20 (~-2.5%): not a default.
-    extra["kv_reverse"] = "second" (bench '-rev2') visits kv_last second, after kv_last - 1 (`kv_last_second`)."""
+    faster in 12 of 20 paired rounds (~+2%); causal slower in 16 of 20 (~-2.5%). extra["kv_reverse"] = "second"
+    (bench '-rev2') visits kv_last second, after kv_last - 1 (`kv_last_second`): ALiBi's default (auto_kv_reverse);
+    True (the last tile first) is asked for only."""
     asked = spec.extra.get("kv_reverse", False)
     if asked not in (False, True, "second"):
         raise ValueError(f"wgmma-ws: extra kv_reverse is True, False or 'second' (the last tile second), not {asked!r}")
@@ -304,7 +305,8 @@ def kv_reverse(spec: FA2ForwardSpec) -> bool:
 def auto_kv_reverse(spec: FA2ForwardSpec) -> object:
     """The automatic choice's kv order (falower.compile sets extra["kv_reverse"] unless the caller did): "second"
     for a score with a column step (ALiBi, emit_fa2.col_step) under a mask the kernel walks (causal), where the
-    kernel can take it; False elsewhere. Measured on the H200 (2026-11-28, paired against the forward order): ALiBi
+    kernel can take it (measured under causal; a window or prefix mask with ALiBi takes it too); False elsewhere.
+    Measured on the H200 (2026-11-28, paired against the forward order): ALiBi
     reversed faster in 23 of 35 rounds over three calls (~+2%), its kernel 510 -> 496 us by the timeline, the same
     with "second" (its loop 3312 -> 3201 cycles a tile, its first tile unchanged where the reversed order's grew by
     ~500); causal gained nothing either way (0.97-0.995 paired), and keeps the forward order."""

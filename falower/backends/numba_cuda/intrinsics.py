@@ -50,7 +50,7 @@ Public names (identical in both modes):
                                    polynomial on the FMA pipe, no MUFU: 8 instructions, absolute error ~2**-22.7
                                    (TANH_SMALL_PTX; the kernels take it for a tile whose scores all lie in range)
     tanh_tiny_f32                  (y: f32, |y| <= TANH_TINY_Y) -> f32, the same in 4 instructions for |tanh's
-                                   argument| <= 1/4, absolute error ~2**-23.3 (TANH_TINY_PTX)
+                                   argument| <= 1/4, absolute error ~2**-23.26 (TANH_TINY_PTX)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
@@ -322,7 +322,7 @@ def _odd_poly_steps(y, coeffs: tuple) -> np.float32:
 TANH_SMALL_PTX = _odd_poly_ptx(TANH_SMALL_POLY)  # TANH_SMALL_Y, _POLY: tanh_polys.py
 
 # tanh_tiny: the same for |y| <= TANH_TINY_Y (|tanh's argument| <= 1/4) with R of degree 2 (Lawson, f32
-# coefficients, the first pinned to 1 / (2 log2 e) so that tiny |y| stay relatively exact): 9.8e-8 (2**-23.3) at most
+# coefficients, the first pinned to 1 / (2 log2 e) so that tiny |y| stay relatively exact): 9.9e-8 (2**-23.26) at most
 # through the f32 steps, under tanh_small's error, in 4 instructions where
 # tanh_small takes 8. Why: the softcap on its polynomial path was bound by issue slots (NOTES "The softcap's tanh on
 # the FMA pipe"), ~14.5 instructions an element, of which the tanh was 9; scores with |s scale| <= c / 4 (c the

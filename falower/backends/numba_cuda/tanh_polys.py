@@ -15,7 +15,7 @@ TANH_SMALL_POLY = (0.34657347202301025, -0.013875526376068592, 0.000665990402922
                    1.4408163906409754e-06, -5.15656566335565e-08, 1.0030335451105543e-09)
 
 # tanh_tiny: |y| <= log2(e) / 2 (|tanh's argument| <= 1/4), R of degree 2, its first coefficient pinned to
-# 1 / (2 log2 e) so that tiny |y| stay relatively exact: 9.8e-8 (2**-23.3), 4 instructions
+# 1 / (2 log2 e) so that tiny |y| stay relatively exact: 9.9e-8 (2**-23.26), 4 instructions
 TANH_TINY_Y = 0.5 * 1.4426950408889634
 TANH_TINY_POLY = (0.3465735912322998, -0.013871696777641773, 0.000642322120256722)
 
