@@ -93,6 +93,25 @@ PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persi
          "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1}
 
 
+def _record_visits(kern, q0: int) -> list:
+    """The kv0 of each tile the first row q0 of the last q tile visits (head 0), in its order: under col_step the
+    softmax takes the row's offset from score_raw_fn(0, b, h, q, kv0 + t2) once a tile, lane t2 = 0's call at
+    kv0 itself (the simulator calls the kernel's module globals, one thread's calls in its own order)."""
+    glb = kern._kernel.fn.__globals__
+    seen: list = []
+    raw = glb.get("score_raw_fn")
+    if raw is None:
+        return seen
+
+    def call(s, b, h, q, kv, *rest):
+        if s == 0 and int(h) == 0 and int(q) == q0 and int(kv) % 8 == 0:
+            seen.append(int(kv))
+        return raw(s, b, h, q, kv, *rest)
+
+    glb["score_raw_fn"] = call
+    return seen
+
+
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
     from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, tma_loads
@@ -116,6 +135,7 @@ def run_case(case_id: str) -> dict:
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v, sl)
     calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice"))
+    visits = _record_visits(kern, ((M - 1) // bq) * bq)
     o, lse = c(q, k, v, sl)
     fn = "score_col_fn(" if taken is col_step else "gather_row_fn("
     return {"id": case_id, "dtype": "f16", "taken": taken(kern.spec) and fn in kern.source,
@@ -123,6 +143,7 @@ def run_case(case_id: str) -> dict:
             "early": "gl = score_pair_load(" in kern.source, "calls": calls,
             "tma_loads": kern.spec.extra.get("schedule") == "wgmma-ws" and tma_loads(kern.spec),
             "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
+            "visits": visits,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

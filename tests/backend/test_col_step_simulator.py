@@ -34,6 +34,13 @@ def test_the_column_step_matches_the_reference(results, case):
     assert r["schedule"] == want, r
     assert r["tma_loads"] == (CASES[case][5].get("producer") == "warpgroup"), r
     assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
+    mask, M, N, _, (bq, bk), extra = CASES[case]
+    if mask == "causal" and extra.get("schedule") == "wgmma-ws":  # the order the last q tile's first row visits
+        q0 = ((M - 1) // bq) * bq
+        tiles = list(range(0, min(min(M - 1, q0 + bq - 1), N - 1) // bk + 1))
+        order = {False: tiles, True: tiles[::-1],
+                 "second": tiles[-2:] + tiles[-3::-1] if len(tiles) > 1 else tiles}[extra.get("kv_reverse", False)]
+        assert r["visits"] == [bk * t for t in order], (r["visits"], order)
     assert not r["nan"], r
     assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]] and r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r
