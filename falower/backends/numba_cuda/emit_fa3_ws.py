@@ -1058,13 +1058,16 @@ def _emit_score_prefetch(c: _Code, spec: FA2ForwardSpec, nxt: str) -> None:
     softmax does not wait on DRAM for them. Thread t of the two consumer warpgroups takes row t % 128 and
     32-column chunks 32 (t // 128) + 64 i: 128-byte lines of a row-major table; a table read along a diagonal
     (relative bias) gets the lines its tile touches too. Beyond the last tile it prefetches the last again.
-    `extra["prefetch_tiles"]` (default 1) prefetches that many tiles ahead instead (to measure)."""
+    `extra["prefetch_tiles"]` (default 1) prefetches that many tiles ahead instead (to measure). `nxt`: the next
+    visit's loop counter, mapped to its position by tile_at after the clamp (under kv_reverse the tiles ahead
+    lie below)."""
     if "def score_prefetch_fn(" not in spec.device_source:
         return
     BK = spec.block_k
     ahead = int(spec.extra.get("prefetch_tiles", 1))  # tiles ahead (static ranges only; a block list: the next)
-    tile = nxt if ahead == 1 or spec.block_mask == "list" else f"{nxt} + {ahead - 1}"
-    c(f"pf_kv = min({tile}, kv_last) * {BK} + ((tid >> 7) & 1) * 32  # a later tile's gathers into L2")
+    step = nxt if ahead == 1 or spec.block_mask == "list" else f"{nxt} + {ahead - 1}"
+    at = tile_at(spec, f"min({step}, kv_last)")  # the visit's position (kv_reverse: mirrored, kv_first at the end)
+    c(f"pf_kv = {at} * {BK} + ((tid >> 7) & 1) * 32  # a later tile's gathers into L2")
     for i in range(max(1, BK // 64)):
         c(f"score_prefetch_fn(b, h, q_lo + (tid & 127), pf_kv + {64 * i}{_score_args(spec)})")
 
@@ -1590,7 +1593,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 _emit_score_prefetch(c, spec, "jn")
         elif not RS:  # (a run of the table is two loads a thread, issued below ahead of the waits)
-            _emit_score_prefetch(c, spec, tile_at(spec, "jn"))
+            _emit_score_prefetch(c, spec, "jn")
         c(f"k_base = sb + {KV} + stage * {2 * T}")
         if QD:  # from the item count each tile: held across the item it cost the document's consumers spills
             c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in the item's "

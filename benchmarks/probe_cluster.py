@@ -1,0 +1,149 @@
+"""Can falower's kernels run as clusters of 4 CTAs, launched as they are now (cuLaunchKernel, grid in blocks)?
+
+The bias table's kernel reads each f32 table tile once a batch row: the 4 batch rows of one (head, q tile) read the
+same tiles, 4.3 GB through L2 a call at B = 4 (benchmarks/NOTES.md, "The softcap's tanh in four instructions",
+Next 1). A cluster of those 4 CTAs, each loading a quarter of a tile and multicasting it to all four, would cut that
+to a quarter. Numba-CUDA 0.30 has no cluster launch argument, but falower loads its own PTX and launches through
+cuLaunchKernel (runtime.py), and a kernel whose PTX carries `.explicitcluster` and `.reqnctapercluster 4, 1, 1`
+launches as clusters with a plain launch whose grid is a multiple of 4 (CUDA Programming Guide, "Launching with
+Clusters in Triple Chevron Notation"). This probe checks, on a GPU, what that path rests on:
+  - cluster: the function's required cluster width (attribute 11) reads 4; a grid of 8 runs, each CTA sees its
+    %cluster_ctarank and %clusterid; each CTA arrives once on every peer's mbarrier (mapa + a remote
+    mbarrier.arrive), and all pass their wait; a grid of 6 is refused (not a multiple of 4);
+  - multicast: each rank copies a 256-byte quarter of a 1 KB buffer by cp.async.bulk ... multicast::cluster with
+    mask 0xF; every CTA's barrier expects the whole 1 KB, and every CTA reads the whole buffer back.
+Written 2026-11-28 from CUTLASS's and FlashAttention-3's forms (include/cute/arch/copy_sm90_tma.hpp,
+cluster_sm90.hpp, include/cutlass/arch/barrier.h; hopper/flash_fwd_kernel_sm90.h). Run on an H200 the same day
+(16:53 UTC): both "ok": width 4, the 8 CTAs ranks 0-3 of clusters 0 and 1, every remote arrival seen; a grid of 6
+refused at launch (CUresult 912: a cluster misconfiguration); every CTA read the whole
+multicast buffer.
+
+    python3 benchmarks/probe_cluster.py
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+_HEAD = """.version 8.0
+.target sm_90a
+.address_size 64
+"""
+
+# every CTA: its rank and cluster id to out[2 ctaid]; one arrival from each of the cluster's 4 CTAs on its barrier
+CLUSTER_PTX = _HEAD + r""".visible .entry k(.param .u64 p)
+.explicitcluster
+.reqnctapercluster 4, 1, 1
+{
+.reg .b32 r<6>; .reg .b64 d<2>; .reg .pred q; .shared .align 8 .b64 bar;
+mov.u32 r0, %cluster_ctarank; mov.u32 r1, %clusterid.x; mov.u32 r2, %ctaid.x; mov.u32 r3, %tid.x; mov.u32 r4, bar;
+setp.eq.u32 q, r3, 0; @q mbarrier.init.shared::cta.b64 [bar], 4;
+fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+setp.lt.u32 q, r3, 4; @!q bra W;
+mapa.shared::cluster.u32 r5, r4, r3; mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r5];
+W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 q, [bar], 0; @!q bra W;
+barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+setp.ne.u32 q, r3, 0; @q bra X;
+ld.param.u64 d0, [p]; cvta.to.global.u64 d0, d0; mul.wide.u32 d1, r2, 8; add.u64 d0, d0, d1;
+st.global.v2.u32 [d0], {r0, r1};
+X: ret;
+}
+"""
+
+# rank r copies bytes 256 r .. 256 r + 255 of src to every CTA's s[256 r ..] (mask 0xF); each reads s back whole
+MULTICAST_PTX = _HEAD + r""".visible .entry k(.param .u64 p, .param .u64 o)
+.explicitcluster
+.reqnctapercluster 4, 1, 1
+{
+.reg .b32 r<9>; .reg .b64 d<4>; .reg .pred q; .reg .b16 h; .shared .align 128 .b8 s[1024]; .shared .align 8 .b64 bar;
+mov.u32 r0, %cluster_ctarank; mov.u32 r3, %tid.x; mov.u32 r4, bar; mov.u32 r6, s;
+setp.eq.u32 q, r3, 0; @q mbarrier.init.shared::cta.b64 [bar], 1;
+fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+@!q bra W;
+mbarrier.arrive.expect_tx.shared::cta.b64 _, [bar], 1024;
+ld.param.u64 d0, [p]; cvta.to.global.u64 d0, d0; mul.wide.u32 d1, r0, 256; add.u64 d0, d0, d1;
+shl.b32 r7, r0, 8; add.u32 r7, r6, r7; mov.b16 h, 15;
+cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [r7], [d0], 256, [r4], h;
+W: mbarrier.try_wait.parity.shared::cta.b64 q, [bar], 0; @!q bra W;
+shl.b32 r8, r3, 2; add.u32 r8, r6, r8; ld.shared.u32 r5, [r8];
+mov.u32 r2, %ctaid.x; mad.lo.u32 r2, r2, 256, r3;
+ld.param.u64 d2, [o]; cvta.to.global.u64 d2, d2; mul.wide.u32 d3, r2, 4; add.u64 d2, d2, d3; st.global.u32 [d2], r5;
+barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+ret;
+}
+"""
+
+
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuInit(0)
+    ctx = ctypes.c_void_p()
+    lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)
+    lib.cuCtxSetCurrent(ctx)
+    return lib
+
+
+def _function(lib, ptx: str):
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    err = lib.cuModuleLoadData(ctypes.byref(mod), ptx.encode() + b"\0")
+    if err:
+        return err, None
+    return lib.cuModuleGetFunction(ctypes.byref(fn), mod, b"k"), fn
+
+
+def cluster_probe(lib) -> dict:
+    err, fn = _function(lib, CLUSTER_PTX)
+    out: dict = {"load": err}
+    if err:
+        return out
+    width = ctypes.c_int()
+    lib.cuFuncGetAttribute(ctypes.byref(width), 11, fn)  # CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH
+    out["required_cluster_width"] = width.value
+    buf = ctypes.c_uint64()
+    lib.cuMemAlloc_v2(ctypes.byref(buf), 128)
+    arg = ctypes.c_uint64(buf.value)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    for grid in (8, 6):
+        host = (ctypes.c_uint32 * 16)()
+        lib.cuMemsetD8_v2(buf, 255, 128)
+        launch = lib.cuLaunchKernel(fn, grid, 1, 1, 32, 1, 1, 0, None, params, None)
+        sync = lib.cuCtxSynchronize()
+        lib.cuMemcpyDtoH_v2(host, buf, 64)
+        ranks = [(host[2 * i], host[2 * i + 1]) for i in range(8)]
+        out[f"grid_{grid}"] = {"launch": launch, "sync": sync, "rank_cluster": ranks}
+    g8 = out["grid_8"]
+    out["ok"] = (width.value == 4 and g8["launch"] == 0 and g8["sync"] == 0
+                 and g8["rank_cluster"] == [(i % 4, i // 4) for i in range(8)] and out["grid_6"]["launch"] != 0)
+    return out
+
+
+def multicast_probe(lib) -> dict:
+    err, fn = _function(lib, MULTICAST_PTX)
+    out: dict = {"load": err}
+    if err:
+        return out
+    src, dst = ctypes.c_uint64(), ctypes.c_uint64()
+    lib.cuMemAlloc_v2(ctypes.byref(src), 1024)
+    lib.cuMemAlloc_v2(ctypes.byref(dst), 8192)
+    lib.cuMemcpyHtoD_v2(src, (ctypes.c_uint32 * 256)(*range(256)), 1024)
+    a, b = ctypes.c_uint64(src.value), ctypes.c_uint64(dst.value)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    out["launch"] = lib.cuLaunchKernel(fn, 8, 1, 1, 256, 1, 1, 0, None, params, None)
+    out["sync"] = lib.cuCtxSynchronize()
+    host = (ctypes.c_uint32 * 2048)()
+    lib.cuMemcpyDtoH_v2(host, dst, 8192)
+    out["cta_whole"] = [list(host[k * 256:(k + 1) * 256]) == list(range(256)) for k in range(8)]
+    out["ok"] = out["launch"] == 0 and out["sync"] == 0 and all(out["cta_whole"])
+    return out
+
+
+def main() -> None:
+    lib = _driver()
+    print(json.dumps({"cluster": cluster_probe(lib), "multicast": multicast_probe(lib)}))
+
+
+if __name__ == "__main__":
+    main()
