@@ -14,7 +14,7 @@ Clusters in Triple Chevron Notation"). This probe checks, on a GPU, what that pa
     mask 0xF; every CTA's barrier expects the whole 1 KB, and every CTA reads the whole buffer back.
 Written 2026-11-28 from CUTLASS's and FlashAttention-3's forms (include/cute/arch/copy_sm90_tma.hpp,
 cluster_sm90.hpp, include/cutlass/arch/barrier.h; hopper/flash_fwd_kernel_sm90.h). Run on an H200 the same day
-(16:53 UTC): both "ok": width 4, the 8 CTAs ranks 0-3 of clusters 0 and 1, every remote arrival seen; a grid of 6
+(16:49 UTC): both "ok": width 4, the 8 CTAs ranks 0-3 of clusters 0 and 1, every remote arrival seen; a grid of 6
 refused at launch (CUresult 912: a cluster misconfiguration); every CTA read the whole
 multicast buffer.
 
