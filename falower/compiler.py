@@ -458,6 +458,11 @@ def compile(func: Func, backend: str = "numba-cuda", pipeline: str = "fa2-fwd", 
         raise FalowerError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
     if path not in ("auto", "mma", "simt"):
         raise FalowerError(f"unknown path {path!r} (auto, mma or simt)")
+    from .backends.numba_cuda.spec import unknown_extra
+
+    bad = unknown_extra(dict(extra or {}))
+    if bad:
+        raise FalowerError(bad)
     lowered = run_pipeline(func, pipeline, **pipeline_kwargs)
     return CompiledAttention(func, lowered, backend, path, num_warps, extra, backward_pipeline=backward,
                              pipeline=pipeline, pipeline_kwargs=pipeline_kwargs)

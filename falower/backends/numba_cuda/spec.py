@@ -46,6 +46,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("f16", "bf16", "f32", "f64")  # f64: SIMT only, for gradcheck
+
+# Every key of `extra` (falower.compile's, then spec.extra) the backend reads: a key not here would be ignored, so
+# falower.compile refuses it by name (a typo's knob silently off). tests/backend/test_extras.py holds this set to the
+# keys the code reads and to bench.py's config flags.
+KNOWN_EXTRAS = frozenset({
+    "blocks_per_sm", "bounds_in_s", "bulk_store", "bwd_block_list", "bwd_schedule", "col_step", "dq_split",
+    "early_loads", "epilogue_in_s", "ex2_poly", "gather_early", "grad_groups", "half_tiles", "head_group",
+    "hold_grads", "item_order", "kv_reverse", "list_head", "one_barrier", "opaque_desc", "overlap", "persistent",
+    "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double", "q_in_regs", "range_shared", "regs",
+    "row_gather", "row_pairs", "row_slice", "schedule", "staged_epilogue", "stages", "table_tiles", "tanh",
+    "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows",
+})
+
+
+def unknown_extra(extra: dict):
+    """A one-line message naming the first key of `extra` the backend does not read (with the nearest known
+    key), or None."""
+    import difflib
+
+    unknown = sorted(k for k in extra if k not in KNOWN_EXTRAS)
+    if not unknown:
+        return None
+    near = difflib.get_close_matches(str(unknown[0]), KNOWN_EXTRAS, n=1)
+    return (f"unknown extra {unknown[0]!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f"; the numba-cuda backend reads: {', '.join(sorted(KNOWN_EXTRAS))}")
 PATHS = ("mma", "simt")
 BLOCK_MASKS = ("none", "static", "table", "list")
 
