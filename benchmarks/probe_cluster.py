@@ -11,12 +11,14 @@ Clusters in Triple Chevron Notation"). This probe checks, on a GPU, what that pa
     %cluster_ctarank and %clusterid; each CTA arrives once on every peer's mbarrier (mapa + a remote
     mbarrier.arrive), and all pass their wait; a grid of 6 is refused (not a multiple of 4);
   - multicast: each rank copies a 256-byte quarter of a 1 KB buffer by cp.async.bulk ... multicast::cluster with
-    mask 0xF; every CTA's barrier expects the whole 1 KB, and every CTA reads the whole buffer back.
+    mask 0xF; every CTA's barrier expects the whole 1 KB, and every CTA reads the whole buffer back;
+  - tensor multicast: the same by TMA tensor copies of an f32 [128, 32] tile, 32 rows a rank, through a map in
+    global memory (fence.proxy.tensormap before the copy), as the bias table's tiles would come.
 Written 2026-11-28 from CUTLASS's and FlashAttention-3's forms (include/cute/arch/copy_sm90_tma.hpp,
 cluster_sm90.hpp, include/cutlass/arch/barrier.h; hopper/flash_fwd_kernel_sm90.h). Run on an H200 the same day
-(16:49 UTC): both "ok": width 4, the 8 CTAs ranks 0-3 of clusters 0 and 1, every remote arrival seen; a grid of 6
-refused at launch (CUresult 912: a cluster misconfiguration); every CTA read the whole
-multicast buffer.
+(16:49 UTC, the tensor copies at 17:12): all three "ok": width 4, the 8 CTAs ranks 0-3 of clusters 0 and 1, every
+remote arrival seen; a grid of 6 refused at launch (CUresult 912: a cluster misconfiguration); every CTA read the
+whole multicast buffer, and the whole f32 tile the four ranks' tensor copies multicast.
 
     python3 benchmarks/probe_cluster.py
 
@@ -71,6 +73,35 @@ W: mbarrier.try_wait.parity.shared::cta.b64 q, [bar], 0; @!q bra W;
 shl.b32 r8, r3, 2; add.u32 r8, r6, r8; ld.shared.u32 r5, [r8];
 mov.u32 r2, %ctaid.x; mad.lo.u32 r2, r2, 256, r3;
 ld.param.u64 d2, [o]; cvta.to.global.u64 d2, d2; mul.wide.u32 d3, r2, 4; add.u64 d2, d2, d3; st.global.u32 [d2], r5;
+barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+ret;
+}
+"""
+
+# the bias table's form: rank r loads rows 32 r .. 32 r + 31 of a [128, 32] f32 tensor by a TMA tensor copy through
+# a map in global memory (as the kernels pass theirs; PTX 8.3 for fence.proxy.tensormap), multicast to the cluster;
+# each CTA's barrier expects the whole 16 KB, and its 256 threads copy the tile to out[ctaid]
+TENSOR_MULTICAST_PTX = _HEAD.replace("8.0", "8.3") + r""".visible .entry k(.param .u64 m, .param .u64 o)
+.explicitcluster
+.reqnctapercluster 4, 1, 1
+{
+.reg .b32 r<10>; .reg .b64 d<3>; .reg .pred q, p; .reg .b16 h; .shared .align 1024 .b8 s[16384];
+.shared .align 8 .b64 bar;
+mov.u32 r0, %cluster_ctarank; mov.u32 r3, %tid.x; mov.u32 r4, bar; mov.u32 r6, s;
+ld.param.u64 d0, [m];
+setp.eq.u32 q, r3, 0; @q mbarrier.init.shared::cta.b64 [bar], 1;
+fence.mbarrier_init.release.cluster; barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+@!q bra W;
+fence.proxy.tensormap::generic.acquire.gpu [d0], 128;
+mbarrier.arrive.expect_tx.shared::cta.b64 _, [bar], 16384;
+shl.b32 r7, r0, 12; add.u32 r7, r6, r7; shl.b32 r8, r0, 5; mov.u32 r9, 0; mov.b16 h, 15;
+cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [r7], [d0, {r9, r8}],
+    [r4], h;
+W: mbarrier.try_wait.parity.shared::cta.b64 p, [bar], 0; @!p bra W;
+ld.param.u64 d1, [o]; cvta.to.global.u64 d1, d1; mov.u32 r1, 0;
+L: mad.lo.u32 r2, r3, 16, r1; shl.b32 r5, r2, 2; add.u32 r5, r6, r5; ld.shared.u32 r5, [r5];
+mov.u32 r8, %ctaid.x; mad.lo.u32 r8, r8, 4096, r2; mul.wide.u32 d2, r8, 4; add.u64 d2, d1, d2; st.global.u32 [d2], r5;
+add.u32 r1, r1, 1; setp.lt.u32 p, r1, 16; @p bra L;
 barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
 ret;
 }
@@ -140,9 +171,42 @@ def multicast_probe(lib) -> dict:
     return out
 
 
+def tensor_multicast_probe(lib) -> dict:
+    err, fn = _function(lib, TENSOR_MULTICAST_PTX)
+    out: dict = {"load": err}
+    if err:
+        return out
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
+                                           ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32),
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    src, dst, mdev = u64(), u64(), u64()
+    lib.cuMemAlloc_v2(ctypes.byref(src), 16384)
+    lib.cuMemAlloc_v2(ctypes.byref(dst), 8 * 16384)
+    lib.cuMemAlloc_v2(ctypes.byref(mdev), 128)
+    vals = (ctypes.c_float * 4096)(*[float(i) for i in range(4096)])
+    lib.cuMemcpyHtoD_v2(src, vals, 16384)
+    buf = ctypes.create_string_buffer(192)
+    at = (ctypes.addressof(buf) + 63) & ~63
+    out["encode"] = lib.cuTensorMapEncodeTiled(  # FLOAT32 (7), rank 2: dims (32, 128), rows 128 bytes apart,
+        ctypes.c_void_p(at), 7, 2, ctypes.c_void_p(src.value), (u64 * 2)(32, 128), (u64 * 1)(128),  # box 32 x 32,
+        (u32 * 2)(32, 32), (u32 * 2)(1, 1), 0, 0, 0, 0)  # no interleave, no swizzle, no promotion, zero fill
+    lib.cuMemcpyHtoD_v2(mdev, ctypes.c_void_p(at), 128)
+    a, b = u64(mdev.value), u64(dst.value)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    out["launch"] = lib.cuLaunchKernel(fn, 8, 1, 1, 256, 1, 1, 0, None, params, None)
+    out["sync"] = lib.cuCtxSynchronize()
+    host = (ctypes.c_float * (8 * 4096))()
+    lib.cuMemcpyDtoH_v2(host, dst, 8 * 16384)
+    out["cta_whole"] = [list(host[k * 4096:(k + 1) * 4096]) == list(vals) for k in range(8)]
+    out["ok"] = out["encode"] == 0 and out["launch"] == 0 and out["sync"] == 0 and all(out["cta_whole"])
+    return out
+
+
 def main() -> None:
     lib = _driver()
-    print(json.dumps({"cluster": cluster_probe(lib), "multicast": multicast_probe(lib)}))
+    print(json.dumps({"cluster": cluster_probe(lib), "multicast": multicast_probe(lib),
+                      "tensor_multicast": tensor_multicast_probe(lib)}))
 
 
 if __name__ == "__main__":
