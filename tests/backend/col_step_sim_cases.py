@@ -56,12 +56,9 @@ CASES = {
     "fa3-r128-causal": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     # the mma.sync kernel without a mask: only the ragged kv tile is masked
     "mma-plain": ("none", 33, 50, 32, (64, 32), {}),
-    # the persistent producer kernel with each item's kv tiles from the last down (emit_fa3_ws.kv_reverse): the
-    # diagonal tile first, where ALiBi's row max lies, then the tiles whose offsets fall away from it
-    "pwg-persist-causal-rev": ("causal", 150, 260, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
-                                                                   "persistent": 1, "item_order": "dynamic",
-                                                                   "kv_reverse": True}),
-    # ... with the last tile second (kv_reverse "second": kv_last - 1, kv_last, then down): q tile 2 visits 1, 2, 0
+    # the persistent producer kernel with each item's kv tiles from the last down, the last one second (emit_fa3_ws.
+    # kv_reverse "second", ALiBi's default: kv_last - 1, kv_last, then down): q tile 2 visits 1, 2, 0. (True, the
+    # plain mirror, is the tail of this order; its GPU cases are test_wgmma_ws_gpu's extra23 and extra24)
     "pwg-persist-causal-rev2": ("causal", 300, 390, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                     "persistent": 1, "item_order": "dynamic",
                                                                     "kv_reverse": "second"}),

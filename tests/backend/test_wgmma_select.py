@@ -349,7 +349,10 @@ def test_kv_reverse_second_visits_every_tile_once_the_last_one_second(hopper) ->
             assert sorted(order) == list(range(first, last + 1)), (first, last, order)
             want = [last] if last == first else [last - 1, last] + list(range(last - 2, first - 1, -1))
             assert order == want, (first, last, order)
-    assert not emit_fa3_ws.kv_last_second(fl.compile(alibi, extra={"kv_reverse": True}).specialize("f16", D=128).spec)
+    mirror = fl.compile(alibi, extra={"kv_reverse": True}).specialize("f16", D=128).spec
+    assert not emit_fa3_ws.kv_last_second(mirror)
+    expr = emit_fa3_ws.tile_at(mirror, "j")  # True: the plain mirror, kv_last first
+    assert [eval(expr, {"j": j, "kv_first": 2, "kv_last": 6}) for j in range(2, 7)] == [6, 5, 4, 3, 2]
     # the automatic choice: "second" for ALiBi under causal (a column step, a walked range), shown in spec.extra;
     # not for causal alone, ALiBi without its mask, or where the kernel cannot take it (16-byte copies)
     assert fl.compile(alibi).specialize("f16", D=128).spec.extra["kv_reverse"] == "second"
