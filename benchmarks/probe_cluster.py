@@ -109,7 +109,14 @@ ret;
 
 
 def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
+    """libcuda with cuTensorMapEncodeTiled typed (tensor_maps._driver, the kernels' own), a context current."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from falower.backends.numba_cuda.tensor_maps import _driver as maps_driver
+
+    lib = maps_driver()
     lib.cuInit(0)
     ctx = ctypes.c_void_p()
     lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)
@@ -151,6 +158,20 @@ def cluster_probe(lib) -> dict:
     return out
 
 
+def _run_eight(lib, fn, args: list, dst, ctype, words: int, want: list, out: dict) -> dict:
+    """Launch fn on 8 CTAs of 256 threads with the u64 arguments `args`, read back 8 x `words` values of `ctype`
+    from dst, and check that every CTA wrote `want` whole."""
+    vals = [ctypes.c_uint64(a) for a in args]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    out["launch"] = lib.cuLaunchKernel(fn, 8, 1, 1, 256, 1, 1, 0, None, params, None)
+    out["sync"] = lib.cuCtxSynchronize()
+    host = (ctype * (8 * words))()
+    lib.cuMemcpyDtoH_v2(host, dst, ctypes.sizeof(host))
+    out["cta_whole"] = [list(host[k * words:(k + 1) * words]) == want for k in range(8)]
+    out["ok"] = out.get("encode", 0) == 0 and out["launch"] == 0 and out["sync"] == 0 and all(out["cta_whole"])
+    return out
+
+
 def multicast_probe(lib) -> dict:
     err, fn = _function(lib, MULTICAST_PTX)
     out: dict = {"load": err}
@@ -160,15 +181,7 @@ def multicast_probe(lib) -> dict:
     lib.cuMemAlloc_v2(ctypes.byref(src), 1024)
     lib.cuMemAlloc_v2(ctypes.byref(dst), 8192)
     lib.cuMemcpyHtoD_v2(src, (ctypes.c_uint32 * 256)(*range(256)), 1024)
-    a, b = ctypes.c_uint64(src.value), ctypes.c_uint64(dst.value)
-    params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
-    out["launch"] = lib.cuLaunchKernel(fn, 8, 1, 1, 256, 1, 1, 0, None, params, None)
-    out["sync"] = lib.cuCtxSynchronize()
-    host = (ctypes.c_uint32 * 2048)()
-    lib.cuMemcpyDtoH_v2(host, dst, 8192)
-    out["cta_whole"] = [list(host[k * 256:(k + 1) * 256]) == list(range(256)) for k in range(8)]
-    out["ok"] = out["launch"] == 0 and out["sync"] == 0 and all(out["cta_whole"])
-    return out
+    return _run_eight(lib, fn, [src.value, dst.value], dst, ctypes.c_uint32, 256, list(range(256)), out)
 
 
 def tensor_multicast_probe(lib) -> dict:
@@ -177,9 +190,6 @@ def tensor_multicast_probe(lib) -> dict:
     if err:
         return out
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
-                                           ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32),
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     src, dst, mdev = u64(), u64(), u64()
     lib.cuMemAlloc_v2(ctypes.byref(src), 16384)
     lib.cuMemAlloc_v2(ctypes.byref(dst), 8 * 16384)
@@ -192,15 +202,7 @@ def tensor_multicast_probe(lib) -> dict:
         ctypes.c_void_p(at), 7, 2, ctypes.c_void_p(src.value), (u64 * 2)(32, 128), (u64 * 1)(128),  # box 32 x 32,
         (u32 * 2)(32, 32), (u32 * 2)(1, 1), 0, 0, 0, 0)  # no interleave, no swizzle, no promotion, zero fill
     lib.cuMemcpyHtoD_v2(mdev, ctypes.c_void_p(at), 128)
-    a, b = u64(mdev.value), u64(dst.value)
-    params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
-    out["launch"] = lib.cuLaunchKernel(fn, 8, 1, 1, 256, 1, 1, 0, None, params, None)
-    out["sync"] = lib.cuCtxSynchronize()
-    host = (ctypes.c_float * (8 * 4096))()
-    lib.cuMemcpyDtoH_v2(host, dst, 8 * 16384)
-    out["cta_whole"] = [list(host[k * 4096:(k + 1) * 4096]) == list(vals) for k in range(8)]
-    out["ok"] = out["encode"] == 0 and out["launch"] == 0 and out["sync"] == 0 and all(out["cta_whole"])
-    return out
+    return _run_eight(lib, fn, [mdev.value, dst.value], dst, ctypes.c_float, 4096, list(vals), out)
 
 
 def main() -> None:

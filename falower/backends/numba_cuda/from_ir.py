@@ -817,7 +817,7 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
 
 # tanh_small_f32's and tanh_tiny_f32's ranges and coefficients, from tanh_polys (no Numba: a warm process builds its
 # specs without importing intrinsics, tests/gpu/test_cubin_cache_gpu.py)
-from .tanh_polys import TANH_SMALL_Y, TANH_TINY_POLY, TANH_TINY_Y, f32, folded  # noqa: E402
+from .tanh_polys import TANH_SMALL_Y, TANH_TINY_POLY, TANH_TINY_Y, folded  # noqa: E402
 
 
 def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> list[str]:
@@ -846,13 +846,11 @@ def _small_score_lines(raw: list[str], root: str, sig_caps: str, hz: str) -> lis
         if coeffs is not None:  # one tanh: its argument's multiply folded into the coefficients (one instruction)
             call = f"tanh_ex2_f32((s * np.float32({calls[0][1]})))"
             body = [ln.replace(call, "tanh_tiny_folded_fn(s)") for ln in raw]
+            horner = [f"    p = cuda.fma(u, np.float32({coeffs[-1]!r}), np.float32({coeffs[-2]!r}))",
+                      *[f"    p = cuda.fma(p, u, np.float32({c!r}))" for c in coeffs[-3::-1]]]
             out += ["", "def tanh_tiny_folded_fn(s):",
                     f"    # tanh_tiny_f32(s * {calls[0][1]}) with the factor in its coefficients: s R'(s^2), R'_i = "
-                    "K^(2i+1) R_i",
-                    "    u = s * s",
-                    f"    p = cuda.fma(u, np.float32({f32(coeffs[2])!r}), np.float32({f32(coeffs[1])!r}))",
-                    f"    p = cuda.fma(p, u, np.float32({f32(coeffs[0])!r}))",
-                    "    return s * p"]
+                    "K^(2i+1) R_i", "    u = s * s", *horner, "    return s * p"]
         out += ["", f"SCORE_{tier.upper()}_S = {bound!r}  # |s| <= this: every tanh's argument |s K| <= "
                 f"TANH_{tier.upper()}_Y", "", f"def score_raw_{tier}_fn(s, b, h, q, kv{sig_caps}{hz}):",
                 *body, f"    return np.float32({root})"]

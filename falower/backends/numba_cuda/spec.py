@@ -46,6 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("f16", "bf16", "f32", "f64")  # f64: SIMT only, for gradcheck
+PATHS = ("mma", "simt")
+BLOCK_MASKS = ("none", "static", "table", "list")
 
 # Every key of `extra` (falower.compile's, then spec.extra) the backend reads: a key not here would be ignored, so
 # falower.compile refuses it by name (a typo's knob silently off). tests/backend/test_extras.py holds this set to the
@@ -71,8 +73,6 @@ def unknown_extra(extra: dict):
     near = difflib.get_close_matches(str(unknown[0]), KNOWN_EXTRAS, n=1)
     return (f"unknown extra {unknown[0]!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
             + f"; the numba-cuda backend reads: {', '.join(sorted(KNOWN_EXTRAS))}")
-PATHS = ("mma", "simt")
-BLOCK_MASKS = ("none", "static", "table", "list")
 
 
 @dataclass(frozen=True)
