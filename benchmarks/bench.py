@@ -116,7 +116,9 @@ def parse_config(text: str) -> tuple:
     row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
-    each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-nolh'
+    each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
+    '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra
+    slice_rows), '-sla' those loads a tile ahead (extra slice_ahead); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
     over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
     the last one second, ALiBi's default; '-norev' from the first up),
@@ -181,6 +183,8 @@ CONFIG_OPTIONS: list = [
     (("notiny", {"tanh_tiny": False}),),
     (("noge", {"gather_early": False}),),
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
+    (("slr", {"slice_rows": True}), ("noslr", {"slice_rows": False})),
+    (("sla", {"slice_rows": True, "slice_ahead": True}),),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),

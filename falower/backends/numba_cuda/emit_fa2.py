@@ -90,6 +90,7 @@ from falower.backends.numba_cuda.intrinsics import (
     lds_v2_f32,
     elem_addr,
     cp_async16_a,
+    ldg_f32_a,
     ldsm_x4,
     ldsm_x4_trans,
     smem_base,

@@ -276,6 +276,24 @@ def row_slice(spec: FA2ForwardSpec) -> bool:
         and bool(persistent(spec)) and spec.block_q == 128 and spec.block_k == 128 and row_gather_step(spec) is not None
 
 
+def slice_rows(spec: FA2ForwardSpec) -> bool:
+    """Under `row_slice`, whether a thread's two loads of a tile's run come from the run's row address, kept for the
+    item (from_ir's `slice_row_fn`: the address of the entry at last index 0, il at the tile's first column, the
+    last axis's length and stride), a clamp and an address each (`slice_load`), where `gather_slice_fn` computed the
+    clamped two-dimensional index every tile. Why: the two loads were ~40 SASS instructions a tile, ~25 of them on
+    the vector pipes, and the loop with them replaced by constants ran 3317 -> 3173 cycles a tile (H200,
+    2026-11-28, benchmarks/NOTES.md "The bias table's floors"). `extra["slice_rows"]` (bench '-slr' / '-noslr')."""
+    return (row_slice(spec) and "def slice_row_fn(" in spec.device_source
+            and spec.extra.get("slice_rows", False) is not False)
+
+
+def slice_ahead(spec: FA2ForwardSpec) -> bool:
+    """Under `slice_rows`, whether the run's loads for the next tile are issued during this one (two registers held
+    across a tile; an item's first tile's at its start), so that no load's latency stands between the top of the
+    loop and the run's store after S's wait. `extra["slice_ahead"]` (bench '-sla')."""
+    return slice_rows(spec) and spec.extra.get("slice_ahead", False) is not False
+
+
 def slice_start(spec: FA2ForwardSpec) -> int:
     """The run's first index relative to il(q_wg, kv0), the index at the warpgroup's first row and the tile's first
     column: min(0, 63 a) + min(0, (block_k - 1) k)."""
@@ -1349,6 +1367,15 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     H2 = BK // 2
     EARLY = gather_early(spec)
     RS = row_slice(spec)
+    SLR, SLA = slice_rows(spec), slice_ahead(spec)
+    slice_load_fn = c.helper("slice_load", [
+        "@device_function",
+        "def slice_load(sl_a, e, sl_n, sl_s):",
+        "    # a thread's two entries of a tile's run (slice_rows): e and e + 128 from the run's row, clamped into it",
+        "    # as gather_slice_fn clamps its index",
+        "    e0 = np.uint64(min(max(e, np.int32(0)), sl_n - np.int32(1)))",
+        "    e1 = np.uint64(min(max(e + np.int32(128), np.int32(0)), sl_n - np.int32(1)))",
+        "    return ldg_f32_a(sl_a + e0 * np.uint64(sl_s)), ldg_f32_a(sl_a + e1 * np.uint64(sl_s))"]) if SLR else ""
 
     def item_start(qphase: str) -> Optional[Callable[[str], None]]:
         """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
@@ -1370,6 +1397,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         elif HOIST:
             emit_row_bounds(c, spec)
         c("j = kv_first")
+        if SLR:
+            c(f"sl_a, sl_i, sl_n, sl_s = slice_row_fn(b, h, q_lo + cw * 64, 0{caps})  # the run's row (slice_rows)")
+            c(f"sl_e = sl_i + np.int32({slice_start(spec)}) + np.int32(ctid & 127)  # this thread's first entry at "
+              "column 0")
+        if SLA:
+            c(f"sv0n, sv1n = {slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * {tile_at(spec, 'kv_first')} "
+              f"* {BK}, sl_n, sl_s)  # the item's first tile's run")
         if not PERSIST:
             c("stage = 0")
             c("phase = 0")
@@ -1602,9 +1636,18 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if RS:
             c("# this warpgroup's run of the table for the tile (row_slice), two entries a thread, loaded before the")
             c("# waits for K and S and stored once S is done")
-            for n in (0, 1):
-                c(f"sv{n} = gather_slice_fn(b, h, q_lo + cw * 64, {tile_at(spec, 'j')} * {BK}, "
-                  f"{slice_start(spec) + 128 * n} + (ctid & 127){caps})")
+            if SLA:  # loaded a tile ahead: this tile's came with the last one (or the item's start)
+                c("sv0 = sv0n")
+                c("sv1 = sv1n")
+                c(f"sv0n, sv1n = {slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * "
+                  f"{tile_at(spec, 'min(jn, kv_last)')} * {BK}, sl_n, sl_s)  # the next tile's")
+            elif SLR:
+                c(f"sv0, sv1 = {slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * {tile_at(spec, 'j')} * "
+                  f"{BK}, sl_n, sl_s)")
+            else:
+                for n in (0, 1):
+                    c(f"sv{n} = gather_slice_fn(b, h, q_lo + cw * 64, {tile_at(spec, 'j')} * {BK}, "
+                      f"{slice_start(spec) + 128 * n} + (ctid & 127){caps})")
         elif EARLY:
             c("# the score's table entries for this tile, read before the waits for K and S: their latency (an L2")
             c("# read a tile: its columns move on by 128) runs beside the products, not in the softmax's turn")

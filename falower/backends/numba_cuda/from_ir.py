@@ -801,6 +801,13 @@ def _row_gather_lines(op: Op, k: int, shift: Optional[int], e: "_ScalarEmitter",
         *_live_lines(lines, " ".join(names)),
         f"    il = np.int32({names[-1]}) + np.int32(e)",
         f"    return np.float32({table}[{', '.join(lead + [clamped_index(table, r - 1, 'il')])}])",
+        "",
+        # the same run from a row address kept for the item: (the address of the entry at last index 0, il(q, kv),
+        # the last axis's length and byte stride), so a tile's two loads are a clamp and an address each
+        f"def slice_row_fn(b, h, q, kv{sig_caps}{hz}):",
+        *_live_lines(lines, " ".join(names)),
+        f"    return (elem_addr({table}, ({', '.join(lead + ['np.uint32(0)'])},)), np.int32({names[-1]}), "
+        f"np.int32({table}.shape[{r - 1}]), np.int64({table}.strides[{r - 1}]))",
         ""]
     return marker + slice_fn + [f"def gather_row_fn(b, h, q, kv, span{sig_caps}{hz}):",
             *_live_lines(lines, " ".join(names)),

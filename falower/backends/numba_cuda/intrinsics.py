@@ -34,6 +34,8 @@ Public names (identical in both modes):
     elem_addr                      (global_array, (i0, ..., ik)) -> uint64 generic address of that element
     cp_async16_a                   (shared byte address, uint64 generic address, src_bytes): cp.async of 16 bytes
                                    (zero-filled past src_bytes; with elem_addr, from any element of an n-d array)
+    ldg_f32_a                      (uint64 generic address of global memory): one f32 load from it (a table's
+                                   entry whose row address the kernel keeps: emit_fa3_ws.slice_rows)
     pairs_aligned                  (global_array) -> bool: 4-byte elements, the last axis contiguous and even, the
                                    other strides and the data address multiples of 8 bytes (so every even last
                                    index starts an 8-byte aligned pair)
@@ -78,6 +80,7 @@ Public names (identical in both modes):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 
@@ -109,6 +112,7 @@ __all__ = [
     "stg_v4_u32",
     "elem_addr",
     "cp_async16_a",
+    "ldg_f32_a",
     "smem_base",
     "ldsm_x4",
     "ldsm_x4_trans",
@@ -618,6 +622,22 @@ if SIMULATOR:
         at, off, n = int(saddr), gaddr - base, int(src_bytes)
         smem[at:at + 16] = 0
         smem[at:at + n] = raw[off:off + n]
+
+    def ldg_f32_a(gaddr):
+        """The f32 at a generic address inside an array elem_addr has seen (read where it lies: the simulator's
+        addresses are the host arrays' own)."""
+        gaddr = int(gaddr)
+        with _warp_lock:
+            hit = [x for b, x in _ADDRS.items() if _spans(x, b, gaddr, 4)]
+        if not hit:
+            raise RuntimeError(f"ldg_f32_a: {gaddr:#x} is not inside an array elem_addr was given")
+        return np.float32(ctypes.c_float.from_address(gaddr).value)
+
+    def _spans(a, base: int, at: int, n: int) -> bool:
+        """Whether bytes at .. at + n lie inside the elements of `a` (its data at `base`, any strides)."""
+        lo = base + sum(min(0, (k - 1) * st) for k, st in zip(a.shape, a.strides))
+        hi = base + sum(max(0, (k - 1) * st) for k, st in zip(a.shape, a.strides)) + a.itemsize
+        return a.size > 0 and lo <= at and at + n <= hi
 
     def lds_v2_f32(saddr):
         slow_warp()
@@ -1268,6 +1288,20 @@ else:
         def codegen(context, builder, sig, args):
             ptr = _item_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             return builder.ptrtoint(ptr, ir.IntType(64))
+
+        return sig, codegen
+
+    @intrinsic
+    def ldg_f32_a(typingctx, gaddr):
+        """One f32 load from a generic address in global memory (elem_addr's, plus offsets): an LLVM load, which
+        the compilers schedule as they would an array's (an asm with a memory clobber would pin it in place)."""
+        sig = types.float32(gaddr)
+
+        def codegen(context, builder, sig, args):
+            ga = context.cast(builder, args[0], sig.args[0], types.uint64)
+            ptr = builder.addrspacecast(builder.inttoptr(ga, ir.PointerType(ir.FloatType())),
+                                        ir.PointerType(ir.FloatType(), 1))
+            return builder.load(ptr, align=4)
 
         return sig, codegen
 
