@@ -118,7 +118,7 @@ def parse_config(text: str) -> tuple:
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
     '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra
-    slice_rows), '-sla' those loads a tile ahead (extra slice_ahead); '-nolh'
+    slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
     over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
     the last one second, ALiBi's default; '-norev' from the first up),

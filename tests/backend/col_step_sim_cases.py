@@ -69,15 +69,18 @@ CASES = {
     # the persistent producer kernel as the relative bias takes it by default at D = 128 (Q, K and V by TMA
     # loads, two Q buffers), each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice): its
     # entries clamped as the gather clamps them, so rows outside the table read it too (the pairs' fallback never
-    # runs); two items on one block, each with rows outside the table, kv tile 1 ragged
+    # runs), loaded from the run's row kept for the item (slice_rows); two items on one block, each with rows
+    # outside the table, kv tile 1 ragged
     "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
                                                                        "producer": "warpgroup", "persistent": 1,
                                                                        "item_order": "dynamic"}),
-    # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state)
+    # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state),
+    # the run's loads a tile ahead (slice_ahead: an item's first tile's at its start, the next item's after the last)
     "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
                                                                             "producer": "warpgroup", "persistent": 1,
                                                                             "item_order": "dynamic",
-                                                                            "epilogue_in_s": False}),
+                                                                            "epilogue_in_s": False,
+                                                                            "slice_ahead": True}),
     # ... with the entries read from global memory ahead of the waits (row_slice off)
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic",
@@ -111,7 +114,7 @@ def _record_visits(kern, q0: int) -> list:
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, tma_loads
+    from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, slice_ahead, tma_loads
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -131,7 +134,8 @@ def run_case(case_id: str) -> dict:
     ref = Reference.build(g, env, inputs=[*(x.astype(np.float64) for x in (q, k, v)), sl.astype(np.float64)])
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v, sl)
-    calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice"))
+    calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice", "gather_slice_fn",
+                               "slice_load"))
     visits = _record_visits(kern, ((M - 1) // bq) * bq)
     o, lse = c(q, k, v, sl)
     fn = "score_col_fn(" if taken is col_step else "gather_row_fn("
@@ -140,6 +144,7 @@ def run_case(case_id: str) -> dict:
             "early": "gl = score_pair_load(" in kern.source, "calls": calls,
             "tma_loads": kern.spec.extra.get("schedule") == "wgmma-ws" and tma_loads(kern.spec),
             "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
+            "slice_ahead": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ahead(kern.spec),
             "visits": visits,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 

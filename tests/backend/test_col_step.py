@@ -348,6 +348,50 @@ def test_a_warpgroups_run_of_the_table_holds_every_entry_its_rows_read(name):
                     assert 0 <= at < 64 + 127 <= emit_fa3_ws.SLICE_ENTRIES, at
 
 
+def _host_addresses(ns: dict) -> None:
+    """elem_addr and ldg_f32_a on host arrays (as the simulator's: an array's address is its data's own)."""
+    import ctypes
+
+    ns["elem_addr"] = lambda a, idx: np.uint64(a.__array_interface__["data"][0]
+                                               + sum(int(i) * st for i, st in zip(idx, a.strides)))
+    ns["ldg_f32_a"] = lambda at: np.float32(ctypes.c_float.from_address(int(at)).value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["q - kv", "kv - q", "q + kv", "-q - kv"]), q_wg=st.integers(0, 260),
+       tile=st.integers(0, 3), L=st.integers(1, 300), ctid=st.integers(0, 127), view=st.sampled_from(["c", "t"]),
+       seed=st.integers(0, 2 ** 16))
+def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, ctid, view, seed):
+    """emit_fa3_ws.slice_rows: a thread's two entries of a tile's run, from the row address slice_row_fn keeps for
+    the item plus the tile's column step (k kv0) and clamped into the row by slice_load, are gather_slice_fn's
+    (its clamped two-dimensional index) for every sign pair, warpgroup row, tile, thread and table length (short
+    tables clamp on both sides), in a contiguous table and a transposed view (any last-axis stride)."""
+    import dataclasses
+
+    from falower.backends.numba_cuda.emit_fa2 import row_gather_signs
+
+    mod, _ = ROW_PAIRS[name]
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
+    spec = dataclasses.replace(_spec(_mod(mod), extra, D=128), block_q=128, block_k=128)
+    assert emit_fa3_ws.slice_rows(spec)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    assert "sv0, sv1 = slice_load(sl_a, sl_e + " in src and "gather_slice_fn(" not in src.split("def fa2_")[1]
+    ns = _namespace(spec)
+    _host_addresses(ns)
+    exec(_fn(src, "slice_load").replace("@device_function", ""), ns)
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((2, L)).astype(np.float32)
+    if view == "t":
+        table = np.ascontiguousarray(table.T).T  # strides (4, 8): the last axis 8 bytes apart
+    k = row_gather_signs(spec)[1]
+    e = emit_fa3_ws.slice_start(spec) + ctid
+    sl_a, sl_i, sl_n, sl_s = ns["slice_row_fn"](0, 1, q_wg, 0, table)
+    kv0 = 128 * tile
+    got = ns["slice_load"](sl_a, np.int32(sl_i + e) + k * kv0, sl_n, sl_s)
+    want = (ns["gather_slice_fn"](0, 1, q_wg, kv0, e, table), ns["gather_slice_fn"](0, 1, q_wg, kv0, e + 128, table))
+    assert got == want, (got, want)
+
+
 def test_row_slice_is_the_persistent_producer_kernels_default_and_only_its():
     rel_g = _example("relative_bias")
     pwg = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
@@ -363,6 +407,10 @@ def test_row_slice_is_the_persistent_producer_kernels_default_and_only_its():
         emit_fa3_ws.SLICE_BYTES
     src = emit_fa3_ws.emit_fa3_ws_forward(on)
     assert "gl = score_pair_slice(rsl, " in src and "gl = score_pair_load(" not in src
+    # the run's loads from the row kept for the item (slice_rows, the default), or by the clamped index every tile
+    assert emit_fa3_ws.slice_rows(on) and not emit_fa3_ws.slice_ahead(on) and "sv0, sv1 = slice_load(" in src
+    old = emit_fa3_ws.emit_fa3_ws_forward(spec({**pwg, "slice_rows": False}))
+    assert "sv0 = gather_slice_fn(" in old and "slice_load(" not in old
     assert "score_prefetch_fn(" not in src.split("def fa2_")[1]  # the run's loads are the kernel's own
     assert not emit_fa3_ws.row_slice(spec({"schedule": "wgmma-ws", "producer": "none"}))
     assert not emit_fa3_ws.row_slice(spec({**pwg, "gather_early": False}))

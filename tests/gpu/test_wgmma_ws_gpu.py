@@ -144,13 +144,16 @@ PERSIST_PWG = {"producer": "warpgroup", "persistent": 132, "item_order": "dynami
     ("f16", 128, {**PERSIST_PWG, "row_slice": False}),
     ("f16", 128, PERSIST_PWG),
     ("bf16", 128, PERSIST_PWG),
+    ("f16", 128, {**PERSIST_PWG, "slice_rows": False}),
+    ("f16", 128, {**PERSIST_PWG, "slice_ahead": True}),
 ])
 def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: int) -> None:
     """The relative bias on the no-producer ws kernel and on the persistent producer one (TMA loads), a thread's
     rows g and g + 8 sharing their table loads (emit_fa2.row_gather_shift), the entries read before the waits or
     after, or from each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice); M > N puts rows'
     indices outside the table (their pairs fall back to each row's own clamped path, or read the run's clamped
-    entries)."""
+    entries); the run's loads from its row kept for the item (slice_rows), a tile ahead or not, or by the clamped
+    index every tile."""
     _hopper()
     import runpy
 
@@ -167,6 +170,8 @@ def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: 
     early = extra.get("gather_early", True) is not False and not sliced
     assert "score_row_pair" in kern.source and ("gl = score_pair_load(" in kern.source) == early
     assert ("score_pair_slice(rsl" in kern.source) == sliced
+    # the run's loads from its row kept for the item (slice_rows, the default), or by gather_slice_fn every tile
+    assert ("slice_load(sl_a, " in kern.source) == (sliced and extra.get("slice_rows", True) is not False)
     env = bind_dims(g, {"B": 2, "H": 3, "M": M, "N": N, "D": D})
     host = [rounded(x, dtype) if i < 3 else x.astype(np.float32)
             for i, x in enumerate(random_inputs(g, env, seed=M + N + D))]
