@@ -357,18 +357,11 @@ def _host_addresses(ns: dict) -> None:
     ns["ldg_f32_a"] = lambda at: np.float32(ctypes.c_float.from_address(int(at)).value)
 
 
-@settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(["q - kv", "kv - q", "q + kv", "-q - kv"]), q_wg=st.integers(0, 260),
-       tile=st.integers(0, 3), L=st.integers(1, 300), ctid=st.integers(0, 127), view=st.sampled_from(["c", "t"]),
-       seed=st.integers(0, 2 ** 16))
-def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, ctid, view, seed):
-    """emit_fa3_ws.slice_rows: a thread's two entries of a tile's run, from the row address slice_row_fn keeps for
-    the item plus the tile's column step (k kv0) and clamped into the row by slice_load, are gather_slice_fn's
-    (its clamped two-dimensional index) for every sign pair, warpgroup row, tile, thread and table length (short
-    tables clamp on both sides), in a contiguous table and a transposed view (any last-axis stride)."""
+@functools.lru_cache(maxsize=None)
+def _slice_kernel(name: str):
+    """The persistent producer kernel's spec for ROW_PAIRS[name] at its defaults (row_slice, slice_rows) and its
+    device functions as Python (slice_load from the kernel's source), built once a name."""
     import dataclasses
-
-    from falower.backends.numba_cuda.emit_fa2 import row_gather_signs
 
     mod, _ = ROW_PAIRS[name]
     extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
@@ -379,6 +372,21 @@ def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, cti
     ns = _namespace(spec)
     _host_addresses(ns)
     exec(_fn(src, "slice_load").replace("@device_function", ""), ns)
+    return spec, ns
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["q - kv", "kv - q", "q + kv", "-q - kv"]), q_wg=st.integers(0, 260),
+       tile=st.integers(0, 3), L=st.integers(1, 300), ctid=st.integers(0, 127), view=st.sampled_from(["c", "t"]),
+       seed=st.integers(0, 2 ** 16))
+def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, ctid, view, seed):
+    """emit_fa3_ws.slice_rows: a thread's two entries of a tile's run, from the row address slice_row_fn keeps for
+    the item plus the tile's column step (k kv0) and clamped into the row by slice_load, are gather_slice_fn's
+    (its clamped two-dimensional index) for every sign pair, warpgroup row, tile, thread and table length (short
+    tables clamp on both sides), in a contiguous table and a transposed view (any last-axis stride)."""
+    from falower.backends.numba_cuda.emit_fa2 import row_gather_signs
+
+    spec, ns = _slice_kernel(name)
     rng = np.random.default_rng(seed)
     table = rng.standard_normal((2, L)).astype(np.float32)
     if view == "t":
