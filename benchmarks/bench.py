@@ -125,6 +125,7 @@ def parse_config(text: str) -> tuple:
     '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
     runs (extra bounds_in_s), '-noes' / '-es' an item's last P V and epilogue at its own end / with the next
     item's first tile (extra epilogue_in_s; by default with it except under a block list or the softcap's tanh);
+    '-stsm' / '-nostsm' the kept epilogue's rows of O staged by stmatrix, or a word at a time (extra stmatrix);
     '-half' the '-wsn' kernel's half
     tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
     '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
@@ -184,13 +185,14 @@ CONFIG_OPTIONS: list = [
     (("noge", {"gather_early": False}),),
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
     (("slr", {"slice_rows": True}), ("noslr", {"slice_rows": False})),
-    (("sla", {"slice_rows": True, "slice_ahead": True}),),
+    (("sla", {"slice_ahead": True}),),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),
     (("noqd", {"q_double": False}), ("qd", {"q_double": True})),
     (("nobk", {"bulk_store": False}), ("bk", {"bulk_store": True})),
     (("notma", {"tma_store": False}),),
+    (("stsm", {"stmatrix": True}), ("nostsm", {"stmatrix": False})),
     (("tmal", {"tma_loads": True}), ("notmal", {"tma_loads": False})),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),

@@ -76,7 +76,7 @@ __all__ = ["auto_extra", "blocks_per_sm", "emit_fa3_forward", "grid", "recommend
 ALIGN = 1024  # 128 B-swizzle atoms at 1024-byte aligned shared addresses
 
 _WGMMA_IMPORTS = '''
-from falower.backends.numba_cuda.intrinsics import launch_bounds, lds_v4_u32, stg_v4_u32, sts_u32
+from falower.backends.numba_cuda.intrinsics import launch_bounds, lds_v4_u32, stg_v4_u32, sts_u32, stsm_x4
 from falower.backends.numba_cuda.wgmma import (
     desc_at,
     desc_hi,
@@ -485,6 +485,31 @@ def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False, box
              f"        v = {value} if inv > ZERO else np.uint32(0)" if zero_masked else f"        v = {value}",
              f"        sts_u32({where}, v)"]
     return c.helper(name, lines)
+
+
+def stage_rows_stsm_helper(c: _Code, D: int, pack: str, box_bytes: int) -> str:
+    """The device function `stage_rows_stsm`: a warp's 16 rows of O (rows g and g + 8 of each thread, at offsets i0
+    and i1 of x) times their 1 / l, packed, into the warp's D / 64 boxes at wb (16 rows of 128 bytes each,
+    `box_bytes` apart, in the 128-byte swizzle: row r's chunk c at (c ^ (r & 7)) << 4), by D / 16 stmatrix .x4, where
+    stage_row_z_box stores a word at a time (D / 4 STS a thread). Instruction k stores chunks 2k and 2k + 1 of rows
+    0-7 and 8-15: matrix m is rows 8 (m & 1) .. + 7 of chunk 2k + (m >> 1), lane l gives row l & 7 of matrix l >> 3,
+    and a lane's word m is its own (row g + 8 (m & 1), columns 2t, 2t + 1 of that chunk), as the accumulator's
+    fragment holds it. A row with 1 / l = 0 stages zeros (as stage_row_z)."""
+    word = "{p}(lget(x, {i} + {o}) * {inv}, lget(x, {i} + {o} + 1) * {inv}) if {inv} > ZERO else np.uint32(0)"
+    lines = ["@device_function", "def stage_rows_stsm(wb, lane, x, i0, i1, inv0, inv1):",
+             "    r = np.uint32(lane & 7)  # the row of its matrix this lane gives the address of",
+             "    m = np.uint32(lane >> 3)  # ... and the matrix: rows 8 (m & 1) .., chunk 2k + (m >> 1)",
+             "    row = wb + ((m & np.uint32(1)) * np.uint32(8) + r) * np.uint32(128)",
+             "    hi = m >> np.uint32(1)",
+             f"    for k in range({D // 16}):",
+             "        dn = np.uint32(2 * k) + hi",
+             f"        at = row + (dn >> np.uint32(3)) * np.uint32({box_bytes}) + (((dn & np.uint32(7)) ^ r) << np.uint32(4))",
+             "        w0 = " + word.format(p=pack, i="i0", o="8 * k", inv="inv0"),
+             "        w1 = " + word.format(p=pack, i="i1", o="8 * k", inv="inv1"),
+             "        w2 = " + word.format(p=pack, i="i0", o="8 * k + 4", inv="inv0"),
+             "        w3 = " + word.format(p=pack, i="i1", o="8 * k + 4", inv="inv1"),
+             "        stsm_x4(at, w0, w1, w2, w3)"]
+    return c.helper("stage_rows_stsm", lines)
 
 
 def emit_staged_stores(c: _Code, D: int, wr: int, first_row: str, wtid: str, base: str,

@@ -139,6 +139,7 @@ from .emit_fa3 import (
     copy_rows_helper,
     emit_staged_stores,
     stage_row_helper,
+    stage_rows_stsm_helper,
 )
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
@@ -565,6 +566,14 @@ def tma_loads(spec: FA2ForwardSpec) -> bool:
     K and V by TMA loads made the default"), medians: plain +11%, +0.3%, +6%, +9%; the document +5%, +1.5%, +3%,
     +9%; causal and ALiBi within the noise either way (-5% to +5%)."""
     return spec.extra.get("tma_loads", True) is not False and spec.dtype in ("f16", "bf16") and q_double(spec)
+
+
+def stmatrix_staging(spec: FA2ForwardSpec) -> bool:
+    """Under `tma_store`, whether each warp stages its 16 rows of O for the kept epilogue by stmatrix (emit_fa3.
+    stage_rows_stsm_helper: D / 16 instructions a thread) where stage_row_z_box stored a 32-bit word at a time (D / 4
+    STS a thread). Why: the staging is ~580 of the kept epilogue's ~880 cycles an item (timeline, H200,
+    2026-11-28): ~2% of causal's items, ~5% of the document's. `extra["stmatrix"]` (bench '-stsm')."""
+    return tma_store(spec) and spec.extra.get("stmatrix", False) is not False
 
 
 def tma_store(spec: FA2ForwardSpec) -> bool:
@@ -1448,7 +1457,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             # each warp stages its own 16 rows: by TMA as D / 64 boxes of 16 rows x 128 bytes in the 128-byte swizzle,
             # else unswizzled at `pitch` bytes a row, one bulk copy a row
             wbytes, pitch = 16 * 2 * D, bulk_pitch(D)
-            for t in ROWS:
+            if stmatrix_staging(spec):  # the warp's 16 rows by D / 16 stmatrix
+                assert len(ROWS) == 2 and ROWS[0].acc == ROWS[1].acc, ROWS
+                stsm = stage_rows_stsm_helper(c, D, pack, BOX_BYTES)
+                c(f"{stsm}(o_wg + (warp & 3) * {wbytes}, lane, {ROWS[0].acc}, {ROWS[0].ofs}, {ROWS[1].ofs}, "
+                  f"ep_f[ctid * 2 + {ROWS[0].k}], ep_f[ctid * 2 + {ROWS[1].k}])")
+            for t in ROWS if not stmatrix_staging(spec) else ():
                 if TMA:
                     c(f"lr = {t.off} + g  # the row in the warp's 16: its boxes' row")
                     c(f"{stage}(o_wg + (warp & 3) * {wbytes} + lr * 128 + 2 * t2, np.uint32(lr & 7), {t.acc}, "

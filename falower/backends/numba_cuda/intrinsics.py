@@ -23,6 +23,9 @@ Public names (identical in both modes):
     cp_async_commit(), cp_async_wait0(), cp_async_wait1()
     smem_base                      (smem_u16_array) -> uint32 shared-window byte address of element 0
     ldsm_x4, ldsm_x4_trans         (shared byte address: uint32) -> (r0, r1, r2, r3)   (32-bit addressing)
+    stsm_x4                        (shared byte address, r0, r1, r2, r3): stmatrix .x4, ldsm_x4's inverse: lane
+                                   8 m + r gives the address of row r of matrix m, and each lane's word m is
+                                   its (row g, columns 2t, 2t + 1) of matrix m (an mma fragment's layout)
     cp_async16_s                   (shared byte address, global_array, g_index, src_bytes)
     prefetch_l2                    (global_array, (i0, i1, ...)) -> int32 0: prefetch.global.L2 of that element
                                    (a hint: the score's gathers of the next kv tile; no-op in the simulator)
@@ -108,6 +111,7 @@ __all__ = [
     "rows_aligned16",
     "lds_v2_f32",
     "sts_u32",
+    "stsm_x4",
     "lds_v4_u32",
     "stg_v4_u32",
     "elem_addr",
@@ -647,6 +651,17 @@ if SIMULATOR:
 
     def sts_u32(saddr, val):
         _block_smem().view(np.uint32)[int(saddr) // 4] = np.uint32(val)
+
+    def stsm_x4(saddr, r0, r1, r2, r3):
+        """The warp's four 8 x 8 matrices: each lane writes its own word of each to the row address its matrix's
+        row lane gave (the lanes' addresses exchanged first)."""
+        slow_warp()
+        lane, addrs = _exchange(int(saddr))
+        g, t = lane >> 2, lane & 3
+        words = _block_smem().view(np.uint8)
+        for m, r in enumerate((r0, r1, r2, r3)):
+            at = int(addrs[8 * m + g]) + 4 * t
+            words[at:at + 4] = np.frombuffer(np.uint32(r).tobytes(), np.uint8)
 
     def lds_v4_u32(saddr):
         slow_warp()
@@ -2030,6 +2045,8 @@ else:
         "bulk_store", "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.global.shared::cta.bulk_group [ga], "
         "[$1], $2; }", 3, arg_types=(types.uint64, _U32, _U32))
     bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
+    stsm_x4 = _addr_asm(  # ldsm_x4's inverse: four 8 x 8 matrices of 16-bit pairs, lane 8 m + r row r's address
+        "stsm_x4", "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};", 5)
     tma_store_3d = _addr_asm(  # the box at ($1, $2, $3) of the map at the generic address $0, from shared $4
         "tma_store_3d", "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [$0, {$1, $2, $3}], [$4];", 5,
         arg_types=(types.uint64, types.int32, types.int32, types.int32, _U32))
