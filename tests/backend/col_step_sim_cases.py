@@ -81,10 +81,11 @@ CASES = {
                                                                             "item_order": "dynamic",
                                                                             "epilogue_in_s": False,
                                                                             "slice_ahead": True}),
-    # ... with the entries read from global memory ahead of the waits (row_slice off)
+    # ... with the entries read from global memory ahead of the waits (row_slice off), and the kept epilogue's rows
+    # of O staged a word at a time (stmatrix off: the other cases stage them by stmatrix, the default)
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic",
-                                                                 "row_slice": False}),
+                                                                 "row_slice": False, "stmatrix": False}),
 }
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
@@ -114,7 +115,7 @@ def _record_visits(kern, q0: int) -> list:
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, slice_ahead, tma_loads
+    from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, slice_ahead, stmatrix_staging, tma_loads
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -135,7 +136,7 @@ def run_case(case_id: str) -> dict:
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v, sl)
     calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice", "gather_slice_fn",
-                               "slice_load"))
+                               "slice_load", "stage_rows_stsm", "stage_row_z_box"))
     visits = _record_visits(kern, ((M - 1) // bq) * bq)
     o, lse = c(q, k, v, sl)
     fn = "score_col_fn(" if taken is col_step else "gather_row_fn("
@@ -145,6 +146,7 @@ def run_case(case_id: str) -> dict:
             "tma_loads": kern.spec.extra.get("schedule") == "wgmma-ws" and tma_loads(kern.spec),
             "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
             "slice_ahead": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ahead(kern.spec),
+            "stmatrix": kern.spec.extra.get("schedule") == "wgmma-ws" and stmatrix_staging(kern.spec),
             "visits": visits,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 

@@ -34,6 +34,11 @@ def test_the_column_step_matches_the_reference(results, case):
     assert r["schedule"] == want, r
     assert r["tma_loads"] == (CASES[case][5].get("producer") == "warpgroup"), r
     assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
+    # the kept epilogue's rows of O by stmatrix (the persistent producer kernel's default) or a word at a time
+    stsm, words = r["calls"]["stage_rows_stsm"], r["calls"]["stage_row_z_box"]
+    assert (stsm > 0 and words == 0) if r["stmatrix"] else stsm == 0, r
+    if CASES[case][5].get("stmatrix") is False:
+        assert words > 0, r
     mask, M, N, _, (bq, bk), extra = CASES[case]
     if mask == "causal" and extra.get("schedule") == "wgmma-ws":  # the order the last q tile's first row visits
         q0 = ((M - 1) // bq) * bq

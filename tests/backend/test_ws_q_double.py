@@ -225,18 +225,26 @@ def test_the_kept_epilogue_stores_o_by_tma_tensor_copies(D):
     assert "bulk_store(" not in cons and "stg_v4_u32(" not in cons
     kept = [m.start() for m in re.finditer(r"o_wg(__\d+)? = sb \+ \(\(qk - 1\) & 1\)", cons)]
     assert len(kept) == 3
-    for k in kept:
-        st = cons.index("stage_row_z_box(", k)
+    for k in kept:  # the warp's 16 rows by D / 16 stmatrix (emit_fa3_ws.stmatrix_staging, the default)
+        st = cons.index("stage_rows_stsm(", k)
         stores = cons[st:cons.index("bulk_commit()", st)]
-        assert re.search(r"stage_row_z_box\(o_wg(__\d+)? \+ \(warp & 3\) \* " + str(32 * D) +
-                         r" \+ lr(__\d+)? \* 128 \+ 2 \* t2, np.uint32\(lr(__\d+)? & 7\)", stores)
+        assert re.search(r"stage_rows_stsm\(o_wg(__\d+)? \+ \(warp & 3\) \* " + str(32 * D) +
+                         r", lane, acc, ofs_0, ofs_2, ep_f\[ctid \* 2 \+ 0\], ep_f\[ctid \* 2 \+ 1\]\)", stores)
         assert "bar_sync(" not in stores and stores.index("fence_proxy_async()") < stores.index("syncwarp()") < \
             stores.index("if lane == 0:")
         copies = re.findall(r"tma_store_3d\(omap_g, (\d+), ob_q(?:__\d+)?, ob_bh(?:__\d+)?, ob_s(?:__\d+)? \+ (\d+)\)",
                             stores)
         assert copies == [(str(64 * b), str(2048 * b)) for b in range(D // 64)]
-    assert "(dn >> 3) * 2048" in src  # the box helper: column block dn // 8 in the next box
+    helper = src[src.index("def stage_rows_stsm("):]
+    assert helper.count("stsm_x4(") == 1 and f"for k in range({D // 16}):" in helper
+    assert "(dn >> np.uint32(3)) * np.uint32(2048)" in helper  # column block dn // 8 in the next box
     _release_chain(cons, lay["q_empty"])
+    # stmatrix off: each row's words one STS at a time, through the box helper
+    words = emit_fa3_ws.emit_fa3_ws_forward(_spec({"stmatrix": False}, D=D))
+    _, cons = _parts(words)
+    assert "stage_rows_stsm" not in words and "(dn >> 3) * 2048" in words
+    assert re.search(r"stage_row_z_box\(o_wg(__\d+)? \+ \(warp & 3\) \* " + str(32 * D) +
+                     r" \+ lr(__\d+)? \* 128 \+ 2 \* t2, np.uint32\(lr(__\d+)? & 7\)", cons)
 
 
 @pytest.mark.parametrize("D", [64, 128])
