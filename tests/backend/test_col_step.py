@@ -378,12 +378,13 @@ def _slice_kernel(name: str):
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(["q - kv", "kv - q", "q + kv", "-q - kv"]), q_wg=st.integers(0, 260),
        tile=st.integers(0, 3), L=st.integers(1, 300), ctid=st.integers(0, 127), view=st.sampled_from(["c", "t"]),
-       seed=st.integers(0, 2 ** 16))
-def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, ctid, view, seed):
+       h=st.sampled_from([0, 1, 5]), seed=st.integers(0, 2 ** 16))
+def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, ctid, view, h, seed):
     """emit_fa3_ws.slice_rows: a thread's two entries of a tile's run, from the row address slice_row_fn keeps for
     the item plus the tile's column step (k kv0) and clamped into the row by slice_load, are gather_slice_fn's
     (its clamped two-dimensional index) for every sign pair, warpgroup row, tile, thread and table length (short
-    tables clamp on both sides), in a contiguous table and a transposed view (any last-axis stride)."""
+    tables clamp on both sides) and head (h = 5 past the table's two rows: the lead index clamped once for the item),
+    in a contiguous table and a transposed view (any last-axis stride)."""
     from falower.backends.numba_cuda.emit_fa2 import row_gather_signs
 
     spec, ns = _slice_kernel(name)
@@ -393,10 +394,10 @@ def test_a_runs_loads_from_its_kept_row_are_the_gathers(name, q_wg, tile, L, cti
         table = np.ascontiguousarray(table.T).T  # strides (4, 8): the last axis 8 bytes apart
     k = row_gather_signs(spec)[1]
     e = emit_fa3_ws.slice_start(spec) + ctid
-    sl_a, sl_i, sl_n, sl_s = ns["slice_row_fn"](0, 1, q_wg, 0, table)
+    sl_a, sl_i, sl_n, sl_s = ns["slice_row_fn"](0, h, q_wg, 0, table)
     kv0 = 128 * tile
     got = ns["slice_load"](sl_a, np.int32(sl_i + e) + k * kv0, sl_n, sl_s)
-    want = (ns["gather_slice_fn"](0, 1, q_wg, kv0, e, table), ns["gather_slice_fn"](0, 1, q_wg, kv0, e + 128, table))
+    want = (ns["gather_slice_fn"](0, h, q_wg, kv0, e, table), ns["gather_slice_fn"](0, h, q_wg, kv0, e + 128, table))
     assert got == want, (got, want)
 
 
