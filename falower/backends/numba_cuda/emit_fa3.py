@@ -503,7 +503,8 @@ def stage_rows_stsm_helper(c: _Code, D: int, pack: str, box_bytes: int) -> str:
              "    hi = m >> np.uint32(1)",
              f"    for k in range({D // 16}):",
              "        dn = np.uint32(2 * k) + hi",
-             f"        at = row + (dn >> np.uint32(3)) * np.uint32({box_bytes}) + (((dn & np.uint32(7)) ^ r) << np.uint32(4))",
+             f"        at = row + (dn >> np.uint32(3)) * np.uint32({box_bytes}) "
+             "+ (((dn & np.uint32(7)) ^ r) << np.uint32(4))",
              "        w0 = " + word.format(p=pack, i="i0", o="8 * k", inv="inv0"),
              "        w1 = " + word.format(p=pack, i="i1", o="8 * k", inv="inv1"),
              "        w2 = " + word.format(p=pack, i="i0", o="8 * k + 4", inv="inv0"),

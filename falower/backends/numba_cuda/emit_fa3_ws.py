@@ -1394,6 +1394,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         "    e1 = np.uint64(min(max(e + np.int32(128), np.int32(0)), sl_n - np.int32(1)))",
         "    return ldg_f32_a(sl_a + e0 * np.uint64(sl_s)), ldg_f32_a(sl_a + e1 * np.uint64(sl_s))"]) if SLR else ""
 
+    def run_loads(j: str) -> str:
+        """slice_load's call for the run of visited tile j (its first column's entry: k kv0 past sl_e)."""
+        return f"{slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * {tile_at(spec, j)} * {BK}, sl_n, sl_s)"
+
     def item_start(qphase: str) -> Optional[Callable[[str], None]]:
         """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
         (`_emit_table_tile_setup`; not in persistent kernels)."""
@@ -1419,8 +1423,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"sl_e = sl_i + np.int32({slice_start(spec)}) + np.int32(ctid & 127)  # this thread's first entry at "
               "column 0")
         if SLA:
-            c(f"sv0n, sv1n = {slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * {tile_at(spec, 'kv_first')} "
-              f"* {BK}, sl_n, sl_s)  # the item's first tile's run")
+            c(f"sv0n, sv1n = {run_loads('kv_first')}  # the item's first tile's run")
         if not PERSIST:
             c("stage = 0")
             c("phase = 0")
@@ -1441,8 +1444,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         each warp stages its own 16 rows and its lane 0 stores them (`tma_store`: swizzled, two tensor copies at
         D = 128; else unswizzled, one bulk copy a row), and the kept item's Q buffer is released once those copies
         have read it (`bulk_release`: here if `release_now`, else at the next tile's S or the item's end)."""
-        # an item with no tile: O = 0, not O's leftovers
-        stage = stage_row_helper(c, D, pack, zero_masked=True, box_bytes=BOX_BYTES if TMA else 0)
+        def stage() -> str:  # a row's words, one STS each (an item with no tile: O = 0, not O's leftovers)
+            return stage_row_helper(c, D, pack, zero_masked=True, box_bytes=BOX_BYTES if TMA else 0)
+
         if QD:  # the kept item is the one before this (qk counts it done)
             c(f"o_wg = sb + ((qk - 1) & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in "
               "the kept item's buffer")
@@ -1466,15 +1470,16 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 stsm = stage_rows_stsm_helper(c, D, pack, BOX_BYTES)
                 c(f"{stsm}(o_wg + (warp & 3) * {wbytes}, lane, {ROWS[0].acc}, {ROWS[0].ofs}, {ROWS[1].ofs}, "
                   f"ep_f[ctid * 2 + {ROWS[0].k}], ep_f[ctid * 2 + {ROWS[1].k}])")
-            for t in ROWS if not stmatrix_staging(spec) else ():
-                if TMA:
-                    c(f"lr = {t.off} + g  # the row in the warp's 16: its boxes' row")
-                    c(f"{stage}(o_wg + (warp & 3) * {wbytes} + lr * 128 + 2 * t2, np.uint32(lr & 7), {t.acc}, "
-                      f"{t.ofs}, ep_f[ctid * 2 + {t.k}])")
-                else:
-                    c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64, {pitch} bytes a row")
-                    c(f"{stage}(o_wg + lr * {pitch} + 2 * t2, np.uint32(0), {t.acc}, {t.ofs}, "
-                      f"ep_f[ctid * 2 + {t.k}])")
+            else:
+                for t in ROWS:
+                    if TMA:
+                        c(f"lr = {t.off} + g  # the row in the warp's 16: its boxes' row")
+                        c(f"{stage()}(o_wg + (warp & 3) * {wbytes} + lr * 128 + 2 * t2, np.uint32(lr & 7), {t.acc}, "
+                          f"{t.ofs}, ep_f[ctid * 2 + {t.k}])")
+                    else:
+                        c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64, {pitch} bytes a row")
+                        c(f"{stage()}(o_wg + lr * {pitch} + 2 * t2, np.uint32(0), {t.acc}, {t.ofs}, "
+                          f"ep_f[ctid * 2 + {t.k}])")
             c("fence_proxy_async()  # the staged rows are visible to the copies (the async proxy)")
             c("syncwarp()  # this warp's 16 rows are staged")
             c("# lane 0 copies the warp's rows; the copies' operands through redux, which ptxas knows are uniform (a")
@@ -1512,7 +1517,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         read_kept_item()
         for t in ROWS:
             c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
-            c(f"{stage}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
+            c(f"{stage()}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
         c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
         emit_staged_stores(c, D, 64, "ep_lo + cw * 64", "ctid & 127", "o_wg", head="ep_head")
         if QD:
@@ -1661,11 +1666,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             if SLA:  # loaded a tile ahead: this tile's came with the last one (or the item's start)
                 c("sv0 = sv0n")
                 c("sv1 = sv1n")
-                c(f"sv0n, sv1n = {slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * "
-                  f"{tile_at(spec, 'min(jn, kv_last)')} * {BK}, sl_n, sl_s)  # the next tile's")
+                c(f"sv0n, sv1n = {run_loads('min(jn, kv_last)')}  # the next tile's")
             elif SLR:
-                c(f"sv0, sv1 = {slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * {tile_at(spec, 'j')} * "
-                  f"{BK}, sl_n, sl_s)")
+                c(f"sv0, sv1 = {run_loads('j')}")
             else:
                 for n in (0, 1):
                     c(f"sv{n} = gather_slice_fn(b, h, q_lo + cw * 64, {tile_at(spec, 'j')} * {BK}, "

@@ -632,8 +632,8 @@ if SIMULATOR:
         addresses are the host arrays' own)."""
         gaddr = int(gaddr)
         with _warp_lock:
-            hit = [x for b, x in _ADDRS.items() if _spans(x, b, gaddr, 4)]
-        if not hit:
+            inside = any(_spans(x, b, gaddr, 4) for b, x in _ADDRS.items())
+        if not inside:
             raise RuntimeError(f"ldg_f32_a: {gaddr:#x} is not inside an array elem_addr was given")
         return np.float32(ctypes.c_float.from_address(gaddr).value)
 

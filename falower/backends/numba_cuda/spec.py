@@ -57,9 +57,9 @@ KNOWN_EXTRAS = frozenset({
     "early_loads", "epilogue_in_s", "ex2_poly", "gather_early", "grad_groups", "half_tiles", "head_group",
     "hold_grads", "item_order", "kv_reverse", "list_head", "one_barrier", "opaque_desc", "overlap", "persistent",
     "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double", "q_in_regs", "range_shared", "regs",
-    "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead", "slice_rows", "staged_epilogue", "stages", "stmatrix",
-    "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip",
-    "wg_rows",
+    "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead", "slice_rows", "staged_epilogue", "stages",
+    "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk",
+    "warp_skip", "wg_rows",
 })
 
 
