@@ -75,7 +75,7 @@ class CompiledAttention:
 
     def specialize(self, dtype: str, **env: int):
         """The kernel for inputs of `dtype` and these sizes (D at least), without needing the inputs."""
-        from .backends.numba_cuda.from_ir import BackendError, build_spec
+        from .backends.numba_cuda.from_ir import BackendError
         from .backends.numba_cuda.runtime import FA2ForwardKernel
 
         if self.backend != "numba-cuda":

@@ -30,7 +30,7 @@ from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
 from .attention import _const_is, _is, the_parallel_for
 from .base import Pass, register
-from .rewrite import dce
+from .rewrite import dce, region_dce
 
 I32 = scalar("i32")
 
@@ -155,17 +155,8 @@ def unmasked(fused: Op, score: Value) -> Block:
     term = new.terminator
     assert term is not None
     term.operands = [vmap[score]]
-    _region_dce(new)
+    region_dce(new)
     return new
-
-
-def _region_dce(blk: Block) -> None:
-    while True:
-        used = {v for op in blk.ops for v in op.operands}
-        keep = [op for op in blk.ops if op.name == "yield" or any(r in used for r in op.results)]
-        if len(keep) == len(blk.ops):
-            return
-        blk.ops = keep
 
 
 @register

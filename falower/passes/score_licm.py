@@ -61,7 +61,7 @@ from ..ir.core import Block, Func, Op, Value, backward_slice, clone_op, replace_
 from ..ir.types import is_float, is_int, scalar
 from .base import Pass, register
 from .mask_tiles import split_mask
-from .rewrite import apply_patterns
+from .rewrite import apply_patterns, region_dce
 
 INVARIANT_ROLES = ("b", "h", "cap", "cta")  # one value per (b, h) program
 ROLE_DEPS = {"s": {"s"}, "q": {"q"}, "row": {"q"}, "kv": {"kv"}, "col": {"kv"}}
@@ -252,17 +252,8 @@ def _rewrite_region(region: Block, roles: Sequence[str], make) -> bool:
         if not apply_patterns(tmp, make(deps, region), max_rounds=1):
             break
         changed = True
-        _region_dce(region)
+        region_dce(region)
     return changed
-
-
-def _region_dce(blk: Block) -> None:
-    while True:
-        used = {v for op in blk.ops for v in op.operands}
-        keep = [op for op in blk.ops if op.name == "yield" or any(r in used for r in op.results)]
-        if len(keep) == len(blk.ops):
-            return
-        blk.ops = keep
 
 
 # ------------------------------------------------------------------------------------- 3. LICM
@@ -341,7 +332,7 @@ def _hoist(fused: Op, top: Block) -> bool:
         fused.operands.append(outside)
         roles.append(role)
     fused.attrs["roles"] = tuple(roles)
-    _region_dce(region)
+    region_dce(region)
     return True
 
 

@@ -582,6 +582,21 @@ def _signature(spec: FA2ForwardSpec) -> str:
     return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{kvmaps}{_cap_args(spec)}"
 
 
+def emit_ldmatrix_lanes(c: _Code, swz: int) -> None:
+    """Each lane's ldmatrix row and 16-byte chunk in a tile, and the row's swizzle key, for the A operand (Q: `a_`),
+    the B operand (K: `k_`) and the B operand transposed (V: `v_`): one layout for the forward's and the
+    backward's mma.sync kernels."""
+    c("a_row = lane & 15")
+    c("a_ch = lane >> 4")
+    c("k_row = (lane & 7) + ((lane >> 4) << 3)")
+    c("k_ch = (lane >> 3) & 1")
+    c("v_row = (lane & 7) + (((lane >> 3) & 1) << 3)")
+    c("v_ch = lane >> 4")
+    c(f"a_x = a_row & {swz}")
+    c(f"k_x = k_row & {swz}")
+    c(f"v_x = v_row & {swz}")
+
+
 def emit_bases(c: _Code, names: tuple[str, ...] = ("q", "k", "v"), heads: tuple[str, ...] = ("h", "hk", "hk")) -> None:
     """<x>g = the element offset of this block's (b, head) slice of each strided input."""
     for x, hd in zip(names, heads):
@@ -1684,15 +1699,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
         _emit_tile_range(c, spec)
         c()
         c("# per-lane ldmatrix row/chunk offsets (A operand: Q; B operand: K; B operand transposed: V)")
-        c("a_row = lane & 15")
-        c("a_ch = lane >> 4")
-        c("k_row = (lane & 7) + ((lane >> 4) << 3)")
-        c("k_ch = (lane >> 3) & 1")
-        c("v_row = (lane & 7) + (((lane >> 3) & 1) << 3)")
-        c("v_ch = lane >> 4")
-        c(f"a_x = a_row & {SWZ}")
-        c(f"k_x = k_row & {SWZ}")
-        c(f"v_x = v_row & {SWZ}")
+        emit_ldmatrix_lanes(c, SWZ)
         XORADDR = CH & (CH - 1) == 0  # power-of-two rows: a k step is an XOR on the lane's byte offset
         if XORADDR:
             c("# byte offsets of each lane's ldmatrix row in a tile; k step s of 16 columns is `^ (s << 5)`")

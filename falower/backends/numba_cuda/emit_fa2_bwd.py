@@ -40,6 +40,7 @@ from .emit_fa2 import (
     bind_offsets,
     dual_step_helper,
     emit_bases,
+    emit_ldmatrix_lanes,
     emit_mma_helpers,
     emit_tile_scan,
     mma_step_helper,
@@ -72,6 +73,20 @@ def _store_pairs_helper(c: _Code, ND: int, pack: str) -> str:
     return c.helper("store_pairs", [
         "@device_function", "def store_pairs(o, obase, x, i):",
         *[f"    o[obase + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))" for dn in range(ND)]])
+
+
+def _emit_dkdv_stores(c: _Code, D: int, ND: int, pack: str) -> None:
+    """dK and dV of this warp's 16 kv rows from their fragments (`dkacc`, `dvacc`), once, after the walk over the
+    q tiles: the mma.sync and wgmma backward kernels' last step."""
+    c("# dK, dV of this warp's kv rows, once")
+    sp = _store_pairs_helper(c, ND, pack)
+    for r in range(2):
+        c(f"kvi = kv0 + warp * 16 + {8 * r} + g")
+        c("if kvi < N:")
+        with c.indent():
+            c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
+            c(f"{sp}(dk, kvrow, dkacc, ofs_{2 * r})")
+            c(f"{sp}(dv, kvrow, dvacc, ofs_{2 * r})")
 
 
 def _wgmma(spec: FA2BackwardSpec):
@@ -501,7 +516,6 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
     D, BQ, BK, NW, G = spec.head_dim, spec.block_q, spec.block_k, spec.num_warps, spec.group_size
     threads = NW * 32
     NJ = BQ // 8  # n8 tiles of S^T along q
-    KS = D // 16  # k16 steps of K Q^T
     ND = D // 8  # n8 tiles of dK, dV, dQ along d
     SWZ = _swizzle_mask(D)
     SWZQ = _swizzle_mask(BQ)
@@ -542,15 +556,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         c("kv_head = (b * HK + hk) * N")
         c(f"total = nq * {G}" if G > 1 else "total = nq")
         c()
-        c("a_row = lane & 15")
-        c("a_ch = lane >> 4")
-        c("k_row = (lane & 7) + ((lane >> 4) << 3)")
-        c("k_ch = (lane >> 3) & 1")
-        c("v_row = (lane & 7) + (((lane >> 3) & 1) << 3)")
-        c("v_ch = lane >> 4")
-        c(f"a_x = a_row & {SWZ}")
-        c(f"k_x = k_row & {SWZ}")
-        c(f"v_x = v_row & {SWZ}")
+        emit_ldmatrix_lanes(c, SWZ)
         c(f"kq_x = k_row & {SWZQ}")
         _emit_lane_offsets(c, D)
         loader = TileLoader(c, threads, D)
@@ -749,15 +755,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
         if HOLD:
             _emit_grad_hold_end(c, spec)
         c("cp_async_wait0()")
-        c("# dK, dV of this warp's kv rows, once")
-        sp = _store_pairs_helper(c, ND, pack)
-        for r in range(2):
-            c(f"kvi = kv0 + warp * 16 + {8 * r} + g")
-            c("if kvi < N:")
-            with c.indent():
-                c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
-                c(f"{sp}(dk, kvrow, dkacc, ofs_{2 * r})")
-                c(f"{sp}(dv, kvrow, dvacc, ofs_{2 * r})")
+        _emit_dkdv_stores(c, D, ND, pack)
     return bind_offsets(c.text())
 
 
@@ -1067,7 +1065,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
     NWQ = BQ // 16
     threads = NWQ * 32
     SWZ = _swizzle_mask(D)
-    NJ, KS, ND = BK // 8, D // 16, D // 8
+    NJ, ND = BK // 8, D // 8
     QO, DOO, KO = 0, BQ * D, 2 * BQ * D
     T = BK * D  # one K or V buffer; K0 V0 K1 V1
     mma = "mma_f16" if spec.dtype == "f16" else "mma_bf16"
@@ -1088,15 +1086,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         c("t2 = (lane & 3) * 2")
         c("__OFFSETS__")
         _emit_dq_prologue(c, spec)
-        c("a_row = lane & 15")
-        c("a_ch = lane >> 4")
-        c("k_row = (lane & 7) + ((lane >> 4) << 3)")
-        c("k_ch = (lane >> 3) & 1")
-        c("v_row = (lane & 7) + (((lane >> 3) & 1) << 3)")
-        c("v_ch = lane >> 4")
-        c(f"a_x = a_row & {SWZ}")
-        c(f"k_x = k_row & {SWZ}")
-        c(f"v_x = v_row & {SWZ}")
+        emit_ldmatrix_lanes(c, SWZ)
         _emit_lane_offsets(c, D)
         loader = TileLoader(c, threads, D)
         loader.setup()

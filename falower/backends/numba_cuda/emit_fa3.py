@@ -479,7 +479,7 @@ def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False, box
              else "sa + ((np.uint32(dn) ^ sw) << np.uint32(4))")
     lines = ["@device_function", f"def {name}(sa, sw, x, i, inv):",
              "    # a row's pairs (columns 8 dn + 2t, + 1) into its shared row at sa (byte 4t of chunk dn ^ sw" +
-             (f"; chunk dn % 8 ^ sw of box dn // 8)" if box_bytes else ")"),
+             ("; chunk dn % 8 ^ sw of box dn // 8)" if box_bytes else ")"),
              f"    for dn in range({D // 8}):",
              "        e = i + dn * 4",
              f"        v = {value} if inv > ZERO else np.uint32(0)" if zero_masked else f"        v = {value}",
@@ -555,7 +555,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c(f"WAIT_S1 = wgmma_wait_regs(1, {BK // 2})  # S done, the P V issued after it may still run")
     c(f"FENCE_O = wgmma_fence_regs({D // 2})")
     c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
-    c(f"HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
+    c("HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_V = desc_hi({BK * 128}, 1024)  # MN-major: 64-column blocks {BK * 128} bytes apart, 8-row groups 1024")
     c()
     emit_masked_score(c, spec)

@@ -52,6 +52,7 @@ from .emit_fa2_bwd import (
     _cap_names,
     _elem_call,
     _elem_quad_helper,
+    _emit_dkdv_stores,
     _emit_dq_reductions,
     _emit_grad_element,
     _emit_grad_hold,
@@ -62,7 +63,6 @@ from .emit_fa2_bwd import (
     _grad_args,
     _grad_outs,
     _module,
-    _store_pairs_helper,
     held_grads,
 )
 from .emit_fa3 import ALIGN, _emit_load, _emit_load_inside, _emit_loader_setup, _emit_row_addresses
@@ -254,8 +254,8 @@ def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
     hv = (lambda j: f"({j}) // nq") if G > 1 else (lambda j: "0")
     emit_tile_scan(c, lambda j: _class_expr(spec, hv(j), f"({j}) % nq" if G > 1 else j), f"nq * {G}" if G > 1
                    else "nq", "p_first", "p_last")
-    c(f"hc = p_first // nq" if G > 1 else "hc = 0")
-    c(f"qc = p_first - hc * nq" if G > 1 else "qc = p_first")
+    c("hc = p_first // nq" if G > 1 else "hc = 0")
+    c("qc = p_first - hc * nq" if G > 1 else "qc = p_first")
 
 
 def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
@@ -583,15 +583,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("cp_async_wait0()")
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
-        c("# dK, dV of this warp's kv rows, once")
-        sp = _store_pairs_helper(c, ND, pack)
-        for r in range(2):
-            c(f"kvi = kv0 + warp * 16 + {8 * r} + g")
-            c("if kvi < N:")
-            with c.indent():
-                c(f"kvrow = ((kv_head + kvi) * {D} + t2) >> 1")
-                c(f"{sp}(dk, kvrow, dkacc, ofs_{2 * r})")
-                c(f"{sp}(dv, kvrow, dvacc, ofs_{2 * r})")
+        _emit_dkdv_stores(c, D, ND, pack)
     return bind_offsets(c.text())
 
 

@@ -1048,11 +1048,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             load(BK, f"k_dst + {T}", f"j * {BK}", "N", "v", "vg", "v_sm", "k")
             c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_v']})")
         c("j = jn")
-        c("stage += 1")
-        c(f"if stage == {S}:")
-        with c.indent():
-            c("stage = 0")
-            c("phase ^= 1")
+        _emit_next_stage(c, S)
     if PERSIST:
         if list_head_shared(spec):
             c("if tid == 0:  # the next item's list head, read while this item's last copies land")
@@ -1173,11 +1169,17 @@ def _emit_loader_step(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], kind:
         c("cp_async_mbar_arrive_noinc(l_full + lstage * 8)")
         _emit_loader_next(c, spec)
         c("lj = ljn")
-        c("lstage += 1")
-        c(f"if lstage == {S}:")
-        with c.indent():
-            c("lstage = 0")
-            c("lphase ^= 1")
+        _emit_next_stage(c, S, "l")
+
+
+def _emit_next_stage(c: _Code, S: int, prefix: str = "") -> None:
+    """The ring's next stage (`{prefix}stage`), and its phase's flip where the ring wraps round (`{prefix}phase`):
+    the loaders' and the consumers' walks over the S stages."""
+    c(f"{prefix}stage += 1")
+    c(f"if {prefix}stage == {S}:")
+    with c.indent():
+        c(f"{prefix}stage = 0")
+        c(f"{prefix}phase ^= 1")
 
 
 def _emit_table_tile_setup(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> Callable[[str], None]:
@@ -1860,11 +1862,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("pstage = stage")
         c("pphase = phase")
         c("j = jn")
-        c("stage += 1")
-        c(f"if stage == {S}:")
-        with c.indent():
-            c("stage = 0")
-            c("phase ^= 1")
+        _emit_next_stage(c, S)
     if PERSIST and not NONE:
         if QD:  # its Q buffer is freed after its epilogue, whose O is staged there
             c("# this thread is past the item's last S")

@@ -89,7 +89,7 @@ import threading
 
 import numpy as np
 
-from .tanh_polys import TANH_SMALL_POLY, TANH_SMALL_Y, TANH_TINY_POLY, TANH_TINY_Y
+from .tanh_polys import TANH_SMALL_POLY, TANH_TINY_POLY
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
@@ -864,7 +864,6 @@ else:
         if getattr(original, "__qualname__", "") != "BaseFunction.get_call_type":
             return
         import builtins
-        import operator
 
         plain = (types.Number, types.Boolean, types.Array, types.NoneType)
 
