@@ -5,7 +5,8 @@ error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`
 compiled whole-program by the driver) and no producer (extra producer "none", 256),
 persistent or not (extra persistent), with half tiles or not (extra half_tiles); the relative bias's row pairs.
 
-Run: python -m pytest -q -n 8 -m gpu tests/gpu/test_wgmma_ws_gpu.py"""
+Run: python -m pytest -q -n 12 --dist load -m gpu tests/gpu/test_wgmma_ws_gpu.py (pyproject.toml's `--dist loadfile`
+would send the whole file to one worker)"""
 
 from __future__ import annotations
 
@@ -88,6 +89,8 @@ def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
     # ... the last tile second (kv_reverse "second"): kv_last - 1, causal's diagonal, then down
     (True, "bf16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
                               "kv_reverse": "second"}),
+    # ... the kept epilogue's rows of O staged a word at a time, not by stmatrix (stmatrix_staging, on by default)
+    (True, "f16", 128, 128, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic", "stmatrix": False}),
 ])
 def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra: dict, N: int) -> None:
     _hopper()
@@ -98,6 +101,9 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
     assert kern.spec.extra["schedule"] == "wgmma-ws" and "mbar_wait" in kern.source
     assert ("row_hull(" in kern.source) == bool(extra.get("half_tiles"))  # the path under test
     assert emit_fa3_ws.kv_reverse(kern.spec) == bool(extra.get("kv_reverse"))
+    assert emit_fa3_ws.stmatrix_staging(kern.spec) == ("stage_rows_stsm(" in kern.source)
+    if extra.get("stmatrix") is False:
+        assert emit_fa3_ws.tma_store(kern.spec) and "stage_rows_stsm(" not in kern.source
     B, H = (2, 4) if N <= 1000 else (1, 2)
     env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": D})
     host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + D)]
@@ -146,6 +152,7 @@ PERSIST_PWG = {"producer": "warpgroup", "persistent": 132, "item_order": "dynami
     ("bf16", 128, PERSIST_PWG),
     ("f16", 128, {**PERSIST_PWG, "slice_rows": False}),
     ("f16", 128, {**PERSIST_PWG, "slice_ahead": True}),
+    ("f16", 128, {**PERSIST_PWG, "slice_ahead": True, "kv_reverse": True}),  # the next tile's run walking down
 ])
 def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: int) -> None:
     """The relative bias on the no-producer ws kernel and on the persistent producer one (TMA loads), a thread's
