@@ -89,7 +89,7 @@ import threading
 
 import numpy as np
 
-from .tanh_polys import TANH_SMALL_POLY, TANH_TINY_POLY
+from .tanh_polys import TANH_SMALL_POLY, TANH_SMALL_Y, TANH_TINY_POLY, TANH_TINY_Y  # noqa: F401 (ranges re-exported)
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
@@ -889,7 +889,6 @@ else:
             return sig
 
         _BUILTINS = {builtins.max, builtins.min, builtins.abs, builtins.bool, builtins.int, builtins.float}
-        del operator
         get_call_type.__qualname__ = "BaseFunction.get_call_type"  # the original's name: applied once
         get_call_type.__wrapped__ = original
         _functions.BaseFunction.get_call_type = get_call_type
