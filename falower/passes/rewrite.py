@@ -69,14 +69,10 @@ def dce(func: Func) -> bool:
 
 
 def region_dce(blk: Block) -> None:
-    """Drop the ops of a flat region (a fused score's) whose results nothing reads, its yield kept: what a rewrite
-    of the region leaves behind (mask_tiles' unmasked copy, score_licm's hoisting)."""
-    while True:
-        used = {v for op in blk.ops for v in op.operands}
-        keep = [op for op in blk.ops if op.name == "yield" or any(r in used for r in op.results)]
-        if len(keep) == len(blk.ops):
-            return
-        blk.ops = keep
+    """`dce` on one region (a fused score's) rather than a whole Func: what a rewrite of the region leaves behind
+    (mask_tiles' unmasked copy, score_licm's hoisting); its yield, which has no result, stays."""
+    while _dce_block(blk, {v for top in blk.ops for op in top.walk() for v in op.operands}):
+        pass
 
 
 def _dce_block(blk: Block, used: set[Value]) -> bool:
