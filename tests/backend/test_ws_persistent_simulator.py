@@ -95,4 +95,5 @@ def test_the_persistent_producer_stages_o_apart_where_it_fits():
             row = 2 * s.head_dim + (16 if emit_fa3_ws.bulk_store(s) and not emit_fa3_ws.tma_store(s) else 0)
             assert lay["qwg"] == -(-64 * row // 1024) * 1024 and lay["o"] + 2 * lay["qwg"] == lay["bars"]
         src = emit_fa3_ws.emit_fa3_ws_forward(s)
-        assert ("o_wg = sb + " in src) is staged and bool(re.search(r"stage_row(_z)?(_box)?\(|stage_rows_stsm\(", src)) is staged
+        staging = re.search(r"stage_row(_z)?(_box)?\(|stage_rows_stsm\(", src)  # a word at a time, or by stmatrix
+        assert ("o_wg = sb + " in src) is staged and bool(staging) is staged
