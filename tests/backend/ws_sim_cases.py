@@ -63,8 +63,10 @@ PERSIST_CASES = {
     # 8 items on 3 blocks (3, 3, 2), 3 kv tiles an item, a ragged q tile, M != N; the batch innermost
     "ws-none-causal-f16-d64-persist": ("causal", "f16", 64, 2, 2, 130, 40, 1, 128, 16,
                                        {"producer": "none", "persistent": 3, "batch_inner": True}),
-    # (GQA, bf16, D = 128, 2 stages, without a block mask, 4 items on 2 blocks: passed, 11 s; cut for CI time on
-    # 2026-11-28: no default kernel is persistent without a producer, and GQA, bf16 and D = 128 run below)
+    # GQA, bf16, D = 128, 2 stages, without a block mask (the grid's q tiles fastest): 4 items on 2 blocks (cut for
+    # CI time for a day, back once the simulator processes were pinned to a core each)
+    "ws-none-plain-bf16-d128-gqa-persist": ("plain", "bf16", 128, 1, 2, 130, 50, 2, 128, 32,
+                                            {"producer": "none", "persistent": 2, "stages": 2}),
     # a producer warpgroup walks the items and their tiles as one stream, each item's Q once both consumer
     # warpgroups are past the last item's last S (q_empty): the same 8 items on 3 blocks (GQA bf16 at D = 128 on 2
     # blocks passed too, o_err 3.3e-3; cut for CI time: the GPU cases run D = 128); the items from a global
@@ -93,9 +95,9 @@ PERSIST_CASES = {
                                                  {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
                                                   "tma_loads": False}),
     # Q, K and V by TMA loads too (emit_fa3_ws.tma_loads: one producer thread, expect_tx on the stages' full barriers):
-    # GQA (kv head h // 2 by the map's coordinate: heads 0 and 1 read kv head 0), N = 200 (the last tile's rows past
-    # N zeros), M != N (4 heads until 2026-11-28: 36 s, now 2, for CI time)
-    "ws-pwg-causal-f16-d128-bk128-persist-tmal": ("causal", "f16", 128, 1, 2, 150, 200, 2, 128, 128,
+    # GQA (kv head h // 2 by the map's coordinate: heads 0-1 read kv head 0, heads 2-3 kv head 1), N = 200 (the last
+    # tile's rows past N zeros), M != N
+    "ws-pwg-causal-f16-d128-bk128-persist-tmal": ("causal", "f16", 128, 1, 4, 150, 200, 2, 128, 128,
                                                   {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
                                                    "tma_loads": True}),
     # ... the kv tiles from the last down (emit_fa3_ws.kv_reverse): the ragged last tile of N first, M != N, bf16
