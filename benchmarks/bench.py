@@ -142,7 +142,8 @@ def parse_config(text: str) -> tuple:
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
     its descriptors built inside the loop (opaque_desc), '-bgt' with a reduced gradient (ALiBi's slope) added once a
     tile, not held across tiles (extra hold_grads), '-bgg' with a per-element gradient (the relative bias's) added
-    per element, not summed a group of a thread's elements at the same entry first (extra grad_groups)."""
+    per element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bbulk' dQ
+    staged in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -211,6 +212,7 @@ CONFIG_OPTIONS: list = [
      ("bop", {"bwd_schedule": "wgmma", "opaque_desc": "k,v,ds,kt"}), ("bwg", {"bwd_schedule": "wgmma"})),
     (("bgt", {"hold_grads": False}),),
     (("bgg", {"grad_groups": False}),),
+    (("bbulk", {"dq_bulk": True}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

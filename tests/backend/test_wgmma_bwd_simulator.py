@@ -157,11 +157,33 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
     assert counts == ({32: 8, 64: 16, 128: 0} if D == 64 else {32: 0, 64: 24, 128: 8}), counts
     assert not re.search(r"\.f64\b", ptx)
     assert not re.search(r"\bcall\b|\brcp\.rn\b|\b(div|rem)\.[su]64\b", ptx)
+    # dQ's partial sums by the threads' 16-byte vector reductions (the default: dq_bulk off)
+    assert "red.global.add.v4.f32" in ptx and "cp.reduce.async.bulk" not in ptx
     try:
         usage = resource_usage(ptx.replace(".target sm_90\n", ".target sm_90a\n"), "sm_90a")
     except Exception as exc:
         pytest.skip(f"nvJitLink unavailable: {exc}")
     assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
+
+
+def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
+    """spec.extra dq_bulk True: each warp's 16 rows of dQ staged in shared memory (16 rows of D / cs f32 and 16 bytes
+    a warp) and added by one bulk reduction a row, no vector reductions; its PTX carries the one bulk reduction.
+    The default keeps the threads' vector reductions (measured faster)."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    red, bulk = (_spec("causal", 128, extra=None if b is None else {"dq_bulk": b}) for b in (None, True))
+    src = emit_fa3_bwd.emit_fa3_backward(red)
+    assert "red_add_v4_f32(dq32" in src and "bulk_reduce_add_f32(elem_addr" not in src
+    assert emit_fa3_bwd.smem_bytes(bulk) - emit_fa3_bwd.smem_bytes(red) == 8 * 16 * (64 * 4 + 16)
+    src = emit_fa3_bwd.emit_fa3_backward(bulk)
+    assert "red_add_v4_f32(dq32" not in src and src.count("bulk_reduce_add_f32(elem_addr(dq32") == 1
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        ptx = FA2BackwardKernel(bulk).ptx((9, 0))
+        assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 1
+        assert "red.global.add" not in ptx
 
 
 def test_reduced_gradients_are_held_across_tiles():

@@ -392,7 +392,21 @@ def _emit_dq_reductions(c: _Code, n8: int) -> None:
     lanes of row g + 8, and every reduction sits under one `if qi < M`. Each reduction once sat behind its own two
     branches (a red call per parity: two asm statements LLVM cannot merge), and ptxas, at 255 registers, recomputed
     the address from the block index in each (ncu of the wgmma backward: that block was 36% of its stall samples)."""
-    swap = c.helper("dq_swap", [
+    swap = _dq_swap_helper(c)
+    for dn in range(n8):
+        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
+    c("if qi < M:")
+    with c.indent():
+        for dn in range(n8):
+            o = f"ofs_{dn * 4}"
+            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
+              f"lget(dqa, {o} + 3))")
+
+
+def _dq_swap_helper(c: _Code) -> str:
+    """The device function by which lanes t and t ^ 1 swap the halves of a dQ n8 tile (in place, selects around two
+    shuffles): even lanes then hold its 4 columns of row g, odd lanes of row g + 8."""
+    return c.helper("dq_swap", [
         "@device_function", "def dq_swap(x, i, odd):",
         "    x0 = lget(x, i) if odd else lget(x, i + 2)",
         "    x1 = lget(x, i + 1) if odd else lget(x, i + 3)",
@@ -404,14 +418,6 @@ def _emit_dq_reductions(c: _Code, n8: int) -> None:
         "    else:",
         "        lset(x, i + 2, y0)",
         "        lset(x, i + 3, y1)"])
-    for dn in range(n8):
-        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
-    c("if qi < M:")
-    with c.indent():
-        for dn in range(n8):
-            o = f"ofs_{dn * 4}"
-            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
-              f"lget(dqa, {o} + 3))")
 
 
 def _emit_warp_add(c: _Code, i: int, value: str, index: str) -> None:

@@ -53,6 +53,7 @@ from .emit_fa2_bwd import (
     _elem_call,
     _elem_quad_helper,
     _emit_dkdv_stores,
+    _dq_swap_helper,
     _emit_dq_reductions,
     _emit_grad_element,
     _emit_grad_hold,
@@ -87,6 +88,9 @@ from falower.backends.numba_cuda.wgmma import (
     wgmma_wait_regs,
 )
 '''
+_BULK_IMPORTS = '''
+from falower.backends.numba_cuda.intrinsics import bulk_commit, bulk_reduce_add_f32, bulk_wait_read0, sts_v4_f32, syncwarp
+'''  # dq_bulk's
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -125,6 +129,28 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     return str(spec.extra.get("dq_split", "n"))
 
 
+def dq_bulk(spec: FA2BackwardSpec) -> bool:
+    """dQ's partial sums added by bulk reductions (spec.extra["dq_bulk"] True; default False, measured no faster):
+    each warp stages its 16 rows of the tile's dQ fragment in shared memory (rows padded by 16 bytes: a warp's
+    16-byte stores fall in distinct banks) and 16 of its lanes hand one row each to the copy engine
+    (cp.reduce.async.bulk .add.f32), which adds it into dq32 while the warp goes on. The default adds each thread's
+    fragment by 16-byte vector reductions (red.global.add.v4.f32). Those took 36% of the plain D = 128 backward
+    (benchmarks/probe_bwd.py: the floor without them), but the bulk form ran 0-3.5% slower there, 6% under causal
+    and 12% at D = 64 (H200; its staging alone cost ~11%; NOTES "The backward's dQ reductions")."""
+    return spec.extra.get("dq_bulk", False) is True
+
+
+def _col_splits(spec: FA2BackwardSpec) -> int:
+    """Warpgroups sharing one 64-row group of dQ (they split D): cs of _emit_kernel."""
+    return 1 if dq_split(spec) == "k" else (spec.block_k // 64) // (spec.block_q // 64)
+
+
+def _dq_stage_pitch(spec: FA2BackwardSpec) -> int:
+    """Bytes between a warp's staged dQ rows: its D / cs f32 columns and 16 bytes, so that row r + 1's 16-byte chunk
+    j sits 4 banks after row r's (the 16 rows of a store in 8 distinct 4-bank groups: no conflict)."""
+    return (spec.head_dim // _col_splits(spec)) * 4 + 16
+
+
 def _opaque(spec: FA2BackwardSpec) -> tuple[str, ...]:
     """spec.extra["opaque_desc"]: the operands whose descriptors are built inside the loop (wgmma.opaque_u32), a
     comma-separated subset of k, v, ds, kt; default none (LLVM hoists them: 2 registers each). ptxas's spills at
@@ -153,12 +179,16 @@ def _key(offset: int) -> str:
 
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
-    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i))."""
+    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)),
+    then under dq_bulk each warp's staged rows of dQ (DQ)."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     kv, qt = BK * D * 2, BQ * D * 2
     lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt}
     lay["ST"] = lay["DS"] + BK * BQ * 2
     lay["total"] = lay["ST"] + 16 * BQ
+    if dq_bulk(spec):  # each warp's 16 staged rows of dQ (_dq_stage_pitch bytes apart)
+        lay["DQ"] = lay["total"]
+        lay["total"] = lay["DQ"] + (threads(spec) // 32) * 16 * _dq_stage_pitch(spec)
     return lay
 
 
@@ -282,6 +312,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     RG = BQ // 64  # dQ's 64-row groups
     KSPLIT = dq_split(spec) == "k"  # each warpgroup: its own kv rows, every column
     CS = 1 if KSPLIT else NWG // RG  # warpgroups sharing one row group (they split D)
+    assert CS == _col_splits(spec)
+    BULK = dq_bulk(spec)
+    PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
     KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
     NJ = BQ // 8  # n8 tiles of S^T along q
@@ -396,6 +429,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("# chunk j of a row r sits at chunk j ^ (r & 7) = j ^ g")
         c(f"dsw0 = (sbr + {DSO} + (warp * 16 + g) * 128 + 2 * t2) >> 2")
         c("dsw1 = dsw0 + 256")
+        if BULK:
+            c("odd = (lane & 1) == 1")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -566,10 +601,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
             c("# g + 8, added by one 16-byte vector reduction")
-            c("odd = (lane & 1) == 1")
-            c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
-            c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
-            _emit_dq_reductions(c, DC // 8)
+            if BULK:
+                _emit_dq_bulk(c, DC, D, lay["DQ"], PITCH)
+            else:
+                c("odd = (lane & 1) == 1")
+                c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
+                c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
+                _emit_dq_reductions(c, DC // 8)
             c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[((sbr + {STO}) >> 2) + (buf ^ 1) * {BQ} + tid] = nl")
@@ -581,10 +619,40 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if HOLD:
             _emit_grad_hold_end(c, spec)
         c("cp_async_wait0()")
+        if BULK:
+            c("bulk_wait_read0()  # the last tile's staged dQ rows read before the block's shared memory goes")
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
         _emit_dkdv_stores(c, D, ND, pack)
     return bind_offsets(c.text())
+
+
+def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
+    """dq_bulk: this warp's 16 rows of dQ (its DC columns) staged and handed to bulk reductions, one row a lane.
+    The lanes swap halves as the vector reductions did (even lanes then hold 4 consecutive columns of row g, odd
+    lanes of row g + 8: one 16-byte store each). The rows' reductions issued a tile ago have read the staging rows
+    (waited here, a tile after their issue) before they are written again."""
+    c("# lanes t and t ^ 1 swap halves: a thread then holds 4 consecutive columns of one row a chunk")
+    c(f"# dQ's staging: this warp's 16 rows ({PITCH} bytes apart), each thread's row (g, or g + 8 on odd lanes) and")
+    c("# first column; lane l < 16 hands row l to the bulk reduction (addresses made here, not held over the loop)")
+    c(f"dqs_w = sb + {DQO} + warp * {16 * PITCH}")
+    c(f"dqs_t = dqs_w + (g + (8 if odd else 0)) * {PITCH} + (t2 - 2 if odd else t2) * 4")
+    c(f"dqs_l = dqs_w + lane * {PITCH}")
+    swap = _dq_swap_helper(c)
+    for dn in range(DC // 8):
+        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
+    c("bulk_wait_read0()  # the last tile's reductions (lanes < 16) have read the staged rows")
+    c("syncwarp()")
+    for dn in range(DC // 8):
+        o = f"ofs_{dn * 4}"
+        c(f"sts_v4_f32(dqs_t + {dn * 32}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), lget(dqa, {o} + 3))")
+    c("fence_proxy_async()  # the staged rows visible to the copy engine")
+    c("syncwarp()")
+    c("ql = q0 + rgw * 64 + (warp & 3) * 16 + lane")
+    c("if lane < 16 and ql < M:")
+    with c.indent():
+        c(f"bulk_reduce_add_f32(elem_addr(dq32, ((q_head + ql) * {D} + csw * {DC},)), dqs_l, {DC * 4})")
+        c("bulk_commit()")
 
 
 def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
@@ -592,5 +660,6 @@ def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
     validate_spec(spec)
     src = _module(spec, _emit_kernel(spec))
     marker = "\n# ---- the variant's device functions"
-    return src.replace(marker, _WGMMA_IMPORTS + marker, 1).replace(
+    imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) else "")
+    return src.replace(marker, imports + marker, 1).replace(
         "emit_fa2_bwd -- do not edit.", "emit_fa3_bwd -- do not edit.")

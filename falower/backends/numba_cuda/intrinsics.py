@@ -68,6 +68,8 @@ Public names (identical in both modes):
     warp_sum                       (x: int32) -> int32: the sum of x over the warp's 32 lanes (redux.sync.add)
     red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
                                    vector reduction (sm_90; index a multiple of 4)
+    sts_v4_f32                     (shared byte address, a, b, c, d): four f32 to 16 aligned bytes of shared memory,
+                                   one st.shared.v4.f32
     mma_acc_f16, mma_acc_bf16      (f32 array x, i, a0..a3, b0, b1): x[i:i+4] += A B, one mma on four elements of a
                                    per-thread accumulator array (mma_set_*: x[i:i+4] = A B, from zero)
     lget, lset                     (array x, i) -> x[i]; (x, i, v): x[i] = v, without wraparound or bounds code
@@ -111,6 +113,7 @@ __all__ = [
     "rows_aligned16",
     "lds_v2_f32",
     "sts_u32",
+    "sts_v4_f32",
     "stsm_x4",
     "lds_v4_u32",
     "stg_v4_u32",
@@ -651,6 +654,12 @@ if SIMULATOR:
 
     def sts_u32(saddr, val):
         _block_smem().view(np.uint32)[int(saddr) // 4] = np.uint32(val)
+
+    def sts_v4_f32(saddr, a, b, c, d):
+        at = int(saddr)
+        if at % 16:
+            raise ValueError(f"sts_v4_f32: a 16-byte aligned shared address, got {at:#x}")
+        _block_smem().view(np.float32)[at // 4:at // 4 + 4] = np.array([a, b, c, d], np.float32)
 
     def stsm_x4(saddr, r0, r1, r2, r3):
         """The warp's four 8 x 8 matrices: each lane writes its own word of each to the row address its matrix's
@@ -1406,6 +1415,20 @@ else:
         return sig, codegen
 
     @intrinsic
+    def sts_v4_f32(typingctx, saddr, a, b, c, d):
+        """Four f32 to the shared byte address saddr (16-byte aligned): one st.shared.v4.f32."""
+        sig = types.void(saddr, a, b, c, d)
+
+        def codegen(context, builder, sig, args):
+            sa = context.cast(builder, args[0], sig.args[0], _U32)
+            vals = [context.cast(builder, x, t, types.float32) for x, t in zip(args[1:], sig.args[1:])]
+            _asm(context, builder, "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}", [sa, *vals], [],
+                 side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def lds_v4_u32(typingctx, saddr):
         """Four 32-bit words at the shared byte address saddr (16-byte aligned): one ld.shared.v4.u32."""
         sig = types.UniTuple(_U32, 4)(saddr)
@@ -1628,6 +1651,10 @@ else:
 #                                        the shared byte address saddr to the generic address gaddr (elem_addr), both
 #                                        16-byte aligned; the shared side is read asynchronously, after a
 #                                        fence.proxy.async of the threads that wrote it
+#     bulk_reduce_add_f32(gaddr, saddr, nbytes)
+#                                        cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: bulk_store's
+#                                        copy, but each f32 of the source added into the global f32 at its place
+#                                        (the L2's reduction, atomic per element), committed and waited as it is
 #     bulk_commit(), bulk_wait_read0()   cp.async.bulk.commit_group; cp.async.bulk.wait_group.read 0: this thread's
 #                                        committed bulk copies have read their shared memory (which may then be
 #                                        written again; the kernel must not exit before)
@@ -1670,6 +1697,7 @@ __all__ += [
     "max_registers",
     "syncwarp",
     "bulk_store",
+    "bulk_reduce_add_f32",
     "bulk_commit",
     "bulk_wait_read0",
     "tma_store_3d",
@@ -1843,6 +1871,22 @@ if SIMULATOR:
         pending = _bulk_pending()
         source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()  # what the copy may read from now on
         pending.append([saddr, n, source, False, lambda src: _write_global(gaddr, src)])
+
+    def bulk_reduce_add_f32(gaddr, saddr, nbytes):
+        gaddr, saddr, n = int(gaddr), int(saddr), int(nbytes)
+        if n % 16 or gaddr % 16 or saddr % 16:
+            raise ValueError(f"bulk_reduce_add_f32: 16-byte aligned addresses and size, got {gaddr:#x}, {saddr:#x}, "
+                             f"{n}")
+        source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()
+        _bulk_pending().append([saddr, n, source, False, lambda src: _add_global_f32(gaddr, src)])
+
+    def _add_global_f32(gaddr: int, source: np.ndarray) -> None:
+        n = len(source)
+        with _warp_lock:
+            base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
+            if not a.flags.c_contiguous or a.dtype != np.float32 or gaddr + n > base + a.nbytes:
+                raise RuntimeError("bulk_reduce_add_f32 emulation: a contiguous f32 array, the copy inside it")
+            a.reshape(-1)[(gaddr - base) // 4:(gaddr - base + n) // 4] += source.view(np.float32)
 
     def _write_global(gaddr: int, source: np.ndarray) -> None:
         n = len(source)
@@ -2042,6 +2086,9 @@ else:
     bulk_store = _addr_asm(  # nbytes from the shared byte address $1 to the generic address $0 (async proxy)
         "bulk_store", "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.global.shared::cta.bulk_group [ga], "
         "[$1], $2; }", 3, arg_types=(types.uint64, _U32, _U32))
+    bulk_reduce_add_f32 = _addr_asm(  # nbytes of f32 from shared $1 added into the generic address $0 (async proxy)
+        "bulk_reduce_add_f32", "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.reduce.async.bulk.global.shared::cta."
+        "bulk_group.add.f32 [ga], [$1], $2; }", 3, arg_types=(types.uint64, _U32, _U32))
     bar_arrive = _addr_asm("bar_arrive", "bar.arrive $0, $1;", 2)
     stsm_x4 = _addr_asm(  # ldsm_x4's inverse: four 8 x 8 matrices of 16-bit pairs, lane 8 m + r row r's address
         "stsm_x4", "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};", 5)
