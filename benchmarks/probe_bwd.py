@@ -33,7 +33,8 @@ _ELEM = (r"(s[01]), (p[01]) = elem_\w+\(lget\(x, (i(?: \+ 2)?)\), lget\(y, (i(?:
 
 # name -> (what it removes, [(regex, replacement)]); every regex must match the kernel's source
 VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
-    "bulk": ("nothing: the kernel built with spec.extra dq_bulk (dQ staged, added by bulk reductions)", []),
+    "bulk": ("nothing: the kernel built with spec.extra dq_bulk True (dQ staged, added by bulk reductions)", []),
+    "red": ("nothing: the kernel built with spec.extra dq_bulk False (dQ by the threads' vector reductions)", []),
     "built": ("nothing: the kernel as built", []),
     "empty": ("the whole q loop (left: Delta, dQ's conversion, K / V loads, dK / dV stores)",
               [(r"^([ \t]*)while qc <=? (?:nq|p_last):", r"\1while qc < -1:")]),
@@ -50,11 +51,17 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
                 [(r"^[ \t]*fence_proxy_async\(\)  # the staged rows.*\n", "")]),
     "nostage": ("dQ's staging stores (the bulk reductions then add stale rows: timing only)",
                 [(r"^[ \t]*sts_v4_f32\(dqs_t.*\n", "")]),
-    "nosync": ("the loop's first barrier (races: timing only)", [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
+    # two that move work rather than remove it, written for plain D = 128, N = 4k (64 q tiles, 64 dQ columns a warp)
+    "rotate": ("nothing: each kv tile's walk starts at q tile 21 kj mod 64 (blocks running together add into different "
+               "dQ rows; the numbers stay right)", [(r"\b(qc|qn__1) \* 64\b", r"((\1 + kj * 21) & 63) * 64")]),
+    "oneop": ("dq_bulk's 16 row reductions of a warp made one of 4352 bytes by lane 0 (wrong rows: timing only)",
+              [(r"if lane < 16 and ql < M:", "if lane == 0 and ql < M:"), (r", dqs_l, 256\)", ", dqs_l, 4352)")]),
+    "nosync": ("the loop's first barrier (races: timing only)",
+               [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }
 
 
-EXTRA = {"bulk": {"dq_bulk": True}}  # a variant built from its own spec.extra, not by an edit
+EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}}  # variants built from their own spec.extra
 
 
 def edited(source: str, name: str) -> str:
@@ -111,7 +118,7 @@ def main() -> None:
         return
     c, kern, args = setup(a.d, a.causal, B, H, a.n, base_extra)
     source = kern.source
-    others = {x: setup(a.d, a.causal, B, H, a.n, EXTRA[x])[1] for x in EXTRA}  # their own kernels
+    others = {x: setup(a.d, a.causal, B, H, a.n, EXTRA[x])[1] for x in EXTRA if x in a.variants.split(",")}
     names = [x for x in a.variants.split(",") if x]
     for x in names:
         if x not in VARIANTS:

@@ -168,7 +168,8 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
 
 def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     """spec.extra dq_bulk True: each warp's 16 rows of dQ staged in shared memory (16 rows of D / cs f32 and 16 bytes
-    a warp) and added by one bulk reduction a row, no vector reductions; its PTX carries the one bulk reduction.
+    a warp) and added by one bulk reduction a row, issued under the next tile's first GEMMs, no vector reductions;
+    its PTX carries the bulk reductions (the loop's and the last tile's).
     The default keeps the threads' vector reductions (measured faster)."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
@@ -176,13 +177,17 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
 
     red, bulk = (_spec("causal", 128, extra=None if b is None else {"dq_bulk": b}) for b in (None, True))
     src = emit_fa3_bwd.emit_fa3_backward(red)
-    assert "red_add_v4_f32(dq32" in src and "bulk_reduce_add_f32(elem_addr" not in src
+    assert "red_add_v4_f32(dq32" in src and "bulk_reduce_add_f32(" not in src
     assert emit_fa3_bwd.smem_bytes(bulk) - emit_fa3_bwd.smem_bytes(red) == 8 * 16 * (64 * 4 + 16)
     src = emit_fa3_bwd.emit_fa3_backward(bulk)
-    assert "red_add_v4_f32(dq32" not in src and src.count("bulk_reduce_add_f32(elem_addr(dq32") == 1
+    assert "red_add_v4_f32(dq32" not in src and "dqg = elem_addr(dq32" in src
+    # a row handed over under the next tile's first GEMMs (between their commit and wait), and the last after the loop
+    assert src.count("bulk_reduce_add_f32(dqg") == 2
+    loop = src[src.index("WG_S(pacc"):]
+    assert loop.index("bulk_reduce_add_f32(dqg") < loop.index("WAIT_S(sacc, 0)")
     if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         ptx = FA2BackwardKernel(bulk).ptx((9, 0))
-        assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 1
+        assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
         assert "red.global.add" not in ptx
 
 

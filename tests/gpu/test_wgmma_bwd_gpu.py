@@ -120,7 +120,7 @@ def test_dq_bulk(stem: str, dtype: str, D: int) -> None:
         env, host, do = case_inputs(stem, dtype, D, N)
         *_, grads = run_backward(c, host, do, dtype)
         assert_ran_wgmma(c, dtype, D)
-        assert "bulk_reduce_add_f32(elem_addr(dq32" in c._backward_kernel_and_dims_for(dtype, D).source
+        assert "bulk_reduce_add_f32(dqg" in c._backward_kernel_and_dims_for(dtype, D).source
         assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
 
 

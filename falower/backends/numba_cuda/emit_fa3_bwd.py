@@ -89,7 +89,13 @@ from falower.backends.numba_cuda.wgmma import (
 )
 '''
 _BULK_IMPORTS = '''
-from falower.backends.numba_cuda.intrinsics import bulk_commit, bulk_reduce_add_f32, bulk_wait_read0, sts_v4_f32, syncwarp
+from falower.backends.numba_cuda.intrinsics import (
+    bulk_commit,
+    bulk_reduce_add_f32,
+    bulk_wait_read0,
+    sts_v4_f32,
+    syncwarp,
+)
 '''  # dq_bulk's
 
 
@@ -132,11 +138,12 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 def dq_bulk(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums added by bulk reductions (spec.extra["dq_bulk"] True; default False, measured no faster):
     each warp stages its 16 rows of the tile's dQ fragment in shared memory (rows padded by 16 bytes: a warp's
-    16-byte stores fall in distinct banks) and 16 of its lanes hand one row each to the copy engine
-    (cp.reduce.async.bulk .add.f32), which adds it into dq32 while the warp goes on. The default adds each thread's
+    16-byte stores fall in distinct banks), and 16 of its lanes hand one row each to the copy engine
+    (cp.reduce.async.bulk .add.f32) once the next tile's first GEMMs are issued. The default adds each thread's
     fragment by 16-byte vector reductions (red.global.add.v4.f32). Those took 36% of the plain D = 128 backward
-    (benchmarks/probe_bwd.py: the floor without them), but the bulk form ran 0-3.5% slower there, 6% under causal
-    and 12% at D = 64 (H200; its staging alone cost ~11%; NOTES "The backward's dQ reductions")."""
+    (benchmarks/probe_bwd.py: the floor without them), but the bulk form ran 0-3.5% slower there and 4-12% slower
+    at D = 64, its rows handed over at once or under the next GEMMs (H200; its staging alone cost ~11%; NOTES "The
+    backward against FlexAttention")."""
     return spec.extra.get("dq_bulk", False) is True
 
 
@@ -431,6 +438,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("dsw1 = dsw0 + 256")
         if BULK:
             c("odd = (lane & 1) == 1")
+            c("dqg = np.uint64(0)  # the staged dQ row this lane hands over next (0: none)")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -500,6 +508,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     bq = ((ks // 4) * BQ * 128 + (ks % 4) * 32) >> 4
                     c(f"WG_S({acc}, 0, desc_at(HI_KM, {A} + {a}), desc_at(HI_KM, {B} + {bq}), {int(ks > 0)})")
             c("wgmma_commit()")
+            if BULK:
+                c("# the last tile's staged dQ rows to the copy engine while S^T and dP^T are computed")
+                _emit_dq_issue(c, DC, lay["DQ"], PITCH)
             c("WAIT_S(sacc, 0)")
             c("WAIT_S(pacc, 0)")
             c()
@@ -620,7 +631,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             _emit_grad_hold_end(c, spec)
         c("cp_async_wait0()")
         if BULK:
-            c("bulk_wait_read0()  # the last tile's staged dQ rows read before the block's shared memory goes")
+            c("# the last tile's staged dQ rows, read before the block's shared memory goes")
+            _emit_dq_issue(c, DC, lay["DQ"], PITCH)
+            c("bulk_wait_read0()")
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
         _emit_dkdv_stores(c, D, ND, pack)
@@ -628,16 +641,16 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
 
 
 def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
-    """dq_bulk: this warp's 16 rows of dQ (its DC columns) staged and handed to bulk reductions, one row a lane.
-    The lanes swap halves as the vector reductions did (even lanes then hold 4 consecutive columns of row g, odd
-    lanes of row g + 8: one 16-byte store each). The rows' reductions issued a tile ago have read the staging rows
-    (waited here, a tile after their issue) before they are written again."""
+    """dq_bulk: this warp's 16 rows of dQ (its DC columns) staged for bulk reductions, one row a lane (dqg: its
+    address, issued by _emit_dq_issue under the next tile's first GEMMs or after the loop). The lanes swap halves as
+    the vector reductions did (even lanes then hold 4 consecutive columns of row g, odd lanes of row g + 8: one
+    16-byte store each). The rows' reductions, issued early in this tile, have read the staging rows (waited here)
+    before they are written again."""
     c("# lanes t and t ^ 1 swap halves: a thread then holds 4 consecutive columns of one row a chunk")
     c(f"# dQ's staging: this warp's 16 rows ({PITCH} bytes apart), each thread's row (g, or g + 8 on odd lanes) and")
     c("# first column; lane l < 16 hands row l to the bulk reduction (addresses made here, not held over the loop)")
     c(f"dqs_w = sb + {DQO} + warp * {16 * PITCH}")
     c(f"dqs_t = dqs_w + (g + (8 if odd else 0)) * {PITCH} + (t2 - 2 if odd else t2) * 4")
-    c(f"dqs_l = dqs_w + lane * {PITCH}")
     swap = _dq_swap_helper(c)
     for dn in range(DC // 8):
         c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
@@ -648,11 +661,19 @@ def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
         c(f"sts_v4_f32(dqs_t + {dn * 32}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), lget(dqa, {o} + 3))")
     c("fence_proxy_async()  # the staged rows visible to the copy engine")
     c("syncwarp()")
+    c("# the row this lane hands over (lanes < 16, rows inside M; else none): issued by _emit_dq_issue once the next")
+    c("# tile's first GEMMs are under way, so that its issue loop is off the tile's critical path")
     c("ql = q0 + rgw * 64 + (warp & 3) * 16 + lane")
-    c("if lane < 16 and ql < M:")
+    c(f"dqg = elem_addr(dq32, ((q_head + ql) * {D} + csw * {DC},)) if lane < 16 and ql < M else np.uint64(0)")
+
+
+def _emit_dq_issue(c: _Code, DC: int, DQO: int, PITCH: int) -> None:
+    """dq_bulk: the staged row of this lane (dqg, 0 for none) handed to a bulk reduction, and dqg cleared."""
+    c("if dqg != 0:")
     with c.indent():
-        c(f"bulk_reduce_add_f32(elem_addr(dq32, ((q_head + ql) * {D} + csw * {DC},)), dqs_l, {DC * 4})")
+        c(f"bulk_reduce_add_f32(dqg, sb + {DQO} + warp * {16 * PITCH} + lane * {PITCH}, {DC * 4})")
         c("bulk_commit()")
+    c("dqg = np.uint64(0)")
 
 
 def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
