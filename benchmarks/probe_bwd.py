@@ -9,6 +9,14 @@ numbers are wrong by design; only its time is read: what the kernel would take i
 
 Every variant is compiled first in parallel processes (`--compile-one NAME`, the cubin cache shared on disk), then
 timed in this one in interleaved rounds. Needs torch and a GPU.
+
+    python3 benchmarks/probe_bwd.py --d 128 --phases [--extra JSON]
+
+instead stamps the kernel as built with %clock64 at each phase of a q tile (PHASES: the loop's barrier, the next
+tile's loads, S^T and dP^T, the elementwise code, dV / dK and dS^T's stores up to the dQ barrier, dQ's GEMM, the
+reductions) and prints each phase's median cycles a tile over the blocks' warpgroups: where a tile's time goes in a
+kernel whose two warpgroups walk in lockstep, latency as well as throughput (the floors above remove work; this
+reads the time each phase holds the tile). Thread 0 of each warpgroup stores its stamps, a tile at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ _GEMM_S = r"^\s*WG_S\(.*\n"
 _GEMM_D = r"^\s*WG_D\(.*\n"
 _GEMM_Q = r"^\s*WG_Q\(.*\n"
 _DS_STORES = r"^\s*store_dst_wg\(smem_w,.*\n"
-_NO_RED = (r"\b(qi|ql) < M:", r"\1 < -1:")  # the dQ reductions' guard (vector or bulk) never true
+_NO_RED = (r"\b(qi|ql) < M(:| else)", r"\1 < -1\2")  # the dQ reductions' guard (vector or bulk) never true
 _ELEM = (r"(s[01]), (p[01]) = elem_\w+\(lget\(x, (i(?: \+ 2)?)\), lget\(y, (i(?: \+ 2)?)\),.*",
          r"\1, \2 = lget(x, \3), lget(y, \4)")
 
@@ -55,7 +63,8 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "rotate": ("nothing: each kv tile's walk starts at q tile 21 kj mod 64 (blocks running together add into different "
                "dQ rows; the numbers stay right)", [(r"\b(qc|qn__1) \* 64\b", r"((\1 + kj * 21) & 63) * 64")]),
     "oneop": ("dq_bulk's 16 row reductions of a warp made one of 4352 bytes by lane 0 (wrong rows: timing only)",
-              [(r"if lane < 16 and ql < M:", "if lane == 0 and ql < M:"), (r", dqs_l, 256\)", ", dqs_l, 4352)")]),
+              [(r"if lane < 16 and ql < M else", "if lane == 0 and ql < M else"),
+               (r"(bulk_reduce_add_f32\(dqg, [^\n]*), 256\)", r"\1, 4352)")]),
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }
@@ -90,6 +99,110 @@ def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = Non
     return c, kern, (q, k, v, o, lse, do, *sizes)
 
 
+# phase name, the line its stamp goes after (a substring of the emitted kernel's line inside the q loop); the first
+# stamp is taken at the loop's top, before these
+PHASES = (
+    ("barrier", "cuda.syncthreads()"),  # the loop's first barrier: the other warpgroup's last tile
+    ("loads", "FENCE_S(pacc, 0)"),  # the next tile's Q / dO copies issued, the tile's bookkeeping
+    ("S^T dP^T", "WAIT_S(pacc, 0)"),  # the two GEMMs issued and waited for
+    ("elementwise", "FENCE_D(dvacc, 0)"),  # P and dS (and captured tables' gradients)
+    ("dV dK, dS^T", "cuda.syncthreads()  # dS^T is complete"),  # their issue, dS^T's stores, the copies' wait, barrier
+    ("dQ GEMM", "WAIT_Q(dqa, 0)"),  # dQ = dS K issued and waited for (dV / dK's wait with it)
+    ("reductions", "hc = hn"),  # dQ's reductions (or staging), the next tile's statistics: stamped before this line
+)
+TILES = 64  # q tiles stamped a block (the first 64 of its walk)
+
+
+def stamped_source(source: str, name: str) -> str:
+    """The backward's module with %clock64 stamps at the top of its q loop and after each PHASES anchor; thread 0 of
+    each warpgroup stores them to tl_buf[((block * 2 + warpgroup) * TILES + tile) * (len(PHASES) + 1) + i] for
+    its first TILES tiles. Raises SystemExit naming an anchor the kernel lacks."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    lines[start] = lines[start].replace("):", ", tl_buf):")
+    loop = next(i for i in range(start, len(lines)) if re.match(r"\s+while qc <=? (nq|p_last):", lines[i]))
+    ind = re.match(r"\s*", lines[loop + 1])[0]
+    n = len(PHASES) + 1
+    out = lines[:loop]
+    out += [f"{ind[:-4]}tl_n = 0"]
+    out += [lines[loop], f"{ind}tl_i = (((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x + "
+            f"cuda.blockIdx.x) * 2 + (tid >> 7)) * {TILES * n} + tl_n * {n}",
+            f"{ind}tl_w = (tid & 127) == 0 and tl_n < {TILES}"]
+    out += _stamp(ind, 0)
+    todo = list(enumerate(PHASES, start=1))
+    for ln in lines[loop + 1:]:
+        if todo and todo[0][1][1] == "hc = hn" and ln.strip() == "hc = hn":
+            out += _stamp(ind, todo.pop(0)[0])
+            out += [f"{ind}tl_n += 1"]
+        out.append(ln)
+        while todo and todo[0][1][1] != "hc = hn" and todo[0][1][1] in ln:
+            out += _stamp(re.match(r"\s*", ln)[0], todo.pop(0)[0])
+    if todo:
+        raise SystemExit(f"probe_bwd: phase anchors not found in the kernel: {[p[1][1] for p in todo]}")
+    text = "\n".join(out)
+    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import clock64\n", 1)
+
+
+def _stamp(ind: str, k: int) -> list[str]:
+    return [f"{ind}tl_c = clock64()", f"{ind}if tl_w:", f"{ind}    tl_buf[tl_i + {k}] = tl_c"]
+
+
+def summarize_phases(t, tiles: int = TILES) -> dict:
+    """Each phase's median cycles a tile over the warpgroups' stamped tiles (a tile's first stamp to the next tile's
+    first is the whole tile; the tail after the last phase is "next tile")."""
+    import numpy as np
+
+    n = len(PHASES) + 1
+    t = t.reshape(-1, tiles, n).astype(np.float64)
+    out = {}
+    whole = t[:, 1:, 0] - t[:, :-1, 0]
+    ok = (t[:, 1:, 0] > 0) & (t[:, :-1, n - 1] > 0)
+    for i, (nm, _) in enumerate(PHASES, start=1):
+        d = (t[:, :-1, i] - t[:, :-1, i - 1])[ok]
+        out[nm] = float(np.median(d))
+    out["next tile"] = float(np.median((t[:, 1:, 0] - t[:, :-1, n - 1])[ok]))
+    out["tile"] = float(np.median(whole[ok]))
+    out["tiles read"] = int(ok.sum())
+    return out
+
+
+def run_phases(kern, args, source: str) -> dict:
+    """One stamped launch of the backward's main kernel on the arguments its call would pass (prepare's, recorded)."""
+    import numpy as np
+    import torch
+    from numba import cuda
+
+    from falower.backends.numba_cuda.runtime import load_source
+
+    seen: dict = {}
+
+    class Recorder:  # stands in for the main kernel while prepare() builds its arguments
+        def __getitem__(self, cfg):
+            seen["cfg"] = cfg
+            return lambda *a: seen.__setitem__("args", a)
+
+    real, real_raise = kern._dispatchers.get("main"), kern._raise_smem_limit
+    kern._dispatchers["main"], kern._raise_smem_limit = Recorder(), (lambda *a: None)
+    try:
+        launch, _ = kern.prepare(*args)
+        launch()
+    finally:
+        kern._dispatchers["main"], kern._raise_smem_limit = real, real_raise
+    if real is None:
+        kern._dispatchers.pop("main", None)
+    grid, threads, _, smem = seen["cfg"]
+    blocks = int(np.prod(grid))
+    name = kern.spec.name
+    stamped = getattr(load_source(stamped_source(source, name), name + "_phases"), name)
+    tl = torch.zeros(blocks * 2 * TILES * (len(PHASES) + 1), dtype=torch.int64, device="cuda")
+    targs = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
+    kern._raise_smem_limit(stamped, targs, smem)
+    for _ in range(3):  # the first launch compiles; the last is the one read
+        stamped[grid, threads, 0, smem](*targs)
+    torch.cuda.synchronize()
+    return summarize_phases(tl.cpu().numpy().view(np.uint64))
+
+
 def use_variant(kern, source: str, name: str) -> None:
     """Point the backward kernel object at `name`'s source (its plans and direct kernels made anew)."""
     kern.source = edited(source, name)
@@ -108,6 +221,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--extra", default="", help="spec.extra of the kernel the edits apply to (JSON)")
     ap.add_argument("--compile-one", default="")
+    ap.add_argument("--phases", action="store_true", help="stamp the kernel's phases instead of timing variants")
     a = ap.parse_args()
     B, H = 4, 16 if a.d == 128 else 32
     base_extra = json.loads(a.extra) if a.extra else None
@@ -118,6 +232,17 @@ def main() -> None:
         return
     c, kern, args = setup(a.d, a.causal, B, H, a.n, base_extra)
     source = kern.source
+    if a.phases:
+        ph = run_phases(kern, args, source)
+        print(f"backward phases, D = {a.d}, N = {a.n}, causal = {a.causal}: median cycles a tile "
+              f"({ph['tiles read']} tiles read)")
+        print("| phase | cycles |")
+        print("|---|---|")
+        for nm in [p[0] for p in PHASES] + ["next tile", "tile"]:
+            print(f"| {nm} | {ph[nm]:.0f} |")
+        if a.json:
+            Path(a.json).write_text(json.dumps(ph))
+        return
     others = {x: setup(a.d, a.causal, B, H, a.n, EXTRA[x])[1] for x in EXTRA if x in a.variants.split(",")}
     names = [x for x in a.variants.split(",") if x]
     for x in names:

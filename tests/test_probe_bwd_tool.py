@@ -1,0 +1,91 @@
+"""benchmarks/probe_bwd.py's edits of the wgmma backward's source (the GPU run itself needs torch and a GPU): every
+floor's pattern is found in the kernel it is written for and leaves valid Python, a pattern the kernel lacks is
+refused with a one-line reason, the phase stamps go in the loop in order, and their summary reads them right."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+import falower as fl  # noqa: E402
+from falower.backends.numba_cuda import emit_fa3_bwd  # noqa: E402
+from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+probe = pytest.importorskip("probe_bwd")
+
+BULK_ONLY = {"oneop", "nowait", "nofence", "nostage"}  # floors of the dq_bulk kernel's staging and issue
+
+
+def _source(stem: str, D: int = 128, **extra) -> tuple[str, str]:
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+    c = fl.compile(g, "numba-cuda")
+    spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, "f16", "mma", None,
+                               {"bwd_schedule": "wgmma", **extra})
+    return spec.name, emit_fa3_bwd.emit_fa3_backward(spec)
+
+
+@pytest.mark.parametrize("stem", ["plain", "causal"])
+def test_every_floor_edits_its_kernel(stem):
+    _, src = _source(stem)
+    _, bulk = _source(stem, dq_bulk=True)
+    for name in probe.VARIANTS:
+        if name in probe.EXTRA or (name == "rotate" and stem != "plain"):
+            continue
+        out = probe.edited(bulk if name in BULK_ONLY else src, name)
+        compile(out, name, "exec")
+        assert out != (bulk if name in BULK_ONLY else src) or name == "built", name
+    # the reductions' floor takes the guard of either form of dQ's adds
+    assert "if qi < -1:" in probe.edited(src, "nored") and "ql < -1 else" in probe.edited(bulk, "nored")
+
+
+def test_a_pattern_the_kernel_lacks_is_refused():
+    _, src = _source("plain")
+    with pytest.raises(SystemExit, match="variant nostage: .* is not in the kernel's source"):
+        probe.edited(src, "nostage")  # the default kernel stages nothing
+
+
+@pytest.mark.parametrize("stem, D", [("causal", 128), ("alibi", 64)])
+def test_the_phase_stamps_go_in_order(stem, D):
+    name, src = _source(stem, D)
+    out = probe.stamped_source(src, name)
+    compile(out, "stamped", "exec")
+    assert re.search(rf"def {name}\(.*, tl_buf\):", out)
+    assert "from falower.backends.numba_cuda.intrinsics import clock64" in out
+    loop = out.index("    while qc <")
+    at = [out.index(f"tl_buf[tl_i + {k}] = tl_c") for k in range(len(probe.PHASES) + 1)]
+    assert loop < at[0] and at == sorted(at)
+    for k, (_, anchor) in enumerate(probe.PHASES, start=1):  # each stamp on the lines right after its anchor
+        between = out[at[k]:out.index(anchor, at[k])] if anchor == "hc = hn" else out[out.rindex(anchor, 0, at[k]):at[k]]
+        assert between.count("\n") <= 3, (anchor, between)
+    assert out.index("tl_n += 1") > at[-1]
+
+
+def test_a_kernel_without_the_anchors_is_refused():
+    name, src = _source("plain")
+    with pytest.raises(SystemExit, match="phase anchors not found"):
+        probe.stamped_source(src.replace("WAIT_Q(dqa, 0)", "WAIT_Q(dqa,0)"), name)
+
+
+def test_the_phase_summary():
+    """Two warpgroups' stamps with known spans: each phase's cycles, the tail to the next tile, the whole tile; a
+    warpgroup's unstamped tiles (zeros: a shorter walk) are not read."""
+    n = len(probe.PHASES) + 1
+    t = np.zeros((2, probe.TILES, n), np.uint64)
+    spans = np.arange(1, n) * 10  # phase i takes 10 i cycles
+    for w, tiles in ((0, probe.TILES), (1, 5)):
+        start = 1000
+        for k in range(tiles):
+            t[w, k] = start + np.concatenate([[0], np.cumsum(spans)])
+            start += int(spans.sum()) + 7  # 7 cycles from the last stamp to the next tile's first
+    got = probe.summarize_phases(t)
+    assert [got[nm] for nm, _ in probe.PHASES] == list(spans.astype(float))
+    assert got["next tile"] == 7 and got["tile"] == spans.sum() + 7
+    assert got["tiles read"] == (probe.TILES - 1) + 4
