@@ -4,6 +4,7 @@ numbers are wrong by design; only its time is read: what the kernel would take i
 (benchmarks/NOTES.md, METHOD.md's "count the floor first").
 
     python3 benchmarks/probe_bwd.py --d 128 [--causal] [--variants built,nored,noelem] [--json out.json]
+                                    # default: every variant whose patterns the kernel has
     python3 benchmarks/probe_bwd.py --d 128 --extra '{"dq_bulk": true}' --variants built,nored,nofence,nostage
                                     # the edits on a kernel built with that spec.extra (here dQ's bulk reductions)
 
@@ -63,7 +64,7 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "rotate": ("nothing: each kv tile's walk starts at q tile 21 kj mod 64 (blocks running together add into different "
                "dQ rows; the numbers stay right)", [(r"\b(qc|qn__1) \* 64\b", r"((\1 + kj * 21) & 63) * 64")]),
     "oneop": ("dq_bulk's 16 row reductions of a warp made one of 4352 bytes by lane 0 (wrong rows: timing only)",
-              [(r"if lane < 16 and ql < M else", "if lane == 0 and ql < M else"),
+              [(r"if lane < 16 and ql < M else", "if lane == 0 and ql + 15 < M else"),
                (r"(bulk_reduce_add_f32\(dqg, [^\n]*), 256\)", r"\1, 4352)")]),
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
@@ -81,6 +82,11 @@ def edited(source: str, name: str) -> str:
             raise SystemExit(f"probe_bwd: variant {name}: {pat!r} is not in the kernel's source")
         out = new
     return out
+
+
+def applies(source: str, name: str) -> bool:
+    """Whether every pattern of variant `name` is in the kernel's source (rotate only where asked for by name)."""
+    return name != "rotate" and all(re.search(pat, source, flags=re.M) for pat, _ in VARIANTS[name][1])
 
 
 def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = None):
@@ -216,7 +222,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="", help="comma-separated (default: every variant whose patterns the "
+                    "kernel has, and the spec.extra ones)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default="")
     ap.add_argument("--extra", default="", help="spec.extra of the kernel the edits apply to (JSON)")
@@ -244,7 +251,11 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(ph))
         return
     others = {x: setup(a.d, a.causal, B, H, a.n, EXTRA[x])[1] for x in EXTRA if x in a.variants.split(",")}
-    names = [x for x in a.variants.split(",") if x]
+    names = [x for x in a.variants.split(",") if x] or [x for x in VARIANTS if x in EXTRA or applies(source, x)]
+    if "rotate" in names and (a.n != 4096 or a.causal):
+        raise SystemExit("probe_bwd: rotate is written for 64 q tiles of 64 rows without a mask (--n 4096, no --causal)")
+    if "oneop" in names and a.d != 128:
+        raise SystemExit("probe_bwd: oneop is written for D = 128 (rows of 64 f32 a warpgroup)")
     for x in names:
         if x not in VARIANTS:
             raise SystemExit(f"probe_bwd: unknown variant {x!r} (known: {', '.join(VARIANTS)})")

@@ -46,6 +46,17 @@ def test_every_floor_edits_its_kernel(stem):
     assert "if qi < -1:" in probe.edited(src, "nored") and "ql < -1 else" in probe.edited(bulk, "nored")
 
 
+def test_the_default_variants_are_those_the_kernel_has():
+    """`--variants` left out: every floor whose patterns the kernel has (the staging's only on the dq_bulk kernel),
+    never rotate (written for one shape), and the spec.extra ones."""
+    _, src = _source("plain")
+    _, bulk = _source("plain", dq_bulk=True)
+    red_names = {x for x in probe.VARIANTS if probe.applies(src, x)}
+    bulk_names = {x for x in probe.VARIANTS if probe.applies(bulk, x)}
+    assert not red_names & BULK_ONLY and BULK_ONLY <= bulk_names
+    assert "rotate" not in red_names | bulk_names and {"built", "nored", "noelem", "gemms"} <= red_names & bulk_names
+
+
 def test_a_pattern_the_kernel_lacks_is_refused():
     _, src = _source("plain")
     with pytest.raises(SystemExit, match="variant nostage: .* is not in the kernel's source"):

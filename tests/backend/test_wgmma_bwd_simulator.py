@@ -176,11 +176,22 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
     red, bulk = (_spec("causal", 128, extra=None if b is None else {"dq_bulk": b}) for b in (None, True))
+    with pytest.raises(ValueError, match="dq_bulk must be True or False"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dq_bulk": "true"}))
     src = emit_fa3_bwd.emit_fa3_backward(red)
     assert "red_add_v4_f32(dq32" in src and "bulk_reduce_add_f32(" not in src
     assert emit_fa3_bwd.smem_bytes(bulk) - emit_fa3_bwd.smem_bytes(red) == 8 * 16 * (64 * 4 + 16)
     src = emit_fa3_bwd.emit_fa3_backward(bulk)
     assert "red_add_v4_f32(dq32" not in src and "dqg = elem_addr(dq32" in src
+    # the staging's order (the simulator's proxy fence does nothing, so only the text can hold it): the last tile's
+    # reductions have read the rows, the warp agrees, the stores, the proxy fence, the warp agrees, the row kept
+    stage = src[src.index("bulk_wait_read0()  # the last tile's reductions"):]
+    order = ["bulk_wait_read0()", "syncwarp()", "sts_v4_f32(dqs_t", "fence_proxy_async()", "syncwarp()",
+             "dqg = elem_addr(dq32"]
+    at = [stage.index(order[0])]
+    for x in order[1:]:
+        at.append(stage.index(x, at[-1] + 1))
+    assert at == sorted(at) and at[-1] < stage.index("hc = hn"), at
     # a row handed over under the next tile's first GEMMs (between their commit and wait), and the last after the loop
     assert src.count("bulk_reduce_add_f32(dqg") == 2
     loop = src[src.index("WG_S(pacc"):]

@@ -154,7 +154,8 @@ def _col_splits(spec: FA2BackwardSpec) -> int:
 
 def _dq_stage_pitch(spec: FA2BackwardSpec) -> int:
     """Bytes between a warp's staged dQ rows: its D / cs f32 columns and 16 bytes, so that row r + 1's 16-byte chunk
-    j sits 4 banks after row r's (the 16 rows of a store in 8 distinct 4-bank groups: no conflict)."""
+    j sits 4 banks after row r's. A store's 32 lanes (rows g and g + 8, two chunks each) then hit each 4-bank group
+    4 times (rows r and r + 8 share one): 4 wavefronts for 512 bytes, the least there can be."""
     return (spec.head_dim // _col_splits(spec)) * 4 + 16
 
 
@@ -229,6 +230,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.extra.get("dq_bulk", False) not in (True, False):
+        raise ValueError(f"wgmma backward: dq_bulk must be True or False, got {spec.extra['dq_bulk']!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
                          f"{dq_split(spec)!r} with block_q = {BQ}")

@@ -1883,7 +1883,9 @@ if SIMULATOR:
     def _add_global_f32(gaddr: int, source: np.ndarray) -> None:
         n = len(source)
         with _warp_lock:
-            base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
+            base, a = next(((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1)), (None, None))
+            if a is None:
+                raise RuntimeError(f"bulk_reduce_add_f32: {gaddr:#x} is not inside an array elem_addr was given")
             if not a.flags.c_contiguous or a.dtype != np.float32 or gaddr + n > base + a.nbytes:
                 raise RuntimeError("bulk_reduce_add_f32 emulation: a contiguous f32 array, the copy inside it")
             a.reshape(-1)[(gaddr - base) // 4:(gaddr - base + n) // 4] += source.view(np.float32)
@@ -1891,7 +1893,9 @@ if SIMULATOR:
     def _write_global(gaddr: int, source: np.ndarray) -> None:
         n = len(source)
         with _warp_lock:
-            base, a = next((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1))
+            base, a = next(((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1)), (None, None))
+        if a is None:
+            raise RuntimeError(f"bulk_store: {gaddr:#x} is not inside an array elem_addr was given")
         if not a.flags.c_contiguous or gaddr + n > base + a.nbytes:
             raise RuntimeError("bulk_store emulation: a contiguous array, the copy inside it")
         a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = source
