@@ -44,6 +44,7 @@ _ELEM = (r"(s[01]), (p[01]) = elem_\w+\(lget\(x, (i(?: \+ 2)?)\), lget\(y, (i(?:
 VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "bulk": ("nothing: the kernel built with spec.extra dq_bulk True (dQ staged, added by bulk reductions)", []),
     "red": ("nothing: the kernel built with spec.extra dq_bulk False (dQ by the threads' vector reductions)", []),
+    "dkl": ("nothing: the kernel built with spec.extra dk_after_dq (dK's GEMM in flight under dQ's reductions)", []),
     "built": ("nothing: the kernel as built", []),
     "empty": ("the whole q loop (left: Delta, dQ's conversion, K / V loads, dK / dV stores)",
               [(r"^([ \t]*)while qc <=? (?:nq|p_last):", r"\1while qc < -1:")]),
@@ -71,7 +72,8 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 }
 
 
-EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}}  # variants built from their own spec.extra
+# variants built from their own spec.extra
+EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after_dq": True}}
 
 
 def edited(source: str, name: str) -> str:
@@ -146,7 +148,8 @@ def stamped_source(source: str, name: str) -> str:
     if todo:
         raise SystemExit(f"probe_bwd: phase anchors not found in the kernel: {[p[1][1] for p in todo]}")
     text = "\n".join(out)
-    return text.replace("\nimport math\n", "\nimport math\nfrom falower.backends.numba_cuda.intrinsics import clock64\n", 1)
+    clock = "from falower.backends.numba_cuda.intrinsics import clock64"
+    return text.replace("\nimport math\n", f"\nimport math\n{clock}\n", 1)
 
 
 def _stamp(ind: str, k: int) -> list[str]:
@@ -253,7 +256,8 @@ def main() -> None:
     others = {x: setup(a.d, a.causal, B, H, a.n, EXTRA[x])[1] for x in EXTRA if x in a.variants.split(",")}
     names = [x for x in a.variants.split(",") if x] or [x for x in VARIANTS if x in EXTRA or applies(source, x)]
     if "rotate" in names and (a.n != 4096 or a.causal):
-        raise SystemExit("probe_bwd: rotate is written for 64 q tiles of 64 rows without a mask (--n 4096, no --causal)")
+        raise SystemExit("probe_bwd: rotate is written for 64 q tiles of 64 rows without a mask "
+                         "(--n 4096, no --causal)")
     if "oneop" in names and a.d != 128:
         raise SystemExit("probe_bwd: oneop is written for D = 128 (rows of 64 f32 a warpgroup)")
     for x in names:

@@ -166,6 +166,34 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
     assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
 
 
+def test_dk_after_dq_when_asked(tmp_path, monkeypatch):
+    """spec.extra dk_after_dq: dV's GEMM and dS^T's stores, the barrier, dQ's GEMM, then dK's from the kept packed
+    registers; dQ's wait leaves one group (dK's) in flight over the reductions, waited after them. The default
+    issues dV and dK together and waits for every group before the reductions. Its PTX: the same wgmma counts."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    with pytest.raises(ValueError, match="dk_after_dq must be True or False"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dk_after_dq": "yes"}))
+    default = emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128))
+    loop = default[default.index("WG_S(pacc"):]
+    assert loop.index("WG_D(dkacc") < loop.index("cuda.syncthreads()  # dS^T") < loop.index("WG_Q(dqa")
+    assert "WAIT_Q1" not in default
+    spec = _spec("causal", 128, extra={"dk_after_dq": True})
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    loop = src[src.index("WG_S(pacc"):]
+    order = ["WG_D(dvacc", "cuda.syncthreads()  # dS^T", "WG_Q(dqa", "FENCE_D(dkacc", "WG_D(dkacc, 0, da0_0",
+             "WG_D(dkacc, 0, da3_0", "WAIT_Q1(dqa, 0)", "red_add_v4_f32(dq32", "WAIT_D(dkacc, 0)", "hc = hn"]
+    at = [loop.index(x) for x in order]
+    assert at == sorted(at), list(zip(order, at))
+    assert loop.count("WG_D(dkacc") == 4 and "WAIT_Q1 = wgmma_wait_regs(1, 32)" in src
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        ptx = FA2BackwardKernel(spec).ptx((9, 0))
+        counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (64, 128)}
+        assert counts == {64: 24, 128: 8} and "wgmma.wait_group.sync.aligned 1;" in ptx, counts
+
+
 def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     """spec.extra dq_bulk True: each warp's 16 rows of dQ staged in shared memory (16 rows of D / cs f32 and 16 bytes
     a warp) and added by one bulk reduction a row, issued under the next tile's first GEMMs, no vector reductions;

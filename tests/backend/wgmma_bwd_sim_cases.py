@@ -50,6 +50,9 @@ CASES = {
     # the second's rows past M but one
     "causal-f16-d64-65x63-bulk": ("causal", "f16", 1, 1, 1, 65, 63, 64, 64, 64, {"dq_bulk": True}),
     "causal-f16-d64-65x130-2wg-bulk": ("causal", "f16", 1, 1, 1, 65, 130, 64, 64, 128, {"dq_bulk": True}),
+    # dK's GEMM issued after dQ's from dS's packed registers (dk_after_dq): 2 q tiles, two warpgroups, with the
+    # captured slopes' gradient
+    "alibi-f16-d64-65x130-2wg-dkl": ("alibi", "f16", 1, 1, 1, 65, 130, 64, 64, 128, {"dk_after_dq": True}),
     # the window's q tiles of a kv tile found by a ballot (emit_fa3_bwd._emit_pair_range): kv tile 0 sees q tiles 0-2
     # of 4, kv tile 1 q tiles 2-3; the walk ends at the last, not at nq (ending one early fails it: dq err 1.95)
     "sliding_window-f16-d64-200x130": ("sliding_window", "f16", 1, 1, 1, 200, 130, 64, 64, 128),

@@ -3,8 +3,8 @@
 FlashAttention-2's gradient rule against float64 (tests/gpu/test_backward_gpu.py's rule, references and inputs),
 at D = 64 and 128, f16 and bf16, N = 17 (one ragged tile), 1000 and 4096; the kernel that ran checked (wgmma,
 or mma.sync only where emit_fa3_bwd refuses the spec: the block lists of data-dependent masks); its error no worse
-than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); torch autograd
-through it.
+than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); dK's GEMM after
+dQ's (dk_after_dq); torch autograd through it.
 
 Run: python -m pytest -q -n 14 --dist load -m gpu tests/gpu/test_wgmma_bwd_gpu.py (kernels compile in the workers);
 FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
@@ -121,6 +121,21 @@ def test_dq_bulk(stem: str, dtype: str, D: int) -> None:
         *_, grads = run_backward(c, host, do, dtype)
         assert_ran_wgmma(c, dtype, D)
         assert "bulk_reduce_add_f32(dqg" in c._backward_kernel_and_dims_for(dtype, D).source
+        assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "alibi", "relative_bias"])
+def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dk_after_dq"]: dK's GEMM issued after dQ's, in flight while dQ's reductions issue (the A/B knob
+    against the default order)."""
+    _hopper()
+    c = wgmma(stem, dtype, dk_after_dq=True)
+    for N in (1000, 4096):
+        env, host, do = case_inputs(stem, dtype, D, N)
+        *_, grads = run_backward(c, host, do, dtype)
+        assert_ran_wgmma(c, dtype, D)
+        assert "WAIT_Q1(dqa, 0)" in c._backward_kernel_and_dims_for(dtype, D).source
         assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
 
 

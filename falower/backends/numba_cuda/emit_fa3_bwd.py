@@ -147,6 +147,15 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("dq_bulk", False) is True
 
 
+def dk_after_dq(spec: FA2BackwardSpec) -> bool:
+    """dK's GEMM issued after dQ's (spec.extra["dk_after_dq"] True; default False, not yet measured): dV += P^T dO
+    and dS^T's stores, the barrier, dQ = dS K, then dK += dS^T Q from dS's packed registers, and dQ's wait leaves
+    dK in flight while dQ's reductions issue (waited after them). FlashAttention-3's order (its bwd_step issues dQ
+    before dK for the same reason); the default issues dV and dK together before the barrier and waits for all
+    three GEMMs before the reductions."""
+    return spec.extra.get("dk_after_dq", False) is True
+
+
 def _col_splits(spec: FA2BackwardSpec) -> int:
     """Warpgroups sharing one 64-row group of dQ (they split D): cs of _emit_kernel."""
     return 1 if dq_split(spec) == "k" else (spec.block_k // 64) // (spec.block_q // 64)
@@ -230,6 +239,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.extra.get("dk_after_dq", False) not in (True, False):
+        raise ValueError(f"wgmma backward: dk_after_dq must be True or False, got {spec.extra['dk_after_dq']!r}")
     if spec.extra.get("dq_bulk", False) not in (True, False):
         raise ValueError(f"wgmma backward: dq_bulk must be True or False, got {spec.extra['dq_bulk']!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
@@ -324,6 +335,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     CS = 1 if KSPLIT else NWG // RG  # warpgroups sharing one row group (they split D)
     assert CS == _col_splits(spec)
     BULK = dq_bulk(spec)
+    DKL = dk_after_dq(spec)
     PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
     KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
@@ -350,6 +362,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     c(f"WAIT_D = wgmma_wait_regs(0, {D // 2})")
     c(f"FENCE_Q = wgmma_fence_regs({DC // 2})")
     c(f"WAIT_Q = wgmma_wait_regs(0, {DC // 2})")
+    if DKL:
+        c(f"WAIT_Q1 = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, dK's (issued after it) in flight")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
@@ -587,17 +601,21 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 "    smem_w[w0 + o1] = d2",
                 "    smem_w[w1 + o1] = d3"])
             c("FENCE_D(dvacc, 0)")
-            c("FENCE_D(dkacc, 0)")
+            if not DKL:
+                c("FENCE_D(dkacc, 0)")
             c("t_o = desc_word(HI_QT, ob)")
             c("t_q = desc_word(HI_QT, qb)")
+            # dk_after_dq keeps each k step's packed dS (da<k>_<e>) for dK's GEMM after dQ's
+            da = [[f"da{kk}_{e}" if DKL else f"da{e}" for e in range(4)] for kk in range(BQ // 16)]
             for kk in range(BQ // 16):
-                c(f"pa0, pa1, pa2, pa3, da0, da1, da2, da3 = {pk}(sacc, pacc, ofs_{kk * 8})")
+                c(f"pa0, pa1, pa2, pa3, {', '.join(da[kk])} = {pk}(sacc, pacc, ofs_{kk * 8})")
                 c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, desc_at(HI_QT, t_o + {kk * 128}), 1)")
-                c(f"WG_D(dkacc, 0, da0, da1, da2, da3, desc_at(HI_QT, t_q + {kk * 128}), 1)")
+                if not DKL:
+                    c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
                 j0, j1 = 2 * kk, 2 * kk + 1  # n8 tiles (8 q columns: one 16-byte chunk) of this k step
                 o0 = f"{(j0 // 8) * BK * 32} + (({j0 % 8} ^ g) << 2)"
                 o1 = f"{(j1 // 8) * BK * 32} + (({j1 % 8} ^ g) << 2)"
-                c(f"{st}(smem_w, dsw0, dsw1, {o0}, {o1}, da0, da1, da2, da3)")
+                c(f"{st}(smem_w, dsw0, dsw1, {o0}, {o1}, {', '.join(da[kk])})")
             c("wgmma_commit()")
             c("cp_async_wait0()  # the next tile's Q, dO (issued at this tile's top) have landed")
             c("fence_proxy_async()  # they and dS^T's generic stores visible to wgmma")
@@ -612,7 +630,16 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             for kk in range(KQ):
                 c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128}), {int(kk > 0)})")
             c("wgmma_commit()")
-            c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
+            if DKL:
+                c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers, in flight while dQ's")
+                c("# reductions issue")
+                c("FENCE_D(dkacc, 0)")
+                for kk in range(BQ // 16):
+                    c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
+                c("wgmma_commit()")
+                c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
+            else:
+                c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
             c("# g + 8, added by one 16-byte vector reduction")
             if BULK:
@@ -622,6 +649,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
                 c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
                 _emit_dq_reductions(c, DC // 8)
+            if DKL:
+                c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
             c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
             with c.indent():
                 c(f"smem_f[((sbr + {STO}) >> 2) + (buf ^ 1) * {BQ} + tid] = nl")
