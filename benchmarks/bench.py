@@ -144,7 +144,8 @@ def parse_config(text: str) -> tuple:
     tile, not held across tiles (extra hold_grads), '-bgg' with a per-element gradient (the relative bias's) added
     per element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bbulk' dQ
     staged in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk),
-    '-bdkl' dK's GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq)."""
+    '-bdkl' dK's GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P
+    computed while dP's GEMM is in flight (extra p_under_dp)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -215,6 +216,7 @@ CONFIG_OPTIONS: list = [
     (("bgg", {"grad_groups": False}),),
     (("bbulk", {"dq_bulk": True}),),
     (("bdkl", {"dk_after_dq": True}),),
+    (("bpdp", {"p_under_dp": True}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

@@ -45,6 +45,8 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "bulk": ("nothing: the kernel built with spec.extra dq_bulk True (dQ staged, added by bulk reductions)", []),
     "red": ("nothing: the kernel built with spec.extra dq_bulk False (dQ by the threads' vector reductions)", []),
     "dkl": ("nothing: the kernel built with spec.extra dk_after_dq (dK's GEMM in flight under dQ's reductions)", []),
+    "pdp": ("nothing: the kernel built with spec.extra p_under_dp (P's exponentials under dP's GEMM)", []),
+    "dkl_pdp": ("nothing: the kernel built with both dk_after_dq and p_under_dp", []),
     "built": ("nothing: the kernel as built", []),
     "empty": ("the whole q loop (left: Delta, dQ's conversion, K / V loads, dK / dV stores)",
               [(r"^([ \t]*)while qc <=? (?:nq|p_last):", r"\1while qc < -1:")]),
@@ -73,7 +75,8 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 
 # variants built from their own spec.extra
-EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after_dq": True}}
+EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after_dq": True},
+         "pdp": {"p_under_dp": True}, "dkl_pdp": {"dk_after_dq": True, "p_under_dp": True}}
 
 
 def edited(source: str, name: str) -> str:

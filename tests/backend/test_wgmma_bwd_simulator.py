@@ -169,10 +169,9 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
 def test_dk_after_dq_when_asked(tmp_path, monkeypatch):
     """spec.extra dk_after_dq: dV's GEMM and dS^T's stores, the barrier, dQ's GEMM, then dK's from the kept packed
     registers; dQ's wait leaves one group (dK's) in flight over the reductions, waited after them. The default
-    issues dV and dK together and waits for every group before the reductions. Its PTX: the same wgmma counts."""
+    issues dV and dK together and waits for every group before the reductions (its PTX: test_the_knobs_ptx)."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
-    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
     with pytest.raises(ValueError, match="dk_after_dq must be True or False"):
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dk_after_dq": "yes"}))
@@ -188,20 +187,15 @@ def test_dk_after_dq_when_asked(tmp_path, monkeypatch):
     at = [loop.index(x) for x in order]
     assert at == sorted(at), list(zip(order, at))
     assert loop.count("WG_D(dkacc") == 4 and "WAIT_Q1 = wgmma_wait_regs(1, 32)" in src
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        ptx = FA2BackwardKernel(spec).ptx((9, 0))
-        counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (64, 128)}
-        assert counts == {64: 24, 128: 8} and "wgmma.wait_group.sync.aligned 1;" in ptx, counts
 
 
 def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     """spec.extra dq_bulk True: each warp's 16 rows of dQ staged in shared memory (16 rows of D / cs f32 and 16 bytes
-    a warp) and added by one bulk reduction a row, issued under the next tile's first GEMMs, no vector reductions;
-    its PTX carries the bulk reductions (the loop's and the last tile's).
+    a warp) and added by one bulk reduction a row, issued under the next tile's first GEMMs, no vector reductions
+    (its PTX: test_the_knobs_ptx).
     The default keeps the threads' vector reductions (measured faster)."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
-    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
     red, bulk = (_spec("causal", 128, extra=None if b is None else {"dq_bulk": b}) for b in (None, True))
     with pytest.raises(ValueError, match="dq_bulk must be True or False"):
@@ -224,10 +218,7 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     assert src.count("bulk_reduce_add_f32(dqg") == 2
     loop = src[src.index("WG_S(pacc"):]
     assert loop.index("bulk_reduce_add_f32(dqg") < loop.index("WAIT_S(sacc, 0)")
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        ptx = FA2BackwardKernel(bulk).ptx((9, 0))
-        assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
-        assert "red.global.add" not in ptx
+
 
 
 def test_reduced_gradients_are_held_across_tiles():
@@ -322,3 +313,29 @@ def test_grouped_gradients_in_the_kernel():
     off = emit_fa3_bwd.emit_fa3_backward(_spec("relative_bias", D=128, extra={"grad_groups": False}))
     assert "gbase0" not in off and "gd0_" not in off
     assert emit_fa3_bwd.grouped_grads(_spec("bias")) == {}
+
+
+@pytest.mark.slow
+def test_the_knobs_ptx(tmp_path, monkeypatch):
+    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_bulk, dk_after_dq and p_under_dp on: dQ's
+    two bulk reductions (the loop's and the last tile's) and no vector reduction; two `wait_group 1` (S^T alone,
+    dQ before dK); the default's wgmma counts; no call; ptxas's log without serialization."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel, resource_usage
+
+    ptx = FA2BackwardKernel(_spec("causal", 128, extra={"dq_bulk": True, "dk_after_dq": True,
+                                                        "p_under_dp": True})).ptx((9, 0))
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert "red.global.add" not in ptx
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
+    counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (64, 128)}
+    assert counts == {64: 24, 128: 8}, counts
+    assert not re.search(r"\bcall\b", ptx)
+    try:
+        usage = resource_usage(ptx.replace(".target sm_90\n", ".target sm_90a\n"), "sm_90a")
+    except Exception as exc:
+        pytest.skip(f"nvJitLink unavailable: {exc}")
+    assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
+

@@ -53,6 +53,10 @@ CASES = {
     # dK's GEMM issued after dQ's from dS's packed registers (dk_after_dq): 2 q tiles, two warpgroups, with the
     # captured slopes' gradient
     "alibi-f16-d64-65x130-2wg-dkl": ("alibi", "f16", 1, 1, 1, 65, 130, 64, 64, 128, {"dk_after_dq": True}),
+    # P computed under dP^T's GEMM from the split elementwise function (p_under_dp), with dk_after_dq: a causal mask's
+    # full and partial branches each split, 2 q tiles, two warpgroups
+    "causal-bf16-d64-65x130-2wg-pdp": ("causal", "bf16", 1, 1, 1, 65, 130, 64, 64, 128,
+                                       {"p_under_dp": True, "dk_after_dq": True}),
     # the window's q tiles of a kv tile found by a ballot (emit_fa3_bwd._emit_pair_range): kv tile 0 sees q tiles 0-2
     # of 4, kv tile 1 q tiles 2-3; the walk ends at the last, not at nq (ending one early fails it: dq err 1.95)
     "sliding_window-f16-d64-200x130": ("sliding_window", "f16", 1, 1, 1, 200, 130, 64, 64, 128),

@@ -4,7 +4,7 @@ FlashAttention-2's gradient rule against float64 (tests/gpu/test_backward_gpu.py
 at D = 64 and 128, f16 and bf16, N = 17 (one ragged tile), 1000 and 4096; the kernel that ran checked (wgmma,
 or mma.sync only where emit_fa3_bwd refuses the spec: the block lists of data-dependent masks); its error no worse
 than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); dK's GEMM after
-dQ's (dk_after_dq); torch autograd through it.
+dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); torch autograd through it.
 
 Run: python -m pytest -q -n 14 --dist load -m gpu tests/gpu/test_wgmma_bwd_gpu.py (kernels compile in the workers);
 FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
@@ -136,6 +136,21 @@ def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
         *_, grads = run_backward(c, host, do, dtype)
         assert_ran_wgmma(c, dtype, D)
         assert "WAIT_Q1(dqa, 0)" in c._backward_kernel_and_dims_for(dtype, D).source
+        assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])
+def test_p_under_dp(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["p_under_dp"] (with dk_after_dq): P from the split elementwise function while dP^T's GEMM is in
+    flight (the A/B knob against the fused function after both waits)."""
+    _hopper()
+    c = wgmma(stem, dtype, p_under_dp=True, dk_after_dq=True)
+    for N in (1000, 4096):
+        env, host, do = case_inputs(stem, dtype, D, N)
+        *_, grads = run_backward(c, host, do, dtype)
+        assert_ran_wgmma(c, dtype, D)
+        assert "WAIT_S1(sacc, 0)" in c._backward_kernel_and_dims_for(dtype, D).source
         assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
 
 

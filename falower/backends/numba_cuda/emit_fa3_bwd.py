@@ -67,6 +67,7 @@ from .emit_fa2_bwd import (
     held_grads,
 )
 from .emit_fa3 import ALIGN, _emit_load, _emit_load_inside, _emit_loader_setup, _emit_row_addresses
+from .elem_split import split_elem
 from .spec import FA2BackwardSpec
 
 __all__ = ["ENV", "backward_extra", "emit_fa3_backward", "resolve", "smem_bytes", "threads", "uses_wgmma",
@@ -145,6 +146,17 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
     at D = 64, its rows handed over at once or under the next GEMMs (H200; its staging alone cost ~11%; NOTES "The
     backward against FlexAttention")."""
     return spec.extra.get("dq_bulk", False) is True
+
+
+def p_under_dp(spec: FA2BackwardSpec) -> bool:
+    """P computed while dP^T's GEMM is in flight (spec.extra["p_under_dp"] True; default False, not yet measured):
+    S^T and dP^T committed as two groups, the first waited for alone, P from elem_split's P part, then dP^T's wait
+    and the dS part. FlashAttention-3 runs its exponentials under the dP GEMM the same way. Only where every
+    branch's elementwise function splits (elem_split: dS reads the score only through P) and no captured table has
+    a gradient; elsewhere the kernel keeps the fused function."""
+    if spec.extra.get("p_under_dp", False) is not True or spec.grads:
+        return False
+    return all(split_elem(spec.device_source, b) is not None for b in spec.branches)
 
 
 def dk_after_dq(spec: FA2BackwardSpec) -> bool:
@@ -239,6 +251,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if spec.extra.get("p_under_dp", False) not in (True, False):
+        raise ValueError(f"wgmma backward: p_under_dp must be True or False, got {spec.extra['p_under_dp']!r}")
     if spec.extra.get("dk_after_dq", False) not in (True, False):
         raise ValueError(f"wgmma backward: dk_after_dq must be True or False, got {spec.extra['dk_after_dq']!r}")
     if spec.extra.get("dq_bulk", False) not in (True, False):
@@ -336,6 +350,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     assert CS == _col_splits(spec)
     BULK = dq_bulk(spec)
     DKL = dk_after_dq(spec)
+    PDP = p_under_dp(spec)
     PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
     KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
@@ -364,6 +379,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     c(f"WAIT_Q = wgmma_wait_regs(0, {DC // 2})")
     if DKL:
         c(f"WAIT_Q1 = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, dK's (issued after it) in flight")
+    if PDP:
+        c(f"WAIT_S1 = wgmma_wait_regs(1, {BQ // 2})  # S^T's group done, dP^T's (committed after it) in flight")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
@@ -524,12 +541,17 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     a = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
                     bq = ((ks // 4) * BQ * 128 + (ks % 4) * 32) >> 4
                     c(f"WG_S({acc}, 0, desc_at(HI_KM, {A} + {a}), desc_at(HI_KM, {B} + {bq}), {int(ks > 0)})")
+                if PDP and acc == "sacc":
+                    c("wgmma_commit()  # S^T's group, waited for before dP^T's")
             c("wgmma_commit()")
             if BULK:
                 c("# the last tile's staged dQ rows to the copy engine while S^T and dP^T are computed")
                 _emit_dq_issue(c, DC, lay["DQ"], PITCH)
-            c("WAIT_S(sacc, 0)")
-            c("WAIT_S(pacc, 0)")
+            if PDP:
+                c("WAIT_S1(sacc, 0)  # S^T; dP^T's GEMM still in flight under P's exponentials")
+            else:
+                c("WAIT_S(sacc, 0)")
+                c("WAIT_S(pacc, 0)")
             c()
             c("# per element: P and dS from the IR's elementwise code (sacc becomes P^T, pacc dS^T)")
             for i, gr in enumerate(spec.grads):
@@ -564,15 +586,37 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                             _emit_grad_element(c, spec, groups={
                                 gi: f"gd{gi}_{_key(offset(gi, jj, e, r))}" for gi in GROUPS})
 
-            if len(spec.branches) == 1:
-                elementwise(spec.branches[0])
-            else:
+            def p_part(branch: str) -> None:  # p_under_dp: P^T in sacc from S^T alone
+                fn = _elem_split_helpers(c, spec, branch)[0]
+                for jj in range(NJ):
+                    for e in range(2):
+                        c(f"{fn}(sacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, q0, t2, kvr, b, h, hk, "
+                          f"interior{caps})")
+
+            def ds_part(branch: str) -> None:  # ... then dS^T in pacc from P^T and dP^T
+                fn = _elem_split_helpers(c, spec, branch)[1]
+                for jj in range(NJ):
+                    for e in range(2):
+                        c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, kvr, "
+                          f"b, h, hk, interior{caps})")
+
+            def by_class(emit) -> None:
+                if len(spec.branches) == 1:
+                    emit(spec.branches[0])
+                    return
                 c("if cls == 2:")
                 with c.indent():
-                    elementwise("full")
+                    emit("full")
                 c("else:")
                 with c.indent():
-                    elementwise("partial")
+                    emit("partial")
+
+            if PDP:
+                by_class(p_part)
+                c("WAIT_S(pacc, 0)  # dP^T")
+                by_class(ds_part)
+            else:
+                by_class(elementwise)
             if HOLD:
                 _emit_grad_hold(c, spec)
             else:
@@ -670,6 +714,30 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("WAIT_D(dkacc, 0)")
         _emit_dkdv_stores(c, D, ND, pack)
     return bind_offsets(c.text())
+
+
+def _elem_split_helpers(c: _Code, spec: FA2BackwardSpec, branch: str) -> tuple[str, str]:
+    """p_under_dp's per-(n8 tile, column) steps, each on this thread's two kv rows in place as _elem_quad_helper's:
+    `elemsp_<branch>(x, i, col, smem_f, lse_f, q0, t2, kvr, b, h, hk, interior, *captures)` S^T -> P^T, and
+    `elemsd_<branch>(x, y, i, col, smem_f, lse_f, dlt_f, ...)` dP^T -> dS^T from P^T; the split functions with them."""
+    caps = _cap_args(spec)
+    split = split_elem(spec.device_source, branch)
+    assert split is not None, branch  # p_under_dp(spec) checked every branch
+    c.helper(f"elem_split_{branch}", split.split("\n"))
+    head = "    qi = q0 + col + t2", "    lq = smem_f[lse_f + col + t2]"
+    p = c.helper(f"elemsp_{branch}", [
+        "@device_function",
+        f"def elemsp_{branch}(x, i, col, smem_f, lse_f, q0, t2, kvr, b, h, hk, interior{caps}):", *head,
+        f"    lset(x, i, elemp_{branch}(lget(x, i), lq, b, h, hk, qi, kvr, interior{caps}))",
+        f"    lset(x, i + 2, elemp_{branch}(lget(x, i + 2), lq, b, h, hk, qi, kvr + 8, interior{caps}))"])
+    d = c.helper(f"elemsd_{branch}", [
+        "@device_function",
+        f"def elemsd_{branch}(x, y, i, col, smem_f, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior{caps}):", *head,
+        "    dq_ = smem_f[dlt_f + col + t2]",
+        f"    lset(y, i, elemds_{branch}(lget(x, i), lget(y, i), dq_, lq, b, h, hk, qi, kvr, interior{caps}))",
+        f"    lset(y, i + 2, elemds_{branch}(lget(x, i + 2), lget(y, i + 2), dq_, lq, b, h, hk, qi, kvr + 8, "
+        f"interior{caps}))"])
+    return p, d
 
 
 def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:

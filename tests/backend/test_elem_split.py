@@ -1,0 +1,118 @@
+"""elem_split.split_elem: the backward's per-element function split into a P part (the score only) and a dS part (P,
+dP, Delta), which p_under_dp's kernel runs on either side of dP^T's wait. The two parts, run one after the other as
+plain Python on the emitted text, give the fused function's (p, ds) bit for bit over random elements, masked rows
+and tiles on the bounds included; the split is refused where dS reads the score other than through P (the
+softcap) and where the function has a captured table's gradient (ALiBi); the emitter waits for S^T alone, runs the
+P part, then waits for dP^T."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+import falower as fl  # noqa: E402
+from falower.backends.numba_cuda import emit_fa3_bwd  # noqa: E402
+from falower.backends.numba_cuda.elem_split import split_elem  # noqa: E402
+from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SPLIT = ["plain", "causal", "prefix_lm", "sliding_window", "gqa"]
+_SPECS: dict = {}
+
+
+def _spec(stem: str, D: int = 64, **extra):
+    key = (stem, D, tuple(sorted(extra.items())))
+    if key not in _SPECS:
+        g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values()
+                 if isinstance(v, fl.ir.Func))
+        c = fl.compile(g, "numba-cuda")
+        _SPECS[key] = build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, "f16", "mma", None,
+                                          {"bwd_schedule": "wgmma", **extra})
+    return _SPECS[key]
+
+
+def _run(text: str) -> dict:
+    """The device functions' text run as Python (ex2 as 2 ** x in f32)."""
+    ns = {"np": np, "device_function": lambda f: f, "LOG2E": np.float32(1.4426950408889634),
+          "ex2": lambda x: np.float32(np.exp2(np.float32(x)))}
+    exec(text, ns)  # noqa: S102 - our own emitted code
+    return ns
+
+
+@pytest.mark.parametrize("stem", SPLIT)
+def test_the_parts_give_the_fused_values(stem):
+    spec = _spec(stem)
+    fused = _run(spec.device_source)
+    for branch in spec.branches:
+        split = split_elem(spec.device_source, branch)
+        assert split is not None, (stem, branch)
+        parts = _run(spec.device_source + "\n\n" + split)
+        rng = np.random.default_rng(len(stem))
+        for _ in range(300):
+            s, dp, delta = (np.float32(x) for x in rng.normal(0, 4, 3))
+            lse = np.float32(-np.inf) if rng.random() < 0.1 else np.float32(rng.normal(0, 4))  # a fully masked row
+            q, kv = (int(x) for x in rng.integers(0, 80, 2))
+            interior = bool(rng.random() < 0.5)
+            rest = (0, 0, 0, q, kv, interior, 64, 70)  # b, h, hk, q, kv, interior, M, N
+            want = fused[f"elem_{branch}"](s, dp, lse, delta, *rest)
+            p = parts[f"elemp_{branch}"](s, lse, *rest)
+            ds = parts[f"elemds_{branch}"](p, dp, delta, lse, *rest)
+            np.testing.assert_array_equal(np.array([p, ds], np.float32), np.array(want, np.float32))
+
+
+@given(st.sampled_from(SPLIT), st.floats(-50, 50, width=32), st.floats(-50, 50, width=32),
+       st.floats(-50, 50, width=32), st.integers(0, 200), st.integers(0, 200), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_the_parts_give_the_fused_values_anywhere(stem, s, dp, delta, q, kv, interior):
+    spec = _spec(stem)
+    ns = _run(spec.device_source + "".join("\n\n" + split_elem(spec.device_source, b) for b in spec.branches))
+    for branch in spec.branches:
+        rest = (0, 0, 0, q, kv, interior, 130, 100)
+        want = ns[f"elem_{branch}"](*(np.float32(x) for x in (s, dp, 1.5, delta)), *rest)
+        p = ns[f"elemp_{branch}"](np.float32(s), np.float32(1.5), *rest)
+        got = (p, ns[f"elemds_{branch}"](p, np.float32(dp), np.float32(delta), np.float32(1.5), *rest))
+        np.testing.assert_array_equal(np.array(got, np.float32), np.array(want, np.float32))
+
+
+@pytest.mark.parametrize("stem, why", [("softcap", "dS reads the score"), ("alibi", "a captured table's gradient")])
+def test_refused(stem, why):
+    spec = _spec(stem)
+    assert all(split_elem(spec.device_source, b) is None for b in spec.branches), why
+    asked = _spec(stem, p_under_dp=True)
+    assert not emit_fa3_bwd.p_under_dp(asked)
+    assert "WAIT_S1" not in emit_fa3_bwd.emit_fa3_backward(asked)  # the fused function, both waits first
+
+
+def test_split_refuses_text_of_another_form():
+    spec = _spec("plain")
+    assert split_elem(spec.device_source, "missing") is None
+    odd = spec.device_source.replace("    return ", "    x = 1\n    return ", 1)
+    assert split_elem(odd, spec.branches[0]) is None
+
+
+def test_the_kernel_waits_for_s_alone_then_dp(tmp_path, monkeypatch):
+    """p_under_dp: S^T's group committed by itself, wait_group 1 before the P part, dP^T's wait between the parts
+    (in both branches' order for causal); a non-bool is refused (its PTX: test_wgmma_bwd_simulator's
+    test_the_knobs_ptx)."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+
+    with pytest.raises(ValueError, match="p_under_dp must be True or False"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, p_under_dp="yes"))
+    spec = _spec("causal", 128, p_under_dp=True)
+    assert emit_fa3_bwd.p_under_dp(spec)
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    loop = src[src.index("WG_S(sacc, 0, desc_at(HI_KM, w_k + 0)"):]
+    order = ["wgmma_commit()  # S^T's group", "WG_S(pacc", "wgmma_commit()", "WAIT_S1(sacc, 0)", "elemsp_full(",
+             "elemsp_partial(", "WAIT_S(pacc, 0)", "elemsd_full(", "elemsd_partial(", "FENCE_D(dvacc"]
+    at = [loop.index(order[0])]
+    for x in order[1:]:  # each after the one before
+        at.append(loop.index(x, at[-1] + 1))
+    assert loop.index("WAIT_S1(sacc, 0)") > loop.index("WG_S(pacc, 0, desc_at(HI_KM, w_v + 1030)")
+    assert "elems_full(" not in loop and "WAIT_S(sacc, 0)" not in loop
+    assert "WAIT_S(sacc, 0)" in emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128))
