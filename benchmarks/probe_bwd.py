@@ -79,6 +79,11 @@ EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after
          "pdp": {"p_under_dp": True}, "dkl_pdp": {"dk_after_dq": True, "p_under_dp": True}}
 
 
+def _extra_of(name: str, base: dict | None) -> dict | None:
+    """The spec.extra a variant is built with: an EXTRA variant's own keys over --extra's; an edit's, --extra's."""
+    return {**(base or {}), **EXTRA[name]} if name in EXTRA else base
+
+
 def edited(source: str, name: str) -> str:
     out = source
     for pat, rep in VARIANTS[name][1]:
@@ -239,7 +244,7 @@ def main() -> None:
     B, H = 4, 16 if a.d == 128 else 32
     base_extra = json.loads(a.extra) if a.extra else None
     if a.compile_one:
-        c, kern, args = setup(a.d, a.causal, B, H, a.n, EXTRA.get(a.compile_one, base_extra))
+        c, kern, args = setup(a.d, a.causal, B, H, a.n, _extra_of(a.compile_one, base_extra))
         use_variant(kern, kern.source, a.compile_one)
         kern._direct_kernel("main")
         return
@@ -256,13 +261,18 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(ph))
         return
-    others = {x: setup(a.d, a.causal, B, H, a.n, EXTRA[x])[1] for x in EXTRA if x in a.variants.split(",")}
     names = [x for x in a.variants.split(",") if x] or [x for x in VARIANTS if x in EXTRA or applies(source, x)]
     if "rotate" in names and (a.n != 4096 or a.causal):
         raise SystemExit("probe_bwd: rotate is written for 64 q tiles of 64 rows without a mask "
                          "(--n 4096, no --causal)")
     if "oneop" in names and a.d != 128:
         raise SystemExit("probe_bwd: oneop is written for D = 128 (rows of 64 f32 a warpgroup)")
+    others = {x: setup(a.d, a.causal, B, H, a.n, _extra_of(x, base_extra))[1] for x in names if x in EXTRA}
+    marks = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa", "p_under_dp": "WAIT_S1(sacc"}
+    for x, k in others.items():  # a knob the kernel cannot take (p_under_dp without a split) is said, not timed
+        off = [n for n, v in EXTRA[x].items() if v is True and marks[n] not in k.source]
+        if off:
+            print(f"probe_bwd: {x}: {', '.join(off)} not in effect in this kernel (its fallback is timed)")
     for x in names:
         if x not in VARIANTS:
             raise SystemExit(f"probe_bwd: unknown variant {x!r} (known: {', '.join(VARIANTS)})")

@@ -89,6 +89,43 @@ def test_refused(stem, why):
     assert "WAIT_S1" not in emit_fa3_bwd.emit_fa3_backward(asked)  # the fused function, both waits first
 
 
+_HAND = """@device_function
+def elem_x(s, dp, lse, delta, b, h, hk, q, kv, interior, dim_M):
+    v1 = (q >= kv)
+    v2 = (s * np.float32(0.5))
+    v3 = (v2 if v1 else np.float32(-np.inf))
+    v4 = ex2(v3 - lse)
+    v10 = (dp - delta)
+    v11 = (v4 * v10)
+    v12 = (v11 if v1 else np.float32(0.0))
+    v13 = ({extra})
+    return v4,  v13
+"""
+
+
+def test_a_mask_value_read_by_ds_is_recomputed():
+    """dS re-masks by v1 (q >= kv, no score among its inputs): accepted, v1 recomputed in the dS part, and the
+    parts match the fused function; v10 is not taken for v1 (names as whole words); a return with extra spaces."""
+    text = _HAND.format(extra="v12 * np.float32(0.5)")
+    split = split_elem(text, "x")
+    assert split is not None
+    ds_part = split[split.index("def elemds_x"):]
+    assert "    v1 = (q >= kv)" in ds_part and "v2 =" not in ds_part and "v4" not in ds_part.split("return")[0]
+    ns = _run(text + "\n\n" + split)
+    for q, kv in ((3, 1), (1, 3)):
+        rest = (0, 0, 0, q, kv, True, 9)
+        want = ns["elem_x"](np.float32(1.25), np.float32(0.5), np.float32(0.25), np.float32(0.125), *rest)
+        p = ns["elemp_x"](np.float32(1.25), np.float32(0.25), *rest)
+        got = (p, ns["elemds_x"](p, np.float32(0.5), np.float32(0.125), np.float32(0.25), *rest))
+        np.testing.assert_array_equal(np.array(got, np.float32), np.array(want, np.float32))
+
+
+@pytest.mark.parametrize("extra", ["v12 * v2", "v12 * s", "v12 * v3"])
+def test_a_score_value_read_by_ds_is_refused(extra):
+    """dS reading the score other than through P (the scaled score v2, s itself, the masked score v3): refused."""
+    assert split_elem(_HAND.format(extra=extra), "x") is None
+
+
 def test_split_refuses_text_of_another_form():
     spec = _spec("plain")
     assert split_elem(spec.device_source, "missing") is None

@@ -48,6 +48,9 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert g["shape_ok"] and not g["nan"], (name, g)
         assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
     assert r["masked_dq_zero"], r
+    asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
+    for knob in ("dq_bulk", "dk_after_dq", "p_under_dp"):  # each knob the case asks for is in the kernel it ran
+        assert r["knobs"][knob] == bool(asked.get(knob)), (knob, r["knobs"])
     if case_id.startswith(("alibi", "relative_bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
 
@@ -183,7 +186,8 @@ def test_dk_after_dq_when_asked(tmp_path, monkeypatch):
     src = emit_fa3_bwd.emit_fa3_backward(spec)
     loop = src[src.index("WG_S(pacc"):]
     order = ["WG_D(dvacc", "cuda.syncthreads()  # dS^T", "WG_Q(dqa", "FENCE_D(dkacc", "WG_D(dkacc, 0, da0_0",
-             "WG_D(dkacc, 0, da3_0", "WAIT_Q1(dqa, 0)", "red_add_v4_f32(dq32", "WAIT_D(dkacc, 0)", "hc = hn"]
+             "WG_D(dkacc, 0, da3_0", "WAIT_Q1(dqa, 0)", "dq_swap(dqa", "red_add_v4_f32(dq32", "WAIT_D(dkacc, 0)",
+             "hc = hn"]
     at = [loop.index(x) for x in order]
     assert at == sorted(at), list(zip(order, at))
     assert loop.count("WG_D(dkacc") == 4 and "WAIT_Q1 = wgmma_wait_regs(1, 32)" in src
@@ -218,7 +222,6 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     assert src.count("bulk_reduce_add_f32(dqg") == 2
     loop = src[src.index("WG_S(pacc"):]
     assert loop.index("bulk_reduce_add_f32(dqg") < loop.index("WAIT_S(sacc, 0)")
-
 
 
 def test_reduced_gradients_are_held_across_tiles():
@@ -338,4 +341,3 @@ def test_the_knobs_ptx(tmp_path, monkeypatch):
     except Exception as exc:
         pytest.skip(f"nvJitLink unavailable: {exc}")
     assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
-

@@ -127,7 +127,10 @@ def run_case(case_id: str) -> dict:
     by.update(o=_float(o, dtype), lse=lse, do=_float(do, dtype))
     want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
     out = {"id": case_id, "dtype": dtype, "wgmma": kern.spec.extra.get("bwd_schedule") == "wgmma"
-           and "wgmma_ss" in kern.source, "refused": kern.wgmma_refused, "grads": {}, "seconds": round(seconds, 1)}
+           and "wgmma_ss" in kern.source, "refused": kern.wgmma_refused, "grads": {}, "seconds": round(seconds, 1),
+           # the knobs asked for, in effect (p_under_dp falls back to the fused function where it cannot split)
+           "knobs": {"dq_bulk": "bulk_reduce_add_f32(dqg" in kern.source, "dk_after_dq": "WAIT_Q1(dqa" in kern.source,
+                     "p_under_dp": "WAIT_S1(sacc" in kern.source}}
     for name, a, b in zip(c.gradient_names(), got, want):
         a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)

@@ -139,13 +139,14 @@ def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
         assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
 
 
+@pytest.mark.parametrize("dk_after", [False, True])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])
-def test_p_under_dp(stem: str, dtype: str, D: int) -> None:
-    """spec.extra["p_under_dp"] (with dk_after_dq): P from the split elementwise function while dP^T's GEMM is in
-    flight (the A/B knob against the fused function after both waits)."""
+def test_p_under_dp(stem: str, dtype: str, D: int, dk_after: bool) -> None:
+    """spec.extra["p_under_dp"] (alone and with dk_after_dq): P from the split elementwise function while dP^T's
+    GEMM is in flight (the A/B knob against the fused function after both waits)."""
     _hopper()
-    c = wgmma(stem, dtype, p_under_dp=True, dk_after_dq=True)
+    c = wgmma(stem, dtype, p_under_dp=True, dk_after_dq=dk_after)
     for N in (1000, 4096):
         env, host, do = case_inputs(stem, dtype, D, N)
         *_, grads = run_backward(c, host, do, dtype)
