@@ -268,9 +268,10 @@ def main() -> None:
     if "oneop" in names and a.d != 128:
         raise SystemExit("probe_bwd: oneop is written for D = 128 (rows of 64 f32 a warpgroup)")
     others = {x: setup(a.d, a.causal, B, H, a.n, _extra_of(x, base_extra))[1] for x in names if x in EXTRA}
-    marks = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa", "p_under_dp": "WAIT_S1(sacc"}
+    from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
+
     for x, k in others.items():  # a knob the kernel cannot take (p_under_dp without a split) is said, not timed
-        off = [n for n, v in EXTRA[x].items() if v is True and marks[n] not in k.source]
+        off = [n for n, v in EXTRA[x].items() if v is True and not knobs_in(k.source)[n]]
         if off:
             print(f"probe_bwd: {x}: {', '.join(off)} not in effect in this kernel (its fallback is timed)")
     for x in names:

@@ -103,6 +103,7 @@ def _float(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def run_case(case_id: str) -> dict:
     import falower as fl
+    from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
@@ -129,8 +130,7 @@ def run_case(case_id: str) -> dict:
     out = {"id": case_id, "dtype": dtype, "wgmma": kern.spec.extra.get("bwd_schedule") == "wgmma"
            and "wgmma_ss" in kern.source, "refused": kern.wgmma_refused, "grads": {}, "seconds": round(seconds, 1),
            # the knobs asked for, in effect (p_under_dp falls back to the fused function where it cannot split)
-           "knobs": {"dq_bulk": "bulk_reduce_add_f32(dqg" in kern.source, "dk_after_dq": "WAIT_Q1(dqa" in kern.source,
-                     "p_under_dp": "WAIT_S1(sacc" in kern.source}}
+           "knobs": knobs_in(kern.source)}
     for name, a, b in zip(c.gradient_names(), got, want):
         a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)

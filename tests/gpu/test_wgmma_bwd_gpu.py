@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import falower as fl  # noqa: E402
+from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in  # noqa: E402
 from test_backward_gpu import (  # noqa: E402
     FLOOR,
     assert_gradient_rule,
@@ -95,18 +96,24 @@ def test_wgmma_backward_no_worse_than_mma_sync(stem: str, dtype: str, D: int) ->
         assert float(np.abs(host64(a) - host64(b)).max()) <= 2 * (e_wg + e_mma) + floor, n
 
 
-@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
-@pytest.mark.parametrize("stem", ["causal", "alibi"])
-def test_dq_split_k(stem: str, dtype: str, D: int) -> None:
-    """spec.extra["dq_split"] = "k": dQ of each warpgroup's own kv rows (the A/B knob against the column split)."""
+def assert_knob_case(stem: str, dtype: str, D: int, took, **extra) -> None:
+    """The example's backward with `extra` asked for, at N = 1000 and 4096: the wgmma kernel ran, took(kernel) holds
+    (the knob is in the kernel built), and its gradients keep the error rule."""
     _hopper()
-    c = wgmma(stem, dtype, dq_split="k")
+    c = wgmma(stem, dtype, **extra)
     for N in (1000, 4096):
         env, host, do = case_inputs(stem, dtype, D, N)
         *_, grads = run_backward(c, host, do, dtype)
         assert_ran_wgmma(c, dtype, D)
-        assert c._backward_kernel_and_dims_for(dtype, D).spec.extra["dq_split"] == "k"
+        assert took(c._backward_kernel_and_dims_for(dtype, D)), extra
         assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "alibi"])
+def test_dq_split_k(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dq_split"] = "k": dQ of each warpgroup's own kv rows (the A/B knob against the column split)."""
+    assert_knob_case(stem, dtype, D, lambda k: k.spec.extra["dq_split"] == "k", dq_split="k")
 
 
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
@@ -114,14 +121,7 @@ def test_dq_split_k(stem: str, dtype: str, D: int) -> None:
 def test_dq_bulk(stem: str, dtype: str, D: int) -> None:
     """spec.extra["dq_bulk"]: dQ's rows staged in shared memory and added by bulk reductions (the A/B knob against
     the threads' vector reductions, the default)."""
-    _hopper()
-    c = wgmma(stem, dtype, dq_bulk=True)
-    for N in (1000, 4096):
-        env, host, do = case_inputs(stem, dtype, D, N)
-        *_, grads = run_backward(c, host, do, dtype)
-        assert_ran_wgmma(c, dtype, D)
-        assert "bulk_reduce_add_f32(dqg" in c._backward_kernel_and_dims_for(dtype, D).source
-        assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_bulk"], dq_bulk=True)
 
 
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
@@ -129,14 +129,7 @@ def test_dq_bulk(stem: str, dtype: str, D: int) -> None:
 def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
     """spec.extra["dk_after_dq"]: dK's GEMM issued after dQ's, in flight while dQ's reductions issue (the A/B knob
     against the default order)."""
-    _hopper()
-    c = wgmma(stem, dtype, dk_after_dq=True)
-    for N in (1000, 4096):
-        env, host, do = case_inputs(stem, dtype, D, N)
-        *_, grads = run_backward(c, host, do, dtype)
-        assert_ran_wgmma(c, dtype, D)
-        assert "WAIT_Q1(dqa, 0)" in c._backward_kernel_and_dims_for(dtype, D).source
-        assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dk_after_dq"], dk_after_dq=True)
 
 
 @pytest.mark.parametrize("dk_after", [False, True])
@@ -145,14 +138,9 @@ def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
 def test_p_under_dp(stem: str, dtype: str, D: int, dk_after: bool) -> None:
     """spec.extra["p_under_dp"] (alone and with dk_after_dq): P from the split elementwise function while dP^T's
     GEMM is in flight (the A/B knob against the fused function after both waits)."""
-    _hopper()
-    c = wgmma(stem, dtype, p_under_dp=True, dk_after_dq=dk_after)
-    for N in (1000, 4096):
-        env, host, do = case_inputs(stem, dtype, D, N)
-        *_, grads = run_backward(c, host, do, dtype)
-        assert_ran_wgmma(c, dtype, D)
-        assert "WAIT_S1(sacc, 0)" in c._backward_kernel_and_dims_for(dtype, D).source
-        assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source) == {"dq_bulk": False, "dk_after_dq": dk_after,
+                                                                      "p_under_dp": True},
+                     p_under_dp=True, dk_after_dq=dk_after)
 
 
 def test_torch_autograd_runs_the_wgmma_backward() -> None:

@@ -136,6 +136,16 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     return str(spec.extra.get("dq_split", "n"))
 
 
+# The opt-in knobs of this kernel, each with the text it leaves in the emitted source: what tools and tests read to
+# know a built kernel took it (p_under_dp falls back to the fused elementwise function where it cannot split).
+KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)"}
+
+
+def knobs_in(source: str) -> dict[str, bool]:
+    """Which of KNOB_MARKS' knobs the kernel module `source` was emitted with."""
+    return {knob: mark in source for knob, mark in KNOB_MARKS.items()}
+
+
 def dq_bulk(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums added by bulk reductions (spec.extra["dq_bulk"] True; default False, measured no faster):
     each warp stages its 16 rows of the tile's dQ fragment in shared memory (rows padded by 16 bytes: a warp's
@@ -251,12 +261,9 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
-    if spec.extra.get("p_under_dp", False) not in (True, False):
-        raise ValueError(f"wgmma backward: p_under_dp must be True or False, got {spec.extra['p_under_dp']!r}")
-    if spec.extra.get("dk_after_dq", False) not in (True, False):
-        raise ValueError(f"wgmma backward: dk_after_dq must be True or False, got {spec.extra['dk_after_dq']!r}")
-    if spec.extra.get("dq_bulk", False) not in (True, False):
-        raise ValueError(f"wgmma backward: dq_bulk must be True or False, got {spec.extra['dq_bulk']!r}")
+    for knob in KNOB_MARKS:
+        if spec.extra.get(knob, False) not in (True, False):
+            raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
                          f"{dq_split(spec)!r} with block_q = {BQ}")
@@ -346,8 +353,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     NWG = BK // 64  # warpgroups
     RG = BQ // 64  # dQ's 64-row groups
     KSPLIT = dq_split(spec) == "k"  # each warpgroup: its own kv rows, every column
-    CS = 1 if KSPLIT else NWG // RG  # warpgroups sharing one row group (they split D)
-    assert CS == _col_splits(spec)
+    CS = _col_splits(spec)  # warpgroups sharing one row group (they split D)
     BULK = dq_bulk(spec)
     DKL = dk_after_dq(spec)
     PDP = p_under_dp(spec)
@@ -586,19 +592,15 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                             _emit_grad_element(c, spec, groups={
                                 gi: f"gd{gi}_{_key(offset(gi, jj, e, r))}" for gi in GROUPS})
 
-            def p_part(branch: str) -> None:  # p_under_dp: P^T in sacc from S^T alone
-                fn = _elem_split_helpers(c, spec, branch)[0]
-                for jj in range(NJ):
-                    for e in range(2):
-                        c(f"{fn}(sacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, q0, t2, kvr, b, h, hk, "
-                          f"interior{caps})")
-
-            def ds_part(branch: str) -> None:  # ... then dS^T in pacc from P^T and dP^T
-                fn = _elem_split_helpers(c, spec, branch)[1]
-                for jj in range(NJ):
-                    for e in range(2):
-                        c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, kvr, "
-                          f"b, h, hk, interior{caps})")
+            def split_part(k: int, arrays: str, stats: str):
+                """p_under_dp's part k for one branch: 0 P^T in sacc from S^T alone, 1 dS^T in pacc from P^T, dP^T."""
+                def emit(branch: str) -> None:
+                    fn = _elem_split_helpers(c, spec, branch)[k]
+                    for jj in range(NJ):
+                        for e in range(2):
+                            c(f"{fn}({arrays}, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, {stats}, q0, t2, kvr, b, h, "
+                              f"hk, interior{caps})")
+                return emit
 
             def by_class(emit) -> None:
                 if len(spec.branches) == 1:
@@ -612,9 +614,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     emit("partial")
 
             if PDP:
-                by_class(p_part)
+                by_class(split_part(0, "sacc", "lse_f"))
                 c("WAIT_S(pacc, 0)  # dP^T")
-                by_class(ds_part)
+                by_class(split_part(1, "sacc, pacc", "lse_f, dlt_f"))
             else:
                 by_class(elementwise)
             if HOLD:

@@ -1864,41 +1864,41 @@ if SIMULATOR:
             raise RuntimeError("bulk_store: the thread returned with bulk copies not waited for (bulk_wait_read0): "
                                "their shared source may be gone before the copy reads it")
 
-    def bulk_store(gaddr, saddr, nbytes):
+    def _bulk_issue(what: str, gaddr, saddr, nbytes, write) -> None:
+        """A bulk copy of nbytes from shared saddr, kept with its source as it is now: write(gaddr, source) runs at
+        the thread's bulk_wait_read0."""
         gaddr, saddr, n = int(gaddr), int(saddr), int(nbytes)
         if n % 16 or gaddr % 16 or saddr % 16:
-            raise ValueError(f"bulk_store: 16-byte aligned addresses and size, got {gaddr:#x}, {saddr:#x}, {n}")
-        pending = _bulk_pending()
+            raise ValueError(f"{what}: 16-byte aligned addresses and size, got {gaddr:#x}, {saddr:#x}, {n}")
         source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()  # what the copy may read from now on
-        pending.append([saddr, n, source, False, lambda src: _write_global(gaddr, src)])
+        _bulk_pending().append([saddr, n, source, False, lambda src: write(gaddr, src)])
+
+    def bulk_store(gaddr, saddr, nbytes):
+        _bulk_issue("bulk_store", gaddr, saddr, nbytes, _write_global)
 
     def bulk_reduce_add_f32(gaddr, saddr, nbytes):
-        gaddr, saddr, n = int(gaddr), int(saddr), int(nbytes)
-        if n % 16 or gaddr % 16 or saddr % 16:
-            raise ValueError(f"bulk_reduce_add_f32: 16-byte aligned addresses and size, got {gaddr:#x}, {saddr:#x}, "
-                             f"{n}")
-        source = _block_smem().view(np.uint8)[saddr:saddr + n].copy()
-        _bulk_pending().append([saddr, n, source, False, lambda src: _add_global_f32(gaddr, src)])
+        _bulk_issue("bulk_reduce_add_f32", gaddr, saddr, nbytes, _add_global_f32)
 
-    def _add_global_f32(gaddr: int, source: np.ndarray) -> None:
-        n = len(source)
-        with _warp_lock:
-            base, a = next(((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1)), (None, None))
-            if a is None:
-                raise RuntimeError(f"bulk_reduce_add_f32: {gaddr:#x} is not inside an array elem_addr was given")
-            if not a.flags.c_contiguous or a.dtype != np.float32 or gaddr + n > base + a.nbytes:
-                raise RuntimeError("bulk_reduce_add_f32 emulation: a contiguous f32 array, the copy inside it")
-            a.reshape(-1)[(gaddr - base) // 4:(gaddr - base + n) // 4] += source.view(np.float32)
-
-    def _write_global(gaddr: int, source: np.ndarray) -> None:
-        n = len(source)
+    def _copy_target(what: str, gaddr: int, n: int, dtype=None):
+        """(the array elem_addr was given that holds gaddr, gaddr's byte offset in it) for a copy of n bytes: a
+        contiguous array (of `dtype` where given) that the copy stays inside."""
         with _warp_lock:
             base, a = next(((b, x) for b, x in _ADDRS.items() if b <= gaddr < b + max(x.nbytes, 1)), (None, None))
         if a is None:
-            raise RuntimeError(f"bulk_store: {gaddr:#x} is not inside an array elem_addr was given")
-        if not a.flags.c_contiguous or gaddr + n > base + a.nbytes:
-            raise RuntimeError("bulk_store emulation: a contiguous array, the copy inside it")
-        a.reshape(-1).view(np.uint8)[gaddr - base:gaddr - base + n] = source
+            raise RuntimeError(f"{what}: {gaddr:#x} is not inside an array elem_addr was given")
+        if not a.flags.c_contiguous or (dtype is not None and a.dtype != dtype) or gaddr + n > base + a.nbytes:
+            kind = f"contiguous {np.dtype(dtype).name} array" if dtype is not None else "contiguous array"
+            raise RuntimeError(f"{what} emulation: a {kind}, the copy inside it")
+        return a, gaddr - base
+
+    def _add_global_f32(gaddr: int, source: np.ndarray) -> None:
+        a, at = _copy_target("bulk_reduce_add_f32", gaddr, len(source), np.float32)
+        with _warp_lock:  # the adds of several threads' copies to one row
+            a.reshape(-1)[at // 4:(at + len(source)) // 4] += source.view(np.float32)
+
+    def _write_global(gaddr: int, source: np.ndarray) -> None:
+        a, at = _copy_target("bulk_store", gaddr, len(source))
+        a.reshape(-1).view(np.uint8)[at:at + len(source)] = source
 
     def _bulk_pending() -> list:
         th = threading.current_thread()
