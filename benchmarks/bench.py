@@ -145,7 +145,10 @@ def parse_config(text: str) -> tuple:
     per element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bbulk' dQ
     staged in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk),
     '-bdkl' dK's GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P
-    computed while dP's GEMM is in flight (extra p_under_dp)."""
+    computed while dP's GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a
+    second for interior tiles without bounds code (extra interior_split), '-bnoef' its exponential's argument times
+    log2 e, not log2 e folded into the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued
+    under the next tile's S^T / dP^T GEMMs, not before the next tile's barrier (extra dq_late)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -217,6 +220,9 @@ CONFIG_OPTIONS: list = [
     (("bbulk", {"dq_bulk": True}),),
     (("bdkl", {"dk_after_dq": True}),),
     (("bpdp", {"p_under_dp": True}),),
+    (("bnois", {"interior_split": False}),),
+    (("bdql", {"dq_late": True}),),
+    (("bnoef", {"exp_fold": False}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

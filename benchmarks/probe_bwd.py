@@ -47,6 +47,11 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "dkl": ("nothing: the kernel built with spec.extra dk_after_dq (dK's GEMM in flight under dQ's reductions)", []),
     "pdp": ("nothing: the kernel built with spec.extra p_under_dp (P's exponentials under dP's GEMM)", []),
     "dkl_pdp": ("nothing: the kernel built with both dk_after_dq and p_under_dp", []),
+    "nois": ("nothing: the kernel built with spec.extra interior_split False (one copy of the elementwise calls)", []),
+    "noef": ("nothing: the kernel built with spec.extra exp_fold False (the exponential's argument times log2 e)",
+             []),
+    "noisef": ("nothing: the kernel built with interior_split and exp_fold False", []),
+    "late": ("nothing: the kernel built with spec.extra dq_late (dQ's reductions under the next tile's GEMMs)", []),
     "built": ("nothing: the kernel as built", []),
     "empty": ("the whole q loop (left: Delta, dQ's conversion, K / V loads, dK / dV stores)",
               [(r"^([ \t]*)while qc <=? (?:nq|p_last):", r"\1while qc < -1:")]),
@@ -76,7 +81,9 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 # variants built from their own spec.extra
 EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after_dq": True},
-         "pdp": {"p_under_dp": True}, "dkl_pdp": {"dk_after_dq": True, "p_under_dp": True}}
+         "pdp": {"p_under_dp": True}, "dkl_pdp": {"dk_after_dq": True, "p_under_dp": True},
+         "nois": {"interior_split": False}, "noef": {"exp_fold": False},
+         "noisef": {"interior_split": False, "exp_fold": False}, "late": {"dq_late": True}}
 
 
 def _extra_of(name: str, base: dict | None) -> dict | None:

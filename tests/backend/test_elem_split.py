@@ -37,10 +37,18 @@ def _spec(stem: str, D: int = 64, **extra):
     return _SPECS[key]
 
 
+class _Cuda:
+    """cuda.fma as the emitted text calls it (the exponential's folded argument): the f32 product is exact in f64."""
+
+    @staticmethod
+    def fma(a, b, c):
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
 def _run(text: str) -> dict:
     """The device functions' text run as Python (ex2 as 2 ** x in f32)."""
     ns = {"np": np, "device_function": lambda f: f, "LOG2E": np.float32(1.4426950408889634),
-          "ex2": lambda x: np.float32(np.exp2(np.float32(x)))}
+          "ex2": lambda x: np.float32(np.exp2(np.float32(x))), "cuda": _Cuda}
     exec(text, ns)  # noqa: S102 - our own emitted code
     return ns
 

@@ -60,6 +60,13 @@ CASES = {
     # the window's q tiles of a kv tile found by a ballot (emit_fa3_bwd._emit_pair_range): kv tile 0 sees q tiles 0-2
     # of 4, kv tile 1 q tiles 2-3; the walk ends at the last, not at nq (ending one early fails it: dq err 1.95)
     "sliding_window-f16-d64-200x130": ("sliding_window", "f16", 1, 1, 1, 200, 130, 64, 64, 128),
+    # interior tiles (q and kv rows 0-127) beside ragged ones: the elementwise code's one copy (interior_split off)
+    # and the exponential's argument unfolded (exp_fold off); the default's two copies run in the cases above
+    "alibi-f16-d64-130x130-nois-noef": ("alibi", "f16", 1, 1, 1, 130, 130, 64, 64, 64,
+                                        {"interior_split": False, "exp_fold": False}),
+    # dQ's reductions under the next tile's first GEMMs (dq_late): three q tiles, two warpgroups splitting dQ's
+    # columns, the last tile's rows past M but two (its reductions after the loop)
+    "causal-f16-d64-190x130-2wg-late": ("causal", "f16", 1, 1, 1, 190, 130, 64, 64, 128, {"dq_late": True}),
 }
 
 

@@ -132,6 +132,14 @@ def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dk_after_dq"], dk_after_dq=True)
 
 
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "alibi", "relative_bias"])
+def test_dq_late(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dq_late"]: dQ's reductions issued under the next tile's S^T / dP^T GEMMs, the last tile's after
+    the loop (the A/B knob against the reductions at the tile's end)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_late"], dq_late=True)
+
+
 @pytest.mark.parametrize("dk_after", [False, True])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])
@@ -139,7 +147,8 @@ def test_p_under_dp(stem: str, dtype: str, D: int, dk_after: bool) -> None:
     """spec.extra["p_under_dp"] (alone and with dk_after_dq): P from the split elementwise function while dP^T's
     GEMM is in flight (the A/B knob against the fused function after both waits)."""
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source) == {"dq_bulk": False, "dk_after_dq": dk_after,
-                                                                      "p_under_dp": True},
+                                                                      "p_under_dp": True, "interior_split": True,
+                                                                      "dq_late": False},
                      p_under_dp=True, dk_after_dq=dk_after)
 
 

@@ -249,8 +249,8 @@ def _emit_next(c: _Code, spec: FA2BackwardSpec, cur: str, out: str) -> None:
 
 
 def _elem_call(spec: FA2BackwardSpec, branch: str, s: str, dp: str, lse: str, delta: str, q: str, kv: str,
-               outs: list[str]) -> str:
-    return (f"{', '.join(outs)} = elem_{branch}({s}, {dp}, {lse}, {delta}, b, h, hk, {q}, {kv}, interior"
+               outs: list[str], interior: str = "interior") -> str:
+    return (f"{', '.join(outs)} = elem_{branch}({s}, {dp}, {lse}, {delta}, b, h, hk, {q}, {kv}, {interior}"
             f"{_cap_args(spec)})")
 
 
@@ -264,8 +264,8 @@ def _elem_quad_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
     lines = ["@device_function",
              f"def elems_{branch}(x, y, i, col, smem_f, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior{caps}):",
              "    qi = q0 + col + t2",
-             "    lq = smem_f[lse_f + col + t2]",
-             "    dq_ = smem_f[dlt_f + col + t2]",
+             "    lq = lget(smem_f, lse_f + t2 + col)",
+             "    dq_ = lget(smem_f, dlt_f + t2 + col)",
              f"    s0, p0 = elem_{branch}(lget(x, i), lget(y, i), lq, dq_, b, h, hk, qi, kvr, interior{caps})",
              "    lset(x, i, s0)",
              "    lset(y, i, p0)",
@@ -670,8 +670,8 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 for jj in range(NJ):
                     for e in range(2):
                         c(f"qi = q0 + {jj * 8 + e} + t2")
-                        c(f"lq = smem_f[lse_f + {jj * 8 + e} + t2]")
-                        c(f"dq_ = smem_f[dlt_f + {jj * 8 + e} + t2]")
+                        c(f"lq = lget(smem_f, lse_f + t2 + {jj * 8 + e})")
+                        c(f"dq_ = lget(smem_f, dlt_f + t2 + {jj * 8 + e})")
                         for r in range(2):
                             i = 2 * r + e
                             outs = [f"{SA(jj, i)}", f"{PA(jj, i)}"] + [x for og in outs_g for x in og]

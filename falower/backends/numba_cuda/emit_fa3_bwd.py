@@ -136,9 +136,11 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     return str(spec.extra.get("dq_split", "n"))
 
 
-# The opt-in knobs of this kernel, each with the text it leaves in the emitted source: what tools and tests read to
-# know a built kernel took it (p_under_dp falls back to the fused elementwise function where it cannot split).
-KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)"}
+# The knobs of this kernel (opt-in, but interior_split: on by default), each with the text it leaves in the emitted
+# source: what tools and tests read to know a built kernel took it (p_under_dp falls back to the fused elementwise
+# function where it cannot split).
+KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
+              "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -158,6 +160,14 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("dq_bulk", False) is True
 
 
+def interior_split(spec: FA2BackwardSpec) -> bool:
+    """The tile's elementwise calls emitted twice (spec.extra["interior_split"], default True): under `if
+    interior:` with a literal True, so the IR's bounds selects (q < M, kv < N) and their 64-bit compares fold
+    away on every tile inside the sequence, and as written for the ragged ones. One copy left a plain D = 128
+    thread 32 64-bit compares, 32 predicate ops and ~64 selects a tile on interior tiles too (local SASS)."""
+    return spec.extra.get("interior_split", True) is not False
+
+
 def p_under_dp(spec: FA2BackwardSpec) -> bool:
     """P computed while dP^T's GEMM is in flight (spec.extra["p_under_dp"] True; default False, not yet measured):
     S^T and dP^T committed as two groups, the first waited for alone, P from elem_split's P part, then dP^T's wait
@@ -167,6 +177,16 @@ def p_under_dp(spec: FA2BackwardSpec) -> bool:
     if spec.extra.get("p_under_dp", False) is not True or spec.grads:
         return False
     return all(split_elem(spec.device_source, b) is not None for b in spec.branches)
+
+
+def dq_late(spec: FA2BackwardSpec) -> bool:
+    """dQ's vector reductions issued late (spec.extra["dq_late"] True; default False, not yet measured): a tile's
+    dQ fragment stays in registers (swapped, its row and column in dq_at, -1 for rows past M) until the next tile's
+    S^T and dP^T GEMMs are issued, then its 16-byte reductions issue while the tensor cores run them; the last
+    tile's after the loop. Why: the reductions were the tile's longest phase (2140 of 6665 cycles, probe_bwd.py
+    --phases, H200), issued while the tensor cores idle between dQ's GEMM and the next tile's barrier, loads and
+    S^T. Not with dq_bulk (which stages the fragment instead)."""
+    return spec.extra.get("dq_late", False) is True and not dq_bulk(spec)
 
 
 def dk_after_dq(spec: FA2BackwardSpec) -> bool:
@@ -356,6 +376,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     CS = _col_splits(spec)  # warpgroups sharing one row group (they split D)
     BULK = dq_bulk(spec)
     DKL = dk_after_dq(spec)
+    LATE = dq_late(spec)
     PDP = p_under_dp(spec)
     PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
@@ -479,6 +500,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if BULK:
             c("odd = (lane & 1) == 1")
             c("dqg = np.uint64(0)  # the staged dQ row this lane hands over next (0: none)")
+        if LATE:
+            c("dq_at = -1  # the last tile's dQ fragment: its reductions' first index into dq32 (-1: none pending)")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -553,6 +576,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             if BULK:
                 c("# the last tile's staged dQ rows to the copy engine while S^T and dP^T are computed")
                 _emit_dq_issue(c, DC, lay["DQ"], PITCH)
+            if LATE:
+                c("# the last tile's dQ reductions while S^T and dP^T are computed")
+                _emit_dq_late_issue(c, DC // 8)
             if PDP:
                 c("WAIT_S1(sacc, 0)  # S^T; dP^T's GEMM still in flight under P's exponentials")
             else:
@@ -570,25 +596,27 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             if not spec.grads:
                 c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
 
+            itr = ["interior"]  # the elementwise calls' interior argument: a literal in interior_split's copies
+
             def elementwise(branch: str) -> None:
                 if not spec.grads:  # one helper call per (n8 tile, column): 4 elements
                     fn = _elem_quad_helper(c, spec, branch)
                     for jj in range(NJ):
                         for e in range(2):
                             c(f"{fn}(sacc, pacc, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, lse_f, dlt_f, q0, t2, "
-                              f"kvr, b, h, hk, interior{caps})")
+                              f"kvr, b, h, hk, {itr[0]}{caps})")
                     return
                 outs_g = _grad_outs(spec)
                 for jj in range(NJ):
                     for e in range(2):
                         c(f"qi = q0 + {jj * 8 + e} + t2")
-                        c(f"lq = smem_f[lse_f + {jj * 8 + e} + t2]")
-                        c(f"dq_ = smem_f[dlt_f + {jj * 8 + e} + t2]")
+                        c(f"lq = lget(smem_f, lse_f + t2 + {jj * 8 + e})")
+                        c(f"dq_ = lget(smem_f, dlt_f + t2 + {jj * 8 + e})")
                         for r in range(2):
                             i = 2 * r + e
                             outs = [SA(jj, i), PA(jj, i)] + [x for og in outs_g for x in og]
                             c(_elem_call(spec, branch, SA(jj, i), PA(jj, i), "lq", "dq_", "qi",
-                                         f"kv0 + warp * 16 + {8 * r} + g", outs))
+                                         f"kv0 + warp * 16 + {8 * r} + g", outs, itr[0]))
                             _emit_grad_element(c, spec, groups={
                                 gi: f"gd{gi}_{_key(offset(gi, jj, e, r))}" for gi in GROUPS})
 
@@ -599,7 +627,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     for jj in range(NJ):
                         for e in range(2):
                             c(f"{fn}({arrays}, ofs_{jj * 4 + e}, ofs_{jj * 8 + e}, smem_f, {stats}, q0, t2, kvr, b, h, "
-                              f"hk, interior{caps})")
+                              f"hk, {itr[0]}{caps})")
                 return emit
 
             def by_class(emit) -> None:
@@ -613,12 +641,27 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 with c.indent():
                     emit("partial")
 
+            def by_interior(emit) -> None:
+                """emit's calls once, or (interior_split) twice: interior tiles with a literal True, so the IR's
+                bounds selects fold away, and the ragged ones as written."""
+                if not interior_split(spec):
+                    by_class(emit)
+                    return
+                c("if interior:  # no bounds code: the IR's bounds selects fold away")
+                with c.indent():
+                    itr[0] = "True"
+                    by_class(emit)
+                c("else:")
+                with c.indent():
+                    itr[0] = "interior"
+                    by_class(emit)
+
             if PDP:
-                by_class(split_part(0, "sacc", "lse_f"))
+                by_interior(split_part(0, "sacc", "lse_f"))
                 c("WAIT_S(pacc, 0)  # dP^T")
-                by_class(split_part(1, "sacc, pacc", "lse_f, dlt_f"))
+                by_interior(split_part(1, "sacc, pacc", "lse_f, dlt_f"))
             else:
-                by_class(elementwise)
+                by_interior(elementwise)
             if HOLD:
                 _emit_grad_hold(c, spec)
             else:
@@ -694,7 +737,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("odd = (lane & 1) == 1")
                 c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
                 c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
-                _emit_dq_reductions(c, DC // 8)
+                if LATE:
+                    swap = _dq_swap_helper(c)
+                    for dn in range(DC // 8):
+                        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
+                    c("dq_at = qrow if qi < M else -1  # added under the next tile's first GEMMs (dq_late)")
+                else:
+                    _emit_dq_reductions(c, DC // 8)
             if DKL:
                 c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
             c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
@@ -712,6 +761,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# the last tile's staged dQ rows, read before the block's shared memory goes")
             _emit_dq_issue(c, DC, lay["DQ"], PITCH)
             c("bulk_wait_read0()")
+        if LATE:
+            c("# the last tile's dQ reductions")
+            _emit_dq_late_issue(c, DC // 8)
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
         _emit_dkdv_stores(c, D, ND, pack)
@@ -726,7 +778,7 @@ def _elem_split_helpers(c: _Code, spec: FA2BackwardSpec, branch: str) -> tuple[s
     split = split_elem(spec.device_source, branch)
     assert split is not None, branch  # p_under_dp(spec) checked every branch
     c.helper(f"elem_split_{branch}", split.split("\n"))
-    head = "    qi = q0 + col + t2", "    lq = smem_f[lse_f + col + t2]"
+    head = "    qi = q0 + col + t2", "    lq = lget(smem_f, lse_f + t2 + col)"
     p = c.helper(f"elemsp_{branch}", [
         "@device_function",
         f"def elemsp_{branch}(x, i, col, smem_f, lse_f, q0, t2, kvr, b, h, hk, interior{caps}):", *head,
@@ -735,7 +787,7 @@ def _elem_split_helpers(c: _Code, spec: FA2BackwardSpec, branch: str) -> tuple[s
     d = c.helper(f"elemsd_{branch}", [
         "@device_function",
         f"def elemsd_{branch}(x, y, i, col, smem_f, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior{caps}):", *head,
-        "    dq_ = smem_f[dlt_f + col + t2]",
+        "    dq_ = lget(smem_f, dlt_f + t2 + col)",
         f"    lset(y, i, elemds_{branch}(lget(x, i), lget(y, i), dq_, lq, b, h, hk, qi, kvr, interior{caps}))",
         f"    lset(y, i + 2, elemds_{branch}(lget(x, i + 2), lget(y, i + 2), dq_, lq, b, h, hk, qi, kvr + 8, "
         f"interior{caps}))"])
@@ -767,6 +819,18 @@ def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
     c("# tile's first GEMMs are under way, so that its issue loop is off the tile's critical path")
     c("ql = q0 + rgw * 64 + (warp & 3) * 16 + lane")
     c(f"dqg = elem_addr(dq32, ((q_head + ql) * {D} + csw * {DC},)) if lane < 16 and ql < M else np.uint64(0)")
+
+
+def _emit_dq_late_issue(c: _Code, n8: int) -> None:
+    """dq_late: the pending tile's dQ fragment (dqa, swapped) added into dq32 at dq_at by 16-byte vector
+    reductions, and none left pending."""
+    c("if dq_at >= 0:")
+    with c.indent():
+        for dn in range(n8):
+            o = f"ofs_{dn * 4}"
+            c(f"red_add_v4_f32(dq32, dq_at + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
+              f"lget(dqa, {o} + 3))")
+    c("dq_at = -1")
 
 
 def _emit_dq_issue(c: _Code, DC: int, DQO: int, PITCH: int) -> None:

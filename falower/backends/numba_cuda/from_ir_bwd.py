@@ -29,12 +29,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+import numpy as np
+
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
 from ...ir.types import is_float
 from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
                       range_name, tanh_by_ex2)
 from .spec import Capture, FA2BackwardSpec, GradSpec
+
+LOG2E_F = 1.4426950408889634  # log2(e), as the kernels' LOG2E
 
 
 
@@ -301,9 +305,11 @@ def _result_name(func: Func, v: Value) -> str:
 class _ElementEmitter(_ScalarEmitter):
     """Scalar code for one element of the score-sized tile values, across the nest's blocks."""
 
-    def __init__(self, env: Mapping[str, int], names: dict[Value, str]):
+    def __init__(self, env: Mapping[str, int], names: dict[Value, str], exp_fold: bool = True):
         super().__init__(env, {})
         self.names.update(names)
+        self.exp_fold = exp_fold  # the exponential's log2(e) pushed into its argument's constants (`log2e`)
+        self.log2e_names: dict[Value, str] = {}
 
     def value(self, v: Value) -> str:
         if v in self.names:
@@ -333,8 +339,51 @@ class _ElementEmitter(_ScalarEmitter):
             return self.names[v]
         expr = self.scaled_expr(op) or self.expr(op)
         if op.name == "exp":  # the fast exponential, as the forward's softmax: 2^(x log2 e) by ex2.approx
-            expr = f"ex2({self.names[op.operands[0]]} * LOG2E)"
+            x = op.operands[0]
+            arg = self.log2e(x) if self.exp_fold and x.type.dtype == "f32" else f"{self.names[x]} * LOG2E"
+            expr = f"ex2({arg})"
         self.names[v] = nm = f"v{self.n}"
+        self.n += 1
+        self.lines.append(f"    {nm} = {expr}")
+        return nm
+
+    def log2e(self, v: Value, t: Optional[str] = None) -> str:
+        """A name for v log2(e) (+ t, a name), the factor pushed down through sums, differences and selects into
+        v's constants and constant factors, and the addend into the products as FMAs: exp(s c - lse) becomes
+        ex2(fma(s, c log2 e, -lse log2 e)), one FFMA an element (the per-column -lse log2 e shared by a thread's
+        two rows), where (s c - lse) log2 e was a multiply, a subtract and a multiply (FlashAttention's form, and
+        the forward's: `emit_fa2.folded_scale`); a select takes the sum into both its arms, so on an interior
+        tile, where a bounds select folds away, nothing stands between the product and the FMA. The unscaled
+        values stay emitted; `_live_lines` drops those nothing else reads."""
+        key = (v, t)
+        if key in self.log2e_names:
+            return self.log2e_names[key]
+        op = v.owner
+        plus = "" if t is None else f" + {t}"
+        if v in self.consts:
+            out = f"({_literal(float(np.float32(float(self.consts[v]) * LOG2E_F)), 'f32', {})}{plus})"
+        elif v in self.factors:
+            base, f = self.factors[v]
+            fl = f"np.float32({float(np.float32(f * LOG2E_F))!r})"
+            out = f"({base} * {fl})" if t is None else f"cuda.fma({base}, {fl}, {t})"
+        elif isinstance(op, Op) and op.name == "add" and all(o.type.dtype == "f32" for o in op.operands):
+            out = self.log2e(op.operands[0], self.log2e(op.operands[1], t))
+        elif isinstance(op, Op) and op.name == "sub" and all(o.type.dtype == "f32" for o in op.operands):
+            out = self.log2e(op.operands[0], self.line(f"-{self.log2e(op.operands[1])}" if t is None else
+                                                       f"{t} - {self.log2e(op.operands[1])}"))
+        elif isinstance(op, Op) and op.name == "where" and op.operands[1].type.dtype == "f32":
+            c = self.names[op.operands[0]]
+            x, y = self.log2e(op.operands[1], t), self.log2e(op.operands[2], t)
+            out = f"({x} if interior else ({x} if {c} else {y}))" if op.attrs.get("bounds") else \
+                f"({x} if {c} else {y})"
+        else:
+            out = f"({self.names[v]} * LOG2E)" if t is None else f"cuda.fma({self.names[v]}, LOG2E, {t})"
+        self.log2e_names[key] = nm = out if re.fullmatch(r"v\d+", out) else self.line(out)
+        return nm
+
+    def line(self, expr: str) -> str:
+        """A new name for expr, its line emitted."""
+        nm = f"v{self.n}"
         self.n += 1
         self.lines.append(f"    {nm} = {expr}")
         return nm
@@ -353,10 +402,10 @@ def _strip_reductions(v: Value) -> Value:
 
 
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
-             tanh_ex2: bool = False) -> list[str]:
+             tanh_ex2: bool = False, exp_fold: bool = True) -> list[str]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
-    (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P."""
-    e = _ElementEmitter(env, _elem_names(low, br, dq_nest))
+    (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e."""
+    e = _ElementEmitter(env, _elem_names(low, br, dq_nest), exp_fold)
     e.tanh_ex2 = tanh_ex2
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     for sc in [] if dq_nest else br.scatters:
@@ -412,7 +461,8 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
     return [f"def {name}(b, h, q, kv{sig}):"] + _live_lines(e.lines, e.name(res)) + [f"    return {e.name(res)}"]
 
 
-def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False) -> tuple[str, list[str]]:
+def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False, exp_fold: bool = True
+                  ) -> tuple[str, list[str]]:
     """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>). `tanh_ex2`:
     from_ir.tanh_by_ex2."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
@@ -424,9 +474,9 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
         sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
     out: list[str] = []
     for br in low.branches:
-        out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2) + [""]
+        out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold) + [""]
     for br in low.q_branches:
-        out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2) + [""]
+        out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2, exp_fold=exp_fold) + [""]
     for i, v in enumerate(low.grad_index):
         if v is not None:
             out += _grad_index_fn(low, low.branches[0], env, sig, i, v) + [""]
@@ -455,7 +505,7 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     D = int(env["D"])
     if low.block_mask == "list" and (extra or {}).get("bwd_block_list") is False:
         low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
-    src, dims = device_source(low, env, tanh_by_ex2(path, extra))
+    src, dims = device_source(low, env, tanh_by_ex2(path, extra), (extra or {}).get("exp_fold", True) is not False)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
