@@ -148,7 +148,9 @@ def parse_config(text: str) -> tuple:
     computed while dP's GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a
     second for interior tiles without bounds code (extra interior_split), '-bnoef' its exponential's argument times
     log2 e, not log2 e folded into the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued
-    under the next tile's S^T / dP^T GEMMs, not before the next tile's barrier (extra dq_late)."""
+    under the next tile's S^T / dP^T GEMMs, not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its
+    grid with a head's kv tiles in consecutive blocks, or kv tile j of every head first (extra kv_major; default:
+    the first without a block mask)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -222,6 +224,7 @@ CONFIG_OPTIONS: list = [
     (("bpdp", {"p_under_dp": True}),),
     (("bnois", {"interior_split": False}),),
     (("bdql", {"dq_late": True}),),
+    (("bkvm", {"kv_major": True}), ("bnokvm", {"kv_major": False})),
     (("bnoef", {"exp_fold": False}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}

@@ -67,6 +67,8 @@ CASES = {
     # dQ's reductions under the next tile's first GEMMs (dq_late): three q tiles, two warpgroups splitting dQ's
     # columns, the last tile's rows past M but two (its reductions after the loop)
     "causal-f16-d64-190x130-2wg-late": ("causal", "f16", 1, 1, 1, 190, 130, 64, 64, 128, {"dq_late": True}),
+    # the grid with a head's kv tiles in consecutive blocks (kv_major): 2 batch rows, a GQA group of 2, 3 kv tiles
+    "gqa-bf16-d64-70x130-kvm": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64, {"kv_major": True}),
 }
 
 

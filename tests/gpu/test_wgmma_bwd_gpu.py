@@ -140,15 +140,23 @@ def test_dq_late(stem: str, dtype: str, D: int) -> None:
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_late"], dq_late=True)
 
 
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "gqa", "relative_bias"])
+def test_kv_major(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["kv_major"]: the grid (kv tiles, kv heads, batch), a head's kv tiles in consecutive blocks (the
+    A/B knob against (kv heads, batch, kv tiles))."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["kv_major"], kv_major=True)
+
+
 @pytest.mark.parametrize("dk_after", [False, True])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])
 def test_p_under_dp(stem: str, dtype: str, D: int, dk_after: bool) -> None:
     """spec.extra["p_under_dp"] (alone and with dk_after_dq): P from the split elementwise function while dP^T's
     GEMM is in flight (the A/B knob against the fused function after both waits)."""
-    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source) == {"dq_bulk": False, "dk_after_dq": dk_after,
-                                                                      "p_under_dp": True, "interior_split": True,
-                                                                      "dq_late": False},
+    assert_knob_case(stem, dtype, D, lambda k: {n: knobs_in(k.source)[n] for n in ("dq_bulk", "dk_after_dq",
+                                                                                     "p_under_dp")}
+                     == {"dq_bulk": False, "dk_after_dq": dk_after, "p_under_dp": True},
                      p_under_dp=True, dk_after_dq=dk_after)
 
 

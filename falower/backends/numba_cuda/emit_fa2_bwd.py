@@ -118,8 +118,8 @@ def bwd_threads(spec: FA2BackwardSpec) -> int:
 
 def bwd_grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, ...]:
     nk = -(-N // spec.block_k)
-    if _wgmma(spec):  # (kv heads, batch, kv tiles): the wgmma kernel divides by no run-time value
-        return (H // spec.group_size, B, nk)
+    if _wgmma(spec):  # a 3-d grid: the wgmma kernel divides by no run-time value
+        return _wgmma(spec).grid(spec, B, H, M, N)
     return (nk * B * (H // spec.group_size),)
 
 
