@@ -25,7 +25,6 @@ from wgmma_bwd_sim_cases import CASES  # noqa: E402
 
 TOL = {"f16": 4e-3, "bf16": 3e-2}  # of max(1, max |g|): f16 / bf16 P and dS operands, outputs in the dtype
 IDS = list(CASES)
-DEFAULT_ON = ("interior_split", "kv_major")  # knobs on by default (kv_major without a block mask): not asked for
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +49,9 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
-    for knob in r["knobs"]:  # each knob the case asks for, and no other opt-in one, is in the kernel it ran
-        if knob in asked or knob not in DEFAULT_ON:
-            assert r["knobs"][knob] == bool(asked.get(knob)), (knob, r["knobs"])
+    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True}
+    for knob, on in {**r["knobs"], "exp_fold": r["exp_fold"]}.items():  # each knob as asked, else its default
+        assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
     if case_id.startswith(("alibi", "relative_bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
 

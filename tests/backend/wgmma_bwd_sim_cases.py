@@ -13,6 +13,7 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python wgmma_bwd_sim_cases.py [case-id ...]
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -65,10 +66,11 @@ CASES = {
     "alibi-f16-d64-130x130-nois-noef": ("alibi", "f16", 1, 1, 1, 130, 130, 64, 64, 64,
                                         {"interior_split": False, "exp_fold": False}),
     # dQ's reductions under the next tile's first GEMMs (dq_late): three q tiles, two warpgroups splitting dQ's
-    # columns, the last tile's rows past M but two (its reductions after the loop)
+    # columns, the last tile's rows all but two within M (its reductions after the loop)
     "causal-f16-d64-190x130-2wg-late": ("causal", "f16", 1, 1, 1, 190, 130, 64, 64, 128, {"dq_late": True}),
-    # the grid with a head's kv tiles in consecutive blocks (kv_major): 2 batch rows, a GQA group of 2, 3 kv tiles
-    "gqa-bf16-d64-70x130-kvm": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64, {"kv_major": True}),
+    # the grid with a head's kv tiles in consecutive blocks (kv_major, the default without a mask): 2 batch rows, a
+    # GQA group of 2, 3 kv tiles
+    "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
 }
 
 
@@ -139,7 +141,9 @@ def run_case(case_id: str) -> dict:
     out = {"id": case_id, "dtype": dtype, "wgmma": kern.spec.extra.get("bwd_schedule") == "wgmma"
            and "wgmma_ss" in kern.source, "refused": kern.wgmma_refused, "grads": {}, "seconds": round(seconds, 1),
            # the knobs asked for, in effect (p_under_dp falls back to the fused function where it cannot split)
-           "knobs": knobs_in(kern.source)}
+           "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
+           # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
+           "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None}
     for name, a, b in zip(c.gradient_names(), got, want):
         a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)

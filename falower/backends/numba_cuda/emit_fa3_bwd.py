@@ -33,8 +33,8 @@ table, captured tables' gradients (reduced per tile, or per element by atomics).
 deterministic mode (dq=separate, staged gradients), block lists (block_mask "list"), other head dims.
 
 No 64-bit division or modulo by a run-time value (a subroutine call makes ptxas serialize every wgmma;
-benchmarks/NOTES.md "wgmma"): the grid is (kv heads, batch, kv tiles) and the (head, q tile) walk keeps two
-counters. Element code with a division of its own still runs, serialized.
+benchmarks/NOTES.md "wgmma"): the grid is 3-d (`grid`: (kv tiles, kv heads, batch) without a block mask,
+(kv heads, batch, kv tiles) under one) and the (head, q tile) walk keeps two counters. Element code with a division of its own still runs, serialized.
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
-    for knob in KNOB_MARKS:
+    for knob in (*KNOB_MARKS, "exp_fold"):
         if spec.extra.get(knob, False) not in (True, False):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
