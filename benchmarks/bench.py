@@ -150,7 +150,8 @@ def parse_config(text: str) -> tuple:
     log2 e, not log2 e folded into the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued
     under the next tile's S^T / dP^T GEMMs, not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its
     grid with a head's kv tiles in consecutive blocks, or kv tile j of every head first (extra kv_major; default:
-    the first without a block mask)."""
+    the first without a block mask), '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1
+    (extra kv_group)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -181,6 +182,7 @@ CONFIG_OPTIONS: list = [
     ("hg", "head_group"),
     ("pf", "prefetch_tiles"),
     ("xp", "ex2_poly"),
+    ("bkvg", "kv_group"),
     ("p", "persistent"),
     (("ioc", {"item_order": "cost"}), ("iod", {"item_order": "dynamic"})),
     (("nott", {"table_tiles": False}),),

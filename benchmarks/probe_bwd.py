@@ -54,6 +54,7 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "late": ("nothing: the kernel built with spec.extra dq_late (dQ's reductions under the next tile's GEMMs)", []),
     "kvm": ("nothing: the kernel built with spec.extra kv_major (a head's kv tiles in consecutive blocks)", []),
     "nokvm": ("nothing: the kernel built with spec.extra kv_major False (kv tile j of every head first)", []),
+    "kvg4": ("nothing: the kernel built with spec.extra kv_group 4 (kv tile j of 4 heads, then j + 1)", []),
     "built": ("nothing: the kernel as built", []),
     "empty": ("the whole q loop (left: Delta, dQ's conversion, K / V loads, dK / dV stores)",
               [(r"^([ \t]*)while qc <=? (?:nq|p_last):", r"\1while qc < -1:")]),
@@ -85,7 +86,7 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after_dq": True},
          "pdp": {"p_under_dp": True}, "dkl_pdp": {"dk_after_dq": True, "p_under_dp": True},
          "nois": {"interior_split": False}, "noef": {"exp_fold": False},
-         "noisef": {"interior_split": False, "exp_fold": False}, "late": {"dq_late": True}, "kvm": {"kv_major": True}, "nokvm": {"kv_major": False}}
+         "noisef": {"interior_split": False, "exp_fold": False}, "late": {"dq_late": True}, "kvm": {"kv_major": True}, "nokvm": {"kv_major": False}, "kvg4": {"kv_group": 4}}
 
 
 def _extra_of(name: str, base: dict | None) -> dict | None:

@@ -50,7 +50,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
     defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True}
-    for knob, on in {**r["knobs"], "exp_fold": r["exp_fold"]}.items():  # each knob as asked, else its default
+    seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"]}
+    for knob, on in seen.items():  # each knob as asked, else its default
         assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
     if case_id.startswith(("alibi", "relative_bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too

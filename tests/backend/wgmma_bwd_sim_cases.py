@@ -71,6 +71,8 @@ CASES = {
     # the grid with a head's kv tiles in consecutive blocks (kv_major, the default without a mask): 2 batch rows, a
     # GQA group of 2, 3 kv tiles
     "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
+    # the grid in groups of 2 kv heads (kv_group), 3 heads: the last group's second place exits at once
+    "causal-f16-d64-70x130-kvg2": ("causal", "f16", 2, 3, 3, 70, 130, 64, 64, 64, {"kv_group": 2}),
 }
 
 
@@ -143,7 +145,8 @@ def run_case(case_id: str) -> dict:
            # the knobs asked for, in effect (p_under_dp falls back to the fused function where it cannot split)
            "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
            # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
-           "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None}
+           "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None,
+           "kv_group": "kj = cuda.blockIdx.x // " in kern.source}
     for name, a, b in zip(c.gradient_names(), got, want):
         a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)

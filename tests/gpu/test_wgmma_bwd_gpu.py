@@ -149,6 +149,14 @@ def test_kv_major(stem: str, dtype: str, D: int) -> None:
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["kv_major"] == want, kv_major=want)
 
 
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "alibi", "gqa"])
+def test_kv_group(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["kv_group"] = 3: the grid in groups of 3 kv heads, kv tile j of each then j + 1 (a group's places
+    past the last head exit at once wherever 3 does not divide the heads)."""
+    assert_knob_case(stem, dtype, D, lambda k: "kj = cuda.blockIdx.x // 3" in k.source, kv_group=3)
+
+
 @pytest.mark.parametrize("dk_after", [False, True])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])

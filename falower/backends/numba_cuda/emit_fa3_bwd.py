@@ -141,7 +141,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": "kj = cuda.blockIdx.x"}
+              "kv_major": "kj = cuda.blockIdx.x\n"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -192,9 +192,24 @@ def kv_major(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("kv_major", spec.block_mask == "none") is True
 
 
+def kv_group(spec: FA2BackwardSpec) -> int:
+    """Heads a group of the grid's cost order (spec.extra["kv_group"] G >= 1; default 0, not yet measured): blocks
+    in groups of G kv heads, a group's kv tile 0 of each head first, then kv tile 1 of each, ... (x = G kj + the
+    head's place in its group, y = the group, z = the batch row). Why: kv_major keeps a head's Q, dO and dQ rows in
+    L2 but under causal leaves the last heads' heavy kv tiles to the tail (5% slower, H200); with G heads a wave
+    (G ~ SMs / kv tiles) each wave starts on its heaviest tiles, and ~2G heads' rows are live. Takes precedence over
+    kv_major; blocks past the last head (G not dividing the heads) exit at once."""
+    g = spec.extra.get("kv_group", 0)
+    return g if isinstance(g, int) and not isinstance(g, bool) else 0
+
+
 def grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
-    """The launch grid: (kv heads, batch, kv tiles), or (kv tiles, kv heads, batch) under kv_major."""
+    """The launch grid: (kv heads, batch, kv tiles), (kv tiles, kv heads, batch) under kv_major, (G kv tiles, head
+    groups, batch) under kv_group G."""
     nk, hk = -(-N // spec.block_k), H // spec.group_size
+    if kv_group(spec):
+        G = kv_group(spec)
+        return (nk * G, -(-hk // G), B)
     return (nk, hk, B) if kv_major(spec) else (hk, B, nk)
 
 
@@ -300,6 +315,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
+    if "kv_group" in spec.extra and not kv_group(spec) >= 1:
+        raise ValueError(f"wgmma backward: kv_group must be an int >= 1, got {spec.extra['kv_group']!r}")
     for knob in (*KNOB_MARKS, "exp_fold"):
         if spec.extra.get(knob, False) not in (True, False):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
@@ -451,7 +468,14 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
-        if kv_major(spec):
+        if kv_group(spec):
+            KG = kv_group(spec)
+            c(f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 (cost order")
+            c("# within a group whose rows stay in L2; divisions by constants only)")
+            c(f"kj = cuda.blockIdx.x // {KG}")
+            c(f"hk = cuda.blockIdx.y * {KG} + cuda.blockIdx.x % {KG}")
+            c("b = cuda.blockIdx.z")
+        elif kv_major(spec):
             c("# grid (kv tiles, kv heads, batch): a (b, kv head)'s kv tiles run together, so its Q, dO and dQ")
             c("# rows stay in L2 (kv tile 0 first: causal's heaviest); no run-time division (a call: ptxas would")
             c("# serialize every wgmma)")
@@ -465,6 +489,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("b = cuda.blockIdx.y")
             c("kj = cuda.blockIdx.z")
         c(f"HK = H // {G}" if G > 1 else "HK = H")
+        if kv_group(spec):
+            c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
+            with c.indent():
+                c("return")
         c(f"kv0 = kj * {BK}")
         c("kv_head = (b * HK + hk) * N")
         c()
