@@ -385,21 +385,22 @@ def held_grads(spec: FA2BackwardSpec) -> bool:
         and spec.extra.get("hold_grads", True) is not False
 
 
-def _emit_dq_reductions(c: _Code, n8: int) -> None:
-    """Add this thread's dQ fragment (dqa: n8 n8-tiles of rows g, g + 8) into dq32 at qrow (the thread's row, qi,
+def _emit_dq_reductions(c: _Code, n8: int, at: str = "qrow", guard: str = "qi < M", swap: bool = True) -> None:
+    """Add this thread's dQ fragment (dqa: n8 n8-tiles of rows g, g + 8) into dq32 at `at` (the thread's row, qi,
     and first column, set by the caller for `odd`) by 16-byte vector reductions: lanes t and t ^ 1 swap halves in
-    place (selects around two shuffles, every lane), then even lanes hold 4 consecutive columns of row g and odd
-    lanes of row g + 8, and every reduction sits under one `if qi < M`. Each reduction once sat behind its own two
+    place (selects around two shuffles, every lane; `swap` False: the caller did), then even lanes hold 4
+    consecutive columns of row g and odd lanes of row g + 8, and every reduction sits under one `if <guard>:`. Each reduction once sat behind its own two
     branches (a red call per parity: two asm statements LLVM cannot merge), and ptxas, at 255 registers, recomputed
     the address from the block index in each (ncu of the wgmma backward: that block was 36% of its stall samples)."""
-    swap = _dq_swap_helper(c)
-    for dn in range(n8):
-        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
-    c("if qi < M:")
+    if swap:
+        fn = _dq_swap_helper(c)
+        for dn in range(n8):
+            c(f"{fn}(dqa, ofs_{dn * 4}, odd)")
+    c(f"if {guard}:")
     with c.indent():
         for dn in range(n8):
             o = f"ofs_{dn * 4}"
-            c(f"red_add_v4_f32(dq32, qrow + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
+            c(f"red_add_v4_f32(dq32, {at} + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
               f"lget(dqa, {o} + 3))")
 
 

@@ -879,12 +879,7 @@ def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
 def _emit_dq_late_issue(c: _Code, n8: int) -> None:
     """dq_late: the pending tile's dQ fragment (dqa, swapped) added into dq32 at dq_at by 16-byte vector
     reductions, and none left pending."""
-    c("if dq_at >= 0:")
-    with c.indent():
-        for dn in range(n8):
-            o = f"ofs_{dn * 4}"
-            c(f"red_add_v4_f32(dq32, dq_at + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
-              f"lget(dqa, {o} + 3))")
+    _emit_dq_reductions(c, n8, at="dq_at", guard="dq_at >= 0", swap=False)
     c("dq_at = -1")
 
 
