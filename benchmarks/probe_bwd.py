@@ -40,21 +40,27 @@ _NO_RED = (r"\b(qi|ql) < M(:| else)", r"\1 < -1\2")  # the dQ reductions' guard 
 _ELEM = (r"(s[01]), (p[01]) = elem_\w+\(lget\(x, (i(?: \+ 2)?)\), lget\(y, (i(?: \+ 2)?)\),.*",
          r"\1, \2 = lget(x, \3), lget(y, \4)")
 
+# variants built from their own spec.extra: name -> (its keys, why); each times the kernel as built with them
+EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
+    "bulk": ({"dq_bulk": True}, "dQ staged, added by bulk reductions"),
+    "red": ({"dq_bulk": False}, "dQ by the threads' vector reductions"),
+    "dkl": ({"dk_after_dq": True}, "dK's GEMM in flight under dQ's reductions"),
+    "pdp": ({"p_under_dp": True}, "P's exponentials under dP's GEMM"),
+    "dkl_pdp": ({"dk_after_dq": True, "p_under_dp": True}, "both"),
+    "nois": ({"interior_split": False}, "one copy of the elementwise calls"),
+    "noef": ({"exp_fold": False}, "the exponential's argument times log2 e"),
+    "noisef": ({"interior_split": False, "exp_fold": False}, "both"),
+    "late": ({"dq_late": True}, "dQ's reductions under the next tile's GEMMs"),
+    "kvm": ({"kv_major": True}, "a head's kv tiles in consecutive blocks"),
+    "nokvm": ({"kv_major": False}, "kv tile j of every head first"),
+    "kvg4": ({"kv_group": 4}, "kv tile j of 4 heads, then j + 1"),
+}
+EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
+
 # name -> (what it removes, [(regex, replacement)]); every regex must match the kernel's source
 VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
-    "bulk": ("nothing: the kernel built with spec.extra dq_bulk True (dQ staged, added by bulk reductions)", []),
-    "red": ("nothing: the kernel built with spec.extra dq_bulk False (dQ by the threads' vector reductions)", []),
-    "dkl": ("nothing: the kernel built with spec.extra dk_after_dq (dK's GEMM in flight under dQ's reductions)", []),
-    "pdp": ("nothing: the kernel built with spec.extra p_under_dp (P's exponentials under dP's GEMM)", []),
-    "dkl_pdp": ("nothing: the kernel built with both dk_after_dq and p_under_dp", []),
-    "nois": ("nothing: the kernel built with spec.extra interior_split False (one copy of the elementwise calls)", []),
-    "noef": ("nothing: the kernel built with spec.extra exp_fold False (the exponential's argument times log2 e)",
-             []),
-    "noisef": ("nothing: the kernel built with interior_split and exp_fold False", []),
-    "late": ("nothing: the kernel built with spec.extra dq_late (dQ's reductions under the next tile's GEMMs)", []),
-    "kvm": ("nothing: the kernel built with spec.extra kv_major (a head's kv tiles in consecutive blocks)", []),
-    "nokvm": ("nothing: the kernel built with spec.extra kv_major False (kv tile j of every head first)", []),
-    "kvg4": ("nothing: the kernel built with spec.extra kv_group 4 (kv tile j of 4 heads, then j + 1)", []),
+    **{name: (f"nothing: the kernel built with spec.extra {', '.join(f'{k} {v}' for k, v in keys.items())} ({why})",
+              []) for name, (keys, why) in EXTRA_VARIANTS.items()},
     "built": ("nothing: the kernel as built", []),
     "empty": ("the whole q loop (left: Delta, dQ's conversion, K / V loads, dK / dV stores)",
               [(r"^([ \t]*)while qc <=? (?:nq|p_last):", r"\1while qc < -1:")]),
@@ -80,13 +86,6 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }
-
-
-# variants built from their own spec.extra
-EXTRA = {"bulk": {"dq_bulk": True}, "red": {"dq_bulk": False}, "dkl": {"dk_after_dq": True},
-         "pdp": {"p_under_dp": True}, "dkl_pdp": {"dk_after_dq": True, "p_under_dp": True},
-         "nois": {"interior_split": False}, "noef": {"exp_fold": False},
-         "noisef": {"interior_split": False, "exp_fold": False}, "late": {"dq_late": True}, "kvm": {"kv_major": True}, "nokvm": {"kv_major": False}, "kvg4": {"kv_group": 4}}
 
 
 def _extra_of(name: str, base: dict | None) -> dict | None:

@@ -388,20 +388,27 @@ def held_grads(spec: FA2BackwardSpec) -> bool:
 def _emit_dq_reductions(c: _Code, n8: int, at: str = "qrow", guard: str = "qi < M", swap: bool = True) -> None:
     """Add this thread's dQ fragment (dqa: n8 n8-tiles of rows g, g + 8) into dq32 at `at` (the thread's row, qi,
     and first column, set by the caller for `odd`) by 16-byte vector reductions: lanes t and t ^ 1 swap halves in
-    place (selects around two shuffles, every lane; `swap` False: the caller did), then even lanes hold 4
-    consecutive columns of row g and odd lanes of row g + 8, and every reduction sits under one `if <guard>:`. Each reduction once sat behind its own two
-    branches (a red call per parity: two asm statements LLVM cannot merge), and ptxas, at 255 registers, recomputed
-    the address from the block index in each (ncu of the wgmma backward: that block was 36% of its stall samples)."""
+    place (`_emit_dq_swaps`; `swap` False: the caller did), then even lanes hold 4 consecutive columns of row g
+    and odd lanes of row g + 8, and every reduction sits under one `if <guard>:`. Each reduction once sat behind
+    its own two branches (a red call per parity: two asm statements LLVM cannot merge), and ptxas, at 255
+    registers, recomputed the address from the block index in each (ncu of the wgmma backward: that block was 36%
+    of its stall samples)."""
     if swap:
-        fn = _dq_swap_helper(c)
-        for dn in range(n8):
-            c(f"{fn}(dqa, ofs_{dn * 4}, odd)")
+        _emit_dq_swaps(c, n8)
     c(f"if {guard}:")
     with c.indent():
         for dn in range(n8):
             o = f"ofs_{dn * 4}"
             c(f"red_add_v4_f32(dq32, {at} + {dn * 8}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
               f"lget(dqa, {o} + 3))")
+
+
+def _emit_dq_swaps(c: _Code, n8: int) -> None:
+    """Lanes t and t ^ 1 swap the halves of each of dqa's n8 n8-tiles in place (selects around two shuffles, every
+    lane): even lanes then hold 4 consecutive columns of row g, odd lanes of row g + 8."""
+    fn = _dq_swap_helper(c)
+    for dn in range(n8):
+        c(f"{fn}(dqa, ofs_{dn * 4}, odd)")
 
 
 def _dq_swap_helper(c: _Code) -> str:

@@ -34,7 +34,8 @@ deterministic mode (dq=separate, staged gradients), block lists (block_mask "lis
 
 No 64-bit division or modulo by a run-time value (a subroutine call makes ptxas serialize every wgmma;
 benchmarks/NOTES.md "wgmma"): the grid is 3-d (`grid`: (kv tiles, kv heads, batch) without a block mask,
-(kv heads, batch, kv tiles) under one) and the (head, q tile) walk keeps two counters. Element code with a division of its own still runs, serialized.
+(kv heads, batch, kv tiles) under one) and the (head, q tile) walk keeps two counters. Element code with a
+division of its own still runs, serialized.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ from .emit_fa2_bwd import (
     _elem_call,
     _elem_quad_helper,
     _emit_dkdv_stores,
-    _dq_swap_helper,
     _emit_dq_reductions,
+    _emit_dq_swaps,
     _emit_grad_element,
     _emit_grad_hold,
     _emit_grad_hold_end,
@@ -136,9 +137,9 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     return str(spec.extra.get("dq_split", "n"))
 
 
-# The knobs of this kernel (opt-in, but interior_split and, without a mask, kv_major), each with the text it leaves in the emitted
-# source: what tools and tests read to know a built kernel took it (p_under_dp falls back to the fused elementwise
-# function where it cannot split).
+# The knobs of this kernel (opt-in, but interior_split and, without a mask, kv_major), each with the text it leaves
+# in the emitted source: what tools and tests read to know a built kernel took it (p_under_dp falls back to the
+# fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n"}
@@ -170,11 +171,12 @@ def interior_split(spec: FA2BackwardSpec) -> bool:
 
 
 def p_under_dp(spec: FA2BackwardSpec) -> bool:
-    """P computed while dP^T's GEMM is in flight (spec.extra["p_under_dp"] True; default False, not yet measured):
-    S^T and dP^T committed as two groups, the first waited for alone, P from elem_split's P part, then dP^T's wait
-    and the dS part. FlashAttention-3 runs its exponentials under the dP GEMM the same way. Only where every
-    branch's elementwise function splits (elem_split: dS reads the score only through P) and no captured table has
-    a gradient; elsewhere the kernel keeps the fused function."""
+    """P computed while dP^T's GEMM is in flight (spec.extra["p_under_dp"] True; default False): S^T and dP^T
+    committed as two groups, the first waited for alone, P from elem_split's P part, then dP^T's wait and the dS
+    part. FlashAttention-3 runs its exponentials under the dP GEMM the same way. Only where every branch's
+    elementwise function splits (elem_split: dS reads the score only through P) and no captured table has a
+    gradient; elsewhere the kernel keeps the fused function. Measured no faster (H200, probe_bwd.py, 7 rounds):
+    1.052 / 1.002 / 1.015 of the default's time (plain D = 128 / causal / D = 64)."""
     if spec.extra.get("p_under_dp", False) is not True or spec.grads:
         return False
     return all(split_elem(spec.device_source, b) is not None for b in spec.branches)
@@ -214,21 +216,24 @@ def grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, in
 
 
 def dq_late(spec: FA2BackwardSpec) -> bool:
-    """dQ's vector reductions issued late (spec.extra["dq_late"] True; default False, not yet measured): a tile's
+    """dQ's vector reductions issued late (spec.extra["dq_late"] True; default False, measured slower): a tile's
     dQ fragment stays in registers (swapped, its row and column in dq_at, -1 for rows past M) until the next tile's
     S^T and dP^T GEMMs are issued, then its 16-byte reductions issue while the tensor cores run them; the last
     tile's after the loop. Why: the reductions were the tile's longest phase (2140 of 6665 cycles, probe_bwd.py
     --phases, H200), issued while the tensor cores idle between dQ's GEMM and the next tile's barrier, loads and
-    S^T. Not with dq_bulk (which stages the fragment instead)."""
+    S^T. Not with dq_bulk (which stages the fragment instead). Measured (H200, probe_bwd.py, 9 rounds): 1.119 /
+    1.188 / 1.079 of the default's time (plain D = 128 / causal / D = 64): the 32 registers held over the loop top
+    spill, and L2, busy either way, is what bounds the reductions."""
     return spec.extra.get("dq_late", False) is True and not dq_bulk(spec)
 
 
 def dk_after_dq(spec: FA2BackwardSpec) -> bool:
-    """dK's GEMM issued after dQ's (spec.extra["dk_after_dq"] True; default False, not yet measured): dV += P^T dO
+    """dK's GEMM issued after dQ's (spec.extra["dk_after_dq"] True; default False): dV += P^T dO
     and dS^T's stores, the barrier, dQ = dS K, then dK += dS^T Q from dS's packed registers, and dQ's wait leaves
     dK in flight while dQ's reductions issue (waited after them). FlashAttention-3's order (its bwd_step issues dQ
     before dK for the same reason); the default issues dV and dK together before the barrier and waits for all
-    three GEMMs before the reductions."""
+    three GEMMs before the reductions. Measured (H200, probe_bwd.py, 7 rounds): 1.010 / 0.980 / 1.095 of the
+    default's time (plain D = 128 / causal / D = 64)."""
     return spec.extra.get("dk_after_dq", False) is True
 
 
@@ -793,9 +798,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
                 c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
                 if LATE:
-                    swap = _dq_swap_helper(c)
-                    for dn in range(DC // 8):
-                        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
+                    _emit_dq_swaps(c, DC // 8)
                     c("dq_at = qrow if qi < M else -1  # added under the next tile's first GEMMs (dq_late)")
                 else:
                     _emit_dq_reductions(c, DC // 8)
@@ -860,9 +863,7 @@ def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
     c("# first column; lane l < 16 hands row l to the bulk reduction (addresses made here, not held over the loop)")
     c(f"dqs_w = sb + {DQO} + warp * {16 * PITCH}")
     c(f"dqs_t = dqs_w + (g + (8 if odd else 0)) * {PITCH} + (t2 - 2 if odd else t2) * 4")
-    swap = _dq_swap_helper(c)
-    for dn in range(DC // 8):
-        c(f"{swap}(dqa, ofs_{dn * 4}, odd)")
+    _emit_dq_swaps(c, DC // 8)
     c("bulk_wait_read0()  # the last tile's reductions (lanes < 16) have read the staged rows")
     c("syncwarp()")
     for dn in range(DC // 8):

@@ -34,11 +34,9 @@ import numpy as np
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
 from ...ir.types import is_float
-from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
-                      range_name, tanh_by_ex2)
+from .from_ir import (LOG2E_F, BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref,
+                      range_captures, range_name, tanh_by_ex2)
 from .spec import Capture, FA2BackwardSpec, GradSpec
-
-LOG2E_F = 1.4426950408889634  # log2(e), as the kernels' LOG2E
 
 
 
@@ -323,9 +321,7 @@ class _ElementEmitter(_ScalarEmitter):
             return nm
         if op.name == "where" and op.attrs.get("bounds"):
             c, x, y = (self.value(o) for o in op.operands)
-            self.names[v] = nm = f"v{self.n}"
-            self.n += 1
-            self.lines.append(f"    {nm} = {x} if interior else ({x} if {c} else {y})")
+            self.names[v] = nm = self.line(f"{x} if interior else ({x} if {c} else {y})")
             return nm
         for o in op.operands:
             self.value(o)
@@ -342,9 +338,7 @@ class _ElementEmitter(_ScalarEmitter):
             x = op.operands[0]
             arg = self.log2e(x) if self.exp_fold and x.type.dtype == "f32" else f"{self.names[x]} * LOG2E"
             expr = f"ex2({arg})"
-        self.names[v] = nm = f"v{self.n}"
-        self.n += 1
-        self.lines.append(f"    {nm} = {expr}")
+        self.names[v] = nm = self.line(expr)
         return nm
 
     def log2e(self, v: Value, t: Optional[str] = None) -> str:
@@ -379,13 +373,6 @@ class _ElementEmitter(_ScalarEmitter):
         else:
             out = f"({self.names[v]} * LOG2E)" if t is None else f"cuda.fma({self.names[v]}, LOG2E, {t})"
         self.log2e_names[key] = nm = out if re.fullmatch(r"v\d+", out) else self.line(out)
-        return nm
-
-    def line(self, expr: str) -> str:
-        """A new name for expr, its line emitted."""
-        nm = f"v{self.n}"
-        self.n += 1
-        self.lines.append(f"    {nm} = {expr}")
         return nm
 
 
