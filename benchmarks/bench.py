@@ -759,8 +759,11 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
         if c.backward_kernel(q, k, v, *caps).spec.block_mask == "list":  # issue 12: beside the scan it replaced
             scan = example_compiled(stem, bwd_block_list=False)
             measure(row, "bwd only scan", 2.5 * flops, lambda: lambda: scan.backward(q, k, v, o_b, lse_b, do, *caps))
+            mma = example_compiled(stem, bwd_schedule="mma")  # the mma.sync backward over the same lists
+            measure(row, "bwd only mma", 2.5 * flops, lambda: lambda: mma.backward(q, k, v, o_b, lse_b, do, *caps))
             log(f"  {stem}: backward alone {row.get('bwd only', NAN):.0f} TFLOP/s over its block lists, "
-                f"{row.get('bwd only scan', NAN):.0f} scanning the range tables")
+                f"{row.get('bwd only scan', NAN):.0f} scanning the range tables, "
+                f"{row.get('bwd only mma', NAN):.0f} on mma.sync over the lists")
         measure(row, "bwd autograd", f2, lambda: lambda: c(ql, kl, vl, *grad_caps)[0].backward(do),
                 grad_to_none=[ql, kl, vl, *floats])
     # sanity, not a check: falower against Flex (both fp16), relative to the output's size
@@ -960,7 +963,12 @@ def _compile_one(job) -> str:
                 if not cfg and c.kernel(q, kv, kv, *caps).spec.extra.get("schedule", "mma") != "mma":
                     example_compiled(stem, "mma").forward(q, kv, kv, *caps)
             else:
-                c.backward(q, kv, kv, q.clone(), torch.zeros(1, H, 64, device="cuda"), q, *caps)
+                lse = torch.zeros(1, H, 64, device="cuda")
+                c.backward(q, kv, kv, q.clone(), lse, q, *caps)
+                if c.backward_kernel(q, kv, kv, *caps).spec.block_mask == "list":  # the twins timed beside it
+                    for twin in (example_compiled(stem, bwd_block_list=False),
+                                 example_compiled(stem, bwd_schedule="mma")):
+                        twin.backward(q, kv, kv, q.clone(), lse, q, *caps)
         torch.cuda.synchronize()
     except Exception as exc:
         return f"FAILED {job}: {type(exc).__name__}: {first_line(exc)}"
@@ -1040,13 +1048,14 @@ def example_table(rows: list, dev: str) -> list[str]:
     """Flex no-dcap: Flex without the captured tensors' gradients (falower always computes them);
     mask ms: Flex's create_block_mask, outside its timings (falower classifies tiles inside each call).
     bwd ours: the backward alone; bwd scan: the same, its kv-outer kernel scanning range tables instead of
-    visiting block lists (data-dependent masks only, issue 12)."""
+    visiting block lists (data-dependent masks only, issue 12); bwd mma: the backward on mma.sync over the same
+    lists (what ran before the lists were walked on wgmma)."""
     md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls "
           "(fwd kernel: the automatic choice; fwd mma: the mma.sync kernel where that choice was wgmma)", "",
           "| example | D | keep | fwd kernel | fwd ours | fwd mma | ours/mma | fwd Flex | ours/Flex | f+b ours "
           "| f+b autograd | f+b Flex | ours/Flex | f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff "
-          "| bwd ours | bwd scan |",
-          "|" + "---|" * 19]
+          "| bwd ours | bwd scan | bwd mma |",
+          "|" + "---|" * 20]
     for r in rows:
         md.append(f"| {r['example']} | {r['D']} | {r['density']:.2f} | {r.get('fwd kernel', '-')} | "
                   f"{_f(r.get('fwd ours+call'))} | {_f(r.get('fwd mma+call'))} | "
@@ -1055,7 +1064,8 @@ def example_table(rows: list, dev: str) -> list[str]:
                   f"{_f(r.get('bwd ours+call'))} | {_f(r.get('bwd autograd'))} | {_f(r.get('bwd flex'))} | "
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex'))} | {_f(r.get('bwd flex nodcap'))} | "
                   f"{_ratio(r.get('bwd ours+call'), r.get('bwd flex nodcap'))} | {_f(r.get('flex mask ms'), 2)} | "
-                  f"{r.get('o diff vs flex', NAN):.1e} | {_f(r.get('bwd only'))} | {_f(r.get('bwd only scan'))} |")
+                  f"{r.get('o diff vs flex', NAN):.1e} | {_f(r.get('bwd only'))} | {_f(r.get('bwd only scan'))} | "
+                  f"{_f(r.get('bwd only mma'))} |")
     tags = list(dict.fromkeys(k[4:-5] for r in rows for k in r if k.startswith("fwd ") and k.endswith("+call")
                               and k not in ("fwd ours+call", "fwd mma+call")))
     if tags:  # --ex-configs: the same variants under other kernels

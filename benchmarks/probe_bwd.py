@@ -53,7 +53,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "late": ({"dq_late": True}, "dQ's reductions under the next tile's GEMMs"),
     "kvm": ({"kv_major": True}, "a head's kv tiles in consecutive blocks"),
     "nokvm": ({"kv_major": False}, "kv tile j of every head first"),
-    "kvg4": ({"kv_group": 4}, "kv tile j of 4 heads, then j + 1"),
+    **{f"kvg{g}": ({"kv_group": g}, f"kv tile j of {g} heads, then j + 1") for g in (2, 4, 8)},
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

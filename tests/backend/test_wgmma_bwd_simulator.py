@@ -53,6 +53,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"]}
     for knob, on in seen.items():  # each knob as asked, else its default
         assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
+    if case_id.startswith("document"):  # a data mask: its kv tiles' block lists, walked on wgmma
+        assert r["block_mask"] == "list", r
     if case_id.startswith(("alibi", "relative_bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
 

@@ -73,6 +73,11 @@ CASES = {
     "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
     # the grid in groups of 2 kv heads (kv_group), 3 heads: the last group's second place exits at once
     "causal-f16-d64-70x130-kvg2": ("causal", "f16", 2, 3, 3, 70, 130, 64, 64, 64, {"kv_group": 2}),
+    # a data mask's block lists (block_mask "list": each kv tile's non-empty (head, q tile) pairs, made once per data
+    # by the list kernel): 2 batch rows of sorted document ids with padding (fully masked rows), 3 x 3 tiles
+    "document-f16-d64-130x130": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64),
+    # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N
+    "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
 }
 
 
@@ -96,7 +101,16 @@ def _relative_bias_causal():
                         mask_mod=lambda b, h, q, kv: q >= kv, name="relative_bias_causal")
 
 
-TEST_GRAPHS = {"alibi_gqa": _alibi_gqa, "relative_bias_causal": _relative_bias_causal}
+def _document_gqa():
+    """The document mask under GQA: a kv head's list walks the pairs of both query heads of its group."""
+    import falower as fl
+
+    doc_id = fl.capture("doc_id", "i32", "B,N")
+    return fl.attention(mask_mod=lambda b, h, q, kv: (doc_id[b, q] == doc_id[b, kv]) & (doc_id[b, q] >= 0),
+                        group_size=2, name="document_gqa")
+
+
+TEST_GRAPHS = {"alibi_gqa": _alibi_gqa, "relative_bias_causal": _relative_bias_causal, "document_gqa": _document_gqa}
 
 
 def _bits(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -134,7 +148,11 @@ def run_case(case_id: str) -> dict:
     do = _bits(np.random.default_rng(5).standard_normal(o.shape), dtype)
     kern = c._backward_kernel_and_dims_for(dtype, D)
     t0 = time.time()
-    got = kern(ins[0], ins[1], ins[2], o, lse, do, *ins[3:], *(env[d.removeprefix("dim_")] for d in kern.spec.dims))
+    caps = [*ins[3:], *(env[d.removeprefix("dim_")] for d in kern.spec.dims)]
+    blocks = c.block_data(kern)  # range tables and block lists made from the data, as a call makes them
+    if blocks is not None:
+        caps += blocks.derive(caps, (B, H, M, N), ins[0])
+    got = kern(ins[0], ins[1], ins[2], o, lse, do, *caps)
     seconds = time.time() - t0
     f = c.lowered_backward
     by = {a.name: x for a, x in zip(g.args, as_f)}

@@ -2,7 +2,7 @@
 9.0): every example's gradients through `falower.compile(g, extra={"bwd_schedule": "wgmma"})` under
 FlashAttention-2's gradient rule against float64 (tests/gpu/test_backward_gpu.py's rule, references and inputs),
 at D = 64 and 128, f16 and bf16, N = 17 (one ragged tile), 1000 and 4096; the kernel that ran checked (wgmma,
-or mma.sync only where emit_fa3_bwd refuses the spec: the block lists of data-dependent masks); its error no worse
+the document mask's block lists included); its error no worse
 than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); dK's GEMM after
 dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); torch autograd through it.
 
@@ -51,15 +51,14 @@ def wgmma(stem: str, dtype: str, **extra):
 
 def assert_ran_wgmma(c, dtype: str, D: int) -> None:
     kern = c._backward_kernel_and_dims_for(dtype, D)
-    if kern.spec.block_mask == "list" or kern.wgmma_refused:  # data masks' block lists: mma.sync, said so
-        assert kern.wgmma_refused and "block lists" in kern.wgmma_refused, kern.wgmma_refused
-        return
+    assert kern.wgmma_refused is None, kern.wgmma_refused  # every example, block lists included
     assert kern.spec.extra.get("bwd_schedule") == "wgmma" and "wgmma_ss" in kern.source
 
 
 def grid() -> list[tuple]:
     cases = [(s, dt, D, N) for s in STEMS for dt in ("f16", "bf16") for D in (64, 128) for N in (17, 1000)]
-    cases += [(s, dt, D, 4096) for s in ("plain", "causal", "alibi") for dt, D in (("f16", 64), ("bf16", 128))]
+    cases += [(s, dt, D, 4096) for s in ("plain", "causal", "alibi", "document")
+              for dt, D in (("f16", 64), ("bf16", 128))]
     return cases
 
 
@@ -73,7 +72,7 @@ def test_wgmma_backward_error_rule(stem: str, dtype: str, D: int, N: int) -> Non
     assert_gradient_rule(c, grads, reference(stem, dtype, D, N))
 
 
-@pytest.mark.parametrize("stem", ["plain", "causal", "alibi", "gqa", "relative_bias"])
+@pytest.mark.parametrize("stem", ["plain", "causal", "alibi", "gqa", "relative_bias", "document"])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("f16", 128), ("bf16", 128)])
 def test_wgmma_backward_no_worse_than_mma_sync(stem: str, dtype: str, D: int) -> None:
     """The same inputs through the mma.sync backward (asked for by extra) and the wgmma one: each gradient's error

@@ -29,8 +29,9 @@ which also takes it by itself on compute capability 9.x at D = 64 and 128 (measu
 kernel refuses it (`validate_spec`: a clear ValueError), the mma.sync spec, so an unsupported feature never gives
 wrong numbers. Supported: f16/bf16, D = 64 or 128, block_q 64 or 128 (block_q + D <= 192: the four accumulators
 in registers), block_k 64 or 128, GQA, every score function, tile classes from tile_class_fn or the block
-table, captured tables' gradients (reduced per tile, or per element by atomics). Refused (mma.sync runs): the
-deterministic mode (dq=separate, staged gradients), block lists (block_mask "list"), other head dims.
+table or the block lists of data masks (block_mask "list": each kv tile's non-empty (head, q tile) pairs, made
+once per data by block_data.py, walked with no scan), captured tables' gradients (reduced per tile, or per element
+by atomics). Refused (mma.sync runs): the deterministic mode (dq=separate, staged gradients), other head dims.
 
 No 64-bit division or modulo by a run-time value (a subroutine call makes ptxas serialize every wgmma;
 benchmarks/NOTES.md "wgmma"): the grid is 3-d (`grid`: (kv tiles, kv heads, batch) without a block mask,
@@ -64,6 +65,7 @@ from .emit_fa2_bwd import (
     _flat_index,
     _grad_args,
     _grad_outs,
+    _list_args,
     _module,
     held_grads,
 )
@@ -113,7 +115,7 @@ def backward_extra(extra: Mapping, env: Optional[Mapping[str, str]] = None, dtyp
     in the simulator) for f16/bf16 at D = 64 and 128, where it was measured faster than mma.sync (H100, N = 4k,
     fwd + bwd with the wgmma forward: D = 128 280 vs 253 TFLOP/s plain, 292 vs 232 causal; D = 64 270 vs 225
     plain, 234 vs 190 causal; benchmarks/NOTES.md "Backward on wgmma"). FALOWER_WGMMA_BWD=0 never takes it. A
-    spec the kernel refuses (deterministic mode, block lists) still falls back to mma.sync (`resolve`)."""
+    spec the kernel refuses (deterministic mode) still falls back to mma.sync (`resolve`)."""
     env = os.environ if env is None else env
     out = dict(extra)
     flag = env.get(ENV, "")
@@ -313,8 +315,10 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if spec.dq != "atomic" or spec.deterministic:
         raise ValueError("wgmma backward: the deterministic mode (dq=separate, gradients summed in a fixed order) "
                          "is not built on wgmma yet")
-    if spec.block_mask not in ("none", "static", "table"):
-        raise ValueError(f"wgmma backward: block_mask={spec.block_mask!r} (block lists) is not built on wgmma yet")
+    if spec.block_mask not in ("none", "static", "table", "list"):
+        raise ValueError(f"wgmma backward: unknown block_mask {spec.block_mask!r}")
+    if spec.block_mask == "list" and not {"q_count", "q_tiles"} <= set(_list_args(spec)):
+        raise ValueError("wgmma backward: block_mask='list' needs the block lists' q_count and q_tiles captures")
     for fn in [f"def elem_{b}(" for b in spec.branches]:
         if fn not in spec.device_source:
             raise ValueError(f"device_source must define {fn[4:-1]}")
@@ -364,12 +368,22 @@ def _class_expr(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
                 f"{_cap_args(spec)})")
     if spec.block_mask == "table":
         return f"table[((b * H + {h}) * nq + {qv}) * nk + kj]"
+    if spec.block_mask == "list":  # the pair's entry in this kv tile's list: partial (odd) or full
+        return f"(1 if {_list_args(spec)['q_tiles']}[q_row + {_pos(hv)}] & 1 else 2)"
     return "2"
+
+
+def _pos(hv: str) -> str:
+    """Under block lists, the list position that goes with the pair (hv, qv): pc for (hc, qc), pn for (hn, qn)."""
+    return "p" + hv[1:]
 
 
 def _more(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
     """(hv, qv) is at or before the last non-empty pair (`_emit_pair_range`'s p_last under a block mask): the walk
-    stops there instead of classifying every empty q tile after a window's end."""
+    stops there instead of classifying every empty q tile after a window's end; under block lists, its position
+    is inside the list."""
+    if spec.block_mask == "list":
+        return f"{_pos(hv)} < q_n"
     if spec.block_mask in ("static", "table"):
         return f"{hv} * nq + {qv} <= p_last" if spec.group_size > 1 else f"{qv} <= p_last"
     return f"{hv} < {spec.group_size}" if spec.group_size > 1 else f"{qv} < nq"
@@ -378,8 +392,19 @@ def _more(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
 def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
     """hc, qc = the first non-empty (head of the group, q tile) pair, p_last the last one's number (hv * nq + qv),
     by a ballot over 32 pairs at a time (emit_fa2.emit_tile_scan: the block is whole warpgroups); without a block
-    mask, pair 0 and the last."""
+    mask, pair 0 and the last. Under block lists (block_data.py: this kv tile's non-empty pairs, made once per
+    data), the list's first entry: no scan."""
     G = spec.group_size
+    if spec.block_mask == "list":
+        a = _list_args(spec)
+        c("# the (head, q tile) pairs this kv tile visits, listed once per data (block_data.py): no scan, no empty")
+        c("# pair")
+        c("q_row = (b * HK + hk) * nk + kj")
+        c(f"q_n = {a['q_count']}[q_row]")
+        c(f"q_row = q_row * (nq * {G})" if G > 1 else "q_row = q_row * nq")
+        c("pc = 0")
+        _emit_list_pair(c, spec, "hc", "qc")
+        return
     if spec.block_mask not in ("static", "table"):
         c("hc = 0")
         c("qc = 0")
@@ -392,7 +417,11 @@ def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
 
 
 def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
-    """(hv, qv) = the pair after it in (head, q tile) order."""
+    """(hv, qv) = the pair after it in (head, q tile) order; under block lists, the list's next entry."""
+    if spec.block_mask == "list":
+        c(f"{_pos(hv)} += 1")
+        _emit_list_pair(c, spec, hv, qv)
+        return
     c(f"{qv} += 1")
     if spec.group_size > 1:
         c(f"if {qv} == nq:")
@@ -401,8 +430,21 @@ def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
             c(f"{hv} += 1")
 
 
+def _emit_list_pair(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
+    """(hv, qv) = the pair at the list position of hv (entries it * 2 + partial, it = hv * nq + qv ascending), or
+    (0, 0) past the list's end. The head by subtraction (at most G turns), not a division by the run-time nq."""
+    p = _pos(hv)
+    c(f"{qv} = ({_list_args(spec)['q_tiles']}[q_row + {p}] >> 1) if {p} < q_n else 0")
+    c(f"{hv} = 0")
+    if spec.group_size > 1:
+        c(f"while {qv} >= nq:")
+        with c.indent():
+            c(f"{qv} -= nq")
+            c(f"{hv} += 1")
+
+
 def _emit_skip_empty(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
-    if spec.block_mask != "none":
+    if spec.block_mask in ("static", "table"):  # a list holds no empty pair
         c(f"while {_more(spec, hv, qv)} and {_class_expr(spec, hv, qv)} == 0:")
         with c.indent():
             _emit_step(c, spec, hv, qv)
@@ -585,6 +627,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         with c.indent():
             c("hn = hc")
             c("qn = qc")
+            if spec.block_mask == "list":
+                c("pn = pc")
             _emit_step(c, spec, "hn", "qn")
             _emit_skip_empty(c, spec, "hn", "qn")
             c("# this tile's Q, dO landed before the last tile's dS^T barrier; here everyone is done with the other")
@@ -810,6 +854,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + (buf ^ 1) * {BQ} + tid] = nd")
             c("hc = hn")
             c("qc = qn")
+            if spec.block_mask == "list":
+                c("pc = pn")
             c("buf ^= 1")
         c()
         if HOLD:
