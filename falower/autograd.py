@@ -31,9 +31,12 @@ class _FalowerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, compiled: Any, *inputs: Any):  # type: ignore[override]
         # q, k, v may be strided views with a contiguous last dim (the kernels take their strides, so a
-        # model's transposed projections need no copy); captured tables are made contiguous.
-        inputs = tuple((_contiguous(x.detach()) if i < 3 else _dense(x.detach())) if torch.is_tensor(x) else x
-                       for i, x in enumerate(inputs))
+        # model's transposed projections need no copy); captured tables are made contiguous. A captured
+        # tensor that needs no gradient (document ids, fixed slopes) goes on as the very tensor the caller
+        # passed, not a detached alias: the block data derived from it (range tables, block lists) is
+        # remembered by that tensor's identity, and a new alias each step would make it again every call.
+        inputs = tuple((_contiguous(x.detach()) if i < 3 else _dense(x.detach() if x.requires_grad else x))
+                       if torch.is_tensor(x) else x for i, x in enumerate(inputs))
         q = inputs[0]
         o, lse = compiled.forward(*inputs)
         o = _as_torch(o, like=q)
