@@ -108,20 +108,38 @@ def applies(source: str, name: str) -> bool:
     return name != "rotate" and all(re.search(pat, source, flags=re.M) for pat, _ in VARIANTS[name][1])
 
 
-def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = None):
+def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = None, example: str = ""):
+    """(compiled, its backward kernel, the kernel's arguments): plain or causal attention, or with `example`
+    bench.py's example of that name with its captured tensors (the kernel's captures as a call makes them: the
+    user's, the sizes, then the block data derived from them)."""
     import torch
 
     import falower as fl
 
-    mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
-    c = fl.compile(fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype="f16"), "numba-cuda",
-                   extra=extra)
     torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(4))
-    o, lse = c.forward(q, k, v)
-    kern, env = c._backward_kernel_and_dims((q, k, v))
-    sizes = [int(env[d]) for d in kern.spec.dims]  # the sizes the score reads (M, N), as c.backward adds them
-    return c, kern, (q, k, v, o, lse, do, *sizes)
+    if example:
+        import bench
+
+        var = bench.variant(example, B, H, N, D)
+        c = fl.compile(bench.example_graph(example), "numba-cuda", extra=extra)
+        q, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        k, v = (torch.randn(B, H // var.group, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        user = [var.captures[a.name] for a in c.func.args[3:]]
+    else:
+        mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
+        c = fl.compile(fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype="f16"), "numba-cuda",
+                       extra=extra)
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(4))
+        user = []
+    o, lse = c.forward(q, k, v, *user)
+    c.backward(q, k, v, o, lse, do, *user)  # builds the call: which inputs are captures, the block data
+    kern, _ = c._backward_kernel_and_dims((q, k, v, *user))
+    call = next(iter(c._bwd_calls.values()))
+    inputs = (q, k, v, o, lse, do, *user)
+    caps = [call._capture(inputs[i], dt) for i, dt in zip(call.order, call.dtypes)] + call.dims
+    if call.blocks is not None:
+        caps += call.blocks.derive(caps, (B, H, N, N), q)
+    return c, kern, (q, k, v, o, lse, do, *caps)
 
 
 # phase name, the line its stamp goes after (a substring of the emitted kernel's line inside the q loop); the first
@@ -242,6 +260,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--example", default="", help="bench.py's example of this name (its mask, score and captured "
+                    "tensors) instead of plain or causal attention; TFLOP/s then count every pair, masked or not")
     ap.add_argument("--variants", default="", help="comma-separated (default: every variant whose patterns the "
                     "kernel has, and the spec.extra ones)")
     ap.add_argument("--rounds", type=int, default=7)
@@ -253,11 +273,11 @@ def main() -> None:
     B, H = 4, 16 if a.d == 128 else 32
     base_extra = json.loads(a.extra) if a.extra else None
     if a.compile_one:
-        c, kern, args = setup(a.d, a.causal, B, H, a.n, _extra_of(a.compile_one, base_extra))
+        c, kern, args = setup(a.d, a.causal, B, H, a.n, _extra_of(a.compile_one, base_extra), a.example)
         use_variant(kern, kern.source, a.compile_one)
         kern._direct_kernel("main")
         return
-    c, kern, args = setup(a.d, a.causal, B, H, a.n, base_extra)
+    c, kern, args = setup(a.d, a.causal, B, H, a.n, base_extra, a.example)
     source = kern.source
     if a.phases:
         ph = run_phases(kern, args, source)
@@ -276,7 +296,7 @@ def main() -> None:
                          "(--n 4096, no --causal)")
     if "oneop" in names and a.d != 128:
         raise SystemExit("probe_bwd: oneop is written for D = 128 (rows of 64 f32 a warpgroup)")
-    others = {x: setup(a.d, a.causal, B, H, a.n, _extra_of(x, base_extra))[1] for x in names if x in EXTRA}
+    others = {x: setup(a.d, a.causal, B, H, a.n, _extra_of(x, base_extra), a.example)[1] for x in names if x in EXTRA}
     from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
 
     for x, k in others.items():  # a knob the kernel cannot take (p_under_dp without a split) is said, not timed
@@ -289,7 +309,7 @@ def main() -> None:
         if x not in EXTRA:
             edited(source, x)  # fails early on a pattern the source lacks
     base = [sys.executable, __file__, "--d", str(a.d), "--n", str(a.n)] + (["--causal"] if a.causal else []) \
-        + (["--extra", a.extra] if a.extra else [])
+        + (["--extra", a.extra] if a.extra else []) + (["--example", a.example] if a.example else [])
     procs = [subprocess.Popen(base + ["--compile-one", x]) for x in names]
     if any(p.wait() for p in procs):
         raise SystemExit("probe_bwd: a variant failed to compile")
@@ -316,7 +336,8 @@ def main() -> None:
             use_variant(kern, source, x)
             times[x].append(timed(lambda: kern(*args)))
     med = {x: sorted(t)[len(t) // 2] for x, t in times.items()}
-    print(f"backward floors, D = {a.d}, N = {a.n}, B = {B}, H = {H}, causal = {a.causal}, {a.rounds} rounds "
+    print(f"backward floors, D = {a.d}, N = {a.n}, B = {B}, H = {H}, {a.example or f'causal = {a.causal}'}, "
+          f"{a.rounds} rounds "
           f"(the whole backward call: Delta, main, dQ's conversion)")
     print("| variant | removes | ms | TFLOP/s | of built |")
     print("|---|---|---|---|---|")

@@ -49,7 +49,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
-    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True}
+    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True,
+                "kv_group": r["block_mask"] == "static" and "kv_major" not in asked}
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"]}
     for knob, on in seen.items():  # each knob as asked, else its default
         assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
@@ -89,6 +90,28 @@ def test_refused_specs_fall_back_to_mma_sync(change, why):
     built, reason = emit_fa3_bwd.resolve(spec)
     assert why in reason and "bwd_schedule" not in built.extra and not emit_fa3_bwd.uses_wgmma(built)
     assert built.name != spec.name  # another kernel, another name
+
+
+def test_grid_order_defaults():
+    """The backward grid's order by mask: kv-major without one, kv tiles of 8 heads at a time under a static mask
+    (unless kv_major is asked for, or kv_group 0), the old (kv heads, batch, kv tiles) order under block lists; a
+    kv_group that is not an int >= 0 is refused by name."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    causal, plain = _spec("causal"), _spec("plain")
+    assert causal.block_mask == "static" and plain.block_mask == "none"
+    assert e.kv_group(causal) == e.KV_GROUP_STATIC == 8 and not e.kv_major(causal)
+    nk = -(-1000 // causal.block_k)
+    assert e.grid(causal, 2, 12, 1000, 1000) == (8 * nk, 2, 2)  # 12 heads in 2 groups of 8: 4 places exit at once
+    assert e.kv_group(plain) == 0 and e.kv_major(plain) and e.grid(plain, 2, 12, 1000, 1000) == (nk, 12, 2)
+    for asked in ({"kv_major": True}, {"kv_major": False}, {"kv_group": 0}):
+        spec = dataclasses.replace(causal, extra={**causal.extra, **asked})
+        e.validate_spec(spec)
+        assert e.kv_group(spec) == 0 and e.kv_major(spec) == asked.get("kv_major", False), asked
+    assert e.kv_group(dataclasses.replace(causal, block_mask="list")) == 0
+    for bad in (-1, 2.0, "8", True):
+        with pytest.raises(ValueError, match="kv_group"):
+            e.validate_spec(dataclasses.replace(causal, extra={**causal.extra, "kv_group": bad}))
 
 
 def test_runtime_builds_mma_sync_for_a_refused_spec(tmp_path, monkeypatch):
