@@ -18,6 +18,13 @@ tile's loads, S^T and dP^T, the elementwise code, dV / dK and dS^T's stores up t
 reductions) and prints each phase's median cycles a tile over the blocks' warpgroups: where a tile's time goes in a
 kernel whose two warpgroups walk in lockstep, latency as well as throughput (the floors above remove work; this
 reads the time each phase holds the tile). Thread 0 of each warpgroup stores its stamps, a tile at a time.
+
+    python3 benchmarks/probe_bwd.py --d 128 --example document --blocks
+
+stamps each block's life instead (its start, the q loop's start and end, the kernel's end, its SM and q tiles) and
+prints the prologue, loop and epilogue cycles, a tile's cycles and a block's fixed cost by a line through (tiles,
+cycles), and the gap between blocks on one SM: what a block with few q tiles (a window's, a document's) pays beside
+its tiles. `--example STEM` takes bench.py's example (its mask, score and captured tensors) for any of these modes.
 """
 
 from __future__ import annotations
@@ -163,7 +170,7 @@ def stamped_source(source: str, name: str) -> str:
     lines = source.split("\n")
     start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
     lines[start] = lines[start].replace("):", ", tl_buf):")
-    loop = next(i for i in range(start, len(lines)) if re.match(r"\s+while qc <=? (nq|p_last):", lines[i]))
+    loop = _loop_line(lines, start)
     ind = re.match(r"\s*", lines[loop + 1])[0]
     n = len(PHASES) + 1
     out = lines[:loop]
@@ -174,7 +181,7 @@ def stamped_source(source: str, name: str) -> str:
     out += _stamp(ind, 0)
     todo = list(enumerate(PHASES, start=1))
     for ln in lines[loop + 1:]:
-        if todo and todo[0][1][1] == "hc = hn" and ln.strip() == "hc = hn":
+        if todo and todo[0][1][1] == "hc = hn" and re.fullmatch(r"hc = hn(__\d+)?", ln.strip()):  # SSA-renamed too
             out += _stamp(ind, todo.pop(0)[0])
             out += [f"{ind}tl_n += 1"]
         out.append(ln)
@@ -185,6 +192,77 @@ def stamped_source(source: str, name: str) -> str:
     text = "\n".join(out)
     clock = "from falower.backends.numba_cuda.intrinsics import clock64"
     return text.replace("\nimport math\n", f"\nimport math\n{clock}\n", 1)
+
+
+_LOOP = r"\s+while (qc <=? (nq|p_last)|pc < q_n):"  # the q loop: a range, a scan's last pair, or a block list
+
+
+def _loop_line(lines: list[str], start: int) -> int:
+    at = next((i for i in range(start, len(lines)) if re.match(_LOOP, lines[i])), None)
+    if at is None:
+        raise SystemExit("probe_bwd: the kernel's q loop (while qc < nq, qc <= p_last or pc < q_n) is not in its "
+                         "source")
+    return at
+
+
+BLOCK_FIELDS = ("sm", "start", "loop", "after", "end", "tiles")  # what each block's thread 0 writes
+
+
+def stamped_blocks_source(source: str, name: str) -> str:
+    """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
+    first Q, dO landed: the prologue), the loop's end and the kernel's end (dK, dV stored: the epilogue), with its SM
+    and its count of q tiles; thread 0 writes them to tl_buf[block * 6 + i] in BLOCK_FIELDS' order at the end
+    (blocks that return early, kv_group's places past the heads, write nothing)."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    lines[start] = lines[start].replace("):", ", tl_buf):")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    while not lines[end - 1].strip():
+        end -= 1
+    first = next(i for i in range(start, end) if lines[i].strip() == "tid = cuda.threadIdx.x")
+    loop = _loop_line(lines, start)
+    ind = re.match(r"\s*", lines[loop])[0]
+    body = re.match(r"\s*", lines[loop + 1])[0]
+    after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
+    out = lines[:first + 1] + [f"{ind}tb_0 = clock64()", f"{ind}tb_n = 0"]
+    out += lines[first + 1:loop] + [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"]
+    out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:end]
+    out += [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0:",
+            f"{ind}    tb_i = ((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x "
+            f"+ cuda.blockIdx.x) * {len(BLOCK_FIELDS)}"]
+    out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
+            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_3", "np.uint64(tb_n)"))]
+    out += lines[end:]
+    text = "\n".join(out)
+    clock = "from falower.backends.numba_cuda.intrinsics import clock64, sm_id"
+    return text.replace("\nimport math\n", f"\nimport math\n{clock}\n", 1)
+
+
+def summarize_blocks(t) -> dict:
+    """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end) in cycles,
+    medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a least-squares line through
+    (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start."""
+    import numpy as np
+
+    t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
+    t = t[t[:, 4] > 0]
+    sm, c0, c1, c2, c3, n = t.T
+    out = {"blocks read": int(len(t)), "prologue": float(np.median(c1 - c0)), "loop": float(np.median(c2 - c1)),
+           "epilogue": float(np.median(c3 - c2)), "tiles": float(np.median(n)), "tiles mean": float(np.mean(n))}
+    whole = c3 - c0
+    if len(set(n)) > 1:
+        slope, icpt = np.polyfit(n, whole, 1)
+        out["tile (fit)"], out["fixed (fit)"] = float(slope), float(icpt)
+    else:
+        out["tile (fit)"], out["fixed (fit)"] = float(np.median((c2 - c1) / np.maximum(n, 1))), float("nan")
+    gaps = []
+    for s in np.unique(sm):
+        on = np.argsort(c0[sm == s])
+        a, b = c0[sm == s][on], c3[sm == s][on]
+        gaps += list(a[1:] - b[:-1])
+    out["gap"] = float(np.median(gaps)) if gaps else float("nan")
+    out["fixed share"] = float(np.sum(c1 - c0 + c3 - c2) / np.sum(whole))
+    return out
 
 
 def _stamp(ind: str, k: int) -> list[str]:
@@ -210,8 +288,9 @@ def summarize_phases(t, tiles: int = TILES) -> dict:
     return out
 
 
-def run_phases(kern, args, source: str) -> dict:
-    """One stamped launch of the backward's main kernel on the arguments its call would pass (prepare's, recorded)."""
+def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
+    """One stamped launch of the backward's main kernel on the arguments its call would pass (prepare's, recorded):
+    the phases of its q tiles, or with `blocks_mode` each block's life (stamped_blocks_source)."""
     import numpy as np
     import torch
     from numba import cuda
@@ -237,14 +316,19 @@ def run_phases(kern, args, source: str) -> dict:
     grid, threads, _, smem = seen["cfg"]
     blocks = int(np.prod(grid))
     name = kern.spec.name
-    stamped = getattr(load_source(stamped_source(source, name), name + "_phases"), name)
-    tl = torch.zeros(blocks * 2 * TILES * (len(PHASES) + 1), dtype=torch.int64, device="cuda")
+    if blocks_mode:
+        stamped = getattr(load_source(stamped_blocks_source(source, name), name + "_blocks"), name)
+        tl = torch.zeros(blocks * len(BLOCK_FIELDS), dtype=torch.int64, device="cuda")
+    else:
+        stamped = getattr(load_source(stamped_source(source, name), name + "_phases"), name)
+        tl = torch.zeros(blocks * 2 * TILES * (len(PHASES) + 1), dtype=torch.int64, device="cuda")
     targs = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
     kern._raise_smem_limit(stamped, targs, smem)
     for _ in range(3):  # the first launch compiles; the last is the one read
         stamped[grid, threads, 0, smem](*targs)
     torch.cuda.synchronize()
-    return summarize_phases(tl.cpu().numpy().view(np.uint64))
+    read = tl.cpu().numpy().view(np.uint64)
+    return summarize_blocks(read) if blocks_mode else summarize_phases(read)
 
 
 def use_variant(kern, source: str, name: str) -> None:
@@ -269,6 +353,8 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="spec.extra of the kernel the edits apply to (JSON)")
     ap.add_argument("--compile-one", default="")
     ap.add_argument("--phases", action="store_true", help="stamp the kernel's phases instead of timing variants")
+    ap.add_argument("--blocks", action="store_true", help="stamp each block's prologue, loop and epilogue instead "
+                    "of timing variants (the per-block fixed cost)")
     a = ap.parse_args()
     B, H = 4, 16 if a.d == 128 else 32
     base_extra = json.loads(a.extra) if a.extra else None
@@ -279,6 +365,16 @@ def main() -> None:
         return
     c, kern, args = setup(a.d, a.causal, B, H, a.n, base_extra, a.example)
     source = kern.source
+    if a.blocks:
+        bl = run_phases(kern, args, source, blocks_mode=True)
+        print(f"backward blocks, D = {a.d}, N = {a.n}, {a.example or f'causal = {a.causal}'}: median cycles a block "
+              f"({bl['blocks read']} blocks read)")
+        print("| " + " | ".join(bl) + " |")
+        print("|" + "---|" * len(bl))
+        print("| " + " | ".join(f"{v:.3f}" if k == "fixed share" else f"{v:.0f}" for k, v in bl.items()) + " |")
+        if a.json:
+            Path(a.json).write_text(json.dumps(bl))
+        return
     if a.phases:
         ph = run_phases(kern, args, source)
         print(f"backward phases, D = {a.d}, N = {a.n}, causal = {a.causal}: median cycles a tile "

@@ -100,3 +100,57 @@ def test_the_phase_summary():
     assert [got[nm] for nm, _ in probe.PHASES] == list(spans.astype(float))
     assert got["next tile"] == 7 and got["tile"] == spans.sum() + 7
     assert got["tiles read"] == (probe.TILES - 1) + 4
+
+
+def _doc_source(D: int = 128) -> tuple[str, str]:
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / "document.py")).values() if isinstance(v, fl.ir.Func))
+    c = fl.compile(g, "numba-cuda")
+    spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, "f16", "mma", None,
+                               {"bwd_schedule": "wgmma"})
+    assert spec.block_mask == "list"
+    return spec.name, emit_fa3_bwd.emit_fa3_backward(spec)
+
+
+@pytest.mark.parametrize("stem", ["plain", "causal", "document"])
+def test_the_block_stamps_go_around_the_loop(stem):
+    """--blocks: the start after the thread's index, the loop's start just before its `while` (a range, a scan's
+    last pair, a block list's), a tile counted at the loop's top, the loop's end on the first line after it, the
+    kernel's end after its last store; thread 0 writes the six fields once. The phase stamps take the list's loop
+    (its `hc = hn` SSA-renamed) too."""
+    name, src = _doc_source() if stem == "document" else _source(stem)
+    out = probe.stamped_blocks_source(src, name)
+    compile(out, "stamped", "exec")
+    assert re.search(rf"def {name}\(.*, tl_buf\):", out) and "import clock64, sm_id" in out
+    body = out[out.index(f"def {name}("):]
+    lines = body.split("\n")
+    at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k)
+          for k in ("tb_0 = clock64()", "tb_1 = clock64()", "tb_n += 1", "tb_2 = clock64()", "tb_3 = clock64()")}
+    assert lines[at["tb_0 = clock64()"] - 1].strip() == "tid = cuda.threadIdx.x"
+    assert re.match(probe._LOOP, lines[at["tb_1 = clock64()"] + 1])
+    assert at["tb_n += 1"] == at["tb_1 = clock64()"] + 2
+    assert lines[at["tb_2 = clock64()"] + 1].strip() == "cp_async_wait0()"  # the first line after the loop
+    assert "store_pairs(dv" in lines[at["tb_3 = clock64()"] - 1]  # after dK and dV went out
+    assert sorted(at.values()) == list(at.values())
+    assert body.count("tl_buf[tb_i + ") == len(probe.BLOCK_FIELDS)
+    if stem == "document":
+        compile(probe.stamped_source(src, name), "phases", "exec")
+
+
+def test_the_block_summary():
+    """Blocks with known stamps: the prologue, loop and epilogue medians, a tile's cycles and the fixed cost by the
+    line through (tiles, block cycles), the gap between blocks on one SM, the fixed share; blocks that wrote
+    nothing (zeros) are not read."""
+    rows, t = [], {0: 100, 1: 100}
+    for i, n in enumerate((4, 8, 12, 16)):
+        sm = i % 2
+        c0 = t[sm]
+        c1, c2 = c0 + 300, c0 + 300 + 1000 * n
+        c3 = c2 + 200
+        rows.append((sm, c0, c1, c2, c3, n))
+        t[sm] = c3 + 50  # 50 cycles between a block's end and the SM's next block
+    rows.append((0, 0, 0, 0, 0, 0))  # a block that returned early
+    got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
+    assert got["blocks read"] == 4 and got["prologue"] == 300 and got["epilogue"] == 200
+    assert got["tile (fit)"] == pytest.approx(1000) and got["fixed (fit)"] == pytest.approx(500)
+    assert got["gap"] == 50 and got["tiles"] == 10
+    assert got["fixed share"] == pytest.approx(4 * 500 / (4 * 500 + 1000 * 40))
