@@ -194,14 +194,15 @@ def stamped_source(source: str, name: str) -> str:
     return text.replace("\nimport math\n", f"\nimport math\n{clock}\n", 1)
 
 
-_LOOP = r"\s+while (qc <=? (nq|p_last)|pc < q_n):"  # the q loop: a range, a scan's last pair, or a block list
+# the q loop: a range, a scan's last pair or a block list, each also over a GQA group's heads
+_LOOP = r"\s+while (qc < nq|qc <= p_last|pc < q_n|hc < \d+|hc \* nq \+ qc <= p_last):"
 
 
 def _loop_line(lines: list[str], start: int) -> int:
     at = next((i for i in range(start, len(lines)) if re.match(_LOOP, lines[i])), None)
     if at is None:
-        raise SystemExit("probe_bwd: the kernel's q loop (while qc < nq, qc <= p_last or pc < q_n) is not in its "
-                         "source")
+        raise SystemExit("probe_bwd: the kernel's q loop (while qc < nq, qc <= p_last, pc < q_n or their GQA forms) "
+                         "is not in its source")
     return at
 
 
@@ -241,7 +242,8 @@ def stamped_blocks_source(source: str, name: str) -> str:
 def summarize_blocks(t) -> dict:
     """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end) in cycles,
     medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a least-squares line through
-    (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start."""
+    (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start (NaN where
+    blocks share an SM: "overlapping" counts those pairs)."""
     import numpy as np
 
     t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
@@ -260,7 +262,9 @@ def summarize_blocks(t) -> dict:
         on = np.argsort(c0[sm == s])
         a, b = c0[sm == s][on], c3[sm == s][on]
         gaps += list(a[1:] - b[:-1])
-    out["gap"] = float(np.median(gaps)) if gaps else float("nan")
+    # a gap means something only where an SM runs one block at a time (D = 128); blocks sharing an SM overlap
+    out["overlapping"] = int(sum(x < 0 for x in gaps))
+    out["gap"] = float(np.median(gaps)) if gaps and not out["overlapping"] else float("nan")
     out["fixed share"] = float(np.sum(c1 - c0 + c3 - c2) / np.sum(whole))
     return out
 

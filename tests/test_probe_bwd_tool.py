@@ -152,5 +152,24 @@ def test_the_block_summary():
     got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
     assert got["blocks read"] == 4 and got["prologue"] == 300 and got["epilogue"] == 200
     assert got["tile (fit)"] == pytest.approx(1000) and got["fixed (fit)"] == pytest.approx(500)
-    assert got["gap"] == 50 and got["tiles"] == 10
+    assert got["gap"] == 50 and got["tiles"] == 10 and got["overlapping"] == 0
     assert got["fixed share"] == pytest.approx(4 * 500 / (4 * 500 + 1000 * 40))
+    rows[2] = (0, 200, 500, 8500, 8700, 8)  # a block that ran beside block 0 on its SM: no gap is read
+    got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
+    assert got["overlapping"] == 1 and np.isnan(got["gap"])
+
+
+def test_the_stamps_take_gqa_loops():
+    """The q loop over a GQA group's heads (no mask: `while hc < G`; a static mask: `hc * nq + qc <= p_last`)."""
+    for stem in ("gqa", "causal_gqa"):
+        if stem == "gqa":
+            name, src = _source("gqa")
+        else:
+            g = fl.attention(score_mod=lambda s, b, h, q, kv: s + 0.5 * (kv - q), mask_mod=lambda b, h, q, kv: q >= kv,
+                             group_size=2, name="causal_gqa")
+            c = fl.compile(g, "numba-cuda")
+            spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": 128}, "f16", "mma", None,
+                                       {"bwd_schedule": "wgmma"})
+            name, src = spec.name, emit_fa3_bwd.emit_fa3_backward(spec)
+        compile(probe.stamped_blocks_source(src, name), "blocks", "exec")
+        compile(probe.stamped_source(src, name), "phases", "exec")

@@ -109,7 +109,7 @@ def test_grid_order_defaults():
         e.validate_spec(spec)
         assert e.kv_group(spec) == 0 and e.kv_major(spec) == asked.get("kv_major", False), asked
     assert e.kv_group(dataclasses.replace(causal, block_mask="list")) == 0
-    for bad in (-1, 2.0, "8", True):
+    for bad in (-1, 2.0, 0.0, "8", True, False, e.KV_GROUP_MAX + 1):
         with pytest.raises(ValueError, match="kv_group"):
             e.validate_spec(dataclasses.replace(causal, extra={**causal.extra, "kv_group": bad}))
 

@@ -270,9 +270,13 @@ def test_block_data_made_once_across_autograd_steps():
         assert bd._cache.keys() == m.keys() and all(bd._cache[key][1] is m[key] for key in m)
     for a, b in zip(first, again):
         assert (a.float() - b.float()).abs().max().item() <= 1e-2 * max(1.0, a.float().abs().max().item())
-    doc[:, N // 3: N // 2] = 5  # in place: new data, new block data
-    step()
+    doc[:, N // 3: N // 2] = 5  # in place: new data, new block data, and the new mask's gradients
+    got = step()
     assert all(len(bd._cache) == 2 for bd in bds)
+    o, lse = c.forward(q, k, v, doc)
+    want = c.backward(q, k, v, o, lse, do, doc)[:3]  # the direct calls (checked against float64 elsewhere)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * max(1.0, b.float().abs().max().item()), name
 
 
 def test_backward_block_lists_made_once_per_tensor():

@@ -198,6 +198,7 @@ def kv_major(spec: FA2BackwardSpec) -> bool:
 
 
 KV_GROUP_STATIC = 8  # kv_group's default under a static mask (tile classes from tile_class_fn)
+KV_GROUP_MAX = 64  # the grid pads the kv heads to a multiple of G: more would launch mostly empty blocks
 
 
 def kv_group(spec: FA2BackwardSpec) -> int:
@@ -206,9 +207,9 @@ def kv_group(spec: FA2BackwardSpec) -> int:
     y = the group, z = the batch row). Why: kv_major keeps a head's Q, dO and dQ rows in L2 but under causal leaves
     the last heads' heavy kv tiles to the tail (5-7% slower, H200); with G heads a wave (G ~ SMs / kv tiles) each
     wave starts on its heaviest tiles, and ~2G heads' rows are live. Takes precedence over kv_major; blocks past
-    the last head (G not dividing the heads) exit at once. Default KV_GROUP_STATIC under a static mask unless
-    kv_major is asked for, else 0. Measured (H200, probe_bwd.py, 9 rounds, the whole backward call against the old
-    order, D = 128 unless said): G = 8 causal 0.994 (0.982 in another call), causal D = 64 0.910, ALiBi 0.986, the
+    the last head (G not dividing the heads: under GQA with few kv heads, most of a group) exit at once, before any
+    copy or barrier. Default KV_GROUP_STATIC under a static mask unless kv_major is asked for, else 0. Measured
+    (H200, probe_bwd.py, 9 rounds, the whole backward call against the old order, D = 128 unless said): G = 8 causal 0.994 (0.982 in another call), causal D = 64 0.910, ALiBi 0.986, the
     1024 window 0.992; G = 4 0.991 / 0.914 / 0.983 / 1.010; the document's block lists 1.012 (G = 8), so lists keep
     the old order."""
     default = KV_GROUP_STATIC if spec.block_mask == "static" and "kv_major" not in spec.extra else 0
@@ -333,8 +334,9 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
             raise ValueError(f"device_source must define {fn[4:-1]}")
     if spec.block_mask == "static" and "def tile_class_fn" not in spec.device_source:
         raise ValueError("block_mask='static' needs a tile_class_fn in device_source")
-    if "kv_group" in spec.extra and not (kv_group(spec) >= 1 or spec.extra["kv_group"] == 0):
-        raise ValueError(f"wgmma backward: kv_group must be an int >= 1 (or 0: off), got {spec.extra['kv_group']!r}")
+    g = spec.extra.get("kv_group", 0)
+    if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= KV_GROUP_MAX:
+        raise ValueError(f"wgmma backward: kv_group must be an int from 1 to {KV_GROUP_MAX} (or 0: off), got {g!r}")
     for knob in (*KNOB_MARKS, "exp_fold"):
         if spec.extra.get(knob, False) not in (True, False):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
