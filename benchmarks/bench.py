@@ -151,7 +151,8 @@ def parse_config(text: str) -> tuple:
     under the next tile's S^T / dP^T GEMMs, not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its
     grid with a head's kv tiles in consecutive blocks, or kv tile j of every head first (extra kv_major; default:
     the first without a block mask), '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1
-    (extra kv_group)."""
+    (extra kv_group; default 8 under a static mask), '-blah' a block list's next entry read a tile ahead (extra
+    list_ahead)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -228,6 +229,7 @@ CONFIG_OPTIONS: list = [
     (("bdql", {"dq_late": True}),),
     (("bkvm", {"kv_major": True}), ("bnokvm", {"kv_major": False})),
     (("bnoef", {"exp_fold": False}),),
+    (("blah", {"list_ahead": True}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

@@ -61,6 +61,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "kvm": ({"kv_major": True}, "a head's kv tiles in consecutive blocks"),
     "nokvm": ({"kv_major": False}, "kv tile j of every head first"),
     **{f"kvg{g}": ({"kv_group": g}, f"kv tile j of {g} heads, then j + 1") for g in (2, 4, 8)},
+    "lah": ({"list_ahead": True}, "a block list's next entry read a tile ahead"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

@@ -78,6 +78,8 @@ CASES = {
     "document-f16-d64-130x130": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64),
     # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N
     "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
+    # ... with the list's next entry read a tile ahead (list_ahead): a group's two heads make lists of 3-4 entries
+    "document_gqa-f16-d64-100x130-lah": ("document_gqa", "f16", 1, 4, 2, 100, 130, 64, 64, 64, {"list_ahead": True}),
 }
 
 

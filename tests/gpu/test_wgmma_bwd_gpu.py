@@ -156,6 +156,13 @@ def test_kv_group(stem: str, dtype: str, D: int) -> None:
     assert_knob_case(stem, dtype, D, lambda k: "kj = cuda.blockIdx.x // 3" in k.source, kv_group=3)
 
 
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+def test_list_ahead(dtype: str, D: int) -> None:
+    """spec.extra["list_ahead"]: the document's block list read an entry a tile ahead (the A/B knob against the
+    list read at the loop's top)."""
+    assert_knob_case("document", dtype, D, lambda k: knobs_in(k.source)["list_ahead"], list_ahead=True)
+
+
 @pytest.mark.parametrize("dk_after", [False, True])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])

@@ -145,7 +145,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": "kj = cuda.blockIdx.x\n"}
+              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = "}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -163,6 +163,15 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
     at D = 64, its rows handed over at once or under the next GEMMs (H200; its staging alone cost ~11%; NOTES "The
     backward against FlexAttention")."""
     return spec.extra.get("dq_bulk", False) is True
+
+
+def list_ahead(spec: FA2BackwardSpec) -> bool:
+    """Under block lists, the list's next entry read a tile ahead (spec.extra["list_ahead"] True; default False, not
+    yet measured): the walk keeps entry p + 1 in a register (e_nx), so the next tile's Q / dO copies and LSE / Delta
+    loads wait on no load of the list at the loop's top, where a plain or static walk's next pair is an add. Why:
+    the list's load (an L2 hit at best, hundreds of cycles) sat between the loop's top and the next tile's copies,
+    with only the loop's barrier (168-251 cycles in plain's phases) to hide it."""
+    return spec.extra.get("list_ahead", False) is True and spec.block_mask == "list"
 
 
 def interior_split(spec: FA2BackwardSpec) -> bool:
@@ -415,6 +424,8 @@ def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
         c(f"q_row = q_row * (nq * {G})" if G > 1 else "q_row = q_row * nq")
         c("pc = 0")
         _emit_list_pair(c, spec, "hc", "qc")
+        if list_ahead(spec):
+            c(f"e_nx = {a['q_tiles']}[q_row + 1] if 1 < q_n else 0  # the next entry, read a tile ahead")
         return
     if spec.block_mask not in ("static", "table"):
         c("hc = 0")
@@ -430,8 +441,13 @@ def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
 def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
     """(hv, qv) = the pair after it in (head, q tile) order; under block lists, the list's next entry."""
     if spec.block_mask == "list":
-        c(f"{_pos(hv)} += 1")
-        _emit_list_pair(c, spec, hv, qv)
+        p = _pos(hv)
+        c(f"{p} += 1")
+        if list_ahead(spec):
+            _emit_list_pair(c, spec, hv, qv, "e_nx")
+            c(f"e_nx = {_list_args(spec)['q_tiles']}[q_row + {p} + 1] if {p} + 1 < q_n else 0")
+        else:
+            _emit_list_pair(c, spec, hv, qv)
         return
     c(f"{qv} += 1")
     if spec.group_size > 1:
@@ -441,11 +457,13 @@ def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
             c(f"{hv} += 1")
 
 
-def _emit_list_pair(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
+def _emit_list_pair(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str, entry: Optional[str] = None) -> None:
     """(hv, qv) = the pair at the list position of hv (entries it * 2 + partial, it = hv * nq + qv ascending), or
-    (0, 0) past the list's end. The head by subtraction (at most G turns), not a division by the run-time nq."""
+    (0, 0) past the list's end; `entry` names a register already holding that entry (list_ahead). The head by
+    subtraction (at most G turns), not a division by the run-time nq."""
     p = _pos(hv)
-    c(f"{qv} = ({_list_args(spec)['q_tiles']}[q_row + {p}] >> 1) if {p} < q_n else 0")
+    e = entry or f"{_list_args(spec)['q_tiles']}[q_row + {p}]"
+    c(f"{qv} = ({e} >> 1) if {p} < q_n else 0")
     c(f"{hv} = 0")
     if spec.group_size > 1:
         c(f"while {qv} >= nq:")
