@@ -12,6 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -368,3 +369,54 @@ def test_the_knobs_ptx(tmp_path, monkeypatch):
     except Exception as exc:
         pytest.skip(f"nvJitLink unavailable: {exc}")
     assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
+
+
+_DOC_SPECS: dict = {}
+
+
+def _doc_spec(G: int, ahead: bool):
+    """The document example's wgmma backward spec (block lists), its group size set to G (built once)."""
+    if ahead not in _DOC_SPECS:
+        _DOC_SPECS[ahead] = _spec("document", extra={"list_ahead": True} if ahead else None)
+        assert _DOC_SPECS[ahead].block_mask == "list"
+    return dataclasses.replace(_DOC_SPECS[ahead], group_size=G)
+
+
+@settings(max_examples=60, deadline=None)
+@given(G=st.integers(1, 4), nq=st.integers(1, 6), ahead=st.booleans(), data=st.data())
+def test_the_list_walk_visits_the_list(G, nq, ahead, data):
+    """The wgmma backward's walk over a kv tile's block list, its emitted lines run as Python: the (head of the
+    group, q tile, class) pairs it visits are the list's entries in order, decoded from it * 2 + partial (it = head
+    * nq + q tile) for any group size, any subset of pairs (none at all: q_n = 0), with the next entry read at the
+    loop's top or a tile ahead (list_ahead); entries past the row's count hold garbage the walk must not use."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+    from falower.backends.numba_cuda.emit_fa2 import _Code
+    from falower.backends.numba_cuda.emit_fa2_bwd import _list_args
+
+    spec = _doc_spec(G, ahead)
+    its = sorted(data.draw(st.sets(st.integers(0, G * nq - 1))))
+    partial = [data.draw(st.booleans()) for _ in its]
+    c = _Code()
+    e._emit_pair_range(c, spec)
+    c(f"while {e._more(spec, 'hc', 'qc')}:")
+    with c.indent():
+        c(f"seen.append((hc, qc, {e._class_expr(spec, 'hc', 'qc')}))")
+        c("hn = hc")
+        c("qn = qc")
+        c("pn = pc")
+        e._emit_step(c, spec, "hn", "qn")
+        c("hc = hn")
+        c("qc = qn")
+        c("pc = pn")
+    assert ("e_nx = " in c.text()) == ahead
+    a = _list_args(spec)
+    row = 3  # the (b, kv head, kv tile) row: b = 0, hk = 1 of HK = 2, kj = 1 of nk = 2
+    count = np.zeros(8, np.int32)
+    count[row] = len(its)
+    tiles = np.full(8 * G * nq, 10**6 + 1, np.int32)  # garbage: an odd entry far past any pair
+    tiles[row * G * nq: row * G * nq + len(its)] = [2 * it + int(p) for it, p in zip(its, partial)]
+    seen: list = []
+    env = {"b": 0, "hk": 1, "HK": 2, "nk": 2, "kj": 1, "nq": nq, a["q_count"]: count, a["q_tiles"]: tiles,
+           "seen": seen}
+    exec(compile(c.text(), "walk", "exec"), env)  # noqa: S102
+    assert seen == [(it // nq, it % nq, 1 if p else 2) for it, p in zip(its, partial)]
