@@ -516,6 +516,17 @@ def flex_tanh_approx() -> Callable:
             return make_pointwise(partial(ops.inline_asm_elementwise, asm="tanh.approx.f32 $0, $1;"))(x)
 
         register_lowering(torch.ops.falower_bench.tanh_approx)(lowering)
+
+        # its derivative from its output, 1 - tanh^2 (attention-gym's _TanhApprox): without one, Flex's backward
+        # could not trace the score_mod ("RuntimeError when making fake tensor call", 2026-11-29); not yet run
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(output)
+
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            return grad * (1 - t * t)
+
+        tanh_approx.register_autograd(backward, setup_context=setup_context)
         _FLEX_TANH.append(tanh_approx)
     return _FLEX_TANH[0]
 
