@@ -121,13 +121,18 @@ def test_document_forward_on_the_persistent_producer_kernel(kind, N):
         assert_forward_right(*c.forward(q, k, v, doc), q, k, v, doc)
 
 
-def test_block_data_is_made_once_per_tensor():
+def _sorted_case(seed: int):
+    """q, k, v, dO and sorted document ids (the benchmark's, with padding) at B = 2, H = 4, N = 1024, D = 128."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    B, H, N, D = 2, 4, 1024, 128
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
-    doc = doc_ids("sorted", B, N, gen)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
+    return q, k, v, do, doc_ids("sorted", 2, 1024, gen)
+
+
+def test_block_data_is_made_once_per_tensor():
+    q, k, v, _, doc = _sorted_case(0)
+    B, H, N = doc.shape[0], q.shape[1], doc.shape[1]
     c = compiled()
     o1, _ = c.forward(q, k, v, doc)
     bd = c.block_data(c.kernel(q, k, v, doc))
@@ -248,12 +253,8 @@ def test_block_data_made_once_across_autograd_steps():
     the forward's and the backward's block data are made at the first step and reused by the next, not made again
     because autograd handed the kernels another alias of the same document ids (before: 57 TFLOP/s against 194
     by c.forward / c.backward, H200, bench.py "f+b autograd"); an in-place write still makes them anew."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    B, H, N, D = 2, 4, 1024, 128
-    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
-    doc = doc_ids("sorted", B, N, gen)
+    q, k, v, do, doc = _sorted_case(2)
+    N = doc.shape[1]
     c = fl.compile(runpy.run_path(str(ROOT / "examples" / "document.py"))["graph"], "numba-cuda")  # empty caches
 
     def step():
@@ -280,12 +281,8 @@ def test_block_data_made_once_across_autograd_steps():
 
 
 def test_backward_block_lists_made_once_per_tensor():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    B, H, N, D = 2, 4, 1024, 128
-    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(4))
-    doc = doc_ids("sorted", B, N, gen)
+    q, k, v, do, doc = _sorted_case(1)
+    B, H, N = doc.shape[0], q.shape[1], doc.shape[1]
     c = compiled()
     o, lse = c.forward(q, k, v, doc)
     c.backward(q, k, v, o, lse, do, doc)
