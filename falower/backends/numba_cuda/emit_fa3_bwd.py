@@ -36,8 +36,7 @@ by atomics). Refused (mma.sync runs): the deterministic mode (dq=separate, stage
 No 64-bit division or modulo by a run-time value (a subroutine call makes ptxas serialize every wgmma;
 benchmarks/NOTES.md "wgmma"): the grid is 3-d (`grid`: (kv tiles, kv heads, batch) without a block mask,
 (G kv tiles, head groups, batch) under a static one, (kv heads, batch, kv tiles) under block tables and lists) and
-the (head, q tile) walk keeps two counters. Element code with a
-division of its own still runs, serialized.
+the (head, q tile) walk keeps two counters. Element code with a division of its own still runs, serialized.
 """
 
 from __future__ import annotations
@@ -218,9 +217,9 @@ def kv_group(spec: FA2BackwardSpec) -> int:
     wave starts on its heaviest tiles, and ~2G heads' rows are live. Takes precedence over kv_major; blocks past
     the last head (G not dividing the heads: under GQA with few kv heads, most of a group) exit at once, before any
     copy or barrier. Default KV_GROUP_STATIC under a static mask unless kv_major is asked for, else 0. Measured
-    (H200, probe_bwd.py, 9 rounds, the whole backward call against the old order, D = 128 unless said): G = 8 causal 0.994 (0.982 in another call), causal D = 64 0.910, ALiBi 0.986, the
-    1024 window 0.992; G = 4 0.991 / 0.914 / 0.983 / 1.010; the document's block lists 1.012 (G = 8), so lists keep
-    the old order."""
+    (H200, probe_bwd.py, 9 rounds, the whole backward call against the old order, D = 128 unless said): G = 8
+    causal 0.994 (0.982 in another call), causal D = 64 0.910, ALiBi 0.986, the 1024 window 0.992; G = 4 0.991 /
+    0.914 / 0.983 / 1.010; the document's block lists 1.012 (G = 8), so lists keep the old order."""
     default = KV_GROUP_STATIC if spec.block_mask == "static" and "kv_major" not in spec.extra else 0
     g = spec.extra.get("kv_group", default)
     return g if isinstance(g, int) and not isinstance(g, bool) else 0
@@ -389,13 +388,19 @@ def _class_expr(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
     if spec.block_mask == "table":
         return f"table[((b * H + {h}) * nq + {qv}) * nk + kj]"
     if spec.block_mask == "list":  # the pair's entry in this kv tile's list: partial (odd) or full
-        return f"(1 if {_list_args(spec)['q_tiles']}[q_row + {_pos(hv)}] & 1 else 2)"
+        return f"(1 if {_entry(spec, _pos(hv))} & 1 else 2)"
     return "2"
 
 
 def _pos(hv: str) -> str:
     """Under block lists, the list position that goes with the pair (hv, qv): pc for (hc, qc), pn for (hn, qn)."""
     return "p" + hv[1:]
+
+
+def _entry(spec: FA2BackwardSpec, pos: str, guarded: bool = False) -> str:
+    """Entry `pos` of this kv tile's block list (q_row: the row's first entry); `guarded`: 0 at or past q_n."""
+    e = f"{_list_args(spec)['q_tiles']}[q_row + {pos}]"
+    return f"{e} if {pos} < q_n else 0" if guarded else e
 
 
 def _more(spec: FA2BackwardSpec, hv: str, qv: str) -> str:
@@ -425,7 +430,7 @@ def _emit_pair_range(c: _Code, spec: FA2BackwardSpec) -> None:
         c("pc = 0")
         _emit_list_pair(c, spec, "hc", "qc")
         if list_ahead(spec):
-            c(f"e_nx = {a['q_tiles']}[q_row + 1] if 1 < q_n else 0  # the next entry, read a tile ahead")
+            c(f"e_nx = {_entry(spec, '1', guarded=True)}  # the next entry, read a tile ahead")
         return
     if spec.block_mask not in ("static", "table"):
         c("hc = 0")
@@ -445,7 +450,7 @@ def _emit_step(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
         c(f"{p} += 1")
         if list_ahead(spec):
             _emit_list_pair(c, spec, hv, qv, "e_nx")
-            c(f"e_nx = {_list_args(spec)['q_tiles']}[q_row + {p} + 1] if {p} + 1 < q_n else 0")
+            c(f"e_nx = {_entry(spec, f'{p} + 1', guarded=True)}")
         else:
             _emit_list_pair(c, spec, hv, qv)
         return
@@ -462,8 +467,7 @@ def _emit_list_pair(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str, entry: Op
     (0, 0) past the list's end; `entry` names a register already holding that entry (list_ahead). The head by
     subtraction (at most G turns), not a division by the run-time nq."""
     p = _pos(hv)
-    e = entry or f"{_list_args(spec)['q_tiles']}[q_row + {p}]"
-    c(f"{qv} = ({e} >> 1) if {p} < q_n else 0")
+    c(f"{qv} = ({entry or _entry(spec, p)} >> 1) if {p} < q_n else 0")
     c(f"{hv} = 0")
     if spec.group_size > 1:
         c(f"while {qv} >= nq:")

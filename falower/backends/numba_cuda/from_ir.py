@@ -170,7 +170,6 @@ LIST_CAPTURES = (Capture("kv_count", "i32", 1, derived=("kv_count",)),
 # tanh(x) = 1 - 2 / (1 + 2**(TWO_LOG2E x)): the factor `tanh_by_ex2` merges into tanh_ex2_f32's argument. Here, not
 # in intrinsics.py, so that building a spec (a warm process's path to its cached cubins) imports no Numba
 TWO_LOG2E = 2.8853900817779268
-LOG2E_F = 1.4426950408889634  # log2(e), as the kernels' LOG2E: the backward's exponent folds it (from_ir_bwd.log2e)
 _UNARY = {"exp": "math.exp({})", "exp2": "math.pow(np.float32(2.0), {})", "log": "math.log({})",
           "log2": "math.log2({})", "tanh": "math.tanh({})", "tanh_approx": "tanh_approx_f32({})",
           "erf": "math.erf({})", "sqrt": "math.sqrt({})",

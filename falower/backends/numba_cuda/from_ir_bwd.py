@@ -34,8 +34,9 @@ import numpy as np
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
 from ...ir.types import is_float
-from .from_ir import (LOG2E_F, BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref,
-                      range_captures, range_name, tanh_by_ex2)
+from ...passes.online_softmax import LOG2E  # the pass's log2(e), the backward's exponent folds (log2e)
+from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
+                      range_name, tanh_by_ex2)
 from .spec import Capture, FA2BackwardSpec, GradSpec
 
 
@@ -355,10 +356,10 @@ class _ElementEmitter(_ScalarEmitter):
         op = v.owner
         plus = "" if t is None else f" + {t}"
         if v in self.consts:
-            out = f"({_literal(float(np.float32(float(self.consts[v]) * LOG2E_F)), 'f32', {})}{plus})"
+            out = f"({_literal(float(np.float32(float(self.consts[v]) * LOG2E)), 'f32', {})}{plus})"
         elif v in self.factors:
             base, f = self.factors[v]
-            fl = f"np.float32({float(np.float32(f * LOG2E_F))!r})"
+            fl = f"np.float32({float(np.float32(f * LOG2E))!r})"
             out = f"({base} * {fl})" if t is None else f"cuda.fma({base}, {fl}, {t})"
         elif isinstance(op, Op) and op.name == "add" and all(o.type.dtype == "f32" for o in op.operands):
             out = self.log2e(op.operands[0], self.log2e(op.operands[1], t))
