@@ -142,12 +142,8 @@ def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = Non
     o, lse = c.forward(q, k, v, *user)
     c.backward(q, k, v, o, lse, do, *user)  # builds the call: which inputs are captures, the block data
     kern, _ = c._backward_kernel_and_dims((q, k, v, *user))
-    call = next(iter(c._bwd_calls.values()))
-    inputs = (q, k, v, o, lse, do, *user)
-    caps = [call._capture(inputs[i], dt) for i, dt in zip(call.order, call.dtypes)] + call.dims
-    if call.blocks is not None:
-        caps += call.blocks.derive(caps, (B, H, N, N), q)
-    return c, kern, (q, k, v, o, lse, do, *caps)
+    arrays, caps = next(iter(c._bwd_calls.values())).arguments((q, k, v, o, lse, do, *user))
+    return c, kern, (*arrays, *caps)
 
 
 # phase name, the line its stamp goes after (a substring of the emitted kernel's line inside the q loop); the first
@@ -168,9 +164,7 @@ def stamped_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps at the top of its q loop and after each PHASES anchor; thread 0 of
     each warpgroup stores them to tl_buf[((block * 2 + warpgroup) * TILES + tile) * (len(PHASES) + 1) + i] for
     its first TILES tiles. Raises SystemExit naming an anchor the kernel lacks."""
-    lines = source.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
-    lines[start] = lines[start].replace("):", ", tl_buf):")
+    lines, start = _with_buffer(source, name)
     loop = _loop_line(lines, start)
     ind = re.match(r"\s*", lines[loop + 1])[0]
     n = len(PHASES) + 1
@@ -190,9 +184,21 @@ def stamped_source(source: str, name: str) -> str:
             out += _stamp(re.match(r"\s*", ln)[0], todo.pop(0)[0])
     if todo:
         raise SystemExit(f"probe_bwd: phase anchors not found in the kernel: {[p[1][1] for p in todo]}")
-    text = "\n".join(out)
-    clock = "from falower.backends.numba_cuda.intrinsics import clock64"
-    return text.replace("\nimport math\n", f"\nimport math\n{clock}\n", 1)
+    return _with_imports(out, "clock64")
+
+
+def _with_buffer(source: str, name: str) -> tuple[list[str], int]:
+    """The module's lines with kernel `name` taking the stamps' buffer (tl_buf) last, and its def line's index."""
+    lines = source.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
+    lines[start] = lines[start].replace("):", ", tl_buf):")
+    return lines, start
+
+
+def _with_imports(lines: list[str], names: str) -> str:
+    """The module's text with the stamps' intrinsics imported after its `import math`."""
+    imports = f"from falower.backends.numba_cuda.intrinsics import {names}"
+    return "\n".join(lines).replace("\nimport math\n", f"\nimport math\n{imports}\n", 1)
 
 
 # the q loop: a range, a scan's last pair or a block list, each also over a GQA group's heads
@@ -215,9 +221,7 @@ def stamped_blocks_source(source: str, name: str) -> str:
     first Q, dO landed: the prologue), the loop's end and the kernel's end (dK, dV stored: the epilogue), with its SM
     and its count of q tiles; thread 0 writes them to tl_buf[block * 6 + i] in BLOCK_FIELDS' order at the end
     (blocks that return early, kv_group's places past the heads, write nothing)."""
-    lines = source.split("\n")
-    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"def {name}("))
-    lines[start] = lines[start].replace("):", ", tl_buf):")
+    lines, start = _with_buffer(source, name)
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
     while not lines[end - 1].strip():
         end -= 1
@@ -235,9 +239,7 @@ def stamped_blocks_source(source: str, name: str) -> str:
     out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
             enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_3", "np.uint64(tb_n)"))]
     out += lines[end:]
-    text = "\n".join(out)
-    clock = "from falower.backends.numba_cuda.intrinsics import clock64, sm_id"
-    return text.replace("\nimport math\n", f"\nimport math\n{clock}\n", 1)
+    return _with_imports(out, "clock64, sm_id")
 
 
 def summarize_blocks(t) -> dict:

@@ -385,13 +385,19 @@ class _WarmCall:
         self._numbers: dict[tuple, Any] = {}
         self._device = getattr(like, "device", None) if type(like).__module__.startswith("torch") else None
 
-    def __call__(self, inputs: tuple):
+    def arguments(self, inputs: tuple) -> tuple[tuple, list]:
+        """(the arrays, the captures) the kernel takes for `inputs`: the caller's captures in the kernel's order, the
+        run-time sizes, then the block data derived from them (made once per data)."""
         caps = [self._capture(inputs[i], dt) for i, dt in zip(self.order, self.dtypes)] + self.dims
         arrays = inputs[:self.n]
         if self.blocks is not None:
             q, k = arrays[0], arrays[1]
             sizes = (int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k.shape[2]))
             caps += self.blocks.derive(caps, sizes, q)
+        return arrays, caps
+
+    def __call__(self, inputs: tuple):
+        arrays, caps = self.arguments(inputs)
         plan = self.plan
         if plan is _UNSET:  # the signature fixes everything the kernel's plan depends on: ask once
             plan = self.plan = self.kernel.plan(*arrays, tuple(caps))
