@@ -24,8 +24,10 @@ probe = pytest.importorskip("probe_bwd")
 BULK_ONLY = {"oneop", "nowait", "nofence", "nostage"}  # floors of the dq_bulk kernel's staging and issue
 
 
-def _source(stem: str, D: int = 128, **extra) -> tuple[str, str]:
-    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+def _source(stem, D: int = 128, **extra) -> tuple[str, str]:
+    """(the kernel's name, the wgmma backward's module) of examples/<stem>.py, or of `stem` itself if a graph."""
+    g = stem if isinstance(stem, fl.ir.Func) else \
+        next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
     c = fl.compile(g, "numba-cuda")
     spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, "f16", "mma", None,
                                {"bwd_schedule": "wgmma", **extra})
@@ -102,22 +104,14 @@ def test_the_phase_summary():
     assert got["tiles read"] == (probe.TILES - 1) + 4
 
 
-def _doc_source(D: int = 128) -> tuple[str, str]:
-    g = next(v for v in runpy.run_path(str(ROOT / "examples" / "document.py")).values() if isinstance(v, fl.ir.Func))
-    c = fl.compile(g, "numba-cuda")
-    spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, "f16", "mma", None,
-                               {"bwd_schedule": "wgmma"})
-    assert spec.block_mask == "list"
-    return spec.name, emit_fa3_bwd.emit_fa3_backward(spec)
-
-
 @pytest.mark.parametrize("stem", ["plain", "causal", "document"])
 def test_the_block_stamps_go_around_the_loop(stem):
     """--blocks: the start after the thread's index, the loop's start just before its `while` (a range, a scan's
     last pair, a block list's), a tile counted at the loop's top, the loop's end on the first line after it, the
     kernel's end after its last store; thread 0 writes the six fields once. The phase stamps take the list's loop
     (its `hc = hn` SSA-renamed) too."""
-    name, src = _doc_source() if stem == "document" else _source(stem)
+    name, src = _source(stem)
+    assert ("while pc < q_n:" in src) == (stem == "document")  # the document's loop walks its block list
     out = probe.stamped_blocks_source(src, name)
     compile(out, "stamped", "exec")
     assert re.search(rf"def {name}\(.*, tl_buf\):", out) and "import clock64, sm_id" in out
@@ -161,15 +155,10 @@ def test_the_block_summary():
 
 def test_the_stamps_take_gqa_loops():
     """The q loop over a GQA group's heads (no mask: `while hc < G`; a static mask: `hc * nq + qc <= p_last`)."""
-    for stem in ("gqa", "causal_gqa"):
-        if stem == "gqa":
-            name, src = _source("gqa")
-        else:
-            g = fl.attention(score_mod=lambda s, b, h, q, kv: s + 0.5 * (kv - q), mask_mod=lambda b, h, q, kv: q >= kv,
-                             group_size=2, name="causal_gqa")
-            c = fl.compile(g, "numba-cuda")
-            spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": 128}, "f16", "mma", None,
-                                       {"bwd_schedule": "wgmma"})
-            name, src = spec.name, emit_fa3_bwd.emit_fa3_backward(spec)
+    causal_gqa = fl.attention(score_mod=lambda s, b, h, q, kv: s + 0.5 * (kv - q),
+                              mask_mod=lambda b, h, q, kv: q >= kv, group_size=2, name="causal_gqa")
+    for stem, loop in (("gqa", "while hc < 4:"), (causal_gqa, "while hc * nq + qc <= p_last:")):
+        name, src = _source(stem)
+        assert loop in src
         compile(probe.stamped_blocks_source(src, name), "blocks", "exec")
         compile(probe.stamped_source(src, name), "phases", "exec")
