@@ -213,13 +213,17 @@ def _loop_line(lines: list[str], start: int) -> int:
     return at
 
 
-BLOCK_FIELDS = ("sm", "start", "loop", "after", "end", "tiles")  # what each block's thread 0 writes
+BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "end", "tiles")  # what each block's thread 0 writes
+
+
+STORES_LINE = "# dK, dV of this warp's kv rows, once"  # _emit_dkdv_stores' first line
 
 
 def stamped_blocks_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
-    first Q, dO landed: the prologue), the loop's end and the kernel's end (dK, dV stored: the epilogue), with its SM
-    and its count of q tiles; thread 0 writes them to tl_buf[block * 6 + i] in BLOCK_FIELDS' order at the end
+    first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores and the kernel's end (the
+    epilogue: its waits, then the stores' issue), with its SM and its count of q tiles; thread 0 writes them to
+    tl_buf[block * 7 + i] in BLOCK_FIELDS' order at the end
     (blocks that return early, kv_group's places past the heads, write nothing)."""
     lines, start = _with_buffer(source, name)
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
@@ -232,12 +236,14 @@ def stamped_blocks_source(source: str, name: str) -> str:
     after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
     out = lines[:first + 1] + [f"{ind}tb_0 = clock64()", f"{ind}tb_n = 0"]
     out += lines[first + 1:loop] + [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"]
-    out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:end]
+    stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
+    out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:stores] + [f"{ind}tb_s = clock64()"]
+    out += lines[stores:end]
     out += [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0:",
             f"{ind}    tb_i = ((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x "
             f"+ cuda.blockIdx.x) * {len(BLOCK_FIELDS)}"]
     out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
-            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_3", "np.uint64(tb_n)"))]
+            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_3", "np.uint64(tb_n)"))]
     out += lines[end:]
     return _with_imports(out, "clock64, sm_id")
 
@@ -251,9 +257,10 @@ def summarize_blocks(t) -> dict:
 
     t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
     t = t[t[:, 4] > 0]
-    sm, c0, c1, c2, c3, n = t.T
+    sm, c0, c1, c2, cs, c3, n = t.T
     out = {"blocks read": int(len(t)), "prologue": float(np.median(c1 - c0)), "loop": float(np.median(c2 - c1)),
-           "epilogue": float(np.median(c3 - c2)), "tiles": float(np.median(n)), "tiles mean": float(np.mean(n))}
+           "epilogue": float(np.median(c3 - c2)), "of it stores": float(np.median(c3 - cs)),
+           "tiles": float(np.median(n)), "tiles mean": float(np.mean(n))}
     whole = c3 - c0
     if len(set(n)) > 1:
         slope, icpt = np.polyfit(n, whole, 1)

@@ -108,7 +108,7 @@ def test_the_phase_summary():
 def test_the_block_stamps_go_around_the_loop(stem):
     """--blocks: the start after the thread's index, the loop's start just before its `while` (a range, a scan's
     last pair, a block list's), a tile counted at the loop's top, the loop's end on the first line after it, the
-    kernel's end after its last store; thread 0 writes the six fields once. The phase stamps take the list's loop
+    stores' start, the kernel's end after its last store; thread 0 writes the seven fields once. The phase stamps take the list's loop
     (its `hc = hn` SSA-renamed) too."""
     name, src = _source(stem)
     assert ("while pc < q_n:" in src) == (stem == "document")  # the document's loop walks its block list
@@ -118,11 +118,13 @@ def test_the_block_stamps_go_around_the_loop(stem):
     body = out[out.index(f"def {name}("):]
     lines = body.split("\n")
     at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k)
-          for k in ("tb_0 = clock64()", "tb_1 = clock64()", "tb_n += 1", "tb_2 = clock64()", "tb_3 = clock64()")}
+          for k in ("tb_0 = clock64()", "tb_1 = clock64()", "tb_n += 1", "tb_2 = clock64()", "tb_s = clock64()",
+                    "tb_3 = clock64()")}
     assert lines[at["tb_0 = clock64()"] - 1].strip() == "tid = cuda.threadIdx.x"
     assert re.match(probe._LOOP, lines[at["tb_1 = clock64()"] + 1])
     assert at["tb_n += 1"] == at["tb_1 = clock64()"] + 2
     assert lines[at["tb_2 = clock64()"] + 1].strip() == "cp_async_wait0()"  # the first line after the loop
+    assert lines[at["tb_s = clock64()"] + 1].strip() == probe.STORES_LINE  # the stores' start
     assert "store_pairs(dv" in lines[at["tb_3 = clock64()"] - 1]  # after dK and dV went out
     assert sorted(at.values()) == list(at.values())
     assert body.count("tl_buf[tb_i + ") == len(probe.BLOCK_FIELDS)
@@ -140,15 +142,15 @@ def test_the_block_summary():
         c0 = t[sm]
         c1, c2 = c0 + 300, c0 + 300 + 1000 * n
         c3 = c2 + 200
-        rows.append((sm, c0, c1, c2, c3, n))
+        rows.append((sm, c0, c1, c2, c3 - 150, c3, n))
         t[sm] = c3 + 50  # 50 cycles between a block's end and the SM's next block
-    rows.append((0, 0, 0, 0, 0, 0))  # a block that returned early
+    rows.append((0, 0, 0, 0, 0, 0, 0))  # a block that returned early
     got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
-    assert got["blocks read"] == 4 and got["prologue"] == 300 and got["epilogue"] == 200
+    assert got["blocks read"] == 4 and got["prologue"] == 300 and got["epilogue"] == 200 and got["of it stores"] == 150
     assert got["tile (fit)"] == pytest.approx(1000) and got["fixed (fit)"] == pytest.approx(500)
     assert got["gap"] == 50 and got["tiles"] == 10 and got["overlapping"] == 0
     assert got["fixed share"] == pytest.approx(4 * 500 / (4 * 500 + 1000 * 40))
-    rows[2] = (0, 200, 500, 8500, 8700, 8)  # a block that ran beside block 0 on its SM: no gap is read
+    rows[2] = (0, 200, 500, 8500, 8600, 8700, 8)  # a block that ran beside block 0 on its SM: no gap is read
     got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
     assert got["overlapping"] == 1 and np.isnan(got["gap"])
 
