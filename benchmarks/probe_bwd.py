@@ -62,6 +62,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nokvm": ({"kv_major": False}, "kv tile j of every head first"),
     **{f"kvg{g}": ({"kv_group": g}, f"kv tile j of {g} heads, then j + 1") for g in (2, 4, 8)},
     "lah": ({"list_ahead": True}, "a block list's next entry read a tile ahead"),
+    "dkvb": ({"dkdv_bulk": True}, "dK and dV staged in shared memory and stored by bulk copies"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

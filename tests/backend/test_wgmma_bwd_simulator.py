@@ -252,6 +252,39 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     assert loop.index("bulk_reduce_add_f32(dqg") < loop.index("WAIT_S(sacc, 0)")
 
 
+def test_dkdv_by_bulk_copies_when_asked(tmp_path, monkeypatch):
+    """spec.extra dkdv_bulk True: after one barrier each warp stages its 16 rows of dK and of dV (2 D + 16 bytes
+    apart: a 4-byte store's lanes in 32 banks) from the base of shared memory, and lane l copies staging row l (dK's
+    rows 0-15, dV's 16-31) by one bulk copy; no direct store (its PTX: test_the_knobs_ptx). The default keeps the
+    direct stores."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    with pytest.raises(ValueError, match="dkdv_bulk must be True or False"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dkdv_bulk": 1}))
+    direct, bulk = (emit_fa3_bwd.emit_fa3_backward(_spec("causal", D, extra={"dkdv_bulk": b}))
+                    for D, b in ((128, False), (128, True)))
+    assert "store_pairs(dk" in direct and "bulk_store(" not in direct
+    assert "store_pairs(dk" not in bulk and "store_pairs(dv" not in bulk
+    # the epilogue's order (the simulator's proxy fence does nothing, so only the text can hold it): the GEMMs' waits,
+    # the barrier, the staging, the proxy fence, the warp agrees, the copies, the wait for their reads at the end
+    tail = bulk[bulk.index("WAIT_D(dkacc, 0)\n", bulk.index("while ")):]
+    order = ["cuda.syncthreads()", "stage_pairs(smem_w, dkv_w + 0, dkacc, ofs_0)",
+             f"stage_pairs(smem_w, dkv_w + {8 * 272 // 4}, dkacc, ofs_2)",
+             f"stage_pairs(smem_w, dkv_w + {16 * 272 // 4}, dvacc, ofs_0)",
+             f"stage_pairs(smem_w, dkv_w + {24 * 272 // 4}, dvacc, ofs_2)", "fence_proxy_async()", "syncwarp()",
+             "bulk_store(dkv_g, dkv_s + lane * 272, 256)", "bulk_commit()", "bulk_wait_read0()"]
+    at = [tail.index(order[0])]
+    for x in order[1:]:
+        at.append(tail.index(x, at[-1] + 1))
+    assert at == sorted(at)
+    assert "dkv_s = sb + warp * 8704" in tail and "dkv_w = ((sbr + warp * 8704 + g * 272) >> 2) + (lane & 3)" in tail
+    # the staging's 8 warps x 32 rows fit the shared memory the kernel has (D = 64: 144-byte rows)
+    for D in (64, 128):
+        sp = _spec("causal", D, extra={"dkdv_bulk": True})
+        assert 8 * 32 * (2 * D + 16) <= emit_fa3_bwd._layout(sp)["total"]
+
+
 def test_reduced_gradients_are_held_across_tiles():
     """ALiBi's slope gradient: summed over the block's tiles and added where its index changes and after the walk
     (emit_fa2_bwd.held_grads), not once a tile, by the wgmma and the mma.sync kernels; '-bgt' (hold_grads False)
@@ -348,8 +381,9 @@ def test_grouped_gradients_in_the_kernel():
 
 @pytest.mark.slow
 def test_the_knobs_ptx(tmp_path, monkeypatch):
-    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_bulk, dk_after_dq and p_under_dp on: dQ's
-    two bulk reductions (the loop's and the last tile's) and no vector reduction; two `wait_group 1` (S^T alone,
+    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_bulk, dk_after_dq, p_under_dp and
+    dkdv_bulk on: dQ's two bulk reductions (the loop's and the last tile's) and no vector reduction; dK's and dV's one
+    bulk copy and no direct store; two `wait_group 1` (S^T alone,
     dQ before dK); the default's wgmma counts; no call; ptxas's log without serialization."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
@@ -357,8 +391,10 @@ def test_the_knobs_ptx(tmp_path, monkeypatch):
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel, resource_usage
 
     ptx = FA2BackwardKernel(_spec("causal", 128, extra={"dq_bulk": True, "dk_after_dq": True,
-                                                        "p_under_dp": True})).ptx((9, 0))
+                                                        "p_under_dp": True, "dkdv_bulk": True})).ptx((9, 0))
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 1  # dkdv_bulk's copy of a row
+    assert "st.global.b32" not in ptx and "st.global.u32" not in ptx  # no direct store of dK / dV
     assert "red.global.add" not in ptx
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
     counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (64, 128)}

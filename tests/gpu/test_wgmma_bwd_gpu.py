@@ -163,6 +163,19 @@ def test_list_ahead(dtype: str, D: int) -> None:
     assert_knob_case("document", dtype, D, lambda k: knobs_in(k.source)["list_ahead"], list_ahead=True)
 
 
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "gqa", "document"])
+def test_dkdv_bulk(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dkdv_bulk"]: dK and dV staged in shared memory and stored by bulk copies a row a lane (the A/B
+    knob against the threads' direct stores): the error rule, and at N = 1000 (a ragged last kv tile) dK and dV
+    bitwise the direct stores' (the same accumulators, packed the same way)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dkdv_bulk"], dkdv_bulk=True)
+    env, host, do = case_inputs(stem, dtype, D, 1000)
+    direct, bulk = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"dkdv_bulk": True}))
+    for name, a, b in zip(("dk", "dv"), direct[1:3], bulk[1:3]):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("dk_after", [False, True])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "sliding_window"])

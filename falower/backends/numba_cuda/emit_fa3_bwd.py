@@ -96,11 +96,12 @@ _BULK_IMPORTS = '''
 from falower.backends.numba_cuda.intrinsics import (
     bulk_commit,
     bulk_reduce_add_f32,
+    bulk_store,
     bulk_wait_read0,
     sts_v4_f32,
     syncwarp,
 )
-'''  # dq_bulk's
+'''  # dq_bulk's and dkdv_bulk's
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -144,7 +145,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = "}
+              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "bulk_store(dkv_g"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -162,6 +163,23 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
     at D = 64, its rows handed over at once or under the next GEMMs (H200; its staging alone cost ~11%; NOTES "The
     backward against FlexAttention")."""
     return spec.extra.get("dq_bulk", False) is True
+
+
+def dkdv_bulk(spec: FA2BackwardSpec) -> bool:
+    """dK and dV stored by the copy engine (spec.extra["dkdv_bulk"] True; default False, not yet measured): after
+    one barrier (every warpgroup's last GEMMs have read K, V, Q, dO and dS^T) each warp stages its 16 rows of dK and
+    of dV, 16-bit, in shared memory (rows 2 D + 16 bytes apart: a store's 32 lanes in 32 banks), and each of its 32
+    lanes hands one row to a bulk copy (cp.async.bulk, a row of a kv head is contiguous in dK / dV); the block waits
+    only until the copies have read shared memory. Why: the direct stores (64 4-byte stores a thread, each warp's
+    covering 8 rows x 16 bytes) took the whole epilogue, 8.1-10.0k cycles a block (probe_bwd --blocks, H200: the
+    document's, the 1024 window's, plain's), 11-17% of a window's or a document's block with its prologue."""
+    return spec.extra.get("dkdv_bulk", False) is True
+
+
+def _dkdv_stage_pitch(spec: FA2BackwardSpec) -> int:
+    """Bytes between a warp's staged rows of dK / dV: D 16-bit columns and 16 bytes, so that row g + 1's word w sits
+    4 banks after row g's: lanes (g, t) of a 4-byte store hit banks 4 g + t, all 32 distinct."""
+    return spec.head_dim * 2 + 16
 
 
 def list_ahead(spec: FA2BackwardSpec) -> bool:
@@ -345,8 +363,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     g = spec.extra.get("kv_group", 0)
     if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= KV_GROUP_MAX:
         raise ValueError(f"wgmma backward: kv_group must be an int from 1 to {KV_GROUP_MAX} (or 0: off), got {g!r}")
-    for knob in (*KNOB_MARKS, "exp_fold"):
-        if spec.extra.get(knob, False) not in (True, False):
+    for knob in (*KNOB_MARKS, "exp_fold"):  # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
+        if not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
@@ -356,6 +374,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if spec.num_warps * 32 != threads(spec):
         raise ValueError(f"wgmma backward: num_warps must be block_k // 16 = {BK // 16} (the runtime launches "
                          f"32 * num_warps threads), got {spec.num_warps}")
+    if dkdv_bulk(spec) and threads(spec) * _dkdv_stage_pitch(spec) > _layout(spec)["total"]:
+        raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
     if smem_bytes(spec) > 227 * 1024:
         raise ValueError(f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
 
@@ -903,8 +923,41 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             _emit_dq_late_issue(c, DC // 8)
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
-        _emit_dkdv_stores(c, D, ND, pack)
+        if dkdv_bulk(spec):
+            _emit_dkdv_bulk(c, spec, pack)
+        else:
+            _emit_dkdv_stores(c, D, ND, pack)
     return bind_offsets(c.text())
+
+
+def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
+    """dkdv_bulk's epilogue: this warp's 16 rows of dK (staging rows 0-15) and of dV (16-31) packed to 16 bits in
+    shared memory from the base on (K's, V's and Q's bytes, free after the barrier), then lane l hands staging row
+    l to a bulk copy into its row of dK or dV (rows past N: none); the kernel ends once they have read it."""
+    D = spec.head_dim
+    PK = _dkdv_stage_pitch(spec)
+    c("# dK, dV of this warp's kv rows, once")
+    c("# (dkdv_bulk: staged in shared memory and handed to the copy engine, a row a lane)")
+    c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging may overwrite them")
+    c(f"dkv_s = sb + warp * {32 * PK}  # this warp's 32 staging rows: dK's 16, then dV's 16")
+    c(f"dkv_w = ((sbr + warp * {32 * PK} + g * {PK}) >> 2) + (lane & 3)  # row g's word of this thread's columns")
+    sw = c.helper("stage_pairs", [
+        "@device_function", "def stage_pairs(smem_w, w, x, i):",
+        *[f"    smem_w[w + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))"
+          for dn in range(D // 8)]])
+    for t, acc in enumerate(("dkacc", "dvacc")):
+        for r in range(2):
+            c(f"{sw}(smem_w, dkv_w + {((16 * t + 8 * r) * PK) // 4}, {acc}, ofs_{2 * r})")
+    c("fence_proxy_async()  # the staged rows visible to the copy engine")
+    c("syncwarp()")
+    c("kvi = kv0 + warp * 16 + (lane & 15)")
+    c("if kvi < N:")
+    with c.indent():
+        c(f"dkv_g = elem_addr(dk, (((kv_head + kvi) * {D}) >> 1,)) if lane < 16 else "
+          f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
+        c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
+        c("bulk_commit()")
+    c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
 
 
 def _elem_split_helpers(c: _Code, spec: FA2BackwardSpec, branch: str) -> tuple[str, str]:
@@ -977,6 +1030,6 @@ def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
     validate_spec(spec)
     src = _module(spec, _emit_kernel(spec))
     marker = "\n# ---- the variant's device functions"
-    imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) else "")
+    imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) or dkdv_bulk(spec) else "")
     return src.replace(marker, imports + marker, 1).replace(
         "emit_fa2_bwd -- do not edit.", "emit_fa3_bwd -- do not edit.")
