@@ -125,11 +125,21 @@ def test_the_block_stamps_go_around_the_loop(stem):
     assert at["tb_n += 1"] == at["tb_1 = clock64()"] + 2
     assert lines[at["tb_2 = clock64()"] + 1].strip() == "cp_async_wait0()"  # the first line after the loop
     assert lines[at["tb_s = clock64()"] + 1].strip() == probe.STORES_LINE  # the stores' start
-    assert "store_pairs(dv" in lines[at["tb_3 = clock64()"] - 1]  # after dK and dV went out
+    assert "bulk_wait_read0()  # the copies" in lines[at["tb_3 = clock64()"] - 1]  # after dK's and dV's copies
     assert sorted(at.values()) == list(at.values())
     assert body.count("tl_buf[tb_i + ") == len(probe.BLOCK_FIELDS)
     if stem == "document":
         compile(probe.stamped_source(src, name), "phases", "exec")
+
+
+def test_the_block_stamps_take_the_direct_stores():
+    """--blocks on the kernel with dkdv_bulk off: the stores' stamp before the threads' direct stores, the end after
+    them."""
+    name, src = _source("causal", dkdv_bulk=False)
+    lines = probe.stamped_blocks_source(src, name).split("\n")
+    at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k) for k in ("tb_s = clock64()", "tb_3 = clock64()")}
+    assert lines[at["tb_s = clock64()"] + 1].strip() == probe.STORES_LINE
+    assert "store_pairs(dv" in lines[at["tb_3 = clock64()"] - 1]
 
 
 def test_the_block_summary():

@@ -50,7 +50,7 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
-    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True,
+    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True, "dkdv_bulk": True,
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked}
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"]}
     for knob, on in seen.items():  # each knob as asked, else its default

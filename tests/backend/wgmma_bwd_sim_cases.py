@@ -80,9 +80,9 @@ CASES = {
     "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
     # ... with the list's next entry read a tile ahead (list_ahead): a group's two heads make lists of 3-4 entries
     "document_gqa-f16-d64-100x130-lah": ("document_gqa", "f16", 1, 4, 2, 100, 130, 64, 64, 64, {"list_ahead": True}),
-    # dK and dV staged in shared memory and stored by bulk copies a row a lane (dkdv_bulk): two warpgroups, the second
-    # kv tile's rows past N but two (their lanes copy nothing), a GQA group of 2 (dK / dV summed over its heads)
-    "gqa-f16-d64-65x130-2wg-dkvb": ("gqa", "f16", 1, 2, 1, 65, 130, 64, 64, 128, {"dkdv_bulk": True}),
+    # dK and dV by the threads' direct stores (dkdv_bulk off; the cases above stage them and copy a row a lane): two
+    # warpgroups, the second kv tile's rows past N but two, a GQA group of 2 (dK / dV summed over its heads)
+    "gqa-f16-d64-65x130-2wg-direct": ("gqa", "f16", 1, 2, 1, 65, 130, 64, 64, 128, {"dkdv_bulk": False}),
 }
 
 
