@@ -63,6 +63,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     **{f"kvg{g}": ({"kv_group": g}, f"kv tile j of {g} heads, then j + 1") for g in (2, 4, 8)},
     "lah": ({"list_ahead": True}, "a block list's next entry read a tile ahead"),
     "dkvb": ({"dkdv_bulk": True}, "dK and dV staged in shared memory and stored by bulk copies"),
+    "nodkvb": ({"dkdv_bulk": False}, "dK and dV by the threads' direct stores"),
+    "pers": ({"bwd_persistent": 132}, "a persistent launch of 132 blocks, the next item loading under the last's copies"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

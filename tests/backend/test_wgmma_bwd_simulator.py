@@ -52,7 +52,7 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
     defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True, "dkdv_bulk": True,
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked}
-    seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"]}
+    seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"]}
     for knob, on in seen.items():  # each knob as asked, else its default
         assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
     if case_id.startswith("document"):  # a data mask: its kv tiles' block lists, walked on wgmma
@@ -278,7 +278,7 @@ def test_dkdv_by_bulk_copies_when_asked(tmp_path, monkeypatch):
     for x in order[1:]:
         at.append(tail.index(x, at[-1] + 1))
     assert at == sorted(at)
-    assert "dkv_s = sb + warp * 8704" in tail and "dkv_w = ((sbr + warp * 8704 + g * 272) >> 2) + (lane & 3)" in tail
+    assert "dkv_s = sb + 0 + warp * 8704" in tail and "dkv_w = ((sbr + 0 + warp * 8704 + g * 272) >> 2) + (lane & 3)" in tail
     # the staging's 8 warps x 32 rows fit the shared memory the kernel has (D = 64: 144-byte rows)
     for D in (64, 128):
         sp = _spec("causal", D, extra={"dkdv_bulk": True})

@@ -71,11 +71,16 @@ CASES = {
     # the grid with a head's kv tiles in consecutive blocks (kv_major, the default without a mask): 2 batch rows, a
     # GQA group of 2, 3 kv tiles
     "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
-    # the grid in groups of 2 kv heads (kv_group), 3 heads: the last group's second place exits at once
-    "causal-f16-d64-70x130-kvg2": ("causal", "f16", 2, 3, 3, 70, 130, 64, 64, 64, {"kv_group": 2}),
+    # the grid in groups of 2 kv heads (kv_group), 3 heads, walked by a persistent launch (bwd_persistent) of 2
+    # blocks: 9 items each (2 batch rows x 3 kv tiles x 2 groups of 2 places), the last group's second place skipped,
+    # one item's staged dK / dV copied while the next one's K, V and first Q, dO load
+    "causal-f16-d64-70x130-kvg2-pers": ("causal", "f16", 2, 3, 3, 70, 130, 64, 64, 64,
+                                        {"kv_group": 2, "bwd_persistent": 2}),
     # a data mask's block lists (block_mask "list": each kv tile's non-empty (head, q tile) pairs, made once per data
     # by the list kernel): 2 batch rows of sorted document ids with padding (fully masked rows), 3 x 3 tiles
     "document-f16-d64-130x130": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64),
+    # ... walked by a persistent launch of 5 blocks (12 items: some blocks take 2, some 3, in serpentine rounds)
+    "document-f16-d64-130x130-pers": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64, {"bwd_persistent": 5}),
     # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N
     "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
     # ... with the list's next entry read a tile ahead (list_ahead): a group's two heads make lists of 3-4 entries
@@ -169,7 +174,8 @@ def run_case(case_id: str) -> dict:
            "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
            # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
            "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None,
-           "kv_group": "kj = cuda.blockIdx.x // " in kern.source}
+           "kv_group": re.search(r"kj = (cuda\.blockIdx\.x|it_x) // ", kern.source) is not None,
+           "bwd_persistent": "while it_z < " in kern.source}
     for name, a, b in zip(c.gradient_names(), got, want):
         a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)

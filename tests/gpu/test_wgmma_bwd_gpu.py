@@ -166,13 +166,27 @@ def test_list_ahead(dtype: str, D: int) -> None:
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["causal", "gqa", "document"])
 def test_dkdv_bulk(stem: str, dtype: str, D: int) -> None:
-    """spec.extra["dkdv_bulk"]: dK and dV staged in shared memory and stored by bulk copies a row a lane (the A/B
-    knob against the threads' direct stores): the error rule, and at N = 1000 (a ragged last kv tile) dK and dV
-    bitwise the direct stores' (the same accumulators, packed the same way)."""
-    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dkdv_bulk"], dkdv_bulk=True)
+    """spec.extra["dkdv_bulk"] (default True): dK and dV staged in shared memory and stored by bulk copies a row a
+    lane. The threads' direct stores (False) keep the error rule, and at N = 1000 (a ragged last kv tile) the
+    default's dK and dV are bitwise theirs (the same accumulators, packed the same way)."""
+    assert_knob_case(stem, dtype, D, lambda k: not knobs_in(k.source)["dkdv_bulk"], dkdv_bulk=False)
     env, host, do = case_inputs(stem, dtype, D, 1000)
-    direct, bulk = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"dkdv_bulk": True}))
+    direct, bulk = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({"dkdv_bulk": False}, {}))
+    assert knobs_in(wgmma(stem, dtype)._backward_kernel_and_dims_for(dtype, D).source)["dkdv_bulk"]
     for name, a, b in zip(("dk", "dv"), direct[1:3], bulk[1:3]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "gqa", "document", "sliding_window"])
+def test_bwd_persistent(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["bwd_persistent"]: 132 blocks walking the grid's items, the next item's loads under the last one's
+    dK / dV copies: the error rule, and at N = 1000 dK and dV bitwise the one-block-an-item kernel's (each kv tile's
+    q tiles summed in the same order)."""
+    assert_knob_case(stem, dtype, D, lambda k: "while it_z < " in k.source, bwd_persistent=132)
+    env, host, do = case_inputs(stem, dtype, D, 1000)
+    one, pers = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"bwd_persistent": 132}))
+    for name, a, b in zip(("dk", "dv"), one[1:3], pers[1:3]):
         assert torch.equal(a, b), name
 
 

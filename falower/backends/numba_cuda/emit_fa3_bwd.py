@@ -179,6 +179,20 @@ def dkdv_bulk(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("dkdv_bulk", True) is True
 
 
+def persistent(spec: FA2BackwardSpec) -> int:
+    """spec.extra["bwd_persistent"] = P blocks (0 or absent: off; not yet measured): a persistent launch of
+    min(P, items) blocks, each walking the items (b, kv head, kv tile) of the grid the kernel would launch, in rounds
+    of P in serpentine order (emit_fa2.emit_persistent_next's: a block that took a round's heavy item takes a light
+    one in the next). Between two items the last one's dK / dV rows are staged (dkdv_bulk, required) in the second
+    Q / dO buffer and dS^T, whose bulk copies read them while the next item's K, V and first Q, dO load (the two
+    Q / dO buffers interleaved, Q0 dO0 Q1 dO1, so that those are contiguous); each thread waits for its copies
+    before the next item's q loop, whose first barrier orders every thread's wait before the buffer's refill. Why:
+    a block of a window or a document pays its prologue (3.4-4.9k cycles), its epilogue (4.7k with dkdv_bulk) and
+    the SM's gap between blocks (0.7-1.8k) beside 9-18 tiles of 6.1-8.2k (probe_bwd --blocks, H200)."""
+    p = spec.extra.get("bwd_persistent", 0)
+    return p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else 0
+
+
 def _dkdv_stage_pitch(spec: FA2BackwardSpec) -> int:
     """Bytes between a warp's staged rows of dK / dV: D 16-bit columns and 16 bytes, so that row g + 1's word w sits
     4 banks after row g's: lanes (g, t) of a 4-byte store hit banks 4 g + t, all 32 distinct."""
@@ -248,12 +262,16 @@ def kv_group(spec: FA2BackwardSpec) -> int:
 
 def grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
     """The launch grid: (kv heads, batch, kv tiles), (kv tiles, kv heads, batch) under kv_major, (G kv tiles, head
-    groups, batch) under kv_group G."""
+    groups, batch) under kv_group G; a persistent kernel's blocks (min(P, items), 1, 1) walk that grid's items."""
     nk, hk = -(-N // spec.block_k), H // spec.group_size
     if kv_group(spec):
         G = kv_group(spec)
-        return (nk * G, -(-hk // G), B)
-    return (nk, hk, B) if kv_major(spec) else (hk, B, nk)
+        g = (nk * G, -(-hk // G), B)
+    else:
+        g = (nk, hk, B) if kv_major(spec) else (hk, B, nk)
+    if persistent(spec):  # its blocks walk the items of g (x fastest)
+        return (min(persistent(spec), g[0] * g[1] * g[2]), 1, 1)
+    return g
 
 
 def dq_late(spec: FA2BackwardSpec) -> bool:
@@ -317,12 +335,16 @@ def _key(offset: int) -> str:
 
 
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
-    """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
-    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)),
-    then under dq_bulk each warp's staged rows of dQ (DQ)."""
+    """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1 (Q0, dO0, Q1, dO1 when persistent: Q
+    buffer i at Q + qstep i, dO's at DO + qstep i), dS^T (each [cols // 64][rows][128 B]), then f32 LSE and Delta of
+    the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)), then under dq_bulk each warp's
+    staged rows of dQ (DQ); dkdv_bulk's staged rows of dK / dV from STG on."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     kv, qt = BK * D * 2, BQ * D * 2
-    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt}
+    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt, "qstep": qt,
+           "STG": 0}
+    if persistent(spec):  # Q0 dO0 Q1 dO1: the staging of dK / dV from Q1 on (Q1, dO1, dS^T) while Q0, dO0 load
+        lay.update(DO=2 * kv + qt, qstep=2 * qt, STG=2 * kv + 2 * qt)
     lay["ST"] = lay["DS"] + BK * BQ * 2
     lay["total"] = lay["ST"] + 16 * BQ
     if dq_bulk(spec):  # each warp's 16 staged rows of dQ (_dq_stage_pitch bytes apart)
@@ -377,7 +399,13 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if spec.num_warps * 32 != threads(spec):
         raise ValueError(f"wgmma backward: num_warps must be block_k // 16 = {BK // 16} (the runtime launches "
                          f"32 * num_warps threads), got {spec.num_warps}")
-    if dkdv_bulk(spec) and threads(spec) * _dkdv_stage_pitch(spec) > _layout(spec)["total"]:
+    p = spec.extra.get("bwd_persistent", 0)
+    if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+        raise ValueError(f"wgmma backward: bwd_persistent must be a count of blocks (0: off), got {p!r}")
+    if persistent(spec) and not dkdv_bulk(spec):
+        raise ValueError("wgmma backward: bwd_persistent stages dK / dV for bulk copies: it needs dkdv_bulk")
+    lay = _layout(spec)
+    if dkdv_bulk(spec) and lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec) > lay["ST"]:
         raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
     if smem_bytes(spec) > 227 * 1024:
         raise ValueError(f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
@@ -525,7 +553,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     ND = D // 8
     lay = _layout(spec)
     KO, VO, QO, DOO, DSO, STO = lay["K"], lay["V"], lay["Q"], lay["DO"], lay["DS"], lay["ST"]
-    TQ = lay["qt"]
+    TQ = lay["qstep"]  # bytes from Q / dO buffer 0 to buffer 1
+    PERS = persistent(spec)
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     kind = spec.dtype
     table = ", table" if spec.block_mask == "table" else ""
@@ -571,31 +600,34 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
+        c(f"HK = H // {G}" if G > 1 else "HK = H")
+        item, item_loop = _emit_item_start(c, spec)
         if kv_group(spec):
             KG = kv_group(spec)
             c(f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 (cost order")
             c("# within a group whose rows stay in L2; divisions by constants only)")
-            c(f"kj = cuda.blockIdx.x // {KG}")
-            c(f"hk = cuda.blockIdx.y * {KG} + cuda.blockIdx.x % {KG}")
-            c("b = cuda.blockIdx.z")
+            c(f"kj = {item[0]} // {KG}")
+            c(f"hk = {item[1]} * {KG} + {item[0]} % {KG}")
+            c(f"b = {item[2]}")
         elif kv_major(spec):
             c("# grid (kv tiles, kv heads, batch): a (b, kv head)'s kv tiles run together, so its Q, dO and dQ")
             c("# rows stay in L2 (kv tile 0 first: causal's heaviest); no run-time division (a call: ptxas would")
             c("# serialize every wgmma)")
-            c("kj = cuda.blockIdx.x")
-            c("hk = cuda.blockIdx.y")
-            c("b = cuda.blockIdx.z")
+            c(f"kj = {item[0]}")
+            c(f"hk = {item[1]}")
+            c(f"b = {item[2]}")
         else:
             c("# grid (kv heads, batch, kv tiles): kv tile 0 of every (b, kv head) first (causal: it sees the most q")
             c("# tiles), and no run-time division (a call: ptxas would serialize every wgmma)")
-            c("hk = cuda.blockIdx.x")
-            c("b = cuda.blockIdx.y")
-            c("kj = cuda.blockIdx.z")
-        c(f"HK = H // {G}" if G > 1 else "HK = H")
+            c(f"hk = {item[0]}")
+            c(f"b = {item[1]}")
+            c(f"kj = {item[2]}")
+        if PERS:
+            _emit_item_next(c)
         if kv_group(spec):
             c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
             with c.indent():
-                c("return")
+                c("continue" if PERS else "return")
         c(f"kv0 = kj * {BK}")
         c("kv_head = (b * HK + hk) * N")
         c()
@@ -679,6 +711,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 for i in GROUPS}
         c("cp_async_wait0()  # K, V and the first Q, dO have landed")
         c("fence_proxy_async()  # ... visible to wgmma's async proxy (the loop's first barrier: to everyone)")
+        if PERS:
+            c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read Q1, dO1, dS^T: the loop's")
+            c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before they are written")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -927,23 +962,76 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
         if dkdv_bulk(spec):
-            _emit_dkdv_bulk(c, spec, pack)
+            _emit_dkdv_bulk(c, spec, pack, lay["STG"], wait=not PERS)
         else:
             _emit_dkdv_stores(c, D, ND, pack)
+        if PERS:
+            item_loop.__exit__(None, None, None)
+            c("bulk_wait_read0()  # the last item's copies have read the staging rows: shared memory may go")
     return bind_offsets(c.text())
 
 
-def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
+def _grid_extents(spec: FA2BackwardSpec) -> tuple[str, str, str]:
+    """The extents (x, y, z) of the grid a persistent kernel walks (`grid`'s without it), as kernel expressions."""
+    if kv_group(spec):
+        KG = kv_group(spec)
+        return f"nk * {KG}", f"(HK + {KG - 1}) // {KG}", "B"
+    return ("nk", "HK", "B") if kv_major(spec) else ("HK", "B", "nk")
+
+
+def _emit_item_start(c: _Code, spec: FA2BackwardSpec):
+    """The item's grid coordinates (x, y, z) as expressions, and None; persistent: the block's first item (it_x,
+    it_y, it_z: block c takes item c, x fastest), the `while` over its items opened, and its indent returned (the
+    caller closes it after the epilogue)."""
+    if not persistent(spec):
+        return ("cuda.blockIdx.x", "cuda.blockIdx.y", "cuda.blockIdx.z"), None
+    gx, gy, gz = _grid_extents(spec)
+    c(f"# persistent: this block walks items of the grid ({gx}, {gy}, {gz}), x fastest, in rounds of gridDim.x")
+    c(f"it_gx = {gx}")
+    c(f"it_gy = {gy}")
+    c("it_x = cuda.blockIdx.x")
+    c("it_y = 0")
+    c("it_z = 0")
+    c("it_rnd = 0")
+    _emit_item_carry(c)
+    c(f"while it_z < {gz}:")
+    loop = c.indent()
+    loop.__enter__()
+    return ("it_x", "it_y", "it_z"), loop
+
+
+def _emit_item_next(c: _Code) -> None:
+    """The block's next item (after this one's coordinates are read): rounds of gridDim.x items in serpentine order
+    (block c takes item c of even rounds and gridDim.x - 1 - c of odd ones), carried by subtraction (no division)."""
+    c("it_step = 2 * cuda.blockIdx.x + 1 if it_rnd else 2 * (cuda.gridDim.x - cuda.blockIdx.x) - 1")
+    c("it_rnd ^= 1")
+    c("it_x += it_step")
+    _emit_item_carry(c)
+
+
+def _emit_item_carry(c: _Code) -> None:
+    c("while it_x >= it_gx:")
+    with c.indent():
+        c("it_x -= it_gx")
+        c("it_y += 1")
+    c("while it_y >= it_gy:")
+    with c.indent():
+        c("it_y -= it_gy")
+        c("it_z += 1")
+
+
+def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str, stg: int = 0, wait: bool = True) -> None:
     """dkdv_bulk's epilogue: this warp's 16 rows of dK (staging rows 0-15) and of dV (16-31) packed to 16 bits in
-    shared memory from the base on (K's, V's and Q's bytes, free after the barrier), then lane l hands staging row
-    l to a bulk copy into its row of dK or dV (rows past N: none); the kernel ends once they have read it."""
+    shared memory from byte `stg` on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's Q1, dO1
+    and dS^T), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none); with
+    `wait` the kernel ends once they have read it (a persistent kernel waits before the next item's q loop)."""
     D = spec.head_dim
     PK = _dkdv_stage_pitch(spec)
     c("# dK, dV of this warp's kv rows, once")
     c("# (dkdv_bulk: staged in shared memory and handed to the copy engine, a row a lane)")
     c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging may overwrite them")
-    c(f"dkv_s = sb + warp * {32 * PK}  # this warp's 32 staging rows: dK's 16, then dV's 16")
-    c(f"dkv_w = ((sbr + warp * {32 * PK} + g * {PK}) >> 2) + (lane & 3)  # row g's word of this thread's columns")
+    c(f"dkv_s = sb + {stg} + warp * {32 * PK}  # this warp's 32 staging rows: dK's 16, then dV's 16")
+    c(f"dkv_w = ((sbr + {stg} + warp * {32 * PK} + g * {PK}) >> 2) + (lane & 3)  # row g's word of its columns")
     sw = c.helper("stage_pairs", [
         "@device_function", "def stage_pairs(smem_w, w, x, i):",
         *[f"    smem_w[w + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))"
@@ -960,7 +1048,8 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
           f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
         c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
         c("bulk_commit()")
-    c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
+    if wait:
+        c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
 
 
 def _elem_split_helpers(c: _Code, spec: FA2BackwardSpec, branch: str) -> tuple[str, str]:
