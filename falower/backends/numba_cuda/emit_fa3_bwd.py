@@ -183,10 +183,11 @@ def persistent(spec: FA2BackwardSpec) -> int:
     """spec.extra["bwd_persistent"] = P blocks (0 or absent: off; not yet measured): a persistent launch of
     min(P, items) blocks, each walking the items (b, kv head, kv tile) of the grid the kernel would launch, in rounds
     of P in serpentine order (emit_fa2.emit_persistent_next's: a block that took a round's heavy item takes a light
-    one in the next). Between two items the last one's dK / dV rows are staged (dkdv_bulk, required) in the second
-    Q / dO buffer and dS^T, whose bulk copies read them while the next item's K, V and first Q, dO load (the two
-    Q / dO buffers interleaved, Q0 dO0 Q1 dO1, so that those are contiguous); each thread waits for its copies
-    before the next item's q loop, whose first barrier orders every thread's wait before the buffer's refill. Why:
+    one in the next). Between two items the last one's dK / dV rows are staged (dkdv_bulk, required) where the next
+    item's K, V and first Q, dO do not go, and their bulk copies read them while those load: in a region of their own
+    where shared memory allows (64 x 128 tiles), else in the second Q / dO buffer and dS^T (128 x 128: the buffers
+    interleaved, Q0 dO0 Q1 dO1, so that those are contiguous; `_layout`). Each thread waits for its copies before
+    the next item's q loop, whose first barrier (or the epilogue's) orders every thread's wait before a rewrite. Why:
     a block of a window or a document pays its prologue (3.4-4.9k cycles), its epilogue (4.7k with dkdv_bulk) and
     the SM's gap between blocks (0.7-1.8k) beside 9-18 tiles of 6.1-8.2k (probe_bwd --blocks, H200)."""
     p = spec.extra.get("bwd_persistent", 0)
@@ -240,6 +241,7 @@ def kv_major(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("kv_major", spec.block_mask == "none") is True
 
 
+SMEM_MAX = 227 * 1024  # a block's shared memory on sm_90
 KV_GROUP_STATIC = 8  # kv_group's default under a static mask (tile classes from tile_class_fn)
 KV_GROUP_MAX = 64  # the grid pads the kv heads to a multiple of G: more would launch mostly empty blocks
 
@@ -341,15 +343,22 @@ def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     staged rows of dQ (DQ); dkdv_bulk's staged rows of dK / dV from STG on."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     kv, qt = BK * D * 2, BQ * D * 2
-    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt, "qstep": qt,
-           "STG": 0}
-    if persistent(spec):  # Q0 dO0 Q1 dO1: the staging of dK / dV from Q1 on (Q1, dO1, dS^T) while Q0, dO0 load
-        lay.update(DO=2 * kv + qt, qstep=2 * qt, STG=2 * kv + 2 * qt)
+    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt, "qstep": qt}
     lay["ST"] = lay["DS"] + BK * BQ * 2
     lay["total"] = lay["ST"] + 16 * BQ
     if dq_bulk(spec):  # each warp's 16 staged rows of dQ (_dq_stage_pitch bytes apart)
         lay["DQ"] = lay["total"]
         lay["total"] = lay["DQ"] + (threads(spec) // 32) * 16 * _dq_stage_pitch(spec)
+    # dkdv_bulk's staging [STG, STG_END): from the base (free after the epilogue's barrier); a persistent kernel's
+    # must survive the next item's loads: a region of its own where the bytes allow (64 x 128 tiles), else Q1, dO1
+    # and dS^T with the Q / dO buffers interleaved (Q0 dO0 Q1 dO1: 128 x 128 tiles)
+    lay["STG"], lay["STG_END"] = 0, lay["ST"]
+    stage = threads(spec) * _dkdv_stage_pitch(spec)
+    if persistent(spec) and lay["total"] + stage + ALIGN <= SMEM_MAX:
+        lay["STG"] = lay["total"]
+        lay["total"] = lay["STG_END"] = lay["STG"] + stage
+    elif persistent(spec):
+        lay.update(DO=2 * kv + qt, qstep=2 * qt, STG=2 * kv + 2 * qt)
     return lay
 
 
@@ -405,9 +414,9 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if persistent(spec) and not dkdv_bulk(spec):
         raise ValueError("wgmma backward: bwd_persistent stages dK / dV for bulk copies: it needs dkdv_bulk")
     lay = _layout(spec)
-    if dkdv_bulk(spec) and lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec) > lay["ST"]:
+    if dkdv_bulk(spec) and lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec) > lay["STG_END"]:
         raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
-    if smem_bytes(spec) > 227 * 1024:
+    if smem_bytes(spec) > SMEM_MAX:
         raise ValueError(f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
 
 
