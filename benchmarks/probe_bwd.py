@@ -414,6 +414,8 @@ def main() -> None:
 
     for x, k in others.items():  # a knob the kernel cannot take (p_under_dp without a split) is said, not timed
         off = [n for n, v in EXTRA[x].items() if v is True and not knobs_in(k.source)[n]]
+        if getattr(k, "wgmma_refused", None):  # a spec the wgmma kernel refuses: mma.sync would be timed
+            raise SystemExit(f"probe_bwd: {x}: the wgmma backward refused this spec ({k.wgmma_refused})")
         if off:
             print(f"probe_bwd: {x}: {', '.join(off)} not in effect in this kernel (its fallback is timed)")
     for x in names:
