@@ -142,6 +142,14 @@ def test_the_block_stamps_take_the_direct_stores():
     assert "store_pairs(dv" in lines[at["tb_3 = clock64()"] - 1]
 
 
+def test_the_stamps_refuse_a_persistent_kernel():
+    """A persistent kernel's blocks walk many items: --blocks and --phases say so instead of stamping one."""
+    name, src = _source("causal", bwd_persistent=4)
+    for fn in (probe.stamped_blocks_source, probe.stamped_source):
+        with pytest.raises(SystemExit, match="persistent"):
+            fn(src, name)
+
+
 def test_the_block_summary():
     """Blocks with known stamps: the prologue, loop and epilogue medians, a tile's cycles and the fixed cost by the
     line through (tiles, block cycles), the gap between blocks on one SM, the fixed share; blocks that wrote

@@ -252,37 +252,70 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     assert loop.index("bulk_reduce_add_f32(dqg") < loop.index("WAIT_S(sacc, 0)")
 
 
-def test_dkdv_by_bulk_copies_when_asked(tmp_path, monkeypatch):
-    """spec.extra dkdv_bulk True: after one barrier each warp stages its 16 rows of dK and of dV (2 D + 16 bytes
-    apart: a 4-byte store's lanes in 32 banks) from the base of shared memory, and lane l copies staging row l (dK's
-    rows 0-15, dV's 16-31) by one bulk copy; no direct store (its PTX: test_the_knobs_ptx). The default keeps the
-    direct stores."""
+def test_dkdv_by_bulk_copies_by_default(tmp_path, monkeypatch):
+    """spec.extra dkdv_bulk (default True): after one barrier each warp stages its 16 rows of dK and of dV (2 D + 16
+    bytes apart: a 4-byte store's lanes in 32 banks) from the base of shared memory, and lane l copies staging row l
+    (dK's rows 0-15, dV's 16-31) by one bulk copy; no direct store (its PTX: test_the_knobs_ptx). False keeps the
+    threads' direct stores."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     with pytest.raises(ValueError, match="dkdv_bulk must be True or False"):
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dkdv_bulk": 1}))
-    direct, bulk = (emit_fa3_bwd.emit_fa3_backward(_spec("causal", D, extra={"dkdv_bulk": b}))
-                    for D, b in ((128, False), (128, True)))
+    direct, bulk = (emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra=x)) for x in ({"dkdv_bulk": False}, {}))
     assert "store_pairs(dk" in direct and "bulk_store(" not in direct
     assert "store_pairs(dk" not in bulk and "store_pairs(dv" not in bulk
     # the epilogue's order (the simulator's proxy fence does nothing, so only the text can hold it): the GEMMs' waits,
     # the barrier, the staging, the proxy fence, the warp agrees, the copies, the wait for their reads at the end
     tail = bulk[bulk.index("WAIT_D(dkacc, 0)\n", bulk.index("while ")):]
-    order = ["cuda.syncthreads()", "stage_pairs(smem_w, dkv_w + 0, dkacc, ofs_0)",
-             f"stage_pairs(smem_w, dkv_w + {8 * 272 // 4}, dkacc, ofs_2)",
-             f"stage_pairs(smem_w, dkv_w + {16 * 272 // 4}, dvacc, ofs_0)",
-             f"stage_pairs(smem_w, dkv_w + {24 * 272 // 4}, dvacc, ofs_2)", "fence_proxy_async()", "syncwarp()",
+    order = ["cuda.syncthreads()", "store_pairs(smem_w, dkv_w + 0, dkacc, ofs_0)",
+             f"store_pairs(smem_w, dkv_w + {8 * 272 // 4}, dkacc, ofs_2)",
+             f"store_pairs(smem_w, dkv_w + {16 * 272 // 4}, dvacc, ofs_0)",
+             f"store_pairs(smem_w, dkv_w + {24 * 272 // 4}, dvacc, ofs_2)", "fence_proxy_async()", "syncwarp()",
              "bulk_store(dkv_g, dkv_s + lane * 272, 256)", "bulk_commit()", "bulk_wait_read0()"]
     at = [tail.index(order[0])]
     for x in order[1:]:
         at.append(tail.index(x, at[-1] + 1))
     assert at == sorted(at)
-    assert "dkv_s = sb + 0 + warp * 8704" in tail and "dkv_w = ((sbr + 0 + warp * 8704 + g * 272) >> 2) + (lane & 3)" in tail
-    # the staging's 8 warps x 32 rows fit the shared memory the kernel has (D = 64: 144-byte rows)
+    assert "dkv_s = sb + 0 + warp * 8704" in tail
+    assert "dkv_w = ((sbr + 0 + warp * 8704 + g * 272) >> 2) + (lane & 3)" in tail
+    # the staging's 8 warps x 32 rows fit below the LSE / Delta rows (D = 64: 144-byte rows)
     for D in (64, 128):
-        sp = _spec("causal", D, extra={"dkdv_bulk": True})
-        assert 8 * 32 * (2 * D + 16) <= emit_fa3_bwd._layout(sp)["total"]
+        lay = emit_fa3_bwd._layout(_spec("causal", D))
+        assert lay["STG"] == 0 and 8 * 32 * (2 * D + 16) <= lay["STG_END"] == lay["ST"]
+
+
+def test_the_persistent_backward_when_asked(tmp_path, monkeypatch):
+    """spec.extra bwd_persistent = P: min(P, items) blocks of one dimension; dK / dV staged in a region of their own
+    after everything else (the next item's loads never reach it); the item's coordinates from the walk, its step
+    before kv_group's skip of a place past the heads, each thread's wait for its copies between the item's loads
+    and its q loop; refused without dkdv_bulk, for a count that is not one, and where the region does not fit."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    sp = _spec("causal", 128, extra={"bwd_persistent": 132})
+    emit_fa3_bwd.validate_spec(sp)  # the default 64 x 128 tiles at D = 128
+    assert emit_fa3_bwd.grid(sp, 4, 16, 4096, 4096) == (132, 1, 1)
+    assert emit_fa3_bwd.grid(sp, 1, 1, 100, 200) == (16, 1, 1)  # min(P, items): 2 kv tiles x 8 places (7 past H)
+    plain = _spec("causal", 128)
+    lay, lay0 = emit_fa3_bwd._layout(sp), emit_fa3_bwd._layout(plain)
+    assert lay["STG"] == lay0["total"] and lay["STG_END"] == lay["total"] == lay0["total"] + 8 * 32 * 272
+    assert {k: lay[k] for k in lay0} == {**lay0, "STG": lay["STG"], "STG_END": lay["STG_END"], "total": lay["total"]}
+    src = emit_fa3_bwd.emit_fa3_backward(sp)
+    body = src[src.index("while it_z < B:"):]
+    order = ["kj = it_x // 8", "it_step = ", "if hk >= HK:", "continue", "cp_async_wait0()  # K, V and the first",
+             "bulk_wait_read0()  # the last item's", "while qc <= p_last:", f"dkv_s = sb + {lay['STG']} + warp",
+             "bulk_store(dkv_g"]
+    at = [body.index(order[0])]
+    for x in order[1:]:
+        at.append(body.index(x, at[-1] + 1))
+    assert body.count("return") == 0 and src.rstrip().endswith("bulk_wait_read0()  # the last item's copies have "
+                                                               "read the staging rows: shared memory may go")
+    for bad, why in (({"bwd_persistent": 8, "dkdv_bulk": False}, "needs dkdv_bulk"),
+                     ({"bwd_persistent": True}, "count of blocks"), ({"bwd_persistent": -1}, "count of blocks"),
+                     ({"bwd_persistent": 8, "dq_bulk": True}, "over 227 KB")):
+        with pytest.raises(ValueError, match=why):
+            emit_fa3_bwd.validate_spec(_spec("causal", 128, extra=bad))
 
 
 def test_reduced_gradients_are_held_across_tiles():

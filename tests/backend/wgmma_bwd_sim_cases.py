@@ -72,8 +72,9 @@ CASES = {
     # GQA group of 2, 3 kv tiles
     "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
     # the grid in groups of 2 kv heads (kv_group), 3 heads, walked by a persistent launch (bwd_persistent) of 2
-    # blocks: 9 items each (2 batch rows x 3 kv tiles x 2 groups of 2 places), the last group's second place skipped,
-    # one item's staged dK / dV copied while the next one's K, V and first Q, dO load
+    # blocks: 12 items a block (2 batch rows x 3 kv tiles x 2 groups of 2 places, 24 in all), the last group's second
+    # place skipped (so 8 and 10 real ones), one item's staged dK / dV copied while the next one's K, V and first Q,
+    # dO load
     "causal-f16-d64-70x130-kvg2-pers": ("causal", "f16", 2, 3, 3, 70, 130, 64, 64, 64,
                                         {"kv_group": 2, "bwd_persistent": 2}),
     # a data mask's block lists (block_mask "list": each kv tile's non-empty (head, q tile) pairs, made once per data

@@ -432,17 +432,20 @@ def _grid_axes(spec: FA2ForwardSpec) -> tuple[tuple[str, str], ...]:
     return (("nq", "qt"), inner, outer)
 
 
-def emit_persistent_start(c: "_Code", spec: FA2ForwardSpec) -> None:
+def emit_persistent_start(c: "_Code", spec: Optional[FA2ForwardSpec],
+                          extents: Optional[tuple[str, str]] = None) -> None:
     """A persistent kernel's first item: block c takes item c of `grid_3d`'s order (x fastest), kept as the
-    coordinates it_x, it_y, it_z (needs `nq`), and it_rnd, the parity of the round (`emit_persistent_next`)."""
+    coordinates it_x, it_y, it_z (needs `nq`), and it_rnd, the parity of the round (`emit_persistent_next`).
+    `extents`: the x and y extents as kernel expressions, for a grid other than the forward's (the backward's)."""
     c("it_x = cuda.blockIdx.x  # this block's first item: the hardware order of grid_3d's blocks, x fastest")
     c("it_y = 0")
     c("it_z = 0")
     c("it_rnd = 0")
-    _emit_item_carry(c, spec)
+    _emit_item_carry(c, spec, extents=extents)
 
 
-def emit_persistent_next(c: "_Code", spec: FA2ForwardSpec) -> None:
+def emit_persistent_next(c: "_Code", spec: Optional[FA2ForwardSpec],
+                         extents: Optional[tuple[str, str]] = None) -> None:
     """The block's next item, rounds of gridDim.x items in serpentine order: block c takes item c of even rounds
     and gridDim.x - 1 - c of odd ones, so a block that took a heavy item of one round takes a light one of the
     next (the items of a round are ordered heaviest first: a causal mask's q tiles, `heads_first`). No division
@@ -450,12 +453,14 @@ def emit_persistent_next(c: "_Code", spec: FA2ForwardSpec) -> None:
     c("it_step = 2 * cuda.blockIdx.x + 1 if it_rnd else 2 * (cuda.gridDim.x - cuda.blockIdx.x) - 1")
     c("it_rnd ^= 1")
     c("it_x += it_step")
-    _emit_item_carry(c, spec)
+    _emit_item_carry(c, spec, extents=extents)
 
 
-def _emit_item_carry(c: "_Code", spec: FA2ForwardSpec, p: str = "it") -> None:
-    """Carries the item coordinates <p>_x, <p>_y, <p>_z (x fastest) into their extents after <p>_x grew."""
-    (nx, _), (ny, _), _ = _grid_axes(spec)
+def _emit_item_carry(c: "_Code", spec: Optional[FA2ForwardSpec], p: str = "it",
+                     extents: Optional[tuple[str, str]] = None) -> None:
+    """Carries the item coordinates <p>_x, <p>_y, <p>_z (x fastest) into their extents (`extents`, else the
+    forward grid's `_grid_axes`) after <p>_x grew."""
+    (nx, _), (ny, _), _ = _grid_axes(spec) if extents is None else ((extents[0], ""), (extents[1], ""), None)
     c(f"while {p}_x >= {nx}:")
     with c.indent():
         c(f"{p}_x -= {nx}")

@@ -75,10 +75,13 @@ def _store_pairs_helper(c: _Code, ND: int, pack: str) -> str:
         *[f"    o[obase + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))" for dn in range(ND)]])
 
 
+DKDV_LINE = "# dK, dV of this warp's kv rows, once"  # the kernels' dK / dV epilogue's first line (probe_bwd's stamp)
+
+
 def _emit_dkdv_stores(c: _Code, D: int, ND: int, pack: str) -> None:
     """dK and dV of this warp's 16 kv rows from their fragments (`dkacc`, `dvacc`), once, after the walk over the
     q tiles: the mma.sync and wgmma backward kernels' last step."""
-    c("# dK, dV of this warp's kv rows, once")
+    c(DKDV_LINE)
     sp = _store_pairs_helper(c, ND, pack)
     for r in range(2):
         c(f"kvi = kv0 + warp * 16 + {8 * r} + g")

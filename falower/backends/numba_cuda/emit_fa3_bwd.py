@@ -41,12 +41,22 @@ the (head, q tile) walk keeps two counters. Element code with a division of its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Mapping, Optional
 
-from .emit_fa2 import _Code, bind_offsets, emit_bases, emit_tile_scan, zero_helper
+from .emit_fa2 import (
+    _Code,
+    bind_offsets,
+    emit_bases,
+    emit_persistent_next,
+    emit_persistent_start,
+    emit_tile_scan,
+    zero_helper,
+)
 from .emit_fa2_bwd import (
+    DKDV_LINE,
     PA,
     SA,
     STRIDES,
@@ -67,6 +77,7 @@ from .emit_fa2_bwd import (
     _grad_outs,
     _list_args,
     _module,
+    _store_pairs_helper,
     held_grads,
 )
 from .emit_fa3 import ALIGN, _emit_load, _emit_load_inside, _emit_loader_setup, _emit_row_addresses
@@ -183,11 +194,11 @@ def persistent(spec: FA2BackwardSpec) -> int:
     """spec.extra["bwd_persistent"] = P blocks (0 or absent: off; measured slower): a persistent launch of
     min(P, items) blocks, each walking the items (b, kv head, kv tile) of the grid the kernel would launch, in rounds
     of P in serpentine order (emit_fa2.emit_persistent_next's: a block that took a round's heavy item takes a light
-    one in the next). Between two items the last one's dK / dV rows are staged (dkdv_bulk, required) where the next
-    item's K, V and first Q, dO do not go, and their bulk copies read them while those load: in a region of their own
-    where shared memory allows (64 x 128 tiles), else in the second Q / dO buffer and dS^T (128 x 128: the buffers
-    interleaved, Q0 dO0 Q1 dO1, so that those are contiguous; `_layout`). Each thread waits for its copies before
-    the next item's q loop, whose first barrier (or the epilogue's) orders every thread's wait before a rewrite. Why:
+    one in the next). Between two items the last one's dK / dV rows are staged (dkdv_bulk, required) in a region of
+    their own (`_layout`: 36-68 KB more shared memory, so D = 64's 64 x 128 kernel fits one block an SM, not two), and
+    their bulk copies read them while the next item's K, V and first Q, dO load. Each thread waits for its copies
+    before the next item's q loop, whose first barrier (or the epilogue's) orders every thread's wait before the
+    staging is written again. Why:
     a block of a window or a document pays its prologue (3.4-4.9k cycles), its epilogue (4.7k with dkdv_bulk) and
     the SM's gap between blocks (0.7-1.8k) beside 9-18 tiles of 6.1-8.2k (probe_bwd --blocks, H200). Measured
     (H200, probe_bwd.py, 7 rounds, P = 132, the whole backward call against one block an item): the 1024 window 1.62,
@@ -341,28 +352,23 @@ def _key(offset: int) -> str:
 
 
 def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
-    """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1 (Q0, dO0, Q1, dO1 when persistent: Q
-    buffer i at Q + qstep i, dO's at DO + qstep i), dS^T (each [cols // 64][rows][128 B]), then f32 LSE and Delta of
-    the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)), then under dq_bulk each warp's
-    staged rows of dQ (DQ); dkdv_bulk's staged rows of dK / dV from STG on."""
+    """Byte offsets from the 1024-byte aligned base: K, V, Q0, Q1, dO0, dO1, dS^T (each [cols // 64][rows][128 B]),
+    then f32 LSE and Delta of the two q tiles (lse buffer i at ST + 4 * BQ * i, delta at ST + 4 * BQ * (2 + i)), then
+    under dq_bulk each warp's staged rows of dQ (DQ); dkdv_bulk's staged rows of dK / dV in [STG, STG_END)."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
     kv, qt = BK * D * 2, BQ * D * 2
-    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt, "qstep": qt}
+    lay = {"K": 0, "V": kv, "Q": 2 * kv, "DO": 2 * kv + 2 * qt, "DS": 2 * kv + 4 * qt, "kv": kv, "qt": qt}
     lay["ST"] = lay["DS"] + BK * BQ * 2
     lay["total"] = lay["ST"] + 16 * BQ
     if dq_bulk(spec):  # each warp's 16 staged rows of dQ (_dq_stage_pitch bytes apart)
         lay["DQ"] = lay["total"]
         lay["total"] = lay["DQ"] + (threads(spec) // 32) * 16 * _dq_stage_pitch(spec)
-    # dkdv_bulk's staging [STG, STG_END): from the base (free after the epilogue's barrier); a persistent kernel's
-    # must survive the next item's loads: a region of its own where the bytes allow (64 x 128 tiles), else Q1, dO1
-    # and dS^T with the Q / dO buffers interleaved (Q0 dO0 Q1 dO1: 128 x 128 tiles)
+    # dkdv_bulk's staging: from the base (K, V, Q: free after the epilogue's barrier); a persistent kernel's must
+    # survive the next item's loads, so it gets a region of its own (validate_spec refuses a spec it does not fit)
     lay["STG"], lay["STG_END"] = 0, lay["ST"]
-    stage = threads(spec) * _dkdv_stage_pitch(spec)
-    if persistent(spec) and lay["total"] + stage + ALIGN <= SMEM_MAX:
+    if persistent(spec):
         lay["STG"] = lay["total"]
-        lay["total"] = lay["STG_END"] = lay["STG"] + stage
-    elif persistent(spec):
-        lay.update(DO=2 * kv + qt, qstep=2 * qt, STG=2 * kv + 2 * qt)
+        lay["total"] = lay["STG_END"] = lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec)
     return lay
 
 
@@ -420,6 +426,9 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     lay = _layout(spec)
     if dkdv_bulk(spec) and lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec) > lay["STG_END"]:
         raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
+    if persistent(spec) and smem_bytes(spec) > SMEM_MAX:
+        raise ValueError(f"wgmma backward: bwd_persistent's region for dK / dV's staged rows takes the shared memory "
+                         f"to {smem_bytes(spec)} bytes, over 227 KB")
     if smem_bytes(spec) > SMEM_MAX:
         raise ValueError(f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
 
@@ -566,7 +575,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     ND = D // 8
     lay = _layout(spec)
     KO, VO, QO, DOO, DSO, STO = lay["K"], lay["V"], lay["Q"], lay["DO"], lay["DS"], lay["ST"]
-    TQ = lay["qstep"]  # bytes from Q / dO buffer 0 to buffer 1
+    TQ = lay["qt"]
     PERS = persistent(spec)
     pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
     kind = spec.dtype
@@ -576,6 +585,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     col1 = (DC // 64) * BK * 128 + (DC % 64) * 2
 
     c = _Code()
+    items = contextlib.ExitStack()  # a persistent kernel's item loop, open from the item's start to its epilogue
     c(f'WG_S = wgmma_ss("{kind}", {BQ})  # S^T = K Q^T, dP^T = V dO^T: both operands K-major')
     c(f'WG_D = wgmma_rs("{kind}", {D}, 1)  # dV += P^T dO, dK += dS^T Q: A in registers, dO / Q MN-major')
     c(f'WG_Q = wgmma_ss("{kind}", {DC}, 1, 1)  # dQ = dS K: dS^T MN-major (trans-a), K MN-major (trans-b)')
@@ -614,7 +624,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
         c(f"HK = H // {G}" if G > 1 else "HK = H")
-        item, item_loop = _emit_item_start(c, spec)
+        item = _emit_item_start(c, spec, items)
         if kv_group(spec):
             KG = kv_group(spec)
             c(f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 (cost order")
@@ -636,7 +646,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"b = {item[1]}")
             c(f"kj = {item[2]}")
         if PERS:
-            _emit_item_next(c)
+            emit_persistent_next(c, None, ("it_gx", "it_gy"))
         if kv_group(spec):
             c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
             with c.indent():
@@ -725,8 +735,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("cp_async_wait0()  # K, V and the first Q, dO have landed")
         c("fence_proxy_async()  # ... visible to wgmma's async proxy (the loop's first barrier: to everyone)")
         if PERS:
-            c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read Q1, dO1, dS^T: the loop's")
-            c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before they are written")
+            c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read their staging: the loop's")
+            c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before it is written again")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -978,8 +988,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             _emit_dkdv_bulk(c, spec, pack, lay["STG"], wait=not PERS)
         else:
             _emit_dkdv_stores(c, D, ND, pack)
+        items.close()
         if PERS:
-            item_loop.__exit__(None, None, None)
             c("bulk_wait_read0()  # the last item's copies have read the staging rows: shared memory may go")
     return bind_offsets(c.text())
 
@@ -992,63 +1002,36 @@ def _grid_extents(spec: FA2BackwardSpec) -> tuple[str, str, str]:
     return ("nk", "HK", "B") if kv_major(spec) else ("HK", "B", "nk")
 
 
-def _emit_item_start(c: _Code, spec: FA2BackwardSpec):
-    """The item's grid coordinates (x, y, z) as expressions, and None; persistent: the block's first item (it_x,
-    it_y, it_z: block c takes item c, x fastest), the `while` over its items opened, and its indent returned (the
-    caller closes it after the epilogue)."""
+def _emit_item_start(c: _Code, spec: FA2BackwardSpec, stack: contextlib.ExitStack) -> tuple[str, str, str]:
+    """The item's grid coordinates (x, y, z) as kernel expressions: blockIdx's; persistent, the block's first item
+    (it_x, it_y, it_z: block c takes item c, x fastest) and the `while` over its items opened on `stack` (its body
+    the rest of the kernel; the caller closes it after the epilogue)."""
     if not persistent(spec):
-        return ("cuda.blockIdx.x", "cuda.blockIdx.y", "cuda.blockIdx.z"), None
+        return "cuda.blockIdx.x", "cuda.blockIdx.y", "cuda.blockIdx.z"
     gx, gy, gz = _grid_extents(spec)
     c(f"# persistent: this block walks items of the grid ({gx}, {gy}, {gz}), x fastest, in rounds of gridDim.x")
     c(f"it_gx = {gx}")
     c(f"it_gy = {gy}")
-    c("it_x = cuda.blockIdx.x")
-    c("it_y = 0")
-    c("it_z = 0")
-    c("it_rnd = 0")
-    _emit_item_carry(c)
+    emit_persistent_start(c, None, ("it_gx", "it_gy"))
     c(f"while it_z < {gz}:")
-    loop = c.indent()
-    loop.__enter__()
-    return ("it_x", "it_y", "it_z"), loop
-
-
-def _emit_item_next(c: _Code) -> None:
-    """The block's next item (after this one's coordinates are read): rounds of gridDim.x items in serpentine order
-    (block c takes item c of even rounds and gridDim.x - 1 - c of odd ones), carried by subtraction (no division)."""
-    c("it_step = 2 * cuda.blockIdx.x + 1 if it_rnd else 2 * (cuda.gridDim.x - cuda.blockIdx.x) - 1")
-    c("it_rnd ^= 1")
-    c("it_x += it_step")
-    _emit_item_carry(c)
-
-
-def _emit_item_carry(c: _Code) -> None:
-    c("while it_x >= it_gx:")
-    with c.indent():
-        c("it_x -= it_gx")
-        c("it_y += 1")
-    c("while it_y >= it_gy:")
-    with c.indent():
-        c("it_y -= it_gy")
-        c("it_z += 1")
+    stack.enter_context(c.indent())
+    return "it_x", "it_y", "it_z"
 
 
 def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str, stg: int = 0, wait: bool = True) -> None:
     """dkdv_bulk's epilogue: this warp's 16 rows of dK (staging rows 0-15) and of dV (16-31) packed to 16 bits in
-    shared memory from byte `stg` on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's Q1, dO1
-    and dS^T), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none); with
+    shared memory from byte `stg` on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's region of
+    its own), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none); with
     `wait` the kernel ends once they have read it (a persistent kernel waits before the next item's q loop)."""
     D = spec.head_dim
     PK = _dkdv_stage_pitch(spec)
-    c("# dK, dV of this warp's kv rows, once")
+    c(DKDV_LINE)
     c("# (dkdv_bulk: staged in shared memory and handed to the copy engine, a row a lane)")
-    c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging may overwrite them")
+    c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging (or the next item's")
+    c("# loads) may overwrite them")
     c(f"dkv_s = sb + {stg} + warp * {32 * PK}  # this warp's 32 staging rows: dK's 16, then dV's 16")
     c(f"dkv_w = ((sbr + {stg} + warp * {32 * PK} + g * {PK}) >> 2) + (lane & 3)  # row g's word of its columns")
-    sw = c.helper("stage_pairs", [
-        "@device_function", "def stage_pairs(smem_w, w, x, i):",
-        *[f"    smem_w[w + {dn * 4}] = {pack}(lget(x, i + {dn * 4}), lget(x, i + {dn * 4 + 1}))"
-          for dn in range(D // 8)]])
+    sw = _store_pairs_helper(c, D // 8, pack)  # the direct stores' helper, into shared memory's words
     for t, acc in enumerate(("dkacc", "dvacc")):
         for r in range(2):
             c(f"{sw}(smem_w, dkv_w + {((16 * t + 8 * r) * PK) // 4}, {acc}, ofs_{2 * r})")

@@ -57,10 +57,10 @@ KNOWN_EXTRAS = frozenset({
     "dk_after_dq", "dkdv_bulk", "dq_bulk", "dq_late", "dq_split", "early_loads", "epilogue_in_s", "ex2_poly",
     "exp_fold", "gather_early", "grad_groups", "half_tiles", "head_group", "hold_grads", "interior_split",
     "item_order", "kv_group", "kv_major", "kv_reverse", "list_ahead", "list_head", "one_barrier", "opaque_desc",
-    "overlap", "p_under_dp", "persistent", "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather",
-    "row_pairs", "row_slice", "schedule", "slice_ahead", "slice_rows", "staged_epilogue", "stages", "stmatrix",
-    "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip",
-    "wg_rows",
+    "overlap", "p_under_dp", "persistent", "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double",
+    "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead",
+    "slice_rows", "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny",
+    "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows",
 })
 
 
