@@ -39,6 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from falower.backends.numba_cuda.emit_fa2_bwd import DKDV_LINE as STORES_LINE  # noqa: E402  (the stores' stamp)
+
 _GEMM_S = r"^\s*WG_S\(.*\n"
 _GEMM_D = r"^\s*WG_D\(.*\n"
 _GEMM_Q = r"^\s*WG_Q\(.*\n"
@@ -64,7 +66,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "lah": ({"list_ahead": True}, "a block list's next entry read a tile ahead"),
     "dkvb": ({"dkdv_bulk": True}, "dK and dV staged in shared memory and stored by bulk copies"),
     "nodkvb": ({"dkdv_bulk": False}, "dK and dV by the threads' direct stores"),
-    "pers": ({"bwd_persistent": 132}, "a persistent launch of 132 blocks, the next item loading under the last's copies"),
+    "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 
@@ -167,6 +169,7 @@ def stamped_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps at the top of its q loop and after each PHASES anchor; thread 0 of
     each warpgroup stores them to tl_buf[((block * 2 + warpgroup) * TILES + tile) * (len(PHASES) + 1) + i] for
     its first TILES tiles. Raises SystemExit naming an anchor the kernel lacks."""
+    _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
     loop = _loop_line(lines, start)
     ind = re.match(r"\s*", lines[loop + 1])[0]
@@ -219,15 +222,20 @@ def _loop_line(lines: list[str], start: int) -> int:
 BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "end", "tiles")  # what each block's thread 0 writes
 
 
-STORES_LINE = "# dK, dV of this warp's kv rows, once"  # _emit_dkdv_stores' first line
+def _one_item_a_block(source: str) -> None:
+    """The stamps are a block's (one item's): a persistent kernel's blocks walk many (a per-item form is not built)."""
+    if "while it_z < " in source:
+        raise SystemExit("probe_bwd: --phases and --blocks stamp one item a block; this kernel is persistent "
+                         "(bwd_persistent)")
 
 
 def stamped_blocks_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
     first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores and the kernel's end (the
     epilogue: its waits, then the stores' issue), with its SM and its count of q tiles; thread 0 writes them to
-    tl_buf[block * 7 + i] in BLOCK_FIELDS' order at the end
-    (blocks that return early, kv_group's places past the heads, write nothing)."""
+    tl_buf[block * 7 + i] in BLOCK_FIELDS' order at the end (blocks that return early, kv_group's places past the
+    heads, write nothing)."""
+    _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
     while not lines[end - 1].strip():
@@ -252,14 +260,15 @@ def stamped_blocks_source(source: str, name: str) -> str:
 
 
 def summarize_blocks(t) -> dict:
-    """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end) in cycles,
+    """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end; of it the
+    stores, from the dK / dV epilogue's first line) in cycles,
     medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a least-squares line through
     (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start (NaN where
     blocks share an SM: "overlapping" counts those pairs)."""
     import numpy as np
 
     t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
-    t = t[t[:, 4] > 0]
+    t = t[t[:, BLOCK_FIELDS.index("end")] > 0]
     sm, c0, c1, c2, cs, c3, n = t.T
     out = {"blocks read": int(len(t)), "prologue": float(np.median(c1 - c0)), "loop": float(np.median(c2 - c1)),
            "epilogue": float(np.median(c3 - c2)), "of it stores": float(np.median(c3 - cs)),
