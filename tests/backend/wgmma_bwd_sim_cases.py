@@ -80,15 +80,10 @@ CASES = {
     # a data mask's block lists (block_mask "list": each kv tile's non-empty (head, q tile) pairs, made once per data
     # by the list kernel): 2 batch rows of sorted document ids with padding (fully masked rows), 3 x 3 tiles
     "document-f16-d64-130x130": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64),
-    # ... walked by a persistent launch of 5 blocks (12 items: some blocks take 2, some 3, in serpentine rounds)
-    "document-f16-d64-130x130-pers": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64, {"bwd_persistent": 5}),
     # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N
     "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
     # ... with the list's next entry read a tile ahead (list_ahead): a group's two heads make lists of 3-4 entries
     "document_gqa-f16-d64-100x130-lah": ("document_gqa", "f16", 1, 4, 2, 100, 130, 64, 64, 64, {"list_ahead": True}),
-    # dK and dV by the threads' direct stores (dkdv_bulk off; the cases above stage them and copy a row a lane): two
-    # warpgroups, the second kv tile's rows past N but two, a GQA group of 2 (dK / dV summed over its heads)
-    "gqa-f16-d64-65x130-2wg-direct": ("gqa", "f16", 1, 2, 1, 65, 130, 64, 64, 128, {"dkdv_bulk": False}),
 }
 
 
