@@ -288,7 +288,7 @@ def test_dkdv_by_bulk_copies_by_default(tmp_path, monkeypatch):
 def test_the_persistent_backward_when_asked(tmp_path, monkeypatch):
     """spec.extra bwd_persistent = P: min(P, items) blocks of one dimension; dK / dV staged in a region of their own
     after everything else (the next item's loads never reach it); the item's coordinates from the walk, its step
-    before kv_group's skip of a place past the heads, each thread's wait for its copies between the item's loads
+    before kv_group's skip of a place past the heads, the thread's indices made per item, each thread's wait for its copies between the item's loads
     and its q loop; refused without dkdv_bulk, for a count that is not one, and where the region does not fit."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
@@ -309,6 +309,11 @@ def test_the_persistent_backward_when_asked(tmp_path, monkeypatch):
     at = [body.index(order[0])]
     for x in order[1:]:
         at.append(body.index(x, at[-1] + 1))
+    # the thread's indices made per item from an opaque threadIdx (LLVM would hoist what an item derives from them out
+    # of the item loop: ptxas then spilled 364-456 bytes), never before the loop
+    head = src[src.index(f"def {sp.name}("):src.index("while it_z < B:")]
+    assert "cuda.threadIdx.x" not in head and "tid = np.int32(opaque_u32(cuda.threadIdx.x))" in body
+    assert body.index("it_step = ") < body.index("tid = np.int32(opaque_u32(") < body.index("sb = opaque_u32(sb)")
     assert body.count("return") == 0 and src.rstrip().endswith("bulk_wait_read0()  # the last item's copies have "
                                                                "read the staging rows: shared memory may go")
     for bad, why in (({"bwd_persistent": 8, "dkdv_bulk": False}, "needs dkdv_bulk"),

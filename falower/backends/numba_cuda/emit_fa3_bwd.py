@@ -202,9 +202,10 @@ def persistent(spec: FA2BackwardSpec) -> int:
     a block of a window or a document pays its prologue (3.4-4.9k cycles), its epilogue (4.7k with dkdv_bulk) and
     the SM's gap between blocks (0.7-1.8k) beside 9-18 tiles of 6.1-8.2k (probe_bwd --blocks, H200). Measured
     (H200, probe_bwd.py, 7 rounds, P = 132, the whole backward call against one block an item): the 1024 window 1.62,
-    the document 1.69, plain 1.14 of the time. ptxas spills 364-456 bytes at D = 128 (12-40 without the item loop):
-    the item's coordinates come from the loop, not from blockIdx, which ptxas re-reads where needed instead of
-    holding them and their derived values; with the loop kept but the coordinates from blockIdx, 12 bytes."""
+    the document 1.69, plain 1.14 of the time, when ptxas spilled 364-456 bytes at D = 128 (12-40 without the item
+    loop): LLVM had hoisted what each item derives from the thread's index out of the item loop. The indices are now
+    made per item (`_emit_thread_indices`): 0 bytes plain, 16 the document, 116 the window and causal; not yet
+    measured so."""
     p = spec.extra.get("bwd_persistent", 0)
     return p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else 0
 
@@ -614,12 +615,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
         c("sbr = sb - sb0  # the aligned base as a byte offset into the arrays")
-        c("tid = cuda.threadIdx.x")
-        c("lane = tid & 31")
-        c("warp = tid >> 5")
-        c("wg = tid >> 7")
-        c("g = lane >> 2")
-        c("t2 = (lane & 3) * 2")
+        if not PERS:
+            _emit_thread_indices(c, PERS)
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
@@ -647,6 +644,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"kj = {item[2]}")
         if PERS:
             emit_persistent_next(c, None, ("it_gx", "it_gy"))
+            _emit_thread_indices(c, PERS)
         if kv_group(spec):
             c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
             with c.indent():
@@ -992,6 +990,23 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if PERS:
             c("bulk_wait_read0()  # the last item's copies have read the staging rows: shared memory may go")
     return bind_offsets(c.text())
+
+
+def _emit_thread_indices(c: _Code, per_item: bool) -> None:
+    """The thread's index and its lane, warp, warpgroup and fragment row / column. A persistent kernel makes them
+    again in each item from an opaque copy of threadIdx (and of the aligned base `sb`), so that LLVM cannot hoist what
+    an item derives from them (row addresses, the epilogue's staging offsets) out of the item loop, where it would
+    stay live across every q loop: 364-456 bytes of spills at D = 128 (ptxas, sm_90a) made once at the kernel's top,
+    0-116 made per item."""
+    c("tid = np.int32(opaque_u32(cuda.threadIdx.x))  # per item: see _emit_thread_indices" if per_item
+      else "tid = cuda.threadIdx.x")
+    c("lane = tid & 31")
+    c("warp = tid >> 5")
+    c("wg = tid >> 7")
+    c("g = lane >> 2")
+    c("t2 = (lane & 3) * 2")
+    if per_item:
+        c("sb = opaque_u32(sb)")
 
 
 def _grid_extents(spec: FA2BackwardSpec) -> tuple[str, str, str]:
