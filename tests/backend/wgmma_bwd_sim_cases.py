@@ -51,9 +51,6 @@ CASES = {
     # the second's rows past M but one
     "causal-f16-d64-65x63-bulk": ("causal", "f16", 1, 1, 1, 65, 63, 64, 64, 64, {"dq_bulk": True}),
     "causal-f16-d64-65x130-2wg-bulk": ("causal", "f16", 1, 1, 1, 65, 130, 64, 64, 128, {"dq_bulk": True}),
-    # dK's GEMM issued after dQ's from dS's packed registers (dk_after_dq): 2 q tiles, two warpgroups, with the
-    # captured slopes' gradient
-    "alibi-f16-d64-65x130-2wg-dkl": ("alibi", "f16", 1, 1, 1, 65, 130, 64, 64, 128, {"dk_after_dq": True}),
     # P computed under dP^T's GEMM from the split elementwise function (p_under_dp), with dk_after_dq: a causal mask's
     # full and partial branches each split, 2 q tiles, two warpgroups
     "causal-bf16-d64-65x130-2wg-pdp": ("causal", "bf16", 1, 1, 1, 65, 130, 64, 64, 128,
@@ -65,9 +62,6 @@ CASES = {
     # and the exponential's argument unfolded (exp_fold off); the default's two copies run in the cases above
     "alibi-f16-d64-130x130-nois-noef": ("alibi", "f16", 1, 1, 1, 130, 130, 64, 64, 64,
                                         {"interior_split": False, "exp_fold": False}),
-    # dQ's reductions under the next tile's first GEMMs (dq_late): three q tiles, two warpgroups splitting dQ's
-    # columns, the last tile's rows all but two within M (its reductions after the loop)
-    "causal-f16-d64-190x130-2wg-late": ("causal", "f16", 1, 1, 1, 190, 130, 64, 64, 128, {"dq_late": True}),
     # the grid with a head's kv tiles in consecutive blocks (kv_major, the default without a mask): 2 batch rows, a
     # GQA group of 2, 3 kv tiles
     "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
