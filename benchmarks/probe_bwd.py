@@ -219,7 +219,11 @@ def _loop_line(lines: list[str], start: int) -> int:
     return at
 
 
-BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "end", "tiles")  # what each block's thread 0 writes
+BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "issued", "end", "tiles")  # thread 0 writes these
+# dkdv_bulk's epilogue lines the barrier and issued stamps follow and precede (the direct stores have neither: both
+# then read the stores' start)
+BULK_BARRIER = "cuda.syncthreads()  # every warpgroup's last GEMMs have read"
+BULK_WAIT = "bulk_wait_read0()  # the copies have read the staging rows"
 
 
 def _one_item_a_block(source: str) -> None:
@@ -231,10 +235,10 @@ def _one_item_a_block(source: str) -> None:
 
 def stamped_blocks_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
-    first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores and the kernel's end (the
-    epilogue: its waits, then the stores' issue), with its SM and its count of q tiles; thread 0 writes them to
-    tl_buf[block * 7 + i] in BLOCK_FIELDS' order at the end (blocks that return early, kv_group's places past the
-    heads, write nothing)."""
+    first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores, under dkdv_bulk the end of
+    its barrier and the copies' issue, and the kernel's end (the epilogue: its waits, the stores' issue or the staging
+    and the copies' reads), with its SM and its count of q tiles; thread 0 writes them to tl_buf[block * 9 + i] in
+    BLOCK_FIELDS' order at the end (blocks that return early, kv_group's places past the heads, write nothing)."""
     _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
@@ -249,19 +253,27 @@ def stamped_blocks_source(source: str, name: str) -> str:
     out += lines[first + 1:loop] + [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"]
     stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
     out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:stores] + [f"{ind}tb_s = clock64()"]
-    out += lines[stores:end]
+    bar = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_BARRIER)), None)
+    wait = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_WAIT)), None)
+    if bar is None or wait is None:  # the direct stores: no barrier, no copies
+        out += [f"{ind}tb_b = tb_s", f"{ind}tb_w = tb_s"] + lines[stores:end]
+    else:
+        out += lines[stores:bar + 1] + [f"{ind}tb_b = clock64()"] + lines[bar + 1:wait] + [f"{ind}tb_w = clock64()"]
+        out += lines[wait:end]
     out += [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0:",
             f"{ind}    tb_i = ((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x "
             f"+ cuda.blockIdx.x) * {len(BLOCK_FIELDS)}"]
     out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
-            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_3", "np.uint64(tb_n)"))]
+            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_b", "tb_w", "tb_3",
+                       "np.uint64(tb_n)"))]
     out += lines[end:]
     return _with_imports(out, "clock64, sm_id")
 
 
 def summarize_blocks(t) -> dict:
     """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end; of it the
-    stores, from the dK / dV epilogue's first line) in cycles,
+    stores, from the dK / dV epilogue's first line, and of those under dkdv_bulk the barrier, the staging with the
+    copies' issue, and the wait for their reads; 0, 0 and the stores' issue for the direct stores) in cycles,
     medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a least-squares line through
     (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start (NaN where
     blocks share an SM: "overlapping" counts those pairs)."""
@@ -269,9 +281,11 @@ def summarize_blocks(t) -> dict:
 
     t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
     t = t[t[:, BLOCK_FIELDS.index("end")] > 0]
-    sm, c0, c1, c2, cs, c3, n = t.T
+    sm, c0, c1, c2, cs, cb, cw, c3, n = t.T
     out = {"blocks read": int(len(t)), "prologue": float(np.median(c1 - c0)), "loop": float(np.median(c2 - c1)),
            "epilogue": float(np.median(c3 - c2)), "of it stores": float(np.median(c3 - cs)),
+           "barrier": float(np.median(cb - cs)), "staging, issue": float(np.median(cw - cb)),
+           "copies' reads": float(np.median(c3 - cw)),
            "tiles": float(np.median(n)), "tiles mean": float(np.mean(n))}
     whole = c3 - c0
     if len(set(n)) > 1:
