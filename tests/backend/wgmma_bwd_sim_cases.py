@@ -47,14 +47,8 @@ CASES = {
     "prefix_lm-bf16-d64-100x65-128x128": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128),  # dQ's rows split
     "causal-bf16-d128-40x130-2wg-dqk": ("causal", "bf16", 1, 1, 1, 40, 130, 128, 64, 128, {"dq_split": "k"}),
     # dQ's rows staged for bulk reductions (dq_bulk, asked for): one warpgroup, 2 q tiles (the staging rows written
-    # again only after the last tile's reductions read them); two warpgroups splitting dQ's columns over 2 q tiles,
-    # the second's rows past M but one
+    # again only after the last tile's reductions read them)
     "causal-f16-d64-65x63-bulk": ("causal", "f16", 1, 1, 1, 65, 63, 64, 64, 64, {"dq_bulk": True}),
-    "causal-f16-d64-65x130-2wg-bulk": ("causal", "f16", 1, 1, 1, 65, 130, 64, 64, 128, {"dq_bulk": True}),
-    # P computed under dP^T's GEMM from the split elementwise function (p_under_dp), with dk_after_dq: a causal mask's
-    # full and partial branches each split, 2 q tiles, two warpgroups
-    "causal-bf16-d64-65x130-2wg-pdp": ("causal", "bf16", 1, 1, 1, 65, 130, 64, 64, 128,
-                                       {"p_under_dp": True, "dk_after_dq": True}),
     # the window's q tiles of a kv tile found by a ballot (emit_fa3_bwd._emit_pair_range): kv tile 0 sees q tiles 0-2
     # of 4, kv tile 1 q tiles 2-3; the walk ends at the last, not at nq (ending one early fails it: dq err 1.95)
     "sliding_window-f16-d64-200x130": ("sliding_window", "f16", 1, 1, 1, 200, 130, 64, 64, 128),
@@ -76,8 +70,6 @@ CASES = {
     "document-f16-d64-130x130": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64),
     # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N
     "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
-    # ... with the list's next entry read a tile ahead (list_ahead): a group's two heads make lists of 3-4 entries
-    "document_gqa-f16-d64-100x130-lah": ("document_gqa", "f16", 1, 4, 2, 100, 130, 64, 64, 64, {"list_ahead": True}),
 }
 
 
