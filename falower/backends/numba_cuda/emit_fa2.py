@@ -460,7 +460,7 @@ def _emit_item_carry(c: "_Code", spec: Optional[FA2ForwardSpec], p: str = "it",
                      extents: Optional[tuple[str, str]] = None) -> None:
     """Carries the item coordinates <p>_x, <p>_y, <p>_z (x fastest) into their extents (`extents`, else the
     forward grid's `_grid_axes`) after <p>_x grew."""
-    (nx, _), (ny, _), _ = _grid_axes(spec) if extents is None else ((extents[0], ""), (extents[1], ""), None)
+    nx, ny = extents if extents is not None else (_grid_axes(spec)[0][0], _grid_axes(spec)[1][0])
     c(f"while {p}_x >= {nx}:")
     with c.indent():
         c(f"{p}_x -= {nx}")

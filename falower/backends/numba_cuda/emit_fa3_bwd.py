@@ -427,11 +427,10 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     lay = _layout(spec)
     if dkdv_bulk(spec) and lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec) > lay["STG_END"]:
         raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
-    if persistent(spec) and smem_bytes(spec) > SMEM_MAX:
-        raise ValueError(f"wgmma backward: bwd_persistent's region for dK / dV's staged rows takes the shared memory "
-                         f"to {smem_bytes(spec)} bytes, over 227 KB")
     if smem_bytes(spec) > SMEM_MAX:
-        raise ValueError(f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
+        raise ValueError(f"wgmma backward: bwd_persistent's region for dK / dV's staged rows takes the shared memory "
+                         f"to {smem_bytes(spec)} bytes, over 227 KB" if persistent(spec) else
+                         f"wgmma backward: {smem_bytes(spec)} bytes of shared memory exceed 227 KB")
 
 
 def resolve(spec: FA2BackwardSpec) -> tuple[FA2BackwardSpec, Optional[str]]:
@@ -615,8 +614,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
         c("sbr = sb - sb0  # the aligned base as a byte offset into the arrays")
-        if not PERS:
-            _emit_thread_indices(c, PERS)
+        if not PERS:  # a persistent kernel makes them per item
+            _emit_thread_indices(c, per_item=False)
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
@@ -644,7 +643,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"kj = {item[2]}")
         if PERS:
             emit_persistent_next(c, None, ("it_gx", "it_gy"))
-            _emit_thread_indices(c, PERS)
+            _emit_thread_indices(c, per_item=True)
         if kv_group(spec):
             c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
             with c.indent():
@@ -983,7 +982,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
         if dkdv_bulk(spec):
-            _emit_dkdv_bulk(c, spec, pack, lay["STG"], wait=not PERS)
+            _emit_dkdv_bulk(c, spec, pack)
         else:
             _emit_dkdv_stores(c, D, ND, pack)
         items.close()
@@ -1033,13 +1032,14 @@ def _emit_item_start(c: _Code, spec: FA2BackwardSpec, stack: contextlib.ExitStac
     return "it_x", "it_y", "it_z"
 
 
-def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str, stg: int = 0, wait: bool = True) -> None:
+def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     """dkdv_bulk's epilogue: this warp's 16 rows of dK (staging rows 0-15) and of dV (16-31) packed to 16 bits in
-    shared memory from byte `stg` on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's region of
-    its own), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none); with
-    `wait` the kernel ends once they have read it (a persistent kernel waits before the next item's q loop)."""
+    shared memory from `_layout`'s STG on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's
+    region of its own), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none);
+    the kernel ends once they have read it (a persistent kernel waits before the next item's q loop instead)."""
     D = spec.head_dim
     PK = _dkdv_stage_pitch(spec)
+    stg = _layout(spec)["STG"]
     c(DKDV_LINE)
     c("# (dkdv_bulk: staged in shared memory and handed to the copy engine, a row a lane)")
     c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging (or the next item's")
@@ -1059,7 +1059,7 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str, stg: int = 0, wa
           f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
         c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
         c("bulk_commit()")
-    if wait:
+    if not persistent(spec):
         c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
 
 
