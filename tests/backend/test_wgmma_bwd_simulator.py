@@ -419,9 +419,9 @@ def test_grouped_gradients_in_the_kernel():
 
 @pytest.mark.slow
 def test_the_knobs_ptx(tmp_path, monkeypatch):
-    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_bulk, dk_after_dq, p_under_dp and
-    dkdv_bulk on: dQ's two bulk reductions (the loop's and the last tile's) and no vector reduction; dK's and dV's one
-    bulk copy and no direct store; two `wait_group 1` (S^T alone,
+    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_bulk, dk_after_dq, p_under_dp,
+    dkdv_bulk and dkdv_stsm on: dQ's two bulk reductions (the loop's and the last tile's) and no vector reduction;
+    dK's and dV's one bulk copy, staged by D / 16 stmatrix each, and no direct store; two `wait_group 1` (S^T alone,
     dQ before dK); the default's wgmma counts; no call; ptxas's log without serialization."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
@@ -429,9 +429,11 @@ def test_the_knobs_ptx(tmp_path, monkeypatch):
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel, resource_usage
 
     ptx = FA2BackwardKernel(_spec("causal", 128, extra={"dq_bulk": True, "dk_after_dq": True,
-                                                        "p_under_dp": True, "dkdv_bulk": True})).ptx((9, 0))
+                                                        "p_under_dp": True, "dkdv_bulk": True,
+                                                        "dkdv_stsm": True})).ptx((9, 0))
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
     assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 1  # dkdv_bulk's copy of a row
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 2 * 128 // 16  # dK's and dV's (dkdv_stsm)
     assert "st.global.b32" not in ptx and "st.global.u32" not in ptx  # no direct store of dK / dV
     assert "red.global.add" not in ptx
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2

@@ -120,12 +120,34 @@ def _float(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.float64)
 
 
+def _poison_new_device_arrays() -> None:
+    """The simulator's cuda.device_array made with every byte 0xFF (NaN, or -1) instead of whatever the host's
+    allocator returned (often zeros): an output the kernel should write and does not (dK / dV of a kv tile that sees
+    no q tile) then reads NaN here, as torch.empty's reused memory would on the GPU."""
+    from numba import cuda
+
+    if getattr(cuda.device_array, "poisoned", False):
+        return
+    made = cuda.device_array
+
+    def device_array(shape, dtype=np.float64, *args, **kwargs):
+        a = made(shape, dtype, *args, **kwargs)
+        host = np.empty(a.shape, a.dtype)
+        host.view(np.uint8).fill(0xFF)
+        a.copy_to_device(host)
+        return a
+
+    device_array.poisoned = True
+    cuda.device_array = device_array
+
+
 def run_case(case_id: str) -> dict:
     import falower as fl
     from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
+    _poison_new_device_arrays()
     stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = CASES[case_id]
     g = TEST_GRAPHS[stem]() if stem in TEST_GRAPHS else example_graph(stem)
     env = bind_dims(g, {"B": B, "H": H, "HKV": HKV, "M": M, "N": N, "D": D})

@@ -110,6 +110,7 @@ from falower.backends.numba_cuda.intrinsics import (
     bulk_store,
     bulk_wait_read0,
     sts_v4_f32,
+    stsm_x4,
     syncwarp,
 )
 '''  # dq_bulk's and dkdv_bulk's
@@ -156,7 +157,8 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "bulk_store(dkv_g"}
+              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "bulk_store(dkv_g",
+              "dkdv_stsm": "stsm_x4(at", "dkdv_early": "# dkdv_early: "}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -188,6 +190,31 @@ def dkdv_bulk(spec: FA2BackwardSpec) -> bool:
     document 0.951, plain 0.974, causal 0.969 (D = 128), plain D = 64 0.963; the window's epilogue 8.1k -> 4.7k
     cycles a block."""
     return spec.extra.get("dkdv_bulk", True) is True
+
+
+def dkdv_stsm(spec: FA2BackwardSpec) -> bool:
+    """dkdv_bulk's staging by stmatrix (spec.extra["dkdv_stsm"] True; default False): each warp's 16 rows of dK and
+    of dV by D / 16 stmatrix .x4 each (512 bytes an instruction) where the default stores a 4-byte pair at a time
+    (D / 4 stores a thread and accumulator). Why: the window's epilogue, split by probe_bwd --blocks (H200), is 4.6k
+    of its 4.7k cycles between the barrier and the copies' issue. Measured (H200, probe_bwd.py, 9 rounds, the whole
+    backward call against the default): the 1024 window 0.969, the document 0.994, causal 0.989, plain 1.012, plain
+    D = 64 1.007; the window's staging 4.6k -> 3.7k cycles a block. The change itself is worth ~0.9k cycles a block
+    (0.7% of a window's); the rest of each ratio is ptxas scheduling the whole kernel anew and the calls' spread, so
+    it stays opt-in."""
+    return dkdv_bulk(spec) and spec.extra.get("dkdv_stsm", False) is True
+
+
+def dkdv_early(spec: FA2BackwardSpec) -> bool:
+    """dkdv_bulk's staging and copies in the last q tile, between its GEMMs' wait and its dQ reductions
+    (spec.extra["dkdv_early"] True; default False), where the default stages them after the loop; a kv tile that
+    walks no q tile stages its zeros after the loop. Why: the staging's stores might have waited behind the last
+    tile's reductions (probe_bwd --blocks, the 1024 window, H200: 4.6k cycles). Not with dk_after_dq (dK is still in
+    flight there), dq_bulk, dq_late or a persistent kernel (whose staging waits elsewhere): those keep the default.
+    Measured with dkdv_stsm (H200, probe_bwd.py, 9 rounds, against the default): the 1024 window 0.976, document
+    0.994, causal 0.999, plain 1.008, D = 64 1.009, no better than dkdv_stsm alone: the staging did not wait for the
+    reductions' queue. Without dkdv_stsm, ptxas spills 264-388 bytes at D = 128."""
+    return (dkdv_bulk(spec) and spec.extra.get("dkdv_early", False) is True
+            and not (dk_after_dq(spec) or dq_bulk(spec) or dq_late(spec) or persistent(spec)))
 
 
 def persistent(spec: FA2BackwardSpec) -> int:
@@ -278,15 +305,32 @@ def kv_group(spec: FA2BackwardSpec) -> int:
     return g if isinstance(g, int) and not isinstance(g, bool) else 0
 
 
-def grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
-    """The launch grid: (kv heads, batch, kv tiles), (kv tiles, kv heads, batch) under kv_major, (G kv tiles, head
-    groups, batch) under kv_group G; a persistent kernel's blocks (min(P, items), 1, 1) walk that grid's items."""
-    nk, hk = -(-N // spec.block_k), H // spec.group_size
+def _grid_order(spec: FA2BackwardSpec) -> tuple[tuple[str, str, str], list[tuple[str, str]], list[str]]:
+    """The grid's order, one table for the launch and the kernel: its extents (x, y, z) as expressions in nk (kv
+    tiles), HK (kv heads) and B (evaluated by `grid`, emitted by a persistent kernel's walk), an item's (x, y, z)
+    decoded into kj, hk and b (templates in x, y, z, in the order emitted), and the kernel's comment on the order."""
     if kv_group(spec):
-        G = kv_group(spec)
-        g = (nk * G, -(-hk // G), B)
-    else:
-        g = (nk, hk, B) if kv_major(spec) else (hk, B, nk)
+        KG = kv_group(spec)
+        return ((f"nk * {KG}", f"(HK + {KG - 1}) // {KG}", "B"),
+                [("kj", f"{{x}} // {KG}"), ("hk", f"{{y}} * {KG} + {{x}} % {KG}"), ("b", "{z}")],
+                [f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 (cost order",
+                 "# within a group whose rows stay in L2; divisions by constants only)"])
+    if kv_major(spec):
+        return (("nk", "HK", "B"), [("kj", "{x}"), ("hk", "{y}"), ("b", "{z}")],
+                ["# grid (kv tiles, kv heads, batch): a (b, kv head)'s kv tiles run together, so its Q, dO and dQ",
+                 "# rows stay in L2 (kv tile 0 first: causal's heaviest); no run-time division (a call: ptxas would",
+                 "# serialize every wgmma)"])
+    return (("HK", "B", "nk"), [("hk", "{x}"), ("b", "{y}"), ("kj", "{z}")],
+            ["# grid (kv heads, batch, kv tiles): kv tile 0 of every (b, kv head) first (causal: it sees the most q",
+             "# tiles), and no run-time division (a call: ptxas would serialize every wgmma)"])
+
+
+def grid(spec: FA2BackwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
+    """The launch grid (`_grid_order`'s extents): (kv heads, batch, kv tiles), (kv tiles, kv heads, batch) under
+    kv_major, (G kv tiles, head groups, batch) under kv_group G; a persistent kernel's blocks (min(P, items), 1, 1)
+    walk that grid's items."""
+    dims = {"nk": -(-N // spec.block_k), "HK": H // spec.group_size, "B": B}
+    g = tuple(int(eval(e, {"__builtins__": {}}, dims)) for e in _grid_order(spec)[0])  # our own expressions
     if persistent(spec):  # its blocks walk the items of g (x fastest)
         return (min(persistent(spec), g[0] * g[1] * g[2]), 1, 1)
     return g
@@ -621,26 +665,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"nk = (N + {BK - 1}) // {BK}")
         c(f"HK = H // {G}" if G > 1 else "HK = H")
         item = _emit_item_start(c, spec, items)
-        if kv_group(spec):
-            KG = kv_group(spec)
-            c(f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 (cost order")
-            c("# within a group whose rows stay in L2; divisions by constants only)")
-            c(f"kj = {item[0]} // {KG}")
-            c(f"hk = {item[1]} * {KG} + {item[0]} % {KG}")
-            c(f"b = {item[2]}")
-        elif kv_major(spec):
-            c("# grid (kv tiles, kv heads, batch): a (b, kv head)'s kv tiles run together, so its Q, dO and dQ")
-            c("# rows stay in L2 (kv tile 0 first: causal's heaviest); no run-time division (a call: ptxas would")
-            c("# serialize every wgmma)")
-            c(f"kj = {item[0]}")
-            c(f"hk = {item[1]}")
-            c(f"b = {item[2]}")
-        else:
-            c("# grid (kv heads, batch, kv tiles): kv tile 0 of every (b, kv head) first (causal: it sees the most q")
-            c("# tiles), and no run-time division (a call: ptxas would serialize every wgmma)")
-            c(f"hk = {item[0]}")
-            c(f"b = {item[1]}")
-            c(f"kj = {item[2]}")
+        _, decode, comment = _grid_order(spec)
+        for line in comment:
+            c(line)
+        for name, expr in decode:
+            c(f"{name} = {expr.format(x=item[0], y=item[1], z=item[2])}")
         if PERS:
             emit_persistent_next(c, None, ("it_gx", "it_gy"))
             _emit_thread_indices(c, per_item=True)
@@ -716,6 +745,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("nl = ZERO")
         c("nd = ZERO")
         HOLD = held_grads(spec)
+        EARLY = dkdv_early(spec)
         if HOLD:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
@@ -734,6 +764,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if PERS:
             c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read their staging: the loop's")
             c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before it is written again")
+        if EARLY:
+            c(f"dkv_in_loop = {_more(spec, 'hc', 'qc')}  # the loop's last tile stages dK and dV (dkdv_early)")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -944,6 +976,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
             else:
                 c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
+            if EARLY:
+                c(f"if not ({_more(spec, 'hn', 'qn')}):  # dkdv_early: the last tile; dK and dV are final, staged and")
+                with c.indent():
+                    c("# copied before its dQ reductions fill the memory pipeline")
+                    c("WAIT_D(dvacc, 0)")
+                    c("WAIT_D(dkacc, 0)")
+                    _emit_dkdv_bulk(c, spec, pack)
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
             c("# g + 8, added by one 16-byte vector reduction")
             if BULK:
@@ -979,12 +1018,18 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if LATE:
             c("# the last tile's dQ reductions")
             _emit_dq_late_issue(c, DC // 8)
-        c("WAIT_D(dvacc, 0)")
-        c("WAIT_D(dkacc, 0)")
-        if dkdv_bulk(spec):
-            _emit_dkdv_bulk(c, spec, pack)
+        if EARLY:
+            c("if not dkv_in_loop:  # no tile walked: zeros, staged here")
+            with c.indent():
+                _emit_dkdv_bulk(c, spec, pack)
+            c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
         else:
-            _emit_dkdv_stores(c, D, ND, pack)
+            c("WAIT_D(dvacc, 0)")
+            c("WAIT_D(dkacc, 0)")
+            if dkdv_bulk(spec):
+                _emit_dkdv_bulk(c, spec, pack)
+            else:
+                _emit_dkdv_stores(c, D, ND, pack)
         items.close()
         if PERS:
             c("bulk_wait_read0()  # the last item's copies have read the staging rows: shared memory may go")
@@ -1008,21 +1053,13 @@ def _emit_thread_indices(c: _Code, per_item: bool) -> None:
         c("sb = opaque_u32(sb)")
 
 
-def _grid_extents(spec: FA2BackwardSpec) -> tuple[str, str, str]:
-    """The extents (x, y, z) of the grid a persistent kernel walks (`grid`'s without it), as kernel expressions."""
-    if kv_group(spec):
-        KG = kv_group(spec)
-        return f"nk * {KG}", f"(HK + {KG - 1}) // {KG}", "B"
-    return ("nk", "HK", "B") if kv_major(spec) else ("HK", "B", "nk")
-
-
 def _emit_item_start(c: _Code, spec: FA2BackwardSpec, stack: contextlib.ExitStack) -> tuple[str, str, str]:
     """The item's grid coordinates (x, y, z) as kernel expressions: blockIdx's; persistent, the block's first item
     (it_x, it_y, it_z: block c takes item c, x fastest) and the `while` over its items opened on `stack` (its body
     the rest of the kernel; the caller closes it after the epilogue)."""
     if not persistent(spec):
         return "cuda.blockIdx.x", "cuda.blockIdx.y", "cuda.blockIdx.z"
-    gx, gy, gz = _grid_extents(spec)
+    gx, gy, gz = _grid_order(spec)[0]
     c(f"# persistent: this block walks items of the grid ({gx}, {gy}, {gz}), x fastest, in rounds of gridDim.x")
     c(f"it_gx = {gx}")
     c(f"it_gy = {gy}")
@@ -1036,7 +1073,8 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     """dkdv_bulk's epilogue: this warp's 16 rows of dK (staging rows 0-15) and of dV (16-31) packed to 16 bits in
     shared memory from `_layout`'s STG on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's
     region of its own), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none);
-    the kernel ends once they have read it (a persistent kernel waits before the next item's q loop instead)."""
+    the kernel ends once they have read it (a persistent kernel waits before the next item's q loop instead;
+    dkdv_early's, emitted in the last tile, at the kernel's end)."""
     D = spec.head_dim
     PK = _dkdv_stage_pitch(spec)
     stg = _layout(spec)["STG"]
@@ -1045,11 +1083,19 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging (or the next item's")
     c("# loads) may overwrite them")
     c(f"dkv_s = sb + {stg} + warp * {32 * PK}  # this warp's 32 staging rows: dK's 16, then dV's 16")
-    c(f"dkv_w = ((sbr + {stg} + warp * {32 * PK} + g * {PK}) >> 2) + (lane & 3)  # row g's word of its columns")
-    sw = _store_pairs_helper(c, D // 8, pack)  # the direct stores' helper, into shared memory's words
-    for t, acc in enumerate(("dkacc", "dvacc")):
-        for r in range(2):
-            c(f"{sw}(smem_w, dkv_w + {((16 * t + 8 * r) * PK) // 4}, {acc}, ofs_{2 * r})")
+    if dkdv_stsm(spec):
+        c(f"dkv_a = dkv_s + ((lane >> 3) & 1) * {8 * PK} + (lane & 7) * {PK} + (lane >> 4) * 16  # the row of its "
+          "stmatrix")
+        c("# matrix this lane addresses: rows 8 ((lane >> 3) & 1) .. + 7, chunk 2 k + (lane >> 4) of instruction k")
+        st = _stage_stsm_helper(c, D, pack)
+        for t, acc in enumerate(("dkacc", "dvacc")):
+            c(f"{st}(dkv_a + {16 * t * PK}, {acc}, ofs_0, ofs_2)")
+    else:
+        c(f"dkv_w = ((sbr + {stg} + warp * {32 * PK} + g * {PK}) >> 2) + (lane & 3)  # row g's word of its columns")
+        sw = _store_pairs_helper(c, D // 8, pack)  # the direct stores' helper, into shared memory's words
+        for t, acc in enumerate(("dkacc", "dvacc")):
+            for r in range(2):
+                c(f"{sw}(smem_w, dkv_w + {((16 * t + 8 * r) * PK) // 4}, {acc}, ofs_{2 * r})")
     c("fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine")
     c("syncwarp()")
     c("kvi = kv0 + warp * 16 + (lane & 15)")
@@ -1059,8 +1105,22 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
           f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
         c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
         c("bulk_commit()")
-    if not persistent(spec):
+    if not persistent(spec) and not dkdv_early(spec):
         c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
+
+
+def _stage_stsm_helper(c: _Code, D: int, pack: str) -> str:
+    """`stage_stsm(at, x, i0, i1)`: a warp's 16 rows of an accumulator's fragment (rows g and g + 8 of each thread at
+    offsets i0 and i1 of x), packed, into staging rows at `at` (this lane's row address, dkdv_stsm) by D / 16
+    stmatrix .x4: instruction k stores 16-byte chunks 2k and 2k + 1 of the 16 rows, matrix m rows 8 (m & 1) .. + 7
+    of chunk 2 k + (m >> 1), a lane's word m its own (row g + 8 (m & 1), columns 2t, 2t + 1 of that chunk), as the
+    forward's stage_rows_stsm."""
+    w = "{p}(lget(x, {i} + {o}), lget(x, {i} + {o} + 1))"
+    return c.helper("stage_stsm", [
+        "@device_function", "def stage_stsm(at, x, i0, i1):",
+        *[f"    stsm_x4(at + {32 * k}, " + ", ".join(w.format(p=pack, i=i, o=8 * k + d) for d, i in
+                                                ((0, "i0"), (0, "i1"), (4, "i0"), (4, "i1"))) + ")"
+          for k in range(D // 16)]])
 
 
 def _elem_split_helpers(c: _Code, spec: FA2BackwardSpec, branch: str) -> tuple[str, str]:
