@@ -68,8 +68,6 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nodkvb": ({"dkdv_bulk": False}, "dK and dV by the threads' direct stores"),
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
-    "early": ({"dkdv_stsm": True, "dkdv_early": True}, "... and staged and copied in the last tile, before its dQ "
-                                                        "reductions"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

@@ -158,7 +158,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "bulk_store(dkv_g",
-              "dkdv_stsm": "stsm_x4(at", "dkdv_early": "# dkdv_early: "}
+              "dkdv_stsm": "stsm_x4(at"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -196,25 +196,13 @@ def dkdv_stsm(spec: FA2BackwardSpec) -> bool:
     """dkdv_bulk's staging by stmatrix (spec.extra["dkdv_stsm"] True; default False): each warp's 16 rows of dK and
     of dV by D / 16 stmatrix .x4 each (512 bytes an instruction) where the default stores a 4-byte pair at a time
     (D / 4 stores a thread and accumulator). Why: the window's epilogue, split by probe_bwd --blocks (H200), is 4.6k
-    of its 4.7k cycles between the barrier and the copies' issue. Measured (H200, probe_bwd.py, 9 rounds, the whole
+    of its 4.7k cycles between the barrier and the copies' issue. (Staging and copying them in the last tile before
+    its dQ reductions, 06845e5's dkdv_early, measured no better than this alone: not the reductions' queue.) Measured (H200, probe_bwd.py, 9 rounds, the whole
     backward call against the default): the 1024 window 0.969, the document 0.994, causal 0.989, plain 1.012, plain
     D = 64 1.007; the window's staging 4.6k -> 3.7k cycles a block. The change itself is worth ~0.9k cycles a block
     (0.7% of a window's); the rest of each ratio is ptxas scheduling the whole kernel anew and the calls' spread, so
     it stays opt-in."""
     return dkdv_bulk(spec) and spec.extra.get("dkdv_stsm", False) is True
-
-
-def dkdv_early(spec: FA2BackwardSpec) -> bool:
-    """dkdv_bulk's staging and copies in the last q tile, between its GEMMs' wait and its dQ reductions
-    (spec.extra["dkdv_early"] True; default False), where the default stages them after the loop; a kv tile that
-    walks no q tile stages its zeros after the loop. Why: the staging's stores might have waited behind the last
-    tile's reductions (probe_bwd --blocks, the 1024 window, H200: 4.6k cycles). Not with dk_after_dq (dK is still in
-    flight there), dq_bulk, dq_late or a persistent kernel (whose staging waits elsewhere): those keep the default.
-    Measured with dkdv_stsm (H200, probe_bwd.py, 9 rounds, against the default): the 1024 window 0.976, document
-    0.994, causal 0.999, plain 1.008, D = 64 1.009, no better than dkdv_stsm alone: the staging did not wait for the
-    reductions' queue. Without dkdv_stsm, ptxas spills 264-388 bytes at D = 128."""
-    return (dkdv_bulk(spec) and spec.extra.get("dkdv_early", False) is True
-            and not (dk_after_dq(spec) or dq_bulk(spec) or dq_late(spec) or persistent(spec)))
 
 
 def persistent(spec: FA2BackwardSpec) -> int:
@@ -745,7 +733,6 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("nl = ZERO")
         c("nd = ZERO")
         HOLD = held_grads(spec)
-        EARLY = dkdv_early(spec)
         if HOLD:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
@@ -764,8 +751,6 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if PERS:
             c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read their staging: the loop's")
             c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before it is written again")
-        if EARLY:
-            c(f"dkv_in_loop = {_more(spec, 'hc', 'qc')}  # the loop's last tile stages dK and dV (dkdv_early)")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -976,13 +961,6 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
             else:
                 c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
-            if EARLY:
-                c(f"if not ({_more(spec, 'hn', 'qn')}):  # dkdv_early: the last tile; dK and dV are final, staged and")
-                with c.indent():
-                    c("# copied before its dQ reductions fill the memory pipeline")
-                    c("WAIT_D(dvacc, 0)")
-                    c("WAIT_D(dkacc, 0)")
-                    _emit_dkdv_bulk(c, spec, pack)
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
             c("# g + 8, added by one 16-byte vector reduction")
             if BULK:
@@ -1018,18 +996,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if LATE:
             c("# the last tile's dQ reductions")
             _emit_dq_late_issue(c, DC // 8)
-        if EARLY:
-            c("if not dkv_in_loop:  # no tile walked: zeros, staged here")
-            with c.indent():
-                _emit_dkdv_bulk(c, spec, pack)
-            c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
+        c("WAIT_D(dvacc, 0)")
+        c("WAIT_D(dkacc, 0)")
+        if dkdv_bulk(spec):
+            _emit_dkdv_bulk(c, spec, pack)
         else:
-            c("WAIT_D(dvacc, 0)")
-            c("WAIT_D(dkacc, 0)")
-            if dkdv_bulk(spec):
-                _emit_dkdv_bulk(c, spec, pack)
-            else:
-                _emit_dkdv_stores(c, D, ND, pack)
+            _emit_dkdv_stores(c, D, ND, pack)
         items.close()
         if PERS:
             c("bulk_wait_read0()  # the last item's copies have read the staging rows: shared memory may go")
@@ -1073,8 +1045,7 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     """dkdv_bulk's epilogue: this warp's 16 rows of dK (staging rows 0-15) and of dV (16-31) packed to 16 bits in
     shared memory from `_layout`'s STG on (K's, V's and Q's bytes, free after the barrier; a persistent kernel's
     region of its own), then lane l hands staging row l to a bulk copy into its row of dK or dV (rows past N: none);
-    the kernel ends once they have read it (a persistent kernel waits before the next item's q loop instead;
-    dkdv_early's, emitted in the last tile, at the kernel's end)."""
+    the kernel ends once they have read it (a persistent kernel waits before the next item's q loop instead)."""
     D = spec.head_dim
     PK = _dkdv_stage_pitch(spec)
     stg = _layout(spec)["STG"]
@@ -1105,7 +1076,7 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
           f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
         c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
         c("bulk_commit()")
-    if not persistent(spec) and not dkdv_early(spec):
+    if not persistent(spec):
         c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
 
 
