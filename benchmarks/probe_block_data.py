@@ -8,7 +8,7 @@ This probe times each derived capture of both kernels, and the block list kernel
   gpu    CUDA events around it, queued behind that sleep: what it adds where the GPU is the bound.
 and the whole calls (forward + backward, and torch autograd) with the same ids against a new view of them each call.
 
-    python3 benchmarks/probe_block_data.py [--example document] [--n 4096] [--d 128] [--b 4] [--h 16]
+    python3 benchmarks/probe_block_data.py [--example document] [--n 4096] [--d 128] [--b 4] [--h 16] [--profile] [--pyprofile]
 
 Needs torch and a GPU.
 """
@@ -96,6 +96,10 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--b", type=int, default=4)
     ap.add_argument("--h", type=int, default=16)
+    ap.add_argument("--profile", action="store_true",
+                    help="also torch.profiler's host table of 5 steps each: the calls and autograd, same ids and new")
+    ap.add_argument("--pyprofile", action="store_true",
+                    help="also cProfile's table of 20 autograd steps with the same ids, by own time")
     args = ap.parse_args()
 
     import torch
@@ -142,6 +146,35 @@ def main() -> None:
         issue_same, gpu_same = issue_and_gpu(lambda: fn(False), 10)
         rows.append(("step", f"{name}: new ids - same ids", issue_new - issue_same, gpu_new - gpu_same, new - same))
         rows.append(("step", f"{name}, same ids", issue_same, gpu_same, same))
+
+    if args.pyprofile:
+        import cProfile
+        import pstats
+
+        autograd(False)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            autograd(False)
+        prof.disable()
+        torch.cuda.synchronize()
+        print("\nautograd, same ids, 20 steps: Python's time by function")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("calls", calls), ("autograd", autograd)):
+            for new in (False, True):
+                fn(new)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(5):
+                        fn(new)
+                    torch.cuda.synchronize()
+                print(f"\n{name}, {'new' if new else 'same'} ids, 5 steps: the host's time by op")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
 
     print(f"\nblock data of {args.example}, B = {B}, H = {H}, N = {N}, D = {D}, {torch.cuda.get_device_name()} "
           f"(microseconds; issue: the host's, GPU busy; gpu: CUDA events; wall: GPU idle before, waited after)")

@@ -243,6 +243,60 @@ BWD_CASES = [("unsorted", 40, 37, "mma", "atomic"), ("constant", 33, 17, "mma", 
 TABLE_CASES = [(1, 1, False), (2, 2, False), (31, 15, False), (33, 17, True), (40, 9, False), (9, 40, False)]
 
 
+def run_ids(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """One slice of ids of `kind`, n long."""
+    if kind == "sorted":  # documents in order, then padding (-1): runs up, then one down, no value back
+        return np.concatenate([np.sort(rng.integers(0, max(n // 7, 1), n - n // 5)), np.full(n // 5, -1)])
+    if kind == "unsorted":  # a document comes back after another
+        return np.resize(np.repeat([0, 1, 0, 2], max(n // 9, 1)), n)
+    if kind == "constant":
+        return np.full(n, 5)
+    if kind == "distinct":
+        return np.arange(n)
+    if kind == "descending":
+        return np.arange(n)[::-1] // 3
+    if kind == "random":  # many short runs of few values: values come back unless n is tiny
+        return rng.integers(0, 3, n)
+    return np.sort(rng.integers(0, 2, n))[::-1]  # "two": two runs, down
+
+
+RUN_KINDS = ["sorted", "unsorted", "constant", "distinct", "descending", "random", "two"]
+RUN_SIZES = [1, 2, 127, 129, 300]  # around the kernel's 128 threads: one entry a thread, two, three
+RUN_CASES = [(n, 0) for n in RUN_SIZES] + [(300, 4)]  # (n, rcap): and a list of 4 runs, most slices past it
+
+
+def run_id(n: int, rcap: int = 0) -> str:
+    return f"runs-{n}" + (f"-rcap{rcap}" if rcap else "")
+
+
+def run_runs_case(n: int, rcap: int = 0) -> dict:
+    """The run table kernel (block_data.RUN_TABLE_SOURCE, a slice a block) over one slice of each RUN_KINDS at
+    length n, against block_data.run_table_host: equal everywhere. rcap: the runs its shared list holds, made
+    small so that the slices with more look back on their own."""
+    from falower.backends.numba_cuda.block_data import RUN_TABLE_SOURCE, RUN_THREADS, RUN_VALUES, run_table_host
+    from falower.backends.numba_cuda.runtime import load_source
+    from falower.ir.intervals import minmax_table
+
+    rng = np.random.default_rng(n)
+    x = np.stack([run_ids(k, n, rng) for k in RUN_KINDS]).astype(np.int32)
+    out = np.full(x.size * 2, -7, dtype=np.int32)
+    source = RUN_TABLE_SOURCE.replace(f"RCAP = {RUN_VALUES}\n", f"RCAP = {rcap}\n") if rcap else RUN_TABLE_SOURCE
+    assert not rcap or source != RUN_TABLE_SOURCE
+    mod = load_source(source, "run_table")
+    mod.run_table_kernel[len(RUN_KINDS), RUN_THREADS](x.ravel(), out, n)
+    got, want = out.reshape(*x.shape, 2), run_table_host(x, 1)
+    ranges = {}  # the range table kernel (a granule a thread) against intervals.minmax_table, granules 1 .. 128
+    for g in (1, 5, 64, 128):
+        ng = -(-n // g)
+        cells = len(RUN_KINDS) * ng
+        table = np.full(cells * 2, -7, dtype=np.int32)
+        mod.range_table_kernel[-(-cells // RUN_THREADS), RUN_THREADS](x.ravel(), table, n, g, cells)
+        ranges[g] = int((table.reshape(len(RUN_KINDS), ng, 2) != minmax_table(x, 1, g)).sum())
+    return {"id": run_id(n, rcap), "ranges_differ": ranges,
+            "differ": {k: int((got[i] != want[i]).any(-1).sum()) for i, k in enumerate(RUN_KINDS)},
+            "exact": {k: bool(want[i, 0, 0] >= 0) for i, k in enumerate(RUN_KINDS)}}
+
+
 def bwd_id(case: tuple) -> str:
     kind, M, N, path, dq = case
     return f"bwd-document-{kind}-{M}x{N}-{path}-{dq}"
@@ -267,6 +321,7 @@ if __name__ == "__main__":
     wanted = sys.argv[1:]
     jobs = [(list_id(c), run_list_case, c) for c in LIST_CASES] + [(fwd_id(c), run_fwd_case, c) for c in FWD_CASES]
     jobs += [(bwd_id(c), run_bwd_case, c) for c in BWD_CASES] + [(table_id(c), run_table_case, c) for c in TABLE_CASES]
+    jobs += [(run_id(*c), run_runs_case, c) for c in RUN_CASES]
     for cid, run, args in jobs:
         if wanted and cid not in wanted:
             continue

@@ -3,7 +3,7 @@ runtime makes is sound against a brute force over every (q, kv) pair and equal t
 tiles inside the bounds, at sizes around the tiles and on every kind of ids (sorted, unsorted, constant, all
 distinct, all padding); the forward kernel visiting it gives the reference's numbers; the backward visiting
 its own lists gives the backward IR's gradients; a mask the range analysis cannot bound evaluates its dense
-block table once per distinct data. Cases run in two subprocesses (the simulator must be on before
+block table once per distinct data; the run table kernel equals the host's. Cases run in two subprocesses (the simulator must be on before
 numba.cuda is imported): block_list_cases.py."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulated import collect, spawn  # noqa: E402
-from block_list_cases import (BWD_CASES, FWD_CASES, LIST_CASES, TABLE_CASES, bwd_id, fwd_id, list_id,  # noqa: E402
-                              table_id)
+from block_list_cases import (BWD_CASES, FWD_CASES, LIST_CASES, RUN_CASES, TABLE_CASES, bwd_id, fwd_id,  # noqa: E402
+                              list_id, run_id, table_id)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Two processes (two cores on CI): the forward's list and kernel cases; the backward's and the table's."""
     first = [list_id(c) for c in LIST_CASES] + [fwd_id(c) for c in FWD_CASES]
-    second = [bwd_id(c) for c in BWD_CASES] + [table_id(c) for c in TABLE_CASES]
+    second = [bwd_id(c) for c in BWD_CASES] + [table_id(c) for c in TABLE_CASES] + [run_id(*c) for c in RUN_CASES]
     procs = [spawn("block_list_cases.py", tmp_path_factory.mktemp("kernels"), ids) for ids in (first, second)]
     out: dict = {}
     for p in procs:
@@ -95,3 +95,18 @@ def test_dense_block_table_once_per_data(results, case_id):
     assert r["masked_rows"] > 0, r
     if case_id.endswith("-bwd"):
         assert r["bwd_block_mask"] == "table" and r["bwd_evaluations"] == 1 and r["bwd_same"], r
+
+
+@pytest.mark.parametrize("n,rcap", RUN_CASES)
+def test_the_run_table_kernel_is_the_host_table(results, n, rcap):
+    """block_data.RUN_TABLE_SOURCE (what a torch call's new ids run) equals run_table_host on every kind of ids,
+    at lengths around its 128 threads: sorted documents then padding, a document coming back, constant, all
+    distinct, descending, random, two runs; the kinds whose values come back are the inexact ones (-1). With its
+    list of runs' values cut to 4 (rcap), the slices with more runs look back each on its own. The range table
+    kernel (the least and greatest id of each granule) equals intervals.minmax_table at granules 1, 5, 64, 128."""
+    r = results[run_id(n, rcap)]
+    assert "error" not in r, r.get("where", r.get("error"))
+    assert not any(r["differ"].values()), r
+    assert not any(r["ranges_differ"].values()), r  # the range table kernel's, granules 1 to 128
+    if n > 100:
+        assert not r["exact"]["unsorted"] and not r["exact"]["random"] and r["exact"]["sorted"], r

@@ -52,6 +52,26 @@ def doc_ids(kind: str, B: int, N: int, gen) -> "torch.Tensor":
     return ids.to(torch.int32).contiguous()
 
 
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant", "distinct", "padding"])
+@pytest.mark.parametrize("N", [1, 2, 127, 129, 4096])
+def test_run_and_range_tables_on_the_device_are_the_hosts(kind, N):
+    """block_data.run_table of a CUDA tensor equals run_table_host, and range_table intervals.minmax_table: int32
+    along its last axis and its first (the table kernels, launched directly), int64 (torch's ops)."""
+    from falower.backends.numba_cuda.block_data import range_table, run_table, run_table_host
+    from falower.ir.intervals import minmax_table
+
+    ids = doc_ids(kind, 3, N, torch.Generator(device="cuda").manual_seed(N))
+    host = ids.cpu().numpy()
+    for x, axis in ((ids, 1), (ids.t().contiguous(), 0), (ids.long(), 1)):
+        got = run_table(x, axis).cpu().numpy()
+        want = run_table_host(x.cpu().numpy(), axis)
+        assert (got == want).all(), (kind, N, axis, x.dtype)
+        for g in (1, 64, 128):
+            got = range_table(x, axis, g, "i32").cpu().numpy()
+            assert (got == minmax_table(x.cpu().numpy(), axis, g)).all(), (kind, N, axis, x.dtype, g)
+    assert (run_table_host(host, 1)[..., 0] >= 0).all() or kind == "unsorted"
+
+
 def reference(q, k, v, doc):
     keep = ((doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0))[:, None]
     s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])

@@ -155,6 +155,10 @@ def range_table(x: Any, axis: int, granule: int, dtype: str) -> Any:
         import torch
 
         t = x.detach().movedim(axis, -1)
+        if dtype == "i32" and _small_int(t) and t.is_cuda:
+            out = _launch_table_kernel("range_table_kernel", t.to(torch.int32).contiguous(), granule)
+            if out is not None:
+                return out.movedim(-2, axis).contiguous()
         t = t.to(torch.int32) if t.dtype == torch.bool else t
         n = t.shape[-1]
         ng = -(-n // granule)
@@ -184,7 +188,12 @@ def run_table(x: Any, axis: int) -> Any:
     if kind == "torch":
         import torch
 
-        t = x.detach().movedim(axis, -1).to(torch.int64)
+        t = x.detach().movedim(axis, -1)
+        if _small_int(t) and t.is_cuda:
+            out = _launch_table_kernel("run_table_kernel", t.to(torch.int32).contiguous())
+            if out is not None:
+                return out.movedim(-2, axis).contiguous()
+        t = t.to(torch.int64)
         n = t.shape[-1]
         idx = torch.arange(n, device=t.device).expand_as(t)
         change = t[..., 1:] != t[..., :-1]
@@ -202,6 +211,198 @@ def run_table(x: Any, axis: int) -> Any:
     host = np.asarray(x) if kind == "numpy" else cuda.as_cuda_array(x).copy_to_host()
     out = np.ascontiguousarray(run_table_host(host, axis))
     return out if kind == "numpy" else cuda.to_device(out)
+
+
+RUN_THREADS = 128  # the run table kernel's block: a slice a block, a contiguous chunk of it a thread
+RUN_VALUES = 2048  # runs a slice's values are listed for in shared memory (more: each run looks back on its own)
+
+RUN_TABLE_SOURCE = f'''\
+# The run table kernel of falower.backends.numba_cuda.block_data -- do not edit.
+import numpy as np
+from numba import cuda
+
+from falower.backends.numba_cuda.intrinsics import kernel_jit
+
+RUN_END = {RUN_END}
+T = {RUN_THREADS}
+RCAP = {RUN_VALUES}
+
+
+@kernel_jit
+def run_table_kernel(x, out, n):
+    \"\"\"Block s: slice x[s * n:(s + 1) * n] (int32) -> out[(s * n + i) * 2 + 0 / 1] = the first index of entry i's
+    run and one past its last (RUN_END where the run ends the slice), or -1 / -1 across the slice where some value
+    comes back after another. Thread t walks entries [t c, t c + c) (c = ceil(n / T)); what crosses the chunks
+    (the last run start before a chunk, the first run end after it, where a chunk's runs go in the list of the
+    slice's run values) thread 0 carries in T steps. A value comes back iff two runs have it: the runs' values,
+    listed in shared memory, are compared in pairs by the whole block (a slice of more than RCAP runs: each run's
+    thread looks for its value before it).\"\"\"
+    t = cuda.threadIdx.x
+    base = cuda.blockIdx.x * n
+    cl = cuda.shared.array(T, np.int32)  # per chunk: its last run start (-1: none), then the carry into it
+    ch = cuda.shared.array(T, np.int32)  # per chunk: its first run end (n + 1: none), then the carry into it
+    cn = cuda.shared.array(T, np.int32)  # per chunk: its runs, then the place of its first in vals
+    vals = cuda.shared.array(RCAP, np.int32)  # the slice's runs' values, in order
+    seen = cuda.shared.array(4, np.int32)  # a run up, a run down, a value come back, the runs
+    if t < 4:
+        seen[t] = 0
+    cuda.syncthreads()
+    c = (n + T - 1) // T
+    a = min(t * c, n)
+    e = min(a + c, n)
+    last = -1
+    first = n + 1
+    runs = 0
+    for i in range(a, e):
+        v = x[base + i]
+        if i == 0 or x[base + i - 1] != v:
+            last = i
+            runs += 1
+            if i > 0:
+                if v > x[base + i - 1]:
+                    seen[0] = 1
+                else:
+                    seen[1] = 1
+        if first > n and (i == n - 1 or x[base + i + 1] != v):
+            first = i + 1
+    cl[t] = last
+    ch[t] = first
+    cn[t] = runs
+    cuda.syncthreads()
+    if t == 0:  # exclusive scans: the last start before chunk k, the first end after it, the runs before it
+        run = -1
+        total = 0
+        for k in range(T):
+            here = cl[k]
+            cl[k] = run
+            if here > run:
+                run = here
+            here = cn[k]
+            cn[k] = total
+            total += here
+        seen[3] = total
+        run = n + 1
+        for k in range(T - 1, -1, -1):
+            here = ch[k]
+            ch[k] = run
+            if here < run:
+                run = here
+    cuda.syncthreads()
+    nr = seen[3]
+    if seen[0] != 0 and seen[1] != 0:  # runs neither all up nor all down: does a value come back?
+        if nr <= RCAP:
+            r = cn[t]
+            for i in range(a, e):
+                if i == 0 or x[base + i - 1] != x[base + i]:
+                    vals[r] = x[base + i]
+                    r += 1
+            cuda.syncthreads()
+            for p in range(t, nr, T):
+                v = vals[p]
+                for q in range(p):
+                    if vals[q] == v:
+                        seen[2] = 1
+        else:
+            for i in range(a, e):
+                v = x[base + i]
+                if i > 0 and x[base + i - 1] != v:
+                    for j in range(i - 1):
+                        if x[base + j] == v:
+                            seen[2] = 1
+        cuda.syncthreads()
+    lo = cl[t]
+    for i in range(a, e):
+        if i == 0 or x[base + i - 1] != x[base + i]:
+            lo = i
+        out[(base + i) * 2] = lo
+    hi = ch[t]
+    for i in range(e - 1, a - 1, -1):
+        if i == n - 1 or x[base + i + 1] != x[base + i]:
+            hi = i + 1
+        out[(base + i) * 2 + 1] = RUN_END if hi == n else hi
+    if seen[2] != 0:
+        for i in range(a, e):
+            out[(base + i) * 2] = -1
+            out[(base + i) * 2 + 1] = -1
+
+
+@kernel_jit
+def range_table_kernel(x, out, n, g, cells):
+    """Thread r < cells: granule r % ng of slice r // ng of x (int32, slices n long, granules g long, the last
+    short) -> out[r * 2 + 0 / 1] = its least and greatest entry."""
+    r = cuda.blockIdx.x * T + cuda.threadIdx.x
+    if r < cells:
+        ng = (n + g - 1) // g
+        s = r // ng
+        a = s * n + (r - s * ng) * g
+        e = min(a + g, s * n + n)
+        lo = x[a]
+        hi = lo
+        for i in range(a + 1, e):
+            v = x[i]
+            lo = min(lo, v)
+            hi = max(hi, v)
+        out[r * 2] = lo
+        out[r * 2 + 1] = hi
+'''
+
+
+_TABLE_KERNELS: dict = {}  # (kernel name, device index) -> runtime.DirectKernel of RUN_TABLE_SOURCE's
+
+
+def _small_int(t: Any) -> bool:
+    """A torch tensor of an integer type int32 holds exactly (the table kernels' input)."""
+    import torch
+
+    return t.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _launch_table_kernel(name: str, t: Any, granule: int = 0) -> Any:
+    """RUN_TABLE_SOURCE's kernel `name` over a contiguous int32 CUDA tensor along its last axis, launched as the
+    attention kernels are (runtime.DirectKernel, on torch's current stream): the run table [*t.shape, 2]
+    (run_table_kernel, a slice a block) or the range table [..., ceil(n / granule), 2] (range_table_kernel, a
+    granule a thread), int32; None where direct launches are off. Why: torch's ops for the same tables (a sort,
+    cumulative max and min, aminmax, ~30 ops) took 462 us of the host's time and 138 us of the GPU's for the run
+    table of the document's ids at B = 4, N = 4k, and aminmax up to ~380 us of the host's a call (H200,
+    probe_block_data.py), paid by every step whose ids are new."""
+    import torch
+
+    from .runtime import ArgBuffer, DirectKernel, _direct_enabled, _ident, _launcher, _raw_stream_getter, load_source
+
+    if not _direct_enabled():
+        return None
+    n = int(t.shape[-1]) if t.dim() else 1
+    slices = t.numel() // n if n else 0
+    ng = -(-n // granule) if granule else 0
+    shape = (*t.shape[:-1], ng) if granule else tuple(t.shape)
+    out = torch.empty((*shape, 2), dtype=torch.int32, device=t.device)
+    if not out.numel():
+        return out
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    kern = _TABLE_KERNELS.get((name, dev))
+    if kern is None:
+        def argtypes() -> tuple:
+            from numba import types
+
+            arr = types.Array(types.int32, 1, "C")
+            return (arr, arr, types.int64) + ((types.int64, types.int64) if granule else ())
+
+        kern = _TABLE_KERNELS[(name, dev)] = DirectKernel(
+            lambda: getattr(load_source(RUN_TABLE_SOURCE, "run_table"), name), argtypes, 0,
+            _ident(name, None, RUN_TABLE_SOURCE), device=dev)
+    buf = ArgBuffer(kern.layout)
+    buf.array(0, (t.numel(),), t.data_ptr())
+    buf.array(1, (out.numel(),), out.data_ptr())
+    buf.scalar(2, n)
+    if granule:
+        cells = slices * ng
+        buf.scalar(3, granule)
+        buf.scalar(4, cells)
+        grid = (-(-cells // RUN_THREADS),)
+    else:
+        grid = (slices,)
+    _launcher(kern.function(dev), grid, RUN_THREADS, 0, buf)(_raw_stream_getter()(dev))
+    return out
 
 
 def run_table_host(x: np.ndarray, axis: int) -> np.ndarray:
@@ -380,6 +581,7 @@ class BlockData:
         self.spec = spec
         self.first = caller_count(spec)
         self._list_kernel: Any = None
+        self._list_direct: Any = None  # the list kernel for direct launches (runtime.DirectKernel), made on first use
         self._memo = _Memo()
 
     @property
@@ -412,25 +614,26 @@ class BlockData:
         return out
 
     def _block_list(self, caps: list, sizes: tuple[int, int, int, int], like: Any) -> list:
-        from numba import cuda
-
-        from .runtime import _one_element_captures, load_source
-        from .spec import FA2BackwardSpec
-
         spec = self.spec
         B, H, M, N = sizes
         layout = list_layout(spec, sizes)
-        backward = isinstance(spec, FA2BackwardSpec)
         rows = list_rows(spec, sizes)
         kind = _kind(like)
-        if self._list_kernel is None:
-            mod = load_source((emit_bwd_block_list if backward else emit_block_list)(spec), spec.name + "_block_list")
-            self._list_kernel = getattr(mod, spec.name + "_block_list")
-        n_caller = len(caps)
         if kind == "torch":
             import torch
 
             lists = [torch.empty(n, dtype=torch.int32, device=like.device) for _, n in layout]
+            if not rows or self._launch_direct(caps, lists, sizes, like):
+                return lists
+        from numba import cuda  # Numba's dispatcher: numpy, other CUDA arrays, the simulator
+
+        from .runtime import _one_element_captures, load_source
+
+        if self._list_kernel is None:
+            mod = load_source(self._list_source(), spec.name + "_block_list")
+            self._list_kernel = getattr(mod, spec.name + "_block_list")
+        n_caller = len(caps)
+        if kind == "torch":
             stream = torch.cuda.current_stream(like.device).cuda_stream
             launch_stream = cuda.external_stream(stream) if stream else 0
             # no synchronisation: the launch goes on torch's current stream, behind whatever made the tensors
@@ -448,6 +651,49 @@ class BlockData:
         if kind == "numpy":
             return [x.copy_to_host() for x in lists]
         return lists
+
+    def _list_source(self) -> str:
+        from .spec import FA2BackwardSpec
+
+        return (emit_bwd_block_list if isinstance(self.spec, FA2BackwardSpec) else emit_block_list)(self.spec)
+
+    def _launch_direct(self, caps: list, lists: list, sizes: tuple[int, int, int, int], like: Any) -> bool:
+        """Launch the list kernel as the attention kernels are (runtime.DirectKernel: the driver's cuLaunchKernel
+        from an argument buffer on torch's current stream) and return True; False where those launches are off or
+        a capture is not a contiguous tensor of the kernel's dtype on `like`'s device (Numba's dispatcher then
+        launches it). Why: the dispatcher took 258-306 us of the host's time a launch (H200, probe_block_data.py),
+        a new batch's document ids paying it for the forward's list and the backward's."""
+        from .runtime import (ArgBuffer, DirectKernel, _cap_shape, _capture_types, _captures_fit, _direct_enabled,
+                              _ident, _launcher, _raw_stream_getter, load_source)
+
+        spec = self.spec
+        if not _direct_enabled() or not _captures_fit(spec, (*caps, *lists)):
+            return False
+        if any(x.device != like.device for x in (*caps, *lists) if hasattr(x, "device")):
+            return False
+        dev = like.device.index if like.device.index is not None else __import__("torch").cuda.current_device()
+        if self._list_direct is None:
+            source, name = self._list_source(), spec.name + "_block_list"
+
+            def argtypes() -> tuple:
+                from numba import types
+
+                return (types.int64,) * 4 + tuple(_capture_types(spec))
+
+            self._list_direct = DirectKernel(lambda: getattr(load_source(source, name), name), argtypes, 0,
+                                             _ident("block_list", spec, source), device=dev)
+        kern = self._list_direct
+        buf = ArgBuffer(kern.layout)
+        for i, n in enumerate(sizes):
+            buf.scalar(i, int(n))
+        for i, x in enumerate((*caps, *lists), start=4):
+            if kern.layout.ndim[i] >= 0:
+                buf.array(i, _cap_shape(x), x.data_ptr())
+            else:
+                buf.scalar(i, x)
+        _launcher(kern.function(dev), (-(-list_rows(spec, sizes) // THREADS),), THREADS, 0, buf)(
+            _raw_stream_getter()(dev))
+        return True
 
     def lists(self, caps: list, sizes: tuple[int, int, int, int], like: Any) -> dict[str, np.ndarray]:
         """The block lists by derived tag (flat, list_layout's lengths), on the host: for tests and looking."""
