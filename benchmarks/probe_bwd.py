@@ -68,6 +68,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nodkvb": ({"dkdv_bulk": False}, "dK and dV by the threads' direct stores"),
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
+    "lane0": ({"dkdv_lane0": True}, "dK's and dV's copies issued by lane 0, uniform operands"),
+    "lane0stsm": ({"dkdv_lane0": True, "dkdv_stsm": True}, "both"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 
@@ -220,10 +222,12 @@ def _loop_line(lines: list[str], start: int) -> int:
     return at
 
 
-BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "issued", "end", "tiles")  # thread 0 writes these
-# dkdv_bulk's epilogue lines the barrier and issued stamps follow and precede (the direct stores have neither: both
-# then read the stores' start)
+BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "staged", "fenced", "issued", "end",
+                "tiles")  # thread 0 writes these
+# dkdv_bulk's epilogue lines the barrier, staged, fenced and issued stamps follow or precede (the direct stores have
+# none: all then read the stores' start)
 BULK_BARRIER = "cuda.syncthreads()  # every warpgroup's last GEMMs have read"
+BULK_FENCE = "fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine"
 BULK_WAIT = "bulk_wait_read0()  # the copies have read the staging rows"
 
 
@@ -237,9 +241,9 @@ def _one_item_a_block(source: str) -> None:
 def stamped_blocks_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
     first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores, under dkdv_bulk the end of
-    its barrier and the copies' issue, and the kernel's end (the epilogue: its waits, the stores' issue or the staging
-    and the copies' reads), with its SM and its count of q tiles; thread 0 writes them to tl_buf[block * 9 + i] in
-    BLOCK_FIELDS' order at the end (blocks that return early, kv_group's places past the heads, write nothing)."""
+    its barrier, of the staging's stores, of its proxy fence and of the copies' issue, and the kernel's end (the
+    epilogue: its waits, the stores' issue or the staging and the copies' reads), with its SM and its count of q
+    tiles; thread 0 writes them to tl_buf[block * 11 + i] in BLOCK_FIELDS' order at the end (blocks that return early, kv_group's places past the heads, write nothing)."""
     _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
@@ -255,17 +259,19 @@ def stamped_blocks_source(source: str, name: str) -> str:
     stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
     out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:stores] + [f"{ind}tb_s = clock64()"]
     bar = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_BARRIER)), None)
+    fence = next((i for i in range(stores, end) if lines[i].strip() == BULK_FENCE), None)
     wait = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_WAIT)), None)
-    if bar is None or wait is None:  # the direct stores: no barrier, no copies
-        out += [f"{ind}tb_b = tb_s", f"{ind}tb_w = tb_s"] + lines[stores:end]
+    if bar is None or fence is None or wait is None:  # the direct stores: no barrier, no fence, no copies
+        out += [f"{ind}tb_b = tb_s", f"{ind}tb_g = tb_s", f"{ind}tb_f = tb_s", f"{ind}tb_w = tb_s"] + lines[stores:end]
     else:
-        out += lines[stores:bar + 1] + [f"{ind}tb_b = clock64()"] + lines[bar + 1:wait] + [f"{ind}tb_w = clock64()"]
+        out += lines[stores:bar + 1] + [f"{ind}tb_b = clock64()"] + lines[bar + 1:fence] + [f"{ind}tb_g = clock64()"]
+        out += [lines[fence], f"{ind}tb_f = clock64()"] + lines[fence + 1:wait] + [f"{ind}tb_w = clock64()"]
         out += lines[wait:end]
     out += [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0:",
             f"{ind}    tb_i = ((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x "
             f"+ cuda.blockIdx.x) * {len(BLOCK_FIELDS)}"]
     out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
-            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_b", "tb_w", "tb_3",
+            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_b", "tb_g", "tb_f", "tb_w", "tb_3",
                        "np.uint64(tb_n)"))]
     out += lines[end:]
     return _with_imports(out, "clock64, sm_id")
@@ -273,8 +279,9 @@ def stamped_blocks_source(source: str, name: str) -> str:
 
 def summarize_blocks(t) -> dict:
     """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end; of it the
-    stores, from the dK / dV epilogue's first line, and of those under dkdv_bulk the barrier, the staging with the
-    copies' issue, and the wait for their reads; 0, 0 and the stores' issue for the direct stores) in cycles,
+    stores, from the dK / dV epilogue's first line, and of those under dkdv_bulk the barrier, the staging's stores, its
+    proxy fence (thread 0's: it waits for that thread's outstanding memory operations), the copies' issue, and the
+    wait for their reads; 0 for all but the last, the stores' issue, under the direct stores) in cycles,
     medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a least-squares line through
     (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start (NaN where
     blocks share an SM: "overlapping" counts those pairs)."""
@@ -282,10 +289,11 @@ def summarize_blocks(t) -> dict:
 
     t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
     t = t[t[:, BLOCK_FIELDS.index("end")] > 0]
-    sm, c0, c1, c2, cs, cb, cw, c3, n = t.T
+    sm, c0, c1, c2, cs, cb, cg, cf, cw, c3, n = t.T
     out = {"blocks read": int(len(t)), "prologue": float(np.median(c1 - c0)), "loop": float(np.median(c2 - c1)),
            "epilogue": float(np.median(c3 - c2)), "of it stores": float(np.median(c3 - cs)),
-           "barrier": float(np.median(cb - cs)), "staging, issue": float(np.median(cw - cb)),
+           "barrier": float(np.median(cb - cs)), "staging": float(np.median(cg - cb)),
+           "fence": float(np.median(cf - cg)), "issue": float(np.median(cw - cf)),
            "copies' reads": float(np.median(c3 - cw)),
            "tiles": float(np.median(n)), "tiles mean": float(np.mean(n))}
     whole = c3 - c0

@@ -108,8 +108,8 @@ def test_the_phase_summary():
 def test_the_block_stamps_go_around_the_loop(stem):
     """--blocks: the start after the thread's index, the loop's start just before its `while` (a range, a scan's
     last pair, a block list's), a tile counted at the loop's top, the loop's end on the first line after it, the
-    stores' start, dkdv_bulk's barrier and its copies' issue, the kernel's end after its last store; thread 0 writes
-    the nine fields once. The phase stamps take the list's loop
+    stores' start, dkdv_bulk's barrier, the staging's stores and fence, its copies' issue, the kernel's end after its
+    last store; thread 0 writes the eleven fields once. The phase stamps take the list's loop
     (its `hc = hn` SSA-renamed) too."""
     name, src = _source(stem)
     assert ("while pc < q_n:" in src) == (stem == "document")  # the document's loop walks its block list
@@ -120,13 +120,15 @@ def test_the_block_stamps_go_around_the_loop(stem):
     lines = body.split("\n")
     at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k)
           for k in ("tb_0 = clock64()", "tb_1 = clock64()", "tb_n += 1", "tb_2 = clock64()", "tb_s = clock64()",
-                    "tb_b = clock64()", "tb_w = clock64()", "tb_3 = clock64()")}
+                    "tb_b = clock64()", "tb_g = clock64()", "tb_f = clock64()", "tb_w = clock64()", "tb_3 = clock64()")}
     assert lines[at["tb_0 = clock64()"] - 1].strip() == "tid = cuda.threadIdx.x"
     assert re.match(probe._LOOP, lines[at["tb_1 = clock64()"] + 1])
     assert at["tb_n += 1"] == at["tb_1 = clock64()"] + 2
     assert lines[at["tb_2 = clock64()"] + 1].strip() == "cp_async_wait0()"  # the first line after the loop
     assert lines[at["tb_s = clock64()"] + 1].strip() == probe.STORES_LINE  # the stores' start
     assert lines[at["tb_b = clock64()"] - 1].strip().startswith(probe.BULK_BARRIER)  # dkdv_bulk's barrier passed
+    assert lines[at["tb_g = clock64()"] + 1].strip() == probe.BULK_FENCE  # the staging's stores before its fence
+    assert at["tb_f = clock64()"] == at["tb_g = clock64()"] + 2  # ... the fence alone between
     assert lines[at["tb_w = clock64()"] + 1].strip().startswith(probe.BULK_WAIT)  # the copies issued, not waited
     assert "bulk_wait_read0()  # the copies" in lines[at["tb_3 = clock64()"] - 1]  # after dK's and dV's copies
     assert sorted(at.values()) == list(at.values())
@@ -142,9 +144,9 @@ def test_the_block_stamps_take_the_direct_stores():
     lines = probe.stamped_blocks_source(src, name).split("\n")
     at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k)
           for k in ("tb_s = clock64()", "tb_3 = clock64()")}
-    assert lines[at["tb_s = clock64()"] + 1].strip() == "tb_b = tb_s"  # no barrier and no copies: both read tb_s
-    assert lines[at["tb_s = clock64()"] + 2].strip() == "tb_w = tb_s"
-    assert lines[at["tb_s = clock64()"] + 3].strip() == probe.STORES_LINE
+    assert [ln.strip() for ln in lines[at["tb_s = clock64()"] + 1:at["tb_s = clock64()"] + 5]] == [
+        "tb_b = tb_s", "tb_g = tb_s", "tb_f = tb_s", "tb_w = tb_s"]  # no barrier, fence or copies: all read tb_s
+    assert lines[at["tb_s = clock64()"] + 5].strip() == probe.STORES_LINE
     assert "store_pairs(dv" in lines[at["tb_3 = clock64()"] - 1]
 
 
@@ -166,16 +168,16 @@ def test_the_block_summary():
         c0 = t[sm]
         c1, c2 = c0 + 300, c0 + 300 + 1000 * n
         c3 = c2 + 200
-        rows.append((sm, c0, c1, c2, c3 - 150, c3 - 120, c3 - 40, c3, n))
+        rows.append((sm, c0, c1, c2, c3 - 150, c3 - 120, c3 - 100, c3 - 70, c3 - 40, c3, n))
         t[sm] = c3 + 50  # 50 cycles between a block's end and the SM's next block
-    rows.append((0, 0, 0, 0, 0, 0, 0, 0, 0))  # a block that returned early
+    rows.append((0,) * len(probe.BLOCK_FIELDS))  # a block that returned early
     got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
     assert got["blocks read"] == 4 and got["prologue"] == 300 and got["epilogue"] == 200 and got["of it stores"] == 150
-    assert (got["barrier"], got["staging, issue"], got["copies' reads"]) == (30, 80, 40)
+    assert (got["barrier"], got["staging"], got["fence"], got["issue"], got["copies' reads"]) == (30, 20, 30, 30, 40)
     assert got["tile (fit)"] == pytest.approx(1000) and got["fixed (fit)"] == pytest.approx(500)
     assert got["gap"] == 50 and got["tiles"] == 10 and got["overlapping"] == 0
     assert got["fixed share"] == pytest.approx(4 * 500 / (4 * 500 + 1000 * 40))
-    rows[2] = (0, 200, 500, 8500, 8600, 8600, 8600, 8700, 8)  # a block that ran beside block 0 on its SM: no gap is read
+    rows[2] = (0, 200, 500, 8500, 8600, 8600, 8600, 8600, 8600, 8700, 8)  # a block that ran beside block 0 on its SM: no gap is read
     got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
     assert got["overlapping"] == 1 and np.isnan(got["gap"])
 
