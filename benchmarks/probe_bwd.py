@@ -68,8 +68,6 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nodkvb": ({"dkdv_bulk": False}, "dK and dV by the threads' direct stores"),
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
-    "lane0": ({"dkdv_lane0": True}, "dK's and dV's copies issued by lane 0, uniform operands"),
-    "lane0stsm": ({"dkdv_lane0": True, "dkdv_stsm": True}, "both"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

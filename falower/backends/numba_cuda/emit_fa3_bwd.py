@@ -112,7 +112,6 @@ from falower.backends.numba_cuda.intrinsics import (
     sts_v4_f32,
     stsm_x4,
     syncwarp,
-    warp_min,
 )
 '''  # dq_bulk's and dkdv_bulk's
 
@@ -159,7 +158,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "bulk_store(dkv_g",
-              "dkdv_stsm": "stsm_x4(at", "dkdv_lane0": "dkv_su = warp_min("}
+              "dkdv_stsm": "stsm_x4(at"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -197,24 +196,14 @@ def dkdv_stsm(spec: FA2BackwardSpec) -> bool:
     """dkdv_bulk's staging by stmatrix (spec.extra["dkdv_stsm"] True; default False): each warp's 16 rows of dK and
     of dV by D / 16 stmatrix .x4 each (512 bytes an instruction) where the default stores a 4-byte pair at a time
     (D / 4 stores a thread and accumulator). Why: the window's epilogue, split by probe_bwd --blocks (H200), is 4.6k
-    of its 4.7k cycles between the barrier and the copies' issue. (Staging and copying them in the last tile before
-    its dQ reductions, 06845e5's dkdv_early, measured no better than this alone: not the reductions' queue.) Measured (H200, probe_bwd.py, 9 rounds, the whole
-    backward call against the default): the 1024 window 0.969, the document 0.994, causal 0.989, plain 1.012, plain
-    D = 64 1.007; the window's staging 4.6k -> 3.7k cycles a block. The change itself is worth ~0.9k cycles a block
-    (0.7% of a window's); the rest of each ratio is ptxas scheduling the whole kernel anew and the calls' spread, so
-    it stays opt-in."""
+    of its 4.7k cycles between the barrier and the copies' reads: the staging's stores 1.6k, its fence ~20, the
+    copies' issue 2.9k (the copy engine takes a 256-byte copy about every 12 cycles an SM, whoever issues it:
+    483477b's dkdv_lane0; staging and copying in the last tile before its dQ reductions, 06845e5's dkdv_early, was no
+    better than this alone). Measured (H200, probe_bwd.py, 9 rounds, the whole backward call against the default):
+    the 1024 window 0.969, the document 0.994, causal 0.989, plain 1.012, plain D = 64 1.007; the staging's stores
+    1.6k -> 0.6k cycles a block, 0.8% of a window's; the rest of each ratio is ptxas scheduling the whole kernel
+    anew and the calls' spread, so it stays opt-in."""
     return dkdv_bulk(spec) and spec.extra.get("dkdv_stsm", False) is True
-
-
-def dkdv_lane0(spec: FA2BackwardSpec) -> bool:
-    """dkdv_bulk's copies issued by lane 0 of each warp, 32 rows unrolled with warp-uniform operands (through redux,
-    as the forward's bulk_store), where the default has each lane hand over its own row (spec.extra["dkdv_lane0"]
-    True; default False). Why: a bulk copy takes uniform registers, so ptxas issues the lanes' own copies in a loop
-    over the lanes; probe_bwd --blocks (H200) read that issue at ~2.9k cycles of the window's 4.7k-cycle epilogue
-    (the staging's stores 1.6k, its fence ~20). Measured (H200, probe_bwd.py, 9 rounds, the whole backward call over
-    the default's): window 1.003, document 1.001, plain 1.014, causal 1.006, D = 64 1.000; the issue still ~3.0k
-    cycles: the copy engine takes a 256-byte bulk copy about every 12 cycles an SM, whoever issues it."""
-    return dkdv_bulk(spec) and spec.extra.get("dkdv_lane0", False) is True
 
 
 def persistent(spec: FA2BackwardSpec) -> int:
@@ -1081,34 +1070,13 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
                 c(f"{sw}(smem_w, dkv_w + {((16 * t + 8 * r) * PK) // 4}, {acc}, ofs_{2 * r})")
     c("fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine")
     c("syncwarp()")
-    if dkdv_lane0(spec):
-        c("# lane 0 copies the warp's 32 rows; the copies' operands through redux, which ptxas knows are uniform (a")
-        c("# lane's own operands made ptxas loop over the lanes, ~90 cycles a row)")
-        c("kvw = kv0 + warp * 16  # the warp's first kv row")
-        c("dkv_row = warp_min(np.int32(kv_head + kvw))")
-        c("dkv_n = warp_min(np.int32(min(16, N - kvw)))  # its rows inside dK / dV")
-        c("dkv_su = warp_min(np.int32(dkv_s))")
-        c("if lane == 0:")
-        with c.indent():
-            c(f"dk_g = elem_addr(dk, ((dkv_row * {D}) >> 1,))")
-            c(f"dv_g = elem_addr(dv, ((dkv_row * {D}) >> 1,))")
-            for head, rows in (("if dkv_n == 16:  # every row inside: 32 copies, unrolled, no predicates", "16"),
-                               ("else:  # the last kv rows", "dkv_n")):
-                c(head)
-                with c.indent():
-                    c(f"for r in range({rows}):")
-                    with c.indent():
-                        c(f"bulk_store(dk_g + np.uint64(r * {2 * D}), dkv_su + r * {PK}, {2 * D})")
-                        c(f"bulk_store(dv_g + np.uint64(r * {2 * D}), dkv_su + (16 + r) * {PK}, {2 * D})")
-            c("bulk_commit()")
-    else:
-        c("kvi = kv0 + warp * 16 + (lane & 15)")
-        c("if kvi < N:")
-        with c.indent():
-            c(f"dkv_g = elem_addr(dk, (((kv_head + kvi) * {D}) >> 1,)) if lane < 16 else "
-              f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
-            c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
-            c("bulk_commit()")
+    c("kvi = kv0 + warp * 16 + (lane & 15)")
+    c("if kvi < N:")
+    with c.indent():
+        c(f"dkv_g = elem_addr(dk, (((kv_head + kvi) * {D}) >> 1,)) if lane < 16 else "
+          f"elem_addr(dv, (((kv_head + kvi) * {D}) >> 1,))")
+        c(f"bulk_store(dkv_g, dkv_s + lane * {PK}, {2 * D})")
+        c("bulk_commit()")
     if not persistent(spec):
         c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
 
