@@ -272,7 +272,7 @@ def run_id(n: int, rcap: int = 0) -> str:
 def run_runs_case(n: int, rcap: int = 0) -> dict:
     """The run table kernel (block_data.RUN_TABLE_SOURCE, a slice a block) over one slice of each RUN_KINDS at
     length n, against block_data.run_table_host: equal everywhere. rcap: the runs its shared list holds, made
-    small so that the slices with more look back on their own."""
+    small so that the slices with more list them in global memory."""
     from falower.backends.numba_cuda.block_data import RUN_TABLE_SOURCE, RUN_THREADS, RUN_VALUES, run_table_host
     from falower.backends.numba_cuda.runtime import load_source
     from falower.ir.intervals import minmax_table
@@ -283,7 +283,8 @@ def run_runs_case(n: int, rcap: int = 0) -> dict:
     source = RUN_TABLE_SOURCE.replace(f"RCAP = {RUN_VALUES}\n", f"RCAP = {rcap}\n") if rcap else RUN_TABLE_SOURCE
     assert not rcap or source != RUN_TABLE_SOURCE
     mod = load_source(source, "run_table")
-    mod.run_table_kernel[len(RUN_KINDS), RUN_THREADS](x.ravel(), out, n)
+    vg = np.full(x.size, -9, dtype=np.int32)  # the run values' scratch past rcap runs
+    mod.run_table_kernel[len(RUN_KINDS), RUN_THREADS](x.ravel(), out, vg, n)
     got, want = out.reshape(*x.shape, 2), run_table_host(x, 1)
     ranges = {}  # the range table kernel (a granule a thread) against intervals.minmax_table, granules 1 .. 128
     for g in (1, 5, 64, 128):

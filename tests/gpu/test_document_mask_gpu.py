@@ -47,16 +47,20 @@ def doc_ids(kind: str, B: int, N: int, gen) -> "torch.Tensor":
         ids = torch.zeros(B, N, dtype=torch.int64, device="cuda")
     elif kind == "distinct":
         ids = torch.arange(N, device="cuda").expand(B, N).clone()
+    elif kind == "many":  # documents of one token, then padding: runs up, one down, no value back
+        ids = torch.arange(N, device="cuda").expand(B, N).clone()
+        ids[:, N - N // 16:] = -1
     else:  # "padding": every row fully masked
         ids = torch.full((B, N), -1, device="cuda")
     return ids.to(torch.int32).contiguous()
 
 
-@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant", "distinct", "padding"])
-@pytest.mark.parametrize("N", [1, 2, 127, 129, 4096])
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant", "distinct", "padding", "many"])
+@pytest.mark.parametrize("N", [1, 2, 127, 128, 129, 4096])
 def test_run_and_range_tables_on_the_device_are_the_hosts(kind, N):
     """block_data.run_table of a CUDA tensor equals run_table_host, and range_table intervals.minmax_table: int32
-    along its last axis and its first (the table kernels, launched directly), int64 (torch's ops)."""
+    along its last axis and its first (the table kernels, launched directly), int64 (torch's ops). "many" at
+    N = 4096: 3841 runs, up and one down, no value back: their values listed in global memory (past RUN_VALUES)."""
     from falower.backends.numba_cuda.block_data import range_table, run_table, run_table_host
     from falower.ir.intervals import minmax_table
 
@@ -70,6 +74,10 @@ def test_run_and_range_tables_on_the_device_are_the_hosts(kind, N):
             got = range_table(x, axis, g, "i32").cpu().numpy()
             assert (got == minmax_table(x.cpu().numpy(), axis, g)).all(), (kind, N, axis, x.dtype, g)
     assert (run_table_host(host, 1)[..., 0] >= 0).all() or kind == "unsorted"
+    if kind == "many" and N == 4096:
+        from falower.backends.numba_cuda.block_data import RUN_VALUES
+
+        assert len(set(host[0].tolist())) > RUN_VALUES
 
 
 def reference(q, k, v, doc):

@@ -214,7 +214,7 @@ def run_table(x: Any, axis: int) -> Any:
 
 
 RUN_THREADS = 128  # the run table kernel's block: a slice a block, a contiguous chunk of it a thread
-RUN_VALUES = 2048  # runs a slice's values are listed for in shared memory (more: each run looks back on its own)
+RUN_VALUES = 2048  # runs a slice's values are listed for in shared memory (more: in a scratch array in global memory)
 
 RUN_TABLE_SOURCE = f'''\
 # The run table kernel of falower.backends.numba_cuda.block_data -- do not edit.
@@ -229,14 +229,14 @@ RCAP = {RUN_VALUES}
 
 
 @kernel_jit
-def run_table_kernel(x, out, n):
+def run_table_kernel(x, out, vg, n):
     \"\"\"Block s: slice x[s * n:(s + 1) * n] (int32) -> out[(s * n + i) * 2 + 0 / 1] = the first index of entry i's
     run and one past its last (RUN_END where the run ends the slice), or -1 / -1 across the slice where some value
     comes back after another. Thread t walks entries [t c, t c + c) (c = ceil(n / T)); what crosses the chunks
     (the last run start before a chunk, the first run end after it, where a chunk's runs go in the list of the
     slice's run values) thread 0 carries in T steps. A value comes back iff two runs have it: the runs' values,
-    listed in shared memory, are compared in pairs by the whole block (a slice of more than RCAP runs: each run's
-    thread looks for its value before it).\"\"\"
+    listed in shared memory (in vg, the slice's part of a scratch array as long as x, past RCAP runs), are compared
+    in pairs by the whole block, each thread stopping once any has found one.\"\"\"
     t = cuda.threadIdx.x
     base = cuda.blockIdx.x * n
     cl = cuda.shared.array(T, np.int32)  # per chunk: its last run start (-1: none), then the carry into it
@@ -290,25 +290,24 @@ def run_table_kernel(x, out, n):
     cuda.syncthreads()
     nr = seen[3]
     if seen[0] != 0 and seen[1] != 0:  # runs neither all up nor all down: does a value come back?
-        if nr <= RCAP:
-            r = cn[t]
-            for i in range(a, e):
-                if i == 0 or x[base + i - 1] != x[base + i]:
+        big = nr > RCAP
+        r = cn[t]
+        for i in range(a, e):
+            if i == 0 or x[base + i - 1] != x[base + i]:
+                if big:
+                    vg[base + r] = x[base + i]
+                else:
                     vals[r] = x[base + i]
-                    r += 1
-            cuda.syncthreads()
-            for p in range(t, nr, T):
-                v = vals[p]
-                for q in range(p):
-                    if vals[q] == v:
-                        seen[2] = 1
-        else:
-            for i in range(a, e):
-                v = x[base + i]
-                if i > 0 and x[base + i - 1] != v:
-                    for j in range(i - 1):
-                        if x[base + j] == v:
-                            seen[2] = 1
+                r += 1
+        cuda.syncthreads()
+        for p in range(t, nr, T):
+            v = vg[base + p] if big else vals[p]
+            for q in range(p):
+                if (vg[base + q] if big else vals[q]) == v:
+                    seen[2] = 1
+                    break
+            if seen[2] != 0:  # (another thread's find ends this one's search too: only a 1 is ever written)
+                break
         cuda.syncthreads()
     lo = cl[t]
     for i in range(a, e):
@@ -385,7 +384,7 @@ def _launch_table_kernel(name: str, t: Any, granule: int = 0) -> Any:
             from numba import types
 
             arr = types.Array(types.int32, 1, "C")
-            return (arr, arr, types.int64) + ((types.int64, types.int64) if granule else ())
+            return (arr, arr, types.int64, types.int64, types.int64) if granule else (arr, arr, arr, types.int64)
 
         kern = _TABLE_KERNELS[(name, dev)] = DirectKernel(
             lambda: getattr(load_source(RUN_TABLE_SOURCE, "run_table"), name), argtypes, 0,
@@ -393,13 +392,16 @@ def _launch_table_kernel(name: str, t: Any, granule: int = 0) -> Any:
     buf = ArgBuffer(kern.layout)
     buf.array(0, (t.numel(),), t.data_ptr())
     buf.array(1, (out.numel(),), out.data_ptr())
-    buf.scalar(2, n)
     if granule:
         cells = slices * ng
+        buf.scalar(2, n)
         buf.scalar(3, granule)
         buf.scalar(4, cells)
         grid = (-(-cells // RUN_THREADS),)
-    else:
+    else:  # the run values' scratch (read only past RUN_VALUES runs a slice), kept alive to the launch below
+        scratch = torch.empty(t.numel(), dtype=torch.int32, device=t.device)
+        buf.array(2, (t.numel(),), scratch.data_ptr())
+        buf.scalar(3, n)
         grid = (slices,)
     _launcher(kern.function(dev), grid, RUN_THREADS, 0, buf)(_raw_stream_getter()(dev))
     return out
