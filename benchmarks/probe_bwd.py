@@ -68,6 +68,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nodkvb": ({"dkdv_bulk": False}, "dK and dV by the threads' direct stores"),
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
+    "tma": ({"dkdv_tma": True}, "dK and dV staged as 16-row boxes, stored by TMA tensor copies"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 

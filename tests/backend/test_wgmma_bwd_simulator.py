@@ -285,6 +285,45 @@ def test_dkdv_by_bulk_copies_by_default(tmp_path, monkeypatch):
         assert lay["STG"] == 0 and 8 * 32 * (2 * D + 16) <= lay["STG_END"] == lay["ST"]
 
 
+def test_dkdv_by_tensor_stores_when_asked(tmp_path, monkeypatch):
+    """spec.extra dkdv_tma: dK's and dV's tensor maps in the kernel's signature after the gradients' buffers (and in
+    the main kernel's argument types), acquired once by each warp's lane 0; each warp stages its rows as D / 64 boxes
+    a tensor from the aligned base (1024-byte aligned boxes, the swizzle's pattern) and lane 0 stores each by one
+    tensor copy at (64 hb, the warp's first kv row, b * HK + hk), then every thread waits for their reads; not with a
+    persistent kernel (its own staging region), which keeps a copy a row."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from numba import types
+
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    for D in (64, 128):
+        sp = _spec("causal", D, extra={"dkdv_tma": True})
+        assert emit_fa3_bwd.dkdv_tma(sp)
+        src = emit_fa3_bwd.emit_fa3_backward(sp)
+        assert re.search(r"def \w+\(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, .*, dkmap, dvmap\b", src)
+        assert src.count("tensormap_acquire(") == 2 and "bulk_store(" not in src
+        nb = D // 64
+        stores = re.findall(r"tma_store_3d\((d[kv])map_g, (\d+), dkv_q, dkv_bh, dkv_su \+ (\d+)\)", src)
+        assert stores == [(t, str(64 * hb), str((i * nb + hb) * 2048)) for i, t in enumerate(("dk", "dv"))
+                          for hb in range(nb)], stores
+        tail = src[src.index("dkv_s = sb + 0 + warp * "):]
+        assert f"dkv_s = sb + 0 + warp * {2 * nb * 2048}" in tail
+        order = ["stage_box_stsm(dkv_s + 0, lane, dkacc", f"stage_box_stsm(dkv_s + {nb * 2048}, lane, dvacc",
+                 "fence_proxy_async()", "syncwarp()", "tma_store_3d(", "bulk_commit()", "bulk_wait_read0()"]
+        at = [tail.index(x) for x in order]
+        assert at == sorted(at), at
+        lay = emit_fa3_bwd._layout(sp)
+        assert emit_fa3_bwd.threads(sp) // 32 * 2 * nb * 2048 <= lay["ST"]  # the boxes fit under the statistics
+        argtypes = FA2BackwardKernel(sp).argtypes()
+        plain = FA2BackwardKernel(_spec("causal", D)).argtypes()
+        ncap = len(sp.captures)  # the maps come before the captures (the sizes, here)
+        assert len(argtypes) == len(plain) + 2
+        assert argtypes[len(argtypes) - ncap - 2:len(argtypes) - ncap] == (types.Array(types.uint8, 1, "C"),) * 2
+    assert not emit_fa3_bwd.dkdv_tma(_spec("causal", 128, extra={"dkdv_tma": True, "bwd_persistent": 4}))
+    assert not emit_fa3_bwd.dkdv_tma(_spec("causal", 128, extra={"dkdv_tma": True, "dkdv_bulk": False}))
+
+
 def test_the_persistent_backward_when_asked(tmp_path, monkeypatch):
     """spec.extra bwd_persistent = P: min(P, items) blocks of one dimension; dK / dV staged in a region of their own
     after everything else (the next item's loads never reach it); the item's coordinates from the walk, its step
@@ -420,9 +459,10 @@ def test_grouped_gradients_in_the_kernel():
 @pytest.mark.slow
 def test_the_knobs_ptx(tmp_path, monkeypatch):
     """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_bulk, dk_after_dq, p_under_dp,
-    dkdv_bulk and dkdv_stsm on: dQ's two bulk reductions (the loop's and the last tile's) and no vector reduction;
-    dK's and dV's one bulk copy, staged by D / 16 stmatrix each, and no direct store; two `wait_group 1` (S^T alone,
-    dQ before dK); the default's wgmma counts; no call; ptxas's log without serialization."""
+    dkdv_bulk and dkdv_tma on: dQ's two bulk reductions (the loop's and the last tile's) and no vector reduction;
+    dK's and dV's boxes staged by D / 16 stmatrix each and stored by D / 64 TMA tensor stores each (their maps
+    acquired once), no bulk copy of a row and no direct store; two `wait_group 1` (S^T alone, dQ before dK); the
+    default's wgmma counts; no call; ptxas's log without serialization."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
@@ -430,10 +470,12 @@ def test_the_knobs_ptx(tmp_path, monkeypatch):
 
     ptx = FA2BackwardKernel(_spec("causal", 128, extra={"dq_bulk": True, "dk_after_dq": True,
                                                         "p_under_dp": True, "dkdv_bulk": True,
-                                                        "dkdv_stsm": True})).ptx((9, 0))
+                                                        "dkdv_tma": True})).ptx((9, 0))
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
-    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 1  # dkdv_bulk's copy of a row
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 2 * 128 // 16  # dK's and dV's (dkdv_stsm)
+    assert "cp.async.bulk.global.shared::cta.bulk_group" not in ptx  # no copy of a row (dkdv_tma's boxes instead)
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group") == 2 * 128 // 64  # dK's and dV's boxes
+    assert ptx.count("fence.proxy.tensormap::generic.acquire.gpu") == 2
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 2 * 128 // 16  # their staging
     assert "st.global.b32" not in ptx and "st.global.u32" not in ptx  # no direct store of dK / dV
     assert "red.global.add" not in ptx
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2

@@ -57,8 +57,9 @@ CASES = {
     "alibi-f16-d64-130x130-nois-noef": ("alibi", "f16", 1, 1, 1, 130, 130, 64, 64, 64,
                                         {"interior_split": False, "exp_fold": False}),
     # the grid with a head's kv tiles in consecutive blocks (kv_major, the default without a mask): 2 batch rows, a
-    # GQA group of 2, 3 kv tiles
-    "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64),
+    # GQA group of 2, 3 kv tiles; dK and dV by TMA tensor stores (dkdv_tma, asked for: the last kv tile's rows past N
+    # not written, the (b, kv head) slice by the map's third coordinate)
+    "gqa-bf16-d64-70x130": ("gqa", "bf16", 2, 2, 1, 70, 130, 64, 64, 64, {"dkdv_tma": True}),
     # the grid in groups of 2 kv heads (kv_group), 3 heads, walked by a persistent launch (bwd_persistent) of 2
     # blocks: 12 items a block (2 batch rows x 3 kv tiles x 2 groups of 2 places, 24 in all), the last group's second
     # place skipped (so 8 and 10 real ones), one item's staged dK / dV copied while the next one's K, V and first Q,

@@ -114,6 +114,13 @@ from falower.backends.numba_cuda.intrinsics import (
     syncwarp,
 )
 '''  # dq_bulk's and dkdv_bulk's
+_TMA_IMPORTS = '''
+from falower.backends.numba_cuda.intrinsics import (
+    tensormap_acquire,
+    tma_store_3d,
+    warp_min,
+)
+'''  # dkdv_tma's
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -157,8 +164,8 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "bulk_store(dkv_g",
-              "dkdv_stsm": "stsm_x4(at"}
+              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
+              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -204,6 +211,19 @@ def dkdv_stsm(spec: FA2BackwardSpec) -> bool:
     1.6k -> 0.6k cycles a block, 0.8% of a window's; the rest of each ratio is ptxas scheduling the whole kernel
     anew and the calls' spread, so it stays opt-in."""
     return dkdv_bulk(spec) and spec.extra.get("dkdv_stsm", False) is True
+
+
+def dkdv_tma(spec: FA2BackwardSpec) -> bool:
+    """dkdv_bulk's rows by TMA tensor stores (spec.extra["dkdv_tma"] True; default False, not yet measured): each
+    warp stages its 16 rows of dK and of dV by stmatrix as D / 64 boxes each of 16 rows x 128 bytes in the 128-byte
+    swizzle, and lane 0 hands each box to one cp.async.bulk.tensor through dK's or dV's tensor map (made per call
+    as the forward's O map: tensor_maps.o_map_geometry over the kv heads' rows; rows past N are not written), 2 D /
+    64 copies a warp where the default hands 32 rows to 32 bulk copies. Why: probe_bwd --blocks (H200) read the
+    copies' issue at ~2.9k cycles of a window block's 4.7k-cycle epilogue, the copy engine taking a 256-byte copy
+    about every 12 cycles an SM whoever issues it (483477b's dkdv_lane0). Not with a persistent kernel (its staging
+    has a region of its own)."""
+    return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_tma", False) is True
+            and not persistent(spec))
 
 
 def persistent(spec: FA2BackwardSpec) -> int:
@@ -637,8 +657,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
     c()
     c("@kernel_jit")
+    maps = ", dkmap, dvmap" if dkdv_tma(spec) else ""
     c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
-      f"{caps}):")
+      f"{maps}{caps}):")
     with c.indent():
         c(f'"""FA backward on wgmma: D={D}, tiles {BQ}x{BK}, {NWG} warpgroup(s) x 64 kv rows, {kind}."""')
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
@@ -649,6 +670,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("sbr = sb - sb0  # the aligned base as a byte offset into the arrays")
         if not PERS:  # a persistent kernel makes them per item
             _emit_thread_indices(c, per_item=False)
+        if dkdv_tma(spec):
+            c("dkmap_g = elem_addr(dkmap, (0,))  # dK's and dV's tensor maps in global memory (dkdv_tma)")
+            c("dvmap_g = elem_addr(dvmap, (0,))")
+            c("if lane == 0:  # the lanes that store by them")
+            with c.indent():
+                c("tensormap_acquire(dkmap_g)")
+                c("tensormap_acquire(dvmap_g)")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
         c(f"nk = (N + {BK - 1}) // {BK}")
@@ -1054,6 +1082,9 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     c("# (dkdv_bulk: staged in shared memory and handed to the copy engine, a row a lane)")
     c("cuda.syncthreads()  # every warpgroup's last GEMMs have read K, V, Q, dO, dS^T: the staging (or the next item's")
     c("# loads) may overwrite them")
+    if dkdv_tma(spec):
+        _emit_dkdv_boxes(c, spec, pack)
+        return
     c(f"dkv_s = sb + {stg} + warp * {32 * PK}  # this warp's 32 staging rows: dK's 16, then dV's 16")
     if dkdv_stsm(spec):
         c(f"dkv_a = dkv_s + ((lane >> 3) & 1) * {8 * PK} + (lane & 7) * {PK} + (lane >> 4) * 16  # the row of its "
@@ -1079,6 +1110,61 @@ def _emit_dkdv_bulk(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
         c("bulk_commit()")
     if not persistent(spec):
         c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
+
+
+DKDV_BOX = 16 * 128  # dkdv_tma's box: a warp's 16 rows of 64 16-bit columns (128 bytes, the swizzle's span)
+
+
+def _dkdv_box_bytes(spec: FA2BackwardSpec) -> int:
+    """dkdv_tma's staging a warp: dK's D / 64 boxes, then dV's."""
+    return 2 * (spec.head_dim // 64) * DKDV_BOX
+
+
+def _emit_dkdv_boxes(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
+    """dkdv_tma's staging and copies (after _emit_dkdv_bulk's barrier): this warp's boxes from the aligned base (K's,
+    V's and Q's bytes; each box 1024-byte aligned, as the swizzle's pattern wants), by stmatrix, then lane 0's tensor
+    stores at (column 64 hb, the warp's first kv row, b * HK + hk) of dK's and dV's maps, their operands through
+    redux (uniform registers for the copy); the kernel ends once they have read the boxes."""
+    D = spec.head_dim
+    WB = _dkdv_box_bytes(spec)
+    stg = _layout(spec)["STG"]
+    c(f"dkv_s = sb + {stg} + warp * {WB}  # this warp's boxes: dK's {D // 64}, then dV's, 16 rows x 128 bytes each")
+    st = _stage_box_stsm_helper(c, D, pack)
+    for t, acc in enumerate(("dkacc", "dvacc")):
+        c(f"{st}(dkv_s + {t * (D // 64) * DKDV_BOX}, lane, {acc}, ofs_0, ofs_2)")
+    c("fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine")
+    c("syncwarp()")
+    c("dkv_q = warp_min(np.int32(kv0 + warp * 16))  # the warp's first kv row: rows past N are not written")
+    c("dkv_bh = warp_min(np.int32(b * HK + hk))  # its (b, kv head) slice")
+    c("dkv_su = warp_min(np.int32(dkv_s))")
+    c("if lane == 0:")
+    with c.indent():
+        for t, m in enumerate(("dkmap_g", "dvmap_g")):
+            for hb in range(D // 64):
+                c(f"tma_store_3d({m}, {hb * 64}, dkv_q, dkv_bh, dkv_su + {(t * (D // 64) + hb) * DKDV_BOX})")
+        c("bulk_commit()")
+    c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
+
+
+def _stage_box_stsm_helper(c: _Code, D: int, pack: str) -> str:
+    """`stage_box_stsm(wb, lane, x, i0, i1)`: a warp's 16 rows of an accumulator's fragment (rows g and g + 8 of
+    each thread at offsets i0 and i1 of x), packed, into D / 64 boxes at wb (16 rows of 128 bytes each, DKDV_BOX
+    apart, in the 128-byte swizzle: row r's chunk c at (c ^ (r & 7)) << 4) by D / 16 stmatrix .x4, as the forward's
+    stage_rows_stsm without its 1 / l: instruction k stores chunks 2k and 2k + 1 of rows 0-7 and 8-15, lane l gives
+    row l & 7 of matrix l >> 3 (rows 8 (m & 1) .., chunk 2k + (m >> 1))."""
+    w = "{p}(lget(x, {i} + {o}), lget(x, {i} + {o} + 1))"
+    lines = ["@device_function", "def stage_box_stsm(wb, lane, x, i0, i1):",
+             "    r = np.uint32(lane & 7)",
+             "    m = np.uint32(lane >> 3)",
+             "    row = wb + ((m & np.uint32(1)) * np.uint32(8) + r) * np.uint32(128)",
+             "    hi = m >> np.uint32(1)"]
+    for k in range(D // 16):
+        lines += [f"    dn = np.uint32({2 * k}) + hi",
+                  f"    at = row + (dn >> np.uint32(3)) * np.uint32({DKDV_BOX}) + (((dn & np.uint32(7)) ^ r) << "
+                  "np.uint32(4))",
+                  "    stsm_x4(at, " + ", ".join(w.format(p=pack, i=i, o=8 * k + d) for d, i in
+                                                 ((0, "i0"), (0, "i1"), (4, "i0"), (4, "i1"))) + ")"]
+    return c.helper("stage_box_stsm", lines)
 
 
 def _stage_stsm_helper(c: _Code, D: int, pack: str) -> str:
@@ -1166,5 +1252,6 @@ def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
     src = _module(spec, _emit_kernel(spec))
     marker = "\n# ---- the variant's device functions"
     imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) or dkdv_bulk(spec) else "")
+    imports += _TMA_IMPORTS if dkdv_tma(spec) else ""
     return src.replace(marker, imports + marker, 1).replace(
         "emit_fa2_bwd -- do not edit.", "emit_fa3_bwd -- do not edit.")

@@ -749,6 +749,7 @@ class _BackwardPlan:
         self.aligned = mma
         self.device = q.device
         self.dev_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.kern = kern
         self.acc = _acc_torch(s.dtype)
         self.rows = rows = B * H * M
         self.separate = s.dq == "separate"
@@ -814,6 +815,13 @@ class _BackwardPlan:
         if self.table_n:
             nxt = arrays(buf, nxt, [("table", self.table_n)])
         nxt = arrays(buf, nxt, [(f"grad{j}", self.nblk * n) for j, n in enumerate(self.grad_n)])
+        self.map_slots: list[tuple[str, int]] = []  # dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)
+        self.kv_geometry = o_map_geometry(B * Hk, N, D)
+        self.main_buf = buf
+        if _dkdv_maps(s):
+            for name in ("dk", "dv"):
+                self.map_slots.append((name, buf.array(nxt, (MAP_BYTES,))))
+                nxt += 1
         captures(buf, nxt)
         self.launches.append(_launcher(dk_.function(dev), bwd_grid(s, B, H, M, N), kern.threads, kern.smem, buf))
         if kern.parts_source is not None:
@@ -872,6 +880,11 @@ class _BackwardPlan:
         for c, buf, i in self.cap_scalars:
             buf.scalar(i, caps[c])
         stream = self.stream(self.dev_index)
+        if self.map_slots:  # dK's and dV's maps (the ones made for these addresses before, if any)
+            capturing = torch.cuda.is_current_stream_capturing()
+            for name, slot in self.map_slots:
+                self.main_buf.vals[slot] = self.kern.maps.torch(ptr[name], dev, self.kv_geometry, capturing, stream,
+                                                                {"dk": "dK", "dv": "dV"}[name]).data_ptr()
         if self.table_n:
             self.tables.fill(entry, lambda: self.mask_launch(stream))
         for run in self.launches:
@@ -1247,6 +1260,13 @@ def _strided_view_np(x: np.ndarray, bits: Any) -> tuple[np.ndarray, tuple[int, i
     return np.ascontiguousarray(flat).view(bits), tuple(int(st // item) for st in x.strides[:3])
 
 
+def _dkdv_maps(spec) -> bool:
+    """Whether the backward's main kernel takes dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)."""
+    from .emit_fa3_bwd import dkdv_tma
+
+    return isinstance(spec, FA2BackwardSpec) and dkdv_tma(spec)
+
+
 def _capture_types(spec) -> list:
     """Numba types of a spec's captured tensors (and scalar sizes), as the kernels take them."""
     from numba import types
@@ -1453,6 +1473,7 @@ class FA2BackwardKernel:
         self._dispatchers: dict[str, Any] = {}
         self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
+        self.maps = TensorMaps(spec.dtype)  # dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)
         with compile_progress(_label(spec, "backward")):
             self.source = emit_cached(emit_fa2_backward, spec, "backward")
             self.delta_source = emit_cached(emit_delta, spec, "delta")
@@ -1548,6 +1569,8 @@ class FA2BackwardKernel:
         if s.block_mask == "table":
             args.append(arr(types.int8))
         args += [arr(acc)] * len(s.grads)
+        if _dkdv_maps(s):
+            args += [arr(types.uint8)] * 2  # dK's and dV's tensor maps
         args += _capture_types(s)
         return tuple(args)
 
@@ -1683,7 +1706,12 @@ class FA2BackwardKernel:
         separate = s.dq == "separate"
         if separate:
             dq32 = delta  # not read: dQ comes from its own kernel
-        args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *strides, *extra, *grads, *caps]
+        maps = []
+        if _dkdv_maps(s):  # dK's and dV's tensor maps, over the kv heads' rows (Numba's default stream)
+            geometry = o_map_geometry(B * Hk, N, D)
+            maps = [self.maps.torch(x.data_ptr(), dev, geometry, stream=0, what=w) for x, w in ((dk, "dK"), (dv, "dV"))] \
+                if kind == "torch" else [self.maps.numba(x, geometry, w) for x, w in ((dk_k, "dK"), (dv_k, "dV"))]
+        args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *strides, *extra, *grads, *maps, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         main = self._kernel[bwd_grid(s, B, H, M, N), self.threads, 0, self.smem]
