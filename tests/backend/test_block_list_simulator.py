@@ -102,7 +102,8 @@ def test_the_run_table_kernel_is_the_host_table(results, n, rcap):
     """block_data.RUN_TABLE_SOURCE (what a torch call's new ids run) equals run_table_host on every kind of ids,
     at lengths around its 128 threads: sorted documents then padding, a document coming back, constant, all
     distinct, descending, random, two runs; the kinds whose values come back are the inexact ones (-1). With its
-    list of runs' values cut to 4 (rcap), the slices with more runs list them in global memory. The range table
+    list of runs' values cut to 4 (rcap), the slices with more runs list them in global memory. (The simulator's
+    threads do not interleave inside thread 0's scans, so the barrier after them is guarded on the GPU only.) The range table
     kernel (the least and greatest id of each granule) equals intervals.minmax_table at granules 1, 5, 64, 128."""
     r = results[run_id(n, rcap)]
     assert "error" not in r, r.get("where", r.get("error"))
