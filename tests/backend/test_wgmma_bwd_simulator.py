@@ -324,6 +324,59 @@ def test_dkdv_by_tensor_stores_when_asked(tmp_path, monkeypatch):
     assert not emit_fa3_bwd.dkdv_tma(_spec("causal", 128, extra={"dkdv_tma": True, "dkdv_bulk": False}))
 
 
+def _stmatrix_writes(helper: str, name: str, args) -> dict:
+    """Run an emitted staging helper (`helper`'s text, function `name`) for the 32 lanes of a warp as Python, with
+    stmatrix .x4 modelled: matrix m's row r goes to the address lane 8 m + r gives, its 4-byte word t from lane 4 r +
+    t's word m. Each lane's fragment x holds ("x", lane, index) and the pack of two elements is their pair, so the
+    result maps every 4-byte shared address to the (lane, index) pair stored there."""
+    ns: dict = {"np": np, "lget": lambda x, i: x[i], "pack": lambda a, b: (a, b), "device_function": lambda f: f}
+    calls: dict = {}
+    exec(helper, ns)  # noqa: S102
+    for lane in range(32):
+        ns["stsm_x4"] = lambda at, *w, lane=lane: calls.setdefault(lane, []).append((int(at), w))
+        ns[name](*args(lane, [("x", lane, i) for i in range(64)]))
+    out = {}
+    for k in range(len(calls[0])):  # instruction k of every lane
+        for m in range(4):
+            for r in range(8):
+                at = calls[8 * m + r][k][0]
+                for t in range(4):
+                    out[at + 4 * t] = calls[4 * r + t][k][1][m]
+    return out
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_staging_helpers_put_each_element_in_its_place(D):
+    """dkdv_stsm's stage_stsm (rows 2 D + 16 bytes apart) and dkdv_tma's stage_box_stsm (D / 64 boxes of 16 rows x
+    128 bytes, 2048 apart, in the 128-byte swizzle: row R's chunk c at (c ^ (R & 7)) << 4), run as Python for a
+    warp with stmatrix modelled: element (row R of the warp's 16, columns 8 dn + 2t, + 1), held by lane 4 (R % 8) + t
+    at index 4 dn (+ 1) of offset ofs_0 = 0 (rows 0-7) or ofs_2 = 2 (rows 8-15), lands where the layout says, and
+    every word is written once."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.emit_fa2 import _Code
+
+    def helper(make) -> str:
+        c = _Code()
+        return "\n".join(c.helpers[make(c, D, "pack")][1:])  # its lines, without the decorator
+
+    PK = 2 * D + 16
+    rows = helper(emit_fa3_bwd._stage_stsm_helper)
+    boxes = helper(emit_fa3_bwd._stage_box_stsm_helper)
+    got_rows = _stmatrix_writes(rows, "stage_stsm", lambda lane, x: (((lane >> 3) & 1) * 8 * PK + (lane & 7) * PK
+                                                                     + (lane >> 4) * 16, x, 0, 2))
+    got_box = _stmatrix_writes(boxes, "stage_box_stsm", lambda lane, x: (0, lane, x, 0, 2))
+    for got in (got_rows, got_box):
+        assert len(got) == 16 * D * 2 // 4  # 16 rows of D 16-bit values, each 4-byte word once
+    for R in range(16):
+        for dn in range(D // 8):
+            for t in range(4):
+                lane, i = 4 * (R % 8) + t, 4 * dn + (2 if R >= 8 else 0)
+                want = (("x", lane, i), ("x", lane, i + 1))
+                assert got_rows[R * PK + 16 * dn + 4 * t] == want, (R, dn, t)
+                box, c = divmod(dn, 8)
+                assert got_box[box * 2048 + R * 128 + ((c ^ (R & 7)) << 4) + 4 * t] == want, (R, dn, t)
+
+
 def test_the_persistent_backward_when_asked(tmp_path, monkeypatch):
     """spec.extra bwd_persistent = P: min(P, items) blocks of one dimension; dK / dV staged in a region of their own
     after everything else (the next item's loads never reach it); the item's coordinates from the walk, its step

@@ -69,8 +69,9 @@ CASES = {
     # a data mask's block lists (block_mask "list": each kv tile's non-empty (head, q tile) pairs, made once per data
     # by the list kernel): 2 batch rows of sorted document ids with padding (fully masked rows), 3 x 3 tiles
     "document-f16-d64-130x130": ("document", "f16", 2, 2, 2, 130, 130, 64, 64, 64),
-    # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N
-    "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64),
+    # ... under GQA (a list entry's head of the group decoded from it * 2 + partial), M != N; dK and dV by TMA tensor
+    # stores (dkdv_tma, asked for) into 2 kv heads' slices of their maps
+    "document_gqa-bf16-d64-100x130": ("document_gqa", "bf16", 1, 4, 2, 100, 130, 64, 64, 64, {"dkdv_tma": True}),
 }
 
 

@@ -221,7 +221,7 @@ def dkdv_tma(spec: FA2BackwardSpec) -> bool:
     64 copies a warp where the default hands 32 rows to 32 bulk copies. Why: probe_bwd --blocks (H200) read the
     copies' issue at ~2.9k cycles of a window block's 4.7k-cycle epilogue, the copy engine taking a 256-byte copy
     about every 12 cycles an SM whoever issues it (483477b's dkdv_lane0). Not with a persistent kernel (its staging
-    has a region of its own)."""
+    has a region of its own). Its boxes are staged by stmatrix whatever dkdv_stsm says (which then does nothing)."""
     return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_tma", False) is True
             and not persistent(spec))
 
