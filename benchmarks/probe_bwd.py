@@ -24,7 +24,10 @@ reads the time each phase holds the tile). Thread 0 of each warpgroup stores its
 stamps each block's life instead (its start, the q loop's start and end, the kernel's end, its SM and q tiles) and
 prints the prologue, loop and epilogue cycles, a tile's cycles and a block's fixed cost by a line through (tiles,
 cycles), and the gap between blocks on one SM: what a block with few q tiles (a window's, a document's) pays beside
-its tiles. `--example STEM` takes bench.py's example (its mask, score and captured tensors) for any of these modes.
+its tiles. On a persistent kernel (`--extra '{"bwd_persistent": 132}'`) it stamps each item a block walks instead
+(stamped_items_source): an item's prologue, loop and epilogue, the gap between a block's items, and the longest
+block's walk over the median (what the static assignment's imbalance costs). `--example STEM` takes bench.py's
+example (its mask, score and captured tensors) for any of these modes.
 """
 
 from __future__ import annotations
@@ -231,10 +234,10 @@ BULK_WAIT = "bulk_wait_read0()  # the copies have read the staging rows"
 
 
 def _one_item_a_block(source: str) -> None:
-    """The stamps are a block's (one item's): a persistent kernel's blocks walk many (a per-item form is not built)."""
-    if "while it_z < " in source:
-        raise SystemExit("probe_bwd: --phases and --blocks stamp one item a block; this kernel is persistent "
-                         "(bwd_persistent)")
+    """The stamps are a block's (one item's): a persistent kernel's blocks walk many (stamped_items_source)."""
+    if _ITEM_LOOP in source:
+        raise SystemExit("probe_bwd: --phases and a block's stamps take one item a block; this kernel is persistent "
+                         "(bwd_persistent): --blocks stamps its items")
 
 
 def stamped_blocks_source(source: str, name: str) -> str:
@@ -274,6 +277,71 @@ def stamped_blocks_source(source: str, name: str) -> str:
                        "np.uint64(tb_n)"))]
     out += lines[end:]
     return _with_imports(out, "clock64, sm_id")
+
+
+ITEM_FIELDS = ("sm", "start", "loop", "after", "stores", "end", "tiles")  # a persistent kernel's item (thread 0's)
+ITEMS = 64  # items stamped a block (its first 64)
+_ITEM_LOOP = "while it_z < "  # a persistent kernel's walk over its items (emit_fa3_bwd._emit_item_start)
+
+
+def stamped_items_source(source: str, name: str) -> str:
+    """A persistent backward's module with %clock64 stamps of each item a block walks: its start (after the item's
+    thread index, past its decode), its q loop's start (its K, V and first Q, dO landed, the last item's copies'
+    reads waited for), the loop's end, the dK / dV stores' start and the item's end (its staging and copies issued);
+    thread 0 writes them with its SM and q tiles to tl_buf[(block * ITEMS + k) * 7 + i] (ITEM_FIELDS' order) for
+    its first ITEMS real items (a skipped place, `continue`, writes nothing)."""
+    lines, start = _with_buffer(source, name)
+    walk = next((i for i in range(start, len(lines)) if lines[i].strip().startswith(_ITEM_LOOP)), None)
+    if walk is None:
+        raise SystemExit("probe_bwd: this kernel walks no items (not bwd_persistent): use --blocks' one-item form")
+    wind = re.match(r"\s*", lines[walk])[0]
+    end = next(i for i in range(walk + 1, len(lines)) if lines[i].strip()
+               and len(re.match(r"\s*", lines[i])[0]) <= len(wind))
+    while not lines[end - 1].strip():
+        end -= 1
+    first = next(i for i in range(walk, end) if lines[i].strip().startswith("tid = "))
+    ind = re.match(r"\s*", lines[first])[0]
+    loop = _loop_line(lines, first)
+    body = re.match(r"\s*", lines[loop + 1])[0]
+    after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
+    stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
+    out = lines[:walk] + [f"{wind}tb_k = 0"] + lines[walk:first + 1] + [f"{ind}tb_0 = clock64()", f"{ind}tb_n = 0"]
+    out += lines[first + 1:loop] + [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"]
+    out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:stores] + [f"{ind}tb_s = clock64()"]
+    out += lines[stores:end] + [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0 and tb_k < {ITEMS}:",
+                                f"{ind}    tb_i = (cuda.blockIdx.x * {ITEMS} + tb_k) * {len(ITEM_FIELDS)}"]
+    out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
+            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_3", "np.uint64(tb_n)"))]
+    out += [f"{ind}tb_k += 1"] + lines[end:]
+    return _with_imports(out, "clock64, sm_id")
+
+
+def summarize_items(t, items: int = ITEMS) -> dict:
+    """A persistent kernel's items (stamped_items_source): each one's prologue, loop and epilogue, medians over the
+    items read; a tile's cycles and an item's fixed cost by the line through (tiles, item cycles); the gap from an
+    item's end to its block's next item's start; and the blocks' spread: their walks' lengths (first start to last
+    end) as the longest over the median, what a static assignment's imbalance costs."""
+    import numpy as np
+
+    t = np.asarray(t, dtype=np.float64).reshape(-1, items, len(ITEM_FIELDS))
+    ok = t[:, :, ITEM_FIELDS.index("end")] > 0
+    sm, c0, c1, c2, cs, c3, n = (t[:, :, i] for i in range(len(ITEM_FIELDS)))
+    out = {"items read": int(ok.sum()), "items a block": float(np.median(ok.sum(1)[ok.any(1)])),
+           "prologue": float(np.median((c1 - c0)[ok])), "loop": float(np.median((c2 - c1)[ok])),
+           "epilogue": float(np.median((c3 - c2)[ok])), "of it stores": float(np.median((c3 - cs)[ok])),
+           "tiles": float(np.median(n[ok]))}
+    whole, tiles = (c3 - c0)[ok], n[ok]
+    if len(set(tiles)) > 1:
+        slope, icpt = np.polyfit(tiles, whole, 1)
+        out["tile (fit)"], out["fixed (fit)"] = float(slope), float(icpt)
+    else:
+        out["tile (fit)"], out["fixed (fit)"] = float(np.median((c2 - c1)[ok] / np.maximum(tiles, 1))), float("nan")
+    both = ok[:, 1:] & ok[:, :-1]
+    out["gap"] = float(np.median((c0[:, 1:] - c3[:, :-1])[both])) if both.any() else float("nan")
+    walks = [c3[b][ok[b]].max() - c0[b][ok[b]].min() for b in range(len(t)) if ok[b].any()]
+    out["longest walk / median"] = float(max(walks) / np.median(walks)) if walks else float("nan")
+    out["fixed share"] = float(np.sum((c1 - c0 + c3 - c2)[ok]) / np.sum(whole))
+    return out
 
 
 def summarize_blocks(t) -> dict:
@@ -364,7 +432,11 @@ def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
     grid, threads, _, smem = seen["cfg"]
     blocks = int(np.prod(grid))
     name = kern.spec.name
-    if blocks_mode:
+    walks = _ITEM_LOOP in source  # a persistent kernel: its items stamped, not its blocks
+    if blocks_mode and walks:
+        stamped = getattr(load_source(stamped_items_source(source, name), name + "_items"), name)
+        tl = torch.zeros(blocks * ITEMS * len(ITEM_FIELDS), dtype=torch.int64, device="cuda")
+    elif blocks_mode:
         stamped = getattr(load_source(stamped_blocks_source(source, name), name + "_blocks"), name)
         tl = torch.zeros(blocks * len(BLOCK_FIELDS), dtype=torch.int64, device="cuda")
     else:
@@ -376,7 +448,9 @@ def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
         stamped[grid, threads, 0, smem](*targs)
     torch.cuda.synchronize()
     read = tl.cpu().numpy().view(np.uint64)
-    return summarize_blocks(read) if blocks_mode else summarize_phases(read)
+    if blocks_mode:
+        return summarize_items(read) if walks else summarize_blocks(read)
+    return summarize_phases(read)
 
 
 def use_variant(kern, source: str, name: str) -> None:
@@ -415,8 +489,9 @@ def main() -> None:
     source = kern.source
     if a.blocks:
         bl = run_phases(kern, args, source, blocks_mode=True)
-        print(f"backward blocks, D = {a.d}, N = {a.n}, {a.example or f'causal = {a.causal}'}: median cycles a block "
-              f"({bl['blocks read']} blocks read)")
+        what = "items" if "items read" in bl else "blocks"  # a persistent kernel's items (stamped_items_source)
+        print(f"backward {what}, D = {a.d}, N = {a.n}, {a.example or f'causal = {a.causal}'}: median cycles "
+              f"a{'n item' if what == 'items' else ' block'} ({bl[f'{what} read']} {what} read)")
         print("| " + " | ".join(bl) + " |")
         print("|" + "---|" * len(bl))
         print("| " + " | ".join(f"{v:.3f}" if k == "fixed share" else f"{v:.0f}" for k, v in bl.items()) + " |")

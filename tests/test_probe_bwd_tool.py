@@ -151,11 +151,66 @@ def test_the_block_stamps_take_the_direct_stores():
 
 
 def test_the_stamps_refuse_a_persistent_kernel():
-    """A persistent kernel's blocks walk many items: --blocks and --phases say so instead of stamping one."""
+    """A persistent kernel's blocks walk many items: a block's stamps and --phases say so instead of stamping one;
+    the items' stamps refuse a kernel that walks none."""
     name, src = _source("causal", bwd_persistent=4)
     for fn in (probe.stamped_blocks_source, probe.stamped_source):
         with pytest.raises(SystemExit, match="persistent"):
             fn(src, name)
+    name, src = _source("causal")
+    with pytest.raises(SystemExit, match="walks no items"):
+        probe.stamped_items_source(src, name)
+
+
+@pytest.mark.parametrize("stem", ["causal", "document"])
+def test_the_item_stamps_go_around_each_item(stem):
+    """--blocks on a persistent kernel: the counter before the item walk, an item's start after its thread index
+    (a skipped place's `continue` then leaves before writing), its q loop's start and end, the stores' start, its end after its copies'
+    issue inside the walk; thread 0 writes the seven fields of its first ITEMS items, then counts the item."""
+    name, src = _source(stem, bwd_persistent=4)
+    out = probe.stamped_items_source(src, name)
+    compile(out, "items", "exec")
+    body = out[out.index(f"def {name}("):]
+    lines = body.split("\n")
+    at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k)
+          for k in ("tb_k = 0", "tb_0 = clock64()", "tb_1 = clock64()", "tb_n += 1", "tb_2 = clock64()",
+                    "tb_s = clock64()", "tb_3 = clock64()", "tb_k += 1")}
+    assert sorted(at.values()) == list(at.values())
+    assert lines[at["tb_k = 0"] + 1].strip().startswith(probe._ITEM_LOOP)
+    assert lines[at["tb_0 = clock64()"] - 1].strip().startswith("tid = ")
+    assert re.match(probe._LOOP, lines[at["tb_1 = clock64()"] + 1])
+    assert lines[at["tb_s = clock64()"] + 1].strip() == probe.STORES_LINE
+    walk = re.match(r"\s*", lines[at["tb_k = 0"] + 1])[0]
+    inside = len(walk) + 4
+    for k in ("tb_0 = clock64()", "tb_3 = clock64()", "tb_k += 1"):  # in the item walk's body
+        assert len(re.match(r"\s*", lines[at[k]])[0]) == inside, k
+    assert "bulk_wait_read0()  # the last item's copies" in lines[at["tb_k += 1"] + 1]  # after the walk
+    assert body.count("tl_buf[tb_i + ") == len(probe.ITEM_FIELDS)
+    assert f"tb_k < {probe.ITEMS}:" in body
+
+
+def test_the_item_summary():
+    """Items with known stamps on two blocks: the prologue, loop and epilogue medians, a tile's cycles and an item's
+    fixed cost by the line through (tiles, item cycles), the gap between a block's items, the longest walk over the
+    median; items not written (zeros) are not read."""
+    F, K = len(probe.ITEM_FIELDS), probe.ITEMS
+    t = np.zeros((2, K, F), np.uint64)
+    for b, tiles in enumerate(((2, 4, 6), (4, 4))):
+        c = 1000
+        for k, n in enumerate(tiles):
+            c0, c1 = c, c + 300
+            c2 = c1 + 1000 * n
+            c3 = c2 + 200
+            t[b, k] = (b, c0, c1, c2, c3 - 150, c3, n)
+            c = c3 + 50
+    got = probe.summarize_items(t.reshape(-1))
+    assert got["items read"] == 5 and got["items a block"] == 2.5
+    assert (got["prologue"], got["loop"], got["epilogue"], got["of it stores"]) == (300, 4000, 200, 150)
+    assert got["tile (fit)"] == pytest.approx(1000) and got["fixed (fit)"] == pytest.approx(500)
+    assert got["gap"] == 50
+    walks = [3 * 500 + 12000 + 2 * 50, 2 * 500 + 8000 + 50]
+    assert got["longest walk / median"] == pytest.approx(max(walks) / np.median(walks))
+    assert got["fixed share"] == pytest.approx(5 * 500 / (5 * 500 + 20000))
 
 
 def test_the_block_summary():
