@@ -245,7 +245,8 @@ def stamped_blocks_source(source: str, name: str) -> str:
     first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores, under dkdv_bulk the end of
     its barrier, of the staging's stores, of its proxy fence and of the copies' issue, and the kernel's end (the
     epilogue: its waits, the stores' issue or the staging and the copies' reads), with its SM and its count of q
-    tiles; thread 0 writes them to tl_buf[block * 11 + i] in BLOCK_FIELDS' order at the end (blocks that return early, kv_group's places past the heads, write nothing)."""
+    tiles; thread 0 writes them to tl_buf[block * 11 + i] in BLOCK_FIELDS' order at the end (blocks that return
+    early, kv_group's places past the heads, write nothing)."""
     _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))

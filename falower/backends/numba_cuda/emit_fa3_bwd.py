@@ -322,8 +322,8 @@ def _grid_order(spec: FA2BackwardSpec) -> tuple[tuple[str, str, str], list[tuple
         KG = kv_group(spec)
         return ((f"nk * {KG}", f"(HK + {KG - 1}) // {KG}", "B"),
                 [("kj", f"{{x}} // {KG}"), ("hk", f"{{y}} * {KG} + {{x}} % {KG}"), ("b", "{z}")],
-                [f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 (cost order",
-                 "# within a group whose rows stay in L2; divisions by constants only)"])
+                [f"# grid ({KG} kv tiles, head groups, batch): kv tile j of a group's {KG} heads, then j + 1 "
+                 "(cost order", "# within a group whose rows stay in L2; divisions by constants only)"])
     if kv_major(spec):
         return (("nk", "HK", "B"), [("kj", "{x}"), ("hk", "{y}"), ("b", "{z}")],
                 ["# grid (kv tiles, kv heads, batch): a (b, kv head)'s kv tiles run together, so its Q, dO and dQ",

@@ -1709,8 +1709,10 @@ class FA2BackwardKernel:
         maps = []
         if _dkdv_maps(s):  # dK's and dV's tensor maps, over the kv heads' rows (Numba's default stream)
             geometry = o_map_geometry(B * Hk, N, D)
-            maps = [self.maps.torch(x.data_ptr(), dev, geometry, stream=0, what=w) for x, w in ((dk, "dK"), (dv, "dV"))] \
-                if kind == "torch" else [self.maps.numba(x, geometry, w) for x, w in ((dk_k, "dK"), (dv_k, "dV"))]
+            if kind == "torch":
+                maps = [self.maps.torch(x.data_ptr(), dev, geometry, stream=0, what=w) for x, w in ((dk, "dK"), (dv, "dV"))]
+            else:
+                maps = [self.maps.numba(x, geometry, w) for x, w in ((dk_k, "dK"), (dv_k, "dV"))]
         args = [qf, kf, vf, lse_k, dof, delta, dq32, dk_k, dv_k, *sizes, *strides, *extra, *grads, *maps, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
