@@ -158,6 +158,31 @@ def _sorted_case(seed: int):
     return q, k, v, do, doc_ids("sorted", 2, 1024, gen)
 
 
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "padding"])
+def test_block_lists_by_either_launch(monkeypatch, kind):
+    """The block data made by the direct launches (the list kernels through cuLaunchKernel, the run and range
+    tables by their kernels: the default) equals what Numba's dispatcher and torch's ops make
+    (FALOWER_DIRECT_LAUNCH=0, also what a capture the direct launch does not take goes through), for the forward's
+    kernel and the backward's."""
+    from falower.backends.numba_cuda.block_data import BlockData
+
+    q, k, v, _, doc = _sorted_case(7)
+    if kind != "sorted":
+        doc = doc_ids(kind, doc.shape[0], doc.shape[1], torch.Generator(device="cuda").manual_seed(8))
+    B, H, N = doc.shape[0], q.shape[1], doc.shape[1]
+    c = compiled()
+    for kern, sizes in ((c.kernel(q, k, v, doc), c.runtime_sizes(*c._kernel_and_dims((q, k, v, doc)))),
+                        (c.backward_kernel(q, k, v, doc), None)):
+        if sizes is None:
+            sizes = [int({"M": N, "N": N}[d.removeprefix("dim_")]) for d in kern.spec.dims]
+        direct = BlockData(kern.spec).lists([doc, *sizes], (B, H, N, N), q)
+        monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", "0")
+        numba = BlockData(kern.spec).lists([doc, *sizes], (B, H, N, N), q)
+        monkeypatch.delenv("FALOWER_DIRECT_LAUNCH")
+        assert direct.keys() == numba.keys() and direct
+        _same_lists(kern.spec, direct, numba, (B, H, N, N))
+
+
 def test_block_data_is_made_once_per_tensor():
     q, k, v, _, doc = _sorted_case(0)
     B, H, N = doc.shape[0], q.shape[1], doc.shape[1]
