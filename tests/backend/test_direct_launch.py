@@ -85,6 +85,9 @@ def test_array_slots_are_c_contiguous_in_bytes():
 def test_scalars_pack_as_their_c_types():
     assert pack_scalar("int", -1, 4) == 0xFFFFFFFF  # the low 4 bytes of the slot are int32 -1
     assert pack_scalar("int", -1, 8) == -1
+    for v in (1 << 32, -(1 << 31) - 1):  # past both int32 and uint32: refused, not wrapped
+        with pytest.raises(ValueError, match="does not fit the kernel's 32-bit"):
+            pack_scalar("int", v, 4)
     assert pack_scalar("f32", 1.5, 4) == struct.unpack("<I", struct.pack("<f", 1.5))[0]
     assert pack_scalar("f64", -2.0, 8) == struct.unpack("<q", struct.pack("<d", -2.0))[0]
     assert pack_scalar("f16", 1.0, 2) == 0x3C00

@@ -368,7 +368,10 @@ def pack_scalar(kind: str, value: Any, size: int) -> int:
     if kind == "bool":
         bits = 1 if value else 0
     elif kind == "int":
-        bits = int(value) & ((1 << (8 * size)) - 1)
+        v = int(value)
+        if not -(1 << (8 * size - 1)) <= v < (1 << (8 * size)):  # (signed or unsigned: the kernel's C type says)
+            raise ValueError(f"{v} does not fit the kernel's {8 * size}-bit integer argument")
+        bits = v & ((1 << (8 * size)) - 1)
     elif kind == "f16":
         bits = int(np.array(value, dtype=np.float16).view(np.uint16))
     elif kind == "f32":
