@@ -309,7 +309,7 @@ def test_dkdv_by_tensor_stores_when_asked(tmp_path, monkeypatch):
                           for hb in range(nb)], stores
         tail = src[src.index("dkv_s = sb + 0 + warp * "):]
         assert f"dkv_s = sb + 0 + warp * {2 * nb * 2048}" in tail
-        order = ["stage_box_stsm(dkv_s + 0, lane, dkacc", f"stage_box_stsm(dkv_s + {nb * 2048}, lane, dvacc",
+        order = ["stage_rows_stsm_plain(dkv_s + 0, lane, dkacc", f"stage_rows_stsm_plain(dkv_s + {nb * 2048}, lane, dvacc",
                  "fence_proxy_async()", "syncwarp()", "tma_store_3d(", "bulk_commit()", "bulk_wait_read0()"]
         at = [tail.index(x) for x in order]
         assert at == sorted(at), at
@@ -347,12 +347,12 @@ def _stmatrix_writes(helper: str, name: str, args) -> dict:
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_the_staging_helpers_put_each_element_in_its_place(D):
-    """dkdv_stsm's stage_stsm (rows 2 D + 16 bytes apart) and dkdv_tma's stage_box_stsm (D / 64 boxes of 16 rows x
-    128 bytes, 2048 apart, in the 128-byte swizzle: row R's chunk c at (c ^ (R & 7)) << 4), run as Python for a
-    warp with stmatrix modelled: element (row R of the warp's 16, columns 8 dn + 2t, + 1), held by lane 4 (R % 8) + t
+    """dkdv_stsm's stage_stsm (rows 2 D + 16 bytes apart) and dkdv_tma's stage_rows_stsm_plain (emit_fa3's O staging
+    without 1 / l: D / 64 boxes of 16 rows x 128 bytes, 2048 apart, in the 128-byte swizzle: row R's chunk c at
+    (c ^ (R & 7)) << 4), run as Python for a warp with stmatrix modelled: element (row R of the warp's 16, columns 8 dn + 2t, + 1), held by lane 4 (R % 8) + t
     at index 4 dn (+ 1) of offset ofs_0 = 0 (rows 0-7) or ofs_2 = 2 (rows 8-15), lands where the layout says, and
     every word is written once."""
-    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda import emit_fa3, emit_fa3_bwd
     from falower.backends.numba_cuda.emit_fa2 import _Code
 
     def helper(make) -> str:
@@ -361,10 +361,10 @@ def test_the_staging_helpers_put_each_element_in_its_place(D):
 
     PK = 2 * D + 16
     rows = helper(emit_fa3_bwd._stage_stsm_helper)
-    boxes = helper(emit_fa3_bwd._stage_box_stsm_helper)
+    boxes = helper(lambda c, D, pack: emit_fa3.stage_rows_stsm_helper(c, D, pack, emit_fa3_bwd.DKDV_BOX, scaled=False))
     got_rows = _stmatrix_writes(rows, "stage_stsm", lambda lane, x: (((lane >> 3) & 1) * 8 * PK + (lane & 7) * PK
                                                                      + (lane >> 4) * 16, x, 0, 2))
-    got_box = _stmatrix_writes(boxes, "stage_box_stsm", lambda lane, x: (0, lane, x, 0, 2))
+    got_box = _stmatrix_writes(boxes, "stage_rows_stsm_plain", lambda lane, x: (0, lane, x, 0, 2))
     for got in (got_rows, got_box):
         assert len(got) == 16 * D * 2 // 4  # 16 rows of D 16-bit values, each 4-byte word once
     for R in range(16):

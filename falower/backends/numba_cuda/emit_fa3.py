@@ -487,16 +487,21 @@ def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False, box
     return c.helper(name, lines)
 
 
-def stage_rows_stsm_helper(c: _Code, D: int, pack: str, box_bytes: int) -> str:
+def stage_rows_stsm_helper(c: _Code, D: int, pack: str, box_bytes: int, scaled: bool = True) -> str:
     """The device function `stage_rows_stsm`: a warp's 16 rows of O (rows g and g + 8 of each thread, at offsets i0
     and i1 of x) times their 1 / l, packed, into the warp's D / 64 boxes at wb (16 rows of 128 bytes each,
     `box_bytes` apart, in the 128-byte swizzle: row r's chunk c at (c ^ (r & 7)) << 4), by D / 16 stmatrix .x4, where
     stage_row_z_box stores a word at a time (D / 4 STS a thread). Instruction k stores chunks 2k and 2k + 1 of rows
     0-7 and 8-15: matrix m is rows 8 (m & 1) .. + 7 of chunk 2k + (m >> 1), lane l gives row l & 7 of matrix l >> 3,
     and a lane's word m is its own (row g + 8 (m & 1), columns 2t, 2t + 1 of that chunk), as the accumulator's
-    fragment holds it. A row with 1 / l = 0 stages zeros (as stage_row_z)."""
-    word = "{p}(lget(x, {i} + {o}) * {inv}, lget(x, {i} + {o} + 1) * {inv}) if {inv} > ZERO else np.uint32(0)"
-    lines = ["@device_function", "def stage_rows_stsm(wb, lane, x, i0, i1, inv0, inv1):",
+    fragment holds it. A row with 1 / l = 0 stages zeros (as stage_row_z). `scaled` False: `stage_rows_stsm_plain(wb,
+    lane, x, i0, i1)`, the rows as they are (the backward's dK and dV: emit_fa3_bwd.dkdv_tma)."""
+    if scaled:
+        word = "{p}(lget(x, {i} + {o}) * {inv}, lget(x, {i} + {o} + 1) * {inv}) if {inv} > ZERO else np.uint32(0)"
+    else:
+        word = "{p}(lget(x, {i} + {o}), lget(x, {i} + {o} + 1))"
+    name = "stage_rows_stsm" if scaled else "stage_rows_stsm_plain"
+    lines = ["@device_function", f"def {name}(wb, lane, x, i0, i1{', inv0, inv1' if scaled else ''}):",
              "    r = np.uint32(lane & 7)  # the row of its matrix this lane gives the address of",
              "    m = np.uint32(lane >> 3)  # ... and the matrix: rows 8 (m & 1) .., chunk 2k + (m >> 1)",
              "    row = wb + ((m & np.uint32(1)) * np.uint32(8) + r) * np.uint32(128)",
@@ -510,7 +515,7 @@ def stage_rows_stsm_helper(c: _Code, D: int, pack: str, box_bytes: int) -> str:
              "        w2 = " + word.format(p=pack, i="i0", o="8 * k + 4", inv="inv0"),
              "        w3 = " + word.format(p=pack, i="i1", o="8 * k + 4", inv="inv1"),
              "        stsm_x4(at, w0, w1, w2, w3)"]
-    return c.helper("stage_rows_stsm", lines)
+    return c.helper(name, lines)
 
 
 def emit_staged_stores(c: _Code, D: int, wr: int, first_row: str, wtid: str, base: str,

@@ -80,7 +80,14 @@ from .emit_fa2_bwd import (
     _store_pairs_helper,
     held_grads,
 )
-from .emit_fa3 import ALIGN, _emit_load, _emit_load_inside, _emit_loader_setup, _emit_row_addresses
+from .emit_fa3 import (
+    ALIGN,
+    _emit_load,
+    _emit_load_inside,
+    _emit_loader_setup,
+    _emit_row_addresses,
+    stage_rows_stsm_helper,
+)
 from .elem_split import split_elem
 from .spec import FA2BackwardSpec
 
@@ -1129,7 +1136,7 @@ def _emit_dkdv_boxes(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     WB = _dkdv_box_bytes(spec)
     stg = _layout(spec)["STG"]
     c(f"dkv_s = sb + {stg} + warp * {WB}  # this warp's boxes: dK's {D // 64}, then dV's, 16 rows x 128 bytes each")
-    st = _stage_box_stsm_helper(c, D, pack)
+    st = stage_rows_stsm_helper(c, D, pack, DKDV_BOX, scaled=False)  # the forward's O staging, without 1 / l
     for t, acc in enumerate(("dkacc", "dvacc")):
         c(f"{st}(dkv_s + {t * (D // 64) * DKDV_BOX}, lane, {acc}, ofs_0, ofs_2)")
     c("fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine")
@@ -1144,27 +1151,6 @@ def _emit_dkdv_boxes(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
                 c(f"tma_store_3d({m}, {hb * 64}, dkv_q, dkv_bh, dkv_su + {(t * (D // 64) + hb) * DKDV_BOX})")
         c("bulk_commit()")
     c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
-
-
-def _stage_box_stsm_helper(c: _Code, D: int, pack: str) -> str:
-    """`stage_box_stsm(wb, lane, x, i0, i1)`: a warp's 16 rows of an accumulator's fragment (rows g and g + 8 of
-    each thread at offsets i0 and i1 of x), packed, into D / 64 boxes at wb (16 rows of 128 bytes each, DKDV_BOX
-    apart, in the 128-byte swizzle: row r's chunk c at (c ^ (r & 7)) << 4) by D / 16 stmatrix .x4, as the forward's
-    stage_rows_stsm without its 1 / l: instruction k stores chunks 2k and 2k + 1 of rows 0-7 and 8-15, lane l gives
-    row l & 7 of matrix l >> 3 (rows 8 (m & 1) .., chunk 2k + (m >> 1))."""
-    w = "{p}(lget(x, {i} + {o}), lget(x, {i} + {o} + 1))"
-    lines = ["@device_function", "def stage_box_stsm(wb, lane, x, i0, i1):",
-             "    r = np.uint32(lane & 7)",
-             "    m = np.uint32(lane >> 3)",
-             "    row = wb + ((m & np.uint32(1)) * np.uint32(8) + r) * np.uint32(128)",
-             "    hi = m >> np.uint32(1)"]
-    for k in range(D // 16):
-        lines += [f"    dn = np.uint32({2 * k}) + hi",
-                  f"    at = row + (dn >> np.uint32(3)) * np.uint32({DKDV_BOX}) + (((dn & np.uint32(7)) ^ r) << "
-                  "np.uint32(4))",
-                  "    stsm_x4(at, " + ", ".join(w.format(p=pack, i=i, o=8 * k + d) for d, i in
-                                                 ((0, "i0"), (0, "i1"), (4, "i0"), (4, "i1"))) + ")"]
-    return c.helper("stage_box_stsm", lines)
 
 
 def _stage_stsm_helper(c: _Code, D: int, pack: str) -> str:
