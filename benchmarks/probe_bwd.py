@@ -240,6 +240,29 @@ def _one_item_a_block(source: str) -> None:
                          "(bwd_persistent): --blocks stamps its items")
 
 
+def _end_of(lines: list[str], at: int, indent: str) -> int:
+    """One past the last non-blank line of the block opened at line `at` (its lines indented past `indent`)."""
+    end = next((i for i in range(at + 1, len(lines)) if lines[i].strip()
+                and len(re.match(r"\s*", lines[i])[0]) <= len(indent)), len(lines))
+    while not lines[end - 1].strip():
+        end -= 1
+    return end
+
+
+def _stamps_to_stores(lines: list[str], first: int, end: int) -> tuple[list[str], int, str]:
+    """An item's lines from after line `first` (the thread's index) to the dK / dV stores' first line, stamped: tb_0
+    (the start), tb_1 (the q loop's start), tb_n (its tiles), tb_2 (its end), tb_s (the stores' start). Returns them,
+    the stores' line and the stamps' indent (the q loop's)."""
+    loop = _loop_line(lines, first)
+    ind = re.match(r"\s*", lines[loop])[0]
+    body = re.match(r"\s*", lines[loop + 1])[0]
+    after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
+    stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
+    out = [f"{ind}tb_0 = clock64()", f"{ind}tb_n = 0"] + lines[first + 1:loop]
+    out += [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"] + lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"]
+    return out + lines[after:stores] + [f"{ind}tb_s = clock64()"], stores, ind
+
+
 def stamped_blocks_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
     first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores, under dkdv_bulk the end of
@@ -249,18 +272,10 @@ def stamped_blocks_source(source: str, name: str) -> str:
     early, kv_group's places past the heads, write nothing)."""
     _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
-    while not lines[end - 1].strip():
-        end -= 1
+    end = _end_of(lines, start, "")
     first = next(i for i in range(start, end) if lines[i].strip() == "tid = cuda.threadIdx.x")
-    loop = _loop_line(lines, start)
-    ind = re.match(r"\s*", lines[loop])[0]
-    body = re.match(r"\s*", lines[loop + 1])[0]
-    after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
-    out = lines[:first + 1] + [f"{ind}tb_0 = clock64()", f"{ind}tb_n = 0"]
-    out += lines[first + 1:loop] + [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"]
-    stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
-    out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:stores] + [f"{ind}tb_s = clock64()"]
+    stamped, stores, ind = _stamps_to_stores(lines, first, end)
+    out = lines[:first + 1] + stamped
     bar = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_BARRIER)), None)
     fence = next((i for i in range(stores, end) if lines[i].strip() == BULK_FENCE), None)
     wait = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_WAIT)), None)
@@ -296,19 +311,10 @@ def stamped_items_source(source: str, name: str) -> str:
     if walk is None:
         raise SystemExit("probe_bwd: this kernel walks no items (not bwd_persistent): use --blocks' one-item form")
     wind = re.match(r"\s*", lines[walk])[0]
-    end = next(i for i in range(walk + 1, len(lines)) if lines[i].strip()
-               and len(re.match(r"\s*", lines[i])[0]) <= len(wind))
-    while not lines[end - 1].strip():
-        end -= 1
+    end = _end_of(lines, walk, wind)
     first = next(i for i in range(walk, end) if lines[i].strip().startswith("tid = "))
-    ind = re.match(r"\s*", lines[first])[0]
-    loop = _loop_line(lines, first)
-    body = re.match(r"\s*", lines[loop + 1])[0]
-    after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
-    stores = next(i for i in range(after, end) if lines[i].strip() == STORES_LINE)
-    out = lines[:walk] + [f"{wind}tb_k = 0"] + lines[walk:first + 1] + [f"{ind}tb_0 = clock64()", f"{ind}tb_n = 0"]
-    out += lines[first + 1:loop] + [f"{ind}tb_1 = clock64()", lines[loop], f"{body}tb_n += 1"]
-    out += lines[loop + 1:after] + [f"{ind}tb_2 = clock64()"] + lines[after:stores] + [f"{ind}tb_s = clock64()"]
+    stamped, stores, ind = _stamps_to_stores(lines, first, end)
+    out = lines[:walk] + [f"{wind}tb_k = 0"] + lines[walk:first + 1] + stamped
     out += lines[stores:end] + [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0 and tb_k < {ITEMS}:",
                                 f"{ind}    tb_i = (cuda.blockIdx.x * {ITEMS} + tb_k) * {len(ITEM_FIELDS)}"]
     out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
