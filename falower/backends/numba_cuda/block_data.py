@@ -625,7 +625,7 @@ class BlockData:
             import torch
 
             lists = [torch.empty(n, dtype=torch.int32, device=like.device) for _, n in layout]
-            if not rows or self._launch_direct(caps, lists, sizes, like):
+            if not rows or self._launch_direct(caps, lists, sizes, rows, like):
                 return lists
         from numba import cuda  # Numba's dispatcher: numpy, other CUDA arrays, the simulator
 
@@ -659,12 +659,14 @@ class BlockData:
 
         return (emit_bwd_block_list if isinstance(self.spec, FA2BackwardSpec) else emit_block_list)(self.spec)
 
-    def _launch_direct(self, caps: list, lists: list, sizes: tuple[int, int, int, int], like: Any) -> bool:
+    def _launch_direct(self, caps: list, lists: list, sizes: tuple[int, int, int, int], rows: int, like: Any) -> bool:
         """Launch the list kernel as the attention kernels are (runtime.DirectKernel: the driver's cuLaunchKernel
         from an argument buffer on torch's current stream) and return True; False where those launches are off or
         a capture is not a contiguous tensor of the kernel's dtype on `like`'s device (Numba's dispatcher then
         launches it). Why: the dispatcher took 258-306 us of the host's time a launch (H200, probe_block_data.py),
         a new batch's document ids paying it for the forward's list and the backward's."""
+        import torch
+
         from .runtime import (ArgBuffer, DirectKernel, _cap_shape, _capture_types, _captures_fit, _direct_enabled,
                               _ident, _launcher, _raw_stream_getter, load_source)
 
@@ -673,7 +675,7 @@ class BlockData:
             return False
         if any(x.device != like.device for x in (*caps, *lists) if hasattr(x, "device")):
             return False
-        dev = like.device.index if like.device.index is not None else __import__("torch").cuda.current_device()
+        dev = like.device.index if like.device.index is not None else torch.cuda.current_device()
         if self._list_direct is None:
             source, name = self._list_source(), spec.name + "_block_list"
 
@@ -693,7 +695,7 @@ class BlockData:
                 buf.array(i, _cap_shape(x), x.data_ptr())
             else:
                 buf.scalar(i, x)
-        _launcher(kern.function(dev), (-(-list_rows(spec, sizes) // THREADS),), THREADS, 0, buf)(
+        _launcher(kern.function(dev), (-(-rows // THREADS),), THREADS, 0, buf)(
             _raw_stream_getter()(dev))
         return True
 
