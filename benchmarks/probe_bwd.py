@@ -72,6 +72,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
     "tma": ({"dkdv_tma": True}, "dK and dV staged as 16-row boxes, stored by TMA tensor copies"),
+    "ws": ({"dq_ws": True}, "dQ handed to a producer warpgroup's bulk reductions, two slabs a warpgroup"),
+    "ws1": ({"dq_ws": True, "dq_ws_slabs": 1}, "... one slab a warpgroup"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 
@@ -101,6 +103,8 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "oneop": ("dq_bulk's 16 row reductions of a warp made one of 4352 bytes by lane 0 (wrong rows: timing only)",
               [(r"if lane < 16 and ql < M else", "if lane == 0 and ql + 15 < M else"),
                (r"(bulk_reduce_add_f32\(dqg, [^\n]*), 256\)", r"\1, 4352)")]),
+    "wsnored": ("dq_ws's bulk reductions (the producer hands each slab back unread: timing only)",
+                [(r"^[ \t]*bulk_reduce_add_f32\(elem_addr\(dq32.*\n", "")]),
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }
@@ -229,6 +233,7 @@ BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "staged", "
 # dkdv_bulk's epilogue lines the barrier, staged, fenced and issued stamps follow or precede (the direct stores have
 # none: all then read the stores' start)
 BULK_BARRIER = "cuda.syncthreads()  # every warpgroup's last GEMMs have read"
+BULK_BARRIER_WS = r"bar_sync\(\d+, \d+\)  # every warpgroup's last GEMMs have read"  # the same under dq_ws
 BULK_FENCE = "fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine"
 BULK_WAIT = "bulk_wait_read0()  # the copies have read the staging rows"
 
@@ -276,7 +281,8 @@ def stamped_blocks_source(source: str, name: str) -> str:
     first = next(i for i in range(start, end) if lines[i].strip() == "tid = cuda.threadIdx.x")
     stamped, stores, ind = _stamps_to_stores(lines, first, end)
     out = lines[:first + 1] + stamped
-    bar = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_BARRIER)), None)
+    bar = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_BARRIER)
+                or re.match(BULK_BARRIER_WS, lines[i].strip())), None)
     fence = next((i for i in range(stores, end) if lines[i].strip() == BULK_FENCE), None)
     wait = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_WAIT)), None)
     if bar is None or fence is None or wait is None:  # the direct stores: no barrier, no fence, no copies

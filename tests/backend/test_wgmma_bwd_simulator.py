@@ -591,3 +591,94 @@ def test_the_list_walk_visits_the_list(G, nq, ahead, data):
            "seen": seen}
     exec(compile(c.text(), "walk", "exec"), env)  # noqa: S102
     assert seen == [(it // nq, it % nq, 1 if p else 2) for it, p in zip(its, partial)]
+
+
+def _dqws_at(spec):
+    """emit_fa3_bwd.dq_ws_index's device function as a Python function (its body is plain integer arithmetic)."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    scope: dict = {"device_function": lambda f: f}
+    exec("\n".join(emit_fa3_bwd.dq_ws_index(spec)), scope)
+    return scope["dqws_at"]
+
+
+@pytest.mark.parametrize("D, bq, bk", [(64, 64, 64), (64, 64, 128), (128, 64, 128), (64, 128, 128)])
+def test_dq_ws_accumulator_order_is_a_permutation_of_whole_tiles(D, bq, bk):
+    """dq_ws's accumulator order (dqws_at) maps every (batch-head, row, column) of M = 130 rows one-to-one into the
+    padded tiles' B H ceil(M / bq) bq D elements; each 16-byte group of a slab holds one thread's n8 tile (rows g and
+    g + 8, columns 2t, 2t + 1, wgmma's accumulator order), and columns 2j, 2j + 1 lie side by side (the conversion
+    reads them as a pair); the conversion's chunk decode is its inverse."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    spec = dataclasses.replace(_spec("causal", D, extra={"dq_ws": True}), block_q=bq, block_k=bk,
+                               num_warps=bk // 16)
+    assert emit_fa3_bwd.dq_ws(spec)
+    at = _dqws_at(spec)
+    M, BH = 130, 3
+    Mp = emit_fa3_bwd.dq_acc_rows(spec, M)
+    assert Mp == -(-M // bq) * bq
+    idx = np.array([[[at(bh, m, d, M) for d in range(D)] for m in range(Mp)] for bh in range(BH)])
+    assert sorted(idx.ravel().tolist()) == list(range(BH * Mp * D))
+    assert np.all(idx[:, :, 1::2] == idx[:, :, 0::2] + 1)
+    # thread (warp 1, lane g 3 t 2) of the first slab: rows 16 + 3, + 8; columns 4, 5 of n8 tile 0, then n8 tile 1
+    th = 32 + 3 * 4 + 2
+    assert [idx[0, r, c] for r, c in ((19, 4), (19, 5), (27, 4), (27, 5))] == [th * 4 + e for e in range(4)]
+    assert idx[0, 19, 12] == 512 + th * 4
+    # the conversion's inverse (dq_ws_chunk): chunk p of a tile's slabs holds (r, col), (r, col + 1), (r + 8, col),
+    # (r + 8, col + 1)
+    scope: dict = {"device_function": lambda f: f}
+    exec("\n".join(emit_fa3_bwd.dq_ws_chunk(spec)), scope)
+    for p in range(bq * D // 4):
+        r, col = scope["dqws_rc"](p)
+        got = [idx[1, bq + rr, cc] for rr, cc in ((r, col), (r, col + 1), (r + 8, col), (r + 8, col + 1))]
+        assert got == [(Mp + bq) * D + 4 * p + e for e in range(4)], (p, r, col)
+
+
+def test_dq_ws_source(tmp_path, monkeypatch):
+    """spec.extra dq_ws: a producer warpgroup after the consumers (threads + 128, the launch at 384 x 168 with
+    setmaxnreg 24 / 240 at two consumer warpgroups), branching off before any load; the consumers' block barriers
+    are named barriers of their own threads (no cuda.syncthreads left), their dQ goes to their slab (no vector
+    reduction, no lane swap) between the slab's free and full barriers with the proxy fence before the arrive, and
+    after the loop a 0 word ends the producer's walk. Refused with the dQ knobs it cannot take; the Delta kernel and
+    the conversion read the slab order. Two slabs a warpgroup alternate by default (dq_ws_slabs)."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa2_bwd, emit_fa3_bwd
+
+    spec = _spec("causal", 128, extra={"dq_ws": True})
+    assert emit_fa3_bwd.threads(spec) == 384 and emit_fa3_bwd.consumer_threads(spec) == 256
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    assert "cuda.syncthreads()" not in src and "bar_sync(1, 256)" in src
+    assert "red_add_v4_f32(dq32" not in src and "dq_swap(" not in src
+    assert "@launch_bounds(384, 1)" in src and "setmaxnreg_dec(24)" in src and "setmaxnreg_inc(240)" in src
+    producer = src.index("if tid >= 256:")
+    assert producer < src.index("# K and V of this kv tile, once") and producer < src.index("SETMAXNREG_INC()")
+    loop = src[src.index("WAIT_Q(dqa, 0)"):src.index("hc = hn")]
+    order = ["bar_sync(DQ_FREE + wg * 2 + dqs, 160)", "sts_v4_f32(dqw_t + 0,", "sts_v4_f32(dqw_t + 14336,",
+             "= (b * H + h) * nq + qc + 1", "fence_proxy_async()", "bar_arrive(DQ_FULL + wg * 2 + dqs, 160)",
+             "dqs ^= 1"]
+    at = [loop.index(x) for x in order]
+    assert at == sorted(at), list(zip(order, at))
+    end = src[src.index("# no more slabs"):]
+    order = ["bar_sync(DQ_FREE + wg * 2 + dqs, 160)", "dqs] = 0", "bar_arrive(DQ_FULL + wg * 2 + dqs, 160)",
+             "bar_sync(DQ_FREE + wg * 2 + (dqs ^ 1), 160)"]
+    at = [end.index(x) for x in order]
+    assert at == sorted(at), list(zip(order, at))
+    # two slabs a warpgroup by default (dq_ws_slabs), one when asked: its free barrier waited once at the end
+    assert emit_fa3_bwd.smem_bytes(spec) - emit_fa3_bwd.smem_bytes(_spec("causal", 128)) == 2 * 2 * 64 * 64 * 4 + 16
+    one_slab = _spec("causal", 128, extra={"dq_ws": True, "dq_ws_slabs": 1})
+    assert emit_fa3_bwd.smem_bytes(one_slab) - emit_fa3_bwd.smem_bytes(_spec("causal", 128)) == 2 * 64 * 64 * 4 + 16
+    src1 = emit_fa3_bwd.emit_fa3_backward(one_slab)
+    assert "dqs ^= 1" not in src1 and src1.count("bar_sync(DQ_FREE + wg * 1 + dqs, 160)") == 2
+    with pytest.raises(ValueError, match="dq_ws_slabs must be 1 or 2"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 64, extra={"dq_ws": True, "dq_ws_slabs": 3}))
+    one = emit_fa3_bwd.emit_fa3_backward(dataclasses.replace(spec, block_k=64, num_warps=4))
+    assert "SETMAXNREG_INC()" not in one and "@launch_bounds" not in one  # 256 threads fit at 255 registers
+    for bad in ({"dq_split": "k"}, {"dq_bulk": True}, {"dq_late": True}, {"bwd_persistent": 2}):
+        with pytest.raises(ValueError, match="dq_ws hands dQ"):
+            emit_fa3_bwd.validate_spec(_spec("causal", 64, extra={"dq_ws": True, **bad}))
+    assert "zrow = (b * H + h) * mp + m" in emit_fa2_bwd.emit_delta(spec)  # zeroed as contiguous padded rows
+    assert "r, col = dqws_rc(p)" in emit_fa2_bwd.emit_dq_convert(spec)  # converted a q tile a block
+    assert emit_fa2_bwd.dq_convert_launch(spec, 2, 3, 130, 2 * 3 * 130 * 128) == ((2 * 3 * 3,), 256)
+    plain = _spec("causal", 128)
+    assert "dqws_rc" not in emit_fa2_bwd.emit_dq_convert(plain) and "zrow" not in emit_fa2_bwd.emit_delta(plain)
+    assert emit_fa2_bwd.dq_convert_launch(plain, 2, 3, 130, 2 * 3 * 130 * 128) == ((-(-2 * 3 * 130 * 64 // 128),), 128)

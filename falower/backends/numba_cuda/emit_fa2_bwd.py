@@ -10,7 +10,7 @@ Three kernels, in one module each:
   masks classified from range tables (block_mask "list") the list of this kv tile's (head, q tile) pairs that
   block_data.py makes once per data), with the next q tile's Q and dO prefetched by cp.async while the current
   one is computed.
-* `<name>_dq(dq32, dq, n)`: dQ's f32 accumulator to the input dtype.
+* `<name>_dq(dq32, dq, n, M)`: dQ's f32 accumulator to the input dtype.
 
 The tensor-core schedule ("mma"): warp w owns kv rows 16w .. 16w + 15 of the tile (block_k = 16 * warps)
 and computes S^T = K Q^T and dP^T = V dO^T with mma.sync (A = K or V rows, B = Q or dO rows, the forward's
@@ -940,6 +940,12 @@ def delta_grid(B: int, H: int, M: int) -> tuple[int, int, int]:
     return (-(-M // DELTA_ROWS), H, B)
 
 
+def _dq_ws(spec: FA2BackwardSpec) -> bool:
+    """Whether dQ's f32 accumulator is kept in the wgmma kernel's slab order (emit_fa3_bwd.dq_ws)."""
+    w = _wgmma(spec)
+    return bool(w and w.dq_ws(spec))
+
+
 def emit_delta(spec: FA2BackwardSpec) -> str:
     """`<name>_delta(do, o, delta, dq32, H, M, *dO strides)`: one warp per row; 4 rows per 128-thread block,
     launched on `delta_grid`."""
@@ -967,6 +973,15 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
                         c(f"dq32[row * {D} + d] = ZERO")
                 c("delta[row] = acc")
             return _module(spec, c.text())
+        ws = _dq_ws(spec)
+        if ws:  # the accumulator in slab order, padded to whole q tiles: zeroed as a contiguous range of rows
+            c(f"mp = (M + {spec.block_q - 1}) // {spec.block_q} * {spec.block_q}  # its rows a (batch, head)")
+            c("zrow = (b * H + h) * mp + m")
+            c("if m == M - 1:  # the padding rows past M, by the last row's warp")
+            with c.indent():
+                c(f"for z in range(lane, (mp - M) * {D}, 32):")
+                with c.indent():
+                    c(f"dq32[(zrow + 1) * {D} + z] = ZERO")
         c("if m < M:")
         with c.indent():
             c("acc = ZERO")
@@ -974,7 +989,7 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c(f"acc += {load.format('do[dorow + d]')} * {load.format(f'o[row * {D} + d]')}")
                 if spec.dq == "atomic":
-                    c(f"dq32[row * {D} + d] = ZERO")
+                    c(f"dq32[{'zrow' if ws else 'row'} * {D} + d] = ZERO")
             for m in (16, 8, 4, 2, 1):
                 c(f"acc += shfl_xor_f32(acc, {m})")
             c("if lane == 0:")
@@ -983,12 +998,59 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
     return _module(spec, c.text())
 
 
+DQ_WS_CONVERT_THREADS = 256
+
+
+def dq_convert_launch(spec: FA2BackwardSpec, B: int, H: int, M: int, n: int) -> tuple[tuple[int], int]:
+    """(grid, threads) of `<name>_dq` for n = B H M D elements of dQ: a thread a pair (mma) or an element, or under
+    dq_ws a block a (batch, head, q tile)."""
+    if _dq_ws(spec):
+        return (B * H * -(-M // spec.block_q),), DQ_WS_CONVERT_THREADS
+    return (-(-(n // 2 if spec.path == "mma" else n) // 128),), 128
+
+
+def _emit_dq_ws_convert(c: _Code, spec: FA2BackwardSpec) -> None:
+    """dq_ws's conversion, a block a (batch-head, q tile): the tile's slabs read in order (16-byte chunks, coalesced),
+    each chunk's two pairs (rows r and r + 8, wgmma's accumulator order: emit_fa3_bwd.dq_ws_chunk) packed into the
+    tile's rows in shared memory (D / 2 + 4 words apart: a warp's 32 lanes in 32 banks), then the rows inside M
+    written out a word a thread, in order."""
+    D, BQ = spec.head_dim, spec.block_q
+    W = D // 2 + 4
+    T = DQ_WS_CONVERT_THREADS
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    c.helper("dqws_rc", _wgmma(spec).dq_ws_chunk(spec))
+    c(f"tile = cuda.shared.array({BQ * W}, SMEM_U32)  # the tile's rows, packed")
+    c(f"nq = (M + {BQ - 1}) // {BQ}")
+    c("bh = cuda.blockIdx.x // nq")
+    c("qt = cuda.blockIdx.x % nq")
+    c(f"base = cuda.blockIdx.x * {BQ * D}")
+    c("tid = cuda.threadIdx.x")
+    c(f"for p in range(tid, {BQ * D // 4}, {T}):")
+    with c.indent():
+        c("r, col = dqws_rc(p)")
+        c("at = base + 4 * p")
+        c(f"tile[r * {W} + (col >> 1)] = {pack}(dq32[at], dq32[at + 1])")
+        c(f"tile[(r + 8) * {W} + (col >> 1)] = {pack}(dq32[at + 2], dq32[at + 3])")
+    c("cuda.syncthreads()")
+    c(f"for i in range(tid, {BQ * D // 2}, {T}):")
+    with c.indent():
+        c(f"r = i // {D // 2}")
+        c(f"m = qt * {BQ} + r")
+        c("if m < M:")
+        with c.indent():
+            c(f"dq[(bh * M + m) * {D // 2} + i % {D // 2}] = tile[r * {W} + i % {D // 2}]")
+
+
 def emit_dq_convert(spec: FA2BackwardSpec) -> str:
-    """`<name>_dq(dq32, dq, n)`: the f32 accumulator to the input dtype (dq as uint32 pairs on the mma path)."""
+    """`<name>_dq(dq32, dq, n, M)`: the f32 accumulator to the input dtype (dq as uint32 pairs on the mma path), on
+    `dq_convert_launch`'s grid; under dq_ws from the slab order, a q tile a block."""
     c = _Code()
     c("@kernel_jit")
-    c(f"def {spec.name}_dq(dq32, dq, n):")
+    c(f"def {spec.name}_dq(dq32, dq, n, M):")
     with c.indent():
+        if _dq_ws(spec):
+            _emit_dq_ws_convert(c, spec)
+            return _module(spec, c.text())
         c("i = cuda.grid(1)")
         if spec.dtype in ("f32", "f64"):
             c("if i < n:")

@@ -2,8 +2,9 @@
 
 `emit_fa3_backward(spec)` returns one Python module, like `emit_fa2_bwd.emit_fa2_backward`, from the same
 `FA2BackwardSpec` (same kernel arguments, same device-function contract: elem_<branch>, tile_class_fn, the block
-table, captured tables' gradients) and the same launch (grid `emit_fa2_bwd.bwd_grid`, 32 * num_warps threads).
-The Delta kernel and dQ's conversion are emit_fa2_bwd's, unchanged. What is new is the schedule (FA3's backward):
+table, captured tables' gradients) and the same launch (grid `emit_fa2_bwd.bwd_grid`, 32 * num_warps threads, and
+under dq_ws a producer warpgroup's 128 more). The Delta kernel and dQ's conversion are emit_fa2_bwd's (under dq_ws
+in the slab order). What is new is the schedule (FA3's backward):
 
 * one block per (b, kv head, kv tile) of `block_k` = 64 or 128 rows; `block_k // 64` warpgroups, warpgroup w
   owning kv rows 64 w .. 64 w + 63, so warp i (of all of them) owns kv rows 16 i .. 16 i + 15: exactly the rows
@@ -20,12 +21,15 @@ The Delta kernel and dQ's conversion are emit_fa2_bwd's, unchanged. What is new 
   `wgmma m64n{D / cs}k16` from two descriptors (dS^T trans-a, K trans-b), block_k/16 k steps: warpgroup w takes
   the 64 q rows `w % (block_q / 64)` and the D / cs columns `w // (block_q / 64)` of them (cs = warpgroups per
   64 q rows); added into the f32 dQ accumulator with 16-byte vector reductions (lanes t and t ^ 1 swap halves),
-  as the mma.sync kernel does;
+  as the mma.sync kernel does, or (`dq_ws`) handed through slabs in shared memory to a producer warpgroup that adds
+  each by one bulk reduction (FA3's dQ writer; the accumulator then in slab order, which the Delta kernel zeroes
+  and the conversion reads: `dq_acc_rows`, `dq_ws_index`, `dq_ws_chunk`);
 * dK and dV stay in registers over every q tile and head of the group and are written once.
 
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
 `falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`),
-which also takes it by itself on compute capability 9.x at D = 64 and 128 (measured faster at both). `resolve(spec)` is what the runtime builds: the spec itself, or, where this
+which also takes it by itself on compute capability 9.x at D = 64 and 128 (measured faster at both).
+`resolve(spec)` is what the runtime builds: the spec itself, or, where this
 kernel refuses it (`validate_spec`: a clear ValueError), the mma.sync spec, so an unsupported feature never gives
 wrong numbers. Supported: f16/bf16, D = 64 or 128, block_q 64 or 128 (block_q + D <= 192: the four accumulators
 in registers), block_k 64 or 128, GQA, every score function, tile classes from tile_class_fn or the block
@@ -128,6 +132,15 @@ from falower.backends.numba_cuda.intrinsics import (
     warp_min,
 )
 '''  # dkdv_tma's
+_WS_IMPORTS = '''
+from falower.backends.numba_cuda.intrinsics import (
+    bar_arrive,
+    bar_sync,
+    launch_bounds,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
+)
+'''  # dq_ws's
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -153,9 +166,14 @@ def backward_extra(extra: Mapping, env: Optional[Mapping[str, str]] = None, dtyp
     return out
 
 
-def threads(spec: FA2BackwardSpec) -> int:
+def consumer_threads(spec: FA2BackwardSpec) -> int:
     """One warpgroup per 64 kv rows (the same 32 * block_k / 16 threads as the mma.sync kernel's warps)."""
     return 128 * (spec.block_k // 64)
+
+
+def threads(spec: FA2BackwardSpec) -> int:
+    """The block: the consumer warpgroups and, under dq_ws, the producer warpgroup after them."""
+    return consumer_threads(spec) + (128 if dq_ws(spec) else 0)
 
 
 def dq_split(spec: FA2BackwardSpec) -> str:
@@ -172,7 +190,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
-              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g"}
+              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g", "dq_ws": "bar_arrive(DQ_FULL"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -190,6 +208,77 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
     at D = 64, its rows handed over at once or under the next GEMMs (H200; its staging alone cost ~11%; NOTES "The
     backward against FlexAttention")."""
     return spec.extra.get("dq_bulk", False) is True
+
+
+def dq_ws(spec: FA2BackwardSpec) -> bool:
+    """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"] True; default False, not yet measured):
+    each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to a slab of its own in shared memory
+    as the registers lie (16-byte stores, thread-major: no lane swaps, no bank conflicts), fences for the async proxy
+    and arrives on a named barrier; a warp of the producer warpgroup (warp 8 + w serves consumer warpgroup w) adds
+    the slab into dQ's f32 accumulator by one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB), waits until it
+    has read the slab and hands it back (a second named barrier). dq32 is then kept in the slabs' order, padded to
+    whole q tiles (`dq_acc_rows`, `dq_ws_index`): the Delta kernel zeroes it and the conversion kernel reads it
+    so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`: 24 / 240 at two consumer
+    warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
+    backward (probe_bwd `nored` 0.638 of its time, H200) and in lockstep nobody else had work; issued by the
+    consumers themselves as bulk reductions (`dq_bulk`) they stayed in the tile's critical path (FlashAttention-3's
+    split, benchmarks/NOTES.md "A plan for the backward against cuDNN")."""
+    return (uses_wgmma(spec) and spec.extra.get("dq_ws", False) is True and dq_split(spec) == "n"
+            and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
+
+
+DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
+DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
+
+
+def dq_ws_slabs(spec: FA2BackwardSpec) -> int:
+    """dq_ws's slabs a consumer warpgroup (spec.extra["dq_ws_slabs"], 1 or 2; default 2): with two, the warpgroup
+    writes tile t + 1's dQ while the copy engine still reads tile t's."""
+    return int(spec.extra.get("dq_ws_slabs", 2))
+
+
+def _dq_ws_slab_bytes(spec: FA2BackwardSpec) -> int:
+    return 64 * (spec.head_dim // _col_splits(spec)) * 4
+
+
+def dq_acc_rows(spec: FA2BackwardSpec, M: int) -> int:
+    """Rows of dQ's f32 accumulator a (batch, head): M, or under dq_ws whole q tiles (its slabs cover them)."""
+    return -(-M // spec.block_q) * spec.block_q if dq_ws(spec) else M
+
+
+def dq_ws_index(spec: FA2BackwardSpec) -> list[str]:
+    """The device function `dqws_at(bh, m, d, M)`: where dq_ws's accumulator keeps element (row m, column d) of
+    (batch, head) bh: tile m // block_q's slabs (block_q x D f32 a tile), consumer warpgroup w's 64 x DC slab (w =
+    its row group + RG x its column split, as the kernel numbers them), then the slab as the warpgroup's threads
+    wrote it: [n8 tile][thread][4], a thread's 4 being wgmma's accumulator order (rows g, g + 8; columns 2t, 2t + 1)."""
+    D, BQ = spec.head_dim, spec.block_q
+    RG, CS = BQ // 64, _col_splits(spec)
+    DC = D // CS
+    return ["@device_function", "def dqws_at(bh, m, d, M):",
+            f"    nq = (M + {BQ - 1}) // {BQ}",
+            f"    r = m % {BQ}",
+            f"    w = r // 64 + {RG} * (d // {DC})" if RG > 1 else f"    w = d // {DC}",
+            "    rr = r % 64",
+            f"    cc = d % {DC}",
+            "    th = (rr // 16) * 32 + (rr % 8) * 4 + (cc % 8) // 2",
+            "    e = ((rr % 16) // 8) * 2 + cc % 2",
+            f"    return ((bh * nq + m // {BQ}) * {BQ * D} + w * {64 * DC} + (cc // 8) * 512 + th * 4 + e)"]
+
+
+def dq_ws_chunk(spec: FA2BackwardSpec) -> list[str]:
+    """The device function `dqws_rc(p)`: the (row, column) in its q tile of 16-byte chunk p of a tile's slabs (the
+    chunk holds rows r and r + 8 at columns col and col + 1, in that order: `dq_ws_index`'s inverse)."""
+    D, BQ = spec.head_dim, spec.block_q
+    RG, CS = BQ // 64, _col_splits(spec)
+    DC = D // CS
+    return ["@device_function", "def dqws_rc(p):",
+            f"    w = p // {16 * DC}",
+            f"    dn = (p >> 7) % {DC // 8}",
+            "    th = p & 127",
+            (f"    r = (w % {RG}) * 64 + (th >> 5) * 16 + ((th & 31) >> 2)" if RG > 1
+             else "    r = (th >> 5) * 16 + ((th & 31) >> 2)"),
+            f"    col = {'(w // ' + str(RG) + ')' if RG > 1 else 'w'} * {DC} + dn * 8 + (th & 3) * 2",
+            "    return r, col"]
 
 
 def dkdv_bulk(spec: FA2BackwardSpec) -> bool:
@@ -423,13 +512,17 @@ def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
     lay["total"] = lay["ST"] + 16 * BQ
     if dq_bulk(spec):  # each warp's 16 staged rows of dQ (_dq_stage_pitch bytes apart)
         lay["DQ"] = lay["total"]
-        lay["total"] = lay["DQ"] + (threads(spec) // 32) * 16 * _dq_stage_pitch(spec)
+        lay["total"] = lay["DQ"] + (consumer_threads(spec) // 32) * 16 * _dq_stage_pitch(spec)
+    if dq_ws(spec):  # each consumer warpgroup's slab of dQ (64 x D / cs f32), then a word each: the slab's tile
+        lay["DQW"] = lay["total"]
+        lay["DQSLOT"] = lay["DQW"] + (spec.block_k // 64) * dq_ws_slabs(spec) * _dq_ws_slab_bytes(spec)
+        lay["total"] = lay["DQSLOT"] + 16
     # dkdv_bulk's staging: from the base (K, V, Q: free after the epilogue's barrier); a persistent kernel's must
     # survive the next item's loads, so it gets a region of its own (validate_spec refuses a spec it does not fit)
     lay["STG"], lay["STG_END"] = 0, lay["ST"]
     if persistent(spec):
         lay["STG"] = lay["total"]
-        lay["total"] = lay["STG_END"] = lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec)
+        lay["total"] = lay["STG_END"] = lay["STG"] + consumer_threads(spec) * _dkdv_stage_pitch(spec)
     return lay
 
 
@@ -476,16 +569,21 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
                          f"{dq_split(spec)!r} with block_q = {BQ}")
     if not set(spec.branches) <= {"all", "full", "partial"}:
         raise ValueError(f"wgmma backward: unknown branches {spec.branches}")
-    if spec.num_warps * 32 != threads(spec):
-        raise ValueError(f"wgmma backward: num_warps must be block_k // 16 = {BK // 16} (the runtime launches "
-                         f"32 * num_warps threads), got {spec.num_warps}")
+    if spec.num_warps * 32 != consumer_threads(spec):
+        raise ValueError(f"wgmma backward: num_warps must be block_k // 16 = {BK // 16} (the consumer warps; the "
+                         f"runtime launches threads(spec)), got {spec.num_warps}")
+    if spec.extra.get("dq_ws_slabs", 2) not in (1, 2) or isinstance(spec.extra.get("dq_ws_slabs"), bool):
+        raise ValueError(f"wgmma backward: dq_ws_slabs must be 1 or 2, got {spec.extra['dq_ws_slabs']!r}")
+    if spec.extra.get("dq_ws", False) is True and not dq_ws(spec):
+        raise ValueError("wgmma backward: dq_ws hands dQ to a producer warpgroup: not with dq_split 'k', dq_bulk, "
+                         "dq_late or bwd_persistent")
     p = spec.extra.get("bwd_persistent", 0)
     if isinstance(p, bool) or not isinstance(p, int) or p < 0:
         raise ValueError(f"wgmma backward: bwd_persistent must be a count of blocks (0: off), got {p!r}")
     if persistent(spec) and not dkdv_bulk(spec):
         raise ValueError("wgmma backward: bwd_persistent stages dK / dV for bulk copies: it needs dkdv_bulk")
     lay = _layout(spec)
-    if dkdv_bulk(spec) and lay["STG"] + threads(spec) * _dkdv_stage_pitch(spec) > lay["STG_END"]:
+    if dkdv_bulk(spec) and lay["STG"] + consumer_threads(spec) * _dkdv_stage_pitch(spec) > lay["STG_END"]:
         raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
     if smem_bytes(spec) > SMEM_MAX:
         raise ValueError(f"wgmma backward: bwd_persistent's region for dK / dV's staged rows takes the shared memory "
@@ -618,8 +716,9 @@ def _emit_skip_empty(c: _Code, spec: FA2BackwardSpec, hv: str, qv: str) -> None:
 
 def _emit_kernel(spec: FA2BackwardSpec) -> str:
     D, BQ, BK, G = spec.head_dim, spec.block_q, spec.block_k, spec.group_size
-    NT = threads(spec)
+    NT = consumer_threads(spec)  # the threads that load and compute (dq_ws's producer warpgroup after them)
     NWG = BK // 64  # warpgroups
+    WS = dq_ws(spec)
     RG = BQ // 64  # dQ's 64-row groups
     KSPLIT = dq_split(spec) == "k"  # each warpgroup: its own kv rows, every column
     CS = _col_splits(spec)  # warpgroups sharing one row group (they split D)
@@ -659,11 +758,21 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"WAIT_Q1 = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, dK's (issued after it) in flight")
     if PDP:
         c(f"WAIT_S1 = wgmma_wait_regs(1, {BQ // 2})  # S^T's group done, dP^T's (committed after it) in flight")
+    if WS and NWG > 1:
+        c(f"SETMAXNREG_DEC = setmaxnreg_dec({DQ_WS_REGS[0]})  # dq_ws: the producer's registers to the consumers")
+        c(f"SETMAXNREG_INC = setmaxnreg_inc({DQ_WS_REGS[1]})")
+    if WS:
+        NS = dq_ws_slabs(spec)
+        c(f"DQ_FULL = {DQ_WS_BAR + 1}  # dq_ws's named barriers: DQ_FULL + {NS} w + s, warpgroup w's slab s written;")
+        c(f"DQ_FREE = {DQ_WS_BAR + 1 + NWG * NS}  # DQ_FREE + {NS} w + s, read")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
     c()
     c("@kernel_jit")
+    if WS and NWG > 1:
+        c(f"@launch_bounds({threads(spec)}, 1)  # .maxntid (setmaxnreg needs it): every thread starts at "
+          f"{65536 // threads(spec) // 8 * 8} registers")
     maps = ", dkmap, dvmap" if dkdv_tma(spec) else ""
     c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
       f"{maps}{caps}):")
@@ -701,6 +810,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
             with c.indent():
                 c("continue" if PERS else "return")
+        if WS:
+            _emit_dq_producer(c, spec, lay)
         c(f"kv0 = kj * {BK}")
         c("kv_head = (b * HK + hk) * N")
         c()
@@ -765,6 +876,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("dqg = np.uint64(0)  # the staged dQ row this lane hands over next (0: none)")
         if LATE:
             c("dq_at = -1  # the last tile's dQ fragment: its reductions' first index into dq32 (-1: none pending)")
+        if WS:
+            c("dqs = 0  # dq_ws: the slab this warpgroup writes next")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -1001,6 +1114,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# g + 8, added by one 16-byte vector reduction")
             if BULK:
                 _emit_dq_bulk(c, DC, D, lay["DQ"], PITCH)
+            elif WS:
+                _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1")
             else:
                 c("odd = (lane & 1) == 1")
                 c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
@@ -1038,10 +1153,89 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             _emit_dkdv_bulk(c, spec, pack)
         else:
             _emit_dkdv_stores(c, D, ND, pack)
+        if WS:
+            c("# no more slabs (after dK and dV, so that the producer adds the last one meanwhile): the producer's")
+            c("# warp ends once it reads 0")
+            _emit_dq_handoff(c, spec, lay, None)
         items.close()
         if PERS:
             c("bulk_wait_read0()  # the last item's copies have read the staging rows: shared memory may go")
-    return bind_offsets(c.text())
+    text = bind_offsets(c.text())
+    if WS:  # the consumers' block barriers leave the producer warpgroup out
+        text = text.replace("cuda.syncthreads()", f"bar_sync({DQ_WS_BAR}, {NT})")
+    return text
+
+
+def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
+    """dq_ws: the producer warpgroup's whole part (after the block's item is known, so that a block that returns
+    early returns whole): warp w of it serves consumer warpgroup w's slabs in turn, lane 0 adding each into dq32 at
+    the tile its word names (0: no more) by one bulk reduction, then handing it back once read; its other warps end
+    at once."""
+    D, BQ, NWG, NS = spec.head_dim, spec.block_q, spec.block_k // 64, dq_ws_slabs(spec)
+    DC = D // _col_splits(spec)
+    SLAB = _dq_ws_slab_bytes(spec)
+    c(f"if tid >= {consumer_threads(spec)}:  # the producer warpgroup (dq_ws): dQ's slabs to the copy engine")
+    with c.indent():
+        if NWG > 1:
+            c("SETMAXNREG_DEC()")
+        c(f"pw = warp - {consumer_threads(spec) // 32}")
+        c(f"if pw < {NWG}:")
+        with c.indent():
+            c(f"pw_slab = sb + {lay['DQW']} + pw * {NS * SLAB}")
+            c(f"pw_word = ((sbr + {lay['DQSLOT']}) >> 2) + pw * {NS}")
+            for k in range(NS):
+                c(f"bar_arrive(DQ_FREE + pw * {NS} + {k}, 160)  # slab {k} is free")
+            c("ps = 0")
+            c("while True:")
+            with c.indent():
+                c(f"bar_sync(DQ_FULL + pw * {NS} + ps, 160)  # the consumers' slab ps and its word are written")
+                c("pw_tile = np.int64(smem_w[pw_word + ps])")
+                c("if pw_tile == 0:")
+                with c.indent():
+                    c("break")
+                c("if lane == 0:")
+                with c.indent():
+                    c(f"bulk_reduce_add_f32(elem_addr(dq32, ((pw_tile - 1) * {BQ * D} + pw * {64 * DC},)), "
+                      f"pw_slab + ps * {SLAB}, {SLAB})")
+                    c("bulk_commit()")
+                    c("bulk_wait_read0()  # the copy engine has read the slab")
+                c("syncwarp()")
+                c(f"bar_arrive(DQ_FREE + pw * {NS} + ps, 160)")
+                if NS > 1:
+                    c("ps ^= 1")
+        c("return")
+    if NWG > 1:
+        c("SETMAXNREG_INC()")
+
+
+def _emit_dq_handoff(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[str]) -> None:
+    """dq_ws, a consumer warpgroup: once its slab dqs is free, this tile's dQ fragment into it (D / cs / 8 16-byte
+    stores a thread, thread-major) and the tile's number + 1 into its word (`tile`; None: 0, no more slabs), made
+    visible to the copy engine, then the producer's warp told; with two slabs the next tile takes the other. At the
+    end (None) it also waits for the other slab's last hand-back, which the producer gives once more than the
+    warpgroup waited for it."""
+    D, NS = spec.head_dim, dq_ws_slabs(spec)
+    DC = D // _col_splits(spec)
+    SLAB = _dq_ws_slab_bytes(spec)
+    c(f"bar_sync(DQ_FREE + wg * {NS} + dqs, 160)  # the producer's warp has read this warpgroup's slab dqs")
+    if tile is not None:
+        c("# this warpgroup's dQ fragment as its registers lie: n8 tile dn's 4 floats of thread t at 2048 dn + 16 t")
+        c(f"dqw_t = sb + {lay['DQW']} + (wg * {NS} + dqs) * {SLAB} + (tid & 127) * 16")
+        for dn in range(DC // 8):
+            o = f"ofs_{dn * 4}"
+            c(f"sts_v4_f32(dqw_t + {dn * 2048}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
+              f"lget(dqa, {o} + 3))")
+    c("if (tid & 127) == 0:")
+    with c.indent():
+        c(f"smem_w[((sbr + {lay['DQSLOT']}) >> 2) + wg * {NS} + dqs] = {tile if tile is not None else 0}")
+    if tile is not None:
+        c("fence_proxy_async()  # the slab visible to the copy engine")
+    c(f"bar_arrive(DQ_FULL + wg * {NS} + dqs, 160)")
+    if NS > 1:
+        if tile is not None:
+            c("dqs ^= 1")
+        else:
+            c(f"bar_sync(DQ_FREE + wg * {NS} + (dqs ^ 1), 160)  # the other slab's last hand-back")
 
 
 def _emit_thread_indices(c: _Code, per_item: bool) -> None:
@@ -1237,7 +1431,8 @@ def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
     validate_spec(spec)
     src = _module(spec, _emit_kernel(spec))
     marker = "\n# ---- the variant's device functions"
-    imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) or dkdv_bulk(spec) else "")
+    imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) or dkdv_bulk(spec) or dq_ws(spec) else "")
     imports += _TMA_IMPORTS if dkdv_tma(spec) else ""
+    imports += _WS_IMPORTS if dq_ws(spec) else ""
     return src.replace(marker, imports + marker, 1).replace(
         "emit_fa2_bwd -- do not edit.", "emit_fa3_bwd -- do not edit.")

@@ -45,7 +45,8 @@ from . import cubin_cache
 from .block_data import BlockTables
 from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_kv_maps,
                        uses_o_map, uses_work_counter)
-from .emit_fa2_bwd import bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_grid, dq_smem_bytes, dq_threads
+from .emit_fa2_bwd import (bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_convert_launch, dq_grid,
+                           dq_smem_bytes, dq_threads)
 from .spec import FA2BackwardSpec, FA2ForwardSpec
 from .tensor_maps import MAP_BYTES, TensorMaps, o_map_geometry, qkv_map_geometry
 
@@ -799,9 +800,10 @@ class _BackwardPlan:
 
         qkvdo = [("q", spans[0]), ("k", spans[1]), ("v", spans[2])]
         n_dq, n_kv = rows * D, B * Hk * N * D
+        self.n_acc = n_acc = _dq_acc_len(s, B, H, M, D)  # dQ's accumulator (n_dq but under dq_ws)
         # Delta = rowsum(dO * O), and dQ's f32 accumulator zeroed
         dk_, buf = buffer("delta")
-        nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_dq)])
+        nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_acc)])
         scalars(buf, nxt, [H, M, *strides[9:12]])
         self.launches.append(_launcher(dk_.function(dev), delta_grid(B, H, M), 128, 0, buf))
         self.tables, self.sizes = kern.block_tables, tuple(sizes)
@@ -812,7 +814,7 @@ class _BackwardPlan:
             self.mask_launch = _launcher(dk_.function(dev), (nk, nq, B * H), 128, 0, buf)
         dk_, buf = buffer("main")
         nxt = arrays(buf, 0, qkvdo + [("lse", rows), ("do", spans[3]), ("delta", rows),
-                                      ("dq32", rows if self.separate else n_dq), ("dk", n_kv // per),
+                                      ("dq32", rows if self.separate else n_acc), ("dk", n_kv // per),
                                       ("dv", n_kv // per)])
         nxt = scalars(buf, nxt, sizes + strides)
         if self.table_n:
@@ -842,8 +844,8 @@ class _BackwardPlan:
             self.launches.append(_launcher(dk_.function(dev), dq_grid(s, B, H, M), dq_threads(s), kern.dq_smem, buf))
         else:
             dk_, buf = buffer("dq")
-            scalars(buf, arrays(buf, 0, [("dq32", n_dq), ("dq", n_dq // per)]), [n_dq])
-            self.launches.append(_launcher(dk_.function(dev), (-(-(n_dq // per) // 128),), 128, 0, buf))
+            scalars(buf, arrays(buf, 0, [("dq32", n_acc), ("dq", n_dq // per)]), [n_dq, M])
+            self.launches.append(_launcher(dk_.function(dev), *dq_convert_launch(s, B, H, M, n_dq), 0, buf))
         self.final = "sum" if kern.parts_source is not None else "grad"
         self.stream = _raw_stream_getter()
 
@@ -859,7 +861,7 @@ class _BackwardPlan:
             scratch = torch.empty(self.rows, dtype=acc, device=dev)
             ptr["delta"] = ptr["dq32"] = scratch.data_ptr()  # dq32 is not read: dQ comes from its own kernel
         else:  # dQ's accumulator (16-byte aligned, for the vector reductions), then Delta, in one allocation
-            n_dq = self.rows * self.q_shape[3]
+            n_dq = self.n_acc
             scratch = torch.empty(n_dq + self.rows, dtype=acc, device=dev)
             ptr["dq32"] = scratch.data_ptr()
             ptr["delta"] = ptr["dq32"] + n_dq * scratch.element_size()
@@ -1263,6 +1265,13 @@ def _strided_view_np(x: np.ndarray, bits: Any) -> tuple[np.ndarray, tuple[int, i
     return np.ascontiguousarray(flat).view(bits), tuple(int(st // item) for st in x.strides[:3])
 
 
+def _dq_acc_len(spec, B: int, H: int, M: int, D: int) -> int:
+    """Elements of the backward's f32 dQ accumulator: B H M D, or under dq_ws whole q tiles (emit_fa3_bwd.dq_ws)."""
+    from .emit_fa3_bwd import dq_acc_rows
+
+    return B * H * dq_acc_rows(spec, M) * D
+
+
 def _dkdv_maps(spec) -> bool:
     """Whether the backward's main kernel takes dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)."""
     from .emit_fa3_bwd import dkdv_tma
@@ -1550,7 +1559,7 @@ class FA2BackwardKernel:
         if which == "dq" and s.dq == "separate":
             return (arr(elem),) * 3 + (arr(acc), arr(elem), arr(acc), pair) + (i64,) * 16 + table + caps
         if which == "dq":
-            return (arr(acc), pair, i64)
+            return (arr(acc), pair, i64, i64)
         if which == "mask":
             return (arr(types.int8),) + (i64,) * 4 + caps
         if which == "parts":
@@ -1658,7 +1667,7 @@ class FA2BackwardKernel:
             dev = q.device
             lse_k = lse.detach().reshape(-1)
             delta = torch.empty(rows, dtype=accd, device=dev)
-            dq32 = torch.empty(rows * D, dtype=accd, device=dev)
+            dq32 = torch.empty(_dq_acc_len(s, B, H, M, D), dtype=accd, device=dev)
             dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
             dk = torch.empty(k.shape, dtype=k.dtype, device=dev)
             dv = torch.empty(v.shape, dtype=v.dtype, device=dev)
@@ -1689,7 +1698,7 @@ class FA2BackwardKernel:
                 strides = [n for x in (q, k, v, do) for n in _contiguous_strides(x.shape)]
                 lse_k = cuda.as_cuda_array(lse).reshape(-1)
             delta = cuda.device_array(rows, dtype=accd)
-            dq32 = cuda.device_array(rows * D, dtype=accd)
+            dq32 = cuda.device_array(_dq_acc_len(s, B, H, M, D), dtype=accd)
             per = 2 if s.path == "mma" and s.dtype != "f32" else 1
             dq_k = cuda.device_array(rows * D // per, dtype=pair)
             dk_k = cuda.device_array(B * Hk * N * D // per, dtype=pair)
@@ -1728,8 +1737,8 @@ class FA2BackwardKernel:
                 self._raise_smem_limit(self._dq, dq_args, self.dq_smem)
             conv = self._dq[dq_grid(s, B, H, M), dq_threads(s), 0, self.dq_smem]
         else:
-            dq_args = [dq32, dq_k, ndq]
-            conv = self._dq[(-(-(ndq // 2 if s.path == "mma" else ndq) // 128),), 128]
+            dq_args = [dq32, dq_k, ndq, M]
+            conv = self._dq[dq_convert_launch(s, B, H, M, ndq)]
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
         parts = [(self._parts[(-(-_numel(out) // 128),), 128], g_buf, out)
                  for g_buf, out in zip(grads, sums)] if self._parts is not None else []
