@@ -174,6 +174,15 @@ PHASES = (
 TILES = 64  # q tiles stamped a block (the first 64 of its walk)
 
 
+def phase_anchors(source: str) -> list[str]:
+    """PHASES' anchors as this kernel writes them: under dq_ws its consumers' block barrier is a named barrier of
+    their threads (emit_fa3_bwd.DQ_WS_BAR) where the others call cuda.syncthreads()."""
+    named = re.search(r"bar_sync\(1, \d+\)", source)
+    if "cuda.syncthreads()" in source or named is None:
+        return [a for _, a in PHASES]
+    return [a.replace("cuda.syncthreads()", named.group()) for _, a in PHASES]
+
+
 def stamped_source(source: str, name: str) -> str:
     """The backward's module with %clock64 stamps at the top of its q loop and after each PHASES anchor; thread 0 of
     each warpgroup stores them to tl_buf[((block * 2 + warpgroup) * TILES + tile) * (len(PHASES) + 1) + i] for
@@ -189,16 +198,16 @@ def stamped_source(source: str, name: str) -> str:
             f"cuda.blockIdx.x) * 2 + (tid >> 7)) * {TILES * n} + tl_n * {n}",
             f"{ind}tl_w = (tid & 127) == 0 and tl_n < {TILES}"]
     out += _stamp(ind, 0)
-    todo = list(enumerate(PHASES, start=1))
+    todo = list(enumerate(phase_anchors(source), start=1))
     for ln in lines[loop + 1:]:
-        if todo and todo[0][1][1] == "hc = hn" and re.fullmatch(r"hc = hn(__\d+)?", ln.strip()):  # SSA-renamed too
+        if todo and todo[0][1] == "hc = hn" and re.fullmatch(r"hc = hn(__\d+)?", ln.strip()):  # SSA-renamed too
             out += _stamp(ind, todo.pop(0)[0])
             out += [f"{ind}tl_n += 1"]
         out.append(ln)
-        while todo and todo[0][1][1] != "hc = hn" and todo[0][1][1] in ln:
+        while todo and todo[0][1] != "hc = hn" and todo[0][1] in ln:
             out += _stamp(re.match(r"\s*", ln)[0], todo.pop(0)[0])
     if todo:
-        raise SystemExit(f"probe_bwd: phase anchors not found in the kernel: {[p[1][1] for p in todo]}")
+        raise SystemExit(f"probe_bwd: phase anchors not found in the kernel: {[p[1] for p in todo]}")
     return _with_imports(out, "clock64")
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 probe = pytest.importorskip("probe_bwd")
 
 BULK_ONLY = {"oneop", "nowait", "nofence", "nostage"}  # floors of the dq_bulk kernel's staging and issue
+WS_ONLY = {"wsnored"}  # of the dq_ws kernel's (the default where it applies; the others edit the vector reductions')
 
 
 def _source(stem, D: int = 128, **extra) -> tuple[str, str]:
@@ -36,14 +37,18 @@ def _source(stem, D: int = 128, **extra) -> tuple[str, str]:
 
 @pytest.mark.parametrize("stem", ["plain", "causal"])
 def test_every_floor_edits_its_kernel(stem):
-    _, src = _source(stem)
+    _, src = _source(stem, dq_ws=False)
     _, bulk = _source(stem, dq_bulk=True)
+    _, ws = _source(stem)
     for name in probe.VARIANTS:
         if name in probe.EXTRA or (name == "rotate" and stem != "plain"):
             continue
-        out = probe.edited(bulk if name in BULK_ONLY else src, name)
+        base = bulk if name in BULK_ONLY else ws if name in WS_ONLY else src
+        out = probe.edited(base, name)
         compile(out, name, "exec")
-        assert out != (bulk if name in BULK_ONLY else src) or name == "built", name
+        assert out != base or name == "built", name
+    assert "bulk_reduce_add_f32(elem_addr(dq32" in ws and "bulk_reduce_add_f32(elem_addr(dq32" not in probe.edited(
+        ws, "wsnored")
     # the reductions' floor takes the guard of either form of dQ's adds
     assert "if qi < -1:" in probe.edited(src, "nored") and "ql < -1 else" in probe.edited(bulk, "nored")
 
@@ -51,11 +56,13 @@ def test_every_floor_edits_its_kernel(stem):
 def test_the_default_variants_are_those_the_kernel_has():
     """`--variants` left out: every floor whose patterns the kernel has (the staging's only on the dq_bulk kernel),
     never rotate (written for one shape), and the spec.extra ones."""
-    _, src = _source("plain")
+    _, src = _source("plain", dq_ws=False)
     _, bulk = _source("plain", dq_bulk=True)
+    _, ws = _source("plain")
     red_names = {x for x in probe.VARIANTS if probe.applies(src, x)}
     bulk_names = {x for x in probe.VARIANTS if probe.applies(bulk, x)}
     assert not red_names & BULK_ONLY and BULK_ONLY <= bulk_names
+    assert not (red_names | bulk_names) & WS_ONLY and WS_ONLY <= {x for x in probe.VARIANTS if probe.applies(ws, x)}
     assert "rotate" not in red_names | bulk_names and {"built", "nored", "noelem", "gemms"} <= red_names & bulk_names
 
 
@@ -75,7 +82,7 @@ def test_the_phase_stamps_go_in_order(stem, D):
     loop = out.index("    while qc <")
     at = [out.index(f"tl_buf[tl_i + {k}] = tl_c") for k in range(len(probe.PHASES) + 1)]
     assert loop < at[0] and at == sorted(at)
-    for k, (_, anchor) in enumerate(probe.PHASES, start=1):  # each stamp on the lines right after its anchor
+    for k, anchor in enumerate(probe.phase_anchors(src), start=1):  # each stamp on the lines right after its anchor
         between = out[at[k]:out.index(anchor, at[k])] if anchor == "hc = hn" else out[out.rindex(anchor, 0, at[k]):at[k]]
         assert between.count("\n") <= 3, (anchor, between)
     assert out.index("tl_n += 1") > at[-1]
@@ -126,11 +133,14 @@ def test_the_block_stamps_go_around_the_loop(stem):
     assert at["tb_n += 1"] == at["tb_1 = clock64()"] + 2
     assert lines[at["tb_2 = clock64()"] + 1].strip() == "cp_async_wait0()"  # the first line after the loop
     assert lines[at["tb_s = clock64()"] + 1].strip() == probe.STORES_LINE  # the stores' start
-    assert lines[at["tb_b = clock64()"] - 1].strip().startswith(probe.BULK_BARRIER)  # dkdv_bulk's barrier passed
+    barrier = lines[at["tb_b = clock64()"] - 1].strip()  # dkdv_bulk's barrier passed (a named one under dq_ws)
+    assert barrier.startswith(probe.BULK_BARRIER) or re.match(probe.BULK_BARRIER_WS, barrier), barrier
     assert lines[at["tb_g = clock64()"] + 1].strip() == probe.BULK_FENCE  # the staging's stores before its fence
     assert at["tb_f = clock64()"] == at["tb_g = clock64()"] + 2  # ... the fence alone between
     assert lines[at["tb_w = clock64()"] + 1].strip().startswith(probe.BULK_WAIT)  # the copies issued, not waited
-    assert "bulk_wait_read0()  # the copies" in lines[at["tb_3 = clock64()"] - 1]  # after dK's and dV's copies
+    # after dK's and dV's copies (and under dq_ws the producer's end: its other slab's last hand-back)
+    assert "bulk_wait_read0()  # the copies" in lines[at["tb_3 = clock64()"] - 1] or \
+        "the other slab's last hand-back" in lines[at["tb_3 = clock64()"] - 1]
     assert sorted(at.values()) == list(at.values())
     assert body.count("tl_buf[tb_i + ") == len(probe.BLOCK_FIELDS)
     if stem == "document":
@@ -140,7 +150,7 @@ def test_the_block_stamps_go_around_the_loop(stem):
 def test_the_block_stamps_take_the_direct_stores():
     """--blocks on the kernel with dkdv_bulk off: the stores' stamp before the threads' direct stores, the end after
     them."""
-    name, src = _source("causal", dkdv_bulk=False)
+    name, src = _source("causal", dkdv_bulk=False, dq_ws=False)
     lines = probe.stamped_blocks_source(src, name).split("\n")
     at = {k: next(i for i, ln in enumerate(lines) if ln.strip() == k)
           for k in ("tb_s = clock64()", "tb_3 = clock64()")}

@@ -63,13 +63,15 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
 
 # ------------------------------------------------------------------------------------ CPU: selection
 def _spec(stem: str = "causal", D: int = 64, dtype: str = "f16", extra=None, pipeline: str = "fa2-bwd"):
+    """The example's wgmma backward spec. dq_ws off unless `extra` says: the other knobs' tests read the kernel
+    with the vector reductions; dq_ws's own tests ask for it, and test_dq_ws_by_default holds its default."""
     import falower as fl
     from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
 
     g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
     c = fl.compile(g, "numba-cuda", backward=pipeline)
     return build_backward_spec(analyse_backward(c.lowered_backward), {"D": D}, dtype, "mma", None,
-                               {"bwd_schedule": "wgmma", **(extra or {})})
+                               {"bwd_schedule": "wgmma", "dq_ws": False, **(extra or {})})
 
 
 @pytest.mark.parametrize("change, why", [
@@ -682,3 +684,43 @@ def test_dq_ws_source(tmp_path, monkeypatch):
     plain = _spec("causal", 128)
     assert "dqws_rc" not in emit_fa2_bwd.emit_dq_convert(plain) and "zrow" not in emit_fa2_bwd.emit_delta(plain)
     assert emit_fa2_bwd.dq_convert_launch(plain, 2, 3, 130, 2 * 3 * 130 * 128) == ((-(-2 * 3 * 130 * 64 // 128),), 128)
+
+
+def test_dq_ws_by_default():
+    """dq_ws "auto" (its default): on for the wgmma backward but under block lists (the document) and with a
+    gradient held across tiles (ALiBi's slope), where it measured slower; True asks for it there too, False keeps
+    the vector reductions; anything else is refused by name."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    auto = {"dq_ws": "auto"}
+    for stem, on in (("causal", True), ("plain", True), ("relative_bias", True), ("alibi", False)):
+        assert emit_fa3_bwd.dq_ws(_spec(stem, 128, extra=auto)) is on, stem
+    spec = _spec("causal", 128, extra=auto)
+    assert emit_fa3_bwd.dq_ws(dataclasses.replace(spec, extra={"bwd_schedule": "wgmma"}))  # no key: "auto"
+    listed = dataclasses.replace(spec, block_mask="list")
+    assert not emit_fa3_bwd.dq_ws(listed)
+    assert emit_fa3_bwd.dq_ws(dataclasses.replace(listed, extra={**spec.extra, "dq_ws": True}))
+    assert emit_fa3_bwd.dq_ws(_spec("alibi", 128, extra={"dq_ws": True}))
+    assert not emit_fa3_bwd.dq_ws(_spec("causal", 128))  # _spec's False
+    assert not emit_fa3_bwd.dq_ws(_spec("causal", 128, extra={**auto, "bwd_persistent": 2}))  # not with it: off
+    with pytest.raises(ValueError, match="dq_ws must be True, False or 'auto'"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dq_ws": 1}))
+
+
+def test_dq_ws_ptx(tmp_path, monkeypatch):
+    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_ws (its default): 384 threads (.maxntid),
+    the producer down to 24 registers and the consumers up to 240, one bulk reduction (the producer's), no vector
+    reduction, named barriers only (no bar.sync 0); ptxas's log without serialization."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel, whole_program_ptx
+
+    ptx = FA2BackwardKernel(_spec("causal", 128, extra={"dq_ws": "auto"})).ptx((9, 0))
+    assert ".maxntid 384" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 24;" in ptx and "setmaxnreg.inc.sync.aligned.u32 240;" in ptx
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 1
+    assert "red.global.add" not in ptx
+    assert not re.search(r"bar(rier)?\.sync(\.aligned)? 0;", ptx)
+    # the driver compiles it as a whole program (a linker's relocatable compile ignores setmaxnreg, C7504)
+    assert whole_program_ptx([ptx])

@@ -211,7 +211,8 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 
 
 def dq_ws(spec: FA2BackwardSpec) -> bool:
-    """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"] True; default False, not yet measured):
+    """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
+    except under block lists and with a held gradient, where it measured slower):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to a slab of its own in shared memory
     as the registers lie (16-byte stores, thread-major: no lane swaps, no bank conflicts), fences for the async proxy
     and arrives on a named barrier; a warp of the producer warpgroup (warp 8 + w serves consumer warpgroup w) adds
@@ -222,8 +223,14 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
     backward (probe_bwd `nored` 0.638 of its time, H200) and in lockstep nobody else had work; issued by the
     consumers themselves as bulk reductions (`dq_bulk`) they stayed in the tile's critical path (FlashAttention-3's
-    split, benchmarks/NOTES.md "A plan for the backward against cuDNN")."""
-    return (uses_wgmma(spec) and spec.extra.get("dq_ws", False) is True and dq_split(spec) == "n"
+    split, benchmarks/NOTES.md "A plan for the backward against cuDNN"). Measured (H200, probe_bwd.py, 7-9 rounds,
+    the whole backward call against the vector reductions): plain D = 128 0.881, GQA 0.838, prefix LM 0.893, the
+    1024 window 0.915, causal 0.923, the softcap 0.923, the relative bias 0.958, plain D = 64 0.947; the document
+    (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133, so "auto" leaves those two out."""
+    v = spec.extra.get("dq_ws", "auto")
+    if v == "auto" and (spec.block_mask == "list" or held_grads(spec)):
+        return False
+    return (uses_wgmma(spec) and (v is True or v == "auto") and dq_split(spec) == "n"
             and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
 
 
@@ -561,8 +568,10 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     g = spec.extra.get("kv_group", 0)
     if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= KV_GROUP_MAX:
         raise ValueError(f"wgmma backward: kv_group must be an int from 1 to {KV_GROUP_MAX} (or 0: off), got {g!r}")
+    if spec.extra.get("dq_ws", "auto") != "auto" and not isinstance(spec.extra["dq_ws"], bool):
+        raise ValueError(f"wgmma backward: dq_ws must be True, False or 'auto', got {spec.extra['dq_ws']!r}")
     for knob in (*KNOB_MARKS, "exp_fold"):  # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
-        if not isinstance(spec.extra.get(knob, False), bool):
+        if knob != "dq_ws" and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
