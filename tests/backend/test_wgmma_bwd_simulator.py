@@ -688,8 +688,9 @@ def test_dq_ws_source(tmp_path, monkeypatch):
 
 def test_dq_ws_by_default():
     """dq_ws "auto" (its default): on for the wgmma backward but under block lists (the document) and with a
-    gradient held across tiles (ALiBi's slope), where it measured slower; True asks for it there too, False keeps
-    the vector reductions; anything else is refused by name."""
+    gradient held across tiles (ALiBi's slope), where it measured slower, and with one consumer warpgroup (block_k =
+    64: not measured); True asks for it there too, False keeps the vector reductions; never in the deterministic
+    mode; anything else is refused by name."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     auto = {"dq_ws": "auto"}
@@ -703,6 +704,11 @@ def test_dq_ws_by_default():
     assert emit_fa3_bwd.dq_ws(_spec("alibi", 128, extra={"dq_ws": True}))
     assert not emit_fa3_bwd.dq_ws(_spec("causal", 128))  # _spec's False
     assert not emit_fa3_bwd.dq_ws(_spec("causal", 128, extra={**auto, "bwd_persistent": 2}))  # not with it: off
+    one_wg = dataclasses.replace(spec, block_k=64, num_warps=4)  # one consumer warpgroup: not measured, so asked for
+    asked = {**spec.extra, "dq_ws": True}
+    assert not emit_fa3_bwd.dq_ws(one_wg) and emit_fa3_bwd.dq_ws(dataclasses.replace(one_wg, extra=asked))
+    for off in (dict(dq="separate"), dict(deterministic=True)):  # the deterministic mode has no accumulator to hand
+        assert not emit_fa3_bwd.dq_ws(dataclasses.replace(spec, extra=asked, **off)), off
     with pytest.raises(ValueError, match="dq_ws must be True, False or 'auto'"):
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dq_ws": 1}))
 
@@ -710,7 +716,8 @@ def test_dq_ws_by_default():
 def test_dq_ws_ptx(tmp_path, monkeypatch):
     """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_ws (its default): 384 threads (.maxntid),
     the producer down to 24 registers and the consumers up to 240, one bulk reduction (the producer's), no vector
-    reduction, named barriers only (no bar.sync 0); ptxas's log without serialization."""
+    reduction, named barriers only (no bar.sync 0); PTX the driver compiles as a whole program (a linker's
+    relocatable compile would ignore setmaxnreg, C7504, and serialize the wgmmas at 168 registers)."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))

@@ -212,7 +212,8 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 
 def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
-    except under block lists and with a held gradient, where it measured slower):
+    except under block lists and with a held gradient, where it measured slower, and with one consumer warpgroup,
+    not measured):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to a slab of its own in shared memory
     as the registers lie (16-byte stores, thread-major: no lane swaps, no bank conflicts), fences for the async proxy
     and arrives on a named barrier; a warp of the producer warpgroup (warp 8 + w serves consumer warpgroup w) adds
@@ -228,10 +229,10 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     1024 window 0.915, causal 0.923, the softcap 0.923, the relative bias 0.958, plain D = 64 0.947; the document
     (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133, so "auto" leaves those two out."""
     v = spec.extra.get("dq_ws", "auto")
-    if v == "auto" and (spec.block_mask == "list" or held_grads(spec)):
-        return False
-    return (uses_wgmma(spec) and (v is True or v == "auto") and dq_split(spec) == "n"
-            and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
+    if v == "auto" and (spec.block_mask == "list" or held_grads(spec) or spec.block_k == 64):
+        return False  # measured slower (lists, a held gradient), or not measured (one consumer warpgroup)
+    return (uses_wgmma(spec) and (v is True or v == "auto") and spec.dq == "atomic" and not spec.deterministic
+            and dq_split(spec) == "n" and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
 
 
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
