@@ -731,3 +731,33 @@ def test_dq_ws_ptx(tmp_path, monkeypatch):
     assert not re.search(r"bar(rier)?\.sync(\.aligned)? 0;", ptx)
     # the driver compiles it as a whole program (a linker's relocatable compile ignores setmaxnreg, C7504)
     assert whole_program_ptx([ptx])
+
+
+def test_ws_loads_source(tmp_path, monkeypatch):
+    """spec.extra ws_loads (with dq_ws): the mbarriers initialised by thread 0 before a barrier of all 384 threads
+    and before the producer branch; at each tile's top the consumers wait for their tile's buffer (after the first)
+    and fence before their barrier, then name the next tile and arrive on LD_REQ, with no cp.async of their own in
+    the loop and no statistics kept in registers; the loader warps (producer warps 2 and 3) copy Q and dO into the
+    buffer and arrive twice (copies, rows); a walk of no tile still ends the loaders. Refused without dq_ws."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    spec = _spec("causal", 128, extra={"dq_ws": True, "ws_loads": True})
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    order = ["mbar_init(sb + ", "bar_sync(0, 384)", "if tid >= 256:", "ltid = tid - 320", "bar_sync(LD_REQ, 320)",
+             "cp_async_mbar_arrive_noinc(", "mbar_arrive(sb + ", "SETMAXNREG_INC()"]
+    at = [src.index(x) for x in order]
+    assert at == sorted(at), list(zip(order, at))
+    loop = src[src.index("    while qc <= p_last:"):src.index("    if tn == 0:")]
+    order = ["if tn > 0:", "mbar_wait(sb + ", "fence_proxy_async()", "bar_sync(1, 256)", "smem_w[((sbr + ",
+             "bar_arrive(LD_REQ, 320)", "WG_S(sacc"]
+    at = [loop.index(x) for x in order]
+    assert at == sorted(at), list(zip(order, at))
+    assert "cp_async16" not in loop and "copy_rows_" not in loop and "nl = lse[" not in loop
+    assert "tn += 1" in loop
+    end = src[src.index("    if tn == 0:"):]
+    assert end.index("= 0") < end.index("bar_arrive(LD_REQ, 320)")
+    plain = emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra={"dq_ws": True}))
+    assert "LD_REQ" not in plain and "mbar_" not in plain.replace("import", "").split("@kernel_jit")[-1]
+    with pytest.raises(ValueError, match="ws_loads takes two warps"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"ws_loads": True}))

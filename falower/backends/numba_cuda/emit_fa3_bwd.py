@@ -136,11 +136,15 @@ _WS_IMPORTS = '''
 from falower.backends.numba_cuda.intrinsics import (
     bar_arrive,
     bar_sync,
+    cp_async_mbar_arrive_noinc,
     launch_bounds,
+    mbar_arrive,
+    mbar_init,
+    mbar_wait,
     setmaxnreg_dec,
     setmaxnreg_inc,
 )
-'''  # dq_ws's
+'''  # dq_ws's (and ws_loads')
 
 
 def uses_wgmma(spec: FA2BackwardSpec) -> bool:
@@ -190,7 +194,8 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
-              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g", "dq_ws": "bar_arrive(DQ_FULL"}
+              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g", "dq_ws": "bar_arrive(DQ_FULL",
+              "ws_loads": "bar_arrive(LD_REQ"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -235,6 +240,20 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
             and dq_split(spec) == "n" and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
 
 
+def ws_loads(spec: FA2BackwardSpec) -> bool:
+    """Q, dO and their LSE, Delta rows of the next q tile loaded by two warps of dq_ws's producer warpgroup
+    (spec.extra["ws_loads"] True; default False, not yet measured): at each tile's top the consumers name the next
+    (head, q tile) in a shared word and arrive on a named barrier; the loader warps issue its cp.async copies into
+    the other buffer (each thread's ending in cp.async.mbarrier.arrive.noinc on the buffer's mbarrier), write its
+    LSE and Delta rows into shared memory and arrive; the consumers wait on that mbarrier (by the tile count's
+    parity) before the tile's GEMMs. The block's first tile stays the consumers' own load. Why: the consumers'
+    loads and the next tile's bookkeeping were 549 cycles of a 6665-cycle tile (probe_bwd --phases, plain D = 128,
+    H200), issued in lockstep by both warpgroups, and their row addresses hold registers the consumers (at 240
+    under dq_ws) spill for."""
+    return dq_ws(spec) and spec.extra.get("ws_loads", False) is True
+
+
+WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
 DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
 
@@ -525,6 +544,10 @@ def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
         lay["DQW"] = lay["total"]
         lay["DQSLOT"] = lay["DQW"] + (spec.block_k // 64) * dq_ws_slabs(spec) * _dq_ws_slab_bytes(spec)
         lay["total"] = lay["DQSLOT"] + 16
+        if ws_loads(spec):  # the two buffers' mbarriers, then the request: its (1 + q head, or 0: none), its q0
+            lay["MBAR"] = lay["total"]
+            lay["REQ"] = lay["MBAR"] + 16
+            lay["total"] = lay["REQ"] + 16
     # dkdv_bulk's staging: from the base (K, V, Q: free after the epilogue's barrier); a persistent kernel's must
     # survive the next item's loads, so it gets a region of its own (validate_spec refuses a spec it does not fit)
     lay["STG"], lay["STG_END"] = 0, lay["ST"]
@@ -584,6 +607,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
                          f"runtime launches threads(spec)), got {spec.num_warps}")
     if spec.extra.get("dq_ws_slabs", 2) not in (1, 2) or isinstance(spec.extra.get("dq_ws_slabs"), bool):
         raise ValueError(f"wgmma backward: dq_ws_slabs must be 1 or 2, got {spec.extra['dq_ws_slabs']!r}")
+    if spec.extra.get("ws_loads", False) is True and not ws_loads(spec):
+        raise ValueError("wgmma backward: ws_loads takes two warps of dq_ws's producer warpgroup: it needs dq_ws")
     if spec.extra.get("dq_ws", False) is True and not dq_ws(spec):
         raise ValueError("wgmma backward: dq_ws hands dQ to a producer warpgroup: not with dq_split 'k', dq_bulk, "
                          "dq_late or bwd_persistent")
@@ -729,6 +754,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     NT = consumer_threads(spec)  # the threads that load and compute (dq_ws's producer warpgroup after them)
     NWG = BK // 64  # warpgroups
     WS = dq_ws(spec)
+    WSL = ws_loads(spec)
     RG = BQ // 64  # dQ's 64-row groups
     KSPLIT = dq_split(spec) == "k"  # each warpgroup: its own kv rows, every column
     CS = _col_splits(spec)  # warpgroups sharing one row group (they split D)
@@ -775,6 +801,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         NS = dq_ws_slabs(spec)
         c(f"DQ_FULL = {DQ_WS_BAR + 1}  # dq_ws's named barriers: DQ_FULL + {NS} w + s, warpgroup w's slab s written;")
         c(f"DQ_FREE = {DQ_WS_BAR + 1 + NWG * NS}  # DQ_FREE + {NS} w + s, read")
+        if WSL:
+            c(f"LD_REQ = {DQ_WS_BAR + 1 + 2 * NWG * NS}  # ws_loads: the next tile's request to the loader warps")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
@@ -820,6 +848,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("if hk >= HK:  # the last group's places past the heads (kv_group not dividing them)")
             with c.indent():
                 c("continue" if PERS else "return")
+        if WSL:
+            c("if tid == 0:  # ws_loads: each Q / dO buffer's mbarrier, its loaders' copies and rows")
+            with c.indent():
+                for k in range(2):
+                    c(f"mbar_init(sb + {lay['MBAR'] + 8 * k}, {2 * WS_LOADERS})")
+            c(f"bar_sync(0, {threads(spec)})  # the mbarriers are initialised (the block's only barrier of all)")
         if WS:
             _emit_dq_producer(c, spec, lay)
         c(f"kv0 = kj * {BK}")
@@ -888,6 +922,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("dq_at = -1  # the last tile's dQ fragment: its reductions' first index into dq32 (-1: none pending)")
         if WS:
             c("dqs = 0  # dq_ws: the slab this warpgroup writes next")
+        if WSL:
+            c("tn = 0  # ws_loads: tiles done (tile t > 0 waits its buffer's mbarrier at parity ((t - 1) >> 1) & 1)")
         c("buf = 0")
         c("nl = ZERO")
         c("nd = ZERO")
@@ -921,16 +957,25 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# this tile's Q, dO landed before the last tile's dS^T barrier; here everyone is done with the other")
             c("# buffers and dS^T (their wgmmas waited). No fence here: its MEMBAR waited for the last tile's dQ")
             c("# reductions to reach L2 (ncu: 7% of the stall samples on the fence)")
-            c("cuda.syncthreads()")
-            c(f"if {_more(spec, 'hn', 'qn')}:")
-            with c.indent():
-                load_q_tile("hn", f"qn * {BQ}", "(buf ^ 1)")
-                c(f"if tid < {BQ}:")
+            if WSL:
+                c("if tn > 0:  # this tile's Q, dO, LSE, Delta from the loader warps (the first: our own loads)")
                 with c.indent():
-                    c(f"qq = qn * {BQ} + tid")
-                    c("nl = lse[qh + qq] if qq < M else ZERO")
-                    c("nd = delta[qh + qq] if qq < M else ZERO")
-            c("cp_async_commit()")
+                    c(f"mbar_wait(sb + {lay['MBAR']} + buf * 8, ((tn - 1) >> 1) & 1)")
+                    c("fence_proxy_async()  # their copies visible to wgmma's async proxy")
+            c("cuda.syncthreads()")
+            if WSL:
+                _emit_load_request(c, spec, lay, _more(spec, "hn", "qn"), f"hk * {G} + hn" if G > 1 else "hk",
+                                   f"qn * {BQ}")
+            else:
+                c(f"if {_more(spec, 'hn', 'qn')}:")
+                with c.indent():
+                    load_q_tile("hn", f"qn * {BQ}", "(buf ^ 1)")
+                    c(f"if tid < {BQ}:")
+                    with c.indent():
+                        c(f"qq = qn * {BQ} + tid")
+                        c("nl = lse[qh + qq] if qq < M else ZERO")
+                        c("nd = delta[qh + qq] if qq < M else ZERO")
+                c("cp_async_commit()")
             c(f"h = hk * {G} + hc" if G > 1 else "h = hk")
             c(f"q0 = qc * {BQ}")
             c("q_head = (b * H + h) * M")
@@ -1137,10 +1182,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     _emit_dq_reductions(c, DC // 8)
             if DKL:
                 c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
-            c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
-            with c.indent():
-                c(f"smem_f[((sbr + {STO}) >> 2) + (buf ^ 1) * {BQ} + tid] = nl")
-                c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + (buf ^ 1) * {BQ} + tid] = nd")
+            if not WSL:  # (ws_loads: the loader warps wrote them)
+                c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
+                with c.indent():
+                    c(f"smem_f[((sbr + {STO}) >> 2) + (buf ^ 1) * {BQ} + tid] = nl")
+                    c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + (buf ^ 1) * {BQ} + tid] = nd")
+            else:
+                c("tn += 1")
             c("hc = hn")
             c("qc = qn")
             if spec.block_mask == "list":
@@ -1149,6 +1197,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c()
         if HOLD:
             _emit_grad_hold_end(c, spec)
+        if WSL:
+            c("if tn == 0:  # no tile: the loader warps' end (else the last tile's top asked for none)")
+            with c.indent():
+                _emit_load_request(c, spec, lay, None, "0", "0")
         c("cp_async_wait0()")
         if BULK:
             c("# the last tile's staged dQ rows, read before the block's shared memory goes")
@@ -1213,9 +1265,65 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
                 c(f"bar_arrive(DQ_FREE + pw * {NS} + ps, 160)")
                 if NS > 1:
                     c("ps ^= 1")
+        if ws_loads(spec):
+            c(f"if pw >= {NWG} and pw < {NWG + WS_LOADERS // 32}:  # ws_loads' loader warps")
+            with c.indent():
+                _emit_loader(c, spec, lay)
         c("return")
     if NWG > 1:
         c("SETMAXNREG_INC()")
+
+
+def _emit_load_request(c: _Code, spec: FA2BackwardSpec, lay: dict, more: Optional[str], hq: str, q0: str) -> None:
+    """ws_loads, the consumers at a tile's top (after its barrier: the other buffer is free): thread 0 names the
+    next tile (1 + its q head hq and its first row q0 when `more` holds; 0 when it does not or `more` is None: the
+    loaders' end) and every consumer arrives on LD_REQ. The word is written again only a tile later, after this
+    thread waited for the buffer the loaders fill after reading it, so one word serves."""
+    w = f"((sbr + {lay['REQ']}) >> 2)"
+    c("if tid == 0:  # ws_loads: the next tile for the loader warps")
+    with c.indent():
+        c(f"smem_w[{w}] = ({hq}) + 1 if {more} else 0" if more is not None else f"smem_w[{w}] = 0")
+        c(f"smem_w[{w} + 1] = {q0}")
+    c(f"bar_arrive(LD_REQ, {consumer_threads(spec) + WS_LOADERS})")
+
+
+def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
+    """ws_loads' loader warps (64 threads): per request, the tile's Q and dO rows by cp.async into buffer lb (the
+    consumers' own copies' swizzled layout and row helpers, for 64 threads), each thread's copies then arriving on
+    the buffer's mbarrier (noinc), its LSE / Delta rows (0 past M) into the buffer's statistics, and a second
+    arrival once written; buffers alternate from 1 (the block's first tile is the consumers' own, in 0)."""
+    D, BQ = spec.head_dim, spec.block_q
+    CH = D // 8
+    rstep = WS_LOADERS // CH
+    QO, DOO, TQ, STO = lay["Q"], lay["DO"], lay["qt"], lay["ST"]
+    c(f"ltid = tid - {consumer_threads(spec) + 32 * spec.block_k // 64}  # 0 .. {WS_LOADERS - 1}")
+    c(f"ld_r0 = ltid // {CH}  # this thread's 16-byte chunk ld_c of rows ld_r0 + {rstep} i (emit_fa3's loads)")
+    c(f"ld_c = ltid % {CH}")
+    c("ld_x = ((ld_c & 7) ^ (ld_r0 & 7)) << 4")
+    c("lb = 1")
+    c("while True:")
+    with c.indent():
+        c(f"bar_sync(LD_REQ, {consumer_threads(spec) + WS_LOADERS})  # the consumers named the next tile")
+        c(f"lq = np.int32(smem_w[((sbr + {lay['REQ']}) >> 2)])")
+        c("if lq == 0:")
+        with c.indent():
+            c("break")
+        c(f"lq0 = np.int32(smem_w[((sbr + {lay['REQ']}) >> 2) + 1])")
+        c("hq = lq - 1")
+        c("qh = (b * H + hq) * M")
+        emit_bases(c, ("q", "do"), ("hq", "hq"))
+        _emit_row_addresses(c, "q", "qg", "q_sm", rstep)
+        _emit_row_addresses(c, "do", "dog", "do_sm", rstep)
+        _emit_load_inside(c, BQ, rstep, D, f"sb + {QO} + lb * {TQ}", "lq0", "M", "q", "qg", "q_sm")
+        _emit_load_inside(c, BQ, rstep, D, f"sb + {DOO} + lb * {TQ}", "lq0", "M", "do", "dog", "do_sm")
+        c(f"cp_async_mbar_arrive_noinc(sb + {lay['MBAR']} + lb * 8)  # once this thread's copies land")
+        c(f"for lr in range(ltid, {BQ}, {WS_LOADERS}):")
+        with c.indent():
+            c("qq = lq0 + lr")
+            c(f"smem_f[((sbr + {STO}) >> 2) + lb * {BQ} + lr] = lse[qh + qq] if qq < M else ZERO")
+            c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + lb * {BQ} + lr] = delta[qh + qq] if qq < M else ZERO")
+        c(f"mbar_arrive(sb + {lay['MBAR']} + lb * 8)")
+        c("lb ^= 1")
 
 
 def _emit_dq_handoff(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[str]) -> None:

@@ -60,7 +60,7 @@ KNOWN_EXTRAS = frozenset({
     "one_barrier", "opaque_desc", "overlap", "p_under_dp", "persistent", "pingpong", "prefetch_tiles", "producer",
     "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice",
     "schedule", "slice_ahead", "slice_rows", "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh",
-    "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows",
+    "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows", "ws_loads",
 })
 
 
