@@ -1311,11 +1311,10 @@ def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         c(f"lq0 = np.int32(smem_w[((sbr + {lay['REQ']}) >> 2) + 1])")
         c("hq = lq - 1")
         c("qh = (b * H + hq) * M")
-        emit_bases(c, ("q", "do"), ("hq", "hq"))
-        _emit_row_addresses(c, "q", "qg", "q_sm", rstep)
-        _emit_row_addresses(c, "do", "dog", "do_sm", rstep)
-        _emit_load_inside(c, BQ, rstep, D, f"sb + {QO} + lb * {TQ}", "lq0", "M", "q", "qg", "q_sm")
-        _emit_load_inside(c, BQ, rstep, D, f"sb + {DOO} + lb * {TQ}", "lq0", "M", "do", "dog", "do_sm")
+        for x, off in (("q", QO), ("do", DOO)):  # one array's addresses and copies, then the other's: at 24
+            emit_bases(c, (x,), ("hq",))  # registers the loader keeps one set of row addresses live
+            _emit_row_addresses(c, x, f"{x}g", f"{x}_sm", rstep)
+            _emit_load_inside(c, BQ, rstep, D, f"sb + {off} + lb * {TQ}", "lq0", "M", x, f"{x}g", f"{x}_sm")
         c(f"cp_async_mbar_arrive_noinc(sb + {lay['MBAR']} + lb * 8)  # once this thread's copies land")
         c(f"for lr in range(ltid, {BQ}, {WS_LOADERS}):")
         with c.indent():
