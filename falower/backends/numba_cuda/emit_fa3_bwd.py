@@ -219,11 +219,12 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
     except under block lists and with a held gradient, where it measured slower, and with one consumer warpgroup,
     not measured):
-    each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to a slab of its own in shared memory
-    as the registers lie (16-byte stores, thread-major: no lane swaps, no bank conflicts), fences for the async proxy
-    and arrives on a named barrier; a warp of the producer warpgroup (warp 8 + w serves consumer warpgroup w) adds
-    the slab into dQ's f32 accumulator by one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB), waits until it
-    has read the slab and hands it back (a second named barrier). dq32 is then kept in the slabs' order, padded to
+    each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to one of its slabs in shared memory
+    (`dq_ws_slabs`, alternating) as the registers lie (16-byte stores, thread-major: no lane swaps, no bank
+    conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
+    the consumers' warps) adds consumer warpgroup w's slab into dQ's f32 accumulator by one bulk reduction
+    (cp.reduce.async.bulk .add.f32, 8-16 KB), waits until it has read the slab and hands it back (a second named
+    barrier); after dK's and dV's stores a 0 word ends its walk. dq32 is then kept in the slabs' order, padded to
     whole q tiles (`dq_acc_rows`, `dq_ws_index`): the Delta kernel zeroes it and the conversion kernel reads it
     so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`: 24 / 240 at two consumer
     warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
