@@ -152,7 +152,9 @@ def parse_config(text: str) -> tuple:
     grid with a head's kv tiles in consecutive blocks, or kv tile j of every head first (extra kv_major; default:
     the first without a block mask), '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1
     (extra kv_group; default 8 under a static mask), '-blah' a block list's next entry read a tile ahead (extra
-    list_ahead)."""
+    list_ahead), '-bws' / '-bnows' dQ handed to a producer warpgroup's bulk reductions or kept on the consumers'
+    vector reductions (extra dq_ws; default "auto": the first but under block lists and a held gradient), '-bwsl'
+    the first with the next q tile's loads by two producer warps (extra ws_loads)."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -230,6 +232,8 @@ CONFIG_OPTIONS: list = [
     (("bkvm", {"kv_major": True}), ("bnokvm", {"kv_major": False})),
     (("bnoef", {"exp_fold": False}),),
     (("blah", {"list_ahead": True}),),
+    (("bws", {"dq_ws": True}), ("bnows", {"dq_ws": False})),
+    (("bwsl", {"dq_ws": True, "ws_loads": True}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}
