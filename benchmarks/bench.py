@@ -154,7 +154,7 @@ def parse_config(text: str) -> tuple:
     (extra kv_group; default 8 under a static mask), '-blah' a block list's next entry read a tile ahead (extra
     list_ahead), '-bws' / '-bnows' dQ handed to a producer warpgroup's bulk reductions or kept on the consumers'
     vector reductions (extra dq_ws; default "auto": the first but under block lists and a held gradient), '-bwsl'
-    the first with the next q tile's loads by two producer warps (extra ws_loads)."""
+    the next q tile's loads by two producer warps (extra ws_loads; dq_ws with it unless '-bnows')."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -233,7 +233,7 @@ CONFIG_OPTIONS: list = [
     (("bnoef", {"exp_fold": False}),),
     (("blah", {"list_ahead": True}),),
     (("bws", {"dq_ws": True}), ("bnows", {"dq_ws": False})),
-    (("bwsl", {"dq_ws": True, "ws_loads": True}),),
+    (("bwsl", {"ws_loads": True}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

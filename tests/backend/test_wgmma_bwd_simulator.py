@@ -738,7 +738,8 @@ def test_ws_loads_source(tmp_path, monkeypatch):
     and before the producer branch; at each tile's top the consumers wait for their tile's buffer (after the first)
     and fence before their barrier, then name the next tile and arrive on LD_REQ, with no cp.async of their own in
     the loop and no statistics kept in registers; the loader warps (producer warps 2 and 3) copy Q and dO into the
-    buffer and arrive twice (copies, rows); a walk of no tile still ends the loaders. Refused without dq_ws."""
+    buffer and arrive twice (copies, rows); a walk of no tile still ends the loaders. Refused with dq_ws False;
+    with dq_ws "auto" it turns dq_ws on, where "auto" alone would not."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
 
@@ -759,5 +760,8 @@ def test_ws_loads_source(tmp_path, monkeypatch):
     assert end.index("= 0") < end.index("bar_arrive(LD_REQ, 320)")
     plain = emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra={"dq_ws": True}))
     assert "LD_REQ" not in plain and "mbar_" not in plain.replace("import", "").split("@kernel_jit")[-1]
-    with pytest.raises(ValueError, match="ws_loads takes two warps"):
+    with pytest.raises(ValueError, match="ws_loads takes two warps"):  # (_spec's dq_ws False)
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"ws_loads": True}))
+    for stem in ("document", "alibi"):  # where "auto" leaves dq_ws off, asking for ws_loads turns it on
+        asked = _spec(stem, 128, extra={"dq_ws": "auto", "ws_loads": True})
+        assert emit_fa3_bwd.dq_ws(asked) and emit_fa3_bwd.ws_loads(asked), stem

@@ -235,6 +235,8 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     1024 window 0.915, causal 0.923, the softcap 0.923, the relative bias 0.958, plain D = 64 0.947; the document
     (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133, so "auto" leaves those two out."""
     v = spec.extra.get("dq_ws", "auto")
+    if v == "auto" and spec.extra.get("ws_loads", False) is True:
+        v = True  # ws_loads asks for the producer warpgroup it runs on
     if v == "auto" and (spec.block_mask == "list" or held_grads(spec) or spec.block_k == 64):
         return False  # measured slower (lists, a held gradient), or not measured (one consumer warpgroup)
     return (uses_wgmma(spec) and (v is True or v == "auto") and spec.dq == "atomic" and not spec.deterministic
@@ -243,7 +245,7 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
 
 def ws_loads(spec: FA2BackwardSpec) -> bool:
     """Q, dO and their LSE, Delta rows of the next q tile loaded by two warps of dq_ws's producer warpgroup
-    (spec.extra["ws_loads"] True; default False, not yet measured): at each tile's top the consumers name the next
+    (spec.extra["ws_loads"] True, which turns dq_ws on unless it is False; default False, not yet measured): at each tile's top the consumers name the next
     (head, q tile) in a shared word and arrive on a named barrier; the loader warps issue its cp.async copies into
     the other buffer (each thread's ending in cp.async.mbarrier.arrive.noinc on the buffer's mbarrier), write its
     LSE and Delta rows into shared memory and arrive; the consumers wait on that mbarrier (by the tile count's
@@ -609,7 +611,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if spec.extra.get("dq_ws_slabs", 2) not in (1, 2) or isinstance(spec.extra.get("dq_ws_slabs"), bool):
         raise ValueError(f"wgmma backward: dq_ws_slabs must be 1 or 2, got {spec.extra['dq_ws_slabs']!r}")
     if spec.extra.get("ws_loads", False) is True and not ws_loads(spec):
-        raise ValueError("wgmma backward: ws_loads takes two warps of dq_ws's producer warpgroup: it needs dq_ws")
+        raise ValueError("wgmma backward: ws_loads takes two warps of dq_ws's producer warpgroup: not with dq_ws "
+                         "False (or where dq_ws cannot run)")
     if spec.extra.get("dq_ws", False) is True and not dq_ws(spec):
         raise ValueError("wgmma backward: dq_ws hands dQ to a producer warpgroup: not with dq_split 'k', dq_bulk, "
                          "dq_late or bwd_persistent")
