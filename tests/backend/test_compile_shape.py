@@ -102,7 +102,7 @@ def test_ws_kernel_shares_its_helpers() -> None:
     assert calls.count("qk_wgmma") == 1 and "qk_wgmma" in names
     assert calls.count("ring_tile") == 6 and "ring_tile" in names
     assert calls.count("next_tile") == 5 and "next_tile" in names  # causal: a static block mask
-    assert [c for c in calls if c.startswith("load_swz_rows_")] == ["load_swz_rows_8"]  # Q; K, V in ring_tile
+    assert [c for c in calls if c.startswith("load_swz_rows_")] == ["load_swz_rows_8x8"]  # Q; K, V in ring_tile
     assert calls.count("tile_class_fn") == 2  # the tile range and need_mask; the next tile's in next_tile
     assert "cp_async16_s" not in calls and "WG_O" not in calls and "WG_S" not in calls
 

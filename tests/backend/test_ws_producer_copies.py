@@ -47,7 +47,7 @@ def test_producer_warpgroup_copies_k_and_v_from_kept_addresses(D, extra):
         assert re.search(rf"^\s*{arr}_at = elem_addr\({arr}, ", body, re.M), arr  # kept once per item
         assert body.index(f"{arr}_at = elem_addr") < body.index("while j <= kv_last:")
         # inside N: the kept address moved by the tile's rows; else the index path with its per-row bound
-        assert re.search(rf"copy_rows_\d+\([^\n]*{arr}_at \+ np\.uint64\(j \* 128\) \* {arr}_rb, {arr}_rs\)", loop), arr
+        assert re.search(rf"copy_rows_\d+x\d+\([^\n]*{arr}_at \+ np\.uint64\(j \* 128\) \* {arr}_rb, {arr}_rs\)", loop), arr
     assert loop.count("if j * 128 + 128 <= N:") == 2  # K's and V's copies each take the test
     assert loop.count("load_swz_rows_") == 2  # ... and fall back to the index path on the ragged tile only
     assert re.search(r"load_(swz_rows|q_tiles)_", body[:body.index("while j <= kv_last:")])  # Q: the index path

@@ -155,8 +155,10 @@ class _Code:
 
     def helper(self, name: str, lines: list[str]) -> str:
         """Ask for the top-level device function `name` (its source lines) while writing a kernel: it is
-        written once, ahead of the first `@kernel_jit`. Returns the name."""
-        self.helpers.setdefault(name, lines)
+        written once, ahead of the first `@kernel_jit`. Returns the name. A second request for the name with
+        other lines is an emitter's bug (the first body would serve both): it raises."""
+        if self.helpers.setdefault(name, lines) != lines:
+            raise ValueError(f"emitter: device function {name!r} asked for twice with different bodies")
         return name
 
     def indent(self) -> "_Indent":

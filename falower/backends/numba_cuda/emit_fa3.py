@@ -324,7 +324,7 @@ def _emit_load(c: _Code, rows: int, rstep: int, D: int, sdst: str, row0: str, nr
     c(f"ld_safe = {base} + ld_c * 8")
     # one device function per row count, shared by the Q, K and V loads: their branches (one per row) stay out
     # of the kernel's body (benchmarks/NOTES.md, "Compile time", lever 17)
-    fn = rows_helper(c, f"load_swz_rows_{rows // rstep}", rows // rstep, rstep, 128)
+    fn = rows_helper(c, f"load_swz_rows_{rows // rstep}x{rstep}", rows // rstep, rstep, 128)  # the step's in the body
     c(f"{fn}(ld_s, {garr}, ld_g, ld_safe, {rs}, ld_row, {nrows})")
 
 
@@ -339,10 +339,11 @@ def _emit_row_addresses(c: _Code, garr: str, base: str, rs: str, rstep: int) -> 
 
 
 def copy_rows_helper(c: _Code, n: int, rstep: int) -> str:
-    """`copy_rows_<n>(s, a, step)`: n 16-byte cp.async from global addresses a + i * step to shared s + i * rstep
+    """`copy_rows_<n>x<rstep>(s, a, step)`: n 16-byte cp.async from global addresses a + i * step to shared s + i * rstep
     rows of 128 bytes (a thread's chunks of a tile wholly inside its array, from kept row addresses)."""
-    return c.helper(f"copy_rows_{n}", [
-        "@device_function", f"def copy_rows_{n}(s, a, step):",
+    name = f"copy_rows_{n}x{rstep}"  # the step is in the body: in the name too (Code.helper refuses a clash)
+    return c.helper(name, [
+        "@device_function", f"def {name}(s, a, step):",
         f"    for it in range({n}):",
         f"        cp_async16_a(s + it * {rstep * 128}, a + np.uint64(it) * step, 16)"])
 

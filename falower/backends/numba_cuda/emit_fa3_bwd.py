@@ -1293,17 +1293,16 @@ def _emit_load_request(c: _Code, spec: FA2BackwardSpec, lay: dict, more: Optiona
 
 def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
     """ws_loads' loader warps (64 threads): per request, the tile's Q and dO rows by cp.async into buffer lb (the
-    consumers' own copies' swizzled layout and row helpers, for 64 threads), each thread's copies then arriving on
-    the buffer's mbarrier (noinc), its LSE / Delta rows (0 past M) into the buffer's statistics, and a second
-    arrival once written; buffers alternate from 1 (the block's first tile is the consumers' own, in 0)."""
+    consumers' own copies' swizzled layout and row helpers), each thread's copies then arriving on the buffer's
+    mbarrier (noinc), its LSE / Delta rows (0 past M) into the buffer's statistics, and a second arrival once
+    written; buffers alternate from 1 (the block's first tile is the consumers' own, in 0). A thread copies rows
+    ltid / 8 + 8 i (8 apart: one swizzle term (row & 7) for all of them, as the row helpers assume) and 16-byte
+    chunk ltid % 8 of each 64-column block (D / 64 passes)."""
     D, BQ = spec.head_dim, spec.block_q
-    CH = D // 8
-    rstep = WS_LOADERS // CH
+    RSTEP = WS_LOADERS // 8
     QO, DOO, TQ, STO = lay["Q"], lay["DO"], lay["qt"], lay["ST"]
     c(f"ltid = tid - {consumer_threads(spec) + 32 * spec.block_k // 64}  # 0 .. {WS_LOADERS - 1}")
-    c(f"ld_r0 = ltid // {CH}  # this thread's 16-byte chunk ld_c of rows ld_r0 + {rstep} i (emit_fa3's loads)")
-    c(f"ld_c = ltid % {CH}")
-    c("ld_x = ((ld_c & 7) ^ (ld_r0 & 7)) << 4")
+    c(f"ld_r0 = ltid >> 3  # rows ld_r0 + {RSTEP} i")
     c("lb = 1")
     c("while True:")
     with c.indent():
@@ -1315,10 +1314,13 @@ def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         c(f"lq0 = np.int32(smem_w[((sbr + {lay['REQ']}) >> 2) + 1])")
         c("hq = lq - 1")
         c("qh = (b * H + hq) * M")
-        for x, off in (("q", QO), ("do", DOO)):  # one array's addresses and copies, then the other's: at 24
-            emit_bases(c, (x,), ("hq",))  # registers the loader keeps one set of row addresses live
-            _emit_row_addresses(c, x, f"{x}g", f"{x}_sm", rstep)
-            _emit_load_inside(c, BQ, rstep, D, f"sb + {off} + lb * {TQ}", "lq0", "M", x, f"{x}g", f"{x}_sm")
+        for x, off in (("q", QO), ("do", DOO)):
+            emit_bases(c, (x,), ("hq",))
+            for h in range(D // 64):  # 64-column block h: chunk ltid % 8 of it
+                c(f"ld_c = (ltid & 7) + {8 * h}")
+                c("ld_x = ((ld_c & 7) ^ (ld_r0 & 7)) << 4")
+                _emit_row_addresses(c, x, f"{x}g", f"{x}_sm", RSTEP)
+                _emit_load_inside(c, BQ, RSTEP, D, f"sb + {off} + lb * {TQ}", "lq0", "M", x, f"{x}g", f"{x}_sm")
         c(f"cp_async_mbar_arrive_noinc(sb + {lay['MBAR']} + lb * 8)  # once this thread's copies land")
         c(f"for lr in range(ltid, {BQ}, {WS_LOADERS}):")
         with c.indent():
