@@ -595,18 +595,30 @@ def test_the_list_walk_visits_the_list(G, nq, ahead, data):
     assert seen == [(it // nq, it % nq, 1 if p else 2) for it, p in zip(its, partial)]
 
 
-def _dqws_at(spec):
-    """emit_fa3_bwd.dq_ws_index's device function as a Python function (its body is plain integer arithmetic)."""
+def _slab_order(spec):
+    """The test's own statement of dq_ws's accumulator order, `at(bh, m, d, M)`: tile m // block_q of (batch, head) bh
+    (block_q x D f32 a tile), consumer warpgroup w's 64 x DC slab in it (w = row group + RG x column split, as the
+    kernel numbers them), then the slab as the warpgroup's threads write it (emit_fa3_bwd._emit_dq_handoff):
+    [n8 tile][thread][4], a thread's 4 in wgmma's m64nN accumulator order (rows g, g + 8; columns 2t, 2t + 1)."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
-    scope: dict = {"device_function": lambda f: f}
-    exec("\n".join(emit_fa3_bwd.dq_ws_index(spec)), scope)
-    return scope["dqws_at"]
+    D, BQ = spec.head_dim, spec.block_q
+    RG, DC = BQ // 64, D // emit_fa3_bwd._col_splits(spec)
+
+    def at(bh, m, d, M):
+        nq = -(-M // BQ)
+        r, cc = m % BQ, d % DC
+        w = r // 64 + RG * (d // DC)
+        rr = r % 64
+        th = (rr // 16) * 32 + (rr % 8) * 4 + (cc % 8) // 2
+        e = ((rr % 16) // 8) * 2 + cc % 2
+        return (bh * nq + m // BQ) * BQ * D + w * 64 * DC + (cc // 8) * 512 + th * 4 + e
+    return at
 
 
 @pytest.mark.parametrize("D, bq, bk", [(64, 64, 64), (64, 64, 128), (128, 64, 128), (64, 128, 128)])
 def test_dq_ws_accumulator_order_is_a_permutation_of_whole_tiles(D, bq, bk):
-    """dq_ws's accumulator order (dqws_at) maps every (batch-head, row, column) of M = 130 rows one-to-one into the
+    """dq_ws's accumulator order (_slab_order) maps every (batch-head, row, column) of M = 130 rows one-to-one into the
     padded tiles' B H ceil(M / bq) bq D elements; each 16-byte group of a slab holds one thread's n8 tile (rows g and
     g + 8, columns 2t, 2t + 1, wgmma's accumulator order), and columns 2j, 2j + 1 lie side by side (the conversion
     reads them as a pair); the conversion's chunk decode is its inverse."""
@@ -615,7 +627,7 @@ def test_dq_ws_accumulator_order_is_a_permutation_of_whole_tiles(D, bq, bk):
     spec = dataclasses.replace(_spec("causal", D, extra={"dq_ws": True}), block_q=bq, block_k=bk,
                                num_warps=bk // 16)
     assert emit_fa3_bwd.dq_ws(spec)
-    at = _dqws_at(spec)
+    at = _slab_order(spec)
     M, BH = 130, 3
     Mp = emit_fa3_bwd.dq_acc_rows(spec, M)
     assert Mp == -(-M // bq) * bq

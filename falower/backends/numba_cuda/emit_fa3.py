@@ -339,8 +339,9 @@ def _emit_row_addresses(c: _Code, garr: str, base: str, rs: str, rstep: int) -> 
 
 
 def copy_rows_helper(c: _Code, n: int, rstep: int) -> str:
-    """`copy_rows_<n>x<rstep>(s, a, step)`: n 16-byte cp.async from global addresses a + i * step to shared s + i * rstep
-    rows of 128 bytes (a thread's chunks of a tile wholly inside its array, from kept row addresses)."""
+    """`copy_rows_<n>x<rstep>(s, a, step)`: n 16-byte cp.async from global addresses a + i * step to shared
+    s + i * rstep rows of 128 bytes (a thread's chunks of a tile wholly inside its array, from kept row
+    addresses)."""
     name = f"copy_rows_{n}x{rstep}"  # the step is in the body: in the name too (Code.helper refuses a clash)
     return c.helper(name, [
         "@device_function", f"def {name}(s, a, step):",

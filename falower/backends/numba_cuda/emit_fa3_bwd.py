@@ -23,7 +23,7 @@ in the slab order). What is new is the schedule (FA3's backward):
   64 q rows); added into the f32 dQ accumulator with 16-byte vector reductions (lanes t and t ^ 1 swap halves),
   as the mma.sync kernel does, or (`dq_ws`) handed through slabs in shared memory to a producer warpgroup that adds
   each by one bulk reduction (FA3's dQ writer; the accumulator then in slab order, which the Delta kernel zeroes
-  and the conversion reads: `dq_acc_rows`, `dq_ws_index`, `dq_ws_chunk`);
+  and the conversion reads: `dq_acc_rows`, `dq_ws_chunk`);
 * dK and dV stay in registers over every q tile and head of the group and are written once.
 
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
@@ -225,7 +225,7 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     the consumers' warps) adds consumer warpgroup w's slab into dQ's f32 accumulator by one bulk reduction
     (cp.reduce.async.bulk .add.f32, 8-16 KB), waits until it has read the slab and hands it back (a second named
     barrier); after dK's and dV's stores a 0 word ends its walk. dq32 is then kept in the slabs' order, padded to
-    whole q tiles (`dq_acc_rows`, `dq_ws_index`): the Delta kernel zeroes it and the conversion kernel reads it
+    whole q tiles (`dq_acc_rows`, `dq_ws_chunk`): the Delta kernel zeroes it and the conversion kernel reads it
     so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`: 24 / 240 at two consumer
     warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
     backward (probe_bwd `nored` 0.638 of its time, H200) and in lockstep nobody else had work; issued by the
@@ -245,10 +245,11 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
 
 def ws_loads(spec: FA2BackwardSpec) -> bool:
     """Q, dO and their LSE, Delta rows of the next q tile loaded by two warps of dq_ws's producer warpgroup
-    (spec.extra["ws_loads"] True, which turns dq_ws on unless it is False; default False, not yet measured): at each tile's top the consumers name the next
-    (head, q tile) in a shared word and arrive on a named barrier; the loader warps issue its cp.async copies into
-    the other buffer (each thread's ending in cp.async.mbarrier.arrive.noinc on the buffer's mbarrier), write its
-    LSE and Delta rows into shared memory and arrive; the consumers wait on that mbarrier (by the tile count's
+    (spec.extra["ws_loads"] True, which turns dq_ws on unless it is False; default False, not yet measured): at
+    each tile's top the consumers name the next (head, q tile) in a shared word and arrive on a named barrier; the
+    loader warps issue its cp.async copies into the other buffer (each thread's ending in
+    cp.async.mbarrier.arrive.noinc on the buffer's mbarrier), write its LSE and Delta rows into shared memory and
+    arrive; the consumers wait on that mbarrier (by the tile count's
     parity) before the tile's GEMMs. The block's first tile stays the consumers' own load. Why: the consumers'
     loads and the next tile's bookkeeping were 549 cycles of a 6665-cycle tile (probe_bwd --phases, plain D = 128,
     H200), issued in lockstep by both warpgroups, and their row addresses hold registers the consumers (at 240
@@ -276,28 +277,12 @@ def dq_acc_rows(spec: FA2BackwardSpec, M: int) -> int:
     return -(-M // spec.block_q) * spec.block_q if dq_ws(spec) else M
 
 
-def dq_ws_index(spec: FA2BackwardSpec) -> list[str]:
-    """The device function `dqws_at(bh, m, d, M)`: where dq_ws's accumulator keeps element (row m, column d) of
-    (batch, head) bh: tile m // block_q's slabs (block_q x D f32 a tile), consumer warpgroup w's 64 x DC slab (w =
-    its row group + RG x its column split, as the kernel numbers them), then the slab as the warpgroup's threads
-    wrote it: [n8 tile][thread][4], a thread's 4 being wgmma's accumulator order (rows g, g + 8; columns 2t, 2t + 1)."""
-    D, BQ = spec.head_dim, spec.block_q
-    RG, CS = BQ // 64, _col_splits(spec)
-    DC = D // CS
-    return ["@device_function", "def dqws_at(bh, m, d, M):",
-            f"    nq = (M + {BQ - 1}) // {BQ}",
-            f"    r = m % {BQ}",
-            f"    w = r // 64 + {RG} * (d // {DC})" if RG > 1 else f"    w = d // {DC}",
-            "    rr = r % 64",
-            f"    cc = d % {DC}",
-            "    th = (rr // 16) * 32 + (rr % 8) * 4 + (cc % 8) // 2",
-            "    e = ((rr % 16) // 8) * 2 + cc % 2",
-            f"    return ((bh * nq + m // {BQ}) * {BQ * D} + w * {64 * DC} + (cc // 8) * 512 + th * 4 + e)"]
-
-
 def dq_ws_chunk(spec: FA2BackwardSpec) -> list[str]:
     """The device function `dqws_rc(p)`: the (row, column) in its q tile of 16-byte chunk p of a tile's slabs (the
-    chunk holds rows r and r + 8 at columns col and col + 1, in that order: `dq_ws_index`'s inverse)."""
+    chunk holds rows r and r + 8 at columns col and col + 1, in that order). A q tile's block_q x D f32 are its
+    consumer warpgroups' slabs one after another (warpgroup w = its row group + RG x its column split, as the kernel
+    numbers them), each as the warpgroup's threads wrote it: [n8 tile][thread][4], a thread's 4 in wgmma's
+    accumulator order (rows g, g + 8; columns 2t, 2t + 1)."""
     D, BQ = spec.head_dim, spec.block_q
     RG, CS = BQ // 64, _col_splits(spec)
     DC = D // CS
@@ -340,14 +325,17 @@ def dkdv_stsm(spec: FA2BackwardSpec) -> bool:
 
 
 def dkdv_tma(spec: FA2BackwardSpec) -> bool:
-    """dkdv_bulk's rows by TMA tensor stores (spec.extra["dkdv_tma"] True; default False, not yet measured): each
+    """dkdv_bulk's rows by TMA tensor stores (spec.extra["dkdv_tma"] True; default False): each
     warp stages its 16 rows of dK and of dV by stmatrix as D / 64 boxes each of 16 rows x 128 bytes in the 128-byte
     swizzle, and lane 0 hands each box to one cp.async.bulk.tensor through dK's or dV's tensor map (made per call
     as the forward's O map: tensor_maps.o_map_geometry over the kv heads' rows; rows past N are not written), 2 D /
     64 copies a warp where the default hands 32 rows to 32 bulk copies. Why: probe_bwd --blocks (H200) read the
     copies' issue at ~2.9k cycles of a window block's 4.7k-cycle epilogue, the copy engine taking a 256-byte copy
     about every 12 cycles an SM whoever issues it (483477b's dkdv_lane0). Not with a persistent kernel (its staging
-    has a region of its own). Its boxes are staged by stmatrix whatever dkdv_stsm says (which then does nothing)."""
+    has a region of its own). Its boxes are staged by stmatrix whatever dkdv_stsm says (which then does nothing).
+    Measured (H200, probe_bwd.py, 9 rounds, the whole backward call against a bulk copy a row): the 1024 window
+    0.992, the document 0.987, plain 1.009; the window's copies' issue 2.9k -> 1.7k cycles a block, their reads
+    0.1k -> 0.5k: opt-in."""
     return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_tma", False) is True
             and not persistent(spec))
 

@@ -803,7 +803,8 @@ class _BackwardPlan:
         self.n_acc = n_acc = _dq_acc_len(s, B, H, M, D)  # dQ's accumulator (n_dq but under dq_ws)
         # Delta = rowsum(dO * O), and dQ's f32 accumulator zeroed
         dk_, buf = buffer("delta")
-        nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows), ("dq32", rows if self.separate else n_acc)])
+        nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows),
+                              ("dq32", rows if self.separate else n_acc)])
         scalars(buf, nxt, [H, M, *strides[9:12]])
         self.launches.append(_launcher(dk_.function(dev), delta_grid(B, H, M), 128, 0, buf))
         self.tables, self.sizes = kern.block_tables, tuple(sizes)
