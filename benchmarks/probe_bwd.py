@@ -175,13 +175,16 @@ PHASES = (
 TILES = 64  # q tiles stamped a block (the first 64 of its walk)
 
 
-def phase_anchors(source: str) -> list[str]:
-    """PHASES' anchors as this kernel writes them: under dq_ws its consumers' block barrier is a named barrier of
-    their threads (emit_fa3_bwd.DQ_WS_BAR) where the others call cuda.syncthreads()."""
+def block_barrier(source: str) -> str:
+    """The consumers' block barrier as this kernel writes it: cuda.syncthreads(), or under dq_ws a named barrier of
+    their threads (emit_fa3_bwd.DQ_WS_BAR), which leaves the producer warpgroup out."""
     named = re.search(r"bar_sync\(1, \d+\)", source)
-    if "cuda.syncthreads()" in source or named is None:
-        return [a for _, a in PHASES]
-    return [a.replace("cuda.syncthreads()", named.group()) for _, a in PHASES]
+    return named.group() if "cuda.syncthreads()" not in source and named is not None else "cuda.syncthreads()"
+
+
+def phase_anchors(source: str) -> list[str]:
+    """PHASES' anchors as this kernel writes them (its block barrier: `block_barrier`)."""
+    return [a.replace("cuda.syncthreads()", block_barrier(source)) for _, a in PHASES]
 
 
 def stamped_source(source: str, name: str) -> str:
@@ -242,8 +245,7 @@ BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "staged", "
                 "tiles")  # thread 0 writes these
 # dkdv_bulk's epilogue lines the barrier, staged, fenced and issued stamps follow or precede (the direct stores have
 # none: all then read the stores' start)
-BULK_BARRIER = "cuda.syncthreads()  # every warpgroup's last GEMMs have read"
-BULK_BARRIER_WS = r"bar_sync\(\d+, \d+\)  # every warpgroup's last GEMMs have read"  # the same under dq_ws
+BULK_BARRIER = "  # every warpgroup's last GEMMs have read"  # after the kernel's block barrier (block_barrier)
 BULK_FENCE = "fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine"
 BULK_WAIT = "bulk_wait_read0()  # the copies have read the staging rows"
 
@@ -291,8 +293,8 @@ def stamped_blocks_source(source: str, name: str) -> str:
     first = next(i for i in range(start, end) if lines[i].strip() == "tid = cuda.threadIdx.x")
     stamped, stores, ind = _stamps_to_stores(lines, first, end)
     out = lines[:first + 1] + stamped
-    bar = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_BARRIER)
-                or re.match(BULK_BARRIER_WS, lines[i].strip())), None)
+    barrier = block_barrier(source) + BULK_BARRIER
+    bar = next((i for i in range(stores, end) if lines[i].strip().startswith(barrier)), None)
     fence = next((i for i in range(stores, end) if lines[i].strip() == BULK_FENCE), None)
     wait = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_WAIT)), None)
     if bar is None or fence is None or wait is None:  # the direct stores: no barrier, no fence, no copies
