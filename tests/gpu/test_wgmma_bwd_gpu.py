@@ -211,9 +211,9 @@ def test_dq_ws(stem: str, dtype: str, D: int) -> None:
 @pytest.mark.parametrize("stem", ["plain", "causal", "gqa", "document", "sliding_window"])
 def test_ws_loads(stem: str, dtype: str, D: int) -> None:
     """spec.extra["ws_loads"] (with dq_ws): the next q tile's Q, dO, LSE and Delta loaded by two producer warps on
-    the consumers' request, waited for on the buffer's mbarrier: the error rule, and at N = 1000 dK, dV and dQ
-    bitwise dq_ws's without it (the same data in the same buffers; dQ's bulk reductions in the same order a
-    slab, whose order across kv blocks may differ: dQ by the error rule only)."""
+    the consumers' request, waited for on the buffer's mbarrier: the error rule, and at N = 1000 dK and dV bitwise
+    dq_ws's without it (the same data in the same buffers; dQ's adds across kv blocks come in any order: dQ by the
+    error rule only)."""
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["ws_loads"], dq_ws=True, ws_loads=True)
     env, host, do = case_inputs(stem, dtype, D, 1000)
     base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1]
