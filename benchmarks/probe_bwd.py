@@ -73,6 +73,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
     "tma": ({"dkdv_tma": True}, "dK and dV staged as 16-row boxes, stored by TMA tensor copies"),
     "ws": ({"dq_ws": True}, "dQ handed to a producer warpgroup's bulk reductions, two slabs a warpgroup"),
+    "nows": ({"dq_ws": False}, "dQ by the consumers' own reductions (dq_ws off where \"auto\" turns it on)"),
     "ws1": ({"dq_ws": True, "dq_ws_slabs": 1}, "... one slab a warpgroup"),
     "wsl": ({"dq_ws": True, "ws_loads": True}, "... and the next q tile's loads by two producer warps"),
 }
