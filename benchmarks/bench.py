@@ -153,8 +153,10 @@ def parse_config(text: str) -> tuple:
     the first without a block mask), '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1
     (extra kv_group; default 8 under a static mask), '-blah' a block list's next entry read a tile ahead (extra
     list_ahead), '-bws' / '-bnows' dQ handed to a producer warpgroup's bulk reductions or kept on the consumers'
-    vector reductions (extra dq_ws; default "auto": the first but under block lists and a held gradient), '-bwsl'
-    the next q tile's loads by two producer warps (extra ws_loads; dq_ws with it unless '-bnows')."""
+    vector reductions (extra dq_ws; default "auto": the first but with a held gradient, and under block lists only
+    with ws_loads), '-bwsl' / '-bnowsl' the next q tile's loads by two producer warps or by the consumers (extra
+    ws_loads; default "auto": the first wherever dq_ws runs at 64 x 128 tiles; asked for, it brings dq_ws unless
+    '-bnows')."""
     if text == "auto":
         return AUTO
     text, *opts = text.split("-")
@@ -233,7 +235,7 @@ CONFIG_OPTIONS: list = [
     (("bnoef", {"exp_fold": False}),),
     (("blah", {"list_ahead": True}),),
     (("bws", {"dq_ws": True}), ("bnows", {"dq_ws": False})),
-    (("bwsl", {"ws_loads": True}),),
+    (("bwsl", {"ws_loads": True}), ("bnowsl", {"ws_loads": False})),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

@@ -72,9 +72,10 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
     "tma": ({"dkdv_tma": True}, "dK and dV staged as 16-row boxes, stored by TMA tensor copies"),
-    "ws": ({"dq_ws": True}, "dQ handed to a producer warpgroup's bulk reductions, two slabs a warpgroup"),
+    "ws": ({"dq_ws": True, "ws_loads": False}, "dQ handed to a producer warpgroup's bulk reductions, two slabs a "
+           "warpgroup (the loads the consumers' own)"),
     "nows": ({"dq_ws": False}, "dQ by the consumers' own reductions (dq_ws off where \"auto\" turns it on)"),
-    "ws1": ({"dq_ws": True, "dq_ws_slabs": 1}, "... one slab a warpgroup"),
+    "ws1": ({"dq_ws": True, "ws_loads": False, "dq_ws_slabs": 1}, "... one slab a warpgroup"),
     "wsl": ({"dq_ws": True, "ws_loads": True}, "... and the next q tile's loads by two producer warps"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}

@@ -654,11 +654,12 @@ def test_dq_ws_source(tmp_path, monkeypatch):
     are named barriers of their own threads (no cuda.syncthreads left), their dQ goes to their slab (no vector
     reduction, no lane swap) between the slab's free and full barriers with the proxy fence before the arrive, and
     after the loop a 0 word ends the producer's walk. Refused with the dQ knobs it cannot take; the Delta kernel and
-    the conversion read the slab order. Two slabs a warpgroup alternate by default (dq_ws_slabs)."""
+    the conversion read the slab order. Two slabs a warpgroup alternate by default (dq_ws_slabs). (The loads stay
+    the consumers' here, ws_loads False: test_ws_loads_source reads them.)"""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa2_bwd, emit_fa3_bwd
 
-    spec = _spec("causal", 128, extra={"dq_ws": True})
+    spec = _spec("causal", 128, extra={"dq_ws": True, "ws_loads": False})
     assert emit_fa3_bwd.threads(spec) == 384 and emit_fa3_bwd.consumer_threads(spec) == 256
     src = emit_fa3_bwd.emit_fa3_backward(spec)
     assert "cuda.syncthreads()" not in src and "bar_sync(1, 256)" in src
@@ -679,7 +680,7 @@ def test_dq_ws_source(tmp_path, monkeypatch):
     assert at == sorted(at), list(zip(order, at))
     # two slabs a warpgroup by default (dq_ws_slabs), one when asked: its free barrier waited once at the end
     assert emit_fa3_bwd.smem_bytes(spec) - emit_fa3_bwd.smem_bytes(_spec("causal", 128)) == 2 * 2 * 64 * 64 * 4 + 16
-    one_slab = _spec("causal", 128, extra={"dq_ws": True, "dq_ws_slabs": 1})
+    one_slab = _spec("causal", 128, extra={"dq_ws": True, "ws_loads": False, "dq_ws_slabs": 1})
     assert emit_fa3_bwd.smem_bytes(one_slab) - emit_fa3_bwd.smem_bytes(_spec("causal", 128)) == 2 * 64 * 64 * 4 + 16
     src1 = emit_fa3_bwd.emit_fa3_backward(one_slab)
     assert "dqs ^= 1" not in src1 and src1.count("bar_sync(DQ_FREE + wg * 1 + dqs, 160)") == 2
@@ -699,20 +700,22 @@ def test_dq_ws_source(tmp_path, monkeypatch):
 
 
 def test_dq_ws_by_default():
-    """dq_ws "auto" (its default): on for the wgmma backward but under block lists (the document) and with a
-    gradient held across tiles (ALiBi's slope), where it measured slower, and with one consumer warpgroup (block_k =
-    64: not measured); True asks for it there too, False keeps the vector reductions; never in the deterministic
-    mode; anything else is refused by name."""
+    """dq_ws "auto" (its default): on for the wgmma backward but with a gradient held across tiles (ALiBi's slope),
+    where it measured slower, under block lists (the document) only with ws_loads (slower without it, faster with),
+    and with one consumer warpgroup (block_k = 64: not measured); True asks for it there too, False keeps the vector
+    reductions; never in the deterministic mode; anything else is refused by name."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     auto = {"dq_ws": "auto"}
-    for stem, on in (("causal", True), ("plain", True), ("relative_bias", True), ("alibi", False)):
+    for stem, on in (("causal", True), ("plain", True), ("relative_bias", True), ("document", True),
+                     ("alibi", False)):
         assert emit_fa3_bwd.dq_ws(_spec(stem, 128, extra=auto)) is on, stem
     spec = _spec("causal", 128, extra=auto)
     assert emit_fa3_bwd.dq_ws(dataclasses.replace(spec, extra={"bwd_schedule": "wgmma"}))  # no key: "auto"
     listed = dataclasses.replace(spec, block_mask="list")
-    assert not emit_fa3_bwd.dq_ws(listed)
-    assert emit_fa3_bwd.dq_ws(dataclasses.replace(listed, extra={**spec.extra, "dq_ws": True}))
+    assert emit_fa3_bwd.dq_ws(listed) and emit_fa3_bwd.ws_loads(listed)
+    assert not emit_fa3_bwd.dq_ws(dataclasses.replace(listed, extra={**spec.extra, "ws_loads": False}))
+    assert emit_fa3_bwd.dq_ws(dataclasses.replace(listed, extra={**spec.extra, "dq_ws": True, "ws_loads": False}))
     assert emit_fa3_bwd.dq_ws(_spec("alibi", 128, extra={"dq_ws": True}))
     assert not emit_fa3_bwd.dq_ws(_spec("causal", 128))  # _spec's False
     assert not emit_fa3_bwd.dq_ws(_spec("causal", 128, extra={**auto, "bwd_persistent": 2}))  # not with it: off
@@ -770,10 +773,31 @@ def test_ws_loads_source(tmp_path, monkeypatch):
     assert "tn += 1" in loop
     end = src[src.index("    if tn == 0:"):]
     assert end.index("= 0") < end.index("bar_arrive(LD_REQ, 320)")
-    plain = emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra={"dq_ws": True}))
+    plain = emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra={"dq_ws": True, "ws_loads": False}))
     assert "LD_REQ" not in plain and "mbar_" not in plain.replace("import", "").split("@kernel_jit")[-1]
     with pytest.raises(ValueError, match="ws_loads takes two warps"):  # (_spec's dq_ws False)
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"ws_loads": True}))
+    with pytest.raises(ValueError, match="ws_loads must be True, False or 'auto'"):
+        emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dq_ws": True, "ws_loads": 1}))
     for stem in ("document", "alibi"):  # where "auto" leaves dq_ws off, asking for ws_loads turns it on
         asked = _spec(stem, 128, extra={"dq_ws": "auto", "ws_loads": True})
         assert emit_fa3_bwd.dq_ws(asked) and emit_fa3_bwd.ws_loads(asked), stem
+
+
+def test_ws_loads_by_default():
+    """ws_loads "auto" (its default): on wherever dq_ws runs at the tiles it was measured on (two consumer
+    warpgroups over 64-row q tiles): plain and causal at D = 64 and 128, the document (which then takes dq_ws);
+    off with dq_ws off (ALiBi's "auto", or dq_ws False), at block_k = 64 or block_q = 128 unless asked for."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    for stem, D in (("plain", 128), ("causal", 64), ("causal", 128), ("document", 128)):
+        spec = _spec(stem, D, extra={"dq_ws": "auto"})
+        assert emit_fa3_bwd.ws_loads(spec), (stem, D)
+        assert "bar_arrive(LD_REQ" in emit_fa3_bwd.emit_fa3_backward(spec), (stem, D)
+    assert not emit_fa3_bwd.ws_loads(_spec("alibi", 128, extra={"dq_ws": "auto"}))
+    assert not emit_fa3_bwd.ws_loads(_spec("causal", 128))  # _spec's dq_ws False
+    spec = _spec("causal", 128, extra={"dq_ws": True})
+    for shape in (dict(block_k=64, num_warps=4), dict(block_q=128)):
+        other = dataclasses.replace(spec, **shape)
+        assert not emit_fa3_bwd.ws_loads(other), shape
+        assert emit_fa3_bwd.ws_loads(dataclasses.replace(other, extra={**spec.extra, "ws_loads": True})), shape

@@ -79,7 +79,8 @@ CASES = {
     # dQ's slabs handed to a producer warpgroup (dq_ws, asked for): two consumer warpgroups splitting dQ's columns
     # (slabs of 64 x 32), 3 ragged q tiles (two slabs a warpgroup, one written twice; the accumulator in slab order,
     # padded to whole tiles, zeroed by the Delta kernel and read back by the conversion; many heads: the GPU tests)
-    "causal-f16-d64-130x130-2wg-dqws": ("causal", "f16", 1, 1, 1, 130, 130, 64, 64, 128, {"dq_ws": True}),
+    "causal-f16-d64-130x130-2wg-dqws": ("causal", "f16", 1, 1, 1, 130, 130, 64, 64, 128,
+                                        {"dq_ws": True, "ws_loads": False}),
     # ... with dQ's rows split between the warpgroups (128 x 128) and one slab a warpgroup (two alternate by default),
     # and with one consumer warpgroup (no setmaxnreg) under a block list
     "prefix_lm-bf16-d64-100x65-128x128-dqws": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128,

@@ -196,12 +196,14 @@ def test_dkdv_staging(stem: str, dtype: str, D: int, knob: str) -> None:
 @pytest.mark.parametrize("stem", ["plain", "causal", "alibi", "relative_bias", "document", "gqa"])
 def test_dq_ws(stem: str, dtype: str, D: int) -> None:
     """spec.extra["dq_ws"]: dQ's slabs added by a producer warpgroup's bulk reductions into the accumulator in slab
-    order (setmaxnreg 24 / 240 at two consumer warpgroups): the error rule (dQ read back through the conversion),
-    and at N = 1000 (a ragged last q tile, the accumulator padded to whole tiles) dK and dV bitwise the default's
-    (the consumers compute them the same way)."""
-    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_ws"], dq_ws=True)
+    order (setmaxnreg 24 / 240 at two consumer warpgroups), the loads the consumers' own (ws_loads False; with it,
+    the default, test_ws_loads): the error rule (dQ read back through the conversion), and at N = 1000 (a ragged
+    last q tile, the accumulator padded to whole tiles) dK and dV bitwise the vector reductions' kernel's (dq_ws
+    False: the consumers compute them the same way)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_ws"], dq_ws=True, ws_loads=False)
     env, host, do = case_inputs(stem, dtype, D, 1000)
-    base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"dq_ws": True}))
+    base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1]
+                 for x in ({"dq_ws": False}, {"dq_ws": True, "ws_loads": False}))
     for name, a, b in zip(("dk", "dv"), base[1:3], new[1:3]):
         assert torch.equal(a, b), name
     assert (base[0] - new[0]).abs().max().item() <= 1e-2 * base[0].abs().max().item() + 1e-3, "dq"
@@ -217,7 +219,7 @@ def test_ws_loads(stem: str, dtype: str, D: int) -> None:
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["ws_loads"], dq_ws=True, ws_loads=True)
     env, host, do = case_inputs(stem, dtype, D, 1000)
     base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1]
-                 for x in ({"dq_ws": True}, {"dq_ws": True, "ws_loads": True}))
+                 for x in ({"dq_ws": True, "ws_loads": False}, {"dq_ws": True, "ws_loads": True}))
     for name, a, b in zip(("dk", "dv"), base[1:3], new[1:3]):
         assert torch.equal(a, b), name
 

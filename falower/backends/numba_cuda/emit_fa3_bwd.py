@@ -188,9 +188,9 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     return str(spec.extra.get("dq_split", "n"))
 
 
-# The knobs of this kernel (opt-in, but interior_split, dkdv_bulk and, without a mask, kv_major), each with the text it
-# leaves in the emitted source: what tools and tests read to know a built kernel took it (p_under_dp falls back to the
-# fused elementwise function where it cannot split).
+# The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads and, without a mask, kv_major),
+# each with the text it leaves in the emitted source: what tools and tests read to know a built kernel took it
+# (p_under_dp falls back to the fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
@@ -217,8 +217,8 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 
 def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
-    except under block lists and with a held gradient, where it measured slower, and with one consumer warpgroup,
-    not measured):
+    except with a held gradient, where it measured slower, under block lists without ws_loads (likewise), and with
+    one consumer warpgroup, not measured):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to one of its slabs in shared memory
     (`dq_ws_slabs`, alternating) as the registers lie (16-byte stores, thread-major: no lane swaps, no bank
     conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
@@ -233,19 +233,31 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     split, benchmarks/NOTES.md "A plan for the backward against cuDNN"). Measured (H200, probe_bwd.py, 7-9 rounds,
     the whole backward call against the vector reductions): plain D = 128 0.881, GQA 0.838, prefix LM 0.893, the
     1024 window 0.915, causal 0.923, the softcap 0.923, the relative bias 0.958, plain D = 64 0.947; the document
-    (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133, so "auto" leaves those two out."""
+    (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133. With ws_loads (its "auto") the
+    document read 0.954 of the vector reductions' call (2026-11-29), so "auto" takes block lists too unless
+    ws_loads is False; it leaves out ALiBi's held gradient."""
     v = spec.extra.get("dq_ws", "auto")
-    if v == "auto" and spec.extra.get("ws_loads", False) is True:
+    loads = spec.extra.get("ws_loads", "auto")
+    if v == "auto" and loads is True:
         v = True  # ws_loads asks for the producer warpgroup it runs on
+    listed = spec.block_mask == "list" and not held_grads(spec)
+    if v == "auto" and listed and loads == "auto" and _ws_loads_shape(spec):
+        v = True  # measured faster with ws_loads (the document 0.954), slower without (1.054)
     if v == "auto" and (spec.block_mask == "list" or held_grads(spec) or spec.block_k == 64):
         return False  # measured slower (lists, a held gradient), or not measured (one consumer warpgroup)
     return (uses_wgmma(spec) and (v is True or v == "auto") and spec.dq == "atomic" and not spec.deterministic
             and dq_split(spec) == "n" and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
 
 
+def _ws_loads_shape(spec: FA2BackwardSpec) -> bool:
+    """The tiles ws_loads was measured on: two consumer warpgroups over 64-row q tiles (block_k 128, block_q 64)."""
+    return spec.block_k == 128 and spec.block_q == 64
+
+
 def ws_loads(spec: FA2BackwardSpec) -> bool:
     """Q, dO and their LSE, Delta rows of the next q tile loaded by two warps of dq_ws's producer warpgroup
-    (spec.extra["ws_loads"] True, which turns dq_ws on unless it is False; default False, not yet measured): at
+    (spec.extra["ws_loads"]: True, which turns dq_ws on unless it is False; False; or "auto", the default: on
+    wherever dq_ws is, at the tiles it was measured on, `_ws_loads_shape`): at
     each tile's top the consumers name the next (head, q tile) in a shared word and arrive on a named barrier; the
     loader warps issue its cp.async copies into the other buffer (each thread's ending in
     cp.async.mbarrier.arrive.noinc on the buffer's mbarrier), write its LSE and Delta rows into shared memory and
@@ -253,8 +265,11 @@ def ws_loads(spec: FA2BackwardSpec) -> bool:
     parity) before the tile's GEMMs. The block's first tile stays the consumers' own load. Why: the consumers'
     loads and the next tile's bookkeeping were 549 cycles of a 6665-cycle tile (probe_bwd --phases, plain D = 128,
     H200), issued in lockstep by both warpgroups, and their row addresses hold registers the consumers (at 240
-    under dq_ws) spill for."""
-    return dq_ws(spec) and spec.extra.get("ws_loads", False) is True
+    under dq_ws) spill for. Measured (H200, probe_bwd.py, 9 rounds, the whole backward call against dq_ws without
+    it, 2026-11-29): plain D = 128 0.935, causal 0.904, the 1024 window 0.947, plain D = 64 0.986; the document
+    0.954 of the vector reductions (its default before)."""
+    v = spec.extra.get("ws_loads", "auto")
+    return dq_ws(spec) and (v is True or (v == "auto" and _ws_loads_shape(spec)))
 
 
 WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
@@ -585,8 +600,10 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         raise ValueError(f"wgmma backward: kv_group must be an int from 1 to {KV_GROUP_MAX} (or 0: off), got {g!r}")
     if spec.extra.get("dq_ws", "auto") != "auto" and not isinstance(spec.extra["dq_ws"], bool):
         raise ValueError(f"wgmma backward: dq_ws must be True, False or 'auto', got {spec.extra['dq_ws']!r}")
+    if spec.extra.get("ws_loads", "auto") != "auto" and not isinstance(spec.extra["ws_loads"], bool):
+        raise ValueError(f"wgmma backward: ws_loads must be True, False or 'auto', got {spec.extra['ws_loads']!r}")
     for knob in (*KNOB_MARKS, "exp_fold"):  # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
-        if knob != "dq_ws" and not isinstance(spec.extra.get(knob, False), bool):
+        if knob not in ("dq_ws", "ws_loads") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
