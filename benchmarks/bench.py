@@ -153,8 +153,8 @@ def parse_config(text: str) -> tuple:
     the first without a block mask), '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1
     (extra kv_group; default 8 under a static mask), '-blah' a block list's next entry read a tile ahead (extra
     list_ahead), '-bws' / '-bnows' dQ handed to a producer warpgroup's bulk reductions or kept on the consumers'
-    vector reductions (extra dq_ws; default "auto": the first but with a held gradient, and under block lists only
-    with ws_loads), '-bwsl' / '-bnowsl' the next q tile's loads by two producer warps or by the consumers (extra
+    vector reductions (extra dq_ws; default "auto": the first, but without ws_loads under block lists and with a
+    held gradient), '-bwsl' / '-bnowsl' the next q tile's loads by two producer warps or by the consumers (extra
     ws_loads; default "auto": the first wherever dq_ws runs at 64 x 128 tiles; asked for, it brings dq_ws unless
     '-bnows')."""
     if text == "auto":

@@ -700,16 +700,17 @@ def test_dq_ws_source(tmp_path, monkeypatch):
 
 
 def test_dq_ws_by_default():
-    """dq_ws "auto" (its default): on for the wgmma backward but with a gradient held across tiles (ALiBi's slope),
-    where it measured slower, under block lists (the document) only with ws_loads (slower without it, faster with),
-    and with one consumer warpgroup (block_k = 64: not measured); True asks for it there too, False keeps the vector
-    reductions; never in the deterministic mode; anything else is refused by name."""
+    """dq_ws "auto" (its default): on for the wgmma backward wherever ws_loads comes with it, block lists (the
+    document) and a gradient held across tiles (ALiBi's slope) included; with ws_loads False, off under those two,
+    where dq_ws alone measured slower; off with one consumer warpgroup (block_k = 64: not measured); True asks for it
+    there too, False keeps the vector reductions; never in the deterministic mode; anything else is refused by name."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     auto = {"dq_ws": "auto"}
-    for stem, on in (("causal", True), ("plain", True), ("relative_bias", True), ("document", True),
-                     ("alibi", False)):
-        assert emit_fa3_bwd.dq_ws(_spec(stem, 128, extra=auto)) is on, stem
+    for stem in ("causal", "plain", "relative_bias", "document", "alibi"):
+        assert emit_fa3_bwd.dq_ws(_spec(stem, 128, extra=auto)), stem
+    for stem, on in (("causal", True), ("document", False), ("alibi", False)):  # without ws_loads
+        assert emit_fa3_bwd.dq_ws(_spec(stem, 128, extra={**auto, "ws_loads": False})) is on, stem
     spec = _spec("causal", 128, extra=auto)
     assert emit_fa3_bwd.dq_ws(dataclasses.replace(spec, extra={"bwd_schedule": "wgmma"}))  # no key: "auto"
     listed = dataclasses.replace(spec, block_mask="list")
@@ -786,15 +787,14 @@ def test_ws_loads_source(tmp_path, monkeypatch):
 
 def test_ws_loads_by_default():
     """ws_loads "auto" (its default): on wherever dq_ws runs at the tiles it was measured on (two consumer
-    warpgroups over 64-row q tiles): plain and causal at D = 64 and 128, the document (which then takes dq_ws);
-    off with dq_ws off (ALiBi's "auto", or dq_ws False), at block_k = 64 or block_q = 128 unless asked for."""
+    warpgroups over 64-row q tiles): plain and causal at D = 64 and 128, the document and ALiBi (which then take
+    dq_ws); off with dq_ws False, at block_k = 64 or block_q = 128 unless asked for."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
-    for stem, D in (("plain", 128), ("causal", 64), ("causal", 128), ("document", 128)):
+    for stem, D in (("plain", 128), ("causal", 64), ("causal", 128), ("document", 128), ("alibi", 64)):
         spec = _spec(stem, D, extra={"dq_ws": "auto"})
         assert emit_fa3_bwd.ws_loads(spec), (stem, D)
         assert "bar_arrive(LD_REQ" in emit_fa3_bwd.emit_fa3_backward(spec), (stem, D)
-    assert not emit_fa3_bwd.ws_loads(_spec("alibi", 128, extra={"dq_ws": "auto"}))
     assert not emit_fa3_bwd.ws_loads(_spec("causal", 128))  # _spec's dq_ws False
     spec = _spec("causal", 128, extra={"dq_ws": True})
     for shape in (dict(block_k=64, num_warps=4), dict(block_q=128)):

@@ -210,7 +210,7 @@ def test_dq_ws(stem: str, dtype: str, D: int) -> None:
 
 
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
-@pytest.mark.parametrize("stem", ["plain", "causal", "gqa", "document", "sliding_window"])
+@pytest.mark.parametrize("stem", ["plain", "causal", "gqa", "document", "sliding_window", "alibi"])
 def test_ws_loads(stem: str, dtype: str, D: int) -> None:
     """spec.extra["ws_loads"] (with dq_ws): the next q tile's Q, dO, LSE and Delta loaded by two producer warps on
     the consumers' request, waited for on the buffer's mbarrier: the error rule, and at N = 1000 dK and dV bitwise

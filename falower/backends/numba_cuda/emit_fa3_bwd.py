@@ -217,8 +217,8 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 
 def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
-    except with a held gradient, where it measured slower, under block lists without ws_loads (likewise), and with
-    one consumer warpgroup, not measured):
+    wherever ws_loads can come with it (`_ws_loads_shape`); with ws_loads False, on except under block lists and
+    with a held gradient, where it measured slower without ws_loads, and with one consumer warpgroup, not measured):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to one of its slabs in shared memory
     (`dq_ws_slabs`, alternating) as the registers lie (16-byte stores, thread-major: no lane swaps, no bank
     conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
@@ -233,18 +233,15 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     split, benchmarks/NOTES.md "A plan for the backward against cuDNN"). Measured (H200, probe_bwd.py, 7-9 rounds,
     the whole backward call against the vector reductions): plain D = 128 0.881, GQA 0.838, prefix LM 0.893, the
     1024 window 0.915, causal 0.923, the softcap 0.923, the relative bias 0.958, plain D = 64 0.947; the document
-    (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133. With ws_loads (its "auto") the
-    document read 0.954 of the vector reductions' call (2026-11-29), so "auto" takes block lists too unless
-    ws_loads is False; it leaves out ALiBi's held gradient."""
+    (block lists) 1.054 and ALiBi (its slope's gradient held across tiles) 1.133. With ws_loads (its "auto"), against
+    the vector reductions' call (2026-11-29): GQA 0.799, prefix LM 0.814, the relative bias 0.853, ALiBi 0.874, the
+    document 0.954, so "auto" takes those two with it."""
     v = spec.extra.get("dq_ws", "auto")
     loads = spec.extra.get("ws_loads", "auto")
-    if v == "auto" and loads is True:
-        v = True  # ws_loads asks for the producer warpgroup it runs on
-    listed = spec.block_mask == "list" and not held_grads(spec)
-    if v == "auto" and listed and loads == "auto" and _ws_loads_shape(spec):
-        v = True  # measured faster with ws_loads (the document 0.954), slower without (1.054)
+    if v == "auto" and (loads is True or (loads == "auto" and _ws_loads_shape(spec))):
+        v = True  # ws_loads asks for the producer warpgroup it runs on; with it every example measured faster
     if v == "auto" and (spec.block_mask == "list" or held_grads(spec) or spec.block_k == 64):
-        return False  # measured slower (lists, a held gradient), or not measured (one consumer warpgroup)
+        return False  # without ws_loads: measured slower (lists, a held gradient), or not measured (one warpgroup)
     return (uses_wgmma(spec) and (v is True or v == "auto") and spec.dq == "atomic" and not spec.deterministic
             and dq_split(spec) == "n" and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
 
