@@ -51,7 +51,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
     defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True, "dkdv_bulk": True,
-                "kv_group": r["block_mask"] == "static" and "kv_major" not in asked}
+                "kv_group": r["block_mask"] == "static" and "kv_major" not in asked,
+                "ws_loads": r["knobs"]["dq_ws"] and CASES[case_id][8:10] == (64, 128)}  # wherever dq_ws is, 64 x 128
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"]}
     for knob, on in seen.items():  # each knob as asked, else its default
         assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
