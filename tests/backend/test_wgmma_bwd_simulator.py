@@ -54,8 +54,10 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked,
                 "ws_loads": r["knobs"]["dq_ws"] and CASES[case_id][8:10] == (64, 128)}  # wherever dq_ws is, 64 x 128
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"]}
-    for knob, on in seen.items():  # each knob as asked, else its default
-        assert on == bool(asked.get(knob, defaults.get(knob, False))), (knob, r["knobs"], r["exp_fold"])
+    tiles = CASES[case_id][8:10]
+    for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default
+        want = asked.get(knob, defaults.get(knob, False))
+        assert on == (tiles == (64, 128) if want == "auto" else bool(want)), (knob, r["knobs"], r["exp_fold"])
     if case_id.startswith("document"):  # a data mask: its kv tiles' block lists, walked on wgmma
         assert r["block_mask"] == "list", r
     if case_id.startswith(("alibi", "relative_bias")):
@@ -755,8 +757,9 @@ def test_ws_loads_source(tmp_path, monkeypatch):
     and before the producer branch; at each tile's top the consumers wait for their tile's buffer (after the first)
     and fence before their barrier, then name the next tile and arrive on LD_REQ, with no cp.async of their own in
     the loop and no statistics kept in registers; the loader warps (producer warps 2 and 3) copy Q and dO into the
-    buffer and arrive twice (copies, rows); a walk of no tile still ends the loaders. Refused with dq_ws False;
-    with dq_ws "auto" it turns dq_ws on, where "auto" alone would not."""
+    buffer and arrive twice (copies, rows); a walk of no tile still ends the loaders. Refused with dq_ws False and
+    with the knobs dq_ws cannot take; asked for with dq_ws "auto" it turns dq_ws on, at tiles where "auto" alone
+    would not (one consumer warpgroup)."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
 
@@ -781,8 +784,13 @@ def test_ws_loads_source(tmp_path, monkeypatch):
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"ws_loads": True}))
     with pytest.raises(ValueError, match="ws_loads must be True, False or 'auto'"):
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dq_ws": True, "ws_loads": 1}))
-    for stem in ("document", "alibi"):  # where "auto" leaves dq_ws off, asking for ws_loads turns it on
-        asked = _spec(stem, 128, extra={"dq_ws": "auto", "ws_loads": True})
+    for bad in ({"dq_split": "k"}, {"dq_bulk": True}, {"dq_late": True}, {"bwd_persistent": 2}):
+        with pytest.raises(ValueError, match="ws_loads takes two warps"):
+            emit_fa3_bwd.validate_spec(_spec("causal", 64, extra={"dq_ws": "auto", "ws_loads": True, **bad}))
+    for stem in ("document", "alibi"):  # one consumer warpgroup: "auto" leaves dq_ws off, ws_loads turns it on
+        one_wg = dataclasses.replace(_spec(stem, 128, extra={"dq_ws": "auto"}), block_k=64, num_warps=4)
+        assert not emit_fa3_bwd.dq_ws(one_wg), stem
+        asked = dataclasses.replace(one_wg, extra={**one_wg.extra, "ws_loads": True})
         assert emit_fa3_bwd.dq_ws(asked) and emit_fa3_bwd.ws_loads(asked), stem
 
 
@@ -792,12 +800,12 @@ def test_ws_loads_by_default():
     dq_ws); off with dq_ws False, at block_k = 64 or block_q = 128 unless asked for."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
-    for stem, D in (("plain", 128), ("causal", 64), ("causal", 128), ("document", 128), ("alibi", 64)):
+    for stem, D in (("plain", 64), ("plain", 128), ("causal", 64), ("causal", 128), ("document", 128), ("alibi", 64)):
         spec = _spec(stem, D, extra={"dq_ws": "auto"})
         assert emit_fa3_bwd.ws_loads(spec), (stem, D)
         assert "bar_arrive(LD_REQ" in emit_fa3_bwd.emit_fa3_backward(spec), (stem, D)
     assert not emit_fa3_bwd.ws_loads(_spec("causal", 128))  # _spec's dq_ws False
-    spec = _spec("causal", 128, extra={"dq_ws": True})
+    spec = _spec("causal", 64, extra={"dq_ws": True})
     for shape in (dict(block_k=64, num_warps=4), dict(block_q=128)):
         other = dataclasses.replace(spec, **shape)
         assert not emit_fa3_bwd.ws_loads(other), shape

@@ -200,7 +200,8 @@ def test_dq_ws(stem: str, dtype: str, D: int) -> None:
     the default, test_ws_loads): the error rule (dQ read back through the conversion), and at N = 1000 (a ragged
     last q tile, the accumulator padded to whole tiles) dK and dV bitwise the vector reductions' kernel's (dq_ws
     False: the consumers compute them the same way)."""
-    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_ws"], dq_ws=True, ws_loads=False)
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_ws"] and not knobs_in(k.source)["ws_loads"],
+                     dq_ws=True, ws_loads=False)
     env, host, do = case_inputs(stem, dtype, D, 1000)
     base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1]
                  for x in ({"dq_ws": False}, {"dq_ws": True, "ws_loads": False}))

@@ -11,7 +11,8 @@ in the slab order). What is new is the schedule (FA3's backward):
   and the accumulator layout of the mma.sync kernel's warps (wgmma's D fragment is, per warp, mma.sync's C
   fragment repeated along N), so its per-element code, captured-gradient reductions and stores apply unchanged;
 * K and V in shared memory for the whole loop, Q and dO (and LSE, Delta) of the next (head, q tile) loaded by
-  cp.async into the other buffer while the current one is computed; every tile in wgmma's 128 B-swizzled
+  cp.async into the other buffer while the current one is computed (by two producer warps under ws_loads, the
+  default at 64 x 128 tiles; else by the consumers); every tile in wgmma's 128 B-swizzled
   layout `[D // 64][rows][64]` (wgmma.py), at 1024-byte aligned addresses;
 * S^T = K Q^T and dP^T = V dO^T: D/16 `wgmma m64n{block_q}k16` each, both operands K-major from descriptors;
 * per element the IR's elem_<branch> turns (s, dp, lse, delta) into (P^T, dS^T, gradient contributions);
@@ -217,8 +218,9 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 
 def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
-    wherever ws_loads can come with it (`_ws_loads_shape`); with ws_loads False, on except under block lists and
-    with a held gradient, where it measured slower without ws_loads, and with one consumer warpgroup, not measured):
+    wherever ws_loads comes with it (ws_loads True, or its "auto" at `_ws_loads_shape`'s tiles); without ws_loads,
+    on except under block lists and with a held gradient, where it measured slower so, and with one consumer
+    warpgroup, not measured):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to one of its slabs in shared memory
     (`dq_ws_slabs`, alternating) as the registers lie (16-byte stores, thread-major: no lane swaps, no bank
     conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
@@ -614,7 +616,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         raise ValueError(f"wgmma backward: dq_ws_slabs must be 1 or 2, got {spec.extra['dq_ws_slabs']!r}")
     if spec.extra.get("ws_loads", False) is True and not ws_loads(spec):
         raise ValueError("wgmma backward: ws_loads takes two warps of dq_ws's producer warpgroup: not with dq_ws "
-                         "False (or where dq_ws cannot run)")
+                         "False, dq_split 'k', dq_bulk, dq_late or bwd_persistent")
     if spec.extra.get("dq_ws", False) is True and not dq_ws(spec):
         raise ValueError("wgmma backward: dq_ws hands dQ to a producer warpgroup: not with dq_split 'k', dq_bulk, "
                          "dq_late or bwd_persistent")
