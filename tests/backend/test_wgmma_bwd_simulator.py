@@ -50,11 +50,11 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
+    tiles = CASES[case_id][8:10]
     defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True, "dkdv_bulk": True,
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked,
-                "ws_loads": r["knobs"]["dq_ws"] and CASES[case_id][8:10] == (64, 128)}  # wherever dq_ws is, 64 x 128
+                "ws_loads": r["knobs"]["dq_ws"] and tiles == (64, 128)}  # wherever dq_ws is, at 64 x 128
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"]}
-    tiles = CASES[case_id][8:10]
     for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default
         want = asked.get(knob, defaults.get(knob, False))
         assert on == (tiles == (64, 128) if want == "auto" else bool(want)), (knob, r["knobs"], r["exp_fold"])

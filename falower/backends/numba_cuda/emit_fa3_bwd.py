@@ -219,7 +219,7 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
     wherever ws_loads comes with it (ws_loads True, or its "auto" at `_ws_loads_shape`'s tiles); without ws_loads,
-    on except under block lists and with a held gradient, where it measured slower so, and with one consumer
+    on except under block lists and with a held gradient, where dq_ws alone measured slower, and with one consumer
     warpgroup, not measured):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to one of its slabs in shared memory
     (`dq_ws_slabs`, alternating) as the registers lie (16-byte stores, thread-major: no lane swaps, no bank
@@ -272,6 +272,8 @@ def ws_loads(spec: FA2BackwardSpec) -> bool:
 
 
 WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
+_AUTO_KNOBS = ("dq_ws", "ws_loads")  # True, False or "auto" (the others: True or False)
+_DQ_WS_REFUSES = "dq_split 'k', dq_bulk, dq_late or bwd_persistent"  # the knobs dq_ws() turns it off for
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
 DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
 
@@ -597,12 +599,11 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     g = spec.extra.get("kv_group", 0)
     if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= KV_GROUP_MAX:
         raise ValueError(f"wgmma backward: kv_group must be an int from 1 to {KV_GROUP_MAX} (or 0: off), got {g!r}")
-    if spec.extra.get("dq_ws", "auto") != "auto" and not isinstance(spec.extra["dq_ws"], bool):
-        raise ValueError(f"wgmma backward: dq_ws must be True, False or 'auto', got {spec.extra['dq_ws']!r}")
-    if spec.extra.get("ws_loads", "auto") != "auto" and not isinstance(spec.extra["ws_loads"], bool):
-        raise ValueError(f"wgmma backward: ws_loads must be True, False or 'auto', got {spec.extra['ws_loads']!r}")
+    for knob in _AUTO_KNOBS:
+        if spec.extra.get(knob, "auto") != "auto" and not isinstance(spec.extra[knob], bool):
+            raise ValueError(f"wgmma backward: {knob} must be True, False or 'auto', got {spec.extra[knob]!r}")
     for knob in (*KNOB_MARKS, "exp_fold"):  # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
-        if knob not in ("dq_ws", "ws_loads") and not isinstance(spec.extra.get(knob, False), bool):
+        if knob not in _AUTO_KNOBS and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
@@ -615,11 +616,10 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if spec.extra.get("dq_ws_slabs", 2) not in (1, 2) or isinstance(spec.extra.get("dq_ws_slabs"), bool):
         raise ValueError(f"wgmma backward: dq_ws_slabs must be 1 or 2, got {spec.extra['dq_ws_slabs']!r}")
     if spec.extra.get("ws_loads", False) is True and not ws_loads(spec):
-        raise ValueError("wgmma backward: ws_loads takes two warps of dq_ws's producer warpgroup: not with dq_ws "
-                         "False, dq_split 'k', dq_bulk, dq_late or bwd_persistent")
+        raise ValueError(f"wgmma backward: ws_loads takes two warps of dq_ws's producer warpgroup: not with dq_ws "
+                         f"False, {_DQ_WS_REFUSES}")
     if spec.extra.get("dq_ws", False) is True and not dq_ws(spec):
-        raise ValueError("wgmma backward: dq_ws hands dQ to a producer warpgroup: not with dq_split 'k', dq_bulk, "
-                         "dq_late or bwd_persistent")
+        raise ValueError(f"wgmma backward: dq_ws hands dQ to a producer warpgroup: not with {_DQ_WS_REFUSES}")
     p = spec.extra.get("bwd_persistent", 0)
     if isinstance(p, bool) or not isinstance(p, int) or p < 0:
         raise ValueError(f"wgmma backward: bwd_persistent must be a count of blocks (0: off), got {p!r}")
