@@ -108,6 +108,10 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
                (r"(bulk_reduce_add_f32\(dqg, [^\n]*), 256\)", r"\1, 4352)")]),
     "wsnored": ("dq_ws's bulk reductions (the producer hands each slab back unread: timing only)",
                 [(r"^[ \t]*bulk_reduce_add_f32\(elem_addr\(dq32.*\n", "")]),
+    "lrloop": ("nothing: ws_loads' statistics by the loop the thirty-ninth session built (range(ltid, 64, 64): its "
+               "64-bit trip count spilled at the loaders' 24 registers)",
+               [(r"^([ \t]*)qq = lq0 \+ ltid\n\1(smem_f\[.*)\bltid\] = (lse.*)\n\1(smem_f\[.*)\bltid\] = (delta.*)\n",
+                 r"\1for lr in range(ltid, 64, 64):\n\1    qq = lq0 + lr\n\1    \2lr] = \3\n\1    \4lr] = \5\n")]),
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }

@@ -22,7 +22,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 probe = pytest.importorskip("probe_bwd")
 
 BULK_ONLY = {"oneop", "nowait", "nofence", "nostage"}  # floors of the dq_bulk kernel's staging and issue
-WS_ONLY = {"wsnored"}  # of the dq_ws kernel's (the default where it applies; the others edit the vector reductions')
+# of the dq_ws kernel's (wsnored) and ws_loads' (lrloop): the default where they apply; the others edit the vector
+# reductions'
+WS_ONLY = {"wsnored", "lrloop"}
 
 
 def _source(stem, D: int = 128, **extra) -> tuple[str, str]:

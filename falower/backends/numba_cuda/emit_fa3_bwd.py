@@ -1326,11 +1326,13 @@ def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
                 _emit_row_addresses(c, x, f"{x}g", f"{x}_sm", RSTEP)
                 _emit_load_inside(c, BQ, RSTEP, D, f"sb + {off} + lb * {TQ}", "lq0", "M", x, f"{x}g", f"{x}_sm")
         c(f"cp_async_mbar_arrive_noinc(sb + {lay['MBAR']} + lb * 8)  # once this thread's copies land")
-        c(f"for lr in range(ltid, {BQ}, {WS_LOADERS}):")
-        with c.indent():
-            c("qq = lq0 + lr")
-            c(f"smem_f[((sbr + {STO}) >> 2) + lb * {BQ} + lr] = lse[qh + qq] if qq < M else ZERO")
-            c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + lb * {BQ} + lr] = delta[qh + qq] if qq < M else ZERO")
+        # a thread's rows unrolled: range(ltid, BQ, 64) was Numba's 64-bit trip-count arithmetic, the most of
+        # ~50 spill stores a tile at the loaders' 24 registers (ptxas, sm_90a, D = 128; 6 without it)
+        for i in range(BQ // WS_LOADERS):
+            lr = f"ltid + {i * WS_LOADERS}" if i else "ltid"
+            c(f"qq = lq0 + {lr}")
+            c(f"smem_f[((sbr + {STO}) >> 2) + lb * {BQ} + {lr}] = lse[qh + qq] if qq < M else ZERO")
+            c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + lb * {BQ} + {lr}] = delta[qh + qq] if qq < M else ZERO")
         c(f"mbar_arrive(sb + {lay['MBAR']} + lb * 8)")
         c("lb ^= 1")
 
