@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from falower.backends.numba_cuda.emit_fa2_bwd import DKDV_LINE as STORES_LINE  # noqa: E402  (the stores' stamp)
+from falower.passes import NAMED_PIPELINES  # noqa: E402  (the backward pipeline a tile variant edits)
 
 _GEMM_S = r"^\s*WG_S\(.*\n"
 _GEMM_D = r"^\s*WG_D\(.*\n"
@@ -77,6 +78,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nows": ({"dq_ws": False}, "dQ by the consumers' own reductions (dq_ws off where \"auto\" turns it on)"),
     "ws1": ({"dq_ws": True, "ws_loads": False, "dq_ws_slabs": 1}, "... one slab a warpgroup"),
     "wsl": ({"dq_ws": True, "ws_loads": True}, "... and the next q tile's loads by two producer warps"),
+    "q128": ({"bwd_tiles": (128, 128)}, "128 x 128 tiles (q x kv; the default 64 x 128), its knobs' defaults there"),
+    "q128wsl": ({"bwd_tiles": (128, 128), "dq_ws": True, "ws_loads": True}, "128 x 128 tiles with dq_ws and ws_loads"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 
@@ -146,18 +149,23 @@ def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = Non
     import falower as fl
 
     torch.manual_seed(0)
+    extra = dict(extra or {})
+    tiles = extra.pop("bwd_tiles", None)  # (block_q, block_k): the backward pipeline's tile-bwd, not a spec knob
+    backward = None if tiles is None else NAMED_PIPELINES["fa2-bwd"].replace("tile-bwd{bq=64,bk=128",
+                                                                            f"tile-bwd{{bq={tiles[0]},bk={tiles[1]}")
+    extra = extra or None
     if example:
         import bench
 
         var = bench.variant(example, B, H, N, D)
-        c = fl.compile(bench.example_graph(example), "numba-cuda", extra=extra)
+        c = fl.compile(bench.example_graph(example), "numba-cuda", extra=extra, backward=backward)
         q, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
         k, v = (torch.randn(B, H // var.group, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
         user = [var.captures[a.name] for a in c.func.args[3:]]
     else:
         mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
         c = fl.compile(fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype="f16"), "numba-cuda",
-                       extra=extra)
+                       extra=extra, backward=backward)
         q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(4))
         user = []
     o, lse = c.forward(q, k, v, *user)

@@ -6,8 +6,10 @@ the document mask's block lists included); its error no worse
 than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); dK's GEMM after
 dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); torch autograd through it.
 
-Run: python -m pytest -q -n 14 --dist load -m gpu tests/gpu/test_wgmma_bwd_gpu.py (kernels compile in the workers);
-FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
+Run: python tests/gpu/test_wgmma_bwd_gpu.py -n 14 [-k ...]: the float64 references at N >= 1000 first, one process
+each (the knob tests' N = 4096 references, recomputed in every worker that needed one, were most of the file's
+time), then pytest with the given arguments; `python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_bwd_gpu.py`
+works too. FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
 
 from __future__ import annotations
 
@@ -261,3 +263,62 @@ def test_torch_autograd_runs_the_wgmma_backward() -> None:
     (o.float() * do.float()).sum().backward()
     assert_ran_wgmma(c, "f16", 64)
     assert_gradient_rule(c, tuple(x.grad for x in xs), reference("alibi", "f16", 64, 1000))
+
+
+# ------------------------------------------------------------------------------ references first (script)
+def _params(fn) -> list[dict]:
+    """The product of a test's parametrize marks, one dict of argument values a case."""
+    out: list[dict] = [{}]
+    for m in getattr(fn, "pytestmark", []):
+        if m.name == "parametrize":
+            names = [n.strip() for n in m.args[0].split(",")]
+            rows = [v if len(names) > 1 else (v,) for v in m.args[1]]
+            out = [{**o, **dict(zip(names, v))} for o in out for v in rows]
+    return out
+
+
+def reference_jobs() -> list[tuple]:
+    """(stem, dtype, D, N) of every float64 reference at N >= 1000 the tests read: a case's own N, else 1000 for
+    the comparison with mma.sync and 1000 and 4096 for a knob's (assert_knob_case)."""
+    jobs = {("document", dt, D, N) for dt, D in (("f16", 64), ("bf16", 128)) for N in (1000, 4096)}  # list_ahead
+    for name, fn in globals().items():
+        if name.startswith("test_"):
+            for p in _params(fn):
+                if {"stem", "dtype", "D"} <= p.keys():
+                    ns = (p["N"],) if "N" in p else (1000,) if "no_worse" in name else (1000, 4096)
+                    jobs |= {(p["stem"], p["dtype"], p["D"], n) for n in ns if n >= 1000}
+    return sorted(jobs)
+
+
+def _reference_job(job: tuple) -> str:
+    import time
+
+    t0 = time.time()
+    try:
+        reference(*job)
+    except Exception as e:  # pytest reports it properly
+        return f"FAILED {job}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return f"{job} {time.time() - t0:.1f}s"
+
+
+if __name__ == "__main__":
+    import concurrent.futures
+    import multiprocessing
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    os.environ.setdefault("FALOWER_BWD_REFS", tempfile.mkdtemp(prefix="falower-bwd-refs-"))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # a process a core, here and in
+        os.environ.setdefault(var, "1")  # pytest's workers (the references are made)
+    jobs = reference_jobs()
+    t0 = time.time()
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 4),
+                                                mp_context=multiprocessing.get_context("spawn")) as ex:
+        for line in ex.map(_reference_job, jobs):
+            if line.startswith("FAILED"):
+                print(line, flush=True)
+    print(f"{len(jobs)} references in {time.time() - t0:.1f}s", flush=True)
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:benchmark", __file__,
+                              *sys.argv[1:]]))
