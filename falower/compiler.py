@@ -115,9 +115,11 @@ class CompiledAttention:
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
         from .backends.numba_cuda.runtime import device_cc, device_sm_count
+        from .backends.numba_cuda.spec import forward_extra
 
+        fwd = forward_extra(self.extra)  # a backward knob leaves the forward kernel (and its name) as it is
         base = (self.lowered, self.analysis)
-        asked = self.extra.get("schedule")
+        asked = fwd.get("schedule")
         choice = None
         mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
         table_tile = reads_table_tile(self.analysis)
@@ -128,7 +130,7 @@ class CompiledAttention:
             choice = emit_fa3.plain_extra(used["D"], mask_kind)
 
         def mma_sync():
-            return build_spec(self.analysis, used, dtype, path, self.num_warps, self.extra), base
+            return build_spec(self.analysis, used, dtype, path, self.num_warps, fwd), base
 
         if choice is None:
             return mma_sync()
@@ -142,8 +144,8 @@ class CompiledAttention:
             tiles of a fallback from the warp-specialized kernel) or the caller's knobs (the softmax / P V overlap,
             which needs 64) keep 64 rows a warpgroup unless the caller asked for wg_rows itself."""
             low = built[1]
-            if "wg_rows" in self.extra or "wg_rows" not in extra or (
-                    emit_fa3.wide_rows_fit(low.block_q, low.block_k, used["D"]) and not self.extra.get("overlap")):
+            if "wg_rows" in fwd or "wg_rows" not in extra or (
+                    emit_fa3.wide_rows_fit(low.block_q, low.block_k, used["D"]) and not fwd.get("overlap")):
                 return extra
             return {k: v for k, v in extra.items() if k != "wg_rows"}
 
@@ -153,20 +155,20 @@ class CompiledAttention:
             + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
         tries = [fit_rows(extra) for extra in tries]
         for extra in tries:
-            spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **self.extra})
+            spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
             try:
                 emit_fa3.validate_spec(spec)
             except ValueError:
                 continue
-            if "persistent" not in self.extra and not emit_fa3_ws.persistent_pays(spec):
+            if "persistent" not in fwd and not emit_fa3_ws.persistent_pays(spec):
                 continue  # the automatic choice's persistence, measured slower there: one block an item
-            auto = {"ex2_poly": 0 if "ex2_poly" in self.extra else emit_fa3_ws.auto_ex2_poly(spec),
-                    "kv_reverse": False if "kv_reverse" in self.extra else emit_fa3_ws.auto_kv_reverse(spec)}
+            auto = {"ex2_poly": 0 if "ex2_poly" in fwd else emit_fa3_ws.auto_ex2_poly(spec),
+                    "kv_reverse": False if "kv_reverse" in fwd else emit_fa3_ws.auto_kv_reverse(spec)}
             auto = {k: v for k, v in auto.items() if v}
             if auto:  # the automatic share of exponentials on the FMA pipe and kv order, shown in spec.extra
-                spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **self.extra})
+                spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **fwd})
             return spec, built
         return mma_sync()
 

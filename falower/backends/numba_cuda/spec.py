@@ -63,6 +63,19 @@ KNOWN_EXTRAS = frozenset({
     "tanh_small", "tanh_tiny", "tma_loads", "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows", "ws_loads",
 })
 
+# The keys only the backward's kernels read: the forward's spec leaves them out, so that a backward knob does not
+# rename (and recompile) the forward kernel it shares (tests/backend/test_extras.py holds this set to the code).
+BACKWARD_EXTRAS = frozenset({
+    "bwd_block_list", "bwd_persistent", "bwd_schedule", "dk_after_dq", "dkdv_bulk", "dkdv_stsm", "dkdv_tma",
+    "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "exp_fold", "grad_groups", "hold_grads",
+    "interior_split", "kv_group", "kv_major", "list_ahead", "opaque_desc", "p_under_dp", "ws_loads",
+})
+
+
+def forward_extra(extra: dict) -> dict:
+    """`extra` without the backward's keys (BACKWARD_EXTRAS): what the forward's spec is built with."""
+    return {k: v for k, v in extra.items() if k not in BACKWARD_EXTRAS}
+
 
 def unknown_extra(extra: dict):
     """A one-line message naming the first key of `extra` the backend does not read (with the nearest known
