@@ -112,7 +112,7 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "wsnored": ("dq_ws's bulk reductions (the producer hands each slab back unread: timing only)",
                 [(r"^[ \t]*bulk_reduce_add_f32\(elem_addr\(dq32.*\n", "")]),
     "lrloop": ("nothing: ws_loads' statistics by the loop the thirty-ninth session built (range(ltid, 64, 64): its "
-               "64-bit trip count spilled at the loaders' 24 registers)",
+               "64-bit trip count spilled at the loaders' 24 registers; at block_q 128 the first row only)",
                [(r"^([ \t]*)qq = lq0 \+ ltid\n\1(smem_f\[.*)\bltid\] = (lse.*)\n\1(smem_f\[.*)\bltid\] = (delta.*)\n",
                  r"\1for lr in range(ltid, 64, 64):\n\1    qq = lq0 + lr\n\1    \2lr] = \3\n\1    \4lr] = \5\n")]),
     "nosync": ("the loop's first barrier (races: timing only)",
@@ -135,6 +135,13 @@ def edited(source: str, name: str) -> str:
     return out
 
 
+def default_variants(source: str) -> list[str]:
+    """`--variants` left out: every floor whose patterns the kernel's source has and every knob variant, but not the
+    other tiles' (q128: refused where block_q + D passes 192, as at the default D = 128)."""
+    return [x for x in VARIANTS
+            if (x in EXTRA and "bwd_tiles" not in EXTRA[x]) or (x not in EXTRA and applies(source, x))]
+
+
 def applies(source: str, name: str) -> bool:
     """Whether every pattern of variant `name` is in the kernel's source (rotate only where asked for by name)."""
     return name != "rotate" and all(re.search(pat, source, flags=re.M) for pat, _ in VARIANTS[name][1])
@@ -151,8 +158,12 @@ def setup(D: int, causal: bool, B: int, H: int, N: int, extra: dict | None = Non
     torch.manual_seed(0)
     extra = dict(extra or {})
     tiles = extra.pop("bwd_tiles", None)  # (block_q, block_k): the backward pipeline's tile-bwd, not a spec knob
-    backward = None if tiles is None else NAMED_PIPELINES["fa2-bwd"].replace("tile-bwd{bq=64,bk=128",
-                                                                            f"tile-bwd{{bq={tiles[0]},bk={tiles[1]}")
+    backward = None
+    if tiles is not None:
+        backward = NAMED_PIPELINES["fa2-bwd"].replace("tile-bwd{bq=64,bk=128", f"tile-bwd{{bq={tiles[0]},bk={tiles[1]}")
+        if backward == NAMED_PIPELINES["fa2-bwd"] and tuple(tiles) != (64, 128):
+            raise SystemExit("probe_bwd: fa2-bwd's tile-bwd{bq=64,bk=128 ...} is not in the pipeline: bwd_tiles "
+                             "would time the default tiles")
     extra = extra or None
     if example:
         import bench
@@ -548,7 +559,7 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(ph))
         return
-    names = [x for x in a.variants.split(",") if x] or [x for x in VARIANTS if x in EXTRA or applies(source, x)]
+    names = [x for x in a.variants.split(",") if x] or default_variants(source)
     if "rotate" in names and (a.n != 4096 or a.causal):
         raise SystemExit("probe_bwd: rotate is written for 64 q tiles of 64 rows without a mask "
                          "(--n 4096, no --causal)")

@@ -66,6 +66,8 @@ def test_the_default_variants_are_those_the_kernel_has():
     assert not red_names & BULK_ONLY and BULK_ONLY <= bulk_names
     assert not (red_names | bulk_names) & WS_ONLY and WS_ONLY <= {x for x in probe.VARIANTS if probe.applies(ws, x)}
     assert "rotate" not in red_names | bulk_names and {"built", "nored", "noelem", "gemms"} <= red_names & bulk_names
+    default = probe.default_variants(ws)  # what a run without --variants times: no other tiles' variants
+    assert {"built", "nows", "wsl", "lrloop"} <= set(default) and not {"q128", "q128wsl", "rotate"} & set(default)
 
 
 def test_a_pattern_the_kernel_lacks_is_refused():
