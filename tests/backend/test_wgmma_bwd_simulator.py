@@ -54,7 +54,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True, "dkdv_bulk": True,
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked,
                 "ws_loads": r["knobs"]["dq_ws"] and tiles == (64, 128)}  # wherever dq_ws is, at 64 x 128
-    seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"]}
+    seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"],
+            "grad_dist": r["grad_dist"]}
     for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default
         want = asked.get(knob, defaults.get(knob, False))
         assert on == (tiles == (64, 128) if want == "auto" else bool(want)), (knob, r["knobs"], r["exp_fold"])
@@ -200,6 +201,39 @@ def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
     except Exception as exc:
         pytest.skip(f"nvJitLink unavailable: {exc}")
     assert "C7509" not in usage["log"] and "serialized" not in usage["log"], usage["log"]
+
+
+def _elem_functions(source: str) -> list[str]:
+    return re.findall(r"^def elem_\w+\(.*?^    return [^\n]*", source, flags=re.M | re.S)
+
+
+def test_grad_dist_recomputes_the_distances_for_the_gradient(tmp_path, monkeypatch):
+    """spec.extra grad_dist: ALiBi's elementwise functions keep float(kv - q) for the score and give the slope's
+    gradient term float(kv) - float(q), a second form LLVM does not merge with the first (the held distances were
+    what ALiBi's consumers spilled); (q - kv) gets float(q) - float(kv); off by default, a bool."""
+    import falower as fl
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
+
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    late = re.compile(r"^    (v\d+) = np\.float32\(np\.int32\((kv|q)\)\) - np\.float32\(np\.int32\((kv|q)\)\)$", re.M)
+    default, asked = _spec("alibi", 128), _spec("alibi", 128, extra={"grad_dist": True})
+    assert not any(late.search(f) for f in _elem_functions(default.device_source))
+    for f in _elem_functions(asked.device_source):  # elem_full, elem_partial: the contribution reads the late name
+        m = late.search(f)
+        assert m and m.groups()[1:] == ("kv", "q"), f
+        assert re.search(rf"= \(v\d+ \* {m.group(1)}\)\n    return v\d+, v\d+, v\d+, hk", f), f
+        assert "np.float32(np.int32(v" in f  # the score's own distance, as before
+    slopes = fl.capture("slopes", "f32", "H")
+    g = fl.attention(score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (q_idx - kv_idx), name="alibi_qk")
+    low = analyse_backward(fl.compile(g, "numba-cuda").lowered_backward)
+    spec = build_backward_spec(low, {"D": 64}, "f16", "mma", None, {"bwd_schedule": "wgmma", "grad_dist": True})
+    assert [late.search(f).groups()[1:] for f in _elem_functions(spec.device_source)] == [("q", "kv")]
+    plain = build_backward_spec(analyse_backward(fl.compile(fl.attention(name="p"), "numba-cuda").lowered_backward),
+                                {"D": 64}, "f16", "mma", None, {"bwd_schedule": "wgmma", "grad_dist": True})
+    assert not any(late.search(f) for f in _elem_functions(plain.device_source))  # no distance: nothing changes
+    with pytest.raises(ValueError, match="grad_dist must be True or False"):
+        emit_fa3_bwd.validate_spec(_spec("alibi", 64, extra={"grad_dist": 1}))
 
 
 def test_dk_after_dq_when_asked(tmp_path, monkeypatch):

@@ -57,9 +57,10 @@ CASES = {
     # of 4, kv tile 1 q tiles 2-3; the walk ends at the last, not at nq (ending one early fails it: dq err 1.95)
     "sliding_window-f16-d64-200x130": ("sliding_window", "f16", 1, 1, 1, 200, 130, 64, 64, 128),
     # interior tiles (q and kv rows 0-127) beside ragged ones: the elementwise code's one copy (interior_split off)
-    # and the exponential's argument unfolded (exp_fold off); the default's two copies run in the cases above
-    "alibi-f16-d64-130x130-nois-noef": ("alibi", "f16", 1, 1, 1, 130, 130, 64, 64, 64,
-                                        {"interior_split": False, "exp_fold": False}),
+    # and the exponential's argument unfolded (exp_fold off); the default's two copies run in the cases above; the
+    # slope gradient's distances recomputed for it (grad_dist), as float(kv) - float(q)
+    "alibi-f16-d64-130x130-nois-noef-gd": ("alibi", "f16", 1, 1, 1, 130, 130, 64, 64, 64,
+                                           {"interior_split": False, "exp_fold": False, "grad_dist": True}),
     # the grid with a head's kv tiles in consecutive blocks (kv_major, the default without a mask): 2 batch rows, a
     # GQA group of 2, 3 kv tiles, one ragged q tile (M = 70 and two q tiles took 68 s: cut for CI time, 2026-11-29);
     # dK and dV by TMA tensor stores (dkdv_tma, asked for: the last kv tile's rows past N not written, the (b, kv
@@ -203,6 +204,8 @@ def run_case(case_id: str) -> dict:
            "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
            # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
            "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None,
+           # grad_dist: the gradients' distances recomputed as float(kv) - float(q) (from_ir_bwd._late_distances)
+           "grad_dist": re.search(r"= np\.float32\(np\.int32\((kv|q)\)\) - np\.float32", kern.source) is not None,
            "kv_group": re.search(r"kj = (cuda\.blockIdx\.x|it_x) // ", kern.source) is not None,
            "bwd_persistent": "while it_z < " in kern.source}
     for name, a, b in zip(c.gradient_names(), got, want):

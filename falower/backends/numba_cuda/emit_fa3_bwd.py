@@ -602,7 +602,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     for knob in _AUTO_KNOBS:
         if spec.extra.get(knob, "auto") != "auto" and not isinstance(spec.extra[knob], bool):
             raise ValueError(f"wgmma backward: {knob} must be True, False or 'auto', got {spec.extra[knob]!r}")
-    for knob in (*KNOB_MARKS, "exp_fold"):  # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
+    # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
+    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist"):
         if knob not in _AUTO_KNOBS and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):

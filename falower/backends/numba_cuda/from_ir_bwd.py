@@ -389,13 +389,40 @@ def _strip_reductions(v: Value) -> Value:
     return v
 
 
+def _distance_sign(v: Value, names: Mapping[Value, str]) -> int:
+    """+1 where v is float(kv - q) (an i32 difference of the element's indices cast to f32), -1 for float(q - kv),
+    else 0."""
+    op = v.owner
+    if not (isinstance(op, Op) and op.name == "cast" and v.type.dtype == "f32"):
+        return 0
+    d = op.operands[0].owner
+    if not (isinstance(d, Op) and d.name == "sub" and op.operands[0].type.dtype == "i32"):
+        return 0
+    pair = tuple(names.get(o) for o in d.operands)
+    return 1 if pair == ("kv", "q") else -1 if pair == ("q", "kv") else 0
+
+
+def _late_distances(e: "_ElementEmitter") -> None:
+    """grad_dist: the distances float(kv - q) the score already read, given new names for the gradients'
+    contributions, float(kv) - float(q) (exact while |kv|, |q| < 2^24, as the i32 difference's conversion is):
+    the two forms are not one expression, so LLVM does not keep the score's 32 distances a thread live until the
+    contributions (ALiBi's slope gradient dS (kv - q)), which ptxas spilled (benchmarks/NOTES.md, "The loader
+    warps' spills")."""
+    for v in [v for v in e.names if _distance_sign(v, e.names)]:
+        a, b = ("kv", "q") if _distance_sign(v, e.names) > 0 else ("q", "kv")
+        e.names[v] = e.line(f"np.float32(np.int32({a})) - np.float32(np.int32({b}))")
+
+
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
-             tanh_ex2: bool = False, exp_fold: bool = True) -> list[str]:
+             tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False) -> list[str]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
-    (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e."""
+    (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e; `grad_dist`:
+    `_late_distances` before the contributions."""
     e = _ElementEmitter(env, _elem_names(low, br, dq_nest), exp_fold)
     e.tanh_ex2 = tanh_ex2
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
+    if grad_dist and not dq_nest:
+        _late_distances(e)
     for sc in [] if dq_nest else br.scatters:
         outs.append(e.value(_strip_reductions(sc.operands[1])))
         outs += [e.value(i) for i in sc.operands[2:]]
@@ -449,10 +476,10 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
     return [f"def {name}(b, h, q, kv{sig}):"] + _live_lines(e.lines, e.name(res)) + [f"    return {e.name(res)}"]
 
 
-def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False, exp_fold: bool = True
-                  ) -> tuple[str, list[str]]:
+def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False, exp_fold: bool = True,
+                  grad_dist: bool = False) -> tuple[str, list[str]]:
     """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>). `tanh_ex2`:
-    from_ir.tanh_by_ex2."""
+    from_ir.tanh_by_ex2; `grad_dist`: _late_distances."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
     sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
     for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
@@ -462,7 +489,7 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
         sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
     out: list[str] = []
     for br in low.branches:
-        out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold) + [""]
+        out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist) + [""]
     for br in low.q_branches:
         out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2, exp_fold=exp_fold) + [""]
     for i, v in enumerate(low.grad_index):
@@ -493,7 +520,8 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     D = int(env["D"])
     if low.block_mask == "list" and (extra or {}).get("bwd_block_list") is False:
         low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
-    src, dims = device_source(low, env, tanh_by_ex2(path, extra), (extra or {}).get("exp_fold", True) is not False)
+    src, dims = device_source(low, env, tanh_by_ex2(path, extra), (extra or {}).get("exp_fold", True) is not False,
+                              (extra or {}).get("grad_dist", False) is True)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
