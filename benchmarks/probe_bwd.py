@@ -116,6 +116,16 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
                "64-bit trip count spilled at the loaders' 24 registers; at block_q 128 the first row only)",
                [(r"^([ \t]*)qq = lq0 \+ ltid\n\1(smem_f\[.*)\bltid\] = (lse.*)\n\1(smem_f\[.*)\bltid\] = (delta.*)\n",
                  r"\1for lr in range(ltid, 64, 64):\n\1    qq = lq0 + lr\n\1    \2lr] = \3\n\1    \4lr] = \5\n")]),
+    # dS's softmax scale c (P (dP - Delta) c, the elementwise code's last product where nothing else reads P (dP -
+    # Delta)): its cheaper form, and its floor (the scale taken out of the tile, as an IR rewrite moving it past the
+    # GEMMs into dK's epilogue and dQ's conversion would)
+    "dsfma": ("nothing: dS as P fma(dP, c, -Delta c), one FMUL an element fewer (the same numbers to rounding)",
+              [(r"^([ \t]+)(v\d+) = \(dp - delta\)\n\1(v\d+) = \((v\d+) \* \2\)\n\1(v\d+) = \(\3 \* "
+                r"(np\.float32\([-0-9.e]+\))\)\n(\1return \w+, \5)$",
+                r"\1\5 = (\4 * cuda.fma(dp, \6, -(delta * \6)))\n\7")]),
+    "nodsscale": ("dS's softmax scale (dK and dQ off by it: timing only)",
+                  [(r"^([ \t]+)(v\d+) = \((v\d+) \* np\.float32\([-0-9.e]+\)\)\n(\1return \w+, \2)$",
+                    r"\1\2 = \3\n\4")]),
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }
