@@ -343,7 +343,11 @@ def precompile_jobs() -> list[tuple]:
     return jobs
 
 
-if __name__ == "__main__":
+def precompile_then_pytest(jobs: list[tuple], what: str, file: str, args: list[str], pytest_opts: tuple = (),
+                           one_thread: bool = False) -> int:
+    """The script form of a GPU test file: `_job` over `jobs` in a process pool (kernels into Numba's disk cache,
+    references into FALOWER_BWD_REFS), then pytest on `file` with `args`; its exit status. `one_thread`: one BLAS
+    thread a process, here and in pytest's workers."""
     import concurrent.futures
     import multiprocessing
     import subprocess
@@ -351,12 +355,19 @@ if __name__ == "__main__":
     import time
 
     os.environ.setdefault("FALOWER_BWD_REFS", tempfile.mkdtemp(prefix="falower-bwd-refs-"))
-    jobs = precompile_jobs()
+    if one_thread:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
     t0 = time.time()
     with concurrent.futures.ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 4),
                                                 mp_context=multiprocessing.get_context("spawn")) as ex:
         for line in ex.map(_job, jobs):
             if line.startswith("FAILED"):
                 print(line, flush=True)
-    print(f"precompiled {len(jobs)} kernels and references in {time.time() - t0:.1f}s", flush=True)
-    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", __file__, *sys.argv[1:]]))
+    print(f"{len(jobs)} {what} in {time.time() - t0:.1f}s", flush=True)
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *pytest_opts, file, *args])
+
+
+if __name__ == "__main__":
+    sys.exit(precompile_then_pytest(precompile_jobs(), "kernels and references precompiled", __file__,
+                                    sys.argv[1:]))

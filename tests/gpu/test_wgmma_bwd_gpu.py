@@ -7,8 +7,8 @@ than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reduct
 dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); torch autograd through it.
 
 Run: python tests/gpu/test_wgmma_bwd_gpu.py -n 14 [-k ...]: the float64 references at N >= 1000 first, one process
-each (the knob tests' N = 4096 references, recomputed in every worker that needed one, were most of the file's
-time), then pytest with the given arguments; `python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_bwd_gpu.py`
+each (test_backward_gpu's script form; the knob tests' N = 4096 references were recomputed in every worker that
+needed one), then pytest with the given arguments; `python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_bwd_gpu.py`
 works too. FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from test_backward_gpu import (  # noqa: E402
     assert_gradient_rule,
     case_inputs,
     host64,
+    precompile_then_pytest,
     reference,
     run_backward,
 )
@@ -290,35 +291,6 @@ def reference_jobs() -> list[tuple]:
     return sorted(jobs)
 
 
-def _reference_job(job: tuple) -> str:
-    import time
-
-    t0 = time.time()
-    try:
-        reference(*job)
-    except Exception as e:  # pytest reports it properly
-        return f"FAILED {job}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    return f"{job} {time.time() - t0:.1f}s"
-
-
-if __name__ == "__main__":
-    import concurrent.futures
-    import multiprocessing
-    import os
-    import subprocess
-    import tempfile
-    import time
-
-    os.environ.setdefault("FALOWER_BWD_REFS", tempfile.mkdtemp(prefix="falower-bwd-refs-"))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # a process a core, here and in
-        os.environ.setdefault(var, "1")  # pytest's workers (the references are made)
-    jobs = reference_jobs()
-    t0 = time.time()
-    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 4),
-                                                mp_context=multiprocessing.get_context("spawn")) as ex:
-        for line in ex.map(_reference_job, jobs):
-            if line.startswith("FAILED"):
-                print(line, flush=True)
-    print(f"{len(jobs)} references in {time.time() - t0:.1f}s", flush=True)
-    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:benchmark", __file__,
-                              *sys.argv[1:]]))
+if __name__ == "__main__":  # the references ("ref" jobs of test_backward_gpu's script), then pytest
+    sys.exit(precompile_then_pytest([("ref", *j) for j in reference_jobs()], "references", __file__, sys.argv[1:],
+                                    ("-p", "no:benchmark"), one_thread=True))

@@ -408,9 +408,10 @@ def _late_distances(e: "_ElementEmitter") -> None:
     the two forms are not one expression, so LLVM does not keep the score's 32 distances a thread live until the
     contributions (ALiBi's slope gradient dS (kv - q)), which ptxas spilled (benchmarks/NOTES.md, "The loader
     warps' spills")."""
-    for v in [v for v in e.names if _distance_sign(v, e.names)]:
-        a, b = ("kv", "q") if _distance_sign(v, e.names) > 0 else ("q", "kv")
-        e.names[v] = e.line(f"np.float32(np.int32({a})) - np.float32(np.int32({b}))")
+    for v, sign in [(v, _distance_sign(v, e.names)) for v in e.names]:
+        if sign:
+            a, b = ("kv", "q") if sign > 0 else ("q", "kv")
+            e.names[v] = e.line(f"np.float32(np.int32({a})) - np.float32(np.int32({b}))")
 
 
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
