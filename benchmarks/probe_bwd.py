@@ -580,7 +580,8 @@ def main() -> None:
     from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
 
     for x, k in others.items():  # a knob the kernel cannot take (p_under_dp without a split) is said, not timed
-        off = [n for n, v in EXTRA[x].items() if v is True and not knobs_in(k.source)[n]]
+        marks = knobs_in(k.source)  # a knob with no mark (grad_dist) is off where its kernel is the default's
+        off = [n for n, v in EXTRA[x].items() if v is True and not marks.get(n, k.source != source)]
         if getattr(k, "wgmma_refused", None):  # a spec the wgmma kernel refuses: mma.sync would be timed
             raise SystemExit(f"probe_bwd: {x}: the wgmma backward refused this spec ({k.wgmma_refused})")
         if off:
