@@ -8,8 +8,10 @@ dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); torch autograd through it.
 
 Run: python tests/gpu/test_wgmma_bwd_gpu.py -n 14 [-k ...]: the float64 references at N >= 1000 first, one process
 each (test_backward_gpu's script form; the knob tests' N = 4096 references were recomputed in every worker that
-needed one), then pytest with the given arguments; `python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_bwd_gpu.py`
-works too. FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on wgmma."""
+needed one), then pytest with the given arguments (`--dist load` with -n); `python -m pytest -q -n 14 --dist load
+-m gpu tests/gpu/test_wgmma_bwd_gpu.py` works too (without `--dist load`, pyproject's loadfile runs the file's tests
+one at a time). FALOWER_WGMMA_BWD=1 python tests/gpu/test_backward_gpu.py runs the whole mma.sync backward suite on
+wgmma."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ with the kernel it ran checked against the rule; the examples the rule keeps on 
 D = 128) forced onto wgmma (`extra={"schedule": "wgmma"}`); and strided
 GQA views with and without the softmax/P V overlap.
 
-Run: python -m pytest -q -n 14 -m gpu tests/gpu/test_wgmma_gpu.py (kernels compile in the workers)."""
+Run: python -m pytest -q -n 14 --dist load -m gpu tests/gpu/test_wgmma_gpu.py (kernels compile in the workers;
+pyproject's --dist loadfile would run them one at a time)."""
 
 from __future__ import annotations
 

@@ -407,7 +407,8 @@ def _late_distances(e: "_ElementEmitter") -> None:
     contributions, float(kv) - float(q) (exact while |kv|, |q| < 2^24, as the i32 difference's conversion is):
     the two forms are not one expression, so LLVM does not keep the score's 32 distances a thread live until the
     contributions (ALiBi's slope gradient dS (kv - q)), which ptxas spilled (benchmarks/NOTES.md, "The loader
-    warps' spills")."""
+    warps' spills"). Opt-in: ALiBi's D = 128 backward call measured 1.071 of the default's time with it (H200, 9
+    rounds; NOTES "Knob tests by name"): two int -> float conversions an element cost more than the spills."""
     for v, sign in [(v, _distance_sign(v, e.names)) for v in e.names]:
         if sign:
             a, b = ("kv", "q") if sign > 0 else ("q", "kv")
