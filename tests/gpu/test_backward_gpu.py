@@ -347,9 +347,7 @@ def precompile_then_pytest(jobs: list[tuple], what: str, file: str, args: list[s
                            one_thread: bool = False) -> int:
     """The script form of a GPU test file: `_job` over `jobs` in a process pool (kernels into Numba's disk cache,
     references into FALOWER_BWD_REFS), then pytest on `file` with `args`; its exit status. `one_thread`: one BLAS
-    thread a process, here and in pytest's workers. With xdist's `-n`, `--dist load` unless `args` name a --dist:
-    pyproject's `--dist loadfile` (for the simulator modules) gives one file's tests to one worker, which ran a GPU
-    file's tests one at a time whatever -n said (benchmarks/NOTES.md, "Knob tests by name")."""
+    thread a process, here and in pytest's workers. With xdist's `-n`, `--dist load` (xdist_args.spread_args)."""
     import concurrent.futures
     import multiprocessing
     import subprocess
@@ -367,9 +365,10 @@ def precompile_then_pytest(jobs: list[tuple], what: str, file: str, args: list[s
             if line.startswith("FAILED"):
                 print(line, flush=True)
     print(f"{len(jobs)} {what} in {time.time() - t0:.1f}s", flush=True)
-    workers = any(a == "-n" or (a.startswith("-n") and a[2:].isdigit()) or a.startswith("--numprocesses") for a in args)
-    spread = ["--dist", "load"] if workers and not any(a.startswith("--dist") for a in args) else []
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *spread, *pytest_opts, file, *args])
+    from xdist_args import spread_args
+
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *spread_args(args), *pytest_opts, file,
+                            *args])
 
 
 if __name__ == "__main__":
