@@ -427,6 +427,14 @@ def replaced_source(source: str, replace: list[str]) -> str:
     return source
 
 
+def check_stampable(spec) -> None:
+    """The stamps' records are laid out two consumer warpgroups a block (tl_buf's index, the summaries' pairs):
+    three (block_q 192, emit_fa3_ws.consumer_wgs) are refused with a reason rather than read wrong."""
+    if spec.block_q != 128:
+        raise SystemExit(f"timeline: {spec.name} has {spec.block_q // 64} consumer warpgroups (block_q "
+                         f"{spec.block_q}); the stamps are laid out for two (block_q 128)")
+
+
 def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False,
         replace: list[str] | None = None) -> np.ndarray:
     """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS (with `phases`,
@@ -444,6 +452,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern, env = c._kernel_and_dims((q, k, v, *caps))
     s = kern.spec
+    check_stampable(s)
     caps = caps + c.runtime_sizes(kern, env)  # the sizes the score reads (N), as a call adds them
     from falower.backends.numba_cuda.block_data import BlockData, has_derived
 

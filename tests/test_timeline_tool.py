@@ -222,3 +222,13 @@ def test_a_floor_experiment_replaces_every_occurrence_or_says_why_not():
         timeline.replaced_source(src, ["store(x)::ONE"])
     with pytest.raises(SystemExit, match="no '::'"):
         timeline.replaced_source(src, ["load(x)"])
+
+
+def test_three_consumer_warpgroups_are_refused_not_misread():
+    """The records are two consumer warpgroups a block: a 192-row kernel (three) is refused with its reason."""
+    import dataclasses
+
+    spec, _ = _ws()
+    timeline.check_stampable(spec)
+    with pytest.raises(SystemExit, match="3 consumer warpgroups \\(block_q 192\\); the stamps are laid out for two"):
+        timeline.check_stampable(dataclasses.replace(spec, block_q=192))

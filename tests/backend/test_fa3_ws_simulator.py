@@ -25,7 +25,8 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(RING_CASES))
 def test_ring_simulator(results, case):
-    """Every tile reaches both consumer warpgroups intact through the ring, and they take turns 0, 1, 0, 1, ..."""
+    """Every tile reaches every consumer warpgroup intact through the ring, and they take turns 0, 1, 0, 1, ... (two)
+    or 0, 1, 2, 0, ... (three)"""
     r = results.get(case)
     assert r is not None and "error" not in r, r
     assert r["sums_ok"] and r["order_ok"], r
@@ -59,7 +60,7 @@ def test_ring_ptx(tmp_path, monkeypatch):
 
     from falower.backends.numba_cuda.runtime import load_source, ptx_of
 
-    ring = load_source(ring_kernel_source().replace("__STAGES__", "2"), "ws_ring_ptx").ring
+    ring = load_source(ring_kernel_source().replace("__STAGES__", "2").replace("__NW__", "2"), "ws_ring_ptx").ring
     ptx = ptx_of(ring, (types.uint16[::1], types.int64, types.int64[::1], types.int64[::1]))
     for needle in (".maxntid 384, 1, 1", "setmaxnreg.dec.sync.aligned.u32 40;", "setmaxnreg.inc.sync.aligned.u32 232;",
                    "mbarrier.init.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",

@@ -78,4 +78,4 @@ def test_off_it_is_the_kernel_before():
     src = emit_fa3_ws.emit_fa3_ws_forward(_spec({"epilogue_in_s": False}))
     assert "pv_sd" not in src and "ep_pend" not in src and "stage_row_z" not in src
     assert emit_fa3_ws.static_bytes(_spec()) - emit_fa3_ws.static_bytes(_spec({"epilogue_in_s": False})) == \
-        emit_fa3_ws.KEPT_BYTES
+        emit_fa3_ws.kept_bytes(_spec()) == 2080

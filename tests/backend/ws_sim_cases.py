@@ -104,6 +104,19 @@ PERSIST_CASES = {
                                                 {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
                                                  "kv_reverse": True}),
 }
+# Three consumer warpgroups (block_q 192, emit_fa3_ws.consumer_wgs: the turns rotate 0 -> 1 -> 2 -> 0, the
+# epilogue's named barriers move to 7 + cw, the producer keeps 32 registers): a tile plus one row both ways and two
+# heads on two blocks, causal with its diagonal tiles, bf16 with 128-column tiles and M != N, and one row
+PERSIST_CASES.update({
+    "ws3-pwg-plain-f16-d64-193": ("plain", "f16", 64, 1, 2, 193, 193, 1, 192, 32,
+                                  {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic"}),
+    "ws3-pwg-causal-f16-d64-193": ("causal", "f16", 64, 1, 2, 193, 193, 1, 192, 32,
+                                   {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic"}),
+    "ws3-pwg-causal-bf16-d64-bk128": ("causal", "bf16", 64, 1, 1, 191, 300, 1, 192, 128,
+                                      {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
+    "ws3-pwg-plain-f16-d64-1x1": ("plain", "f16", 64, 1, 1, 1, 1, 1, 192, 32,
+                                  {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
+})
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
 # (two items of whole q tiles on one block), and the staged epilogue at D = 128, whose rows of 256 bytes span two
@@ -128,7 +141,8 @@ SLOW_WARP_SECONDS = 0.2
 # each item's list a tile ahead, the items from the counter (the D = 128 default on the H100; the same case with
 # producer "none" passed by hand, 2026-11-27, o_err 6.1e-4, cut for CI time). id: (M, N, blocks, producer)
 COMPILED_CASES = {"ws-pwg-document-persist": (130, 130, 3, "warpgroup")}
-RING_CASES = {"ring-2stages": (2, 7), "ring-3stages": (3, 5)}  # (stages, tiles)
+RING_CASES = {"ring-2stages": (2, 7, 2), "ring-3stages": (3, 5, 2), "ring-3wg": (2, 5, 3)}  # (stages, tiles, consumer
+# warpgroups: three take turns 0 -> 1 -> 2 -> 0, emit_fa3_ws at block_q 192)
 # Static masks with row bounds through falower.compile, where the ws kernel walks [kv_first, kv_last] and takes a
 # tile's class from where it lies (emit_fa2.walks_range): causal on the persistent kernel (items whose ranges
 # differ; q tile 1's full tiles 0-3 next to partial tile 4, which is not ragged, and a ragged last kv tile), a
@@ -216,9 +230,10 @@ def _gaps(b, h, q_idx, kv_idx):
 
 def ring_kernel_source() -> str:
     """A producer warpgroup streams `tiles` tiles (8 16-bit words a thread) through a ring of `stages` shared
-    buffers (cp.async + cp_async_mbar_arrive_noinc on full[s]; waits on empty[s]); two consumer warpgroups wait on
-    full[s], sum the tile, release it (one arrival per consumer thread on empty[s]) and take turns through named barriers 1
-    and 2 (FA3's ping-pong), writing the turn order to `order`."""
+    buffers (cp.async + cp_async_mbar_arrive_noinc on full[s]; waits on empty[s]); __NW__ consumer warpgroups wait on
+    full[s], sum the tile, release it (one arrival per consumer thread on empty[s]) and take turns through named
+    barriers 1 .. __NW__ (FA3's ping-pong; with three, warpgroup cw hands over to cw + 1 and the last to 0), writing
+    the turn order to `order`."""
     return '''
 import numpy as np
 from numba import cuda, types
@@ -229,10 +244,11 @@ DEC = setmaxnreg_dec(40)
 INC = setmaxnreg_inc(232)
 STAGES = __STAGES__
 TILE = 1024  # 16-bit words a tile: 128 producer threads x 8
+NW = __NW__
 
 
 @kernel_jit
-@launch_bounds(384, 1)
+@launch_bounds(128 + 128 * NW, 1)
 def ring(src, tiles, sums, order):
     smem = cuda.shared.array(0, types.uint16)
     sb = smem_base(smem)
@@ -241,7 +257,7 @@ def ring(src, tiles, sums, order):
     if tid == 0:
         for s in range(STAGES):
             mbar_init(bars + 8 * s, 128)
-            mbar_init(bars + 8 * (STAGES + s), 256)
+            mbar_init(bars + 8 * (STAGES + s), 128 * NW)
         smem[STAGES * TILE + 4 * STAGES * 2 + 2] = 0
     cuda.syncthreads()
     if tid < 128:
@@ -260,21 +276,21 @@ def ring(src, tiles, sums, order):
         INC()
         ctid = tid - 128
         cw = ctid >> 7
-        if cw == 1:
+        if cw == NW - 1:
             bar_arrive(1, 256)
         stage = 0
         phase = 0
         for i in range(tiles):
             mbar_wait(bars + 8 * stage, phase)
             bar_sync(1 + cw, 256)
-            if ctid == 0 or ctid == 128:
-                order[2 * i + cw] = smem[STAGES * TILE + 4 * STAGES * 2 + 2] + cw * 100
+            if (ctid & 127) == 0:
+                order[NW * i + cw] = smem[STAGES * TILE + 4 * STAGES * 2 + 2] + cw * 100
                 smem[STAGES * TILE + 4 * STAGES * 2 + 2] += 1
-            bar_arrive(2 - cw, 256)
+            bar_arrive(cw + 2 if cw < NW - 1 else 1, 256)
             acc = 0
             for e in range(8):
                 acc += smem[stage * TILE + (ctid & 127) * 8 + e]
-            sums[i * 256 + ctid] = acc
+            sums[i * 128 * NW + ctid] = acc
             mbar_arrive(bars + 8 * (STAGES + stage))  # every consumer thread: its own reads are done
             stage += 1
             if stage == STAGES:
@@ -286,19 +302,19 @@ def ring(src, tiles, sums, order):
 def run_ring_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.runtime import load_source
 
-    stages, tiles = RING_CASES[case_id]
-    src_text = ring_kernel_source().replace("__STAGES__", str(stages))
-    ring = load_source(src_text, f"ws_ring_{stages}").ring
+    stages, tiles, nw = RING_CASES[case_id]
+    src_text = ring_kernel_source().replace("__STAGES__", str(stages)).replace("__NW__", str(nw))
+    ring = load_source(src_text, f"ws_ring_{stages}_{nw}").ring
     rng = np.random.default_rng(stages)
     src = rng.integers(0, 100, size=tiles * 1024, dtype=np.uint16)
-    sums = np.zeros(tiles * 256, dtype=np.int64)
-    order = np.zeros(2 * tiles, dtype=np.int64)
+    sums = np.zeros(tiles * 128 * nw, dtype=np.int64)
+    order = np.zeros(nw * tiles, dtype=np.int64)
     smem = stages * 2048 + 8 * 2 * stages + 16
-    ring[1, 384, 0, smem](src, tiles, sums, order)
+    ring[1, 128 + 128 * nw, 0, smem](src, tiles, sums, order)
     want = src.reshape(tiles, 128, 8).sum(axis=2).astype(np.int64)
-    got0, got1 = sums.reshape(tiles, 2, 128)[:, 0], sums.reshape(tiles, 2, 128)[:, 1]
-    return {"id": case_id, "sums_ok": bool(np.array_equal(got0, want) and np.array_equal(got1, want)),
-            "order_ok": order.tolist() == [2 * i + cw * 101 for i in range(tiles) for cw in (0, 1)],
+    got = sums.reshape(tiles, nw, 128)
+    return {"id": case_id, "sums_ok": all(np.array_equal(got[:, w], want) for w in range(nw)),
+            "order_ok": order.tolist() == [nw * i + cw * 101 for i in range(tiles) for cw in range(nw)],
             "order": order.tolist()}
 
 

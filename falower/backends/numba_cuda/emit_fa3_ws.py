@@ -45,7 +45,10 @@ Built when `spec.extra["schedule"] == "wgmma-ws"` (emit_fa2 and emit_fa3 dispatc
 "producer" ("warp"; "warpgroup", "none"), "stages" (2, "none": 3 where it fits; 3 fits at D = 128 with 128 x 128
 tiles: 225 KB), "pingpong" (True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts), "walk" (True:
 under a static mask with row bounds the kv loop walks [kv_first, kv_last], each tile's class from where it lies;
-emit_fa2.walks_range). block_q must be 128 (two consumer warpgroups); D = 64 or 128; f16/bf16; sm_90a only.
+emit_fa2.walks_range). block_q 128 (two consumer warpgroups) or 192 (three: FlashAttention-3's D = 64 tile, so
+far D = 64 on the persistent producer warpgroup with TMA loads, no mask or a static one; the turns rotate 0 -> 1
+-> 2 -> 0, each warpgroup handing over to the next's barrier, and the producer keeps 32 registers, the consumers
+160; not measured on a GPU yet: benchmarks/NOTES.md, "Knob tests by name"); D = 64 or 128; f16/bf16; sm_90a only.
 
 A score that reads a [q, kv] tile of a table (a bias[h, q, kv]: emit_fa2.has_tile_table) gets the tile in shared
 memory under producer "none" (`table_tiles`): each consumer warpgroup copies its 64 rows of tile j + 1 by cp.async
@@ -410,9 +413,13 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
         # walk spills 32 bytes under causal, at 24 128 under the document)
         # without tma_loads under a block list: 88, the consumers at 208 (their list walk spilled 116 bytes at
         # 120 / 192, and ran slower than one block an item there: 215 against 229 TFLOP/s, H100 2026-11-27)
-        p = int(spec.extra.get("producer_regs", 56 if tma_loads(spec) else LIST_PRODUCER_REGS
-                               if spec.block_mask == "list" else 120))
-        return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // 256 // 8 * 8)
+        # three consumer warpgroups (block_q 192): 32 / 160, FlashAttention-3's split (local ptxas 13.0: plain D = 64
+        # spills none there, causal 120 bytes in the producer; at 56 / 152 both spill 32 bytes and ptxas
+        # serializes the consumers' wgmmas, C7512)
+        p = int(spec.extra.get("producer_regs", (32 if consumer_wgs(spec) == 3 else 56) if tma_loads(spec)
+                               else LIST_PRODUCER_REGS if spec.block_mask == "list" else 120))
+        consumers = threads_per_block(spec) - 128
+        return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // consumers // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
     return int(p), int(c)
 
@@ -420,6 +427,19 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
 def producer(spec: FA2ForwardSpec) -> str:
     """spec.extra["producer"]: "warp" (default), "warpgroup" or "none" (see the module docstring)."""
     return str(spec.extra.get("producer", "warp"))
+
+
+def consumer_wgs(spec: FA2ForwardSpec) -> int:
+    """Consumer warpgroups: one a 64 query rows (2 at block_q = 128; 3 at 192, FlashAttention-3's D = 64 tile)."""
+    return spec.block_q // 64
+
+
+def epilogue_barrier(spec: FA2ForwardSpec) -> int:
+    """The first named barrier of the staged epilogue's family (+ cw). Barrier 0 is __syncthreads; the families
+    of N consumer warpgroups follow each other, N barriers each: the turns (1 .. N), the table tile's, the
+    epilogue's (5 at N = 2, 7 at N = 3), Q free (`Q_FREE_BARRIER`) and the run of the table (`SLICE_BARRIER`), the
+    last two producer-"none" features that three warpgroups are refused (validate_spec)."""
+    return 1 + 2 * consumer_wgs(spec)
 
 
 def producer_threads(spec: FA2ForwardSpec) -> int:
@@ -511,7 +531,7 @@ def bulk_pitch(D: int) -> int:
 
 def _bulk_asked(spec: FA2ForwardSpec) -> bool:
     """`bulk_store` but for its room (the wider Q tiles, which `_layout` decides: it asks this)."""
-    return (_q_double_asked(spec) and _epilogue_in_s_asked(spec) and spec.block_q == 128
+    return (_q_double_asked(spec) and _epilogue_in_s_asked(spec) and spec.block_q in (128, 192)
             and spec.extra.get("bulk_store", True) is not False)
 
 
@@ -725,7 +745,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
         o_buf = kv if (persistent(spec) and producer(spec) == "warpgroup"
                        and spec.extra.get("staged_epilogue", True) is not False) else 0
         # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
-        if o_at + o_buf + barrier_bytes + ALIGN + (KEPT_BYTES if o_buf else 0) \
+        if o_at + o_buf + barrier_bytes + ALIGN + (kept_bytes(spec) if o_buf else 0) \
                 + (SLICE_BYTES if row_slice(spec) else 0) <= SMEM_LIMIT:
             break
     else:
@@ -742,10 +762,22 @@ def smem_bytes(spec: FA2ForwardSpec) -> int:
     return _layout(spec)["total"] + ALIGN
 
 
-KEPT_F32 = 256 * 2  # epilogue_in_s's static arrays: ep_f, a consumer thread's two rows' 1 / l; ep_i, a
-KEPT_I64 = 2 * 2  # consumer warpgroup's kept item (q_head, or its (b, h) under tma_store; q_lo)
+def kept_f32(spec: FA2ForwardSpec) -> int:
+    """epilogue_in_s's ep_f: a consumer thread's two rows' 1 / l."""
+    return 128 * consumer_wgs(spec) * 2
+
+
+def kept_i64(spec: FA2ForwardSpec) -> int:
+    """epilogue_in_s's ep_i: a consumer warpgroup's kept item (q_head, or its (b, h) under tma_store; q_lo)."""
+    return 2 * consumer_wgs(spec)
+
+
+def kept_bytes(spec: FA2ForwardSpec) -> int:
+    """epilogue_in_s's static shared arrays, ep_f and ep_i (2080 bytes at two consumer warpgroups)."""
+    return 4 * kept_f32(spec) + 8 * kept_i64(spec)
+
+
 BOX_BYTES = O_BOX_ROWS * 128  # a warp's box of O under tma_store: 16 rows of 64 16-bit columns
-KEPT_BYTES = 4 * KEPT_F32 + 8 * KEPT_I64
 
 
 def tick_words(spec: FA2ForwardSpec) -> int:
@@ -758,7 +790,7 @@ def static_bytes(spec: FA2ForwardSpec) -> int:
     """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state, the
     consumer warpgroups' runs of the table (row_slice)."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
-    return tick + (KEPT_BYTES if epilogue_in_s(spec) else 0) + (SLICE_BYTES if row_slice(spec) else 0)
+    return tick + (kept_bytes(spec) if epilogue_in_s(spec) else 0) + (SLICE_BYTES if row_slice(spec) else 0)
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -767,8 +799,18 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     import dataclasses
 
     _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}))
-    if spec.block_q != 128:
-        raise ValueError(f"wgmma-ws: block_q must be 128 (two consumer warpgroups), got {spec.block_q}")
+    if spec.block_q not in (128, 192):
+        raise ValueError(f"wgmma-ws: block_q must be 128 or 192 (two or three consumer warpgroups), got "
+                         f"{spec.block_q}")
+    if spec.block_q == 192:  # three consumer warpgroups: so far the persistent producer warpgroup's form only
+        why = [w for w, bad in [
+            ("D = 64", spec.head_dim != 64), ("a persistent kernel", not persistent(spec)),
+            ("a producer warpgroup", producer(spec) != "warpgroup"), ("TMA loads", not tma_loads(spec)),
+            ("no mask or a static one", spec.block_mask not in ("none", "static")),
+            ("no table prefetch", "def score_prefetch_fn(" in spec.device_source),
+            ("no early gathers", gather_early(spec))] if bad]
+        if why:
+            raise ValueError(f"wgmma-ws: three consumer warpgroups (block_q 192) need {', '.join(why)}")
     if stages(spec) not in (2, 3, 4):
         raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
     if producer(spec) not in PRODUCERS:
@@ -1270,15 +1312,18 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     caps = _score_args(spec)
     PP = pingpong(spec)
     NONE = producer(spec) == "none"
+    NWC = consumer_wgs(spec)
+    EPI = epilogue_barrier(spec)
+    TURN_NEXT = "2 - cw" if NWC == 2 else "pp_next"  # the barrier of the next warpgroup's turn
     if producer(spec) == "warpgroup":
         c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
         c("ctid = tid - 128")
     else:
         c("ctid = tid  # the consumer warpgroups are warpgroups 0 and 1 (wgmma's warpgroups are aligned)")
     c("lane = tid & 31")
-    c("warp = ctid >> 5  # consumer warp 0..7: rows 16 warp .. 16 warp + 15 of the q tile")
-    c(f"cw = {'(role - 4)' if producer(spec) == 'warpgroup' else 'role'} >> 2  # consumer warpgroup 0, 1 "
-      "(warp-uniform)")
+    c(f"warp = ctid >> 5  # consumer warp 0..{4 * NWC - 1}: rows 16 warp .. 16 warp + 15 of the q tile")
+    c(f"cw = {'(role - 4)' if producer(spec) == 'warpgroup' else 'role'} >> 2  # consumer warpgroup "
+      f"{', '.join(map(str, range(NWC)))} (warp-uniform)")
     c("g = lane >> 2")
     c("t2 = (lane & 3) * 2")
     QD = q_double(spec)
@@ -1291,9 +1336,11 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         QCB = BQ * 128
         c(f"q_wg = sb + cw * {64 * 128}  # this warpgroup's 64 rows inside each column block of Q")
     if PP:
-        c("if cw == 1:")
+        c(f"if cw == {NWC - 1}:")
         with c.indent():
             c("bar_arrive(1, 256)  # warpgroup 0 issues first")
+        if NWC > 2:  # the turns rotate: warpgroup cw hands over to cw + 1, the last to 0 (no % at run time)
+            c(f"pp_next = cw + 2 if cw < {NWC - 1} else 1  # the next warpgroup's turn barrier")
     c(f"acc = cuda.local.array({D // 2}, np.float32)")
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
 
@@ -1462,7 +1509,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
 
         if BULK:  # no barrier after the staging: read before the first
             read_kept_item()
-        c("bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
+        c(f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is done with the last item's O rows")
         if BULK:
             # each warp stages its own 16 rows: by TMA as D / 64 boxes of 16 rows x 128 bytes in the 128-byte swizzle,
             # else unswizzled at `pitch` bytes a row, one bulk copy a row
@@ -1520,7 +1567,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         for t in ROWS:
             c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's 64")
             c(f"{stage()}(o_wg + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, ep_f[ctid * 2 + {t.k}])")
-        c("bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory")
+        c(f"bar_sync({EPI} + cw, 128)  # the warpgroup's rows are in shared memory")
         emit_staged_stores(c, D, 64, "ep_lo + cw * 64", "ctid & 127", "o_wg", head="ep_head")
         if QD:
             c(f"mbar_arrive(bars + {lay['q_empty']} + ((qk - 1) & 1) * 8)  # this thread is done with the kept "
@@ -1715,7 +1762,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("# O += P_{j-1} V_{j-1} runs while this tile's softmax does")
                 pv("pv_base")
                 if PP:
-                    c("bar_arrive(2 - cw, 256)  # the other warpgroup's turn")
+                    c(f"bar_arrive({TURN_NEXT}, 256)  # the {'other' if NWC == 2 else 'next'} warpgroup's turn")
                 if LATE and DEFER:  # the item's first tile carries the item before's last P V (epilogue_in_s)
                     c("if fresh:  # the item's first tile: its rows' bounds read while S is in flight")
                     with c.indent():
@@ -1724,7 +1771,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("else:")
             with c.indent():
                 if PP:
-                    c("bar_arrive(2 - cw, 256)")
+                    c(f"bar_arrive({TURN_NEXT}, 256)")
                 if LATE:
                     c("# the item's first tile: its rows' bounds read while S is in flight (bounds_in_s)")
                     emit_row_bounds(c, spec, raw="_raw")
@@ -1896,16 +1943,16 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c()
         if QD:  # through the warpgroup's own Q tile, then that Q buffer is free
             _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
-                                  "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
-                                  "bar_sync(5 + cw, 128)  # every warp of this warpgroup is past its last S: its Q "
-                                  "tile is free")
+                                  f"bar_sync({EPI} + cw, 128)  # the warpgroup's rows are in shared memory",
+                                  f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is past its last S: "
+                                  "its Q tile is free")
             c(f"mbar_arrive(bars + {lay['q_empty']} + (qk & 1) * 8)  # this thread is done with the item's Q "
               "buffer: the producer may load an item into it")
         elif staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
             _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
-                                  "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
-                                  "bar_sync(5 + cw, 128)  # every warp of this warpgroup is done with the last "
+                                  f"bar_sync({EPI} + cw, 128)  # the warpgroup's rows are in shared memory",
+                                  f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is done with the last "
                                   "item's O rows", base="o_wg")
         else:
             _emit_epilogue(c, D)
@@ -1924,9 +1971,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     c()
     if staged_epilogue(spec):
         _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
-                              "bar_sync(5 + cw, 128)  # the warpgroup's rows are in shared memory",
-                              "bar_sync(5 + cw, 128)  # every warp of this warpgroup is past its last S: its Q tile "
-                              "is free")
+                              f"bar_sync({EPI} + cw, 128)  # the warpgroup's rows are in shared memory",
+                              f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is past its last S: its Q "
+                              "tile is free")
     else:
         _emit_epilogue(c, D)
 
@@ -1980,9 +2027,10 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
               "1 producer +", "no producer (the consumers load)," if NONE else f"a producer {producer(spec)} +"))
         c("smem = cuda.shared.array(0, SMEM_DTYPE)")
         if epilogue_in_s(spec):
-            c(f"ep_f = cuda.shared.array({KEPT_F32}, np.float32)  # a consumer thread's kept 1 / l, a row each "
-              "(epilogue_in_s)")
-            c(f"ep_i = cuda.shared.array({KEPT_I64}, np.int64)  # a consumer warpgroup's kept item: q_head, q_lo")
+            c(f"ep_f = cuda.shared.array({kept_f32(spec)}, np.float32)  # a consumer thread's kept 1 / l, a row "
+              "each (epilogue_in_s)")
+            c(f"ep_i = cuda.shared.array({kept_i64(spec)}, np.int64)  # a consumer warpgroup's kept item: q_head, "
+              "q_lo")
         if row_slice(spec):
             c(f"rsl = cuda.shared.array({SLICE_BYTES // 4}, np.float32)  # the consumer warpgroups' runs of the "
               "table, two each (row_slice)")

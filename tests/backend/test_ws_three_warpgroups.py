@@ -1,0 +1,88 @@
+"""Three consumer warpgroups in the warp-specialized forward (emit_fa3_ws at block_q 192, FlashAttention-3's D = 64
+tile): the source's turn rotation and barrier ids, the block's threads, registers and shared memory, and what the
+first form refuses. The simulator runs it (ws_sim_cases.py's ws3-* cases in test_ws_persistent_simulator, and the
+three-warpgroup ring, ring-3wg, in test_fa3_ws_simulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from variants import make_spec  # noqa: E402
+
+from falower.backends.numba_cuda import emit_fa3_ws  # noqa: E402
+
+PERSIST = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
+
+
+def spec(variant: str = "causal", D: int = 64, bq: int = 192, bk: int = 128, **extra):
+    s = make_spec(variant, D, "f16", path="mma", block_q=bq, block_k=bk, num_warps=8)
+    return dataclasses.replace(s, extra={**PERSIST, **extra})
+
+
+def test_three_warpgroups_take_turns_in_rotation():
+    """0 -> 1 -> 2 -> 0 through barriers 1-3 (the last warpgroup primes warpgroup 0's), with no run-time %; the
+    staged epilogue's barriers move past the turns' to 7 + cw; two warpgroups keep 2 - cw and 5 + cw."""
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec())
+    assert re.search(r"if cw == 2:\n\s+bar_arrive\(1, 256\)", src)
+    assert "pp_next = cw + 2 if cw < 2 else 1" in src and "bar_arrive(pp_next, 256)" in src
+    assert "bar_sync(1 + cw, 256)" in src and "2 - cw" not in src and "%" not in src.split("pp_next =", 1)[1][:40]
+    assert "bar_sync(7 + cw, 128)" in src and "bar_sync(5 + cw" not in src
+    two = emit_fa3_ws.emit_fa3_ws_forward(spec(bq=128))
+    assert "pp_next" not in two and "bar_arrive(2 - cw, 256)" in two and "bar_sync(5 + cw, 128)" in two
+    assert re.search(r"if cw == 1:\n\s+bar_arrive\(1, 256\)", two)
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal"])
+def test_resources(variant: str):
+    """512 threads (a producer warpgroup and three consumers); registers split 32 / 160 (FlashAttention-3's;
+    24 x 128 + 160 x 384 fits 65,536), the kept epilogue's arrays a third larger than two warpgroups', the whole
+    block under the SM's shared memory, and the Q buffers 192 rows."""
+    s = spec(variant)
+    emit_fa3_ws.validate_spec(s)
+    assert emit_fa3_ws.threads_per_block(s) == 512 and emit_fa3_ws.consumer_wgs(s) == 3
+    p, c = emit_fa3_ws.registers(s)
+    assert (p, c) == (32, 160) and 128 * p + 384 * c <= emit_fa3_ws.REGISTER_FILE
+    assert emit_fa3_ws.registers(spec(variant, producer_regs=56)) == (56, 152)
+    two = spec(variant, bq=128)
+    assert emit_fa3_ws.registers(two) == (56, 224)  # two warpgroups: unchanged
+    assert emit_fa3_ws.kept_bytes(s) == 3 * emit_fa3_ws.kept_bytes(two) // 2
+    assert emit_fa3_ws.smem_bytes(s) + emit_fa3_ws.static_bytes(s) <= emit_fa3_ws.SMEM_LIMIT
+    lay = emit_fa3_ws._layout(s)
+    assert lay["kv"] == 3 * lay["qwg"]  # a Q buffer: three warpgroups' 64 rows
+    src = emit_fa3_ws.emit_fa3_ws_forward(s)
+    assert f"ep_f = cuda.shared.array({emit_fa3_ws.kept_f32(s)}, np.float32)" in src
+    assert "mbar_arrive_expect_tx(q_bar, 24576)" in src  # 192 rows x 64 columns x 2 bytes of Q an item
+    assert [int(r) for r in re.findall(r"tma_load_4d\(q_buf \+ \d+, qmap_g, 0, q_lo \+ (\d+),", src)] == [0, 64, 128]
+
+
+@pytest.mark.parametrize("change, missing", [
+    ({"D": 128}, "D = 64"),
+    ({"persistent": None}, "a persistent kernel"),
+    ({"producer": "none"}, "a producer warpgroup"),
+    ({"tma_loads": False}, "TMA loads"),
+])
+def test_what_three_warpgroups_refuse(change: dict, missing: str):
+    """One line that names every condition the spec misses (the first form: D = 64, the persistent producer
+    warpgroup with TMA loads, no mask or a static one)."""
+    change = dict(change)
+    D = change.pop("D", 64)
+    extra = {**PERSIST, **change}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if "persistent" not in extra:
+        extra.pop("item_order")
+    s = dataclasses.replace(make_spec("causal", D, "f16", path="mma", block_q=192, block_k=128, num_warps=8),
+                            extra=extra)
+    with pytest.raises(ValueError, match=f"three consumer warpgroups \\(block_q 192\\) need .*{missing}"):
+        emit_fa3_ws.validate_spec(s)
+
+
+def test_other_row_counts_are_refused():
+    with pytest.raises(ValueError, match="block_q must be 128 or 192"):
+        emit_fa3_ws.validate_spec(spec(bq=256))
