@@ -108,9 +108,9 @@ PERSIST_CASES = {
 # epilogue's named barriers move to 7 + cw, the producer keeps 32 registers): a tile plus one row both ways and two
 # heads on two blocks, causal with its diagonal tiles, bf16 with 128-column tiles and M != N, and one row
 PERSIST_CASES.update({
-    "ws3-pwg-plain-f16-d64-193": ("plain", "f16", 64, 1, 2, 193, 193, 1, 192, 32,
+    "ws3-pwg-plain-f16-d64-193": ("plain", "f16", 64, 1, 2, 193, 193, 1, 192, 128,
                                   {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic"}),
-    "ws3-pwg-causal-f16-d64-193": ("causal", "f16", 64, 1, 2, 193, 193, 1, 192, 32,
+    "ws3-pwg-causal-f16-d64-193": ("causal", "f16", 64, 1, 2, 193, 193, 1, 192, 64,
                                    {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic"}),
     "ws3-pwg-causal-bf16-d64-bk128": ("causal", "bf16", 64, 1, 1, 191, 300, 1, 192, 128,
                                       {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
