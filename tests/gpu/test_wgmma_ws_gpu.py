@@ -3,7 +3,8 @@ plain and causal, D = 64 and 128, N = 1000 (ragged) and 4096, f16 and bf16, 2 an
 error rule against float64 (tests/gpu/test_examples_gpu.py's `assert_error_rule`), through falower.compile with
 128 x 128 tiles; the producer warp (288 threads, 168 registers), a producer warpgroup with setmaxnreg (384, its PTX
 compiled whole-program by the driver) and no producer (extra producer "none", 256),
-persistent or not (extra persistent), with half tiles or not (extra half_tiles); the relative bias's row pairs.
+persistent or not (extra persistent), with half tiles or not (extra half_tiles); three consumer warpgroups (192-row
+q tiles at D = 64); the relative bias's row pairs.
 
 Run: python -m pytest -q -n 12 --dist load -m gpu tests/gpu/test_wgmma_ws_gpu.py (pyproject.toml's `--dist loadfile`
 would send the whole file to one worker)"""
@@ -25,7 +26,7 @@ from falower.backends.numba_cuda import emit_fa3_ws  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_examples_gpu import assert_error_rule, rounded  # noqa: E402
 
-PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq=128,bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
+PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
            "canonicalize"
 _COMPILED: dict = {}
 
@@ -35,12 +36,12 @@ def _hopper() -> None:
         pytest.skip("needs an sm_90 GPU")
 
 
-def _compiled(causal: bool, dtype: str, bk: int, extra: dict):
-    key = (causal, dtype, bk, tuple(sorted(extra.items())))
+def _compiled(causal: bool, dtype: str, bk: int, extra: dict, bq: int = 128):
+    key = (causal, dtype, bq, bk, tuple(sorted(extra.items())))
     if key not in _COMPILED:
         g = fl.attention(mask_mod=(lambda b, h, q, kv: q >= kv) if causal else None, name="ws", dtype=dtype,
                          group_size=2)
-        _COMPILED[key] = (g, fl.compile(g, pipeline=PIPELINE.format(bk=bk),
+        _COMPILED[key] = (g, fl.compile(g, pipeline=PIPELINE.format(bq=bq, bk=bk),
                                         extra={"schedule": "wgmma-ws", **extra}))
     return _COMPILED[key]
 
@@ -113,6 +114,32 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
         consumer_regs = emit_fa3_ws.registers(kern.spec)[1]  # 232, or what producer_regs leaves them
         assert image.cubin.endswith(b"\0")
         assert f"setmaxnreg.inc.sync.aligned.u32 {consumer_regs}".encode() in image.cubin
+
+
+@pytest.mark.parametrize("N", [1, 193, 1000, 4096])
+@pytest.mark.parametrize("causal, dtype, bk, extra", [
+    (False, "f16", 128, {}),
+    (True, "f16", 128, {}),
+    (True, "bf16", 64, {"kv_reverse": True}),
+    (False, "bf16", 128, {"producer_regs": 56}),
+])
+def test_three_consumer_warpgroups(causal: bool, dtype: str, bk: int, extra: dict, N: int) -> None:
+    """192-row q tiles (emit_fa3_ws.consumer_wgs 3, D = 64): three consumer warpgroups in turns under FlashAttention's
+    error rule, sizes of one row, a tile plus one, ragged and whole; the kernel that ran has the rotation and the
+    consumers' registers it was built for."""
+    _hopper()
+    from falower.passes.check import bind_dims, random_inputs
+
+    g, c = _compiled(causal, dtype, bk, {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
+                                         **extra}, bq=192)
+    kern = c.specialize(dtype, D=64)
+    assert kern.spec.block_q == 192 and emit_fa3_ws.consumer_wgs(kern.spec) == 3 and "pp_next = cw + 2" in kern.source
+    B, H = (2, 4) if N <= 1000 else (1, 2)
+    env = bind_dims(g, {"B": B, "H": H, "HKV": H // 2, "M": N, "N": N, "D": 64})
+    host = [rounded(x, dtype) for x in random_inputs(g, env, seed=N + 64)]
+    assert_error_rule(g, c, env, host, dtype)
+    image = kern._direct_kernel("main").image(torch.cuda.get_device_capability())
+    assert f"setmaxnreg.inc.sync.aligned.u32 {emit_fa3_ws.registers(kern.spec)[1]}".encode() in image.cubin
 
 
 @pytest.mark.parametrize("blocks", [1, 5, 132])
