@@ -452,7 +452,6 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern, env = c._kernel_and_dims((q, k, v, *caps))
     s = kern.spec
-    check_stampable(s)
     caps = caps + c.runtime_sizes(kern, env)  # the sizes the score reads (N), as a call adds them
     from falower.backends.numba_cuda.block_data import BlockData, has_derived
 
@@ -463,6 +462,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     if s.extra.get("schedule") != "wgmma-ws" or (s.extra.get("producer") != "none" and not with_producer):
         raise SystemExit(f"timeline: {s.name} is not the warp-specialized kernel without a producer, nor the "
                          f"persistent one with a producer warpgroup ({s.extra})")
+    check_stampable(s)
     if with_producer and phases:
         raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
     source = replaced_source(kern.source, replace or [])

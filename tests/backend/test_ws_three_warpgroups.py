@@ -86,3 +86,12 @@ def test_what_three_warpgroups_refuse(change: dict, missing: str):
 def test_other_row_counts_are_refused():
     with pytest.raises(ValueError, match="block_q must be 128 or 192"):
         emit_fa3_ws.validate_spec(spec(bq=256))
+
+
+def test_wide_kv_tiles_are_refused():
+    """192 x 256: S alone would take 128 of the consumers' 160 registers (ptxas stops with C7602), so it is refused
+    here rather than by the driver on the GPU; 192 x 64 and 192 x 128 are taken."""
+    for bk in (64, 128):
+        emit_fa3_ws.validate_spec(spec(bk=bk))
+    with pytest.raises(ValueError, match=r"need block_k <= 128 \(got 256\)"):
+        emit_fa3_ws.validate_spec(spec(bk=256))

@@ -163,8 +163,10 @@ MAX_REGS_WARP = 168
 REGISTER_FILE = 65536  # 32-bit registers an SM (and at most a block) on sm_90
 MAX_REGS_THREAD = 255  # ptxas's cap with neither launch bounds nor -maxrregcount
 PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
-# named barriers (0 is __syncthreads): 1, 2 the ping-pong's turns; 3 + cw a consumer warpgroup's table tile; 5 + cw
-# its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item
+# named barriers (0 is __syncthreads), two consumer warpgroups: 1, 2 the ping-pong's turns; 3 + cw a consumer
+# warpgroup's table tile; 5 + cw its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item;
+# 9 + cw its run of the table (SLICE_BARRIER). Three (block_q 192): the turns 1-3 and the epilogue's 7-9
+# (`epilogue_barrier`) only, the other three families' features being refused there (validate_spec)
 Q_FREE_BARRIER = 7
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
@@ -435,10 +437,10 @@ def consumer_wgs(spec: FA2ForwardSpec) -> int:
 
 
 def epilogue_barrier(spec: FA2ForwardSpec) -> int:
-    """The first named barrier of the staged epilogue's family (+ cw). Barrier 0 is __syncthreads; the families
-    of N consumer warpgroups follow each other, N barriers each: the turns (1 .. N), the table tile's, the
-    epilogue's (5 at N = 2, 7 at N = 3), Q free (`Q_FREE_BARRIER`) and the run of the table (`SLICE_BARRIER`), the
-    last two producer-"none" features that three warpgroups are refused (validate_spec)."""
+    """The first named barrier of the staged epilogue's family (+ cw): after the turns' (1 .. N) and N more, 5 at
+    two consumer warpgroups (where 3 + cw is the table tile's) and 7 at three. The other families (the table tile's
+    3 + cw, Q free's 7 + cw, the table run's 9 + cw) are laid out for two: their features (producer "none",
+    row_slice) are refused at three (validate_spec), and the consumer's emitter asserts as much."""
     return 1 + 2 * consumer_wgs(spec)
 
 
@@ -809,6 +811,8 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             ("no mask or a static one", spec.block_mask not in ("none", "static")),
             ("no table prefetch", "def score_prefetch_fn(" in spec.device_source),
             ("no early gathers", gather_early(spec))] if bad]
+        if spec.block_k > 128:  # S alone is block_k / 2 of the consumers' 160 registers (ptxas: C7602 at 256)
+            why.append(f"block_k <= 128 (got {spec.block_k})")
         if why:
             raise ValueError(f"wgmma-ws: three consumer warpgroups (block_q 192) need {', '.join(why)}")
     if stages(spec) not in (2, 3, 4):
@@ -1400,6 +1404,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 row_address()
                 # a warp's wait returns when its own part of the warpgroup's S is done, and a warp copies Q rows of
                 # the other three warps' parts (ld_r0 + 16 i): the whole warpgroup must be past its last S first
+                assert NWC == 2, "this barrier's family is laid out for two consumer warpgroups"
                 c(f"bar_sync({Q_FREE_BARRIER} + cw, 128)  # every warp of this warpgroup has read the item's Q rows")
                 c("if it_ok:  # the previous item's S wgmmas are done: its Q rows are free")
             with c.indent() if PERSIST else contextlib.nullcontext():
@@ -1823,6 +1828,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
             c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
             c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
+            assert NWC == 2, "this barrier's family is laid out for two consumer warpgroups"
             c(f"bar_sync({SLICE_BARRIER} + cw, 128)  # the warpgroup's run of the table is in shared memory")
             c("sl_par ^= 1")
             c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
@@ -1867,6 +1873,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if TT:
             c("if tile_on:")
             with c.indent():
+                assert NWC == 2, "this barrier's family is laid out for two consumer warpgroups"
                 c("bar_sync(3 + cw, 128)  # the warpgroup has read the tile: refill it with the next one's rows")
                 c("if jn <= kv_last:")
                 with c.indent():
