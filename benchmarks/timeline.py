@@ -244,7 +244,7 @@ KEPT_MARKS = (("tl_eb", ("is done with the last item's O rows",)),
 KEPT_VARS = tuple(v for v, _ in KEPT_MARKS)
 
 
-def stamped_producer_source(source: str, name: str) -> str:
+def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     """The persistent kernel with a producer warpgroup, stamped in its consumers an item: once the item's state is
     known (its ticket read, its kv range scanned), when its Q has landed, when its last S is done (q_empty), and
     after its epilogue (%globaltimer, 256 ns steps on the H100); and by %clock64, the cycles its kv loop spent in
@@ -253,7 +253,8 @@ def stamped_producer_source(source: str, name: str) -> str:
     epilogue_in_s, the kept epilogue's block in the loop (from its first line to its last: the tiles that skip it
     add nothing), and inside it the cycles to its first barrier passed, to its rows staged, (bulk_store) to its
     copies' operands made uniform and to lane 0's copies issued (KEPT_MARKS); thread 0 of each consumer warpgroup
-    writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS)."""
+    writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS); `warpgroups`, the
+    kernel's consumer warpgroups (3 at block_q 192)."""
     lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
     out: list[str] = []
@@ -294,7 +295,7 @@ def stamped_producer_source(source: str, name: str) -> str:
         if i > consumers and ln.strip() in ("qphase ^= 1", "qk += 1") and "record" not in found:
             sp = ind(ln)
             out += [f"{sp}if (tid & 127) == 0 and tl_k < {ITEMS}:",
-                    f"{sp}    tl_i = ((cuda.blockIdx.x * 2 + ((tid >> 7) - 1)) * {ITEMS} + tl_k) * {NF}",
+                    f"{sp}    tl_i = ((cuda.blockIdx.x * {warpgroups} + ((tid >> 7) - 1)) * {ITEMS} + tl_k) * {NF}",
                     f"{sp}    tl_buf[tl_i] = tl_s",
                     f"{sp}    tl_buf[tl_i + 1] = tl_q",
                     f"{sp}    tl_buf[tl_i + 2] = tl_le",
@@ -352,7 +353,7 @@ def stamped_producer_source(source: str, name: str) -> str:
 
 
 def summarize_producer(t: np.ndarray) -> dict:
-    """t [blocks x 2 warpgroups, ITEMS, 6] (PRODUCER_FIELDS): medians in us of the wait for Q after the item's
+    """t [blocks x consumer warpgroups, ITEMS, fields] (PRODUCER_FIELDS): medians in us of the wait for Q after the item's
     state (`q_wait_us`), the loop's line through (tiles, time), the last P V and epilogue, and the time from one
     item's end to the next one's state (`between_us`: the ticket, the carry and the tile scan), and the per-item
     cost those make in tile-times; `kernel_us` from the first stamp to the last."""
@@ -427,12 +428,14 @@ def replaced_source(source: str, replace: list[str]) -> str:
     return source
 
 
-def check_stampable(spec) -> None:
-    """The stamps' records are laid out two consumer warpgroups a block (tl_buf's index, the summaries' pairs):
-    three (block_q 192, emit_fa3_ws.consumer_wgs) are refused with a reason rather than read wrong."""
-    if spec.block_q != 128:
+def check_stampable(spec, with_producer: bool) -> int:
+    """The kernel's consumer warpgroups a block (emit_fa3_ws.consumer_wgs), which the persistent producer
+    warpgroup's stamps take as they come (three at block_q 192); the other stampings' records and summaries pair two
+    a block, so anything else there is refused with a reason rather than read wrong."""
+    if not with_producer and spec.block_q != 128:
         raise SystemExit(f"timeline: {spec.name} has {spec.block_q // 64} consumer warpgroups (block_q "
-                         f"{spec.block_q}); the stamps are laid out for two (block_q 128)")
+                         f"{spec.block_q}); these stamps are laid out for two (block_q 128)")
+    return spec.block_q // 64
 
 
 def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False,
@@ -462,7 +465,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     if s.extra.get("schedule") != "wgmma-ws" or (s.extra.get("producer") != "none" and not with_producer):
         raise SystemExit(f"timeline: {s.name} is not the warp-specialized kernel without a producer, nor the "
                          f"persistent one with a producer warpgroup ({s.extra})")
-    check_stampable(s)
+    nw = check_stampable(s, with_producer)
     if with_producer and phases:
         raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
     source = replaced_source(kern.source, replace or [])
@@ -487,8 +490,8 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     if with_producer:
         from numba import cuda, types
 
-        mod = load_source(stamped_producer_source(source, s.name), s.name + "_ptimeline")
-        tl = torch.zeros(blocks * 2 * ITEMS * len(PRODUCER_FIELDS), dtype=torch.int64, device=dev)
+        mod = load_source(stamped_producer_source(source, s.name, nw), s.name + "_ptimeline")
+        tl = torch.zeros(blocks * nw * ITEMS * len(PRODUCER_FIELDS), dtype=torch.int64, device=dev)
         args = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
         argtypes = (*kern.argtypes(), types.Array(types.uint64, 1, "C"))
         for i in range(3):  # the last launch is the one read (the counter is zeroed by each launch's last block)
@@ -497,7 +500,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
                 tl.zero_()
             _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads)
         torch.cuda.synchronize()
-        return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * 2, ITEMS, len(PRODUCER_FIELDS))
+        return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * nw, ITEMS, len(PRODUCER_FIELDS))
     stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
     mod = load_source(stamp(source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)

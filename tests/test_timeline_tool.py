@@ -224,11 +224,22 @@ def test_a_floor_experiment_replaces_every_occurrence_or_says_why_not():
         timeline.replaced_source(src, ["load(x)"])
 
 
-def test_three_consumer_warpgroups_are_refused_not_misread():
-    """The records are two consumer warpgroups a block: a 192-row kernel (three) is refused with its reason."""
+def test_three_consumer_warpgroups_are_stamped_where_the_records_allow():
+    """The persistent producer warpgroup's records are a block's warpgroups in turn, three at block_q 192 (its
+    index counts them); the other stampings pair two a block, and refuse three with the reason."""
     import dataclasses
 
     spec, _ = _ws()
-    timeline.check_stampable(spec)
-    with pytest.raises(SystemExit, match="3 consumer warpgroups \\(block_q 192\\); the stamps are laid out for two"):
-        timeline.check_stampable(dataclasses.replace(spec, block_q=192))
+    assert timeline.check_stampable(spec, False) == 2
+    wide = dataclasses.replace(spec, block_q=192)
+    assert timeline.check_stampable(wide, True) == 3
+    with pytest.raises(SystemExit, match="3 consumer warpgroups \\(block_q 192\\); these stamps are laid out for two"):
+        timeline.check_stampable(wide, False)
+    g = runpy.run_path(str(ROOT / "examples" / "causal.py"))["graph"]
+    s3 = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16", "mma", None,
+                    {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"})
+    s3 = dataclasses.replace(s3, block_q=192)
+    emit_fa3_ws.validate_spec(s3)
+    out = timeline.stamped_producer_source(emit_fa3_ws.emit_fa3_ws_forward(s3), s3.name, 3)
+    compile(out, "stamped", "exec")
+    assert "tl_i = ((cuda.blockIdx.x * 3 + ((tid >> 7) - 1))" in out
