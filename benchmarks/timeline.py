@@ -353,8 +353,8 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
 
 
 def summarize_producer(t: np.ndarray) -> dict:
-    """t [blocks x consumer warpgroups, ITEMS, fields] (PRODUCER_FIELDS): medians in us of the wait for Q after the item's
-    state (`q_wait_us`), the loop's line through (tiles, time), the last P V and epilogue, and the time from one
+    """t [blocks x consumer warpgroups, ITEMS, fields] (PRODUCER_FIELDS): medians in us of the wait for Q after the
+    item's state (`q_wait_us`), the loop's line through (tiles, time), the last P V and epilogue, and the time from one
     item's end to the next one's state (`between_us`: the ticket, the carry and the tile scan), and the per-item
     cost those make in tile-times; `kernel_us` from the first stamp to the last."""
     qw, loops, tiles, epis, between = [], [], [], [], []
@@ -441,7 +441,8 @@ def check_stampable(spec, with_producer: bool) -> int:
 def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False,
         replace: list[str] | None = None) -> np.ndarray:
     """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS (with `phases`,
-    stamped_phases_source's record a warpgroup); `replace` edits the kernel's source first (replaced_source)."""
+    stamped_phases_source's record a warpgroup; the persistent producer warpgroup's kernel, [blocks x its consumer
+    warpgroups, ITEMS, PRODUCER_FIELDS]); `replace` edits the kernel's source first (replaced_source)."""
     import torch
 
     import bench

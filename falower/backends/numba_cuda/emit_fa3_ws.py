@@ -810,9 +810,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             ("a producer warpgroup", producer(spec) != "warpgroup"), ("TMA loads", not tma_loads(spec)),
             ("no mask or a static one", spec.block_mask not in ("none", "static")),
             ("no table prefetch", "def score_prefetch_fn(" in spec.device_source),
-            ("no early gathers", gather_early(spec))] if bad]
-        if spec.block_k > 128:  # S alone is block_k / 2 of the consumers' 160 registers (ptxas: C7602 at 256)
-            why.append(f"block_k <= 128 (got {spec.block_k})")
+            ("no early gathers", gather_early(spec)),
+            # S alone is block_k / 2 of the consumers' 160 registers (ptxas: C7602 at 256)
+            (f"block_k <= 128 (got {spec.block_k})", spec.block_k > 128)] if bad]
         if why:
             raise ValueError(f"wgmma-ws: three consumer warpgroups (block_q 192) need {', '.join(why)}")
     if stages(spec) not in (2, 3, 4):
