@@ -35,6 +35,7 @@ class CompiledAttention:
         self.backward_pipeline = backward_pipeline
         self.pipeline, self.pipeline_kwargs = pipeline, dict(pipeline_kwargs or {})
         self._retiled: dict[tuple[int, int], tuple[Func, Any]] = {}  # (bq, bk) -> (lowered, analysis)
+        self._memo: dict[str, Any] = {}  # choices made once a graph (_wide_tiles_pay)
         self._built: dict[str, tuple[Func, Any]] = {}  # kernel name -> the (lowered, analysis) it came from
         self._lowered_bwd: Optional[Func] = None
         self._bwd_analysis: Any = None
@@ -134,27 +135,37 @@ class CompiledAttention:
 
         if choice is None:
             return mma_sync()
-        built = base
-        want = emit_fa3.tiles(used["D"], mask_kind, table_tile and choice.get("schedule") == "wgmma-ws")
-        if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
-            built = self._retile(*want)
+        ws_tiles = table_tile and choice.get("schedule") == "wgmma-ws"
+
+        def built_for(extra: dict) -> tuple[Func, Any]:
+            """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
+            (`emit_fa3.tiles`), the caller's own pipeline as it is."""
+            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
+            if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
+                return self._retile(*want)
+            return base
 
         def fit_rows(extra: dict) -> dict:
             """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
             tiles of a fallback from the warp-specialized kernel) or the caller's knobs (the softmax / P V overlap,
             which needs 64) keep 64 rows a warpgroup unless the caller asked for wg_rows itself."""
-            low = built[1]
+            low = built_for(extra)[1]
             if "wg_rows" in fwd or "wg_rows" not in extra or (
                     emit_fa3.wide_rows_fit(low.block_q, low.block_k, used["D"]) and not fwd.get("overlap")):
                 return extra
             return {k: v for k, v in extra.items() if k != "wg_rows"}
 
         # an automatic choice the wgmma kernels refuse falls back: the persistent warp-specialized one to one block
-        # an item, that to the plain one, that to mma.sync, as if never chosen
-        tries = [choice] + ([dict(emit_fa3.WS_EXTRA)] if choice.get("persistent") else []) \
+        # an item (at D = 128; at D = 64 to emit_fa3's kernel), that to the plain one, that to mma.sync, as if never
+        # chosen
+        tries = [choice] + ([dict(emit_fa3.WS_EXTRA)] if choice.get("persistent") and used["D"] == 128 else []) \
             + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
         tries = [fit_rows(extra) for extra in tries]
         for extra in tries:
+            built = built_for(extra)
+            if (built[1].block_q, built[1].block_k) == emit_fa3.WIDE_TILES and built is not base \
+                    and not self._wide_tiles_pay(used["D"]):
+                continue  # a mask whose edges the 192-row tiles cover at a loss (a narrow window)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
@@ -171,6 +182,28 @@ class CompiledAttention:
                 spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **fwd})
             return spec, built
         return mma_sync()
+
+    def _wide_tiles_pay(self, head_dim: int) -> bool:
+        """emit_fa3.wide_tiles_pay on the FLOPs the cost model counts for the graph lowered with 128 x 64 tiles and
+        with emit_fa3.WIDE_TILES, at M = N = emit_fa3.WIDE_REFERENCE_N and every other size 1. A graph whose
+        sequence lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64."""
+        from .backends.numba_cuda import emit_fa3
+        from .ir.dims import Sym
+        from .passes.cost import cost_of
+
+        if "wide_pays" not in self._memo:
+            q, k = self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]  # [..., M, D], [..., N, D]
+            pays = False
+            if isinstance(q, Sym) and isinstance(k, Sym):
+                dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
+                dims.update({q.name: emit_fa3.WIDE_REFERENCE_N, k.name: emit_fa3.WIDE_REFERENCE_N, "D": head_dim})
+                try:
+                    narrow, wide = (cost_of(self._retile(*t)[0], dims).flops for t in ((128, 64), emit_fa3.WIDE_TILES))
+                    pays = emit_fa3.wide_tiles_pay(narrow, wide)
+                except FalowerError:
+                    pays = False
+            self._memo["wide_pays"] = pays
+        return self._memo["wide_pays"]
 
     def _retile(self, bq: int, bk: int) -> tuple[Func, Any]:
         """The graph lowered by the default pipeline with tile{bq,bk} instead of its tiles, and its analysis."""

@@ -80,6 +80,7 @@ def test_overrides(hopper) -> None:
     hopper.setenv("FALOWER_WGMMA", "0")
     assert _spec(fl.compile(_graph(False)), 128).extra == {}
     hopper.setenv("FALOWER_WGMMA", "1")
+    hopper.setattr(runtime, "device_sm_count", lambda: None)
     assert _spec(fl.compile(_graph(True)), 64).extra["schedule"] == "wgmma"
     hopper.delenv("FALOWER_WGMMA")
     assert _spec(fl.compile(_graph(False), extra={"schedule": "mma"}), 128).extra == {"schedule": "mma"}
@@ -190,8 +191,9 @@ def test_a_table_tile_takes_the_specialized_kernel_at_d64(hopper) -> None:
 
 def test_rule_persistent_where_the_sm_count_is_known() -> None:
     """D = 128 without a table tile, on a GPU whose SM count the driver gave: the persistent producer-warpgroup
-    kernel, one block an SM, items from the counter (under a block list with an 88-register producer); table
-    tiles, D = 64 and no SM count (the simulator) keep what they took."""
+    kernel, one block an SM, items from the counter (under a block list with an 88-register producer); at D = 64
+    the same kernel without a mask or under a static one (on 192-row tiles: three consumer warpgroups); table
+    tiles, D = 64's block lists and no SM count (the simulator) keep what they took."""
     rule = emit_fa3.auto_extra
     want = {"schedule": "wgmma-ws", "producer": "warpgroup", "item_order": "dynamic", "persistent": 132}
     for mask in ("none", "static"):
@@ -201,7 +203,13 @@ def test_rule_persistent_where_the_sm_count_is_known() -> None:
         assert rule("f16", 128, mask, (9, 0), {}, table_tile=True, sm_count=132) == emit_fa3.WS_EXTRA
     assert rule("f16", 128, "list", (9, 0), {}, sm_count=132) == want
     assert rule("f16", 128, "list", (9, 0), {}, sm_count=None) == emit_fa3.WS_EXTRA
-    assert rule("f16", 64, "static", (9, 0), {}, sm_count=132)["schedule"] == "wgmma"
+    for mask in ("none", "static"):
+        assert rule("f16", 64, mask, (9, 0), {}, sm_count=132) == want
+        assert rule("f16", 64, mask, (9, 0), {}, sm_count=None)["schedule"] == "wgmma"
+    assert rule("f16", 64, "list", (9, 0), {}, sm_count=132)["schedule"] == "wgmma"
+    assert rule("f16", 64, "none", (9, 0), {}, table_tile=True, sm_count=132) == emit_fa3.WS_EXTRA
+    assert emit_fa3.tiles(64, "static", persistent=True) == emit_fa3.WIDE_TILES == (192, 128)
+    assert emit_fa3.tiles(128, "static", persistent=True) == (128, 128)
     assert rule("f16", 128, "none", (8, 0), {}, sm_count=132) is None
     assert rule("f16", 128, "none", (9, 0), {"FALOWER_WGMMA": "ws"}, sm_count=132) == emit_fa3.WS_EXTRA
 
@@ -221,6 +229,7 @@ def test_compile_takes_the_persistent_kernel_and_falls_back(hopper) -> None:
     s = _spec(fl.compile(_graph(True), extra={"early_loads": "10"}), 128)
     assert s.extra == {**emit_fa3.WS_EXTRA, "early_loads": "10"}, s.extra
     emit_fa3.validate_spec(s)
+    hopper.setattr(runtime, "device_sm_count", lambda: None)
     assert _spec(fl.compile(_graph(True)), 64).extra["schedule"] == "wgmma"
     assert _spec(fl.compile(_graph(True), extra={"schedule": "wgmma-ws"}), 128).extra == {"schedule": "wgmma-ws"}
 
@@ -257,6 +266,7 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias_only_without_tma_lo
     from pathlib import Path
 
     from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.passes import NAMED_PIPELINES
 
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     ex = Path(__file__).resolve().parents[2] / "examples"
@@ -310,6 +320,7 @@ def test_kv_reverse_is_asked_for_and_mirrors_every_tile_position(hopper) -> None
     from pathlib import Path
 
     from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.passes import NAMED_PIPELINES
 
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     ex = Path(__file__).resolve().parents[2] / "examples"
@@ -356,7 +367,10 @@ def test_kv_reverse_second_visits_every_tile_once_the_last_one_second(hopper) ->
     # the automatic choice: "second" for ALiBi under causal (a column step, a walked range), shown in spec.extra;
     # not for causal alone, ALiBi without its mask, or where the kernel cannot take it (16-byte copies)
     assert fl.compile(alibi).specialize("f16", D=128).spec.extra["kv_reverse"] == "second"
+    assert fl.compile(alibi).specialize("f16", D=64).spec.extra["kv_reverse"] == "second"  # 192-row tiles too
+    hopper.setattr(runtime, "device_sm_count", lambda: None)
     assert "kv_reverse" not in fl.compile(alibi).specialize("f16", D=64).spec.extra  # not the persistent kernel
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
     ex = Path(__file__).resolve().parents[2] / "examples"
     causal = runpy.run_path(str(ex / "causal.py"))["graph"]
     assert "kv_reverse" not in fl.compile(causal).specialize("f16", D=128).spec.extra
@@ -366,3 +380,43 @@ def test_kv_reverse_second_visits_every_tile_once_the_last_one_second(hopper) ->
     assert "kv_reverse" not in fl.compile(alibi, extra={"tma_loads": False}).specialize("f16", D=128).spec.extra
     with pytest.raises(BackendError, match="kv_reverse is True, False or 'second'"):
         fl.compile(alibi, extra={"kv_reverse": "first"}).specialize("f16", D=128)
+
+
+def test_d64_takes_192_row_tiles_where_the_work_allows(hopper) -> None:
+    """At D = 64 with an SM count, falower.compile takes the persistent kernel on 192 x 128 tiles (three consumer
+    warpgroups) without a mask or under a static one whose visited work those tiles do not grow past
+    emit_fa3.WIDE_MIN_WORK_RATIO at N = 4k (plain, causal, a 1024 window); a 48-wide window (0.60 as much work on
+    128 x 64 tiles), a relative bias (its row gathers are refused at three warpgroups) and a caller's own tiles
+    keep emit_fa3's kernel, whose IR the compiled object shows."""
+    import runpy
+    from pathlib import Path
+
+    from falower.backends.numba_cuda import emit_fa3_ws
+    from falower.passes import NAMED_PIPELINES
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    ex = Path(__file__).resolve().parents[2] / "examples"
+
+    def example(stem: str) -> fl.Func:
+        return next(v for v in runpy.run_path(str(ex / f"{stem}.py")).values() if isinstance(v, fl.Func))
+
+    def window(w: int) -> fl.Func:
+        return fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < w), name=f"win{w}", dtype="f16")
+
+    for g in (_graph(False), _graph(True), window(1024), example("prefix_lm"), example("gqa")):
+        c = fl.compile(g)
+        kern = c.specialize("f16", D=64)
+        s = kern.spec
+        assert (s.block_q, s.block_k) == (192, 128) and emit_fa3_ws.consumer_wgs(s) == 3, (g.name, s.extra)
+        assert {k: s.extra[k] for k in emit_fa3.PERSIST_EXTRA} == emit_fa3.PERSIST_EXTRA
+        emit_fa3.validate_spec(s)
+        assert c.lowered_of(kern) is not c.lowered and "192" in fl.print_func(c.lowered_of(kern))
+    for g in (window(48), example("sliding_window"), example("relative_bias")):
+        s = fl.compile(g).specialize("f16", D=64).spec
+        assert (s.block_q, s.block_k) == (128, 64) and s.extra["schedule"] == "wgmma", (g.name, s.extra)
+    # the caller's tiles: the two-warpgroup persistent kernel is not taken at D = 64 (emit_fa3_ws.persistent_pays)
+    own = fl.compile(_graph(True), pipeline=NAMED_PIPELINES["fa2-fwd"].replace("tile{bq=128,bk=64}",
+                                                                               "tile{bq=128,bk=128}"))
+    s = own.specialize("f16", D=64).spec
+    assert (s.block_q, s.block_k) == (128, 128) and s.extra["schedule"] == "wgmma", s.extra
+    assert emit_fa3.wide_tiles_pay(0.85, 1.0) and not emit_fa3.wide_tiles_pay(0.84, 1.0)

@@ -148,6 +148,8 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return dict(WS_EXTRA)
     if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)
         return dict(WS_EXTRA)
+    if head_dim == 64 and block_mask in ("none", "static") and sm_count:  # three consumer warpgroups, 192 rows
+        return {**PERSIST_EXTRA, "persistent": int(sm_count)}
     return plain_extra(head_dim, block_mask)
 
 
@@ -163,15 +165,36 @@ def plain_extra(head_dim: int, block_mask: str = "none") -> dict:
     return extra
 
 
-def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False) -> tuple[int, int]:
+def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False,
+          persistent: bool = False) -> tuple[int, int]:
     """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
     N = 4k), block lists included since the row bounds and the ws kernel's copies (the document mask, 8 documents
     a row at N = 4k: 227 vs 204 on 128 x 64, twice in one call, H100 2026-11-24; 135 vs 173 before them);
     128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S), except for a score that
-    reads a table tile (`auto_extra`: 128 x 128 on the warp-specialized kernel)."""
+    reads a table tile (`auto_extra`: 128 x 128 on the warp-specialized kernel) and the persistent kernel
+    (`persistent`, D = 64: `WIDE_TILES`, three consumer warpgroups)."""
+    if head_dim == 64 and persistent:
+        return WIDE_TILES
     if head_dim == 64 and table_tile and block_mask == "none":
         return (128, 128)
     return (128, 128) if head_dim == 128 else (128, 64)
+
+
+WIDE_TILES = (192, 128)  # D = 64's persistent kernel: three consumer warpgroups of 64 rows (FlashAttention-3's tile)
+WIDE_MIN_WORK_RATIO = 0.85  # the least (128 x 64 tiles' visited FLOPs) / (WIDE_TILES') that takes them (below)
+WIDE_REFERENCE_N = 4096  # the sequence length at which `wide_tiles_pay` counts both tilings' work
+
+
+def wide_tiles_pay(narrow_flops: float, wide_flops: float) -> bool:
+    """Whether D = 64 takes the three-warpgroup kernel's 192 x 128 tiles over emit_fa3's 128 x 64, given the FLOPs
+    each tiling visits at N = WIDE_REFERENCE_N (the cost model counts the tiles a static mask leaves, as the kernels
+    visit them). Why a work ratio: the wide kernel does ~1.2x the work a second (H200 2026-11-29, N = 4k, five
+    interleaved rounds against 128 x 64: plain 1.198 at a work ratio of 0.974, causal 1.137 at 0.920, ALiBi 1.069,
+    the softcap 1.094, prefix LM 1.138, GQA 1.187, the naive code 1.162), but a mask's edges cost it more: a
+    row's band of 49 columns (`sliding_window`) is 0.600 as much work on 128 x 64 tiles and ran 0.787 as fast; the
+    1024 window (0.879) 1.003. Causal at N = 1k (0.753 there) ran 0.92 as fast: a choice by one reference length
+    takes that, as FlashAttention-3 takes 192 x 128 at D = 64 whatever N."""
+    return narrow_flops >= WIDE_MIN_WORK_RATIO * wide_flops
 
 
 def recommended_schedule(head_dim: int) -> dict[str, int]:

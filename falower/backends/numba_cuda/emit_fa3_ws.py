@@ -368,7 +368,11 @@ def persistent_pays(spec: FA2ForwardSpec) -> bool:
     of the waits (`gather_early`, a relative bias) and the producer copies by its threads, since those registers
     held across the waits do not fit the consumers' 192 (220 bytes spilled; 301 against 453 TFLOP/s one block an
     item, H100 2026-11-27). Under tma_loads the consumers have 224 (local ptxas: 64 bytes spilled) and the
-    persistent form won: 490 against 438 TFLOP/s, faster in 11 of 11 paired rounds (H200 2026-11-28)."""
+    persistent form won: 490 against 438 TFLOP/s, faster in 11 of 11 paired rounds (H200 2026-11-28). At D = 64
+    only with three consumer warpgroups (192-row tiles): two ran 0.939 of emit_fa3's 128 x 64 kernel (H200
+    2026-11-29, plain N = 4k, seven interleaved rounds; three 1.169)."""
+    if persistent(spec) and spec.head_dim == 64 and consumer_wgs(spec) != 3:
+        return False
     return not (persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec) and not tma_loads(spec))
 
 
