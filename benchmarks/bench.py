@@ -274,7 +274,8 @@ def with_wgmma_backward(configs: list) -> list:
 
 
 DEFAULT_CONFIG = {64: (128, 64, 4), 128: (128, 64, 4)}  # mma.sync (benchmarks/NOTES.md)
-# the wgmma kernel's tiles (emit_fa3.tiles: 128 x 128 at D = 128, 128 x 64 at D = 64; 8 = two warpgroups' warps)
+# emit_fa3's kernel and tiles (emit_fa3.tiles: 128 x 128 at D = 128, 128 x 64 at D = 64; 8 = two warpgroups' warps;
+# D = 64's automatic choice is mostly the persistent kernel on 192 x 128 tiles since 2026-11-29: 'auto' times it)
 WGMMA_CONFIG = {64: (128, 64, 8, {"schedule": "wgmma"}), 128: (128, 128, 8, {"schedule": "wgmma"})}
 
 

@@ -19,9 +19,10 @@ helpers apply to one m16 fragment per warp unchanged). What is new is the schedu
 * online softmax in the exp2 domain, one division at the end, LSE in natural log (as emit_fa2).
 
 Built when `spec.extra["schedule"] == "wgmma"` (emit_fa2's entry points dispatch here). `falower.compile` sets it
-by itself on compute capability 9.x where `auto_extra` says so (D = 64 and D = 128 under a block table; elsewhere
-at D = 128 the warp-specialized kernel of emit_fa3_ws, persistent where the SM count is known), with the
-tiles of `tiles` (the graph lowered again with tile{bq=128,bk=128} at D = 128), or when asked:
+by itself on compute capability 9.x where `auto_extra` says so (D = 128 under a block table, D = 64 under block
+lists, narrow windows or a relative bias, and wherever the driver gives no SM count; elsewhere the warp-specialized
+kernel of emit_fa3_ws, persistent, at D = 64 on 192-row tiles), with the tiles of `tiles` (the graph lowered again
+with tile{bq=128,bk=128} at D = 128), or when asked:
 `falower.compile(graph, extra={"schedule": "wgmma"})`; `FALOWER_WGMMA=0` / `extra={"schedule": "mma"}` keep
 mma.sync. Only for compute capability 9.0 (sm_90a) and f16/bf16, D = 64 or 128; every block mask kind (static
 classification, the block table, the per-q-tile block list of data-dependent masks) through emit_fa2's pieces.
@@ -128,7 +129,9 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     A score that reads a [q, kv] tile of a table (`table_tile`: from_ir.reads_table_tile, a bias[h, q, kv]) takes
     the warp-specialized kernel at D = 64 too, on 128 x 128 tiles (`tiles`), which copies the table's tile into
     shared memory a kv tile ahead: bias 204 vs 189 on this module's kernel (Flex's own config failed; H100
-    2026-11-24).
+    2026-11-24). At D = 64 without a mask or under a static one, with an SM count, the persistent kernel on
+    `WIDE_TILES` (192 x 128: three consumer warpgroups in turns) where `wide_tiles_pay` (falower.compile counts
+    both tilings' work) and validate_spec allow; else this module's kernel (measured in `wide_tiles_pay`).
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
     the simulator), `FALOWER_WGMMA=ws` the warp-specialized kernel at D = 128 under every mask kind, block
     tables too (to measure it there). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to

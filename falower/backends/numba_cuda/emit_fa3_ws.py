@@ -48,7 +48,8 @@ under a static mask with row bounds the kv loop walks [kv_first, kv_last], each 
 emit_fa2.walks_range). block_q 128 (two consumer warpgroups) or 192 (three: FlashAttention-3's D = 64 tile, so
 far D = 64 on the persistent producer warpgroup with TMA loads, no mask or a static one; the turns rotate 0 -> 1
 -> 2 -> 0, each warpgroup handing over to the next's barrier, and the producer keeps 32 registers, the consumers
-160; not measured on a GPU yet: benchmarks/NOTES.md, "Knob tests by name"); D = 64 or 128; f16/bf16; sm_90a only.
+160; D = 64's automatic choice where the tiles' work allows, emit_fa3.wide_tiles_pay: plain 1.17-1.20x emit_fa3's
+128 x 64 kernel, H200 2026-11-29); D = 64 or 128; f16/bf16; sm_90a only.
 
 A score that reads a [q, kv] tile of a table (a bias[h, q, kv]: emit_fa2.has_tile_table) gets the tile in shared
 memory under producer "none" (`table_tiles`): each consumer warpgroup copies its 64 rows of tile j + 1 by cp.async
