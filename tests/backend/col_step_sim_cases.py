@@ -74,6 +74,11 @@ CASES = {
     "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
                                                                        "producer": "warpgroup", "persistent": 1,
                                                                        "item_order": "dynamic"}),
+    # ... on three consumer warpgroups (192 x 128 tiles at D = 64, each warpgroup its own run, its barrier 10 + cw):
+    # two items, rows outside the table in both, M > N
+    "pwg3-persist-relbias-slice": ("relbias", 250, 140, 64, (192, 128), {"schedule": "wgmma-ws",
+                                                                        "producer": "warpgroup", "persistent": 1,
+                                                                        "item_order": "dynamic"}),
     # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state),
     # the run's loads a tile ahead (slice_ahead: an item's first tile's at its start, the next item's after the last)
     "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
@@ -91,7 +96,7 @@ CASES = {
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
 PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
-         "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1}
+         "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1, "pwg3-persist-relbias-slice": -1}
 
 
 def _record_visits(kern, q0: int) -> list:

@@ -413,7 +413,7 @@ def test_row_slice_is_the_persistent_producer_kernels_default_and_only_its():
     assert not emit_fa3_ws.row_slice(off) and "gl = score_pair_load(" in emit_fa3_ws.emit_fa3_ws_forward(off)
     on = spec(pwg)
     assert emit_fa3_ws.row_slice(on) and emit_fa3_ws.static_bytes(on) - emit_fa3_ws.static_bytes(off) == \
-        emit_fa3_ws.SLICE_BYTES
+        emit_fa3_ws.slice_bytes(on) == 2 * 2 * emit_fa3_ws.SLICE_ENTRIES * 4
     src = emit_fa3_ws.emit_fa3_ws_forward(on)
     assert "gl = score_pair_slice(rsl, " in src and "gl = score_pair_load(" not in src
     # the run's loads from the row kept for the item (slice_rows, the default), or by the clamped index every tile

@@ -95,3 +95,33 @@ def test_wide_kv_tiles_are_refused():
         emit_fa3_ws.validate_spec(spec(bk=bk))
     with pytest.raises(ValueError, match=r"need block_k <= 128 \(got 256\)"):
         emit_fa3_ws.validate_spec(spec(bk=256))
+
+
+def test_a_relative_bias_takes_its_runs_of_the_table():
+    """The relative bias at 192 rows: each of the three consumer warpgroups copies its own run of the table into
+    shared memory (row_slice: three pairs of buffers, its barrier 10 + cw, clear of the epilogue's 7-9), so neither
+    the early gathers nor the L2 prefetch three warpgroups refuse is issued; without the runs it is refused by name.
+    The simulator runs it (col_step_sim_cases.py's pwg3-persist-relbias-slice)."""
+    import runpy
+
+    import falower as fl
+    from falower.backends.numba_cuda.from_ir import analyse, build_spec
+
+    root = Path(__file__).resolve().parents[2]
+    g = next(v for v in runpy.run_path(str(root / "examples" / "relative_bias.py")).values()
+             if isinstance(v, fl.Func))
+    base = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16", "mma", None, PERSIST)
+
+    def rel(bq: int = 192, **extra):
+        return dataclasses.replace(base, block_q=bq, block_k=128, extra={**PERSIST, **extra})
+
+    s = rel()
+    emit_fa3_ws.validate_spec(s)
+    assert emit_fa3_ws.row_slice(s) and emit_fa3_ws.slice_bytes(s) == 3 * 2 * emit_fa3_ws.SLICE_ENTRIES * 4
+    src = emit_fa3_ws.emit_fa3_ws_forward(s)
+    assert "bar_sync(10 + cw, 128)" in src and "rsl = cuda.shared.array(1536," in src
+    assert "pf_kv" not in src
+    assert "gl = score_pair_load(" not in src and "gl = score_pair_slice(rsl, " in src
+    assert emit_fa3_ws.slice_barrier(rel(bq=128)) == 9
+    with pytest.raises(ValueError, match="need no table prefetch, no early gathers"):
+        emit_fa3_ws.validate_spec(rel(row_slice=False))

@@ -180,6 +180,8 @@ PERSIST_PWG = {"producer": "warpgroup", "persistent": 132, "item_order": "dynami
     ("f16", 128, {**PERSIST_PWG, "slice_rows": False}),
     ("f16", 128, {**PERSIST_PWG, "slice_ahead": True}),
     ("f16", 128, {**PERSIST_PWG, "slice_ahead": True, "kv_reverse": True}),  # the next tile's run walking down
+    ("f16", 64, {**PERSIST_PWG, "bq": 192}),  # three consumer warpgroups, each its own run (D = 64's default)
+    ("bf16", 64, {**PERSIST_PWG, "bq": 192, "slice_ahead": True}),
 ])
 def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: int) -> None:
     """The relative bias on the no-producer ws kernel and on the persistent producer one (TMA loads), a thread's
@@ -198,8 +200,12 @@ def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: 
              if isinstance(v, fl.Func))
     if dtype != "f16":
         g = fl.parse_func(fl.print_func(g).replace("f16[", f"{dtype}[").replace('"f16"', f'"{dtype}"'))
-    c = fl.compile(g, pipeline=PIPELINE.format(bk=128), extra={"schedule": "wgmma-ws", "producer": "none", **extra})
+    extra = dict(extra)
+    bq = extra.pop("bq", 128)  # q tile rows: 192 takes three consumer warpgroups
+    c = fl.compile(g, pipeline=PIPELINE.format(bq=bq, bk=128),
+                   extra={"schedule": "wgmma-ws", "producer": "none", **extra})
     kern = c.specialize(dtype, D=D)
+    assert kern.spec.block_q == bq
     sliced = extra.get("producer") == "warpgroup" and extra.get("row_slice", True) is not False  # its default
     early = extra.get("gather_early", True) is not False and not sliced
     assert "score_row_pair" in kern.source and ("gl = score_pair_load(" in kern.source) == early

@@ -20,7 +20,7 @@ helpers apply to one m16 fragment per warp unchanged). What is new is the schedu
 
 Built when `spec.extra["schedule"] == "wgmma"` (emit_fa2's entry points dispatch here). `falower.compile` sets it
 by itself on compute capability 9.x where `auto_extra` says so (D = 128 under a block table, D = 64 under block
-lists, narrow windows or a relative bias, and wherever the driver gives no SM count; elsewhere the warp-specialized
+lists and narrow windows, and wherever the driver gives no SM count; elsewhere the warp-specialized
 kernel of emit_fa3_ws, persistent, at D = 64 on 192-row tiles), with the tiles of `tiles` (the graph lowered again
 with tile{bq=128,bk=128} at D = 128), or when asked:
 `falower.compile(graph, extra={"schedule": "wgmma"})`; `FALOWER_WGMMA=0` / `extra={"schedule": "mma"}` keep

@@ -166,8 +166,9 @@ MAX_REGS_THREAD = 255  # ptxas's cap with neither launch bounds nor -maxrregcoun
 PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
 # named barriers (0 is __syncthreads), two consumer warpgroups: 1, 2 the ping-pong's turns; 3 + cw a consumer
 # warpgroup's table tile; 5 + cw its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item;
-# 9 + cw its run of the table (SLICE_BARRIER). Three (block_q 192): the turns 1-3 and the epilogue's 7-9
-# (`epilogue_barrier`) only, the other three families' features being refused there (validate_spec)
+# 9 + cw its run of the table (`slice_barrier`). Three (block_q 192): the turns 1-3, the epilogue's 7-9
+# (`epilogue_barrier`) and the table's runs at 10-12; the other two families' features are refused there
+# (validate_spec)
 Q_FREE_BARRIER = 7
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
@@ -264,8 +265,18 @@ def gather_early(spec: FA2ForwardSpec) -> bool:
 
 
 SLICE_ENTRIES = 256  # a consumer warpgroup's run of the table for one kv tile, f32 (64 + block_k - 1 used)
-SLICE_BARRIER = 9  # + cw: the warpgroup's run is in shared memory
-SLICE_BYTES = 2 * 2 * SLICE_ENTRIES * 4  # two warpgroups, two buffers each
+
+
+def slice_barrier(spec: FA2ForwardSpec) -> int:
+    """The named barrier (+ cw) after which a consumer warpgroup's run of the table is in shared memory: 9 + cw with
+    two consumer warpgroups, 10 + cw with three (whose staged epilogue takes 7 + cw: `epilogue_barrier`)."""
+    return 9 if consumer_wgs(spec) == 2 else 10
+
+
+def slice_bytes(spec: FA2ForwardSpec) -> int:
+    """Shared memory of the runs of the table (`row_slice`): two buffers of SLICE_ENTRIES f32 a consumer
+    warpgroup."""
+    return consumer_wgs(spec) * 2 * SLICE_ENTRIES * 4
 
 
 def row_slice(spec: FA2ForwardSpec) -> bool:
@@ -277,10 +288,11 @@ def row_slice(spec: FA2ForwardSpec) -> bool:
     '-noslice'). The run's entries are clamped into the table as the gather clamps each index, so every tile may
     read it. Two buffers a warpgroup (a running parity): a warp still reading tile j's run has not passed tile
     j + 1's barrier, before which no warp writes tile j + 2's. Persistent producer-warpgroup kernel, 128 x 128
-    tiles. Measured (H200 2026-11-28): the kv loop 3825 -> 3317 cycles a tile (timeline; with the loads replaced
+    tiles (or 192 x 128: three consumer warpgroups, each its own run). Measured (H200 2026-11-28): the kv loop 3825 -> 3317 cycles a tile (timeline; with the loads replaced
     by a constant, 3177; plain 2866), 471 -> 518 TFLOP/s, faster in 8 of 11 paired rounds (1.080)."""
     return spec.extra.get("row_slice", True) is not False and gather_early(spec) and producer(spec) == "warpgroup" \
-        and bool(persistent(spec)) and spec.block_q == 128 and spec.block_k == 128 and row_gather_step(spec) is not None
+        and bool(persistent(spec)) and spec.block_q in (128, 192) and spec.block_k == 128 \
+        and row_gather_step(spec) is not None
 
 
 def slice_rows(spec: FA2ForwardSpec) -> bool:
@@ -753,7 +765,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
                        and spec.extra.get("staged_epilogue", True) is not False) else 0
         # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
         if o_at + o_buf + barrier_bytes + ALIGN + (kept_bytes(spec) if o_buf else 0) \
-                + (SLICE_BYTES if row_slice(spec) else 0) <= SMEM_LIMIT:
+                + (slice_bytes(spec) if row_slice(spec) else 0) <= SMEM_LIMIT:
             break
     else:
         o_buf = 0
@@ -797,7 +809,7 @@ def static_bytes(spec: FA2ForwardSpec) -> int:
     """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state, the
     consumer warpgroups' runs of the table (row_slice)."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
-    return tick + (kept_bytes(spec) if epilogue_in_s(spec) else 0) + (SLICE_BYTES if row_slice(spec) else 0)
+    return tick + (kept_bytes(spec) if epilogue_in_s(spec) else 0) + (slice_bytes(spec) if row_slice(spec) else 0)
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -814,8 +826,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             ("D = 64", spec.head_dim != 64), ("a persistent kernel", not persistent(spec)),
             ("a producer warpgroup", producer(spec) != "warpgroup"), ("TMA loads", not tma_loads(spec)),
             ("no mask or a static one", spec.block_mask not in ("none", "static")),
-            ("no table prefetch", "def score_prefetch_fn(" in spec.device_source),
-            ("no early gathers", gather_early(spec)),
+            # (a run of the table in shared memory, row_slice, issues neither)
+            ("no table prefetch", "def score_prefetch_fn(" in spec.device_source and not row_slice(spec)),
+            ("no early gathers", gather_early(spec) and not row_slice(spec)),
             # S alone is block_k / 2 of the consumers' 160 registers (ptxas: C7602 at 256)
             (f"block_k <= 128 (got {spec.block_k})", spec.block_k > 128)] if bad]
         if why:
@@ -1833,8 +1846,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
             c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
             c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
-            assert NWC == 2, "this barrier's family is laid out for two consumer warpgroups"
-            c(f"bar_sync({SLICE_BARRIER} + cw, 128)  # the warpgroup's run of the table is in shared memory")
+            c(f"bar_sync({slice_barrier(spec)} + cw, 128)  # the warpgroup's run of the table is in shared memory")
             c("sl_par ^= 1")
             c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
             base = f"sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)}"
@@ -2044,7 +2056,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"ep_i = cuda.shared.array({kept_i64(spec)}, np.int64)  # a consumer warpgroup's kept item: q_head, "
               "q_lo")
         if row_slice(spec):
-            c(f"rsl = cuda.shared.array({SLICE_BYTES // 4}, np.float32)  # the consumer warpgroups' runs of the "
+            c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32)  # the consumer warpgroups' runs of the "
               "table, two each (row_slice)")
         if uses_work_counter(spec):
             c(f"tick = cuda.shared.array({tick_words(spec)}, np.int32)  # the items' tickets "
