@@ -139,8 +139,10 @@ SLOW_WARP_SECONDS = 0.2
 # The document example through falower.compile on the persistent kernel (a block list): q tile 1 of batch row 1 is
 # all padding (doc_id -1), an item with no kv tile, between items that have some. The producer warpgroup walking
 # each item's list a tile ahead, the items from the counter (the D = 128 default on the H100; the same case with
-# producer "none" passed by hand, 2026-11-27, o_err 6.1e-4, cut for CI time). id: (M, N, blocks, producer)
-COMPILED_CASES = {"ws-pwg-document-persist": (130, 130, 3, "warpgroup")}
+# producer "none" passed by hand, 2026-11-27, o_err 6.1e-4, cut for CI time); and on three consumer warpgroups
+# (192 x 128 tiles: batch row 1's second q tile, rows 192-199, all padding). id: (M, N, blocks, producer, tiles)
+COMPILED_CASES = {"ws-pwg-document-persist": (130, 130, 3, "warpgroup", (128, 32)),
+                  "ws3-pwg-document-persist": (200, 200, 3, "warpgroup", (192, 128))}
 RING_CASES = {"ring-2stages": (2, 7, 2), "ring-3stages": (3, 5, 2), "ring-3wg": (2, 5, 3)}  # (stages, tiles, consumer
 # warpgroups: three take turns 0 -> 1 -> 2 -> 0, emit_fa3_ws at block_q 192)
 # Static masks with row bounds through falower.compile, where the ws kernel walks [kv_first, kv_last] and takes a
@@ -383,12 +385,12 @@ def run_case(case_id: str) -> dict:
 
 
 def run_compiled_case(case_id: str) -> dict:
-    """examples/document.py compiled by falower.compile onto the persistent ws kernel (D = 64, 128 x 32 tiles),
+    """examples/document.py compiled by falower.compile onto the persistent ws kernel (D = 64, the case's tiles),
     against the reference interpreter in float64."""
     import falower as fl
     from falower.passes.check import Reference, bind_dims
 
-    M, N, blocks, prod = COMPILED_CASES[case_id]
+    M, N, blocks, prod, (bq, bk) = COMPILED_CASES[case_id]
     g = example_graph("document")
     B, H, D = 2, 2, 64
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
@@ -399,7 +401,7 @@ def run_compiled_case(case_id: str) -> dict:
     doc[0, 5] = -1  # one padding row inside a tile
     inputs = [q, k, v, doc]
     ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
-    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(128, 32), path="mma",
+    c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma",
                    extra={"schedule": "wgmma-ws", "producer": prod, "persistent": blocks,
                           **({"item_order": "dynamic"} if prod == "warpgroup" else {})})
     from falower.backends.numba_cuda.emit_fa3_ws import list_head_shared

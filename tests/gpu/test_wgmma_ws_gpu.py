@@ -24,7 +24,7 @@ import falower as fl  # noqa: E402
 from falower.backends.numba_cuda import emit_fa3_ws  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_examples_gpu import assert_error_rule, rounded  # noqa: E402
+from test_examples_gpu import assert_error_rule, graph, rounded  # noqa: E402
 
 PIPELINE = "decompose-softmax,canonicalize,fuse,tile{{bq={bq},bk={bk}}},online-softmax{{exp2=true}},mask-tiles," \
            "canonicalize"
@@ -140,6 +140,26 @@ def test_three_consumer_warpgroups(causal: bool, dtype: str, bk: int, extra: dic
     assert_error_rule(g, c, env, host, dtype)
     image = kern._direct_kernel("main").image(torch.cuda.get_device_capability())
     assert f"setmaxnreg.inc.sync.aligned.u32 {emit_fa3_ws.registers(kern.spec)[1]}".encode() in image.cubin
+
+
+@pytest.mark.parametrize("N", [193, 1000, 4096])
+@pytest.mark.parametrize("kind", ["sorted", "unsorted", "constant"])
+@pytest.mark.parametrize("dtype, bk", [("f16", 128), ("bf16", 64)])
+def test_three_consumer_warpgroups_block_list(dtype: str, bk: int, kind: str, N: int) -> None:
+    """The document mask (a block list from the ids) on three consumer warpgroups (192-row q tiles, D = 64): sorted
+    ids with a tail of padding, unsorted ones (lists with holes) and one document (every tile kept), under
+    FlashAttention's error rule; ragged, whole and a tile plus one."""
+    _hopper()
+    from falower.passes.check import bind_dims, random_inputs
+
+    g, _ = graph("document", dtype)
+    c = fl.compile(g, pipeline=PIPELINE.format(bq=192, bk=bk),
+                   extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"})
+    kern = c.specialize(dtype, D=64)
+    assert kern.spec.block_mask == "list" and emit_fa3_ws.consumer_wgs(kern.spec) == 3
+    env = bind_dims(g, {"B": 2, "H": 3, "M": N, "N": N, "D": 64})
+    host = [rounded(x, dtype) if i < 3 else x for i, x in enumerate(random_inputs(g, env, seed=N + bk, kind=kind))]
+    assert_error_rule(g, c, env, host, dtype)
 
 
 @pytest.mark.parametrize("blocks", [1, 5, 132])
