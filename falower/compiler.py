@@ -87,9 +87,10 @@ class CompiledAttention:
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
         used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
-        key = (dtype, path, tuple(used.items()))
+        wide = self._wide_for(dtype, path, env)  # D = 64's 192-row tiles for these sizes (None: not offered)
+        key = (dtype, path, tuple(used.items())) + (() if wide is None else (("wide", wide),))
         if key not in self._kernels:
-            spec, built = self._forward_spec(used, dtype, path)
+            spec, built = self._forward_spec(used, dtype, path, wide)
             self._built[spec.name] = built
             try:
                 kern = FA2ForwardKernel(spec)
@@ -104,7 +105,28 @@ class CompiledAttention:
             self._kernels[key] = kern
         return self._kernels[key]
 
-    def _forward_spec(self, used: dict[str, int], dtype: str, path: str) -> tuple[Any, tuple[Func, Any]]:
+    def _wide_for(self, dtype: str, path: str, env: dict[str, int]) -> Optional[bool]:
+        """Whether a call with these sizes takes D = 64's 192 x 128 tiles (`_wide_tiles_pay` at its sequence
+        lengths; the reference length where `env` has none); None where the automatic choice does not offer them
+        (another D or path, the caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep one
+        kernel for every size."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.from_ir import reads_table_tile
+        from .backends.numba_cuda.runtime import device_cc, device_sm_count
+        from .backends.numba_cuda.spec import forward_extra
+
+        if path != "mma" or env["D"] != 64 or self.pipeline != "fa2-fwd" or "schedule" in forward_extra(self.extra):
+            return None
+        mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
+        choice = emit_fa3.auto_extra(dtype, 64, mask_kind, device_cc(), table_tile=reads_table_tile(self.analysis),
+                                     sm_count=device_sm_count())
+        if not choice or not choice.get("persistent"):
+            return None
+        q, k = self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]
+        return self._wide_tiles_pay(64, *(env.get(getattr(d, "name", "")) for d in (q, k)))
+
+    def _forward_spec(self, used: dict[str, int], dtype: str, path: str,
+                      wide: Optional[bool] = None) -> tuple[Any, tuple[Func, Any]]:
         """The forward kernel's spec and the (lowered IR, analysis) it is built from.
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
@@ -164,8 +186,8 @@ class CompiledAttention:
         for extra in tries:
             built = built_for(extra)
             if (built[1].block_q, built[1].block_k) == emit_fa3.WIDE_TILES and built is not base \
-                    and not self._wide_tiles_pay(used["D"]):
-                continue  # a mask whose edges the 192-row tiles cover at a loss (a narrow window)
+                    and not (self._wide_tiles_pay(used["D"]) if wide is None else wide):
+                continue  # a mask whose edges the 192-row tiles cover at a loss (a narrow window, short causal)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
@@ -183,27 +205,36 @@ class CompiledAttention:
             return spec, built
         return mma_sync()
 
-    def _wide_tiles_pay(self, head_dim: int) -> bool:
+    def _wide_tiles_pay(self, head_dim: int, m: Optional[int] = None, n: Optional[int] = None) -> bool:
         """emit_fa3.wide_tiles_pay on the FLOPs the cost model counts for the graph lowered with 128 x 64 tiles and
-        with emit_fa3.WIDE_TILES, at M = N = emit_fa3.WIDE_REFERENCE_N and every other size 1. A graph whose
-        sequence lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64."""
+        with emit_fa3.WIDE_TILES, at sequence lengths M = m, N = n, each rounded up to a power of two and at most
+        emit_fa3.WIDE_REFERENCE_N (its value where not given), every other size 1: a model fed many lengths counts
+        at most six each, each in under 0.1 s (at N = 16k causal's count took ~1 s; past 4k the tilings' work
+        ratio of a causal or banded mask only grows toward its limit, and emit_fa3.WIDE_MIN_WORK_RATIO is met
+        there already where it will be). A graph whose sequence lengths are not plain sizes of q and k, or that
+        the cost model cannot count, keeps 128 x 64."""
         from .backends.numba_cuda import emit_fa3
         from .ir.dims import Sym
         from .passes.cost import cost_of
 
-        if "wide_pays" not in self._memo:
+        def bucket(x: Optional[int]) -> int:
+            return emit_fa3.WIDE_REFERENCE_N if not x else min(emit_fa3.WIDE_REFERENCE_N,
+                                                                1 << max(0, int(x) - 1).bit_length())
+
+        key = ("wide_pays", head_dim, bucket(m), bucket(n))
+        if key not in self._memo:
             q, k = self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]  # [..., M, D], [..., N, D]
             pays = False
             if isinstance(q, Sym) and isinstance(k, Sym):
                 dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
-                dims.update({q.name: emit_fa3.WIDE_REFERENCE_N, k.name: emit_fa3.WIDE_REFERENCE_N, "D": head_dim})
+                dims.update({q.name: key[2], k.name: key[3], "D": head_dim})
                 try:
                     narrow, wide = (cost_of(self._retile(*t)[0], dims).flops for t in ((128, 64), emit_fa3.WIDE_TILES))
                     pays = emit_fa3.wide_tiles_pay(narrow, wide)
                 except FalowerError:
                     pays = False
-            self._memo["wide_pays"] = pays
-        return self._memo["wide_pays"]
+            self._memo[key] = pays
+        return self._memo[key]
 
     def _retile(self, bq: int, bk: int) -> tuple[Func, Any]:
         """The graph lowered by the default pipeline with tile{bq,bk} instead of its tiles, and its analysis."""
