@@ -442,6 +442,9 @@ class Variant:
     per_batch: bool = False  # the mask reads b (block mask per batch)
 
 
+DOCUMENTS = 8  # the document example's documents a row (--documents)
+
+
 def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
     """examples/<stem>.py written as FlexAttention score_mod / mask_mod, with its captured tensors."""
     dev = "cuda"
@@ -476,8 +479,8 @@ def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
         return Variant(stem, mask_mod=BENCH_GRAPHS[stem])
     if stem == "prefix_lm":
         return Variant(stem, mask_mod=lambda b, h, q, kv: (kv <= q) | (kv < 32))
-    if stem == "document":  # documents of random lengths (about 8 per row), the last 1/16 of a row padding
-        ids = torch.sort(torch.randint(0, 8, (B, N), generator=gen, device=dev), dim=-1).values
+    if stem == "document":  # documents of random lengths (DOCUMENTS per row), the last 1/16 of a row padding
+        ids = torch.sort(torch.randint(0, DOCUMENTS, (B, N), generator=gen, device=dev), dim=-1).values
         ids[:, N - N // 16:] = -1
         doc = ids.to(dev, torch.int32)
         return Variant(stem, mask_mod=lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (doc[b, q] >= 0),
@@ -1103,6 +1106,7 @@ def example_table(rows: list, dev: str) -> list[str]:
 
 
 def main() -> None:
+    global DOCUMENTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1k, 4k; examples at the first D only")
     ap.add_argument("--fwd", action="store_true", help="time the forward (default: forward and fwd+bwd)")
@@ -1123,11 +1127,17 @@ def main() -> None:
                          "the rounds it was faster in); with --fwd alone, instead of one example after another")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
+    ap.add_argument("--documents", type=int, default=DOCUMENTS,
+                    help="the document example's documents a row, of random lengths (default 8: ~512 tokens at "
+                         "N = 4k; more, shorter documents leave more of a wide tile masked)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--precompile", action="store_true", help="compile all kernels in parallel first")
     ap.add_argument("--bwd-wgmma", action="store_true",
                     help="time each tile config once more with the backward on wgmma ('-bwg', emit_fa3_bwd)")
     args = ap.parse_args()
+    if args.documents < 1:
+        ap.error(f"--documents must be at least 1, got {args.documents}")
+    DOCUMENTS = args.documents
     if not args.fwd and not args.bwd:
         args.fwd = args.bwd = True
     args.ex_configs = [parse_config(c) for c in args.ex_configs.split(",") if c]

@@ -129,10 +129,13 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
     A score that reads a [q, kv] tile of a table (`table_tile`: from_ir.reads_table_tile, a bias[h, q, kv]) takes
     the warp-specialized kernel at D = 64 too, on 128 x 128 tiles (`tiles`), which copies the table's tile into
     shared memory a kv tile ahead: bias 204 vs 189 on this module's kernel (Flex's own config failed; H100
-    2026-11-24). At D = 64 without a mask, under a static one or a block list, with an SM count, the persistent
-    kernel on `WIDE_TILES` (192 x 128: three consumer warpgroups in turns) where `wide_tiles_pay` (falower.compile
-    counts both tilings' work) and validate_spec allow; else this module's kernel (measured in `wide_tiles_pay`;
-    the document mask 1.036x this module's kernel, faster in 8 of 9 rounds, H200 2026-11-29).
+    2026-11-24). At D = 64 without a mask or under a static one, with an SM count, the persistent kernel on
+    `WIDE_TILES` (192 x 128: three consumer warpgroups in turns) where `wide_tiles_pay` (falower.compile counts
+    both tilings' work at the call's lengths) and validate_spec allow; else this module's kernel (measured in
+    `wide_tiles_pay`). Not under a block list, which that kernel takes when asked: the document mask ran 1.036x
+    this module's kernel with ~8 documents a row (8 of 9 rounds, H200 2026-11-29), but the cost model, given the
+    ids, counts 192 x 128 tiles 1.27x the work of 128 x 64 ones with 32 documents a row (1.10x with 8): shorter
+    documents would lose, and a list's documents are data the choice cannot see.
     `FALOWER_WGMMA=0` turns it off, `FALOWER_WGMMA=1` takes it wherever the spec allows (also without a GPU:
     the simulator), `FALOWER_WGMMA=ws` the warp-specialized kernel at D = 128 under every mask kind, block
     tables too (to measure it there). The knobs: the softmax / P V overlap at D = 128 (v2: +4-6% there, -1 to
@@ -152,7 +155,7 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return dict(WS_EXTRA)
     if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)
         return dict(WS_EXTRA)
-    if head_dim == 64 and block_mask in ("none", "static", "list") and sm_count:  # three consumer warpgroups
+    if head_dim == 64 and block_mask in ("none", "static") and sm_count:  # three consumer warpgroups, 192 rows
         return {**PERSIST_EXTRA, "persistent": int(sm_count)}
     return plain_extra(head_dim, block_mask)
 
