@@ -160,3 +160,13 @@ def test_config_matching_times_only_a_config_that_agrees(monkeypatch):
     monkeypatch.setattr(bench, "example_compiled_config", broken)
     cc, diff = bench.config_matching("causal", bench.parse_config("128x128w8-wsg"), (), o_auto)
     assert cc is None and diff != diff and logged[-1].endswith("ValueError: wgmma-ws: no such thing")
+
+
+def test_documents_must_be_positive():
+    """--documents sets the document example's documents a row; 0 is refused by name before anything runs."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(Path(bench.__file__)), "--documents", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--documents must be at least 1, got 0" in r.stderr
+    assert bench.DOCUMENTS == 8
