@@ -182,12 +182,17 @@ class CompiledAttention:
         # chosen
         tries = [choice] + ([dict(emit_fa3.WS_EXTRA)] if choice.get("persistent") and used["D"] == 128 else []) \
             + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
-        tries = [fit_rows(extra) for extra in tries]
+
+        def loses_wide(extra: dict) -> bool:
+            """A try on the default pipeline's 192 x 128 tiles where the call's sizes make them visit too much more
+            work (a narrow window, short causal: `_wide_tiles_pay`), dropped before its graph is lowered."""
+            wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
+            return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES \
+                and not (self._wide_tiles_pay(used["D"]) if wide is None else wide)
+
+        tries = [fit_rows(extra) for extra in tries if not loses_wide(extra)]
         for extra in tries:
             built = built_for(extra)
-            if (built[1].block_q, built[1].block_k) == emit_fa3.WIDE_TILES and built is not base \
-                    and not (self._wide_tiles_pay(used["D"]) if wide is None else wide):
-                continue  # a mask whose edges the 192-row tiles cover at a loss (a narrow window, short causal)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
@@ -209,9 +214,11 @@ class CompiledAttention:
         """emit_fa3.wide_tiles_pay on the FLOPs the cost model counts for the graph lowered with 128 x 64 tiles and
         with emit_fa3.WIDE_TILES, at sequence lengths M = m, N = n, each rounded up to a power of two and at most
         emit_fa3.WIDE_REFERENCE_N (its value where not given), every other size 1: a model fed many lengths counts
-        at most six each, each in under 0.1 s (at N = 16k causal's count took ~1 s; past 4k the tilings' work
-        ratio of a causal or banded mask only grows toward its limit, and emit_fa3.WIDE_MIN_WORK_RATIO is met
-        there already where it will be). A graph whose sequence lengths are not plain sizes of q and k, or that
+        at most 13 buckets a length, each pair in under 0.1 s (at N = 16k causal's count took ~1 s). What the
+        buckets give up: past 4k a length takes 4k's choice (causal's ratio only grows toward 1 there, but a
+        640-wide band's is 0.847 at 4k and 0.858 at 8k: kept on 128 x 64 where the wide tiles would just pay), and
+        a length rounded up counts padding neither kernel visits (M = 192 counts as 256: one 192-row tile against
+        two of 128, so it keeps 128 x 64). A graph whose sequence lengths are not plain sizes of q and k, or that
         the cost model cannot count, keeps 128 x 64."""
         from .backends.numba_cuda import emit_fa3
         from .ir.dims import Sym

@@ -208,6 +208,9 @@ def test_rule_persistent_where_the_sm_count_is_known() -> None:
         assert rule("f16", 64, mask, (9, 0), {}, sm_count=None)["schedule"] == "wgmma"
     for mask in ("list", "table"):  # a list's documents are data: short ones would lose on 192-row tiles
         assert rule("f16", 64, mask, (9, 0), {}, sm_count=132)["schedule"] == "wgmma"
+    # a table tile under a static mask (bias[h, q, kv] and causal): three warpgroups refuse its prefetch, so it is
+    # not offered (else every call size would key its own copy of the one kernel it falls back to)
+    assert rule("f16", 64, "static", (9, 0), {}, table_tile=True, sm_count=132)["schedule"] == "wgmma"
     assert rule("f16", 64, "none", (9, 0), {}, table_tile=True, sm_count=132) == emit_fa3.WS_EXTRA
     assert emit_fa3.tiles(64, "static", persistent=True) == emit_fa3.WIDE_TILES == (192, 128)
     assert emit_fa3.tiles(128, "static", persistent=True) == (128, 128)

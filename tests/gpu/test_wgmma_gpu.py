@@ -40,18 +40,20 @@ def _inputs(g, D: int, N: int, dtype: str):
                  for i, x in enumerate(raw)]
 
 
-@pytest.mark.parametrize("N", [256, 1000])  # a multiple of every tile (128 x 128, 128 x 64); ragged
+@pytest.mark.parametrize("N", [256, 1000, 2048])  # a multiple of 128; ragged; where D = 64 takes 192-row tiles
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("stem", STEMS)
 def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None:
-    """falower.compile(graph) as a user calls it: the kernel the rule names, within the error rule."""
+    """falower.compile(graph) as a user calls it: the kernel the rule names for the call's sizes (at D = 64 the
+    192-row tiles where their work at those lengths pays, compiler._wide_for), within the error rule."""
     _hopper()
     from falower.backends.numba_cuda import emit_fa3, runtime
     from falower.backends.numba_cuda.from_ir import reads_table_tile
 
     g, c = graph(stem, dtype)
-    kern = c.specialize(dtype, D=D)
+    env, host = _inputs(g, D, N, dtype)
+    kern = c.specialize(dtype, **env)  # the kernel a call of these sizes runs (c.kernel's, without torch inputs)
     mask = c.analysis.block_mask if c.analysis.conj else "none"
     tile = reads_table_tile(c.analysis)  # a bias[h, q, kv]: the ws kernel at D = 64 too
     want = emit_fa3.auto_extra(dtype, D, mask, (9, 0), table_tile=tile,  # FALOWER_WGMMA=0/1 in the env applies
@@ -63,16 +65,16 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
 
         assert not emit_fa3_ws.persistent_pays(dataclasses.replace(kern.spec, extra=want)), stem
         want = dict(emit_fa3.WS_EXTRA)
-    if want and want.get("persistent") and D == 64 and not kern.spec.extra.get("persistent"):
-        # D = 64's 192-row tiles not paying (a narrow window: emit_fa3.wide_tiles_pay): emit_fa3's kernel
-        assert stem == "sliding_window", (stem, kern.spec.extra)
-        want = emit_fa3.plain_extra(D, mask)
+    if want and want.get("persistent") and D == 64:
+        wide = c._wide_for(dtype, "mma", env)  # the per-size choice: 192-row tiles where their work pays
+        assert wide is not None and bool(kern.spec.extra.get("persistent")) == wide, (stem, N, kern.spec.extra)
+        if not wide:  # a narrow window, short causal, a short sequence: emit_fa3's kernel
+            want = emit_fa3.plain_extra(D, mask)
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(
             D, mask, tile and want.get("schedule") == "wgmma-ws", persistent=bool(want.get("persistent")))
         assert {k: kern.spec.extra.get(k) for k in want} == want
-    env, host = _inputs(g, D, N, dtype)
     assert_error_rule(g, c, env, host, dtype)
 
 

@@ -155,7 +155,7 @@ def auto_extra(dtype: str, head_dim: int, block_mask: str, cc: Optional[tuple[in
         return dict(WS_EXTRA)
     if table_tile and block_mask == "none":  # D = 64: a [q, kv] table tile through shared memory (emit_fa3_ws)
         return dict(WS_EXTRA)
-    if head_dim == 64 and block_mask in ("none", "static") and sm_count:  # three consumer warpgroups, 192 rows
+    if head_dim == 64 and block_mask in ("none", "static") and not table_tile and sm_count:  # 3 consumer warpgroups
         return {**PERSIST_EXTRA, "persistent": int(sm_count)}
     return plain_extra(head_dim, block_mask)
 
