@@ -388,7 +388,8 @@ class CompiledAttention:
 
     @property
     def source(self) -> str:
-        """The generated kernel source of the most recent specialisation."""
+        """The generated source of the forward kernel built last (at D = 64 one compiled object may hold two, chosen by
+        the call's lengths: `.kernel(*inputs).source` is the one those inputs run)."""
         if not self._kernels:
             raise FalowerError("no kernel yet: call the compiled function once (or .kernel(*inputs))")
         return list(self._kernels.values())[-1].source
