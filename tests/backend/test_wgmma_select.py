@@ -450,3 +450,15 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     # the caller's own schedule keeps one kernel for every size
     own = fl.compile(_graph(True), extra={"schedule": "wgmma"})
     assert own.specialize("f16", D=64, M=1000, N=1000) is own.specialize("f16", D=64, M=4096, N=4096)
+
+
+def test_the_compile_line_names_tiles_and_schedule(hopper) -> None:
+    """The progress line of a slow build names the kernel's tiles and schedule, so a user sees which of D = 64's two
+    kernels a call's sizes built."""
+    from falower.backends.numba_cuda.runtime import _label
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    c = fl.compile(_graph(True))
+    wide, narrow = (c.specialize("f16", D=64, M=n, N=n).spec for n in (4096, 1000))
+    assert _label(wide, "forward").endswith("(forward, f16, D=64, 192x128 wgmma-ws)")
+    assert _label(narrow, "forward").endswith("(forward, f16, D=64, 128x64 wgmma)")

@@ -217,7 +217,10 @@ def compile_progress(label: str) -> Iterator[None]:
 
 
 def _label(spec: Any, kind: str) -> str:
-    return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim})"
+    """What the compile line names: the kernel, its pass, dtype, D, tiles and schedule (the kernel a call's sizes
+    chose is visible as it builds: at D = 64 one compiled object may build two)."""
+    sched = spec.extra.get("bwd_schedule" if kind == "backward" else "schedule") or "mma"
+    return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim}, {spec.block_q}x{spec.block_k} {sched})"
 
 
 def _simulated() -> bool:
