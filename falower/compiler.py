@@ -212,21 +212,19 @@ class CompiledAttention:
 
     def _wide_tiles_pay(self, head_dim: int, m: Optional[int] = None, n: Optional[int] = None) -> bool:
         """emit_fa3.wide_tiles_pay on the FLOPs the cost model counts for the graph lowered with 128 x 64 tiles and
-        with emit_fa3.WIDE_TILES, at sequence lengths M = m, N = n, each rounded up to a power of two and at most
-        emit_fa3.WIDE_REFERENCE_N (its value where not given), every other size 1: a model fed many lengths counts
-        at most 13 buckets a length, each pair in under 0.1 s (at N = 16k causal's count took ~1 s). What the
-        buckets give up: past 4k a length takes 4k's choice (causal's ratio only grows toward 1 there, but a
-        640-wide band's is 0.847 at 4k and 0.858 at 8k: kept on 128 x 64 where the wide tiles would just pay), and
-        a length rounded up counts padding neither kernel visits (M = 192 counts as 256: one 192-row tile against
-        two of 128, so it keeps 128 x 64). A graph whose sequence lengths are not plain sizes of q and k, or that
-        the cost model cannot count, keeps 128 x 64."""
+        with emit_fa3.WIDE_TILES, at sequence lengths M = m, N = n, each rounded up to a multiple of 64 and at most
+        emit_fa3.WIDE_REFERENCE_N (its value where not given), every other size 1. 64 divides both tilings' rows
+        and columns, so a length rounded up visits the same tiles as the length itself; a model fed many lengths
+        counts at most 64 buckets a length, each pair in about 0.1 s (at N = 16k causal's count took ~1 s). Past 4k
+        a length takes 4k's choice: causal's ratio only grows toward 1 there, but a 640-wide band's is 0.847 at 4k
+        and 0.858 at 8k, so it stays on 128 x 64 where the wide tiles would just pay. A graph whose sequence
+        lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64."""
         from .backends.numba_cuda import emit_fa3
         from .ir.dims import Sym
         from .passes.cost import cost_of
 
         def bucket(x: Optional[int]) -> int:
-            return emit_fa3.WIDE_REFERENCE_N if not x else min(emit_fa3.WIDE_REFERENCE_N,
-                                                                1 << max(0, int(x) - 1).bit_length())
+            return emit_fa3.WIDE_REFERENCE_N if not x else min(emit_fa3.WIDE_REFERENCE_N, -(-int(x) // 64) * 64)
 
         key = ("wide_pays", head_dim, bucket(m), bucket(n))
         if key not in self._memo:

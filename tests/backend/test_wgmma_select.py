@@ -429,11 +429,11 @@ def test_d64_takes_192_row_tiles_where_the_work_allows(hopper) -> None:
 
 
 def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
-    """The 192-row tiles are chosen per call from its sequence lengths (rounded up to powers of two, at most
-    emit_fa3.WIDE_REFERENCE_N): causal keeps 128 x 64 up to N = 1k, where the wider tiles' diagonal makes them visit
-    1.33x the work (measured 0.92 as fast there), and takes 192 x 128 from 1.5k; plain from N = 512. Both kernels
-    live side by side in one compiled object, each built once; a size that gives no sequence lengths takes the
-    reference's."""
+    """The 192-row tiles are chosen per call from its sequence lengths (rounded up to multiples of 64, at most
+    emit_fa3.WIDE_REFERENCE_N): causal keeps 128 x 64 at N = 1k, where the wider tiles' diagonal makes them visit
+    1.33x the work (measured 0.92 as fast there), and takes 192 x 128 at 1.5k (a multiple of 192: no padding);
+    plain at 512. Both kernels live side by side in one compiled object, each built once; a size that gives no
+    sequence lengths takes the reference's."""
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     causal, plain = fl.compile(_graph(True)), fl.compile(_graph(False))
 
@@ -444,7 +444,7 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     assert [rows(plain, n) for n in (17, 256, 512, 1000, 4096)] == [128, 128, 192, 192, 192]
     assert rows(causal, 4096, m=1000) == 128  # M's own bucket: causal rows of a short q over a long kv
     assert causal.specialize("f16", D=64).spec.block_q == 192  # no sizes: N = WIDE_REFERENCE_N
-    a, b = causal.specialize("f16", D=64, M=1000, N=1000), causal.specialize("f16", D=64, M=900, N=900)
+    a, b = causal.specialize("f16", D=64, M=1000, N=1000), causal.specialize("f16", D=64, M=1010, N=1010)
     assert a is b and a is not causal.specialize("f16", D=64, M=4096, N=4096)
     assert {k[-1] for k in causal._kernels} == {("wide", False), ("wide", True)}
     # the caller's own schedule keeps one kernel for every size
