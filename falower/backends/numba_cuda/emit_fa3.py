@@ -194,14 +194,15 @@ WIDE_REFERENCE_N = 4096  # the longest length at which falower.compile counts bo
 
 def wide_tiles_pay(narrow_flops: float, wide_flops: float) -> bool:
     """Whether D = 64 takes the three-warpgroup kernel's 192 x 128 tiles over emit_fa3's 128 x 64, given the FLOPs
-    each tiling visits at a call's sequence lengths (falower.compile: rounded up to multiples of 64, at
-    most WIDE_REFERENCE_N; the cost model counts the tiles a static mask leaves, as the kernels visit them). Why a work ratio: the wide kernel does ~1.2x the work a second (H200 2026-11-29, N = 4k, five
-    interleaved rounds against 128 x 64: plain 1.198 at a work ratio of 0.974, causal 1.137 at 0.920, ALiBi 1.069,
-    the softcap 1.094, prefix LM 1.138, GQA 1.187, the naive code 1.162), but a mask's edges cost it more: a
-    row's band of 49 columns (`sliding_window`) is 0.600 as much work on 128 x 64 tiles and ran 0.787 as fast; the
-    1024 window (0.879) 1.003; causal at N = 1k (0.753 there) 0.92 as fast, at N = 2k (0.898) 1.05. So the choice
-    is made per call size: causal keeps 128 x 64 up to N = 1k (FlashAttention-3 takes 192 x 128 at D = 64 whatever
-    N)."""
+    each tiling visits at a call's sequence lengths (falower.compile: rounded up to multiples of 64, at most
+    WIDE_REFERENCE_N; the cost model counts the tiles a static mask leaves, as the kernels visit them).
+
+    Why a work ratio: the wide kernel does ~1.2x the work a second (H200 2026-11-29, N = 4k, five interleaved
+    rounds against 128 x 64: plain 1.198 at a work ratio of 0.974, causal 1.137 at 0.920, ALiBi 1.069, the softcap
+    1.094, prefix LM 1.138, GQA 1.187, the naive code 1.162), but a mask's edges cost it more: a row's band of 49
+    columns (`sliding_window`) is 0.600 as much work on 128 x 64 tiles and ran 0.787 as fast; the 1024 window
+    (0.879) 1.003; causal at N = 1k (0.753 there) 0.92 as fast, at N = 2k (0.898) 1.05. So the choice is made per
+    call size: causal keeps 128 x 64 at N = 1k (FlashAttention-3 takes 192 x 128 at D = 64 whatever N)."""
     return narrow_flops >= WIDE_MIN_WORK_RATIO * wide_flops
 
 

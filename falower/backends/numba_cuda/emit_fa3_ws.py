@@ -46,9 +46,9 @@ Built when `spec.extra["schedule"] == "wgmma-ws"` (emit_fa2 and emit_fa3 dispatc
 tiles: 225 KB), "pingpong" (True), "regs" ((40, 232): the producer warpgroup's setmaxnreg counts), "walk" (True:
 under a static mask with row bounds the kv loop walks [kv_first, kv_last], each tile's class from where it lies;
 emit_fa2.walks_range). block_q 128 (two consumer warpgroups) or 192 (three: FlashAttention-3's D = 64 tile, so
-far D = 64 on the persistent producer warpgroup with TMA loads, no mask, a static one or a block list; the turns rotate 0 -> 1
--> 2 -> 0, each warpgroup handing over to the next's barrier, and the producer keeps 32 registers, the consumers
-160; D = 64's automatic choice where the tiles' work allows, emit_fa3.wide_tiles_pay: plain 1.17-1.20x emit_fa3's
+far D = 64 on the persistent producer warpgroup with TMA loads, no mask, a static one or a block list; the turns
+rotate 0 -> 1 -> 2 -> 0, each warpgroup handing over to the next's barrier, and the producer keeps 32 registers,
+the consumers 160; D = 64's automatic choice where the tiles' work allows, emit_fa3.wide_tiles_pay: plain 1.17-1.20x emit_fa3's
 128 x 64 kernel, H200 2026-11-29); D = 64 or 128; f16/bf16; sm_90a only.
 
 A score that reads a [q, kv] tile of a table (a bias[h, q, kv]: emit_fa2.has_tile_table) gets the tile in shared

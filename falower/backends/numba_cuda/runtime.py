@@ -219,7 +219,12 @@ def compile_progress(label: str) -> Iterator[None]:
 def _label(spec: Any, kind: str) -> str:
     """What the compile line names: the kernel, its pass, dtype, D, tiles and schedule (the kernel a call's sizes
     chose is visible as it builds: at D = 64 one compiled object may build two)."""
-    sched = spec.extra.get("bwd_schedule" if kind == "backward" else "schedule") or "mma"
+    if kind == "backward":
+        from .emit_fa3_bwd import uses_wgmma
+
+        sched = "wgmma" if uses_wgmma(spec) else "mma"
+    else:
+        sched = spec.extra.get("schedule") or "mma"
     return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim}, {spec.block_q}x{spec.block_k} {sched})"
 
 
