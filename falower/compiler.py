@@ -105,28 +105,41 @@ class CompiledAttention:
             self._kernels[key] = kern
         return self._kernels[key]
 
-    def _wide_for(self, dtype: str, path: str, env: dict[str, int]) -> Optional[bool]:
-        """Whether a call with these sizes takes D = 64's 192 x 128 tiles (`_wide_tiles_pay` at its sequence
-        lengths; the reference length where `env` has none); None where the automatic choice does not offer them
-        (another D or path, the caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep one
-        kernel for every size."""
+    def _mask_kind(self) -> str:
+        """The block mask kind the kernel choice reads: the analysis's, "none" without a mask."""
+        return self.analysis.block_mask if self.analysis.conj else "none"
+
+    def _seq_dims(self) -> tuple[Any, Any]:
+        """q's and k's sequence dims ([..., M, D], [..., N, D])."""
+        return self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]
+
+    def _auto_choice(self, dtype: str, head_dim: int, path: str) -> Optional[dict]:
+        """emit_fa3.auto_extra for this graph on this device: the Hopper kernel falower.compile picks by itself, or
+        None (mma.sync; the caller's own schedule, which _forward_spec takes as asked)."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import reads_table_tile
         from .backends.numba_cuda.runtime import device_cc, device_sm_count
         from .backends.numba_cuda.spec import forward_extra
 
-        if path != "mma" or env["D"] != 64 or self.pipeline != "fa2-fwd" or "schedule" in forward_extra(self.extra):
+        if path != "mma" or "schedule" in forward_extra(self.extra):
             return None
-        mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
-        choice = emit_fa3.auto_extra(dtype, 64, mask_kind, device_cc(), table_tile=reads_table_tile(self.analysis),
-                                     sm_count=device_sm_count())
+        return emit_fa3.auto_extra(dtype, head_dim, self._mask_kind(), device_cc(),
+                                   table_tile=reads_table_tile(self.analysis), sm_count=device_sm_count())
+
+    def _wide_for(self, dtype: str, path: str, env: dict[str, int]) -> Optional[bool]:
+        """Whether a call with these sizes takes D = 64's 192 x 128 tiles (`_wide_tiles_pay` at its sequence
+        lengths; the reference length where `env` has none); None where the automatic choice does not offer them
+        (another D or path, the caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep one
+        kernel for every size."""
+        if env["D"] != 64 or self.pipeline != "fa2-fwd":
+            return None
+        choice = self._auto_choice(dtype, 64, path)
         if not choice or not choice.get("persistent"):
             return None
-        q, k = self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]
-        return self._wide_tiles_pay(64, *(env.get(getattr(d, "name", "")) for d in (q, k)))
+        return self._wide_tiles_pay(64, *(env.get(getattr(d, "name", "")) for d in self._seq_dims()))
 
     def _forward_spec(self, used: dict[str, int], dtype: str, path: str,
-                      wide: Optional[bool] = None) -> tuple[Any, tuple[Func, Any]]:
+                      wide: Optional[bool]) -> tuple[Any, tuple[Func, Any]]:
         """The forward kernel's spec and the (lowered IR, analysis) it is built from.
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
@@ -134,22 +147,19 @@ class CompiledAttention:
         from the driver, f16/bf16, D = 64 or 128; FALOWER_WGMMA=0/1 overrides), and an automatic choice the spec
         machinery cannot build falls back to mma.sync, never to an error. With the default pipeline the wgmma
         kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
-        graph is lowered again with them, so the IR says the tiles the kernel runs."""
+        graph is lowered again with them, so the IR says the tiles the kernel runs. `wide`: `_wide_for`'s answer for
+        the call's sizes (None where no 192-row try arises)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
-        from .backends.numba_cuda.runtime import device_cc, device_sm_count
         from .backends.numba_cuda.spec import forward_extra
 
         fwd = forward_extra(self.extra)  # a backward knob leaves the forward kernel (and its name) as it is
         base = (self.lowered, self.analysis)
         asked = fwd.get("schedule")
-        choice = None
-        mask_kind = self.analysis.block_mask if self.analysis.conj else "none"
+        mask_kind = self._mask_kind()
         table_tile = reads_table_tile(self.analysis)
-        if path == "mma" and asked is None:
-            choice = emit_fa3.auto_extra(dtype, used["D"], mask_kind, device_cc(), table_tile=table_tile,
-                                         sm_count=device_sm_count())
-        elif path == "mma" and asked == "wgmma":
+        choice = self._auto_choice(dtype, used["D"], path)
+        if path == "mma" and asked == "wgmma":
             choice = emit_fa3.plain_extra(used["D"], mask_kind)
 
         def mma_sync():
@@ -187,8 +197,7 @@ class CompiledAttention:
             """A try on the default pipeline's 192 x 128 tiles where the call's sizes make them visit too much more
             work (a narrow window, short causal: `_wide_tiles_pay`), dropped before its graph is lowered."""
             wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
-            return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES \
-                and not (self._wide_tiles_pay(used["D"]) if wide is None else wide)
+            return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and not wide
 
         tries = [fit_rows(extra) for extra in tries if not loses_wide(extra)]
         for extra in tries:
@@ -228,7 +237,7 @@ class CompiledAttention:
 
         key = ("wide_pays", head_dim, bucket(m), bucket(n))
         if key not in self._memo:
-            q, k = self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]  # [..., M, D], [..., N, D]
+            q, k = self._seq_dims()
             pays = False
             if isinstance(q, Sym) and isinstance(k, Sym):
                 dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
