@@ -455,9 +455,10 @@ def consumer_wgs(spec: FA2ForwardSpec) -> int:
 
 def epilogue_barrier(spec: FA2ForwardSpec) -> int:
     """The first named barrier of the staged epilogue's family (+ cw): after the turns' (1 .. N) and N more, 5 at
-    two consumer warpgroups (where 3 + cw is the table tile's) and 7 at three. The other families (the table tile's
-    3 + cw, Q free's 7 + cw, the table run's 9 + cw) are laid out for two: their features (producer "none",
-    row_slice) are refused at three (validate_spec), and the consumer's emitter asserts as much."""
+    two consumer warpgroups (where 3 + cw is the table tile's) and 7 at three. The table run's family moves to
+    10 + cw at three (`slice_barrier`); the other two (the table tile's 3 + cw, Q free's 7 + cw) are laid out for
+    two: their features (producer "none", one Q buffer) are refused at three (validate_spec), and the consumer's
+    emitter asserts as much."""
     return 1 + 2 * consumer_wgs(spec)
 
 
