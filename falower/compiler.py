@@ -227,7 +227,8 @@ class CompiledAttention:
         counts at most 64 buckets a length, each pair in about 0.1 s (at N = 16k causal's count took ~1 s). Past 4k
         a length takes 4k's choice: causal's ratio only grows toward 1 there, but a 640-wide band's is 0.847 at 4k
         and 0.858 at 8k, so it stays on 128 x 64 where the wide tiles would just pay. A graph whose sequence
-        lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64."""
+        lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64; so does a kv
+        length under emit_fa3.WIDE_MIN_N."""
         from .backends.numba_cuda import emit_fa3
         from .ir.dims import Sym
         from .passes.cost import cost_of
@@ -244,7 +245,7 @@ class CompiledAttention:
                 dims.update({q.name: key[2], k.name: key[3], "D": head_dim})
                 try:
                     narrow, wide = (cost_of(self._retile(*t)[0], dims).flops for t in ((128, 64), emit_fa3.WIDE_TILES))
-                    pays = emit_fa3.wide_tiles_pay(narrow, wide)
+                    pays = emit_fa3.wide_tiles_pay(narrow, wide, key[3])
                 except FalowerError:
                     pays = False
             self._memo[key] = pays

@@ -291,8 +291,8 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias_only_without_tma_lo
 
 def test_compile_puts_a_share_of_the_exponentials_on_the_fma_pipe_beside_tanh_approx(hopper) -> None:
     """A score with tanh.approx (a MUFU operation an element beside the exponential's) takes ex2_poly 8 on the D =
-    128 kernel that loads by TMA (emit_fa3_ws.auto_ex2_poly, measured faster); the exact tanh, plain attention,
-    D = 64 and the caller's own ex2_poly do not."""
+    128 kernel that loads by TMA (emit_fa3_ws.auto_ex2_poly, measured faster) and 4 on D = 64's 192-row tiles; the
+    exact tanh, plain attention, D = 64's 128 x 64 tiles and the caller's own ex2_poly do not."""
     from falower.backends.numba_cuda import emit_fa3_ws
     from falower.backends.numba_cuda.emit_fa2 import ex2_poly_count
 
@@ -308,7 +308,11 @@ def test_compile_puts_a_share_of_the_exponentials_on_the_fma_pipe_beside_tanh_ap
         assert emit_fa3_ws.tma_loads(spec) and spec.extra.get("persistent") == 132
         assert f"{ex2_poly_count(spec)} of the row's 32 exponentials on the FMA pipe" in \
             fl.compile(softcap(True)).specialize(dtype, D=128).source
-    assert "ex2_poly" not in _spec(fl.compile(softcap(True)), 64).extra
+    wide = _spec(fl.compile(softcap(True)), 64)  # no sizes: the reference length's 192 x 128 tiles
+    assert wide.block_q == 192 and wide.extra["ex2_poly"] == emit_fa3_ws.AUTO_EX2_POLY_WIDE == ex2_poly_count(wide) == 4
+    narrow = fl.compile(softcap(True)).specialize("f16", D=64, M=512, N=512).spec
+    assert narrow.block_q == 128 and "ex2_poly" not in narrow.extra
+    assert "ex2_poly" not in _spec(fl.compile(softcap(False)), 64).extra
     assert "ex2_poly" not in _spec(fl.compile(softcap(False)), 128).extra
     assert "ex2_poly" not in _spec(fl.compile(_graph(False)), 128).extra
     assert _spec(fl.compile(softcap(True), extra={"ex2_poly": 0}), 128).extra["ex2_poly"] == 0
@@ -426,13 +430,14 @@ def test_d64_takes_192_row_tiles_where_the_work_allows(hopper) -> None:
     s = own.specialize("f16", D=64).spec
     assert (s.block_q, s.block_k) == (128, 128) and s.extra["schedule"] == "wgmma", s.extra
     assert emit_fa3.wide_tiles_pay(0.85, 1.0) and not emit_fa3.wide_tiles_pay(0.84, 1.0)
+    assert emit_fa3.wide_tiles_pay(1.0, 1.0, 1024) and not emit_fa3.wide_tiles_pay(1.0, 1.0, 960)
 
 
 def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     """The 192-row tiles are chosen per call from its sequence lengths (rounded up to multiples of 64, at most
     emit_fa3.WIDE_REFERENCE_N): causal keeps 128 x 64 at N = 1k, where the wider tiles' diagonal makes them visit
     1.33x the work (measured 0.92 as fast there), and takes 192 x 128 at 1.5k (a multiple of 192: no padding);
-    plain at 512. Both kernels live side by side in one compiled object, each built once; a size that gives no
+    plain from a kv length of 1k (at 512 its 0.889 work ratio ran 0.92 as fast: too few kv tiles an item). Both kernels live side by side in one compiled object, each built once; a size that gives no
     sequence lengths takes the reference's."""
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     causal, plain = fl.compile(_graph(True)), fl.compile(_graph(False))
@@ -441,7 +446,8 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
         return c.specialize("f16", D=64, M=n if m is None else m, N=n).spec.block_q
 
     assert [rows(causal, n) for n in (17, 256, 1000, 1024, 1500, 4096, 65536)] == [128, 128, 128, 128, 192, 192, 192]
-    assert [rows(plain, n) for n in (17, 256, 512, 1000, 4096)] == [128, 128, 192, 192, 192]
+    assert [rows(plain, n) for n in (17, 256, 512, 960, 1000, 4096)] == [128, 128, 128, 128, 192, 192]
+    assert rows(plain, 1000, m=256) == 128 and rows(plain, 256, m=4096) == 128  # M's padding; N's fixed costs
     assert rows(causal, 4096, m=1000) == 128  # M's own bucket: causal rows of a short q over a long kv
     assert causal.specialize("f16", D=64).spec.block_q == 192  # no sizes: N = WIDE_REFERENCE_N
     a, b = causal.specialize("f16", D=64, M=1000, N=1000), causal.specialize("f16", D=64, M=1010, N=1010)

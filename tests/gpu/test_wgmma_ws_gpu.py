@@ -122,7 +122,8 @@ def test_ws_forward_error_rule(causal: bool, dtype: str, D: int, bk: int, extra:
     (True, "f16", 128, {}),
     (True, "bf16", 64, {"kv_reverse": True}),
     (False, "bf16", 128, {"producer_regs": 56}),
-    (True, "f16", 128, {"ex2_poly": 8}),  # 8 of a row's exponentials on the FMA pipe (to time at D = 64 next)
+    (True, "f16", 128, {"ex2_poly": 8}),  # 8 of a row's exponentials on the FMA pipe
+    (False, "bf16", 128, {"ex2_poly": emit_fa3_ws.AUTO_EX2_POLY_WIDE}),  # the automatic share beside tanh.approx
 ])
 def test_three_consumer_warpgroups(causal: bool, dtype: str, bk: int, extra: dict, N: int) -> None:
     """192-row q tiles (emit_fa3_ws.consumer_wgs 3, D = 64): three consumer warpgroups in turns under FlashAttention's

@@ -190,20 +190,26 @@ def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False,
 WIDE_TILES = (192, 128)  # D = 64's persistent kernel: three consumer warpgroups of 64 rows (FlashAttention-3's tile)
 WIDE_MIN_WORK_RATIO = 0.85  # the least (128 x 64 tiles' visited FLOPs) / (WIDE_TILES') that takes them (below)
 WIDE_REFERENCE_N = 4096  # the longest length at which falower.compile counts both tilings' work (and where no size)
+WIDE_MIN_N = 1024  # the shortest kv length (rounded up to 64) that takes them: shorter items cannot pay their fixed costs
 
 
-def wide_tiles_pay(narrow_flops: float, wide_flops: float) -> bool:
+def wide_tiles_pay(narrow_flops: float, wide_flops: float, n: int = WIDE_REFERENCE_N) -> bool:
     """Whether D = 64 takes the three-warpgroup kernel's 192 x 128 tiles over emit_fa3's 128 x 64, given the FLOPs
-    each tiling visits at a call's sequence lengths (falower.compile: rounded up to multiples of 64, at most
-    WIDE_REFERENCE_N; the cost model counts the tiles a static mask leaves, as the kernels visit them).
+    each tiling visits at a call's sequence lengths and its kv length `n` (falower.compile: rounded up to multiples
+    of 64, at most WIDE_REFERENCE_N; the cost model counts the tiles a static mask leaves, as the kernels visit them).
 
     Why a work ratio: the wide kernel does ~1.2x the work a second (H200 2026-11-29, N = 4k, five interleaved
     rounds against 128 x 64: plain 1.198 at a work ratio of 0.974, causal 1.137 at 0.920, ALiBi 1.069, the softcap
     1.094, prefix LM 1.138, GQA 1.187, the naive code 1.162), but a mask's edges cost it more: a row's band of 49
     columns (`sliding_window`) is 0.600 as much work on 128 x 64 tiles and ran 0.787 as fast; the 1024 window
     (0.879) 1.003; causal at N = 1k (0.753 there) 0.92 as fast, at N = 2k (0.898) 1.05. So the choice is made per
-    call size: causal keeps 128 x 64 at N = 1k (FlashAttention-3 takes 192 x 128 at D = 64 whatever N)."""
-    return narrow_flops >= WIDE_MIN_WORK_RATIO * wide_flops
+    call size: causal keeps 128 x 64 at N = 1k (FlashAttention-3 takes 192 x 128 at D = 64 whatever N).
+
+    Why a least kv length: an item's fixed costs (Q's load, the pipeline's fill, O's epilogue by three warpgroups)
+    are spread over n / 128 kv tiles. Plain at a work ratio of 0.889 ran 0.92 as fast as 128 x 64 at N = 512 (four
+    kv tiles an item: ~1.04x the work a second), 0.99 at 1k (~1.11x), and 1.15 at 2k (0.97: ~1.19x) (H200
+    2026-11-29, one call, the per-size dispatch's first run). So N < WIDE_MIN_N keeps 128 x 64."""
+    return n >= WIDE_MIN_N and narrow_flops >= WIDE_MIN_WORK_RATIO * wide_flops
 
 
 def recommended_schedule(head_dim: int) -> dict[str, int]:

@@ -577,19 +577,25 @@ def _tma_asked(spec: FA2ForwardSpec) -> bool:
 
 
 AUTO_EX2_POLY = 8  # of a thread's row's 32 exponentials in a 128-wide kv tile
+AUTO_EX2_POLY_WIDE = 4  # the same on D = 64's 192 x 128 tiles (three consumer warpgroups)
 
 
 def auto_ex2_poly(spec: FA2ForwardSpec) -> int:
     """The automatic choice's share of the softmax's exponentials on the FMA pipe (emit_fa2.ex2_poly_count; falower.
-    compile sets extra["ex2_poly"] unless the caller did): AUTO_EX2_POLY where the score takes a MUFU operation of
-    its own an element (tanh.approx, the IR's tanh_approx) beside the exponential's, on the D = 128 kernel that
-    loads by TMA (tma_loads: the producer's one thread leaves the issue slots to the consumers); 0 elsewhere.
+    compile sets extra["ex2_poly"] unless the caller did): where the score takes a MUFU operation of its own an
+    element (tanh.approx, the IR's tanh_approx) beside the exponential's, AUTO_EX2_POLY on the D = 128 kernel that
+    loads by TMA (tma_loads: the producer's one thread leaves the issue slots to the consumers) and
+    AUTO_EX2_POLY_WIDE on D = 64's 192 x 128 tiles; 0 elsewhere.
     Measured on the H200 (2026-11-28, paired rounds against ex2_poly 0): softcap_approx +4.5% (8 of 9 rounds
     faster) and +3.7% (7 of 11); plain -7%, the relative bias -6%, the exact softcap (tanh by ex2 and rcp, or the
-    FMA pipe's polynomial on small tiles) -2%, which keep none."""
-    if not (uses_ws(spec) and tma_loads(spec) and spec.head_dim == 128 and spec.block_k == 128):
+    FMA pipe's polynomial on small tiles) -2%, which keep none. At D = 64 (192 x 128, 2026-11-29, 7 paired rounds):
+    softcap_approx xp4 +4.2% (5 of 7 faster), xp8 +2.0%, xp12 +0.7%; plain xp4 -1.6%, xp8 -10%; the exact softcap
+    xp4 -3.6%. Half D = 128's tensor work an element leaves the FMA pipe less room beside it."""
+    if not (uses_ws(spec) and tma_loads(spec) and spec.block_k == 128) or "tanh_approx_f32(" not in spec.device_source:
         return 0
-    return AUTO_EX2_POLY if "tanh_approx_f32(" in spec.device_source else 0
+    if spec.head_dim == 128:
+        return AUTO_EX2_POLY
+    return AUTO_EX2_POLY_WIDE if spec.head_dim == 64 and spec.block_q == 192 else 0
 
 
 def tma_loads(spec: FA2ForwardSpec) -> bool:
