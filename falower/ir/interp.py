@@ -278,12 +278,12 @@ class Interpreter:
                 if not 0 <= i < size:
                     raise IndexError(f"tile index {i} out of range {size}")
                 src.append(i)
-            else:
+            else:  # rows of the tile before 0 (tile{ragged_q=first}) or past the axis are padding
                 start = int(next(it))
-                stop = min(start + s, size)
-                n = max(stop - start, 0)
-                src.append(slice(start, start + n))
-                dst.append(slice(0, n))
+                lo, stop = max(start, 0), min(start + s, size)
+                n = max(stop - lo, 0)
+                src.append(slice(lo, lo + n))
+                dst.append(slice(lo - start, lo - start + n))
                 tile_shape.append(s)
         return tuple(src), tuple(dst), tuple(tile_shape)
 
@@ -361,7 +361,7 @@ class Interpreter:
     def op_mask_classify(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, q0, k0 = (int(v) for v in x[:4])
         bq, bk = op.attrs["bq"], op.attrs["bk"]
-        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims,
+        c = intervals.classify(op.regions[0], b, h, max(q0, 0), q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims,
                                self._ranges(op, x))
         return [np.int32(c)]
 

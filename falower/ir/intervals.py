@@ -231,10 +231,11 @@ def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_
 def kv_range(block: Block, b: int, h: int, q0: int, bq: int, bk: int, nkv: int,
              captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None,
              ranges: Optional[Mapping[int, RangeTable]] = None) -> tuple[int, int]:
-    """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty)."""
+    """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty). A tile's
+    rows before 0 (tile{ragged_q=first}) produce no output and are not classified."""
     nk = -(-nkv // bk)
     live = [kj for kj in range(nk)
-            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env, ranges) != EMPTY]
+            if classify(block, b, h, max(q0, 0), q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env, ranges) != EMPTY]
     return (live[0], live[-1] + 1) if live else (0, 0)
 
 

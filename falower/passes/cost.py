@@ -22,7 +22,8 @@ What moves through main memory
   inside a loop lives there when its type is not a tile (`f32[M,D]`; a tile's leading dim is a constant:
   `f32[64,D]`, `i32[1,64]`). Everything else inside a `parallel_for` is on chip and costs FLOPs only.
 - Ragged tiles are clipped exactly: a slice `[%q0 : 64]` at offset q0 of an axis of extent M moves
-  min(64, M - q0) rows, so summed over the tiles the traffic is exactly M rows, as the closed forms count.
+  min(q0 + 64, M) - max(q0, 0) rows (tile{ragged_q=first} starts the first tile before 0), so summed over the
+  tiles the traffic is exactly M rows, as the closed forms count.
 - Traffic is attributed to the tensor's storage: a loop-carried tensor (`iter_args`, `tile.insert`, loop
   results) is one storage, named after the outermost loop result that carries it (FA1's `%O`, `%l`, `%m`).
 
@@ -553,7 +554,7 @@ class _Model:
                 if off is None:
                     n *= s
                 else:
-                    n *= max(min(off + s, self.extent(d)) - off, 0)
+                    n *= max(min(off + s, self.extent(d)) - max(off, 0), 0)  # rows before 0: padding
         return n
 
     def tile_yield(self, op: Op, env: Mapping[Value, Any], c: Cost) -> None:
@@ -636,7 +637,7 @@ class _Model:
                None if ranges is None else repr(op.attrs["ranges"]))  # type: ignore[union-attr]
         got = self._classes.get(key)
         if got is None:
-            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, caps, ranges=ranges)
+            got = intervals.classify(pred, b, h, max(q0, 0), q0 + bq - 1, k0, k0 + bk - 1, caps, ranges=ranges)
             self._classes[key] = got
         return got
 

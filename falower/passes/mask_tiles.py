@@ -215,6 +215,10 @@ class MaskTiles(Pass):
         if self.data not in ("table", "ranges"):
             raise self.fail(f"data must be table or ranges, got {self.data!r}")
         data = uses_data(pred)
+        if data and not (isinstance(q0.owner, Op) and q0.owner.name == "mul"):
+            raise self.fail("a mask that reads captured tables is classified per q tile of rows i * bq (a block "
+                            "table or range tables); tile{ragged_q=first} starts its tiles elsewhere: tile with "
+                            "ragged_q=last")
         plan = range_plan(pred) if data and self.data == "ranges" else None
         pre = Builder(Block())
         kj = lbody.args[0]
