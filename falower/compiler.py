@@ -17,6 +17,9 @@ from .passes.manager import debug_level, run_pipeline
 BACKENDS = ("numba-cuda", "reference")
 
 
+RAGGED_REFERENCE_N = 4160  # a length that leaves a short q tile of 64 rows at 128- and 192-row tiles alike
+
+
 class CompiledAttention:
     """Call with the graph's inputs (q, k, v, then captured tensors in signature order); returns (o, lse).
 
@@ -34,7 +37,7 @@ class CompiledAttention:
         self.path, self.num_warps, self.extra = path, num_warps, dict(extra or {})
         self.backward_pipeline = backward_pipeline
         self.pipeline, self.pipeline_kwargs = pipeline, dict(pipeline_kwargs or {})
-        self._retiled: dict[tuple[int, int], tuple[Func, Any]] = {}  # (bq, bk) -> (lowered, analysis)
+        self._retiled: dict[tuple, tuple[Func, Any]] = {}  # (bq, bk, ragged_q) -> (lowered, analysis)
         self._memo: dict[str, Any] = {}  # choices made once a graph (_wide_tiles_pay)
         self._built: dict[str, tuple[Func, Any]] = {}  # kernel name -> the (lowered, analysis) it came from
         self._lowered_bwd: Optional[Func] = None
@@ -169,13 +172,24 @@ class CompiledAttention:
             return mma_sync()
         ws_tiles = table_tile and choice.get("schedule") == "wgmma-ws"
 
-        def built_for(extra: dict) -> tuple[Func, Any]:
+        def built_for(extra: dict, ragged: bool = False) -> tuple[Func, Any]:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
-            (`emit_fa3.tiles`), the caller's own pipeline as it is."""
+            (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`), the caller's own pipeline as it
+            is."""
             want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
+            if ragged:
+                return self._retile(*want, "first")
             if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
                 return self._retile(*want)
             return base
+
+        def ragged_first(extra: dict) -> bool:
+            """Whether this try's kernel takes its short q tile first: the persistent producer-warpgroup kernel of
+            the automatic choice on the default pipeline, where the cost model counts less work
+            (`_ragged_first_pays`)."""
+            if asked is not None or not extra.get("persistent") or self.pipeline != "fa2-fwd":
+                return False
+            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True))
 
         def fit_rows(extra: dict) -> dict:
             """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
@@ -200,8 +214,11 @@ class CompiledAttention:
             return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and not wide
 
         tries = [fit_rows(extra) for extra in tries if not loses_wide(extra)]
-        for extra in tries:
-            built = built_for(extra)
+        # a persistent try whose kernel refuses the short q tile first (the caller's knobs: no TMA stores) is tried
+        # again with it last before the next try
+        tries = [(e, r) for e in tries for r in ((True, False) if ragged_first(e) else (False,))]
+        for extra, ragged in tries:
+            built = built_for(extra, ragged)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
@@ -243,26 +260,56 @@ class CompiledAttention:
             if isinstance(q, Sym) and isinstance(k, Sym):
                 dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
                 dims.update({q.name: key[2], k.name: key[3], "D": head_dim})
+                ragged = "first" if self._ragged_first_pays(*emit_fa3.WIDE_TILES) else "last"  # as the kernel tiles
                 try:
-                    narrow, wide = (cost_of(self._retile(*t)[0], dims).flops for t in ((128, 64), emit_fa3.WIDE_TILES))
+                    narrow, wide = (cost_of(self._retile(*t)[0], dims).flops
+                                    for t in ((128, 64, "last"), (*emit_fa3.WIDE_TILES, ragged)))
                     pays = emit_fa3.wide_tiles_pay(narrow, wide, key[3])
                 except FalowerError:
                     pays = False
             self._memo[key] = pays
         return self._memo[key]
 
-    def _retile(self, bq: int, bk: int) -> tuple[Func, Any]:
-        """The graph lowered by the default pipeline with tile{bq,bk} instead of its tiles, and its analysis."""
+    def _retile(self, bq: int, bk: int, ragged_q: str = "last") -> tuple[Func, Any]:
+        """The graph lowered by the default pipeline with tile{bq,bk,ragged_q} instead of its tiles, and its
+        analysis."""
         import re
 
         from .backends.numba_cuda.from_ir import analyse
         from .passes import NAMED_PIPELINES
 
-        if (bq, bk) not in self._retiled:
-            text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}}}", NAMED_PIPELINES[self.pipeline], count=1)
+        key = (bq, bk, ragged_q)
+        if key not in self._retiled:
+            opt = f",ragged_q={ragged_q}" if ragged_q != "last" else ""
+            text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}{opt}}}", NAMED_PIPELINES[self.pipeline], count=1)
             lowered = run_pipeline(self.func, text, **self.pipeline_kwargs)
-            self._retiled[(bq, bk)] = (lowered, analyse(lowered))
-        return self._retiled[(bq, bk)]
+            self._retiled[key] = (lowered, analyse(lowered))
+        return self._retiled[key]
+
+    def _ragged_first_pays(self, bq: int, bk: int) -> bool:
+        """Whether the persistent kernel's q tiles take tile{ragged_q=first} (the short tile first): under a static
+        mask, where the cost model counts less visited work that way at M = N = RAGGED_REFERENCE_N, a length that
+        leaves a short tile for 128- and 192-row tiles alike (causal, prefix LM, ALiBi: the last q tile visits the
+        most kv tiles, so its padded rows cost the most; 192 x 128 at 4k: -5.5%). Masks whose rows all visit
+        alike (windows) count the same and keep the last; a graph the model cannot count keeps the last."""
+        from .ir.dims import Sym
+        from .passes.cost import cost_of
+
+        key = ("ragged_first", bq, bk)
+        if key not in self._memo:
+            q, k = self._seq_dims()
+            pays = False
+            if self._mask_kind() == "static" and self.pipeline == "fa2-fwd" and isinstance(q, Sym) \
+                    and isinstance(k, Sym):
+                dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
+                dims.update({q.name: RAGGED_REFERENCE_N, k.name: RAGGED_REFERENCE_N, "D": 64})
+                try:
+                    first, last = (cost_of(self._retile(bq, bk, r)[0], dims).flops for r in ("first", "last"))
+                    pays = first < last
+                except FalowerError:
+                    pays = False
+            self._memo[key] = pays
+        return self._memo[key]
 
     def lowered_of(self, kernel: Any) -> Func:
         """The lowered IR a forward kernel was built from (`lowered`, or the graph lowered again with the

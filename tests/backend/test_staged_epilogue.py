@@ -40,7 +40,7 @@ def test_the_no_producer_kernel_stages_O(D):
     assert "bar_sync(5 + cw, 128)" in epi
     assert f"for ei in range({D // 16}):" in epi
     assert "lds_v4_u32(q_wg + lr * " in epi and "((c16 ^ (lr & 7)) << 4)" in epi
-    assert "if qi < M:" in epi and "stg_v4_u32(o, " in epi
+    assert "if 0 <= qi < M:" in epi and "stg_v4_u32(o, " in epi
     stage = src[src.index("def stage_row("):]
     assert "sts_u32(sa + ((np.uint32(dn) ^ sw) << np.uint32(4)), v)" in stage  # the same swizzle on the way in
 

@@ -435,9 +435,10 @@ def test_d64_takes_192_row_tiles_where_the_work_allows(hopper) -> None:
 
 def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     """The 192-row tiles are chosen per call from its sequence lengths (rounded up to multiples of 64, at most
-    emit_fa3.WIDE_REFERENCE_N): causal keeps 128 x 64 at N = 1k, where the wider tiles' diagonal makes them visit
-    1.33x the work (measured 0.92 as fast there), and takes 192 x 128 at 1.5k (a multiple of 192: no padding);
-    plain from a kv length of 1k (at 512 its 0.889 work ratio ran 0.92 as fast: too few kv tiles an item). Both kernels live side by side in one compiled object, each built once; a size that gives no
+    emit_fa3.WIDE_REFERENCE_N): causal keeps 128 x 64 at N = 256 and 512 (too few kv tiles an item), and takes
+    192 x 128 from 1k, where with the short q tile first (tile{ragged_q=first}) the wider tiles visit 1.12x the
+    work (1.33x with it last: measured 0.92 as fast there); plain from a kv length of 1k (at 512 its 0.889 work
+    ratio ran 0.92 as fast: too few kv tiles an item). Both kernels live side by side in one compiled object, each built once; a size that gives no
     sequence lengths takes the reference's."""
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     causal, plain = fl.compile(_graph(True)), fl.compile(_graph(False))
@@ -445,12 +446,13 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     def rows(c, n: int, m: int | None = None) -> int:
         return c.specialize("f16", D=64, M=n if m is None else m, N=n).spec.block_q
 
-    assert [rows(causal, n) for n in (17, 256, 1000, 1024, 1500, 4096, 65536)] == [128, 128, 128, 128, 192, 192, 192]
+    assert [rows(causal, n) for n in (17, 256, 512, 1000, 1024, 1500, 4096, 65536)] == [128, 128, 128, 192, 192, 192,
+                                                                                          192, 192]
     assert [rows(plain, n) for n in (17, 256, 512, 960, 1000, 4096)] == [128, 128, 128, 128, 192, 192]
     assert rows(plain, 1000, m=256) == 128 and rows(plain, 256, m=4096) == 128  # M's padding; N's fixed costs
-    assert rows(causal, 4096, m=1000) == 128  # M's own bucket: causal rows of a short q over a long kv
+    assert rows(causal, 4096, m=640) == 128  # M's own bucket: causal rows of a short q over a long kv
     assert causal.specialize("f16", D=64).spec.block_q == 192  # no sizes: N = WIDE_REFERENCE_N
-    a, b = causal.specialize("f16", D=64, M=1000, N=1000), causal.specialize("f16", D=64, M=1010, N=1010)
+    a, b = causal.specialize("f16", D=64, M=500, N=500), causal.specialize("f16", D=64, M=510, N=510)
     assert a is b and a is not causal.specialize("f16", D=64, M=4096, N=4096)
     assert {k[-1] for k in causal._kernels} == {("wide", False), ("wide", True)}
     # the caller's own schedule keeps one kernel for every size
@@ -465,6 +467,27 @@ def test_the_compile_line_names_tiles_and_schedule(hopper) -> None:
 
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     c = fl.compile(_graph(True))
-    wide, narrow = (c.specialize("f16", D=64, M=n, N=n).spec for n in (4096, 1000))
-    assert _label(wide, "forward").endswith("(forward, f16, D=64, 192x128 wgmma-ws)")
+    wide, narrow = (c.specialize("f16", D=64, M=n, N=n).spec for n in (4096, 500))
+    assert _label(wide, "forward").endswith("(forward, f16, D=64, 192x128 wgmma-ws, short q tile first)")
     assert _label(narrow, "forward").endswith("(forward, f16, D=64, 128x64 wgmma)")
+
+
+def test_the_short_q_tile_goes_first_where_the_cost_model_counts_less_work(hopper) -> None:
+    """tile{ragged_q=first} on the persistent kernel's tiles where it visits less work (`_ragged_first_pays`):
+    causal-like masks on D = 64's 192 x 128 tiles (the lowered IR the kernel came from says so, q_pad in its dump);
+    not plain (the same work), not D = 128's 128 x 128 (the diagonal then crosses each q tile's kv tiles: the same
+    work), not the 128 x 64 kernel; a caller's knob the kernel cannot start q tiles before row 0 with (no TMA
+    stores) keeps the last tile short on the same persistent kernel, not a slower fallback."""
+    from falower.ir import print_func
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    causal, plain = fl.compile(_graph(True)), fl.compile(_graph(False))
+    k = causal.specialize("f16", D=64, M=4096, N=4096)
+    assert k.spec.block_q == 192 and k.spec.ragged_q_first
+    assert "%q_pad = const cdiv(M, 192)*192-M" in print_func(causal.lowered_of(k))
+    assert "q_lo = (qt * 192 - ((M + 191) // 192 * 192 - M))" in k.source and "max(q_lo_hx, 0)" in k.source
+    assert not plain.specialize("f16", D=64, M=4096, N=4096).spec.ragged_q_first
+    assert not causal.specialize("f16", D=128, M=4000, N=4000).spec.ragged_q_first
+    assert not causal.specialize("f16", D=64, M=500, N=500).spec.ragged_q_first  # 128 x 64
+    own = fl.compile(_graph(True), extra={"tma_store": False}).specialize("f16", D=64, M=4096, N=4096).spec
+    assert own.block_q == 192 and not own.ragged_q_first and own.extra.get("persistent") == 132, own.extra

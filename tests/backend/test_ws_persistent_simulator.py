@@ -36,6 +36,7 @@ def test_persistent_simulator(results, case):
         assert r["poisoned"], r
     if case in PERSIST_CASES:  # the kv tiles from the last down where asked (emit_fa3_ws.kv_reverse)
         assert r["kv_reverse"] == bool(PERSIST_CASES[case][-1].get("kv_reverse")), r
+        assert r["ragged_first"] == bool(PERSIST_CASES[case][-1].get("ragged_q_first")), r
     if case in COMPILED_CASES:
         assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
         assert r["producer"] == COMPILED_CASES[case][3], r

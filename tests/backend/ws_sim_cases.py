@@ -117,6 +117,21 @@ PERSIST_CASES.update({
     "ws3-pwg-plain-f16-d64-1x1": ("plain", "f16", 64, 1, 1, 1, 1, 1, 192, 32,
                                   {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}),
 })
+# The short q tile first (tile{ragged_q=first}, spec.ragged_q_first): q tile qt starts at qt * 192 - q_pad, its rows
+# before 0 zeros by the TMA loads, clipped by the TMA stores (a warp's 16-row box straddling row 0 at M = 300: rows
+# -4 .. 11) and never given an LSE; the tiles' classes from their rows at 0 and after. A tile plus one (q_pad 191:
+# the first tile holds one row), M > N under causal (rows past N keep every column), plain with M != N
+PERSIST_CASES.update({
+    "ws3-pwg-causal-f16-d64-193-rqf": ("causal", "f16", 64, 1, 2, 193, 193, 1, 192, 128,
+                                       {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
+                                        "ragged_q_first": True}),
+    "ws3-pwg-causal-bf16-d64-300x191-rqf": ("causal", "bf16", 64, 1, 1, 300, 191, 1, 192, 128,
+                                            {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
+                                             "ragged_q_first": True}),
+    "ws3-pwg-plain-f16-d64-200x77-rqf": ("plain", "f16", 64, 2, 1, 200, 77, 1, 192, 128,
+                                         {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
+                                          "ragged_q_first": True}),
+})
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows
 # (two items of whole q tiles on one block), and the staged epilogue at D = 128, whose rows of 256 bytes span two
@@ -335,6 +350,7 @@ def run_case(case_id: str) -> dict:
     poison = extra.pop("poison_head", None)
     spec = dataclasses.replace(spec, batch_inner=extra.pop("batch_inner", False),
                                lazy_rescale=extra.pop("lazy_rescale", 0.0),
+                               ragged_q_first=extra.pop("ragged_q_first", False),
                                extra={"schedule": "wgmma-ws", **{k: v for k, v in extra.items() if k != "ir_source"}})
     if extra.get("ir_source"):  # the example's own device source, as from_ir writes it (same score as the variant)
         import runpy
@@ -379,6 +395,7 @@ def run_case(case_id: str) -> dict:
         "nan": bool(np.isnan(of[:, keep]).any() or np.isnan(lse[:, keep]).any()),
         "seconds": round(seconds, 1),
         "kv_reverse": emit_fa3_ws.kv_reverse(spec),
+        "ragged_first": f"{bq} - ((M + {bq - 1}) // {bq} * {bq} - M))" in src,  # q tiles start q_pad rows earlier
         # item_order "dynamic": the counter the last block leaves zeroed for the next launch
         **({"work_left": [int(x) for x in args[18]]} if extra.get("item_order") == "dynamic" else {}),
     }

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_examples_gpu import STEMS, assert_error_rule, graph, rounded  # noqa: E402
 
 
-def _inputs(g, D: int, N: int, dtype: str):
+def _inputs(g, D: int, N: int, dtype: str, M: int = 0):
     from falower.passes.check import bind_dims, random_inputs
 
-    env = bind_dims(g, {"B": 2, "H": 4, "HKV": 1, "M": N, "N": N, "D": D})
+    env = bind_dims(g, {"B": 2, "H": 4, "HKV": 1, "M": M or N, "N": N, "D": D})
     raw = random_inputs(g, env, seed=N + D)
     return env, [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
                  for i, x in enumerate(raw)]
@@ -70,11 +70,29 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
         assert wide is not None and bool(kern.spec.extra.get("persistent")) == wide, (stem, N, kern.spec.extra)
         if not wide:  # a narrow window, short causal, a short sequence: emit_fa3's kernel
             want = emit_fa3.plain_extra(D, mask)
+        else:  # the short q tile first where the cost model counts less work (causal-like masks)
+            assert kern.spec.ragged_q_first == c._ragged_first_pays(192, 128), (stem, N)
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(
             D, mask, tile and want.get("schedule") == "wgmma-ws", persistent=bool(want.get("persistent")))
         assert {k: kern.spec.extra.get(k) for k in want} == want
+    assert_error_rule(g, c, env, host, dtype)
+
+
+@pytest.mark.parametrize("M, N", [(1000, 1000), (1100, 1500), (2000, 1100), (3001, 3001), (1537, 2048)])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("stem", ["causal", "prefix_lm", "alibi"])
+def test_short_q_tile_first(stem: str, dtype: str, M: int, N: int) -> None:
+    """D = 64's 192-row tiles with the short q tile first (tile{ragged_q=first}, the automatic choice under
+    causal-like masks): rows before 0 zeros by the TMA loads and clipped by the TMA stores (a warp's box straddles
+    row 0 where q_pad is not a multiple of 16: M = 1000, 1100, 3001, 1537), within FlashAttention's error rule,
+    M != N both ways."""
+    _hopper()
+    g, c = graph(stem, dtype)
+    env, host = _inputs(g, 64, N, dtype, M)
+    kern = c.specialize(dtype, **env)
+    assert kern.spec.block_q == 192 and kern.spec.ragged_q_first, (stem, M, N, kern.spec.extra)
     assert_error_rule(g, c, env, host, dtype)
 
 

@@ -343,6 +343,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError("block_mask='list' needs the kv_count and kv_tiles captures")
     if "def score_fn" not in spec.device_source:
         raise ValueError("device_source must define score_fn")
+    if spec.ragged_q_first and not uses_wgmma(spec):
+        raise ValueError("tile{ragged_q=first}: only the persistent wgmma-ws kernel starts q tiles before row 0; "
+                         "tile with ragged_q=last for mma.sync and SIMT")
     if spec.has_mask and "def mask_fn" not in spec.device_source:
         raise ValueError("has_mask needs a mask_fn in device_source")
     if spec.path == "simt":
@@ -630,7 +633,7 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
     if "def cta_fn(" in spec.device_source:
         c(f"hz = cta_fn(b, h{caps})  # the score function's per-CTA values (score-licm), once per program")
     c(f"nk = (N + {BK - 1}) // {BK}")
-    c(f"q_lo = qt * {BQ}")
+    c(f"q_lo = {q_start(spec, 'qt')}")
     c(f"q_hi = min(q_lo + {BQ}, M) - 1")
     if spec.block_mask == "none":
         c("kv_first = 0")
@@ -753,12 +756,24 @@ def emit_tile_scan(c: _Code, class_of: Callable[[str], str], count: str, first: 
             c(f"{last} = jc + highest_bit(live)")
 
 
+def q_start(spec: FA2ForwardSpec, qt: str) -> str:
+    """The first row of q tile `qt`, as the IR's tile pass made it: qt * block_q, or under tile{ragged_q=first}
+    qt * block_q - q_pad, q_pad = cdiv(M, block_q) * block_q - M (the short tile first: its rows before 0 are
+    padding, zeros by the TMA loads and never stored)."""
+    BQ = spec.block_q
+    if spec.ragged_q_first:
+        return f"({qt} * {BQ} - ((M + {BQ - 1}) // {BQ} * {BQ} - M))"
+    return f"{qt} * {BQ}"
+
+
 def _tile_class_expr(spec: FA2ForwardSpec, j: str, sfx: str = "") -> str:
-    """Tile j's class; `sfx` reads another item's b, h, q_lo, q_hi (b<sfx>, ...: a static mask only)."""
+    """Tile j's class; `sfx` reads another item's b, h, q_lo, q_hi (b<sfx>, ...: a static mask only). A tile's rows
+    before 0 (ragged_q_first) are not classified, as mask.classify does not classify them."""
     BK = spec.block_k
     if spec.block_mask == "static":
+        lo = f"max(q_lo{sfx}, 0)" if spec.ragged_q_first else f"q_lo{sfx}"
         return (
-            f"tile_class_fn(b{sfx}, h{sfx}, q_lo{sfx}, q_hi{sfx}, {j} * {BK}, min({j} * {BK} + {BK}, N) - 1"
+            f"tile_class_fn(b{sfx}, h{sfx}, {lo}, q_hi{sfx}, {j} * {BK}, min({j} * {BK} + {BK}, N) - 1"
             f"{_cap_args(spec)})"
         )
     assert not sfx, "another item's class: static masks only"

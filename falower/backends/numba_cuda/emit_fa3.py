@@ -455,7 +455,7 @@ def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None, head: str = "q
     for t in rows or wgmma_thread_rows():
         _emit_row_inv(c, t.k)
         c(f"qi = {t.row}")
-        c("if qi < M:")
+        c("if 0 <= qi < M:  # rows before 0 (ragged_q_first) and past M: padding")
         with c.indent():
             c(f"store_row(o, ({head} + qi) * {D // 2} + (t2 >> 1), {t.acc}, {t.ofs}, inv)")
             c("if t2 == 0:")
@@ -500,7 +500,7 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
         c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's {wr}")
         c(f"{stage}({base} + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
         c(f"qi = {t.row}")
-        c("if qi < M and t2 == 0:")
+        c("if 0 <= qi < M and t2 == 0:")
         with c.indent():
             c(_lse_line(t.k, "q_head"))
     c(barrier)
@@ -571,7 +571,7 @@ def emit_staged_stores(c: _Code, D: int, wr: int, first_row: str, wtid: str, bas
         c(f"c16 = ch % {CH}")
         c(f"qi = {first_row} + lr")
         c(f"w0, w1, w2, w3 = lds_v4_u32({base} + lr * {2 * D} + ((c16 ^ (lr & 7)) << 4))")
-        c("if qi < M:")
+        c("if 0 <= qi < M:  # rows before 0 (ragged_q_first) and past M: padding")
         with c.indent():
             c(f"stg_v4_u32(o, ({head} + qi) * {D // 2} + c16 * 4, w0, w1, w2, w3)")
 
@@ -780,6 +780,9 @@ def emit_fa3_forward(spec: FA2ForwardSpec) -> str:
 
         return emit_fa3_ws.emit_fa3_ws_forward(spec)
     validate_spec(spec)
+    if spec.ragged_q_first:
+        raise ValueError("tile{ragged_q=first}: only the persistent wgmma-ws kernel starts q tiles before row 0 (its "
+                         "TMA loads and stores clip them); tile with ragged_q=last for this kernel")
     header = _HEADER.format(spec_repr=_spec_comment(spec) + " schedule=wgmma").replace(
         "emit_fa2 -- do not edit.", "emit_fa3 -- do not edit.")
     code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))

@@ -95,6 +95,7 @@ from .emit_fa2 import (
     _spec_comment,
     _tile_class_expr,
     emit_bases,
+    q_start,
     emit_persistent_index,
     list_row_expr,
     item_order,
@@ -677,7 +678,7 @@ def _emit_range_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
     as every thread carries them at the handover, by the same scan the item's warps ran themselves."""
     BQ, BK = spec.block_q, spec.block_k
     _emit_next_ticket_item(c, spec, "warp_uniform(tk_next)")
-    c(f"q_lo_hx = qt_hx * {BQ}")
+    c(f"q_lo_hx = {q_start(spec, 'qt_hx')}")
     c(f"q_hi_hx = min(q_lo_hx + {BQ}, M) - 1")
     c(f"nk_hx = (N + {BK - 1}) // {BK}")
     emit_tile_scan(c, lambda j: _tile_class_expr(spec, j, "_hx"), "nk_hx", "hr_0", "hr_1", True, True,
@@ -806,6 +807,27 @@ def kept_bytes(spec: FA2ForwardSpec) -> int:
 BOX_BYTES = O_BOX_ROWS * 128  # a warp's box of O under tma_store: 16 rows of 64 16-bit columns
 
 
+def emit_straddling_box(c: _Code, D: int) -> None:
+    """Under ragged_q_first, a warp's staged box of O whose first row ob_q lies before row 0: a TMA store takes no
+    negative coordinate (the H200 raised CUDA_ERROR_ILLEGAL_INSTRUCTION for one, 2026-11-29, where the loads' zero
+    fill took them), so a box wholly before 0 is not stored and one that straddles row 0 (q_pad not a multiple of
+    16) is stored by the warp's lanes: each of its 16 x D / 8 chunks of 16 bytes from the box's 128-byte swizzle
+    (chunk c of box row r at r * 128 + ((c ^ (r & 7)) << 4)) to O's row ob_q + r where that is a row of O.
+    Only the first q tile of a (b, h) has such a box."""
+    c(f"if ob_q < 0 and ob_q > -{O_BOX_ROWS}:  # the box straddles row 0: its rows from 0 by the lanes")
+    with c.indent():
+        for hb in range(D // 64):
+            c(f"for sbx in range({O_BOX_ROWS * 8 // 32}):")
+            with c.indent():
+                c("sch = lane + sbx * 32")
+                c("sr = sch >> 3  # the box's row")
+                c("sq = ob_q + sr")
+                c("if sq >= 0 and sq < M:")
+                with c.indent():
+                    c(f"sw0, sw1, sw2, sw3 = lds_v4_u32(ob_s + {hb * BOX_BYTES} + sr * 128 + (((sch & 7) ^ (sr & 7)) << 4))")
+                    c(f"stg_v4_u32(o, (ob_bh * M + sq) * {D // 2} + {hb * 32} + (sch & 7) * 4, sw0, sw1, sw2, sw3)")
+
+
 def tick_words(spec: FA2ForwardSpec) -> int:
     """The int32 words of `tick` (item_order "dynamic"): two tickets, and beside each four words where the handover
     carries them (`_handed_over`: a block list's head, or a static mask's kv range)."""
@@ -840,6 +862,15 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             (f"block_k <= 128 (got {spec.block_k})", spec.block_k > 128)] if bad]
         if why:
             raise ValueError(f"wgmma-ws: three consumer warpgroups (block_q 192) need {', '.join(why)}")
+    if spec.ragged_q_first:  # rows before 0: zeros by the TMA loads, clipped by the TMA stores, guarded elsewhere
+        why = [w for w, bad in [
+            ("a persistent kernel with a producer warpgroup", not (persistent(spec) and producer(spec) == "warpgroup")),
+            ("TMA loads", not tma_loads(spec)), ("TMA stores of O", not tma_store(spec)),
+            ("no mask or a static one", spec.block_mask not in ("none", "static")),
+            ("no table tiles, row slices or half tiles", table_tiles(spec) or row_slice(spec) or half_tiles(spec))]
+            if bad]
+        if why:
+            raise ValueError(f"wgmma-ws: tile{{ragged_q=first}} (q tiles starting before row 0) needs {', '.join(why)}")
     if stages(spec) not in (2, 3, 4):
         raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
     if producer(spec) not in PRODUCERS:
@@ -1572,7 +1603,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("ob_row = warp_min(np.int32(ep_head + ob_q))  # O's row of the warp's first")
                 c("ob_n = warp_min(np.int32(min(16, M - ob_q)))  # its rows inside O")
                 c(f"ob_s = warp_min(np.int32(o_wg + (warp & 3) * {16 * pitch}))")
-            c("if lane == 0:")
+            if TMA and spec.ragged_q_first:
+                emit_straddling_box(c, D)
+            c("if ob_q >= 0 and lane == 0:" if TMA and spec.ragged_q_first else "if lane == 0:")
             with c.indent():
                 if TMA:
                     for hb in range(D // 64):
@@ -1953,7 +1986,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             for t in ROWS:
                 _emit_row_inv(c, t.k)
                 c(f"qi = {t.row}")
-                c("if qi < M and t2 == 0:")
+                c("if 0 <= qi < M and t2 == 0:  # rows before 0 (ragged_q_first) and past M: padding")
                 with c.indent():
                     c(_lse_line(t.k, "q_head"))
                 c(f"ep_f[ctid * 2 + {t.k}] = inv")

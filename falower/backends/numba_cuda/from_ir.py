@@ -47,6 +47,7 @@ class Lowered:
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # mask.ranges: (capture, axis, granule)
     runs: list[tuple[int, int]] = field(default_factory=list)  # run tables the row bounds read: (capture, axis)
     lazy_rescale: float = 0.0  # online-softmax{lazy=T}'s threshold (0: the max moves on every tile)
+    ragged_q_first: bool = False  # tile{ragged_q=first}: q0 = qi * bq - (cdiv(M, bq) * bq - M)
 
 
 def analyse(func: Func) -> Lowered:
@@ -67,6 +68,7 @@ def analyse(func: Func) -> Lowered:
     conj = [c for c in conj if not _is_bounds(c)]
     tl = next(op for op in par.regions[0].ops if op.name == "tile.load")
     block_q = tl.results[0].type.shape[0].value  # type: ignore[union-attr]
+    ragged_first = _q_start_form(tl.operands[3], par.regions[0].args[2], block_q, tl.operands[0])
     roles = list(fused.attrs["roles"])
     kv_arg = fused.operands[roles.index("kv")]
     block_k = kv_arg.type.shape[1].value  # type: ignore[union-attr]
@@ -109,7 +111,31 @@ def analyse(func: Func) -> Lowered:
         raise BackendError("numba-cuda backend: the score function says lazy_rescale but the kv loop has no "
                            "conditional max (m_moved); lower with online-softmax{lazy=T}")
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy)
+                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy, ragged_first)
+
+
+def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
+    """Whether the q tile's first row is tile{ragged_q=first}'s qi * bq - (cdiv(M, bq) * bq - M) (True) or
+    tile's qi * bq (False); any other start is refused: the kernels compute one of those two."""
+    from ...ir.dims import cdiv
+
+    def is_const(v: Value, want) -> bool:
+        op = v.owner
+        return isinstance(op, Op) and op.name == "const" and str(op.attrs["value"]) == str(want)
+
+    def is_tile_start(v: Value) -> bool:
+        op = v.owner
+        return isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and is_const(op.operands[1], bq)
+
+    if is_tile_start(q0):
+        return False
+    op = q0.owner
+    M = q.type.shape[2]
+    if isinstance(op, Op) and op.name == "sub" and is_tile_start(op.operands[0]) \
+            and is_const(op.operands[1], cdiv(M, bq) * bq - M):
+        return True
+    raise BackendError(f"numba-cuda backend: the q tile's first row must be qi * {bq} or qi * {bq} - q_pad "
+                       "(tile{ragged_q=first}); this graph computes it otherwise")
 
 
 def _is_lazy_max(op: Op, threshold: float) -> bool:
@@ -1161,4 +1187,4 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
                           group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
                           has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none",
                           batch_inner=batch_shared_table(low), score_scale=info["score_scale"],
-                          lazy_rescale=low.lazy_rescale, extra=dict(extra or {}))
+                          lazy_rescale=low.lazy_rescale, ragged_q_first=low.ragged_q_first, extra=dict(extra or {}))

@@ -1977,6 +1977,9 @@ if SIMULATOR:
         return row.reshape(-1, 16)[np.arange(len(row) // 16) ^ (r & 7)].reshape(-1)
 
     def tma_store_3d(maddr, c0, c1, c2, saddr):
+        if min(int(c0), int(c1), int(c2)) < 0:  # the loads' zero fill takes negative coordinates, the stores do not
+            raise RuntimeError(f"tma_store_3d at a negative coordinate {(int(c0), int(c1), int(c2))}: the H200 "
+                               "raises CUDA_ERROR_ILLEGAL_INSTRUCTION there (2026-11-29)")
         saddr = int(saddr)
         a, dims, strides, box, swizzle = _tma_map(maddr, 3, saddr, "tma_store_3d")
         isz = a.itemsize

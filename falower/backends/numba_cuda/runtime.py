@@ -225,7 +225,8 @@ def _label(spec: Any, kind: str) -> str:
         sched = "wgmma" if uses_wgmma(spec) else "mma"
     else:
         sched = spec.extra.get("schedule") or "mma"
-    return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim}, {spec.block_q}x{spec.block_k} {sched})"
+    first = ", short q tile first" if getattr(spec, "ragged_q_first", False) else ""
+    return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim}, {spec.block_q}x{spec.block_k} {sched}{first})"
 
 
 def _simulated() -> bool:

@@ -133,6 +133,9 @@ class FA2ForwardSpec:
     # > 0: online-softmax{lazy=T}'s conditional rescale (the IR's m_new = where(m_max > m_i + T, m_max, m_i)), T in
     # the IR's exponent base; the kernels then skip O's rescale where the correction is 1 (emit_fa2.softmax_row)
     lazy_rescale: float = 0.0
+    # tile{ragged_q=first}: q tile qt starts at row qt * block_q - q_pad (q_pad = cdiv(M, block_q) * block_q - M),
+    # so the short tile is the first; its rows before 0 load zeros and are never stored (emit_fa2.q_start)
+    ragged_q_first: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
