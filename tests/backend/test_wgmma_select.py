@@ -491,3 +491,25 @@ def test_the_short_q_tile_goes_first_where_the_cost_model_counts_less_work(hoppe
     assert not causal.specialize("f16", D=64, M=500, N=500).spec.ragged_q_first  # 128 x 64
     own = fl.compile(_graph(True), extra={"tma_store": False}).specialize("f16", D=64, M=4096, N=4096).spec
     assert own.block_q == 192 and not own.ragged_q_first and own.extra.get("persistent") == 132, own.extra
+
+
+def test_a_pipeline_with_the_short_q_tile_first(hopper) -> None:
+    """The caller's own pipeline with tile{ragged_q=first}: the persistent wgmma-ws kernel takes it (Hopper); the
+    plain wgmma kernel and mma.sync refuse it with one line naming the option (emit_fa3's validation, so the
+    automatic choice's fallbacks skip it rather than fail later)."""
+    import dataclasses
+
+    from falower.backends.numba_cuda import emit_fa3
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    own = ("decompose-softmax,canonicalize,fuse,tile{bq=192,bk=128,ragged_q=first},online-softmax{exp2=true},"
+           "mask-tiles,canonicalize")
+    spec = fl.compile(_graph(True), pipeline=own).specialize("f16", D=64, M=1000, N=1000).spec
+    assert spec.ragged_q_first and spec.block_q == 192 and spec.extra.get("persistent") == 132, spec.extra
+    plain = dataclasses.replace(spec, block_q=128, block_k=64, extra={"schedule": "wgmma"})
+    with pytest.raises(ValueError, match=r"tile\{ragged_q=first\}: only the persistent wgmma-ws kernel"):
+        emit_fa3.validate_spec(plain)
+    hopper.setattr(runtime, "device_cc", lambda: (8, 0))  # no Hopper: mma.sync, which refuses it
+    with pytest.raises(Exception, match=r"tile\{ragged_q=first\}: only the persistent wgmma-ws kernel"):
+        fl.compile(_graph(True), pipeline=own.replace("bq=192,bk=128", "bq=128,bk=64")).specialize(
+            "f16", D=64, M=300, N=300)

@@ -194,6 +194,7 @@ def test_idioms_error_rule(which, N):
     raw = random_inputs(g, env, seed=N)
     host = [rounded(x, "f16") for x in raw[:3]]
     dev = [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", torch.float16) for x in host]
+    built = None
     for w in ([None] if which == "maths" else [1, 7, 300]):  # one kernel for every window size
         extra = [] if w is None else [np.array(w, dtype=np.int32)]
         ref = Reference.build(g, env, inputs=host + extra)
@@ -203,7 +204,10 @@ def test_idioms_error_rule(which, N):
         o = o.float().cpu().numpy().astype(np.float64)
         err, naive_err = np.max(np.abs(o - ref.outputs["o"])), np.max(np.abs(naive - ref.outputs["o"]))
         assert err <= 2 * naive_err + 1e-5, f"window {w}: kernel error {err:.3g} > 2 x naive {naive_err:.3g}"
-    assert len(c._kernels) == 1
+        built = built or dict(c._kernels)
+    # the window's value builds no kernel (the compiled object is shared by the sizes N, which may each take their
+    # own tiles at D = 64: compiler._wide_for)
+    assert c._kernels == built
 
 
 @pytest.mark.parametrize("D", [64, 128])

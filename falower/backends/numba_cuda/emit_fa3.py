@@ -331,6 +331,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError("block_mask='list' needs the kv_count and kv_tiles captures")
     if "def score_fn" not in spec.device_source:
         raise ValueError("device_source must define score_fn")
+    if spec.ragged_q_first:  # emit_fa3_ws.validate_spec checks its own, calling this without the flag
+        raise ValueError("tile{ragged_q=first}: only the persistent wgmma-ws kernel starts q tiles before row 0 (its "
+                         "TMA loads zero them, its stores skip them); tile with ragged_q=last for this kernel")
     if spec.has_mask and "def mask_fn" not in spec.device_source:
         raise ValueError("has_mask needs a mask_fn in device_source")
     if spec.block_mask in ("static", "list") and "def tile_class_fn" not in spec.device_source:
@@ -780,9 +783,6 @@ def emit_fa3_forward(spec: FA2ForwardSpec) -> str:
 
         return emit_fa3_ws.emit_fa3_ws_forward(spec)
     validate_spec(spec)
-    if spec.ragged_q_first:
-        raise ValueError("tile{ragged_q=first}: only the persistent wgmma-ws kernel starts q tiles before row 0 (its "
-                         "TMA loads and stores clip them); tile with ragged_q=last for this kernel")
     header = _HEADER.format(spec_repr=_spec_comment(spec) + " schedule=wgmma").replace(
         "emit_fa2 -- do not edit.", "emit_fa3 -- do not edit.")
     code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))

@@ -846,7 +846,7 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     schedule's own."""
     import dataclasses
 
-    _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}))
+    _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}, ragged_q_first=False))
     if spec.block_q not in (128, 192):
         raise ValueError(f"wgmma-ws: block_q must be 128 or 192 (two or three consumer warpgroups), got "
                          f"{spec.block_q}")
