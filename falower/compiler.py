@@ -247,28 +247,34 @@ class CompiledAttention:
         lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64; so does a kv
         length under emit_fa3.WIDE_MIN_N."""
         from .backends.numba_cuda import emit_fa3
-        from .ir.dims import Sym
-        from .passes.cost import cost_of
 
         def bucket(x: Optional[int]) -> int:
             return emit_fa3.WIDE_REFERENCE_N if not x else min(emit_fa3.WIDE_REFERENCE_N, -(-int(x) // 64) * 64)
 
         key = ("wide_pays", head_dim, bucket(m), bucket(n))
         if key not in self._memo:
-            q, k = self._seq_dims()
-            pays = False
-            if isinstance(q, Sym) and isinstance(k, Sym):
-                dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
-                dims.update({q.name: key[2], k.name: key[3], "D": head_dim})
-                ragged = "first" if self._ragged_first_pays(*emit_fa3.WIDE_TILES) else "last"  # as the kernel tiles
-                try:
-                    narrow, wide = (cost_of(self._retile(*t)[0], dims).flops
-                                    for t in ((128, 64, "last"), (*emit_fa3.WIDE_TILES, ragged)))
-                    pays = emit_fa3.wide_tiles_pay(narrow, wide, key[3])
-                except FalowerError:
-                    pays = False
-            self._memo[key] = pays
+            ragged = "first" if self._ragged_first_pays(*emit_fa3.WIDE_TILES) else "last"  # as the kernel tiles
+            flops = self._visited_flops([(128, 64, "last"), (*emit_fa3.WIDE_TILES, ragged)], key[2], key[3], head_dim)
+            self._memo[key] = flops is not None and emit_fa3.wide_tiles_pay(*flops, key[3])
         return self._memo[key]
+
+    def _visited_flops(self, tilings: list[tuple[int, int, str]], m: int, n: int, head_dim: int) -> Optional[list]:
+        """The FLOPs the cost model counts for the default pipeline's graph lowered with each (bq, bk, ragged_q) of
+        `tilings` (`_retile`), at M = m, N = n, D = head_dim and every other size 1 (the tiles a static mask
+        leaves, as the kernels visit them); None where the graph's sequence lengths are not plain sizes of q and k
+        or the model cannot count it."""
+        from .ir.dims import Sym
+        from .passes.cost import cost_of
+
+        q, k = self._seq_dims()
+        if not (isinstance(q, Sym) and isinstance(k, Sym)):
+            return None
+        dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
+        dims.update({q.name: m, k.name: n, "D": head_dim})
+        try:
+            return [cost_of(self._retile(*t)[0], dims).flops for t in tilings]
+        except FalowerError:
+            return None
 
     def _retile(self, bq: int, bk: int, ragged_q: str = "last") -> tuple[Func, Any]:
         """The graph lowered by the default pipeline with tile{bq,bk,ragged_q} instead of its tiles, and its
@@ -292,23 +298,13 @@ class CompiledAttention:
         leaves a short tile for 128- and 192-row tiles alike (causal, prefix LM, ALiBi: the last q tile visits the
         most kv tiles, so its padded rows cost the most; 192 x 128 at 4k: -5.5%). Masks whose rows all visit
         alike (windows) count the same and keep the last; a graph the model cannot count keeps the last."""
-        from .ir.dims import Sym
-        from .passes.cost import cost_of
-
         key = ("ragged_first", bq, bk)
         if key not in self._memo:
-            q, k = self._seq_dims()
-            pays = False
-            if self._mask_kind() == "static" and self.pipeline == "fa2-fwd" and isinstance(q, Sym) \
-                    and isinstance(k, Sym):
-                dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
-                dims.update({q.name: RAGGED_REFERENCE_N, k.name: RAGGED_REFERENCE_N, "D": 64})
-                try:
-                    first, last = (cost_of(self._retile(bq, bk, r)[0], dims).flops for r in ("first", "last"))
-                    pays = first < last
-                except FalowerError:
-                    pays = False
-            self._memo[key] = pays
+            flops = None
+            if self._mask_kind() == "static" and self.pipeline == "fa2-fwd":
+                n = RAGGED_REFERENCE_N
+                flops = self._visited_flops([(bq, bk, "first"), (bq, bk, "last")], n, n, 64)
+            self._memo[key] = flops is not None and flops[0] < flops[1]
         return self._memo[key]
 
     def lowered_of(self, kernel: Any) -> Func:
