@@ -17,7 +17,7 @@ from .passes.manager import debug_level, run_pipeline
 BACKENDS = ("numba-cuda", "reference")
 
 
-RAGGED_REFERENCE_N = 4160  # a length that leaves a short q tile of 64 rows at 128- and 192-row tiles alike
+RAGGED_REFERENCE_N = 4160  # a length that leaves 64 padded rows at 128- and 192-row q tiles alike (_ragged_first_pays)
 
 
 class CompiledAttention:
@@ -136,10 +136,32 @@ class CompiledAttention:
         kernel for every size."""
         if env["D"] != 64 or self.pipeline != "fa2-fwd":
             return None
+        from .backends.numba_cuda import emit_fa3
+
         choice = self._auto_choice(dtype, 64, path)
         if not choice or not choice.get("persistent"):
             return None
-        return self._wide_tiles_pay(64, *(env.get(getattr(d, "name", "")) for d in self._seq_dims()))
+        ragged = self._ragged_first_pays(*emit_fa3.WIDE_TILES) and self._ragged_first_runs(dtype, path, choice)
+        return self._wide_tiles_pay(64, *(env.get(getattr(d, "name", "")) for d in self._seq_dims()), ragged=ragged)
+
+    def _ragged_first_runs(self, dtype: str, path: str, choice: dict) -> bool:
+        """Whether D = 64's persistent kernel, as the automatic choice and the caller's knobs make it, can start its
+        q tiles before row 0 (emit_fa3_ws.validate_spec on that spec: a caller's tma_store=False cannot), so that
+        the per-size question counts the tiling the kernel will run."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.from_ir import build_spec
+        from .backends.numba_cuda.spec import forward_extra
+
+        key = ("ragged_runs", dtype, path)
+        if key not in self._memo:
+            low = self._retile(*emit_fa3.WIDE_TILES, "first")[1]
+            spec = build_spec(low, {"D": 64}, dtype, path, self.num_warps, {**choice, **forward_extra(self.extra)})
+            try:
+                emit_fa3.validate_spec(spec)
+                self._memo[key] = True
+            except ValueError:
+                self._memo[key] = False
+        return self._memo[key]
 
     def _forward_spec(self, used: dict[str, int], dtype: str, path: str,
                       wide: Optional[bool]) -> tuple[Any, tuple[Func, Any]]:
@@ -226,8 +248,10 @@ class CompiledAttention:
                 emit_fa3.validate_spec(spec)
             except ValueError:
                 continue
-            if "persistent" not in fwd and not emit_fa3_ws.persistent_pays(spec):
-                continue  # the automatic choice's persistence, measured slower there: one block an item
+            if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(spec):
+                # the automatic choice's persistence, measured slower there: one block an item (IR whose q tiles
+                # start before row 0 only the persistent kernel runs: kept)
+                continue
             auto = {"ex2_poly": 0 if "ex2_poly" in fwd else emit_fa3_ws.auto_ex2_poly(spec),
                     "kv_reverse": False if "kv_reverse" in fwd else emit_fa3_ws.auto_kv_reverse(spec)}
             auto = {k: v for k, v in auto.items() if v}
@@ -236,7 +260,8 @@ class CompiledAttention:
             return spec, built
         return mma_sync()
 
-    def _wide_tiles_pay(self, head_dim: int, m: Optional[int] = None, n: Optional[int] = None) -> bool:
+    def _wide_tiles_pay(self, head_dim: int, m: Optional[int] = None, n: Optional[int] = None,
+                        ragged: bool = False) -> bool:
         """emit_fa3.wide_tiles_pay on the FLOPs the cost model counts for the graph lowered with 128 x 64 tiles and
         with emit_fa3.WIDE_TILES, at sequence lengths M = m, N = n, each rounded up to a multiple of 64 and at most
         emit_fa3.WIDE_REFERENCE_N (its value where not given), every other size 1. 64 divides both tilings' rows
@@ -245,16 +270,17 @@ class CompiledAttention:
         a length takes 4k's choice: causal's ratio only grows toward 1 there, but a 640-wide band's is 0.847 at 4k
         and 0.858 at 8k, so it stays on 128 x 64 where the wide tiles would just pay. A graph whose sequence
         lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64; so does a kv
-        length under emit_fa3.WIDE_MIN_N."""
+        length under emit_fa3.WIDE_MIN_N. `ragged`: the wide kernel takes its short q tile first (`_wide_for`), so
+        its work is counted that way."""
         from .backends.numba_cuda import emit_fa3
 
         def bucket(x: Optional[int]) -> int:
             return emit_fa3.WIDE_REFERENCE_N if not x else min(emit_fa3.WIDE_REFERENCE_N, -(-int(x) // 64) * 64)
 
-        key = ("wide_pays", head_dim, bucket(m), bucket(n))
+        key = ("wide_pays", head_dim, bucket(m), bucket(n), ragged)
         if key not in self._memo:
-            ragged = "first" if self._ragged_first_pays(*emit_fa3.WIDE_TILES) else "last"  # as the kernel tiles
-            flops = self._visited_flops([(128, 64, "last"), (*emit_fa3.WIDE_TILES, ragged)], key[2], key[3], head_dim)
+            wide = (*emit_fa3.WIDE_TILES, "first" if ragged else "last")  # as the kernel tiles
+            flops = self._visited_flops([(128, 64, "last"), wide], key[2], key[3], head_dim)
             self._memo[key] = flops is not None and emit_fa3.wide_tiles_pay(*flops, key[3])
         return self._memo[key]
 

@@ -354,7 +354,8 @@ _register("tile.yield", "terminator", "tile", None, doc="parallel_for terminator
 _register("return", "terminator", "graph", None)
 _register("mask.classify", "mask", "tile", None, num_regions=1, isolated=True,
           doc="0 empty / 1 partial / 2 full, by interval analysis of the mask (kv bound included) over one "
-              "tile pair: a sound answer for the classes Interpreter.block_classes defines")
+              "tile pair's rows from max(q0, 0) (rows before 0 produce no output): a sound answer for the classes "
+              "Interpreter.block_classes defines")
 _register("mask.kv_range", "mask", "tile", None, num_regions=1, isolated=True,
           doc="first and past-last kv tile that is not empty, for one q tile")
 _register("mask.q_range", "mask", "tile", None, num_regions=1, isolated=True,

@@ -10,8 +10,8 @@ included) the pass builds a predicate region over scalar (b, h, q, kv) and:
 - for masks that read data (document ids), emits `mask.block_table`, a step before the kernel that
   classifies every tile pair exactly from the data at run time; the loop reads its class from the table.
 
-A class means one thing everywhere (`Interpreter.block_classes`): it is taken over the rows q < M of the q
-tile and all bk columns of the kv tile with the predicate as written, the kv bound `kv < N` included. A
+A class means one thing everywhere (`Interpreter.block_classes`): it is taken over the rows 0 <= q < M of the q
+tile (tile{ragged_q=first} starts the first tile before row 0; rows outside produce no output) and all bk columns of the kv tile with the predicate as written, the kv bound `kv < N` included. A
 ragged last kv tile is therefore never full, and the full-tile branch, which drops the whole predicate
 (bounds too), only ever runs on tiles where every column is in bounds and kept.
 """
@@ -30,6 +30,7 @@ from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
 from .attention import _const_is, _is, the_parallel_for
 from .base import Pass, register
+from .tile import is_ragged_q_start
 from .rewrite import dce, region_dce
 
 I32 = scalar("i32")
@@ -215,7 +216,7 @@ class MaskTiles(Pass):
         if self.data not in ("table", "ranges"):
             raise self.fail(f"data must be table or ranges, got {self.data!r}")
         data = uses_data(pred)
-        if data and not (isinstance(q0.owner, Op) and q0.owner.name == "mul"):
+        if data and is_ragged_q_start(q0, body.args[2], bq, par.results[0].type.shape[2]):
             raise self.fail("a mask that reads captured tables is classified per q tile of rows i * bq (a block "
                             "table or range tables); tile{ragged_q=first} starts its tiles elsewhere: tile with "
                             "ragged_q=last")

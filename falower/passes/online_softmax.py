@@ -437,13 +437,11 @@ def _chain_after(qbody: Block, la: Op) -> list[Op]:
 
 
 def _q0(qbody: Block) -> Value:
-    """The q tile's first row: qi * bq, or tile{ragged_q=first}'s qi * bq - q_pad."""
+    """The q tile's first row, where the q tile's load reads (qi * bq, or tile{ragged_q=first}'s qi * bq - q_pad)."""
     for op in qbody.ops:
-        if op.name == "mul" and op.operands[0] is qbody.args[0]:
-            start = op.results[0]
-            shifted = [o for o in qbody.ops if o.name == "sub" and o.operands[0] is start]
-            return shifted[0].results[0] if shifted else start
-    raise AssertionError("no q0 in the q loop")
+        if op.name == "tile.load" and op.attrs["slice"][2] != ":" and isinstance(op.attrs["slice"][2], int):
+            return op.operands[3]  # tile.load %q[%b, %h, %q0 : bq, :]
+    raise AssertionError("no q tile load in the q loop")
 
 
 def _hoist_invariants(outer: Block, loop: Op) -> None:

@@ -102,7 +102,7 @@ class Tile(Pass):
     q tile i starts at i * bq - q_pad (q_pad = cdiv(M, bq) * bq - M), so the tile M leaves short is the first
     one; its rows below 0, like the last tile's rows past M otherwise, load zeros and produce no output.
     Why: under causal-like masks the last q tile visits the most kv tiles, so its padding costs the most (D =
-    64's 192-row tiles at M = 4k: 128 padded rows over 32 kv tiles, 5.6% of the visited work; first, 1 kv tile).
+    64's 192-row tiles at M = 4k: 128 padded rows over 32 kv tiles, 5.5% of the visited work; first, 1 kv tile).
 
         %x = fused %s, ... : f32[B,H,M,N]
         %m = reduce_max %x ...; ... %o = matmul %p, %v : f32[B,H,M,D]
@@ -166,8 +166,7 @@ class Tile(Pass):
         """Row of q tile qi's first row: qi * bq, less q_pad where the ragged tile is the first."""
         if self.ragged_q == "last":
             return b.emit("mul", qi, b.const(self.bq), name_hint="q0")
-        M = st.att.q.type.shape[2]
-        pad = b.const(cdiv(M, self.bq) * self.bq - M, name_hint="q_pad")
+        pad = b.const(q_pad(st.att.q.type.shape[2], self.bq), name_hint="q_pad")
         return b.emit("sub", b.emit("mul", qi, b.const(self.bq)), pad, name_hint="q0")
 
     def _q_tile(self, b: Builder, st: ScoreTile, bi: Value, h: Value, qi: Value, out_t: TensorType):
@@ -230,6 +229,25 @@ class Tile(Pass):
         (acc,) = b.for_loop(zero, nk, [b.const(0.0, tensor(f32, bq, D))], pv_body, iter_names=["acc_i"],
                             result_names=["acc"])
         return apply_chain(b, att.out_chain, acc)
+
+
+def q_pad(M, bq: int):
+    """tile{ragged_q=first}'s shift of the q tiles: the rows the last tile would pad, cdiv(M, bq) * bq - M."""
+    return cdiv(M, bq) * bq - M
+
+
+def is_ragged_q_start(q0: Value, qi: Value, bq: int, M) -> bool:
+    """Whether `q0` is tile{ragged_q=first}'s first row of q tile `qi`: qi * bq - q_pad(M, bq), exactly as `Tile`
+    writes it (mask-tiles, online-softmax's fa1 order and the backend recognise the shifted tiles by this)."""
+    def const_is(v: Value, want) -> bool:
+        op = v.owner
+        return isinstance(op, Op) and op.name == "const" and str(op.attrs["value"]) == str(want)
+
+    op = q0.owner
+    if not (isinstance(op, Op) and op.name == "sub" and const_is(op.operands[1], q_pad(M, bq))):
+        return False
+    mul = op.operands[0].owner
+    return isinstance(mul, Op) and mul.name == "mul" and mul.operands[0] is qi and const_is(mul.operands[1], bq)
 
 
 def _guard(b: Builder, v: Value, when: float, repl: float, name: str) -> Value:

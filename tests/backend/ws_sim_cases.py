@@ -131,6 +131,14 @@ PERSIST_CASES.update({
     "ws3-pwg-plain-f16-d64-200x77-rqf": ("plain", "f16", 64, 2, 1, 200, 77, 1, 192, 128,
                                          {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
                                           "ragged_q_first": True}),
+    # two consumer warpgroups at D = 128 (a caller's own pipeline can ask for it): two 64-column boxes a warp, the
+    # straddling one stored by the lanes box by box (q_pad 84); the bias table gathered at rows before 0 (clamped)
+    "ws-pwg-causal-f16-d128-300-rqf": ("causal", "f16", 128, 1, 2, 300, 300, 1, 128, 128,
+                                       {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
+                                        "ragged_q_first": True}),
+    "ws-pwg-bias-f16-d64-130x150-rqf": ("bias", "f16", 64, 1, 2, 130, 150, 1, 128, 128,
+                                        {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
+                                         "ragged_q_first": True}),
 })
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows

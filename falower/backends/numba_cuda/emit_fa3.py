@@ -203,7 +203,9 @@ def wide_tiles_pay(narrow_flops: float, wide_flops: float, n: int = WIDE_REFEREN
     1.094, prefix LM 1.138, GQA 1.187, the naive code 1.162), but a mask's edges cost it more: a row's band of 49
     columns (`sliding_window`) is 0.600 as much work on 128 x 64 tiles and ran 0.787 as fast; the 1024 window
     (0.879) 1.003; causal at N = 1k (0.753 there) 0.92 as fast, at N = 2k (0.898) 1.05. So the choice is made per
-    call size: causal keeps 128 x 64 at N = 1k (FlashAttention-3 takes 192 x 128 at D = 64 whatever N).
+    call size (FlashAttention-3 takes 192 x 128 at D = 64 whatever N). With the short q tile first
+    (tile{ragged_q=first}, falower.compile's where it counts less work) causal's ratio at 1k is 0.893 and the wide
+    tiles ran 1.02x there (2026-11-29), so causal takes them from 1k.
 
     Why a least kv length: an item's fixed costs (Q's load, the pipeline's fill, O's epilogue by three warpgroups)
     are spread over n / 128 kv tiles. Plain at a work ratio of 0.889 ran 0.92 as fast as 128 x 64 at N = 512 (four

@@ -115,25 +115,16 @@ def analyse(func: Func) -> Lowered:
 
 
 def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
-    """Whether the q tile's first row is tile{ragged_q=first}'s qi * bq - (cdiv(M, bq) * bq - M) (True) or
-    tile's qi * bq (False); any other start is refused: the kernels compute one of those two."""
-    from ...ir.dims import cdiv
+    """Whether the q tile's first row is tile{ragged_q=first}'s qi * bq - q_pad (True) or tile's qi * bq (False);
+    any other start is refused: the kernels compute one of those two."""
+    from ...passes.tile import is_ragged_q_start
 
-    def is_const(v: Value, want) -> bool:
-        op = v.owner
-        return isinstance(op, Op) and op.name == "const" and str(op.attrs["value"]) == str(want)
-
-    def is_tile_start(v: Value) -> bool:
-        op = v.owner
-        return isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and is_const(op.operands[1], bq)
-
-    if is_tile_start(q0):
-        return False
-    op = q0.owner
-    M = q.type.shape[2]
-    if isinstance(op, Op) and op.name == "sub" and is_tile_start(op.operands[0]) \
-            and is_const(op.operands[1], cdiv(M, bq) * bq - M):
+    if is_ragged_q_start(q0, qi, bq, q.type.shape[2]):
         return True
+    op = q0.owner
+    if isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and isinstance(op.operands[1].owner, Op) \
+            and str(op.operands[1].owner.attrs.get("value")) == str(bq):
+        return False
     raise BackendError(f"numba-cuda backend: the q tile's first row must be qi * {bq} or qi * {bq} - q_pad "
                        "(tile{ragged_q=first}); this graph computes it otherwise")
 
