@@ -361,7 +361,7 @@ class Interpreter:
     def op_mask_classify(self, op: Op, x, env) -> list[np.ndarray]:
         b, h, q0, k0 = (int(v) for v in x[:4])
         bq, bk = op.attrs["bq"], op.attrs["bk"]
-        c = intervals.classify(op.regions[0], b, h, max(q0, 0), q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims,
+        c = intervals.classify(op.regions[0], b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, x[4:], self.env_dims,
                                self._ranges(op, x))
         return [np.int32(c)]
 

@@ -218,8 +218,9 @@ def _known(capture: object) -> Interval:
 def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_hi: int,
              captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None,
              ranges: Optional[Mapping[int, RangeTable]] = None) -> int:
-    """EMPTY, PARTIAL or FULL for rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive)."""
-    args: list[Interval] = [(b, b), (h, h), (q_lo, q_hi), (kv_lo, kv_hi)] + [_known(c) for c in captures]
+    """EMPTY, PARTIAL or FULL for rows q_lo..q_hi and columns kv_lo..kv_hi (inclusive). Rows before 0 (a q tile of
+    tile{ragged_q=first} starts there) produce no output and are not classified, as rows past M are not."""
+    args: list[Interval] = [(b, b), (h, h), (max(q_lo, 0), q_hi), (kv_lo, kv_hi)] + [_known(c) for c in captures]
     lo, hi = eval_interval(block, args, env, ranges)
     if lo == hi == 1:
         return FULL
@@ -231,11 +232,10 @@ def classify(block: Block, b: int, h: int, q_lo: int, q_hi: int, kv_lo: int, kv_
 def kv_range(block: Block, b: int, h: int, q0: int, bq: int, bk: int, nkv: int,
              captures: Sequence[object] = (), env: Optional[Mapping[str, int]] = None,
              ranges: Optional[Mapping[int, RangeTable]] = None) -> tuple[int, int]:
-    """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty). A tile's
-    rows before 0 (tile{ragged_q=first}) produce no output and are not classified."""
+    """First and past-last kv tile that is not empty for the q tile at q0 (0, 0 when all are empty)."""
     nk = -(-nkv // bk)
     live = [kj for kj in range(nk)
-            if classify(block, b, h, max(q0, 0), q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env, ranges) != EMPTY]
+            if classify(block, b, h, q0, q0 + bq - 1, kj * bk, kj * bk + bk - 1, captures, env, ranges) != EMPTY]
     return (live[0], live[-1] + 1) if live else (0, 0)
 
 

@@ -11,9 +11,10 @@ included) the pass builds a predicate region over scalar (b, h, q, kv) and:
   classifies every tile pair exactly from the data at run time; the loop reads its class from the table.
 
 A class means one thing everywhere (`Interpreter.block_classes`): it is taken over the rows 0 <= q < M of the q
-tile (tile{ragged_q=first} starts the first tile before row 0; rows outside produce no output) and all bk columns of the kv tile with the predicate as written, the kv bound `kv < N` included. A
-ragged last kv tile is therefore never full, and the full-tile branch, which drops the whole predicate
-(bounds too), only ever runs on tiles where every column is in bounds and kept.
+tile (tile{ragged_q=first} starts the first tile before row 0; rows outside produce no output) and all bk
+columns of the kv tile with the predicate as written, the kv bound `kv < N` included. A ragged last kv tile
+is therefore never full, and the full-tile branch, which drops the whole predicate (bounds too), only ever runs
+on tiles where every column is in bounds and kept.
 """
 
 from __future__ import annotations

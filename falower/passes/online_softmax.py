@@ -439,7 +439,7 @@ def _chain_after(qbody: Block, la: Op) -> list[Op]:
 def _q0(qbody: Block) -> Value:
     """The q tile's first row, where the q tile's load reads (qi * bq, or tile{ragged_q=first}'s qi * bq - q_pad)."""
     for op in qbody.ops:
-        if op.name == "tile.load" and op.attrs["slice"][2] != ":" and isinstance(op.attrs["slice"][2], int):
+        if op.name == "tile.load" and isinstance(op.attrs["slice"][2], int):
             return op.operands[3]  # tile.load %q[%b, %h, %q0 : bq, :]
     raise AssertionError("no q tile load in the q loop")
 

@@ -236,18 +236,24 @@ def q_pad(M, bq: int):
     return cdiv(M, bq) * bq - M
 
 
+def _const_is(v: Value, want) -> bool:
+    """Whether `v` is a const of value `want` (an int or a dim expression, compared as printed)."""
+    op = v.owner
+    return isinstance(op, Op) and op.name == "const" and str(op.attrs["value"]) == str(want)
+
+
+def is_q_tile_start(q0: Value, qi: Value, bq: int) -> bool:
+    """Whether `q0` is `Tile`'s first row of q tile `qi` with the last tile short: qi * bq."""
+    op = q0.owner
+    return isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and _const_is(op.operands[1], bq)
+
+
 def is_ragged_q_start(q0: Value, qi: Value, bq: int, M) -> bool:
     """Whether `q0` is tile{ragged_q=first}'s first row of q tile `qi`: qi * bq - q_pad(M, bq), exactly as `Tile`
-    writes it (mask-tiles, online-softmax's fa1 order and the backend recognise the shifted tiles by this)."""
-    def const_is(v: Value, want) -> bool:
-        op = v.owner
-        return isinstance(op, Op) and op.name == "const" and str(op.attrs["value"]) == str(want)
-
+    writes it (mask-tiles and the backend recognise the shifted tiles by this)."""
     op = q0.owner
-    if not (isinstance(op, Op) and op.name == "sub" and const_is(op.operands[1], q_pad(M, bq))):
-        return False
-    mul = op.operands[0].owner
-    return isinstance(mul, Op) and mul.name == "mul" and mul.operands[0] is qi and const_is(mul.operands[1], bq)
+    return isinstance(op, Op) and op.name == "sub" and is_q_tile_start(op.operands[0], qi, bq) \
+        and _const_is(op.operands[1], q_pad(M, bq))
 
 
 def _guard(b: Builder, v: Value, when: float, repl: float, name: str) -> Value:

@@ -117,13 +117,11 @@ def analyse(func: Func) -> Lowered:
 def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
     """Whether the q tile's first row is tile{ragged_q=first}'s qi * bq - q_pad (True) or tile's qi * bq (False);
     any other start is refused: the kernels compute one of those two."""
-    from ...passes.tile import is_ragged_q_start
+    from ...passes.tile import is_q_tile_start, is_ragged_q_start
 
     if is_ragged_q_start(q0, qi, bq, q.type.shape[2]):
         return True
-    op = q0.owner
-    if isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and isinstance(op.operands[1].owner, Op) \
-            and str(op.operands[1].owner.attrs.get("value")) == str(bq):
+    if is_q_tile_start(q0, qi, bq):
         return False
     raise BackendError(f"numba-cuda backend: the q tile's first row must be qi * {bq} or qi * {bq} - q_pad "
                        "(tile{ragged_q=first}); this graph computes it otherwise")
