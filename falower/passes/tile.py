@@ -108,6 +108,8 @@ class Tile(Pass):
         %m = reduce_max %x ...; ... %o = matmul %p, %v : f32[B,H,M,D]
     =>
         %o = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 64)) : f16[B,H,M,D] {
+          %q0 = mul %qi, 64                     // ragged_q=first: %q0 = sub (mul %qi, 64), %q_pad,
+                                                //   %q_pad = const cdiv(M, 64)*64-M
           %qt = tile.load %q[%b, %h, %q0 : 64, :] : f16[64,D]
           %m = for %kj = ... iter_args(%mi = -inf) { ... yield max(%mi, rowmax(x)) }       // row max
           %l = for %kj = ... iter_args(%li = 0.0) { ... yield %li + rowsum(exp(x - m)) }   // row sum
