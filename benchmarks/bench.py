@@ -96,7 +96,8 @@ AUTO = ("auto",)  # the config of falower.compile(graph) as a user calls it: its
 
 def parse_config(text: str) -> tuple:
     """'128x64w8' -> (128, 64, 8, {}) = (block_q, block_k, num_warps, spec.extra): the mma.sync kernel.
-    'auto' -> AUTO: falower.compile's defaults (on an H100 the wgmma kernel where it is chosen, emit_fa3.auto_extra).
+    'auto' -> AUTO: falower.compile's defaults (on an H100 the wgmma kernel where it is chosen, emit_fa3.auto_extra);
+    'auto-<suffixes>' -> ("auto", extra): those defaults with the suffixes' extras (examples' --ex-configs).
     Suffixes set extras: '-wg' the Hopper wgmma kernel (emit_fa3; num_warps unused: one warpgroup per 64 rows),
     '-ov' / '-noov' its softmax / P V overlap on / off (default: on at D = 128), '-qs' / '-qr' Q in shared memory
     / registers, '-2b' two barriers per kv tile (K and V waited for separately), '-hgN' block order in groups of
@@ -112,7 +113,8 @@ def parse_config(text: str) -> tuple:
     their score's table read by gathers, not in tiles through shared memory (extra table_tiles); '-nopp' their
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
-    score_raw_fn where it has a column step (extra col_step: ALiBi); '-norg' its clamped gather per element where a
+    score_raw_fn where it has a column step (extra col_step: ALiBi), '-cm' / '-nocm' the warp-specialized kernel's
+    column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64); '-norg' its clamped gather per element where a
     row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
@@ -159,6 +161,11 @@ def parse_config(text: str) -> tuple:
     '-bnows')."""
     if text == "auto":
         return AUTO
+    if text.startswith("auto-"):  # the automatic choice with knobs ('auto-nocm'): ("auto", extra)
+        try:
+            return ("auto", parse_config("0x0w0-" + text[5:])[3])
+        except ValueError as e:
+            raise ValueError(str(e).replace("'0x0w0'", repr(text))) from None
     text, *opts = text.split("-")
     tiles, warps = text.split("w")
     bq, bk = tiles.split("x")
@@ -194,6 +201,7 @@ CONFIG_OPTIONS: list = [
     (("nopp", {"pingpong": False}),),
     (("nowalk", {"walk": False}),),
     (("nocs", {"col_step": False}),),
+    (("cm", {"col_mma": True}), ("nocm", {"col_mma": False})),
     (("norg", {"row_gather": False}),),
     (("norp", {"row_pairs": False}),),
     (("nots", {"tanh_small": False}),),
@@ -244,6 +252,8 @@ _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}
 def config_tag(cfg: tuple) -> str:
     if cfg == AUTO:
         return "auto"
+    if cfg[0] == "auto":  # ("auto", extra): the automatic choice with knobs
+        return "auto" + config_tag((0, 0, 0, cfg[1]))[len("0x0w0"):]
     bq, bk, nw, *rest = cfg
     extra = rest[0] if rest else {}
     tag = f"{bq}x{bk}w{nw}"
@@ -583,6 +593,8 @@ def example_compiled_config(stem: str, cfg: tuple):
     from falower.passes import NAMED_PIPELINES
 
     key = ("example-config", stem, config_tag(cfg))
+    if cfg[0] == "auto":  # the automatic choice with knobs
+        return example_compiled(stem, **cfg[1])
     if key not in _COMPILED:
         bq, bk, nw = cfg[:3]
         text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}}}", NAMED_PIPELINES["fa2-fwd"], count=1)
