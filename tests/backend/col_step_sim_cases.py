@@ -48,8 +48,15 @@ def _bands(b, h, q_idx, kv_idx):
 # automatic choice). Ragged last q and kv tiles everywhere; M != N where the mask allows it. The relative bias
 # cases: mask "relbias" (none: the example itself).
 CASES = {
-    # the warp-specialized kernel walking causal's range: full, partial (exact row bounds) and ragged tiles
+    # the warp-specialized kernel walking causal's range: full, partial (exact row bounds) and ragged tiles; at
+    # D = 64 the column term rides in S = Q K^T (emit_fa3_ws.col_mma)
     "ws-causal": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
+    # ... with the column term by FFMA (col_mma off)
+    "ws-causal-nocm": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none",
+                                                           "col_mma": False}),
+    # ... with slopes past f16's range over the scale (|w| / scale > 65504): the item's A words are zero and the row
+    # helpers add the term by FFMA, from the thread's first column (SLOPES)
+    "ws-causal-steep": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     # the same kernel under a mask with no row bounds (masked_col_score_fn), rows that see only the first band
     "ws-bands": ("bands", 40, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     # emit_fa3, one warpgroup a 128 rows (two halves a thread, the second half's rows from wrow)
@@ -91,7 +98,13 @@ CASES = {
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic",
                                                                  "row_slice": False, "stmatrix": False}),
+    # D = 64's automatic kernel for ALiBi: three consumer warpgroups on 192 x 128 tiles, each its own extra K block
+    # (col_mma), two items a block, M != N, the last q and kv tiles ragged
+    "pwg3-persist-causal": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                                 "persistent": 1, "item_order": "dynamic"}),
 }
+# the slopes a case takes where not [1.5, -0.75]
+SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4]}
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
@@ -101,8 +114,9 @@ PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persi
 
 def _record_visits(kern, q0: int) -> list:
     """The kv0 of each tile the first row q0 of the last q tile visits (head 0), in its order: under col_step the
-    softmax takes the row's offset from score_raw_fn(0, b, h, q, kv0 + t2) once a tile, lane t2 = 0's call at
-    kv0 itself (the simulator calls the kernel's module globals, one thread's calls in its own order)."""
+    softmax takes the row's offset from score_raw_fn(0, b, h, q, kv0 + t2) once a tile (col_mma: at kv0 in every
+    lane), lane 0's call at kv0 itself (the simulator calls the kernel's module globals, one thread's calls in its
+    own order)."""
     glb = kern._kernel.fn.__globals__
     seen: list = []
     raw = glb.get("score_raw_fn")
@@ -110,7 +124,8 @@ def _record_visits(kern, q0: int) -> list:
         return seen
 
     def call(s, b, h, q, kv, *rest):
-        if s == 0 and int(h) == 0 and int(q) == q0 and int(kv) % 8 == 0:
+        if s == 0 and int(h) == 0 and int(q) == q0 and int(kv) % 8 == 0 \
+                and glb["cuda"].threadIdx.x % 32 == 0:  # the simulator's cuda, swapped in for the launch
             seen.append(int(kv))
         return raw(s, b, h, q, kv, *rest)
 
@@ -120,7 +135,7 @@ def _record_visits(kern, q0: int) -> list:
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.backends.numba_cuda.emit_fa3_ws import kv_reverse, slice_ahead, stmatrix_staging, tma_loads
+    from falower.backends.numba_cuda.emit_fa3_ws import col_mma, kv_reverse, slice_ahead, stmatrix_staging, tma_loads
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -133,7 +148,7 @@ def run_case(case_id: str) -> dict:
     else:
         mask_mod = {"causal": _causal, "bands": _bands, "none": None}[mask]
         g = fl.attention(score_mod=_alibi, mask_mod=mask_mod, name=f"alibi_{mask}")
-        sl = np.array([1.5, -0.75], np.float32)
+        sl = np.array(SLOPES.get(case_id, [1.5, -0.75]), np.float32)
         taken = col_step
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
     q, k, v = random_qkv(rng, B, H, M, N, D)
@@ -152,8 +167,18 @@ def run_case(case_id: str) -> dict:
             "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
             "slice_ahead": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ahead(kern.spec),
             "stmatrix": kern.spec.extra.get("schedule") == "wgmma-ws" and stmatrix_staging(kern.spec),
-            "visits": visits,
+            "col_mma": kern.spec.extra.get("schedule") == "wgmma-ws" and col_mma(kern.spec),
+            "col_words": "WG_SX(sc" in kern.source,
+            "visits": visits, "lse_rel": _lse_rel(lse, ref.outputs["lse"]),
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
+
+
+def _lse_rel(lse, want) -> float:
+    """The largest LSE error over the kept rows relative to max(1, |LSE|): steep slopes put LSE at ~1e6, where f32's
+    own spacing is ~0.1."""
+    fin = np.isfinite(want)
+    got = np.asarray(lse, np.float64)[fin]
+    return float(np.max(np.abs(got - want[fin]) / np.maximum(1.0, np.abs(want[fin])))) if fin.any() else 0.0
 
 
 def main(ids) -> None:

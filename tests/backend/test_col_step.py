@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import runpy
 import types
 from pathlib import Path
@@ -20,7 +21,14 @@ from hypothesis import strategies as st
 
 import falower as fl
 from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws
-from falower.backends.numba_cuda.emit_fa2 import col_step, emit_fa2_forward, row_gather, row_gather_shift
+from falower.backends.numba_cuda import intrinsics as intr
+from falower.backends.numba_cuda.emit_fa2 import (
+    COL_STEP_MAX,
+    col_step,
+    emit_fa2_forward,
+    row_gather,
+    row_gather_shift,
+)
 from falower.backends.numba_cuda.from_ir import analyse, build_spec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -111,21 +119,85 @@ def _fn(src: str, name: str) -> str:
     return src[start:src.index("\n@", start) if "\n@" in src[start:] else len(src)]
 
 
+FFMA = r"cuda\.fma\(cstep, np\.float32\(jj \* 8\), lget\(x, e(__\d+)?\)\)"  # score_row's step (names SSA'd)
+
+
 @pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
 def test_the_kernels_take_the_step(kernel):
-    """score_row: one FFMA an element by the column's offset, no score_raw_fn (its casts and distance); the row's
-    offset in softmax_row's max (before the quad's shuffles) and exponent; every softmax_row call passes it."""
+    """score_row: one FFMA an element by the column's offset, score_raw_fn (its casts and distance) only under a
+    steep step (COL_STEP_MAX); the row's offset in softmax_row's max (before the quad's shuffles) and exponent;
+    every softmax_row call passes it (col_row_offset: 0 under a steep step) at the thread's first column."""
     src = _kernels(_example("alibi"))[kernel]
     score_row = _fn(src, "score_row")
-    assert "score_raw_fn(" not in score_row and "cuda.fma(cstep, np.float32(jj * 8), lget(x, e))" in score_row
+    steep = f"if abs(cstep) > np.float32({COL_STEP_MAX!r}):"
+    fast = score_row[score_row.index("else:"):]
+    assert steep in score_row and "score_raw_fn(" in score_row[:score_row.index("else:")]
+    assert "score_raw_fn(" not in fast and re.search(FFMA, fast)
     softmax = _fn(src, "softmax_row")
     assert softmax.startswith("def softmax_row(x, i, m_old, roff):")
     assert softmax.index("mx = mx + roff") < softmax.index("shfl_xor_f32(mx, 1)")
     assert "m_neg = cuda.fma(roff, " in softmax
     calls = [ln for ln in src.splitlines() if "softmax_row(" in ln and "def softmax_row" not in ln]
-    assert calls and all("score_raw_fn(ZERO, b, h, " in ln and "kv0 + t2" in ln for ln in calls), calls
+    assert calls and all("col_row_offset(b, h, " in ln and "kv0 + t2" in ln for ln in calls), calls
+    assert f"return ZERO if abs(cstep) > np.float32({COL_STEP_MAX!r}) else" in _fn(src, "col_row_offset")
     masked = _fn(src, "masked_score_row_in")
-    assert "score_raw_fn(" not in masked and "masked_col_score_fn(" in masked  # exact bounds, and mask_fn's path
+    rest = masked[masked.index("return\n"):]  # past the steep step's per-element path
+    assert "score_raw_fn(" not in rest and "masked_col_score_fn(" in rest  # exact bounds, and mask_fn's path
+
+
+def test_the_product_takes_the_step_at_d64():
+    """emit_fa3_ws.col_mma (D = 64's default): S's wgmmas take one more k step from the item's A words and the
+    warpgroup's K block, score_row adds nothing (only a steep step's exact scores), partial tiles the mask and a
+    zero step, and softmax_row's row offset is taken at the tile's first column (kv0)."""
+    src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none"}))
+    qk = _fn(src, "qk_wgmma")
+    assert qk.startswith("def qk_wgmma(sc, q_wg, dk, cx_w, cx_d):") and qk.count("WG_SX(sc, 0, cx_w, cx_w, ") == 1
+    assert qk.index("WG_SX(") > qk.rindex("WG_S(") and qk.index("WG_SX(") < qk.index("wgmma_commit()")
+    score_row = _fn(src, "score_row")
+    assert "cuda.fma(" not in score_row and "else:" not in score_row  # only the steep step's branch
+    assert re.search(r"cstep(__\d+)? = ZERO", _fn(src, "masked_score_row_in"))
+    calls = [ln for ln in src.splitlines() if "softmax_row(" in ln and "def softmax_row" not in ln]
+    assert calls and all(ln.rstrip().endswith("kv0, cap_0_slopes, hz))") for ln in calls), calls
+    body = src[src.index("cx_s = sb + "):]
+    assert body.index("fence_proxy_async()") < body.index("bar_sync(") < body.index("cx_d = desc_word(HI_QK, cx_s)")
+    assert "cx_w = np.uint32(0) if abs(cx_c) > " in src
+    # the knob off, or D = 128's default: the FFMA
+    for x, D in (({"col_mma": False}, 64), ({}, 128)):
+        src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none",
+                                                                         **x}, D=D))
+        assert "WG_SX" not in src and re.search(FFMA, _fn(src, "score_row"))
+
+
+@pytest.mark.parametrize("stem,extra", [("causal", {}), ("alibi", {"half_tiles": True})])
+def test_the_product_asked_where_it_cannot_run(stem, extra):
+    spec = _spec(_example(stem), {"schedule": "wgmma-ws", "producer": "none", "col_mma": True, **extra})
+    with pytest.raises(ValueError, match="col_mma .*needs a score with a column step"):
+        emit_fa3_ws.validate_spec(spec)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_the_a_words_hold_the_step(dtype):
+    """col_words (the item's A fragment of the product's k step) as Python on the simulator's conversions: thread
+    t = 0 holds the parts hi, mid (columns 0, 1), t = 1 lo (column 2), the others zero; hi + mid + lo is the step
+    to f32's precision (f16's lo may lose bits below its subnormals, 2^-25: x 255 columns, 1e-5 in S), for steps
+    from 1e-6 to COL_STEP_MAX of both signs."""
+    spec = _spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none"})
+    spec = type(spec)(**{**spec.__dict__, "dtype": dtype}) if dtype != spec.dtype else spec
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    bits, to_f = ((intr._f32_to_f16_bits, intr._f16_bits_to_float) if dtype == "f16"
+                  else (intr._f32_to_bf16_bits, intr._bf16_bits_to_float))
+    pack = lambda lo, hi: np.uint32(bits(float(lo)) | (bits(float(hi)) << 16))  # noqa: E731
+    ns = {"np": np, "ZERO": np.float32(0), f"pack_{dtype}x2": pack,
+          f"{dtype}_to_f32": lambda b: np.float32(to_f(int(b)))}
+    exec(_fn(src, "col_words"), ns)
+    rng = np.random.default_rng(7)
+    for cs in np.concatenate([rng.uniform(-1, 1, 200) * 10.0 ** rng.uniform(-6, np.log10(COL_STEP_MAX), 200),
+                              [COL_STEP_MAX, -COL_STEP_MAX, 0.0]]).astype(np.float32):
+        w0, w1 = int(ns["col_words"](cs, 0)), int(ns["col_words"](cs, 1))
+        assert int(ns["col_words"](cs, 2)) == int(ns["col_words"](cs, 3)) == 0
+        assert w1 >> 16 == 0  # column 3: zero
+        parts = [to_f(w0 & 0xFFFF), to_f(w0 >> 16), to_f(w1 & 0xFFFF)]
+        assert abs(sum(parts) - float(cs)) <= max(2.0 ** -25, abs(float(cs)) * 2.0 ** -24), (cs, parts)
 
 
 def test_the_knob_keeps_the_per_element_score():

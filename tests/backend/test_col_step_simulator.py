@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from col_step_sim_cases import CASES, PAIRS  # noqa: E402
+from col_step_sim_cases import CASES, PAIRS, SLOPES  # noqa: E402
 from simulated import FORWARD_O_TOL, collect, spawn  # noqa: E402
 
 
@@ -34,20 +34,27 @@ def test_the_column_step_matches_the_reference(results, case):
     assert r["schedule"] == want, r
     assert r["tma_loads"] == (CASES[case][5].get("producer") == "warpgroup"), r
     assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
+    # the column term in S = Q K^T: the warp-specialized kernel's default at D = 64 (emit_fa3_ws.col_mma)
+    ws64 = want == "wgmma-ws" and CASES[case][3] == 64 and CASES[case][0] != "relbias"
+    assert r["col_mma"] == r["col_words"] == (ws64 and CASES[case][5].get("col_mma", True)), r
     # the kept epilogue's rows of O by stmatrix (the persistent producer kernel's default) or a word at a time
     stsm, words = r["calls"]["stage_rows_stsm"], r["calls"]["stage_row_z_box"]
     assert (stsm > 0 and words == 0) if r["stmatrix"] else stsm == 0, r
     if CASES[case][5].get("stmatrix") is False:
         assert words > 0, r
     mask, M, N, _, (bq, bk), extra = CASES[case]
-    if mask == "causal" and extra.get("schedule") == "wgmma-ws":  # the order the last q tile's first row visits
+    if mask == "causal" and extra.get("schedule") == "wgmma-ws" and case not in SLOPES:
+        # the order the last q tile's first row visits (a steep step's rows take no row offset: not recorded)
         q0 = ((M - 1) // bq) * bq
         tiles = list(range(0, min(min(M - 1, q0 + bq - 1), N - 1) // bk + 1))
         order = {False: tiles, True: tiles[::-1],
                  "second": tiles[-2:] + tiles[-3::-1] if len(tiles) > 1 else tiles}[extra.get("kv_reverse", False)]
         assert r["visits"] == [bk * t for t in order], (r["visits"], order)
     assert not r["nan"], r
-    assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]] and r["lse_err"] <= 1e-3, r
+    assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]], r
+    # steep slopes (SLOPES: |w| / scale past f16's range, the column term by FFMA) put LSE at ~1e6, where f32 is
+    # spaced ~0.1 (relative to it: a term added twice, or from the wrong column, is off by 1e-2 or more)
+    assert r["lse_rel"] <= 1e-6 if case in SLOPES else r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r
 
 

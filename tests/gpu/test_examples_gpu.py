@@ -210,6 +210,29 @@ def test_idioms_error_rule(which, N):
     assert c._kernels == built
 
 
+@pytest.mark.parametrize("slopes", ["mild", "steep"])
+@pytest.mark.parametrize("col_mma", [True, False])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_alibi_column_term(dtype, col_mma, slopes):
+    """ALiBi at D = 64, N = 4096, on D = 64's automatic kernel (three consumer warpgroups, 192 x 128 tiles): its
+    column term in S = Q K^T (emit_fa3_ws.col_mma, the default there) or by FFMA; slopes mild (ALiBi's own range)
+    or steep (|w| / scale = 160 and 264, past emit_fa2.COL_STEP_MAX: each element's exact score, no product term;
+    positive under causal, so LSE stays small enough for its 1e-3)."""
+    from falower.backends.numba_cuda.emit_fa3_ws import col_mma as takes_product
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, _ = graph("alibi", dtype)
+    c = fl.compile(g, "numba-cuda", extra={"col_mma": col_mma})
+    env = bind_dims(g, {"B": 1, "H": 2, "M": 4096, "N": 4096, "D": 64})
+    raw = random_inputs(g, env, seed=11)
+    w = [0.5, -2.0 ** -4] if slopes == "mild" else [20.0, 33.0]
+    host = [rounded(x, dtype) for x in raw[:3]] + [np.array(w, np.float32)]
+    dev = assert_error_rule(g, c, env, host, dtype)
+    spec = c.kernel(*dev).spec
+    assert spec.block_q == 192 and takes_product(spec) == col_mma
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_bias_table_by_pairs_on_the_batch_inner_grid(D):
     """bias[h, q, kv] (no batch axis): three batch rows on the grid that runs the batch innermost

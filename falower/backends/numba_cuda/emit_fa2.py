@@ -1056,10 +1056,10 @@ def row_gather(spec: FA2ForwardSpec) -> bool:
 
 def softmax_call(spec: FA2ForwardSpec, sc: str, ofs: str, m: str, row: str, kv: str) -> str:
     """softmax_row's call for a thread's row `row` whose first column is `kv`: under `col_step` with the row's
-    offset r(q) + w kv (score_raw_fn at s = 0)."""
+    offset r(q) + w kv (col_row_offset: score_raw_fn at s = 0, or 0 under a steep step)."""
     if not col_step(spec):
         return f"softmax_row({sc}, {ofs}, {m})"
-    return f"softmax_row({sc}, {ofs}, {m}, np.float32(score_raw_fn(ZERO, b, h, {row}, {kv}{_score_args(spec)})))"
+    return f"softmax_row({sc}, {ofs}, {m}, col_row_offset(b, h, {row}, {kv}{_score_args(spec)}))"
 
 
 def _score_expr_tc(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
@@ -1239,7 +1239,16 @@ def _tree(op: str, terms: list[str]) -> str:
     return terms[0]
 
 
-def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma: str, pack: str) -> None:
+# The largest column step |w| (x's units: w / scale) that col_step takes: a tile's term w o (o < block_k <= 256)
+# is then below 2^15, whose f32 spacing (2^-9) is ~5e-4 in the exponent; the row offset r(q) + w kv0 cancels
+# against the row max no worse than the exact score does. A steeper step (ALiBi's slopes are <= 1: 8 at D = 64)
+# made the exponent's sum of two large terms lose whole units (0.3 in the LSE at w / scale = 8e5, the simulator's
+# ws-causal-steep): past it each element takes its exact score (score_raw_fn) and the row offset is 0.
+COL_STEP_MAX = 128.0
+
+
+def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma: str, pack: str,
+                          col_in_s: bool = False) -> None:
     """Device functions for the repeated fragment work of the tensor-core forward, on the constant-indexed
     accumulator arrays (S: `sc`, O: `acc`) at a constant element offset `i`:
 
@@ -1255,10 +1264,19 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     (forceinline), the offsets become constants and the arrays stay in registers (benchmarks/NOTES.md,
     "Compile time", lever 6). The arithmetic and its order are the kernel's own, element for element. Elements
     are read and written with `lget`/`lset` (intrinsics.py: one GEP where Numba's x[i] lowered ~15
-    instructions; lever 15)."""
+    instructions; lever 15).
+
+    Under col_step a step steeper than COL_STEP_MAX (read once a row) takes each element's exact score instead, and
+    `col_row_offset` (softmax_row's row offset) is then 0. `col_in_s` (col_step only; emit_fa3_ws.col_mma): S
+    already holds the column term w o, o the column's offset in its kv tile, from one more k step of S = Q K^T
+    (zero where the step is steep), and the kernel takes the row offset at the tile's first column: score_row has
+    nothing to add, masked_score_row only the mask."""
     caps = _score_args(spec)
     scale = folded_scale(spec)
     step = col_step(spec)
+    if col_in_s and not step:
+        raise ValueError("col_in_s: the score has no column step (emit_fa2.col_step)")
+    steep = f"abs(cstep) > np.float32({COL_STEP_MAX!r})"  # col_step: each element's exact score
     emit_mma_helpers(c, mma)
     to_log2 = "" if spec.exp2 else " * LOG2E"
 
@@ -1282,11 +1300,22 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             c("return")
         elif step:  # x = s + w o, o the column's offset from kv (the rest is softmax_row's row offset)
             c(f"cstep = score_col_fn(b, h{caps})")
-            c(f"for jj in range({NJ}):")
+            c(f"if {steep}:  # each element's exact score (col_row_offset is 0)")
             with c.indent():
-                c("e = i + jj * 4")
-                c("lset(x, e, cuda.fma(cstep, np.float32(jj * 8), lget(x, e)))")
-                c("lset(x, e + 1, cuda.fma(cstep, np.float32(jj * 8 + 1), lget(x, e + 1)))")
+                c(f"for jj in range({NJ}):")
+                with c.indent():
+                    c("e = i + jj * 4")
+                    c("k = kv + jj * 8")
+                    c(f"lset(x, e, {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')})")
+                    c(f"lset(x, e + 1, {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})")
+            if not col_in_s:  # (col_in_s: S holds w o already)
+                c("else:")
+                with c.indent():
+                    c(f"for jj in range({NJ}):")
+                    with c.indent():
+                        c("e = i + jj * 4")
+                        c("lset(x, e, cuda.fma(cstep, np.float32(jj * 8), lget(x, e)))")
+                        c("lset(x, e + 1, cuda.fma(cstep, np.float32(jj * 8 + 1), lget(x, e + 1)))")
         else:
             per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
@@ -1436,6 +1465,16 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                        f"    lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
                        f"    lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))"]
         cstep = [f"cstep = score_col_fn(b, h{caps})"] if step else []  # the column step, once per row
+        if step:  # a steep step: each element's exact score, mask_fn per element (col_row_offset is 0)
+            cstep += [f"if {steep}:",
+                      f"    for jj in range({NJ}):",
+                      "        e = i + jj * 4",
+                      "        k = kv + jj * 8",
+                      f"        lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
+                      f"        lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))",
+                      "    return"]
+        if col_in_s:  # S holds w o already: a zero step (an FFMA an element on partial tiles only)
+            cstep.append("cstep = ZERO")
         if step:
             per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
@@ -1481,6 +1520,15 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             with c.indent():
                 for line in per_element:
                     c(line)
+    if step:
+        c()
+        c("@device_function")
+        c(f"def col_row_offset(b, h, q, kv{caps}):")
+        with c.indent():
+            c("# softmax_row's row offset r(q) + w kv (score_raw_fn at s = 0), kv the first column the row helpers'")
+            c("# steps count from; 0 where the step is steep (they took each element's exact score)")
+            c(f"cstep = score_col_fn(b, h{caps})")
+            c(f"return ZERO if {steep} else np.float32(score_raw_fn(ZERO, b, h, q, kv{caps}))")
     c()
     c("@device_function")
     c("def softmax_row(x, i, m_old, roff):" if step else "def softmax_row(x, i, m_old):")

@@ -117,6 +117,7 @@ from .emit_fa2 import (
     row_gather_signs,
     row_gather_step,
     pair_slice_offsets,
+    COL_STEP_MAX,
     rows_helper,
     score_row_calls,
     walks_range,
@@ -254,6 +255,26 @@ def half_mode(spec: FA2ForwardSpec) -> str:
     if not half_tiles(spec):
         return ""
     return "pv" if spec.extra.get("half_tiles") == "pv" else "s"
+
+
+def col_mma(spec: FA2ForwardSpec) -> bool:
+    """Whether S = Q K^T carries a column step's term (emit_fa2.col_step: ALiBi's x = s + w kv + r(q)) as one more
+    k step, so the softmax's elementwise code is plain attention's.
+
+    Why: at D = 64 ALiBi's one FFMA an element (w o, o the column's offset) sat on the warpgroup's softmax path,
+    0.83-0.86 of plain's TFLOP/s where causal ran 0.88-0.91 (benchmarks/NOTES.md, "ALiBi's column term in the
+    product"). The term is rank one along a tile: A's k step (registers, every row the same) holds w / scale split
+    into three 16-bit parts in columns 0-2, B's (K's extra block, this warpgroup's own, written once) the column's
+    offset j = 0 .. block_k - 1 in the same three columns, zeros to 15: the product adds w j to S in fp32 (error
+    ~1e-5 in the exponent: the offsets are tile-local, benchmarks/alibi_in_product_precision.py), and softmax_row's
+    row offset r(q) + w kv0 is taken at the tile's first column. 1/4 more of QK^T's tensor work at D = 64. Where the
+    step is steep (|w / scale| > emit_fa2.COL_STEP_MAX) the item's A words are zero and the row helpers take each
+    element's exact score. Default at D = 64; `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench '-cm' /
+    '-nocm'). Not with half tiles (a half's product would need its own extra step)."""
+    ask = spec.extra.get("col_mma", "auto")
+    if ask is False or not col_step(spec) or half_tiles(spec):
+        return False
+    return ask is True or spec.head_dim == 64
 
 
 def gather_early(spec: FA2ForwardSpec) -> bool:
@@ -748,7 +769,8 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     [D // 64][64][128 B] tile per consumer warpgroup, each loads its own), then per stage s K_s and V_s
     ([D // 64][block_k][128 B] each), the score's table tile (table_tiles), the persistent producer kernel's O
     buffer (two warpgroups' 64 rows of D, where it fits; under `q_double` the second Q buffer "q1" instead, both
-    Q buffers in the per-warpgroup layout), then the mbarriers: Q's (one, one per warpgroup, or one per Q buffer),
+    Q buffers in the per-warpgroup layout), K's extra block for each consumer warpgroup ("cx", col_mma: [block_k]
+    [128 B] each), then the mbarriers: Q's (one, one per warpgroup, or one per Q buffer),
     full_k[s], full_v[s], empty_k[s], empty_v[s], table_full, q_empty (one per Q buffer under q_double),
     item_full."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
@@ -765,6 +787,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     # bulk_pitch bytes a row, rounded up to the 1024 bytes the next tile's 128-byte swizzle asks; the first that
     # fits with the O buffer
     pad = two_q and _bulk_asked(spec) and not _tma_asked(spec)
+    cxb = consumer_wgs(spec) * BK * 128 if col_mma(spec) else 0  # K's extra block for each consumer warpgroup
     for qwg in ([-(-64 * bulk_pitch(D) // 1024) * 1024] if pad else []) + [64 * D * 2]:
         kv = BQ // 64 * qwg if two_q else BQ * D * 2
         o_at = kv + 2 * S * tile + table
@@ -772,13 +795,14 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
         o_buf = kv if (persistent(spec) and producer(spec) == "warpgroup"
                        and spec.extra.get("staged_epilogue", True) is not False) else 0
         # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
-        if o_at + o_buf + barrier_bytes + ALIGN + (kept_bytes(spec) if o_buf else 0) \
+        if o_at + o_buf + cxb + barrier_bytes + ALIGN + (kept_bytes(spec) if o_buf else 0) \
                 + (slice_bytes(spec) if row_slice(spec) else 0) <= SMEM_LIMIT:
             break
     else:
         o_buf = 0
-    bars = o_at + o_buf
+    bars = o_at + o_buf + cxb
     return {"tile": tile, "qwg": qwg, "kv": kv, "tb": kv + 2 * S * tile, "o": o_at if o_buf else 0,
+            "cx": o_at + o_buf if cxb else 0,
             "q1": o_at if o_buf and two_q else 0, "bars": bars, "full_k": q, "full_v": q + 8 * S,
             "empty_k": q + 16 * S, "empty_v": q + 24 * S, "table_full": q + 32 * S, "q_empty": q + 32 * S + tf,
             "item_full": q + 32 * S + tf + qe, "total": bars + barrier_bytes}
@@ -871,6 +895,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             if bad]
         if why:
             raise ValueError(f"wgmma-ws: tile{{ragged_q=first}} (q tiles starting before row 0) needs {', '.join(why)}")
+    if spec.extra.get("col_mma") is True and not col_mma(spec):
+        raise ValueError("wgmma-ws: col_mma (the column step's term in S = Q K^T) needs a score with a column step "
+                         "(ALiBi's s + w kv + r(q): emit_fa2.col_step) and no half tiles")
     if stages(spec) not in (2, 3, 4):
         raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
     if producer(spec) not in PRODUCERS:
@@ -1360,6 +1387,62 @@ def _emit_row_hull(c: _Code, spec: FA2ForwardSpec) -> None:
     c("hw_hi = warp_max(max(hw_hi, hw_hi2))")
 
 
+def _emit_col_block(c: _Code, spec: FA2ForwardSpec, cx: int, pack: str) -> None:
+    """col_mma's K block, once before the consumer's first item: this warpgroup's own [block_k][128 B] at `cx`, row j
+    holding j in columns 0-2 and zeros in 3-15 (the k step's 32 bytes, chunks 0 and 1 swizzled as a K tile's rows;
+    the rest of the row is never read); then `cx_d`, its descriptor's word."""
+    BK = spec.block_k
+    c("# S's column term (col_mma): K's extra k step, this warpgroup's own block, row j = the column's offset in its kv")
+    c("# tile, holding j in columns 0-2 and zeros to 15 (chunks 0 and 1 of a K tile's swizzled row)")
+    c(f"cx_s = sb + {cx} + cw * {BK * 128}")
+    for i in range(-(-BK // 128)):
+        guard = BK - 128 * i < 128
+        if guard:
+            c(f"if (ctid & 127) + {128 * i} < {BK}:")
+            c.level += 1
+        c(f"cx_r = (ctid & 127) + {128 * i}")
+        c("cx_j = np.float32(cx_r)")
+        c("cx_a = cx_s + cx_r * 128")
+        c("cx_0 = cx_a + ((cx_r & 7) << 4)  # chunk 0: columns 0-7")
+        c(f"sts_u32(cx_0, {pack}(cx_j, cx_j))")
+        c(f"sts_u32(cx_0 + 4, {pack}(cx_j, ZERO))")
+        c("sts_u32(cx_0 + 8, np.uint32(0))")
+        c("sts_u32(cx_0 + 12, np.uint32(0))")
+        c("cx_1 = cx_a + ((1 ^ (cx_r & 7)) << 4)  # chunk 1: columns 8-15")
+        for w in range(4):
+            c(f"sts_u32(cx_1 + {4 * w}, np.uint32(0))")
+        if guard:
+            c.level -= 1
+    c("fence_proxy_async()  # the rows are visible to wgmma's async proxy")
+    c(f"bar_sync({epilogue_barrier(spec)} + cw, 128)  # ... all of them: the warpgroup's first S reads the block")
+    c("cx_d = desc_word(HI_QK, cx_s)  # its descriptor's word (K-major, as K's)")
+
+
+def _emit_col_words(c: _Code, spec: FA2ForwardSpec) -> None:
+    """col_mma's A words for the item's (b, h): `cx_w`, this thread's register of the k step's A fragment (columns 2t,
+    2t + 1 of rows g and g + 8, every row the same): w / scale split into three 16-bit parts in columns 0-2, or zero
+    where the step is steep (emit_fa2.COL_STEP_MAX: the row helpers then take each element's exact score)."""
+    to_f32 = "f16_to_f32" if spec.dtype == "f16" else "bf16_to_f32"
+    pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+    fn = c.helper("col_words", [
+        "@device_function",
+        "def col_words(cs, t):",
+        "    # cs = hi + mid + lo, each a 16-bit value: rounded, and the rest rounded again (the first two differences",
+        "    # are exact in f32)",
+        f"    hi = {to_f32}(np.uint16({pack}(cs, ZERO) & np.uint32(0xFFFF)))",
+        "    r1 = cs - hi",
+        f"    mid = {to_f32}(np.uint16({pack}(r1, ZERO) & np.uint32(0xFFFF)))",
+        "    lo = r1 - mid",
+        "    if t == 0:",
+        f"        return {pack}(hi, mid)  # columns 0, 1",
+        "    if t == 1:",
+        f"        return {pack}(lo, ZERO)  # columns 2, 3",
+        "    return np.uint32(0)"])
+    caps = _score_args(spec)
+    c(f"cx_c = score_col_fn(b, h{caps})  # the column step w / scale of the item's head (col_mma)")
+    c(f"cx_w = np.uint32(0) if abs(cx_c) > np.float32({COL_STEP_MAX!r}) else {fn}(cx_c, lane & 3)  # steep: 0")
+
+
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                    item_state: Optional[Callable[[_Code], None]] = None) -> None:
     """The consumer warpgroups. `item_state` (persistent kernels): emits the state of the item it_x, it_y, it_z
@@ -1403,6 +1486,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"pp_next = cw + 2 if cw < {NWC - 1} else 1  # the next warpgroup's turn barrier")
     c(f"acc = cuda.local.array({D // 2}, np.float32)")
     c(f"sc = cuda.local.array({BK // 2}, np.float32)")
+    CM = col_mma(spec)
+    if CM:
+        _emit_col_block(c, spec, lay["cx"], pack)
 
     DEFER = epilogue_in_s(spec)
     BULK = bulk_store(spec)
@@ -1520,6 +1606,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         else:
             c(f"mbar_wait(bars, {qphase})  # Q has landed")
         copy = _emit_table_tile_setup(c, spec, lay) if TT else None
+        if CM:
+            _emit_col_words(c, spec)
         if LATE:  # read in the item's first S's shadow (bounds_in_s); defined on every path for Numba
             for t in ROWS:
                 c(f"rb_lo{t.off} = np.int32(0)")
@@ -1802,13 +1890,17 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                      ) -> list[str]:
             """The device function `name`: S's wgmmas, one k step a call, for each part (the wgmma, its first
             accumulator, its first kv row: K's rows at row0 x 128 bytes on in each column block), then commit."""
-            out = ["@device_function", f"def {name}(sc, q_wg, dk):", *note, f"    {fence}"]
+            out = ["@device_function", f"def {name}(sc, q_wg, dk{', cx_w, cx_d' if CM else ''}):", *note,
+                   f"    {fence}"]
             for wg, acc0, row0 in parts:
                 for ks in range(KS):
                     qa = f"q_wg + {(ks // 4) * QCB + (ks % 4) * 32}"
                     ka = ((ks // 4) * BK * 128 + row0 * 128 + (ks % 4) * 32) >> 4
                     out.append(f"    {wg}(sc, {acc0}, make_desc(HI_QK, {qa}), desc_at(HI_QK, dk + {ka}), "
                                f"{0 if ks == 0 else 1})")
+                if CM:  # the column term: A from registers (every row w's parts), B K's extra block (col_mma)
+                    out.append(f"    WG_SX(sc, {acc0}, cx_w, cx_w, np.uint32(0), np.uint32(0), "
+                               f"desc_at(HI_QK, cx_d + {(row0 * 128) >> 4}), 1)")
             return out + ["    wgmma_commit()"]
 
         qk = c.helper('qk_wgmma', qk_lines("qk_wgmma", "FENCE_S(sc, 0)", (("WG_S", 0, 0),)))
@@ -1840,7 +1932,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                     emit_row_bounds(c, spec, raw="_raw")
                 c(f"{wait}(sc, {ofs})")
 
-        full = f"{qk}(sc, q_wg, desc_word(HI_QK, k_base))"
+        full = f"{qk}(sc, q_wg, desc_word(HI_QK, k_base){', cx_w, cx_d' if CM else ''})"
         if HALF:
             c(f"kv0h = j * {BK}")
             c(f"hs = (1 if kv0h < hw_hi and kv0h + {H2} > hw_lo else 0) | (2 if kv0h + {H2} < hw_hi and kv0h + {BK} > "
@@ -1938,7 +2030,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
         for t in ROWS:
-            c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, 'kv0 + t2')}")
+            kv = "kv0" if CM else "kv0 + t2"  # col_mma: S holds the column term from the tile's first column on
+            c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, kv)}")
             c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
         c("# the wait for P_{j-1} V_{j-1} on every path, not under `if have_prev`: ptxas cannot tie this branch to")
         c("# the one that issued it, sees a path where O += P V is in flight while scale_row writes O and the pack")
@@ -2057,6 +2150,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c = _Code()
     c(f'WG_S = wgmma_ss("{spec.dtype}", {BK})  # S = Q K^T: both operands K-major in shared memory')
     c(f'WG_O = wgmma_rs("{spec.dtype}", {D}, 1)  # O += P V: P in registers, V MN-major (trans-b)')
+    if col_mma(spec):
+        c(f'WG_SX = wgmma_rs("{spec.dtype}", {BK})  # S\'s column term (col_mma): A from registers, K\'s extra block')
     if half_mode(spec) == "s":
         c(f'WG_SH = wgmma_ss("{spec.dtype}", {BK // 2})  # half of S (half_tiles): m64n{BK // 2}')
         c(f"FENCE_SH = wgmma_fence_regs({BK // 4})")
@@ -2074,7 +2169,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c(f"SETMAXNREG_INC = setmaxnreg_inc({c_regs})")
     c()
     emit_masked_score(c, spec)
-    emit_fragment_helpers(c, spec, NJ, ND, mma, pack)
+    emit_fragment_helpers(c, spec, NJ, ND, mma, pack, col_in_s=col_mma(spec))
     c("@kernel_jit")
     if WARP:  # -maxrregcount, no launch bounds: the same 168 (see MAX_REGS_WARP), and no .maxntid to require
         c(f"@max_registers({MAX_REGS_WARP})  # {threads} threads ({-(-threads // 128) * 4} warps' worth: groups of 4) x "
