@@ -63,6 +63,9 @@ CASES = {
     "fa3-r128-causal": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     # the mma.sync kernel without a mask: only the ragged kv tile is masked
     "mma-plain": ("none", 33, 50, 32, (64, 32), {}),
+    # ... and emit_fa3, with steep slopes (SLOPES): every tile through the masked path (col_steep)
+    "mma-plain-steep": ("none", 33, 50, 32, (64, 32), {}),
+    "fa3-r128-causal-steep": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     # the persistent producer kernel with each item's kv tiles from the last down, the last one second (emit_fa3_ws.
     # kv_reverse "second", ALiBi's default: kv_last - 1, kv_last, then down): q tile 2 visits 1, 2, 0. (True, the
     # plain mirror, is the tail of this order; its GPU cases are test_wgmma_ws_gpu's extra23 and extra24)
@@ -104,7 +107,7 @@ CASES = {
                                                                  "persistent": 1, "item_order": "dynamic"}),
 }
 # the slopes a case takes where not [1.5, -0.75]
-SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4]}
+SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0], "fa3-r128-causal-steep": [50.0, -1e3]}
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)

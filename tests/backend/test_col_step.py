@@ -124,15 +124,17 @@ FFMA = r"cuda\.fma\(cstep, np\.float32\(jj \* 8\), lget\(x, e(__\d+)?\)\)"  # sc
 
 @pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])
 def test_the_kernels_take_the_step(kernel):
-    """score_row: one FFMA an element by the column's offset, score_raw_fn (its casts and distance) only under a
-    steep step (COL_STEP_MAX); the row's offset in softmax_row's max (before the quad's shuffles) and exponent;
-    every softmax_row call passes it (col_row_offset: 0 under a steep step) at the thread's first column."""
+    """score_row: one FFMA an element by the column's offset, no score_raw_fn (its casts and distance); the row's
+    offset in softmax_row's max (before the quad's shuffles) and exponent; every softmax_row call passes it
+    (col_row_offset: 0 under a steep step, COL_STEP_MAX) at the thread's first column. A steep step sends every
+    tile through the masked path (col_steep, once an item), whose rows take each element's exact score."""
     src = _kernels(_example("alibi"))[kernel]
     score_row = _fn(src, "score_row")
-    steep = f"if abs(cstep) > np.float32({COL_STEP_MAX!r}):"
-    fast = score_row[score_row.index("else:"):]
-    assert steep in score_row and "score_raw_fn(" in score_row[:score_row.index("else:")]
-    assert "score_raw_fn(" not in fast and re.search(FFMA, fast)
+    assert "score_raw_fn(" not in score_row and re.search(FFMA, score_row) and "if " not in score_row
+    steep = f"abs(score_col_fn(b, h, cap_0_slopes, hz)) > np.float32({COL_STEP_MAX!r})"
+    assert re.search(r"col_steep(__\d+)? = " + re.escape(steep), src)
+    needs = re.findall(r"need_mask(?:__\d+)? = (.*)", src)
+    assert needs and all(re.search(r"or col_steep(__\d+)?$", n) for n in needs), needs
     softmax = _fn(src, "softmax_row")
     assert softmax.startswith("def softmax_row(x, i, m_old, roff):")
     assert softmax.index("mx = mx + roff") < softmax.index("shfl_xor_f32(mx, 1)")
@@ -141,20 +143,20 @@ def test_the_kernels_take_the_step(kernel):
     assert calls and all("col_row_offset(b, h, " in ln and "kv0 + t2" in ln for ln in calls), calls
     assert f"return ZERO if abs(cstep) > np.float32({COL_STEP_MAX!r}) else" in _fn(src, "col_row_offset")
     masked = _fn(src, "masked_score_row_in")
+    assert f"if abs(cstep) > np.float32({COL_STEP_MAX!r}):" in masked and "masked_score_fn(" in masked  # steep
     rest = masked[masked.index("return\n"):]  # past the steep step's per-element path
     assert "score_raw_fn(" not in rest and "masked_col_score_fn(" in rest  # exact bounds, and mask_fn's path
 
 
 def test_the_product_takes_the_step_at_d64():
     """emit_fa3_ws.col_mma (D = 64's default): S's wgmmas take one more k step from the item's A words and the
-    warpgroup's K block, score_row adds nothing (only a steep step's exact scores), partial tiles the mask and a
-    zero step, and softmax_row's row offset is taken at the tile's first column (kv0)."""
+    warpgroup's K block, score_row adds nothing, partial tiles the mask and a zero step, and softmax_row's row offset
+    is taken at the tile's first column (kv0)."""
     src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none"}))
     qk = _fn(src, "qk_wgmma")
     assert qk.startswith("def qk_wgmma(sc, q_wg, dk, cx_w, cx_d):") and qk.count("WG_SX(sc, 0, cx_w, cx_w, ") == 1
     assert qk.index("WG_SX(") > qk.rindex("WG_S(") and qk.index("WG_SX(") < qk.index("wgmma_commit()")
-    score_row = _fn(src, "score_row")
-    assert "cuda.fma(" not in score_row and "else:" not in score_row  # only the steep step's branch
+    assert _fn(src, "score_row").split("\n")[1].strip() == "return"  # nothing to add
     assert re.search(r"cstep(__\d+)? = ZERO", _fn(src, "masked_score_row_in"))
     calls = [ln for ln in src.splitlines() if "softmax_row(" in ln and "def softmax_row" not in ln]
     assert calls and all(ln.rstrip().endswith("kv0, cap_0_slopes, hz))") for ln in calls), calls

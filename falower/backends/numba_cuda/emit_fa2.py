@@ -632,6 +632,9 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
     caps = _cap_args(spec)
     if "def cta_fn(" in spec.device_source:
         c(f"hz = cta_fn(b, h{caps})  # the score function's per-CTA values (score-licm), once per program")
+    if col_step(spec):
+        c(f"col_steep = abs(score_col_fn(b, h{_score_args(spec)})) > np.float32({COL_STEP_MAX!r})  # every tile by "
+          "masked_score_row's exact scores (COL_STEP_MAX)")
     c(f"nk = (N + {BK - 1}) // {BK}")
     c(f"q_lo = {q_start(spec, 'qt')}")
     c(f"q_hi = min(q_lo + {BQ}, M) - 1")
@@ -866,18 +869,17 @@ def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] =
     BK = spec.block_k
     c(f"kv0 = {j} * {BK}")
     if walks_range(spec) and cls is None:
-        c(f"need_mask = {range_class_expr(j)} == 1 or kv0 + {BK} > N")
-        return
-    if spec.block_mask == "none":
-        if spec.has_mask:
-            c("need_mask = True")
-        else:
-            c(f"need_mask = kv0 + {BK} > N")
+        need = f"{range_class_expr(j)} == 1 or kv0 + {BK} > N"
+    elif spec.block_mask == "none":
+        need = "True" if spec.has_mask else f"kv0 + {BK} > N"
     elif cls is not None and carries_class(spec):
-        c(f"need_mask = {cls} == 1 or kv0 + {BK} > N")
+        need = f"{cls} == 1 or kv0 + {BK} > N"
     else:
         c(f"cls = {_tile_class_expr(spec, j)}")
-        c(f"need_mask = cls == 1 or kv0 + {BK} > N")
+        need = f"cls == 1 or kv0 + {BK} > N"
+    if col_step(spec) and need != "True":  # a steep column step: every tile by its exact scores (masked_score_row)
+        need += " or col_steep"
+    c(f"need_mask = {need}")
 
 
 def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
@@ -1243,7 +1245,8 @@ def _tree(op: str, terms: list[str]) -> str:
 # is then below 2^15, whose f32 spacing (2^-9) is ~5e-4 in the exponent; the row offset r(q) + w kv0 cancels
 # against the row max no worse than the exact score does. A steeper step (ALiBi's slopes are <= 1: 8 at D = 64)
 # made the exponent's sum of two large terms lose whole units (0.3 in the LSE at w / scale = 8e5, the simulator's
-# ws-causal-steep): past it each element takes its exact score (score_raw_fn) and the row offset is 0.
+# ws-causal-steep): past it each element takes its exact score (score_raw_fn) and the row offset is 0, on every
+# tile through the masked path (`col_steep`: full tiles keep no comparison).
 COL_STEP_MAX = 128.0
 
 
@@ -1266,8 +1269,9 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     are read and written with `lget`/`lset` (intrinsics.py: one GEP where Numba's x[i] lowered ~15
     instructions; lever 15).
 
-    Under col_step a step steeper than COL_STEP_MAX (read once a row) takes each element's exact score instead, and
-    `col_row_offset` (softmax_row's row offset) is then 0. `col_in_s` (col_step only; emit_fa3_ws.col_mma): S
+    Under col_step a step steeper than COL_STEP_MAX takes each element's exact score instead: the kernel sends every
+    tile through masked_score_row then (`col_steep`, once an item: _emit_need_mask), which reads the step once a row,
+    and `col_row_offset` (softmax_row's row offset) is 0. `col_in_s` (col_step only; emit_fa3_ws.col_mma): S
     already holds the column term w o, o the column's offset in its kv tile, from one more k step of S = Q K^T
     (zero where the step is steep), and the kernel takes the row offset at the tile's first column: score_row has
     nothing to add, masked_score_row only the mask."""
@@ -1298,24 +1302,15 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     with c.indent():
         if scale and raw_is_s(spec):  # the scale goes into softmax_row's exponent: the raw scores stay
             c("return")
+        elif step and col_in_s:  # S holds w o already (a steep step's tiles all go through masked_score_row)
+            c("return")
         elif step:  # x = s + w o, o the column's offset from kv (the rest is softmax_row's row offset)
             c(f"cstep = score_col_fn(b, h{caps})")
-            c(f"if {steep}:  # each element's exact score (col_row_offset is 0)")
+            c(f"for jj in range({NJ}):")
             with c.indent():
-                c(f"for jj in range({NJ}):")
-                with c.indent():
-                    c("e = i + jj * 4")
-                    c("k = kv + jj * 8")
-                    c(f"lset(x, e, {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')})")
-                    c(f"lset(x, e + 1, {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')})")
-            if not col_in_s:  # (col_in_s: S holds w o already)
-                c("else:")
-                with c.indent():
-                    c(f"for jj in range({NJ}):")
-                    with c.indent():
-                        c("e = i + jj * 4")
-                        c("lset(x, e, cuda.fma(cstep, np.float32(jj * 8), lget(x, e)))")
-                        c("lset(x, e + 1, cuda.fma(cstep, np.float32(jj * 8 + 1), lget(x, e + 1)))")
+                c("e = i + jj * 4")
+                c("lset(x, e, cuda.fma(cstep, np.float32(jj * 8), lget(x, e)))")
+                c("lset(x, e + 1, cuda.fma(cstep, np.float32(jj * 8 + 1), lget(x, e + 1)))")
         else:
             per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
