@@ -114,7 +114,8 @@ def parse_config(text: str) -> tuple:
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi), '-cm' / '-nocm' the warp-specialized kernel's
-    column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64); '-norg' its clamped gather per element where a
+    column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64); '-nokb' a partial
+    tile's row under exact row bounds masked by two compares an element, not a word of bits (extra keep_bits); '-norg' its clamped gather per element where a
     row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
@@ -202,6 +203,7 @@ CONFIG_OPTIONS: list = [
     (("nowalk", {"walk": False}),),
     (("nocs", {"col_step": False}),),
     (("cm", {"col_mma": True}), ("nocm", {"col_mma": False})),
+    (("nokb", {"keep_bits": False}),),
     (("norg", {"row_gather": False}),),
     (("norp", {"row_pairs": False}),),
     (("nots", {"tanh_small": False}),),

@@ -1250,6 +1250,15 @@ def _tree(op: str, terms: list[str]) -> str:
 COL_STEP_MAX = 128.0
 
 
+def keep_word(NJ: int) -> str:
+    """The integer type that holds a thread's row of a partial tile as bits (2 NJ elements), where masked_score_row_in
+    tests a bit an element (one LOP3 to a predicate, then the select) instead of comparing the column with both
+    bounds (two ISETPs: the causal diagonal's SASS, benchmarks/NOTES.md "Row bounds as bits"); "" past 62 elements,
+    where 1 << n no longer fits the 64-bit sum that builds the word. spec.extra["keep_bits"] = False keeps the
+    compares (bench '-nokb')."""
+    return "np.uint32" if 2 * NJ <= 32 else "np.uint64" if 2 * NJ <= 62 else ""
+
+
 def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma: str, pack: str,
                           col_in_s: bool = False) -> None:
     """Device functions for the repeated fragment work of the tensor-core forward, on the constant-indexed
@@ -1497,6 +1506,14 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             with c.indent():
                 c(f"lo_r = np.int32(min(max(lo - kv, -1), {8 * NJ + 1}))")
                 c(f"hi_r = np.int32(min(max(min(hi, N) - kv, -1), {8 * NJ + 1}))")
+                word = keep_word(NJ) if spec.extra.get("keep_bits", True) is not False else ""
+                if word:  # the row's kept elements as bits (keep_word): one bit test an element, not two compares
+                    c("# the thread's elements k = 2 jj + u lie at columns 8 jj + u from kv, in order: those in [lo_r, "
+                      "hi_r) are")
+                    c("# the run of bits [n(lo_r), n(hi_r)), n(X) = 2 (X >> 3) + min(X & 7, 2) of them before column X")
+                    c("n_lo = 2 * (max(lo_r, 0) >> 3) + min(max(lo_r, 0) & 7, 2)")
+                    c("n_hi = max(2 * (max(hi_r, 0) >> 3) + min(max(hi_r, 0) & 7, 2), n_lo)")
+                    c(f"keep = {word}((np.uint64(1) << np.uint64(n_hi)) - (np.uint64(1) << np.uint64(n_lo)))")
                 c(f"for jj in range({NJ}):")
                 with c.indent():
                     c("e = i + jj * 4")
@@ -1509,8 +1526,12 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                     else:
                         c(f"v0 = {_score_expr_tc(spec, 'lget(x, e)', 'qi', 'k')}")
                         c(f"v1 = {_score_expr_tc(spec, 'lget(x, e + 1)', 'qi', 'k + 1')}")
-                    c("lset(x, e, v0 if (c0 >= lo_r) & (c0 < hi_r) else NEG_INF)")
-                    c("lset(x, e + 1, v1 if (c1 >= lo_r) & (c1 < hi_r) else NEG_INF)")
+                    if word:
+                        c(f"lset(x, e, v0 if (keep >> {word}(2 * jj)) & {word}(1) else NEG_INF)")
+                        c(f"lset(x, e + 1, v1 if (keep >> {word}(2 * jj + 1)) & {word}(1) else NEG_INF)")
+                    else:
+                        c("lset(x, e, v0 if (c0 >= lo_r) & (c0 < hi_r) else NEG_INF)")
+                        c("lset(x, e + 1, v1 if (c1 >= lo_r) & (c1 < hi_r) else NEG_INF)")
             c("else:")
             with c.indent():
                 for line in per_element:
