@@ -54,8 +54,8 @@ CASES = {
     # ... with the column term by FFMA (col_mma off)
     "ws-causal-nocm": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none",
                                                            "col_mma": False}),
-    # ... with slopes past f16's range over the scale (|w| / scale > 65504): the item's A words are zero and the row
-    # helpers add the term by FFMA, from the thread's first column (SLOPES)
+    # ... with steep slopes (SLOPES: |w| / scale past emit_fa2.COL_STEP_MAX): the item's A words are zero and every
+    # tile goes through the masked path's exact scores (col_steep)
     "ws-causal-steep": ("causal", 130, 130, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     # the same kernel under a mask with no row bounds (masked_col_score_fn), rows that see only the first band
     "ws-bands": ("bands", 40, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
@@ -65,6 +65,8 @@ CASES = {
     "mma-plain": ("none", 33, 50, 32, (64, 32), {}),
     # ... and emit_fa3, with steep slopes (SLOPES): every tile through the masked path (col_steep)
     "mma-plain-steep": ("none", 33, 50, 32, (64, 32), {}),
+    # the mma.sync kernel skipping a warp's masked rows (warp_skip: its own need_mask), one head steep, one not
+    "mma-causal-wskip-steep": ("causal", 100, 90, 32, (64, 32), {"warp_skip": True}),
     "fa3-r128-causal-steep": ("causal", 70, 75, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
     # the persistent producer kernel with each item's kv tiles from the last down, the last one second (emit_fa3_ws.
     # kv_reverse "second", ALiBi's default: kv_last - 1, kv_last, then down): q tile 2 visits 1, 2, 0. (True, the
@@ -105,9 +107,19 @@ CASES = {
     # (col_mma), two items a block, M != N, the last q and kv tiles ragged
     "pwg3-persist-causal": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic"}),
+    # D = 128 on the persistent kernel's 128 x 128 tiles with the product asked for: one K block for both consumer
+    # warpgroups (col_shared: a block each would take the second Q buffer's room), written under barrier 15
+    "pwg-persist-causal-d128-cm": ("causal", 150, 140, 128, (128, 128), {"schedule": "wgmma-ws",
+                                                                         "producer": "warpgroup", "persistent": 1,
+                                                                         "item_order": "dynamic", "col_mma": True}),
+    # ... one head steep and one not, items of both on one block: each item's own A words and col_steep
+    "pwg3-persist-causal-steep": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws",
+                                                                       "producer": "warpgroup", "persistent": 1,
+                                                                       "item_order": "dynamic"}),
 }
 # the slopes a case takes where not [1.5, -0.75]
-SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0], "fa3-r128-causal-steep": [50.0, -1e3]}
+SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0], "fa3-r128-causal-steep": [50.0, -1e3],
+          "mma-causal-wskip-steep": [0.5, 60.0], "pwg3-persist-causal-steep": [1.5, 40.0]}
 # the cases whose rows share their loads, and the shift of row q + 8's entries from row q's (in n8 tiles); each
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)

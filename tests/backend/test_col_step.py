@@ -177,6 +177,35 @@ def test_the_product_asked_where_it_cannot_run(stem, extra):
         emit_fa3_ws.validate_spec(spec)
 
 
+@pytest.mark.parametrize("D,bq,bk", [(128, 128, 128), (64, 128, 256), (64, 192, 128)])
+def test_the_product_shares_its_block_where_one_each_would_not_fit(D, bq, bk):
+    """At D = 128 on the persistent producer kernel's 128 x 128 tiles a block for each consumer warpgroup (2 x 16 KB)
+    would take the room of its second Q buffer (and with it the TMA loads and stores): one block serves both there,
+    written by all consumer threads under barrier 15 (emit_fa3_ws.col_shared); at D = 64's 192 x 128 a block each.
+    The O buffer stays in both layouts."""
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
+             "col_mma": True}
+    spec = build_spec(analyse(fl.lower(_example("alibi"), "fa2-fwd")), {"D": D}, "f16", "mma", None, extra)
+    spec = type(spec)(**{**spec.__dict__, "block_q": bq, "block_k": bk})
+    shared = (D, bq, bk) != (64, 192, 128)
+    assert emit_fa3_ws.col_mma(spec) and emit_fa3_ws.col_shared(spec) == shared
+    lay = emit_fa3_ws._layout(spec)
+    assert lay["o"] and lay["cx"] % 1024 == 0
+    assert lay["bars"] - lay["cx"] == (1 if shared else bq // 64) * bk * 128
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    block = src[src.index("cx_s = sb + "):src.index("cx_d = desc_word(")]
+    assert ("bar_sync(15, " in block) == shared and ("cw * " in block.splitlines()[0]) == (not shared)
+
+
+def test_warp_skip_keeps_the_steep_step():
+    """The mma.sync kernel's warp_skip sets need_mask again from its warp's class: with `or col_steep` too (without
+    it a steep step's full tiles took score_row's FFMA with a zero row offset: O off by 4 in the simulator)."""
+    src = emit_fa2_forward(_spec(_example("alibi"), {"warp_skip": True}))
+    needs = re.findall(r"need_mask(?:__\d+)? = (.*)", src)
+    assert len(needs) >= 2 and any("wcls" in n for n in needs), needs
+    assert all(re.search(r"or col_steep(__\d+)?$", n) for n in needs), needs
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_the_a_words_hold_the_step(dtype):
     """col_words (the item's A fragment of the product's k step) as Python on the simulator's conversions: thread

@@ -36,7 +36,7 @@ def test_the_column_step_matches_the_reference(results, case):
     assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
     # the column term in S = Q K^T: the warp-specialized kernel's default at D = 64 (emit_fa3_ws.col_mma)
     ws64 = want == "wgmma-ws" and CASES[case][3] == 64 and CASES[case][0] != "relbias"
-    assert r["col_mma"] == r["col_words"] == (ws64 and CASES[case][5].get("col_mma", True)), r
+    assert r["col_mma"] == r["col_words"] == CASES[case][5].get("col_mma", ws64), r
     # the kept epilogue's rows of O by stmatrix (the persistent producer kernel's default) or a word at a time
     stsm, words = r["calls"]["stage_rows_stsm"], r["calls"]["stage_row_z_box"]
     assert (stsm > 0 and words == 0) if r["stmatrix"] else stsm == 0, r
@@ -52,9 +52,10 @@ def test_the_column_step_matches_the_reference(results, case):
         assert r["visits"] == [bk * t for t in order], (r["visits"], order)
     assert not r["nan"], r
     assert r["o_err"] <= FORWARD_O_TOL[r["dtype"]], r
-    # steep slopes (SLOPES: |w| / scale past f16's range, the column term by FFMA) put LSE at ~1e6, where f32 is
-    # spaced ~0.1 (relative to it: a term added twice, or from the wrong column, is off by 1e-2 or more)
-    assert r["lse_rel"] <= 1e-6 if case in SLOPES else r["lse_err"] <= 1e-3, r
+    # steep slopes (SLOPES: |w| / scale past emit_fa2.COL_STEP_MAX, each element's exact score) put LSE at up to
+    # ~1e6, where f32 is spaced ~0.1: 1e-3 of max(1, |LSE|) (a term added twice, from the wrong column, or split as
+    # the step splits it is off by 1e-2 of it or more: 0.29 at LSE ~1 before the exact path)
+    assert r["lse_rel"] <= 1e-3 if case in SLOPES else r["lse_err"] <= 1e-3, r
     assert r["lse_inf_ok"], r
 
 

@@ -233,6 +233,25 @@ def test_alibi_column_term(dtype, col_mma, slopes):
     assert spec.block_q == 192 and takes_product(spec) == col_mma
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_alibi_column_term_shared_block_d128(dtype):
+    """col_mma asked for at D = 128 (not the default there): the persistent kernel's 128 x 128 tiles take one K block
+    for both consumer warpgroups (emit_fa3_ws.col_shared), written under barrier 15, beside both Q buffers."""
+    from falower.backends.numba_cuda.emit_fa3_ws import col_mma as takes_product
+    from falower.backends.numba_cuda.emit_fa3_ws import col_shared, q_double
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, _ = graph("alibi", dtype)
+    c = fl.compile(g, "numba-cuda", extra={"col_mma": True})
+    env = bind_dims(g, {"B": 1, "H": 2, "M": 4096, "N": 4096, "D": 128})
+    raw = random_inputs(g, env, seed=13)
+    host = [rounded(x, dtype) for x in raw[:3]] + [np.array([0.5, -2.0 ** -4], np.float32)]
+    dev = assert_error_rule(g, c, env, host, dtype)
+    spec = c.kernel(*dev).spec
+    assert takes_product(spec) and col_shared(spec) and q_double(spec)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_bias_table_by_pairs_on_the_batch_inner_grid(D):
     """bias[h, q, kv] (no batch axis): three batch rows on the grid that runs the batch innermost

@@ -1907,7 +1907,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c("else:")
                 with c.indent():
                     c("wcls = cls")
-                c(f"need_mask = wcls == 1 or kv0 + {BK} > N")
+                # (a steep column step: every tile by its exact scores, as _emit_need_mask has it)
+                c(f"need_mask = wcls == 1 or kv0 + {BK} > N{' or col_steep' if col_step(spec) else ''}")
                 c("if wcls != 0:")
                 c.level += 1
             c("# S = Q K^T (the first k step starts from zero accumulators)")

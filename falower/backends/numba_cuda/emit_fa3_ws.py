@@ -170,8 +170,9 @@ PRODUCERS = ("warp", "warpgroup", "none")  # spec.extra["producer"]
 # warpgroup's table tile; 5 + cw its staged epilogue; 7 + cw its Q rows free for a persistent kernel's next item;
 # 9 + cw its run of the table (`slice_barrier`). Three (block_q 192): the turns 1-3, the epilogue's 7-9
 # (`epilogue_barrier`) and the table's runs at 10-12; the other two families' features are refused there
-# (validate_spec)
+# (validate_spec). 15: every consumer warpgroup once at the start (col_mma's shared block)
 Q_FREE_BARRIER = 7
+COL_BARRIER = 15  # every consumer warpgroup, once at the start: col_mma's shared K block is written (col_shared)
 SMEM_LIMIT = 227 * 1024  # per block on the H100 (228 KiB an SM, 1 KiB reserved per block)
 
 _WS_IMPORTS = '''
@@ -270,11 +271,34 @@ def col_mma(spec: FA2ForwardSpec) -> bool:
     row offset r(q) + w kv0 is taken at the tile's first column. 1/4 more of QK^T's tensor work at D = 64. Where the
     step is steep (|w / scale| > emit_fa2.COL_STEP_MAX) the item's A words are zero and the row helpers take each
     element's exact score. Default at D = 64; `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench '-cm' /
-    '-nocm'). Not with half tiles (a half's product would need its own extra step)."""
+    '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a warpgroup would
+    push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and with it the TMA
+    loads and stores), one block serves them all (`col_shared`); where not even that fits, validate_spec refuses."""
     ask = spec.extra.get("col_mma", "auto")
     if ask is False or not col_step(spec) or half_tiles(spec):
         return False
-    return ask is True or spec.head_dim == 64
+    return ask is True or (spec.head_dim == 64 and col_blocks_fit(spec))
+
+
+def _blocks_keep_o(spec: FA2ForwardSpec, blocks: int) -> bool:
+    """Whether `blocks` K blocks of col_mma (block_k x 128 bytes each) leave the layout its O buffer (or second Q
+    buffer). Only the persistent producer-warpgroup kernel has that buffer (the others' stages are what the blocks
+    may cost)."""
+    if not (persistent(spec) and producer(spec) == "warpgroup"):
+        return True
+    return bool(_layout(spec, cx=blocks)["o"]) or not _layout(spec, cx=0)["o"]
+
+
+def col_shared(spec: FA2ForwardSpec) -> bool:
+    """col_mma's K block one for all consumer warpgroups (written by all of them once, under a barrier of theirs,
+    `COL_BARRIER`), where a block each would push the O buffer out; a block each otherwise (each warpgroup's own
+    barrier, no wait on the others at the kernel's start)."""
+    return not _blocks_keep_o(spec, consumer_wgs(spec))
+
+
+def col_blocks_fit(spec: FA2ForwardSpec) -> bool:
+    """Whether col_mma's K block(s) fit beside the O buffer: a block each, or one shared (`col_shared`)."""
+    return _blocks_keep_o(spec, 1)
 
 
 def gather_early(spec: FA2ForwardSpec) -> bool:
@@ -764,13 +788,13 @@ def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int
     return _fa3_grid(spec, B, H, M, N)
 
 
-def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
+def _layout(spec: FA2ForwardSpec, S: int | None = None, cx: Optional[int] = None) -> dict[str, int]:
     """Byte offsets from the 1024-byte aligned base: Q [D // 64][block_q][128 B] (producer "none": one
     [D // 64][64][128 B] tile per consumer warpgroup, each loads its own), then per stage s K_s and V_s
     ([D // 64][block_k][128 B] each), the score's table tile (table_tiles), the persistent producer kernel's O
     buffer (two warpgroups' 64 rows of D, where it fits; under `q_double` the second Q buffer "q1" instead, both
-    Q buffers in the per-warpgroup layout), K's extra block for each consumer warpgroup ("cx", col_mma: [block_k]
-    [128 B] each), then the mbarriers: Q's (one, one per warpgroup, or one per Q buffer),
+    Q buffers in the per-warpgroup layout), col_mma's K blocks ("cx": [block_k][128 B], one a consumer warpgroup
+    or one for all of them, `col_shared`), then the mbarriers: Q's (one, one per warpgroup, or one per Q buffer),
     full_k[s], full_v[s], empty_k[s], empty_v[s], table_full, q_empty (one per Q buffer under q_double),
     item_full."""
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
@@ -787,7 +811,10 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None) -> dict[str, int]:
     # bulk_pitch bytes a row, rounded up to the 1024 bytes the next tile's 128-byte swizzle asks; the first that
     # fits with the O buffer
     pad = two_q and _bulk_asked(spec) and not _tma_asked(spec)
-    cxb = consumer_wgs(spec) * BK * 128 if col_mma(spec) else 0  # K's extra block for each consumer warpgroup
+    # col_mma's K blocks, one a consumer warpgroup or one shared (`cx`: as if that many blocks)
+    if cx is None:
+        cx = (1 if col_shared(spec) else consumer_wgs(spec)) if col_mma(spec) else 0
+    cxb = cx * BK * 128
     for qwg in ([-(-64 * bulk_pitch(D) // 1024) * 1024] if pad else []) + [64 * D * 2]:
         kv = BQ // 64 * qwg if two_q else BQ * D * 2
         o_at = kv + 2 * S * tile + table
@@ -898,6 +925,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if spec.extra.get("col_mma") is True and not col_mma(spec):
         raise ValueError("wgmma-ws: col_mma (the column step's term in S = Q K^T) needs a score with a column step "
                          "(ALiBi's s + w kv + r(q): emit_fa2.col_step) and no half tiles")
+    if col_mma(spec) and not col_blocks_fit(spec):
+        raise ValueError(f"wgmma-ws: col_mma's K block ({spec.block_k * 128 // 1024} KB) does not fit beside the O "
+                         f"buffer at D = {spec.head_dim} with {spec.block_q} x {spec.block_k} tiles")
     if stages(spec) not in (2, 3, 4):
         raise ValueError(f"wgmma-ws: stages must be 2, 3 or 4, got {stages(spec)}")
     if producer(spec) not in PRODUCERS:
@@ -1388,19 +1418,27 @@ def _emit_row_hull(c: _Code, spec: FA2ForwardSpec) -> None:
 
 
 def _emit_col_block(c: _Code, spec: FA2ForwardSpec, cx: int, pack: str) -> None:
-    """col_mma's K block, once before the consumer's first item: this warpgroup's own [block_k][128 B] at `cx`, row j
-    holding j in columns 0-2 and zeros in 3-15 (the k step's 32 bytes, chunks 0 and 1 swizzled as a K tile's rows;
-    the rest of the row is never read); then `cx_d`, its descriptor's word."""
+    """col_mma's K block, once before the consumer's first item: [block_k][128 B] at `cx` (this warpgroup's own, or
+    one for all under `col_shared`), row j holding j in columns 0-2 and zeros in 3-15 (the k step's 32 bytes, chunks 0
+    and 1 swizzled as a K tile's rows; the rest of the row is never read); then `cx_d`, its descriptor's word."""
     BK = spec.block_k
-    c("# S's column term (col_mma): K's extra k step, this warpgroup's own block, row j = the column's offset in its kv")
-    c("# tile, holding j in columns 0-2 and zeros to 15 (chunks 0 and 1 of a K tile's swizzled row)")
-    c(f"cx_s = sb + {cx} + cw * {BK * 128}")
-    for i in range(-(-BK // 128)):
-        guard = BK - 128 * i < 128
+    SH = col_shared(spec)
+    n = 128 * consumer_wgs(spec) if SH else 128  # the threads that write it, a row each
+    who = "ctid" if SH else "(ctid & 127)"
+    if SH:
+        c("# S's column term (col_mma): K's extra k step, one block for every consumer warpgroup, row j = the column's")
+        c("# offset in its kv tile, holding j in columns 0-2 and zeros to 15 (chunks 0 and 1 of a K tile's swizzled row)")
+    else:
+        c("# S's column term (col_mma): K's extra k step, this warpgroup's own block, row j = the column's offset in "
+          "its kv")
+        c("# tile, holding j in columns 0-2 and zeros to 15 (chunks 0 and 1 of a K tile's swizzled row)")
+    c(f"cx_s = sb + {cx}" + ("" if SH else f" + cw * {BK * 128}"))
+    for i in range(-(-BK // n)):
+        guard = BK - n * i < n
         if guard:
-            c(f"if (ctid & 127) + {128 * i} < {BK}:")
+            c(f"if {who} + {n * i} < {BK}:")
             c.level += 1
-        c(f"cx_r = (ctid & 127) + {128 * i}")
+        c(f"cx_r = {who} + {n * i}")
         c("cx_j = np.float32(cx_r)")
         c("cx_a = cx_s + cx_r * 128")
         c("cx_0 = cx_a + ((cx_r & 7) << 4)  # chunk 0: columns 0-7")
@@ -1414,7 +1452,11 @@ def _emit_col_block(c: _Code, spec: FA2ForwardSpec, cx: int, pack: str) -> None:
         if guard:
             c.level -= 1
     c("fence_proxy_async()  # the rows are visible to wgmma's async proxy")
-    c(f"bar_sync({epilogue_barrier(spec)} + cw, 128)  # ... all of them: the warpgroup's first S reads the block")
+    if SH:
+        c(f"bar_sync({COL_BARRIER}, {n})  # ... all of them, by every consumer warpgroup: each one's first S reads the "
+          "block")
+    else:
+        c(f"bar_sync({epilogue_barrier(spec)} + cw, 128)  # ... all of them: the warpgroup's first S reads the block")
     c("cx_d = desc_word(HI_QK, cx_s)  # its descriptor's word (K-major, as K's)")
 
 
