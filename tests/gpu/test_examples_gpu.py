@@ -210,6 +210,20 @@ def test_idioms_error_rule(which, N):
     assert c._kernels == built
 
 
+def alibi_spec(dtype: str, D: int, col_mma: bool, slopes: list, seed: int):
+    """examples/alibi.py at N = 4096 (B = 1, H = 2) with `extra={"col_mma": col_mma}` and these slopes, held to the
+    error rule; returns the spec of the kernel that ran."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, _ = graph("alibi", dtype)
+    c = fl.compile(g, "numba-cuda", extra={"col_mma": col_mma})
+    env = bind_dims(g, {"B": 1, "H": 2, "M": 4096, "N": 4096, "D": D})
+    raw = random_inputs(g, env, seed=seed)
+    host = [rounded(x, dtype) for x in raw[:3]] + [np.array(slopes, np.float32)]
+    dev = assert_error_rule(g, c, env, host, dtype)
+    return c.kernel(*dev).spec
+
+
 @pytest.mark.parametrize("slopes", ["mild", "steep"])
 @pytest.mark.parametrize("col_mma", [True, False])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
@@ -220,16 +234,7 @@ def test_alibi_column_term(dtype, col_mma, slopes):
     positive under causal, so LSE stays small enough for its 1e-3)."""
     from falower.backends.numba_cuda.emit_fa3_ws import col_mma as takes_product
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    g, _ = graph("alibi", dtype)
-    c = fl.compile(g, "numba-cuda", extra={"col_mma": col_mma})
-    env = bind_dims(g, {"B": 1, "H": 2, "M": 4096, "N": 4096, "D": 64})
-    raw = random_inputs(g, env, seed=11)
-    w = [0.5, -2.0 ** -4] if slopes == "mild" else [20.0, 33.0]
-    host = [rounded(x, dtype) for x in raw[:3]] + [np.array(w, np.float32)]
-    dev = assert_error_rule(g, c, env, host, dtype)
-    spec = c.kernel(*dev).spec
+    spec = alibi_spec(dtype, 64, col_mma, [0.5, -2.0 ** -4] if slopes == "mild" else [20.0, 33.0], 11)
     assert spec.block_q == 192 and takes_product(spec) == col_mma
 
 
@@ -240,15 +245,7 @@ def test_alibi_column_term_shared_block_d128(dtype):
     from falower.backends.numba_cuda.emit_fa3_ws import col_mma as takes_product
     from falower.backends.numba_cuda.emit_fa3_ws import col_shared, q_double
 
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    g, _ = graph("alibi", dtype)
-    c = fl.compile(g, "numba-cuda", extra={"col_mma": True})
-    env = bind_dims(g, {"B": 1, "H": 2, "M": 4096, "N": 4096, "D": 128})
-    raw = random_inputs(g, env, seed=13)
-    host = [rounded(x, dtype) for x in raw[:3]] + [np.array([0.5, -2.0 ** -4], np.float32)]
-    dev = assert_error_rule(g, c, env, host, dtype)
-    spec = c.kernel(*dev).spec
+    spec = alibi_spec(dtype, 128, True, [0.5, -2.0 ** -4], 13)
     assert takes_product(spec) and col_shared(spec) and q_double(spec)
 
 
