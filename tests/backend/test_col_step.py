@@ -170,6 +170,17 @@ def test_the_product_takes_the_step_at_d64():
         assert "WG_SX" not in src and re.search(FFMA, _fn(src, "score_row"))
 
 
+def test_the_compile_line_names_the_product():
+    """The compile progress line says where ALiBi's column term rides in S (the kernel a call's sizes chose is
+    visible as it builds): D = 64's warp-specialized kernel, not the knob's FFMA."""
+    from falower.backends.numba_cuda.runtime import _label
+
+    base = {"schedule": "wgmma-ws", "producer": "none"}
+    assert _label(_spec(_example("alibi"), base), "forward").endswith("wgmma-ws, column term in S)")
+    for spec in (_spec(_example("alibi"), {**base, "col_mma": False}), _spec(_example("causal"), base)):
+        assert "column term" not in _label(spec, "forward")
+
+
 @pytest.mark.parametrize("stem,extra", [("causal", {}), ("alibi", {"half_tiles": True})])
 def test_the_product_asked_where_it_cannot_run(stem, extra):
     spec = _spec(_example(stem), {"schedule": "wgmma-ws", "producer": "none", "col_mma": True, **extra})

@@ -226,6 +226,10 @@ def _label(spec: Any, kind: str) -> str:
     else:
         sched = spec.extra.get("schedule") or "mma"
     first = ", short q tile first" if getattr(spec, "ragged_q_first", False) else ""
+    if kind == "forward" and sched == "wgmma-ws":
+        from .emit_fa3_ws import col_mma
+
+        first += ", column term in S" if col_mma(spec) else ""  # ALiBi's slope times the column, by the product
     return f"{spec.name} ({kind}, {spec.dtype}, D={spec.head_dim}, {spec.block_q}x{spec.block_k} {sched}{first})"
 
 
