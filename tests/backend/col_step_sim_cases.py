@@ -112,6 +112,14 @@ CASES = {
     "pwg-persist-causal-d128-cm": ("causal", 150, 140, 128, (128, 128), {"schedule": "wgmma-ws",
                                                                          "producer": "warpgroup", "persistent": 1,
                                                                          "item_order": "dynamic", "col_mma": True}),
+    # ... at sizes where bugs hide: a kv tile plus one (the second kv tile holds one column: the K block's rows 1 ..
+    # 127 meet only masked columns) under one ragged q tile of 130 rows, the third warpgroup's rows past M; and two
+    # rows against two columns
+    "pwg3-persist-causal-130x129": ("causal", 130, 129, 64, (192, 128), {"schedule": "wgmma-ws",
+                                                                         "producer": "warpgroup", "persistent": 1,
+                                                                         "item_order": "dynamic"}),
+    "pwg3-persist-causal-2x2": ("causal", 2, 2, 64, (192, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
+                                                                 "persistent": 1, "item_order": "dynamic"}),
     # ... one head steep and one not, items of both on one block: each item's own A words and col_steep
     "pwg3-persist-causal-steep": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws",
                                                                        "producer": "warpgroup", "persistent": 1,
