@@ -263,14 +263,15 @@ def col_mma(spec: FA2ForwardSpec) -> bool:
     k step, so the softmax's elementwise code is plain attention's.
 
     Why: at D = 64 ALiBi's one FFMA an element (w o, o the column's offset) sat on the warpgroup's softmax path,
-    0.83-0.86 of plain's TFLOP/s where causal ran 0.88-0.91 (benchmarks/NOTES.md, "ALiBi's column term in the
-    product"). The term is rank one along a tile: A's k step (registers, every row the same) holds w / scale split
-    into three 16-bit parts in columns 0-2, B's (K's extra block, this warpgroup's own, written once) the column's
-    offset j = 0 .. block_k - 1 in the same three columns, zeros to 15: the product adds w j to S in fp32 (error
-    ~1e-5 in the exponent: the offsets are tile-local, benchmarks/alibi_in_product_precision.py), and softmax_row's
-    row offset r(q) + w kv0 is taken at the tile's first column. 1/4 more of QK^T's tensor work at D = 64. Where the
-    step is steep (|w / scale| > emit_fa2.COL_STEP_MAX) the item's A words are zero and the row helpers take each
-    element's exact score. Default at D = 64; `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench '-cm' /
+    0.83-0.86 of plain's TFLOP/s where causal ran 0.88-0.91 (benchmarks/NOTES.md, "ALiBi's column term in S = Q
+    K^T"; measured +2-5% against the FFMA, H200 2026-11-30). The term is rank one along a tile: A's k step
+    (registers, every row the same) holds w / scale split into three 16-bit parts in columns 0-2, B's (a K block
+    written once) the column's offset j = 0 .. block_k - 1 in the same three columns, zeros to 15: the product adds
+    w j to S in fp32 (error ~1e-5 in the exponent: the offsets are tile-local,
+    benchmarks/alibi_in_product_precision.py), and softmax_row's row offset r(q) + w kv0 is taken at the tile's
+    first column. 1/4 more of QK^T's tensor work at D = 64. Where the step is steep (|w / scale| >
+    emit_fa2.COL_STEP_MAX) the item's A words are zero and every tile takes the masked path's exact scores
+    (col_steep). Default at D = 64; `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench '-cm' /
     '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a warpgroup would
     push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and with it the TMA
     loads and stores), one block serves them all (`col_shared`); where not even that fits, validate_spec refuses."""
