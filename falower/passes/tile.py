@@ -16,6 +16,7 @@ from ..ir.dims import Sym, cdiv
 from ..ir.types import TensorType, scalar, tensor
 from .attention import Attention, find_attention, retype_block
 from .base import Pass, register
+from .canonicalize import const_value
 
 ORDERS = ("fa2", "fa1")
 RAGGED_Q = ("last", "first")
@@ -238,16 +239,17 @@ def q_pad(M, bq: int):
     return cdiv(M, bq) * bq - M
 
 
-def _const_is(v: Value, want) -> bool:
-    """Whether `v` is a const of value `want` (an int or a dim expression, compared as printed)."""
-    op = v.owner
-    return isinstance(op, Op) and op.name == "const" and str(op.attrs["value"]) == str(want)
+def _const_is_expr(v: Value, want) -> bool:
+    """Whether `v` is a const of value `want`, an int or a dim expression compared as printed (canonicalize.is_const
+    takes numbers only)."""
+    c = const_value(v)
+    return c is not None and str(c) == str(want)
 
 
 def is_q_tile_start(q0: Value, qi: Value, bq: int) -> bool:
     """Whether `q0` is `Tile`'s first row of q tile `qi` with the last tile short: qi * bq."""
     op = q0.owner
-    return isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and _const_is(op.operands[1], bq)
+    return isinstance(op, Op) and op.name == "mul" and op.operands[0] is qi and _const_is_expr(op.operands[1], bq)
 
 
 def is_ragged_q_start(q0: Value, qi: Value, bq: int, M) -> bool:
@@ -255,7 +257,7 @@ def is_ragged_q_start(q0: Value, qi: Value, bq: int, M) -> bool:
     writes it (mask-tiles and the backend recognise the shifted tiles by this)."""
     op = q0.owner
     return isinstance(op, Op) and op.name == "sub" and is_q_tile_start(op.operands[0], qi, bq) \
-        and _const_is(op.operands[1], q_pad(M, bq))
+        and _const_is_expr(op.operands[1], q_pad(M, bq))
 
 
 def _guard(b: Builder, v: Value, when: float, repl: float, name: str) -> Value:
