@@ -633,7 +633,7 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
     if "def cta_fn(" in spec.device_source:
         c(f"hz = cta_fn(b, h{caps})  # the score function's per-CTA values (score-licm), once per program")
     if col_step(spec):
-        c(f"col_steep = abs(score_col_fn(b, h{_score_args(spec)})) > np.float32({COL_STEP_MAX!r})  # every tile by "
+        c(f"col_steep = {col_steep_test(f'score_col_fn(b, h{_score_args(spec)})')}  # every tile by "
           "masked_score_row's exact scores (COL_STEP_MAX)")
     c(f"nk = (N + {BK - 1}) // {BK}")
     c(f"q_lo = {q_start(spec, 'qt')}")
@@ -877,9 +877,13 @@ def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] =
     else:
         c(f"cls = {_tile_class_expr(spec, j)}")
         need = f"cls == 1 or kv0 + {BK} > N"
-    if col_step(spec) and need != "True":  # a steep column step: every tile by its exact scores (masked_score_row)
-        need += " or col_steep"
-    c(f"need_mask = {need}")
+    c(f"need_mask = {_or_steep(spec, need)}")
+
+
+def _or_steep(spec: FA2ForwardSpec, need: str) -> str:
+    """need_mask's expression `need` (a tile's class and N) with a steep column step's: every tile by its exact
+    scores in masked_score_row (col_steep). Every kernel's need_mask goes through this."""
+    return f"{need} or col_steep" if col_step(spec) and need != "True" else need
 
 
 def _score_expr(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
@@ -1250,6 +1254,12 @@ def _tree(op: str, terms: list[str]) -> str:
 COL_STEP_MAX = 128.0
 
 
+def col_steep_test(step: str) -> str:
+    """The emitted test that a column step `step` (an expression of x's units) is steeper than COL_STEP_MAX: the one
+    form of it the kernels' item state (`col_steep`), the row helpers and col_mma's A words share."""
+    return f"abs({step}) > np.float32({COL_STEP_MAX!r})"
+
+
 def keep_word(NJ: int) -> str:
     """The integer type that holds a thread's row of a partial tile as bits (2 NJ elements), where masked_score_row_in
     tests a bit an element (one LOP3 to a predicate, then the select) instead of comparing the column with both
@@ -1289,7 +1299,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     step = col_step(spec)
     if col_in_s and not step:
         raise ValueError("col_in_s: the score has no column step (emit_fa2.col_step)")
-    steep = f"abs(cstep) > np.float32({COL_STEP_MAX!r})"  # col_step: each element's exact score
+    steep = col_steep_test("cstep")  # col_step: each element's exact score
     emit_mma_helpers(c, mma)
     to_log2 = "" if spec.exp2 else " * LOG2E"
 
@@ -1470,13 +1480,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                        f"    lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))"]
         cstep = [f"cstep = score_col_fn(b, h{caps})"] if step else []  # the column step, once per row
         if step:  # a steep step: each element's exact score, mask_fn per element (col_row_offset is 0)
-            cstep += [f"if {steep}:",
-                      f"    for jj in range({NJ}):",
-                      "        e = i + jj * 4",
-                      "        k = kv + jj * 8",
-                      f"        lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
-                      f"        lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))",
-                      "    return"]
+            cstep += [f"if {steep}:", *("    " + line for line in per_element), "    return"]
         if col_in_s:  # S holds w o already: a zero step (an FFMA an element on partial tiles only)
             cstep.append("cstep = ZERO")
         if step:
@@ -1907,8 +1911,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 c("else:")
                 with c.indent():
                     c("wcls = cls")
-                # (a steep column step: every tile by its exact scores, as _emit_need_mask has it)
-                c(f"need_mask = wcls == 1 or kv0 + {BK} > N{' or col_steep' if col_step(spec) else ''}")
+                c(f"need_mask = {_or_steep(spec, f'wcls == 1 or kv0 + {BK} > N')}")
                 c("if wcls != 0:")
                 c.level += 1
             c("# S = Q K^T (the first k step starts from zero accumulators)")

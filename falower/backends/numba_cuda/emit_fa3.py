@@ -190,7 +190,8 @@ def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False,
 WIDE_TILES = (192, 128)  # D = 64's persistent kernel: three consumer warpgroups of 64 rows (FlashAttention-3's tile)
 WIDE_MIN_WORK_RATIO = 0.85  # the least (128 x 64 tiles' visited FLOPs) / (WIDE_TILES') that takes them (below)
 WIDE_REFERENCE_N = 4096  # the longest length at which falower.compile counts both tilings' work (and where no size)
-WIDE_MIN_N = 1024  # the shortest kv length (rounded up to 64) that takes them: shorter items cannot pay their fixed costs
+WIDE_MIN_N = 1024  # the shortest kv length (rounded up to 64) that takes them: shorter items cannot pay their fixed
+# costs
 
 
 def wide_tiles_pay(narrow_flops: float, wide_flops: float, n: int = WIDE_REFERENCE_N) -> bool:

@@ -117,7 +117,7 @@ from .emit_fa2 import (
     row_gather_signs,
     row_gather_step,
     pair_slice_offsets,
-    COL_STEP_MAX,
+    col_steep_test,
     rows_helper,
     score_row_calls,
     walks_range,
@@ -876,7 +876,8 @@ def emit_straddling_box(c: _Code, D: int) -> None:
                 c("sq = ob_q + sr")
                 c("if sq >= 0 and sq < M:")
                 with c.indent():
-                    c(f"sw0, sw1, sw2, sw3 = lds_v4_u32(ob_s + {hb * BOX_BYTES} + sr * 128 + (((sch & 7) ^ (sr & 7)) << 4))")
+                    c(f"sw0, sw1, sw2, sw3 = lds_v4_u32(ob_s + {hb * BOX_BYTES} + sr * 128 + "
+                      "(((sch & 7) ^ (sr & 7)) << 4))")
                     c(f"stg_v4_u32(o, (ob_bh * M + sq) * {D // 2} + {hb * 32} + (sch & 7) * 4, sw0, sw1, sw2, sw3)")
 
 
@@ -1428,7 +1429,8 @@ def _emit_col_block(c: _Code, spec: FA2ForwardSpec, cx: int, pack: str) -> None:
     who = "ctid" if SH else "(ctid & 127)"
     if SH:
         c("# S's column term (col_mma): K's extra k step, one block for every consumer warpgroup, row j = the column's")
-        c("# offset in its kv tile, holding j in columns 0-2 and zeros to 15 (chunks 0 and 1 of a K tile's swizzled row)")
+        c("# offset in its kv tile, holding j in columns 0-2 and zeros to 15 (chunks 0 and 1 of a K tile's swizzled "
+          "row)")
     else:
         c("# S's column term (col_mma): K's extra k step, this warpgroup's own block, row j = the column's offset in "
           "its kv")
@@ -1483,7 +1485,7 @@ def _emit_col_words(c: _Code, spec: FA2ForwardSpec) -> None:
         "    return np.uint32(0)"])
     caps = _score_args(spec)
     c(f"cx_c = score_col_fn(b, h{caps})  # the column step w / scale of the item's head (col_mma)")
-    c(f"cx_w = np.uint32(0) if abs(cx_c) > np.float32({COL_STEP_MAX!r}) else {fn}(cx_c, lane & 3)  # steep: 0")
+    c(f"cx_w = np.uint32(0) if {col_steep_test('cx_c')} else {fn}(cx_c, lane & 3)  # steep: 0")
 
 
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
