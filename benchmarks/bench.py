@@ -115,8 +115,8 @@ def parse_config(text: str) -> tuple:
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi), '-cm' / '-nocm' the warp-specialized kernel's
     column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64); '-nokb' a partial
-    tile's row under exact row bounds masked by two compares an element, not a word of bits (extra keep_bits); '-norg' its clamped gather per element where a
-    row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
+    tile's row under exact row bounds masked by two compares an element, not a word of bits (extra keep_bits);
+    '-norg' its clamped gather per element where a row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
@@ -162,14 +162,16 @@ def parse_config(text: str) -> tuple:
     '-bnows')."""
     if text == "auto":
         return AUTO
-    if text.startswith("auto-"):  # the automatic choice with knobs ('auto-nocm'): ("auto", extra)
-        try:
-            return ("auto", parse_config("0x0w0-" + text[5:])[3])
-        except ValueError as e:
-            raise ValueError(str(e).replace("'0x0w0'", repr(text))) from None
-    text, *opts = text.split("-")
-    tiles, warps = text.split("w")
+    head, *opts = text.split("-")
+    if head == "auto":  # the automatic choice with knobs ('auto-nocm'): ("auto", extra)
+        return ("auto", _parse_options(opts, text))
+    tiles, warps = head.split("w")
     bq, bk = tiles.split("x")
+    return (int(bq), int(bk), int(warps), _parse_options(opts, head))
+
+
+def _parse_options(opts: list[str], text: str) -> dict:
+    """A config's '-' suffixes as spec.extra (`text`, the config, names it in the error for an unknown one)."""
     extra = {}
     for o in opts:
         num = re.fullmatch(r"([a-z]+)(\d+)", o)
@@ -179,7 +181,7 @@ def parse_config(text: str) -> tuple:
             extra[_NUMBERS[num[1]]] = int(num[2])
         else:
             raise ValueError(f"unknown config option {o!r} in {text!r}")
-    return (int(bq), int(bk), int(warps), extra)
+    return extra
 
 
 # The config options in the order config_tag writes them (the scripts and BENCHMARKS.md name configs by their
@@ -255,10 +257,14 @@ def config_tag(cfg: tuple) -> str:
     if cfg == AUTO:
         return "auto"
     if cfg[0] == "auto":  # ("auto", extra): the automatic choice with knobs
-        return "auto" + config_tag((0, 0, 0, cfg[1]))[len("0x0w0"):]
+        return "auto" + _options_tag(cfg[1])
     bq, bk, nw, *rest = cfg
-    extra = rest[0] if rest else {}
-    tag = f"{bq}x{bk}w{nw}"
+    return f"{bq}x{bk}w{nw}" + _options_tag(rest[0] if rest else {})
+
+
+def _options_tag(extra: dict) -> str:
+    """spec.extra as a config's '-' suffixes, in CONFIG_OPTIONS' order."""
+    tag = ""
     for opt in CONFIG_OPTIONS:
         if isinstance(opt[0], str):
             if opt[1] in extra:

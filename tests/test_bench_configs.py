@@ -44,7 +44,8 @@ def test_one_option_of_each_group_round_trips_together():
     assert bench.config_tag(bench.parse_config(text)) == text
 
 
-@pytest.mark.parametrize("text,extra", [("auto-nocm", {"col_mma": False}), ("auto-xp4-cm", {"ex2_poly": 4, "col_mma": True})])
+@pytest.mark.parametrize("text,extra", [("auto-nocm", {"col_mma": False}),
+                                        ("auto-xp4-cm", {"ex2_poly": 4, "col_mma": True})])
 def test_the_automatic_choice_with_knobs(text, extra):
     """'auto-<options>': falower.compile's own choice of kernel with those extras (an example's --ex-configs row)."""
     cfg = bench.parse_config(text)

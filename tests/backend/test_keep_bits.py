@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import runpy
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -22,15 +23,20 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 NEG_INF = np.float32(-np.inf)
 
 
-@functools.lru_cache(maxsize=None)
-def _helper(bk: int):
+def _masked_row_source(bk: int, extra: Optional[dict] = None) -> str:
+    """masked_score_row_in's source as examples/causal.py's forward spec emits it for block_k = bk."""
     g = next(v for v in runpy.run_path(str(ROOT / "examples" / "causal.py")).values() if isinstance(v, fl.Func))
-    spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16", "mma", None)
+    spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16", "mma", None, extra)
     c = _Code()
     emit_fragment_helpers(c, spec, bk // 8, 8, "mma_f16", "pack_f16x2")
     src = c.text()
     start = src.index("def masked_score_row_in(")
-    body = src[start:src.index("\n@", start)]
+    return src[start:src.index("\n@", start)]
+
+
+@functools.lru_cache(maxsize=None)
+def _helper(bk: int):
+    body = _masked_row_source(bk)
     ns = {"np": np, "NEG_INF": NEG_INF, "lget": lambda x, i: x[i],
           "lset": lambda x, i, v: x.__setitem__(i, v)}
     exec(body, ns)
@@ -72,10 +78,6 @@ def test_any_bounds(lo, width, t):
 
 def test_the_knob_keeps_the_compares():
     """extra keep_bits = False (bench '-nokb'): the two compares an element, no word."""
-    g = next(v for v in runpy.run_path(str(ROOT / "examples" / "causal.py")).values() if isinstance(v, fl.Func))
     for extra, word in (({}, True), ({"keep_bits": False}, False)):
-        spec = build_spec(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}, "f16", "mma", None, extra)
-        c = _Code()
-        emit_fragment_helpers(c, spec, 16, 8, "mma_f16", "pack_f16x2")
-        body = c.text()[c.text().index("def masked_score_row_in("):]
+        body = _masked_row_source(128, extra)
         assert ("keep = np.uint32(" in body) == word and ("(c0 >= lo_r) & (c0 < hi_r)" in body) == (not word)
