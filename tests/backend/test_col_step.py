@@ -126,8 +126,9 @@ FFMA = r"cuda\.fma\(cstep, np\.float32\(jj \* 8\), lget\(x, e(__\d+)?\)\)"  # sc
 def test_the_kernels_take_the_step(kernel):
     """score_row: one FFMA an element by the column's offset, no score_raw_fn (its casts and distance); the row's
     offset in softmax_row's max (before the quad's shuffles) and exponent; every softmax_row call passes it
-    (col_row_offset: 0 under a steep step, COL_STEP_MAX) at the thread's first column. A steep step sends every
-    tile through the masked path (col_steep, once an item), whose rows take each element's exact score."""
+    (col_row_offset: 0 under a steep step, read from the item's col_steep, not tested again a row) at the thread's
+    first column. A steep step sends every tile through the masked path (col_steep, once an item), whose rows take
+    each element's exact score."""
     src = _kernels(_example("alibi"))[kernel]
     score_row = _fn(src, "score_row")
     assert "score_raw_fn(" not in score_row and re.search(FFMA, score_row) and "if " not in score_row
@@ -140,8 +141,11 @@ def test_the_kernels_take_the_step(kernel):
     assert softmax.index("mx = mx + roff") < softmax.index("shfl_xor_f32(mx, 1)")
     assert "m_neg = cuda.fma(roff, " in softmax
     calls = [ln for ln in src.splitlines() if "softmax_row(" in ln and "def softmax_row" not in ln]
-    assert calls and all("col_row_offset(b, h, " in ln and "kv0 + t2" in ln for ln in calls), calls
-    assert f"return ZERO if abs(cstep) > np.float32({COL_STEP_MAX!r}) else" in _fn(src, "col_row_offset")
+    assert calls and all(re.search(r"col_row_offset\(col_steep(__\d+)?, b, h, ", ln) and "kv0 + t2" in ln
+                         for ln in calls), calls
+    offset = _fn(src, "col_row_offset")
+    assert offset.startswith("def col_row_offset(steep, b, h, q, kv") and "return ZERO if steep else" in offset
+    assert "score_col_fn(" not in offset
     masked = _fn(src, "masked_score_row_in")
     assert f"if abs(cstep) > np.float32({COL_STEP_MAX!r}):" in masked and "masked_score_fn(" in masked  # steep
     rest = masked[masked.index("return\n"):]  # past the steep step's per-element path
@@ -162,7 +166,7 @@ def test_the_product_takes_the_step_at_d64():
     assert calls and all(ln.rstrip().endswith("kv0, cap_0_slopes, hz))") for ln in calls), calls
     body = src[src.index("cx_s = sb + "):]
     assert body.index("fence_proxy_async()") < body.index("bar_sync(") < body.index("cx_d = desc_word(HI_QK, cx_s)")
-    assert "cx_w = np.uint32(0) if abs(cx_c) > " in src
+    assert re.search(r"cx_w(__\d+)? = np\.uint32\(0\) if col_steep(__\d+)? else col_words\(score_col_fn\(", src)
     # the knob off, or D = 128's default: the FFMA
     for x, D in (({"col_mma": False}, 64), ({}, 128)):
         src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none",

@@ -1062,10 +1062,11 @@ def row_gather(spec: FA2ForwardSpec) -> bool:
 
 def softmax_call(spec: FA2ForwardSpec, sc: str, ofs: str, m: str, row: str, kv: str) -> str:
     """softmax_row's call for a thread's row `row` whose first column is `kv`: under `col_step` with the row's
-    offset r(q) + w kv (col_row_offset: score_raw_fn at s = 0, or 0 under a steep step)."""
+    offset r(q) + w kv (col_row_offset: score_raw_fn at s = 0, or 0 where the item's step is steep: `col_steep`,
+    _emit_tile_range)."""
     if not col_step(spec):
         return f"softmax_row({sc}, {ofs}, {m})"
-    return f"softmax_row({sc}, {ofs}, {m}, col_row_offset(b, h, {row}, {kv}{_score_args(spec)}))"
+    return f"softmax_row({sc}, {ofs}, {m}, col_row_offset(col_steep, b, h, {row}, {kv}{_score_args(spec)}))"
 
 
 def _score_expr_tc(spec: FA2ForwardSpec, s: str, q: str, kv: str) -> str:
@@ -1256,7 +1257,8 @@ COL_STEP_MAX = 128.0
 
 def col_steep_test(step: str) -> str:
     """The emitted test that a column step `step` (an expression of x's units) is steeper than COL_STEP_MAX: the one
-    form of it the kernels' item state (`col_steep`), the row helpers and col_mma's A words share."""
+    form of it: the kernels' item state (`col_steep`, which col_row_offset and col_mma's A words read) and
+    masked_score_row, which reads it once a row."""
     return f"abs({step}) > np.float32({COL_STEP_MAX!r})"
 
 
@@ -1543,12 +1545,11 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     if step:
         c()
         c("@device_function")
-        c(f"def col_row_offset(b, h, q, kv{caps}):")
+        c(f"def col_row_offset(steep, b, h, q, kv{caps}):")
         with c.indent():
             c("# softmax_row's row offset r(q) + w kv (score_raw_fn at s = 0), kv the first column the row helpers'")
-            c("# steps count from; 0 where the step is steep (they took each element's exact score)")
-            c(f"cstep = score_col_fn(b, h{caps})")
-            c(f"return ZERO if {steep} else np.float32(score_raw_fn(ZERO, b, h, q, kv{caps}))")
+            c("# steps count from; 0 where the item's step is steep (col_steep: they took each element's exact score)")
+            c(f"return ZERO if steep else np.float32(score_raw_fn(ZERO, b, h, q, kv{caps}))")
     c()
     c("@device_function")
     c("def softmax_row(x, i, m_old, roff):" if step else "def softmax_row(x, i, m_old):")

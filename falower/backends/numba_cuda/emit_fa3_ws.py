@@ -117,7 +117,6 @@ from .emit_fa2 import (
     row_gather_signs,
     row_gather_step,
     pair_slice_offsets,
-    col_steep_test,
     rows_helper,
     score_row_calls,
     walks_range,
@@ -1484,8 +1483,8 @@ def _emit_col_words(c: _Code, spec: FA2ForwardSpec) -> None:
         f"        return {pack}(lo, ZERO)  # columns 2, 3",
         "    return np.uint32(0)"])
     caps = _score_args(spec)
-    c(f"cx_c = score_col_fn(b, h{caps})  # the column step w / scale of the item's head (col_mma)")
-    c(f"cx_w = np.uint32(0) if {col_steep_test('cx_c')} else {fn}(cx_c, lane & 3)  # steep: 0")
+    c(f"cx_w = np.uint32(0) if col_steep else {fn}(score_col_fn(b, h{caps}), lane & 3)  # the item's column step "
+      "w / scale (col_mma); 0 where steep (col_steep: _emit_tile_range)")
 
 
 def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
