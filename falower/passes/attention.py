@@ -23,7 +23,7 @@ from ..errors import PassError
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, uses
 from ..ir.ops import OPS, OpTypeError
-from .canonicalize import const_value
+from .canonicalize import is_const
 
 
 @dataclass
@@ -54,11 +54,6 @@ def _is(v: Value, name: str) -> Optional[Op]:
     return op if op is not None and op.name == name else None
 
 
-def _const_is(v: Value, x: float) -> bool:
-    c = const_value(v)
-    return c is not None and not isinstance(c, bool) and not hasattr(c, "symbols") and float(c) == x
-
-
 def _guard(v: Value, cmp_value: float, repl: float, inner: Value) -> bool:
     """v == where(inner == cmp_value, repl, inner)"""
     w = _is(v, "where")
@@ -66,8 +61,8 @@ def _guard(v: Value, cmp_value: float, repl: float, inner: Value) -> bool:
         return False
     c, a, b = w.operands
     eq = _is(c, "eq")
-    return eq is not None and b is inner and _const_is(a, repl) and eq.operands[0] is inner and \
-        _const_is(eq.operands[1], cmp_value)
+    return eq is not None and b is inner and is_const(a, repl) and eq.operands[0] is inner and \
+        is_const(eq.operands[1], cmp_value)
 
 
 def _input(v: Value, who: str, fail) -> tuple[Value, int]:

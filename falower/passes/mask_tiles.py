@@ -29,7 +29,8 @@ from ..ir.dims import Sym, cdiv
 from ..ir.intervals import uses_data
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
-from .attention import _const_is, _is, the_parallel_for
+from .attention import _is, the_parallel_for
+from .canonicalize import is_const
 from .base import Pass, register
 from .tile import is_ragged_q_start
 from .rewrite import dce, region_dce
@@ -44,7 +45,7 @@ def split_mask(region: Block) -> tuple[Value, list[Value]]:
     conj: list[Value] = []
     while True:
         w = _is(y, "where")
-        if w is None or not _const_is(w.operands[2], -math.inf) or _depends_on(w.operands[0], s_arg):
+        if w is None or not is_const(w.operands[2], -math.inf) or _depends_on(w.operands[0], s_arg):
             break
         conj.append(w.operands[0])
         y = w.operands[1]

@@ -44,7 +44,8 @@ from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_op, replace_uses
 from ..ir.dims import Const
 from ..ir.types import TensorType, scalar
-from .attention import _const_is, _guard, _is, the_parallel_for
+from .attention import _guard, _is, the_parallel_for
+from .canonicalize import is_const
 from .base import Pass, register
 from .rewrite import dce
 
@@ -100,7 +101,7 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
         body_m = lm.regions[0]
         if mx is None or mx.operands[0] is not body_m.args[1] or not _is(mx.operands[1], "reduce_max"):
             continue
-        if not _const_is(lm.operands[2], -math.inf):
+        if not is_const(lm.operands[2], -math.inf):
             continue
         x_a = _is(mx.operands[1], "reduce_max").operands[0]  # type: ignore[union-attr]
         m_safe = next((u for u in block.ops if u.name == "where" and _guard(u.result, -math.inf, 0.0, lm.result)), None)

@@ -39,7 +39,8 @@ from ..ir.intervals import uses_data
 from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float, scalar
-from .attention import _const_is, _is
+from .attention import _is
+from .canonicalize import is_const
 from .mask_tiles import add_ranges, build_predicate, range_plan
 from .base import Pass, register
 
@@ -258,7 +259,7 @@ class TileBwd(Pass):
             return
         x = probs[0].operands[0].owner.operands[0]  # type: ignore[union-attr]
         conj: list[Value] = []
-        while (w := _is(x, "where")) is not None and _const_is(w.operands[2], -math.inf) and \
+        while (w := _is(x, "where")) is not None and is_const(w.operands[2], -math.inf) and \
                 _index_only(w.operands[0], func):
             conj.append(w.operands[0])
             x = w.operands[1]
