@@ -121,7 +121,8 @@ def parse_config(text: str) -> tuple:
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
     '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra
-    slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead); '-nolh'
+    slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead), '-sis' the run stored and read
+    while S is in flight (extra slice_in_s); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
     over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
     the last one second, ALiBi's default; '-norev' from the first up),
@@ -214,6 +215,7 @@ CONFIG_OPTIONS: list = [
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
     (("slr", {"slice_rows": True}), ("noslr", {"slice_rows": False})),
     (("sla", {"slice_ahead": True}),),
+    (("sis", {"slice_in_s": True}),),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),

@@ -91,6 +91,11 @@ CASES = {
     "pwg3-persist-relbias-slice": ("relbias", 250, 140, 64, (192, 128), {"schedule": "wgmma-ws",
                                                                         "producer": "warpgroup", "persistent": 1,
                                                                         "item_order": "dynamic"}),
+    # ... with each tile's run stored and synced while S is in flight (slice_in_s), a kv tile plus one
+    "pwg3-persist-relbias-sis-slice": ("relbias", 250, 129, 64, (192, 128), {"schedule": "wgmma-ws",
+                                                                            "producer": "warpgroup", "persistent": 1,
+                                                                            "item_order": "dynamic",
+                                                                            "slice_in_s": True}),
     # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state),
     # the run's loads a tile ahead (slice_ahead: an item's first tile's at its start, the next item's after the last)
     "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
@@ -158,7 +163,8 @@ def _record_visits(kern, q0: int) -> list:
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.backends.numba_cuda.emit_fa3_ws import col_mma, kv_reverse, slice_ahead, stmatrix_staging, tma_loads
+    from falower.backends.numba_cuda.emit_fa3_ws import (col_mma, kv_reverse, slice_ahead, slice_in_s, stmatrix_staging,
+                                                         tma_loads)
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -189,6 +195,7 @@ def run_case(case_id: str) -> dict:
             "tma_loads": kern.spec.extra.get("schedule") == "wgmma-ws" and tma_loads(kern.spec),
             "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
             "slice_ahead": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ahead(kern.spec),
+            "slice_in_s": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_in_s(kern.spec),
             "stmatrix": kern.spec.extra.get("schedule") == "wgmma-ws" and stmatrix_staging(kern.spec),
             "col_mma": kern.spec.extra.get("schedule") == "wgmma-ws" and col_mma(kern.spec),
             "col_words": "WG_SX(sc" in kern.source,

@@ -541,3 +541,29 @@ def test_row_slice_is_the_persistent_producer_kernels_default_and_only_its():
     assert "score_prefetch_fn(" not in src.split("def fa2_")[1]  # the run's loads are the kernel's own
     assert not emit_fa3_ws.row_slice(spec({"schedule": "wgmma-ws", "producer": "none"}))
     assert not emit_fa3_ws.row_slice(spec({**pwg, "gather_early": False}))
+
+
+def test_slice_in_s_stores_the_run_in_the_shadow_of_s():
+    """slice_in_s: on each path from S's issue to its wait (P V beside it or not) the run is stored and the
+    warpgroup synced before the wait; the 34 entries are read after it, once (held across the wait they spilled).
+    Off by default, and nothing without row_slice."""
+    import dataclasses
+    pwg = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
+
+    def spec(extra):
+        return dataclasses.replace(_spec(_example("relative_bias"), {**pwg, **extra}, D=64), block_q=192,
+                                   block_k=128)
+
+    assert not emit_fa3_ws.slice_in_s(spec({})) and not emit_fa3_ws.slice_in_s(spec({"row_slice": False,
+                                                                                     "slice_in_s": True}))
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec({"slice_in_s": True}))
+    loop = src[src.index("qk_wgmma(sc, q_wg, desc_word(HI_QK, k_base)"):]
+    waits = [loop.index("WAIT_S1(sc, 0)"), loop.index("WAIT_S(sc, 0)")]
+    stores = [m.start() for m in re.finditer(r"rsl\[np\.uint32\(sla(__\d+)? \+ \(ctid & 127\)\)\] = sv0", loop)]
+    syncs = [m.start() for m in re.finditer(r"bar_sync\(10 \+ cw, 128\)", loop)]
+    assert len(stores) == len(syncs) == 2 and stores[0] < syncs[0] < waits[0] < stores[1] < syncs[1] < waits[1]
+    reads = [m.start() for m in re.finditer(r"gl = score_pair_slice\(rsl, ", loop)]
+    assert len(reads) == 1 and reads[0] > max(waits)
+    default = emit_fa3_ws.emit_fa3_ws_forward(spec({}))
+    body = default[default.index("qk_wgmma(sc, q_wg, desc_word(HI_QK, k_base)"):]
+    assert body.index("bar_sync(10 + cw, 128)") > body.index("WAIT_S(sc, 0)")  # the default: after S's wait

@@ -74,6 +74,7 @@ def test_a_threads_row_pair_shares_its_table_loads(results, case):
         # its loads from the row kept for the item (slice_rows, the default), a tile ahead where asked
         assert r["calls"]["slice_load"] > 0 and r["calls"]["gather_slice_fn"] == 0, r
         assert r["slice_ahead"] == bool(extra.get("slice_ahead")), r
+        assert r["slice_in_s"] == bool(extra.get("slice_in_s")), r
         return
     assert rows > 0 and rows % 2 == 0 and pairs > rows // 2 and r["calls"]["score_pair_slice"] == 0, r
     assert r["early"] == (extra.get("schedule") == "wgmma-ws" and extra.get("gather_early") is not False), r

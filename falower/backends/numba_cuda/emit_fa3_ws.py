@@ -363,6 +363,15 @@ def slice_ahead(spec: FA2ForwardSpec) -> bool:
     return slice_rows(spec) and spec.extra.get("slice_ahead", False) is not False
 
 
+def slice_in_s(spec: FA2ForwardSpec) -> bool:
+    """Under `row_slice`, whether a tile's run is stored and synced while S is in flight (after S's and the P V's
+    issue, before the wait for S) rather than after S's wait, where the store and the warpgroup's barrier stood
+    between S's end and the softmax. The 34 shared loads stay after the wait (before it they were 34 registers more
+    beside S, O and P: the consumers spilled 316 bytes). Off; `extra["slice_in_s"]` = True asks for it (bench
+    '-sis')."""
+    return row_slice(spec) and spec.extra.get("slice_in_s", False) is not False
+
+
 def slice_start(spec: FA2ForwardSpec) -> int:
     """The run's first index relative to il(q_wg, kv0), the index at the warpgroup's first row and the tile's first
     column: min(0, 63 a) + min(0, (block_k - 1) k)."""
@@ -1624,7 +1633,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     H2 = BK // 2
     EARLY = gather_early(spec)
     RS = row_slice(spec)
-    SLR, SLA = slice_rows(spec), slice_ahead(spec)
+    SLR, SLA, SIS = slice_rows(spec), slice_ahead(spec), slice_in_s(spec)
     slice_load_fn = c.helper("slice_load", [
         "@device_function",
         "def slice_load(sl_a, e, sl_n, sl_s):",
@@ -1949,9 +1958,27 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
 
         qk = c.helper('qk_wgmma', qk_lines("qk_wgmma", "FENCE_S(sc, 0)", (("WG_S", 0, 0),)))
 
+        def slice_store() -> None:
+            """The warpgroup's run of the table for tile j into shared memory (row_slice): after S's wait, or in its
+            shadow (slice_in_s)."""
+            c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
+            c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
+            c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
+            c(f"bar_sync({slice_barrier(spec)} + cw, 128)  # the warpgroup's run of the table is in shared memory")
+            c("sl_par ^= 1")
+
+        def slice_read() -> None:
+            """The thread's 34 entries out of the run, after S's wait: read in its shadow they were 34 more registers
+            live beside S, O and P, and the consumers spilled (sass_local.py)."""
+            _, lo_off = pair_slice_offsets(spec)
+            a, k = row_gather_signs(spec)
+            c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
+            base = f"sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)}"
+            c(f"gl = score_pair_slice(rsl, {base})")
+
         def issue_and_wait(call: str, wait: str, wait1: str, ofs: int) -> None:
             """S's issue (`call`), the P V of tile j - 1 beside it, and the wait for S (`wait` / `wait1`, on the
-            accumulators at sc[ofs:])."""
+            accumulators at sc[ofs:]); the table's run stored before the wait under slice_in_s."""
             c(call)
             c("# one branch from the P V issue to the wait for S: split in two, ptxas sees a path where S is still "
               "in")
@@ -1966,6 +1993,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                     c("if fresh:  # the item's first tile: its rows' bounds read while S is in flight")
                     with c.indent():
                         emit_row_bounds(c, spec, raw="_raw")
+                if SIS:
+                    slice_store()
                 c(f"{wait1}(sc, {ofs})")
             c("else:")
             with c.indent():
@@ -1974,6 +2003,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 if LATE:
                     c("# the item's first tile: its rows' bounds read while S is in flight (bounds_in_s)")
                     emit_row_bounds(c, spec, raw="_raw")
+                if SIS:
+                    slice_store()
                 c(f"{wait}(sc, {ofs})")
 
         full = f"{qk}(sc, q_wg, desc_word(HI_QK, k_base){', cx_w, cx_d' if CM else ''})"
@@ -2017,16 +2048,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_loader_step(c, spec, lay, "k")
         c()
         if RS:
-            _, lo_off = pair_slice_offsets(spec)
-            a, k = row_gather_signs(spec)
-            c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
-            c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
-            c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
-            c(f"bar_sync({slice_barrier(spec)} + cw, 128)  # the warpgroup's run of the table is in shared memory")
-            c("sl_par ^= 1")
-            c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
-            base = f"sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)}"
-            c(f"gl = score_pair_slice(rsl, {base})")
+            if not SIS:
+                slice_store()
+            slice_read()
         _emit_need_mask(c, spec, tile_at(spec, "j"))
         if HALF:
             c("if hs != 3:")

@@ -59,8 +59,8 @@ KNOWN_EXTRAS = frozenset({
     "grad_groups", "half_tiles", "head_group", "hold_grads", "interior_split", "item_order", "keep_bits",
     "kv_group", "kv_major", "kv_reverse", "list_ahead", "list_head", "one_barrier", "opaque_desc", "overlap",
     "p_under_dp", "persistent", "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double", "q_in_regs",
-    "range_shared", "regs", "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead", "slice_rows",
-    "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
+    "range_shared", "regs", "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead", "slice_in_s",
+    "slice_rows", "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
     "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows", "ws_loads",
 })
 
