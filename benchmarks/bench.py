@@ -913,10 +913,19 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
 def config_matching(stem: str, cfg: tuple, inputs: tuple, o_auto) -> tuple[Optional[Any], float]:
     """examples/<stem>.py under tile config `cfg` (--ex-configs) and its output's largest difference from the
     automatic choice's `o_auto` on `inputs`; the compiled call is None (and the reason logged) where it failed or
-    its output differs by more than 2e-2 of O's scale: not timed. The difference is NaN where it failed."""
+    its output differs by more than 2e-2 of O's scale, or where it is the automatic choice with knobs ('auto-cm')
+    whose kernel the knobs' own kernel refused (the choice fell back to another schedule: timing that row would
+    time the fallback, not the knob): not timed. The difference is NaN where it failed."""
     tag = config_tag(cfg)
     try:
         cc = example_compiled_config(stem, cfg)
+        if cfg[0] == "auto":
+            got = cc.kernel(*inputs).spec.extra
+            refused = {k: v for k, v in cfg[1].items() if got.get(k) != v}
+            if refused:
+                log(f"  {stem} {tag}: the automatic choice refused {refused} (fell back to schedule "
+                    f"{got.get('schedule', 'mma')}): not timed")
+                return None, NAN
         diff = (cc.forward(*inputs)[0].float() - o_auto).abs().max().item()
     except Exception as exc:
         log(f"  {stem} {tag} failed: {type(exc).__name__}: {first_line(exc)}")

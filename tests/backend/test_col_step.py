@@ -128,8 +128,9 @@ def test_the_kernels_take_the_step(kernel):
     offset in softmax_row's max (before the quad's shuffles) and exponent; every softmax_row call passes it
     (col_row_offset: 0 under a steep step, read from the item's col_steep, not tested again a row) at the thread's
     first column. A steep step sends every tile through the masked path (col_steep, once an item), whose rows take
-    each element's exact score."""
-    src = _kernels(_example("alibi"))[kernel]
+    each element's exact score. (The warp-specialized kernel's default takes the step in S instead: col_mma,
+    test_the_product_takes_the_step.)"""
+    src = _kernels(_example("alibi"), {"col_mma": False})[kernel]
     score_row = _fn(src, "score_row")
     assert "score_raw_fn(" not in score_row and re.search(FFMA, score_row) and "if " not in score_row
     steep = f"abs(score_col_fn(b, h, cap_0_slopes, hz)) > np.float32({COL_STEP_MAX!r})"
@@ -152,8 +153,8 @@ def test_the_kernels_take_the_step(kernel):
     assert "score_raw_fn(" not in rest and "masked_col_score_fn(" in rest  # exact bounds, and mask_fn's path
 
 
-def test_the_product_takes_the_step_at_d64():
-    """emit_fa3_ws.col_mma (D = 64's default): S's wgmmas take one more k step from the item's A words and the
+def test_the_product_takes_the_step():
+    """emit_fa3_ws.col_mma (the default at D = 64 and 128): S's wgmmas take one more k step from the item's A words and the
     warpgroup's K block, score_row adds nothing, partial tiles the mask and a zero step, and softmax_row's row offset
     is taken at the tile's first column (kv0)."""
     src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none"}))
@@ -167,8 +168,11 @@ def test_the_product_takes_the_step_at_d64():
     body = src[src.index("cx_s = sb + "):]
     assert body.index("fence_proxy_async()") < body.index("bar_sync(") < body.index("cx_d = desc_word(HI_QK, cx_s)")
     assert re.search(r"cx_w(__\d+)? = np\.uint32\(0\) if col_steep(__\d+)? else col_words\(score_col_fn\(", src)
-    # the knob off, or D = 128's default: the FFMA
-    for x, D in (({"col_mma": False}, 64), ({}, 128)):
+    # the knob off: the FFMA; D = 128's default takes the product too
+    src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none"},
+                                                D=128))
+    assert "WG_SX(" in _fn(src, "qk_wgmma") and _fn(src, "score_row").split("\n")[1].strip() == "return"
+    for x, D in (({"col_mma": False}, 64), ({"col_mma": False}, 128)):
         src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none",
                                                                          **x}, D=D))
         assert "WG_SX" not in src and re.search(FFMA, _fn(src, "score_row"))

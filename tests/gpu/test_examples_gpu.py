@@ -240,8 +240,8 @@ def test_alibi_column_term(dtype, col_mma, slopes):
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_alibi_column_term_shared_block_d128(dtype):
-    """col_mma asked for at D = 128 (not the default there): the persistent kernel's 128 x 128 tiles take one K block
-    for both consumer warpgroups (emit_fa3_ws.col_shared), written under barrier 15, beside both Q buffers."""
+    """col_mma at D = 128 (the default there too): the persistent kernel's 128 x 128 tiles take one K block for both
+    consumer warpgroups (emit_fa3_ws.col_shared), written under barrier 15, beside both Q buffers."""
     from falower.backends.numba_cuda.emit_fa3_ws import col_mma as takes_product
     from falower.backends.numba_cuda.emit_fa3_ws import col_shared, q_double
 

@@ -270,14 +270,15 @@ def col_mma(spec: FA2ForwardSpec) -> bool:
     benchmarks/alibi_in_product_precision.py), and softmax_row's row offset r(q) + w kv0 is taken at the tile's
     first column. 1/4 more of QK^T's tensor work at D = 64. Where the step is steep (|w / scale| >
     emit_fa2.COL_STEP_MAX) the item's A words are zero and every tile takes the masked path's exact scores
-    (col_steep). Default at D = 64; `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench '-cm' /
-    '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a warpgroup would
+    (col_steep). Default at D = 64 and 128 (D = 128: +1.6% in 6 of 9 paired rounds and +4.4% in 12 of 15, H200
+    2026-11-30, the shared block below); `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench
+    '-cm' / '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a warpgroup would
     push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and with it the TMA
     loads and stores), one block serves them all (`col_shared`); where not even that fits, validate_spec refuses."""
     ask = spec.extra.get("col_mma", "auto")
     if ask is False or not col_step(spec) or half_tiles(spec):
         return False
-    return ask is True or (spec.head_dim == 64 and col_blocks_fit(spec))
+    return ask is True or (spec.head_dim in (64, 128) and col_blocks_fit(spec))
 
 
 def _blocks_keep_o(spec: FA2ForwardSpec, blocks: int) -> bool:
