@@ -910,6 +910,20 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     return out
 
 
+_KERNEL_FORM = ("schedule", "producer", "persistent")  # what an automatic choice's fallback changes
+
+
+def knobs_fell_back(knobs: dict, base: dict, got: dict) -> dict:
+    """{key: (default's, knobs')} of the kernel form (schedule, producer, persistence) that an 'auto-<knobs>' row's
+    kernel (spec.extra `got`) changed from the automatic choice's (`base`) without a knob asking for it: the choice
+    refused the knobs and fell back (plain's 'auto-cm' timed emit_fa3's kernel as the knob's). The knobs themselves
+    are in `got` either way (the fallback's spec carries the caller's extras), so they cannot tell. Knobs that ask
+    for a form themselves ('auto-p0': no persistence, which also takes the producer away) are taken as asked."""
+    if set(knobs) & set(_KERNEL_FORM):
+        return {}
+    return {k: (base.get(k), got.get(k)) for k in _KERNEL_FORM if got.get(k) != base.get(k)}
+
+
 def config_matching(stem: str, cfg: tuple, inputs: tuple, o_auto) -> tuple[Optional[Any], float]:
     """examples/<stem>.py under tile config `cfg` (--ex-configs) and its output's largest difference from the
     automatic choice's `o_auto` on `inputs`; the compiled call is None (and the reason logged) where it failed or
@@ -920,11 +934,11 @@ def config_matching(stem: str, cfg: tuple, inputs: tuple, o_auto) -> tuple[Optio
     try:
         cc = example_compiled_config(stem, cfg)
         if cfg[0] == "auto":
-            got = cc.kernel(*inputs).spec.extra
-            refused = {k: v for k, v in cfg[1].items() if got.get(k) != v}
-            if refused:
-                log(f"  {stem} {tag}: the automatic choice refused {refused} (fell back to schedule "
-                    f"{got.get('schedule', 'mma')}): not timed")
+            moved = knobs_fell_back(cfg[1], example_compiled(stem).kernel(*inputs).spec.extra,
+                                    cc.kernel(*inputs).spec.extra)
+            if moved:
+                log(f"  {stem} {tag}: the automatic choice refused {cfg[1]} and fell back "
+                    f"({', '.join(f'{k} {a} -> {b}' for k, (a, b) in moved.items())}): not timed")
                 return None, NAN
         diff = (cc.forward(*inputs)[0].float() - o_auto).abs().max().item()
     except Exception as exc:

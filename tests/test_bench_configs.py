@@ -178,3 +178,25 @@ def test_documents_must_be_positive():
                        text=True, timeout=60)
     assert r.returncode == 2 and "--documents must be at least 1, got 0" in r.stderr
     assert bench.DOCUMENTS == 8
+
+
+@pytest.mark.parametrize("stem,knobs,falls", [("plain", {"col_mma": True}, True), ("alibi", {"col_mma": False}, False),
+                                              ("plain", {"persistent": 0}, False)])
+def test_a_refused_knob_row_is_told_from_the_knobs_kernel(stem, knobs, falls, monkeypatch):
+    """'auto-<knobs>' rows: where falower.compile's automatic choice refuses the knobs (validate_spec: col_mma
+    without a column step) it falls back to another kernel whose spec still carries the knobs; bench must see the
+    fallback by the kernel's form and leave the row untimed, and time rows whose knobs the kernel took (a knob that
+    itself asks for another form, persistent 0, is not a fallback). Faked Hopper, D = 128, N = 4096."""
+    from falower.backends.numba_cuda import runtime
+
+    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+
+    def extra(**opts):
+        return bench.example_compiled(stem, **opts).specialize("f16", D=128, N=4096, M=4096).spec.extra
+
+    moved = bench.knobs_fell_back(knobs, extra(), extra(**knobs))
+    assert bool(moved) == falls, moved
+    if falls:
+        assert moved["schedule"] == ("wgmma-ws", "wgmma"), moved

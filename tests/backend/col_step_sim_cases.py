@@ -137,7 +137,8 @@ SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0],
 # has pairs inside the table and pairs with a row outside it. The other shift (+1, a table read at q + kv) and the
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
 PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
-         "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1, "pwg3-persist-relbias-slice": -1}
+         "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1, "pwg3-persist-relbias-slice": -1,
+         "pwg3-persist-relbias-sis-slice": -1}
 
 
 def _record_visits(kern, q0: int) -> list:
