@@ -122,7 +122,8 @@ def parse_config(text: str) -> tuple:
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
     '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra
     slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead), '-sis' the run stored and read
-    while S is in flight (extra slice_in_s); '-nolh'
+    while S is in flight (extra slice_in_s); '-l2h' the producer's TMA loads with L2 eviction priorities (extra
+    l2_hints); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
     over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
     the last one second, ALiBi's default; '-norev' from the first up),
@@ -224,6 +225,7 @@ CONFIG_OPTIONS: list = [
     (("notma", {"tma_store": False}),),
     (("stsm", {"stmatrix": True}), ("nostsm", {"stmatrix": False})),
     (("tmal", {"tma_loads": True}), ("notmal", {"tma_loads": False})),
+    (("l2h", {"l2_hints": True}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

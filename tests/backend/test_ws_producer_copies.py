@@ -183,3 +183,30 @@ def test_static_range_comes_with_the_ticket(stem, shared):
         body.index("while True:") < scans[1]
     assert "warp_uniform(tk_next)" in body and re.search(r"tile_class_fn\(b_hx(__\d+)?, h_hx", body)
     assert re.search(r"^\s*hr_2 = np\.int64\(nk_hx(__\d+)?\)  # then every tile is masked", body, re.M)
+
+
+@pytest.mark.parametrize("D,bq", [(128, 128), (64, 192)])
+def test_l2_hints_order_the_copies_eviction(D, bq):
+    """l2_hints (off by default): every TMA load of Q takes the evict-first policy and every K / V load the
+    evict-last one (`.L2::cache_hint`), and O's tensor stores evict first; without the knob, or without TMA loads,
+    no copy carries a hint."""
+    def src(**extra):
+        spec = dataclasses.replace(make_spec("causal", D, block_q=bq, block_k=128, num_warps=bq // 16 + 4),
+                                   extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
+                                          "item_order": "dynamic", **extra})
+        emit_fa3_ws.validate_spec(spec)
+        return emit_fa3_ws.emit_fa3_ws_forward(spec)
+
+    on = src(l2_hints=True)
+    kernel = on[on.index("\ndef fa2_"):]
+    loads = re.findall(r"tma_load_4d(_hint)?\((\w+)", kernel)
+    q = [ln for ln in re.findall(r"tma_load_4d\w*\([^\n]*", kernel) if "qmap_g" in ln]
+    kv = [ln for ln in re.findall(r"tma_load_4d\w*\([^\n]*", kernel) if "kmap_g" in ln or "vmap_g" in ln]
+    assert loads and q and kv and all(h for h, _ in loads)
+    assert all(ln.rstrip(")").endswith("q_pol") for ln in q) and all(ln.rstrip(")").endswith("kv_pol") for ln in kv)
+    stores = re.findall(r"tma_store_3d\w*\([^\n]*", kernel)
+    assert stores and all(ln.startswith("tma_store_3d_hint(") and "o_pol)" in ln for ln in stores)
+    assert "q_pol = l2_evict_first()" in kernel and "kv_pol = l2_evict_last()" in kernel
+    assert "o_pol = l2_evict_first()" in kernel
+    for off in (src(), *([src(l2_hints=True, tma_loads=False)] if bq == 128 else [])):  # 192 rows need TMA
+        assert "_hint(" not in off and "l2_evict" not in off[off.index("\ndef fa2_"):]

@@ -193,7 +193,11 @@ from falower.backends.numba_cuda.intrinsics import (
     syncwarp,
     tensormap_acquire,
     tma_load_4d,
+    tma_load_4d_hint,
+    l2_evict_first,
+    l2_evict_last,
     tma_store_3d,
+    tma_store_3d_hint,
 )
 '''
 
@@ -668,6 +672,16 @@ def tma_loads(spec: FA2ForwardSpec) -> bool:
     K and V by TMA loads made the default"), medians: plain +11%, +0.3%, +6%, +9%; the document +5%, +1.5%, +3%,
     +9%; causal and ALiBi within the noise either way (-5% to +5%)."""
     return spec.extra.get("tma_loads", True) is not False and spec.dtype in ("f16", "bf16") and q_double(spec)
+
+
+def l2_hints(spec: FA2ForwardSpec) -> bool:
+    """Under `tma_loads`, whether the producer's copies carry L2 eviction priorities (`.L2::cache_hint`): Q's lines
+    evict first (each Q tile is read once), K's and V's last (every q tile of the head reads them), and O's tensor
+    stores (tma_store) first. Why: ncu read
+    causal's D = 128 kernel taking ~370 MB from DRAM where Q, K, V and O are 268 MB (plain: ~260), so K and V were
+    read from DRAM again (benchmarks/NOTES.md, "where causal's 0.1 goes"). Off; `extra["l2_hints"]` = True asks for
+    it (bench '-l2h')."""
+    return tma_loads(spec) and spec.extra.get("l2_hints", False) is not False
 
 
 def stmatrix_staging(spec: FA2ForwardSpec) -> bool:
@@ -1147,6 +1161,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_load(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
             else:  # K, V: a tile inside N from the kept row addresses (an add a copy, not ~8 integer instructions)
                 _emit_load_inside(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
+    HINT = l2_hints(spec)
     if TMAL:
         for x in "qkv":
             c(f"{x}map_g = elem_addr({x}map, (0,))  # {x.upper()}'s tensor map in global memory (tma_loads)")
@@ -1154,6 +1169,9 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         with c.indent():
             for x in "qkv":
                 c(f"tensormap_acquire({x}map_g)")
+        if HINT:
+            c("q_pol = l2_evict_first()  # Q is read once: its lines go first (l2_hints)")
+            c("kv_pol = l2_evict_last()  # K and V are read by every q tile of the head: theirs last")
     c("stage = 0")
     c("phase = 0")
     QD = q_double(spec)
@@ -1168,8 +1186,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"mbar_arrive_expect_tx(q_bar, {BQ * D * 2})")
             for w in range(BQ // 64):
                 for hb in range(D // 64):
-                    c(f"tma_load_4d(q_buf + {w * lay['qwg'] + hb * 64 * 128}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, "
-                      "b, q_bar)")
+                    c(f"{'tma_load_4d_hint' if HINT else 'tma_load_4d'}(q_buf + {w * lay['qwg'] + hb * 64 * 128}, "
+                      f"qmap_g, {hb * 64}, q_lo + {w * 64}, h, b, q_bar{', q_pol' if HINT else ''})")
         c("else:  # the other producer threads are past the item's ticket: none can fall an item behind, where its")
         with c.indent():  # wait on the next ticket would alias a phase and its read race thread 0's next write
             c("mbar_arrive(q_bar)")
@@ -1207,8 +1225,9 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                       f"this stage's {what}")
                     c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
                     for hb in range(D // 64):
-                        c(f"tma_load_4d(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, {tile_at(spec, 'j')} * "
-                          f"{BK}, hk, b, sbar + {lay['full_' + x]})")
+                        c(f"{'tma_load_4d_hint' if HINT else 'tma_load_4d'}(k_dst{off} + {hb * BK * 128}, "
+                          f"{x}map_g, {hb * 64}, {tile_at(spec, 'j')} * {BK}, hk, b, sbar + {lay['full_' + x]}"
+                          f"{', kv_pol' if HINT else ''})")
         else:
             c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's "
               "K")
@@ -1553,6 +1572,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("if lane == 0:  # the lanes that store O by it")
         with c.indent():
             c("tensormap_acquire(omap_g)")
+        if l2_hints(spec):
+            c("o_pol = l2_evict_first()  # O is written once: its lines go first (l2_hints)")
 
     def zero_acc() -> None:
         c(f"for i in range({D // 2}):")
@@ -1751,8 +1772,12 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             with c.indent():
                 if TMA:
                     for hb in range(D // 64):
-                        c(f"tma_store_3d(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES})  # rows past M "
-                          "are not written")
+                        if l2_hints(spec):
+                            c(f"tma_store_3d_hint(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES}, o_pol)  # "
+                              "rows past M are not written")
+                        else:
+                            c(f"tma_store_3d(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES})  # rows past M "
+                              "are not written")
                 else:
                     c("ob_g = elem_addr(o, (ob_row * " + str(D // 2) + ",))")
                     for head, rows in (("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates",

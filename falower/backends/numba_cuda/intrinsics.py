@@ -1671,6 +1671,13 @@ else:
 #                                        out as the map's swizzle lays it, elements past the tensor's bounds zero; its
 #                                        bytes complete on the mbarrier at mbar (whose phase also waits for the bytes
 #                                        an mbar_arrive_expect_tx announced)
+#     tma_load_4d_hint(sdst, map, c0, c1, c2, c3, mbar, policy)
+#                                        tma_load_4d with .L2::cache_hint: the lines it reads take the L2 eviction
+#                                        priority of `policy` (a 64-bit cache policy: l2_evict_last / l2_evict_first)
+#     tma_store_3d_hint(map, c0, c1, c2, saddr, policy)
+#                                        tma_store_3d with .L2::cache_hint (its lines' eviction priority)
+#     l2_evict_last(), l2_evict_first()  createpolicy.fractional.L2::evict_last / evict_first.b64 (fraction 1.0):
+#                                        a cache policy for the hinted copies (the simulator: 0, no cache)
 #     tensormap_acquire(map)             fence.proxy.tensormap::generic.acquire.gpu on the map's 128 bytes: the
 #                                        tensor copies of this thread see the map as written before the launch
 # Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
@@ -1702,6 +1709,10 @@ __all__ += [
     "bulk_wait_read0",
     "tma_store_3d",
     "tma_load_4d",
+    "tma_load_4d_hint",
+    "tma_store_3d_hint",
+    "l2_evict_last",
+    "l2_evict_first",
     "tensormap_acquire",
     "sim_tensor_map",
     "SIM_MAP_MAGIC",
@@ -2014,6 +2025,20 @@ if SIMULATOR:
         with bar.cond:
             bar.loads.append((_block_smem().view(np.uint8), sdst, data))
 
+    def tma_load_4d_hint(sdst, maddr, c0, c1, c2, c3, mbar, policy):
+        """tma_load_4d: the simulator has no L2 whose eviction the policy would order."""
+        tma_load_4d(sdst, maddr, c0, c1, c2, c3, mbar)
+
+    def tma_store_3d_hint(maddr, c0, c1, c2, saddr, policy):
+        """tma_store_3d: the simulator has no L2 whose eviction the policy would order."""
+        tma_store_3d(maddr, c0, c1, c2, saddr)
+
+    def l2_evict_last():
+        return np.uint64(0)
+
+    def l2_evict_first():
+        return np.uint64(0)
+
     def bulk_commit():
         for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():
             copy[3] = True
@@ -2106,6 +2131,29 @@ else:
         "tma_load_4d", "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [$0], "
         "[$1, {$2, $3, $4, $5}], [$6];", 7,
         arg_types=(_U32, types.uint64, types.int32, types.int32, types.int32, types.int32, _U32))
+    tma_load_4d_hint = _addr_asm(  # tma_load_4d whose lines take the L2 eviction priority of the policy $7
+        "tma_load_4d_hint", "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".L2::cache_hint [$0], [$1, {$2, $3, $4, $5}], [$6], $7;", 8,
+        arg_types=(_U32, types.uint64, types.int32, types.int32, types.int32, types.int32, _U32, types.uint64))
+
+    tma_store_3d_hint = _addr_asm(  # tma_store_3d whose lines take the L2 eviction priority of the policy $5
+        "tma_store_3d_hint", "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [$0, {$1, $2, "
+        "$3}], [$4], $5;", 6, arg_types=(types.uint64, types.int32, types.int32, types.int32, _U32, types.uint64))
+
+    def _policy(name: str, priority: str):
+        @intrinsic
+        def policy(typingctx):
+            def codegen(context, builder, sig, args):
+                return _asm(context, builder, f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l", [],
+                            [types.uint64], side_effect=False)
+
+            return types.uint64(), codegen
+
+        policy.__name__ = name
+        return policy
+
+    l2_evict_last = _policy("l2_evict_last", "evict_last")
+    l2_evict_first = _policy("l2_evict_first", "evict_first")
     tensormap_acquire = _addr_asm("tensormap_acquire", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", 1,
                                   arg_types=(types.uint64,))
 

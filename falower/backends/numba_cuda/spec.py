@@ -57,7 +57,7 @@ KNOWN_EXTRAS = frozenset({
     "col_step", "dk_after_dq", "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws",
     "dq_ws_slabs", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "gather_early", "grad_dist",
     "grad_groups", "half_tiles", "head_group", "hold_grads", "interior_split", "item_order", "keep_bits",
-    "kv_group", "kv_major", "kv_reverse", "list_ahead", "list_head", "one_barrier", "opaque_desc", "overlap",
+    "kv_group", "kv_major", "kv_reverse", "l2_hints", "list_ahead", "list_head", "one_barrier", "opaque_desc", "overlap",
     "p_under_dp", "persistent", "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double", "q_in_regs",
     "range_shared", "regs", "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead", "slice_in_s",
     "slice_rows", "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
