@@ -114,7 +114,7 @@ def parse_config(text: str) -> tuple:
     consumer warpgroups without ping-pong turns (extra pingpong); '-nowalk' their kv loop searching and
     classifying tiles by tile_class_fn under every static mask (extra walk); '-nocs' the score's per-element
     score_raw_fn where it has a column step (extra col_step: ALiBi), '-cm' / '-nocm' the warp-specialized kernel's
-    column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64); '-nokb' a partial
+    column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64 and 128); '-nokb' a partial
     tile's row under exact row bounds masked by two compares an element, not a word of bits (extra keep_bits);
     '-norg' its clamped gather per element where a row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
     a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
@@ -606,6 +606,9 @@ def example_compiled_config(stem: str, cfg: tuple):
 
     key = ("example-config", stem, config_tag(cfg))
     if cfg[0] == "auto":  # the automatic choice with knobs
+        if cfg[1].get("eager"):
+            raise ValueError("'-eager' changes the pipeline, which the automatic choice keeps: give a tile config "
+                             "(e.g. 128x128w8-wsn-eager)")
         return example_compiled(stem, **cfg[1])
     if key not in _COMPILED:
         bq, bk, nw = cfg[:3]
@@ -915,15 +918,27 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
 _KERNEL_FORM = ("schedule", "producer", "persistent")  # what an automatic choice's fallback changes
 
 
-def knobs_fell_back(knobs: dict, base: dict, got: dict) -> dict:
-    """{key: (default's, knobs')} of the kernel form (schedule, producer, persistence) that an 'auto-<knobs>' row's
-    kernel (spec.extra `got`) changed from the automatic choice's (`base`) without a knob asking for it: the choice
-    refused the knobs and fell back (plain's 'auto-cm' timed emit_fa3's kernel as the knob's). The knobs themselves
-    are in `got` either way (the fallback's spec carries the caller's extras), so they cannot tell. Knobs that ask
-    for a form themselves ('auto-p0': no persistence, which also takes the producer away) are taken as asked."""
-    if set(knobs) & set(_KERNEL_FORM):
-        return {}
-    return {k: (base.get(k), got.get(k)) for k in _KERNEL_FORM if got.get(k) != base.get(k)}
+def knobs_refused(knobs: dict, base, got: dict) -> str:
+    """Why an 'auto-<knobs>' row's kernel (spec.extra `got`) is not the automatic choice's kernel (spec `base`)
+    with the knobs, or "": the choice's form (schedule, producer, persistence) with the knobs fails validate_spec,
+    and the kernel built is another form (the fallback; plain's 'auto-cm' timed emit_fa3's kernel as the knob's).
+    The knobs are in `got` either way (the fallback's spec carries the caller's extras), so they cannot tell; nor
+    can a change of form alone, which the choice also makes for cost after validation (persistent_pays: the
+    relative bias at D = 128 under '-notmal' is one block an item by design). Backward knobs leave the forward as
+    it is."""
+    import dataclasses
+
+    from falower.backends.numba_cuda import emit_fa3
+    from falower.backends.numba_cuda.spec import forward_extra
+
+    fwd = forward_extra(knobs)
+    if not fwd or all(got.get(k) == base.extra.get(k) for k in _KERNEL_FORM):
+        return ""
+    try:
+        emit_fa3.validate_spec(dataclasses.replace(base, extra={**base.extra, **fwd}))
+    except ValueError as exc:
+        return f"{first_line(exc)} (ran {', '.join(f'{k} {got.get(k)}' for k in _KERNEL_FORM)})"
+    return ""
 
 
 def config_matching(stem: str, cfg: tuple, inputs: tuple, o_auto) -> tuple[Optional[Any], float]:
@@ -936,11 +951,10 @@ def config_matching(stem: str, cfg: tuple, inputs: tuple, o_auto) -> tuple[Optio
     try:
         cc = example_compiled_config(stem, cfg)
         if cfg[0] == "auto":
-            moved = knobs_fell_back(cfg[1], example_compiled(stem).kernel(*inputs).spec.extra,
-                                    cc.kernel(*inputs).spec.extra)
-            if moved:
-                log(f"  {stem} {tag}: the automatic choice refused {cfg[1]} and fell back "
-                    f"({', '.join(f'{k} {a} -> {b}' for k, (a, b) in moved.items())}): not timed")
+            why = knobs_refused(cfg[1], example_compiled(stem).kernel(*inputs).spec,
+                                cc.kernel(*inputs).spec.extra)
+            if why:
+                log(f"  {stem} {tag}: the automatic choice refused {cfg[1]} and fell back: {why}; not timed")
                 return None, NAN
         diff = (cc.forward(*inputs)[0].float() - o_auto).abs().max().item()
     except Exception as exc:

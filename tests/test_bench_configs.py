@@ -181,22 +181,24 @@ def test_documents_must_be_positive():
 
 
 @pytest.mark.parametrize("stem,knobs,falls", [("plain", {"col_mma": True}, True), ("alibi", {"col_mma": False}, False),
-                                              ("plain", {"persistent": 0}, False)])
+                                              ("relative_bias", {"tma_loads": False}, False),
+                                              ("plain", {"bwd_schedule": "mma"}, False)])
 def test_a_refused_knob_row_is_told_from_the_knobs_kernel(stem, knobs, falls, monkeypatch):
     """'auto-<knobs>' rows: where falower.compile's automatic choice refuses the knobs (validate_spec: col_mma
     without a column step) it falls back to another kernel whose spec still carries the knobs; bench must see the
-    fallback by the kernel's form and leave the row untimed, and time rows whose knobs the kernel took (a knob that
-    itself asks for another form, persistent 0, is not a fallback). Faked Hopper, D = 128, N = 4096."""
+    refusal and leave the row untimed, and time rows whose knobs the kernel took, also where the choice then
+    changed the form for cost (the relative bias without TMA loads at D = 128: one block an item, persistent_pays)
+    or the knob is the backward's. Faked Hopper, D = 128, N = 4096."""
     from falower.backends.numba_cuda import runtime
 
     monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
     monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
     monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
 
-    def extra(**opts):
-        return bench.example_compiled(stem, **opts).specialize("f16", D=128, N=4096, M=4096).spec.extra
+    def spec(**opts):
+        return bench.example_compiled(stem, **opts).specialize("f16", D=128, N=4096, M=4096).spec
 
-    moved = bench.knobs_fell_back(knobs, extra(), extra(**knobs))
-    assert bool(moved) == falls, moved
+    why = bench.knobs_refused(knobs, spec(), spec(**knobs).extra)
+    assert bool(why) == falls, why
     if falls:
-        assert moved["schedule"] == ("wgmma-ws", "wgmma"), moved
+        assert "col_mma" in why and "schedule wgmma" in why, why

@@ -112,11 +112,11 @@ CASES = {
     # (col_mma), two items a block, M != N, the last q and kv tiles ragged
     "pwg3-persist-causal": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
                                                                  "persistent": 1, "item_order": "dynamic"}),
-    # D = 128 on the persistent kernel's 128 x 128 tiles with the product asked for: one K block for both consumer
-    # warpgroups (col_shared: a block each would take the second Q buffer's room), written under barrier 15
+    # D = 128 on the persistent kernel's 128 x 128 tiles with the product (its default there too): one K block for
+    # both consumer warpgroups (col_shared: a block each would take the second Q buffer's room), under barrier 15
     "pwg-persist-causal-d128-cm": ("causal", 150, 140, 128, (128, 128), {"schedule": "wgmma-ws",
                                                                          "producer": "warpgroup", "persistent": 1,
-                                                                         "item_order": "dynamic", "col_mma": True}),
+                                                                         "item_order": "dynamic"}),
     # ... at sizes where bugs hide: a kv tile plus one (the second kv tile holds one column: the K block's rows 1 ..
     # 127 meet only masked columns) under one ragged q tile of 130 rows, the third warpgroup's rows past M; and two
     # rows against two columns

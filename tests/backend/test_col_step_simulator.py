@@ -34,9 +34,9 @@ def test_the_column_step_matches_the_reference(results, case):
     assert r["schedule"] == want, r
     assert r["tma_loads"] == (CASES[case][5].get("producer") == "warpgroup"), r
     assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
-    # the column term in S = Q K^T: the warp-specialized kernel's default at D = 64 (emit_fa3_ws.col_mma)
-    ws64 = want == "wgmma-ws" and CASES[case][3] == 64 and CASES[case][0] != "relbias"
-    assert r["col_mma"] == r["col_words"] == CASES[case][5].get("col_mma", ws64), r
+    # the column term in S = Q K^T: the warp-specialized kernel's default at D = 64 and 128 (emit_fa3_ws.col_mma)
+    ws = want == "wgmma-ws" and CASES[case][3] in (64, 128) and CASES[case][0] != "relbias"
+    assert r["col_mma"] == r["col_words"] == CASES[case][5].get("col_mma", ws), r
     # the kept epilogue's rows of O by stmatrix (the persistent producer kernel's default) or a word at a time
     stsm, words = r["calls"]["stage_rows_stsm"], r["calls"]["stage_row_z_box"]
     assert (stsm > 0 and words == 0) if r["stmatrix"] else stsm == 0, r

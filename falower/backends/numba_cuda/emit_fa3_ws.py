@@ -1943,7 +1943,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c(f"pv_base = sb + {KV + T} + pstage * {2 * T}")
         if RS:
             c("# this warpgroup's run of the table for the tile (row_slice), two entries a thread, loaded before the")
-            c("# waits for K and S and stored once S is done")
+            c("# waits for K and S and stored " + ("while S is in flight (slice_in_s)" if SIS else "once S is done"))
             if SLA:  # loaded a tile ahead: this tile's came with the last one (or the item's start)
                 c("sv0 = sv0n")
                 c("sv1 = sv1n")
