@@ -170,7 +170,11 @@ SLOW_WARP_SECONDS = 0.2
 # producer "none" passed by hand, 2026-11-27, o_err 6.1e-4, cut for CI time); and on three consumer warpgroups
 # (192 x 128 tiles: batch row 1's second q tile, rows 192-199, all padding). id: (M, N, blocks, producer, tiles)
 COMPILED_CASES = {"ws-pwg-document-persist": (130, 130, 3, "warpgroup", (128, 32)),
-                  "ws3-pwg-document-persist": (200, 200, 3, "warpgroup", (192, 128))}
+                  "ws3-pwg-document-persist": (200, 200, 3, "warpgroup", (192, 128)),
+                  # ... with each item's epilogue at its own end (epilogue_in_s off, the softcap's default): the item
+                  # with no kv tile stages its zeros through its own Q tile, whose address the kv loop it never ran
+                  # would have set (it took the item before's, in the other Q buffer)
+                  "ws-pwg-document-persist-noes": (130, 130, 3, "warpgroup", (128, 32), {"epilogue_in_s": False})}
 RING_CASES = {"ring-2stages": (2, 7, 2), "ring-3stages": (3, 5, 2), "ring-3wg": (2, 5, 3)}  # (stages, tiles, consumer
 # warpgroups: three take turns 0 -> 1 -> 2 -> 0, emit_fa3_ws at block_q 192)
 # Static masks with row bounds through falower.compile, where the ws kernel walks [kv_first, kv_last] and takes a
@@ -420,7 +424,7 @@ def run_compiled_case(case_id: str) -> dict:
     import falower as fl
     from falower.passes.check import Reference, bind_dims
 
-    M, N, blocks, prod, (bq, bk) = COMPILED_CASES[case_id]
+    M, N, blocks, prod, (bq, bk), *more = COMPILED_CASES[case_id]
     g = example_graph("document")
     B, H, D = 2, 2, 64
     env = bind_dims(g, {"B": B, "H": H, "M": M, "N": N, "D": D})
@@ -433,7 +437,7 @@ def run_compiled_case(case_id: str) -> dict:
     ref = Reference.build(g, env, inputs=[x.astype(np.float64) if i < 3 else x for i, x in enumerate(inputs)])
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma",
                    extra={"schedule": "wgmma-ws", "producer": prod, "persistent": blocks,
-                          **({"item_order": "dynamic"} if prod == "warpgroup" else {})})
+                          **({"item_order": "dynamic"} if prod == "warpgroup" else {}), **(more[0] if more else {})})
     from falower.backends.numba_cuda.emit_fa3_ws import list_head_shared
 
     spec = c.kernel(*inputs).spec

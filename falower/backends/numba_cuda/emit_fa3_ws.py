@@ -2195,6 +2195,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         last_pv()
         c()
         if QD:  # through the warpgroup's own Q tile, then that Q buffer is free
+            c(f"q_wg = sb + (qk & 1) * {lay['q1']} + cw * {QWG}  # this warpgroup's own Q tile in the item's buffer "
+              "(set again: an item with no kv tile never ran the loop that sets it)")
             _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
                                   f"bar_sync({EPI} + cw, 128)  # the warpgroup's rows are in shared memory",
                                   f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is past its last S: "
