@@ -233,7 +233,7 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
                    "loop_cycles", "k0_wait_cycles", "first_tile_cycles", "kept_epilogue_cycles", "kept_barrier_cycles",
-                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles")
+                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles", "turn_wait_cycles")
 # inside the kept epilogue's block: the line after which its barrier has been passed, its rows are staged,
 # (bulk_store) the copies' operands are made uniform (their redux: the copies follow), and lane 0 (thread 0 stamps)
 # has issued and committed the copies
@@ -252,7 +252,8 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     had not loaded ahead across the item's start), the loop's cycles, its first tile's (from Q landed) and, under
     epilogue_in_s, the kept epilogue's block in the loop (from its first line to its last: the tiles that skip it
     add nothing), and inside it the cycles to its first barrier passed, to its rows staged, (bulk_store) to its
-    copies' operands made uniform and to lane 0's copies issued (KEPT_MARKS); thread 0 of each consumer warpgroup
+    copies' operands made uniform and to lane 0's copies issued (KEPT_MARKS), and the cycles the ping-pong's turn
+    barrier held it (summed over its tiles: the other warpgroups' turns on the tensor cores); thread 0 of each consumer warpgroup
     writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS); `warpgroups`, the
     kernel's consumer warpgroups (3 at block_q 192)."""
     lines, start, _, _ = _kernel_body(source, name)
@@ -282,6 +283,11 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
                     out += [f"{ind(ln)}if tl_f:", f"{ind(ln)}    tl_wk0 = clock64() - tl_c0", f"{ind(ln)}tl_f = False"]
                 found.add(f"wait_{tag}")
                 ln = None
+        if ln is not None and i > consumers and "# this warpgroup's turn on the tensor cores" in ln \
+                and "record" not in found:  # the ping-pong's wait for this warpgroup's turn, a tile
+            out += [f"{ind(ln)}tl_c3 = clock64()", ln, f"{ind(ln)}tl_wt += clock64() - tl_c3"]
+            found.add("turn")
+            ln = None
         if ln is None:
             continue
         # inside the block (its first and after its last line): the tiles that skip it add nothing
@@ -309,6 +315,7 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
                     f"{sp}    tl_buf[tl_i + 10] = np.uint64(tl_c1)",
                     f"{sp}    tl_buf[tl_i + 11] = np.uint64(tl_ep)",
                     *(f"{sp}    tl_buf[tl_i + {12 + n}] = np.uint64({v})" for n, v in enumerate(KEPT_VARS)),
+                    f"{sp}    tl_buf[tl_i + {12 + len(KEPT_VARS)}] = np.uint64(tl_wt)",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -320,13 +327,15 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
             out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
                     f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
                     f"{sp}tl_f = False", f"{sp}tl_c1 = tl_wk", f"{sp}tl_f1 = False", f"{sp}tl_ep = tl_wk",
-                    f"{sp}tl_c2 = tl_wk", *(f"{sp}{v} = tl_wk" for v in KEPT_VARS),
+                    f"{sp}tl_c2 = tl_wk", *(f"{sp}{v} = tl_wk" for v in KEPT_VARS), f"{sp}tl_wt = tl_wk",
+                    f"{sp}tl_c3 = tl_wk",
                     f"{sp}tl_cq = clock64()",
                     f"{sp}tl_cle = tl_cq"]
             found.add("init")
         if i > consumers and ln.strip() == "break" and "start" not in found:
             sp = ind(lines[i - 1])
-            out += [f"{sp}tl_s = global_timer()", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk"]
+            out += [f"{sp}tl_s = global_timer()", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk",
+                    f"{sp}tl_wt = tl_wk"]
             found.add("start")
         if i > consumers and "# Q has landed" in ln and "q" not in found:
             sp = ind(ln)
@@ -347,7 +356,8 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
             found.add("loop_end")
     if "kept" in found and not {"tl_eb", "tl_es"} <= found:
         raise SystemExit(f"timeline: the kept epilogue's barrier or staging not found: {found}")
-    if found - {"kept", *KEPT_VARS} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v", "first"}:
+    if found - {"kept", "turn", *KEPT_VARS} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v",
+                                                 "first"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -390,8 +400,11 @@ def summarize_producer(t: np.ndarray) -> dict:
         waits["kept_epilogue_cycles"] = float(np.median(rows[kept, 11])) if kept.any() else 0.0
         if t.shape[-1] >= 15:  # inside it: to its first barrier passed, its rows staged, its copies' redux done and
             # (16 fields) lane 0's copies issued
-            for col, name in enumerate(PRODUCER_FIELDS[12:t.shape[-1]], 12):
+            for col, name in enumerate(PRODUCER_FIELDS[12:min(t.shape[-1], 16)], 12):
                 waits[name] = float(np.median(rows[kept, col])) if kept.any() else 0.0
+    if t.shape[-1] >= 17 and len(rows):  # the ping-pong's turn waits (0 without turns), a tile and a share
+        waits["turn_wait_cycles_per_tile"] = float(np.median(rows[:, 16] / rows[:, 5]))
+        waits["turn_wait_share"] = float(rows[:, 16].sum() / max(rows[:, 8].sum(), 1.0))
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}

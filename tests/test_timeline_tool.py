@@ -184,6 +184,11 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
     first = loop[loop.index("\n", loop.index("# Q has landed")):]
     j0 = first.split("j = ", 1)[1].split("\n", 1)[0]
     assert f"tl_nt = " in out and f" - {j0} + 1" in out
+    # the ping-pong's turn barrier bracketed, a tile; recorded after the kept epilogue's marks
+    turn = out.index("# this warpgroup's turn on the tensor cores", consumers)
+    assert out.rindex("tl_c3 = clock64()", 0, turn) > out.rindex("\n", 0, turn) - 200
+    assert out.index("tl_wt += clock64() - tl_c3", turn) < out.index("\n", out.index("\n", turn) + 1)
+    assert out.index("tl_buf[tl_i + 16] = np.uint64(tl_wt)") > at[-1]
     with pytest.raises(SystemExit, match="anchors not found"):
         timeline.stamped_producer_source(src.replace("# K_j has landed", "#"), spec.name)
 
@@ -198,7 +203,7 @@ def test_the_producer_summary_reads_the_stamps():
             q = now + 250
             le = q + 500 + 2000 * tiles
             t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles, 300 + 100 * k,
-                        4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k, 1300 * k]
+                        4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k, 1300 * k, 500 * tiles]
             now = le + 1000 + 750
     s = timeline.summarize_producer(t)
     assert s["items"] == 4 and s["q_wait_us"] == pytest.approx(0.25) and s["epilogue_us"] == pytest.approx(1.0)
@@ -212,6 +217,7 @@ def test_the_producer_summary_reads_the_stamps():
     assert s["first_tile_cycles"] == pytest.approx(4500) and s["kept_epilogue_cycles"] == pytest.approx(1500)
     assert s["kept_barrier_cycles"] == pytest.approx(400) and s["kept_staged_cycles"] == pytest.approx(900)
     assert s["kept_redux_cycles"] == pytest.approx(1100) and s["kept_issued_cycles"] == pytest.approx(1300)
+    assert s["turn_wait_cycles_per_tile"] == pytest.approx(500) and s["turn_wait_share"] == pytest.approx(0.25)
 
 
 def test_a_floor_experiment_replaces_every_occurrence_or_says_why_not():
