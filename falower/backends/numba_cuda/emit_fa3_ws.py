@@ -373,9 +373,8 @@ def slice_in_s(spec: FA2ForwardSpec) -> bool:
     issue, before the wait for S) rather than after S's wait, where the store and the warpgroup's barrier stood
     between S's end and the softmax. The 34 shared loads stay after the wait (before it they were 34 registers more
     beside S, O and P: the consumers spilled 316 bytes). Measured (H200, 2026-11-30, 9 paired rounds): 0.990 of the
-    default at D = 64 and 0.959 at D = 128; a warpgroup barely waits for its turn (timeline: <1% of a tile), so
-    what sits between S's wait and the softmax is not what the tile waits on. Off; `extra["slice_in_s"]` = True
-    asks for it (bench '-sis')."""
+    default at D = 64 and 0.959 at D = 128 (no gain; why the store and barrier in S's shadow cost as much as after
+    it is not established). Off; `extra["slice_in_s"]` = True asks for it (bench '-sis')."""
     return row_slice(spec) and spec.extra.get("slice_in_s", False) is not False
 
 
