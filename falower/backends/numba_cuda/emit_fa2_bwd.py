@@ -855,15 +855,8 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"for c0 in range(0, {BQ}, {QC}):")
                 with c.indent():
                     c("cuda.syncthreads()  # everyone is done with the previous rows")
-                    c(f"for e in range(tid, {QC * D}, {BK}):")
-                    with c.indent():
-                        c(f"r = e // {D}")
-                        c(f"d = e % {D}")
-                        c("row = min(q0 + c0 + r, M - 1)")
-                        c(f"a = {load.format('q[qg + row * q_sm + d]')}")
-                        c(f"a2 = {load.format('do[dog + row * do_sm + d]')}")
-                        c("q_s[r, d] = a if q0 + c0 + r < M else ZERO")
-                        c("do_s[r, d] = a2 if q0 + c0 + r < M else ZERO")
+                    _emit_stage_rows(c, QC, D, BK, "q0 + c0", "M", load,
+                                     (("q_s", "q[qg + row * q_sm + d]"), ("do_s", "do[dog + row * do_sm + d]")))
                     c(f"for e in range(tid, {QC}, {BK}):")
                     with c.indent():
                         c("row = min(q0 + c0 + e, M - 1)")
@@ -913,6 +906,23 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"dk[(kv_head + kvi) * {D} + d] = {store.format('dk_r[d]')}")
                 c(f"dv[(kv_head + kvi) * {D} + d] = {store.format('dv_r[d]')}")
     return c.text()
+
+
+def _emit_stage_rows(c: _Code, n: int, D: int, step: int, row0: str, limit: str, load: str,
+                     arrays: tuple[tuple[str, str], ...]) -> None:
+    """The SIMT kernels' chunk of rows row0 .. row0 + n - 1 of two arrays into shared memory (Q and dO, or K and
+    V), `step` threads striding over its n x D elements: each read at its row clamped below `limit`, stored as zero
+    past it. `arrays`: (shared array, global element read of `row` and `d`) each, `load` its conversion to f32."""
+    c(f"for e in range(tid, {n * D}, {step}):")
+    with c.indent():
+        c(f"r = e // {D}")
+        c(f"d = e % {D}")
+        c(f"row = min({row0} + r, {limit} - 1)")
+        names = ("a", "a2")
+        for name, (_, src) in zip(names, arrays):
+            c(f"{name} = {load.format(src)}")
+        for name, (dst, _) in zip(names, arrays):
+            c(f"{dst}[r, d] = {name} if {row0} + r < {limit} else ZERO")
 
 
 def _simt_chunk(spec: FA2BackwardSpec) -> int:
@@ -1284,15 +1294,8 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
             c(f"for c0 in range(0, {BK}, {KC}):")
             with c.indent():
                 c("cuda.syncthreads()")
-                c(f"for e in range(tid, {KC * D}, {BQ}):")
-                with c.indent():
-                    c(f"r = e // {D}")
-                    c(f"d = e % {D}")
-                    c("row = min(kv0 + c0 + r, N - 1)")
-                    c(f"a = {load.format('k[kg + row * k_sm + d]')}")
-                    c(f"a2 = {load.format('v[vg + row * v_sm + d]')}")
-                    c("k_s[r, d] = a if kv0 + c0 + r < N else ZERO")
-                    c("v_s[r, d] = a2 if kv0 + c0 + r < N else ZERO")
+                _emit_stage_rows(c, KC, D, BQ, "kv0 + c0", "N", load,
+                                 (("k_s", "k[kg + row * k_sm + d]"), ("v_s", "v[vg + row * v_sm + d]")))
                 c("cuda.syncthreads()")
                 c(f"for r in range({KC}):")
                 with c.indent():
