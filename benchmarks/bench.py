@@ -123,7 +123,8 @@ def parse_config(text: str) -> tuple:
     '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra
     slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead), '-sis' the run stored and read
     while S is in flight (extra slice_in_s); '-l2h' the producer's TMA loads with L2 eviction priorities (extra
-    l2_hints); '-nolh'
+    l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the item's full tiles inside N (extra
+    class32); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
     over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
     the last one second, ALiBi's default; '-norev' from the first up),
@@ -226,6 +227,7 @@ CONFIG_OPTIONS: list = [
     (("stsm", {"stmatrix": True}), ("nostsm", {"stmatrix": False})),
     (("tmal", {"tma_loads": True}), ("notmal", {"tma_loads": False})),
     (("l2h", {"l2_hints": True}),),
+    (("c32", {"class32": True}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

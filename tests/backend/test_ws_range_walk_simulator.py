@@ -8,6 +8,8 @@ emitted source, which says where tile_class_fn is still evaluated."""
 
 from __future__ import annotations
 
+import re
+import runpy
 import sys
 from pathlib import Path
 
@@ -40,8 +42,6 @@ def test_walking_the_range_matches_the_reference(results, case):
 
 
 def _ws_source(example: str) -> str:
-    import runpy
-
     import falower as fl
 
     g = runpy.run_path(str(HERE.parents[1] / "examples" / f"{example}.py"))["graph"]
@@ -57,6 +57,31 @@ def test_the_kv_loop_does_not_classify_tiles(example):
     assert "kf_first" in src and "warp_sum(" in src
     assert "tile_class_fn(" not in body and "next_tile(" not in src
     assert "jn = j + 1" in body and "(2 if kf_first <= j and j <= kf_last else 1)" in body
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_class32_is_one_unsigned_compare_against_the_items_full_tiles(persistent):
+    """class32 (off by default): need_mask compares j - kf_first, in 32 bits, with kf_n, the item's full tiles
+    inside N (set once an item, beside kf_first / kf_last: after the scan, or where the producer's range is handed
+    over); the kv loop keeps no 64-bit class nor the N bound. The simulator's walk-causal-c32 cases hold its
+    numbers, the ragged last tile full by the mask among them."""
+    import falower as fl
+
+    g = runpy.run_path(str(HERE.parents[1] / "examples" / "causal.py"))["graph"]
+    form = {"producer": "warpgroup", "persistent": 132, "item_order": "dynamic"} if persistent else \
+        {"producer": "none"}
+    src = fl.compile(g, "numba-cuda", extra={"schedule": "wgmma-ws", **form, "class32": True}).specialize(
+        "f16", D=128).source
+    loops = src.split("while j <= kv_last")
+    consumer = loops[-1]
+    need = re.findall(r"need_mask(?:__\d+)? = (.*)", consumer)
+    assert need and all(re.fullmatch(r"np\.uint32\(np\.int32\(j\) - np\.int32\(kf_first(__\d+)?\)\) >= "
+                                     r"np\.uint32\(kf_n(__\d+)?\)", n) for n in need), need
+    bk = re.search(r"kv0(?:__\d+)? = j \* (\d+)", consumer).group(1)
+    sets = re.findall(rf"kf_n(?:__\d+)? = np\.int32\(max\(min\(kf_last(?:__\d+)?, N // {bk} - 1\) - kf_first", src)
+    assert sets and not re.search(r"kf_n(__\d+)? = ", consumer), sets  # once an item, not in the kv loop
+    default = fl.compile(g, "numba-cuda", extra={"schedule": "wgmma-ws", **form}).specialize("f16", D=128).source
+    assert "kf_n" not in default and "(2 if kf_first" in default
 
 
 def test_masks_without_row_bounds_keep_the_search():

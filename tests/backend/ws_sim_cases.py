@@ -185,6 +185,12 @@ RING_CASES = {"ring-2stages": (2, 7, 2), "ring-3stages": (3, 5, 2), "ring-3wg": 
 # extra)
 WALK_CASES = {
     "walk-causal-persist": ("causal", 1, 2, 200, 200, {"persistent": 3}),  # 4 items on 3 blocks (2 rows: 29 s)
+    # need_mask as one 32-bit compare against the item's full tiles inside N (emit_fa2.class32): M > N, so rows past
+    # N keep every column and the ragged last kv tile (96 .. 127 of N = 100) is full by the mask, masked by N alone;
+    # the range scanned in the kernel (one block an item) and handed over by the producer (persistent)
+    "walk-causal-c32": ("causal", 1, 1, 130, 100, {"class32": True}),
+    "walk-causal-persist-pwg-c32": ("causal", 1, 1, 130, 100, {"producer": "warpgroup", "persistent": 2,
+                                                              "item_order": "dynamic", "class32": True}),
     # a window on the persistent producer kernel (the D = 128 default on the H100): each item's range scanned by the
     # producer and handed over with its ticket (emit_fa3_ws.range_shared), two Q buffers (q_double); 48 wide over
     # 32-wide tiles, partial tiles at both ends of each range and full ones between, 4 items on 3 blocks (causal

@@ -659,11 +659,21 @@ def _emit_tile_range(c: _Code, spec: FA2ForwardSpec, warp_wide: bool = True, uni
         c("# every lane, and a reduction's result is uniform to ptxas (REDUX), as the scan's own was")
         for k, v in enumerate(("kv_first", "kv_last", "kf_first", "kf_last")):
             c(f"{v} = np.int64({'warp_min' if k % 2 == 0 else 'warp_max'}(kv_r{k}))")
+        _emit_full_count(c, spec)
         return
     c("# first and last non-empty kv tile of this q tile: empty tiles are never visited")
     emit_tile_scan(c, lambda j: _tile_class_expr(spec, j), "nk", "kv_first", "kv_last", warp_wide, uniform,
                    full_range=uniform and walks_range(spec))
+    if uniform and walks_range(spec):
+        _emit_full_count(c, spec)
     del caps
+
+
+def _emit_full_count(c: _Code, spec: FA2ForwardSpec) -> None:
+    """class32's kf_n: the item's full tiles inside N, [kf_first, min(kf_last, the last tile inside N)]."""
+    if class32(spec):
+        c(f"kf_n = np.int32(max(min(kf_last, N // {spec.block_k} - 1) - kf_first + 1, 0))  # full tiles inside N "
+          "(class32)")
 
 
 def walks_range(spec: FA2ForwardSpec) -> bool:
@@ -682,6 +692,15 @@ def walks_range(spec: FA2ForwardSpec) -> bool:
     the search (measuring: bench '-nowalk')."""
     return (spec.extra.get("schedule") == "wgmma-ws" and spec.block_mask == "static" and has_row_bounds(spec)
             and spec.extra.get("walk", True) is not False)
+
+
+def class32(spec: FA2ForwardSpec) -> bool:
+    """Under `walks_range`, whether need_mask is one 32-bit unsigned compare of j - kf_first against the count of
+    full tiles inside N, where it was the class `range_class_expr` (two 64-bit compares) or the N bound (a third).
+    Why: ncu's per-instruction counts put ~10 more instructions on causal's full tile than on plain's, most of them
+    that class in 64-bit compares (benchmarks/NOTES.md, "where causal's 0.1 goes"). Off until measured;
+    `extra["class32"]` = True asks for it (bench '-c32')."""
+    return walks_range(spec) and spec.extra.get("class32", False) is not False
 
 
 def range_class_expr(j: str) -> str:
@@ -868,7 +887,10 @@ def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] =
     the kernel walks the range (`walks_range`), from where j lies."""
     BK = spec.block_k
     c(f"kv0 = {j} * {BK}")
-    if walks_range(spec) and cls is None:
+    if walks_range(spec) and cls is None and class32(spec):
+        # one 32-bit unsigned compare: j - kf_first below the count of full tiles inside N (kf_n: the item's state)
+        need = f"np.uint32(np.int32({j}) - np.int32(kf_first)) >= np.uint32(kf_n)"
+    elif walks_range(spec) and cls is None:
         need = f"{range_class_expr(j)} == 1 or kv0 + {BK} > N"
     elif spec.block_mask == "none":
         need = "True" if spec.has_mask else f"kv0 + {BK} > N"
