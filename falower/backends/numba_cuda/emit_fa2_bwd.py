@@ -692,16 +692,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                             _emit_grad_element(c, spec, f"smem_w[{GXW} + {{}} * {BQ * BK} + {slot}]|"
                                                         f"smem_f[{GXF} + {{}} * {BQ * BK} + {slot}]")
 
-            branches = spec.branches
-            if len(branches) == 1:
-                elementwise(branches[0])
-            else:
-                c("if cls == 2:")
-                with c.indent():
-                    elementwise("full")
-                c("else:")
-                with c.indent():
-                    elementwise("partial")
+            emit_by_class(c, spec.branches, elementwise)
             if HOLD:
                 _emit_grad_hold(c, spec)
             else:
@@ -878,15 +869,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                             c(_elem_call(spec, branch, "s", "dpv", "st_s[0, r]", "st_s[1, r]", "qi", "kvi", outs))
                             _emit_grad_element(c, spec, "gx_a[{}, tid]|gx_v[{}, tid]")
 
-                        if len(spec.branches) == 1:
-                            call(spec.branches[0])
-                        else:
-                            c("if cls == 2:")
-                            with c.indent():
-                                call("full")
-                            c("else:")
-                            with c.indent():
-                                call("partial")
+                        emit_by_class(c, spec.branches, call)
                         _emit_staged_adds(c, spec, BK, BK, "gx_a[{}, {}]", "gx_v[{}, {}]")
                         c(f"for d in range({D}):")
                         with c.indent():
@@ -1133,10 +1116,11 @@ def _emit_dq_next(c: _Code, spec: FA2BackwardSpec) -> None:
             c("jn += 1")
 
 
-def _dq_elementwise(c: _Code, spec: FA2BackwardSpec, emit_one) -> None:
-    """The branch of the q-outer body for this tile class; `emit_one(branch)` emits the element code."""
-    if len(spec.q_branches) == 1:
-        emit_one(spec.q_branches[0])
+def emit_by_class(c: _Code, branches: tuple, emit_one) -> None:
+    """`emit_one(branch)` for the tile's class: once where the elementwise code has one branch, else under `cls`
+    (2: full, else partial). Every backward kernel's element code goes through this."""
+    if len(branches) == 1:
+        emit_one(branches[0])
         return
     c("if cls == 2:")
     with c.indent():
@@ -1144,6 +1128,11 @@ def _dq_elementwise(c: _Code, spec: FA2BackwardSpec, emit_one) -> None:
     c("else:")
     with c.indent():
         emit_one("partial")
+
+
+def _dq_elementwise(c: _Code, spec: FA2BackwardSpec, emit_one) -> None:
+    """The branch of the q-outer body for this tile class; `emit_one(branch)` emits the element code."""
+    emit_by_class(c, spec.q_branches, emit_one)
 
 
 def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:

@@ -83,6 +83,7 @@ from .emit_fa2_bwd import (
     _list_args,
     _module,
     _store_pairs_helper,
+    emit_by_class,
     held_grads,
 )
 from .emit_fa3 import (
@@ -1076,15 +1077,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 return emit
 
             def by_class(emit) -> None:
-                if len(spec.branches) == 1:
-                    emit(spec.branches[0])
-                    return
-                c("if cls == 2:")
-                with c.indent():
-                    emit("full")
-                c("else:")
-                with c.indent():
-                    emit("partial")
+                emit_by_class(c, spec.branches, emit)
 
             def by_interior(emit) -> None:
                 """emit's calls once, or (interior_split) twice: interior tiles with a literal True, so the IR's
