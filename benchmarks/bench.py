@@ -116,8 +116,8 @@ def parse_config(text: str) -> tuple:
     score_raw_fn where it has a column step (extra col_step: ALiBi), '-cm' / '-nocm' the warp-specialized kernel's
     column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64 and 128); '-nokb' a partial
     tile's row under exact row bounds masked by two compares an element, not a word of bits (extra keep_bits);
-    '-norg' its clamped gather per element where a row's entries lie at constant offsets (extra row_gather: relative bias), '-norp' each row its own loads where
-    a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
+    '-norg' its clamped gather per element where a row's entries lie at constant offsets (extra row_gather:
+    relative bias), '-norp' each row its own loads where a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
     after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
     each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
     '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra

@@ -253,9 +253,9 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     epilogue_in_s, the kept epilogue's block in the loop (from its first line to its last: the tiles that skip it
     add nothing), and inside it the cycles to its first barrier passed, to its rows staged, (bulk_store) to its
     copies' operands made uniform and to lane 0's copies issued (KEPT_MARKS), and the cycles the ping-pong's turn
-    barrier held it (summed over its tiles: the other warpgroups' turns on the tensor cores); thread 0 of each consumer warpgroup
-    writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item] (PRODUCER_FIELDS); `warpgroups`, the
-    kernel's consumer warpgroups (3 at block_q 192)."""
+    barrier held it (summed over its tiles: the other warpgroups' turns on the tensor cores); thread 0 of each
+    consumer warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item]
+    (PRODUCER_FIELDS); `warpgroups`, the kernel's consumer warpgroups (3 at block_q 192)."""
     lines, start, _, _ = _kernel_body(source, name)
     consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
     out: list[str] = []

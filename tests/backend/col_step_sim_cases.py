@@ -44,6 +44,9 @@ def _bands(b, h, q_idx, kv_idx):
     return (kv_idx < 20) | ((kv_idx >= 40) & (kv_idx <= q_idx + 30))
 
 
+PWG = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}  # the persistent
+# producer-warpgroup kernel (Q, K and V by TMA), one block: the "pwg" cases' extra, each with its own knobs after it
+
 # id: (mask, M, N, D, tile (bq, bk), spec.extra); the kernel is the extra's (none: mma.sync, the simulator's
 # automatic choice). Ragged last q and kv tiles everywhere; M != N where the mask allows it. The relative bias
 # cases: mask "relbias" (none: the example itself).
@@ -71,9 +74,7 @@ CASES = {
     # the persistent producer kernel with each item's kv tiles from the last down, the last one second (emit_fa3_ws.
     # kv_reverse "second", ALiBi's default: kv_last - 1, kv_last, then down): q tile 2 visits 1, 2, 0. (True, the
     # plain mirror, is the tail of this order; its GPU cases are test_wgmma_ws_gpu's extra23 and extra24)
-    "pwg-persist-causal-rev2": ("causal", 300, 390, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
-                                                                    "persistent": 1, "item_order": "dynamic",
-                                                                    "kv_reverse": "second"}),
+    "pwg-persist-causal-rev2": ("causal", 300, 390, 64, (128, 128), {**PWG, "kv_reverse": "second"}),
     # the relative bias (one head): rows q >= N + kv read past the table (clamped), the others at constant offsets
     "ws-relbias": ("relbias", 128, 100, 64, (128, 32), {"schedule": "wgmma-ws", "producer": "none"}),
     "fa3-r128-relbias": ("relbias", 70, 45, 64, (128, 32), {"schedule": "wgmma", "wg_rows": 128}),
@@ -83,52 +84,32 @@ CASES = {
     # entries clamped as the gather clamps them, so rows outside the table read it too (the pairs' fallback never
     # runs), loaded from the run's row kept for the item (slice_rows); two items on one block, each with rows
     # outside the table, kv tile 1 ragged
-    "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
-                                                                       "producer": "warpgroup", "persistent": 1,
-                                                                       "item_order": "dynamic"}),
+    "pwg-persist-relbias-slice": ("relbias", 150, 140, 64, (128, 128), dict(PWG)),
     # ... on three consumer warpgroups (192 x 128 tiles at D = 64, each warpgroup its own run, its barrier 10 + cw):
     # two items, rows outside the table in both, M > N
-    "pwg3-persist-relbias-slice": ("relbias", 250, 140, 64, (192, 128), {"schedule": "wgmma-ws",
-                                                                        "producer": "warpgroup", "persistent": 1,
-                                                                        "item_order": "dynamic"}),
+    "pwg3-persist-relbias-slice": ("relbias", 250, 140, 64, (192, 128), dict(PWG)),
     # ... with each tile's run stored and synced while S is in flight (slice_in_s), a kv tile plus one
-    "pwg3-persist-relbias-sis-slice": ("relbias", 250, 129, 64, (192, 128), {"schedule": "wgmma-ws",
-                                                                            "producer": "warpgroup", "persistent": 1,
-                                                                            "item_order": "dynamic",
-                                                                            "slice_in_s": True}),
+    "pwg3-persist-relbias-sis-slice": ("relbias", 250, 129, 64, (192, 128), {**PWG, "slice_in_s": True}),
     # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state),
     # the run's loads a tile ahead (slice_ahead: an item's first tile's at its start, the next item's after the last)
-    "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws",
-                                                                            "producer": "warpgroup", "persistent": 1,
-                                                                            "item_order": "dynamic",
-                                                                            "epilogue_in_s": False,
-                                                                            "slice_ahead": True}),
+    "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {**PWG, "epilogue_in_s": False,
+                                                                               "slice_ahead": True}),
     # ... with the entries read from global memory ahead of the waits (row_slice off), and the kept epilogue's rows
     # of O staged a word at a time (stmatrix off: the other cases stage them by stmatrix, the default)
-    "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
-                                                                 "persistent": 1, "item_order": "dynamic",
-                                                                 "row_slice": False, "stmatrix": False}),
+    "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {**PWG, "row_slice": False, "stmatrix": False}),
     # D = 64's automatic kernel for ALiBi: three consumer warpgroups on 192 x 128 tiles, each its own extra K block
     # (col_mma), two items a block, M != N, the last q and kv tiles ragged
-    "pwg3-persist-causal": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
-                                                                 "persistent": 1, "item_order": "dynamic"}),
+    "pwg3-persist-causal": ("causal", 250, 300, 64, (192, 128), dict(PWG)),
     # D = 128 on the persistent kernel's 128 x 128 tiles with the product (its default there too): one K block for
     # both consumer warpgroups (col_shared: a block each would take the second Q buffer's room), under barrier 15
-    "pwg-persist-causal-d128-cm": ("causal", 150, 140, 128, (128, 128), {"schedule": "wgmma-ws",
-                                                                         "producer": "warpgroup", "persistent": 1,
-                                                                         "item_order": "dynamic"}),
+    "pwg-persist-causal-d128-cm": ("causal", 150, 140, 128, (128, 128), dict(PWG)),
     # ... at sizes where bugs hide: a kv tile plus one (the second kv tile holds one column: the K block's rows 1 ..
     # 127 meet only masked columns) under one ragged q tile of 130 rows, the third warpgroup's rows past M; and two
     # rows against two columns
-    "pwg3-persist-causal-130x129": ("causal", 130, 129, 64, (192, 128), {"schedule": "wgmma-ws",
-                                                                         "producer": "warpgroup", "persistent": 1,
-                                                                         "item_order": "dynamic"}),
-    "pwg3-persist-causal-2x2": ("causal", 2, 2, 64, (192, 128), {"schedule": "wgmma-ws", "producer": "warpgroup",
-                                                                 "persistent": 1, "item_order": "dynamic"}),
+    "pwg3-persist-causal-130x129": ("causal", 130, 129, 64, (192, 128), dict(PWG)),
+    "pwg3-persist-causal-2x2": ("causal", 2, 2, 64, (192, 128), dict(PWG)),
     # ... one head steep and one not, items of both on one block: each item's own A words and col_steep
-    "pwg3-persist-causal-steep": ("causal", 250, 300, 64, (192, 128), {"schedule": "wgmma-ws",
-                                                                       "producer": "warpgroup", "persistent": 1,
-                                                                       "item_order": "dynamic"}),
+    "pwg3-persist-causal-steep": ("causal", 250, 300, 64, (192, 128), dict(PWG)),
 }
 # the slopes a case takes where not [1.5, -0.75]
 SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0], "fa3-r128-causal-steep": [50.0, -1e3],

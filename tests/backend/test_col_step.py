@@ -154,9 +154,9 @@ def test_the_kernels_take_the_step(kernel):
 
 
 def test_the_product_takes_the_step():
-    """emit_fa3_ws.col_mma (the default at D = 64 and 128): S's wgmmas take one more k step from the item's A words and the
-    warpgroup's K block, score_row adds nothing, partial tiles the mask and a zero step, and softmax_row's row offset
-    is taken at the tile's first column (kv0)."""
+    """emit_fa3_ws.col_mma (the default at D = 64 and 128): S's wgmmas take one more k step from the item's A words
+    and the warpgroup's K block, score_row adds nothing, partial tiles the mask and a zero step, and softmax_row's row
+    offset is taken at the tile's first column (kv0)."""
     src = emit_fa3_ws.emit_fa3_ws_forward(_spec(_example("alibi"), {"schedule": "wgmma-ws", "producer": "none"}))
     qk = _fn(src, "qk_wgmma")
     assert qk.startswith("def qk_wgmma(sc, q_wg, dk, cx_w, cx_d):") and qk.count("WG_SX(sc, 0, cx_w, cx_w, ") == 1

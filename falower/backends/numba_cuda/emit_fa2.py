@@ -887,11 +887,9 @@ def _emit_need_mask(c: _Code, spec: FA2ForwardSpec, j: str, cls: Optional[str] =
     the kernel walks the range (`walks_range`), from where j lies."""
     BK = spec.block_k
     c(f"kv0 = {j} * {BK}")
-    if walks_range(spec) and cls is None and class32(spec):
-        # one 32-bit unsigned compare: j - kf_first below the count of full tiles inside N (kf_n: the item's state)
-        need = f"np.uint32(np.int32({j}) - np.int32(kf_first)) >= np.uint32(kf_n)"
-    elif walks_range(spec) and cls is None:
-        need = f"{range_class_expr(j)} == 1 or kv0 + {BK} > N"
+    if walks_range(spec) and cls is None:  # class32: j - kf_first against the item's full tiles inside N (kf_n)
+        need = f"np.uint32(np.int32({j}) - np.int32(kf_first)) >= np.uint32(kf_n)" if class32(spec) else \
+            f"{range_class_expr(j)} == 1 or kv0 + {BK} > N"
     elif spec.block_mask == "none":
         need = "True" if spec.has_mask else f"kv0 + {BK} > N"
     elif cls is not None and carries_class(spec):

@@ -276,8 +276,8 @@ def col_mma(spec: FA2ForwardSpec) -> bool:
     emit_fa2.COL_STEP_MAX) the item's A words are zero and every tile takes the masked path's exact scores
     (col_steep). Default at D = 64 and 128 (D = 128: +1.6% in 6 of 9 paired rounds and +4.4% in 12 of 15, H200
     2026-11-30, the shared block below); `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench
-    '-cm' / '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a warpgroup would
-    push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and with it the TMA
+    '-cm' / '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a
+    warpgroup would push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and with it the TMA
     loads and stores), one block serves them all (`col_shared`); where not even that fits, validate_spec refuses."""
     ask = spec.extra.get("col_mma", "auto")
     if ask is False or not col_step(spec) or half_tiles(spec):
@@ -678,9 +678,8 @@ def tma_loads(spec: FA2ForwardSpec) -> bool:
 def l2_hints(spec: FA2ForwardSpec) -> bool:
     """Under `tma_loads`, whether the producer's copies carry L2 eviction priorities (`.L2::cache_hint`): Q's lines
     evict first (each Q tile is read once), K's and V's last (every q tile of the head reads them), and O's tensor
-    stores (tma_store) first. Why: ncu read
-    causal's D = 128 kernel taking ~370 MB from DRAM where Q, K, V and O are 268 MB (plain: ~260), so K and V were
-    read from DRAM again (benchmarks/NOTES.md, "where causal's 0.1 goes"). Measured (H200, 2026-11-30, 9 paired
+    stores (tma_store) first. Why: ncu read causal's D = 128 kernel taking ~370 MB from DRAM where Q, K, V and O are
+    268 MB (plain: ~260), so K and V were read from DRAM again (benchmarks/NOTES.md, "where causal's 0.1 goes"). Measured (H200, 2026-11-30, 9 paired
     rounds): causal's DRAM throughput 16.4% -> 15.2% over the same 465-469 us, so the hints hardly move those
     bytes, and the time did not move: causal 0.988 / 1.007 of the default at D = 128 / 64, ALiBi 0.983 / 0.982.
     Off; `extra["l2_hints"]` = True asks for it (bench '-l2h')."""
@@ -1165,6 +1164,7 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             else:  # K, V: a tile inside N from the kept row addresses (an add a copy, not ~8 integer instructions)
                 _emit_load_inside(c, rows, rstep, D, sdst, row0, nrows, garr, base, rs)
     HINT = l2_hints(spec)
+    tload = "tma_load_4d_hint" if HINT else "tma_load_4d"  # l2_hints: the same copy with its policy last
     if TMAL:
         for x in "qkv":
             c(f"{x}map_g = elem_addr({x}map, (0,))  # {x.upper()}'s tensor map in global memory (tma_loads)")
@@ -1189,8 +1189,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"mbar_arrive_expect_tx(q_bar, {BQ * D * 2})")
             for w in range(BQ // 64):
                 for hb in range(D // 64):
-                    c(f"{'tma_load_4d_hint' if HINT else 'tma_load_4d'}(q_buf + {w * lay['qwg'] + hb * 64 * 128}, "
-                      f"qmap_g, {hb * 64}, q_lo + {w * 64}, h, b, q_bar{', q_pol' if HINT else ''})")
+                    c(f"{tload}(q_buf + {w * lay['qwg'] + hb * 64 * 128}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, b, "
+                      f"q_bar{', q_pol' if HINT else ''})")
         c("else:  # the other producer threads are past the item's ticket: none can fall an item behind, where its")
         with c.indent():  # wait on the next ticket would alias a phase and its read race thread 0's next write
             c("mbar_arrive(q_bar)")
@@ -1228,9 +1228,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                       f"this stage's {what}")
                     c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
                     for hb in range(D // 64):
-                        c(f"{'tma_load_4d_hint' if HINT else 'tma_load_4d'}(k_dst{off} + {hb * BK * 128}, "
-                          f"{x}map_g, {hb * 64}, {tile_at(spec, 'j')} * {BK}, hk, b, sbar + {lay['full_' + x]}"
-                          f"{', kv_pol' if HINT else ''})")
+                        c(f"{tload}(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, {tile_at(spec, 'j')} * "
+                          f"{BK}, hk, b, sbar + {lay['full_' + x]}{', kv_pol' if HINT else ''})")
         else:
             c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's "
               "K")
@@ -1774,13 +1773,10 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("if ob_q >= 0 and lane == 0:" if TMA and spec.ragged_q_first else "if lane == 0:")
             with c.indent():
                 if TMA:
+                    store, pol = ("tma_store_3d_hint", ", o_pol") if l2_hints(spec) else ("tma_store_3d", "")
                     for hb in range(D // 64):
-                        if l2_hints(spec):
-                            c(f"tma_store_3d_hint(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES}, o_pol)  # "
-                              "rows past M are not written")
-                        else:
-                            c(f"tma_store_3d(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES})  # rows past M "
-                              "are not written")
+                        c(f"{store}(omap_g, {hb * 64}, ob_q, ob_bh, ob_s + {hb * BOX_BYTES}{pol})  # rows past M are "
+                          "not written")
                 else:
                     c("ob_g = elem_addr(o, (ob_row * " + str(D // 2) + ",))")
                     for head, rows in (("if ob_n == 16:  # every row inside O: 16 copies, unrolled, no predicates",
