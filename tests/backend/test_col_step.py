@@ -128,8 +128,8 @@ def test_the_kernels_take_the_step(kernel):
     offset in softmax_row's max (before the quad's shuffles) and exponent; every softmax_row call passes it
     (col_row_offset: 0 under a steep step, read from the item's col_steep, not tested again a row) at the thread's
     first column. A steep step sends every tile through the masked path (col_steep, once an item), whose rows take
-    each element's exact score. (The warp-specialized kernel's default takes the step in S instead: col_mma,
-    test_the_product_takes_the_step.)"""
+    each element's exact score from the same flag (masked_score_row's `steep`), not the step read and tested again.
+    (The warp-specialized kernel's default takes the step in S instead: col_mma, test_the_product_takes_the_step.)"""
     src = _kernels(_example("alibi"), {"col_mma": False})[kernel]
     score_row = _fn(src, "score_row")
     assert "score_raw_fn(" not in score_row and re.search(FFMA, score_row) and "if " not in score_row
@@ -148,7 +148,10 @@ def test_the_kernels_take_the_step(kernel):
     assert offset.startswith("def col_row_offset(steep, b, h, q, kv") and "return ZERO if steep else" in offset
     assert "score_col_fn(" not in offset
     masked = _fn(src, "masked_score_row_in")
-    assert f"if abs(cstep) > np.float32({COL_STEP_MAX!r}):" in masked and "masked_score_fn(" in masked  # steep
+    assert re.match(r"def masked_score_row_in\(x, i, b, h, qi, kv, N, lo, hi, exact, steep, ", masked)
+    assert "if steep:" in masked and "masked_score_fn(" in masked and "abs(" not in masked  # the item's flag
+    assert all(re.search(r"masked_score_row\(.*, N, col_steep(__\d+)?, cap_0_slopes", ln)
+               for ln in src.splitlines() if "masked_score_row(" in ln and "def " not in ln)
     rest = masked[masked.index("return\n"):]  # past the steep step's per-element path
     assert "score_raw_fn(" not in rest and "masked_col_score_fn(" in rest  # exact bounds, and mask_fn's path
 
@@ -162,7 +165,8 @@ def test_the_product_takes_the_step():
     assert qk.startswith("def qk_wgmma(sc, q_wg, dk, cx_w, cx_d):") and qk.count("WG_SX(sc, 0, cx_w, cx_w, ") == 1
     assert qk.index("WG_SX(") > qk.rindex("WG_S(") and qk.index("WG_SX(") < qk.index("wgmma_commit()")
     assert _fn(src, "score_row").split("\n")[1].strip() == "return"  # nothing to add
-    assert re.search(r"cstep(__\d+)? = ZERO", _fn(src, "masked_score_row_in"))
+    masked = _fn(src, "masked_score_row_in")
+    assert re.search(r"cstep(__\d+)? = ZERO", masked) and "score_col_fn(" not in masked  # the step is not read
     calls = [ln for ln in src.splitlines() if "softmax_row(" in ln and "def softmax_row" not in ln]
     assert calls and all(ln.rstrip().endswith("kv0, cap_0_slopes, hz))") for ln in calls), calls
     body = src[src.index("cx_s = sb + "):]

@@ -541,9 +541,17 @@ def emit_row_bounds(c: _Code, spec: FA2ForwardSpec, rows: Optional[list[ThreadRo
         c(f"rb_hi{r} = np.int32(min(max({hi}, -1), N + 1))")
 
 
-def emit_masked_rows(c: _Code, caps: str, hoisted: bool, rows: Optional[list[ThreadRow]] = None) -> None:
+def masked_steep_arg(spec: FA2ForwardSpec) -> str:
+    """masked_score_row's argument after N under a column step (col_step): the item's `col_steep`, which
+    _emit_tile_range set once, so a partial tile's row neither reads the step again nor tests it (under col_in_s
+    the step is read only for that test)."""
+    return ", col_steep" if col_step(spec) else ""
+
+
+def emit_masked_rows(c: _Code, spec: FA2ForwardSpec, hoisted: bool, rows: Optional[list[ThreadRow]] = None) -> None:
     """A partial tile's scores in the wgmma kernels: this thread's rows of S (`wgmma_thread_rows`) through
     masked_score_row, or, where `emit_row_bounds` read the bounds before the loop, masked_score_row_in."""
+    caps = masked_steep_arg(spec) + _score_args(spec)
     for t in rows or wgmma_thread_rows():
         r = t.off
         row = f"{t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N"
@@ -1277,8 +1285,8 @@ COL_STEP_MAX = 128.0
 
 def col_steep_test(step: str) -> str:
     """The emitted test that a column step `step` (an expression of x's units) is steeper than COL_STEP_MAX: the one
-    form of it: the kernels' item state (`col_steep`, which col_row_offset and col_mma's A words read) and
-    masked_score_row, which reads it once a row."""
+    form of it: the kernels' item state (`col_steep`, which col_row_offset, masked_score_row and col_mma's A words
+    read)."""
     return f"abs({step}) > np.float32({COL_STEP_MAX!r})"
 
 
@@ -1311,7 +1319,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     instructions; lever 15).
 
     Under col_step a step steeper than COL_STEP_MAX takes each element's exact score instead: the kernel sends every
-    tile through masked_score_row then (`col_steep`, once an item: _emit_need_mask), which reads the step once a row,
+    tile through masked_score_row then (`col_steep`, once an item: _emit_need_mask, passed in as `steep`),
     and `col_row_offset` (softmax_row's row offset) is 0. `col_in_s` (col_step only; emit_fa3_ws.col_mma): S
     already holds the column term w o, o the column's offset in its kv tile, from one more k step of S = Q K^T
     (zero where the step is steep), and the kernel takes the row offset at the tile's first column: score_row has
@@ -1321,7 +1329,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     step = col_step(spec)
     if col_in_s and not step:
         raise ValueError("col_in_s: the score has no column step (emit_fa2.col_step)")
-    steep = col_steep_test("cstep")  # col_step: each element's exact score
+    steep_arg = ", steep" if step else ""  # col_step: the item's col_steep (each element's exact score where set)
     emit_mma_helpers(c, mma)
     to_log2 = "" if spec.exp2 else " * LOG2E"
 
@@ -1493,18 +1501,19 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                 c(f"lset(x, i + {4 * jj + 1}, np.float32(v1){to_log2})")
     c()
     c("@device_function")
-    c(f"def masked_score_row(x, i, b, h, qi, kv, N{caps}):")
+    c(f"def masked_score_row(x, i, b, h, qi, kv, N{steep_arg}{caps}):")
     with c.indent():
         per_element = [f"for jj in range({NJ}):",
                        "    e = i + jj * 4",
                        "    k = kv + jj * 8",
                        f"    lset(x, e, masked_score_fn(lget(x, e), b, h, qi, k, N{caps}))",
                        f"    lset(x, e + 1, masked_score_fn(lget(x, e + 1), b, h, qi, k + 1, N{caps}))"]
-        cstep = [f"cstep = score_col_fn(b, h{caps})"] if step else []  # the column step, once per row
-        if step:  # a steep step: each element's exact score, mask_fn per element (col_row_offset is 0)
-            cstep += [f"if {steep}:", *("    " + line for line in per_element), "    return"]
+        # a steep step (the item's col_steep): each element's exact score, mask_fn per element (col_row_offset is 0)
+        cstep = ["if steep:", *("    " + line for line in per_element), "    return"] if step else []
         if col_in_s:  # S holds w o already: a zero step (an FFMA an element on partial tiles only)
             cstep.append("cstep = ZERO")
+        elif step:
+            cstep.append(f"cstep = score_col_fn(b, h{caps})")  # the column step, once per row
         if step:
             per_element = [f"for jj in range({NJ}):",
                            "    e = i + jj * 4",
@@ -1519,11 +1528,11 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
             # thread's first column and clamped into 32 bits; an element is two compares against a constant.
             # Where the bounds are not exact (run tables of ids that come back), mask_fn per element
             c(f"lo, hi, exact = row_bounds_fn(b, h, qi{_cap_args(spec)})")
-            c(f"masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{caps})")
+            c(f"masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{steep_arg}{caps})")
     if has_row_bounds(spec):
         c()
         c("@device_function")
-        c(f"def masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{caps}):")
+        c(f"def masked_score_row_in(x, i, b, h, qi, kv, N, lo, hi, exact{steep_arg}{caps}):")
         with c.indent():
             c("# masked_score_row with the row's bounds given (computed once before the kv loop, or just now)")
             for line in cstep:
@@ -1969,7 +1978,8 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                         c(line)
                     return
                 for t in rows:
-                    c(f"masked_score_row({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{_score_args(spec)})")
+                    c(f"masked_score_row({t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N{masked_steep_arg(spec)}"
+                      f"{_score_args(spec)})")
 
             c("if need_mask:")
             with c.indent():

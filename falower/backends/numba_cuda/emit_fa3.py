@@ -732,7 +732,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c("# scores (log2 domain); mask arithmetic only on partial or ragged tiles")
                 c("if need_mask:")
                 with c.indent():
-                    emit_masked_rows(c, caps, HOIST, rows)
+                    emit_masked_rows(c, spec, HOIST, rows)
                 c("else:")
                 with c.indent():
                     for line in score_row_calls(spec, rows):

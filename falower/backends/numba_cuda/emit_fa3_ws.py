@@ -2100,7 +2100,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
         c("if need_mask:")
         with c.indent():
-            emit_masked_rows(c, caps, HOIST)
+            emit_masked_rows(c, spec, HOIST)
         c("else:")
         with c.indent():
             if TT:
