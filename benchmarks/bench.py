@@ -876,7 +876,61 @@ def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]
     return out
 
 
-def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, configs: tuple = ()) -> list[dict]:
+def paired_calls(fa: Callable, fb: Callable, pairs: int) -> list[tuple[float, float]]:
+    """`pairs` pairs of single calls, a and b back to back (the order alternating pair by pair), each after L2 is
+    flushed (do_bench's 256 MB write) and timed by its own events: [(ms of a, ms of b)]. Why: rounds of do_bench
+    put ~0.1 s between two calls' timings, and the H200's clocks drift by more than that: two rows of one kernel
+    read 1.042 [0.89, 1.12] apart over 13 rounds (forty-sixth session, call A). Calls a millisecond apart share
+    the clock, so their ratio is the kernels' own."""
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    fa(), fb()  # warm (the rounds ran them already; a first call's allocations stay out)
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(pairs)]
+    for i in range(pairs):
+        order = ((fa, 0), (fb, 2)) if i % 2 == 0 else ((fb, 2), (fa, 0))
+        for fn, e in order:
+            cache.zero_()
+            ev[i][e].record()
+            fn()
+            ev[i][e + 1].record()
+    torch.cuda.synchronize()
+    return [(e[0].elapsed_time(e[1]), e[2].elapsed_time(e[3])) for e in ev]
+
+
+def paired_summary(ratios: list[float], seed: int = 0) -> dict:
+    """The median of per-pair ratios and a 90% bootstrap interval of that median (1000 resamples): the interval is
+    how far the median itself could move, not the pairs' spread."""
+    import random
+    import statistics
+
+    if not ratios:
+        return {"median": NAN, "lo": NAN, "hi": NAN, "n": 0}
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
+    return {"median": statistics.median(ratios), "lo": meds[50], "hi": meds[949], "n": len(ratios)}
+
+
+def time_examples_paired(calls: dict, flops: dict, pairs: int) -> dict:
+    """--pairs: each row against plain falower (plain against itself: the method's own noise, A/A) and each
+    --ex-configs row against its example's default, by `paired_calls`: {(row, "of plain" | "of default"):
+    paired_summary of TFLOP/s ratios}."""
+    out = {}
+    for stem in flops:
+        base = stem.split(" ")[0]
+        for what, other in (("of plain", "plain"), ("of default", base)):
+            if what == "of default" and base == stem or (stem, "ours") not in calls or (other, "ours") not in calls:
+                continue
+            try:
+                ts = paired_calls(calls[(stem, "ours")], calls[(other, "ours")], pairs)
+            except Exception as exc:
+                log(f"  pairs: {stem} {what} failed: {type(exc).__name__}: {first_line(exc)}")
+                continue
+            out[(stem, what)] = paired_summary([flops[stem] / flops[other] * tb / ta for ta, tb in ts])
+        log(f"  pairs: {stem} done")
+    return out
+
+
+def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, configs: tuple = (),
+                         pairs: int = 0) -> list[dict]:
     """--rounds: every example's whole falower call and its Flex twin (the same mods and block mask), timed in
     `rounds` rounds, each round every call once (do_bench, 5 ms warm-up, 25 ms) in a fresh random order. The GPU's
     clocks drift across a run by more than the gaps issue 12 asks about (one kernel read 3-8% apart in one call):
@@ -909,8 +963,12 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
                 log(f"  rounds: {key} round {r + 1} failed: {type(exc).__name__}")
         log(f"  rounds: {r + 1} / {rounds} done")
     out = rounds_summary(times, flops)
+    by_pairs = time_examples_paired(calls, flops, pairs) if pairs else {}
     for row in out:
         row["D"] = D
+        for what in ("of plain", "of default"):
+            if (row["example"], what) in by_pairs:
+                row[f"{what}, paired"] = by_pairs[(row["example"], what)]
         row["o diff vs flex"] = diffs.get(row["example"], NAN)  # sanity, not a check (both fp16)
         # each round's time in ms, ours and Flex's (results.json): any pairing can be taken again later
         row["round ms"] = {who: times.get((row["example"], who), []) for who in ("ours", "flex")}
@@ -1023,6 +1081,17 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
         md.append(f"| {r['example']} | {r['ours']:.0f} | {100 * r['ours spread']:.1f}% | {p['median']:.3f} "
                   f"[{p['min']:.3f}, {p['max']:.3f}] | {r['flex']:.0f} | {f['median']:.2f} "
                   f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} | {paired} |")
+    if any("of plain, paired" in r for r in rows):
+        md += ["", f"The same rows by call pairs (--pairs: {rows[0]['of plain, paired']['n']} pairs of single calls "
+               "back to back, L2 flushed before each; the median of the pairs' ratios [its 90% bootstrap interval]; "
+               "plain against itself is the method's noise):", "",
+               "| example | of plain, paired | of default, paired |", "|---|---|---|"]
+        for r in rows:
+            cells = []
+            for what in ("of plain, paired", "of default, paired"):
+                x = r.get(what)
+                cells.append(f"{x['median']:.3f} [{x['lo']:.3f}, {x['hi']:.3f}]" if x and x["n"] else "-")
+            md.append(f"| {r['example']} | {cells[0]} | {cells[1]} |")
     return md
 
 
@@ -1198,6 +1267,10 @@ def main() -> None:
                          "to plain and to Flex taken round by round; --ex-configs join the rounds as "
                          "rows '<example> <tag>', each also over its example's default row round by round, with "
                          "the rounds it was faster in); with --fwd alone, instead of one example after another")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="with --rounds: also time each example against plain (plain against itself: the noise) "
+                         "and each --ex-configs row against its default by this many pairs of single calls back to "
+                         "back (bench.paired_calls; 200 takes ~1 s a row at N = 4k)")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
     ap.add_argument("--documents", type=int, default=DOCUMENTS,
@@ -1297,7 +1370,8 @@ def main() -> None:
     if args.rounds and stems and args.fwd:
         for D in ex_ds:
             try:
-                round_rows += time_examples_rounds(stems, D, args.rounds, configs=tuple(args.ex_configs))
+                round_rows += time_examples_rounds(stems, D, args.rounds, configs=tuple(args.ex_configs),
+                                                   pairs=args.pairs)
             except Exception as exc:
                 log(f"rounds D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
     (OUT / "results.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "checks": checks,

@@ -122,6 +122,42 @@ def test_rounds_summary_pairs_a_config_row_with_its_default():
     assert table[-2].endswith("| - |") and "(3/4) |" in table[-1], table
 
 
+def test_paired_summary_median_and_its_interval():
+    """paired_summary: the median of the pairs' ratios, and a bootstrap interval of that median which holds it,
+    narrows as pairs are added, and collapses where every pair agrees."""
+    import random
+
+    rng = random.Random(1)
+    few = [1.02 + rng.gauss(0, 0.05) for _ in range(21)]
+    many = [1.02 + rng.gauss(0, 0.05) for _ in range(801)]
+    a, b = bench.paired_summary(few), bench.paired_summary(many)
+    assert a["n"] == 21 and a["lo"] <= a["median"] <= a["hi"]
+    assert b["lo"] <= b["median"] <= b["hi"] and b["hi"] - b["lo"] < (a["hi"] - a["lo"]) / 2
+    assert 1.0 < b["lo"] and b["hi"] < 1.04  # 801 pairs resolve a 2% gap under 5% noise
+    assert bench.paired_summary([0.97] * 9) == {"median": 0.97, "lo": 0.97, "hi": 0.97, "n": 9}
+    assert bench.paired_summary([])["n"] == 0
+
+
+def test_rounds_table_adds_the_paired_rows():
+    """With --pairs the table gains a second part: each row's paired ratio to plain and, for a config row, to its
+    default (median [interval]); "-" where a row has none."""
+    flops = {"plain": 2e12, "causal -c32": 1e12}
+    times = {("plain", "ours"): [4.0, 4.1], ("causal -c32", "ours"): [2.0, 2.1]}
+    rows = bench.rounds_summary(times, flops)
+    for r in rows:
+        r["D"], r["o diff vs flex"] = 128, 1e-4
+        r["of plain, paired"] = {"median": 1.0, "lo": 0.99, "hi": 1.01, "n": 200}
+    rows[1]["of default, paired"] = {"median": 1.012, "lo": 1.004, "hi": 1.02, "n": 200}
+    table = bench.rounds_table(rows, "H200", 2)
+    assert any("200 pairs of single calls" in line for line in table)
+    assert table[-2] == "| plain | 1.000 [0.990, 1.010] | - |"
+    assert table[-1] == "| causal -c32 | 1.000 [0.990, 1.010] | 1.012 [1.004, 1.020] |"
+    for r in rows:
+        del r["of plain, paired"]
+    rows[1].pop("of default, paired")
+    assert not any("pairs of single calls" in line for line in bench.rounds_table(rows, "H200", 2))  # no --pairs
+
+
 class _T:
     """Enough of a torch tensor for config_matching: float(), subtraction, abs(), max(), item()."""
 
