@@ -903,10 +903,12 @@ def paired_summary(ratios: list[float], seed: int = 0) -> dict:
     import statistics
 
     if not ratios:
-        return {"median": NAN, "lo": NAN, "hi": NAN, "n": 0}
+        return {"median": NAN, "lo": NAN, "hi": NAN, "n": 0, "p05": NAN, "p95": NAN}
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(1000))
-    return {"median": statistics.median(ratios), "lo": meds[50], "hi": meds[949], "n": len(ratios)}
+    xs = sorted(ratios)
+    return {"median": statistics.median(ratios), "lo": meds[50], "hi": meds[949], "n": len(ratios),
+            "p05": xs[int(0.05 * (len(xs) - 1))], "p95": xs[int(0.95 * (len(xs) - 1))]}  # the pairs' own spread
 
 
 def time_examples_paired(calls: dict, flops: dict, pairs: int) -> dict:
@@ -924,7 +926,8 @@ def time_examples_paired(calls: dict, flops: dict, pairs: int) -> dict:
             except Exception as exc:
                 log(f"  pairs: {stem} {what} failed: {type(exc).__name__}: {first_line(exc)}")
                 continue
-            out[(stem, what)] = paired_summary([flops[stem] / flops[other] * tb / ta for ta, tb in ts])
+            out[(stem, what)] = {**paired_summary([flops[stem] / flops[other] * tb / ta for ta, tb in ts]),
+                                 "ms": ts}  # each pair's two times (results.json)
         log(f"  pairs: {stem} done")
     return out
 
@@ -1083,14 +1086,15 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
                   f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} | {paired} |")
     if any("of plain, paired" in r for r in rows):
         md += ["", f"The same rows by call pairs (--pairs: {rows[0]['of plain, paired']['n']} pairs of single calls "
-               "back to back, L2 flushed before each; the median of the pairs' ratios [its 90% bootstrap interval]; "
-               "plain against itself is the method's noise):", "",
+               "back to back, L2 flushed before each; the median of the pairs' ratios [its 90% bootstrap interval] "
+               "(the pairs' 5th-95th percentiles); plain against itself is the method's noise):", "",
                "| example | of plain, paired | of default, paired |", "|---|---|---|"]
         for r in rows:
             cells = []
             for what in ("of plain, paired", "of default, paired"):
                 x = r.get(what)
-                cells.append(f"{x['median']:.3f} [{x['lo']:.3f}, {x['hi']:.3f}]" if x and x["n"] else "-")
+                cells.append(f"{x['median']:.3f} [{x['lo']:.3f}, {x['hi']:.3f}] ({x['p05']:.3f}-{x['p95']:.3f})"
+                             if x and x["n"] else "-")
             md.append(f"| {r['example']} | {cells[0]} | {cells[1]} |")
     return md
 

@@ -134,7 +134,9 @@ def test_paired_summary_median_and_its_interval():
     assert a["n"] == 21 and a["lo"] <= a["median"] <= a["hi"]
     assert b["lo"] <= b["median"] <= b["hi"] and b["hi"] - b["lo"] < (a["hi"] - a["lo"]) / 2
     assert 1.0 < b["lo"] and b["hi"] < 1.04  # 801 pairs resolve a 2% gap under 5% noise
-    assert bench.paired_summary([0.97] * 9) == {"median": 0.97, "lo": 0.97, "hi": 0.97, "n": 9}
+    assert bench.paired_summary([0.97] * 9) == {"median": 0.97, "lo": 0.97, "hi": 0.97, "n": 9, "p05": 0.97,
+                                                "p95": 0.97}
+    assert b["p05"] < b["lo"] and b["hi"] < b["p95"]  # the pairs spread wider than their median moves
     assert bench.paired_summary([])["n"] == 0
 
 
@@ -146,12 +148,12 @@ def test_rounds_table_adds_the_paired_rows():
     rows = bench.rounds_summary(times, flops)
     for r in rows:
         r["D"], r["o diff vs flex"] = 128, 1e-4
-        r["of plain, paired"] = {"median": 1.0, "lo": 0.99, "hi": 1.01, "n": 200}
-    rows[1]["of default, paired"] = {"median": 1.012, "lo": 1.004, "hi": 1.02, "n": 200}
+        r["of plain, paired"] = {"median": 1.0, "lo": 0.99, "hi": 1.01, "n": 200, "p05": 0.95, "p95": 1.05}
+    rows[1]["of default, paired"] = {"median": 1.012, "lo": 1.004, "hi": 1.02, "n": 200, "p05": 0.9, "p95": 1.1}
     table = bench.rounds_table(rows, "H200", 2)
     assert any("200 pairs of single calls" in line for line in table)
-    assert table[-2] == "| plain | 1.000 [0.990, 1.010] | - |"
-    assert table[-1] == "| causal -c32 | 1.000 [0.990, 1.010] | 1.012 [1.004, 1.020] |"
+    assert table[-2] == "| plain | 1.000 [0.990, 1.010] (0.950-1.050) | - |"
+    assert table[-1] == "| causal -c32 | 1.000 [0.990, 1.010] (0.950-1.050) | 1.012 [1.004, 1.020] (0.900-1.100) |"
     for r in rows:
         del r["of plain, paired"]
     rows[1].pop("of default, paired")
