@@ -236,7 +236,7 @@ CONFIG_OPTIONS: list = [
     ("el", "early_loads"),
     ("pr", "producer_regs"),
     ("r", "wg_rows"),
-    (("tree", {"tree_softmax": True}),),
+    (("tree", {"tree_softmax": True}), ("notree", {"tree_softmax": False})),
     (("eager", {"eager": True}),),
     ("b", "blocks_per_sm"),
     (("wskip", {"warp_skip": True}), ("nowskip", {"warp_skip": False})),

@@ -16,7 +16,7 @@ bench = pytest.importorskip("bench")
 
 
 @pytest.mark.parametrize("text", ["128x64w4", "128x64w4-wg-r128", "128x64w4-wg-r128-eager", "128x128w8-wsn-eager",
-                                  "128x128w8-wsn-tree", "128x128w8-wsn-nowalk-nocs", "128x64w4-wg-nocs-r128-b3", "128x128w8-wsn-nose",
+                                  "128x128w8-wsn-tree", "128x128w8-wsn-notree", "128x128w8-wsn-nowalk-nocs", "128x64w4-wg-nocs-r128-b3", "128x128w8-wsn-nose",
                                   "128x64w4-wg-se-r128-b3", "128x128w8-wsn-ltanh", "128x64w4-wg-norg-ltanh-r128-b3",
                                   "128x64w8-wsn-st3-nott-nopp-b2", "128x128w8-ws-pf2",
                                   "64x128w4-bwg", "64x128w4-bdqk", "128x128w8-wsn-bgt", "64x128w4-bwg-bgt", "128x128w8-wsn-bgg", "64x128w4-bwg-bgt-bgg", "128x64w4-wg-ov-qr-2b-hg4-wskip"])

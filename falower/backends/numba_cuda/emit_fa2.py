@@ -1259,10 +1259,22 @@ def dual_step_helper(c: _Code, name: str, mma: str, ldsm: str, init: bool) -> st
     return c.helper(name, lines)
 
 
-def tree_softmax(spec: FA2ForwardSpec) -> bool:
-    """spec.extra["tree_softmax"]: softmax_row's row max and row sum over four chains instead of one (to measure:
-    not on by default). The sum's rounding differs from the one-chain order; the max is the same."""
-    return bool(spec.extra.get("tree_softmax", False))
+def tree_softmax(spec: FA2ForwardSpec, col_in_s: bool = False) -> bool:
+    """softmax_row's row max and row sum over four chains instead of one. The sum's rounding differs from the
+    one-chain order; the max is the same.
+
+    Default in the warp-specialized kernel at D = 128 where the softmax's elementwise code is plain attention's (x =
+    s under a folded scale, or ALiBi's column term carried in S: `col_in_s`). Measured there by pairs of calls
+    (bench --pairs, H200, 2026-11-30, benchmarks/NOTES.md "Call pairs"): plain, GQA and the naive code +1.0%,
+    the document +0.8%, causal and prefix LM +0.7%, ALiBi +0.3%, the 1024 window -0.3%; where the score has its own
+    elementwise work it lost (the relative bias -0.3%, the softcap -1.2%, softcap_approx -2.8%, the bias table
+    0.0), and at D = 64 it lost for all but ALiBi (plain -1.2%, causal and prefix LM -5%). `extra["tree_softmax"]`
+    True / False asks for it or keeps one chain (bench '-tree' / '-notree')."""
+    ask = spec.extra.get("tree_softmax", "auto")
+    if ask != "auto":
+        return bool(ask)
+    return (spec.extra.get("schedule") == "wgmma-ws" and spec.head_dim == 128 and folded_scale(spec) is not None
+            and (raw_is_s(spec) or col_in_s))
 
 
 def _tree(op: str, terms: list[str]) -> str:
@@ -1583,7 +1595,7 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
     c("@device_function")
     c("def softmax_row(x, i, m_old, roff):" if step else "def softmax_row(x, i, m_old):")
     with c.indent():
-        K = min(4, NJ) if tree_softmax(spec) else 1
+        K = min(4, NJ) if tree_softmax(spec, col_in_s) else 1
         if K > 1:
             # the row max and sum over K chains of n8 tiles (jj % K), combined at the end: a chain K times shorter
             # for the one warp a scheduler that runs a ping-pong turn's softmax (the max is the same to the bit)
