@@ -912,21 +912,24 @@ def paired_summary(ratios: list[float], seed: int = 0) -> dict:
 
 
 def time_examples_paired(calls: dict, flops: dict, pairs: int) -> dict:
-    """--pairs: each row against plain falower (plain against itself: the method's own noise, A/A) and each
-    --ex-configs row against its example's default, by `paired_calls`: {(row, "of plain" | "of default"):
-    paired_summary of TFLOP/s ratios}."""
+    """--pairs: each row against plain falower (plain against itself: the method's own noise, A/A), each default
+    row against its Flex twin, and each --ex-configs row against its example's default, by `paired_calls`: {(row,
+    "of plain" | "over flex" | "of default"): paired_summary of TFLOP/s ratios}."""
     out = {}
     for stem in flops:
         base = stem.split(" ")[0]
-        for what, other in (("of plain", "plain"), ("of default", base)):
-            if what == "of default" and base == stem or (stem, "ours") not in calls or (other, "ours") not in calls:
+        for what, other in (("of plain", ("plain", "ours")), ("over flex", (stem, "flex")),
+                            ("of default", (base, "ours"))):
+            if (what != "of plain" and (base == stem) == (what == "of default") or (stem, "ours") not in calls
+                    or other not in calls):
                 continue
             try:
-                ts = paired_calls(calls[(stem, "ours")], calls[(other, "ours")], pairs)
+                ts = paired_calls(calls[(stem, "ours")], calls[other], pairs)
             except Exception as exc:
                 log(f"  pairs: {stem} {what} failed: {type(exc).__name__}: {first_line(exc)}")
                 continue
-            out[(stem, what)] = {**paired_summary([flops[stem] / flops[other] * tb / ta for ta, tb in ts]),
+            f_other = flops[other[0]] if other[1] == "ours" else flops[stem]  # Flex's twin: the same kept pairs
+            out[(stem, what)] = {**paired_summary([flops[stem] / f_other * tb / ta for ta, tb in ts]),
                                  "ms": ts}  # each pair's two times (results.json)
         log(f"  pairs: {stem} done")
     return out
@@ -969,7 +972,7 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     by_pairs = time_examples_paired(calls, flops, pairs) if pairs else {}
     for row in out:
         row["D"] = D
-        for what in ("of plain", "of default"):
+        for what in ("of plain", "over flex", "of default"):
             if (row["example"], what) in by_pairs:
                 row[f"{what}, paired"] = by_pairs[(row["example"], what)]
         row["o diff vs flex"] = diffs.get(row["example"], NAN)  # sanity, not a check (both fp16)
@@ -1088,14 +1091,14 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
         md += ["", f"The same rows by call pairs (--pairs: {rows[0]['of plain, paired']['n']} pairs of single calls "
                "back to back, L2 flushed before each; the median of the pairs' ratios [its 90% bootstrap interval] "
                "(the pairs' 5th-95th percentiles); plain against itself is the method's noise):", "",
-               "| example | of plain, paired | of default, paired |", "|---|---|---|"]
+               "| example | of plain, paired | over Flex, paired | of default, paired |", "|---|---|---|---|"]
         for r in rows:
             cells = []
-            for what in ("of plain, paired", "of default, paired"):
+            for what in ("of plain, paired", "over flex, paired", "of default, paired"):
                 x = r.get(what)
                 cells.append(f"{x['median']:.3f} [{x['lo']:.3f}, {x['hi']:.3f}] ({x['p05']:.3f}-{x['p95']:.3f})"
                              if x and x["n"] else "-")
-            md.append(f"| {r['example']} | {cells[0]} | {cells[1]} |")
+            md.append(f"| {r['example']} | {' | '.join(cells)} |")
     return md
 
 

@@ -140,6 +140,24 @@ def test_paired_summary_median_and_its_interval():
     assert bench.paired_summary([])["n"] == 0
 
 
+def test_time_examples_paired_pairs_each_row_with_what_it_is_read_against(monkeypatch):
+    """--pairs: every row against plain, a default row against its Flex twin (over the same kept pairs), a config row
+    against its default (not Flex); a missing Flex twin leaves that ratio out."""
+    ms = {("plain", "ours"): 4.0, ("causal", "ours"): 2.5, ("causal", "flex"): 4.0, ("causal -c32", "ours"): 2.4,
+          ("plain", "flex"): 5.0}
+    calls = {key: key for key in ms if key != ("plain", "flex")}  # plain's Flex twin failed to build
+    monkeypatch.setattr(bench, "paired_calls", lambda a, b, n: [(ms[a], ms[b])] * n)
+    monkeypatch.setattr(bench, "log", lambda *a: None)
+    out = bench.time_examples_paired(calls, {"plain": 2e12, "causal": 1e12, "causal -c32": 1e12}, 5)
+    assert set(out) == {("plain", "of plain"), ("causal", "of plain"), ("causal", "over flex"),
+                        ("causal -c32", "of plain"), ("causal -c32", "of default")}
+    assert out[("plain", "of plain")]["median"] == pytest.approx(1.0)
+    assert out[("causal", "of plain")]["median"] == pytest.approx(0.5 * 4.0 / 2.5)
+    assert out[("causal", "over flex")]["median"] == pytest.approx(4.0 / 2.5)
+    assert out[("causal -c32", "of default")]["median"] == pytest.approx(2.5 / 2.4)
+    assert out[("causal", "over flex")]["ms"] == [(2.5, 4.0)] * 5
+
+
 def test_rounds_table_adds_the_paired_rows():
     """With --pairs the table gains a second part: each row's paired ratio to plain and, for a config row, to its
     default (median [interval]); "-" where a row has none."""
@@ -150,13 +168,16 @@ def test_rounds_table_adds_the_paired_rows():
         r["D"], r["o diff vs flex"] = 128, 1e-4
         r["of plain, paired"] = {"median": 1.0, "lo": 0.99, "hi": 1.01, "n": 200, "p05": 0.95, "p95": 1.05}
     rows[1]["of default, paired"] = {"median": 1.012, "lo": 1.004, "hi": 1.02, "n": 200, "p05": 0.9, "p95": 1.1}
+    rows[0]["over flex, paired"] = {"median": 1.3, "lo": 1.29, "hi": 1.31, "n": 200, "p05": 1.2, "p95": 1.4}
     table = bench.rounds_table(rows, "H200", 2)
     assert any("200 pairs of single calls" in line for line in table)
-    assert table[-2] == "| plain | 1.000 [0.990, 1.010] (0.950-1.050) | - |"
-    assert table[-1] == "| causal -c32 | 1.000 [0.990, 1.010] (0.950-1.050) | 1.012 [1.004, 1.020] (0.900-1.100) |"
+    assert table[-2] == "| plain | 1.000 [0.990, 1.010] (0.950-1.050) | 1.300 [1.290, 1.310] (1.200-1.400) | - |"
+    assert table[-1] == ("| causal -c32 | 1.000 [0.990, 1.010] (0.950-1.050) | - | 1.012 [1.004, 1.020] "
+                         "(0.900-1.100) |")
     for r in rows:
         del r["of plain, paired"]
     rows[1].pop("of default, paired")
+    rows[0].pop("over flex, paired")
     assert not any("pairs of single calls" in line for line in bench.rounds_table(rows, "H200", 2))  # no --pairs
 
 
