@@ -12,6 +12,7 @@ from . import fuse, online_softmax, tile  # noqa: E402,F401  (registration)
 from . import mask_tiles  # noqa: E402,F401
 from . import score_licm  # noqa: E402,F401
 from . import autodiff, delta, recompute, tile_bwd  # noqa: E402,F401  (the backward)
+from . import split_kv  # noqa: E402,F401  (kv parts merged by their LSE)
 from .pipeline import named as _named  # noqa: E402
 
 # 128 x 64 tiles: what the numba-cuda kernels run fastest on the H100 (benchmarks/NOTES.md); lazy=8: the row max

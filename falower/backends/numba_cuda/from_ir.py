@@ -56,6 +56,9 @@ def analyse(func: Func) -> Lowered:
         raise BackendError("numba-cuda backend: needs the fa2-fwd IR (one parallel_for over (b, h, q-tile)); "
                            "lower with pipeline fa2-fwd first")
     par = pf[0]
+    if len(par.attrs["bounds"]) == 4 and [r.name for r in par.results] == ["o_parts", "lse_parts"]:
+        raise BackendError("numba-cuda backend: the split-kv form (kv parts as work items, merged by their LSE) is "
+                           "checked by the interpreter but not emitted yet; lower without split-kv")
     if len(par.attrs["bounds"]) != 3 or len(par.results) != 2:
         raise BackendError("numba-cuda backend: expected parallel_for (b, h, qi) with outputs O and LSE "
                            "(the fa1 order and graphs without online-softmax are not emitted)")

@@ -1,0 +1,146 @@
+"""split-kv{parts=P}: each q tile's kv loop split into P parts that run as work items of their own, then merged
+by their LSE (FlashDecoding's split-kv; the same merge as context parallelism's, falower.ir.lse_merge).
+
+Why: a grid of (b, h, q tile) items leaves SMs idle where it is small against the GPU (decoding, few heads) or
+where its last round is partial (plain attention at B = 4, H = 16, N = 4k: 2048 items on 132 SMs, the blocks idle
+3.2% at the end, benchmarks/NOTES.md). Parts along kv multiply the items by P, each a shorter loop, at the cost of
+an f32 O and an LSE a part and the merge. This pass is the IR form, which the interpreter checks; the numba-cuda
+backend does not emit it yet (from_ir says so).
+
+Requires: the fa2-fwd form that online-softmax leaves (one parallel_for over (b, h, q tile) with outputs O and LSE,
+one kv loop `for %kj = %kv_lo to %kv_hi` in its body, O yielded as the cast of an f32 tile). Before / after (P = 2,
+abridged):
+
+    %o, %lse = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 128)) : f16[B,H,M,D], f32[B,H,M] {
+      %m, %l, %acc = for %kj = %kv_lo to %kv_hi iter_args(...) { ... }
+      ... %o_tile = div %acc, %l_safe ... %lse_tile_1 = squeeze ...
+      %33 = cast %o_tile {to = "f16"} : f16[128,D]
+      tile.yield %33 into [%b, %h, %q0 : 128, :], %lse_tile_1 into [%b, %h, %q0 : 128]
+    }
+
+=>
+
+    %o_parts, %lse_parts = parallel_for (%part, %b, %h, %qi) in (2, B, H, cdiv(M, 128)) : f32[2,B,H,M,D], f32[2,B,H,M] {
+      %kv_count = max (sub %kv_hi, %kv_lo), 0;  %kv_share = floordiv (add %kv_count, 1), 2
+      %kv_part_lo = add %kv_lo, (mul %part, %kv_share);  %kv_part_hi = min (add %kv_part_lo, %kv_share), %kv_hi
+      %m, %l, %acc = for %kj = %kv_part_lo to %kv_part_hi iter_args(...) { ... }
+      tile.yield %o_tile into [%part, %b, %h, %q0 : 128, :], %lse_tile_1 into [%part, %b, %h, %q0 : 128]
+    }
+    %lse_max = reduce_max %lse_parts {axis = 0} ... (build_lse_merge) ... %o = cast %o_merged {to = "f16"}
+
+The parts are equal shares of each q tile's own kv range (its non-empty tiles under a mask), so a causal row's
+parts are as long as each other; a part past the range's end (P more than the tiles) is empty: LSE -inf, O 0,
+weight 0 in the merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.builder import Builder
+from ..ir.core import Block, Func, Op, Value, clone_op, replace_uses
+from ..ir.dims import Const, dim
+from ..ir.lse_merge import build_lse_merge
+from ..ir.types import TensorType, scalar
+from .base import Pass, register
+from .rewrite import dce
+
+
+@register
+@dataclass(frozen=True)
+class SplitKV(Pass):
+    """Each q tile's kv range in `parts` equal shares, each a work item writing an f32 O and an LSE; the LSE merge
+    (falower.ir.lse_merge) after the loop nest. parts=1 leaves the function as it is."""
+
+    name = "split-kv"
+    summary = "each q tile's kv range in P work items of their own, merged by their LSE"
+    parts: int = 2
+
+    def run(self, func: Func) -> Func:
+        if self.parts < 1:
+            raise self.fail(f"parts must be at least 1, got {self.parts}")
+        if self.parts == 1:
+            return func
+        pfs = [op for op in func.body.ops if op.name == "parallel_for"]
+        if len(pfs) != 1:
+            raise self.fail(f"needs one parallel_for over (b, h, q tile), found {len(pfs)} (run the fa2-fwd "
+                            "pipeline first)")
+        par = pfs[0]
+        if len(par.attrs["bounds"]) != 3 or len(par.results) != 2 or par.attrs.get("accumulators"):
+            raise self.fail("needs the forward's parallel_for (b, h, q tile) with outputs O and LSE; got "
+                            f"{len(par.attrs['bounds'])} bounds and {len(par.results)} outputs")
+        body = par.regions[0]
+        loops = [op for op in body.ops if op.name == "for"]
+        if len(loops) != 1 or len(loops[0].results) != 3:
+            raise self.fail("needs one kv loop carrying (m, l, acc) in the q tile's body (run online-softmax "
+                            "first; the fa1 order keeps its kv loop outside)")
+        term = body.terminator
+        assert term is not None and term.name == "tile.yield"
+        o_spec, lse_spec = term.attrs["slices"]
+        n_o = sum(1 for s in o_spec if s != ":")
+        o_tile, o_idx = term.operands[0], term.operands[1:1 + n_o]
+        lse_tile, lse_idx = term.operands[1 + n_o], term.operands[2 + n_o:]
+        o32 = _f32_source(o_tile)
+        if o32 is None:
+            raise self.fail(f"O's tile is {o_tile.type}, not the cast of an f32 tile: the parts would be merged "
+                            "from rounded values")
+        if lse_tile.type.dtype != "f32":
+            raise self.fail(f"LSE's tile is {lse_tile.type}, not f32")
+
+        P = self.parts
+        blk = Block([scalar("i32")] * 4, ["part"] + [a.name for a in body.args])
+        part = blk.args[0]
+        vmap: dict[Value, Value] = dict(zip(body.args, blk.args[1:]))
+        loop = loops[0]
+        for op in body.ops[:-1]:
+            if op is loop:
+                lo, hi = _share(Builder(blk), vmap.get(loop.operands[0], loop.operands[0]),
+                                vmap.get(loop.operands[1], loop.operands[1]), part, P)
+                new = clone_op(op, vmap)
+                new.operands[0:2] = [lo, hi]
+                blk.append(new)
+            else:
+                blk.append(clone_op(op, vmap))
+        out = [vmap.get(o32, o32), part, *(vmap.get(v, v) for v in o_idx),
+               vmap.get(lse_tile, lse_tile), part, *(vmap.get(v, v) for v in lse_idx)]
+        Builder(blk).op("tile.yield", out, [], {"slices": (("i", *o_spec), ("i", *lse_spec))})
+        o_t, lse_t = (r.type for r in par.results)
+        split = Op("parallel_for", [], [TensorType("f32", (Const(P), *o_t.shape)),
+                                        TensorType("f32", (Const(P), *lse_t.shape))],
+                   {"bounds": (dim(P), *par.attrs["bounds"])}, [blk], ["o_parts", "lse_parts"])
+
+        merge = Block()
+        mb = Builder(merge)
+        o, lse = build_lse_merge(mb, *split.results)
+        o = mb.cast(o, o_t.dtype)
+        at = func.body.ops.index(par)
+        func.body.ops[at:at + 1] = [split, *merge.ops]
+        for op in [split, *merge.ops]:
+            op.parent = func.body
+        replace_uses(func.body, par.results[0], o)
+        replace_uses(func.body, par.results[1], lse)
+        dce(func)  # the f16 cast of O's tile, which the parts no longer yield
+        return func
+
+
+def _f32_source(tile: Value) -> Value | None:
+    """The f32 tile whose cast `tile` is (or `tile` itself where it is f32)."""
+    if tile.type.dtype == "f32":
+        return tile
+    op = tile.owner
+    if isinstance(op, Op) and op.name == "cast" and op.operands[0].type.dtype == "f32":
+        return op.operands[0]
+    return None
+
+
+def _share(b: Builder, lo: Value, hi: Value, part: Value, parts: int) -> tuple[Value, Value]:
+    """The part's kv tiles [lo_p, hi_p) of [lo, hi): equal shares of cdiv(hi - lo, parts) tiles, the last ones
+    shorter or empty."""
+    count = b.emit("max", b.emit("sub", hi, lo), b.const(0), name_hint="kv_count")
+    share = b.emit("floordiv", b.emit("add", count, b.const(parts - 1)), b.const(parts), name_hint="kv_share")
+    part_lo = b.emit("add", lo, b.emit("mul", part, share), name_hint="kv_part_lo")
+    part_hi = b.emit("min", b.emit("add", part_lo, share), hi, name_hint="kv_part_hi")
+    return part_lo, part_hi
+
+
+__all__ = ["SplitKV"]
