@@ -881,7 +881,8 @@ def paired_calls(fa: Callable, fb: Callable, pairs: int) -> list[tuple[float, fl
     flushed (do_bench's 256 MB write) and timed by its own events: [(ms of a, ms of b)]. Why: rounds of do_bench
     put ~0.1 s between two calls' timings, and the H200's clocks drift by more than that: two rows of one kernel
     read 1.042 [0.89, 1.12] apart over 13 rounds (forty-sixth session, call A). Calls a millisecond apart share
-    the clock, so their ratio is the kernels' own."""
+    the clock, so their ratio is the kernels' own. Each call is timed whole, its host work included where the GPU
+    waits for it (the flush before it gives the host ~0.1 ms to start), as do_bench times it."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     fa(), fb()  # warm (the rounds ran them already; a first call's allocations stay out)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(pairs)]
@@ -1087,8 +1088,10 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
         md.append(f"| {r['example']} | {r['ours']:.0f} | {100 * r['ours spread']:.1f}% | {p['median']:.3f} "
                   f"[{p['min']:.3f}, {p['max']:.3f}] | {r['flex']:.0f} | {f['median']:.2f} "
                   f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} | {paired} |")
-    if any("of plain, paired" in r for r in rows):
-        md += ["", f"The same rows by call pairs (--pairs: {rows[0]['of plain, paired']['n']} pairs of single calls "
+    n_pairs = next((r[k]["n"] for r in rows for k in ("of plain, paired", "over flex, paired", "of default, paired")
+                    if k in r), 0)
+    if n_pairs:
+        md += ["", f"The same rows by call pairs (--pairs: {n_pairs} pairs of single calls "
                "back to back, L2 flushed before each; the median of the pairs' ratios [its 90% bootstrap interval] "
                "(the pairs' 5th-95th percentiles); plain against itself is the method's noise):", "",
                "| example | of plain, paired | over Flex, paired | of default, paired |", "|---|---|---|---|"]

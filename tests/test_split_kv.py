@@ -97,6 +97,21 @@ def test_the_pass_says_which_precondition_failed(pipeline: str, why: str) -> Non
         fl.lower(example("causal"), pipeline)
 
 
+def test_an_op_after_p_v_is_refused_not_merged() -> None:
+    """tanh(P @ V): the merge is linear in each part's O, so the pass must not merge the parts' tanh."""
+    @fl.trace(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+    def g(q, k, v):
+        return fl.tanh(fl.softmax(q @ k.transpose(-1, -2) * 0.5, -1) @ v)
+
+    with pytest.raises(PassError, match="pass split-kv: O's tile is not the kv loop's acc / l"):
+        fl.lower(g, "fa2-fwd,split-kv{parts=3}")
+
+
+def test_passes_after_split_kv_that_need_the_q_tile_nest_say_so() -> None:
+    with pytest.raises(PassError, match="pass mask-tiles: .*split-kv's parts.*run split-kv last"):
+        fl.lower(example("causal"), f"{SMALL.replace(',mask-tiles', '')},split-kv{{parts=3}},mask-tiles")
+
+
 def test_the_backward_graph_is_refused() -> None:
     with pytest.raises(PassError, match="pass split-kv: "):
         fl.lower(example("causal"), "fa2-bwd,split-kv")
@@ -179,6 +194,7 @@ def test_the_shares_partition_each_q_tiles_kv_range() -> None:
             seen: list[int] = []
             for p in range(parts):
                 a, z = (int(x) for x in interpret(f, [np.int32(lo_v), np.int32(hi_v), np.int32(p)], "native", {}))
-                assert lo_v <= a and z <= max(hi_v, lo_v) and z - a <= -(-max(hi_v - lo_v, 0) // parts)
+                n = max(hi_v - lo_v, 0)
+                assert lo_v <= a and z <= max(hi_v, lo_v) and n // parts <= z - a <= -(-n // parts)  # even shares
                 seen += range(a, z)
             assert seen == list(range(lo_v, max(hi_v, lo_v))), (parts, lo_v, hi_v, seen)

@@ -164,6 +164,9 @@ def the_parallel_for(func: Func, fail, hint: str) -> Op:
     pf = [op for op in func.body.ops if op.name == "parallel_for"]
     if len(pf) != 1:
         raise fail(f"needs a tiled graph (one parallel_for), found {len(pf)}: {hint}")
+    if len(pf[0].attrs["bounds"]) > 3:  # split-kv's (part, b, h, q tile): its parts are merged after the nest
+        raise fail(f"needs the parallel_for over (b, h, q tile), found one over {len(pf[0].attrs['bounds'])} axes "
+                   "(split-kv's parts): run split-kv last")
     return pf[0]
 
 

@@ -7,30 +7,7 @@ where its last round is partial (plain attention at B = 4, H = 16, N = 4k: 2048 
 an f32 O and an LSE a part and the merge. This pass is the IR form, which the interpreter checks; the numba-cuda
 backend does not emit it yet (from_ir says so).
 
-Requires: the fa2-fwd form that online-softmax leaves (one parallel_for over (b, h, q tile) with outputs O and LSE,
-one kv loop `for %kj = %kv_lo to %kv_hi` in its body, O yielded as the cast of an f32 tile). Before / after (P = 2,
-abridged):
-
-    %o, %lse = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 128)) : f16[B,H,M,D], f32[B,H,M] {
-      %m, %l, %acc = for %kj = %kv_lo to %kv_hi iter_args(...) { ... }
-      ... %o_tile = div %acc, %l_safe ... %lse_tile_1 = squeeze ...
-      %33 = cast %o_tile {to = "f16"} : f16[128,D]
-      tile.yield %33 into [%b, %h, %q0 : 128, :], %lse_tile_1 into [%b, %h, %q0 : 128]
-    }
-
-=>
-
-    %o_parts, %lse_parts = parallel_for (%part, %b, %h, %qi) in (2, B, H, cdiv(M, 128)) : f32[2,B,H,M,D], f32[2,B,H,M] {
-      %kv_count = max (sub %kv_hi, %kv_lo), 0;  %kv_share = floordiv (add %kv_count, 1), 2
-      %kv_part_lo = add %kv_lo, (mul %part, %kv_share);  %kv_part_hi = min (add %kv_part_lo, %kv_share), %kv_hi
-      %m, %l, %acc = for %kj = %kv_part_lo to %kv_part_hi iter_args(...) { ... }
-      tile.yield %o_tile into [%part, %b, %h, %q0 : 128, :], %lse_tile_1 into [%part, %b, %h, %q0 : 128]
-    }
-    %lse_max = reduce_max %lse_parts {axis = 0} ... (build_lse_merge) ... %o = cast %o_merged {to = "f16"}
-
-The parts are equal shares of each q tile's own kv range (its non-empty tiles under a mask), so a causal row's
-parts are as long as each other; a part past the range's end (P more than the tiles) is empty: LSE -inf, O 0,
-weight 0 in the merge.
+The pass class says what it requires and shows the rewrite.
 """
 
 from __future__ import annotations
@@ -49,8 +26,38 @@ from .rewrite import dce
 @register
 @dataclass(frozen=True)
 class SplitKV(Pass):
-    """Each q tile's kv range in `parts` equal shares, each a work item writing an f32 O and an LSE; the LSE merge
-    (falower.ir.lse_merge) after the loop nest. parts=1 leaves the function as it is."""
+    """Each q tile's kv range in `parts` shares, each a work item writing an f32 O and an LSE; the LSE merge
+    (falower.ir.lse_merge) after the loop nest. parts=1 leaves the function as it is.
+
+    Requires: the fa2-fwd form that online-softmax leaves (one parallel_for over (b, h, q tile) with outputs O and
+    LSE, one kv loop `for %kj = %kv_lo to %kv_hi` in its body, O yielded as the cast of its f32 acc / l). Before /
+    after (P = 2, abridged):
+
+        %o, %lse = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 128)) : f16[B,H,M,D], f32[B,H,M] {
+          %m, %l, %acc = for %kj = %kv_lo to %kv_hi iter_args(...) { ... }
+          ... %o_tile = div %acc, %l_safe ... %lse_tile_1 = squeeze ...
+          %33 = cast %o_tile {to = "f16"} : f16[128,D]
+          tile.yield %33 into [%b, %h, %q0 : 128, :], %lse_tile_1 into [%b, %h, %q0 : 128]
+        }
+
+    =>
+
+        %o_parts, %lse_parts = parallel_for (%part, %b, %h, %qi) in (2, B, H, cdiv(M, 128))
+                                   : f32[2,B,H,M,D], f32[2,B,H,M] {
+          %kv_count = max (sub %kv_hi, %kv_lo), 0
+          %kv_part_lo = add %kv_lo, (floordiv (mul %part, %kv_count), 2)
+          %kv_part_hi = add %kv_lo, (floordiv (mul (add %part, 1), %kv_count), 2)
+          %m, %l, %acc = for %kj = %kv_part_lo to %kv_part_hi iter_args(...) { ... }
+          tile.yield %o_tile into [%part, %b, %h, %q0 : 128, :], %lse_tile_1 into [%part, %b, %h, %q0 : 128]
+        }
+        %lse_max = reduce_max %lse_parts {axis = 0} ... (build_lse_merge) ... %o = cast %o_merged {to = "f16"}
+
+    The parts are shares of each q tile's own kv range that differ by one tile at most: the range is the tile's
+    non-empty kv tiles where mask-tiles found one (mask.kv_range), every kv tile under a dense block table or no
+    mask. A causal q tile's parts are then as long as each other. A part with no tile (P more than the tiles) is
+    empty: LSE -inf, O 0, weight 0 in the merge. O's tile must be the kv loop's acc / l: the merge is linear in each
+    part's O, so an op after P @ V (tanh(P @ V)) is refused, not merged wrongly.
+    """
 
     name = "split-kv"
     summary = "each q tile's kv range in P work items of their own, merged by their LSE"
@@ -84,6 +91,10 @@ class SplitKV(Pass):
         if o32 is None:
             raise self.fail(f"O's tile is {o_tile.type}, not the cast of an f32 tile: the parts would be merged "
                             "from rounded values")
+        div = o32.owner
+        if not (isinstance(div, Op) and div.name == "div" and div.operands[0] is loops[0].results[2]):
+            raise self.fail("O's tile is not the kv loop's acc / l (an op after P @ V, such as tanh(P @ V)): the "
+                            "merge is linear in each part's O, so it cannot run before that op")
         if lse_tile.type.dtype != "f32":
             raise self.fail(f"LSE's tile is {lse_tile.type}, not f32")
 
@@ -134,12 +145,14 @@ def _f32_source(tile: Value) -> Value | None:
 
 
 def _share(b: Builder, lo: Value, hi: Value, part: Value, parts: int) -> tuple[Value, Value]:
-    """The part's kv tiles [lo_p, hi_p) of [lo, hi): equal shares of cdiv(hi - lo, parts) tiles, the last ones
-    shorter or empty."""
+    """The part's kv tiles [lo_p, hi_p) of [lo, hi): lo + floor(p n / P) to lo + floor((p + 1) n / P), n = hi - lo
+    (0 where negative). The shares differ by one tile at most, so no part idles while another has two more tiles
+    than it (shares of cdiv(n, P) left 2, 2, 1, 0 of 5 tiles in 4 parts)."""
     count = b.emit("max", b.emit("sub", hi, lo), b.const(0), name_hint="kv_count")
-    share = b.emit("floordiv", b.emit("add", count, b.const(parts - 1)), b.const(parts), name_hint="kv_share")
-    part_lo = b.emit("add", lo, b.emit("mul", part, share), name_hint="kv_part_lo")
-    part_hi = b.emit("min", b.emit("add", part_lo, share), hi, name_hint="kv_part_hi")
+    P = b.const(parts)
+    part_lo = b.emit("add", lo, b.emit("floordiv", b.emit("mul", part, count), P), name_hint="kv_part_lo")
+    nxt = b.emit("add", part, b.const(1))
+    part_hi = b.emit("add", lo, b.emit("floordiv", b.emit("mul", nxt, count), P), name_hint="kv_part_hi")
     return part_lo, part_hi
 
 

@@ -48,3 +48,6 @@ def test_the_callers_extra_wins_and_alibi_without_its_product_keeps_one_chain() 
     assert _chains(_softmax_row("relative_bias", 128, tree_softmax=True)) == 4
     assert _chains(_softmax_row("plain", 64, tree_softmax=True)) == 4
     assert _chains(_softmax_row("alibi", 128, col_mma=False)) == 1  # the FFMA an element: not plain's code
+    # where it was not measured: one block an item, or no producer warpgroup
+    assert _chains(_softmax_row("plain", 128, persistent=0, item_order="grid")) == 1
+    assert _chains(_softmax_row("plain", 128, producer="none", persistent=0, item_order="grid")) == 1

@@ -1263,8 +1263,9 @@ def tree_softmax(spec: FA2ForwardSpec, col_in_s: bool = False) -> bool:
     """softmax_row's row max and row sum over four chains instead of one. The sum's rounding differs from the
     one-chain order; the max is the same.
 
-    Default in the warp-specialized kernel at D = 128 where the softmax's elementwise code is plain attention's (x =
-    s under a folded scale, or ALiBi's column term carried in S: `col_in_s`). Measured there by pairs of calls
+    Default in the persistent warp-specialized kernel with a producer warpgroup (the automatic choice, where it was
+    measured) at D = 128 where the softmax's elementwise code is plain attention's (x = s under a folded scale, or
+    ALiBi's column term carried in S: `col_in_s`). Measured there by pairs of calls
     (bench --pairs, H200, 2026-11-30, benchmarks/NOTES.md "Call pairs"): plain, GQA and the naive code +1.0%,
     the document +0.8%, causal and prefix LM +0.7%, ALiBi +0.3%, the 1024 window -0.3%; where the score has its own
     elementwise work it lost (the relative bias -0.3%, the softcap -1.2%, softcap_approx -2.8%, the bias table
@@ -1273,7 +1274,8 @@ def tree_softmax(spec: FA2ForwardSpec, col_in_s: bool = False) -> bool:
     ask = spec.extra.get("tree_softmax", "auto")
     if ask != "auto":
         return bool(ask)
-    return (spec.extra.get("schedule") == "wgmma-ws" and spec.head_dim == 128 and folded_scale(spec) is not None
+    return (spec.extra.get("schedule") == "wgmma-ws" and spec.extra.get("producer") == "warpgroup"
+            and bool(spec.extra.get("persistent")) and spec.head_dim == 128 and folded_scale(spec) is not None
             and (raw_is_s(spec) or col_in_s))
 
 
