@@ -475,6 +475,13 @@ class Variant:
 
 
 DOCUMENTS = 8  # the document example's documents a row (--documents)
+SHAPE = {"B": 0, "H": 0}  # --batch / --heads: 0 keeps the sweep's B * N = 16k tokens and H * D = 2048
+
+
+def batch_heads(D: int, N: int) -> tuple[int, int]:
+    """(B, H) of a timed call: the FlashAttention-2 paper's sweep (B * N = 16k tokens, H * D = 2048), or --batch /
+    --heads (a small grid: B = 1, H = 8 at N = 1k is 64 q tiles of 128 rows for 132 SMs)."""
+    return SHAPE["B"] or max(1, 16384 // N), SHAPE["H"] or 2048 // D
 
 
 def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
@@ -665,8 +672,7 @@ def leaves(*xs):
 
 
 def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
-    H = 2048 // D
-    B = max(1, 16384 // N)
+    B, H = batch_heads(D, N)
     flops = 4 * B * H * N * N * D / (2 if causal else 1)
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16) for _ in range(4))
@@ -742,8 +748,7 @@ def measure_flex(row: dict, key: str, flops: float, call: Callable, grad_to_none
 
 
 def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
-    H = 2048 // D
-    B = max(1, 16384 // N)
+    B, H = batch_heads(D, N)
     var = variant(stem, B, H, N, D)
     torch.manual_seed(0)
     q = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16)
@@ -945,8 +950,7 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     `configs` (--ex-configs) adds the example under that kernel as a row "<stem> <tag>", in the same rounds."""
     import random
 
-    H = 2048 // D
-    B = max(1, 16384 // N)
+    B, H = batch_heads(D, N)
     calls, flops, diffs = {}, {}, {}
     for stem in (["plain"] if "plain" not in stems else []) + list(stems):
         try:
@@ -1200,7 +1204,9 @@ def sweep_table(rows: list, phase: str, dev: str) -> list[str]:
     mma = [k for k in ours if k not in wg and k not in bwg and k != f"{phase} ours auto"]
     cmp = (["auto/FLASH", "auto/CUDNN", "auto/Flex"] if auto else []) + (["wg/mma"] if wg and mma else [])
     cmp += ["bwg/bmma", "bwg/FLASH"] if phase == "bwd" and bwg and bmma else []
-    md = [f"TFLOP/s, fp16 {title}, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}", "",
+    given = rows and (SHAPE["B"] or SHAPE["H"])
+    shape = f" (B = {rows[0]['B']}, H = {rows[0]['H']}: --batch / --heads)" if given else ""
+    md = [f"TFLOP/s, fp16 {title}, {dev}, {time.strftime('%Y-%m-%d', time.gmtime())}{shape}", "",
           "| D | causal | N | " + " | ".join(k[len(phase) + 1:] for k in ours) + " | " + " | ".join(extra)
           + " | FLASH | CUDNN | Flex | best/FLASH | best/CUDNN | best/Flex |" + "".join(f" {x} |" for x in cmp),
           "|" + "---|" * (3 + len(ours) + len(extra) + 6 + len(cmp))]
@@ -1288,6 +1294,8 @@ def main() -> None:
                          "back (bench.paired_calls; 200 takes ~1 s a row at N = 4k)")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
+    ap.add_argument("--batch", type=int, default=0, help="B of every timed call (default: 16k tokens / N)")
+    ap.add_argument("--heads", type=int, default=0, help="H of every timed call (default: 2048 / D)")
     ap.add_argument("--documents", type=int, default=DOCUMENTS,
                     help="the document example's documents a row, of random lengths (default 8: ~512 tokens at "
                          "N = 4k; more, shorter documents leave more of a wide tile masked)")
@@ -1299,6 +1307,9 @@ def main() -> None:
     if args.documents < 1:
         ap.error(f"--documents must be at least 1, got {args.documents}")
     DOCUMENTS = args.documents
+    if args.batch < 0 or args.heads < 0:
+        ap.error("--batch and --heads must be positive (0: the sweep's default)")
+    SHAPE.update(B=args.batch, H=args.heads)
     if not args.fwd and not args.bwd:
         args.fwd = args.bwd = True
     args.ex_configs = [parse_config(c) for c in args.ex_configs.split(",") if c]

@@ -263,3 +263,15 @@ def test_a_refused_knob_row_is_told_from_the_knobs_kernel(stem, knobs, falls, mo
     assert bool(why) == falls, why
     if falls:
         assert "col_mma" in why and "schedule wgmma" in why, why
+
+
+def test_batch_heads_keep_the_sweep_unless_given() -> None:
+    """B * N = 16k tokens and H * D = 2048 by default; --batch / --heads override each alone (a small grid)."""
+    assert bench.batch_heads(128, 4096) == (4, 16) and bench.batch_heads(64, 1024) == (16, 32)
+    try:
+        bench.SHAPE.update(B=1)
+        assert bench.batch_heads(128, 1024) == (1, 16)
+        bench.SHAPE.update(H=8)
+        assert bench.batch_heads(64, 32768) == (1, 8)
+    finally:
+        bench.SHAPE.update(B=0, H=0)
