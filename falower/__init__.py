@@ -22,7 +22,8 @@ _FLEX_HELPERS = ("and_masks", "or_masks", "noop_mask")
 
 def __getattr__(name: str):
     """FlexAttention's API, loaded on first use so that `import falower` never imports torch:
-    `from falower import flex_attention, create_block_mask, and_masks, or_masks, noop_mask`."""
+    `from falower import flex_attention, create_block_mask, and_masks, or_masks, noop_mask`; and `lse_merge`
+    (backends/numba_cuda/lse_merge.py), loaded on first use so that it never imports numba.cuda before then."""
     if name in _TORCH_API:
         from . import torch_mods
 
@@ -31,6 +32,10 @@ def __getattr__(name: str):
         from . import torch_mods
 
         return torch_mods.helper(name)
+    if name == "lse_merge":  # the merge kernel (numba-cuda): a context-parallel forward's last step
+        from .backends.numba_cuda.lse_merge import lse_merge
+
+        return lse_merge
     raise AttributeError(f"module 'falower' has no attribute {name!r}")
 
 
@@ -51,4 +56,4 @@ __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp",
            "sign", "log2", "abs", "maximum", "minimum", "lower", "grad", "interpret", "print_func", "parse_func",
            "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
            "PassError", "ShapeError", "VerifyError",
-           "flex_attention", "create_block_mask", "BlockMask", "and_masks", "or_masks", "noop_mask"]
+           "flex_attention", "create_block_mask", "BlockMask", "and_masks", "or_masks", "noop_mask", "lse_merge"]

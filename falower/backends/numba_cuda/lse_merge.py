@@ -1,0 +1,123 @@
+"""The LSE merge on the GPU: falower.ir.lse_merge's formula as one small kernel, a warp a row.
+
+What a split-kv forward runs after its parts, and what a context-parallel forward runs after gathering each rank's
+O and LSE: `lse_merge(o_parts, lse_parts)` takes o_parts [P, ..., M, D] (f32) and lse_parts [P, ..., M] (f32,
+natural log, -inf where a part saw no key) and returns O [..., M, D] (f32, or `out_dtype`) and LSE [..., M]. The
+arithmetic is the IR's, in its order (max, the weights exp(lse_p - m), their sum, each part's share w_p / s, the
+shares' sum of O): tests/backend/test_lse_merge_simulator.py holds it to the interpreter's lse_merge_func.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import numpy as np
+from numba import cuda
+
+WARPS = 4  # rows a block: one warp a row, its lanes over D
+
+
+@functools.lru_cache(maxsize=None)
+def merge_kernel(parts: int, out_dtype: str) -> Any:
+    """The jitted kernel for `parts` parts, O stored as `out_dtype` (f32, or f16 / bf16 as 16-bit words)."""
+    from .intrinsics import f32_to_bf16, f32_to_f16
+
+    neg_inf = np.float32(-math.inf)
+
+    @cuda.jit(device=True)
+    def weights(lse_parts, row):
+        """(m', s'): the parts' max LSE (0 where every part is -inf) and the weights' sum (1 where it is 0), and
+        the merged LSE."""
+        m = neg_inf
+        for p in range(parts):
+            m = max(m, lse_parts[p, row])
+        m_safe = np.float32(0.0) if m == neg_inf else m
+        s = np.float32(0.0)
+        for p in range(parts):
+            s += math.exp(lse_parts[p, row] - m_safe)
+        return m_safe, (s if s > 0 else np.float32(1.0)), (m_safe + math.log(s) if s > 0 else neg_inf)
+
+    @cuda.jit(device=True)
+    def merged(o_parts, lse_parts, row, c, m_safe, s_safe):
+        acc = np.float32(0.0)
+        for p in range(parts):
+            acc += (math.exp(lse_parts[p, row] - m_safe) / s_safe) * o_parts[p, row, c]
+        return acc
+
+    if out_dtype == "f32":
+        @cuda.jit
+        def merge(o_parts, lse_parts, o, lse, rows, D):
+            row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
+            lane = cuda.threadIdx.x % 32
+            if row < rows:
+                m_safe, s_safe, l_row = weights(lse_parts, row)
+                if lane == 0:
+                    lse[row] = l_row
+                for c in range(lane, D, 32):
+                    o[row, c] = merged(o_parts, lse_parts, row, c, m_safe, s_safe)
+    else:
+        store16 = f32_to_f16 if out_dtype == "f16" else f32_to_bf16
+
+        @cuda.jit
+        def merge(o_parts, lse_parts, o, lse, rows, D):
+            row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
+            lane = cuda.threadIdx.x % 32
+            if row < rows:
+                m_safe, s_safe, l_row = weights(lse_parts, row)
+                if lane == 0:
+                    lse[row] = l_row
+                for c in range(lane, D, 32):
+                    o[row, c] = store16(merged(o_parts, lse_parts, row, c, m_safe, s_safe))
+
+    return merge
+
+
+def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> tuple[Any, Any]:
+    """(O, LSE) of the parts (see the module docstring). numpy inputs give numpy outputs (through the device, or the
+    simulator); torch CUDA tensors give torch tensors on their device. `out_dtype`: "f32" (default), "f16" or
+    "bf16"."""
+    out_dtype = out_dtype or "f32"
+    if out_dtype not in ("f32", "f16", "bf16"):
+        raise ValueError(f"lse_merge: out_dtype must be f32, f16 or bf16, got {out_dtype!r}")
+    oshape, lshape = tuple(int(n) for n in o_parts.shape), tuple(int(n) for n in lse_parts.shape)
+    if len(oshape) < 3 or oshape[:-1] != lshape:
+        raise ValueError(f"lse_merge: o_parts {oshape} must be lse_parts {lshape} with one more (last) axis, and "
+                         "both at least [P, M]")
+    P, D, rows = oshape[0], oshape[-1], int(np.prod(lshape[1:]))
+    torch_in = type(o_parts).__module__.startswith("torch")
+    if torch_in:
+        import torch
+
+        if o_parts.dtype != torch.float32 or lse_parts.dtype != torch.float32:
+            raise ValueError(f"lse_merge: the parts must be f32, got O {o_parts.dtype}, LSE {lse_parts.dtype}")
+        dev = o_parts.device
+        o_in = cuda.as_cuda_array(o_parts.detach().contiguous().view(P, rows, D))
+        l_in = cuda.as_cuda_array(lse_parts.detach().contiguous().view(P, rows))
+        tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[out_dtype]
+        o_t = torch.empty(oshape[1:], dtype=tdt, device=dev)
+        l_t = torch.empty(lshape[1:], dtype=torch.float32, device=dev)
+        o_out = cuda.as_cuda_array(o_t.view(rows, D) if out_dtype == "f32" else o_t.view(torch.int16).view(rows, D))
+        l_out = cuda.as_cuda_array(l_t.view(rows))
+    else:
+        o_np, l_np = np.asarray(o_parts), np.asarray(lse_parts)
+        if o_np.dtype != np.float32 or l_np.dtype != np.float32:
+            raise ValueError(f"lse_merge: the parts must be f32, got O {o_np.dtype}, LSE {l_np.dtype}")
+        o_in = cuda.to_device(np.ascontiguousarray(o_np).reshape(P, rows, D))
+        l_in = cuda.to_device(np.ascontiguousarray(l_np).reshape(P, rows))
+        o_out = cuda.device_array((rows, D), dtype=np.float32 if out_dtype == "f32" else np.int16)
+        l_out = cuda.device_array(rows, dtype=np.float32)
+    if rows:
+        merge_kernel(P, out_dtype)[(rows + WARPS - 1) // WARPS, 32 * WARPS](o_in, l_in, o_out, l_out, rows, D)
+    if torch_in:
+        return o_t, l_t
+    o = o_out.copy_to_host()
+    if out_dtype == "f16":
+        o = o.view(np.float16)
+    elif out_dtype == "bf16":  # numpy has no bf16: the words widened to f32
+        o = (o.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return o.reshape(oshape[1:]), l_out.copy_to_host().reshape(lshape[1:])
+
+
+__all__ = ["lse_merge", "merge_kernel"]
