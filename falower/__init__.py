@@ -54,6 +54,6 @@ def grad(func: Func, **kwargs) -> Func:
 __all__ = ["attention", "capture", "trace", "tensor", "softmax", "where", "exp", "exp2", "log", "tanh",
            "sigmoid", "erf", "sqrt", "sin", "cos", "tan", "log1p", "expm1", "rsqrt", "floor", "ceil", "round",
            "sign", "log2", "abs", "maximum", "minimum", "lower", "grad", "interpret", "print_func", "parse_func",
-           "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline", "FalowerError", "ParseError",
-           "PassError", "ShapeError", "VerifyError",
+           "verify", "Func", "compile", "CompiledAttention", "PassManager", "parse_pipeline", "run_pipeline",
+           "FalowerError", "ParseError", "PassError", "ShapeError", "VerifyError",
            "flex_attention", "create_block_mask", "BlockMask", "and_masks", "or_masks", "noop_mask", "lse_merge"]
