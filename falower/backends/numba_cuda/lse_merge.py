@@ -47,29 +47,22 @@ def merge_kernel(parts: int, out_dtype: str) -> Any:
         return acc
 
     if out_dtype == "f32":
-        @cuda.jit
-        def merge(o_parts, lse_parts, o, lse, rows, D):
-            row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
-            lane = cuda.threadIdx.x % 32
-            if row < rows:
-                m_safe, s_safe, l_row = weights(lse_parts, row)
-                if lane == 0:
-                    lse[row] = l_row
-                for c in range(lane, D, 32):
-                    o[row, c] = merged(o_parts, lse_parts, row, c, m_safe, s_safe)
+        @cuda.jit(device=True)
+        def store(x):
+            return x
     else:
-        store16 = f32_to_f16 if out_dtype == "f16" else f32_to_bf16
+        store = f32_to_f16 if out_dtype == "f16" else f32_to_bf16  # the 16-bit word
 
-        @cuda.jit
-        def merge(o_parts, lse_parts, o, lse, rows, D):
-            row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
-            lane = cuda.threadIdx.x % 32
-            if row < rows:
-                m_safe, s_safe, l_row = weights(lse_parts, row)
-                if lane == 0:
-                    lse[row] = l_row
-                for c in range(lane, D, 32):
-                    o[row, c] = store16(merged(o_parts, lse_parts, row, c, m_safe, s_safe))
+    @cuda.jit
+    def merge(o_parts, lse_parts, o, lse, rows, D):
+        row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
+        lane = cuda.threadIdx.x % 32
+        if row < rows:
+            m_safe, s_safe, l_row = weights(lse_parts, row)
+            if lane == 0:
+                lse[row] = l_row
+            for c in range(lane, D, 32):
+                o[row, c] = store(merged(o_parts, lse_parts, row, c, m_safe, s_safe))
 
     return merge
 
