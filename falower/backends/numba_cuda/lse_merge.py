@@ -27,24 +27,21 @@ def merge_kernel(parts: int, out_dtype: str) -> Any:
     neg_inf = np.float32(-math.inf)
 
     @cuda.jit(device=True)
-    def weights(lse_parts, row):
-        """(m', s'): the parts' max LSE (0 where every part is -inf) and the weights' sum (1 where it is 0), and
-        the merged LSE."""
+    def shares(lse_parts, row, a):
+        """a[p] = w_p / s', each part's share of the row's O (w_p = exp(lse_p - m'), m' the parts' max LSE or 0
+        where every part is -inf, s' their sum or 1 where it is 0), once a row; returns the merged LSE."""
         m = neg_inf
         for p in range(parts):
             m = max(m, lse_parts[p, row])
         m_safe = np.float32(0.0) if m == neg_inf else m
         s = np.float32(0.0)
         for p in range(parts):
-            s += math.exp(lse_parts[p, row] - m_safe)
-        return m_safe, (s if s > 0 else np.float32(1.0)), (m_safe + math.log(s) if s > 0 else neg_inf)
-
-    @cuda.jit(device=True)
-    def merged(o_parts, lse_parts, row, c, m_safe, s_safe):
-        acc = np.float32(0.0)
+            a[p] = math.exp(lse_parts[p, row] - m_safe)
+            s += a[p]
+        s_safe = s if s > 0 else np.float32(1.0)
         for p in range(parts):
-            acc += (math.exp(lse_parts[p, row] - m_safe) / s_safe) * o_parts[p, row, c]
-        return acc
+            a[p] = a[p] / s_safe
+        return m_safe + math.log(s) if s > 0 else neg_inf
 
     if out_dtype == "f32":
         @cuda.jit(device=True)
@@ -58,11 +55,15 @@ def merge_kernel(parts: int, out_dtype: str) -> Any:
         row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
         lane = cuda.threadIdx.x % 32
         if row < rows:
-            m_safe, s_safe, l_row = weights(lse_parts, row)
+            a = cuda.local.array(parts, np.float32)
+            l_row = shares(lse_parts, row, a)
             if lane == 0:
                 lse[row] = l_row
             for c in range(lane, D, 32):
-                o[row, c] = store(merged(o_parts, lse_parts, row, c, m_safe, s_safe))
+                acc = np.float32(0.0)
+                for p in range(parts):
+                    acc += a[p] * o_parts[p, row, c]
+                o[row, c] = store(acc)
 
     return merge
 
