@@ -924,10 +924,10 @@ def time_examples_paired(calls: dict, flops: dict, pairs: int) -> dict:
     out = {}
     for stem in flops:
         base = stem.split(" ")[0]
-        for what, other in (("of plain", ("plain", "ours")), ("over flex", (stem, "flex")),
-                            ("of default", (base, "ours"))):
-            if (what != "of plain" and (base == stem) == (what == "of default") or (stem, "ours") not in calls
-                    or other not in calls):
+        against = [("of plain", ("plain", "ours"))]
+        against.append(("over flex", (stem, "flex")) if base == stem else ("of default", (base, "ours")))
+        for what, other in against:
+            if (stem, "ours") not in calls or other not in calls:
                 continue
             try:
                 ts = paired_calls(calls[(stem, "ours")], calls[other], pairs)
