@@ -81,6 +81,7 @@ class SplitKV(Pass):
         if len(loops) != 1 or len(loops[0].results) != 3:
             raise self.fail("needs one kv loop carrying (m, l, acc) in the q tile's body (run online-softmax "
                             "first; the fa1 order keeps its kv loop outside)")
+        loop = loops[0]
         term = body.terminator
         assert term is not None and term.name == "tile.yield"
         o_spec, lse_spec = term.attrs["slices"]
@@ -92,7 +93,7 @@ class SplitKV(Pass):
             raise self.fail(f"O's tile is {o_tile.type}, not the cast of an f32 tile: the parts would be merged "
                             "from rounded values")
         div = o32.owner
-        if not (isinstance(div, Op) and div.name == "div" and div.operands[0] is loops[0].results[2]):
+        if not (isinstance(div, Op) and div.name == "div" and div.operands[0] is loop.results[2]):
             raise self.fail("O's tile is not the kv loop's acc / l (an op after P @ V, such as tanh(P @ V)): the "
                             "merge is linear in each part's O, so it cannot run before that op")
         if lse_tile.type.dtype != "f32":
@@ -102,7 +103,6 @@ class SplitKV(Pass):
         blk = Block([scalar("i32")] * 4, ["part"] + [a.name for a in body.args])
         part = blk.args[0]
         vmap: dict[Value, Value] = dict(zip(body.args, blk.args[1:]))
-        loop = loops[0]
         for op in body.ops[:-1]:
             if op is loop:
                 lo, hi = _share(Builder(blk), vmap.get(loop.operands[0], loop.operands[0]),
