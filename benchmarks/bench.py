@@ -9,7 +9,9 @@ backward 3.5x that (the backward's five N x N x D products to the forward's two)
 triton.testing.do_bench (CUDA events); TFLOP/s = FLOPs / time.
 
 What is timed:
-  forward          "ours <config>" the forward kernel launched on prepared buffers (FA2ForwardKernel.prepare):
+  forward          "ours <config>" the bare forward kernel, relaunched into one O as a call launches it
+                   (FA2ForwardKernel.relaunch: the driver's launch, no checks or allocation; prepare's Numba
+                   launch took longer on the host than a small grid's kernel):
                    by default three configs side by side: the mma.sync kernel (128x64w4), the Hopper wgmma
                    kernel (emit_fa3; 128x128w8-wg at D = 128, 128x64w8-wg at D = 64) and "auto", what
                    falower.compile(graph) picks by itself (wgmma on an H100 where emit_fa3.auto_extra says so);
@@ -686,7 +688,7 @@ def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
             measure(row, "fwd flex", flops, lambda: lambda: flex_attention()(q, k, v, block_mask=block_mask))
         for cfg in [x for x in configs if not _bwd_only(x)]:
             def prepared(cfg=cfg):
-                launch, _ = make_kernel(D, causal, "f16", cfg, n=N).prepare(q, k, v)
+                launch, _ = make_kernel(D, causal, "f16", cfg, n=N).relaunch(q, k, v)
                 return launch
 
             measure(row, f"fwd ours {config_tag(cfg)}", flops, prepared)

@@ -58,6 +58,24 @@ def test_direct_launch_equals_the_numba_path(causal):
     assert torch.equal(o3, o1)
 
 
+def test_relaunch_is_the_call_and_keeps_its_output(causal):
+    """The bare kernel the benchmark times (FA2ForwardKernel.relaunch): the call's bits, into the same O each
+    launch, even after other calls of the same plan have moved its argument buffer to their own outputs."""
+    q, k, v = _qkv(seed=3)
+    o1, lse1 = causal(q, k, v)
+    call = causal._calls[_signature((q, k, v))]
+    launch, finish = call.kernel.relaunch(q, k, v, *call.dims)
+    o2, lse2 = finish()
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    o2.zero_()
+    lse2.zero_()
+    causal(*_qkv(seed=4))  # the plan's buffer now points at another call's tensors
+    launch()
+    o3, lse3 = finish()
+    assert o3.data_ptr() == o2.data_ptr()
+    assert torch.equal(o3, o1) and torch.equal(lse3, lse1)
+
+
 def test_a_warm_call_does_not_synchronise(causal):
     q, k, v = _qkv(requires_grad=True)
     slope = torch.tensor(-0.05, device="cuda")

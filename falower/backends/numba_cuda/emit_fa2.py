@@ -1269,14 +1269,16 @@ def tree_softmax(spec: FA2ForwardSpec, col_in_s: bool = False) -> bool:
     (bench --pairs, H200, 2026-11-30, benchmarks/NOTES.md "Call pairs"): plain, GQA and the naive code +1.0%,
     the document +0.8%, causal and prefix LM +0.7%, ALiBi +0.3%, the 1024 window -0.3%; where the score has its own
     elementwise work it lost (the relative bias -0.3%, the softcap -1.2%, softcap_approx -2.8%, the bias table
-    0.0), and at D = 64 it lost for all but ALiBi (plain -1.2%, causal and prefix LM -5%). `extra["tree_softmax"]`
-    True / False asks for it or keeps one chain (bench '-tree' / '-notree')."""
+    0.0), and at D = 64 it lost for all but ALiBi (plain -1.2%, causal and prefix LM -5%). So at D = 64 it is
+    ALiBi's alone (the column term in S): +0.7% [+0.7, +0.7] by pairs (H200, 2026-11-30, forty-seventh session),
+    where the kv order reversed measured +0.4% alone and the two together +0.4%. `extra["tree_softmax"]` True /
+    False asks for it or keeps one chain (bench '-tree' / '-notree')."""
     ask = spec.extra.get("tree_softmax", "auto")
     if ask != "auto":
         return bool(ask)
     return (spec.extra.get("schedule") == "wgmma-ws" and spec.extra.get("producer") == "warpgroup"
-            and bool(spec.extra.get("persistent")) and spec.head_dim == 128 and folded_scale(spec) is not None
-            and (raw_is_s(spec) or col_in_s))
+            and bool(spec.extra.get("persistent")) and folded_scale(spec) is not None
+            and ((spec.head_dim == 128 and (raw_is_s(spec) or col_in_s)) or (spec.head_dim == 64 and col_in_s)))
 
 
 def _tree(op: str, terms: list[str]) -> str:

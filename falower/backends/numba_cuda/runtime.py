@@ -716,11 +716,20 @@ class _ForwardPlan:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         if self.aligned and (ptrs[0] | ptrs[1] | ptrs[2]) & 15:
             return None  # rows not 16-byte aligned: the Numba path copies them
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
+        self.launch_into(q, k, v, caps, o, lse)
+        return o, lse
+
+    def launch_into(self, q: Any, k: Any, v: Any, caps: tuple, o: Any, lse: Any) -> None:
+        """Enqueue the kernels on these inputs with O and LSE written into `o` and `lse` (allocated by the caller
+        as __call__ does; q, k and v 16-byte aligned where the plan is aligned)."""
+        import torch
+
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         vals = self.bufs[0].vals
         for slot, p in zip(self.slots, ptrs):
             vals[slot] = p
-        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
         vals[self.o_slot] = o.data_ptr()
         vals[self.lse_slot] = lse.data_ptr()
         for c, x in enumerate(caps):
@@ -746,7 +755,6 @@ class _ForwardPlan:
             self.tables.fill(entry, lambda: self.mask_launch(stream))
         for run in self.launches:
             run(stream)
-        return o, lse
 
 
 class _BackwardPlan:
@@ -1113,6 +1121,18 @@ class FA2ForwardKernel:
         launch, finish = self.prepare(q, k, v, *captures, _wrap=False)
         launch()
         return finish()
+
+    def relaunch(self, q: Any, k: Any, v: Any, *captures: Any):
+        """(launch, finish) as prepare gives them, but `launch()` enqueues the kernel as a call does (the direct
+        plan's cuLaunchKernel, about a microsecond of host time) into one O and LSE: the bare kernel a benchmark
+        times. prepare's launch goes through Numba's dispatcher, whose host time (tens of microseconds) is longer
+        than a small grid's kernel. Inputs the plan does not take fall back to prepare."""
+        plan = self.plan(q, k, v, captures)
+        out = None if plan is None else plan(q, k, v, captures)
+        if out is None:
+            return self.prepare(q, k, v, *captures)
+        o, lse = out
+        return (lambda: plan.launch_into(q, k, v, captures, o, lse)), (lambda: (o, lse))
 
     def plan(self, q: Any, k: Any, v: Any, captures: tuple) -> Optional[_ForwardPlan]:
         """The direct launches for these torch CUDA inputs' signature (made on first use), or None where
