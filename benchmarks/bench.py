@@ -338,10 +338,13 @@ def make_compiled(D: int, causal: bool, dtype: str = "f16", config: tuple | None
     return _COMPILED[key]
 
 
-def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None, n: int | None = None):
-    """The forward kernel under test (an FA2ForwardKernel): the one a call of sequence length `n` runs (at D = 64
-    falower.compile chooses its tiles by the call's lengths; None: its reference length)."""
-    return make_compiled(D, causal, dtype, config).specialize(dtype, D=D, **({"M": n, "N": n} if n else {}))
+def make_kernel(D: int, causal: bool, dtype: str = "f16", config: tuple | None = None, n: int | None = None,
+                bh: tuple[int, int] | None = None):
+    """The forward kernel under test (an FA2ForwardKernel): the one a call of sequence length `n` (and batch and
+    heads `bh`) runs (at D = 64 falower.compile chooses its tiles by the call's sizes; None: its reference length,
+    and the lengths alone)."""
+    sizes = ({"M": n, "N": n} if n else {}) | ({"B": bh[0], "H": bh[1]} if bh else {})
+    return make_compiled(D, causal, dtype, config).specialize(dtype, D=D, **sizes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -688,7 +691,7 @@ def time_row(args, D: int, causal: bool, N: int, configs: list) -> dict:
             measure(row, "fwd flex", flops, lambda: lambda: flex_attention()(q, k, v, block_mask=block_mask))
         for cfg in [x for x in configs if not _bwd_only(x)]:
             def prepared(cfg=cfg):
-                launch, _ = make_kernel(D, causal, "f16", cfg, n=N).relaunch(q, k, v)
+                launch, _ = make_kernel(D, causal, "f16", cfg, n=N, bh=(B, H)).relaunch(q, k, v)
                 return launch
 
             measure(row, f"fwd ours {config_tag(cfg)}", flops, prepared)
