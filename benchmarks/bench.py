@@ -126,7 +126,7 @@ def parse_config(text: str) -> tuple:
     slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead), '-sis' the run stored and read
     while S is in flight (extra slice_in_s); '-l2h' the producer's TMA loads with L2 eviction priorities (extra
     l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the item's full tiles inside N (extra
-    class32); '-nolh'
+    class32); '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh'
     the persistent producer kernel's items starting on their block list's global reads, not on its head handed
     over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
     the last one second, ALiBi's default; '-norev' from the first up),
@@ -230,6 +230,7 @@ CONFIG_OPTIONS: list = [
     (("tmal", {"tma_loads": True}), ("notmal", {"tma_loads": False})),
     (("l2h", {"l2_hints": True}),),
     (("c32", {"class32": True}),),
+    (("nosg", {"small_grid": False}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

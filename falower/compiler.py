@@ -90,10 +90,10 @@ class CompiledAttention:
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
         used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
-        wide = self._wide_for(dtype, path, env)  # D = 64's 192-row tiles for these sizes (None: not offered)
-        key = (dtype, path, tuple(used.items())) + (() if wide is None else (("wide", wide),))
+        tiling = self._d64_tiling(dtype, path, env)  # D = 64's tiles for these sizes (None: not offered)
+        key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("d64", tiling),))
         if key not in self._kernels:
-            spec, built = self._forward_spec(used, dtype, path, wide)
+            spec, built = self._forward_spec(used, dtype, path, tiling)
             self._built[spec.name] = built
             try:
                 kern = FA2ForwardKernel(spec)
@@ -129,11 +129,16 @@ class CompiledAttention:
         return emit_fa3.auto_extra(dtype, head_dim, self._mask_kind(), device_cc(),
                                    table_tile=reads_table_tile(self.analysis), sm_count=device_sm_count())
 
-    def _wide_for(self, dtype: str, path: str, env: dict[str, int]) -> Optional[bool]:
-        """Whether a call with these sizes takes D = 64's 192 x 128 tiles (`_wide_tiles_pay` at its sequence
-        lengths; the reference length where `env` has none); None where the automatic choice does not offer them
-        (another D or path, the caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep one
-        kernel for every size."""
+    def _d64_tiling(self, dtype: str, path: str, env: dict[str, int]) -> Optional[str]:
+        """Which of D = 64's kernels a call with these sizes takes: "wide", the persistent kernel's 192 x 128 tiles
+        (three consumer warpgroups), where `_wide_tiles_pay` says at its sequence lengths (the reference length
+        where `env` has none), else "narrow" (emit_fa3's 128 x 64); and of the wide, "two", the same persistent
+        kernel on 128 x 128 tiles (two consumer warpgroups), where the call's batch and heads are known and make a
+        grid so small that the shorter items finish first (emit_fa3.two_rounds_pay: under a mask only where they
+        fit one round; `extra={"small_grid":
+        False}` keeps the wide tiles). None where the automatic choice offers none of them (another D or path, the
+        caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep one kernel for every
+        size."""
         if env["D"] != 64 or self.pipeline != "fa2-fwd":
             return None
         from .backends.numba_cuda import emit_fa3
@@ -142,7 +147,28 @@ class CompiledAttention:
         if not choice or not choice.get("persistent"):
             return None
         ragged = self._ragged_first_pays(*emit_fa3.WIDE_TILES) and self._ragged_first_runs(dtype, path, choice)
-        return self._wide_tiles_pay(64, *(env.get(getattr(d, "name", "")) for d in self._seq_dims()), ragged=ragged)
+        m, n = (env.get(getattr(d, "name", "")) for d in self._seq_dims())
+        if not self._wide_tiles_pay(64, m, n, ragged=ragged):
+            return "narrow"
+        heads = self._heads(env)
+        if self.extra.get("small_grid") is False or heads is None or not m:
+            return "wide"
+        two, wide = (heads * -(-int(m) // rows) for rows in (emit_fa3.TWO_TILES[0], emit_fa3.WIDE_TILES[0]))
+        uniform = self._mask_kind() == "none"  # every q tile the same work
+        return "two" if emit_fa3.two_rounds_pay(two, wide, int(choice["persistent"]), uniform) else "wide"
+
+    def _heads(self, env: dict[str, int]) -> Optional[int]:
+        """The (batch, head) pairs of a call: the product of q's sizes before its rows, or None where one of them
+        is not in `env` (a kernel specialized by its lengths alone)."""
+        total = 1
+        for d in self.func.args[0].type.shape[:-2]:
+            if isinstance(d, int):
+                total *= d
+            elif getattr(d, "name", None) in env:
+                total *= int(env[d.name])
+            else:
+                return None
+        return total
 
     def _ragged_first_runs(self, dtype: str, path: str, choice: dict) -> bool:
         """Whether D = 64's persistent kernel, as the automatic choice and the caller's knobs make it, can start its
@@ -164,7 +190,7 @@ class CompiledAttention:
         return self._memo[key]
 
     def _forward_spec(self, used: dict[str, int], dtype: str, path: str,
-                      wide: Optional[bool]) -> tuple[Any, tuple[Func, Any]]:
+                      tiling: Optional[str]) -> tuple[Any, tuple[Func, Any]]:
         """The forward kernel's spec and the (lowered IR, analysis) it is built from.
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
@@ -172,8 +198,8 @@ class CompiledAttention:
         from the driver, f16/bf16, D = 64 or 128; FALOWER_WGMMA=0/1 overrides), and an automatic choice the spec
         machinery cannot build falls back to mma.sync, never to an error. With the default pipeline the wgmma
         kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
-        graph is lowered again with them, so the IR says the tiles the kernel runs. `wide`: `_wide_for`'s answer for
-        the call's sizes (None where no 192-row try arises)."""
+        graph is lowered again with them, so the IR says the tiles the kernel runs. `tiling`: `_d64_tiling`'s
+        answer for the call's sizes (None where no D = 64 choice arises)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
         from .backends.numba_cuda.spec import forward_extra
@@ -198,7 +224,8 @@ class CompiledAttention:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
             (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`), the caller's own pipeline as it
             is."""
-            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
+            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")),
+                                  two=tiling == "two")
             if ragged:
                 return self._retile(*want, "first")
             if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
@@ -211,7 +238,8 @@ class CompiledAttention:
             (`_ragged_first_pays`)."""
             if asked is not None or not extra.get("persistent") or self.pipeline != "fa2-fwd":
                 return False
-            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True))
+            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True,
+                                                           two=tiling == "two"))
 
         def fit_rows(extra: dict) -> dict:
             """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
@@ -233,7 +261,7 @@ class CompiledAttention:
             """A try on the default pipeline's 192 x 128 tiles where the call's sizes make them visit too much more
             work (a narrow window, short causal: `_wide_tiles_pay`), dropped before its graph is lowered."""
             wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
-            return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and not wide
+            return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and tiling == "narrow"
 
         tries = [fit_rows(extra) for extra in tries if not loses_wide(extra)]
         # a persistent try whose kernel refuses the short q tile first (the caller's knobs: no TMA stores) is tried
@@ -248,7 +276,8 @@ class CompiledAttention:
                 emit_fa3.validate_spec(spec)
             except ValueError:
                 continue
-            if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(spec):
+            if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(
+                    spec, small_grid=tiling == "two"):
                 # the automatic choice's persistence, measured slower there: one block an item (IR whose q tiles
                 # start before row 0 only the persistent kernel runs: kept)
                 continue
@@ -270,7 +299,7 @@ class CompiledAttention:
         a length takes 4k's choice: causal's ratio only grows toward 1 there, but a 640-wide band's is 0.847 at 4k
         and 0.858 at 8k, so it stays on 128 x 64 where the wide tiles would just pay. A graph whose sequence
         lengths are not plain sizes of q and k, or that the cost model cannot count, keeps 128 x 64; so does a kv
-        length under emit_fa3.WIDE_MIN_N. `ragged`: the wide kernel takes its short q tile first (`_wide_for`), so
+        length under emit_fa3.WIDE_MIN_N. `ragged`: the wide kernel takes its short q tile first (`_d64_tiling`), so
         its work is counted that way."""
         from .backends.numba_cuda import emit_fa3
 

@@ -454,10 +454,43 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     assert causal.specialize("f16", D=64).spec.block_q == 192  # no sizes: N = WIDE_REFERENCE_N
     a, b = causal.specialize("f16", D=64, M=500, N=500), causal.specialize("f16", D=64, M=510, N=510)
     assert a is b and a is not causal.specialize("f16", D=64, M=4096, N=4096)
-    assert {k[-1] for k in causal._kernels} == {("wide", False), ("wide", True)}
+    assert {k[-1] for k in causal._kernels} == {("d64", "narrow"), ("d64", "wide")}
     # the caller's own schedule keeps one kernel for every size
     own = fl.compile(_graph(True), extra={"schedule": "wgmma"})
     assert own.specialize("f16", D=64, M=1000, N=1000) is own.specialize("f16", D=64, M=4096, N=4096)
+
+
+def test_d64_takes_two_warpgroups_on_a_small_grid(hopper) -> None:
+    """With the call's batch and heads known, D = 64's persistent kernel takes 128 x 128 tiles (two consumer
+    warpgroups) where its q tiles finish before the 192-row ones would (emit_fa3.two_rounds_pay: B = 1, H = 8 at
+    N = 1k-4k; causal only where they fit one round, to 2k); larger grids keep the 192-row tiles; lengths alone, or `small_grid: False`, keep them too; where
+    the work rule says 128 x 64 (N = 512), that stands."""
+    from falower.backends.numba_cuda import emit_fa3_ws
+
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    for causal in (False, True):
+        c = fl.compile(_graph(causal))
+
+        def spec(b: int, h: int, n: int, cc=c):
+            return cc.specialize("f16", B=b, H=h, M=n, N=n, D=64).spec
+
+        for n in (1000, 1024, 2048) + (() if causal else (4096,)):
+            s = spec(1, 8, n)
+            assert (s.block_q, s.block_k) == emit_fa3.TWO_TILES and emit_fa3_ws.consumer_wgs(s) == 2, (causal, n)
+            assert s.extra["persistent"] == 132 and s.extra["producer"] == "warpgroup"
+            emit_fa3.validate_spec(s)
+        for b, h, n in ((2, 16, 2048), (4, 16, 2048), (1, 32, 4096), (4, 32, 4096)) + (
+                ((1, 8, 4096), (2, 8, 2048)) if causal else ()):  # causal: 256 q tiles of 128 rows, two rounds
+            assert spec(b, h, n).block_q == 192, (causal, b, h, n)
+        assert (spec(1, 8, 512).block_q, spec(1, 8, 512).block_k) == (128, 64)  # the work rule's 128 x 64
+        assert c.specialize("f16", M=2048, N=2048, D=64).spec.block_q == 192  # no B, H: the lengths' answer
+        kept = fl.compile(_graph(causal), extra={"small_grid": False})
+        assert kept.specialize("f16", B=1, H=8, M=2048, N=2048, D=64).spec.block_q == 192
+        assert spec(1, 8, 2048) is spec(1, 8, 1024)  # one kernel for the "two" tiling
+    # the rule: rounds of one item an SM, a 192-row round 1.2 rounds of 128-row items
+    assert emit_fa3.two_rounds_pay(64, 48, 132) and emit_fa3.two_rounds_pay(256, 176, 132)
+    assert not emit_fa3.two_rounds_pay(512, 352, 132) and not emit_fa3.two_rounds_pay(4096, 2816, 132)
+    assert emit_fa3.two_rounds_pay(128, 88, 132, uniform=False) and not emit_fa3.two_rounds_pay(256, 176, 132, False)
 
 
 def test_the_compile_line_names_tiles_and_schedule(hopper) -> None:

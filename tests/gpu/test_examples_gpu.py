@@ -61,6 +61,29 @@ def test_example_error_rule(stem, dtype, D, N):
     assert_error_rule(g, c, env, host, dtype)
 
 
+WIDE: dict = {}
+
+
+@pytest.mark.parametrize("N", [1000, 4096])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("stem", STEMS)
+def test_example_error_rule_d64_wide_tiles(stem, dtype, N):
+    """D = 64's 192-row tiles (three consumer warpgroups), which the grids above (B = 1, H = 2) no longer take:
+    there the same kernel's 128-row tiles run (compiler._d64_tiling's "two"); `small_grid: False` keeps the
+    192-row ones, as a large grid would take them."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, _ = graph(stem, dtype)
+    if (stem, dtype) not in WIDE:
+        WIDE[stem, dtype] = fl.compile(g, "numba-cuda", extra={"small_grid": False})
+    c = WIDE[stem, dtype]
+    env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": N, "N": N, "D": 64})
+    raw = random_inputs(g, env, seed=N + 64)
+    host = [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+            for i, x in enumerate(raw)]
+    assert_error_rule(g, c, env, host, dtype)
+
+
 def to_device(host: list, dtype: str) -> list:
     tdt = torch.float16 if dtype == "f16" else torch.bfloat16
     return [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", tdt) if i < 3
@@ -206,7 +229,7 @@ def test_idioms_error_rule(which, N):
         assert err <= 2 * naive_err + 1e-5, f"window {w}: kernel error {err:.3g} > 2 x naive {naive_err:.3g}"
         built = built or dict(c._kernels)
     # the window's value builds no kernel (the compiled object is shared by the sizes N, which may each take their
-    # own tiles at D = 64: compiler._wide_for)
+    # own tiles at D = 64: compiler._d64_tiling)
     assert c._kernels == built
 
 
@@ -216,7 +239,7 @@ def alibi_spec(dtype: str, D: int, col_mma: bool, slopes: list, seed: int):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g, _ = graph("alibi", dtype)
-    c = fl.compile(g, "numba-cuda", extra={"col_mma": col_mma})
+    c = fl.compile(g, "numba-cuda", extra={"col_mma": col_mma, "small_grid": False})  # D = 64: 192 rows at B H = 2
     env = bind_dims(g, {"B": 1, "H": 2, "M": 4096, "N": 4096, "D": D})
     raw = random_inputs(g, env, seed=seed)
     host = [rounded(x, dtype) for x in raw[:3]] + [np.array(slopes, np.float32)]

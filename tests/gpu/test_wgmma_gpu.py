@@ -1,6 +1,7 @@
 """The Hopper wgmma path on the GPU (marked gpu; needs compute capability 9.0): the probe's wgmma forms against
 torch; every example through falower.compile's automatic choice (emit_fa3.auto_extra: the warp-specialized kernel,
-persistent where it pays, at D = 128 and at D = 64 on 192-row tiles; emit_fa3's kernel elsewhere) within FlashAttention's error rule, at a ragged N and at a multiple of the tiles,
+persistent where it pays, at D = 128 and at D = 64 on 192-row tiles, 128-row ones on a small grid; emit_fa3's
+kernel elsewhere) within FlashAttention's error rule, at a ragged N and at a multiple of the tiles,
 with the kernel it ran checked against the rule; the examples the rule keeps on mma.sync (block lists at
 D = 128) forced onto wgmma (`extra={"schedule": "wgmma"}`); and strided
 GQA views with and without the softmax/P V overlap.
@@ -46,7 +47,8 @@ def _inputs(g, D: int, N: int, dtype: str, M: int = 0):
 @pytest.mark.parametrize("stem", STEMS)
 def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None:
     """falower.compile(graph) as a user calls it: the kernel the rule names for the call's sizes (at D = 64 the
-    192-row tiles where their work at those lengths pays, compiler._wide_for), within the error rule."""
+    192-row tiles where their work at those lengths pays, and on this test's small grid the same kernel's 128-row
+    tiles: compiler._d64_tiling), within the error rule."""
     _hopper()
     from falower.backends.numba_cuda import emit_fa3, runtime
     from falower.backends.numba_cuda.from_ir import reads_table_tile
@@ -65,17 +67,21 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
 
         assert not emit_fa3_ws.persistent_pays(dataclasses.replace(kern.spec, extra=want)), stem
         want = dict(emit_fa3.WS_EXTRA)
+    tiling = None
     if want and want.get("persistent") and D == 64:
-        wide = c._wide_for(dtype, "mma", env)  # the per-size choice: 192-row tiles where their work pays
-        assert wide is not None and bool(kern.spec.extra.get("persistent")) == wide, (stem, N, kern.spec.extra)
-        if not wide:  # a narrow window, short causal, a short sequence: emit_fa3's kernel
+        tiling = c._d64_tiling(dtype, "mma", env)  # the per-size choice: 192-row tiles where their work pays,
+        # 128-row ones on a small grid (this test's B = 2, H = 4)
+        assert tiling is not None and bool(kern.spec.extra.get("persistent")) == (tiling != "narrow"), (
+            stem, N, tiling, kern.spec.extra)
+        if tiling == "narrow":  # a narrow window, short causal, a short sequence: emit_fa3's kernel
             want = emit_fa3.plain_extra(D, mask)
-        else:  # the short q tile first under causal-like masks (where the cost model counts less work)
+        elif tiling == "wide":  # the short q tile first under causal-like masks (where the cost model counts less)
             assert kern.spec.ragged_q_first == (stem in ("causal", "prefix_lm", "alibi")), (stem, N)
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(
-            D, mask, tile and want.get("schedule") == "wgmma-ws", persistent=bool(want.get("persistent")))
+            D, mask, tile and want.get("schedule") == "wgmma-ws", persistent=bool(want.get("persistent")),
+            two=tiling == "two")
         assert {k: kern.spec.extra.get(k) for k in want} == want
     assert_error_rule(g, c, env, host, dtype)
 
@@ -89,7 +95,8 @@ def test_short_q_tile_first(stem: str, dtype: str, M: int, N: int) -> None:
     row 0 where q_pad is not a multiple of 16: M = 1000, 1100, 3001, 1537), within FlashAttention's error rule,
     M != N both ways."""
     _hopper()
-    g, c = graph(stem, dtype)
+    g, _ = graph(stem, dtype)
+    c = fl.compile(g, "numba-cuda", extra={"small_grid": False})  # this test's B = 2, H = 4 would take 128 rows
     env, host = _inputs(g, 64, N, dtype, M)
     kern = c.specialize(dtype, **env)
     assert kern.spec.block_q == 192 and kern.spec.ragged_q_first, (stem, M, N, kern.spec.extra)

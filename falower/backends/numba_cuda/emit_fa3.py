@@ -173,21 +173,22 @@ def plain_extra(head_dim: int, block_mask: str = "none") -> dict:
 
 
 def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False,
-          persistent: bool = False) -> tuple[int, int]:
+          persistent: bool = False, two: bool = False) -> tuple[int, int]:
     """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
     N = 4k), block lists included since the row bounds and the ws kernel's copies (the document mask, 8 documents
     a row at N = 4k: 227 vs 204 on 128 x 64, twice in one call, H100 2026-11-24; 135 vs 173 before them);
     128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S), except for a score that
     reads a table tile (`auto_extra`: 128 x 128 on the warp-specialized kernel) and the persistent kernel
-    (`persistent`, D = 64: `WIDE_TILES`, three consumer warpgroups)."""
+    (`persistent`, D = 64: `WIDE_TILES`, three consumer warpgroups; `two`: on a small grid, `TWO_TILES`, two)."""
     if head_dim == 64 and persistent:
-        return WIDE_TILES
+        return TWO_TILES if two else WIDE_TILES
     if head_dim == 64 and table_tile and block_mask == "none":
         return (128, 128)
     return (128, 128) if head_dim == 128 else (128, 64)
 
 
 WIDE_TILES = (192, 128)  # D = 64's persistent kernel: three consumer warpgroups of 64 rows (FlashAttention-3's tile)
+TWO_TILES = (128, 128)  # ... the same kernel with two consumer warpgroups: a small grid's (two_rounds_pay)
 WIDE_MIN_WORK_RATIO = 0.85  # the least (128 x 64 tiles' visited FLOPs) / (WIDE_TILES') that takes them (below)
 WIDE_REFERENCE_N = 4096  # the longest length at which falower.compile counts both tilings' work (and where no size)
 WIDE_MIN_N = 1024  # the shortest kv length (rounded up to 64) that takes them: shorter items cannot pay their fixed
@@ -213,6 +214,31 @@ def wide_tiles_pay(narrow_flops: float, wide_flops: float, n: int = WIDE_REFEREN
     kv tiles an item: ~1.04x the work a second), 0.99 at 1k (~1.11x), and 1.15 at 2k (0.97: ~1.19x) (H200
     2026-11-29, one call, the per-size dispatch's first run). So N < WIDE_MIN_N keeps 128 x 64."""
     return n >= WIDE_MIN_N and narrow_flops >= WIDE_MIN_WORK_RATIO * wide_flops
+
+
+TWO_RATE = 1.25  # a 192-row item's time over a 128-row one's, as many rows a second as WIDE_TILES' item gives
+
+
+def two_rounds_pay(items_two: int, items_wide: int, sm_count: int, uniform: bool = True) -> bool:
+    """Whether D = 64's persistent kernel on TWO_TILES (two consumer warpgroups: `items_two` q tiles) finishes
+    before the one on WIDE_TILES (three: `items_wide`) on `sm_count` SMs, by rounds of one item an SM: a round of
+    wide items takes 192 / 128 / TWO_RATE = 1.2 rounds of 128-row ones. Under a mask (`uniform` False: the items'
+    work differs, causal's from one tile to all) only where the 128-row items fit one round.
+
+    Measured (H200 2026-11-30, bare kernels, seven interleaved rounds each, benchmarks/NOTES.md "Small grids"; the
+    two-warpgroup kernel against the 192-row one): without a mask 1.13x / 1.10x / 1.14x at B = 1, H = 8, N = 1k /
+    2k / 4k and 1.14x at B = 2, H = 8, N = 2k (one or two rounds); 0.997x at B = 1, H = 16, N = 4k and 0.86-0.96x
+    on larger grids (an earlier call). Causal: 1.14x / 1.15x at B = 1, H = 8, N = 1k / 2k (one round), 0.987x at
+    N = 4k and 0.960x at B = 2, H = 8, N = 2k (two rounds: the short items of the later rounds fill the SMs the
+    long ones leave), 0.86-1.00x on larger grids. Why: with few items an item's length is the launch's, and a
+    128-row item is shorter; with many rounds the three warpgroups' higher rate on the tensor cores wins (1.17x at
+    B = 4, H = 32)."""
+    def rounds(items: int) -> int:
+        return -(-items // max(1, sm_count))
+
+    if not uniform and items_two > sm_count:
+        return False
+    return rounds(items_two) * TWO_TILES[0] * TWO_RATE < rounds(items_wide) * WIDE_TILES[0]
 
 
 def recommended_schedule(head_dim: int) -> dict[str, int]:

@@ -436,7 +436,7 @@ def tile_at(spec: FA2ForwardSpec, j: str) -> str:
     return f"(kv_first + kv_last - {j})" if kv_reverse(spec) else j
 
 
-def persistent_pays(spec: FA2ForwardSpec) -> bool:
+def persistent_pays(spec: FA2ForwardSpec, small_grid: bool = False) -> bool:
     """Whether the automatic choice keeps its persistent producer-warpgroup form for this spec (falower.compile;
     emit_fa3.auto_extra chose it by mask and D alone): not where the score reads a row pair's table entries ahead
     of the waits (`gather_early`, a relative bias) and the producer copies by its threads, since those registers
@@ -444,8 +444,9 @@ def persistent_pays(spec: FA2ForwardSpec) -> bool:
     item, H100 2026-11-27). Under tma_loads the consumers have 224 (local ptxas: 64 bytes spilled) and the
     persistent form won: 490 against 438 TFLOP/s, faster in 11 of 11 paired rounds (H200 2026-11-28). At D = 64
     only with three consumer warpgroups (192-row tiles): two ran 0.939 of emit_fa3's 128 x 64 kernel (H200
-    2026-11-29, plain N = 4k, seven interleaved rounds; three 1.169)."""
-    if persistent(spec) and spec.head_dim == 64 and consumer_wgs(spec) != 3:
+    2026-11-29, plain N = 4k, seven interleaved rounds; three 1.169), except on a small grid (`small_grid`:
+    falower.compile's "two" tiling, emit_fa3.two_rounds_pay), where two won over three."""
+    if persistent(spec) and spec.head_dim == 64 and consumer_wgs(spec) != 3 and not small_grid:
         return False
     return not (persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec) and not tma_loads(spec))
 
