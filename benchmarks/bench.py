@@ -411,9 +411,9 @@ def naive_lowprec(q, k, v, causal):
 
 
 def check(D, causal, config, dtype=None):
-    """FA error rule at N = 1000 (ragged) and a relative error; returns a dict. Both kernels where the call's length
-    chooses the kernel (D = 64): N = 1000's and the reference length's, each on the same ragged inputs (the worse
-    of the two is reported)."""
+    """FA error rule at N = 1000 (ragged) and a relative error; returns a dict. Every kernel where the call's sizes
+    choose the kernel (D = 64): N = 1000's by its lengths, the one this call's B = 2, H = 4 takes (a small grid's
+    128-row tiles), and the reference length's, each on the same ragged inputs (the worst is reported)."""
     dtype = dtype or torch.float16
     torch.manual_seed(0)
     B, H, N = 2, 4, 1000
@@ -424,10 +424,11 @@ def check(D, causal, config, dtype=None):
     o, lse = kern(q, k, v)
     torch.cuda.synchronize()
     first = time.time() - t0
-    outs = [(o, lse)]
-    long = make_kernel(D, causal, name, config)
-    if long is not kern:
-        outs.append(long(q, k, v))
+    outs, seen = [(o, lse)], [kern]
+    for other in (make_kernel(D, causal, name, config, n=N, bh=(B, H)), make_kernel(D, causal, name, config)):
+        if all(other is not x for x in seen):
+            seen.append(other)
+            outs.append(other(q, k, v))
     ref, ref_lse = reference64(q, k, v, causal)
     err = max((o.double() - ref).abs().max().item() for o, _ in outs)
     naive = (naive_lowprec(q, k, v, causal).double() - ref).abs().max().item()
@@ -1129,9 +1130,12 @@ def _compile_one(job) -> str:
             D, causal, cfg, bwd_pipeline = rest
             c = make_compiled(D, causal, "f16", cfg, bwd_pipeline)
             q = torch.randn(1, 1, 64, D, device="cuda", dtype=torch.float16)
-            if what == "fwd":  # the kernel of a tiny call and the reference length's (D = 64 chooses by size)
-                c.kernel(q, q, q)(q, q, q)
+            if what == "fwd":  # the kernel of a tiny call and the reference length's (D = 64 chooses by size, and
+                c.kernel(q, q, q)(q, q, q)  # by the grid: the sweep's B and H at 1k and 4k)
                 c.specialize("f16", D=D, M=4096, N=4096)(q, q, q)
+                for n in (1024, 4096):
+                    b, h = batch_heads(D, n)
+                    c.specialize("f16", D=D, M=n, N=n, B=b, H=h)(q, q, q)
             else:  # the forward is another job: any o and lse compile the backward
                 c.backward(q, q, q, q.clone(), torch.zeros(1, 1, 64, device="cuda"), q)
         else:

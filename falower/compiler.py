@@ -150,23 +150,22 @@ class CompiledAttention:
         m, n = (env.get(getattr(d, "name", "")) for d in self._seq_dims())
         if not self._wide_tiles_pay(64, m, n, ragged=ragged):
             return "narrow"
+        blocks = self.extra.get("persistent", choice["persistent"])  # the caller's block count, if given
         heads = self._heads(env)
-        if self.extra.get("small_grid") is False or heads is None or not m:
-            return "wide"
+        if not blocks or not self.extra.get("small_grid", True) or heads is None or not m:
+            return "wide"  # (the caller's one block an item: the rounds do not apply)
         two, wide = (heads * -(-int(m) // rows) for rows in (emit_fa3.TWO_TILES[0], emit_fa3.WIDE_TILES[0]))
         uniform = self._mask_kind() == "none"  # every q tile the same work
-        return "two" if emit_fa3.two_rounds_pay(two, wide, int(choice["persistent"]), uniform) else "wide"
+        return "two" if emit_fa3.two_rounds_pay(two, wide, int(blocks), uniform) else "wide"
 
     def _heads(self, env: dict[str, int]) -> Optional[int]:
-        """The (batch, head) pairs of a call: the product of q's sizes before its rows, or None where one of them
-        is not in `env` (a kernel specialized by its lengths alone)."""
+        """The (batch, head) pairs of a call: the product of q's sizes before its rows (GQA's H = HKV * G
+        included), or None where one of them is not in `env` (a kernel specialized by its lengths alone)."""
         total = 1
         for d in self.func.args[0].type.shape[:-2]:
-            if isinstance(d, int):
-                total *= d
-            elif getattr(d, "name", None) in env:
-                total *= int(env[d.name])
-            else:
+            try:
+                total *= int(d.eval(env))
+            except ShapeError:
                 return None
         return total
 
@@ -220,55 +219,55 @@ class CompiledAttention:
             return mma_sync()
         ws_tiles = table_tile and choice.get("schedule") == "wgmma-ws"
 
-        def built_for(extra: dict, ragged: bool = False) -> tuple[Func, Any]:
+        def built_for(extra: dict, ragged: bool = False, two: bool = False) -> tuple[Func, Any]:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
-            (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`), the caller's own pipeline as it
-            is."""
-            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")),
-                                  two=tiling == "two")
+            (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`; `two`: D = 64's small-grid
+            tiles), the caller's own pipeline as it is."""
+            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two)
             if ragged:
                 return self._retile(*want, "first")
             if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
                 return self._retile(*want)
             return base
 
-        def ragged_first(extra: dict) -> bool:
+        def ragged_first(extra: dict, two: bool) -> bool:
             """Whether this try's kernel takes its short q tile first: the persistent producer-warpgroup kernel of
             the automatic choice on the default pipeline, where the cost model counts less work
             (`_ragged_first_pays`)."""
             if asked is not None or not extra.get("persistent") or self.pipeline != "fa2-fwd":
                 return False
-            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True,
-                                                           two=tiling == "two"))
+            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True, two=two))
 
-        def fit_rows(extra: dict) -> dict:
+        def fit_rows(extra: dict, two: bool) -> dict:
             """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
             tiles of a fallback from the warp-specialized kernel) or the caller's knobs (the softmax / P V overlap,
             which needs 64) keep 64 rows a warpgroup unless the caller asked for wg_rows itself."""
-            low = built_for(extra)[1]
+            low = built_for(extra, two=two)[1]
             if "wg_rows" in fwd or "wg_rows" not in extra or (
                     emit_fa3.wide_rows_fit(low.block_q, low.block_k, used["D"]) and not fwd.get("overlap")):
                 return extra
             return {k: v for k, v in extra.items() if k != "wg_rows"}
 
-        # an automatic choice the wgmma kernels refuse falls back: the persistent warp-specialized one to one block
-        # an item (at D = 128; at D = 64 to emit_fa3's kernel), that to the plain one, that to mma.sync, as if never
-        # chosen
-        tries = [choice] + ([dict(emit_fa3.WS_EXTRA)] if choice.get("persistent") and used["D"] == 128 else []) \
-            + ([emit_fa3.plain_extra(used["D"], mask_kind)] if choice.get("schedule") == "wgmma-ws" else [])
+        # an automatic choice the wgmma kernels refuse falls back: D = 64's small-grid tiles to its 192-row ones,
+        # the persistent warp-specialized kernel to one block an item (at D = 128; at D = 64 to emit_fa3's kernel),
+        # that to the plain one, that to mma.sync, as if never chosen; each try (extra, its small-grid tiles)
+        two0 = tiling == "two"
+        tries = [(choice, two0)] + ([(choice, False)] if two0 else []) \
+            + ([(dict(emit_fa3.WS_EXTRA), False)] if choice.get("persistent") and used["D"] == 128 else []) \
+            + ([(emit_fa3.plain_extra(used["D"], mask_kind), False)] if choice.get("schedule") == "wgmma-ws" else [])
 
-        def loses_wide(extra: dict) -> bool:
+        def loses_wide(extra: dict, two: bool) -> bool:
             """A try on the default pipeline's 192 x 128 tiles where the call's sizes make them visit too much more
             work (a narrow window, short causal: `_wide_tiles_pay`), dropped before its graph is lowered."""
-            wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")))
+            wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two)
             return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and tiling == "narrow"
 
-        tries = [fit_rows(extra) for extra in tries if not loses_wide(extra)]
+        tries = [(fit_rows(e, t), t) for e, t in tries if not loses_wide(e, t)]
         # a persistent try whose kernel refuses the short q tile first (the caller's knobs: no TMA stores) is tried
         # again with it last before the next try
-        tries = [(e, r) for e in tries for r in ((True, False) if ragged_first(e) else (False,))]
-        for extra, ragged in tries:
-            built = built_for(extra, ragged)
+        tries = [(e, t, r) for e, t in tries for r in ((True, False) if ragged_first(e, t) else (False,))]
+        for extra, two, ragged in tries:
+            built = built_for(extra, ragged, two)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
@@ -277,7 +276,7 @@ class CompiledAttention:
             except ValueError:
                 continue
             if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(
-                    spec, small_grid=tiling == "two"):
+                    spec, small_grid=two):
                 # the automatic choice's persistence, measured slower there: one block an item (IR whose q tiles
                 # start before row 0 only the persistent kernel runs: kept)
                 continue

@@ -487,10 +487,37 @@ def test_d64_takes_two_warpgroups_on_a_small_grid(hopper) -> None:
         kept = fl.compile(_graph(causal), extra={"small_grid": False})
         assert kept.specialize("f16", B=1, H=8, M=2048, N=2048, D=64).spec.block_q == 192
         assert spec(1, 8, 2048) is spec(1, 8, 1024)  # one kernel for the "two" tiling
+    # GQA's heads are HKV * 4: counted through the expression
+    gqa = fl.compile(fl.attention(name="gqa", group_size=4))
+    assert gqa._heads({"B": 1, "HKV": 2, "M": 2048, "N": 2048, "D": 64}) == 8
+    assert gqa.specialize("f16", B=1, HKV=2, M=2048, N=2048, D=64).spec.block_q == 128
+    # a falsy small_grid keeps 192 rows; the caller's block count is the rounds' (128 causal q tiles: two rounds
+    # of 66 blocks, under a mask not the small grid's)
+    assert fl.compile(_graph(False), extra={"small_grid": 0}).specialize(
+        "f16", B=1, H=8, M=2048, N=2048, D=64).spec.block_q == 192
+    assert fl.compile(_graph(True), extra={"persistent": 66})._d64_tiling(
+        "f16", "mma", {"B": 1, "H": 4, "M": 4096, "N": 4096, "D": 64}) == "wide"
+    assert fl.compile(_graph(True))._d64_tiling("f16", "mma", {"B": 1, "H": 4, "M": 4096, "N": 4096, "D": 64}) == "two"
     # the rule: rounds of one item an SM, a 192-row round 1.2 rounds of 128-row items
     assert emit_fa3.two_rounds_pay(64, 48, 132) and emit_fa3.two_rounds_pay(256, 176, 132)
     assert not emit_fa3.two_rounds_pay(512, 352, 132) and not emit_fa3.two_rounds_pay(4096, 2816, 132)
     assert emit_fa3.two_rounds_pay(128, 88, 132, uniform=False) and not emit_fa3.two_rounds_pay(256, 176, 132, False)
+
+
+def test_d64_small_grid_tiles_fall_back_to_192_rows(hopper) -> None:
+    """Where the kernel builder refused the two-warpgroup tiles, the next try is the same persistent kernel on 192
+    rows (not emit_fa3's 128 x 64): a refusal stands in for a future knob the 128-row form cannot take."""
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    real = emit_fa3.validate_spec
+
+    def refuse_two(spec):
+        if spec.head_dim == 64 and spec.block_q == 128 and spec.extra.get("persistent"):
+            raise ValueError("refused for the test")
+        return real(spec)
+
+    hopper.setattr(emit_fa3, "validate_spec", refuse_two)
+    s = fl.compile(_graph(False)).specialize("f16", B=1, H=8, M=2048, N=2048, D=64).spec
+    assert (s.block_q, s.block_k) == (192, 128) and s.extra["persistent"] == 132
 
 
 def test_the_compile_line_names_tiles_and_schedule(hopper) -> None:

@@ -58,18 +58,26 @@ def test_direct_launch_equals_the_numba_path(causal):
     assert torch.equal(o3, o1)
 
 
-def test_relaunch_is_the_call_and_keeps_its_output(causal):
+@pytest.mark.parametrize("n, d", [(N, D), (1024, 64), (1024, 128)])  # emit_fa3's kernel; the persistent one
+def test_relaunch_is_the_call_and_keeps_its_output(causal, n, d):
     """The bare kernel the benchmark times (FA2ForwardKernel.relaunch): the call's bits, into the same O each
-    launch, even after other calls of the same plan have moved its argument buffer to their own outputs."""
-    q, k, v = _qkv(seed=3)
+    launch, even after other calls of the same plan have moved its argument buffer to their own outputs (the
+    persistent kernel's work counter and tensor maps included: D = 64's small-grid tiles and D = 128's)."""
+    def qkv(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return tuple(torch.randn(B, H, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+
+    q, k, v = qkv(3)
     o1, lse1 = causal(q, k, v)
     call = causal._calls[_signature((q, k, v))]
+    assert call.plan is not None
+    assert bool(call.kernel.spec.extra.get("persistent")) == (n == 1024)
     launch, finish = call.kernel.relaunch(q, k, v, *call.dims)
     o2, lse2 = finish()
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
     o2.zero_()
     lse2.zero_()
-    causal(*_qkv(seed=4))  # the plan's buffer now points at another call's tensors
+    causal(*qkv(4))  # the plan's buffer now points at another call's tensors
     launch()
     o3, lse3 = finish()
     assert o3.data_ptr() == o2.data_ptr()

@@ -41,7 +41,7 @@ def _inputs(g, D: int, N: int, dtype: str, M: int = 0):
                  for i, x in enumerate(raw)]
 
 
-@pytest.mark.parametrize("N", [256, 1000, 2048])  # a multiple of 128; ragged; where D = 64 takes 192-row tiles
+@pytest.mark.parametrize("N", [256, 1000, 2048])  # a multiple of 128; ragged; long (D = 64's persistent kernel)
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("stem", STEMS)
@@ -77,6 +77,10 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
             want = emit_fa3.plain_extra(D, mask)
         elif tiling == "wide":  # the short q tile first under causal-like masks (where the cost model counts less)
             assert kern.spec.ragged_q_first == (stem in ("causal", "prefix_lm", "alibi")), (stem, N)
+        else:  # two consumer warpgroups on 128 x 128 tiles: square tiles count no less work with the short one first
+            from falower.backends.numba_cuda import emit_fa3_ws
+
+            assert emit_fa3_ws.consumer_wgs(kern.spec) == 2 and not kern.spec.ragged_q_first, (stem, N)
     assert kern.spec.extra.get("schedule") == (want or {}).get("schedule"), (kern.spec.extra, want)
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(
