@@ -483,6 +483,7 @@ class Variant:
 
 DOCUMENTS = 8  # the document example's documents a row (--documents)
 SHAPE = {"B": 0, "H": 0}  # --batch / --heads: 0 keeps the sweep's B * N = 16k tokens and H * D = 2048
+CLOCKS: list = []  # --clocks: [the running clocks.ClockSampler]
 
 
 def batch_heads(D: int, N: int) -> tuple[int, int]:
@@ -659,12 +660,23 @@ def bench(fn, warmup=25, rep=100, grad_to_none=None):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
+def clocked(fn: Callable, *a, **kw) -> tuple[Any, float]:
+    """(fn(*a, **kw), the mean SM clock in MHz while it ran: --clocks' sampler, NaN without it)."""
+    t0 = time.time()
+    out = fn(*a, **kw)
+    return out, CLOCKS[0].window(t0, time.time())[0] if CLOCKS else NAN
+
+
 def measure(row: dict, key: str, flops: float, make_fn: Callable, grad_to_none=None) -> bool:
-    """row[key] = TFLOP/s of the function make_fn() returns; a failure anywhere is logged (with its traceback
-    when BENCH_TRACEBACK is set), the row goes on. Returns whether it worked."""
+    """row[key] = TFLOP/s of the function make_fn() returns (with --clocks, row[key + " MHz"] its SM clock); a
+    failure anywhere is logged (with its traceback when BENCH_TRACEBACK is set), the row goes on. Returns whether it
+    worked."""
     try:
         fn = make_fn()
-        row[key] = flops / bench(fn, grad_to_none=grad_to_none) / 1e9
+        ms, mhz = clocked(bench, fn, grad_to_none=grad_to_none)
+        row[key] = flops / ms / 1e9
+        if CLOCKS:
+            row[f"{key} MHz"] = mhz
         return True
     except Exception as exc:  # a backend may refuse a shape; the backward kernel may not exist yet
         row[key] = NAN
@@ -849,11 +861,13 @@ def time_example(args, stem: str, D: int, N: int = 4096) -> dict:
     return row
 
 
-def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]:
+def rounds_summary(times: dict, flops: dict, plain: str = "plain", clocks: Optional[dict] = None) -> list[dict]:
     """Per example: TFLOP/s of falower's whole call and of Flex, each the median over the rounds, their spread
     ((max - min) / median), and the two ratios the issue asks about taken round by round (falower over plain
     falower, falower over Flex) as median, min and max. times[(stem, who)] = one time in ms per round, who "ours"
-    or "flex"; a round where a needed time is missing drops out of that ratio."""
+    or "flex"; a round where a needed time is missing drops out of that ratio. With `clocks` (the same keys: each
+    timing's SM clock in MHz, --clocks) also each row's median clock and its ratio to plain by cycles (the time
+    ratio times plain's clock over the row's, round by round): what the pairs read, where both run at one clock."""
     import statistics
 
     def tflops(stem: str, who: str) -> list[float]:
@@ -885,6 +899,12 @@ def rounds_summary(times: dict, flops: dict, plain: str = "plain") -> list[dict]
                     # an --ex-configs row against its example's default kernel, round by round, and the rounds
                     # it was the faster in: a paired reading, where the two rows' medians each carry the drift
                     "of default": {**stats(paired), "wins": sum(1 for x in paired if x > 1), "n": len(paired)}})
+        if clocks is not None:
+            mine, plains = clocks.get((stem, "ours"), []), clocks.get((plain, "ours"), [])
+            out[-1]["MHz"] = stats(mine)["median"]
+            out[-1]["of plain by cycles"] = stats([r * fp / fm for r, fp, fm in zip(
+                [x / y if x == x and y == y and y > 0 else NAN for x, y in zip(ours, ours_plain)], plains, mine)
+                if r == r and fp == fp and fm == fm and fm > 0])
     return out
 
 
@@ -893,8 +913,10 @@ def paired_calls(fa: Callable, fb: Callable, pairs: int) -> list[tuple[float, fl
     flushed (do_bench's 256 MB write) and timed by its own events: [(ms of a, ms of b)]. Why: rounds of do_bench
     put ~0.1 s between two calls' timings, and the H200's clocks drift by more than that: two rows of one kernel
     read 1.042 [0.89, 1.12] apart over 13 rounds (forty-sixth session, call A). Calls a millisecond apart share
-    the clock, so their ratio is the kernels' own. Each call is timed whole, its host work included where the GPU
-    waits for it (the flush before it gives the host ~0.1 ms to start), as do_bench times it."""
+    the clock, so their ratio is the kernels' own in cycles. At the power cap a kernel run alone settles at a clock
+    of its own (ALiBi ~6% above causal, forty-seventh session): its time alone is the cycles at that clock, which
+    --clocks reads. Each call is timed whole, its host work included where the GPU waits for it (the flush before
+    it gives the host ~0.1 ms to start), as do_bench times it."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     fa(), fb()  # warm (the rounds ran them already; a first call's allocations stay out)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(pairs)]
@@ -969,18 +991,22 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
             for name in [name for name in flops if name.split(" ")[0] == stem]:
                 flops.pop(name)
     times: dict = {key: [] for key in calls}
+    mhz: dict = {key: [] for key in calls}  # --clocks: each timing's SM clock
     rng = random.Random(0)
     for r in range(rounds):
         order = list(calls)
         rng.shuffle(order)
         for key in order:
             try:
-                times[key].append(bench(calls[key], 5, 25))
+                ms, clock = clocked(bench, calls[key], 5, 25)
+                times[key].append(ms)
+                mhz[key].append(clock)
             except Exception as exc:  # a failed call is a missing time in its round, not a lost table
                 times[key].append(NAN)
+                mhz[key].append(NAN)
                 log(f"  rounds: {key} round {r + 1} failed: {type(exc).__name__}")
         log(f"  rounds: {r + 1} / {rounds} done")
-    out = rounds_summary(times, flops)
+    out = rounds_summary(times, flops, clocks=mhz if CLOCKS else None)
     by_pairs = time_examples_paired(calls, flops, pairs) if pairs else {}
     for row in out:
         row["D"] = D
@@ -1099,6 +1125,14 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
         md.append(f"| {r['example']} | {r['ours']:.0f} | {100 * r['ours spread']:.1f}% | {p['median']:.3f} "
                   f"[{p['min']:.3f}, {p['max']:.3f}] | {r['flex']:.0f} | {f['median']:.2f} "
                   f"[{f['min']:.2f}, {f['max']:.2f}] | {r['o diff vs flex']:.1e} | {paired} |")
+    if any("MHz" in r for r in rows):
+        md += ["", "The same rounds by the SM clock (--clocks: nvidia-smi every 20 ms during each timing); of plain by "
+               "cycles = of plain x plain's clock / the row's, round by round (what a pair of calls at one clock "
+               "reads):", "", "| example | MHz | of plain | of plain by cycles |", "|---|---|---|---|"]
+        for r in rows:
+            p, c = r["of plain"], r.get("of plain by cycles", {"median": NAN, "min": NAN, "max": NAN})
+            md.append(f"| {r['example']} | {r.get('MHz', NAN):.0f} | {p['median']:.3f} | {c['median']:.3f} "
+                      f"[{c['min']:.3f}, {c['max']:.3f}] |")
     n_pairs = next((r[k]["n"] for r in rows for k in ("of plain, paired", "over flex, paired", "of default, paired")
                     if k in r), 0)
     if n_pairs:
@@ -1304,6 +1338,10 @@ def main() -> None:
                          "back (bench.paired_calls; 200 takes ~1 s a row at N = 4k)")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the SM clock and power (nvidia-smi, every 20 ms) and give each timing's clock: the "
+                         "rounds' rows their ratio to plain by cycles too (each kernel alone at the power cap runs "
+                         "at its own clock; benchmarks/clocks.py)")
     ap.add_argument("--batch", type=int, default=0, help="B of every timed call (default: 16k tokens / N)")
     ap.add_argument("--heads", type=int, default=0, help="H of every timed call (default: 2048 / D)")
     ap.add_argument("--documents", type=int, default=DOCUMENTS,
@@ -1432,5 +1470,18 @@ def main() -> None:
         sys.exit(1)
 
 
+def run_main() -> None:
+    """main(), under --clocks' sampler where asked (a clear error where nvidia-smi is missing)."""
+    if "--clocks" not in sys.argv[1:]:
+        return main()
+    from clocks import ClockSampler
+
+    if not ClockSampler.available():
+        raise SystemExit("bench: --clocks needs nvidia-smi on the PATH")
+    with ClockSampler() as sampler:
+        CLOCKS.append(sampler)
+        main()
+
+
 if __name__ == "__main__":
-    main()
+    run_main()
