@@ -971,12 +971,15 @@ def time_examples_paired(calls: dict, flops: dict, pairs: int) -> dict:
 
 
 def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, configs: tuple = (),
-                         pairs: int = 0) -> list[dict]:
+                         pairs: int = 0, round_ms: int = 25) -> list[dict]:
     """--rounds: every example's whole falower call and its Flex twin (the same mods and block mask), timed in
-    `rounds` rounds, each round every call once (do_bench, 5 ms warm-up, 25 ms) in a fresh random order. The GPU's
-    clocks drift across a run by more than the gaps issue 12 asks about (one kernel read 3-8% apart in one call):
-    interleaving spreads the drift over every call alike, and the ratios are taken within each round. Each of
-    `configs` (--ex-configs) adds the example under that kernel as a row "<stem> <tag>", in the same rounds."""
+    `rounds` rounds, each round every call once (do_bench, `round_ms` / 5 ms warm-up, `round_ms` ms: --round-ms) in a
+    fresh random order. The GPU's clocks drift across a run by more than the gaps issue 12 asks about (one kernel read
+    3-8% apart in one call): interleaving spreads the drift over every call alike, and the ratios are taken within
+    each round. At the power cap a kernel's clock settles over tens of milliseconds (benchmarks/clocks.py): 25 ms
+    timings start at the clock the call before left, a second's take the kernel's own (--round-ms 1000, with
+    --clocks to read it). Each of `configs` (--ex-configs) adds the example under that kernel as a row
+    "<stem> <tag>", in the same rounds."""
     import random
 
     B, H = batch_heads(D, N)
@@ -998,7 +1001,7 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
         rng.shuffle(order)
         for key in order:
             try:
-                ms, clock = clocked(bench, calls[key], 5, 25)
+                ms, clock = clocked(bench, calls[key], max(1, round_ms // 5), round_ms)
                 times[key].append(ms)
                 mhz[key].append(clock)
             except Exception as exc:  # a failed call is a missing time in its round, not a lost table
@@ -1338,6 +1341,9 @@ def main() -> None:
                          "back (bench.paired_calls; 200 takes ~1 s a row at N = 4k)")
     ap.add_argument("--ex-configs", default="",
                     help="comma-separated tile configs to time each example under too, e.g. 128x64w8-wsn,128x64w4")
+    ap.add_argument("--round-ms", type=int, default=25,
+                    help="with --rounds: each call's timing in a round, in ms of do_bench (default 25; 1000 lets "
+                         "the clock settle at the kernel's own under the power cap: --clocks reads it)")
     ap.add_argument("--clocks", action="store_true",
                     help="sample the SM clock and power (nvidia-smi, every 20 ms) and give each timing's clock: the "
                          "rounds' rows their ratio to plain by cycles too (each kernel alone at the power cap runs "
@@ -1355,6 +1361,8 @@ def main() -> None:
     if args.documents < 1:
         ap.error(f"--documents must be at least 1, got {args.documents}")
     DOCUMENTS = args.documents
+    if args.round_ms < 1:
+        ap.error(f"--round-ms must be at least 1, got {args.round_ms}")
     if args.batch < 0 or args.heads < 0:
         ap.error("--batch and --heads must be positive (0: the sweep's default)")
     SHAPE.update(B=args.batch, H=args.heads)
@@ -1445,7 +1453,7 @@ def main() -> None:
         for D in ex_ds:
             try:
                 round_rows += time_examples_rounds(stems, D, args.rounds, configs=tuple(args.ex_configs),
-                                                   pairs=args.pairs)
+                                                   pairs=args.pairs, round_ms=args.round_ms)
             except Exception as exc:
                 log(f"rounds D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
     (OUT / "results.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "checks": checks,
