@@ -41,6 +41,10 @@ What is timed:
     python benchmarks/bench.py --bwd --no-examples --bwd-wgmma --n 4096
                                                     # the backward on wgmma (emit_fa3_bwd) beside mma.sync: each
                                                     # tile config once more with '-bwg' (same forward)
+    python benchmarks/bench.py --fwd --d 64 --no-sdpa --examples plain,causal --ex-n 2048 --batch 1 --heads 8 \
+        --ex-configs auto-nosg --rounds 3 --pairs 300 --clocks --round-ms 1000
+                                                    # a small grid's A / B: D = 64's 128-row tiles against its
+                                                    # 192-row ones, by pairs and by time at each one's own clock
     FALOWER_WGMMA_BWD=1 python benchmarks/bench.py --bwd --examples alibi,causal --no-sdpa
                                                     # the examples' backward on wgmma (their calls)
 
@@ -484,6 +488,7 @@ class Variant:
 DOCUMENTS = 8  # the document example's documents a row (--documents)
 SHAPE = {"B": 0, "H": 0}  # --batch / --heads: 0 keeps the sweep's B * N = 16k tokens and H * D = 2048
 CLOCKS: list = []  # --clocks: [the running clocks.ClockSampler]
+EX_N = [4096]  # --ex-n: the examples' sequence length
 
 
 def batch_heads(D: int, N: int) -> tuple[int, int]:
@@ -1012,7 +1017,7 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     out = rounds_summary(times, flops, clocks=mhz if CLOCKS else None)
     by_pairs = time_examples_paired(calls, flops, pairs) if pairs else {}
     for row in out:
-        row["D"] = D
+        row["D"], row["N"] = D, N
         for what in ("of plain", "over flex", "of default"):
             if (row["example"], what) in by_pairs:
                 row[f"{what}, paired"] = by_pairs[(row["example"], what)]
@@ -1117,7 +1122,8 @@ def _rounds_calls(stem: str, B: int, H: int, N: int, D: int, calls: dict, flops:
 
 
 def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
-    md = [f"Examples at N = 4k, D = {rows[0]['D'] if rows else '-'}, fp16, {dev}: {rounds} interleaved rounds "
+    md = [f"Examples at N = {rows[0].get('N', 4096) if rows else '-'}, D = {rows[0]['D'] if rows else '-'}, fp16, "
+          f"{dev}: {rounds} interleaved rounds "
           "(every call once a round, in a random order); TFLOP/s of the kept pairs by the whole call, the median "
           "over rounds; ratios taken within each round, median [min, max]", "",
           "| example | falower | spread | of plain | Flex | falower / Flex | o diff | of default (rounds faster) |",
@@ -1158,6 +1164,12 @@ def rounds_table(rows: list, dev: str, rounds: int) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 
+def _worker_sizes(shape: dict, ex_n: int) -> None:
+    """A spawned precompile worker's --batch / --heads and --ex-n (module state the spawn does not carry)."""
+    SHAPE.update(shape)
+    EX_N[0] = ex_n
+
+
 def _compile_one(job) -> str:
     """Build and launch one kernel on tiny inputs (fills Numba's disk cache); never raises."""
     t0 = time.time()
@@ -1168,7 +1180,7 @@ def _compile_one(job) -> str:
             c = make_compiled(D, causal, "f16", cfg, bwd_pipeline)
             q = torch.randn(1, 1, 64, D, device="cuda", dtype=torch.float16)
             if what == "fwd":  # the kernel of a tiny call and the reference length's (D = 64 chooses by size, and
-                c.kernel(q, q, q)(q, q, q)  # by the grid: the sweep's B and H at 1k and 4k)
+                c.kernel(q, q, q)(q, q, q)  # by the grid: the timed B and H at 1k and 4k)
                 c.specialize("f16", D=D, M=4096, N=4096)(q, q, q)
                 for n in (1024, 4096):
                     b, h = batch_heads(D, n)
@@ -1185,11 +1197,14 @@ def _compile_one(job) -> str:
             caps = [var.captures[a.name] for a in c.func.args[3:]]
             if what == "ex-fwd":
                 c.forward(q, kv, kv, *caps)
-                # the N = 4k rounds' kernel, by a whole call: a call may pass the kernel more tables than the user
-                # captured (the relative bias's), which launching c.specialize(...) directly would refuse
-                var4 = variant(stem, 1, H, 4096, D)
-                q4 = torch.randn(1, H, 4096, D, device="cuda", dtype=torch.float16)
-                kv4 = torch.randn(1, H // var4.group, 4096, D, device="cuda", dtype=torch.float16)
+                # the timed calls' kernel (--ex-n, --batch / --heads), by a whole call: a call may pass the kernel
+                # more tables than the user captured (the relative bias's), which launching c.specialize(...)
+                # directly would refuse
+                n = EX_N[0]
+                b4, h4 = batch_heads(D, n)
+                var4 = variant(stem, b4, h4, n, D)
+                q4 = torch.randn(b4, h4, n, D, device="cuda", dtype=torch.float16)
+                kv4 = torch.randn(b4, h4 // var4.group, n, D, device="cuda", dtype=torch.float16)
                 c.forward(q4, kv4, kv4, *[var4.captures[a.name] for a in c.func.args[3:]])
                 if not cfg and c.kernel(q, kv, kv, *caps).spec.extra.get("schedule", "mma") != "mma":
                     example_compiled(stem, "mma").forward(q, kv, kv, *caps)
@@ -1214,8 +1229,8 @@ def precompile(jobs) -> None:
 
     t0 = time.time()
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4),
-                                                mp_context=ctx) as ex:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 4), mp_context=ctx,
+                                                initializer=_worker_sizes, initargs=(dict(SHAPE), EX_N[0])) as ex:
         done = list(ex.map(_compile_one, jobs))
     for line in done:
         if line.startswith("FAILED"):
@@ -1283,7 +1298,8 @@ def example_table(rows: list, dev: str) -> list[str]:
     bwd ours: the backward alone; bwd scan: the same, its kv-outer kernel scanning range tables instead of
     visiting block lists (data-dependent masks only, issue 12); bwd mma: the backward on mma.sync over the same
     lists (what ran before the lists were walked on wgmma)."""
-    md = [f"Examples at N = 4k, TFLOP/s of the pairs the mask keeps, fp16, {dev}; falower by its calls "
+    md = [f"Examples at N = {rows[0].get('N', 4096) if rows else '-'}, TFLOP/s of the pairs the mask keeps, fp16, "
+          f"{dev}; falower by its calls "
           "(fwd kernel: the automatic choice; fwd mma: the mma.sync kernel where that choice was wgmma)", "",
           "| example | D | keep | fwd kernel | fwd ours | fwd mma | ours/mma | fwd Flex | ours/Flex | f+b ours "
           "| f+b autograd | f+b Flex | ours/Flex | f+b Flex no-dcap | ours/no-dcap | Flex mask ms | o diff "
@@ -1348,6 +1364,9 @@ def main() -> None:
                     help="sample the SM clock and power (nvidia-smi, every 20 ms) and give each timing's clock: the "
                          "rounds' rows their ratio to plain by cycles too (each kernel alone at the power cap runs "
                          "at its own clock; benchmarks/clocks.py)")
+    ap.add_argument("--ex-n", type=int, default=4096,
+                    help="the examples' sequence length (default 4096; with --batch / --heads a small grid's A / B "
+                         "of kernels by --ex-configs and --pairs)")
     ap.add_argument("--batch", type=int, default=0, help="B of every timed call (default: 16k tokens / N)")
     ap.add_argument("--heads", type=int, default=0, help="H of every timed call (default: 2048 / D)")
     ap.add_argument("--documents", type=int, default=DOCUMENTS,
@@ -1361,6 +1380,9 @@ def main() -> None:
     if args.documents < 1:
         ap.error(f"--documents must be at least 1, got {args.documents}")
     DOCUMENTS = args.documents
+    if args.ex_n < 1:
+        ap.error(f"--ex-n must be at least 1, got {args.ex_n}")
+    EX_N[0] = args.ex_n
     if args.round_ms < 1:
         ap.error(f"--round-ms must be at least 1, got {args.round_ms}")
     if args.batch < 0 or args.heads < 0:
@@ -1441,7 +1463,7 @@ def main() -> None:
     for stem in stems if one_by_one else ():  # --rounds --fwd: the interleaved rounds below instead
         for D in ex_ds:
             try:
-                row = time_example(args, stem, D)
+                row = time_example(args, stem, D, args.ex_n)
             except Exception as exc:
                 log(f"example {stem} D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
@@ -1452,7 +1474,7 @@ def main() -> None:
     if args.rounds and stems and args.fwd:
         for D in ex_ds:
             try:
-                round_rows += time_examples_rounds(stems, D, args.rounds, configs=tuple(args.ex_configs),
+                round_rows += time_examples_rounds(stems, D, args.rounds, N=args.ex_n, configs=tuple(args.ex_configs),
                                                    pairs=args.pairs, round_ms=args.round_ms)
             except Exception as exc:
                 log(f"rounds D={D} failed: {type(exc).__name__}: {str(exc)[:160]}")
