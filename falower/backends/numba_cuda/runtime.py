@@ -718,15 +718,14 @@ class _ForwardPlan:
             return None  # rows not 16-byte aligned: the Numba path copies them
         o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
-        self.launch_into(q, k, v, caps, o, lse)
+        self.launch_into(ptrs, caps, o, lse)
         return o, lse
 
-    def launch_into(self, q: Any, k: Any, v: Any, caps: tuple, o: Any, lse: Any) -> None:
-        """Enqueue the kernels on these inputs with O and LSE written into `o` and `lse` (allocated by the caller
-        as __call__ does; q, k and v 16-byte aligned where the plan is aligned)."""
+    def launch_into(self, ptrs: tuple[int, int, int], caps: tuple, o: Any, lse: Any) -> None:
+        """Enqueue the kernels on q, k and v at `ptrs` (their data pointers, 16-byte aligned where the plan is
+        aligned) with O and LSE written into `o` and `lse` (allocated by the caller as __call__ does)."""
         import torch
 
-        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         vals = self.bufs[0].vals
         for slot, p in zip(self.slots, ptrs):
             vals[slot] = p
@@ -1132,7 +1131,8 @@ class FA2ForwardKernel:
         if out is None:
             return self.prepare(q, k, v, *captures)
         o, lse = out
-        return (lambda: plan.launch_into(q, k, v, captures, o, lse)), (lambda: (o, lse))
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        return (lambda: plan.launch_into(ptrs, captures, o, lse)), (lambda: (o, lse))
 
     def plan(self, q: Any, k: Any, v: Any, captures: tuple) -> Optional[_ForwardPlan]:
         """The direct launches for these torch CUDA inputs' signature (made on first use), or None where
