@@ -123,52 +123,47 @@ def parse_config(text: str) -> tuple:
     column term of that step in S = Q K^T or by FFMA (extra col_mma; default on at D = 64 and 128); '-nokb' a partial
     tile's row under exact row bounds masked by two compares an element, not a word of bits (extra keep_bits);
     '-norg' its clamped gather per element where a row's entries lie at constant offsets (extra row_gather:
-    relative bias), '-norp' each row its own loads where a thread's rows g and g + 8 could share them (extra row_pairs), '-noge' the '-wsn' kernel's shared entries read
-    after the waits for K and S, not before (extra gather_early); '-noslice' / '-slice' those entries not from
-    each consumer warpgroup's run of the table in shared memory, or from it (extra row_slice; default on); '-slr' /
-    '-noslr' that run's loads from its row address kept for the item, or by the clamped index every tile (extra
-    slice_rows; default on), '-sla' those loads a tile ahead (extra slice_ahead), '-sis' the run stored and read
-    while S is in flight (extra slice_in_s); '-l2h' the producer's TMA loads with L2 eviction priorities (extra
-    l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the item's full tiles inside N (extra
-    class32); '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh'
-    the persistent producer kernel's items starting on their block list's global reads, not on its head handed
-    over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2'
-    the last one second, ALiBi's default; '-norev' from the first up),
-    '-nobs' its consumers reading their rows' bounds from data before the kv loop, not while the item's first S
-    runs (extra bounds_in_s), '-noes' / '-es' an item's last P V and epilogue at its own end / with the next
-    item's first tile (extra epilogue_in_s; by default with it except under a block list or the softcap's tanh);
-    '-stsm' / '-nostsm' the kept epilogue's rows of O staged by stmatrix, or a word at a time (extra stmatrix;
-    default on);
-    '-half' the '-wsn' kernel's half
-    tiles where a warpgroup's rows keep one column half of a tile (extra half_tiles: masks with row bounds),
-    '-halfpv' only P V by halves; '-ltanh' libdevice's tanhf where the
-    kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not the FMA
-    pipe's polynomial where a tile's scores are in its range (extra tanh_small); '-notiny' not the shorter
-    polynomial where they are within a quarter of the cap (extra tanh_tiny); '-nose' / '-se' O stored from the
-    fragments / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared
-    memory, emit_fa3's at D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query
-    rows each (extra wg_rows), '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum
-    over four chains (extra tree_softmax); '-eager' the pipeline's online-softmax without lazy=8 (the row max, and
-    O's rescale, move on every kv tile);
-    the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
-    keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with
-    its descriptors built inside the loop (opaque_desc), '-bgt' with a reduced gradient (ALiBi's slope) added once a
-    tile, not held across tiles (extra hold_grads), '-bgg' with a per-element gradient (the relative bias's) added
-    per element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bbulk' dQ
-    staged in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk),
-    '-bdkl' dK's GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P
-    computed while dP's GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a
-    second for interior tiles without bounds code (extra interior_split), '-bnoef' its exponential's argument times
-    log2 e, not log2 e folded into the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued
-    under the next tile's S^T / dP^T GEMMs, not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its
-    grid with a head's kv tiles in consecutive blocks, or kv tile j of every head first (extra kv_major; default:
-    the first without a block mask), '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1
-    (extra kv_group; default 8 under a static mask), '-blah' a block list's next entry read a tile ahead (extra
-    list_ahead), '-bws' / '-bnows' dQ handed to a producer warpgroup's bulk reductions or kept on the consumers'
-    vector reductions (extra dq_ws; default "auto": the first, but without ws_loads under block lists and with a
-    held gradient), '-bwsl' / '-bnowsl' the next q tile's loads by two producer warps or by the consumers (extra
-    ws_loads; default "auto": the first wherever dq_ws runs at 64 x 128 tiles; asked for, it brings dq_ws unless
-    '-bnows')."""
+    relative bias), '-norp' each row its own loads where a thread's rows g and g + 8 could share them (extra
+    row_pairs), '-noge' the '-wsn' kernel's shared entries read after the waits for K and S, not before (extra
+    gather_early); '-noslice' / '-slice' those entries not from each consumer warpgroup's run of the table in shared
+    memory, or from it (extra row_slice; default on); '-slr' / '-noslr' that run's loads from its row address kept for
+    the item, or by the clamped index every tile (extra slice_rows; default on), '-sla' those loads a tile ahead (extra
+    slice_ahead), '-sis' the run stored and read while S is in flight (extra slice_in_s); '-l2h' the producer's TMA
+    loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
+    item's full tiles inside N (extra class32); '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid:
+    False); '-nolh' the persistent producer kernel's items starting on their block list's global reads, not on its head
+    handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
+    last one second, ALiBi's default; '-norev' from the first up), '-nobs' its consumers reading their rows' bounds from
+    data before the kv loop, not while the item's first S runs (extra bounds_in_s), '-noes' / '-es' an item's last P V
+    and epilogue at its own end / with the next item's first tile (extra epilogue_in_s; by default with it except under
+    a block list or the softcap's tanh); '-stsm' / '-nostsm' the kept epilogue's rows of O staged by stmatrix, or a word
+    at a time (extra stmatrix; default on); '-half' the '-wsn' kernel's half tiles where a warpgroup's rows keep one
+    column half of a tile (extra half_tiles: masks with row bounds), '-halfpv' only P V by halves; '-ltanh' libdevice's
+    tanhf where the kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not
+    the FMA pipe's polynomial where a tile's scores are in its range (extra tanh_small); '-notiny' not the shorter
+    polynomial where they are within a quarter of the cap (extra tanh_tiny); '-nose' / '-se' O stored from the fragments
+    / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared memory, emit_fa3's at
+    D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows),
+    '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum over four chains (extra
+    tree_softmax); '-eager' the pipeline's online-softmax without lazy=8 (the row max, and O's rescale, move on every kv
+    tile); the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
+    keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with its
+    descriptors built inside the loop (opaque_desc), '-bgt' with a reduced gradient (ALiBi's slope) added once a tile,
+    not held across tiles (extra hold_grads), '-bgg' with a per-element gradient (the relative bias's) added per
+    element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bbulk' dQ staged
+    in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' dK's
+    GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P computed while dP's
+    GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
+    without bounds code (extra interior_split), '-bnoef' its exponential's argument times log2 e, not log2 e folded into
+    the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued under the next tile's S^T / dP^T GEMMs,
+    not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its grid with a head's kv tiles in
+    consecutive blocks, or kv tile j of every head first (extra kv_major; default: the first without a block mask),
+    '-bkvgN' its grid in groups of N kv heads, kv tile j of each then j + 1 (extra kv_group; default 8 under a static
+    mask), '-blah' a block list's next entry read a tile ahead (extra list_ahead), '-bws' / '-bnows' dQ handed to a
+    producer warpgroup's bulk reductions or kept on the consumers' vector reductions (extra dq_ws; default "auto": the
+    first, but without ws_loads under block lists and with a held gradient), '-bwsl' / '-bnowsl' the next q tile's loads
+    by two producer warps or by the consumers (extra ws_loads; default "auto": the first wherever dq_ws runs at 64 x 128
+    tiles; asked for, it brings dq_ws unless '-bnows')."""
     if text == "auto":
         return AUTO
     head, *opts = text.split("-")
@@ -907,9 +902,8 @@ def rounds_summary(times: dict, flops: dict, plain: str = "plain", clocks: Optio
         if clocks is not None:
             mine, plains = clocks.get((stem, "ours"), []), clocks.get((plain, "ours"), [])
             out[-1]["MHz"] = stats(mine)["median"]
-            out[-1]["of plain by cycles"] = stats([r * fp / fm for r, fp, fm in zip(
-                [x / y if x == x and y == y and y > 0 else NAN for x, y in zip(ours, ours_plain)], plains, mine)
-                if r == r and fp == fp and fm == fm and fm > 0])
+            by_cycles = [x / y * fp / fm for x, y, fp, fm in zip(ours, ours_plain, plains, mine) if y > 0 and fm > 0]
+            out[-1]["of plain by cycles"] = stats(by_cycles)  # a round with a NaN time or clock drops out
     return out
 
 
