@@ -135,10 +135,9 @@ class CompiledAttention:
         where `env` has none), else "narrow" (emit_fa3's 128 x 64); and of the wide, "two", the same persistent
         kernel on 128 x 128 tiles (two consumer warpgroups), where the call's batch and heads are known and make a
         grid so small that the shorter items finish first (emit_fa3.two_rounds_pay: under a mask only where they
-        fit one round; `extra={"small_grid":
-        False}` keeps the wide tiles). None where the automatic choice offers none of them (another D or path, the
-        caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep one kernel for every
-        size."""
+        fit one round; `extra={"small_grid": False}` keeps the wide tiles). None where the automatic choice offers none
+        of them (another D or path, the caller's schedule or pipeline, no Hopper GPU or no SM count), so that those keep
+        one kernel for every size."""
         if env["D"] != 64 or self.pipeline != "fa2-fwd":
             return None
         from .backends.numba_cuda import emit_fa3

@@ -1,7 +1,8 @@
 """emit_fa2.tree_softmax: the row max and sum over four chains by default only where it was measured faster (the
 warp-specialized kernel at D = 128 with plain attention's elementwise code: x = s, or ALiBi's column term carried in
-S; at D = 64 ALiBi's alone), one chain elsewhere, and the caller's `extra["tree_softmax"]` over both. The numbers of the four-chain form are
-the simulator's (fa3_sim_cases' tree-causal-f16-d64) and the GPU suite's (test_examples_gpu.py at D = 128)."""
+S; at D = 64 ALiBi's alone), one chain elsewhere, and the caller's `extra["tree_softmax"]` over both. The numbers of the
+four-chain form are the simulator's (fa3_sim_cases' tree-causal-f16-d64) and the GPU suite's (test_examples_gpu.py at
+D = 128)."""
 
 from __future__ import annotations
 

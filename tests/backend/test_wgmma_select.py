@@ -438,8 +438,8 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
     emit_fa3.WIDE_REFERENCE_N): causal keeps 128 x 64 at N = 256 and 512 (too few kv tiles an item), and takes
     192 x 128 from 1k, where with the short q tile first (tile{ragged_q=first}) the wider tiles visit 1.12x the
     work (1.33x with it last: measured 0.92 as fast there); plain from a kv length of 1k (at 512 its 0.889 work
-    ratio ran 0.92 as fast: too few kv tiles an item). Both kernels live side by side in one compiled object, each built once; a size that gives no
-    sequence lengths takes the reference's."""
+    ratio ran 0.92 as fast: too few kv tiles an item). Both kernels live side by side in one compiled object, each
+    built once; a size that gives no sequence lengths takes the reference's."""
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     causal, plain = fl.compile(_graph(True)), fl.compile(_graph(False))
 
@@ -463,8 +463,8 @@ def test_d64_chooses_its_tiles_by_the_call_sizes(hopper) -> None:
 def test_d64_takes_two_warpgroups_on_a_small_grid(hopper) -> None:
     """With the call's batch and heads known, D = 64's persistent kernel takes 128 x 128 tiles (two consumer
     warpgroups) where its q tiles finish before the 192-row ones would (emit_fa3.two_rounds_pay: B = 1, H = 8 at
-    N = 1k-4k; causal only where they fit one round, to 2k); larger grids keep the 192-row tiles; lengths alone, or `small_grid: False`, keep them too; where
-    the work rule says 128 x 64 (N = 512), that stands."""
+    N = 1k-4k; causal only where they fit one round, to 2k); larger grids keep the 192-row tiles; lengths alone, or
+    `small_grid: False`, keep them too; where the work rule says 128 x 64 (N = 512), that stands."""
     from falower.backends.numba_cuda import emit_fa3_ws
 
     hopper.setattr(runtime, "device_sm_count", lambda: 132)

@@ -277,8 +277,9 @@ def col_mma(spec: FA2ForwardSpec) -> bool:
     (col_steep). Default at D = 64 and 128 (D = 128: +1.6% in 6 of 9 paired rounds and +4.4% in 12 of 15, H200
     2026-11-30, the shared block below); `extra["col_mma"]` True / False asks for it or keeps the FFMA (bench
     '-cm' / '-nocm'). Not with half tiles (a half's product would need its own extra step). Where a block a
-    warpgroup would push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and with it the TMA
-    loads and stores), one block serves them all (`col_shared`); where not even that fits, validate_spec refuses."""
+    warpgroup would push the persistent kernel's O buffer out (D = 128, 128 x 128 tiles: the second Q buffer, and
+    with it the TMA loads and stores), one block serves them all (`col_shared`); where not even that fits, validate_spec
+    refuses."""
     ask = spec.extra.get("col_mma", "auto")
     if ask is False or not col_step(spec) or half_tiles(spec):
         return False
@@ -680,10 +681,10 @@ def l2_hints(spec: FA2ForwardSpec) -> bool:
     """Under `tma_loads`, whether the producer's copies carry L2 eviction priorities (`.L2::cache_hint`): Q's lines
     evict first (each Q tile is read once), K's and V's last (every q tile of the head reads them), and O's tensor
     stores (tma_store) first. Why: ncu read causal's D = 128 kernel taking ~370 MB from DRAM where Q, K, V and O are
-    268 MB (plain: ~260), so K and V were read from DRAM again (benchmarks/NOTES.md, "where causal's 0.1 goes"). Measured (H200, 2026-11-30, 9 paired
-    rounds): causal's DRAM throughput 16.4% -> 15.2% over the same 465-469 us, so the hints hardly move those
-    bytes, and the time did not move: causal 0.988 / 1.007 of the default at D = 128 / 64, ALiBi 0.983 / 0.982.
-    Off; `extra["l2_hints"]` = True asks for it (bench '-l2h')."""
+    268 MB (plain: ~260), so K and V were read from DRAM again (benchmarks/NOTES.md, "where causal's 0.1 goes").
+    Measured (H200, 2026-11-30, 9 paired rounds): causal's DRAM throughput 16.4% -> 15.2% over the same 465-469 us, so
+    the hints hardly move those bytes, and the time did not move: causal 0.988 / 1.007 of the default at D = 128 / 64,
+    ALiBi 0.983 / 0.982. Off; `extra["l2_hints"]` = True asks for it (bench '-l2h')."""
     return tma_loads(spec) and spec.extra.get("l2_hints", False) is not False
 
 
