@@ -128,7 +128,8 @@ def parse_config(text: str) -> tuple:
     gather_early); '-noslice' / '-slice' those entries not from each consumer warpgroup's run of the table in shared
     memory, or from it (extra row_slice; default on); '-slr' / '-noslr' that run's loads from its row address kept for
     the item, or by the clamped index every tile (extra slice_rows; default on), '-sla' those loads a tile ahead (extra
-    slice_ahead), '-sis' the run stored and read while S is in flight (extra slice_in_s); '-l2h' the producer's TMA
+    slice_ahead), '-sis' the run stored and read while S is in flight (extra slice_in_s), '-slp' its entries by
+    pairs from the run and its copy shifted by one, not by 4-byte loads (extra slice_pairs); '-l2h' the producer's TMA
     loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
     item's full tiles inside N (extra class32); '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid:
     False); '-nolh' the persistent producer kernel's items starting on their block list's global reads, not on its head
@@ -217,6 +218,7 @@ CONFIG_OPTIONS: list = [
     (("noge", {"gather_early": False}),),
     (("slice", {"row_slice": True}), ("noslice", {"row_slice": False})),
     (("slr", {"slice_rows": True}), ("noslr", {"slice_rows": False})),
+    (("slp", {"slice_pairs": True}), ("noslp", {"slice_pairs": False})),
     (("sla", {"slice_ahead": True}),),
     (("sis", {"slice_in_s": True}),),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),

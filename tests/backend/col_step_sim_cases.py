@@ -90,6 +90,9 @@ CASES = {
     "pwg3-persist-relbias-slice": ("relbias", 250, 140, 64, (192, 128), dict(PWG)),
     # ... with each tile's run stored and synced while S is in flight (slice_in_s), a kv tile plus one
     "pwg3-persist-relbias-sis-slice": ("relbias", 250, 129, 64, (192, 128), {**PWG, "slice_in_s": True}),
+    # ... with the entries by pairs from the run and its copy shifted by one (slice_pairs; the default reads them
+    # one at a time from the run alone)
+    "pwg-persist-relbias-slp-slice": ("relbias", 150, 140, 64, (128, 128), {**PWG, "slice_pairs": True}),
     # ... with the item's epilogue at its own end (epilogue_in_s off: the run's parity starts outside that state),
     # the run's loads a tile ahead (slice_ahead: an item's first tile's at its start, the next item's after the last)
     "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {**PWG, "epilogue_in_s": False,
@@ -119,7 +122,7 @@ SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0],
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
 PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
          "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1, "pwg3-persist-relbias-slice": -1,
-         "pwg3-persist-relbias-sis-slice": -1}
+         "pwg3-persist-relbias-sis-slice": -1, "pwg-persist-relbias-slp-slice": -1}
 
 
 def _record_visits(kern, q0: int) -> list:
@@ -145,8 +148,8 @@ def _record_visits(kern, q0: int) -> list:
 
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
-    from falower.backends.numba_cuda.emit_fa3_ws import (col_mma, kv_reverse, slice_ahead, slice_in_s, stmatrix_staging,
-                                                         tma_loads)
+    from falower.backends.numba_cuda.emit_fa3_ws import (col_mma, kv_reverse, slice_ahead, slice_in_s, slice_pairs,
+                                                         stmatrix_staging, tma_loads)
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -166,7 +169,8 @@ def run_case(case_id: str) -> dict:
     ref = Reference.build(g, env, inputs=[*(x.astype(np.float64) for x in (q, k, v)), sl.astype(np.float64)])
     c = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma", extra=extra)
     kern = c.kernel(q, k, v, sl)
-    calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice", "gather_slice_fn",
+    calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice", "score_pair_slice2",
+                               "gather_slice_fn",
                                "slice_load", "stage_rows_stsm", "stage_row_z_box"))
     visits = _record_visits(kern, ((M - 1) // bq) * bq)
     o, lse = c(q, k, v, sl)
@@ -178,6 +182,7 @@ def run_case(case_id: str) -> dict:
             "kv_reverse": kern.spec.extra.get("schedule") == "wgmma-ws" and kv_reverse(kern.spec),
             "slice_ahead": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ahead(kern.spec),
             "slice_in_s": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_in_s(kern.spec),
+            "slice_pairs": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_pairs(kern.spec),
             "stmatrix": kern.spec.extra.get("schedule") == "wgmma-ws" and stmatrix_staging(kern.spec),
             "col_mma": kern.spec.extra.get("schedule") == "wgmma-ws" and col_mma(kern.spec),
             "col_words": "WG_SX(sc" in kern.source,

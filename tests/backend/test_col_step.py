@@ -474,6 +474,64 @@ def test_a_warpgroups_run_of_the_table_holds_every_entry_its_rows_read(name):
                     assert 0 <= at < 64 + 127 <= emit_fa3_ws.SLICE_ENTRIES, at
 
 
+@pytest.mark.parametrize("name", sorted(n for n, (_, shift) in ROW_PAIRS.items() if shift is not None))
+def test_a_threads_pairs_of_entries_are_aligned_in_the_copy_it_reads(name):
+    """emit_fa3_ws.slice_pairs: each buffer holds the run and, from SLICE_SHIFTED + 1 on, the run again; a thread
+    whose pairs start at an odd entry of the run reads the copy. For every sign pair, both buffers of three
+    warpgroups and every thread, the kernel's own code (its slice_read lines and score_pair_slice2, as Python on
+    a host array) reads only 8-byte aligned pairs inside the buffer and returns score_pair_slice's entries from the
+    run, in its order."""
+    import dataclasses
+
+    mod, _ = ROW_PAIRS[name]
+    extra = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic",
+             "slice_pairs": True}
+    spec = dataclasses.replace(_spec(_mod(mod), extra, D=128), block_q=128, block_k=128)
+    assert emit_fa3_ws.slice_pairs(spec)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    stride = emit_fa3_ws.slice_stride(spec)
+    assert stride % 2 == 0 and stride >= emit_fa3_ws.SLICE_SHIFTED + 1 + emit_fa3_ws.SLICE_ENTRIES
+    lines = [ln.strip() for ln in src.splitlines()]
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("sl_b = sla + "))
+    read = [re.sub(r"__\d+", "", ln.split("  #")[0]) for ln in lines[at:at + 3]]
+    assert read[2] == "gl = score_pair_slice2(rsl_s + np.uint32(sl_b * 4))", read
+    ns = _namespace(spec)
+    seen = []
+
+    def lds_v2_f32(sa):
+        assert sa % 8 == 0, sa
+        seen.append(int(sa) // 4)
+        return rsl[int(sa) // 4], rsl[int(sa) // 4 + 1]
+
+    ns["lds_v2_f32"] = lds_v2_f32
+    exec(_fn(src, "score_pair_slice2").replace("@device_function", ""), ns)
+    exec(_fn(src, "score_pair_slice").replace("@device_function", ""), ns)
+    rng = np.random.default_rng(1)
+    rsl = np.full(3 * 2 * stride, np.nan, np.float32)
+    for buf in range(3 * 2):
+        run = rng.standard_normal(emit_fa3_ws.SLICE_ENTRIES).astype(np.float32)
+        rsl[buf * stride:buf * stride + len(run)] = run  # the kernel's stores: the run, and its copy
+        rsl[buf * stride + emit_fa3_ws.SLICE_SHIFTED + 1:][:len(run)] = run
+    for buf in range(3 * 2):
+        for warp in range(4):
+            for g in range(8):
+                for t2 in (0, 2, 4, 6):
+                    env = {"sla": buf * stride, "warp": warp, "g": g, "t2": t2, "rsl_s": np.uint32(0), "np": np,
+                           "rsl": rsl}
+                    seen.clear()
+                    for ln in read:
+                        exec(ln, ns, env)
+                    want = ns["score_pair_slice"](rsl, read_base(read[0], env, ns))
+                    assert len(seen) == 17 and all(buf * stride <= e and e + 1 < (buf + 1) * stride for e in seen)
+                    got = env["gl"]
+                    assert got[0] and not np.isnan(np.array(got[1:])).any() and got == want, (buf, warp, g, t2)
+
+
+def read_base(line: str, env: dict, ns: dict) -> int:
+    """The thread's least entry in the run (slice_read's base, `sl_b = ...` before the copy's shift)."""
+    return eval(line.split(" = ", 1)[1], ns, dict(env))
+
+
 def _host_addresses(ns: dict) -> None:
     """elem_addr and ldg_f32_a on host arrays (as the simulator's: an array's address is its data's own)."""
     import ctypes
@@ -539,9 +597,16 @@ def test_row_slice_is_the_persistent_producer_kernels_default_and_only_its():
     assert not emit_fa3_ws.row_slice(off) and "gl = score_pair_load(" in emit_fa3_ws.emit_fa3_ws_forward(off)
     on = spec(pwg)
     assert emit_fa3_ws.row_slice(on) and emit_fa3_ws.static_bytes(on) - emit_fa3_ws.static_bytes(off) == \
-        emit_fa3_ws.slice_bytes(on) == 2 * 2 * emit_fa3_ws.SLICE_ENTRIES * 4
+        emit_fa3_ws.slice_bytes(on) == 2 * 2 * emit_fa3_ws.slice_stride(on) * 4
     src = emit_fa3_ws.emit_fa3_ws_forward(on)
-    assert "gl = score_pair_slice(rsl, " in src and "gl = score_pair_load(" not in src
+    # the entries one at a time (the default), or by pairs from the run and its shifted copy (slice_pairs)
+    assert not emit_fa3_ws.slice_pairs(on) and "gl = score_pair_slice(rsl, " in src and "gl = score_pair_load(" \
+        not in src and emit_fa3_ws.slice_stride(on) == emit_fa3_ws.SLICE_ENTRIES
+    pairs = spec({**pwg, "slice_pairs": True})
+    two = emit_fa3_ws.emit_fa3_ws_forward(pairs)
+    assert emit_fa3_ws.slice_pairs(pairs) and "gl = score_pair_slice2(rsl_s + " in two and "alignment=8)" in two
+    assert "gl = score_pair_slice(rsl, " not in two and not emit_fa3_ws.slice_pairs(spec({**pwg, "row_slice": False,
+                                                                                      "slice_pairs": True}))
     # the run's loads from the row kept for the item (slice_rows, the default), or by the clamped index every tile
     assert emit_fa3_ws.slice_rows(on) and not emit_fa3_ws.slice_ahead(on) and "sv0, sv1 = slice_load(" in src
     old = emit_fa3_ws.emit_fa3_ws_forward(spec({**pwg, "slice_rows": False}))
@@ -570,7 +635,7 @@ def test_slice_in_s_stores_the_run_in_the_shadow_of_s():
     stores = [m.start() for m in re.finditer(r"rsl\[np\.uint32\(sla(__\d+)? \+ \(ctid & 127\)\)\] = sv0", loop)]
     syncs = [m.start() for m in re.finditer(r"bar_sync\(10 \+ cw, 128\)", loop)]
     assert len(stores) == len(syncs) == 2 and stores[0] < syncs[0] < waits[0] < stores[1] < syncs[1] < waits[1]
-    reads = [m.start() for m in re.finditer(r"gl = score_pair_slice\(rsl, ", loop)]
+    reads = [m.start() for m in re.finditer(r"gl = score_pair_slice2?\(rsl(_s \+ |, )", loop)]
     assert len(reads) == 1 and reads[0] > max(waits)
     default = emit_fa3_ws.emit_fa3_ws_forward(spec({}))
     body = default[default.index("qk_wgmma(sc, q_wg, desc_word(HI_QK, k_base)"):]

@@ -70,13 +70,18 @@ def test_a_threads_row_pair_shares_its_table_loads(results, case):
     pairs, rows = r["calls"]["score_row_pair_given"], r["calls"]["score_row"]
     extra = CASES[case][5]
     if case.endswith("-slice"):  # the run of the table is clamped as the gather is: every pair reads it
-        assert pairs > 0 and rows == 0 and r["calls"]["score_pair_slice"] > 0 and not r["early"], r
+        # its entries by 4-byte loads (the default), or by pairs from the run and its shifted copy (slice_pairs)
+        by = "score_pair_slice2" if extra.get("slice_pairs", False) else "score_pair_slice"
+        other = "score_pair_slice" if by == "score_pair_slice2" else "score_pair_slice2"
+        assert pairs > 0 and rows == 0 and r["calls"][by] > 0 and r["calls"][other] == 0 and not r["early"], r
+        assert r["slice_pairs"] == (by == "score_pair_slice2"), r
         # its loads from the row kept for the item (slice_rows, the default), a tile ahead where asked
         assert r["calls"]["slice_load"] > 0 and r["calls"]["gather_slice_fn"] == 0, r
         assert r["slice_ahead"] == bool(extra.get("slice_ahead")), r
         assert r["slice_in_s"] == bool(extra.get("slice_in_s")), r
         return
     assert rows > 0 and rows % 2 == 0 and pairs > rows // 2 and r["calls"]["score_pair_slice"] == 0, r
+    assert r["calls"]["score_pair_slice2"] == 0, r
     assert r["early"] == (extra.get("schedule") == "wgmma-ws" and extra.get("gather_early") is not False), r
 
 

@@ -122,6 +122,11 @@ def test_a_relative_bias_takes_its_runs_of_the_table():
     assert "bar_sync(10 + cw, 128)" in src and "rsl = cuda.shared.array(1536," in src
     assert "pf_kv" not in src
     assert "gl = score_pair_load(" not in src and "gl = score_pair_slice(rsl, " in src
+    pairs = rel(slice_pairs=True)  # a buffer: the run and its copy shifted by one (slice_pairs)
+    stride = emit_fa3_ws.slice_stride(pairs)
+    assert emit_fa3_ws.slice_bytes(pairs) == 3 * 2 * stride * 4 and stride > 2 * 256
+    two = emit_fa3_ws.emit_fa3_ws_forward(pairs)
+    assert f"rsl = cuda.shared.array({3 * 2 * stride}," in two and "gl = score_pair_slice2(rsl_s + " in two
     assert emit_fa3_ws.slice_barrier(rel(bq=128)) == 9
     with pytest.raises(ValueError, match="need no table prefetch, no early gathers"):
         emit_fa3_ws.validate_spec(rel(row_slice=False))

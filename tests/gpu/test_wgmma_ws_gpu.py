@@ -200,10 +200,12 @@ PERSIST_PWG = {"producer": "warpgroup", "persistent": 132, "item_order": "dynami
     ("f16", 128, PERSIST_PWG),
     ("bf16", 128, PERSIST_PWG),
     ("f16", 128, {**PERSIST_PWG, "slice_rows": False}),
+    ("f16", 128, {**PERSIST_PWG, "slice_pairs": True}),  # the entries by pairs from the run and its shifted copy
     ("f16", 128, {**PERSIST_PWG, "slice_ahead": True}),
     ("f16", 128, {**PERSIST_PWG, "slice_ahead": True, "kv_reverse": True}),  # the next tile's run walking down
     ("f16", 64, {**PERSIST_PWG, "bq": 192}),  # three consumer warpgroups, each its own run (D = 64's default)
     ("bf16", 64, {**PERSIST_PWG, "bq": 192, "slice_ahead": True}),
+    ("f16", 64, {**PERSIST_PWG, "bq": 192, "slice_pairs": True}),
 ])
 def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: int) -> None:
     """The relative bias on the no-producer ws kernel and on the persistent producer one (TMA loads), a thread's
@@ -211,7 +213,8 @@ def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: 
     after, or from each warpgroup's run of the table in shared memory (emit_fa3_ws.row_slice); M > N puts rows'
     indices outside the table (their pairs fall back to each row's own clamped path, or read the run's clamped
     entries); the run's loads from its row kept for the item (slice_rows), a tile ahead or not, or by the clamped
-    index every tile."""
+    index every tile; the run's entries by 4-byte loads (the default), or by pairs from it and its copy shifted by
+    one (slice_pairs)."""
     _hopper()
     import runpy
 
@@ -231,7 +234,9 @@ def test_ws_relative_bias_row_pairs(dtype: str, D: int, extra: dict, M: int, N: 
     sliced = extra.get("producer") == "warpgroup" and extra.get("row_slice", True) is not False  # its default
     early = extra.get("gather_early", True) is not False and not sliced
     assert "score_row_pair" in kern.source and ("gl = score_pair_load(" in kern.source) == early
-    assert ("score_pair_slice(rsl" in kern.source) == sliced
+    pairs = sliced and extra.get("slice_pairs", False) is not False
+    assert ("score_pair_slice(rsl" in kern.source) == (sliced and not pairs)
+    assert ("score_pair_slice2(rsl_s" in kern.source) == pairs
     # the run's loads from its row kept for the item (slice_rows, the default), or by gather_slice_fn every tile
     assert ("slice_load(sl_a, " in kern.source) == (sliced and extra.get("slice_rows", True) is not False)
     env = bind_dims(g, {"B": 2, "H": 3, "M": M, "N": N, "D": D})

@@ -1076,6 +1076,22 @@ def pair_slice_offsets(spec: FA2ForwardSpec) -> tuple[list[int], int]:
     return [r - lo for r in rel], lo
 
 
+def pair_slice_starts(spec: FA2ForwardSpec) -> tuple[list[int], int]:
+    """score_pair_slice's entries as pairs of neighbours (a column pair's two, k kv one apart): each pair's lesser
+    offset, in the entries' order, and their parity, which is every pair's (the pairs lie 8 entries apart)."""
+    offs, _ = pair_slice_offsets(spec)
+    starts = [min(offs[i], offs[i + 1]) for i in range(0, len(offs), 2)]
+    assert all(abs(offs[i] - offs[i + 1]) == 1 for i in range(0, len(offs), 2)), offs
+    assert len({st % 2 for st in starts}) == 1, starts
+    return starts, starts[0] % 2
+
+
+def _slice_pairs(spec: FA2ForwardSpec) -> bool:
+    from .emit_fa3_ws import slice_pairs
+
+    return slice_pairs(spec)
+
+
 def row_gather(spec: FA2ForwardSpec) -> bool:
     """Whether score_row reads the score's table by a row's index and constant offsets (from_ir._row_gather: a
     relative bias `rel[h, q - kv + N - 1]`): gather_row_fn once per row and tile gives the table's indices at the
@@ -1490,6 +1506,19 @@ def emit_fragment_helpers(c: _Code, spec: FA2ForwardSpec, NJ: int, ND: int, mma:
                 c("# row_slice): base is the thread's least entry, each other a constant offset from it")
                 c("u = np.uint32(base)")
                 c("return (True, " + ", ".join(f"sl[u + np.uint32({o})]" for o in offs) + ")")
+        if row_gather_step(spec) is not None and uses_wgmma(spec) and _slice_pairs(spec):
+            starts, _ = pair_slice_starts(spec)
+            c()
+            c("@device_function")
+            c("def score_pair_slice2(sa):")
+            with c.indent():
+                c("# score_pair_slice's entries by pairs, one 8-byte load each (emit_fa3_ws.slice_pairs): sa is the")
+                c("# shared byte address of the thread's least entry in the copy of the run where its pairs are aligned")
+                vals = []
+                for i, st in enumerate(starts):
+                    c(f"p{i}a, p{i}b = lds_v2_f32(sa + np.uint32({4 * st}))")
+                    vals += [f"p{i}a", f"p{i}b"] if offs[2 * i] == st else [f"p{i}b", f"p{i}a"]
+                c("return (True, " + ", ".join(vals) + ")")
         c()
         c("@device_function")
         c(f"def score_row_pair(x, i, b, h, qi, kv, N{caps}):")

@@ -117,6 +117,7 @@ from .emit_fa2 import (
     row_gather_signs,
     row_gather_step,
     pair_slice_offsets,
+    pair_slice_starts,
     rows_helper,
     score_row_calls,
     walks_range,
@@ -317,6 +318,7 @@ def gather_early(spec: FA2ForwardSpec) -> bool:
 
 
 SLICE_ENTRIES = 256  # a consumer warpgroup's run of the table for one kv tile, f32 (64 + block_k - 1 used)
+SLICE_SHIFTED = SLICE_ENTRIES + 4  # under slice_pairs, the run's copy shifted by one: entry e at this + 1 + e
 
 
 def slice_barrier(spec: FA2ForwardSpec) -> int:
@@ -325,10 +327,15 @@ def slice_barrier(spec: FA2ForwardSpec) -> int:
     return 9 if consumer_wgs(spec) == 2 else 10
 
 
+def slice_stride(spec: FA2ForwardSpec) -> int:
+    """The f32 entries of one buffer of a warpgroup's run (`row_slice`): SLICE_ENTRIES, and under `slice_pairs`
+    the shifted copy after them (SLICE_SHIFTED + 1 + SLICE_ENTRIES, rounded up to 8 bytes)."""
+    return SLICE_SHIFTED + 1 + SLICE_ENTRIES + 1 if slice_pairs(spec) else SLICE_ENTRIES
+
+
 def slice_bytes(spec: FA2ForwardSpec) -> int:
-    """Shared memory of the runs of the table (`row_slice`): two buffers of SLICE_ENTRIES f32 a consumer
-    warpgroup."""
-    return consumer_wgs(spec) * 2 * SLICE_ENTRIES * 4
+    """Shared memory of the runs of the table (`row_slice`): two buffers (`slice_stride`) a consumer warpgroup."""
+    return consumer_wgs(spec) * 2 * slice_stride(spec) * 4
 
 
 def row_slice(spec: FA2ForwardSpec) -> bool:
@@ -358,6 +365,20 @@ def slice_rows(spec: FA2ForwardSpec) -> bool:
     `extra["slice_rows"] = False` keeps gather_slice_fn (bench '-noslr')."""
     return (row_slice(spec) and "def slice_row_fn(" in spec.device_source
             and spec.extra.get("slice_rows", True) is not False)
+
+
+def slice_pairs(spec: FA2ForwardSpec) -> bool:
+    """Under `row_slice`, whether a thread reads its 34 entries of the run as 17 pairs, one 8-byte shared load each
+    (lds_v2_f32), where it took 34 4-byte loads. Its entries are 17 pairs of neighbours (a column pair's two, k kv
+    one apart), but a pair starts at an odd entry in half the rows (the row's parity moves the run by one), so each
+    buffer also holds the run shifted by one entry (SLICE_SHIFTED), stored beside it (two more stores a thread and
+    tile), and a thread whose pairs start odd reads that copy. Why it was tried: the relative bias's warp path is
+    latency-bound, ~2.4 cycles of the tile an instruction it adds (benchmarks/NOTES.md, "What ncu counts"): -17
+    loads a tile, predicted ~+1%. Measured (H200, 2026-11-30, 500 pairs): **0.829 of the 4-byte loads at D = 128
+    and 0.896 at D = 64** (local SASS: the 34 LDS became 17 LDS.64, but the D = 128 consumers' spills grew from 2 to
+    8 stores and 2 to 11 loads, some in the kv loop: a pair's two registers must be an aligned pair). Off;
+    `extra["slice_pairs"]` = True asks for it (bench '-slp')."""
+    return row_slice(spec) and spec.extra.get("slice_pairs", False) is not False
 
 
 def slice_ahead(spec: FA2ForwardSpec) -> bool:
@@ -1988,9 +2009,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         def slice_store() -> None:
             """The warpgroup's run of the table for tile j into shared memory (row_slice): after S's wait, or in its
             shadow (slice_in_s)."""
-            c(f"sla = (cw * 2 + sl_par) * {SLICE_ENTRIES}  # this tile's buffer of the warpgroup's two")
+            c(f"sla = (cw * 2 + sl_par) * {slice_stride(spec)}  # this tile's buffer of the warpgroup's two")
             c("rsl[np.uint32(sla + (ctid & 127))] = sv0")
             c("rsl[np.uint32(sla + 128 + (ctid & 127))] = sv1")
+            if slice_pairs(spec):
+                c(f"rsl[np.uint32(sla + {SLICE_SHIFTED + 1} + (ctid & 127))] = sv0  # the copy shifted by one "
+                  "(slice_pairs)")
+                c(f"rsl[np.uint32(sla + {SLICE_SHIFTED + 1 + 128} + (ctid & 127))] = sv1")
             c(f"bar_sync({slice_barrier(spec)} + cw, 128)  # the warpgroup's run of the table is in shared memory")
             c("sl_par ^= 1")
 
@@ -2001,7 +2026,13 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             a, k = row_gather_signs(spec)
             c(f"# the thread's least entry: row (warp & 3) 16 + g of the warpgroup's, column t2 (a = {a}, k = {k})")
             base = f"sla + {a} * ((warp & 3) * 16 + g) + {k} * t2 + {lo_off - slice_start(spec)}"
-            c(f"gl = score_pair_slice(rsl, {base})")
+            if not slice_pairs(spec):
+                c(f"gl = score_pair_slice(rsl, {base})")
+                return
+            c(f"sl_b = {base}")
+            c(f"sl_b += ((sl_b + {pair_slice_starts(spec)[1]}) & 1) * {SLICE_SHIFTED + 1}  # its pairs start odd: "
+              "the shifted copy's (slice_pairs)")
+            c("gl = score_pair_slice2(rsl_s + np.uint32(sl_b * 4))")
 
         def issue_and_wait(call: str, wait: str, wait1: str, ofs: int) -> None:
             """S's issue (`call`), the P V of tile j - 1 beside it, and the wait for S (`wait` / `wait1`, on the
@@ -2288,13 +2319,19 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"ep_i = cuda.shared.array({kept_i64(spec)}, np.int64)  # a consumer warpgroup's kept item: q_head, "
               "q_lo")
         if row_slice(spec):
-            c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32)  # the consumer warpgroups' runs of the "
-              "table, two each (row_slice)")
+            if slice_pairs(spec):
+                c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32, alignment=8)  # the consumer "
+                  "warpgroups' runs of the table, two each (row_slice), with their shifted copies (slice_pairs)")
+            else:
+                c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32)  # the consumer warpgroups' runs of "
+                  "the table, two each (row_slice)")
         if uses_work_counter(spec):
             c(f"tick = cuda.shared.array({tick_words(spec)}, np.int32)  # the items' tickets "
               "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))
         c("sb0 = smem_base(smem)")
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
+        if slice_pairs(spec):
+            c("rsl_s = smem_base(rsl)  # the runs' shared byte address (slice_pairs' 8-byte loads)")
         c("tid = cuda.threadIdx.x")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")

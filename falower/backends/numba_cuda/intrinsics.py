@@ -21,7 +21,8 @@ Public names (identical in both modes):
     cp_async16                     (smem_u16_array, s_index, global_array, g_index, src_bytes) 16 bytes,
                                    zero-filled beyond src_bytes (0 or 16)
     cp_async_commit(), cp_async_wait0(), cp_async_wait1()
-    smem_base                      (smem_u16_array) -> uint32 shared-window byte address of element 0
+    smem_base                      (shared array) -> uint32 shared-window byte address of element 0 (the
+                                   dynamic area or a static array)
     ldsm_x4, ldsm_x4_trans         (shared byte address: uint32) -> (r0, r1, r2, r3)   (32-bit addressing)
     stsm_x4                        (shared byte address, r0, r1, r2, r3): stmatrix .x4, ldsm_x4's inverse: lane
                                    8 m + r gives the address of row r of matrix m, and each lane's word m is
@@ -360,6 +361,13 @@ if SIMULATOR:
     # threadIdx and its block manager; a warp is 32 consecutive linear thread ids.
     # ----------------------------------------------------------------------------------------------
 
+    import weakref
+
+    # the static shared arrays the guarded allocator made (by id): `smem_base` gives each a window of fake shared
+    # byte addresses from STATIC_WINDOW on, which the emulated shared loads read (`_shared_words`)
+    _static_arrays: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
+    STATIC_WINDOW = 1 << 24
+
     def _guard_shared_allocation() -> None:
         """Make the simulator's static shared arrays one per call site and launch, as on the GPU.
 
@@ -383,8 +391,10 @@ if SIMULATOR:
         lock = threading.Lock()
 
         def array(self, shape, dtype, alignment=None):
-            if alignment is not None or shape == 0:  # an error, or the dynamic area: no per-site state
+            if shape == 0:  # the dynamic area: no per-site state
                 return unguarded(self, shape, dtype, alignment)
+            # (an alignment the simulator refuses: numpy's allocations are at least 16-byte aligned, and
+            # `smem_base` windows of static arrays start at multiples of 2**24)
             if isinstance(dtype, types.Type):
                 dtype = numpy_support.as_dtype(dtype)
             caller = sys._getframe(1)
@@ -393,6 +403,7 @@ if SIMULATOR:
                 res = self._allocations.get(key)
                 if res is None:
                     res = self._allocations[key] = np.empty(shape, dtype)
+                    _static_arrays[id(res)] = res
             return res
 
         array._falower_guarded = True
@@ -558,8 +569,26 @@ if SIMULATOR:
             return store[key]
 
     def smem_base(smem):
-        _block_smem(smem)
-        return 0
+        if id(smem) not in _static_arrays:  # the dynamic area
+            _block_smem(smem)
+            return 0
+        th = threading.current_thread()
+        with _warp_lock:  # a static array's window: its own range of fake shared addresses, per block
+            store = th._manager.__dict__.setdefault("_falower_static", {})
+            arrays = store.setdefault(tuple(th.blockIdx), [])
+            if not any(a is smem for a in arrays):
+                arrays.append(smem)
+            return STATIC_WINDOW * (1 + next(i for i, a in enumerate(arrays) if a is smem))
+
+    def _shared_words(saddr: int, dtype) -> tuple[np.ndarray, int]:
+        """The shared array a byte address of `smem_base`'s lies in, viewed as `dtype`, and the address's element
+        in it: the dynamic area below STATIC_WINDOW, a static array's window above."""
+        at = int(saddr)
+        if at < STATIC_WINDOW:
+            return _block_smem().view(dtype), at // np.dtype(dtype).itemsize
+        th = threading.current_thread()
+        arr = th._manager._falower_static[tuple(th.blockIdx)][at // STATIC_WINDOW - 1]
+        return arr.view(dtype), (at % STATIC_WINDOW) // np.dtype(dtype).itemsize
 
     def ldsm_x4(addr):
         smem = _block_smem()
@@ -648,8 +677,9 @@ if SIMULATOR:
 
     def lds_v2_f32(saddr):
         slow_warp()
-        f = _block_smem().view(np.float32)
-        at = int(saddr) // 4
+        if int(saddr) % 8:
+            raise RuntimeError(f"lds_v2_f32: shared address {int(saddr):#x} is not 8-byte aligned")
+        f, at = _shared_words(saddr, np.float32)
         return np.float32(f[at]), np.float32(f[at + 1])
 
     def sts_u32(saddr, val):
