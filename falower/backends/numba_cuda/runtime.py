@@ -1083,6 +1083,10 @@ class FA2ForwardKernel:
                 raise ValueError(f"capture {c.name} must be {c.ndim}-D, got shape {tuple(x.shape)}")
             if not _is_contiguous(x, ck):
                 raise ValueError(f"capture {c.name} must be contiguous")
+            if ck == "cai" and c.dtype != "bf16" and np.dtype(x.__cuda_array_interface__["typestr"]) \
+                    != np.dtype(_np_capture_dtype(c.dtype)):  # (numpy and torch arrays are converted)
+                raise TypeError(f"capture {c.name} has dtype {np.dtype(x.__cuda_array_interface__['typestr'])}, "
+                                f"the graph declares {c.dtype}")
         return kind
 
     # ---------------------------------------------------------------------------- launching
@@ -1346,7 +1350,9 @@ def _captures_fit(spec, captures: tuple) -> bool:
 
 def _one_element_captures(spec, captures: tuple, kind: str, like: Any) -> list:
     """Captures for the Numba path, with a 0-d array or a Python number given for a 1-element capture
-    (how the kernels take a 0-d capture) reshaped or copied to one."""
+    (how the kernels take a 0-d capture) reshaped or copied to one, and a numpy or torch array of another dtype
+    than the graph declares converted to it (the kernels read the declared element size: an f64 table read as f32
+    gave wrong numbers, not an error)."""
     out = []
     for c, x in zip(spec.captures, captures):
         if c.ndim == 1 and len(getattr(x, "shape", ())) == 0:
@@ -1357,6 +1363,10 @@ def _one_element_captures(spec, captures: tuple, kind: str, like: Any) -> list:
                      torch.full((1,), x, dtype=_torch_capture_dtype(c.dtype), device=like.device))
             else:
                 x = np.asarray(x, dtype=_np_capture_dtype(c.dtype)).reshape(1)
+        elif isinstance(x, np.ndarray) and c.dtype != "bf16" and x.dtype != _np_capture_dtype(c.dtype):
+            x = np.ascontiguousarray(x, dtype=_np_capture_dtype(c.dtype))
+        elif type(x).__module__.startswith("torch") and x.dtype != _torch_capture_dtype(c.dtype):
+            x = x.detach().to(_torch_capture_dtype(c.dtype)).contiguous()
         out.append(x)
     return out
 
