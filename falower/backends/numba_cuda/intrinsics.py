@@ -569,11 +569,15 @@ if SIMULATOR:
             return store[key]
 
     def smem_base(smem):
-        if id(smem) not in _static_arrays:  # the dynamic area
-            _block_smem(smem)
-            return 0
         th = threading.current_thread()
-        with _warp_lock:  # a static array's window: its own range of fake shared addresses, per block
+        key = ("smem", tuple(th.blockIdx))
+        with _warp_lock:
+            main = getattr(th._manager, "_falower_smem", {}).get(key)
+            same = main is not None and main.__array_interface__["data"][0] == smem.__array_interface__["data"][0]
+        if id(smem) not in _static_arrays or main is None or same:  # the block's main area (dynamic, or the
+            _block_smem(smem)  # first array it asks for): addresses from 0
+            return 0
+        with _warp_lock:  # another static array: a window of its own of fake shared addresses, per block
             store = th._manager.__dict__.setdefault("_falower_static", {})
             arrays = store.setdefault(tuple(th.blockIdx), [])
             if not any(a is smem for a in arrays):
