@@ -131,8 +131,9 @@ def parse_config(text: str) -> tuple:
     slice_ahead), '-sis' the run stored and read while S is in flight (extra slice_in_s), '-slp' its entries by
     pairs from the run and its copy shifted by one, not by 4-byte loads (extra slice_pairs); '-l2h' the producer's TMA
     loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
-    item's full tiles inside N (extra class32); '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid:
-    False); '-nolh' the persistent producer kernel's items starting on their block list's global reads, not on its head
+    item's full tiles inside N (extra class32); '-kvpN' split-kv's parts, N a power of two (extra kv_parts; 1: no
+    split; default 'auto': emit_fa3.auto_kv_parts on a small grid); '-nosg' D = 64's 192-row tiles on a small grid
+    too (extra small_grid: False); '-nolh' the persistent producer kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
     last one second, ALiBi's default; '-norev' from the first up), '-nobs' its consumers reading their rows' bounds from
     data before the kv loop, not while the item's first S runs (extra bounds_in_s), '-noes' / '-es' an item's last P V
@@ -232,6 +233,7 @@ CONFIG_OPTIONS: list = [
     (("l2h", {"l2_hints": True}),),
     (("c32", {"class32": True}),),
     (("nosg", {"small_grid": False}),),
+    ("kvp", "kv_parts"),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),
@@ -330,8 +332,9 @@ def make_compiled(D: int, causal: bool, dtype: str = "f16", config: tuple | None
     if key not in _COMPILED:
         mask = (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if causal else None
         graph = fl.attention(mask_mod=mask, name="causal" if causal else "plain", dtype=dtype)
-        if config == AUTO:
-            _COMPILED[key] = fl.compile(graph, "numba-cuda", backward=bwd_pipeline)
+        if config == AUTO or config[0] == "auto":  # ("auto", extra): the automatic choice with knobs
+            _COMPILED[key] = fl.compile(graph, "numba-cuda", backward=bwd_pipeline,
+                                        extra=None if config == AUTO else dict(config[1]))
             return _COMPILED[key]
         bq, bk, nw = config[:3]
         extra = {"schedule": "mma", "bwd_schedule": "mma", **(config[3] if len(config) > 3 else {})}

@@ -91,9 +91,11 @@ class CompiledAttention:
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
         used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
         tiling = self._d64_tiling(dtype, path, env)  # D = 64's tiles for these sizes (None: not offered)
-        key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("d64", tiling),))
+        parts = self._kv_parts(dtype, path, env, tiling)  # split-kv's parts for these sizes (1: none)
+        key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("d64", tiling),)) \
+            + (() if parts == 1 else (("kv_parts", parts),))
         if key not in self._kernels:
-            spec, built = self._forward_spec(used, dtype, path, tiling)
+            spec, built = self._forward_spec(used, dtype, path, tiling, parts)
             self._built[spec.name] = built
             try:
                 kern = FA2ForwardKernel(spec)
@@ -157,6 +159,44 @@ class CompiledAttention:
         uniform = self._mask_kind() == "none"  # every q tile the same work
         return "two" if emit_fa3.two_rounds_pay(two, wide, int(blocks), uniform) else "wide"
 
+    def _kv_parts(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str]) -> int:
+        """split-kv's parts for a call with these sizes: `extra["kv_parts"]` where the caller gives a count, else
+        (auto) emit_fa3.auto_kv_parts on the call's grid and the kv tiles a q tile visits (on average under a
+        static mask, whose short items leave SMs idle anyway: causal at N = 1k visits 4.5 of 8), where the
+        automatic choice is the persistent
+        warp-specialized kernel (D = 64 or 128, Hopper) on the default pipeline, with no mask or a static one and
+        the call's batch, heads and lengths known; 1 (no split) otherwise. The kernel is then the split-kv IR's
+        (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline): the dump shows what runs."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.from_ir import reads_table_tile
+
+        asked = self.extra.get("kv_parts", "auto")
+        if asked != "auto" and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1
+                                or asked & (asked - 1)):
+            raise FalowerError(f"extra kv_parts must be 'auto' or a power of two >= 1, got {asked!r}")
+        if asked == 1 or self.pipeline != "fa2-fwd" or env["D"] not in (64, 128) \
+                or self._mask_kind() not in ("none", "static"):
+            return 1
+        choice = self._auto_choice(dtype, env["D"], path)
+        if not choice or not choice.get("persistent") or choice.get("schedule") != "wgmma-ws":
+            return 1
+        heads = self._heads(env)
+        m, n = (env.get(getattr(d, "name", "")) for d in self._seq_dims())
+        if heads is None or not m or not n:
+            return 1
+        if asked != "auto":
+            return int(asked)
+        ws_tiles = reads_table_tile(self.analysis)
+        bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two")
+        blocks = int(self.extra.get("persistent", choice["persistent"]))
+        nq, tiles = -(-int(m) // bq), float(-(-int(n) // bk))
+        if self._mask_kind() == "static":  # the kv tiles a q tile visits on average, by the cost model's count
+            flops = self._visited_flops([(bq, bk, "last")], int(m), int(n), env["D"])
+            if flops is None:
+                return 1
+            tiles = flops[0] / (4 * bq * bk * env["D"] * nq)
+        return emit_fa3.auto_kv_parts(heads * nq, int(tiles), blocks)
+
     def _heads(self, env: dict[str, int]) -> Optional[int]:
         """The (batch, head) pairs of a call: the product of q's sizes before its rows (GQA's H = HKV * G
         included), or None where one of them is not in `env` (a kernel specialized by its lengths alone)."""
@@ -188,7 +228,7 @@ class CompiledAttention:
         return self._memo[key]
 
     def _forward_spec(self, used: dict[str, int], dtype: str, path: str,
-                      tiling: Optional[str]) -> tuple[Any, tuple[Func, Any]]:
+                      tiling: Optional[str], parts: int = 1) -> tuple[Any, tuple[Func, Any]]:
         """The forward kernel's spec and the (lowered IR, analysis) it is built from.
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
@@ -197,7 +237,8 @@ class CompiledAttention:
         machinery cannot build falls back to mma.sync, never to an error. With the default pipeline the wgmma
         kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
         graph is lowered again with them, so the IR says the tiles the kernel runs. `tiling`: `_d64_tiling`'s
-        answer for the call's sizes (None where no D = 64 choice arises)."""
+        answer for the call's sizes (None where no D = 64 choice arises); `parts`: `_kv_parts`'s (the persistent
+        kernel's tries take split-kv's IR with that many parts first, each then unsplit)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
         from .backends.numba_cuda.spec import forward_extra
@@ -218,13 +259,13 @@ class CompiledAttention:
             return mma_sync()
         ws_tiles = table_tile and choice.get("schedule") == "wgmma-ws"
 
-        def built_for(extra: dict, ragged: bool = False, two: bool = False) -> tuple[Func, Any]:
+        def built_for(extra: dict, ragged: bool = False, two: bool = False, kvp: int = 1) -> tuple[Func, Any]:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
             (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`; `two`: D = 64's small-grid
-            tiles), the caller's own pipeline as it is."""
+            tiles; `kvp`: split-kv's parts), the caller's own pipeline as it is."""
             want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two)
-            if ragged:
-                return self._retile(*want, "first")
+            if ragged or kvp > 1:
+                return self._retile(*want, "first" if ragged else "last", kvp, dtype)
             if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
                 return self._retile(*want)
             return base
@@ -265,8 +306,10 @@ class CompiledAttention:
         # a persistent try whose kernel refuses the short q tile first (the caller's knobs: no TMA stores) is tried
         # again with it last before the next try
         tries = [(e, t, r) for e, t in tries for r in ((True, False) if ragged_first(e, t) else (False,))]
-        for extra, two, ragged in tries:
-            built = built_for(extra, ragged, two)
+        # split-kv's parts first where asked, each try then again unsplit (a kernel that refuses the parts)
+        tries = [(e, t, r, p) for e, t, r in tries for p in ((parts, 1) if parts > 1 else (1,))]
+        for extra, two, ragged, kvp in tries:
+            built = built_for(extra, ragged, two, kvp)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
             if asked is not None:
                 return spec, built
@@ -329,18 +372,21 @@ class CompiledAttention:
         except FalowerError:
             return None
 
-    def _retile(self, bq: int, bk: int, ragged_q: str = "last") -> tuple[Func, Any]:
-        """The graph lowered by the default pipeline with tile{bq,bk,ragged_q} instead of its tiles, and its
-        analysis."""
+    def _retile(self, bq: int, bk: int, ragged_q: str = "last", parts: int = 1,
+                dtype: str = "f16") -> tuple[Func, Any]:
+        """The graph lowered by the default pipeline with tile{bq,bk,ragged_q} instead of its tiles (and, for
+        `parts` > 1, split-kv{parts,part_dtype=dtype} after it), and its analysis."""
         import re
 
         from .backends.numba_cuda.from_ir import analyse
         from .passes import NAMED_PIPELINES
 
-        key = (bq, bk, ragged_q)
+        key = (bq, bk, ragged_q) + ((parts, dtype) if parts > 1 else ())
         if key not in self._retiled:
             opt = f",ragged_q={ragged_q}" if ragged_q != "last" else ""
             text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}{opt}}}", NAMED_PIPELINES[self.pipeline], count=1)
+            if parts > 1:
+                text += f",split-kv{{parts={parts},part_dtype={dtype}}}"
             lowered = run_pipeline(self.func, text, **self.pipeline_kwargs)
             self._retiled[key] = (lowered, analyse(lowered))
         return self._retiled[key]

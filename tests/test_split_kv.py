@@ -117,7 +117,11 @@ def test_the_backward_graph_is_refused() -> None:
         fl.lower(example("causal"), "fa2-bwd,split-kv")
 
 
-def test_the_reference_backend_runs_it_and_numba_cuda_says_it_does_not_yet() -> None:
+def test_the_reference_backend_runs_it_and_numba_cuda_says_what_it_needs() -> None:
+    """The reference backend runs any split. The numba-cuda kernel stores each part through O's epilogue, so its
+    parts must be in the inputs' dtype, and only the persistent warp-specialized wgmma kernel has the parts in its
+    work items (without a Hopper GPU the choice is mma.sync, which says so); the kernel itself is
+    tests/backend/test_split_kv_simulator.py's and tests/gpu/test_split_kv_gpu.py's."""
     g = example("causal")
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 2, 100, 16)).astype(np.float16)
@@ -126,8 +130,11 @@ def test_the_reference_backend_runs_it_and_numba_cuda_says_it_does_not_yet() -> 
     o, lse = fl.compile(g, "reference").forward(q, k, k)
     np.testing.assert_allclose(o_split.astype(np.float32), o.astype(np.float32), atol=1e-3)
     np.testing.assert_allclose(lse_split, lse, atol=1e-5)
-    with pytest.raises(FalowerError, match="split-kv form .* not emitted yet"):
-        fl.compile(g, "numba-cuda", pipeline="fa2-fwd,split-kv{parts=2}")
+    with pytest.raises(FalowerError, match=r"parts are f32 but the inputs are f16: .*split-kv\{part_dtype=f16\}"):
+        fl.compile(g, "numba-cuda", pipeline="fa2-fwd,split-kv{parts=2}", path="mma").specialize("f16", D=16)
+    with pytest.raises(FalowerError, match="split-kv .2 parts. is emitted by the persistent warp-specialized"):
+        fl.compile(g, "numba-cuda", pipeline="fa2-fwd,split-kv{parts=2,part_dtype=f16}", path="mma",
+                   extra={"schedule": "mma"}).specialize("f16", D=16)
 
 
 @settings(max_examples=40, deadline=None)

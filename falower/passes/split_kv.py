@@ -4,8 +4,10 @@ by their LSE (FlashDecoding's split-kv; the same merge as context parallelism's,
 Why: a grid of (b, h, q tile) items leaves SMs idle where it is small against the GPU (decoding, few heads) or
 where its last round is partial (plain attention at B = 4, H = 16, N = 4k: 2048 items on 132 SMs, the blocks idle
 3.2% at the end, benchmarks/NOTES.md). Parts along kv multiply the items by P, each a shorter loop, at the cost of
-an f32 O and an LSE a part and the merge. This pass is the IR form, which the interpreter checks; the numba-cuda
-backend does not emit it yet (from_ir says so).
+an O and an LSE a part and the merge. The numba-cuda backend emits this form on its persistent warp-specialized
+kernel (the part in the work item's index, each part's O through the kernel's own epilogue, so in the inputs'
+dtype: `part_dtype`), and falower.compile lowers with it by itself on a grid smaller than half the GPU
+(compiler._kv_parts).
 
 The pass class says what it requires and shows the rewrite.
 """
@@ -52,6 +54,10 @@ class SplitKV(Pass):
         }
         %lse_max = reduce_max %lse_parts {axis = 0} ... (build_lse_merge) ... %o = cast %o_merged {to = "f16"}
 
+    `part_dtype` f16 / bf16: each part's O is stored rounded to it (FlashDecoding and FA3 keep f32 parts; the
+    numba-cuda kernel stores its parts through O's own epilogue, in the input's dtype, so the IR says so and
+    --check checks what runs: about twice the output's rounding), and the merge widens them to f32.
+
     The parts are shares of each q tile's own kv range that differ by one tile at most: the range is the tile's
     non-empty kv tiles where mask-tiles found one (mask.kv_range), every kv tile under a dense block table or no
     mask. A causal q tile's parts are then as long as each other. A part with no tile (P more than the tiles) is
@@ -62,10 +68,13 @@ class SplitKV(Pass):
     name = "split-kv"
     summary = "each q tile's kv range in P work items of their own, merged by their LSE"
     parts: int = 2
+    part_dtype: str = "f32"
 
     def run(self, func: Func) -> Func:
         if self.parts < 1:
             raise self.fail(f"parts must be at least 1, got {self.parts}")
+        if self.part_dtype not in ("f32", "f16", "bf16"):
+            raise self.fail(f"part_dtype must be f32, f16 or bf16, got {self.part_dtype!r}")
         if self.parts == 1:
             return func
         pfs = [op for op in func.body.ops if op.name == "parallel_for"]
@@ -112,17 +121,21 @@ class SplitKV(Pass):
                 blk.append(new)
             else:
                 blk.append(clone_op(op, vmap))
-        out = [vmap.get(o32, o32), part, *(vmap.get(v, v) for v in o_idx),
+        o_part = vmap.get(o32, o32)
+        if self.part_dtype != "f32":  # the part's O rounded as the kernel stores it (the merge reads it widened)
+            o_part = Builder(blk).cast(o_part, self.part_dtype)
+        out = [o_part, part, *(vmap.get(v, v) for v in o_idx),
                vmap.get(lse_tile, lse_tile), part, *(vmap.get(v, v) for v in lse_idx)]
         Builder(blk).op("tile.yield", out, [], {"slices": (("i", *o_spec), ("i", *lse_spec))})
         o_t, lse_t = (r.type for r in par.results)
-        split = Op("parallel_for", [], [TensorType("f32", (Const(P), *o_t.shape)),
+        split = Op("parallel_for", [], [TensorType(self.part_dtype, (Const(P), *o_t.shape)),
                                         TensorType("f32", (Const(P), *lse_t.shape))],
                    {"bounds": (dim(P), *par.attrs["bounds"])}, [blk], ["o_parts", "lse_parts"])
 
         merge = Block()
         mb = Builder(merge)
-        o, lse = build_lse_merge(mb, *split.results)
+        o_parts = split.results[0] if self.part_dtype == "f32" else mb.cast(split.results[0], "f32")
+        o, lse = build_lse_merge(mb, o_parts, split.results[1])
         o = mb.cast(o, o_t.dtype)
         at = func.body.ops.index(par)
         func.body.ops[at:at + 1] = [split, *merge.ops]

@@ -339,6 +339,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         raise ValueError("head_dim, block_q, block_k, num_warps and group_size must be positive")
     if spec.block_mask in ("static", "list") and "def tile_class_fn" not in spec.device_source:
         raise ValueError(f"block_mask={spec.block_mask!r} needs a tile_class_fn in device_source")
+    if spec.kv_parts > 1:
+        raise ValueError(f"split-kv ({spec.kv_parts} parts) is emitted by the persistent warp-specialized wgmma "
+                         "kernel only (a Hopper GPU, schedule wgmma-ws)")
     if spec.block_mask == "list" and not {("kv_count",), ("kv_tiles",)} <= {c.derived for c in spec.captures}:
         raise ValueError("block_mask='list' needs the kv_count and kv_tiles captures")
     if "def score_fn" not in spec.device_source:
@@ -430,11 +433,13 @@ def _grid_axes(spec: FA2ForwardSpec) -> tuple[tuple[str, str], ...]:
     inner, outer = ("B", "b"), ("H", "h")
     if not spec.batch_inner:
         inner, outer = outer, inner
+    # split-kv: a q tile's kv parts are neighbouring items (nq * P of them: its Q read once into L2 for all)
+    qts = ("nq", "qt") if spec.kv_parts == 1 else (f"nq * {spec.kv_parts}", "qt_part")
     if item_order(spec) == "cost":
-        return (inner, outer, ("nq", "qt"))
+        return (inner, outer, qts)
     if heads_first(spec):
-        return (inner, ("nq", "qt"), outer)
-    return (("nq", "qt"), inner, outer)
+        return (inner, qts, outer)
+    return (qts, inner, outer)
 
 
 def emit_persistent_start(c: "_Code", spec: Optional[FA2ForwardSpec],
@@ -484,7 +489,12 @@ def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec, p: str = "it", suffi
     nz = axes[2][0]
     c(f"{p}_ok = {p}_z < {nz}")
     for v, (_, what) in zip((f"{p}_x", f"{p}_y", f"min({p}_z, {nz} - 1)"), axes):
-        c(f"qt{suffix} = nq - 1 - {v}" if what == "qt" else f"{what}{suffix} = {v}")
+        if what == "qt_part":  # split-kv: item v is q tile nq - 1 - v // P's part v % P (P a power of two)
+            sh = spec.kv_parts.bit_length() - 1
+            c(f"qt{suffix} = nq - 1 - (({v}) >> {sh})")
+            c(f"kvp{suffix} = ({v}) & {spec.kv_parts - 1}  # the item's share of the q tile's kv range (split-kv)")
+        else:
+            c(f"qt{suffix} = nq - 1 - {v}" if what == "qt" else f"{what}{suffix} = {v}")
 
 
 def has_row_bounds(spec: FA2ForwardSpec) -> bool:

@@ -241,6 +241,34 @@ def two_rounds_pay(items_two: int, items_wide: int, sm_count: int, uniform: bool
     return rounds(items_two) * TWO_TILES[0] * TWO_RATE < rounds(items_wide) * WIDE_TILES[0]
 
 
+KV_PARTS_MAX = 16  # split-kv's most parts (a power of two: the kernel decodes and shares by shifts)
+KV_PART_MIN_TILES = 4  # the fewest kv tiles a part keeps: an item's fixed cost is ~2 tiles (NOTES, "Counting the
+# per-item cost"), and the merge reads every part's O again
+
+
+KV_SPLIT_MAX_FILL = 0.25  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
+
+
+def auto_kv_parts(items: int, kv_tiles: int, sm_count: int) -> int:
+    """split-kv's parts for a call whose grid is `items` q tiles (batch x heads x q tiles) of `kv_tiles` kv tiles
+    each (on average, under a mask), on the persistent kernel's `sm_count` blocks: 1 (no split) where the grid
+    fills more than KV_SPLIT_MAX_FILL of the blocks; else the most parts, a power of two up to KV_PARTS_MAX, that
+    still fit one round of the blocks (items x P <= sm_count) and leave each part KV_PART_MIN_TILES tiles.
+
+    Measured (H200 2026-11-30, each kernel and the merge captured in CUDA graphs, GPU time only; benchmarks/NOTES.md
+    "split-kv on the GPU"): decoding's shapes (B = 1, H = 8, M = 1 or 64: 8 q tiles, N = 8k / 32k) 3.1x / 5.4-5.9x
+    faster with 16 parts than without; the small prefill grid (B = 1, H = 8, N = 1k / 2k: 64 / 128 q tiles) 0.73-0.91x
+    of one part at D = 64 and 128, plain and causal, with 2 or 4 parts (one exception, D = 128 plain at 2k: 1.26x).
+    Two parts of a 64-item grid fill the SMs with items of 4 kv tiles whose fixed costs (Q, the epilogue, the
+    parts' O written and read again by the merge) outweigh the halved loop; a grid of 8 items leaves 124 SMs idle."""
+    if items > KV_SPLIT_MAX_FILL * sm_count:
+        return 1
+    P = 1
+    while 2 * P <= KV_PARTS_MAX and items * 2 * P <= sm_count and kv_tiles >= 2 * P * KV_PART_MIN_TILES:
+        P *= 2
+    return P
+
+
 def recommended_schedule(head_dim: int) -> dict[str, int]:
     """Tile sizes for the wgmma forward: two warpgroups (128 query rows), `tiles(head_dim)`; num_warps is
     mma.sync's knob (8 = the two warpgroups' warps, for specs written by hand)."""
@@ -343,6 +371,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
 
         return validate_ws(spec)
     D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    if spec.kv_parts > 1:
+        raise ValueError(f"split-kv ({spec.kv_parts} parts) is emitted by the persistent warp-specialized wgmma "
+                         "kernel only (schedule wgmma-ws)")
     if spec.path != "mma" or spec.dtype not in ("f16", "bf16"):
         raise ValueError(f"wgmma path: dtype must be f16 or bf16, got {spec.dtype}")
     if D not in (64, 128):

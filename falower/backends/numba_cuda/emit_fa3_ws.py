@@ -131,6 +131,7 @@ except ImportError:  # pragma: no cover - before score-licm lands
     from .emit_fa2 import _cap_args as _score_args
 from .emit_fa3 import (
     ALIGN,
+    KV_PARTS_MAX,
     _WGMMA_IMPORTS,
     _emit_epilogue,
     _emit_row_inv,
@@ -833,7 +834,7 @@ def _emit_head_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
     if persistent(spec):
-        return (min(persistent(spec), -(-M // spec.block_q) * B * H), 1, 1)
+        return (min(persistent(spec), -(-M // spec.block_q) * spec.kv_parts * B * H), 1, 1)
     return _fa3_grid(spec, B, H, M, N)
 
 
@@ -947,7 +948,8 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     schedule's own."""
     import dataclasses
 
-    _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}, ragged_q_first=False))
+    _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}, ragged_q_first=False,
+                                      kv_parts=1))
     if spec.block_q not in (128, 192):
         raise ValueError(f"wgmma-ws: block_q must be 128 or 192 (two or three consumer warpgroups), got "
                          f"{spec.block_q}")
@@ -972,6 +974,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
             if bad]
         if why:
             raise ValueError(f"wgmma-ws: tile{{ragged_q=first}} (q tiles starting before row 0) needs {', '.join(why)}")
+    why = split_refusals(spec)
+    if why:
+        raise ValueError(f"wgmma-ws: split-kv's {spec.kv_parts} parts need {', '.join(why)}")
     if spec.extra.get("col_mma") is True and not col_mma(spec):
         raise ValueError("wgmma-ws: col_mma (the column step's term in S = Q K^T) needs a score with a column step "
                          "(ALiBi's s + w kv + r(q): emit_fa2.col_step) and no half tiles")
@@ -2209,7 +2214,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 with c.indent():
                     c(_lse_line(t.k, "q_head"))
                 c(f"ep_f[ctid * 2 + {t.k}] = inv")
-            c(("ep_i[cw * 2] = b * H + h  # O's (b, h) slice for its map (tma_store); " if TMA else
+            c((f"ep_i[cw * 2] = {'(kvp * B + b)' if spec.kv_parts > 1 else 'b'} * H + h  # O's (b, h) slice for its "
+               "map (tma_store); " if TMA else
                "ep_i[cw * 2] = q_head  # ") + "every thread of the warpgroup writes the same")
             c("ep_i[cw * 2 + 1] = q_lo")
             if BULK:  # an item of one tile: its kept epilogue's copies are still in flight
@@ -2261,6 +2267,30 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                               "tile is free")
     else:
         _emit_epilogue(c, D)
+
+
+def _emit_kv_share(c: _Code, spec: FA2ForwardSpec) -> None:
+    """split-kv's share of the item's kv range (passes/split_kv.py `_share`): part kvp of P takes tiles
+    kv_first + floor(kvp n / P) to kv_first + floor((kvp + 1) n / P) - 1 of its q tile's n = kv_last - kv_first + 1
+    (none where that is empty: the item then stores O = 0 and LSE = -inf, weight 0 in the merge). The full tiles
+    (kf_first, kf_last) stay the q tile's: a tile's class is where it lies, whichever part visits it."""
+    sh = spec.kv_parts.bit_length() - 1
+    c("kv_cnt = max(kv_last - kv_first + 1, 0)  # the q tile's kv tiles, in P shares (split-kv)")
+    c(f"kv_last = kv_first + (((kvp + 1) * kv_cnt) >> {sh}) - 1")
+    c(f"kv_first = kv_first + ((kvp * kv_cnt) >> {sh})")
+
+
+def split_refusals(spec: FA2ForwardSpec) -> list[str]:
+    """What split-kv's parts (spec.kv_parts > 1) need of this kernel and the spec lacks: the persistent producer
+    warpgroup kernel (its items decode the part: `_grid_axes`), no mask or a static one (a block list's or table's
+    items are read per (b, h, q tile) elsewhere), a power of two parts (the decode and the shares by shifts: a
+    64-bit division is a call, which serializes every wgmma)."""
+    P = spec.kv_parts
+    return [w for w, bad in [
+        ("a persistent kernel with a producer warpgroup", not (persistent(spec) and producer(spec) == "warpgroup")),
+        (f"no mask or a static one (got {spec.block_mask})", spec.block_mask not in ("none", "static")),
+        (f"a power of two parts, at most {KV_PARTS_MAX} (got {P})", P & (P - 1) or P > KV_PARTS_MAX)] if bad] \
+        if P > 1 else []
 
 
 def _emit_kernel(spec: FA2ForwardSpec) -> str:
@@ -2342,9 +2372,14 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             else:
                 emit_program_index(c, spec)
             c(f"hk = h // {G}" if G > 1 else "hk = h")
-            c("q_head = (b * H + h) * M")
+            if spec.kv_parts > 1:  # O and LSE of the part: workspaces [P B, H, M, D] and [P B, H, M]
+                c("q_head = ((kvp * B + b) * H + h) * M  # the part's slice of the workspaces (split-kv)")
+            else:
+                c("q_head = (b * H + h) * M")
             emit_bases(c)
             _emit_tile_range(c, spec, uniform=True, head=list_head_shared(spec), shared=range_shared(spec))
+            if spec.kv_parts > 1:
+                _emit_kv_share(c, spec)
 
         if not persistent(spec):
             item_state(c)

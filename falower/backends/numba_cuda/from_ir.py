@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 from ...errors import FalowerError
 from ...ir.core import Block, Func, Op, Value, backward_slice
-from ...ir.dims import Dim
+from ...ir.dims import Const, Dim
 from ...ir.intervals import uses_data
 from ...ir.printer import print_func
 from ...ir.types import is_float
@@ -48,6 +48,8 @@ class Lowered:
     runs: list[tuple[int, int]] = field(default_factory=list)  # run tables the row bounds read: (capture, axis)
     lazy_rescale: float = 0.0  # online-softmax{lazy=T}'s threshold (0: the max moves on every tile)
     ragged_q_first: bool = False  # tile{ragged_q=first}: q0 = qi * bq - (cdiv(M, bq) * bq - M)
+    kv_parts: int = 1  # split-kv{parts=P}: the parallel_for's leading part index (1: no split)
+    part_dtype: str = ""  # split-kv's parts' O dtype (the kernel stores them in the input's)
 
 
 def analyse(func: Func) -> Lowered:
@@ -56,10 +58,9 @@ def analyse(func: Func) -> Lowered:
         raise BackendError("numba-cuda backend: needs the fa2-fwd IR (one parallel_for over (b, h, q-tile)); "
                            "lower with pipeline fa2-fwd first")
     par = pf[0]
-    if len(par.attrs["bounds"]) == 4 and [r.name for r in par.results] == ["o_parts", "lse_parts"]:
-        raise BackendError("numba-cuda backend: the split-kv form (kv parts as work items, merged by their LSE) is "
-                           "checked by the interpreter but not emitted yet; lower without split-kv")
-    if len(par.attrs["bounds"]) != 3 or len(par.results) != 2:
+    parts, part_dtype = _split_parts(func, par)
+    lead = 1 if parts > 1 else 0  # the part index before (b, h, qi)
+    if len(par.attrs["bounds"]) != 3 + lead or len(par.results) != 2:
         raise BackendError("numba-cuda backend: expected parallel_for (b, h, qi) with outputs O and LSE "
                            "(the fa1 order and graphs without online-softmax are not emitted)")
     fused_ops = [op for op in par.walk() if op.name == "fused"]
@@ -71,13 +72,13 @@ def analyse(func: Func) -> Lowered:
     conj = [c for c in conj if not _is_bounds(c)]
     tl = next(op for op in par.regions[0].ops if op.name == "tile.load")
     block_q = tl.results[0].type.shape[0].value  # type: ignore[union-attr]
-    ragged_first = _q_start_form(tl.operands[3], par.regions[0].args[2], block_q, tl.operands[0])
+    ragged_first = _q_start_form(tl.operands[3], par.regions[0].args[2 + lead], block_q, tl.operands[0])
     roles = list(fused.attrs["roles"])
     kv_arg = fused.operands[roles.index("kv")]
     block_k = kv_arg.type.shape[1].value  # type: ignore[union-attr]
     group = 1
     for op in par.regions[0].ops:
-        if op.name == "floordiv" and op.operands[0] is par.regions[0].args[1]:
+        if op.name == "floordiv" and op.operands[0] is par.regions[0].args[1 + lead]:
             group = int(op.operands[1].owner.attrs["value"])  # type: ignore[union-attr]
     names = [op.name for op in func.walk()]
     block_mask = "table" if "mask.block_table" in names else "static" if "mask.kv_range" in names else "none"
@@ -114,7 +115,25 @@ def analyse(func: Func) -> Lowered:
         raise BackendError("numba-cuda backend: the score function says lazy_rescale but the kv loop has no "
                            "conditional max (m_moved); lower with online-softmax{lazy=T}")
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy, ragged_first)
+                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy, ragged_first, parts, part_dtype)
+
+
+def _split_parts(func: Func, par: Op) -> tuple[int, str]:
+    """(P, the parts' O dtype) of split-kv's form (a parallel_for (part, b, h, qi) in (P, ...) yielding o_parts and
+    lse_parts, then falower.ir.lse_merge's ops), or (1, "") for the unsplit forward. The kernel runs the
+    parallel_for with the part index in its work items and the runtime launches the merge after it
+    (lse_merge.py: the same formula, tested against the interpreter's)."""
+    if [r.name for r in par.results] != ["o_parts", "lse_parts"]:
+        return 1, ""
+    bound = par.attrs["bounds"][0]
+    if len(par.attrs["bounds"]) != 4 or not isinstance(bound, Const):
+        raise BackendError("numba-cuda backend: split-kv's parallel_for needs a constant part count first, got "
+                           f"bounds {par.attrs['bounds']}")
+    merge = [op.name for op in func.body.ops[func.body.ops.index(par) + 1:]]
+    if "reduce_max" not in merge or "log" not in merge:
+        raise BackendError("numba-cuda backend: split-kv's parts are not followed by the LSE merge "
+                           "(falower.ir.lse_merge)")
+    return int(bound.value), par.results[0].type.dtype
 
 
 def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
@@ -1175,8 +1194,12 @@ def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_
     nw = num_warps or (max(1, min(4, bq // 16)) if path == "mma" else 1)
     key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}|{sorted((extra or {}).items())}"
     name = "fa2_" + low.func.name.replace("-", "_") + "_" + hashlib.sha1(key.encode()).hexdigest()[:10]
+    if low.kv_parts > 1 and low.part_dtype != dtype:
+        raise BackendError(f"numba-cuda backend: split-kv's parts are {low.part_dtype} but the inputs are {dtype}: "
+                           f"the kernel stores each part through O's epilogue (split-kv{{part_dtype={dtype}}})")
     return FA2ForwardSpec(name=name, head_dim=D, dtype=dtype, path=path, block_q=bq, block_k=bk, num_warps=nw,
                           group_size=low.group, exp2=low.exp2, captures=caps, device_source=src,
                           has_mask=bool(low.conj), block_mask=low.block_mask if low.conj else "none",
                           batch_inner=batch_shared_table(low), score_scale=info["score_scale"],
-                          lazy_rescale=low.lazy_rescale, ragged_q_first=low.ragged_q_first, extra=dict(extra or {}))
+                          lazy_rescale=low.lazy_rescale, ragged_q_first=low.ragged_q_first, kv_parts=low.kv_parts,
+                          extra=dict(extra or {}))

@@ -19,36 +19,21 @@ from numba import cuda
 WARPS = 4  # rows a block: one warp a row, its lanes over D
 
 
-@functools.lru_cache(maxsize=None)
-def merge_kernel(parts: int, out_dtype: str) -> Any:
-    """The jitted kernel for `parts` parts, O stored as `out_dtype` (f32, or f16 / bf16 as 16-bit words)."""
-    from .intrinsics import f32_to_bf16, f32_to_f16
-
-    neg_inf = np.float32(-math.inf)
-
+def _identity() -> Any:
     @cuda.jit(device=True)
-    def shares(lse_parts, row, a):
-        """a[p] = w_p / s', each part's share of the row's O (w_p = exp(lse_p - m'), m' the parts' max LSE or 0
-        where every part is -inf, s' their sum or 1 where it is 0), once a row; returns the merged LSE."""
-        m = neg_inf
-        for p in range(parts):
-            m = max(m, lse_parts[p, row])
-        m_safe = np.float32(0.0) if m == neg_inf else m
-        s = np.float32(0.0)
-        for p in range(parts):
-            a[p] = math.exp(lse_parts[p, row] - m_safe)
-            s += a[p]
-        s_safe = s if s > 0 else np.float32(1.0)
-        for p in range(parts):
-            a[p] = a[p] / s_safe
-        return m_safe + math.log(s) if s > 0 else neg_inf
+    def same(x):
+        return x
 
-    if out_dtype == "f32":
-        @cuda.jit(device=True)
-        def store(x):
-            return x
-    else:
-        store = f32_to_f16 if out_dtype == "f16" else f32_to_bf16  # the 16-bit word
+    return same
+
+
+@functools.lru_cache(maxsize=None)
+def _merge(parts: int, load: Any, store: Any) -> Any:
+    """`merge(o_parts, lse_parts, o, lse, rows, D)` on flat arrays: o_parts [parts, rows, D] (each element through
+    `load` to f32), lse_parts [parts, rows] f32, o [rows, D] (each through `store` from f32), lse [rows] f32. Each
+    row's shares a[p] = w_p / s' (w_p = exp(lse_p - m'), m' the parts' max LSE or 0 where every part is -inf, s' their
+    sum or 1 where it is 0), then its O as their weighted sum. Launch with (cdiv(rows, WARPS), 32 WARPS) threads."""
+    neg_inf = np.float32(-math.inf)
 
     @cuda.jit
     def merge(o_parts, lse_parts, o, lse, rows, D):
@@ -56,16 +41,48 @@ def merge_kernel(parts: int, out_dtype: str) -> Any:
         lane = cuda.threadIdx.x % 32
         if row < rows:
             a = cuda.local.array(parts, np.float32)
-            l_row = shares(lse_parts, row, a)
+            m = neg_inf
+            for p in range(parts):
+                m = max(m, lse_parts[p * rows + row])
+            m_safe = np.float32(0.0) if m == neg_inf else m
+            t = np.float32(0.0)
+            for p in range(parts):
+                a[p] = math.exp(lse_parts[p * rows + row] - m_safe)
+                t += a[p]
+            t_safe = t if t > 0 else np.float32(1.0)
+            for p in range(parts):
+                a[p] = a[p] / t_safe
             if lane == 0:
-                lse[row] = l_row
+                lse[row] = m_safe + math.log(t) if t > 0 else neg_inf
             for c in range(lane, D, 32):
                 acc = np.float32(0.0)
                 for p in range(parts):
-                    acc += a[p] * o_parts[p, row, c]
-                o[row, c] = store(acc)
+                    acc += a[p] * load(o_parts[(p * rows + row) * D + c])
+                o[row * D + c] = store(acc)
 
     return merge
+
+
+@functools.lru_cache(maxsize=None)
+def merge_kernel(parts: int, out_dtype: str) -> Any:
+    """The jitted kernel for `parts` f32 parts (`_merge`'s arguments), O stored as `out_dtype` (f32, or f16 / bf16
+    as 16-bit words)."""
+    from .intrinsics import f32_to_bf16, f32_to_f16
+
+    store = _identity() if out_dtype == "f32" else f32_to_f16 if out_dtype == "f16" else f32_to_bf16
+    return _merge(parts, _identity(), store)
+
+
+@functools.lru_cache(maxsize=None)
+def split_merge_kernel(parts: int, dtype: str) -> Any:
+    """The merge a split-kv forward runs after its kernel (runtime.FA2ForwardKernel, spec.kv_parts = `parts`):
+    `_merge`'s kernel with o_parts and o the 16-bit words of `dtype` (f16 / bf16: the parts as the kernel's
+    epilogue stored them, split-kv{part_dtype=...}), widened to f32 first as the IR's cast does."""
+    from .intrinsics import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+
+    if dtype not in ("f16", "bf16"):
+        raise ValueError(f"split_merge_kernel: dtype must be f16 or bf16, got {dtype!r}")
+    return _merge(parts, *((f16_to_f32, f32_to_f16) if dtype == "f16" else (bf16_to_f32, f32_to_bf16)))
 
 
 def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> tuple[Any, Any]:
@@ -87,20 +104,20 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
         if o_parts.dtype != torch.float32 or lse_parts.dtype != torch.float32:
             raise ValueError(f"lse_merge: the parts must be f32, got O {o_parts.dtype}, LSE {lse_parts.dtype}")
         dev = o_parts.device
-        o_in = cuda.as_cuda_array(o_parts.detach().contiguous().view(P, rows, D))
-        l_in = cuda.as_cuda_array(lse_parts.detach().contiguous().view(P, rows))
+        o_in = cuda.as_cuda_array(o_parts.detach().contiguous().view(-1))
+        l_in = cuda.as_cuda_array(lse_parts.detach().contiguous().view(-1))
         tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[out_dtype]
         o_t = torch.empty(oshape[1:], dtype=tdt, device=dev)
         l_t = torch.empty(lshape[1:], dtype=torch.float32, device=dev)
-        o_out = cuda.as_cuda_array(o_t.view(rows, D) if out_dtype == "f32" else o_t.view(torch.int16).view(rows, D))
-        l_out = cuda.as_cuda_array(l_t.view(rows))
+        o_out = cuda.as_cuda_array(o_t.view(-1) if out_dtype == "f32" else o_t.view(torch.int16).view(-1))
+        l_out = cuda.as_cuda_array(l_t.view(-1))
     else:
         o_np, l_np = np.asarray(o_parts), np.asarray(lse_parts)
         if o_np.dtype != np.float32 or l_np.dtype != np.float32:
             raise ValueError(f"lse_merge: the parts must be f32, got O {o_np.dtype}, LSE {l_np.dtype}")
-        o_in = cuda.to_device(np.ascontiguousarray(o_np).reshape(P, rows, D))
-        l_in = cuda.to_device(np.ascontiguousarray(l_np).reshape(P, rows))
-        o_out = cuda.device_array((rows, D), dtype=np.float32 if out_dtype == "f32" else np.int16)
+        o_in = cuda.to_device(np.ascontiguousarray(o_np).reshape(-1))
+        l_in = cuda.to_device(np.ascontiguousarray(l_np).reshape(-1))
+        o_out = cuda.device_array(rows * D, dtype=np.float32 if out_dtype == "f32" else np.int16)
         l_out = cuda.device_array(rows, dtype=np.float32)
     if rows:
         merge_kernel(P, out_dtype)[(rows + WARPS - 1) // WARPS, 32 * WARPS](o_in, l_in, o_out, l_out, rows, D)
@@ -114,4 +131,4 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
     return o.reshape(oshape[1:]), l_out.copy_to_host().reshape(lshape[1:])
 
 
-__all__ = ["lse_merge", "merge_kernel"]
+__all__ = ["lse_merge", "merge_kernel", "split_merge_kernel"]

@@ -655,9 +655,12 @@ class _ForwardPlan:
             sb, sh, sm, span = _tensor_strides(x)
             self.slots.append(buf.array(i, (span,)))
             strides += [sb, sh, sm]
-        n_o = B * H * M * D
+        P = s.kv_parts  # split-kv: the kernel writes P parts into workspaces, a merge launch reads them
+        n_o = P * B * H * M * D
         self.o_slot = buf.array(3, (n_o // 2 if mma else n_o,))
-        self.lse_slot = buf.array(4, (B * H * M,))
+        self.lse_slot = buf.array(4, (P * B * H * M,))
+        self.ws_shapes = ((P * B, H, M, D), (P * B, H, M)) if P > 1 else None
+        self._ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces by stream (`workspaces`)
         for j, n in enumerate([B, H, M, N] + strides):
             buf.scalar(5 + j, n)
         nxt = 18
@@ -680,8 +683,9 @@ class _ForwardPlan:
             for i, geometry, name in _qkv_geometries(s, q, k, v, strides):
                 self.kv_maps.append((buf.array(nxt, (MAP_BYTES,)), i, geometry, name))
                 nxt += 1
-        # whether a call asks torch if its stream captures a graph (a counter or a map of its own then)
-        self.ask_capture = self.work_slot is not None or self.omap_slot is not None or bool(self.kv_maps)
+        # whether a call asks torch if its stream captures a graph (a counter, a map or workspaces of its own then)
+        self.ask_capture = self.work_slot is not None or self.omap_slot is not None or bool(self.kv_maps) \
+            or self.ws_shapes is not None
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
         self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
@@ -708,6 +712,18 @@ class _ForwardPlan:
             self.mask_launch = _launcher(kern._direct_kernel("mask").function(dev), (nk, nq, B * H), 128, 0,
                                          mask_buf)  # type: ignore[arg-type]
         self.launches.append(_launcher(main.function(dev), grid(s, B, H, M, N), kern.threads, kern.smem, buf))
+        self.merge_slots: list[int] = []
+        if P > 1:  # the LSE merge of the parts into O and LSE (lse_merge.split_merge_kernel), after the kernel
+            from .lse_merge import WARPS as MERGE_WARPS
+
+            mk = kern._direct_kernel("merge")
+            mbuf = ArgBuffer(mk.layout)
+            rows = B * H * M
+            self.merge_slots = [mbuf.array(i, (n,)) for i, n in enumerate((P * rows * D, P * rows, rows * D, rows))]
+            mbuf.scalar(4, rows)
+            mbuf.scalar(5, D)
+            self.merge_buf = mbuf
+            self.launches.append(_launcher(mk.function(dev), (-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS, 0, mbuf))
         self.stream = _raw_stream_getter()
 
     def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
@@ -721,6 +737,24 @@ class _ForwardPlan:
         self.launch_into(ptrs, caps, o, lse)
         return o, lse
 
+    def workspaces(self, stream: int, capturing: bool, dtype: Any) -> tuple[Any, Any]:
+        """split-kv's parts' O and LSE ([P B, H, M, D], [P B, H, M]): one pair a stream, made on its first call
+        and reused (a call's merge reads them before the next call's kernel, in the stream's order; a call
+        allocating its own spent ~10 us of host time, longer than a small grid's kernel); a launch captured into a
+        CUDA graph gets its own, kept with the graph (two graphs may replay at once)."""
+        import torch
+
+        key = (stream, dtype)
+        ws = None if capturing else self._ws.get(key)
+        if ws is None:
+            ws = (torch.empty(self.ws_shapes[0], dtype=dtype, device=self.device),
+                  torch.empty(self.ws_shapes[1], dtype=self.lse_dtype, device=self.device))
+            if capturing:
+                self.kern._captured.append(ws)
+            else:
+                self._ws[key] = ws
+        return ws
+
     def launch_into(self, ptrs: tuple[int, int, int], caps: tuple, o: Any, lse: Any) -> None:
         """Enqueue the kernels on q, k and v at `ptrs` (their data pointers, 16-byte aligned where the plan is
         aligned) with O and LSE written into `o` and `lse` (allocated by the caller as __call__ does)."""
@@ -729,6 +763,13 @@ class _ForwardPlan:
         vals = self.bufs[0].vals
         for slot, p in zip(self.slots, ptrs):
             vals[slot] = p
+        stream = self.stream(self.dev_index)
+        capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
+        if self.ws_shapes is not None:  # split-kv: the parts into workspaces, merged into o and lse
+            o_ws, lse_ws = self.workspaces(stream, capturing, o.dtype)
+            for slot, x in zip(self.merge_slots, (o_ws, lse_ws, o, lse)):
+                self.merge_buf.vals[slot] = x.data_ptr()
+            o, lse = o_ws, lse_ws
         vals[self.o_slot] = o.data_ptr()
         vals[self.lse_slot] = lse.data_ptr()
         for c, x in enumerate(caps):
@@ -736,8 +777,6 @@ class _ForwardPlan:
                 b.vals[slot] = x.data_ptr()
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
-        stream = self.stream(self.dev_index)
-        capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
         if self.omap_slot is not None:  # O's tensor map (the one made for this O's address before, if any)
             vals[self.omap_slot] = self.kern.maps.torch_o(o, capturing, stream).data_ptr()
         for slot, i, geometry, name in self.kv_maps:
@@ -946,6 +985,8 @@ class FA2ForwardKernel:
                 self._direct_kernel("main")
                 if self.mask_source is not None:
                     self._direct_kernel("mask")
+                if spec.kv_parts > 1:
+                    self._direct_kernel("merge")
 
     # Numba's dispatchers, made on first use: importing the emitted module imports numba.cuda, which a warm
     # process whose kernels come from the cubin cache never needs.
@@ -965,11 +1006,24 @@ class FA2ForwardKernel:
             if which == "main":
                 kern = DirectKernel(lambda: self._kernel, self.argtypes, self.smem,
                                     _ident("forward", self.spec, self.source))
+            elif which == "merge":  # split-kv's LSE merge (lse_merge.split_merge_kernel)
+                from .lse_merge import split_merge_kernel
+
+                P, dt = self.spec.kv_parts, self.spec.dtype
+                kern = DirectKernel(lambda: split_merge_kernel(P, dt), self.merge_argtypes, 0,
+                                    _ident("lse_merge", self.spec, f"split_merge_kernel({P}, {dt!r})"))
             else:
                 kern = DirectKernel(lambda: self._mask_kernel, self.mask_argtypes, 0,
                                     _ident("block_mask", self.spec, self.mask_source))
             self._direct[which] = kern
         return kern
+
+    def merge_argtypes(self) -> tuple:
+        """Numba argument types of split-kv's merge: the parts' O words, their LSEs, O's words, LSE, rows, D."""
+        from numba import types
+
+        i16, f32 = types.Array(types.int16, 1, "C"), types.Array(types.float32, 1, "C")
+        return (i16, f32, i16, f32, types.int64, types.int64)
 
     def mask_argtypes(self) -> tuple:
         """Numba argument types of the block-mask kernel (table mode): table, B, H, M, N, *captures."""
@@ -1186,6 +1240,8 @@ class FA2ForwardKernel:
         N = int(k.shape[2])
         nq = -(-M // s.block_q)
         nk = -(-N // s.block_k)
+        P = s.kv_parts
+        merge_io: list = []
         if kind == "torch":
             import torch
 
@@ -1199,9 +1255,15 @@ class FA2ForwardKernel:
             flat = [wrap(f) for f, _ in views]
             strides = [n for _, st in views for n in st]
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            o_k = wrap(o.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
-            lse_k = wrap(lse.reshape(-1))
+            # split-kv: the kernel's parts into workspaces [P B, H, M, D] and [P B, H, M], merged into o and lse
+            o_ws = o if P == 1 else torch.empty((P * B, H, M, D), dtype=q.dtype, device=q.device)
+            lse_ws = lse if P == 1 else torch.empty((P * B, H, M), dtype=lse.dtype, device=q.device)
+            o_k = wrap(o_ws.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
+            lse_k = wrap(lse_ws.reshape(-1))
+            if P > 1:
+                merge_io = [wrap(o_ws.view(torch.int16).reshape(-1)), lse_k, wrap(o.view(torch.int16).reshape(-1)),
+                            wrap(lse.reshape(-1))]
             caps = [wrap(x.detach()) if hasattr(x, "detach") else x
                     for x in _one_element_captures(s, captures, "torch", q)]
             alloc = lambda: torch.empty(B * H * nq * nk, dtype=torch.int8, device=q.device)  # noqa: E731
@@ -1222,9 +1284,12 @@ class FA2ForwardKernel:
             else:
                 flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v)]
                 strides = [n for x in (q, k, v) for n in _contiguous_strides(x.shape)]
-            o_k = cuda.device_array(B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
+            o_k = cuda.device_array(P * B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
                                     dtype=np.uint32 if s.path == "mma" else bits)
-            lse_k = cuda.device_array(B * H * M, dtype=_acc_np(s.dtype))
+            lse_k = cuda.device_array(P * B * H * M, dtype=_acc_np(s.dtype))
+            if P > 1:  # split-kv: the parts in o_k and lse_k, merged into these
+                o_m, lse_m = cuda.device_array(B * H * M * D, dtype=np.int16), cuda.device_array(B * H * M, np.float32)
+                merge_io = [o_k.view(np.int16), lse_k, o_m, lse_m]
             caps = [x if np.isscalar(x) else dev(x) for x in _one_element_captures(s, captures, kind, q)]
             alloc = lambda: cuda.device_array(B * H * nq * nk, dtype=np.int8)  # noqa: E731
         # the dense block table (table mode): the one made for these data before, or one the launch fills
@@ -1237,8 +1302,8 @@ class FA2ForwardKernel:
             work = self.work_counter(kind, q.device if kind == "torch" else None)
             extra.append(wrap(work) if kind == "torch" else work)
         if uses_o_map(s):  # O's tensor map (tensor_maps.TensorMaps)
-            extra.append(wrap(self.maps.torch_o(o, stream=0)) if kind == "torch" else  # Numba's default stream
-                         self.maps.numba(o_k, o_map_geometry(B * H, M, D)))
+            extra.append(wrap(self.maps.torch_o(o_ws, stream=0)) if kind == "torch" else  # Numba's default stream
+                         self.maps.numba(o_k, o_map_geometry(P * B * H, M, D)))
         if uses_kv_maps(s):  # Q's, K's and V's (tma_loads): over the views the kernel reads
             for i, geometry, name in _qkv_geometries(s, q, k, v, strides):
                 extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, stream=0, what=name))
@@ -1249,23 +1314,31 @@ class FA2ForwardKernel:
         forward = self._kernel[grid(s, B, H, M, N), self.threads, 0, self.smem]
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
         mask_args = [table, *sizes, *caps]
+        if P > 1:
+            from .lse_merge import WARPS as MERGE_WARPS, split_merge_kernel
+
+            rows = B * H * M
+            merge = split_merge_kernel(P, s.dtype)[(-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS]
 
         def launch() -> None:
             if block_mask is not None:
                 self.block_tables.fill(entry, lambda: block_mask(*mask_args))
             forward(*args)
+            if P > 1:
+                merge(*merge_io, rows, D)
 
         launch.table = table  # type: ignore[attr-defined]  # the block classes, filled by launch() (table mode)
 
         def finish():
             if kind == "torch":
                 return o, lse
+            o_out, lse_out = (o_k, lse_k) if P == 1 else (o_m, lse_m)
             if kind == "numpy":
-                host = o_k.copy_to_host()
+                host = o_out.copy_to_host()
                 out_dtype = np.dtype(q.dtype) if s.dtype == "bf16" else _NP_DTYPES[s.dtype]
-                return host.view(out_dtype).reshape(B, H, M, D), lse_k.copy_to_host().reshape(B, H, M)
+                return host.view(out_dtype).reshape(B, H, M, D), lse_out.copy_to_host().reshape(B, H, M)
             out_dtype = np.dtype(q.__cuda_array_interface__["typestr"])
-            return o_k.view(bits).view(out_dtype).reshape(B, H, M, D), lse_k.reshape(B, H, M)
+            return o_out.view(bits).view(out_dtype).reshape(B, H, M, D), lse_out.reshape(B, H, M)
 
         return launch, finish
 

@@ -57,7 +57,7 @@ KNOWN_EXTRAS = frozenset({
     "col_mma", "col_step", "dk_after_dq", "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split",
     "dq_ws", "dq_ws_slabs", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "gather_early", "grad_dist",
     "grad_groups", "half_tiles", "head_group", "hold_grads", "interior_split", "item_order", "keep_bits",
-    "kv_group", "kv_major", "kv_reverse", "l2_hints", "list_ahead", "list_head", "one_barrier", "opaque_desc",
+    "kv_group", "kv_major", "kv_parts", "kv_reverse", "l2_hints", "list_ahead", "list_head", "one_barrier", "opaque_desc",
     "overlap", "p_under_dp", "persistent", "pingpong", "prefetch_tiles", "producer", "producer_regs", "q_double",
     "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice", "schedule", "slice_ahead",
     "slice_in_s", "slice_pairs", "slice_rows", "small_grid", "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh",
@@ -136,10 +136,15 @@ class FA2ForwardSpec:
     # tile{ragged_q=first}: q tile qt starts at row qt * block_q - q_pad (q_pad = cdiv(M, block_q) * block_q - M),
     # so the short tile is the first; its rows before 0 load zeros and are never stored (emit_fa2.q_start)
     ragged_q_first: bool = False
+    # split-kv{parts=P}: each q tile's kv range in P work items, each storing its O (in `dtype`) and LSE into
+    # workspaces [P B, H, M, D] and [P B, H, M] that the LSE merge (lse_merge.py) reads; 1: no split
+    kv_parts: int = 1
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         _check_schedule(self)
+        if self.kv_parts < 1:
+            raise ValueError(f"kv_parts must be at least 1, got {self.kv_parts}")
         if self.block_mask != "none" and not self.has_mask:
             raise ValueError("block_mask needs has_mask")
 

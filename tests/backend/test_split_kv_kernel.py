@@ -1,0 +1,142 @@
+"""split-kv on the numba-cuda backend without a GPU: the kernel's shares of a q tile's kv range are the IR's
+(passes/split_kv.py `_share`), its items decode every (q tile, part) once, the automatic choice of parts on a small
+grid (emit_fa3.auto_kv_parts, through falower.compile with a Hopper GPU faked), and what the kernels refuse. The
+kernel's numbers: test_split_kv_simulator.py and tests/gpu/test_split_kv_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import falower as fl  # noqa: E402
+from falower.backends.numba_cuda import emit_fa3, emit_fa3_ws  # noqa: E402
+from falower.backends.numba_cuda.emit_fa2 import _Code, _grid_axes, emit_persistent_index  # noqa: E402
+from falower.backends.numba_cuda.from_ir import analyse, build_spec  # noqa: E402
+from falower.errors import FalowerError  # noqa: E402
+from falower.ir import print_func  # noqa: E402
+
+PWG = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132, "item_order": "dynamic"}
+TILED = ("decompose-softmax,canonicalize,fuse,tile{bq=128,bk=128},online-softmax{exp2=true,lazy=8},mask-tiles,"
+         "score-licm,canonicalize")
+
+
+def _example(stem: str) -> fl.Func:
+    from falower.cli import select_graph
+
+    return select_graph(ROOT / "examples" / f"{stem}.py", None)
+
+
+def _spec(stem: str, parts: int, extra: dict = PWG, D: int = 128):
+    low = fl.lower(_example(stem), TILED + (f",split-kv{{parts={parts},part_dtype=f16}}" if parts > 1 else ""))
+    return build_spec(analyse(low), {"D": D}, "f16", "mma", None, extra)
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8, 16])
+def test_the_kernels_shares_are_the_irs(parts):
+    """_emit_kv_share's lines, run as Python for every part, first tile and count (0: an empty range, fewer tiles
+    than parts, many): the part's tiles are the IR's [lo + floor(p n / P), lo + floor((p + 1) n / P)), so the parts
+    tile the range once, in order, and differ by one tile at most."""
+    c = _Code()
+    emit_fa3_ws._emit_kv_share(c, _spec("plain", parts))
+    src = "\n".join(line.strip() for line in c.lines)
+    for first in (0, 3):
+        for n in range(0, 40):
+            seen = []
+            for p in range(parts):
+                env = {"kv_first": first, "kv_last": first + n - 1, "kvp": p, "max": max}
+                exec(src, {}, env)
+                lo, hi = first + p * n // parts, first + (p + 1) * n // parts
+                assert (env["kv_first"], env["kv_last"]) == (lo, hi - 1), (parts, first, n, p, src)
+                seen += list(range(env["kv_first"], env["kv_last"] + 1))
+            assert seen == list(range(first, first + n))
+
+
+@pytest.mark.parametrize("stem", ["plain", "causal"])
+def test_the_items_decode_every_q_tile_and_part_once(stem):
+    """emit_persistent_index on split-kv's grid (a q tile's parts neighbouring items): over every item of the q
+    tiles' axis (nq * P of them) each (q tile, part) once, the heaviest q tile first."""
+    spec = _spec(stem, 4)
+    c = _Code()
+    emit_persistent_index(c, spec)
+    src = "\n".join(line.strip() for line in c.lines)
+    axes = _grid_axes(spec)
+    x = [i for i, (_, what) in enumerate(axes) if what == "qt_part"][0]
+    assert axes[x][0] == "nq * 4"
+    nq = 5
+    got = []
+    for item in range(nq * 4):
+        env = {"it_x": 0, "it_y": 0, "it_z": 0, "nq": nq, "B": 1, "H": 1, "min": min}
+        env[f"it_{'xyz'[x]}"] = item
+        exec(src, {}, env)
+        got.append((env["qt"], env["kvp"]))
+    assert sorted(got) == [(q, p) for q in range(nq) for p in range(4)] and got[0] == (nq - 1, 0)
+
+
+def test_auto_kv_parts_splits_grids_of_a_quarter_of_the_sms_into_one_round():
+    assert emit_fa3.auto_kv_parts(8, 64, 132) == 16  # decoding: 8 q tiles (B = 1, H = 8) against 8k keys
+    assert emit_fa3.auto_kv_parts(8, 12, 132) == 2  # 12 tiles: four parts would keep 3 each
+    assert emit_fa3.auto_kv_parts(33, 64, 132) == 4  # a quarter of the SMs: four parts fill one round
+    assert emit_fa3.auto_kv_parts(34, 64, 132) == 1  # more than a quarter (measured slower split)
+    assert emit_fa3.auto_kv_parts(64, 8, 132) == 1  # B = 1, H = 8, N = 1k: 0.73-0.91x split on the GPU
+    assert emit_fa3.auto_kv_parts(128, 16, 132) == 1
+    assert emit_fa3.auto_kv_parts(16, 7, 132) == 1  # two parts of 3-4 tiles: the fixed costs eat the gain
+    assert emit_fa3.auto_kv_parts(1, 10 ** 6, 132) == emit_fa3.KV_PARTS_MAX
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    from falower.backends.numba_cuda import runtime
+
+    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+
+
+def _call(stem: str, B: int, H: int, N: int, D: int = 128, M: int = 0, **extra):
+    c = fl.compile(_example(stem), extra=extra or None)
+    kern = c.specialize("f16", B=B, H=H, M=M or N, N=N, D=D)
+    return kern, print_func(c.lowered_of(kern))
+
+
+@pytest.mark.parametrize("stem, D, H, M, N, parts", [
+    ("plain", 128, 8, 1, 8192, 16), ("plain", 128, 8, 64, 32768, 16), ("plain", 128, 1, 2048, 2048, 4),
+    ("plain", 64, 1, 2048, 2048, 4), ("softcap", 128, 1, 2048, 2048, 4), ("relative_bias", 128, 8, 17, 3000, 4),
+    ("causal", 128, 1, 4096, 4096, 4), ("alibi", 128, 1, 4096, 4096, 4)])
+def test_a_small_grid_takes_parts_and_its_ir_says_so(hopper, stem, D, H, M, N, parts):
+    """Decoding's shapes (8 q tiles against 8k-32k keys) take 16 parts; one head at N = 2k (16 q tiles of 128 rows on
+    132 SMs, D = 64 on its two-warpgroup tiles) 4; the IR the kernel was built from is the split-kv form (what --dump
+    shows for the call). Under causal the q tiles visit half the kv tiles on average (16.5 of 32 at N = 4k)."""
+    kern, ir = _call(stem, 1, H, N, D, M)
+    assert kern.spec.kv_parts == parts and kern.spec.block_q == 128
+    assert f"parallel_for (%part, %b, %h, %qi) in ({parts}, " in ir and "%o_merged = reduce_sum" in ir
+    assert "kv_cnt = max(kv_last - kv_first + 1, 0)" in kern.source
+
+
+def test_what_keeps_one_part(hopper):
+    assert _call("plain", 4, 16, 4096)[0].spec.kv_parts == 1  # a large grid
+    assert _call("plain", 1, 8, 2048)[0].spec.kv_parts == 1  # 128 items: the SMs are full
+    assert _call("plain", 1, 8, 1024)[0].spec.kv_parts == 1  # 64 items: half the SMs (measured slower split)
+    assert _call("document", 1, 1, 1024, M=1)[0].spec.kv_parts == 1  # a block list (data-dependent mask)
+    assert _call("causal", 1, 1, 1024)[0].spec.kv_parts == 1  # 4.5 of 8 kv tiles a q tile on average
+    assert _call("sliding_window", 1, 1, 4096)[0].spec.kv_parts == 1  # a 48-wide window: 1-2 tiles a q tile
+    assert _call("plain", 1, 8, 1024, kv_parts=1)[0].spec.kv_parts == 1  # the caller's
+    kern, ir = _call("plain", 1, 8, 1024, kv_parts=4)  # the caller's count, past the rule's
+    assert kern.spec.kv_parts == 4 and "in (4, " in ir
+    with pytest.raises(FalowerError, match="extra kv_parts must be 'auto' or a power of two >= 1, got 3"):
+        _call("plain", 1, 8, 1024, kv_parts=3)
+
+
+def test_the_kernels_that_do_not_split_say_so():
+    with pytest.raises(ValueError, match="split-kv's 2 parts need a persistent kernel with a producer warpgroup"):
+        emit_fa3_ws.validate_spec(_spec("plain", 2, {"schedule": "wgmma-ws", "producer": "none"}))
+    with pytest.raises(ValueError, match=r"need no mask or a static one \(got list\)"):
+        emit_fa3_ws.validate_spec(_spec("document", 2))
+    with pytest.raises(ValueError, match="emitted by the persistent warp-specialized wgmma kernel only"):
+        emit_fa3.validate_spec(_spec("plain", 2, {"schedule": "wgmma"}))
+    emit_fa3_ws.validate_spec(_spec("causal", 8))

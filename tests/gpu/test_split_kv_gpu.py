@@ -1,0 +1,136 @@
+"""split-kv on the GPU (marked gpu): a small grid's q tiles in kv parts (falower.compile's automatic choice, or the
+caller's kv_parts), each part's O and LSE through the persistent kernel's epilogue into workspaces and the LSE merge
+after it, against FlashAttention's error rule on the examples; decoding's shapes (a few query rows against many
+keys, M != N); the direct launches, Numba's path and the bare kernel's relaunch giving the same numbers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import falower as fl  # noqa: E402
+from falower.passes.check import bind_dims, random_inputs  # noqa: E402
+from test_examples_gpu import assert_error_rule, graph, rounded  # noqa: E402
+
+SPLIT: dict = {}
+
+
+def _hopper() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU (the persistent warp-specialized kernel)")
+
+
+def _compiled(stem: str, dtype: str, parts):
+    g, auto = graph(stem, dtype)
+    if parts == "auto":
+        return g, auto
+    if (stem, dtype, parts) not in SPLIT:
+        SPLIT[stem, dtype, parts] = fl.compile(g, "numba-cuda", extra={"kv_parts": parts})
+    return g, SPLIT[stem, dtype, parts]
+
+
+def _host(g, env, dtype, seed):
+    raw = random_inputs(g, env, seed=seed)
+    return [rounded(x, dtype) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
+            for i, x in enumerate(raw)]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("stem, D", [(s, d) for s in ["plain", "relative_bias", "softcap", "gqa", "causal", "alibi",
+                                                       "prefix_lm", "sliding_window"] for d in (64, 128)
+                                      if (s, d) != ("sliding_window", 64)])
+def test_a_small_grid_splits_and_keeps_the_error_rule(stem, dtype, D):
+    """B = 1, H = 8, N = 1000 in the caller's two parts: 64 q tiles of 128 rows, the last kv tile ragged (the
+    automatic choice keeps one part there: measured slower split). (The 48-wide window at D = 64 takes emit_fa3's
+    128 x 64 kernel, which has no parts: the caller's count falls back to it unsplit, test_split_kv_kernel.py.)"""
+    _hopper()
+    g, c = _compiled(stem, dtype, 2)
+    env = bind_dims(g, {"B": 1, "H": 8, "HKV": 2, "M": 1000, "N": 1000, "D": D})
+    assert c.specialize(dtype, **env).spec.kv_parts == 2
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D), dtype)
+
+
+@pytest.mark.parametrize("parts", [4, 8, 16])
+@pytest.mark.parametrize("stem, M, N", [("plain", 1, 8192), ("plain", 64, 5000), ("causal", 300, 1200),
+                                        ("alibi", 130, 4096), ("relative_bias", 17, 3000)])
+def test_decoding_shapes_and_more_parts(stem, M, N, parts):
+    """A few query rows against many keys (FlashDecoding's case: one q tile a head), M != N, with the caller's
+    4, 8 or 16 parts (some parts of a causal q tile visit nothing: O 0, LSE -inf, weight 0 in the merge)."""
+    _hopper()
+    g, c = _compiled(stem, "f16", parts)
+    env = bind_dims(g, {"B": 1, "H": 4, "HKV": 1, "M": M, "N": N, "D": 128})
+    assert c.specialize("f16", **env).spec.kv_parts == parts
+    assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + N), "f16")
+
+
+def test_the_automatic_choice_on_decoding_takes_sixteen_parts():
+    _hopper()
+    g, c = _compiled("plain", "f16", "auto")
+    env = bind_dims(g, {"B": 1, "H": 8, "M": 1, "N": 8192, "D": 128})
+    assert c.specialize("f16", **env).spec.kv_parts == 16  # 8 q tiles, 64 kv tiles
+    assert_error_rule(g, c, env, _host(g, env, "f16", seed=1), "f16")
+
+
+def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch):
+    """The direct plan (workspaces allocated a call, the merge by cuLaunchKernel), Numba's launch path
+    (FALOWER_DIRECT_LAUNCH=0) and the bare kernel's relaunch: the same O and LSE, bit for bit."""
+    _hopper()
+    g, c = _compiled("causal", "f16", 4)
+    env = bind_dims(g, {"B": 1, "H": 8, "M": 1024, "N": 1024, "D": 128})
+    kern = c.specialize("f16", **env)
+    assert kern.spec.kv_parts == 4
+    q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    o1, lse1 = kern(q, k, v)
+    launch, finish = kern.relaunch(q, k, v)
+    launch()
+    o2, lse2 = finish()
+    monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", "0")
+    o3, lse3 = kern(q, k, v)
+    torch.cuda.synchronize()
+    for o, lse in ((o2, lse2), (o3, lse3)):
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (o1.float() - want.float()).abs().max().item() < 4e-3
+
+
+def test_a_captured_split_call_replays_as_the_eager_one():
+    """A split call captured into a CUDA graph (its own workspaces, kept with the graph), replayed on new inputs,
+    equals the eager call on them; two graphs of it replay at once on two streams without sharing workspaces."""
+    _hopper()
+    g, c = _compiled("plain", "f16", "auto")
+    shape = (1, 8, 1, 128), (1, 8, 8192, 128)
+    assert c.specialize("f16", B=1, H=8, M=1, N=8192, D=128).spec.kv_parts == 16
+    static = [torch.randn(shape[0], device="cuda", dtype=torch.float16)] + \
+        [torch.randn(shape[1], device="cuda", dtype=torch.float16) for _ in range(2)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            c(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outs = [], []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(c(*static))
+        graphs.append(graph)
+    for x in static:
+        x.copy_(torch.randn_like(x))
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for graph, s in zip(graphs, streams):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            graph.replay()
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    eo, else_ = c(*static)
+    torch.cuda.synchronize()
+    for go, glse in outs:
+        assert torch.equal(go, eo) and torch.equal(glse, else_)
