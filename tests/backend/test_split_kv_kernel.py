@@ -140,3 +140,4 @@ def test_the_kernels_that_do_not_split_say_so():
     with pytest.raises(ValueError, match="emitted by the persistent warp-specialized wgmma kernel only"):
         emit_fa3.validate_spec(_spec("plain", 2, {"schedule": "wgmma"}))
     emit_fa3_ws.validate_spec(_spec("causal", 8))
+

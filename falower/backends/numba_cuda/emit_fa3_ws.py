@@ -1093,7 +1093,8 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
                                     "the next item's kv range: the first warp's (range_shared)"))
             c("if tid == 0:")
             with c.indent():
-                c("tk_next = cuda.atomic.add(work, 0, 1)  # the block's first item")
+                c("tk_next = cuda.blockIdx.x  # the block's first item: its own (own_first_item)" if own_first_item(spec)
+                  else "tk_next = cuda.atomic.add(work, 0, 1)  # the block's first item")
                 if HEAD:
                     _emit_head_prefetch(c, spec)
             c("else:")
@@ -1144,7 +1145,21 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     if dynamic and producer_side:
         c("if tid == 0:")
         with c.indent():
-            c("tk_next = cuda.atomic.add(work, 0, 1)  # the next item's ticket, drawn while this one loads")
+            c("tk_next = cuda.atomic.add(work, 0, 1)" + (" + cuda.gridDim.x" if own_first_item(spec) else "")
+              + "  # the next item's ticket, drawn while this one loads")
+
+
+def own_first_item(spec: FA2ForwardSpec) -> bool:
+    """item_order "dynamic": whether block c's first item is item c, and the counter's tickets the items after the
+    first round (drawn + gridDim.x), where every ticket came from the counter. Why: a block draws its next ticket
+    while its item loads, one item ahead, so on a grid of about as many items as blocks a block that started early
+    took a second ticket before a late block drew its first, ran two items back to back while an SM idled. Measured
+    (H200, 2026-11-30, kernels in CUDA graphs, GPU time): B = 1, H = 8, N = 2k at D = 128 (128 items on 132 blocks)
+    57.5 -> 32.2 us (1.79x; 0.96x cuDNN's time after, 0.54x before), 16 parts of decoding (128 items) 33.7 -> 29.0;
+    the other small grids 0.96-1.00 of the drawn first tickets (one capture each), B = 4, H = 16, N = 4k 1.009
+    plain and 1.012 causal (one do_bench each). `extra["own_first_item"]` = False draws every ticket from the counter
+    (bench '-noofi')."""
+    return uses_work_counter(spec) and spec.extra.get("own_first_item", True) is not False
 
 
 def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec, producer_side: bool = False) -> None:
