@@ -172,20 +172,28 @@ class CompiledAttention:
 
         asked = self.extra.get("kv_parts", "auto")
         if asked != "auto" and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1
-                                or asked & (asked - 1)):
-            raise FalowerError(f"extra kv_parts must be 'auto' or a power of two >= 1, got {asked!r}")
-        if asked == 1 or self.pipeline != "fa2-fwd" or env["D"] not in (64, 128) \
-                or self._mask_kind() not in ("none", "static"):
+                                or asked & (asked - 1) or asked > emit_fa3.KV_PARTS_MAX):
+            raise FalowerError(f"extra kv_parts must be 'auto' or a power of two from 1 to {emit_fa3.KV_PARTS_MAX}, "
+                               f"got {asked!r}")
+        if asked == 1:
             return 1
         choice = self._auto_choice(dtype, env["D"], path)
-        if not choice or not choice.get("persistent") or choice.get("schedule") != "wgmma-ws":
+        why = [w for w, bad in [
+            ("the default pipeline fa2-fwd", self.pipeline != "fa2-fwd"), (f"D = 64 or 128 (got {env['D']})",
+                                                                           env["D"] not in (64, 128)),
+            (f"no mask or a static one (got {self._mask_kind()})", self._mask_kind() not in ("none", "static")),
+            ("the persistent warp-specialized kernel (a Hopper GPU, the automatic schedule)",
+             not choice or not choice.get("persistent") or choice.get("schedule") != "wgmma-ws")] if bad]
+        if why:
+            if asked != "auto":
+                raise FalowerError(f"extra kv_parts={asked}: split-kv's parts need {', '.join(why)}")
             return 1
+        if asked != "auto":
+            return int(asked)
         heads = self._heads(env)
         m, n = (env.get(getattr(d, "name", "")) for d in self._seq_dims())
         if heads is None or not m or not n:
             return 1
-        if asked != "auto":
-            return int(asked)
         ws_tiles = reads_table_tile(self.analysis)
         bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
@@ -240,7 +248,7 @@ class CompiledAttention:
         answer for the call's sizes (None where no D = 64 choice arises); `parts`: `_kv_parts`'s (the persistent
         kernel's tries take split-kv's IR with that many parts first, each then unsplit)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
-        from .backends.numba_cuda.from_ir import build_spec, reads_table_tile
+        from .backends.numba_cuda.from_ir import BackendError, build_spec, reads_table_tile
         from .backends.numba_cuda.spec import forward_extra
 
         fwd = forward_extra(self.extra)  # a backward knob leaves the forward kernel (and its name) as it is
@@ -306,8 +314,12 @@ class CompiledAttention:
         # a persistent try whose kernel refuses the short q tile first (the caller's knobs: no TMA stores) is tried
         # again with it last before the next try
         tries = [(e, t, r) for e, t in tries for r in ((True, False) if ragged_first(e, t) else (False,))]
-        # split-kv's parts first where asked, each try then again unsplit (a kernel that refuses the parts)
-        tries = [(e, t, r, p) for e, t, r in tries for p in ((parts, 1) if parts > 1 else (1,))]
+        # split-kv's parts first where chosen, each try then again unsplit (a kernel that refuses the parts); the
+        # caller's own count (extra kv_parts) takes no unsplit try: refused everywhere, it is an error
+        explicit = parts > 1 and fwd.get("kv_parts", "auto") != "auto"
+        tries = [(e, t, r, p) for e, t, r in tries
+                 for p in ((parts,) if explicit else (parts, 1) if parts > 1 else (1,))]
+        refused: list[str] = []  # why the split tries were refused (the caller's kv_parts says them)
         for extra, two, ragged, kvp in tries:
             built = built_for(extra, ragged, two, kvp)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
@@ -315,7 +327,9 @@ class CompiledAttention:
                 return spec, built
             try:
                 emit_fa3.validate_spec(spec)
-            except ValueError:
+            except ValueError as e:
+                if kvp > 1:
+                    refused.append(str(e))
                 continue
             if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(
                     spec, small_grid=two):
@@ -328,6 +342,9 @@ class CompiledAttention:
             if auto:  # the automatic share of exponentials on the FMA pipe and kv order, shown in spec.extra
                 spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **fwd})
             return spec, built
+        if explicit:
+            raise BackendError(f"numba-cuda backend: extra kv_parts={parts}: "
+                               + (refused[0] if refused else "no kernel here runs split-kv's parts"))
         return mma_sync()
 
     def _wide_tiles_pay(self, head_dim: int, m: Optional[int] = None, n: Optional[int] = None,

@@ -20,7 +20,8 @@ from sim_script import against_reference, example_graph, run_main, tiled_pipelin
 PWG = {"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 1, "item_order": "dynamic"}  # one block
 # walks every item (the persistent producer-warpgroup kernel the automatic choice takes on a Hopper GPU)
 
-# id: (example, M, N, D, tile (bq, bk), parts, dtype, tile pass's ragged_q); ragged last q and kv tiles everywhere
+# id: (example, M, N, D, tile (bq, bk), parts, dtype, tile pass's ragged_q[, {"B": .., "persistent": ..}]); B = 1 and
+# one block where not given; ragged last q and kv tiles everywhere
 CASES = {
     # causal, M != N: each q tile's own range in two shares (q tile 0: one kv tile, so one part is empty)
     "causal-p2": ("causal", 300, 390, 64, (128, 128), 2, "f16", "last"),
@@ -40,6 +41,9 @@ CASES = {
     "causal-p2-192-first": ("causal", 250, 300, 64, (192, 128), 2, "f16", "first"),
     # GQA: a kv head for every 4 q heads (H = 4, HKV = 1)
     "gqa-p2-d128": ("gqa", 130, 260, 128, (128, 128), 2, "f16", "last"),
+    # two batches (the workspaces' part-major layout, kvp B + b) on three blocks (each block's first item its own,
+    # the counter's tickets the rest: own_first_item), 16 items
+    "causal-p4-b2-three-blocks": ("causal", 250, 300, 64, (128, 128), 4, "f16", "last", {"B": 2, "persistent": 3}),
 }
 
 
@@ -47,11 +51,12 @@ def run_case(case_id: str) -> dict:
     import falower as fl
     from falower.passes.check import Reference, bind_dims, random_inputs
 
-    stem, M, N, D, (bq, bk), P, dt, ragged = CASES[case_id]
+    stem, M, N, D, (bq, bk), P, dt, ragged, *more = CASES[case_id]
+    over = more[0] if more else {}
     g = example_graph(stem)
     if dt != "f16":
         g = fl.parse_func(fl.print_func(g).replace("f16[", f"{dt}[").replace('"f16"', f'"{dt}"'))
-    sizes = {"B": 1, "H": 4 if stem == "gqa" else 2, "HKV": 1, "M": M, "N": N, "D": D}
+    sizes = {"B": over.get("B", 1), "H": 4 if stem == "gqa" else 2, "HKV": 1, "M": M, "N": N, "D": D}
     env = bind_dims(g, {k: v for k, v in sizes.items() if k in _dims(g)})
     drawn = random_inputs(g, env, seed=sum(map(ord, case_id)))
     host = [_rounded(x, dt) if i < 3 else x for i, x in enumerate(drawn)]
@@ -59,7 +64,7 @@ def run_case(case_id: str) -> dict:
     pipe = tiled_pipeline(bq, bk) + f",split-kv{{parts={P},part_dtype={dt}}}"
     if ragged == "first":
         pipe = pipe.replace(f"tile{{bq={bq},bk={bk}}}", f"tile{{bq={bq},bk={bk},ragged_q=first}}")
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra=PWG)
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra={**PWG, "persistent": over.get("persistent", 1)})
     kern = c.kernel(*host)
     o, lse = c(*host)
     o = _value(np.asarray(o), dt)

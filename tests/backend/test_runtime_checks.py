@@ -78,3 +78,25 @@ def test_spec_errors():
         emit_fa2_forward(make_spec("plain", 40, "f16", name="bad_d"))
     with pytest.raises(ValueError, match="block_q"):
         emit_fa2_forward(make_spec("plain", 64, "f16", block_q=48, num_warps=4, name="bad_bq"))
+
+
+def test_a_capture_of_another_dtype_is_converted_or_refused_by_name():
+    """numpy captures of another dtype than the spec's are converted to it (the kernels read the declared element
+    size: an f64 table read as f32 gave wrong numbers); a bf16 capture must be 16-bit words (numpy has no bf16 to
+    convert to): an f32 array for it is refused by name, before anything is launched."""
+    import dataclasses
+
+    from falower.backends.numba_cuda.runtime import _one_element_captures
+    from falower.backends.numba_cuda.spec import Capture
+
+    spec = make_spec("bias", 64, "f16", name="check_bias_dtype")
+    table = np.zeros((1, 8, 8), np.float64)
+    (got,) = _one_element_captures(spec, (table,), "numpy", None)
+    assert got.dtype == np.float32 and got.shape == (1, 8, 8)
+    (same,) = _one_element_captures(spec, (table.astype(np.float32),), "numpy", None)
+    assert same.dtype == np.float32
+    bf = FA2ForwardKernel(dataclasses.replace(spec, name="check_bias_bf16", captures=(Capture("bias", "bf16", 3),)))
+    q, k, v = arrays(H=2, Hk=2)
+    with pytest.raises(TypeError, match="capture bias has dtype float32, the graph declares bf16") as info:
+        bf(q, k, v, np.zeros((1, 8, 8), np.float32))
+    assert "\n" not in str(info.value)

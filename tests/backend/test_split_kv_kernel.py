@@ -128,8 +128,29 @@ def test_what_keeps_one_part(hopper):
     assert _call("plain", 1, 8, 1024, kv_parts=1)[0].spec.kv_parts == 1  # the caller's
     kern, ir = _call("plain", 1, 8, 1024, kv_parts=4)  # the caller's count, past the rule's
     assert kern.spec.kv_parts == 4 and "in (4, " in ir
-    with pytest.raises(FalowerError, match="extra kv_parts must be 'auto' or a power of two >= 1, got 3"):
-        _call("plain", 1, 8, 1024, kv_parts=3)
+    for bad in (3, 32, 0, True, "2"):
+        with pytest.raises(FalowerError, match=f"extra kv_parts must be 'auto' or a power of two from 1 to 16, "
+                                               f"got {bad!r}"):
+            _call("plain", 1, 8, 1024, kv_parts=bad)
+
+
+def test_the_callers_parts_are_taken_or_refused_by_name(hopper):
+    """extra kv_parts = P asks for P parts: where no kernel can run them the call says why, never one part
+    silently (a bench row '-kvpN' timed the unsplit kernel)."""
+    assert _call("plain", 1, 8, 1024, kv_parts=16)[0].spec.kv_parts == 16
+    c = fl.compile(_example("plain"), extra={"kv_parts": 4})  # the lengths alone: the caller's count still holds
+    assert c.specialize("f16", M=1024, N=1024, D=128).spec.kv_parts == 4
+    with pytest.raises(FalowerError, match=r"extra kv_parts=2: split-kv's parts need no mask or a static one "
+                                           r"\(got list\)"):
+        _call("document", 1, 1, 1024, kv_parts=2)
+    with pytest.raises(FalowerError, match="extra kv_parts=2: split-kv's parts need D = 64 or 128 .got 32."):
+        _call("plain", 1, 1, 1024, D=32, kv_parts=2)
+    with pytest.raises(FalowerError, match="extra kv_parts=4: split-kv's parts need the default pipeline fa2-fwd"):
+        fl.compile(_example("plain"), pipeline=TILED, extra={"kv_parts": 4}).specialize("f16", B=1, H=1, M=64,
+                                                                                        N=4096, D=128)
+    # a 48-wide window at D = 64 takes emit_fa3's 128 x 64 kernel, which has no parts
+    with pytest.raises(FalowerError, match=r"extra kv_parts=2: .*split-kv .2 parts. is emitted by the persistent"):
+        _call("sliding_window", 1, 8, 1000, D=64, kv_parts=2)
 
 
 def test_the_kernels_that_do_not_split_say_so():
@@ -140,4 +161,3 @@ def test_the_kernels_that_do_not_split_say_so():
     with pytest.raises(ValueError, match="emitted by the persistent warp-specialized wgmma kernel only"):
         emit_fa3.validate_spec(_spec("plain", 2, {"schedule": "wgmma"}))
     emit_fa3_ws.validate_spec(_spec("causal", 8))
-

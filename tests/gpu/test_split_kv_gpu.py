@@ -79,7 +79,7 @@ def test_the_automatic_choice_on_decoding_takes_sixteen_parts():
 
 
 def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch):
-    """The direct plan (workspaces allocated a call, the merge by cuLaunchKernel), Numba's launch path
+    """The direct plan (the kernel's workspaces for the stream, the merge by cuLaunchKernel), Numba's launch path
     (FALOWER_DIRECT_LAUNCH=0) and the bare kernel's relaunch: the same O and LSE, bit for bit."""
     _hopper()
     g, c = _compiled("causal", "f16", 4)

@@ -660,7 +660,6 @@ class _ForwardPlan:
         self.o_slot = buf.array(3, (n_o // 2 if mma else n_o,))
         self.lse_slot = buf.array(4, (P * B * H * M,))
         self.ws_shapes = ((P * B, H, M, D), (P * B, H, M)) if P > 1 else None
-        self._ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces by stream (`workspaces`)
         for j, n in enumerate([B, H, M, N] + strides):
             buf.scalar(5 + j, n)
         nxt = 18
@@ -738,22 +737,17 @@ class _ForwardPlan:
         return o, lse
 
     def workspaces(self, stream: int, capturing: bool, dtype: Any) -> tuple[Any, Any]:
-        """split-kv's parts' O and LSE ([P B, H, M, D], [P B, H, M]): one pair a stream, made on its first call
-        and reused (a call's merge reads them before the next call's kernel, in the stream's order; a call
-        allocating its own spent ~10 us of host time, longer than a small grid's kernel); a launch captured into a
-        CUDA graph gets its own, kept with the graph (two graphs may replay at once)."""
-        import torch
+        """split-kv's parts' O and LSE ([P B, H, M, D], [P B, H, M]): the kernel's for this stream and size
+        (FA2ForwardKernel.split_workspaces), or under CUDA-graph capture a pair of the launch's own, kept with the
+        graph (two graphs may replay at once)."""
+        if capturing:
+            import torch
 
-        key = (stream, dtype)
-        ws = None if capturing else self._ws.get(key)
-        if ws is None:
             ws = (torch.empty(self.ws_shapes[0], dtype=dtype, device=self.device),
                   torch.empty(self.ws_shapes[1], dtype=self.lse_dtype, device=self.device))
-            if capturing:
-                self.kern._captured.append(ws)
-            else:
-                self._ws[key] = ws
-        return ws
+            self.kern._captured.append(ws)
+            return ws
+        return self.kern.split_workspaces(self.device, stream, self.ws_shapes, dtype, self.lse_dtype)
 
     def launch_into(self, ptrs: tuple[int, int, int], caps: tuple, o: Any, lse: Any) -> None:
         """Enqueue the kernels on q, k and v at `ptrs` (their data pointers, 16-byte aligned where the plan is
@@ -976,6 +970,7 @@ class FA2ForwardKernel:
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
         self._captured: list[Any] = []  # the counters of launches captured into CUDA graphs, kept alive with them
+        self._split_ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces (split_workspaces)
         self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
@@ -1058,6 +1053,22 @@ class FA2ForwardKernel:
         args += _capture_types(s)
         return tuple(args)
 
+    def split_workspaces(self, device: Any, stream: int, shapes: tuple, dtype: Any, lse_dtype: Any) -> tuple:
+        """split-kv's parts' O and LSE workspaces (torch, `shapes`) for launches on `stream`: one pair a (device,
+        stream, shapes, dtype), made on first use and kept with the kernel. Calls on one stream run in its order, so
+        a call's merge has read them before the next call's kernel writes them, whatever its input shapes (a
+        decoding loop's growing N keeps one pair: the workspaces' size is P B H M D). A call allocating its own spent
+        ~10 us of host time, longer than a small grid's kernel; the Numba path's temporaries could be freed while its
+        default-stream launches still read them."""
+        import torch
+
+        key = (str(device), stream, shapes, dtype)
+        ws = self._split_ws.get(key)
+        if ws is None:
+            ws = self._split_ws[key] = (torch.empty(shapes[0], dtype=dtype, device=device),
+                                        torch.empty(shapes[1], dtype=lse_dtype, device=device))
+        return ws
+
     def work_counter(self, kind: str, device: Any = None, stream: int = 0) -> Any:
         """The `work` array of a kernel that takes its items from a counter (emit_fa2.uses_work_counter): int32
         [2], zeroed once when made; each launch leaves it zeroed (its last block resets it). One per (device,
@@ -1137,7 +1148,12 @@ class FA2ForwardKernel:
                 raise ValueError(f"capture {c.name} must be {c.ndim}-D, got shape {tuple(x.shape)}")
             if not _is_contiguous(x, ck):
                 raise ValueError(f"capture {c.name} must be contiguous")
-            if ck == "cai" and c.dtype != "bf16" and np.dtype(x.__cuda_array_interface__["typestr"]) \
+            if ck in ("cai", "numpy") and c.dtype == "bf16":  # bf16 as 16-bit words: numpy cannot convert to it
+                got = np.dtype(x.dtype if ck == "numpy" else x.__cuda_array_interface__["typestr"])
+                if got.itemsize != 2:
+                    raise TypeError(f"capture {c.name} has dtype {got}, the graph declares bf16 (give its 16-bit "
+                                    "words, or a torch bfloat16 tensor)")
+            elif ck == "cai" and np.dtype(x.__cuda_array_interface__["typestr"]) \
                     != np.dtype(_np_capture_dtype(c.dtype)):  # (numpy and torch arrays are converted)
                 raise TypeError(f"capture {c.name} has dtype {np.dtype(x.__cuda_array_interface__['typestr'])}, "
                                 f"the graph declares {c.dtype}")
@@ -1257,8 +1273,8 @@ class FA2ForwardKernel:
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
             # split-kv: the kernel's parts into workspaces [P B, H, M, D] and [P B, H, M], merged into o and lse
-            o_ws = o if P == 1 else torch.empty((P * B, H, M, D), dtype=q.dtype, device=q.device)
-            lse_ws = lse if P == 1 else torch.empty((P * B, H, M), dtype=lse.dtype, device=q.device)
+            o_ws, lse_ws = (o, lse) if P == 1 else self.split_workspaces(  # (Numba launches on stream 0)
+                q.device, 0, ((P * B, H, M, D), (P * B, H, M)), q.dtype, lse.dtype)
             o_k = wrap(o_ws.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse_k = wrap(lse_ws.reshape(-1))
             if P > 1:
@@ -1284,7 +1300,7 @@ class FA2ForwardKernel:
             else:
                 flat = [cuda.as_cuda_array(x).reshape(-1).view(bits) for x in (q, k, v)]
                 strides = [n for x in (q, k, v) for n in _contiguous_strides(x.shape)]
-            o_k = cuda.device_array(P * B * H * M * D // 2 if s.path == "mma" else B * H * M * D,
+            o_k = cuda.device_array(P * B * H * M * D // 2 if s.path == "mma" else P * B * H * M * D,
                                     dtype=np.uint32 if s.path == "mma" else bits)
             lse_k = cuda.device_array(P * B * H * M, dtype=_acc_np(s.dtype))
             if P > 1:  # split-kv: the parts in o_k and lse_k, merged into these
@@ -1432,7 +1448,7 @@ def _one_element_captures(spec, captures: tuple, kind: str, like: Any) -> list:
             if kind == "torch":
                 import torch
 
-                x = (x.detach().reshape(1) if torch.is_tensor(x) else
+                x = (x.detach().reshape(1).to(_torch_capture_dtype(c.dtype)) if torch.is_tensor(x) else
                      torch.full((1,), x, dtype=_torch_capture_dtype(c.dtype), device=like.device))
             else:
                 x = np.asarray(x, dtype=_np_capture_dtype(c.dtype)).reshape(1)
