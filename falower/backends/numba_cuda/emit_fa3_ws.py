@@ -375,7 +375,7 @@ def slice_pairs(spec: FA2ForwardSpec) -> bool:
     buffer also holds the run shifted by one entry (SLICE_SHIFTED), stored beside it (two more stores a thread and
     tile), and a thread whose pairs start odd reads that copy. Why it was tried: the relative bias's warp path is
     latency-bound, ~2.4 cycles of the tile an instruction it adds (benchmarks/NOTES.md, "What ncu counts"): -17
-    loads a tile, predicted ~+1%. Measured (H200, 2026-11-30, 500 pairs): **0.829 of the 4-byte loads at D = 128
+    loads a tile, predicted ~+1%. Measured (H200, 2026-11-30, 500 pairs): **0.833 of the 4-byte loads at D = 128
     and 0.896 at D = 64** (local SASS: the 34 LDS became 17 LDS.64, but the D = 128 consumers' spills grew from 2 to
     8 stores and 2 to 11 loads, some in the kv loop: a pair's two registers must be an aligned pair). Off;
     `extra["slice_pairs"]` = True asks for it (bench '-slp')."""
@@ -2364,12 +2364,10 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"ep_i = cuda.shared.array({kept_i64(spec)}, np.int64)  # a consumer warpgroup's kept item: q_head, "
               "q_lo")
         if row_slice(spec):
-            if slice_pairs(spec):
-                c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32, alignment=8)  # the consumer "
-                  "warpgroups' runs of the table, two each (row_slice), with their shifted copies (slice_pairs)")
-            else:
-                c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32)  # the consumer warpgroups' runs of "
-                  "the table, two each (row_slice)")
+            pairs = slice_pairs(spec)
+            c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32{', alignment=8' if pairs else ''})  # "
+              "the consumer warpgroups' runs of the table, two each (row_slice)"
+              + (", with their shifted copies (slice_pairs)" if pairs else ""))
         if uses_work_counter(spec):
             c(f"tick = cuda.shared.array({tick_words(spec)}, np.int32)  # the items' tickets "
               "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))

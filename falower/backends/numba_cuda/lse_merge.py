@@ -19,6 +19,7 @@ from numba import cuda
 WARPS = 4  # rows a block: one warp a row, its lanes over D
 
 
+@functools.lru_cache(maxsize=None)
 def _identity() -> Any:
     @cuda.jit(device=True)
     def same(x):

@@ -736,19 +736,6 @@ class _ForwardPlan:
         self.launch_into(ptrs, caps, o, lse)
         return o, lse
 
-    def workspaces(self, stream: int, capturing: bool, dtype: Any) -> tuple[Any, Any]:
-        """split-kv's parts' O and LSE ([P B, H, M, D], [P B, H, M]): the kernel's for this stream and size
-        (FA2ForwardKernel.split_workspaces), or under CUDA-graph capture a pair of the launch's own, kept with the
-        graph (two graphs may replay at once)."""
-        if capturing:
-            import torch
-
-            ws = (torch.empty(self.ws_shapes[0], dtype=dtype, device=self.device),
-                  torch.empty(self.ws_shapes[1], dtype=self.lse_dtype, device=self.device))
-            self.kern._captured.append(ws)
-            return ws
-        return self.kern.split_workspaces(self.device, stream, self.ws_shapes, dtype, self.lse_dtype)
-
     def launch_into(self, ptrs: tuple[int, int, int], caps: tuple, o: Any, lse: Any) -> None:
         """Enqueue the kernels on q, k and v at `ptrs` (their data pointers, 16-byte aligned where the plan is
         aligned) with O and LSE written into `o` and `lse` (allocated by the caller as __call__ does)."""
@@ -760,7 +747,8 @@ class _ForwardPlan:
         stream = self.stream(self.dev_index)
         capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
         if self.ws_shapes is not None:  # split-kv: the parts into workspaces, merged into o and lse
-            o_ws, lse_ws = self.workspaces(stream, capturing, o.dtype)
+            o_ws, lse_ws = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype, lse.dtype,
+                                                      capturing)
             for slot, x in zip(self.merge_slots, (o_ws, lse_ws, o, lse)):
                 self.merge_buf.vals[slot] = x.data_ptr()
             o, lse = o_ws, lse_ws
@@ -1053,20 +1041,26 @@ class FA2ForwardKernel:
         args += _capture_types(s)
         return tuple(args)
 
-    def split_workspaces(self, device: Any, stream: int, shapes: tuple, dtype: Any, lse_dtype: Any) -> tuple:
+    def split_workspaces(self, device: Any, stream: int, shapes: tuple, dtype: Any, lse_dtype: Any,
+                         capturing: bool = False) -> tuple:
         """split-kv's parts' O and LSE workspaces (torch, `shapes`) for launches on `stream`: one pair a (device,
         stream, shapes, dtype), made on first use and kept with the kernel. Calls on one stream run in its order, so
         a call's merge has read them before the next call's kernel writes them, whatever its input shapes (a
         decoding loop's growing N keeps one pair: the workspaces' size is P B H M D). A call allocating its own spent
         ~10 us of host time, longer than a small grid's kernel; the Numba path's temporaries could be freed while its
-        default-stream launches still read them."""
+        default-stream launches still read them. A launch captured into a CUDA graph (`capturing`) gets a pair of its
+        own, kept with the graph (two graphs may replay at once), as `work_counter` does."""
         import torch
 
         key = (str(device), stream, shapes, dtype)
-        ws = self._split_ws.get(key)
+        ws = None if capturing else self._split_ws.get(key)
         if ws is None:
-            ws = self._split_ws[key] = (torch.empty(shapes[0], dtype=dtype, device=device),
-                                        torch.empty(shapes[1], dtype=lse_dtype, device=device))
+            ws = (torch.empty(shapes[0], dtype=dtype, device=device),
+                  torch.empty(shapes[1], dtype=lse_dtype, device=device))
+            if capturing:
+                self._captured.append(ws)
+            else:
+                self._split_ws[key] = ws
         return ws
 
     def work_counter(self, kind: str, device: Any = None, stream: int = 0) -> Any:
@@ -1148,15 +1142,15 @@ class FA2ForwardKernel:
                 raise ValueError(f"capture {c.name} must be {c.ndim}-D, got shape {tuple(x.shape)}")
             if not _is_contiguous(x, ck):
                 raise ValueError(f"capture {c.name} must be contiguous")
-            if ck in ("cai", "numpy") and c.dtype == "bf16":  # bf16 as 16-bit words: numpy cannot convert to it
-                got = np.dtype(x.dtype if ck == "numpy" else x.__cuda_array_interface__["typestr"])
-                if got.itemsize != 2:
-                    raise TypeError(f"capture {c.name} has dtype {got}, the graph declares bf16 (give its 16-bit "
-                                    "words, or a torch bfloat16 tensor)")
-            elif ck == "cai" and np.dtype(x.__cuda_array_interface__["typestr"]) \
-                    != np.dtype(_np_capture_dtype(c.dtype)):  # (numpy and torch arrays are converted)
-                raise TypeError(f"capture {c.name} has dtype {np.dtype(x.__cuda_array_interface__['typestr'])}, "
-                                f"the graph declares {c.dtype}")
+            if ck not in ("cai", "numpy"):  # (torch tensors of another dtype are converted)
+                continue
+            got = np.dtype(x.dtype if ck == "numpy" else x.__cuda_array_interface__["typestr"])
+            if c.dtype == "bf16" and got.itemsize != 2:  # bf16 as 16-bit words: numpy cannot convert to it
+                raise TypeError(f"capture {c.name} has dtype {got}, the graph declares bf16 (give its 16-bit "
+                                "words, or a torch bfloat16 tensor)")
+            if ck == "cai" and c.dtype != "bf16" and got != np.dtype(_np_capture_dtype(c.dtype)):
+                # (numpy arrays are converted)
+                raise TypeError(f"capture {c.name} has dtype {got}, the graph declares {c.dtype}")
         return kind
 
     # ---------------------------------------------------------------------------- launching
