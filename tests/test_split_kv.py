@@ -76,6 +76,22 @@ def test_parts_one_is_the_identity_and_the_default_pipeline_splits_too() -> None
     assert "for %kj = %kv_part_lo to %kv_part_hi" in text and "%o_merged = reduce_sum" in text
 
 
+@pytest.mark.parametrize("stem", ["causal", "relative_bias", "sliding_window"])
+def test_parts_stored_rounded_say_so_and_stay_within_the_rounding(stem: str) -> None:
+    """split-kv{part_dtype=f16}: each part's O is cast to f16 in the parallel_for (what the numba-cuda kernel's
+    epilogue stores) and widened to f32 before the merge, and the function still means the unsplit attention (the
+    reference interpreter runs in float64; the kernels' rounding is the GPU tests' error rule). An unknown dtype is
+    refused."""
+    g = example(stem)
+    lowered = fl.lower(g, f"{SMALL},split-kv{{parts=3,part_dtype=f16}}")
+    text = print_func(lowered)
+    assert ": f16[3,B,H,M,D], f32[3,B,H,M] {" in text and "cast %o_parts {to = \"f32\"}" in text
+    ref = Reference.build(g, sizes(37, 50))
+    assert ref.compare(lowered, tol=1e-9) == []
+    with pytest.raises(PassError, match="part_dtype must be f32, f16 or bf16, got 'f8'"):
+        fl.lower(g, f"{SMALL},split-kv{{parts=3,part_dtype=f8}}")
+
+
 def test_the_split_dump_round_trips_and_computes_the_same() -> None:
     lowered = fl.lower(example("document"), "fa2-fwd,split-kv{parts=3}")
     text = print_func(lowered)
