@@ -1,8 +1,9 @@
 """Simulator cases for test_lse_merge_simulator.py: the LSE merge kernel (backends/numba_cuda/lse_merge.py) against
 the interpreter's lse_merge_func in float64, in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSON line per case:
 the largest error of O and of the finite LSEs, and whether the rows every part left at -inf came back LSE -inf and
-O 0. Parts with no key (LSE -inf, O 0) and rows no part saw are in every case; D is not a multiple of 32 in some
-(a warp's lanes over D), rows not a multiple of the block's 4 warps in others.
+O 0. Parts with no key (LSE -inf, O 0) and rows no part saw are in every case; D is a multiple of 4 in three (a
+thread's 16-byte load of four f32 a part, merge_vec) and not in one (an element a thread), and the rows' threads
+fill one block partly in some and spill into a second in another.
 
 Usage: NUMBA_ENABLE_CUDASIM=1 python lse_merge_sim_cases.py [case-id ...]
 """

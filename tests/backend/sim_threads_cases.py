@@ -57,7 +57,7 @@ def raises(out):
 
 
 from falower.backends.numba_cuda.intrinsics import (  # noqa: E402
-    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, lds_v4_u32, mbar_arrive_expect_tx, mbar_init, mbar_try_wait,
+    bulk_commit, bulk_store, bulk_wait_read0, elem_addr, lds_v4_u32, ldg_vec, stg_vec, mbar_arrive_expect_tx, mbar_init, mbar_try_wait,
     sim_tensor_map, smem_base, sts_u32, syncwarp, tensormap_acquire, tma_load_4d, tma_store_3d)
 
 
@@ -222,8 +222,27 @@ def run_case(cid: str) -> dict:
         tma_load[1, 32](m, dump, ready)
         return {"id": cid, "installed": installed, "dump": dump.view(np.uint16).tolist(), "ready": ready.tolist(),
                 "k": k[1, 2].tolist()}
+    if cid == "vec":  # ldg_vec / stg_vec (the LSE merge's accesses) on a 16-byte aligned window of a buffer
+        buf = np.zeros(64, np.int16)
+        first = (-buf.__array_interface__["data"][0] % 16) // 2
+        a = buf[first:first + 32]
+        a[:] = np.arange(32, dtype=np.int16)
+        got = [int(x) for x in ldg_vec(a, 8)]
+        stg_vec(a, 16, tuple(np.int16(-i) for i in range(8)))
+        f = np.zeros(12, np.float32)
+        ff = f[(-f.__array_interface__["data"][0] % 16) // 4:][:8]
+        stg_vec(ff, 4, (np.float32(1.5), np.float32(2.5)))
+        refused = []
+        for arr, at, vals in ((a, 4, None), (a, 28, None), (a, -8, None), (ff, 1, (np.float32(0), np.float32(0)))):
+            try:
+                ldg_vec(arr, at) if vals is None else stg_vec(arr, at, vals)
+                refused.append(None)
+            except ValueError as e:
+                refused.append(str(e))
+        return {"id": cid, "installed": installed, "loaded": got, "stored": a[16:24].tolist(),
+                "stored_f32": ff[4:8].tolist(), "refused": refused}
     raise KeyError(cid)
 
 
 if __name__ == "__main__":
-    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES, *TMA_MODES, "tma-load"], run_case)
+    run_main(sys.argv[1:] or ["early-exit", "votes", "raises", *BULK_MODES, *TMA_MODES, "tma-load", "vec"], run_case)

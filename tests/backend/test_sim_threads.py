@@ -197,3 +197,14 @@ def test_simulator_tma_load_lands_swizzled_with_zeros_past_the_tensor(sim):
     got = np.array(r["dump"], dtype=np.int64).reshape(16, 8, 8)
     unswizzled = np.stack([got[i][np.arange(8) ^ (i & 7)] for i in range(16)]).reshape(16, 64)
     assert np.array_equal(unswizzled, want)
+
+
+def test_simulator_vector_global_accesses_are_checked(sim):
+    """intrinsics.ldg_vec / stg_vec in the simulator (the LSE merge's 16-byte loads and 8- or 16-byte stores): the
+    elements at the index, and the accesses the GPU would fault on refused: a 16-byte load 8 bytes off alignment,
+    one running past the array's end, one at a negative index, an 8-byte store 4 bytes off alignment."""
+    r = sim["vec"]
+    assert "error" not in r, r
+    assert r["loaded"] == list(range(8, 16)) and r["stored"] == [-i for i in range(8)], r
+    assert r["stored_f32"] == [1.5, 2.5, 0.0, 0.0], r
+    assert len(r["refused"]) == 4 and all(m and "misaligned" in m for m in r["refused"]), r

@@ -67,6 +67,10 @@ Public names (identical in both modes):
                                    knows the result is the same in every lane, which a ballot's or a shuffle's
                                    result is not to it
     warp_sum                       (x: int32) -> int32: the sum of x over the warp's 32 lanes (redux.sync.add)
+    ldg_vec, stg_vec               (1-D array, index) -> the 16 bytes at arr[index] as a tuple of arr's elements (4
+                                   f32, 8 16-bit words), one vector load the compiler schedules as any load; (arr,
+                                   index, tuple of arr's elements of 8 or 16 bytes): one vector store. Both aligned to
+                                   their size (the caller's check)
     red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
                                    vector reduction (sm_90; index a multiple of 4)
     sts_v4_f32                     (shared byte address, a, b, c, d): four f32 to 16 aligned bytes of shared memory,
@@ -118,6 +122,8 @@ __all__ = [
     "stsm_x4",
     "lds_v4_u32",
     "stg_v4_u32",
+    "ldg_vec",
+    "stg_vec",
     "elem_addr",
     "cp_async16_a",
     "ldg_f32_a",
@@ -715,6 +721,26 @@ if SIMULATOR:
     def stg_v4_u32(arr, index, a, b, c, d):
         for i, x in enumerate((a, b, c, d)):
             arr[int(index) + i] = np.uint32(x)
+
+    def _vec_at(a, index, nbytes):
+        """The element index of a `nbytes` vector at a[index] (1-D), refused where the GPU's access would fault."""
+        at = int(index)
+        address = a.__array_interface__["data"][0] + at * a.itemsize
+        if a.ndim != 1 or address % nbytes or at < 0 or at + nbytes // a.itemsize > a.size:
+            raise ValueError(f"vector access of {nbytes} bytes at element {at} of a {a.size}-element {a.dtype} array: "
+                             "out of range or misaligned")
+        return at
+
+    def ldg_vec(arr, index):
+        a = np.asarray(arr)
+        at = _vec_at(a, index, 16)
+        return tuple(a.dtype.type(a[at + i]) for i in range(16 // a.itemsize))
+
+    def stg_vec(arr, index, vals):
+        a = np.asarray(arr)
+        at = _vec_at(a, index, len(vals) * a.itemsize)
+        for i, x in enumerate(vals):
+            a[at + i] = x
 
     def pairs_aligned(garr):
         a = np.asarray(garr)
@@ -1485,6 +1511,46 @@ else:
             vals = [context.cast(builder, v, ty, _U32) for v, ty in zip(args[2:], sig.args[2:])]
             _asm(context, builder, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", [ga, *vals], [],
                  side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def ldg_vec(typingctx, arr, index):
+        """The 16 bytes at arr[index] (1-D, 16-byte aligned) as a tuple of arr's elements: one ld.v4.b32 through an
+        LLVM load, so the compilers batch it with the loads around it (an asm with a memory clobber would not)."""
+        if not isinstance(arr, types.Array) or arr.ndim != 1 or arr.dtype.bitwidth not in (16, 32):
+            return None
+        n = 128 // arr.dtype.bitwidth
+        sig = types.UniTuple(arr.dtype, n)(arr, index)
+
+        def codegen(context, builder, sig, args):
+            ptr = _item_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            words = builder.load(builder.bitcast(ptr, ir.PointerType(ir.VectorType(ir.IntType(32), 4))), align=16)
+            vec = builder.bitcast(words, ir.VectorType(context.get_value_type(sig.args[0].dtype), n))
+            elems = [builder.extract_element(vec, ir.Constant(ir.IntType(32), e)) for e in range(n)]
+            return context.make_tuple(builder, sig.return_type, elems)
+
+        return sig, codegen
+
+    @intrinsic
+    def stg_vec(typingctx, arr, index, vals):
+        """arr[index : index + len(vals)] = vals (1-D; vals of arr's element type, 8 or 16 bytes, aligned to that): one
+        vector store through LLVM."""
+        if (not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(vals, types.UniTuple)
+                or vals.dtype != arr.dtype or vals.count * arr.dtype.bitwidth not in (64, 128)):
+            return None
+        n, nbytes = vals.count, vals.count * arr.dtype.bitwidth // 8
+        sig = types.void(arr, index, vals)
+
+        def codegen(context, builder, sig, args):
+            ptr = _item_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            elt = context.get_value_type(sig.args[0].dtype)
+            vec = ir.Constant(ir.VectorType(elt, n), None)
+            for e, x in enumerate(cgutils.unpack_tuple(builder, args[2], n)):
+                vec = builder.insert_element(vec, x, ir.Constant(ir.IntType(32), e))
+            words = ir.VectorType(ir.IntType(32), nbytes // 4)
+            builder.store(builder.bitcast(vec, words), builder.bitcast(ptr, ir.PointerType(words)), align=nbytes)
             return context.get_dummy_value()
 
         return sig, codegen

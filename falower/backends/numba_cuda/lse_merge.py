@@ -1,4 +1,4 @@
-"""The LSE merge on the GPU: falower.ir.lse_merge's formula as one small kernel, a warp a row.
+"""The LSE merge on the GPU: falower.ir.lse_merge's formula as one small kernel, 16 bytes of a row a thread.
 
 What a split-kv forward runs after its parts, and what a context-parallel forward runs after gathering each rank's
 O and LSE: `lse_merge(o_parts, lse_parts)` takes o_parts [P, ..., M, D] (f32) and lse_parts [P, ..., M] (f32,
@@ -16,7 +16,19 @@ from typing import Any, Optional
 import numpy as np
 from numba import cuda
 
-WARPS = 4  # rows a block: one warp a row, its lanes over D
+THREADS = 128  # a block's threads; each takes `vec` consecutive elements of one row (merge_vec), a row's D / vec
+
+
+def merge_vec(D: int, part_bytes: int) -> int:
+    """Elements a thread merges: one 16-byte load a part (4 f32, 8 16-bit words) where D is a multiple of that,
+    else 1. The arrays must then start 16-byte aligned (the callers' check): every row and chunk offset is."""
+    vec = 16 // part_bytes
+    return vec if D % vec == 0 else 1
+
+
+def merge_grid(rows: int, D: int, vec: int) -> tuple[int, int]:
+    """(blocks, threads) of a merge over `rows` rows of D elements, `vec` a thread."""
+    return -(-(rows * (D // vec)) // THREADS), THREADS
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,61 +41,97 @@ def _identity() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _merge(parts: int, load: Any, store: Any) -> Any:
+def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
     """`merge(o_parts, lse_parts, o, lse, rows, D)` on flat arrays: o_parts [parts, rows, D] (each element through
     `load` to f32), lse_parts [parts, rows] f32, o [rows, D] (each through `store` from f32), lse [rows] f32. Each
     row's shares a[p] = w_p / s' (w_p = exp(lse_p - m'), m' the parts' max LSE or 0 where every part is -inf, s' their
-    sum or 1 where it is 0), then its O as their weighted sum. Launch with (cdiv(rows, WARPS), 32 WARPS) threads."""
+    sum or 1 where it is 0), then its O as their weighted sum. A thread takes `vec` consecutive elements of a row:
+    with vec > 1 one 16-byte load a part and one store (ldg_vec / stg_vec), every part's load independent of the
+    shares, so a thread waits for memory about once. Each thread computes its row's shares itself (parts exps; the
+    LSE loads are one transaction for the row's threads). Launch with merge_grid(rows, D, vec)."""
+    from .intrinsics import ldg_vec, stg_vec
+
     neg_inf = np.float32(-math.inf)
+
+    if vec == 1:
+        @cuda.jit(device=True)
+        def accumulate(o_parts, a, acc, base, step):
+            for p in range(parts):
+                acc[0] += a[p] * load(o_parts[base + p * step])
+
+        @cuda.jit(device=True)
+        def put(o, at, acc):
+            o[at] = store(acc[0])
+    else:
+        @cuda.jit(device=True)
+        def accumulate(o_parts, a, acc, base, step):
+            for p in range(parts):
+                x = ldg_vec(o_parts, base + p * step)
+                for j in range(vec):
+                    acc[j] += a[p] * load(x[j])
+
+        if vec == 8:
+            @cuda.jit(device=True)
+            def put(o, at, acc):
+                stg_vec(o, at, (store(acc[0]), store(acc[1]), store(acc[2]), store(acc[3]), store(acc[4]),
+                                store(acc[5]), store(acc[6]), store(acc[7])))
+        else:
+            @cuda.jit(device=True)
+            def put(o, at, acc):
+                stg_vec(o, at, (store(acc[0]), store(acc[1]), store(acc[2]), store(acc[3])))
 
     @cuda.jit
     def merge(o_parts, lse_parts, o, lse, rows, D):
-        row = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // 32
-        lane = cuda.threadIdx.x % 32
+        per_row = D // vec
+        t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        row = t // per_row
+        chunk = t - row * per_row
         if row < rows:
             a = cuda.local.array(parts, np.float32)
             m = neg_inf
             for p in range(parts):
-                m = max(m, lse_parts[p * rows + row])
+                a[p] = lse_parts[p * rows + row]
+                m = max(m, a[p])
             m_safe = np.float32(0.0) if m == neg_inf else m
-            t = np.float32(0.0)
+            s = np.float32(0.0)
             for p in range(parts):
-                a[p] = math.exp(lse_parts[p * rows + row] - m_safe)
-                t += a[p]
-            t_safe = t if t > 0 else np.float32(1.0)
+                a[p] = math.exp(a[p] - m_safe)
+                s += a[p]
+            s_safe = s if s > 0 else np.float32(1.0)
             for p in range(parts):
-                a[p] = a[p] / t_safe
-            if lane == 0:
-                lse[row] = m_safe + math.log(t) if t > 0 else neg_inf
-            for c in range(lane, D, 32):
-                acc = np.float32(0.0)
-                for p in range(parts):
-                    acc += a[p] * load(o_parts[(p * rows + row) * D + c])
-                o[row * D + c] = store(acc)
+                a[p] = a[p] / s_safe
+            acc = cuda.local.array(vec, np.float32)
+            for j in range(vec):
+                acc[j] = np.float32(0.0)
+            accumulate(o_parts, a, acc, row * D + chunk * vec, rows * D)
+            put(o, row * D + chunk * vec, acc)
+            if chunk == 0:
+                lse[row] = m_safe + math.log(s) if s > 0 else neg_inf
 
     return merge
 
 
 @functools.lru_cache(maxsize=None)
-def merge_kernel(parts: int, out_dtype: str) -> Any:
+def merge_kernel(parts: int, out_dtype: str, vec: int = 1) -> Any:
     """The jitted kernel for `parts` f32 parts (`_merge`'s arguments), O stored as `out_dtype` (f32, or f16 / bf16
-    as 16-bit words)."""
+    as 16-bit words), `vec` elements a thread (merge_vec(D, 4))."""
     from .intrinsics import f32_to_bf16, f32_to_f16
 
     store = _identity() if out_dtype == "f32" else f32_to_f16 if out_dtype == "f16" else f32_to_bf16
-    return _merge(parts, _identity(), store)
+    return _merge(parts, vec, _identity(), store)
 
 
 @functools.lru_cache(maxsize=None)
-def split_merge_kernel(parts: int, dtype: str) -> Any:
+def split_merge_kernel(parts: int, dtype: str, vec: int = 1) -> Any:
     """The merge a split-kv forward runs after its kernel (runtime.FA2ForwardKernel, spec.kv_parts = `parts`):
     `_merge`'s kernel with o_parts and o the 16-bit words of `dtype` (f16 / bf16: the parts as the kernel's
-    epilogue stored them, split-kv{part_dtype=...}), widened to f32 first as the IR's cast does."""
+    epilogue stored them, split-kv{part_dtype=...}), widened to f32 first as the IR's cast does; `vec` elements a
+    thread (merge_vec(D, 2); the runtime's workspaces and O are 16-byte aligned)."""
     from .intrinsics import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
 
     if dtype not in ("f16", "bf16"):
         raise ValueError(f"split_merge_kernel: dtype must be f16 or bf16, got {dtype!r}")
-    return _merge(parts, *((f16_to_f32, f32_to_f16) if dtype == "f16" else (bf16_to_f32, f32_to_bf16)))
+    return _merge(parts, vec, *((f16_to_f32, f32_to_f16) if dtype == "f16" else (bf16_to_f32, f32_to_bf16)))
 
 
 def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> tuple[Any, Any]:
@@ -105,7 +153,8 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
         if o_parts.dtype != torch.float32 or lse_parts.dtype != torch.float32:
             raise ValueError(f"lse_merge: the parts must be f32, got O {o_parts.dtype}, LSE {lse_parts.dtype}")
         dev = o_parts.device
-        o_in = cuda.as_cuda_array(o_parts.detach().contiguous().view(-1))
+        o_flat = o_parts.detach().contiguous().view(-1)
+        o_in = cuda.as_cuda_array(o_flat)
         l_in = cuda.as_cuda_array(lse_parts.detach().contiguous().view(-1))
         tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[out_dtype]
         o_t = torch.empty(oshape[1:], dtype=tdt, device=dev)
@@ -121,7 +170,10 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
         o_out = cuda.device_array(rows * D, dtype=np.float32 if out_dtype == "f32" else np.int16)
         l_out = cuda.device_array(rows, dtype=np.float32)
     if rows:
-        merge_kernel(P, out_dtype)[(rows + WARPS - 1) // WARPS, 32 * WARPS](o_in, l_in, o_out, l_out, rows, D)
+        vec = merge_vec(D, 4)
+        if torch_in and o_flat.data_ptr() & 15:  # a view at an odd offset: scalar accesses
+            vec = 1
+        merge_kernel(P, out_dtype, vec)[merge_grid(rows, D, vec)](o_in, l_in, o_out, l_out, rows, D)
     if torch_in:
         return o_t, l_t
     o = o_out.copy_to_host()
@@ -132,4 +184,4 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
     return o.reshape(oshape[1:]), l_out.copy_to_host().reshape(lshape[1:])
 
 
-__all__ = ["lse_merge", "merge_kernel", "split_merge_kernel"]
+__all__ = ["lse_merge", "merge_grid", "merge_kernel", "merge_vec", "split_merge_kernel"]

@@ -713,7 +713,7 @@ class _ForwardPlan:
         self.launches.append(_launcher(main.function(dev), grid(s, B, H, M, N), kern.threads, kern.smem, buf))
         self.merge_slots: list[int] = []
         if P > 1:  # the LSE merge of the parts into O and LSE (lse_merge.split_merge_kernel), after the kernel
-            from .lse_merge import WARPS as MERGE_WARPS
+            from .lse_merge import merge_grid
 
             mk = kern._direct_kernel("merge")
             mbuf = ArgBuffer(mk.layout)
@@ -722,7 +722,8 @@ class _ForwardPlan:
             mbuf.scalar(4, rows)
             mbuf.scalar(5, D)
             self.merge_buf = mbuf
-            self.launches.append(_launcher(mk.function(dev), (-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS, 0, mbuf))
+            blocks, threads = merge_grid(rows, D, kern.merge_vec)
+            self.launches.append(_launcher(mk.function(dev), (blocks,), threads, 0, mbuf))
         self.stream = _raw_stream_getter()
 
     def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
@@ -992,14 +993,22 @@ class FA2ForwardKernel:
             elif which == "merge":  # split-kv's LSE merge (lse_merge.split_merge_kernel)
                 from .lse_merge import split_merge_kernel
 
-                P, dt = self.spec.kv_parts, self.spec.dtype
-                kern = DirectKernel(lambda: split_merge_kernel(P, dt), self.merge_argtypes, 0,
-                                    _ident("lse_merge", self.spec, f"split_merge_kernel({P}, {dt!r})"))
+                P, dt, vec = self.spec.kv_parts, self.spec.dtype, self.merge_vec
+                kern = DirectKernel(lambda: split_merge_kernel(P, dt, vec), self.merge_argtypes, 0,
+                                    _ident("lse_merge", self.spec, f"split_merge_kernel({P}, {dt!r}, {vec})"))
             else:
                 kern = DirectKernel(lambda: self._mask_kernel, self.mask_argtypes, 0,
                                     _ident("block_mask", self.spec, self.mask_source))
             self._direct[which] = kern
         return kern
+
+    @property
+    def merge_vec(self) -> int:
+        """Elements a thread of split-kv's merge takes (lse_merge.merge_vec over the 16-bit parts): the workspaces
+        and O it reads and writes are fresh allocations, 16-byte aligned."""
+        from .lse_merge import merge_vec
+
+        return merge_vec(self.spec.head_dim, 2)
 
     def merge_argtypes(self) -> tuple:
         """Numba argument types of split-kv's merge: the parts' O words, their LSEs, O's words, LSE, rows, D."""
@@ -1325,10 +1334,10 @@ class FA2ForwardKernel:
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
         mask_args = [table, *sizes, *caps]
         if P > 1:
-            from .lse_merge import WARPS as MERGE_WARPS, split_merge_kernel
+            from .lse_merge import merge_grid, split_merge_kernel
 
             rows = B * H * M
-            merge = split_merge_kernel(P, s.dtype)[(-(-rows // MERGE_WARPS),), 32 * MERGE_WARPS]
+            merge = split_merge_kernel(P, s.dtype, self.merge_vec)[merge_grid(rows, D, self.merge_vec)]
 
         def launch() -> None:
             if block_mask is not None:
