@@ -133,7 +133,8 @@ def parse_config(text: str) -> tuple:
     loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
     item's full tiles inside N (extra class32); '-kvpN' split-kv's parts, N a power of two (extra kv_parts; 1: no
     split; default 'auto': emit_fa3.auto_kv_parts on a small grid), '-noofi' every item's ticket from the counter,
-    the first round's too (extra own_first_item); '-nosg' D = 64's 192-row tiles on a small grid
+    the first round's too (extra own_first_item); '-nodec' a call of at most 64 query rows on the persistent
+    kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-nosg' D = 64's 192-row tiles on a small grid
     too (extra small_grid: False); '-nolh' the persistent producer kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
     last one second, ALiBi's default; '-norev' from the first up), '-nobs' its consumers reading their rows' bounds from
@@ -236,6 +237,7 @@ CONFIG_OPTIONS: list = [
     (("nosg", {"small_grid": False}),),
     ("kvp", "kv_parts"),
     (("noofi", {"own_first_item": False}),),
+    (("nodec", {"decode_tiles": False}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

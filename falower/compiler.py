@@ -91,8 +91,10 @@ class CompiledAttention:
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
         used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
         tiling = self._d64_tiling(dtype, path, env)  # D = 64's tiles for these sizes (None: not offered)
+        if self._decode_tiles(dtype, path, env):
+            tiling = "decode"
         parts = self._kv_parts(dtype, path, env, tiling)  # split-kv's parts for these sizes (1: none)
-        key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("d64", tiling),)) \
+        key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("tiles", tiling),)) \
             + (() if parts == 1 else (("kv_parts", parts),))
         if key not in self._kernels:
             spec, built = self._forward_spec(used, dtype, path, tiling, parts)
@@ -159,6 +161,21 @@ class CompiledAttention:
         uniform = self._mask_kind() == "none"  # every q tile the same work
         return "two" if emit_fa3.two_rounds_pay(two, wide, int(blocks), uniform) else "wide"
 
+    def _decode_tiles(self, dtype: str, path: str, env: dict[str, int]) -> bool:
+        """Whether a call with these sizes takes the persistent kernel's decoding tiles (emit_fa3.DECODE_TILES: one
+        consumer warpgroup of 64 rows): the automatic persistent choice on the default pipeline, no mask or a static
+        one (those split-kv parts), at most DECODE_MAX_ROWS query rows, `extra={"decode_tiles": False}` not given.
+        Why: a 128-row q tile for a few rows runs its second warpgroup's products on padding, half the tensor cores'
+        time a kv tile, while decoding is bound by reading K and V (benchmarks/NOTES.md, "Decoding's tiles")."""
+        from .backends.numba_cuda import emit_fa3
+
+        if (self.pipeline != "fa2-fwd" or not self.extra.get("decode_tiles", True)
+                or self._mask_kind() not in ("none", "static")):
+            return False
+        choice = self._auto_choice(dtype, env["D"], path)
+        m = env.get(getattr(self._seq_dims()[0], "name", ""))
+        return bool(choice and choice.get("persistent") and m and int(m) <= emit_fa3.DECODE_MAX_ROWS)
+
     def _kv_parts(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str]) -> int:
         """split-kv's parts for a call with these sizes: `extra["kv_parts"]` where the caller gives a count, else
         (auto) emit_fa3.auto_kv_parts on the call's grid and the kv tiles a q tile visits (on average under a
@@ -195,7 +212,8 @@ class CompiledAttention:
         if heads is None or not m or not n:
             return 1
         ws_tiles = reads_table_tile(self.analysis)
-        bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two")
+        bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two",
+                                decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
         nq, tiles = -(-int(m) // bq), float(-(-int(n) // bk))
         if self._mask_kind() == "static":  # the kv tiles a q tile visits on average, by the cost model's count
@@ -271,7 +289,8 @@ class CompiledAttention:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
             (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`; `two`: D = 64's small-grid
             tiles; `kvp`: split-kv's parts), the caller's own pipeline as it is."""
-            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two)
+            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two,
+                                 decode=tiling == "decode")
             if ragged or kvp > 1:
                 return self._retile(*want, "first" if ragged else "last", kvp, dtype)
             if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
@@ -284,7 +303,8 @@ class CompiledAttention:
             (`_ragged_first_pays`)."""
             if asked is not None or not extra.get("persistent") or self.pipeline != "fa2-fwd":
                 return False
-            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True, two=two))
+            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True, two=two,
+                                                         decode=tiling == "decode"))
 
         def fit_rows(extra: dict, two: bool) -> dict:
             """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
@@ -307,7 +327,8 @@ class CompiledAttention:
         def loses_wide(extra: dict, two: bool) -> bool:
             """A try on the default pipeline's 192 x 128 tiles where the call's sizes make them visit too much more
             work (a narrow window, short causal: `_wide_tiles_pay`), dropped before its graph is lowered."""
-            wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two)
+            wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two,
+                                 decode=tiling == "decode")
             return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and tiling == "narrow"
 
         tries = [(fit_rows(e, t), t) for e, t in tries if not loses_wide(e, t)]
@@ -332,7 +353,7 @@ class CompiledAttention:
                     refused.append(str(e))
                 continue
             if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(
-                    spec, small_grid=two):
+                    spec, small_grid=two or tiling == "decode"):
                 # the automatic choice's persistence, measured slower there: one block an item (IR whose q tiles
                 # start before row 0 only the persistent kernel runs: kept)
                 continue

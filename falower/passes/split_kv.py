@@ -6,7 +6,7 @@ where its last round is partial (plain attention at B = 4, H = 16, N = 4k: 2048 
 3.2% at the end, benchmarks/NOTES.md). Parts along kv multiply the items by P, each a shorter loop, at the cost of
 an O and an LSE a part and the merge. The numba-cuda backend emits this form on its persistent warp-specialized
 kernel (the part in the work item's index, each part's O through the kernel's own epilogue, so in the inputs'
-dtype: `part_dtype`), and falower.compile lowers with it by itself on a grid that fills at most a quarter of the
+dtype: `part_dtype`), and falower.compile lowers with it by itself on a grid that fills at most half of the
 GPU's SMs (compiler._kv_parts).
 
 The pass class says what it requires and shows the rewrite.

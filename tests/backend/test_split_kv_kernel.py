@@ -78,13 +78,14 @@ def test_the_items_decode_every_q_tile_and_part_once(stem):
     assert sorted(got) == [(q, p) for q in range(nq) for p in range(4)] and got[0] == (nq - 1, 0)
 
 
-def test_auto_kv_parts_splits_grids_of_a_quarter_of_the_sms_into_one_round():
+def test_auto_kv_parts_splits_grids_of_half_the_sms_into_one_round():
     assert emit_fa3.auto_kv_parts(8, 64, 132) == 16  # decoding: 8 q tiles (B = 1, H = 8) against 8k keys
     assert emit_fa3.auto_kv_parts(8, 12, 132) == 2  # 12 tiles: four parts would keep 3 each
     assert emit_fa3.auto_kv_parts(33, 64, 132) == 4  # a quarter of the SMs: four parts fill one round
-    assert emit_fa3.auto_kv_parts(34, 64, 132) == 1  # more than a quarter (measured slower split)
-    assert emit_fa3.auto_kv_parts(64, 8, 132) == 1  # B = 1, H = 8, N = 1k: 0.73-0.91x split on the GPU
-    assert emit_fa3.auto_kv_parts(128, 16, 132) == 1
+    assert emit_fa3.auto_kv_parts(34, 64, 132) == 2
+    assert emit_fa3.auto_kv_parts(64, 8, 132) == 2  # B = 1, H = 8, N = 1k: 1.03-1.11x split on the GPU
+    assert emit_fa3.auto_kv_parts(67, 64, 132) == 1  # more than half the SMs
+    assert emit_fa3.auto_kv_parts(128, 16, 132) == 1  # N = 2k: two parts make two rounds (0.81-0.98x)
     assert emit_fa3.auto_kv_parts(16, 7, 132) == 1  # two parts of 3-4 tiles: the fixed costs eat the gain
     assert emit_fa3.auto_kv_parts(1, 10 ** 6, 132) == emit_fa3.KV_PARTS_MAX
 
@@ -106,22 +107,37 @@ def _call(stem: str, B: int, H: int, N: int, D: int = 128, M: int = 0, **extra):
 
 @pytest.mark.parametrize("stem, D, H, M, N, parts", [
     ("plain", 128, 8, 1, 8192, 16), ("plain", 128, 8, 64, 32768, 16), ("plain", 128, 1, 2048, 2048, 4),
-    ("plain", 64, 1, 2048, 2048, 4), ("softcap", 128, 1, 2048, 2048, 4), ("relative_bias", 128, 8, 17, 3000, 4),
+    ("plain", 64, 1, 2048, 2048, 4), ("plain", 128, 8, 1024, 1024, 2), ("plain", 64, 8, 1024, 1024, 2), ("softcap", 128, 1, 2048, 2048, 4), ("relative_bias", 128, 8, 17, 3000, 4),
     ("causal", 128, 1, 4096, 4096, 4), ("alibi", 128, 1, 4096, 4096, 4)])
 def test_a_small_grid_takes_parts_and_its_ir_says_so(hopper, stem, D, H, M, N, parts):
     """Decoding's shapes (8 q tiles against 8k-32k keys) take 16 parts; one head at N = 2k (16 q tiles of 128 rows on
     132 SMs, D = 64 on its two-warpgroup tiles) 4; the IR the kernel was built from is the split-kv form (what --dump
-    shows for the call). Under causal the q tiles visit half the kv tiles on average (16.5 of 32 at N = 4k)."""
+    shows for the call); B = 1, H = 8 at N = 1k (64 q tiles: half the SMs) 2. Under causal the q tiles visit half
+    the kv tiles on average (16.5 of 32 at N = 4k)."""
     kern, ir = _call(stem, 1, H, N, D, M)
-    assert kern.spec.kv_parts == parts and kern.spec.block_q == 128
+    assert kern.spec.kv_parts == parts and kern.spec.block_q == (64 if M <= 64 else 128)  # decoding's tiles
     assert f"parallel_for (%part, %b, %h, %qi) in ({parts}, " in ir and "%o_merged = reduce_sum" in ir
     assert "kv_cnt = max(kv_last - kv_first + 1, 0)" in kern.source
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_decoding_takes_one_consumer_warpgroup(hopper, D):
+    """At most 64 query rows take the persistent kernel's 64-row q tiles (emit_fa3.DECODE_TILES: one consumer
+    warpgroup, no pingpong turns) and their parts, at D = 64 too (whose 128 x 64 kernel had no parts); 65 rows,
+    a block list or extra decode_tiles=False keep the tiles they had."""
+    for M in (1, 2, 63, 64):
+        kern, ir = _call("plain", 1, 8, 8192, D, M)
+        assert (kern.spec.block_q, kern.spec.block_k, kern.spec.kv_parts) == (64, 128, 16), M
+        assert "bar_sync(1 + cw, 256)" not in kern.source and "+ 1 consumer warpgroups" in kern.source
+        assert "tile{bq=64,bk=128}" in ir or "cdiv(M, 64)" in ir
+    assert _call("plain", 1, 8, 8192, D, 65)[0].spec.block_q == 128
+    assert _call("plain", 1, 8, 8192, D, 1, decode_tiles=False)[0].spec.block_q == 128
+    assert _call("document", 1, 8, 8192, D, 1)[0].spec.block_q != 64
 
 
 def test_what_keeps_one_part(hopper):
     assert _call("plain", 4, 16, 4096)[0].spec.kv_parts == 1  # a large grid
     assert _call("plain", 1, 8, 2048)[0].spec.kv_parts == 1  # 128 items: the SMs are full
-    assert _call("plain", 1, 8, 1024)[0].spec.kv_parts == 1  # 64 items: half the SMs (measured slower split)
     assert _call("document", 1, 1, 1024, M=1)[0].spec.kv_parts == 1  # a block list (data-dependent mask)
     assert _call("causal", 1, 1, 1024)[0].spec.kv_parts == 1  # 4.5 of 8 kv tiles a q tile on average
     assert _call("sliding_window", 1, 1, 4096)[0].spec.kv_parts == 1  # a 48-wide window: 1-2 tiles a q tile

@@ -84,7 +84,7 @@ def test_what_three_warpgroups_refuse(change: dict, missing: str):
 
 
 def test_other_row_counts_are_refused():
-    with pytest.raises(ValueError, match="block_q must be 128 or 192"):
+    with pytest.raises(ValueError, match="block_q must be 64, 128 or 192"):
         emit_fa3_ws.validate_spec(spec(bq=256))
 
 

@@ -48,7 +48,7 @@ def _host(g, env, dtype, seed):
                                       if (s, d) != ("sliding_window", 64)])
 def test_a_small_grid_splits_and_keeps_the_error_rule(stem, dtype, D):
     """B = 1, H = 8, N = 1000 in the caller's two parts: 64 q tiles of 128 rows, the last kv tile ragged (the
-    automatic choice keeps one part there: measured slower split). (The 48-wide window at D = 64 takes emit_fa3's
+    automatic choice's too, for the unmasked examples). (The 48-wide window at D = 64 takes emit_fa3's
     128 x 64 kernel, which has no parts: the caller's count falls back to it unsplit, test_split_kv_kernel.py.)"""
     _hopper()
     g, c = _compiled(stem, dtype, 2)
@@ -76,6 +76,23 @@ def test_the_automatic_choice_on_decoding_takes_sixteen_parts():
     env = bind_dims(g, {"B": 1, "H": 8, "M": 1, "N": 8192, "D": 128})
     assert c.specialize("f16", **env).spec.kv_parts == 16  # 8 q tiles, 64 kv tiles
     assert_error_rule(g, c, env, _host(g, env, "f16", seed=1), "f16")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("stem, M, N", [("plain", 1, 8192), ("plain", 64, 5000), ("causal", 1, 3000),
+                                        ("alibi", 33, 4096), ("relative_bias", 17, 3000), ("softcap", 64, 2000),
+                                        ("gqa", 1, 4096), ("prefix_lm", 20, 3000)])
+def test_decoding_tiles_keep_the_error_rule(stem, M, N, D):
+    """At most 64 query rows, the automatic choice: the persistent kernel with one consumer warpgroup on 64-row q
+    tiles (emit_fa3.DECODE_TILES), at D = 64 and 128 (B = 2, H = 4; GQA's HKV = 2); its q tiles in parts where
+    the rows see many keys (the causal masks' first rows see one kv tile: one part)."""
+    _hopper()
+    g, c = _compiled(stem, "f16", "auto")
+    env = bind_dims(g, {"B": 2, "H": 4, "HKV": 2, "M": M, "N": N, "D": D})
+    kern = c.specialize("f16", **env)
+    assert kern.spec.block_q == 64
+    assert (kern.spec.kv_parts > 1) == (stem in ("plain", "relative_bias", "softcap", "gqa")), kern.spec.kv_parts
+    assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + N + D), "f16")
 
 
 def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch):

@@ -173,13 +173,16 @@ def plain_extra(head_dim: int, block_mask: str = "none") -> dict:
 
 
 def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False,
-          persistent: bool = False, two: bool = False) -> tuple[int, int]:
+          persistent: bool = False, two: bool = False, decode: bool = False) -> tuple[int, int]:
     """block_q x block_k of the automatic choice: 128 x 128 at D = 128 (400 vs 383 TFLOP/s for 128 x 64 at
     N = 4k), block lists included since the row bounds and the ws kernel's copies (the document mask, 8 documents
     a row at N = 4k: 227 vs 204 on 128 x 64, twice in one call, H100 2026-11-24; 135 vs 173 before them);
     128 x 64 at D = 64 (349 vs 293 for 128 x 128: 255 registers with 128-wide S), except for a score that
     reads a table tile (`auto_extra`: 128 x 128 on the warp-specialized kernel) and the persistent kernel
-    (`persistent`, D = 64: `WIDE_TILES`, three consumer warpgroups; `two`: on a small grid, `TWO_TILES`, two)."""
+    (`persistent`, D = 64: `WIDE_TILES`, three consumer warpgroups; `two`: on a small grid, `TWO_TILES`, two;
+    `decode`: a call of at most 64 query rows, DECODE_TILES, one)."""
+    if persistent and decode:
+        return DECODE_TILES
     if head_dim == 64 and persistent:
         return TWO_TILES if two else WIDE_TILES
     if head_dim == 64 and table_tile and block_mask == "none":
@@ -189,6 +192,9 @@ def tiles(head_dim: int, block_mask: str = "none", table_tile: bool = False,
 
 WIDE_TILES = (192, 128)  # D = 64's persistent kernel: three consumer warpgroups of 64 rows (FlashAttention-3's tile)
 TWO_TILES = (128, 128)  # ... the same kernel with two consumer warpgroups: a small grid's (two_rounds_pay)
+DECODE_TILES = (64, 128)  # the persistent kernel with one consumer warpgroup: decoding's (M <= 64: a 128-row q tile
+# would run its second warpgroup's wgmmas on padding)
+DECODE_MAX_ROWS = 64
 WIDE_MIN_WORK_RATIO = 0.85  # the least (128 x 64 tiles' visited FLOPs) / (WIDE_TILES') that takes them (below)
 WIDE_REFERENCE_N = 4096  # the longest length at which falower.compile counts both tilings' work (and where no size)
 WIDE_MIN_N = 1024  # the shortest kv length (rounded up to 64) that takes them: shorter items cannot pay their fixed
@@ -246,7 +252,7 @@ KV_PART_MIN_TILES = 4  # the fewest kv tiles a part keeps: an item's fixed cost 
 # per-item cost"), and the merge reads every part's O again
 
 
-KV_SPLIT_MAX_FILL = 0.25  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
+KV_SPLIT_MAX_FILL = 0.5  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
 
 
 def auto_kv_parts(items: int, kv_tiles: int, sm_count: int) -> int:
@@ -256,11 +262,11 @@ def auto_kv_parts(items: int, kv_tiles: int, sm_count: int) -> int:
     still fit one round of the blocks (items x P <= sm_count) and leave each part KV_PART_MIN_TILES tiles.
 
     Measured (H200 2026-11-30, each kernel and the merge captured in CUDA graphs, GPU time only; benchmarks/NOTES.md
-    "split-kv on the GPU"): decoding's shapes (B = 1, H = 8, M = 1 or 64: 8 q tiles, N = 8k / 32k) 3.1x / 5.4-5.9x
-    faster with 16 parts than without; the small prefill grid (B = 1, H = 8, N = 1k / 2k: 64 / 128 q tiles) 0.73-0.91x
-    of one part at D = 64 and 128, plain and causal, with 2 or 4 parts (one exception, D = 128 plain at 2k: 1.26x).
-    Two parts of a 64-item grid fill the SMs with items of 4 kv tiles whose fixed costs (Q, the epilogue, the
-    parts' O written and read again by the merge) outweigh the halved loop; a grid of 8 items leaves 124 SMs idle."""
+    "split-kv on the GPU", "The merge 16 bytes a thread"): decoding's shapes (B = 1, H = 8, M = 1 or 64: 8 q tiles,
+    N = 8k / 32k) 4.6-9.2x faster with 16 parts than without. The small prefill grid (B = 1, H = 8, N = 1k: 64 q
+    tiles of 8 kv tiles) with two parts: 1.03-1.04x at D = 128 and 1.06-1.11x at D = 64 (three calls; the merge
+    16 bytes a thread: 0.73-0.91x with the first merge), so a grid filling half the SMs splits; at N = 2k (128 q
+    tiles: two parts make two rounds) 0.81-0.98x, so a fuller grid does not. A grid of 8 items leaves 124 SMs idle."""
     if items > KV_SPLIT_MAX_FILL * sm_count:
         return 1
     P = 1

@@ -497,7 +497,7 @@ def table_tiles(spec: FA2ForwardSpec) -> bool:
 
 
 def pingpong(spec: FA2ForwardSpec) -> bool:
-    return bool(spec.extra.get("pingpong", True))
+    return bool(spec.extra.get("pingpong", True)) and spec.block_q > 64  # (one consumer warpgroup: no turns)
 
 
 LIST_PRODUCER_REGS = 88  # a persistent kernel's producer registers under a block list without tma_loads
@@ -950,9 +950,15 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
 
     _fa3_validate(dataclasses.replace(spec, extra={**spec.extra, "schedule": "wgmma"}, ragged_q_first=False,
                                       kv_parts=1))
-    if spec.block_q not in (128, 192):
-        raise ValueError(f"wgmma-ws: block_q must be 128 or 192 (two or three consumer warpgroups), got "
+    if spec.block_q not in (64, 128, 192):
+        raise ValueError(f"wgmma-ws: block_q must be 64, 128 or 192 (one, two or three consumer warpgroups), got "
                          f"{spec.block_q}")
+    if spec.block_q == 64:  # one consumer warpgroup: decoding's tiles (emit_fa3.DECODE_TILES)
+        why = [w for w, bad in [
+            ("a persistent kernel", not persistent(spec)), ("a producer warpgroup", producer(spec) != "warpgroup"),
+            ("TMA loads", not tma_loads(spec))] if bad]
+        if why:
+            raise ValueError(f"wgmma-ws: one consumer warpgroup (block_q 64) needs {', '.join(why)}")
     if spec.block_q == 192:  # three consumer warpgroups: so far the persistent producer warpgroup's form only
         why = [w for w, bad in [
             ("D = 64", spec.head_dim != 64), ("a persistent kernel", not persistent(spec)),
