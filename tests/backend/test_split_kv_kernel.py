@@ -135,6 +135,14 @@ def test_decoding_takes_one_consumer_warpgroup(hopper, D):
     assert _call("document", 1, 8, 8192, D, 1)[0].spec.block_q != 64
 
 
+def test_the_merge_is_launched_programmatically_where_it_fits_the_idle_sms():
+    from falower.backends.numba_cuda.runtime import merge_programmatic
+
+    assert merge_programmatic(1, 4)  # decoding, M = 1: one merge block, 128 of 132 SMs busy
+    assert not merge_programmatic(64, 4)  # M = 64: 64 blocks would pile onto the 4 idle SMs
+    assert not merge_programmatic(1, 0) and not merge_programmatic(0, 4)
+
+
 def test_what_keeps_one_part(hopper):
     assert _call("plain", 4, 16, 4096)[0].spec.kv_parts == 1  # a large grid
     assert _call("plain", 1, 8, 2048)[0].spec.kv_parts == 1  # 128 items: the SMs are full

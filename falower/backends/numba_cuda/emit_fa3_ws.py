@@ -1147,6 +1147,9 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     item_state(c)
     c("if not it_ok:")
     with c.indent():
+        if producer_side and spec.kv_parts > 1:
+            c("griddep_launch_dependents()  # split-kv's merge, launched to depend on this grid, may be placed as the "
+              "last items end (it waits for the parts)")
         c("break")
     if dynamic and producer_side:
         c("if tid == 0:")
@@ -2466,4 +2469,5 @@ def emit_fa3_ws_forward(spec: FA2ForwardSpec) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec) + f" schedule={SCHEDULE}").replace(
         "emit_fa2 -- do not edit.", "emit_fa3_ws -- do not edit.")
     code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))
-    return header + _WGMMA_IMPORTS + _WS_IMPORTS + "\n\n" + code
+    split = "from falower.backends.numba_cuda.intrinsics import griddep_launch_dependents\n" if spec.kv_parts > 1 else ""
+    return header + _WGMMA_IMPORTS + _WS_IMPORTS + split + "\n\n" + code

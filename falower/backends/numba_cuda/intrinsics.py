@@ -21,6 +21,11 @@ Public names (identical in both modes):
     cp_async16                     (smem_u16_array, s_index, global_array, g_index, src_bytes) 16 bytes,
                                    zero-filled beyond src_bytes (0 or 16)
     cp_async_commit(), cp_async_wait0(), cp_async_wait1()
+    griddep_wait()                 griddepcontrol.wait: until the grid this one was launched to depend on
+                                   programmatically (runtime._launcher's `programmatic`) has finished and its
+                                   writes are visible; nothing where there is none (sm_90)
+    griddep_launch_dependents()    griddepcontrol.launch_dependents: the grid launched after this one
+                                   programmatically may start once every block has said so (sm_90)
     smem_base                      (shared array) -> uint32 shared-window byte address of element 0 (the
                                    dynamic area or a static array)
     ldsm_x4, ldsm_x4_trans         (shared byte address: uint32) -> (r0, r1, r2, r3)   (32-bit addressing)
@@ -131,6 +136,8 @@ __all__ = [
     "ldsm_x4",
     "ldsm_x4_trans",
     "cp_async_commit",
+    "griddep_wait",
+    "griddep_launch_dependents",
     "cp_async_wait0",
     "cp_async_wait1",
     "pack_f16x2",
@@ -627,6 +634,12 @@ if SIMULATOR:
             sview[s0 : s0 + n] = 0
 
     def cp_async_commit():
+        pass
+
+    def griddep_wait():  # the simulator runs one launch at a time
+        pass
+
+    def griddep_launch_dependents():
         pass
 
     def prefetch_l2(garr, idx):
@@ -1598,6 +1611,8 @@ else:
     cp_async_commit = _void_asm_intrinsic("cp_async_commit", "cp.async.commit_group;")
     cp_async_wait0 = _void_asm_intrinsic("cp_async_wait0", "cp.async.wait_group 0;")
     cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
+    griddep_wait = _void_asm_intrinsic("griddep_wait", "griddepcontrol.wait;")
+    griddep_launch_dependents = _void_asm_intrinsic("griddep_launch_dependents", "griddepcontrol.launch_dependents;")
 
     # ---- conversions ------------------------------------------------------------------------------
 

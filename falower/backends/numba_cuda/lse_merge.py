@@ -48,8 +48,10 @@ def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
     sum or 1 where it is 0), then its O as their weighted sum. A thread takes `vec` consecutive elements of a row:
     with vec > 1 one 16-byte load a part and one store (ldg_vec / stg_vec), every part's load independent of the
     shares, so a thread waits for memory about once. Each thread computes its row's shares itself (parts exps; the
-    LSE loads are one transaction for the row's threads). Launch with merge_grid(rows, D, vec)."""
-    from .intrinsics import ldg_vec, stg_vec
+    LSE loads are one transaction for the row's threads). Launch with merge_grid(rows, D, vec); a launch that
+    depends programmatically on the kernel that wrote the parts (runtime._launcher) waits for it first
+    (griddep_wait), so its blocks are placed while that kernel's last items run."""
+    from .intrinsics import griddep_wait, ldg_vec, stg_vec
 
     neg_inf = np.float32(-math.inf)
 
@@ -82,6 +84,7 @@ def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
 
     @cuda.jit
     def merge(o_parts, lse_parts, o, lse, rows, D):
+        griddep_wait()  # launched while split-kv's kernel runs (programmatic): its parts complete first
         per_row = D // vec
         t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         row = t // per_row

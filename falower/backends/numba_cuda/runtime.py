@@ -540,13 +540,78 @@ def _ctypes_launch() -> Any:
     return _LIBCUDA_LAUNCH[0]
 
 
-def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer):
-    """A function of the stream that enqueues `func` with `buf`'s parameters (grid and block fixed)."""
+_LIBCUDA_LAUNCH_EX: list = []  # [ctypes cuLaunchKernelEx or None], looked up once
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: the kernel may start before the one before it ends
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _ctypes_launch_ex() -> Any:
+    """libcuda's cuLaunchKernelEx through ctypes (launch attributes), or None."""
+    if not _LIBCUDA_LAUNCH_EX:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _LIBCUDA_LAUNCH_EX.append(fn)
+        except (OSError, AttributeError):
+            _LIBCUDA_LAUNCH_EX.append(None)
+    return _LIBCUDA_LAUNCH_EX[0]
+
+
+def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, address: int, plain: Any) -> Any:
+    """`plain`'s launch with programmatic stream serialization: the kernel's blocks may be placed while the kernel
+    before it on the stream still runs (once that one's blocks have all run griddep_launch_dependents), and it
+    waits for that kernel's writes at its griddep_wait (sm_90: what hides split-kv's merge's launch behind the
+    parts' last items). Where the driver refuses the attribute, `plain` from then on. FALOWER_PDL=0 turns it off."""
+    fn = _ctypes_launch_ex()
+    if fn is None or os.environ.get("FALOWER_PDL", "1") == "0":
+        return plain
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
+                           attrs=ctypes.pointer(attr), num_attrs=1)
+    refused: list = []
+
+    def run(stream: int) -> None:
+        if refused:
+            return plain(stream)
+        config.stream = stream
+        err = fn(ctypes.byref(config), handle, address, None)
+        if err:
+            refused.append(err)
+            plain(stream)
+
+    run.keep = (attr, config)  # type: ignore[attr-defined]  # the structures the pointers above point into
+    return run
+
+
+def merge_programmatic(merge_blocks: int, idle_sms: int) -> bool:
+    """Whether split-kv's merge is launched programmatically (_programmatic_launcher): where its blocks fit the SMs
+    the kernel's grid leaves idle. Measured (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Decoding's tiles"):
+    decoding M = 1 (one merge block, 4 idle SMs) 0.8-1.1 us faster of 12-16; M = 64 (64 blocks) 2.0-2.5 us slower,
+    as the early blocks pile onto the few SMs free when the kernel's producers run out of items."""
+    return 0 < merge_blocks <= idle_sms
+
+
+def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer, programmatic: bool = False):
+    """A function of the stream that enqueues `func` with `buf`'s parameters (grid and block fixed);
+    `programmatic`: may start while the kernel before it runs (_programmatic_launcher; the ctypes path only)."""
     gx, gy, gz = (tuple(int(g) for g in grid) + (1, 1))[:3]
     address = buf.address
     fast = _ctypes_launch()
     if fast is not None and os.environ.get("FALOWER_LAUNCH") != "bindings":
         handle = int(func)
+        if programmatic:
+            plain = _launcher(func, grid, block, smem, buf)
+            return _programmatic_launcher(handle, (gx, gy, gz), block, smem, address, plain)
 
         def run_ctypes(stream: int) -> None:
             err = fast(handle, gx, gy, gz, block, 1, 1, smem, stream, address, None)
@@ -710,7 +775,8 @@ class _ForwardPlan:
         if self.table_n:  # the dense block table: launched only for data not seen before (block_data.BlockTables)
             self.mask_launch = _launcher(kern._direct_kernel("mask").function(dev), (nk, nq, B * H), 128, 0,
                                          mask_buf)  # type: ignore[arg-type]
-        self.launches.append(_launcher(main.function(dev), grid(s, B, H, M, N), kern.threads, kern.smem, buf))
+        main_grid = grid(s, B, H, M, N)
+        self.launches.append(_launcher(main.function(dev), main_grid, kern.threads, kern.smem, buf))
         self.merge_slots: list[int] = []
         if P > 1:  # the LSE merge of the parts into O and LSE (lse_merge.split_merge_kernel), after the kernel
             from .lse_merge import merge_grid
@@ -723,7 +789,9 @@ class _ForwardPlan:
             mbuf.scalar(5, D)
             self.merge_buf = mbuf
             blocks, threads = merge_grid(rows, D, kern.merge_vec)
-            self.launches.append(_launcher(mk.function(dev), (blocks,), threads, 0, mbuf))
+            idle = (device_sm_count() or 0) - int(np.prod(main_grid))  # SMs the kernel's persistent grid leaves
+            self.launches.append(_launcher(mk.function(dev), (blocks,), threads, 0, mbuf,
+                                           programmatic=merge_programmatic(blocks, idle)))
         self.stream = _raw_stream_getter()
 
     def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
