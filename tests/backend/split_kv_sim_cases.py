@@ -43,11 +43,14 @@ CASES = {
     "gqa-p2-d128": ("gqa", 130, 260, 128, (128, 128), 2, "f16", "last"),
     # two batches (the workspaces' part-major layout, kvp B + b) on three blocks (each block's first item its own,
     # the counter's tickets the rest: own_first_item), 16 items
-    # one consumer warpgroup (64-row q tiles, decoding's: emit_fa3.DECODE_TILES), one query row against 3 kv tiles
-    "plain-p4-decode-d128": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last"),
+    # one consumer warpgroup (64-row q tiles, decoding's: emit_fa3.DECODE_TILES), one query row against 3 kv tiles;
+    # the q tile's last part merging in the kernel (extra fused_merge), and the merge kernel
+    "plain-p4-decode-d128": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last", {"fused_merge": True}),
+    "plain-p4-decode-d128-merge-kernel": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last"),
     # ... ALiBi at M = 50 on two batches and three blocks; the relative bias's run of the table (row_slice) at D = 128
-    "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last", {"B": 2, "persistent": 3}),
-    "relbias-p2-decode-m17": ("relative_bias", 17, 300, 128, (64, 128), 2, "f16", "last"),
+    "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last",
+                            {"B": 2, "persistent": 3, "fused_merge": True}),
+    "relbias-p2-decode-m17": ("relative_bias", 17, 300, 128, (64, 128), 2, "f16", "last", {"fused_merge": True}),
     "causal-p4-b2-three-blocks": ("causal", 250, 300, 64, (128, 128), 4, "f16", "last", {"B": 2, "persistent": 3}),
 }
 
@@ -69,12 +72,15 @@ def run_case(case_id: str) -> dict:
     pipe = tiled_pipeline(bq, bk) + f",split-kv{{parts={P},part_dtype={dt}}}"
     if ragged == "first":
         pipe = pipe.replace(f"tile{{bq={bq},bk={bk}}}", f"tile{{bq={bq},bk={bk},ragged_q=first}}")
-    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra={**PWG, "persistent": over.get("persistent", 1)})
+    c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra={**PWG, "persistent": over.get("persistent", 1),
+                                                                       **({"fused_merge": True}
+                                                                          if over.get("fused_merge") else {})})
     kern = c.kernel(*host)
     o, lse = c(*host)
     o = _value(np.asarray(o), dt)
     return {"id": case_id, "dtype": dt, "kv_parts": kern.spec.kv_parts, "ragged_first": kern.spec.ragged_q_first,
             "shares": "kv_cnt = max(kv_last - kv_first + 1, 0)" in kern.source,
+            "fused": "merge_unit(o, lse" in kern.source,  # the q tile's last part merges (fused_merge)
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

@@ -135,6 +135,22 @@ def test_decoding_takes_one_consumer_warpgroup(hopper, D):
     assert _call("document", 1, 8, 8192, D, 1)[0].spec.block_q != 64
 
 
+def test_decodings_kernel_merges_its_parts_itself_where_asked(hopper):
+    """extra fused_merge=True on decoding's tiles: the q tile's last part merges the parts in the kernel
+    (emit_fa3_ws.fused_merge: its threads store O themselves); by default (measured slower) and on the prefill grid's
+    kernel (TMA stores of O, the epilogue carried to the next item) the merge kernel, launched programmatically where
+    it fits."""
+    kern, _ = _call("plain", 1, 8, 8192, 128, 1, fused_merge=True)
+    assert emit_fa3_ws.fused_merge(kern.spec) and "merge_unit(o, lse, o_fin, lse_fin" in kern.source
+    assert "o_fin, lse_fin, arrivals" in kern.source and "griddep_launch_dependents" not in kern.source
+    assert "fence_acq_rel_gpu()" in kern.source and "cuda.atomic.add(arrivals" in kern.source
+    kern, _ = _call("plain", 1, 8, 8192, 128, 1)
+    assert not emit_fa3_ws.fused_merge(kern.spec) and "merge_unit" not in kern.source
+    assert "griddep_launch_dependents()" in kern.source
+    kern, _ = _call("plain", 1, 8, 1024, fused_merge=True)  # two parts of 128-row tiles: no fused form
+    assert kern.spec.kv_parts == 2 and not emit_fa3_ws.fused_merge(kern.spec) and "merge_unit" not in kern.source
+
+
 def test_the_merge_is_launched_programmatically_where_it_fits_the_idle_sms():
     from falower.backends.numba_cuda.runtime import merge_programmatic
 

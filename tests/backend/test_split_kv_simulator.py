@@ -3,7 +3,8 @@ kernel with a part index in its work items and the LSE merge after it, through f
 against the float64 reference of the unsplit graph. Cases: shares of one kv tile and empty parts (more parts than
 tiles), rows no key sees, ALiBi's column term and kv order, the relative bias's runs of the table, three consumer
 warpgroups with the short q tile first, GQA at D = 128, two batches on three blocks, one consumer warpgroup on
-decoding's 64-row q tiles (plain, ALiBi, the relative bias). A share that visits a tile twice moves LSE by up to
+decoding's 64-row q tiles (plain, ALiBi, the relative bias), their q tiles' last parts merging in the kernel
+(extra fused_merge) and not. A share that visits a tile twice moves LSE by up to
 log 2, one that skips a tile moves O: both far past the tolerances."""
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def results(tmp_path_factory):
 def test_the_split_kernel_and_its_merge_match_the_reference(results, case):
     r = results.get(case)
     assert_forward_close(r)
-    stem, M, N, D, (bq, bk), P, dt, ragged, *_ = CASES[case]
+    stem, M, N, D, (bq, bk), P, dt, ragged, *more = CASES[case]
     assert r["kv_parts"] == P and r["shares"], r  # the kernel took the parts (and shares its range by them)
     assert r["ragged_first"] == (ragged == "first"), r
+    assert r["fused"] == bool(more and more[0].get("fused_merge")), r  # the merge in the kernel where asked
     assert r["lse_inf_ok"], r  # rows no key sees: LSE -inf (and O 0, in o_err) after the merge
     if case == "window-p2-unseen-rows":  # rows q >= N + 47 see no key (keys q - 47 .. q), in both heads
         assert r["masked_rows"] == 2 * (M - (N + 47)), r

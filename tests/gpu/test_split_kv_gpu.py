@@ -95,15 +95,22 @@ def test_decoding_tiles_keep_the_error_rule(stem, M, N, D):
     assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + N + D), "f16")
 
 
-def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch):
-    """The direct plan (the kernel's workspaces for the stream, the merge by cuLaunchKernel), Numba's launch path
-    (FALOWER_DIRECT_LAUNCH=0) and the bare kernel's relaunch: the same O and LSE, bit for bit."""
+@pytest.mark.parametrize("causal, M, N, fused", [(True, 1024, 1024, False), (False, 1, 4096, False),
+                                                 (False, 1, 4096, True)])
+def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch, causal, M, N, fused):
+    """The direct plan (the kernel's workspaces for the stream, the merge by cuLaunchKernel, or by the kernel itself
+    on decoding's tiles where asked: fused_merge), Numba's launch path (FALOWER_DIRECT_LAUNCH=0) and the bare
+    kernel's relaunch: the same O and LSE, bit for bit, call after call (the fused merge's counts carry over mod P)."""
+    from falower.backends.numba_cuda import emit_fa3_ws
+
     _hopper()
-    g, c = _compiled("causal", "f16", 4)
-    env = bind_dims(g, {"B": 1, "H": 8, "M": 1024, "N": 1024, "D": 128})
+    g, _ = graph("causal" if causal else "plain", "f16")
+    c = fl.compile(g, "numba-cuda", extra={"kv_parts": 4, **({"fused_merge": True} if fused else {})})
+    env = bind_dims(g, {"B": 1, "H": 8, "M": M, "N": N, "D": 128})
     kern = c.specialize("f16", **env)
-    assert kern.spec.kv_parts == 4
-    q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    assert kern.spec.kv_parts == 4 and emit_fa3_ws.fused_merge(kern.spec) == fused
+    q = torch.randn(1, 8, M, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 8, N, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     o1, lse1 = kern(q, k, v)
     launch, finish = kern.relaunch(q, k, v)
     launch()
@@ -113,7 +120,13 @@ def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch):
     torch.cuda.synchronize()
     for o, lse in ((o2, lse2), (o3, lse3)):
         assert torch.equal(o, o1) and torch.equal(lse, lse1)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o4, lse4 = kern(q, k, v)  # Numba's path again (its counts, kept for stream 0, carry over)
+    monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", "1")
+    o5, lse5 = kern(q, k, v)  # the direct plan again, after Numba's launches
+    torch.cuda.synchronize()
+    for o, lse in ((o4, lse4), (o5, lse5)):
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     assert (o1.float() - want.float()).abs().max().item() < 4e-3
 
 

@@ -602,12 +602,24 @@ def uses_kv_maps(spec: FA2ForwardSpec) -> bool:
     return emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.tma_loads(spec)
 
 
+def uses_fused_merge(spec: FA2ForwardSpec) -> bool:
+    """The kernel takes `o_fin, lse_fin, arrivals` after its maps: split-kv's merge in the kernel itself
+    (emit_fa3_ws.fused_merge): o and lse are then the parts' workspaces, o_fin and lse_fin the call's O and LSE,
+    arrivals int32 [B H nq consumer warpgroups], zeroed when made."""
+    if not uses_wgmma(spec) or spec.kv_parts == 1:
+        return False
+    from . import emit_fa3_ws
+
+    return emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.fused_merge(spec)
+
+
 def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     work = ", work" if uses_work_counter(spec) else ""
     omap = ", omap" if uses_o_map(spec) else ""
     kvmaps = ", qmap, kmap, vmap" if uses_kv_maps(spec) else ""
-    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{kvmaps}{_cap_args(spec)}"
+    fused = ", o_fin, lse_fin, arrivals" if uses_fused_merge(spec) else ""
+    return f"q, k, v, o, lse, B, H, M, N, {STRIDES}{table}{work}{omap}{kvmaps}{fused}{_cap_args(spec)}"
 
 
 def emit_ldmatrix_lanes(c: _Code, swz: int) -> None:

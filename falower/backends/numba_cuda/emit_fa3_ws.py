@@ -797,6 +797,51 @@ def epilogue_in_s(spec: FA2ForwardSpec) -> bool:
     return _epilogue_in_s_asked(spec) and staged_epilogue(spec)
 
 
+def fused_merge(spec: FA2ForwardSpec) -> bool:
+    """Whether split-kv's LSE merge runs in the kernel itself (FlashDecoding's last block): each consumer warpgroup,
+    after its part's O and LSE are stored, fenced, counts its rows' parts done (an int32 a warpgroup's rows,
+    `arrivals`, that only grows: the count mod P), and the last of the P merges them all from L2
+    (lse_merge.fused_merge_unit) into the call's O and LSE (o_fin, lse_fin), so no merge launch follows. Where the
+    item's O leaves by the threads' own stores (the staged epilogue in the item's Q buffer, q_double; no TMA or bulk
+    copies, not carried to the next item: decoding's 64-row tiles) and D is a multiple of 8, asked for by
+    `extra["fused_merge"]` (bench '-fm'). Off by default: right on the GPU (its tests, bit for bit against Numba's
+    path and the relaunch, call after call) but slower than the merge kernel (H200 2026-11-30, CUDA graphs,
+    benchmarks/NOTES.md "The merge in the kernel"): decoding M = 1 15.7 against 14.8 us at D = 128 and 13.2 against
+    12.1 at D = 64, N = 8k; M = 64 27.5 against 16.2. Each part's fence waits for its stores, the count and the last
+    part's reads of the others run after the kernel's critical path, and at M = 64 one warpgroup a q tile reads all
+    16 parts' 64 rows (256 KB) where the merge kernel spreads them over 64 blocks."""
+    return (spec.kv_parts > 1 and bool(spec.extra.get("fused_merge", False)) and bool(persistent(spec))
+            and producer(spec) == "warpgroup" and q_double(spec) and not epilogue_in_s(spec)
+            and not tma_store(spec) and not bulk_store(spec) and spec.head_dim % 8 == 0
+            and consumer_wgs(spec) * 64 == spec.block_q)  # (64 rows a warpgroup: the merge's loop below)
+
+
+def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
+    """fused_merge's count and merge, after the warpgroup's staged epilogue stored its rows of the part."""
+    P, D, NWC = spec.kv_parts, spec.head_dim, consumer_wgs(spec)
+    c("# split-kv's merge in the kernel (fused_merge): the last of the q tile's parts to finish merges them all")
+    c("fence_acq_rel_gpu()  # this thread's O and LSE of the part reach the GPU before the count below")
+    c(f"bar_sync({epi} + cw, 128)  # every thread of the warpgroup has stored and fenced")
+    c("if (ctid & 127) == 0:")
+    with c.indent():
+        c("fence_acq_rel_gpu()  # (the warpgroup's stores, seen through the barrier, before the count)")
+        c(f"fm[cw] = cuda.atomic.add(arrivals, ((b * H + h) * nq + qt) * {NWC} + cw, 1)  # these rows' parts "
+          "counted before this one")
+        c("fence_acq_rel_gpu()")
+    c(f"bar_sync({epi} + cw, 128)")
+    c(f"if (fm[cw] & {P - 1}) == {P - 1}:  # the last of the {P} parts (the count only grows: mod P, never reset)")
+    with c.indent():
+        c("fence_acq_rel_gpu()  # the parts counted before this one are visible")
+        c(f"for ei in range({64 * D // 8 // 128}):  # the warpgroup's 64 rows in 16-byte chunks")
+        with c.indent():
+            c("mc = (ctid & 127) + ei * 128")
+            c(f"mr = mc // {D // 8}")
+            c("mq = q_lo + cw * 64 + mr")
+            c("if 0 <= mq < M:")
+            with c.indent():
+                c(f"merge_unit(o, lse, o_fin, lse_fin, B * H * M, {D}, (b * H + h) * M + mq, mc - mr * {D // 8})")
+
+
 def _epilogue_in_s_asked(spec: FA2ForwardSpec) -> bool:
     """`epilogue_in_s` but for its room (the O buffer, which `_layout` decides: it asks this)."""
     asked = spec.extra.get("epilogue_in_s", small_scores(spec) is None)
@@ -1147,7 +1192,7 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     item_state(c)
     c("if not it_ok:")
     with c.indent():
-        if producer_side and spec.kv_parts > 1:
+        if producer_side and spec.kv_parts > 1 and not fused_merge(spec):
             c("griddep_launch_dependents()  # split-kv's merge, launched to depend on this grid, may be placed as the "
               "last items end (it waits for the parts)")
         c("break")
@@ -2263,6 +2308,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                                   "its Q tile is free")
             c(f"mbar_arrive(bars + {lay['q_empty']} + (qk & 1) * 8)  # this thread is done with the item's Q "
               "buffer: the producer may load an item into it")
+            if fused_merge(spec):
+                _emit_fused_merge(c, spec, EPI)
         elif staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")
             _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
@@ -2377,6 +2424,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32{', alignment=8' if pairs else ''})  # "
               "the consumer warpgroups' runs of the table, two each (row_slice)"
               + (", with their shifted copies (slice_pairs)" if pairs else ""))
+        if fused_merge(spec):
+            c(f"fm = cuda.shared.array({consumer_wgs(spec)}, np.int32)  # each consumer warpgroup's count of its "
+              "rows' parts (fused_merge)")
         if uses_work_counter(spec):
             c(f"tick = cuda.shared.array({tick_words(spec)}, np.int32)  # the items' tickets "
               "from the producer (item_order dynamic)" + (", then their list heads" if list_head_shared(spec) else ""))
@@ -2469,5 +2519,9 @@ def emit_fa3_ws_forward(spec: FA2ForwardSpec) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec) + f" schedule={SCHEDULE}").replace(
         "emit_fa2 -- do not edit.", "emit_fa3_ws -- do not edit.")
     code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))
-    split = "from falower.backends.numba_cuda.intrinsics import griddep_launch_dependents\n" if spec.kv_parts > 1 else ""
+    split = "" if spec.kv_parts == 1 else (
+        "from falower.backends.numba_cuda.intrinsics import fence_acq_rel_gpu\n"
+        "from falower.backends.numba_cuda.lse_merge import fused_merge_unit\n\n"
+        f"merge_unit = fused_merge_unit({spec.kv_parts}, {spec.dtype!r})  # split-kv's merge of a row's 8 elements\n"
+        if fused_merge(spec) else "from falower.backends.numba_cuda.intrinsics import griddep_launch_dependents\n")
     return header + _WGMMA_IMPORTS + _WS_IMPORTS + split + "\n\n" + code

@@ -72,6 +72,11 @@ Public names (identical in both modes):
                                    knows the result is the same in every lane, which a ballot's or a shuffle's
                                    result is not to it
     warp_sum                       (x: int32) -> int32: the sum of x over the warp's 32 lanes (redux.sync.add)
+    ldg_cg_vec, ldg_cg_f32         (1-D array of 4-byte words, index) -> its 16 bytes there as 4 words; (f32 array,
+                                   index) -> one f32: ld.global.cg (L2, never a stale L1 line), kept in order with
+                                   the fences (volatile): what the last of a kernel's blocks reads of the others'
+    fence_acq_rel_gpu()            fence.acq_rel.gpu: this thread's writes before it are visible to the GPU before
+                                   its later ones (an atomic count); after a count, the writes it counted are visible
     ldg_vec, stg_vec               (1-D array, index) -> the 16 bytes at arr[index] as a tuple of arr's elements (4
                                    f32, 8 16-bit words), one vector load the compiler schedules as any load; (arr,
                                    index, tuple of arr's elements of 8 or 16 bytes): one vector store. Both aligned to
@@ -129,6 +134,9 @@ __all__ = [
     "stg_v4_u32",
     "ldg_vec",
     "stg_vec",
+    "ldg_cg_vec",
+    "ldg_cg_f32",
+    "fence_acq_rel_gpu",
     "elem_addr",
     "cp_async16_a",
     "ldg_f32_a",
@@ -748,6 +756,18 @@ if SIMULATOR:
         a = np.asarray(arr)
         at = _vec_at(a, index, 16)
         return tuple(a.dtype.type(a[at + i]) for i in range(16 // a.itemsize))
+
+    def ldg_cg_vec(arr, index):
+        a = np.asarray(arr)
+        if a.itemsize != 4:
+            raise ValueError(f"ldg_cg_vec reads 4-byte words, got a {a.dtype} array")
+        return ldg_vec(arr, index)
+
+    def ldg_cg_f32(arr, index):
+        return np.float32(np.asarray(arr)[int(index)])
+
+    def fence_acq_rel_gpu():  # the simulator's threads share one memory
+        pass
 
     def stg_vec(arr, index, vals):
         a = np.asarray(arr)
@@ -1547,6 +1567,39 @@ else:
         return sig, codegen
 
     @intrinsic
+    def ldg_cg_vec(typingctx, arr, index):
+        """The 16 bytes at arr[index] (1-D, 4-byte words, 16-byte aligned) as 4 words: one ld.global.cg.v4 (cached in
+        L2 only: another SM's writes, fenced and counted, are never read from a stale L1 line), volatile so that it
+        stays after the fence and the count before it."""
+        if not isinstance(arr, types.Array) or arr.ndim != 1 or arr.dtype.bitwidth != 32:
+            return None
+        sig = types.UniTuple(arr.dtype, 4)(arr, index)
+        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $4; ld.global.cg.v4.u32 {$0, $1, $2, $3}, [ga]; }"
+
+        def codegen(context, builder, sig, args):
+            ga = _element_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            res = _asm(context, builder, ptx, "=r,=r,=r,=r,l", [ga], [_U32] * 4, side_effect=True)
+            elt = context.get_value_type(sig.args[0].dtype)
+            words = [builder.bitcast(builder.extract_value(res, i), elt) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def ldg_cg_f32(typingctx, arr, index):
+        """arr[index] (1-D f32) by one ld.global.cg, volatile (ldg_cg_vec's reasons)."""
+        if not isinstance(arr, types.Array) or arr.ndim != 1 or arr.dtype != types.float32:
+            return None
+        sig = types.float32(arr, index)
+        ptx = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; ld.global.cg.f32 $0, [ga]; }"
+
+        def codegen(context, builder, sig, args):
+            ga = _element_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            return _asm(context, builder, ptx, "=f,l", [ga], [_F32], side_effect=True)
+
+        return sig, codegen
+
+    @intrinsic
     def stg_vec(typingctx, arr, index, vals):
         """arr[index : index + len(vals)] = vals (1-D; vals of arr's element type, 8 or 16 bytes, aligned to that): one
         vector store through LLVM."""
@@ -1611,6 +1664,7 @@ else:
     cp_async_commit = _void_asm_intrinsic("cp_async_commit", "cp.async.commit_group;")
     cp_async_wait0 = _void_asm_intrinsic("cp_async_wait0", "cp.async.wait_group 0;")
     cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
+    fence_acq_rel_gpu = _void_asm_intrinsic("fence_acq_rel_gpu", "fence.acq_rel.gpu;")
     griddep_wait = _void_asm_intrinsic("griddep_wait", "griddepcontrol.wait;")
     griddep_launch_dependents = _void_asm_intrinsic("griddep_launch_dependents", "griddepcontrol.launch_dependents;")
 

@@ -41,11 +41,45 @@ def _identity() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def _plain_load() -> Any:
+    @cuda.jit(device=True)
+    def load(arr, i):
+        return arr[i]
+
+    return load
+
+
+@functools.lru_cache(maxsize=None)
+def _shares(parts: int, load_lse: Any) -> Any:
+    """`shares(lse_parts, rows, row, a)`: a[p] = w_p / s' for row `row` of lse_parts [parts, rows] (read through
+    `load_lse(arr, index)`), w_p = exp(lse_p - m'), m' the parts' max LSE or 0 where every part is -inf, s' their sum
+    or 1 where it is 0; returns the row's LSE, m' + log s (-inf where s is 0). The IR's order (lse_merge_func)."""
+    neg_inf = np.float32(-math.inf)
+
+    @cuda.jit(device=True)
+    def shares(lse_parts, rows, row, a):
+        m = neg_inf
+        for p in range(parts):
+            a[p] = load_lse(lse_parts, p * rows + row)
+            m = max(m, a[p])
+        m_safe = np.float32(0.0) if m == neg_inf else m
+        s = np.float32(0.0)
+        for p in range(parts):
+            a[p] = math.exp(a[p] - m_safe)
+            s += a[p]
+        s_safe = s if s > 0 else np.float32(1.0)
+        for p in range(parts):
+            a[p] = a[p] / s_safe
+        return m_safe + math.log(s) if s > 0 else neg_inf
+
+    return shares
+
+
+@functools.lru_cache(maxsize=None)
 def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
     """`merge(o_parts, lse_parts, o, lse, rows, D)` on flat arrays: o_parts [parts, rows, D] (each element through
     `load` to f32), lse_parts [parts, rows] f32, o [rows, D] (each through `store` from f32), lse [rows] f32. Each
-    row's shares a[p] = w_p / s' (w_p = exp(lse_p - m'), m' the parts' max LSE or 0 where every part is -inf, s' their
-    sum or 1 where it is 0), then its O as their weighted sum. A thread takes `vec` consecutive elements of a row:
+    row's shares (`_shares`), then its O as their weighted sum. A thread takes `vec` consecutive elements of a row:
     with vec > 1 one 16-byte load a part and one store (ldg_vec / stg_vec), every part's load independent of the
     shares, so a thread waits for memory about once. Each thread computes its row's shares itself (parts exps; the
     LSE loads are one transaction for the row's threads). Launch with merge_grid(rows, D, vec); a launch that
@@ -53,7 +87,7 @@ def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
     (griddep_wait), so its blocks are placed while that kernel's last items run."""
     from .intrinsics import griddep_wait, ldg_vec, stg_vec
 
-    neg_inf = np.float32(-math.inf)
+    shares = _shares(parts, _plain_load())
 
     if vec == 1:
         @cuda.jit(device=True)
@@ -91,27 +125,52 @@ def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
         chunk = t - row * per_row
         if row < rows:
             a = cuda.local.array(parts, np.float32)
-            m = neg_inf
-            for p in range(parts):
-                a[p] = lse_parts[p * rows + row]
-                m = max(m, a[p])
-            m_safe = np.float32(0.0) if m == neg_inf else m
-            s = np.float32(0.0)
-            for p in range(parts):
-                a[p] = math.exp(a[p] - m_safe)
-                s += a[p]
-            s_safe = s if s > 0 else np.float32(1.0)
-            for p in range(parts):
-                a[p] = a[p] / s_safe
+            row_lse = shares(lse_parts, rows, row, a)
             acc = cuda.local.array(vec, np.float32)
             for j in range(vec):
                 acc[j] = np.float32(0.0)
             accumulate(o_parts, a, acc, row * D + chunk * vec, rows * D)
             put(o, row * D + chunk * vec, acc)
             if chunk == 0:
-                lse[row] = m_safe + math.log(s) if s > 0 else neg_inf
+                lse[row] = row_lse
 
     return merge
+
+
+@functools.lru_cache(maxsize=None)
+def fused_merge_unit(parts: int, dtype: str) -> Any:
+    """The merge split-kv's kernel runs itself in the last part of a q tile to finish (emit_fa3_ws.fused_merge):
+    `unit(o_parts, lse_parts, o, lse, rows, D, row, chunk)` merges 8 elements, chunk `chunk` of row `row`, the arrays
+    the kernel's own (o_parts and o as 4-byte words of two 16-bit `dtype` halves: [parts, rows, D / 2] and
+    [rows, D / 2]; lse_parts [parts, rows], lse [rows]; D a multiple of 8, the arrays 16-byte aligned); chunk 0
+    writes the row's LSE. The arithmetic is `_merge`'s (`_shares`, then each part's weighted O in order); the parts'
+    reads by ld.global.cg (the other parts' SMs wrote them: never a stale L1 line)."""
+    from .intrinsics import bf16_to_f32, f16_to_f32, ldg_cg_f32, ldg_cg_vec, pack_bf16x2, pack_f16x2, stg_vec
+
+    if dtype not in ("f16", "bf16"):
+        raise ValueError(f"fused_merge_unit: dtype must be f16 or bf16, got {dtype!r}")
+    widen, pack = (f16_to_f32, pack_f16x2) if dtype == "f16" else (bf16_to_f32, pack_bf16x2)
+    shares = _shares(parts, ldg_cg_f32)
+
+    @cuda.jit(device=True)
+    def unit(o_parts, lse_parts, o, lse, rows, D, row, chunk):
+        a = cuda.local.array(parts, np.float32)
+        row_lse = shares(lse_parts, rows, row, a)
+        acc = cuda.local.array(8, np.float32)
+        for j in range(8):
+            acc[j] = np.float32(0.0)
+        half_d = D // 2
+        for p in range(parts):
+            w = ldg_cg_vec(o_parts, (p * rows + row) * half_d + chunk * 4)
+            for j in range(4):
+                acc[2 * j] += a[p] * widen(np.uint16(np.uint32(w[j]) & np.uint32(0xFFFF)))
+                acc[2 * j + 1] += a[p] * widen(np.uint16(np.uint32(w[j]) >> np.uint32(16)))
+        stg_vec(o, row * half_d + chunk * 4, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
+                                              np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
+        if chunk == 0:
+            lse[row] = row_lse
+
+    return unit
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,4 +246,4 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
     return o.reshape(oshape[1:]), l_out.copy_to_host().reshape(lshape[1:])
 
 
-__all__ = ["lse_merge", "merge_grid", "merge_kernel", "merge_vec", "split_merge_kernel"]
+__all__ = ["fused_merge_unit", "lse_merge", "merge_grid", "merge_kernel", "merge_vec", "split_merge_kernel"]

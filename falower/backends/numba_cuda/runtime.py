@@ -43,8 +43,8 @@ import numpy as np
 
 from . import cubin_cache
 from .block_data import BlockTables
-from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_kv_maps,
-                       uses_o_map, uses_work_counter)
+from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_fused_merge,
+                       uses_kv_maps, uses_o_map, uses_work_counter)
 from .emit_fa2_bwd import (bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_convert_launch, dq_grid,
                            dq_smem_bytes, dq_threads)
 from .spec import FA2BackwardSpec, FA2ForwardSpec
@@ -593,6 +593,11 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
     return run
 
 
+def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
+    """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile."""
+    return B * H * -(-M // spec.block_q) * (spec.block_q // 64)
+
+
 def merge_programmatic(merge_blocks: int, idle_sms: int) -> bool:
     """Whether split-kv's merge is launched programmatically (_programmatic_launcher): where its blocks fit the SMs
     the kernel's grid leaves idle. Measured (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Decoding's tiles"):
@@ -724,7 +729,9 @@ class _ForwardPlan:
         n_o = P * B * H * M * D
         self.o_slot = buf.array(3, (n_o // 2 if mma else n_o,))
         self.lse_slot = buf.array(4, (P * B * H * M,))
-        self.ws_shapes = ((P * B, H, M, D), (P * B, H, M)) if P > 1 else None
+        self.fused = uses_fused_merge(s)  # split-kv's merge in the kernel: no merge launch (emit_fa3_ws.fused_merge)
+        self.ws_shapes = None if P == 1 else ((P * B, H, M, D), (P * B, H, M)) + (
+            ((_arrivals_len(s, B, H, M),),) if self.fused else ())
         for j, n in enumerate([B, H, M, N] + strides):
             buf.scalar(5 + j, n)
         nxt = 18
@@ -747,6 +754,12 @@ class _ForwardPlan:
             for i, geometry, name in _qkv_geometries(s, q, k, v, strides):
                 self.kv_maps.append((buf.array(nxt, (MAP_BYTES,)), i, geometry, name))
                 nxt += 1
+        self.fused_slots: list[int] = []  # o_fin, lse_fin, arrivals (fused_merge)
+        if self.fused:
+            n_fin = B * H * M * D
+            self.fused_slots = [buf.array(nxt, (n_fin // 2 if mma else n_fin,)), buf.array(nxt + 1, (B * H * M,)),
+                                buf.array(nxt + 2, (self.ws_shapes[2][0],))]
+            nxt += 3
         # whether a call asks torch if its stream captures a graph (a counter, a map or workspaces of its own then)
         self.ask_capture = self.work_slot is not None or self.omap_slot is not None or bool(self.kv_maps) \
             or self.ws_shapes is not None
@@ -778,7 +791,7 @@ class _ForwardPlan:
         main_grid = grid(s, B, H, M, N)
         self.launches.append(_launcher(main.function(dev), main_grid, kern.threads, kern.smem, buf))
         self.merge_slots: list[int] = []
-        if P > 1:  # the LSE merge of the parts into O and LSE (lse_merge.split_merge_kernel), after the kernel
+        if P > 1 and not self.fused:  # the LSE merge of the parts into O and LSE (lse_merge.split_merge_kernel)
             from .lse_merge import merge_grid
 
             mk = kern._direct_kernel("merge")
@@ -816,10 +829,11 @@ class _ForwardPlan:
         stream = self.stream(self.dev_index)
         capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
         if self.ws_shapes is not None:  # split-kv: the parts into workspaces, merged into o and lse
-            o_ws, lse_ws = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype, lse.dtype,
-                                                      capturing)
-            for slot, x in zip(self.merge_slots, (o_ws, lse_ws, o, lse)):
-                self.merge_buf.vals[slot] = x.data_ptr()
+            o_ws, lse_ws, *arrivals = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype,
+                                                                 lse.dtype, capturing)
+            for slot, x in zip(self.merge_slots or self.fused_slots, (o_ws, lse_ws, o, lse) if not self.fused
+                               else (o, lse, *arrivals)):
+                (self.merge_buf if not self.fused else self.bufs[0]).vals[slot] = x.data_ptr()
             o, lse = o_ws, lse_ws
         vals[self.o_slot] = o.data_ptr()
         vals[self.lse_slot] = lse.data_ptr()
@@ -1115,6 +1129,8 @@ class FA2ForwardKernel:
             args.append(arr(types.uint8))
         if uses_kv_maps(s):
             args += [arr(types.uint8)] * 3  # qmap, kmap, vmap
+        if uses_fused_merge(s):
+            args += [o, arr(acc), arr(types.int32)]  # o_fin, lse_fin, arrivals
         args += _capture_types(s)
         return tuple(args)
 
@@ -1131,9 +1147,10 @@ class FA2ForwardKernel:
 
         key = (str(device), stream, shapes, dtype)
         ws = None if capturing else self._split_ws.get(key)
-        if ws is None:
+        if ws is None:  # (a third shape: the fused merge's counts, int32, zeroed: fused_merge keeps them mod P)
             ws = (torch.empty(shapes[0], dtype=dtype, device=device),
-                  torch.empty(shapes[1], dtype=lse_dtype, device=device))
+                  torch.empty(shapes[1], dtype=lse_dtype, device=device)) + tuple(
+                torch.zeros(shape, dtype=torch.int32, device=device) for shape in shapes[2:])
             if capturing:
                 self._captured.append(ws)
             else:
@@ -1328,7 +1345,9 @@ class FA2ForwardKernel:
         nq = -(-M // s.block_q)
         nk = -(-N // s.block_k)
         P = s.kv_parts
+        fused = uses_fused_merge(s)  # split-kv's merge in the kernel (emit_fa3_ws.fused_merge)
         merge_io: list = []
+        fused_io: list = []
         if kind == "torch":
             import torch
 
@@ -1344,11 +1363,14 @@ class FA2ForwardKernel:
             o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
             # split-kv: the kernel's parts into workspaces [P B, H, M, D] and [P B, H, M], merged into o and lse
-            o_ws, lse_ws = (o, lse) if P == 1 else self.split_workspaces(  # (Numba launches on stream 0)
-                q.device, 0, ((P * B, H, M, D), (P * B, H, M)), q.dtype, lse.dtype)
+            o_ws, lse_ws, *arrivals = (o, lse) if P == 1 else self.split_workspaces(  # (Numba: stream 0)
+                q.device, 0, ((P * B, H, M, D), (P * B, H, M)) + (((_arrivals_len(s, B, H, M),),) if fused else ()),
+                q.dtype, lse.dtype)
             o_k = wrap(o_ws.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse_k = wrap(lse_ws.reshape(-1))
-            if P > 1:
+            if fused:  # the kernel's own merge: the call's O and LSE, the counts
+                fused_io = [wrap(o.view(torch.int32).reshape(-1)), wrap(lse.reshape(-1)), wrap(arrivals[0])]
+            elif P > 1:
                 merge_io = [wrap(o_ws.view(torch.int16).reshape(-1)), lse_k, wrap(o.view(torch.int16).reshape(-1)),
                             wrap(lse.reshape(-1))]
             caps = [wrap(x.detach()) if hasattr(x, "detach") else x
@@ -1377,6 +1399,8 @@ class FA2ForwardKernel:
             if P > 1:  # split-kv: the parts in o_k and lse_k, merged into these
                 o_m, lse_m = cuda.device_array(B * H * M * D, dtype=np.int16), cuda.device_array(B * H * M, np.float32)
                 merge_io = [o_k.view(np.int16), lse_k, o_m, lse_m]
+            if fused:
+                fused_io = [o_m.view(np.int32), lse_m, cuda.to_device(np.zeros(_arrivals_len(s, B, H, M), np.int32))]
             caps = [x if np.isscalar(x) else dev(x) for x in _one_element_captures(s, captures, kind, q)]
             alloc = lambda: cuda.device_array(B * H * nq * nk, dtype=np.int8)  # noqa: E731
         # the dense block table (table mode): the one made for these data before, or one the launch fills
@@ -1395,13 +1419,13 @@ class FA2ForwardKernel:
             for i, geometry, name in _qkv_geometries(s, q, k, v, strides):
                 extra.append(wrap(self.maps.torch(views[i][0].data_ptr(), q.device, geometry, stream=0, what=name))
                              if kind == "torch" else self.maps.numba(flat[i], geometry, name))
-        args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *caps]
+        args = [*flat, o_k, lse_k, *sizes, *strides, *extra, *fused_io, *caps]
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         forward = self._kernel[grid(s, B, H, M, N), self.threads, 0, self.smem]
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
         mask_args = [table, *sizes, *caps]
-        if P > 1:
+        if P > 1 and not fused:
             from .lse_merge import merge_grid, split_merge_kernel
 
             rows = B * H * M
@@ -1411,7 +1435,7 @@ class FA2ForwardKernel:
             if block_mask is not None:
                 self.block_tables.fill(entry, lambda: block_mask(*mask_args))
             forward(*args)
-            if P > 1:
+            if P > 1 and not fused:
                 merge(*merge_io, rows, D)
 
         launch.table = table  # type: ignore[attr-defined]  # the block classes, filled by launch() (table mode)
