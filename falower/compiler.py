@@ -90,9 +90,8 @@ class CompiledAttention:
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
         used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
-        tiling = self._d64_tiling(dtype, path, env)  # D = 64's tiles for these sizes (None: not offered)
-        if self._decode_tiles(dtype, path, env):
-            tiling = "decode"
+        # decoding's tiles for at most 64 rows, else D = 64's for these sizes (None: not offered)
+        tiling = "decode" if self._decode_tiles(dtype, path, env) else self._d64_tiling(dtype, path, env)
         parts = self._kv_parts(dtype, path, env, tiling)  # split-kv's parts for these sizes (1: none)
         key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("tiles", tiling),)) \
             + (() if parts == 1 else (("kv_parts", parts),))
@@ -262,7 +261,8 @@ class CompiledAttention:
         from the driver, f16/bf16, D = 64 or 128; FALOWER_WGMMA=0/1 overrides), and an automatic choice the spec
         machinery cannot build falls back to mma.sync, never to an error. With the default pipeline the wgmma
         kernel gets its own tiles (`emit_fa3.tiles`: 128 x 128 at D = 128, 128 x 64 under a block list): the
-        graph is lowered again with them, so the IR says the tiles the kernel runs. `tiling`: `_d64_tiling`'s
+        graph is lowered again with them, so the IR says the tiles the kernel runs. `tiling`: "decode" (`_decode_tiles`:
+        one consumer warpgroup of 64 rows) or `_d64_tiling`'s
         answer for the call's sizes (None where no D = 64 choice arises); `parts`: `_kv_parts`'s (the persistent
         kernel's tries take split-kv's IR with that many parts first, each then unsplit)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws

@@ -41,8 +41,6 @@ CASES = {
     "causal-p2-192-first": ("causal", 250, 300, 64, (192, 128), 2, "f16", "first"),
     # GQA: a kv head for every 4 q heads (H = 4, HKV = 1)
     "gqa-p2-d128": ("gqa", 130, 260, 128, (128, 128), 2, "f16", "last"),
-    # two batches (the workspaces' part-major layout, kvp B + b) on three blocks (each block's first item its own,
-    # the counter's tickets the rest: own_first_item), 16 items
     # one consumer warpgroup (64-row q tiles, decoding's: emit_fa3.DECODE_TILES), one query row against 3 kv tiles;
     # the q tile's last part merging in the kernel (extra fused_merge), and the merge kernel
     "plain-p4-decode-d128": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last", {"fused_merge": True}),
@@ -51,6 +49,8 @@ CASES = {
     "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last",
                             {"B": 2, "persistent": 3, "fused_merge": True}),
     "relbias-p2-decode-m17": ("relative_bias", 17, 300, 128, (64, 128), 2, "f16", "last", {"fused_merge": True}),
+    # two batches (the workspaces' part-major layout, kvp B + b) on three blocks (each block's first item its own,
+    # the counter's tickets the rest: own_first_item), 16 items
     "causal-p4-b2-three-blocks": ("causal", 250, 300, 64, (128, 128), 4, "f16", "last", {"B": 2, "persistent": 3}),
 }
 

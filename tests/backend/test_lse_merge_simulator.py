@@ -42,3 +42,5 @@ def test_the_merge_says_what_is_wrong_with_its_arguments():
         lse_merge(o.astype(np.float16), lse)
     with pytest.raises(ValueError, match="lse_merge: out_dtype must be f32, f16 or bf16, got 'f64'"):
         lse_merge(o, lse, "f64")
+    with pytest.raises(ValueError, match=r"lse_merge: o_parts \(2, 3, 0\) has no parts or an empty last axis"):
+        lse_merge(np.zeros((2, 3, 0), np.float32), lse)

@@ -193,6 +193,14 @@ def test_the_callers_parts_are_taken_or_refused_by_name(hopper):
         _call("sliding_window", 1, 8, 1000, D=64, kv_parts=2)
 
 
+def test_one_consumer_warpgroup_says_what_it_needs():
+    import dataclasses
+
+    spec = _spec("plain", 2)
+    with pytest.raises(ValueError, match=r"one consumer warpgroup \(block_q 64\) needs a persistent kernel"):
+        emit_fa3_ws.validate_spec(dataclasses.replace(spec, block_q=64, extra={**spec.extra, "persistent": 0}))
+
+
 def test_the_kernels_that_do_not_split_say_so():
     with pytest.raises(ValueError, match="split-kv's 2 parts need a persistent kernel with a producer warpgroup"):
         emit_fa3_ws.validate_spec(_spec("plain", 2, {"schedule": "wgmma-ws", "producer": "none"}))

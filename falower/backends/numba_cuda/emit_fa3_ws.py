@@ -324,7 +324,7 @@ SLICE_SHIFTED = SLICE_ENTRIES + 4  # under slice_pairs, the run's copy shifted b
 
 def slice_barrier(spec: FA2ForwardSpec) -> int:
     """The named barrier (+ cw) after which a consumer warpgroup's run of the table is in shared memory: 9 + cw with
-    two consumer warpgroups, 10 + cw with three (whose staged epilogue takes 7 + cw: `epilogue_barrier`)."""
+    two consumer warpgroups, 10 + cw with three (whose staged epilogue takes 7 + cw: `epilogue_barrier`) or one."""
     return 9 if consumer_wgs(spec) == 2 else 10
 
 
@@ -468,7 +468,8 @@ def persistent_pays(spec: FA2ForwardSpec, small_grid: bool = False) -> bool:
     persistent form won: 490 against 438 TFLOP/s, faster in 11 of 11 paired rounds (H200 2026-11-28). At D = 64
     only with three consumer warpgroups (192-row tiles): two ran 0.939 of emit_fa3's 128 x 64 kernel (H200
     2026-11-29, plain N = 4k, seven interleaved rounds; three 1.169), except on a small grid (`small_grid`:
-    falower.compile's "two" tiling, emit_fa3.two_rounds_pay), where two won over three."""
+    falower.compile's "two" tiling, emit_fa3.two_rounds_pay, where two won over three; and its "decode" tiling, one
+    consumer warpgroup for at most 64 rows, where emit_fa3's 128 x 64 kernel had no split-kv parts)."""
     if persistent(spec) and spec.head_dim == 64 and consumer_wgs(spec) != 3 and not small_grid:
         return False
     return not (persistent(spec) and producer(spec) == "warpgroup" and gather_early(spec) and not tma_loads(spec))
@@ -534,16 +535,17 @@ def producer(spec: FA2ForwardSpec) -> str:
 
 
 def consumer_wgs(spec: FA2ForwardSpec) -> int:
-    """Consumer warpgroups: one a 64 query rows (2 at block_q = 128; 3 at 192, FlashAttention-3's D = 64 tile)."""
+    """Consumer warpgroups: one a 64 query rows (2 at block_q = 128; 3 at 192, FlashAttention-3's D = 64 tile; 1 at
+    64, decoding's tiles)."""
     return spec.block_q // 64
 
 
 def epilogue_barrier(spec: FA2ForwardSpec) -> int:
     """The first named barrier of the staged epilogue's family (+ cw): after the turns' (1 .. N) and N more, 5 at
-    two consumer warpgroups (where 3 + cw is the table tile's) and 7 at three. The table run's family moves to
-    10 + cw at three (`slice_barrier`); the other two (the table tile's 3 + cw, Q free's 7 + cw) are laid out for
-    two: their features (producer "none", one Q buffer) are refused at three (validate_spec), and the consumer's
-    emitter asserts as much."""
+    two consumer warpgroups (where 3 + cw is the table tile's), 7 at three and 3 at one (no turns). The table run's
+    family moves to 10 + cw at three and one (`slice_barrier`); the other two (the table tile's 3 + cw, Q free's
+    7 + cw) are laid out for two: their features (producer "none", one Q buffer, table tiles) are refused at three
+    and one (validate_spec), and the consumer's emitter asserts as much."""
     return 1 + 2 * consumer_wgs(spec)
 
 
@@ -804,7 +806,7 @@ def fused_merge(spec: FA2ForwardSpec) -> bool:
     (lse_merge.fused_merge_unit) into the call's O and LSE (o_fin, lse_fin), so no merge launch follows. Where the
     item's O leaves by the threads' own stores (the staged epilogue in the item's Q buffer, q_double; no TMA or bulk
     copies, not carried to the next item: decoding's 64-row tiles) and D is a multiple of 8, asked for by
-    `extra["fused_merge"]` (bench '-fm'). Off by default: right on the GPU (its tests, bit for bit against Numba's
+    `extra["fused_merge"]` (bench '-fm'; elsewhere the knob is ignored: the merge kernel runs). Off by default: right on the GPU (its tests, bit for bit against Numba's
     path and the relaunch, call after call) but slower than the merge kernel (H200 2026-11-30, CUDA graphs,
     benchmarks/NOTES.md "The merge in the kernel"): decoding M = 1 15.7 against 14.8 us at D = 128 and 13.2 against
     12.1 at D = 64, N = 8k; M = 64 27.5 against 16.2. Each part's fence waits for its stores, the count and the last
@@ -1001,7 +1003,7 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if spec.block_q == 64:  # one consumer warpgroup: decoding's tiles (emit_fa3.DECODE_TILES)
         why = [w for w, bad in [
             ("a persistent kernel", not persistent(spec)), ("a producer warpgroup", producer(spec) != "warpgroup"),
-            ("TMA loads", not tma_loads(spec))] if bad]
+            ("TMA loads", not tma_loads(spec)), ("no table tiles", table_tiles(spec))] if bad]
         if why:
             raise ValueError(f"wgmma-ws: one consumer warpgroup (block_q 64) needs {', '.join(why)}")
     if spec.block_q == 192:  # three consumer warpgroups: so far the persistent producer warpgroup's form only
@@ -1160,10 +1162,10 @@ def _emit_item_loop_start(c: _Code, spec: FA2ForwardSpec, item_state: Callable[[
     c("while True:")
     c.level += 1
     if producer_side and q_double(spec):
-        c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # both consumer warpgroups are "
+        c(f"mbar_wait(bars + {lay['q_empty']} + (pq & 1) * 8, ((pq >> 1) & 1) ^ 1)  # the consumer warpgroups are "
           "done with this Q buffer's last item (its epilogue)")
     elif producer_side:
-        c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # both consumer warpgroups are past the last item's "
+        c(f"mbar_wait(bars + {lay['q_empty']}, qe_phase ^ 1)  # the consumer warpgroups are past the last item's "
           "last S")
         c("qe_phase ^= 1")
     if dynamic:
@@ -1321,14 +1323,14 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c("if tid == 0:  # K and V by TMA, a copy a 64-column block of the tile's rows (rows past N: zeros)")
             with c.indent():
                 for x, off, what in (("k", "", "K"), ("v", f" + {T}", "V")):
-                    c(f"mbar_wait(sbar + {lay['empty_' + x]}, phase ^ 1)  # both consumer warpgroups are done with "
+                    c(f"mbar_wait(sbar + {lay['empty_' + x]}, phase ^ 1)  # the consumer warpgroups are done with "
                       f"this stage's {what}")
                     c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
                     for hb in range(D // 64):
                         c(f"{tload}(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, {tile_at(spec, 'j')} * "
                           f"{BK}, hk, b, sbar + {lay['full_' + x]}{', kv_pol' if HINT else ''})")
         else:
-            c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # both consumer warpgroups are done with this stage's "
+            c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # the consumer warpgroups are done with this stage's "
               "K")
             load(BK, "k_dst", f"j * {BK}", "N", "k", "kg", "k_sm", "k")
             c(f"cp_async_mbar_arrive_noinc(sbar + {lay['full_k']})")

@@ -76,15 +76,15 @@ def _shares(parts: int, load_lse: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
+def _merge(parts: int, vec: int, load: Any, store: Any, programmatic: bool = False) -> Any:
     """`merge(o_parts, lse_parts, o, lse, rows, D)` on flat arrays: o_parts [parts, rows, D] (each element through
     `load` to f32), lse_parts [parts, rows] f32, o [rows, D] (each through `store` from f32), lse [rows] f32. Each
     row's shares (`_shares`), then its O as their weighted sum. A thread takes `vec` consecutive elements of a row:
     with vec > 1 one 16-byte load a part and one store (ldg_vec / stg_vec), every part's load independent of the
     shares, so a thread waits for memory about once. Each thread computes its row's shares itself (parts exps; the
-    LSE loads are one transaction for the row's threads). Launch with merge_grid(rows, D, vec); a launch that
-    depends programmatically on the kernel that wrote the parts (runtime._launcher) waits for it first
-    (griddep_wait), so its blocks are placed while that kernel's last items run."""
+    LSE loads are one transaction for the row's threads). Launch with merge_grid(rows, D, vec). `programmatic`: the
+    kernel may be launched to depend programmatically on the kernel that wrote the parts (runtime._launcher), so it
+    waits for it first (griddep_wait: sm_90, split-kv's merge only; `falower.lse_merge` runs on any CUDA GPU)."""
     from .intrinsics import griddep_wait, ldg_vec, stg_vec
 
     shares = _shares(parts, _plain_load())
@@ -118,7 +118,8 @@ def _merge(parts: int, vec: int, load: Any, store: Any) -> Any:
 
     @cuda.jit
     def merge(o_parts, lse_parts, o, lse, rows, D):
-        griddep_wait()  # launched while split-kv's kernel runs (programmatic): its parts complete first
+        if programmatic:
+            griddep_wait()  # launched while split-kv's kernel runs (programmatic): its parts complete first
         per_row = D // vec
         t = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         row = t // per_row
@@ -193,7 +194,8 @@ def split_merge_kernel(parts: int, dtype: str, vec: int = 1) -> Any:
 
     if dtype not in ("f16", "bf16"):
         raise ValueError(f"split_merge_kernel: dtype must be f16 or bf16, got {dtype!r}")
-    return _merge(parts, vec, *((f16_to_f32, f32_to_f16) if dtype == "f16" else (bf16_to_f32, f32_to_bf16)))
+    return _merge(parts, vec, *((f16_to_f32, f32_to_f16) if dtype == "f16" else (bf16_to_f32, f32_to_bf16)),
+                  programmatic=True)
 
 
 def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> tuple[Any, Any]:
@@ -208,6 +210,8 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
         raise ValueError(f"lse_merge: o_parts {oshape} must be lse_parts {lshape} with one more (last) axis, and "
                          "both at least [P, M]")
     P, D, rows = oshape[0], oshape[-1], int(np.prod(lshape[1:]))
+    if P == 0 or D == 0:
+        raise ValueError(f"lse_merge: o_parts {oshape} has no parts or an empty last axis (D)")
     torch_in = type(o_parts).__module__.startswith("torch")
     if torch_in:
         import torch

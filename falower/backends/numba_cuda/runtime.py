@@ -544,8 +544,8 @@ _LIBCUDA_LAUNCH_EX: list = []  # [ctypes cuLaunchKernelEx or None], looked up on
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: the kernel may start before the one before it ends
 
 
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union (8-aligned)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -575,7 +575,7 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
     if fn is None or os.environ.get("FALOWER_PDL", "1") == "0":
         return plain
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed, the union's first int (little-endian)
     config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
                            attrs=ctypes.pointer(attr), num_attrs=1)
     refused: list = []
@@ -587,6 +587,11 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
         err = fn(ctypes.byref(config), handle, address, None)
         if err:
             refused.append(err)
+            from ...passes.manager import debug_level
+
+            if debug_level() >= 1:
+                print(f"[falower] cuLaunchKernelEx refused the programmatic launch (CUresult {err}): plain "
+                      "launches from now on", file=sys.stderr)
             plain(stream)
 
     run.keep = (attr, config)  # type: ignore[attr-defined]  # the structures the pointers above point into
@@ -831,9 +836,12 @@ class _ForwardPlan:
         if self.ws_shapes is not None:  # split-kv: the parts into workspaces, merged into o and lse
             o_ws, lse_ws, *arrivals = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype,
                                                                  lse.dtype, capturing)
-            for slot, x in zip(self.merge_slots or self.fused_slots, (o_ws, lse_ws, o, lse) if not self.fused
-                               else (o, lse, *arrivals)):
-                (self.merge_buf if not self.fused else self.bufs[0]).vals[slot] = x.data_ptr()
+            if self.fused:  # the kernel merges into the call's O and LSE itself, counting in `arrivals`
+                for slot, x in zip(self.fused_slots, (o, lse, *arrivals)):
+                    self.bufs[0].vals[slot] = x.data_ptr()
+            else:  # the merge kernel reads the parts and writes the call's O and LSE
+                for slot, x in zip(self.merge_slots, (o_ws, lse_ws, o, lse)):
+                    self.merge_buf.vals[slot] = x.data_ptr()
             o, lse = o_ws, lse_ws
         vals[self.o_slot] = o.data_ptr()
         vals[self.lse_slot] = lse.data_ptr()
