@@ -79,20 +79,22 @@ def test_the_automatic_choice_on_decoding_takes_sixteen_parts():
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("stem, M, N", [("plain", 1, 8192), ("plain", 64, 5000), ("causal", 1, 3000),
-                                        ("alibi", 33, 4096), ("relative_bias", 17, 3000), ("softcap", 64, 2000),
-                                        ("gqa", 1, 4096), ("prefix_lm", 20, 3000)])
-def test_decoding_tiles_keep_the_error_rule(stem, M, N, D):
+@pytest.mark.parametrize("stem, M, N, dtype", [
+    ("plain", 1, 8192, "f16"), ("plain", 64, 5000, "f16"), ("causal", 1, 3000, "f16"), ("alibi", 33, 4096, "f16"),
+    ("relative_bias", 17, 3000, "f16"), ("softcap", 64, 2000, "f16"), ("gqa", 1, 4096, "f16"),
+    ("prefix_lm", 20, 3000, "f16"), ("plain", 1, 8192, "bf16"), ("relative_bias", 40, 3000, "bf16"),
+    ("sliding_window", 64, 3000, "f16")])
+def test_decoding_tiles_keep_the_error_rule(stem, M, N, dtype, D):
     """At most 64 query rows, the automatic choice: the persistent kernel with one consumer warpgroup on 64-row q
-    tiles (emit_fa3.DECODE_TILES), at D = 64 and 128 (B = 2, H = 4; GQA's HKV = 2); its q tiles in parts where
-    the rows see many keys (the causal masks' first rows see one kv tile: one part)."""
+    tiles (emit_fa3.DECODE_TILES), at D = 64 and 128 (B = 2, H = 4; GQA's HKV = 2), f16 and bf16; its q tiles in
+    parts where the rows see many keys (the causal masks' and the window's rows see one or two kv tiles: one part)."""
     _hopper()
-    g, c = _compiled(stem, "f16", "auto")
+    g, c = _compiled(stem, dtype, "auto")
     env = bind_dims(g, {"B": 2, "H": 4, "HKV": 2, "M": M, "N": N, "D": D})
-    kern = c.specialize("f16", **env)
+    kern = c.specialize(dtype, **env)
     assert kern.spec.block_q == 64
     assert (kern.spec.kv_parts > 1) == (stem in ("plain", "relative_bias", "softcap", "gqa")), kern.spec.kv_parts
-    assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + N + D), "f16")
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=M + N + D), dtype)
 
 
 @pytest.mark.parametrize("causal, M, N, fused", [(True, 1024, 1024, False), (False, 1, 4096, False),
