@@ -285,12 +285,16 @@ class CompiledAttention:
             return mma_sync()
         ws_tiles = table_tile and choice.get("schedule") == "wgmma-ws"
 
+        def wgmma_tiles(persistent: bool, two: bool) -> tuple[int, int]:
+            """emit_fa3.tiles for this call's D, mask, table tile and tiling."""
+            return emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=persistent, two=two,
+                                  decode=tiling == "decode")
+
         def built_for(extra: dict, ragged: bool = False, two: bool = False, kvp: int = 1) -> tuple[Func, Any]:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles
             (`emit_fa3.tiles`; `ragged`: the short q tile first, `ragged_first`; `two`: D = 64's small-grid
             tiles; `kvp`: split-kv's parts), the caller's own pipeline as it is."""
-            want = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two,
-                                 decode=tiling == "decode")
+            want = wgmma_tiles(bool(extra.get("persistent")), two)
             if ragged or kvp > 1:
                 return self._retile(*want, "first" if ragged else "last", kvp, dtype)
             if self.pipeline == "fa2-fwd" and want != (self.analysis.block_q, self.analysis.block_k):
@@ -303,8 +307,7 @@ class CompiledAttention:
             (`_ragged_first_pays`)."""
             if asked is not None or not extra.get("persistent") or self.pipeline != "fa2-fwd":
                 return False
-            return self._ragged_first_pays(*emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=True, two=two,
-                                                         decode=tiling == "decode"))
+            return self._ragged_first_pays(*wgmma_tiles(True, two))
 
         def fit_rows(extra: dict, two: bool) -> dict:
             """128 rows a warpgroup is a default: tiles it does not fit (the caller's 64-row q tiles, the 128-wide kv
@@ -327,8 +330,7 @@ class CompiledAttention:
         def loses_wide(extra: dict, two: bool) -> bool:
             """A try on the default pipeline's 192 x 128 tiles where the call's sizes make them visit too much more
             work (a narrow window, short causal: `_wide_tiles_pay`), dropped before its graph is lowered."""
-            wants = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=bool(extra.get("persistent")), two=two,
-                                 decode=tiling == "decode")
+            wants = wgmma_tiles(bool(extra.get("persistent")), two)
             return self.pipeline == "fa2-fwd" and wants == emit_fa3.WIDE_TILES and tiling == "narrow"
 
         tries = [(fit_rows(e, t), t) for e, t in tries if not loses_wide(e, t)]

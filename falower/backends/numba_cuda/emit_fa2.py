@@ -606,7 +606,7 @@ def uses_fused_merge(spec: FA2ForwardSpec) -> bool:
     """The kernel takes `o_fin, lse_fin, arrivals` after its maps: split-kv's merge in the kernel itself
     (emit_fa3_ws.fused_merge): o and lse are then the parts' workspaces, o_fin and lse_fin the call's O and LSE,
     arrivals int32 [B H nq consumer warpgroups], zeroed when made."""
-    if not uses_wgmma(spec) or spec.kv_parts == 1:
+    if not uses_wgmma(spec):
         return False
     from . import emit_fa3_ws
 

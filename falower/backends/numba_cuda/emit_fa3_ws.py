@@ -806,16 +806,16 @@ def fused_merge(spec: FA2ForwardSpec) -> bool:
     (lse_merge.fused_merge_unit) into the call's O and LSE (o_fin, lse_fin), so no merge launch follows. Where the
     item's O leaves by the threads' own stores (the staged epilogue in the item's Q buffer, q_double; no TMA or bulk
     copies, not carried to the next item: decoding's 64-row tiles) and D is a multiple of 8, asked for by
-    `extra["fused_merge"]` (bench '-fm'; elsewhere the knob is ignored: the merge kernel runs). Off by default: right on the GPU (its tests, bit for bit against Numba's
-    path and the relaunch, call after call) but slower than the merge kernel (H200 2026-11-30, CUDA graphs,
+    `extra["fused_merge"]` (bench '-fm'; elsewhere the knob is ignored: the merge kernel runs). Off by default:
+    right on the GPU (its tests, bit for bit against Numba's path and the relaunch, call after call) but slower
+    than the merge kernel (H200 2026-11-30, CUDA graphs,
     benchmarks/NOTES.md "The merge in the kernel"): decoding M = 1 15.7 against 14.8 us at D = 128 and 13.2 against
     12.1 at D = 64, N = 8k; M = 64 27.5 against 16.2. Each part's fence waits for its stores, the count and the last
     part's reads of the others run after the kernel's critical path, and at M = 64 one warpgroup a q tile reads all
     16 parts' 64 rows (256 KB) where the merge kernel spreads them over 64 blocks."""
     return (spec.kv_parts > 1 and bool(spec.extra.get("fused_merge", False)) and bool(persistent(spec))
             and producer(spec) == "warpgroup" and q_double(spec) and not epilogue_in_s(spec)
-            and not tma_store(spec) and not bulk_store(spec) and spec.head_dim % 8 == 0
-            and consumer_wgs(spec) * 64 == spec.block_q)  # (64 rows a warpgroup: the merge's loop below)
+            and not tma_store(spec) and not bulk_store(spec) and spec.head_dim % 8 == 0)
 
 
 def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:

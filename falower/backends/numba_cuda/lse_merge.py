@@ -40,6 +40,15 @@ def _identity() -> Any:
     return same
 
 
+def _sixteen_bit(dtype: str, who: str) -> tuple[Any, Any, Any]:
+    """(widen to f32, narrow from f32, pack two f32) of the 16-bit `dtype` (f16 / bf16); else `who` refuses it."""
+    from .intrinsics import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, pack_bf16x2, pack_f16x2
+
+    if dtype not in ("f16", "bf16"):
+        raise ValueError(f"{who}: dtype must be f16 or bf16, got {dtype!r}")
+    return (f16_to_f32, f32_to_f16, pack_f16x2) if dtype == "f16" else (bf16_to_f32, f32_to_bf16, pack_bf16x2)
+
+
 @functools.lru_cache(maxsize=None)
 def _plain_load() -> Any:
     @cuda.jit(device=True)
@@ -146,11 +155,9 @@ def fused_merge_unit(parts: int, dtype: str) -> Any:
     [rows, D / 2]; lse_parts [parts, rows], lse [rows]; D a multiple of 8, the arrays 16-byte aligned); chunk 0
     writes the row's LSE. The arithmetic is `_merge`'s (`_shares`, then each part's weighted O in order); the parts'
     reads by ld.global.cg (the other parts' SMs wrote them: never a stale L1 line)."""
-    from .intrinsics import bf16_to_f32, f16_to_f32, ldg_cg_f32, ldg_cg_vec, pack_bf16x2, pack_f16x2, stg_vec
+    from .intrinsics import ldg_cg_f32, ldg_cg_vec, stg_vec
 
-    if dtype not in ("f16", "bf16"):
-        raise ValueError(f"fused_merge_unit: dtype must be f16 or bf16, got {dtype!r}")
-    widen, pack = (f16_to_f32, pack_f16x2) if dtype == "f16" else (bf16_to_f32, pack_bf16x2)
+    widen, _, pack = _sixteen_bit(dtype, "fused_merge_unit")
     shares = _shares(parts, ldg_cg_f32)
 
     @cuda.jit(device=True)
@@ -190,12 +197,8 @@ def split_merge_kernel(parts: int, dtype: str, vec: int = 1) -> Any:
     `_merge`'s kernel with o_parts and o the 16-bit words of `dtype` (f16 / bf16: the parts as the kernel's
     epilogue stored them, split-kv{part_dtype=...}), widened to f32 first as the IR's cast does; `vec` elements a
     thread (merge_vec(D, 2); the runtime's workspaces and O are 16-byte aligned)."""
-    from .intrinsics import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
-
-    if dtype not in ("f16", "bf16"):
-        raise ValueError(f"split_merge_kernel: dtype must be f16 or bf16, got {dtype!r}")
-    return _merge(parts, vec, *((f16_to_f32, f32_to_f16) if dtype == "f16" else (bf16_to_f32, f32_to_bf16)),
-                  programmatic=True)
+    widen, narrow, _ = _sixteen_bit(dtype, "split_merge_kernel")
+    return _merge(parts, vec, widen, narrow, programmatic=True)
 
 
 def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> tuple[Any, Any]:

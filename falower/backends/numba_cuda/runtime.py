@@ -603,6 +603,15 @@ def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
     return B * H * -(-M // spec.block_q) * (spec.block_q // 64)
 
 
+def _split_shapes(spec: FA2ForwardSpec, B: int, H: int, M: int, D: int) -> Optional[tuple]:
+    """split-kv's workspace shapes (FA2ForwardKernel.split_workspaces): the parts' O [P B, H, M, D] and LSE
+    [P B, H, M], and the fused merge's counts where it has them; None without parts."""
+    P = spec.kv_parts
+    if P == 1:
+        return None
+    return ((P * B, H, M, D), (P * B, H, M)) + (((_arrivals_len(spec, B, H, M),),) if uses_fused_merge(spec) else ())
+
+
 def merge_programmatic(merge_blocks: int, idle_sms: int) -> bool:
     """Whether split-kv's merge is launched programmatically (_programmatic_launcher): where its blocks fit the SMs
     the kernel's grid leaves idle. Measured (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Decoding's tiles"):
@@ -735,8 +744,7 @@ class _ForwardPlan:
         self.o_slot = buf.array(3, (n_o // 2 if mma else n_o,))
         self.lse_slot = buf.array(4, (P * B * H * M,))
         self.fused = uses_fused_merge(s)  # split-kv's merge in the kernel: no merge launch (emit_fa3_ws.fused_merge)
-        self.ws_shapes = None if P == 1 else ((P * B, H, M, D), (P * B, H, M)) + (
-            ((_arrivals_len(s, B, H, M),),) if self.fused else ())
+        self.ws_shapes = _split_shapes(s, B, H, M, D)
         for j, n in enumerate([B, H, M, N] + strides):
             buf.scalar(5 + j, n)
         nxt = 18
@@ -1372,8 +1380,7 @@ class FA2ForwardKernel:
             lse = torch.empty((B, H, M), dtype=_acc_torch(s.dtype), device=q.device)
             # split-kv: the kernel's parts into workspaces [P B, H, M, D] and [P B, H, M], merged into o and lse
             o_ws, lse_ws, *arrivals = (o, lse) if P == 1 else self.split_workspaces(  # (Numba: stream 0)
-                q.device, 0, ((P * B, H, M, D), (P * B, H, M)) + (((_arrivals_len(s, B, H, M),),) if fused else ()),
-                q.dtype, lse.dtype)
+                q.device, 0, _split_shapes(s, B, H, M, D), q.dtype, lse.dtype)
             o_k = wrap(o_ws.view(torch.int32 if s.path == "mma" else bits).reshape(-1))
             lse_k = wrap(lse_ws.reshape(-1))
             if fused:  # the kernel's own merge: the call's O and LSE, the counts
