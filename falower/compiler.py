@@ -119,6 +119,17 @@ class CompiledAttention:
         """q's and k's sequence dims ([..., M, D], [..., N, D])."""
         return self.func.args[0].type.shape[-2], self.func.args[1].type.shape[-2]
 
+    def _seq_lengths(self, env: dict[str, int]) -> tuple[Optional[int], Optional[int]]:
+        """q's and k's sequence lengths in `env` (an expression of its sizes too: a packed GQA graph's rows are
+        M*G), None where `env` lacks a size they need."""
+        out = []
+        for d in self._seq_dims():
+            try:
+                out.append(int(d.eval(env)))
+            except (ShapeError, KeyError, TypeError):
+                out.append(None)
+        return out[0], out[1]
+
     def _auto_choice(self, dtype: str, head_dim: int, path: str) -> Optional[dict]:
         """emit_fa3.auto_extra for this graph on this device: the Hopper kernel falower.compile picks by itself, or
         None (mma.sync; the caller's own schedule, which _forward_spec takes as asked)."""
@@ -149,7 +160,7 @@ class CompiledAttention:
         if not choice or not choice.get("persistent"):
             return None
         ragged = self._ragged_first_pays(*emit_fa3.WIDE_TILES) and self._ragged_first_runs(dtype, path, choice)
-        m, n = (env.get(getattr(d, "name", "")) for d in self._seq_dims())
+        m, n = self._seq_lengths(env)
         if not self._wide_tiles_pay(64, m, n, ragged=ragged):
             return "narrow"
         blocks = self.extra.get("persistent", choice["persistent"])  # the caller's block count, if given
@@ -163,17 +174,48 @@ class CompiledAttention:
     def _decode_tiles(self, dtype: str, path: str, env: dict[str, int]) -> bool:
         """Whether a call with these sizes takes the persistent kernel's decoding tiles (emit_fa3.DECODE_TILES: one
         consumer warpgroup of 64 rows): the automatic persistent choice on the default pipeline, no mask or a static
-        one (those split-kv parts), at most DECODE_MAX_ROWS query rows, `extra={"decode_tiles": False}` not given.
+        one (those split-kv parts), `extra={"decode_tiles": False}` not given, and either at most DECODE_MAX_ROWS
+        query rows or a small prefill grid where the 64-row tiles' count of kv steps is the smaller
+        (emit_fa3.decode_tiles_pay: twice the q tiles fill SMs a 128-row grid would leave idle or fill by split-kv's
+        merge; `extra={"small_grid": False}` keeps the tiles the call would take otherwise).
         Why: a 128-row q tile for a few rows runs its second warpgroup's products on padding, half the tensor cores'
-        time a kv tile, while decoding is bound by reading K and V (benchmarks/NOTES.md, "Decoding's tiles")."""
+        time a kv tile, while decoding is bound by reading K and V (benchmarks/NOTES.md, "Decoding's tiles"); on a
+        grid that fills half the SMs or less, twice the q tiles fill them without split-kv's merge, or with fewer
+        parts (NOTES, "Small prefill grids on 64-row q tiles")."""
         from .backends.numba_cuda import emit_fa3
 
         if (self.pipeline != "fa2-fwd" or not self.extra.get("decode_tiles", True)
                 or self._mask_kind() not in ("none", "static")):
             return False
         choice = self._auto_choice(dtype, env["D"], path)
-        m = env.get(getattr(self._seq_dims()[0], "name", ""))
-        return bool(choice and choice.get("persistent") and m and int(m) <= emit_fa3.DECODE_MAX_ROWS)
+        if not (choice and choice.get("persistent")):
+            return False
+        m, n = self._seq_lengths(env)
+        if not m:
+            return False
+        if int(m) <= emit_fa3.DECODE_MAX_ROWS:
+            return True
+        heads = self._heads(env)
+        blocks = self.extra.get("persistent", choice["persistent"])
+        if not self.extra.get("small_grid", True) or heads is None or not n or not blocks:
+            return False
+        bq, bk = emit_fa3.DECODE_TILES
+        tiles64, tiles128 = (self._visited_kv_tiles(rows, bk, int(m), int(n), env["D"]) for rows in (bq, 128))
+        return (tiles64 is not None and tiles128 is not None
+                and emit_fa3.decode_tiles_pay(heads * -(-int(m) // bq), tiles64, heads * -(-int(m) // 128), tiles128,
+                                              int(blocks)))
+
+    def _visited_kv_tiles(self, bq: int, bk: int, m: int, n: int, head_dim: int) -> Optional[float]:
+        """The kv tiles a q tile of bq x bk tiles visits at M = m, N = n: all of them, or on average under a static
+        mask by the cost model's count (causal at N = 1k visits 4.5 of 8 on 128 x 128 tiles); None where the model
+        cannot count it."""
+        tiles = float(-(-n // bk))
+        if self._mask_kind() == "static":
+            flops = self._visited_flops([(bq, bk, "last")], m, n, head_dim)
+            if flops is None:
+                return None
+            tiles = flops[0] / (4 * bq * bk * head_dim * -(-m // bq))
+        return tiles
 
     def _kv_parts(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str]) -> int:
         """split-kv's parts for a call with these sizes: `extra["kv_parts"]` where the caller gives a count, else
@@ -207,20 +249,17 @@ class CompiledAttention:
         if asked != "auto":
             return int(asked)
         heads = self._heads(env)
-        m, n = (env.get(getattr(d, "name", "")) for d in self._seq_dims())
+        m, n = self._seq_lengths(env)
         if heads is None or not m or not n:
             return 1
         ws_tiles = reads_table_tile(self.analysis)
         bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two",
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
-        nq, tiles = -(-int(m) // bq), float(-(-int(n) // bk))
-        if self._mask_kind() == "static":  # the kv tiles a q tile visits on average, by the cost model's count
-            flops = self._visited_flops([(bq, bk, "last")], int(m), int(n), env["D"])
-            if flops is None:
-                return 1
-            tiles = flops[0] / (4 * bq * bk * env["D"] * nq)
-        return emit_fa3.auto_kv_parts(heads * nq, int(tiles), blocks)
+        tiles = self._visited_kv_tiles(bq, bk, int(m), int(n), env["D"])
+        if tiles is None:
+            return 1
+        return emit_fa3.auto_kv_parts(heads * -(-int(m) // bq), int(tiles), blocks)
 
     def _heads(self, env: dict[str, int]) -> Optional[int]:
         """The (batch, head) pairs of a call: the product of q's sizes before its rows (GQA's H = HKV * G

@@ -49,6 +49,9 @@ CASES = {
     "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last",
                             {"B": 2, "persistent": 3, "fused_merge": True}),
     "relbias-p2-decode-m17": ("relative_bias", 17, 300, 128, (64, 128), 2, "f16", "last", {"fused_merge": True}),
+    # a small prefill grid's 64-row q tiles (compiler._decode_tiles past 64 rows): four q tiles under causal, the
+    # last ragged, each of its kv range in two shares, on two blocks
+    "causal-p2-q64-m200": ("causal", 200, 200, 64, (64, 128), 2, "f16", "last", {"persistent": 2}),
     # two batches (the workspaces' part-major layout, kvp B + b) on three blocks (each block's first item its own,
     # the counter's tickets the rest: own_first_item), 16 items
     "causal-p4-b2-three-blocks": ("causal", 250, 300, 64, (128, 128), 4, "f16", "last", {"B": 2, "persistent": 3}),

@@ -105,17 +105,20 @@ def _call(stem: str, B: int, H: int, N: int, D: int = 128, M: int = 0, **extra):
     return kern, print_func(c.lowered_of(kern))
 
 
-@pytest.mark.parametrize("stem, D, H, M, N, parts", [
-    ("plain", 128, 8, 1, 8192, 16), ("plain", 128, 8, 64, 32768, 16), ("plain", 128, 1, 2048, 2048, 4),
-    ("plain", 64, 1, 2048, 2048, 4), ("plain", 128, 8, 1024, 1024, 2), ("plain", 64, 8, 1024, 1024, 2), ("softcap", 128, 1, 2048, 2048, 4), ("relative_bias", 128, 8, 17, 3000, 4),
-    ("causal", 128, 1, 4096, 4096, 4), ("alibi", 128, 1, 4096, 4096, 4)])
-def test_a_small_grid_takes_parts_and_its_ir_says_so(hopper, stem, D, H, M, N, parts):
-    """Decoding's shapes (8 q tiles against 8k-32k keys) take 16 parts; one head at N = 2k (16 q tiles of 128 rows on
-    132 SMs, D = 64 on its two-warpgroup tiles) 4; the IR the kernel was built from is the split-kv form (what --dump
-    shows for the call); B = 1, H = 8 at N = 1k (64 q tiles: half the SMs) 2. Under causal the q tiles visit half
-    the kv tiles on average (16.5 of 32 at N = 4k)."""
+@pytest.mark.parametrize("stem, D, H, M, N, parts, bq", [
+    ("plain", 128, 8, 1, 8192, 16, 64), ("plain", 128, 8, 64, 32768, 16, 64), ("plain", 128, 1, 2048, 2048, 4, 64),
+    ("plain", 64, 1, 2048, 2048, 4, 64), ("plain", 128, 2, 2048, 2048, 4, 128), ("plain", 128, 4, 2048, 2048, 2, 128),
+    ("plain", 64, 2, 4096, 4096, 2, 128), ("softcap", 128, 1, 2048, 2048, 4, 64),
+    ("relative_bias", 128, 8, 17, 3000, 4, 64), ("causal", 128, 1, 4096, 4096, 4, 128),
+    ("alibi", 128, 1, 4096, 4096, 4, 128)])
+def test_a_small_grid_takes_parts_and_its_ir_says_so(hopper, stem, D, H, M, N, parts, bq):
+    """Decoding's shapes (8 q tiles against 8k-32k keys) take 16 parts; one head at N = 2k 4 (32 q tiles of 64 rows:
+    decoding's tiles, emit_fa3.decode_tiles_pay); the IR the kernel was built from is the split-kv form (what --dump
+    shows for the call); two heads at N = 2k 4 on 128-row tiles (32 q tiles: their 64 64-row ones would take two
+    parts of 8 kv tiles, counted slower), four 2 (64 q tiles: half the SMs), and two at N = 4k 2. Under causal the q
+    tiles visit half the kv tiles on average (16.5 of 32 at N = 4k)."""
     kern, ir = _call(stem, 1, H, N, D, M)
-    assert kern.spec.kv_parts == parts and kern.spec.block_q == (64 if M <= 64 else 128)  # decoding's tiles
+    assert (kern.spec.kv_parts, kern.spec.block_q) == (parts, bq)
     assert f"parallel_for (%part, %b, %h, %qi) in ({parts}, " in ir and "%o_merged = reduce_sum" in ir
     assert "kv_cnt = max(kv_last - kv_first + 1, 0)" in kern.source
 
@@ -135,6 +138,51 @@ def test_decoding_takes_one_consumer_warpgroup(hopper, D):
     assert _call("document", 1, 8, 8192, D, 1)[0].spec.block_q != 64
 
 
+# B = 1 grids measured with 64-row q tiles forced against the tiles the call took (H200, 2026-11-30; NOTES "Small
+# prefill grids on 64-row q tiles"): (stem, H, N) -> the faster's (block_q, parts) at D = 128 and at D = 64, where the
+# two differed by more than 5%
+MEASURED_SMALL_GRIDS = {
+    ("plain", 8, 1024): ((64, 1), (64, 1)), ("causal", 8, 1024): ((64, 1), (64, 1)),
+    ("plain", 16, 512): ((64, 1), (64, 1)), ("causal", 16, 512): ((64, 1), (64, 1)),
+    ("causal", 5, 1536): ((64, 1), (64, 1)), ("plain", 1, 4096): ((128, 4), (128, 4)),
+    ("causal", 1, 4096): ((128, 4), None), ("plain", 16, 1024): ((128, 1), (128, 1)),
+    ("plain", 8, 2048): ((128, 1), (128, 1)), ("causal", 16, 1024): ((128, 1), (128, 1)),
+    ("causal", 8, 2048): ((128, 1), (128, 1)), ("plain", 2, 1024): ((64, 2), (64, 2)),
+    ("plain", 4, 1024): ((64, 2), (64, 2)), ("plain", 1, 2048): ((64, 4), (64, 4)),
+    ("causal", 2, 1024): ((64, 1), (64, 1)), ("causal", 4, 1024): ((64, 1), (64, 1)),
+    ("causal", 1, 2048): ((64, 2), (64, 2)), ("causal", 2, 2048): ((64, 2), (64, 2)),
+    ("sliding_window", 8, 1024): (None, (128, 1)),
+}
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_small_prefill_grid_takes_the_tiles_measured_faster(hopper, D):
+    """Past 64 rows, a grid takes decoding's 64-row q tiles where emit_fa3.decode_tiles_pay counts them faster (twice
+    the q tiles fill SMs a 128-row grid leaves idle or fills by split-kv's merge); on every grid measured where one
+    tiling ran more than 5% faster, the choice is that one (D = 64's other tiles: 128 rows, or 128 x 64 for the
+    window). small_grid or decode_tiles False keep the other tiles."""
+    for (stem, H, N), want in MEASURED_SMALL_GRIDS.items():
+        want = want[0] if D == 128 else want[1]
+        if want is None:
+            continue
+        kern, ir = _call(stem, 1, H, N, D)
+        assert (kern.spec.block_q, kern.spec.kv_parts) == want, (stem, H, N)
+        if want[0] == 64:
+            assert "+ 1 consumer warpgroups" in kern.source and ("tile{bq=64,bk=128}" in ir or "cdiv(M, 64)" in ir)
+    for off in ({"small_grid": False}, {"decode_tiles": False}):
+        assert _call("plain", 1, 8, 1024, D, **off)[0].spec.block_q != 64, off  # (D = 64: 192 rows)
+
+
+def test_the_small_grid_count():
+    """decode_tiles_pay's count in 128-row kv steps: 128 q tiles of 64 rows and 8 kv tiles (5.76) against 64 of 128
+    rows in two parts (4 + 2.5); a full grid of 64-row tiles makes two rounds; fewer than 2 kv tiles: never."""
+    assert emit_fa3.small_grid_steps(128, 8, 132, emit_fa3.DECODE_TILE_RATE) == pytest.approx(8 * 0.72)
+    assert emit_fa3.small_grid_steps(64, 8, 132, 1.0) == pytest.approx(4 + emit_fa3.SPLIT_MERGE_STEPS)
+    assert emit_fa3.decode_tiles_pay(128, 8, 64, 8, 132) and not emit_fa3.decode_tiles_pay(256, 8, 128, 8, 132)
+    assert not emit_fa3.decode_tiles_pay(128, 16, 64, 16, 132)  # 11.5 against 8 + 2.5
+    assert not emit_fa3.decode_tiles_pay(128, 1.5, 64, 2, 132)  # an item that is its fixed costs
+
+
 def test_decodings_kernel_merges_its_parts_itself_where_asked(hopper):
     """extra fused_merge=True on decoding's tiles: the q tile's last part merges the parts in the kernel
     (emit_fa3_ws.fused_merge: its threads store O themselves); by default (measured slower) and on the prefill grid's
@@ -147,7 +195,7 @@ def test_decodings_kernel_merges_its_parts_itself_where_asked(hopper):
     kern, _ = _call("plain", 1, 8, 8192, 128, 1)
     assert not emit_fa3_ws.fused_merge(kern.spec) and "merge_unit" not in kern.source
     assert "griddep_launch_dependents()" in kern.source
-    kern, _ = _call("plain", 1, 8, 1024, fused_merge=True)  # two parts of 128-row tiles: no fused form
+    kern, _ = _call("plain", 1, 4, 2048, fused_merge=True)  # two parts of 128-row tiles: no fused form
     assert kern.spec.kv_parts == 2 and not emit_fa3_ws.fused_merge(kern.spec) and "merge_unit" not in kern.source
 
 
@@ -178,6 +226,7 @@ def test_the_callers_parts_are_taken_or_refused_by_name(hopper):
     """extra kv_parts = P asks for P parts: where no kernel can run them the call says why, never one part
     silently (a bench row '-kvpN' timed the unsplit kernel)."""
     assert _call("plain", 1, 8, 1024, kv_parts=16)[0].spec.kv_parts == 16
+    assert _call("plain", 1, 8, 1024, kv_parts=2)[0].spec.block_q == 64  # (the tiles are the grid's choice)
     c = fl.compile(_example("plain"), extra={"kv_parts": 4})  # the lengths alone: the caller's count still holds
     assert c.specialize("f16", M=1024, N=1024, D=128).spec.kv_parts == 4
     with pytest.raises(FalowerError, match=r"extra kv_parts=2: split-kv's parts need no mask or a static one "
@@ -188,9 +237,10 @@ def test_the_callers_parts_are_taken_or_refused_by_name(hopper):
     with pytest.raises(FalowerError, match="extra kv_parts=4: split-kv's parts need the default pipeline fa2-fwd"):
         fl.compile(_example("plain"), pipeline=TILED, extra={"kv_parts": 4}).specialize("f16", B=1, H=1, M=64,
                                                                                         N=4096, D=128)
-    # a 48-wide window at D = 64 takes emit_fa3's 128 x 64 kernel, which has no parts
+    # a 48-wide window at D = 64 takes emit_fa3's 128 x 64 kernel, which has no parts (H = 32: past decoding's
+    # tiles' one round)
     with pytest.raises(FalowerError, match=r"extra kv_parts=2: .*split-kv .2 parts. is emitted by the persistent"):
-        _call("sliding_window", 1, 8, 1000, D=64, kv_parts=2)
+        _call("sliding_window", 1, 32, 1000, D=64, kv_parts=2)
 
 
 def test_one_consumer_warpgroup_says_what_it_needs():

@@ -3,9 +3,9 @@ kernel with a part index in its work items and the LSE merge after it, through f
 against the float64 reference of the unsplit graph. Cases: shares of one kv tile and empty parts (more parts than
 tiles), rows no key sees, ALiBi's column term and kv order, the relative bias's runs of the table, three consumer
 warpgroups with the short q tile first, GQA at D = 128, two batches on three blocks, one consumer warpgroup on
-decoding's 64-row q tiles (plain, ALiBi, the relative bias), their q tiles' last parts merging in the kernel
-(extra fused_merge) and not. A share that visits a tile twice moves LSE by up to
-log 2, one that skips a tile moves O: both far past the tolerances."""
+decoding's 64-row q tiles (plain, ALiBi, the relative bias; causal on four of them, a small prefill grid's), their
+q tiles' last parts merging in the kernel (extra fused_merge) and not. A share that visits a tile twice moves LSE by
+up to log 2, one that skips a tile moves O: both far past the tolerances."""
 
 from __future__ import annotations
 

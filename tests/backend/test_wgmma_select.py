@@ -465,30 +465,35 @@ def test_d64_takes_two_warpgroups_on_a_small_grid(hopper) -> None:
     """With the call's batch and heads known, D = 64's persistent kernel takes 128 x 128 tiles (two consumer
     warpgroups) where its q tiles finish before the 192-row ones would (emit_fa3.two_rounds_pay: B = 1, H = 8 at
     N = 1k-4k; causal only where they fit one round, to 2k); larger grids keep the 192-row tiles; lengths alone, or
-    `small_grid: False`, keep them too; where the work rule says 128 x 64 (N = 512), that stands."""
+    `small_grid: False`, keep them too; where the work rule says 128 x 64 (N = 512), that stands. (At N = 512-1k this
+    grid now takes decoding's 64-row tiles, emit_fa3.decode_tiles_pay: the tiles beside them are read here with
+    decode_tiles False.)"""
     from falower.backends.numba_cuda import emit_fa3_ws
 
     hopper.setattr(runtime, "device_sm_count", lambda: 132)
     for causal in (False, True):
         c = fl.compile(_graph(causal))
+        nodec = fl.compile(_graph(causal), extra={"decode_tiles": False})
 
         def spec(b: int, h: int, n: int, cc=c):
             return cc.specialize("f16", B=b, H=h, M=n, N=n, D=64).spec
 
+        for n in (512, 1000, 1024):
+            assert spec(1, 8, n).block_q == 64, (causal, n)
         for n in (1000, 1024, 2048) + (() if causal else (4096,)):
-            s = spec(1, 8, n)
+            s = spec(1, 8, n, nodec)
             assert (s.block_q, s.block_k) == emit_fa3.TWO_TILES and emit_fa3_ws.consumer_wgs(s) == 2, (causal, n)
             assert s.extra["persistent"] == 132 and s.extra["producer"] == "warpgroup"
             emit_fa3.validate_spec(s)
         for b, h, n in ((2, 16, 2048), (4, 16, 2048), (1, 32, 4096), (4, 32, 4096)) + (
                 ((1, 8, 4096), (2, 8, 2048)) if causal else ()):  # causal: 256 q tiles of 128 rows, two rounds
             assert spec(b, h, n).block_q == 192, (causal, b, h, n)
-        assert (spec(1, 8, 512).block_q, spec(1, 8, 512).block_k) == (128, 64)  # the work rule's 128 x 64
+        assert (spec(1, 8, 512, nodec).block_q, spec(1, 8, 512, nodec).block_k) == (128, 64)  # the work rule's
         assert c.specialize("f16", M=2048, N=2048, D=64).spec.block_q == 192  # no B, H: the lengths' answer
         kept = fl.compile(_graph(causal), extra={"small_grid": False})
         assert kept.specialize("f16", B=1, H=8, M=2048, N=2048, D=64).spec.block_q == 192
-        # one kernel for the "two" tiling (plain at N = 1k takes split-kv's two parts: a kernel of its own)
-        assert spec(1, 8, 2048) is spec(1, 8, 1024 if causal else 4096)
+        # one kernel for the "two" tiling
+        assert spec(1, 8, 2048) is (spec(1, 4, 4096) if causal else spec(1, 8, 4096))
     # GQA's heads are HKV * 4: counted through the expression
     gqa = fl.compile(fl.attention(name="gqa", group_size=4))
     assert gqa._heads({"B": 1, "HKV": 2, "M": 2048, "N": 2048, "D": 64}) == 8

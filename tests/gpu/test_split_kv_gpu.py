@@ -27,13 +27,14 @@ def _hopper() -> None:
         pytest.skip("needs a Hopper GPU (the persistent warp-specialized kernel)")
 
 
-def _compiled(stem: str, dtype: str, parts):
+def _compiled(stem: str, dtype: str, parts, **extra):
     g, auto = graph(stem, dtype)
-    if parts == "auto":
+    if parts == "auto" and not extra:
         return g, auto
-    if (stem, dtype, parts) not in SPLIT:
-        SPLIT[stem, dtype, parts] = fl.compile(g, "numba-cuda", extra={"kv_parts": parts})
-    return g, SPLIT[stem, dtype, parts]
+    key = (stem, dtype, parts) + tuple(sorted(extra.items()))
+    if key not in SPLIT:
+        SPLIT[key] = fl.compile(g, "numba-cuda", extra={"kv_parts": parts, **extra})
+    return g, SPLIT[key]
 
 
 def _host(g, env, dtype, seed):
@@ -47,14 +48,33 @@ def _host(g, env, dtype, seed):
                                                        "prefix_lm", "sliding_window"] for d in (64, 128)
                                       if (s, d) != ("sliding_window", 64)])
 def test_a_small_grid_splits_and_keeps_the_error_rule(stem, dtype, D):
-    """B = 1, H = 8, N = 1000 in the caller's two parts: 64 q tiles of 128 rows, the last kv tile ragged (the
-    automatic choice's too, for the unmasked examples). (The 48-wide window at D = 64 takes emit_fa3's
-    128 x 64 kernel, which has no parts: the caller's count falls back to it unsplit, test_split_kv_kernel.py.)"""
+    """B = 1, H = 8, N = 1000 in the caller's two parts: 64 q tiles of 128 rows (decode_tiles False: the automatic
+    choice now takes 64-row tiles there, the next test), the last kv tile ragged. (The 48-wide window at D = 64
+    then takes emit_fa3's 128 x 64 kernel, which has no parts: the caller's count is refused there,
+    test_split_kv_kernel.py.)"""
     _hopper()
-    g, c = _compiled(stem, dtype, 2)
+    g, c = _compiled(stem, dtype, 2, decode_tiles=False)
     env = bind_dims(g, {"B": 1, "H": 8, "HKV": 2, "M": 1000, "N": 1000, "D": D})
-    assert c.specialize(dtype, **env).spec.kv_parts == 2
+    spec = c.specialize(dtype, **env).spec
+    assert spec.kv_parts == 2 and spec.block_q != 64
     assert_error_rule(g, c, env, _host(g, env, dtype, seed=D), dtype)
+
+
+SMALL_PREFILL = ["plain", "relative_bias", "softcap", "gqa", "causal", "alibi", "prefix_lm", "sliding_window"]
+
+
+@pytest.mark.parametrize("stem, D, dtype", [(s, d, "f16") for s in SMALL_PREFILL for d in (64, 128)]
+                         + [("plain", 128, "bf16"), ("causal", 64, "bf16"), ("relative_bias", 128, "bf16")])
+def test_a_small_prefill_grid_on_decodings_tiles_keeps_the_error_rule(stem, D, dtype):
+    """B = 1, H = 8, N = 1000, the automatic choice: 128 q tiles of 64 rows, one consumer warpgroup, unsplit
+    (emit_fa3.decode_tiles_pay), the last q and kv tiles ragged; the 48-wide window's q tiles visit 1.5 kv tiles and
+    keep their tiles."""
+    _hopper()
+    g, c = _compiled(stem, dtype, "auto")
+    env = bind_dims(g, {"B": 1, "H": 8, "HKV": 2, "M": 1000, "N": 1000, "D": D})
+    spec = c.specialize(dtype, **env).spec
+    assert (spec.block_q, spec.kv_parts) == ((128, 1) if stem == "sliding_window" else (64, 1))
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + 1), dtype)
 
 
 @pytest.mark.parametrize("parts", [4, 8, 16])

@@ -195,6 +195,10 @@ TWO_TILES = (128, 128)  # ... the same kernel with two consumer warpgroups: a sm
 DECODE_TILES = (64, 128)  # the persistent kernel with one consumer warpgroup: decoding's (M <= 64: a 128-row q tile
 # would run its second warpgroup's wgmmas on padding)
 DECODE_MAX_ROWS = 64
+DECODE_TILE_RATE = 0.72  # a 64-row q tile's kv step against a 128-row tile's (one consumer warpgroup, whose softmax
+# no second warpgroup overlaps: 1.1 against 1.6 us at D = 128, 1.0 against 1.4 at D = 64, H200; decode_tiles_pay)
+SPLIT_MERGE_STEPS = 2.5  # split-kv's merge, with its launch, in 128-row kv steps (~4 us)
+DECODE_PREFILL_MIN_KV_TILES = 2  # the fewest kv tiles a longer call's 64-row q tiles visit on average to take them
 WIDE_MIN_WORK_RATIO = 0.85  # the least (128 x 64 tiles' visited FLOPs) / (WIDE_TILES') that takes them (below)
 WIDE_REFERENCE_N = 4096  # the longest length at which falower.compile counts both tilings' work (and where no size)
 WIDE_MIN_N = 1024  # the shortest kv length (rounded up to 64) that takes them: shorter items cannot pay their fixed
@@ -245,6 +249,31 @@ def two_rounds_pay(items_two: int, items_wide: int, sm_count: int, uniform: bool
     if not uniform and items_two > sm_count:
         return False
     return rounds(items_two) * TWO_TILES[0] * TWO_RATE < rounds(items_wide) * WIDE_TILES[0]
+
+
+def small_grid_steps(items: int, kv_tiles: float, sm_count: int, rate: float) -> float:
+    """A small grid's time in 128-row kv steps, as decode_tiles_pay counts it: `items` q tiles of `kv_tiles` kv
+    tiles each (on average under a mask) in auto_kv_parts' parts, the rounds of the `sm_count` blocks those parts
+    make, each part's tiles at `rate` steps a tile, and the merge where there are parts."""
+    parts = auto_kv_parts(items, int(kv_tiles), sm_count)
+    rounds = -(-items * parts // max(1, sm_count))
+    return rounds * kv_tiles / parts * rate + (SPLIT_MERGE_STEPS if parts > 1 else 0.0)
+
+
+def decode_tiles_pay(items64: int, tiles64: float, items128: int, tiles128: float, sm_count: int) -> bool:
+    """Whether a call of more than DECODE_MAX_ROWS query rows takes decoding's 64-row q tiles (DECODE_TILES, one
+    consumer warpgroup) over 128-row ones: where small_grid_steps says its `items64` q tiles of `tiles64` kv tiles
+    finish first (DECODE_TILE_RATE a tile) against the `items128` of `tiles128` (1 a tile). On a grid that fills
+    half the SMs or less, twice the q tiles fill it where the 128-row grid would split (a merge) or idle; on a full
+    grid the 64-row tiles' lower rate loses. Not where the 64-row tiles visit fewer than DECODE_PREFILL_MIN_KV_TILES
+    on average: there an item is its fixed costs (the 48-wide window's 1.5 ran 0.90-0.94x at D = 64, 1.04x at
+    D = 128). Measured (H200, 2026-11-30, CUDA graphs, GPU time, 32 grids at D = 64
+    and 128, plain and causal, B H = 1-16, N = 512-4k; benchmarks/NOTES.md "Small prefill grids on 64-row q tiles"):
+    where the model picks the 64-row tiles they ran 0.97-1.32x (B = 1, H = 8, N = 1k: 1.15-1.29x; the 0.97 causal
+    D = 128 at N = 2k, H = 4), and where it keeps the other tiles, forced 64-row tiles ran 0.68-1.06x."""
+    return (tiles64 >= DECODE_PREFILL_MIN_KV_TILES
+            and small_grid_steps(items64, tiles64, sm_count, DECODE_TILE_RATE)
+            < small_grid_steps(items128, tiles128, sm_count, 1.0))
 
 
 KV_PARTS_MAX = 16  # split-kv's most parts (a power of two: the kernel decodes and shares by shifts)
