@@ -272,6 +272,9 @@ def _setup_opt(p: argparse.ArgumentParser) -> None:
                    help="also print the Numba CUDA source the numba-cuda backend emits for the final IR "
                         "(at --shapes; needs the fa2-fwd form, no GPU)")
     p.add_argument("--dtype", choices=("f16", "bf16"), help="input dtype for --print-kernel (default: the graph's)")
+    p.add_argument("--pack-gqa", action="store_true",
+                   help="lower the GQA graph packed first (a kv head's query heads as rows: what falower.compile "
+                        "runs for decoding; passes/pack_gqa.py)")
     p.add_argument("-o", "--output", metavar="OUT", help="write the final IR to OUT instead of stdout")
 
 
@@ -316,6 +319,10 @@ def _report_checks(records: Sequence, err: TextIO) -> None:
 def cmd_opt(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.shapes)
     func = select_graph(args.file, args.graph)
+    if args.pack_gqa:
+        from .passes.pack_gqa import pack_gqa
+
+        func = pack_gqa(func)[0]
     if shapes and not args.check:
         check_shapes(func, shapes)  # still catch typos in --shapes
     after = tuple(n.strip() for n in args.print_ir_after.split(",") if n.strip()) if args.print_ir_after else ()

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import FalowerError, ShapeError
+from .errors import FalowerError, PassError, ShapeError
 from .ir.core import Func
 from .ir.dims import solve_dims
 from .ir.interp import Interpreter
@@ -503,21 +503,57 @@ class CompiledAttention:
         analysis = self._built.get(kernel.spec.name, (self.lowered, self.analysis))[1]
         return [int(env[d]) for d in analysis.runtime_dims]
 
+    def packed_for(self, env: dict[str, int]) -> Optional["CompiledAttention"]:
+        """The packed GQA graph (passes/pack_gqa.py: a kv head's G query heads as the rows of one problem),
+        compiled with this one's options, where a call with these sizes runs it: a GQA graph whose score reads
+        neither the query head nor the query row, the default pipeline, at most pack_gqa.PACK_MAX_ROWS rows packed
+        (M * G: decoding), `extra={"pack_gqa": False}` not given; else None. Its `.func` and `.lowered` are the
+        IR the call runs. Why: each query head of a group otherwise reads the group's K and V itself, in q tiles
+        of M rows (GQA decoding took 1.8-2.7x MHA decoding's time on the same K / V, H200, benchmarks/NOTES.md)."""
+        from .passes.pack_gqa import PACK_MAX_ROWS, group_of, pack_gqa
+
+        if self.extra.get("pack_gqa", True) is False or self.pipeline != "fa2-fwd":
+            return None
+        if "packed" not in self._memo:
+            self._memo["packed"] = None
+            if group_of(self.func) > 1:
+                try:
+                    func, group = pack_gqa(self.func)
+                except PassError:
+                    pass  # (a score that reads the query head or row: the graph runs as written)
+                else:
+                    self._memo["packed"] = (compile(func, self.backend, self.pipeline, self.path, self.num_warps,
+                                                    self.extra, backward=self.backward_pipeline,
+                                                    **self.pipeline_kwargs), group)
+        packed = self._memo["packed"]
+        m, _ = self._seq_lengths(env)
+        if packed is None or not m or m * packed[1] > PACK_MAX_ROWS:
+            return None
+        return packed[0]
+
     def forward(self, *inputs: Any):
-        """(o, lse) without autograd: the forward kernel (or the interpreter for the reference backend)."""
+        """(o, lse) without autograd: the forward kernel (or the interpreter for the reference backend); a GQA
+        decoding call through the packed graph (`packed_for`)."""
+        key = _signature(inputs)
+        call = self._calls.get(key) if key is not None else None
+        if call is not None:
+            return call(inputs)
+        packed = self.packed_for(self._dims(inputs)) if len(inputs) == len(self.func.args) else None
+        if packed is not None:
+            call = _PackedCall(packed, self._memo["packed"][1])
+            if key is not None:
+                self._calls[key] = call
+            return call(inputs)
         if self.backend == "reference":
             arrays = [_host_array(x) for x in inputs]
             return tuple(Interpreter("native").run(self.lowered, arrays))
-        key = _signature(inputs)
-        call = self._calls.get(key) if key is not None else None
-        if call is None:
-            k, env = self._kernel_and_dims(inputs)
-            lowered, analysis = self._built.get(k.spec.name, (self.lowered, self.analysis))
-            call = _WarmCall(k, [lowered.args.index(c) for c in analysis.captures],
-                             [c.type.dtype for c in analysis.captures], self.runtime_sizes(k, env), inputs[0],
-                             blocks=self.block_data(k))
-            if key is not None:
-                self._calls[key] = call
+        k, env = self._kernel_and_dims(inputs)
+        lowered, analysis = self._built.get(k.spec.name, (self.lowered, self.analysis))
+        call = _WarmCall(k, [lowered.args.index(c) for c in analysis.captures],
+                         [c.type.dtype for c in analysis.captures], self.runtime_sizes(k, env), inputs[0],
+                         blocks=self.block_data(k))
+        if key is not None:
+            self._calls[key] = call
         return call(inputs)
 
     # ------------------------------------------------------------------------------------ backward
@@ -731,6 +767,23 @@ class _WarmCall:
             t = torch.full((), x, dtype=_TORCH_DTYPES[dtype], device=self._device)
             self._numbers[key] = t
         return t
+
+
+class _PackedCall:
+    """A call through the packed GQA graph (CompiledAttention.packed_for): q [B, HKV*G, M, D] as [B, HKV, M*G, D]
+    (a view where heads follow rows, always at M = 1; numpy and torch copy otherwise), O and LSE given back in the
+    caller's shapes [B, HKV*G, M, D] and [B, HKV*G, M] (views of the packed ones)."""
+
+    __slots__ = ("compiled", "group")
+
+    def __init__(self, compiled: "CompiledAttention", group: int) -> None:
+        self.compiled, self.group = compiled, group
+
+    def __call__(self, inputs: tuple):
+        q = inputs[0]
+        B, H, M, D = (int(n) for n in q.shape)
+        o, lse = self.compiled.forward(q.reshape(B, H // self.group, M * self.group, D), *inputs[1:])
+        return o.reshape(B, H, M, D), lse.reshape(B, H, M)
 
 
 class _TorchDtypes(dict):

@@ -63,6 +63,18 @@ def test_opt_check_with_shapes(capsys) -> None:
     assert "shapes B=1,HKV=3,M=5,N=9,D=8" in err
 
 
+def test_opt_pack_gqa_lowers_the_packed_graph(capsys) -> None:
+    """--pack-gqa: the GQA graph with a kv head's query heads as rows (what a decoding call runs), lowered and
+    checked; a graph it cannot pack is one error line naming why."""
+    code, out, err = cli(capsys, "opt", EX / "gqa.py", "-p", "fa2-fwd", "--pack-gqa", "--check", "--shapes",
+                         "B=1,HKV=2,M=3,N=70,D=16")
+    assert code == 0, err
+    assert "func @gqa_packed(%q: f16[B,HKV,M*4,D]" in out and "repeat_interleave" not in out
+    assert "numbers preserved after" in err
+    code, _, err = cli(capsys, "opt", EX / "causal.py", "-p", "fa2-fwd", "--pack-gqa")
+    assert_one_error_line(code, err, "pack-gqa: k and v are not each repeated over heads once")
+
+
 def test_opt_print_after_named_and_change(capsys) -> None:
     code, _, err = cli(capsys, "opt", EX / "plain.py", "-p", LOWER, "--print-ir-after=canonicalize")
     assert code == 0 and err.count("// ----- IR after") == 1 and "IR after canonicalize" in err

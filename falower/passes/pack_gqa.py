@@ -1,0 +1,129 @@
+"""pack-gqa: a GQA graph whose score reads neither the query head nor the query row, rewritten so that each kv
+head's G query heads are the rows of one attention problem (FlashAttention-2's seqlenq_ngroups_swapped,
+FlashAttention-3's pack_gqa).
+
+Why: with few query rows (decoding: M = 1) each (b, h) is a q tile of M rows, mostly padding, and the G query heads
+of a kv head each read that head's K and V: G times the traffic, and G times the q tiles (H200, 2026-11-30: GQA
+decoding with 32 query heads over 8 took 1.8-2.7x the time of 8 heads on the same K / V, benchmarks/NOTES.md).
+Packed, q [B, HKV*G, M, D] is read as [B, HKV, M*G, D] (row r of kv head j is query head j*G + r // M, query row
+r % M: the same memory where heads follow rows, `reshape` without a copy, and always at M = 1), K and V are not
+repeated, and O and LSE come back as [B, HKV, M*G, ...], the caller's [B, HKV*G, M, ...] the same way.
+
+This is a rewrite of the calling convention, not a pipeline pass: the packed function takes the reshaped q, so
+falower.compile applies it at a call (compiler.CompiledAttention.packed_for) where the rows are few, and lowers the
+packed graph with its own pipeline; the IR after every pass is the packed graph's.
+
+Requires (`pack_gqa` raises PassError naming the one that fails):
+  - q, k, v first, q [B, HKV*G, M, D], k and v [B, HKV, N, D], each of k and v used once, by
+    `repeat_interleave {axis = 1, repeats = G}` with the same G > 1;
+  - no value reads the query head or row: the iotas along axes 1 and 2 (%h, %q_idx) unused, and no captured
+    tensor with the query heads' or rows' size in its shape (it could be read by broadcast);
+  - graph-level ops only (the graph as written, before any pass).
+
+Before / after (examples/gqa.py, abridged):
+
+    func @gqa(%q: f16[B,HKV*4,M,D], %k: f16[B,HKV,N,D], %v: f16[B,HKV,N,D]) -> (o: f16[B,HKV*4,M,D]) {
+      %0 = repeat_interleave %k {axis = 1, repeats = 4} : f16[B,HKV*4,N,D]
+      %2 = matmul %q, %0 {transpose_b} : f32[B,HKV*4,M,N]  ...
+
+    =>
+
+    func @gqa_packed(%q: f16[B,HKV,M*4,D], %k: f16[B,HKV,N,D], %v: f16[B,HKV,N,D]) -> (o: f16[B,HKV,M*4,D]) {
+      %2 = matmul %q, %k {transpose_b} : f32[B,HKV,M*4,N]  ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import PassError
+from ..ir.core import Block, Func, Op, Value, uses
+from ..ir.dims import Dim
+from ..ir.ops import OPS, OpTypeError
+from ..ir.types import TensorType
+
+
+PACK_MAX_ROWS = 64  # the most packed rows (M * G) a call packs: decoding's q tile (emit_fa3.DECODE_MAX_ROWS)
+
+
+def _fail(why: str) -> PassError:
+    return PassError(f"pack-gqa: {why}")
+
+
+def group_of(func: Func) -> int:
+    """G where `func` repeats k and v over heads by G > 1 (a GQA graph), else 1."""
+    if len(func.args) < 3:
+        return 1
+    users = uses(func)
+    reps = set()
+    for kv in func.args[1:3]:
+        ops = users.get(kv, [])
+        if len(ops) != 1 or ops[0].name != "repeat_interleave" or ops[0].attrs.get("axis") != 1:
+            return 1
+        reps.add(ops[0].attrs.get("repeats"))
+    return reps.pop() if len(reps) == 1 and isinstance(next(iter(reps)), int) and max(reps) > 1 else 1
+
+
+def pack_gqa(func: Func) -> tuple[Func, int]:
+    """(the packed graph, G) for a GQA graph that meets the preconditions above; PassError otherwise."""
+    G = group_of(func)
+    if G == 1:
+        raise _fail("k and v are not each repeated over heads once (repeat_interleave {axis = 1, repeats = G > 1}): "
+                    "not a GQA graph")
+    q, k, v = func.args[:3]
+    if q.type.rank != 4 or k.type.rank != 4 or v.type.rank != 4:
+        raise _fail(f"q, k, v must be [B, H, rows, D], got {q.type}, {k.type}, {v.type}")
+    heads, rows, kv_heads = q.type.shape[1], q.type.shape[2], k.type.shape[1]
+    if heads != kv_heads * G:
+        raise _fail(f"q's heads {heads} are not k's {kv_heads} times the group {G}")
+    users = uses(func)
+    for op in func.walk():
+        if op.regions:
+            raise _fail(f"{op.name} has regions: pack the graph as written, before any pass")
+        if op.name == "iota" and op.attrs.get("axis") in (1, 2) and users.get(op.result):
+            what = "query head (h)" if op.attrs["axis"] == 1 else "query row (q_idx)"
+            raise _fail(f"the score or mask reads the {what}: packed rows would need it rebuilt")
+    for cap in func.args[3:]:
+        if any(d in (heads, rows) for d in cap.type.shape):
+            raise _fail(f"captured %{cap.name} {cap.type} has the query heads' or rows' size: it may be read by "
+                        "broadcast against them")
+    packed_rows = rows * G
+
+    def packed(t: TensorType) -> TensorType:
+        """A type over (b, h, q_idx, ...) with the heads' and rows' axes packed: [.., HKV*G, M, ..] -> [.., HKV,
+        M*G, ..] (sizes 1 stay 1)."""
+        if t.rank < 3 or (t.shape[1] != heads and t.shape[2] != rows):
+            return t
+        shape: list[Dim] = list(t.shape)
+        if shape[1] == heads:
+            shape[1] = kv_heads
+        if shape[2] == rows:
+            shape[2] = packed_rows
+        return TensorType(t.dtype, tuple(shape))
+
+    body = Block([packed(a.type) if i == 0 else a.type for i, a in enumerate(func.args)], [a.name for a in func.args])
+    vmap: dict[Value, Value] = dict(zip(func.args, body.args))
+    for op in func.body.ops:
+        if op.name == "repeat_interleave" and op.operands[0] in (k, v):
+            vmap[op.result] = vmap[op.operands[0]]
+            continue
+        if op.name == "iota" and op.attrs.get("axis") in (1, 2):  # unused (above): no %h over kv heads
+            continue
+        operands = [vmap[x] for x in op.operands]
+        if op.name in ("const", "iota"):
+            types = [packed(op.result.type)]
+        elif op.name == "return":
+            types = []
+        else:
+            attrs: dict[str, Any] = dict(op.attrs)
+            try:
+                types = OPS[op.name].infer([x.type for x in operands], attrs)  # type: ignore[misc]
+            except OpTypeError as e:
+                raise _fail(f"{op.name} does not take the packed shapes: {e}") from None
+            if any(t.rank >= 3 and (t.shape[1] == heads or t.shape[2] == rows) for t in types):
+                raise _fail(f"{op.name} gives {types[0]}: a query-head or -row axis the packing did not reach")
+        new = Op(op.name, operands, types, dict(op.attrs), [], [r.name for r in op.results])
+        body.append(new)
+        for old, nv in zip(op.results, new.results):
+            vmap[old] = nv
+    return Func(f"{func.name}_packed", body, dict(func.attrs)), G

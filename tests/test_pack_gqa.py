@@ -1,0 +1,102 @@
+"""pack-gqa (falower/passes/pack_gqa.py): a GQA graph whose score reads neither the query head nor the query row,
+rewritten so a kv head's G query heads are the rows of one problem. The packed graph on q reshaped [B, HKV, M*G, D]
+gives the GQA graph's numbers (the interpreter, bit for bit: every row is computed alone); a graph that reads the
+head or the row, or a capture that could, is refused by name; falower.compile runs decoding calls (M * G <= 64)
+through it, and the kernel it builds for decoding is decoding's (64-row q tiles in parts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import falower as fl
+from falower.errors import PassError
+from falower.ir.interp import Interpreter
+from falower.passes.pack_gqa import PACK_MAX_ROWS, group_of, pack_gqa
+
+
+def _gqa(group: int = 4, score_mod=None, mask_mod=None):
+    return fl.attention(score_mod=score_mod, mask_mod=mask_mod, group_size=group, name="gqa")
+
+
+def _inputs(rng, B, HKV, G, M, N, D):
+    q = rng.standard_normal((B, HKV * G, M, D)).astype(np.float16)
+    k, v = (rng.standard_normal((B, HKV, N, D)).astype(np.float16) for _ in range(2))
+    return q, k, v
+
+
+def test_the_packed_graph_reads_q_packed_and_repeats_nothing():
+    packed, G = pack_gqa(_gqa(4))
+    text = fl.print_func(packed)
+    assert G == 4 and "repeat_interleave" not in text and "%h = iota" not in text
+    assert "%q: f16[B,HKV,M*4,D]" in text and "-> (o: f16[B,HKV,M*4,D])" in text
+    assert "matmul %q, %k {transpose_b} : f32[B,HKV,M*4,N]" in text
+    fl.verify(packed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(G=st.sampled_from([2, 4, 8]), B=st.integers(1, 2), HKV=st.integers(1, 3), M=st.integers(1, 9),
+       N=st.integers(1, 70), softcap=st.booleans())
+def test_the_packed_graph_gives_the_gqa_graphs_numbers(G, B, HKV, M, N, softcap):
+    """Each row's softmax and product are the same numbers whichever head it is filed under: equal bit for bit."""
+    mod = (lambda s, b, h, q, kv: 20.0 * fl.tanh(s / 20.0)) if softcap else None
+    g = _gqa(G, score_mod=mod)
+    packed, got = pack_gqa(g)
+    assert got == G
+    q, k, v = _inputs(np.random.default_rng(M * N + G), B, HKV, G, M, N, 8)
+    want = Interpreter("native").run(g, [q, k, v])[0]
+    o = Interpreter("native").run(packed, [q.reshape(B, HKV, M * G, 8), k, v])[0]
+    assert np.array_equal(o.reshape(B, HKV * G, M, 8), want)
+
+
+def test_what_pack_gqa_refuses_it_names():
+    with pytest.raises(PassError, match="pack-gqa: k and v are not each repeated over heads once.*not a GQA graph"):
+        pack_gqa(fl.attention(name="mha"))
+    with pytest.raises(PassError, match=r"pack-gqa: the score or mask reads the query row \(q_idx\)"):
+        pack_gqa(_gqa(4, mask_mod=lambda b, h, q, kv: q >= kv))
+    with pytest.raises(PassError, match=r"pack-gqa: the score or mask reads the query head \(h\)"):
+        pack_gqa(_gqa(4, score_mod=lambda s, b, h, q, kv: s + h))
+    text = fl.print_func(_gqa(4)).replace("%v: f16[B,HKV,N,D])", "%v: f16[B,HKV,N,D], %bias: f32[1,HKV*4,1,1])")
+    text = text.replace("  %7 = softmax %6", "  %hb = add %6, %bias : f32[B,HKV*4,M,N]\n  %7 = softmax %hb")
+    with pytest.raises(PassError, match=r"captured %bias f32\[1,HKV\*4,1,1\] has the query heads' or rows' size"):
+        pack_gqa(fl.parse_func(text))
+    assert group_of(fl.attention(name="mha")) == 1 and group_of(_gqa(8)) == 8
+
+
+def test_a_decoding_call_runs_the_packed_graph():
+    """falower.compile packs a call whose M * G rows fit one of decoding's q tiles; more rows, a score reading the
+    row, or extra pack_gqa False keep the graph as written; the outputs are the unpacked call's, in its shapes."""
+    g = _gqa(4)
+    c, plain = fl.compile(g, "reference"), fl.compile(g, "reference", extra={"pack_gqa": False})
+    rng = np.random.default_rng(1)
+    for M, packs in ((1, True), (PACK_MAX_ROWS // 4, True), (PACK_MAX_ROWS // 4 + 1, False)):
+        q, k, v = _inputs(rng, 2, 2, 4, M, 45, 16)
+        env = c._dims([q, k, v])
+        assert (c.packed_for(env) is not None) == packs and plain.packed_for(env) is None
+        o, lse = c(q, k, v)
+        o2, lse2 = plain(q, k, v)
+        assert o.shape == (2, 8, M, 16) and lse.shape == (2, 8, M)
+        assert np.array_equal(o, o2) and np.array_equal(lse, lse2)
+    causal = fl.compile(_gqa(4, mask_mod=lambda b, h, q, kv: q >= kv), "reference")
+    assert causal.packed_for({"B": 1, "HKV": 2, "M": 1, "N": 45, "D": 16}) is None
+
+
+def test_the_packed_decoding_kernel_is_decodings(monkeypatch):
+    """On a Hopper GPU the packed graph's kernel for B = 1, HKV = 8, G = 4, M = 1, N = 8k is decoding's: four rows
+    of one 64-row q tile a kv head, in 16 parts (8 q tiles), where the unpacked call ran 32 q tiles of one row."""
+    from falower.backends.numba_cuda import runtime
+
+    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+    c = fl.compile(_gqa(4))
+    env = {"B": 1, "HKV": 8, "M": 1, "N": 8192, "D": 128}
+    packed = c.packed_for(env)
+    kern = packed.specialize("f16", **env)
+    assert (kern.spec.block_q, kern.spec.kv_parts) == (64, 16)
+    assert "parallel_for (%part, %b, %h, %qi) in (16, B, HKV, cdiv(M*4, 64))" in fl.print_func(
+        packed.lowered_of(kern))
+    unpacked = c.specialize("f16", **env)
+    assert unpacked.spec.kv_parts == 4  # 32 q tiles of one row
