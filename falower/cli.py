@@ -273,8 +273,8 @@ def _setup_opt(p: argparse.ArgumentParser) -> None:
                         "(at --shapes; needs the fa2-fwd form, no GPU)")
     p.add_argument("--dtype", choices=("f16", "bf16"), help="input dtype for --print-kernel (default: the graph's)")
     p.add_argument("--pack-gqa", action="store_true",
-                   help="lower the GQA graph packed first (a kv head's query heads as rows: what falower.compile "
-                        "runs for decoding; passes/pack_gqa.py)")
+                   help="lower the GQA graph packed (a kv head's query heads as rows: what falower.compile runs "
+                        "for decoding; passes/pack_gqa.py); --check then checks the packed graph's lowering")
     p.add_argument("-o", "--output", metavar="OUT", help="write the final IR to OUT instead of stdout")
 
 

@@ -63,7 +63,8 @@ class CompiledAttention:
         return solve_dims(pairs, {})
 
     def kernel(self, *inputs: Any):
-        """The FA2ForwardKernel these inputs would run (built on first use)."""
+        """The FA2ForwardKernel of this graph for these inputs (built on first use); a GQA decoding call runs
+        `packed_for(sizes)`'s kernel instead, on q reshaped."""
         return self._kernel_and_dims(inputs)[0]
 
     def _kernel_and_dims(self, inputs: tuple) -> tuple[Any, dict[str, int]]:
@@ -199,6 +200,8 @@ class CompiledAttention:
         blocks = self.extra.get("persistent", choice["persistent"])
         if not self.extra.get("small_grid", True) or heads is None or not n or not blocks:
             return False
+        if heads * -(-int(m) // 128) > emit_fa3.KV_SPLIT_MAX_FILL * int(blocks):
+            return False  # (128-row q tiles past half the SMs: the 64-row ones take two rounds, never the fewer steps)
         bq, bk = emit_fa3.DECODE_TILES
         tiles64, tiles128 = (self._visited_kv_tiles(rows, bk, int(m), int(n), env["D"]) for rows in (bq, 128))
         return (tiles64 is not None and tiles128 is not None
@@ -207,14 +210,17 @@ class CompiledAttention:
 
     def _visited_kv_tiles(self, bq: int, bk: int, m: int, n: int, head_dim: int) -> Optional[float]:
         """The kv tiles a q tile of bq x bk tiles visits at M = m, N = n: all of them, or on average under a static
-        mask by the cost model's count (causal at N = 1k visits 4.5 of 8 on 128 x 128 tiles); None where the model
-        cannot count it."""
+        mask by the cost model's count (causal at N = 1k visits 4.5 of 8 on 128 x 128 tiles; the count's q tiles
+        are those of one (b, h) at every size 1, GQA's G heads included); None where the model cannot count it."""
         tiles = float(-(-n // bk))
         if self._mask_kind() == "static":
             flops = self._visited_flops([(bq, bk, "last")], m, n, head_dim)
             if flops is None:
                 return None
-            tiles = flops[0] / (4 * bq * bk * head_dim * -(-m // bq))
+            heads = 1  # q's (b, h) pairs with every size 1: G under GQA
+            for d in self.func.args[0].type.shape[:-2]:
+                heads *= int(d.eval({s: 1 for s in d.symbols()}))
+            tiles = flops[0] / (4 * bq * bk * head_dim * -(-m // bq) * heads)
         return tiles
 
     def _kv_parts(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str]) -> int:
@@ -438,14 +444,16 @@ class CompiledAttention:
         `tilings` (`_retile`), at M = m, N = n, D = head_dim and every other size 1 (the tiles a static mask
         leaves, as the kernels visit them); None where the graph's sequence lengths are not plain sizes of q and k
         or the model cannot count it."""
-        from .ir.dims import Sym
         from .passes.cost import cost_of
 
         q, k = self._seq_dims()
-        if not (isinstance(q, Sym) and isinstance(k, Sym)):
+        seq = q.symbols() | k.symbols()
+        dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols() if s not in seq}
+        try:  # (a packed GQA graph's rows are M*G: its M from m)
+            dims.update(solve_dims([(q, m), (k, n)], {}))
+        except (ShapeError, ValueError, ZeroDivisionError):
             return None
-        dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols()}
-        dims.update({q.name: m, k.name: n, "D": head_dim})
+        dims["D"] = head_dim
         try:
             return [cost_of(self._retile(*t)[0], dims).flops for t in tilings]
         except FalowerError:
@@ -508,28 +516,34 @@ class CompiledAttention:
         compiled with this one's options, where a call with these sizes runs it: a GQA graph whose score reads
         neither the query head nor the query row, the default pipeline, at most pack_gqa.PACK_MAX_ROWS rows packed
         (M * G: decoding), `extra={"pack_gqa": False}` not given; else None. Its `.func` and `.lowered` are the
-        IR the call runs. Why: each query head of a group otherwise reads the group's K and V itself, in q tiles
-        of M rows (GQA decoding took 1.8-2.7x MHA decoding's time on the same K / V, H200, benchmarks/NOTES.md)."""
-        from .passes.pack_gqa import PACK_MAX_ROWS, group_of, pack_gqa
+        IR the call runs, its `specialize` the kernel. Why: each query head of a group otherwise reads the group's
+        K and V itself, in q tiles of M rows (GQA decoding took 1.8-2.7x MHA decoding's time on the same K / V,
+        H200, benchmarks/NOTES.md)."""
+        from .passes.pack_gqa import PACK_MAX_ROWS
 
-        if self.extra.get("pack_gqa", True) is False or self.pipeline != "fa2-fwd":
+        group = self._pack_group()
+        m, _ = self._seq_lengths(env) if group > 1 else (None, None)
+        if not m or m * group > PACK_MAX_ROWS:
             return None
-        if "packed" not in self._memo:
-            self._memo["packed"] = None
-            if group_of(self.func) > 1:
+        if "packed" not in self._memo:  # compiled on the first call that packs
+            self._memo["packed"] = compile(self._memo["pack"], self.backend, self.pipeline, self.path,
+                                           self.num_warps, self.extra, backward=self.backward_pipeline,
+                                           **self.pipeline_kwargs)
+        return self._memo["packed"]
+
+    def _pack_group(self) -> int:
+        """G where this graph packs (pack_gqa's preconditions hold, the default pipeline, pack_gqa not turned off),
+        else 1; the packed graph kept in `_memo["pack"]`."""
+        if "pack" not in self._memo:
+            from .passes.pack_gqa import group_of, pack_gqa
+
+            self._memo["pack"], self._memo["pack_group"] = None, 1
+            if self.extra.get("pack_gqa", True) and self.pipeline == "fa2-fwd" and group_of(self.func) > 1:
                 try:
-                    func, group = pack_gqa(self.func)
+                    self._memo["pack"], self._memo["pack_group"] = pack_gqa(self.func)
                 except PassError:
                     pass  # (a score that reads the query head or row: the graph runs as written)
-                else:
-                    self._memo["packed"] = (compile(func, self.backend, self.pipeline, self.path, self.num_warps,
-                                                    self.extra, backward=self.backward_pipeline,
-                                                    **self.pipeline_kwargs), group)
-        packed = self._memo["packed"]
-        m, _ = self._seq_lengths(env)
-        if packed is None or not m or m * packed[1] > PACK_MAX_ROWS:
-            return None
-        return packed[0]
+        return self._memo["pack_group"]
 
     def forward(self, *inputs: Any):
         """(o, lse) without autograd: the forward kernel (or the interpreter for the reference backend); a GQA
@@ -538,9 +552,11 @@ class CompiledAttention:
         call = self._calls.get(key) if key is not None else None
         if call is not None:
             return call(inputs)
-        packed = self.packed_for(self._dims(inputs)) if len(inputs) == len(self.func.args) else None
+        packed = None
+        if self._pack_group() > 1 and len(inputs) == len(self.func.args):
+            packed = self.packed_for(self._dims(inputs))
         if packed is not None:
-            call = _PackedCall(packed, self._memo["packed"][1])
+            call = _PackedCall(packed, self._pack_group())
             if key is not None:
                 self._calls[key] = call
             return call(inputs)
@@ -783,7 +799,7 @@ class _PackedCall:
         q = inputs[0]
         B, H, M, D = (int(n) for n in q.shape)
         o, lse = self.compiled.forward(q.reshape(B, H // self.group, M * self.group, D), *inputs[1:])
-        return o.reshape(B, H, M, D), lse.reshape(B, H, M)
+        return o.reshape(B, H, M, o.shape[-1]), lse.reshape(B, H, M)
 
 
 class _TorchDtypes(dict):

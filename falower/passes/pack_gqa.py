@@ -15,7 +15,8 @@ packed graph with its own pipeline; the IR after every pass is the packed graph'
 
 Requires (`pack_gqa` raises PassError naming the one that fails):
   - q, k, v first, q [B, HKV*G, M, D], k and v [B, HKV, N, D], each of k and v used once, by
-    `repeat_interleave {axis = 1, repeats = G}` with the same G > 1;
+    `repeat_interleave {axis = 1, repeats = G}` with the same G > 1, and q once, as the first operand of the score's
+    matmul (a gather of q would index the packed rows);
   - no value reads the query head or row: the iotas along axes 1 and 2 (%h, %q_idx) unused, and no captured
     tensor with the query heads' or rows' size in its shape (it could be read by broadcast);
   - graph-level ops only (the graph as written, before any pass).
@@ -77,10 +78,14 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
     if heads != kv_heads * G:
         raise _fail(f"q's heads {heads} are not k's {kv_heads} times the group {G}")
     users = uses(func)
+    q_users = users.get(q, [])
+    if len(q_users) != 1 or q_users[0].name != "matmul" or q_users[0].operands[0] is not q:
+        raise _fail(f"q must be read only by the score's product q k^T, got {', '.join(o.name for o in q_users)}: "
+                    "another read (a gather of q) would index the packed rows")
     for op in func.walk():
         if op.regions:
             raise _fail(f"{op.name} has regions: pack the graph as written, before any pass")
-        if op.name == "iota" and op.attrs.get("axis") in (1, 2) and users.get(op.result):
+        if op.name == "iota" and op.result.type.rank == 4 and op.attrs.get("axis") in (1, 2) and users.get(op.result):
             what = "query head (h)" if op.attrs["axis"] == 1 else "query row (q_idx)"
             raise _fail(f"the score or mask reads the {what}: packed rows would need it rebuilt")
     for cap in func.args[3:]:
@@ -107,7 +112,7 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
         if op.name == "repeat_interleave" and op.operands[0] in (k, v):
             vmap[op.result] = vmap[op.operands[0]]
             continue
-        if op.name == "iota" and op.attrs.get("axis") in (1, 2):  # unused (above): no %h over kv heads
+        if op.name == "iota" and op.result.type.rank == 4 and op.attrs.get("axis") in (1, 2):  # unused (above)
             continue
         operands = [vmap[x] for x in op.operands]
         if op.name in ("const", "iota"):
@@ -120,8 +125,9 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
                 types = OPS[op.name].infer([x.type for x in operands], attrs)  # type: ignore[misc]
             except OpTypeError as e:
                 raise _fail(f"{op.name} does not take the packed shapes: {e}") from None
-            if any(t.rank >= 3 and (t.shape[1] == heads or t.shape[2] == rows) for t in types):
-                raise _fail(f"{op.name} gives {types[0]}: a query-head or -row axis the packing did not reach")
+            left = [t for t in types if t.rank >= 3 and (t.shape[1] == heads or t.shape[2] == rows)]
+            if left:
+                raise _fail(f"{op.name} gives {left[0]}: a query-head or -row axis the packing did not reach")
         new = Op(op.name, operands, types, dict(op.attrs), [], [r.name for r in op.results])
         body.append(new)
         for old, nv in zip(op.results, new.results):

@@ -265,10 +265,13 @@ def decode_tiles_pay(items64: int, tiles64: float, items128: int, tiles128: floa
     consumer warpgroup) over 128-row ones: where small_grid_steps says its `items64` q tiles of `tiles64` kv tiles
     finish first (DECODE_TILE_RATE a tile) against the `items128` of `tiles128` (1 a tile). On a grid that fills
     half the SMs or less, twice the q tiles fill it where the 128-row grid would split (a merge) or idle; on a full
-    grid the 64-row tiles' lower rate loses. Not where the 64-row tiles visit fewer than DECODE_PREFILL_MIN_KV_TILES
+    grid the 64-row tiles' lower rate loses (compiler._decode_tiles does not count where the 128-row q tiles fill
+    more than KV_SPLIT_MAX_FILL of the blocks: there the 64-row ones take two rounds at least, 1.44 steps a 128-row
+    one's). The count is the 128 x 128 tiling's also at D = 64, where the call would take 192 x 128 or 128 x 64
+    tiles, and counts the short q tile last. Not where the 64-row tiles visit fewer than DECODE_PREFILL_MIN_KV_TILES
     on average: there an item is its fixed costs (the 48-wide window's 1.5 ran 0.90-0.94x at D = 64, 1.04x at
-    D = 128). Measured (H200, 2026-11-30, CUDA graphs, GPU time, 32 grids at D = 64
-    and 128, plain and causal, B H = 1-16, N = 512-4k; benchmarks/NOTES.md "Small prefill grids on 64-row q tiles"):
+    D = 128). Measured (H200, 2026-11-30, CUDA graphs, GPU time, 43 grids at D = 64 and 128, plain, causal and the
+    48-wide window, B H = 1-16, N = 512-4k; benchmarks/NOTES.md "Small prefill grids on 64-row q tiles"):
     where the model picks the 64-row tiles they ran 0.97-1.32x (B = 1, H = 8, N = 1k: 1.15-1.29x; the 0.97 causal
     D = 128 at N = 2k, H = 4), and where it keeps the other tiles, forced 64-row tiles ran 0.68-1.06x."""
     return (tiles64 >= DECODE_PREFILL_MIN_KV_TILES
