@@ -513,8 +513,9 @@ class CompiledAttention:
 
     def packed_for(self, env: dict[str, int]) -> Optional["CompiledAttention"]:
         """The packed GQA graph (passes/pack_gqa.py: a kv head's G query heads as the rows of one problem),
-        compiled with this one's options, where a call with these sizes runs it: a GQA graph whose score reads
-        neither the query head nor the query row, the default pipeline, at most pack_gqa.PACK_MAX_ROWS rows packed
+        compiled with this one's options, where a call with these sizes runs it: a GQA graph that packs (its q read
+        only by the score's product; the query head and row rebuilt from the packed row where the score or mask
+        reads them), the default pipeline, at most pack_gqa.PACK_MAX_ROWS rows packed
         (M * G: decoding), `extra={"pack_gqa": False}` not given; else None. Its `.func` and `.lowered` are the
         IR the call runs, its `specialize` the kernel. Why: each query head of a group otherwise reads the group's
         K and V itself, in q tiles of M rows (GQA decoding took 1.8-2.7x MHA decoding's time on the same K / V,
@@ -542,7 +543,7 @@ class CompiledAttention:
                 try:
                     self._memo["pack"], self._memo["pack_group"] = pack_gqa(self.func)
                 except PassError:
-                    pass  # (a score that reads the query head or row: the graph runs as written)
+                    pass  # (a precondition failed, e.g. a gather of q: the graph runs as written)
         return self._memo["pack_group"]
 
     def forward(self, *inputs: Any):

@@ -1,7 +1,7 @@
-"""pack-gqa (falower/passes/pack_gqa.py): a GQA graph whose score reads neither the query head nor the query row,
-rewritten so a kv head's G query heads are the rows of one problem. The packed graph on q reshaped [B, HKV, M*G, D]
-gives the GQA graph's numbers (the interpreter: every row is computed alone); a graph that reads the head or the row,
-q itself, or a capture that could, is refused by name; falower.compile runs decoding calls (M * G <= 64)
+"""pack-gqa (falower/passes/pack_gqa.py): a GQA graph rewritten so a kv head's G query heads are the rows of one
+problem. The packed graph on q reshaped [B, HKV, M*G, D] gives the GQA graph's numbers (the interpreter: every row
+is computed alone), scores and masks that read the query head or row included (rebuilt from the packed row); a
+graph that reads q itself, or a capture that could be read by broadcast, is refused by name; falower.compile runs decoding calls (M * G <= 64)
 through it, and the kernel it builds for decoding is decoding's (64-row q tiles in parts)."""
 
 from __future__ import annotations
@@ -36,20 +36,31 @@ def test_the_packed_graph_reads_q_packed_and_repeats_nothing():
     fl.verify(packed)
 
 
-@settings(max_examples=25, deadline=None)
+SLOPES = fl.capture("slopes", "f32", "HS")
+MODS = {  # (score_mod, mask_mod): what reads the query head (h) or row (q_idx), and what reads neither
+    "none": (None, None),
+    "softcap": (lambda s, b, h, q, kv: 20.0 * fl.tanh(s / 20.0), None),
+    "causal": (None, lambda b, h, q, kv: q >= kv),
+    "window": (None, lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 3)),
+    "alibi": (lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q), None),
+    "head_mask": (None, lambda b, h, q, kv: (h % 3 != 1) | (kv < 2)),
+}
+
+
+@settings(max_examples=40, deadline=None)
 @given(G=st.sampled_from([2, 4, 8]), B=st.integers(1, 2), HKV=st.integers(1, 3), M=st.integers(1, 9),
-       N=st.integers(1, 70), softcap=st.booleans())
-def test_the_packed_graph_gives_the_gqa_graphs_numbers(G, B, HKV, M, N, softcap):
+       N=st.integers(1, 70), mods=st.sampled_from(sorted(MODS)))
+def test_the_packed_graph_gives_the_gqa_graphs_numbers(G, B, HKV, M, N, mods):
     """Each row's softmax and product are the same numbers whichever head it is filed under, up to the order of the
     graph-level matmul's f32 sums (numpy's BLAS batches [1, 6, 1, 8] and [1, 3, 2, 8] differently): within two f16
     ulps."""
-    mod = (lambda s, b, h, q, kv: 20.0 * fl.tanh(s / 20.0)) if softcap else None
-    g = _gqa(G, score_mod=mod)
+    g = _gqa(G, *MODS[mods])
     packed, got = pack_gqa(g)
     assert got == G
     q, k, v = _inputs(np.random.default_rng(M * N + G), B, HKV, G, M, N, 8)
-    want = Interpreter("native").run(g, [q, k, v])[0]
-    o = Interpreter("native").run(packed, [q.reshape(B, HKV, M * G, 8), k, v])[0]
+    caps = [np.linspace(0.1, 1.0, HKV * G).astype(np.float32)] if mods == "alibi" else []
+    want = Interpreter("native").run(g, [q, k, v, *caps])[0]
+    o = Interpreter("native").run(packed, [q.reshape(B, HKV, M * G, 8), k, v, *caps])[0]
     np.testing.assert_allclose(o.reshape(B, HKV * G, M, 8).astype(np.float64), want.astype(np.float64),
                                rtol=2.0 ** -9, atol=2.0 ** -14)
 
@@ -57,10 +68,8 @@ def test_the_packed_graph_gives_the_gqa_graphs_numbers(G, B, HKV, M, N, softcap)
 def test_what_pack_gqa_refuses_it_names():
     with pytest.raises(PassError, match="pack-gqa: k and v are not each repeated over heads once.*not a GQA graph"):
         pack_gqa(fl.attention(name="mha"))
-    with pytest.raises(PassError, match=r"pack-gqa: the score or mask reads the query row \(q_idx\)"):
-        pack_gqa(_gqa(4, mask_mod=lambda b, h, q, kv: q >= kv))
-    with pytest.raises(PassError, match=r"pack-gqa: the score or mask reads the query head \(h\)"):
-        pack_gqa(_gqa(4, score_mod=lambda s, b, h, q, kv: s + h))
+    packed = fl.print_func(pack_gqa(_gqa(4, score_mod=lambda s, b, h, q, kv: s + h - q))[0])
+    assert "%h = add %h_first, %h_in_group" in packed and "%q_idx = mod %row, %rows" in packed
     text = fl.print_func(_gqa(4)).replace("%v: f16[B,HKV,N,D])", "%v: f16[B,HKV,N,D], %bias: f32[1,HKV*4,1,1])")
     text = text.replace("  %7 = softmax %6", "  %hb = add %6, %bias : f32[B,HKV*4,M,N]\n  %7 = softmax %hb")
     with pytest.raises(PassError, match=r"captured %bias f32\[1,HKV\*4,1,1\] has the query heads' or rows' size"):
@@ -76,21 +85,24 @@ def test_what_pack_gqa_refuses_it_names():
 
 
 def test_a_decoding_call_runs_the_packed_graph():
-    """falower.compile packs a call whose M * G rows fit one of decoding's q tiles; more rows, a score reading the
-    row, or extra pack_gqa False keep the graph as written; the outputs are the unpacked call's, in its shapes."""
-    g = _gqa(4)
-    c, plain = fl.compile(g, "reference"), fl.compile(g, "reference", extra={"pack_gqa": False})
+    """falower.compiler packs a call whose M * G rows fit one of decoding's q tiles; more rows or extra pack_gqa False
+    keep the graph as written; the outputs are the unpacked call's, in its shapes."""
     rng = np.random.default_rng(1)
-    for M, packs in ((1, True), (PACK_MAX_ROWS // 4, True), (PACK_MAX_ROWS // 4 + 1, False)):
-        q, k, v = _inputs(rng, 2, 2, 4, M, 45, 16)
-        env = c._dims([q, k, v])
-        assert (c.packed_for(env) is not None) == packs and plain.packed_for(env) is None
-        o, lse = c(q, k, v)
-        o2, lse2 = plain(q, k, v)
-        assert o.shape == (2, 8, M, 16) and lse.shape == (2, 8, M)
-        assert np.array_equal(o, o2) and np.array_equal(lse, lse2)
+    for mods in ("none", "causal", "alibi", "window"):
+        g = _gqa(4, *MODS[mods])
+        c, plain = fl.compile(g, "reference"), fl.compile(g, "reference", extra={"pack_gqa": False})
+        for M, packs in ((1, True), (PACK_MAX_ROWS // 4, True), (PACK_MAX_ROWS // 4 + 1, False)):
+            q, k, v = _inputs(rng, 2, 2, 4, M, 45, 16)
+            caps = [np.linspace(0.1, 1.0, 8).astype(np.float32)] if mods == "alibi" else []
+            env = c._dims([q, k, v, *caps])
+            assert (c.packed_for(env) is not None) == packs and plain.packed_for(env) is None
+            o, lse = c(q, k, v, *caps)
+            o2, lse2 = plain(q, k, v, *caps)
+            assert o.shape == (2, 8, M, 16) and lse.shape == (2, 8, M)
+            np.testing.assert_allclose(o.astype(np.float64), o2.astype(np.float64), rtol=2.0 ** -9, atol=2.0 ** -14)
+            np.testing.assert_allclose(lse, lse2, rtol=1e-6, atol=1e-6)  # (-inf where a row sees no key, in both)
     causal = fl.compile(_gqa(4, mask_mod=lambda b, h, q, kv: q >= kv), "reference")
-    assert causal.packed_for({"B": 1, "HKV": 2, "M": 1, "N": 45, "D": 16}) is None
+    assert causal.packed_for({"B": 1, "HKV": 2, "M": 1, "N": 45, "D": 16}) is not None  # (q_idx rebuilt)
 
 
 def test_the_packed_decoding_kernel_is_decodings(monkeypatch):

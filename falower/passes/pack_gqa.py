@@ -1,5 +1,4 @@
-"""pack-gqa: a GQA graph whose score reads neither the query head nor the query row, rewritten so that each kv
-head's G query heads are the rows of one attention problem (FlashAttention-2's seqlenq_ngroups_swapped,
+"""pack-gqa: a GQA graph rewritten so that each kv head's G query heads are the rows of one attention problem (FlashAttention-2's seqlenq_ngroups_swapped,
 FlashAttention-3's pack_gqa).
 
 Why: with few query rows (decoding: M = 1) each (b, h) is a q tile of M rows, mostly padding, and the G query heads
@@ -17,8 +16,9 @@ Requires (`pack_gqa` raises PassError naming the one that fails):
   - q, k, v first, q [B, HKV*G, M, D], k and v [B, HKV, N, D], each of k and v used once, by
     `repeat_interleave {axis = 1, repeats = G}` with the same G > 1, and q once, as the first operand of the score's
     matmul (a gather of q would index the packed rows);
-  - no value reads the query head or row: the iotas along axes 1 and 2 (%h, %q_idx) unused, and no captured
-    tensor with the query heads' or rows' size in its shape (it could be read by broadcast);
+  - no captured tensor with the query heads' or rows' size in its shape (it could be read by broadcast against
+    them); the score and mask may read the query head and row (%h, %q_idx): the packed graph computes them from
+    the packed row r of kv head j, h = j G + r // M and q_idx = r % M (at M = 1: j G + r and 0);
   - graph-level ops only (the graph as written, before any pass).
 
 Before / after (examples/gqa.py, abridged):
@@ -39,7 +39,7 @@ from typing import Any
 
 from ..errors import PassError
 from ..ir.core import Block, Func, Op, Value, uses
-from ..ir.dims import Dim
+from ..ir.dims import Const, Dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType
 
@@ -85,9 +85,6 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
     for op in func.walk():
         if op.regions:
             raise _fail(f"{op.name} has regions: pack the graph as written, before any pass")
-        if op.name == "iota" and op.result.type.rank == 4 and op.attrs.get("axis") in (1, 2) and users.get(op.result):
-            what = "query head (h)" if op.attrs["axis"] == 1 else "query row (q_idx)"
-            raise _fail(f"the score or mask reads the {what}: packed rows would need it rebuilt")
     for cap in func.args[3:]:
         if any(d in (heads, rows) for d in cap.type.shape):
             raise _fail(f"captured %{cap.name} {cap.type} has the query heads' or rows' size: it may be read by "
@@ -108,11 +105,37 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
 
     body = Block([packed(a.type) if i == 0 else a.type for i, a in enumerate(func.args)], [a.name for a in func.args])
     vmap: dict[Value, Value] = dict(zip(func.args, body.args))
+    made: dict[str, Value] = {}
+
+    def emit(name: str, operands: list[Value], t: TensorType, hint: str, **attrs: Any) -> Value:
+        return body.append(Op(name, operands, [t], attrs, [], [hint])).result
+
+    def row_parts(dtype: str) -> tuple[Value, Value]:
+        """The packed row r (an iota along axis 2) and M, made once."""
+        if "row" not in made:
+            made["row"] = emit("iota", [], TensorType(dtype, (Const(1), Const(1), packed_rows, Const(1))), "row",
+                               axis=2)
+            made["rows"] = emit("const", [], TensorType(dtype, ()), "rows", value=rows)
+        return made["row"], made["rows"]
+
     for op in func.body.ops:
         if op.name == "repeat_interleave" and op.operands[0] in (k, v):
             vmap[op.result] = vmap[op.operands[0]]
             continue
-        if op.name == "iota" and op.result.type.rank == 4 and op.attrs.get("axis") in (1, 2):  # unused (above)
+        if op.name == "iota" and op.result.type.rank == 4 and op.attrs.get("axis") in (1, 2):
+            # the query head and row of packed row r of kv head j: h = j G + r // M, q_idx = r % M
+            if not users.get(op.result):
+                continue
+            dt = op.result.type.dtype
+            row, m = row_parts(dt)
+            if op.attrs["axis"] == 2:
+                vmap[op.result] = emit("mod", [row, m], row.type, op.result.name or "q_idx")
+                continue
+            kvh = emit("iota", [], TensorType(dt, (Const(1), kv_heads, Const(1), Const(1))), "h_kv", axis=1)
+            first = emit("mul", [kvh, emit("const", [], TensorType(dt, ()), "group", value=G)], kvh.type, "h_first")
+            within = emit("floordiv", [row, m], row.type, "h_in_group")
+            vmap[op.result] = emit("add", [first, within],
+                                   TensorType(dt, (Const(1), kv_heads, packed_rows, Const(1))), op.result.name or "h")
             continue
         operands = [vmap[x] for x in op.operands]
         if op.name in ("const", "iota"):

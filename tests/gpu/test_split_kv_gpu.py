@@ -203,3 +203,29 @@ def test_gqa_decoding_runs_packed_and_keeps_the_error_rule(dtype, M, D):
     o, lse = c(*dev)
     o2, lse2 = c(q, *dev[1:])
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+PACKED_MODS = {  # GQA graphs whose score or mask reads the query head or row: packed, both are rebuilt from the row
+    "causal": dict(mask_mod=lambda b, h, q, kv: q >= kv),
+    "window": dict(mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 48)),
+    "alibi": dict(score_mod=lambda s, b, h, q, kv: s + PACKED_SLOPES[h] * (kv - q)),
+}
+PACKED_SLOPES = fl.capture("slopes", "f32", "HS")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("mods", sorted(PACKED_MODS))
+def test_packed_gqa_decoding_rebuilds_the_query_head_and_row(mods, M, D):
+    """GQA decoding (G = 4, B = 2, HKV = 2, N = 3000) packed where the mask or score reads the query row (causal, the
+    48-wide window) or head (ALiBi's slopes[h]): the packed graph computes h = j G + r // M and q_idx = r % M from
+    the packed row r of kv head j (passes/pack_gqa.py), and keeps the error rule."""
+    _hopper()
+    key = ("packed", mods)
+    if key not in SPLIT:
+        g = fl.attention(group_size=4, name=f"gqa_{mods}", **PACKED_MODS[mods])
+        SPLIT[key] = (g, fl.compile(g, "numba-cuda"))
+    g, c = SPLIT[key]
+    env = bind_dims(g, {"B": 2, "HKV": 2, "M": M, "N": 3000, "D": D, "HS": 8})
+    assert c.packed_for(env) is not None
+    assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + D), "f16")
