@@ -194,19 +194,19 @@ class CompiledAttention:
         m, n = self._seq_lengths(env)
         if not m:
             return False
-        if int(m) <= emit_fa3.DECODE_MAX_ROWS:
+        if m <= emit_fa3.DECODE_MAX_ROWS:
             return True
         heads = self._heads(env)
-        blocks = self.extra.get("persistent", choice["persistent"])
+        blocks = int(self.extra.get("persistent", choice["persistent"]) or 0)
         if not self.extra.get("small_grid", True) or heads is None or not n or not blocks:
             return False
-        if heads * -(-int(m) // 128) > emit_fa3.KV_SPLIT_MAX_FILL * int(blocks):
-            return False  # (128-row q tiles past half the SMs: the 64-row ones take two rounds, never the fewer steps)
         bq, bk = emit_fa3.DECODE_TILES
-        tiles64, tiles128 = (self._visited_kv_tiles(rows, bk, int(m), int(n), env["D"]) for rows in (bq, 128))
+        items64, items128 = heads * -(-m // bq), heads * -(-m // 128)
+        if items128 > emit_fa3.KV_SPLIT_MAX_FILL * blocks:
+            return False  # (128-row q tiles past half the SMs: the 64-row ones take two rounds, never the fewer steps)
+        tiles64, tiles128 = (self._visited_kv_tiles(rows, bk, m, n, env["D"]) for rows in (bq, 128))
         return (tiles64 is not None and tiles128 is not None
-                and emit_fa3.decode_tiles_pay(heads * -(-int(m) // bq), tiles64, heads * -(-int(m) // 128), tiles128,
-                                              int(blocks)))
+                and emit_fa3.decode_tiles_pay(items64, tiles64, items128, tiles128, blocks))
 
     def _visited_kv_tiles(self, bq: int, bk: int, m: int, n: int, head_dim: int) -> Optional[float]:
         """The kv tiles a q tile of bq x bk tiles visits at M = m, N = n: all of them, or on average under a static
@@ -217,9 +217,8 @@ class CompiledAttention:
             flops = self._visited_flops([(bq, bk, "last")], m, n, head_dim)
             if flops is None:
                 return None
-            heads = 1  # q's (b, h) pairs with every size 1: G under GQA
-            for d in self.func.args[0].type.shape[:-2]:
-                heads *= int(d.eval({s: 1 for s in d.symbols()}))
+            ones = {s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}
+            heads = self._heads(ones) or 1  # q's (b, h) pairs with every size 1: G under GQA
             tiles = flops[0] / (4 * bq * bk * head_dim * -(-m // bq) * heads)
         return tiles
 
@@ -262,10 +261,10 @@ class CompiledAttention:
         bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two",
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
-        tiles = self._visited_kv_tiles(bq, bk, int(m), int(n), env["D"])
+        tiles = self._visited_kv_tiles(bq, bk, m, n, env["D"])
         if tiles is None:
             return 1
-        return emit_fa3.auto_kv_parts(heads * -(-int(m) // bq), int(tiles), blocks)
+        return emit_fa3.auto_kv_parts(heads * -(-m // bq), int(tiles), blocks)
 
     def _heads(self, env: dict[str, int]) -> Optional[int]:
         """The (batch, head) pairs of a call: the product of q's sizes before its rows (GQA's H = HKV * G
@@ -442,8 +441,8 @@ class CompiledAttention:
     def _visited_flops(self, tilings: list[tuple[int, int, str]], m: int, n: int, head_dim: int) -> Optional[list]:
         """The FLOPs the cost model counts for the default pipeline's graph lowered with each (bq, bk, ragged_q) of
         `tilings` (`_retile`), at M = m, N = n, D = head_dim and every other size 1 (the tiles a static mask
-        leaves, as the kernels visit them); None where the graph's sequence lengths are not plain sizes of q and k
-        or the model cannot count it."""
+        leaves, as the kernels visit them); the sequence sizes solved from m and n (a packed GQA graph's rows M*G
+        give M); None where they cannot be, or the model cannot count it."""
         from .passes.cost import cost_of
 
         q, k = self._seq_dims()

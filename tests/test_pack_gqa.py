@@ -1,8 +1,9 @@
 """pack-gqa (falower/passes/pack_gqa.py): a GQA graph rewritten so a kv head's G query heads are the rows of one
 problem. The packed graph on q reshaped [B, HKV, M*G, D] gives the GQA graph's numbers (the interpreter: every row
 is computed alone), scores and masks that read the query head or row included (rebuilt from the packed row); a
-graph that reads q itself, or a capture that could be read by broadcast, is refused by name; falower.compile runs decoding calls (M * G <= 64)
-through it, and the kernel it builds for decoding is decoding's (64-row q tiles in parts)."""
+graph that reads q itself, or a capture that could be read by broadcast, is refused by name; falower.compile runs
+decoding calls (M * G <= 64) through it, and the kernel it builds for decoding is decoding's (64-row q tiles in
+parts)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""pack-gqa: a GQA graph rewritten so that each kv head's G query heads are the rows of one attention problem (FlashAttention-2's seqlenq_ngroups_swapped,
-FlashAttention-3's pack_gqa).
+"""pack-gqa: a GQA graph rewritten so that each kv head's G query heads are the rows of one attention problem
+(FlashAttention-2's seqlenq_ngroups_swapped, FlashAttention-3's pack_gqa).
 
 Why: with few query rows (decoding: M = 1) each (b, h) is a q tile of M rows, mostly padding, and the G query heads
 of a kv head each read that head's K and V: G times the traffic, and G times the q tiles (H200, 2026-11-30: GQA
@@ -35,10 +35,9 @@ Before / after (examples/gqa.py, abridged):
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..errors import PassError
-from ..ir.core import Block, Func, Op, Value, uses
+from ..ir.builder import Builder
+from ..ir.core import Block, Func, Value, uses
 from ..ir.dims import Const, Dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType
@@ -104,18 +103,16 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
         return TensorType(t.dtype, tuple(shape))
 
     body = Block([packed(a.type) if i == 0 else a.type for i, a in enumerate(func.args)], [a.name for a in func.args])
+    bld = Builder(body)
     vmap: dict[Value, Value] = dict(zip(func.args, body.args))
     made: dict[str, Value] = {}
-
-    def emit(name: str, operands: list[Value], t: TensorType, hint: str, **attrs: Any) -> Value:
-        return body.append(Op(name, operands, [t], attrs, [], [hint])).result
 
     def row_parts(dtype: str) -> tuple[Value, Value]:
         """The packed row r (an iota along axis 2) and M, made once."""
         if "row" not in made:
-            made["row"] = emit("iota", [], TensorType(dtype, (Const(1), Const(1), packed_rows, Const(1))), "row",
-                               axis=2)
-            made["rows"] = emit("const", [], TensorType(dtype, ()), "rows", value=rows)
+            made["row"] = bld.op("iota", [], [TensorType(dtype, (Const(1), Const(1), packed_rows, Const(1)))],
+                                 {"axis": 2}, names=["row"]).result
+            made["rows"] = bld.const(rows, TensorType(dtype, ()), name_hint="rows")
         return made["row"], made["rows"]
 
     for op in func.body.ops:
@@ -129,13 +126,13 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
             dt = op.result.type.dtype
             row, m = row_parts(dt)
             if op.attrs["axis"] == 2:
-                vmap[op.result] = emit("mod", [row, m], row.type, op.result.name or "q_idx")
+                vmap[op.result] = bld.emit("mod", row, m, name_hint=op.result.name or "q_idx")
                 continue
-            kvh = emit("iota", [], TensorType(dt, (Const(1), kv_heads, Const(1), Const(1))), "h_kv", axis=1)
-            first = emit("mul", [kvh, emit("const", [], TensorType(dt, ()), "group", value=G)], kvh.type, "h_first")
-            within = emit("floordiv", [row, m], row.type, "h_in_group")
-            vmap[op.result] = emit("add", [first, within],
-                                   TensorType(dt, (Const(1), kv_heads, packed_rows, Const(1))), op.result.name or "h")
+            kvh = bld.op("iota", [], [TensorType(dt, (Const(1), kv_heads, Const(1), Const(1)))], {"axis": 1},
+                         names=["h_kv"]).result
+            first = bld.emit("mul", kvh, bld.const(G, TensorType(dt, ()), name_hint="group"), name_hint="h_first")
+            within = bld.emit("floordiv", row, m, name_hint="h_in_group")
+            vmap[op.result] = bld.emit("add", first, within, name_hint=op.result.name or "h")
             continue
         operands = [vmap[x] for x in op.operands]
         if op.name in ("const", "iota"):
@@ -143,16 +140,14 @@ def pack_gqa(func: Func) -> tuple[Func, int]:
         elif op.name == "return":
             types = []
         else:
-            attrs: dict[str, Any] = dict(op.attrs)
             try:
-                types = OPS[op.name].infer([x.type for x in operands], attrs)  # type: ignore[misc]
+                types = OPS[op.name].infer([x.type for x in operands], dict(op.attrs))  # type: ignore[misc]
             except OpTypeError as e:
                 raise _fail(f"{op.name} does not take the packed shapes: {e}") from None
             left = [t for t in types if t.rank >= 3 and (t.shape[1] == heads or t.shape[2] == rows)]
             if left:
                 raise _fail(f"{op.name} gives {left[0]}: a query-head or -row axis the packing did not reach")
-        new = Op(op.name, operands, types, dict(op.attrs), [], [r.name for r in op.results])
-        body.append(new)
+        new = bld.op(op.name, operands, types, dict(op.attrs), names=[r.name for r in op.results])
         for old, nv in zip(op.results, new.results):
             vmap[old] = nv
     return Func(f"{func.name}_packed", body, dict(func.attrs)), G
