@@ -90,7 +90,8 @@ def test_example_error_rule_d64_wide_tiles(stem, dtype, N):
 def to_device(host: list, dtype: str) -> list:
     tdt = torch.float16 if dtype == "f16" else torch.bfloat16
     return [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", tdt) if i < 3
-            else torch.from_numpy(np.ascontiguousarray(x)).cuda() for i, x in enumerate(host)]
+            else torch.from_numpy(np.ascontiguousarray(x) if np.ndim(x) else np.asarray(x)).cuda()  # (0-d stays 0-d)
+            for i, x in enumerate(host)]
 
 
 def assert_error_rule(g: Func, c, env: dict, host: list, dtype: str) -> list:

@@ -1064,9 +1064,11 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
     cap_names = [n.strip() for n in sig_caps.split(",") if n.strip()]
     table_names = dict(zip(pred.args[4:], cap_names))
     ranged = {pred.args[i]: r for i, r in (ranges or {}).items()}
+    points: set[Value] = set()  # values that are one number (lo == hi): constants, sizes, captured scalars
     for a, nm in zip(pred.args[4:], cap_names):
         if a.type.rank == 0 and a.type.dtype in ("i32", "i8", "bool"):
             iv[a] = (f"{nm}[0]", f"{nm}[0]")  # a captured scalar (1-element array): known at run time, exact
+            points.add(a)
     k = 0
     for op in pred.ops:
         if op.name == "yield":
@@ -1091,6 +1093,7 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
             if op.results[0].type.dtype == "bool":
                 lit = "1" if lit == "True" else "0"
             body = [f"{lo} = {lit}", f"{hi} = {lit}"]
+            points.add(op.results[0])
         elif n == "add":
             body = [f"{lo} = {x[0][0]} + {x[1][0]}", f"{hi} = {x[0][1]} + {x[1][1]}"]
         elif n == "sub":
@@ -1106,8 +1109,12 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
         elif n == "abs":
             body = [f"{lo} = 0 if {x[0][0]} <= 0 <= {x[0][1]} else min(abs({x[0][0]}), abs({x[0][1]}))",
                     f"{hi} = max(abs({x[0][0]}), abs({x[0][1]}))"]
-        elif n in ("floordiv", "mod") and _const_pos_int(op.operands[1]):
+        elif n in ("floordiv", "mod") and op.operands[1] in points:
+            # by one value (a literal, a size such as pack_gqa's r // M and r % M, a captured scalar such as a
+            # chunk length): bounded where it is positive at run time, as intervals.py bounds a positive point
             c = x[1][0]
+            lines.append(f"    if {c} <= 0:")
+            lines.append("        return 1")
             if n == "floordiv":
                 body = [f"{lo} = {x[0][0]} // {c}", f"{hi} = {x[0][1]} // {c}"]
             else:
@@ -1169,11 +1176,6 @@ def _range_lookup(table: str, rng: str, axis: int, granule: int, idx: list[tuple
     return body + [f"{lo} = {rng}[{first}, 0]", f"{hi} = {rng}[{first}, 1]",
                    f"for {lo}_gi in range({lo}_g0 + 1, {lo}_g1 + 1):  # a tile spanning several granules",
                    f"    {lo} = min({lo}, {rng}[{each}, 0])", f"    {hi} = max({hi}, {rng}[{each}, 1])"]
-
-
-def _const_pos_int(v: Value) -> bool:
-    op = v.owner
-    return isinstance(op, Op) and op.name == "const" and isinstance(op.attrs["value"], int) and op.attrs["value"] > 0
 
 
 def build_spec(low: Lowered, env: Mapping[str, int], dtype: str, path: str, num_warps: Optional[int],
