@@ -637,7 +637,7 @@ class _Model:
                None if ranges is None else repr(op.attrs["ranges"]))  # type: ignore[union-attr]
         got = self._classes.get(key)
         if got is None:
-            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, caps, ranges=ranges)
+            got = intervals.classify(pred, b, h, q0, q0 + bq - 1, k0, k0 + bk - 1, caps, self.dims, ranges)
             self._classes[key] = got
         return got
 
