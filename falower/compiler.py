@@ -513,9 +513,9 @@ class CompiledAttention:
     def packed_for(self, env: dict[str, int]) -> Optional["CompiledAttention"]:
         """The packed GQA graph (passes/pack_gqa.py: a kv head's G query heads as the rows of one problem),
         compiled with this one's options, where a call with these sizes runs it: a GQA graph that packs (its q read
-        only by the score's product; the query head and row rebuilt from the packed row where the score or mask
-        reads them), the default pipeline, at most pack_gqa.PACK_MAX_ROWS rows packed
-        (M * G: decoding), `extra={"pack_gqa": False}` not given; else None. Its `.func` and `.lowered` are the
+        only by the score's product; the query head and row rebuilt from the packed row where the mask reads them,
+        not taken where the score does: `score_reads_query_index`), the default pipeline, at most
+        pack_gqa.PACK_MAX_ROWS rows packed (M * G: decoding), `extra={"pack_gqa": False}` not given; else None. Its `.func` and `.lowered` are the
         IR the call runs, its `specialize` the kernel. Why: each query head of a group otherwise reads the group's
         K and V itself, in q tiles of M rows (GQA decoding took 1.8-2.7x MHA decoding's time on the same K / V,
         H200, benchmarks/NOTES.md)."""
@@ -532,13 +532,15 @@ class CompiledAttention:
         return self._memo["packed"]
 
     def _pack_group(self) -> int:
-        """G where this graph packs (pack_gqa's preconditions hold, the default pipeline, pack_gqa not turned off),
-        else 1; the packed graph kept in `_memo["pack"]`."""
+        """G where this graph packs (pack_gqa's preconditions hold, the default pipeline, pack_gqa not turned off,
+        the score not reading the query head or row: `score_reads_query_index`), else 1; the packed graph kept in
+        `_memo["pack"]`."""
         if "pack" not in self._memo:
-            from .passes.pack_gqa import group_of, pack_gqa
+            from .passes.pack_gqa import group_of, pack_gqa, score_reads_query_index
 
             self._memo["pack"], self._memo["pack_group"] = None, 1
-            if self.extra.get("pack_gqa", True) and self.pipeline == "fa2-fwd" and group_of(self.func) > 1:
+            if (self.extra.get("pack_gqa", True) and self.pipeline == "fa2-fwd" and group_of(self.func) > 1
+                    and not score_reads_query_index(self.func)):
                 try:
                     self._memo["pack"], self._memo["pack_group"] = pack_gqa(self.func)
                 except PassError:

@@ -40,7 +40,7 @@ from ..ir.builder import Builder
 from ..ir.core import Block, Func, Value, uses
 from ..ir.dims import Const, Dim
 from ..ir.ops import OPS, OpTypeError
-from ..ir.types import TensorType
+from ..ir.types import TensorType, is_float
 
 
 PACK_MAX_ROWS = 64  # the most packed rows (M * G) a call packs: decoding's q tile (emit_fa3.DECODE_MAX_ROWS)
@@ -62,6 +62,29 @@ def group_of(func: Func) -> int:
             return 1
         reps.add(ops[0].attrs.get("repeats"))
     return reps.pop() if len(reps) == 1 and isinstance(next(iter(reps)), int) and max(reps) > 1 else 1
+
+
+def score_reads_query_index(func: Func) -> bool:
+    """Whether the score (not only the mask) of a GQA graph reads the query head or row (ALiBi's slopes[h] and kv -
+    q): a value computed from their iotas that reaches a float other than as a `where`'s condition. Packed, those
+    reads become the rebuilt h = j G + r // M and q_idx = r % M, which the kernels evaluate in the score function,
+    per element (an integer division and a gather an element: packed ALiBi decoding ran 0.43-0.58x the unpacked
+    call, H200 2026-11-30, benchmarks/NOTES.md); a mask's reads cost a row's bounds once a tile (packed causal
+    decoding behind the cache's offset 1.5-2.4x the unpacked call). So falower.compile packs only graphs where this
+    is False."""
+    tainted: set[Value] = set()
+    for op in func.walk():
+        if op.name == "iota" and op.result.type.rank == 4 and op.attrs.get("axis") in (1, 2):
+            tainted.add(op.result)
+            continue
+        reads = [i for i, x in enumerate(op.operands) if x in tainted]
+        if not reads or op.name == "where" and reads == [0]:
+            continue  # (a mask: the condition selects the score, it does not enter it)
+        for r in op.results:
+            if is_float(r.type.dtype):
+                return True
+            tainted.add(r)
+    return False
 
 
 def pack_gqa(func: Func) -> tuple[Func, int]:

@@ -1,7 +1,6 @@
 """Packed GQA decoding on the numba-cuda backend in the CUDA simulator (pack_gqa_sim_cases.py): falower.compile's
 automatic choice runs the call through the packed graph on decoding's 64-row q tiles, and the numbers are the GQA
-graph's (float64 reference), for a score that reads the query head (ALiBi) and masks that read the query row
-(causal, a window)."""
+graph's (float64 reference), for masks that read the query head (h % 2) or row (causal, a window)."""
 
 from __future__ import annotations
 

@@ -208,18 +208,23 @@ def test_gqa_decoding_runs_packed_and_keeps_the_error_rule(dtype, M, D):
 PACKED_MODS = {  # GQA graphs whose score or mask reads the query head or row: packed, both are rebuilt from the row
     "causal": dict(mask_mod=lambda b, h, q, kv: q >= kv),
     "window": dict(mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < 48)),
-    "alibi": dict(score_mod=lambda s, b, h, q, kv: s + PACKED_SLOPES[h] * (kv - q)),
+    "head_mask": dict(mask_mod=lambda b, h, q, kv: (q >= kv) | (h % 2 == 0)),
+    # decoding's window behind the cache's offset (set to N - M below): the kernel's tile classifier bounds r % M
+    # with M's run-time size, so it visits the window's kv tiles only
+    "window_offset": dict(mask_mod=lambda b, h, q, kv: (q + PACKED_OFFSET - kv >= 0)
+                          & (q + PACKED_OFFSET - kv < 300)),
 }
-PACKED_SLOPES = fl.capture("slopes", "f32", "HS")
+PACKED_OFFSET = fl.capture("offset", "i32", ())
 
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("mods", sorted(PACKED_MODS))
 def test_packed_gqa_decoding_rebuilds_the_query_head_and_row(mods, M, D):
-    """GQA decoding (G = 4, B = 2, HKV = 2, N = 3000) packed where the mask or score reads the query row (causal, the
-    48-wide window) or head (ALiBi's slopes[h]): the packed graph computes h = j G + r // M and q_idx = r % M from
-    the packed row r of kv head j (passes/pack_gqa.py), and keeps the error rule."""
+    """GQA decoding (G = 4, B = 2, HKV = 2, N = 3000) packed where the mask reads the query row (causal, the 48-wide
+    window, a window behind the cache's offset) or head (h % 2): the packed graph computes h = j G + r // M and
+    q_idx = r % M from the packed row r of kv head j (passes/pack_gqa.py), the kernels' tile classifier bounds them
+    with M's size (from_ir._interval_fn), and the error rule holds."""
     _hopper()
     key = ("packed", mods)
     if key not in SPLIT:
@@ -228,4 +233,7 @@ def test_packed_gqa_decoding_rebuilds_the_query_head_and_row(mods, M, D):
     g, c = SPLIT[key]
     env = bind_dims(g, {"B": 2, "HKV": 2, "M": M, "N": 3000, "D": D, "HS": 8})
     assert c.packed_for(env) is not None
-    assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + D), "f16")
+    host = _host(g, env, "f16", seed=M + D)
+    if mods == "window_offset":
+        host[3] = np.array(3000 - M, dtype=np.int32)
+    assert_error_rule(g, c, env, host, "f16")
