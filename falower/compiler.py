@@ -3,6 +3,7 @@ a backend: "numba-cuda" (GPU kernels) or "reference" (the numpy interpreter, for
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any, Optional
 
@@ -224,12 +225,15 @@ class CompiledAttention:
 
     def _kv_parts(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str]) -> int:
         """split-kv's parts for a call with these sizes: `extra["kv_parts"]` where the caller gives a count, else
-        (auto) emit_fa3.auto_kv_parts on the call's grid and the kv tiles a q tile visits (on average under a
-        static mask, whose short items leave SMs idle anyway: causal at N = 1k visits 4.5 of 8), where the
-        automatic choice is the persistent
-        warp-specialized kernel (D = 64 or 128, Hopper) on the default pipeline, with no mask or a static one and
-        the call's batch, heads and lengths known; 1 (no split) otherwise. The kernel is then the split-kv IR's
-        (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline): the dump shows what runs."""
+        (auto) emit_fa3.auto_kv_parts on the call's grid and the kv tiles its longest q tile visits
+        (`_longest_kv_tiles`: a grid that splits fits one round of the SMs, so its longest item is its time; causal
+        at N = 1k visits 8 kv tiles in its last q tile, 4.5 on average: the average kept it whole, and two parts ran
+        1.05-1.32x at B = 1, H = 1-4, N = 1-1.5k, H200 2026-11-30, benchmarks/NOTES.md), where the automatic choice
+        is the persistent warp-specialized kernel (D = 64 or 128, Hopper) on the default pipeline, with no mask or
+        a static one and the call's batch, heads and lengths known; 1 (no split) otherwise. Decoding's parts (at
+        most DECODE_MAX_ROWS rows) keep KV_PART_MIN_TILES_DECODE kv tiles, prefill's KV_PART_MIN_TILES. The kernel is
+        then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline): the dump
+        shows what runs."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import reads_table_tile
 
@@ -261,10 +265,15 @@ class CompiledAttention:
         bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two",
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
-        tiles = self._visited_kv_tiles(bq, bk, m, n, env["D"])
+        items = heads * -(-m // bq)
+        if items > emit_fa3.KV_SPLIT_MAX_FILL * blocks:
+            return 1
+        tiles = self._longest_kv_tiles(bq, bk, m, n, env["D"])
         if tiles is None:
             return 1
-        return emit_fa3.auto_kv_parts(heads * -(-m // bq), int(tiles), blocks)
+        few_rows = m <= emit_fa3.DECODE_MAX_ROWS  # (decoding: a kv tile is its bytes, so shorter parts pay)
+        return emit_fa3.auto_kv_parts(items, tiles, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE if few_rows
+                                      else emit_fa3.KV_PART_MIN_TILES)
 
     def _heads(self, env: dict[str, int]) -> Optional[int]:
         """The (batch, head) pairs of a call: the product of q's sizes before its rows (GQA's H = HKV * G
@@ -445,18 +454,66 @@ class CompiledAttention:
         give M); None where they cannot be, or the model cannot count it."""
         from .passes.cost import cost_of
 
+        dims = self._count_dims(m, n, head_dim)
+        if dims is None:
+            return None
+        try:
+            return [max(cost_of(self._retile(*t)[0], dims, data).flops for data in self._scalar_samples(m, n))
+                    for t in tilings]
+        except FalowerError:
+            return None
+
+    def _count_dims(self, m: int, n: int, head_dim: int) -> Optional[dict[str, int]]:
+        """The sizes the counts take: M = m, N = n, D = head_dim, every other size 1 (the sequence sizes solved from
+        m and n: a packed GQA graph's rows M*G give M); None where they cannot be."""
         q, k = self._seq_dims()
         seq = q.symbols() | k.symbols()
         dims = {s: 1 for a in self.func.args for d in a.type.shape for s in d.symbols() if s not in seq}
-        try:  # (a packed GQA graph's rows are M*G: its M from m)
+        try:
             dims.update(solve_dims([(q, m), (k, n)], {}))
         except (ShapeError, ValueError, ZeroDivisionError):
             return None
         dims["D"] = head_dim
-        try:
-            return [cost_of(self._retile(*t)[0], dims).flops for t in tilings]
-        except FalowerError:
-            return None
+        return dims
+
+    def _scalar_samples(self, m: int, n: int) -> list[dict[str, int]]:
+        """Values the counts give the graph's captured integer scalars (a window's offset behind a kv cache, a
+        prefix length), which the kernel reads at run time and a count cannot see: each of 0, n - m (decoding's
+        offset) and n - 1, the counts taking the largest. Without a value the model calls every tile a scalar
+        bounds visited: a decoding window behind the cache's offset counted all 64 kv tiles at N = 8k for its 8 and
+        split in 16 parts (0.79-0.86x as fast as in 4, H200 2026-11-30, benchmarks/NOTES.md). [{}] where there is
+        none (or more than two: every tile, as before)."""
+        names = [a.name for a in self.func.args[3:] if a.type.rank == 0 and a.type.dtype in ("i32", "i8")]
+        if not names or len(names) > 2:
+            return [{}]
+        values = sorted({0, max(n - m, 0), n - 1})
+        return [dict(zip(names, combo)) for combo in itertools.product(values, repeat=len(names))]
+
+    def _longest_kv_tiles(self, bq: int, bk: int, m: int, n: int, head_dim: int) -> Optional[int]:
+        """The most kv tiles one q tile of bq x bk tiles visits at M = m, N = n (a static mask's kv range, by the
+        intervals the kernels' tile classifier computes; every tile without a mask): causal's last q tile visits
+        all, where its average is half. None where it cannot be counted."""
+        from .ir import intervals
+
+        total = -(-n // bk)
+        if self._mask_kind() != "static":
+            return total
+        dims = self._count_dims(m, n, head_dim)
+        low = self._retile(bq, bk)[0]
+        op = next((o for o in low.walk() if o.name == "mask.kv_range"), None)
+        if dims is None or op is None:
+            return None if dims is None else total
+        ones = {s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}
+        heads = self._heads(ones) or 1  # (GQA's G query heads at every size 1)
+        rows = int(self._seq_dims()[0].eval(dims))
+        longest = 0
+        for data in self._scalar_samples(m, n):
+            caps = [np.int32(data[x.name]) if x in low.args and x.name in data else None for x in op.operands[4:]]
+            for h in range(heads):
+                for q0 in range(0, rows, bq):
+                    lo, hi = intervals.kv_range(op.regions[0], 0, h, q0, bq, bk, n, caps, dims)
+                    longest = max(longest, hi - lo)
+        return longest
 
     def _retile(self, bq: int, bk: int, ragged_q: str = "last", parts: int = 1,
                 dtype: str = "f16") -> tuple[Func, Any]:
@@ -515,10 +572,10 @@ class CompiledAttention:
         compiled with this one's options, where a call with these sizes runs it: a GQA graph that packs (its q read
         only by the score's product; the query head and row rebuilt from the packed row where the mask reads them,
         not taken where the score does: `score_reads_query_index`), the default pipeline, at most
-        pack_gqa.PACK_MAX_ROWS rows packed (M * G: decoding), `extra={"pack_gqa": False}` not given; else None. Its `.func` and `.lowered` are the
-        IR the call runs, its `specialize` the kernel. Why: each query head of a group otherwise reads the group's
-        K and V itself, in q tiles of M rows (GQA decoding took 1.8-2.7x MHA decoding's time on the same K / V,
-        H200, benchmarks/NOTES.md)."""
+        pack_gqa.PACK_MAX_ROWS rows packed (M * G: decoding), `extra={"pack_gqa": False}` not given; else None.
+        Its `.func` and `.lowered` are the IR the call runs, its `specialize` the kernel. Why: each query head of a
+        group otherwise reads the group's K and V itself, in q tiles of M rows (GQA decoding took 1.8-2.7x MHA
+        decoding's time on the same K / V, H200, benchmarks/NOTES.md)."""
         from .passes.pack_gqa import PACK_MAX_ROWS
 
         group = self._pack_group()

@@ -159,7 +159,13 @@ def test_gqa_counts_its_tiles_as_mha_does(monkeypatch):
         assert (g.block_q, g.kv_parts) == (m.block_q, m.kv_parts) == (64, 1)
     window = fl.compile(_gqa(4, mask_mod=lambda b, h, q, kv: kv < 5000))
     env = {"B": 1, "HKV": 8, "M": 1, "N": 8192, "D": 128}
-    assert window.packed_for(env).specialize("f16", **env).spec.kv_parts == 8  # 8 q tiles of 40 kv tiles: 5 a part
+    # 8 q tiles of 40 kv tiles: 16 parts of 2.5 (decoding's parts keep KV_PART_MIN_TILES_DECODE = 2 tiles)
+    assert window.packed_for(env).specialize("f16", **env).spec.kv_parts == 16
+    # the rebuilt row q_idx = r % M is bounded with M's size: a packed causal decoding row keeps key 0 only, one kv
+    # tile (the model counted all 64 and split it in 16 parts while the size was unknown to it)
+    packed_causal = gqa.packed_for(env)
+    assert packed_causal._visited_kv_tiles(64, 128, 4, 8192, 128) < 1.1
+    assert packed_causal.specialize("f16", **env).spec.kv_parts == 1
 
 
 def test_a_graph_that_does_not_pack_takes_its_inputs_as_before():

@@ -109,7 +109,7 @@ def _call(stem: str, B: int, H: int, N: int, D: int = 128, M: int = 0, **extra):
     ("plain", 128, 8, 1, 8192, 16, 64), ("plain", 128, 8, 64, 32768, 16, 64), ("plain", 128, 1, 2048, 2048, 4, 64),
     ("plain", 64, 1, 2048, 2048, 4, 64), ("plain", 128, 2, 2048, 2048, 4, 128), ("plain", 128, 4, 2048, 2048, 2, 128),
     ("plain", 64, 2, 4096, 4096, 2, 128), ("softcap", 128, 1, 2048, 2048, 4, 64),
-    ("relative_bias", 128, 8, 17, 3000, 4, 64), ("causal", 128, 1, 4096, 4096, 4, 128),
+    ("relative_bias", 128, 8, 17, 3000, 8, 64), ("causal", 128, 1, 4096, 4096, 4, 128),
     ("alibi", 128, 1, 4096, 4096, 4, 128)])
 def test_a_small_grid_takes_parts_and_its_ir_says_so(hopper, stem, D, H, M, N, parts, bq):
     """Decoding's shapes (8 q tiles against 8k-32k keys) take 16 parts; one head at N = 2k 4 (32 q tiles of 64 rows:
@@ -140,7 +140,7 @@ def test_decoding_takes_one_consumer_warpgroup(hopper, D):
 
 # B = 1 grids measured with 64-row q tiles forced against the tiles the call took (H200, 2026-11-30; NOTES "Small
 # prefill grids on 64-row q tiles"): (stem, H, N) -> the faster's (block_q, parts) at D = 128 and at D = 64, where the
-# two differed by more than 5%
+# two differed by more than 5% (causal's parts as the longest item counts them: the next table)
 MEASURED_SMALL_GRIDS = {
     ("plain", 8, 1024): ((64, 1), (64, 1)), ("causal", 8, 1024): ((64, 1), (64, 1)),
     ("plain", 16, 512): ((64, 1), (64, 1)), ("causal", 16, 512): ((64, 1), (64, 1)),
@@ -149,8 +149,8 @@ MEASURED_SMALL_GRIDS = {
     ("plain", 8, 2048): ((128, 1), (128, 1)), ("causal", 16, 1024): ((128, 1), (128, 1)),
     ("causal", 8, 2048): ((128, 1), (128, 1)), ("plain", 2, 1024): ((64, 2), (64, 2)),
     ("plain", 4, 1024): ((64, 2), (64, 2)), ("plain", 1, 2048): ((64, 4), (64, 4)),
-    ("causal", 2, 1024): ((64, 1), (64, 1)), ("causal", 4, 1024): ((64, 1), (64, 1)),
-    ("causal", 1, 2048): ((64, 2), (64, 2)), ("causal", 2, 2048): ((64, 2), (64, 2)),
+    ("causal", 2, 1024): ((64, 2), (64, 2)), ("causal", 4, 1024): ((64, 2), (64, 2)),
+    ("causal", 1, 2048): ((64, 4), (64, 4)), ("causal", 2, 2048): ((64, 2), (64, 2)),
     ("sliding_window", 8, 1024): (None, (128, 1)),
 }
 
@@ -171,6 +171,48 @@ def test_a_small_prefill_grid_takes_the_tiles_measured_faster(hopper, D):
             assert "+ 1 consumer warpgroups" in kern.source and ("tile{bq=64,bk=128}" in ir or "cdiv(M, 64)" in ir)
     for off in ({"small_grid": False}, {"decode_tiles": False}):
         assert _call("plain", 1, 8, 1024, D, **off)[0].spec.block_q != 64, off  # (D = 64: 192 rows)
+
+
+# The smallest causal grids on 64-row q tiles in 1, 2 and 4 parts (H200, 2026-11-30, CUDA graphs, us; NOTES "Packed
+# GQA under row masks; the longest item's parts"): (D, H, N) -> the three times, B = 1, M = N
+MEASURED_CAUSAL_PARTS = {
+    (128, 1, 1024): (16.4, 13.9, 14.1), (128, 2, 1024): (16.3, 14.4, 14.8), (128, 4, 1024): (16.4, 15.7, 20.6),
+    (128, 1, 1536): (21.5, 16.8, 16.1), (128, 2, 1536): (21.5, 18.0, 22.1), (128, 1, 2048): (26.4, 19.7, 19.0),
+    (128, 2, 2048): (26.4, 21.0, 24.7), (128, 4, 2048): (26.7, 29.4, 34.7),
+    (64, 1, 1024): (13.3, 11.6, 12.3), (64, 2, 1024): (13.3, 12.6, 13.0), (64, 4, 1024): (13.2, 12.9, 16.5),
+    (64, 1, 1536): (17.1, 14.2, 14.8), (64, 2, 1536): (17.3, 14.9, 18.9), (64, 1, 2048): (21.1, 16.7, 17.2),
+    (64, 2, 2048): (21.3, 17.0, 21.0), (64, 4, 2048): (21.1, 24.0, 26.9),
+}
+
+
+def test_a_causal_grid_splits_by_its_longest_item(hopper):
+    """auto_kv_parts counts the kv tiles of a grid's longest q tile (compiler._longest_kv_tiles: causal's last, 8 at
+    N = 1k on 64 x 128 tiles), not the average (4.5), which kept every grid here whole: on each measured grid the
+    parts taken ran within 5% of the fastest of 1, 2 and 4."""
+    for (D, H, N), times in MEASURED_CAUSAL_PARTS.items():
+        kern, _ = _call("causal", 1, H, N, D)
+        assert kern.spec.block_q == 64 and kern.spec.kv_parts in (1, 2, 4), (D, H, N)
+        assert times[kern.spec.kv_parts.bit_length() - 1] <= 1.05 * min(times), (D, H, N, kern.spec.kv_parts)
+    c = fl.compile(_example("causal"))
+    assert c._longest_kv_tiles(64, 128, 1024, 1024, 128) == 8 and c._visited_kv_tiles(64, 128, 1024, 1024, 128) < 5
+    assert fl.compile(_example("plain"))._longest_kv_tiles(64, 128, 1000, 1000, 128) == 8
+
+
+def test_a_captured_scalar_is_counted_at_sampled_values(hopper):
+    """A mask's captured integer scalar (a window behind the kv cache's offset) is counted at 0, N - M and N - 1, the
+    largest count taken (compiler._scalar_samples): the decoding window visits its 8 kv tiles, not all 64, and takes
+    4 parts (measured 1.17-1.21x faster than 2 and 1.1-1.2x than 16, H200 2026-11-30); a captured window width
+    counts every tile at its largest sample, as it did unknown."""
+    off = fl.capture("off", "i32", ())
+    window = fl.compile(fl.attention(name="wo", mask_mod=lambda b, h, q, kv: (q + off - kv >= 0)
+                                     & (q + off - kv < 1024)))
+    assert 8 <= window._visited_kv_tiles(64, 128, 1, 8192, 128) < 10
+    assert window._longest_kv_tiles(64, 128, 1, 8192, 128) == 8  # (keys 7168 .. 8191 at the offset N - 1)
+    assert window.specialize("f16", B=1, H=8, M=1, N=8192, D=128).spec.kv_parts == 4
+    width = fl.capture("width", "i32", ())
+    wide = fl.compile(fl.attention(name="ww", mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < width)))
+    assert wide._longest_kv_tiles(64, 128, 1, 8192, 128) == 1  # (M = 1 without an offset: key 0 only)
+    assert wide._longest_kv_tiles(128, 128, 4096, 4096, 128) == 32  # (its last q tile at width N - 1)
 
 
 def test_the_small_grid_count():
@@ -211,7 +253,7 @@ def test_what_keeps_one_part(hopper):
     assert _call("plain", 4, 16, 4096)[0].spec.kv_parts == 1  # a large grid
     assert _call("plain", 1, 8, 2048)[0].spec.kv_parts == 1  # 128 items: the SMs are full
     assert _call("document", 1, 1, 1024, M=1)[0].spec.kv_parts == 1  # a block list (data-dependent mask)
-    assert _call("causal", 1, 1, 1024)[0].spec.kv_parts == 1  # 4.5 of 8 kv tiles a q tile on average
+    assert _call("causal", 1, 8, 2048)[0].spec.kv_parts == 1  # 256 q tiles of 64 rows: past half the SMs
     assert _call("sliding_window", 1, 1, 4096)[0].spec.kv_parts == 1  # a 48-wide window: 1-2 tiles a q tile
     assert _call("plain", 1, 8, 1024, kv_parts=1)[0].spec.kv_parts == 1  # the caller's
     kern, ir = _call("plain", 1, 8, 1024, kv_parts=4)  # the caller's count, past the rule's

@@ -282,16 +282,20 @@ def decode_tiles_pay(items64: int, tiles64: float, items128: int, tiles128: floa
 KV_PARTS_MAX = 16  # split-kv's most parts (a power of two: the kernel decodes and shares by shifts)
 KV_PART_MIN_TILES = 4  # the fewest kv tiles a part keeps: an item's fixed cost is ~2 tiles (NOTES, "Counting the
 # per-item cost"), and the merge reads every part's O again
+KV_PART_MIN_TILES_DECODE = 2  # the same for decoding's q tiles (at most DECODE_MAX_ROWS rows: a kv tile is its 64 KB
+# of K and V, not the tensor cores' time): a decoding window's 8 kv tiles ran 1.17-1.21x faster in 4 parts than in
+# the 2 that KV_PART_MIN_TILES allows (H200 2026-11-30, benchmarks/NOTES.md "the longest item's parts")
 
 
 KV_SPLIT_MAX_FILL = 0.5  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
 
 
-def auto_kv_parts(items: int, kv_tiles: int, sm_count: int) -> int:
+def auto_kv_parts(items: int, kv_tiles: int, sm_count: int, min_tiles: int = KV_PART_MIN_TILES) -> int:
     """split-kv's parts for a call whose grid is `items` q tiles (batch x heads x q tiles) of `kv_tiles` kv tiles
-    each (on average, under a mask), on the persistent kernel's `sm_count` blocks: 1 (no split) where the grid
-    fills more than KV_SPLIT_MAX_FILL of the blocks; else the most parts, a power of two up to KV_PARTS_MAX, that
-    still fit one round of the blocks (items x P <= sm_count) and leave each part KV_PART_MIN_TILES tiles.
+    each (its longest q tile's, under a mask: compiler._longest_kv_tiles), on the persistent kernel's `sm_count`
+    blocks: 1 (no split) where the grid fills more than KV_SPLIT_MAX_FILL of the blocks; else the most parts, a power
+    of two up to KV_PARTS_MAX, that still fit one round of the blocks (items x P <= sm_count) and leave each part
+    `min_tiles` tiles (KV_PART_MIN_TILES; decoding's KV_PART_MIN_TILES_DECODE).
 
     Measured (H200 2026-11-30, each kernel and the merge captured in CUDA graphs, GPU time only; benchmarks/NOTES.md
     "split-kv on the GPU", "The merge 16 bytes a thread"): decoding's shapes (B = 1, H = 8, M = 1 or 64: 8 q tiles,
@@ -302,7 +306,7 @@ def auto_kv_parts(items: int, kv_tiles: int, sm_count: int) -> int:
     if items > KV_SPLIT_MAX_FILL * sm_count:
         return 1
     P = 1
-    while 2 * P <= KV_PARTS_MAX and items * 2 * P <= sm_count and kv_tiles >= 2 * P * KV_PART_MIN_TILES:
+    while 2 * P <= KV_PARTS_MAX and items * 2 * P <= sm_count and kv_tiles >= 2 * P * min_tiles:
         P *= 2
     return P
 
