@@ -228,7 +228,7 @@ class CompiledAttention:
         (auto) emit_fa3.auto_kv_parts on the call's grid and the kv tiles its longest q tile visits
         (`_longest_kv_tiles`: a grid that splits fits one round of the SMs, so its longest item is its time; causal
         at N = 1k visits 8 kv tiles in its last q tile, 4.5 on average: the average kept it whole, and two parts ran
-        1.05-1.32x at B = 1, H = 1-4, N = 1-1.5k, H200 2026-11-30, benchmarks/NOTES.md), where the automatic choice
+        1.02-1.28x at B = 1, H = 1-4, N = 1-1.5k, H200 2026-11-30, benchmarks/NOTES.md), where the automatic choice
         is the persistent warp-specialized kernel (D = 64 or 128, Hopper) on the default pipeline, with no mask or
         a static one and the call's batch, heads and lengths known; 1 (no split) otherwise. Decoding's parts (at
         most DECODE_MAX_ROWS rows) keep KV_PART_MIN_TILES_DECODE kv tiles, prefill's KV_PART_MIN_TILES. The kernel is

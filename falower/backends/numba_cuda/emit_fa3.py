@@ -283,7 +283,7 @@ KV_PARTS_MAX = 16  # split-kv's most parts (a power of two: the kernel decodes a
 KV_PART_MIN_TILES = 4  # the fewest kv tiles a part keeps: an item's fixed cost is ~2 tiles (NOTES, "Counting the
 # per-item cost"), and the merge reads every part's O again
 KV_PART_MIN_TILES_DECODE = 2  # the same for decoding's q tiles (at most DECODE_MAX_ROWS rows: a kv tile is its 64 KB
-# of K and V, not the tensor cores' time): a decoding window's 8 kv tiles ran 1.17-1.21x faster in 4 parts than in
+# of K and V, not the tensor cores' time): a decoding window's 8 kv tiles ran 1.15-1.22x faster in 4 parts than in
 # the 2 that KV_PART_MIN_TILES allows (H200 2026-11-30, benchmarks/NOTES.md "the longest item's parts")
 
 
