@@ -148,7 +148,8 @@ class CompiledAttention:
     def _d64_tiling(self, dtype: str, path: str, env: dict[str, int]) -> Optional[str]:
         """Which of D = 64's kernels a call with these sizes takes: "wide", the persistent kernel's 192 x 128 tiles
         (three consumer warpgroups), where `_wide_tiles_pay` says at its sequence lengths (the reference length
-        where `env` has none), else "narrow" (emit_fa3's 128 x 64); and of the wide, "two", the same persistent
+        where `env` has none), else "narrow" (emit_fa3's 128 x 64) but where a small grid splits on 128 x 128 tiles
+        (`_two_tiles_split`: "two"); and of the wide, "two", the same persistent
         kernel on 128 x 128 tiles (two consumer warpgroups), where the call's batch and heads are known and make a
         grid so small that the shorter items finish first (emit_fa3.two_rounds_pay: under a mask only where they
         fit one round; `extra={"small_grid": False}` keeps the wide tiles). None where the automatic choice offers none
@@ -163,15 +164,32 @@ class CompiledAttention:
             return None
         ragged = self._ragged_first_pays(*emit_fa3.WIDE_TILES) and self._ragged_first_runs(dtype, path, choice)
         m, n = self._seq_lengths(env)
-        if not self._wide_tiles_pay(64, m, n, ragged=ragged):
-            return "narrow"
         blocks = self.extra.get("persistent", choice["persistent"])  # the caller's block count, if given
         heads = self._heads(env)
+        if not self._wide_tiles_pay(64, m, n, ragged=ragged):
+            return "two" if self._two_tiles_split(m, n, heads, blocks) else "narrow"
         if not blocks or not self.extra.get("small_grid", True) or heads is None or not m:
             return "wide"  # (the caller's one block an item: the rounds do not apply)
         two, wide = (heads * -(-int(m) // rows) for rows in (emit_fa3.TWO_TILES[0], emit_fa3.WIDE_TILES[0]))
         uniform = self._mask_kind() == "none"  # every q tile the same work
         return "two" if emit_fa3.two_rounds_pay(two, wide, int(blocks), uniform) else "wide"
+
+    def _two_tiles_split(self, m: Optional[int], n: Optional[int], heads: Optional[int], blocks: Any) -> bool:
+        """Whether a D = 64 call that the work rule keeps off the wide tiles takes the persistent kernel's 128 x 128
+        tiles ("two") instead of emit_fa3's 128 x 64 because its grid is small enough for split-kv's parts there
+        (auto_kv_parts > 1 on its longest q tile), which the 128 x 64 kernel has none of. Why: a few q tiles
+        against a long cache (M = 65-256, N = 8k, H = 8: 8-16 q tiles on 132 SMs) ran one block a q tile through
+        every kv tile, where D = 128's same call splits in 8-16 parts. `extra={"small_grid": False}` keeps
+        128 x 64."""
+        from .backends.numba_cuda import emit_fa3
+
+        if not (m and n and heads and blocks) or not self.extra.get("small_grid", True):
+            return False
+        items = heads * -(-int(m) // emit_fa3.TWO_TILES[0])
+        if items > emit_fa3.KV_SPLIT_MAX_FILL * int(blocks):
+            return False
+        tiles = self._longest_kv_tiles(*emit_fa3.TWO_TILES, m, n, 64)
+        return tiles is not None and emit_fa3.auto_kv_parts(items, tiles, int(blocks)) > 1
 
     def _decode_tiles(self, dtype: str, path: str, env: dict[str, int]) -> bool:
         """Whether a call with these sizes takes the persistent kernel's decoding tiles (emit_fa3.DECODE_TILES: one

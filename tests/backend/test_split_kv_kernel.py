@@ -215,6 +215,19 @@ def test_a_captured_scalar_is_counted_at_sampled_values(hopper):
     assert wide._longest_kv_tiles(128, 128, 4096, 4096, 128) == 32  # (its last q tile at width N - 1)
 
 
+def test_d64s_few_rows_against_a_long_cache_split_on_the_persistent_tiles(hopper):
+    """D = 64 at M = 65-256 against N = 8k (H = 8: 8-16 q tiles of 128 rows): the work rule keeps the wide tiles off
+    and 128 x 64 has no parts; compiler._two_tiles_split takes the persistent kernel's 128 x 128 tiles in parts, as
+    D = 128's call does; small_grid=False keeps 128 x 64; a causal grid whose rows see few kv tiles keeps it."""
+    for M, parts in ((128, 16), (256, 8)):
+        kern, _ = _call("plain", 1, 8, 8192, 64, M)
+        assert (kern.spec.block_q, kern.spec.block_k, kern.spec.kv_parts) == (128, 128, parts), M
+        assert _call("plain", 1, 8, 8192, 128, M)[0].spec.kv_parts == parts
+        old, _ = _call("plain", 1, 8, 8192, 64, M, small_grid=False)
+        assert (old.spec.block_k, old.spec.kv_parts) == (64, 1)
+    assert (_call("causal", 1, 8, 3000, 64, 256)[0].spec.block_k, ) == (64, )
+
+
 def test_the_small_grid_count():
     """decode_tiles_pay's count in 128-row kv steps: 128 q tiles of 64 rows and 8 kv tiles (5.76) against 64 of 128
     rows in two parts (4 + 2.5); a full grid of 64-row tiles makes two rounds; fewer than 2 kv tiles: never."""

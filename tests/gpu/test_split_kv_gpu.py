@@ -90,6 +90,20 @@ def test_decoding_shapes_and_more_parts(stem, M, N, parts):
     assert_error_rule(g, c, env, _host(g, env, "f16", seed=M + N), "f16")
 
 
+@pytest.mark.parametrize("stem, M, N, want", [("plain", 128, 8192, (128, 128, 16)), ("plain", 256, 4096, (128, 128, 8)),
+                                              ("causal", 256, 3000, (128, 64, 1))])
+def test_a_few_rows_at_d64_split_on_the_persistent_tiles(stem, M, N, want):
+    """D = 64, a few q tiles against a long cache (M = 128-256, H = 8): the persistent kernel's 128 x 128 tiles in
+    parts (compiler._two_tiles_split), where 128 x 64 ran one block a q tile; causal's rows there see three kv tiles
+    at most and keep 128 x 64; the error rule, M != N."""
+    _hopper()
+    g, c = _compiled(stem, "f16", "auto")
+    env = bind_dims(g, {"B": 1, "H": 8, "M": M, "N": N, "D": 64})
+    spec = c.specialize("f16", **env).spec
+    assert (spec.block_q, spec.block_k, spec.kv_parts) == want
+    assert_error_rule(g, c, env, _host(g, env, "f16", seed=M), "f16")
+
+
 def test_the_automatic_choice_on_decoding_takes_sixteen_parts():
     _hopper()
     g, c = _compiled("plain", "f16", "auto")
