@@ -590,15 +590,16 @@ class CompiledAttention:
         compiled with this one's options, where a call with these sizes runs it: a GQA graph that packs (its q read
         only by the score's product; the query head and row rebuilt from the packed row where the mask reads them,
         not taken where the score does: `score_reads_query_index`), the default pipeline, at most
-        pack_gqa.PACK_MAX_ROWS rows packed (M * G: decoding), `extra={"pack_gqa": False}` not given; else None.
+        pack_gqa.PACK_MAX_QUERY_ROWS query rows a head (decoding, speculative decoding), `extra={"pack_gqa": False}`
+        not given; else None.
         Its `.func` and `.lowered` are the IR the call runs, its `specialize` the kernel. Why: each query head of a
         group otherwise reads the group's K and V itself, in q tiles of M rows (GQA decoding took 1.8-2.7x MHA
         decoding's time on the same K / V, H200, benchmarks/NOTES.md)."""
-        from .passes.pack_gqa import PACK_MAX_ROWS
+        from .passes.pack_gqa import PACK_MAX_QUERY_ROWS
 
         group = self._pack_group()
         m, _ = self._seq_lengths(env) if group > 1 else (None, None)
-        if not m or m * group > PACK_MAX_ROWS:
+        if not m or group == 1 or m > PACK_MAX_QUERY_ROWS:
             return None
         if "packed" not in self._memo:  # compiled on the first call that packs
             self._memo["packed"] = compile(self._memo["pack"], self.backend, self.pipeline, self.path,

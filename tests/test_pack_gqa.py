@@ -2,8 +2,8 @@
 problem. The packed graph on q reshaped [B, HKV, M*G, D] gives the GQA graph's numbers (the interpreter: every row
 is computed alone), scores and masks that read the query head or row included (rebuilt from the packed row); a
 graph that reads q itself, or a capture that could be read by broadcast, is refused by name; falower.compile runs
-decoding calls (M * G <= 64) through it, and the kernel it builds for decoding is decoding's (64-row q tiles in
-parts)."""
+calls of at most PACK_MAX_QUERY_ROWS query rows a head through it (decoding, speculative decoding), and the kernel it
+builds for decoding is decoding's (64-row q tiles in parts)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import falower as fl
 from falower.errors import PassError
 from falower.ir.interp import Interpreter
-from falower.passes.pack_gqa import PACK_MAX_ROWS, group_of, pack_gqa, score_reads_query_index
+from falower.passes.pack_gqa import PACK_MAX_QUERY_ROWS, group_of, pack_gqa, score_reads_query_index
 
 
 def _gqa(group: int = 4, score_mod=None, mask_mod=None):
@@ -86,13 +86,14 @@ def test_what_pack_gqa_refuses_it_names():
 
 
 def test_a_decoding_call_runs_the_packed_graph():
-    """falower.compiler packs a call whose M * G rows fit one of decoding's q tiles; more rows or extra pack_gqa False
-    keep the graph as written; the outputs are the unpacked call's, in its shapes."""
+    """falower.compiler packs a call of at most PACK_MAX_QUERY_ROWS query rows a head (M * G past one q tile too);
+    more rows or extra pack_gqa False keep the graph as written; the outputs are the unpacked call's, in its
+    shapes."""
     rng = np.random.default_rng(1)
     for mods in ("none", "causal", "alibi", "window"):
         g = _gqa(4, *MODS[mods])
         c, plain = fl.compile(g, "reference"), fl.compile(g, "reference", extra={"pack_gqa": False})
-        for M, packs in ((1, True), (PACK_MAX_ROWS // 4, True), (PACK_MAX_ROWS // 4 + 1, False)):
+        for M, packs in ((1, True), (17, True), (PACK_MAX_QUERY_ROWS, True), (PACK_MAX_QUERY_ROWS + 1, False)):
             q, k, v = _inputs(rng, 2, 2, 4, M, 45, 16)
             caps = [np.linspace(0.1, 1.0, 8).astype(np.float32)] if mods == "alibi" else []
             env = c._dims([q, k, v, *caps])
