@@ -20,7 +20,8 @@ cluster_sm90.hpp, include/cutlass/arch/barrier.h; hopper/flash_fwd_kernel_sm90.h
 remote arrival seen; a grid of 6 refused at launch (CUresult 912: a cluster misconfiguration); every CTA read the
 whole multicast buffer, and the whole f32 tile the four ranks' tensor copies multicast.
 
-    python3 benchmarks/probe_cluster.py
+    python3 benchmarks/probe_cluster.py              # the launch path, multicast
+    python3 benchmarks/probe_cluster.py --capacity   # how many clusters of 1-16 CTAs run at once (capacity_probe)
 
 Prints one JSON line.
 """
@@ -205,8 +206,81 @@ def tensor_multicast_probe(lib) -> dict:
     return _run_eight(lib, fn, [mdev.value, dst.value], dst, ctypes.c_float, 4096, list(vals), out)
 
 
+# a cluster of `width` CTAs that records, per CTA, its SM and the global timer at its start and end around a spin of
+# ~`spin` ns: how many clusters of that width run at once with one CTA an SM (capacity_probe)
+def _capacity_ptx(width: int) -> str:
+    return _HEAD + f""".visible .entry k(.param .u64 p, .param .u64 spin)
+.explicitcluster
+.reqnctapercluster {width}, 1, 1
+{{""" + r"""
+.reg .b32 r<4>; .reg .b64 d<8>; .reg .pred q;
+mov.u32 r3, %tid.x; setp.ne.u32 q, r3, 0;
+barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+mov.u64 d2, %globaltimer; ld.param.u64 d5, [spin]; add.u64 d6, d2, d5;
+S: mov.u64 d3, %globaltimer; setp.lt.u64 q, d3, d6; @q bra S;
+setp.ne.u32 q, r3, 0; @q bra X;
+mov.u32 r0, %smid; mov.u32 r1, %ctaid.x;
+ld.param.u64 d0, [p]; cvta.to.global.u64 d0, d0; mul.wide.u32 d1, r1, 24; add.u64 d0, d0, d1;
+cvt.u64.u32 d4, r0; st.global.u64 [d0], d4; st.global.u64 [d0+8], d2; st.global.u64 [d0+16], d3;
+X: barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;
+ret;
+}
+"""
+
+
+def capacity_probe(lib, widths=(1, 2, 4, 8, 16), smem: int = 160 * 1024, spin_ns: int = 200_000) -> dict:
+    """For each cluster width: the driver's cuOccupancyMaxActiveClusters with one CTA an SM (`smem` bytes of dynamic
+    shared memory, as the persistent kernels take) and, measured, how many clusters ran at once in a grid of 16
+    clusters (each CTA spinning `spin_ns`: the most CTAs whose [start, end] overlap one instant, over the width),
+    and the SMs the grid used. Why: a merge of a q tile's split-kv parts inside a cluster needs all of a q tile's
+    parts (up to 16) co-scheduled, and a GPC has 16-18 SMs on an H100 / H200 (benchmarks/NOTES.md)."""
+    from falower.backends.numba_cuda.runtime import _LaunchConfig  # (on sys.path: _driver)
+
+    out: dict = {}
+    query = getattr(lib, "cuOccupancyMaxActiveClusters", None)
+    for w in widths:
+        err, fn = _function(lib, _capacity_ptx(w))
+        row: dict = {"load": err}
+        out[str(w)] = row
+        if err:
+            continue
+        row["smem_attr"] = lib.cuFuncSetAttribute(fn, 8, smem)  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if w > 8:
+            row["nonportable_attr"] = lib.cuFuncSetAttribute(fn, 14, 1)  # NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        grid = 16 * w
+        if query is not None:
+            cfg = _LaunchConfig()
+            cfg.grid[0], cfg.grid[1], cfg.grid[2] = grid, 1, 1
+            cfg.block[0], cfg.block[1], cfg.block[2] = 128, 1, 1
+            cfg.smem, cfg.num_attrs = smem, 0
+            n = ctypes.c_int()
+            row["max_active_clusters_err"] = query(ctypes.byref(n), fn, ctypes.byref(cfg))
+            row["max_active_clusters"] = n.value
+        buf = ctypes.c_uint64()
+        lib.cuMemAlloc_v2(ctypes.byref(buf), 24 * grid)
+        a0, a1 = ctypes.c_uint64(buf.value), ctypes.c_uint64(spin_ns)
+        params = (ctypes.c_void_p * 2)(ctypes.addressof(a0), ctypes.addressof(a1))
+        row["launch"] = lib.cuLaunchKernel(fn, grid, 1, 1, 128, 1, 1, smem, None, params, None)
+        row["sync"] = lib.cuCtxSynchronize()
+        host = (ctypes.c_uint64 * (3 * grid))()
+        lib.cuMemcpyDtoH_v2(host, buf, 24 * grid)
+        rec = [(host[3 * i], host[3 * i + 1], host[3 * i + 2]) for i in range(grid)]
+        if row["launch"] == 0 and row["sync"] == 0:
+            starts = sorted(r[1] for r in rec)
+            most = max(sum(1 for r in rec if r[1] <= t < r[2]) for t in starts)
+            row["clusters_at_once"] = most / w
+            row["sms_used"] = len({r[0] for r in rec})
+            row["waves_ns"] = max(r[2] for r in rec) - min(r[1] for r in rec)
+        lib.cuMemFree_v2(buf)
+    return out
+
+
 def main() -> None:
+    import sys
     lib = _driver()
+    if sys.argv[1:] == ["--capacity"]:
+        print(json.dumps({"capacity": capacity_probe(lib)}))
+        return
     print(json.dumps({"cluster": cluster_probe(lib), "multicast": multicast_probe(lib),
                       "tensor_multicast": tensor_multicast_probe(lib)}))
 
