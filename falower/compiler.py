@@ -289,7 +289,7 @@ class CompiledAttention:
         tiles = self._longest_kv_tiles(bq, bk, m, n, env["D"])
         if tiles is None:
             return 1
-        few_rows = m <= emit_fa3.DECODE_MAX_ROWS  # (decoding: a kv tile is its bytes, so shorter parts pay)
+        few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
         return emit_fa3.auto_kv_parts(items, tiles, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE if few_rows
                                       else emit_fa3.KV_PART_MIN_TILES)
 
@@ -472,14 +472,19 @@ class CompiledAttention:
         give M); None where they cannot be, or the model cannot count it."""
         from .passes.cost import cost_of
 
+        key = ("visited", tuple(tilings), m, n, head_dim)
+        if key in self._memo:
+            return self._memo[key]
         dims = self._count_dims(m, n, head_dim)
-        if dims is None:
-            return None
-        try:
-            return [max(cost_of(self._retile(*t)[0], dims, data).flops for data in self._scalar_samples(m, n))
-                    for t in tilings]
-        except FalowerError:
-            return None
+        got = None
+        if dims is not None:
+            try:
+                got = [max(cost_of(self._retile(*t)[0], dims, data).flops for data in self._scalar_samples(n))
+                       for t in tilings]
+            except FalowerError:
+                got = None
+        self._memo[key] = got
+        return got
 
     def _count_dims(self, m: int, n: int, head_dim: int) -> Optional[dict[str, int]]:
         """The sizes the counts take: M = m, N = n, D = head_dim, every other size 1 (the sequence sizes solved from
@@ -494,43 +499,63 @@ class CompiledAttention:
         dims["D"] = head_dim
         return dims
 
-    def _scalar_samples(self, m: int, n: int) -> list[dict[str, int]]:
+    def _scalar_samples(self, n: int) -> list[dict[str, int]]:
         """Values the counts give the graph's captured integer scalars (a window's offset behind a kv cache, a
-        prefix length), which the kernel reads at run time and a count cannot see: each of 0, n - m (decoding's
-        offset) and n - 1, the counts taking the largest. Without a value the model calls every tile a scalar
+        prefix length), which the kernel reads at run time and a count cannot see: each of 0 and n - 1 (decoding's
+        offset n - M, within its few rows), within the scalar's dtype, the counts taking the
+        largest (each sample is a count: two scalars make four). Without a value the model calls every tile a scalar
         bounds visited: a decoding window behind the cache's offset counted all 64 kv tiles at N = 8k for its 8 and
         split in 16 parts (0.79-0.86x as fast as in 4, H200 2026-11-30, benchmarks/NOTES.md). [{}] where there is
         none (or more than two: every tile, as before)."""
-        names = [a.name for a in self.func.args[3:] if a.type.rank == 0 and a.type.dtype in ("i32", "i8")]
-        if not names or len(names) > 2:
+        scalars = [a for a in self.func.args[3:] if a.type.rank == 0 and a.type.dtype in ("i32", "i8")]
+        if not scalars or len(scalars) > 2:
             return [{}]
-        values = sorted({0, max(n - m, 0), n - 1})
-        return [dict(zip(names, combo)) for combo in itertools.product(values, repeat=len(names))]
+        top = {"i32": 2 ** 31 - 1, "i8": 127}
+        choices = [sorted({0, min(n - 1, top[a.type.dtype])}) for a in scalars]
+        return [dict(zip([a.name for a in scalars], combo)) for combo in itertools.product(*choices)]
 
     def _longest_kv_tiles(self, bq: int, bk: int, m: int, n: int, head_dim: int) -> Optional[int]:
-        """The most kv tiles one q tile of bq x bk tiles visits at M = m, N = n (a static mask's kv range, by the
-        intervals the kernels' tile classifier computes; every tile without a mask): causal's last q tile visits
-        all, where its average is half. None where it cannot be counted."""
+        """The most kv tiles one q tile of bq x bk tiles visits at M = m, N = n (a static mask's kv range by
+        intervals.kv_range, whose classification the kernels' tile classifier follows; every tile without a mask):
+        causal's last q tile visits all, where its average is half. Counted at b = 0 and the heads there are with
+        every size 1 (GQA's G), the q tiles last first (causal's longest) until one visits every tile; a mask that
+        varies with the batch or head may visit more (only the parts' count reads it). None where it cannot be
+        counted."""
         from .ir import intervals
 
         total = -(-n // bk)
         if self._mask_kind() != "static":
             return total
+        key = ("longest", bq, bk, m, n, head_dim)
+        if key in self._memo:
+            return self._memo[key]
         dims = self._count_dims(m, n, head_dim)
-        low = self._retile(bq, bk)[0]
-        op = next((o for o in low.walk() if o.name == "mask.kv_range"), None)
-        if dims is None or op is None:
-            return None if dims is None else total
-        ones = {s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}
-        heads = self._heads(ones) or 1  # (GQA's G query heads at every size 1)
-        rows = int(self._seq_dims()[0].eval(dims))
-        longest = 0
-        for data in self._scalar_samples(m, n):
-            caps = [np.int32(data[x.name]) if x in low.args and x.name in data else None for x in op.operands[4:]]
-            for h in range(heads):
-                for q0 in range(0, rows, bq):
-                    lo, hi = intervals.kv_range(op.regions[0], 0, h, q0, bq, bk, n, caps, dims)
-                    longest = max(longest, hi - lo)
+        try:
+            op = None if dims is None else next((o for o in self._retile(bq, bk)[0].walk()
+                                                 if o.name == "mask.kv_range"), None)
+        except FalowerError:
+            dims = None
+        longest: Optional[int] = None if dims is None else total
+        if dims is not None and op is not None:
+            ones = {s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}
+            heads = self._heads(ones) or 1  # (GQA's G query heads at every size 1)
+            rows = int(self._seq_dims()[0].eval(dims))
+            args = {a.name: a for a in self.func.args}
+            longest = 0
+            for data in self._scalar_samples(n):
+                caps = [np.int32(data[x.name]) if x.name in data and args.get(x.name) is not None else None
+                        for x in op.operands[4:]]
+                for h in range(heads):
+                    for q0 in reversed(range(0, rows, bq)):
+                        lo, hi = intervals.kv_range(op.regions[0], 0, h, q0, bq, bk, n, caps, dims)
+                        longest = max(longest, hi - lo)
+                        if longest == total:
+                            break
+                    if longest == total:
+                        break
+                if longest == total:
+                    break
+        self._memo[key] = longest
         return longest
 
     def _retile(self, bq: int, bk: int, ragged_q: str = "last", parts: int = 1,

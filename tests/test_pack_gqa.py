@@ -117,6 +117,10 @@ def test_the_score_reading_the_query_head_or_row_is_not_packed():
     head_mask = _gqa(4, mask_mod=lambda b, h, q, kv: (q >= kv) | (h % 2 == 0))
     row_score = _gqa(4, score_mod=lambda s, b, h, q, kv: s * (q + 1))
     assert not score_reads_query_index(head_mask) and score_reads_query_index(row_score)
+    for score in (lambda s, b, h, q, kv: s + fl.where(q >= kv, 0.0, float("-inf")),  # a select the score makes
+                  lambda s, b, h, q, kv: s * fl.where(h < 2, 1.0, 0.5),
+                  lambda s, b, h, q, kv: s + fl.where(q >= kv, 0, 1) * -1e4):
+        assert score_reads_query_index(_gqa(4, score_mod=score))
     assert fl.compile(row_score, "reference").packed_for({"B": 1, "HKV": 2, "M": 1, "N": 45, "D": 16}) is None
     assert fl.compile(head_mask, "reference").packed_for({"B": 1, "HKV": 2, "M": 1, "N": 45, "D": 16}) is not None
     pack_gqa(row_score)  # (the rewrite itself is right for both: test_packing_preserves_the_numbers)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from ..errors import PassError
 from ..ir.builder import Builder
-from ..ir.core import Block, Func, Value, uses
+from ..ir.core import Block, Func, Op, Value, uses
 from ..ir.dims import Const, Dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float
@@ -69,7 +69,8 @@ def group_of(func: Func) -> int:
 
 def score_reads_query_index(func: Func) -> bool:
     """Whether the score (not only the mask) of a GQA graph reads the query head or row (ALiBi's slopes[h] and kv -
-    q): a value computed from their iotas that reaches a float other than as a `where`'s condition. Packed, those
+    q): a value computed from their iotas that reaches a float other than as the condition of a mask's select
+    (`where(keep, s, -inf)`; any other `where` is the score's, evaluated per element). Packed, those
     reads become the rebuilt h = j G + r // M and q_idx = r % M, which the kernels evaluate in the score function,
     per element (an integer division and a gather an element: packed ALiBi decoding ran 0.43-0.58x the unpacked
     call, H200 2026-11-30, benchmarks/NOTES.md); a mask's reads cost a row's bounds once a tile (packed causal
@@ -81,13 +82,23 @@ def score_reads_query_index(func: Func) -> bool:
             tainted.add(op.result)
             continue
         reads = [i for i, x in enumerate(op.operands) if x in tainted]
-        if not reads or op.name == "where" and reads == [0]:
+        if not reads or reads == [0] and _is_mask_select(op):
             continue  # (a mask: the condition selects the score, it does not enter it)
         for r in op.results:
             if is_float(r.type.dtype):
                 return True
             tainted.add(r)
     return False
+
+
+def _is_mask_select(op: Op) -> bool:
+    """`where(keep, s, -inf)`: the form a mask takes (the frontend's mask_mod, the mask analysis's conjuncts), the
+    kept value a score, not a constant (`s + where(keep, 0, -inf)` stays the score's select, per element)."""
+    if op.name != "where" or len(op.operands) != 3:
+        return False
+    kept, fill = op.operands[1].owner, op.operands[2].owner
+    return (isinstance(fill, Op) and fill.name == "const" and fill.attrs.get("value") == float("-inf")
+            and not (isinstance(kept, Op) and kept.name == "const"))
 
 
 def pack_gqa(func: Func) -> tuple[Func, int]:

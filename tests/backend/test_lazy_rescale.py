@@ -19,7 +19,7 @@ from falower.passes import NAMED_PIPELINES, run_pipeline
 pytest.importorskip("numba")
 
 from falower.backends.numba_cuda.emit_fa2 import emit_fa2_forward  # noqa: E402
-from falower.backends.numba_cuda.from_ir import BackendError, analyse  # noqa: E402
+from falower.backends.numba_cuda.from_ir import BackendError, analyse, build_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
@@ -88,3 +88,14 @@ def test_lazy_lowering_keeps_the_numbers(stem, T):
         assert np.array_equal(fin, np.isfinite(got))
         scale = max(1.0, np.max(np.abs(want[fin]), initial=0.0))
         assert np.max(np.abs(got[fin] - want[fin]), initial=0.0) <= 1e-9 * scale
+
+
+def test_a_score_selecting_on_a_given_condition_is_not_the_lazy_select():
+    """The lazy select's search met the score's own `where` on a condition the fused region receives (its owner a
+    Block, not an op) and raised AttributeError: `where(h % 2 == 0, s, s * 0.5)` failed to compile at all."""
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: fl.where(h % 2 == 0, s, s * 0.5), name="half_heads")
+    spec = build_spec(analyse(run_pipeline(g, NAMED_PIPELINES["fa2-fwd"])), {"D": 64}, "f16", "mma", None)
+    score = spec.device_source.split("def score_fn(")[1].split("\n\n")[0]
+    assert "if hz[0] else" in score, score  # the select stays the score's, on the head's condition (per CTA)
+    assert "% 2" in spec.device_source.split("def cta_fn(")[1].split("\n\n")[0]
+    assert f"def {spec.name}(" in emit_fa2_forward(spec)

@@ -199,7 +199,7 @@ def test_a_causal_grid_splits_by_its_longest_item(hopper):
 
 
 def test_a_captured_scalar_is_counted_at_sampled_values(hopper):
-    """A mask's captured integer scalar (a window behind the kv cache's offset) is counted at 0, N - M and N - 1, the
+    """A mask's captured integer scalar (a window behind the kv cache's offset) is counted at 0 and N - 1, the
     largest count taken (compiler._scalar_samples): the decoding window visits its 8 kv tiles, not all 64, and takes
     4 parts (measured 1.15-1.22x faster than 2 and 1.15-1.27x than 16, H200 2026-11-30); a captured window width
     counts every tile at its largest sample, as it did unknown."""

@@ -17,6 +17,7 @@ from falower.passes.pack_gqa import pack_gqa
 
 off = fl.capture("off", "i32", ())
 chunk = fl.capture("chunk", "i32", ())
+small = fl.capture("small", "i8", ())
 
 GRAPHS = {
     # pack_gqa's q_idx = r % M under a decoding window with the cache's offset
@@ -27,6 +28,9 @@ GRAPHS = {
         group_size=4, name="gh", mask_mod=lambda b, h, q, kv: (q >= kv) | (h % 2 == 0)))[0],
     # chunked causal by a captured chunk length
     "chunked": lambda: fl.attention(name="ch", mask_mod=lambda b, h, q, kv: (q // chunk == kv // chunk) & (q >= kv)),
+    # by arithmetic of an i8 scalar (a cast, a product: one value a tile too)
+    "chunk_expr": lambda: fl.attention(name="ce", mask_mod=lambda b, h, q, kv: (q // (small * 2) == kv // (small * 2))
+                                       & (q >= kv)),
     # by a literal
     "literal": lambda: fl.attention(name="li", mask_mod=lambda b, h, q, kv: (q % 128) >= (kv % 128)),
 }
@@ -57,14 +61,18 @@ def test_tile_class_fn_agrees_with_intervals(name, data) -> None:
     fn, size_args, src = _kernel_classifier(pred, dims)
     assert "return 1\n" != src.split(":\n", 1)[1].lstrip(), src  # the classifier was not given up on
     caps = ([data.draw(st.integers(0, 600), "off")] if name == "packed-window"
-            else [data.draw(st.integers(1, 300), "chunk")] if name == "chunked" else [])
+            else [data.draw(st.integers(1, 300), "chunk")] if name == "chunked"
+            else [data.draw(st.integers(-3, 60), "small")] if name == "chunk_expr" else [])
     h = data.draw(st.integers(0, 7), "h")
     bq, bk = data.draw(st.sampled_from([(64, 128), (128, 128), (16, 16)]), "tiles")
     q0 = data.draw(st.integers(0, 40), "q tile") * bq
     k0 = data.draw(st.integers(0, 40), "kv tile") * bk
     want = intervals.classify(pred, 0, h, q0, q0 + bq - 1, k0, k0 + bk - 1, [np.int32(c) for c in caps], dims)
     got = fn(0, h, q0, q0 + bq - 1, k0, k0 + bk - 1, *[np.array([c], np.int32) for c in caps], *size_args)
-    assert got == want, (name, dims["M"], caps, h, q0, k0, bq, bk)
+    if name == "chunk_expr" and caps[0] <= 0:  # a divisor not positive: the kernel's whole tile partial, sound
+        assert got in (want, intervals.PARTIAL), (name, caps, q0, k0, bq, bk)
+    else:
+        assert got == want, (name, dims["M"], caps, h, q0, k0, bq, bk)
 
 
 def test_packed_window_classifier_skips_tiles() -> None:

@@ -152,12 +152,12 @@ def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
 def _is_lazy_max(op: Op, threshold: float) -> bool:
     """online-softmax{lazy=T}'s select: where(gt(m_max, add(m_i, T)), m_max, m_i) (by structure: names may be
     gone after later passes)."""
-    if op.name != "where" or op.operands[0].owner is None or op.operands[0].owner.name != "gt":
-        return False
+    if op.name != "where" or not isinstance(op.operands[0].owner, Op) or op.operands[0].owner.name != "gt":
+        return False  # (a region argument's owner is its Block: a score's where on a condition it was given)
     gt = op.operands[0].owner
     add = gt.operands[1].owner
-    return (gt.operands[0] is op.operands[1] and add is not None and add.name == "add"
-            and add.operands[0] is op.operands[2] and add.operands[1].owner is not None
+    return (gt.operands[0] is op.operands[1] and isinstance(add, Op) and add.name == "add"
+            and add.operands[0] is op.operands[2] and isinstance(add.operands[1].owner, Op)
             and add.operands[1].owner.attrs.get("value") == threshold)
 
 
@@ -1110,8 +1110,10 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
             body = [f"{lo} = 0 if {x[0][0]} <= 0 <= {x[0][1]} else min(abs({x[0][0]}), abs({x[0][1]}))",
                     f"{hi} = max(abs({x[0][0]}), abs({x[0][1]}))"]
         elif n in ("floordiv", "mod") and op.operands[1] in points:
-            # by one value (a literal, a size such as pack_gqa's r // M and r % M, a captured scalar such as a
-            # chunk length): bounded where it is positive at run time, as intervals.py bounds a positive point
+            # by one value a tile (a literal, a size such as pack_gqa's r // M and r % M, a captured scalar such as
+            # a chunk length, arithmetic or casts of those): bounded where it is positive at run time, as intervals.py
+            # bounds a positive point; where it is not, the whole tile is partial (intervals.py makes only that
+            # value unknown: sound either way, this the coarser)
             c = x[1][0]
             lines.append(f"    if {c} <= 0:")
             lines.append("        return 1")
@@ -1154,7 +1156,12 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
             return lines[:1] + ["    return 1"]
         lines += ["    " + s for s in body]
         iv[op.results[0]] = (lo, hi)
+        if n in _POINT_PRESERVING and op.operands and all(v in points for v in op.operands):
+            points.add(op.results[0])  # (lo and hi are the same arithmetic of the same numbers: one value)
     return lines[:1] + ["    return 1"]
+
+
+_POINT_PRESERVING = ("cast", "add", "sub", "mul", "neg", "min", "max", "abs", "floordiv", "mod")
 
 
 def _range_lookup(table: str, rng: str, axis: int, granule: int, idx: list[tuple[str, str]], lo: str, hi: str
