@@ -43,10 +43,11 @@ from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float
 
 
-PACK_MAX_QUERY_ROWS = 48  # the most query rows a head (M) a call packs, whatever G: a q tile of M rows is padding
-# from its row M on, and packed the G heads' rows fill it (M * G rows a kv head). Measured (H200 2026-11-30, whole
-# calls in CUDA graphs, benchmarks/NOTES.md): M * G <= 64 (decoding) 1.81-3.21x; past one q tile (M = 16-48, G = 4-8,
-# N = 8k-32k) 1.18-3.67x; M = 48 is the largest measured
+PACK_MAX_QUERY_ROWS = 64  # the most query rows a head (M) a call packs, whatever G: a q tile of M rows is padding
+# from its row M on, and packed the G heads' rows fill it (M * G rows a kv head), on 128-row tiles where decoding's
+# 64-row ones ran. Measured (H200 2026-11-30, whole calls in CUDA graphs, benchmarks/NOTES.md): M * G <= 64
+# (decoding) 1.81-3.21x; past one q tile (M = 16-64, G = 4-8, N = 8k-32k) 1.08-3.67x; M = 96 1.04x, within a
+# measurement's noise, so not past decoding's rows (emit_fa3.DECODE_MAX_ROWS)
 
 
 def _fail(why: str) -> PassError:
