@@ -185,11 +185,7 @@ class CompiledAttention:
 
         if not (m and n and heads and blocks) or not self.extra.get("small_grid", True):
             return False
-        items = heads * -(-int(m) // emit_fa3.TWO_TILES[0])
-        if items > emit_fa3.KV_SPLIT_MAX_FILL * int(blocks):
-            return False
-        tiles = self._longest_kv_tiles(*emit_fa3.TWO_TILES, m, n, 64)
-        return tiles is not None and emit_fa3.auto_kv_parts(items, tiles, int(blocks)) > 1
+        return self._parts_by_longest(*emit_fa3.TWO_TILES, int(m), int(n), 64, heads, int(blocks)) > 1
 
     def _decode_tiles(self, dtype: str, path: str, env: dict[str, int]) -> bool:
         """Whether a call with these sizes takes the persistent kernel's decoding tiles (emit_fa3.DECODE_TILES: one
@@ -236,9 +232,7 @@ class CompiledAttention:
             flops = self._visited_flops([(bq, bk, "last")], m, n, head_dim)
             if flops is None:
                 return None
-            ones = {s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}
-            heads = self._heads(ones) or 1  # q's (b, h) pairs with every size 1: G under GQA
-            tiles = flops[0] / (4 * bq * bk * head_dim * -(-m // bq) * heads)
+            tiles = flops[0] / (4 * bq * bk * head_dim * -(-m // bq) * self._unit_heads())
         return tiles
 
     def _kv_parts(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str]) -> int:
@@ -283,15 +277,30 @@ class CompiledAttention:
         bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two",
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
+        few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
+        return self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE
+                                      if few_rows else emit_fa3.KV_PART_MIN_TILES)
+
+    def _parts_by_longest(self, bq: int, bk: int, m: int, n: int, head_dim: int, heads: int, blocks: int,
+                          min_tiles: Optional[int] = None) -> int:
+        """emit_fa3.auto_kv_parts for `heads` (b, h) pairs of bq x bk q tiles on `blocks` blocks, counted on the
+        longest q tile's kv tiles (`_longest_kv_tiles`), parts keeping `min_tiles` tiles (KV_PART_MIN_TILES by
+        default); 1 where the grid fills more than KV_SPLIT_MAX_FILL of the blocks (not counted) or cannot be
+        counted."""
+        from .backends.numba_cuda import emit_fa3
+
         items = heads * -(-m // bq)
         if items > emit_fa3.KV_SPLIT_MAX_FILL * blocks:
             return 1
-        tiles = self._longest_kv_tiles(bq, bk, m, n, env["D"])
+        tiles = self._longest_kv_tiles(bq, bk, m, n, head_dim)
         if tiles is None:
             return 1
-        few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
-        return emit_fa3.auto_kv_parts(items, tiles, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE if few_rows
-                                      else emit_fa3.KV_PART_MIN_TILES)
+        return emit_fa3.auto_kv_parts(items, tiles, blocks, emit_fa3.KV_PART_MIN_TILES if min_tiles is None
+                                      else min_tiles)
+
+    def _unit_heads(self) -> int:
+        """q's (b, h) pairs with every size 1, as the counts take them: G under GQA, else 1."""
+        return self._heads({s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}) or 1
 
     def _heads(self, env: dict[str, int]) -> Optional[int]:
         """The (batch, head) pairs of a call: the product of q's sizes before its rows (GQA's H = HKV * G
@@ -537,22 +546,14 @@ class CompiledAttention:
             dims = None
         longest: Optional[int] = None if dims is None else total
         if dims is not None and op is not None:
-            ones = {s: 1 for d in self.func.args[0].type.shape[:-2] for s in d.symbols()}
-            heads = self._heads(ones) or 1  # (GQA's G query heads at every size 1)
             rows = int(self._seq_dims()[0].eval(dims))
-            args = {a.name: a for a in self.func.args}
+            args = {a.name for a in self.func.args}
             longest = 0
-            for data in self._scalar_samples(n):
-                caps = [np.int32(data[x.name]) if x.name in data and args.get(x.name) is not None else None
-                        for x in op.operands[4:]]
-                for h in range(heads):
-                    for q0 in reversed(range(0, rows, bq)):
-                        lo, hi = intervals.kv_range(op.regions[0], 0, h, q0, bq, bk, n, caps, dims)
-                        longest = max(longest, hi - lo)
-                        if longest == total:
-                            break
-                    if longest == total:
-                        break
+            for data, h, q0 in itertools.product(self._scalar_samples(n), range(self._unit_heads()),
+                                                 reversed(range(0, rows, bq))):
+                caps = [np.int32(data[x.name]) if x.name in data and x.name in args else None for x in op.operands[4:]]
+                lo, hi = intervals.kv_range(op.regions[0], 0, h, q0, bq, bk, n, caps, dims)
+                longest = max(longest, hi - lo)
                 if longest == total:
                     break
         self._memo[key] = longest
