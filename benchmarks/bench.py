@@ -135,7 +135,9 @@ def parse_config(text: str) -> tuple:
     split; default 'auto': emit_fa3.auto_kv_parts on a small grid), '-noofi' every item's ticket from the counter,
     the first round's too (extra own_first_item); '-nodec' a call of at most 64 query rows on the persistent
     kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge in the kernel itself
-    (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-nosg' D = 64's 192-row tiles on a small grid
+    (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-clm' the q tile's
+    parts as one cluster's blocks, merged after a cluster barrier (extra cluster_merge; default at 8 parts), '-noclm'
+    never; '-nosg' D = 64's 192-row tiles on a small grid
     too (extra small_grid: False); '-nolh' the persistent producer kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
     last one second, ALiBi's default; '-norev' from the first up), '-nobs' its consumers reading their rows' bounds from
@@ -240,6 +242,7 @@ CONFIG_OPTIONS: list = [
     (("noofi", {"own_first_item": False}),),
     (("nodec", {"decode_tiles": False}),),
     (("fm", {"fused_merge": True}),),
+    (("clm", {"cluster_merge": True}), ("noclm", {"cluster_merge": False})),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),
     (("half", {"half_tiles": True}), ("halfpv", {"half_tiles": "pv"})),

@@ -243,7 +243,9 @@ class CompiledAttention:
         1.02-1.28x at B = 1, H = 1-4, N = 1-1.5k, H200 2026-11-30, benchmarks/NOTES.md), where the automatic choice
         is the persistent warp-specialized kernel (D = 64 or 128, Hopper) on the default pipeline, with no mask or
         a static one and the call's batch, heads and lengths known; 1 (no split) otherwise. Decoding's parts (at
-        most DECODE_MAX_ROWS rows) keep KV_PART_MIN_TILES_DECODE kv tiles, prefill's KV_PART_MIN_TILES. The kernel is
+        most DECODE_MAX_ROWS rows) keep one kv tile where that makes at most KV_PARTS_CLUSTER parts and the graph has
+        no mask (merged in a cluster at that count; a masked decoding window kept 0.98-0.99x with 8 unclustered parts
+        against 4), else KV_PART_MIN_TILES_DECODE kv tiles; prefill's KV_PART_MIN_TILES. The kernel is
         then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline): the dump
         shows what runs."""
         from .backends.numba_cuda import emit_fa3
@@ -278,6 +280,11 @@ class CompiledAttention:
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
         few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
+        if few_rows and self._mask_kind() == "none":  # parts of one kv tile where they make at most KV_PARTS_CLUSTER
+            # (merged in a cluster at that count; a masked grid's heads go first, so its parts are no cluster)
+            one = self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, 1)
+            if one <= emit_fa3.KV_PARTS_CLUSTER:
+                return one
         return self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE
                                       if few_rows else emit_fa3.KV_PART_MIN_TILES)
 

@@ -45,6 +45,9 @@ CASES = {
     # the q tile's last part merging in the kernel (extra fused_merge), and the merge kernel
     "plain-p4-decode-d128": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last", {"fused_merge": True}),
     "plain-p4-decode-d128-merge-kernel": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last"),
+    # ... asked to merge in a cluster (extra cluster_merge): Numba's launches have no clusters, so the call runs the
+    # kernel without it (FA2ForwardKernel.without_cluster) and the merge kernel; M = 40 rows
+    "plain-p4-decode-d128-cluster": ("plain", 40, 300, 128, (64, 128), 4, "f16", "last", {"cluster_merge": True}),
     # ... ALiBi at M = 50 on two batches and three blocks; the relative bias's run of the table (row_slice) at D = 128
     "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last",
                             {"B": 2, "persistent": 3, "fused_merge": True}),
@@ -60,6 +63,7 @@ CASES = {
 
 def run_case(case_id: str) -> dict:
     import falower as fl
+    from falower.backends.numba_cuda import emit_fa2
     from falower.passes.check import Reference, bind_dims, random_inputs
 
     stem, M, N, D, (bq, bk), P, dt, ragged, *more = CASES[case_id]
@@ -75,15 +79,17 @@ def run_case(case_id: str) -> dict:
     pipe = tiled_pipeline(bq, bk) + f",split-kv{{parts={P},part_dtype={dt}}}"
     if ragged == "first":
         pipe = pipe.replace(f"tile{{bq={bq},bk={bk}}}", f"tile{{bq={bq},bk={bk},ragged_q=first}}")
+    knobs = {k: True for k in ("fused_merge", "cluster_merge") if over.get(k)}
     c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra={**PWG, "persistent": over.get("persistent", 1),
-                                                                       **({"fused_merge": True}
-                                                                          if over.get("fused_merge") else {})})
+                                                                       **knobs})
     kern = c.kernel(*host)
     o, lse = c(*host)
     o = _value(np.asarray(o), dt)
     return {"id": case_id, "dtype": dt, "kv_parts": kern.spec.kv_parts, "ragged_first": kern.spec.ragged_q_first,
             "shares": "kv_cnt = max(kv_last - kv_first + 1, 0)" in kern.source,
-            "fused": "merge_unit(o, lse" in kern.source,  # the q tile's last part merges (fused_merge)
+            # the q tile's last part merges (fused_merge), or the cluster's blocks from their shared memory
+            "fused": any(f"merge_unit({a}" in kern.source for a in ("o, lse", "cl_lse_s")),
+            "cluster": emit_fa2.cluster_parts(kern.spec),  # (cluster_merge)
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

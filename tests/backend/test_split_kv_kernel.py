@@ -254,6 +254,68 @@ def test_decodings_kernel_merges_its_parts_itself_where_asked(hopper):
     assert kern.spec.kv_parts == 2 and not emit_fa3_ws.fused_merge(kern.spec) and "merge_unit" not in kern.source
 
 
+def test_decodings_parts_merge_in_a_cluster_at_eight_or_where_asked(hopper):
+    """emit_fa3_ws.cluster_merge: a q tile's P parts are one cluster's blocks, by default at P = 8
+    (emit_fa3.KV_PARTS_CLUSTER: decoding's one-tile parts at N = 1k, its 8 at 2k-3k), at 2 .. 8 with extra
+    cluster_merge=True: one block an item whatever the grid (the persistent cap would give a block two items and a
+    cluster two q tiles), a cluster barrier before the merge and one after, rank kvp merging every P-th chunk from
+    the cluster's shared memory; the kernel takes fused_merge's arguments. Not at 16 parts (the portable cluster
+    size is 8), nor at 4 unasked, nor with cluster_merge=False, nor on the prefill grid's kernel."""
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
+
+    for D, N, P, extra in ((128, 1024, 8, {}), (64, 3000, 8, {}),
+                           (128, 1024, 4, {"kv_parts": 4, "cluster_merge": True}),
+                           (128, 300, 2, {"kv_parts": 2, "cluster_merge": True})):
+        kern, _ = _call("plain", 1, 8, N, D, 1, **extra)
+        s = kern.spec
+        assert (s.kv_parts, cluster_parts(s), s.block_q) == (P, P, 64)
+        assert emit_fa3_ws.fused_merge(s) and "o_fin, lse_fin, arrivals" in kern.source
+        assert kern.source.count("cluster_sync()") == 2 and "cuda.atomic.add(arrivals" not in kern.source
+        assert f"mc = (ctid & 127) + (ei * {P} + kvp" in kern.source and "merge_unit(cl_lse_s + 4 * (cw * 64" in \
+            kern.source
+        assert "cl_lse[cw * 64 + lr" in kern.source and "stg_v4_u32(o, (q_head" not in kern.source  # parts stay
+        assert grid(s, 1, 8, 1, N) == (8 * P, 1, 1)
+        assert grid(s, 4, 64, 64, N) == (4 * 64 * P, 1, 1)  # past the persistent grid: still one block an item
+    kern, _ = _call("plain", 1, 8, 8192, 128, 1, cluster_merge=True)  # 16 parts: the merge kernel
+    assert kern.spec.kv_parts == 16 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
+    kern, _ = _call("plain", 1, 8, 1024, 128, 1, kv_parts=4)  # 4 parts, not asked
+    assert kern.spec.kv_parts == 4 and not cluster_parts(kern.spec)
+    kern, _ = _call("plain", 1, 8, 1024, 128, 1, cluster_merge=False)
+    assert kern.spec.kv_parts == 8 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
+    kern, _ = _call("plain", 1, 4, 2048, cluster_merge=True)  # two parts of 128-row tiles (TMA stores of O)
+    assert kern.spec.kv_parts == 2 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
+    for bad in ("yes", 1, None):
+        with pytest.raises(FalowerError, match="extra cluster_merge must be True, False or 'auto', got"):
+            _call("plain", 1, 8, 1024, 128, 1, cluster_merge=bad)
+
+
+def test_a_cluster_launch_asks_the_driver_for_its_width(monkeypatch):
+    """runtime._launcher's `cluster`: cuLaunchKernelEx with one CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4) of (P, 1,
+    1), the grid and stream as given; a refusal raises, naming the width (never a plain launch: the kernel would
+    merge parts not yet written)."""
+    import ctypes
+
+    from falower.backends.numba_cuda import runtime
+
+    seen: list = []
+
+    def fake(config_ref, handle, address, extra):
+        cfg = config_ref._obj
+        attr = cfg.attrs[0]
+        seen.append((handle, tuple(cfg.grid), tuple(cfg.block), cfg.smem, cfg.stream, cfg.num_attrs, attr.id,
+                     attr.value[0] & 0xFFFFFFFF, attr.value[0] >> 32, attr.value[1]))
+        return 0 if len(seen) == 1 else 1
+
+    monkeypatch.setattr(runtime, "_ctypes_launch_ex", lambda: fake)
+    buf = runtime.ArgBuffer(runtime.ArgLayout(()))
+    run = runtime._launcher(1234, (32,), 384, 200000, buf, cluster=4)
+    run(77)
+    assert seen == [(1234, (32, 1, 1), (384, 1, 1), 200000, 77, 1, 4, 4, 1, 1)]
+    with pytest.raises(RuntimeError, match="clusters of 4"):
+        run(78)
+    assert ctypes.sizeof(runtime._LaunchAttribute) == 72
+
+
 def test_the_merge_is_launched_programmatically_where_it_fits_the_idle_sms():
     from falower.backends.numba_cuda.runtime import merge_programmatic
 

@@ -4,7 +4,8 @@ against the float64 reference of the unsplit graph. Cases: shares of one kv tile
 tiles), rows no key sees, ALiBi's column term and kv order, the relative bias's runs of the table, three consumer
 warpgroups with the short q tile first, GQA at D = 128, two batches on three blocks, one consumer warpgroup on
 decoding's 64-row q tiles (plain, ALiBi, the relative bias; causal on four of them, a small prefill grid's), their
-q tiles' last parts merging in the kernel (extra fused_merge) and not. A share that visits a tile twice moves LSE by
+q tiles' last parts merging in the kernel (extra fused_merge) and not, a kernel asked to merge in a cluster (run
+without it: Numba launches no clusters). A share that visits a tile twice moves LSE by
 up to log 2, one that skips a tile moves O: both far past the tolerances."""
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def test_the_split_kernel_and_its_merge_match_the_reference(results, case):
     stem, M, N, D, (bq, bk), P, dt, ragged, *more = CASES[case]
     assert r["kv_parts"] == P and r["shares"], r  # the kernel took the parts (and shares its range by them)
     assert r["ragged_first"] == (ragged == "first"), r
-    assert r["fused"] == bool(more and more[0].get("fused_merge")), r  # the merge in the kernel where asked
+    asked = more[0] if more else {}
+    assert r["fused"] == bool(asked.get("fused_merge") or asked.get("cluster_merge")), r  # in the kernel where asked
+    assert r["cluster"] == (P if asked.get("cluster_merge") else 0), r  # (run without it: the simulator has none)
     assert r["lse_inf_ok"], r  # rows no key sees: LSE -inf (and O 0, in o_err) after the merge
     if case == "window-p2-unseen-rows":  # rows q >= N + 47 see no key (keys q - 47 .. q), in both heads
         assert r["masked_rows"] == 2 * (M - (N + 47)), r

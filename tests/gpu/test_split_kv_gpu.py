@@ -252,3 +252,52 @@ def test_packed_gqa_decoding_rebuilds_the_query_head_and_row(mods, M, D):
     if mods == "window_offset":
         host[3] = np.array(3000 - M, dtype=np.int32)
     assert_error_rule(g, c, env, host, "f16")
+
+
+@pytest.mark.parametrize("stem, dtype, D, M, N, P", [
+    ("plain", "f16", 128, 1, 1024, 4), ("plain", "bf16", 64, 1, 3000, 8), ("plain", "f16", 128, 16, 3000, 8),
+    ("plain", "f16", 128, 64, 1000, 2), ("plain", "f16", 64, 33, 300, 8), ("gqa", "f16", 128, 1, 3000, 8),
+    ("relative_bias", "f16", 128, 17, 300, 4), ("softcap", "bf16", 128, 5, 2000, 4)])
+def test_a_cluster_merges_its_q_tiles_parts(monkeypatch, stem, dtype, D, M, N, P):
+    """extra cluster_merge: a q tile's P parts as the blocks of one cluster, merged after a cluster barrier
+    (emit_fa3_ws.cluster_merge; runtime._cluster_launcher). The error rule holds (B = 2, H = 8); the same O and LSE
+    call after call, by the bare kernel's relaunch and replayed from a CUDA graph; within rounding of the kernel
+    without it (the merge kernel after it), which Numba's launch path runs (FALOWER_DIRECT_LAUNCH=0). Parts with no kv
+    tile (N = 300 in 8 parts of 128-key tiles) and rows shared out over the cluster's ranks (M = 16-64) included."""
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    _hopper()
+    g, c = _compiled(stem, dtype, P, cluster_merge=True)
+    env = bind_dims(g, {"B": 2, "H": 8, "HKV": 2, "M": M, "N": N, "D": D})
+    dev = assert_error_rule(g, c, env, _host(g, env, dtype, seed=M + N + D), dtype)
+    packed = c.packed_for(env) if stem == "gqa" else None
+    kc, kin = (c, tuple(dev)) if packed is None else (packed, (dev[0].reshape(2, 2, M * 4, D), *dev[1:]))
+    kern = kc.kernel(*kin)
+    assert cluster_parts(kern.spec) == P and kern.spec.block_q == 64, (kern.spec.kv_parts, kern.spec.block_q)
+    o1, lse1 = c(*dev)
+    o2, lse2 = c(*dev)
+    torch.cuda.synchronize()
+    assert torch.equal(o2, o1) and torch.equal(lse2, lse1)
+    if len(kin) == 3:  # no captures: the bare kernel's relaunch too
+        launch, finish = kern.relaunch(*kin)
+        launch()
+        o3, lse3 = finish()
+        torch.cuda.synchronize()
+        assert torch.equal(o3.reshape(o1.shape), o1) and torch.equal(lse3.reshape(lse1.shape), lse1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        c(*dev)
+    torch.cuda.current_stream().wait_stream(side)
+    graph_ = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_):
+        og, lseg = c(*dev)
+    graph_.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(og, o1) and torch.equal(lseg, lse1)
+    monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", "0")
+    o4, lse4 = c(*dev)  # Numba's path: the kernel without the cluster (and the merge kernel after it)
+    torch.cuda.synchronize()
+    assert (o4.float() - o1.float()).abs().max().item() <= 2e-3
+    fin = torch.isfinite(lse1)
+    assert torch.equal(fin, torch.isfinite(lse4)) and (lse4[fin] - lse1[fin]).abs().max().item() <= 1e-5

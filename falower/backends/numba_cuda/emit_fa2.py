@@ -613,6 +613,15 @@ def uses_fused_merge(spec: FA2ForwardSpec) -> bool:
     return emit_fa3_ws.uses_ws(spec) and emit_fa3_ws.fused_merge(spec)
 
 
+def cluster_parts(spec: FA2ForwardSpec) -> int:
+    """The cluster size the kernel must be launched with (emit_fa3_ws.cluster_merge: its split-kv parts), else 0."""
+    if not uses_fused_merge(spec):
+        return 0
+    from . import emit_fa3_ws
+
+    return spec.kv_parts if emit_fa3_ws.cluster_merge(spec) else 0
+
+
 def _signature(spec: FA2ForwardSpec) -> str:
     table = ", table" if spec.block_mask == "table" else ""
     work = ", work" if uses_work_counter(spec) else ""

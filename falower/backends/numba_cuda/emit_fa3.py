@@ -285,6 +285,11 @@ KV_PART_MIN_TILES = 4  # the fewest kv tiles a part keeps: an item's fixed cost 
 KV_PART_MIN_TILES_DECODE = 2  # the same for decoding's q tiles (at most DECODE_MAX_ROWS rows: a kv tile is its 64 KB
 # of K and V, not the tensor cores' time): a decoding window's 8 kv tiles ran 1.15-1.22x faster in 4 parts than in
 # the 2 that KV_PART_MIN_TILES allows (H200 2026-11-30, benchmarks/NOTES.md "the longest item's parts")
+KV_PARTS_CLUSTER = 8  # decoding's parts of one kv tile each where that makes at most this many, and the count at
+# which split-kv's merge runs inside a cluster unasked (emit_fa3_ws.cluster_merge): measured (H200 2026-11-30, CUDA
+# graphs, whole calls, B = 1, H = 8, M = 1 / 16, benchmarks/NOTES.md "The merge inside a cluster") 8 parts merged in
+# a cluster 1.04-1.12x the count before (4 parts and the merge kernel at N = 1k, 8 at 2k-3k), 4 parts in a cluster
+# 0.96-0.97x and 2 parts 0.89x of the merge kernel's, 4 parts of one tile at N = 512 1.05-1.07x over 2 of two
 
 
 KV_SPLIT_MAX_FILL = 0.5  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
@@ -579,7 +584,7 @@ def staged_epilogue(spec: FA2ForwardSpec) -> bool:
 
 
 def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, first_row: str, wtid: str,
-                          barrier: str, free_barrier: str = "", base: str = "q_wg") -> None:
+                          barrier: str, free_barrier: str = "", base: str = "q_wg", lse_shared: str = "") -> None:
     """A warpgroup's epilogue through shared memory (this kernel's at D = 64 and emit_fa3_ws's): each of the
     thread's rows normalised into the warpgroup's own Q tile at q_wg (`wr` rows of D, contiguous, free once the
     last S is done; its LSE as `_emit_epilogue` writes it), `barrier`, then the warpgroup's rows (the first
@@ -591,7 +596,9 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
     rows of the Q tile's [D // 64][64][128 B] layout that other warps' parts of S read, and a warp's wgmma wait
     returns when its own part is done: `free_barrier` (the warpgroup's) goes first there. `base`: another buffer
     of `wr` rows of D to stage through (emit_fa3_ws's persistent producer kernel, whose Q tile is being refilled);
-    its `free_barrier` then keeps a warp from staging over rows another is still storing from the last item."""
+    its `free_barrier` then keeps a warp from staging over rows another is still storing from the last item.
+    `lse_shared`: the rows stay where they are staged and each row's LSE goes to this shared element (of `lr`, the
+    row in the warpgroup's), not to global memory (emit_fa3_ws.cluster_merge: the cluster's blocks read both)."""
     stage = stage_row_helper(c, D, pack)
     if D > 64:
         if not free_barrier:
@@ -604,12 +611,18 @@ def _emit_staged_epilogue(c: _Code, D: int, pack: str, rows: list, wr: int, firs
         _emit_row_inv(c, t.k)
         c(f"lr = (warp & 3) * 16 + {t.off} + g  # the row in the warpgroup's {wr}")
         c(f"{stage}({base} + lr * {2 * D} + 2 * t2, np.uint32(lr & 7), {t.acc}, {t.ofs}, inv)")
+        if lse_shared:
+            c("if t2 == 0:")
+            with c.indent():
+                c(_lse_line(t.k, "q_head").replace("lse[q_head + qi]", lse_shared))
+            continue
         c(f"qi = {t.row}")
         c("if 0 <= qi < M and t2 == 0:")
         with c.indent():
             c(_lse_line(t.k, "q_head"))
     c(barrier)
-    emit_staged_stores(c, D, wr, first_row, wtid, base)
+    if not lse_shared:
+        emit_staged_stores(c, D, wr, first_row, wtid, base)
 
 
 def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False, box_bytes: int = 0) -> str:

@@ -91,6 +91,7 @@ from .emit_fa2 import (
     _emit_need_mask,
     _emit_next_tile,
     _emit_tile_range,
+    _grid_axes,
     _signature,
     _spec_comment,
     _tile_class_expr,
@@ -812,15 +813,54 @@ def fused_merge(spec: FA2ForwardSpec) -> bool:
     benchmarks/NOTES.md "The merge in the kernel"): decoding M = 1 15.7 against 14.8 us at D = 128 and 13.2 against
     12.1 at D = 64, N = 8k; M = 64 27.5 against 16.2. Each part's fence waits for its stores, the count and the last
     part's reads of the others run after the kernel's critical path, and at M = 64 one warpgroup a q tile reads all
-    16 parts' 64 rows (256 KB) where the merge kernel spreads them over 64 blocks."""
-    return (spec.kv_parts > 1 and bool(spec.extra.get("fused_merge", False)) and bool(persistent(spec))
-            and producer(spec) == "warpgroup" and q_double(spec) and not epilogue_in_s(spec)
-            and not tma_store(spec) and not bulk_store(spec) and spec.head_dim % 8 == 0)
+    16 parts' 64 rows (256 KB) where the merge kernel spreads them over 64 blocks. True under `cluster_merge` too,
+    whose kernel takes the same arguments (o_fin, lse_fin; its `arrivals` unused) and merges by a cluster barrier."""
+    return (_merge_in_kernel_fits(spec) and bool(spec.extra.get("fused_merge", False))) or cluster_merge(spec)
+
+
+def _merge_in_kernel_fits(spec: FA2ForwardSpec) -> bool:
+    """The kernels whose item's O leaves by the threads' own stores after a staged epilogue in the item's Q buffer
+    (q_double; no TMA or bulk copies, nothing carried to the next item): decoding's 64-row tiles, D a multiple of 8,
+    in parts. fused_merge and cluster_merge merge there."""
+    return (spec.kv_parts > 1 and bool(persistent(spec)) and producer(spec) == "warpgroup" and q_double(spec)
+            and not epilogue_in_s(spec) and not tma_store(spec) and not bulk_store(spec) and spec.head_dim % 8 == 0)
+
+
+CLUSTER_MAX_PARTS = 8  # the portable cluster size (16 needs the non-portable attribute: 7 such clusters fit at once)
+
+
+def cluster_merge(spec: FA2ForwardSpec) -> bool:
+    """Whether split-kv's merge runs inside a cluster: the P parts of a q tile are the P blocks of one cluster
+    (launched so: runtime._launcher's `cluster`; the grid one block an item, `grid`, so block c's item, its own
+    first, is part c % P of q tile c // P, and no block takes a second), each stores its part's O and LSE as
+    fused_merge's parts do, one cluster barrier (release / acquire at cluster scope) makes them visible to the
+    cluster, and the cluster's blocks merge the q tile's rows between them (rank kvp takes every P-th 16-byte
+    chunk of each warpgroup's rows) into the call's O and LSE: no merge launch, no count, no last block reading
+    every part alone. P in 2 .. CLUSTER_MAX_PARTS, where fused_merge's kernel fits (`_merge_in_kernel_fits`),
+    first items the blocks' own, the parts the grid's fastest axis (so a cluster's P neighbouring blocks are one
+    q tile's parts: not under `heads_first` or item_order "cost"). By default at P = emit_fa3.KV_PARTS_CLUSTER
+    (8: 1.04-1.12x the merge kernel's calls; 4 and 2 parts ran slower in a cluster, benchmarks/NOTES.md "The merge
+    inside a cluster"); `extra["cluster_merge"]` True at any P from 2 (bench '-clm'), False never ('-noclm'). The
+    simulator has no clusters: the runtime's Numba path (numpy inputs, the simulator) runs the kernel without it
+    (FA2ForwardKernel.without_cluster)."""
+    from .emit_fa3 import KV_PARTS_CLUSTER
+
+    asked = spec.extra.get("cluster_merge", "auto")
+    if asked not in (True, False, "auto") or isinstance(asked, int) and not isinstance(asked, bool):
+        raise ValueError(f"extra cluster_merge must be True, False or 'auto', got {asked!r}")
+    if asked is False or not (_merge_in_kernel_fits(spec) and 2 <= spec.kv_parts <= CLUSTER_MAX_PARTS
+                              and _grid_axes(spec)[0][1] == "qt_part"
+                              and (own_first_item(spec) or not uses_work_counter(spec))):
+        return False
+    return asked is True or spec.kv_parts == KV_PARTS_CLUSTER
 
 
 def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
     """fused_merge's count and merge, after the warpgroup's staged epilogue stored its rows of the part."""
     P, D, NWC = spec.kv_parts, spec.head_dim, consumer_wgs(spec)
+    if cluster_merge(spec):
+        _emit_cluster_merge(c, spec)
+        return
     c("# split-kv's merge in the kernel (fused_merge): the last of the q tile's parts to finish merges them all")
     c("fence_acq_rel_gpu()  # this thread's O and LSE of the part reach the GPU before the count below")
     c(f"bar_sync({epi} + cw, 128)  # every thread of the warpgroup has stored and fenced")
@@ -842,6 +882,31 @@ def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
             c("if 0 <= mq < M:")
             with c.indent():
                 c(f"merge_unit(o, lse, o_fin, lse_fin, B * H * M, {D}, (b * H + h) * M + mq, mc - mr * {D // 8})")
+
+
+def _emit_cluster_merge(c: _Code, spec: FA2ForwardSpec) -> None:
+    """cluster_merge's barriers and merge, after the warpgroup's staged epilogue left its rows of the part in its Q
+    buffer and their LSEs in cl_lse: the block's only item (`grid`), so every consumer thread of the cluster's blocks
+    reaches each barrier once, and the producer warpgroup, which waits for nothing of the consumers' after it, exits
+    (a cluster barrier waits for the threads that have not exited). The second barrier keeps every block's shared
+    memory until its peers have read it."""
+    P, D = spec.kv_parts, spec.head_dim
+    chunks = 64 * D // 8  # a warpgroup's rows in 16-byte chunks
+    c(f"# split-kv's merge in the cluster (cluster_merge): the q tile's {P} parts are this cluster's blocks, this")
+    c("# one rank kvp; after the barrier every block's staged rows and LSEs are visible to the cluster, and rank")
+    c(f"# kvp merges every {P}-th chunk of each warpgroup's rows from the {P} blocks' shared memory")
+    c("cluster_sync()  # every thread of the cluster has staged its rows (release / acquire, cluster scope)")
+    c(f"for ei in range({-(-chunks // (128 * P))}):")
+    with c.indent():
+        c(f"mc = (ctid & 127) + (ei * {P} + kvp) * 128")
+        c(f"mr = mc // {D // 8}")
+        c("mq = q_lo + cw * 64 + mr")
+        c(f"if mc < {chunks} and 0 <= mq < M:")
+        with c.indent():
+            c(f"mn = mc - mr * {D // 8}")
+            c(f"merge_unit(cl_lse_s + 4 * (cw * 64 + mr), q_wg + mr * {2 * D} + ((mn ^ (mr & 7)) << 4), o_fin, "
+              f"lse_fin, {D}, (b * H + h) * M + mq, mn)")
+    c("cluster_sync()  # no block leaves while another still reads its shared memory")
 
 
 def _epilogue_in_s_asked(spec: FA2ForwardSpec) -> bool:
@@ -880,6 +945,10 @@ def _emit_head_prefetch(c: _Code, spec: FA2ForwardSpec) -> None:
 
 
 def grid(spec: FA2ForwardSpec, B: int, H: int, M: int, N: int) -> tuple[int, int, int]:
+    """The launch grid: a persistent kernel's blocks (no more than its items), else one block an item. Under
+    cluster_merge one block an item whatever their count: a cluster's blocks are one q tile's parts."""
+    if cluster_merge(spec):
+        return (-(-M // spec.block_q) * spec.kv_parts * B * H, 1, 1)
     if persistent(spec):
         return (min(persistent(spec), -(-M // spec.block_q) * spec.kv_parts * B * H), 1, 1)
     return _fa3_grid(spec, B, H, M, N)
@@ -2307,7 +2376,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             _emit_staged_epilogue(c, D, pack, wgmma_thread_rows(), 64, "q_lo + cw * 64", "ctid & 127",
                                   f"bar_sync({EPI} + cw, 128)  # the warpgroup's rows are in shared memory",
                                   f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is past its last S: "
-                                  "its Q tile is free")
+                                  "its Q tile is free",
+                                  lse_shared="cl_lse[cw * 64 + lr]" if cluster_merge(spec) else "")
             c(f"mbar_arrive(bars + {lay['q_empty']} + (qk & 1) * 8)  # this thread is done with the item's Q "
               "buffer: the producer may load an item into it")
             if fused_merge(spec):
@@ -2426,7 +2496,10 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c(f"rsl = cuda.shared.array({slice_bytes(spec) // 4}, np.float32{', alignment=8' if pairs else ''})  # "
               "the consumer warpgroups' runs of the table, two each (row_slice)"
               + (", with their shifted copies (slice_pairs)" if pairs else ""))
-        if fused_merge(spec):
+        if cluster_merge(spec):
+            c(f"cl_lse = cuda.shared.array({64 * consumer_wgs(spec)}, np.float32)  # the part's LSE of each row "
+              "(cluster_merge)")
+        elif fused_merge(spec):
             c(f"fm = cuda.shared.array({consumer_wgs(spec)}, np.int32)  # each consumer warpgroup's count of its "
               "rows' parts (fused_merge)")
         if uses_work_counter(spec):
@@ -2436,6 +2509,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         c(f"sb = sb0 + (({ALIGN} - (sb0 & {ALIGN - 1})) & {ALIGN - 1})  # 1024-byte aligned base")
         if slice_pairs(spec):
             c("rsl_s = smem_base(rsl)  # the runs' shared byte address (slice_pairs' 8-byte loads)")
+        if cluster_merge(spec):
+            c("cl_lse_s = smem_base(cl_lse)  # its shared byte address (the same in every block of the cluster)")
         c("tid = cuda.threadIdx.x")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
@@ -2521,9 +2596,11 @@ def emit_fa3_ws_forward(spec: FA2ForwardSpec) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec) + f" schedule={SCHEDULE}").replace(
         "emit_fa2 -- do not edit.", "emit_fa3_ws -- do not edit.")
     code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))
+    sync, unit = ("cluster_sync", "cluster_merge_unit") if cluster_merge(spec) else \
+        ("fence_acq_rel_gpu", "fused_merge_unit")  # the merge's barrier, or its count's fence
     split = "" if spec.kv_parts == 1 else (
-        "from falower.backends.numba_cuda.intrinsics import fence_acq_rel_gpu\n"
-        "from falower.backends.numba_cuda.lse_merge import fused_merge_unit\n\n"
-        f"merge_unit = fused_merge_unit({spec.kv_parts}, {spec.dtype!r})  # split-kv's merge of a row's 8 elements\n"
+        f"from falower.backends.numba_cuda.intrinsics import {sync}\n"
+        f"from falower.backends.numba_cuda.lse_merge import {unit}\n\n"
+        f"merge_unit = {unit}({spec.kv_parts}, {spec.dtype!r})  # split-kv's merge of a row's 8 elements\n"
         if fused_merge(spec) else "from falower.backends.numba_cuda.intrinsics import griddep_launch_dependents\n")
     return header + _WGMMA_IMPORTS + _WS_IMPORTS + split + "\n\n" + code

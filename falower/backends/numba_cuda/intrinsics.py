@@ -75,6 +75,13 @@ Public names (identical in both modes):
     ldg_cg_vec, ldg_cg_f32         (1-D array of 4-byte words, index) -> its 16 bytes there as 4 words; (f32 array,
                                    index) -> one f32: ld.global.cg (L2, never a stale L1 line), kept in order with
                                    the fences (volatile): what the last of a kernel's blocks reads of the others'
+    cluster_sync()                 barrier.cluster.arrive.release + wait.acquire: every non-exited thread of the
+                                   block's cluster has arrived, and their writes before it are visible to this
+                                   thread after it (a launch in clusters: runtime._launcher's `cluster`); the
+                                   simulator runs one block at a time, so it has none (it raises)
+    mapa_shared                    (shared byte address, rank) -> uint32: the same address in block `rank` of the
+                                   cluster (mapa.shared::cluster), for ld_cluster_v4_u32 / ld_cluster_f32 (its 16
+                                   bytes as 4 words; its f32): a cluster's blocks reading each other's shared memory
     fence_acq_rel_gpu()            fence.acq_rel.gpu: this thread's writes before it are visible to the GPU before
                                    its later ones (an atomic count); after a count, the writes it counted are visible
     ldg_vec, stg_vec               (1-D array, index) -> the 16 bytes at arr[index] as a tuple of arr's elements (4
@@ -137,6 +144,10 @@ __all__ = [
     "ldg_cg_vec",
     "ldg_cg_f32",
     "fence_acq_rel_gpu",
+    "cluster_sync",
+    "mapa_shared",
+    "ld_cluster_v4_u32",
+    "ld_cluster_f32",
     "elem_addr",
     "cp_async16_a",
     "ldg_f32_a",
@@ -768,6 +779,19 @@ if SIMULATOR:
 
     def fence_acq_rel_gpu():  # the simulator's threads share one memory
         pass
+
+    def mapa_shared(saddr, rank):
+        raise NotImplementedError("mapa_shared: the simulator has no clusters (emit_fa3_ws.cluster_merge)")
+
+    def ld_cluster_v4_u32(caddr):
+        raise NotImplementedError("ld_cluster_v4_u32: the simulator has no clusters (emit_fa3_ws.cluster_merge)")
+
+    def ld_cluster_f32(caddr):
+        raise NotImplementedError("ld_cluster_f32: the simulator has no clusters (emit_fa3_ws.cluster_merge)")
+
+    def cluster_sync():
+        raise NotImplementedError("cluster_sync: the simulator runs one block at a time and has no clusters; a "
+                                  "kernel that merges in a cluster (emit_fa3_ws.cluster_merge) runs on a GPU only")
 
     def stg_vec(arr, index, vals):
         a = np.asarray(arr)
@@ -1535,6 +1559,32 @@ else:
         return sig, codegen
 
     @intrinsic
+    def ld_cluster_v4_u32(typingctx, caddr):
+        """Four 32-bit words at the shared::cluster address caddr (mapa_shared's: a block of the cluster's shared
+        memory, 16-byte aligned): one ld.shared::cluster.v4.u32."""
+        sig = types.UniTuple(_U32, 4)(caddr)
+
+        def codegen(context, builder, sig, args):
+            ca = context.cast(builder, args[0], sig.args[0], _U32)
+            res = _asm(context, builder, "ld.shared::cluster.v4.u32 {$0, $1, $2, $3}, [$4];",
+                       "=r,=r,=r,=r,r,~{memory}", [ca], [_U32] * 4, side_effect=True)
+            return _tuple_result(context, builder, sig, res, 4)
+
+        return sig, codegen
+
+    @intrinsic
+    def ld_cluster_f32(typingctx, caddr):
+        """The f32 at the shared::cluster address caddr (mapa_shared's): one ld.shared::cluster.f32."""
+        sig = types.float32(caddr)
+
+        def codegen(context, builder, sig, args):
+            ca = context.cast(builder, args[0], sig.args[0], _U32)
+            return _asm(context, builder, "ld.shared::cluster.f32 $0, [$1];", "=f,r,~{memory}", [ca], [types.float32],
+                        side_effect=True)
+
+        return sig, codegen
+
+    @intrinsic
     def stg_v4_u32(typingctx, arr, index, a, b, c, d):
         """arr[index : index + 4] = (a, b, c, d) as one 16-byte store (index a multiple of 4)."""
         sig = types.void(arr, index, a, b, c, d)
@@ -1665,6 +1715,7 @@ else:
     cp_async_wait0 = _void_asm_intrinsic("cp_async_wait0", "cp.async.wait_group 0;")
     cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
     fence_acq_rel_gpu = _void_asm_intrinsic("fence_acq_rel_gpu", "fence.acq_rel.gpu;")
+    cluster_sync = _void_asm_intrinsic("cluster_sync", "barrier.cluster.arrive.release; barrier.cluster.wait.acquire;")
     griddep_wait = _void_asm_intrinsic("griddep_wait", "griddepcontrol.wait;")
     griddep_launch_dependents = _void_asm_intrinsic("griddep_launch_dependents", "griddepcontrol.launch_dependents;")
 
@@ -2281,6 +2332,8 @@ else:
     cp_async_mbar_arrive_noinc = _addr_asm(
         "cp_async_mbar_arrive_noinc", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1)
     bar_sync = _addr_asm("bar_sync", "bar.sync $0, $1;", 2)
+    mapa_shared = _addr_asm(  # the shared::cluster address of shared byte address $1 in the cluster's block $2
+        "mapa_shared", "mapa.shared::cluster.u32 $0, $1, $2;", 2, ret=types.uint32)
     syncwarp = _void_asm_intrinsic("syncwarp", "bar.warp.sync 0xffffffff;")
     bulk_commit = _void_asm_intrinsic("bulk_commit", "cp.async.bulk.commit_group;")
     bulk_wait_read0 = _void_asm_intrinsic("bulk_wait_read0", "cp.async.bulk.wait_group.read 0;")

@@ -182,6 +182,44 @@ def fused_merge_unit(parts: int, dtype: str) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def cluster_merge_unit(parts: int, dtype: str) -> Any:
+    """The merge a cluster's blocks run over their shared memory (emit_fa3_ws.cluster_merge): `unit(lse_addr,
+    o_addr, o, lse, D, row, chunk)` merges 8 elements, chunk `chunk` of row `row` of the call's O (4-byte words of
+    two 16-bit `dtype` halves, [rows, D / 2]) and LSE, from each rank p's f32 LSE of the row at shared byte address
+    lse_addr and its 16 staged bytes of O at o_addr (the same addresses in every block of the cluster, read by
+    mapa and ld.shared::cluster); chunk 0 writes the row's LSE. The arithmetic is fused_merge_unit's (`_shares`,
+    then each part's weighted O in order)."""
+    from .intrinsics import ld_cluster_f32, ld_cluster_v4_u32, mapa_shared, stg_vec
+
+    widen, _, pack = _sixteen_bit(dtype, "cluster_merge_unit")
+
+    @cuda.jit(device=True)
+    def load_lse(addr, p):
+        return ld_cluster_f32(mapa_shared(addr, p))
+
+    shares = _shares(parts, load_lse)
+
+    @cuda.jit(device=True)
+    def unit(lse_addr, o_addr, o, lse, D, row, chunk):
+        a = cuda.local.array(parts, np.float32)
+        row_lse = shares(lse_addr, 1, 0, a)  # rank p's LSE at index p: load_lse(lse_addr, p)
+        acc = cuda.local.array(8, np.float32)
+        for j in range(8):
+            acc[j] = np.float32(0.0)
+        for p in range(parts):
+            w = ld_cluster_v4_u32(mapa_shared(o_addr, p))
+            for j in range(4):
+                acc[2 * j] += a[p] * widen(np.uint16(np.uint32(w[j]) & np.uint32(0xFFFF)))
+                acc[2 * j + 1] += a[p] * widen(np.uint16(np.uint32(w[j]) >> np.uint32(16)))
+        stg_vec(o, row * (D // 2) + chunk * 4, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
+                                                np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
+        if chunk == 0:
+            lse[row] = row_lse
+
+    return unit
+
+
+@functools.lru_cache(maxsize=None)
 def merge_kernel(parts: int, out_dtype: str, vec: int = 1) -> Any:
     """The jitted kernel for `parts` f32 parts (`_merge`'s arguments), O stored as `out_dtype` (f32, or f16 / bf16
     as 16-bit words), `vec` elements a thread (merge_vec(D, 4))."""
@@ -253,4 +291,5 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
     return o.reshape(oshape[1:]), l_out.copy_to_host().reshape(lshape[1:])
 
 
-__all__ = ["fused_merge_unit", "lse_merge", "merge_grid", "merge_kernel", "merge_vec", "split_merge_kernel"]
+__all__ = ["cluster_merge_unit", "fused_merge_unit", "lse_merge", "merge_grid", "merge_kernel", "merge_vec",
+           "split_merge_kernel"]

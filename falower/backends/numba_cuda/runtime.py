@@ -25,6 +25,7 @@ modules (and with them numba.cuda) are imported only when a kernel must be compi
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -43,8 +44,8 @@ import numpy as np
 
 from . import cubin_cache
 from .block_data import BlockTables
-from .emit_fa2 import (emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block, uses_fused_merge,
-                       uses_kv_maps, uses_o_map, uses_work_counter)
+from .emit_fa2 import (cluster_parts, emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block,
+                       uses_fused_merge, uses_kv_maps, uses_o_map, uses_work_counter)
 from .emit_fa2_bwd import (bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_convert_launch, dq_grid,
                            dq_smem_bytes, dq_threads)
 from .spec import FA2BackwardSpec, FA2ForwardSpec
@@ -542,6 +543,7 @@ def _ctypes_launch() -> Any:
 
 _LIBCUDA_LAUNCH_EX: list = []  # [ctypes cuLaunchKernelEx or None], looked up once
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: the kernel may start before the one before it ends
+_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID: the blocks run in clusters of (x, y, z)
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union (8-aligned)
@@ -598,8 +600,36 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
     return run
 
 
+def _cluster_launcher(handle: int, grid: tuple, block: int, smem: int, address: int, width: int) -> Any:
+    """A launch of `handle` in clusters of `width` blocks along x (cuLaunchKernelEx's cluster dimension attribute:
+    emit_fa3_ws.cluster_merge's kernels, whose merge waits at a cluster barrier for the q tile's parts). No plain
+    fallback: such a kernel launched without clusters would merge parts not yet written."""
+    fn = _ctypes_launch_ex()
+    if fn is None:
+        raise RuntimeError("this kernel merges split-kv's parts in a cluster and needs cuLaunchKernelEx, which "
+                           "libcuda does not have here: set extra cluster_merge=False")
+    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attr.value[0] = int(width) | (1 << 32)  # clusterDim {x, y, z}: x and y in the union's first 8 bytes
+    attr.value[1] = 1  # z
+    config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
+                           attrs=ctypes.pointer(attr), num_attrs=1)
+
+    def run(stream: int) -> None:
+        config.stream = stream
+        err = fn(ctypes.byref(config), handle, address, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx refused the launch in clusters of {width} (CUresult {err}; grid "
+                               f"{tuple(grid)}): set extra cluster_merge=False")
+
+    run.keep = (attr, config)  # type: ignore[attr-defined]  # the structures the pointers above point into
+    return run
+
+
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
-    """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile."""
+    """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile (one,
+    unused, where the merge waits at a cluster barrier: cluster_merge)."""
+    if cluster_parts(spec):
+        return 1
     return B * H * -(-M // spec.block_q) * (spec.block_q // 64)
 
 
@@ -620,11 +650,15 @@ def merge_programmatic(merge_blocks: int, idle_sms: int) -> bool:
     return 0 < merge_blocks <= idle_sms
 
 
-def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer, programmatic: bool = False):
+def _launcher(func: Any, grid: tuple, block: int, smem: int, buf: ArgBuffer, programmatic: bool = False,
+              cluster: int = 0):
     """A function of the stream that enqueues `func` with `buf`'s parameters (grid and block fixed);
-    `programmatic`: may start while the kernel before it runs (_programmatic_launcher; the ctypes path only)."""
+    `programmatic`: may start while the kernel before it runs (_programmatic_launcher; the ctypes path only);
+    `cluster` > 1: in clusters of that many blocks along x (_cluster_launcher)."""
     gx, gy, gz = (tuple(int(g) for g in grid) + (1, 1))[:3]
     address = buf.address
+    if cluster > 1:
+        return _cluster_launcher(int(func), (gx, gy, gz), block, smem, address, cluster)
     fast = _ctypes_launch()
     if fast is not None and os.environ.get("FALOWER_LAUNCH") != "bindings":
         handle = int(func)
@@ -802,7 +836,8 @@ class _ForwardPlan:
             self.mask_launch = _launcher(kern._direct_kernel("mask").function(dev), (nk, nq, B * H), 128, 0,
                                          mask_buf)  # type: ignore[arg-type]
         main_grid = grid(s, B, H, M, N)
-        self.launches.append(_launcher(main.function(dev), main_grid, kern.threads, kern.smem, buf))
+        self.launches.append(_launcher(main.function(dev), main_grid, kern.threads, kern.smem, buf,
+                                       cluster=cluster_parts(s)))
         self.merge_slots: list[int] = []
         if P > 1 and not self.fused:  # the LSE merge of the parts into O and LSE (lse_merge.split_merge_kernel)
             from .lse_merge import merge_grid
@@ -1067,7 +1102,7 @@ class FA2ForwardKernel:
                 self._direct_kernel("main")
                 if self.mask_source is not None:
                     self._direct_kernel("mask")
-                if spec.kv_parts > 1:
+                if spec.kv_parts > 1 and not uses_fused_merge(spec):  # (a merge in the kernel launches none)
                     self._direct_kernel("merge")
 
     # Numba's dispatchers, made on first use: importing the emitted module imports numba.cuda, which a warm
@@ -1345,6 +1380,13 @@ class FA2ForwardKernel:
         B, H, M = (int(n) for n in q.shape[:3])
         return host.reshape(B, H, -(-M // self.spec.block_q), -(-int(k.shape[2]) // self.spec.block_k))
 
+    @functools.cached_property
+    def without_cluster(self) -> "FA2ForwardKernel":
+        """This kernel without emit_fa3_ws.cluster_merge (its parts merged by the merge kernel): what Numba's
+        launches run (`prepare`: numpy inputs, the simulator, views the direct path copies), since Numba launches no
+        clusters. Compiled on first use."""
+        return FA2ForwardKernel(dataclasses.replace(self.spec, extra={**self.spec.extra, "cluster_merge": False}))
+
     def prepare(self, q: Any, k: Any, v: Any, *captures: Any, _wrap: bool = True):
         """Check and convert the inputs once; returns (launch, finish).
 
@@ -1352,6 +1394,9 @@ class FA2ForwardKernel:
         buffers; `finish()` returns (o, lse). Calling `launch` repeatedly re-runs the kernels with
         the least host work, which is what the benchmark times.
         """
+        if cluster_parts(self.spec):  # Numba launches no clusters
+            self._check(q, k, v, captures)
+            return self.without_cluster.prepare(q, k, v, *captures, _wrap=_wrap)
         from numba import cuda
 
         s = self.spec
