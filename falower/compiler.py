@@ -132,9 +132,13 @@ class CompiledAttention:
                 out.append(None)
         return out[0], out[1]
 
-    def _auto_choice(self, dtype: str, head_dim: int, path: str) -> Optional[dict]:
+    def _auto_choice(self, dtype: str, head_dim: int, path: str, few_rows: bool = False) -> Optional[dict]:
         """emit_fa3.auto_extra for this graph on this device: the Hopper kernel falower.compile picks by itself, or
-        None (mma.sync; the caller's own schedule, which _forward_spec takes as asked)."""
+        None (mma.sync; the caller's own schedule, which _forward_spec takes as asked). `few_rows`: a call of at
+        most DECODE_MAX_ROWS query rows, for which a score reading a [q, kv] table tile (a bias[h, q, kv]) takes
+        the persistent kernel as any other: its few rows of the table are read where the score uses them, and the
+        kernel has decoding's tiles and split-kv's parts, where the table-tile kernel (no producer, one block a q
+        tile) ran each q tile through every kv tile on one SM (`_decode_tiles`)."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import reads_table_tile
         from .backends.numba_cuda.runtime import device_cc, device_sm_count
@@ -143,7 +147,8 @@ class CompiledAttention:
         if path != "mma" or "schedule" in forward_extra(self.extra):
             return None
         return emit_fa3.auto_extra(dtype, head_dim, self._mask_kind(), device_cc(),
-                                   table_tile=reads_table_tile(self.analysis), sm_count=device_sm_count())
+                                   table_tile=reads_table_tile(self.analysis) and not few_rows,
+                                   sm_count=device_sm_count())
 
     def _d64_tiling(self, dtype: str, path: str, env: dict[str, int]) -> Optional[str]:
         """Which of D = 64's kernels a call with these sizes takes: "wide", the persistent kernel's 192 x 128 tiles
@@ -203,10 +208,10 @@ class CompiledAttention:
         if (self.pipeline != "fa2-fwd" or not self.extra.get("decode_tiles", True)
                 or self._mask_kind() not in ("none", "static")):
             return False
-        choice = self._auto_choice(dtype, env["D"], path)
+        m, n = self._seq_lengths(env)
+        choice = self._auto_choice(dtype, env["D"], path, few_rows=bool(m) and m <= emit_fa3.DECODE_MAX_ROWS)
         if not (choice and choice.get("persistent")):
             return False
-        m, n = self._seq_lengths(env)
         if not m:
             return False
         if m <= emit_fa3.DECODE_MAX_ROWS:
@@ -258,7 +263,7 @@ class CompiledAttention:
                                f"got {asked!r}")
         if asked == 1:
             return 1
-        choice = self._auto_choice(dtype, env["D"], path)
+        choice = self._auto_choice(dtype, env["D"], path, few_rows=tiling == "decode")
         why = [w for w, bad in [
             ("the default pipeline fa2-fwd", self.pipeline != "fa2-fwd"), (f"D = 64 or 128 (got {env['D']})",
                                                                            env["D"] not in (64, 128)),
@@ -361,7 +366,8 @@ class CompiledAttention:
         asked = fwd.get("schedule")
         mask_kind = self._mask_kind()
         table_tile = reads_table_tile(self.analysis)
-        choice = self._auto_choice(dtype, used["D"], path)
+        # (a table-tile graph takes decoding's tiles only for a call of few rows: `_decode_tiles`)
+        choice = self._auto_choice(dtype, used["D"], path, few_rows=tiling == "decode")
         if path == "mma" and asked == "wgmma":
             choice = emit_fa3.plain_extra(used["D"], mask_kind)
 

@@ -301,3 +301,17 @@ def test_a_cluster_merges_its_q_tiles_parts(monkeypatch, stem, dtype, D, M, N, P
     assert (o4.float() - o1.float()).abs().max().item() <= 2e-3
     fin = torch.isfinite(lse1)
     assert torch.equal(fin, torch.isfinite(lse4)) and (lse4[fin] - lse1[fin]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype, D, M, N", [("f16", 128, 1, 3000), ("bf16", 64, 17, 1000), ("f16", 128, 64, 8192),
+                                           ("f16", 64, 1, 100)])
+def test_a_bias_table_decodes_on_the_persistent_kernel_in_parts(dtype, D, M, N):
+    """bias[h, q, kv] at decoding's shapes (B = 2, H = 8): the persistent kernel with decoding's tiles and split-kv's
+    parts (compiler._auto_choice's few_rows; 8 parts merged in a cluster), the table's rows read where the score uses
+    them; the error rule holds."""
+    _hopper()
+    g, c = _compiled("bias", dtype, "auto")
+    env = bind_dims(g, {"B": 2, "H": 8, "M": M, "N": N, "D": D})
+    spec = c.specialize(dtype, **env).spec
+    assert spec.block_q == 64 and (spec.kv_parts > 1) == (N > 128), spec.kv_parts
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=M + N + D), dtype)
