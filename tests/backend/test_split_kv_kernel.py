@@ -292,8 +292,9 @@ def test_decodings_parts_merge_in_a_cluster_at_eight_or_where_asked(hopper):
 def test_a_bias_tables_decoding_takes_the_persistent_kernel_in_parts(hopper):
     """A score reading a [q, kv] table tile (examples/bias.py, bias[h, q, kv]) runs a call of at most 64 query rows
     on the persistent kernel with decoding's tiles and split-kv's parts (the table's few rows read where the score
-    uses them), where the table-tile kernel (no producer, one block a q tile) ran 8 heads' q tiles on 8 SMs through
-    every kv tile; a prefill call keeps the table-tile kernel, and decode_tiles=False keeps it for decoding too."""
+    uses them, and only for rows below M: emit_fa3_ws.skips_padding_rows), where the table-tile kernel (no producer,
+    one block a q tile) ran 8 heads' q tiles on 8 SMs through every kv tile; a prefill call keeps the table-tile
+    kernel, and decode_tiles=False keeps it for decoding too."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts
 
     for D, M, N, P in ((128, 1, 8192, 16), (128, 1, 1024, 8), (64, 16, 3000, 8)):
@@ -303,6 +304,11 @@ def test_a_bias_tables_decoding_takes_the_persistent_kernel_in_parts(hopper):
         assert emit_fa3_ws.persistent(s) and emit_fa3_ws.producer(s) == "warpgroup"
         assert not emit_fa3_ws.table_tiles(s) and cluster_parts(s) == (P if P <= 8 else 0)
         assert f"in ({P}, " in ir and "lse_merge" in ir  # the split-kv IR the kernel was built from
+        assert emit_fa3_ws.skips_padding_rows(s) and "< M:  # (a padding row's scores are never used)" in kern.source
+    kern, _ = _call("bias", 1, 8, 1024, 128, 1, skip_padding=False)  # every row's score
+    assert not emit_fa3_ws.skips_padding_rows(kern.spec) and "a padding row's" not in kern.source
+    kern, _ = _call("plain", 1, 8, 1024, 128, 1)  # no table: nothing to skip
+    assert not emit_fa3_ws.skips_padding_rows(kern.spec) and "a padding row's" not in kern.source
     for kern in (_call("bias", 1, 8, 4096, 128)[0], _call("bias", 1, 8, 8192, 128, 1, decode_tiles=False)[0]):
         s = kern.spec
         assert not emit_fa3_ws.persistent(s) and emit_fa3_ws.table_tiles(s) and s.kv_parts == 1

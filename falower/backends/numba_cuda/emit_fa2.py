@@ -558,15 +558,23 @@ def masked_steep_arg(spec: FA2ForwardSpec) -> str:
     return ", col_steep" if col_step(spec) else ""
 
 
-def emit_masked_rows(c: _Code, spec: FA2ForwardSpec, hoisted: bool, rows: Optional[list[ThreadRow]] = None) -> None:
+def emit_masked_rows(c: _Code, spec: FA2ForwardSpec, hoisted: bool, rows: Optional[list[ThreadRow]] = None,
+                     below_m: bool = False) -> None:
     """A partial tile's scores in the wgmma kernels: this thread's rows of S (`wgmma_thread_rows`) through
-    masked_score_row, or, where `emit_row_bounds` read the bounds before the loop, masked_score_row_in."""
+    masked_score_row, or, where `emit_row_bounds` read the bounds before the loop, masked_score_row_in. `below_m`:
+    only rows below M (emit_fa3_ws.skips_padding_rows)."""
     caps = masked_steep_arg(spec) + _score_args(spec)
     for t in rows or wgmma_thread_rows():
         r = t.off
         row = f"{t.sc}, {t.ofs}, b, h, {t.row}, kv0 + t2, N"
-        c(f"masked_score_row_in({row}, rb_lo{r}, rb_hi{r}, rb_ex{r}{caps})" if hoisted
-          else f"masked_score_row({row}{caps})")
+        line = (f"masked_score_row_in({row}, rb_lo{r}, rb_hi{r}, rb_ex{r}{caps})" if hoisted
+                else f"masked_score_row({row}{caps})")
+        if below_m:
+            c(f"if {t.row} < M:  # (a padding row's scores are never used)")
+            with c.indent():
+                c(line)
+        else:
+            c(line)
 
 
 def _cap_names(spec: FA2ForwardSpec) -> list[str]:
@@ -1039,12 +1047,15 @@ def tiny_scores(spec: FA2ForwardSpec) -> Optional[float]:
 
 
 def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv0 + t2", tail: str = "",
-                    given: str = "") -> list[str]:
+                    given: str = "", below_m: bool = False) -> list[str]:
     """The unmasked score calls of a thread's rows: a fragment's rows g and g + 8 (`off` 8 apart, the same
     accumulators, the second's elements 2 after the first's) in one `score_row_pair` where they share their table
     loads (`row_gather_shift`), the rest one `score_row` a row. `tail`: arguments after N (per row, {r}: its off).
-    `given`: the pair's entries, loaded before (`score_pair_load`; one pair of rows)."""
+    `given`: the pair's entries, loaded before (`score_pair_load`; one pair of rows). `below_m`: each call only for
+    a row below M (a pair: its first row; emit_fa3_ws.skips_padding_rows; not with the softcap's warp votes)."""
     caps = _score_args(spec)
+    if below_m and small_scores(spec) is not None:
+        raise ValueError("score_row_calls: below_m with the softcap's paths, whose ballots need every lane")
     if small_scores(spec) is not None and not tail and not given:
         absmax = [f"score_absmax({t.sc}, {t.ofs})" for t in rows]
         small = [f"    score_row_small({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})" for t in rows]
@@ -1060,19 +1071,22 @@ def score_row_calls(spec: FA2ForwardSpec, rows: list["ThreadRow"], kv: str = "kv
         return [*out, f"{check} ballot(not (sbig <= SCORE_SMALL_S)) == 0:" + note.format("small"), *small, "else:",
                 *exact]
     pairs = row_gather_shift(spec) is not None and not tail
-    out: list[str] = []
+    out: list[tuple[str, str]] = []  # (the call's first row, the call)
     k = 0
     while k < len(rows):
         t = rows[k]
         u = rows[k + 1] if k + 1 < len(rows) else None
         if pairs and u is not None and u.off == t.off + 8 and u.sc == t.sc:
-            out.append(f"score_row_pair_given({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps}, {given})" if given
-                       else f"score_row_pair({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})")
+            out.append((t.row, f"score_row_pair_given({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps}, {given})" if given
+                        else f"score_row_pair({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps})"))
             k += 2
             continue
-        out.append(f"score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps}{tail.format(r=t.off)})")
+        out.append((t.row, f"score_row({t.sc}, {t.ofs}, b, h, {t.row}, {kv}, N{caps}{tail.format(r=t.off)})"))
         k += 1
-    return out
+    if below_m:
+        return [x for row, call in out for x in (f"if {row} < M:  # (a padding row's scores are never used)",
+                                                 "    " + call)]
+    return [call for _, call in out]
 
 
 def row_gather_step(spec: FA2ForwardSpec) -> Optional[int]:

@@ -498,6 +498,17 @@ def table_tiles(spec: FA2ForwardSpec) -> bool:
     return has_tile_table(spec) and producer(spec) == "none" and bool(spec.extra.get("table_tiles", True))
 
 
+def skips_padding_rows(spec: FA2ForwardSpec) -> bool:
+    """Whether the consumers leave the score function out for their rows past M: decoding's tiles on the persistent
+    kernel (64 rows, often 1 of them a query's) whose score gathers a [q, kv] table's entries (a bias[h, q, kv]:
+    its loads, clamped to the table's last row, are the score's cost), not as table tiles, and not on the softcap's
+    paths (their warp votes need every lane). A padding row's scores are never stored: its P V, softmax and
+    epilogue run on its raw scores (finite: its Q rows are zero). `extra["skip_padding"] = False` keeps every row
+    (bench '-nosp')."""
+    return (spec.block_q == 64 and bool(persistent(spec)) and has_tile_table(spec) and not table_tiles(spec)
+            and small_scores(spec) is None and spec.extra.get("skip_padding", True) is not False)
+
+
 def pingpong(spec: FA2ForwardSpec) -> bool:
     return bool(spec.extra.get("pingpong", True)) and spec.block_q > 64  # (one consumer warpgroup: no turns)
 
@@ -1820,6 +1831,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                         _emit_loader_step(c, spec, lay, "k" if k_now else "v")
     TT = table_tiles(spec)
     HOIST = row_bounds_read_data(spec)
+    PAD = skips_padding_rows(spec)  # the score only for rows below M (decoding's bias table)
     LATE = bounds_in_s(spec)
     HALF = half_mode(spec)
     H2 = BK // 2
@@ -2268,7 +2280,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         def score_rows(fn: str, tail: str = "") -> None:
             """The thread's two rows of S through `fn`; `tail` adds arguments after N (per row, {r}: its offset)."""
             if fn == "score_row":
-                for line in score_row_calls(spec, ROWS, given="gl" if EARLY else ""):
+                for line in score_row_calls(spec, ROWS, given="gl" if EARLY else "", below_m=PAD):
                     c(line)
                 return
             for t in ROWS:
@@ -2278,7 +2290,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
         c("if need_mask:")
         with c.indent():
-            emit_masked_rows(c, spec, HOIST)
+            emit_masked_rows(c, spec, HOIST, below_m=PAD)
         c("else:")
         with c.indent():
             if TT:
