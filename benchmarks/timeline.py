@@ -468,6 +468,10 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     c = bench.example_compiled_config(stem, bench.parse_config(config)) if config else bench.example_compiled(stem)
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern, env = c._kernel_and_dims((q, k, v, *caps))
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    if cluster_parts(kern.spec):  # (its launches here have no clusters: the kernel without, as Numba's path runs)
+        kern = kern.without_cluster
     s = kern.spec
     caps = caps + c.runtime_sizes(kern, env)  # the sizes the score reads (N), as a call adds them
     from falower.backends.numba_cuda.block_data import BlockData, has_derived

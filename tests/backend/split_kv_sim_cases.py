@@ -52,8 +52,8 @@ CASES = {
     "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last",
                             {"B": 2, "persistent": 3, "fused_merge": True}),
     "relbias-p2-decode-m17": ("relative_bias", 17, 300, 128, (64, 128), 2, "f16", "last", {"fused_merge": True}),
-    # the bias table [H, M, N] on decoding's kernel (compiler._auto_choice's few_rows: its rows read where the score
-    # uses them, not as a table tile), three rows in two parts
+    # the bias table [H, M, N] on decoding's kernel (what compiler._auto_choice's few_rows takes: its rows read where
+    # the score uses them, only for rows below M: emit_fa3_ws.skips_padding_rows), three rows in two parts
     "bias-p2-decode-m3": ("bias", 3, 300, 64, (64, 128), 2, "f16", "last"),
     # a small prefill grid's 64-row q tiles (compiler._decode_tiles past 64 rows): four q tiles under causal, the
     # last ragged, each of its kv range in two shares, on two blocks

@@ -284,9 +284,11 @@ def test_decodings_parts_merge_in_a_cluster_at_eight_or_where_asked(hopper):
     assert kern.spec.kv_parts == 8 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 4, 2048, cluster_merge=True)  # two parts of 128-row tiles (TMA stores of O)
     assert kern.spec.kv_parts == 2 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
-    for bad in ("yes", 1, None):
-        with pytest.raises(FalowerError, match="extra cluster_merge must be True, False or 'auto', got"):
+    for bad in ("yes", 1, None):  # (at compile: a wrong value must not send the choice to another kernel)
+        with pytest.raises(FalowerError, match="extra cluster_merge must be True or False or 'auto', got"):
             _call("plain", 1, 8, 1024, 128, 1, cluster_merge=bad)
+    with pytest.raises(FalowerError, match="extra skip_padding must be True or False, got 'no'"):
+        _call("bias", 1, 8, 1024, 128, 1, skip_padding="no")
 
 
 def test_a_bias_tables_decoding_takes_the_persistent_kernel_in_parts(hopper):
@@ -339,6 +341,29 @@ def test_a_cluster_launch_asks_the_driver_for_its_width(monkeypatch):
     with pytest.raises(RuntimeError, match="clusters of 4"):
         run(78)
     assert ctypes.sizeof(runtime._LaunchAttribute) == 72
+
+
+def test_a_device_whose_clusters_do_not_fit_is_asked_first(monkeypatch):
+    """runtime.clusters_fit: cuOccupancyMaxActiveClusters for one cluster of the width (its attribute, the block
+    and shared memory as launched); 0 clusters or an error: False (FA2ForwardKernel.plan then takes the kernel
+    without the cluster); no such entry point: True."""
+    from falower.backends.numba_cuda import runtime
+
+    seen: list = []
+
+    def fake(n, func, config_ref):
+        cfg = config_ref._obj
+        attr = cfg.attrs[0]
+        seen.append((func, tuple(cfg.grid), tuple(cfg.block), cfg.smem, attr.id, attr.value[0] & 0xFFFFFFFF))
+        n._obj.value = answer[0]
+        return answer[1]
+
+    monkeypatch.setattr(runtime, "_ctypes_max_active_clusters", lambda: fake)
+    for answer, want in (((3, 0), True), ((0, 0), False), ((5, 1), False)):
+        assert runtime.clusters_fit(99, 384, 200000, 8) is want
+    assert seen[0] == (99, (8, 1, 1), (384, 1, 1), 200000, 4, 8)
+    monkeypatch.setattr(runtime, "_ctypes_max_active_clusters", lambda: None)
+    assert runtime.clusters_fit(99, 384, 200000, 8)
 
 
 def test_the_merge_is_launched_programmatically_where_it_fits_the_idle_sms():

@@ -295,12 +295,16 @@ def test_a_cluster_merges_its_q_tiles_parts(monkeypatch, stem, dtype, D, M, N, P
     graph_.replay()
     torch.cuda.synchronize()
     assert torch.equal(og, o1) and torch.equal(lseg, lse1)
-    monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", "0")
-    o4, lse4 = c(*dev)  # Numba's path: the kernel without the cluster (and the merge kernel after it)
-    torch.cuda.synchronize()
-    assert (o4.float() - o1.float()).abs().max().item() <= 2e-3
-    fin = torch.isfinite(lse1)
-    assert torch.equal(fin, torch.isfinite(lse4)) and (lse4[fin] - lse1[fin]).abs().max().item() <= 1e-5
+    if len(kin) == 3:  # the kernel without the cluster (the merge kernel after it), by its plan and by Numba's path
+        o4, lse4 = kern.without_cluster(*kin)
+        monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", "0")
+        o5, lse5 = kern(*kin)  # (the kernel's own call asks for its plan again: none, so Numba's path)
+        torch.cuda.synchronize()
+        assert torch.equal(o5, o4) and torch.equal(lse5, lse4)
+        o4, lse4 = o4.reshape(o1.shape), lse4.reshape(lse1.shape)
+        assert (o4.float() - o1.float()).abs().max().item() <= 2e-3
+        fin = torch.isfinite(lse1)
+        assert torch.equal(fin, torch.isfinite(lse4)) and (lse4[fin] - lse1[fin]).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("dtype, D, M, N", [("f16", 128, 1, 3000), ("bf16", 64, 17, 1000), ("f16", 128, 64, 8192),
@@ -315,3 +319,26 @@ def test_a_bias_table_decodes_on_the_persistent_kernel_in_parts(dtype, D, M, N):
     spec = c.specialize(dtype, **env).spec
     assert spec.block_q == 64 and (spec.kv_parts > 1) == (N > 128), spec.kv_parts
     assert_error_rule(g, c, env, _host(g, env, dtype, seed=M + N + D), dtype)
+
+
+def test_a_device_without_room_for_the_cluster_takes_the_merge_kernel(monkeypatch):
+    """Where runtime.clusters_fit says no cluster of the kernel's width fits the device (a MIG slice), the call
+    takes the kernel without the cluster (FA2ForwardKernel.without_cluster: the merge kernel after it), its numbers
+    those of that kernel, bit for bit."""
+    from falower.backends.numba_cuda import runtime
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    _hopper()
+    g, _ = graph("plain", "f16")
+    c = fl.compile(g, "numba-cuda")  # its own kernel objects: the shared ones keep their plans
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    kern = c.kernel(q, k, v)
+    assert cluster_parts(kern.spec) == 8 and not kern._cluster_fit
+    monkeypatch.setattr(runtime, "clusters_fit", lambda *a: False)
+    o, lse = c(q, k, v)
+    o2, lse2 = kern.without_cluster(q, k, v)
+    torch.cuda.synchronize()
+    assert list(kern._cluster_fit.values()) == [False]
+    assert [p.kern for p in kern._plans.values()] == [kern.without_cluster]
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)

@@ -857,7 +857,7 @@ def cluster_merge(spec: FA2ForwardSpec) -> bool:
     from .emit_fa3 import KV_PARTS_CLUSTER
 
     asked = spec.extra.get("cluster_merge", "auto")
-    if asked not in (True, False, "auto") or isinstance(asked, int) and not isinstance(asked, bool):
+    if not (asked is True or asked is False or (isinstance(asked, str) and asked == "auto")):
         raise ValueError(f"extra cluster_merge must be True, False or 'auto', got {asked!r}")
     if asked is False or not (_merge_in_kernel_fits(spec) and 2 <= spec.kv_parts <= CLUSTER_MAX_PARTS
                               and _grid_axes(spec)[0][1] == "qt_part"
@@ -869,9 +869,6 @@ def cluster_merge(spec: FA2ForwardSpec) -> bool:
 def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
     """fused_merge's count and merge, after the warpgroup's staged epilogue stored its rows of the part."""
     P, D, NWC = spec.kv_parts, spec.head_dim, consumer_wgs(spec)
-    if cluster_merge(spec):
-        _emit_cluster_merge(c, spec)
-        return
     c("# split-kv's merge in the kernel (fused_merge): the last of the q tile's parts to finish merges them all")
     c("fence_acq_rel_gpu()  # this thread's O and LSE of the part reach the GPU before the count below")
     c(f"bar_sync({epi} + cw, 128)  # every thread of the warpgroup has stored and fenced")
@@ -1065,9 +1062,12 @@ def tick_words(spec: FA2ForwardSpec) -> int:
 
 def static_bytes(spec: FA2ForwardSpec) -> int:
     """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state, the
-    consumer warpgroups' runs of the table (row_slice)."""
+    consumer warpgroups' runs of the table (row_slice), the merge's LSEs (cluster_merge: `cl_lse`) or counts
+    (fused_merge: `fm`)."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
-    return tick + (kept_bytes(spec) if epilogue_in_s(spec) else 0) + (slice_bytes(spec) if row_slice(spec) else 0)
+    merge = 4 * consumer_wgs(spec) * (64 if cluster_merge(spec) else 1) if fused_merge(spec) else 0
+    return tick + (kept_bytes(spec) if epilogue_in_s(spec) else 0) + (slice_bytes(spec) if row_slice(spec) else 0) \
+        + merge
 
 
 def validate_spec(spec: FA2ForwardSpec) -> None:
@@ -2390,9 +2390,11 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                                   f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is past its last S: "
                                   "its Q tile is free",
                                   lse_shared="cl_lse[cw * 64 + lr]" if cluster_merge(spec) else "")
+            if cluster_merge(spec):  # the cluster reads the staged rows out of this buffer first
+                _emit_cluster_merge(c, spec)
             c(f"mbar_arrive(bars + {lay['q_empty']} + (qk & 1) * 8)  # this thread is done with the item's Q "
               "buffer: the producer may load an item into it")
-            if fused_merge(spec):
+            if fused_merge(spec) and not cluster_merge(spec):
                 _emit_fused_merge(c, spec, EPI)
         elif staged_epilogue(spec):  # through the warpgroup's own O buffer: the producer is refilling Q
             c(f"o_wg = sb + {lay['o']} + cw * {64 * 2 * D}  # this warpgroup's 64 rows of O in shared memory")

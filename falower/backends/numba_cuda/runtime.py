@@ -625,6 +625,39 @@ def _cluster_launcher(handle: int, grid: tuple, block: int, smem: int, address: 
     return run
 
 
+_LIBCUDA_MAX_CLUSTERS: list = []  # [ctypes cuOccupancyMaxActiveClusters or None], looked up once
+
+
+def _ctypes_max_active_clusters() -> Any:
+    """libcuda's cuOccupancyMaxActiveClusters through ctypes, or None."""
+    if not _LIBCUDA_MAX_CLUSTERS:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+            fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+            fn.restype = ctypes.c_int
+            _LIBCUDA_MAX_CLUSTERS.append(fn)
+        except (OSError, AttributeError):
+            _LIBCUDA_MAX_CLUSTERS.append(None)
+    return _LIBCUDA_MAX_CLUSTERS[0]
+
+
+def clusters_fit(func: int, block: int, smem: int, width: int) -> bool:
+    """Whether the device runs at least one cluster of `width` blocks of `func` (`block` threads, `smem` bytes of
+    dynamic shared memory each; cuOccupancyMaxActiveClusters > 0). A device or MIG slice that cannot would refuse
+    _cluster_launcher's launch; FA2ForwardKernel.plan then takes the kernel without the cluster. Where the driver
+    has no such entry point, True (the launch says what is wrong)."""
+    fn = _ctypes_max_active_clusters()
+    if fn is None:
+        return True
+    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attr.value[0] = int(width) | (1 << 32)
+    attr.value[1] = 1
+    config = _LaunchConfig(grid=(ctypes.c_uint * 3)(width, 1, 1), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
+                           attrs=ctypes.pointer(attr), num_attrs=1)
+    n = ctypes.c_int()
+    return fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 and n.value > 0
+
+
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
     """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile (one,
     unused, where the merge waits at a cluster barrier: cluster_merge)."""
@@ -1093,6 +1126,7 @@ class FA2ForwardKernel:
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
         self._captured: list[Any] = []  # the counters of launches captured into CUDA graphs, kept alive with them
         self._split_ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces (split_workspaces)
+        self._cluster_fit: dict[int, bool] = {}  # device -> whether its clusters run (clusters_fit)
         self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
@@ -1360,6 +1394,10 @@ class FA2ForwardKernel:
             pass
         plan = None
         self._check(q, k, v, captures)
+        if cluster_parts(self.spec) and not self._clusters_fit(q):  # (a MIG slice, a device without clusters)
+            plan = self.without_cluster.plan(q, k, v, captures)
+            self._plans[key] = plan
+            return plan
         aligned = self.spec.path == "mma"
         tma = uses_kv_maps(self.spec)
         if all(_fast_ok(x, aligned, tma) for x in (q, k, v)) and _captures_fit(self.spec, captures):
@@ -1379,6 +1417,19 @@ class FA2ForwardKernel:
         host = table.copy_to_host() if hasattr(table, "copy_to_host") else table.cpu().numpy()
         B, H, M = (int(n) for n in q.shape[:3])
         return host.reshape(B, H, -(-M // self.spec.block_q), -(-int(k.shape[2]) // self.spec.block_k))
+
+    def _clusters_fit(self, q: Any) -> bool:
+        """clusters_fit for this kernel on q's device (asked once a device)."""
+        import torch
+
+        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if dev not in self._cluster_fit:
+            func = self._direct_kernel("main").function(dev)
+            self._cluster_fit[dev] = clusters_fit(func, self.threads, self.smem, cluster_parts(self.spec))
+            if not self._cluster_fit[dev]:
+                print(f"[falower] {self.spec.name}: clusters of {cluster_parts(self.spec)} do not fit device {dev}; "
+                      "its split-kv parts are merged by the merge kernel", file=sys.stderr)
+        return self._cluster_fit[dev]
 
     @functools.cached_property
     def without_cluster(self) -> "FA2ForwardKernel":

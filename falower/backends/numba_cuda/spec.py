@@ -79,11 +79,22 @@ def forward_extra(extra: dict) -> dict:
     return {k: v for k, v in extra.items() if k not in BACKWARD_EXTRAS}
 
 
+EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be read as another silently
+    "cluster_merge": (True, False, "auto"),
+    "skip_padding": (True, False),
+}
+
+
 def unknown_extra(extra: dict):
     """A one-line message naming the first key of `extra` the backend does not read (with the nearest known
-    key), or None."""
+    key), or the first value of an EXTRA_CHOICES knob outside its choices, or None."""
     import difflib
 
+    for key, choices in EXTRA_CHOICES.items():
+        if key in extra and not any(extra[key] is c if isinstance(c, bool) else (isinstance(extra[key], str)
+                                                                                 and extra[key] == c)
+                                    for c in choices):
+            return f"extra {key} must be {' or '.join(repr(c) for c in choices)}, got {extra[key]!r}"
     unknown = sorted(k for k in extra if k not in KNOWN_EXTRAS)
     if not unknown:
         return None
