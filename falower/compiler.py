@@ -285,8 +285,8 @@ class CompiledAttention:
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
         few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
-        if few_rows and self._mask_kind() == "none":  # parts of one kv tile where they make at most KV_PARTS_CLUSTER
-            # (merged in a cluster at that count; a masked grid's heads go first, so its parts are no cluster)
+        if few_rows and self._mask_kind() in ("none", "static"):  # parts of one kv tile where they make at most
+            # KV_PARTS_CLUSTER (merged in a cluster at that count: a masked grid's too, its parts first, _forward_spec)
             one = self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, 1)
             if one <= emit_fa3.KV_PARTS_CLUSTER:
                 return one
@@ -453,7 +453,11 @@ class CompiledAttention:
                 # start before row 0 only the persistent kernel runs: kept)
                 continue
             auto = {"ex2_poly": 0 if "ex2_poly" in fwd else emit_fa3_ws.auto_ex2_poly(spec),
-                    "kv_reverse": False if "kv_reverse" in fwd else emit_fa3_ws.auto_kv_reverse(spec)}
+                    "kv_reverse": False if "kv_reverse" in fwd else emit_fa3_ws.auto_kv_reverse(spec),
+                    # decoding's masked grid in parts is one round of the SMs, whose order then does not matter: the
+                    # parts the grid's fastest axis, not the heads, so that 8 of them are a cluster (cluster_merge)
+                    "head_group": 1 if ("head_group" not in fwd and tiling == "decode" and kvp > 1
+                                        and mask_kind == "static") else 0}
             auto = {k: v for k, v in auto.items() if v}
             if auto:  # the automatic share of exponentials on the FMA pipe and kv order, shown in spec.extra
                 spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **fwd})

@@ -201,14 +201,20 @@ def test_a_causal_grid_splits_by_its_longest_item(hopper):
 def test_a_captured_scalar_is_counted_at_sampled_values(hopper):
     """A mask's captured integer scalar (a window behind the kv cache's offset) is counted at 0 and N - 1, the
     largest count taken (compiler._scalar_samples): the decoding window visits its 8 kv tiles, not all 64, and takes
-    4 parts (measured 1.15-1.22x faster than 2 and 1.15-1.27x than 16, H200 2026-11-30); a captured window width
-    counts every tile at its largest sample, as it did unknown."""
+    8 parts of one tile, the parts first in its grid (head_group 1, not the masks' heads first) so that they are a
+    cluster (measured 1.09x over 4 parts, 1.15-1.22x faster than 2 and 1.15-1.27x than 16 before, H200 2026-11-30);
+    a captured window width counts every tile at its largest sample, as it did unknown."""
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
     off = fl.capture("off", "i32", ())
     window = fl.compile(fl.attention(name="wo", mask_mod=lambda b, h, q, kv: (q + off - kv >= 0)
                                      & (q + off - kv < 1024)))
     assert 8 <= window._visited_kv_tiles(64, 128, 1, 8192, 128) < 10
     assert window._longest_kv_tiles(64, 128, 1, 8192, 128) == 8  # (keys 7168 .. 8191 at the offset N - 1)
-    assert window.specialize("f16", B=1, H=8, M=1, N=8192, D=128).spec.kv_parts == 4
+    spec = window.specialize("f16", B=1, H=8, M=1, N=8192, D=128).spec
+    assert (spec.kv_parts, spec.extra.get("head_group"), cluster_parts(spec)) == (8, 1, 8)
+    prefill = window.specialize("f16", B=4, H=16, M=4096, N=4096, D=128).spec  # a masked prefill: heads first
+    assert prefill.kv_parts == 1 and "head_group" not in prefill.extra
     width = fl.capture("width", "i32", ())
     wide = fl.compile(fl.attention(name="ww", mask_mod=lambda b, h, q, kv: (q - kv >= 0) & (q - kv < width)))
     assert wide._longest_kv_tiles(64, 128, 1, 8192, 128) == 1  # (M = 1 without an offset: key 0 only)
