@@ -249,8 +249,10 @@ class CompiledAttention:
         is the persistent warp-specialized kernel (D = 64 or 128, Hopper) on the default pipeline, with no mask or
         a static one and the call's batch, heads and lengths known; 1 (no split) otherwise. Decoding's parts (at
         most DECODE_MAX_ROWS rows) keep one kv tile where that makes at most KV_PARTS_CLUSTER parts and the graph has
-        no mask (merged in a cluster at that count; a masked decoding window kept 0.98-0.99x with 8 unclustered parts
-        against 4), else KV_PART_MIN_TILES_DECODE kv tiles; prefill's KV_PART_MIN_TILES. The kernel is
+        no mask or a static one (merged in a cluster at that count), else KV_PART_MIN_TILES_DECODE kv tiles, as a
+        small prefill grid's 64-row q tiles do (half a 128-row tile's tensor work a kv tile: 4 parts of 2 tiles ran
+        1.09-1.23x 2 parts of 4 at N = 1k, H = 1-2, H200 2026-11-30); prefill's 128-row tiles KV_PART_MIN_TILES. The
+        kernel is
         then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline): the dump
         shows what runs."""
         from .backends.numba_cuda import emit_fa3
@@ -291,7 +293,7 @@ class CompiledAttention:
             if one <= emit_fa3.KV_PARTS_CLUSTER:
                 return one
         return self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE
-                                      if few_rows else emit_fa3.KV_PART_MIN_TILES)
+                                      if tiling == "decode" else emit_fa3.KV_PART_MIN_TILES)
 
     def _parts_by_longest(self, bq: int, bk: int, m: int, n: int, head_dim: int, heads: int, blocks: int,
                           min_tiles: Optional[int] = None) -> int:

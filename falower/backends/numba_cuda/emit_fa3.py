@@ -282,9 +282,11 @@ def decode_tiles_pay(items64: int, tiles64: float, items128: int, tiles128: floa
 KV_PARTS_MAX = 16  # split-kv's most parts (a power of two: the kernel decodes and shares by shifts)
 KV_PART_MIN_TILES = 4  # the fewest kv tiles a part keeps: an item's fixed cost is ~2 tiles (NOTES, "Counting the
 # per-item cost"), and the merge reads every part's O again
-KV_PART_MIN_TILES_DECODE = 2  # the same for decoding's q tiles (at most DECODE_MAX_ROWS rows: a kv tile is its 64 KB
-# of K and V, not the tensor cores' time): a decoding window's 8 kv tiles ran 1.15-1.22x faster in 4 parts than in
-# the 2 that KV_PART_MIN_TILES allows (H200 2026-11-30, benchmarks/NOTES.md "the longest item's parts")
+KV_PART_MIN_TILES_DECODE = 2  # the same for decoding's 64-row q tiles (at most DECODE_MAX_ROWS rows: a kv tile is its
+# 64 KB of K and V, not the tensor cores' time; a small prefill grid's: half a 128-row tile's work a kv tile): a
+# decoding window's 8 kv tiles ran 1.15-1.22x faster in 4 parts than in the 2 that KV_PART_MIN_TILES allows, small
+# prefill grids (B = 1, H = 1-2, N = 512-1k) 1.02-1.23x (H200 2026-11-30, benchmarks/NOTES.md "the longest item's
+# parts", "Parts of two kv tiles")
 KV_PARTS_CLUSTER = 8  # decoding's parts of one kv tile each where that makes at most this many, and the count at
 # which split-kv's merge runs inside a cluster unasked (emit_fa3_ws.cluster_merge): measured (H200 2026-11-30, CUDA
 # graphs, whole calls, B = 1, H = 8, M = 1 / 16, benchmarks/NOTES.md "The merge inside a cluster") 8 parts merged in
