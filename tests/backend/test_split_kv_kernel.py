@@ -439,3 +439,37 @@ def test_the_kernels_that_do_not_split_say_so():
     with pytest.raises(ValueError, match="emitted by the persistent warp-specialized wgmma kernel only"):
         emit_fa3.validate_spec(_spec("plain", 2, {"schedule": "wgmma"}))
     emit_fa3_ws.validate_spec(_spec("causal", 8))
+
+
+@pytest.mark.parametrize("D, P", [(64, 2), (64, 8), (128, 4), (128, 8)])
+def test_the_clusters_ranks_merge_every_chunk_of_the_q_tile_once(D, P):
+    """_emit_cluster_merge's lines, run as Python for every rank, consumer warpgroup and thread of a cluster: the
+    chunks they merge are each valid row's D / 8 chunks exactly once (rows at or past M none), each read from the
+    row's LSE in cl_lse and its chunk where the staged epilogue put it (emit_staged_stores' address: row lr at
+    q_wg + 2 D lr, chunk c at (c ^ (lr & 7)) << 4), and the call's O row is (b H + h) M + q."""
+    spec = _spec("plain", P, {**PWG, "cluster_merge": True}, D=D)
+    import textwrap
+
+    c = _Code()
+    emit_fa3_ws._emit_cluster_merge(c, spec)
+    src = textwrap.dedent("\n".join(c.lines))
+    q_wg0, lse0 = 1 << 20, 1 << 16
+    for M, q_lo in ((1, 0), (37, 0), (130, 128), (64, 0)):
+        seen: list = []
+
+        def unit(lse_addr, o_addr, o, lse, d, row, chunk, cw):
+            lr = (row - (3 * 5 + 2) * M) - q_lo - cw * 64
+            assert d == D and lse_addr == lse0 + 4 * (cw * 64 + lr)
+            assert o_addr == q_wg0 + cw * 16384 + lr * 2 * D + ((chunk ^ (lr & 7)) << 4)
+            seen.append((row, chunk))
+
+        for kvp in range(P):
+            for cw in range(2):
+                for ctid in range(128 * cw, 128 * cw + 128):
+                    env = {"ctid": ctid, "cw": cw, "kvp": kvp, "q_lo": q_lo, "M": M, "b": 3, "h": 2, "H": 5,
+                           "cl_lse_s": lse0, "q_wg": q_wg0 + cw * 16384, "o_fin": None, "lse_fin": None,
+                           "cluster_sync": lambda: None, "range": range,
+                           "merge_unit": lambda *a, cw=cw: unit(*a, cw)}
+                    exec(src, env)
+        want = [((3 * 5 + 2) * M + q, ch) for q in range(q_lo, min(q_lo + 128, M)) for ch in range(D // 8)]
+        assert sorted(seen) == sorted(want), (M, q_lo)
