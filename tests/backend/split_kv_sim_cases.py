@@ -55,6 +55,8 @@ CASES = {
     # the bias table [H, M, N] on decoding's kernel (what compiler._auto_choice's few_rows takes: its rows read where
     # the score uses them, only for rows below M: emit_fa3_ws.skips_padding_rows), three rows in two parts
     "bias-p2-decode-m3": ("bias", 3, 300, 64, (64, 128), 2, "f16", "last"),
+    # ... under a mask (keys up to q + 297: the last kv tile partial), the masked path's rows below M only
+    "bias-causal-p2-decode-m3": ("bias_causal", 3, 300, 64, (64, 128), 2, "f16", "last"),
     # a small prefill grid's 64-row q tiles (compiler._decode_tiles past 64 rows): four q tiles under causal, the
     # last ragged, each of its kv range in two shares, on two blocks
     "causal-p2-q64-m200": ("causal", 200, 200, 64, (64, 128), 2, "f16", "last", {"persistent": 2}),
@@ -71,7 +73,7 @@ def run_case(case_id: str) -> dict:
 
     stem, M, N, D, (bq, bk), P, dt, ragged, *more = CASES[case_id]
     over = more[0] if more else {}
-    g = example_graph(stem)
+    g = _bias_causal() if stem == "bias_causal" else example_graph(stem)
     if dt != "f16":
         g = fl.parse_func(fl.print_func(g).replace("f16[", f"{dt}[").replace('"f16"', f'"{dt}"'))
     sizes = {"B": over.get("B", 1), "H": 4 if stem == "gqa" else 2, "HKV": 1, "M": M, "N": N, "D": D}
@@ -94,6 +96,15 @@ def run_case(case_id: str) -> dict:
             "fused": any(f"merge_unit({a}" in kern.source for a in ("o, lse", "cl_lse_s")),
             "cluster": emit_fa2.cluster_parts(kern.spec),  # (cluster_merge)
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
+
+
+def _bias_causal():
+    """A bias table [H, M, N] under a mask that keeps keys up to q + 297 (decoding's offset for M = 3, N = 300)."""
+    import falower as fl
+
+    bias = fl.capture("bias", "f32", "H,M,N")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q, kv],
+                        mask_mod=lambda b, h, q, kv: kv <= q + 297, name="bias_causal")
 
 
 def _dims(g) -> set[str]:
