@@ -1,0 +1,174 @@
+"""Decoding and small prefill grids in split-kv parts: the automatic choice against forced part counts, each call
+timed whole inside a CUDA graph (twenty calls captured, the median of fifteen replays), SDPA's FLASH and cuDNN
+captured the same way in the same process (plain attention; causal for the causal rows). What the fifty-second
+session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a cluster"; BENCHMARKS.md, same
+session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here.
+
+    python3 benchmarks/split_parts.py [--set decode|masked|prefill|all]
+
+Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "c8" 8 parts
+(merged in a cluster, the default at 8). Kernels are compiled first in parallel processes. Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_merge": False},
+            "p4": {"kv_parts": 4, "cluster_merge": False}, "p8": {"kv_parts": 8, "cluster_merge": False},
+            "c8": {"kv_parts": 8}, "p16": {"kv_parts": 16}}
+HEADS = 8  # decoding's kv heads (GQA: G query heads each)
+# set -> (stem, G (prefill: H), D, M, N, the forced variants); stems: the examples, "window_off" (a 1024 window
+# behind the cache's offset N - M) and "causal_off" (causal behind it)
+CASES = {
+    "decode": [("plain", 1, 128, 1, 512, ("p2", "p4")), ("plain", 1, 128, 1, 1024, ("p4", "p8")),
+               ("plain", 1, 128, 1, 1536, ("p4", "p8")), ("plain", 1, 128, 1, 2048, ("p8", "p16")),
+               ("plain", 1, 128, 1, 3000, ("p8", "p16")), ("plain", 1, 64, 1, 512, ("p2", "p4")),
+               ("plain", 1, 64, 1, 1024, ("p4", "p8")), ("plain", 1, 64, 1, 2048, ("p8", "p16")),
+               ("plain", 1, 128, 16, 1024, ("p4", "p8")), ("gqa", 4, 128, 1, 1024, ("p4", "p8")),
+               ("relative_bias", 1, 128, 17, 3000, ("p8",)), ("softcap", 1, 128, 1, 1024, ("p4", "p8")),
+               ("plain", 1, 128, 64, 1024, ("p4", "p8"))],
+    "masked": [("window_off", 1, 128, 1, 8192, ("p4", "p8")), ("window_off", 4, 128, 1, 8192, ("p4", "p8")),
+               ("causal_off", 1, 128, 1, 1024, ("p4", "p8")), ("causal_off", 1, 128, 1, 3000, ("p8",)),
+               ("causal_off", 1, 64, 1, 2048, ("p8",)), ("causal_off", 4, 128, 4, 3000, ("p8",)),
+               ("causal_off", 4, 128, 1, 1024, ("p4", "p8"))],
+    "prefill": [(st, h, d, n, n, vs) for st in ("causal", "plain") for d in (128, 64) for h, n, vs in
+                ((1, 512, ("p1", "p2")), (1, 768, ("p1", "p2")), (1, 1024, ("p2", "p4")), (2, 1024, ("p2", "p4")))]
+    + [("prefix_lm", 1, 128, 1024, 1024, ("p2", "p4"))],
+}
+_COMPILED: dict = {}
+
+
+def compiled(stem: str, group: int, var: str):
+    import falower as fl
+
+    key = (stem, group, var)
+    if key not in _COMPILED:
+        extra = VARIANTS[var] or None
+        if stem in ("window_off", "causal_off"):
+            off = fl.capture("off", "i32", ())
+            if stem == "window_off":
+                g = fl.attention(group_size=group, name=f"wo{group}",
+                                 mask_mod=lambda b, h, q, kv: (q + off - kv >= 0) & (q + off - kv < 1024))
+            else:
+                g = fl.attention(group_size=group, name=f"co{group}", mask_mod=lambda b, h, q, kv: q + off - kv >= 0)
+            _COMPILED[key] = fl.compile(g, extra=extra)
+        else:
+            import bench
+
+            _COMPILED[key] = bench.example_compiled(stem, **(extra or {}))
+    return _COMPILED[key]
+
+
+def is_prefill(M: int) -> bool:
+    return M > 64
+
+
+def heads(group: int, M: int) -> tuple[int, int]:
+    """(q heads, kv heads): decoding's HEADS kv heads of `group` query heads each; a prefill row's `group` heads."""
+    return (group, group) if is_prefill(M) else (HEADS * group, HEADS)
+
+
+def kernel(stem: str, group: int, var: str, D: int, M: int, N: int):
+    """The kernel a call of these sizes runs (the packed GQA graph's where a decoding call packs)."""
+    c = compiled(stem, group, var)
+    H, HKV = heads(group, M)
+    env = dict(B=1, D=D, M=M, N=N, H=H, HKV=HKV)
+    packed = c.packed_for(env) if H != HKV else None
+    if packed is not None:
+        return packed.specialize("f16", B=1, D=D, M=M * (H // HKV), N=N, H=HKV, HKV=HKV)
+    return c.specialize("f16", **env)
+
+
+def build(job: tuple) -> tuple:
+    """(job, (parts, cluster size)) of the kernel a job's call runs, compiled (cached) on the way."""
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    spec = kernel(*job).spec
+    return job, (spec.kv_parts, cluster_parts(spec))
+
+
+def jobs(sets: list[str]) -> list[tuple]:
+    return [(s, g, v, D, M, N) for name in sets for s, g, D, M, N, vs in CASES[name] for v in ("auto",) + vs]
+
+
+def gtime(fn, reps: int = 20, iters: int = 15) -> float:
+    """us a call: `reps` calls captured in one CUDA graph, the median of `iters` replays."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / reps)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=[*CASES, "all"], default="all")
+    args = ap.parse_args()
+    sets = list(CASES) if args.set == "all" else [args.set]
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(min(15, os.cpu_count() or 1)) as pool:
+        got = dict(pool.map(build, jobs(sets)))
+    print(f"compiled {len(got)} kernels in {time.time() - t0:.0f} s", flush=True)
+    F = torch.nn.functional
+    print("| case | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
+          "auto vs FLASH | auto vs cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in sets:
+        for stem, group, D, M, N, forced in CASES[name]:
+            H, HKV = heads(group, M)
+            q = torch.randn(1, H, M, D, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(1, HKV, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+            caps = [N - M] if stem in ("window_off", "causal_off") else \
+                [torch.randn(HKV, 2 * N - 1, device="cuda")] if stem == "relative_bias" else []
+            times = {}
+            for var in ("auto",) + forced:
+                c = compiled(stem, group, var)
+                times[var] = gtime(lambda: c(q, k, v, *caps))
+            ref = {}
+            for backend, label in ((SDPBackend.FLASH_ATTENTION, "flash"), (SDPBackend.CUDNN_ATTENTION, "cudnn")):
+                try:
+                    with sdpa_kernel(backend):
+                        ref[label] = gtime(lambda: F.scaled_dot_product_attention(
+                            q, k, v, is_causal=stem == "causal", enable_gqa=H != HKV))
+                except RuntimeError:
+                    ref[label] = float("nan")
+            parts, cluster = got[(stem, group, "auto", D, M, N)]
+            best = min(times[var] for var in forced)
+            print(f"| {stem} | {group} | {D} | {M} | {N} | {times['auto']:.1f} (p{parts}{' cluster' if cluster else ''})"
+                  f" | " + ", ".join(f"{var}: {times[var]:.1f}" for var in forced) + f" | {best / times['auto']:.2f} | "
+                  f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
+                  f"{ref['cudnn'] / times['auto']:.2f} |", flush=True)
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

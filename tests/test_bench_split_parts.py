@@ -1,0 +1,43 @@
+"""benchmarks/split_parts.py without a GPU (a Hopper faked): every case's calls build, and the automatic choice
+takes the parts the fifty-second session measured fastest (BENCHMARKS.md: decoding's one-tile parts merged in a
+cluster at 8, masked decoding's too, small prefill grids' parts of two kv tiles)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import split_parts  # noqa: E402
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    from falower.backends.numba_cuda import runtime
+
+    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+
+
+WANT = {  # (stem, G or H, D, M, N) -> the automatic (parts, cluster size)
+    ("plain", 1, 128, 1, 512): (4, 0), ("plain", 1, 128, 1, 1024): (8, 8), ("plain", 1, 128, 1, 3000): (8, 8),
+    ("gqa", 4, 128, 1, 1024): (8, 8), ("window_off", 4, 128, 1, 8192): (8, 8), ("causal_off", 1, 64, 1, 2048): (8, 8),
+    ("causal", 1, 128, 512, 512): (2, 0), ("causal", 1, 128, 1024, 1024): (4, 0), ("plain", 2, 64, 1024, 1024): (4, 0),
+}
+
+
+def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
+    split_parts._COMPILED.clear()
+    for job in split_parts.jobs(list(split_parts.CASES)):
+        _, (parts, cluster) = split_parts.build(job)
+        stem, group, var, D, M, N = job
+        if var != "auto":
+            assert parts == split_parts.VARIANTS[var]["kv_parts"], job
+            assert cluster == (8 if var == "c8" else 0), job
+        elif (stem, group, D, M, N) in WANT:
+            assert (parts, cluster) == WANT[(stem, group, D, M, N)], job
