@@ -163,8 +163,9 @@ def main() -> None:
                     ref[label] = float("nan")
             parts, cluster = got[(stem, group, "auto", D, M, N)]
             best = min(times[var] for var in forced)
-            print(f"| {stem} | {group} | {D} | {M} | {N} | {times['auto']:.1f} (p{parts}{' cluster' if cluster else ''})"
-                  f" | " + ", ".join(f"{var}: {times[var]:.1f}" for var in forced) + f" | {best / times['auto']:.2f} | "
+            auto = f"{times['auto']:.1f} (p{parts}{' cluster' if cluster else ''})"
+            others = ", ".join(f"{var}: {times[var]:.1f}" for var in forced)
+            print(f"| {stem} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
                   f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
                   f"{ref['cudnn'] / times['auto']:.2f} |", flush=True)
     print(f"total {time.time() - t0:.0f} s")
