@@ -148,6 +148,32 @@ def _merge(parts: int, vec: int, load: Any, store: Any, programmatic: bool = Fal
 
 
 @functools.lru_cache(maxsize=None)
+def _weighted_chunk(parts: int, dtype: str, load_words: Any) -> Any:
+    """`weighted(src, base, step, a, o, at)`: o's 16 bytes at its 4-byte word `at` (words of two 16-bit `dtype`
+    halves) = the sum over parts p, in order, of a[p] times part p's 8 elements, whose 16 bytes are
+    `load_words(src, base, step, p)` (4 words): the in-kernel merges' last step (fused_merge_unit, cluster_merge_unit),
+    which differ only in where a part's words are."""
+    from .intrinsics import stg_vec
+
+    widen, _, pack = _sixteen_bit(dtype, "the merge in the kernel")
+
+    @cuda.jit(device=True)
+    def weighted(src, base, step, a, o, at):
+        acc = cuda.local.array(8, np.float32)
+        for j in range(8):
+            acc[j] = np.float32(0.0)
+        for p in range(parts):
+            w = load_words(src, base, step, p)
+            for j in range(4):
+                acc[2 * j] += a[p] * widen(np.uint16(np.uint32(w[j]) & np.uint32(0xFFFF)))
+                acc[2 * j + 1] += a[p] * widen(np.uint16(np.uint32(w[j]) >> np.uint32(16)))
+        stg_vec(o, at, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
+                        np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
+
+    return weighted
+
+
+@functools.lru_cache(maxsize=None)
 def fused_merge_unit(parts: int, dtype: str) -> Any:
     """The merge split-kv's kernel runs itself in the last part of a q tile to finish (emit_fa3_ws.fused_merge):
     `unit(o_parts, lse_parts, o, lse, rows, D, row, chunk)` merges 8 elements, chunk `chunk` of row `row`, the arrays
@@ -155,26 +181,22 @@ def fused_merge_unit(parts: int, dtype: str) -> Any:
     [rows, D / 2]; lse_parts [parts, rows], lse [rows]; D a multiple of 8, the arrays 16-byte aligned); chunk 0
     writes the row's LSE. The arithmetic is `_merge`'s (`_shares`, then each part's weighted O in order); the parts'
     reads by ld.global.cg (the other parts' SMs wrote them: never a stale L1 line)."""
-    from .intrinsics import ldg_cg_f32, ldg_cg_vec, stg_vec
+    from .intrinsics import ldg_cg_f32, ldg_cg_vec
 
-    widen, _, pack = _sixteen_bit(dtype, "fused_merge_unit")
+    @cuda.jit(device=True)
+    def load_words(o_parts, base, step, p):
+        return ldg_cg_vec(o_parts, base + p * step)
+
     shares = _shares(parts, ldg_cg_f32)
+    weighted = _weighted_chunk(parts, dtype, load_words)
 
     @cuda.jit(device=True)
     def unit(o_parts, lse_parts, o, lse, rows, D, row, chunk):
         a = cuda.local.array(parts, np.float32)
         row_lse = shares(lse_parts, rows, row, a)
-        acc = cuda.local.array(8, np.float32)
-        for j in range(8):
-            acc[j] = np.float32(0.0)
         half_d = D // 2
-        for p in range(parts):
-            w = ldg_cg_vec(o_parts, (p * rows + row) * half_d + chunk * 4)
-            for j in range(4):
-                acc[2 * j] += a[p] * widen(np.uint16(np.uint32(w[j]) & np.uint32(0xFFFF)))
-                acc[2 * j + 1] += a[p] * widen(np.uint16(np.uint32(w[j]) >> np.uint32(16)))
-        stg_vec(o, row * half_d + chunk * 4, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
-                                              np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
+        at = row * half_d + chunk * 4
+        weighted(o_parts, at, rows * half_d, a, o, at)  # part p's chunk at word at + p rows D / 2
         if chunk == 0:
             lse[row] = row_lse
 
@@ -188,31 +210,25 @@ def cluster_merge_unit(parts: int, dtype: str) -> Any:
     two 16-bit `dtype` halves, [rows, D / 2]) and LSE, from each rank p's f32 LSE of the row at shared byte address
     lse_addr and its 16 staged bytes of O at o_addr (the same addresses in every block of the cluster, read by
     mapa and ld.shared::cluster); chunk 0 writes the row's LSE. The arithmetic is fused_merge_unit's (`_shares`,
-    then each part's weighted O in order)."""
-    from .intrinsics import ld_cluster_f32, ld_cluster_v4_u32, mapa_shared, stg_vec
-
-    widen, _, pack = _sixteen_bit(dtype, "cluster_merge_unit")
+    then each part's weighted O in order: `_weighted_chunk`)."""
+    from .intrinsics import ld_cluster_f32, ld_cluster_v4_u32, mapa_shared
 
     @cuda.jit(device=True)
     def load_lse(addr, p):
         return ld_cluster_f32(mapa_shared(addr, p))
 
+    @cuda.jit(device=True)
+    def load_words(o, addr, step, p):  # (o and step unused: rank p's words are at addr in its shared memory)
+        return ld_cluster_v4_u32(mapa_shared(addr, p))
+
     shares = _shares(parts, load_lse)
+    weighted = _weighted_chunk(parts, dtype, load_words)
 
     @cuda.jit(device=True)
     def unit(lse_addr, o_addr, o, lse, D, row, chunk):
         a = cuda.local.array(parts, np.float32)
         row_lse = shares(lse_addr, 1, 0, a)  # rank p's LSE at index p: load_lse(lse_addr, p)
-        acc = cuda.local.array(8, np.float32)
-        for j in range(8):
-            acc[j] = np.float32(0.0)
-        for p in range(parts):
-            w = ld_cluster_v4_u32(mapa_shared(o_addr, p))
-            for j in range(4):
-                acc[2 * j] += a[p] * widen(np.uint16(np.uint32(w[j]) & np.uint32(0xFFFF)))
-                acc[2 * j + 1] += a[p] * widen(np.uint16(np.uint32(w[j]) >> np.uint32(16)))
-        stg_vec(o, row * (D // 2) + chunk * 4, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
-                                                np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
+        weighted(o, o_addr, 0, a, o, row * (D // 2) + chunk * 4)
         if chunk == 0:
             lse[row] = row_lse
 
