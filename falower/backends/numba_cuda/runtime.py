@@ -568,6 +568,21 @@ def _ctypes_launch_ex() -> Any:
     return _LIBCUDA_LAUNCH_EX[0]
 
 
+def _launch_config(grid: tuple, block: int, smem: int, attr: _LaunchAttribute) -> _LaunchConfig:
+    """cuLaunchKernelEx's configuration: `grid`, `block` threads along x, `smem` bytes, the one attribute `attr`
+    (which the caller keeps alive: the configuration points into it)."""
+    return _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
+                         attrs=ctypes.pointer(attr), num_attrs=1)
+
+
+def _cluster_attribute(width: int) -> _LaunchAttribute:
+    """The launch attribute of clusters of `width` blocks along x."""
+    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
+    attr.value[0] = int(width) | (1 << 32)  # clusterDim {x, y, z}: x and y in the union's first 8 bytes
+    attr.value[1] = 1  # z
+    return attr
+
+
 def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, address: int, plain: Any) -> Any:
     """`plain`'s launch with programmatic stream serialization: the kernel's blocks may be placed while the kernel
     before it on the stream still runs (once that one's blocks have all run griddep_launch_dependents), and it
@@ -578,8 +593,7 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
         return plain
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed, the union's first int (little-endian)
-    config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
-                           attrs=ctypes.pointer(attr), num_attrs=1)
+    config = _launch_config(grid, block, smem, attr)
     refused: list = []
 
     def run(stream: int) -> None:
@@ -608,11 +622,8 @@ def _cluster_launcher(handle: int, grid: tuple, block: int, smem: int, address: 
     if fn is None:
         raise RuntimeError("this kernel merges split-kv's parts in a cluster and needs cuLaunchKernelEx, which "
                            "libcuda does not have here: set extra cluster_merge=False")
-    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
-    attr.value[0] = int(width) | (1 << 32)  # clusterDim {x, y, z}: x and y in the union's first 8 bytes
-    attr.value[1] = 1  # z
-    config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
-                           attrs=ctypes.pointer(attr), num_attrs=1)
+    attr = _cluster_attribute(width)
+    config = _launch_config(grid, block, smem, attr)
 
     def run(stream: int) -> None:
         config.stream = stream
@@ -649,11 +660,8 @@ def clusters_fit(func: int, block: int, smem: int, width: int) -> bool:
     fn = _ctypes_max_active_clusters()
     if fn is None:
         return True
-    attr = _LaunchAttribute(id=_CLUSTER_DIMENSION)
-    attr.value[0] = int(width) | (1 << 32)
-    attr.value[1] = 1
-    config = _LaunchConfig(grid=(ctypes.c_uint * 3)(width, 1, 1), block=(ctypes.c_uint * 3)(block, 1, 1), smem=smem,
-                           attrs=ctypes.pointer(attr), num_attrs=1)
+    attr = _cluster_attribute(width)
+    config = _launch_config((width, 1, 1), block, smem, attr)
     n = ctypes.c_int()
     return fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 and n.value > 0
 
@@ -1392,12 +1400,11 @@ class FA2ForwardKernel:
             return self._plans[key]
         except KeyError:
             pass
+        if cluster_parts(self.spec) and not self._clusters_fit(q):  # (a MIG slice, a device without clusters)
+            plan = self._plans[key] = self.without_cluster.plan(q, k, v, captures)  # (which checks the inputs)
+            return plan
         plan = None
         self._check(q, k, v, captures)
-        if cluster_parts(self.spec) and not self._clusters_fit(q):  # (a MIG slice, a device without clusters)
-            plan = self.without_cluster.plan(q, k, v, captures)
-            self._plans[key] = plan
-            return plan
         aligned = self.spec.path == "mma"
         tma = uses_kv_maps(self.spec)
         if all(_fast_ok(x, aligned, tma) for x in (q, k, v)) and _captures_fit(self.spec, captures):
@@ -1445,8 +1452,7 @@ class FA2ForwardKernel:
         buffers; `finish()` returns (o, lse). Calling `launch` repeatedly re-runs the kernels with
         the least host work, which is what the benchmark times.
         """
-        if cluster_parts(self.spec):  # Numba launches no clusters
-            self._check(q, k, v, captures)
+        if cluster_parts(self.spec):  # Numba launches no clusters (the kernel without checks the inputs)
             return self.without_cluster.prepare(q, k, v, *captures, _wrap=_wrap)
         from numba import cuda
 
