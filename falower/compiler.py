@@ -252,9 +252,8 @@ class CompiledAttention:
         no mask or a static one (merged in a cluster at that count), else KV_PART_MIN_TILES_DECODE kv tiles, as a
         small prefill grid's 64-row q tiles do (half a 128-row tile's tensor work a kv tile: 4 parts of 2 tiles ran
         1.09-1.23x 2 parts of 4 at N = 1k, H = 1-2, H200 2026-11-30); prefill's 128-row tiles KV_PART_MIN_TILES. The
-        kernel is
-        then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline): the dump
-        shows what runs."""
+        kernel is then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline):
+        the dump shows what runs."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import reads_table_tile
 
@@ -287,8 +286,8 @@ class CompiledAttention:
                                 decode=tiling == "decode")
         blocks = int(self.extra.get("persistent", choice["persistent"]))
         few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
-        if few_rows and self._mask_kind() in ("none", "static"):  # parts of one kv tile where they make at most
-            # KV_PARTS_CLUSTER (merged in a cluster at that count: a masked grid's too, its parts first, _forward_spec)
+        if few_rows:  # parts of one kv tile where they make at most KV_PARTS_CLUSTER (merged in a cluster at that
+            # count: a masked grid's too, its parts first, _forward_spec; other masks returned 1 above)
             one = self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, 1)
             if one <= emit_fa3.KV_PARTS_CLUSTER:
                 return one
