@@ -36,3 +36,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none found; FALOWER_GPU=1 forces these tests)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A Hopper GPU of 132 SMs faked for falower.compile's automatic choices (compute capability and SM count),
+    with no GPU to compile for: the kernels' sources and choices, not their launches. (A test file may define its
+    own `hopper`, which takes precedence there.)"""
+    from falower.backends.numba_cuda import runtime
+
+    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)

@@ -15,15 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import split_parts  # noqa: E402
 
 
-@pytest.fixture
-def hopper(monkeypatch):
-    from falower.backends.numba_cuda import runtime
-
-    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
-    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
-    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
-
-
 WANT = {  # (stem, G or H, D, M, N) -> the automatic (parts, cluster size)
     ("plain", 1, 128, 1, 512): (4, 0), ("plain", 1, 128, 1, 1024): (8, 8), ("plain", 1, 128, 1, 3000): (8, 8),
     ("gqa", 4, 128, 1, 1024): (8, 8), ("window_off", 4, 128, 1, 8192): (8, 8), ("causal_off", 1, 64, 1, 2048): (8, 8),

@@ -90,15 +90,6 @@ def test_auto_kv_parts_splits_grids_of_half_the_sms_into_one_round():
     assert emit_fa3.auto_kv_parts(1, 10 ** 6, 132) == emit_fa3.KV_PARTS_MAX
 
 
-@pytest.fixture
-def hopper(monkeypatch):
-    from falower.backends.numba_cuda import runtime
-
-    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
-    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
-    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
-
-
 def _call(stem: str, B: int, H: int, N: int, D: int = 128, M: int = 0, **extra):
     c = fl.compile(_example(stem), extra=extra or None)
     kern = c.specialize("f16", B=B, H=H, M=M or N, N=N, D=D)
