@@ -1,8 +1,10 @@
 """FA2ForwardKernel.work_counter, the `work` array of the kernel that draws its items from a counter (the D = 128
 default on Hopper): one per (device, stream) for eager launches, and a fresh one for every launch captured into a
 CUDA graph, kept alive with the kernel (two graphs captured on torch's one capture stream may be replayed at once on
-two streams; sharing a counter, their blocks would take each other's tickets and skip items). torch is faked here:
-the GPU suite runs the real one."""
+two streams; sharing a counter, their blocks would take each other's tickets and skip items), zeroed once outside
+the graph (graph_capture.zeroed_int32: torch.zeros would put a zeroing kernel in the graph, run on every replay).
+torch is faked here: the GPU suite runs the real one (tests/gpu/test_graph_capture_gpu.py counts the graph's
+nodes)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import types
 
 import pytest
 
+from falower.backends.numba_cuda import graph_capture
 from falower.backends.numba_cuda.runtime import FA2ForwardKernel
 
 
@@ -33,6 +36,14 @@ class _FakeTorch(types.ModuleType):
 def fake_torch(monkeypatch):
     t = _FakeTorch()
     monkeypatch.setitem(sys.modules, "torch", t)
+    outside = []  # the counters zeroed outside a capture
+
+    def zeroed(n, device):
+        outside.append({"n": n, "dtype": "int32", "device": device, "outside": True})
+        return outside[-1]
+
+    monkeypatch.setattr(graph_capture, "zeroed_int32", zeroed)
+    t.outside = outside
     return t
 
 
@@ -57,5 +68,6 @@ def test_each_captured_launch_gets_its_own_counter_kept_alive(fake_torch):
     g2 = FA2ForwardKernel.work_counter(k, "torch", "cuda:0", 7)
     assert len({id(eager), id(g1), id(g2)}) == 3
     assert k._captured == [g1, g2] and eager not in k._captured
+    assert fake_torch.outside == [g1, g2] and fake_torch.made == [eager]  # no torch.zeros while capturing
     fake_torch.capturing = False
     assert FA2ForwardKernel.work_counter(k, "torch", "cuda:0", 7) is eager  # eager launches: the stream's again

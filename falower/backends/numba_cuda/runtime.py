@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import cubin_cache
+from . import cubin_cache, graph_capture
 from .block_data import BlockTables
 from .emit_fa2 import (cluster_parts, emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block,
                        uses_fused_merge, uses_kv_maps, uses_o_map, uses_work_counter)
@@ -1241,9 +1241,10 @@ class FA2ForwardKernel:
         key = (str(device), stream, shapes, dtype)
         ws = None if capturing else self._split_ws.get(key)
         if ws is None:  # (a third shape: the fused merge's counts, int32, zeroed: fused_merge keeps them mod P)
+            zeros = (lambda shape: graph_capture.zeroed_int32(shape[0], device)) if capturing else \
+                (lambda shape: torch.zeros(shape, dtype=torch.int32, device=device))
             ws = (torch.empty(shapes[0], dtype=dtype, device=device),
-                  torch.empty(shapes[1], dtype=lse_dtype, device=device)) + tuple(
-                torch.zeros(shape, dtype=torch.int32, device=device) for shape in shapes[2:])
+                  torch.empty(shapes[1], dtype=lse_dtype, device=device)) + tuple(zeros(shape) for shape in shapes[2:])
             if capturing:
                 self._captured.append(ws)
             else:
@@ -1260,7 +1261,7 @@ class FA2ForwardKernel:
             import torch
 
             if torch.cuda.is_current_stream_capturing():
-                buf = torch.zeros(2, dtype=torch.int32, device=device)
+                buf = graph_capture.zeroed_int32(2, device)
                 self._captured.append(buf)
                 return buf
         key = (kind, str(device), stream)

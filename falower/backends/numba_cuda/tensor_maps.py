@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import graph_capture
+
 MAP_BYTES = 128
 O_BOX_ROWS = 16  # a consumer warp's rows of O: one box a warp and 64 columns (128 bytes, the swizzle's span)
 O_BOX_COLS = 64
@@ -167,8 +169,9 @@ class TensorMaps:
         """The map of the tensor at `ptr` on torch device `device`, made on and kept for the stream the kernel runs
         on (`stream` its handle; None: torch's current stream): a map dropped from the cache is then reused only after
         the launches of its stream that read it. `capturing`: whether that stream captures a CUDA graph (asked of
-        torch when not given); a map made while capturing is written only when the graph replays, so it is the
-        graph's alone (kept for good, never in the cache), and a cached map a graph reads is kept for good too."""
+        torch when not given); a map made while capturing is written at once outside the capture (graph_capture: a
+        put in the graph would run on every replay) and kept for good, as is a cached map a graph reads; the
+        capture's later calls on the same tensor find it in the cache."""
         import torch
 
         if stream is None:
@@ -179,18 +182,18 @@ class TensorMaps:
         def make() -> Any:
             data = encode_map(ptr, geometry, self.dtype, what)
             dev = torch.empty(MAP_BYTES // 8, dtype=torch.int64, device=device)  # 8-byte words, 128-byte aligned
-            put_map(device.index if device.index is not None else torch.cuda.current_device(), dev.data_ptr(), data,
-                    stream)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if capturing:
+                graph_capture.outside_capture(device, lambda side: put_map(index, dev.data_ptr(), data, side))
+            else:
+                put_map(index, dev.data_ptr(), data, stream)
             return dev.view(torch.uint8)  # the kernel's argument type
 
         key = ("torch", str(device), stream, ptr, geometry)
+        m = self._get(key, make)
         if capturing:
-            m = self._maps.get(key)
-            if m is None:
-                m = make()
             self._captured[m.data_ptr()] = m
-            return m
-        return self._get(key, make)
+        return m
 
     def torch_o(self, o: Any, capturing: Optional[bool] = None, stream: Optional[int] = None) -> Any:
         """The map of a contiguous torch O [B, H, M, D] (f16 / bf16): o_map_geometry."""

@@ -1,0 +1,81 @@
+"""Writes that a captured launch needs done once, made while a CUDA graph captures but outside the graph.
+
+A call captured into a CUDA graph gets state of its own that the graph keeps: the work counter of a kernel that
+takes its items from one, split-kv's arrival counts, the tensor maps of tensors first seen while capturing. Made
+with torch or put_map on the capturing stream, each such write became a node of the graph, run on every replay: a
+zeroing kernel for each counter, a put kernel for each map, each a kernel boundary (about a microsecond a node on
+an H200) in front of a decoding call whose kernel takes a few. Each needs writing once only (the kernels leave the
+counters zeroed; a map never changes), so it is written here, at capture time, on a side stream outside the
+capture, and waited for before the capture goes on.
+
+The side stream's writes are "potentially unsafe" calls under the global capture mode torch captures in; the
+thread's mode is relaxed around them (cuThreadExchangeStreamCaptureMode, as torch's allocator does around its
+cudaMalloc while capturing)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+_RELAXED = 2  # CUstreamCaptureMode: CU_STREAM_CAPTURE_MODE_RELAXED
+_LIB: list = []  # [libcuda's functions, as a dict] or [None], looked up once
+_SIDE: dict = {}  # torch device index -> the side stream (a torch Stream: its own, never captured)
+
+
+class CaptureWriteError(RuntimeError):
+    """A write outside the capture failed (a CUresult from the driver)."""
+
+
+def _lib() -> Any:
+    if not _LIB:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fns = {"mode": lib.cuThreadExchangeStreamCaptureMode, "memset": lib.cuMemsetD32Async,
+                   "sync": lib.cuStreamSynchronize}
+            fns["mode"].argtypes = [ctypes.POINTER(ctypes.c_int)]
+            fns["memset"].argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+            fns["sync"].argtypes = [ctypes.c_void_p]
+            for f in fns.values():
+                f.restype = ctypes.c_int
+            _LIB.append(fns)
+        except (OSError, AttributeError):
+            _LIB.append(None)
+    return _LIB[0]
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        raise CaptureWriteError(f"{what} outside a CUDA graph's capture: CUresult {err}")
+
+
+def outside_capture(device: Any, enqueue: Callable[[int], None]) -> None:
+    """Run `enqueue(stream)` (it enqueues work on the raw stream handle it is given) on a side stream of torch device
+    `device`, outside any capture, and wait for it; the calling thread's capture mode is relaxed meanwhile."""
+    import torch
+
+    fns = _lib()
+    if fns is None:
+        raise CaptureWriteError("no libcuda to write outside a CUDA graph's capture with")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mode = ctypes.c_int(_RELAXED)
+    _check(fns["mode"](ctypes.byref(mode)), "relaxing the capture mode")
+    try:
+        with torch.cuda.device(index):  # the device's context current for the driver's calls
+            side = _SIDE.get(index)
+            if side is None:
+                side = _SIDE[index] = torch.cuda.Stream(index)
+            enqueue(side.cuda_stream)
+            _check(fns["sync"](side.cuda_stream), "waiting for the writes")
+    finally:
+        _check(fns["mode"](ctypes.byref(mode)), "restoring the capture mode")
+
+
+def zeroed_int32(n: int, device: Any) -> Any:
+    """A torch int32 tensor of `n` zeros for a launch being captured: allocated from the capture's memory (torch.empty
+    adds no node) and zeroed outside the graph, once."""
+    import torch
+
+    buf = torch.empty(n, dtype=torch.int32, device=device)
+    fns = _lib()
+    outside_capture(buf.device, lambda stream: _check(fns["memset"](buf.data_ptr(), 0, n, stream), "zeroing"))
+    return buf

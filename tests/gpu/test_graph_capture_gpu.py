@@ -1,0 +1,79 @@
+"""A call captured into a CUDA graph adds its kernels to the graph and nothing else (marked gpu): the state a captured
+launch keeps of its own (the work counter, split-kv's arrival counts, tensor maps first made while capturing) is
+written once at capture time outside the graph (graph_capture), not by a zeroing or put kernel on every replay.
+Counted by the capture's own graph (cuStreamGetCaptureInfo, cuGraphGetNodes); every replay on new inputs equals
+the eager call (the counters stay zeroed across replays)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import falower as fl  # noqa: E402
+
+_LIB = ctypes.CDLL("libcuda.so.1") if torch.cuda.is_available() else None
+
+
+def _nodes(stream) -> int:
+    """The nodes of the graph `stream` is capturing."""
+    status, ident, graph, deps, ndeps = (ctypes.c_int(), ctypes.c_uint64(), ctypes.c_void_p(), ctypes.c_void_p(),
+                                         ctypes.c_size_t())
+    assert _LIB.cuStreamGetCaptureInfo_v2(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(status),
+                                          ctypes.byref(ident), ctypes.byref(graph), ctypes.byref(deps),
+                                          ctypes.byref(ndeps)) == 0
+    assert status.value == 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
+    count = ctypes.c_size_t(0)
+    assert _LIB.cuGraphGetNodes(graph, None, ctypes.byref(count)) == 0
+    return count.value
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return fl.compile(fl.attention(name="plain"))
+
+
+# (B, H, M, N, D, the kernel's parts, whether they merge in a cluster): decoding in a cluster (the counter and the
+# arrivals), decoding with the merge kernel (two kernels), a prefill grid on the persistent kernel (O's map)
+CASES = [(1, 8, 1, 1024, 128, 8, True), (1, 8, 1, 8192, 128, 16, False), (4, 8, 1024, 1024, 128, 1, False),
+         (1, 8, 1, 1000, 64, None, None)]  # (None: whatever the automatic choice takes at D = 64)
+
+
+@pytest.mark.parametrize("B, H, M, N, D, parts, cluster", CASES)
+def test_a_captured_call_adds_only_its_kernels(plain, B, H, M, N, D, parts, cluster):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU (the persistent kernel's counter, tensor maps and clusters)")
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    kern = plain.specialize("f16", B=B, H=H, M=M, N=N, D=D)
+    split, merged_in_cluster = kern.spec.kv_parts, bool(cluster_parts(kern.spec))
+    if parts is not None:
+        assert (split, merged_in_cluster) == (parts, cluster)
+
+    def inputs(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return [torch.randn(B, H, n, D, device="cuda", dtype=torch.float16, generator=g) for n in (M, N, N)]
+
+    static = inputs(0)
+    plain(*inputs(1))  # compiled and planned, but on other tensors: Q's, K's and V's maps are made while capturing
+    torch.cuda.synchronize()
+    launches = len(kern.plan(*static, ()).launches)
+    graph, outs = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        stream = torch.cuda.current_stream()
+        for _ in range(3):
+            before = _nodes(stream)
+            outs.append(plain(*static))
+            assert _nodes(stream) - before == launches
+    assert launches == (1 if split == 1 or merged_in_cluster else 2)  # the merge kernel after the parts
+    for seed in range(2, 5):
+        for x, y in zip(static, inputs(seed)):
+            x.copy_(y)
+        graph.replay()
+        eo, else_ = plain(*static)
+        torch.cuda.synchronize()
+        for go, glse in outs:
+            assert torch.equal(go, eo) and torch.equal(glse, else_)
