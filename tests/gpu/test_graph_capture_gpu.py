@@ -77,3 +77,23 @@ def test_a_captured_call_adds_only_its_kernels(plain, B, H, M, N, D, parts, clus
         torch.cuda.synchronize()
         for go, glse in outs:
             assert torch.equal(go, eo) and torch.equal(glse, else_)
+
+
+def test_captures_on_more_streams_than_torchs_pool_holds(plain):
+    """torch hands out its pooled streams in turn (32 a device and priority), so a capture stream made late is one
+    made early again: the side stream the writes go on is the driver's own, never a capture stream (it was a pooled
+    one first, and the 33rd capture synchronised its own capturing stream: CUresult 900, the capture lost)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU (the persistent kernel's counter)")
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    want = plain(q, k, v)
+    for _ in range(40):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            got = plain(q, k, v)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -19,7 +19,9 @@ from typing import Any, Callable
 
 _RELAXED = 2  # CUstreamCaptureMode: CU_STREAM_CAPTURE_MODE_RELAXED
 _LIB: list = []  # [libcuda's functions, as a dict] or [None], looked up once
-_SIDE: dict = {}  # torch device index -> the side stream (a torch Stream: its own, never captured)
+_SIDE: dict = {}  # torch device index -> the side stream's handle: made by the driver, not taken from torch's pool
+# of streams (which hands its streams out in turn: a caller's capture stream could be the side stream)
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream
 
 
 class CaptureWriteError(RuntimeError):
@@ -31,10 +33,11 @@ def _lib() -> Any:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             fns = {"mode": lib.cuThreadExchangeStreamCaptureMode, "memset": lib.cuMemsetD32Async,
-                   "sync": lib.cuStreamSynchronize}
+                   "sync": lib.cuStreamSynchronize, "stream": lib.cuStreamCreate}
             fns["mode"].argtypes = [ctypes.POINTER(ctypes.c_int)]
             fns["memset"].argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
             fns["sync"].argtypes = [ctypes.c_void_p]
+            fns["stream"].argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
             for f in fns.values():
                 f.restype = ctypes.c_int
             _LIB.append(fns)
@@ -63,9 +66,11 @@ def outside_capture(device: Any, enqueue: Callable[[int], None]) -> None:
         with torch.cuda.device(index):  # the device's context current for the driver's calls
             side = _SIDE.get(index)
             if side is None:
-                side = _SIDE[index] = torch.cuda.Stream(index)
-            enqueue(side.cuda_stream)
-            _check(fns["sync"](side.cuda_stream), "waiting for the writes")
+                handle = ctypes.c_void_p()
+                _check(fns["stream"](ctypes.byref(handle), _NON_BLOCKING), "making a side stream")
+                side = _SIDE[index] = handle.value
+            enqueue(side)
+            _check(fns["sync"](side), "waiting for the writes")
     finally:
         _check(fns["mode"](ctypes.byref(mode)), "restoring the capture mode")
 
