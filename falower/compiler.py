@@ -95,10 +95,11 @@ class CompiledAttention:
         # decoding's tiles for at most 64 rows, else D = 64's for these sizes (None: not offered)
         tiling = "decode" if self._decode_tiles(dtype, path, env) else self._d64_tiling(dtype, path, env)
         parts = self._kv_parts(dtype, path, env, tiling)  # split-kv's parts for these sizes (1: none)
+        cluster = self._cluster_small_grid(dtype, path, env, tiling, parts)  # those merged in a cluster
         key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("tiles", tiling),)) \
-            + (() if parts == 1 else (("kv_parts", parts),))
+            + (() if parts == 1 else (("kv_parts", parts),)) + ((("cluster", True),) if cluster else ())
         if key not in self._kernels:
-            spec, built = self._forward_spec(used, dtype, path, tiling, parts)
+            spec, built = self._forward_spec(used, dtype, path, tiling, parts, cluster)
             self._built[spec.name] = built
             try:
                 kern = FA2ForwardKernel(spec)
@@ -294,6 +295,29 @@ class CompiledAttention:
         return self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE
                                       if tiling == "decode" else emit_fa3.KV_PART_MIN_TILES)
 
+    def _cluster_small_grid(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str],
+                            parts: int) -> bool:
+        """Whether a call's grid in 2-4 parts (`_kv_parts`) merges them in a cluster (extra cluster_merge, unless the
+        caller set it; emit_fa3_ws.cluster_merge still says whether the kernel can): where its blocks are at most
+        half the persistent kernel's, so that its clusters surely fit at once (a GPC holds a few; grids of more
+        waited: 4 parts of 32 q tiles in clusters ran 1.38x and 1.53x slower than with the merge kernel). Measured
+        (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Captured calls"): of 12 such grids in a cluster, 7 ran
+        faster (causal at B = 1, H = 1, N = 1k in 4 parts 1.16x; decoding at B = 1, H = 8, N = 1k in 4 parts 1.09x),
+        the rest within 1.4% either way. 8 parts take the cluster anyway (emit_fa3.KV_PARTS_CLUSTER)."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.from_ir import reads_table_tile
+        from .backends.numba_cuda.spec import forward_extra
+
+        if not 1 < parts < emit_fa3.KV_PARTS_CLUSTER or "cluster_merge" in forward_extra(self.extra):
+            return False
+        choice = self._auto_choice(dtype, env["D"], path, few_rows=tiling == "decode")
+        heads, (m, _) = self._heads(env), self._seq_lengths(env)
+        if not choice or not choice.get("persistent") or heads is None or not m:
+            return False
+        bq, _ = emit_fa3.tiles(env["D"], self._mask_kind(), reads_table_tile(self.analysis), persistent=True,
+                               two=tiling == "two", decode=tiling == "decode")
+        return 2 * heads * -(-m // bq) * parts <= int(self.extra.get("persistent", choice["persistent"]))
+
     def _parts_by_longest(self, bq: int, bk: int, m: int, n: int, head_dim: int, heads: int, blocks: int,
                           min_tiles: Optional[int] = None) -> int:
         """emit_fa3.auto_kv_parts for `heads` (b, h) pairs of bq x bk q tiles on `blocks` blocks, counted on the
@@ -346,7 +370,7 @@ class CompiledAttention:
         return self._memo[key]
 
     def _forward_spec(self, used: dict[str, int], dtype: str, path: str,
-                      tiling: Optional[str], parts: int = 1) -> tuple[Any, tuple[Func, Any]]:
+                      tiling: Optional[str], parts: int = 1, cluster: bool = False) -> tuple[Any, tuple[Func, Any]]:
         """The forward kernel's spec and the (lowered IR, analysis) it is built from.
 
         On the tensor-core path the schedule is mma.sync (emit_fa2) or, on a Hopper GPU, wgmma (emit_fa3):
@@ -357,7 +381,8 @@ class CompiledAttention:
         graph is lowered again with them, so the IR says the tiles the kernel runs. `tiling`: "decode" (`_decode_tiles`:
         one consumer warpgroup of 64 rows) or `_d64_tiling`'s
         answer for the call's sizes (None where no D = 64 choice arises); `parts`: `_kv_parts`'s (the persistent
-        kernel's tries take split-kv's IR with that many parts first, each then unsplit)."""
+        kernel's tries take split-kv's IR with that many parts first, each then unsplit); `cluster`:
+        `_cluster_small_grid`'s (those parts merged in a cluster)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import BackendError, build_spec, reads_table_tile
         from .backends.numba_cuda.spec import forward_extra
@@ -458,7 +483,8 @@ class CompiledAttention:
                     # decoding's masked grid in parts is one round of the SMs, whose order then does not matter: the
                     # parts the grid's fastest axis, not the heads, so that 8 of them are a cluster (cluster_merge)
                     "head_group": 1 if ("head_group" not in fwd and tiling == "decode" and kvp > 1
-                                        and mask_kind == "static") else 0}
+                                        and mask_kind == "static") else 0,
+                    "cluster_merge": cluster}
             auto = {k: v for k, v in auto.items() if v}
             if auto:  # the automatic share of exponentials on the FMA pipe and kv order, shown in spec.extra
                 spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **fwd})

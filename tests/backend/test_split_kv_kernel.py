@@ -258,13 +258,14 @@ def test_decodings_kernel_merges_its_parts_itself_where_asked(hopper):
     assert kern.spec.kv_parts == 2 and not emit_fa3_ws.fused_merge(kern.spec) and "merge_unit" not in kern.source
 
 
-def test_decodings_parts_merge_in_a_cluster_at_eight_or_where_asked(hopper):
+def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper):
     """emit_fa3_ws.cluster_merge: a q tile's P parts are one cluster's blocks, by default at P = 8
     (emit_fa3.KV_PARTS_CLUSTER: decoding's one-tile parts at N = 1k, its 8 at 2k-3k), at 2 .. 8 with extra
     cluster_merge=True: one block an item whatever the grid (the persistent cap would give a block two items and a
     cluster two q tiles), a cluster barrier before the merge and one after, rank kvp merging every P-th chunk from
-    the cluster's shared memory; the kernel takes fused_merge's arguments. Not at 16 parts (the portable cluster
-    size is 8), nor at 4 unasked, nor with cluster_merge=False, nor on the prefill grid's kernel."""
+    the cluster's shared memory; the kernel takes fused_merge's arguments. At 2-4 parts unasked where the grid's
+    blocks are at most half the SMs (compiler._cluster_small_grid). Not at 16 parts (the portable cluster size is
+    8), nor at 4 on a grid past half the SMs, nor with cluster_merge=False, nor on the prefill grid's kernel."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
 
     for D, N, P, extra in ((128, 1024, 8, {}), (64, 3000, 8, {}),
@@ -282,8 +283,12 @@ def test_decodings_parts_merge_in_a_cluster_at_eight_or_where_asked(hopper):
         assert grid(s, 4, 64, 64, N) == (4 * 64 * P, 1, 1)  # past the persistent grid: still one block an item
     kern, _ = _call("plain", 1, 8, 8192, 128, 1, cluster_merge=True)  # 16 parts: the merge kernel
     assert kern.spec.kv_parts == 16 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
-    kern, _ = _call("plain", 1, 8, 1024, 128, 1, kv_parts=4)  # 4 parts, not asked
+    kern, _ = _call("plain", 1, 8, 1024, 128, 1, kv_parts=4)  # 4 parts of a grid of 32 blocks: a cluster unasked
+    assert kern.spec.kv_parts == 4 and cluster_parts(kern.spec) == 4
+    kern, _ = _call("plain", 1, 8, 1024, 128, 1, kv_parts=4, cluster_merge=False)
     assert kern.spec.kv_parts == 4 and not cluster_parts(kern.spec)
+    kern, _ = _call("plain", 4, 8, 1024, 128, 1)  # 4 parts of 32 q tiles: 128 blocks, past half the SMs
+    assert kern.spec.kv_parts == 4 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 8, 1024, 128, 1, cluster_merge=False)
     assert kern.spec.kv_parts == 8 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 4, 2048, cluster_merge=True)  # two parts of 128-row tiles (TMA stores of O)

@@ -307,6 +307,23 @@ def test_a_cluster_merges_its_q_tiles_parts(monkeypatch, stem, dtype, D, M, N, P
         assert torch.equal(fin, torch.isfinite(lse4)) and (lse4[fin] - lse1[fin]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("stem, D, dtype", [(s, d, "f16") for s in ("causal", "plain", "prefix_lm", "alibi",
+                                                                   "relative_bias", "softcap") for d in (64, 128)]
+                         + [("causal", 128, "bf16"), ("alibi", 64, "bf16")])
+def test_a_small_prefill_grids_parts_merge_in_a_cluster(stem, D, dtype):
+    """B = 1, H = 1, M = N = 1000, the automatic choice: 16 q tiles of 64 rows in 4 parts, 64 blocks (at most half
+    the SMs: compiler._cluster_small_grid), merged in a cluster; causal's early q tiles leave parts without a kv
+    tile, the last q and kv tiles ragged. The error rule holds."""
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    _hopper()
+    g, c = _compiled(stem, dtype, "auto")
+    env = bind_dims(g, {"B": 1, "H": 1, "HKV": 1, "M": 1000, "N": 1000, "D": D})
+    spec = c.specialize(dtype, **env).spec
+    assert (spec.kv_parts, cluster_parts(spec), spec.block_q) == (4, 4, 64)
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + 7), dtype)
+
+
 @pytest.mark.parametrize("dtype, D, M, N", [("f16", 128, 1, 3000), ("bf16", 64, 17, 1000), ("f16", 128, 64, 8192),
                                            ("f16", 64, 1, 100)])
 def test_a_bias_table_decodes_on_the_persistent_kernel_in_parts(dtype, D, M, N):

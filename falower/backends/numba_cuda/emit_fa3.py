@@ -290,8 +290,10 @@ KV_PART_MIN_TILES_DECODE = 2  # the same for decoding's 64-row q tiles (at most 
 KV_PARTS_CLUSTER = 8  # decoding's parts of one kv tile each where that makes at most this many, and the count at
 # which split-kv's merge runs inside a cluster unasked (emit_fa3_ws.cluster_merge): measured (H200 2026-11-30, CUDA
 # graphs, whole calls, B = 1, H = 8, M = 1 / 16, benchmarks/NOTES.md "The merge inside a cluster") 8 parts merged in
-# a cluster 1.04-1.12x the count before (4 parts and the merge kernel at N = 1k, 8 at 2k-3k), 4 parts in a cluster
-# 0.96-0.97x and 2 parts 0.89x of the merge kernel's, 4 parts of one tile at N = 512 1.05-1.07x over 2 of two
+# a cluster 1.04-1.12x the count before (4 parts and the merge kernel at N = 1k, 8 at 2k-3k), 4 parts of one tile
+# at N = 512 1.05-1.07x over 2 of two. (4 and 2 parts in a cluster read 0.89-0.97x the merge kernel's then, while a
+# captured call still zeroed its counters in the graph; since, on grids of at most half the SMs, 0.99-1.16x:
+# compiler._cluster_small_grid)
 
 
 KV_SPLIT_MAX_FILL = 0.5  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
