@@ -6,7 +6,7 @@ with torch or put_map on the capturing stream, each such write became a node of 
 zeroing kernel for each counter, a put kernel for each map, each a kernel boundary (about a microsecond a node on
 an H200) in front of a decoding call whose kernel takes a few. Each needs writing once only (the kernels leave the
 counters zeroed; a map never changes), so it is written here, at capture time, on a side stream outside the
-capture, and waited for before the capture goes on.
+capture, and waited for before the capture goes on; counters come as slices of a bank of zeros written once.
 
 The side stream's writes are "potentially unsafe" calls under the global capture mode torch captures in; the
 thread's mode is relaxed around them (cuThreadExchangeStreamCaptureMode, as torch's allocator does around its
@@ -75,12 +75,35 @@ def outside_capture(device: Any, enqueue: Callable[[int], None]) -> None:
         _check(fns["mode"](ctypes.byref(mode)), "restoring the capture mode")
 
 
-def zeroed_int32(n: int, device: Any) -> Any:
-    """A torch int32 tensor of `n` zeros for a launch being captured: allocated from the capture's memory (torch.empty
-    adds no node) and zeroed outside the graph, once."""
+def _zeroed_now(n: int, device: Any) -> Any:
+    """n int32 zeros from the capture's memory (torch.empty adds no node), zeroed outside the graph now."""
     import torch
 
     buf = torch.empty(n, dtype=torch.int32, device=device)
     fns = _lib()
     outside_capture(buf.device, lambda stream: _check(fns["memset"](buf.data_ptr(), 0, n, stream), "zeroing"))
     return buf
+
+
+BANK_WORDS = 1 << 16  # int32 zeros a bank holds: one write outside the capture serves this many counters
+SLICE_WORDS = 32  # a counter's slice of a bank starts on its own 128 bytes
+_BANKS: dict = {}  # torch device index -> [the bank, words handed out]
+
+
+def zeroed_int32(n: int, device: Any) -> Any:
+    """A torch int32 tensor of `n` zeros for a launch being captured, zeroed outside the graph, never handed out
+    again: a slice of a bank of BANK_WORDS zeros (made and zeroed once, then sliced: the wait for the write outside
+    the capture is paid once a bank, not once a captured call; each slice's storage is the bank, kept alive by the
+    slices), or where n is more than a quarter of a bank, its own."""
+    import torch
+
+    if n > BANK_WORDS // 4:
+        return _zeroed_now(n, device)
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    bank = _BANKS.get(index)
+    if bank is None or bank[1] + n > BANK_WORDS:
+        bank = _BANKS[index] = [_zeroed_now(BANK_WORDS, torch.device("cuda", index)), 0]
+    out = bank[0][bank[1]:bank[1] + n]
+    bank[1] += -(-n // SLICE_WORDS) * SLICE_WORDS
+    return out
