@@ -297,18 +297,19 @@ class CompiledAttention:
 
     def _cluster_small_grid(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str],
                             parts: int) -> bool:
-        """Whether a call's grid in 2-4 parts (`_kv_parts`) merges them in a cluster (extra cluster_merge, unless the
+        """Whether a call's grid in 4 parts (`_kv_parts`) merges them in a cluster (extra cluster_merge, unless the
         caller set it; emit_fa3_ws.cluster_merge still says whether the kernel can): where its blocks are at most
         half the persistent kernel's, so that its clusters surely fit at once (a GPC holds a few; grids of more
         waited: 4 parts of 32 q tiles in clusters ran 1.38x and 1.53x slower than with the merge kernel). Measured
-        (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Captured calls"): of 12 such grids in a cluster, 7 ran
-        faster (causal at B = 1, H = 1, N = 1k in 4 parts 1.16x; decoding at B = 1, H = 8, N = 1k in 4 parts 1.09x),
-        the rest within 1.4% either way. 8 parts take the cluster anyway (emit_fa3.KV_PARTS_CLUSTER)."""
+        (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Captured calls"): 4 parts in a cluster 1.08-1.15x the
+        merge kernel's calls (decoding at N = 512, causal, plain and prefix LM at B = 1, H = 1, N = 1k); 2 parts
+        0.93-0.95x at D = 128 on small prefill grids, 0.98-1.04x elsewhere: not taken. 8 parts take the cluster
+        anyway (emit_fa3.KV_PARTS_CLUSTER)."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.from_ir import reads_table_tile
         from .backends.numba_cuda.spec import forward_extra
 
-        if not 1 < parts < emit_fa3.KV_PARTS_CLUSTER or "cluster_merge" in forward_extra(self.extra):
+        if parts != 4 or "cluster_merge" in forward_extra(self.extra):
             return False
         choice = self._auto_choice(dtype, env["D"], path, few_rows=tiling == "decode")
         heads, (m, _) = self._heads(env), self._seq_lengths(env)

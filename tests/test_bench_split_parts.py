@@ -1,6 +1,6 @@
 """benchmarks/split_parts.py without a GPU (a Hopper faked): every case's calls build, and the automatic choice
 takes the parts the fifty-second session measured fastest (BENCHMARKS.md: decoding's one-tile parts merged in a
-cluster at 8, masked decoding's too, small prefill grids' parts of two kv tiles), merged in a cluster at 2-4 parts
+cluster at 8, masked decoding's too, small prefill grids' parts of two kv tiles), merged in a cluster at 4 parts
 where the grid is at most half the SMs (the fifty-third session's)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import split_parts  # noqa: E402
 WANT = {  # (stem, G or H, D, M, N) -> the automatic (parts, cluster size)
     ("plain", 1, 128, 1, 512): (4, 4), ("plain", 1, 128, 1, 1024): (8, 8), ("plain", 1, 128, 1, 3000): (8, 8),
     ("gqa", 4, 128, 1, 1024): (8, 8), ("window_off", 4, 128, 1, 8192): (8, 8), ("causal_off", 1, 64, 1, 2048): (8, 8),
-    ("causal", 1, 128, 512, 512): (2, 2), ("causal", 1, 128, 1024, 1024): (4, 4), ("plain", 2, 64, 1024, 1024): (4, 0),
-}  # (2-4 parts in a cluster where the grid is at most half the SMs: compiler._cluster_small_grid)
+    ("causal", 1, 128, 512, 512): (2, 0), ("causal", 1, 128, 1024, 1024): (4, 4), ("plain", 2, 64, 1024, 1024): (4, 0),
+}  # (4 parts in a cluster where the grid is at most half the SMs: compiler._cluster_small_grid)
 
 
 def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):

@@ -263,7 +263,7 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     (emit_fa3.KV_PARTS_CLUSTER: decoding's one-tile parts at N = 1k, its 8 at 2k-3k), at 2 .. 8 with extra
     cluster_merge=True: one block an item whatever the grid (the persistent cap would give a block two items and a
     cluster two q tiles), a cluster barrier before the merge and one after, rank kvp merging every P-th chunk from
-    the cluster's shared memory; the kernel takes fused_merge's arguments. At 2-4 parts unasked where the grid's
+    the cluster's shared memory; the kernel takes fused_merge's arguments. At 4 parts unasked where the grid's
     blocks are at most half the SMs (compiler._cluster_small_grid). Not at 16 parts (the portable cluster size is
     8), nor at 4 on a grid past half the SMs, nor with cluster_merge=False, nor on the prefill grid's kernel."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid

@@ -850,7 +850,7 @@ def cluster_merge(spec: FA2ForwardSpec) -> bool:
     every part alone. P in 2 .. CLUSTER_MAX_PARTS, where fused_merge's kernel fits (`_merge_in_kernel_fits`),
     first items the blocks' own, the parts the grid's fastest axis (so a cluster's P neighbouring blocks are one
     q tile's parts: not under `heads_first` or item_order "cost"). By default at P = emit_fa3.KV_PARTS_CLUSTER
-    (8: 1.04-1.12x the merge kernel's calls, benchmarks/NOTES.md "The merge inside a cluster"), and at 2-4 where
+    (8: 1.04-1.12x the merge kernel's calls, benchmarks/NOTES.md "The merge inside a cluster"), and at 4 where
     the compiler finds the grid at most half the SMs (compiler._cluster_small_grid sets cluster_merge True: larger
     grids in clusters of 4 waited for room, 1.4-1.5x slower); `extra["cluster_merge"]` True at any P from 2 (bench
     '-clm'), False never ('-noclm'). The
