@@ -129,3 +129,40 @@ def test_a_captured_backward_replays_as_the_eager_one():
         torch.cuda.synchronize()
         for got, ref in zip(grads, want):
             torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("B, M, N", [(1, 1, 1024), (4, 1024, 1024)])
+def test_the_written_once_state_is_not_in_memory_the_graph_writes(plain, B, M, N):
+    """Blocks freed while capturing go back to the capture's pool, and torch may hand them out again in the same
+    capture (or in a graph sharing its pool), so the graph writes them on every replay. The counters and maps
+    written once live in graph_capture's own memory: a capture that fills and frees blocks of the bank's and a
+    map's sizes before each call, and a second graph in the first's pool doing the same, replay equal to eager time
+    after time (a counter or map in such a block would be overwritten by the fills: items skipped, rows left
+    unwritten, or a TMA fault)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU (the persistent kernel's counter and tensor maps)")
+
+    def inputs(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return [torch.randn(B, 8, n, 128, device="cuda", dtype=torch.float16, generator=g) for n in (M, N, N)]
+
+    plain(*inputs(0))
+    torch.cuda.synchronize()
+    static = [inputs(1), inputs(2)]
+    graphs, outs = [], []
+    for x in static:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=graphs[0].pool() if graphs else None):
+            for _ in range(2):
+                for words in (1 << 16, 128, 2):
+                    t = torch.full((words,), 7, dtype=torch.int32, device="cuda")
+                    del t
+                outs.append(plain(*x))
+        graphs.append(g)
+    for _ in range(4):
+        for g in graphs:
+            g.replay()
+        want = [plain(*x) for x in static]
+        torch.cuda.synchronize()
+        for (go, glse), (eo, else_) in zip(outs, [w for w in want for _ in range(2)]):
+            assert torch.equal(go, eo) and torch.equal(glse, else_)

@@ -5,8 +5,15 @@ takes its items from one, split-kv's arrival counts, the tensor maps of tensors 
 with torch or put_map on the capturing stream, each such write became a node of the graph, run on every replay: a
 zeroing kernel for each counter, a put kernel for each map, each a kernel boundary (about a microsecond a node on
 an H200) in front of a decoding call whose kernel takes a few. Each needs writing once only (the kernels leave the
-counters zeroed; a map never changes), so it is written here, at capture time, on a side stream outside the
-capture, and waited for before the capture goes on; counters come as slices of a bank of zeros written once.
+work counter zeroed and the arrival counts a multiple of the parts, which the merge reads mod P; a map never
+changes), so it is written here, at capture time, on a side stream outside the capture, and waited for before the
+capture goes on.
+
+The memory is this module's own (cuMemAlloc), never the capture's pool: a block torch hands out while capturing may
+be one an earlier node of the same graph (or of a graph sharing its pool) writes on every replay, which is safe for
+what the graph itself produces but would overwrite zeros or a map written once. Counters are slices of a bank of
+zeros (one allocation, one write and one wait a bank), maps slots of a bank of 128-byte slots; both live as long as
+the process, as the graphs that read them may.
 
 The side stream's writes are "potentially unsafe" calls under the global capture mode torch captures in; the
 thread's mode is relaxed around them (cuThreadExchangeStreamCaptureMode, as torch's allocator does around its
@@ -15,17 +22,37 @@ cudaMalloc while capturing)."""
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any, Callable
 
 _RELAXED = 2  # CUstreamCaptureMode: CU_STREAM_CAPTURE_MODE_RELAXED
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream
 _LIB: list = []  # [libcuda's functions, as a dict] or [None], looked up once
+_LOCK = threading.RLock()  # captures on two threads at once must not share a slice
 _SIDE: dict = {}  # torch device index -> the side stream's handle: made by the driver, not taken from torch's pool
 # of streams (which hands its streams out in turn: a caller's capture stream could be the side stream)
-_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream
+BANK_WORDS = 1 << 16  # int32 zeros a counter bank holds
+SLICE_WORDS = 32  # a counter's slice of a bank starts on its own 128 bytes
+MAP_SLOTS = 1024  # 128-byte tensor-map slots a map bank holds
+MAP_WORDS = 32  # a slot's 32-bit words (a CUtensorMap's 128 bytes, 128-byte aligned)
+_BANKS: dict = {}  # ("words" or "maps", torch device index) -> [the bank's address, words handed out]
 
 
 class CaptureWriteError(RuntimeError):
     """A write outside the capture failed (a CUresult from the driver)."""
+
+
+class DeviceWords:
+    """`n` 32-bit words of device memory this module allocated, at `ptr`: what a launch reads as an array argument
+    (its address, `data_ptr()`, as a torch tensor's)."""
+
+    __slots__ = ("ptr", "n")
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.ptr, self.n = ptr, n
+
+    def data_ptr(self) -> int:
+        return self.ptr
 
 
 def _lib() -> Any:
@@ -33,16 +60,19 @@ def _lib() -> Any:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             fns = {"mode": lib.cuThreadExchangeStreamCaptureMode, "memset": lib.cuMemsetD32Async,
-                   "sync": lib.cuStreamSynchronize, "stream": lib.cuStreamCreate}
+                   "sync": lib.cuStreamSynchronize, "stream": lib.cuStreamCreate, "alloc": lib.cuMemAlloc_v2}
             fns["mode"].argtypes = [ctypes.POINTER(ctypes.c_int)]
             fns["memset"].argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
             fns["sync"].argtypes = [ctypes.c_void_p]
             fns["stream"].argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+            fns["alloc"].argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
             for f in fns.values():
                 f.restype = ctypes.c_int
             _LIB.append(fns)
         except (OSError, AttributeError):
             _LIB.append(None)
+    if _LIB[0] is None:
+        raise CaptureWriteError("no libcuda to write outside a CUDA graph's capture with")
     return _LIB[0]
 
 
@@ -51,59 +81,88 @@ def _check(err: int, what: str) -> None:
         raise CaptureWriteError(f"{what} outside a CUDA graph's capture: CUresult {err}")
 
 
-def outside_capture(device: Any, enqueue: Callable[[int], None]) -> None:
-    """Run `enqueue(stream)` (it enqueues work on the raw stream handle it is given) on a side stream of torch device
-    `device`, outside any capture, and wait for it; the calling thread's capture mode is relaxed meanwhile."""
+def device_index(device: Any) -> int:
+    """The torch device index of `device` (a torch.device or its string; "cuda": the current device)."""
+    import torch
+
+    dev = torch.device(device)
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def _relaxed(index: int, work: Callable[[], Any]) -> Any:
+    """`work()` with the calling thread's capture mode relaxed and device `index`'s context current."""
     import torch
 
     fns = _lib()
-    if fns is None:
-        raise CaptureWriteError("no libcuda to write outside a CUDA graph's capture with")
-    index = device.index if device.index is not None else torch.cuda.current_device()
     mode = ctypes.c_int(_RELAXED)
     _check(fns["mode"](ctypes.byref(mode)), "relaxing the capture mode")
     try:
-        with torch.cuda.device(index):  # the device's context current for the driver's calls
+        with torch.cuda.device(index):
+            result = work()
+    finally:  # (the mode restored whatever happened; its own failure reported only if nothing else was)
+        err = fns["mode"](ctypes.byref(mode))
+    _check(err, "restoring the capture mode")
+    return result
+
+
+def outside_capture(index: int, enqueue: Callable[[int], None]) -> None:
+    """Run `enqueue(stream)` (it enqueues work on the raw stream handle it is given) on a side stream of torch device
+    `index`, outside any capture, and wait for it."""
+    fns = _lib()
+
+    def run() -> None:
+        with _LOCK:
             side = _SIDE.get(index)
             if side is None:
                 handle = ctypes.c_void_p()
                 _check(fns["stream"](ctypes.byref(handle), _NON_BLOCKING), "making a side stream")
                 side = _SIDE[index] = handle.value
-            enqueue(side)
-            _check(fns["sync"](side), "waiting for the writes")
-    finally:
-        _check(fns["mode"](ctypes.byref(mode)), "restoring the capture mode")
+        enqueue(side)
+        _check(fns["sync"](side), "waiting for the writes")
+
+    _relaxed(index, run)
 
 
-def _zeroed_now(n: int, device: Any) -> Any:
-    """n int32 zeros from the capture's memory (torch.empty adds no node), zeroed outside the graph now."""
-    import torch
-
-    buf = torch.empty(n, dtype=torch.int32, device=device)
+def _alloc(index: int, words: int) -> int:
+    """The address of `words` 32-bit words of device `index`'s memory, this module's for good (cuMemAlloc)."""
     fns = _lib()
-    outside_capture(buf.device, lambda stream: _check(fns["memset"](buf.data_ptr(), 0, n, stream), "zeroing"))
-    return buf
+    ptr = ctypes.c_uint64()
+    _relaxed(index, lambda: _check(fns["alloc"](ctypes.byref(ptr), 4 * words), "allocating"))
+    return ptr.value
 
 
-BANK_WORDS = 1 << 16  # int32 zeros a bank holds: one write outside the capture serves this many counters
-SLICE_WORDS = 32  # a counter's slice of a bank starts on its own 128 bytes
-_BANKS: dict = {}  # torch device index -> [the bank, words handed out]
+def _zero(index: int, ptr: int, words: int) -> None:
+    fns = _lib()
+    outside_capture(index, lambda stream: _check(fns["memset"](ptr, 0, words, stream), "zeroing"))
 
 
-def zeroed_int32(n: int, device: Any) -> Any:
-    """A torch int32 tensor of `n` zeros for a launch being captured, zeroed outside the graph, never handed out
-    again: a slice of a bank of BANK_WORDS zeros (made and zeroed once, then sliced: the wait for the write outside
-    the capture is paid once a bank, not once a captured call; each slice's storage is the bank, kept alive by the
-    slices), or where n is more than a quarter of a bank, its own."""
-    import torch
+def _slice(kind: str, index: int, words: int, bank_words: int, step: int) -> DeviceWords:
+    """The next `words` of device `index`'s bank of `kind` (a new bank, zeroed for "words", when it is full), the
+    bank then moved on by `words` rounded up to `step`."""
+    with _LOCK:
+        bank = _BANKS.get((kind, index))
+        if bank is None or bank[1] + words > bank_words:
+            ptr = _alloc(index, bank_words)
+            if kind == "words":
+                _zero(index, ptr, bank_words)
+            bank = _BANKS[(kind, index)] = [ptr, 0]
+        out = DeviceWords(bank[0] + 4 * bank[1], words)
+        bank[1] += -(-words // step) * step
+        return out
 
+
+def zeroed_int32(n: int, device: Any) -> DeviceWords:
+    """`n` int32 zeros for a launch being captured, written outside the graph and never handed out again: a slice of
+    a bank of BANK_WORDS zeros, or where n is more than a quarter of a bank, zeros of their own."""
+    index = device_index(device)
     if n > BANK_WORDS // 4:
-        return _zeroed_now(n, device)
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    bank = _BANKS.get(index)
-    if bank is None or bank[1] + n > BANK_WORDS:
-        bank = _BANKS[index] = [_zeroed_now(BANK_WORDS, torch.device("cuda", index)), 0]
-    out = bank[0][bank[1]:bank[1] + n]
-    bank[1] += -(-n // SLICE_WORDS) * SLICE_WORDS
-    return out
+        ptr = _alloc(index, n)
+        _zero(index, ptr, n)
+        return DeviceWords(ptr, n)
+    return _slice("words", index, n, BANK_WORDS, SLICE_WORDS)
+
+
+def map_slot(device: Any) -> DeviceWords:
+    """128 bytes for a tensor map made while capturing (its caller writes it by outside_capture), never handed out
+    again."""
+    return _slice("maps", device_index(device), MAP_WORDS, MAP_SLOTS * MAP_WORDS, MAP_WORDS)

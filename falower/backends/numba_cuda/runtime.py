@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import math
 import os
 import re
 import struct
@@ -1235,13 +1236,14 @@ class FA2ForwardKernel:
         decoding loop's growing N keeps one pair: the workspaces' size is P B H M D). A call allocating its own spent
         ~10 us of host time, longer than a small grid's kernel; the Numba path's temporaries could be freed while its
         default-stream launches still read them. A launch captured into a CUDA graph (`capturing`) gets a pair of its
-        own, kept with the graph (two graphs may replay at once), as `work_counter` does."""
+        own, kept with the graph (two graphs may replay at once), as `work_counter` does; its counts are zeroed once,
+        outside the graph (graph_capture.zeroed_int32)."""
         import torch
 
         key = (str(device), stream, shapes, dtype)
         ws = None if capturing else self._split_ws.get(key)
         if ws is None:  # (a third shape: the fused merge's counts, int32, zeroed: fused_merge keeps them mod P)
-            zeros = (lambda shape: graph_capture.zeroed_int32(shape[0], device)) if capturing else \
+            zeros = (lambda shape: graph_capture.zeroed_int32(math.prod(shape), device)) if capturing else \
                 (lambda shape: torch.zeros(shape, dtype=torch.int32, device=device))
             ws = (torch.empty(shapes[0], dtype=dtype, device=device),
                   torch.empty(shapes[1], dtype=lse_dtype, device=device)) + tuple(zeros(shape) for shape in shapes[2:])
@@ -1255,8 +1257,9 @@ class FA2ForwardKernel:
         """The `work` array of a kernel that takes its items from a counter (emit_fa2.uses_work_counter): int32
         [2], zeroed once when made; each launch leaves it zeroed (its last block resets it). One per (device,
         stream), so launches on two streams at once do not share tickets; launches on one stream run in order. A
-        launch captured into a CUDA graph gets a counter of its own, zeroed in the graph before it: two graphs captured
-        on one stream (torch's capture stream is one for the process) may be replayed at once on two."""
+        launch captured into a CUDA graph gets a counter of its own (two graphs captured on one stream may be
+        replayed at once on two), zeroed once outside the graph (graph_capture.zeroed_int32: a zeroing in the graph
+        ran on every replay)."""
         if kind == "torch":
             import torch
 

@@ -107,8 +107,8 @@ _PUT_WORDS = "falower_put_words"
 
 def _put_words_ptx(cc: tuple[int, int]) -> bytes:
     """A one-thread kernel that writes its 16 u64 parameters to dst: a map's bytes reach the device inside a
-    launch's parameters, so a CUDA graph capture records them (a host copy would need pinned memory that lives as
-    long as the graph, and none may be allocated while a stream captures)."""
+    launch's parameters, with no pinned host memory to keep until the copy has run (a map made while a CUDA graph
+    captures is put by it on graph_capture's side stream, outside the graph)."""
     words = MAP_BYTES // 8
     params = ", ".join(["\t.param .u64 dst"] + [f".param .u64 w{i}" for i in range(words)])
     body = "".join(f"\tld.param.u64 %w, [w{i}];\n\tst.global.u64 [%a+{8 * i}], %w;\n" for i in range(words))
@@ -169,9 +169,10 @@ class TensorMaps:
         """The map of the tensor at `ptr` on torch device `device`, made on and kept for the stream the kernel runs
         on (`stream` its handle; None: torch's current stream): a map dropped from the cache is then reused only after
         the launches of its stream that read it. `capturing`: whether that stream captures a CUDA graph (asked of
-        torch when not given); a map made while capturing is written at once outside the capture (graph_capture: a
-        put in the graph would run on every replay) and kept for good, as is a cached map a graph reads; the
-        capture's later calls on the same tensor find it in the cache."""
+        torch when not given); a map made while capturing is written at once outside the capture, into memory of
+        graph_capture's own (a put in the graph would run on every replay), and kept for good, as is a cached map a
+        graph reads; the capture's later calls on the same tensor find it in the cache. Either is read by its
+        `data_ptr()`."""
         import torch
 
         if stream is None:
@@ -181,12 +182,13 @@ class TensorMaps:
 
         def make() -> Any:
             data = encode_map(ptr, geometry, self.dtype, what)
+            index = graph_capture.device_index(device)
+            if capturing:  # (memory of its own: a block of the capture's pool may be one the graph writes)
+                slot = graph_capture.map_slot(device)
+                graph_capture.outside_capture(index, lambda side: put_map(index, slot.data_ptr(), data, side))
+                return slot
             dev = torch.empty(MAP_BYTES // 8, dtype=torch.int64, device=device)  # 8-byte words, 128-byte aligned
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            if capturing:
-                graph_capture.outside_capture(device, lambda side: put_map(index, dev.data_ptr(), data, side))
-            else:
-                put_map(index, dev.data_ptr(), data, stream)
+            put_map(index, dev.data_ptr(), data, stream)
             return dev.view(torch.uint8)  # the kernel's argument type
 
         key = ("torch", str(device), stream, ptr, geometry)
