@@ -2,12 +2,14 @@
 timed whole inside a CUDA graph (twenty calls captured, the median of fifteen replays), SDPA's FLASH and cuDNN
 captured the same way in the same process (plain attention; causal for the causal rows). What the fifty-second
 session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a cluster"; BENCHMARKS.md, same
-session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here.
+session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here; the set "batch" (decoding at B = 4-8,
+the fifty-third session's `.whl/s53_c.py`) added after.
 
-    python3 benchmarks/split_parts.py [--set decode|masked|prefill|all]
+    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|all]
 
-Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "c8" 8 parts
-(merged in a cluster, the default at 8). Kernels are compiled first in parallel processes. Prints one markdown table.
+Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
+merged in a cluster (the default at 8; at 4 on grids of at most half the SMs). Kernels are compiled first in
+parallel processes. Prints one markdown table.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_merge": False},
             "p4": {"kv_parts": 4, "cluster_merge": False}, "p8": {"kv_parts": 8, "cluster_merge": False},
+            "c2": {"kv_parts": 2, "cluster_merge": True}, "c4": {"kv_parts": 4, "cluster_merge": True},
             "c8": {"kv_parts": 8}, "p16": {"kv_parts": 16}}
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
-# set -> (stem, G (prefill: H), D, M, N, the forced variants); stems: the examples, "window_off" (a 1024 window
-# behind the cache's offset N - M) and "causal_off" (causal behind it)
+# set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
+# "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)
 CASES = {
     "decode": [("plain", 1, 128, 1, 512, ("p2", "p4")), ("plain", 1, 128, 1, 1024, ("p4", "p8")),
                ("plain", 1, 128, 1, 1536, ("p4", "p8")), ("plain", 1, 128, 1, 2048, ("p8", "p16")),
@@ -42,6 +45,10 @@ CASES = {
     "prefill": [(st, h, d, n, n, vs) for st in ("causal", "plain") for d in (128, 64) for h, n, vs in
                 ((1, 512, ("p1", "p2")), (1, 768, ("p1", "p2")), (1, 1024, ("p2", "p4")), (2, 1024, ("p2", "p4")))]
     + [("prefix_lm", 1, 128, 1024, 1024, ("p2", "p4"))],
+    "batch": [("plain", 1, 128, 1, 1024, ("p2", "c2", "p4"), 4), ("plain", 1, 128, 1, 1024, ("p2", "c2", "p4"), 8),
+              ("plain", 1, 128, 1, 4096, ("p2", "p4"), 8), ("plain", 1, 64, 1, 1024, ("p2", "c2", "p4"), 8),
+              ("gqa", 4, 128, 1, 2048, ("p2", "p4"), 4), ("gqa", 4, 128, 1, 8192, ("p2", "p4"), 8),
+              ("plain", 1, 128, 16, 2048, ("p2", "c2", "p4"), 4)],
 }
 _COMPILED: dict = {}
 
@@ -76,14 +83,19 @@ def heads(group: int, M: int) -> tuple[int, int]:
     return (group, group) if is_prefill(M) else (HEADS * group, HEADS)
 
 
-def kernel(stem: str, group: int, var: str, D: int, M: int, N: int):
+def cases(name: str) -> list[tuple]:
+    """A set's cases as (stem, G or H, D, M, N, the forced variants, B)."""
+    return [case + (1,) * (7 - len(case)) for case in CASES[name]]
+
+
+def kernel(stem: str, group: int, var: str, D: int, M: int, N: int, B: int = 1):
     """The kernel a call of these sizes runs (the packed GQA graph's where a decoding call packs)."""
     c = compiled(stem, group, var)
     H, HKV = heads(group, M)
-    env = dict(B=1, D=D, M=M, N=N, H=H, HKV=HKV)
+    env = dict(B=B, D=D, M=M, N=N, H=H, HKV=HKV)
     packed = c.packed_for(env) if H != HKV else None
     if packed is not None:
-        return packed.specialize("f16", B=1, D=D, M=M * (H // HKV), N=N, H=HKV, HKV=HKV)
+        return packed.specialize("f16", B=B, D=D, M=M * (H // HKV), N=N, H=HKV, HKV=HKV)
     return c.specialize("f16", **env)
 
 
@@ -96,7 +108,7 @@ def build(job: tuple) -> tuple:
 
 
 def jobs(sets: list[str]) -> list[tuple]:
-    return [(s, g, v, D, M, N) for name in sets for s, g, D, M, N, vs in CASES[name] for v in ("auto",) + vs]
+    return [(s, g, v, D, M, N, B) for name in sets for s, g, D, M, N, vs, B in cases(name) for v in ("auto",) + vs]
 
 
 def gtime(fn, reps: int = 20, iters: int = 15) -> float:
@@ -139,14 +151,14 @@ def main() -> None:
         got = dict(pool.map(build, jobs(sets)))
     print(f"compiled {len(got)} kernels in {time.time() - t0:.0f} s", flush=True)
     F = torch.nn.functional
-    print("| case | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
+    print("| case | B | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
           "auto vs FLASH | auto vs cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in sets:
-        for stem, group, D, M, N, forced in CASES[name]:
+        for stem, group, D, M, N, forced, B in cases(name):
             H, HKV = heads(group, M)
-            q = torch.randn(1, H, M, D, device="cuda", dtype=torch.float16)
-            k, v = (torch.randn(1, HKV, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+            q = torch.randn(B, H, M, D, device="cuda", dtype=torch.float16)
+            k, v = (torch.randn(B, HKV, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
             caps = [N - M] if stem in ("window_off", "causal_off") else \
                 [torch.randn(HKV, 2 * N - 1, device="cuda")] if stem == "relative_bias" else []
             times = {}
@@ -161,11 +173,11 @@ def main() -> None:
                             q, k, v, is_causal=stem == "causal", enable_gqa=H != HKV))
                 except RuntimeError:
                     ref[label] = float("nan")
-            parts, cluster = got[(stem, group, "auto", D, M, N)]
+            parts, cluster = got[(stem, group, "auto", D, M, N, B)]
             best = min(times[var] for var in forced)
             auto = f"{times['auto']:.1f} (p{parts}{' cluster' if cluster else ''})"
             others = ", ".join(f"{var}: {times[var]:.1f}" for var in forced)
-            print(f"| {stem} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
+            print(f"| {stem} | {B} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
                   f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
                   f"{ref['cudnn'] / times['auto']:.2f} |", flush=True)
     print(f"total {time.time() - t0:.0f} s")

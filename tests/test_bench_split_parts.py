@@ -16,20 +16,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import split_parts  # noqa: E402
 
 
-WANT = {  # (stem, G or H, D, M, N) -> the automatic (parts, cluster size)
-    ("plain", 1, 128, 1, 512): (4, 4), ("plain", 1, 128, 1, 1024): (8, 8), ("plain", 1, 128, 1, 3000): (8, 8),
-    ("gqa", 4, 128, 1, 1024): (8, 8), ("window_off", 4, 128, 1, 8192): (8, 8), ("causal_off", 1, 64, 1, 2048): (8, 8),
-    ("causal", 1, 128, 512, 512): (2, 0), ("causal", 1, 128, 1024, 1024): (4, 4), ("plain", 2, 64, 1024, 1024): (4, 0),
+WANT = {  # (stem, G or H, D, M, N, B) -> the automatic (parts, cluster size)
+    ("plain", 1, 128, 1, 512, 1): (4, 4), ("plain", 1, 128, 1, 1024, 1): (8, 8), ("plain", 1, 128, 1, 3000, 1): (8, 8),
+    ("gqa", 4, 128, 1, 1024, 1): (8, 8), ("window_off", 4, 128, 1, 8192, 1): (8, 8),
+    ("causal_off", 1, 64, 1, 2048, 1): (8, 8), ("causal", 1, 128, 512, 512, 1): (2, 0),
+    ("causal", 1, 128, 1024, 1024, 1): (4, 4), ("plain", 2, 64, 1024, 1024, 1): (4, 0),
+    ("plain", 1, 128, 1, 1024, 4): (4, 0), ("plain", 1, 128, 1, 1024, 8): (2, 0),  # (128 blocks: no cluster)
 }  # (4 parts in a cluster where the grid is at most half the SMs: compiler._cluster_small_grid)
 
 
 def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
     split_parts._COMPILED.clear()
+    seen = set()
     for job in split_parts.jobs(list(split_parts.CASES)):
         _, (parts, cluster) = split_parts.build(job)
-        stem, group, var, D, M, N = job
+        stem, group, var, D, M, N, B = job
+        seen.add((stem, group, D, M, N, B))
         if var != "auto":
             assert parts == split_parts.VARIANTS[var]["kv_parts"], job
-            assert cluster == (8 if var == "c8" else 0), job
-        elif (stem, group, D, M, N) in WANT:
-            assert (parts, cluster) == WANT[(stem, group, D, M, N)], job
+            assert cluster == (parts if var[0] == "c" else 0), job
+        elif (stem, group, D, M, N, B) in WANT:
+            assert (parts, cluster) == WANT[(stem, group, D, M, N, B)], job
+    assert set(WANT) <= seen  # every case the table names is one the script times
