@@ -8,8 +8,9 @@ the fifty-third session's `.whl/s53_c.py`) added after.
     python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|all]
 
 Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
-merged in a cluster (the default at 8; at 4 on grids of at most half the SMs). Kernels are compiled first in
-parallel processes. Prints one markdown table.
+merged in a cluster (the default at 8; at 4 on grids of at most half the SMs); "sN" the automatic parts on a ring of
+N K / V stages (2 by default: one tile's loads ahead). Kernels are compiled first in parallel processes. Prints one
+markdown table, with the largest difference of a forced variant's O from the automatic choice's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_merge": False},
             "p4": {"kv_parts": 4, "cluster_merge": False}, "p8": {"kv_parts": 8, "cluster_merge": False},
             "c2": {"kv_parts": 2, "cluster_merge": True}, "c4": {"kv_parts": 4, "cluster_merge": True},
-            "c8": {"kv_parts": 8}, "p16": {"kv_parts": 16}}
+            "c8": {"kv_parts": 8}, "p16": {"kv_parts": 16},
+            "s3": {"stages": 3}, "s4": {"stages": 4}}  # the automatic parts on a ring of 3 or 4 K / V stages
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
 # set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
 # "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)
@@ -45,10 +47,12 @@ CASES = {
     "prefill": [(st, h, d, n, n, vs) for st in ("causal", "plain") for d in (128, 64) for h, n, vs in
                 ((1, 512, ("p1", "p2")), (1, 768, ("p1", "p2")), (1, 1024, ("p2", "p4")), (2, 1024, ("p2", "p4")))]
     + [("prefix_lm", 1, 128, 1024, 1024, ("p2", "p4"))],
-    "batch": [("plain", 1, 128, 1, 1024, ("p2", "c2", "p4"), 4), ("plain", 1, 128, 1, 1024, ("p2", "c2", "p4"), 8),
-              ("plain", 1, 128, 1, 4096, ("p2", "p4"), 8), ("plain", 1, 64, 1, 1024, ("p2", "c2", "p4"), 8),
-              ("gqa", 4, 128, 1, 2048, ("p2", "p4"), 4), ("gqa", 4, 128, 1, 8192, ("p2", "p4"), 8),
-              ("plain", 1, 128, 16, 2048, ("p2", "c2", "p4"), 4)],
+    "batch": [("plain", 1, 128, 1, 1024, ("p2", "c2", "p4", "s3"), 4),
+              ("plain", 1, 128, 1, 1024, ("p2", "c2", "p4", "s3"), 8),
+              ("plain", 1, 128, 1, 4096, ("p2", "p4", "s3"), 8),
+              ("plain", 1, 64, 1, 1024, ("p2", "c2", "p4", "s3", "s4"), 8),
+              ("gqa", 4, 128, 1, 2048, ("p2", "p4", "s3"), 4), ("gqa", 4, 128, 1, 8192, ("p2", "p4", "s3"), 8),
+              ("plain", 1, 128, 16, 2048, ("p2", "c2", "p4", "s3"), 4), ("plain", 1, 128, 1, 3000, ("s3",), 1)],
 }
 _COMPILED: dict = {}
 
@@ -152,8 +156,8 @@ def main() -> None:
     print(f"compiled {len(got)} kernels in {time.time() - t0:.0f} s", flush=True)
     F = torch.nn.functional
     print("| case | B | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
-          "auto vs FLASH | auto vs cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "auto vs FLASH | auto vs cuDNN | max abs O - auto's |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in sets:
         for stem, group, D, M, N, forced, B in cases(name):
             H, HKV = heads(group, M)
@@ -161,10 +165,12 @@ def main() -> None:
             k, v = (torch.randn(B, HKV, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
             caps = [N - M] if stem in ("window_off", "causal_off") else \
                 [torch.randn(HKV, 2 * N - 1, device="cuda")] if stem == "relative_bias" else []
-            times = {}
+            times, outs = {}, {}
             for var in ("auto",) + forced:
                 c = compiled(stem, group, var)
+                outs[var] = c(q, k, v, *caps)[0].float()
                 times[var] = gtime(lambda: c(q, k, v, *caps))
+            err = max((outs[var] - outs["auto"]).abs().max().item() for var in forced)  # the same numbers
             ref = {}
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "flash"), (SDPBackend.CUDNN_ATTENTION, "cudnn")):
                 try:
@@ -179,7 +185,7 @@ def main() -> None:
             others = ", ".join(f"{var}: {times[var]:.1f}" for var in forced)
             print(f"| {stem} | {B} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
                   f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
-                  f"{ref['cudnn'] / times['auto']:.2f} |", flush=True)
+                  f"{ref['cudnn'] / times['auto']:.2f} | {err:.0e} |", flush=True)
     print(f"total {time.time() - t0:.0f} s")
 
 

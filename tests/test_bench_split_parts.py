@@ -26,13 +26,17 @@ WANT = {  # (stem, G or H, D, M, N, B) -> the automatic (parts, cluster size)
 
 
 def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
+    from falower.backends.numba_cuda.emit_fa3_ws import stages as kernel_stages
+
     split_parts._COMPILED.clear()
     seen = set()
     for job in split_parts.jobs(list(split_parts.CASES)):
         _, (parts, cluster) = split_parts.build(job)
         stem, group, var, D, M, N, B = job
         seen.add((stem, group, D, M, N, B))
-        if var != "auto":
+        if var[0] == "s":  # the automatic parts on more stages
+            assert kernel_stages(split_parts.kernel(*job).spec) == int(var[1:]), job
+        elif var != "auto":
             assert parts == split_parts.VARIANTS[var]["kv_parts"], job
             assert cluster == (parts if var[0] == "c" else 0), job
         elif (stem, group, D, M, N, B) in WANT:
