@@ -45,6 +45,9 @@ CASES = {
     # the q tile's last part merging in the kernel (extra fused_merge), and the merge kernel
     "plain-p4-decode-d128": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last", {"fused_merge": True}),
     "plain-p4-decode-d128-merge-kernel": ("plain", 1, 300, 128, (64, 128), 4, "f16", "last"),
+    # ... on a ring of 3 K / V stages (extra stages: what benchmarks/split_parts.py's "s3" times), two parts of 3
+    # kv tiles each (the last ragged), so each part's ring wraps
+    "plain-p2-decode-d128-3stages": ("plain", 1, 700, 128, (64, 128), 2, "f16", "last", {"stages": 3}),
     # ... asked to merge in a cluster (extra cluster_merge): Numba's launches have no clusters, so the call runs the
     # kernel without it (FA2ForwardKernel.without_cluster) and the merge kernel; M = 40 rows
     "plain-p4-decode-d128-cluster": ("plain", 40, 300, 128, (64, 128), 4, "f16", "last", {"cluster_merge": True}),
@@ -68,7 +71,7 @@ CASES = {
 
 def run_case(case_id: str) -> dict:
     import falower as fl
-    from falower.backends.numba_cuda import emit_fa2
+    from falower.backends.numba_cuda import emit_fa2, emit_fa3_ws
     from falower.passes.check import Reference, bind_dims, random_inputs
 
     stem, M, N, D, (bq, bk), P, dt, ragged, *more = CASES[case_id]
@@ -85,6 +88,7 @@ def run_case(case_id: str) -> dict:
     if ragged == "first":
         pipe = pipe.replace(f"tile{{bq={bq},bk={bk}}}", f"tile{{bq={bq},bk={bk},ragged_q=first}}")
     knobs = {k: True for k in ("fused_merge", "cluster_merge") if over.get(k)}
+    knobs.update({k: over[k] for k in ("stages",) if k in over})
     c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra={**PWG, "persistent": over.get("persistent", 1),
                                                                        **knobs})
     kern = c.kernel(*host)
@@ -95,6 +99,7 @@ def run_case(case_id: str) -> dict:
             # the q tile's last part merges (fused_merge), or the cluster's blocks from their shared memory
             "fused": any(f"merge_unit({a}" in kern.source for a in ("o, lse", "cl_lse_s")),
             "cluster": emit_fa2.cluster_parts(kern.spec),  # (cluster_merge)
+            "stages": emit_fa3_ws.stages(kern.spec),
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 
