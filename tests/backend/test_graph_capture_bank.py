@@ -60,12 +60,17 @@ def test_counters_are_distinct_slices_of_one_zeroed_bank(driver):
 def test_a_full_bank_is_replaced_and_devices_keep_their_own(driver):
     words = graph_capture.BANK_WORDS
     first = [graph_capture.zeroed_int32(words // 4, "cuda:0") for _ in range(4)]  # exactly full
-    assert len(driver.allocs) == 1 and first[-1].data_ptr() - first[0].data_ptr() == 3 * words
+    assert len(driver.allocs) == 1 and first[-1].data_ptr() - first[0].data_ptr() == 3 * (words // 4) * 4  # bytes
     fifth = graph_capture.zeroed_int32(2, "cuda:0")
     assert len(driver.allocs) == 2 and fifth.data_ptr() == driver.allocs[1][2]
     graph_capture.zeroed_int32(2, "cuda:1")
     graph_capture.zeroed_int32(2, "cuda")  # (the current device: 0's second bank)
     assert [a[:2] for a in driver.allocs] == [(0, words), (0, words), (1, words)] and len(driver.zeros) == 3
+
+
+def test_no_words_is_refused(driver):
+    with pytest.raises(ValueError, match="at least one word"):
+        graph_capture.zeroed_int32(0, "cuda:0")
 
 
 def test_a_large_request_gets_zeros_of_its_own(driver):
@@ -93,11 +98,16 @@ def test_threads_never_share_a_slice(driver):
         start.wait()
         got.extend(graph_capture.zeroed_int32(2, "cuda:0").data_ptr() for _ in range(200))
 
-    threads = [threading.Thread(target=take) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between almost any two bytecodes: without the lock, slices repeat
+    try:
+        threads = [threading.Thread(target=take) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(was)
     assert len(got) == 1600 and len(set(got)) == 1600
 
 

@@ -132,15 +132,18 @@ def test_a_captured_backward_replays_as_the_eager_one():
 
 
 @pytest.mark.parametrize("B, M, N", [(1, 1, 1024), (4, 1024, 1024)])
-def test_the_written_once_state_is_not_in_memory_the_graph_writes(plain, B, M, N):
+def test_the_written_once_state_is_not_in_memory_the_graph_writes(monkeypatch, plain, B, M, N):
     """Blocks freed while capturing go back to the capture's pool, and torch may hand them out again in the same
     capture (or in a graph sharing its pool), so the graph writes them on every replay. The counters and maps
     written once live in graph_capture's own memory: a capture that fills and frees blocks of the bank's and a
     map's sizes before each call, and a second graph in the first's pool doing the same, replay equal to eager time
     after time (a counter or map in such a block would be overwritten by the fills: items skipped, rows left
     unwritten, or a TMA fault)."""
+    from falower.backends.numba_cuda import graph_capture
+
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a Hopper GPU (the persistent kernel's counter and tensor maps)")
+    monkeypatch.setattr(graph_capture, "_BANKS", {})  # banks made inside this test's captures (old ones live on)
 
     def inputs(seed):
         g = torch.Generator(device="cuda").manual_seed(seed)
@@ -159,10 +162,50 @@ def test_the_written_once_state_is_not_in_memory_the_graph_writes(plain, B, M, N
                     del t
                 outs.append(plain(*x))
         graphs.append(g)
+    segments = [(x["address"], x["address"] + x["total_size"]) for x in torch.cuda.memory_snapshot()]
+    banks = [base for base, _ in graph_capture._BANKS.values()]
+    assert banks and not any(lo <= base < hi for base in banks for lo, hi in segments)  # none of torch's memory
     for _ in range(4):
         for g in graphs:
             g.replay()
         want = [plain(*x) for x in static]
         torch.cuda.synchronize()
         for (go, glse), (eo, else_) in zip(outs, [w for w in want for _ in range(2)]):
+            assert torch.equal(go, eo) and torch.equal(glse, else_)
+
+
+def test_a_captured_document_mask_follows_its_ids_updated_in_place():
+    """A mask read from captured data (the document's ids: range tables and block lists made from them) captured
+    into a graph is made inside the graph (block_data.BlockData.derive): each replay reads the ids as they are then.
+    Remembered from an eager call with the same tensor, the graph would keep that call's lists after the ids were
+    written in place. And a mask the range analysis cannot bound (its dense block table) the same, in the graph."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a Hopper GPU")
+    doc = fl.capture("doc", "i32", "B,N")
+    document = fl.compile(fl.attention(mask_mod=lambda b, h, q, kv: doc[b, q] == doc[b, kv], name="doc_graph"))
+    ids_t, offsets_t = fl.capture("ids", "i32", "N"), fl.capture("offsets", "i32", "N")
+    nested = fl.compile(fl.attention(mask_mod=lambda b, h, q, kv: offsets_t[ids_t[q]] <= kv, name="nested_graph"))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, H, N, D = 2, 4, 1000, 128
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+
+    def new_doc():
+        return torch.sort(torch.randint(0, 6, (B, N), generator=g, device="cuda"), dim=-1).values.to(torch.int32)
+
+    def new_nested():
+        return (torch.randint(0, N, (N,), device="cuda", generator=g, dtype=torch.int32),
+                torch.randint(0, N + 2, (N,), device="cuda", generator=g, dtype=torch.int32))
+
+    for call, caps in ((document, [new_doc()]), (nested, list(new_nested()))):
+        call(q, k, v, *caps)  # remembered: the block data of these tensors as they are now
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            go, glse = call(q, k, v, *caps)
+        for _ in range(3):
+            for x, y in zip(caps, [new_doc()] if call is document else new_nested()):
+                x.copy_(y)  # in place: the graph's tensors, new data
+            graph.replay()
+            eo, else_ = call(q, k, v, *caps)
+            torch.cuda.synchronize()
             assert torch.equal(go, eo) and torch.equal(glse, else_)

@@ -63,6 +63,15 @@ def _kind(x: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ remembering
+def _capturing(like: Any) -> bool:
+    """Whether `like` is a torch tensor and torch's current stream is capturing a CUDA graph."""
+    if _kind(like) != "torch":
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
 def data_key(caps: list, sizes: tuple) -> Optional[tuple]:
     """What data derived from `caps` at `sizes` depends on (module docstring): per capture a torch tensor's
     identity, version, shape, strides, dtype and device; a number's type and value; a numpy array's dtype,
@@ -591,8 +600,13 @@ class BlockData:
         return self._memo._cache
 
     def derive(self, caps: list, sizes: tuple[int, int, int, int], like: Any) -> list:
-        """The derived captures for these caller captures (tensors and sizes) and (B, H, M, N)."""
+        """The derived captures for these caller captures (tensors and sizes) and (B, H, M, N). While torch's
+        stream captures a CUDA graph they are made in the graph (its kernels and memory) and not remembered: a
+        graph replays on whatever its captured tensors hold then (updated in place), and what was remembered was
+        made from their data at some earlier call."""
         caps = list(caps[:self.first])
+        if _capturing(like):
+            return self._make(caps, sizes, like)
         key = data_key(caps, sizes)
         out = self._memo.get(key, caps)
         if out is None:

@@ -154,6 +154,8 @@ def _slice(kind: str, index: int, words: int, bank_words: int, step: int) -> Dev
 def zeroed_int32(n: int, device: Any) -> DeviceWords:
     """`n` int32 zeros for a launch being captured, written outside the graph and never handed out again: a slice of
     a bank of BANK_WORDS zeros, or where n is more than a quarter of a bank, zeros of their own."""
+    if n < 1:
+        raise ValueError(f"zeroed_int32 needs at least one word, got {n}")
     index = device_index(device)
     if n > BANK_WORDS // 4:
         ptr = _alloc(index, n)

@@ -849,9 +849,10 @@ class _ForwardPlan:
             self.fused_slots = [buf.array(nxt, (n_fin // 2 if mma else n_fin,)), buf.array(nxt + 1, (B * H * M,)),
                                 buf.array(nxt + 2, (self.ws_shapes[2][0],))]
             nxt += 3
-        # whether a call asks torch if its stream captures a graph (a counter, a map or workspaces of its own then)
+        # whether a call asks torch if its stream captures a graph (a counter, a map, workspaces or a block table of
+        # its own then)
         self.ask_capture = self.work_slot is not None or self.omap_slot is not None or bool(self.kv_maps) \
-            or self.ws_shapes is not None
+            or self.ws_shapes is not None or bool(self.table_n)
         self.bufs = [buf]
         self.cap_slots: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]  # per capture
         self.cap_scalars: list[list[tuple[ArgBuffer, int, int]]] = [[] for _ in caps]
@@ -943,7 +944,14 @@ class _ForwardPlan:
             if capturing or self.work_stream != stream:
                 vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
                 self.work_stream = None if capturing else stream
-        if self.table_n:
+        if self.table_n and capturing:  # the graph's own table, filled by the mask kernel in the graph on every
+            # replay from the captures' data then (a remembered table would be the data of capture time)
+            table = torch.empty(self.table_n, dtype=torch.int8, device=self.device)
+            self.kern._captured.append(table)
+            for b, slot in self.table_slots:
+                b.vals[slot] = table.data_ptr()
+            self.mask_launch(stream)
+        elif self.table_n:
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8,
                                                                             device=self.device))
             for b, slot in self.table_slots:
@@ -1093,7 +1101,13 @@ class _BackwardPlan:
             ptr[f"grad{j}"] = g.data_ptr()
         for j, g in enumerate(sums):
             ptr[f"sum{j}"] = g.data_ptr()
-        if self.table_n:
+        capturing = torch.cuda.is_current_stream_capturing()
+        entry = None
+        if self.table_n and capturing:  # the graph's own table, filled in the graph on every replay (the forward's)
+            table = torch.empty(self.table_n, dtype=torch.int8, device=dev)
+            self.kern._captured.append(table)
+            ptr["table"] = table.data_ptr()
+        elif self.table_n:
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8, device=dev))
             ptr["table"] = entry.table.data_ptr()
         for name, buf, slot in self.patch:
@@ -1104,12 +1118,13 @@ class _BackwardPlan:
             buf.scalar(i, caps[c])
         stream = self.stream(self.dev_index)
         if self.map_slots:  # dK's and dV's maps (the ones made for these addresses before, if any)
-            capturing = torch.cuda.is_current_stream_capturing()
             for name, slot in self.map_slots:
                 self.main_buf.vals[slot] = self.kern.maps.torch(ptr[name], dev, self.kv_geometry, capturing, stream,
                                                                 {"dk": "dK", "dv": "dV"}[name]).data_ptr()
-        if self.table_n:
+        if entry is not None:
             self.tables.fill(entry, lambda: self.mask_launch(stream))
+        elif self.table_n:
+            self.mask_launch(stream)
         for run in self.launches:
             run(stream)
         outs = [dq, dk, dv]
@@ -1133,7 +1148,8 @@ class FA2ForwardKernel:
         self._direct: dict[str, DirectKernel] = {}
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
-        self._captured: list[Any] = []  # the counters of launches captured into CUDA graphs, kept alive with them
+        self._captured: list[Any] = []  # what launches captured into CUDA graphs keep of their own (counters,
+        # workspaces, block tables), alive with them
         self._split_ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces (split_workspaces)
         self._cluster_fit: dict[int, bool] = {}  # device -> whether its clusters run (clusters_fit)
         self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
@@ -1462,6 +1478,7 @@ class FA2ForwardKernel:
 
         s = self.spec
         kind = self._check(q, k, v, captures)
+        _refuse_capture(kind)
         B, H, M, D = (int(n) for n in q.shape)
         N = int(k.shape[2])
         nq = -(-M // s.block_q)
@@ -1573,6 +1590,24 @@ class FA2ForwardKernel:
             return o_out.view(bits).view(out_dtype).reshape(B, H, M, D), lse_out.reshape(B, H, M)
 
         return launch, finish
+
+
+class CaptureError(RuntimeError):
+    """A call that cannot be captured into a CUDA graph was made while torch's stream captured one."""
+
+
+def _refuse_capture(kind: str) -> None:
+    """Numba's launch path (`prepare`) while torch's stream captures a CUDA graph: refused by name. It synchronises
+    on its inputs' stream and launches on the legacy default stream, which a capture forbids, and its tensor maps
+    and derived data are kept by the state of capture time."""
+    if kind != "torch":
+        return
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        raise CaptureError("falower: this call takes Numba's launch path, which cannot be captured into a CUDA graph "
+                           "(FALOWER_DIRECT_LAUNCH=0, q / k / v rows not 16-byte aligned, or a capture the direct "
+                           "launch does not take); call it outside the capture, or with contiguous, aligned inputs")
 
 
 def _contiguous_strides(shape) -> tuple[int, int, int]:
@@ -1835,6 +1870,7 @@ class FA2BackwardKernel:
         self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         self.maps = TensorMaps(spec.dtype)  # dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)
+        self._captured: list[Any] = []  # the block tables of launches captured into CUDA graphs, kept with them
         with compile_progress(_label(spec, "backward")):
             self.source = emit_cached(emit_fa2_backward, spec, "backward")
             self.delta_source = emit_cached(emit_delta, spec, "delta")
@@ -1999,6 +2035,7 @@ class FA2BackwardKernel:
 
         s = self.spec
         kind = self._check(q, k, v, o, lse, do, captures)
+        _refuse_capture(kind)
         B, H, M, D = (int(n) for n in q.shape)
         Hk, N = int(k.shape[1]), int(k.shape[2])
         nq, nk = -(-M // s.block_q), -(-N // s.block_k)

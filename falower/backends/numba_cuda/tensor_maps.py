@@ -145,7 +145,8 @@ def put_map(device: int, dst: int, data: bytes, stream: int) -> None:
 class TensorMaps:
     """One kernel's tensor maps, kept by (kind, device, stream, address, geometry) as device arrays of 128 bytes:
     `torch(ptr, device, geometry)` for torch tensors (the map a torch uint8 tensor on the device, written by a launch:
-    `put_map`), `numba(arr, geometry)` for Numba device arrays (the simulator's included: `arr` the array the
+    `put_map`; one made while a CUDA graph captures a graph_capture.DeviceWords: either read by its data_ptr()),
+    `numba(arr, geometry)` for Numba device arrays (the simulator's included: `arr` the array the
     kernel reads or writes, whose 16-bit elements the geometry counts). At most KEEP are kept, the least recently
     used dropped; one made or used while a CUDA graph captures is kept for good (the graph holds its address)."""
 
