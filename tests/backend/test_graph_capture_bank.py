@@ -129,6 +129,7 @@ class _Mode:
 def test_the_capture_mode_is_restored_when_the_work_fails(monkeypatch, fake_torch):
     mode = _Mode()
     monkeypatch.setattr(graph_capture, "_LIB", [{"mode": mode}])
+    monkeypatch.setattr(graph_capture, "_context", lambda index: contextlib.nullcontext())
     seen = []
 
     def work():
@@ -143,5 +144,6 @@ def test_the_capture_mode_is_restored_when_the_work_fails(monkeypatch, fake_torc
 
 def test_a_failed_restore_is_reported(monkeypatch, fake_torch):
     monkeypatch.setattr(graph_capture, "_LIB", [{"mode": _Mode(fail_on=(2,))}])
+    monkeypatch.setattr(graph_capture, "_context", lambda index: contextlib.nullcontext())
     with pytest.raises(graph_capture.CaptureWriteError, match="restoring the capture mode.*CUresult 999"):
         graph_capture._relaxed(0, lambda: None)

@@ -27,6 +27,7 @@ Everything here but `Driver` is plain Python and tested on a CPU; tests swap the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
@@ -36,7 +37,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 __all__ = ["Driver", "KernelImage", "cache_key", "driver", "enabled", "load", "set_driver", "store", "toolchain"]
 
@@ -281,12 +282,20 @@ class Driver:
             why = " ".join(log.value.decode(errors="replace").split())[:300] or "no log"
             raise DriverError(f"the driver could not compile {name}'s PTX (CUresult {rc}): {why}")
 
+    @contextlib.contextmanager
+    def current(self, ordinal: int) -> Iterator[None]:
+        """Device `ordinal`'s primary context current on this thread for the block's driver calls."""
+        self._call("cuCtxPushCurrent_v2", ctypes.c_void_p(self._primary_context(ordinal)))
+        try:
+            yield
+        finally:
+            popped = ctypes.c_void_p()
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
+
     def load_function(self, ordinal: int, cubin: bytes, name: str, smem: int) -> int:
         """Load `cubin` into device `ordinal`'s primary context and return the CUfunction `name`, its dynamic
         shared memory limit raised to `smem` where that is over the default 48 KiB."""
-        ctx = self._primary_context(ordinal)
-        self._call("cuCtxPushCurrent_v2", ctypes.c_void_p(ctx))
-        try:
+        with self.current(ordinal):
             module, func = ctypes.c_void_p(), ctypes.c_void_p()
             image = ctypes.create_string_buffer(cubin, len(cubin))
             if cubin[:4] == b"\x7fELF":
@@ -296,9 +305,6 @@ class Driver:
             self._call("cuModuleGetFunction", ctypes.byref(func), module, name.encode())
             if smem > 48 * 1024:
                 self._call("cuFuncSetAttribute", func, ctypes.c_int(_MAX_DYNAMIC_SHARED), ctypes.c_int(smem))
-        finally:
-            popped = ctypes.c_void_p()
-            self.lib.cuCtxPopCurrent_v2(ctypes.byref(popped))
         return int(func.value or 0)
 
 

@@ -89,15 +89,23 @@ def device_index(device: Any) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
-def _relaxed(index: int, work: Callable[[], Any]) -> Any:
-    """`work()` with the calling thread's capture mode relaxed and device `index`'s context current."""
-    import torch
+def _context(index: int) -> Any:
+    """Device `index`'s primary context current for a block (cubin_cache's driver: what torch and the kernels use)."""
+    from . import cubin_cache
 
+    drv = cubin_cache.driver()
+    if drv is None:
+        raise CaptureWriteError("no libcuda to write outside a CUDA graph's capture with")
+    return drv.current(index)
+
+
+def _relaxed(index: int, work: Callable[[], Any]) -> Any:
+    """`work()` with the calling thread's capture mode relaxed and device `index`'s primary context current."""
     fns = _lib()
     mode = ctypes.c_int(_RELAXED)
     _check(fns["mode"](ctypes.byref(mode)), "relaxing the capture mode")
     try:
-        with torch.cuda.device(index):
+        with _context(index):
             result = work()
     finally:  # (the mode restored whatever happened; its own failure reported only if nothing else was)
         err = fns["mode"](ctypes.byref(mode))
