@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 _RELAXED = 2  # CUstreamCaptureMode: CU_STREAM_CAPTURE_MODE_RELAXED
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream
-_LIB: list = []  # [libcuda's functions, as a dict] or [None], looked up once
+_LIB: list = []  # [the entry points, as a dict] or [None], looked up once
 _LOCK = threading.RLock()  # captures on two threads at once must not share a slice
 _SIDE: dict = {}  # torch device index -> the side stream's handle: made by the driver, not taken from torch's pool
 # of streams (which hands its streams out in turn: a caller's capture stream could be the side stream)
@@ -56,21 +56,17 @@ class DeviceWords:
 
 
 def _lib() -> Any:
+    """The driver entry points the writes take, by short name (cubin_cache.libcuda_function's)."""
     if not _LIB:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            fns = {"mode": lib.cuThreadExchangeStreamCaptureMode, "memset": lib.cuMemsetD32Async,
-                   "sync": lib.cuStreamSynchronize, "stream": lib.cuStreamCreate, "alloc": lib.cuMemAlloc_v2}
-            fns["mode"].argtypes = [ctypes.POINTER(ctypes.c_int)]
-            fns["memset"].argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-            fns["sync"].argtypes = [ctypes.c_void_p]
-            fns["stream"].argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-            fns["alloc"].argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-            for f in fns.values():
-                f.restype = ctypes.c_int
-            _LIB.append(fns)
-        except (OSError, AttributeError):
-            _LIB.append(None)
+        from .cubin_cache import libcuda_function
+
+        c, ptr = ctypes, ctypes.c_void_p
+        fns = {"mode": libcuda_function("cuThreadExchangeStreamCaptureMode", [c.POINTER(c.c_int)]),
+               "memset": libcuda_function("cuMemsetD32Async", [c.c_uint64, c.c_uint, c.c_size_t, ptr]),
+               "sync": libcuda_function("cuStreamSynchronize", [ptr]),
+               "stream": libcuda_function("cuStreamCreate", [c.POINTER(ptr), c.c_uint]),
+               "alloc": libcuda_function("cuMemAlloc_v2", [c.POINTER(c.c_uint64), c.c_size_t])}
+        _LIB.append(None if None in fns.values() else fns)
     if _LIB[0] is None:
         raise CaptureWriteError("no libcuda to write outside a CUDA graph's capture with")
     return _LIB[0]

@@ -523,26 +523,14 @@ def _cu() -> Any:
     return _CU
 
 
-_LIBCUDA_LAUNCH: list = []  # [ctypes cuLaunchKernel or None], looked up once
-
-
 def _ctypes_launch() -> Any:
     """libcuda's cuLaunchKernel through ctypes (about a microsecond a call; the cuda.bindings wrapper
     measured 5.5 us on an H100 host, building a parameter helper and handle objects each call), or None."""
-    if not _LIBCUDA_LAUNCH:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            fn = lib.cuLaunchKernel
-            u = ctypes.c_uint
-            fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _LIBCUDA_LAUNCH.append(fn)
-        except (OSError, AttributeError):
-            _LIBCUDA_LAUNCH.append(None)
-    return _LIBCUDA_LAUNCH[0]
+    u = ctypes.c_uint
+    return cubin_cache.libcuda_function("cuLaunchKernel", [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p,
+                                                           ctypes.c_void_p, ctypes.c_void_p])
 
 
-_LIBCUDA_LAUNCH_EX: list = []  # [ctypes cuLaunchKernelEx or None], looked up once
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: the kernel may start before the one before it ends
 _CLUSTER_DIMENSION = 4  # CUlaunchAttributeID: the blocks run in clusters of (x, y, z)
 
@@ -558,15 +546,8 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 def _ctypes_launch_ex() -> Any:
     """libcuda's cuLaunchKernelEx through ctypes (launch attributes), or None."""
-    if not _LIBCUDA_LAUNCH_EX:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-            fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _LIBCUDA_LAUNCH_EX.append(fn)
-        except (OSError, AttributeError):
-            _LIBCUDA_LAUNCH_EX.append(None)
-    return _LIBCUDA_LAUNCH_EX[0]
+    return cubin_cache.libcuda_function("cuLaunchKernelEx", [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                                             ctypes.c_void_p, ctypes.c_void_p])
 
 
 def _launch_config(grid: tuple, block: int, smem: int, attr: _LaunchAttribute) -> _LaunchConfig:
@@ -637,20 +618,10 @@ def _cluster_launcher(handle: int, grid: tuple, block: int, smem: int, address: 
     return run
 
 
-_LIBCUDA_MAX_CLUSTERS: list = []  # [ctypes cuOccupancyMaxActiveClusters or None], looked up once
-
-
 def _ctypes_max_active_clusters() -> Any:
     """libcuda's cuOccupancyMaxActiveClusters through ctypes, or None."""
-    if not _LIBCUDA_MAX_CLUSTERS:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-            fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-            fn.restype = ctypes.c_int
-            _LIBCUDA_MAX_CLUSTERS.append(fn)
-        except (OSError, AttributeError):
-            _LIBCUDA_MAX_CLUSTERS.append(None)
-    return _LIBCUDA_MAX_CLUSTERS[0]
+    argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    return cubin_cache.libcuda_function("cuOccupancyMaxActiveClusters", argtypes)
 
 
 def clusters_fit(func: int, block: int, smem: int, width: int) -> bool:
