@@ -256,7 +256,6 @@ class CompiledAttention:
         kernel is then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline):
         the dump shows what runs."""
         from .backends.numba_cuda import emit_fa3
-        from .backends.numba_cuda.from_ir import reads_table_tile
 
         asked = self.extra.get("kv_parts", "auto")
         if asked != "auto" and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1
@@ -282,10 +281,7 @@ class CompiledAttention:
         m, n = self._seq_lengths(env)
         if heads is None or not m or not n:
             return 1
-        ws_tiles = reads_table_tile(self.analysis)
-        bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), ws_tiles, persistent=True, two=tiling == "two",
-                                decode=tiling == "decode")
-        blocks = int(self.extra.get("persistent", choice["persistent"]))
+        bq, bk, blocks = self._persistent_tiles(env, tiling, choice)
         few_rows = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS  # (decoding's tiles: a kv tile is its bytes)
         if few_rows:  # parts of one kv tile where they make at most KV_PARTS_CLUSTER (merged in a cluster at that
             # count: a masked grid's too, its parts first, _forward_spec; other masks returned 1 above)
@@ -305,8 +301,6 @@ class CompiledAttention:
         merge kernel's calls (decoding at N = 512, causal, plain and prefix LM at B = 1, H = 1, N = 1k); 2 parts
         0.93-0.95x at D = 128 on small prefill grids, 0.98-1.04x elsewhere: not taken. 8 parts take the cluster
         anyway (emit_fa3.KV_PARTS_CLUSTER)."""
-        from .backends.numba_cuda import emit_fa3
-        from .backends.numba_cuda.from_ir import reads_table_tile
         from .backends.numba_cuda.spec import forward_extra
 
         if parts != 4 or "cluster_merge" in forward_extra(self.extra):
@@ -315,9 +309,18 @@ class CompiledAttention:
         heads, (m, _) = self._heads(env), self._seq_lengths(env)
         if not choice or not choice.get("persistent") or heads is None or not m:
             return False
-        bq, _ = emit_fa3.tiles(env["D"], self._mask_kind(), reads_table_tile(self.analysis), persistent=True,
-                               two=tiling == "two", decode=tiling == "decode")
-        return 2 * heads * -(-m // bq) * parts <= int(self.extra.get("persistent", choice["persistent"]))
+        bq, _, blocks = self._persistent_tiles(env, tiling, choice)
+        return 2 * heads * -(-m // bq) * parts <= blocks
+
+    def _persistent_tiles(self, env: dict[str, int], tiling: Optional[str], choice: dict) -> tuple[int, int, int]:
+        """(bq, bk, blocks): the persistent kernel's tiles for a call of these sizes and `tiling`, and its blocks
+        (the caller's extra persistent, else the automatic `choice`'s), as split-kv's counts take them."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.from_ir import reads_table_tile
+
+        bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), reads_table_tile(self.analysis), persistent=True,
+                                two=tiling == "two", decode=tiling == "decode")
+        return bq, bk, int(self.extra.get("persistent", choice["persistent"]))
 
     def _parts_by_longest(self, bq: int, bk: int, m: int, n: int, head_dim: int, heads: int, blocks: int,
                           min_tiles: Optional[int] = None) -> int:
