@@ -241,6 +241,19 @@ def test_block_tables_are_remembered_with_their_data() -> None:
     assert bt.entry([ids, object()], sizes, alloc) is not unknown
 
 
+def test_a_captured_call_gets_a_table_of_its_own_each_time() -> None:
+    """While a CUDA graph captures, the table is the graph's: a new one, unfilled (its fill a launch in the graph),
+    never remembered, whatever was remembered for the same data."""
+    bt = BlockTables()
+    ids = np.arange(10, dtype=np.int32)
+    sizes = (1, 1, 10, 10)
+    eager = bt.entry([ids, 10], sizes, lambda: np.zeros(4, dtype=np.int8))
+    bt.fill(eager, lambda: None)
+    captured = [bt.entry([ids, 10], sizes, lambda: np.zeros(4, dtype=np.int8), capturing=True) for _ in range(2)]
+    assert len({id(eager), *map(id, captured)}) == 3 and not any(e.filled for e in captured)
+    assert bt.entry([ids, 10], sizes, lambda: pytest.fail("made again")) is eager  # the eager one still remembered
+
+
 @needs_torch
 def test_block_tables_follow_a_tensors_version() -> None:
     bt = BlockTables()

@@ -137,9 +137,13 @@ class BlockTables:
         self._memo = _Memo()
         self.evaluations = 0
 
-    def entry(self, caps: list, sizes: tuple, alloc: Callable[[], Any]) -> BlockTable:
+    def entry(self, caps: list, sizes: tuple, alloc: Callable[[], Any], capturing: bool = False) -> BlockTable:
         """The table for these captures (all of the kernel's, the sizes included) and (B, H, M, N): the one
-        remembered, or a new one from `alloc()`, not yet filled."""
+        remembered, or a new one from `alloc()`, not yet filled. While a CUDA graph captures (`capturing`), always
+        a new one, never remembered: its fill is a launch in the graph, run on every replay from the captures'
+        data then (a remembered table holds the data of some earlier call), as BlockData.derive's."""
+        if capturing:
+            return BlockTable(alloc())
         caps = list(caps)
         key = data_key(caps, tuple(sizes))
         found = self._memo.get(key, caps)

@@ -915,16 +915,11 @@ class _ForwardPlan:
             if capturing or self.work_stream != stream:
                 vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
                 self.work_stream = None if capturing else stream
-        if self.table_n and capturing:  # the graph's own table, filled by the mask kernel in the graph on every
-            # replay from the captures' data then (a remembered table would be the data of capture time)
-            table = torch.empty(self.table_n, dtype=torch.int8, device=self.device)
-            self.kern._captured.append(table)
-            for b, slot in self.table_slots:
-                b.vals[slot] = table.data_ptr()
-            self.mask_launch(stream)
-        elif self.table_n:
+        if self.table_n:  # (while capturing, the graph's own table: BlockTables.entry)
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8,
-                                                                            device=self.device))
+                                                                            device=self.device), capturing)
+            if capturing:
+                self.kern._captured.append(entry.table)
             for b, slot in self.table_slots:
                 b.vals[slot] = entry.table.data_ptr()
             self.tables.fill(entry, lambda: self.mask_launch(stream))
@@ -1073,13 +1068,11 @@ class _BackwardPlan:
         for j, g in enumerate(sums):
             ptr[f"sum{j}"] = g.data_ptr()
         capturing = torch.cuda.is_current_stream_capturing()
-        entry = None
-        if self.table_n and capturing:  # the graph's own table, filled in the graph on every replay (the forward's)
-            table = torch.empty(self.table_n, dtype=torch.int8, device=dev)
-            self.kern._captured.append(table)
-            ptr["table"] = table.data_ptr()
-        elif self.table_n:
-            entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8, device=dev))
+        if self.table_n:  # (while capturing, the graph's own table: BlockTables.entry)
+            entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8, device=dev),
+                                      capturing)
+            if capturing:
+                self.kern._captured.append(entry.table)
             ptr["table"] = entry.table.data_ptr()
         for name, buf, slot in self.patch:
             buf.vals[slot] = ptr[name]
@@ -1092,10 +1085,8 @@ class _BackwardPlan:
             for name, slot in self.map_slots:
                 self.main_buf.vals[slot] = self.kern.maps.torch(ptr[name], dev, self.kv_geometry, capturing, stream,
                                                                 {"dk": "dK", "dv": "dV"}[name]).data_ptr()
-        if entry is not None:
+        if self.table_n:
             self.tables.fill(entry, lambda: self.mask_launch(stream))
-        elif self.table_n:
-            self.mask_launch(stream)
         for run in self.launches:
             run(stream)
         outs = [dq, dk, dv]
