@@ -3,9 +3,9 @@ timed whole inside a CUDA graph (twenty calls captured, the median of fifteen re
 captured the same way in the same process (plain attention; causal for the causal rows). What the fifty-second
 session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a cluster"; BENCHMARKS.md, same
 session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here; the set "batch" (decoding at B = 4-8,
-the fifty-third session's `.whl/s53_c.py`) added after.
+the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against its kv tiles a block) added after.
 
-    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|all]
+    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|all]
 
 Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
 merged in a cluster (the default at 8; at 4 on grids of at most half the SMs); "sN" the automatic parts on a ring of
@@ -53,6 +53,9 @@ CASES = {
               ("plain", 1, 64, 1, 1024, ("p2", "c2", "p4", "s3", "s4"), 8),
               ("gqa", 4, 128, 1, 2048, ("p2", "p4", "s3"), 4), ("gqa", 4, 128, 1, 8192, ("p2", "p4", "s3"), 8),
               ("plain", 1, 128, 16, 2048, ("p2", "c2", "p4", "s3"), 4), ("plain", 1, 128, 1, 3000, ("s3",), 1)],
+    # decoding's cost against its kv tiles a block (p1: N / 128 tiles; p2 half): a line's slope is a tile's time
+    # on one block's chain, its intercept the fixed cost (B = 1: 8 blocks alone; B = 8: 64 blocks sharing HBM)
+    "slope": [("plain", 1, 128, 1, n, ("p1", "p2"), b) for b in (1, 8) for n in (128, 256, 512, 1024, 2048)],
 }
 _COMPILED: dict = {}
 
