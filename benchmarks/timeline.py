@@ -5,7 +5,7 @@ next block starts there. A line fitted through loop time against kv tiles gives 
 fixed cost (the ping-pong's ramp and tail); the per-item cost is that plus the prologue, the epilogue and the gap
 (benchmarks/NOTES.md: the variants' fits had it at ~1.4 tile-times).
 
-    python3 benchmarks/timeline.py causal --d 128 --n 4096 [--config 128x128w8-wsn] [--json out.json]
+    python3 benchmarks/timeline.py causal --d 128 --n 4096 [--m 1] [--config 128x128w8-wsn] [--json out.json]
 
 With a persistent config (`--config 128x128w8-wsn-p132`) the stamps are an item's instead: its Q landed, its kv
 loop's end, its epilogue's end; the summary's `loop_end_to_next_q_us` is what one item's end costs the next item
@@ -452,10 +452,11 @@ def check_stampable(spec, with_producer: bool) -> int:
 
 
 def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = False,
-        replace: list[str] | None = None) -> np.ndarray:
+        replace: list[str] | None = None, M: int = 0) -> np.ndarray:
     """One stamped launch of the example's forward: an array [blocks x 2 warpgroups, 6] of FIELDS (with `phases`,
     stamped_phases_source's record a warpgroup; the persistent producer warpgroup's kernel, [blocks x its consumer
-    warpgroups, ITEMS, PRODUCER_FIELDS]); `replace` edits the kernel's source first (replaced_source)."""
+    warpgroups, ITEMS, PRODUCER_FIELDS]); `replace` edits the kernel's source first (replaced_source); `M` query rows
+    (0: N; decoding's M = 1 takes its 64-row tiles and split-kv's parts, stamped as the kernel's items)."""
     import torch
 
     import bench
@@ -463,7 +464,8 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
 
     var = bench.variant(stem, B, H, N, D)
     dev = "cuda"
-    q = torch.randn(B, H, N, D, device=dev, dtype=torch.float16)
+    M = M or N
+    q = torch.randn(B, H, M, D, device=dev, dtype=torch.float16)
     k, v = (torch.randn(B, H // var.group, N, D, device=dev, dtype=torch.float16) for _ in range(2))
     c = bench.example_compiled_config(stem, bench.parse_config(config)) if config else bench.example_compiled(stem)
     caps = [var.captures[a.name] for a in c.func.args[3:]]
@@ -477,7 +479,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     from falower.backends.numba_cuda.block_data import BlockData, has_derived
 
     if has_derived(s):  # a block list and the range tables it is made from, as the compiled call derives them
-        caps = caps + BlockData(s).derive(caps, (B, H, N, N), q)
+        caps = caps + BlockData(s).derive(caps, (B, H, M, N), q)
     persist = int(s.extra.get("persistent", 0))
     with_producer = s.extra.get("producer") == "warpgroup" and persist > 0
     if s.extra.get("schedule") != "wgmma-ws" or (s.extra.get("producer") != "none" and not with_producer):
@@ -563,6 +565,7 @@ def main() -> None:
     ap.add_argument("stem")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--m", type=int, default=0, help="query rows (default: N; 1 for decoding)")
     ap.add_argument("--b", type=int, default=0, help="batch (default: 16384 // N, at least 1)")
     ap.add_argument("--h", type=int, default=0, help="heads (default: 2048 // D)")
     ap.add_argument("--config", default="", help="a bench tile config (default: the automatic choice)")
@@ -574,8 +577,8 @@ def main() -> None:
                     help="edit the kernel's source first, every occurrence (a floor experiment: its numbers are wrong)")
     a = ap.parse_args()
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
-    t = run(a.stem, a.d, a.n, B, H, a.config, a.phases, a.replace)
-    summary = {"stem": a.stem, "D": a.d, "N": a.n, "B": B, "H": H,
+    t = run(a.stem, a.d, a.n, B, H, a.config, a.phases, a.replace, a.m)
+    summary = {"stem": a.stem, "D": a.d, "M": a.m or a.n, "N": a.n, "B": B, "H": H,
                **({"replaced": len(a.replace)} if a.replace else {}),
                **(summarize_phases(t) if a.phases else summarize_producer(t) if t.ndim == 3 and t.shape[2] != 5
                   else summarize_persistent(t) if t.ndim == 3 else summarize(t))}
