@@ -5,11 +5,12 @@ session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a clu
 session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here; the set "batch" (decoding at B = 4-8,
 the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against its kv tiles a block) added after.
 
-    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|all]
+    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|twosm|padding|cluster|all]
 
 Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
 merged in a cluster (the default at 8; at 4 on grids of at most half the SMs); "sN" the automatic parts on a ring of
-N K / V stages (2 by default: one tile's loads ahead). Kernels are compiled first in parallel processes. Prints one
+N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`blocks_per_sm`), "k64" decoding's
+64-wide kv tiles on one; "nosp" the softmax of every row, padding too. Kernels are compiled first in parallel processes. Prints one
 markdown table, with the largest difference of a forced variant's O from the automatic choice's.
 """
 
@@ -28,7 +29,10 @@ VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_me
             "p4": {"kv_parts": 4, "cluster_merge": False}, "p8": {"kv_parts": 8, "cluster_merge": False},
             "c2": {"kv_parts": 2, "cluster_merge": True}, "c4": {"kv_parts": 4, "cluster_merge": True},
             "c8": {"kv_parts": 8}, "p16": {"kv_parts": 16},
-            "s3": {"stages": 3}, "s4": {"stages": 4}}  # the automatic parts on a ring of 3 or 4 K / V stages
+            "s3": {"stages": 3}, "s4": {"stages": 4},  # the automatic parts on a ring of 3 or 4 K / V stages
+            "b2": {"blocks_per_sm": 2},  # two blocks an SM (at D = 128 on 64-wide kv tiles), the parts they take
+            "k64": {"decode_block_k": 64},  # one block an SM on 64-wide kv tiles (b2's control)
+            "nosp": {"skip_padding": False}}  # every row's softmax (skips_padding_softmax off)
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
 # set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
 # "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)
@@ -55,7 +59,21 @@ CASES = {
               ("plain", 1, 128, 16, 2048, ("p2", "c2", "p4", "s3"), 4), ("plain", 1, 128, 1, 3000, ("s3",), 1)],
     # decoding's cost against its kv tiles a block (p1: N / 128 tiles; p2 half): a line's slope is a tile's time
     # on one block's chain, its intercept the fixed cost (B = 1: 8 blocks alone; B = 8: 64 blocks sharing HBM)
+    # two blocks an SM against one, and against one on the same 64-wide kv tiles
+    "twosm": [("plain", 1, 128, 1, 1024, ("b2", "k64"), b) for b in (1, 4, 8)]
+    + [("plain", 1, 128, 1, 256, ("b2", "k64"), 8), ("plain", 1, 128, 1, 4096, ("b2", "k64"), 8),
+       ("plain", 1, 128, 1, 3000, ("b2", "k64"), 1), ("plain", 1, 64, 1, 1024, ("b2", "k64"), 8),
+       ("gqa", 4, 128, 1, 2048, ("b2", "k64"), 4), ("plain", 1, 128, 16, 2048, ("b2", "k64"), 4)],
     "slope": [("plain", 1, 128, 1, n, ("p1", "p2"), b) for b in (1, 8) for n in (128, 256, 512, 1024, 2048)],
+    # decoding's parts merged in a cluster of 2 or 4 on grids past half the SMs, against the merge kernel
+    "cluster": [("plain", 1, d, 1, n, ("p2", "c2"), 8) for d in (128, 64) for n in (1024, 2048, 4096)]
+    + [("plain", 1, 128, 1, 1024, ("p4", "c4", "c2"), 4), ("plain", 1, 128, 16, 2048, ("p4", "c4", "c2"), 4),
+       ("gqa", 4, 128, 1, 8192, ("p2", "c2"), 8), ("plain", 1, 128, 1, 1024, ("p2", "c2"), 16)],
+    # decoding's softmax for the query rows only (skips_padding_softmax) against every row's
+    "padding": [("plain", 1, 128, 1, n, ("nosp",), b) for b, n in ((1, 1024), (1, 3000), (4, 1024), (8, 1024),
+                                                                   (8, 4096))]
+    + [("plain", 1, 64, 1, 1024, ("nosp",), 8), ("gqa", 4, 128, 1, 2048, ("nosp",), 4),
+       ("plain", 1, 128, 16, 2048, ("nosp",), 4), ("softcap", 1, 128, 1, 1024, ("nosp",), 4)],
 }
 _COMPILED: dict = {}
 

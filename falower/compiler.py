@@ -147,9 +147,11 @@ class CompiledAttention:
 
         if path != "mma" or "schedule" in forward_extra(self.extra):
             return None
+        sms = device_sm_count()
+        per_sm = self.extra.get("blocks_per_sm", 1)  # (the ws kernel's two blocks an SM: twice the persistent blocks)
         return emit_fa3.auto_extra(dtype, head_dim, self._mask_kind(), device_cc(),
                                    table_tile=reads_table_tile(self.analysis) and not few_rows,
-                                   sm_count=device_sm_count())
+                                   sm_count=sms * per_sm if sms and per_sm in (1, 2) else sms)
 
     def _d64_tiling(self, dtype: str, path: str, env: dict[str, int]) -> Optional[str]:
         """Which of D = 64's kernels a call with these sizes takes: "wide", the persistent kernel's 192 x 128 tiles
@@ -410,8 +412,13 @@ class CompiledAttention:
 
         def wgmma_tiles(persistent: bool, two: bool) -> tuple[int, int]:
             """emit_fa3.tiles for this call's D, mask, table tile and tiling."""
-            return emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=persistent, two=two,
-                                  decode=tiling == "decode")
+            bq, bk = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=persistent, two=two,
+                                    decode=tiling == "decode")
+            if persistent and tiling == "decode" and "decode_block_k" in fwd:
+                bk = emit_fa3.decode_block_k(fwd["decode_block_k"])
+            elif persistent and tiling == "decode" and fwd.get("blocks_per_sm") == 2 and used["D"] == 128:
+                bk = 64  # (two blocks an SM: 64 x 128 tiles' ring of 128 KB does not fit twice)
+            return bq, bk
 
         def built_for(extra: dict, ragged: bool = False, two: bool = False, kvp: int = 1) -> tuple[Func, Any]:
             """The lowered IR this try's kernel takes: the default pipeline's graph lowered again with its tiles

@@ -36,6 +36,13 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
         seen.add((stem, group, D, M, N, B))
         if var[0] == "s":  # the automatic parts on more stages
             assert kernel_stages(split_parts.kernel(*job).spec) == int(var[1:]), job
+        elif var == "nosp":
+            assert split_parts.kernel(*job).spec.extra.get("skip_padding") is False, job
+        elif var in ("b2", "k64"):  # two blocks an SM (64-wide kv tiles at D = 128), or one on 64-wide tiles
+            spec = split_parts.kernel(*job).spec
+            assert spec.block_k == (64 if var == "k64" or D == 128 else 128), job
+            assert spec.extra.get("blocks_per_sm", 1) == (2 if var == "b2" else 1), job
+            assert int(spec.extra["persistent"]) == (264 if var == "b2" else 132), job
         elif var != "auto":
             assert parts == split_parts.VARIANTS[var]["kv_parts"], job
             assert cluster == (parts if var[0] == "c" else 0), job

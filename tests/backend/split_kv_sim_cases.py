@@ -51,6 +51,10 @@ CASES = {
     # ... asked to merge in a cluster (extra cluster_merge): Numba's launches have no clusters, so the call runs the
     # kernel without it (FA2ForwardKernel.without_cluster) and the merge kernel; M = 40 rows
     "plain-p4-decode-d128-cluster": ("plain", 40, 300, 128, (64, 128), 4, "f16", "last", {"cluster_merge": True}),
+    # ... on two blocks an SM (extra blocks_per_sm: launch bounds the simulator ignores) with decoding's 64-wide kv
+    # tiles at D = 128 (the ring's half that fits two blocks), two batches on three blocks
+    "plain-p4-decode-d128-bk64-2sm": ("plain", 1, 300, 128, (64, 64), 4, "f16", "last",
+                                      {"B": 2, "persistent": 3, "blocks_per_sm": 2}),
     # ... ALiBi at M = 50 on two batches and three blocks; the relative bias's run of the table (row_slice) at D = 128
     "alibi-p2-decode-m50": ("alibi", 50, 390, 64, (64, 128), 2, "f16", "last",
                             {"B": 2, "persistent": 3, "fused_merge": True}),

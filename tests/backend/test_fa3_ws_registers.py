@@ -102,3 +102,38 @@ def test_register_splits_setmaxnreg_cannot_make_are_refused(extra, what):
     spec = dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup", **extra})
     with pytest.raises(ValueError, match=what):
         emit_fa3_ws.emit_fa3_ws_forward(spec)
+
+
+def _decode_spec(block_k: int, **extra):
+    spec = make_spec("plain", 128, "f16", path="mma", block_q=64, block_k=block_k, num_warps=4, name="ws_bps")
+    return dataclasses.replace(spec, extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 264,
+                                            "item_order": "dynamic", **extra})
+
+
+def test_two_blocks_an_sm_halve_the_registers_and_the_shared_memory():
+    """extra blocks_per_sm = 2 (decoding's 64 x 64 tiles at D = 128): launch bounds for two blocks, so a thread
+    starts at 128 registers and the setmaxnreg split moves only the block's own half (a consumer's inc past it
+    would wait for ever); the block's shared memory at most half the SM's."""
+    spec = _decode_spec(64, blocks_per_sm=2)
+    emit_fa3_ws.validate_spec(spec)
+    src = emit_fa3_ws.emit_fa3_ws_forward(spec)
+    threads = emit_fa3_ws.threads_per_block(spec)
+    assert "@launch_bounds(256, 2)" in src
+    assert _cap_of(src, threads) == emit_fa3_ws.register_cap(spec) == 128
+    p, c = emit_fa3_ws.registers(spec)
+    assert 128 * p + 128 * c <= threads * 128 < 128 * p + 128 * (c + 8)
+    assert f"setmaxnreg_inc({c})" in src
+    assert 2 * (emit_fa3_ws.smem_bytes(spec) + emit_fa3_ws.static_bytes(spec) + 1024) <= 228 * 1024
+    one = _decode_spec(64)
+    assert emit_fa3_ws.register_cap(one) == 255 and "@launch_bounds(256, 1)" in emit_fa3_ws.emit_fa3_ws_forward(one)
+
+
+@pytest.mark.parametrize("block_k, extra, what", [
+    (64, {"blocks_per_sm": 3}, "blocks_per_sm must be 1 or 2"),
+    (64, {"blocks_per_sm": True}, "blocks_per_sm must be 1 or 2"),
+    (128, {"blocks_per_sm": 2}, r"blocks_per_sm 2: the kernel's 16\d{4} bytes .* exceed 115712"),  # (64 x 128)
+    (64, {"blocks_per_sm": 2, "producer": "none", "persistent": 0, "item_order": "grid"}, "needs producer"),
+])
+def test_two_blocks_an_sm_refused_where_they_cannot_run(block_k, extra, what):
+    with pytest.raises(ValueError, match=what):
+        emit_fa3_ws.validate_spec(_decode_spec(block_k, **extra))

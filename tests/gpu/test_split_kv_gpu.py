@@ -131,6 +131,28 @@ def test_decoding_tiles_keep_the_error_rule(stem, M, N, dtype, D):
     assert_error_rule(g, c, env, _host(g, env, dtype, seed=M + N + D), dtype)
 
 
+@pytest.mark.parametrize("stem, M", [("plain", 1), ("plain", 7), ("plain", 8), ("plain", 9), ("plain", 17),
+                                     ("plain", 63), ("causal", 8), ("softcap", 9), ("alibi", 16)])
+def test_decodings_padding_rows_skip_the_softmax_and_keep_the_numbers(stem, M):
+    """Decoding's warps whose 8 rows are all past M skip the softmax (emit_fa3_ws.skips_padding_softmax): row counts
+    at the 8-row halves' edges, the kernel with the skip against the one without (`skip_padding` False) and both
+    under the error rule; the causal rows (q >= kv) see only their first keys, the rest masked (S -inf there)."""
+    _hopper()
+    from falower.backends.numba_cuda.emit_fa3_ws import skips_padding_softmax
+
+    g, c = _compiled(stem, "f16", "auto")
+    _, every = _compiled(stem, "f16", "auto", skip_padding=False)
+    env = bind_dims(g, {"B": 2, "H": 4, "HKV": 2, "M": M, "N": 1500, "D": 128})
+    assert skips_padding_softmax(c.specialize("f16", **env).spec)
+    assert not skips_padding_softmax(every.specialize("f16", **env).spec)
+    dev = assert_error_rule(g, c, env, _host(g, env, "f16", seed=M), "f16")
+    o_skip, lse_skip = c(*dev)
+    o_all, lse_all = every(*dev)
+    assert torch.isfinite(o_skip).all() and torch.isfinite(lse_skip).all()
+    assert (o_skip.float() - o_all.float()).abs().max().item() <= 2e-3
+    assert (lse_skip - lse_all).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("causal, M, N, fused", [(True, 1024, 1024, False), (False, 1, 4096, False),
                                                  (False, 1, 4096, True)])
 def test_direct_numba_and_relaunch_give_the_same_numbers(monkeypatch, causal, M, N, fused):

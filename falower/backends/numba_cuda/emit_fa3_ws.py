@@ -149,6 +149,7 @@ from .emit_fa3 import (
     stage_row_helper,
     stage_rows_stsm_helper,
 )
+from .emit_fa3 import SMEM_PER_SM
 from .emit_fa3 import grid as _fa3_grid
 from .emit_fa3 import validate_spec as _fa3_validate
 from .spec import FA2ForwardSpec
@@ -509,6 +510,19 @@ def skips_padding_rows(spec: FA2ForwardSpec) -> bool:
             and small_scores(spec) is None and spec.extra.get("skip_padding", True) is not False)
 
 
+def skips_padding_softmax(spec: FA2ForwardSpec) -> bool:
+    """Whether a warp skips the online softmax of its 8 rows (g of one half of its 16) where all are past M (or
+    before 0): decoding's 64-row tiles on the persistent producer kernel, whose one query row leaves warp 0's second
+    half and warps 1-3 all padding. Their P is zeroed and their O left unscaled instead (rows never stored). Why: the
+    stamped timeline put decoding's kv loop at ~2450-2560 cycles a tile, 380-480 of them waiting for K (H200,
+    M = 1, D = 128, benchmarks/NOTES.md "Decoding's chain"); one consumer warpgroup runs S, then its softmax beside
+    P V, and the softmax's 64 exponentials a thread (8 cycles a warp's each on MUFU) are longer than P V, so a
+    tile is S + softmax; half the exponentials leave P V the longer. `extra["skip_padding"] = False` keeps every row
+    (bench '-nosp'), as for skips_padding_rows."""
+    return (spec.block_q == 64 and bool(persistent(spec)) and producer(spec) == "warpgroup"
+            and spec.extra.get("skip_padding", True) is not False)
+
+
 def pingpong(spec: FA2ForwardSpec) -> bool:
     return bool(spec.extra.get("pingpong", True)) and spec.block_q > 64  # (one consumer warpgroup: no turns)
 
@@ -582,14 +596,36 @@ def _allocated_warps(threads: int) -> int:
     return -(-(-(-threads // 32)) // 4) * 4
 
 
+def blocks_per_sm(spec: FA2ForwardSpec) -> int:
+    """The blocks an SM holds at once (`extra["blocks_per_sm"]`, 1 or 2; bench '-bps2'): the launch bounds' minimum
+    blocks, which halve a thread's registers and the shared memory a block may take. Two blocks a SM run two
+    items' chains of S, softmax and P V side by side on one SM's tensor cores, where one chain leaves them idle
+    while its softmax and waits run: decoding's 64-row tiles (one consumer warpgroup, a kv tile ~1.2-1.3 us of
+    which the products are ~0.55, benchmarks/NOTES.md "Decoding's chain"). The producer warpgroup's kernel only
+    (setmaxnreg moves registers within the block's own half)."""
+    n = spec.extra.get("blocks_per_sm", 1)
+    if n not in (1, 2) or isinstance(n, bool):
+        raise ValueError(f"extra blocks_per_sm must be 1 or 2, got {n!r}")
+    return int(n)
+
+
+def smem_limit(spec: FA2ForwardSpec) -> int:
+    """The dynamic and static shared memory a block may take: SMEM_LIMIT, or the SM's 228 KiB shared by
+    blocks_per_sm blocks (1 KiB reserved each)."""
+    n = blocks_per_sm(spec)
+    return SMEM_LIMIT if n == 1 else SMEM_PER_SM // n - 1024
+
+
 def register_cap(spec: FA2ForwardSpec) -> int:
-    """The registers a thread the emitted kernel may use: its -maxrregcount, else what launch bounds (threads, 1)
-    leave (65536 / threads in the 4-warp granularity, down to a multiple of 8), else ptxas's 255."""
+    """The registers a thread the emitted kernel may use: its -maxrregcount, else what launch bounds (threads,
+    blocks_per_sm) leave (65536 / (threads x blocks) in the 4-warp granularity, down to a multiple of 8), else
+    ptxas's 255."""
     threads = threads_per_block(spec)
     if producer(spec) == "warp":
         return MAX_REGS_WARP
     if producer(spec) == "warpgroup":
-        return min(MAX_REGS_THREAD, REGISTER_FILE // (_allocated_warps(threads) * 32) // 8 * 8)
+        per_block = REGISTER_FILE // blocks_per_sm(spec)
+        return min(MAX_REGS_THREAD, per_block // (_allocated_warps(threads) * 32) // 8 * 8)
     return MAX_REGS_THREAD  # producer "none": 256 threads, 8 x 32 x 256 = 65536
 
 
@@ -999,7 +1035,7 @@ def _layout(spec: FA2ForwardSpec, S: int | None = None, cx: Optional[int] = None
                        and spec.extra.get("staged_epilogue", True) is not False) else 0
         # (with room for epilogue_in_s's static arrays, which need the buffer: asked here, it would ask this layout)
         if o_at + o_buf + cxb + barrier_bytes + ALIGN + (kept_bytes(spec) if o_buf else 0) \
-                + (slice_bytes(spec) if row_slice(spec) else 0) <= SMEM_LIMIT:
+                + (slice_bytes(spec) if row_slice(spec) else 0) <= smem_limit(spec):
             break
     else:
         o_buf = 0
@@ -1082,6 +1118,17 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if spec.block_q not in (64, 128, 192):
         raise ValueError(f"wgmma-ws: block_q must be 64, 128 or 192 (one, two or three consumer warpgroups), got "
                          f"{spec.block_q}")
+    bps = blocks_per_sm(spec)
+    if bps > 1:
+        if producer(spec) != "warpgroup":
+            raise ValueError(f"wgmma-ws: blocks_per_sm {bps} needs producer 'warpgroup' (launch bounds and "
+                             f"setmaxnreg), got {producer(spec)!r}")
+        one = dataclasses.replace(spec, extra={**spec.extra, "blocks_per_sm": 1})
+        need = smem_bytes(one) + static_bytes(one)
+        if need > smem_limit(spec):  # (the layout would drop its second Q buffer to fit, and the TMA loads with it)
+            raise ValueError(f"wgmma-ws: blocks_per_sm {bps}: the kernel's {need} bytes of shared memory ({stages(spec)}"
+                             f" stages of {spec.block_k} x {spec.head_dim}) exceed {smem_limit(spec)}, an SM's share "
+                             f"for {bps} blocks (decoding's 64-wide kv tiles fit at D = 128)")
     if spec.block_q == 64:  # one consumer warpgroup: decoding's tiles (emit_fa3.DECODE_TILES)
         why = [w for w, bad in [
             ("a persistent kernel", not persistent(spec)), ("a producer warpgroup", producer(spec) != "warpgroup"),
@@ -1156,9 +1203,10 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
     if not registers_fit(threads_per_block(spec), register_cap(spec)):
         raise ValueError(f"wgmma-ws: {threads_per_block(spec)} threads x {register_cap(spec)} registers do not fit "
                          f"the SM's {REGISTER_FILE} (warps allocated in groups of 4): the launch would fail (701)")
-    if smem_bytes(spec) + static_bytes(spec) > SMEM_LIMIT:
-        raise ValueError(f"wgmma-ws: {smem_bytes(spec) + static_bytes(spec)} bytes of shared memory exceed 227 KB "
-                         f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim})")
+    if smem_bytes(spec) + static_bytes(spec) > smem_limit(spec):
+        raise ValueError(f"wgmma-ws: {smem_bytes(spec) + static_bytes(spec)} bytes of shared memory exceed "
+                         f"{smem_limit(spec)} ({stages(spec)} stages of {spec.block_k} x {spec.head_dim}, "
+                         f"{blocks_per_sm(spec)} block(s) an SM)")
 
 
 def _emit_load_warp(c: _Code, rows: int, D: int, sdst: str, row0: str, nrows: str, garr: str, base: str,
@@ -1834,6 +1882,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     TT = table_tiles(spec)
     HOIST = row_bounds_read_data(spec)
     PAD = skips_padding_rows(spec)  # the score only for rows below M (decoding's bias table)
+    PADS = skips_padding_softmax(spec)  # no softmax for a warp's 8 rows all past M (decoding's tiles)
     LATE = bounds_in_s(spec)
     HALF = half_mode(spec)
     H2 = BK // 2
@@ -2314,10 +2363,24 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                     copy("jn")
                 c("cp_async_mbar_arrive_noinc(t_full)")
         c("# online softmax: new row max (quad shuffles), exponentiate; then rescale O")
+        if PADS:
+            assert len(ROWS) == 2 and NWC == 1, ROWS
+            clear = c.helper("clear_row", [
+                "@device_function", "def clear_row(x, i):", "    # a padding row's P: zeros (its S may hold -inf)",
+                f"    for jj in range({BK // 8}):", "        lset(x, i + jj * 4, ZERO)", "        lset(x, i + jj * 4 + 1, ZERO)"])
         for t in ROWS:
             kv = "kv0" if CM else "kv0 + t2"  # col_mma: S holds the column term from the tile's first column on
-            c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, kv)}")
-            c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
+            if PADS:  # the warp's 8 rows of this half: q_lo + 16 warp + off + g, g = 0 .. 7
+                c(f"if q_lo + warp * 16 + {t.off} <= q_hi and q_lo + warp * 16 + {t.off + 7} >= 0:  # a row of the "
+                  "warp's 8 is below M (skips_padding_softmax)")
+            with c.indent() if PADS else contextlib.nullcontext():
+                c(f"m_{t.k}, alpha_{t.k}, rs = {softmax_call(spec, t.sc, t.ofs, f'm_{t.k}', t.row, kv)}")
+                c(f"l_{t.k} = l_{t.k} * alpha_{t.k} + rs")
+            if PADS:
+                c("else:  # all 8 rows padding: no exponentials, O kept (alpha 1), P zero")
+                with c.indent():
+                    c(f"alpha_{t.k} = ONE")
+                    c(f"{clear}({t.sc}, {t.ofs})")
         c("# the wait for P_{j-1} V_{j-1} on every path, not under `if have_prev`: ptxas cannot tie this branch to")
         c("# the one that issued it, sees a path where O += P V is in flight while scale_row writes O and the pack")
         c("# below writes P (both inputs of that wgmma), and serializes every wgmma (C7513, and C7517: a wait it")
@@ -2494,8 +2557,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     elif NONE:
         c(f"# {threads} threads: no register cap needed, 8 warps x 32 x 255 registers fit the SM's 65536")
     else:
-        c(f"@launch_bounds({threads}, 1)  # .maxntid (setmaxnreg needs it): every thread starts at "
-          f"{(65536 // threads) // 8 * 8} registers")
+        c(f"@launch_bounds({threads}, {blocks_per_sm(spec)})  # .maxntid (setmaxnreg needs it): every thread "
+          f"starts at {(REGISTER_FILE // blocks_per_sm(spec) // threads) // 8 * 8} registers")
     c(f"def {spec.name}({_signature(spec)}):")
     with c.indent():
         c(f'"""FA forward on wgmma, warp-specialized: D={D}, block {BQ}x{BK}, 1 producer + {BQ // 64} consumer '
