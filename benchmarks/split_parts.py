@@ -10,8 +10,8 @@ the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against 
 Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
 merged in a cluster (the default at 8; at 4 on grids of at most half the SMs); "sN" the automatic parts on a ring of
 N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`blocks_per_sm`), "k64" decoding's
-64-wide kv tiles on one; "nosp" the softmax of every row, padding too. Kernels are compiled first in parallel processes. Prints one
-markdown table, with the largest difference of a forced variant's O from the automatic choice's.
+64-wide kv tiles on one; "nosp" the softmax of every row, padding too. Kernels are compiled first in parallel
+processes. Prints one markdown table, with the largest difference of a forced variant's O from the automatic choice's.
 """
 
 from __future__ import annotations

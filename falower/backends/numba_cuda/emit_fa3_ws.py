@@ -1126,9 +1126,9 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         one = dataclasses.replace(spec, extra={**spec.extra, "blocks_per_sm": 1})
         need = smem_bytes(one) + static_bytes(one)
         if need > smem_limit(spec):  # (the layout would drop its second Q buffer to fit, and the TMA loads with it)
-            raise ValueError(f"wgmma-ws: blocks_per_sm {bps}: the kernel's {need} bytes of shared memory ({stages(spec)}"
-                             f" stages of {spec.block_k} x {spec.head_dim}) exceed {smem_limit(spec)}, an SM's share "
-                             f"for {bps} blocks (decoding's 64-wide kv tiles fit at D = 128)")
+            raise ValueError(f"wgmma-ws: blocks_per_sm {bps}: the kernel's {need} bytes of shared memory "
+                             f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim}) exceed {smem_limit(spec)}, "
+                             f"an SM's share for {bps} blocks (decoding's 64-wide kv tiles fit at D = 128)")
     if spec.block_q == 64:  # one consumer warpgroup: decoding's tiles (emit_fa3.DECODE_TILES)
         why = [w for w, bad in [
             ("a persistent kernel", not persistent(spec)), ("a producer warpgroup", producer(spec) != "warpgroup"),
@@ -2367,7 +2367,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             assert len(ROWS) == 2 and NWC == 1, ROWS
             clear = c.helper("clear_row", [
                 "@device_function", "def clear_row(x, i):", "    # a padding row's P: zeros (its S may hold -inf)",
-                f"    for jj in range({BK // 8}):", "        lset(x, i + jj * 4, ZERO)", "        lset(x, i + jj * 4 + 1, ZERO)"])
+                f"    for jj in range({BK // 8}):", "        lset(x, i + jj * 4, ZERO)",
+                "        lset(x, i + jj * 4 + 1, ZERO)"])
         for t in ROWS:
             kv = "kv0" if CM else "kv0 + t2"  # col_mma: S holds the column term from the tile's first column on
             if PADS:  # the warp's 8 rows of this half: q_lo + 16 warp + off + g, g = 0 .. 7
