@@ -137,7 +137,8 @@ def parse_config(text: str) -> tuple:
     kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge in the kernel itself
     (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-clm' the q tile's
     parts as one cluster's blocks, merged after a cluster barrier (extra cluster_merge; default at 8 parts), '-noclm'
-    never; '-nosp' the score for every row of decoding's q tile, not only those below M (extra skip_padding);
+    never; '-nosp' the score and the softmax for every row of decoding's q tile, not only those below M (extra
+    skip_padding);
     '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh' the persistent producer
     kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
@@ -152,7 +153,8 @@ def parse_config(text: str) -> tuple:
     polynomial where they are within a quarter of the cap (extra tanh_tiny); '-nose' / '-se' O stored from the fragments
     / through shared memory (extra staged_epilogue: the '-wsn' kernel's default is through shared memory, emit_fa3's at
     D = 64 from the fragments); '-r128' / '-r64' emit_fa3's warpgroups own 128 / 64 query rows each (extra wg_rows),
-    '-bN' its launch bounds for N blocks an SM; '-tree' the softmax's row max and sum over four chains (extra
+    '-bN' its launch bounds for N blocks an SM (the '-wsg' kernel too: 1 or 2), '-dbkN' decoding's kv tiles N wide
+    (extra decode_block_k: 64 or 128); '-tree' the softmax's row max and sum over four chains (extra
     tree_softmax); '-eager' the pipeline's online-softmax without lazy=8 (the row max, and O's rescale, move on every kv
     tile); the backward: '-bwg' its main kernel on wgmma (emit_fa3_bwd, extra bwd_schedule; without it a tile config
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with its
@@ -256,6 +258,7 @@ CONFIG_OPTIONS: list = [
     (("tree", {"tree_softmax": True}), ("notree", {"tree_softmax": False})),
     (("eager", {"eager": True}),),
     ("b", "blocks_per_sm"),
+    ("dbk", "decode_block_k"),
     (("wskip", {"warp_skip": True}), ("nowskip", {"warp_skip": False})),
     (("bdqk", {"bwd_schedule": "wgmma", "dq_split": "k"}),
      ("bop", {"bwd_schedule": "wgmma", "opaque_desc": "k,v,ds,kt"}), ("bwg", {"bwd_schedule": "wgmma"})),

@@ -597,7 +597,7 @@ def _allocated_warps(threads: int) -> int:
 
 
 def blocks_per_sm(spec: FA2ForwardSpec) -> int:
-    """The blocks an SM holds at once (`extra["blocks_per_sm"]`, 1 or 2; bench '-bps2'): the launch bounds' minimum
+    """The blocks an SM holds at once (`extra["blocks_per_sm"]`, 1 or 2; bench '-b2'): the launch bounds' minimum
     blocks, which halve a thread's registers and the shared memory a block may take. Two blocks a SM run two
     items' chains of S, softmax and P V side by side on one SM's tensor cores, where one chain leaves them idle
     while its softmax and waits run: decoding's 64-row tiles (one consumer warpgroup, a kv tile ~1.2-1.3 us of
