@@ -194,6 +194,9 @@ def stamped_persistent_source(source: str, name: str) -> str:
     for i, ln in enumerate(lines):
         if i == start:
             ln = ln.replace("):", ", tl_buf):")
+        if i > start and ln.strip().startswith("smem = cuda.shared.array(0") and "entry" not in found:
+            out.append(f"{ind(ln)}tl_e0 = global_timer()  # the block's entry")
+            found.add("entry")
         if i > start and ln == "        if not it_ok:" and lines[i + 1].strip() == "break":
             out += rec
             found.add("record")
@@ -233,7 +236,7 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
                    "loop_cycles", "k0_wait_cycles", "first_tile_cycles", "kept_epilogue_cycles", "kept_barrier_cycles",
-                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles", "turn_wait_cycles")
+                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles", "turn_wait_cycles", "entry")
 # inside the kept epilogue's block: the line after which its barrier has been passed, its rows are staged,
 # (bulk_store) the copies' operands are made uniform (their redux: the copies follow), and lane 0 (thread 0 stamps)
 # has issued and committed the copies
@@ -276,6 +279,9 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     for i, ln in enumerate(lines):
         if i == start:
             ln = ln.replace("):", ", tl_buf):")
+        if i > start and ln.strip().startswith("smem = cuda.shared.array(0") and "entry" not in found:
+            out.append(f"{ind(ln)}tl_e0 = global_timer()  # the block's entry")
+            found.add("entry")
         for tag, anchor in (("k", "# K_j has landed"), ("v", "# V_(j-1) has landed")):
             if ln is not None and i > consumers and anchor in ln and "record" not in found:  # the kv loop
                 out += [f"{ind(ln)}tl_c0 = clock64()", ln, f"{ind(ln)}tl_w{tag} += clock64() - tl_c0"]
@@ -316,6 +322,7 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
                     f"{sp}    tl_buf[tl_i + 11] = np.uint64(tl_ep)",
                     *(f"{sp}    tl_buf[tl_i + {12 + n}] = np.uint64({v})" for n, v in enumerate(KEPT_VARS)),
                     f"{sp}    tl_buf[tl_i + {12 + len(KEPT_VARS)}] = np.uint64(tl_wt)",
+                    f"{sp}    tl_buf[tl_i + {13 + len(KEPT_VARS)}] = tl_e0",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -357,7 +364,7 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     if "kept" in found and not {"tl_eb", "tl_es"} <= found:
         raise SystemExit(f"timeline: the kept epilogue's barrier or staging not found: {found}")
     if found - {"kept", "turn", *KEPT_VARS} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v",
-                                                 "first"}:
+                                                 "first", "entry"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -405,6 +412,12 @@ def summarize_producer(t: np.ndarray) -> dict:
     if t.shape[-1] >= 17 and len(rows):  # the ping-pong's turn waits (0 without turns), a tile and a share
         waits["turn_wait_cycles_per_tile"] = float(np.median(rows[:, 16] / rows[:, 5]))
         waits["turn_wait_share"] = float(rows[:, 16].sum() / max(rows[:, 8].sum(), 1.0))
+    if t.shape[-1] >= 18:  # the block's entry: to its first item's state, and the kernel from the first entry
+        firsts = [wg[0] for wg in t if wg[0, 3] > 0]
+        if firsts:
+            waits["entry_to_first_item_us"] = float(np.median([(f[0] - f[17]) / 1e3 for f in firsts]))
+            waits["entry_spread_us"] = float((max(f[17] for f in firsts) - min(f[17] for f in firsts)) / 1e3)
+            waits["kernel_from_entry_us"] = float((t1 - min(f[17] for f in firsts)) / 1e3)
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}

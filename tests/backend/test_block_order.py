@@ -95,7 +95,7 @@ def _walks(spec, blocks: int, nq: int, B: int, H: int) -> list[list[tuple[int, i
     code = compile(c.text(), "<persistent walk>", "exec")
     out = []
     for x in range(blocks):
-        env = {"nq": nq, "B": B, "H": H, "walk": [], "min": min,
+        env = {"nq": nq, "B": B, "H": H, "walk": [], "min": min, "div_u32": lambda a, n: a // n,
                "cuda": SimpleNamespace(blockIdx=SimpleNamespace(x=x), gridDim=SimpleNamespace(x=blocks))}
         exec(code, env)
         out.append(env["walk"])

@@ -114,6 +114,7 @@ from falower.backends.numba_cuda.intrinsics import (
     ballot,
     lowest_bit,
     highest_bit,
+    div_u32,
     warp_min,
     warp_max,
     warp_sum,
@@ -458,8 +459,8 @@ def emit_persistent_next(c: "_Code", spec: Optional[FA2ForwardSpec],
                          extents: Optional[tuple[str, str]] = None) -> None:
     """The block's next item, rounds of gridDim.x items in serpentine order: block c takes item c of even rounds
     and gridDim.x - 1 - c of odd ones, so a block that took a heavy item of one round takes a light one of the
-    next (the items of a round are ordered heaviest first: a causal mask's q tiles, `heads_first`). No division
-    (a 64-bit division is a call, which serializes every wgmma): the step is added to x and carried into y, z."""
+    next (the items of a round are ordered heaviest first: a causal mask's q tiles, `heads_first`). The step is
+    added to x and carried into y, z (`_emit_item_carry`)."""
     c("it_step = 2 * cuda.blockIdx.x + 1 if it_rnd else 2 * (cuda.gridDim.x - cuda.blockIdx.x) - 1")
     c("it_rnd ^= 1")
     c("it_x += it_step")
@@ -469,16 +470,18 @@ def emit_persistent_next(c: "_Code", spec: Optional[FA2ForwardSpec],
 def _emit_item_carry(c: "_Code", spec: Optional[FA2ForwardSpec], p: str = "it",
                      extents: Optional[tuple[str, str]] = None) -> None:
     """Carries the item coordinates <p>_x, <p>_y, <p>_z (x fastest) into their extents (`extents`, else the
-    forward grid's `_grid_axes`) after <p>_x grew."""
+    forward grid's `_grid_axes`) after <p>_x grew: by a 32-bit division where x passed its extent (div_u32: inline;
+    a 64-bit division is a call, which serializes every wgmma). Why not a loop of subtractions: ~15 ns an
+    iteration, and a decoding block's first ticket (its block index, up to 131) against an extent of 1-2 (one q
+    tile, its parts) looped up to ~130 times: the stamped timeline put a block's entry to its first item at
+    1.8 us at B = 8 against 0.8 at B = 1 (H200, benchmarks/NOTES.md "Decoding's chain")."""
     nx, ny = extents if extents is not None else (_grid_axes(spec)[0][0], _grid_axes(spec)[1][0])
-    c(f"while {p}_x >= {nx}:")
-    with c.indent():
-        c(f"{p}_x -= {nx}")
-        c(f"{p}_y += 1")
-    c(f"while {p}_y >= {ny}:")
-    with c.indent():
-        c(f"{p}_y -= {ny}")
-        c(f"{p}_z += 1")
+    for lo, hi, n in ((f"{p}_x", f"{p}_y", nx), (f"{p}_y", f"{p}_z", ny)):
+        c(f"if {lo} >= {n}:")
+        with c.indent():
+            c(f"{p}_c = div_u32({lo}, {n})")
+            c(f"{lo} -= {p}_c * ({n})")
+            c(f"{hi} += {p}_c")
 
 
 def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec, p: str = "it", suffix: str = "") -> None:

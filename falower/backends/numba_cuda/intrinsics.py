@@ -67,6 +67,8 @@ Public names (identical in both modes):
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
     ballot                         (pred) -> uint32: bit i set where lane i's pred is nonzero (full warp)
     lowest_bit, highest_bit        (m: uint32, m != 0) -> int32: the index of m's lowest / highest set bit
+    div_u32                        (a, b: uint32, b != 0) -> int32: a // b by div.u32, which ptxas expands inline
+                                   (a 64-bit division is a call, and a call serializes every wgmma)
     warp_min, warp_max             (x: int32) -> int32: the least / greatest x over the warp's 32 lanes
                                    (redux.sync, sm_80+): its SASS (REDUX) writes a uniform register, so ptxas
                                    knows the result is the same in every lane, which a ballot's or a shuffle's
@@ -171,6 +173,7 @@ __all__ = [
     "ballot",
     "lowest_bit",
     "highest_bit",
+    "div_u32",
     "warp_min",
     "warp_max",
     "warp_sum",
@@ -848,6 +851,9 @@ if SIMULATOR:
 
     def highest_bit(m):
         return np.int32((int(m) & 0xFFFFFFFF).bit_length() - 1)
+
+    def div_u32(a, b):
+        return np.int32((int(a) & 0xFFFFFFFF) // (int(b) & 0xFFFFFFFF))
 
     def warp_min(x):
         _, vals = _exchange(int(x))
@@ -1776,6 +1782,14 @@ else:
         return _I32(m), codegen
 
     highest_bit = _unary_asm_intrinsic("highest_bit", "bfind.u32 $0, $1;", _U32, _I32, "=r,r")
+
+    @intrinsic
+    def div_u32(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            va, vb = _cast_all(context, builder, sig, args, [_U32, _U32])
+            return _asm(context, builder, "div.u32 $0, $1, $2;", "=r,r,r", [va, vb], [_I32])
+
+        return _I32(a, b), codegen
     warp_min = _unary_asm_intrinsic("warp_min", "redux.sync.min.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
                                     side_effect=True)
     warp_max = _unary_asm_intrinsic("warp_max", "redux.sync.max.s32 $0, $1, 0xffffffff;", _I32, _I32, "=r,r",
