@@ -1,9 +1,10 @@
 """The most of plain attention's TFLOP/s a masked example can reach on the persistent kernel's tiles, counted from
 its mask alone (no GPU): the work ratio (the pairs the mask keeps over the pairs of the tiles it visits) times the
 share an item's tiles are of its time, T / (T + ITEM_COST) with T its tiles, over plain's. ITEM_COST, ~1.4
-tile-times an item (Q's wait, the epilogue, the next ticket), is what the timelines of the persistent kernel
-measured (benchmarks/NOTES.md, "Decoding's chain stamped ..."). TFLOP/s are counted over the kept pairs, as the
-issue's bars are. Finer tiles are counted at the same time an item, and at the same rate a pair.
+tile-times an item (Q's wait, the epilogue, the next ticket), is what benchmarks/timeline.py's fits of the
+persistent kernel's items measured on the examples. TFLOP/s are counted over the kept pairs, as the issue's bars
+are. Finer tiles are counted at the same time an item (so twice the items cost twice), and at the same rate a
+pair.
 
     python3 benchmarks/mask_ceiling.py [--n 4096] [--tiles 128x128,64x64]
 """
@@ -34,7 +35,7 @@ def kept_per_time(mask: np.ndarray, bq: int, bk: int) -> tuple[float, float]:
     items = int((visited.sum(axis=1) > 0).sum())
     tiles = int(visited.sum())
     size = bq * bk / (128 * 128)  # a tile's time in 128 x 128 tile-times
-    time = tiles * size + ITEM_COST * items * bq / 128
+    time = tiles * size + ITEM_COST * items  # (an item's fixed time whatever its rows: latencies, not bytes)
     kept = float(mask.sum())
     return kept / (tiles * bq * bk), kept / time
 

@@ -194,9 +194,6 @@ def stamped_persistent_source(source: str, name: str) -> str:
     for i, ln in enumerate(lines):
         if i == start:
             ln = ln.replace("):", ", tl_buf):")
-        if i > start and ln.strip().startswith("smem = cuda.shared.array(0") and "entry" not in found:
-            out.append(f"{ind(ln)}tl_e0 = global_timer()  # the block's entry")
-            found.add("entry")
         if i > start and ln == "        if not it_ok:" and lines[i + 1].strip() == "break":
             out += rec
             found.add("record")

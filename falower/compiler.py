@@ -148,10 +148,11 @@ class CompiledAttention:
         if path != "mma" or "schedule" in forward_extra(self.extra):
             return None
         sms = device_sm_count()
-        per_sm = self.extra.get("blocks_per_sm", 1)  # (the ws kernel's two blocks an SM: twice the persistent blocks)
+        # decoding's tiles two blocks an SM (emit_fa3_ws.blocks_per_sm): twice the persistent blocks
+        per_sm = 2 if few_rows and self.extra.get("blocks_per_sm") == 2 else 1
         return emit_fa3.auto_extra(dtype, head_dim, self._mask_kind(), device_cc(),
                                    table_tile=reads_table_tile(self.analysis) and not few_rows,
-                                   sm_count=sms * per_sm if sms and per_sm in (1, 2) else sms)
+                                   sm_count=sms * per_sm if sms else sms)
 
     def _d64_tiling(self, dtype: str, path: str, env: dict[str, int]) -> Optional[str]:
         """Which of D = 64's kernels a call with these sizes takes: "wide", the persistent kernel's 192 x 128 tiles
@@ -414,10 +415,16 @@ class CompiledAttention:
             """emit_fa3.tiles for this call's D, mask, table tile and tiling."""
             bq, bk = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=persistent, two=two,
                                     decode=tiling == "decode")
-            if persistent and tiling == "decode" and "decode_block_k" in fwd:
-                bk = emit_fa3.decode_block_k(fwd["decode_block_k"])
-            elif persistent and tiling == "decode" and fwd.get("blocks_per_sm") == 2 and used["D"] == 128:
-                bk = 64  # (two blocks an SM: 64 x 128 tiles' ring of 128 KB does not fit twice)
+            if persistent and tiling == "decode":
+                asked = fwd.get("decode_block_k")
+                if fwd.get("blocks_per_sm") == 2 and used["D"] == 128:
+                    if asked == 128:
+                        raise BackendError("numba-cuda backend: extra blocks_per_sm 2 with decode_block_k 128 at "
+                                           "D = 128: two blocks' K / V rings do not fit an SM's shared memory "
+                                           "(decode_block_k 64 does, the default with blocks_per_sm 2)")
+                    bk = 64  # (two blocks an SM: 64 x 128 tiles' ring of 128 KB does not fit twice)
+                elif asked is not None:
+                    bk = emit_fa3.decode_block_k(asked)
             return bq, bk
 
         def built_for(extra: dict, ragged: bool = False, two: bool = False, kvp: int = 1) -> tuple[Func, Any]:

@@ -195,7 +195,8 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
 
 def test_the_producer_summary_reads_the_stamps():
     """Two warpgroups of two items (3 and 5 tiles): Q waited 0.25 us after the state, 2 us a tile plus 0.5 fixed,
-    epilogue 1 us, 0.75 us between items; K waits 100 cycles a tile, V 50, the loop 2000 cycles a tile."""
+    epilogue 1 us, 0.75 us between items; K waits 100 cycles a tile, V 50, the loop 2000 cycles a tile; the blocks
+    entered 0.8 and 1.2 us before their first item's state."""
     t = np.zeros((2, timeline.ITEMS, len(timeline.PRODUCER_FIELDS)))
     for wg in range(2):
         now = 1e6
@@ -203,7 +204,8 @@ def test_the_producer_summary_reads_the_stamps():
             q = now + 250
             le = q + 500 + 2000 * tiles
             t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles, 300 + 100 * k,
-                        4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k, 1300 * k, 500 * tiles]
+                        4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k, 1300 * k, 500 * tiles,
+                        1e6 - 800 - 400 * wg]
             now = le + 1000 + 750
     s = timeline.summarize_producer(t)
     assert s["items"] == 4 and s["q_wait_us"] == pytest.approx(0.25) and s["epilogue_us"] == pytest.approx(1.0)
@@ -218,6 +220,8 @@ def test_the_producer_summary_reads_the_stamps():
     assert s["kept_barrier_cycles"] == pytest.approx(400) and s["kept_staged_cycles"] == pytest.approx(900)
     assert s["kept_redux_cycles"] == pytest.approx(1100) and s["kept_issued_cycles"] == pytest.approx(1300)
     assert s["turn_wait_cycles_per_tile"] == pytest.approx(500) and s["turn_wait_share"] == pytest.approx(0.25)
+    assert s["entry_to_first_item_us"] == pytest.approx(1.0) and s["entry_spread_us"] == pytest.approx(0.4)
+    assert s["kernel_from_entry_us"] == pytest.approx(21.45)  # the last item's end, 20.25 us after the first state
 
 
 def test_a_floor_experiment_replaces_every_occurrence_or_says_why_not():

@@ -92,7 +92,7 @@ def run_case(case_id: str) -> dict:
     if ragged == "first":
         pipe = pipe.replace(f"tile{{bq={bq},bk={bk}}}", f"tile{{bq={bq},bk={bk},ragged_q=first}}")
     knobs = {k: True for k in ("fused_merge", "cluster_merge") if over.get(k)}
-    knobs.update({k: over[k] for k in ("stages",) if k in over})
+    knobs.update({k: over[k] for k in ("stages", "blocks_per_sm") if k in over})
     c = fl.compile(g, "numba-cuda", pipeline=pipe, path="mma", extra={**PWG, "persistent": over.get("persistent", 1),
                                                                        **knobs})
     kern = c.kernel(*host)
@@ -104,6 +104,7 @@ def run_case(case_id: str) -> dict:
             "fused": any(f"merge_unit({a}" in kern.source for a in ("o, lse", "cl_lse_s")),
             "cluster": emit_fa2.cluster_parts(kern.spec),  # (cluster_merge)
             "stages": emit_fa3_ws.stages(kern.spec),
+            "blocks_per_sm": emit_fa3_ws.blocks_per_sm(kern.spec),  # (launch bounds: the simulator runs it as any)
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

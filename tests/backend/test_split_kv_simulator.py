@@ -38,6 +38,7 @@ def test_the_split_kernel_and_its_merge_match_the_reference(results, case):
     assert r["fused"] == bool(asked.get("fused_merge") or asked.get("cluster_merge")), r  # in the kernel where asked
     assert r["cluster"] == (P if asked.get("cluster_merge") else 0), r  # (run without it: the simulator has none)
     assert r["stages"] == asked.get("stages", 2), r  # the ring the case asked for
+    assert r["blocks_per_sm"] == asked.get("blocks_per_sm", 1), r  # two blocks an SM where asked (decoding's tiles)
     assert r["lse_inf_ok"], r  # rows no key sees: LSE -inf (and O 0, in o_err) after the merge
     if case == "window-p2-unseen-rows":  # rows q >= N + 47 see no key (keys q - 47 .. q), in both heads
         assert r["masked_rows"] == 2 * (M - (N + 47)), r

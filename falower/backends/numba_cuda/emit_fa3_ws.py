@@ -597,15 +597,18 @@ def _allocated_warps(threads: int) -> int:
 
 
 def blocks_per_sm(spec: FA2ForwardSpec) -> int:
-    """The blocks an SM holds at once (`extra["blocks_per_sm"]`, 1 or 2; bench '-b2'): the launch bounds' minimum
-    blocks, which halve a thread's registers and the shared memory a block may take. Two blocks a SM run two
-    items' chains of S, softmax and P V side by side on one SM's tensor cores, where one chain leaves them idle
-    while its softmax and waits run: decoding's 64-row tiles (one consumer warpgroup, a kv tile ~1.2-1.3 us of
-    which the products are ~0.55, benchmarks/NOTES.md "Decoding's chain"). The producer warpgroup's kernel only
-    (setmaxnreg moves registers within the block's own half)."""
+    """The blocks an SM holds at once on decoding's 64-row tiles (`extra["blocks_per_sm"]`, 1 or 2; bench '-b2'):
+    the launch bounds' minimum blocks, which halve a thread's registers and the shared memory a block may take, so
+    that two items' chains of S, softmax and P V run side by side on one SM's tensor cores, where one chain leaves
+    them idle while its softmax and waits run (one consumer warpgroup; the producer warpgroup's kernel only:
+    setmaxnreg moves registers within the block's own half). Measured: 0.92-1.00x at B = 8 and 1.27-1.43x slower
+    at B = 4 (H200, benchmarks/NOTES.md "Decoding's chain stamped"): a knob, not a default. The other tiles keep
+    one block an SM (the knob is then emit_fa3's, whose kernels read it too)."""
+    if spec.block_q != 64:
+        return 1
     n = spec.extra.get("blocks_per_sm", 1)
     if n not in (1, 2) or isinstance(n, bool):
-        raise ValueError(f"extra blocks_per_sm must be 1 or 2, got {n!r}")
+        raise ValueError(f"extra blocks_per_sm must be 1 or 2 on decoding's 64-row tiles, got {n!r}")
     return int(n)
 
 
@@ -1128,7 +1131,7 @@ def validate_spec(spec: FA2ForwardSpec) -> None:
         if need > smem_limit(spec):  # (the layout would drop its second Q buffer to fit, and the TMA loads with it)
             raise ValueError(f"wgmma-ws: blocks_per_sm {bps}: the kernel's {need} bytes of shared memory "
                              f"({stages(spec)} stages of {spec.block_k} x {spec.head_dim}) exceed {smem_limit(spec)}, "
-                             f"an SM's share for {bps} blocks (decoding's 64-wide kv tiles fit at D = 128)")
+                             f"an SM's share for {bps} blocks")
     if spec.block_q == 64:  # one consumer warpgroup: decoding's tiles (emit_fa3.DECODE_TILES)
         why = [w for w, bad in [
             ("a persistent kernel", not persistent(spec)), ("a producer warpgroup", producer(spec) != "warpgroup"),
@@ -2366,7 +2369,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if PADS:
             assert len(ROWS) == 2 and NWC == 1, ROWS
             clear = c.helper("clear_row", [
-                "@device_function", "def clear_row(x, i):", "    # a padding row's P: zeros (its S may hold -inf)",
+                "@device_function", "def clear_row(x, i):", "    # P of rows past M: zeros (their S may hold -inf)",
                 f"    for jj in range({BK // 8}):", "        lset(x, i + jj * 4, ZERO)",
                 "        lset(x, i + jj * 4 + 1, ZERO)"])
         for t in ROWS:

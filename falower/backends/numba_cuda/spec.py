@@ -43,6 +43,7 @@ masked gives O = 0 and LSE = -inf, never NaN.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 DTYPES = ("f16", "bf16", "f32", "f64")  # f64: SIMT only, for gradcheck
@@ -83,6 +84,8 @@ def forward_extra(extra: dict) -> dict:
 EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be read as another silently
     "cluster_merge": (True, False, "auto"),
     "skip_padding": (True, False),
+    "blocks_per_sm": (1, 2, 3),  # (3: emit_fa3's D = 64 kernels only; 2 on the ws kernel: decoding's tiles only)
+    "decode_block_k": (64, 128),
 }
 
 
@@ -91,10 +94,15 @@ def unknown_extra(extra: dict):
     key), or the first value of an EXTRA_CHOICES knob outside its choices, or None."""
     import difflib
 
+    def same(v, c) -> bool:  # a bool is only itself, a string an equal string, an int an equal integer (no bool)
+        if isinstance(c, bool):
+            return v is c
+        if isinstance(c, str):
+            return isinstance(v, str) and v == c
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v == c
+
     for key, choices in EXTRA_CHOICES.items():
-        if key in extra and not any(extra[key] is c if isinstance(c, bool) else (isinstance(extra[key], str)
-                                                                                 and extra[key] == c)
-                                    for c in choices):
+        if key in extra and not any(same(extra[key], c) for c in choices):
             return f"extra {key} must be {' or '.join(repr(c) for c in choices)}, got {extra[key]!r}"
     unknown = sorted(k for k in extra if k not in KNOWN_EXTRAS)
     if not unknown:
