@@ -251,6 +251,7 @@ def test_a_captured_call_gets_a_table_of_its_own_each_time() -> None:
     bt.fill(eager, lambda: None)
     captured = [bt.entry([ids, 10], sizes, lambda: np.zeros(4, dtype=np.int8), capturing=True) for _ in range(2)]
     assert len({id(eager), *map(id, captured)}) == 3 and not any(e.filled for e in captured)
+    assert [id(t) for t in bt._captured] == [id(e.table) for e in captured]  # kept alive, as the graphs read them
     assert bt.entry([ids, 10], sizes, lambda: pytest.fail("made again")) is eager  # the eager one still remembered
 
 

@@ -136,14 +136,18 @@ class BlockTables:
     def __init__(self) -> None:
         self._memo = _Memo()
         self.evaluations = 0
+        self._captured: list[Any] = []  # the tables of launches captured into CUDA graphs, kept alive with them
 
     def entry(self, caps: list, sizes: tuple, alloc: Callable[[], Any], capturing: bool = False) -> BlockTable:
         """The table for these captures (all of the kernel's, the sizes included) and (B, H, M, N): the one
         remembered, or a new one from `alloc()`, not yet filled. While a CUDA graph captures (`capturing`), always
         a new one, never remembered: its fill is a launch in the graph, run on every replay from the captures'
-        data then (a remembered table holds the data of some earlier call), as BlockData.derive's."""
+        data then (a remembered table holds the data of some earlier call), as BlockData.derive's; kept here for
+        good, as the graph reads it."""
         if capturing:
-            return BlockTable(alloc())
+            table = alloc()
+            self._captured.append(table)
+            return BlockTable(table)
         caps = list(caps)
         key = data_key(caps, tuple(sizes))
         found = self._memo.get(key, caps)

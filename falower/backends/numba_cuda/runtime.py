@@ -918,8 +918,6 @@ class _ForwardPlan:
         if self.table_n:  # (while capturing, the graph's own table: BlockTables.entry)
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8,
                                                                             device=self.device), capturing)
-            if capturing:
-                self.kern._captured.append(entry.table)
             for b, slot in self.table_slots:
                 b.vals[slot] = entry.table.data_ptr()
             self.tables.fill(entry, lambda: self.mask_launch(stream))
@@ -1071,8 +1069,6 @@ class _BackwardPlan:
         if self.table_n:  # (while capturing, the graph's own table: BlockTables.entry)
             entry = self.tables.entry(caps, self.sizes, lambda: torch.empty(self.table_n, dtype=torch.int8, device=dev),
                                       capturing)
-            if capturing:
-                self.kern._captured.append(entry.table)
             ptr["table"] = entry.table.data_ptr()
         for name, buf, slot in self.patch:
             buf.vals[slot] = ptr[name]
@@ -1111,7 +1107,7 @@ class FA2ForwardKernel:
         self._plans: dict[tuple, Optional[_ForwardPlan]] = {}
         self._work: dict[tuple, Any] = {}  # work_counter's arrays
         self._captured: list[Any] = []  # what launches captured into CUDA graphs keep of their own (counters,
-        # workspaces, block tables), alive with them
+        # workspaces; block tables: BlockTables.entry), alive with them
         self._split_ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces (split_workspaces)
         self._cluster_fit: dict[int, bool] = {}  # device -> whether its clusters run (clusters_fit)
         self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
@@ -1832,7 +1828,6 @@ class FA2BackwardKernel:
         self._plans: dict[tuple, Optional[_BackwardPlan]] = {}
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         self.maps = TensorMaps(spec.dtype)  # dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)
-        self._captured: list[Any] = []  # the block tables of launches captured into CUDA graphs, kept with them
         with compile_progress(_label(spec, "backward")):
             self.source = emit_cached(emit_fa2_backward, spec, "backward")
             self.delta_source = emit_cached(emit_delta, spec, "delta")
