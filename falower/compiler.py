@@ -416,15 +416,15 @@ class CompiledAttention:
             bq, bk = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=persistent, two=two,
                                     decode=tiling == "decode")
             if persistent and tiling == "decode":
-                asked = fwd.get("decode_block_k")
+                asked = self.extra.get("decode_block_k")
                 if fwd.get("blocks_per_sm") == 2 and used["D"] == 128:
                     if asked == 128:
                         raise BackendError("numba-cuda backend: extra blocks_per_sm 2 with decode_block_k 128 at "
                                            "D = 128: two blocks' K / V rings do not fit an SM's shared memory "
                                            "(decode_block_k 64 does, the default with blocks_per_sm 2)")
                     bk = 64  # (two blocks an SM: 64 x 128 tiles' ring of 128 KB does not fit twice)
-                elif asked is not None:
-                    bk = emit_fa3.decode_block_k(asked)
+                elif asked is not None:  # extra decode_block_k: 64 or 128 (spec.EXTRA_CHOICES, checked at compile)
+                    bk = int(asked)  # (64 halves a block's K / V ring at D = 128: 99 KB)
             return bq, bk
 
         def built_for(extra: dict, ragged: bool = False, two: bool = False, kvp: int = 1) -> tuple[Func, Any]:

@@ -195,14 +195,6 @@ TWO_TILES = (128, 128)  # ... the same kernel with two consumer warpgroups: a sm
 DECODE_TILES = (64, 128)  # the persistent kernel with one consumer warpgroup: decoding's (M <= 64: a 128-row q tile
 # would run its second warpgroup's wgmmas on padding)
 DECODE_MAX_ROWS = 64
-
-
-def decode_block_k(asked) -> int:
-    """`extra["decode_block_k"]`: decoding's kv tile width, 64 or 128 (DECODE_TILES' by default). 64 halves a
-    block's K / V ring at D = 128 (99 KB: two blocks an SM fit, `emit_fa3_ws.blocks_per_sm`)."""
-    if asked not in (64, 128) or isinstance(asked, bool):
-        raise ValueError(f"extra decode_block_k must be 64 or 128, got {asked!r}")
-    return int(asked)
 DECODE_TILE_RATE = 0.72  # a 64-row q tile's kv step against a 128-row tile's (one consumer warpgroup, whose softmax
 # no second warpgroup overlaps: 1.1 against 1.6 us at D = 128, 1.0 against 1.4 at D = 64, H200; decode_tiles_pay)
 SPLIT_MERGE_STEPS = 2.5  # split-kv's merge, with its launch, in 128-row kv steps (~4 us)
