@@ -5,13 +5,18 @@ session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a clu
 session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here; the set "batch" (decoding at B = 4-8,
 the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against its kv tiles a block) added after.
 
-    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|twosm|padding|cluster|all]
+    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|twosm|maps|padding|cluster|all]
+        [--cold]
+
+`--cold` gives each captured call its own copy of Q, K and V (a model's layers: their caches not in L2); without it
+the twenty calls read the same tensors, which at these sizes (4-34 MB) stay in the 50 MB L2.
 
 Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
 merged in a cluster (the default at 8; at 4 on grids of at most half the SMs); "sN" the automatic parts on a ring of
 N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`blocks_per_sm`), "k64" decoding's
-64-wide kv tiles on one; "nosp" the softmax of every row, padding too. Kernels are compiled first in parallel
-processes. Prints one markdown table, with the largest difference of a forced variant's O from the automatic choice's.
+64-wide kv tiles on one; "nosp" the softmax of every row, padding too; "mp" the tensor maps prefetched
+(map_prefetch). Kernels are compiled first in parallel processes. Prints one markdown table, with the largest
+difference of a forced variant's O from the automatic choice's.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_me
             "s3": {"stages": 3}, "s4": {"stages": 4},  # the automatic parts on a ring of 3 or 4 K / V stages
             "b2": {"blocks_per_sm": 2},  # two blocks an SM (at D = 128 on 64-wide kv tiles), the parts they take
             "k64": {"decode_block_k": 64},  # one block an SM on 64-wide kv tiles (b2's control)
-            "nosp": {"skip_padding": False}}  # every row's softmax (skips_padding_softmax off)
+            "nosp": {"skip_padding": False},  # every row's softmax (skips_padding_softmax off)
+            "mp": {"map_prefetch": True}}  # the producer's tensor maps prefetched before their acquires
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
 # set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
 # "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)
@@ -70,12 +76,22 @@ CASES = {
     + [("plain", 1, 128, 1, 1024, ("p4", "c4", "c2"), 4), ("plain", 1, 128, 16, 2048, ("p4", "c4", "c2"), 4),
        ("gqa", 4, 128, 1, 8192, ("p2", "c2"), 8), ("plain", 1, 128, 1, 1024, ("p2", "c2"), 16)],
     # decoding's softmax for the query rows only (skips_padding_softmax) against every row's
+    # the producer's tensor maps prefetched before their acquires, on decoding's grids and a small prefill
+    "maps": [("plain", 1, 128, 1, n, ("mp",), b) for b, n in ((1, 1024), (4, 1024), (8, 1024), (8, 4096))]
+    + [("plain", 1, 64, 1, 1024, ("mp",), 8), ("gqa", 4, 128, 1, 2048, ("mp",), 4),
+       ("plain", 2, 128, 1024, 1024, ("mp",))],
     "padding": [("plain", 1, 128, 1, n, ("nosp",), b) for b, n in ((1, 1024), (1, 3000), (4, 1024), (8, 1024),
                                                                    (8, 4096))]
     + [("plain", 1, 64, 1, 1024, ("nosp",), 8), ("gqa", 4, 128, 1, 2048, ("nosp",), 4),
        ("plain", 1, 128, 16, 2048, ("nosp",), 4), ("softcap", 1, 128, 1, 1024, ("nosp",), 4)],
 }
 _COMPILED: dict = {}
+COLD_BYTES = 160 << 20  # --cold: the copies' bytes together at least this (the H200's L2 is 50 MB)
+
+
+def cold_copies(nbytes: int, most: int = 64) -> int:
+    """How many copies of a call's inputs (`nbytes` each) make COLD_BYTES (at least 2, at most `most`)."""
+    return max(2, min(most, -(-COLD_BYTES // max(nbytes, 1))))
 
 
 def compiled(stem: str, group: int, var: str):
@@ -137,20 +153,24 @@ def jobs(sets: list[str]) -> list[tuple]:
 
 
 def gtime(fn, reps: int = 20, iters: int = 15) -> float:
-    """us a call: `reps` calls captured in one CUDA graph, the median of `iters` replays."""
+    """us a call: `reps` calls captured in one CUDA graph, the median of `iters` replays. `fn` a list of calls: the
+    graph's calls take them in turn (`--cold`: each its own copy of the inputs), `reps` at least their number."""
     import torch
 
-    fn()
+    fns = fn if isinstance(fn, list) else [fn]
+    reps = max(reps, len(fns))
+    for f in fns:
+        f()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        fns[0]()
         torch.cuda.synchronize()
         with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
+            for i in range(reps):
+                fns[i % len(fns)]()
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
@@ -166,6 +186,10 @@ def gtime(fn, reps: int = 20, iters: int = 15) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=[*CASES, "all"], default="all")
+    ap.add_argument("--cold", action="store_true",
+                    help=f"each call of a graph reads its own copy of Q, K, V (the copies together at least "
+                         f"{COLD_BYTES >> 20} MB, over three times the L2): a model's layers, whose caches are not "
+                         "in L2; every kernel timed the same way")
     args = ap.parse_args()
     sets = list(CASES) if args.set == "all" else [args.set]
     import torch
@@ -174,7 +198,9 @@ def main() -> None:
     t0 = time.time()
     with mp.get_context("spawn").Pool(min(15, os.cpu_count() or 1)) as pool:
         got = dict(pool.map(build, jobs(sets)))
-    print(f"compiled {len(got)} kernels in {time.time() - t0:.0f} s", flush=True)
+    print(f"compiled {len(got)} kernels in {time.time() - t0:.0f} s" + (
+        f"; --cold: each call its own inputs, copies of at least {COLD_BYTES >> 20} MB together" if args.cold else ""),
+        flush=True)
     F = torch.nn.functional
     print("| case | B | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
           "auto vs FLASH | auto vs cuDNN | max abs O - auto's |")
@@ -182,22 +208,29 @@ def main() -> None:
     for name in sets:
         for stem, group, D, M, N, forced, B in cases(name):
             H, HKV = heads(group, M)
-            q = torch.randn(B, H, M, D, device="cuda", dtype=torch.float16)
-            k, v = (torch.randn(B, HKV, N, D, device="cuda", dtype=torch.float16) for _ in range(2))
+            copies = cold_copies(2 * (B * H * M + 2 * B * HKV * N) * D) if args.cold else 1
+            qs = [torch.randn(B, H, M, D, device="cuda", dtype=torch.float16) for _ in range(copies)]
+            kvs = [[torch.randn(B, HKV, N, D, device="cuda", dtype=torch.float16) for _ in range(2)]
+                   for _ in range(copies)]
+            q, (k, v) = qs[0], kvs[0]
             caps = [N - M] if stem in ("window_off", "causal_off") else \
                 [torch.randn(HKV, 2 * N - 1, device="cuda")] if stem == "relative_bias" else []
+
+            def calls(f):  # f(q, k, v) on each copy
+                return [lambda i=i: f(qs[i], *kvs[i]) for i in range(copies)]
+
             times, outs = {}, {}
             for var in ("auto",) + forced:
                 c = compiled(stem, group, var)
                 outs[var] = c(q, k, v, *caps)[0].float()
-                times[var] = gtime(lambda: c(q, k, v, *caps))
+                times[var] = gtime(calls(lambda q, k, v: c(q, k, v, *caps)))
             err = max((outs[var] - outs["auto"]).abs().max().item() for var in forced)  # the same numbers
             ref = {}
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "flash"), (SDPBackend.CUDNN_ATTENTION, "cudnn")):
                 try:
                     with sdpa_kernel(backend):
-                        ref[label] = gtime(lambda: F.scaled_dot_product_attention(
-                            q, k, v, is_causal=stem == "causal", enable_gqa=H != HKV))
+                        ref[label] = gtime(calls(lambda q, k, v: F.scaled_dot_product_attention(
+                            q, k, v, is_causal=stem == "causal", enable_gqa=H != HKV)))
                 except RuntimeError:
                     ref[label] = float("nan")
             parts, cluster = got[(stem, group, "auto", D, M, N, B)]

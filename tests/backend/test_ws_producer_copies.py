@@ -210,3 +210,24 @@ def test_l2_hints_order_the_copies_eviction(D, bq):
     assert "o_pol = l2_evict_first()" in kernel
     for off in (src(), *([src(l2_hints=True, tma_loads=False)] if bq == 128 else [])):  # 192 rows need TMA
         assert "_hint(" not in off and "l2_evict" not in off[off.index("\ndef fa2_"):]
+
+
+def test_map_prefetch_starts_every_map_before_the_first_acquire():
+    """map_prefetch (off by default): the copying thread prefetches Q's, K's and V's maps, all three before the
+    first acquire (so their fetches overlap), and still acquires each before any copy; off, or without TMA loads,
+    no prefetch is emitted."""
+    def src(**extra):
+        spec = dataclasses.replace(make_spec("plain", 128, block_q=128, block_k=128, num_warps=12),
+                                   extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
+                                          "item_order": "dynamic", **extra})
+        emit_fa3_ws.validate_spec(spec)
+        return emit_fa3_ws.emit_fa3_ws_forward(spec)
+
+    on = src(map_prefetch=True)
+    kernel = on[on.index("\ndef fa2_"):]
+    pre = [kernel.index(f"tensormap_prefetch({x}map_g)") for x in "qkv"]
+    acq = [kernel.index(f"tensormap_acquire({x}map_g)") for x in "qkv"]
+    assert max(pre) < min(acq) and max(acq) < kernel.index("tma_load_4d")
+    assert kernel.count("tensormap_prefetch(") == 3
+    for off in (src(), src(map_prefetch=True, tma_loads=False)):
+        assert "tensormap_prefetch(" not in off[off.index("\ndef fa2_"):]

@@ -196,6 +196,7 @@ from falower.backends.numba_cuda.intrinsics import (
     setmaxnreg_inc,
     syncwarp,
     tensormap_acquire,
+    tensormap_prefetch,
     tma_load_4d,
     tma_load_4d_hint,
     l2_evict_first,
@@ -750,6 +751,15 @@ def tma_loads(spec: FA2ForwardSpec) -> bool:
     K and V by TMA loads made the default"), medians: plain +11%, +0.3%, +6%, +9%; the document +5%, +1.5%, +3%,
     +9%; causal and ALiBi within the noise either way (-5% to +5%)."""
     return spec.extra.get("tma_loads", True) is not False and spec.dtype in ("f16", "bf16") and q_double(spec)
+
+
+def map_prefetch(spec: FA2ForwardSpec) -> bool:
+    """Under `tma_loads`, whether the copying thread prefetches Q's, K's and V's tensor maps (prefetch.tensormap)
+    before it acquires them, so that the three maps' fetches overlap where each acquire could wait for its own (as
+    FlashAttention-3 prefetches its maps at entry). Why: a decoding block took 0.77-1.0 us from its entry to its first
+    item's state (timeline.py `entry_to_first_item_us`, H200), before its Q could be asked for. Off until measured;
+    `extra["map_prefetch"]` = True asks for it (split_parts '-mp')."""
+    return tma_loads(spec) and spec.extra.get("map_prefetch", False) is not False
 
 
 def l2_hints(spec: FA2ForwardSpec) -> bool:
@@ -1402,6 +1412,10 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"{x}map_g = elem_addr({x}map, (0,))  # {x.upper()}'s tensor map in global memory (tma_loads)")
         c("if tid == 0:  # the thread that copies Q, K and V")
         with c.indent():
+            if map_prefetch(spec):
+                for x in "qkv":
+                    c(f"tensormap_prefetch({x}map_g)" + ("  # the three maps' fetches at once (map_prefetch)"
+                                                          if x == "q" else ""))
             for x in "qkv":
                 c(f"tensormap_acquire({x}map_g)")
         if HINT:

@@ -1914,6 +1914,8 @@ else:
 #                                        a cache policy for the hinted copies (the simulator: 0, no cache)
 #     tensormap_acquire(map)             fence.proxy.tensormap::generic.acquire.gpu on the map's 128 bytes: the
 #                                        tensor copies of this thread see the map as written before the launch
+#     tensormap_prefetch(map)            prefetch.tensormap: the map's bytes start into the SM's descriptor cache
+#                                        (a hint: no ordering; the simulator checks the address is a map)
 # Emulation: an mbarrier is a phase counter and a pending count under a condition variable, a named barrier a
 # generation counter; both live per block (keyed by the block's index and the address / id); waits block on the
 # condition with a timeout so that an aborted launch (another thread's exception) or a deadlock ends.
@@ -1948,6 +1950,7 @@ __all__ += [
     "l2_evict_last",
     "l2_evict_first",
     "tensormap_acquire",
+    "tensormap_prefetch",
     "sim_tensor_map",
     "SIM_MAP_MAGIC",
 ]
@@ -2191,6 +2194,9 @@ if SIMULATOR:
     def tensormap_acquire(maddr):
         _sim_map(int(maddr))
 
+    def tensormap_prefetch(maddr):
+        _sim_map(int(maddr))
+
     def _tma_map(maddr, rank: int, saddr: int, what: str):
         """The simulated map at maddr, checked for `rank` and the shared box's alignment at saddr."""
         a, dims, strides, box, swizzle = _sim_map(int(maddr))
@@ -2392,6 +2398,7 @@ else:
     l2_evict_first = _policy("l2_evict_first", "evict_first")
     tensormap_acquire = _addr_asm("tensormap_acquire", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", 1,
                                   arg_types=(types.uint64,))
+    tensormap_prefetch = _addr_asm("tensormap_prefetch", "prefetch.tensormap [$0];", 1, arg_types=(types.uint64,))
 
     def sim_tensor_map(array, dims, strides, box, swizzle: int = 128):
         raise RuntimeError("sim_tensor_map: the simulator's; on a GPU tensor_maps.py encodes a CUtensorMap")
