@@ -511,8 +511,9 @@ def batch_heads(D: int, N: int) -> tuple[int, int]:
     return SHAPE["B"] or max(1, 16384 // N), SHAPE["H"] or 2048 // D
 
 
-def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
-    """examples/<stem>.py written as FlexAttention score_mod / mask_mod, with its captured tensors."""
+def variant(stem: str, B: int, H: int, N: int, D: int, M: int = 0) -> Variant:
+    """examples/<stem>.py written as FlexAttention score_mod / mask_mod, with its captured tensors; `M` the query
+    rows where they are not N (the bias table's rows: [H, M, N])."""
     dev = "cuda"
     if stem == "plain":
         return Variant(stem)
@@ -528,7 +529,7 @@ def variant(stem: str, B: int, H: int, N: int, D: int) -> Variant:
                        captures={"slopes": slopes})
     gen = torch.Generator(device=dev).manual_seed(0)  # the same captured values every time it is built
     if stem == "bias":
-        bias = torch.randn(H, N, N, device=dev, dtype=torch.float32, generator=gen)
+        bias = torch.randn(H, M or N, N, device=dev, dtype=torch.float32, generator=gen)
         return Variant(stem, score_mod=lambda s, b, h, q, kv: s + bias[h, q, kv], captures={"bias": bias})
     if stem == "relative_bias":
         rel = torch.randn(H, 2 * N - 1, device=dev, dtype=torch.float32, generator=gen)

@@ -472,9 +472,9 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     import bench
     from falower.backends.numba_cuda.runtime import load_source
 
-    var = bench.variant(stem, B, H, N, D)
-    dev = "cuda"
     M = M or N
+    var = bench.variant(stem, B, H, N, D, M)
+    dev = "cuda"
     q = torch.randn(B, H, M, D, device=dev, dtype=torch.float16)
     k, v = (torch.randn(B, H // var.group, N, D, device=dev, dtype=torch.float16) for _ in range(2))
     c = bench.example_compiled_config(stem, bench.parse_config(config)) if config else bench.example_compiled(stem)
