@@ -323,7 +323,27 @@ class CompiledAttention:
 
         bq, bk = emit_fa3.tiles(env["D"], self._mask_kind(), reads_table_tile(self.analysis), persistent=True,
                                 two=tiling == "two", decode=tiling == "decode")
+        if tiling == "decode":
+            bk = self._decode_block_k(env["D"]) or bk
         return bq, bk, int(self.extra.get("persistent", choice["persistent"]))
+
+    def _decode_block_k(self, head_dim: int) -> Optional[int]:
+        """The kv tile width decoding's persistent tiles take where the caller's knobs set it: 64 under
+        blocks_per_sm 2 at D = 128 (two blocks' 64 x 128 rings of 128 KB do not fit an SM), else extra
+        decode_block_k (64 or 128, spec.EXTRA_CHOICES); None where neither does. The kernel's tiles and split-kv's
+        part counts both read it, so the parts are counted on the tiles the kernel runs."""
+        from .backends.numba_cuda.from_ir import BackendError
+        from .backends.numba_cuda.spec import forward_extra
+
+        fwd = forward_extra(self.extra)
+        asked = fwd.get("decode_block_k")
+        if fwd.get("blocks_per_sm") == 2 and head_dim == 128:
+            if asked == 128:
+                raise BackendError("numba-cuda backend: extra blocks_per_sm 2 with decode_block_k 128 at D = 128: "
+                                   "two blocks' K / V rings do not fit an SM's shared memory (decode_block_k 64 "
+                                   "does, the default with blocks_per_sm 2)")
+            return 64
+        return None if asked is None else int(asked)
 
     def _parts_by_longest(self, bq: int, bk: int, m: int, n: int, head_dim: int, heads: int, blocks: int,
                           min_tiles: Optional[int] = None) -> int:
@@ -416,15 +436,7 @@ class CompiledAttention:
             bq, bk = emit_fa3.tiles(used["D"], mask_kind, ws_tiles, persistent=persistent, two=two,
                                     decode=tiling == "decode")
             if persistent and tiling == "decode":
-                asked = self.extra.get("decode_block_k")
-                if fwd.get("blocks_per_sm") == 2 and used["D"] == 128:
-                    if asked == 128:
-                        raise BackendError("numba-cuda backend: extra blocks_per_sm 2 with decode_block_k 128 at "
-                                           "D = 128: two blocks' K / V rings do not fit an SM's shared memory "
-                                           "(decode_block_k 64 does, the default with blocks_per_sm 2)")
-                    bk = 64  # (two blocks an SM: 64 x 128 tiles' ring of 128 KB does not fit twice)
-                elif asked is not None:  # extra decode_block_k: 64 or 128 (spec.EXTRA_CHOICES, checked at compile)
-                    bk = int(asked)  # (64 halves a block's K / V ring at D = 128: 99 KB)
+                bk = self._decode_block_k(used["D"]) or bk
             return bq, bk
 
         def built_for(extra: dict, ragged: bool = False, two: bool = False, kvp: int = 1) -> tuple[Func, Any]:

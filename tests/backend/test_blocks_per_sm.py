@@ -49,3 +49,13 @@ def test_two_blocks_with_wide_tiles_at_d128_are_refused_by_name(hopper):
     c = fl.compile(fl.attention(name="bps_wide"), extra={"blocks_per_sm": 2, "decode_block_k": 128})
     with pytest.raises(FalowerError, match="blocks_per_sm 2 with decode_block_k 128 at D = 128"):
         _spec(c, M=1, N=1024)
+
+
+@pytest.mark.parametrize("n", [512, 1024])
+def test_split_kv_parts_are_counted_on_the_tiles_decode_block_k_sets(hopper, n):
+    """split-kv's part count takes the kv tiles the kernel runs: N keys in 64-wide tiles are as many tiles as 2N in
+    the default 128-wide ones, so they get the same parts (they were counted as N / 128 tiles before)."""
+    narrow = _spec(fl.compile(fl.attention(name="dbk_parts"), extra={"decode_block_k": 64}), M=1, N=n)
+    wide = _spec(fl.compile(fl.attention(name="dbk_parts_base")), M=1, N=2 * n)
+    assert (narrow.block_k, wide.block_k) == (64, 128)
+    assert narrow.kv_parts == wide.kv_parts > 1
