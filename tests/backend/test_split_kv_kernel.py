@@ -264,8 +264,9 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     cluster_merge=True: one block an item whatever the grid (the persistent cap would give a block two items and a
     cluster two q tiles), a cluster barrier before the merge and one after, rank kvp merging every P-th chunk from
     the cluster's shared memory; the kernel takes fused_merge's arguments. At 4 parts unasked where the grid's
-    blocks are at most half the SMs (compiler._cluster_small_grid). Not at 16 parts (the portable cluster size is
-    8), nor at 4 on a grid past half the SMs, nor with cluster_merge=False, nor on the prefill grid's kernel."""
+    blocks are at most half the SMs, at decoding's 2 where they fit the SMs (compiler._cluster_small_grid). Not at
+    16 parts (the portable cluster size is 8), nor at 4 on a grid past half the SMs, nor with cluster_merge=False,
+    nor on the prefill grid's kernel."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
 
     for D, N, P, extra in ((128, 1024, 8, {}), (64, 3000, 8, {}),
@@ -292,6 +293,11 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     kern, _ = _call("plain", 1, 8, 1024, 128, 1, cluster_merge=False)
     assert kern.spec.kv_parts == 8 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 4, 2048, cluster_merge=True)  # two parts of 128-row tiles (TMA stores of O)
+    assert kern.spec.kv_parts == 2 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
+    kern, _ = _call("plain", 8, 8, 1024, 128, 1)  # decoding's 2 parts of 64 q tiles: 128 blocks, one round
+    assert kern.spec.kv_parts == 2 and cluster_parts(kern.spec) == 2 and kern.source.count("cluster_sync()") == 2
+    assert grid(kern.spec, 8, 8, 1, 1024) == (128, 1, 1)
+    kern, _ = _call("plain", 8, 8, 1024, 128, 1, cluster_merge=False)
     assert kern.spec.kv_parts == 2 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     for bad in ("yes", 1, None):  # (at compile: a wrong value must not send the choice to another kernel)
         with pytest.raises(FalowerError, match="extra cluster_merge must be True or False or 'auto', got"):

@@ -347,6 +347,26 @@ def test_a_small_prefill_grids_parts_merge_in_a_cluster(stem, D, dtype):
     assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + 7), dtype)
 
 
+@pytest.mark.parametrize("stem, dtype, D, M, N", [("plain", "f16", 128, 1, 1024), ("plain", "bf16", 64, 1, 4096),
+                                                   ("softcap", "f16", 128, 7, 1000), ("gqa", "f16", 128, 1, 2048),
+                                                   ("relative_bias", "f16", 64, 3, 300)])
+def test_decodings_two_parts_merge_in_a_cluster_where_the_grid_fits(stem, dtype, D, M, N):
+    """B = 8, H = 8 decoding (64 q tiles of 64 rows), the automatic choice: 2 parts, 128 blocks (at most the SMs:
+    compiler._cluster_small_grid), merged in a cluster of 2; N = 1000 and 300 leave the last kv tile ragged (300: a
+    part of one tile and a part of a ragged one), GQA packed. The error rule holds."""
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    _hopper()
+    g, c = _compiled(stem, dtype, "auto")
+    env = bind_dims(g, {"B": 8, "H": 32 if stem == "gqa" else 8, "HKV": 8, "M": M, "N": N, "D": D})
+    if stem == "gqa":
+        kern = c.packed_for(env).specialize(dtype, B=8, D=D, M=M * 4, N=N, H=8, HKV=8)
+    else:
+        kern = c.specialize(dtype, **env)
+    assert (kern.spec.kv_parts, cluster_parts(kern.spec), kern.spec.block_q) == (2, 2, 64)
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + N), dtype)
+
+
 @pytest.mark.parametrize("dtype, D, M, N", [("f16", 128, 1, 3000), ("bf16", 64, 17, 1000), ("f16", 128, 64, 8192),
                                            ("f16", 64, 1, 100)])
 def test_a_bias_table_decodes_on_the_persistent_kernel_in_parts(dtype, D, M, N):

@@ -757,8 +757,10 @@ def map_prefetch(spec: FA2ForwardSpec) -> bool:
     """Under `tma_loads`, whether the copying thread prefetches Q's, K's and V's tensor maps (prefetch.tensormap)
     before it acquires them, so that the three maps' fetches overlap where each acquire could wait for its own (as
     FlashAttention-3 prefetches its maps at entry). Why: a decoding block took 0.77-1.0 us from its entry to its first
-    item's state (timeline.py `entry_to_first_item_us`, H200), before its Q could be asked for. Off until measured;
-    `extra["map_prefetch"]` = True asks for it (split_parts '-mp')."""
+    item's state (timeline.py `entry_to_first_item_us`, H200), before its Q could be asked for. Measured slower
+    (H200, 2026-11-30, `split_parts.py --set maps`, CUDA graphs): decoding's calls 1.02-1.19x the time without at
+    B = 1-8 (the cold caches' 1.02-1.16x), a small prefill grid 1.14x: the prefetch delays the acquires it was to
+    speed. Off; `extra["map_prefetch"]` = True asks for it (split_parts 'mp')."""
     return tma_loads(spec) and spec.extra.get("map_prefetch", False) is not False
 
 
