@@ -5,7 +5,7 @@ session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a clu
 session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here; the set "batch" (decoding at B = 4-8,
 the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against its kv tiles a block) added after.
 
-    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|twosm|maps|padding|cluster|all]
+    python3 benchmarks/split_parts.py [--set decode|masked|prefill|batch|slope|twosm|maps|eights|padding|cluster|all]
         [--cold]
 
 `--cold` gives each captured call its own copy of Q, K and V (a model's layers: their caches not in L2); without it
@@ -80,6 +80,10 @@ CASES = {
     "maps": [("plain", 1, 128, 1, n, ("mp",), b) for b, n in ((1, 1024), (4, 1024), (8, 1024), (8, 4096))]
     + [("plain", 1, 64, 1, 1024, ("mp",), 8), ("gqa", 4, 128, 1, 2048, ("mp",), 4),
        ("plain", 2, 128, 1024, 1024, ("mp",))],
+    # decoding's 8 parts in clusters of 8 on grids of 16 of them (B = 2), against the merge kernel
+    # (and in 4 parts, by the merge kernel or in clusters of 4: 64 blocks)
+    "eights": [("plain", 1, d, 1, n, ("p8", "c8", "p4", "c4"), 2) for d in (128, 64) for n in (1024, 2048, 8192)]
+    + [("gqa", 4, 128, 1, 2048, ("p8", "c8", "p4", "c4"), 2), ("plain", 1, 128, 1, 1024, ("p8", "c8"), 1)],
     "padding": [("plain", 1, 128, 1, n, ("nosp",), b) for b, n in ((1, 1024), (1, 3000), (4, 1024), (8, 1024),
                                                                    (8, 4096))]
     + [("plain", 1, 64, 1, 1024, ("nosp",), 8), ("gqa", 4, 128, 1, 2048, ("nosp",), 4),
@@ -131,13 +135,18 @@ def cases(name: str) -> list[tuple]:
 
 def kernel(stem: str, group: int, var: str, D: int, M: int, N: int, B: int = 1):
     """The kernel a call of these sizes runs (the packed GQA graph's where a decoding call packs)."""
+    return kernel_and_dims(stem, group, var, D, M, N, B)[0]
+
+
+def kernel_and_dims(stem: str, group: int, var: str, D: int, M: int, N: int, B: int = 1):
+    """(kernel, its heads, its rows): `kernel`'s, with the (H, M) its grid takes (HKV and M G where GQA packs)."""
     c = compiled(stem, group, var)
     H, HKV = heads(group, M)
     env = dict(B=B, D=D, M=M, N=N, H=H, HKV=HKV)
     packed = c.packed_for(env) if H != HKV else None
     if packed is not None:
-        return packed.specialize("f16", B=B, D=D, M=M * (H // HKV), N=N, H=HKV, HKV=HKV)
-    return c.specialize("f16", **env)
+        return packed.specialize("f16", B=B, D=D, M=M * (H // HKV), N=N, H=HKV, HKV=HKV), HKV, M * (H // HKV)
+    return c.specialize("f16", **env), H, M
 
 
 def build(job: tuple) -> tuple:
@@ -240,6 +249,23 @@ def main() -> None:
             print(f"| {stem} | {B} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
                   f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
                   f"{ref['cudnn'] / times['auto']:.2f} | {err:.0e} |", flush=True)
+    fits = []  # the automatic kernels merged in a cluster: their grid's clusters against what the device holds
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
+    from falower.backends.numba_cuda.runtime import max_active_clusters
+
+    for name in sets:
+        for stem, group, D, M, N, forced, B in cases(name):
+            kern, H, rows = kernel_and_dims(stem, group, "auto", D, M, N, B)
+            width = cluster_parts(kern.spec)
+            if width:
+                need = grid(kern.spec, B, H, rows, N)[0] // width
+                most = max_active_clusters(kern._direct_kernel("main").function(torch.cuda.current_device()),
+                                           kern.threads, kern.smem, width)
+                fits.append(f"| {stem} | {B} | {D} | {M} | {N} | {width} | {need} | {most} |")
+    if fits:
+        print("\n| case | B | D | M | N | cluster | the grid's clusters | the device's most at once |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(fits))
     print(f"total {time.time() - t0:.0f} s")
 
 

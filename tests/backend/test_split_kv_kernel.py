@@ -361,7 +361,8 @@ def test_a_cluster_launch_asks_the_driver_for_its_width(monkeypatch):
 def test_a_device_whose_clusters_do_not_fit_is_asked_first(monkeypatch):
     """runtime.clusters_fit: cuOccupancyMaxActiveClusters for one cluster of the width (its attribute, the block
     and shared memory as launched); 0 clusters or an error: False (FA2ForwardKernel.plan then takes the kernel
-    without the cluster); no such entry point: True."""
+    without the cluster); no such entry point: True. max_active_clusters: the count itself (0 on an error, None
+    without the entry point), which the plan holds against its grid's clusters."""
     from falower.backends.numba_cuda import runtime
 
     seen: list = []
@@ -377,8 +378,11 @@ def test_a_device_whose_clusters_do_not_fit_is_asked_first(monkeypatch):
     for answer, want in (((3, 0), True), ((0, 0), False), ((5, 1), False)):
         assert runtime.clusters_fit(99, 384, 200000, 8) is want
     assert seen[0] == (99, (8, 1, 1), (384, 1, 1), 200000, 4, 8)
+    for answer, want in (((14, 0), 14), ((0, 0), 0), ((5, 1), 0)):  # the count the plan compares with its grid's
+        assert runtime.max_active_clusters(99, 384, 200000, 2) == want
+    assert seen[-1][-1] == 2
     monkeypatch.setattr(runtime, "_ctypes_max_active_clusters", lambda: None)
-    assert runtime.clusters_fit(99, 384, 200000, 8)
+    assert runtime.clusters_fit(99, 384, 200000, 8) and runtime.max_active_clusters(99, 384, 200000, 8) is None
 
 
 def test_the_merge_is_launched_programmatically_where_it_fits_the_idle_sms():

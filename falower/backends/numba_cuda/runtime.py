@@ -624,18 +624,26 @@ def _ctypes_max_active_clusters() -> Any:
     return cubin_cache.libcuda_function("cuOccupancyMaxActiveClusters", argtypes)
 
 
-def clusters_fit(func: int, block: int, smem: int, width: int) -> bool:
-    """Whether the device runs at least one cluster of `width` blocks of `func` (`block` threads, `smem` bytes of
-    dynamic shared memory each; cuOccupancyMaxActiveClusters > 0). A device or MIG slice that cannot would refuse
-    _cluster_launcher's launch; FA2ForwardKernel.plan then takes the kernel without the cluster. Where the driver
-    has no such entry point, True (the launch says what is wrong)."""
+def max_active_clusters(func: int, block: int, smem: int, width: int) -> Optional[int]:
+    """How many clusters of `width` blocks of `func` (`block` threads, `smem` bytes of dynamic shared memory each)
+    the device runs at once (cuOccupancyMaxActiveClusters: a cluster's blocks share a GPC, so this is the GPCs' SMs
+    in whole clusters, not the SMs over `width`); 0 where the query fails, None where the driver has no such entry
+    point."""
     fn = _ctypes_max_active_clusters()
     if fn is None:
-        return True
+        return None
     attr = _cluster_attribute(width)
     config = _launch_config((width, 1, 1), block, smem, attr)
     n = ctypes.c_int()
-    return fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 and n.value > 0
+    return n.value if fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 else 0
+
+
+def clusters_fit(func: int, block: int, smem: int, width: int) -> bool:
+    """Whether the device runs at least one cluster of `width` blocks of `func` (max_active_clusters > 0). A device
+    or MIG slice that cannot would refuse _cluster_launcher's launch; FA2ForwardKernel.plan then takes the kernel
+    without the cluster. Where the driver has no such entry point, True (the launch says what is wrong)."""
+    n = max_active_clusters(func, block, smem, width)
+    return n is None or n > 0
 
 
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
@@ -1109,7 +1117,7 @@ class FA2ForwardKernel:
         self._captured: list[Any] = []  # what launches captured into CUDA graphs keep of their own (counters,
         # workspaces; block tables: BlockTables.entry), alive with them
         self._split_ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces (split_workspaces)
-        self._cluster_fit: dict[int, bool] = {}  # device -> whether its clusters run (clusters_fit)
+        self._cluster_fit: dict[int, Optional[int]] = {}  # device -> its clusters at once (max_active_clusters)
         self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
@@ -1378,7 +1386,9 @@ class FA2ForwardKernel:
             return self._plans[key]
         except KeyError:
             pass
-        if cluster_parts(self.spec) and not self._clusters_fit(q):  # (a MIG slice, a device without clusters)
+        width = cluster_parts(self.spec)
+        if width and not self._clusters_fit(q, self._grid_clusters(q, k, width)):  # (a MIG slice, a device
+            # without clusters, or a grid of more clusters than its GPCs hold at once)
             plan = self._plans[key] = self.without_cluster.plan(q, k, v, captures)  # (which checks the inputs)
             return plan
         plan = None
@@ -1403,18 +1413,29 @@ class FA2ForwardKernel:
         B, H, M = (int(n) for n in q.shape[:3])
         return host.reshape(B, H, -(-M // self.spec.block_q), -(-int(k.shape[2]) // self.spec.block_k))
 
-    def _clusters_fit(self, q: Any) -> bool:
-        """clusters_fit for this kernel on q's device (asked once a device)."""
+    def _grid_clusters(self, q: Any, k: Any, width: int) -> int:
+        """The clusters of `width` blocks this call's grid launches (cluster_merge: one block an item)."""
+        B, H, M = (int(n) for n in q.shape[:3])
+        return grid(self.spec, B, H, M, int(k.shape[2]))[0] // width
+
+    def _clusters_fit(self, q: Any, need: int = 1) -> bool:
+        """Whether q's device runs `need` clusters of this kernel at once (max_active_clusters, asked once a
+        device; unknown counts as yes). Why: a cluster's blocks share a GPC, so a grid of clusters can exceed what
+        the GPCs hold while its blocks fit the SMs, and the clusters left over wait a whole round (4 parts of 32 q
+        tiles in clusters of 4, 128 blocks on the H200's 132 SMs: 1.4-1.5x the merge kernel's call); the merge
+        kernel's form is taken then. A device that runs none (a MIG slice, no clusters) says so once."""
         import torch
 
         dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
         if dev not in self._cluster_fit:
             func = self._direct_kernel("main").function(dev)
-            self._cluster_fit[dev] = clusters_fit(func, self.threads, self.smem, cluster_parts(self.spec))
-            if not self._cluster_fit[dev]:
+            most = max_active_clusters(func, self.threads, self.smem, cluster_parts(self.spec))
+            self._cluster_fit[dev] = most
+            if most == 0:
                 print(f"[falower] {self.spec.name}: clusters of {cluster_parts(self.spec)} do not fit device {dev}; "
                       "its split-kv parts are merged by the merge kernel", file=sys.stderr)
-        return self._cluster_fit[dev]
+        most = self._cluster_fit[dev]
+        return most is None or most >= need
 
     @functools.cached_property
     def without_cluster(self) -> "FA2ForwardKernel":
