@@ -297,24 +297,26 @@ class CompiledAttention:
     def _cluster_small_grid(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str],
                             parts: int) -> bool:
         """Whether a call's grid in 4 parts (`_kv_parts`), or decoding's in 2, merges them in a cluster (extra
-        cluster_merge, unless the caller set it; emit_fa3_ws.cluster_merge still says whether the kernel can). 4
-        parts: where its blocks are at most half the persistent kernel's, so that its clusters surely fit at once
-        (a GPC holds a few; grids of more
-        waited: 4 parts of 32 q tiles in clusters ran 1.38x and 1.53x slower than with the merge kernel). Measured
+        cluster_merge, unless the caller set it; emit_fa3_ws.cluster_merge still says whether the kernel can). A
+        small prefill grid's 4 parts: where its blocks are at most half the persistent kernel's, so that its
+        clusters surely fit at once (a GPC holds a few; grids of more waited: 4 parts of 32 q tiles in clusters ran
+        1.38x and 1.53x slower than with the merge kernel). Measured
         (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Captured calls"): 4 parts in a cluster 1.08-1.15x the
         merge kernel's calls (decoding at N = 512, causal, plain and prefix LM at B = 1, H = 1, N = 1k); 2 parts
         0.93-0.95x at D = 128 on small prefill grids, 0.98-1.04x elsewhere: not taken there. 8 parts take the
         cluster anyway (emit_fa3.KV_PARTS_CLUSTER).
 
-        Decoding's 2 parts take a cluster where the whole grid fits the persistent kernel's blocks at once (its
-        merge kernel's launch is then what a call pays after its one round). Measured (H200 2026-11-30, CUDA
-        graphs, `split_parts.py --set cluster`, two calls each with the caches in L2 and with them cold, `--cold`):
-        B = 8, H = 8 (64 q tiles, 128 blocks) at D = 128 1.08-1.13x the merge kernel at N = 1k, 1.04-1.05x at 2k,
-        1.03x at 4k; at D = 64 1.00-1.04x; GQA (B = 8, N = 8k) 1.01-1.02x; none slower. Past the blocks (B = 16 in
-        2 parts: 256 blocks) clusters waited, 0.66-0.68x (the fifty-fourth session)."""
-        from .backends.numba_cuda.spec import forward_extra
-
+        Decoding's rows (M <= 64) take a cluster at 2 or 4 parts where the whole grid fits the persistent kernel's
+        blocks (its merge kernel's launch is then what a call pays after its one round); where the device holds
+        fewer of the grid's clusters at once, the call's plan takes the merge kernel (FA2ForwardKernel.plan: the
+        H200 holds 66 of 2, 30 of 4, 15 of 8; "half the SMs" above was a stand-in for that count). Measured (H200
+        2026-11-30, CUDA graphs, `split_parts.py`, each set with the caches in L2 and with them cold, `--cold`):
+        2 parts at B = 8, H = 8 (64 q tiles, 128 blocks) at D = 128 1.08-1.13x the merge kernel at N = 1k,
+        1.04-1.05x at 2k, 1.03x at 4k, at D = 64 1.00-1.04x, GQA (N = 8k) 1.01-1.02x (`--set cluster`, twice); 4
+        parts at B = 3 (24 q tiles, 96 blocks, 24 clusters) 1.03-1.15x at D = 128 and 64, N = 1k-4k, GQA and M = 16
+        (`--set threes`); none slower. Past the blocks (B = 16 in 2 parts: 256) clusters waited, 0.66-0.68x."""
         from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.spec import forward_extra
 
         if parts not in (2, 4) or "cluster_merge" in forward_extra(self.extra):
             return False
@@ -323,11 +325,11 @@ class CompiledAttention:
         if not choice or not choice.get("persistent") or heads is None or not m:
             return False
         # (decoding's rows, not a small prefill grid on decoding's 64-row tiles: 2 parts lost there)
-        decode_pairs = parts == 2 and tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS
-        if parts == 2 and not decode_pairs:
+        decoding = tiling == "decode" and m <= emit_fa3.DECODE_MAX_ROWS
+        if parts == 2 and not decoding:
             return False
         bq, _, blocks = self._persistent_tiles(env, tiling, choice)
-        return (1 if decode_pairs else 2) * heads * -(-m // bq) * parts <= blocks
+        return (1 if decoding else 2) * heads * -(-m // bq) * parts <= blocks
 
     def _persistent_tiles(self, env: dict[str, int], tiling: Optional[str], choice: dict) -> tuple[int, int, int]:
         """(bq, bk, blocks): the persistent kernel's tiles for a call of these sizes and `tiling`, and its blocks
@@ -347,11 +349,9 @@ class CompiledAttention:
         decode_block_k (64 or 128, spec.EXTRA_CHOICES); None where neither does. The kernel's tiles and split-kv's
         part counts both read it, so the parts are counted on the tiles the kernel runs."""
         from .backends.numba_cuda.from_ir import BackendError
-        from .backends.numba_cuda.spec import forward_extra
 
-        fwd = forward_extra(self.extra)
-        asked = fwd.get("decode_block_k")
-        if fwd.get("blocks_per_sm") == 2 and head_dim == 128:
+        asked = self.extra.get("decode_block_k")  # (both forward keys: forward_extra keeps them)
+        if self.extra.get("blocks_per_sm") == 2 and head_dim == 128:
             if asked == 128:
                 raise BackendError("numba-cuda backend: extra blocks_per_sm 2 with decode_block_k 128 at D = 128: "
                                    "two blocks' K / V rings do not fit an SM's shared memory (decode_block_k 64 "

@@ -1,8 +1,8 @@
 """benchmarks/split_parts.py without a GPU (a Hopper faked): every case's calls build, and the automatic choice
 takes the parts the fifty-second session measured fastest (BENCHMARKS.md: decoding's one-tile parts merged in a
 cluster at 8, masked decoding's too, small prefill grids' parts of two kv tiles), merged in a cluster at 4 parts
-where the grid is at most half the SMs (the fifty-third session's), decoding's 2 parts where the grid fits the SMs
-(the fifty-fifth's)."""
+where the grid is at most half the SMs (the fifty-third session's), decoding's 2 and 4 parts where the grid fits the
+SMs (the fifty-fifth's)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ WANT = {  # (stem, G or H, D, M, N, B) -> the automatic (parts, cluster size)
     ("gqa", 4, 128, 1, 1024, 1): (8, 8), ("window_off", 4, 128, 1, 8192, 1): (8, 8),
     ("causal_off", 1, 64, 1, 2048, 1): (8, 8), ("causal", 1, 128, 512, 512, 1): (2, 0),
     ("causal", 1, 128, 1024, 1024, 1): (4, 4), ("plain", 2, 64, 1024, 1024, 1): (4, 0),
-    ("plain", 1, 128, 1, 1024, 4): (4, 0),  # (4 parts of 128 blocks: no cluster)
+    ("plain", 1, 128, 1, 1024, 4): (4, 4), ("plain", 1, 128, 1, 1024, 3): (4, 4),  # (4 parts of 128 and 96 blocks:
+    # clusters of 4 at compile; B = 4's 32 are more than the H200 holds, and its call's plan takes the merge kernel)
     ("plain", 1, 128, 1, 1024, 8): (2, 2), ("plain", 1, 64, 1, 4096, 8): (2, 2),  # (2 parts of 128 blocks: one round)
     ("plain", 1, 128, 1, 1024, 16): (1, 0),
-}  # (4 parts in a cluster where the grid is at most half the SMs, decoding's 2 where it fits the SMs:
-#    compiler._cluster_small_grid)
+}  # (4 parts in a cluster where a prefill grid is at most half the SMs, decoding's 2 and 4 where it fits the
+#    SMs: compiler._cluster_small_grid)
 
 
 def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):

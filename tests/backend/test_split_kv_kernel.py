@@ -263,10 +263,10 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     (emit_fa3.KV_PARTS_CLUSTER: decoding's one-tile parts at N = 1k, its 8 at 2k-3k), at 2 .. 8 with extra
     cluster_merge=True: one block an item whatever the grid (the persistent cap would give a block two items and a
     cluster two q tiles), a cluster barrier before the merge and one after, rank kvp merging every P-th chunk from
-    the cluster's shared memory; the kernel takes fused_merge's arguments. At 4 parts unasked where the grid's
-    blocks are at most half the SMs, at decoding's 2 where they fit the SMs (compiler._cluster_small_grid). Not at
-    16 parts (the portable cluster size is 8), nor at 4 on a grid past half the SMs, nor with cluster_merge=False,
-    nor on the prefill grid's kernel."""
+    the cluster's shared memory; the kernel takes fused_merge's arguments. At 4 parts unasked where a prefill grid's
+    blocks are at most half the SMs, at decoding's 2 and 4 where they fit the SMs (compiler._cluster_small_grid).
+    Not at 16 parts (the portable cluster size is 8), nor at 4 on a prefill grid past half the SMs, nor with
+    cluster_merge=False, nor on the prefill grid's 128-row kernel."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
 
     for D, N, P, extra in ((128, 1024, 8, {}), (64, 3000, 8, {}),
@@ -288,8 +288,12 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     assert kern.spec.kv_parts == 4 and cluster_parts(kern.spec) == 4
     kern, _ = _call("plain", 1, 8, 1024, 128, 1, kv_parts=4, cluster_merge=False)
     assert kern.spec.kv_parts == 4 and not cluster_parts(kern.spec)
-    kern, _ = _call("plain", 4, 8, 1024, 128, 1)  # 4 parts of 32 q tiles: 128 blocks, past half the SMs
-    assert kern.spec.kv_parts == 4 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
+    kern, _ = _call("plain", 4, 8, 1024, 128, 1)  # decoding's 4 parts of 32 q tiles: 128 blocks, within the SMs
+    assert kern.spec.kv_parts == 4 and cluster_parts(kern.spec) == 4  # (the call's plan holds its 32 clusters
+    # against what the device runs at once: the H200's 30 send it to the merge kernel, runtime.max_active_clusters)
+    kern, _ = _call("plain", 1, 2, 1000, 128, 1000)  # a prefill grid's 4 parts of 32 q tiles: past half the SMs
+    assert (kern.spec.block_q, kern.spec.kv_parts) == (64, 4) and not cluster_parts(kern.spec)
+    assert "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 8, 1024, 128, 1, cluster_merge=False)
     assert kern.spec.kv_parts == 8 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 4, 2048, cluster_merge=True)  # two parts of 128-row tiles (TMA stores of O)
