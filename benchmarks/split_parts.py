@@ -12,11 +12,14 @@ the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against 
 the twenty calls read the same tensors, which at these sizes (4-34 MB) stay in the 50 MB L2.
 
 Variants: "auto" the automatic choice; "pN" N parts merged by the merge kernel (cluster_merge off); "cN" N parts
-merged in a cluster (the default at 8; at 4 on grids of at most half the SMs); "sN" the automatic parts on a ring of
+merged in a cluster (cluster_merge True: launched even where the device holds fewer of the grid's clusters at once;
+the automatic choice takes clusters at 8 parts, and at decoding's 2 and 4 where the grid fits the SMs, then the
+merge kernel where the device holds fewer); "sN" the automatic parts on a ring of
 N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`blocks_per_sm`), "k64" decoding's
 64-wide kv tiles on one; "nosp" the softmax of every row, padding too; "mp" the tensor maps prefetched
 (map_prefetch). Kernels are compiled first in parallel processes. Prints one markdown table, with the largest
-difference of a forced variant's O from the automatic choice's.
+difference of a forced variant's O from the automatic choice's, then one of the automatic cluster kernels' grid
+clusters against the most the device runs at once (cuOccupancyMaxActiveClusters).
 """
 
 from __future__ import annotations
@@ -75,7 +78,6 @@ CASES = {
     "cluster": [("plain", 1, d, 1, n, ("p2", "c2"), 8) for d in (128, 64) for n in (1024, 2048, 4096)]
     + [("plain", 1, 128, 1, 1024, ("p4", "c4", "c2"), 4), ("plain", 1, 128, 16, 2048, ("p4", "c4", "c2"), 4),
        ("gqa", 4, 128, 1, 8192, ("p2", "c2"), 8), ("plain", 1, 128, 1, 1024, ("p2", "c2"), 16)],
-    # decoding's softmax for the query rows only (skips_padding_softmax) against every row's
     # the producer's tensor maps prefetched before their acquires, on decoding's grids and a small prefill
     "maps": [("plain", 1, 128, 1, n, ("mp",), b) for b, n in ((1, 1024), (4, 1024), (8, 1024), (8, 4096))]
     + [("plain", 1, 64, 1, 1024, ("mp",), 8), ("gqa", 4, 128, 1, 2048, ("mp",), 4),
@@ -87,6 +89,7 @@ CASES = {
     # 4 parts in clusters of 4 past half the SMs but within what the device holds at once (B = 3: 24 of 30)
     "threes": [("plain", 1, d, 1, n, ("p4", "c4"), 3) for d in (128, 64) for n in (1024, 2048, 4096)]
     + [("gqa", 4, 128, 1, 2048, ("p4", "c4"), 3), ("plain", 1, 128, 16, 2048, ("p4", "c4"), 3)],
+    # decoding's softmax for the query rows only (skips_padding_softmax) against every row's
     "padding": [("plain", 1, 128, 1, n, ("nosp",), b) for b, n in ((1, 1024), (1, 3000), (4, 1024), (8, 1024),
                                                                    (8, 4096))]
     + [("plain", 1, 64, 1, 1024, ("nosp",), 8), ("gqa", 4, 128, 1, 2048, ("nosp",), 4),
@@ -96,9 +99,10 @@ _COMPILED: dict = {}
 COLD_BYTES = 160 << 20  # --cold: the copies' bytes together at least this (the H200's L2 is 50 MB)
 
 
-def cold_copies(nbytes: int, most: int = 64) -> int:
-    """How many copies of a call's inputs (`nbytes` each) make COLD_BYTES (at least 2, at most `most`)."""
-    return max(2, min(most, -(-COLD_BYTES // max(nbytes, 1))))
+def cold_copies(nbytes: int) -> int:
+    """How many copies of a call's inputs (`nbytes` each) make COLD_BYTES (at least 2; a graph captures as many
+    calls)."""
+    return max(2, -(-COLD_BYTES // max(nbytes, 1)))
 
 
 def compiled(stem: str, group: int, var: str):
@@ -148,7 +152,8 @@ def kernel_and_dims(stem: str, group: int, var: str, D: int, M: int, N: int, B: 
     env = dict(B=B, D=D, M=M, N=N, H=H, HKV=HKV)
     packed = c.packed_for(env) if H != HKV else None
     if packed is not None:
-        return packed.specialize("f16", B=B, D=D, M=M * (H // HKV), N=N, H=HKV, HKV=HKV), HKV, M * (H // HKV)
+        # (the packed graph's q is [B, HKV, M G, D]: its M is still a head's rows)
+        return packed.specialize("f16", B=B, D=D, M=M, N=N, H=HKV, HKV=HKV), HKV, M * (H // HKV)
     return c.specialize("f16", **env), H, M
 
 

@@ -83,6 +83,7 @@ class CompiledAttention:
         """The kernel for inputs of `dtype` and these sizes (D at least), without needing the inputs."""
         from .backends.numba_cuda.from_ir import BackendError
         from .backends.numba_cuda.runtime import FA2ForwardKernel
+        from .backends.numba_cuda.spec import forward_extra
 
         if self.backend != "numba-cuda":
             raise FalowerError("only the numba-cuda backend builds kernels")
@@ -111,6 +112,9 @@ class CompiledAttention:
                 print(f"[falower] kernel {spec.name}:\n{kern.source}", file=sys.stderr)
             if level >= 4:
                 print(f"[falower] PTX of {spec.name}:\n{kern.ptx()}", file=sys.stderr)
+            # the caller's own cluster_merge True launches its clusters even where the device holds fewer than the
+            # grid's at once (a measurement's knob); the automatic choice's take the merge kernel then (plan)
+            kern.cluster_asked = forward_extra(self.extra).get("cluster_merge") is True
             self._kernels[key] = kern
         return self._kernels[key]
 
@@ -319,6 +323,8 @@ class CompiledAttention:
         from .backends.numba_cuda.spec import forward_extra
 
         if parts not in (2, 4) or "cluster_merge" in forward_extra(self.extra):
+            return False
+        if self.extra.get("blocks_per_sm") == 2:  # (two blocks an SM: not one round of the SMs, not measured)
             return False
         choice = self._auto_choice(dtype, env["D"], path, few_rows=tiling == "decode")
         heads, (m, _) = self._heads(env), self._seq_lengths(env)

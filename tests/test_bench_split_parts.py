@@ -50,6 +50,7 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
             assert spec.block_k == (64 if var == "k64" or D == 128 else 128), job
             assert spec.extra.get("blocks_per_sm", 1) == (2 if var == "b2" else 1), job
             assert int(spec.extra["persistent"]) == (264 if var == "b2" else 132), job
+            assert cluster in (0, 8) or var != "b2", job  # (two blocks an SM: no clusters of 2 or 4 unasked)
         elif var != "auto":
             assert parts == split_parts.VARIANTS[var]["kv_parts"], job
             assert cluster == (parts if var[0] == "c" else 0), job

@@ -363,10 +363,9 @@ def test_a_cluster_launch_asks_the_driver_for_its_width(monkeypatch):
 
 
 def test_a_device_whose_clusters_do_not_fit_is_asked_first(monkeypatch):
-    """runtime.clusters_fit: cuOccupancyMaxActiveClusters for one cluster of the width (its attribute, the block
-    and shared memory as launched); 0 clusters or an error: False (FA2ForwardKernel.plan then takes the kernel
-    without the cluster); no such entry point: True. max_active_clusters: the count itself (0 on an error, None
-    without the entry point), which the plan holds against its grid's clusters."""
+    """runtime.max_active_clusters: cuOccupancyMaxActiveClusters for one cluster of the width (its attribute, the
+    block and shared memory as launched): the count (0 on an error, None without the entry point), which
+    FA2ForwardKernel.plan holds against its grid's clusters."""
     from falower.backends.numba_cuda import runtime
 
     seen: list = []
@@ -379,14 +378,33 @@ def test_a_device_whose_clusters_do_not_fit_is_asked_first(monkeypatch):
         return answer[1]
 
     monkeypatch.setattr(runtime, "_ctypes_max_active_clusters", lambda: fake)
-    for answer, want in (((3, 0), True), ((0, 0), False), ((5, 1), False)):
-        assert runtime.clusters_fit(99, 384, 200000, 8) is want
+    for answer, want in (((14, 0), 14), ((0, 0), 0), ((5, 1), 0)):
+        assert runtime.max_active_clusters(99, 384, 200000, 8) == want
     assert seen[0] == (99, (8, 1, 1), (384, 1, 1), 200000, 4, 8)
-    for answer, want in (((14, 0), 14), ((0, 0), 0), ((5, 1), 0)):  # the count the plan compares with its grid's
-        assert runtime.max_active_clusters(99, 384, 200000, 2) == want
-    assert seen[-1][-1] == 2
     monkeypatch.setattr(runtime, "_ctypes_max_active_clusters", lambda: None)
-    assert runtime.clusters_fit(99, 384, 200000, 8) and runtime.max_active_clusters(99, 384, 200000, 8) is None
+    assert runtime.max_active_clusters(99, 384, 200000, 8) is None
+
+
+@pytest.mark.parametrize("most, need, fits", [(None, 64, True), (0, 1, False), (66, 64, True), (64, 64, True),
+                                              (63, 64, False)])
+def test_the_plan_holds_the_grids_clusters_against_the_devices(hopper, monkeypatch, capsys, most, need, fits):
+    """FA2ForwardKernel._grid_clusters: the call's grid over the cluster width (B = 8, H = 8 decoding in 2 parts:
+    128 blocks, 64 clusters); _clusters_fit: the device's count asked once a device, at least `need` fits, an unknown
+    count (no entry point) fits, none at all says so once on stderr."""
+    from types import SimpleNamespace
+
+    from falower.backends.numba_cuda import runtime
+
+    kern, _ = _call("plain", 8, 8, 1024, 128, 1)
+    q = SimpleNamespace(shape=(8, 8, 1, 128), device=SimpleNamespace(index=0))
+    k = SimpleNamespace(shape=(8, 8, 1024, 128))
+    assert kern._grid_clusters(q, k, 2) == 64
+    asked: list = []
+    monkeypatch.setattr(kern, "_direct_kernel", lambda which: SimpleNamespace(function=lambda dev: 7))
+    monkeypatch.setattr(runtime, "max_active_clusters", lambda *a: asked.append(a) or most)
+    assert kern._clusters_fit(q, need) is fits and kern._clusters_fit(q, need) is fits
+    assert asked == [(7, kern.threads, kern.smem, 2)]  # once a device, for this kernel's block and width
+    assert ("do not fit device 0" in capsys.readouterr().err) == (most == 0)
 
 
 def test_the_merge_is_launched_programmatically_where_it_fits_the_idle_sms():

@@ -131,7 +131,7 @@ PERSIST_CASES.update({
     # ... with L2 eviction priorities on the TMA loads and O's tensor stores (l2_hints; the simulator has no L2:
     # the hinted copies must move the same bytes), the straddling box's stores among them, and the maps prefetched
     # (map_prefetch: a prefetch of anything but a map raises)
-    "ws3-pwg-causal-f16-d64-130x100-rqf-l2h": ("causal", "f16", 64, 1, 1, 130, 100, 1, 192, 128,
+    "ws3-pwg-causal-f16-d64-130x100-rqf-l2h-mp": ("causal", "f16", 64, 1, 1, 130, 100, 1, 192, 128,
                                                {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
                                                 "ragged_q_first": True, "l2_hints": True,
                                                 "map_prefetch": True}),

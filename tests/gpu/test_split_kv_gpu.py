@@ -347,24 +347,30 @@ def test_a_small_prefill_grids_parts_merge_in_a_cluster(stem, D, dtype):
     assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + 7), dtype)
 
 
-@pytest.mark.parametrize("stem, dtype, D, M, N", [("plain", "f16", 128, 1, 1024), ("plain", "bf16", 64, 1, 4096),
-                                                   ("softcap", "f16", 128, 7, 1000), ("gqa", "f16", 128, 1, 2048),
-                                                   ("relative_bias", "f16", 64, 3, 300)])
-def test_decodings_two_parts_merge_in_a_cluster_where_the_grid_fits(stem, dtype, D, M, N):
-    """B = 8, H = 8 decoding (64 q tiles of 64 rows), the automatic choice: 2 parts, 128 blocks (at most the SMs:
-    compiler._cluster_small_grid), merged in a cluster of 2; N = 1000 and 300 leave the last kv tile ragged (300: a
-    part of one tile and a part of a ragged one), GQA packed. The error rule holds."""
+@pytest.mark.parametrize("stem, dtype, D, M, N, B, P", [
+    ("plain", "f16", 128, 1, 1024, 8, 2), ("plain", "bf16", 64, 1, 4096, 8, 2),
+    ("softcap", "f16", 128, 7, 1000, 8, 2), ("gqa", "f16", 128, 1, 2048, 8, 2),
+    ("relative_bias", "f16", 64, 3, 300, 8, 2),
+    ("plain", "f16", 128, 1, 1024, 3, 4), ("gqa", "bf16", 64, 2, 2048, 3, 4), ("softcap", "bf16", 64, 16, 700, 3, 4)])
+def test_decodings_parts_merge_in_a_cluster_where_the_grid_fits(stem, dtype, D, M, N, B, P):
+    """Decoding at H = 8 (8 B q tiles of 64 rows), the automatic choice: B = 8 in 2 parts (128 blocks, 64 clusters
+    of 2), B = 3 in 4 (96 blocks, 24 clusters of 4), at most the SMs and what the device holds at once
+    (compiler._cluster_small_grid, FA2ForwardKernel.plan: the call runs the cluster kernel); N = 1000 leaves the
+    last kv tile ragged, N = 300 is 3 tiles (the last ragged) in 2 parts, N = 700 6 tiles in 4 parts, GQA packed
+    (its rows M G). The error rule holds."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts
 
     _hopper()
     g, c = _compiled(stem, dtype, "auto")
-    env = bind_dims(g, {"B": 8, "H": 32 if stem == "gqa" else 8, "HKV": 8, "M": M, "N": N, "D": D})
+    env = bind_dims(g, {"B": B, "H": 32 if stem == "gqa" else 8, "HKV": 8, "M": M, "N": N, "D": D})
     if stem == "gqa":
-        kern = c.packed_for(env).specialize(dtype, B=8, D=D, M=M * 4, N=N, H=8, HKV=8)
+        kern = c.packed_for(env).specialize(dtype, B=B, D=D, M=M, N=N, H=8, HKV=8)
     else:
         kern = c.specialize(dtype, **env)
-    assert (kern.spec.kv_parts, cluster_parts(kern.spec), kern.spec.block_q) == (2, 2, 64)
-    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + N), dtype)
+    assert (kern.spec.kv_parts, cluster_parts(kern.spec), kern.spec.block_q) == (P, P, 64)
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + N + B), dtype)
+    plans = [p for p in kern._plans.values() if p is not None]
+    assert plans and all(p.kern is kern for p in plans)  # the clusters ran (not the merge kernel's form)
 
 
 @pytest.mark.parametrize("dtype, D, M, N", [("f16", 128, 1, 3000), ("bf16", 64, 17, 1000), ("f16", 128, 64, 8192),

@@ -292,8 +292,9 @@ KV_PARTS_CLUSTER = 8  # decoding's parts of one kv tile each where that makes at
 # graphs, whole calls, B = 1, H = 8, M = 1 / 16, benchmarks/NOTES.md "The merge inside a cluster") 8 parts merged in
 # a cluster 1.04-1.12x the count before (4 parts and the merge kernel at N = 1k, 8 at 2k-3k), 4 parts of one tile
 # at N = 512 1.05-1.07x over 2 of two. (4 and 2 parts in a cluster read 0.89-0.97x the merge kernel's then, while a
-# captured call still zeroed its counters in the graph; since, on grids of at most half the SMs, 4 parts 1.08-1.15x:
-# compiler._cluster_small_grid)
+# captured call still zeroed its counters in the graph; since, 4 parts 1.08-1.15x and decoding's 2 and 4 up to the
+# SMs 1.03-1.15x: compiler._cluster_small_grid.) A call whose grid has more clusters than the device holds at once
+# runs the merge kernel instead (FA2ForwardKernel.plan: B = 2, H = 8 decoding's 16 clusters of 8 on the H200's 15)
 
 
 KV_SPLIT_MAX_FILL = 0.5  # the largest share of the SMs an unsplit grid may fill and still take parts (below)

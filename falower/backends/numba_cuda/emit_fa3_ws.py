@@ -901,12 +901,13 @@ def cluster_merge(spec: FA2ForwardSpec) -> bool:
     every part alone. P in 2 .. CLUSTER_MAX_PARTS, where fused_merge's kernel fits (`_merge_in_kernel_fits`),
     first items the blocks' own, the parts the grid's fastest axis (so a cluster's P neighbouring blocks are one
     q tile's parts: not under `heads_first` or item_order "cost"). By default at P = emit_fa3.KV_PARTS_CLUSTER
-    (8: 1.04-1.12x the merge kernel's calls, benchmarks/NOTES.md "The merge inside a cluster"), and at 4 where
-    the compiler finds the grid at most half the SMs (compiler._cluster_small_grid sets cluster_merge True: larger
-    grids in clusters of 4 waited for room, 1.4-1.5x slower); `extra["cluster_merge"]` True at any P from 2 (bench
-    '-clm'), False never ('-noclm'). The
-    simulator has no clusters: the runtime's Numba path (numpy inputs, the simulator) runs the kernel without it
-    (FA2ForwardKernel.without_cluster)."""
+    (8: 1.04-1.12x the merge kernel's calls, benchmarks/NOTES.md "The merge inside a cluster"), and at 2 or 4
+    where the compiler finds the grid within the SMs (decoding's rows; a small prefill grid's 4 within half:
+    compiler._cluster_small_grid sets cluster_merge True); where a call's grid has more clusters than the device
+    holds at once, its plan takes the kernel without them (FA2ForwardKernel.plan: leftover clusters waited a
+    round, 1.4-1.7x slower). `extra["cluster_merge"]` True at any P from 2, launched whatever the device holds at
+    once (bench '-clm'), False never ('-noclm'). The simulator has no clusters: the runtime's Numba path (numpy
+    inputs, the simulator) runs the kernel without it (FA2ForwardKernel.without_cluster)."""
     from .emit_fa3 import KV_PARTS_CLUSTER
 
     asked = spec.extra.get("cluster_merge", "auto")

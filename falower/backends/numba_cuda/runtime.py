@@ -638,12 +638,6 @@ def max_active_clusters(func: int, block: int, smem: int, width: int) -> Optiona
     return n.value if fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 else 0
 
 
-def clusters_fit(func: int, block: int, smem: int, width: int) -> bool:
-    """Whether the device runs at least one cluster of `width` blocks of `func` (max_active_clusters > 0). A device
-    or MIG slice that cannot would refuse _cluster_launcher's launch; FA2ForwardKernel.plan then takes the kernel
-    without the cluster. Where the driver has no such entry point, True (the launch says what is wrong)."""
-    n = max_active_clusters(func, block, smem, width)
-    return n is None or n > 0
 
 
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
@@ -1118,6 +1112,7 @@ class FA2ForwardKernel:
         # workspaces; block tables: BlockTables.entry), alive with them
         self._split_ws: dict[tuple, tuple[Any, Any]] = {}  # split-kv's workspaces (split_workspaces)
         self._cluster_fit: dict[int, Optional[int]] = {}  # device -> its clusters at once (max_active_clusters)
+        self.cluster_asked = False  # the caller's cluster_merge True (set by the compiler): launched whatever fits
         self.maps = TensorMaps(spec.dtype)  # O's, K's and V's tensor maps (emit_fa2.uses_o_map, uses_kv_maps)
         self.block_tables = BlockTables()  # the dense block table (table mode), made once per distinct data
         with compile_progress(_label(spec, "forward")):
@@ -1386,13 +1381,14 @@ class FA2ForwardKernel:
             return self._plans[key]
         except KeyError:
             pass
+        self._check(q, k, v, captures)
         width = cluster_parts(self.spec)
-        if width and not self._clusters_fit(q, self._grid_clusters(q, k, width)):  # (a MIG slice, a device
-            # without clusters, or a grid of more clusters than its GPCs hold at once)
-            plan = self._plans[key] = self.without_cluster.plan(q, k, v, captures)  # (which checks the inputs)
+        need = 1 if self.cluster_asked or not width else self._grid_clusters(q, k, width)
+        if width and not self._clusters_fit(q, need):  # (a MIG slice, a device without clusters, or an automatic
+            # choice's grid of more clusters than the GPCs hold at once)
+            plan = self._plans[key] = self.without_cluster.plan(q, k, v, captures)
             return plan
         plan = None
-        self._check(q, k, v, captures)
         aligned = self.spec.path == "mma"
         tma = uses_kv_maps(self.spec)
         if all(_fast_ok(x, aligned, tma) for x in (q, k, v)) and _captures_fit(self.spec, captures):
@@ -1422,11 +1418,14 @@ class FA2ForwardKernel:
         """Whether q's device runs `need` clusters of this kernel at once (max_active_clusters, asked once a
         device; unknown counts as yes). Why: a cluster's blocks share a GPC, so a grid of clusters can exceed what
         the GPCs hold while its blocks fit the SMs, and the clusters left over wait a whole round (4 parts of 32 q
-        tiles in clusters of 4, 128 blocks on the H200's 132 SMs: 1.4-1.5x the merge kernel's call); the merge
-        kernel's form is taken then. A device that runs none (a MIG slice, no clusters) says so once."""
-        import torch
+        tiles in clusters of 4, 128 blocks on the H200's 132 SMs: 1.4-1.5x the merge kernel's call; 8 parts of 16
+        in clusters of 8, 1.4-1.7x); the merge kernel's form is taken then (`plan`; a caller's own cluster_merge
+        True asks for one cluster only). A device that runs none (a MIG slice, no clusters) says so once."""
+        dev = q.device.index
+        if dev is None:
+            import torch
 
-        dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+            dev = torch.cuda.current_device()
         if dev not in self._cluster_fit:
             func = self._direct_kernel("main").function(dev)
             most = max_active_clusters(func, self.threads, self.smem, cluster_parts(self.spec))
