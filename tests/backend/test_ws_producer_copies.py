@@ -185,17 +185,22 @@ def test_static_range_comes_with_the_ticket(stem, shared):
     assert re.search(r"^\s*hr_2 = np\.int64\(nk_hx(__\d+)?\)  # then every tile is masked", body, re.M)
 
 
+def _persistent_source(stem: str, D: int, bq: int, **extra) -> str:
+    """The persistent producer-warpgroup kernel's source for `stem` on bq x 128 tiles, with `extra` on top."""
+    spec = dataclasses.replace(make_spec(stem, D, block_q=bq, block_k=128, num_warps=bq // 16 + 4),
+                               extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
+                                      "item_order": "dynamic", **extra})
+    emit_fa3_ws.validate_spec(spec)
+    return emit_fa3_ws.emit_fa3_ws_forward(spec)
+
+
 @pytest.mark.parametrize("D,bq", [(128, 128), (64, 192)])
 def test_l2_hints_order_the_copies_eviction(D, bq):
     """l2_hints (off by default): every TMA load of Q takes the evict-first policy and every K / V load the
     evict-last one (`.L2::cache_hint`), and O's tensor stores evict first; without the knob, or without TMA loads,
     no copy carries a hint."""
     def src(**extra):
-        spec = dataclasses.replace(make_spec("causal", D, block_q=bq, block_k=128, num_warps=bq // 16 + 4),
-                                   extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
-                                          "item_order": "dynamic", **extra})
-        emit_fa3_ws.validate_spec(spec)
-        return emit_fa3_ws.emit_fa3_ws_forward(spec)
+        return _persistent_source("causal", D, bq, **extra)
 
     on = src(l2_hints=True)
     kernel = on[on.index("\ndef fa2_"):]
@@ -217,11 +222,7 @@ def test_map_prefetch_starts_every_map_before_the_first_acquire():
     first acquire (so their fetches overlap), and still acquires each before any copy; off, or without TMA loads,
     no prefetch is emitted."""
     def src(**extra):
-        spec = dataclasses.replace(make_spec("plain", 128, block_q=128, block_k=128, num_warps=12),
-                                   extra={"schedule": "wgmma-ws", "producer": "warpgroup", "persistent": 132,
-                                          "item_order": "dynamic", **extra})
-        emit_fa3_ws.validate_spec(spec)
-        return emit_fa3_ws.emit_fa3_ws_forward(spec)
+        return _persistent_source("plain", 128, 128, **extra)
 
     on = src(map_prefetch=True)
     kernel = on[on.index("\ndef fa2_"):]
