@@ -57,3 +57,12 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
         elif (stem, group, D, M, N, B) in WANT:
             assert (parts, cluster) == WANT[(stem, group, D, M, N, B)], job
     assert set(WANT) <= seen  # every case the table names is one the script times
+
+
+@pytest.mark.parametrize("nbytes", [1, 530_000, 4 << 20, 33_554_432, 200 << 20])
+def test_cold_copies_make_the_bytes_the_help_promises(nbytes):
+    """--cold: enough copies of a call's inputs that together they pass COLD_BYTES (three times the L2), at least
+    two (so consecutive calls never read the same copy), and no more than that needs."""
+    n = split_parts.cold_copies(nbytes)
+    assert n >= 2 and n * nbytes >= split_parts.COLD_BYTES
+    assert n == 2 or (n - 1) * nbytes < split_parts.COLD_BYTES
