@@ -304,11 +304,11 @@ class CompiledAttention:
         cluster_merge, unless the caller set it; emit_fa3_ws.cluster_merge still says whether the kernel can). A
         small prefill grid's 4 parts: where its blocks are at most half the persistent kernel's, so that its
         clusters surely fit at once (a GPC holds a few; grids of more waited: 4 parts of 32 q tiles in clusters ran
-        1.38x and 1.53x slower than with the merge kernel). Measured
-        (H200 2026-11-30, CUDA graphs, benchmarks/NOTES.md "Captured calls"): 4 parts in a cluster 1.08-1.15x the
-        merge kernel's calls (decoding at N = 512, causal, plain and prefix LM at B = 1, H = 1, N = 1k); 2 parts
-        0.93-0.95x at D = 128 on small prefill grids, 0.98-1.04x elsewhere: not taken there. 8 parts take the
-        cluster anyway (emit_fa3.KV_PARTS_CLUSTER).
+        1.38x and 1.53x slower than with the merge kernel). Measured (H200 2026-11-30, CUDA graphs,
+        benchmarks/NOTES.md "Captured calls"): 4 parts in a cluster 1.08-1.15x the merge kernel's calls (decoding
+        at N = 512, causal, plain and prefix LM at B = 1, H = 1, N = 1k); 2 parts 0.93-0.95x at D = 128 on small
+        prefill grids, 0.98-1.04x elsewhere: not taken there. 8 parts take the cluster anyway
+        (emit_fa3.KV_PARTS_CLUSTER).
 
         Decoding's rows (M <= 64) take a cluster at 2 or 4 parts where the whole grid fits the persistent kernel's
         blocks (its merge kernel's launch is then what a call pays after its one round); where the device holds

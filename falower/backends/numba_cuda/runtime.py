@@ -638,8 +638,6 @@ def max_active_clusters(func: int, block: int, smem: int, width: int) -> Optiona
     return n.value if fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 else 0
 
 
-
-
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
     """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile (one,
     unused, where the merge waits at a cluster barrier: cluster_merge)."""
