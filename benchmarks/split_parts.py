@@ -218,7 +218,10 @@ def main() -> None:
     print(f"compiled {len(got)} kernels in {time.time() - t0:.0f} s" + (
         f"; --cold: each call its own inputs, copies of at least {COLD_BYTES >> 20} MB together" if args.cold else ""),
         flush=True)
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
     F = torch.nn.functional
+    fits = []  # the automatic kernels merged in a cluster: their grid's clusters against what the device holds
     print("| case | B | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
           "auto vs FLASH | auto vs cuDNN | max abs O - auto's |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -257,19 +260,11 @@ def main() -> None:
             print(f"| {stem} | {B} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
                   f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
                   f"{ref['cudnn'] / times['auto']:.2f} | {err:.0e} |", flush=True)
-    fits = []  # the automatic kernels merged in a cluster: their grid's clusters against what the device holds
-    from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
-    from falower.backends.numba_cuda.runtime import max_active_clusters
-
-    for name in sets:
-        for stem, group, D, M, N, forced, B in cases(name):
-            kern, H, rows = kernel_and_dims(stem, group, "auto", D, M, N, B)
-            width = cluster_parts(kern.spec)
-            if width:
-                need = grid(kern.spec, B, H, rows, N)[0] // width
-                most = max_active_clusters(kern._direct_kernel("main").function(torch.cuda.current_device()),
-                                           kern.threads, kern.smem, width)
-                fits.append(f"| {stem} | {B} | {D} | {M} | {N} | {width} | {need} | {most} |")
+            kern, kh, rows = kernel_and_dims(stem, group, "auto", D, M, N, B)
+            if cluster_parts(kern.spec):
+                fits.append(f"| {stem} | {B} | {D} | {M} | {N} | {cluster_parts(kern.spec)} | "
+                            f"{kern.grid_clusters(B, kh, rows, N)} | "
+                            f"{kern.device_clusters(torch.cuda.current_device())} |")
     if fits:
         print("\n| case | B | D | M | N | cluster | the grid's clusters | the device's most at once |")
         print("|---|---|---|---|---|---|---|---|")

@@ -388,7 +388,7 @@ def test_a_device_whose_clusters_do_not_fit_is_asked_first(monkeypatch):
 @pytest.mark.parametrize("most, need, fits", [(None, 64, True), (0, 1, False), (66, 64, True), (64, 64, True),
                                               (63, 64, False)])
 def test_the_plan_holds_the_grids_clusters_against_the_devices(hopper, monkeypatch, capsys, most, need, fits):
-    """FA2ForwardKernel._grid_clusters: the call's grid over the cluster width (B = 8, H = 8 decoding in 2 parts:
+    """FA2ForwardKernel.grid_clusters: the call's grid over the cluster width (B = 8, H = 8 decoding in 2 parts:
     128 blocks, 64 clusters); _clusters_fit: the device's count asked once a device, at least `need` fits, an unknown
     count (no entry point) fits, none at all says so once on stderr."""
     from types import SimpleNamespace
@@ -398,7 +398,7 @@ def test_the_plan_holds_the_grids_clusters_against_the_devices(hopper, monkeypat
     kern, _ = _call("plain", 8, 8, 1024, 128, 1)
     q = SimpleNamespace(shape=(8, 8, 1, 128), device=SimpleNamespace(index=0))
     k = SimpleNamespace(shape=(8, 8, 1024, 128))
-    assert kern._grid_clusters(q, k, 2) == 64
+    assert kern.grid_clusters(*q.shape[:3], k.shape[2]) == 64
     asked: list = []
     monkeypatch.setattr(kern, "_direct_kernel", lambda which: SimpleNamespace(function=lambda dev: 7))
     monkeypatch.setattr(runtime, "max_active_clusters", lambda *a: asked.append(a) or most)

@@ -1380,12 +1380,12 @@ class FA2ForwardKernel:
         except KeyError:
             pass
         self._check(q, k, v, captures)
-        width = cluster_parts(self.spec)
-        need = 1 if self.cluster_asked or not width else self._grid_clusters(q, k, width)
-        if width and not self._clusters_fit(q, need):  # (a MIG slice, a device without clusters, or an automatic
-            # choice's grid of more clusters than the GPCs hold at once)
-            plan = self._plans[key] = self.without_cluster.plan(q, k, v, captures)
-            return plan
+        if cluster_parts(self.spec):  # (a MIG slice, a device without clusters, or an automatic choice's grid of
+            # more clusters than the GPCs hold at once: the merge kernel's form)
+            need = 1 if self.cluster_asked else self.grid_clusters(*q.shape[:3], k.shape[2])
+            if not self._clusters_fit(q, need):
+                plan = self._plans[key] = self.without_cluster.plan(q, k, v, captures)
+                return plan
         plan = None
         aligned = self.spec.path == "mma"
         tma = uses_kv_maps(self.spec)
@@ -1407,14 +1407,24 @@ class FA2ForwardKernel:
         B, H, M = (int(n) for n in q.shape[:3])
         return host.reshape(B, H, -(-M // self.spec.block_q), -(-int(k.shape[2]) // self.spec.block_k))
 
-    def _grid_clusters(self, q: Any, k: Any, width: int) -> int:
-        """The clusters of `width` blocks this call's grid launches (cluster_merge: one block an item)."""
-        B, H, M = (int(n) for n in q.shape[:3])
-        return grid(self.spec, B, H, M, int(k.shape[2]))[0] // width
+    def grid_clusters(self, B: int, H: int, M: int, N: int) -> int:
+        """The clusters a call of these sizes launches (cluster_merge: one block an item, cluster_parts a cluster;
+        the packed GQA kernel's sizes where it runs)."""
+        return grid(self.spec, int(B), int(H), int(M), int(N))[0] // cluster_parts(self.spec)
+
+    def device_clusters(self, dev: int) -> Optional[int]:
+        """max_active_clusters of this kernel on device `dev`, asked once a device (None: the driver cannot say)."""
+        if dev not in self._cluster_fit:
+            func = self._direct_kernel("main").function(dev)
+            self._cluster_fit[dev] = max_active_clusters(func, self.threads, self.smem, cluster_parts(self.spec))
+            if self._cluster_fit[dev] == 0:
+                print(f"[falower] {self.spec.name}: clusters of {cluster_parts(self.spec)} do not fit device {dev}; "
+                      "its split-kv parts are merged by the merge kernel", file=sys.stderr)
+        return self._cluster_fit[dev]
 
     def _clusters_fit(self, q: Any, need: int = 1) -> bool:
-        """Whether q's device runs `need` clusters of this kernel at once (max_active_clusters, asked once a
-        device; unknown counts as yes). Why: a cluster's blocks share a GPC, so a grid of clusters can exceed what
+        """Whether q's device runs `need` clusters of this kernel at once (device_clusters; unknown counts as
+        yes). Why: a cluster's blocks share a GPC, so a grid of clusters can exceed what
         the GPCs hold while its blocks fit the SMs, and the clusters left over wait a whole round (4 parts of 32 q
         tiles in clusters of 4, 128 blocks on the H200's 132 SMs: 1.4-1.5x the merge kernel's call; 8 parts of 16
         in clusters of 8, 1.4-1.7x); the merge kernel's form is taken then (`plan`; a caller's own cluster_merge
@@ -1424,14 +1434,7 @@ class FA2ForwardKernel:
             import torch
 
             dev = torch.cuda.current_device()
-        if dev not in self._cluster_fit:
-            func = self._direct_kernel("main").function(dev)
-            most = max_active_clusters(func, self.threads, self.smem, cluster_parts(self.spec))
-            self._cluster_fit[dev] = most
-            if most == 0:
-                print(f"[falower] {self.spec.name}: clusters of {cluster_parts(self.spec)} do not fit device {dev}; "
-                      "its split-kv parts are merged by the merge kernel", file=sys.stderr)
-        most = self._cluster_fit[dev]
+        most = self.device_clusters(dev)
         return most is None or most >= need
 
     @functools.cached_property
