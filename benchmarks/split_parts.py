@@ -6,7 +6,7 @@ session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here;
 the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against its kv tiles a block) added after.
 
     python3 benchmarks/split_parts.py [--cold]
-        [--set decode|masked|prefill|batch|slope|twosm|maps|eights|threes|padding|cluster|all]
+        [--set decode|masked|prefill|batch|slope|twosm|maps|eights|twos|threes|padding|cluster|all]
 
 `--cold` gives each captured call its own copy of Q, K and V (a model's layers: their caches not in L2); without it
 the twenty calls read the same tensors, which at these sizes (4-34 MB) stay in the 50 MB L2.
@@ -86,6 +86,11 @@ CASES = {
     # (and in 4 parts, by the merge kernel or in clusters of 4: 64 blocks)
     "eights": [("plain", 1, d, 1, n, ("p8", "c8", "p4", "c4"), 2) for d in (128, 64) for n in (1024, 2048, 8192)]
     + [("gqa", 4, 128, 1, 2048, ("p8", "c8", "p4", "c4"), 2), ("plain", 1, 128, 1, 1024, ("p8", "c8"), 1)],
+    # where 8 parts' clusters outnumber the device's (B = 2: 16 of 15), 4 parts in clusters of 4 against the
+    # automatic choice's 8 by the merge kernel, over N: where the two cross
+    "twos": [("plain", 1, d, 1, n, ("p8", "c4"), 2) for d in (128, 64)
+             for n in (1024, 2048, 3072, 4096, 6144, 8192)]
+    + [("gqa", 4, 128, 1, n, ("p8", "c4"), 2) for n in (2048, 4096)],
     # 4 parts in clusters of 4 past half the SMs but within what the device holds at once (B = 3: 24 of 30)
     "threes": [("plain", 1, d, 1, n, ("p4", "c4"), 3) for d in (128, 64) for n in (1024, 2048, 4096)]
     + [("gqa", 4, 128, 1, 2048, ("p4", "c4"), 3), ("plain", 1, 128, 16, 2048, ("p4", "c4"), 3)],
