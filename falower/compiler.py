@@ -293,10 +293,34 @@ class CompiledAttention:
         if few_rows:  # parts of one kv tile where they make at most KV_PARTS_CLUSTER (merged in a cluster at that
             # count: a masked grid's too, its parts first, _forward_spec; other masks returned 1 above)
             one = self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, 1)
+            if one == emit_fa3.KV_PARTS_CLUSTER and self._fewer_parts_held(  # (the longest counted: `one` is)
+                    heads * -(-m // bq), self._longest_kv_tiles(bq, bk, m, n, env["D"]) * bk, one, env["D"]):
+                return one // 2
             if one <= emit_fa3.KV_PARTS_CLUSTER:
                 return one
         return self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE
                                       if tiling == "decode" else emit_fa3.KV_PART_MIN_TILES)
+
+    def _fewer_parts_held(self, items: int, keys: float, parts: int, head_dim: int) -> bool:
+        """Whether decoding's `items` q tiles of `keys` keys each (the longest's kv tiles) take half of `parts`
+        (KV_PARTS_CLUSTER) parts, merged in clusters of that half (_cluster_small_grid), because the current device
+        holds fewer than `items` clusters of `parts` at once but `items` of the half (runtime.device_clusters_held),
+        and the cache is short enough (emit_fa3.KV_FEWER_PARTS_MAX_KEYS at `head_dim`) that the merge kernel the
+        plan would fall back to costs more than the parts' longer loops. The caller's own cluster_merge or
+        blocks_per_sm 2 keep the count. Measured (H200 2026-11-30, B = 2, H = 8: 16 q tiles, 15 clusters of 8 held,
+        30 of 4; CUDA graphs, `split_parts.py --set twos`, with the caches in L2 and cold, benchmarks/NOTES.md): 4
+        parts in clusters of 4 1.10-1.14x the 8 parts' merge kernel at N = 1k, 1.02-1.17x at 2k for D = 128 (0.98x
+        at D = 64), 0.89-0.97x from 3k."""
+        from .backends.numba_cuda import emit_fa3
+        from .backends.numba_cuda.runtime import device_clusters_held
+        from .backends.numba_cuda.spec import forward_extra
+
+        if "cluster_merge" in forward_extra(self.extra) or self.extra.get("blocks_per_sm") == 2:
+            return False
+        if keys > emit_fa3.KV_FEWER_PARTS_MAX_KEYS.get(head_dim, 0):
+            return False
+        held, half = device_clusters_held(parts), device_clusters_held(parts // 2)
+        return held is not None and half is not None and held < items <= half
 
     def _cluster_small_grid(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str],
                             parts: int) -> bool:

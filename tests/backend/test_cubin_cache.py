@@ -291,7 +291,7 @@ class FakeLibcuda:
             elif name == "cuDeviceGet":
                 out.value = args[1].value
             elif name == "cuDeviceGetAttribute":
-                out.value = {75: 9, 76: 0, 16: 132}[args[1].value]  # cc 9.0, 132 SMs
+                out.value = {75: 9, 76: 0, 16: 132, 97: 232448}[args[1].value]  # cc 9.0, 132 SMs, 227 KiB
             elif name == "cuDevicePrimaryCtxRetain":
                 out.value = 0xC0
             elif name == "cuCtxPushCurrent_v2":
@@ -301,9 +301,14 @@ class FakeLibcuda:
             elif name == "cuModuleLoadData":
                 assert bytes(args[1]).startswith(b"\x7fELF")
                 out.value = 0x30
+            elif name == "cuModuleLoadDataEx":  # PTX the driver compiles
+                assert bytes(args[1]).startswith(b".version") and bytes(args[1]).endswith(b"}\n\0")
+                out.value = 0x31
             elif name == "cuModuleGetFunction":
-                assert args[1].value == 0x30 and args[2] == b"_Z6kernel"
-                out.value = 0xF0
+                assert (args[1].value, args[2]) in ((0x30, b"_Z6kernel"), (0x31, b"falower_probe"))
+                out.value = 0xF0 if args[1].value == 0x30 else 0xF1
+            elif name == "cuFuncSetAttribute":
+                self.smem = args[2].value
             elif name == "cuGetErrorName":
                 args[1]._obj.value = b"CUDA_ERROR_INVALID_IMAGE"
             elif name == "cuCtxGetDevice":
@@ -331,6 +336,18 @@ def test_the_driver_gives_the_sm_count_once():
     assert lib.calls.count("cuDeviceGetAttribute") == 1  # cached per device
     with pytest.raises(cubin_cache.DriverError, match="cuDeviceGetAttribute"):
         cubin_cache.Driver(FakeLibcuda(fail="cuDeviceGetAttribute")).sm_count(0)
+
+
+def test_the_driver_loads_its_probe_once_a_device_with_an_sm_of_shared_memory():
+    """Driver.probe: a kernel that does nothing, from PTX, its dynamic shared memory raised to the device's opt-in
+    most so that it takes an SM alone (the persistent kernels' blocks, whose clusters runtime.device_clusters_held
+    counts)."""
+    lib = FakeLibcuda()
+    drv = cubin_cache.Driver(lib)
+    assert drv.probe(0) == (0xF1, 232448) and lib.smem == 232448
+    assert drv.probe(0) == (0xF1, 232448) and lib.calls.count("cuModuleLoadDataEx") == 1
+    with pytest.raises(cubin_cache.DriverError, match="could not compile falower_probe's PTX"):
+        cubin_cache.Driver(FakeLibcuda(fail="cuModuleLoadDataEx")).probe(0)
 
 
 def test_a_driver_error_names_the_call_and_pops_the_context():

@@ -310,6 +310,33 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
         _call("bias", 1, 8, 1024, 128, 1, skip_padding="no")
 
 
+@pytest.mark.parametrize("held8, held4, B, N, D, want", [
+    (15, 30, 2, 1024, 128, (4, 4)), (15, 30, 2, 2048, 128, (4, 4)), (15, 30, 2, 1000, 128, (4, 4)),
+    (15, 30, 2, 3072, 128, (8, 8)), (15, 30, 2, 1024, 64, (4, 4)), (15, 30, 2, 2048, 64, (8, 8)),
+    (16, 30, 2, 1024, 128, (8, 8)), (15, 15, 2, 1024, 128, (8, 8)), (None, None, 2, 1024, 128, (8, 8)),
+    (15, 30, 1, 1024, 128, (8, 8))])
+def test_decoding_takes_fewer_parts_where_the_device_holds_too_few_clusters(hopper, monkeypatch, held8, held4, B, N,
+                                                                            D, want):
+    """compiler._fewer_parts_held: decoding's 8 parts of one kv tile are 8-block clusters, one a q tile; where the
+    device holds fewer of them at once than the grid's q tiles (B = 2, H = 8: 16 against the H200's 15) but all of
+    4-block ones, a cache up to emit_fa3.KV_FEWER_PARTS_MAX_KEYS (2048 at D = 128, 1024 at 64) takes 4 parts in
+    clusters of 4; a longer
+    one, a device holding all 16 (or too few of 4), one whose counts are unknown (no GPU), or a grid that fits
+    (B = 1: 8 q tiles) keep 8. The caller's cluster_merge or kv_parts keep theirs."""
+    from falower.backends.numba_cuda import runtime
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    monkeypatch.setattr(runtime, "device_clusters_held", lambda width: {8: held8, 4: held4, 2: held8 and 66}[width])
+    kern, ir = _call("plain", B, 8, N, D, 1)
+    assert (kern.spec.kv_parts, cluster_parts(kern.spec)) == want
+    assert f"parallel_for (%part, %b, %h, %qi) in ({want[0]}, " in ir
+    if want == (4, 4):
+        for extra, asked in (({"cluster_merge": False}, (8, 0)), ({"cluster_merge": True}, (8, 8)),
+                             ({"kv_parts": 8}, (8, 8))):
+            kern, _ = _call("plain", B, 8, N, D, 1, **extra)
+            assert (kern.spec.kv_parts, cluster_parts(kern.spec)) == asked, extra
+
+
 def test_a_bias_tables_decoding_takes_the_persistent_kernel_in_parts(hopper):
     """A score reading a [q, kv] table tile (examples/bias.py, bias[h, q, kv]) runs a call of at most 64 query rows
     on the persistent kernel with decoding's tiles and split-kv's parts (the table's few rows read where the score

@@ -413,3 +413,45 @@ def test_a_device_without_room_for_the_clusters_takes_the_merge_kernel(monkeypat
         assert torch.equal(o, o2) and torch.equal(lse, lse2)
     else:  # (the cluster's merge and the merge kernel's: the same rule, not the same bits)
         assert (o.float() - o2.float()).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_probe_holds_as_many_clusters_as_decodings_kernels(D):
+    """runtime.device_clusters_held asks the driver about a kernel that does nothing (before any real kernel
+    exists, for the part count); its counts must be those of decoding's own cluster kernels, which the plan holds
+    the grid to (FA2ForwardKernel.device_clusters), at every width they take."""
+    from falower.backends.numba_cuda import runtime
+
+    _hopper()
+    g, _ = graph("plain", "f16")
+    for width in (2, 4, 8):
+        c = fl.compile(g, "numba-cuda", extra={"kv_parts": width, "cluster_merge": True})
+        kern = c.specialize("f16", B=1, H=8, M=1, N=width * 128, D=D)
+        held = runtime.device_clusters_held(width)
+        assert held and held == kern.device_clusters(torch.cuda.current_device()), (width, held)
+
+
+@pytest.mark.parametrize("stem, dtype, D, N", [("plain", "f16", 128, 1024), ("plain", "bf16", 64, 1000),
+                                               ("gqa", "f16", 128, 2000), ("plain", "f16", 64, 2048),
+                                               ("plain", "f16", 128, 4096)])
+def test_decoding_takes_fewer_parts_where_the_device_holds_too_few_clusters(stem, dtype, D, N):
+    """B = 2, H = 8 decoding (16 q tiles): 8 parts of one tile make 16 clusters of 8, and where the device holds
+    fewer at once (the H200: 15) a cache up to emit_fa3.KV_FEWER_PARTS_MAX_KEYS takes 4 parts in clusters of 4
+    (compiler._fewer_parts_held) and the call runs them; a longer one keeps 8 parts (the plan's merge kernel).
+    Where the device holds all 16, 8 parts in their clusters. The error rule holds."""
+    from falower.backends.numba_cuda import emit_fa3, runtime
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+
+    _hopper()
+    g, c = _compiled(stem, dtype, "auto")
+    env = bind_dims(g, {"B": 2, "H": 32 if stem == "gqa" else 8, "HKV": 8, "M": 1, "N": N, "D": D})
+    if stem == "gqa":
+        kern = c.packed_for(env).specialize(dtype, B=2, D=D, M=1, N=N, H=8, HKV=8)
+    else:
+        kern = c.specialize(dtype, **env)
+    fewer = runtime.device_clusters_held(8) < 16 and N <= emit_fa3.KV_FEWER_PARTS_MAX_KEYS[D]
+    assert (kern.spec.kv_parts, cluster_parts(kern.spec)) == ((4, 4) if fewer else (8, 8))
+    assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + N), dtype)
+    plans = [p for p in kern._plans.values() if p is not None]
+    ran = kern if fewer or runtime.device_clusters_held(8) >= 16 else kern.without_cluster
+    assert plans and all(p.kern is ran for p in plans)

@@ -196,6 +196,16 @@ def discard(key: str) -> None:
 _CC_MAJOR, _CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{MAJOR,MINOR}
 _SM_COUNT = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_SMEM_OPTIN = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+# a kernel that does nothing, for asking the driver about launches before any real kernel exists (Driver.probe)
+_PROBE_PTX = b""".version 7.8
+.target sm_90
+.address_size 64
+.visible .entry falower_probe()
+{
+    ret;
+}
+\0"""
 
 
 class DriverError(RuntimeError):
@@ -229,6 +239,7 @@ class Driver:
         self._ctx: dict[int, int] = {}
         self._cc: dict[int, tuple[int, int]] = {}
         self._sms: dict[int, int] = {}
+        self._probes: dict[int, tuple[int, int]] = {}  # device -> (Driver.probe's kernel, its shared memory)
         self._ok: Optional[bool] = None
 
     def _call(self, what: str, *args) -> None:
@@ -279,6 +290,17 @@ class Driver:
             self._call("cuDeviceGetAttribute", ctypes.byref(value), ctypes.c_int(_SM_COUNT), self._device(ordinal))
             n = self._sms[ordinal] = value.value
         return n
+
+    def probe(self, ordinal: int) -> tuple[int, int]:
+        """(a kernel that does nothing, the dynamic shared memory that gives it an SM alone): what occupancy
+        queries take before any real kernel is built, for the persistent kernels' one block an SM
+        (runtime.device_clusters_held). Loaded once a device."""
+        if ordinal not in self._probes:
+            value = ctypes.c_int()
+            self._call("cuDeviceGetAttribute", ctypes.byref(value), ctypes.c_int(_SMEM_OPTIN), self._device(ordinal))
+            self._probes[ordinal] = (self.load_function(ordinal, _PROBE_PTX, "falower_probe", value.value),
+                                     value.value)
+        return self._probes[ordinal]
 
     def _primary_context(self, ordinal: int) -> int:
         ctx = self._ctx.get(ordinal)

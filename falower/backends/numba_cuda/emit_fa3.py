@@ -296,6 +296,13 @@ KV_PARTS_CLUSTER = 8  # decoding's parts of one kv tile each where that makes at
 # SMs 1.03-1.15x: compiler._cluster_small_grid.) A call whose grid has more clusters than the device holds at once
 # runs the merge kernel instead (FA2ForwardKernel.plan: B = 2, H = 8 decoding's 16 clusters of 8 on the H200's 15)
 
+KV_FEWER_PARTS_MAX_KEYS = {64: 1024, 128: 2048}  # by D, the longest cache for which decoding's q tiles take half
+# of KV_PARTS_CLUSTER's parts, merged in clusters of that half, where the device holds too few of KV_PARTS_CLUSTER's
+# clusters at once (compiler._fewer_parts_held). B = 2, H = 8 on the H200 (16 clusters of 8, 15 held), 4 parts in
+# clusters of 4 against 8 by the merge kernel, caches in L2 / cold: D = 128 1.10 / 1.10x at N = 1k, 1.02 / 1.07x at
+# 2k, 0.93 / 0.97x at 3k; D = 64 1.14 / 1.11x at 1k, 0.98 / 0.98x at 2k; GQA (D = 128) 1.04 / 1.17x at 2k, 0.91 /
+# 1.04x at 4k (benchmarks/NOTES.md, fifty-sixth session)
+
 
 KV_SPLIT_MAX_FILL = 0.5  # the largest share of the SMs an unsplit grid may fill and still take parts (below)
 

@@ -638,6 +638,29 @@ def max_active_clusters(func: int, block: int, smem: int, width: int) -> Optiona
     return n.value if fn(ctypes.byref(n), func, ctypes.byref(config)) == 0 else 0
 
 
+_CLUSTERS_HELD: dict[tuple[int, int], Optional[int]] = {}  # (device, width) -> device_clusters_held's answer
+
+
+def device_clusters_held(width: int) -> Optional[int]:
+    """How many clusters of `width` blocks the current device runs at once where each block takes an SM alone (the
+    persistent kernels' blocks: decoding's split-kv parts), asked once a device and width of a kernel that does
+    nothing (cubin_cache.Driver.probe) before any real kernel exists, so that the part count can take it
+    (compiler._fewer_parts_held: the H200 holds 66 of 2, 30 of 4, 15 of 8, the same counts the decoding kernels
+    read); None where there is no GPU (the simulator, CI) or the driver cannot say."""
+    if not _has_gpu():
+        return None
+    drv = cubin_cache.driver()
+    dev = drv.current_device()
+    if (dev, width) not in _CLUSTERS_HELD:
+        try:
+            func, smem = drv.probe(dev)
+            with drv.current(dev):
+                _CLUSTERS_HELD[dev, width] = max_active_clusters(func, 128, smem, width) or None
+        except cubin_cache.DriverError:
+            _CLUSTERS_HELD[dev, width] = None
+    return _CLUSTERS_HELD[dev, width]
+
+
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
     """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile (one,
     unused, where the merge waits at a cluster barrier: cluster_merge)."""
