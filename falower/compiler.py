@@ -81,9 +81,7 @@ class CompiledAttention:
 
     def specialize(self, dtype: str, **env: int):
         """The kernel for inputs of `dtype` and these sizes (D at least), without needing the inputs."""
-        from .backends.numba_cuda.from_ir import BackendError
-        from .backends.numba_cuda.runtime import FA2ForwardKernel
-        from .backends.numba_cuda.spec import forward_extra
+        from .backends.numba_cuda.emit_fa2 import cluster_parts
 
         if self.backend != "numba-cuda":
             raise FalowerError("only the numba-cuda backend builds kernels")
@@ -92,11 +90,24 @@ class CompiledAttention:
         path = self.path
         if path == "auto":
             path = "mma" if dtype in ("f16", "bf16") and env["D"] % 16 == 0 else "simt"
-        used = {"D": env["D"]}  # other sizes reach the device functions as run-time arguments
         # decoding's tiles for at most 64 rows, else D = 64's for these sizes (None: not offered)
         tiling = "decode" if self._decode_tiles(dtype, path, env) else self._d64_tiling(dtype, path, env)
         parts = self._kv_parts(dtype, path, env, tiling)  # split-kv's parts for these sizes (1: none)
+        if self._fewer_parts_held(dtype, path, env, tiling, parts):  # (only where their clusters are built)
+            kern = self._kernel_for(dtype, path, env["D"], tiling, parts // 2, True)
+            if cluster_parts(kern.spec):
+                return kern
         cluster = self._cluster_small_grid(dtype, path, env, tiling, parts)  # those merged in a cluster
+        return self._kernel_for(dtype, path, env["D"], tiling, parts, cluster)
+
+    def _kernel_for(self, dtype: str, path: str, head_dim: int, tiling: Optional[str], parts: int,
+                    cluster: bool) -> Any:
+        """The kernel of these choices (built on first use): what specialize returns."""
+        from .backends.numba_cuda.from_ir import BackendError
+        from .backends.numba_cuda.runtime import FA2ForwardKernel
+        from .backends.numba_cuda.spec import forward_extra
+
+        used = {"D": head_dim}  # other sizes reach the device functions as run-time arguments
         key = (dtype, path, tuple(used.items())) + (() if tiling is None else (("tiles", tiling),)) \
             + (() if parts == 1 else (("kv_parts", parts),)) + ((("cluster", True),) if cluster else ())
         if key not in self._kernels:
@@ -259,7 +270,8 @@ class CompiledAttention:
         most DECODE_MAX_ROWS rows) keep one kv tile where that makes at most KV_PARTS_CLUSTER parts and the graph has
         no mask or a static one (merged in a cluster at that count), else KV_PART_MIN_TILES_DECODE kv tiles, as a
         small prefill grid's 64-row q tiles do (half a 128-row tile's tensor work a kv tile: 4 parts of 2 tiles ran
-        1.09-1.23x 2 parts of 4 at N = 1k, H = 1-2, H200 2026-11-30); prefill's 128-row tiles KV_PART_MIN_TILES. The
+        1.09-1.23x 2 parts of 4 at N = 1k, H = 1-2, H200 2026-11-30); prefill's 128-row tiles KV_PART_MIN_TILES
+        (specialize halves decoding's 8 where the device holds too few of their clusters: `_fewer_parts_held`). The
         kernel is then the split-kv IR's (`_retile` with split-kv{parts=P,part_dtype=<dtype>} after the pipeline):
         the dump shows what runs."""
         from .backends.numba_cuda import emit_fa3
@@ -293,34 +305,50 @@ class CompiledAttention:
         if few_rows:  # parts of one kv tile where they make at most KV_PARTS_CLUSTER (merged in a cluster at that
             # count: a masked grid's too, its parts first, _forward_spec; other masks returned 1 above)
             one = self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, 1)
-            if one == emit_fa3.KV_PARTS_CLUSTER and self._fewer_parts_held(  # (the longest counted: `one` is)
-                    heads * -(-m // bq), self._longest_kv_tiles(bq, bk, m, n, env["D"]) * bk, one, env["D"]):
-                return one // 2
             if one <= emit_fa3.KV_PARTS_CLUSTER:
                 return one
         return self._parts_by_longest(bq, bk, m, n, env["D"], heads, blocks, emit_fa3.KV_PART_MIN_TILES_DECODE
                                       if tiling == "decode" else emit_fa3.KV_PART_MIN_TILES)
 
-    def _fewer_parts_held(self, items: int, keys: float, parts: int, head_dim: int) -> bool:
-        """Whether decoding's `items` q tiles of `keys` keys each (the longest's kv tiles) take half of `parts`
-        (KV_PARTS_CLUSTER) parts, merged in clusters of that half (_cluster_small_grid), because the current device
-        holds fewer than `items` clusters of `parts` at once but `items` of the half (runtime.device_clusters_held),
-        and the cache is short enough (emit_fa3.KV_FEWER_PARTS_MAX_KEYS at `head_dim`) that the merge kernel the
-        plan would fall back to costs more than the parts' longer loops. The caller's own cluster_merge or
-        blocks_per_sm 2 keep the count. Measured (H200 2026-11-30, B = 2, H = 8: 16 q tiles, 15 clusters of 8 held,
-        30 of 4; CUDA graphs, `split_parts.py --set twos`, with the caches in L2 and cold, benchmarks/NOTES.md): 4
-        parts in clusters of 4 1.10-1.14x the 8 parts' merge kernel at N = 1k, 1.02-1.17x at 2k for D = 128 (0.98x
-        at D = 64), 0.89-0.97x from 3k."""
+    def _fewer_parts_held(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str],
+                          parts: int) -> bool:
+        """Whether decoding's automatic `parts` (KV_PARTS_CLUSTER, one kv tile each, a cluster a q tile) are better
+        halved and merged in clusters of that half (specialize keeps the half only where its kernel takes them):
+        where the current device holds fewer than the grid's q tiles in clusters of `parts` at once but all of
+        them in clusters of the half (runtime.device_clusters_held), and the longest q tile's keys are few enough
+        (emit_fa3.KV_FEWER_PARTS_MAX_KEYS at D) that the merge kernel the plan would fall back to costs more than
+        the parts' longer loops. The caller's own kv_parts, cluster_merge or blocks_per_sm 2 keep the count.
+        Measured (H200 2026-11-30, B = 2, H = 8: 16 q tiles, 15 clusters of 8 held, 30 of 4; CUDA graphs,
+        `split_parts.py --set twos`, with the caches in L2 and cold, benchmarks/NOTES.md): 4 parts in clusters of
+        4 1.10-1.14x the 8 parts' merge kernel at N = 1k, 1.02-1.17x at 2k for D = 128 (0.98x at D = 64), 0.93-0.97x
+        at 3k and 0.88-0.90x at 4k-8k for D = 128."""
         from .backends.numba_cuda import emit_fa3
         from .backends.numba_cuda.runtime import device_clusters_held
-        from .backends.numba_cuda.spec import forward_extra
 
-        if "cluster_merge" in forward_extra(self.extra) or self.extra.get("blocks_per_sm") == 2:
+        if (parts != emit_fa3.KV_PARTS_CLUSTER or tiling != "decode" or self.extra.get("kv_parts", "auto") != "auto"
+                or not self._clusters_unasked()):
             return False
-        if keys > emit_fa3.KV_FEWER_PARTS_MAX_KEYS.get(head_dim, 0):
+        m, n = self._seq_lengths(env)
+        heads = self._heads(env)
+        if not (m and n and heads) or m > emit_fa3.DECODE_MAX_ROWS:
             return False
+        choice = self._auto_choice(dtype, env["D"], path, few_rows=True)
+        if not choice or not choice.get("persistent"):
+            return False
+        bq, bk, _ = self._persistent_tiles(env, tiling, choice)
+        tiles = self._longest_kv_tiles(bq, bk, m, n, env["D"])
+        if tiles is None or tiles * bk > emit_fa3.KV_FEWER_PARTS_MAX_KEYS.get(env["D"], 0):
+            return False
+        items = heads * -(-m // bq)
         held, half = device_clusters_held(parts), device_clusters_held(parts // 2)
         return held is not None and half is not None and held < items <= half
+
+    def _clusters_unasked(self) -> bool:
+        """Whether the automatic choice may merge split-kv's parts in clusters: not where the caller set
+        cluster_merge, nor under blocks_per_sm 2 (two blocks an SM: not one round of the SMs, not measured)."""
+        from .backends.numba_cuda.spec import forward_extra
+
+        return "cluster_merge" not in forward_extra(self.extra) and self.extra.get("blocks_per_sm") != 2
 
     def _cluster_small_grid(self, dtype: str, path: str, env: dict[str, int], tiling: Optional[str],
                             parts: int) -> bool:
@@ -344,11 +372,8 @@ class CompiledAttention:
         parts at B = 3 (24 q tiles, 96 blocks, 24 clusters) 1.03-1.15x at D = 128 and 64, N = 1k-4k, GQA and M = 16
         (`--set threes`); none slower. Past the blocks (B = 16 in 2 parts: 256) clusters waited, 0.66-0.68x."""
         from .backends.numba_cuda import emit_fa3
-        from .backends.numba_cuda.spec import forward_extra
 
-        if parts not in (2, 4) or "cluster_merge" in forward_extra(self.extra):
-            return False
-        if self.extra.get("blocks_per_sm") == 2:  # (two blocks an SM: not one round of the SMs, not measured)
+        if parts not in (2, 4) or not self._clusters_unasked():
             return False
         choice = self._auto_choice(dtype, env["D"], path, few_rows=tiling == "decode")
         heads, (m, _) = self._heads(env), self._seq_lengths(env)

@@ -308,6 +308,7 @@ class FakeLibcuda:
                 assert (args[1].value, args[2]) in ((0x30, b"_Z6kernel"), (0x31, b"falower_probe"))
                 out.value = 0xF0 if args[1].value == 0x30 else 0xF1
             elif name == "cuFuncSetAttribute":
+                assert args[1].value == 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 self.smem = args[2].value
             elif name == "cuGetErrorName":
                 args[1]._obj.value = b"CUDA_ERROR_INVALID_IMAGE"
@@ -348,6 +349,32 @@ def test_the_driver_loads_its_probe_once_a_device_with_an_sm_of_shared_memory():
     assert drv.probe(0) == (0xF1, 232448) and lib.calls.count("cuModuleLoadDataEx") == 1
     with pytest.raises(cubin_cache.DriverError, match="could not compile falower_probe's PTX"):
         cubin_cache.Driver(FakeLibcuda(fail="cuModuleLoadDataEx")).probe(0)
+
+
+def test_the_clusters_held_are_asked_of_the_probe_once_a_device_and_width(monkeypatch):
+    """runtime.device_clusters_held: cuOccupancyMaxActiveClusters on the probe (its handle, 128 threads, its shared
+    memory, the width) with the device's context current, once a (device, width); 0 (the query failed) and a driver
+    error read None, as does a machine without a GPU."""
+    from falower.backends.numba_cuda import runtime
+
+    lib = FakeLibcuda()
+    monkeypatch.setattr(cubin_cache, "_DRIVER", [cubin_cache.Driver(lib)])
+    monkeypatch.setattr(runtime, "_CLUSTERS_HELD", {})
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: True)
+    asked = []
+
+    def held(func, block, smem, width):
+        asked.append((func, block, smem, width, list(lib.current)))
+        return {8: 15, 4: 30, 2: 0}[width]
+
+    monkeypatch.setattr(runtime, "max_active_clusters", held)
+    assert [runtime.device_clusters_held(w) for w in (8, 4, 8, 2)] == [15, 30, 15, None]
+    assert asked == [(0xF1, 128, 232448, 8, [0xC0]), (0xF1, 128, 232448, 4, [0xC0]), (0xF1, 128, 232448, 2, [0xC0])]
+    monkeypatch.setattr(cubin_cache, "_DRIVER", [cubin_cache.Driver(FakeLibcuda(fail="cuModuleLoadDataEx"))])
+    monkeypatch.setattr(runtime, "_CLUSTERS_HELD", {})
+    assert runtime.device_clusters_held(8) is None
+    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+    assert runtime.device_clusters_held(8) is None
 
 
 def test_a_driver_error_names_the_call_and_pops_the_context():

@@ -322,19 +322,24 @@ def test_decoding_takes_fewer_parts_where_the_device_holds_too_few_clusters(hopp
     4-block ones, a cache up to emit_fa3.KV_FEWER_PARTS_MAX_KEYS (2048 at D = 128, 1024 at 64) takes 4 parts in
     clusters of 4; a longer
     one, a device holding all 16 (or too few of 4), one whose counts are unknown (no GPU), or a grid that fits
-    (B = 1: 8 q tiles) keep 8. The caller's cluster_merge or kv_parts keep theirs."""
+    (B = 1: 8 q tiles) keep 8. The caller's cluster_merge, kv_parts or blocks_per_sm 2 keep theirs, and so does a
+    choice whose 4 parts would not merge in a cluster (item_order "cost": emit_fa3_ws.cluster_merge refuses it)."""
     from falower.backends.numba_cuda import runtime
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts
 
-    monkeypatch.setattr(runtime, "device_clusters_held", lambda width: {8: held8, 4: held4, 2: held8 and 66}[width])
+    monkeypatch.setattr(runtime, "device_clusters_held", lambda width: {8: held8, 4: held4}[width])
     kern, ir = _call("plain", B, 8, N, D, 1)
     assert (kern.spec.kv_parts, cluster_parts(kern.spec)) == want
     assert f"parallel_for (%part, %b, %h, %qi) in ({want[0]}, " in ir
-    if want == (4, 4):
-        for extra, asked in (({"cluster_merge": False}, (8, 0)), ({"cluster_merge": True}, (8, 8)),
-                             ({"kv_parts": 8}, (8, 8))):
+    if want == (4, 4):  # the rule leaves these choices as they are without it (the counts unknown)
+        extras = ({"cluster_merge": False}, {"cluster_merge": True}, {"kv_parts": 8}, {"blocks_per_sm": 2},
+                  {"item_order": "cost"})  # (item_order "cost": 4 parts without a cluster, not measured)
+        got = [_call("plain", B, 8, N, D, 1, **extra)[0].spec for extra in extras]
+        monkeypatch.setattr(runtime, "device_clusters_held", lambda width: None)
+        for extra, spec in zip(extras, got):
             kern, _ = _call("plain", B, 8, N, D, 1, **extra)
-            assert (kern.spec.kv_parts, cluster_parts(kern.spec)) == asked, extra
+            assert (spec.kv_parts, cluster_parts(spec)) == (kern.spec.kv_parts, cluster_parts(kern.spec)), extra
+            assert (spec.kv_parts, cluster_parts(spec)) != (4, 4), extra
 
 
 def test_a_bias_tables_decoding_takes_the_persistent_kernel_in_parts(hopper):

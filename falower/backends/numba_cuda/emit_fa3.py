@@ -294,7 +294,8 @@ KV_PARTS_CLUSTER = 8  # decoding's parts of one kv tile each where that makes at
 # at N = 512 1.05-1.07x over 2 of two. (4 and 2 parts in a cluster read 0.89-0.97x the merge kernel's then, while a
 # captured call still zeroed its counters in the graph; since, 4 parts 1.08-1.15x and decoding's 2 and 4 up to the
 # SMs 1.03-1.15x: compiler._cluster_small_grid.) A call whose grid has more clusters than the device holds at once
-# runs the merge kernel instead (FA2ForwardKernel.plan: B = 2, H = 8 decoding's 16 clusters of 8 on the H200's 15)
+# runs the merge kernel instead (FA2ForwardKernel.plan: B = 2, H = 8 decoding's 16 clusters of 8 on the H200's 15),
+# or, up to KV_FEWER_PARTS_MAX_KEYS, half the parts in clusters of that half (compiler._fewer_parts_held)
 
 KV_FEWER_PARTS_MAX_KEYS = {64: 1024, 128: 2048}  # by D, the longest cache for which decoding's q tiles take half
 # of KV_PARTS_CLUSTER's parts, merged in clusters of that half, where the device holds too few of KV_PARTS_CLUSTER's

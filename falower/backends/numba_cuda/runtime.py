@@ -643,19 +643,22 @@ _CLUSTERS_HELD: dict[tuple[int, int], Optional[int]] = {}  # (device, width) -> 
 
 def device_clusters_held(width: int) -> Optional[int]:
     """How many clusters of `width` blocks the current device runs at once where each block takes an SM alone (the
-    persistent kernels' blocks: decoding's split-kv parts), asked once a device and width of a kernel that does
-    nothing (cubin_cache.Driver.probe) before any real kernel exists, so that the part count can take it
-    (compiler._fewer_parts_held: the H200 holds 66 of 2, 30 of 4, 15 of 8, the same counts the decoding kernels
-    read); None where there is no GPU (the simulator, CI) or the driver cannot say."""
-    if not _has_gpu():
+    persistent kernels' one block an SM: decoding's split-kv parts), asked once a device and width of a kernel that
+    does nothing (cubin_cache.Driver.probe: its shared memory the device's opt-in most), before any real kernel
+    exists, so that the part count can take it (compiler._fewer_parts_held; the H200 holds 66 of 2, 30 of 4, 15 of
+    8). Decoding's own kernels read the same counts (tests/gpu/test_split_kv_gpu.py): at D = 128 their shared
+    memory gives each an SM; at D = 64 (83 KB) their registers do (launch bounds of one block an SM). The first
+    call loads the probe on the device (its primary context retained, as a kernel's first launch would). None where
+    there is no GPU (the simulator, CI) or the driver cannot say."""
+    probe = _ask_device("probe")
+    if probe is None:
         return None
     drv = cubin_cache.driver()
     dev = drv.current_device()
     if (dev, width) not in _CLUSTERS_HELD:
         try:
-            func, smem = drv.probe(dev)
             with drv.current(dev):
-                _CLUSTERS_HELD[dev, width] = max_active_clusters(func, 128, smem, width) or None
+                _CLUSTERS_HELD[dev, width] = max_active_clusters(probe[0], 128, probe[1], width) or None
         except cubin_cache.DriverError:
             _CLUSTERS_HELD[dev, width] = None
     return _CLUSTERS_HELD[dev, width]
