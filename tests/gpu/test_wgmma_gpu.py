@@ -48,7 +48,8 @@ def _inputs(g, D: int, N: int, dtype: str, M: int = 0):
 def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None:
     """falower.compile(graph) as a user calls it: the kernel the rule names for the call's sizes (at D = 64 the
     192-row tiles where their work at those lengths pays, and on this test's small grid the same kernel's 128-row
-    tiles: compiler._d64_tiling), within the error rule."""
+    tiles: compiler._d64_tiling; on a grid small enough that twice its q tiles fill SMs 128-row ones would leave
+    idle, decoding's 64-row tiles, one consumer warpgroup: compiler._decode_tiles), within the error rule."""
     _hopper()
     from falower.backends.numba_cuda import emit_fa3, runtime
     from falower.backends.numba_cuda.from_ir import reads_table_tile
@@ -67,8 +68,12 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
 
         assert not emit_fa3_ws.persistent_pays(dataclasses.replace(kern.spec, extra=want)), stem
         want = dict(emit_fa3.WS_EXTRA)
-    tiling = None
-    if want and want.get("persistent") and D == 64:
+    tiling = "decode" if want and want.get("persistent") and c._decode_tiles(dtype, "mma", env) else None
+    if tiling == "decode":  # (the fiftieth session's small prefill grids: B = 2, H = 4 at N = 256-1000 here)
+        from falower.backends.numba_cuda import emit_fa3_ws
+
+        assert emit_fa3_ws.consumer_wgs(kern.spec) == 1 and kern.spec.extra.get("persistent"), (stem, N)
+    elif want and want.get("persistent") and D == 64:
         tiling = c._d64_tiling(dtype, "mma", env)  # the per-size choice: 192-row tiles where their work pays,
         # 128-row ones on a small grid (this test's B = 2, H = 4)
         assert tiling is not None and bool(kern.spec.extra.get("persistent")) == (tiling != "narrow"), (
@@ -85,7 +90,7 @@ def test_example_automatic_choice(stem: str, D: int, dtype: str, N: int) -> None
     if want:
         assert (kern.spec.block_q, kern.spec.block_k) == emit_fa3.tiles(
             D, mask, tile and want.get("schedule") == "wgmma-ws", persistent=bool(want.get("persistent")),
-            two=tiling == "two")
+            two=tiling == "two", decode=tiling == "decode")
         assert {k: kern.spec.extra.get(k) for k in want} == want
     assert_error_rule(g, c, env, host, dtype)
 
