@@ -420,9 +420,11 @@ def summarize_producer(t: np.ndarray) -> dict:
             "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}
 
 
-def _direct_launch(dispatcher, argtypes: tuple, smem: int, args: tuple, grid: tuple, threads: int) -> None:
+def _direct_launch(dispatcher, argtypes: tuple, smem: int, args: tuple, grid: tuple, threads: int,
+                   cluster: int = 0) -> None:
     """Launch a stamped kernel as falower's direct launches do (runtime.DirectKernel: a kernel whose PTX uses
-    setmaxnreg goes to the driver whole-program, which Numba's own launch would not do)."""
+    setmaxnreg goes to the driver whole-program, which Numba's own launch would not do); `cluster` > 1: in clusters
+    of that many blocks (a cluster-merge kernel's launch)."""
     import hashlib
 
     from falower.backends.numba_cuda.runtime import ArgBuffer, DirectKernel, _launcher
@@ -436,7 +438,29 @@ def _direct_launch(dispatcher, argtypes: tuple, smem: int, args: tuple, grid: tu
             buf.array(i, tuple(cai["shape"]), cai["data"][0])
         else:
             buf.scalar(i, a)
-    _launcher(dk.function(0), grid, threads, smem, buf)(0)
+    _launcher(dk.function(0), grid, threads, smem, buf, cluster=cluster)(0)
+
+
+def argument_twin(kern):
+    """(the kernel whose Numba path prepares `kern`'s arguments, the width of `kern`'s clusters). A kernel that
+    merges split-kv's parts in a cluster (emit_fa3_ws.cluster_merge) takes fused_merge's arguments (o_fin, lse_fin,
+    arrivals), and Numba launches no clusters, so its arguments come from its fused twin's path (cluster_merge off,
+    fused_merge on: the same argument list); the stamped kernel is then launched in its clusters, one block an item,
+    and its items' epilogue stamps include the merge (which ends before the item's record). Any other kernel is its
+    own twin (width 0)."""
+    import dataclasses
+
+    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+    from falower.backends.numba_cuda.runtime import FA2ForwardKernel
+
+    width = cluster_parts(kern.spec)
+    if not width:
+        return kern, 0
+    s = kern.spec
+    twin = FA2ForwardKernel(dataclasses.replace(s, extra={**s.extra, "cluster_merge": False, "fused_merge": True}))
+    if twin.argtypes() != kern.argtypes():
+        raise SystemExit(f"timeline: {s.name}'s fused twin takes other arguments; cannot stamp its clusters")
+    return twin, width
 
 
 def replaced_source(source: str, replace: list[str]) -> str:
@@ -480,10 +504,7 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
     c = bench.example_compiled_config(stem, bench.parse_config(config)) if config else bench.example_compiled(stem)
     caps = [var.captures[a.name] for a in c.func.args[3:]]
     kern, env = c._kernel_and_dims((q, k, v, *caps))
-    from falower.backends.numba_cuda.emit_fa2 import cluster_parts
-
-    if cluster_parts(kern.spec):  # (its launches here have no clusters: the kernel without, as Numba's path runs)
-        kern = kern.without_cluster
+    twin, width = argument_twin(kern)  # (a cluster kernel's arguments by its fused twin's Numba path)
     s = kern.spec
     caps = caps + c.runtime_sizes(kern, env)  # the sizes the score reads (N), as a call adds them
     from falower.backends.numba_cuda.block_data import BlockData, has_derived
@@ -506,14 +527,18 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
             seen["cfg"] = cfg
             return lambda *a: seen.__setitem__("args", a)
 
-    real, real_raise = kern._kernel, kern._raise_smem_limit
-    kern._kernel, kern._raise_smem_limit = Recorder(), (lambda *a: None)
+    real, real_raise = twin._kernel, twin._raise_smem_limit
+    twin._kernel, twin._raise_smem_limit = Recorder(), (lambda *a: None)
     try:
-        launch, _ = kern.prepare(q, k, v, *caps)
+        launch, _ = twin.prepare(q, k, v, *caps)
         launch()
     finally:
-        kern._kernel, kern._raise_smem_limit = real, real_raise
+        twin._kernel, twin._raise_smem_limit = real, real_raise
     grid, threads, _, smem = seen["cfg"]
+    if width:  # one block an item in clusters (the plan's launch), the cluster kernel's own shared memory
+        from falower.backends.numba_cuda.emit_fa2 import grid as launch_grid
+
+        grid, threads, smem = launch_grid(s, B, H, M, N), kern.threads, kern.smem
     blocks = int(np.prod(grid))
     if phases and persist:
         raise SystemExit("timeline: --phases stamps the kernel one block an item, not a persistent one")
@@ -528,9 +553,11 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
             if i == 2:  # a block's items vary from launch to launch: no stamps left from an earlier one
                 torch.cuda.synchronize()
                 tl.zero_()
-            _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads)
+            _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads, width)
         torch.cuda.synchronize()
         return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * nw, ITEMS, len(PRODUCER_FIELDS))
+    if width:
+        raise SystemExit(f"timeline: {s.name} merges in clusters; only its producer warpgroup's stamps launch them")
     stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
     mod = load_source(stamp(source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)

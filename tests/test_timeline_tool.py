@@ -253,3 +253,22 @@ def test_three_consumer_warpgroups_are_stamped_where_the_records_allow():
     out = timeline.stamped_producer_source(emit_fa3_ws.emit_fa3_ws_forward(s3), s3.name, 3)
     compile(out, "stamped", "exec")
     assert "tl_i = ((cuda.blockIdx.x * 3 + ((tid >> 7) - 1))" in out
+
+
+def test_a_cluster_kernel_is_stamped_with_its_merge_and_its_fused_twins_arguments(hopper):
+    """A kernel that merges split-kv's parts in a cluster (decoding's 8 parts at B = 1, H = 8, N = 1k) is stamped
+    as itself, not as its form without clusters: its arguments come from its fused twin (the same argument list,
+    which Numba's path prepares), it is launched in clusters of its parts, and its consumers' record of an item
+    comes after the cluster's merge (both cluster barriers), so the item's epilogue stamp includes it. A kernel
+    without clusters is its own twin."""
+    c = fl.compile(runpy.run_path(str(ROOT / "examples" / "plain.py"))["graph"], "numba-cuda")
+    kern = c.specialize("f16", B=1, H=8, M=1, N=1024, D=128)
+    twin, width = timeline.argument_twin(kern)
+    assert width == 8 and twin is not kern and twin.argtypes() == kern.argtypes()
+    assert emit_fa3_ws.fused_merge(twin.spec) and not emit_fa3_ws.cluster_merge(twin.spec)
+    out = timeline.stamped_producer_source(kern.source, kern.spec.name, emit_fa3_ws.consumer_wgs(kern.spec))
+    compile(out, "stamped", "exec")
+    syncs = [i for i in range(len(out)) if out.startswith("cluster_sync()", i)]
+    assert len(syncs) == 2 and syncs[-1] < out.index("tl_buf[tl_i + 3] = global_timer()")
+    plain = c.specialize("f16", B=1, H=8, M=4096, N=4096, D=128)
+    assert timeline.argument_twin(plain) == (plain, 0)
