@@ -556,8 +556,6 @@ def run(stem: str, D: int, N: int, B: int, H: int, config: str, phases: bool = F
             _direct_launch(getattr(mod, s.name), argtypes, smem, args, grid, threads, width)
         torch.cuda.synchronize()
         return tl.cpu().numpy().view(np.uint64).astype(np.float64).reshape(blocks * nw, ITEMS, len(PRODUCER_FIELDS))
-    if width:
-        raise SystemExit(f"timeline: {s.name} merges in clusters; only its producer warpgroup's stamps launch them")
     stamp = stamped_phases_source if phases else stamped_persistent_source if persist else stamped_source
     mod = load_source(stamp(source, s.name), s.name + ("_phases" if phases else "_timeline"))
     stamped = getattr(mod, s.name)

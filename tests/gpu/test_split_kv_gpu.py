@@ -43,6 +43,15 @@ def _host(g, env, dtype, seed):
             for i, x in enumerate(raw)]
 
 
+def _decoding_kernel(c, stem: str, dtype: str, env: dict):
+    """The kernel a decoding call of `env`'s sizes runs: the packed GQA graph's where GQA packs (its q
+    [B, HKV, M G, D], specialized with a kv head's sizes and M still a head's rows), else the graph's own."""
+    if stem == "gqa":
+        return c.packed_for(env).specialize(dtype, B=env["B"], D=env["D"], M=env["M"], N=env["N"], H=env["HKV"],
+                                            HKV=env["HKV"])
+    return c.specialize(dtype, **env)
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("stem, D", [(s, d) for s in ["plain", "relative_bias", "softcap", "gqa", "causal", "alibi",
                                                        "prefix_lm", "sliding_window"] for d in (64, 128)
@@ -363,10 +372,7 @@ def test_decodings_parts_merge_in_a_cluster_where_the_grid_fits(stem, dtype, D, 
     _hopper()
     g, c = _compiled(stem, dtype, "auto")
     env = bind_dims(g, {"B": B, "H": 32 if stem == "gqa" else 8, "HKV": 8, "M": M, "N": N, "D": D})
-    if stem == "gqa":
-        kern = c.packed_for(env).specialize(dtype, B=B, D=D, M=M, N=N, H=8, HKV=8)
-    else:
-        kern = c.specialize(dtype, **env)
+    kern = _decoding_kernel(c, stem, dtype, env)
     assert (kern.spec.kv_parts, cluster_parts(kern.spec), kern.spec.block_q) == (P, P, 64)
     assert_error_rule(g, c, env, _host(g, env, dtype, seed=D + N + B), dtype)
     plans = [p for p in kern._plans.values() if p is not None]
@@ -445,10 +451,7 @@ def test_decoding_takes_fewer_parts_where_the_device_holds_too_few_clusters(stem
     _hopper()
     g, c = _compiled(stem, dtype, "auto")
     env = bind_dims(g, {"B": 2, "H": 32 if stem == "gqa" else 8, "HKV": 8, "M": 1, "N": N, "D": D})
-    if stem == "gqa":
-        kern = c.packed_for(env).specialize(dtype, B=2, D=D, M=1, N=N, H=8, HKV=8)
-    else:
-        kern = c.specialize(dtype, **env)
+    kern = _decoding_kernel(c, stem, dtype, env)
     held8, held4 = runtime.device_clusters_held(8) or 0, runtime.device_clusters_held(4) or 0
     fewer = held8 < 16 <= held4 and N <= emit_fa3.KV_FEWER_PARTS_MAX_KEYS[D]
     assert (kern.spec.kv_parts, cluster_parts(kern.spec)) == ((4, 4) if fewer else (8, 8))
