@@ -21,6 +21,11 @@ imported at all.
 
     python benchmarks/call_overhead.py [--calls 2000] [--no-flex] [--json out.json]
     python benchmarks/call_overhead.py --warm
+    python benchmarks/call_overhead.py --decode [--n 1024 4096] [--b 1] [--h 8] [--d 128]
+
+`--decode` times decoding calls instead (M = 1 query row, no mask; split-kv's parts and their merge, or a
+cluster's): SDPA FLASH and cuDNN, `fl.compile`'s call, its plan's launches alone, and a CUDA graph's replay, the
+same host-time way; then cProfile's heaviest functions of the falower call, where its host time goes.
 """
 
 from __future__ import annotations
@@ -80,7 +85,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--warm", action="store_true", help="time a warm first call in a new process")
     ap.add_argument("--warm-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--decode", action="store_true", help="decoding calls (M = 1) instead; see the docstring")
+    ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096], help="--decode: the keys")
+    ap.add_argument("--b", type=int, default=1, help="--decode: the batch")
+    ap.add_argument("--h", type=int, default=8, help="--decode: the heads")
+    ap.add_argument("--d", type=int, default=128, help="--decode: the head dimension")
     args = ap.parse_args()
+    if args.decode:
+        return decode(args)
     if args.warm_child:
         return warm_child()
     if args.warm:
@@ -166,6 +178,128 @@ def main() -> None:
                                                "graph_equal": graph_ok}, indent=1))
     if not graph_ok:
         sys.exit(1)
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+def decode(args) -> None:
+    """Host time of decoding calls (M = 1): SDPA FLASH and cuDNN, falower's call, its launches alone, a graph's
+    replay, per key count; then the falower call's heaviest functions by cProfile (its own time)."""
+    import cProfile
+    import pstats
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import falower as fl
+    from falower.compiler import _signature
+
+    c = fl.compile(fl.attention(name="plain"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    print(f"host time per decoding call, {dev}, B={args.b} H={args.h} M=1 D={args.d} f16, {time.strftime('%Y-%m-%d')}")
+    print(f"{'N':>6s} {'call':24s} {'us/call':>9s} {'vs FLASH':>9s}")
+    out: dict[str, dict[str, float]] = {}
+    for n in args.n:
+        q = torch.randn(args.b, args.h, 1, args.d, device="cuda", dtype=torch.float16, generator=g)
+        k, v = (torch.randn(args.b, args.h, n, args.d, device="cuda", dtype=torch.float16, generator=g)
+                for _ in range(2))
+        o, _ = c(q, k, v)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        err = float((o.float() - ref).abs().max())
+        rows: dict[str, float] = {}
+        for name, backend in (("SDPA FLASH", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    rows[name] = per_call_us(lambda: F.scaled_dot_product_attention(q, k, v), args.calls)
+            except RuntimeError as e:  # (a backend that refuses the shape: reported, not timed)
+                print(f"{n:6d} {name}: {str(e).splitlines()[0][:80]}")
+        rows["fl.compile"] = per_call_us(lambda: c(q, k, v), args.calls)
+        plan = c._calls[_signature((q, k, v))].plan
+        stream = torch.cuda.current_stream().cuda_stream
+
+        def launch_alone():
+            for run in plan.launches:
+                run(stream)
+
+        rows["launch alone"] = per_call_us(launch_alone, args.calls)
+        static = [x.clone() for x in (q, k, v)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                c(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c(*static)
+        rows["CUDA graph replay"] = per_call_us(graph.replay, args.calls)
+        flash = rows.get("SDPA FLASH", float("nan"))
+        for name, us in rows.items():
+            print(f"{n:6d} {name:24s} {us:9.1f} {us - flash:+9.1f}")
+        print(f"{n:6d} launches: {len(plan.launches)}; max |O - SDPA f32|: {err:.2e}", flush=True)
+        out[str(n)] = rows
+    pieces = _decode_pieces(c, (q, k, v), args.calls)
+    print(f"\nthe falower call's pieces at N = {args.n[-1]} (each timed alone, us):")
+    for name, us in pieces.items():
+        print(f"  {name:44s} {us:6.2f}")
+    out["pieces"] = pieces
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        c(q, k, v)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {args.calls} falower calls at N = {args.n[-1]} (own time):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": dev, "date": time.strftime("%Y-%m-%d"), "us": out}, indent=1))
+
+
+def _decode_pieces(c, inputs: tuple, calls: int) -> dict[str, float]:
+    """Host time of each step of a warm falower call, timed alone (the same calls the call makes, in its order):
+    where the whole call's host time goes beyond its launches."""
+    import torch
+
+    from falower.compiler import _signature, _wants_grad
+
+    key = _signature(inputs)
+    call = c._calls[key]
+    plan = call.plan
+    kern = plan.kern
+    q = inputs[0]
+    arrays, caps = call.arguments(inputs)
+    o = torch.empty(plan.o_shape, dtype=q.dtype, device=plan.device)
+    lse = torch.empty(plan.lse_shape, dtype=plan.lse_dtype, device=plan.device)
+    ptrs = tuple(x.data_ptr() for x in arrays)
+    stream = plan.stream(plan.dev_index)
+    pieces = {
+        "whole call c(q, k, v)": lambda: c(*inputs),
+        "_wants_grad": lambda: _wants_grad(inputs),
+        "_signature": lambda: _signature(inputs),
+        "_WarmCall.arguments": lambda: call.arguments(inputs),
+        "torch.empty o and lse": lambda: (torch.empty(plan.o_shape, dtype=q.dtype, device=plan.device),
+                                          torch.empty(plan.lse_shape, dtype=plan.lse_dtype, device=plan.device)),
+        "q.new_empty o and lse": lambda: (q.new_empty(plan.o_shape),
+                                          q.new_empty(plan.lse_shape, dtype=plan.lse_dtype)),
+        "torch.empty o and lse, device index": lambda: (
+            torch.empty(plan.o_shape, dtype=q.dtype, device=plan.dev_index),
+            torch.empty(plan.lse_shape, dtype=plan.lse_dtype, device=plan.dev_index)),
+        "data_ptr x 3": lambda: (arrays[0].data_ptr(), arrays[1].data_ptr(), arrays[2].data_ptr()),
+        "plan.stream": lambda: plan.stream(plan.dev_index),
+        "is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "plan.launch_into (with its launches)": lambda: plan.launch_into(ptrs, caps, o, lse),
+        "the launches alone": lambda: [run(stream) for run in plan.launches],
+    }
+    if plan.kv_maps:
+        def maps():
+            for slot, i, geometry, name in plan.kv_maps:
+                kern.maps.torch(ptrs[i], plan.device, geometry, False, stream, name)
+        pieces[f"tensor maps x {len(plan.kv_maps)}"] = maps
+    if plan.ws_shapes is not None:
+        pieces["split_workspaces"] = lambda: kern.split_workspaces(plan.device, stream, plan.ws_shapes, o.dtype,
+                                                                   lse.dtype, False)
+    return {name: per_call_us(fn, calls) for name, fn in pieces.items()}
 
 
 # ------------------------------------------------------------------------------------------------ warm path

@@ -198,3 +198,48 @@ def test_two_graphs_of_the_counter_kernel_replay_at_once(causal):
         torch.cuda.synchronize()
         for (go, glse), (eo, else_) in zip(outs, want):
             assert torch.equal(go, eo) and torch.equal(glse, else_)
+
+
+@pytest.mark.parametrize("b, m, n, d", [(2, 1, 1024, 128), (1, 1, 8192, 128), (2, 256, 512, 128),
+                                        (2, 1024, 1024, 128)])
+def test_a_plans_remembered_arguments_follow_the_tensors_and_streams(b, m, n, d):
+    """A warm call skips the tensor maps' and split-kv workspaces' lookups where its addresses and stream are the
+    last call's (_ForwardPlan.map_memo, ws_memo). Calls that change Q, K or V one at a time, run on another stream,
+    or capture a graph between eager calls each give their own inputs' attention. The shapes: decoding's parts
+    merged in a cluster (B = 2, N = 1k) and by the merge kernel (16 parts), a small prefill grid in parts, and the
+    persistent kernel with O's map (tma_store)."""
+    c = fl.compile(fl.attention(name="plain"))
+    g = torch.Generator(device="cuda").manual_seed(b + m + n + d)
+
+    def qkv():
+        return (torch.randn(b, 8, m, d, device="cuda", dtype=torch.float16, generator=g),
+                *(torch.randn(b, 8, n, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(2)))
+
+    def check(out, q, k, v):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        torch.testing.assert_close(out[0].float(), ref, atol=3e-3, rtol=0)
+
+    x, y = qkv(), qkv()
+    for q, k, v in (x, y, (x[0], y[1], y[2]), (x[0], x[1], y[2]), (y[0].clone(), x[1], y[2]), x):
+        check(c(q, k, v), q, k, v)
+    plan = c._calls[_signature(x)].plan
+    assert plan is not None and plan.kv_maps and (m > 1 or plan.ws_shapes is not None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = c(*y)
+    torch.cuda.current_stream().wait_stream(side)
+    check(out, *y)
+    check(c(*x), *x)
+    static = [t.clone() for t in y]
+    with torch.cuda.stream(side):
+        c(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, _ = c(*static)
+    check(c(*x), *x)  # eager between the capture and its replay
+    graph.replay()
+    torch.cuda.synchronize()
+    check((go,), *y)
+    check(c(*y), *y)

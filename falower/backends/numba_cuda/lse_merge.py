@@ -148,29 +148,37 @@ def _merge(parts: int, vec: int, load: Any, store: Any, programmatic: bool = Fal
 
 
 @functools.lru_cache(maxsize=None)
-def _weighted_chunk(parts: int, dtype: str, load_words: Any) -> Any:
-    """`weighted(src, base, step, a, o, at)`: o's 16 bytes at its 4-byte word `at` (words of two 16-bit `dtype`
-    halves) = the sum over parts p, in order, of a[p] times part p's 8 elements, whose 16 bytes are
-    `load_words(src, base, step, p)` (4 words): the in-kernel merges' last step (fused_merge_unit, cluster_merge_unit),
-    which differ only in where a part's words are."""
+def _weighted_chunk(parts: int, dtype: str, load_words: Any) -> tuple[Any, Any]:
+    """(`loads(src, base, step, wd)`, `weighted(wd, a, o, at)`): the in-kernel merges' last step (fused_merge_unit,
+    cluster_merge_unit), which differ only in where a part's words are. `loads` puts each part p's 16 bytes of O,
+    `load_words(src, base, step, p)` (4 words of 8 elements), into wd [4 parts] (uint32, a local array); `weighted`
+    then writes o's 16 bytes at its 4-byte word `at` (words of two 16-bit `dtype` halves) = the sum over parts p, in
+    order, of a[p] times part p's 8 elements. The units issue `loads` before the shares' loads and arithmetic, so
+    every part's words and LSE are in flight at once: one round trip to the other blocks' memory, not two."""
     from .intrinsics import stg_vec
 
     widen, _, pack = _sixteen_bit(dtype, "the merge in the kernel")
 
     @cuda.jit(device=True)
-    def weighted(src, base, step, a, o, at):
+    def loads(src, base, step, wd):
+        for p in range(parts):
+            w = load_words(src, base, step, p)
+            for j in range(4):
+                wd[4 * p + j] = np.uint32(w[j])
+
+    @cuda.jit(device=True)
+    def weighted(wd, a, o, at):
         acc = cuda.local.array(8, np.float32)
         for j in range(8):
             acc[j] = np.float32(0.0)
         for p in range(parts):
-            w = load_words(src, base, step, p)
             for j in range(4):
-                acc[2 * j] += a[p] * widen(np.uint16(np.uint32(w[j]) & np.uint32(0xFFFF)))
-                acc[2 * j + 1] += a[p] * widen(np.uint16(np.uint32(w[j]) >> np.uint32(16)))
+                acc[2 * j] += a[p] * widen(np.uint16(wd[4 * p + j] & np.uint32(0xFFFF)))
+                acc[2 * j + 1] += a[p] * widen(np.uint16(wd[4 * p + j] >> np.uint32(16)))
         stg_vec(o, at, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
                         np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
 
-    return weighted
+    return loads, weighted
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,15 +196,18 @@ def fused_merge_unit(parts: int, dtype: str) -> Any:
         return ldg_cg_vec(o_parts, base + p * step)
 
     shares = _shares(parts, ldg_cg_f32)
-    weighted = _weighted_chunk(parts, dtype, load_words)
+    loads, weighted = _weighted_chunk(parts, dtype, load_words)
+    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
 
     @cuda.jit(device=True)
     def unit(o_parts, lse_parts, o, lse, rows, D, row, chunk):
-        a = cuda.local.array(parts, np.float32)
-        row_lse = shares(lse_parts, rows, row, a)
         half_d = D // 2
         at = row * half_d + chunk * 4
-        weighted(o_parts, at, rows * half_d, a, o, at)  # part p's chunk at word at + p rows D / 2
+        wd = cuda.local.array(words, np.uint32)
+        loads(o_parts, at, rows * half_d, wd)  # part p's chunk at word at + p rows D / 2
+        a = cuda.local.array(parts, np.float32)
+        row_lse = shares(lse_parts, rows, row, a)
+        weighted(wd, a, o, at)
         if chunk == 0:
             lse[row] = row_lse
 
@@ -222,13 +233,16 @@ def cluster_merge_unit(parts: int, dtype: str) -> Any:
         return ld_cluster_v4_u32(mapa_shared(addr, p))
 
     shares = _shares(parts, load_lse)
-    weighted = _weighted_chunk(parts, dtype, load_words)
+    loads, weighted = _weighted_chunk(parts, dtype, load_words)
+    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
 
     @cuda.jit(device=True)
     def unit(lse_addr, o_addr, o, lse, D, row, chunk):
+        wd = cuda.local.array(words, np.uint32)
+        loads(o, o_addr, 0, wd)
         a = cuda.local.array(parts, np.float32)
         row_lse = shares(lse_addr, 1, 0, a)  # rank p's LSE at index p: load_lse(lse_addr, p)
-        weighted(o, o_addr, 0, a, o, row * (D // 2) + chunk * 4)
+        weighted(wd, a, o, row * (D // 2) + chunk * 4)
         if chunk == 0:
             lse[row] = row_lse
 

@@ -576,13 +576,14 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed, the union's first int (little-endian)
     config = _launch_config(grid, block, smem, attr)
+    ref = ctypes.byref(config)  # (made once: a call's byref costs host time)
     refused: list = []
 
     def run(stream: int) -> None:
         if refused:
             return plain(stream)
         config.stream = stream
-        err = fn(ctypes.byref(config), handle, address, None)
+        err = fn(ref, handle, address, None)
         if err:
             refused.append(err)
             from ...passes.manager import debug_level
@@ -606,10 +607,11 @@ def _cluster_launcher(handle: int, grid: tuple, block: int, smem: int, address: 
                            "libcuda does not have here: set extra cluster_merge=False")
     attr = _cluster_attribute(width)
     config = _launch_config(grid, block, smem, attr)
+    ref = ctypes.byref(config)  # (made once: a call's byref costs host time)
 
     def run(stream: int) -> None:
         config.stream = stream
-        err = fn(ctypes.byref(config), handle, address, None)
+        err = fn(ref, handle, address, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx refused the launch in clusters of {width} (CUresult {err}; grid "
                                f"{tuple(grid)}): set extra cluster_merge=False")
@@ -894,15 +896,19 @@ class _ForwardPlan:
             self.launches.append(_launcher(mk.function(dev), (blocks,), threads, 0, mbuf,
                                            programmatic=merge_programmatic(blocks, idle)))
         self.stream = _raw_stream_getter()
+        # what the last call not capturing a graph put in the argument slots that need a lookup: per tensor map
+        # (Q's, K's, V's, then O's) the (address, stream) it was made for and the map (kept alive here, so the slot
+        # stays valid), and the stream of split-kv's workspaces; a call that finds the same skips the lookup
+        self.map_memo: list[Optional[tuple]] = [None] * (len(self.kv_maps) + 1)
+        self.map_kept: list[Any] = [None] * (len(self.kv_maps) + 1)
+        self.ws_memo: Optional[tuple] = None
 
     def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
-        import torch
-
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         if self.aligned and (ptrs[0] | ptrs[1] | ptrs[2]) & 15:
             return None  # rows not 16-byte aligned: the Numba path copies them
-        o = torch.empty(self.o_shape, dtype=q.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=self.lse_dtype, device=self.device)
+        o = q.new_empty(self.o_shape)  # (q's dtype and device: 1.3 us less host time than torch.empty's two, H200)
+        lse = q.new_empty(self.lse_shape, dtype=self.lse_dtype)
         self.launch_into(ptrs, caps, o, lse)
         return o, lse
 
@@ -916,27 +922,46 @@ class _ForwardPlan:
             vals[slot] = p
         stream = self.stream(self.dev_index)
         capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
+        o_k = o  # the O the kernel writes
         if self.ws_shapes is not None:  # split-kv: the parts into workspaces, merged into o and lse
-            o_ws, lse_ws, *arrivals = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype,
-                                                                 lse.dtype, capturing)
-            if self.fused:  # the kernel merges into the call's O and LSE itself, counting in `arrivals`
-                for slot, x in zip(self.fused_slots, (o, lse, *arrivals)):
-                    self.bufs[0].vals[slot] = x.data_ptr()
-            else:  # the merge kernel reads the parts and writes the call's O and LSE
-                for slot, x in zip(self.merge_slots, (o_ws, lse_ws, o, lse)):
-                    self.merge_buf.vals[slot] = x.data_ptr()
-            o, lse = o_ws, lse_ws
-        vals[self.o_slot] = o.data_ptr()
-        vals[self.lse_slot] = lse.data_ptr()
+            memo = self.ws_memo
+            if capturing or memo is None or memo[0] != stream:
+                ws = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype, lse.dtype, capturing)
+                self.ws_memo = None if capturing else (stream, ws)
+                vals[self.o_slot] = ws[0].data_ptr()
+                vals[self.lse_slot] = ws[1].data_ptr()
+                if self.fused:  # the kernel merges into the call's O and LSE itself, counting in `arrivals`
+                    for slot, x in zip(self.fused_slots[2:], ws[2:]):
+                        vals[slot] = x.data_ptr()
+                else:  # the merge kernel reads the parts and writes the call's O and LSE
+                    for slot, x in zip(self.merge_slots, ws[:2]):
+                        self.merge_buf.vals[slot] = x.data_ptr()
+            else:  # the slots hold this stream's workspaces from the last call
+                ws = memo[1]
+            o_k = ws[0]
+            out = (vals, self.fused_slots) if self.fused else (self.merge_buf.vals, self.merge_slots[2:])
+            out[0][out[1][0]] = o.data_ptr()  # the call's O and LSE, which the merge writes
+            out[0][out[1][1]] = lse.data_ptr()
+        else:
+            vals[self.o_slot] = o.data_ptr()
+            vals[self.lse_slot] = lse.data_ptr()
         for c, x in enumerate(caps):
             for b, slot, _ in self.cap_slots[c]:
                 b.vals[slot] = x.data_ptr()
             for b, i, _ in self.cap_scalars[c]:
                 b.scalar(i, x)
+        memo = self.map_memo
         if self.omap_slot is not None:  # O's tensor map (the one made for this O's address before, if any)
-            vals[self.omap_slot] = self.kern.maps.torch_o(o, capturing, stream).data_ptr()
-        for slot, i, geometry, name in self.kv_maps:
-            vals[slot] = self.kern.maps.torch(ptrs[i], self.device, geometry, capturing, stream, name).data_ptr()
+            key = (o_k.data_ptr(), stream)
+            if capturing or memo[-1] != key:
+                m = self.kern.maps.torch_o(o_k, capturing, stream)
+                vals[self.omap_slot] = m.data_ptr()
+                memo[-1], self.map_kept[-1] = (None, None) if capturing else (key, m)
+        for n, (slot, i, geometry, name) in enumerate(self.kv_maps):
+            if capturing or memo[n] != (ptrs[i], stream):
+                m = self.kern.maps.torch(ptrs[i], self.device, geometry, capturing, stream, name)
+                vals[slot] = m.data_ptr()
+                memo[n], self.map_kept[n] = (None, None) if capturing else ((ptrs[i], stream), m)
         if self.work_slot is not None:  # the counter of this stream (a captured launch: its own, work_counter)
             if capturing or self.work_stream != stream:
                 vals[self.work_slot] = self.kern.work_counter("torch", self.device, stream).data_ptr()
