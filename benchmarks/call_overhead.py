@@ -61,6 +61,38 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     return best
 
 
+def launch_alone_us(c, inputs: tuple, calls: int) -> float:
+    """Host time of the warm call's plan's launches alone (its cuLaunchKernel calls and nothing else: the floor)."""
+    import torch
+
+    from falower.compiler import _signature
+
+    plan = c._calls[_signature(inputs)].plan
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch_alone():
+        for run in plan.launches:
+            run(stream)
+
+    return per_call_us(launch_alone, calls)
+
+
+def captured_call(c, static: list) -> tuple:
+    """(a CUDA graph of c(*static), the outputs it writes), warmed on a side stream first as torch.cuda.graph asks."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            c(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = c(*static)
+    return graph, out
+
+
 def graphs():
     import torch
 
@@ -137,28 +169,11 @@ def main() -> None:
     rows["fl.flex_attention"] = per_call_us(lambda: fl.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
                                             args.calls)
     rows["fl backward"] = per_call_us(lambda: c.backward(q, k, v, o, lse, do), args.calls)
-    from falower.compiler import _signature
-
-    plan = c._calls[_signature((q, k, v))].plan
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def launch_alone():
-        for run in plan.launches:
-            run(stream)
-
-    rows["launch alone"] = per_call_us(launch_alone, args.calls)
+    rows["launch alone"] = launch_alone_us(c, (q, k, v), args.calls)
 
     # CUDA graph: capture a falower call, replay on new inputs, compare with eager
     static = [x.clone() for x in (q, k, v)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            c(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        go, glse = c(*static)
+    graph, (go, glse) = captured_call(c, static)
     for x in static:
         x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g))
     graph.replay()
@@ -215,24 +230,9 @@ def decode(args) -> None:
             except RuntimeError as e:  # (a backend that refuses the shape: reported, not timed)
                 print(f"{n:6d} {name}: {str(e).splitlines()[0][:80]}")
         rows["fl.compile"] = per_call_us(lambda: c(q, k, v), args.calls)
+        rows["launch alone"] = launch_alone_us(c, (q, k, v), args.calls)
+        graph, _ = captured_call(c, [x.clone() for x in (q, k, v)])
         plan = c._calls[_signature((q, k, v))].plan
-        stream = torch.cuda.current_stream().cuda_stream
-
-        def launch_alone():
-            for run in plan.launches:
-                run(stream)
-
-        rows["launch alone"] = per_call_us(launch_alone, args.calls)
-        static = [x.clone() for x in (q, k, v)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                c(*static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            c(*static)
         rows["CUDA graph replay"] = per_call_us(graph.replay, args.calls)
         flash = rows.get("SDPA FLASH", float("nan"))
         for name, us in rows.items():
