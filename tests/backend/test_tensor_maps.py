@@ -52,11 +52,13 @@ def test_the_cache_keeps_the_recent_maps_and_drops_the_oldest():
 
     for k in range(tensor_maps.KEEP):
         assert maps._get(("k", k), lambda k=k: make(k)) == f"map{k}"
+    assert maps.dropped == 0
     maps._get(("k", 0), lambda: make("again"))  # used again: now the most recent
     maps._get(("k", "new"), lambda: make("new"))  # one more: the least recent (1) is dropped
     assert made[-1] == "new" and "again" not in made
     maps._get(("k", 1), lambda: make("1 again"))
     assert made[-1] == "1 again" and len(maps._maps) == tensor_maps.KEEP
+    assert maps.dropped == 2  # (a plan that kept a map's address without the map looks it up again: map_memo)
 
 
 def test_an_encode_asks_for_a_16_bit_type_and_16_byte_strides():

@@ -224,6 +224,16 @@ def test_a_plans_remembered_arguments_follow_the_tensors_and_streams(b, m, n, d)
         check(c(q, k, v), q, k, v)
     plan = c._calls[_signature(x)].plan
     assert plan is not None and plan.kv_maps and (m > 1 or plan.ws_shapes is not None)
+    maps, looked = plan.kern.maps, []
+    real = maps.torch
+    maps.torch = lambda ptr, *a, **kw: (looked.append(ptr), real(ptr, *a, **kw))[1]  # (counts Q's, K's, V's, O's)
+    try:
+        c(*x)  # the last call's addresses and stream: Q's, K's and V's maps not looked up
+        assert not set(looked) & {t.data_ptr() for t in x}, looked
+        c(y[0], x[1], x[2])  # a new Q: its map alone
+        assert y[0].data_ptr() in looked and not set(looked) & {x[1].data_ptr(), x[2].data_ptr()}, looked
+    finally:
+        del maps.torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

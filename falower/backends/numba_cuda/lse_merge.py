@@ -151,10 +151,11 @@ def _merge(parts: int, vec: int, load: Any, store: Any, programmatic: bool = Fal
 def _weighted_chunk(parts: int, dtype: str, load_words: Any) -> tuple[Any, Any]:
     """(`loads(src, base, step, wd)`, `weighted(wd, a, o, at)`): the in-kernel merges' last step (fused_merge_unit,
     cluster_merge_unit), which differ only in where a part's words are. `loads` puts each part p's 16 bytes of O,
-    `load_words(src, base, step, p)` (4 words of 8 elements), into wd [4 parts] (uint32, a local array); `weighted`
-    then writes o's 16 bytes at its 4-byte word `at` (words of two 16-bit `dtype` halves) = the sum over parts p, in
-    order, of a[p] times part p's 8 elements. The units issue `loads` before the shares' loads and arithmetic, so
-    every part's words and LSE are in flight at once: one round trip to the other blocks' memory, not two."""
+    `load_words(src, base, step, p)` (4 words of 8 elements), into wd [4 * parts] (uint32, a local array);
+    `weighted` then writes o's 16 bytes at its 4-byte word `at` (words of two 16-bit `dtype` halves) = the sum over
+    parts p, in order, of a[p] times part p's 8 elements. The units issue `loads` before the shares' loads and
+    arithmetic, so every part's words and LSE are in flight at once: one round trip to the other blocks' memory, not
+    two."""
     from .intrinsics import stg_vec
 
     widen, _, pack = _sixteen_bit(dtype, "the merge in the kernel")

@@ -154,6 +154,8 @@ class TensorMaps:
         self.dtype = dtype
         self._maps: OrderedDict = OrderedDict()
         self._captured: dict = {}  # the maps CUDA graphs read, by address: kept alive with the graphs
+        self.dropped = 0  # maps dropped from the cache so far: a map's address kept without the map (a plan's
+        # memory of its last call, runtime._ForwardPlan.map_memo) is valid while this has not moved
 
     def _get(self, key: tuple, make) -> Any:
         m = self._maps.get(key)
@@ -161,6 +163,7 @@ class TensorMaps:
             m = self._maps[key] = make()
             while len(self._maps) > KEEP:
                 self._maps.popitem(last=False)
+                self.dropped += 1
         else:
             self._maps.move_to_end(key)
         return m
