@@ -80,6 +80,9 @@ except ImportError:  # make_kernel alone works without torch (PTX inspection on 
 import falower as fl  # noqa: E402
 from falower.backends.numba_cuda import FA2ForwardKernel, FA2ForwardSpec  # noqa: E402,F401
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_required import require_gpu  # noqa: E402
+
 LOG2E = 1.4426950408889634
 OUT = Path(os.environ.get("OUT", "./bench_out"))
 NAN = float("nan")
@@ -1410,6 +1413,7 @@ def main() -> None:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     stems = [] if args.no_examples else (args.examples.split(",") if args.examples else example_stems())
     ex_ds = args.d[:1] if args.quick else args.d
+    require_gpu("bench.py")  # (after the arguments' own checks)
     dev = torch.cuda.get_device_name()
     log(f"# bench {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} on {dev}; torch {torch.__version__}; "
         f"{'fwd ' if args.fwd else ''}{'fwd+bwd' if args.bwd else ''}")

@@ -40,6 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_required import require_gpu  # noqa: E402
 
 B, H, N, D = 1, 2, 128, 64
 
@@ -123,6 +126,7 @@ def main() -> None:
     ap.add_argument("--h", type=int, default=8, help="--decode: the heads")
     ap.add_argument("--d", type=int, default=128, help="--decode: the head dimension")
     args = ap.parse_args()
+    require_gpu("call_overhead.py")
     if args.decode:
         return decode(args)
     if args.warm_child:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--bwd", action="store_true", help="then the backward: falower's c.backward (its dQ and dK / dV "
                     "kernels), Flex's through autograd")
     args = ap.parse_args()
+    require_gpu("run_variant.py")
 
     import torch
 

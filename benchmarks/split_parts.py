@@ -33,6 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_required import require_gpu  # noqa: E402
+
 VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_merge": False},
             "p4": {"kv_parts": 4, "cluster_merge": False}, "p8": {"kv_parts": 8, "cluster_merge": False},
             "c2": {"kv_parts": 2, "cluster_merge": True}, "c4": {"kv_parts": 4, "cluster_merge": True},
@@ -213,6 +215,7 @@ def main() -> None:
                          f"{COLD_BYTES >> 20} MB, over three times the L2): a model's layers, whose caches are not "
                          "in L2; every kernel timed the same way")
     args = ap.parse_args()
+    require_gpu("split_parts.py")
     sets = list(CASES) if args.set == "all" else [args.set]
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -32,6 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_required import require_gpu  # noqa: E402
+
 FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles")
 
 
@@ -611,6 +613,7 @@ def main() -> None:
     ap.add_argument("--replace", action="append", default=[], metavar="OLD::NEW",
                     help="edit the kernel's source first, every occurrence (a floor experiment: its numbers are wrong)")
     a = ap.parse_args()
+    require_gpu("timeline.py", simulator_ok=True)
     B, H = a.b or max(1, 16384 // a.n), a.h or 2048 // a.d
     t = run(a.stem, a.d, a.n, B, H, a.config, a.phases, a.replace, a.m)
     summary = {"stem": a.stem, "D": a.d, "M": a.m or a.n, "N": a.n, "B": B, "H": H,
