@@ -4,6 +4,7 @@ such a script died in a traceback of its first `import torch` or `torch.cuda` ca
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 
@@ -19,3 +20,12 @@ def require_gpu(script: str, simulator_ok: bool = False) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit(f"{script}: needs a CUDA GPU; torch {torch.__version__} sees none here")
+
+
+def require_driver(script: str) -> None:
+    """Exit with "<script>: needs ..." (status 1) unless the CUDA driver's library loads (the probes that talk to
+    the driver through ctypes, without torch)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise SystemExit(f"{script}: needs a CUDA GPU and its driver; libcuda.so.1 does not load here ({e})") from None

@@ -101,6 +101,9 @@ def main() -> None:
     ap.add_argument("--pyprofile", action="store_true",
                     help="also cProfile's table of 20 autograd steps with the same ids, by own time")
     args = ap.parse_args()
+    from gpu_required import require_gpu
+
+    require_gpu("probe_block_data.py")
 
     import torch
 

@@ -539,6 +539,9 @@ def main() -> None:
     ap.add_argument("--blocks", action="store_true", help="stamp each block's prologue, loop and epilogue instead "
                     "of timing variants (the per-block fixed cost)")
     a = ap.parse_args()
+    from gpu_required import require_gpu
+
+    require_gpu("probe_bwd.py")
     B, H = 4, 16 if a.d == 128 else 32
     base_extra = json.loads(a.extra) if a.extra else None
     if a.compile_one:

@@ -277,6 +277,10 @@ def capacity_probe(lib, widths=(1, 2, 4, 8, 16), smem: int = 160 * 1024, spin_ns
 
 def main() -> None:
     import sys
+
+    from gpu_required import require_driver
+
+    require_driver("probe_cluster.py")
     lib = _driver()
     if sys.argv[1:] == ["--capacity"]:
         print(json.dumps({"capacity": capacity_probe(lib)}))

@@ -235,6 +235,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ptx-only", action="store_true", help="compile and ptxas the kernels; no GPU")
     a = ap.parse_args()
+    if not a.ptx_only:
+        from gpu_required import require_driver
+
+        require_driver("probe_tma.py")
     print(json.dumps(run_ptx_only() if a.ptx_only else run_gpu()))
 
 

@@ -348,6 +348,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*", default=["128x256x4w1", "128x256x4w0", "128x128x5w1", "128x256x3w1"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    from gpu_required import require_gpu
+
+    require_gpu("probe_wgmma.py")
     res = run_gpu(args.size, args.configs)
     with open(os.path.join(args.out, "probe_wgmma.json"), "w") as f:
         json.dump({"device": torch_device_name(), "results": res}, f, indent=1)

@@ -4,6 +4,7 @@ in a traceback of their first torch call."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ RUN = ("import runpy, sys; sys.modules['torch'] = None; sys.path.insert(0, sys.a
 
 @pytest.mark.parametrize("script, args", [("bench.py", ["--fwd", "--n", "1024"]), ("call_overhead.py", ["--decode"]),
                                           ("split_parts.py", ["--set", "twos"]), ("timeline.py", ["plain"]),
-                                          ("run_variant.py", ["plain"])])
+                                          ("run_variant.py", ["plain"]), ("probe_bwd.py", []),
+                                          ("probe_wgmma.py", []), ("probe_block_data.py", [])])
 def test_a_gpu_benchmark_without_torch_says_so_in_one_line(script, args):
     path = str(ROOT / "benchmarks" / script)
     out = subprocess.run([sys.executable, "-c", RUN, path, *args], capture_output=True, text=True, cwd=ROOT,
@@ -29,3 +31,17 @@ def test_a_gpu_benchmark_without_torch_says_so_in_one_line(script, args):
     helped = subprocess.run([sys.executable, "-c", RUN, path, "--help"], capture_output=True, text=True, cwd=ROOT,
                             timeout=120)
     assert helped.returncode == 0 and "usage" in helped.stdout, helped.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["probe_cluster.py", "probe_tma.py"])
+def test_a_driver_probe_without_the_driver_says_so_in_one_line(script):
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("the CUDA driver loads here: the probe would run")
+    except OSError:
+        pass
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"{script}: needs a CUDA GPU and its "
+                                                                           "driver"), out.stderr[-2000:]
