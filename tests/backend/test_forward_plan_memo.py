@@ -64,6 +64,7 @@ def _plan(mode: str, kern: Kernel) -> runtime._ForwardPlan:
     p.merge_buf = types.SimpleNamespace(vals=[0] * 4)
     p.merge_slots = [0, 1, 2, 3] if mode == "merge" else []
     p.map_memo, p.ws_memo = [None] * (len(p.kv_maps) + 1), None
+    p._output_slots()  # (as __init__ ends)
     return p
 
 
@@ -91,8 +92,14 @@ def test_remembered_slots_are_the_slots_a_fresh_plan_writes(mode, monkeypatch):
         lookups.append((kern.maps.looked - before[0], kern.asked - before[1]))
         if capture:  # a capture's maps and workspaces are its own: every slot rewritten (the counts below)
             continue
+        vals, merge = kept.bufs[0].vals, kept.merge_buf.vals
+        out = {"plain": (vals, 3, 4), "merge": (merge, 2, 3), "fused": (vals, 9, 10)}[mode]
+        assert (out[0][out[1]], out[0][out[2]]) == (o.ptr, lse.ptr), (mode, n)  # where the call's O and LSE go
+        if mode != "plain":  # the kernel's parts into this stream's workspaces, which the merge reads
+            ws = [t.ptr for t in kern.ws[stream, 0]]
+            assert vals[3:5] == ws[:2] and (merge[:2] == ws[:2] if mode == "merge" else vals[11] == ws[2]), (mode, n)
         fresh = _plan(mode, kern)  # its slots start from the kept plan's, so a slot the kept plan left stale shows
-        fresh.bufs[0].vals, fresh.merge_buf.vals = list(kept.bufs[0].vals), list(kept.merge_buf.vals)
+        fresh.bufs[0].vals[:], fresh.merge_buf.vals[:] = kept.bufs[0].vals, kept.merge_buf.vals
         fresh.launch_into(ptrs, (), o, lse)
         assert kept.bufs[0].vals == fresh.bufs[0].vals and kept.merge_buf.vals == fresh.merge_buf.vals, (mode, n)
     ws = 0 if mode == "plain" else 1

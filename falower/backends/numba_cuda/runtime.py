@@ -904,6 +904,24 @@ class _ForwardPlan:
         # is the only writer of the plan's argument buffers.
         self.map_memo: list[Optional[tuple]] = [None] * (len(self.kv_maps) + 1)
         self.ws_memo: Optional[tuple] = None
+        self._output_slots()
+
+    def _output_slots(self) -> None:
+        """Where a call's O and LSE go (`out_slots`: (buffer values, slot) each) and, under split-kv, where each
+        workspace goes (`ws_slots`: (buffer values, slot, index into split_workspaces' tuple)): the kernel writes
+        O and LSE itself, or its parts into the workspaces, which the merge kernel reads (or the kernel's own merge,
+        counting in the third) to write the call's O and LSE."""
+        vals = self.bufs[0].vals
+        kernel_out = [(vals, self.o_slot, 0), (vals, self.lse_slot, 1)]
+        if self.ws_shapes is None:
+            self.out_slots, self.ws_slots = [(b, s) for b, s, _ in kernel_out], []
+        elif self.fused:
+            self.out_slots = [(vals, s) for s in self.fused_slots[:2]]
+            self.ws_slots = kernel_out + [(vals, s, 2 + j) for j, s in enumerate(self.fused_slots[2:])]
+        else:
+            mv = self.merge_buf.vals
+            self.out_slots = [(mv, s) for s in self.merge_slots[2:]]
+            self.ws_slots = kernel_out + [(mv, s, j) for j, s in enumerate(self.merge_slots[:2])]
 
     def __call__(self, q: Any, k: Any, v: Any, caps: tuple) -> Optional[tuple]:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
@@ -926,29 +944,20 @@ class _ForwardPlan:
             vals[slot] = p
         stream = self.stream(self.dev_index)
         capturing = self.ask_capture and torch.cuda.is_current_stream_capturing()
+        (ob, os_), (lb, ls) = self.out_slots  # the call's O and LSE (_output_slots)
+        ob[os_] = o.data_ptr()
+        lb[ls] = lse.data_ptr()
         o_k = o  # the O the kernel writes
         if self.ws_shapes is not None:  # split-kv: the parts into workspaces, merged into o and lse
             memo = self.ws_memo
             if capturing or memo is None or memo[0] != stream:
                 ws = self.kern.split_workspaces(self.device, stream, self.ws_shapes, o.dtype, lse.dtype, capturing)
                 self.ws_memo = None if capturing else (stream, ws)
-                vals[self.o_slot] = ws[0].data_ptr()
-                vals[self.lse_slot] = ws[1].data_ptr()
-                if self.fused:  # the kernel merges into the call's O and LSE itself, counting in `arrivals`
-                    for slot, x in zip(self.fused_slots[2:], ws[2:]):
-                        vals[slot] = x.data_ptr()
-                else:  # the merge kernel reads the parts and writes the call's O and LSE
-                    for slot, x in zip(self.merge_slots, ws[:2]):
-                        self.merge_buf.vals[slot] = x.data_ptr()
+                for b, slot, j in self.ws_slots:
+                    b[slot] = ws[j].data_ptr()
             else:  # the slots hold this stream's workspaces from the last call
                 ws = memo[1]
             o_k = ws[0]
-            out = (vals, self.fused_slots) if self.fused else (self.merge_buf.vals, self.merge_slots[2:])
-            out[0][out[1][0]] = o.data_ptr()  # the call's O and LSE, which the merge writes
-            out[0][out[1][1]] = lse.data_ptr()
-        else:
-            vals[self.o_slot] = o.data_ptr()
-            vals[self.lse_slot] = lse.data_ptr()
         for c, x in enumerate(caps):
             for b, slot, _ in self.cap_slots[c]:
                 b.vals[slot] = x.data_ptr()
