@@ -140,8 +140,9 @@ def parse_config(text: str) -> tuple:
     kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge in the kernel itself
     (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-clm' the q tile's
     parts as one cluster's blocks, merged after a cluster barrier (extra cluster_merge; default at 8 parts), '-noclm'
-    never; '-nosp' the score and the softmax for every row of decoding's q tile, not only those below M (extra
-    skip_padding);
+    never, '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not by their pushes
+    (extra cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not only those below
+    M (extra skip_padding);
     '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh' the persistent producer
     kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
@@ -249,6 +250,7 @@ CONFIG_OPTIONS: list = [
     (("nodec", {"decode_tiles": False}),),
     (("fm", {"fused_merge": True}),),
     (("clm", {"cluster_merge": True}), ("noclm", {"cluster_merge": False})),
+    (("pull", {"cluster_push": False}),),
     (("nosp", {"skip_padding": False}),),
     (("nobs", {"bounds_in_s": False}),),
     (("noes", {"epilogue_in_s": False}), ("es", {"epilogue_in_s": True})),

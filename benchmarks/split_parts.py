@@ -5,8 +5,8 @@ session's calls C, G and I measured (benchmarks/NOTES.md "The merge inside a clu
 session), from its scripts `.whl/s52_c.py`, `s52_g.py`, `s52_i.py`, merged here; the set "batch" (decoding at B = 4-8,
 the fifty-third session's `.whl/s53_c.py`) and "slope" (decoding's time against its kv tiles a block) added after.
 
-    python3 benchmarks/split_parts.py [--cold]
-        [--set decode|masked|prefill|batch|slope|twosm|maps|eights|twos|threes|padding|cluster|all]
+    python3 benchmarks/split_parts.py [--cold] [--rounds R] [--flex]
+        [--set decode|masked|prefill|batch|slope|twosm|maps|eights|twos|threes|padding|cluster|push|flex|all]
 
 `--cold` gives each captured call its own copy of Q, K and V (a model's layers: their caches not in L2); without it
 the twenty calls read the same tensors, which at these sizes (4-34 MB) stay in the 50 MB L2.
@@ -17,9 +17,11 @@ the automatic choice takes clusters at 8 parts, and at decoding's 2 and 4 where 
 merge kernel where the device holds fewer); "sN" the automatic parts on a ring of
 N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`blocks_per_sm`), "k64" decoding's
 64-wide kv tiles on one; "nosp" the softmax of every row, padding too; "mp" the tensor maps prefetched
-(map_prefetch). Kernels are compiled first in parallel processes. Prints one markdown table, with the largest
-difference of a forced variant's O from the automatic choice's, then one of the automatic cluster kernels' grid
-clusters against the most the device runs at once (cuOccupancyMaxActiveClusters).
+(map_prefetch); "pull" the cluster's merge by its two barriers and remote reads (cluster_push off). `--rounds R`
+replays every variant's graph and SDPA's in turn R times (the median of the rounds: pairs a 1% difference);
+`--flex` adds FlexAttention's call (plain and GQA rows). Kernels are compiled first in parallel processes. Prints one
+markdown table, with the largest difference of a forced variant's O from the automatic choice's, then one of the
+automatic cluster kernels' grid clusters against the most the device runs at once (cuOccupancyMaxActiveClusters).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_me
             "b2": {"blocks_per_sm": 2},  # two blocks an SM (at D = 128 on 64-wide kv tiles), the parts they take
             "k64": {"decode_block_k": 64},  # one block an SM on 64-wide kv tiles (b2's control)
             "nosp": {"skip_padding": False},  # every row's softmax (skips_padding_softmax off)
-            "mp": {"map_prefetch": True}}  # the producer's tensor maps prefetched before their acquires
+            "mp": {"map_prefetch": True},  # the producer's tensor maps prefetched before their acquires
+            "pull": {"cluster_push": False}}  # the cluster's merge by two barriers and remote reads, not pushes
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
 # set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
 # "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)
@@ -101,6 +104,16 @@ CASES = {
                                                                    (8, 4096))]
     + [("plain", 1, 64, 1, 1024, ("nosp",), 8), ("gqa", 4, 128, 1, 2048, ("nosp",), 4),
        ("plain", 1, 128, 16, 2048, ("nosp",), 4), ("softcap", 1, 128, 1, 1024, ("nosp",), 4)],
+    # the automatic cluster kernels (clusters of 2, 4 and 8) with the parts' rows pushed to the rank that merges
+    # them (cluster_push, the default) against their two barriers' remote reads
+    "push": [("plain", 1, d, 1, n, ("pull",), b) for d in (128, 64) for b, n in ((1, 1024), (2, 1024), (2, 2048),
+                                                                                (3, 2048), (8, 1024))]
+    + [("gqa", 4, 128, 1, 2048, ("pull",), 2), ("plain", 1, 128, 16, 2048, ("pull",), 3),
+       ("plain", 1, 128, 64, 1024, ("pull",), 2)],
+    # decoding's automatic choice against FlexAttention too (run with --flex): one part, 8 or 16 by the merge kernel,
+    # clusters of 2, 4 and 8
+    "flex": [("plain", 1, 128, 1, n, (), b) for b, n in ((1, 1024), (1, 8192), (2, 1024), (8, 1024))]
+    + [("plain", 1, 64, 1, 1024, (), 2), ("gqa", 4, 128, 1, 2048, (), 2), ("plain", 1, 128, 64, 1024, (), 2)],
 }
 _COMPILED: dict = {}
 COLD_BYTES = 160 << 20  # --cold: the copies' bytes together at least this (the H200's L2 is 50 MB)
@@ -176,9 +189,9 @@ def jobs(sets: list[str]) -> list[tuple]:
     return [(s, g, v, D, M, N, B) for name in sets for s, g, D, M, N, vs, B in cases(name) for v in ("auto",) + vs]
 
 
-def gtime(fn, reps: int = 20, iters: int = 15) -> float:
-    """us a call: `reps` calls captured in one CUDA graph, the median of `iters` replays. `fn` a list of calls: the
-    graph's calls take them in turn (`--cold`: each its own copy of the inputs), `reps` at least their number."""
+def captured(fn, reps: int = 20) -> tuple:
+    """(graph, calls in it): `reps` calls captured in one CUDA graph. `fn` a list of calls: the graph's calls take
+    them in turn (`--cold`: each its own copy of the inputs), `reps` at least their number."""
     import torch
 
     fns = fn if isinstance(fn, list) else [fn]
@@ -196,6 +209,14 @@ def gtime(fn, reps: int = 20, iters: int = 15) -> float:
             for i in range(reps):
                 fns[i % len(fns)]()
     torch.cuda.synchronize()
+    return g, reps
+
+
+def replayed(graph: tuple, iters: int = 15) -> float:
+    """us a call of a `captured` graph: the median of `iters` replays."""
+    import torch
+
+    g, reps = graph
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -207,6 +228,33 @@ def gtime(fn, reps: int = 20, iters: int = 15) -> float:
     return statistics.median(ts)
 
 
+def interleaved(fns: dict, rounds: int) -> dict:
+    """{name: us a call}: each of `fns` (name -> a call or a list, as `captured` takes) captured once, then the
+    graphs replayed in turn for `rounds` rounds (a round: `replayed` of each, in order); the median of the rounds.
+    Flex's call left out (with a line) where it cannot be captured.
+    Paired this way, a difference of ~1% between two variants is read above the clock's and the L2's drift."""
+    graphs = {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = captured(fn)
+        except Exception as exc:  # (a call that cannot be captured, if any: its column reads nan)
+            if name != "flex":
+                raise
+            print(f"  {name}: not captured: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+    got: dict = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            got[name].append(replayed(g))
+    return {name: statistics.median(ts) for name, ts in got.items()}
+
+
+def flex_call(H: int, HKV: int):
+    """FlexAttention's call for plain attention (GQA where H != HKV): torch.compile(flex_attention), bench.py's."""
+    import bench
+
+    return lambda q, k, v: bench.flex_attention()(q, k, v, enable_gqa=H != HKV)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=[*CASES, "all"], default="all")
@@ -214,7 +262,15 @@ def main() -> None:
                     help=f"each call of a graph reads its own copy of Q, K, V (the copies together at least "
                          f"{COLD_BYTES >> 20} MB, over three times the L2): a model's layers, whose caches are not "
                          "in L2; every kernel timed the same way")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of replays, every variant's graph (and SDPA's) replayed in turn each round; the "
+                         "median over rounds (default 1: each timed once, one after the other)")
+    ap.add_argument("--flex", action="store_true",
+                    help="FlexAttention too (torch.compile(flex_attention), plain and GQA rows only: each shape "
+                         "compiles once, ~10-30 s)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     require_gpu("split_parts.py")
     sets = list(CASES) if args.set == "all" else [args.set]
     import torch
@@ -230,9 +286,9 @@ def main() -> None:
 
     F = torch.nn.functional
     fits = []  # the automatic kernels merged in a cluster: their grid's clusters against what the device holds
-    print("| case | B | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | "
-          "auto vs FLASH | auto vs cuDNN | max abs O - auto's |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | B | G or H | D | M | N | auto us (parts) | forced us | forced best / auto | FLASH | cuDNN | Flex | "
+          "auto vs FLASH | auto vs cuDNN | auto vs Flex | max abs O - auto's |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in sets:
         for stem, group, D, M, N, forced, B in cases(name):
             H, HKV = heads(group, M)
@@ -247,27 +303,41 @@ def main() -> None:
             def calls(f):  # f(q, k, v) on each copy
                 return [lambda i=i: f(qs[i], *kvs[i]) for i in range(copies)]
 
-            times, outs = {}, {}
+            fns, outs = {}, {}
             for var in ("auto",) + forced:
                 c = compiled(stem, group, var)
                 outs[var] = c(q, k, v, *caps)[0].float()
-                times[var] = gtime(calls(lambda q, k, v: c(q, k, v, *caps)))
-            err = max((outs[var] - outs["auto"]).abs().max().item() for var in forced)  # the same numbers
-            ref = {}
+                fns[var] = calls(lambda q, k, v, c=c: c(q, k, v, *caps))
+            err = max([(outs[var] - outs["auto"]).abs().max().item() for var in forced], default=0.0)  # the same
+            ref = {"flash": float("nan"), "cudnn": float("nan"), "flex": float("nan")}
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "flash"), (SDPBackend.CUDNN_ATTENTION, "cudnn")):
-                try:
+
+                def sdpa(q, k, v, backend=backend):
                     with sdpa_kernel(backend):
-                        ref[label] = gtime(calls(lambda q, k, v: F.scaled_dot_product_attention(
-                            q, k, v, is_causal=stem == "causal", enable_gqa=H != HKV)))
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=stem == "causal",
+                                                              enable_gqa=H != HKV)
+                try:
+                    sdpa(q, k, v)
+                    fns[label] = calls(sdpa)
                 except RuntimeError:
-                    ref[label] = float("nan")
+                    pass
+            if args.flex and stem in ("plain", "gqa"):
+                try:
+                    flex = flex_call(H, HKV)
+                    flex(q, k, v)
+                    fns["flex"] = calls(flex)
+                except Exception as exc:  # (a shape Flex refuses: its column reads nan)
+                    print(f"  flex refused {stem} B={B} M={M} N={N} D={D}: {type(exc).__name__}: {str(exc)[:100]}",
+                          flush=True)
+            times = interleaved(fns, args.rounds)
+            ref.update({k: t for k, t in times.items() if k in ref})
             parts, cluster = got[(stem, group, "auto", D, M, N, B)]
-            best = min(times[var] for var in forced)
+            best = min([times[var] for var in forced], default=float("nan"))
             auto = f"{times['auto']:.1f} (p{parts}{' cluster' if cluster else ''})"
             others = ", ".join(f"{var}: {times[var]:.1f}" for var in forced)
-            print(f"| {stem} | {B} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.2f} | "
-                  f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flash'] / times['auto']:.2f} | "
-                  f"{ref['cudnn'] / times['auto']:.2f} | {err:.0e} |", flush=True)
+            print(f"| {stem} | {B} | {group} | {D} | {M} | {N} | {auto} | {others} | {best / times['auto']:.3f} | "
+                  f"{ref['flash']:.1f} | {ref['cudnn']:.1f} | {ref['flex']:.1f} | {ref['flash'] / times['auto']:.2f} | "
+                  f"{ref['cudnn'] / times['auto']:.2f} | {ref['flex'] / times['auto']:.2f} | {err:.0e} |", flush=True)
             kern, kh, rows = kernel_and_dims(stem, group, "auto", D, M, N, B)
             if cluster_parts(kern.spec):
                 fits.append(f"| {stem} | {B} | {D} | {M} | {N} | {cluster_parts(kern.spec)} | "

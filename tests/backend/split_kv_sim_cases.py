@@ -100,8 +100,9 @@ def run_case(case_id: str) -> dict:
     o = _value(np.asarray(o), dt)
     return {"id": case_id, "dtype": dt, "kv_parts": kern.spec.kv_parts, "ragged_first": kern.spec.ragged_q_first,
             "shares": "kv_cnt = max(kv_last - kv_first + 1, 0)" in kern.source,
-            # the q tile's last part merges (fused_merge), or the cluster's blocks from their shared memory
-            "fused": any(f"merge_unit({a}" in kern.source for a in ("o, lse", "cl_lse_s")),
+            # the q tile's last part merges (fused_merge), or the cluster's blocks from their shared memory (read
+            # there, or pushed into their own: cluster_push)
+            "fused": any(f"merge_unit({a}" in kern.source for a in ("o, lse", "cl_lse_s", "cl_rl")),
             "cluster": emit_fa2.cluster_parts(kern.spec),  # (cluster_merge)
             "stages": emit_fa3_ws.stages(kern.spec),
             "blocks_per_sm": emit_fa3_ws.blocks_per_sm(kern.spec),  # (launch bounds: the simulator runs it as any)

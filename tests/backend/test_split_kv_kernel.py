@@ -262,9 +262,12 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     """emit_fa3_ws.cluster_merge: a q tile's P parts are one cluster's blocks, by default at P = 8
     (emit_fa3.KV_PARTS_CLUSTER: decoding's one-tile parts at N = 1k, its 8 at 2k-3k), at 2 .. 8 with extra
     cluster_merge=True: one block an item whatever the grid (the persistent cap would give a block two items and a
-    cluster two q tiles), a cluster barrier before the merge and one after, rank kvp merging every P-th chunk from
-    the cluster's shared memory; the kernel takes fused_merge's arguments. At 4 parts unasked where a prefill grid's
-    blocks are at most half the SMs, at decoding's 2 and 4 where they fit the SMs (compiler._cluster_small_grid).
+    cluster two q tiles), the parts' rows pushed into the shared memory of the rank that merges them (rank r rows r
+    64 / P .. (r + 1) 64 / P - 1 of each warpgroup's: cluster_push, its one cluster barrier split between the
+    kernel's start and the pushes), or with cluster_push=False a cluster barrier before the merge and one after,
+    rank kvp merging every P-th chunk from the cluster's shared memory; the kernel takes fused_merge's arguments. At
+    4 parts unasked where a prefill grid's blocks are at most half the SMs, at decoding's 2 and 4 where they fit the
+    SMs (compiler._cluster_small_grid).
     Not at 16 parts (the portable cluster size is 8), nor at 4 on a prefill grid past half the SMs, nor with
     cluster_merge=False, nor on the prefill grid's 128-row kernel."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts, grid
@@ -275,13 +278,19 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
         kern, _ = _call("plain", 1, 8, N, D, 1, **extra)
         s = kern.spec
         assert (s.kv_parts, cluster_parts(s), s.block_q) == (P, P, 64)
-        assert emit_fa3_ws.fused_merge(s) and "o_fin, lse_fin, arrivals" in kern.source
-        assert kern.source.count("cluster_sync()") == 2 and "cuda.atomic.add(arrivals" not in kern.source
-        assert f"mc = (ctid & 127) + (ei * {P} + kvp" in kern.source and "merge_unit(cl_lse_s + 4 * (cw * 64" in \
-            kern.source
+        assert emit_fa3_ws.fused_merge(s) and emit_fa3_ws.cluster_push(s) and "o_fin, lse_fin, arrivals" in kern.source
+        assert "cluster_sync()" not in kern.source and "cuda.atomic.add(arrivals" not in kern.source
+        assert kern.source.count("cluster_arrive_relaxed()") == 1 and kern.source.count("cluster_wait()") == 2
+        assert f"pd = mr >> {(64 // P).bit_length() - 1}  # the rank that merges the row" in kern.source
+        assert f"merge_unit(cl_rl, {64 // P}, cw * 64 + mr" in kern.source
         assert "cl_lse[cw * 64 + lr" in kern.source and "stg_v4_u32(o, (q_head" not in kern.source  # parts stay
         assert grid(s, 1, 8, 1, N) == (8 * P, 1, 1)
         assert grid(s, 4, 64, 64, N) == (4 * 64 * P, 1, 1)  # past the persistent grid: still one block an item
+        pulled, _ = _call("plain", 1, 8, N, D, 1, **extra, cluster_push=False)
+        assert not emit_fa3_ws.cluster_push(pulled.spec) and cluster_parts(pulled.spec) == P
+        assert pulled.source.count("cluster_sync()") == 2 and "cluster_wait" not in pulled.source
+        assert f"mc = (ctid & 127) + (ei * {P} + kvp" in pulled.source and "merge_unit(cl_lse_s + 4 * (cw * 64" in \
+            pulled.source
     kern, _ = _call("plain", 1, 8, 8192, 128, 1, cluster_merge=True)  # 16 parts: the merge kernel
     assert kern.spec.kv_parts == 16 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 1, 8, 1024, 128, 1, kv_parts=4)  # 4 parts of a grid of 32 blocks: a cluster unasked
@@ -299,13 +308,15 @@ def test_parts_merge_in_a_cluster_at_eight_on_small_grids_or_where_asked(hopper)
     kern, _ = _call("plain", 1, 4, 2048, cluster_merge=True)  # two parts of 128-row tiles (TMA stores of O)
     assert kern.spec.kv_parts == 2 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     kern, _ = _call("plain", 8, 8, 1024, 128, 1)  # decoding's 2 parts of 64 q tiles: 128 blocks, one round
-    assert kern.spec.kv_parts == 2 and cluster_parts(kern.spec) == 2 and kern.source.count("cluster_sync()") == 2
+    assert kern.spec.kv_parts == 2 and cluster_parts(kern.spec) == 2 and "st_async_v4_u32(" in kern.source
     assert grid(kern.spec, 8, 8, 1, 1024) == (128, 1, 1)
     kern, _ = _call("plain", 8, 8, 1024, 128, 1, cluster_merge=False)
     assert kern.spec.kv_parts == 2 and not cluster_parts(kern.spec) and "cluster_sync" not in kern.source
     for bad in ("yes", 1, None):  # (at compile: a wrong value must not send the choice to another kernel)
         with pytest.raises(FalowerError, match="extra cluster_merge must be True or False or 'auto', got"):
             _call("plain", 1, 8, 1024, 128, 1, cluster_merge=bad)
+    with pytest.raises(FalowerError, match="extra cluster_push must be True or False, got 'no'"):
+        _call("plain", 1, 8, 1024, 128, 1, cluster_push="no")
     with pytest.raises(FalowerError, match="extra skip_padding must be True or False, got 'no'"):
         _call("bias", 1, 8, 1024, 128, 1, skip_padding="no")
 

@@ -295,8 +295,11 @@ def test_a_cluster_merges_its_q_tiles_parts(monkeypatch, stem, dtype, D, M, N, P
     (emit_fa3_ws.cluster_merge; runtime._cluster_launcher). The error rule holds (B = 2, H = 8); the same O and LSE
     call after call, by the bare kernel's relaunch and replayed from a CUDA graph; within rounding of the kernel
     without it (the merge kernel after it), which Numba's launch path runs (FALOWER_DIRECT_LAUNCH=0). Parts with no kv
-    tile (N = 300 in 8 parts of 128-key tiles) and rows shared out over the cluster's ranks (M = 16-64) included."""
+    tile (N = 300 in 8 parts of 128-key tiles) and rows shared out over the cluster's ranks (M = 16-64) included.
+    The parts' rows pushed to the ranks that merge them (cluster_push, the default) give the bits of the two
+    barriers' reads (extra cluster_push False)."""
     from falower.backends.numba_cuda.emit_fa2 import cluster_parts
+    from falower.backends.numba_cuda.emit_fa3_ws import cluster_push
 
     _hopper()
     g, c = _compiled(stem, dtype, P, cluster_merge=True)
@@ -310,6 +313,13 @@ def test_a_cluster_merges_its_q_tiles_parts(monkeypatch, stem, dtype, D, M, N, P
     o2, lse2 = c(*dev)
     torch.cuda.synchronize()
     assert torch.equal(o2, o1) and torch.equal(lse2, lse1)
+    if 64 % P == 0:  # the parts' rows pushed to the rank that merges them, or read there after a barrier: one merge
+        _, pulled = _compiled(stem, dtype, P, cluster_merge=True, cluster_push=False)
+        pk = pulled if packed is None else pulled.packed_for(env)
+        assert cluster_push(kern.spec) and not cluster_push(pk.kernel(*kin).spec)
+        o6, lse6 = pulled(*dev)
+        torch.cuda.synchronize()
+        assert torch.equal(o6, o1) and torch.equal(lse6, lse1)
     if len(kin) == 3:  # no captures: the bare kernel's relaunch too
         launch, finish = kern.relaunch(*kin)
         launch()

@@ -898,11 +898,13 @@ def cluster_merge(spec: FA2ForwardSpec) -> bool:
     fused_merge's parts do, one cluster barrier (release / acquire at cluster scope) makes them visible to the
     cluster, and the cluster's blocks merge the q tile's rows between them (rank kvp takes every P-th 16-byte
     chunk of each warpgroup's rows) into the call's O and LSE: no merge launch, no count, no last block reading
-    every part alone. P in 2 .. CLUSTER_MAX_PARTS, where fused_merge's kernel fits (`_merge_in_kernel_fits`),
-    first items the blocks' own, the parts the grid's fastest axis (so a cluster's P neighbouring blocks are one
-    q tile's parts: not under `heads_first` or item_order "cost"). By default at P = emit_fa3.KV_PARTS_CLUSTER
-    (8: 1.04-1.12x the merge kernel's calls, benchmarks/NOTES.md "The merge inside a cluster"), and at 2 or 4
-    where the compiler finds the grid within the SMs (decoding's rows; a small prefill grid's 4 within half:
+    every part alone. Where P divides 64 the parts push their rows to the rank that merges them instead
+    (`cluster_push`: no barrier after the merge, no remote reads). P in 2 .. CLUSTER_MAX_PARTS, where fused_merge's
+    kernel fits (`_merge_in_kernel_fits`), first items the blocks' own, the parts the grid's fastest axis (so a
+    cluster's P neighbouring blocks are one q tile's parts: not under `heads_first` or item_order "cost"). By
+    default at P = emit_fa3.KV_PARTS_CLUSTER (8: 1.04-1.12x the merge kernel's calls, benchmarks/NOTES.md "The merge
+    inside a cluster"), and at 2 or 4 where the compiler finds the grid within the SMs (decoding's rows; a small
+    prefill grid's 4 within half:
     compiler._cluster_small_grid sets cluster_merge True); where a call's grid has more clusters than the device
     holds at once, its plan takes the kernel without them (FA2ForwardKernel.plan: leftover clusters waited a
     round, 1.4-1.7x slower). `extra["cluster_merge"]` True at any P from 2, launched whatever the device holds at
@@ -918,6 +920,24 @@ def cluster_merge(spec: FA2ForwardSpec) -> bool:
                               and (own_first_item(spec) or not uses_work_counter(spec))):
         return False
     return asked is True or spec.kv_parts == KV_PARTS_CLUSTER
+
+
+def cluster_push(spec: FA2ForwardSpec) -> bool:
+    """Whether cluster_merge's parts push their rows to the block that merges them, one way, in place of two
+    cluster barriers around remote reads: rank r of the cluster merges rows r 64 / P .. (r + 1) 64 / P - 1 of each
+    consumer warpgroup's 64; every block, its rows staged, sends each of its rows below M to the rank that merges it
+    (its 16-byte chunks by st.async into that block's other Q buffer, unused by a block's only item, at the sender's
+    part's slot; its LSE into `cl_rl`), each store's bytes counted on the receiving warpgroup's mbarrier (`cl_bar`),
+    and merges its own rows from its own shared memory once that barrier has the bytes of its rows from all P parts
+    (lse_merge.pushed_merge_unit). A block waits for nobody's reads, and no block leaves while bytes are still on the
+    way to it: each waits for its own. The cluster's one barrier is split: every thread arrives at the kernel's
+    start, after the receiving barriers' init, and waits before its first push. Where P divides 64 (2, 4, 8: the
+    parts' slots then fill the Q buffer exactly); `extra["cluster_push"] = False` keeps the two barriers (bench /
+    split_parts 'pull')."""
+    asked = spec.extra.get("cluster_push", True)
+    if not (asked is True or asked is False):
+        raise ValueError(f"extra cluster_push must be True or False, got {asked!r}")
+    return asked and cluster_merge(spec) and 64 % spec.kv_parts == 0
 
 
 def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
@@ -969,6 +989,52 @@ def _emit_cluster_merge(c: _Code, spec: FA2ForwardSpec) -> None:
             c(f"merge_unit(cl_lse_s + 4 * (cw * 64 + mr), q_wg + mr * {2 * D} + ((mn ^ (mr & 7)) << 4), o_fin, "
               f"lse_fin, {D}, (b * H + h) * M + mq, mn)")
     c("cluster_sync()  # no block leaves while another still reads its shared memory")
+
+
+def _emit_cluster_push(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> None:
+    """cluster_push's pushes, then this block's merge of its own rows, after the warpgroup's staged epilogue left its
+    rows of the part in its Q buffer (q_wg, 128-byte swizzle) and their LSEs in cl_lse."""
+    P, D, QWG = spec.kv_parts, spec.head_dim, lay["qwg"]
+    per_row = D // 8  # a row's 16-byte chunks
+    chunks, rpr = 64 * per_row, 64 // P  # a warpgroup's chunks; the rows a rank merges of each warpgroup
+    cpr = rpr * per_row  # their chunks
+    c(f"# split-kv's merge in the cluster, pushed (cluster_push): rank r merges rows r {rpr} .. r {rpr} + {rpr - 1} "
+      "of each")
+    c(f"# warpgroup's 64; each block sends its rows below M there, each chunk to its part's slot of {cpr} chunks")
+    c("cluster_wait()  # every block of the cluster has initialised its receiving barriers (arrived at its start)")
+    c(f"cl_rx = sb + ((qk + 1) & 1) * {lay['q1']} + cw * {QWG}  # the rows pushed to this warpgroup: the other Q "
+      "buffer (a block's only item uses this one)")
+    c(f"for ei in range({chunks // 128}):")
+    with c.indent():
+        c("mc = (ctid & 127) + ei * 128")
+        c(f"mr = mc >> {per_row.bit_length() - 1}  # the chunk's row in the warpgroup's 64")
+        c("if q_lo + cw * 64 + mr < M:")
+        with c.indent():
+            c(f"mn = mc & {per_row - 1}")
+            c(f"pw0, pw1, pw2, pw3 = lds_v4_u32(q_wg + mr * {2 * D} + ((mn ^ (mr & 7)) << 4))")
+            c(f"pd = mr >> {rpr.bit_length() - 1}  # the rank that merges the row")
+            c("pb = mapa_shared(cl_bar_s + cw * 8, pd)  # its warpgroup's barrier")
+            c(f"st_async_v4_u32(mapa_shared(cl_rx + (kvp * {cpr} + mc - pd * {cpr}) * 16, pd), pw0, pw1, pw2, pw3, pb)")
+            c("if mn == 0:")
+            with c.indent():
+                c(f"st_async_f32(mapa_shared(cl_rl_s + 4 * (cw * 64 + kvp * {rpr} + mr - pd * {rpr}), pd), "
+                  "cl_lse[cw * 64 + mr], pb)")
+    c(f"mv = min(max(M - (q_lo + cw * 64 + kvp * {rpr}), 0), {rpr})  # this rank's rows of the warpgroup below M")
+    c("if mv > 0:")
+    with c.indent():
+        c("if (ctid & 127) == 0:")
+        with c.indent():
+            c(f"mbar_arrive_expect_tx(cl_bar_s + cw * 8, mv * {P * (2 * D + 4)})  # their bytes from the {P} parts")
+        c("mbar_wait_cluster(cl_bar_s + cw * 8, 0)")
+        c(f"for ei in range({-(-cpr // 128)}):")
+        with c.indent():
+            c("ml = (ctid & 127) + ei * 128")
+            c(f"mr = ml >> {per_row.bit_length() - 1}  # the row among this rank's")
+            c(f"mq = q_lo + cw * 64 + kvp * {rpr} + mr")
+            c(f"if ml < {cpr} and mq < M:")
+            with c.indent():
+                c(f"merge_unit(cl_rl, {rpr}, cw * 64 + mr, cl_rx + ml * 16, {cpr * 16}, o_fin, lse_fin, {D}, "
+                  f"(b * H + h) * M + mq, ml & {per_row - 1})")
 
 
 def _epilogue_in_s_asked(spec: FA2ForwardSpec) -> bool:
@@ -1120,6 +1186,7 @@ def static_bytes(spec: FA2ForwardSpec) -> int:
     (fused_merge: `fm`)."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
     merge = 4 * consumer_wgs(spec) * (64 if cluster_merge(spec) else 1) if fused_merge(spec) else 0
+    merge += (4 * 64 + 8) * consumer_wgs(spec) if cluster_push(spec) else 0  # cl_rl, cl_bar
     return tick + (kept_bytes(spec) if epilogue_in_s(spec) else 0) + (slice_bytes(spec) if row_slice(spec) else 0) \
         + merge
 
@@ -1500,6 +1567,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 _emit_range_prefetch(c, spec)
         _emit_item_loop_end(c, spec, producer_side=True)
     c("cp_async_wait0()  # leave no copy in flight")
+    if cluster_push(spec):
+        c("cluster_wait()  # (every thread that arrives on the cluster's barrier waits on it once)")
 
 
 def _emit_q_tiles_load(c: _Code, D: int, rstep: int, qwg: int) -> None:
@@ -2476,7 +2545,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                                   f"bar_sync({EPI} + cw, 128)  # every warp of this warpgroup is past its last S: "
                                   "its Q tile is free",
                                   lse_shared="cl_lse[cw * 64 + lr]" if cluster_merge(spec) else "")
-            if cluster_merge(spec):  # the cluster reads the staged rows out of this buffer first
+            if cluster_push(spec):  # the staged rows leave this buffer for the blocks that merge them
+                _emit_cluster_push(c, spec, lay)
+            elif cluster_merge(spec):  # the cluster reads the staged rows out of this buffer first
                 _emit_cluster_merge(c, spec)
             c(f"mbar_arrive(bars + {lay['q_empty']} + (qk & 1) * 8)  # this thread is done with the item's Q "
               "buffer: the producer may load an item into it")
@@ -2599,6 +2670,11 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         if cluster_merge(spec):
             c(f"cl_lse = cuda.shared.array({64 * consumer_wgs(spec)}, np.float32)  # the part's LSE of each row "
               "(cluster_merge)")
+        if cluster_push(spec):
+            c(f"cl_rl = cuda.shared.array({64 * consumer_wgs(spec)}, np.float32)  # the parts' LSEs of the rows "
+              "this block merges, pushed (cluster_push)")
+            c(f"cl_bar = cuda.shared.array({consumer_wgs(spec)}, np.int64)  # each consumer warpgroup's barrier of "
+              "those pushes")
         elif fused_merge(spec):
             c(f"fm = cuda.shared.array({consumer_wgs(spec)}, np.int32)  # each consumer warpgroup's count of its "
               "rows' parts (fused_merge)")
@@ -2611,6 +2687,9 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
             c("rsl_s = smem_base(rsl)  # the runs' shared byte address (slice_pairs' 8-byte loads)")
         if cluster_merge(spec):
             c("cl_lse_s = smem_base(cl_lse)  # its shared byte address (the same in every block of the cluster)")
+        if cluster_push(spec):
+            c("cl_rl_s = smem_base(cl_rl)  # (the same in every block of the cluster)")
+            c("cl_bar_s = smem_base(cl_bar)")
         c("tid = cuda.threadIdx.x")
         c("__OFFSETS__")
         c(f"nq = (M + {BQ - 1}) // {BQ}")
@@ -2663,7 +2742,13 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 c(f"mbar_init(bars + {lay['full_v'] + 8 * s}, {loaders})")
                 c(f"mbar_init(bars + {lay['empty_k'] + 8 * s}, {consumers})")
                 c(f"mbar_init(bars + {lay['empty_v'] + 8 * s}, {consumers})")
+            if cluster_push(spec):
+                for w in range(consumer_wgs(spec)):
+                    c(f"mbar_init(cl_bar_s + {8 * w}, 1)  # warpgroup {w}'s rows pushed by the cluster's parts")
+                c("fence_mbar_init_cluster()  # the cluster sees them initialised through this thread's arrival")
         c("cuda.syncthreads()  # the barriers are initialised (the only block-wide barrier)")
+        if cluster_push(spec):
+            c("cluster_arrive_relaxed()  # the cluster's one barrier: waited for before the first push")
         c("role = warp_uniform(tid >> 5)  # the warp's index, provably the same in its lanes (wgmma in a branch on "
           "tid is serialized: C7518)")
         if NONE:
@@ -2696,8 +2781,10 @@ def emit_fa3_ws_forward(spec: FA2ForwardSpec) -> str:
     header = _HEADER.format(spec_repr=_spec_comment(spec) + f" schedule={SCHEDULE}").replace(
         "emit_fa2 -- do not edit.", "emit_fa3_ws -- do not edit.")
     code = _device_functions(spec) + "\n\n" + ssa_rename(_emit_kernel(spec))
-    sync, unit = ("cluster_sync", "cluster_merge_unit") if cluster_merge(spec) else \
-        ("fence_acq_rel_gpu", "fused_merge_unit")  # the merge's barrier, or its count's fence
+    sync, unit = ("cluster_arrive_relaxed, cluster_wait, fence_mbar_init_cluster, mapa_shared, mbar_wait_cluster, "
+                  "st_async_f32, st_async_v4_u32", "pushed_merge_unit") if cluster_push(spec) else \
+        ("cluster_sync", "cluster_merge_unit") if cluster_merge(spec) else \
+        ("fence_acq_rel_gpu", "fused_merge_unit")  # the merge's barriers and remote writes, or its count's fence
     split = "" if spec.kv_parts == 1 else (
         f"from falower.backends.numba_cuda.intrinsics import {sync}\n"
         f"from falower.backends.numba_cuda.lse_merge import {unit}\n\n"

@@ -84,6 +84,19 @@ Public names (identical in both modes):
     mapa_shared                    (shared byte address, rank) -> uint32: the same address in block `rank` of the
                                    cluster (mapa.shared::cluster), for ld_cluster_v4_u32 / ld_cluster_f32 (its 16
                                    bytes as 4 words; its f32): a cluster's blocks reading each other's shared memory
+    cluster_arrive_relaxed(), cluster_wait()
+                                   cluster_sync's two halves apart: barrier.cluster.arrive.relaxed at a kernel's
+                                   start (after fence_mbar_init_cluster: a peer may then arrive on this block's
+                                   mbarriers) and barrier.cluster.wait.acquire before the first remote write
+                                   (emit_fa3_ws.cluster_push: no thread waits at the start)
+    fence_mbar_init_cluster()      fence.mbarrier_init.release.cluster: this thread's mbar_inits are visible to the
+                                   cluster's other blocks through its next cluster barrier arrival
+    st_async_v4_u32, st_async_f32  (shared::cluster address, four words / one f32, shared::cluster mbarrier): one
+                                   st.async into a block of the cluster's shared memory whose bytes complete on that
+                                   block's mbarrier (complete_tx, release at cluster scope): a one-way push
+    mbar_wait_cluster(addr, parity)
+                                   mbar_wait with acquire at cluster scope: what other blocks' st.async wrote and
+                                   counted on this block's mbarrier is visible after it
     fence_acq_rel_gpu()            fence.acq_rel.gpu: this thread's writes before it are visible to the GPU before
                                    its later ones (an atomic count); after a count, the writes it counted are visible
     ldg_vec, stg_vec               (1-D array, index) -> the 16 bytes at arr[index] as a tuple of arr's elements (4
@@ -150,6 +163,12 @@ __all__ = [
     "mapa_shared",
     "ld_cluster_v4_u32",
     "ld_cluster_f32",
+    "cluster_arrive_relaxed",
+    "cluster_wait",
+    "fence_mbar_init_cluster",
+    "st_async_v4_u32",
+    "st_async_f32",
+    "mbar_wait_cluster",
     "elem_addr",
     "cp_async16_a",
     "ldg_f32_a",
@@ -795,6 +814,21 @@ if SIMULATOR:
     def cluster_sync():
         raise NotImplementedError("cluster_sync: the simulator runs one block at a time and has no clusters; a "
                                   "kernel that merges in a cluster (emit_fa3_ws.cluster_merge) runs on a GPU only")
+
+    def _no_cluster(name):
+        def refuse(*args):
+            raise NotImplementedError(f"{name}: the simulator runs one block at a time and has no clusters; a kernel "
+                                      "that merges in a cluster (emit_fa3_ws.cluster_merge) runs on a GPU only")
+
+        refuse.__name__ = name
+        return refuse
+
+    cluster_arrive_relaxed = _no_cluster("cluster_arrive_relaxed")
+    cluster_wait = _no_cluster("cluster_wait")
+    fence_mbar_init_cluster = _no_cluster("fence_mbar_init_cluster")
+    st_async_v4_u32 = _no_cluster("st_async_v4_u32")
+    st_async_f32 = _no_cluster("st_async_f32")
+    mbar_wait_cluster = _no_cluster("mbar_wait_cluster")
 
     def stg_vec(arr, index, vals):
         a = np.asarray(arr)
@@ -1722,6 +1756,9 @@ else:
     cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
     fence_acq_rel_gpu = _void_asm_intrinsic("fence_acq_rel_gpu", "fence.acq_rel.gpu;")
     cluster_sync = _void_asm_intrinsic("cluster_sync", "barrier.cluster.arrive.release; barrier.cluster.wait.acquire;")
+    cluster_arrive_relaxed = _void_asm_intrinsic("cluster_arrive_relaxed", "barrier.cluster.arrive.relaxed;")
+    cluster_wait = _void_asm_intrinsic("cluster_wait", "barrier.cluster.wait.acquire;")
+    fence_mbar_init_cluster = _void_asm_intrinsic("fence_mbar_init_cluster", "fence.mbarrier_init.release.cluster;")
     griddep_wait = _void_asm_intrinsic("griddep_wait", "griddepcontrol.wait;")
     griddep_launch_dependents = _void_asm_intrinsic("griddep_launch_dependents", "griddepcontrol.launch_dependents;")
 
@@ -2313,8 +2350,8 @@ else:
 
     def _addr_asm(name: str, ptx: str, nargs: int, ret=None, arg_types: tuple = ()):
         """An intrinsic of `nargs` u32 arguments (the first a shared address) around one asm; `ret` a Numba type
-        for one "=r" result ($0; the arguments follow), else void. `arg_types`: the arguments' integer types
-        instead (a 64-bit one, a generic address, goes in an "l" register)."""
+        for one "=r" result ($0; the arguments follow), else void. `arg_types`: the arguments' types instead (a
+        64-bit integer, a generic address, goes in an "l" register; an f32 in an "f" one)."""
         targets = list(arg_types) or [_U32] * nargs
 
         def typer(typingctx, *args):
@@ -2324,7 +2361,7 @@ else:
 
             def codegen(context, builder, sig, llargs):
                 vals = _cast_all(context, builder, sig, llargs, targets)
-                ins = ["l" if t.bitwidth == 64 else "r" for t in targets]
+                ins = ["f" if isinstance(t, types.Float) else "l" if t.bitwidth == 64 else "r" for t in targets]
                 cons = ",".join((["=r"] if ret else []) + ins + ["~{memory}"])
                 res = _asm(context, builder, ptx, cons, vals, [ret] if ret else [], side_effect=True)
                 return res if ret else context.get_dummy_value()
@@ -2354,6 +2391,16 @@ else:
     bar_sync = _addr_asm("bar_sync", "bar.sync $0, $1;", 2)
     mapa_shared = _addr_asm(  # the shared::cluster address of shared byte address $1 in the cluster's block $2
         "mapa_shared", "mapa.shared::cluster.u32 $0, $1, $2;", 2, ret=types.uint32)
+    st_async_v4_u32 = _addr_asm(  # four words to the shared::cluster address $0, counted on the mbarrier at $5
+        "st_async_v4_u32", "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];",
+        6)
+    st_async_f32 = _addr_asm(  # an f32 to the shared::cluster address $0, counted on the mbarrier at $2
+        "st_async_f32", "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];", 3,
+        arg_types=(_U32, types.float32, _U32))
+    mbar_wait_cluster = _addr_asm(
+        "mbar_wait_cluster",
+        "{ .reg .pred p; FALOWER_MBAR_WAITC: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
+        "@!p bra FALOWER_MBAR_WAITC; }", 2)
     syncwarp = _void_asm_intrinsic("syncwarp", "bar.warp.sync 0xffffffff;")
     bulk_commit = _void_asm_intrinsic("bulk_commit", "cp.async.bulk.commit_group;")
     bulk_wait_read0 = _void_asm_intrinsic("bulk_wait_read0", "cp.async.bulk.wait_group.read 0;")

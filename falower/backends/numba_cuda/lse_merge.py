@@ -251,6 +251,36 @@ def cluster_merge_unit(parts: int, dtype: str) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def pushed_merge_unit(parts: int, dtype: str) -> Any:
+    """The merge a cluster's blocks run once the other parts pushed their rows into them (emit_fa3_ws.cluster_push):
+    `unit(lses, lse_rows, lse_row, o_addr, o_step, o, lse, D, row, chunk)` merges 8 elements, chunk `chunk` of row
+    `row` of the call's O (4-byte words of two 16-bit `dtype` halves, [rows, D / 2]) and LSE, from part p's f32 LSE
+    at lses[p * lse_rows + lse_row] (a shared array) and its 16 bytes of O at the shared byte address o_addr + p *
+    o_step, all in this block's own shared memory. The arithmetic is cluster_merge_unit's, in its order."""
+    from .intrinsics import lds_v4_u32
+
+    @cuda.jit(device=True)
+    def load_words(src, addr, step, p):  # (src unused: part p's words are at addr + p step here)
+        return lds_v4_u32(addr + p * step)
+
+    shares = _shares(parts, _plain_load())
+    loads, weighted = _weighted_chunk(parts, dtype, load_words)
+    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
+
+    @cuda.jit(device=True)
+    def unit(lses, lse_rows, lse_row, o_addr, o_step, o, lse, D, row, chunk):
+        wd = cuda.local.array(words, np.uint32)
+        loads(o, o_addr, o_step, wd)
+        a = cuda.local.array(parts, np.float32)
+        row_lse = shares(lses, lse_rows, lse_row, a)
+        weighted(wd, a, o, row * (D // 2) + chunk * 4)
+        if chunk == 0:
+            lse[row] = row_lse
+
+    return unit
+
+
+@functools.lru_cache(maxsize=None)
 def merge_kernel(parts: int, out_dtype: str, vec: int = 1) -> Any:
     """The jitted kernel for `parts` f32 parts (`_merge`'s arguments), O stored as `out_dtype` (f32, or f16 / bf16
     as 16-bit words), `vec` elements a thread (merge_vec(D, 4))."""
@@ -323,4 +353,4 @@ def lse_merge(o_parts: Any, lse_parts: Any, out_dtype: Optional[str] = None) -> 
 
 
 __all__ = ["cluster_merge_unit", "fused_merge_unit", "lse_merge", "merge_grid", "merge_kernel", "merge_vec",
-           "split_merge_kernel"]
+           "pushed_merge_unit", "split_merge_kernel"]

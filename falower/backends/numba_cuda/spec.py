@@ -55,12 +55,12 @@ BLOCK_MASKS = ("none", "static", "table", "list")
 # keys the code reads and to bench.py's config flags.
 KNOWN_EXTRAS = frozenset({
     "blocks_per_sm", "bounds_in_s", "bulk_store", "bwd_block_list", "bwd_persistent", "bwd_schedule", "class32",
-    "cluster_merge", "col_mma", "col_step", "decode_block_k", "decode_tiles", "dk_after_dq", "dkdv_bulk",
-    "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "early_loads",
-    "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early", "grad_dist", "grad_groups",
-    "half_tiles", "head_group", "hold_grads", "interior_split", "item_order", "keep_bits", "kv_group", "kv_major",
-    "kv_parts", "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc",
-    "overlap", "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
+    "cluster_merge", "cluster_push", "col_mma", "col_step", "decode_block_k", "decode_tiles", "dk_after_dq",
+    "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "early_loads",
+    "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early", "grad_dist", "grad_groups", "half_tiles",
+    "head_group", "hold_grads", "interior_split", "item_order", "keep_bits", "kv_group", "kv_major", "kv_parts",
+    "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc", "overlap",
+    "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
     "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice",
     "schedule", "skip_padding", "slice_ahead", "slice_in_s", "slice_pairs", "slice_rows", "small_grid",
     "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
@@ -83,6 +83,7 @@ def forward_extra(extra: dict) -> dict:
 
 EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be read as another silently
     "cluster_merge": (True, False, "auto"),
+    "cluster_push": (True, False),
     "skip_padding": (True, False),
     "blocks_per_sm": (1, 2, 3),  # (3: emit_fa3's D = 64 kernels only; 2 on the ws kernel: decoding's tiles only)
     "decode_block_k": (64, 128),
