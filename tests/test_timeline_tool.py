@@ -259,8 +259,9 @@ def test_a_cluster_kernel_is_stamped_with_its_merge_and_its_fused_twins_argument
     """A kernel that merges split-kv's parts in a cluster (decoding's 8 parts at B = 1, H = 8, N = 1k) is stamped
     as itself, not as its form without clusters: its arguments come from its fused twin (the same argument list,
     which Numba's path prepares), it is launched in clusters of its parts, and its consumers' record of an item
-    comes after the cluster's merge (both cluster barriers), so the item's epilogue stamp includes it. A kernel
-    without clusters is its own twin."""
+    comes after the cluster's merge (the wait for the parts' pushes and the merge itself: cluster_push; both cluster
+    barriers under cluster_push False), so the item's epilogue stamp includes it. A kernel without clusters is its
+    own twin."""
     c = fl.compile(runpy.run_path(str(ROOT / "examples" / "plain.py"))["graph"], "numba-cuda")
     kern = c.specialize("f16", B=1, H=8, M=1, N=1024, D=128)
     twin, width = timeline.argument_twin(kern)
@@ -268,6 +269,11 @@ def test_a_cluster_kernel_is_stamped_with_its_merge_and_its_fused_twins_argument
     assert emit_fa3_ws.fused_merge(twin.spec) and not emit_fa3_ws.cluster_merge(twin.spec)
     out = timeline.stamped_producer_source(kern.source, kern.spec.name, emit_fa3_ws.consumer_wgs(kern.spec))
     compile(out, "stamped", "exec")
+    end = out.index("tl_buf[tl_i + 3] = global_timer()")
+    assert "cluster_sync()" not in out and out.index("mbar_wait_cluster(") < out.rindex("merge_unit(", 0, end)
+    pulled = fl.compile(runpy.run_path(str(ROOT / "examples" / "plain.py"))["graph"], "numba-cuda",
+                        extra={"cluster_push": False}).specialize("f16", B=1, H=8, M=1, N=1024, D=128)
+    out = timeline.stamped_producer_source(pulled.source, pulled.spec.name, emit_fa3_ws.consumer_wgs(pulled.spec))
     syncs = [i for i in range(len(out)) if out.startswith("cluster_sync()", i)]
     assert len(syncs) == 2 and syncs[-1] < out.index("tl_buf[tl_i + 3] = global_timer()")
     plain = c.specialize("f16", B=1, H=8, M=4096, N=4096, D=128)

@@ -876,7 +876,8 @@ def fused_merge(spec: FA2ForwardSpec) -> bool:
     12.1 at D = 64, N = 8k; M = 64 27.5 against 16.2. Each part's fence waits for its stores, the count and the last
     part's reads of the others run after the kernel's critical path, and at M = 64 one warpgroup a q tile reads all
     16 parts' 64 rows (256 KB) where the merge kernel spreads them over 64 blocks. True under `cluster_merge` too,
-    whose kernel takes the same arguments (o_fin, lse_fin; its `arrivals` unused) and merges by a cluster barrier."""
+    whose kernel takes the same arguments (o_fin, lse_fin; its `arrivals` unused) and merges inside the cluster (by
+    the parts' pushes, `cluster_push`, or by a cluster barrier)."""
     return (_merge_in_kernel_fits(spec) and bool(spec.extra.get("fused_merge", False))) or cluster_merge(spec)
 
 
@@ -931,13 +932,16 @@ def cluster_push(spec: FA2ForwardSpec) -> bool:
     and merges its own rows from its own shared memory once that barrier has the bytes of its rows from all P parts
     (lse_merge.pushed_merge_unit). A block waits for nobody's reads, and no block leaves while bytes are still on the
     way to it: each waits for its own. The cluster's one barrier is split: every thread arrives at the kernel's
-    start, after the receiving barriers' init, and waits before its first push. Where P divides 64 (2, 4, 8: the
-    parts' slots then fill the Q buffer exactly); `extra["cluster_push"] = False` keeps the two barriers (bench /
-    split_parts 'pull')."""
+    start, after the receiving barriers' init; a consumer waits on it before its first push, a producer thread at
+    its end. Needs the block's only item (cluster_merge's grid: one block an item; a second item would load its Q
+    into the buffer the pushes land in), P dividing 64 (2, 4, 8: the parts' slots then fill the Q buffer exactly)
+    and D / 8 a power of two (the chunks' shifts); `extra["cluster_push"] = False` keeps the two barriers (bench /
+    split_parts 'pull'). Measured: benchmarks/NOTES.md "Decoding's cluster merge by pushes"."""
     asked = spec.extra.get("cluster_push", True)
     if not (asked is True or asked is False):
         raise ValueError(f"extra cluster_push must be True or False, got {asked!r}")
-    return asked and cluster_merge(spec) and 64 % spec.kv_parts == 0
+    per_row = spec.head_dim // 8
+    return asked and cluster_merge(spec) and 64 % spec.kv_parts == 0 and per_row & (per_row - 1) == 0
 
 
 def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
@@ -1182,8 +1186,8 @@ def tick_words(spec: FA2ForwardSpec) -> int:
 
 def static_bytes(spec: FA2ForwardSpec) -> int:
     """The kernel's static shared arrays: the tickets and list heads (`tick`), the kept epilogue's state, the
-    consumer warpgroups' runs of the table (row_slice), the merge's LSEs (cluster_merge: `cl_lse`) or counts
-    (fused_merge: `fm`)."""
+    consumer warpgroups' runs of the table (row_slice), the merge's LSEs (cluster_merge: `cl_lse`; under
+    cluster_push also the pushed ones, `cl_rl`, and their barriers, `cl_bar`) or counts (fused_merge: `fm`)."""
     tick = 4 * tick_words(spec) if uses_work_counter(spec) else 0
     merge = 4 * consumer_wgs(spec) * (64 if cluster_merge(spec) else 1) if fused_merge(spec) else 0
     merge += (4 * 64 + 8) * consumer_wgs(spec) if cluster_push(spec) else 0  # cl_rl, cl_bar

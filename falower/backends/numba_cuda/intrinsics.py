@@ -83,7 +83,8 @@ Public names (identical in both modes):
                                    simulator runs one block at a time, so it has none (it raises)
     mapa_shared                    (shared byte address, rank) -> uint32: the same address in block `rank` of the
                                    cluster (mapa.shared::cluster), for ld_cluster_v4_u32 / ld_cluster_f32 (its 16
-                                   bytes as 4 words; its f32): a cluster's blocks reading each other's shared memory
+                                   bytes as 4 words; its f32): a cluster's blocks reading each other's shared memory;
+                                   and for st_async_* (the address and the mbarrier pushed to)
     cluster_arrive_relaxed(), cluster_wait()
                                    cluster_sync's two halves apart: barrier.cluster.arrive.relaxed at a kernel's
                                    start (after fence_mbar_init_cluster: a peer may then arrive on this block's
@@ -2351,7 +2352,7 @@ else:
     def _addr_asm(name: str, ptx: str, nargs: int, ret=None, arg_types: tuple = ()):
         """An intrinsic of `nargs` u32 arguments (the first a shared address) around one asm; `ret` a Numba type
         for one "=r" result ($0; the arguments follow), else void. `arg_types`: the arguments' types instead (a
-        64-bit integer, a generic address, goes in an "l" register; an f32 in an "f" one)."""
+        64-bit integer, a generic address, goes in an "l" register; an f32 in an "f" one, an f64 in a "d")."""
         targets = list(arg_types) or [_U32] * nargs
 
         def typer(typingctx, *args):
@@ -2361,7 +2362,8 @@ else:
 
             def codegen(context, builder, sig, llargs):
                 vals = _cast_all(context, builder, sig, llargs, targets)
-                ins = ["f" if isinstance(t, types.Float) else "l" if t.bitwidth == 64 else "r" for t in targets]
+                ins = [("d" if t.bitwidth == 64 else "f") if isinstance(t, types.Float) else
+                       "l" if t.bitwidth == 64 else "r" for t in targets]
                 cons = ",".join((["=r"] if ret else []) + ins + ["~{memory}"])
                 res = _asm(context, builder, ptx, cons, vals, [ret] if ret else [], side_effect=True)
                 return res if ret else context.get_dummy_value()

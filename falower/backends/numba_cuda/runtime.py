@@ -599,8 +599,8 @@ def _programmatic_launcher(handle: int, grid: tuple, block: int, smem: int, addr
 
 def _cluster_launcher(handle: int, grid: tuple, block: int, smem: int, address: int, width: int) -> Any:
     """A launch of `handle` in clusters of `width` blocks along x (cuLaunchKernelEx's cluster dimension attribute:
-    emit_fa3_ws.cluster_merge's kernels, whose merge waits at a cluster barrier for the q tile's parts). No plain
-    fallback: such a kernel launched without clusters would merge parts not yet written."""
+    emit_fa3_ws.cluster_merge's kernels, whose merge waits for the q tile's parts: their pushes or a cluster
+    barrier). No plain fallback: such a kernel launched without clusters would merge parts not yet written."""
     fn = _ctypes_launch_ex()
     if fn is None:
         raise RuntimeError("this kernel merges split-kv's parts in a cluster and needs cuLaunchKernelEx, which "
@@ -668,7 +668,7 @@ def device_clusters_held(width: int) -> Optional[int]:
 
 def _arrivals_len(spec: FA2ForwardSpec, B: int, H: int, M: int) -> int:
     """The fused merge's counts (emit_fa3_ws.fused_merge): one a consumer warpgroup's 64 rows of every q tile (one,
-    unused, where the merge waits at a cluster barrier: cluster_merge)."""
+    unused, where the merge runs in a cluster: cluster_merge)."""
     if cluster_parts(spec):
         return 1
     return B * H * -(-M // spec.block_q) * (spec.block_q // 64)
