@@ -31,6 +31,7 @@ WANT = {  # (stem, G or H, D, M, N, B) -> the automatic (parts, cluster size)
 
 
 def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
+    from falower.backends.numba_cuda.emit_fa3_ws import cluster_push
     from falower.backends.numba_cuda.emit_fa3_ws import stages as kernel_stages
 
     split_parts._COMPILED.clear()
@@ -51,6 +52,10 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
             assert spec.extra.get("blocks_per_sm", 1) == (2 if var == "b2" else 1), job
             assert int(spec.extra["persistent"]) == (264 if var == "b2" else 132), job
             assert cluster in (0, 8) or var != "b2", job  # (two blocks an SM: no clusters of 2 or 4 unasked)
+        elif var == "pull":  # the automatic parts and cluster, merged by the two barriers, not by pushes
+            spec = split_parts.kernel(*job).spec
+            assert spec.extra.get("cluster_push") is False and not cluster_push(spec), job
+            assert (parts, cluster) == split_parts.build(job[:2] + ("auto",) + job[3:])[1], job
         elif var != "auto":
             assert parts == split_parts.VARIANTS[var]["kv_parts"], job
             assert cluster == (parts if var[0] == "c" else 0), job
