@@ -2,7 +2,7 @@
 CUDA target with no GPU: the simulator runs their arithmetic but not the CUDA target's typing (a local array whose
 length was not a constant passed the simulator and failed to compile on the GPU), and the PTX shows where the
 merge's loads are: every part's LSE and 16 bytes of O issued before the shares' first division, so a merge waits for
-the other parts' memory once (lse_merge._weighted_chunk)."""
+the other parts' memory once (lse_merge._merged_chunk)."""
 
 from __future__ import annotations
 

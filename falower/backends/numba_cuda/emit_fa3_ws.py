@@ -970,6 +970,12 @@ def _emit_fused_merge(c: _Code, spec: FA2ForwardSpec, epi: int) -> None:
                 c(f"merge_unit(o, lse, o_fin, lse_fin, B * H * M, {D}, (b * H + h) * M + mq, mc - mr * {D // 8})")
 
 
+def _staged_chunk(D: int) -> str:
+    """The shared byte address of chunk mn (16 bytes) of row mr of the warpgroup's rows staged in its Q tile (q_wg,
+    the staged epilogue's 128-byte swizzle): what the cluster's merges read, remotely or before pushing it."""
+    return f"q_wg + mr * {2 * D} + ((mn ^ (mr & 7)) << 4)"
+
+
 def _emit_cluster_merge(c: _Code, spec: FA2ForwardSpec) -> None:
     """cluster_merge's barriers and merge, after the warpgroup's staged epilogue left its rows of the part in its Q
     buffer and their LSEs in cl_lse: the block's only item (`grid`), so every consumer thread of the cluster's blocks
@@ -990,8 +996,8 @@ def _emit_cluster_merge(c: _Code, spec: FA2ForwardSpec) -> None:
         c(f"if mc < {chunks} and 0 <= mq < M:")
         with c.indent():
             c(f"mn = mc - mr * {D // 8}")
-            c(f"merge_unit(cl_lse_s + 4 * (cw * 64 + mr), q_wg + mr * {2 * D} + ((mn ^ (mr & 7)) << 4), o_fin, "
-              f"lse_fin, {D}, (b * H + h) * M + mq, mn)")
+            c(f"merge_unit(cl_lse_s + 4 * (cw * 64 + mr), {_staged_chunk(D)}, o_fin, lse_fin, {D}, "
+              "(b * H + h) * M + mq, mn)")
     c("cluster_sync()  # no block leaves while another still reads its shared memory")
 
 
@@ -1015,7 +1021,7 @@ def _emit_cluster_push(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int]) -> N
         c("if q_lo + cw * 64 + mr < M:")
         with c.indent():
             c(f"mn = mc & {per_row - 1}")
-            c(f"pw0, pw1, pw2, pw3 = lds_v4_u32(q_wg + mr * {2 * D} + ((mn ^ (mr & 7)) << 4))")
+            c(f"pw0, pw1, pw2, pw3 = lds_v4_u32({_staged_chunk(D)})")
             c(f"pd = mr >> {rpr.bit_length() - 1}  # the rank that merges the row")
             c("pb = mapa_shared(cl_bar_s + cw * 8, pd)  # its warpgroup's barrier")
             c(f"st_async_v4_u32(mapa_shared(cl_rx + (kvp * {cpr} + mc - pd * {cpr}) * 16, pd), pw0, pw1, pw2, pw3, pb)")

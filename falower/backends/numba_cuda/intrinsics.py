@@ -803,19 +803,6 @@ if SIMULATOR:
     def fence_acq_rel_gpu():  # the simulator's threads share one memory
         pass
 
-    def mapa_shared(saddr, rank):
-        raise NotImplementedError("mapa_shared: the simulator has no clusters (emit_fa3_ws.cluster_merge)")
-
-    def ld_cluster_v4_u32(caddr):
-        raise NotImplementedError("ld_cluster_v4_u32: the simulator has no clusters (emit_fa3_ws.cluster_merge)")
-
-    def ld_cluster_f32(caddr):
-        raise NotImplementedError("ld_cluster_f32: the simulator has no clusters (emit_fa3_ws.cluster_merge)")
-
-    def cluster_sync():
-        raise NotImplementedError("cluster_sync: the simulator runs one block at a time and has no clusters; a "
-                                  "kernel that merges in a cluster (emit_fa3_ws.cluster_merge) runs on a GPU only")
-
     def _no_cluster(name):
         def refuse(*args):
             raise NotImplementedError(f"{name}: the simulator runs one block at a time and has no clusters; a kernel "
@@ -824,6 +811,10 @@ if SIMULATOR:
         refuse.__name__ = name
         return refuse
 
+    mapa_shared = _no_cluster("mapa_shared")
+    ld_cluster_v4_u32 = _no_cluster("ld_cluster_v4_u32")
+    ld_cluster_f32 = _no_cluster("ld_cluster_f32")
+    cluster_sync = _no_cluster("cluster_sync")
     cluster_arrive_relaxed = _no_cluster("cluster_arrive_relaxed")
     cluster_wait = _no_cluster("cluster_wait")
     fence_mbar_init_cluster = _no_cluster("fence_mbar_init_cluster")

@@ -148,17 +148,19 @@ def _merge(parts: int, vec: int, load: Any, store: Any, programmatic: bool = Fal
 
 
 @functools.lru_cache(maxsize=None)
-def _weighted_chunk(parts: int, dtype: str, load_words: Any) -> tuple[Any, Any]:
-    """(`loads(src, base, step, wd)`, `weighted(wd, a, o, at)`): the in-kernel merges' last step (fused_merge_unit,
-    cluster_merge_unit), which differ only in where a part's words are. `loads` puts each part p's 16 bytes of O,
-    `load_words(src, base, step, p)` (4 words of 8 elements), into wd [4 * parts] (uint32, a local array);
-    `weighted` then writes o's 16 bytes at its 4-byte word `at` (words of two 16-bit `dtype` halves) = the sum over
-    parts p, in order, of a[p] times part p's 8 elements. The units issue `loads` before the shares' loads and
-    arithmetic, so every part's words and LSE are in flight at once: one round trip to the other blocks' memory, not
-    two."""
+def _merged_chunk(parts: int, dtype: str, load_words: Any, load_lse: Any) -> Any:
+    """`merged(src, base, step, lses, lse_rows, lse_row, o, lse, row, at, first)`: the in-kernel merges' one unit
+    (fused_merge_unit, cluster_merge_unit, pushed_merge_unit), which differ only in where a part's words and LSE
+    are. It loads each part p's 16 bytes of O, `load_words(src, base, step, p)` (4 words of 8 elements), into a
+    local array, then the shares (`_shares` over `load_lse(lses, p * lse_rows + lse_row)`), then writes o's 16 bytes
+    at its 4-byte word `at` (words of two 16-bit `dtype` halves) = the sum over parts p, in order, of a[p] times part
+    p's 8 elements, and lse[row] where `first`. The O loads go before the shares' loads and arithmetic, so every
+    part's words and LSE are in flight at once: one round trip to the other blocks' memory, not two."""
     from .intrinsics import stg_vec
 
     widen, _, pack = _sixteen_bit(dtype, "the merge in the kernel")
+    shares = _shares(parts, load_lse)
+    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
 
     @cuda.jit(device=True)
     def loads(src, base, step, wd):
@@ -179,7 +181,17 @@ def _weighted_chunk(parts: int, dtype: str, load_words: Any) -> tuple[Any, Any]:
         stg_vec(o, at, (np.int32(pack(acc[0], acc[1])), np.int32(pack(acc[2], acc[3])),
                         np.int32(pack(acc[4], acc[5])), np.int32(pack(acc[6], acc[7]))))
 
-    return loads, weighted
+    @cuda.jit(device=True)
+    def merged(src, base, step, lses, lse_rows, lse_row, o, lse, row, at, first):
+        wd = cuda.local.array(words, np.uint32)
+        loads(src, base, step, wd)
+        a = cuda.local.array(parts, np.float32)
+        row_lse = shares(lses, lse_rows, lse_row, a)
+        weighted(wd, a, o, at)
+        if first:
+            lse[row] = row_lse
+
+    return merged
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,21 +208,13 @@ def fused_merge_unit(parts: int, dtype: str) -> Any:
     def load_words(o_parts, base, step, p):
         return ldg_cg_vec(o_parts, base + p * step)
 
-    shares = _shares(parts, ldg_cg_f32)
-    loads, weighted = _weighted_chunk(parts, dtype, load_words)
-    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
+    merged = _merged_chunk(parts, dtype, load_words, ldg_cg_f32)
 
     @cuda.jit(device=True)
     def unit(o_parts, lse_parts, o, lse, rows, D, row, chunk):
         half_d = D // 2
-        at = row * half_d + chunk * 4
-        wd = cuda.local.array(words, np.uint32)
-        loads(o_parts, at, rows * half_d, wd)  # part p's chunk at word at + p rows D / 2
-        a = cuda.local.array(parts, np.float32)
-        row_lse = shares(lse_parts, rows, row, a)
-        weighted(wd, a, o, at)
-        if chunk == 0:
-            lse[row] = row_lse
+        at = row * half_d + chunk * 4  # part p's chunk at word at + p rows D / 2
+        merged(o_parts, at, rows * half_d, lse_parts, rows, row, o, lse, row, at, chunk == 0)
 
     return unit
 
@@ -221,8 +225,8 @@ def cluster_merge_unit(parts: int, dtype: str) -> Any:
     o_addr, o, lse, D, row, chunk)` merges 8 elements, chunk `chunk` of row `row` of the call's O (4-byte words of
     two 16-bit `dtype` halves, [rows, D / 2]) and LSE, from each rank p's f32 LSE of the row at shared byte address
     lse_addr and its 16 staged bytes of O at o_addr (the same addresses in every block of the cluster, read by
-    mapa and ld.shared::cluster); chunk 0 writes the row's LSE. The arithmetic is fused_merge_unit's (`_shares`,
-    then each part's weighted O in order: `_weighted_chunk`)."""
+    mapa and ld.shared::cluster); chunk 0 writes the row's LSE. The arithmetic is fused_merge_unit's
+    (`_merged_chunk`)."""
     from .intrinsics import ld_cluster_f32, ld_cluster_v4_u32, mapa_shared
 
     @cuda.jit(device=True)
@@ -233,19 +237,12 @@ def cluster_merge_unit(parts: int, dtype: str) -> Any:
     def load_words(o, addr, step, p):  # (o and step unused: rank p's words are at addr in its shared memory)
         return ld_cluster_v4_u32(mapa_shared(addr, p))
 
-    shares = _shares(parts, load_lse)
-    loads, weighted = _weighted_chunk(parts, dtype, load_words)
-    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
+    merged = _merged_chunk(parts, dtype, load_words, load_lse)
 
     @cuda.jit(device=True)
     def unit(lse_addr, o_addr, o, lse, D, row, chunk):
-        wd = cuda.local.array(words, np.uint32)
-        loads(o, o_addr, 0, wd)
-        a = cuda.local.array(parts, np.float32)
-        row_lse = shares(lse_addr, 1, 0, a)  # rank p's LSE at index p: load_lse(lse_addr, p)
-        weighted(wd, a, o, row * (D // 2) + chunk * 4)
-        if chunk == 0:
-            lse[row] = row_lse
+        # (rank p's LSE at index p: load_lse(lse_addr, p))
+        merged(o, o_addr, 0, lse_addr, 1, 0, o, lse, row, row * (D // 2) + chunk * 4, chunk == 0)
 
     return unit
 
@@ -256,26 +253,18 @@ def pushed_merge_unit(parts: int, dtype: str) -> Any:
     `unit(lses, lse_rows, lse_row, o_addr, o_step, o, lse, D, row, chunk)` merges 8 elements, chunk `chunk` of row
     `row` of the call's O (4-byte words of two 16-bit `dtype` halves, [rows, D / 2]) and LSE, from part p's f32 LSE
     at lses[p * lse_rows + lse_row] (a shared array) and its 16 bytes of O at the shared byte address o_addr + p *
-    o_step, all in this block's own shared memory. The arithmetic is cluster_merge_unit's, in its order."""
+    o_step, all in this block's own shared memory. The arithmetic is cluster_merge_unit's (`_merged_chunk`)."""
     from .intrinsics import lds_v4_u32
 
     @cuda.jit(device=True)
     def load_words(src, addr, step, p):  # (src unused: part p's words are at addr + p step here)
         return lds_v4_u32(addr + p * step)
 
-    shares = _shares(parts, _plain_load())
-    loads, weighted = _weighted_chunk(parts, dtype, load_words)
-    words = 4 * parts  # (a constant: a local array's length must be one for Numba's CUDA target)
+    merged = _merged_chunk(parts, dtype, load_words, _plain_load())
 
     @cuda.jit(device=True)
     def unit(lses, lse_rows, lse_row, o_addr, o_step, o, lse, D, row, chunk):
-        wd = cuda.local.array(words, np.uint32)
-        loads(o, o_addr, o_step, wd)
-        a = cuda.local.array(parts, np.float32)
-        row_lse = shares(lses, lse_rows, lse_row, a)
-        weighted(wd, a, o, row * (D // 2) + chunk * 4)
-        if chunk == 0:
-            lse[row] = row_lse
+        merged(o, o_addr, o_step, lses, lse_rows, lse_row, o, lse, row, row * (D // 2) + chunk * 4, chunk == 0)
 
     return unit
 
