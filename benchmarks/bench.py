@@ -647,11 +647,12 @@ def example_compiled_config(stem: str, cfg: tuple):
     from falower.passes import NAMED_PIPELINES
 
     key = ("example-config", stem, config_tag(cfg))
-    if cfg[0] == "auto":  # the automatic choice with knobs
-        if cfg[1].get("eager"):
+    if cfg[0] == "auto":  # the automatic choice, with knobs ('auto-nocm') or without (AUTO, 'auto')
+        knobs = cfg[1] if len(cfg) > 1 else {}
+        if knobs.get("eager"):
             raise ValueError("'-eager' changes the pipeline, which the automatic choice keeps: give a tile config "
                              "(e.g. 128x128w8-wsn-eager)")
-        return example_compiled(stem, **cfg[1])
+        return example_compiled(stem, **knobs)
     if key not in _COMPILED:
         bq, bk, nw = cfg[:3]
         text = re.sub(r"\btile\{[^}]*\}", f"tile{{bq={bq},bk={bk}}}", NAMED_PIPELINES["fa2-fwd"], count=1)

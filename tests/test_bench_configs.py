@@ -52,6 +52,16 @@ def test_the_automatic_choice_with_knobs(text, extra):
     assert cfg == ("auto", extra) and cfg != bench.AUTO and bench.config_tag(cfg) == text
 
 
+@pytest.mark.parametrize("text,knobs", [("auto", {}), ("auto-nocm", {"col_mma": False})])
+def test_the_automatic_choice_compiles_with_or_without_knobs(text, knobs, monkeypatch):
+    """`example_compiled_config` under 'auto' (bench.AUTO, no knobs: timeline.py --config auto once raised an
+    IndexError there) and under 'auto-<knobs>' is the example as `example_compiled` builds it with those knobs."""
+    seen = []
+    monkeypatch.setattr(bench, "example_compiled", lambda stem, **kw: seen.append((stem, kw)) or "compiled")
+    assert bench.example_compiled_config("alibi", bench.parse_config(text)) == "compiled"
+    assert seen == [("alibi", knobs)]
+
+
 @pytest.mark.parametrize("bad", ["128x128w8-nosuch", "128x128w8-st", "128x128w8-wsn-zz4", "auto-zz"])
 def test_unknown_options_are_refused(bad):
     with pytest.raises(ValueError, match="unknown config option"):
