@@ -235,7 +235,8 @@ def summarize_persistent(t: np.ndarray) -> dict:
 
 PRODUCER_FIELDS = ("start", "q_landed", "loop_end", "end", "sm", "tiles", "k_wait_cycles", "v_wait_cycles",
                    "loop_cycles", "k0_wait_cycles", "first_tile_cycles", "kept_epilogue_cycles", "kept_barrier_cycles",
-                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles", "turn_wait_cycles", "entry")
+                   "kept_staged_cycles", "kept_redux_cycles", "kept_issued_cycles", "turn_wait_cycles", "entry",
+                   "entry_synced", "entry_regs")
 # inside the kept epilogue's block: the line after which its barrier has been passed, its rows are staged,
 # (bulk_store) the copies' operands are made uniform (their redux: the copies follow), and lane 0 (thread 0 stamps)
 # has issued and committed the copies
@@ -281,6 +282,10 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
         if i > start and ln.strip().startswith("smem = cuda.shared.array(0") and "entry" not in found:
             out.append(f"{ind(ln)}tl_e0 = global_timer()  # the block's entry")
             found.add("entry")
+        if i < consumers and ln.strip().startswith("cuda.syncthreads()  # the barriers are initialised"):
+            out += [ln, f"{ind(ln)}tl_e1 = global_timer()  # past the barriers' init and the block's barrier"]
+            found.add("synced")
+            continue
         for tag, anchor in (("k", "# K_j has landed"), ("v", "# V_(j-1) has landed")):
             if ln is not None and i > consumers and anchor in ln and "record" not in found:  # the kv loop
                 out += [f"{ind(ln)}tl_c0 = clock64()", ln, f"{ind(ln)}tl_w{tag} += clock64() - tl_c0"]
@@ -322,6 +327,8 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
                     *(f"{sp}    tl_buf[tl_i + {12 + n}] = np.uint64({v})" for n, v in enumerate(KEPT_VARS)),
                     f"{sp}    tl_buf[tl_i + {12 + len(KEPT_VARS)}] = np.uint64(tl_wt)",
                     f"{sp}    tl_buf[tl_i + {13 + len(KEPT_VARS)}] = tl_e0",
+                    f"{sp}    tl_buf[tl_i + {14 + len(KEPT_VARS)}] = tl_e1",
+                    f"{sp}    tl_buf[tl_i + {15 + len(KEPT_VARS)}] = tl_e2",
                     f"{sp}tl_k += 1"]
             found.add("record")
         out.append(ln)
@@ -330,7 +337,8 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
             found.add(v)
         if i == consumers:
             sp = ind(ln)
-            out += [f"{sp}tl_k = 0", f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
+            out += [f"{sp}tl_e2 = global_timer()  # the consumers' registers raised", f"{sp}tl_k = 0",
+                    f"{sp}tl_s = global_timer()", f"{sp}tl_q = tl_s", f"{sp}tl_le = tl_s",
                     f"{sp}tl_nt = 0", f"{sp}tl_wk = np.uint64(0)", f"{sp}tl_wv = tl_wk", f"{sp}tl_wk0 = tl_wk",
                     f"{sp}tl_f = False", f"{sp}tl_c1 = tl_wk", f"{sp}tl_f1 = False", f"{sp}tl_ep = tl_wk",
                     f"{sp}tl_c2 = tl_wk", *(f"{sp}{v} = tl_wk" for v in KEPT_VARS), f"{sp}tl_wt = tl_wk",
@@ -363,7 +371,7 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     if "kept" in found and not {"tl_eb", "tl_es"} <= found:
         raise SystemExit(f"timeline: the kept epilogue's barrier or staging not found: {found}")
     if found - {"kept", "turn", *KEPT_VARS} != {"record", "init", "start", "q", "loop_end", "wait_k", "wait_v",
-                                                 "first", "entry"}:
+                                                 "first", "entry", "synced"}:
         raise SystemExit(f"timeline: anchors not found in the producer kernel: {found}")
     return _with_timer_import("\n".join(out), "clock64, global_timer, sm_id")
 
@@ -417,6 +425,11 @@ def summarize_producer(t: np.ndarray) -> dict:
             waits["entry_to_first_item_us"] = float(np.median([(f[0] - f[17]) / 1e3 for f in firsts]))
             waits["entry_spread_us"] = float((max(f[17] for f in firsts) - min(f[17] for f in firsts)) / 1e3)
             waits["kernel_from_entry_us"] = float((t1 - min(f[17] for f in firsts)) / 1e3)
+            if t.shape[-1] >= 20:  # inside that: to the block's barrier after the barriers' init, to the consumers'
+                # registers raised (setmaxnreg), then to the first item's state (its ticket from the producer)
+                for name, a, b in (("entry_to_synced_us", 17, 18), ("synced_to_regs_us", 18, 19),
+                                   ("regs_to_first_item_us", 19, 0)):
+                    waits[name] = float(np.median([(f[b] - f[a]) / 1e3 for f in firsts]))
     return {"items": int(len(loops)), "kernel_us": float((t1 - t0) / 1e3), **med, "loop_us_per_tile": slope,
             "loop_fixed_us": icpt, "item_cost_tiles": per_item / slope if slope > 0 else float("nan"),
             "mean_tiles": float(tiles_a.mean()) if len(tiles_a) else float("nan"), **waits}

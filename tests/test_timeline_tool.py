@@ -189,6 +189,11 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
     assert out.rindex("tl_c3 = clock64()", 0, turn) > out.rindex("\n", 0, turn) - 200
     assert out.index("tl_wt += clock64() - tl_c3", turn) < out.index("\n", out.index("\n", turn) + 1)
     assert out.index("tl_buf[tl_i + 16] = np.uint64(tl_wt)") > at[-1]
+    # the prologue: the entry, past the block's barrier after the barriers' init, the consumers' registers raised
+    e1 = out.index("tl_e1 = global_timer()")
+    assert out.index("tl_e0 = global_timer()") < out.index("cuda.syncthreads()  # the barriers are initialised") < e1
+    assert e1 < out.index("SETMAXNREG_INC()") < out.index("tl_e2 = global_timer()") < out.index("tl_s = global_timer()")
+    assert out.index("tl_buf[tl_i + 18] = tl_e1") < out.index("tl_buf[tl_i + 19] = tl_e2")
     with pytest.raises(SystemExit, match="anchors not found"):
         timeline.stamped_producer_source(src.replace("# K_j has landed", "#"), spec.name)
 
@@ -196,7 +201,8 @@ def test_the_producer_kernels_stamps_go_in_order(stem):
 def test_the_producer_summary_reads_the_stamps():
     """Two warpgroups of two items (3 and 5 tiles): Q waited 0.25 us after the state, 2 us a tile plus 0.5 fixed,
     epilogue 1 us, 0.75 us between items; K waits 100 cycles a tile, V 50, the loop 2000 cycles a tile; the blocks
-    entered 0.8 and 1.2 us before their first item's state."""
+    entered 0.8 and 1.2 us before their first item's state, passed their barrier 0.3 us after entry and raised the
+    consumers' registers 0.2 us after that."""
     t = np.zeros((2, timeline.ITEMS, len(timeline.PRODUCER_FIELDS)))
     for wg in range(2):
         now = 1e6
@@ -205,7 +211,7 @@ def test_the_producer_summary_reads_the_stamps():
             le = q + 500 + 2000 * tiles
             t[wg, k] = [now, q, le, le + 1000, 0, tiles, 100 * tiles, 50 * tiles, 2000 * tiles, 300 + 100 * k,
                         4000 + 1000 * k, 1500 * k, 400 * k, 900 * k, 1100 * k, 1300 * k, 500 * tiles,
-                        1e6 - 800 - 400 * wg]
+                        1e6 - 800 - 400 * wg, 1e6 - 500 - 400 * wg, 1e6 - 300 - 400 * wg]
             now = le + 1000 + 750
     s = timeline.summarize_producer(t)
     assert s["items"] == 4 and s["q_wait_us"] == pytest.approx(0.25) and s["epilogue_us"] == pytest.approx(1.0)
@@ -222,6 +228,8 @@ def test_the_producer_summary_reads_the_stamps():
     assert s["turn_wait_cycles_per_tile"] == pytest.approx(500) and s["turn_wait_share"] == pytest.approx(0.25)
     assert s["entry_to_first_item_us"] == pytest.approx(1.0) and s["entry_spread_us"] == pytest.approx(0.4)
     assert s["kernel_from_entry_us"] == pytest.approx(21.45)  # the last item's end, 20.25 us after the first state
+    assert s["entry_to_synced_us"] == pytest.approx(0.3) and s["synced_to_regs_us"] == pytest.approx(0.2)
+    assert s["regs_to_first_item_us"] == pytest.approx(0.5)  # 0.3 and 0.7: the median
 
 
 def test_a_floor_experiment_replaces_every_occurrence_or_says_why_not():
