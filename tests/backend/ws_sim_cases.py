@@ -420,6 +420,7 @@ def run_case(case_id: str) -> dict:
         "nan": bool(np.isnan(of[:, keep]).any() or np.isnan(lse[:, keep]).any()),
         "seconds": round(seconds, 1),
         "kv_reverse": emit_fa3_ws.kv_reverse(spec),
+        "early_first": emit_fa3_ws.early_first_item(spec) and "fence_proxy_async_smem()" in src,
         "ragged_first": f"{bq} - ((M + {bq - 1}) // {bq} * {bq} - M))" in src,  # q tiles start q_pad rows earlier
         # item_order "dynamic": the counter the last block leaves zeroed for the next launch
         **({"work_left": [int(x) for x in args[18]]} if extra.get("item_order") == "dynamic" else {}),

@@ -188,6 +188,7 @@ from falower.backends.numba_cuda.intrinsics import (
     bulk_store,
     bulk_wait_read0,
     cp_async_mbar_arrive_noinc,
+    fence_proxy_async_smem,
     mbar_arrive,
     mbar_arrive_expect_tx,
     mbar_init,
@@ -1441,6 +1442,22 @@ def own_first_item(spec: FA2ForwardSpec) -> bool:
     return uses_work_counter(spec) and spec.extra.get("own_first_item", True) is not False
 
 
+def early_first_item(spec: FA2ForwardSpec) -> bool:
+    """Whether producer thread 0 issues the block's first item (its own: own_first_item) at the block's entry: right
+    after it initialised the barriers (and a proxy fence), it acquires the three maps and sends the item's Q and its
+    first `stages` K and V tiles, before the block's barrier, the producer's setmaxnreg and the ticket's handover;
+    its loop then skips what went out (Q at pq = 0, the first `early` tiles). Why: a decoding block took ~1.0-1.3 us
+    from its entry to its first item (timeline.py on an H200, 2026-12-01: 0.26 to the block's barrier, 0.26 to the
+    consumers' registers, 0.5-0.8 to the ticket, the maps' acquires in it), and only then asked for Q, while its
+    whole kv share (two tiles at B = 2, N = 1k) is a few loads. The first item's tiles must be the kv range in order
+    (no mask: no tile skipped, no range scanned or handed over); `extra["early_first_item"]` = False issues it in the
+    loop as every other item (bench '-noefi')."""
+    return (spec.extra.get("early_first_item", True) is not False and own_first_item(spec) and tma_loads(spec)
+            and q_double(spec) and producer(spec) == "warpgroup" and not spec.has_mask and spec.block_mask != "list"
+            and not list_head_shared(spec) and not range_shared(spec) and not l2_hints(spec)
+            and not map_prefetch(spec))
+
+
 def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec, producer_side: bool = False) -> None:
     """The tail of `_emit_item_loop_start`'s loop: the next item, one level out. Item order "dynamic", on the
     producer's side: thread 0 counts its block done after the loop, and the last block done zeroes the counter for
@@ -1455,6 +1472,59 @@ def _emit_item_loop_end(c: _Code, spec: FA2ForwardSpec, producer_side: bool = Fa
             with c.indent():
                 c("work[0] = 0")
                 c("work[1] = 0")
+
+
+def _emit_q_tma(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], buf: str, tload: str, hint: bool) -> None:
+    """Q of the item by TMA into Q buffer `buf` (q_double), announced on its barrier: thread 0's arrival."""
+    D, BQ = spec.head_dim, spec.block_q
+    c(f"q_buf = sb + {buf} * {lay['q1']}  # buffer {buf}")
+    c(f"mbar_arrive_expect_tx(q_bar, {BQ * D * 2})")
+    for w in range(BQ // 64):
+        for hb in range(D // 64):
+            c(f"{tload}(q_buf + {w * lay['qwg'] + hb * 64 * 128}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, b, "
+              f"q_bar{', q_pol' if hint else ''})")
+
+
+def _emit_kv_tma(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int], j: str, tload: str, hint: bool,
+                 wait: bool) -> None:
+    """Visit `j`'s K and V by TMA into the stage at k_dst / sbar, each announced on its full barrier; `wait`: after
+    the consumers are done with the stage (not at entry, where every stage is free)."""
+    D, BK, T = spec.head_dim, spec.block_k, lay["tile"]
+    for x, off, what in (("k", "", "K"), ("v", f" + {T}", "V")):
+        if wait:
+            c(f"mbar_wait(sbar + {lay['empty_' + x]}, phase ^ 1)  # the consumer warpgroups are done with "
+              f"this stage's {what}")
+        c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
+        for hb in range(D // 64):
+            c(f"{tload}(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, {tile_at(spec, j)} * "
+              f"{BK}, hk, b, sbar + {lay['full_' + x]}{', kv_pol' if hint else ''})")
+
+
+def _emit_early_first_item(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
+                           item_state: Callable[[_Code], None]) -> None:
+    """early_first_item, in producer thread 0 right after the barriers' init: the maps acquired, the block's own
+    item's state, its Q into buffer 0 and its first visits' K and V into stages 0, 1, .. (counted in `early`)."""
+    c("fence_proxy_async_smem()  # the barriers' init seen by the TMA copies that complete on them")
+    for x in "qkv":
+        c(f"{x}map_g = elem_addr({x}map, (0,))")
+        c(f"tensormap_acquire({x}map_g)")
+    c("it_x = cuda.blockIdx.x  # the block's first item: its own (own_first_item), sent before the block's barrier")
+    c("it_y = 0")
+    c("it_z = 0")
+    _emit_item_carry(c, spec)
+    item_state(c)
+    c("if it_ok:")
+    with c.indent():
+        c("q_bar = bars")
+        _emit_q_tma(c, spec, lay, "0", "tma_load_4d", False)
+        c("j = kv_first")
+        c(f"while j <= kv_last and early < {stages(spec)}:  # the ring's stages, each free")
+        with c.indent():
+            c(f"k_dst = sb + {lay['kv']} + early * {2 * lay['tile']}")
+            c("sbar = bars + early * 8")
+            _emit_kv_tma(c, spec, lay, "j", "tma_load_4d", False, wait=False)
+            c("j += 1")
+            c("early += 1")
 
 
 def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
@@ -1490,14 +1560,15 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     if TMAL:
         for x in "qkv":
             c(f"{x}map_g = elem_addr({x}map, (0,))  # {x.upper()}'s tensor map in global memory (tma_loads)")
-        c("if tid == 0:  # the thread that copies Q, K and V")
-        with c.indent():
-            if map_prefetch(spec):
+        if not early_first_item(spec):  # (there thread 0 acquired them at entry)
+            c("if tid == 0:  # the thread that copies Q, K and V")
+            with c.indent():
+                if map_prefetch(spec):
+                    for x in "qkv":
+                        c(f"tensormap_prefetch({x}map_g)" + ("  # the three maps' fetches at once (map_prefetch)"
+                                                              if x == "q" else ""))
                 for x in "qkv":
-                    c(f"tensormap_prefetch({x}map_g)" + ("  # the three maps' fetches at once (map_prefetch)"
-                                                          if x == "q" else ""))
-            for x in "qkv":
-                c(f"tensormap_acquire({x}map_g)")
+                    c(f"tensormap_acquire({x}map_g)")
         if HINT:
             c("q_pol = l2_evict_first()  # Q is read once: its lines go first (l2_hints)")
             c("kv_pol = l2_evict_last()  # K and V are read by every q tile of the head: theirs last")
@@ -1511,12 +1582,12 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         c("q_bar = bars + (pq & 1) * 8")
         c("if tid == 0:  # Q by TMA: its barrier completes when the item's Q bytes and every producer thread are in")
         with c.indent():
-            c(f"q_buf = sb + (pq & 1) * {lay['q1']}  # buffer pq & 1")
-            c(f"mbar_arrive_expect_tx(q_bar, {BQ * D * 2})")
-            for w in range(BQ // 64):
-                for hb in range(D // 64):
-                    c(f"{tload}(q_buf + {w * lay['qwg'] + hb * 64 * 128}, qmap_g, {hb * 64}, q_lo + {w * 64}, h, b, "
-                      f"q_bar{', q_pol' if HINT else ''})")
+            if early_first_item(spec):
+                c("if pq != 0:  # (the first item's Q and thread 0's arrival went out at entry: early_first_item)")
+                c.level += 1
+            _emit_q_tma(c, spec, lay, "(pq & 1)", tload, HINT)
+            if early_first_item(spec):
+                c.level -= 1
         c("else:  # the other producer threads are past the item's ticket: none can fall an item behind, where its")
         with c.indent():  # wait on the next ticket would alias a phase and its read race thread 0's next write
             c("mbar_arrive(q_bar)")
@@ -1549,13 +1620,15 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         if TMAL:
             c("if tid == 0:  # K and V by TMA, a copy a 64-column block of the tile's rows (rows past N: zeros)")
             with c.indent():
-                for x, off, what in (("k", "", "K"), ("v", f" + {T}", "V")):
-                    c(f"mbar_wait(sbar + {lay['empty_' + x]}, phase ^ 1)  # the consumer warpgroups are done with "
-                      f"this stage's {what}")
-                    c(f"mbar_arrive_expect_tx(sbar + {lay['full_' + x]}, {T})  # the tile's bytes complete its phase")
-                    for hb in range(D // 64):
-                        c(f"{tload}(k_dst{off} + {hb * BK * 128}, {x}map_g, {hb * 64}, {tile_at(spec, 'j')} * "
-                          f"{BK}, hk, b, sbar + {lay['full_' + x]}{', kv_pol' if HINT else ''})")
+                if early_first_item(spec):
+                    c("if early > 0:  # this tile went out at entry (early_first_item)")
+                    with c.indent():
+                        c("early -= 1")
+                    c("else:")
+                    c.level += 1
+                _emit_kv_tma(c, spec, lay, "j", tload, HINT, wait=True)
+                if early_first_item(spec):
+                    c.level -= 1
         else:
             c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # the consumer warpgroups are done with this stage's "
               "K")
@@ -2725,6 +2798,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
         loaders = 128 if NONE else producer_threads(spec)  # producer "none": one warpgroup fills each ring
         if tma_loads(spec):
             loaders = 1  # one thread's expect_tx; the copies' bytes complete the phase
+        if early_first_item(spec):
+            c("early = 0  # the first item's K / V tiles producer thread 0 sent at entry (early_first_item)")
         c("if tid == 0:")
         with c.indent():
             if NONE:
@@ -2756,6 +2831,8 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
                 for w in range(consumer_wgs(spec)):
                     c(f"mbar_init(cl_bar_s + {8 * w}, 1)  # warpgroup {w}'s rows pushed by the cluster's parts")
                 c("fence_mbar_init_cluster()  # the cluster sees them initialised through this thread's arrival")
+            if early_first_item(spec):
+                _emit_early_first_item(c, spec, lay, item_state)
         c("cuda.syncthreads()  # the barriers are initialised (the only block-wide barrier)")
         if cluster_push(spec):
             c("cluster_arrive_relaxed()  # the cluster's one barrier: waited for before the first push")

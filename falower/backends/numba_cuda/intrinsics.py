@@ -98,6 +98,8 @@ Public names (identical in both modes):
     mbar_wait_cluster(addr, parity)
                                    mbar_wait with acquire at cluster scope: what other blocks' st.async wrote and
                                    counted on this block's mbarrier is visible after it
+    fence_proxy_async_smem()       fence.proxy.async.shared::cta: this thread's shared-memory writes before it (its
+                                   mbar_inits) are visible to the async proxy, whose TMA copies complete on them
     fence_acq_rel_gpu()            fence.acq_rel.gpu: this thread's writes before it are visible to the GPU before
                                    its later ones (an atomic count); after a count, the writes it counted are visible
     ldg_vec, stg_vec               (1-D array, index) -> the 16 bytes at arr[index] as a tuple of arr's elements (4
@@ -160,6 +162,7 @@ __all__ = [
     "ldg_cg_vec",
     "ldg_cg_f32",
     "fence_acq_rel_gpu",
+    "fence_proxy_async_smem",
     "cluster_sync",
     "mapa_shared",
     "ld_cluster_v4_u32",
@@ -801,6 +804,9 @@ if SIMULATOR:
         return np.float32(np.asarray(arr)[int(index)])
 
     def fence_acq_rel_gpu():  # the simulator's threads share one memory
+        pass
+
+    def fence_proxy_async_smem():  # the simulator's TMA copies write through the same memory
         pass
 
     def _no_cluster(name):
@@ -1747,6 +1753,7 @@ else:
     cp_async_wait0 = _void_asm_intrinsic("cp_async_wait0", "cp.async.wait_group 0;")
     cp_async_wait1 = _void_asm_intrinsic("cp_async_wait1", "cp.async.wait_group 1;")
     fence_acq_rel_gpu = _void_asm_intrinsic("fence_acq_rel_gpu", "fence.acq_rel.gpu;")
+    fence_proxy_async_smem = _void_asm_intrinsic("fence_proxy_async_smem", "fence.proxy.async.shared::cta;")
     cluster_sync = _void_asm_intrinsic("cluster_sync", "barrier.cluster.arrive.release; barrier.cluster.wait.acquire;")
     cluster_arrive_relaxed = _void_asm_intrinsic("cluster_arrive_relaxed", "barrier.cluster.arrive.relaxed;")
     cluster_wait = _void_asm_intrinsic("cluster_wait", "barrier.cluster.wait.acquire;")

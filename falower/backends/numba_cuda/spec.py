@@ -56,8 +56,9 @@ BLOCK_MASKS = ("none", "static", "table", "list")
 KNOWN_EXTRAS = frozenset({
     "blocks_per_sm", "bounds_in_s", "bulk_store", "bwd_block_list", "bwd_persistent", "bwd_schedule", "class32",
     "cluster_merge", "cluster_push", "col_mma", "col_step", "decode_block_k", "decode_tiles", "dk_after_dq",
-    "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "early_loads",
-    "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early", "grad_dist", "grad_groups", "half_tiles",
+    "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs",
+    "early_first_item", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early",
+    "grad_dist", "grad_groups", "half_tiles",
     "head_group", "hold_grads", "interior_split", "item_order", "keep_bits", "kv_group", "kv_major", "kv_parts",
     "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc", "overlap",
     "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
