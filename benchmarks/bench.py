@@ -136,10 +136,11 @@ def parse_config(text: str) -> tuple:
     loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
     item's full tiles inside N (extra class32); '-kvpN' split-kv's parts, N a power of two (extra kv_parts; 1: no
     split; default 'auto': emit_fa3.auto_kv_parts on a small grid), '-noofi' every item's ticket from the counter,
-    the first round's too (extra own_first_item); '-noefi' the block's first item sent from the producer's loop, not
-    by its thread 0 at the block's entry (extra early_first_item); '-nodec' a call of at most 64 query rows on the
-    persistent kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge in the kernel
-    itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-clm' the q
+    the first round's too (extra own_first_item); '-efi' / '-noefi' the block's first item sent by its thread 0 at the
+    block's entry, or from the producer's loop (extra early_first_item; default off); '-nosmr' no setmaxnreg where
+    one consumer warpgroup already holds the most registers (extra setmaxnreg); '-nodec' a call of at most 64 query
+    rows on the persistent kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge
+    in the kernel itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-clm' the q
     tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8 parts), '-noclm' never,
     '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not by their pushes (extra
     cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not only those below M
@@ -248,7 +249,8 @@ CONFIG_OPTIONS: list = [
     (("nosg", {"small_grid": False}),),
     ("kvp", "kv_parts"),
     (("noofi", {"own_first_item": False}),),
-    (("noefi", {"early_first_item": False}),),
+    (("efi", {"early_first_item": True}), ("noefi", {"early_first_item": False})),
+    (("nosmr", {"setmaxnreg": False}),),
     (("nodec", {"decode_tiles": False}),),
     (("fm", {"fused_merge": True}),),
     (("clm", {"cluster_merge": True}), ("noclm", {"cluster_merge": False})),

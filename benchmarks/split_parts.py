@@ -17,8 +17,9 @@ the automatic choice takes clusters at 8 parts, and at decoding's 2 and 4 where 
 merge kernel where the device holds fewer); "sN" the automatic parts on a ring of
 N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`blocks_per_sm`), "k64" decoding's
 64-wide kv tiles on one; "nosp" the softmax of every row, padding too; "mp" the tensor maps prefetched
-(map_prefetch); "pull" the cluster's merge by its two barriers and remote reads (cluster_push off); "noefi" the
-block's first item sent from the producer's loop, not at its entry (early_first_item off). `--rounds R`
+(map_prefetch); "pull" the cluster's merge by its two barriers and remote reads (cluster_push off); "efi" the
+block's first item sent by its thread 0 at its entry (early_first_item), "nosmr" decoding's one consumer warpgroup
+at the launch's registers (setmaxnreg off), "efinosmr" both. `--rounds R`
 replays every variant's graph and SDPA's in turn R times (the median of the rounds: pairs a 1% difference);
 `--flex` adds FlexAttention's call (plain and GQA rows). Kernels are compiled first in parallel processes. Prints one
 markdown table, with the largest difference of a forced variant's O from the automatic choice's, then one of the
@@ -48,7 +49,10 @@ VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_me
             "nosp": {"skip_padding": False},  # every row's softmax (skips_padding_softmax off)
             "mp": {"map_prefetch": True},  # the producer's tensor maps prefetched before their acquires
             "pull": {"cluster_push": False},  # the cluster's merge by two barriers and remote reads, not pushes
-            "noefi": {"early_first_item": False}}  # the block's first item sent from the producer's loop, not at entry
+            "efi": {"early_first_item": True},  # the block's first item sent by thread 0 at its entry, not by the loop
+            "nosmr": {"setmaxnreg": False},  # one consumer warpgroup at the launch's registers, no setmaxnreg
+            "efinosmr": {"early_first_item": True, "setmaxnreg": False}}  # both
+EARLY = ("efi", "nosmr", "efinosmr")  # the set "early"'s variants
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
 # set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
 # "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)
@@ -112,14 +116,13 @@ CASES = {
                                                                                 (3, 2048), (8, 1024))]
     + [("gqa", 4, 128, 1, 2048, ("pull",), 2), ("plain", 1, 128, 16, 2048, ("pull",), 3),
        ("plain", 1, 128, 64, 1024, ("pull",), 2)],
-    # the block's first item sent by producer thread 0 at its entry (early_first_item, the default) against from the
-    # producer's loop after the block's barrier and the ticket: decoding's clusters and merge kernel, GQA, a softcap,
-    # 16 and 64 query rows, a small prefill grid
-    "early": [("plain", 1, d, 1, n, ("noefi",), b) for d in (128, 64) for b, n in ((1, 1024), (2, 1024), (8, 1024),
-                                                                                 (1, 8192))]
-    + [("gqa", 4, 128, 1, 2048, ("noefi",), 2), ("softcap", 1, 128, 1, 1024, ("noefi",), 4),
-       ("plain", 1, 128, 16, 2048, ("noefi",), 3), ("plain", 1, 128, 64, 1024, ("noefi",), 2),
-       ("plain", 8, 128, 1024, 1024, ("noefi",), 1)],
+    # the block's first item sent by producer thread 0 at its entry (early_first_item) against from the producer's
+    # loop after the block's barrier and the ticket (the default); with and without setmaxnreg on decoding's one
+    # consumer warpgroup: decoding's clusters and merge kernel, GQA, a softcap, 16 and 64 query rows
+    "early": [("plain", 1, d, 1, n, EARLY, b) for d in (128, 64) for b, n in ((1, 1024), (2, 1024), (8, 1024),
+                                                                            (1, 8192))]
+    + [("gqa", 4, 128, 1, 2048, EARLY, 2), ("softcap", 1, 128, 1, 1024, EARLY, 4),
+       ("plain", 1, 128, 16, 2048, EARLY, 3), ("plain", 1, 128, 64, 1024, EARLY, 2)],
     # decoding's automatic choice against FlexAttention too (run with --flex): one part, 8 or 16 by the merge kernel,
     # clusters of 2, 4 and 8
     "flex": [("plain", 1, 128, 1, n, (), b) for b, n in ((1, 1024), (1, 8192), (2, 1024), (8, 1024))]

@@ -260,7 +260,9 @@ def stamped_producer_source(source: str, name: str, warpgroups: int = 2) -> str:
     consumer warpgroup writes them, its SM and the item's tiles to tl_buf[block, warpgroup, item]
     (PRODUCER_FIELDS); `warpgroups`, the kernel's consumer warpgroups (3 at block_q 192)."""
     lines, start, _, _ = _kernel_body(source, name)
-    consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i])
+    # the consumers' first line: their setmaxnreg, or where the kernel has none (setmaxnreg off) their thread index
+    consumers = next(i for i in range(start, len(lines)) if "SETMAXNREG_INC()" in lines[i]
+                     or lines[i].strip() == "ctid = tid - 128")
     out: list[str] = []
     found = set()
 

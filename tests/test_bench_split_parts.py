@@ -56,13 +56,14 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
             spec = split_parts.kernel(*job).spec
             assert spec.extra.get("cluster_push") is False and not cluster_push(spec), job
             assert (parts, cluster) == split_parts.build(job[:2] + ("auto",) + job[3:])[1], job
-        elif var == "noefi":  # the automatic parts and cluster, the first item sent from the producer's loop
-            spec = split_parts.kernel(*job).spec
-            assert spec.extra.get("early_first_item") is False and not early_first_item(spec), job
-            assert "fence_proxy_async_smem()" not in split_parts.kernel(*job).source, job
+        elif var in ("efi", "nosmr", "efinosmr"):  # the automatic parts and cluster, the first item sent at entry
+            # and / or no setmaxnreg (decoding's one consumer warpgroup)
+            src = split_parts.kernel(*job).source
+            assert ("fence_proxy_async_smem()" in src) is (var != "nosmr"), job
+            assert ("SETMAXNREG_INC()" in src) is (var == "efi"), job
             assert (parts, cluster) == split_parts.build(job[:2] + ("auto",) + job[3:])[1], job
             auto = split_parts.kernel(*job[:2], "auto", *job[3:])
-            assert early_first_item(auto.spec) and "fence_proxy_async_smem()" in auto.source, job
+            assert not early_first_item(auto.spec) and "SETMAXNREG_INC()" in auto.source, job
         elif var != "auto":
             assert parts == split_parts.VARIANTS[var]["kv_parts"], job
             assert cluster == (parts if var[0] == "c" else 0), job

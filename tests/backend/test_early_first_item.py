@@ -44,7 +44,7 @@ SHAPES = [("plain", dict(B=2, H=8, M=1, N=1024, D=128)), ("plain", dict(B=1, H=8
 
 @pytest.mark.parametrize("name,dims", SHAPES, ids=[f"{n}-{d['M']}x{d['N']}-d{d['D']}-b{d['B']}" for n, d in SHAPES])
 def test_the_first_item_goes_out_before_the_block_barrier(hopper, name, dims):
-    kern = _kernel(name, **dims)
+    kern = _kernel(name, extra={"early_first_item": True}, **dims)
     src = kern.source
     assert early_first_item(kern.spec), kern.spec.extra
     body = src[src.index("early = 0"):]
@@ -66,15 +66,32 @@ def test_the_first_item_goes_out_before_the_block_barrier(hopper, name, dims):
     assert re.search(r"if early > 0:  # this tile went out at entry.*\n\s+early -= 1\n\s+else:\n\s+mbar_wait\(", rest)
 
 
-@pytest.mark.parametrize("name,extra,why", [("causal", None, "a mask"), ("document", None, "a block list"),
-                                            ("plain", {"early_first_item": False}, "off"),
-                                            ("plain", {"own_first_item": False}, "tickets"),
-                                            ("plain", {"map_prefetch": True}, "prefetched maps")])
+@pytest.mark.parametrize("name,extra,why", [("causal", {"early_first_item": True}, "a mask"),
+                                            ("document", {"early_first_item": True}, "a block list"),
+                                            ("plain", None, "off by default"),
+                                            ("plain", {"early_first_item": True, "own_first_item": False}, "tickets"),
+                                            ("plain", {"early_first_item": True, "map_prefetch": True}, "prefetched")])
 def test_the_first_item_stays_in_the_loop_where_it_is_refused(hopper, name, extra, why):
-    """A mask (its tiles skipped or its range scanned and handed over), the knob off, every ticket from the counter,
-    or the maps prefetched: the loop sends every item, and the acquires are the producer's."""
+    """A mask (its tiles skipped or its range scanned and handed over), the knob not asked for (the default: measured
+    no faster), every ticket from the counter, or the maps prefetched: the loop sends every item, and the acquires
+    are the producer's."""
     kern = _kernel(name, extra=extra, B=1, H=8, M=1024, N=1024, D=128)
     assert not early_first_item(kern.spec), why
     src = kern.source
     assert "fence_proxy_async_smem()" not in src and "early" not in src.replace("early_loads", "")
     assert src.index("tensormap_acquire(qmap_g)") > src.index("cuda.syncthreads()  # the barriers are initialised")
+
+
+def test_one_consumer_warpgroup_may_keep_the_launch_registers(hopper):
+    """setmaxnreg off (extra setmaxnreg False) drops both warpgroups' setmaxnreg where one consumer warpgroup and
+    one block an SM already give every thread the most registers; elsewhere (two consumer warpgroups, two blocks an
+    SM) the knob is refused by the kernel's need and setmaxnreg stays."""
+    from falower.backends.numba_cuda.emit_fa3_ws import uses_setmaxnreg
+
+    dec = _kernel("plain", extra={"setmaxnreg": False}, B=2, H=8, M=1, N=1024, D=128)
+    assert dec.spec.block_q == 64 and not uses_setmaxnreg(dec.spec)
+    assert "SETMAXNREG" not in dec.source and "ctid = tid - 128" in dec.source
+    on = _kernel("plain", B=2, H=8, M=1, N=1024, D=128)
+    assert uses_setmaxnreg(on.spec) and "SETMAXNREG_INC()" in on.source and "SETMAXNREG_DEC()" in on.source
+    pre = _kernel("plain", extra={"setmaxnreg": False}, B=4, H=16, M=4096, N=4096, D=128)
+    assert pre.spec.block_q == 128 and uses_setmaxnreg(pre.spec) and "SETMAXNREG_INC()" in pre.source

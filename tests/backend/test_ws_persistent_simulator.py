@@ -37,12 +37,8 @@ def test_persistent_simulator(results, case):
     if case in PERSIST_CASES:  # the kv tiles from the last down where asked (emit_fa3_ws.kv_reverse)
         assert r["kv_reverse"] == bool(PERSIST_CASES[case][-1].get("kv_reverse")), r
         assert r["ragged_first"] == bool(PERSIST_CASES[case][-1].get("ragged_q_first")), r
-        # the block's own first item sent at its entry (emit_fa3_ws.early_first_item): without a mask, by TMA,
-        # its tickets from the counter
-        ex = PERSIST_CASES[case][-1]
-        early = (PERSIST_CASES[case][0] not in ("causal", "sliding_window") and ex.get("item_order") == "dynamic"
-                 and ex.get("tma_loads", True) and ex.get("producer") == "warpgroup")
-        assert r["early_first"] == early, r
+        # the block's own first item sent at its entry where asked (emit_fa3_ws.early_first_item)
+        assert r["early_first"] == bool(PERSIST_CASES[case][-1].get("early_first_item")), r
     if case in COMPILED_CASES:
         assert r["block_mask"] == "list" and r["persistent"] == COMPILED_CASES[case][2], r
         assert r["producer"] == COMPILED_CASES[case][3], r

@@ -102,14 +102,18 @@ PERSIST_CASES = {
     # (masks walking their range: WALK_CASES' -rev cases)
     "ws-pwg-plain-bf16-d64-bk128-persist-rev": ("plain", "bf16", 64, 1, 1, 150, 300, 1, 128, 128,
                                                 {"producer": "warpgroup", "persistent": 1, "item_order": "dynamic",
-                                                 "kv_reverse": True}),
+                                                 "kv_reverse": True, "early_first_item": True}),
 }
+# (early_first_item, asked for in that case, the three-warpgroup "ws3-pwg-plain-f16-d64-193" and the ragged-first
+# "ws-pwg-bias-f16-d64-130x150-rqf": the block's own first item, its Q and first K / V tiles (the last first under
+# kv_reverse), sent by thread 0 before the block's barrier, which the loop then skips)
 # Three consumer warpgroups (block_q 192, emit_fa3_ws.consumer_wgs: the turns rotate 0 -> 1 -> 2 -> 0, the
 # epilogue's named barriers move to 7 + cw, the producer keeps 32 registers): a tile plus one row both ways and two
 # heads on two blocks, causal with its diagonal tiles, bf16 with 128-column tiles and M != N, and one row
 PERSIST_CASES.update({
     "ws3-pwg-plain-f16-d64-193": ("plain", "f16", 64, 1, 2, 193, 193, 1, 192, 128,
-                                  {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic"}),
+                                  {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
+                                   "early_first_item": True}),
     "ws3-pwg-causal-f16-d64-193": ("causal", "f16", 64, 1, 2, 193, 193, 1, 192, 64,
                                    {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic"}),
     "ws3-pwg-causal-bf16-d64-bk128": ("causal", "bf16", 64, 1, 1, 191, 300, 1, 192, 128,
@@ -145,7 +149,7 @@ PERSIST_CASES.update({
                                         "ragged_q_first": True}),
     "ws-pwg-bias-f16-d64-130x150-rqf": ("bias", "f16", 64, 1, 2, 130, 150, 1, 128, 128,
                                         {"producer": "warpgroup", "persistent": 2, "item_order": "dynamic",
-                                         "ragged_q_first": True}),
+                                         "ragged_q_first": True, "early_first_item": True}),
 })
 # Run with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py), where a warp that runs ahead of its
 # warpgroup must not rewrite shared memory another warp's part of S still reads: the persistent kernel's next Q rows

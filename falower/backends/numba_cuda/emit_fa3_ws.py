@@ -557,6 +557,20 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     return int(p), int(c)
 
 
+def uses_setmaxnreg(spec: FA2ForwardSpec) -> bool:
+    """Whether the producer warpgroup gives registers to the consumers (setmaxnreg, `registers`). `extra["setmaxnreg"]`
+    = False leaves both at the launch's allocation where that is already the most a thread holds: one consumer
+    warpgroup and one block an SM (256 threads start at 255 registers; bench '-nosmr'). Why ask: decoding's stamps
+    put the consumers' setmaxnreg.inc at ~0.26 us of a block's ~1.0-1.3 us to its first item, and at 0.8-1.0 us
+    where producer thread 0 had TMA copies queued (early_first_item). Measured slower (H200, 2026-12-01,
+    `split_parts.py --set early --rounds 5`, CUDA graphs): 1.05-1.18x the time at M = 1-64 in clusters (the kv loop
+    1.41-1.79 us a tile against 1.28-1.54; without setmaxnreg the kernel is linked, not compiled whole by the
+    driver: why its loop slowed was not read), 0.97-1.00x on the merge kernel at 8k. On by default."""
+    if producer(spec) != "warpgroup":
+        return False
+    return spec.extra.get("setmaxnreg", True) is not False or consumer_wgs(spec) != 1 or blocks_per_sm(spec) != 1
+
+
 def producer(spec: FA2ForwardSpec) -> str:
     """spec.extra["producer"]: "warp" (default), "warpgroup" or "none" (see the module docstring)."""
     return str(spec.extra.get("producer", "warp"))
@@ -1450,9 +1464,12 @@ def early_first_item(spec: FA2ForwardSpec) -> bool:
     from its entry to its first item (timeline.py on an H200, 2026-12-01: 0.26 to the block's barrier, 0.26 to the
     consumers' registers, 0.5-0.8 to the ticket, the maps' acquires in it), and only then asked for Q, while its
     whole kv share (two tiles at B = 2, N = 1k) is a few loads. The first item's tiles must be the kv range in order
-    (no mask: no tile skipped, no range scanned or handed over); `extra["early_first_item"]` = False issues it in the
-    loop as every other item (bench '-noefi')."""
-    return (spec.extra.get("early_first_item", True) is not False and own_first_item(spec) and tma_loads(spec)
+    (no mask: no tile skipped, no range scanned or handed over). Measured (H200, 2026-12-01, `split_parts.py --set
+    early --rounds 5`, CUDA graphs): no faster, the loop's form 0.93-1.025 of its time (median 0.98): Q and K landed
+    ~0.5 us sooner, but the consumers' setmaxnreg.inc took 0.8-1.0 us where it took 0.26 (the producer's dec waits,
+    it seems, for thread 0's queued copies), so the first S started no sooner. Off; `extra["early_first_item"]` =
+    True asks for it (bench '-efi')."""
+    return (spec.extra.get("early_first_item", False) is True and own_first_item(spec) and tma_loads(spec)
             and q_double(spec) and producer(spec) == "warpgroup" and not spec.has_mask and spec.block_mask != "list"
             and not list_head_shared(spec) and not range_shared(spec) and not l2_hints(spec)
             and not map_prefetch(spec))
@@ -1547,7 +1564,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c(f"pw_{i} = pw{tag}_{i}")
             _emit_load_warp(c, rows, D, sdst, row0, nrows, garr, base, rs)
     else:
-        c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
+        if uses_setmaxnreg(spec):
+            c(f"SETMAXNREG_DEC()  # producer: {registers(spec)[0]} registers")
         rstep = 0 if TMAL else _emit_loader_setup(c, 128, D)  # TMA: no thread keeps row addresses
 
         def load(rows, sdst, row0, nrows, garr, base, rs, tag):
@@ -1934,8 +1952,9 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     NWC = consumer_wgs(spec)
     EPI = epilogue_barrier(spec)
     TURN_NEXT = "2 - cw" if NWC == 2 else "pp_next"  # the barrier of the next warpgroup's turn
-    if producer(spec) == "warpgroup":
+    if uses_setmaxnreg(spec):
         c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
+    if producer(spec) == "warpgroup":
         c("ctid = tid - 128")
     else:
         c("ctid = tid  # the consumer warpgroups are warpgroups 0 and 1 (wgmma's warpgroups are aligned)")
@@ -2719,7 +2738,7 @@ def _emit_kernel(spec: FA2ForwardSpec) -> str:
     c(f"WAIT_O = wgmma_wait_regs(0, {D // 2})")
     c("HI_QK = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_V = desc_hi({BK * 128}, 1024)  # MN-major: 64-column blocks {BK * 128} bytes apart, 8-row groups 1024")
-    if producer(spec) == "warpgroup":
+    if uses_setmaxnreg(spec):
         c(f"SETMAXNREG_DEC = setmaxnreg_dec({p_regs})")
         c(f"SETMAXNREG_INC = setmaxnreg_inc({c_regs})")
     c()
