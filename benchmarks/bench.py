@@ -140,8 +140,8 @@ def parse_config(text: str) -> tuple:
     block's entry, or from the producer's loop (extra early_first_item; default off); '-nosmr' no setmaxnreg where
     one consumer warpgroup already holds the most registers (extra setmaxnreg); '-nodec' a call of at most 64 query
     rows on the persistent kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge
-    in the kernel itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra fused_merge); '-clm' the q
-    tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8 parts), '-noclm' never,
+    in the kernel itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra
+    fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8 parts), '-noclm' never,
     '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not by their pushes (extra
     cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not only those below M
     (extra skip_padding);
