@@ -141,9 +141,10 @@ def parse_config(text: str) -> tuple:
     one consumer warpgroup already holds the most registers (extra setmaxnreg); '-nodec' a call of at most 64 query
     rows on the persistent kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge
     in the kernel itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra
-    fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8 parts), '-noclm' never,
-    '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not by their pushes (extra
-    cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not only those below M
+    fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8
+    parts), '-noclm' never, '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not
+    by their pushes (extra cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not
+    only those below M
     (extra skip_padding);
     '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh' the persistent producer
     kernel's items starting on their block list's global reads, not on its head
