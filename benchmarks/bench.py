@@ -144,8 +144,7 @@ def parse_config(text: str) -> tuple:
     fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8
     parts), '-noclm' never, '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not
     by their pushes (extra cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not
-    only those below M
-    (extra skip_padding);
+    only those below M (extra skip_padding);
     '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh' the persistent producer
     kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
