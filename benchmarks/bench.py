@@ -138,7 +138,7 @@ def parse_config(text: str) -> tuple:
     split; default 'auto': emit_fa3.auto_kv_parts on a small grid), '-noofi' every item's ticket from the counter,
     the first round's too (extra own_first_item); '-efi' / '-noefi' the block's first item sent by its thread 0 at the
     block's entry, or from the producer's loop (extra early_first_item; default off); '-nosmr' no setmaxnreg where
-    one consumer warpgroup already holds the most registers (extra setmaxnreg); '-nodec' a call of at most 64 query
+    one consumer warpgroup already holds the most registers (extra setmaxnreg; '-smrdec' the producer's dec only); '-nodec' a call of at most 64 query
     rows on the persistent kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge
     in the kernel itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra
     fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8
@@ -250,7 +250,7 @@ CONFIG_OPTIONS: list = [
     ("kvp", "kv_parts"),
     (("noofi", {"own_first_item": False}),),
     (("efi", {"early_first_item": True}), ("noefi", {"early_first_item": False})),
-    (("nosmr", {"setmaxnreg": False}),),
+    (("nosmr", {"setmaxnreg": False}), ("smrdec", {"setmaxnreg": "dec"})),
     (("nodec", {"decode_tiles": False}),),
     (("fm", {"fused_merge": True}),),
     (("clm", {"cluster_merge": True}), ("noclm", {"cluster_merge": False})),

@@ -19,7 +19,8 @@ N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`b
 64-wide kv tiles on one; "nosp" the softmax of every row, padding too; "mp" the tensor maps prefetched
 (map_prefetch); "pull" the cluster's merge by its two barriers and remote reads (cluster_push off); "efi" the
 block's first item sent by its thread 0 at its entry (early_first_item), "nosmr" decoding's one consumer warpgroup
-at the launch's registers (setmaxnreg off), "efinosmr" both. `--rounds R`
+at the launch's registers (setmaxnreg off), "efinosmr" both; "smrdec"
+only the producer's setmaxnreg.dec (the consumers at the launch's registers), "efidec" that and "efi". `--rounds R`
 replays every variant's graph and SDPA's in turn R times (the median of the rounds: pairs a 1% difference);
 `--flex` adds FlexAttention's call (plain and GQA rows). Kernels are compiled first in parallel processes. Prints one
 markdown table, with the largest difference of a forced variant's O from the automatic choice's, then one of the
@@ -51,8 +52,10 @@ VARIANTS = {"auto": {}, "p1": {"kv_parts": 1}, "p2": {"kv_parts": 2, "cluster_me
             "pull": {"cluster_push": False},  # the cluster's merge by two barriers and remote reads, not pushes
             "efi": {"early_first_item": True},  # the block's first item sent by thread 0 at its entry, not by the loop
             "nosmr": {"setmaxnreg": False},  # one consumer warpgroup at the launch's registers, no setmaxnreg
-            "efinosmr": {"early_first_item": True, "setmaxnreg": False}}  # both
-EARLY = ("efi", "nosmr", "efinosmr")  # the set "early"'s variants
+            "efinosmr": {"early_first_item": True, "setmaxnreg": False},  # both
+            "smrdec": {"setmaxnreg": "dec"},  # the producer's setmaxnreg.dec only: no consumer waits on it
+            "efidec": {"early_first_item": True, "setmaxnreg": "dec"}}  # that and the first item sent at entry
+EARLY = ("efi", "smrdec", "efidec")  # the set "early"'s variants (nosmr, efinosmr: slower, 2026-12-01)
 HEADS = 8  # decoding's kv heads (GQA: G query heads each)
 # set -> (stem, G (prefill: H), D, M, N, the forced variants[, B]) (B 1 where not given); stems: the examples,
 # "window_off" (a 1024 window behind the cache's offset N - M) and "causal_off" (causal behind it)

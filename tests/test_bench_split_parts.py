@@ -40,7 +40,7 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
         _, (parts, cluster) = split_parts.build(job)
         stem, group, var, D, M, N, B = job
         seen.add((stem, group, D, M, N, B))
-        if var[0] == "s":  # the automatic parts on more stages
+        if var[0] == "s" and var[1:].isdigit():  # the automatic parts on more stages
             assert kernel_stages(split_parts.kernel(*job).spec) == int(var[1:]), job
         elif var == "nosp":
             assert split_parts.kernel(*job).spec.extra.get("skip_padding") is False, job
@@ -56,11 +56,12 @@ def test_every_case_builds_and_the_automatic_choice_is_the_one_measured(hopper):
             spec = split_parts.kernel(*job).spec
             assert spec.extra.get("cluster_push") is False and not cluster_push(spec), job
             assert (parts, cluster) == split_parts.build(job[:2] + ("auto",) + job[3:])[1], job
-        elif var in ("efi", "nosmr", "efinosmr"):  # the automatic parts and cluster, the first item sent at entry
-            # and / or no setmaxnreg (decoding's one consumer warpgroup)
+        elif var in ("efi", "nosmr", "efinosmr", "smrdec", "efidec"):  # the automatic parts and cluster, the first
+            # item sent at entry and / or no setmaxnreg or only the producer's (decoding's one consumer warpgroup)
             src = split_parts.kernel(*job).source
-            assert ("fence_proxy_async_smem()" in src) is (var != "nosmr"), job
+            assert ("fence_proxy_async_smem()" in src) is var.startswith("efi"), job
             assert ("SETMAXNREG_INC()" in src) is (var == "efi"), job
+            assert ("SETMAXNREG_DEC()" in src) is (var in ("efi", "smrdec", "efidec")), job
             assert (parts, cluster) == split_parts.build(job[:2] + ("auto",) + job[3:])[1], job
             auto = split_parts.kernel(*job[:2], "auto", *job[3:])
             assert not early_first_item(auto.spec) and "SETMAXNREG_INC()" in auto.source, job

@@ -95,3 +95,15 @@ def test_one_consumer_warpgroup_may_keep_the_launch_registers(hopper):
     assert uses_setmaxnreg(on.spec) and "SETMAXNREG_INC()" in on.source and "SETMAXNREG_DEC()" in on.source
     pre = _kernel("plain", extra={"setmaxnreg": False}, B=4, H=16, M=4096, N=4096, D=128)
     assert pre.spec.block_q == 128 and uses_setmaxnreg(pre.spec) and "SETMAXNREG_INC()" in pre.source
+
+
+def test_the_producer_alone_may_give_registers_back(hopper):
+    """setmaxnreg "dec": the producer's dec stays, the consumers' inc goes, on decoding's one consumer warpgroup
+    only (two consumer warpgroups need the registers the dec frees)."""
+    from falower.backends.numba_cuda.emit_fa3_ws import consumers_raise_registers
+
+    dec = _kernel("plain", extra={"setmaxnreg": "dec"}, B=2, H=8, M=1, N=1024, D=128)
+    assert not consumers_raise_registers(dec.spec)
+    assert "SETMAXNREG_DEC()" in dec.source and "SETMAXNREG_INC()" not in dec.source
+    pre = _kernel("plain", extra={"setmaxnreg": "dec"}, B=4, H=16, M=4096, N=4096, D=128)
+    assert consumers_raise_registers(pre.spec) and "SETMAXNREG_INC()" in pre.source

@@ -571,6 +571,16 @@ def uses_setmaxnreg(spec: FA2ForwardSpec) -> bool:
     return spec.extra.get("setmaxnreg", True) is not False or consumer_wgs(spec) != 1 or blocks_per_sm(spec) != 1
 
 
+def consumers_raise_registers(spec: FA2ForwardSpec) -> bool:
+    """Whether the consumers' setmaxnreg.inc is emitted beside the producer's dec. `extra["setmaxnreg"]` = "dec"
+    keeps only the producer's dec where one consumer warpgroup and one block an SM start the consumers at 255
+    registers already (ptxas 13.0: decoding's kernel uses 255 and spills nothing either way; bench '-smrdec'), so
+    that no consumer waits on the producer's dec before its first item."""
+    if not uses_setmaxnreg(spec):
+        return False
+    return spec.extra.get("setmaxnreg", True) != "dec" or consumer_wgs(spec) != 1 or blocks_per_sm(spec) != 1
+
+
 def producer(spec: FA2ForwardSpec) -> str:
     """spec.extra["producer"]: "warp" (default), "warpgroup" or "none" (see the module docstring)."""
     return str(spec.extra.get("producer", "warp"))
@@ -1952,7 +1962,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     NWC = consumer_wgs(spec)
     EPI = epilogue_barrier(spec)
     TURN_NEXT = "2 - cw" if NWC == 2 else "pp_next"  # the barrier of the next warpgroup's turn
-    if uses_setmaxnreg(spec):
+    if consumers_raise_registers(spec):
         c(f"SETMAXNREG_INC()  # consumers: {registers(spec)[1]} registers")
     if producer(spec) == "warpgroup":
         c("ctid = tid - 128")
