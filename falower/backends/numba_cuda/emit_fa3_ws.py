@@ -565,7 +565,7 @@ def uses_setmaxnreg(spec: FA2ForwardSpec) -> bool:
     where producer thread 0 had TMA copies queued (early_first_item). Measured slower (H200, 2026-12-01,
     `split_parts.py --set early --rounds 5`, CUDA graphs): 1.05-1.18x the time at M = 1-64 in clusters (the kv loop
     1.41-1.79 us a tile against 1.28-1.54; without setmaxnreg the kernel is linked, not compiled whole by the
-    driver: why its loop slowed was not read), 0.97-1.00x on the merge kernel at 8k. On by default."""
+    driver: why its loop slowed was not read), 0.97-0.99x on the merge kernel at 8k. On by default."""
     if producer(spec) != "warpgroup":
         return False
     return spec.extra.get("setmaxnreg", True) is not False or consumer_wgs(spec) != 1 or blocks_per_sm(spec) != 1
@@ -1477,10 +1477,11 @@ def early_first_item(spec: FA2ForwardSpec) -> bool:
     consumers' registers, 0.5-0.8 to the ticket, the maps' acquires in it), and only then asked for Q, while its
     whole kv share (two tiles at B = 2, N = 1k) is a few loads. The first item's tiles must be the kv range in order
     (no mask: no tile skipped, no range scanned or handed over). Measured (H200, 2026-12-01, `split_parts.py --set
-    early --rounds 5`, CUDA graphs): no faster, the loop's form 0.93-1.025 of its time (median 0.98): Q and K landed
-    ~0.5 us sooner, but the consumers' setmaxnreg.inc took 0.8-1.0 us where it took 0.26 (the producer's dec waits,
-    it seems, for thread 0's queued copies), so the first S started no sooner. Off; `extra["early_first_item"]` =
-    True asks for it (bench '-efi')."""
+    early --rounds 5`, CUDA graphs, three calls): no faster, 0.98-1.08x the loop's time in two calls, 0.98-1.07x in
+    the first. Q landed 0.26 us after the item's state and K 85 cycles after Q, but the consumers reached their
+    first line 0.8-1.0 us after the block's barrier, with their setmaxnreg.inc or without (one tick without the
+    early copies), so the first S started no sooner and the kernel ended as before. Off; `extra["early_first_item"]`
+    = True asks for it (bench '-efi')."""
     return (spec.extra.get("early_first_item", False) is True and own_first_item(spec) and tma_loads(spec)
             and q_double(spec) and producer(spec) == "warpgroup" and not spec.has_mask and spec.block_mask != "list"
             and not list_head_shared(spec) and not range_shared(spec) and not l2_hints(spec)
