@@ -3,8 +3,17 @@ items, with the ring's stages, the Q barrier's parity and the loader running ahe
 loading, or a producer warpgroup: PERSIST_CASES "ws-pwg-*"), in the CUDA
 simulator against the float64 reference (ws_sim_cases.py's PERSIST_CASES and the document example through
 falower.compile, COMPILED_CASES: a block list with an item that visits nothing, walked by the producer
-warpgroup). Their own subprocess, beside test_fa3_ws_simulator's; test_ws_slow_warp_simulator runs a persistent
-case with a slowed warp."""
+warpgroup). Their own subprocess, beside test_fa3_ws_simulator's.
+
+And the warp-specialized forward with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, wgmma.py): the
+emulated threads otherwise run near lockstep, while on the GPU a warp's wgmma wait returns when its own part of the
+warpgroup's product is done. A kernel that rewrites shared memory another warp's part still reads (the producer
+warpgroup's Q buffer released before its O's copies have read it; the staged epilogue's rows at D = 128, o_err 0.29;
+the producer-less persistent kernel's next Q rows, o_err 1.16 without its barrier, a case cut for CI time on
+2026-11-29: that kernel is a default nowhere) reads wrong numbers here every time (ws_sim_cases.py's
+SLOW_WARP_CASES; the warp sleeps 0.2 s a read: at 0.05 s, or on one head, the released buffer's race passed unseen,
+2026-11-28). Its subprocess runs beside the persistent cases' (this module's one fixture): asleep most of its ~115
+s, it cost a worker that long on its own (a module of its own until 2026-12-01)."""
 
 from __future__ import annotations
 
@@ -18,12 +27,27 @@ pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulated import assert_forward_close, collect, spawn  # noqa: E402
-from ws_sim_cases import COMPILED_CASES, PERSIST_CASES  # noqa: E402
+from ws_sim_cases import COMPILED_CASES, PERSIST_CASES, SLOW_WARP_CASES, SLOW_WARP_SECONDS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return collect(spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*PERSIST_CASES, *COMPILED_CASES]))
+def both(tmp_path_factory):
+    """(the persistent cases' results, the slowed warp's), their two subprocesses at once: the first on this
+    worker's core, the second (mostly asleep) on the next."""
+    persist = spawn("ws_sim_cases.py", tmp_path_factory.mktemp("kernels"), [*PERSIST_CASES, *COMPILED_CASES])
+    slow = spawn("ws_sim_cases.py", tmp_path_factory.mktemp("slow"), [*SLOW_WARP_CASES],
+                 {"FALOWER_SIM_SLOW_WARP": str(SLOW_WARP_SECONDS)})
+    return collect(persist), collect(slow)
+
+
+@pytest.fixture(scope="module")
+def results(both):
+    return both[0]
+
+
+@pytest.mark.parametrize("case", sorted(SLOW_WARP_CASES))
+def test_slow_warp_simulator(both, case):
+    assert_forward_close(both[1].get(case))
 
 
 @pytest.mark.parametrize("case", sorted(PERSIST_CASES) + sorted(COMPILED_CASES))

@@ -2,8 +2,8 @@
 consumer warpgroup's 64 rows a tile of their own there, the item's O staged through those rows, and the buffer
 freed for item k + 2 after the item's epilogue, so the producer loads the next item's Q while the item before runs.
 Emitted sources only (no Numba); the numbers: test_ws_persistent_simulator.py's producer-warpgroup cases (causal
-items of 1, 2 and 3 tiles, an inf in one head's V, the document's empty item), test_ws_slow_warp_simulator.py's
-(a slowed warp on the producer kernel), test_ws_range_walk_simulator.py's windows (with `bulk_store` and without) and the
+items of 1, 2 and 3 tiles, an inf in one head's V, the document's empty item) and its slowed warp on the producer
+kernel, test_ws_range_walk_simulator.py's windows (with `bulk_store` and without) and the
 GPU's examples."""
 
 from __future__ import annotations
