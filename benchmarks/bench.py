@@ -136,15 +136,15 @@ def parse_config(text: str) -> tuple:
     loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
     item's full tiles inside N (extra class32); '-kvpN' split-kv's parts, N a power of two (extra kv_parts; 1: no
     split; default 'auto': emit_fa3.auto_kv_parts on a small grid), '-noofi' every item's ticket from the counter,
-    the first round's too (extra own_first_item); '-efi' / '-noefi' the block's first item sent by its thread 0 at the
-    block's entry, or from the producer's loop (extra early_first_item; default off); '-nosmr' no setmaxnreg where
-    one consumer warpgroup already holds the most registers (extra setmaxnreg; '-smrdec' the producer's dec only); '-nodec' a call of at most 64 query
-    rows on the persistent kernel's 128-row q tiles, not decoding's 64 (extra decode_tiles); '-fm' split-kv's merge
-    in the kernel itself (the q tile's last part, on decoding's tiles), not as a kernel of its own (extra
-    fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there (extra cluster_merge; default at 8
-    parts), '-noclm' never, '-pull' the cluster's merge by its two barriers and reads of the other blocks' rows, not
-    by their pushes (extra cluster_push); '-nosp' the score and the softmax for every row of decoding's q tile, not
-    only those below M (extra skip_padding);
+    the first round's too (extra own_first_item); '-efi' / '-noefi' the block's first item sent by its thread 0 at
+    the block's entry, or from the producer's loop (extra early_first_item; default off); '-nosmr' no setmaxnreg
+    where one consumer warpgroup already holds the most registers (extra setmaxnreg; '-smrdec' the producer's dec
+    only); '-nodec' a call of at most 64 query rows on the persistent kernel's 128-row q tiles, not decoding's 64
+    (extra decode_tiles); '-fm' split-kv's merge in the kernel itself (the q tile's last part, on decoding's tiles),
+    not as a kernel of its own (extra fused_merge); '-clm' the q tile's parts as one cluster's blocks, merged there
+    (extra cluster_merge; default at 8 parts), '-noclm' never, '-pull' the cluster's merge by its two barriers and
+    reads of the other blocks' rows, not by their pushes (extra cluster_push); '-nosp' the score and the softmax for
+    every row of decoding's q tile, not only those below M (extra skip_padding);
     '-nosg' D = 64's 192-row tiles on a small grid too (extra small_grid: False); '-nolh' the persistent producer
     kernel's items starting on their block list's global reads, not on its head
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the

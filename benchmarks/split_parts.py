@@ -19,8 +19,8 @@ N K / V stages (2 by default: one tile's loads ahead); "b2" two blocks an SM (`b
 64-wide kv tiles on one; "nosp" the softmax of every row, padding too; "mp" the tensor maps prefetched
 (map_prefetch); "pull" the cluster's merge by its two barriers and remote reads (cluster_push off); "efi" the
 block's first item sent by its thread 0 at its entry (early_first_item), "nosmr" decoding's one consumer warpgroup
-at the launch's registers (setmaxnreg off), "efinosmr" both; "smrdec"
-only the producer's setmaxnreg.dec (the consumers at the launch's registers), "efidec" that and "efi". `--rounds R`
+at the launch's registers (setmaxnreg off), "efinosmr" both; "smrdec" only the producer's setmaxnreg.dec (the
+consumers at the launch's registers), "efidec" that and "efi". `--rounds R`
 replays every variant's graph and SDPA's in turn R times (the median of the rounds: pairs a 1% difference);
 `--flex` adds FlexAttention's call (plain and GQA rows). Kernels are compiled first in parallel processes. Prints one
 markdown table, with the largest difference of a forced variant's O from the automatic choice's, then one of the

@@ -22,10 +22,8 @@ from sim_script import example_graph  # noqa: E402
 
 
 @pytest.fixture
-def hopper(monkeypatch):
-    monkeypatch.setattr(runtime, "device_cc", lambda: (9, 0))
-    monkeypatch.setattr(runtime, "device_sm_count", lambda: 132)
-    monkeypatch.setattr(runtime, "_has_gpu", lambda: False)
+def hopper(hopper, monkeypatch):
+    """conftest's faked Hopper, holding the H200's clusters (66 of 2, 30 of 4, 15 of 8)."""
     monkeypatch.setattr(runtime, "device_clusters_held", lambda w: {2: 66, 4: 30, 8: 15}[w])
 
 

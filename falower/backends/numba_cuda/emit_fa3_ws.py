@@ -557,30 +557,36 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     return int(p), int(c)
 
 
+def _launch_registers_suffice(spec: FA2ForwardSpec) -> bool:
+    """Whether every thread already starts at the most it could hold: one consumer warpgroup and one block an SM
+    (256 threads at 255 registers), where setmaxnreg moves nothing the consumers need."""
+    return consumer_wgs(spec) == 1 and blocks_per_sm(spec) == 1
+
+
 def uses_setmaxnreg(spec: FA2ForwardSpec) -> bool:
-    """Whether the producer warpgroup gives registers to the consumers (setmaxnreg, `registers`). `extra["setmaxnreg"]`
-    = False leaves both at the launch's allocation where that is already the most a thread holds: one consumer
-    warpgroup and one block an SM (256 threads start at 255 registers; bench '-nosmr'). Why ask: decoding's stamps
-    put the consumers' setmaxnreg.inc at ~0.26 us of a block's ~1.0-1.3 us to its first item, and at 0.8-1.0 us
-    where producer thread 0 had TMA copies queued (early_first_item). Measured slower (H200, 2026-12-01,
-    `split_parts.py --set early --rounds 5`, CUDA graphs): 1.05-1.18x the time at M = 1-64 in clusters (the kv loop
-    1.41-1.79 us a tile against 1.28-1.54; without setmaxnreg the kernel is linked, not compiled whole by the
-    driver: why its loop slowed was not read), 0.97-0.99x on the merge kernel at 8k. On by default."""
+    """Whether the producer warpgroup gives registers to the consumers (setmaxnreg, `registers`).
+    `extra["setmaxnreg"]` = False leaves both at the launch's allocation where that suffices
+    (`_launch_registers_suffice`; bench '-nosmr'). Why ask: decoding's stamps put the consumers' setmaxnreg.inc
+    at ~0.26 us of a block's ~1.0-1.3 us to its first item (one tick of %globaltimer, it turned out: with "dec"
+    below the mark reads the same). Measured slower (H200, 2026-12-01, `split_parts.py --set early --rounds 5`,
+    CUDA graphs): 1.05-1.18x the time at M = 1-64 in clusters (the kv loop 1.41-1.79 us a tile against
+    1.28-1.54; without setmaxnreg the kernel is linked, not compiled whole by the driver: why its loop slowed
+    was not read), 0.97-0.99x on the merge kernel at 8k. On by default."""
     if producer(spec) != "warpgroup":
         return False
-    return spec.extra.get("setmaxnreg", True) is not False or consumer_wgs(spec) != 1 or blocks_per_sm(spec) != 1
+    return spec.extra.get("setmaxnreg", True) is not False or not _launch_registers_suffice(spec)
 
 
 def consumers_raise_registers(spec: FA2ForwardSpec) -> bool:
     """Whether the consumers' setmaxnreg.inc is emitted beside the producer's dec. `extra["setmaxnreg"]` = "dec"
-    keeps only the producer's dec where one consumer warpgroup and one block an SM start the consumers at 255
-    registers already (ptxas 13.0: decoding's kernel uses 255 and spills nothing either way; bench '-smrdec'), so
+    keeps only the producer's dec where the launch's registers suffice (`_launch_registers_suffice`; ptxas 13.0:
+    decoding's kernel uses 255 and spills nothing either way; bench '-smrdec'), so
     that no consumer waits on the producer's dec before its first item. Measured the same (H200, 2026-12-01,
     `split_parts.py --set early --rounds 5`): 0.94-1.03 of the default's time, median 1.00; the stamps' 0.26 us
     "to the registers" is one tick of %globaltimer, with the inc or without. Not the default."""
     if not uses_setmaxnreg(spec):
         return False
-    return spec.extra.get("setmaxnreg", True) != "dec" or consumer_wgs(spec) != 1 or blocks_per_sm(spec) != 1
+    return spec.extra.get("setmaxnreg", True) != "dec" or not _launch_registers_suffice(spec)
 
 
 def producer(spec: FA2ForwardSpec) -> str:
@@ -1615,10 +1621,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         with c.indent():
             if early_first_item(spec):
                 c("if pq != 0:  # (the first item's Q and thread 0's arrival went out at entry: early_first_item)")
-                c.level += 1
-            _emit_q_tma(c, spec, lay, "(pq & 1)", tload, HINT)
-            if early_first_item(spec):
-                c.level -= 1
+            with c.indent() if early_first_item(spec) else contextlib.nullcontext():
+                _emit_q_tma(c, spec, lay, "(pq & 1)", tload, HINT)
         c("else:  # the other producer threads are past the item's ticket: none can fall an item behind, where its")
         with c.indent():  # wait on the next ticket would alias a phase and its read race thread 0's next write
             c("mbar_arrive(q_bar)")
@@ -1656,10 +1660,8 @@ def _emit_producer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                     with c.indent():
                         c("early -= 1")
                     c("else:")
-                    c.level += 1
-                _emit_kv_tma(c, spec, lay, "j", tload, HINT, wait=True)
-                if early_first_item(spec):
-                    c.level -= 1
+                with c.indent() if early_first_item(spec) else contextlib.nullcontext():
+                    _emit_kv_tma(c, spec, lay, "j", tload, HINT, wait=True)
         else:
             c(f"mbar_wait(sbar + {lay['empty_k']}, phase ^ 1)  # the consumer warpgroups are done with this stage's "
               "K")
