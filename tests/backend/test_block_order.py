@@ -105,10 +105,14 @@ def _walks(spec, blocks: int, nq: int, B: int, H: int) -> list[list[tuple[int, i
 @pytest.mark.parametrize("variant", ["causal", "plain"])
 @pytest.mark.parametrize("order", ["grid", "cost"])
 @pytest.mark.parametrize("batch_inner", [False, True])
+@pytest.mark.parametrize("carry", ["div", "sub"])
 @pytest.mark.parametrize("blocks,nq,B,H", [(1, 1, 1, 1), (3, 2, 2, 2), (5, 7, 1, 4), (132, 32, 4, 16),
-                                           (7, 3, 2, 1), (16, 2, 1, 2)])
-def test_persistent_walk_takes_every_item_once(variant, order, batch_inner, blocks, nq, B, H) -> None:
-    spec = dataclasses.replace(_spec(variant, item_order=order), batch_inner=batch_inner)
+                                           (7, 3, 2, 1), (16, 2, 1, 2),
+                                           (132, 3, 2, 2), (132, 1, 8, 1)])
+def test_persistent_walk_takes_every_item_once(variant, order, batch_inner, carry, blocks, nq, B, H) -> None:
+    """Every item once, with the carry by division and by subtractions first (item_carry: (132, 3, ...) and
+    (132, 1, ...) pass CARRY_DIV_EXTENTS extents, so "sub" divides there too)."""
+    spec = dataclasses.replace(_spec(variant, item_order=order, item_carry=carry), batch_inner=batch_inner)
     walks = _walks(spec, blocks, nq, B, H)
     taken = [it for w in walks for it in w]
     assert sorted(taken) == sorted((qt, h, b) for qt in range(nq) for h in range(H) for b in range(B))
@@ -134,3 +138,30 @@ def test_cost_order_balances_causal_items() -> None:
 def test_unknown_item_order_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="item_order must be one of"):
         item_order(_spec("causal", item_order="random"))
+
+
+def test_item_carry_subtracts_on_the_relative_bias_row_slice_kernel_only(hopper) -> None:
+    """item_carry "auto": the relative bias's persistent D = 128 kernel (row_slice, 128-row q tiles) subtracts
+    first, the others (its D = 64 kernel too) divide; a caller's "div" or "sub" decides (a value outside them is
+    refused by name)."""
+    import falower as fl
+    from falower.backends.numba_cuda.emit_fa2 import CARRY_DIV_EXTENTS
+    from falower.errors import FalowerError
+    from tests.backend.sim_script import example_graph
+
+    def source(stem: str, D: int = 128, **extra) -> str:
+        c = fl.compile(example_graph(stem), extra=extra or None)
+        return c.specialize("f16", D=D, N=4096, M=4096).source
+
+    sub = f"if it_x >= {CARRY_DIV_EXTENTS} * ("  # (x's extent: q tiles, or heads under item_order "cost")
+    rb = source("relative_bias")
+    assert "row_slice" in rb and sub in rb and "while it_x >= nq:" in rb
+    for stem in ("plain", "causal", "document"):
+        src = source(stem)
+        assert "div_u32(it_x, " in src and sub not in src and "while it_x >= " not in src, stem
+    rb64 = source("relative_bias", D=64)
+    assert "row_slice" in rb64 and sub not in rb64
+    assert sub not in source("relative_bias", item_carry="div")
+    assert sub in source("plain", item_carry="sub")
+    with pytest.raises(FalowerError, match="item_carry"):
+        source("plain", item_carry="loop")

@@ -44,6 +44,7 @@ unmasked score get O = 0 and LSE = -inf.
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 import textwrap
 from typing import Callable, NamedTuple, Optional
@@ -467,21 +468,53 @@ def emit_persistent_next(c: "_Code", spec: Optional[FA2ForwardSpec],
     _emit_item_carry(c, spec, extents=extents)
 
 
+CARRY_DIV_EXTENTS = 8  # item_carry "sub": a division only where x is this many extents past, else subtractions
+
+
+def carry_subtracts(spec: Optional[FA2ForwardSpec]) -> bool:
+    """Whether `_emit_item_carry` subtracts where x is under CARRY_DIV_EXTENTS extents past (extra["item_carry"]
+    "sub"), where it otherwise divides ("div"). "auto" (the default) subtracts on the relative bias's row_slice
+    kernel of 128-row q tiles (D = 128) only. Why: the division alone took that kernel's consumers from 16 to 56
+    bytes of spill stores (ptxas 13.0) and its call from 0.870 to 0.826 of plain by 150 pairs; with the
+    subtractions first it read 0.870 again, while elsewhere they lost or moved nothing: the document mask 0.446
+    against 0.456, the relative bias at D = 64 (192-row tiles) 0.773 against 0.777, causal and ALiBi within 0.005
+    (H200, 2026-12-01, benchmarks/NOTES.md "The relative bias's run staged by the producer")."""
+    if spec is None:
+        return False
+    asked = spec.extra.get("item_carry", "auto")
+    if asked == "auto":
+        from . import emit_fa3_ws  # (emit_fa3_ws imports this module)
+
+        return isinstance(spec, FA2ForwardSpec) and spec.block_q == 128 and emit_fa3_ws.row_slice(spec)
+    return asked == "sub"
+
+
 def _emit_item_carry(c: "_Code", spec: Optional[FA2ForwardSpec], p: str = "it",
                      extents: Optional[tuple[str, str]] = None) -> None:
     """Carries the item coordinates <p>_x, <p>_y, <p>_z (x fastest) into their extents (`extents`, else the
     forward grid's `_grid_axes`) after <p>_x grew: by a 32-bit division where x passed its extent (div_u32: inline;
-    a 64-bit division is a call, which serializes every wgmma). Why not a loop of subtractions: ~15 ns an
-    iteration, and a decoding block's first ticket (its block index, up to 131) against an extent of 1-2 (one q
-    tile, its parts) looped up to ~130 times: the stamped timeline put a block's entry to its first item at
-    1.8 us at B = 8 against 0.8 at B = 1 (H200, benchmarks/NOTES.md "Decoding's chain")."""
+    a 64-bit division is a call, which serializes every wgmma), or under `carry_subtracts` by subtractions where x is
+    under CARRY_DIV_EXTENTS extents past (prefill's tickets move ~4 extents an item: 132 blocks, 32 q tiles at
+    N = 4k) and the division past that. Why not a loop of subtractions alone: ~15 ns an iteration, and a decoding
+    block's first ticket (its block index, up to 131) against an extent of 1-2 (one q tile, its parts) looped up to
+    ~130 times: the stamped timeline put a block's entry to its first item at 1.8 us at B = 8 against 0.8 at B = 1
+    (H200, benchmarks/NOTES.md "Decoding's chain")."""
     nx, ny = extents if extents is not None else (_grid_axes(spec)[0][0], _grid_axes(spec)[1][0])
+    sub = carry_subtracts(spec)
     for lo, hi, n in ((f"{p}_x", f"{p}_y", nx), (f"{p}_y", f"{p}_z", ny)):
         c(f"if {lo} >= {n}:")
         with c.indent():
-            c(f"{p}_c = div_u32({lo}, {n})")
-            c(f"{lo} -= {p}_c * ({n})")
-            c(f"{hi} += {p}_c")
+            if sub:
+                c(f"if {lo} >= {CARRY_DIV_EXTENTS} * ({n}):")
+            with c.indent() if sub else contextlib.nullcontext():
+                c(f"{p}_c = div_u32({lo}, {n})")
+                c(f"{lo} -= {p}_c * ({n})")
+                c(f"{hi} += {p}_c")
+            if sub:
+                c(f"while {lo} >= {n}:")
+                with c.indent():
+                    c(f"{lo} -= {n}")
+                    c(f"{hi} += 1")
 
 
 def emit_persistent_index(c: "_Code", spec: FA2ForwardSpec, p: str = "it", suffix: str = "") -> None:

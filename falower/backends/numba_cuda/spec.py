@@ -59,7 +59,8 @@ KNOWN_EXTRAS = frozenset({
     "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs",
     "early_first_item", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early",
     "grad_dist", "grad_groups", "half_tiles",
-    "head_group", "hold_grads", "interior_split", "item_order", "keep_bits", "kv_group", "kv_major", "kv_parts",
+    "head_group", "hold_grads", "interior_split", "item_carry", "item_order", "keep_bits", "kv_group", "kv_major",
+    "kv_parts",
     "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc", "overlap",
     "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
     "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice",
@@ -89,6 +90,7 @@ EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be
     "blocks_per_sm": (1, 2, 3),  # (3: emit_fa3's D = 64 kernels only; 2 on the ws kernel: decoding's tiles only)
     "decode_block_k": (64, 128),
     "map_prefetch": (True, False),
+    "item_carry": ("auto", "div", "sub"),
 }
 
 
