@@ -78,6 +78,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "nows": ({"dq_ws": False}, "dQ by the consumers' own reductions (dq_ws off where \"auto\" turns it on)"),
     "ws1": ({"dq_ws": True, "ws_loads": False, "dq_ws_slabs": 1}, "... one slab a warpgroup"),
     "wsl": ({"dq_ws": True, "ws_loads": True}, "... and the next q tile's loads by two producer warps"),
+    "sdpq": ({"sdp_ahead": "dq"}, "the next tile's S^T and dP^T issued beside dQ's GEMM (sdp_ahead 'dq')"),
+    "sdpt": ({"sdp_ahead": "top"}, "the next tile's S^T and dP^T issued after dQ's hand-off (sdp_ahead 'top')"),
     "gdist": ({"grad_dist": True}, "the slope gradient's distances recomputed as float(kv) - float(q) (grad_dist)"),
     "q128": ({"bwd_tiles": (128, 128)}, "128 x 128 tiles (q x kv; the default 64 x 128), its knobs' defaults there"),
     "q128wsl": ({"bwd_tiles": (128, 128), "dq_ws": True, "ws_loads": True}, "128 x 128 tiles with dq_ws and ws_loads"),

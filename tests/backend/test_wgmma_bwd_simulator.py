@@ -844,3 +844,78 @@ def test_ws_loads_by_default():
         other = dataclasses.replace(spec, **shape)
         assert not emit_fa3_bwd.ws_loads(other), shape
         assert emit_fa3_bwd.ws_loads(dataclasses.replace(other, extra={**spec.extra, "ws_loads": True})), shape
+
+
+@pytest.mark.parametrize("where", ["dq", "top"])
+def test_sdp_ahead_source(where):
+    """spec.extra sdp_ahead (off by default): the first tile's S^T and dP^T issued once before the loop, after a
+    barrier of the consumers; in the loop none at the top, and the next tile's issued at the tile's end (every
+    tile, the last one's too, so that ptxas sees one group in flight on every path into the loop's top): "dq"
+    after dQ's GEMM is committed, with a wait_group 1 for dQ after it, "top" after dQ's wait (0) and hand-off;
+    under ws_loads the next buffer's mbarrier waited (only where a next tile exists) before that issue and not at
+    the loop's top; the last issue waited for after the loop. Refused with the knobs that move the same GEMMs."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    assert emit_fa3_bwd.sdp_ahead(_spec("causal", 128)) == ""
+    spec = _spec("causal", 128, extra={"dq_ws": True, "ws_loads": True, "sdp_ahead": where})
+    emit_fa3_bwd.validate_spec(spec)
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    loop_at = src.index("    while qc <= p_last:")
+    pre, loop = src[:loop_at], src[loop_at:src.index("    if tn == 0:")]
+    assert pre.count("WG_S(sacc") == 8 and pre.count("WG_S(pacc") == 8
+    assert pre.rindex("bar_sync(1, 256)") < pre.index("WG_S(sacc")
+    top = loop[:loop.index("WAIT_S(sacc, 0)")]
+    assert "WG_S(" not in top and "if tn > 0:" not in top and "mbar_wait(" not in top
+    end = loop[loop.index("WG_Q(dqa"):]
+    assert end.count("WG_S(sacc") == 8 and end.count("WG_S(pacc") == 8
+    first_s = end.index("WG_S(sacc")
+    assert end.index("mbar_wait(sb + ") < first_s
+    assert re.search(r"if qn <= p_last:  # sdp_ahead.*\n"
+                     r"\s+mbar_wait\(sb \+ \d+ \+ \(buf \^ 1\) \* 8, \(tn >> 1\) & 1\)", end)
+    assert "if qn <= p_last:  # sdp_ahead: the next tile's S^T" not in end  # the issue itself is unconditional
+    if where == "dq":
+        assert first_s < end.index("WAIT_QA(dqa, 0)") < end.index("bar_sync(DQ_FREE")
+        assert "WAIT_Q(dqa, 0)" not in end
+    else:
+        assert end.index("WAIT_Q(dqa, 0)") < end.index("bar_arrive(DQ_FULL") < first_s < end.index("tn += 1")
+    after = src[src.index("    if tn == 0:"):]
+    assert after.index("WAIT_S(sacc, 0)") < after.index("WAIT_D(dvacc, 0)")
+    own = emit_fa3_bwd.emit_fa3_backward(_spec("causal", 64, extra={"dq_ws": True, "ws_loads": False,
+                                                                     "sdp_ahead": where}))
+    assert "mbar_wait" not in own.split("@kernel_jit")[-1] and own.count("# sdp_ahead: the next tile's S^T") == 1
+    for bad in ({"p_under_dp": True}, {"dk_after_dq": True}, {"dq_late": True}, {"dq_bulk": True},
+                {"bwd_persistent": 2, "dkdv_bulk": True}):
+        with pytest.raises(ValueError, match=f"sdp_ahead .* not with {next(iter(bad))}"):
+            emit_fa3_bwd.validate_spec(_spec("causal", 64, extra={"sdp_ahead": where, **bad}))
+    for value in (True, "yes", 1):
+        with pytest.raises(ValueError, match="sdp_ahead must be False, 'dq' or 'top'"):
+            emit_fa3_bwd.validate_spec(_spec("causal", 64, extra={"sdp_ahead": value}))
+
+
+def test_sdp_ahead_ptx(tmp_path, monkeypatch):
+    """sdp_ahead "top" at D = 64 and 128 on the default kernel (dq_ws, ws_loads), compiled whole by ptxas when one
+    is on this machine: no wgmma serialized (a conditional issue made ptxas serialize every one, C7515) and 32 S^T /
+    dP^T wgmmas (two issues of 16) where the default has 16."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    import shutil
+    import subprocess
+
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    for D in (64, 128):
+        ptx = FA2BackwardKernel(_spec("plain", D, extra={"dq_ws": "auto", "sdp_ahead": "top"})).ptx((9, 0))
+        base = FA2BackwardKernel(_spec("plain", D, extra={"dq_ws": "auto"})).ptx((9, 0))
+        n = lambda p: p.count("wgmma.mma_async.sync.aligned.m64n64k16.f32")  # noqa: E731 (S^T, dP^T: n = block_q)
+        assert n(ptx) - n(base) == 2 * D // 16, (D, n(ptx), n(base))
+        if shutil.which("ptxas") is None:
+            continue
+        path = tmp_path / f"k{D}.ptx"
+        path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, flags=re.M)
+                        .replace(".target sm_90\n", ".target sm_90a\n"))
+        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                           capture_output=True, text=True)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-2000:]
+        assert "C7515" not in log and "serialized" not in log, log[-2000:]

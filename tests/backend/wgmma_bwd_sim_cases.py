@@ -95,6 +95,14 @@ CASES = {
     # broken the swizzle there, dq err 1.79, a review's find; D = 64 is the same code's one pass)
     "causal-bf16-d128-200x70-2wg-wsl": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
                                         {"dq_ws": True, "ws_loads": True}),
+    # the next q tile's S^T and dP^T issued at this tile's end (sdp_ahead): after dQ's hand-off on the loader warps'
+    # buffers (each issue waits its buffer's mbarrier: 4 tiles, both parities), and beside dQ's GEMM on the
+    # consumers' own loads; the last tile's issue reads a stale buffer that nothing uses (scaling the next tile's
+    # Q by the wrong buffer, (buf ^ 1) -> buf, fails it: dq err ~1)
+    "causal-bf16-d128-200x70-2wg-wsl-sdpt": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
+                                             {"dq_ws": True, "ws_loads": True, "sdp_ahead": "top"}),
+    "causal-f16-d64-130x130-2wg-dqws-sdpq": ("causal", "f16", 1, 1, 1, 130, 130, 64, 64, 128,
+                                             {"dq_ws": True, "ws_loads": False, "sdp_ahead": "dq"}),
 }
 
 

@@ -4,7 +4,8 @@ FlashAttention-2's gradient rule against float64 (tests/gpu/test_backward_gpu.py
 at D = 64 and 128, f16 and bf16, N = 17 (one ragged tile), 1000 and 4096; the kernel that ran checked (wgmma,
 the document mask's block lists included); its error no worse
 than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); dK's GEMM after
-dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); torch autograd through it.
+dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); the next tile's S^T and dP^T ahead (sdp_ahead); torch
+autograd through it.
 
 Run: python tests/gpu/test_wgmma_bwd_gpu.py -n 14 [-k ...]: the float64 references at N >= 1000 first, one process
 each (test_backward_gpu's script form; the knob tests' N = 4096 references were recomputed in every worker that
@@ -240,6 +241,20 @@ def test_bwd_persistent(stem: str, dtype: str, D: int) -> None:
     env, host, do = case_inputs(stem, dtype, D, 1000)
     one, pers = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"bwd_persistent": 3}))
     for name, a, b in zip(("dk", "dv"), one[1:3], pers[1:3]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("where", ["dq", "top"])
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["plain", "causal", "document", "gqa", "alibi"])
+def test_sdp_ahead(stem: str, dtype: str, D: int, where: str) -> None:
+    """spec.extra["sdp_ahead"]: the next q tile's S^T and dP^T issued at this tile's end (beside dQ's GEMM, or
+    after its hand-off), on the default's loader warps: the error rule, and at N = 1000 dK and dV bitwise the
+    default's (the same products of the same buffers; dQ's adds come in any order: dQ by the error rule only)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["sdp_ahead"], sdp_ahead=where)
+    env, host, do = case_inputs(stem, dtype, D, 1000)
+    base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"sdp_ahead": where}))
+    for name, a, b in zip(("dk", "dv"), base[1:3], new[1:3]):
         assert torch.equal(a, b), name
 
 

@@ -197,7 +197,7 @@ KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa,
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g", "dq_ws": "bar_arrive(DQ_FULL",
-              "ws_loads": "bar_arrive(LD_REQ"}
+              "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -412,6 +412,27 @@ def p_under_dp(spec: FA2BackwardSpec) -> bool:
     return all(split_elem(spec.device_source, b) is not None for b in spec.branches)
 
 
+SDP_AHEAD_CHOICES = (False, "dq", "top")
+_SDP_AHEAD_REFUSES = ("p_under_dp", "dk_after_dq", "dq_late", "dq_bulk", "bwd_persistent")
+
+
+def sdp_ahead(spec: FA2BackwardSpec) -> str:
+    """Where the next q tile's S^T and dP^T GEMMs are issued (spec.extra["sdp_ahead"]; default False: at that
+    tile's top, after its barrier): "dq" right after this tile's dQ GEMM, so that they run under dQ's wait, its
+    hand-off (or reductions) and the next tile's top; "top" after the hand-off, under the top only (dQ's fragment
+    and S^T / dP^T not live together: D = 128's registers). The next tile's Q and dO are there by then: the
+    consumers' own copies were waited at this tile's dS^T barrier, ws_loads' are waited on their mbarrier just
+    before. Why: a tile's phases run in lockstep on both warpgroups and the tensor cores idle from dQ's GEMM to
+    the next S^T (the wait, the hand-off, the loop top: ~600 of a ~5000-cycle tile at D = 128, thirty-fourth
+    session's --phases). Measured slower (H200, probe_bwd.py, 9 rounds, the whole backward call against the
+    default, 2026-12-01): "top" 1.063 / 1.039 at D = 64 (plain / causal), 1.096 / 1.047 at D = 128; "dq" 1.18 / 1.13
+    at D = 64 and 2.58 at D = 128, where dQ's fragment and S^T / dP^T together spill and ptxas serializes the
+    wgmmas. In lockstep, one warpgroup's early S^T / dP^T take the tensor cores from the other's dQ GEMM, which the
+    next barrier waits for (benchmarks/NOTES.md, sixty-first session). Opt-in; returns "" when off."""
+    v = spec.extra.get("sdp_ahead", False)
+    return v if isinstance(v, str) and v in SDP_AHEAD_CHOICES else ""
+
+
 def kv_major(spec: FA2BackwardSpec) -> bool:
     """The grid's order (spec.extra["kv_major"]; by default True without a block mask, False under one): (kv
     tiles, kv heads, batch), a (b, kv head)'s kv tiles in consecutive blocks, so the blocks running together share
@@ -604,8 +625,17 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         if spec.extra.get(knob, "auto") != "auto" and not isinstance(spec.extra[knob], bool):
             raise ValueError(f"wgmma backward: {knob} must be True, False or 'auto', got {spec.extra[knob]!r}")
     # a bool, not 1 or 0 (equal to True / False, but read by `is True`)
+    v = spec.extra.get("sdp_ahead", False)
+    if not any(v is c if isinstance(c, bool) else v == c for c in SDP_AHEAD_CHOICES):
+        raise ValueError(f"wgmma backward: sdp_ahead must be False, 'dq' or 'top', got {v!r}")
+    if sdp_ahead(spec):
+        clash = [k for k in _SDP_AHEAD_REFUSES if k == "bwd_persistent" and persistent(spec) or
+                 k != "bwd_persistent" and spec.extra.get(k, False) is True]
+        if clash:
+            raise ValueError(f"wgmma backward: sdp_ahead issues the next tile's S^T and dP^T itself: not with "
+                             f"{clash[0]}")
     for knob in (*KNOB_MARKS, "exp_fold", "grad_dist"):
-        if knob not in _AUTO_KNOBS and not isinstance(spec.extra.get(knob, False), bool):
+        if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
@@ -772,6 +802,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     DKL = dk_after_dq(spec)
     LATE = dq_late(spec)
     PDP = p_under_dp(spec)
+    AHEAD = sdp_ahead(spec)
     PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
     KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
@@ -802,6 +833,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     c(f"WAIT_Q = wgmma_wait_regs(0, {DC // 2})")
     if DKL:
         c(f"WAIT_Q1 = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, dK's (issued after it) in flight")
+    elif AHEAD == "dq":
+        c(f"WAIT_QA = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, the next tile's S^T / dP^T in flight")
     if PDP:
         c(f"WAIT_S1 = wgmma_wait_regs(1, {BQ // 2})  # S^T's group done, dP^T's (committed after it) in flight")
     if WS and NWG > 1:
@@ -953,6 +986,45 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 for i in GROUPS}
         c("cp_async_wait0()  # K, V and the first Q, dO have landed")
         c("fence_proxy_async()  # ... visible to wgmma's async proxy (the loop's first barrier: to everyone)")
+        which = _opaque(spec)
+
+        def issue_sdp(qbv: str, obv: str) -> None:
+            """S^T = K Q^T and dP^T = V dO^T of the tile whose Q and dO sit at qbv, obv (k_wl, v_wl set)."""
+            c(f"# S^T = K Q^T and dP^T = V dO^T: {KS} + {KS} wgmma m64n{BQ}k16; k step s reads 16 columns of D:")
+            c("# block s // 4, byte 32 * (s % 4)")
+            c("FENCE_S(sacc, 0)")
+            c("FENCE_S(pacc, 0)")
+            c("# descriptors: a word a tile and operand, plus a k step's offset >> 4 (desc_at: one mov a wgmma where")
+            c("# make_desc cost ~6 uniform instructions)")
+            for nm, base in (("k", "k_wl"), ("q", qbv), ("v", "v_wl"), ("o", obv)):
+                c(f"w_{nm} = desc_word(HI_KM, {base})")
+            for acc, A, B in (("sacc", "w_k", "w_q"), ("pacc", "w_v", "w_o")):
+                for ks in range(KS):
+                    a = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
+                    bq = ((ks // 4) * BQ * 128 + (ks % 4) * 32) >> 4
+                    c(f"WG_S({acc}, 0, desc_at(HI_KM, {A} + {a}), desc_at(HI_KM, {B} + {bq}), {int(ks > 0)})")
+                if PDP and acc == "sacc":
+                    c("wgmma_commit()  # S^T's group, waited for before dP^T's")
+            c("wgmma_commit()")
+
+        def issue_ahead() -> None:
+            """sdp_ahead: the next tile's (hn, qn) S^T and dP^T from the other buffer, once its Q and dO are there;
+            past the last tile as well (a stale buffer's, never read): every path then reaches the loop's top with
+            the one group in flight, where a conditional issue made ptxas serialize every wgmma (C7515)."""
+            if WSL:
+                c(f"if {_more(spec, 'hn', 'qn')}:  # sdp_ahead: the next tile's Q, dO from the loaders")
+                with c.indent():
+                    c(f"mbar_wait(sb + {lay['MBAR']} + (buf ^ 1) * 8, (tn >> 1) & 1)")
+                    c("fence_proxy_async()  # their copies visible to wgmma's async proxy")
+            c("# sdp_ahead: the next tile's S^T and dP^T, under this tile's end (past the last tile: unread)")
+            issue_sdp(f"sb + {QO} + (buf ^ 1) * {TQ}", f"sb + {DOO} + (buf ^ 1) * {TQ}")
+
+        if AHEAD:
+            c("# sdp_ahead: the first tile's S^T and dP^T before the loop (with no tile: unread)")
+            c("cuda.syncthreads()  # every consumer's copies of the first Q, dO")
+            for nm in ("k", "v"):
+                c(f"{nm}_wl = opaque_u32({nm}_wg)" if nm in which else f"{nm}_wl = {nm}_wg")
+            issue_sdp(f"sb + {QO}", f"sb + {DOO}")
         if PERS:
             c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read their staging: the loop's")
             c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before it is written again")
@@ -967,7 +1039,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# this tile's Q, dO landed before the last tile's dS^T barrier; here everyone is done with the other")
             c("# buffers and dS^T (their wgmmas waited). No fence here: its MEMBAR waited for the last tile's dQ")
             c("# reductions to reach L2 (ncu: 7% of the stall samples on the fence)")
-            if WSL:
+            if WSL and not AHEAD:  # (sdp_ahead waited for them before issuing this tile's S^T, dP^T)
                 c("if tn > 0:  # this tile's Q, dO, LSE, Delta from the loader warps (the first: our own loads)")
                 with c.indent():
                     c(f"mbar_wait(sb + {lay['MBAR']} + buf * 8, ((tn - 1) >> 1) & 1)")
@@ -992,7 +1064,6 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"interior = q0 + {BQ} <= M and kv0 + {BK} <= N")
             if len(spec.branches) > 1:
                 c(f"cls = {_class_expr(spec, 'hc', 'qc')}")
-            which = _opaque(spec)
             if which:
                 c("# loop-invariant operands' addresses made opaque once a tile: their descriptors are built here,")
                 c("# not hoisted out of the loop (2 registers each)")
@@ -1003,22 +1074,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"lse_f = ((sbr + {STO}) >> 2) + buf * {BQ}")
             c(f"dlt_f = lse_f + {2 * BQ}")
             c()
-            c(f"# S^T = K Q^T and dP^T = V dO^T: {KS} + {KS} wgmma m64n{BQ}k16; k step s reads 16 columns of D:")
-            c("# block s // 4, byte 32 * (s % 4)")
-            c("FENCE_S(sacc, 0)")
-            c("FENCE_S(pacc, 0)")
-            c("# descriptors: a word a tile and operand, plus a k step's offset >> 4 (desc_at: one mov a wgmma where")
-            c("# make_desc cost ~6 uniform instructions)")
-            for nm, base in (("k", "k_wl"), ("q", "qb"), ("v", "v_wl"), ("o", "ob")):
-                c(f"w_{nm} = desc_word(HI_KM, {base})")
-            for acc, A, B in (("sacc", "w_k", "w_q"), ("pacc", "w_v", "w_o")):
-                for ks in range(KS):
-                    a = ((ks // 4) * BK * 128 + (ks % 4) * 32) >> 4
-                    bq = ((ks // 4) * BQ * 128 + (ks % 4) * 32) >> 4
-                    c(f"WG_S({acc}, 0, desc_at(HI_KM, {A} + {a}), desc_at(HI_KM, {B} + {bq}), {int(ks > 0)})")
-                if PDP and acc == "sacc":
-                    c("wgmma_commit()  # S^T's group, waited for before dP^T's")
-            c("wgmma_commit()")
+            if AHEAD:
+                c("# (sdp_ahead: this tile's S^T and dP^T were issued before the loop or at the last tile's end)")
+            else:
+                issue_sdp("qb", "ob")
             if BULK:
                 c("# the last tile's staged dQ rows to the copy engine while S^T and dP^T are computed")
                 _emit_dq_issue(c, DC, lay["DQ"], PITCH)
@@ -1157,6 +1216,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             for kk in range(KQ):
                 c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128}), {int(kk > 0)})")
             c("wgmma_commit()")
+            if AHEAD == "dq":
+                issue_ahead()
             if DKL:
                 c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers, in flight while dQ's")
                 c("# reductions issue")
@@ -1165,6 +1226,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
                 c("wgmma_commit()")
                 c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
+            elif AHEAD == "dq":
+                c("WAIT_QA(dqa, 0)  # dQ's group and every one before it (dV, dK) done; the next S^T, dP^T in flight")
             else:
                 c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
             c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
@@ -1184,6 +1247,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     _emit_dq_reductions(c, DC // 8)
             if DKL:
                 c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
+            if AHEAD == "top":
+                issue_ahead()
             if not WSL:  # (ws_loads: the loader warps wrote them)
                 c(f"if {_more(spec, 'hn', 'qn')} and tid < {BQ}:")
                 with c.indent():
@@ -1204,6 +1269,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 _emit_load_request(c, spec, lay, None, "0", "0")
         c("cp_async_wait0()")
+        if AHEAD:
+            c("WAIT_S(sacc, 0)  # sdp_ahead's last issue (unread)")
+            c("WAIT_S(pacc, 0)")
         if BULK:
             c("# the last tile's staged dQ rows, read before the block's shared memory goes")
             _emit_dq_issue(c, DC, lay["DQ"], PITCH)

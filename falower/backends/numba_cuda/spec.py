@@ -64,7 +64,8 @@ KNOWN_EXTRAS = frozenset({
     "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc", "overlap",
     "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
     "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice",
-    "schedule", "setmaxnreg", "skip_padding", "slice_ahead", "slice_in_s", "slice_pairs", "slice_rows", "small_grid",
+    "schedule", "sdp_ahead", "setmaxnreg", "skip_padding", "slice_ahead", "slice_in_s", "slice_pairs", "slice_rows",
+    "small_grid",
     "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
     "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows", "ws_loads",
 })
@@ -74,7 +75,7 @@ KNOWN_EXTRAS = frozenset({
 BACKWARD_EXTRAS = frozenset({
     "bwd_block_list", "bwd_persistent", "bwd_schedule", "dk_after_dq", "dkdv_bulk", "dkdv_stsm", "dkdv_tma",
     "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "exp_fold", "grad_dist", "grad_groups", "hold_grads",
-    "interior_split", "kv_group", "kv_major", "list_ahead", "opaque_desc", "p_under_dp", "ws_loads",
+    "interior_split", "kv_group", "kv_major", "list_ahead", "opaque_desc", "p_under_dp", "sdp_ahead", "ws_loads",
 })
 
 
