@@ -83,6 +83,10 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "gdist": ({"grad_dist": True}, "the slope gradient's distances recomputed as float(kv) - float(q) (grad_dist)"),
     "q128": ({"bwd_tiles": (128, 128)}, "128 x 128 tiles (q x kv; the default 64 x 128), its knobs' defaults there"),
     "q128wsl": ({"bwd_tiles": (128, 128), "dq_ws": True, "ws_loads": True}, "128 x 128 tiles with dq_ws and ws_loads"),
+    # one consumer warpgroup a block, so that blocks sharing an SM run their phases out of step (no lockstep)
+    "k64": ({"bwd_tiles": (64, 64)}, "64 x 64 tiles: one consumer warpgroup a block, its knobs' defaults there"),
+    "k64ws": ({"bwd_tiles": (64, 64), "dq_ws": True, "ws_loads": False}, "64 x 64 tiles with dq_ws"),
+    "k64wsl": ({"bwd_tiles": (64, 64), "dq_ws": True, "ws_loads": True}, "64 x 64 tiles with dq_ws and ws_loads"),
 }
 EXTRA = {name: keys for name, (keys, _) in EXTRA_VARIANTS.items()}
 
