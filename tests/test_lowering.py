@@ -135,6 +135,44 @@ def test_tile_classification_is_sound(mask) -> None:
     del fe
 
 
+@pytest.mark.parametrize("precision", ["f64", "native"])
+@pytest.mark.parametrize("mask", [
+    lambda b, h, q, kv: (q * 0.496).int() <= kv,  # truncation toward zero (row 128 keeps key 63)
+    lambda b, h, q, kv: (q ^ kv) >= 2,  # ints: bitwise xor
+    lambda b, h, q, kv: kv >= (h ^ 3) * 64,
+    lambda b, h, q, kv: (~(kv % 2)) < 0,  # ints: ~x = -x - 1, not 1 - x
+    lambda b, h, q, kv: q * 0.1 <= 19.2,  # f32 keeps row 192 (19.2000008 <= 19.2000008), f64 drops it
+    lambda b, h, q, kv: kv * 0.3 >= 57.6,
+], ids=["trunc", "xor", "head_xor", "bit_not", "f32_tie_row", "f32_tie_col"])
+def test_masked_tiles_keep_the_graphs_numbers_at_both_precisions(mask, precision) -> None:
+    """Tiles the intervals call empty or full are so under the interpreter's own arithmetic (a cast truncates, ints
+    xor and invert bitwise, f32 rounds): the tiled IR gives the graph's numbers, in f64 and in the kernels' f32."""
+    g = fl.attention(mask_mod=mask)
+    low = fl.lower(g, "decompose-softmax,canonicalize,fuse,tile{bq=64,bk=64},online-softmax,mask-tiles")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, n, 8)) for n in (257, 260, 260))
+    want = fl.interpret(g, [q, k, v], precision=precision)[0].astype(np.float64)
+    got = fl.interpret(low, [q, k, v], precision=precision)[0].astype(np.float64)
+    np.testing.assert_allclose(got, want, atol=1e-9 if precision == "f64" else 2e-3)
+
+
+@pytest.mark.parametrize("pipeline", ["fa2-fwd", "fa1-fwd"])
+def test_a_bare_product_is_its_own_score(pipeline: str) -> None:
+    """softmax(q @ k^T) @ v with no scale and no score function: fuse makes an identity region that reads the
+    scores (it once read its own result and the pass recursed without end); the numbers are the graph's."""
+    T = lambda s: fl.tensor("f16", s)  # noqa: E731
+
+    @fl.trace(q=T("B,H,M,D"), k=T("B,H,N,D"), v=T("B,H,N,D"), result_names=("o",))
+    def bare(q, k, v):
+        return (fl.softmax(q @ k.mT, dim=-1) @ v).to("f16")
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, n, 8)) for n in (65, 70, 70))
+    low = fl.lower(bare, pipeline)
+    np.testing.assert_allclose(fl.interpret(low, [q, k, v])[0], fl.interpret(bare, [q, k, v])[0], atol=1e-12)
+    assert list(fl.lower(bare, "fa2-bwd").result_names) == ["dq", "dk", "dv"]
+
+
 def test_refuses_softmax_over_head_dim() -> None:
     @fl.trace(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
     def wrong_axis(q, k, v):

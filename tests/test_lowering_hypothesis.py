@@ -42,6 +42,9 @@ ATOMS = {
     "prefix": lambda q, kv: kv < 5,
     "late_rows": lambda q, kv: kv < q - 20,  # the first rows see nothing: fully masked
     "blocks": lambda q, kv: q // 8 == kv // 8,
+    "truncated": lambda q, kv: (q * 0.496).int() <= kv,  # a float index truncated toward zero
+    "bit_xor": lambda q, kv: (q ^ kv) >= 2,  # bitwise on ints, not logical
+    "bit_not": lambda q, kv: (~(kv % 2)) < 0,  # ~x = -x - 1 on ints
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from .core import Block, Value
+from .types import is_float, is_int
 
 Interval = tuple[float, float]
 
@@ -123,6 +124,7 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
             return vals[op.operands[0]]
         x = [vals[v] for v in op.operands]
         n = op.name
+        dtype = op.results[0].type.dtype
         if n == "const":
             v = op.attrs["value"]
             if hasattr(v, "symbols"):
@@ -157,15 +159,19 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
             r = (min(x[0][0], x[1][0]), min(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
         elif n == "or":
             r = (max(x[0][0], x[1][0]), max(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
-        elif n == "not":
-            r = (1 - x[0][1], 1 - x[0][0]) if _is_bool(x[0]) else UNKNOWN
-        elif n == "xor":
-            r = (float(x[0][0] != x[1][0]),) * 2 if _exact(x[0]) and _exact(x[1]) else (0, 1)  # type: ignore[assignment]
+        elif n == "not":  # logical on bool, bitwise on ints (~x = -x - 1), as the interpreter's np.invert
+            r = ((1 - x[0][1], 1 - x[0][0]) if dtype == "bool" and _is_bool(x[0])
+                 else (-x[0][1] - 1, -x[0][0] - 1) if is_int(dtype) else UNKNOWN)
+        elif n == "xor":  # logical on bool; bitwise xor on ints has no interval rule here
+            if dtype != "bool":
+                r = UNKNOWN
+            else:
+                r = (float(x[0][0] != x[1][0]),) * 2 if _exact(x[0]) and _exact(x[1]) else (0, 1)  # type: ignore
         elif n == "where":
             c, a, b = x
             r = a if c == (1, 1) else b if c == (0, 0) else (min(a[0], b[0]), max(a[1], b[1]))
         elif n == "cast":
-            r = x[0] if op.attrs["to"] != "bool" else ((0, 0) if x[0] == (0, 0) else (1, 1) if x[0][0] > 0 or x[0][1] < 0 else (0, 1))
+            r = _cast(x[0], op.operands[0].type.dtype, op.attrs["to"])
         elif n in _MONOTONE:
             with np.errstate(all="ignore"):
                 f = {"log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "round": np.round,
@@ -190,10 +196,47 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
             r = ranged[op.operands[0]].lookup(x[1:])
         else:  # gather and anything not modelled: data we cannot see
             r = UNKNOWN if op.results[0].type.dtype != "bool" else (0, 1)
-        if op.results[0].type.dtype == "bool" and not _is_bool(r):
+        if dtype == "bool" and not _is_bool(r):
             r = (0, 1)
+        elif is_float(dtype) and (n in _ROUNDED or n == "const"):
+            r = _widen(r, dtype, 8 if n in _MONOTONE or n == "rsqrt" else 2)
+        elif is_int(dtype) and not (_INT_RANGE[dtype][0] <= r[0] and r[1] <= _INT_RANGE[dtype][1]):
+            r = UNKNOWN  # the interpreter's integers wrap around
         vals[op.results[0]] = r
     raise ValueError("predicate region without yield")
+
+
+# Float results are rounded (the interpreter computes in f32 or f64 and stores each value in its dtype, a kernel in
+# f32, and a constant is stored in its dtype): an arithmetic result's or a float constant's interval is widened
+# outward by a few units of its dtype's precision, so that a value the exact endpoints put on one side of a comparison
+# or an integer cast cannot land on the other side rounded (`q * 0.1 <= 19.2` keeps row 192 in f32, not in f64: its
+# tile is partial, each precision decides per element). The interpreter's "low:" modes, which round every value to
+# f16 or bf16, are references for graphs, not for the masks of lowered IR.
+_ROUNDED = ("add", "sub", "mul", "floordiv", "mod", "rsqrt") + _MONOTONE
+_EPS = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 2.0 ** -24, "f64": 2.0 ** -53}  # half an ulp, relative
+_INT_RANGE = {"i8": (-128, 127), "i32": (-2 ** 31, 2 ** 31 - 1)}
+
+
+def _widen(r: Interval, dtype: str, ulps: int) -> Interval:
+    """r widened by `ulps` half-ulps of dtype (relative, plus f32's least normal for results near zero)."""
+    e = ulps * _EPS[dtype]
+    lo = r[0] - abs(r[0]) * e - 1.2e-38 if math.isfinite(r[0]) else r[0]
+    return lo, (r[1] + abs(r[1]) * e + 1.2e-38 if math.isfinite(r[1]) else r[1])
+
+
+def _cast(x: Interval, src: str, to: str) -> Interval:
+    """A cast's interval, as the interpreter casts: to bool (nonzero), float to int by truncation toward zero
+    (monotone, so its ends' truncations), ints wrapping outside the target's range (unknown there), to a float
+    rounded to nearest (monotone: the ends rounded, widened)."""
+    if to == "bool":
+        return (0, 0) if x == (0, 0) else (1, 1) if x[0] > 0 or x[1] < 0 else (0, 1)
+    if is_float(to):
+        return _widen(x, to, 2)
+    if not all(map(math.isfinite, x)):
+        return UNKNOWN
+    r = (float(math.trunc(x[0])), float(math.trunc(x[1]))) if is_float(src) else x
+    lo, hi = _INT_RANGE[to]
+    return r if lo <= r[0] and r[1] <= hi else UNKNOWN
 
 
 def _is_bool(x: Interval) -> bool:
