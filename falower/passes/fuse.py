@@ -95,7 +95,9 @@ class Fuse(Pass):
         idx = func.body.ops.index(att.m)
         fused.parent = func.body
         func.body.ops.insert(idx, fused)
+        operands = list(fused.operands)
         replace_uses(func.body, att.x, fused.result)
+        fused.operands = operands  # (a bare q @ k^T is its own score: the fused op still reads it, not itself)
         # the fused op's operands must stay defined: keep them, drop what nobody uses any more
         dce(func)
         _hoist_before_use(func.body)
