@@ -857,7 +857,7 @@ class CompiledAttention:
                              [int(env[d]) for d in kern.spec.dims], q, backward=True, blocks=self.block_data(kern))
             if key is not None:
                 self._bwd_calls[key] = call
-        return call((q, k, v, o, lse, do, *captures))
+        return _with_constant_gradients(bwd, call((q, k, v, o, lse, do, *captures)), by_name)
 
     def block_data(self, kern: Any) -> Any:
         """The BlockData of a kernel whose spec has derived captures (range tables, the block list), one per
@@ -931,6 +931,32 @@ def _wants_grad(inputs: tuple) -> bool:
 
             return torch.is_grad_enabled()
     return False
+
+
+def _with_constant_gradients(bwd: Func, grads: tuple, inputs: dict) -> tuple:
+    """The kernels' gradients (dq, dk, dv and each scattered table's, in order) with the backward function's
+    constant results put back where it returns them: a float table read only by a mask has a zero gradient, which
+    no kernel computes. Each zero is made like its input (a torch tensor, a numpy array or a CUDA array)."""
+    const = [i for i, v in enumerate(bwd.results) if getattr(v.owner, "name", None) == "const"]
+    if not const:
+        return grads
+    rest = iter(grads)
+    out = []
+    for i, (name, v) in enumerate(zip(bwd.result_names, bwd.results)):
+        if i not in const:
+            out.append(next(rest))
+            continue
+        like = inputs[name[1:]]
+        fill = float(v.owner.attrs["value"])
+        if type(like).__module__.startswith("torch"):
+            out.append(like.new_full(like.shape, fill))
+        elif hasattr(like, "__cuda_array_interface__") and not isinstance(like, np.ndarray):
+            from numba import cuda
+
+            out.append(cuda.to_device(np.full(like.shape, fill, dtype=np.dtype(like.dtype))))
+        else:
+            out.append(np.full(np.shape(like), fill, dtype=np.asarray(like).dtype))
+    return tuple(out)
 
 
 def _host_array(x: Any) -> Any:

@@ -215,3 +215,52 @@ def test_atomic_adds_only_into_an_accumulator() -> None:
     wrong_type = ACC.replace("accumulate(%acc) in (H, cdiv(N, 4)) : f32[H]", "accumulate(%acc) in (H, cdiv(N, 4)) : f16[H]")
     with pytest.raises(fl.FalowerError):
         fl.verify(fl.parse_func(wrong_type.replace("(y: f32[H])", "(y: f16[H])")))
+
+
+# ------------------------------------------------------------------------- a float table read only by the mask
+THR = fl.capture("thr", "f32", "B,N")
+THRESHOLD = fl.attention(mask_mod=lambda b, h, q, kv: THR[b, kv] > 0.0, name="thrmask")
+
+
+@pytest.mark.parametrize("pipeline", ["fa2-bwd", "fa2-bwd-deterministic"])
+@pytest.mark.parametrize("M,N", [(1, 1), (65, 130), (129, 64)])
+def test_a_mask_tables_gradient_is_zero_through_the_backward(pipeline: str, M: int, N: int) -> None:
+    """A float table read only by the mask has autodiff's constant-zero gradient: recompute keeps it as a gradient
+    (not a second forward output) and tile-bwd makes it outside the nests; dq, dk, dv are the joint's, also for a
+    batch row whose every key is masked."""
+    rng = np.random.default_rng(M + N)
+    q, k, v, do = (rng.standard_normal((2, 2, n, 8)) for n in (M, N, N, M))
+    thr = rng.standard_normal((2, N))
+    thr[0] = -1.0  # batch row 0: every key masked
+    want = fl.interpret(fl.grad(THRESHOLD), [q, k, v, thr, do])[1:]
+    o, lse = fl.interpret(fl.lower(THRESHOLD, "fa2-fwd"), [q, k, v, thr])
+    low = fl.lower(THRESHOLD, pipeline)
+    assert tuple(low.result_names) == ("dq", "dk", "dv", "dthr")
+    got = fl.interpret(low, [q, k, v, thr, o, lse, do])
+    for name, a, b in zip(low.result_names, got, want):
+        np.testing.assert_allclose(a, b, atol=1e-12, err_msg=name)
+    assert not np.any(got[3])
+
+
+def test_the_kernels_gradients_get_the_constant_ones_back() -> None:
+    """The numba-cuda call returns dq, dk, dv and each scattered table's gradient; a constant gradient of the
+    backward function goes back in its place, made like its input."""
+    from falower.compiler import _with_constant_gradients
+
+    bwd = fl.lower(THRESHOLD, "fa2-bwd")
+    thr = np.ones((2, 5), np.float32)
+    got = _with_constant_gradients(bwd, ("dq", "dk", "dv"), {"thr": thr})
+    assert got[:3] == ("dq", "dk", "dv")
+    assert got[3].shape == (2, 5) and got[3].dtype == np.float32 and not got[3].any()
+    plain = fl.lower(fl.attention(), "fa2-bwd")
+    assert _with_constant_gradients(plain, ("dq", "dk", "dv"), {}) == ("dq", "dk", "dv")
+
+
+def test_the_reference_backend_returns_the_mask_tables_zero_gradient() -> None:
+    c = fl.compile(THRESHOLD, "reference")
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 2, 9, 8)).astype(np.float16) for _ in range(4))
+    thr = rng.standard_normal((1, 9)).astype(np.float32)
+    o, lse = c.forward(q, k, v, thr)
+    grads = c.backward(q, k, v, o, lse, do, thr)
+    assert c.gradient_names() == ["dq", "dk", "dv", "dthr"] and not np.any(grads[3])

@@ -103,7 +103,11 @@ class Recompute(Pass):
         sm = find_softmax(func, forward, self.fail)
         names = func.result_names
         rets = func.results
-        dep_results = [i for i, v in enumerate(rets) if isinstance(v.owner, Op) and id(v.owner) in bwd]
+        inputs = {a.name for a in func.args if a not in cots}
+        # a gradient is a result that depends on a cotangent, or one named d<input> that does not: a table read only
+        # by a mask gets a constant zero gradient
+        dep_results = [i for i, v in enumerate(rets) if isinstance(v.owner, Op) and id(v.owner) in bwd
+                       or names[i][:1] == "d" and names[i][1:] in inputs]
         fwd_results = [i for i in range(len(rets)) if i not in dep_results]
         if len(fwd_results) != 1:
             raise self.fail(f"expected one forward output (the attention O), found {len(fwd_results)}")
@@ -153,7 +157,7 @@ class Recompute(Pass):
                 if v not in vmap:
                     need(v)
             body.append(clone_op(op, vmap))
-        grads = [vmap[rets[i]] for i in dep_results]
+        grads = [need(rets[i]) for i in dep_results]
         b.ret(*grads)
         new = Func(func.name, body, dict(func.attrs))
         new.attrs["result_names"] = [names[i] for i in dep_results]

@@ -234,7 +234,7 @@ class TileBwd(Pass):
             for r in op.results:
                 space[r] = s
         for v in func.results:
-            if v not in accumulated:
+            if v not in accumulated and not _is_constant(v):
                 raise self.fail(f"result %{v.name or '?'} is not a sum over tiles (no dV = P^T dO, dK, dQ "
                                 f"product found for it)")
         heads = q_like.type.shape[1]
@@ -296,10 +296,13 @@ class TileBwd(Pass):
             (table,) = b.op("mask.block_table", [argmap[c] for c in plan.pred_caps], [tbl_t],
                             {"bq": self.bq, "bk": self.bk, "m": plan.M, "n": plan.N},
                             [clone_block(plan.pred, {})], names=["block_class"]).results
-        outs: dict[Value, Value] = {}
-        c_results = [v for v in func.results if C in plan.space[v]]
+        # a constant gradient (a float table read only by the mask: zero) is made once, outside the nests
+        outs: dict[Value, Value] = {v: b.op("const", [], [v.type], dict(v.owner.attrs), names=[v.name]).results[0]
+                                    for v in func.results if _is_constant(v)}
+        c_results = [v for v in func.results if C in plan.space[v] and v not in outs]
         r_results = [v for v in func.results if R in plan.space[v] and C not in plan.space[v]]
-        table_results = [v for v in func.results if v not in c_results and v not in r_results]  # captured grads
+        table_results = [v for v in func.results if v not in c_results and v not in r_results
+                         and v not in outs]  # captured tables' gradients
         if not c_results:
             raise self.fail("no gradient of k or v: the kv-outer loop nest has nothing to compute")
         if self.dq == "atomic":  # one nest: dQ's tiles are added into an accumulator
@@ -746,3 +749,8 @@ class _Ctx:
         out = b.op(op.name, operands, types, dict(op.attrs), names=[v.name]).results[0]
         self.finished[v] = out
         return out
+
+
+def _is_constant(v: Value) -> bool:
+    """A result made by a const op: a gradient that is zero whatever the inputs (a float table read only by a mask)."""
+    return isinstance(v.owner, Op) and v.owner.name == "const"

@@ -374,3 +374,32 @@ def precompile_then_pytest(jobs: list[tuple], what: str, file: str, args: list[s
 if __name__ == "__main__":
     sys.exit(precompile_then_pytest(precompile_jobs(), "kernels and references precompiled", __file__,
                                     sys.argv[1:]))
+
+
+@pytest.mark.parametrize("N", [17, 1000])
+def test_a_mask_tables_gradient_is_zero(N: int) -> None:
+    """A float table read only by the mask (`thr[b, kv] > 0`, batch row 0 masked whole): torch autograd gives
+    thr a zero gradient and q, k, v torch's own masked attention's gradients (f32 reference, f16 tolerance);
+    c.backward returns dthr in its place after the kernels' dq, dk, dv."""
+    needs_cuda()
+    thr_t = fl.capture("thr", "f32", "B,N")
+    c = fl.compile(fl.attention(mask_mod=lambda b, h, q, kv: thr_t[b, kv] > 0.0, name="thrmask"), "numba-cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 2, N, 64, device="cuda", generator=gen).half() for _ in range(4))
+    thr = torch.randn(2, N, device="cuda", generator=gen)
+    thr[0] = -1.0
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, thr)]
+    o, lse = c(*xs)
+    o.backward(do)
+    ref = [x.float().clone().requires_grad_(True) for x in (q, k, v)]
+    s = (ref[0] @ ref[1].transpose(-1, -2)) / 8.0
+    s = s.masked_fill(~(thr > 0)[:, None, None, :], float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, dim=-1))  # fully masked rows: 0, as falower defines them
+    (p @ ref[2]).backward(do.float())
+    for name, a, b in zip(("dq", "dk", "dv"), xs[:3], ref):
+        err = (a.grad.float() - b.grad).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.grad.abs().max().item()), (name, err)
+    assert xs[3].grad is not None and not xs[3].grad.any()
+    grads = c.backward(q, k, v, o.detach(), lse, do, thr)
+    assert c.gradient_names() == ["dq", "dk", "dv", "dthr"] and len(grads) == 4
+    assert grads[3].shape == thr.shape and not grads[3].any()

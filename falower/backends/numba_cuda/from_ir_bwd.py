@@ -260,7 +260,8 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
     elements at the same offset from its first element share one entry (emit_fa3_bwd.grouped_grads sums them in
     registers)."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
-    grad_results = func.result_names[3:]
+    grad_results = [n for n, v in zip(func.result_names[3:], func.results[3:])  # (a constant one has no scatter)
+                    if not (isinstance(v.owner, Op) and v.owner.name == "const")]
     roots: list[Value] = []
     out = []
     last: list[Optional[Value]] = []
