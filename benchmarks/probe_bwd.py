@@ -436,15 +436,21 @@ def summarize_blocks(t) -> dict:
         out["tile (fit)"], out["fixed (fit)"] = float(slope), float(icpt)
     else:
         out["tile (fit)"], out["fixed (fit)"] = float(np.median((c2 - c1) / np.maximum(n, 1))), float("nan")
-    gaps = []
+    gaps, spans, busy = [], [], []
     for s in np.unique(sm):
         on = np.argsort(c0[sm == s])
         a, b = c0[sm == s][on], c3[sm == s][on]
         gaps += list(a[1:] - b[:-1])
+        spans.append(b.max() - a[0])  # this SM's first block's start to its last one's end (one clock an SM)
+        busy.append(np.sum(b - a))
     # a gap means something only where an SM runs one block at a time (D = 128); blocks sharing an SM overlap
     out["overlapping"] = int(sum(x < 0 for x in gaps))
     out["gap"] = float(np.median(gaps)) if gaps and not out["overlapping"] else float("nan")
     out["fixed share"] = float(np.sum(c1 - c0 + c3 - c2) / np.sum(whole))
+    # the grid's tail and the SMs' balance: the longest SM span against the median one, and the share of the longest
+    # span the SMs spent inside blocks (what the blocks' own cycles leave out of the kernel's time, less the launch)
+    out["SM span"], out["longest SM span"] = float(np.median(spans)), float(np.max(spans))
+    out["SM busy share"] = float(np.sum(busy) / (len(spans) * np.max(spans)))
     return out
 
 
@@ -511,12 +517,21 @@ def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
         tl = torch.zeros(blocks * 2 * TILES * (len(PHASES) + 1), dtype=torch.int64, device="cuda")
     targs = (*seen["args"], cuda.as_cuda_array(tl).view(np.uint64))
     kern._raise_smem_limit(stamped, targs, smem)
-    for _ in range(3):  # the first launch compiles; the last is the one read
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for i in range(3):  # the first launch compiles; the last is the one read (and timed)
+        if i == 2:
+            ev[0].record()
         stamped[grid, threads, 0, smem](*targs)
+    ev[1].record()
     torch.cuda.synchronize()
     read = tl.cpu().numpy().view(np.uint64)
+    if blocks_mode and walks:
+        return summarize_items(read)
     if blocks_mode:
-        return summarize_items(read) if walks else summarize_blocks(read)
+        out = summarize_blocks(read)
+        out["kernel us"] = ev[0].elapsed_time(ev[1]) * 1e3  # the stamped launch, from the host's stream
+        out["SM MHz"] = out["longest SM span"] / out["kernel us"]  # at most the clock: the launch's edges count
+        return out
     return summarize_phases(read)
 
 
@@ -564,7 +579,7 @@ def main() -> None:
               f"a{'n item' if what == 'items' else ' block'} ({bl[f'{what} read']} {what} read)")
         print("| " + " | ".join(bl) + " |")
         print("|" + "---|" * len(bl))
-        print("| " + " | ".join(f"{v:.3f}" if k == "fixed share" else f"{v:.0f}" for k, v in bl.items()) + " |")
+        print("| " + " | ".join(f"{v:.3f}" if k in ("fixed share", "SM busy share") else f"{v:.0f}" for k, v in bl.items()) + " |")
         if a.json:
             Path(a.json).write_text(json.dumps(bl))
         return

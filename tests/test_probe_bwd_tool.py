@@ -230,7 +230,8 @@ def test_the_item_summary():
 
 def test_the_block_summary():
     """Blocks with known stamps: the prologue, loop and epilogue medians, a tile's cycles and the fixed cost by the
-    line through (tiles, block cycles), the gap between blocks on one SM, the fixed share; blocks that wrote
+    line through (tiles, block cycles), the gap between blocks on one SM, the fixed share, the SMs' spans and how busy
+    they were; blocks that wrote
     nothing (zeros) are not read."""
     rows, t = [], {0: 100, 1: 100}
     for i, n in enumerate((4, 8, 12, 16)):
@@ -247,6 +248,9 @@ def test_the_block_summary():
     assert got["tile (fit)"] == pytest.approx(1000) and got["fixed (fit)"] == pytest.approx(500)
     assert got["gap"] == 50 and got["tiles"] == 10 and got["overlapping"] == 0
     assert got["fixed share"] == pytest.approx(4 * 500 / (4 * 500 + 1000 * 40))
+    # SM 0 ran the 4- and 12-tile blocks (4500 + 50 + 12500 cycles), SM 1 the 8- and 16-tile ones (8500 + 50 + 16500)
+    assert (got["SM span"], got["longest SM span"]) == (21050, 25050)
+    assert got["SM busy share"] == pytest.approx((17000 + 25000) / (2 * 25050))
     rows[2] = (0, 200, 500, 8500, 8600, 8600, 8600, 8600, 8600, 8700, 8)  # a block that ran beside block 0 on its SM: no gap is read
     got = probe.summarize_blocks(np.array(rows, np.uint64).reshape(-1))
     assert got["overlapping"] == 1 and np.isnan(got["gap"])
