@@ -4,6 +4,7 @@ cannot handle with a message naming the precondition, and produces the FA2 struc
 from __future__ import annotations
 
 import math
+import re
 import os
 import runpy
 from pathlib import Path
@@ -171,6 +172,32 @@ def test_a_bare_product_is_its_own_score(pipeline: str) -> None:
     low = fl.lower(bare, pipeline)
     np.testing.assert_allclose(fl.interpret(low, [q, k, v])[0], fl.interpret(bare, [q, k, v])[0], atol=1e-12)
     assert list(fl.lower(bare, "fa2-bwd").result_names) == ["dq", "dk", "dv"]
+
+
+def _renamed(text: str) -> str:
+    """An attention graph's text with its batch dim named Z and its kv length L."""
+    return re.sub(r"\bB\b", "Z", re.sub(r"\bN\b", "L", text))
+
+
+@pytest.mark.parametrize("pipeline", ["fa2-fwd", "fa1-fwd", "fa2-fwd,split-kv{parts=3}"])
+@pytest.mark.parametrize("stem", ["plain", "causal", "document"])
+def test_dims_keep_their_own_names(stem: str, pipeline: str) -> None:
+    """tile, mask-tiles and tile-bwd take the batch and kv extents from Q's and K's types, whatever they are named
+    (they once wrote B and N: a kv length named L lowered to loops over N, wrong numbers for any N given)."""
+    g = fl.parse_func(_renamed(fl.print_func(load(ROOT / "examples" / f"{stem}.py"))))
+    low = fl.lower(g, pipeline)
+    text = fl.print_func(low)
+    assert not re.search(r"\b[BN]\b", text), text
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((2, 2, n, 8)) for n in (65, 130, 130, 65))
+    caps = [np.sort(rng.integers(-1, 3, (2, 130))).astype(np.int32)] if stem == "document" else []
+    if stem == "document":
+        q, do = (rng.standard_normal((2, 2, 130, 8)) for _ in range(2))
+    want = fl.interpret(fl.grad(g), [q, k, v, *caps, do])
+    np.testing.assert_allclose(fl.interpret(low, [q, k, v, *caps])[0], want[0], atol=1e-12)
+    o, lse = fl.interpret(fl.lower(g, "fa2-fwd"), [q, k, v, *caps])
+    for a, b in zip(fl.interpret(fl.lower(g, "fa2-bwd"), [q, k, v, *caps, o, lse, do]), want[1:]):
+        np.testing.assert_allclose(a, b, atol=1e-12)
 
 
 def test_refuses_softmax_over_head_dim() -> None:

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
-from ..ir.dims import Sym, cdiv
+from ..ir.dims import BinDim, Dim, cdiv
 from ..ir.intervals import uses_data
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
@@ -215,6 +215,7 @@ class MaskTiles(Pass):
         k0 = kv_arg.owner.operands[0]  # type: ignore[union-attr]  # tile.iota %k0
         bk = kv_arg.type.shape[1].value  # type: ignore[union-attr]
         attrs = {"bq": bq, "bk": bk}
+        n_kv = _kv_length(loop, self.fail)
         if self.data not in ("table", "ranges"):
             raise self.fail(f"data must be table or ranges, got {self.data!r}")
         data = uses_data(pred)
@@ -237,9 +238,9 @@ class MaskTiles(Pass):
         if data:
             q_t = par.results[0].type
             B, H, M = q_t.shape[0], q_t.shape[1], q_t.shape[2]
-            tbl_t = TensorType("i8", (B, H, cdiv(M, bq), cdiv("N", bk)))
+            tbl_t = TensorType("i8", (B, H, cdiv(M, bq), cdiv(n_kv, bk)))
             tb = Builder(Block())
-            (tbl,) = tb.op("mask.block_table", caps, [tbl_t], {**attrs, "m": M, "n": "N"},
+            (tbl,) = tb.op("mask.block_table", caps, [tbl_t], {**attrs, "m": M, "n": n_kv},
                            [_copy(pred)], names=["block_class"]).results
             _insert_before(func.body, par, tb.block.ops)
             qi = body.args[2]
@@ -247,7 +248,7 @@ class MaskTiles(Pass):
             c8 = cb.tile_load(tbl, [bi, h, qi, kj], name_hint="cls8")
             cls = cb.emit("cast", c8, to="i32", name_hint="cls")
         else:
-            nkv = pre.const(Sym("N"), name_hint="nkv")
+            nkv = pre.const(n_kv, name_hint="nkv")
             lo, hi = pre.op("mask.kv_range", [bi, h, q0, nkv, *caps], [I32, I32], attrs, [_copy(pred)],
                             names=["kv_lo", "kv_hi"]).results
             _insert_before(body, loop, pre.block.ops)
@@ -318,3 +319,12 @@ def _copy(blk: Block) -> Block:
     return clone_block(blk, {})
 
 
+
+
+def _kv_length(loop: Op, fail) -> Dim:
+    """K's length, whatever its dim is named: tile's kv loop runs to `const cdiv(N, bk)`."""
+    bound = loop.operands[1].owner
+    n = bound.attrs.get("value") if isinstance(bound, Op) and bound.name == "const" else None
+    if not (isinstance(n, BinDim) and n.op == "cdiv"):
+        raise fail(f"the kv loop's bound is not tile's cdiv(kv length, bk) constant (got {n!r})")
+    return n.lhs

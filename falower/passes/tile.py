@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value
-from ..ir.dims import Sym, cdiv
+from ..ir.dims import Dim, cdiv
 from ..ir.types import TensorType, scalar, tensor
 from .attention import Attention, find_attention, retype_block
 from .base import Pass, register
@@ -67,21 +67,22 @@ def emit_score(b: Builder, st: ScoreTile, s: Value, bi: Value, h: Value, qidx: V
         for i, a in enumerate(new_region.args):
             a.index = i
     if bounds:
-        new_region = _with_kv_bounds(new_region, roles)
+        new_region = _with_kv_bounds(new_region, roles, st.att.k.type.shape[2])
         out_t = new_region.terminator.operands[0].type  # type: ignore[union-attr]
     (x,) = b.op("fused", operands, [out_t], {"roles": tuple(roles)}, [new_region], names=["x"]).results
     return x
 
 
-def _with_kv_bounds(region: Block, roles: list[str]) -> Block:
-    """Append `where(kv < N, x, -inf) {bounds}` to a tiled score region (adding a kv argument if needed)."""
+def _with_kv_bounds(region: Block, roles: list[str], n: Dim) -> Block:
+    """Append `where(kv < N, x, -inf) {bounds}` to a tiled score region (adding a kv argument if needed); N is
+    K's length, whatever its dim is named."""
     if "kv" not in roles:
         raise AssertionError("tiled score regions always take kv")
     kv = region.args[roles.index("kv")]
     term = region.ops.pop()
     b = Builder(region)
     x = term.operands[0]
-    n = b.const(Sym("N"))
+    n = b.const(n)
     inb = b.op("lt", [kv, n], [TensorType("bool", kv.type.shape)], {"bounds": True}, names=["in_bounds"]).result
     ninf = b.const(-math.inf, scalar(x.type.dtype))
     y = b.op("where", [inb, x, ninf], [TensorType(x.type.dtype, (x.type.shape[0], kv.type.shape[1]))
@@ -153,11 +154,11 @@ class Tile(Pass):
         st.captures = [vmap[c] for c in captures]
         b = Builder(body)
         if self.order == "fa2":
-            (o,) = b.parallel_for(["B", att.q.type.shape[1], cdiv(att.q.type.shape[2], self.bq)], ["b", "h", "qi"],
+            (o,) = b.parallel_for([att.q.type.shape[0], att.q.type.shape[1], cdiv(att.q.type.shape[2], self.bq)], ["b", "h", "qi"],
                                   [out_t], lambda pb, ivs: [self._q_tile(pb, st, ivs[0], ivs[1], ivs[2], out_t)],
                                   result_names=["o"])
         else:
-            (o,) = b.parallel_for(["B", att.q.type.shape[1]], ["b", "h"], [out_t],
+            (o,) = b.parallel_for([att.q.type.shape[0], att.q.type.shape[1]], ["b", "h"], [out_t],
                                   lambda pb, ivs: [self._fa1_head(pb, st, ivs[0], ivs[1], out_t)], result_names=["o"])
         b.ret(o)
         func.body = body
@@ -197,7 +198,7 @@ class Tile(Pass):
         hk = b.emit("floordiv", h, b.const(att.group), name_hint="hk") if att.group > 1 else h
         qt = b.tile_load(att.q, [bi, h, (q0, bq), ":"], name_hint="qt")
         qidx = b.tile_iota(q0, 0, [bq, 1], name_hint="q_idx")
-        zero, nk = b.const(0), b.const(cdiv("N", self.bk), name_hint="nk")
+        zero, nk = b.const(0), b.const(cdiv(att.k.type.shape[2], self.bk), name_hint="nk")
         f32 = att.x.type.dtype  # the scores' float type: f32, or f64 for f64 inputs
         row = tensor(f32, bq, 1)
         D = att.v.type.shape[3]

@@ -71,6 +71,7 @@ class BackwardPlan:
     pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
     range_tables: list[Value] = field(default_factory=list)  # their mask.ranges tables (data=ranges)
     range_spec: list = field(default_factory=list)  # the mask ops' `ranges` attribute
+    batch: Dim = field(default_factory=lambda: dim("B"))  # Q's batch dim, whatever it is named
 
     def label(self, op: Op) -> str:
         """A readable name for a sum over tiles: the result it becomes (dv, dk, dq, d<capture>) + 32 for f32."""
@@ -239,7 +240,8 @@ class TileBwd(Pass):
                                 f"product found for it)")
         heads = q_like.type.shape[1]
         kv_heads = next(iter(cols)).type.shape[1]
-        plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs, scatters, scatter_path)
+        plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs, scatters, scatter_path,
+                            batch=q_like.type.shape[0])
         for v, name in zip(func.results, func.result_names):  # name each sum after the result it becomes
             x = v
             while isinstance(x.owner, Op) and id(x.owner) in post and x.owner.operands:
@@ -292,7 +294,7 @@ class TileBwd(Pass):
             for t in plan.range_tables:
                 plan.pred.add_arg(t.type, t.name)  # type: ignore[union-attr]
         elif plan.pred is not None and uses_data(plan.pred):  # classes from the data, once, for both nests
-            tbl_t = TensorType("i8", (dim("B"), plan.heads, cdiv(plan.M, self.bq), cdiv(plan.N, self.bk)))
+            tbl_t = TensorType("i8", (plan.batch, plan.heads, cdiv(plan.M, self.bq), cdiv(plan.N, self.bk)))
             (table,) = b.op("mask.block_table", [argmap[c] for c in plan.pred_caps], [tbl_t],
                             {"bq": self.bq, "bk": self.bk, "m": plan.M, "n": plan.N},
                             [clone_block(plan.pred, {})], names=["block_class"]).results
@@ -333,7 +335,7 @@ class TileBwd(Pass):
             tiles = [t if t.type.dtype == acc else pb.cast(t, acc) for t in tiles]
             return [(t, [bi, h, (q0, self.bq), ":"]) for t in tiles]
 
-        results = b.parallel_for(["B", plan.heads, cdiv(plan.M, self.bq)], ["b", "h", "qi"], types, nest,
+        results = b.parallel_for([plan.batch, plan.heads, cdiv(plan.M, self.bq)], ["b", "h", "qi"], types, nest,
                                  result_names=[op.results[0].name or "delta" for op in pre])
         return {op.results[0]: r for op, r in zip(pre, results)}
 
@@ -388,11 +390,11 @@ class TileBwd(Pass):
 
         part_chains = chains if self.deterministic else []
         part_types = [TensorType(_acc_dtype([c[-1].results[0]]),
-                                 (dim("B"), plan.kv_heads, cdiv(plan.N, bk)) + c[-1].results[0].type.shape)
+                                 (plan.batch, plan.kv_heads, cdiv(plan.N, bk)) + c[-1].results[0].type.shape)
                       for c in part_chains]
         sums_of = atomics + ([] if self.deterministic else [chain[-1] for chain in chains])
         acc_types = [TensorType(_acc_dtype([op.results[0]]), op.results[0].type.shape) for op in sums_of]
-        got = b.parallel_for(["B", plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"],
+        got = b.parallel_for([plan.batch, plan.kv_heads, cdiv(plan.N, bk)], ["b", "hk", "kj"],
                              [v.type for v in results] + part_types, nest,
                              [v.name for v in results] + [f"{plan.label(c[-1])}_parts" for c in part_chains],
                              list(zip(acc_types, [f"{plan.label(op)}_acc" for op in sums_of])))
@@ -439,7 +441,7 @@ class TileBwd(Pass):
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
             return [(ctx.emit_post(v), [bi, h, (q0, bq), ":"]) for v in results]
 
-        return b.parallel_for(["B", plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], [v.type for v in results], nest,
+        return b.parallel_for([plan.batch, plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], [v.type for v in results], nest,
                               result_names=[v.name for v in results])
 
     def _loop(self, ctx: "_Ctx", pb: Builder, lo: Value, hi: Value, accs: list[Op], iv: str, position, cls_of,

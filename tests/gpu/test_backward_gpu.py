@@ -403,3 +403,20 @@ def test_a_mask_tables_gradient_is_zero(N: int) -> None:
     grads = c.backward(q, k, v, o.detach(), lse, do, thr)
     assert c.gradient_names() == ["dq", "dk", "dv", "dthr"] and len(grads) == 4
     assert grads[3].shape == thr.shape and not grads[3].any()
+
+
+def test_dims_named_otherwise() -> None:
+    """The causal example with its batch dim named Z and its kv length L: the same kernels' numbers as the example's
+    (the passes once wrote B and N into the loops whatever the graph called them)."""
+    import re
+
+    needs_cuda()
+    g0, c0 = graph("causal", "f16")
+    c = fl.compile(fl.parse_func(re.sub(r"\bB\b", "Z", re.sub(r"\bN\b", "L", fl.print_func(g0)))), "numba-cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 2, 1000, 64, device="cuda", generator=gen).half() for _ in range(4))
+    o, lse = c(q, k, v)
+    o0, lse0 = c0(q, k, v)
+    assert torch.equal(o, o0) and torch.equal(lse, lse0)
+    got, want = c.backward(q, k, v, o, lse, do), c0.backward(q, k, v, o0, lse0, do)
+    assert_same_gradients(["dq", "dk", "dv"], list(got), list(want))
