@@ -112,8 +112,10 @@ def _load_python(p: Path) -> dict[str, tuple[Func, set[str]]]:
         raise type(e)(f"{p}{_user_frame(e, p)}: {_first_line(str(e))}") from None
     except SystemExit as e:
         raise UserError(f"{p}: the file called exit({e.code})") from None
-    except Exception as e:  # the user's code raised: report it, without our traceback
-        where = _user_frame(e, p)
+    except KeyboardInterrupt:  # Ctrl-C (or a file raising it) stops falower as usual: `falower: interrupted`
+        raise
+    except BaseException as e:  # the user's code raised (an Exception, or a BaseException such as GeneratorExit
+        where = _user_frame(e, p)  # or its own subclass): report it, without our traceback
         raise UserError(f"{p}{where}: {type(e).__name__}: {_first_line(str(e))}") from None
     found: dict[int, tuple[Func, set[str]]] = {}
     for var, value in ns.items():
@@ -327,6 +329,8 @@ def cmd_opt(args: argparse.Namespace) -> int:
         check_shapes(func, shapes)  # still catch typos in --shapes
     after = tuple(n.strip() for n in args.print_ir_after.split(",") if n.strip()) if args.print_ir_after else ()
     cost_dims = check_shapes(func, shapes) if (args.cost or args.print_kernel) else None
+    if args.cost:
+        refuse_costly_sizes(cost_dims, "--cost")  # type: ignore[arg-type]
     try:
         res = run_opt(func, args.pipeline, check=args.check, shapes=shapes, print_after_all=args.print_ir_after_all,
                       print_after=after, print_after_change=args.print_ir_after_change,
@@ -352,15 +356,7 @@ def cmd_opt(args: argparse.Namespace) -> int:
         print(f"{format_cost(cost_of(res.func, cost_dims))} (shapes {format_shapes(_ordered_env(func, cost_dims))})",
               file=sys.stderr)
     if args.print_kernel:
-        from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
-        from .backends.numba_cuda.from_ir import analyse, build_spec
-
-        dtype = args.dtype or func.args[0].type.dtype
-        low = analyse(res.func)
-        dims = {"D": cost_dims["D"]}  # type: ignore[index]
-        path = "mma" if dims["D"] % 16 == 0 and dtype in ("f16", "bf16") else "simt"
-        text += "\n# ----- numba-cuda kernel source (D = %d, %s, %s path) -----\n" % (dims["D"], dtype, path)
-        text += emit_fa2_forward(build_spec(low, dims, dtype, path, None))
+        text += _kernel_source(res.func, args.dtype or func.args[0].type.dtype, cost_dims["D"])  # type: ignore[index]
     if args.dot:
         from .ir.graph import to_dot
 
@@ -370,6 +366,27 @@ def cmd_opt(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
+    """What --print-kernel appends: the numba-cuda forward kernel's source for `lowered` at head dim `head_dim`.
+    A schedule the emitter cannot build (tile sizes, head dim, shared memory) is one error line, as in
+    `falower.compile` (compiler._kernel_for)."""
+    from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
+    from .backends.numba_cuda.from_ir import BackendError, analyse, build_spec
+
+    low = analyse(lowered)
+    dims = {"D": head_dim}
+    path = "mma" if head_dim % 16 == 0 and dtype in ("f16", "bf16") else "simt"
+    spec = None
+    try:
+        spec = build_spec(low, dims, dtype, path, None)
+        source = emit_fa2_forward(spec)
+    except ValueError as e:  # the emitter's validate_spec
+        tiles = f"tiles {spec.block_q}x{spec.block_k}, " if spec is not None else ""
+        raise BackendError(f"--print-kernel: numba-cuda backend: {_first_line(str(e))} ({tiles}D = {head_dim}, "
+                           f"{path} path; choose tiles with tile{{bq=..,bk=..}})") from None
+    return f"\n# ----- numba-cuda kernel source (D = {head_dim}, {dtype}, {path} path) -----\n" + source
 
 
 def _passes(n: int) -> str:
@@ -391,12 +408,30 @@ def _setup_cost(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-tensor", action="store_true", help="also list the final IR's traffic per tensor")
 
 
+# The cost model visits every tile of a lowered loop nest (passes/cost.py), so its time grows about as M*N (and
+# linearly in any other sequence-like dim): M = N = 8192 takes about 2 s (fa2-fwd; 4 s for document's fa2-bwd),
+# 16384 already 6 s, and a size like 1e12 would never finish (or end in MemoryError). Batch, head and head-dim
+# sizes only scale the counts, so they are not limited.
+COST_MAX_SIZE = 8192
+COST_UNLIMITED_DIMS = ("B", "H", "HKV", "D")
+
+
+def refuse_costly_sizes(env: Mapping[str, int], what: str) -> None:
+    """One error line for a size the cost model cannot enumerate in a few seconds (`what`: who asked)."""
+    for name, size in env.items():
+        if name not in COST_UNLIMITED_DIMS and size > COST_MAX_SIZE:
+            raise UserError(f"--shapes: {name}={size} is too large for {what} (at most {COST_MAX_SIZE} for dims other "
+                            f"than {', '.join(COST_UNLIMITED_DIMS)}: the cost model visits every tile, its time grows "
+                            f"as M*N; FLOPs and traffic scale likewise, so extrapolate from smaller sizes)")
+
+
 @command("cost", "FLOPs and main-memory traffic after each pass of a pipeline", _setup_cost)
 def cmd_cost(args: argparse.Namespace) -> int:
     from .passes.cost import cost_table
 
     func = select_graph(args.file, args.graph)
     env = _ordered_env(func, check_shapes(func, parse_shapes(args.shapes)))
+    refuse_costly_sizes(env, f"`{PROG} cost`")
     sys.stdout.write(cost_table(func, args.pipeline, env, per_tensor=args.per_tensor))
     return 0
 
@@ -407,7 +442,18 @@ def _setup_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("reference", "numba-cuda"), default="reference",
                    help="reference: the numpy interpreter in the graph's own dtypes; numba-cuda: the GPU kernel")
     p.add_argument("--pipeline", metavar="P", help="lower the graph through this pipeline first")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
+
+
+def _seed(text: str) -> int:
+    """--seed's type: a non-negative integer (numpy's generators take no negative seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; seeds are integers >= 0")
+    return value
 
 
 def _max_errors(outs: Sequence[np.ndarray], names: Sequence[str], ref: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -527,7 +573,7 @@ def _setup_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--pipeline", metavar="PIPELINE",
                    help="pipeline to lower with (default: fa2-fwd when registered, else decompose-softmax,canonicalize)")
     p.add_argument("--shapes", metavar="B=2,H=4,...", help="sizes for --check (others get defaults)")
-    p.add_argument("--show", metavar="NAME", default="causal", help="example whose final IR is printed (default causal)")
+    p.add_argument("--show", metavar="NAME", help="example whose final IR is printed (default causal, if there is one)")
 
 
 def default_pipeline() -> str:
@@ -550,11 +596,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise UserError(f"{folder}: no example files")
     pipeline = args.pipeline or default_pipeline()
     shapes = parse_shapes(args.shapes)
+    stems = [f.stem for f in files]
+    if args.show is not None and args.show not in stems:
+        raise UserError(f"--show: no example named {args.show!r} in {folder} (examples: {', '.join(stems)})")
+    show = args.show or "causal"
+    funcs = [select_graph(f, None) for f in files]
+    known = set().union(*(graph_dims(func) for func in funcs))
+    for name in shapes:  # a dim is fine if some example has it (each example gets the ones it has)
+        if name not in known:
+            dims = ", ".join(sorted(known)) or "none"
+            raise UserError(f"--shapes: {name} is not a dimension of any example's inputs (their dims: {dims})")
     print(f"falower demo: lowering {len(files)} examples from {folder} with `{pipeline}`, --check after every pass")
     shown: Optional[Func] = None
     failures = 0
-    for f in files:
-        func = select_graph(f, None)
+    for f, func in zip(files, funcs):
         given = {k: v for k, v in shapes.items() if k in graph_dims(func)}
         print()
         try:
@@ -571,11 +626,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         n_ops = sum(1 for _ in res.func.walk())
         print(f"  numbers preserved after {_passes(len(res.records))} on {len(res.suite.cases)} size/data cases; "
               f"{n_ops} ops in the result")
-        if f.stem == args.show:
+        if f.stem == show:
             shown = res.func
     if shown is not None:
         print()
-        sys.stdout.write(print_func(shown, f"// ----- {args.show} after `{pipeline}` ----- //"))
+        sys.stdout.write(print_func(shown, f"// ----- {show} after `{pipeline}` ----- //"))
     if failures:
         raise FalowerError(f"{failures} of {len(files)} examples failed")
     return 0

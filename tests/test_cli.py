@@ -319,3 +319,99 @@ def test_opt_cost_in_headers_and_print_kernel(capsys) -> None:
     assert "// cost: " in err and "GFLOP" in err
     assert "numba-cuda kernel source (D = 64, f16, mma path)" in out
     assert "def score_fn(s, b, h, q, kv):" in out and "def tile_class_fn(" in out
+
+
+# ------------------------------------------------------------------ error paths found by review
+@pytest.mark.parametrize("pipeline, shapes, match", [
+    ("fa2-fwd", "D=512", "bytes of shared memory exceed 227 KB (tiles 128x64, D = 512, mma path"),
+    ("fa2-fwd", "D=1000", "simt path: 2 * block_k * head_dim floats of shared memory must fit in 48 KB"),
+    ("decompose-softmax,canonicalize,fuse,tile{bq=3,bk=5},online-softmax,canonicalize", "D=16",
+     "block_k must be a multiple of 16, got 5 (tiles 3x5"),
+    ("decompose-softmax,canonicalize,fuse,tile{bq=4096,bk=4096},online-softmax,canonicalize", "D=16",
+     "shared memory exceed 227 KB (tiles 4096x4096"),
+])
+def test_print_kernel_unbuildable_schedule_is_one_line(capsys, pipeline, shapes, match) -> None:
+    """A schedule the emitter refuses (validate_spec's ValueError) is one `--print-kernel:` line, as in compile."""
+    code, out, err = cli(capsys, "opt", EX / "causal.py", "-p", pipeline, "--print-kernel", "--shapes", shapes)
+    assert_one_error_line(code, err, match)
+    assert "--print-kernel: numba-cuda backend:" in err and out == ""
+
+
+def test_run_refuses_a_negative_seed(capsys) -> None:
+    code, out, err = cli(capsys, "run", EX / "causal.py", "--seed", "-1")
+    assert_one_error_line(code, err, "argument --seed: -1 is negative; seeds are integers >= 0", want_code=2)
+    assert out == ""
+    code, out, err = cli(capsys, "run", EX / "plain.py", "--seed", "4294967296", "--shapes", "B=1,H=1,M=5,N=6,D=4")
+    assert code == 0 and "seed 4294967296" in out, err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["cost", "{ex}/causal.py", "-p", "fa2-fwd", "--shapes", "M=1000000000000"],
+     "--shapes: M=1000000000000 is too large for `falower cost` (at most 8192 for dims other than B, H, HKV, D"),
+    (["cost", "{ex}/causal.py", "-p", "fa2-fwd", "--shapes", "B=1,N=8193"], "N=8193 is too large for `falower cost`"),
+    (["opt", "{ex}/causal.py", "-p", "fa2-fwd", "--cost", "--shapes", "M=1000000000000"],
+     "M=1000000000000 is too large for --cost (at most 8192"),
+])
+def test_cost_refuses_sizes_it_cannot_enumerate(capsys, argv, match) -> None:
+    """The cost model visits every tile (M*N of them, about): a huge size is one error line, not a MemoryError."""
+    code, out, err = cli(capsys, *[a.format(ex=EX) for a in argv])
+    assert_one_error_line(code, err, match)
+    assert out == ""
+
+
+def test_cost_at_the_size_limit_and_huge_batch_heads_head_dim(capsys) -> None:
+    """The limit is inclusive, and batch, heads and head dim only scale the counts (not limited)."""
+    from falower.cli import COST_MAX_SIZE
+
+    code, out, err = cli(capsys, "cost", EX / "plain.py", "-p", "fa2-fwd", "--shapes",
+                         f"B=100000,H=100000,D=100000,M={COST_MAX_SIZE},N=64")
+    assert code == 0, err
+    assert f"M={COST_MAX_SIZE}" in out.splitlines()[0]
+
+
+@pytest.fixture
+def two_examples(tmp_path) -> Path:
+    (tmp_path / "causal.py").write_text((EX / "causal.py").read_text())
+    (tmp_path / "gqa.py").write_text((EX / "gqa.py").read_text())
+    return tmp_path
+
+
+def test_demo_refuses_an_unknown_show_and_shapes_typo(capsys, two_examples) -> None:
+    code, out, err = cli(capsys, "demo", "--examples", two_examples, "-p", LOWER, "--show", "nope")
+    assert_one_error_line(code, err, "--show: no example named 'nope' in ")
+    assert "(examples: causal, gqa)" in err and out == ""
+    code, out, err = cli(capsys, "demo", "--examples", two_examples, "-p", LOWER, "--shapes", "TYPO=5")
+    assert_one_error_line(code, err, "--shapes: TYPO is not a dimension of any example's inputs "
+                                     "(their dims: B, D, H, HKV, M, N)")
+    assert out == ""
+
+
+def test_demo_shapes_a_dim_of_some_example_and_show(capsys, two_examples) -> None:
+    """H is a dim of causal only (gqa has HKV): fine, each example gets the dims it has; --show picks the dump."""
+    code, out, err = cli(capsys, "demo", "--examples", two_examples, "-p", LOWER, "--shapes", "H=2,HKV=1,M=5",
+                         "--show", "gqa")
+    assert code == 0, err
+    assert "\ncausal  (@causal, shapes B=2,H=2,M=5," in out and "\ngqa  (@gqa, shapes B=2,HKV=1,M=5," in out
+    assert "// ----- gqa after `decompose-softmax,canonicalize` ----- //" in out and "func @gqa(" in out
+
+
+BASE_EXC_PY = {
+    "custom_base.py": "class Stop(BaseException):\n    pass\n\n\nraise Stop('custom base')\n",
+    "gen_exit.py": "x = 1\nraise GeneratorExit('closing')\n",
+}
+
+
+@pytest.mark.parametrize("name, match", [("custom_base.py", "custom_base.py:5: Stop: custom base"),
+                                         ("gen_exit.py", "gen_exit.py:2: GeneratorExit: closing")])
+@pytest.mark.parametrize("how", ["opt", "demo"])
+def test_user_file_raising_a_base_exception_is_one_line(capsys, tmp_path, name, match, how) -> None:
+    (tmp_path / name).write_text(BASE_EXC_PY[name])
+    argv = ["opt", tmp_path / name, "-p", LOWER] if how == "opt" else ["demo", "--examples", tmp_path, "-p", LOWER]
+    code, _, err = cli(capsys, *argv)
+    assert_one_error_line(code, err, match)
+
+
+def test_user_file_raising_keyboard_interrupt_still_interrupts(capsys, tmp_path) -> None:
+    (tmp_path / "kbd.py").write_text("raise KeyboardInterrupt\n")
+    code, _, err = cli(capsys, "opt", tmp_path / "kbd.py", "-p", LOWER)
+    assert code == 130 and err == "falower: interrupted\n"
