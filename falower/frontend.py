@@ -100,6 +100,21 @@ class SymTensor:
     def __repr__(self) -> str:
         return f"SymTensor({self.value.type})"
 
+    def __iter__(self):
+        raise FalowerError("a symbolic tensor cannot be iterated while tracing (a Python for loop, list() or * over "
+                           "a traced value): index it (x[i]) or use tensor ops")
+
+    def __len__(self) -> int:
+        raise FalowerError("len() of a symbolic tensor while tracing: use x.shape")
+
+    def __round__(self, ndigits: Any = None):
+        raise FalowerError("round() of a symbolic tensor while tracing: use falower.round(x) or torch.round(x)")
+
+    def __array__(self, *args: Any, **kwargs: Any):
+        raise FalowerError("numpy does not trace symbolic tensors (a numpy function, or a numpy array indexed by a "
+                           "traced index): use falower's functions (falower.where, ...) or torch's, and close over "
+                           "tables with falower.capture(...) or a torch tensor")
+
     def __bool__(self) -> bool:
         raise FalowerError("a symbolic tensor has no truth value while tracing (Python `if`, `and`, `or`, `not` on "
                            "a traced value): use torch.where(cond, a, b) or falower.where(cond, a, b) instead of "
@@ -577,7 +592,7 @@ def _delegate(name: str) -> Callable:
 # (`score * temperature`, `q - kv < window` with 0-d captures) forwards each one to its symbolic tensor.
 for _op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
             "rmod", "pow", "rpow", "and", "rand", "or", "ror", "xor", "rxor", "lt", "le", "gt", "ge", "eq", "ne",
-            "neg", "abs", "invert", "float", "int", "index", "bool"):
+            "neg", "abs", "invert", "float", "int", "index", "bool", "iter", "len", "round", "array"):
     setattr(Capture, f"__{_op}__", _delegate(f"__{_op}__"))
 
 
@@ -629,9 +644,21 @@ def attention(
     (grouped query heads share a kv head). Outputs O in `dtype`.
     """
     dtype = _dtype_name(dtype)
+    for what, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise FalowerError(f"attention's {what} must be a function (s, b, h, q_idx, kv_idx) or None, got "
+                               f"{type(fn).__name__}")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise FalowerError(f"attention's name must be an identifier, got {name!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, str, Dim)) or \
+            isinstance(head_dim, int) and head_dim < 1:
+        raise FalowerError(f"attention's head_dim must be a positive int or a dim name, got {head_dim!r}")
     D = dim(head_dim)
-    if group_size < 1:
-        raise FalowerError("group_size must be >= 1")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise FalowerError(f"attention's group_size must be an int >= 1, got {group_size!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise FalowerError(f"attention's scale must be a finite number or None, got {scale!r}")
     heads_q: DimLike = "H" if group_size == 1 else dim("HKV") * group_size
     heads_kv: DimLike = "H" if group_size == 1 else "HKV"
     qt = tensor(dtype, ["B", heads_q, "M", D])

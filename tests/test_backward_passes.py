@@ -264,3 +264,13 @@ def test_the_reference_backend_returns_the_mask_tables_zero_gradient() -> None:
     o, lse = c.forward(q, k, v, thr)
     grads = c.backward(q, k, v, o, lse, do, thr)
     assert c.gradient_names() == ["dq", "dk", "dv", "dthr"] and not np.any(grads[3])
+
+
+@pytest.mark.parametrize("taken", ["lse", "o"])
+def test_recompute_refuses_an_input_named_like_its_own(taken: str) -> None:
+    """The backward adds the forward's output and lse as inputs: a captured table of either name once made the
+    reference backward blame the user's arrays ('input %lse must have rank 1')."""
+    t = fl.capture(taken, "f32", "H")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + t[h], name="named")
+    with pytest.raises(PassError, match=f"an input is named %{taken}"):
+        fl.lower(g, "fa2-bwd")

@@ -5,6 +5,7 @@ for Python's math functions on traced tensors."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -137,3 +138,44 @@ def test_a_captured_window_still_skips_tiles() -> None:
     narrow = cost_of(out, dims, data={"window": np.array(256, dtype=np.int32)})
     wide = cost_of(out, dims, data={"window": np.array(4096, dtype=np.int32)})
     assert narrow.flops * 4 < wide.flops  # a 256-wide band visits a few tiles per row, causal half of all
+
+
+# ----------------------------------------------------------------------------- Python a trace cannot follow
+_TABLE = np.ones(4, np.float32)
+_T = fl.capture("t", "f32", "H")
+
+
+@pytest.mark.parametrize("mod,says", [
+    (lambda s, b, h, q, kv: s + list(q)[0], "cannot be iterated"),  # once: an endless walk of clamped gathers
+    (lambda s, b, h, q, kv: s + list(_T)[0], "cannot be iterated"),
+    (lambda s, b, h, q, kv: s + len(q), "len()"),
+    (lambda s, b, h, q, kv: round(s), "falower.round"),
+    (lambda s, b, h, q, kv: s + _TABLE[h], "falower.capture"),
+    (lambda s, b, h, q, kv: np.where(q > kv, s, 0.0), "numpy does not trace"),
+], ids=["iter", "iter_capture", "len", "round", "numpy_table", "np_where"])
+def test_python_a_trace_cannot_follow_says_what_to_use(mod, says: str) -> None:
+    with pytest.raises(fl.FalowerError, match=re.escape(says)):
+        fl.attention(score_mod=mod)
+
+
+@pytest.mark.parametrize("kw,says", [
+    (dict(head_dim=0), "head_dim"), (dict(head_dim=-64), "head_dim"), (dict(head_dim=64.5), "head_dim"),
+    (dict(group_size=2.5), "group_size"), (dict(group_size="2"), "group_size"), (dict(group_size=0), "group_size"),
+    (dict(scale="a"), "scale"), (dict(scale=float("nan")), "scale"), (dict(scale=math.inf), "scale"),
+    (dict(score_mod=3), "score_mod"), (dict(mask_mod="causal"), "mask_mod"), (dict(name=123), "name"),
+])
+def test_attention_names_a_bad_argument(kw: dict, says: str) -> None:
+    with pytest.raises(fl.FalowerError, match=f"attention's {says}"):
+        fl.attention(**kw)
+
+
+def test_an_integer_constant_must_fit_its_dtype() -> None:
+    """2**40 in an i32 mask once wrapped to 0 in the interpreter (q - kv < 0: a different mask, silently)."""
+    from falower.ir.verifier import verify
+
+    with pytest.raises(fl.FalowerError, match="integer constant 1099511627776 does not fit i32"):
+        fl.attention(mask_mod=lambda b, h, q, kv: q - kv < 2 ** 40)
+    with pytest.raises(fl.FalowerError, match="integer constant 300 does not fit i8"):
+        verify(fl.parse_func("func @f(%x: i8[N]) -> (out0: i8[N]) {\n  %0 = const 300 : i8\n"
+                             "  %1 = add %x, %0 : i8[N]\n  return %1\n}\n"))
+    fl.attention(mask_mod=lambda b, h, q, kv: q - kv < 2 ** 31 - 1)  # the largest i32 is fine

@@ -139,7 +139,13 @@ def _infer_const(ts, attrs):
         _need(is_float(t.dtype) or math.isfinite(v) and v == int(v), f"float value {v} for type {t}")
     else:
         raise OpTypeError(f"bad constant value {v!r}")
+    if is_int(t.dtype) and not isinstance(v, Dim):  # (the interpreter's integers would wrap around)
+        lo, hi = _INT_RANGE[t.dtype]
+        _need(lo <= v <= hi, f"integer constant {v} does not fit {t.dtype} ({lo} .. {hi})")
     return [t]
+
+
+_INT_RANGE = {"i8": (-2 ** 7, 2 ** 7 - 1), "i32": (-2 ** 31, 2 ** 31 - 1)}
 
 
 def _infer_iota(ts, attrs):

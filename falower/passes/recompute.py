@@ -117,6 +117,10 @@ class Recompute(Pass):
             raise self.fail("the forward output must be P @ V or a cast of it (O is saved for the backward)")
 
         plain = [a for a in func.args if a not in cots]
+        taken = [a.name for a in plain if a.name in (names[fwd_results[0]], "lse")]
+        if taken:
+            raise self.fail(f"an input is named %{taken[0]}, a name the backward gives its own input (the forward's "
+                            f"output {names[fwd_results[0]]!r} and lse): rename the captured tensor")
         o_t, lse_t = out.type, TensorType(sm.x.type.dtype, sm.x.type.shape[:-1])
         arg_types = [a.type for a in plain] + [o_t, lse_t] + [a.type for a in cots]
         arg_names = [a.name for a in plain] + [names[fwd_results[0]], "lse"] + [a.name for a in cots]
