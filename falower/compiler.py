@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -1111,6 +1111,8 @@ def compile(func: Func, backend: str = "numba-cuda", pipeline: str = "fa2-fwd", 
         raise FalowerError(f"unknown path {path!r} (auto, mma or simt)")
     from .backends.numba_cuda.spec import unknown_extra
 
+    if extra is not None and not isinstance(extra, Mapping):
+        raise FalowerError(f"compile's extra must be a dict of knobs, got {type(extra).__name__}")
     bad = unknown_extra(dict(extra or {}))
     if bad:
         raise FalowerError(bad)

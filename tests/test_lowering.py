@@ -265,3 +265,15 @@ def test_every_pass_states_its_precondition_and_shows_before_after(name) -> None
     assert "Requires" in doc, f"{name}: docstring must say what the pass requires"
     assert "=>" in doc, f"{name}: docstring must show IR before => after"
     assert PASSES[name].summary, f"{name}: one-line summary for `falower passes`"
+
+
+@pytest.mark.parametrize("call,says", [
+    (lambda g: fl.lower(g, 123), "the pipeline must be a string"),
+    (lambda g: fl.lower(g, None), "the pipeline must be a string"),
+    (lambda g: fl.lower(None, "fa2-fwd"), "the graph must be a falower Func"),
+    (lambda g: fl.lower(g, "fa2-fwd", bogus=1), "unknown option bogus="),
+    (lambda g: fl.compile(g, "reference", extra=[1]), "extra must be a dict"),
+])
+def test_the_api_names_a_bad_argument(call, says: str) -> None:
+    with pytest.raises(fl.FalowerError, match=says):
+        call(fl.attention())

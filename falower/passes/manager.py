@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Mapping, Optional, TextIO
 
 from ..errors import FalowerError, PassError, VerifyError
@@ -118,4 +118,12 @@ class PassManager:
 
 def run_pipeline(func: Func, pipeline: str, **kwargs) -> Func:
     """Lower `func` through a pipeline string; keyword arguments go to PassManager."""
-    return PassManager(parse_pipeline(pipeline), **kwargs).run(func)
+    if not isinstance(func, Func):
+        raise FalowerError(f"lower: the graph must be a falower Func, got {type(func).__name__}")
+    if not isinstance(pipeline, (str, Pipeline)):
+        raise FalowerError(f"lower: the pipeline must be a string such as 'fa2-fwd', got {type(pipeline).__name__}")
+    known = [f.name for f in fields(PassManager) if f.name not in ("pipeline", "records", "suite")]
+    for k in kwargs:
+        if k not in known:
+            raise FalowerError(f"lower: unknown option {k}= (known: {', '.join(known)})")
+    return PassManager(parse_pipeline(pipeline) if isinstance(pipeline, str) else pipeline, **kwargs).run(func)
