@@ -112,7 +112,11 @@ class BinDim(Dim):
         return self.lhs.symbols() | self.rhs.symbols()
 
     def eval(self, env: Mapping[str, int]) -> int:
-        return _apply(self.op, self.lhs.eval(env), self.rhs.eval(env))
+        a, b = self.lhs.eval(env), self.rhs.eval(env)
+        if b == 0 and self.op in ("fdiv", "cdiv"):
+            why = "" if isinstance(self.rhs, Const) else f" ({self.rhs} = 0)"
+            raise ShapeError(f"dimension {self} divides by zero{why}")
+        return _apply(self.op, a, b)
 
     def __str__(self) -> str:
         if self.op in _FUNCS:
@@ -219,11 +223,18 @@ def _tokens(text: str) -> list[str]:
     return out
 
 
+_MAX_DEPTH = 100  # parentheses, minus signs and calls nested in one dimension expression
+
+
 class _DimParser:
     def __init__(self, text: str):
         self.text = text
         self.toks = _tokens(text)
         self.i = 0
+        self.depth = 0
+
+    def short(self) -> str:
+        return repr(self.text) if len(self.text) <= 40 else repr(self.text[:40]) + "..."
 
     def peek(self) -> str | None:
         return self.toks[self.i] if self.i < len(self.toks) else None
@@ -250,6 +261,15 @@ class _DimParser:
         return d
 
     def atom(self) -> Dim:
+        self.depth += 1
+        if self.depth > _MAX_DEPTH:
+            raise ParseError(f"bad dimension expression {self.short()}: nested more than {_MAX_DEPTH} levels deep")
+        try:
+            return self._atom()
+        finally:
+            self.depth -= 1
+
+    def _atom(self) -> Dim:
         tok = self.take()
         if tok == "(":
             d = self.expr()
@@ -259,6 +279,8 @@ class _DimParser:
             inner = self.atom()
             return binop("-", Const(0), inner) if not isinstance(inner, Const) else Const(-inner.value)
         if tok.isdigit():
+            if len(tok) > 1000:
+                raise ParseError(f"bad dimension expression {self.short()}: a number is too long")
             return Const(int(tok))
         if tok in _FUNCS and self.peek() == "(":
             self.take("(")

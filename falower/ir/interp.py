@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..errors import ShapeError
+from ..errors import FalowerError, ShapeError
 from . import intervals
 from .core import Block, Func, Op, Value
 from .dims import Dim, dim, solve_dims
@@ -48,12 +48,54 @@ _LOGICAL = {"and": (np.logical_and, np.bitwise_and), "or": (np.logical_or, np.bi
             "xor": (np.logical_xor, np.bitwise_xor)}
 # (interpreter class, op name) -> its op_<name> method, or False for the elementwise rules (looked up once)
 _HANDLERS: dict = {}
+PRECISIONS = ("f64", "native", "low:f16", "low:bf16")
+
+
+class PrecisionError(FalowerError, ValueError):
+    """An interpreter precision that is not one of PRECISIONS (a ValueError too, as it always was)."""
+
+
+def check_input(name: str, x: Any, t: TensorType) -> np.ndarray:
+    """`x` as an array, or a ShapeError when its kind of values cannot be `t`'s: a float input takes float arrays
+    of any width (and Python numbers), an int input takes integer arrays whose values fit, a bool input bools.
+    Nothing is converted silently: bf16 given as uint16 bits, float ids, wrapping int64 ids are refused."""
+    python_number = isinstance(x, (int, float)) and not isinstance(x, bool)
+    try:
+        a = np.asarray(x)
+    except ValueError as e:  # a ragged nested list
+        raise ShapeError(f"input %{name} ({t}) is not an array: {e}") from None
+    kind, dt = a.dtype.kind, t.dtype
+    if is_float(dt):
+        ok = kind == "f" or (python_number and kind in "iu")
+        hint = " (bf16 is given as float32 or float16 values, not as raw bits)" if kind == "u" and \
+            a.dtype.itemsize == 2 else ""
+        if not ok:
+            raise ShapeError(f"input %{name} ({t}) expects float values, got {_what(x, a)}{hint}")
+        return a
+    if dt == "bool":
+        if kind != "b":
+            raise ShapeError(f"input %{name} ({t}) expects bool values, got {_what(x, a)}")
+        return a
+    if kind not in "iu":
+        raise ShapeError(f"input %{name} ({t}) expects integer values, got {_what(x, a)}")
+    info = np.iinfo(numpy_dtype(dt))
+    if a.size and (a.dtype.itemsize > info.dtype.itemsize or kind == "u") and \
+            (int(a.min()) < info.min or int(a.max()) > info.max):
+        raise ShapeError(f"input %{name} ({t}) holds {dt} values, but its values span "
+                         f"{int(a.min())}..{int(a.max())}, outside {info.min}..{info.max}")
+    return a
+
+
+def _what(x: Any, a: np.ndarray) -> str:
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return f"{type(x).__name__} of dtype {a.dtype}"
+    return f"{type(x).__name__} (as an array, dtype {a.dtype})"
 
 
 class Interpreter:
     def __init__(self, precision: str = "f64"):
-        if precision not in ("f64", "native", "low:f16", "low:bf16"):
-            raise ValueError("precision is 'f64', 'native', 'low:f16' or 'low:bf16'")
+        if precision not in PRECISIONS:
+            raise PrecisionError(f"unknown precision {precision!r}: it is 'f64', 'native', 'low:f16' or 'low:bf16'")
         self.precision = precision
         # "low:<dtype>": naive attention in that precision, every float result rounded to it
         # (computed in float32, as cuBLAS and torch do for f16 and bf16). FlashAttention's error rule
@@ -92,11 +134,18 @@ class Interpreter:
         pairs: list[tuple[Dim, int]] = []
         arrays = []
         for a, x in zip(args, inputs):
-            x = np.asarray(x)
+            x = check_input(a.name or "?", x, a.type)
             if x.ndim != a.type.rank:
                 raise ShapeError(f"input %{a.name} must have rank {a.type.rank} ({a.type}), got shape {x.shape}")
+            for axis, (d, n) in enumerate(zip(a.type.shape, x.shape)):
+                if n < 1:
+                    raise ShapeError(f"input %{a.name} has size {n} along dimension {d} (axis {axis}) of {a.type}: "
+                                     "sizes must be positive")
             pairs += list(zip(a.type.shape, x.shape))
             arrays.append(x)
+        for name, n in (dims or {}).items():
+            if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n < 1:
+                raise ShapeError(f"dimension {name} = {n}: sizes must be positive")
         self.env_dims = solve_dims(pairs, dict(dims or {}))
         self._made = {}
         env: dict[Value, np.ndarray] = {}
@@ -128,8 +177,19 @@ class Interpreter:
                 env[r] = x
         raise ValueError("block without terminator")
 
-    def shape(self, t: TensorType) -> tuple[int, ...]:
-        return t.concrete(self.env_dims)
+    def shape(self, t: TensorType, what: str = "a value") -> tuple[int, ...]:
+        """`t`'s sizes at this run's dims; a ShapeError naming `what` (an op) when a dim cannot be a size."""
+        sizes = []
+        for d in t.shape:
+            try:
+                n = d.eval(self.env_dims)
+            except ShapeError as e:
+                raise ShapeError(f"{what}: type {t}: {e}") from None
+            if n < 0:
+                env = ", ".join(f"{k}={self.env_dims[k]}" for k in sorted(d.symbols()) if k in self.env_dims)
+                raise ShapeError(f"{what}: type {t}: dimension {d} = {n} with {env}: sizes cannot be negative")
+            sizes.append(n)
+        return tuple(sizes)
 
     # --------------------------------------------------------------------------------------- ops
     def op(self, op: Op, env: dict[Value, np.ndarray]) -> list[np.ndarray]:
@@ -172,13 +232,13 @@ class Interpreter:
             v = op.attrs["value"]
             if isinstance(v, Dim):
                 v = v.eval(self.env_dims)
-            return self.store(np.full(self.shape(t), v), t)
+            return self.store(np.full(self.shape(t, "const"), v), t)
 
         return [self._made_once(op, make)]
 
     def op_iota(self, op: Op, x, env) -> list[np.ndarray]:
         def make() -> np.ndarray:
-            shape = self.shape(op.results[0].type)
+            shape = self.shape(op.results[0].type, op.name)
             axis = op.attrs["axis"]
             view = [1] * len(shape)
             view[axis] = shape[axis]
@@ -240,6 +300,9 @@ class Interpreter:
 
     def _reduce(self, op: Op, a: np.ndarray, f) -> list[np.ndarray]:
         t = op.results[0].type
+        if f is np.max and a.shape[op.attrs["axis"]] == 0:
+            raise ShapeError(f"{op.name}: the maximum over axis {op.attrs['axis']} of a {list(a.shape)} tensor, "
+                             "which has no entries")
         if a.dtype.kind == "f":
             a = a.astype(self.compute_dtype(t))
         return [self.store(f(a, axis=op.attrs["axis"], keepdims=True), t)]
@@ -264,8 +327,9 @@ class Interpreter:
         return [self.store(p, t)]
 
     # ------------------------------------------------------------------------------------- tiles
-    def _slices(self, shape: tuple[int, ...], spec: tuple, idx: list[np.ndarray]):
-        """Source slices, the part of the tile they fill, and the tile's shape (ragged tiles clip)."""
+    def _slices(self, shape: tuple[int, ...], spec: tuple, idx: list[np.ndarray], what: str = "a tile op"):
+        """Source slices, the part of the tile they fill, and the tile's shape (ragged tiles clip); `what` names
+        the op for the ShapeError an index out of range raises."""
         src, dst, tile_shape = [], [], []
         it = iter(idx)
         for s, size in zip(spec, shape):
@@ -276,7 +340,9 @@ class Interpreter:
             elif s == "i":
                 i = int(next(it))
                 if not 0 <= i < size:
-                    raise IndexError(f"tile index {i} out of range {size}")
+                    axis = len(src)
+                    raise ShapeError(f"{what}: index {i} on axis {axis} of a {list(shape)} tensor is out of range "
+                                     f"0..{size - 1}")
                 src.append(i)
             else:  # rows of the tile before 0 (tile{ragged_q=first}) or past the axis are padding
                 start = int(next(it))
@@ -289,14 +355,14 @@ class Interpreter:
 
     def op_tile_load(self, op: Op, x, env) -> list[np.ndarray]:
         a = x[0]
-        src, dst, shape = self._slices(a.shape, op.attrs["slice"], x[1:])
+        src, dst, shape = self._slices(a.shape, op.attrs["slice"], x[1:], "tile.load")
         out = np.zeros(shape, dtype=a.dtype)
         out[dst] = a[src]
         return [out]
 
     def op_tile_atomic_add(self, op: Op, x, env) -> list[np.ndarray]:
         acc, tile = x[0], x[1]
-        src, dst, _ = self._slices(acc.shape, op.attrs["slice"], x[2:])
+        src, dst, _ = self._slices(acc.shape, op.attrs["slice"], x[2:], "tile.atomic_add")
         acc[src] += tile[dst].astype(acc.dtype)
         return []
 
@@ -306,7 +372,7 @@ class Interpreter:
 
     def op_tile_insert(self, op: Op, x, env) -> list[np.ndarray]:
         dst_arr, tile = x[0].copy(), x[1]
-        src, dst, _ = self._slices(dst_arr.shape, op.attrs["slice"], x[2:])
+        src, dst, _ = self._slices(dst_arr.shape, op.attrs["slice"], x[2:], "tile.insert")
         dst_arr[src] = tile[dst]
         return [dst_arr]
 
@@ -327,8 +393,9 @@ class Interpreter:
         `accumulators` results) start at zero and sum what every iteration's tile.atomic_add adds."""
         bounds = [dim(b).eval(self.env_dims) for b in op.attrs["bounds"]]
         blk = op.regions[0]
-        outs = [np.zeros(self.shape(r.type), dtype=numpy_dtype(r.type.dtype) if self.precision == "native"
-                         or not is_float(r.type.dtype) else np.float64) for r in op.results]
+        outs = [np.zeros(self.shape(r.type, "parallel_for"),
+                         dtype=numpy_dtype(r.type.dtype) if self.precision == "native" or not is_float(r.type.dtype)
+                         else np.float64) for r in op.results]
         n_acc = op.attrs.get("accumulators", 0)
         accs = outs[len(outs) - n_acc:]
         term = blk.terminator
@@ -341,11 +408,12 @@ class Interpreter:
                 inner[a] = acc  # shared across iterations: tile.atomic_add adds into it in place
             vals = self.block(blk, inner)
             pos = 0
-            for out, spec in zip(outs, term.attrs["slices"]):
+            for j, (out, spec) in enumerate(zip(outs, term.attrs["slices"])):
                 k = sum(1 for s in spec if s != ":")
                 tile, idx = vals[pos], vals[pos + 1: pos + 1 + k]
                 pos += 1 + k
-                src, dst, _ = self._slices(out.shape, spec, idx)
+                src, dst, _ = self._slices(out.shape, spec, idx, f"parallel_for iteration {ivs}: tile.yield into "
+                                                                 f"result {j}")
                 out[src] = tile[dst]
         return [self.store(o, r.type) for o, r in zip(outs, op.results)]
 
@@ -386,7 +454,7 @@ class Interpreter:
 
     def op_mask_block_table(self, op: Op, x, env) -> list[np.ndarray]:
         """Exact classification from the data (see `block_classes` for what a class means)."""
-        B, H, nq, nk = self.shape(op.results[0].type)
+        B, H, nq, nk = self.shape(op.results[0].type, "mask.block_table")
         return [self.block_classes(op.regions[0], x, B, H, nq, nk, op.attrs["bq"], op.attrs["bk"],
                                    self._extent(op, "M"))]
 

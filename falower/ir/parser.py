@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any, Optional
 
-from ..errors import ParseError
+from ..errors import ParseError, ShapeError
 from .builder import normalize_attrs
 from .core import Block, Func, Op, Value
 from .dims import Dim, binop, Const, Sym
@@ -48,11 +48,18 @@ def tokenize(text: str) -> list[Tok]:
     return toks
 
 
+# how deeply dims, attribute lists and regions may nest: far past any dump, and well inside Python's stack
+MAX_DEPTH = 100
+
+
 class Parser:
     def __init__(self, text: str):
+        if not isinstance(text, str):
+            raise ParseError(f"IR text must be a str, got {type(text).__name__}")
         self.toks = tokenize(text)
         self.i = 0
         self.scopes: list[dict[str, Value]] = []
+        self.depth = 0
 
     # ----------------------------------------------------------------------------------- tokens
     def peek(self, k: int = 0) -> Optional[Tok]:
@@ -80,6 +87,21 @@ class Parser:
             self.i += 1
             return True
         return False
+
+    def nest(self) -> None:
+        """Enter one level of nesting (a parenthesis, a list, a region); `unnest` leaves it."""
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise self.error(f"nested more than {MAX_DEPTH} levels deep")
+
+    def unnest(self) -> None:
+        self.depth -= 1
+
+    def integer(self, t: Tok) -> int:
+        try:
+            return int(t.text)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise ParseError(f"line {t.line}: integer {t.text[:20]}... is too long") from None
 
     # ----------------------------------------------------------------------------------- values
     def define(self, name: str, v: Value) -> None:
@@ -113,6 +135,21 @@ class Parser:
 
     def dim_atom(self) -> Dim:
         t = self.take()
+        if t.text in ("(", "-") or (t.text in ("cdiv", "fdiv", "min", "max") and self.at("(")):
+            self.nest()
+            try:
+                return self.dim_nested(t)
+            finally:
+                self.unnest()
+        if t.kind == "num" and t.text.isdigit():
+            return Const(self.integer(t))
+        if t.kind == "id":
+            return Sym(t.text)
+        self.i -= 1
+        raise self.error("expected a dimension")
+
+    def dim_nested(self, t: Tok) -> Dim:
+        """The rest of a dim that nests: `( expr )`, `- atom` or `cdiv(a, b)` (fdiv, min, max)."""
         if t.text == "(":
             d = self.dim_expr()
             self.take(")")
@@ -120,19 +157,15 @@ class Parser:
         if t.text == "-":
             inner = self.dim_atom()
             return Const(-inner.value) if isinstance(inner, Const) else binop("-", Const(0), inner)
-        if t.kind == "num" and t.text.isdigit():
-            return Const(int(t.text))
-        if t.kind == "id" and t.text in ("cdiv", "fdiv", "min", "max") and self.at("("):
-            self.take("(")
-            a = self.dim_expr()
-            self.take(",")
-            b = self.dim_expr()
-            self.take(")")
+        self.take("(")
+        a = self.dim_expr()
+        self.take(",")
+        b = self.dim_expr()
+        self.take(")")
+        try:
             return binop(t.text, a, b)
-        if t.kind == "id":
-            return Sym(t.text)
-        self.i -= 1
-        raise self.error("expected a dimension")
+        except ShapeError as e:  # cdiv(4, 0): constants folded as they are read
+            raise ParseError(f"line {t.line}: {e}") from None
 
     def type(self) -> TensorType:
         t = self.take(kind="id")
@@ -161,8 +194,12 @@ class Parser:
             raise self.error("expected an attribute value")
         if t.kind == "str":
             self.take()
-            return json.loads(t.text)
+            try:
+                return json.loads(t.text)
+            except json.JSONDecodeError as e:  # a bad escape (\q), a raw newline: not what the printer writes
+                raise ParseError(f"line {t.line}: bad string attribute: {e.msg} (character {e.pos})") from None
         if t.text == "[":
+            self.nest()
             self.take()
             items = []
             if not self.at("]"):
@@ -170,6 +207,7 @@ class Parser:
                 while self.accept(","):
                     items.append(self.attr_value())
             self.take("]")
+            self.unnest()
             return tuple(items)
         if t.text in ("true", "false"):
             self.take()
@@ -192,9 +230,21 @@ class Parser:
         d = self.dim_expr()
         return d.value if isinstance(d, Const) else d
 
-    def attrs(self) -> dict[str, Any]:
+    def attrs(self, then: tuple[str, ...] = ()) -> dict[str, Any]:
+        """`{key = value, flag}` if one is next, else {}. `then`: what must follow the dict where a block of ops
+        may stand instead (`func ... { return %x }`, `for ... { yield }`); when something else follows, the
+        braces were that block and are left unread."""
         out: dict[str, Any] = {}
-        if not (self.at("{") and self.peek(1) is not None and self.peek(1).kind == "id"):  # type: ignore[union-attr]
+        key, after = self.peek(1), self.peek(2)
+        if not (self.at("{") and key is not None and key.kind == "id" and after is not None
+                and after.text in ("=", ",", "}")):
+            return out
+        if then:
+            start = self.i
+            out = self.attrs()
+            if self.peek() is None or self.peek().text not in then:  # type: ignore[union-attr]
+                self.i = start
+                return {}
             return out
         self.take("{")
         while True:
@@ -231,7 +281,7 @@ class Parser:
                 if not self.accept(","):
                     break
         self.take(")")
-        fattrs = self.attrs()
+        fattrs = self.attrs(then=("{",))
         self.take("{")
         self.block_ops(body)
         self.take("}")
@@ -254,6 +304,8 @@ class Parser:
             self.op(block)
 
     def region(self, arg_names: list[str], arg_types: list[TensorType]) -> Block:
+        if len(self.scopes) > MAX_DEPTH:
+            raise self.error(f"regions nested more than {MAX_DEPTH} levels deep")
         blk = Block(arg_types)
         self.scopes.append({})
         for n, a in zip(arg_names, blk.args):
@@ -327,7 +379,10 @@ class Parser:
             else:
                 idx.append(self.use())
                 if self.accept(":"):
-                    spec.append(int(self.take(kind="num").text))
+                    size = self.take(kind="num")
+                    if not size.text.isdigit():
+                        raise ParseError(f"line {size.line}: a tile size must be an integer, got {size.text}")
+                    spec.append(self.integer(size))
                 else:
                     spec.append("i")
             if not self.accept(","):
@@ -387,7 +442,7 @@ class Parser:
                 if not self.accept(","):
                     break
         self.take(")")
-        attrs = self.attrs()
+        attrs = self.attrs(then=(":", "{"))
         types = self.types() if self.accept(":") else []
         self.take("{")
         blk = self.region([iv] + anames, [TensorType("i32", ())] + [v.type for v in inits])
@@ -449,9 +504,17 @@ class Parser:
 
 def parse_funcs(text: str) -> list[Func]:
     p = Parser(text)
-    funcs = []
+    funcs: list[Func] = []
     while p.peek() is not None:
-        funcs.append(p.func())
+        line = p.peek().line  # type: ignore[union-attr]
+        try:
+            f = p.func()
+        except RecursionError:  # a safety net: the depth limits (MAX_DEPTH) stop every nesting we know of
+            t = p.peek()
+            raise ParseError(f"line {t.line if t else line}: nested too deeply to read") from None
+        if any(g.name == f.name for g in funcs):
+            raise ParseError(f"line {line}: a second func named @{f.name}")
+        funcs.append(f)
     if not funcs:
         raise ParseError("no func in the input")
     return funcs

@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 
 from ..errors import VerifyError
 from .core import Block, Func, Op, Value
+from .dims import BinDim, Const, Dim
 from .ops import OPS, OpTypeError, TERMINATORS
 from .printer import Printer
 from .types import TensorType, scalar
@@ -35,6 +36,29 @@ def _context(func: Func, op: Optional[Op], radius: int = 3) -> str:
     i = p.op_lines[op]
     lo, hi = max(0, i - radius), min(len(text), i + radius + 1)
     return "\n".join(("> " if j == i else "  ") + text[j] for j in range(lo, hi))
+
+
+def _dim_problem(d: Dim) -> Optional[str]:
+    """Why a dim can never be a size (a negative literal, a division by a zero constant), or None."""
+    if isinstance(d, Const) and d.value < 0:
+        return "a size cannot be negative"
+    stack = [d]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BinDim):
+            if e.op in ("fdiv", "cdiv") and e.rhs == Const(0):
+                return f"{e} divides by zero"
+            stack += [e.lhs, e.rhs]
+    return None
+
+
+def _check_dims(values: Iterable[Value], op: Optional[Op], what: str) -> None:
+    for k, v in enumerate(values):
+        for d in v.type.shape:
+            why = _dim_problem(d)
+            if why is not None:
+                name = f"%{v.name}" if v.name else f"{what} {k}"
+                raise _Fail(op, f"{name}: {v.type} has dimension {d}: {why}")
 
 
 def verify(func: Func, forbidden: Iterable[str] = ()) -> None:
@@ -68,6 +92,7 @@ class _Verifier:
               in_tile: bool, in_loop: bool, in_fused: bool) -> None:
         scope = set() if isolated else set(visible)
         scope.update(blk.args)
+        _check_dims(blk.args, parent, "argument")
         if not blk.ops:
             raise _Fail(parent, "a region must end in a terminator")
         expected = "return" if parent is None else "tile.yield" if parent.name == "parallel_for" else "yield"
@@ -93,6 +118,7 @@ class _Verifier:
                 new_fused = in_fused or op.name == "fused"
                 for r in op.regions:
                     self.block(r, scope, op, OPS[op.name].isolated, new_tile, new_loop, new_fused)
+            _check_dims(op.results, op, "result")
             self.op(op, parent, in_tile, in_loop, in_fused)
             scope.update(op.results)
 
@@ -241,6 +267,11 @@ class _Verifier:
 
     def op_parallel_for(self, op: Op, parent) -> None:
         bounds = op.attrs.get("bounds")
+        for b in bounds or ():
+            why = _dim_problem(b) if isinstance(b, Dim) else \
+                "a bound cannot be negative" if isinstance(b, int) and b < 0 else None
+            if why is not None:
+                raise _Fail(op, f"bound {b}: {why}")
         blk = op.regions[0]
         n_acc = op.attrs.get("accumulators", 0)
         if not isinstance(n_acc, int) or not 0 <= n_acc <= len(op.results):
