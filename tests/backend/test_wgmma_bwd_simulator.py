@@ -733,7 +733,8 @@ def test_dq_ws_source(tmp_path, monkeypatch):
     assert emit_fa2_bwd.dq_convert_launch(spec, 2, 3, 130, 2 * 3 * 130 * 128) == ((2 * 3 * 3,), 256)
     plain = _spec("causal", 128)
     assert "dqws_rc" not in emit_fa2_bwd.emit_dq_convert(plain) and "zrow" not in emit_fa2_bwd.emit_delta(plain)
-    assert emit_fa2_bwd.dq_convert_launch(plain, 2, 3, 130, 2 * 3 * 130 * 128) == ((-(-2 * 3 * 130 * 64 // 128),), 128)
+    # 8 elements a thread (16-byte loads and store)
+    assert emit_fa2_bwd.dq_convert_launch(plain, 2, 3, 130, 2 * 3 * 130 * 128) == ((-(-2 * 3 * 130 * 16 // 128),), 128)
 
 
 def test_dq_ws_by_default():

@@ -923,14 +923,30 @@ def _simt_chunk(spec: FA2BackwardSpec) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-DELTA_ROWS = 4  # rows of a Delta block: one warp a row, 128 threads
+DELTA_ROWS = 4  # rows of a Delta block where a warp takes a row (128 threads)
 
 
-def delta_grid(B: int, H: int, M: int) -> tuple[int, int, int]:
-    """The Delta kernel's grid: (row groups of DELTA_ROWS, H, B), so the kernel finds (b, h, m) with no division
-    (three 64-bit divisions by run-time values were ~200 of its ~440 instructions a warp: 165 us for B = 4, H = 16,
-    N = 4k, D = 128 on the H100, against ~45 us of memory traffic)."""
-    return (-(-M // DELTA_ROWS), H, B)
+def delta_lanes(spec: FA2BackwardSpec) -> int:
+    """Threads of a Delta row: one 16-byte piece of dO and O each (8 halves) where the row is whole pieces and their
+    count a power of two up to 32 (f16 / bf16, D = 8 ... 256), else a warp. The 16-byte loads and stores were
+    measured against a warp's 2-byte ones (H200, B = 4, N = 4k: 111 us for 269 MB at D = 128, 145 us at D = 64, about
+    half the memory's rate; benchmarks/NOTES.md, sixty-second session)."""
+    D = spec.head_dim
+    if spec.dtype in ("f16", "bf16") and D % 8 == 0 and D // 8 <= 32 and (D // 8) & (D // 8 - 1) == 0:
+        return D // 8
+    return 32
+
+
+def delta_rows(spec: FA2BackwardSpec) -> int:
+    """Rows of a 128-thread Delta block."""
+    return 128 // delta_lanes(spec)
+
+
+def delta_grid(B: int, H: int, M: int, rows: int = DELTA_ROWS) -> tuple[int, int, int]:
+    """The Delta kernel's grid: (row groups of `rows` (delta_rows), H, B), so the kernel finds (b, h, m) with no
+    division (three 64-bit divisions by run-time values were ~200 of its ~440 instructions a warp: 165 us for B = 4,
+    H = 16, N = 4k, D = 128 on the H100, against ~45 us of memory traffic)."""
+    return (-(-M // rows), H, B)
 
 
 def _dq_ws(spec: FA2BackwardSpec) -> bool:
@@ -940,17 +956,25 @@ def _dq_ws(spec: FA2BackwardSpec) -> bool:
 
 
 def emit_delta(spec: FA2BackwardSpec) -> str:
-    """`<name>_delta(do, o, delta, dq32, H, M, *dO strides)`: one warp per row; 4 rows per 128-thread block,
-    launched on `delta_grid`."""
+    """`<name>_delta(do, o, delta, dq32, H, M, *dO strides)`: `delta_lanes` threads a row, `delta_rows` rows a
+    128-thread block, launched on `delta_grid`. With 8 lanes or more (f16 / bf16) each reads its 16 bytes of dO and
+    O by one vector load and zeroes its 32 bytes of dQ's accumulator by two vector stores, where dO's strides and
+    the three arrays' starts allow (checked in the kernel; else 2-byte loads at a stride of the lanes)."""
     D = spec.head_dim
     load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
+    T = delta_lanes(spec)
+    R = 128 // T
+    vec = T * 8 == D and spec.dtype in ("f16", "bf16")  # a lane a 16-byte piece
     c = _Code()
+    if vec:
+        c("from falower.backends.numba_cuda.intrinsics import ldg_vec, stg_vec")
+        c()
     c("@kernel_jit")
     c(f"def {spec.name}_delta(do, o, delta, dq32, H, M, do_sb, do_sh, do_sm):")
     with c.indent():
         c('"""Delta = rowsum(dO * O) per row (FA2\'s preprocessing); zeroes the row of the f32 dQ accumulator."""')
-        c("lane = cuda.threadIdx.x & 31")
-        c(f"m = cuda.blockIdx.x * {DELTA_ROWS} + (cuda.threadIdx.x >> 5)")
+        c(f"lane = cuda.threadIdx.x & {T - 1}  # this thread's part of its row")
+        c(f"m = cuda.blockIdx.x * {R} + (cuda.threadIdx.x >> {T.bit_length() - 1})")
         c("h = cuda.blockIdx.y")
         c("b = cuda.blockIdx.z")
         c("row = (b * H + h) * M + m  # rows past M (the last group's) do nothing")
@@ -967,27 +991,46 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
                 c("delta[row] = acc")
             return _module(spec, c.text())
         ws = _dq_ws(spec)
+        zero = spec.dq == "atomic"
+        drow = "zrow" if ws else "row"
         if ws:  # the accumulator in slab order, padded to whole q tiles: zeroed as a contiguous range of rows
             c(f"mp = (M + {spec.block_q - 1}) // {spec.block_q} * {spec.block_q}  # its rows a (batch, head)")
             c("zrow = (b * H + h) * mp + m")
-            c("if m == M - 1:  # the padding rows past M, by the last row's warp")
+            c("if m == M - 1:  # the padding rows past M, by the last row's threads")
             with c.indent():
-                c(f"for z in range(lane, (mp - M) * {D}, 32):")
+                c(f"for z in range(lane, (mp - M) * {D}, {T}):")
                 with c.indent():
                     c(f"dq32[(zrow + 1) * {D} + z] = ZERO")
-        c("if m < M:")
+        c("acc = ZERO")
+        if vec:
+            c("# 16-byte pieces where dO's rows and the arrays' starts are 16-byte aligned (one branch, the same for")
+            c("# every thread)")
+            c("vec = ((do_sb | do_sh | do_sm) & 7) == 0 and ((elem_addr(do, (0,)) | elem_addr(o, (0,))"
+              + (" | elem_addr(dq32, (0,))" if zero else "") + ") & 15) == 0")
+            c("if vec and m < M:")
+            with c.indent():
+                c("x = ldg_vec(do, dorow + 8 * lane)")
+                c(f"y = ldg_vec(o, row * {D} + 8 * lane)")
+                c("acc = " + " + ".join(f"{load.format(f'x[{e}]')} * {load.format(f'y[{e}]')}" for e in range(8)))
+                if zero:
+                    c(f"stg_vec(dq32, {drow} * {D} + 8 * lane, (ZERO, ZERO, ZERO, ZERO))")
+                    c(f"stg_vec(dq32, {drow} * {D} + 8 * lane + 4, (ZERO, ZERO, ZERO, ZERO))")
+            c("elif m < M:")
+        else:
+            c("if m < M:")
         with c.indent():
-            c("acc = ZERO")
-            c(f"for d in range(lane, {D}, 32):")
+            c(f"for d in range(lane, {D}, {T}):")
             with c.indent():
                 c(f"acc += {load.format('do[dorow + d]')} * {load.format(f'o[row * {D} + d]')}")
-                if spec.dq == "atomic":
-                    c(f"dq32[{'zrow' if ws else 'row'} * {D} + d] = ZERO")
-            for m in (16, 8, 4, 2, 1):
-                c(f"acc += shfl_xor_f32(acc, {m})")
-            c("if lane == 0:")
-            with c.indent():
-                c("delta[row] = acc")
+                if zero:
+                    c(f"dq32[{drow} * {D} + d] = ZERO")
+        k = T // 2
+        while k:  # within the row's lanes (every lane of the warp takes part)
+            c(f"acc += shfl_xor_f32(acc, {k})")
+            k //= 2
+        c("if lane == 0 and m < M:")
+        with c.indent():
+            c("delta[row] = acc")
     return _module(spec, c.text())
 
 
@@ -999,7 +1042,15 @@ def dq_convert_launch(spec: FA2BackwardSpec, B: int, H: int, M: int, n: int) -> 
     dq_ws a block a (batch, head, q tile)."""
     if _dq_ws(spec):
         return (B * H * -(-M // spec.block_q),), DQ_WS_CONVERT_THREADS
+    if _dq_convert_vec(spec):
+        return (-(-(n // 8) // 128),), 128
     return (-(-(n // 2 if spec.path == "mma" else n) // 128),), 128
+
+
+def _dq_convert_vec(spec: FA2BackwardSpec) -> bool:
+    """dQ's conversion 8 elements a thread (two 16-byte loads, one 16-byte store): pairs (mma path) in whole
+    16-byte pieces of a row. Both arrays are the call's own allocations (16-byte aligned)."""
+    return spec.path == "mma" and spec.dtype in ("f16", "bf16") and spec.head_dim % 8 == 0
 
 
 def _emit_dq_ws_convert(c: _Code, spec: FA2BackwardSpec) -> None:
@@ -1021,23 +1072,37 @@ def _emit_dq_ws_convert(c: _Code, spec: FA2BackwardSpec) -> None:
     c(f"for p in range(tid, {BQ * D // 4}, {T}):")
     with c.indent():
         c("r, col = dqws_rc(p)")
-        c("at = base + 4 * p")
-        c(f"tile[r * {W} + (col >> 1)] = {pack}(dq32[at], dq32[at + 1])")
-        c(f"tile[(r + 8) * {W} + (col >> 1)] = {pack}(dq32[at + 2], dq32[at + 3])")
+        c("x = ldg_vec(dq32, base + 4 * p)  # one 16-byte chunk")
+        c(f"tile[r * {W} + (col >> 1)] = {pack}(x[0], x[1])")
+        c(f"tile[(r + 8) * {W} + (col >> 1)] = {pack}(x[2], x[3])")
     c("cuda.syncthreads()")
-    c(f"for i in range(tid, {BQ * D // 2}, {T}):")
-    with c.indent():
-        c(f"r = i // {D // 2}")
-        c(f"m = qt * {BQ} + r")
-        c("if m < M:")
+    if D % 8 == 0:  # 4 words (8 halves) a store
+        c(f"for i in range(tid, {BQ * D // 8}, {T}):")
         with c.indent():
-            c(f"dq[(bh * M + m) * {D // 2} + i % {D // 2}] = tile[r * {W} + i % {D // 2}]")
+            c(f"r = i // {D // 8}")
+            c(f"w = (i % {D // 8}) * 4")
+            c(f"m = qt * {BQ} + r")
+            c("if m < M:")
+            with c.indent():
+                c(f"t = r * {W} + w")
+                c(f"stg_vec(dq, (bh * M + m) * {D // 2} + w, (tile[t], tile[t + 1], tile[t + 2], tile[t + 3]))")
+    else:
+        c(f"for i in range(tid, {BQ * D // 2}, {T}):")
+        with c.indent():
+            c(f"r = i // {D // 2}")
+            c(f"m = qt * {BQ} + r")
+            c("if m < M:")
+            with c.indent():
+                c(f"dq[(bh * M + m) * {D // 2} + i % {D // 2}] = tile[r * {W} + i % {D // 2}]")
 
 
 def emit_dq_convert(spec: FA2BackwardSpec) -> str:
     """`<name>_dq(dq32, dq, n, M)`: the f32 accumulator to the input dtype (dq as uint32 pairs on the mma path), on
     `dq_convert_launch`'s grid; under dq_ws from the slab order, a q tile a block."""
     c = _Code()
+    if _dq_ws(spec) or _dq_convert_vec(spec):
+        c("from falower.backends.numba_cuda.intrinsics import ldg_vec, stg_vec")
+        c()
     c("@kernel_jit")
     c(f"def {spec.name}_dq(dq32, dq, n, M):")
     with c.indent():
@@ -1045,7 +1110,14 @@ def emit_dq_convert(spec: FA2BackwardSpec) -> str:
             _emit_dq_ws_convert(c, spec)
             return _module(spec, c.text())
         c("i = cuda.grid(1)")
-        if spec.dtype in ("f32", "f64"):
+        if _dq_convert_vec(spec):
+            pack = "pack_f16x2" if spec.dtype == "f16" else "pack_bf16x2"
+            c("if 8 * i < n:  # 8 elements: two 16-byte loads, one 16-byte store")
+            with c.indent():
+                c("x = ldg_vec(dq32, 8 * i)")
+                c("y = ldg_vec(dq32, 8 * i + 4)")
+                c(f"stg_vec(dq, 4 * i, ({pack}(x[0], x[1]), {pack}(x[2], x[3]), {pack}(y[0], y[1]), {pack}(y[2], y[3])))")
+        elif spec.dtype in ("f32", "f64"):
             c("if i < n:")
             with c.indent():
                 c("dq[i] = dq32[i]")

@@ -47,7 +47,7 @@ from . import cubin_cache, graph_capture
 from .block_data import BlockTables
 from .emit_fa2 import (cluster_parts, emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block,
                        uses_fused_merge, uses_kv_maps, uses_o_map, uses_work_counter)
-from .emit_fa2_bwd import (bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, dq_convert_launch, dq_grid,
+from .emit_fa2_bwd import (bwd_grid, bwd_smem_bytes, bwd_threads, delta_grid, delta_rows, dq_convert_launch, dq_grid,
                            dq_smem_bytes, dq_threads)
 from .spec import FA2BackwardSpec, FA2ForwardSpec
 from .tensor_maps import MAP_BYTES, TensorMaps, o_map_geometry, qkv_map_geometry
@@ -1058,7 +1058,7 @@ class _BackwardPlan:
         nxt = arrays(buf, 0, [("do", spans[3]), ("o", rows * D), ("delta", rows),
                               ("dq32", rows if self.separate else n_acc)])
         scalars(buf, nxt, [H, M, *strides[9:12]])
-        self.launches.append(_launcher(dk_.function(dev), delta_grid(B, H, M), 128, 0, buf))
+        self.launches.append(_launcher(dk_.function(dev), delta_grid(B, H, M, delta_rows(s)), 128, 0, buf))
         self.tables, self.sizes = kern.block_tables, tuple(sizes)
         if self.table_n:  # the dense block table: launched only for data not seen before (block_data.BlockTables)
             dk_, buf = buffer("mask")
@@ -2156,7 +2156,7 @@ class FA2BackwardKernel:
         if self.smem > 48 * 1024:
             self._raise_smem_limit(self._kernel, args, self.smem)
         main = self._kernel[bwd_grid(s, B, H, M, N), self.threads, 0, self.smem]
-        delta_k = self._delta[delta_grid(B, H, M), 128]
+        delta_k = self._delta[delta_grid(B, H, M, delta_rows(s)), 128]
         ndq = rows * D
         if separate:
             dq_args = [qf, kf, vf, lse_k, dof, delta, dq_k, *sizes, *strides, *extra, *caps]
