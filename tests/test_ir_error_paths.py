@@ -271,3 +271,13 @@ def test_an_unknown_precision_is_a_falower_error_and_a_value_error() -> None:
         with pytest.raises(catch) as e:
             Interpreter(precision="f32")
         assert "'f32'" in one_line(e)
+
+
+def test_interpret_names_a_graph_or_inputs_of_the_wrong_kind() -> None:
+    """A str for the graph (once an AttributeError) or for the inputs."""
+    import falower as fl
+
+    with pytest.raises(fl.FalowerError, match="the graph must be a falower Func, got str"):
+        fl.interpret("causal", [])
+    with pytest.raises(fl.FalowerError, match="the inputs must be a list of arrays, got str"):
+        fl.interpret(fl.attention(), "qkv")

@@ -127,6 +127,10 @@ class Interpreter:
 
     # ------------------------------------------------------------------------------------- entry
     def run(self, func: Func, inputs: Sequence[Any], dims: Optional[Mapping[str, int]] = None) -> list[np.ndarray]:
+        if not isinstance(func, Func):
+            raise FalowerError(f"interpret: the graph must be a falower Func, got {type(func).__name__}")
+        if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
+            raise FalowerError(f"interpret: the inputs must be a list of arrays, got {type(inputs).__name__}")
         args = func.args
         if len(inputs) != len(args):
             names = ", ".join(a.name or "?" for a in args)
