@@ -13,6 +13,7 @@ from .errors import FalowerError, PassError, ShapeError
 from .ir.core import Func
 from .ir.dims import solve_dims
 from .ir.interp import Interpreter
+from .passes.canonicalize import const_value
 from .passes.manager import debug_level, run_pipeline
 
 BACKENDS = ("numba-cuda", "reference")
@@ -103,7 +104,7 @@ class CompiledAttention:
     def _kernel_for(self, dtype: str, path: str, head_dim: int, tiling: Optional[str], parts: int,
                     cluster: bool) -> Any:
         """The kernel of these choices (built on first use): what specialize returns."""
-        from .backends.numba_cuda.from_ir import BackendError
+        from .backends.numba_cuda.from_ir import unbuildable
         from .backends.numba_cuda.runtime import FA2ForwardKernel
         from .backends.numba_cuda.spec import forward_extra
 
@@ -116,8 +117,7 @@ class CompiledAttention:
             try:
                 kern = FA2ForwardKernel(spec)
             except ValueError as e:  # the emitter cannot build this schedule (tile sizes, head dim)
-                raise BackendError(f"numba-cuda backend: {e} (tiles {spec.block_q}x{spec.block_k}, "
-                                   f"D = {spec.head_dim}, {path} path; choose tiles with tile{{bq=..,bk=..}})") from None
+                raise unbuildable(e, spec.head_dim, path, spec) from None
             level = debug_level()
             if level >= 3:
                 print(f"[falower] kernel {spec.name}:\n{kern.source}", file=sys.stderr)
@@ -937,7 +937,7 @@ def _with_constant_gradients(bwd: Func, grads: tuple, inputs: dict) -> tuple:
     """The kernels' gradients (dq, dk, dv and each scattered table's, in order) with the backward function's
     constant results put back where it returns them: a float table read only by a mask has a zero gradient, which
     no kernel computes. Each zero is made like its input (a torch tensor, a numpy array or a CUDA array)."""
-    const = [i for i, v in enumerate(bwd.results) if getattr(v.owner, "name", None) == "const"]
+    const = [i for i, v in enumerate(bwd.results) if const_value(v) is not None]
     if not const:
         return grads
     rest = iter(grads)
@@ -947,7 +947,7 @@ def _with_constant_gradients(bwd: Func, grads: tuple, inputs: dict) -> tuple:
             out.append(next(rest))
             continue
         like = inputs[name[1:]]
-        fill = float(v.owner.attrs["value"])
+        fill = float(const_value(v))
         if type(like).__module__.startswith("torch"):
             out.append(like.new_full(like.shape, fill))
         elif hasattr(like, "__cuda_array_interface__") and not isinstance(like, np.ndarray):

@@ -17,7 +17,7 @@ from ..errors import FalowerError, ShapeError
 from . import intervals
 from .core import Block, Func, Op, Value
 from .dims import Dim, dim, solve_dims
-from .types import TensorType, is_float, numpy_dtype
+from .types import TensorType, int_range, is_float, numpy_dtype
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -78,11 +78,11 @@ def check_input(name: str, x: Any, t: TensorType) -> np.ndarray:
         return a
     if kind not in "iu":
         raise ShapeError(f"input %{name} ({t}) expects integer values, got {_what(x, a)}")
-    info = np.iinfo(numpy_dtype(dt))
-    if a.size and (a.dtype.itemsize > info.dtype.itemsize or kind == "u") and \
-            (int(a.min()) < info.min or int(a.max()) > info.max):
+    lo, hi = int_range(dt)
+    if a.size and (a.dtype.itemsize > numpy_dtype(dt).itemsize or kind == "u") and \
+            (int(a.min()) < lo or int(a.max()) > hi):
         raise ShapeError(f"input %{name} ({t}) holds {dt} values, but its values span "
-                         f"{int(a.min())}..{int(a.max())}, outside {info.min}..{info.max}")
+                         f"{int(a.min())}..{int(a.max())}, outside {lo}..{hi}")
     return a
 
 

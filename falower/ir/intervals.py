@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from .core import Block, Value
-from .types import is_float, is_int
+from .types import int_range, is_float, is_int
 
 Interval = tuple[float, float]
 
@@ -200,7 +200,7 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
             r = (0, 1)
         elif is_float(dtype) and (n in _ROUNDED or n == "const"):
             r = _widen(r, dtype, 8 if n in _MONOTONE or n == "rsqrt" else 2)
-        elif is_int(dtype) and not (_INT_RANGE[dtype][0] <= r[0] and r[1] <= _INT_RANGE[dtype][1]):
+        elif is_int(dtype) and not (int_range(dtype)[0] <= r[0] and r[1] <= int_range(dtype)[1]):
             r = UNKNOWN  # the interpreter's integers wrap around
         vals[op.results[0]] = r
     raise ValueError("predicate region without yield")
@@ -214,7 +214,6 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
 # f16 or bf16, are references for graphs, not for the masks of lowered IR.
 _ROUNDED = ("add", "sub", "mul", "floordiv", "mod", "rsqrt") + _MONOTONE
 _EPS = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 2.0 ** -24, "f64": 2.0 ** -53}  # half an ulp, relative
-_INT_RANGE = {"i8": (-128, 127), "i32": (-2 ** 31, 2 ** 31 - 1)}
 
 
 def _widen(r: Interval, dtype: str, ulps: int) -> Interval:
@@ -235,7 +234,7 @@ def _cast(x: Interval, src: str, to: str) -> Interval:
     if not all(map(math.isfinite, x)):
         return UNKNOWN
     r = (float(math.trunc(x[0])), float(math.trunc(x[1]))) if is_float(src) else x
-    lo, hi = _INT_RANGE[to]
+    lo, hi = int_range(to)
     return r if lo <= r[0] and r[1] <= hi else UNKNOWN
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .dims import Const, Dim, cdiv, dim
-from .types import FLOAT_DTYPES, INT_DTYPES, TensorType, broadcast_shapes, is_float, is_int, scalar
+from .types import FLOAT_DTYPES, INT_DTYPES, TensorType, broadcast_shapes, int_range, is_float, is_int, scalar
 
 
 class OpTypeError(Exception):
@@ -140,12 +140,9 @@ def _infer_const(ts, attrs):
     else:
         raise OpTypeError(f"bad constant value {v!r}")
     if is_int(t.dtype) and not isinstance(v, Dim):  # (the interpreter's integers would wrap around)
-        lo, hi = _INT_RANGE[t.dtype]
+        lo, hi = int_range(t.dtype)
         _need(lo <= v <= hi, f"integer constant {v} does not fit {t.dtype} ({lo} .. {hi})")
     return [t]
-
-
-_INT_RANGE = {"i8": (-2 ** 7, 2 ** 7 - 1), "i32": (-2 ** 31, 2 ** 31 - 1)}
 
 
 def _infer_iota(ts, attrs):

@@ -31,6 +31,12 @@ def is_int(dtype: str) -> bool:
     return dtype in INT_DTYPES
 
 
+def int_range(dtype: str) -> tuple[int, int]:
+    """The least and greatest value of an integer dtype (past them the interpreter's integers wrap around)."""
+    info = np.iinfo(numpy_dtype(dtype))
+    return int(info.min), int(info.max)
+
+
 @dataclass(frozen=True)
 class TensorType:
     dtype: str

@@ -40,7 +40,7 @@ from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float, scalar
 from .attention import _is
-from .canonicalize import is_const
+from .canonicalize import const_value, is_const
 from .mask_tiles import add_ranges, build_predicate, range_plan
 from .base import Pass, register
 
@@ -58,6 +58,7 @@ class BackwardPlan:
     N: Dim
     heads: Dim  # query heads
     kv_heads: Dim
+    batch: Dim  # Q's batch dim, whatever it is named
     group: int
     acc_kind: dict[int, str]  # id(matmul) -> "R" (summed over q tiles) or "C" (summed over kv tiles)
     pre: set[int]  # ids of row reductions computed before the main loops
@@ -71,7 +72,6 @@ class BackwardPlan:
     pred_caps: list[Value] = field(default_factory=list)  # the captured tables it reads
     range_tables: list[Value] = field(default_factory=list)  # their mask.ranges tables (data=ranges)
     range_spec: list = field(default_factory=list)  # the mask ops' `ranges` attribute
-    batch: Dim = field(default_factory=lambda: dim("B"))  # Q's batch dim, whatever it is named
 
     def label(self, op: Op) -> str:
         """A readable name for a sum over tiles: the result it becomes (dv, dk, dq, d<capture>) + 32 for f32."""
@@ -235,13 +235,13 @@ class TileBwd(Pass):
             for r in op.results:
                 space[r] = s
         for v in func.results:
-            if v not in accumulated and not _is_constant(v):
+            if v not in accumulated and const_value(v) is None:
                 raise self.fail(f"result %{v.name or '?'} is not a sum over tiles (no dV = P^T dO, dK, dQ "
                                 f"product found for it)")
         heads = q_like.type.shape[1]
         kv_heads = next(iter(cols)).type.shape[1]
-        plan = BackwardPlan(space, M, N, heads, kv_heads, group, acc_kind, pre, post, probs, scatters, scatter_path,
-                            batch=q_like.type.shape[0])
+        plan = BackwardPlan(space, M, N, heads, kv_heads, q_like.type.shape[0], group, acc_kind, pre, post, probs,
+                            scatters, scatter_path)
         for v, name in zip(func.results, func.result_names):  # name each sum after the result it becomes
             x = v
             while isinstance(x.owner, Op) and id(x.owner) in post and x.owner.operands:
@@ -300,7 +300,7 @@ class TileBwd(Pass):
                             [clone_block(plan.pred, {})], names=["block_class"]).results
         # a constant gradient (a float table read only by the mask: zero) is made once, outside the nests
         outs: dict[Value, Value] = {v: b.op("const", [], [v.type], dict(v.owner.attrs), names=[v.name]).results[0]
-                                    for v in func.results if _is_constant(v)}
+                                    for v in func.results if const_value(v) is not None}
         c_results = [v for v in func.results if C in plan.space[v] and v not in outs]
         r_results = [v for v in func.results if R in plan.space[v] and C not in plan.space[v]]
         table_results = [v for v in func.results if v not in c_results and v not in r_results
@@ -441,8 +441,8 @@ class TileBwd(Pass):
             ctx.finished = dict(zip([op.results[0] for op in accs], sums))
             return [(ctx.emit_post(v), [bi, h, (q0, bq), ":"]) for v in results]
 
-        return b.parallel_for([plan.batch, plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], [v.type for v in results], nest,
-                              result_names=[v.name for v in results])
+        return b.parallel_for([plan.batch, plan.heads, cdiv(plan.M, bq)], ["b", "h", "qi"], [v.type for v in results],
+                              nest, result_names=[v.name for v in results])
 
     def _loop(self, ctx: "_Ctx", pb: Builder, lo: Value, hi: Value, accs: list[Op], iv: str, position, cls_of,
               tables: Optional[list[Value]] = None):
@@ -751,8 +751,3 @@ class _Ctx:
         out = b.op(op.name, operands, types, dict(op.attrs), names=[v.name]).results[0]
         self.finished[v] = out
         return out
-
-
-def _is_constant(v: Value) -> bool:
-    """A result made by a const op: a gradient that is zero whatever the inputs (a float table read only by a mask)."""
-    return isinstance(v.owner, Op) and v.owner.name == "const"

@@ -34,6 +34,7 @@ import numpy as np
 from ...ir.core import Block, Func, Op, Value
 from ...ir.printer import print_func
 from ...ir.types import is_float
+from ...passes.canonicalize import const_value
 from ...passes.online_softmax import LOG2E  # the pass's log2(e), the backward's exponent folds (log2e)
 from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
                       range_name, tanh_by_ex2)
@@ -261,7 +262,7 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
     registers)."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
     grad_results = [n for n, v in zip(func.result_names[3:], func.results[3:])  # (a constant one has no scatter)
-                    if not (isinstance(v.owner, Op) and v.owner.name == "const")]
+                    if const_value(v) is None]
     roots: list[Value] = []
     out = []
     last: list[Optional[Value]] = []
