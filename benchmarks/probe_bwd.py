@@ -579,7 +579,8 @@ def main() -> None:
               f"a{'n item' if what == 'items' else ' block'} ({bl[f'{what} read']} {what} read)")
         print("| " + " | ".join(bl) + " |")
         print("|" + "---|" * len(bl))
-        print("| " + " | ".join(f"{v:.3f}" if k in ("fixed share", "SM busy share") else f"{v:.0f}" for k, v in bl.items()) + " |")
+        shares = ("fixed share", "SM busy share")
+        print("| " + " | ".join(f"{v:.3f}" if k in shares else f"{v:.0f}" for k, v in bl.items()) + " |")
         if a.json:
             Path(a.json).write_text(json.dumps(bl))
         return

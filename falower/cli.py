@@ -373,7 +373,7 @@ def _kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
     A schedule the emitter cannot build (tile sizes, head dim, shared memory) is one error line, as in
     `falower.compile` (compiler._kernel_for)."""
     from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
-    from .backends.numba_cuda.from_ir import BackendError, analyse, build_spec
+    from .backends.numba_cuda.from_ir import analyse, build_spec, unbuildable
 
     low = analyse(lowered)
     dims = {"D": head_dim}
@@ -383,9 +383,8 @@ def _kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
         spec = build_spec(low, dims, dtype, path, None)
         source = emit_fa2_forward(spec)
     except ValueError as e:  # the emitter's validate_spec
-        tiles = f"tiles {spec.block_q}x{spec.block_k}, " if spec is not None else ""
-        raise BackendError(f"--print-kernel: numba-cuda backend: {_first_line(str(e))} ({tiles}D = {head_dim}, "
-                           f"{path} path; choose tiles with tile{{bq=..,bk=..}})") from None
+        err = unbuildable(e, head_dim, path, spec)
+        raise type(err)(f"--print-kernel: {err}") from None
     return f"\n# ----- numba-cuda kernel source (D = {head_dim}, {dtype}, {path} path) -----\n" + source
 
 

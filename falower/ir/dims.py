@@ -223,7 +223,8 @@ def _tokens(text: str) -> list[str]:
     return out
 
 
-_MAX_DEPTH = 100  # parentheses, minus signs and calls nested in one dimension expression
+MAX_DEPTH = 100  # nesting a reader takes (a dim's parentheses, minus signs and calls; the IR parser's lists and
+# regions): far past any dump, well inside Python's stack
 
 
 class _DimParser:
@@ -262,8 +263,8 @@ class _DimParser:
 
     def atom(self) -> Dim:
         self.depth += 1
-        if self.depth > _MAX_DEPTH:
-            raise ParseError(f"bad dimension expression {self.short()}: nested more than {_MAX_DEPTH} levels deep")
+        if self.depth > MAX_DEPTH:
+            raise ParseError(f"bad dimension expression {self.short()}: nested more than {MAX_DEPTH} levels deep")
         try:
             return self._atom()
         finally:

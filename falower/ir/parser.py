@@ -10,7 +10,7 @@ from typing import Any, Optional
 from ..errors import ParseError, ShapeError
 from .builder import normalize_attrs
 from .core import Block, Func, Op, Value
-from .dims import Dim, binop, Const, Sym
+from .dims import MAX_DEPTH, Dim, binop, Const, Sym
 from .ops import OPS
 from .types import DTYPES, TensorType
 
@@ -46,10 +46,6 @@ def tokenize(text: str) -> list[Tok]:
         line += m.group().count("\n")
         pos = m.end()
     return toks
-
-
-# how deeply dims, attribute lists and regions may nest: far past any dump, and well inside Python's stack
-MAX_DEPTH = 100
 
 
 class Parser:

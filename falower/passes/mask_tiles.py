@@ -319,8 +319,6 @@ def _copy(blk: Block) -> Block:
     return clone_block(blk, {})
 
 
-
-
 def _kv_length(loop: Op, fail) -> Dim:
     """K's length, whatever its dim is named: tile's kv loop runs to `const cdiv(N, bk)`."""
     bound = loop.operands[1].owner

@@ -154,8 +154,9 @@ class Tile(Pass):
         st.captures = [vmap[c] for c in captures]
         b = Builder(body)
         if self.order == "fa2":
-            (o,) = b.parallel_for([att.q.type.shape[0], att.q.type.shape[1], cdiv(att.q.type.shape[2], self.bq)], ["b", "h", "qi"],
-                                  [out_t], lambda pb, ivs: [self._q_tile(pb, st, ivs[0], ivs[1], ivs[2], out_t)],
+            B, H, M = att.q.type.shape[:3]
+            (o,) = b.parallel_for([B, H, cdiv(M, self.bq)], ["b", "h", "qi"], [out_t],
+                                  lambda pb, ivs: [self._q_tile(pb, st, ivs[0], ivs[1], ivs[2], out_t)],
                                   result_names=["o"])
         else:
             (o,) = b.parallel_for([att.q.type.shape[0], att.q.type.shape[1]], ["b", "h"], [out_t],

@@ -923,18 +923,18 @@ def _simt_chunk(spec: FA2BackwardSpec) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-DELTA_ROWS = 4  # rows of a Delta block where a warp takes a row (128 threads)
+def _delta_pieces(spec: FA2BackwardSpec) -> bool:
+    """Whether a Delta row is read as 16-byte pieces, a lane each: f16 / bf16 rows of whole pieces whose count is a
+    power of two up to a warp (D = 8 ... 256). The 16-byte loads and stores were measured against a warp's 2-byte
+    ones (H200, B = 4, N = 4k: 111 us for 269 MB at D = 128, 145 us at D = 64, about half the memory's rate, then
+    66 us at both; benchmarks/NOTES.md, sixty-second session)."""
+    n, D = spec.head_dim // 8, spec.head_dim
+    return spec.dtype in ("f16", "bf16") and D % 8 == 0 and n <= 32 and n & (n - 1) == 0
 
 
 def delta_lanes(spec: FA2BackwardSpec) -> int:
-    """Threads of a Delta row: one 16-byte piece of dO and O each (8 halves) where the row is whole pieces and their
-    count a power of two up to 32 (f16 / bf16, D = 8 ... 256), else a warp. The 16-byte loads and stores were
-    measured against a warp's 2-byte ones (H200, B = 4, N = 4k: 111 us for 269 MB at D = 128, 145 us at D = 64, about
-    half the memory's rate; benchmarks/NOTES.md, sixty-second session)."""
-    D = spec.head_dim
-    if spec.dtype in ("f16", "bf16") and D % 8 == 0 and D // 8 <= 32 and (D // 8) & (D // 8 - 1) == 0:
-        return D // 8
-    return 32
+    """Threads of a Delta row: one a 16-byte piece (`_delta_pieces`), else a warp."""
+    return spec.head_dim // 8 if _delta_pieces(spec) else 32
 
 
 def delta_rows(spec: FA2BackwardSpec) -> int:
@@ -942,7 +942,7 @@ def delta_rows(spec: FA2BackwardSpec) -> int:
     return 128 // delta_lanes(spec)
 
 
-def delta_grid(B: int, H: int, M: int, rows: int = DELTA_ROWS) -> tuple[int, int, int]:
+def delta_grid(B: int, H: int, M: int, rows: int) -> tuple[int, int, int]:
     """The Delta kernel's grid: (row groups of `rows` (delta_rows), H, B), so the kernel finds (b, h, m) with no
     division (three 64-bit divisions by run-time values were ~200 of its ~440 instructions a warp: 165 us for B = 4,
     H = 16, N = 4k, D = 128 on the H100, against ~45 us of memory traffic)."""
@@ -964,7 +964,7 @@ def emit_delta(spec: FA2BackwardSpec) -> str:
     load = {"f16": "f16_to_f32({})", "bf16": "bf16_to_f32({})", "f32": "np.float32({})", "f64": "{}"}[spec.dtype]
     T = delta_lanes(spec)
     R = 128 // T
-    vec = T * 8 == D and spec.dtype in ("f16", "bf16")  # a lane a 16-byte piece
+    vec = _delta_pieces(spec)
     c = _Code()
     if vec:
         c("from falower.backends.numba_cuda.intrinsics import ldg_vec, stg_vec")
@@ -1116,7 +1116,8 @@ def emit_dq_convert(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c("x = ldg_vec(dq32, 8 * i)")
                 c("y = ldg_vec(dq32, 8 * i + 4)")
-                c(f"stg_vec(dq, 4 * i, ({pack}(x[0], x[1]), {pack}(x[2], x[3]), {pack}(y[0], y[1]), {pack}(y[2], y[3])))")
+                words = ", ".join(f"{pack}({a}[{e}], {a}[{e + 1}])" for a in ("x", "y") for e in (0, 2))
+                c(f"stg_vec(dq, 4 * i, ({words}))")
         elif spec.dtype in ("f32", "f64"):
             c("if i < n:")
             with c.indent():

@@ -28,6 +28,15 @@ class BackendError(FalowerError):
     """The IR is not in a form the numba-cuda backend can emit."""
 
 
+def unbuildable(e: ValueError, head_dim: int, path: str, spec=None) -> BackendError:
+    """The error for a schedule the emitter refuses (its validate_spec's ValueError: tile sizes, head dim, shared
+    memory), with the tiles where the spec was made: what compile and `falower opt --print-kernel` both say."""
+    tiles = f"tiles {spec.block_q}x{spec.block_k}, " if spec is not None else ""
+    why = (str(e).strip().splitlines() or ["(no message)"])[0]
+    return BackendError(f"numba-cuda backend: {why} ({tiles}D = {head_dim}, {path} path; choose tiles with "
+                        "tile{bq=..,bk=..})")
+
+
 @dataclass
 class Lowered:
     """What the IR fixes about the kernel, before the sizes of a call are known."""

@@ -1692,12 +1692,11 @@ else:
         """arr[index : index + len(vals)] = vals (1-D; vals of arr's element type, or of an integer type of its width
         (packed halves as uint32 into an int32 view), 8 or 16 bytes, aligned to that): one vector store through
         LLVM."""
-        same = vals.dtype == arr.dtype if isinstance(vals, types.UniTuple) and isinstance(arr, types.Array) else False
-        if isinstance(vals, types.UniTuple) and isinstance(arr, types.Array) and not same:
-            same = (isinstance(vals.dtype, types.Integer) and isinstance(arr.dtype, types.Integer)
-                    and vals.dtype.bitwidth == arr.dtype.bitwidth)  # (one LLVM type: iN)
-        if (not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(vals, types.UniTuple)
-                or not same or vals.count * arr.dtype.bitwidth not in (64, 128)):
+        if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(vals, types.UniTuple):
+            return None
+        ints = isinstance(vals.dtype, types.Integer) and isinstance(arr.dtype, types.Integer)  # (one LLVM type: iN)
+        if not (vals.dtype == arr.dtype or ints and vals.dtype.bitwidth == arr.dtype.bitwidth) \
+                or vals.count * arr.dtype.bitwidth not in (64, 128):
             return None
         n, nbytes = vals.count, vals.count * arr.dtype.bitwidth // 8
         sig = types.void(arr, index, vals)
