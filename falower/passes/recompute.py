@@ -78,7 +78,9 @@ class Recompute(Pass):
     """The joint function => the backward function of FA2: inputs O and LSE instead of stored P.
 
     Requires: the joint function of autodiff with the softmax decomposed (autodiff, decompose-softmax);
-    run delta before it, so that the softmax gradient reads O rather than needing P @ V. Before/after:
+    run delta before it, so that the softmax gradient reads O rather than needing P @ V; no input named like the
+    forward's output or `lse` (the backward's own inputs). Every d<input> result is a gradient, also one that does
+    not depend on the cotangent (a float table read only by the mask: a constant zero). Before/after:
 
         func @causal(%q, %k, %v, %do) -> (o, dq, dk, dv) {
           %x = where %mask, (div (matmul %q, %k {transpose_b}), %c), -inf
