@@ -61,8 +61,10 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert on == (tiles == (64, 128) if want == "auto" else bool(want)), (knob, r["knobs"], r["exp_fold"])
     if case_id.startswith("document"):  # a data mask: its kv tiles' block lists, walked on wgmma
         assert r["block_mask"] == "list", r
-    if case_id.startswith(("alibi", "relative_bias")):
+    if case_id.startswith(("alibi", "relative_bias", "bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
+    assert r["grad_v4"] == case_id.startswith("bias")  # the bias table's [h, q, kv] only
+    assert r["read_v4"] == (case_id.startswith("bias") and asked.get("read_v4", True) is not False)
 
 
 # ------------------------------------------------------------------------------------ CPU: selection
@@ -176,7 +178,7 @@ def test_chosen_by_itself_on_hopper(monkeypatch, tmp_path):
 
 # ------------------------------------------------------------------------------------ PTX (no GPU)
 @pytest.mark.slow
-@pytest.mark.parametrize("stem, D", [("causal", 64), ("alibi", 128)])
+@pytest.mark.parametrize("stem, D", [("causal", 64), ("alibi", 128), ("bias", 128)])
 def test_wgmma_backward_ptx(stem, D, tmp_path, monkeypatch):
     """wgmma count per q tile (S^T, dP^T: D/16 each at n = block_q; dV, dK: block_q/16 each at n = D; dQ: block_k/16
     at n = D / 2), no f64, and no calls or 64-bit divisions (ptxas serializes every wgmma of a function with a call:
@@ -525,7 +527,8 @@ def test_a_gradients_index_span_of_any_affine_form(a, b, c):
     from falower.backends.numba_cuda.from_ir_bwd import analyse_backward
 
     c_ = fl.compile(_rel_graph(lambda q, kv, N: q * a + kv * b + N * c), "numba-cuda")
-    ((*_, span),) = analyse_backward(c_.lowered_backward).grads
+    ((*_, span, grid),) = analyse_backward(c_.lowered_backward).grads
+    assert grid is False  # one index: never the grid form
     assert span == (() if (a, b) == (0, 0) else (a, b))
 
 
@@ -546,6 +549,81 @@ def test_grouped_gradients_in_the_kernel():
     off = emit_fa3_bwd.emit_fa3_backward(_spec("relative_bias", D=128, extra={"grad_groups": False}))
     assert "gbase0" not in off and "gd0_" not in off
     assert emit_fa3_bwd.grouped_grads(_spec("bias")) == {}
+
+
+def _table_graph(index):
+    """A bias-table-like graph whose [H, M, N] table is read at index(b, h, q, kv)."""
+    import falower as fl
+
+    tab = fl.capture("tab", "f32", "H,M,N")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + tab[index(b, h, q, kv)], name="tabx")
+
+
+@pytest.mark.parametrize("index, grid", [
+    (lambda b, h, q, kv: (h, q, kv), True),
+    (lambda b, h, q, kv: (0, q, kv), True),  # a constant leading index is the tile's too
+    (lambda b, h, q, kv: (h, kv, q), False),  # transposed: kv-consecutive entries are a row apart
+    (lambda b, h, q, kv: (h, q, kv + 1), False),  # shifted: the 16-byte reductions would be misaligned
+    (lambda b, h, q, kv: (h, q // 2, kv), False),
+    (lambda b, h, q, kv: (h, q, q), False),
+])
+def test_a_gradients_grid_form(index, grid):
+    """from_ir_bwd: GradSpec.grid where the last two indices are the element's q and kv themselves and the others
+    the tile's; only then does the wgmma backward add four kv-consecutive entries by one 16-byte reduction."""
+    import falower as fl
+    from falower.backends.numba_cuda import emit_fa3_bwd
+    from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
+
+    c = fl.compile(_table_graph(index), "numba-cuda")
+    spec = build_backward_spec(analyse_backward(c.lowered_backward), {"D": 64}, "f16", "mma", None,
+                               {"bwd_schedule": "wgmma"})
+    (g,) = spec.grads
+    assert g.grid is grid and not g.reduced
+    assert emit_fa3_bwd.v4_grads(spec) == ([0] if grid else [])
+    assert ("red_add_v4_f32(grad_0" in emit_fa3_bwd.emit_fa3_backward(spec)) is grid
+
+
+def test_the_bias_tables_gradient_by_16_byte_reductions():
+    """The bias table at 64 x 128: a 16-byte reduction a lane and n8 tile (8 a tile, where it added 32 elements one
+    by one), behind one uniform test of the call's table (rows of a multiple of 4 words covering M x N, 16-byte
+    aligned) whose other side adds per element, clamped; 'grad_v4' False keeps the per-element adds only. The
+    simulator cases bias-* run both sides against the IR."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    spec = _spec("bias", D=128)
+    assert [g.grid for g in spec.grads] == [True] and emit_fa3_bwd.v4_grads(spec) == [0]
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    assert "gvec0 = cap_0_bias.shape[2] % 4 == 0 and cap_0_bias.shape[2] >= N and cap_0_bias.shape[1] >= M" in src
+    per_copy = spec.block_q // 8  # n8 tiles a tile, in each of the elementwise code's copies
+    copies = src.count("red_add_v4_f32(grad_0, ") // per_copy
+    assert copies >= 1 and src.count("red_add_v4_f32(grad_0, ") == copies * per_copy
+    assert src.count("cuda.atomic.add(grad_0, ") == copies * per_copy * 4  # the fallback's four a tile
+    off = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"grad_v4": False}))
+    assert "red_add_v4_f32(grad_0" not in off and "gvec0" not in off
+    assert off.count("cuda.atomic.add(grad_0, ") == copies * per_copy * 4
+
+
+def test_the_bias_tables_reads_by_16_byte_loads():
+    """from_ir_bwd: the bias table's read at [hk, q, kv] is a grid read (FA2BackwardSpec.grid_reads), the relative
+    bias's (one index, q - kv) is not. read_v4 (the default): each n8 tile's entries by one 16-byte load a lane and
+    the transpose into elemg_all's tv0, behind the uniform test of the table (rvec0), the next tile's rows to L2;
+    read_v4 False: the element code gathers its own entry (elem_all). The simulator cases bias-* run both sides of
+    rvec0."""
+    from falower.backends.numba_cuda import emit_fa3_bwd
+
+    spec = _spec("bias", D=128)
+    assert spec.grid_reads == (("all", 0, 3),) and _spec("relative_bias").grid_reads == ()
+    assert "def elemg_all(s, dp, lse, delta, b, h, hk, q, kv, interior, tv0, cap_bias," in spec.device_source
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    n8 = spec.block_q // 8
+    loads = len(re.findall(r"tl0\w*, tl1\w*, tl2\w*, tl3\w* = ldg_vec\(cap_0_bias, \(gl0_\w*\[0\], gq\w*, gkv\)\)",
+                           src))
+    calls = src.count("= elemg_all(")
+    assert loads >= n8 and loads % n8 == 0 and calls == loads * 4 and "= elem_all(" not in src
+    assert "rvec0 = rows_aligned16(cap_0_bias) and cap_0_bias.shape[2] >= N and cap_0_bias.shape[1] >= M" in src
+    assert len(re.findall(r"prefetch_l2\(cap_0_bias, \(gp_\w*\[0\], prow\w*, pkv\w*\)\)", src)) == 1
+    off = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": False}))
+    assert "ldg_vec(cap_" not in off and "= elemg_all(" not in off and "prefetch_l2(" not in off
 
 
 @pytest.mark.slow

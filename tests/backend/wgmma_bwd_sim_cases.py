@@ -48,6 +48,13 @@ CASES = {
     "relative_bias-f16-d64-130x70-2wg": ("relative_bias", "f16", 1, 1, 1, 130, 70, 64, 64, 128),
     # the same under a causal mask: the groups' adds in both the full and the partial tiles' code
     "relative_bias_causal-f16-d64-130x130": ("relative_bias_causal", "f16", 1, 1, 1, 130, 130, 64, 64, 64),
+    # the bias table's gradient [h, q, kv] (emit_fa3_bwd.v4_grads): rows of 4k words, so four lanes' kv-consecutive
+    # entries go by one 16-byte reduction after a transpose by shuffles; 2 batch rows add into the same words, 2
+    # ragged q tiles; N = 67 (rows of 67 words: not 16-byte aligned) takes the per-element adds instead. Both with
+    # the table's entries read the same way (read_v4: 16-byte loads and the transpose, the next tile's rows
+    # prefetched; at N = 67 each element's entry)
+    "bias-f16-d64-70x68-2wg": ("bias", "f16", 2, 1, 1, 70, 68, 64, 64, 128),
+    "bias-bf16-d64-20x67": ("bias", "bf16", 1, 2, 2, 20, 67, 64, 64, 64),
     "prefix_lm-bf16-d64-100x65-128x128": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128),  # dQ's rows split
     "causal-bf16-d128-40x130-2wg-dqk": ("causal", "bf16", 1, 1, 1, 40, 130, 128, 64, 128, {"dq_split": "k"}),
     # dQ's rows staged for bulk reductions (dq_bulk, asked for): one warpgroup, 2 q tiles (the staging rows written
@@ -215,7 +222,9 @@ def run_case(case_id: str) -> dict:
            # grad_dist: the gradients' distances recomputed as float(kv) - float(q) (from_ir_bwd._late_distances)
            "grad_dist": re.search(r"= np\.float32\(np\.int32\((kv|q)\)\) - np\.float32", kern.source) is not None,
            "kv_group": re.search(r"kj = (cuda\.blockIdx\.x|it_x) // ", kern.source) is not None,
-           "bwd_persistent": "while it_z < " in kern.source}
+           "bwd_persistent": "while it_z < " in kern.source,
+           # the table's gradient by 16-byte reductions and its entries by 16-byte loads (v4_grads, read_v4)
+           "grad_v4": "red_add_v4_f32(grad_" in kern.source, "read_v4": "= ldg_vec(cap_" in kern.source}
     for name, a, b in zip(c.gradient_names(), got, want):
         a = _float(a, dtype) if name in ("dq", "dk", "dv") else np.asarray(a, np.float64)
         b = np.asarray(b, np.float64)

@@ -252,9 +252,11 @@ def _emit_next(c: _Code, spec: FA2BackwardSpec, cur: str, out: str) -> None:
 
 
 def _elem_call(spec: FA2BackwardSpec, branch: str, s: str, dp: str, lse: str, delta: str, q: str, kv: str,
-               outs: list[str], interior: str = "interior") -> str:
-    return (f"{', '.join(outs)} = elem_{branch}({s}, {dp}, {lse}, {delta}, b, h, hk, {q}, {kv}, {interior}"
-            f"{_cap_args(spec)})")
+               outs: list[str], interior: str = "interior", given: tuple[str, ...] = ()) -> str:
+    """One element's elem_<branch> call, or with `given` (its grid reads' values) elemg_<branch>'s."""
+    fn = f"elemg_{branch}" if given else f"elem_{branch}"
+    return (f"{', '.join(outs)} = {fn}({s}, {dp}, {lse}, {delta}, b, h, hk, {q}, {kv}, {interior}"
+            f"{''.join(f', {x}' for x in given)}{_cap_args(spec)})")
 
 
 def _elem_quad_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
@@ -294,16 +296,20 @@ def _flat_index(spec: FA2BackwardSpec, i: int, last: str = "") -> str:
     return expr or "0"
 
 
-def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "", groups: Optional[dict] = None) -> None:
+def _emit_grad_element(c: _Code, spec: FA2BackwardSpec, stage: str = "", groups: Optional[dict] = None,
+                       stash: Optional[dict] = None) -> None:
     """After one element's elem call: its contributions to captured tables' gradients. In deterministic mode
     a per-element contribution is staged (`stage` formats (k, slot) into the shared arrays' indices) and added
     by `_emit_staged_adds` in a fixed order. `groups`: gradient -> the register that sums this element's group
-    (emit_fa3_bwd.grouped_grads: the elements at the same entry)."""
+    (emit_fa3_bwd.grouped_grads: the elements at the same entry); `stash`: gradient -> the register that keeps
+    this element's contribution for the caller to add (emit_fa3_bwd.v4_grads)."""
     for i, g in enumerate(spec.grads):
         if g.reduced:
             c(f"gsum{i} += gc{i}")
         elif groups and i in groups:
             c(f"{groups[i]} += gc{i}")
+        elif stash and i in stash:
+            c(f"{stash[i]} = gc{i}")
         elif spec.deterministic:
             k = _staged(spec).index(i)
             addr, val = stage.split("|")

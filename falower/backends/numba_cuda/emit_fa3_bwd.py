@@ -115,6 +115,7 @@ from falower.backends.numba_cuda.wgmma import (
     wgmma_ss,
     wgmma_wait_regs,
 )
+from falower.backends.numba_cuda.intrinsics import ldg_vec, prefetch_l2  # read_v4's
 '''
 _BULK_IMPORTS = '''
 from falower.backends.numba_cuda.intrinsics import (
@@ -552,6 +553,152 @@ def grouped_grads(spec: FA2BackwardSpec) -> dict[int, tuple[int, int]]:
     return {i: g.span for i, g in enumerate(spec.grads) if g.span and not g.reduced}
 
 
+def v4_grads(spec: FA2BackwardSpec) -> list[int]:
+    """The per-element gradients whose last two indices are the element's q and kv (GradSpec.grid: a bias table
+    [h, q, kv]). A thread holds kv rows g and g + 8 of q columns t2 + 8 jj + e, so the four lanes of one t2 whose
+    rows g are 4 a .. 4 a + 3 hold, between them, four kv-consecutive entries of four (row half, column) pairs:
+    two shuffle stages transpose them, and each lane adds one pair's four entries by one 16-byte reduction
+    (red.global.add.v4.f32) where every element added its own (8192 reductions a 64 x 128 tile, B of them into each
+    word: the bias table's backward ran at 80 TFLOP/s, 0.66x FlexAttention's; benchmarks/NOTES.md "The bias
+    table's gradient by 16-byte reductions"). A call whose table does not cover M x N in rows of a multiple of
+    four words (or is not 16-byte aligned) takes the per-element adds, clamped as the gather clamps (one uniform
+    branch). spec.extra["grad_v4"] = False keeps the per-element adds."""
+    if spec.extra.get("grad_v4", True) is False:
+        return []
+    return [i for i, g in enumerate(spec.grads) if g.grid and not g.reduced]
+
+
+def read_v4(spec: FA2BackwardSpec, branch: str) -> list[tuple[int, int]]:
+    """(capture, n_index) of each read of a captured f32 table at [the tile's..., q, kv] in the branch's element code
+    (FA2BackwardSpec.grid_reads: a bias table), in elemg_<branch>'s order. Each element gathered its own entry, a
+    4-byte load on the chain to its exponential with its clamps and index products (the bias table's backward:
+    0.388 of its time with those reads taken out, probe_bwd.py's nogload); now a lane loads four kv-consecutive
+    entries by one 16-byte load and the transpose of v4_grads (its own inverse) hands each lane its elements'
+    values, behind one uniform test of the call's table (rows 16-byte aligned covering M x N; else each element's
+    entry, clamped), the next tile's rows prefetched to L2 at each tile's top (without the prefetch the loads
+    waited on HBM: 0.949 of the gathers' time at D = 128, 1.138 at D = 64; with it 0.776 and 0.909; H200, the whole
+    backward call, benchmarks/NOTES.md "The bias table's backward"). spec.extra["read_v4"] = False keeps the
+    gathers in the element code."""
+    if spec.extra.get("read_v4", True) is False:
+        return []
+    return [(cap, n) for br, cap, n in spec.grid_reads if br == branch]
+
+
+def _emit_grid_reads(c: _Code, spec: FA2BackwardSpec, branch: str, jj: int) -> list[str]:
+    """The branch's grid reads (read_v4) of n8 tile jj into tv<j>_<2 r + e>; the names of element (r, e)'s values
+    are tv<j>_<2 r + e> for j in order (returned as format strings in r, e)."""
+    names = []
+    for j, (cap, n) in enumerate(read_v4(spec, branch)):
+        table = _cap_names(spec)[cap]
+        lead = [f"gl{j}_[{d}]" for d in range(n - 2)]
+        tq, tk = f"{table}.shape[{n - 2}]", f"{table}.shape[{n - 1}]"
+        tv = [f"tv{j}_{k}" for k in range(4)]
+        c(f"if rvec{cap}:")
+        with c.indent():
+            c(f"gq = q0 + t2 + {8 * jj} + (g4 & 1)")
+            c("if gq < M and gkv < N:")
+            with c.indent():
+                c(f"tl0, tl1, tl2, tl3 = ldg_vec({table}, ({', '.join(lead + ['gq', 'gkv'])}))")
+            c("else:")
+            with c.indent():
+                c("tl0, tl1, tl2, tl3 = ZERO, ZERO, ZERO, ZERO")
+            c(f"{', '.join(tv)} = {_transpose_helper(c)}(tl0, tl1, tl2, tl3, g4)")
+        c("else:")
+        with c.indent():
+            for r in range(2):
+                for e in range(2):
+                    idx = lead + [f"min(q0 + t2 + {8 * jj + e}, {tq} - 1)",
+                                  f"min(kv0 + warp * 16 + {8 * r} + g, {tk} - 1)"]
+                    c(f"{tv[2 * r + e]} = {table}[{', '.join(idx)}]")
+        names.append(f"tv{j}_{{}}")
+    return names
+
+
+def _emit_grid_prefetch(c: _Code, spec: FA2BackwardSpec, reads: list[tuple[int, int]], more: str, h: str, q0: str,
+                        caps: str) -> None:
+    """The next tile's rows of each grid read's table (read_v4) into L2, a 128-byte line a consumer thread, at the
+    top of this tile: its 16-byte loads then wait on L2, not on HBM (the loads feed the exponentials: a tile's
+    latency, not its bandwidth, is what they cost)."""
+    NT = consumer_threads(spec)
+    lines = spec.block_k // 32  # 128-byte lines of a table row's block_k f32 entries
+    per = max(1, spec.block_q * lines // NT)
+    for j, (cap, n) in enumerate(reads):
+        table = _cap_names(spec)[cap]
+        c(f"if rvec{cap} and {more}:  # read_v4: the next tile's table rows to L2")
+        with c.indent():
+            lead = []
+            if n > 2:
+                c(f"gp_ = gtab{j}_{spec.branches[0]}_fn(b, {h}, hk, {q0}, kv0{caps})")
+                lead = [f"gp_[{d}]" for d in range(n - 2)]
+            for k in range(per):
+                x = f"(tid + {k * NT})" if k else "tid"
+                c(f"prow = {q0} + ({x} >> {lines.bit_length() - 1})")
+                c(f"pkv = kv0 + 32 * ({x} & {lines - 1})")
+                c("if prow < M and pkv < N:")
+                with c.indent():
+                    c(f"prefetch_l2({table}, ({', '.join(lead + ['prow', 'pkv'])}))")
+
+
+def _transpose_helper(c: _Code) -> str:
+    """grid_transpose(x0, x1, x2, x3, i): among the four lanes 4 apart (i = (lane >> 2) & 3), lane i's xk becomes
+    lane k's xi (two butterfly stages; its own inverse)."""
+    return c.helper("grid_transpose", [
+        "@device_function", "def grid_transpose(x0, x1, x2, x3, i):",
+        "    lo = (i & 1) == 0",
+        "    y0 = shfl_xor_f32(x1 if lo else x0, 4)",
+        "    y1 = shfl_xor_f32(x3 if lo else x2, 4)",
+        "    if lo:", "        x1 = y0", "        x3 = y1",
+        "    else:", "        x0 = y0", "        x2 = y1",
+        "    lo = (i & 2) == 0",
+        "    y0 = shfl_xor_f32(x2 if lo else x0, 8)",
+        "    y1 = shfl_xor_f32(x3 if lo else x1, 8)",
+        "    if lo:", "        x2 = y0", "        x3 = y1",
+        "    else:", "        x0 = y0", "        x1 = y1",
+        "    return x0, x1, x2, x3"])
+
+
+def _grid_shape(spec: FA2BackwardSpec, i: int) -> tuple[str, str, str]:
+    """Gradient i's table (v4_grads): its name, its q extent and its kv extent (the last two dims)."""
+    g = spec.grads[i]
+    table = _cap_names(spec)[g.capture]
+    return table, f"{table}.shape[{g.n_index - 2}]", f"{table}.shape[{g.n_index - 1}]"
+
+
+def _emit_grid_lead(c: _Code, spec: FA2BackwardSpec, i: int) -> None:
+    """glead<i>: the flat offset of gradient i's tile-invariant leading indices (clamped as the gather clamps),
+    read from the first element's outputs."""
+    g = spec.grads[i]
+    table, tq, tk = _grid_shape(spec, i)
+    expr = ""
+    for j in range(g.n_index - 2):
+        idx = f"min(max(gi{i}_{j}, 0), {table}.shape[{j}] - 1)"
+        expr = idx if not expr else f"({expr}) * {table}.shape[{j}] + {idx}"
+    c(f"glead{i} = ({expr}) * {tq} * {tk}" if expr else f"glead{i} = 0")
+
+
+def _emit_grid_adds(c: _Code, spec: FA2BackwardSpec, i: int, jj: int) -> None:
+    """Gradient i's four stashed contributions of n8 tile jj (gv<i>_<2 r + e>): one 16-byte reduction a lane after
+    the transpose (v4_grads), or under gvec<i> False the four clamped per-element adds."""
+    _, tq, tk = _grid_shape(spec, i)
+    fn = _transpose_helper(c)
+    v = [f"gv{i}_{k}" for k in range(4)]
+    c(f"if gvec{i}:")
+    with c.indent():
+        c(f"gy0, gy1, gy2, gy3 = {fn}({', '.join(v)}, g4)")
+        c(f"gq = q0 + t2 + {8 * jj} + (g4 & 1)")
+        c("if gq < M and gkv < N and (gy0 != ZERO or gy1 != ZERO or gy2 != ZERO or gy3 != ZERO):")
+        with c.indent():
+            c(f"red_add_v4_f32(grad_{i}, glead{i} + gq * {tk} + gkv, gy0, gy1, gy2, gy3)")
+    c("else:")
+    with c.indent():
+        for r in range(2):
+            for e in range(2):
+                c(f"if {v[2 * r + e]} != ZERO:")
+                with c.indent():
+                    c(f"cuda.atomic.add(grad_{i}, glead{i} + min(q0 + t2 + {8 * jj + e}, {tq} - 1) * {tk} "
+                      f"+ min(kv0 + warp * 16 + {8 * r} + g, {tk} - 1), {v[2 * r + e]})")
+
+
 def _key(offset: int) -> str:
     """A group's name from its index offset (m3 for -3)."""
     return f"m{-offset}" if offset < 0 else str(offset)
@@ -975,6 +1122,17 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# the reduced gradients (a head's slope) held across tiles: one add a warp and index")
             _emit_grad_hold_start(c, spec)
         GROUPS = grouped_grads(spec)
+        V4 = v4_grads(spec)
+        RV = {b_: read_v4(spec, b_) for b_ in spec.branches}
+        GRID = bool(V4) or any(RV.values())
+        if GRID:
+            c("g4 = (lane >> 2) & 3  # v4_grads / read_v4: this lane's place among the four lanes of its t2, 4 rows")
+        for i in V4:
+            _, tq, tk = _grid_shape(spec, i)
+            c(f"gvec{i} = {tk} % 4 == 0 and {tk} >= N and {tq} >= M and (elem_addr(grad_{i}, (0,)) & 15) == 0")
+        for cap, n in sorted({x for v in RV.values() for x in v}):
+            table = _cap_names(spec)[cap]
+            c(f"rvec{cap} = rows_aligned16({table}) and {table}.shape[{n - 1}] >= N and {table}.shape[{n - 2}] >= M")
 
         def offset(i: int, jj: int, e: int, r: int) -> int:
             """Element (jj, e, r)'s index offset from the thread's base for grouped gradient i: its group."""
@@ -1058,6 +1216,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                         c("nl = lse[qh + qq] if qq < M else ZERO")
                         c("nd = delta[qh + qq] if qq < M else ZERO")
                 c("cp_async_commit()")
+            _emit_grid_prefetch(c, spec, RV[spec.branches[0]], _more(spec, "hn", "qn"),
+                                f"hk * {G} + hn" if G > 1 else "hk", f"qn * {BQ}", caps)
             c(f"h = hk * {G} + hc" if G > 1 else "h = hk")
             c(f"q0 = qc * {BQ}")
             c("q_head = (b * H + h) * M")
@@ -1100,11 +1260,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"gd{i}_{_key(k)} = ZERO")
             if not spec.grads:
                 c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
+            if GRID:
+                c("gkv = kv0 + warp * 16 + (g & 4) + 8 * (g4 >> 1)  # v4_grads / read_v4: this lane's 4 kv rows' first")
 
             itr = ["interior"]  # the elementwise calls' interior argument: a literal in interior_split's copies
 
             def elementwise(branch: str) -> None:
-                if not spec.grads:  # one helper call per (n8 tile, column): 4 elements
+                if not spec.grads and not RV[branch]:  # one helper call per (n8 tile, column): 4 elements
                     fn = _elem_quad_helper(c, spec, branch)
                     for jj in range(NJ):
                         for e in range(2):
@@ -1112,7 +1274,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                               f"kvr, b, h, hk, {itr[0]}{caps})")
                     return
                 outs_g = _grad_outs(spec)
+                for j, (cap, n) in enumerate(RV[branch]):
+                    if n > 2:  # read j's leading indices (the tile's), once a tile
+                        c(f"gl{j}_ = gtab{j}_{branch}_fn(b, h, hk, q0, kv0{caps})")
                 for jj in range(NJ):
+                    given = _emit_grid_reads(c, spec, branch, jj)
                     for e in range(2):
                         c(f"qi = q0 + {jj * 8 + e} + t2")
                         c(f"lq = lget(smem_f, lse_f + t2 + {jj * 8 + e})")
@@ -1121,9 +1287,16 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                             i = 2 * r + e
                             outs = [SA(jj, i), PA(jj, i)] + [x for og in outs_g for x in og]
                             c(_elem_call(spec, branch, SA(jj, i), PA(jj, i), "lq", "dq_", "qi",
-                                         f"kv0 + warp * 16 + {8 * r} + g", outs, itr[0]))
+                                         f"kv0 + warp * 16 + {8 * r} + g", outs, itr[0],
+                                         tuple(x.format(2 * r + e) for x in given)))
                             _emit_grad_element(c, spec, groups={
-                                gi: f"gd{gi}_{_key(offset(gi, jj, e, r))}" for gi in GROUPS})
+                                gi: f"gd{gi}_{_key(offset(gi, jj, e, r))}" for gi in GROUPS},
+                                stash={gi: f"gv{gi}_{2 * r + e}" for gi in V4})
+                            if jj == 0 and e == 0 and r == 0:
+                                for gi in V4:
+                                    _emit_grid_lead(c, spec, gi)
+                    for gi in V4:
+                        _emit_grid_adds(c, spec, gi, jj)
 
             def split_part(k: int, arrays: str, stats: str):
                 """p_under_dp's part k for one branch: 0 P^T in sacc from S^T alone, 1 dS^T in pacc from P^T, dP^T."""

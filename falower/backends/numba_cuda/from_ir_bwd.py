@@ -70,10 +70,12 @@ class BackwardLowered:
     branches: list[_Branch]
     classify: Optional[Op]  # mask.classify of the kv-outer nest (static skipping)
     table: Optional[Op]  # mask.block_table (data masks)
-    # (name, capture, reduced, n_index, span): span (a, b) where a gradient added per element has its last index
-    # a q + b kv + c and the others the tile's (`_index_span`), () otherwise
-    grads: list[tuple[str, int, bool, int, tuple]] = field(default_factory=list)
+    # (name, capture, reduced, n_index, span, grid): span (a, b) where a gradient added per element has its last
+    # index a q + b kv + c and the others the tile's (`_index_span`), () otherwise; grid where its last two are q and
+    # kv themselves (`_is_iota`) and the others the tile's
+    grads: list[tuple[str, int, bool, int, tuple, bool]] = field(default_factory=list)
     grad_index: list[Optional[Value]] = field(default_factory=list)  # the last index of each spanned gradient
+    grid_reads: dict[str, list[Op]] = field(default_factory=dict)  # branch -> its `_grid_reads`
     deterministic: bool = False
     q_branches: list[_Branch] = field(default_factory=list)  # the q-outer dQ nest's bodies (dq=separate)
     q_classify: Optional[Op] = None
@@ -135,6 +137,7 @@ def analyse_backward(func: Func) -> BackwardLowered:
     low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
                           deterministic=deterministic)
     low.grads, low.grad_index = _grads(func, kv_nest, branches[0], captures)
+    low.grid_reads = {br.name: _grid_reads(br, captures) for br in branches}
     for op in func.body.ops:  # range tables: derived captures the runtime makes from the data (block_data.py)
         if op.name == "mask.ranges":
             if op.operands[0] not in captures:
@@ -252,14 +255,50 @@ def _index_span(v: Value) -> Optional[tuple[int, int]]:
     return None
 
 
+def _is_iota(v: Value, axis: int) -> bool:
+    """Whether the integer index v is the tile's q (axis 0) or kv (axis 1) index itself, unsqueezed, broadcast or
+    cast between integer types on the way."""
+    op = v.owner
+    while isinstance(op, Op) and (op.name in ("unsqueeze", "broadcast_to") or (
+            op.name == "cast" and not is_float(v.type.dtype) and not is_float(op.operands[0].type.dtype))):
+        v = op.operands[0]
+        op = v.owner
+    return isinstance(op, Op) and op.name == "tile.iota" and op.attrs["axis"] == axis
+
+
+def _grid_reads(br: _Branch, captures: list[Value]) -> list[Op]:
+    """The gathers of a captured f32 table at [the tile's indices..., q, kv] (`_is_iota`; a bias table) that the
+    branch's element code reads, in a fixed order: the wgmma backward loads them 16 bytes a lane and hands the
+    values to elemg_<branch> (emit_fa3_bwd.read_v4), where the element code gathered each alone."""
+    out: list[Op] = []
+    seen: set[int] = set()
+    stack = [br.p, br.ds] + [sc.operands[1] for sc in br.scatters]
+    stop = {id(br.s), id(br.dp), id(br.lse), id(br.delta)}
+    while stack:
+        v = stack.pop()
+        op = v.owner
+        if id(v) in seen or id(v) in stop or not isinstance(op, Op):
+            continue
+        seen.add(id(v))
+        tab, idx = (op.operands[0], op.operands[1:]) if op.operands else (None, [])
+        if op.name == "gather" and tab in captures and tab.type.dtype == "f32" and len(idx) == tab.type.rank >= 2 \
+                and _is_iota(idx[-2], 0) and _is_iota(idx[-1], 1) and all(i.type.rank == 0 for i in idx[:-2]):
+            if op not in out:
+                out.append(op)
+            continue
+        stack.extend(reversed(op.operands))
+    return out
+
+
 def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
-           ) -> tuple[list[tuple[str, int, bool, int, tuple]], list[Optional[Value]]]:
-    """(gradient name, capture index, reduced over the tile, number of indices, span) per scatter into a captured
+           ) -> tuple[list[tuple[str, int, bool, int, tuple, bool]], list[Optional[Value]]]:
+    """(gradient name, capture index, reduced over the tile, number of indices, span, grid) per scatter into a captured
     table's gradient: tile.scatter_add into an accumulator of the nest (atomic), or scatter_add into the loop's
     copy of the table (deterministic: tables in the order of the gradients the function returns); and the last
     index of each spanned one. Span: `_index_span` of the last index where the others are the tile's, so a thread's
     elements at the same offset from its first element share one entry (emit_fa3_bwd.grouped_grads sums them in
-    registers)."""
+    registers). Grid: the last two indices are the element's q and kv and the others the tile's (a bias table), so
+    kv-consecutive elements add into consecutive words (emit_fa3_bwd.v4_grads)."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
     grad_results = [n for n, v in zip(func.result_names[3:], func.results[3:])  # (a constant one has no scatter)
                     if const_value(v) is None]
@@ -287,7 +326,9 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
         span: tuple = ()
         if not reduced and idx and spans[-1] not in (None, (0, 0)) and all(x == (0, 0) for x in spans[:-1]):
             span = spans[-1]  # type: ignore[assignment]
-        out.append((name, cap, reduced, len(idx), span))
+        grid = not reduced and len(idx) >= 2 and _is_iota(idx[-2], 0) and _is_iota(idx[-1], 1) \
+            and all(i.type.rank == 0 for i in idx[:-2])
+        out.append((name, cap, reduced, len(idx), span, grid))
         last.append(idx[-1] if span else None)
     return out, last
 
@@ -418,11 +459,15 @@ def _late_distances(e: "_ElementEmitter") -> None:
 
 
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
-             tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False) -> list[str]:
+             tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False, given: bool = False) -> list[str]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
     (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e; `grad_dist`:
-    `_late_distances` before the contributions."""
-    e = _ElementEmitter(env, _elem_names(low, br, dq_nest), exp_fold)
+    `_late_distances` before the contributions; `given`: elemg_<branch>, the branch's grid reads (`_grid_reads`)
+    taken as parameters tv0, tv1, ... instead of gathered."""
+    names = _elem_names(low, br, dq_nest)
+    reads = low.grid_reads.get(br.name, []) if given else []
+    names.update({op.results[0]: f"tv{j}" for j, op in enumerate(reads)})
+    e = _ElementEmitter(env, names, exp_fold)
     e.tanh_ex2 = tanh_ex2
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     if grad_dist and not dq_nest:
@@ -431,8 +476,9 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
         outs.append(e.value(_strip_reductions(sc.operands[1])))
         outs += [e.value(i) for i in sc.operands[2:]]
     res = ", ".join(outs)
-    fn = f"elemq_{br.name}" if dq_nest else f"elem_{br.name}"
-    lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{sig}):"]
+    fn = f"elemq_{br.name}" if dq_nest else f"elemg_{br.name}" if given else f"elem_{br.name}"
+    tvs = "".join(f", tv{j}" for j in range(len(reads)))
+    lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{tvs}{sig}):"]
     lines += _live_lines(e.lines, res)
     lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
     return lines
@@ -446,6 +492,18 @@ def _grad_index_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], si
     e = _ElementEmitter(env, _elem_names(low, br, False))
     r = e.value(v)
     return [f"def gidx{i}_fn(b, h, hk, q, kv{sig}):", *_live_lines(e.lines, r), f"    return {r}"]
+
+
+def _grid_lead_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, j: int, op: Op) -> list[str]:
+    """gtab<j>_<branch>_fn(b, h, hk, q, kv, ...): grid read j's leading indices (the tile's: a head's), clamped as
+    its gather clamps, as a tuple."""
+    e = _ElementEmitter(env, _elem_names(low, br, False))
+    tab = op.operands[0]
+    cap = cap_ref(tab, f"cap_{tab.name}")
+    lead = [f"min(max(np.int32({e.value(i)}), np.int32(0)), np.int32({cap}.shape[{d}] - 1))"
+            for d, i in enumerate(op.operands[1:-2])]
+    res = ", ".join(lead) + ("," if len(lead) == 1 else "")
+    return [f"def gtab{j}_{br.name}_fn(b, h, hk, q, kv{sig}):", *_live_lines(e.lines, res), f"    return ({res})"]
 
 
 def _elem_names(low: BackwardLowered, br: _Branch, dq_nest: bool) -> dict[Value, str]:
@@ -494,6 +552,11 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
     out: list[str] = []
     for br in low.branches:
         out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist) + [""]
+        if low.grid_reads.get(br.name):
+            out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist,
+                            given=True) + [""]
+            for j, op in enumerate(low.grid_reads[br.name]):
+                out += _grid_lead_fn(low, br, env, sig, j, op) + [""]
     for br in low.q_branches:
         out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2, exp_fold=exp_fold) + [""]
     for i, v in enumerate(low.grad_index):
@@ -530,7 +593,7 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
     caps += list_captures(low.dq) if low.block_mask == "list" else ()
-    grads = tuple(GradSpec(name, cap, reduced, n_index, span) for name, cap, reduced, n_index, span in low.grads)
+    grads = tuple(GradSpec(*g) for g in low.grads)
     bq, bk = low.block_q, low.block_k
     nw = num_warps or (max(1, bk // 16) if path == "mma" else 1)
     key = f"{print_func(low.func)}|{sorted(env.items())}|{dtype}|{path}|{nw}|{sorted((extra or {}).items())}"
@@ -540,6 +603,8 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
                            group_size=low.group, captures=caps, device_source=src, branches=branches,
                            block_mask=low.block_mask, grads=grads, dims=tuple(dims), dq=low.dq,
                            q_branches=tuple(br.name for br in low.q_branches), deterministic=low.deterministic,
+                           grid_reads=tuple((br, low.captures.index(op.operands[0]), op.operands[0].type.rank)
+                                            for br, ops in low.grid_reads.items() for op in ops),
                            extra=dict(extra or {}))
 
 

@@ -102,8 +102,8 @@ Public names (identical in both modes):
                                    mbar_inits) are visible to the async proxy, whose TMA copies complete on them
     fence_acq_rel_gpu()            fence.acq_rel.gpu: this thread's writes before it are visible to the GPU before
                                    its later ones (an atomic count); after a count, the writes it counted are visible
-    ldg_vec, stg_vec               (1-D array, index) -> the 16 bytes at arr[index] as a tuple of arr's elements (4
-                                   f32, 8 16-bit words), one vector load the compiler schedules as any load; (arr,
+    ldg_vec, stg_vec               (array, index; a tuple past 1-D) -> the 16 bytes at arr[index] as a tuple of arr's
+                                   elements (4 f32, 8 16-bit words), one vector load the compiler schedules as any load; (arr,
                                    index, tuple of arr's elements of 8 or 16 bytes): one vector store. Both aligned to
                                    their size (the caller's check)
     red_add_v4_f32                 (f32 array, index, a, b, c, d): arr[index:index+4] += (a, b, c, d), one
@@ -791,6 +791,14 @@ if SIMULATOR:
 
     def ldg_vec(arr, index):
         a = np.asarray(arr)
+        if isinstance(index, tuple):  # an N-d array's element: its row from there on must hold the 16 bytes
+            if len(index) != a.ndim or not a.flags.c_contiguous:
+                raise ValueError(f"ldg_vec: index {index} of a {a.ndim}-d array (C-contiguous only)")
+            if any(not 0 <= int(i) < n for i, n in zip(index, a.shape)) \
+                    or int(index[-1]) + 16 // a.itemsize > a.shape[-1]:
+                raise ValueError(f"ldg_vec: 16 bytes at {index} leave a row of a {a.shape} array")
+            flat = int(np.ravel_multi_index(tuple(int(i) for i in index), a.shape))
+            a, index = a.reshape(-1), flat
         at = _vec_at(a, index, 16)
         return tuple(a.dtype.type(a[at + i]) for i in range(16 // a.itemsize))
 
@@ -1638,9 +1646,13 @@ else:
 
     @intrinsic
     def ldg_vec(typingctx, arr, index):
-        """The 16 bytes at arr[index] (1-D, 16-byte aligned) as a tuple of arr's elements: one ld.v4.b32 through an
-        LLVM load, so the compilers batch it with the loads around it (an asm with a memory clobber would not)."""
-        if not isinstance(arr, types.Array) or arr.ndim != 1 or arr.dtype.bitwidth not in (16, 32):
+        """The 16 bytes at arr[index] (16-byte aligned; index one per axis, a tuple past 1-D) as a tuple of arr's
+        elements: one ld.v4.b32 through an LLVM load, so the compilers batch it with the loads around it (an asm
+        with a memory clobber would not)."""
+        if not isinstance(arr, types.Array) or arr.dtype.bitwidth not in (16, 32):
+            return None
+        if (arr.ndim != 1 or isinstance(index, types.BaseTuple)) and not (
+                isinstance(index, types.BaseTuple) and len(index) == arr.ndim):
             return None
         n = 128 // arr.dtype.bitwidth
         sig = types.UniTuple(arr.dtype, n)(arr, index)

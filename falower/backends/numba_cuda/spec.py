@@ -58,7 +58,7 @@ KNOWN_EXTRAS = frozenset({
     "cluster_merge", "cluster_push", "col_mma", "col_step", "decode_block_k", "decode_tiles", "dk_after_dq",
     "dkdv_bulk", "dkdv_stsm", "dkdv_tma", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs",
     "early_first_item", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early",
-    "grad_dist", "grad_groups", "half_tiles",
+    "grad_dist", "grad_groups", "grad_v4", "half_tiles", "read_v4",
     "head_group", "hold_grads", "interior_split", "item_carry", "item_order", "keep_bits", "kv_group", "kv_major",
     "kv_parts",
     "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc", "overlap",
@@ -74,8 +74,9 @@ KNOWN_EXTRAS = frozenset({
 # rename (and recompile) the forward kernel it shares (tests/backend/test_extras.py holds this set to the code).
 BACKWARD_EXTRAS = frozenset({
     "bwd_block_list", "bwd_persistent", "bwd_schedule", "dk_after_dq", "dkdv_bulk", "dkdv_stsm", "dkdv_tma",
-    "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "exp_fold", "grad_dist", "grad_groups", "hold_grads",
-    "interior_split", "kv_group", "kv_major", "list_ahead", "opaque_desc", "p_under_dp", "sdp_ahead", "ws_loads",
+    "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs", "exp_fold", "grad_dist", "grad_groups", "grad_v4",
+    "hold_grads", "interior_split", "kv_group", "kv_major", "list_ahead", "opaque_desc", "p_under_dp", "read_v4",
+    "sdp_ahead", "ws_loads",
 })
 
 
@@ -191,6 +192,9 @@ class GradSpec:
     # (a, b): the last index is a q + b kv + c and the others the tile's (a relative bias: (1, -1)); the device
     # source then has gidx<i>_fn(b, h, hk, q, kv, *captures) -> that index. () otherwise
     span: tuple = ()
+    # the last two indices are the element's q and kv themselves and the others the tile's (a bias table
+    # [h, q, kv]): a warp's entries of four consecutive kv rows make one 16-byte reduction (emit_fa3_bwd.v4_grads)
+    grid: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,6 +229,11 @@ class FA2BackwardSpec:
     dq: str = "atomic"  # "atomic": added from the kv-outer kernel; "separate": a q-outer kernel, no atomics
     q_branches: tuple[str, ...] = ()  # elemq_<branch> of the q-outer dQ kernel (dq == "separate")
     deterministic: bool = False  # captured tables' gradients into a copy per block, summed in a fixed order
+    # (branch, capture, n_index) per read of a captured f32 table at [the tile's..., q, kv] in a branch's element
+    # code (a bias table), in the order of elemg_<branch>'s tv0, tv1, ... parameters: the device source then also
+    # has elemg_<branch>(s, dp, lse, delta, b, h, hk, q, kv, interior, tv0, ..., *captures), the element code with
+    # those values given, and gtab<j>_<branch>_fn(b, h, hk, q, kv, *captures) -> read j's leading indices (clamped)
+    grid_reads: tuple = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
