@@ -166,7 +166,10 @@ def parse_config(text: str) -> tuple:
     keeps the mma.sync backward, also under FALOWER_WGMMA_BWD=1), '-bdqk' that kernel with dq_split "k", '-bop' with its
     descriptors built inside the loop (opaque_desc), '-bgt' with a reduced gradient (ALiBi's slope) added once a tile,
     not held across tiles (extra hold_grads), '-bgg' with a per-element gradient (the relative bias's) added per
-    element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bbulk' dQ staged
+    element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bnov4' with a
+    per-element gradient at [.., q, kv] (the bias table's) added per element, not four kv-consecutive entries by one
+    16-byte reduction (extra grad_v4), '-bnoread' with such a table's entries gathered by each element, not by
+    16-byte loads (extra read_v4), '-bbulk' dQ staged
     in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' dK's
     GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P computed while dP's
     GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
@@ -273,6 +276,8 @@ CONFIG_OPTIONS: list = [
      ("bop", {"bwd_schedule": "wgmma", "opaque_desc": "k,v,ds,kt"}), ("bwg", {"bwd_schedule": "wgmma"})),
     (("bgt", {"hold_grads": False}),),
     (("bgg", {"grad_groups": False}),),
+    (("bnov4", {"grad_v4": False}),),
+    (("bnoread", {"read_v4": False}),),
     (("bbulk", {"dq_bulk": True}),),
     (("bdkl", {"dk_after_dq": True}),),
     (("bpdp", {"p_under_dp": True}),),

@@ -66,6 +66,9 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "late": ({"dq_late": True}, "dQ's reductions under the next tile's GEMMs"),
     "kvm": ({"kv_major": True}, "a head's kv tiles in consecutive blocks"),
     "nokvm": ({"kv_major": False}, "kv tile j of every head first"),
+    "nov4": ({"grad_v4": False}, "a bias table's gradient added per element, not by 16-byte reductions"),
+    "read": ({"read_v4": True}, "a bias table's entries by 16-byte loads, not gathered by each element"),
+    "noread": ({"read_v4": False}, "a bias table's entries gathered by each element, not by 16-byte loads"),
     **{f"kvg{g}": ({"kv_group": g}, f"kv tile j of {g} heads, then j + 1") for g in (2, 4, 8)},
     "lah": ({"list_ahead": True}, "a block list's next entry read a tile ahead"),
     "dkvb": ({"dkdv_bulk": True}, "dK and dV staged in shared memory and stored by bulk copies"),
@@ -132,6 +135,11 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "nodsscale": ("dS's softmax scale (dK and dQ off by it: timing only)",
                   [(r"^([ \t]+)(v\d+) = \((v\d+) \* np\.float32\([-0-9.e]+\)\)\n(\1return \w+, \2)$",
                     r"\1\2 = \3\n\4")]),
+    # a captured table's cost in the elementwise code (the bias table's backward)
+    "nogred": ("the table gradient's 16-byte reductions (emit_fa3_bwd.v4_grads; wrong gradient: timing only)",
+               [(r"\bif (gq\w*) < M and", r"if \1 < -1 and")]),
+    "nogload": ("the elementwise code's reads of captured tables (each read as 0: timing only)",
+                [(r"^([ \t]+)(v\d+) = np\.float32\(cap_\w+\[.*\]\)$", r"\1\2 = np.float32(0.0)")]),
     "nosync": ("the loop's first barrier (races: timing only)",
                [(r"^[ \t]*cuda\.syncthreads\(\)\n(?=[ \t]*if qn\w* <)", "")]),
 }

@@ -19,7 +19,7 @@ bench = pytest.importorskip("bench")
                                   "128x128w8-wsn-tree", "128x128w8-wsn-notree", "128x128w8-wsn-nowalk-nocs", "128x64w4-wg-nocs-r128-b3", "128x128w8-wsn-nose",
                                   "128x64w4-wg-se-r128-b3", "128x128w8-wsn-ltanh", "128x64w4-wg-norg-ltanh-r128-b3",
                                   "128x64w8-wsn-st3-nott-nopp-b2", "128x128w8-ws-pf2",
-                                  "64x128w4-bwg", "64x128w4-bdqk", "128x128w8-wsn-bgt", "64x128w4-bwg-bgt", "128x128w8-wsn-bgg", "64x128w4-bwg-bgt-bgg", "128x64w4-wg-ov-qr-2b-hg4-wskip"])
+                                  "64x128w4-bwg", "64x128w4-bdqk", "128x128w8-wsn-bgt", "64x128w4-bwg-bgt", "128x128w8-wsn-bgg", "64x128w4-bwg-bgt-bgg", "64x128w4-bwg-bnov4", "64x128w4-bwg-bnoread", "128x64w4-wg-ov-qr-2b-hg4-wskip"])
 def test_config_tags_round_trip(text):
     assert bench.config_tag(bench.parse_config(text)) == text
 

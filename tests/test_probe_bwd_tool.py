@@ -25,6 +25,7 @@ BULK_ONLY = {"oneop", "nowait", "nofence", "nostage"}  # floors of the dq_bulk k
 # of the dq_ws kernel's (wsnored) and ws_loads' (lrloop): the default where they apply; the others edit the vector
 # reductions'
 WS_ONLY = {"wsnored", "lrloop"}
+TABLE_ONLY = {"nogred", "nogload"}  # a captured table's read and gradient: the bias table's
 
 
 def _source(stem, D: int = 128, **extra) -> tuple[str, str]:
@@ -43,7 +44,7 @@ def test_every_floor_edits_its_kernel(stem):
     _, bulk = _source(stem, dq_bulk=True)
     _, ws = _source(stem)
     for name in probe.VARIANTS:
-        if name in probe.EXTRA or (name == "rotate" and stem != "plain"):
+        if name in probe.EXTRA or (name == "rotate" and stem != "plain") or name in TABLE_ONLY:
             continue
         base = bulk if name in BULK_ONLY else ws if name in WS_ONLY else src
         out = probe.edited(base, name)
@@ -53,6 +54,19 @@ def test_every_floor_edits_its_kernel(stem):
         ws, "wsnored")
     # the reductions' floor takes the guard of either form of dQ's adds
     assert "if qi < -1:" in probe.edited(src, "nored") and "ql < -1 else" in probe.edited(bulk, "nored")
+
+
+def test_the_bias_tables_floors_edit_its_kernel():
+    """nogred and nogload, the bias table's gradient reductions and its entries' reads, edit only a kernel with a
+    captured table's per-element read and grid gradient: the bias table's (with their 16-byte forms)."""
+    _, bias = _source("bias")
+    _, plain = _source("plain")
+    for name in TABLE_ONLY:
+        out = probe.edited(bias, name)
+        compile(out, name, "exec")
+        assert out != bias and not probe.applies(plain, name), name
+    assert "if gq < -1 and gkv < N" in probe.edited(bias, "nogred")
+    assert "= np.float32(cap_bias[" not in probe.edited(bias, "nogload")
 
 
 def test_the_default_variants_are_those_the_kernel_has():
