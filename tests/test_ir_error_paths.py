@@ -281,3 +281,18 @@ def test_interpret_names_a_graph_or_inputs_of_the_wrong_kind() -> None:
         fl.interpret("causal", [])
     with pytest.raises(fl.FalowerError, match="the inputs must be a list of arrays, got str"):
         fl.interpret(fl.attention(), "qkv")
+
+
+def test_interpret_names_inputs_given_one_by_one() -> None:
+    """interpret(func, q, k, v): k taken as the precision (once numpy's "truth value of an array is ambiguous"), or
+    one array for the list of inputs (once a count of its rows)."""
+    import numpy as np
+
+    import falower as fl
+
+    q = k = v = np.zeros((1, 1, 4, 16), np.float16)
+    with pytest.raises(fl.FalowerError, match=r"precision must be a str .* got ndarray: pass the inputs as one list"):
+        fl.interpret(fl.attention(), q, k, v)
+    with pytest.raises(fl.FalowerError, match="the inputs must be a list of arrays, got ndarray"):
+        fl.interpret(fl.attention(), q)
+    assert fl.interpret(fl.attention(), [q, k, v])[0].shape == (1, 1, 4, 16)

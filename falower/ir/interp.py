@@ -94,6 +94,9 @@ def _what(x: Any, a: np.ndarray) -> str:
 
 class Interpreter:
     def __init__(self, precision: str = "f64"):
+        if not isinstance(precision, str):  # interpret(func, q, k, v): the inputs given one by one
+            raise PrecisionError(f"the precision must be a str ('f64', 'native', 'low:f16' or 'low:bf16'), got "
+                                 f"{type(precision).__name__}: pass the inputs as one list, interpret(func, [q, k, v])")
         if precision not in PRECISIONS:
             raise PrecisionError(f"unknown precision {precision!r}: it is 'f64', 'native', 'low:f16' or 'low:bf16'")
         self.precision = precision
@@ -129,7 +132,7 @@ class Interpreter:
     def run(self, func: Func, inputs: Sequence[Any], dims: Optional[Mapping[str, int]] = None) -> list[np.ndarray]:
         if not isinstance(func, Func):
             raise FalowerError(f"interpret: the graph must be a falower Func, got {type(func).__name__}")
-        if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__len__"):
+        if isinstance(inputs, (str, bytes, np.ndarray)) or not hasattr(inputs, "__len__"):
             raise FalowerError(f"interpret: the inputs must be a list of arrays, got {type(inputs).__name__}")
         args = func.args
         if len(inputs) != len(args):
