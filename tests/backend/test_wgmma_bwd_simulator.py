@@ -63,8 +63,10 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert r["block_mask"] == "list", r
     if case_id.startswith(("alibi", "relative_bias", "bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
-    assert r["grad_v4"] == case_id.startswith("bias")  # the bias table's [h, q, kv] only
+    assert r["grad_v4"] == case_id.startswith("bias")  # the bias tables' [..., q, kv] only
     assert r["read_v4"] == (case_id.startswith("bias") and asked.get("read_v4", True) is not False)
+    if case_id.startswith("bias4d"):  # a static mask's two branches
+        assert r["block_mask"] == "static", r
 
 
 # ------------------------------------------------------------------------------------ CPU: selection
@@ -609,6 +611,7 @@ def test_the_bias_tables_reads_by_16_byte_loads():
     the transpose into elemg_all's tv0, behind the uniform test of the table (rvec0), the next tile's rows to L2;
     read_v4 False: the element code gathers its own entry (elem_all). The simulator cases bias-* run both sides of
     rvec0."""
+    import falower as fl
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     spec = _spec("bias", D=128)
@@ -622,6 +625,13 @@ def test_the_bias_tables_reads_by_16_byte_loads():
     assert loads >= n8 and loads % n8 == 0 and calls == loads * 4 and "= elem_all(" not in src
     assert "rvec0 = rows_aligned16(cap_0_bias) and cap_0_bias.shape[2] >= N and cap_0_bias.shape[1] >= M" in src
     assert len(re.findall(r"prefetch_l2\(cap_0_bias, \(gp_\w*\[0\], prow\w*, pkv\w*\)\)", src)) == 1
+    early = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": "early"}))
+    wait = early.index("WAIT_S(sacc, 0)")  # "early": the tile's n8 loads once, before the wait for S^T and dP^T
+    assert len(re.findall(r"= ldg_vec\(cap_0_bias,", early)) == n8
+    assert all(m.start() < wait for m in re.finditer(r"= ldg_vec\(cap_0_bias,", early))
+    assert early.count("= elemg_all(") == calls and "te0_7_3" in early[wait:]
+    with pytest.raises(fl.FalowerError, match="read_v4"):  # falower.compile refuses a value it would misread
+        fl.compile(fl.attention(), extra={"read_v4": "late"})
     off = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": False}))
     assert "ldg_vec(cap_" not in off and "= elemg_all(" not in off and "prefetch_l2(" not in off
 

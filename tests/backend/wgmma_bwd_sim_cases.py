@@ -55,6 +55,13 @@ CASES = {
     # prefetched; at N = 67 each element's entry)
     "bias-f16-d64-70x68-2wg": ("bias", "f16", 2, 1, 1, 70, 68, 64, 64, 128),
     "bias-bf16-d64-20x67": ("bias", "bf16", 1, 2, 2, 20, 67, 64, 64, 64),
+    # ... a [B, H, M, N] table under GQA (2 query heads a kv head) and a causal mask: the full and the partial tiles'
+    # code each read and add by 16 bytes, the leading indices (b, h) the tile's (h changing inside a kv head's
+    # walk), M != N; one warpgroup (2 of them at 2 batch rows and 3 kv tiles took 55 s)
+    "bias4d_gqa_causal-f16-d64-70x68": ("bias4d_gqa_causal", "f16", 1, 4, 2, 70, 68, 64, 64, 64),
+    # read_v4 "early" (asked for): the tile's loads issued before the S^T and dP^T wait, both sides of rvec0
+    "bias-f16-d64-70x68-2wg-early": ("bias", "f16", 1, 1, 1, 70, 68, 64, 64, 128, {"read_v4": "early"}),
+    "bias-bf16-d64-20x67-early": ("bias", "bf16", 1, 1, 1, 20, 67, 64, 64, 64, {"read_v4": "early"}),
     "prefix_lm-bf16-d64-100x65-128x128": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128),  # dQ's rows split
     "causal-bf16-d128-40x130-2wg-dqk": ("causal", "bf16", 1, 1, 1, 40, 130, 128, 64, 128, {"dq_split": "k"}),
     # dQ's rows staged for bulk reductions (dq_bulk, asked for): one warpgroup, 2 q tiles (the staging rows written
@@ -142,7 +149,18 @@ def _document_gqa():
                         group_size=2, name="document_gqa")
 
 
-TEST_GRAPHS = {"alibi_gqa": _alibi_gqa, "relative_bias_causal": _relative_bias_causal, "document_gqa": _document_gqa}
+def _bias4d_gqa_causal():
+    """A per-batch bias table [B, H, M, N] under GQA and a causal mask: two leading indices (the batch row and the
+    query head, which changes inside a kv head's walk) and two elementwise branches, each with its grid read."""
+    import falower as fl
+
+    bias = fl.capture("bias4", "f32", "B,H,M,N")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[b, h, q, kv], mask_mod=lambda b, h, q, kv: q >= kv,
+                        group_size=2, name="bias4d_gqa_causal")
+
+
+TEST_GRAPHS = {"alibi_gqa": _alibi_gqa, "relative_bias_causal": _relative_bias_causal, "document_gqa": _document_gqa,
+               "bias4d_gqa_causal": _bias4d_gqa_causal}
 
 
 def _bits(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -578,16 +578,61 @@ def read_v4(spec: FA2BackwardSpec, branch: str) -> list[tuple[int, int]]:
     entry, clamped), the next tile's rows prefetched to L2 at each tile's top (without the prefetch the loads
     waited on HBM: 0.949 of the gathers' time at D = 128, 1.138 at D = 64; with it 0.776 and 0.909; H200, the whole
     backward call, benchmarks/NOTES.md "The bias table's backward"). spec.extra["read_v4"] = False keeps the
-    gathers in the element code."""
+    gathers in the element code; "early" issues the tile's loads before the wait for S^T and dP^T (read_early)."""
     if spec.extra.get("read_v4", True) is False:
         return []
     return [(cap, n) for br, cap, n in spec.grid_reads if br == branch]
+
+
+def read_early(spec: FA2BackwardSpec) -> bool:
+    """spec.extra["read_v4"] == "early": every n8 tile's 16-byte loads of the grid reads issued right after the S^T
+    and dP^T GEMMs, before their wait, so that the loads' L2 latency runs under the GEMMs (each loaded n8 tile
+    waited on inside the element code; 4 registers a read and n8 tile held across the wait: 32 at block_q 64).
+    Where the branches read different tables, the loads stay in the element code. Opt-in until measured."""
+    if spec.extra.get("read_v4", True) != "early":
+        return False
+    reads = [tuple(read_v4(spec, b)) for b in spec.branches]
+    return bool(reads[0]) and all(r == reads[0] for r in reads)
+
+
+def _emit_grid_loads(c: _Code, spec: FA2BackwardSpec, j: int, cap: int, n: int, jj: int, out: str) -> None:
+    """Grid read j's 16-byte load of n8 tile jj (this lane's pair's four kv-consecutive entries) into out0 .. out3,
+    zeros past M or N (under rvec<cap>)."""
+    table = _cap_names(spec)[cap]
+    lead = [f"gl{j}_[{d}]" for d in range(n - 2)]
+    c(f"gq = q0 + t2 + {8 * jj} + (g4 & 1)")
+    c("if gq < M and gkv < N:")
+    with c.indent():
+        c(f"{', '.join(f'{out}{k}' for k in range(4))} = ldg_vec({table}, ({', '.join(lead + ['gq', 'gkv'])}))")
+    c("else:")
+    with c.indent():
+        c(f"{', '.join(f'{out}{k}' for k in range(4))} = ZERO, ZERO, ZERO, ZERO")
+
+
+def _emit_early_reads(c: _Code, spec: FA2BackwardSpec, caps: str) -> None:
+    """read_early: the grid reads' leading indices and every n8 tile's 16-byte loads (te<j>_<jj>_<k>), issued while
+    the S^T and dP^T GEMMs run."""
+    branch = spec.branches[0]
+    reads = read_v4(spec, branch)
+    c("# read_v4 'early': the table's entries of the whole tile, loaded under the S^T and dP^T GEMMs")
+    for j, (cap, n) in enumerate(reads):
+        if n > 2:
+            c(f"gl{j}_ = gtab{j}_{branch}_fn(b, h, hk, q0, kv0{caps})")
+        c(f"if rvec{cap}:")
+        with c.indent():
+            for jj in range(spec.block_q // 8):
+                _emit_grid_loads(c, spec, j, cap, n, jj, f"te{j}_{jj}_")
+        c("else:")
+        with c.indent():
+            for jj in range(spec.block_q // 8):
+                c(f"{', '.join(f'te{j}_{jj}_{k}' for k in range(4))} = ZERO, ZERO, ZERO, ZERO")
 
 
 def _emit_grid_reads(c: _Code, spec: FA2BackwardSpec, branch: str, jj: int) -> list[str]:
     """The branch's grid reads (read_v4) of n8 tile jj into tv<j>_<2 r + e>; the names of element (r, e)'s values
     are tv<j>_<2 r + e> for j in order (returned as format strings in r, e)."""
     names = []
+    early = read_early(spec)
     for j, (cap, n) in enumerate(read_v4(spec, branch)):
         table = _cap_names(spec)[cap]
         lead = [f"gl{j}_[{d}]" for d in range(n - 2)]
@@ -595,14 +640,10 @@ def _emit_grid_reads(c: _Code, spec: FA2BackwardSpec, branch: str, jj: int) -> l
         tv = [f"tv{j}_{k}" for k in range(4)]
         c(f"if rvec{cap}:")
         with c.indent():
-            c(f"gq = q0 + t2 + {8 * jj} + (g4 & 1)")
-            c("if gq < M and gkv < N:")
-            with c.indent():
-                c(f"tl0, tl1, tl2, tl3 = ldg_vec({table}, ({', '.join(lead + ['gq', 'gkv'])}))")
-            c("else:")
-            with c.indent():
-                c("tl0, tl1, tl2, tl3 = ZERO, ZERO, ZERO, ZERO")
-            c(f"{', '.join(tv)} = {_transpose_helper(c)}(tl0, tl1, tl2, tl3, g4)")
+            src = f"te{j}_{jj}_" if early else "tl"
+            if not early:
+                _emit_grid_loads(c, spec, j, cap, n, jj, "tl")
+            c(f"{', '.join(tv)} = {_transpose_helper(c)}({', '.join(f'{src}{k}' for k in range(4))}, g4)")
         c("else:")
         with c.indent():
             for r in range(2):
@@ -1244,6 +1285,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             if LATE:
                 c("# the last tile's dQ reductions while S^T and dP^T are computed")
                 _emit_dq_late_issue(c, DC // 8)
+            if read_early(spec):
+                if GRID:
+                    c("gkv = kv0 + warp * 16 + (g & 4) + 8 * (g4 >> 1)  # read_v4: this lane's 4 kv rows' first")
+                _emit_early_reads(c, spec, caps)
             if PDP:
                 c("WAIT_S1(sacc, 0)  # S^T; dP^T's GEMM still in flight under P's exponentials")
             else:
@@ -1260,7 +1305,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"gd{i}_{_key(k)} = ZERO")
             if not spec.grads:
                 c("kvr = kv0 + warp * 16 + g  # this thread's first kv row (the second is kvr + 8)")
-            if GRID:
+            if GRID and not read_early(spec):
                 c("gkv = kv0 + warp * 16 + (g & 4) + 8 * (g4 >> 1)  # v4_grads / read_v4: this lane's 4 kv rows' first")
 
             itr = ["interior"]  # the elementwise calls' interior argument: a literal in interior_split's copies
@@ -1275,7 +1320,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     return
                 outs_g = _grad_outs(spec)
                 for j, (cap, n) in enumerate(RV[branch]):
-                    if n > 2:  # read j's leading indices (the tile's), once a tile
+                    if n > 2 and not read_early(spec):  # read j's leading indices (the tile's), once a tile
                         c(f"gl{j}_ = gtab{j}_{branch}_fn(b, h, hk, q0, kv0{caps})")
                 for jj in range(NJ):
                     given = _emit_grid_reads(c, spec, branch, jj)

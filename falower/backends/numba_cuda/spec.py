@@ -93,6 +93,8 @@ EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be
     "decode_block_k": (64, 128),
     "map_prefetch": (True, False),
     "item_carry": ("auto", "div", "sub"),
+    "read_v4": (True, False, "early"),
+    "grad_v4": (True, False),
 }
 
 
