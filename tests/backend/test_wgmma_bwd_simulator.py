@@ -51,11 +51,12 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     assert r["masked_dq_zero"], r
     asked = CASES[case_id][10] if len(CASES[case_id]) > 10 else {}
     tiles = CASES[case_id][8:10]
-    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none", "exp_fold": True, "dkdv_bulk": True,
+    defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none" and "bwd_batch_inner" not in asked,
+                "exp_fold": True, "dkdv_bulk": True,
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked,
                 "ws_loads": r["knobs"]["dq_ws"] and tiles == (64, 128)}  # wherever dq_ws is, at 64 x 128
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"],
-            "grad_dist": r["grad_dist"]}
+            "grad_dist": r["grad_dist"], "bwd_batch_inner": r["bwd_batch_inner"]}
     for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default
         want = asked.get(knob, defaults.get(knob, False))
         assert on == (tiles == (64, 128) if want == "auto" else bool(want)), (knob, r["knobs"], r["exp_fold"])
@@ -120,6 +121,9 @@ def test_grid_order_defaults():
         e.validate_spec(spec)
         assert e.kv_group(spec) == 0 and e.kv_major(spec) == asked.get("kv_major", False), asked
     assert e.kv_group(dataclasses.replace(causal, block_mask="list")) == 0
+    inner = dataclasses.replace(causal, extra={**causal.extra, "bwd_batch_inner": True})  # over kv_group
+    assert e.batch_inner(inner) and e.kv_group(inner) == 0 and e.grid(inner, 2, 12, 1000, 1000) == (2, nk, 12)
+    assert not e.kv_major(dataclasses.replace(plain, extra={**plain.extra, "bwd_batch_inner": True}))
     for bad in (-1, 2.0, 0.0, "8", True, False, e.KV_GROUP_MAX + 1):
         with pytest.raises(ValueError, match="kv_group"):
             e.validate_spec(dataclasses.replace(causal, extra={**causal.extra, "kv_group": bad}))

@@ -59,6 +59,9 @@ CASES = {
     # code each read and add by 16 bytes, the leading indices (b, h) the tile's (h changing inside a kv head's
     # walk), M != N; one warpgroup (2 of them at 2 batch rows and 3 kv tiles took 55 s)
     "bias4d_gqa_causal-f16-d64-70x68": ("bias4d_gqa_causal", "f16", 1, 4, 2, 70, 68, 64, 64, 64),
+    # the grid with the batch rows of a (kv tile, kv head) in consecutive blocks (bwd_batch_inner, asked for): 2 batch
+    # rows, 2 kv tiles, 2 kv heads
+    "bias-f16-d64-20x130-binner": ("bias", "f16", 2, 2, 2, 20, 130, 64, 64, 64, {"bwd_batch_inner": True}),
     # read_v4 "early" (asked for): the tile's loads issued before the S^T and dP^T wait, both sides of rvec0
     "bias-f16-d64-70x68-2wg-early": ("bias", "f16", 1, 1, 1, 70, 68, 64, 64, 128, {"read_v4": "early"}),
     "bias-bf16-d64-20x67-early": ("bias", "bf16", 1, 1, 1, 20, 67, 64, 64, 64, {"read_v4": "early"}),
@@ -241,6 +244,7 @@ def run_case(case_id: str) -> dict:
            "grad_dist": re.search(r"= np\.float32\(np\.int32\((kv|q)\)\) - np\.float32", kern.source) is not None,
            "kv_group": re.search(r"kj = (cuda\.blockIdx\.x|it_x) // ", kern.source) is not None,
            "bwd_persistent": "while it_z < " in kern.source,
+           "bwd_batch_inner": "b = cuda.blockIdx.x" in kern.source,
            # the table's gradient by 16-byte reductions and its entries by 16-byte loads (v4_grads, read_v4)
            "grad_v4": "red_add_v4_f32(grad_" in kern.source, "read_v4": "= ldg_vec(cap_" in kern.source}
     for name, a, b in zip(c.gradient_names(), got, want):
