@@ -55,6 +55,20 @@ def test_small_tiles_and_both_dq_strategies(stem: str, opts: dict) -> None:
     assert all(r.check == "ok" for r in pm.records), [(r.name, r.check) for r in pm.records]
 
 
+@pytest.mark.parametrize("mask", [None, lambda b, h, q, kv: q >= kv])
+@pytest.mark.parametrize("pipeline", ["fa2-bwd", "fa2-bwd-deterministic"])
+def test_a_bias_with_the_outputs_leading_dims_is_a_table(mask, pipeline: str) -> None:
+    """A bias [B, H, M, N] has o's and dO's leading dims [B, H, M]: tile-bwd once took it for a row tensor and loaded
+    a [64, N] tile of it, which its gather's 4 indices then refused ('cannot move gather to tiles'; with a mask it
+    went through). It is a table read whole, and its gradient holds after every pass."""
+    bias = fl.capture("bias4", "f32", "B,H,M,N")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[b, h, q, kv], mask_mod=mask, name="bias4")
+    pm = PassManager(parse_pipeline(pipeline), check=True)
+    out = pm.run(g)
+    assert all(r.check == "ok" for r in pm.records), [(r.name, r.check) for r in pm.records]
+    assert out.result_names[-1] == "dbias4"
+
+
 def test_golden_causal_backward() -> None:
     """The FA2 backward as IR: Delta first, kv tiles outer, P recomputed from LSE, dK/dV carried, dQ added."""
     out = fl.lower(example("causal"), "fa2-bwd")

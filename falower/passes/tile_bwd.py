@@ -166,10 +166,14 @@ class TileBwd(Pass):
             raise self.fail("the same input is contracted as a query and as a key")
         M, N = scores[0].results[0].type.shape[2], scores[0].results[0].type.shape[3]
         q_like = next(iter(rows))
+        # a table a gather reads (a bias [B, H, M, N] has o's leading dims too): whole, never a row tile
+        tables = {op.operands[0] for op in func.walk() if op.name == "gather"}
         for a in func.args:
             t = a.type
             like_q = t.rank == 4 and a not in cols and t.shape[2] == M and t.shape[:2] == q_like.type.shape[:2]
-            if a in rows or like_q:
+            if a in tables and a not in rows and a not in cols:
+                space[a] = Space()  # a captured table, read whole through gathers
+            elif a in rows or like_q:
                 space[a] = Space({R, H})
             elif a in cols:
                 space[a] = Space({C})
