@@ -64,8 +64,11 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
         assert r["block_mask"] == "list", r
     if case_id.startswith(("alibi", "relative_bias", "bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
-    assert r["grad_v4"] == case_id.startswith("bias")  # the bias tables' [..., q, kv] only
-    assert r["read_v4"] == (case_id.startswith("bias") and asked.get("read_v4", True) is not False)
+    if case_id.startswith("two_tables"):
+        assert set(r["grads"]) == {"dq", "dk", "dv", "db1", "db2"}  # each right in shape and value above
+    tables = case_id.startswith(("bias", "two_tables")) and not case_id.startswith("bias_i8")  # (i8: no grid form)
+    assert r["grad_v4"] == tables  # the bias tables' [..., q, kv] only
+    assert r["read_v4"] == (tables and asked.get("read_v4", True) is not False)
     if case_id.startswith("bias4d"):  # a static mask's two branches
         assert r["block_mask"] == "static", r
 
@@ -627,7 +630,8 @@ def test_the_bias_tables_reads_by_16_byte_loads():
                            src))
     calls = src.count("= elemg_all(")
     assert loads >= n8 and loads % n8 == 0 and calls == loads * 4 and "= elem_all(" not in src
-    assert "rvec0 = rows_aligned16(cap_0_bias) and cap_0_bias.shape[2] >= N and cap_0_bias.shape[1] >= M" in src
+    assert ("rvec0 = rows_aligned16(cap_0_bias) and cap_0_bias.shape[2] % 4 == 0 and cap_0_bias.shape[2] >= N and "
+            "cap_0_bias.shape[1] >= M") in src
     assert len(re.findall(r"prefetch_l2\(cap_0_bias, \(gp_\w*\[0\], prow\w*, pkv\w*\)\)", src)) == 1
     early = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": "early"}))
     wait = early.index("WAIT_S(sacc, 0)")  # "early": the tile's n8 loads once, before the wait for S^T and dP^T

@@ -59,6 +59,10 @@ CASES = {
     # code each read and add by 16 bytes, the leading indices (b, h) the tile's (h changing inside a kv head's
     # walk), M != N; one warpgroup (2 of them at 2 batch rows and 3 kv tiles took 55 s)
     "bias4d_gqa_causal-f16-d64-70x68": ("bias4d_gqa_causal", "f16", 1, 4, 2, 70, 68, 64, 64, 64),
+    # two tables' gradients returned in the function's order, not the scatters' (both by 16-byte forms)
+    "two_tables-f16-d64-70x68": ("two_tables", "f16", 1, 2, 2, 70, 68, 64, 64, 64),
+    # a narrowing cast in the table's index and the mask (i8: rows 128-199 wrap), 4 q tiles
+    "bias_i8-f16-d64-200x68": ("bias_i8", "f16", 1, 1, 1, 200, 68, 64, 64, 64),
     # the grid with the batch rows of a (kv tile, kv head) in consecutive blocks (bwd_batch_inner, asked for): 2 batch
     # rows, 2 kv tiles, 2 kv heads
     "bias-f16-d64-20x130-binner": ("bias", "f16", 2, 2, 2, 20, 130, 64, 64, 64, {"bwd_batch_inner": True}),
@@ -162,8 +166,29 @@ def _bias4d_gqa_causal():
                         group_size=2, name="bias4d_gqa_causal")
 
 
+def _two_tables():
+    """Two bias tables, the score reading b1 before b2: the IR scatters db2 first, the function returns db1 first
+    (the kernels once returned them in the scatters' order, so each table got the other's gradient)."""
+    import falower as fl
+
+    b1 = fl.capture("b1", "f32", "H,M,N")
+    b2 = fl.capture("b2", "f32", "M,N")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + b1[h, q, kv] * 0.5 + b2[q, kv], name="two_tables")
+
+
+def _bias_i8():
+    """A bias read at q cast to i8 and a mask on it: rows past 127 wrap to negative, so the table's row is clamped
+    to 0 and the mask drops them. The kernels once read q itself (the element code's int() and the grid form took
+    the cast as the identity) and classified tiles of rows 128-191 as full (the cast's interval passed through)."""
+    import falower as fl
+
+    bias = fl.capture("bias", "f32", "H,M,N")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q.to("i8"), kv],
+                        mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) | (kv < 8), name="bias_i8")
+
+
 TEST_GRAPHS = {"alibi_gqa": _alibi_gqa, "relative_bias_causal": _relative_bias_causal, "document_gqa": _document_gqa,
-               "bias4d_gqa_causal": _bias4d_gqa_causal}
+               "bias4d_gqa_causal": _bias4d_gqa_causal, "two_tables": _two_tables, "bias_i8": _bias_i8}
 
 
 def _bits(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -19,7 +19,7 @@ from ...ir.core import Block, Func, Op, Value, backward_slice
 from ...ir.dims import Const, Dim
 from ...ir.intervals import uses_data
 from ...ir.printer import print_func
-from ...ir.types import is_float
+from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
 from .spec import Capture, FA2ForwardSpec
 
@@ -402,6 +402,14 @@ class _ScalarEmitter:
         return f"({base} * np.float32({total!r}))"
 
     def expr(self, op: Op) -> str:
+        """The op's scalar expression; an i8 result wrapped to 8 bits, as the IR's (and numpy's) i8 arithmetic wraps
+        where Numba's would widen (a cast of q to i8 read rows past 127 as themselves)."""
+        e = self._expr(op)
+        if op.results and op.results[0].type.dtype == "i8" and op.name != "const":
+            return f"(((({e}) + 128) & 255) - 128)"  # two's complement in 8 bits, the same in the simulator
+        return e
+
+    def _expr(self, op: Op) -> str:
         import numpy as np
 
         x = [self.name(v) for v in op.operands]
@@ -1159,8 +1167,10 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
             if op.attrs["to"] == "bool":
                 body = [f"{lo} = 1 if ({x[0][0]} > 0 or {x[0][1]} < 0) else 0",
                         f"{hi} = 0 if ({x[0][0]} == 0 and {x[0][1]} == 0) else 1"]
-            else:
-                body = [f"{lo} = {x[0][0]}", f"{hi} = {x[0][1]}"]
+            else:  # the same values where they fit the target; else it wraps: its whole range (ir/intervals.py)
+                tlo, thi = int_range(op.attrs["to"])
+                fits = f"({x[0][0]} >= {tlo} and {x[0][1]} <= {thi})"
+                body = [f"{lo} = {x[0][0]} if {fits} else {tlo}", f"{hi} = {x[0][1]} if {fits} else {thi}"]
         else:  # not modelled: this tile is partial (always safe)
             return lines[:1] + ["    return 1"]
         lines += ["    " + s for s in body]

@@ -233,8 +233,7 @@ def _index_span(v: Value) -> Optional[tuple[int, int]]:
         return (1, 0) if op.attrs["axis"] == 0 else (0, 1)
     if op.name == "const":
         return (0, 0)
-    if op.name in ("unsqueeze", "broadcast_to") or (op.name == "cast" and not is_float(v.type.dtype)
-                                                     and not is_float(op.operands[0].type.dtype)):
+    if op.name in ("unsqueeze", "broadcast_to") or _widening_int_cast(op):
         return _index_span(op.operands[0])
     if op.name in ("add", "sub"):
         x, y = (_index_span(o) for o in op.operands)
@@ -259,11 +258,17 @@ def _is_iota(v: Value, axis: int) -> bool:
     """Whether the integer index v is the tile's q (axis 0) or kv (axis 1) index itself, unsqueezed, broadcast or
     cast between integer types on the way."""
     op = v.owner
-    while isinstance(op, Op) and (op.name in ("unsqueeze", "broadcast_to") or (
-            op.name == "cast" and not is_float(v.type.dtype) and not is_float(op.operands[0].type.dtype))):
+    while isinstance(op, Op) and (op.name in ("unsqueeze", "broadcast_to") or _widening_int_cast(op)):
         v = op.operands[0]
         op = v.owner
     return isinstance(op, Op) and op.name == "tile.iota" and op.attrs["axis"] == axis
+
+
+def _widening_int_cast(op: Op) -> bool:
+    """A cast between integer types that keeps every value: not to i8, which wraps q = 128 to -128."""
+    to, src = op.results[0].type.dtype, op.operands[0].type.dtype if op.operands else ""
+    return op.name == "cast" and not is_float(to) and not is_float(src) and to != "bool" \
+        and (to != "i8" or src == "i8")
 
 
 def _grid_reads(br: _Branch, captures: list[Value]) -> list[Op]:
@@ -290,21 +295,17 @@ def _grid_reads(br: _Branch, captures: list[Value]) -> list[Op]:
     return out
 
 
-def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
-           ) -> tuple[list[tuple[str, int, bool, int, tuple, bool]], list[Optional[Value]]]:
-    """(gradient name, capture index, reduced over the tile, number of indices, span, grid) per scatter into a captured
-    table's gradient: tile.scatter_add into an accumulator of the nest (atomic), or scatter_add into the loop's
-    copy of the table (deterministic: tables in the order of the gradients the function returns); and the last
-    index of each spanned one. Span: `_index_span` of the last index where the others are the tile's, so a thread's
-    elements at the same offset from its first element share one entry (emit_fa3_bwd.grouped_grads sums them in
-    registers). Grid: the last two indices are the element's q and kv and the others the tile's (a bias table), so
-    kv-consecutive elements add into consecutive words (emit_fa3_bwd.v4_grads)."""
+def ordered_scatters(func: Func, nest: Op, branch: _Branch) -> list[tuple[Op, str]]:
+    """The branch's scatters into captured tables' gradients with the gradient each feeds, in the order the backward
+    function returns those gradients (the kernels' gradients, their elem_<branch> outputs and the runtime's results
+    all follow it; the IR's scatter order is the score's, which may differ: s + b1[...] + b2[...] scatters db2 first).
+    A scatter's gradient: tile.scatter_add's accumulator is the nest's (its result's name); scatter_add's chain
+    (deterministic) ends at the loop's table, the tables in the order of the function's gradients."""
     accs = nest.regions[0].args[len(nest.attrs["bounds"]):]
     grad_results = [n for n, v in zip(func.result_names[3:], func.results[3:])  # (a constant one has no scatter)
                     if const_value(v) is None]
     roots: list[Value] = []
-    out = []
-    last: list[Optional[Value]] = []
+    named = []
     for sc in branch.scatters:
         acc = sc.operands[0]
         if sc.name == "scatter_add":  # deterministic: follow the chain of scatters to the loop's table
@@ -315,6 +316,23 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
             name = grad_results[roots.index(acc)]
         else:
             name = _result_name(func, nest.results[len(nest.results) - len(accs) + accs.index(acc)])
+        named.append((sc, name))
+    order = list(func.result_names)
+    return sorted(named, key=lambda x: order.index(x[1]) if x[1] in order else len(order))
+
+
+def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
+           ) -> tuple[list[tuple[str, int, bool, int, tuple, bool]], list[Optional[Value]]]:
+    """(gradient name, capture index, reduced over the tile, number of indices, span, grid) per scatter into a captured
+    table's gradient: tile.scatter_add into an accumulator of the nest (atomic), or scatter_add into the loop's
+    copy of the table (deterministic: tables in the order of the gradients the function returns); and the last
+    index of each spanned one. Span: `_index_span` of the last index where the others are the tile's, so a thread's
+    elements at the same offset from its first element share one entry (emit_fa3_bwd.grouped_grads sums them in
+    registers). Grid: the last two indices are the element's q and kv and the others the tile's (a bias table), so
+    kv-consecutive elements add into consecutive words (emit_fa3_bwd.v4_grads)."""
+    out = []
+    last: list[Optional[Value]] = []
+    for sc, name in ordered_scatters(func, nest, branch):
         table_name = name[1:] if name.startswith("d") else name
         cap = next((i for i, c in enumerate(captures) if c.name == table_name), None)
         if cap is None:
@@ -472,7 +490,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     if grad_dist and not dq_nest:
         _late_distances(e)
-    for sc in [] if dq_nest else br.scatters:
+    for sc, _ in [] if dq_nest else ordered_scatters(low.func, low.kv_nest, br):
         outs.append(e.value(_strip_reductions(sc.operands[1])))
         outs += [e.value(i) for i in sc.operands[2:]]
     res = ", ".join(outs)
