@@ -1188,7 +1188,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"gvec{i} = {tk} % 4 == 0 and {tk} >= N and {tq} >= M and (elem_addr(grad_{i}, (0,)) & 15) == 0")
         for cap, n in sorted({x for v in RV.values() for x in v}):
             table = _cap_names(spec)[cap]
-            c(f"rvec{cap} = rows_aligned16({table}) and {table}.shape[{n - 1}] >= N and {table}.shape[{n - 2}] >= M")
+            c(f"rvec{cap} = rows_aligned16({table}) and {table}.shape[{n - 1}] % 4 == 0 and {table}.shape[{n - 1}] >= N "
+              f"and {table}.shape[{n - 2}] >= M  # (a row's last 16 bytes inside it: a sliced table's too)")
 
         def offset(i: int, jj: int, e: int, r: int) -> int:
             """Element (jj, e, r)'s index offset from the thread's base for grouped gradient i: its group."""

@@ -792,13 +792,16 @@ if SIMULATOR:
     def ldg_vec(arr, index):
         a = np.asarray(arr)
         if isinstance(index, tuple):  # an N-d array's element: its row from there on must hold the 16 bytes
-            if len(index) != a.ndim or not a.flags.c_contiguous:
-                raise ValueError(f"ldg_vec: index {index} of a {a.ndim}-d array (C-contiguous only)")
-            if any(not 0 <= int(i) < n for i, n in zip(index, a.shape)) \
-                    or int(index[-1]) + 16 // a.itemsize > a.shape[-1]:
+            idx = tuple(int(i) for i in index)
+            n = 16 // a.itemsize
+            if len(idx) != a.ndim or a.strides[-1] != a.itemsize:
+                raise ValueError(f"ldg_vec: index {index} of a {a.ndim}-d array whose last axis is not contiguous")
+            if any(not 0 <= i < k for i, k in zip(idx, a.shape)) or idx[-1] + n > a.shape[-1]:
                 raise ValueError(f"ldg_vec: 16 bytes at {index} leave a row of a {a.shape} array")
-            flat = int(np.ravel_multi_index(tuple(int(i) for i in index), a.shape))
-            a, index = a.reshape(-1), flat
+            row = a[idx[:-1]]
+            if row[idx[-1]:].__array_interface__["data"][0] % 16:
+                raise ValueError(f"ldg_vec: 16 bytes at {index} are not 16-byte aligned")
+            return tuple(a.dtype.type(x) for x in row[idx[-1]:idx[-1] + n])
         at = _vec_at(a, index, 16)
         return tuple(a.dtype.type(a[at + i]) for i in range(16 // a.itemsize))
 
@@ -923,9 +926,10 @@ if SIMULATOR:
     _red_lock = threading.Lock()
 
     def red_add_v4_f32(arr, index, a, b, c, d):
+        at = _vec_at(np.asarray(arr), index, 16)  # refused where the GPU's access would fault (misaligned, past the end)
         with _red_lock:
             for i, x in enumerate((a, b, c, d)):
-                arr[int(index) + i] += np.float32(x)
+                arr[at + i] += np.float32(x)
 
     def f16_to_f32(bits):
         return np.float32(_f16_bits_to_float(bits))
