@@ -104,3 +104,15 @@ def test_deterministic_stages_per_element_table_gradients():
 def test_backward_needs_the_fa2_bwd_ir():
     with pytest.raises(BackendError, match="needs the fa2-bwd IR|needs arguments"):
         analyse_backward(fl.lower(graph("causal"), "fa2-fwd"))
+
+
+def test_a_table_read_at_two_index_forms_is_refused_by_name():
+    """bias[h, q, kv] + bias[h, kv, q]: the table's gradient is the sum of two scatters' accumulators, which the
+    kernels do not take; the refusal says so in one line (it once said the gradient was not a result), and the
+    reference backend runs the graph."""
+    bias = fl.capture("bias", "f32", "H,M,N")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q, kv] + bias[h, kv, q], name="two_forms")
+    with pytest.raises(BackendError, match=r"^numba-cuda backend: .* sum of several .*bias\[h, kv, q\].*reference") as e:
+        analyse_backward(fl.compile(g, "numba-cuda").lowered_backward)
+    assert "\n" not in str(e.value)
+    assert fl.compile(g, "reference").gradient_names() == ["dq", "dk", "dv", "dbias"]

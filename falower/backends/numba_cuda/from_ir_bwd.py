@@ -358,7 +358,9 @@ def _result_name(func: Func, v: Value) -> str:
             x = x.owner.operands[0]
         if x is v:
             return name
-    raise BackendError("numba-cuda backend: a captured table's gradient is not a result of the backward function")
+    raise BackendError("numba-cuda backend: a captured table's gradient is not one scatter's accumulator but a sum of "
+                       "several (the table read at more than one index form, e.g. bias[h, q, kv] and bias[h, kv, q]): "
+                       "the kernels add one scatter a table; the reference backend runs it")
 
 
 # ------------------------------------------------------------------------------------ scalar code
