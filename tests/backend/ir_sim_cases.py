@@ -79,10 +79,13 @@ def run_idiom_case(which: str) -> dict:
                          + fl.rsqrt(abs(s) + 1.0) + fl.log1p(abs(s)) - fl.expm1(s * 0.01) + fl.tan(s * 0.01),
                          name="maths")
         windows = [None]
-    elif which == "i8":  # a narrowing cast: rows 128 on wrap negative, in the table's index and in the mask
+    elif which == "i8":  # i8 wraps: q cast (rows 128 on negative) in a table's index and in the mask, i8 sums past
+        # 127 in the mask (the tile classes' intervals), an i8 table's entries in the score
         bias = fl.capture("bias", "f32", "H,M,N")
-        g = fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q.to("i8"), kv],
-                         mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) | (kv < 8), name="bias_i8")
+        t8 = fl.capture("t8", "i8", "M,N")
+        g = fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q.to("i8"), kv] + (t8[q, kv] + 100).to("f32")
+                         * 0.01, mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) & ((q.to("i8") + 100) > 0) | (kv < 8),
+                         name="bias_i8")
         windows = [None]
     else:
         window = fl.capture("window", "i32", "")
@@ -94,7 +97,8 @@ def run_idiom_case(which: str) -> dict:
     for w in windows:
         raw = random_inputs(g, env, seed=3)
         inputs = [x.astype(np.float16) for x in raw[:3]] + ([np.array(w, dtype=np.int32)] if w is not None else
-                                                            [x.astype(np.float32) for x in raw[3:]])
+                                                            [x.astype(np.float32) if x.dtype.kind == "f" else x
+                                                             for x in raw[3:]])
         ref = Reference.build(g, env, inputs=inputs)
         o, lse = c(*inputs)
         fin = np.isfinite(ref.outputs["lse"])

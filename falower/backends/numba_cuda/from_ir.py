@@ -406,7 +406,8 @@ class _ScalarEmitter:
         where Numba's would widen (a cast of q to i8 read rows past 127 as themselves)."""
         e = self._expr(op)
         if op.results and op.results[0].type.dtype == "i8" and op.name != "const":
-            return f"(((({e}) + 128) & 255) - 128)"  # two's complement in 8 bits, the same in the simulator
+            return f"(((int({e}) + 128) & 255) - 128)"  # two's complement in 8 bits (int(): an np.int8 operand
+            # would overflow in the simulator's numpy)
         return e
 
     def _expr(self, op: Op) -> str:
@@ -1174,6 +1175,10 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
         else:  # not modelled: this tile is partial (always safe)
             return lines[:1] + ["    return 1"]
         lines += ["    " + s for s in body]
+        if op.results[0].type.dtype == "i8" and n != "cast":  # i8 arithmetic wraps (the element code's, the IR's):
+            tlo, thi = int_range("i8")  # past the type's range, its whole range (ir/intervals.py)
+            lines.append(f"    if {lo} < {tlo} or {hi} > {thi}:")
+            lines.append(f"        {lo}, {hi} = {tlo}, {thi}")
         iv[op.results[0]] = (lo, hi)
         if n in _POINT_PRESERVING and op.operands and all(v in points for v in op.operands):
             points.add(op.results[0])  # (lo and hi are the same arithmetic of the same numbers: one value)
