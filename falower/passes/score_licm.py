@@ -15,11 +15,13 @@ work smaller, and the IR after the pass shows what moved:
    result moves by at most a few units in the last place of the largest term (f32: |dx| <= 4 * 2^-24 *
    (|s * scale| + |slope * d|) * log2(e) per fold); in float64 by the same number of 2^-53.
 
-2. Index arithmetic strength-reduced (exact). `cast(kv - q)` to a float, where one side reads only kv and
-   the other only q, becomes `cast(kv) - cast(q)`: both parts are integers below 2^24, exactly
-   representable in f32, and so is their difference, so the value is bit-for-bit the same (for M, N <= 2^24,
-   far beyond any sequence the kernels run). The conversion of q is then per row, that of kv per column,
-   where it was one int-to-float conversion per element.
+2. Index arithmetic strength-reduced (exact). `cast(kv - q)` to f32 or f64, where one side reads only kv and
+   the other only q and both are small indices (q, kv, sizes and constants below 2^22, sums of up to four),
+   becomes `cast(kv) - cast(q)`: both parts and their difference are integers below 2^24, exactly
+   representable in f32, so the value is bit-for-bit the same (for M, N <= 2^22, far beyond any sequence the
+   kernels run). Not to f16 / bf16, not for i8 (which wraps), not for products or captured values (whose
+   magnitude nothing bounds). The conversion of q is then per row, that of kv per column, where it was one
+   int-to-float conversion per element.
 
 3. Loop-invariant code motion out of the region. Every op of the score (not of the mask, which mask-tiles
    and the backends' classifiers read as it stands) that does not read the score `s` and does not read both
@@ -180,10 +182,40 @@ def _fold_patterns(deps: _Deps, region: Block):
 
 
 # ----------------------------------------------------------------------------- 2. index casts
-def _split_cast(deps: _Deps, region: Block):
+# the largest sequence for which score-licm's cast split is exact in f32: a sum of up to four terms each below
+# 2^22 (the indices, sizes and small constants `_small_index` takes) stays below 2^24
+SPLIT_CAST_MAX_SIZE = 2 ** 22
+
+
+def _small_index(v: Value, index_args: set, depth: int = 0) -> bool:
+    """v an integer below SPLIT_CAST_MAX_SIZE in magnitude, sums of up to four terms included: q or kv themselves
+    (index_args), a size, an int constant below it, unsqueezed, broadcast or widened (not cast to i8, which
+    wraps); not a captured value, a product or a gather (whose magnitude nothing bounds)."""
+    if v in index_args:
+        return True
+    op = v.owner
+    if not isinstance(op, Op) or not is_int(v.type.dtype) or v.type.dtype == "i8":
+        return False
+    if op.name in ("unsqueeze", "broadcast_to") or (op.name == "cast" and is_int(op.operands[0].type.dtype)):
+        return _small_index(op.operands[0], index_args, depth)
+    if op.name == "const":
+        x = op.attrs["value"]
+        return not isinstance(x, (int, float)) or (isinstance(x, int) and abs(x) < SPLIT_CAST_MAX_SIZE)  # a size
+    if op.name in ("add", "sub", "neg") and depth < 2:
+        return all(_small_index(o, index_args, depth + 1) for o in op.operands)
+    return False
+
+
+def _split_cast(deps: _Deps, region: Block, roles: Sequence[str] = ()):
+    index_args = {a for a, r in zip(region.args, roles) if r in ("q", "kv")}
+
     def pattern(op: Op, b: Builder):
-        """cast(a +- c) to a float, a reading only q and c only kv (or the reverse) => cast(a) +- cast(c)."""
-        if op.name != "cast" or not is_float(op.attrs["to"]):
+        """cast(a +- c) to f32 or f64, a reading only q and c only kv (or the reverse) => cast(a) +- cast(c);
+        only where both are small indices (`_small_index`: then a, c and a +- c are exact in f32, so the value is
+        the same to the bit). Not to f16 / bf16 (exact integers only to 2048 / 256) and not for i8 (its
+        difference wraps): a review found bf16 `(kv - q).to('bf16')` 2.8 off at N = 600, and f32 sums of
+        products past 2^24 0.87 off."""
+        if op.name != "cast" or op.attrs["to"] not in ("f32", "f64"):
             return None
         src = op.operands[0].owner
         if not isinstance(src, Op) or src.name not in ("add", "sub") or not is_int(op.operands[0].type.dtype):
@@ -191,6 +223,8 @@ def _split_cast(deps: _Deps, region: Block):
         a, c = src.operands
         da, dc = deps(a), deps(c)
         if "s" in da | dc or not da or not dc or da == dc or len(da) > 1 or len(dc) > 1:
+            return None
+        if op.operands[0].type.dtype == "i8" or not (_small_index(a, index_args) and _small_index(c, index_args)):
             return None
         to = op.attrs["to"]
         return [b.emit(src.name, b.emit("cast", a, to=to), b.emit("cast", c, to=to))]
@@ -354,7 +388,7 @@ def optimise_fused(fused: Op, top: Block) -> bool:
     """Fold, strength-reduce and hoist one fused score op inside `top` (a parallel_for body)."""
     region = fused.regions[0]
     roles = list(fused.attrs["roles"])
-    changed = _rewrite_region(region, roles, lambda d, r: _split_cast(d, r))
+    changed = _rewrite_region(region, roles, lambda d, r: _split_cast(d, r, roles))
     changed |= _rewrite_region(region, roles, lambda d, r: _fold_patterns(d, r)[0])
     changed |= _rewrite_region(region, roles, lambda d, r: _fold_patterns(d, r)[1])  # after the merges
     changed |= _hoist(fused, top)
