@@ -229,6 +229,48 @@ def test_passes_name_their_missing_precondition() -> None:
         fl.lower(g, "decompose-softmax,fuse,online-softmax")
 
 
+@pytest.mark.parametrize("pipeline", ["fa2-fwd", "fa2-bwd"])
+@pytest.mark.parametrize("use", ["mask", "bias"])
+def test_a_captured_tensor_used_whole_is_refused_by_name(use: str, pipeline: str) -> None:
+    """where(keep, s, -inf) with keep bool [M, N], or s + bias with bias [M, N], not indexed: the kernels read
+    captured tables by index. Once a broadcast error with no pass named (fa2-fwd) and a KeyError (fa2-bwd); a
+    review helper's find."""
+    keep = fl.capture("keep", "bool" if use == "mask" else "f32", "M,N")
+
+    @fl.trace(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+    def whole(q, k, v):
+        s = q @ k.mT * 0.25
+        s = fl.where(keep, s, -float("inf")) if use == "mask" else s + keep
+        return (fl.softmax(s, dim=-1) @ v).to("f16")
+
+    with pytest.raises(PassError, match=r"^pass (fuse|tile-bwd): captured tensor %keep \((bool|f32)\[M,N\]\) is used "
+                                        r"whole by (where|add); .* write keep\[\.\.\., q_idx, kv_idx\]"):
+        fl.lower(whole, pipeline)
+
+
+def test_a_softmax_over_f16_scores_is_refused_by_name() -> None:
+    """softmax((q @ k^T).to('f16')): the tiled softmax keeps its statistics in f32 / f64; tile once built IR that
+    failed verification without naming itself."""
+    @fl.trace(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+    def f16_scores(q, k, v):
+        return (fl.softmax((q @ k.mT).to("f16"), dim=-1) @ v).to("f16")
+
+    with pytest.raises(PassError, match=r"^pass fuse: the softmax's scores are f16"):
+        fl.lower(f16_scores, "fa2-fwd")
+
+
+def test_errors_inside_a_pass_name_the_pass(monkeypatch) -> None:
+    """A builder's error raised inside a pass, and a pass's own bug, come out as one line that names the pass."""
+    from falower.passes import tile as tile_mod
+
+    def broken(self, func):
+        raise KeyError("some value")
+
+    monkeypatch.setattr(tile_mod.Tile, "run", broken)
+    with pytest.raises(PassError, match=r"^pass tile: internal error \(KeyError: 'some value'\); please report"):
+        fl.lower(load(ROOT / "examples" / "causal.py"), "decompose-softmax,canonicalize,fuse,tile")
+
+
 def test_fa1_order_moves_the_kv_loop_outside() -> None:
     text = print_func(fl.lower(load(ROOT / "examples" / "plain.py"), "fa1-fwd"))
     kv = text.index("for %kj")

@@ -103,6 +103,9 @@ def find_attention(func: Func, who: str) -> Attention:
     if x.type.rank != 4 or axis != 3:
         raise fail(f"the softmax reduces axis {axis} of {x.type}; only a softmax over the kv axis (the last "
                    f"axis of [B, H, M, N] scores) can be tiled")
+    if x.type.dtype not in ("f32", "f64"):
+        raise fail(f"the softmax's scores are {x.type.dtype}: the tiled softmax keeps its row max and sum in f32 "
+                   f"or f64; compute the scores in f32 (q @ k^T gives f32) and cast after P @ V")
     users = uses(func)
     m_safe, sub, e, l, l_safe, p = decomposed_softmax(m, users, fail)
     pv = _single_user(users, p.result, "matmul")
@@ -115,6 +118,7 @@ def find_attention(func: Func, who: str) -> Attention:
         raise fail("the score contraction must be q @ k^T (matmul with transpose_b)")
     q, gq = _input(qk.operands[0], "q", fail)
     k, gk = _input(qk.operands[1], "k", fail)
+    refuse_whole_captures(func, {q, k, v}, fail)
     if gq != 1:
         raise fail("q must not be repeated")
     if gk != gv:
@@ -136,6 +140,18 @@ def find_attention(func: Func, who: str) -> Attention:
     if len(ret.operands) != 1:
         raise fail("the graph must return only the attention output")
     return Attention(qk, q, k, v, gk, x, m, m_safe, e, l, l_safe, p, pv, chain, ret_index)
+
+
+def refuse_whole_captures(func: Func, inputs: set, fail) -> None:
+    """A captured tensor of rank >= 1 the graph uses whole (`where(keep, s, -inf)`, `s + bias` with bias [M, N]),
+    not read by a gather at the element's indices: the tiled kernels read captured tables by index, so say how
+    (the tiling passes once failed on it with a broadcast error or a KeyError)."""
+    for op in func.walk():
+        for i, v in enumerate(op.operands):
+            if v in func.args and v not in inputs and v.type.rank >= 1 and not (op.name == "gather" and i == 0) \
+                    and op.name != "fused":  # (a fused score function reads it through its region's gathers)
+                raise fail(f"captured tensor %{v.name} ({v.type}) is used whole by {op.name}; the kernels read "
+                           f"captured tables by index: write {v.name}[..., q_idx, kv_idx] (in a score_mod or mask_mod)")
 
 
 def decomposed_softmax(m: Op, users: dict[Value, list[Op]], fail) -> tuple[Op, Op, Op, Op, Op, Op]:

@@ -84,10 +84,17 @@ class PassManager:
             t0 = time.perf_counter()
             try:
                 func = p(func)
-            except (PassError, VerifyError):
-                raise
-            except FalowerError:
-                raise
+            except FalowerError as e:  # one line that names the pass (a builder's or retype's error did not)
+                if str(e).startswith(f"pass {p.name}:"):
+                    raise
+                try:
+                    named = type(e)(f"pass {p.name}: {e}")
+                except Exception:
+                    named = PassError(f"pass {p.name}: {e}")
+                raise named from None
+            except Exception as e:  # a bug in the pass: still one line, naming the pass and what broke
+                raise PassError(f"pass {p.name}: internal error ({type(e).__name__}: {e}); please report the "
+                                "graph") from e
             dt = time.perf_counter() - t0
             removed |= set(p.removes)
             try:

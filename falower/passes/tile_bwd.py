@@ -39,7 +39,7 @@ from ..ir.intervals import uses_data
 from ..ir.dims import Dim, cdiv, dim
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, is_float, scalar
-from .attention import _is
+from .attention import _is, refuse_whole_captures
 from .canonicalize import const_value, is_const
 from .mask_tiles import add_ranges, build_predicate, range_plan
 from .base import Pass, register
@@ -181,6 +181,7 @@ class TileBwd(Pass):
                 space[a] = Space({R, H})  # LSE
             else:
                 space[a] = Space()  # a captured table, read whole through gathers
+        refuse_whole_captures(func, {a for a in func.args if space[a]}, self.fail)
         group = 1
         users: dict[int, list[Op]] = {}
         for op in func.body.ops:
