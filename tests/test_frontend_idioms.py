@@ -179,3 +179,25 @@ def test_an_integer_constant_must_fit_its_dtype() -> None:
         verify(fl.parse_func("func @f(%x: i8[N]) -> (out0: i8[N]) {\n  %0 = const 300 : i8\n"
                              "  %1 = add %x, %0 : i8[N]\n  return %1\n}\n"))
     fl.attention(mask_mod=lambda b, h, q, kv: q - kv < 2 ** 31 - 1)  # the largest i32 is fine
+
+
+def test_a_dimension_on_the_left_of_an_index() -> None:
+    """N - kv and N + q in a score_mod (a review found them a TypeError: the Dim refused the traced index
+    instead of leaving it to the index's reflected operator); their numbers are the same as kv's on the left."""
+    import numpy as np
+
+    from falower.ir import dim
+    from falower.passes.check import Reference
+
+    N = dim("N")
+    left = fl.attention(score_mod=lambda s, b, h, q, kv: s + (N - kv).to("f32") * 0.01 + (N + q).to("f32") * 0.001
+                        + (kv * 2).to("f32") * 0.001, name="left")
+    right = fl.attention(score_mod=lambda s, b, h, q, kv: s + (-kv + N).to("f32") * 0.01 + (q + N).to("f32") * 0.001
+                         + (kv * 2).to("f32") * 0.001, name="right")
+    env = {"B": 1, "H": 1, "M": 5, "N": 7, "D": 4}
+    a = Reference.build(left, env, seed=1)
+    b = Reference.build(right, env, seed=1)
+    np.testing.assert_allclose(a.outputs["o"], b.outputs["o"], rtol=0, atol=1e-12)
+    fl.lower(left, "fa2-fwd")
+    with pytest.raises(TypeError):
+        N - 1.5  # not a dimension, not a traced tensor: Python's own error

@@ -8,36 +8,58 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 from ..errors import ParseError, ShapeError
 
 DimLike = Union["Dim", int, str]
 
 
+def _dim_or_none(x: object) -> Optional["Dim"]:
+    """x as a Dim, or None where it is not one (a traced tensor: `N - kv` is then the tensor's __rsub__)."""
+    if isinstance(x, (Dim, int, str)) and not isinstance(x, bool):
+        return dim(x)
+    try:
+        import numpy as np
+
+        if isinstance(x, np.integer):
+            return dim(x)
+    except ImportError:  # pragma: no cover
+        pass
+    return None
+
+
 class Dim:
-    """Base of the expression tree; use `dim()` to build one from an int or a symbol name."""
+    """Base of the expression tree; use `dim()` to build one from an int or a symbol name. An operand that is
+    not a dimension (a traced tensor in a score_mod: `N - kv`) gets NotImplemented, so its own reflected
+    operator runs."""
+
+    def _bin(self, op: str, other: object, reflected: bool = False):
+        o = _dim_or_none(other)
+        if o is None:
+            return NotImplemented
+        return binop(op, o, self) if reflected else binop(op, self, o)
 
     def __add__(self, other: DimLike) -> "Dim":
-        return binop("+", self, dim(other))
+        return self._bin("+", other)
 
     def __radd__(self, other: DimLike) -> "Dim":
-        return binop("+", dim(other), self)
+        return self._bin("+", other, True)
 
     def __sub__(self, other: DimLike) -> "Dim":
-        return binop("-", self, dim(other))
+        return self._bin("-", other)
 
     def __rsub__(self, other: DimLike) -> "Dim":
-        return binop("-", dim(other), self)
+        return self._bin("-", other, True)
 
     def __mul__(self, other: DimLike) -> "Dim":
-        return binop("*", self, dim(other))
+        return self._bin("*", other)
 
     def __rmul__(self, other: DimLike) -> "Dim":
-        return binop("*", dim(other), self)
+        return self._bin("*", other, True)
 
     def __floordiv__(self, other: DimLike) -> "Dim":
-        return binop("fdiv", self, dim(other))
+        return self._bin("fdiv", other)
 
     def symbols(self) -> set[str]:
         raise NotImplementedError
