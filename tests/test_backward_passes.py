@@ -54,6 +54,19 @@ def test_delta_turns_the_kv_row_sum_into_one_over_the_head_dim() -> None:
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_delta_says_what_backward_it_takes() -> None:
+    """P used beside P @ V (here P * P summed into the output): inside fa2-bwd, after autodiff, delta once said 'run
+    autodiff first'; it now says which attention the backward takes."""
+    @fl.trace(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+    def p_twice(q, k, v):
+        p = fl.softmax(q @ k.mT * 0.25, dim=-1)
+        return ((p * p) @ v).to("f16")
+
+    with pytest.raises(PassError, match=r"^pass delta: .*one softmax whose P feeds one P @ V") as e:
+        fl.lower(p_twice, "fa2-bwd")
+    assert "run autodiff first" not in str(e.value)
+
+
 def test_delta_refuses_a_graph_without_a_softmax_gradient() -> None:
     g = fl.attention(name="plain")
     with pytest.raises(PassError, match="pass delta: no softmax gradient under attention.*run autodiff first"):

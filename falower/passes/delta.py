@@ -92,8 +92,12 @@ class Delta(Pass):
         matches = find_delta(func)
         if not matches:
             has_rows = any(op.name == "reduce_sum" for op in func.body.ops)
-            why = "its row sums are not of P * (dO @ V^T) with O = P @ V" if has_rows else "it has no row sum"
-            raise self.fail(f"no softmax gradient under attention to rewrite ({why}): run autodiff first")
+            if has_rows:  # a backward function, but not one attention's: P used otherwise than in one P @ V
+                raise self.fail("no softmax gradient under attention to rewrite: its row sums are not of "
+                                "P * (dO @ V^T) with O = P @ V (the backward takes one softmax whose P feeds one "
+                                "P @ V and nothing else: no dropout on P, no P used twice, no second softmax)")
+            raise self.fail("no softmax gradient under attention to rewrite (it has no row sum): run autodiff "
+                            "first")
         for m in matches:
             scratch = Block()
             b = Builder(scratch)

@@ -195,12 +195,12 @@ class MaskTiles(Pass):
                     any(op.name == "for" for op in body.ops):
                 return func  # fa1 order: the kv loop is outside the q loop; tile skipping is for fa2
             raise self.fail("no online-softmax kv loop (for with m, l, acc) found: run online-softmax first")
+        if any(op.name in ("mask.classify", "mask.kv_range") for op in func.walk()):
+            return func  # already done (its score function is split off then)
         lbody = loop.regions[0]
         fused = next((op for op in lbody.ops if op.name == "fused"), None)
         if fused is None:
             raise self.fail("the kv loop has no fused score function")
-        if any(op.name in ("mask.classify", "mask.kv_range") for op in func.walk()):
-            return func
         score, conj = split_mask(fused.regions[0])
         if not conj:
             return func
