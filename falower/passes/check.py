@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import NaNError, ShapeError
 from ..ir.core import Func
 from ..ir.interp import Interpreter
-from ..ir.types import is_float
+from ..ir.types import int_range, is_float, numpy_dtype
 from .autodiff import gradient_names, is_joint_of
 
 DEFAULT_SHAPES = {"B": 2, "H": 3, "HKV": 2, "M": 77, "N": 93, "D": 16}
@@ -69,6 +69,9 @@ def random_inputs(func: Func, env: Mapping[str, int], seed: int = 0, kind: str =
             x = _bool_table(rng, shape, kind)
         else:
             x = _int_table(rng, shape, kind)
+            if dt != "i32":  # an i8 table: the kind's values clipped to the type's range (order kept)
+                lo, hi = int_range(dt)
+                x = np.clip(x, lo, hi).astype(numpy_dtype(dt))
         out.append(x)
     return out
 
