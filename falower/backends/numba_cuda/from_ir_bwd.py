@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -264,6 +264,12 @@ def _is_iota(v: Value, axis: int) -> bool:
     return isinstance(op, Op) and op.name == "tile.iota" and op.attrs["axis"] == axis
 
 
+def _grid_index(idx: Sequence[Value]) -> bool:
+    """A table's indices [the tile's..., q, kv]: the last two the element's q and kv themselves (`_is_iota`), the
+    others the same for the whole tile (a bias table's [h, q, kv]); GradSpec.grid and `_grid_reads` both ask."""
+    return len(idx) >= 2 and _is_iota(idx[-2], 0) and _is_iota(idx[-1], 1) and all(i.type.rank == 0 for i in idx[:-2])
+
+
 def _widening_int_cast(op: Op) -> bool:
     """A cast between integer types that keeps every value: not to i8, which wraps q = 128 to -128."""
     to, src = op.results[0].type.dtype, op.operands[0].type.dtype if op.operands else ""
@@ -286,8 +292,8 @@ def _grid_reads(br: _Branch, captures: list[Value]) -> list[Op]:
             continue
         seen.add(id(v))
         tab, idx = (op.operands[0], op.operands[1:]) if op.operands else (None, [])
-        if op.name == "gather" and tab in captures and tab.type.dtype == "f32" and len(idx) == tab.type.rank >= 2 \
-                and _is_iota(idx[-2], 0) and _is_iota(idx[-1], 1) and all(i.type.rank == 0 for i in idx[:-2]):
+        if op.name == "gather" and tab in captures and tab.type.dtype == "f32" and len(idx) == tab.type.rank \
+                and _grid_index(idx):
             if op not in out:
                 out.append(op)
             continue
@@ -344,8 +350,7 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
         span: tuple = ()
         if not reduced and idx and spans[-1] not in (None, (0, 0)) and all(x == (0, 0) for x in spans[:-1]):
             span = spans[-1]  # type: ignore[assignment]
-        grid = not reduced and len(idx) >= 2 and _is_iota(idx[-2], 0) and _is_iota(idx[-1], 1) \
-            and all(i.type.rank == 0 for i in idx[:-2])
+        grid = not reduced and _grid_index(idx)
         out.append((name, cap, reduced, len(idx), span, grid))
         last.append(idx[-1] if span else None)
     return out, last
