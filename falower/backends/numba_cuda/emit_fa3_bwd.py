@@ -610,6 +610,19 @@ def read_early(spec: FA2BackwardSpec) -> bool:
     return bool(reads[0]) and all(r == reads[0] for r in reads)
 
 
+def _grid_covers(tq: str, tk: str) -> str:
+    """A table's rows of a multiple of 4 words covering M x N (tq, tk its last two extents): then a lane's four
+    kv-consecutive entries, from a multiple of 4 below N, lie inside one row. The uniform test of both the 16-byte
+    reductions (gvec) and the 16-byte loads (rvec), beside each one's alignment."""
+    return f"{tk} % 4 == 0 and {tk} >= N and {tq} >= M"
+
+
+def _element_qkv(jj: int, e: int, r: int, tq: str, tk: str) -> tuple[str, str]:
+    """Element (r, e) of n8 tile jj: its q column and kv row, clamped to a table's extents as a gather clamps (the
+    per-element side of v4_grads and read_v4)."""
+    return f"min(q0 + t2 + {8 * jj + e}, {tq} - 1)", f"min(kv0 + warp * 16 + {8 * r} + g, {tk} - 1)"
+
+
 def _emit_grid_loads(c: _Code, spec: FA2BackwardSpec, j: int, cap: int, n: int, jj: int, out: str) -> None:
     """Grid read j's 16-byte load of n8 tile jj (this lane's pair's four kv-consecutive entries) into out0 .. out3,
     zeros past M or N (under rvec<cap>)."""
@@ -663,9 +676,7 @@ def _emit_grid_reads(c: _Code, spec: FA2BackwardSpec, branch: str, jj: int) -> l
         with c.indent():
             for r in range(2):
                 for e in range(2):
-                    idx = lead + [f"min(q0 + t2 + {8 * jj + e}, {tq} - 1)",
-                                  f"min(kv0 + warp * 16 + {8 * r} + g, {tk} - 1)"]
-                    c(f"{tv[2 * r + e]} = {table}[{', '.join(idx)}]")
+                    c(f"{tv[2 * r + e]} = {table}[{', '.join(lead + list(_element_qkv(jj, e, r, tq, tk)))}]")
         names.append(f"tv{j}_{{}}")
     return names
 
@@ -749,10 +760,10 @@ def _emit_grid_adds(c: _Code, spec: FA2BackwardSpec, i: int, jj: int) -> None:
     with c.indent():
         for r in range(2):
             for e in range(2):
+                qq, kk = _element_qkv(jj, e, r, tq, tk)
                 c(f"if {v[2 * r + e]} != ZERO:")
                 with c.indent():
-                    c(f"cuda.atomic.add(grad_{i}, glead{i} + min(q0 + t2 + {8 * jj + e}, {tq} - 1) * {tk} "
-                      f"+ min(kv0 + warp * 16 + {8 * r} + g, {tk} - 1), {v[2 * r + e]})")
+                    c(f"cuda.atomic.add(grad_{i}, glead{i} + {qq} * {tk} + {kk}, {v[2 * r + e]})")
 
 
 def _key(offset: int) -> str:
@@ -1185,11 +1196,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("g4 = (lane >> 2) & 3  # v4_grads / read_v4: this lane's place among the four lanes of its t2, 4 rows")
         for i in V4:
             _, tq, tk = _grid_shape(spec, i)
-            c(f"gvec{i} = {tk} % 4 == 0 and {tk} >= N and {tq} >= M and (elem_addr(grad_{i}, (0,)) & 15) == 0")
+            c(f"gvec{i} = {_grid_covers(tq, tk)} and (elem_addr(grad_{i}, (0,)) & 15) == 0")
         for cap, n in sorted({x for v in RV.values() for x in v}):
             table = _cap_names(spec)[cap]
-            c(f"rvec{cap} = rows_aligned16({table}) and {table}.shape[{n - 1}] % 4 == 0 and {table}.shape[{n - 1}] >= N "
-              f"and {table}.shape[{n - 2}] >= M  # (a row's last 16 bytes inside it: a sliced table's too)")
+            cover = _grid_covers(f"{table}.shape[{n - 2}]", f"{table}.shape[{n - 1}]")
+            c(f"rvec{cap} = rows_aligned16({table}) and {cover}  "
+              "# (a row's last 16 bytes inside it: a sliced table's too)")
 
         def offset(i: int, jj: int, e: int, r: int) -> int:
             """Element (jj, e, r)'s index offset from the thread's base for grouped gradient i: its group."""
