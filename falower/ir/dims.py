@@ -16,17 +16,12 @@ DimLike = Union["Dim", int, str]
 
 
 def _dim_or_none(x: object) -> Optional["Dim"]:
-    """x as a Dim, or None where it is not one (a traced tensor: `N - kv` is then the tensor's __rsub__)."""
-    if isinstance(x, (Dim, int, str)) and not isinstance(x, bool):
-        return dim(x)
+    """x as a Dim (`dim`'s rules), or None where it is not one (a traced tensor: `N - kv` is then the tensor's
+    __rsub__)."""
     try:
-        import numpy as np
-
-        if isinstance(x, np.integer):
-            return dim(x)
-    except ImportError:  # pragma: no cover
-        pass
-    return None
+        return dim(x)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 class Dim:
