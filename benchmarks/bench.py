@@ -169,7 +169,8 @@ def parse_config(text: str) -> tuple:
     element, not summed a group of a thread's elements at the same entry first (extra grad_groups), '-bnov4' with a
     per-element gradient at [.., q, kv] (the bias table's) added per element, not four kv-consecutive entries by one
     16-byte reduction (extra grad_v4), '-bnoread' with such a table's entries gathered by each element, not by
-    16-byte loads (extra read_v4), '-bbulk' dQ staged
+    16-byte loads (extra read_v4), '-brlate' with those loads in the element code, not all a tile's issued before the
+    wait for S^T and dP^T (read_v4 "late"), '-bbulk' dQ staged
     in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' dK's
     GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P computed while dP's
     GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
@@ -277,7 +278,7 @@ CONFIG_OPTIONS: list = [
     (("bgt", {"hold_grads": False}),),
     (("bgg", {"grad_groups": False}),),
     (("bnov4", {"grad_v4": False}),),
-    (("bnoread", {"read_v4": False}),),
+    (("bnoread", {"read_v4": False}), ("brlate", {"read_v4": "late"})),
     (("bbulk", {"dq_bulk": True}),),
     (("bdkl", {"dk_after_dq": True}),),
     (("bpdp", {"p_under_dp": True}),),

@@ -70,6 +70,7 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "read": ({"read_v4": True}, "a bias table's entries by 16-byte loads, not gathered by each element"),
     "noread": ({"read_v4": False}, "a bias table's entries gathered by each element, not by 16-byte loads"),
     "early": ({"read_v4": "early"}, "a bias table's 16-byte loads of the tile issued before the S^T / dP^T wait"),
+    "rlate": ({"read_v4": "late"}, "a bias table's 16-byte loads of each n8 tile in the element code, after the wait"),
     "binner": ({"bwd_batch_inner": True}, "the grid (batch, kv tiles, kv heads): a table read once for the batch rows"),
     **{f"kvg{g}": ({"kv_group": g}, f"kv tile j of {g} heads, then j + 1") for g in (2, 4, 8)},
     "lah": ({"list_ahead": True}, "a block list's next entry read a tile ahead"),

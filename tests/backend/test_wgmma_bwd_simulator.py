@@ -614,32 +614,35 @@ def test_the_bias_tables_gradient_by_16_byte_reductions():
 
 def test_the_bias_tables_reads_by_16_byte_loads():
     """from_ir_bwd: the bias table's read at [hk, q, kv] is a grid read (FA2BackwardSpec.grid_reads), the relative
-    bias's (one index, q - kv) is not. read_v4 (the default): each n8 tile's entries by one 16-byte load a lane and
-    the transpose into elemg_all's tv0, behind the uniform test of the table (rvec0), the next tile's rows to L2;
-    read_v4 False: the element code gathers its own entry (elem_all). The simulator cases bias-* run both sides of
-    rvec0."""
+    bias's (one index, q - kv) is not. read_v4 (the default, "early"): each n8 tile's entries by one 16-byte load a
+    lane, all the tile's loads issued before the wait for S^T and dP^T, the transpose into elemg_all's tv0, behind
+    the uniform test of the table (rvec0), the next tile's rows to L2; "late": each n8 tile's loads in the element
+    code; read_v4 False: the element code gathers its own entry (elem_all). The simulator cases bias-* run both
+    sides of rvec0."""
     import falower as fl
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     spec = _spec("bias", D=128)
     assert spec.grid_reads == (("all", 0, 3),) and _spec("relative_bias").grid_reads == ()
     assert "def elemg_all(s, dp, lse, delta, b, h, hk, q, kv, interior, tv0, cap_bias," in spec.device_source
-    src = emit_fa3_bwd.emit_fa3_backward(spec)
     n8 = spec.block_q // 8
+    late = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": "late"}))
     loads = len(re.findall(r"tl0\w*, tl1\w*, tl2\w*, tl3\w* = ldg_vec\(cap_0_bias, \(gl0_\w*\[0\], gq\w*, gkv\)\)",
-                           src))
-    calls = src.count("= elemg_all(")
-    assert loads >= n8 and loads % n8 == 0 and calls == loads * 4 and "= elem_all(" not in src
+                           late))
+    calls = late.count("= elemg_all(")
+    assert loads >= n8 and loads % n8 == 0 and calls == loads * 4 and "= elem_all(" not in late
     assert ("rvec0 = rows_aligned16(cap_0_bias) and cap_0_bias.shape[2] % 4 == 0 and cap_0_bias.shape[2] >= N and "
-            "cap_0_bias.shape[1] >= M") in src
-    assert len(re.findall(r"prefetch_l2\(cap_0_bias, \(gp_\w*\[0\], prow\w*, pkv\w*\)\)", src)) == 1
-    early = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": "early"}))
-    wait = early.index("WAIT_S(sacc, 0)")  # "early": the tile's n8 loads once, before the wait for S^T and dP^T
-    assert len(re.findall(r"= ldg_vec\(cap_0_bias,", early)) == n8
-    assert all(m.start() < wait for m in re.finditer(r"= ldg_vec\(cap_0_bias,", early))
-    assert early.count("= elemg_all(") == calls and "te0_7_3" in early[wait:]
+            "cap_0_bias.shape[1] >= M") in late
+    assert len(re.findall(r"prefetch_l2\(cap_0_bias, \(gp_\w*\[0\], prow\w*, pkv\w*\)\)", late)) == 1
+    for extra in ({}, {"read_v4": True}, {"read_v4": "early"}):  # the default, however asked for
+        early = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra=extra))
+        wait = early.index("WAIT_S(sacc, 0)")  # the tile's n8 loads once, before the wait for S^T and dP^T
+        assert len(re.findall(r"= ldg_vec\(cap_0_bias,", early)) == n8
+        assert all(m.start() < wait for m in re.finditer(r"= ldg_vec\(cap_0_bias,", early))
+        assert early.count("= elemg_all(") == calls and "te0_7_3" in early[wait:]
+        assert "rvec0 = rows_aligned16(cap_0_bias)" in early and "prefetch_l2(cap_0_bias" in early
     with pytest.raises(fl.FalowerError, match="read_v4"):  # falower.compile refuses a value it would misread
-        fl.compile(fl.attention(), extra={"read_v4": "late"})
+        fl.compile(fl.attention(), extra={"read_v4": "sometimes"})
     off = emit_fa3_bwd.emit_fa3_backward(_spec("bias", D=128, extra={"read_v4": False}))
     assert "ldg_vec(cap_" not in off and "= elemg_all(" not in off and "prefetch_l2(" not in off
 

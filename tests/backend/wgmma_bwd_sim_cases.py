@@ -66,9 +66,10 @@ CASES = {
     # the grid with the batch rows of a (kv tile, kv head) in consecutive blocks (bwd_batch_inner, asked for): 2 batch
     # rows, 2 kv tiles, 2 kv heads
     "bias-f16-d64-20x130-binner": ("bias", "f16", 2, 2, 2, 20, 130, 64, 64, 64, {"bwd_batch_inner": True}),
-    # read_v4 "early" (asked for): the tile's loads issued before the S^T and dP^T wait, both sides of rvec0
-    "bias-f16-d64-70x68-2wg-early": ("bias", "f16", 1, 1, 1, 70, 68, 64, 64, 128, {"read_v4": "early"}),
-    "bias-bf16-d64-20x67-early": ("bias", "bf16", 1, 1, 1, 20, 67, 64, 64, 64, {"read_v4": "early"}),
+    # read_v4 "late" (asked for; the default issues them before the S^T and dP^T wait): each n8 tile's loads in the
+    # element code, both sides of rvec0
+    "bias-f16-d64-70x68-2wg-late": ("bias", "f16", 1, 1, 1, 70, 68, 64, 64, 128, {"read_v4": "late"}),
+    "bias-bf16-d64-20x67-late": ("bias", "bf16", 1, 1, 1, 20, 67, 64, 64, 64, {"read_v4": "late"}),
     "prefix_lm-bf16-d64-100x65-128x128": ("prefix_lm", "bf16", 1, 1, 1, 100, 65, 64, 128, 128),  # dQ's rows split
     "causal-bf16-d128-40x130-2wg-dqk": ("causal", "bf16", 1, 1, 1, 40, 130, 128, 64, 128, {"dq_split": "k"}),
     # dQ's rows staged for bulk reductions (dq_bulk, asked for): one warpgroup, 2 q tiles (the staging rows written

@@ -593,18 +593,21 @@ def read_v4(spec: FA2BackwardSpec, branch: str) -> list[tuple[int, int]]:
     entry, clamped), the next tile's rows prefetched to L2 at each tile's top (without the prefetch the loads
     waited on HBM: 0.949 of the gathers' time at D = 128, 1.138 at D = 64; with it 0.776 and 0.909; H200, the whole
     backward call, benchmarks/NOTES.md "The bias table's backward"). spec.extra["read_v4"] = False keeps the
-    gathers in the element code; "early" issues the tile's loads before the wait for S^T and dP^T (read_early)."""
+    gathers in the element code; the default (True or "early") issues the tile's loads before the wait for S^T and
+    dP^T (read_early), "late" in the element code, each n8 tile's loads just before its elements."""
     if spec.extra.get("read_v4", True) is False:
         return []
     return [(cap, n) for br, cap, n in spec.grid_reads if br == branch]
 
 
 def read_early(spec: FA2BackwardSpec) -> bool:
-    """spec.extra["read_v4"] == "early": every n8 tile's 16-byte loads of the grid reads issued right after the S^T
-    and dP^T GEMMs, before their wait, so that the loads' L2 latency runs under the GEMMs (each loaded n8 tile
-    waited on inside the element code; 4 registers a read and n8 tile held across the wait: 32 at block_q 64).
-    Where the branches read different tables, the loads stay in the element code. Opt-in until measured."""
-    if spec.extra.get("read_v4", True) != "early":
+    """spec.extra["read_v4"] True (the default) or "early": every n8 tile's 16-byte loads of the grid reads issued
+    right after the S^T and dP^T GEMMs, before their wait, so that the loads' L2 latency runs under the GEMMs (each
+    loaded n8 tile waited on inside the element code; 4 registers a read and n8 tile held across the wait: 32 at
+    block_q 64). Measured on the H200, the whole backward call against "late" (the loads in the element code):
+    0.869 at D = 128 (despite ptxas's 528 bytes of spill stores against 148), 0.762 at D = 64 (benchmarks/NOTES.md,
+    "The bias table's loads before the wait"). Where the branches read different tables, the loads stay late."""
+    if spec.extra.get("read_v4", True) not in (True, "early"):
         return False
     reads = [tuple(read_v4(spec, b)) for b in spec.branches]
     return bool(reads[0]) and all(r == reads[0] for r in reads)

@@ -93,7 +93,7 @@ EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be
     "decode_block_k": (64, 128),
     "map_prefetch": (True, False),
     "item_carry": ("auto", "div", "sub"),
-    "read_v4": (True, False, "early"),
+    "read_v4": (True, False, "early", "late"),  # True: the default, "early"
     "bwd_batch_inner": (True, False),
     "grad_v4": (True, False),
 }
