@@ -168,6 +168,19 @@ def test_integer_ops_and_casts() -> None:
     assert cf.dtype == np.float32 and list(cf) == [-7.0, 7.0, -5.0]
 
 
+def test_a_float_cast_to_an_integer_truncates_and_saturates() -> None:
+    """cast's definition (ir/ops.py): toward zero, saturated to the type's range, NaN to 0, as PTX's cvt.rzi; numpy's
+    own astype gave INT_MIN past the range on x86, which no kernel computes. i32 and i8, f32 and f64 sources."""
+    xs = [3.7, -3.7, 3e9, -3e9, np.inf, -np.inf, np.nan, 2147483520.0, 300.0, -300.0, 127.9]
+    for src in ("f32", "f64"):
+        f, b, (x,) = new_func("c", [("x", tensor(src, "N"))])
+        b.ret(b.emit("cast", x, to="i32"), b.emit("cast", x, to="i8"))
+        i32, i8 = interpret(f, [np.array(xs, np.float32 if src == "f32" else np.float64)], "native")
+        top, bottom = 2 ** 31 - 1, -2 ** 31
+        assert list(i32) == [3, -3, top, bottom, top, bottom, 0, 2147483520, 300, -300, 127], (src, list(i32))
+        assert list(i8) == [3, -3, 127, -128, 127, -128, 0, 127, 127, -128, 127], (src, list(i8))
+
+
 def test_shapes_bind_from_inputs_and_mismatches_are_shape_errors() -> None:
     g = fl.attention(name="plain")
     q = np.zeros((1, 2, 3, 4))

@@ -229,7 +229,8 @@ class Interpreter:
         if n == "cast":
             src = x[0]
             if src.dtype.kind == "f" and rt is not None and not is_float(rt.dtype) and rt.dtype != "bool":
-                src = np.trunc(np.nan_to_num(src))
+                lo, hi = int_range(rt.dtype)  # toward zero, saturated, NaN to 0 (the op's definition, PTX's cvt.rzi)
+                src = np.clip(np.trunc(np.nan_to_num(src.astype(np.float64), nan=0.0)), lo, hi)
             return src
         raise NotImplementedError(f"the interpreter has no rule for {n}")
 

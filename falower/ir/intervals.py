@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .core import Block, Value
+from .core import Block, Op, Value
 from .types import int_range, is_float, is_int
 
 Interval = tuple[float, float]
@@ -123,87 +123,104 @@ def eval_interval(block: Block, args: Sequence[Interval], env: Optional[Mapping[
         if op.name == "yield":
             return vals[op.operands[0]]
         x = [vals[v] for v in op.operands]
-        n = op.name
-        dtype = op.results[0].type.dtype
-        if n == "const":
-            v = op.attrs["value"]
-            if hasattr(v, "symbols"):
-                try:
-                    v = v.eval(env or {})
-                except Exception:
-                    v = None
-            r: Interval = (float(v), float(v)) if v is not None else UNKNOWN
-        elif n == "add":
-            r = (x[0][0] + x[1][0], x[0][1] + x[1][1])
-        elif n == "sub":
-            r = (x[0][0] - x[1][1], x[0][1] - x[1][0])
-        elif n == "mul":
-            r = _mul(x[0], x[1])
-        elif n == "neg":
-            r = (-x[0][1], -x[0][0])
-        elif n == "abs":
-            lo, hi = x[0]
-            r = (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
-        elif n in ("min", "max"):
-            f = min if n == "min" else max
-            r = (f(x[0][0], x[1][0]), f(x[0][1], x[1][1]))
-        elif n == "floordiv" and x[1][0] == x[1][1] and x[1][0] > 0 and all(map(math.isfinite, x[0])):
-            c = x[1][0]
-            r = (x[0][0] // c, x[0][1] // c)
-        elif n == "mod" and x[1][0] == x[1][1] and x[1][0] > 0 and all(map(math.isfinite, x[0])):
-            c = x[1][0]
-            r = (x[0][0] % c, x[0][1] % c) if x[0][0] // c == x[0][1] // c else (0.0, c - 1)
-        elif n in ("lt", "le", "gt", "ge", "eq", "ne"):
-            r = _compare(n, x[0], x[1])
-        elif n == "and":
-            r = (min(x[0][0], x[1][0]), min(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
-        elif n == "or":
-            r = (max(x[0][0], x[1][0]), max(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
-        elif n == "not":  # logical on bool, bitwise on ints (~x = -x - 1), as the interpreter's np.invert
-            r = ((1 - x[0][1], 1 - x[0][0]) if dtype == "bool" and _is_bool(x[0])
-                 else (-x[0][1] - 1, -x[0][0] - 1) if is_int(dtype) else UNKNOWN)
-        elif n == "xor":  # logical on bool; bitwise xor on ints has no interval rule here
-            if dtype != "bool":
-                r = UNKNOWN
-            else:
-                r = (float(x[0][0] != x[1][0]),) * 2 if _exact(x[0]) and _exact(x[1]) else (0, 1)  # type: ignore
-        elif n == "where":
-            c, a, b = x
-            r = a if c == (1, 1) else b if c == (0, 0) else (min(a[0], b[0]), max(a[1], b[1]))
-        elif n == "cast":
-            r = _cast(x[0], op.operands[0].type.dtype, op.attrs["to"])
-        elif n in _MONOTONE:
-            with np.errstate(all="ignore"):
-                f = {"log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "round": np.round,
-                     "sign": np.sign,
-                     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
-                     # the definition's interval; a kernel's partial tiles evaluate the approximation, so a mask
-                     # on tanh_approx may differ from the IR where a value is within its error of a threshold
-                     "tanh_approx": np.tanh,
-                     "sigmoid": lambda t: 1 / (1 + np.exp(-t)), "sqrt": np.sqrt,
-                     "erf": lambda t: math.erf(t) if math.isfinite(t) else math.copysign(1.0, t)}[n]
-                r = (float(f(x[0][0])), float(f(x[0][1])))
-            if any(math.isnan(t) for t in r):
-                r = UNKNOWN
-        elif n == "rsqrt":  # decreasing
-            with np.errstate(all="ignore"):
-                r = (float(1 / np.sqrt(x[0][1])), float(1 / np.sqrt(x[0][0])))
-            if any(math.isnan(t) for t in r):
-                r = UNKNOWN
-        elif n in ("sin", "cos"):
-            r = (-1.0, 1.0)
-        elif n == "gather" and op.operands[0] in ranged:
+        if op.name == "gather" and op.operands[0] in ranged:
             r = ranged[op.operands[0]].lookup(x[1:])
-        else:  # gather and anything not modelled: data we cannot see
-            r = UNKNOWN if op.results[0].type.dtype != "bool" else (0, 1)
-        if dtype == "bool" and not _is_bool(r):
-            r = (0, 1)
-        elif is_float(dtype) and (n in _ROUNDED or n == "const"):
-            r = _widen(r, dtype, 8 if n in _MONOTONE or n == "rsqrt" else 2)
-        elif is_int(dtype) and not (int_range(dtype)[0] <= r[0] and r[1] <= int_range(dtype)[1]):
-            r = UNKNOWN  # the interpreter's integers wrap around
-        vals[op.results[0]] = r
+        else:
+            r = op_interval(op, x, env)
+        vals[op.results[0]] = settle(op, r)
     raise ValueError("predicate region without yield")
+
+
+def op_interval(op: Op, x: Sequence[Interval], env: Optional[Mapping[str, int]] = None) -> Interval:
+    """One elementwise op's result interval from its operands', by exact arithmetic: not yet rounded to a float
+    dtype nor wrapped to an integer one (`settle` does both; value_ranges.py reads whether an i32 result can leave
+    its type from this). A gather, and any op not modelled, is data we cannot see: unknown (bools (0, 1))."""
+    n = op.name
+    dtype = op.results[0].type.dtype
+    r: Interval
+    if n == "const":
+        v = op.attrs["value"]
+        if hasattr(v, "symbols"):
+            try:
+                v = v.eval(env or {})
+            except Exception:
+                v = None
+        r = (float(v), float(v)) if v is not None else UNKNOWN
+    elif n == "add":
+        r = (x[0][0] + x[1][0], x[0][1] + x[1][1])
+    elif n == "sub":
+        r = (x[0][0] - x[1][1], x[0][1] - x[1][0])
+    elif n == "mul":
+        r = _mul(x[0], x[1])
+    elif n == "neg":
+        r = (-x[0][1], -x[0][0])
+    elif n == "abs":
+        lo, hi = x[0]
+        r = (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+    elif n in ("min", "max"):
+        f = min if n == "min" else max
+        r = (f(x[0][0], x[1][0]), f(x[0][1], x[1][1]))
+    elif n == "floordiv" and x[1][0] == x[1][1] and x[1][0] > 0 and all(map(math.isfinite, x[0])):
+        c = x[1][0]
+        r = (x[0][0] // c, x[0][1] // c)
+    elif n == "mod" and x[1][0] == x[1][1] and x[1][0] > 0 and all(map(math.isfinite, x[0])):
+        c = x[1][0]
+        r = (x[0][0] % c, x[0][1] % c) if x[0][0] // c == x[0][1] // c else (0.0, c - 1)
+    elif n in ("lt", "le", "gt", "ge", "eq", "ne"):
+        r = _compare(n, x[0], x[1])
+    elif n == "and":
+        r = (min(x[0][0], x[1][0]), min(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
+    elif n == "or":
+        r = (max(x[0][0], x[1][0]), max(x[0][1], x[1][1])) if _is_bool(x[0]) and _is_bool(x[1]) else UNKNOWN
+    elif n == "not":  # logical on bool, bitwise on ints (~x = -x - 1), as the interpreter's np.invert
+        r = ((1 - x[0][1], 1 - x[0][0]) if dtype == "bool" and _is_bool(x[0])
+             else (-x[0][1] - 1, -x[0][0] - 1) if is_int(dtype) else UNKNOWN)
+    elif n == "xor":  # logical on bool; bitwise xor on ints has no interval rule here
+        if dtype != "bool":
+            r = UNKNOWN
+        else:
+            r = (float(x[0][0] != x[1][0]),) * 2 if _exact(x[0]) and _exact(x[1]) else (0, 1)  # type: ignore
+    elif n == "where":
+        c, a, b = x
+        r = a if c == (1, 1) else b if c == (0, 0) else (min(a[0], b[0]), max(a[1], b[1]))
+    elif n == "cast":
+        r = _cast(x[0], op.operands[0].type.dtype, op.attrs["to"])
+    elif n in _MONOTONE:
+        with np.errstate(all="ignore"):
+            f = {"log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "round": np.round,
+                 "sign": np.sign,
+                 "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
+                 # the definition's interval; a kernel's partial tiles evaluate the approximation, so a mask
+                 # on tanh_approx may differ from the IR where a value is within its error of a threshold
+                 "tanh_approx": np.tanh,
+                 "sigmoid": lambda t: 1 / (1 + np.exp(-t)), "sqrt": np.sqrt,
+                 "erf": lambda t: math.erf(t) if math.isfinite(t) else math.copysign(1.0, t)}[n]
+            r = (float(f(x[0][0])), float(f(x[0][1])))
+        if any(math.isnan(t) for t in r):
+            r = UNKNOWN
+    elif n == "rsqrt":  # decreasing
+        with np.errstate(all="ignore"):
+            r = (float(1 / np.sqrt(x[0][1])), float(1 / np.sqrt(x[0][0])))
+        if any(math.isnan(t) for t in r):
+            r = UNKNOWN
+    elif n in ("sin", "cos"):
+        r = (-1.0, 1.0)
+    else:  # gather and anything not modelled: data we cannot see
+        r = UNKNOWN if dtype != "bool" else (0, 1)
+    return r
+
+
+def settle(op: Op, r: Interval) -> Interval:
+    """op_interval's result as the op's dtype holds it: a bool (0, 1) unless decided, a float widened by its
+    rounding, an integer past its type's range unknown (the interpreter's integers wrap around)."""
+    n, dtype = op.name, op.results[0].type.dtype
+    if dtype == "bool" and not _is_bool(r):
+        return (0, 1)
+    if is_float(dtype) and (n in _ROUNDED or n == "const"):
+        return _widen(r, dtype, 8 if n in _MONOTONE or n == "rsqrt" else 2)
+    if is_int(dtype) and not (int_range(dtype)[0] <= r[0] and r[1] <= int_range(dtype)[1]):
+        return UNKNOWN
+    return r
 
 
 # Float results are rounded (the interpreter computes in f32 or f64 and stores each value in its dtype, a kernel in
@@ -225,17 +242,21 @@ def _widen(r: Interval, dtype: str, ulps: int) -> Interval:
 
 def _cast(x: Interval, src: str, to: str) -> Interval:
     """A cast's interval, as the interpreter casts: to bool (nonzero), float to int by truncation toward zero
-    (monotone, so its ends' truncations), ints wrapping outside the target's range (unknown there), to a float
-    rounded to nearest (monotone: the ends rounded, widened)."""
+    saturated to the target's range (monotone, so its ends' truncations clamped; NaN's 0 lies between them), ints
+    wrapping outside the target's range (unknown there), to a float rounded to nearest (monotone: the ends rounded,
+    widened)."""
     if to == "bool":
         return (0, 0) if x == (0, 0) else (1, 1) if x[0] > 0 or x[1] < 0 else (0, 1)
     if is_float(to):
         return _widen(x, to, 2)
+    lo, hi = int_range(to)
+    if is_float(src):
+        def sat(t: float) -> float:
+            return float(lo) if t <= lo else float(hi) if t >= hi else float(math.trunc(t))
+        return sat(x[0]), sat(x[1])
     if not all(map(math.isfinite, x)):
         return UNKNOWN
-    r = (float(math.trunc(x[0])), float(math.trunc(x[1]))) if is_float(src) else x
-    lo, hi = int_range(to)
-    return r if lo <= r[0] and r[1] <= hi else UNKNOWN
+    return x if lo <= x[0] and x[1] <= hi else UNKNOWN
 
 
 def _is_bool(x: Interval) -> bool:

@@ -119,7 +119,9 @@ def _infer_where(ts, attrs):
     return [TensorType(dt, _bcast(ts))]
 
 
-_register("cast", "elementwise", "any", _infer_cast)
+_register("cast", "elementwise", "any", _infer_cast,
+          doc="to `to`: a float to an integer truncated toward zero and saturated to the type's range (NaN to 0, as "
+              "PTX's cvt.rzi); integers wrap to a narrower type (two's complement); to bool: nonzero")
 _register("where", "elementwise", "any", _infer_where)
 
 

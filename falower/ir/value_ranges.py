@@ -1,0 +1,164 @@
+"""Static ranges of integer values: where the IR's i32 arithmetic can wrap, so that a kernel wraps there too.
+
+The interpreter's i32 arithmetic wraps around (two's complement); a kernel's integer code is Numba's int64, which
+does not. Wrapping every i32 result in the kernels would cost instructions in every score and mask; instead a
+kernel wraps only the results this analysis cannot keep inside i32 (a product or sum with a captured value, a
+cast of an i64 ...), and the indices' usual arithmetic (q - kv, kv - q + N - 1) stays as it is.
+
+`static_range(v, env)` follows v up to what defines it: a loop's index from its bounds, a fused or mask op's
+region argument from the op's operands (a mask's q and kv over the tile it classifies), tile.iota from its start
+and extent, a size from `env` (a size not in env is any value in 1 .. SIZE_MAX = 2^24), elementwise ops by
+intervals.op_interval; data (gathers, loads, captured values, the function's arguments, loop-carried values) take
+their dtype's whole range. Sound for every run with those sizes: every value v takes lies inside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+from .core import Block, Op, Value
+from .dims import BinDim, Const, Dim, Sym
+from .intervals import UNKNOWN, Interval, op_interval
+from .ops import ELEMENTWISE
+from .types import int_range, is_int
+
+# a size not known at compile time is at most this: the kernels refuse larger inputs (runtime.check_sizes), so
+# that the indices' usual arithmetic (q + N - 1, a relative bias's row; kv - 40 q, a strided mask) stays inside i32
+# without a wrap. 2^24 = 16,777,216 tokens: also where an index stops being exact in f32 (ALiBi's float(kv - q))
+SIZE_MAX = 2 ** 24
+_VIEWS = ("unsqueeze", "broadcast_to", "reshape", "squeeze", "expand_dims")
+
+
+def dim_range(d: Dim, env: Mapping[str, int]) -> Interval:
+    """A size expression's least and greatest value, its symbols from env or else in 1 .. SIZE_MAX."""
+    if isinstance(d, Const):
+        return (float(d.value), float(d.value))
+    if isinstance(d, Sym):
+        return (float(env[d.name]),) * 2 if d.name in env else (1.0, float(SIZE_MAX))  # type: ignore[return-value]
+    if isinstance(d, BinDim):
+        a, b = dim_range(d.lhs, env), dim_range(d.rhs, env)
+        if d.op == "+":
+            return a[0] + b[0], a[1] + b[1]
+        if d.op == "-":
+            return a[0] - b[1], a[1] - b[0]
+        if d.op == "*":
+            p = [x * y for x in a for y in b]
+            return min(p), max(p)
+        if d.op in ("fdiv", "cdiv") and b[0] > 0:  # monotone in a, decreasing in b > 0
+            f = (lambda x, y: x // y) if d.op == "fdiv" else (lambda x, y: -(-x // y))
+            p = [f(x, y) for x in a for y in b]
+            return min(p), max(p)
+        if d.op in ("min", "max"):
+            g = min if d.op == "min" else max
+            return g(a[0], b[0]), g(a[1], b[1])
+    try:
+        v = float(d.eval(env))
+        return v, v
+    except Exception:
+        return UNKNOWN
+
+
+class ValueRanges:
+    """static_range with a memo (one per function and env); `seed` fixes a value's range where the caller knows
+    it better (a closed predicate region's b, h, q, kv, which no op defines)."""
+
+    def __init__(self, env: Mapping[str, int], seeds: Optional[Mapping[Value, Interval]] = None):
+        self.env = dict(env)
+        self.memo: dict[Value, Interval] = dict(seeds or {})
+
+    def seed(self, v: Value, r: Interval) -> None:
+        self.memo[v] = r
+
+    def __call__(self, v: Value) -> Interval:
+        if v in self.memo:
+            return self.memo[v]
+        self.memo[v] = self._whole(v)  # (a cycle through a loop's carried value reads its type's range)
+        r = self._range(v)
+        if is_int(v.type.dtype):  # what the type holds: past its range the value wrapped (the whole range)
+            lo, hi = int_range(v.type.dtype)
+            if not (lo <= r[0] and r[1] <= hi):
+                r = (float(lo), float(hi))
+        elif v.type.dtype == "bool":
+            r = (max(r[0], 0.0), min(r[1], 1.0)) if r[0] <= r[1] and 0 <= r[0] and r[1] <= 1 else (0.0, 1.0)
+        self.memo[v] = r
+        return r
+
+    def raw(self, op: Op) -> Interval:
+        """An elementwise op's result range before its type wraps it (op_interval over the operands' ranges):
+        outside int_range the IR's result wrapped, which the kernel must then do too."""
+        return op_interval(op, [self(o) for o in op.operands], self.env)
+
+    @staticmethod
+    def _whole(v: Value) -> Interval:
+        if is_int(v.type.dtype):
+            lo, hi = int_range(v.type.dtype)
+            return float(lo), float(hi)
+        return (0.0, 1.0) if v.type.dtype == "bool" else UNKNOWN
+
+    def _range(self, v: Value) -> Interval:
+        owner = v.owner
+        if isinstance(owner, Block):
+            return self._arg(v, owner)
+        if not isinstance(owner, Op):
+            return self._whole(v)
+        op = owner
+        n = op.name
+        if n == "const":
+            c = op.attrs["value"]
+            if isinstance(c, Dim):
+                return dim_range(c, self.env)
+            if isinstance(c, (bool, int, float)):
+                return float(c), float(c)
+            return self._whole(v)
+        if n == "tile.iota":
+            start = self(op.operands[0])
+            extent = dim_range(v.type.shape[op.attrs["axis"]], self.env)
+            return start[0], start[1] + extent[1] - 1
+        if n in _VIEWS and len(op.operands) == 1:
+            return self(op.operands[0])
+        if n == "mask.kv_range":  # first and past-last kv tile: 0 .. cdiv(nkv, bk)
+            return 0.0, float(math.ceil(self(op.operands[3])[1] / op.attrs["bk"]))
+        if n == "mask.q_range":
+            return 0.0, float(math.ceil(self(op.operands[3])[1] / op.attrs["bq"]))
+        if n in ELEMENTWISE and n != "gather":
+            return self.raw(op)
+        return self._whole(v)
+
+    def _arg(self, v: Value, block: Block) -> Interval:
+        op = block.parent
+        i = block.args.index(v)
+        if op is None:
+            return self._whole(v)
+        if op.name == "parallel_for" and i < len(op.attrs.get("bounds", ())):
+            hi = dim_range(_as_dim(op.attrs["bounds"][i]), self.env)[1]
+            return 0.0, hi - 1
+        if op.name == "for" and i == 0:  # the index: lo .. hi - 1
+            return self(op.operands[0])[0], self(op.operands[1])[1] - 1
+        if op.name == "fused" and len(block.args) == len(op.operands):
+            return self(op.operands[i])
+        if op.name.startswith("mask.") and i < 4:
+            return self._mask_arg(op, i, v)
+        return self._whole(v)  # a captured value, a loop's carried value
+
+    def _mask_arg(self, op: Op, i: int, v: Value) -> Interval:
+        """A mask region's b, h, q or kv over the tiles the op asks about (interp.py's op_mask_*)."""
+        bq, bk = op.attrs.get("bq", 1), op.attrs.get("bk", 1)
+        if i < 2:  # b, h: the op's own where it takes them
+            return self(op.operands[i]) if op.name != "mask.block_table" else self._whole(v)
+        x = self(op.operands[2]) if op.name != "mask.block_table" else None
+        y = self(op.operands[3]) if op.name != "mask.block_table" else None
+        if op.name == "mask.classify":  # q0, k0: rows q0 .. q0 + bq - 1, columns k0 .. k0 + bk - 1
+            r = x if i == 2 else y
+            return r[0], r[1] + (bq if i == 2 else bk) - 1
+        if op.name == "mask.kv_range":  # q0, nkv
+            return (x[0], x[1] + bq - 1) if i == 2 else (0.0, math.ceil(y[1] / bk) * bk - 1)
+        if op.name == "mask.q_range":  # k0, nq rows
+            return (0.0, math.ceil(y[1] / bq) * bq - 1) if i == 2 else (x[0], x[1] + bk - 1)
+        return 0.0, float(SIZE_MAX)  # mask.block_table: indices of the tensor's own extents
+
+
+def _as_dim(b: object) -> Dim:
+    from .dims import dim
+
+    return b if isinstance(b, Dim) else dim(b)  # type: ignore[arg-type]
