@@ -87,11 +87,19 @@ def run_idiom_case(which: str) -> dict:
                          * 0.01, mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) & ((q.to("i8") + 100) > 0) | (kv < 8),
                          name="bias_i8")
         windows = [None]
+    elif which == "i32":  # i32 wraps as the IR's: q * 2^25 past row 63 in the score, kv + w with a captured w in the
+        # mask (w = 2^31 - 1 keeps only kv = 0: no row bounds, the tiles partial), a float cast to i32 saturated
+        window = fl.capture("window", "i32", "")
+        g = fl.attention(score_mod=lambda s, b, h, q, kv: s + (q * 33554432).to("f32") * 2.0 ** -31
+                         + (s * 1e12).to("i32").to("f32") * 2.0 ** -33,
+                         mask_mod=lambda b, h, q, kv: kv + window >= q, name="i32_wraps")
+        windows = [2 ** 31 - 1, 5]
     else:
         window = fl.capture("window", "i32", "")
         g = fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < window), name="captured_window")
         windows = [5, 17]
-    env = bind_dims(g, {**SHAPES, "M": 200, "H": 1} if which == "i8" else SHAPES)
+    env = bind_dims(g, {**SHAPES, "M": 200, "H": 1} if which == "i8" else {**SHAPES, "M": 100} if which == "i32"
+                    else SHAPES)
     c = fl.compile(g, "numba-cuda", pipeline=PIPELINE, path="mma", num_warps=2)
     errs = []
     for w in windows:
@@ -155,7 +163,7 @@ STEMS = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 # its own code (masked rows, per-element tables, GQA, causal tiles): the rest were cut for CI time
 SIMT_STEMS = {"causal", "document", "gqa", "relative_bias"}
 CASES = [(s, p) for s in STEMS for p in ("mma", "simt") if p == "mma" or s in SIMT_STEMS]
-IDIOM_CASES = ["maths", "window", "i8"]
+IDIOM_CASES = ["maths", "window", "i8", "i32"]
 PAIR_CASES = ["aligned", "odd", "short"]
 TABLE_CASES = [("blocks", "blocks"), ("blocks", "constant"), ("shared_prefix", "unsorted"), ("dense", "sorted")]
 

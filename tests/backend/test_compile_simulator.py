@@ -51,7 +51,9 @@ def test_block_mask_kernel_classes_equal_the_ir(results, case_id):
 def test_frontend_idioms_compile_and_match(results, which):
     """sin, cos, round, floor, sign, rsqrt, log1p, expm1, tan in a score function; a window passed as a 0-d
     capture, run with two values by one kernel (a captured scalar is a kernel argument, not a constant); q cast to
-    i8 in a table's index and a mask at M = 200 (rows past 127 wrap: 2.7 off before the kernels wrapped them)."""
+    i8 in a table's index and a mask at M = 200 (rows past 127 wrap: 2.7 off before the kernels wrapped them); i32
+    products and sums with a captured value that wrap, and a float cast to i32 that saturates, at M = 100 (the
+    score 1.5 off and the mask keeping kv + w >= q for every kv before the kernels wrapped them)."""
     r = results[f"idiom-{which}"]
     assert "error" not in r, r["error"] if "error" in r else ""
     assert r["err"] <= 4e-3, r

@@ -205,3 +205,29 @@ def test_row_bounds_that_read_tables_are_hoisted(stem: str, reads: bool) -> None
     ws = emit_fa3_ws_forward(dataclasses.replace(spec, block_q=128, extra={"schedule": "wgmma-ws", "producer": "none"}))
     loop = ws.index("while j <= kv_last:")
     assert ("= row_bounds_fn(" in ws[:loop] and "masked_score_row_in(sc" in ws[loop:]) is reads
+
+
+def test_a_sum_that_can_wrap_gets_no_bounds_and_the_mask_wraps() -> None:
+    """`kv + w >= q` with a captured i32 w: the IR's sum wraps past 2^31 - 1 (w = 2^31 - 1 keeps kv = 0 only), the
+    bounds' arithmetic (kv >= q - w) would not, so no row bounds; mask_fn wraps as the IR does. `q - kv < w` cannot
+    leave i32 for sizes up to value_ranges.SIZE_MAX and keeps its bounds, its mask no wrap code."""
+    from falower.ir import interpret
+
+    w = fl.capture("w", "i32", "")
+    ns = _functions(fl.attention(mask_mod=lambda b, h, q, kv: kv + w >= q, name="kvw"))
+    assert "row_bounds_fn" not in ns
+    big = np.array([2 ** 31 - 1], np.int32)
+    assert [bool(ns["mask_fn"](0, 0, 3, kv, big)) for kv in range(4)] == [True, False, False, False]
+    g = fl.attention(mask_mod=lambda b, h, q, kv: kv + w >= q, name="kvw")  # the IR agrees: kv = 0 alone
+    rng = np.random.default_rng(0)
+    q_, k_ = rng.standard_normal((1, 1, 5, 8)), rng.standard_normal((1, 1, 6, 8))
+    v_ = rng.standard_normal((1, 1, 6, 8))
+    with np.errstate(over="ignore"):
+        (o, *_) = interpret(g, [q_, k_, v_, np.array(2 ** 31 - 1, np.int32)])
+    np.testing.assert_allclose(o[0, 0], np.broadcast_to(v_[0, 0, 0], (5, 8)), rtol=1e-12)
+    window = fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < w), name="qkw")
+    assert "2147483648" not in device_source(analyse(fl.lower(window, "fa2-fwd")), {"D": 64})
+    win = _functions(window)
+    assert "row_bounds_fn" in win
+    assert _check_exact(win, (np.array([5], np.int32),), bounds_caps=(np.array([5], np.int32),)) == 2 * 2 * 70
+

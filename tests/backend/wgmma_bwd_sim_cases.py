@@ -61,7 +61,8 @@ CASES = {
     "bias4d_gqa_causal-f16-d64-70x68": ("bias4d_gqa_causal", "f16", 1, 4, 2, 70, 68, 64, 64, 64),
     # two tables' gradients returned in the function's order, not the scatters' (both by 16-byte forms)
     "two_tables-f16-d64-70x68": ("two_tables", "f16", 1, 2, 2, 70, 68, 64, 64, 64),
-    # a narrowing cast in the table's index and the mask (i8: rows 128-199 wrap), 4 q tiles
+    # a narrowing cast in the table's index and the mask (i8: rows 128-199 wrap), 4 q tiles; an i32 product wrapping
+    # past kv = 63
     "bias_i8-f16-d64-200x68": ("bias_i8", "f16", 1, 1, 1, 200, 68, 64, 64, 64),
     # the grid with the batch rows of a (kv tile, kv head) in consecutive blocks (bwd_batch_inner, asked for): 2 batch
     # rows, 2 kv tiles, 2 kv heads
@@ -180,11 +181,14 @@ def _two_tables():
 def _bias_i8():
     """A bias read at q cast to i8 and a mask on it: rows past 127 wrap to negative, so the table's row is clamped
     to 0 and the mask drops them. The kernels once read q itself (the element code's int() and the grid form took
-    the cast as the identity) and classified tiles of rows 128-191 as full (the cast's interval passed through)."""
+    the cast as the identity) and classified tiles of rows 128-191 as full (the cast's interval passed through).
+    And an i32 product that wraps past kv = 63 (kv * 2^25), which the element code wraps as the IR does
+    (value_ranges.py): the score's term falls from ~1 to ~-1 there, where Numba's int64 would carry on to ~1.05."""
     import falower as fl
 
     bias = fl.capture("bias", "f32", "H,M,N")
-    return fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q.to("i8"), kv],
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q.to("i8"), kv]
+                        + (kv * 33554432).to("f32") * 2.0 ** -31,
                         mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) | (kv < 8), name="bias_i8")
 
 

@@ -19,6 +19,7 @@ from ...ir.core import Block, Func, Op, Value, backward_slice
 from ...ir.dims import Const, Dim
 from ...ir.intervals import uses_data
 from ...ir.printer import print_func
+from ...ir.value_ranges import ValueRanges
 from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
 from .spec import Capture, FA2ForwardSpec
@@ -287,6 +288,15 @@ def second_name(text: str) -> str:
     return re.sub(r"\bv(\d+)\b", r"w\1", text)
 
 
+# the integer ops whose exact result can leave i32 with operands inside it (and, or, xor, shr, min, max, mod and
+# sign cannot; a narrowing cast is i8's)
+I32_WRAPS = ("add", "sub", "mul", "neg", "abs", "floordiv", "shl")
+
+
+def _inside_i32(r: tuple[float, float]) -> bool:
+    return -2 ** 31 <= r[0] and r[1] <= 2 ** 31 - 1
+
+
 class _ScalarEmitter:
     """Python source computing one region's values per element (all its ops are elementwise)."""
 
@@ -304,6 +314,7 @@ class _ScalarEmitter:
         self.mul_ops: dict[Value, Op] = {}
         self.col_step = ""  # x's step per column where x = s + w kv + r(q) (_score_factor, _kv_coef)
         self.tanh_ex2 = False  # f32 tanh as intrinsics.tanh_ex2_f32 (`tanh_by_ex2`), not libdevice's
+        self.ranges = ValueRanges(env)  # where the IR's i32 results can wrap (`expr`); callers seed closed regions
 
     def name(self, v: Value) -> str:
         return self.names[v]
@@ -402,13 +413,27 @@ class _ScalarEmitter:
         return f"({base} * np.float32({total!r}))"
 
     def expr(self, op: Op) -> str:
-        """The op's scalar expression; an i8 result wrapped to 8 bits, as the IR's (and numpy's) i8 arithmetic wraps
-        where Numba's would widen (a cast of q to i8 read rows past 127 as themselves)."""
+        """The op's scalar expression, its integers as the IR's: an i8 result wrapped to 8 bits, as the IR's (and
+        numpy's) i8 arithmetic wraps where Numba's int64 would widen (a cast of q to i8 read rows past 127 as
+        themselves); an i32 result wrapped to 32 bits where its static range (ir/value_ranges.py) can leave i32
+        (`q * 33554432`, a sum with a captured value), not where it cannot (q - kv: no code added); a float cast to
+        an integer saturated, NaN to 0 (the cast's definition, ir/ops.py)."""
         e = self._expr(op)
-        if op.results and op.results[0].type.dtype == "i8" and op.name != "const":
+        rt = op.results[0].type.dtype if op.results else ""
+        if op.name == "cast" and rt in ("i8", "i32") and is_float(op.operands[0].type.dtype):
+            lo, hi = int_range(rt)
+            x = self.name(op.operands[0])  # (the comparisons first: int() of NaN or inf raises in the simulator)
+            e = f"({lo} if {x} <= {lo} else ({hi} if {x} >= {hi} else (int({x}) if {x} == {x} else 0)))"
+        if rt == "i8" and op.name != "const":
             return f"(((int({e}) + 128) & 255) - 128)"  # two's complement in 8 bits (int(): an np.int8 operand
             # would overflow in the simulator's numpy)
+        if rt == "i32" and op.name in I32_WRAPS and self.leaves_i32(op):
+            return f"(((int({e}) + 2147483648) & 4294967295) - 2147483648)"  # two's complement in 32 bits
         return e
+
+    def leaves_i32(self, op: Op) -> bool:
+        """Whether op's exact result can lie outside i32 for the values its operands can take."""
+        return not _inside_i32(self.ranges.raw(op))
 
     def _expr(self, op: Op) -> str:
         import numpy as np
@@ -665,20 +690,34 @@ def device_source(low: Lowered, env: Mapping[str, int], info: Optional[dict] = N
         pe = _ScalarEmitter(env, cap_names)
         for a, nm in zip(pred.args, ["b", "h", "q", "kv"] + [cap_ref(v, n) for v, n in cap_names.items()]):
             pe.names[a] = nm
+        seeds = predicate_seeds(pred, low.fused, pe.ranges)
+        for a, r in seeds.items():
+            pe.ranges.seed(a, r)
         res = pred.terminator.operands[0]  # type: ignore[union-attr]
         pe.emit(pred, [res])
         out.append("")
         out.append(f"def mask_fn(b, h, q, kv{sig_caps}):")
         out += _live_lines(pe.lines, pe.name(res))
         out.append(f"    return {pe.name(res)}")
-        bounds = row_bounds_lines(pred, env, sig_caps, cap_names, run_names)
+        bounds = row_bounds_lines(pred, env, sig_caps, cap_names, run_names, seeds)
         if bounds is not None:  # one kv interval per row: partial tiles compare against it (row_bounds.py)
             out += [""] + bounds
         if low.block_mask in ("static", "list"):
             out.append("")
             ranges = {4 + c: (derived[j], a, g) for j, (c, a, g) in enumerate(low.ranges)}
-            out += _interval_fn(pred, env, sig_caps, ranges)
+            out += _interval_fn(pred, env, sig_caps, ranges, seeds)
     return "\n".join(out) + "\n"
+
+
+def predicate_seeds(pred: Block, fused: Op, ranges: ValueRanges) -> dict[Value, tuple[float, float]]:
+    """The static ranges of a closed predicate region's b, h, q and kv (predicate_region's, which no op defines):
+    those of the fused op's operands in those roles (an index the score does not read: any i32 index)."""
+    roles = list(fused.attrs["roles"])
+    out = {}
+    for a, role in zip(pred.args[:4], ("b", "h", "q", "kv")):
+        v = next((o for o, r in zip(fused.operands, roles) if r == role), None)
+        out[a] = ranges(v) if v is not None else (0.0, float(2 ** 31 - 1))
+    return out
 
 
 def reads_table_tile(low: "Lowered") -> bool:
@@ -1069,12 +1108,16 @@ def _tile_table_lines(region: Block, pairs: list[Op], roles: list[str], e: "_Sca
 
 
 def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
-                 ranges: Optional[Mapping[int, tuple[str, int, int]]] = None) -> list[str]:
+                 ranges: Optional[Mapping[int, tuple[str, int, int]]] = None,
+                 seeds: Optional[Mapping[Value, tuple[float, float]]] = None) -> list[str]:
     """tile_class_fn: the predicate on index intervals (intervals.py semantics, as scalar code).
 
     `ranges` maps a region argument's position (a captured table) to (the argument name of its `mask.ranges`
     table, axis, granule): a gather from that table is bounded by the least and greatest entry of the granules
-    its axis index covers (`RangeTable.lookup`); its other indices must be one point per tile."""
+    its axis index covers (`RangeTable.lookup`); its other indices must be one point per tile. An i8 result, and an
+    i32 one whose static range can leave i32 (ir/value_ranges.py, `seeds` the closed region's b, h, q, kv), takes
+    its type's whole range past it, as the IR's wraps there."""
+    static = ValueRanges(env, seeds)
     lines = [f"def tile_class_fn(b, h, q_lo, q_hi, kv_lo, kv_hi{sig_caps}):"]
     iv: dict[Value, tuple[str, str]] = {}
     for a, (lo, hi) in zip(pred.args, [("b", "b"), ("h", "h"), ("q_lo", "q_hi"), ("kv_lo", "kv_hi")]):
@@ -1085,7 +1128,7 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
     points: set[Value] = set()  # values that are one number (lo == hi): constants, sizes, captured scalars
     for a, nm in zip(pred.args[4:], cap_names):
         if a.type.rank == 0 and a.type.dtype in ("i32", "i8", "bool"):
-            iv[a] = (f"{nm}[0]", f"{nm}[0]")  # a captured scalar (1-element array): known at run time, exact
+            iv[a] = (f"int({nm}[0])", f"int({nm}[0])")  # a captured scalar (1-element array): known at run time, exact
             points.add(a)
     k = 0
     for op in pred.ops:
@@ -1105,6 +1148,10 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
         x = [iv[v] for v in op.operands]
         k += 1
         n = op.name
+        rt = op.results[0].type.dtype
+        wraps = (rt == "i8" and n != "cast") or (rt == "i32" and n in I32_WRAPS and not _inside_i32(static.raw(op)))
+        if wraps and rt == "i32":  # the ends in Python's / Numba's int64: an int32 operand's own sum would wrap first
+            x = [(f"int({a})", f"int({b})") for a, b in x]
         body: list[str]
         if n == "const":
             lit = _literal(op.attrs["value"], op.results[0].type.dtype, env)
@@ -1175,8 +1222,8 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
         else:  # not modelled: this tile is partial (always safe)
             return lines[:1] + ["    return 1"]
         lines += ["    " + s for s in body]
-        if op.results[0].type.dtype == "i8" and n != "cast":  # i8 arithmetic wraps (the element code's, the IR's):
-            tlo, thi = int_range("i8")  # past the type's range, its whole range (ir/intervals.py)
+        if wraps:  # integer arithmetic wraps (the element code's, the IR's): past the type's range, its whole range
+            tlo, thi = int_range(rt)  # (ir/intervals.py)
             lines.append(f"    if {lo} < {tlo} or {hi} > {thi}:")
             lines.append(f"        {lo}, {hi} = {tlo}, {thi}")
         iv[op.results[0]] = (lo, hi)

@@ -82,21 +82,28 @@ def run_name(table: str, axis: int) -> str:
 
 
 def row_bounds_lines(pred: Block, env: Mapping[str, int], sig_caps: str, cap_names: Mapping[Value, str],
-                     run_names: Optional[Mapping[tuple[int, int], str]] = None) -> Optional[list[str]]:
+                     run_names: Optional[Mapping[tuple[int, int], str]] = None,
+                     seeds: Optional[Mapping[Value, tuple[float, float]]] = None) -> Optional[list[str]]:
     """The source of `row_bounds_fn(b, h, q{sig_caps})` -> (lo, hi, exact): where exact is true,
     pred(b, h, q, kv) == (lo <= kv < hi) for every kv (lo may be negative, hi past N: the caller clamps);
     where it is false (run tables of data whose equal values are not contiguous) the caller evaluates the
     mask itself. None where the predicate is not one interval of kv per row by the module docstring's rules.
-    `run_names`: the argument names of the run tables `runs_wanted` asked for."""
-    return _walk(pred, env, sig_caps, dict(cap_names), None, dict(run_names or {}))
+    `run_names`: the argument names of the run tables `runs_wanted` asked for. `seeds`: the static ranges of the
+    region's b, h, q, kv (from_ir.predicate_seeds), which decide where the IR's i32 arithmetic can wrap: an affine
+    step in kv that can leave i32 gives no bounds (the bounds' arithmetic is exact, the IR's would wrap)."""
+    return _walk(pred, env, sig_caps, dict(cap_names), None, dict(run_names or {}), seeds)
 
 
 def _walk(pred: Block, env: Mapping[str, int], sig_caps: str, cap_names: dict, want: Optional[list],
-          run_names: Optional[dict] = None) -> Optional[list[str]]:
-    """row_bounds_lines' analysis; with `want` a list, only collects the run tables it needs into it."""
+          run_names: Optional[dict] = None, seeds: Optional[Mapping[Value, tuple[float, float]]] = None
+          ) -> Optional[list[str]]:
+    """row_bounds_lines' analysis; with `want` a list, only collects the run tables it needs into it (without the
+    wrap test, which needs the sizes: a run table asked for and then not read costs its build, not a wrong bound)."""
     from .from_ir import _ScalarEmitter, cap_ref
 
     e = _ScalarEmitter(env, cap_names)
+    for a, rng in (seeds or {}).items():
+        e.ranges.seed(a, rng)
     tables = list(pred.args[4:])
     if want is None:
         for a, nm in zip(pred.args, ["b", "h", "q", "kv"] + [cap_ref(v, n) for v, n in cap_names.items()]):
@@ -160,6 +167,8 @@ def _walk(pred: Block, env: Mapping[str, int], sig_caps: str, cap_names: dict, w
                     or op.operands[0].type.dtype not in ("i32", "i64", "i8", "bool")):
                 return None  # float tables: NaN == NaN is false, runs would keep it
             cols[r] = op
+        elif n in ("add", "sub", "neg") and want is None and (r.type.dtype != "i32" or e.leaves_i32(op)):
+            return None  # the IR's sum wraps (i8, or i32 past its range) where the bounds' arithmetic would not
         elif n in ("add", "sub"):
             x, y = affine(op.operands[0]), affine(op.operands[1])
             if x is None or y is None:
@@ -173,8 +182,8 @@ def _walk(pred: Block, env: Mapping[str, int], sig_caps: str, cap_names: dict, w
             if x is None:
                 return None
             aff[r] = _Affine(-x.coef, f"(-{x.rest})")
-        elif n == "cast" and r.type.dtype in ("i32", "i64") and op.operands[0] in aff:
-            aff[r] = aff[op.operands[0]]  # integer to integer: indices are far from either type's limits
+        elif n == "cast" and r.type.dtype == "i32" and op.operands[0] in aff:
+            aff[r] = aff[op.operands[0]]  # integer to i32 keeps every value (i8 to i32, i32 to itself)
         elif n == "eq" and any(v in cols for v in op.operands):
             col, row = op.operands if op.operands[0] in cols else op.operands[::-1]
             tab = None if col not in cols or reads_kv(row) else same_run(cols[col], row)

@@ -1155,6 +1155,18 @@ class _BackwardPlan:
         return tuple(outs)
 
 
+def check_sizes(sizes: dict[str, int], specs: Sequence[Any], captures: Sequence[Any]) -> None:
+    """Refuse a size past value_ranges.SIZE_MAX (2^24): the kernels' integer code wraps to i32 only where a value
+    can leave it for sizes up to that (from_ir._ScalarEmitter.expr), so larger inputs could differ from the IR."""
+    from ...ir.value_ranges import SIZE_MAX
+
+    named = list(sizes.items()) + [(f"capture {c.name}'s axis {d}", int(n)) for c, x in zip(specs, captures)
+                                   if not np.isscalar(x) for d, n in enumerate(getattr(x, "shape", ()))]
+    for name, n in named:
+        if n > SIZE_MAX:
+            raise ValueError(f"{name} is {n}: the kernels take sizes up to 2^24 = {SIZE_MAX}")
+
+
 class FA2ForwardKernel:
     """One compiled FA2 forward kernel for `spec`.
 
@@ -1359,6 +1371,7 @@ class FA2ForwardKernel:
             raise ValueError(f"empty input: B={B} H={H} M={M} N={N}")
         if len(captures) != len(s.captures):
             raise ValueError(f"expected {len(s.captures)} captured tensors, got {len(captures)}")
+        check_sizes({"B": B, "H": H, "M": M, "N": N}, s.captures, captures)
         for c, x in zip(s.captures, captures):
             if np.isscalar(x):
                 continue
