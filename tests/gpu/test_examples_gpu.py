@@ -204,6 +204,19 @@ def idiom_graph(which: str) -> tuple:
                              + fl.round(s * 2.0) * 0.01 + fl.floor(s) * 0.01 + fl.sign(q - kv) * 0.1
                              + fl.rsqrt(abs(s) + 1.0) + fl.log1p(abs(s)) - fl.expm1(s * 0.01)
                              + fl.tan(s * 0.01) + 2.0 ** -(h + 1) * (kv - q), name="maths")
+        elif which == "i8":  # i8 wraps: q cast to i8 in a table's index and a mask, an i8 table in the score
+            bias = fl.capture("bias", "f32", "H,M,N")
+            t8 = fl.capture("t8", "i8", "M,N")
+            g = fl.attention(score_mod=lambda s, b, h, q, kv: s + bias[h, q.to("i8"), kv]
+                             + (t8[q, kv] + 100).to("f32") * 0.01,
+                             mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) & ((q.to("i8") + 100) > 0) | (kv < 8),
+                             name="bias_i8")
+        elif which == "i32":  # i32 wraps (value_ranges.py): kv * 2^25 in the score, kv + w in the mask; a float cast
+            # saturating to i8 (f16-representable: the naive low:f16 reference of the rule holds no 1e12)
+            window = fl.capture("window", "i32", "")
+            g = fl.attention(score_mod=lambda s, b, h, q, kv: s + ((kv * 33554432) // 65536).to("f32") * 2.0 ** -15
+                             + (s * 100.0).to("i8").to("f32") * 0.01,  # (// 2^16: below f16's 65504)
+                             mask_mod=lambda b, h, q, kv: kv + window >= q, name="i32_wraps")
         else:
             window = fl.capture("window", "i32", "")
             g = fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (q - kv < window), name="captured_window")
@@ -211,9 +224,14 @@ def idiom_graph(which: str) -> tuple:
     return COMPILED[key]
 
 
+IDIOM_WINDOWS = {"maths": [None], "i8": [None], "window": [1, 7, 300], "i32": [2 ** 31 - 1, 5]}
+
+
 @pytest.mark.parametrize("N", [17, 128, 1000])
-@pytest.mark.parametrize("which", ["maths", "window"])
+@pytest.mark.parametrize("which", ["maths", "window", "i8", "i32"])
 def test_idioms_error_rule(which, N):
+    """The idioms against the float64 reference by FlashAttention's error rule; i8 and i32 where their arithmetic
+    wraps (rows past 127, kv past 63, kv + 2^31 - 1) and an i8 table read on the GPU (its direct launch's types)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g, c = idiom_graph(which)
@@ -221,12 +239,14 @@ def test_idioms_error_rule(which, N):
     raw = random_inputs(g, env, seed=N)
     host = [rounded(x, "f16") for x in raw[:3]]
     dev = [torch.from_numpy(np.asarray(x, dtype=np.float32)).to("cuda", torch.float16) for x in host]
+    tables = [np.asarray(x, np.float32) if np.asarray(x).dtype.kind == "f" else np.asarray(x) for x in raw[3:]] \
+        if which == "i8" else []
     built = None
-    for w in ([None] if which == "maths" else [1, 7, 300]):  # one kernel for every window size
-        extra = [] if w is None else [np.array(w, dtype=np.int32)]
+    for w in IDIOM_WINDOWS[which]:  # one kernel for every window size
+        extra = tables if w is None else [np.array(w, dtype=np.int32)]
         ref = Reference.build(g, env, inputs=host + extra)
         naive = interpret(g, host + extra, precision="low:f16")[0].astype(np.float64)
-        o, lse = c(*dev, *([] if w is None else [torch.tensor(w, dtype=torch.int32, device="cuda")]))
+        o, lse = c(*dev, *[torch.from_numpy(np.array(x)).to("cuda") for x in extra])  # (0-d stays 0-d)
         torch.cuda.synchronize()
         o = o.float().cpu().numpy().astype(np.float64)
         err, naive_err = np.max(np.abs(o - ref.outputs["o"])), np.max(np.abs(naive - ref.outputs["o"]))

@@ -1717,7 +1717,8 @@ def _capture_types(spec) -> list:
     from numba import types
 
     capty = {"f16": types.float16, "bf16": types.int16, "f32": types.float32, "f64": types.float64,
-             "i32": types.int32, "bool": types.boolean}
+             "i32": types.int32, "i8": types.int8, "bool": types.boolean}  # (i8: an i8 table read on the GPU
+    # raised KeyError here, the direct launches' types; the simulator does not build them)
     return [types.Array(capty[c.dtype], c.ndim, "C") if c.ndim > 0 else capty[c.dtype] for c in spec.captures]
 
 
