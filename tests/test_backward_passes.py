@@ -169,6 +169,19 @@ def test_tile_bwd_refuses_what_is_not_a_backward() -> None:
         fl.run_pipeline(fl.trace(lambda x: x * 2.0, name="f", x=fl.tensor("f32", "N")), "tile-bwd")
 
 
+def test_tile_bwd_refuses_keys_stored_d_by_n_in_words() -> None:
+    """k stored [B, H, D, N] and the score written q @ k: the forward's fuse refuses it by name; tile-bwd took
+    dO @ V^T for the score and failed on a tile's contraction dims (`D vs 128`). Now one line saying what is wrong."""
+    from falower.ir import new_func
+    from falower.ir.types import tensor
+
+    f, b, (q, k, v) = new_func("kt", [("q", tensor("f16", "B", "H", "M", "D")), ("k", tensor("f16", "B", "H", "D", "N")),
+                                      ("v", tensor("f16", "B", "H", "N", "D"))])
+    b.ret(b.emit("matmul", b.emit("softmax", b.emit("matmul", q, k), axis=3), v))
+    with pytest.raises(PassError, match=r"^pass tile-bwd: the score product reads %k as \[\.\.\., D, N\] \(q @ k\)"):
+        fl.lower(f, "fa2-bwd")
+
+
 # ------------------------------------------------------------------------------------------------ cost
 def test_cost_of_the_fa2_backward_is_its_closed_form() -> None:
     """Non-causal-sized work (skip=false), dq=atomic: 5 products of 2*B*H*M*N*D FLOPs (the forward has 2);

@@ -153,6 +153,13 @@ class TileBwd(Pass):
         if any(op.name == "softmax" for op in func.walk()):
             raise self.fail("the graph has a softmax: this is not the backward function (run autodiff, "
                             "decompose-softmax, delta and recompute first)")
+        args = set(func.args)
+        for op in func.body.ops:  # (the backward's own products each read a gradient or P: two inputs is Q K)
+            if op.name == "matmul" and not op.attrs.get("transpose_b") and not op.attrs.get("transpose_a") \
+                    and all(_root(v) in args for v in op.operands):
+                raise self.fail(f"the score product reads %{_root(op.operands[1]).name} as [..., D, N] (q @ k): "
+                                "the backward kernels take k as [B, H, N, D] and the score as q @ k^T "
+                                "(matmul with transpose_b), as fuse does for the forward")
         scores = [op for op in func.body.ops if op.name == "matmul" and op.attrs.get("transpose_b")
                   and not op.attrs.get("transpose_a") and op.results[0].type.rank == 4]
         if not scores:
