@@ -169,6 +169,18 @@ def test_tile_bwd_refuses_what_is_not_a_backward() -> None:
         fl.run_pipeline(fl.trace(lambda x: x * 2.0, name="f", x=fl.tensor("f32", "N")), "tile-bwd")
 
 
+def test_tile_bwd_names_a_score_that_reduces_the_scores() -> None:
+    """A row sum inside the score: inside fa2-bwd (delta has run) tile-bwd said only 'run delta first'."""
+    @fl.trace(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+    def centred(q, k, v):
+        s = q @ k.mT * 0.25
+        return (fl.softmax(s - s.sum(dim=-1, keepdim=True) * 0.01, dim=-1) @ v).to("f16")
+
+    with pytest.raises(PassError, match=r"^pass tile-bwd: a reduce_sum over .* a score function that reduces the "
+                                        r"scores \(not elementwise\) has no tiled backward"):
+        fl.lower(centred, "fa2-bwd")
+
+
 def test_tile_bwd_refuses_keys_stored_d_by_n_in_words() -> None:
     """k stored [B, H, D, N] and the score written q @ k: the forward's fuse refuses it by name; tile-bwd took
     dO @ V^T for the score and failed on a tile's contraction dims (`D vs 128`). Now one line saying what is wrong."""

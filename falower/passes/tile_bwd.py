@@ -228,8 +228,9 @@ class TileBwd(Pass):
                     scatter_path.add(id(op))  # a captured table's gradient, summed tile by tile
                 elif over_tiles:
                     raise self.fail(f"a {n} over the batch, head, query or kv axis in the backward (axis {axis} "
-                                    f"of {op.operands[0].type}) that is not a captured tensor's gradient: "
-                                    f"run delta first")
+                                    f"of {op.operands[0].type}) that is neither a captured tensor's gradient nor "
+                                    f"the softmax gradient's row sum (delta rewrites that one: run it first); a "
+                                    f"score function that reduces the scores (not elementwise) has no tiled backward")
                 elif R in s and C not in s:
                     pre.add(id(op))
             elif n == "scatter_add":
