@@ -88,10 +88,12 @@ def run_idiom_case(which: str) -> dict:
                          name="bias_i8")
         windows = [None]
     elif which == "i32":  # i32 wraps as the IR's: q * 2^25 past row 63 in the score, kv + w with a captured w in the
-        # mask (w = 2^31 - 1 keeps only kv = 0: no row bounds, the tiles partial), a float cast to i32 saturated
+        # mask (w = 2^31 - 1 keeps only kv = 0: no row bounds, the tiles partial), a float cast to i32 saturated; a
+        # floor past 2^63 (Numba's math.floor went through an int64), integers divided by 0 at kv = 5 (0, as numpy's)
         window = fl.capture("window", "i32", "")
         g = fl.attention(score_mod=lambda s, b, h, q, kv: s + (q * 33554432).to("f32") * 2.0 ** -31
-                         + (s * 1e12).to("i32").to("f32") * 2.0 ** -33,
+                         + (s * 1e12).to("i32").to("f32") * 2.0 ** -33 + fl.floor(s * 1e30) * 1e-31
+                         + (q // (kv - 5) + q % (kv - 5)).to("f32") * 0.01,
                          mask_mod=lambda b, h, q, kv: kv + window >= q, name="i32_wraps")
         windows = [2 ** 31 - 1, 5]
     else:

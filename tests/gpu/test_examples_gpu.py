@@ -212,10 +212,12 @@ def idiom_graph(which: str) -> tuple:
                              mask_mod=lambda b, h, q, kv: (q.to("i8") >= 0) & ((q.to("i8") + 100) > 0) | (kv < 8),
                              name="bias_i8")
         elif which == "i32":  # i32 wraps (value_ranges.py): kv * 2^25 in the score, kv + w in the mask; a float cast
-            # saturating to i8 (f16-representable: the naive low:f16 reference of the rule holds no 1e12)
+            # saturating to i8 (f16-representable: the naive low:f16 reference of the rule holds no 1e12); integers
+            # divided by 0 at kv = 5 (0, as numpy's); floor by libdevice
             window = fl.capture("window", "i32", "")
             g = fl.attention(score_mod=lambda s, b, h, q, kv: s + ((kv * 33554432) // 65536).to("f32") * 2.0 ** -15
-                             + (s * 100.0).to("i8").to("f32") * 0.01,  # (// 2^16: below f16's 65504)
+                             + (s * 100.0).to("i8").to("f32") * 0.01  # (// 2^16: below f16's 65504)
+                             + (q // (kv - 5) + q % (kv - 5)).to("f32") * 0.01 + fl.floor(s * 1e4) * 1e-5,
                              mask_mod=lambda b, h, q, kv: kv + window >= q, name="i32_wraps")
         else:
             window = fl.capture("window", "i32", "")

@@ -73,7 +73,11 @@ from numba import cuda
 
 from falower.backends.numba_cuda.intrinsics import (
     SIMULATOR,
+    ceil_f32,
+    ceil_f64,
     cos_f32,
+    floor_f32,
+    floor_f64,
     rint_f32,
     sin_f32,
     tan_f32,
@@ -2313,7 +2317,8 @@ _F64_NAMES = [(r"\bnp\.float32\b", "np.float64"), (r"\bex2\(", "math.exp2("), (r
               (r"\bLOG2E\b", "LOG2E_64"), (r"\bNEG_INF\b", "NEG_INF_64"),
               (r"\bZERO\b", "ZERO_64"), (r"\bONE\b", "ONE_64"), (r"\bsin_f32\(", "math.sin("),
               (r"\bcos_f32\(", "math.cos("), (r"\btan_f32\(", "math.tan("),
-              (r"\btanh_approx_f32\(", "math.tanh(")]
+              (r"\btanh_approx_f32\(", "math.tanh("), (r"\bfloor_f32\(", "floor_f64("),
+              (r"\bceil_f32\(", "ceil_f64(")]
 
 
 def as_f64(code: str) -> str:

@@ -223,7 +223,7 @@ _UNARY = {"exp": "math.exp({})", "exp2": "math.pow(np.float32(2.0), {})", "log":
           "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + math.exp(-{})))", "neg": "(-{})", "abs": "abs({})",
           "sin": "sin_f32({})", "cos": "cos_f32({})", "tan": "tan_f32({})", "log1p": "math.log1p({})",
           "expm1": "math.expm1({})", "rsqrt": "(np.float32(1.0) / math.sqrt({}))",
-          "floor": "np.float32(math.floor({}))", "ceil": "np.float32(math.ceil({}))",
+          "floor": "floor_f32({})", "ceil": "ceil_f32({})",  # (math.floor: an int64, undefined at inf and NaN)
           "round": "rint_f32({})"}  # f32 intrinsics: Numba's math.sin and round() compute in f64
 _BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})", "pow": "math.pow({}, {})",
            "max": "max({}, {})", "min": "min({}, {})", "floordiv": "({} // {})", "mod": "({} % {})",
@@ -420,6 +420,10 @@ class _ScalarEmitter:
         an integer saturated, NaN to 0 (the cast's definition, ir/ops.py)."""
         e = self._expr(op)
         rt = op.results[0].type.dtype if op.results else ""
+        if op.name in ("floordiv", "mod") and rt in ("i8", "i32"):
+            lo, hi = self.ranges(op.operands[1])
+            if lo <= 0 <= hi:  # an integer divided by 0 is 0, as numpy's (Python's // raises, Numba's is unchecked)
+                e = f"({e} if {self.name(op.operands[1])} != 0 else 0)"
         if op.name == "cast" and rt in ("i8", "i32") and is_float(op.operands[0].type.dtype):
             lo, hi = int_range(rt)
             x = self.name(op.operands[0])  # (the comparisons first: int() of NaN or inf raises in the simulator)

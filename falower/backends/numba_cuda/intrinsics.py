@@ -64,6 +64,9 @@ Public names (identical in both modes):
                                    argument| <= 1/4, absolute error ~2**-23.26 (TANH_TINY_PTX)
     sin_f32, cos_f32, tan_f32      (x: f32) -> f32, libdevice's float32 versions (no f64 in the kernel)
     rint_f32                       (x: f32) -> f32, round half to even
+    floor_f32, ceil_f32            (x: f32) -> f32, libdevice's floorf / ceilf: inf, NaN and |x| past 2^63 as the
+                                   IR's floor (Numba's math.floor returns an int64, undefined there); floor_f64,
+                                   ceil_f64 the same in f64 (the SIMT kernels' f64 form)
     shfl_xor_f32                   (x: f32, lane_mask) -> f32 (full-warp butterfly shuffle)
     ballot                         (pred) -> uint32: bit i set where lane i's pred is nonzero (full warp)
     lowest_bit, highest_bit        (m: uint32, m != 0) -> int32: the index of m's lowest / highest set bit
@@ -218,6 +221,10 @@ __all__ = [
     "cos_f32",
     "tan_f32",
     "rint_f32",
+    "floor_f32",
+    "ceil_f32",
+    "floor_f64",
+    "ceil_f64",
 ]
 
 
@@ -955,6 +962,18 @@ if SIMULATOR:
     def rint_f32(x):
         return np.float32(np.rint(np.float32(x)))
 
+    def floor_f32(x):
+        return np.float32(np.floor(np.float32(x)))
+
+    def ceil_f32(x):
+        return np.float32(np.ceil(np.float32(x)))
+
+    def floor_f64(x):
+        return np.float64(np.floor(np.float64(x)))
+
+    def ceil_f64(x):
+        return np.float64(np.ceil(np.float64(x)))
+
 else:
     from llvmlite import ir
     from numba import cuda, types
@@ -1219,6 +1238,10 @@ else:
     cos_f32 = _libdevice.cosf
     tan_f32 = _libdevice.tanf
     rint_f32 = _libdevice.rintf  # round half to even, as torch.round
+    floor_f32 = _libdevice.floorf
+    ceil_f32 = _libdevice.ceilf
+    floor_f64 = _libdevice.floor
+    ceil_f64 = _libdevice.ceil
 
     _U32 = types.uint32
     _F32 = types.float32
