@@ -163,3 +163,25 @@ def test_random_index_expressions_are_sound(e, wv) -> None:
     g = fl.attention(score_mod=lambda s, b, h, q, kv: s + _build(e, q, kv, h, w).to("f32") * 1e-9,
                      mask_mod=lambda b, h, q, kv: (_build(e, q, kv, h, w) % 3 != 1) | (kv == 0), name="rand")
     _check_sound(g, SIZES, [np.array(wv, np.int32)])
+
+
+def test_a_long_chain_needs_no_deep_recursion() -> None:
+    """A score of 200 chained integer adds (each the next's operand): the ranges are computed without recursing
+    once per op (the first version hit Python's recursion limit there, where the passes did not)."""
+    import sys
+
+    def score(s, b, h, q, kv):
+        x = q - kv
+        for _ in range(200):
+            x = x + 1
+        return s + x.to("f32") * 0.001
+
+    low = _lowered(fl.attention(score_mod=score, name="deep"))
+    last = [op for op in low.walk() if op.name == "add" and op.results[0].type.dtype == "i32"][-1]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(200)  # far below the chain's length
+    try:
+        r = ValueRanges({"M": 37, "N": 41})(last.results[0])
+    finally:
+        sys.setrecursionlimit(limit)
+    assert -48 + 200 <= r[0] and r[1] <= 47 + 200, r  # (q + 200, regrouped by score-licm; q to its tile's end)

@@ -73,7 +73,39 @@ class ValueRanges:
     def __call__(self, v: Value) -> Interval:
         if v in self.memo:
             return self.memo[v]
-        self.memo[v] = self._whole(v)  # (a cycle through a loop's carried value reads its type's range)
+        stack = [v]  # what v depends on first, without recursion (a score of a few hundred ops is a deep chain)
+        while stack:
+            top = stack[-1]
+            if top in self.memo:
+                stack.pop()
+                continue
+            missing = [d for d in self._deps(top) if d not in self.memo]
+            if missing:
+                stack.extend(missing)
+                if len(stack) > 1_000_000:
+                    raise RecursionError("value_ranges: a dependence cycle")
+                continue
+            stack.pop()
+            self.memo[top] = self._settled(top)
+        return self.memo[v]
+
+    def _deps(self, v: Value) -> list[Value]:
+        """The values `_range(v)` reads (every one of them before v, so that reading them recurses no deeper)."""
+        owner = v.owner
+        if isinstance(owner, Op):
+            return list(owner.operands) if owner.name != "const" else []
+        if isinstance(owner, Block) and isinstance(owner.parent, Op):
+            op = owner.parent
+            i = owner.args.index(v)
+            if op.name == "for" and i == 0:
+                return list(op.operands[:2])
+            if op.name == "fused" and len(owner.args) == len(op.operands):
+                return [op.operands[i]]
+            if op.name.startswith("mask.") and i < 4 and op.name != "mask.block_table":
+                return list(op.operands[:4])
+        return []
+
+    def _settled(self, v: Value) -> Interval:
         r = self._range(v)
         if is_int(v.type.dtype):  # what the type holds: past its range the value wrapped (the whole range)
             lo, hi = int_range(v.type.dtype)
