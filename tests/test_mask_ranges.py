@@ -189,3 +189,32 @@ def test_random_data_masks_keep_their_numbers(e, kind, size, seed) -> None:
     inputs = random_inputs(g, env, seed, kind)
     ref = Reference.build(g, env, inputs=inputs)
     assert ref.compare(fl.lower(g, FWD % (4, 8))) == []
+
+
+@pytest.mark.parametrize("which", ["max", "cast", "times_inf"])
+def test_nan_in_a_table_or_from_inf_times_zero_keeps_tiles_partial(which: str) -> None:
+    """NaN has no interval: a float table with a NaN entry (its granule's range table NaN), and inf * 0, once gave
+    wrong tile classes (`max(0, thr[kv]) > -1` called FULL where NaN's row keeps nothing: o 0.13 off) or a crash
+    (the cast of NaN in intervals._cast). Now NaN-possible values are UNKNOWN and float ops on them stay UNKNOWN:
+    the lowered IR (ranges) equals the graph, as the dense table's lowering does."""
+    inf = float("inf")
+
+    def make():
+        thr = fl.capture("thr", "f32", "N")
+        mask = {"max": lambda b, h, q, kv: fl.maximum(0.0, thr[kv]) > -1.0,
+                "cast": lambda b, h, q, kv: (thr[kv] * 4.0).to("i32") <= q,
+                "times_inf": lambda b, h, q, kv: (fl.where(q >= 8, inf, 1.0) * abs((kv == 0).to("f32")) + 5.0
+                                                  + thr[kv] * 0.0).to("i32") >= 5}[which]
+        return fl.attention(mask_mod=mask, name=f"nan_{which}")
+
+    g0 = make()
+    env = bind_dims(g0, {"M": 70, "N": 140})
+    ins = random_inputs(g0, env, 0)
+    ins[3] = np.abs(ins[3])
+    ins[3][3] = np.nan
+    want = interpret(g0, ins, dims=env)[0]
+    pipe = ("decompose-softmax,canonicalize,fuse,tile{bq=128,bk=64},online-softmax{exp2=true,lazy=8},"
+            "mask-tiles{data=%s},score-licm,canonicalize")
+    for data in ("ranges", "table"):
+        got = interpret(fl.run_pipeline(make(), pipe % data), ins, dims=env)[0]
+        np.testing.assert_allclose(got, want, atol=1e-9, err_msg=f"{which}, data={data}")

@@ -185,3 +185,11 @@ def test_a_long_chain_needs_no_deep_recursion() -> None:
     finally:
         sys.setrecursionlimit(limit)
     assert -48 + 200 <= r[0] and r[1] <= 47 + 200, r  # (q + 200, regrouped by score-licm; q to its tile's end)
+
+
+def test_a_float_rounded_to_a_whole_number_before_the_cast() -> None:
+    """0.99999999 is 1.0 in f32: the cast gives 1 and + (2^31 - 1) wraps in the native interpretation; the float's
+    range is widened by its rounding (intervals.settle), so the add is called one that can leave i32."""
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + ((kv.to("f32") * 1e-30 + 0.99999999).to("i32")
+                                                         + 2147483647).to("f32") * 1e-9, name="rounded")
+    _check_sound(g, SIZES)

@@ -55,7 +55,8 @@ class RangeTable:
         where = [int(min(max(p[0], 0), s - 1)) for p, s in zip(point, self._other_extents)]
         where.insert(self.axis, slice(lo // self.granule, hi // self.granule + 1))
         part = self.minmax[tuple(where)]
-        return float(part[..., 0].min()), float(part[..., 1].max())
+        lo, hi = float(part[..., 0].min()), float(part[..., 1].max())
+        return UNKNOWN if math.isnan(lo) or math.isnan(hi) else (lo, hi)  # a NaN entry: no bounds
 
     @property
     def _other_extents(self) -> list[int]:
@@ -83,10 +84,15 @@ def minmax_table(table: Any, axis: int, granule: int) -> Any:
 
 
 def _mul(a: Interval, b: Interval) -> Interval:
-    prods = [x * y for x in a for y in b if not (math.isinf(x) and y == 0 or math.isinf(y) and x == 0)]
-    if not prods:
-        return (0.0, 0.0)
+    if any(math.isinf(x) and y == 0 or math.isinf(y) and x == 0 for x in a for y in b):
+        return UNKNOWN  # inf * 0 is NaN: no interval holds it (UNKNOWN stands for "any value, NaN included")
+    prods = [x * y for x in a for y in b]
     return (min(prods), max(prods))
+
+
+def _maybe_nan(x: Interval) -> bool:
+    """UNKNOWN, which also stands for a value that may be NaN (data, inf * 0, inf - inf, log of a negative)."""
+    return x[0] == -math.inf and x[1] == math.inf
 
 
 def _bool(lo_true: bool, hi_true: bool) -> Interval:
@@ -138,6 +144,9 @@ def op_interval(op: Op, x: Sequence[Interval], env: Optional[Mapping[str, int]] 
     n = op.name
     dtype = op.results[0].type.dtype
     r: Interval
+    if is_float(dtype) and n not in ("const", "where") and any(
+            is_float(v.type.dtype) and _maybe_nan(i) for v, i in zip(op.operands, x)):
+        return UNKNOWN  # NaN in, NaN possibly out: abs, exp, tanh, min and max of it are no bounded interval
     if n == "const":
         v = op.attrs["value"]
         if hasattr(v, "symbols"):
@@ -207,6 +216,8 @@ def op_interval(op: Op, x: Sequence[Interval], env: Optional[Mapping[str, int]] 
         r = (-1.0, 1.0)
     else:  # gather and anything not modelled: data we cannot see
         r = UNKNOWN if dtype != "bool" else (0, 1)
+    if math.isnan(r[0]) or math.isnan(r[1]):  # (inf - inf at the ends)
+        return UNKNOWN if dtype != "bool" else (0, 1)
     return r
 
 
@@ -253,6 +264,8 @@ def _cast(x: Interval, src: str, to: str) -> Interval:
     if is_float(src):
         def sat(t: float) -> float:
             return float(lo) if t <= lo else float(hi) if t >= hi else float(math.trunc(t))
+        if math.isnan(x[0]) or math.isnan(x[1]) or _maybe_nan(x):
+            return float(lo), float(hi)  # (NaN casts to 0)
         return sat(x[0]), sat(x[1])
     if not all(map(math.isfinite, x)):
         return UNKNOWN

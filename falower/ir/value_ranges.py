@@ -19,9 +19,9 @@ from typing import Mapping, Optional
 
 from .core import Block, Op, Value
 from .dims import BinDim, Const, Dim, Sym
-from .intervals import UNKNOWN, Interval, op_interval
+from .intervals import UNKNOWN, Interval, op_interval, settle
 from .ops import ELEMENTWISE
-from .types import int_range, is_int
+from .types import int_range, is_float, is_int
 
 # a size not known at compile time is at most this: the kernels refuse larger inputs (runtime.check_sizes), so
 # that the indices' usual arithmetic (q + N - 1, a relative bias's row; kv - 40 q, a strided mask) stays inside i32
@@ -141,7 +141,7 @@ class ValueRanges:
             if isinstance(c, Dim):
                 return dim_range(c, self.env)
             if isinstance(c, (bool, int, float)):
-                return float(c), float(c)
+                return settle(op, (float(c), float(c))) if is_float(v.type.dtype) else (float(c), float(c))
             return self._whole(v)
         if n == "tile.iota":
             start = self(op.operands[0])
@@ -153,8 +153,8 @@ class ValueRanges:
             return 0.0, float(math.ceil(self(op.operands[3])[1] / op.attrs["bk"]))
         if n == "mask.q_range":
             return 0.0, float(math.ceil(self(op.operands[3])[1] / op.attrs["bq"]))
-        if n in ELEMENTWISE and n != "gather":
-            return self.raw(op)
+        if n in ELEMENTWISE and n != "gather":  # a float result widened by its rounding (0.99999999 is 1 in f32)
+            return settle(op, self.raw(op)) if is_float(v.type.dtype) else self.raw(op)
         return self._whole(v)
 
     def _arg(self, v: Value, block: Block) -> Interval:

@@ -1153,6 +1153,8 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
         k += 1
         n = op.name
         rt = op.results[0].type.dtype
+        if is_float(rt) and n != "const":  # float arithmetic: NaN (a table's, inf * 0) has no interval, and the
+            return lines[:1] + ["    return 1"]  # GPU's max(0, NaN) is not numpy's: partial (always safe)
         wraps = (rt == "i8" and n != "cast") or (rt == "i32" and n in I32_WRAPS and not _inside_i32(static.raw(op)))
         if wraps and rt == "i32":  # the ends in Python's / Numba's int64: an int32 operand's own sum would wrap first
             x = [(f"int({a})", f"int({b})") for a, b in x]
