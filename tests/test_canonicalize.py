@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 import falower as fl
 from falower.ir import interpret, new_func
@@ -83,3 +84,25 @@ def test_canonicalize_keeps_every_expressions_float64_value(tree) -> None:
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want)
     np.testing.assert_allclose(got[ok], want[ok], rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("op, c", [("min", 7), ("max", -7), ("floordiv", 3), ("floordiv", 0), ("add", 5)])
+def test_size_constants_fold_only_where_the_i32_op_is_the_expressions(op: str, c: int) -> None:
+    """min / max / floordiv of a size constant that can leave i32 (N * 2^30 wraps to 0 at N = 4) are not the size
+    expression's value (min(0, 7) is 0, min(N * 2^30, 7) is 7), and floordiv by 0 is 0 in the IR where a size
+    expression's fdiv by 0 raised: canonicalize folds those no more; add still folds (wrapping commutes with it)."""
+    from falower.ir.dims import dim
+    from falower.ir.types import scalar
+
+    def build():
+        f, b, (x,) = new_func("f", [("x", tensor("f32", "N"))])
+        y = b.emit(op, b.const(dim("N") * 2 ** 30, scalar("i32")), b.const(c, scalar("i32")))
+        b.ret(b.emit("add", x, b.cast(y, "f32")))
+        return f
+
+    x = np.zeros(4)
+    want = interpret(build(), [x])[0]
+    got = interpret(fl.run_pipeline(build(), "canonicalize"), [x])[0]
+    np.testing.assert_array_equal(got, want)
+    folded = fl.run_pipeline(build(), "canonicalize")
+    assert any(o.name == op and o.results[0].type.dtype == "i32" for o in folded.walk()) == (op != "add")

@@ -130,7 +130,7 @@ def _expr(depth: int):
 
 def _build(e, q, kv, h, w):
     if isinstance(e, str):  # constants as traced values (q * 0 + c), not Python ints
-        return {"q": q, "kv": kv, "h": h, "w": w, "c_small": q * 0 + 3, "c_big": q * 0 + (1 << 29),
+        return {"q": q, "kv": kv, "h": h, "w": q * 0 + w, "c_small": q * 0 + 3, "c_big": q * 0 + (1 << 29),
                 "n": kv * 0 + 41}[e]
     op, *xs = e
     a = [_build(x, q, kv, h, w) for x in xs]

@@ -30,14 +30,16 @@ SIZE_MAX = 2 ** 24
 _VIEWS = ("unsqueeze", "broadcast_to", "reshape", "squeeze", "expand_dims")
 
 
-def dim_range(d: Dim, env: Mapping[str, int]) -> Interval:
-    """A size expression's least and greatest value, its symbols from env or else in 1 .. SIZE_MAX."""
+def dim_range(d: Dim, env: Mapping[str, int], size_max: int = SIZE_MAX) -> Interval:
+    """A size expression's least and greatest value, its symbols from env or else in 1 .. size_max (SIZE_MAX, the
+    kernels' bound; the IR's own sizes are i32's: canonicalize folds size arithmetic only where 2^31 - 1 keeps it
+    inside i32)."""
     if isinstance(d, Const):
         return (float(d.value), float(d.value))
     if isinstance(d, Sym):
-        return (float(env[d.name]),) * 2 if d.name in env else (1.0, float(SIZE_MAX))  # type: ignore[return-value]
+        return (float(env[d.name]),) * 2 if d.name in env else (1.0, float(size_max))  # type: ignore[return-value]
     if isinstance(d, BinDim):
-        a, b = dim_range(d.lhs, env), dim_range(d.rhs, env)
+        a, b = dim_range(d.lhs, env, size_max), dim_range(d.rhs, env, size_max)
         if d.op == "+":
             return a[0] + b[0], a[1] + b[1]
         if d.op == "-":

@@ -33,6 +33,21 @@ def is_const(v: Value, x: float) -> bool:
 _DIM_OPS = {"add": "+", "sub": "-", "mul": "*", "floordiv": "fdiv", "max": "max", "min": "min"}
 
 
+def _folds_exactly(name: str, vals: list) -> bool:
+    """Whether an i32 op of size constants is the size expression's value: add, sub and mul always (the i32
+    result wraps as the expression's value does); min, max and floordiv only where each operand stays inside i32
+    for every size up to 2^31 - 1 (min(wrap(N * 2^30), 7) is not wrap(min(N * 2^30, 7))), and floordiv not by a
+    divisor that can be 0 (the IR's // 0 is 0; a size expression's fdiv by 0 raises)."""
+    from ..ir.value_ranges import dim_range
+
+    if name in ("add", "sub", "mul"):
+        return True
+    ranges = [dim_range(dim(v), {}, 2 ** 31 - 1) for v in vals]
+    if any(not (-2 ** 31 <= lo and hi <= 2 ** 31 - 1) for lo, hi in ranges):
+        return False
+    return not (name == "floordiv" and ranges[1][0] <= 0 <= ranges[1][1])
+
+
 def fold_constants(op: Op, b: Builder) -> Optional[Sequence[Value]]:
     """An elementwise op of constants is a constant (symbolic dims fold into dim expressions). Folded as the
     float64 interpreter evaluates the op, so the IR's meaning (the float64 reference --check holds every pass
@@ -44,7 +59,7 @@ def fold_constants(op: Op, b: Builder) -> Optional[Sequence[Value]]:
         return None
     rt = op.results[0].type
     if any(isinstance(v, Dim) for v in vals):
-        if op.name in _DIM_OPS and rt.dtype == "i32" and rt.is_scalar:
+        if op.name in _DIM_OPS and rt.dtype == "i32" and rt.is_scalar and _folds_exactly(op.name, vals):
             return [b.const(binop(_DIM_OPS[op.name], dim(vals[0]), dim(vals[1])), rt)]
         return None
     it = Interpreter("f64")

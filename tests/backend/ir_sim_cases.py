@@ -94,7 +94,8 @@ def run_idiom_case(which: str) -> dict:
         g = fl.attention(score_mod=lambda s, b, h, q, kv: s + (q * 33554432).to("f32") * 2.0 ** -31
                          + (s * 1e12).to("i32").to("f32") * 2.0 ** -33 + fl.floor(s * 1e30) * 1e-31
                          + (q // (kv - 5) + q % (kv - 5)).to("f32") * 0.01,
-                         mask_mod=lambda b, h, q, kv: kv + window >= q, name="i32_wraps")
+                         mask_mod=lambda b, h, q, kv: (kv + window >= q) | (kv < fl.ir.dims.dim("M") * 201326592),
+                         name="i32_wraps")  # (M * 201326592 wraps negative at M = 100: the IR's const is i32)
         windows = [2 ** 31 - 1, 5]
     else:
         window = fl.capture("window", "i32", "")

@@ -19,7 +19,7 @@ from ...ir.core import Block, Func, Op, Value, backward_slice
 from ...ir.dims import Const, Dim
 from ...ir.intervals import uses_data
 from ...ir.printer import print_func
-from ...ir.value_ranges import ValueRanges
+from ...ir.value_ranges import ValueRanges, dim_range
 from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
 from .spec import Capture, FA2ForwardSpec
@@ -297,6 +297,12 @@ def _inside_i32(r: tuple[float, float]) -> bool:
     return -2 ** 31 <= r[0] and r[1] <= 2 ** 31 - 1
 
 
+def _size_leaves_i32(op: Op, env: Mapping[str, int]) -> bool:
+    """An i32 constant of a size expression that can leave i32 (`M * 201326592`): the IR's const wraps it."""
+    v = op.attrs.get("value") if op.name == "const" else None
+    return isinstance(v, Dim) and not _inside_i32(dim_range(v, env))
+
+
 class _ScalarEmitter:
     """Python source computing one region's values per element (all its ops are elementwise)."""
 
@@ -431,7 +437,7 @@ class _ScalarEmitter:
         if rt == "i8" and op.name != "const":
             return f"(((int({e}) + 128) & 255) - 128)"  # two's complement in 8 bits (int(): an np.int8 operand
             # would overflow in the simulator's numpy)
-        if rt == "i32" and op.name in I32_WRAPS and self.leaves_i32(op):
+        if rt == "i32" and (op.name in I32_WRAPS and self.leaves_i32(op) or _size_leaves_i32(op, self.env)):
             return f"(((int({e}) + 2147483648) & 4294967295) - 2147483648)"  # two's complement in 32 bits
         return e
 
@@ -1163,6 +1169,8 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
             lit = _literal(op.attrs["value"], op.results[0].type.dtype, env)
             if op.results[0].type.dtype == "bool":
                 lit = "1" if lit == "True" else "0"
+            if op.results[0].type.dtype == "i32" and _size_leaves_i32(op, env):
+                lit = f"(((int({lit}) + 2147483648) & 4294967295) - 2147483648)"  # as the IR's const wraps
             body = [f"{lo} = {lit}", f"{hi} = {lit}"]
             points.add(op.results[0])
         elif n == "add":
