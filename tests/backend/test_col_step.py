@@ -56,6 +56,10 @@ SCORES = {  # name: (score_mod, its column step a unit of w = slopes[h] (None: n
     "square": (lambda s, h, q, kv: s + slopes[h] * (kv * kv), None),
     "row only": (lambda s, h, q, kv: s + slopes[h] * q, None),  # nothing along the row: no step to take
     "tanh": (lambda s, h, q, kv: fl.tanh(s) + slopes[h] * (kv - q), None),  # x is not s plus a step
+    # an i32 product that can wrap (kv - q) * 10^8: its first column wrapped, the steps would not (a review found
+    # the kernel 1.28 off): no step
+    "wraps": (lambda s, h, q, kv: s + slopes[h] * ((kv - q) * 100000000).to("f32"), None),
+    "fits": (lambda s, h, q, kv: s + slopes[h] * ((kv - q) * 100).to("f32"), 100.0),  # (below 2^31 at 2^24 sizes)
 }
 
 
@@ -290,7 +294,7 @@ ROW_PAIRS = {  # name: (score_mod, the shift of row q + 8's entries from row q's
     "q in a lead index": (lambda s, h, q, kv: s + rel[q, q - kv + 40], None),  # rows q, q + 8 read other rows
     "kv - row's table entry": (lambda s, h, q, kv: s + rel[h, kv - rel2[h, q]], None),  # not affine in q
 }
-rel2 = fl.capture("rel2", "i32", ["H", "M"])
+rel2 = fl.capture("rel2", "i8", ["H", "M"])  # (i8: kv - its entry stays inside i32; an i32 table's entry can wrap it)
 
 
 @pytest.mark.parametrize("name", sorted(ROW_PAIRS))
@@ -302,6 +306,14 @@ def test_which_row_pairs_share_their_loads(name):
     assert row_gather(spec), spec.device_source
     assert row_gather_shift(spec) == shift, spec.device_source
     assert row_gather_shift(_spec(_mod(mod), {"row_pairs": False})) is None
+
+
+def test_an_index_that_can_wrap_reads_no_row_gather():
+    """kv - t[h, q] with an i32 table t can leave i32 (t = -2^31 + 5): the IR's index wraps per element, a row's
+    base plus column offsets would not, so the row's entries are not read at offsets from one index (_kv_coef)."""
+    t32 = fl.capture("t32", "i32", ["H", "M"])
+    spec = _spec(_mod(lambda s, h, q, kv: s + rel[h, kv - t32[h, q]]))
+    assert not row_gather(spec), spec.device_source
 
 
 @pytest.mark.parametrize("kernel", ["mma", "fa3", "ws"])

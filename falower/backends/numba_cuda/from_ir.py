@@ -830,6 +830,8 @@ def _kv_coef(low: "Lowered", v: Value, e: "_ScalarEmitter", zero: bool = False,
         if all(k == 0.0 for k in cs):
             return 0.0
         src = op.operands[0].type.dtype if op.operands else ""
+        if x.type.dtype in ("i8", "i32") and op.name in I32_WRAPS and (x.type.dtype == "i8" or e.leaves_i32(op)):
+            return None  # it wraps: not linear in kv (its first column wrapped, the steps would not be)
         if op.name == "cast" and (x.type.dtype == "f32" and src in ("f32", "i32", "i64")
                                   or x.type.dtype in ("i32", "i64") and src in ("i32", "i64")):
             return cs[0]  # an integer index is exact in f32 (below 2^24); a float to an integer is not linear
