@@ -312,3 +312,23 @@ def test_recompute_refuses_an_input_named_like_its_own(taken: str) -> None:
     g = fl.attention(score_mod=lambda s, b, h, q, kv: s + t[h], name="named")
     with pytest.raises(PassError, match=f"an input is named %{taken}"):
         fl.lower(g, "fa2-bwd")
+
+
+def test_floor_of_a_masked_score_keeps_the_guard(tmp_path, capsys) -> None:
+    """floor(-inf) is -inf: autodiff listed floor, ceil and round as finite at a mask's -inf, skipped the guard, and
+    the captured scalar's gradient was 0 * -inf = NaN (`--check failed after pass autodiff: gradient dtemp has
+    NaN`). A review helper's graph; --check now passes through autodiff."""
+    from falower.cli import main
+
+    src = tmp_path / "floor_temp.py"
+    src.write_text('import falower as fl\n'
+                   'temp = fl.capture("temp", "f32", "")\n'
+                   'def sm(s, b, h, q, kv):\n'
+                   '    return fl.floor(fl.where(kv <= q, s, float("-inf")) * 4.0) * temp.exp()\n'
+                   'graph = fl.attention(score_mod=sm, name="floor_temp")\n')
+    for op in ("floor", "ceil", "round"):
+        src.write_text(src.read_text().replace("fl.floor(", f"fl.{op}(").replace("fl.ceil(", f"fl.{op}(")
+                       .replace("fl.round(", f"fl.{op}("))
+        code = main(["opt", str(src), "-p", "autodiff,canonicalize", "--check"])
+        out, err = capsys.readouterr()
+        assert code == 0 and "NaN" not in err, (op, err)

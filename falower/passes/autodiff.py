@@ -88,8 +88,8 @@ def _needed(ops: Sequence[Op], roots: Sequence[Value], active: set[Value]) -> se
 
 # ops whose result is finite even where an operand is infinite (exp(-inf) = 0; an exp that overflows to +inf
 # makes the forward itself infinite, so its gradient is lost anyway)
-_FINITE = ("exp", "exp2", "expm1", "tanh", "tanh_approx", "sigmoid", "erf", "softmax", "sin", "cos", "sign", "floor", "ceil",
-           "round", "rsqrt")
+# ops finite at a mask's -inf (exp(-inf) = 0, tanh(-inf) = -1, ...); not floor, ceil and round, which keep it
+_FINITE = ("exp", "exp2", "expm1", "tanh", "tanh_approx", "sigmoid", "erf", "softmax", "sin", "cos", "sign", "rsqrt")
 
 
 def _may_be_infinite(ops: Sequence[Op]) -> set[Value]:

@@ -228,9 +228,10 @@ class TileBwd(Pass):
                     scatter_path.add(id(op))  # a captured table's gradient, summed tile by tile
                 elif over_tiles:
                     raise self.fail(f"a {n} over the batch, head, query or kv axis in the backward (axis {axis} "
-                                    f"of {op.operands[0].type}) that is neither a captured tensor's gradient nor "
-                                    f"the softmax gradient's row sum (delta rewrites that one: run it first); a "
-                                    f"score function that reduces the scores (not elementwise) has no tiled backward")
+                                    f"of {op.operands[0].type}) that is neither a captured tensor's gradient in a "
+                                    f"form it takes (a sum that only adds into the gradient) nor the softmax "
+                                    f"gradient's row sum (delta rewrites that one: run it first); a score function "
+                                    f"that reduces the scores (not elementwise) has no tiled backward")
                 elif R in s and C not in s:
                     pre.add(id(op))
             elif n == "scatter_add":
