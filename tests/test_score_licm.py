@@ -65,12 +65,17 @@ def test_strength_reduction_is_exact_in_f32() -> None:
             np.testing.assert_array_equal(x, y)
 
 
+_N = fl.ir.dims.dim("N")
+
+
 @pytest.mark.parametrize("score, split", [
     (lambda s, q, kv: s + (kv - q).to("f32") * 0.5, True),  # ALiBi's distance: exact in f32
     (lambda s, q, kv: s + (kv - q).to("bf16").to("f32") * 2.0, False),  # bf16 is exact only to 256
     (lambda s, q, kv: s + (kv - q).to("f16").to("f32") * 2.0, False),  # f16 to 2048
     (lambda s, q, kv: s + ((kv * 100001 - q * 100001).to("f32") - (kv - q).to("f32") * 100001.0) * 1e-3, None),
     (lambda s, q, kv: s + (kv.to("i8") - q.to("i8")).to("f32") * 0.5, None),  # an i8 difference wraps
+    (lambda s, q, kv: s + (kv - q + _N - 1).to("f32") * 0.25, True),  # a size expression below the bound
+    (lambda s, q, kv: s + (kv - q + (_N * 2 ** 20 + 1)).to("f32") * 0.25, False),  # one past it (a review: 0.13 off)
 ])
 def test_the_cast_split_only_where_it_is_exact(score, split) -> None:
     """cast(a - c) => cast(a) - cast(c) is exact only for small integers in f32 / f64 (SPLIT_CAST_MAX_SIZE): a

@@ -60,7 +60,9 @@ from typing import Optional, Sequence
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_op, replace_uses
+from ..ir.dims import Dim
 from ..ir.types import is_float, is_int, scalar
+from ..ir.value_ranges import dim_range
 from .base import Pass, register
 from .mask_tiles import split_mask
 from .rewrite import apply_patterns, region_dce
@@ -200,7 +202,10 @@ def _small_index(v: Value, index_args: set, depth: int = 0) -> bool:
         return _small_index(op.operands[0], index_args, depth)
     if op.name == "const":
         x = op.attrs["value"]
-        return not isinstance(x, (int, float)) or (isinstance(x, int) and abs(x) < SPLIT_CAST_MAX_SIZE)  # a size
+        if isinstance(x, Dim):  # a size expression: below the bound for sizes below it (N - 1, not N * 2^20 + 1)
+            lo, hi = dim_range(x, {}, SPLIT_CAST_MAX_SIZE)
+            return max(abs(lo), abs(hi)) <= SPLIT_CAST_MAX_SIZE
+        return isinstance(x, int) and not isinstance(x, bool) and abs(x) < SPLIT_CAST_MAX_SIZE
     if op.name in ("add", "sub", "neg") and depth < 2:
         return all(_small_index(o, index_args, depth + 1) for o in op.operands)
     return False
