@@ -30,3 +30,16 @@ def test_the_kernels_refuse_sizes_past_the_ranges_bound() -> None:
         else:
             with pytest.raises(ValueError, match=r"^M is 16777217: the kernels take sizes up to 2\^24"):
                 kern._check(q, k, k, ())
+
+
+def test_a_nan_constant_builds() -> None:
+    """A NaN constant in a score was emitted as `np.float32(nan)`, a NameError when the module loads (a review).
+    Not one purpose with the sizes above, but the same family: what the kernels' element code cannot express."""
+    from falower.backends.numba_cuda.from_ir import device_source
+
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + fl.where(kv == 3, float("nan"), 0.0), name="nanc")
+    from types import SimpleNamespace
+
+    ns: dict = {"np": np, "math": __import__("math"), "cuda": SimpleNamespace(fma=lambda a, b, c: a * b + c)}
+    exec(device_source(analyse(fl.lower(g, "fa2-fwd")), {"D": 64}), ns)
+    assert np.isnan(ns["score_fn"](np.float32(1.0), 0, 0, 0, 3)) and np.isfinite(ns["score_fn"](np.float32(1.0), 0, 0, 0, 2))

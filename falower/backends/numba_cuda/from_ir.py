@@ -260,6 +260,8 @@ def _literal(value, dtype: str, env: Mapping[str, int]) -> str:
         v = float(value)
         if math.isinf(v):
             return "np.float32(np.inf)" if v > 0 else "np.float32(-np.inf)"
+        if math.isnan(v):  # (repr gives `nan`, a name the module does not have)
+            return "np.float32(np.nan)"
         return f"np.float32({v!r})"
     return str(int(value))
 
