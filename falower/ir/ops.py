@@ -98,8 +98,11 @@ for _n in ARITH_BINARY:
     _register(_n, "elementwise", "any", _binary(NUMERIC))
 for _n in FLOAT_BINARY:
     _register(_n, "elementwise", "any", _binary(FLOAT_DTYPES))
+_INT_DOCS = {"floordiv": "floor division; by 0 it is 0 (numpy's)", "mod": "the floor division's remainder; by 0 it is 0",
+             "shl": "two's complement shift left; a count outside 0 .. bits - 1 (negative too) gives 0 (numpy's)",
+             "shr": "arithmetic shift right; a count outside 0 .. bits - 1 gives the sign (-1 or 0, numpy's)"}
 for _n in INT_BINARY:
-    _register(_n, "elementwise", "any", _binary(INT_DTYPES))
+    _register(_n, "elementwise", "any", _binary(INT_DTYPES), doc=_INT_DOCS[_n])
 for _n in LOGIC_BINARY:
     _register(_n, "elementwise", "any", _binary(("bool",) + INT_DTYPES))
 for _n in COMPARE:  # == and != also between booleans (masks compared with masks)

@@ -89,11 +89,13 @@ def run_idiom_case(which: str) -> dict:
         windows = [None]
     elif which == "i32":  # i32 wraps as the IR's: q * 2^25 past row 63 in the score, kv + w with a captured w in the
         # mask (w = 2^31 - 1 keeps only kv = 0: no row bounds, the tiles partial), a float cast to i32 saturated; a
-        # floor past 2^63 (Numba's math.floor went through an int64), integers divided by 0 at kv = 5 (0, as numpy's)
+        # floor past 2^63 (Numba's math.floor went through an int64), integers divided by 0 at kv = 5 (0, as numpy's), shifts by
+        # negative counts and counts past the bits (numpy's: 0, the sign)
         window = fl.capture("window", "i32", "")
         g = fl.attention(score_mod=lambda s, b, h, q, kv: s + (q * 33554432).to("f32") * 2.0 ** -31
                          + (s * 1e12).to("i32").to("f32") * 2.0 ** -33 + fl.floor(s * 1e30) * 1e-31
-                         + (q // (kv - 5) + q % (kv - 5)).to("f32") * 0.01,
+                         + (q // (kv - 5) + q % (kv - 5)).to("f32") * 0.01
+                         + ((q + 1) << (kv - 20)).to("f32") * 1e-9 + ((q - 20) >> (kv - 20)).to("f32") * 0.1,
                          mask_mod=lambda b, h, q, kv: (kv + window >= q) | (kv < fl.ir.dims.dim("M") * 201326592),
                          name="i32_wraps")  # (M * 201326592 wraps negative at M = 100: the IR's const is i32)
         windows = [2 ** 31 - 1, 5]

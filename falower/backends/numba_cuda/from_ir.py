@@ -428,6 +428,12 @@ class _ScalarEmitter:
         an integer saturated, NaN to 0 (the cast's definition, ir/ops.py)."""
         e = self._expr(op)
         rt = op.results[0].type.dtype if op.results else ""
+        if op.name in ("shl", "shr") and rt in ("i8", "i32"):
+            lo, hi = self.ranges(op.operands[1])
+            if not (0 <= lo and hi <= 63):  # numpy's: a count past the type's bits (or negative) shifts everything
+                x, c = (self.name(v) for v in op.operands)  # out; int64's shift is undefined past 63 and below 0
+                out = "0" if op.name == "shl" else f"(-1 if {x} < 0 else 0)"
+                e = f"({e} if 0 <= {c} <= 63 else {out})"
         if op.name in ("floordiv", "mod") and rt in ("i8", "i32"):
             lo, hi = self.ranges(op.operands[1])
             if lo <= 0 <= hi:  # an integer divided by 0 is 0, as numpy's (Python's // raises, Numba's is unchecked)
