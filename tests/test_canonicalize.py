@@ -106,3 +106,14 @@ def test_size_constants_fold_only_where_the_i32_op_is_the_expressions(op: str, c
     np.testing.assert_array_equal(got, want)
     folded = fl.run_pipeline(build(), "canonicalize")
     assert any(o.name == op and o.results[0].type.dtype == "i32" for o in folded.walk()) == (op != "add")
+
+
+def test_adding_zero_keeps_negative_zero() -> None:
+    """x + 0.0 is +0.0 at x = -0.0 (1 / x: inf, not -inf): canonicalize drops only + (-0.0), and x + 0 on ints."""
+    f, b, (x,) = new_func("z", [("x", tensor("f32", "N"))])
+    b.ret(b.emit("div", b.const(1.0, fl.ir.types.scalar("f32")), b.emit("add", x, b.const(0.0, fl.ir.types.scalar("f32")))))
+    xs = np.array([-0.0, 2.0], np.float32)
+    want = interpret(f, [xs], "native")[0]
+    got = interpret(fl.run_pipeline(f, "canonicalize"), [xs], "native")[0]
+    np.testing.assert_array_equal(got, want)
+    assert want[0] == np.inf

@@ -13,6 +13,7 @@ from ..ir.core import Func, Op, Value
 from ..ir.dims import Dim, binop, dim
 from ..ir.interp import Interpreter
 from ..ir.ops import ELEMENTWISE
+from ..ir.types import is_float
 from .base import Pass, register
 from .rewrite import apply_patterns, cse, dce
 
@@ -48,6 +49,14 @@ def _folds_exactly(name: str, vals: list) -> bool:
     return not (name == "floordiv" and ranges[1][0] <= 0 <= ranges[1][1])
 
 
+def _add_identity(v: Value) -> bool:
+    """v is a constant 0 that adding leaves every value as it was: an integer 0, or a float -0.0 (x + 0.0 turns
+    -0.0 into +0.0, which 1 / x tells apart)."""
+    if not is_const(v, 0.0):
+        return False
+    return not is_float(v.type.dtype) or math.copysign(1.0, float(const_value(v))) < 0
+
+
 def fold_constants(op: Op, b: Builder) -> Optional[Sequence[Value]]:
     """An elementwise op of constants is a constant (symbolic dims fold into dim expressions). Folded as the
     float64 interpreter evaluates the op, so the IR's meaning (the float64 reference --check holds every pass
@@ -80,8 +89,9 @@ def identities(op: Op, b: Builder) -> Optional[Sequence[Value]]:
     cand: Optional[Value] = None
     if n == "mul":
         cand = xs[0] if is_const(xs[1], 1.0) else xs[1] if is_const(xs[0], 1.0) else None
-    elif n == "add":
-        cand = xs[0] if is_const(xs[1], 0.0) else xs[1] if is_const(xs[0], 0.0) else None
+    elif n == "add":  # (a float x + 0.0 is +0.0 at x = -0.0: only + (-0.0) is the identity there)
+        zero = _add_identity
+        cand = xs[0] if zero(xs[1]) else xs[1] if zero(xs[0]) else None
     elif n in ("sub", "div"):
         cand = xs[0] if is_const(xs[1], 0.0 if n == "sub" else 1.0) else None
     elif n == "cast" and xs[0].type.dtype == op.attrs["to"]:
