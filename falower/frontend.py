@@ -496,6 +496,8 @@ def _dtype_name(d: Any) -> str:
 
 # ------------------------------------------------------------------------------ free functions
 def _sym(x: Any) -> SymTensor:
+    if isinstance(x, Capture):  # fl.exp(temperature), fl.maximum(w, w): a capture is its symbolic tensor here
+        return x._sym()
     if not isinstance(x, SymTensor):
         raise FalowerError(f"expected a symbolic tensor, got {type(x).__name__}")
     return x
@@ -520,11 +522,11 @@ def where(cond: Any, a: Any, b: Any) -> SymTensor:
 
 
 def maximum(a: Any, b: Any) -> SymTensor:
-    return _sym(a)._binary("max", b) if isinstance(a, SymTensor) else _sym(b)._binary("max", a, True)
+    return _sym(a)._binary("max", b) if isinstance(a, (SymTensor, Capture)) else _sym(b)._binary("max", a, True)
 
 
 def minimum(a: Any, b: Any) -> SymTensor:
-    return _sym(a)._binary("min", b) if isinstance(a, SymTensor) else _sym(b)._binary("min", a, True)
+    return _sym(a)._binary("min", b) if isinstance(a, (SymTensor, Capture)) else _sym(b)._binary("min", a, True)
 
 
 def exp(x): return _sym(x).exp()

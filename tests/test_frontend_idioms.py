@@ -201,3 +201,21 @@ def test_a_dimension_on_the_left_of_an_index() -> None:
     fl.lower(left, "fa2-fwd")
     with pytest.raises(TypeError):
         N - 1.5  # not a dimension, not a traced tensor: Python's own error
+
+
+def test_free_functions_take_a_capture() -> None:
+    """fl.exp(temperature) and fl.maximum(w, w) with captures themselves raised 'expected a symbolic tensor, got
+    Capture' where temperature.exp() worked (a review helper)."""
+    import numpy as np
+
+    from falower.ir import interpret
+
+    t = fl.capture("t", "f32", "")
+    w = fl.capture("w", "i32", "")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s * fl.exp(t) + fl.maximum(w, kv).to("f32") * 0.1, name="caps")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 3, 4)) for _ in range(3))
+    o = interpret(g, [q, k, v, np.array(0.5, np.float32), np.array(1, np.int32)])[0]
+    s = q[0, 0] @ k[0, 0].T / 2.0 * np.exp(0.5) + np.maximum(1, np.arange(3))[None, :] * 0.1
+    p = np.exp(s - s.max(1, keepdims=True))
+    np.testing.assert_allclose(o[0, 0], (p / p.sum(1, keepdims=True)) @ v[0, 0], rtol=1e-6)
