@@ -22,13 +22,25 @@ DQ = {"atomic": "atomic", "det": "separate,deterministic=true"}
 FWD = "decompose-softmax,canonicalize,fuse,tile{bq=32,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
 
 
+def _two_tables():
+    """Two tables of different ranks whose gradients the IR adds in the other order than the function returns them
+    (the score reads b1 first, the scatters add db2 first): the deterministic kernel once read b1's indices in b2
+    (IndexError), or swapped two tables' gradients of one rank; and the simulator's configured parts-sum launches
+    took the last table's grid for both (dispatcher[config] returns itself there)."""
+    import falower as fl
+
+    b1 = fl.capture("b1", "f32", "H,M,N")
+    b2 = fl.capture("b2", "f32", "M,N")
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s + b1[h, q, kv] * 0.5 + b2[q, kv] * 2.0, name="two_tables")
+
+
 def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16,
              kind: str = "sorted") -> dict:
     import falower as fl
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
-    g = example_graph(stem)
+    g = _two_tables() if stem == "two_tables" else example_graph(stem)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": D})
     bk = bk or tile
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
@@ -73,7 +85,7 @@ CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document")
 CASES += [("alibi", "simt", 16, 20, 19, "det")]
 # tables read at per-element indices: contributions staged, added by their address's owner in slot order
 CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 19, "det"),
-          ("relative_bias", "simt", 16, 20, 19, "det")]
+          ("relative_bias", "simt", 16, 20, 19, "det"), ("two_tables", "mma", 16, 20, 19, "det")]
 # block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 # the 48-wide window at 16-row tiles: kv tile 0 sees q tiles 0-3 of 5, the walk (first and last pair by a ballot)

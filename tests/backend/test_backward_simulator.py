@@ -45,6 +45,8 @@ def test_backward_kernels_match_the_ir(results, case_id):
         assert r["masked_rows"] > 0  # padding tokens: rows with nothing to attend to, gradient zero
     if case_id.startswith(("alibi", "relative_bias", "bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
+    if case_id.startswith("two_tables"):
+        assert set(r["grads"]) == {"dq", "dk", "dv", "db1", "db2"}  # each right in shape and value above
     if case_id.endswith("-det"):
         assert r["same_bits"], r  # deterministic: no atomics, the same bits on every run
 

@@ -116,3 +116,16 @@ def test_a_table_read_at_two_index_forms_is_refused_by_name():
         analyse_backward(fl.compile(g, "numba-cuda").lowered_backward)
     assert "\n" not in str(e.value)
     assert fl.compile(g, "reference").gradient_names() == ["dq", "dk", "dv", "dbias"]
+
+
+def test_a_half_precision_tables_gradient_and_a_table_read_twice_are_refused_by_name():
+    """A bf16 table's gradient (the IR casts the f32 sum to bf16) was refused with the two-index-forms text; now it
+    says the kernels add in f32. cap[h] * tanh(s / cap[h]) reads one table twice: the sum-of-scatters text names it."""
+    t = fl.capture("t", "bf16", "H,N")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + t[h, kv], name="bf_table")
+    with pytest.raises(BackendError, match=r"^numba-cuda backend: gradient dt is of a bf16 captured table: .*f32"):
+        analyse_backward(fl.compile(g, "numba-cuda").lowered_backward)
+    cap = fl.capture("cap", "f32", "H")
+    g2 = fl.attention(score_mod=lambda s, b, h, q, kv: cap[h] * fl.tanh(s / cap[h]), name="softcap_h")
+    with pytest.raises(BackendError, match=r"^numba-cuda backend: .* sum of several .*cap\[h\] twice"):
+        analyse_backward(fl.compile(g2, "numba-cuda").lowered_backward)

@@ -319,7 +319,7 @@ def ordered_scatters(func: Func, nest: Op, branch: _Branch) -> list[tuple[Op, st
                 acc = acc.owner.operands[0]
             if acc not in roots:
                 roots.append(acc)
-            name = grad_results[roots.index(acc)]
+            name = _deterministic_result(func, nest, acc) or grad_results[roots.index(acc)]
         else:
             name = _result_name(func, nest.results[len(nest.results) - len(accs) + accs.index(acc)])
         named.append((sc, name))
@@ -356,6 +356,38 @@ def _grads(func: Func, nest: Op, branch: _Branch, captures: list[Value]
     return out, last
 
 
+def _deterministic_result(func: Func, nest: Op, table: Value) -> Optional[str]:
+    """The result a deterministic backward's loop table becomes: the q loop's carried table (a block argument of
+    the `for` in the nest), that loop's result, the nest's result it is yielded into (its per-kv-tile parts), then
+    the function's sums, squeezes and casts of those parts to a returned value. None where the IR is not of that
+    form. (The scatters' order is the score's: s + b1[...] + b2[...] adds into db2's table first, and taking the
+    tables in that order swapped the two gradients, or read one table's indices in the other's, a review found.)"""
+    blk = table.owner
+    loop = blk.parent if isinstance(blk, Block) else None
+    if not isinstance(loop, Op) or loop.name != "for" or loop.parent is not nest.regions[0]:
+        return None
+    v = loop.results[blk.args.index(table) - 1]
+    term = nest.regions[0].terminator
+    if term is None or term.name != "tile.yield":
+        return None
+    pos = 0
+    for j, spec in enumerate(term.attrs.get("slices", ())):
+        if term.operands[pos] is v:
+            break
+        pos += 1 + sum(1 for x in spec if x != ":")
+    else:
+        return None
+    v = nest.results[j]
+    body = list(func.body.ops)
+    while v not in func.results:
+        users = [op for op in body if any(o is v for o in op.operands)]
+        if len(users) != 1 or users[0].name not in ("reduce_sum", "squeeze", "cast", "reshape") or \
+                len(users[0].results) != 1:
+            return None
+        v = users[0].results[0]
+    return next(n for n, x in zip(func.result_names, func.results) if x is v)
+
+
 def _result_name(func: Func, v: Value) -> str:
     """The result `v` becomes, directly or squeezed (a captured scalar's gradient is a one-slot table)."""
     for name, x in zip(func.result_names, func.results):
@@ -363,9 +395,20 @@ def _result_name(func: Func, v: Value) -> str:
             x = x.owner.operands[0]
         if x is v:
             return name
+    for name, x in zip(func.result_names, func.results):  # why not: a cast to the table's dtype, or a sum
+        y, cast = x, False
+        while y is not v and isinstance(y.owner, Op) and y.owner.name in ("squeeze", "cast"):
+            cast = cast or y.owner.name == "cast"
+            y = y.owner.operands[0]
+        if y is v and cast:
+            raise BackendError(f"numba-cuda backend: gradient {name} is of a {x.type.dtype} captured table: the "
+                               "kernels add captured tables' gradients in f32 (capture the table as f32); the "
+                               "reference backend runs it")
     raise BackendError("numba-cuda backend: a captured table's gradient is not one scatter's accumulator but a sum of "
-                       "several (the table read at more than one index form, e.g. bias[h, q, kv] and bias[h, kv, q]): "
-                       "the kernels add one scatter a table; the reference backend runs it")
+                       "several (the table read at more than one place or index form, e.g. bias[h, q, kv] and "
+                       "bias[h, kv, q], or cap[h] twice in cap[h] * tanh(s / cap[h])): the kernels add one scatter a "
+                       "table; the reference backend runs it")
+
 
 
 # ------------------------------------------------------------------------------------ scalar code

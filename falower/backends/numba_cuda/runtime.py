@@ -2181,8 +2181,10 @@ class FA2BackwardKernel:
             dq_args = [dq32, dq_k, ndq, M]
             conv = self._dq[dq_convert_launch(s, B, H, M, ndq)]
         block_mask = self._mask_kernel[(nk, nq, B * H), 128] if self._mask_kernel is not None else None
-        parts = [(self._parts[(-(-_numel(out) // 128),), 128], g_buf, out)
-                 for g_buf, out in zip(grads, sums)] if self._parts is not None else []
+        # (configured at each launch: the simulator's dispatcher[config] sets the config on itself and returns
+        # itself, so launches configured ahead for two tables of different sizes both took the last one's grid)
+        parts = [(-(-_numel(out) // 128), g_buf, out) for g_buf, out in zip(grads, sums)] \
+            if self._parts is not None else []
 
         zeros = [np.zeros(_numel(g_buf), dtype=_acc_np(s.dtype)) for g_buf in grads] if kind != "torch" else []
 
@@ -2196,8 +2198,8 @@ class FA2BackwardKernel:
             if block_mask is not None:
                 self.block_tables.fill(entry, lambda: block_mask(table, *sizes, *caps))
             main(*args)
-            for kern, g_buf, out in parts:
-                kern(g_buf, out, nblk, _numel(out))
+            for blocks, g_buf, out in parts:
+                self._parts[(blocks,), 128](g_buf, out, nblk, _numel(out))
             conv(*dq_args)
 
         def finish() -> tuple:
