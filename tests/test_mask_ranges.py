@@ -218,3 +218,32 @@ def test_nan_in_a_table_or_from_inf_times_zero_keeps_tiles_partial(which: str) -
     for data in ("ranges", "table"):
         got = interpret(fl.run_pipeline(make(), pipe % data), ins, dims=env)[0]
         np.testing.assert_allclose(got, want, atol=1e-9, err_msg=f"{which}, data={data}")
+
+
+def test_a_cast_that_overflows_to_inf_keeps_its_tiles_partial() -> None:
+    """(q * 1000).to('f16') is inf past q = 65: the mask `... < inf` drops those rows at native precision, and the
+    interval analysis, which never widened an end past f16's largest value to inf, called their tiles FULL."""
+    g = fl.attention(mask_mod=lambda b, h, q, kv: (q.to("f32") * 1000.0).to("f16") < float("inf"), name="f16mask")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 128, 8)).astype(np.float16) for _ in range(3))
+    pipe = "decompose-softmax,canonicalize,fuse,tile{bq=16,bk=16},online-softmax"
+    with np.errstate(over="ignore"):  # (the f16 cast's inf, on purpose)
+        want = interpret(g, [q, k, v], "native")[0]
+        got = interpret(fl.lower(g, pipe + ",mask-tiles"), [q, k, v], "native")[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_concrete_sizes_lower_through_mask_tiles() -> None:
+    """A graph traced at concrete sizes: tile's kv loop bound folds cdiv(50, 64) to 1, which mask-tiles refused
+    (`not tile's cdiv(kv length, bk)`) for every graph, masked or not; the length now comes from the kv bound's
+    compare (a review helper). M = 37, N = 50 (the kv bound's ragged tile) against the graph."""
+    @fl.trace(q=fl.tensor("f16", "1,2,37,8"), k=fl.tensor("f16", "1,2,50,8"), v=fl.tensor("f16", "1,2,50,8"))
+    def graph(q, k, v):
+        return fl.softmax(q @ k.mT * 0.35, -1) @ v
+
+    rng = np.random.default_rng(1)
+    ins = [rng.standard_normal(s).astype(np.float16) for s in ((1, 2, 37, 8), (1, 2, 50, 8), (1, 2, 50, 8))]
+    want = interpret(graph, ins)[0]
+    low = fl.lower(graph, "fa2-fwd")
+    assert any(op.name == "mask.kv_range" for op in low.walk())
+    np.testing.assert_allclose(interpret(low, ins)[0], want, atol=1e-9)

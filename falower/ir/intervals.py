@@ -244,11 +244,18 @@ _ROUNDED = ("add", "sub", "mul", "floordiv", "mod", "rsqrt") + _MONOTONE
 _EPS = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 2.0 ** -24, "f64": 2.0 ** -53}  # half an ulp, relative
 
 
+_FMAX = {"f16": 65504.0, "bf16": 3.3895313892515355e38, "f32": 3.4028234663852886e38, "f64": 1.7976931348623157e308}
+
+
 def _widen(r: Interval, dtype: str, ulps: int) -> Interval:
-    """r widened by `ulps` half-ulps of dtype (relative, plus f32's least normal for results near zero)."""
+    """r widened by `ulps` half-ulps of dtype (relative, plus f32's least normal for results near zero); an end past
+    the dtype's largest finite value may round to inf: it is inf (66000 cast to f16 is inf, a review found a mask
+    `x.to('f16') < inf` called FULL)."""
     e = ulps * _EPS[dtype]
     lo = r[0] - abs(r[0]) * e - 1.2e-38 if math.isfinite(r[0]) else r[0]
-    return lo, (r[1] + abs(r[1]) * e + 1.2e-38 if math.isfinite(r[1]) else r[1])
+    hi = r[1] + abs(r[1]) * e + 1.2e-38 if math.isfinite(r[1]) else r[1]
+    top = _FMAX[dtype]
+    return (-math.inf if lo < -top else lo), (math.inf if hi > top else hi)
 
 
 def _cast(x: Interval, src: str, to: str) -> Interval:
