@@ -242,3 +242,15 @@ def test_split_kv_on_random_tiles_parts_and_sizes(stem: str, bq: int, bk: int, p
     kind = ("sorted", "unsorted", "constant")[seed % 3]
     ref = Reference.build(g, sizes(M, N), seed=seed, kind=kind)
     assert ref.compare(lowered, tol=1e-9) == []
+
+
+def test_fuse_after_tiling_says_so() -> None:
+    """fuse after split-kv read the LSE merge's reduce_max as a softmax over axis 0 (a review helper); after fa2-fwd
+    it said there was no softmax. Both now say the graph is tiled already."""
+    import falower as fl
+    from falower.errors import PassError
+
+    g = fl.attention(name="plain")
+    for pipe in ("fa2-fwd,fuse", "fa2-fwd,split-kv{parts=2},fuse"):
+        with pytest.raises(PassError, match=r"^pass fuse: the graph is already tiled"):
+            fl.lower(g, pipe)

@@ -41,6 +41,8 @@ class Fuse(Pass):
     summary = "the elementwise score function between the two contractions -> one fused region"
 
     def run(self, func: Func) -> Func:
+        if any(op.name == "parallel_for" for op in func.body.ops):  # (after split-kv, the LSE merge's reduce_max
+            raise self.fail("the graph is already tiled: fuse runs before tile (as fa2-fwd has it)")  # read as one)
         att = find_attention(func, self.name)
         x_op = att.x.owner
         if isinstance(x_op, Op) and x_op.name == "fused":
