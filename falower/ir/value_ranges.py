@@ -5,7 +5,7 @@ does not. Wrapping every i32 result in the kernels would cost instructions in ev
 kernel wraps only the results this analysis cannot keep inside i32 (a product or sum with a captured value, a
 cast of an i64 ...), and the indices' usual arithmetic (q - kv, kv - q + N - 1) stays as it is.
 
-`static_range(v, env)` follows v up to what defines it: a loop's index from its bounds, a fused or mask op's
+`ValueRanges(env)(v)` follows v up to what defines it: a loop's index from its bounds, a fused or mask op's
 region argument from the op's operands (a mask's q and kv over the tile it classifies), tile.iota from its start
 and extent, a size from `env` (a size not in env is any value in 1 .. SIZE_MAX = 2^24), elementwise ops by
 intervals.op_interval; data (gathers, loads, captured values, the function's arguments, loop-carried values) take
@@ -27,7 +27,7 @@ from .types import int_range, is_float, is_int
 # that the indices' usual arithmetic (q + N - 1, a relative bias's row; kv - 40 q, a strided mask) stays inside i32
 # without a wrap. 2^24 = 16,777,216 tokens: also where an index stops being exact in f32 (ALiBi's float(kv - q))
 SIZE_MAX = 2 ** 24
-_VIEWS = ("unsqueeze", "broadcast_to", "reshape", "squeeze", "expand_dims")
+_VIEWS = ("unsqueeze", "squeeze")
 
 
 def dim_range(d: Dim, env: Mapping[str, int], size_max: int = SIZE_MAX) -> Interval:
@@ -62,8 +62,8 @@ def dim_range(d: Dim, env: Mapping[str, int], size_max: int = SIZE_MAX) -> Inter
 
 
 class ValueRanges:
-    """static_range with a memo (one per function and env); `seed` fixes a value's range where the caller knows
-    it better (a closed predicate region's b, h, q, kv, which no op defines)."""
+    """The static ranges of one function's values at sizes env, memoized; `seed` fixes a value's range where the
+    caller knows it better (a closed predicate region's b, h, q, kv, which no op defines)."""
 
     def __init__(self, env: Mapping[str, int], seeds: Optional[Mapping[Value, Interval]] = None):
         self.env = dict(env)
@@ -115,7 +115,6 @@ class ValueRanges:
                 r = (float(lo), float(hi))
         elif v.type.dtype == "bool":
             r = (max(r[0], 0.0), min(r[1], 1.0)) if r[0] <= r[1] and 0 <= r[0] and r[1] <= 1 else (0.0, 1.0)
-        self.memo[v] = r
         return r
 
     def raw(self, op: Op) -> Interval:

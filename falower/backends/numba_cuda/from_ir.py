@@ -299,6 +299,13 @@ def _inside_i32(r: tuple[float, float]) -> bool:
     return -2 ** 31 <= r[0] and r[1] <= 2 ** 31 - 1
 
 
+def _wrapped(e: str, dtype: str) -> str:
+    """Expression e (a Python / Numba int64) wrapped to the i8 or i32 two's complement, as the IR's integers wrap
+    (int(): an np.int8 / np.int32 operand would overflow in the simulator's numpy)."""
+    half = 128 if dtype == "i8" else 2147483648
+    return f"(((int({e}) + {half}) & {2 * half - 1}) - {half})"
+
+
 def _size_leaves_i32(op: Op, env: Mapping[str, int]) -> bool:
     """An i32 constant of a size expression that can leave i32 (`M * 201326592`): the IR's const wraps it."""
     v = op.attrs.get("value") if op.name == "const" else None
@@ -442,11 +449,9 @@ class _ScalarEmitter:
             lo, hi = int_range(rt)
             x = self.name(op.operands[0])  # (the comparisons first: int() of NaN or inf raises in the simulator)
             e = f"({lo} if {x} <= {lo} else ({hi} if {x} >= {hi} else (int({x}) if {x} == {x} else 0)))"
-        if rt == "i8" and op.name != "const":
-            return f"(((int({e}) + 128) & 255) - 128)"  # two's complement in 8 bits (int(): an np.int8 operand
-            # would overflow in the simulator's numpy)
-        if rt == "i32" and (op.name in I32_WRAPS and self.leaves_i32(op) or _size_leaves_i32(op, self.env)):
-            return f"(((int({e}) + 2147483648) & 4294967295) - 2147483648)"  # two's complement in 32 bits
+        if rt == "i8" and op.name != "const" or \
+                rt == "i32" and (op.name in I32_WRAPS and self.leaves_i32(op) or _size_leaves_i32(op, self.env)):
+            return _wrapped(e, rt)
         return e
 
     def leaves_i32(self, op: Op) -> bool:
@@ -1180,7 +1185,7 @@ def _interval_fn(pred: Block, env: Mapping[str, int], sig_caps: str,
             if op.results[0].type.dtype == "bool":
                 lit = "1" if lit == "True" else "0"
             if op.results[0].type.dtype == "i32" and _size_leaves_i32(op, env):
-                lit = f"(((int({lit}) + 2147483648) & 4294967295) - 2147483648)"  # as the IR's const wraps
+                lit = _wrapped(lit, "i32")  # as the IR's const wraps
             body = [f"{lo} = {lit}", f"{hi} = {lit}"]
             points.add(op.results[0])
         elif n == "add":

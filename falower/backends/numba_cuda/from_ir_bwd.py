@@ -381,7 +381,7 @@ def _deterministic_result(func: Func, nest: Op, table: Value) -> Optional[str]:
     body = list(func.body.ops)
     while v not in func.results:
         users = [op for op in body if any(o is v for o in op.operands)]
-        if len(users) != 1 or users[0].name not in ("reduce_sum", "squeeze", "cast", "reshape") or \
+        if len(users) != 1 or users[0].name not in ("reduce_sum", "squeeze", "cast") or \
                 len(users[0].results) != 1:
             return None
         v = users[0].results[0]
@@ -408,7 +408,6 @@ def _result_name(func: Func, v: Value) -> str:
                        "several (the table read at more than one place or index form, e.g. bias[h, q, kv] and "
                        "bias[h, kv, q], or cap[h] twice in cap[h] * tanh(s / cap[h])): the kernels add one scatter a "
                        "table; the reference backend runs it")
-
 
 
 # ------------------------------------------------------------------------------------ scalar code
