@@ -59,6 +59,17 @@ def _builder() -> Builder:
     return _CURRENT[-1].builder
 
 
+def _small_int_exponent(x: Any) -> bool:
+    """A Python int exponent that an integer power can take as products (0 .. 64)."""
+    try:
+        import numpy as np
+
+        ints: tuple = (int, np.integer)
+    except ImportError:  # pragma: no cover
+        ints = (int,)
+    return isinstance(x, ints) and not isinstance(x, bool) and 0 <= int(x) <= 64
+
+
 def _promote(a: str, b: str) -> str:
     if a == b:
         return a
@@ -72,7 +83,7 @@ def _promote(a: str, b: str) -> str:
         return b
     if "i32" in (a, b):
         return "i32"
-    return a
+    return b if a == "bool" else a  # bool with i8: i8 (bools count as 0 and 1), in either order
 
 
 class SymTensor:
@@ -117,8 +128,9 @@ class SymTensor:
 
     def __bool__(self) -> bool:
         raise FalowerError("a symbolic tensor has no truth value while tracing (Python `if`, `and`, `or`, `not` on "
-                           "a traced value): use torch.where(cond, a, b) or falower.where(cond, a, b) instead of "
-                           "`if`, and & | ~ instead of and/or/not")
+                           "a traced value, or a chained comparison such as 0 <= x < w): use torch.where(cond, a, b) "
+                           "or falower.where(cond, a, b) instead of `if`, & | ~ instead of and/or/not, and "
+                           "(0 <= x) & (x < w) for a chain")
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -132,7 +144,23 @@ class SymTensor:
     def __float__(self) -> float:
         raise FalowerError(_math_call_message())
 
-    __int__ = __index__ = __complex__ = __float__  # type: ignore[assignment]
+    __int__ = __complex__ = __trunc__ = __float__  # type: ignore[assignment]
+
+    def __index__(self) -> int:
+        raise FalowerError("a traced tensor cannot be a Python int (a Python list or tuple indexed by it, range(), "
+                           "int(), or a math.* function): capture the list as a table with falower.capture(...) or a "
+                           "torch tensor, and use falower.where / torch.where for choices")
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise FalowerError("traced tensors are immutable (x[i] = y, masked_fill_): use torch.where(cond, y, x) or "
+                           "falower.where(cond, y, x)")
+
+    def __getattr__(self, name: str) -> Any:
+        """A method falower does not trace: named in one line (an AttributeError too, so hasattr() stays False)."""
+        if name.startswith("__") or name in ("value", "transposed"):
+            raise AttributeError(name)
+        raise _NoMethod(f"traced tensors have no method {name!r} (falower traces the torch ops listed in README's "
+                        "'FlexAttention users'; write it with those)")
 
     def _v(self) -> Value:
         if self.transposed:
@@ -170,16 +198,34 @@ class SymTensor:
         raise FalowerError(f"cannot use {type(x).__name__} in a traced expression")
 
     def _binary(self, name: str, other: Any, reverse: bool = False) -> "SymTensor":
+        if name == "pow" and not reverse and _small_int_exponent(other) and not is_float(self.dtype):
+            return self._int_power(int(other))
         o = self._lift(other, self)
         a, b = (o, self) if reverse else (self, o)
         av, bv = a._v(), b._v()
         target = _promote(av.type.dtype, bv.type.dtype)
+        if name in ("floordiv", "mod") and is_float(target):
+            raise FalowerError(f"// and % take integers in falower (got {target}): for floats write "
+                               "fl.floor(a / b) and a - b * fl.floor(a / b)")
         if name in ("div", "pow") and not is_float(target):
             target = "f32"
         if target == "bool" and name not in ("eq", "ne", "and", "or", "xor"):
             target = "i32"  # arithmetic and ordering on masks count them as 0 and 1, as torch does
         bld = _builder()
         return SymTensor(bld.emit(name, bld.cast(av, target), bld.cast(bv, target)))
+
+    def _int_power(self, e: int) -> "SymTensor":
+        """An integer to a constant power e >= 0, as Python and torch keep it: an integer (products, wrapping at
+        i32 as every i32 op does), where the pow op would compute it in f32 (inexact past 2^24)."""
+        base = self if self.dtype != "bool" else self.to("i32")
+        out: Optional[SymTensor] = None
+        while e:
+            if e & 1:
+                out = base if out is None else out * base
+            e >>= 1
+            if e:
+                base = base * base
+        return out if out is not None else base * 0 + 1
 
     def _unary(self, name: str) -> "SymTensor":
         v = self._v()
@@ -218,6 +264,11 @@ class SymTensor:
     def __eq__(self, o): return self._binary("eq", o)  # type: ignore[override]
     def __ne__(self, o): return self._binary("ne", o)  # type: ignore[override]
     __hash__ = object.__hash__
+    def __rlshift__(self, o): return self._binary("shl", o, True)
+    def __rrshift__(self, o): return self._binary("shr", o, True)
+    def __pos__(self): return self
+    def __divmod__(self, o): return self // o, self % o
+    def __rdivmod__(self, o): return self._binary("floordiv", o, True), self._binary("mod", o, True)
     def __neg__(self): return self._unary("neg")
     def __abs__(self): return self._unary("abs")
     def __invert__(self): return self._unary("not")
@@ -324,6 +375,50 @@ class SymTensor:
     def pow(self, o: Any) -> "SymTensor":
         return self._binary("pow", o)
 
+    def add(self, o: Any, alpha: Any = 1) -> "SymTensor":
+        return self + (o if alpha == 1 else o * alpha)
+
+    def sub(self, o: Any, alpha: Any = 1) -> "SymTensor":
+        return self - (o if alpha == 1 else o * alpha)
+
+    def mul(self, o: Any) -> "SymTensor":
+        return self * o
+
+    def div(self, o: Any, rounding_mode: Any = None) -> "SymTensor":
+        if rounding_mode is None:
+            return self / o
+        if rounding_mode == "floor" and not is_float(self.dtype) and not is_float(_sym_dtype(o)):
+            return self // o
+        raise FalowerError(f"div(rounding_mode={rounding_mode!r}) is not traced: integers take rounding_mode='floor' "
+                           "(that is //); for floats write (a / b).floor()")
+
+    def remainder(self, o: Any) -> "SymTensor":
+        return self % o
+
+    def floor_divide(self, o: Any) -> "SymTensor":
+        return self // o
+
+    def eq(self, o: Any) -> "SymTensor": return self == o
+    def ne(self, o: Any) -> "SymTensor": return self != o
+    def lt(self, o: Any) -> "SymTensor": return self < o
+    def le(self, o: Any) -> "SymTensor": return self <= o
+    def gt(self, o: Any) -> "SymTensor": return self > o
+    def ge(self, o: Any) -> "SymTensor": return self >= o
+    def bitwise_and(self, o: Any) -> "SymTensor": return self & o
+    def bitwise_or(self, o: Any) -> "SymTensor": return self | o
+    def bitwise_xor(self, o: Any) -> "SymTensor": return self ^ o
+    def bitwise_not(self) -> "SymTensor": return ~self
+    def neg(self) -> "SymTensor": return -self
+    negative = neg
+    def sgn(self) -> "SymTensor": return self.sign()
+
+    def relu(self) -> "SymTensor":
+        return self._binary("max", 0)
+
+    def where(self, cond: Any, other: Any) -> "SymTensor":
+        """torch's x.where(cond, y): x where cond, else y."""
+        return where(cond, self, other)
+
     def square(self) -> "SymTensor":
         return self * self
 
@@ -331,10 +426,10 @@ class SymTensor:
         return 1.0 / self
 
     def logical_and(self, o: Any) -> "SymTensor":
-        return self.bool() & (o.bool() if isinstance(o, SymTensor) else o)
+        return self.bool() & _as_bool(o)
 
     def logical_or(self, o: Any) -> "SymTensor":
-        return self.bool() | (o.bool() if isinstance(o, SymTensor) else o)
+        return self.bool() | _as_bool(o)
 
     def logical_not(self) -> "SymTensor":
         return ~self.bool()
@@ -393,8 +488,13 @@ class SymTensor:
             return _Row(self, index)
         bld = _builder()
         idx = []
-        for i in index:
-            if isinstance(i, (int, Dim)) and not isinstance(i, bool):
+        for axis, i in enumerate(index):
+            if type(i).__module__ == "numpy" and hasattr(i, "dtype") and i.dtype.kind in "iu" and i.ndim == 0:
+                i = int(i)  # a numpy integer index is a Python one
+            if isinstance(i, int) and not isinstance(i, bool):
+                idx.append(bld.const(_constant_index(i, self.shape[axis], axis)))
+                continue
+            if isinstance(i, Dim):
                 idx.append(bld.const(i))
                 continue
             t = _sym(i)
@@ -439,7 +539,8 @@ class _Row(SymTensor):
 
 _FL_EQUIVALENT = {"log": "log", "exp": "exp", "exp2": "exp2", "log2": "log2", "tanh": "tanh", "erf": "erf",
                   "sqrt": "sqrt", "sin": "sin", "cos": "cos", "tan": "tan", "log1p": "log1p", "expm1": "expm1",
-                  "floor": "floor", "ceil": "ceil", "fabs": "abs", "pow": "** (a ** b)", "copysign": "sign"}
+                  "floor": "floor", "ceil": "ceil", "fabs": "abs", "pow": "** (a ** b)", "copysign": "sign",
+                  "trunc": ".to('i32') (toward zero)"}
 
 
 def _math_call_message() -> str:
@@ -454,8 +555,13 @@ def _math_call_message() -> str:
     called = None
     if frame is not None:
         line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-        m = re.search(r"\bmath\.(\w+)\s*\(", line)
-        called = m.group(1) if m else None
+        calls = list(dict.fromkeys(re.findall(r"\bmath\.(\w+)\s*\(", line)))
+        if len(calls) > 1:  # which one got the tensor the line does not say: name them all
+            insteads = [f"fl.{_FL_EQUIVALENT[c]}" if _FL_EQUIVALENT.get(c, "").isidentifier() else
+                        _FL_EQUIVALENT.get(c, "no equivalent") for c in calls]
+            return (f"one of {', '.join('math.' + c for c in calls)} on this line got a traced tensor (they need "
+                    f"Python floats): use {' / '.join(insteads)}")
+        called = calls[0] if calls else None
     if called is not None:
         fl_name = _FL_EQUIVALENT.get(called)
         instead = f"use fl.{fl_name}(x)" if fl_name and fl_name.isidentifier() else \
@@ -463,6 +569,38 @@ def _math_call_message() -> str:
         return f"math.{called} cannot take a traced tensor (it needs a Python float): {instead}"
     return ("a traced tensor cannot become a Python number (was it passed to a math.* function?): use the "
             "falower functions instead, e.g. fl.erf, fl.exp, fl.log, fl.sin, fl.sqrt")
+
+
+class _NoMethod(FalowerError, AttributeError):
+    """A method traced tensors do not have: a one-line falower error that hasattr() also reads as absent."""
+
+
+def _sym_dtype(x: Any) -> str:
+    """The dtype x would trace as: a traced tensor's, f32 for a Python float, i32 otherwise."""
+    if isinstance(x, (SymTensor, Capture)):
+        return x.dtype
+    return "f32" if isinstance(x, float) else "i32"
+
+
+def _constant_index(i: int, extent: Dim, axis: int) -> DimLike:
+    """A Python int index as Python reads it: a negative one counts from the end (`bias[-1]` is the last entry, not
+    the first that the gather's clamp would give), one past the end of a known extent is refused. Traced indices
+    are clamped into range instead (README, "The IR and its levels")."""
+    if extent.is_const:
+        n = extent.eval({})
+        if not -n <= i < n:
+            raise FalowerError(f"index {i} is out of range for axis {axis} of size {n}")
+        return i % n
+    return extent + i if i < 0 else i
+
+
+def _as_bool(o: Any) -> Any:
+    """A logical op's other operand as a truth value (torch.logical_and(mask, 2) is mask & True)."""
+    if isinstance(o, (SymTensor, Capture)):
+        return o.bool()
+    if isinstance(o, (bool, int, float)) or type(o).__module__ == "numpy":
+        return bool(o)
+    return o
 
 
 def _keepdim_only(keepdim: bool) -> None:
@@ -594,7 +732,8 @@ def _delegate(name: str) -> Callable:
 # (`score * temperature`, `q - kv < window` with 0-d captures) forwards each one to its symbolic tensor.
 for _op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
             "rmod", "pow", "rpow", "and", "rand", "or", "ror", "xor", "rxor", "lt", "le", "gt", "ge", "eq", "ne",
-            "neg", "abs", "invert", "float", "int", "index", "bool", "iter", "len", "round", "array"):
+            "neg", "abs", "invert", "float", "int", "index", "bool", "iter", "len", "round", "array", "lshift",
+            "rlshift", "rshift", "rrshift", "pos", "divmod", "rdivmod", "trunc", "setitem"):
     setattr(Capture, f"__{_op}__", _delegate(f"__{_op}__"))
 
 
@@ -684,10 +823,16 @@ def attention(
         qi = SymTensor(bld.iota(2, [1, 1, "M", 1], "q_idx"))
         ki = SymTensor(bld.iota(3, [1, 1, 1, "N"], "kv_idx"))
         if score_mod is not None:
+            shape = s.shape
             s = score_mod(s, b, h, qi, ki)
             s = _sym(s)
             if not is_float(s.dtype):
                 raise FalowerError(f"score_mod must return a float tensor, got {s.dtype}")
+            if s.shape != shape:
+                got = ", ".join(map(str, s.shape))
+                raise FalowerError(f"score_mod must return a score per (b, h, q_idx, kv_idx), shape [B, H, M, N]; it "
+                                   f"returned [{got}], which does not depend on the score (falower lowers scores "
+                                   "computed from q @ k^T)")
             s = s.to(acc)
         if mask_mod is not None:
             m = mask_mod(b, h, qi, ki)

@@ -185,6 +185,15 @@ def _min2(a: Any, b: Any) -> SymTensor:
     return _minimum(_s(a), _s(b))
 
 
+def _nan_ignoring(name: str) -> Callable:
+    """torch.fmax / fmin take the other operand where one is NaN; falower's maximum / minimum propagate NaN, so
+    mapping one to the other would be silently wrong exactly where the two differ: refused in one line."""
+    def refuse(*args: Any, **kwargs: Any) -> SymTensor:
+        raise FalowerError(f"torch.{name} ignores NaN operands, which falower's maximum / minimum do not: use "
+                           f"torch.{'maximum' if name == 'fmax' else 'minimum'} (the same wherever no operand is NaN)")
+    return refuse
+
+
 def _getitem(t: Any, index: Any) -> SymTensor:
     """A torch tensor indexed by traced indices: a gather from the captured tensor."""
     index = tuple(_s(i) for i in index) if isinstance(index, tuple) else _s(index)
@@ -217,7 +226,7 @@ _TORCH_IMPLS: dict[str, Callable] = {
     "div": _div, "divide": _div,
     "clamp": _clamp, "clip": _clamp,
     "clamp_min": lambda x, m: _clamp(x, min=m), "clamp_max": lambda x, m: _clamp(x, max=m),
-    "maximum": _max2, "minimum": _min2, "fmax": _max2, "fmin": _min2,
+    "maximum": _max2, "minimum": _min2, "fmax": _nan_ignoring("fmax"), "fmin": _nan_ignoring("fmin"),
     "round": _round,
     "relu": _relu,
     "ones_like": _ones_like, "zeros_like": _zeros_like, "full_like": _full_like,
