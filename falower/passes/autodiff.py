@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value
-from ..ir.dims import Const, Dim
+from ..ir.dims import Const, Dim, Sym
 from ..ir.types import TensorType, is_float
 from .base import Pass, register
 
@@ -93,7 +93,8 @@ _FINITE = ("exp", "exp2", "expm1", "tanh", "tanh_approx", "sigmoid", "erf", "sof
 
 
 def _may_be_infinite(ops: Sequence[Op]) -> set[Value]:
-    """Values that can hold +-inf by construction: a mask's -inf constant and what it flows into."""
+    """Values that can hold +-inf by construction: a mask's -inf constant, an entry of a captured float table, and
+    what they flow into."""
     inf: set[Value] = set()
     for op in ops:
         if not op.results or not is_float(op.results[0].type.dtype):
@@ -106,13 +107,27 @@ def _may_be_infinite(ops: Sequence[Op]) -> set[Value]:
             hit = False
         elif n == "where":
             hit = any(v in inf for v in op.operands[1:])
-        elif n == "gather":
-            hit = op.operands[0] in inf
+        elif n == "gather":  # a captured float table may hold -inf itself (an additive mask, as HF models pass)
+            hit = op.operands[0] in inf or not isinstance(op.operands[0].owner, Op)
         else:
             hit = any(v in inf for v in op.operands)
         if hit:
             inf.update(op.results)
     return inf
+
+
+def _positive_constant(v: Value) -> bool:
+    """v is computed from positive constants and sizes alone (no data) by ops that keep them positive."""
+    op = v.owner
+    if not isinstance(op, Op):
+        return False
+    if op.name == "const":
+        c = op.attrs["value"]
+        if isinstance(c, Const):
+            c = c.value
+        return isinstance(c, Sym) or (not isinstance(c, bool) and isinstance(c, (int, float)) and c > 0)
+    return op.name in ("cast", "sqrt", "mul", "add", "div", "exp", "exp2") and \
+        all(_positive_constant(x) for x in op.operands)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -160,6 +175,20 @@ class Backward:
             return prod
         zero = self.const(0.0, g.type.dtype)
         return self.emit("where", self.emit("eq", g, zero), zero, prod)
+
+    def zero_where_g_is(self, g: Value, x: Value) -> Value:
+        """x, but 0 wherever the cotangent g is 0: a rule whose local derivative can be infinite at a finite input
+        (sqrt and log at 0, a division by 0, rsqrt, pow below 1 at 0) gives a masked entry, a padded row or an entry
+        nobody reads no gradient, never 0 * inf = NaN (sqrt(max(s, 0)) at a masked s = 0: torch masks after its
+        score_mod's backward the same way)."""
+        zero = self.const(0.0, g.type.dtype)
+        return self.emit("where", self.emit("eq", g, zero), zero, x)
+
+    def over(self, g: Value, d: Value) -> Value:
+        """g / d, 0 where g is 0 (`zero_where_g_is`); a d that is positive by construction (a positive constant, the
+        scale's sqrt(D) of a size) needs no guard."""
+        q = self.emit("div", g, d)
+        return q if _positive_constant(d) else self.zero_where_g_is(g, q)
 
     def matmul(self, a: Value, b: Value, ta: bool, tb: bool, dtype: str) -> Value:
         out = {"out_dtype": dtype} if dtype != "f32" else {}
@@ -220,12 +249,12 @@ RULES.update({
     "neg": _unary(lambda bw, g, x, y: bw.emit("neg", g)),
     "exp": _unary(lambda bw, g, x, y: bw.times(g, y, y)),
     "exp2": _unary(lambda bw, g, x, y: bw.emit("mul", bw.times(g, y, y), _c(bw, math.log(2.0), g))),
-    "log": _unary(lambda bw, g, x, y: bw.emit("div", g, x)),
-    "log2": _unary(lambda bw, g, x, y: bw.emit("div", g, bw.emit("mul", x, _c(bw, math.log(2.0), g)))),
+    "log": _unary(lambda bw, g, x, y: bw.over(g, x)),
+    "log2": _unary(lambda bw, g, x, y: bw.over(g, bw.emit("mul", x, _c(bw, math.log(2.0), g)))),
     "tanh": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("sub", _c(bw, 1.0, g), bw.emit("mul", y, y)))),
     # 1 - y^2 of the forward's own (approximate) y, as FlashAttention's fast softcap backward
     "tanh_approx": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("sub", _c(bw, 1.0, g), bw.emit("mul", y, y)))),
-    "sqrt": _unary(lambda bw, g, x, y: bw.emit("div", g, bw.emit("mul", y, _c(bw, 2.0, g)))),
+    "sqrt": _unary(lambda bw, g, x, y: bw.over(g, bw.emit("mul", y, _c(bw, 2.0, g)))),
     "sigmoid": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("mul", y, bw.emit("sub", _c(bw, 1.0, g), y)))),
     "erf": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit(
         "mul", bw.emit("exp", bw.emit("neg", bw.emit("mul", x, x))), _c(bw, 2.0 / math.sqrt(math.pi), g)))),
@@ -233,10 +262,10 @@ RULES.update({
     "sin": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("cos", x))),
     "cos": _unary(lambda bw, g, x, y: bw.emit("neg", bw.emit("mul", g, bw.emit("sin", x)))),
     "tan": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit("add", _c(bw, 1.0, g), bw.emit("mul", y, y)))),
-    "log1p": _unary(lambda bw, g, x, y: bw.emit("div", g, bw.emit("add", x, _c(bw, 1.0, g)))),
+    "log1p": _unary(lambda bw, g, x, y: bw.over(g, bw.emit("add", x, _c(bw, 1.0, g)))),
     "expm1": _unary(lambda bw, g, x, y: bw.times(g, bw.emit("add", y, _c(bw, 1.0, g)), y)),
-    "rsqrt": _unary(lambda bw, g, x, y: bw.emit("mul", g, bw.emit(
-        "mul", bw.emit("mul", y, bw.emit("mul", y, y)), _c(bw, -0.5, g)))),
+    "rsqrt": _unary(lambda bw, g, x, y: bw.zero_where_g_is(g, bw.emit("mul", g, bw.emit(
+        "mul", bw.emit("mul", y, bw.emit("mul", y, y)), _c(bw, -0.5, g))))),
     # piecewise constant: no contribution (an argument reached only through them gets a zero gradient)
     "sign": _unary(lambda bw, g, x, y: None),
     "floor": _unary(lambda bw, g, x, y: None),
@@ -279,22 +308,26 @@ def _div(bw: Backward, op: Op, g: Value, want: tuple[bool, ...]) -> list[Optiona
     """y = a / b: da = g / b, db = -(g * y) / b."""
     a, b = op.operands
     bb = bw.p(b, g)
-    da = bw.emit("div", g, bb) if want[0] else None
+    da = bw.over(g, bb) if want[0] else None
     db = None
     if want[1]:
-        t = bw.emit("div", bw.times(g, bw.p(op.result, g), op.result), bb)
+        t = bw.over(bw.times(g, bw.p(op.result, g), op.result), bb)
         db = bw.emit("neg", bw.unbroadcast(t, b.type.shape))
     return [da, db]
 
 
 @rule("pow")
 def _pow(bw: Backward, op: Op, g: Value, want: tuple[bool, ...]) -> list[Optional[Value]]:
-    """y = a ** b: da = g * b * a ** (b - 1), db = g * y * log(a), 0 where a = 0 (as JAX)."""
+    """y = a ** b: da = g * b * a ** (b - 1), 0 where b = 0 (a ** 0 is the constant 1, also at a = 0: JAX's and
+    torch's); db = g * y * log(a), 0 where a = 0 (as JAX); both 0 where g is 0 (a ** b's slope is infinite at a = 0
+    for b < 1)."""
     a, b = bw.p(op.operands[0], g), bw.p(op.operands[1], g)
     da = db = None
     if want[0]:
+        zero = _c(bw, 0.0, g)
         slope = bw.emit("mul", b, bw.emit("pow", a, bw.emit("sub", b, _c(bw, 1.0, g))))
-        da = bw.times(g, slope, op.operands[0])
+        slope = bw.emit("where", bw.emit("eq", b, zero), zero, slope)
+        da = bw.zero_where_g_is(g, bw.times(g, slope, op.operands[0]))
     if want[1]:
         zero = _c(bw, 0.0, g)
         ylog = bw.emit("mul", bw.p(op.result, g), bw.emit("log", a))

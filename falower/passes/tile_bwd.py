@@ -43,6 +43,7 @@ from .attention import _is, refuse_whole_captures
 from .canonicalize import const_value, is_const
 from .mask_tiles import add_ranges, build_predicate, range_plan
 from .base import Pass, register
+from .rewrite import dce
 
 R, C, H = "R", "C", "H"
 Space = frozenset
@@ -423,6 +424,7 @@ class TileBwd(Pass):
             for _ in range(3):
                 t = b.emit("squeeze", t, axis=0)
             whole[chain[-1].results[0]] = t
+        whole.update(argmap)  # scalar code after the nest may read the arguments (`s * exp(t)`: exp(t) again)
         for v in atomic_results:
             outs[v] = _clone_post(b, v, whole, plan)
         return outs
@@ -519,7 +521,8 @@ def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPl
     if op.name == "const":
         out = b.const(op.attrs["value"], v.type, name_hint=v.name)
     else:
-        if any(x not in done and id(x.owner) not in plan.post and not _is(x, "const") for x in op.operands):
+        if any(x not in done and id(x.owner) not in plan.post and not _is(x, "const") and not _of_arguments(x, done)
+               for x in op.operands):
             raise PassError(f"pass tile-bwd: {op.name} combines a summed gradient with a value of the loops")
         operands = [_clone_post(b, x, done, plan) for x in op.operands]
         out = b.op(op.name, operands, [v.type], dict(op.attrs), names=[v.name]).results[0]
@@ -527,33 +530,132 @@ def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPl
     return out
 
 
+def _of_arguments(v: Value, done: dict[Value, Value]) -> bool:
+    """A scalar computed by elementwise ops from the function's arguments (in `done`) and constants only: code after
+    the nest may compute it again (a captured temperature's exp(t) that multiplies its summed gradient)."""
+    if v in done or _is(v, "const"):
+        return True
+    op = v.owner
+    return (isinstance(op, Op) and v.type.rank == 0 and OPS[op.name].kind == "elementwise"
+            and all(_of_arguments(x, done) for x in op.operands))
+
+
+def _total_sum(v: Value) -> Optional[Value]:
+    """The rank-4 [1,1,1,1] reduce_sum whose squeezes v is (autodiff's sum of a score-sized value over every axis)."""
+    x = v
+    while isinstance(x.owner, Op) and x.owner.name == "squeeze":
+        x = x.owner.operands[0]
+    if x is v or x.type.rank != 4 or not (isinstance(x.owner, Op) and x.owner.name == "reduce_sum"):
+        return None
+    return x
+
+
+def _argument_scalar(v: Value) -> bool:
+    """A rank-0 float computed by elementwise ops from the function's arguments and constants alone (exp(t))."""
+    op = v.owner
+    if not isinstance(op, Op):
+        return v.type.rank == 0
+    return v.type.rank == 0 and (op.name == "const" or OPS[op.name].kind == "elementwise" and all(
+        _argument_scalar(x) for x in op.operands))
+
+
+def _linear(v: Value) -> bool:
+    """v is a linear combination of total sums: sums, neg, add / sub of two, a product or quotient by an argument
+    scalar (`s / t`'s gradient is -sum(...), `s * exp(t)`'s sum(...) * exp(t), a scalar read twice the add of two)."""
+    op = v.owner
+    if v.type.rank != 0 or not isinstance(op, Op):
+        return False
+    if _total_sum(v) is not None:
+        return True
+    if op.name == "neg":
+        return _linear(op.operands[0])
+    if op.name in ("add", "sub"):
+        return all(_linear(x) for x in op.operands)
+    if op.name == "mul":
+        a, c = op.operands
+        return _linear(a) and _argument_scalar(c) or _linear(c) and _argument_scalar(a)
+    if op.name == "div":
+        return _linear(op.operands[0]) and _argument_scalar(op.operands[1])
+    return False
+
+
+def _leaves(v: Value) -> list[Value]:
+    """The total sums (`_total_sum`) a `_linear` combination v adds up."""
+    x = _total_sum(v)
+    if x is not None:
+        return [x]
+    op = v.owner
+    assert isinstance(op, Op)
+    return [y for o in op.operands if _linear(o) for y in _leaves(o)]
+
+
+def _sum_chain(x: Value) -> Optional[tuple[Value, list[int]]]:
+    """(the score-sized value, the axes) where the total sum x is reduce_sums alone over it, else None."""
+    axes = []
+    while isinstance(x.owner, Op) and x.owner.name == "reduce_sum":
+        axes.append(x.owner.attrs["axis"])
+        x = x.owner.operands[0]
+    return (x, axes[::-1]) if axes and x.type.rank == 4 else None
+
+
+def _emit_linear(b: Builder, v: Value, leaf: Optional[Value] = None) -> Value:
+    """`_linear`'s combination taken before the sums: the same ops on the [1,1,1,1] sums, or, with `leaf`, on the
+    one sum's score-sized operand (a single sum: neg, products and quotients by argument scalars commute with it)."""
+    x = _total_sum(v)
+    if x is not None:
+        return leaf if leaf is not None else x
+    op = v.owner
+    assert isinstance(op, Op)
+    if op.name == "neg":
+        return b.emit("neg", _emit_linear(b, op.operands[0], leaf))
+    if op.name in ("add", "sub"):
+        return b.emit(op.name, *(_emit_linear(b, y, leaf) for y in op.operands))
+    a, c = op.operands
+    if op.name == "mul" and not _linear(a):
+        a, c = c, a
+    return b.emit(op.name, _emit_linear(b, a, leaf), c)
+
+
+def _emit_combination(b: Builder, z: Value) -> Value:
+    """The [1,1,1,1] value the scatter adds for the combination z: for one sum over a score-sized value, the
+    combination applied to that value, then its sums (the kernels read a scatter's value per element: `s / t`'s
+    -sum(x) as sum(-x)); for several, the combination of the sums (right in the IR; the kernels refuse it)."""
+    leaves = _leaves(z)
+    chain = _sum_chain(leaves[0]) if len(leaves) == 1 else None
+    if chain is None:
+        return _emit_linear(b, z)
+    e = _emit_linear(b, z, chain[0])
+    for axis in chain[1]:
+        e = b.emit("reduce_sum", e, axis=axis)
+    return e
+
+
 def _scalar_sums_as_scatters(func: Func) -> None:
     """A captured scalar's gradient (autodiff's sum over every axis, squeezed to rank 0) becomes a one-slot
-    scatter_add (into f32[1] at index 0) squeezed to rank 0: the same sum, in the form whose per-tile
-    accumulation the kv-outer nest already does for gathered tables (a 0-d temperature, a softcap)."""
+    scatter_add (into f32[1] at index 0) squeezed to rank 0: the same sum, in the form whose per-tile accumulation
+    the kv-outer nest already does for gathered tables (a 0-d temperature, a softcap). Where the gradient is a
+    linear combination of such sums (`_linear`: `s / t`, `s - t`, `s * exp(t)`, a scalar read twice), the
+    combination is taken on the sums' [1,1,1,1] values before the one scatter, so the kernels add one accumulator a
+    scalar; casts to the result's dtype stay after it."""
     body = func.body
     for r in func.results:
         if r.type.rank != 0 or not is_float(r.type.dtype):
             continue
-        z, chain = r, []
+        z = r
         while isinstance(z.owner, Op) and z.owner.name == "cast":
             z = z.owner.operands[0]
-        x = z
-        while isinstance(x.owner, Op) and x.owner.name == "squeeze":
-            chain.append(x.owner)
-            x = x.owner.operands[0]
-        if not chain or x.type.rank != 4 or not (isinstance(x.owner, Op) and x.owner.name == "reduce_sum"):
+        if not _linear(z):
             continue
-        at = body.ops.index(chain[0])
-        tail, body.ops = body.ops[at + 1:], body.ops[:at + 1]
+        at = body.ops.index(z.owner)
+        tail, body.ops = body.ops[at:], body.ops[:at]
         b = Builder(body)
+        x = _emit_combination(b, z)
         zeros = b.const(0.0, TensorType(x.type.dtype, (dim(1),)), name_hint="slot")
-        table = b.emit("scatter_add", zeros, x, b.const(0, I32), name_hint=f"{r.name or 'd'}_slot")
+        table = b.emit("scatter_add", zeros, x, b.const(0, I32), name_hint=f"{z.name or 'd'}_slot")
         y = b.emit("squeeze", table, axis=0, name_hint=z.name)
         body.ops.extend(tail)
         replace_uses(body, z, y)
-        for op in chain:  # the squeezes are dead now
-            body.ops.remove(op)
+    dce(func)  # the squeezes and the rank-0 combination are dead now
 
 
 def _feeds_scatter(op: Op, users: dict[int, list[Op]]) -> bool:

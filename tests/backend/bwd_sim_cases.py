@@ -34,13 +34,30 @@ def _two_tables():
     return fl.attention(score_mod=lambda s, b, h, q, kv: s + b1[h, q, kv] * 0.5 + b2[q, kv] * 2.0, name="two_tables")
 
 
+def _temperature(kind: str):
+    """A learned 0-d temperature read through div, sub, exp (`s / t`, `s - t`, `s * exp(t)`): autodiff's gradient
+    is -sum(...) or sum(...) * exp(t), which tile-bwd once refused ('a reduce_sum ... that is neither a captured
+    tensor's gradient') where only `s * t` and `s + t` lowered; it now takes the neg or the factor inside the sum.
+    'cap' (t read twice) lowers in the IR and the kernels refuse it in words."""
+    import falower as fl
+
+    t = fl.capture("temp", "f32", "")
+    mods = {"div": lambda s, b, h, q, kv: s / t, "sub": lambda s, b, h, q, kv: s - t,
+            "exp": lambda s, b, h, q, kv: s * fl.exp(t), "cap": lambda s, b, h, q, kv: t * fl.tanh(s / t)}
+    return lambda: fl.attention(score_mod=mods[kind], name=f"temp_{kind}")
+
+
+EXTRA_GRAPHS = {"two_tables": _two_tables,
+                **{f"temp_{k}": _temperature(k) for k in ("div", "sub", "exp", "cap")}}
+
+
 def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16,
              kind: str = "sorted") -> dict:
     import falower as fl
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
-    g = _two_tables() if stem == "two_tables" else example_graph(stem)
+    g = EXTRA_GRAPHS[stem]() if stem in EXTRA_GRAPHS else example_graph(stem)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": M, "N": N, "D": D})
     bk = bk or tile
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
@@ -85,7 +102,9 @@ CASES += [(s, "mma", 16, 20, 19, "det") for s in ("alibi", "causal", "document")
 CASES += [("alibi", "simt", 16, 20, 19, "det")]
 # tables read at per-element indices: contributions staged, added by their address's owner in slot order
 CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 19, "det"),
-          ("relative_bias", "simt", 16, 20, 19, "det"), ("two_tables", "mma", 16, 20, 19, "det")]
+          ("relative_bias", "simt", 16, 20, 19, "det"), ("two_tables", "mma", 16, 20, 19, "det"),
+          ("temp_div", "mma", 16, 20, 19, "atomic"), ("temp_div", "mma", 16, 20, 19, "det"),
+          ("temp_sub", "mma", 16, 20, 19, "atomic"), ("temp_exp", "mma", 16, 20, 19, "det")]
 # block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 # the 48-wide window at 16-row tiles: kv tile 0 sees q tiles 0-3 of 5, the walk (first and last pair by a ballot)

@@ -43,6 +43,8 @@ def test_backward_kernels_match_the_ir(results, case_id):
     assert r["masked_dq_zero"], r
     if case_id.startswith("document"):
         assert r["masked_rows"] > 0  # padding tokens: rows with nothing to attend to, gradient zero
+    if case_id.startswith("temp_"):
+        assert set(r["grads"]) == {"dq", "dk", "dv", "dtemp"}  # the temperature's gradient from the kernels too
     if case_id.startswith(("alibi", "relative_bias", "bias")):
         assert len(r["grads"]) == 4  # the captured table's gradient comes out of the kernel too
     if case_id.startswith("two_tables"):

@@ -422,6 +422,40 @@ def test_dims_named_otherwise() -> None:
     assert_same_gradients(["dq", "dk", "dv"], list(got), list(want))
 
 
+def _default_kernels_against_the_ir(g, sizes: dict) -> tuple[dict, bool]:
+    """The default deterministic kernels' gradients against the backward function's IR in float64 ({name: err,
+    scale, nan, shape_ok}) and whether a second run gave the same bits."""
+    from falower.ir.interp import Interpreter
+
+    env = bind_dims(g, sizes)
+    inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) for i, x in enumerate(random_inputs(g, env, seed=2))]
+    c = fl.compile(g, "numba-cuda", deterministic=True)
+    o, lse = (host64(x) for x in c.forward(*inputs))
+    o, lse = o.astype(np.float16), lse.astype(np.float32)
+    do = np.random.default_rng(7).standard_normal(o.shape).astype(np.float16)
+    got = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:])
+    again = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:])
+    same = all(np.array_equal(host64(a), host64(b)) for a, b in zip(got, again))
+    f = c.lowered_backward
+    by = {a.name: x for a, x in zip(g.args, inputs)}
+    by.update(o=o, lse=lse, do=do)
+    want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
+    grads = {}
+    for name, a, b in zip(c.gradient_names(), got, want):
+        a, b = host64(a), np.asarray(b, np.float64)
+        grads[name] = {"err": float(np.max(np.abs(a - b))), "scale": float(np.max(np.abs(b))),
+                       "nan": bool(np.isnan(a).any()), "shape_ok": a.shape == b.shape}
+    return grads, same
+
+
+def _assert_close_to_the_ir(grads: dict, names: set, same: bool) -> None:
+    assert set(grads) == names, grads
+    for name, e in grads.items():
+        assert e["shape_ok"] and not e["nan"], (name, e)
+        assert e["err"] <= 4e-3 * max(1.0, e["scale"]), (name, e)
+    assert same
+
+
 @pytest.mark.parametrize("where", ["mma-16x16-20x19", "default-300x257"])
 def test_two_tables_deterministic_gradients_by_name(where: str) -> None:
     """Two captured tables of different ranks whose gradients the IR adds in the other order than the function
@@ -431,34 +465,25 @@ def test_two_tables_deterministic_gradients_by_name(where: str) -> None:
     needs_cuda()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
     from bwd_sim_cases import _two_tables, run_case
-    from falower.ir.interp import Interpreter
 
     if where.startswith("mma"):
         r = run_case("two_tables", "mma", 16, 20, 19, "det")
         grads, same = r["grads"], r["same_bits"]
     else:
-        g = _two_tables()
-        env = bind_dims(g, {"B": 2, "H": 3, "HKV": 3, "M": 300, "N": 257, "D": 64})
-        inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32)
-                  for i, x in enumerate(random_inputs(g, env, seed=2))]
-        c = fl.compile(g, "numba-cuda", deterministic=True)
-        o, lse = (host64(x) for x in c.forward(*inputs))
-        o, lse = o.astype(np.float16), lse.astype(np.float32)
-        do = np.random.default_rng(7).standard_normal(o.shape).astype(np.float16)
-        got = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:])
-        again = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:])
-        same = all(np.array_equal(host64(a), host64(b)) for a, b in zip(got, again))
-        f = c.lowered_backward
-        by = {a.name: x for a, x in zip(g.args, inputs)}
-        by.update(o=o, lse=lse, do=do)
-        want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
-        grads = {}
-        for name, a, b in zip(c.gradient_names(), got, want):
-            a, b = host64(a), np.asarray(b, np.float64)
-            grads[name] = {"err": float(np.max(np.abs(a - b))), "scale": float(np.max(np.abs(b))),
-                           "nan": bool(np.isnan(a).any()), "shape_ok": a.shape == b.shape}
-    assert set(grads) == {"dq", "dk", "dv", "db1", "db2"}, grads
-    for name, e in grads.items():
-        assert e["shape_ok"] and not e["nan"], (name, e)
-        assert e["err"] <= 4e-3 * max(1.0, e["scale"]), (name, e)
-    assert same
+        grads, same = _default_kernels_against_the_ir(_two_tables(), {"B": 2, "H": 3, "HKV": 3, "M": 300, "N": 257,
+                                                                      "D": 64})
+    _assert_close_to_the_ir(grads, {"dq", "dk", "dv", "db1", "db2"}, same)
+
+
+@pytest.mark.parametrize("kind", ["div", "sub", "exp"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_learned_temperatures_gradient_from_the_kernels(kind: str, D: int) -> None:
+    """A 0-d temperature read through div, sub or exp (`s / t`, `s - t`, `s * exp(t)`; tile-bwd refused them
+    before this session): the default deterministic kernels' dq, dk, dv, dtemp against the IR in float64."""
+    needs_cuda()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+    from bwd_sim_cases import EXTRA_GRAPHS
+
+    grads, same = _default_kernels_against_the_ir(EXTRA_GRAPHS[f"temp_{kind}"](),
+                                                  {"B": 2, "H": 3, "HKV": 3, "M": 300, "N": 257, "D": D})
+    _assert_close_to_the_ir(grads, {"dq", "dk", "dv", "dtemp"}, same)

@@ -319,7 +319,12 @@ def ordered_scatters(func: Func, nest: Op, branch: _Branch) -> list[tuple[Op, st
                 acc = acc.owner.operands[0]
             if acc not in roots:
                 roots.append(acc)
-            name = _deterministic_result(func, nest, acc) or grad_results[roots.index(acc)]
+            name = _deterministic_result(func, nest, acc)
+            if name is None and roots.index(acc) >= len(grad_results):
+                raise BackendError("numba-cuda backend: the deterministic backward's tables do not map one to one onto "
+                                   "the captured gradients (a table read at more than one place); the reference "
+                                   "backend runs it")
+            name = name or grad_results[roots.index(acc)]
         else:
             name = _result_name(func, nest.results[len(nest.results) - len(accs) + accs.index(acc)])
         named.append((sc, name))
@@ -436,6 +441,10 @@ class _ElementEmitter(_ScalarEmitter):
             return nm
         for o in op.operands:
             self.value(o)
+        if op.name == "reduce_sum":
+            raise BackendError("numba-cuda backend: a captured gradient adds sums of several terms (a captured scalar "
+                               "or table read at more than one place, e.g. t twice in t * tanh(s / t)): the kernels "
+                               "add one sum a table; read it once (s * (1 / t) ...) or run the reference backend")
         if op.name in ("tile.load", "tile.matmul", "reduce_sum", "reduce_max") or op.regions:
             raise BackendError(f"numba-cuda backend: the backward's elementwise code reads {op.name} "
                                f"(%{v.name}), which has no per-element form")
