@@ -129,3 +129,42 @@ def test_a_temperature_read_twice_is_refused_by_the_kernels_in_words() -> None:
     c = fl.compile(g, "numba-cuda", path="mma")
     with pytest.raises(FalowerError, match="a captured gradient adds sums of several terms"):
         c._backward_kernel_and_dims_for("f16", 64)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_tables_entry_at_a_constant_index_lowers(deterministic: bool) -> None:
+    """s * t[1] with t of shape [4]: its gradient is a total sum scattered at index 1 (tile-bwd once said 'cannot
+    move squeeze to tiles: axis -2 out of range'); t[-1] is the last entry (the frontend counts from the end)."""
+    t4 = fl.capture("temp", "f32", "4")
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s * t4[1] - t4[-1] * 0.5, name="temp_idx")
+    env = bind_dims(g, {"B": 2, "H": 2, "M": 5, "N": 7, "D": 3})
+    q, k, v, _ = (x.astype(np.float64) for x in random_inputs(g, env, 0))
+    t = np.array([0.3, 1.7, -2.0, 0.9])
+    do = np.random.default_rng(1).standard_normal(q.shape)
+    it = Interpreter("f64")
+    o, *want = it.run(fl.grad(g), [q, k, v, t, do], env)
+    fd = finite_differences(g, [q, k, v, t], [do], env)
+    np.testing.assert_allclose(want[3], fd[3], atol=1e-7)
+    assert want[3][0] == 0.0 and want[3][2] == 0.0  # entries nobody reads
+    dq = "separate,deterministic=true" if deterministic else "atomic"
+    bw = run_pipeline(g, "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,"
+                         f"tile-bwd{{bq=2,bk=3,dq={dq}}},canonicalize")
+    got = dict(zip(bw.result_names, it.run(bw, [q, k, v, t, o, _lse(g, [q, k, v, t], env), do], env)))
+    for n, w in zip(("dq", "dk", "dv", "dtemp"), want):
+        np.testing.assert_allclose(got[n], w, rtol=1e-9, atol=1e-12, err_msg=n)
+
+
+@pytest.mark.parametrize("body,words", [
+    (lambda q, k, v: fl.softmax(q @ k.mT, dim=-1) @ (v * 2.0), "%v .* reaches the products through mul"),
+    (lambda q, k, v: fl.softmax(q @ fl.tanh(k).mT, dim=-1) @ v, "%k .* reaches the products through tanh"),
+])
+def test_an_input_transformed_before_its_product_is_named_as_one(body, words: str) -> None:
+    """The backward's refusal names q / k / v as the inputs they are (it called them 'captured tensors' and asked
+    for v[..., q_idx, kv_idx])."""
+    from falower.errors import PassError
+
+    x = fl.tensor("f16", "B,H,M,D")
+    y = fl.tensor("f16", "B,H,N,D")
+    g = fl.trace(body, name="transformed", q=x, k=y, v=y)
+    with pytest.raises(PassError, match=words):
+        fl.lower(g, "fa2-bwd")

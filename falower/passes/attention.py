@@ -22,6 +22,7 @@ from typing import Optional
 from ..errors import PassError
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, uses
+from ..ir.dims import Dim
 from ..ir.ops import OPS, OpTypeError
 from .canonicalize import is_const
 
@@ -142,14 +143,18 @@ def find_attention(func: Func, who: str) -> Attention:
     return Attention(qk, q, k, v, gk, x, m, m_safe, e, l, l_safe, p, pv, chain, ret_index)
 
 
-def refuse_whole_captures(func: Func, inputs: set, fail) -> None:
+def refuse_whole_captures(func: Func, inputs: set, fail, head_dim: Optional[Dim] = None) -> None:
     """A captured tensor of rank >= 1 the graph uses whole (`where(keep, s, -inf)`, `s + bias` with bias [M, N]),
     not read by a gather at the element's indices: the tiled kernels read captured tables by index, so say how
-    (the tiling passes once failed on it with a broadcast error or a KeyError)."""
+    (the tiling passes once failed on it with a broadcast error or a KeyError). A [B, H, N, D] argument (D the
+    products' head dim) used whole is an attention input transformed before its product (`v * 2`, `tanh(k)`)."""
     for op in func.walk():
         for i, v in enumerate(op.operands):
             if v in func.args and v not in inputs and v.type.rank >= 1 and not (op.name == "gather" and i == 0) \
                     and op.name != "fused":  # (a fused score function reads it through its region's gathers)
+                if head_dim is not None and v.type.rank == 4 and v.type.shape[3] == head_dim:
+                    raise fail(f"%{v.name} ({v.type}) reaches the products through {op.name}: the kernels read q, k "
+                               f"and v as the products' operands; apply the {op.name} to %{v.name} before the call")
                 raise fail(f"captured tensor %{v.name} ({v.type}) is used whole by {op.name}; the kernels read "
                            f"captured tables by index: write {v.name}[..., q_idx, kv_idx] (in a score_mod or mask_mod)")
 

@@ -189,7 +189,7 @@ class TileBwd(Pass):
                 space[a] = Space({R, H})  # LSE
             else:
                 space[a] = Space()  # a captured table, read whole through gathers
-        refuse_whole_captures(func, {a for a in func.args if space[a]}, self.fail)
+        refuse_whole_captures(func, {a for a in func.args if space[a]}, self.fail, scores[0].operands[0].type.shape[3])
         group = 1
         users: dict[int, list[Op]] = {}
         for op in func.body.ops:
@@ -655,6 +655,13 @@ def _scalar_sums_as_scatters(func: Func) -> None:
         y = b.emit("squeeze", table, axis=0, name_hint=z.name)
         body.ops.extend(tail)
         replace_uses(body, z, y)
+    for sc in [op for op in body.ops if op.name == "scatter_add"]:
+        u = sc.operands[1]  # an entry of a captured table read at a constant index (t[0]): its update is a total sum
+        if u.type.rank == 0 and is_float(u.type.dtype) and _linear(u):
+            at = body.ops.index(sc)
+            tail, body.ops = body.ops[at:], body.ops[:at]
+            sc.operands[1] = _emit_combination(Builder(body), u)
+            body.ops.extend(tail)
     dce(func)  # the squeezes and the rank-0 combination are dead now
 
 

@@ -42,13 +42,16 @@ def _temperature(kind: str):
     import falower as fl
 
     t = fl.capture("temp", "f32", "")
+    if kind == "idx":  # an entry of a [4] table at a constant index: once 'cannot move squeeze to tiles'
+        t4 = fl.capture("temp", "f32", "4")
+        return lambda: fl.attention(score_mod=lambda s, b, h, q, kv: s * t4[1], name="temp_idx")
     mods = {"div": lambda s, b, h, q, kv: s / t, "sub": lambda s, b, h, q, kv: s - t,
             "exp": lambda s, b, h, q, kv: s * fl.exp(t), "cap": lambda s, b, h, q, kv: t * fl.tanh(s / t)}
     return lambda: fl.attention(score_mod=mods[kind], name=f"temp_{kind}")
 
 
 EXTRA_GRAPHS = {"two_tables": _two_tables,
-                **{f"temp_{k}": _temperature(k) for k in ("div", "sub", "exp", "cap")}}
+                **{f"temp_{k}": _temperature(k) for k in ("div", "sub", "exp", "cap", "idx")}}
 
 
 def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16,
@@ -104,7 +107,8 @@ CASES += [("alibi", "simt", 16, 20, 19, "det")]
 CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 19, "det"),
           ("relative_bias", "simt", 16, 20, 19, "det"), ("two_tables", "mma", 16, 20, 19, "det"),
           ("temp_div", "mma", 16, 20, 19, "atomic"), ("temp_div", "mma", 16, 20, 19, "det"),
-          ("temp_sub", "mma", 16, 20, 19, "atomic"), ("temp_exp", "mma", 16, 20, 19, "det")]
+          ("temp_sub", "mma", 16, 20, 19, "atomic"), ("temp_exp", "mma", 16, 20, 19, "det"),
+          ("temp_idx", "mma", 16, 20, 19, "atomic"), ("temp_idx", "mma", 16, 20, 19, "det")]
 # block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 # the 48-wide window at 16-row tiles: kv tile 0 sees q tiles 0-3 of 5, the walk (first and last pair by a ballot)
