@@ -327,3 +327,21 @@ def test_every_pass_states_its_precondition_and_shows_before_after(name) -> None
 def test_the_api_names_a_bad_argument(call, says: str) -> None:
     with pytest.raises(fl.FalowerError, match=says):
         call(fl.attention())
+
+
+def test_a_score_function_of_many_chained_ops_lowers() -> None:
+    """An unrolled score of 500 chained ops: the passes' walks from a value to its definitions recurse once an op
+    and passed Python's 1000 frames (score-licm and tile-bwd: 'internal error (RecursionError)'); the pipelines and
+    the kernels' source builders now run with a raised limit (passes.manager.deep_graphs), restored after."""
+    import sys
+
+    def deep(s, b, h, q, kv):
+        for _ in range(500):
+            s = s + (kv - q) * 0.001
+        return s
+
+    g = fl.attention(score_mod=deep, name="deep")
+    limit = sys.getrecursionlimit()
+    fl.lower(g, "fa2-fwd")
+    fl.lower(g, "fa2-bwd")
+    assert sys.getrecursionlimit() == limit

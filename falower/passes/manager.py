@@ -6,6 +6,8 @@ after each pass that changed it, 3 = also emitted kernel source, 4 = also PTX (t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 import time
@@ -33,6 +35,28 @@ class PassRecord:
     seconds: float
     changed: bool
     check: Optional[str] = None  # "ok", or the problem found
+
+
+@contextlib.contextmanager
+def deep_graphs(limit: int = 20000):
+    """Python's recursion limit raised to `limit` (never lowered) while passes walk a graph: the walks from a value
+    to its definitions recurse once an op, and a score function of a few hundred chained ops (an unrolled
+    polynomial) passed Python's default 1000 frames (score-licm, tile-bwd: RecursionError)."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, limit))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def with_deep_graphs(fn: Callable) -> Callable:
+    """`fn` run under `deep_graphs` (the backends' walks over a graph: building a kernel's source)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with deep_graphs():
+            return fn(*args, **kwargs)
+    return run
 
 
 @dataclass
@@ -74,6 +98,11 @@ class PassManager:
         return f"// ----- IR after {name}   [{done}] ----- //{extra}"
 
     def run(self, func: Func) -> Func:
+        """The pipeline on `func`, with Python's recursion limit raised for its duration (`deep_graphs`)."""
+        with deep_graphs():
+            return self._run(func)
+
+    def _run(self, func: Func) -> Func:
         verify(func)
         ref = CheckSuite.build(func, self.shapes, tiles=self.tile_sizes()) if self.check else None
         self.suite = ref

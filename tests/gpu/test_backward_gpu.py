@@ -475,7 +475,7 @@ def test_two_tables_deterministic_gradients_by_name(where: str) -> None:
     _assert_close_to_the_ir(grads, {"dq", "dk", "dv", "db1", "db2"}, same)
 
 
-@pytest.mark.parametrize("kind", ["div", "sub", "exp"])
+@pytest.mark.parametrize("kind", ["div", "sub", "exp", "idx"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_a_learned_temperatures_gradient_from_the_kernels(kind: str, D: int) -> None:
     """A 0-d temperature read through div, sub or exp (`s / t`, `s - t`, `s * exp(t)`; tile-bwd refused them
