@@ -25,6 +25,9 @@ from .base import Pass, register
 from .rewrite import dce
 
 
+MAX_PARTS = 1024  # the IR's parts are whole arrays: 1e8 parts ran --check for minutes; 1024 covers 1024 GPUs' shares
+
+
 @register
 @dataclass(frozen=True)
 class SplitKV(Pass):
@@ -71,8 +74,9 @@ class SplitKV(Pass):
     part_dtype: str = "f32"
 
     def run(self, func: Func) -> Func:
-        if self.parts < 1:
-            raise self.fail(f"parts must be at least 1, got {self.parts}")
+        if not 1 <= self.parts <= MAX_PARTS:
+            raise self.fail(f"parts must be 1 to {MAX_PARTS}, got {self.parts} (a part past the q tile's kv tiles "
+                            "is empty; the kernels take up to 16)")
         if self.part_dtype not in ("f32", "f16", "bf16"):
             raise self.fail(f"part_dtype must be f32, f16 or bf16, got {self.part_dtype!r}")
         if self.parts == 1:
