@@ -53,8 +53,32 @@ def run_case(case_id: str) -> dict:
             "nan": bool(np.isnan(got_o.astype(np.float64)).any() or np.isnan(got_l).any())}
 
 
+def run_nan_case(case_id: str) -> dict:
+    """A part whose LSE is NaN in one row and +inf in another (a NaN or +inf score reached it): the IR's merge gives
+    those rows NaN O and LSE; the kernel gave LSE -inf (its `s > 0` test), a fully masked row's marker."""
+    from falower.backends.numba_cuda.lse_merge import lse_merge
+    from falower.ir import interpret
+    from falower.ir.lse_merge import lse_merge_func
+
+    P, B, H, M, D = 3, 1, 1, 4, 8
+    rng = np.random.default_rng(7)
+    o = rng.standard_normal((P, B, H, M, D)).astype(np.float32)
+    lse = rng.standard_normal((P, B, H, M)).astype(np.float32)
+    lse[1, 0, 0, 1] = np.nan
+    lse[0, 0, 0, 2] = np.inf
+    got_o, got_l = lse_merge(o, lse, "f32")
+    want_o, want_l = interpret(lse_merge_func(P, "f32"), [o.astype(np.float64), lse.astype(np.float64)], "f64",
+                               {"B": B, "H": H, "M": M, "D": D})
+    ok = np.isfinite(want_l)
+    return {"id": case_id, "lse_nan_same": bool(np.array_equal(np.isnan(got_l), np.isnan(want_l))),
+            "o_nan_same": bool(np.array_equal(np.isnan(got_o), np.isnan(want_o))),
+            "want_nan_rows": int(np.isnan(want_l).sum()),
+            "lse_err": float(np.max(np.abs(got_l[ok] - want_l[ok]))),
+            "o_err": float(np.max(np.abs(got_o[..., ok, :] - want_o[..., ok, :])))}
+
+
 def main(ids) -> None:
-    run_main(ids or list(CASES), run_case)
+    run_main(ids or list(CASES) + ["nan-parts"], lambda c: run_nan_case(c) if c == "nan-parts" else run_case(c))
 
 
 if __name__ == "__main__":

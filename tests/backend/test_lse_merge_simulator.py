@@ -32,6 +32,13 @@ def test_the_merge_kernel_matches_the_interpreter(results, case):
     assert r["o_err"] <= r["tol"] and r["lse_err"] <= 1e-5, r
 
 
+def test_a_nan_or_inf_part_merges_to_nan_as_the_ir(results):
+    r = results["nan-parts"]
+    assert "error" not in r, r
+    assert r["want_nan_rows"] == 2 and r["lse_nan_same"] and r["o_nan_same"], r
+    assert r["lse_err"] <= 1e-5 and r["o_err"] <= 1e-5, r
+
+
 def test_the_merge_says_what_is_wrong_with_its_arguments():
     from falower.backends.numba_cuda.lse_merge import lse_merge
 

@@ -1327,14 +1327,15 @@ def mma_prow_helper(c: _Code, name: str, step: str, MF: int, n: int, a_stride: i
 
 def row_total_helpers(c: _Code) -> tuple[str, str]:
     """`row_total(l) -> (lt, inv)`: a row's softmax sum over its lane quad (two shuffles) and its reciprocal (0 for a
-    fully masked row); `row_lse(m, lt)`: its LSE in natural log (-inf for a fully masked row). The epilogue's
-    arithmetic once instead of once per row; its branches stay in the kernel (benchmarks/NOTES.md, "Compile time",
-    round 5). Asked for through `c.helper`."""
+    fully masked row); `row_lse(m, lt)`: its LSE in natural log (-inf for a fully masked row, NaN where a NaN or +inf
+    score reached the row, as the IR's: `lt == 0`, not `lt > 0`, picks -inf). The epilogue's arithmetic once instead
+    of once per row; its branches stay in the kernel (benchmarks/NOTES.md, "Compile time", round 5). Asked for
+    through `c.helper`."""
     return (c.helper("row_total", ["@device_function", "def row_total(l):", "    lt = l + shfl_xor_f32(l, 1)",
                                    "    lt = lt + shfl_xor_f32(lt, 2)",
-                                   "    return lt, ONE / lt if lt > ZERO else ZERO"]),
+                                   "    return lt, ZERO if lt == ZERO else ONE / lt"]),
             c.helper("row_lse", ["@device_function", "def row_lse(m, lt):",
-                                 "    return (m + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF"]))
+                                 "    return NEG_INF if lt == ZERO else (m + math.log2(lt)) * LN2"]))
 
 
 def zero_helper(c: _Code, n: int) -> str:
@@ -2176,7 +2177,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                 else:
                     c(f"lt = l_{mf}_{r} + shfl_xor_f32(l_{mf}_{r}, 1)")
                     c("lt = lt + shfl_xor_f32(lt, 2)")
-                    c("inv = ONE / lt if lt > ZERO else ZERO")
+                    c("inv = ZERO if lt == ZERO else ONE / lt")
                 c(f"qi = q_lo + warp * {RW} + {mf * 16 + 8 * r} + g")
                 c("if qi < M:")  # the branches stay here (as one helper with them, spills grew: round 5)
                 with c.indent():
@@ -2184,7 +2185,7 @@ def _emit_mma_kernel(spec: FA2ForwardSpec) -> str:
                     c("if t2 == 0:")
                     with c.indent():
                         lse = f"{lsev}(m_{mf}_{r}, lt)" if lsev is not None else \
-                            f"(m_{mf}_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF"
+                            f"NEG_INF if lt == ZERO else (m_{mf}_{r} + math.log2(lt)) * LN2"
                         c(f"lse[q_head + qi] = {lse}")
     del caps
     return bind_offsets(c.text())
@@ -2294,11 +2295,11 @@ def _emit_simt_kernel(spec: FA2ForwardSpec) -> str:
             c("j = jn")
         c("if qi < M:")
         with c.indent():
-            c("inv = ONE / l_i if l_i > ZERO else ZERO")
+            c("inv = ZERO if l_i == ZERO else ONE / l_i")
             c(f"for d in range({D}):")
             with c.indent():
                 c(f"o[(q_head + qi) * {D} + d] = {store.format('acc[d] * inv')}")
-            c("lse[q_head + qi] = (m_i + math.log2(l_i)) * LN2 if l_i > ZERO else NEG_INF")
+            c("lse[q_head + qi] = NEG_INF if l_i == ZERO else (m_i + math.log2(l_i)) * LN2")
     return c.text()
 
 

@@ -562,12 +562,12 @@ def _emit_row_inv(c: _Code, r: int) -> None:
     """inv = 1 / the row's sum over the lane quad (0 for a fully masked row), and that sum in lt: both epilogues."""
     c(f"lt = l_{r} + shfl_xor_f32(l_{r}, 1)")
     c("lt = lt + shfl_xor_f32(lt, 2)")
-    c("inv = rcp_approx(lt) if lt > ZERO else ZERO  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
+    c("inv = ZERO if lt == ZERO else rcp_approx(lt)  # not ONE / lt: rcp.rn is a call (serializes wgmma)")
 
 
 def _lse_line(r: int, head: str) -> str:
     """The row's LSE in natural log (-inf for a fully masked row), after `_emit_row_inv`."""
-    return f"lse[{head} + qi] = (m_{r} + math.log2(lt)) * LN2 if lt > ZERO else NEG_INF"
+    return f"lse[{head} + qi] = NEG_INF if lt == ZERO else (m_{r} + math.log2(lt)) * LN2"
 
 
 def _emit_epilogue(c: _Code, D: int, rows: Optional[list] = None, head: str = "q_head") -> None:
@@ -653,7 +653,7 @@ def stage_row_helper(c: _Code, D: int, pack: str, zero_masked: bool = False, box
              ("; chunk dn % 8 ^ sw of box dn // 8)" if box_bytes else ")"),
              f"    for dn in range({D // 8}):",
              "        e = i + dn * 4",
-             f"        v = {value} if inv > ZERO else np.uint32(0)" if zero_masked else f"        v = {value}",
+             f"        v = {value} if inv != ZERO else np.uint32(0)" if zero_masked else f"        v = {value}",
              f"        sts_u32({where}, v)"]
     return c.helper(name, lines)
 
@@ -665,10 +665,11 @@ def stage_rows_stsm_helper(c: _Code, D: int, pack: str, box_bytes: int, scaled: 
     stage_row_z_box stores a word at a time (D / 4 STS a thread). Instruction k stores chunks 2k and 2k + 1 of rows
     0-7 and 8-15: matrix m is rows 8 (m & 1) .. + 7 of chunk 2k + (m >> 1), lane l gives row l & 7 of matrix l >> 3,
     and a lane's word m is its own (row g + 8 (m & 1), columns 2t, 2t + 1 of that chunk), as the accumulator's
-    fragment holds it. A row with 1 / l = 0 stages zeros (as stage_row_z). `scaled` False: `stage_rows_stsm_plain(wb,
+    fragment holds it. A row with 1 / l = 0 stages zeros (as stage_row_z; a NaN 1 / l, a row a NaN score reached,
+    stages NaN, as the IR's O). `scaled` False: `stage_rows_stsm_plain(wb,
     lane, x, i0, i1)`, the rows as they are (the backward's dK and dV: emit_fa3_bwd.dkdv_tma)."""
     if scaled:
-        word = "{p}(lget(x, {i} + {o}) * {inv}, lget(x, {i} + {o} + 1) * {inv}) if {inv} > ZERO else np.uint32(0)"
+        word = "{p}(lget(x, {i} + {o}) * {inv}, lget(x, {i} + {o} + 1) * {inv}) if {inv} != ZERO else np.uint32(0)"
     else:
         word = "{p}(lget(x, {i} + {o}), lget(x, {i} + {o} + 1))"
     name = "stage_rows_stsm" if scaled else "stage_rows_stsm_plain"

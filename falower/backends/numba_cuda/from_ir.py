@@ -465,9 +465,14 @@ class _ScalarEmitter:
         n, rt = op.name, op.results[0].type.dtype
         if n == "const":
             return _literal(op.attrs["value"], rt, self.env)
-        if n == "sign":  # -1, 0 or 1 in the operand's own type
-            e = f"(({x[0]} > 0) - ({x[0]} < 0))"
-            return f"np.float32{e}" if is_float(rt) else e
+        if n == "sign":  # -1, 0 or 1 in the operand's own type; a float's NaN (and -0.0) itself, as numpy's
+            if is_float(rt):
+                t = "np.float64" if rt == "f64" else "np.float32"
+                return f"({t}(1.0) if {x[0]} > 0 else ({t}(-1.0) if {x[0]} < 0 else {x[0]}))"
+            return f"(({x[0]} > 0) - ({x[0]} < 0))"
+        if n in ("max", "min") and is_float(rt):  # NaN if either is, as numpy's maximum / minimum (Python's max and
+            a, b = x  # CUDA's fmaxf, which Numba's max lowers to, return the other operand)
+            return f"({a} if {a} != {a} else ({b} if {b} != {b} else {n}({a}, {b})))"
         if n == "tanh" and self.tanh_ex2 and rt == "f32":  # 2 log2(e) merged into the argument's constant factor
             base, f = self.factors.get(op.operands[0], (x[0], 1.0))
             return f"tanh_ex2_f32(({base} * np.float32({float(np.float32(f * TWO_LOG2E))!r})))"

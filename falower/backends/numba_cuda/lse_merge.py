@@ -76,10 +76,10 @@ def _shares(parts: int, load_lse: Any) -> Any:
         for p in range(parts):
             a[p] = math.exp(a[p] - m_safe)
             s += a[p]
-        s_safe = s if s > 0 else np.float32(1.0)
+        s_safe = np.float32(1.0) if s == 0 else s  # NaN stays NaN (a NaN or +inf part), as the IR's merge
         for p in range(parts):
             a[p] = a[p] / s_safe
-        return m_safe + math.log(s) if s > 0 else neg_inf
+        return neg_inf if s == 0 else m_safe + math.log(s)
 
     return shares
 

@@ -1,0 +1,71 @@
+"""Kernels against the IR at special values (a review's findings, each failing before its fix), in the CUDA simulator
+(run by test_special_values_simulator.py): a NaN entry a score's maximum / minimum reads (numpy's NaN-propagating
+maximum is the IR's; Python's max and CUDA's fmaxf return the other operand), a row a NaN score reached (LSE NaN,
+as the IR's; the kernels wrote -inf, a fully masked row's marker), fl.sign of a float NaN (NaN, not 0) and of
+floats at all (the simulator raised on its bool subtraction). Forward and backward through falower.compile at 16 x
+16 tiles, against the lowered functions interpreted in float64: NaN exactly where the IR has it, the rest close."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np  # noqa: E402
+from sim_script import run_main  # noqa: E402
+
+FWD = "decompose-softmax,canonicalize,fuse,tile{bq=16,bk=16},online-softmax{exp2=true},mask-tiles,score-licm,canonicalize"
+BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize,tile-bwd{bq=16,bk=16,dq=atomic},canonicalize"
+
+
+def _graph(case: str):
+    import falower as fl
+
+    bias = fl.capture("bias", "f32", "H,M,N")
+    mods = {"max": lambda s, b, h, q, kv: fl.maximum(s, bias[h, q, kv]),
+            "max_rev": lambda s, b, h, q, kv: fl.maximum(bias[h, q, kv], s),
+            "min": lambda s, b, h, q, kv: fl.minimum(s, bias[h, q, kv] + 3.0),
+            "sign": lambda s, b, h, q, kv: s + fl.sign(bias[h, q, kv]),
+            "plain_nan": lambda s, b, h, q, kv: s + bias[h, q, kv]}
+    return fl.attention(score_mod=mods[case], name=f"sv_{case}")
+
+
+def run_case(case: str) -> dict:
+    import falower as fl
+    from falower.ir.interp import Interpreter
+
+    g = _graph(case)
+    r = np.random.default_rng(0)
+    q, k, v = (r.standard_normal((1, 1, n, 16)).astype(np.float16) for n in (20, 19, 19))
+    bt = (r.standard_normal((1, 20, 19)) * 0.5).astype(np.float32)
+    bt[0, 4, 3] = np.nan  # row 4 reads a NaN entry
+    bt[0, 7, :] = 0.0  # sign at 0 (and -0.0)
+    bt[0, 7, 5] = -0.0
+    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=BWD, path="mma")
+    o, lse = (np.asarray(x, np.float64) for x in c(q, k, v, bt))
+    ro, rl = (np.asarray(x, np.float64) for x in Interpreter("f64").run(c.lowered, [q, k, v, bt]))
+    out = {"id": case, "o_nan_same": bool(np.array_equal(np.isnan(o), np.isnan(ro))),
+           "lse_nan_same": bool(np.array_equal(np.isnan(lse), np.isnan(rl))),
+           "lse_ninf_same": bool(np.array_equal(np.isneginf(lse), np.isneginf(rl))),
+           "ref_nan_rows": int(np.isnan(rl).sum())}
+    ok = ~np.isnan(ro)
+    out["o_err"] = float(np.max(np.abs(o[ok] - ro[ok]))) if ok.any() else 0.0
+    okl = np.isfinite(rl)
+    out["lse_err"] = float(np.max(np.abs(lse[okl] - rl[okl]))) if okl.any() else 0.0
+    o16, l32 = ro.astype(np.float16), rl.astype(np.float32)  # the backward fed the IR's own O and LSE
+    do = np.random.default_rng(5).standard_normal(o16.shape).astype(np.float16)
+    got = c.backward(q, k, v, o16, l32, do, bt)
+    by = {"q": q, "k": k, "v": v, "bias": bt, "o": o16, "lse": l32, "do": do}
+    want = Interpreter("f64").run(c.lowered_backward, [by[a.name] for a in c.lowered_backward.args])
+    out["grads"] = {}
+    for name, a, b in zip(c.gradient_names(), got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        fin = ~np.isnan(b)
+        out["grads"][name] = {"nan_same": bool(np.array_equal(np.isnan(a), np.isnan(b))),
+                              "err": float(np.max(np.abs(a[fin] - b[fin]))) if fin.any() else 0.0,
+                              "scale": float(np.max(np.abs(b[fin]))) if fin.any() else 0.0}
+    return out
+
+
+CASES = ["max", "max_rev", "min", "sign", "plain_nan"]
+
+if __name__ == "__main__":
+    run_main([c for c in CASES if not sys.argv[1:] or c in sys.argv[1:]], run_case)

@@ -1,0 +1,33 @@
+"""The kernels at special values against the IR (special_values_sim_cases.py, in the CUDA simulator): NaN exactly
+where the IR has it in O, LSE and the gradients, -inf LSE only where the IR has it, the rest within f16's error."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numba")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from simulated import collect, spawn  # noqa: E402
+from special_values_sim_cases import CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return collect(spawn("special_values_sim_cases.py", tmp_path_factory.mktemp("kernels")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_special_values_match_the_ir(results, case):
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert r["ref_nan_rows"] == 1, r  # the IR: the row that read the NaN entry is NaN (O and LSE)
+    assert r["o_nan_same"] and r["lse_nan_same"] and r["lse_ninf_same"], r
+    assert r["o_err"] <= 4e-3 and r["lse_err"] <= 1e-3, r
+    for name, g in r["grads"].items():
+        assert g["nan_same"], (name, g)
+        assert g["err"] <= 4e-3 * max(1.0, g["scale"]), (name, g)
