@@ -12,7 +12,7 @@ from .core import Block, Func, Op, Value
 from .dims import BinDim, Const, Dim
 from .ops import OPS, OpTypeError, TERMINATORS
 from .printer import Printer
-from .types import TensorType, scalar
+from .types import TensorType, is_float, scalar
 
 I32 = scalar("i32")
 BOOL = scalar("bool")
@@ -61,6 +61,11 @@ def _check_dims(values: Iterable[Value], op: Optional[Op], what: str) -> None:
                 raise _Fail(op, f"{name}: {v.type} has dimension {d}: {why}")
 
 
+FUSED_ROLES = ("s", "b", "h", "q", "kv", "cap", "row", "col", "cta")  # fuse's, tile's and score-licm's
+_IOTA_AXIS = {"b": 0, "h": 1, "q": 2, "kv": 3}  # an index operand's iota axis at the graph level
+_TILE_IOTA_AXIS = {"q": 0, "kv": 1}  # and in a tile ([bq, 1] rows, [1, bk] columns)
+
+
 def verify(func: Func, forbidden: Iterable[str] = ()) -> None:
     """Raise VerifyError if `func` breaks a rule; `forbidden` names ops a pass already removed."""
     v = _Verifier(set(forbidden))
@@ -87,6 +92,9 @@ class _Verifier:
         names = f.attrs.get("result_names")
         if names is not None and len(names) != len(term.operands):
             raise _Fail(term, f"{len(names)} result names for {len(term.operands)} results")
+        dup = sorted({n for n in names or () if n and list(names).count(n) > 1})
+        if dup:
+            raise _Fail(term, f"result name {dup[0]!r} given to more than one result")
 
     def block(self, blk: Block, visible: set[Value], parent: Optional[Op], isolated: bool,
               in_tile: bool, in_loop: bool, in_fused: bool) -> None:
@@ -193,6 +201,16 @@ class _Verifier:
         roles = op.attrs.get("roles")
         if roles is not None and len(roles) != len(op.operands):
             raise _Fail(op, f"{len(roles)} roles for {len(op.operands)} operands")
+        for role, v in zip(roles or (), op.operands):
+            if role not in FUSED_ROLES:
+                raise _Fail(op, f"unknown role {role!r} (roles are {', '.join(FUSED_ROLES)})")
+            if role == "s" and not is_float(v.type.dtype):
+                raise _Fail(op, f"the score operand (role s) must be a float, got {v.type}")
+            d = v.owner if isinstance(v.owner, Op) else None
+            want = {"iota": _IOTA_AXIS, "tile.iota": _TILE_IOTA_AXIS}.get(d.name if d else "", {}).get(role)
+            if role in _IOTA_AXIS and d is not None and d.name in ("iota", "tile.iota") and want != d.attrs.get("axis"):
+                raise _Fail(op, f"operand %{v.name} of role {role} is an index along axis {d.attrs.get('axis')}, "
+                                f"not the {role} axis")
 
     def _predicate(self, op: Op, n_fixed: int) -> None:
         blk = op.regions[0]

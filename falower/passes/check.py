@@ -304,6 +304,8 @@ class Reference:
                 self.cotangents = [rng.standard_normal(a.type.concrete(self.env)) for a in func.args[len(primal):]]
                 self.cotangent_names = names[len(primal):]
             return self.inputs + self.cotangents
+        if not self.cotangents and any(a.name not in primal and a.name not in self.outputs for a in func.args):
+            self._draw_cotangents()  # a backward function (fa2-bwd's) takes `do` before any joint was seen
         given = dict(zip(primal, self.inputs))
         given.update(zip(self.cotangent_names, self.cotangents))
         out = []
@@ -311,11 +313,23 @@ class Reference:
             if a.name in given:
                 out.append(given[a.name])
             elif a.name in self.outputs:
-                out.append(np.asarray(self.outputs[a.name], dtype=np.float64).reshape(a.type.concrete(self.env)))
+                have, want = np.asarray(self.outputs[a.name], dtype=np.float64), a.type.concrete(self.env)
+                if have.size != int(np.prod(want)):
+                    raise ShapeError(f"--check cannot supply input %{a.name} of @{func.name}: it takes "
+                                     f"{list(want)}, the checked graph's {a.name} is {list(have.shape)}")
+                out.append(have.reshape(want))
             else:
                 raise ShapeError(f"--check cannot supply input %{a.name} of @{func.name}: neither an input, a "
                                  f"cotangent nor an output of the graph it is checked against")
         return out
+
+    def _draw_cotangents(self) -> None:
+        """The cotangents a joint function of the input graph would take (`d<result>` of its float results, in order),
+        drawn as `inputs_for` draws them for the joint: the same numbers whichever function asks first."""
+        rng = np.random.default_rng([self.seed, 1])
+        res = [(n, v) for n, v in zip(self.func.result_names, self.func.results) if is_float(v.type.dtype)]
+        self.cotangents = [rng.standard_normal(v.type.concrete(self.env)) for _, v in res]
+        self.cotangent_names = [f"d{n}" for n, _ in res]
 
     def adopt_gradients(self, joint: Func, tol: float = 1e-7, finite: bool = False) -> list[str]:
         """Check the first joint function on this case and take its float64 gradients as the reference for

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, replace_uses
+from ..ir.dims import dim
 from ..ir.ops import OPS
 from .attention import find_attention
 from .base import Pass, register
@@ -63,8 +64,12 @@ class Fuse(Pass):
                 return
             if op.name == "iota":
                 axis = op.attrs["axis"]
-                if op.results[0].type.rank != 4 or axis not in ROLE_BY_AXIS:
-                    raise self.fail(f"index iota along axis {axis} of {op.results[0].type} is not b, h, q or kv")
+                t = op.results[0].type
+                if t.rank != 4 or axis not in ROLE_BY_AXIS:
+                    raise self.fail(f"index iota along axis {axis} of {t} is not b, h, q or kv")
+                if t.shape[axis] != att.x.type.shape[axis] or any(d != dim(1) for i, d in enumerate(t.shape) if i != axis):
+                    raise self.fail(f"index iota along axis {axis} of {t}: an index of the scores {att.x.type} runs "
+                                    f"along its axis over the whole extent {att.x.type.shape[axis]}, 1 elsewhere")
                 leaves.append((v, ROLE_BY_AXIS[axis]))
                 return
             if id(op) in seen:

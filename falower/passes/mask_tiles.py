@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..ir.builder import Builder
 from ..ir.core import Block, Func, Op, Value, backward_slice, clone_block
-from ..ir.dims import BinDim, Dim, cdiv, dim
+from ..ir.dims import BinDim, Const, Dim, cdiv, dim
 from ..ir.intervals import uses_data
 from ..ir.ops import OPS, OpTypeError
 from ..ir.types import TensorType, scalar
@@ -321,6 +321,9 @@ def _copy(blk: Block) -> Block:
 
 def _kv_length(loop: Op, fail) -> Dim:
     """K's length, whatever its dim is named: tile's kv loop runs to `const cdiv(N, bk)`."""
+    lo = loop.operands[0].owner
+    if not (isinstance(lo, Op) and lo.name == "const" and lo.attrs.get("value") == 0):
+        raise fail("the kv loop does not start at tile 0 (mask-tiles replaces its bounds with the mask's range)")
     bound = loop.operands[1].owner
     n = bound.attrs.get("value") if isinstance(bound, Op) and bound.name == "const" else None
     if isinstance(n, BinDim) and n.op == "cdiv":
@@ -328,5 +331,10 @@ def _kv_length(loop: Op, fail) -> Dim:
     for op in loop.walk():  # concrete sizes fold cdiv(50, 64) to 1: the kv bound's own compare names the length
         if op.name == "lt" and op.attrs.get("bounds") and isinstance(op.operands[1].owner, Op) \
                 and op.operands[1].owner.name == "const":
-            return dim(op.operands[1].owner.attrs["value"])
+            length = op.operands[1].owner.attrs["value"]
+            bk = op.operands[0].type.shape[-1] if op.operands[0].type.rank else None
+            if isinstance(n, int) and not (isinstance(length, int) and isinstance(bk, Const)
+                                           and n == -(-length // bk.value)):
+                break  # a concrete bound that is not cdiv(length, bk) (or a symbolic length's): not tile's loop
+            return dim(length)
     raise fail(f"the kv loop's bound is not tile's cdiv(kv length, bk) constant (got {n!r})")

@@ -128,6 +128,9 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
             raise fail("the three kv loops compute different score tiles; online softmax needs one score function")
         if not (lm.operands[0] is ll.operands[0] is la.operands[0] and lm.operands[1] is ll.operands[1] is la.operands[1]):
             raise fail("the three kv loops have different bounds")
+        for loop, what in ((ll, "row-sum"), (la, "accumulator")):  # the merged loop starts both at 0
+            if not is_const(loop.operands[2], 0.0):
+                raise fail(f"the {what} loop does not start at 0: its sum is not the softmax's")
         return ThreePass(lm, ll, la, m_safe, l_safe, x_c, p_div, pv, pv.operands[1])  # type: ignore[union-attr]
     return None
 

@@ -66,6 +66,9 @@ def find_softmax(func: Func, forward: list[Op], fail) -> Softmax:
     if len(maxes) != 1:
         raise fail(f"needs one decomposed softmax in the forward, found {len(maxes)} row maxima")
     m = maxes[0]
+    if m.attrs["axis"] != m.operands[0].type.rank - 1:
+        raise fail(f"the softmax reduces axis {m.attrs['axis']} of {m.operands[0].type}, not the last (kv) axis: the "
+                   "saved LSE is one per query row")
     m_safe, sub, e, l, l_safe, p = decomposed_softmax(m, uses(func), fail)
     stat_ops = [m, m_safe, sub, e, l, l_safe, p]
     guards = [_is(op.operands[0], "eq") for op in (m_safe, l_safe)]

@@ -1,0 +1,79 @@
+"""Hand-edited IR that verified and then lowered to wrong numbers with exit 0 (a review of the CLI and the passes'
+preconditions; each test fails before its fix): a fused op's roles swapped, an index iota along the wrong axis, the
+online softmax's row-sum or accumulator loop not starting at 0, a kv loop not starting at tile 0 or not running to
+cdiv(N, bk), a softmax over another axis reaching recompute, duplicated result names. Each is now refused in one line
+naming what is wrong. And `falower run --pipeline fa2-bwd`, which could not supply `do`."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import falower as fl
+from falower.errors import FalowerError
+from falower.ir.verifier import verify
+from falower.passes import run_pipeline
+
+CAUSAL = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, name="causal")
+
+
+def _edit(pipeline: str, old: str, new: str, count: int = 1) -> str:
+    text = fl.print_func(run_pipeline(CAUSAL, pipeline) if pipeline else CAUSAL)
+    assert re.search(old, text), old
+    return re.sub(old, new, text, count=count)
+
+
+def _refused(text: str, pipeline: str, words: str) -> None:
+    with pytest.raises(FalowerError, match=words):
+        run_pipeline(fl.parse_func(text), pipeline)
+
+
+def test_swapped_roles_of_a_fused_op_fail_verification() -> None:
+    text = _edit("decompose-softmax,canonicalize,fuse", r'roles = \["s", "q", "kv"\]', 'roles = ["s", "kv", "q"]')
+    with pytest.raises(FalowerError, match="of role kv is an index along axis 2"):
+        verify(fl.parse_func(text))
+    text = _edit("decompose-softmax,canonicalize,fuse", r'roles = \["s", "q", "kv"\]', 'roles = ["s", "q", "zz"]')
+    with pytest.raises(FalowerError, match="unknown role 'zz'"):
+        verify(fl.parse_func(text))
+
+
+def test_an_index_iota_along_the_wrong_axis_is_refused_by_fuse() -> None:
+    text = _edit("", r"iota \{axis = 2\} : i32\[1,1,M,1\]", "iota {axis = 3} : i32[1,1,M,1]")
+    _refused(text, "fa2-fwd", "index iota along axis 3 of i32")
+
+
+@pytest.mark.parametrize("which", ["acc", "l"])
+def test_the_online_softmax_loops_must_start_at_zero(which: str) -> None:
+    tiled = "decompose-softmax,canonicalize,fuse,tile{bq=128,bk=64}"
+    old = r"const 0\.0 : f32\[128,D\]" if which == "acc" else r"const 0\.0 : f32\[128,1\]"
+    text = _edit(tiled, old, old.replace("0\\.0", "1.0").replace("\\", ""))
+    _refused(text, "online-softmax", "loop does not start at 0")
+
+
+def test_mask_tiles_takes_only_tiles_kv_loop() -> None:
+    pre = "decompose-softmax,canonicalize,fuse,tile{bq=128,bk=64},online-softmax{exp2=true}"
+    text = _edit(pre, r"const cdiv\(N, 64\) : i32", "const 1 : i32")
+    _refused(text, "mask-tiles", "the kv loop's bound is not tile's cdiv")
+    text = _edit(pre, r"= for %kj = %\w+ to", "= for %kj = %h to")
+    _refused(text, "mask-tiles", "the kv loop does not start at tile 0")
+
+
+def test_recompute_refuses_a_softmax_over_another_axis() -> None:
+    text = _edit("autodiff", r"softmax (%\w+) \{axis = 3\}", r"softmax \1 {axis = 0}")
+    _refused(text, "decompose-softmax,canonicalize,delta,recompute", "not the last \\(kv\\) axis")
+
+
+def test_duplicated_result_names_fail_verification() -> None:
+    with pytest.raises(FalowerError, match="result name 'a' given to more than one result"):
+        verify(fl.parse_func("func @f(%x: f32[M,N]) -> (a: f32[M,N], a: f32[M,N]) {\n  %0 = exp %x : f32[M,N]\n"
+                             "  return %0, %x\n}\n"))
+
+
+def test_run_takes_a_backward_pipeline(capsys) -> None:
+    from falower.cli import main
+
+    assert main(["run", "examples/causal.py", "--pipeline", "fa2-bwd", "--shapes", "B=1,H=2,M=20,N=19,D=8"]) == 0
+    out = capsys.readouterr().out
+    for g in ("dq", "dk", "dv"):
+        assert f"  {g}: float16" in out and "max abs error vs float64" in out
