@@ -77,3 +77,16 @@ def test_run_takes_a_backward_pipeline(capsys) -> None:
     out = capsys.readouterr().out
     for g in ("dq", "dk", "dv"):
         assert f"  {g}: float16" in out and "max abs error vs float64" in out
+
+
+@pytest.mark.parametrize("pipeline, words", [
+    ("autodiff,decompose-softmax,canonicalize,delta,tile-bwd", "still computes the softmax's row max: run recompute"),
+    ("autodiff,autodiff", "already a joint function"),
+    ("fa2-fwd,split-kv,split-kv", "already split in parts"),
+    ("tïle", "'tïle' is not a pass name"),
+])
+def test_a_pass_out_of_order_names_what_is_missing(pipeline: str, words: str) -> None:
+    """Refusals that named a symptom ('a reduce_max over ... (delta rewrites that one)', 'the cotangent argument %do
+    would have the name of an argument', 'got 4 bounds', "unknown pass 't'") name the cause."""
+    with pytest.raises(FalowerError, match=words):
+        run_pipeline(CAUSAL, pipeline)

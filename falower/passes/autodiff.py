@@ -495,6 +495,10 @@ class Autodiff(Pass):
             raise self.fail(f"@{func.name} has no floating-point result to differentiate")
         cot_names, grad_names = cotangent_names(func), gradient_names(func)
         taken = {a.name for a in func.args}
+        if set(grad_names) & set(names) and set(cot_names) & taken:
+            raise self.fail(f"@{func.name} is already a joint function (it takes "
+                            f"{sorted(set(cot_names) & taken)[0]} and returns {sorted(set(grad_names) & set(names))[0]}): "
+                            "autodiff runs once")
         for n in cot_names:
             if n in taken:
                 raise self.fail(f"the cotangent argument %{n} would have the name of an argument of @{func.name}")

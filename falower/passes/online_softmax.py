@@ -310,7 +310,11 @@ class OnlineSoftmax(Pass):
                                       if qbody.ops[i].results) | set(qbody.args)
         o_t = par.results[0].type
         M, D = o_t.shape[2], o_t.shape[3]
-        bq = next(op for op in qbody.ops if op.name == "tile.load").results[0].type.shape[0]
+        load = next((op for op in qbody.ops if op.name == "tile.load"), None)
+        if load is None:
+            raise self.fail("the q loop loads no Q tile of its own (fa1's loop interchange needs Q's tile load "
+                            "inside the q loop)")
+        bq = load.results[0].type.shape[0]
         bqv = bq.value if isinstance(bq, Const) else 64
         b = Builder(Block())
         scratch = b.block

@@ -82,6 +82,9 @@ def parse_pipeline(text: str, _depth: int = 0) -> Pipeline:
         if not m or m.end() == pos:
             raise ParseError(f"malformed pipeline {text!r} at position {pos}: {text[pos:pos + 12]!r}")
         name, body = m.group(1), m.group(3)
+        if m.end() < len(text) and text[m.end()] != ",":  # a name that goes on in other characters (`tïle`)
+            word = re.match(r"[^,{]*", text[pos:]).group(0)  # type: ignore[union-attr]
+            raise ParseError(f"malformed pipeline {text!r} at position {pos}: {word!r} is not a pass name")
         if name in NAMED_PIPELINES and name not in PASSES:
             if body is not None:
                 raise ParseError(f"named pipeline {name} takes no options")

@@ -86,6 +86,9 @@ class SplitKV(Pass):
             raise self.fail(f"needs one parallel_for over (b, h, q tile), found {len(pfs)} (run the fa2-fwd "
                             "pipeline first)")
         par = pfs[0]
+        if any(op.name == "reduce_max" for op in func.body.ops) and len(par.attrs["bounds"]) == 4:
+            raise self.fail("the forward is already split in parts (an LSE merge follows its loop nest): split-kv "
+                            "runs once")
         if len(par.attrs["bounds"]) != 3 or len(par.results) != 2 or par.attrs.get("accumulators"):
             raise self.fail("needs the forward's parallel_for (b, h, q tile) with outputs O and LSE; got "
                             f"{len(par.attrs['bounds'])} bounds and {len(par.results)} outputs")

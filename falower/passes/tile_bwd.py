@@ -154,6 +154,9 @@ class TileBwd(Pass):
         if any(op.name == "softmax" for op in func.walk()):
             raise self.fail("the graph has a softmax: this is not the backward function (run autodiff, "
                             "decompose-softmax, delta and recompute first)")
+        if any(op.name == "reduce_max" for op in func.body.ops):
+            raise self.fail("the backward still computes the softmax's row max: run recompute first (P from the "
+                            "saved LSE, no reduction over the kv axis)")
         args = set(func.args)
         for op in func.body.ops:  # (the backward's own products each read a gradient or P: two inputs is Q K)
             if op.name == "matmul" and not op.attrs.get("transpose_b") and not op.attrs.get("transpose_a") \
