@@ -2,7 +2,8 @@
 (run by test_special_values_simulator.py): a NaN entry a score's maximum / minimum reads (numpy's NaN-propagating
 maximum is the IR's; Python's max and CUDA's fmaxf return the other operand), a row a NaN score reached (LSE NaN,
 as the IR's; the kernels wrote -inf, a fully masked row's marker), fl.sign of a float NaN (NaN, not 0) and of
-floats at all (the simulator raised on its bool subtraction). Forward and backward through falower.compile at 16 x
+floats at all (the simulator raised on its bool subtraction), log(0) and sqrt of a negative (the simulator's math
+module raised where the GPU's libdevice gives -inf and NaN). Forward and backward through falower.compile at 16 x
 16 tiles, against the lowered functions interpreted in float64: NaN exactly where the IR has it, the rest close."""
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def _graph(case: str):
             "max_rev": lambda s, b, h, q, kv: fl.maximum(bias[h, q, kv], s),
             "min": lambda s, b, h, q, kv: fl.minimum(s, bias[h, q, kv] + 3.0),
             "sign": lambda s, b, h, q, kv: s + fl.sign(bias[h, q, kv]),
-            "plain_nan": lambda s, b, h, q, kv: s + bias[h, q, kv]}
+            "plain_nan": lambda s, b, h, q, kv: s + bias[h, q, kv],
+            # log(0) = -inf (an additive log-mask) and sqrt(-x) = NaN: the simulator's math module raised on both
+            "logmask": lambda s, b, h, q, kv: s + fl.log(fl.where(bias[h, q, kv] > 0.0, 1.0, 0.0)),
+            "sqrtneg": lambda s, b, h, q, kv: s + fl.sqrt(bias[h, q, kv] + 1.0)}
     return fl.attention(score_mod=mods[case], name=f"sv_{case}")
 
 
@@ -65,7 +69,8 @@ def run_case(case: str) -> dict:
     return out
 
 
-CASES = ["max", "max_rev", "min", "sign", "plain_nan"]
+CASES = ["max", "max_rev", "min", "sign", "plain_nan", "logmask", "sqrtneg"]
+NAN_ROWS = {"logmask": 0, "sqrtneg": None}  # the IR's NaN rows (None: some); the rest: the one row that read NaN
 
 if __name__ == "__main__":
     run_main([c for c in CASES if not sys.argv[1:] or c in sys.argv[1:]], run_case)

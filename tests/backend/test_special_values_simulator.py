@@ -12,7 +12,7 @@ pytest.importorskip("numba")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from simulated import collect, spawn  # noqa: E402
-from special_values_sim_cases import CASES  # noqa: E402
+from special_values_sim_cases import CASES, NAN_ROWS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def results(tmp_path_factory):
 def test_special_values_match_the_ir(results, case):
     r = results.get(case)
     assert r is not None and "error" not in r, r
-    assert r["ref_nan_rows"] == 1, r  # the IR: the row that read the NaN entry is NaN (O and LSE)
+    want = NAN_ROWS.get(case, 1)  # the IR: the row that read the NaN entry is NaN (O and LSE)
+    assert r["ref_nan_rows"] == want if want is not None else r["ref_nan_rows"] > 1, r
     assert r["o_nan_same"] and r["lse_nan_same"] and r["lse_ninf_same"], r
     assert r["o_err"] <= 4e-3 and r["lse_err"] <= 1e-3, r
     for name, g in r["grads"].items():

@@ -76,8 +76,18 @@ from falower.backends.numba_cuda.intrinsics import (
     ceil_f32,
     ceil_f64,
     cos_f32,
+    erf_f32,
+    exp_f32,
+    exp2_f32,
+    expm1_f32,
     floor_f32,
     floor_f64,
+    log_f32,
+    log1p_f32,
+    log2_f32,
+    pow_f32,
+    sqrt_f32,
+    tanh_f32,
     rint_f32,
     sin_f32,
     tan_f32,
@@ -2319,7 +2329,9 @@ _F64_NAMES = [(r"\bnp\.float32\b", "np.float64"), (r"\bex2\(", "math.exp2("), (r
               (r"\bZERO\b", "ZERO_64"), (r"\bONE\b", "ONE_64"), (r"\bsin_f32\(", "math.sin("),
               (r"\bcos_f32\(", "math.cos("), (r"\btan_f32\(", "math.tan("),
               (r"\btanh_approx_f32\(", "math.tanh("), (r"\bfloor_f32\(", "floor_f64("),
-              (r"\bceil_f32\(", "ceil_f64(")]
+              (r"\bceil_f32\(", "ceil_f64(")] + \
+    [(rf"\b{f}_f32\(", f"math.{f}(") for f in ("exp", "exp2", "log", "log2", "sqrt", "log1p", "expm1", "tanh", "erf",
+                                                "pow")]
 
 
 def as_f64(code: str) -> str:

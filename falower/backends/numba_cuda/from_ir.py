@@ -217,15 +217,15 @@ LIST_CAPTURES = (Capture("kv_count", "i32", 1, derived=("kv_count",)),
 # tanh(x) = 1 - 2 / (1 + 2**(TWO_LOG2E x)): the factor `tanh_by_ex2` merges into tanh_ex2_f32's argument. Here, not
 # in intrinsics.py, so that building a spec (a warm process's path to its cached cubins) imports no Numba
 TWO_LOG2E = 2.8853900817779268
-_UNARY = {"exp": "math.exp({})", "exp2": "math.pow(np.float32(2.0), {})", "log": "math.log({})",
-          "log2": "math.log2({})", "tanh": "math.tanh({})", "tanh_approx": "tanh_approx_f32({})",
-          "erf": "math.erf({})", "sqrt": "math.sqrt({})",
-          "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + math.exp(-{})))", "neg": "(-{})", "abs": "abs({})",
-          "sin": "sin_f32({})", "cos": "cos_f32({})", "tan": "tan_f32({})", "log1p": "math.log1p({})",
-          "expm1": "math.expm1({})", "rsqrt": "(np.float32(1.0) / math.sqrt({}))",
+_UNARY = {"exp": "exp_f32({})", "exp2": "exp2_f32({})", "log": "log_f32({})",
+          "log2": "log2_f32({})", "tanh": "tanh_f32({})", "tanh_approx": "tanh_approx_f32({})",
+          "erf": "erf_f32({})", "sqrt": "sqrt_f32({})",
+          "sigmoid": "(np.float32(1.0) / (np.float32(1.0) + exp_f32(-{})))", "neg": "(-{})", "abs": "abs({})",
+          "sin": "sin_f32({})", "cos": "cos_f32({})", "tan": "tan_f32({})", "log1p": "log1p_f32({})",
+          "expm1": "expm1_f32({})", "rsqrt": "(np.float32(1.0) / sqrt_f32({}))",
           "floor": "floor_f32({})", "ceil": "ceil_f32({})",  # (math.floor: an int64, undefined at inf and NaN)
           "round": "rint_f32({})"}  # f32 intrinsics: Numba's math.sin and round() compute in f64
-_BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})", "pow": "math.pow({}, {})",
+_BINARY = {"add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "div": "({} / {})", "pow": "pow_f32({}, {})",
            "max": "max({}, {})", "min": "min({}, {})", "floordiv": "({} // {})", "mod": "({} % {})",
            "shl": "({} << {})", "shr": "({} >> {})", "eq": "({} == {})", "ne": "({} != {})", "lt": "({} < {})",
            "le": "({} <= {})", "gt": "({} > {})", "ge": "({} >= {})"}

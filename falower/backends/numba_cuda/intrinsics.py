@@ -129,6 +129,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import threading
 
@@ -225,6 +226,16 @@ __all__ = [
     "ceil_f32",
     "floor_f64",
     "ceil_f64",
+    "exp_f32",
+    "exp2_f32",
+    "log_f32",
+    "log2_f32",
+    "sqrt_f32",
+    "log1p_f32",
+    "expm1_f32",
+    "tanh_f32",
+    "erf_f32",
+    "pow_f32",
 ]
 
 
@@ -971,6 +982,21 @@ if SIMULATOR:
     def floor_f64(x):
         return np.float64(np.floor(np.float64(x)))
 
+    def _np32(fn):
+        """A libdevice f32 function in the simulator: numpy's, whose inf / NaN at a domain's edge (log(0), sqrt(-1),
+        2^2000) are the GPU's, where Python's math module raises."""
+        def f(*x):
+            with np.errstate(all="ignore"):
+                return np.float32(fn(*(np.float32(a) for a in x)))
+        return f
+
+    exp_f32, exp2_f32, log_f32, log2_f32 = _np32(np.exp), _np32(np.exp2), _np32(np.log), _np32(np.log2)
+    sqrt_f32, log1p_f32, expm1_f32, tanh_f32 = _np32(np.sqrt), _np32(np.log1p), _np32(np.expm1), _np32(np.tanh)
+    pow_f32 = _np32(np.power)
+
+    def erf_f32(x):
+        return np.float32(math.erf(float(x))) if x == x else np.float32(x)
+
     def ceil_f64(x):
         return np.float64(np.ceil(np.float64(x)))
 
@@ -1242,6 +1268,10 @@ else:
     ceil_f32 = _libdevice.ceilf
     floor_f64 = _libdevice.floor
     ceil_f64 = _libdevice.ceil
+    # what Numba's math.exp / log / ... lower a float32 to, named so that the simulator can take numpy's (above)
+    exp_f32, exp2_f32, log_f32, log2_f32 = _libdevice.expf, _libdevice.exp2f, _libdevice.logf, _libdevice.log2f
+    sqrt_f32, log1p_f32, expm1_f32, tanh_f32 = _libdevice.sqrtf, _libdevice.log1pf, _libdevice.expm1f, _libdevice.tanhf
+    erf_f32, pow_f32 = _libdevice.erff, _libdevice.powf
 
     _U32 = types.uint32
     _F32 = types.float32
