@@ -637,7 +637,8 @@ def _sym(x: Any) -> SymTensor:
     if isinstance(x, Capture):  # fl.exp(temperature), fl.maximum(w, w): a capture is its symbolic tensor here
         return x._sym()
     if not isinstance(x, SymTensor):
-        raise FalowerError(f"expected a symbolic tensor, got {type(x).__name__}")
+        raise FalowerError(f"expected a traced tensor (a score, an index, a captured table's entry), got "
+                           f"{type(x).__name__} {x!r}: falower's functions take at least one (Python's own for numbers)")
     return x
 
 
