@@ -157,8 +157,8 @@ class SymTensor:
 
     def __getattr__(self, name: str) -> Any:
         """A method falower does not trace: named in one line (an AttributeError too, so hasattr() stays False)."""
-        if name.startswith("__") or name in ("value", "transposed"):
-            raise AttributeError(name)
+        if name.startswith("__") or name in ("value", "transposed") or hasattr(type(self), name):
+            raise AttributeError(name)  # (a property that raised inside: its own error, not 'no method')
         raise _NoMethod(f"traced tensors have no method {name!r} (falower traces the torch ops listed in README's "
                         "'FlexAttention users'; write it with those)")
 
@@ -520,6 +520,10 @@ class _Row(SymTensor):
     def dtype(self) -> str:
         return self.table.dtype
 
+    @property
+    def ndim(self) -> int:
+        return self._v().type.rank  # (a row with dims left: the error below, as for its shape)
+
     def _v(self) -> Value:
         if self.value is None:
             dims = ", ".join(str(d) for d in self.rest)
@@ -837,6 +841,9 @@ def attention(
             s = s.to(acc)
         if mask_mod is not None:
             m = mask_mod(b, h, qi, ki)
+            if isinstance(m, SymTensor) and is_int(m.dtype):
+                raise FalowerError(f"mask_mod returned {m.dtype}, not bool: an integer operand of & | ^ makes the "
+                                   "result an integer, as torch's does; compare it (keep[b, kv] != 0) or .bool() it")
             if not isinstance(m, SymTensor) or m.dtype != "bool":
                 raise FalowerError("mask_mod must return a bool tensor (a comparison, or & | ~ of comparisons)")
             s = where(m, s, -math.inf)

@@ -91,7 +91,10 @@ def test_pow_at_zero_to_the_zero_has_zero_slope() -> None:
 TEMP = fl.capture("temp", "f32", "")
 TEMP_MODS = {"div": lambda s, b, h, q, kv: s / TEMP, "sub": lambda s, b, h, q, kv: s - TEMP,
              "exp": lambda s, b, h, q, kv: s * fl.exp(TEMP), "cap": lambda s, b, h, q, kv: TEMP * fl.tanh(s / TEMP),
-             "twice": lambda s, b, h, q, kv: s * TEMP + TEMP * (kv - q) * 0.01}
+             "twice": lambda s, b, h, q, kv: s * TEMP + TEMP * (kv - q) * 0.01,
+             # autodiff's zero-cotangent guard on the scalar's own sum hid it from tile-bwd (a review's finding)
+             "sq": lambda s, b, h, q, kv: s * TEMP ** 2, "inv": lambda s, b, h, q, kv: s * (1.0 / TEMP),
+             "rsqrt": lambda s, b, h, q, kv: s * fl.rsqrt(TEMP), "log": lambda s, b, h, q, kv: s + fl.log(TEMP)}
 
 
 @pytest.mark.parametrize("name", sorted(TEMP_MODS))

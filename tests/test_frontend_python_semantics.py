@@ -130,3 +130,18 @@ def test_hasattr_still_reads_a_missing_method_as_absent() -> None:
         return x + 1
     fl.trace(body, name="g", x=I)
     assert seen["has"] == (False, False)
+
+
+def test_a_mask_made_an_integer_by_an_i8_operand_says_so() -> None:
+    keep = fl.capture("keep", "i8", "B,N")
+    with pytest.raises(FalowerError, match="mask_mod returned i8, not bool: an integer operand"):
+        fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & keep[b, kv])
+    fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (keep[b, kv] != 0))  # as the message says
+
+
+def test_a_partly_indexed_rows_ndim_says_to_index_it_fully() -> None:
+    """`T[d].ndim` raised inside the property (the row has no value yet), which the missing-method error then called
+    'no method ndim'; it now says what its shape says."""
+    t = fl.capture("T", "f32", "R,K")
+    with pytest.raises(FalowerError, match="index it fully"):
+        fl.trace(lambda d: t[d].ndim + d, name="g", d=I)

@@ -171,7 +171,7 @@ class Backward:
     def times(self, g: Value, factor: Value, primal: Value) -> Value:
         """g * factor; where `primal` may be infinite (a masked score), 0 wherever g is 0, never 0 * inf = NaN."""
         prod = self.emit("mul", g, factor)
-        if primal not in self.infinite:
+        if primal not in self.infinite or g.type.rank == 0:  # (a scalar's cotangent: no masked entry, see below)
             return prod
         zero = self.const(0.0, g.type.dtype)
         return self.emit("where", self.emit("eq", g, zero), zero, prod)
@@ -181,6 +181,8 @@ class Backward:
         (sqrt and log at 0, a division by 0, rsqrt, pow below 1 at 0) gives a masked entry, a padded row or an entry
         nobody reads no gradient, never 0 * inf = NaN (sqrt(max(s, 0)) at a masked s = 0: torch masks after its
         score_mod's backward the same way)."""
+        if g.type.rank == 0:  # a scalar's cotangent (a learned temperature's sum) is no masked entry: no guard, so
+            return x  # tile-bwd can take its gradient as the linear combination of sums it is (s * t ** 2)
         zero = self.const(0.0, g.type.dtype)
         return self.emit("where", self.emit("eq", g, zero), zero, x)
 

@@ -554,10 +554,13 @@ def _total_sum(v: Value) -> Optional[Value]:
 
 
 def _argument_scalar(v: Value) -> bool:
-    """A rank-0 float computed by elementwise ops from the function's arguments and constants alone (exp(t))."""
+    """A rank-0 value computed by elementwise ops from the function's arguments, their entries at constant indices
+    and constants alone (exp(t), 1 / t[0])."""
     op = v.owner
     if not isinstance(op, Op):
         return v.type.rank == 0
+    if v.type.rank == 0 and op.name == "gather":  # an entry of a captured table at constant indices (t[0])
+        return not isinstance(op.operands[0].owner, Op) and all(_argument_scalar(x) for x in op.operands[1:])
     return v.type.rank == 0 and (op.name == "const" or OPS[op.name].kind == "elementwise" and all(
         _argument_scalar(x) for x in op.operands))
 

@@ -42,16 +42,18 @@ def _temperature(kind: str):
     import falower as fl
 
     t = fl.capture("temp", "f32", "")
-    if kind == "idx":  # an entry of a [4] table at a constant index: once 'cannot move squeeze to tiles'
+    if kind in ("idx", "invidx"):  # an entry of a [4] table at a constant index: once 'cannot move squeeze to tiles'
         t4 = fl.capture("temp", "f32", "4")
-        return lambda: fl.attention(score_mod=lambda s, b, h, q, kv: s * t4[1], name="temp_idx")
+        mod = (lambda s, b, h, q, kv: s * t4[1]) if kind == "idx" else (lambda s, b, h, q, kv: s * (1.0 / t4[1]))
+        return lambda: fl.attention(score_mod=mod, name=f"temp_{kind}")
     mods = {"div": lambda s, b, h, q, kv: s / t, "sub": lambda s, b, h, q, kv: s - t,
-            "exp": lambda s, b, h, q, kv: s * fl.exp(t), "cap": lambda s, b, h, q, kv: t * fl.tanh(s / t)}
+            "exp": lambda s, b, h, q, kv: s * fl.exp(t), "cap": lambda s, b, h, q, kv: t * fl.tanh(s / t),
+            "sq": lambda s, b, h, q, kv: s * t ** 2}  # (sq: autodiff's guard of a scalar's cotangent had hidden the sum)
     return lambda: fl.attention(score_mod=mods[kind], name=f"temp_{kind}")
 
 
 EXTRA_GRAPHS = {"two_tables": _two_tables,
-                **{f"temp_{k}": _temperature(k) for k in ("div", "sub", "exp", "cap", "idx")}}
+                **{f"temp_{k}": _temperature(k) for k in ("div", "sub", "exp", "cap", "idx", "invidx", "sq")}}
 
 
 def run_case(stem: str, path: str, tile: int, M: int, N: int, dq: str = "atomic", bk: int = 0, D: int = 16,
@@ -108,7 +110,8 @@ CASES += [("relative_bias", "mma", 16, 20, 19, "det"), ("bias", "mma", 16, 20, 1
           ("relative_bias", "simt", 16, 20, 19, "det"), ("two_tables", "mma", 16, 20, 19, "det"),
           ("temp_div", "mma", 16, 20, 19, "atomic"), ("temp_div", "mma", 16, 20, 19, "det"),
           ("temp_sub", "mma", 16, 20, 19, "atomic"), ("temp_exp", "mma", 16, 20, 19, "det"),
-          ("temp_idx", "mma", 16, 20, 19, "atomic"), ("temp_idx", "mma", 16, 20, 19, "det")]
+          ("temp_idx", "mma", 16, 20, 19, "atomic"), ("temp_idx", "mma", 16, 20, 19, "det"),
+          ("temp_invidx", "mma", 16, 20, 19, "atomic"), ("temp_sq", "mma", 16, 20, 19, "det")]
 # block_k = 2 block_q (fa2-bwd's shape, 64 x 128): two warps of kv rows, dQ's one 16-row group split over D
 CASES += [(s, "mma", 16, 20, 37, "atomic", 32, 32) for s in ("causal", "alibi")]
 # the 48-wide window at 16-row tiles: kv tile 0 sees q tiles 0-3 of 5, the walk (first and last pair by a ballot)

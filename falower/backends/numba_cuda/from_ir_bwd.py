@@ -444,7 +444,7 @@ class _ElementEmitter(_ScalarEmitter):
         if op.name == "reduce_sum":
             raise BackendError("numba-cuda backend: a captured gradient adds sums of several terms (a captured scalar "
                                "or table read at more than one place, e.g. t twice in t * tanh(s / t)): the kernels "
-                               "add one sum a table; read it once (s * (1 / t) ...) or run the reference backend")
+                               "add one sum a table; the reference backend runs it")
         if op.name in ("tile.load", "tile.matmul", "reduce_sum", "reduce_max") or op.regions:
             raise BackendError(f"numba-cuda backend: the backward's elementwise code reads {op.name} "
                                f"(%{v.name}), which has no per-element form")
