@@ -842,8 +842,8 @@ def attention(
         if mask_mod is not None:
             m = mask_mod(b, h, qi, ki)
             if isinstance(m, SymTensor) and is_int(m.dtype):
-                raise FalowerError(f"mask_mod returned {m.dtype}, not bool: an integer operand of & | ^ makes the "
-                                   "result an integer, as torch's does; compare it (keep[b, kv] != 0) or .bool() it")
+                raise FalowerError(f"mask_mod must return a bool tensor, not {m.dtype}: compare it (keep[b, kv] != 0) "
+                                   "or .bool() it (an integer operand of & | ^ makes the result an integer, as torch's)")
             if not isinstance(m, SymTensor) or m.dtype != "bool":
                 raise FalowerError("mask_mod must return a bool tensor (a comparison, or & | ~ of comparisons)")
             s = where(m, s, -math.inf)

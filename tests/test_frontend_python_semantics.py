@@ -134,7 +134,7 @@ def test_hasattr_still_reads_a_missing_method_as_absent() -> None:
 
 def test_a_mask_made_an_integer_by_an_i8_operand_says_so() -> None:
     keep = fl.capture("keep", "i8", "B,N")
-    with pytest.raises(FalowerError, match="mask_mod returned i8, not bool: an integer operand"):
+    with pytest.raises(FalowerError, match="mask_mod must return a bool tensor, not i8: compare it"):
         fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & keep[b, kv])
     fl.attention(mask_mod=lambda b, h, q, kv: (q >= kv) & (keep[b, kv] != 0))  # as the message says
 
