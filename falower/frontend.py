@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import FalowerError
 from .ir.builder import Builder, new_func
 from .ir.core import Func, Value
+from .ir import dims as _dims_module
 from .ir.dims import Dim, DimLike, dim
 from .ir.types import FLOAT_DTYPES, TensorType, is_float, is_int
 
@@ -57,6 +58,17 @@ def _builder() -> Builder:
     if not _CURRENT:
         raise FalowerError("symbolic tensors can only be used inside falower.trace or falower.attention")
     return _CURRENT[-1].builder
+
+
+def _traced_size(d: Dim) -> "SymTensor":
+    """A symbolic size as a traced f32 scalar (`q.shape[-1] ** -0.5` while tracing: dims.TRACED_SIZE)."""
+    if not _CURRENT:
+        raise FalowerError(f"the size {d} is symbolic: float arithmetic on it needs a traced graph (inside "
+                           "falower.trace) or a value")
+    return SymTensor(_builder().const(d)).to("f32")
+
+
+_dims_module.TRACED_SIZE = _traced_size
 
 
 def _small_int_exponent(x: Any) -> bool:
@@ -418,6 +430,10 @@ class SymTensor:
     def where(self, cond: Any, other: Any) -> "SymTensor":
         """torch's x.where(cond, y): x where cond, else y."""
         return where(cond, self, other)
+
+    def masked_fill(self, mask: Any, value: Any) -> "SymTensor":
+        """torch's x.masked_fill(mask, v): v where mask, else x (`s.masked_fill(~causal, float('-inf'))`)."""
+        return where(mask, value, self)
 
     def square(self) -> "SymTensor":
         return self * self

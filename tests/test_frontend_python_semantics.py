@@ -102,7 +102,6 @@ def test_reflected_shifts_divmod_pos_and_torch_methods_trace() -> None:
 @pytest.mark.parametrize("body,words", [
     (lambda x: math.trunc(x), "math.trunc cannot take a traced tensor"),
     (lambda x: [0.0, 1.0][x], "cannot be a Python int"),
-    (lambda x: x.masked_fill(x > 0, 0), "no method 'masked_fill'"),
     (lambda x: x.item(), "no method 'item'"),
     (lambda x: x.to("f32") // 2.0, "// and % take integers"),
     (lambda x: x.to("f32") % 2.0, "// and % take integers"),
@@ -126,7 +125,7 @@ def test_hasattr_still_reads_a_missing_method_as_absent() -> None:
     seen = {}
 
     def body(x):
-        seen["has"] = hasattr(x, "masked_fill"), hasattr(x, "__array_interface__")
+        seen["has"] = hasattr(x, "index_fill"), hasattr(x, "__array_interface__")
         return x + 1
     fl.trace(body, name="g", x=I)
     assert seen["has"] == (False, False)
@@ -145,3 +144,34 @@ def test_a_partly_indexed_rows_ndim_says_to_index_it_fully() -> None:
     t = fl.capture("T", "f32", "R,K")
     with pytest.raises(FalowerError, match="index it fully"):
         fl.trace(lambda d: t[d].ndim + d, name="g", d=I)
+
+
+QKV = dict(q=fl.tensor("f16", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+
+
+@pytest.mark.parametrize("form", ["q.shape[-1] ** -0.5", "1 / q.shape[-1] ** 0.5"])
+def test_the_scale_written_from_a_symbolic_head_dim_traces(form: str) -> None:
+    """`s * q.shape[-1] ** -0.5` raised a bare TypeError (a Dim had no ** or /): a symbolic size in float arithmetic is a
+    traced f32 scalar while tracing, a number when the size is constant; the graph lowers and means the same."""
+    from falower.passes.check import Reference
+
+    g = fl.trace(lambda q, k, v: (fl.softmax(q @ k.mT * eval(form, {"q": q}), -1) @ v).to("f16"), name="scaled",
+                 result_names=("o",), **QKV)
+    fl.lower(g, "fa2-fwd")
+    r = Reference.build(g, {"B": 1, "H": 2, "M": 9, "N": 11, "D": 16})
+    q, k, v = r.inputs
+    s = q @ np.swapaxes(k, -1, -2) / 4.0
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(r.outputs["o"], (p / p.sum(-1, keepdims=True)) @ v, rtol=1e-12)
+
+
+def test_a_symbolic_size_where_a_number_is_needed_says_so() -> None:
+    with pytest.raises(FalowerError, match=r"the size D is symbolic and float\(\) needs its value"):
+        fl.trace(lambda q, k, v: (fl.softmax(q @ k.mT / math.sqrt(q.shape[-1]), -1) @ v), name="g", **QKV)
+    assert math.sqrt(fl.ir.dim(64)) == 8.0 and fl.ir.dim(64) ** -0.5 == 0.125
+
+
+def test_masked_fill_is_a_where() -> None:
+    g = fl.trace(lambda x: x.to("f32").masked_fill(x > 2, float("-inf")), name="mf", x=I)
+    (y,) = interpret(g, [np.arange(5, dtype=np.int32)])
+    np.testing.assert_array_equal(y, [0.0, 1.0, 2.0, -np.inf, -np.inf])

@@ -15,6 +15,17 @@ from ..errors import ParseError, ShapeError
 DimLike = Union["Dim", int, str]
 
 
+TRACED_SIZE = None  # the frontend's: a symbolic size as a traced f32 scalar, while a graph is traced
+
+
+def _size_error(d: "Dim", use: str) -> Exception:
+    from ..errors import FalowerError
+
+    return FalowerError(f"the size {d} is symbolic and {use} needs its value: give it one (fl.tensor('f16', "
+                        f"'B,H,M,64') or head_dim=64), or write the arithmetic on a traced value (s * {d} ** -0.5 and "
+                        f"s / {d} ** 0.5 trace it)")
+
+
 def _dim_or_none(x: object) -> Optional["Dim"]:
     """x as a Dim (`dim`'s rules), or None where it is not one (a traced tensor: `N - kv` is then the tensor's
     __rsub__)."""
@@ -55,6 +66,44 @@ class Dim:
 
     def __floordiv__(self, other: DimLike) -> "Dim":
         return self._bin("fdiv", other)
+
+    # A size in float arithmetic (`s * q.shape[-1] ** -0.5`, `s / math.sqrt(D)`): a number for a constant size; a
+    # symbolic one becomes a traced f32 scalar while a graph is traced (TRACED_SIZE, set by the frontend), else a
+    # one-line error. Sizes themselves only add, subtract, multiply and floor-divide.
+    def _float_op(self, op: str, other: object, reflected: bool = False):
+        import operator
+
+        if isinstance(other, Dim) or not isinstance(other, (int, float)) or isinstance(other, bool):
+            return NotImplemented
+        fn = {"/": operator.truediv, "**": operator.pow}[op]
+        x: object = float(self.value) if isinstance(self, Const) else None
+        if x is None:
+            if TRACED_SIZE is None:
+                raise _size_error(self, op)
+            x = TRACED_SIZE(self)
+        return fn(other, x) if reflected else fn(x, other)
+
+    def __truediv__(self, other: object):
+        return self._float_op("/", other)
+
+    def __rtruediv__(self, other: object):
+        return self._float_op("/", other, True)
+
+    def __pow__(self, other: object):
+        return self._float_op("**", other)
+
+    def __rpow__(self, other: object):
+        return self._float_op("**", other, True)
+
+    def __float__(self) -> float:
+        if isinstance(self, Const):
+            return float(self.value)
+        raise _size_error(self, "float()")
+
+    def __index__(self) -> int:
+        if isinstance(self, Const):
+            return self.value
+        raise _size_error(self, "an int")
 
     def symbols(self) -> set[str]:
         raise NotImplementedError
