@@ -22,6 +22,7 @@ from ..ir.core import Block, Func, Op, Value
 from ..ir.dims import Const, Dim, Sym
 from ..ir.types import TensorType, is_float
 from .base import Pass, register
+from .raise_softmax import raise_softmax
 
 Rule = Callable[["Backward", Op, Value, tuple[bool, ...]], Sequence[Optional[Value]]]
 
@@ -490,6 +491,7 @@ class Autodiff(Pass):
     summary = "reverse-mode autodiff -> the joint forward + backward function (d<result> in, d<argument> out)"
 
     def run(self, func: Func) -> Func:
+        raise_softmax(func)  # a softmax written by hand (or decomposed) differentiates as the op (raise_softmax.py)
         body = func.body
         results, names = func.results, func.result_names
         roots = [v for v in results if is_float(v.type.dtype)]

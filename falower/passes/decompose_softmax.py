@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from ..ir.builder import Builder
 from ..ir.core import Func, Op, Value
 from .base import Pass, register
+from .raise_softmax import raise_softmax
 from .rewrite import apply_patterns
 
 
@@ -38,7 +39,9 @@ class DecomposeSoftmax(Pass):
     """Softmax into its parts, so later passes can tile and rewrite each one.
 
     Requires: nothing (a graph without softmax is left as it is). A row whose entries are all -inf gives
-    0, never NaN: the max is replaced by 0 before subtracting and an empty sum by 1 before dividing.
+    0, never NaN: the max is replaced by 0 before subtracting and an empty sum by 1 before dividing. A softmax
+    written by hand (exp(x - max) / sum, or exp(x) / sum) is taken as the op first (raise_softmax.py), and so
+    gets the guards too.
 
         %p = softmax %s {axis = 3} : f32[B,H,M,N]
     =>
@@ -54,5 +57,6 @@ class DecomposeSoftmax(Pass):
     removes = ("softmax",)
 
     def run(self, func: Func) -> Func:
+        raise_softmax(func)  # a softmax written by hand first becomes the op (raise_softmax.py), then its parts
         apply_patterns(func, [decompose])
         return func
