@@ -165,7 +165,9 @@ def decomposed_softmax(m: Op, users: dict[Value, list[Op]], fail) -> tuple[Op, O
     x, axis = m.operands[0], m.attrs["axis"]
     m_safe = next((u for u in users.get(m.result, []) if u.name == "where" and _guard(u.result, -math.inf, 0.0, m.result)), None)
     if m_safe is None:
-        raise fail("reduce_max is not followed by the max guard of a decomposed softmax (run decompose-softmax)")
+        raise fail("reduce_max is not followed by the max guard of a decomposed softmax: run decompose-softmax, or, "
+                   "if it ran, this row max is not part of a softmax it recognizes (exp(x - max) / sum over one axis; "
+                   "README 'Writing attention' lists the forms)")
     sub = next((u for u in users.get(x, []) if u.name == "sub" and u.operands == [x, m_safe.result]), None)
     e = _single_user(users, sub.result, "exp") if sub is not None else None
     if sub is None or e is None:

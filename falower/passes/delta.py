@@ -95,7 +95,8 @@ class Delta(Pass):
             if has_rows:  # a backward function, but not one attention's: P used otherwise than in one P @ V
                 raise self.fail("no softmax gradient under attention to rewrite: its row sums are not of "
                                 "P * (dO @ V^T) with O = P @ V (the backward takes one softmax whose P feeds one "
-                                "P @ V and nothing else: no dropout on P, no P used twice, no second softmax)")
+                                "P @ V and nothing else: no dropout on P, no P used twice, no second softmax; a softmax "
+                                "written out must be one autodiff recognizes: README 'Writing attention')")
             raise self.fail("no softmax gradient under attention to rewrite (it has no row sum): run autodiff "
                             "first")
         for m in matches:

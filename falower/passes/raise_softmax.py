@@ -1,7 +1,7 @@
 """A softmax written by hand, found and made the softmax op: what decompose-softmax and autodiff do first.
 
 Users write attention as tensor code, and many write the softmax out: `e = exp(s - s.amax(-1)); p = e / e.sum(-1)`,
-or without the max, or with decompose-softmax's own guards (an IR dump fed back in). fuse, delta and recompute match
+or without the max, or with decompose-softmax's own guards (an IR dump fed back to fa2-fwd). fuse, delta and recompute match
 the softmax op's decomposition, guards included, so these forms were refused ('reduce_max is not followed by the max
 guard', 'no softmax gradient'). `raise_softmax` replaces each one by `softmax x {axis}`:
 
@@ -55,11 +55,13 @@ def _exp_of_row(e: Value, axis: int) -> Optional[Value]:
     return arg
 
 
-def _softmax_pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
-    """div(e, sum(e, axis)) with e = exp(x - max(x, axis)) or exp(x), sums and maxima guarded or not."""
+def _softmax_pattern(op: Op, b: Builder, guarded: bool = True) -> Optional[Sequence[Value]]:
+    """div(e, sum(e, axis)) with e = exp(x - max(x, axis)) or exp(x), sums and maxima guarded (`guarded`) or not."""
     if op.name != "div":
         return None
     e, den = op.operands
+    if not guarded and _unguarded(den, 0.0, 1.0) is not den:
+        return None  # decompose-softmax's own form: autodiff has its rules (and softmax may be lowered away)
     rs = _is(_unguarded(den, 0.0, 1.0), "reduce_sum")
     if rs is None or rs.operands[0] is not e:
         return None
@@ -70,9 +72,11 @@ def _softmax_pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
     return [b.emit("softmax", x, axis=axis)]
 
 
-def raise_softmax(func: Func) -> bool:
-    """Every hand-written softmax of `func` made the softmax op (module docstring); True if any was."""
-    changed = apply_patterns(func, [_softmax_pattern])
+def raise_softmax(func: Func, guarded: bool = True) -> bool:
+    """Every hand-written softmax of `func` made the softmax op (module docstring); with `guarded` False, not
+    decompose-softmax's own guarded form (autodiff: its rules take that one, after the op is lowered away). True if
+    any was."""
+    changed = apply_patterns(func, [lambda op, b: _softmax_pattern(op, b, guarded)])
     if changed:
         dce(func)
     return changed
