@@ -25,16 +25,28 @@ FORMS = {
     "no_max": lambda s: (lambda e: e / e.sum(dim=-1, keepdim=True))(fl.exp(s)),
     "masked": lambda s: (lambda x: (lambda e: e / e.sum(dim=-1, keepdim=True))(
         fl.exp(x - x.amax(dim=-1, keepdim=True))))(fl.where(s > -0.5, s, -1e9)),
+    "exp2": lambda s: (lambda y: (lambda e: e / e.sum(dim=-1, keepdim=True))(
+        fl.exp2(y - y.amax(dim=-1, keepdim=True))))(s * 1.4426950408889634),
+    "reciprocal": lambda s: (lambda e: e * (1.0 / e.sum(dim=-1, keepdim=True)))(fl.exp(s - s.amax(dim=-1, keepdim=True))),
 }
 
 
+def _after_pv(q, k, v):
+    """The rows normalized after the product: (e @ v) / sum(e)."""
+    s = _scores(q, k)
+    e = fl.exp(s - s.amax(dim=-1, keepdim=True))
+    return ((e @ v) / e.sum(dim=-1, keepdim=True)).to("f16")
+
+
 def _graph(form: str) -> fl.Func:
+    if form == "after_pv":
+        return fl.trace(_after_pv, name="hand_after_pv", result_names=("o",), **QKV)
     return fl.trace(lambda q, k, v: (FORMS[form](_scores(q, k)) @ v).to("f16"), name=f"hand_{form}",
                     result_names=("o",), **QKV)
 
 
 @pytest.mark.parametrize("pipeline", ["fa2-fwd", "fa2-bwd"])
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", sorted(FORMS) + ["after_pv"])
 def test_a_hand_written_softmax_lowers_and_keeps_its_numbers(form: str, pipeline: str) -> None:
     pm = PassManager(parse_pipeline(pipeline), check=True, shapes=SHAPES)
     pm.run(_graph(form))

@@ -8,6 +8,9 @@ guard', 'no softmax gradient'). `raise_softmax` replaces each one by `softmax x 
     %m = reduce_max %x {axis = 3};  %e = exp (sub %x, %m);  %l = reduce_sum %e {axis = 3};  %p = div %e, %l
     =>  %p = softmax %x {axis = 3}
 
+Also e * (1 / l), exp2 in place of exp (softmax(x ln 2)), and the rows normalized after the product: (e @ v) / l
+becomes softmax(x) @ v.
+
 The same numbers wherever a row has a finite entry; a row that is -inf everywhere (a fully masked one) gives 0 as the
 softmax op defines it, where the hand-written form gives NaN (exp(-inf + inf)), and a form without the max subtraction
 no longer overflows exp.
@@ -40,19 +43,39 @@ def _unguarded(v: Value, cmp_value: float, repl: float) -> Value:
     return v
 
 
-def _exp_of_row(e: Value, axis: int) -> Optional[Value]:
-    """x where e = exp(x - max(x, axis)) (the max guarded or not) or e = exp(x); else None."""
-    ex = _is(e, "exp")
+def _exp_of_row(e: Value, axis: int) -> Optional[tuple[Value, bool]]:
+    """(x, base 2) where e = exp(x - max(x, axis)) or exp2(...) (the max guarded or not), or e = exp(x) / exp2(x);
+    else None."""
+    ex = _is(e, "exp") or _is(e, "exp2")
     if ex is None:
         return None
-    arg = ex.operands[0]
+    arg, two = ex.operands[0], ex.name == "exp2"
     sub = _is(arg, "sub")
     if sub is not None:
         x, m = sub.operands
         rm = _is(_unguarded(m, -math.inf, 0.0), "reduce_max")
         if rm is not None and rm.operands[0] is x and rm.attrs["axis"] == axis:
-            return x
-    return arg
+            return x, two
+    return arg, two
+
+
+def _row_sum_of(den: Value, e: Value) -> Optional[Op]:
+    """The reduce_sum of e that `den` is (guarded or not)."""
+    rs = _is(_unguarded(den, 0.0, 1.0), "reduce_sum")
+    return rs if rs is not None and rs.operands[0] is e else None
+
+
+def _softmax_of(b: Builder, e: Value, axis: int, like: Value) -> Optional[Value]:
+    """softmax(x) (or softmax(x ln 2) for base 2) where e is `_exp_of_row`'s, typed as `like`; else None."""
+    found = _exp_of_row(e, axis)
+    if found is None:
+        return None
+    x, two = found
+    if x.type.shape != like.type.shape or x.type.dtype != like.type.dtype:
+        return None
+    if two:  # 2^y / sum 2^y = softmax(y ln 2)
+        x = b.emit("mul", x, b.const(math.log(2.0), x.type.with_shape(())))
+    return b.emit("softmax", x, axis=axis)
 
 
 def _softmax_pattern(op: Op, b: Builder, guarded: bool = True) -> Optional[Sequence[Value]]:
@@ -62,21 +85,54 @@ def _softmax_pattern(op: Op, b: Builder, guarded: bool = True) -> Optional[Seque
     e, den = op.operands
     if not guarded and _unguarded(den, 0.0, 1.0) is not den:
         return None  # decompose-softmax's own form: autodiff has its rules (and softmax may be lowered away)
-    rs = _is(_unguarded(den, 0.0, 1.0), "reduce_sum")
-    if rs is None or rs.operands[0] is not e:
+    rs = _row_sum_of(den, e)
+    if rs is None:
         return None
-    axis = rs.attrs["axis"]
-    x = _exp_of_row(e, axis)
-    if x is None or x.type.shape != op.results[0].type.shape or x.type.dtype != op.results[0].type.dtype:
+    p = _softmax_of(b, e, rs.attrs["axis"], op.results[0])
+    return None if p is None else [p]
+
+
+def _reciprocal_pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
+    """e * (1 / sum(e)) (either order): the same softmax as e / sum(e)."""
+    if op.name != "mul":
         return None
-    return [b.emit("softmax", x, axis=axis)]
+    for e, r in (op.operands, op.operands[::-1]):
+        inv = _is(r, "div")
+        if inv is not None and is_const(inv.operands[0], 1.0):
+            rs = _row_sum_of(inv.operands[1], e)
+            if rs is not None:
+                p = _softmax_of(b, e, rs.attrs["axis"], op.results[0])
+                if p is not None:
+                    return [p]
+    return None
+
+
+def _normalized_after_pv_pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
+    """(e @ v) / sum(e) with the sum over e's last axis: softmax(x) @ v, the row sums dividing O's rows."""
+    if op.name != "div":
+        return None
+    pv, den = op.operands
+    mm = _is(pv, "matmul")
+    if mm is None or mm.attrs.get("transpose_a"):
+        return None
+    e = mm.operands[0]
+    rs = _row_sum_of(den, e)
+    if rs is None or rs.attrs["axis"] != e.type.rank - 1:
+        return None
+    p = _softmax_of(b, e, rs.attrs["axis"], e)
+    if p is None:
+        return None
+    attrs = {k: v for k, v in mm.attrs.items()}
+    out = b.emit("matmul", p, mm.operands[1], **attrs)
+    return [out] if out.type == op.results[0].type else None
 
 
 def raise_softmax(func: Func, guarded: bool = True) -> bool:
     """Every hand-written softmax of `func` made the softmax op (module docstring); with `guarded` False, not
     decompose-softmax's own guarded form (autodiff: its rules take that one, after the op is lowered away). True if
     any was."""
-    changed = apply_patterns(func, [lambda op, b: _softmax_pattern(op, b, guarded)])
+    changed = apply_patterns(func, [lambda op, b: _softmax_pattern(op, b, guarded), _reciprocal_pattern,
+                                    _normalized_after_pv_pattern])
     if changed:
         dce(func)
     return changed
