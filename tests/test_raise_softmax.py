@@ -71,3 +71,19 @@ def test_a_fully_masked_row_is_zero_where_the_hand_written_form_is_nan() -> None
     (raised,) = interpret(run_pipeline(g, "decompose-softmax"), [x], "f64")
     assert np.isnan(hand[1]).all() and (raised[1] == 0).all()
     np.testing.assert_allclose(raised[0], hand[0], rtol=1e-15)
+
+
+@pytest.mark.parametrize("pipeline", ["fa2-fwd", "fa2-bwd"])
+@pytest.mark.parametrize("where", ["q", "k", "both"])
+def test_a_factor_on_q_or_k_moves_onto_the_product(where: str, pipeline: str) -> None:
+    """(q * c) @ k^T: fuse refused it ('q must be a graph input ... computed by mul') in the forward; decompose-softmax
+    moves a constant factor on an input onto the product first (raise_scale.py)."""
+    def f(q, k, v):
+        qs = q * 0.25 if where in ("q", "both") else q
+        ks = k * 0.5 if where in ("k", "both") else k
+        return (fl.softmax(qs @ ks.mT, dim=-1) @ v).to("f16")
+
+    g = fl.trace(f, name=f"scaled_{where}", result_names=("o",), **QKV)
+    pm = PassManager(parse_pipeline(pipeline), check=True, shapes=SHAPES)
+    pm.run(g)
+    assert all(r.check == "ok" for r in pm.records), [(r.name, r.check) for r in pm.records]

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from ..ir.builder import Builder
 from ..ir.core import Func, Op, Value
 from .base import Pass, register
+from .raise_scale import raise_scale
 from .raise_softmax import raise_softmax
 from .rewrite import apply_patterns
 
@@ -57,6 +58,7 @@ class DecomposeSoftmax(Pass):
     removes = ("softmax",)
 
     def run(self, func: Func) -> Func:
+        raise_scale(func)  # (q * c) @ k^T as (q @ k^T) * c: fuse takes q and k as inputs (raise_scale.py)
         raise_softmax(func)  # a softmax written by hand first becomes the op (raise_softmax.py), then its parts
         apply_patterns(func, [decompose])
         return func

@@ -1,0 +1,57 @@
+"""A constant factor on a product's operand moved onto the product: (q * c) @ k^T becomes (q @ k^T) * c.
+
+Much attention code scales q (or k) before the score product (`q = q * self.scale`). fuse takes q, k and v as the
+graph's inputs and the scale as part of the score function, so the forward refused those graphs ('q must be a graph
+input ... computed by mul'). decompose-softmax, which starts the forward pipelines, moves such a factor first:
+
+    %qs = mul %q, 0.25 : f16[B,H,M,D];  %s = matmul %qs, %k {transpose_b}
+    =>  %s0 = matmul %q, %k {transpose_b};  %s = mul %s0, 0.25
+
+The same product in exact arithmetic; the factor now multiplies f32 scores where it multiplied the f16 inputs (exact
+for a power of two; otherwise one rounding moves, well inside f16's error).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..ir.builder import Builder
+from ..ir.core import Func, Op, Value
+from ..ir.types import is_float
+from .canonicalize import const_value
+from .rewrite import apply_patterns, dce
+
+
+def _scaled_input(v: Value) -> Optional[tuple[Value, Value]]:
+    """(x, c) where v = x * c or c * x with x a graph input (q, k: a block argument) and c a scalar float constant."""
+    op = v.owner
+    if not isinstance(op, Op) or op.name != "mul":
+        return None
+    for x, c in (op.operands, op.operands[::-1]):
+        cv = const_value(c)
+        if not isinstance(x.owner, Op) and c.type.rank == 0 and isinstance(cv, float) and x.type.dtype == v.type.dtype:
+            return x, c
+    return None
+
+
+def _pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
+    if op.name != "matmul" or not is_float(op.results[0].type.dtype):
+        return None
+    for i, v in enumerate(op.operands):
+        found = _scaled_input(v)
+        if found is None:
+            continue
+        x, c = found
+        operands = list(op.operands)
+        operands[i] = x
+        s = b.op("matmul", operands, [op.results[0].type], dict(op.attrs)).results[0]
+        return [b.emit("mul", s, b.const(float(const_value(c)), op.results[0].type.with_shape(())))]
+    return None
+
+
+def raise_scale(func: Func) -> bool:
+    """Every constant factor on a graph input that a product reads, moved onto the product; True if any was."""
+    changed = apply_patterns(func, [_pattern])
+    if changed:
+        dce(func)
+    return changed
