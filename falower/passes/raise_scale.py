@@ -35,8 +35,8 @@ def _scaled_input(v: Value) -> Optional[tuple[Value, Value]]:
 
 
 def _pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
-    if op.name != "matmul" or not is_float(op.results[0].type.dtype):
-        return None
+    if op.name != "matmul" or not op.attrs.get("transpose_b") or not is_float(op.results[0].type.dtype):
+        return None  # the score product q @ k^T only (a factor on v scales O: fuse says so)
     for i, v in enumerate(op.operands):
         found = _scaled_input(v)
         if found is None:
@@ -50,7 +50,8 @@ def _pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
 
 
 def raise_scale(func: Func) -> bool:
-    """Every constant factor on a graph input that a product reads, moved onto the product; True if any was."""
+    """Every constant factor on a graph input that a score product (q @ k^T) reads, moved onto the product; True if
+    any was."""
     changed = apply_patterns(func, [_pattern])
     if changed:
         dce(func)
