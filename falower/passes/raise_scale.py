@@ -34,25 +34,47 @@ def _scaled_input(v: Value) -> Optional[tuple[Value, Value]]:
     return None
 
 
-def _pattern(op: Op, b: Builder) -> Optional[Sequence[Value]]:
-    if op.name != "matmul" or not op.attrs.get("transpose_b") or not is_float(op.results[0].type.dtype):
+def _score_products(func: Func) -> set[int]:
+    """The products whose result a softmax reads, through elementwise ops: q @ k^T (a joint function's backward
+    products read other values and stay as they are)."""
+    out: set[int] = set()
+    for sm in [op for op in func.walk() if op.name == "softmax"]:
+        stack, seen = [sm.operands[0]], set()
+        while stack:
+            v = stack.pop()
+            op = v.owner
+            if not isinstance(op, Op) or id(op) in seen:
+                continue
+            seen.add(id(op))
+            if op.name == "matmul":
+                out.add(id(op))
+            elif op.name in ("where", "cast", "mul", "add", "sub", "div", "neg", "tanh", "tanh_approx", "exp", "fused"):
+                stack.extend(op.operands)
+    return out
+
+
+def _pattern(op: Op, b: Builder, scores: set[int]) -> Optional[Sequence[Value]]:
+    if op.name != "matmul" or id(op) not in scores or not op.attrs.get("transpose_b") \
+            or not is_float(op.results[0].type.dtype):
         return None  # the score product q @ k^T only (a factor on v scales O: fuse says so)
-    for i, v in enumerate(op.operands):
+    operands, factor = list(op.operands), 1.0
+    for i, v in enumerate(op.operands):  # q's and k's factors both (q * a) @ (k * b)^T = (q @ k^T) * (a b)
         found = _scaled_input(v)
-        if found is None:
-            continue
-        x, c = found
-        operands = list(op.operands)
-        operands[i] = x
-        s = b.op("matmul", operands, [op.results[0].type], dict(op.attrs)).results[0]
-        return [b.emit("mul", s, b.const(float(const_value(c)), op.results[0].type.with_shape(())))]
-    return None
+        if found is not None:
+            operands[i], factor = found[0], factor * float(const_value(found[1]))
+    if operands == list(op.operands):
+        return None
+    s = b.op("matmul", operands, [op.results[0].type], dict(op.attrs)).results[0]
+    return [b.emit("mul", s, b.const(factor, op.results[0].type.with_shape(())))]
 
 
 def raise_scale(func: Func) -> bool:
-    """Every constant factor on a graph input that a score product (q @ k^T) reads, moved onto the product; True if
-    any was."""
-    changed = apply_patterns(func, [_pattern])
+    """Every constant factor on a graph input that a score product (q @ k^T, read by a softmax) reads, moved onto the
+    product; True if any was."""
+    scores = _score_products(func)
+    if not scores:
+        return False
+    changed = apply_patterns(func, [lambda op, b: _pattern(op, b, scores)], max_rounds=1)
     if changed:
         dce(func)
     return changed
