@@ -427,7 +427,6 @@ class TileBwd(Pass):
             for _ in range(3):
                 t = b.emit("squeeze", t, axis=0)
             whole[chain[-1].results[0]] = t
-        whole.update(argmap)  # scalar code after the nest may read the arguments (`s * exp(t)`: exp(t) again)
         for v in atomic_results:
             outs[v] = _clone_post(b, v, whole, plan)
         return outs
@@ -524,23 +523,12 @@ def _clone_post(b: Builder, v: Value, done: dict[Value, Value], plan: BackwardPl
     if op.name == "const":
         out = b.const(op.attrs["value"], v.type, name_hint=v.name)
     else:
-        if any(x not in done and id(x.owner) not in plan.post and not _is(x, "const") and not _of_arguments(x, done)
-               for x in op.operands):
+        if any(x not in done and id(x.owner) not in plan.post and not _is(x, "const") for x in op.operands):
             raise PassError(f"pass tile-bwd: {op.name} combines a summed gradient with a value of the loops")
         operands = [_clone_post(b, x, done, plan) for x in op.operands]
         out = b.op(op.name, operands, [v.type], dict(op.attrs), names=[v.name]).results[0]
     done[v] = out
     return out
-
-
-def _of_arguments(v: Value, done: dict[Value, Value]) -> bool:
-    """A scalar computed by elementwise ops from the function's arguments (in `done`) and constants only: code after
-    the nest may compute it again (a captured temperature's exp(t) that multiplies its summed gradient)."""
-    if v in done or _is(v, "const"):
-        return True
-    op = v.owner
-    return (isinstance(op, Op) and v.type.rank == 0 and OPS[op.name].kind == "elementwise"
-            and all(_of_arguments(x, done) for x in op.operands))
 
 
 def _total_sum(v: Value) -> Optional[Value]:
