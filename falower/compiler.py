@@ -14,7 +14,7 @@ from .ir.core import Func
 from .ir.dims import solve_dims
 from .ir.interp import Interpreter
 from .passes.canonicalize import const_value
-from .passes.manager import debug_level, run_pipeline, with_deep_graphs
+from .passes.manager import debug_level, deep_graphs, run_pipeline
 
 BACKENDS = ("numba-cuda", "reference")
 
@@ -101,7 +101,7 @@ class CompiledAttention:
         cluster = self._cluster_small_grid(dtype, path, env, tiling, parts)  # those merged in a cluster
         return self._kernel_for(dtype, path, env["D"], tiling, parts, cluster)
 
-    @with_deep_graphs
+    @deep_graphs()
     def _kernel_for(self, dtype: str, path: str, head_dim: int, tiling: Optional[str], parts: int,
                     cluster: bool) -> Any:
         """The kernel of these choices (built on first use): what specialize returns."""
@@ -880,7 +880,7 @@ class CompiledAttention:
         env = self._dims(inputs)
         return self._backward_kernel_and_dims_for(_dtype_of(inputs[0]), env["D"]), env
 
-    @with_deep_graphs
+    @deep_graphs()
     def _backward_kernel_and_dims_for(self, dtype: str, D: int):
         """The backward kernel for inputs of `dtype` and head dim D (built on first use)."""
         from .backends.numba_cuda.from_ir import BackendError

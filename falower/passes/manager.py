@@ -7,7 +7,6 @@ after each pass that changed it, 3 = also emitted kernel source, 4 = also PTX (t
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import time
@@ -41,22 +40,14 @@ class PassRecord:
 def deep_graphs(limit: int = 20000):
     """Python's recursion limit raised to `limit` (never lowered) while passes walk a graph: the walks from a value
     to its definitions recurse once an op, and a score function of a few hundred chained ops (an unrolled
-    polynomial) passed Python's default 1000 frames (score-licm, tile-bwd: RecursionError)."""
+    polynomial) passed Python's default 1000 frames (score-licm, tile-bwd: RecursionError). Also a decorator
+    (`@deep_graphs()`: the pipeline, the compiler's kernel builders)."""
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old, limit))
     try:
         yield
     finally:
         sys.setrecursionlimit(old)
-
-
-def with_deep_graphs(fn: Callable) -> Callable:
-    """`fn` run under `deep_graphs` (the backends' walks over a graph: building a kernel's source)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with deep_graphs():
-            return fn(*args, **kwargs)
-    return run
 
 
 @dataclass
@@ -97,12 +88,8 @@ class PassManager:
         extra = f"\n// {extra}" if extra else ""
         return f"// ----- IR after {name}   [{done}] ----- //{extra}"
 
+    @deep_graphs()  # (Python's recursion limit raised for the pipeline's duration)
     def run(self, func: Func) -> Func:
-        """The pipeline on `func`, with Python's recursion limit raised for its duration (`deep_graphs`)."""
-        with deep_graphs():
-            return self._run(func)
-
-    def _run(self, func: Func) -> Func:
         verify(func)
         ref = CheckSuite.build(func, self.shapes, tiles=self.tile_sizes()) if self.check else None
         self.suite = ref
