@@ -6,6 +6,7 @@ good enough to compare shapes (`cdiv(M, 64)` built twice is the same object valu
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
@@ -71,8 +72,6 @@ class Dim:
     # symbolic one becomes a traced f32 scalar while a graph is traced (TRACED_SIZE, set by the frontend), else a
     # one-line error. Sizes themselves only add, subtract, multiply and floor-divide.
     def _float_op(self, op: str, other: object, reflected: bool = False):
-        import operator
-
         if isinstance(other, Dim) or not isinstance(other, (int, float)) or isinstance(other, bool):
             return NotImplemented
         fn = {"/": operator.truediv, "**": operator.pow}[op]

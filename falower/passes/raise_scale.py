@@ -22,7 +22,7 @@ from .canonicalize import const_value
 from .rewrite import apply_patterns, dce
 
 
-def _scaled_input(v: Value) -> Optional[tuple[Value, Value]]:
+def _scaled_input(v: Value) -> Optional[tuple[Value, float]]:
     """(x, c) where v = x * c or c * x with x a graph input (q, k: a block argument) and c a scalar float constant."""
     op = v.owner
     if not isinstance(op, Op) or op.name != "mul":
@@ -30,7 +30,7 @@ def _scaled_input(v: Value) -> Optional[tuple[Value, Value]]:
     for x, c in (op.operands, op.operands[::-1]):
         cv = const_value(c)
         if not isinstance(x.owner, Op) and c.type.rank == 0 and isinstance(cv, float) and x.type.dtype == v.type.dtype:
-            return x, c
+            return x, cv
     return None
 
 
@@ -61,7 +61,7 @@ def _pattern(op: Op, b: Builder, scores: set[int]) -> Optional[Sequence[Value]]:
     for i, v in enumerate(op.operands):  # q's and k's factors both (q * a) @ (k * b)^T = (q @ k^T) * (a b)
         found = _scaled_input(v)
         if found is not None:
-            operands[i], factor = found[0], factor * float(const_value(found[1]))
+            operands[i], factor = found[0], factor * found[1]
     if operands == list(op.operands):
         return None
     s = b.op("matmul", operands, [op.results[0].type], dict(op.attrs)).results[0]

@@ -23,24 +23,16 @@ from typing import Optional, Sequence
 
 from ..ir.builder import Builder
 from ..ir.core import Func, Op, Value
+from .attention import _guard, _is
 from .canonicalize import is_const
 from .rewrite import apply_patterns, dce
 
 
-def _is(v: Value, name: str) -> Optional[Op]:
-    return v.owner if isinstance(v.owner, Op) and v.owner.name == name else None
-
-
 def _unguarded(v: Value, cmp_value: float, repl: float) -> Value:
-    """v's inner value where v = where(inner == cmp_value, repl, inner) (decompose-softmax's guards), else v."""
+    """v's inner value where v = where(inner == cmp_value, repl, inner) (decompose-softmax's guards, attention's
+    `_guard`), else v."""
     w = _is(v, "where")
-    if w is None:
-        return v
-    c, a, inner = w.operands
-    eq = _is(c, "eq")
-    if eq is not None and eq.operands[0] is inner and is_const(eq.operands[1], cmp_value) and is_const(a, repl):
-        return inner
-    return v
+    return w.operands[2] if w is not None and _guard(v, cmp_value, repl, w.operands[2]) else v
 
 
 def _exp_of_row(e: Value, axis: int) -> Optional[tuple[Value, bool]]:
@@ -122,8 +114,7 @@ def _normalized_after_pv_pattern(op: Op, b: Builder) -> Optional[Sequence[Value]
     p = _softmax_of(b, e, rs.attrs["axis"], e)
     if p is None:
         return None
-    attrs = {k: v for k, v in mm.attrs.items()}
-    out = b.emit("matmul", p, mm.operands[1], **attrs)
+    out = b.emit("matmul", p, mm.operands[1], **mm.attrs)
     return [out] if out.type == op.results[0].type else None
 
 
