@@ -961,44 +961,23 @@ if SIMULATOR:
     def f32_to_bf16(x):
         return np.int16(np.uint16(_f32_to_bf16_bits(x)).view(np.int16))
 
-    def sin_f32(x):
-        return np.float32(np.sin(np.float32(x)))
-
-    def cos_f32(x):
-        return np.float32(np.cos(np.float32(x)))
-
-    def tan_f32(x):
-        return np.float32(np.tan(np.float32(x)))
-
-    def rint_f32(x):
-        return np.float32(np.rint(np.float32(x)))
-
-    def floor_f32(x):
-        return np.float32(np.floor(np.float32(x)))
-
-    def ceil_f32(x):
-        return np.float32(np.ceil(np.float32(x)))
-
-    def floor_f64(x):
-        return np.float64(np.floor(np.float64(x)))
-
-    def _np32(fn):
-        """A libdevice f32 function in the simulator: numpy's, whose inf / NaN at a domain's edge (log(0), sqrt(-1),
-        2^2000) are the GPU's, where Python's math module raises."""
+    def _np_as(fn, t=np.float32):
+        """A libdevice function in the simulator: numpy's in the dtype t, whose inf / NaN at a domain's edge (log(0),
+        sqrt(-1), 2^2000) are the GPU's, where Python's math module raises (and Numba's math.sin computes in f64)."""
         def f(*x):
             with np.errstate(all="ignore"):
-                return np.float32(fn(*(np.float32(a) for a in x)))
+                return t(fn(*(t(a) for a in x)))
         return f
 
-    exp_f32, exp2_f32, log_f32, log2_f32 = _np32(np.exp), _np32(np.exp2), _np32(np.log), _np32(np.log2)
-    sqrt_f32, log1p_f32, expm1_f32, tanh_f32 = _np32(np.sqrt), _np32(np.log1p), _np32(np.expm1), _np32(np.tanh)
-    pow_f32 = _np32(np.power)
+    sin_f32, cos_f32, tan_f32, rint_f32 = _np_as(np.sin), _np_as(np.cos), _np_as(np.tan), _np_as(np.rint)
+    floor_f32, ceil_f32 = _np_as(np.floor), _np_as(np.ceil)
+    floor_f64, ceil_f64 = _np_as(np.floor, np.float64), _np_as(np.ceil, np.float64)
+    exp_f32, exp2_f32, log_f32, log2_f32 = _np_as(np.exp), _np_as(np.exp2), _np_as(np.log), _np_as(np.log2)
+    sqrt_f32, log1p_f32, expm1_f32, tanh_f32 = _np_as(np.sqrt), _np_as(np.log1p), _np_as(np.expm1), _np_as(np.tanh)
+    pow_f32 = _np_as(np.power)
 
     def erf_f32(x):
         return np.float32(math.erf(float(x))) if x == x else np.float32(x)
-
-    def ceil_f64(x):
-        return np.float64(np.ceil(np.float64(x)))
 
 else:
     from llvmlite import ir
