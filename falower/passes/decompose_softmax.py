@@ -42,7 +42,8 @@ class DecomposeSoftmax(Pass):
     Requires: nothing (a graph without softmax is left as it is). A row whose entries are all -inf gives
     0, never NaN: the max is replaced by 0 before subtracting and an empty sum by 1 before dividing. A softmax
     written by hand (exp(x - max) / sum, or exp(x) / sum) is taken as the op first (raise_softmax.py), and so
-    gets the guards too.
+    gets the guards too; before that, a constant factor on q or k moves onto the score product (raise_scale.py:
+    matmul (mul %q, 0.25), %k {transpose_b} => mul (matmul %q, %k {transpose_b}), 0.25).
 
         %p = softmax %s {axis = 3} : f32[B,H,M,N]
     =>
