@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Sequence
 from ..errors import VerifyError
 from .core import Block, Func, Op, Value
 from .dims import Const, Dim, DimLike, dim
-from .ops import OPS, OpTypeError, const_type_of
+from .ops import OPS, OpTypeError, const_type_of, tensor_core_operand_dtype
 from .types import TensorType, scalar
 
 
@@ -87,6 +87,15 @@ class Builder:
     def tile_insert(self, dst: Value, tile: Value, index: Sequence[Any], name_hint: Optional[str] = None) -> Value:
         spec, operands = _slice(index)
         return self.emit("tile.insert", dst, tile, *operands, slice=spec, name_hint=name_hint)
+
+    def tile_matmul(self, a: Value, b: Value, name_hint: Optional[str] = None, **attrs: Any) -> Value:
+        """A tile product as the kernels compute it: an f32 tile times an f16 / bf16 one (or an f32 cast of one,
+        as the backward's dO) takes both operands in the f16 / bf16 (`operand_dtype`, what the interpreter rounds
+        them to), accumulating in f32."""
+        od = tensor_core_operand_dtype(a.type, b.type) or tensor_core_operand_dtype(_stored(a), _stored(b))
+        if od is not None:
+            attrs.setdefault("operand_dtype", od)
+        return self.emit("tile.matmul", a, b, name_hint=name_hint, **attrs)
 
     # ------------------------------------------------------------------------------ control flow
     def for_loop(self, lo: Value, hi: Value, inits: Sequence[Value],
@@ -178,3 +187,12 @@ def new_func(name: str, args: Sequence[tuple[str, TensorType]]) -> tuple[Func, B
 
 
 NEG_INF = -math.inf
+
+
+def _stored(v: Value) -> TensorType:
+    """`v`'s type, or its source's where `v` is an f32 cast of an f16 / bf16 value (exact: the kernels keep the
+    source's dtype for the tensor cores)."""
+    op = v.owner
+    if isinstance(op, Op) and op.name == "cast" and v.type.dtype == "f32" and op.operands[0].type.dtype in ("f16", "bf16"):
+        return op.operands[0].type
+    return v.type

@@ -265,6 +265,9 @@ class Interpreter:
 
     def _matmul(self, op: Op, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         cd = self.compute_dtype(op.results[0].type)  # f64 products accumulate in f64 (f32 lost ~1e-7)
+        od = op.attrs.get("operand_dtype")
+        if od is not None and self.precision != "f64":  # the tensor cores' operands (f64: the exact reference)
+            a, b = (round_bf16(x.astype(np.float32)) if od == "bf16" else x.astype(np.float16) for x in (a, b))
         a, b = a.astype(cd), b.astype(cd)
         if op.attrs.get("transpose_a"):
             a = np.swapaxes(a, -1, -2)

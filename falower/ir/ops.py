@@ -173,6 +173,8 @@ def _infer_matmul(ts, attrs):
     a, b = ts
     _need(is_float(a.dtype) and is_float(b.dtype), "operands must be floats")
     _need(a.rank >= 2 and b.rank >= 2, "operands must have rank >= 2")
+    od = attrs.get("operand_dtype")
+    _need(od is None or od in TENSOR_CORE_DTYPES, f"operand_dtype must be \"f16\" or \"bf16\", got {od!r}")
     am, ak = (a.shape[-1], a.shape[-2]) if attrs.get("transpose_a") else (a.shape[-2], a.shape[-1])
     bk, bn = (b.shape[-1], b.shape[-2]) if attrs.get("transpose_b") else (b.shape[-2], b.shape[-1])
     _need(ak == bk, f"contraction dims differ: {ak} vs {bk}")
@@ -313,9 +315,26 @@ def _infer_tile_iota(ts, attrs):
     return [t]
 
 
+TENSOR_CORE_DTYPES = ("f16", "bf16")
+
+
+def tensor_core_operand_dtype(a: TensorType, b: TensorType) -> Optional[str]:
+    """The dtype a tile product of `a` and `b` takes its operands in on the kernels' tensor cores: an f16 / bf16
+    operand's, where the other is f32 (P and dS, computed in f32, rounded for P @ V, dS @ K, ...: FlashAttention's
+    design); None where the two share a dtype (nothing to round) or one is f64 (gradcheck's precision)."""
+    other = {a.dtype, b.dtype} - {"f32"}
+    return other.pop() if len(other) == 1 and other <= set(TENSOR_CORE_DTYPES) and "f32" in (a.dtype, b.dtype) \
+        else None
+
+
 def _infer_tile_matmul(ts, attrs):
     _need(len(ts) == 2 and ts[0].rank == 2 and ts[1].rank == 2, "multiplies two 2-d tiles")
     _need(any(isinstance(d, Const) for t in ts for d in t.shape), "needs tiles (a static tile size), not whole tensors")
+    od = attrs.get("operand_dtype")
+    want = tensor_core_operand_dtype(ts[0], ts[1])
+    if want is not None:
+        _need(od == want, f"the product of {ts[0]} and {ts[1]} takes its operands in {want} on the tensor cores: "
+                          f"say operand_dtype = \"{want}\" (the kernels round the f32 operand; found {od!r})")
     return _infer_matmul(ts, attrs)
 
 
@@ -344,7 +363,8 @@ def _infer_tile_scatter_add(ts, attrs):
 _register("tile.load", "data", "tile", _infer_tile_load, doc="a (ragged, zero-padded) tile of a tensor")
 _register("tile.insert", "data", "tile", _infer_tile_insert, doc="a tensor with a tile written into it")
 _register("tile.iota", "data", "tile", _infer_tile_iota, doc="start + index along `axis` of a tile")
-_register("tile.matmul", "contraction", "tile", _infer_tile_matmul, doc="tile product, f32 accumulation")
+_register("tile.matmul", "contraction", "tile", _infer_tile_matmul, doc="tile product, f32 accumulation; operand_dtype: both operands rounded to it first (the tensor cores' "
+          "f16 / bf16 operands)")
 _register("tile.scatter_add", "data", "tile", _infer_tile_scatter_add,
           doc="acc[i0, i1, ...] += values, indices broadcast and clamped as gather's (a captured table's gradient)")
 _register("tile.atomic_add", "data", "tile", _infer_tile_atomic_add,

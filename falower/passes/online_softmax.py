@@ -230,7 +230,7 @@ class OnlineSoftmax(Pass):
         c = b.emit(ex, b.emit("sub", mi, mn_safe), name_hint="corr")
         p = b.emit(ex, b.emit("sub", x, mn_safe), name_hint="p")
         ln = b.emit("add", b.emit("mul", li, c), b.emit("reduce_sum", p, axis=1), name_hint="l_new")
-        pv = b.emit("tile.matmul", p, vt, name_hint="pv")
+        pv = b.tile_matmul(p, vt, name_hint="pv")
         an = b.emit("add", b.emit("mul", ai, c), pv, name_hint="acc_new")
         return mn, ln, an
 
@@ -367,7 +367,7 @@ class OnlineSoftmax(Pass):
                 ln = qb.emit("add", qb.emit("mul", a, lt), qb.emit("mul", bb, lij), name_hint="l_new")
                 ln_s = qb.emit("where", qb.emit("eq", ln, qb.const(0.0, row)), qb.const(1.0, row), ln)
                 num = qb.emit("add", qb.emit("mul", qb.emit("mul", lt, a), Ot),
-                              qb.emit("mul", bb, qb.emit("tile.matmul", p, vt)))
+                              qb.emit("mul", bb, qb.tile_matmul(p, vt)))
                 On = qb.emit("div", num, ln_s, name_hint="O_new")
                 return [qb.tile_insert(O, On, [(q0, bqv), ":"], name_hint="O_next"),
                         qb.tile_insert(l, ln, [(q0, bqv), ":"], name_hint="l_next"),

@@ -228,7 +228,7 @@ class Tile(Pass):
             e = lb.emit("exp", lb.emit("sub", x, m_safe), name_hint="e")
             p = lb.emit("div", e, l_safe, name_hint="p")
             vt = lb.tile_load(att.v, [bi, hk, (k0, self.bk), ":"], name_hint="vt")
-            pv = lb.emit("tile.matmul", p, vt, name_hint="pv")
+            pv = lb.tile_matmul(p, vt, name_hint="pv")
             return [lb.emit("add", it[0], pv, name_hint="acc_next")]
 
         (acc,) = b.for_loop(zero, nk, [b.const(0.0, tensor(f32, bq, D))], pv_body, iter_names=["acc_i"],

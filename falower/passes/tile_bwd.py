@@ -815,8 +815,7 @@ class _Ctx:
         if n == "matmul":
             if id(op) in self.plan.acc_kind:
                 raise self.tb.fail("an accumulated product is used before the sum over tiles is complete")
-            return b.emit("tile.matmul", self.emit(op.operands[0]), self.emit(op.operands[1]),
-                          name_hint=v.name, **op.attrs)
+            return b.tile_matmul(self.emit(op.operands[0]), self.emit(op.operands[1]), name_hint=v.name, **op.attrs)
         if id(op) in self.plan.probs:
             operands = [self._bounded_prob_arg(b, op)]
         else:
@@ -849,8 +848,8 @@ class _Ctx:
 
     def emit_product(self, op: Op) -> Value:
         """One tile's term of an accumulated product (dV += P^T dO and the like)."""
-        return self.scopes[-1][1].emit("tile.matmul", self.emit(op.operands[0]), self.emit(op.operands[1]),
-                                       name_hint=f"{self.plan.label(op)}_t", **op.attrs)
+        return self.scopes[-1][1].tile_matmul(self.emit(op.operands[0]), self.emit(op.operands[1]),
+                                              name_hint=f"{self.plan.label(op)}_t", **op.attrs)
 
     def emit_post(self, v: Value) -> Value:
         """A result after its sum over tiles: the sum itself, then casts (and GQA's group sum, which the
