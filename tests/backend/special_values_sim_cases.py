@@ -69,31 +69,53 @@ def run_case(case: str) -> dict:
     return out
 
 
+def sharp_graph():
+    import falower as fl
+
+    return fl.attention(score_mod=lambda s, b, h, q, kv: s * 1e7, name="sv_sharp")
+
+
+def sharp_inputs(B: int, H: int, M: int, N: int, D: int, sharp_rows: int, seed: int = 0):
+    """q ~ 3e-5, k's rows ~1 + 0.002 noise (the score 1e7 times sharper is not saturated, and dq and dk stay in
+    f16's range), dO's rows past `sharp_rows` 1000 times smaller (their dS stays in f16's range; the first rows'
+    dS ~1e5 is past 65504)."""
+    r = np.random.default_rng(seed)
+    q = (r.standard_normal((B, H, M, D)) * 3e-5).astype(np.float16)
+    k = (1.0 + 0.002 * r.standard_normal((B, H, N, D))).astype(np.float16)
+    v = r.standard_normal((B, H, N, D)).astype(np.float16)
+    rows = np.where(np.arange(M) < sharp_rows, 1.0, 1e-3)[:, None]
+    do = (r.standard_normal((B, H, M, D)) * rows).astype(np.float16)
+    return q, k, v, do
+
+
 def run_sharp(case: str) -> dict:
-    """A score_mod 1e7 times sharper than the product (q ~ 3e-5, k rows ~1 + 0.002 noise: the softmax is not
-    saturated and dq, dk stay in f16's range): dS ~1e5 is past f16's 65504. The kernels round dS to f16 for dS @ K
-    and dS^T @ Q (inf, then inf - inf = NaN); the IR says so by its products' operand_dtype, which the native
-    interpreter honours (f64, the exact reference, keeps dq finite). Before operand_dtype the native IR was finite."""
+    """A dS past f16's 65504 (sharp_inputs). The kernels round dS to f16 for dS @ K and dS^T @ Q (inf, then
+    inf - inf = NaN); the IR says so by its products' operand_dtype, which the native interpreter honours (f64,
+    the exact reference, keeps dq finite). Before operand_dtype the native IR was finite."""
     import falower as fl
     from falower.ir.interp import Interpreter
 
-    g = fl.attention(score_mod=lambda s, b, h, q, kv: s * 1e7, name="sv_sharp")
-    r = np.random.default_rng(0)
-    q = (r.standard_normal((1, 1, 20, 16)) * 3e-5).astype(np.float16)
-    k = (1.0 + 0.002 * r.standard_normal((1, 1, 19, 16))).astype(np.float16)
-    v = r.standard_normal((1, 1, 19, 16)).astype(np.float16)
-    c = fl.compile(g, "numba-cuda", pipeline=FWD, backward=BWD, path="mma")
+    q, k, v, do = sharp_inputs(1, 1, 20, 19, 16, 8)
+    c = fl.compile(sharp_graph(), "numba-cuda", pipeline=FWD, backward=BWD, path="mma")
     o, lse = (np.asarray(x) for x in Interpreter("native").run(c.lowered, [q, k, v]))
-    rows = np.where(np.arange(20) < 8, 1.0, 1e-3)[:, None]  # dO's rows 8.. small: their dS stays in f16's range
-    do = (r.standard_normal(o.shape) * rows).astype(np.float16)
-    got = c.backward(q, k, v, o.astype(np.float16), lse.astype(np.float32), do)
-    by = {"q": q, "k": k, "v": v, "o": o.astype(np.float16), "lse": lse.astype(np.float32), "do": do}
-    args = [by[a.name] for a in c.lowered_backward.args]
+    o, lse = o.astype(np.float16), lse.astype(np.float32)
+    got = c.backward(q, k, v, o, lse, do)
+    by = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}
+    out: dict = {"id": case, **compare_with_native(c.lowered_backward, [by[a.name] for a in c.lowered_backward.args],
+                                                   c.gradient_names(), got)}
+    return out
+
+
+def compare_with_native(bwd, args, names, got) -> dict:
+    """Each gradient's non-finite entries against the native IR's (and the f64 IR's: none), the rest's error, the
+    native IR's own error from f64 at those entries, and dq's non-finite rows."""
+    from falower.ir.interp import Interpreter
+
     with np.errstate(all="ignore"):
-        native = Interpreter("native").run(c.lowered_backward, args)
-        exact = Interpreter("f64").run(c.lowered_backward, args)
-    out: dict = {"id": case, "grads": {}, "dq_nonfinite_rows": []}
-    for name, a, n, e in zip(c.gradient_names(), got, native, exact):
+        native = Interpreter("native").run(bwd, args)
+        exact = Interpreter("f64").run(bwd, args)
+    out: dict = {"grads": {}, "dq_nonfinite_rows": []}
+    for name, a, n, e in zip(names, got, native, exact):
         a, n, e = (np.asarray(x, np.float64) for x in (a, n, e))
         fin = np.isfinite(n)
         out["grads"][name] = {"nonfinite_same": bool(np.array_equal(~np.isfinite(a), ~fin)),
@@ -103,8 +125,21 @@ def run_sharp(case: str) -> dict:
                               "ir_err": float(np.max(np.abs(e[fin] - n[fin]))) if fin.any() else 0.0,
                               "scale": float(np.max(np.abs(n[fin]))) if fin.any() else 0.0}
         if name == "dq":
-            out["dq_nonfinite_rows"] = [int(i) for i in np.nonzero((~np.isfinite(a)).any(axis=(0, 1, 3)))[0]]
+            out["dq_nonfinite_rows"] = sorted({int(i) for i in np.nonzero(~np.isfinite(a))[2]})
     return out
+
+
+def assert_as_native(r: dict, sharp_rows: int) -> None:
+    """compare_with_native's result: dq non-finite on the sharp rows only, dk somewhere, dv nowhere, each gradient's
+    non-finite entries (and NaNs) the native IR's, none in the f64 IR, the rest as close to the native IR as the
+    native IR is to f64 (dq's finite rows cancel, k's rows ~1: f16's dS rounding moves them ~1 in 19)."""
+    g = r["grads"]
+    assert r["dq_nonfinite_rows"] == list(range(sharp_rows)), r
+    assert g["dk"]["nonfinite"] > 0 and g["dv"]["nonfinite"] == 0, g
+    for name, x in g.items():
+        assert x["exact_nonfinite"] == 0, (name, x)
+        assert x["nonfinite_same"] and x["nan_same"], (name, x)
+        assert x["err"] <= 2 * x["ir_err"] + 4e-3 * max(1.0, x["scale"]), (name, x)
 
 
 def run_any(case: str) -> dict:

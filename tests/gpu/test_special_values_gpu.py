@@ -1,7 +1,8 @@
 """The default GPU kernels at special values against the IR (marked gpu; the simulator's special_values_sim_cases.py
 runs the mma.sync kernel at 16 x 16 tiles, this the wgmma kernels falower picks): a NaN table entry a score's maximum
 or plain sum reads makes its row NaN in O and LSE, as the IR's (the kernels gave finite O through fmaxf, LSE -inf and
-a zero O row through their `> 0` tests); every other row within f16's error of the IR in float64."""
+a zero O row through their `> 0` tests); every other row within f16's error of the IR in float64. A dS past f16's
+range: the default backward kernels' non-finite dq / dk entries are the native IR's (operand_dtype)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 import falower as fl  # noqa: E402
 from falower.ir.interp import Interpreter  # noqa: E402
-from special_values_sim_cases import _graph  # noqa: E402
+from special_values_sim_cases import _graph, assert_as_native, compare_with_native, sharp_graph, sharp_inputs  # noqa: E402
 
 COMPILED: dict = {}
 
@@ -45,3 +46,18 @@ def test_a_nan_entry_makes_its_row_nan_as_the_ir(case: str, M: int, N: int, D: i
     ok = ~np.isnan(rl)
     assert np.max(np.abs(lse[ok] - rl[ok])) <= 1e-2
     assert np.max(np.abs(o[ok] - ro[ok])) <= 1e-2
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_gradient_past_f16s_range_is_inf_as_in_the_native_ir(D: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    c = COMPILED.setdefault("sharp", fl.compile(sharp_graph(), "numba-cuda"))
+    q, k, v, do = sharp_inputs(2, 2, 300, 257, D, 100, seed=D)
+    dev = [torch.from_numpy(x).cuda() for x in (q, k, v, do)]
+    o, lse = c(*dev[:3])
+    grads = c.backward(dev[0], dev[1], dev[2], o, lse, dev[3])
+    by = {"q": q, "k": k, "v": v, "o": o.cpu().numpy(), "lse": lse.cpu().numpy(), "do": do}
+    bwd = c.lowered_backward
+    got = [x.cpu().numpy() for x in grads]
+    assert_as_native(compare_with_native(bwd, [by[a.name] for a in bwd.args], c.gradient_names(), got), 100)
