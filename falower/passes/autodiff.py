@@ -22,6 +22,7 @@ from ..ir.core import Block, Func, Op, Value
 from ..ir.dims import Const, Dim, Sym
 from ..ir.types import TensorType, is_float
 from .base import Pass, register
+from .raise_operand_cast import raise_operand_cast
 from .raise_softmax import raise_softmax
 
 Rule = Callable[["Backward", Op, Value, tuple[bool, ...]], Sequence[Optional[Value]]]
@@ -491,6 +492,7 @@ class Autodiff(Pass):
     summary = "reverse-mode autodiff -> the joint forward + backward function (d<result> in, d<argument> out)"
 
     def run(self, func: Func) -> Func:
+        raise_operand_cast(func)  # P cast before P @ V: the product says it (raise_operand_cast.py)
         raise_softmax(func, guarded=False)  # a softmax written by hand differentiates as the op (raise_softmax.py)
         body = func.body
         results, names = func.results, func.result_names
