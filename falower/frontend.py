@@ -17,7 +17,7 @@ from .errors import FalowerError
 from .ir.builder import Builder, new_func
 from .ir.core import Func, Value
 from .ir import dims as _dims_module
-from .ir.dims import Dim, DimLike, dim
+from .ir.dims import Const, Dim, DimLike, dim
 from .ir.types import FLOAT_DTYPES, TensorType, is_float, is_int
 
 Scalar = Union[int, float, bool]
@@ -482,12 +482,38 @@ class SymTensor:
         return SymTensor(_builder().emit("softmax", v, axis=self._axis(dim)))
 
     def amax(self, dim: int = -1, keepdim: bool = True) -> "SymTensor":
-        _keepdim_only(keepdim)
-        return SymTensor(_builder().emit("reduce_max", self._v(), axis=self._axis(dim)))
+        """The max along `dim`, keeping it as size 1 by default (falower's reductions keep it; keepdim=False
+        drops it, as torch's default does)."""
+        return self._reduce("reduce_max", dim, keepdim)
 
     def sum(self, dim: int = -1, keepdim: bool = True) -> "SymTensor":
-        _keepdim_only(keepdim)
-        return SymTensor(_builder().emit("reduce_sum", self._v(), axis=self._axis(dim)))
+        return self._reduce("reduce_sum", dim, keepdim)
+
+    def _reduce(self, name: str, dim: int, keepdim: bool) -> "SymTensor":
+        axis = self._axis(dim)
+        r = _builder().emit(name, self._v(), axis=axis)
+        return SymTensor(r if keepdim else _builder().emit("squeeze", r, axis=axis))
+
+    def squeeze(self, dim: Optional[int] = None) -> "SymTensor":
+        """`dim` dropped (it must have size 1), or with dim=None every size-1 dim (as torch; a symbolic size counts
+        as not 1)."""
+        t = self._v().type
+        if dim is None:
+            axes = [a for a, d in enumerate(t.shape) if d == Const(1)]
+        else:
+            axes = [self._axis(dim)]
+            if t.shape[axes[0]] != Const(1):
+                raise FalowerError(f"squeeze({dim}): dim {dim} of {t} has size {t.shape[axes[0]]}, not 1")
+        v = self._v()
+        for a in reversed(axes):
+            v = _builder().emit("squeeze", v, axis=a)
+        return SymTensor(v)
+
+    def unsqueeze(self, dim: int) -> "SymTensor":
+        r = self.ndim
+        if not -r - 1 <= dim <= r:
+            raise FalowerError(f"unsqueeze({dim}): dim is out of range for a tensor of rank {r} (-{r + 1} to {r})")
+        return SymTensor(_builder().emit("unsqueeze", self._v(), axis=dim % (r + 1)))
 
     def repeat_interleave(self, repeats: int, dim: int) -> "SymTensor":
         return SymTensor(_builder().emit("repeat_interleave", self._v(), axis=self._axis(dim), repeats=int(repeats)))
@@ -621,11 +647,6 @@ def _as_bool(o: Any) -> Any:
     if isinstance(o, (bool, int, float)) or type(o).__module__ == "numpy":
         return bool(o)
     return o
-
-
-def _keepdim_only(keepdim: bool) -> None:
-    if not keepdim:
-        raise FalowerError("falower reductions keep the reduced axis (keepdim=True)")
 
 
 _DTYPE_ALIASES = {"float16": "f16", "half": "f16", "bfloat16": "bf16", "float32": "f32", "float": "f32",

@@ -175,3 +175,21 @@ def test_masked_fill_is_a_where() -> None:
     g = fl.trace(lambda x: x.to("f32").masked_fill(x > 2, float("-inf")), name="mf", x=I)
     (y,) = interpret(g, [np.arange(5, dtype=np.int32)])
     np.testing.assert_array_equal(y, [0.0, 1.0, 2.0, -np.inf, -np.inf])
+
+
+def test_squeeze_unsqueeze_and_reductions_without_keepdim() -> None:
+    """torch's squeeze / unsqueeze and keepdim=False (a one-line 'no method squeeze' before) mean what torch's do; a
+    squeeze of a dim that is not 1 and an unsqueeze past the rank are refused in one line."""
+    X = fl.tensor("f32", "M,N")
+    g = fl.trace(lambda x: (x - x.amax(-1, keepdim=False).unsqueeze(1)).sum(dim=1, keepdim=False), name="g", x=X)
+    x = np.random.default_rng(0).standard_normal((3, 5))
+    (y,) = interpret(g, [x], "f64")
+    np.testing.assert_allclose(y, (x - x.max(-1, keepdims=True)).sum(-1), rtol=1e-12)
+    assert y.shape == (3,)
+    g = fl.trace(lambda x: x.unsqueeze(0).unsqueeze(-1).squeeze(0).squeeze(2), name="g", x=X)
+    (y,) = interpret(g, [x], "f64")
+    np.testing.assert_array_equal(y, x)
+    with pytest.raises(FalowerError, match=r"squeeze\(0\): dim 0 of f32\[M,N\] has size M, not 1"):
+        fl.trace(lambda x: x.squeeze(0), name="g", x=X)
+    with pytest.raises(FalowerError, match=r"unsqueeze\(3\): dim is out of range for a tensor of rank 2 \(-3 to 2\)"):
+        fl.trace(lambda x: x.unsqueeze(3), name="g", x=X)

@@ -28,6 +28,9 @@ FORMS = {
     "exp2": lambda s: (lambda y: (lambda e: e / e.sum(dim=-1, keepdim=True))(
         fl.exp2(y - y.amax(dim=-1, keepdim=True))))(s * 1.4426950408889634),
     "reciprocal": lambda s: (lambda e: e * (1.0 / e.sum(dim=-1, keepdim=True)))(fl.exp(s - s.amax(dim=-1, keepdim=True))),
+    # torch's keepdim=False, unsqueezed back (canonicalize's squeeze_pairs, which raise_softmax runs first)
+    "squeezed": lambda s: (lambda e: e / e.sum(-1, keepdim=False).unsqueeze(-1))(
+        fl.exp(s - s.amax(dim=-1, keepdim=False).unsqueeze(-1))),
 }
 
 

@@ -105,7 +105,17 @@ def identities(op: Op, b: Builder) -> Optional[Sequence[Value]]:
     return None
 
 
-PATTERNS = [fold_constants, identities]
+def squeeze_pairs(op: Op, b: Builder) -> Optional[Sequence[Value]]:
+    """unsqueeze(squeeze(x, a), a) and squeeze(unsqueeze(x, a), a): x (a row max taken with keepdim=False and
+    unsqueezed back is the keepdim=True one)."""
+    inner = op.operands[0].owner if op.name in ("squeeze", "unsqueeze") else None
+    pair = {"squeeze": "unsqueeze", "unsqueeze": "squeeze"}.get(op.name)
+    if isinstance(inner, Op) and inner.name == pair and inner.attrs["axis"] == op.attrs["axis"]:
+        return [inner.operands[0]]
+    return None
+
+
+PATTERNS = [fold_constants, identities, squeeze_pairs]
 
 
 @register

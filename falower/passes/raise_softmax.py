@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from ..ir.builder import Builder
 from ..ir.core import Func, Op, Value
 from .attention import _guard, _is
-from .canonicalize import is_const
+from .canonicalize import is_const, squeeze_pairs
 from .rewrite import apply_patterns, dce
 
 
@@ -122,8 +122,8 @@ def raise_softmax(func: Func, guarded: bool = True) -> bool:
     """Every hand-written softmax of `func` made the softmax op (module docstring); with `guarded` False, not
     decompose-softmax's own guarded form (autodiff: its rules take that one, after the op is lowered away). True if
     any was."""
-    changed = apply_patterns(func, [lambda op, b: _softmax_pattern(op, b, guarded), _reciprocal_pattern,
-                                    _normalized_after_pv_pattern])
+    changed = apply_patterns(func, [squeeze_pairs, lambda op, b: _softmax_pattern(op, b, guarded),
+                                    _reciprocal_pattern, _normalized_after_pv_pattern])
     if changed:
         dce(func)
     return changed
