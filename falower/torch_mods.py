@@ -205,7 +205,8 @@ def _method(name: str) -> Callable:
 
 
 def _relu(x: Any, inplace: bool = False) -> SymTensor:
-    return _maximum(_s(x), 0.0)
+    """torch.relu keeps an integer tensor's dtype (max with 0.0 made it f32, and a later `%` refused a float)."""
+    return _s(x).relu()
 
 
 def _ones_like(x: Any, *, dtype: Any = None, **_: Any) -> SymTensor:

@@ -294,6 +294,18 @@ def test_floor_division_and_remainder_follow_torch_on_negatives():
     torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
 
 
+def test_relu_keeps_an_integer_distance_integer():
+    """torch.relu(q - kv) is an integer tensor (falower's made it f32, and `% 3` was then refused as float %)."""
+    def mod(score, b, h, q_idx, kv_idx):
+        d = torch.relu(q_idx - kv_idx) + torch.nn.functional.relu(kv_idx - q_idx)
+        return score + (d % 3) * 0.2 + (d // 5).float() * 0.1
+
+    q, k, v = _qkv(17)
+    o = fl.flex_attention(q, k, v, score_mod=mod)
+    ref, _ = math_reference(q.double(), k.double(), v.double(), mod)
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+
+
 def test_torch_mods_also_trace_through_fl_attention():
     """A torch-written mod with no closed-over tensors goes straight into falower.attention."""
     g = fl.attention(score_mod=CASES["softcap"].score_mod, mask_mod=causal, name="softcap_torch", dtype="f32")
