@@ -492,7 +492,8 @@ def test_a_threads_pairs_of_entries_are_aligned_in_the_copy_it_reads(name):
     whose pairs start at an odd entry of the run reads the copy. For every sign pair, both buffers of three
     warpgroups and every thread, the kernel's own code (its slice_read lines and score_pair_slice2, as Python on
     a host array) reads only 8-byte aligned pairs inside the buffer and returns score_pair_slice's entries from the
-    run, in its order."""
+    run, in its order; and each of a warp's 17 loads finds every bank holding at most one word its lanes read (one
+    wavefront: the copy's pairs in other banks than the run's, SLICE_SHIFTED; at 261 they met in 8 banks)."""
     import dataclasses
 
     mod, _ = ROW_PAIRS[name]
@@ -526,6 +527,7 @@ def test_a_threads_pairs_of_entries_are_aligned_in_the_copy_it_reads(name):
         rsl[buf * stride + emit_fa3_ws.SLICE_SHIFTED + 1:][:len(run)] = run
     for buf in range(3 * 2):
         for warp in range(4):
+            words = [{} for _ in range(17)]  # load i: bank -> the words the warp's lanes read there
             for g in range(8):
                 for t2 in (0, 2, 4, 6):
                     env = {"sla": buf * stride, "warp": warp, "g": g, "t2": t2, "rsl_s": np.uint32(0), "np": np,
@@ -537,6 +539,10 @@ def test_a_threads_pairs_of_entries_are_aligned_in_the_copy_it_reads(name):
                     assert len(seen) == 17 and all(buf * stride <= e and e + 1 < (buf + 1) * stride for e in seen)
                     got = env["gl"]
                     assert got[0] and not np.isnan(np.array(got[1:])).any() and got == want, (buf, warp, g, t2)
+                    for i, e in enumerate(seen):
+                        for w in (e, e + 1):
+                            words[i].setdefault(w % 32, set()).add(w)
+            assert all(len(ws) == 1 for banks in words for ws in banks.values()), (buf, warp, words)
 
 
 def read_base(line: str, env: dict, ns: dict) -> int:

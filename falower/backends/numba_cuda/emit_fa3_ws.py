@@ -323,7 +323,13 @@ def gather_early(spec: FA2ForwardSpec) -> bool:
 
 
 SLICE_ENTRIES = 256  # a consumer warpgroup's run of the table for one kv tile, f32 (64 + block_k - 1 used)
-SLICE_SHIFTED = SLICE_ENTRIES + 4  # under slice_pairs, the run's copy shifted by one: entry e at this + 1 + e
+# under slice_pairs, the run's copy shifted by one: entry e at SLICE_SHIFTED + 1 + e of the buffer. 271 is 15 banks
+# (mod 32) past the run: for each pair a warp's lanes read 7 pairs of the run (14 words) and 7 of the copy (14
+# words), and at 271 the copy's 14 banks lie across from the run's, so no bank holds two words a warp reads and its
+# LDS.64 is one wavefront (tests/backend/test_col_step.py counts them). At 261 (5 mod 32, b2f549f, as measured on
+# 2026-11-30) they met in 8 banks: two wavefronts an 8-byte load, the 34 the 4-byte loads took (four, 68, if the
+# hardware serves 8-byte loads a half-warp at a time; two at 271)
+SLICE_SHIFTED = SLICE_ENTRIES + 14
 
 
 def slice_barrier(spec: FA2ForwardSpec) -> int:
@@ -381,8 +387,10 @@ def slice_pairs(spec: FA2ForwardSpec) -> bool:
     latency-bound, ~2.4 cycles of the tile an instruction it adds (benchmarks/NOTES.md, "What ncu counts"): -17
     loads a tile, predicted ~+1%. Measured (H200, 2026-11-30, 500 pairs): **0.833 of the 4-byte loads at D = 128
     and 0.896 at D = 64** (local SASS: the 34 LDS became 17 LDS.64, but the D = 128 consumers' spills grew from 2 to
-    8 stores and 2 to 11 loads, some in the kv loop: a pair's two registers must be an aligned pair). Off;
-    `extra["slice_pairs"]` = True asks for it (bench '-slp')."""
+    8 stores and 2 to 11 loads, some in the kv loop: a pair's two registers must be an aligned pair). Since then
+    (2026-12-02, counted, not yet timed): the copy lies in other banks than the run's (SLICE_SHIFTED: each 8-byte
+    load one wavefront, where they took two, the 34 4-byte loads' count). Off; `extra["slice_pairs"]` = True asks
+    for it (bench '-slp')."""
     return row_slice(spec) and spec.extra.get("slice_pairs", False) is not False
 
 
