@@ -278,6 +278,12 @@ def test_compile_keeps_one_block_an_item_for_a_relative_bias_only_without_tma_lo
     rel = fl.compile(rel_g).specialize("f16", D=128).spec
     assert rel.extra.get("persistent") == 132 and emit_fa3_ws.gather_early(rel) and emit_fa3_ws.tma_loads(rel)
     assert emit_fa3_ws.persistent_pays(rel) and emit_fa3_ws.registers(rel) == (56, 224) and emit_fa3_ws.row_slice(rel)
+    # its entries by pairs (slice_pairs): the consumers at 232, where the pairs' aligned registers spill in the kv
+    # loop at 224; producer_regs still decides where given
+    pairs = dataclasses.replace(rel, extra={**rel.extra, "slice_pairs": True})
+    assert emit_fa3_ws.slice_pairs(pairs) and emit_fa3_ws.registers(pairs) == (40, 232)
+    emit_fa3_ws.validate_spec(pairs)
+    assert emit_fa3_ws.registers(dataclasses.replace(pairs, extra={**pairs.extra, "producer_regs": 56})) == (56, 224)
     copies = fl.compile(rel_g, extra={"tma_loads": False}).specialize("f16", D=128).spec
     assert copies.extra == {**emit_fa3.WS_EXTRA, "tma_loads": False}, copies.extra
     assert not emit_fa3_ws.persistent_pays(dataclasses.replace(rel, extra={**rel.extra, "tma_loads": False}))

@@ -388,9 +388,11 @@ def slice_pairs(spec: FA2ForwardSpec) -> bool:
     loads a tile, predicted ~+1%. Measured (H200, 2026-11-30, 500 pairs): **0.833 of the 4-byte loads at D = 128
     and 0.896 at D = 64** (local SASS: the 34 LDS became 17 LDS.64, but the D = 128 consumers' spills grew from 2 to
     8 stores and 2 to 11 loads, some in the kv loop: a pair's two registers must be an aligned pair). Since then
-    (2026-12-02, counted, not yet timed): the copy lies in other banks than the run's (SLICE_SHIFTED: each 8-byte
-    load one wavefront, where they took two, the 34 4-byte loads' count). Off; `extra["slice_pairs"]` = True asks
-    for it (bench '-slp')."""
+    (2026-12-02, local ptxas and nvdisasm only, not yet timed): the copy lies in other banks than the run's
+    (SLICE_SHIFTED: each 8-byte load one wavefront, where they took two, the 34 4-byte loads' count), and the
+    consumers take 232 registers (the producer 40: `registers`), at which ptxas spills 8 bytes outside the kv
+    loop (none in it; the 4-byte loads' kernel 16, in its masked tiles' path). Off until timed;
+    `extra["slice_pairs"]` = True asks for it (bench '-slp')."""
     return row_slice(spec) and spec.extra.get("slice_pairs", False) is not False
 
 
@@ -543,7 +545,8 @@ LIST_PRODUCER_REGS = 88  # a persistent kernel's producer registers under a bloc
 def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
     """(producer, consumer) registers a thread after setmaxnreg: extra["regs"], or extra["producer_regs"] = p with
     the consumers at the most the block's launch allocation leaves them (128 p + 256 c <= 384 x 168, c a multiple
-    of 8; bench '-prP'; a persistent kernel: p = 120, 88 under a block list, 56 under tma_loads), or (40, 232).
+    of 8; bench '-prP'; a persistent kernel: p = 120, 88 under a block list, 56 under tma_loads, 40 there under
+    slice_pairs), or (40, 232).
     Measured through the driver's whole-program compile (the only one that keeps setmaxnreg): at 40 the producer's
     code spills (116 bytes at D = 128, benchmarks/NOTES.md "setmaxnreg")."""
     if "producer_regs" in spec.extra or ("regs" not in spec.extra and persistent(spec)):
@@ -557,8 +560,11 @@ def registers(spec: FA2ForwardSpec) -> tuple[int, int]:
         # three consumer warpgroups (block_q 192): 32 / 160, FlashAttention-3's split (local ptxas 13.0: plain D = 64
         # spills none there, causal 120 bytes in the producer; at 56 / 152 both spill 32 bytes and ptxas
         # serializes the consumers' wgmmas, C7512)
-        p = int(spec.extra.get("producer_regs", (32 if consumer_wgs(spec) == 3 else 56) if tma_loads(spec)
-                               else LIST_PRODUCER_REGS if spec.block_mask == "list" else 120))
+        # slice_pairs on two consumer warpgroups: 40 / 232, where the pairs' registers (aligned pairs, LDS.64)
+        # spilled 32 bytes at 224, 5 local loads of them in the kv loop's unmasked path; at 232 the consumers spill 4
+        # bytes an item, outside the kv loop, and the producer none (local ptxas 13.5, the relative bias at D = 128)
+        p = int(spec.extra.get("producer_regs", (32 if consumer_wgs(spec) == 3 else 40 if slice_pairs(spec) else 56)
+                               if tma_loads(spec) else LIST_PRODUCER_REGS if spec.block_mask == "list" else 120))
         consumers = threads_per_block(spec) - 128
         return p, min(256, (threads_per_block(spec) * register_cap(spec) - 128 * p) // consumers // 8 * 8)
     p, c = spec.extra.get("regs", (40, 232))
