@@ -234,6 +234,17 @@ class OnlineSoftmax(Pass):
         an = b.emit("add", b.emit("mul", ai, c), pv, name_hint="acc_new")
         return mn, ln, an
 
+    def _epilogue(self, b: Builder, m: Value, l: Value, acc: Value) -> tuple[Value, Value]:
+        """After the loop: O's tile acc / l (one division, 0 on a row with no key) and LSE's tile m + log(l)."""
+        row_t = scalar(l.type.dtype)
+        l_safe = b.emit("where", b.emit("eq", l, b.const(0.0, row_t)), b.const(1.0, row_t), l, name_hint="l_safe")
+        o = b.emit("div", acc, l_safe, name_hint="o_tile")
+        if self.exp2:
+            lse = b.emit("mul", b.emit("add", m, b.emit("log2", l)), b.const(LN2, row_t), name_hint="lse_tile")
+        else:
+            lse = b.emit("add", m, b.emit("log", l), name_hint="lse_tile")
+        return o, b.emit("squeeze", lse, axis=1, name_hint="lse_tile")
+
     def _merge(self, block: Block, tp: ThreePass) -> Value:
         la = tp.loop_acc
         body_c = la.regions[0]
@@ -255,14 +266,7 @@ class OnlineSoftmax(Pass):
         sb = Builder(scratch)
         m, l, acc = sb.for_loop(la.operands[0], la.operands[1], inits, body, iter_names=["m_i", "l_i", "acc_i"],
                                 result_names=["m", "l", "acc"])
-        row_t = scalar(l.type.dtype)
-        l_safe = sb.emit("where", sb.emit("eq", l, sb.const(0.0, row_t)), sb.const(1.0, row_t), l, name_hint="l_safe")
-        o = sb.emit("div", acc, l_safe, name_hint="o_tile")
-        if self.exp2:
-            lse = sb.emit("mul", sb.emit("add", m, sb.emit("log2", l)), sb.const(LN2, row_t), name_hint="lse_tile")
-        else:
-            lse = sb.emit("add", m, sb.emit("log", l), name_hint="lse_tile")
-        lse = sb.emit("squeeze", lse, axis=1, name_hint="lse_tile")
+        o, lse = self._epilogue(sb, m, l, acc)
         # splice in place of the accumulate loop; the other two loops die with their users
         idx = block.ops.index(la)
         for op in scratch.ops:
@@ -411,6 +415,20 @@ class OnlineSoftmax(Pass):
         assert ret is not None
         ret.operands = [new_par.results[0], new_par.results[1]]
         func.attrs["result_names"] = (func.result_names[0], "lse")
+
+
+# ------------------------------------------------------------------------------ the FA2 loop's lazy select
+def lazy_max_threshold(op: Op) -> Optional[float]:
+    """T where `op` is online-softmax{lazy=T}'s select where(gt(m_max, add(m_i, T)), m_max, m_i), else None (by
+    structure: names may be gone after later passes)."""
+    if op.name != "where" or not isinstance(op.operands[0].owner, Op) or op.operands[0].owner.name != "gt":
+        return None  # (a region argument's owner is its Block: a score's where on a condition it was given)
+    gt = op.operands[0].owner
+    add = gt.operands[1].owner
+    if not (gt.operands[0] is op.operands[1] and isinstance(add, Op) and add.name == "add"
+            and add.operands[0] is op.operands[2] and isinstance(add.operands[1].owner, Op)):
+        return None
+    return add.operands[1].owner.attrs.get("value")
 
 
 def _uses_q(op: Op, q_dependent: set[Value], slice_ops: list[Op]) -> bool:

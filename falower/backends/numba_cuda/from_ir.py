@@ -22,6 +22,7 @@ from ...ir.printer import print_func
 from ...ir.value_ranges import ValueRanges, dim_range
 from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
+from ...passes.online_softmax import lazy_max_threshold
 from .spec import Capture, FA2ForwardSpec
 
 
@@ -160,15 +161,8 @@ def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
 
 
 def _is_lazy_max(op: Op, threshold: float) -> bool:
-    """online-softmax{lazy=T}'s select: where(gt(m_max, add(m_i, T)), m_max, m_i) (by structure: names may be
-    gone after later passes)."""
-    if op.name != "where" or not isinstance(op.operands[0].owner, Op) or op.operands[0].owner.name != "gt":
-        return False  # (a region argument's owner is its Block: a score's where on a condition it was given)
-    gt = op.operands[0].owner
-    add = gt.operands[1].owner
-    return (gt.operands[0] is op.operands[1] and isinstance(add, Op) and add.name == "add"
-            and add.operands[0] is op.operands[2] and isinstance(add.operands[1].owner, Op)
-            and add.operands[1].owner.attrs.get("value") == threshold)
+    """online-softmax{lazy=T}'s select with T = threshold (online_softmax.lazy_max_threshold)."""
+    return lazy_max_threshold(op) == threshold
 
 
 def _is_bounds(v: Value) -> bool:
