@@ -57,6 +57,8 @@ def test_mask_tiles_takes_only_tiles_kv_loop() -> None:
     _refused(text, "mask-tiles", "the kv loop's bound is not tile's cdiv")
     text = _edit(pre, r"= for %kj = %\w+ to", "= for %kj = %h to")
     _refused(text, "mask-tiles", "the kv loop does not start at tile 0")
+    text = _edit(pre, r"(= for %kj = %\w+ to )%nk\b", r"\1%qi")  # no constant at all: was taken for cdiv(N, bk)
+    _refused(text, "mask-tiles", "the kv loop's bound is not tile's cdiv")
 
 
 def test_recompute_refuses_a_softmax_over_another_axis() -> None:

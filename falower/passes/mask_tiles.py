@@ -328,13 +328,12 @@ def _kv_length(loop: Op, fail) -> Dim:
     n = bound.attrs.get("value") if isinstance(bound, Op) and bound.name == "const" else None
     if isinstance(n, BinDim) and n.op == "cdiv":
         return n.lhs
-    for op in loop.walk():  # concrete sizes fold cdiv(50, 64) to 1: the kv bound's own compare names the length
+    for op in loop.walk():  # concrete sizes fold cdiv(50, 64) to 1 (and cdiv(N, 1) is N): the kv bound's own
         if op.name == "lt" and op.attrs.get("bounds") and isinstance(op.operands[1].owner, Op) \
-                and op.operands[1].owner.name == "const":
+                and op.operands[1].owner.name == "const":  # compare names the length
             length = op.operands[1].owner.attrs["value"]
             bk = op.operands[0].type.shape[-1] if op.operands[0].type.rank else None
-            if isinstance(n, int) and not (isinstance(length, int) and isinstance(bk, Const)
-                                           and n == -(-length // bk.value)):
-                break  # a concrete bound that is not cdiv(length, bk) (or a symbolic length's): not tile's loop
-            return dim(length)
+            if n is not None and isinstance(bk, Const) and dim(n) == cdiv(dim(length), bk.value):
+                return dim(length)
+            break  # a bound that is not cdiv(length, bk), or no constant at all (%qi): not tile's loop
     raise fail(f"the kv loop's bound is not tile's cdiv(kv length, bk) constant (got {n!r})")
