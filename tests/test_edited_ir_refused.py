@@ -1,8 +1,9 @@
 """Hand-edited IR that verified and then lowered to wrong numbers with exit 0 (a review of the CLI and the passes'
 preconditions; each test fails before its fix): a fused op's roles swapped, an index iota along the wrong axis, the
 online softmax's row-sum or accumulator loop not starting at 0, a kv loop not starting at tile 0 or not running to
-cdiv(N, bk), a softmax over another axis reaching recompute, duplicated result names. Each is now refused in one line
-naming what is wrong. And `falower run --pipeline fa2-bwd`, which could not supply `do`."""
+cdiv(N, bk), a softmax over another axis reaching recompute, duplicated result names; then (the review's F5)
+split-kv's kv loop, O and LSE not online-softmax's (the parts merged into other numbers than the loop's). Each is now
+refused in one line naming what is wrong. And `falower run --pipeline fa2-bwd`, which could not supply `do`."""
 
 from __future__ import annotations
 
@@ -59,6 +60,29 @@ def test_mask_tiles_takes_only_tiles_kv_loop() -> None:
     _refused(text, "mask-tiles", "the kv loop does not start at tile 0")
     text = _edit(pre, r"(= for %kj = %\w+ to )%nk\b", r"\1%qi")  # no constant at all: was taken for cdiv(N, bk)
     _refused(text, "mask-tiles", "the kv loop's bound is not tile's cdiv")
+
+
+@pytest.mark.parametrize("old, new, words", [
+    # operands swapped inside the loop body: m_new's -inf guard selects the other arm
+    (r"(%m_new_safe = where %\w+), (%\w+), %m_new", r"\1, %m_new, \2", "the kv loop's l is not l \\* exp"),
+    (r"%acc_new = add %\w+, %pv", "%acc_new = add %acc_i, %pv", "the kv loop's acc is not"),  # acc not rescaled
+    (r"= mul %l_i, %corr", "= mul %l_i, %l_i", "the kv loop's l is not"),  # l rescaled by itself
+    (r"(%m_max = max %m_i), (%\w+)", r"\1, %m_i", "the kv loop's running max is not max.m, rowmax.x.., moved only past m \\+ 8 "),
+    (r"(= for %kj = )%kv_lo", r"\1%qi", "the kv loop does not start at tile 0 or at mask.kv_range's"),
+    (r"(= for %kj = %kv_lo to )%kv_hi", r"\1%nkv", "does not run from mask.kv_range's first tile to its last"),
+    (r"(%\w+) = const -inf : f32\[128,1\]", r"\1 = const 0.0 : f32[128,1]", r"does not start at \(-inf, 0, 0\)"),
+    (r"= log2 %l\b", "= log %l", r"LSE's tile is not the kv loop's \(m \+ log2\(l\)\) \* ln 2"),
+    (r"%o_tile = div %acc, %l_safe", "%o_tile = div %acc, %l", r"O's tile is not the kv loop's acc / where"),
+], ids=["guard-arms-swapped", "acc-not-rescaled", "l-rescale", "max-swapped", "lo", "hi", "init", "lse", "o"])
+def test_split_kv_takes_only_online_softmaxs_loop(old: str, new: str, words: str) -> None:
+    """split-kv merges its parts by their LSE, which means the loop's numbers only where the loop is online softmax's.
+    Each edit verified and split into numbers other than the edited graph's (--check failed after split-kv; the LSE
+    edit kept the graph's O and moved the split's by 0.18): now refused. The dump itself still splits."""
+    tiles = fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))
+    run_pipeline(fl.parse_func(tiles), "split-kv{parts=2}")
+    with pytest.raises(FalowerError, match="^pass split-kv: .*" + words) as e:
+        run_pipeline(fl.parse_func(_edit("fa2-fwd", old, new)), "split-kv{parts=2}")
+    assert "\n" not in str(e.value)
 
 
 def test_recompute_refuses_a_softmax_over_another_axis() -> None:

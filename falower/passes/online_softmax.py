@@ -417,7 +417,7 @@ class OnlineSoftmax(Pass):
         func.attrs["result_names"] = (func.result_names[0], "lse")
 
 
-# ------------------------------------------------------------------------------ the FA2 loop's lazy select
+# ------------------------------------------------------------------------------ the FA2 loop, recognised again
 def lazy_max_threshold(op: Op) -> Optional[float]:
     """T where `op` is online-softmax{lazy=T}'s select where(gt(m_max, add(m_i, T)), m_max, m_i), else None (by
     structure: names may be gone after later passes)."""
@@ -429,6 +429,75 @@ def lazy_max_threshold(op: Op) -> Optional[float]:
             and add.operands[0] is op.operands[2] and isinstance(add.operands[1].owner, Op)):
         return None
     return add.operands[1].owner.attrs.get("value")
+
+
+def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> None:
+    """Raise `fail(msg)` unless the kv loop `loop` and the f32 O and LSE tiles after it are what online-softmax
+    makes in the FA2 order: its `_update` and `_epilogue`, with the exp2 and lazy options the IR shows, built again
+    and compared by structure. The loop carries (m, l, acc) from (-inf, 0, 0); a step (where mask-tiles' branch
+    does not pass the three through an empty tile unchanged) makes m_new = max(m, rowmax(x)) (lazy=T: moved only
+    past m + T), p = exp(x - m_new) (0 for m_new = -inf), l * exp(m - m_new) + rowsum(p) and
+    acc * exp(m - m_new) + p @ V; nothing else in the loop reads the three; O = acc / where(l == 0, 1, l) and
+    LSE = m + log(l) ((m + log2(l)) * ln 2 under exp2). A pass that takes the loop's numbers for the softmax's
+    (split-kv merges its parts by their LSE) asks this of its input, which may be a hand-edited dump."""
+    body = loop.regions[0]
+    carried = list(body.args[1:])
+    if len(carried) != 3 or not all(is_const(v, c) for v, c in zip(loop.operands[2:], (-math.inf, 0.0, 0.0))):
+        raise fail("the kv loop's (m, l, acc) does not start at (-inf, 0, 0)")
+    blk, through = body, []  # through: the yields of mask-tiles' empty-tile branches (the state unchanged)
+    while True:
+        ys = list(blk.terminator.operands)  # type: ignore[union-attr]
+        branch = ys[0].owner if ys else None
+        if not (isinstance(branch, Op) and branch.name == "if" and branch.parent is blk
+                and len(ys) == len(branch.results) and all(y is r for y, r in zip(ys, branch.results))):
+            break
+        same = [r for r in branch.regions if all(y is c for y, c in zip(r.terminator.operands, carried))]
+        if len(branch.regions) != 2 or len(same) != 1:
+            raise fail("the kv loop's branch does not pass (m, l, acc) through one side unchanged (mask-tiles' "
+                       "empty tile) and update them on the other")
+        through.append(same[0].terminator)
+        blk = next(r for r in branch.regions if r is not same[0])
+    add = _is(ys[2], "add") if len(ys) == 3 else None
+    pv = _is(add.operands[1], "tile.matmul") if add is not None else None
+    p = pv.operands[0].owner if pv is not None else None
+    sub = _is(p.operands[0], "sub") if isinstance(p, Op) and p.name in ("exp", "exp2") else None
+    if sub is None:
+        raise fail("the kv loop's acc is not acc * exp(m - m_new) + exp(x - m_new) @ V")
+    x, vt = sub.operands[0], pv.operands[1]  # type: ignore[union-attr]
+    lazy = lazy_max_threshold(ys[0].owner) if isinstance(ys[0].owner, Op) else None
+    lazy = float(lazy) if isinstance(lazy, (int, float)) and not isinstance(lazy, bool) else 0.0
+    form = OnlineSoftmax(exp2=p.name == "exp2", lazy=lazy)  # type: ignore[union-attr]
+    leaves = {x: ("x",), vt: ("vt",), **{c: (n,) for c, n in zip(carried, ("m", "l", "acc"))}}
+    scratch = Block()
+    want = form._update(Builder(scratch), x, vt, *carried)
+    got_memo, want_memo = dict(leaves), dict(leaves)
+    for got, w, what in zip(ys, want, ("running max is not max(m, rowmax(x))" + (f", moved only past m + {lazy:g}"
+                                                                              if lazy else ""),
+                                       "l is not l * exp(m - m_new) + rowsum(exp(x - m_new))",
+                                       "acc is not acc * exp(m - m_new) + exp(x - m_new) @ V")):
+        if _key(got, blk, got_memo) != _key(w, scratch, want_memo):
+            raise fail(f"the kv loop's {what} (online-softmax's update)")
+    update: set[int] = set()  # the ops compared: the only ones that may read the running (m, l, acc)
+    stack = list(ys)
+    while stack:
+        op = stack.pop().owner
+        if isinstance(op, Op) and op.parent is blk and id(op) not in update:
+            update.add(id(op))
+            stack.extend(v for v in op.operands if v not in leaves)
+    update |= {id(t) for t in through}
+    for op in loop.walk():
+        if op is not loop and id(op) not in update and any(v is c for v in op.operands for c in carried):
+            raise fail(f"{op.name} in the kv loop reads the running (m, l, acc) outside online-softmax's update")
+    m, l, acc = loop.results
+    scratch = Block()
+    o_want, lse_want = form._epilogue(Builder(scratch), m, l, acc)
+    ends = {m: ("m",), l: ("l",), acc: ("acc",)}
+    outer = loop.parent
+    if _key(o_tile, outer, dict(ends)) != _key(o_want, scratch, dict(ends)):
+        raise fail("O's tile is not the kv loop's acc / where(l == 0, 1, l)")
+    if _key(lse_tile, outer, dict(ends)) != _key(lse_want, scratch, dict(ends)):
+        raise fail("LSE's tile is not the kv loop's " + ("(m + log2(l)) * ln 2 (its exp2 base)" if form.exp2
+                                                         else "m + log(l)"))
 
 
 def _uses_q(op: Op, q_dependent: set[Value], slice_ops: list[Op]) -> bool:

@@ -22,6 +22,9 @@ from ..ir.dims import Const, dim
 from ..ir.lse_merge import build_lse_merge
 from ..ir.types import TensorType, scalar
 from .base import Pass, register
+from .canonicalize import is_const
+from .mask_tiles import _kv_length
+from .online_softmax import check_fa2_loop
 from .rewrite import dce
 
 
@@ -35,8 +38,11 @@ class SplitKV(Pass):
     (falower.ir.lse_merge) after the loop nest. parts=1 leaves the function as it is.
 
     Requires: the fa2-fwd form that online-softmax leaves (one parallel_for over (b, h, q tile) with outputs O and
-    LSE, one kv loop `for %kj = %kv_lo to %kv_hi` in its body, O yielded as the cast of its f32 acc / l). Before /
-    after (P = 2, abridged):
+    LSE, one kv loop `for %kj = %kv_lo to %kv_hi` in its body, O yielded as the cast of its f32 acc / l). The loop
+    must be online-softmax's own, since the merge takes each part's O and LSE for a softmax's over its share: it
+    runs from tile 0 to cdiv(N, bk) or over mask.kv_range's tiles, and its (m, l, acc), O and LSE are what
+    online-softmax makes (online_softmax.check_fa2_loop); a dump edited otherwise is refused, not split into other
+    numbers. Before / after (P = 2, abridged):
 
         %o, %lse = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 128)) : f16[B,H,M,D], f32[B,H,M] {
           %m, %l, %acc = for %kj = %kv_lo to %kv_hi iter_args(...) { ... }
@@ -114,6 +120,8 @@ class SplitKV(Pass):
                             "merge is linear in each part's O, so it cannot run before that op")
         if lse_tile.type.dtype != "f32":
             raise self.fail(f"LSE's tile is {lse_tile.type}, not f32")
+        _check_range(loop, self.fail)
+        check_fa2_loop(loop, o32, lse_tile, self.fail)  # the parts' O and LSE merge into the softmax's only then
 
         P = self.parts
         blk = Block([scalar("i32")] * 4, ["part"] + [a.name for a in body.args])
@@ -162,6 +170,21 @@ def _f32_source(tile: Value) -> Value | None:
     if isinstance(op, Op) and op.name == "cast" and op.operands[0].type.dtype == "f32":
         return op.operands[0]
     return None
+
+
+def _check_range(loop: Op, fail) -> None:
+    """The kv loop runs over the q tile's kv tiles, the range the parts share: tile's 0 to cdiv(N, bk) or
+    mask-tiles' mask.kv_range (the kernels compute that range themselves, whatever bounds a dump gives the loop)."""
+    lo, hi = loop.operands[0], loop.operands[1]
+    rng = lo.owner
+    if isinstance(rng, Op) and rng.name == "mask.kv_range":
+        if lo is not rng.results[0] or hi is not rng.results[1]:
+            raise fail("the kv loop does not run from mask.kv_range's first tile to its last (the range the parts "
+                       "share)")
+        return
+    if not is_const(lo, 0):
+        raise fail("the kv loop does not start at tile 0 or at mask.kv_range's first tile (the range the parts share)")
+    _kv_length(loop, fail)  # to cdiv(N, bk)
 
 
 def _share(b: Builder, lo: Value, hi: Value, part: Value, parts: int) -> tuple[Value, Value]:
