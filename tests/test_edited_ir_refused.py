@@ -1,9 +1,10 @@
 """Hand-edited IR that verified and then lowered to wrong numbers with exit 0 (a review of the CLI and the passes'
 preconditions; each test fails before its fix): a fused op's roles swapped, an index iota along the wrong axis, the
 online softmax's row-sum or accumulator loop not starting at 0, a kv loop not starting at tile 0 or not running to
-cdiv(N, bk), a softmax over another axis reaching recompute, duplicated result names; then (the review's F5)
-split-kv's kv loop, O and LSE not online-softmax's (the parts merged into other numbers than the loop's). Each is now
-refused in one line naming what is wrong. And `falower run --pipeline fa2-bwd`, which could not supply `do`."""
+cdiv(N, bk), a softmax over another axis reaching recompute, duplicated result names; then (the review's F5 / F6)
+split-kv's kv loop, O and LSE not online-softmax's (the parts merged into other numbers than the loop's) and a
+captured table's gradient that is not 0 where P is (tile-bwd added it on ragged tiles' padded rows and columns). Each
+is now refused in one line naming what is wrong. And `falower run --pipeline fa2-bwd`, which could not supply `do`."""
 
 from __future__ import annotations
 
@@ -82,6 +83,34 @@ def test_split_kv_takes_only_online_softmaxs_loop(old: str, new: str, words: str
     run_pipeline(fl.parse_func(tiles), "split-kv{parts=2}")
     with pytest.raises(FalowerError, match="^pass split-kv: .*" + words) as e:
         run_pipeline(fl.parse_func(_edit("fa2-fwd", old, new)), "split-kv{parts=2}")
+    assert "\n" not in str(e.value)
+
+
+BIAS = fl.capture("bias", "f32", "H,M,N")
+BIASED = fl.attention(score_mod=lambda s, b, h, q, kv: s + BIAS[h, q, kv], name="bias")
+BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize"
+
+
+@pytest.mark.parametrize("new", [
+    r"= mul %p, \1 : f32[B,H,M,N]\n\2\3 = reduce_sum \1 {axis = 0}",  # dP - Delta, P dropped
+    # the same numbers as the unedited graph on whole tensors (kv < N everywhere there); 708 off in dbias tiled
+    r"= mul %p, \1 : f32[B,H,M,N]\n\2%kv_n = const N : i32\n\2%kv_in = lt %kv_idx, %kv_n : bool[1,1,1,N]\n"
+    r"\2%ds_in = where %kv_in, \4, \1 : f32[B,H,M,N]\n\2\3 = reduce_sum %ds_in {axis = 0}",
+], ids=["p-dropped", "p-dropped-past-n"])
+@pytest.mark.parametrize("tiles", ["tile-bwd{bq=64,bk=128,dq=atomic}", "tile-bwd{dq=separate,deterministic=true}"])
+def test_tile_bwd_takes_only_a_captured_gradient_that_is_0_where_p_is(new: str, tiles: str) -> None:
+    """The kv-outer nest adds a captured table's gradient tile by tile at the table's indices; on a ragged tile's padded
+    columns (kv >= N) those can be a real entry's (bias[h, q, kv] clamps), so the update must be 0 there, as P is. These
+    edits lowered with dbias off by hundreds at M = 100, N = 70 (right at M = N = 128): now refused."""
+    text = fl.print_func(run_pipeline(BIASED, BWD))
+    run_pipeline(fl.parse_func(text), tiles)
+    old = r"= mul %p, (%\w+) : f32\[B,H,M,N\]\n(\s+)(%\w+) = reduce_sum (%\w+) \{axis = 0\}"
+    assert re.search(old, text)
+    edited = fl.parse_func(re.sub(old, new, text, count=1))
+    verify(edited)
+    with pytest.raises(FalowerError, match=r"^pass tile-bwd: captured-table gradient %dbias adds \(scatter_add\) a "
+                                           "term that is not 0 where the recomputed P is") as e:
+        run_pipeline(edited, tiles)
     assert "\n" not in str(e.value)
 
 

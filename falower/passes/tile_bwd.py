@@ -23,7 +23,8 @@ into accumulators of the kv-outer nest (`tile.scatter_add`), or, with `determini
 per kv tile that is summed in a fixed order after the nest (memory: B * kv heads * kv tiles copies).
 Padded positions of ragged tiles are masked in the IR, not by the kernel's grace: the recomputed scores
 get `where(q < M and kv < N, x, -inf) {bounds}`, so P, and with it every contribution of a padded row or
-column, is 0.
+column, is 0. A captured table's gradient is added at its own indices, which a padded position can share with a
+real one: its update must be 0 where P is (a multiple of P, as autodiff makes it), and is checked to be.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def _axes(space: frozenset) -> tuple[Optional[str], Optional[str]]:
 class TileBwd(Pass):
     """Tile the backward: Delta first, kv tiles outer for dK and dV, q tiles outer for dQ.
 
-    Requires: the backward function of recompute (run autodiff, decompose-softmax, delta, recompute).
+    Requires: the backward function of recompute (run autodiff, decompose-softmax, delta, recompute); each
+    captured table's gradient (scatter_add) adds a multiple of the recomputed P (`_zero_where_p_is`).
     Options: bq, bk (tile sizes); dq = separate (a second loop nest with q tiles outer) or atomic (added
     from the kv-outer nest); skip (tile skipping from the mask, default true); deterministic (no atomics: dq
     separate, captured tables' gradients reduced in a fixed order); data (masks that read captured tables:
@@ -252,6 +254,12 @@ class TileBwd(Pass):
                 accumulated |= set(op.results)
             for r in op.results:
                 space[r] = s
+        memo: dict[Value, bool] = {}
+        for sc in scatters:
+            if not _zero_where_p_is(sc.operands[1], probs, memo):
+                raise self.fail(f"captured-table gradient %{sc.results[0].name or '?'} adds (scatter_add) a term "
+                                "that is not 0 where the recomputed P is (a multiple of P, as autodiff makes it): "
+                                "ragged tiles would add it on their padded rows and columns, empty tiles skip it")
         for v in func.results:
             if v not in accumulated and const_value(v) is None:
                 raise self.fail(f"result %{v.name or '?'} is not a sum over tiles (no dV = P^T dO, dK, dQ "
@@ -709,6 +717,35 @@ def _index_only(v: Value, func: Func) -> bool:
 
 def _reads(roots: list[Value], arg: Value, func: Func) -> bool:
     return any(arg in op.operands for op in backward_slice(func.body, roots))
+
+
+def _zero_where_p_is(v: Value, probs: set[int], memo: dict[Value, bool]) -> bool:
+    """Whether v is 0 wherever the recomputed P is, by its ops: P itself, a constant 0, a product with such a value,
+    a quotient of one, a sum, difference or select of two, and the negations, casts, sums and reshapes of one.
+    Autodiff makes a captured table's gradient so (dS = P * (dP - Delta) times the score's derivative, selected or
+    guarded); the tiles rely on it: P is 0 on a ragged tile's padded rows and columns (its X is masked by the bounds)
+    and on an empty tile, so a scatter's update there must be too."""
+    if v in memo:
+        return memo[v]
+    op = v.owner
+    if not isinstance(op, Op):
+        out = False
+    elif id(op) in probs:
+        out = True
+    elif op.name == "const":
+        out = is_const(v, 0.0)
+    elif op.name == "mul":
+        out = any(_zero_where_p_is(x, probs, memo) for x in op.operands)
+    elif op.name in ("div", "neg", "cast", "reduce_sum", "squeeze", "unsqueeze", "broadcast_to"):
+        out = _zero_where_p_is(op.operands[0], probs, memo)
+    elif op.name in ("add", "sub"):
+        out = all(_zero_where_p_is(x, probs, memo) for x in op.operands)
+    elif op.name == "where":
+        out = all(_zero_where_p_is(x, probs, memo) for x in op.operands[1:])
+    else:
+        out = False
+    memo[v] = out
+    return out
 
 
 def _is_prob(op: Op, space: dict[Value, frozenset]) -> bool:
