@@ -425,6 +425,8 @@ class SymTensor:
     def sgn(self) -> "SymTensor": return self.sign()
 
     def relu(self) -> "SymTensor":
+        if self._v().type.dtype == "bool":
+            raise FalowerError("relu of a bool tensor (torch refuses it too): cast it first, e.g. x.int()")
         return self._binary("max", 0)
 
     def where(self, cond: Any, other: Any) -> "SymTensor":
@@ -495,15 +497,18 @@ class SymTensor:
         return SymTensor(r if keepdim else _builder().emit("squeeze", r, axis=axis))
 
     def squeeze(self, dim: Optional[int] = None) -> "SymTensor":
-        """`dim` dropped (it must have size 1), or with dim=None every size-1 dim (as torch; a symbolic size counts
-        as not 1)."""
+        """`dim` dropped where it has size 1 (a fixed other size leaves the tensor as it is, as torch's; a symbolic
+        one is refused: its size is not known while tracing), or with dim=None every dim of size 1."""
         t = self._v().type
         if dim is None:
             axes = [a for a, d in enumerate(t.shape) if d == Const(1)]
         else:
             axes = [self._axis(dim)]
+            if not isinstance(t.shape[axes[0]], Const):
+                raise FalowerError(f"squeeze({dim}): dim {dim} of {t} has the symbolic size {t.shape[axes[0]]}, "
+                                   "which may not be 1: index or reduce it instead")
             if t.shape[axes[0]] != Const(1):
-                raise FalowerError(f"squeeze({dim}): dim {dim} of {t} has size {t.shape[axes[0]]}, not 1")
+                return self
         v = self._v()
         for a in reversed(axes):
             v = _builder().emit("squeeze", v, axis=a)

@@ -72,3 +72,18 @@ def test_the_lowered_ir_is_the_uncast_forms(pipeline: str) -> None:
     assert "cast %3" not in fl.print_func(uncast)
     want = fl.print_func(fl.lower(uncast, pipeline))
     assert fl.print_func(fl.lower(_graph("f16", "f16"), pipeline)) == want
+
+
+@pytest.mark.parametrize("pipeline", ["fa2-fwd", "fa2-bwd"])
+def test_a_cast_before_a_product_normalized_after_it_checks(pipeline: str) -> None:
+    """(e.to(f16) @ v) / sum(e): --check's reference raised the softmax without the cast first, found no softmax
+    and could not supply the backward's LSE (a review's find); it now raises what the pipelines raise."""
+    def after(q, k, v):
+        s = q @ k.mT * 0.25
+        e = fl.exp(s - s.amax(dim=-1, keepdim=True))
+        return ((e.to("f16") @ v) / e.sum(-1, keepdim=True)).to("f16")
+
+    qkv = {n: fl.tensor("f16", f"B,H,{'M' if n == 'q' else 'N'},D") for n in "qkv"}
+    pm = PassManager(parse_pipeline(pipeline), check=True, shapes=SHAPES)
+    pm.run(fl.trace(after, name="after_cast", result_names=("o",), **qkv))
+    assert all(r.check == "ok" for r in pm.records), [(r.name, r.check) for r in pm.records]

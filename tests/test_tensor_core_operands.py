@@ -72,3 +72,42 @@ def test_a_hand_edited_dump_without_it_is_refused_in_one_line(tmp_path, capsys) 
     assert main(["opt", str(path), "--pipeline", "canonicalize"]) != 0
     err = capsys.readouterr().err.strip().splitlines()  # the verifier's line, then the IR around the op
     assert 'say operand_dtype = "f16"' in err[0] and ">         %pv = tile.matmul %p, %vt : f32[128,D]" in err, err
+
+
+def test_a_mixed_score_product_lowers_through_the_forward() -> None:
+    """q in f32 with k, v in f16 (or q cast to f16 before the product): tile's S = Q K^T was built without
+    operand_dtype and the verifier then refused the pass's own product (a review's find)."""
+    qkv = dict(q=fl.tensor("f32", "B,H,M,D"), k=fl.tensor("f16", "B,H,N,D"), v=fl.tensor("f16", "B,H,N,D"))
+    for name, fn in (("mixed", lambda q, k, v: (fl.softmax(q @ k.mT * 0.25, dim=-1) @ v).to("f16")),
+                     ("qcast", lambda q, k, v: (fl.softmax(q.to("f16") @ k.mT * 0.25, dim=-1) @ v).to("f16"))):
+        g = fl.trace(fn, name=name, result_names=("o",), **qkv)
+        text = fl.print_func(fl.lower(g, "fa2-fwd"))
+        assert '%s = tile.matmul %qt, %kt {operand_dtype = "f16", transpose_b}' in text, text
+        fl.lower(g, "fa2-bwd")
+
+
+@pytest.mark.parametrize("a, b, od, words", [
+    ("f32", "f16", "bf16", "takes its operands in f16 on the tensor cores: .*found 'bf16'"),  # f16 V to bf16
+    ("f16", "f16", "bf16", 'operand_dtype = "bf16" on an operand of f16'),
+    ("f64", "f16", "f16", 'operand_dtype = "f16" on an operand of f64'),
+])
+def test_an_operand_dtype_that_is_no_tensor_core_product_is_refused(a: str, b: str, od: str, words: str) -> None:
+    text = _product(b, f' {{operand_dtype = "{od}"}}').replace("%a: f32[2,3]", f"%a: {a}[2,3]") \
+        .replace(": f32[2,3]\n", f": {a}[2,3]\n")
+    if a == "f64":
+        text = text.replace(": f32[2,2]", ": f64[2,2]").replace("-> (c: f32[2,2])", "-> (c: f64[2,2])")
+    with pytest.raises(FalowerError, match=words):
+        verify(fl.parse_func(text))
+
+
+def test_a_graph_product_says_operand_dtype_only_where_it_mixes_f32_with_f16() -> None:
+    """The tile passes derive their products' operand_dtype from the tiles: a graph product's other than that (f32
+    V said to round to f16, an f16 V to bf16) would have been dropped with no word (a review's find)."""
+    def graph(vdtype: str, od: str) -> str:
+        return (f"func @g(%p: f32[M,N], %v: {vdtype}[N,D]) -> (o: f32[M,D]) {{\n"
+                f"  %o = matmul %p, %v {{operand_dtype = \"{od}\"}} : f32[M,D]\n  return %o\n}}\n")
+    verify(fl.parse_func(graph("f16", "f16")))
+    with pytest.raises(FalowerError, match=r'operand_dtype = "f16" on a product of f32\[M,N\] and f32\[N,D\]'):
+        verify(fl.parse_func(graph("f32", "f16")))
+    with pytest.raises(FalowerError, match=r'operand_dtype = "bf16" on a product of f32\[M,N\] and f16\[N,D\]'):
+        verify(fl.parse_func(graph("f16", "bf16")))

@@ -168,13 +168,23 @@ def _infer_gather(ts, attrs):
     return [TensorType(table.dtype, _bcast(idx))]
 
 
+def _check_operand_dtype(a: TensorType, b: TensorType, od: Any) -> None:
+    """operand_dtype, where given: f16 or bf16, the dtype of any operand that is not f32 (rounding an f16 operand to
+    bf16, or f64 ones at all, is no tensor-core product)."""
+    if od is None:
+        return
+    _need(od in TENSOR_CORE_DTYPES, f"operand_dtype must be \"f16\" or \"bf16\", got {od!r}")
+    for t in (a, b):
+        _need(t.dtype in ("f32", od), f"operand_dtype = \"{od}\" on an operand of {t}: the tensor cores take "
+                                      f"{od} operands, computed in f32 or stored in {od}")
+
+
 def _infer_matmul(ts, attrs):
     _need(len(ts) == 2, "takes 2 operands")
     a, b = ts
     _need(is_float(a.dtype) and is_float(b.dtype), "operands must be floats")
     _need(a.rank >= 2 and b.rank >= 2, "operands must have rank >= 2")
-    od = attrs.get("operand_dtype")
-    _need(od is None or od in TENSOR_CORE_DTYPES, f"operand_dtype must be \"f16\" or \"bf16\", got {od!r}")
+    _check_operand_dtype(a, b, attrs.get("operand_dtype"))
     am, ak = (a.shape[-1], a.shape[-2]) if attrs.get("transpose_a") else (a.shape[-2], a.shape[-1])
     bk, bn = (b.shape[-1], b.shape[-2]) if attrs.get("transpose_b") else (b.shape[-2], b.shape[-1])
     _need(ak == bk, f"contraction dims differ: {ak} vs {bk}")
@@ -183,6 +193,17 @@ def _infer_matmul(ts, attrs):
     # f32 accumulation, f64 when an operand is f64 (gradcheck's precision all the way through)
     out = attrs.get("out_dtype", "f64" if "f64" in (a.dtype, b.dtype) else "f32")
     return [TensorType(out, tuple(batch) + (am, bn))]  # type: ignore[arg-type]
+
+
+def _infer_graph_matmul(ts, attrs):
+    """A graph product says operand_dtype only where it mixes f32 with f16 / bf16 (raise_operand_cast's products: the
+    tile passes derive their products' operand_dtype from the tiles' dtypes, so any other would be dropped)."""
+    od = attrs.get("operand_dtype")
+    if od is not None and len(ts) == 2:
+        _need(tensor_core_operand_dtype(ts[0], ts[1]) == od,
+              f"operand_dtype = \"{od}\" on a product of {ts[0]} and {ts[1]}: a graph product rounds only an f32 "
+              f"operand to the other's f16 / bf16")
+    return _infer_matmul(ts, attrs)
 
 
 def _infer_repeat(ts, attrs):
@@ -261,7 +282,7 @@ _register("unsqueeze", "data", "any", _infer_unsqueeze, doc="insert a size-1 axi
 _register("const", "data", "any", _infer_const, doc="a constant filling its type (a scalar, or a tile)")
 _register("iota", "data", "graph", _infer_iota, doc="the index along `axis`, broadcastable (b, h, q_idx, kv_idx)")
 _register("gather", "data", "any", _infer_gather, doc="table[i0, i1, ...], indices broadcast and clamped")
-_register("matmul", "contraction", "graph", _infer_matmul, doc="batched matmul, f32 accumulation")
+_register("matmul", "contraction", "graph", _infer_graph_matmul, doc="batched matmul, f32 accumulation")
 _register("repeat_interleave", "data", "graph", _infer_repeat, doc="GQA: repeat kv heads for query heads")
 _register("group_sum", "reduce", "graph", _infer_group_sum,
           doc="sum each run of `size` consecutive entries along `axis` (the adjoint of repeat_interleave: GQA)")
@@ -330,12 +351,17 @@ def tensor_core_operand_dtype(a: TensorType, b: TensorType) -> Optional[str]:
 def _infer_tile_matmul(ts, attrs):
     _need(len(ts) == 2 and ts[0].rank == 2 and ts[1].rank == 2, "multiplies two 2-d tiles")
     _need(any(isinstance(d, Const) for t in ts for d in t.shape), "needs tiles (a static tile size), not whole tensors")
-    od = attrs.get("operand_dtype")
+    _need_tensor_core_operands(ts, attrs.get("operand_dtype"))
+    return _infer_matmul(ts, attrs)
+
+
+def _need_tensor_core_operands(ts, od: Any) -> None:
+    """A product of an f32 value with an f16 / bf16 one says the f16 / bf16 as its operand_dtype (the kernels round
+    the f32 operand)."""
     want = tensor_core_operand_dtype(ts[0], ts[1])
     if want is not None:
         _need(od == want, f"the product of {ts[0]} and {ts[1]} takes its operands in {want} on the tensor cores: "
                           f"say operand_dtype = \"{want}\" (the kernels round the f32 operand; found {od!r})")
-    return _infer_matmul(ts, attrs)
 
 
 def _infer_tile_atomic_add(ts, attrs):

@@ -22,8 +22,7 @@ from ..ir.core import Block, Func, Op, Value
 from ..ir.dims import Const, Dim, Sym
 from ..ir.types import TensorType, is_float
 from .base import Pass, register
-from .raise_operand_cast import raise_operand_cast
-from .raise_softmax import raise_softmax
+from .raise_forms import raise_written_forms
 
 Rule = Callable[["Backward", Op, Value, tuple[bool, ...]], Sequence[Optional[Value]]]
 
@@ -492,8 +491,8 @@ class Autodiff(Pass):
     summary = "reverse-mode autodiff -> the joint forward + backward function (d<result> in, d<argument> out)"
 
     def run(self, func: Func) -> Func:
-        raise_operand_cast(func)  # P cast before P @ V: the product says it (raise_operand_cast.py)
-        raise_softmax(func, guarded=False)  # a softmax written by hand differentiates as the op (raise_softmax.py)
+        # P cast before P @ V and a softmax written by hand differentiate as the ops (raise_forms.py)
+        raise_written_forms(func, guarded=False, scale=False)
         body = func.body
         results, names = func.results, func.result_names
         roots = [v for v in results if is_float(v.type.dtype)]

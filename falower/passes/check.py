@@ -269,10 +269,10 @@ class Reference:
         sm = [op for op in func.walk() if op.name == "softmax"]
         if not sm and "lse" not in ref.outputs:  # a softmax written by hand: its LSE from the op it is taken as
             from ..ir.core import clone_func
-            from .raise_softmax import raise_softmax
+            from .raise_forms import raise_written_forms
 
             raised = clone_func(func)
-            if raise_softmax(raised):
+            if raise_written_forms(raised):
                 sm = [op for op in raised.walk() if op.name == "softmax"]
                 it = Interpreter("f64")
                 it.run(raised, inputs, env)

@@ -9,9 +9,7 @@ from typing import Optional, Sequence
 from ..ir.builder import Builder
 from ..ir.core import Func, Op, Value
 from .base import Pass, register
-from .raise_operand_cast import raise_operand_cast
-from .raise_scale import raise_scale
-from .raise_softmax import raise_softmax
+from .raise_forms import raise_written_forms
 from .rewrite import apply_patterns
 
 
@@ -60,8 +58,6 @@ class DecomposeSoftmax(Pass):
     removes = ("softmax",)
 
     def run(self, func: Func) -> Func:
-        raise_operand_cast(func)  # softmax(s).to(f16) @ v as softmax(s) @ v {operand_dtype} (raise_operand_cast.py)
-        raise_scale(func)  # (q * c) @ k^T as (q @ k^T) * c: fuse takes q and k as inputs (raise_scale.py)
-        raise_softmax(func)  # a softmax written by hand first becomes the op (raise_softmax.py), then its parts
+        raise_written_forms(func)  # P cast before P @ V, (q * c) @ k^T, a softmax by hand: the ops (raise_forms.py)
         apply_patterns(func, [decompose])
         return func

@@ -9,8 +9,11 @@ it instead (`operand_dtype`, which the native interpreter rounds both operands t
     %p16 = cast %p {to = "f16"} : f16[B,H,M,N];  %o = matmul %p16, %v : f32[B,H,M,D]
     =>  %o = matmul %p, %v {operand_dtype = "f16"} : f32[B,H,M,D]
 
-The same numbers at every precision: native rounds P to f16 in both, f64 in neither. decompose-softmax and autodiff,
-which start the forward and backward pipelines, run it first.
+The raise itself keeps the numbers at every precision: native rounds P to f16 in both, f64 in neither. (A softmax
+written by hand and normalized after the product, `(e.to(f16) @ v) / l`, then becomes softmax(x) @ v by
+raise_softmax, which rounds P = e / l where the written form rounded e: in f16 an unnormalized e overflows past a
+score of ~11 without the max subtracted, P does not.) decompose-softmax, autodiff and --check's reference run it
+first (raise_forms.py).
 """
 
 from __future__ import annotations

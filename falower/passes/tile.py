@@ -39,7 +39,7 @@ class ScoreTile:
              bounds: bool = True) -> Value:
         """The score tile x[bq, bk] for the q tile `qt` and the kv tile starting at `k0`."""
         kt = b.tile_load(self.att.k, [bi, hk, (k0, self.bk), ":"], name_hint="kt")
-        s = b.emit("tile.matmul", qt, kt, transpose_b=True, name_hint="s")
+        s = b.tile_matmul(qt, kt, transpose_b=True, name_hint="s")
         kvidx = b.tile_iota(k0, 1, [1, self.bk], name_hint="kv_idx")
         return emit_score(b, self, s, bi, h, qidx, kvidx, bounds)
 
