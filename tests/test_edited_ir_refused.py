@@ -86,6 +86,37 @@ def test_split_kv_takes_only_online_softmaxs_loop(old: str, new: str, words: str
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("old, new, words", [
+    (r"(%m_new_safe = where %\w+), (%\w+), %m_new", r"\1, %m_new, \2", "the kv loop's l is not l \\* exp"),
+    (r"= mul %l_i, %corr", "= mul %l_i, %l_i", "the kv loop's l is not"),
+    (r"(= for %kj = %kv_lo to )%kv_hi", r"\1%nkv", "does not run from mask.kv_range's first tile to its last"),
+    (r"= log2 %l\b", "= log %l", r"LSE's tile is not the kv loop's \(m \+ log2\(l\)\) \* ln 2"),
+], ids=["guard-arms-swapped", "l-rescale", "hi", "lse"])
+def test_the_backend_takes_only_online_softmaxs_loop(old: str, new: str, words: str) -> None:
+    """The numba-cuda kernels compute the forward's loop from their own template: a dump whose loop was edited would
+    run as if it were not (a review's follow-up). The backend asks the IR what split-kv asks of it."""
+    from falower.backends.numba_cuda.from_ir import analyse
+
+    analyse(fl.parse_func(fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))))
+    with pytest.raises(FalowerError, match="^numba-cuda backend: .*" + words) as e:
+        analyse(fl.parse_func(_edit("fa2-fwd", old, new)))
+    assert "\n" not in str(e.value)
+    analyse(run_pipeline(fl.parse_func(fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))), "split-kv{parts=2}"))
+
+
+def test_a_constant_shared_with_a_hoisted_value_is_still_online_softmaxs_loop() -> None:
+    """A score term score-licm hoists out of the loop (`where(kv == 3, nan, 0.0)`) shares its 0.0 with m_new's guard
+    after cse: the loop check compared that constant by identity and refused the pipelines' own IR in split-kv and
+    the backend (the test suite's find, not a user's); constants compare by value."""
+    from falower.backends.numba_cuda.from_ir import analyse
+
+    g = fl.attention(score_mod=lambda s, b, h, q, kv: s + fl.where(kv == 3, float("nan"), 0.0), name="nanc")
+    lowered = fl.lower(g, "fa2-fwd")
+    assert re.search(r"%m_new_safe = where %\w+, %(\d+), %m_new", fl.print_func(lowered))  # an outer constant
+    analyse(lowered)
+    analyse(run_pipeline(lowered, "split-kv{parts=2}"))
+
+
 BIAS = fl.capture("bias", "f32", "H,M,N")
 BIASED = fl.attention(score_mod=lambda s, b, h, q, kv: s + BIAS[h, q, kv], name="bias")
 BWD = "autodiff,decompose-softmax,canonicalize,delta,recompute,canonicalize"

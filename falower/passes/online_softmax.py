@@ -46,6 +46,7 @@ from ..ir.dims import Const
 from ..ir.types import TensorType, scalar
 from .attention import _guard, _is, the_parallel_for
 from .canonicalize import is_const
+from .mask_tiles import _kv_length
 from .base import Pass, register
 from .rewrite import dce
 
@@ -71,11 +72,14 @@ def _yield_of(loop: Op) -> list[Value]:
 
 
 def _key(v: Value, body: Block, memo: dict) -> object:
-    """A structural key of how `v` is computed inside `body` (loop-iv and outer values by identity)."""
+    """A structural key of how `v` is computed inside `body` (loop-iv and outer values by identity, constants by
+    value)."""
     if v in memo:
         return memo[v]
     if isinstance(v.owner, Block):
         k: object = ("arg", v.index) if v.owner is body else ("outer", id(v))
+    elif v.owner.name == "const":  # by value wherever it is defined (cse shares one with a value score-licm hoisted)
+        k = ("const", repr(v.owner.attrs["value"]), str(v.type))
     elif v.owner.parent is not body:
         k = ("outer", id(v))
     else:
@@ -555,3 +559,48 @@ def _hoist_invariants(outer: Block, loop: Op) -> None:
         op.parent = outer
     outer.ops[i:i] = move
     body.ops = stay
+
+
+def f32_source(tile: Value) -> Value | None:
+    """The f32 tile whose cast `tile` is (or `tile` itself where it is f32)."""
+    if tile.type.dtype == "f32":
+        return tile
+    op = tile.owner
+    if isinstance(op, Op) and op.name == "cast" and op.operands[0].type.dtype == "f32":
+        return op.operands[0]
+    return None
+
+
+def check_kv_range(loop: Op, fail) -> None:
+    """The kv loop runs over the q tile's kv tiles (the range split-kv's parts share): tile's 0 to cdiv(N, bk) or
+    mask-tiles' mask.kv_range (the kernels compute that range themselves, whatever bounds a dump gives the loop)."""
+    lo, hi = loop.operands[0], loop.operands[1]
+    rng = lo.owner
+    if isinstance(rng, Op) and rng.name == "mask.kv_range":
+        if lo is not rng.results[0] or hi is not rng.results[1]:
+            raise fail("the kv loop does not run from mask.kv_range's first tile to its last (the range the parts "
+                       "share)")
+        return
+    if not is_const(lo, 0):
+        raise fail("the kv loop does not start at tile 0 or at mask.kv_range's first tile (the range the parts share)")
+    _kv_length(loop, fail)  # to cdiv(N, bk)
+
+
+def check_fa2_body(body: Block, fail, whole_range: bool = True) -> None:
+    """The q tile's body of the fa2-fwd IR (or of split-kv's, `whole_range` False: a part's share of the range) as
+    online-softmax and mask-tiles make it: one kv loop carrying (m, l, acc) over the q tile's kv tiles, O and LSE
+    from it (check_fa2_loop). The numba-cuda backend, whose kernels compute this loop from their own template, asks
+    it of the IR it is given, which may be a hand-edited dump."""
+    loops = [op for op in body.ops if op.name == "for"]
+    if len(loops) != 1 or len(loops[0].results) != 3:
+        raise fail("needs one kv loop carrying (m, l, acc) in the q tile's body (online-softmax's FA2 order)")
+    term = body.terminator
+    if term is None or term.name != "tile.yield" or len(term.attrs.get("slices", ())) != 2:
+        raise fail("the q tile's body does not yield O and LSE")
+    n_o = sum(1 for x in term.attrs["slices"][0] if x != ":")
+    o32 = f32_source(term.operands[0])
+    if o32 is None:
+        raise fail(f"O's tile is {term.operands[0].type}, not the cast of an f32 tile")
+    if whole_range:
+        check_kv_range(loops[0], fail)
+    check_fa2_loop(loops[0], o32, term.operands[1 + n_o], fail)

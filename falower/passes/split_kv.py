@@ -22,9 +22,7 @@ from ..ir.dims import Const, dim
 from ..ir.lse_merge import build_lse_merge
 from ..ir.types import TensorType, scalar
 from .base import Pass, register
-from .canonicalize import is_const
-from .mask_tiles import _kv_length
-from .online_softmax import check_fa2_loop
+from .online_softmax import check_fa2_loop, check_kv_range, f32_source
 from .rewrite import dce
 
 
@@ -110,7 +108,7 @@ class SplitKV(Pass):
         n_o = sum(1 for s in o_spec if s != ":")
         o_tile, o_idx = term.operands[0], term.operands[1:1 + n_o]
         lse_tile, lse_idx = term.operands[1 + n_o], term.operands[2 + n_o:]
-        o32 = _f32_source(o_tile)
+        o32 = f32_source(o_tile)
         if o32 is None:
             raise self.fail(f"O's tile is {o_tile.type}, not the cast of an f32 tile: the parts would be merged "
                             "from rounded values")
@@ -120,7 +118,7 @@ class SplitKV(Pass):
                             "merge is linear in each part's O, so it cannot run before that op")
         if lse_tile.type.dtype != "f32":
             raise self.fail(f"LSE's tile is {lse_tile.type}, not f32")
-        _check_range(loop, self.fail)
+        check_kv_range(loop, self.fail)
         check_fa2_loop(loop, o32, lse_tile, self.fail)  # the parts' O and LSE merge into the softmax's only then
 
         P = self.parts
@@ -160,31 +158,6 @@ class SplitKV(Pass):
         replace_uses(func.body, par.results[1], lse)
         dce(func)  # the f16 cast of O's tile, which the parts no longer yield
         return func
-
-
-def _f32_source(tile: Value) -> Value | None:
-    """The f32 tile whose cast `tile` is (or `tile` itself where it is f32)."""
-    if tile.type.dtype == "f32":
-        return tile
-    op = tile.owner
-    if isinstance(op, Op) and op.name == "cast" and op.operands[0].type.dtype == "f32":
-        return op.operands[0]
-    return None
-
-
-def _check_range(loop: Op, fail) -> None:
-    """The kv loop runs over the q tile's kv tiles, the range the parts share: tile's 0 to cdiv(N, bk) or
-    mask-tiles' mask.kv_range (the kernels compute that range themselves, whatever bounds a dump gives the loop)."""
-    lo, hi = loop.operands[0], loop.operands[1]
-    rng = lo.owner
-    if isinstance(rng, Op) and rng.name == "mask.kv_range":
-        if lo is not rng.results[0] or hi is not rng.results[1]:
-            raise fail("the kv loop does not run from mask.kv_range's first tile to its last (the range the parts "
-                       "share)")
-        return
-    if not is_const(lo, 0):
-        raise fail("the kv loop does not start at tile 0 or at mask.kv_range's first tile (the range the parts share)")
-    _kv_length(loop, fail)  # to cdiv(N, bk)
 
 
 def _share(b: Builder, lo: Value, hi: Value, part: Value, parts: int) -> tuple[Value, Value]:

@@ -22,7 +22,7 @@ from ...ir.printer import print_func
 from ...ir.value_ranges import ValueRanges, dim_range
 from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
-from ...passes.online_softmax import lazy_max_threshold
+from ...passes.online_softmax import check_fa2_body, lazy_max_threshold
 from .spec import Capture, FA2ForwardSpec
 
 
@@ -74,6 +74,9 @@ def analyse(func: Func) -> Lowered:
     if len(par.attrs["bounds"]) != 3 + lead or len(par.results) != 2:
         raise BackendError("numba-cuda backend: expected parallel_for (b, h, qi) with outputs O and LSE "
                            "(the fa1 order and graphs without online-softmax are not emitted)")
+    check_fa2_body(par.regions[0], lambda msg: BackendError(
+        f"numba-cuda backend: {msg} (its kernels compute online-softmax's loop, whatever a dump says it is)"),
+        whole_range=parts == 1)
     fused_ops = [op for op in par.walk() if op.name == "fused"]
     if not fused_ops:
         raise BackendError("numba-cuda backend: no fused score function in the kv loop")
