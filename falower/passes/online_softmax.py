@@ -598,9 +598,10 @@ def check_fa2_body(body: Block, fail, whole_range: bool = True) -> None:
     if term is None or term.name != "tile.yield" or len(term.attrs.get("slices", ())) != 2:
         raise fail("the q tile's body does not yield O and LSE")
     n_o = sum(1 for x in term.attrs["slices"][0] if x != ":")
-    o32 = f32_source(term.operands[0])
+    o_tile = term.operands[0]
+    o32 = o_tile if o_tile.type.dtype == "f64" else f32_source(o_tile)  # (f64 graphs compute O in f64)
     if o32 is None:
-        raise fail(f"O's tile is {term.operands[0].type}, not the cast of an f32 tile")
+        raise fail(f"O's tile is {o_tile.type}, not the cast of an f32 tile")
     if whole_range:
         check_kv_range(loops[0], fail)
     check_fa2_loop(loops[0], o32, term.operands[1 + n_o], fail)
