@@ -19,8 +19,8 @@ from torch.autograd.function import once_differentiable
 
 def differentiable_call(compiled: Any, inputs: tuple) -> tuple:
     """(o, lse) of `compiled` on `inputs` (q, k, v, then the captures in the graph's order), recorded by
-    autograd: o is differentiable with respect to q, k, v and every float captured tensor that requires
-    grad; lse is returned for the caller's use and is not differentiable (FlashAttention's convention)."""
+    autograd: o and lse are differentiable with respect to q, k, v and every float captured tensor that
+    requires grad (lse as FlexAttention's is; FlashAttention's is not: passes/lse_cotangent.py)."""
     return _FalowerAttention.apply(compiled, *inputs)
 
 
@@ -46,12 +46,12 @@ class _FalowerAttention(torch.autograd.Function):
         ctx.is_tensor = is_tensor
         ctx.constants = [None if t else x for x, t in zip(inputs, is_tensor)]
         ctx.save_for_backward(o, lse, *(x for x, t in zip(inputs, is_tensor) if t))
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an output the loss does not read comes back as None, not zeros
         return o, lse
 
     @staticmethod
     @once_differentiable  # the backward is a kernel, not torch ops: a double backward says so clearly
-    def backward(ctx, do: Optional[torch.Tensor], _dlse: Any):  # type: ignore[override]
+    def backward(ctx, do: Optional[torch.Tensor], dlse: Optional[torch.Tensor]):  # type: ignore[override]
         compiled = ctx.compiled
         o, lse, *saved = ctx.saved_tensors
         it = iter(saved)
@@ -65,7 +65,9 @@ class _FalowerAttention(torch.autograd.Function):
         # do arrives with whatever strides the loss produced (a broadcast ones for o.sum()), and perhaps
         # in another float dtype; the backward reads row-major buffers of o's dtype
         do = _contiguous(do.to(o.dtype))
-        grads = compiled.backward(q, k, v, o, lse, do, *captures)
+        if dlse is not None:  # the loss reads the lse too (a z-loss): Delta - dlse (passes/lse_cotangent.py)
+            dlse = dlse.to(lse.dtype).contiguous()
+        grads = compiled.backward(q, k, v, o, lse, do, *captures, dlse=dlse)
         by_name = dict(zip(compiled.gradient_names(), grads))
         out: list[Optional[torch.Tensor]] = [None]
         for arg, x, want in zip(compiled.func.args, inputs, wants):

@@ -833,9 +833,10 @@ class CompiledAttention:
         """Names of what backward() returns, in order: dq, dk, dv, d<capture> per float capture."""
         return list(self.lowered_backward.result_names)
 
-    def backward(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any) -> tuple:
+    def backward(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any, dlse: Any = None) -> tuple:
         """Gradients (dq, dk, dv, *d<float capture>) of the forward's o, given the forward's o and lse and
-        the cotangent do (all of one kind: torch CUDA tensors, CUDA arrays or numpy)."""
+        the cotangent do (all of one kind: torch CUDA tensors, CUDA arrays or numpy); with `dlse` (lse's shape),
+        of a loss that reads the lse too (passes/lse_cotangent.py: Delta - dlse)."""
         inputs = (q, k, v, *captures)
         if len(inputs) != len(self.func.args):
             names = ", ".join(a.name or "?" for a in self.func.args[3:])
@@ -844,9 +845,16 @@ class CompiledAttention:
         by_name = {a.name: x for a, x in zip(self.func.args, inputs)}
         by_name.update(o=o, lse=lse, do=do)
         bwd = self.lowered_backward
-        ordered = [by_name[a.name] for a in bwd.args]
+        if dlse is not None:
+            if tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
+                raise ShapeError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
+            by_name["dlse"] = dlse
         if self.backend == "reference":
-            arrays = [_host_array(x) for x in ordered]
+            if dlse is not None:
+                from .passes.lse_cotangent import with_lse_cotangent
+
+                bwd = with_lse_cotangent(bwd)
+            arrays = [_host_array(by_name[a.name]) for a in bwd.args]
             return tuple(Interpreter("native").run(bwd, arrays))
         key = _signature((q, k, v, o, lse, do, *captures))
         call = self._bwd_calls.get(key) if key is not None else None
@@ -858,7 +866,7 @@ class CompiledAttention:
                              [int(env[d]) for d in kern.spec.dims], q, backward=True, blocks=self.block_data(kern))
             if key is not None:
                 self._bwd_calls[key] = call
-        return _with_constant_gradients(bwd, call((q, k, v, o, lse, do, *captures)), by_name)
+        return _with_constant_gradients(bwd, call((q, k, v, o, lse, do, *captures), dlse=dlse), by_name)
 
     def block_data(self, kern: Any) -> Any:
         """The BlockData of a kernel whose spec has derived captures (range tables, the block list), one per
@@ -1026,16 +1034,18 @@ class _WarmCall:
             caps += self.blocks.derive(caps, sizes, q)
         return arrays, caps
 
-    def __call__(self, inputs: tuple):
+    def __call__(self, inputs: tuple, **lse_cotangent: Any):
+        """The kernel's outputs for `inputs` (a backward's `dlse=` goes to the kernel when given)."""
         arrays, caps = self.arguments(inputs)
         plan = self.plan
         if plan is _UNSET:  # the signature fixes everything the kernel's plan depends on: ask once
             plan = self.plan = self.kernel.plan(*arrays, tuple(caps))
+        extra = {k: x for k, x in lse_cotangent.items() if x is not None}
         if plan is not None:
-            out = plan(*arrays, caps)
+            out = plan(*arrays, caps, **extra)
             if out is not None:
                 return out
-        return self.kernel(*arrays, *caps)
+        return self.kernel(*arrays, *caps, **extra)
 
     def _capture(self, x: Any, dtype: str) -> Any:
         shape = getattr(x, "shape", None)

@@ -78,11 +78,12 @@ def leaves(xs: list) -> list:
 @pytest.mark.parametrize("stem", STEMS)
 def test_autograd_gradients_are_backward_results(stem: str) -> None:
     """loss.backward() through c(...) gives exactly c.backward's gradients, each on its own input (by name),
-    in the input's dtype and shape; integer captures get none; lse is not differentiable."""
+    in the input's dtype and shape; integer captures get none; lse is differentiable (FlexAttention's is)."""
     c = compiled(stem)
     xs = leaves(inputs(c, H=4 if stem == "gqa" else 2))
     o, lse = c(*xs)
-    assert o.requires_grad and not lse.requires_grad
+    assert o.requires_grad and lse.requires_grad
+    lse = lse.detach()
     assert o.dtype == torch.float16 and lse.dtype == torch.float32
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o.dtype)
     o.backward(do)
@@ -230,3 +231,28 @@ def test_gradcheck(stem: str, float64_interpreter) -> None:
         return c(*ys)[0]
 
     assert torch.autograd.gradcheck(f, tuple(xs), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stem", ["causal", "alibi", "bias", "gqa"])
+def test_gradcheck_through_the_lse(stem: str, float64_interpreter) -> None:
+    """A loss that reads the lse too (a z-loss, an attention sink): gradcheck of (o, lse) against the backward with
+    the LSE's cotangent (passes/lse_cotangent.py; the lse was not differentiable, so its term was dropped)."""
+    c = fl.compile(example(stem), "reference")
+    xs = leaves(inputs(c, B=1, H=4 if stem == "gqa" else 2, M=5, N=6, D=4, dtype=torch.float64, seed=6))
+    assert torch.autograd.gradcheck(lambda *ys: c(*ys), tuple(xs), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_a_loss_of_the_lse_alone() -> None:
+    """o unused by the loss: its cotangent is zeros, the lse's drives the gradient (autograd passes None for o)."""
+    c = compiled("causal")
+    xs = leaves(inputs(c, M=20, N=20))
+    ys = leaves([x.detach().double() for x in xs])
+    _, lse = c(*xs)
+    (lse * lse).sum().backward()
+    q, k, v = ys
+    s = (q @ k.mT) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), -math.inf)
+    (torch.logsumexp(s, -1) ** 2).sum().backward()
+    for x, y in zip(xs[:2], ys[:2]):  # within the reference backend's f16 storage
+        assert (x.grad.double() - y.grad).abs().max().item() <= 2e-2 * max(1.0, y.grad.abs().max().item())
+    assert torch.count_nonzero(xs[2].grad) == 0  # v does not reach the lse

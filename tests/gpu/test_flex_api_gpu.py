@@ -90,3 +90,36 @@ def test_backward_matches_torch_flex_attention():
         e_fl = (got.double() - want).abs().max().item()
         e_t = (theirs.double() - want).abs().max().item()
         assert e_fl <= 3 * e_t + 2e-3, f"falower gradient error {e_fl:.2e}, torch flex_attention {e_t:.2e}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_loss_of_the_lse_has_its_gradient(D: int):
+    """flex_attention(return_lse=True) with a loss reading the lse (a z-loss): the kernels' gradients with the LSE's
+    cotangent (Delta - dlse, passes/lse_cotangent.py) against float64 autograd of the math, within 3x torch
+    flex_attention's error (or 2e-3 of the gradient's scale where torch's flex cannot differentiate its lse)."""
+    if not CASES:
+        pytest.skip("no CUDA device")
+    case = CASES["alibi"]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    do = torch.randn(B, H, N, D, device="cuda", dtype=torch.float16, generator=g)
+    dl = torch.randn(B, H, N, device="cuda", dtype=torch.float32, generator=g)
+    grads = {}
+    for lib in (fl, flex):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        bm = lib.create_block_mask(case.mask_mod, B, H, N, N, device="cuda")
+        try:
+            o, lse = lib.flex_attention(qq, kk, vv, score_mod=case.score_mod, block_mask=bm, return_lse=True)
+            ((o.float() * do.float()).sum() + (lse * dl).sum() + 0.01 * (lse * lse).sum()).backward()
+        except Exception:
+            assert lib is flex
+            continue
+        grads[lib] = (qq.grad, kk.grad)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o, lse = math_reference(qd, kd, vd, case.score_mod, case.mask_mod)
+    ((o * do.double()).sum() + (lse * dl.double()).sum() + 0.01 * (lse * lse).sum()).backward()
+    for i, want in enumerate((qd.grad, kd.grad)):
+        e_fl = (grads[fl][i].double() - want).abs().max().item()
+        bound = 3 * (grads[flex][i].double() - want).abs().max().item() + 2e-3 if flex in grads \
+            else 2e-3 * max(1.0, want.abs().max().item())
+        assert e_fl <= bound, f"falower gradient error {e_fl:.2e} against {bound:.2e}"

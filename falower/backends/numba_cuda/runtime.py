@@ -1102,9 +1102,11 @@ class _BackwardPlan:
         self.final = "sum" if kern.parts_source is not None else "grad"
         self.stream = _raw_stream_getter()
 
-    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, caps: tuple) -> Optional[tuple]:
+    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, caps: tuple,
+                 dlse: Any = None) -> Optional[tuple]:
         import torch
 
+        _check_dlse(dlse, lse)
         ptr = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "do": do.data_ptr()}
         if self.aligned and (ptr["q"] | ptr["k"] | ptr["v"] | ptr["do"]) & 15:
             return None  # rows not 16-byte aligned: the Numba path copies them
@@ -1113,11 +1115,13 @@ class _BackwardPlan:
         if self.separate:
             scratch = torch.empty(self.rows, dtype=acc, device=dev)
             ptr["delta"] = ptr["dq32"] = scratch.data_ptr()  # dq32 is not read: dQ comes from its own kernel
+            delta = scratch
         else:  # dQ's accumulator (16-byte aligned, for the vector reductions), then Delta, in one allocation
             n_dq = self.n_acc
             scratch = torch.empty(n_dq + self.rows, dtype=acc, device=dev)
             ptr["dq32"] = scratch.data_ptr()
             ptr["delta"] = ptr["dq32"] + n_dq * scratch.element_size()
+            delta = scratch[n_dq:]
         dq = torch.empty(self.q_shape, dtype=q.dtype, device=dev)
         dk = torch.empty(self.kv_shape, dtype=k.dtype, device=dev)
         dv = torch.empty(self.kv_shape, dtype=v.dtype, device=dev)
@@ -1146,13 +1150,32 @@ class _BackwardPlan:
                                                                 {"dk": "dK", "dv": "dV"}[name]).data_ptr()
         if self.table_n:
             self.tables.fill(entry, lambda: self.mask_launch(stream))
-        for run in self.launches:
+        for i, run in enumerate(self.launches):
             run(stream)
+            if i == 0 and dlse is not None:  # Delta's kernel ran: Delta - dLSE (passes/lse_cotangent.py), on
+                delta.sub_(dlse.detach().reshape(-1).to(acc))  # torch's current stream, the launches' own
         outs = [dq, dk, dv]
         for g, c in zip(sums or grads, self.grad_caps):
             x = caps[c]
             outs.append(g.reshape(x.shape).to(x.dtype))
         return tuple(outs)
+
+
+def _check_dlse(dlse: Any, lse: Any) -> None:
+    """The LSE's cotangent has the LSE's shape (B, H, M)."""
+    if dlse is not None and tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
+        raise ValueError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
+
+
+def _host_rows(x: Any) -> np.ndarray:
+    """A numpy copy of a numpy, CUDA-array or torch value (the LSE's cotangent on the host path)."""
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()
+    from numba import cuda
+
+    return cuda.as_cuda_array(x).copy_to_host() if hasattr(x, "__cuda_array_interface__") else np.asarray(x)
 
 
 def check_sizes(sizes: dict[str, int], specs: Sequence[Any], captures: Sequence[Any]) -> None:
@@ -2030,14 +2053,15 @@ class FA2BackwardKernel:
         """PTX of the main backward kernel for compute capability `cc` (no GPU needed)."""
         return ptx_of(self._kernel, self.argtypes(), cc)
 
-    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any) -> tuple:
-        """Gradients (dq, dk, dv, *captured tables' gradients), of the same kind as q."""
+    def __call__(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any, dlse: Any = None) -> tuple:
+        """Gradients (dq, dk, dv, *captured tables' gradients), of the same kind as q; `dlse`, the LSE's cotangent,
+        is subtracted from Delta once Delta's kernel made it (passes/lse_cotangent.py)."""
         plan = self.plan(q, k, v, o, lse, do, captures)
         if plan is not None:
-            out = plan(q, k, v, o, lse, do, captures)
+            out = plan(q, k, v, o, lse, do, captures, dlse=dlse)
             if out is not None:
                 return out
-        launch, finish = self.prepare(q, k, v, o, lse, do, *captures)
+        launch, finish = self.prepare(q, k, v, o, lse, do, *captures, dlse=dlse)
         launch()
         return finish()
 
@@ -2084,12 +2108,13 @@ class FA2BackwardKernel:
             raise ValueError(f"lse must have shape {(B, H, M)}, got {tuple(lse.shape)}")
         return kind
 
-    def prepare(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any):
+    def prepare(self, q: Any, k: Any, v: Any, o: Any, lse: Any, do: Any, *captures: Any, dlse: Any = None):
         """Check and convert the inputs once; returns (launch, finish) as FA2ForwardKernel.prepare does."""
         from numba import cuda
 
         s = self.spec
         kind = self._check(q, k, v, o, lse, do, captures)
+        _check_dlse(dlse, lse)
         _refuse_capture(kind)
         B, H, M, D = (int(n) for n in q.shape)
         Hk, N = int(k.shape[1]), int(k.shape[2])
@@ -2195,6 +2220,12 @@ class FA2BackwardKernel:
                 else:
                     g_buf.copy_to_device(zeros[i])
             delta_k(dof, of, delta, dq32, H, M, *strides[9:12])
+            if dlse is not None:  # the LSE's cotangent: Delta - dLSE (passes/lse_cotangent.py)
+                if kind == "torch":
+                    delta.sub_(dlse.detach().reshape(-1).to(delta.dtype))
+                else:  # (the simulator's and numpy's path: once through the host)
+                    moved = delta.copy_to_host() - np.asarray(_host_rows(dlse), dtype=delta.dtype).reshape(-1)
+                    delta.copy_to_device(moved)
             if block_mask is not None:
                 self.block_tables.fill(entry, lambda: block_mask(table, *sizes, *caps))
             main(*args)

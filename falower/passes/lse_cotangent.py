@@ -1,0 +1,49 @@
+"""The LSE's cotangent in FA2's backward: a loss that reads the forward's LSE (a z-loss, an attention sink) adds
+dLSE_i * P_ij to the score's gradient, which is Delta moved by dLSE.
+
+With LSE_i = log sum_j exp(X_ij), dLSE_i / dX_ij = P_ij, so the softmax rule's dX = P * (dP - Delta) becomes
+
+    dX_ij = P_ij (dP_ij - Delta_i) + dLSE_i P_ij = P_ij (dP_ij - (Delta_i - dLSE_i))
+
+Nothing else of the backward changes: `with_lse_cotangent` takes the fa2-bwd IR and returns it with one more
+argument, `dlse` (the LSE's shape), subtracted from Delta where Delta is made; the kernels subtract it from their
+Delta buffer after Delta's kernel (FlexAttention differentiates through its returned LSE; FlashAttention's LSE is
+not differentiable).
+"""
+
+from __future__ import annotations
+
+from ..errors import FalowerError
+from ..ir.builder import Builder
+from ..ir.core import Func, clone_func
+from ..ir.dims import Const
+
+
+def with_lse_cotangent(func: Func) -> Func:
+    """`func` (the fa2-bwd IR: Delta's parallel_for named `delta` and an `lse` argument) with an argument `dlse`
+    subtracted from each Delta tile before it is stored."""
+    out = clone_func(func)
+    par = next((op for op in out.body.ops if op.name == "parallel_for" and len(op.results) == 1
+                and op.results[0].name == "delta"), None)
+    lse = next((a for a in out.args if a.name == "lse"), None)
+    if par is None or lse is None or "dlse" in [a.name for a in out.args]:
+        raise FalowerError(f"an LSE cotangent needs the fa2-bwd IR (Delta's parallel_for and an lse argument, no "
+                           f"dlse yet); @{func.name} has {'no Delta' if par is None else 'no lse' if lse is None else 'a dlse'}")
+    dlse = out.body.add_arg(lse.type, "dlse")
+    body = par.regions[0]
+    term = body.ops.pop()
+    (spec,) = term.attrs["slices"]
+    tile = term.operands[0]
+    if spec[-1] != ":" or tile.type.shape[-1] != Const(1) or len(spec) != lse.type.rank + 1:
+        raise FalowerError(f"an LSE cotangent: Delta's tiles are {tile.type} stored at {spec}, not rows of the LSE's "
+                           f"{lse.type} with a last axis of 1")
+    b = Builder(body)
+    rows = list(term.operands[1:])
+    index: list = []
+    for s in spec[:-1]:
+        index.append(rows.pop(0) if s == "i" else (rows.pop(0), s) if isinstance(s, int) else ":")
+    d = b.emit("unsqueeze", b.tile_load(dlse, index, name_hint="dlse_t"), axis=tile.type.rank - 1)
+    moved = b.emit("sub", tile, d, name_hint="delta_moved")
+    term.operands[0] = moved
+    body.append(term)
+    return out
