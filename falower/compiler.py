@@ -846,14 +846,14 @@ class CompiledAttention:
         by_name.update(o=o, lse=lse, do=do)
         bwd = self.lowered_backward
         if dlse is not None:
+            if not hasattr(dlse, "shape"):
+                raise ShapeError(f"dlse must be an array of lse's shape {tuple(lse.shape)}, got {type(dlse).__name__}")
             if tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
                 raise ShapeError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
             by_name["dlse"] = dlse
         if self.backend == "reference":
             if dlse is not None:
-                from .passes.lse_cotangent import with_lse_cotangent
-
-                bwd = with_lse_cotangent(bwd)
+                bwd = self._backward_with_lse_cotangent()
             arrays = [_host_array(by_name[a.name]) for a in bwd.args]
             return tuple(Interpreter("native").run(bwd, arrays))
         key = _signature((q, k, v, o, lse, do, *captures))
@@ -867,6 +867,14 @@ class CompiledAttention:
             if key is not None:
                 self._bwd_calls[key] = call
         return _with_constant_gradients(bwd, call((q, k, v, o, lse, do, *captures), dlse=dlse), by_name)
+
+    def _backward_with_lse_cotangent(self) -> Func:
+        """The backward IR with the LSE's cotangent (passes/lse_cotangent.py), made once."""
+        from .passes.lse_cotangent import with_lse_cotangent
+
+        if getattr(self, "_bwd_dlse", None) is None:
+            self._bwd_dlse = with_lse_cotangent(self.lowered_backward)
+        return self._bwd_dlse
 
     def block_data(self, kern: Any) -> Any:
         """The BlockData of a kernel whose spec has derived captures (range tables, the block list), one per

@@ -104,6 +104,39 @@ def test_the_backend_takes_only_online_softmaxs_loop(old: str, new: str, words: 
     analyse(run_pipeline(fl.parse_func(fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))), "split-kv{parts=2}"))
 
 
+def test_the_backend_takes_the_score_functions_base_from_the_loop() -> None:
+    """The kernels take exp2 and the lazy threshold from the fused score function: a dump whose fused ops drop
+    `exp2` (or `lazy_rescale`) while the loop keeps exp2's form ran as exp with the loop's numbers (a review's
+    find: dO off by 0.6 in the simulator)."""
+    from falower.backends.numba_cuda.from_ir import analyse
+
+    text = fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))
+    assert text.count("{exp2, lazy_rescale = 8.0, roles") >= 1
+    for old, new in (("{exp2, lazy_rescale = 8.0, roles", "{lazy_rescale = 8.0, roles"),
+                     ("{exp2, lazy_rescale = 8.0, roles", "{exp2, roles")):
+        with pytest.raises(FalowerError, match=r"^numba-cuda backend: the score function says exp2=\w+, "
+                                               r"lazy_rescale=[\d.]+ where the kv loop's online softmax is "
+                                               r"exp2=True, lazy=8") as e:
+            analyse(fl.parse_func(text.replace(old, new)))
+        assert "\n" not in str(e.value)
+
+
+def test_an_f64_graph_returning_o_cast_says_why() -> None:
+    """An f64 graph whose O is cast to f32 before it is returned: the kernels store O in the inputs' dtype."""
+    from falower.backends.numba_cuda.from_ir import analyse
+
+    g = fl.attention(dtype="f64", name="f64_cast")
+    text = fl.print_func(run_pipeline(g, "fa2-fwd"))
+    m = re.search(r"(%\w+) = div %acc, %l_safe : f64\[128,D\]\n", text)
+    assert m, text
+    edited = text.replace(m.group(0), m.group(0) + f"    %o_cast = cast {m.group(1)} {{to = \"f16\"}} : f16[128,D]\n") \
+        .replace(f"tile.yield {m.group(1)} into", "tile.yield %o_cast into").replace("-> (o: f64[", "-> (o: f16[") \
+        .replace("%o, %lse = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 128)) : f64[", "%o, %lse = parallel_for "
+                 "(%b, %h, %qi) in (B, H, cdiv(M, 128)) : f16[")
+    with pytest.raises(FalowerError, match="a cast of f64.*an f64 graph returns O in f64"):
+        analyse(fl.parse_func(edited))
+
+
 def test_a_constant_shared_with_a_hoisted_value_is_still_online_softmaxs_loop() -> None:
     """A score term score-licm hoists out of the loop (`where(kv == 3, nan, 0.0)`) shares its 0.0 with m_new's guard
     after cse: the loop check compared that constant by identity and refused the pipelines' own IR in split-kv and

@@ -77,6 +77,8 @@ def test_the_reference_backend_takes_dlse() -> None:
         np.testing.assert_array_equal(a, b)
     with pytest.raises(FalowerError, match=r"dlse must have lse's shape \(1, 2, 21\), got \(1, 2, 20\)"):
         c.backward(q, k, v, o, lse, do, dlse=dlse[:, :, :20])
+    with pytest.raises(FalowerError, match=r"dlse must be an array of lse's shape \(1, 2, 21\), got float"):
+        c.backward(q, k, v, o, lse, do, dlse=1.0)
 
 
 def test_only_the_backward_ir_takes_it() -> None:

@@ -435,7 +435,7 @@ def lazy_max_threshold(op: Op) -> Optional[float]:
     return add.operands[1].owner.attrs.get("value")
 
 
-def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> None:
+def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> "OnlineSoftmax":
     """Raise `fail(msg)` unless the kv loop `loop` and the f32 O and LSE tiles after it are what online-softmax
     makes in the FA2 order: its `_update` and `_epilogue`, with the exp2 and lazy options the IR shows, built again
     and compared by structure. The loop carries (m, l, acc) from (-inf, 0, 0); a step (where mask-tiles' branch
@@ -443,7 +443,8 @@ def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> None:
     past m + T), p = exp(x - m_new) (0 for m_new = -inf), l * exp(m - m_new) + rowsum(p) and
     acc * exp(m - m_new) + p @ V; nothing else in the loop reads the three; O = acc / where(l == 0, 1, l) and
     LSE = m + log(l) ((m + log2(l)) * ln 2 under exp2). A pass that takes the loop's numbers for the softmax's
-    (split-kv merges its parts by their LSE) asks this of its input, which may be a hand-edited dump."""
+    (split-kv merges its parts by their LSE) asks this of its input, which may be a hand-edited dump. Returns the
+    form it found (exp2, lazy)."""
     body = loop.regions[0]
     carried = list(body.args[1:])
     if len(carried) != 3 or not all(is_const(v, c) for v, c in zip(loop.operands[2:], (-math.inf, 0.0, 0.0))):
@@ -502,6 +503,7 @@ def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> None:
     if _key(lse_tile, outer, dict(ends)) != _key(lse_want, scratch, dict(ends)):
         raise fail("LSE's tile is not the kv loop's " + ("(m + log2(l)) * ln 2 (its exp2 base)" if form.exp2
                                                          else "m + log(l)"))
+    return form
 
 
 def _uses_q(op: Op, q_dependent: set[Value], slice_ops: list[Op]) -> bool:
@@ -586,11 +588,11 @@ def check_kv_range(loop: Op, fail) -> None:
     _kv_length(loop, fail)  # to cdiv(N, bk)
 
 
-def check_fa2_body(body: Block, fail, whole_range: bool = True) -> None:
+def check_fa2_body(body: Block, fail, whole_range: bool = True) -> "OnlineSoftmax":
     """The q tile's body of the fa2-fwd IR (or of split-kv's, `whole_range` False: a part's share of the range) as
     online-softmax and mask-tiles make it: one kv loop carrying (m, l, acc) over the q tile's kv tiles, O and LSE
     from it (check_fa2_loop). The numba-cuda backend, whose kernels compute this loop from their own template, asks
-    it of the IR it is given, which may be a hand-edited dump."""
+    it of the IR it is given, which may be a hand-edited dump. Returns the loop's form (exp2, lazy)."""
     loops = [op for op in body.ops if op.name == "for"]
     if len(loops) != 1 or len(loops[0].results) != 3:
         raise fail("needs one kv loop carrying (m, l, acc) in the q tile's body (online-softmax's FA2 order)")
@@ -601,7 +603,10 @@ def check_fa2_body(body: Block, fail, whole_range: bool = True) -> None:
     o_tile = term.operands[0]
     o32 = o_tile if o_tile.type.dtype == "f64" else f32_source(o_tile)  # (f64 graphs compute O in f64)
     if o32 is None:
-        raise fail(f"O's tile is {o_tile.type}, not the cast of an f32 tile")
+        src = o_tile.owner.operands[0].type if isinstance(o_tile.owner, Op) and o_tile.owner.name == "cast" else None
+        raise fail(f"O's tile is {o_tile.type}" + (f", a cast of {src}: an f64 graph returns O in f64 (the kernels "
+                                                   "store O in the inputs' dtype)" if src is not None and
+                                                   src.dtype == "f64" else ", not the cast of an f32 tile"))
     if whole_range:
         check_kv_range(loops[0], fail)
-    check_fa2_loop(loops[0], o32, term.operands[1 + n_o], fail)
+    return check_fa2_loop(loops[0], o32, term.operands[1 + n_o], fail)

@@ -488,3 +488,34 @@ def test_a_learned_temperatures_gradient_from_the_kernels(kind: str, D: int) -> 
     grads, same = _default_kernels_against_the_ir(EXTRA_GRAPHS[f"temp_{kind}"](),
                                                   {"B": 2, "H": 3, "HKV": 3, "M": 300, "N": 257, "D": D})
     _assert_close_to_the_ir(grads, {"dq", "dk", "dv", "dtemp"}, same)
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_the_lse_cotangent_on_a_side_stream(direct: str, monkeypatch) -> None:
+    """c.backward(..., dlse=) on a non-default torch stream, by the direct launches (FALOWER_DIRECT_LAUNCH=1: the
+    subtraction on the launches' stream) and by Numba's path (0: Delta's kernel on stream 0, so the subtraction
+    there too; on the side stream nothing ordered it after Delta's kernel, a review's find): the gradients of the
+    IR with Delta - dlse (passes/lse_cotangent.py) in float64, within FA2's rule."""
+    needs_cuda()
+    from falower.ir.interp import Interpreter
+    from falower.passes.lse_cotangent import with_lse_cotangent
+
+    monkeypatch.setenv("FALOWER_DIRECT_LAUNCH", direct)
+    c = fl.compile(graph("causal", "f16")[0], "numba-cuda")
+    env, host, do_host = case_inputs("causal", "f16", 64, 1000)
+    dev = to_device(host, "f16")
+    do = torch.from_numpy(np.asarray(do_host, dtype=np.float32)).to("cuda", torch.float16)
+    o, lse = c(*dev)
+    dlse = torch.randn(lse.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        grads = [g.double().cpu().numpy() for g in c.backward(*dev[:3], o, lse, do, dlse=dlse)]
+    torch.cuda.synchronize()
+    f = with_lse_cotangent(c.lowered_backward)
+    by = dict(q=host[0], k=host[1], v=host[2], o=o.cpu().numpy(), lse=lse.cpu().numpy(), do=do_host,
+              dlse=dlse.cpu().numpy())
+    want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
+    for name, a, b in zip(c.gradient_names(), grads, want):
+        b = np.asarray(b, np.float64)
+        assert np.max(np.abs(a - b)) <= 1e-2 * max(1.0, np.max(np.abs(b))), name

@@ -74,12 +74,17 @@ def analyse(func: Func) -> Lowered:
     if len(par.attrs["bounds"]) != 3 + lead or len(par.results) != 2:
         raise BackendError("numba-cuda backend: expected parallel_for (b, h, qi) with outputs O and LSE "
                            "(the fa1 order and graphs without online-softmax are not emitted)")
-    check_fa2_body(par.regions[0], lambda msg: BackendError(
+    form = check_fa2_body(par.regions[0], lambda msg: BackendError(
         f"numba-cuda backend: {msg} (its kernels compute online-softmax's loop, whatever a dump says it is)"),
         whole_range=parts == 1)
     fused_ops = [op for op in par.walk() if op.name == "fused"]
     if not fused_ops:
         raise BackendError("numba-cuda backend: no fused score function in the kv loop")
+    for f in fused_ops:  # the kernels take the exponential's base and the lazy threshold from the score function
+        said = (bool(f.attrs.get("exp2")), float(f.attrs.get("lazy_rescale", 0.0)))
+        if said != (form.exp2, form.lazy):
+            raise BackendError(f"numba-cuda backend: the score function says exp2={said[0]}, lazy_rescale={said[1]:g} "
+                               f"where the kv loop's online softmax is exp2={form.exp2}, lazy={form.lazy:g}")
     fused = fused_ops[-1]  # the masked (partial-tile) form when mask-tiles ran
     region = fused.regions[0]
     score, conj = split_mask(region)

@@ -1162,9 +1162,18 @@ class _BackwardPlan:
 
 
 def _check_dlse(dlse: Any, lse: Any) -> None:
-    """The LSE's cotangent has the LSE's shape (B, H, M)."""
-    if dlse is not None and tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
+    """The LSE's cotangent: a float array of the LSE's shape (B, H, M), of the LSE's kind and device."""
+    if dlse is None:
+        return
+    if not hasattr(dlse, "shape") or not hasattr(dlse, "dtype"):
+        raise TypeError(f"dlse must be an array of lse's shape {tuple(lse.shape)}, got {type(dlse).__name__}")
+    if tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
         raise ValueError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
+    if not str(dlse.dtype).replace("torch.", "").startswith(("float", "bfloat")):
+        raise TypeError(f"dlse must hold floats, got {dlse.dtype}")
+    if type(dlse).__module__.startswith("torch") and type(lse).__module__.startswith("torch") \
+            and dlse.device != lse.device:
+        raise ValueError(f"dlse is on {dlse.device}, lse on {lse.device}")
 
 
 def _host_rows(x: Any) -> np.ndarray:
@@ -2221,8 +2230,9 @@ class FA2BackwardKernel:
                     g_buf.copy_to_device(zeros[i])
             delta_k(dof, of, delta, dq32, H, M, *strides[9:12])
             if dlse is not None:  # the LSE's cotangent: Delta - dLSE (passes/lse_cotangent.py)
-                if kind == "torch":
-                    delta.sub_(dlse.detach().reshape(-1).to(delta.dtype))
+                if kind == "torch":  # on the stream Numba launches on (0, torch's default), between its launches
+                    with torch.cuda.stream(torch.cuda.default_stream(delta.device)):
+                        delta.sub_(dlse.detach().reshape(-1).to(delta.dtype))
                 else:  # (the simulator's and numpy's path: once through the host)
                     moved = delta.copy_to_host() - np.asarray(_host_rows(dlse), dtype=delta.dtype).reshape(-1)
                     delta.copy_to_device(moved)
