@@ -104,6 +104,27 @@ def test_the_backend_takes_only_online_softmaxs_loop(old: str, new: str, words: 
     analyse(run_pipeline(fl.parse_func(fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))), "split-kv{parts=2}"))
 
 
+@pytest.mark.parametrize("old, new, words", [
+    ("tile.load %v[", "tile.load %k[", "P @ V's V is not a tile of the third argument"),
+    ("%qt = tile.load %q[", "%qt = tile.load %k[", "the q tile loads %k, not the first argument"),
+    ("tile.load %k[%b, %h, %k0", "tile.load %k[%b, %h, %q0", "the k tile is not loaded at the kv tile's first row"),
+    ("%x_log2 = mul %s_1, %scale_1", "%x_log2 = add %s_1, %scale_1", "the full tiles' score function does not"),
+    ("%full_tile = eq %cls, %13", "%full_tile = ne %cls, %14", "a tile class is read by ne"),
+    ("%empty_tile = eq %cls, %14", "%empty_tile = eq %cls, %13", "a tile class's branch is not mask-tiles'"),
+], ids=["v-from-k", "q-from-k", "k-at-q0", "full-score", "class-ne", "class-swapped"])
+def test_the_backend_takes_only_its_templates_loads_and_tiles(old: str, new: str, words: str) -> None:
+    """What the kernels compute from their own template beyond the loop: Q, K, V's tiles, S = Q K^T, the full
+    tiles' score and the tile classes' tests. Each edit was accepted and ran with other numbers than the edited IR's
+    in the simulator (dO off by 1.4 to 2.8; a review's finds)."""
+    from falower.backends.numba_cuda.from_ir import analyse
+
+    text = fl.print_func(run_pipeline(CAUSAL, "fa2-fwd"))
+    assert old in text, old
+    with pytest.raises(FalowerError, match="^numba-cuda backend: " + re.escape(words)) as e:
+        analyse(fl.parse_func(text.replace(old, new)))
+    assert "\n" not in str(e.value)
+
+
 def test_the_backend_takes_the_score_functions_base_from_the_loop() -> None:
     """The kernels take exp2 and the lazy threshold from the fused score function: a dump whose fused ops drop
     `exp2` (or `lazy_rescale`) while the loop keeps exp2's form ran as exp with the loop's numbers (a review's

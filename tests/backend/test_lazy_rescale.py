@@ -50,7 +50,8 @@ def test_attribute_without_the_select_is_refused():
     for op in low.walk():
         if op.name == "fused":
             op.attrs["lazy_rescale"] = 8.0
-    with pytest.raises(BackendError, match="no conditional max"):
+    with pytest.raises(BackendError, match="the score function says exp2=True, lazy_rescale=8 where the kv loop's "
+                                           "online softmax is exp2=True, lazy=0"):
         analyse(low)
 
 

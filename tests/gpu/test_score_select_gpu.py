@@ -1,5 +1,5 @@
 """A score that selects on a condition of its own (marked gpu): `where(h % 2 == 0, s, s / 2)` failed to compile (the
-lazy select's search read a region argument's owner as an op, from_ir._is_lazy_max), and a GQA score that selects on
+lazy select's search read a region argument's owner as an op, now online_softmax.lazy_max_threshold), and a GQA score that selects on
 the query row (`s + where(q >= kv, 0, -inf)`) is the score's, so falower.compile leaves it unpacked
 (pack_gqa.score_reads_query_index). FlashAttention's error rule, M != N."""
 

@@ -22,7 +22,7 @@ from ...ir.printer import print_func
 from ...ir.value_ranges import ValueRanges, dim_range
 from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
-from ...passes.online_softmax import check_fa2_body, lazy_max_threshold
+from ...passes.online_softmax import check_fa2_body
 from .spec import Capture, FA2ForwardSpec
 
 
@@ -80,6 +80,7 @@ def analyse(func: Func) -> Lowered:
     fused_ops = [op for op in par.walk() if op.name == "fused"]
     if not fused_ops:
         raise BackendError("numba-cuda backend: no fused score function in the kv loop")
+    _check_template(func, par, fused_ops)
     for f in fused_ops:  # the kernels take the exponential's base and the lazy threshold from the score function
         said = (bool(f.attrs.get("exp2")), float(f.attrs.get("lazy_rescale", 0.0)))
         if said != (form.exp2, form.lazy):
@@ -129,12 +130,67 @@ def analyse(func: Func) -> Lowered:
     # run tables only where block data is made per data anyway (block lists): a dense block table's kernels
     # take the caller's captures alone
     runs = runs_wanted(predicate_region(fused, conj)) if conj and block_mask == "list" else []
-    lazy = float(fused.attrs.get("lazy_rescale", 0.0))
-    if lazy and not any(_is_lazy_max(op, lazy) for op in par.walk()):
-        raise BackendError("numba-cuda backend: the score function says lazy_rescale but the kv loop has no "
-                           "conditional max (m_moved); lower with online-softmax{lazy=T}")
+    lazy = float(fused.attrs.get("lazy_rescale", 0.0))  # (the kv loop's own: checked above)
     return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
                    cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy, ragged_first, parts, part_dtype)
+
+
+def _check_template(func: Func, par: Op, fused_ops: list[Op]) -> None:
+    """What the kernels take from their own template rather than from the IR, asked of the IR (which may be a
+    hand-edited dump; a review's finds: each edit ran with other numbers than the IR's): Q, K and V are the tiles of
+    the first three arguments, K's and V's at the kv tile's first row; S = Q K^T feeds each score function; the full
+    tiles' score function (mask-tiles' unmasked copy) computes the masked one's score; the tile classes' tests are
+    mask-tiles' (0: empty, skipped; 2: full)."""
+    from ...passes.online_softmax import _key
+
+    def fail(msg: str) -> BackendError:
+        return BackendError(f"numba-cuda backend: {msg} (its kernels compute this from their own template)")
+
+    def load_of(v: Value, arg: int) -> Optional[Op]:
+        op = v.owner
+        return op if isinstance(op, Op) and op.name == "tile.load" and op.operands[0] is func.args[arg] else None
+
+    q_load = next(op for op in par.regions[0].ops if op.name == "tile.load")
+    if q_load.operands[0] is not func.args[0]:
+        raise fail(f"the q tile loads %{q_load.operands[0].name}, not the first argument (q)")
+    for f in fused_ops:
+        roles = list(f.attrs["roles"])
+        s = f.operands[roles.index("s")].owner
+        kv = f.operands[roles.index("kv")].owner if "kv" in roles else None
+        k_load = load_of(s.operands[1], 1) if isinstance(s, Op) and s.name == "tile.matmul" else None
+        if k_load is None or s.operands[0] is not q_load.results[0] or not s.attrs.get("transpose_b") \
+                or s.attrs.get("transpose_a"):
+            raise fail("the score function's S is not Q K^T of the q tile and a tile of the second argument (k)")
+        k0 = kv.operands[0] if isinstance(kv, Op) and kv.name == "tile.iota" else None
+        if k0 is not None and k_load.operands[3] is not k0:
+            raise fail("the k tile is not loaded at the kv tile's first row (the kv index's start)")
+        for op in par.walk():  # P @ V: the one product without transpose_b
+            if op.name == "tile.matmul" and not op.attrs.get("transpose_b"):
+                v_load = load_of(op.operands[1], 2)
+                if v_load is None:
+                    raise fail("P @ V's V is not a tile of the third argument (v)")
+                if k0 is not None and v_load.parent is k_load.parent and v_load.operands[3] is not k0:
+                    raise fail("the v tile is not loaded at the kv tile's first row")
+    if len(fused_ops) == 2:
+        (full, _), (masked, _) = (split_mask(f.regions[0]) for f in fused_ops)
+        if list(fused_ops[0].attrs["roles"]) != list(fused_ops[1].attrs["roles"]) or \
+                _key(full, fused_ops[0].regions[0], {}) != _key(masked, fused_ops[1].regions[0], {}):
+            raise fail("the full tiles' score function does not compute the partial tiles' score (mask-tiles' copy)")
+    for op in par.walk():
+        if any(isinstance(x.owner, Op) and x.owner.name == "mask.classify" for x in op.operands) and op.name != "eq":
+            raise fail(f"a tile class is read by {op.name}: mask-tiles' tests are == 0 (empty) and == 2 (full)")
+        if op.name == "eq" and isinstance(op.operands[0].owner, Op) and op.operands[0].owner.name == "mask.classify":
+            c = op.operands[1].owner
+            cv = c.attrs.get("value") if isinstance(c, Op) and c.name == "const" else None
+            if cv not in (0, 2):
+                raise fail(f"a tile class is compared with {cv!r}: mask-tiles' tests are == 0 (empty) and == 2 (full)")
+            for user in (u for u in par.walk() if u.name == "if" and u.operands[0] is op.results[0]):
+                then = user.regions[0]
+                through = any(y.owner is not None and isinstance(y.owner, Block) for y in then.terminator.operands)
+                fused_then = any(x.name == "fused" for x in then.ops)
+                if (cv == 0) != through or (cv == 2) != fused_then:
+                    raise fail("a tile class's branch is not mask-tiles' (== 0: the state passed through; == 2: the "
+                               "unmasked score function)")
 
 
 def _split_parts(func: Func, par: Op) -> tuple[int, str]:
@@ -166,11 +222,6 @@ def _q_start_form(q0: Value, qi: Value, bq: int, q: Value) -> bool:
         return False
     raise BackendError(f"numba-cuda backend: the q tile's first row must be qi * {bq} or qi * {bq} - q_pad "
                        "(tile{ragged_q=first}); this graph computes it otherwise")
-
-
-def _is_lazy_max(op: Op, threshold: float) -> bool:
-    """online-softmax{lazy=T}'s select with T = threshold (online_softmax.lazy_max_threshold)."""
-    return lazy_max_threshold(op) == threshold
 
 
 def _is_bounds(v: Value) -> bool:
