@@ -71,7 +71,7 @@ def _yield_of(loop: Op) -> list[Value]:
     return list(loop.regions[0].terminator.operands)  # type: ignore[union-attr]
 
 
-def _key(v: Value, body: Block, memo: dict) -> object:
+def structure_key(v: Value, body: Block, memo: dict) -> object:
     """A structural key of how `v` is computed inside `body` (loop-iv and outer values by identity, constants by
     value)."""
     if v in memo:
@@ -86,7 +86,7 @@ def _key(v: Value, body: Block, memo: dict) -> object:
         op = v.owner
         regions = tuple(_region_key(r) for r in op.regions)
         k = (op.name, tuple(sorted((a, repr(b)) for a, b in op.attrs.items())), v.index, str(v.type),
-             tuple(_key(o, body, memo) for o in op.operands), regions)
+             tuple(structure_key(o, body, memo) for o in op.operands), regions)
     memo[v] = k
     return k
 
@@ -94,7 +94,7 @@ def _key(v: Value, body: Block, memo: dict) -> object:
 def _region_key(r: Block) -> object:
     memo: dict = {}
     term = r.terminator
-    return tuple(_key(o, r, memo) for o in term.operands) if term else ()
+    return tuple(structure_key(o, r, memo) for o in term.operands) if term else ()
 
 
 def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
@@ -127,8 +127,8 @@ def _match(block: Block, who: str, fail) -> Optional[ThreePass]:
         x_c = _is(p_div.operands[0], "exp").operands[0].owner.operands[0]  # type: ignore[union-attr]
         x_b = _is(_is(_yield_of(ll)[0], "add").operands[1], "reduce_sum").operands[0]  # type: ignore[union-attr]
         x_b = _is(x_b, "exp").operands[0].owner.operands[0]  # type: ignore[union-attr]
-        ka = _key(x_a, body_m, {})
-        if ka != _key(x_b, ll.regions[0], {}) or ka != _key(x_c, la.regions[0], {}):
+        ka = structure_key(x_a, body_m, {})
+        if ka != structure_key(x_b, ll.regions[0], {}) or ka != structure_key(x_c, la.regions[0], {}):
             raise fail("the three kv loops compute different score tiles; online softmax needs one score function")
         if not (lm.operands[0] is ll.operands[0] is la.operands[0] and lm.operands[1] is ll.operands[1] is la.operands[1]):
             raise fail("the three kv loops have different bounds")
@@ -480,7 +480,7 @@ def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> "OnlineSof
                                                                               if lazy else ""),
                                        "l is not l * exp(m - m_new) + rowsum(exp(x - m_new))",
                                        "acc is not acc * exp(m - m_new) + exp(x - m_new) @ V")):
-        if _key(got, blk, got_memo) != _key(w, scratch, want_memo):
+        if structure_key(got, blk, got_memo) != structure_key(w, scratch, want_memo):
             raise fail(f"the kv loop's {what} (online-softmax's update)")
     update: set[int] = set()  # the ops compared: the only ones that may read the running (m, l, acc)
     stack = list(ys)
@@ -498,9 +498,9 @@ def check_fa2_loop(loop: Op, o_tile: Value, lse_tile: Value, fail) -> "OnlineSof
     o_want, lse_want = form._epilogue(Builder(scratch), m, l, acc)
     ends = {m: ("m",), l: ("l",), acc: ("acc",)}
     outer = loop.parent
-    if _key(o_tile, outer, dict(ends)) != _key(o_want, scratch, dict(ends)):
+    if structure_key(o_tile, outer, dict(ends)) != structure_key(o_want, scratch, dict(ends)):
         raise fail("O's tile is not the kv loop's acc / where(l == 0, 1, l)")
-    if _key(lse_tile, outer, dict(ends)) != _key(lse_want, scratch, dict(ends)):
+    if structure_key(lse_tile, outer, dict(ends)) != structure_key(lse_want, scratch, dict(ends)):
         raise fail("LSE's tile is not the kv loop's " + ("(m + log2(l)) * ln 2 (its exp2 base)" if form.exp2
                                                          else "m + log(l)"))
     return form

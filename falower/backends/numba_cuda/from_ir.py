@@ -22,7 +22,7 @@ from ...ir.printer import print_func
 from ...ir.value_ranges import ValueRanges, dim_range
 from ...ir.types import int_range, is_float
 from ...passes.mask_tiles import predicate_region, split_mask
-from ...passes.online_softmax import check_fa2_body
+from ...passes.online_softmax import check_fa2_body, structure_key
 from .spec import Capture, FA2ForwardSpec
 
 
@@ -141,8 +141,6 @@ def _check_template(func: Func, par: Op, fused_ops: list[Op]) -> None:
     the first three arguments, K's and V's at the kv tile's first row; S = Q K^T feeds each score function; the full
     tiles' score function (mask-tiles' unmasked copy) computes the masked one's score; the tile classes' tests are
     mask-tiles' (0: empty, skipped; 2: full)."""
-    from ...passes.online_softmax import _key
-
     def fail(msg: str) -> BackendError:
         return BackendError(f"numba-cuda backend: {msg} (its kernels compute this from their own template)")
 
@@ -164,17 +162,17 @@ def _check_template(func: Func, par: Op, fused_ops: list[Op]) -> None:
         k0 = kv.operands[0] if isinstance(kv, Op) and kv.name == "tile.iota" else None
         if k0 is not None and k_load.operands[3] is not k0:
             raise fail("the k tile is not loaded at the kv tile's first row (the kv index's start)")
-        for op in par.walk():  # P @ V: the one product without transpose_b
-            if op.name == "tile.matmul" and not op.attrs.get("transpose_b"):
-                v_load = load_of(op.operands[1], 2)
-                if v_load is None:
-                    raise fail("P @ V's V is not a tile of the third argument (v)")
-                if k0 is not None and v_load.parent is k_load.parent and v_load.operands[3] is not k0:
-                    raise fail("the v tile is not loaded at the kv tile's first row")
+    for op in par.walk():  # P @ V: the one product without transpose_b
+        if op.name == "tile.matmul" and not op.attrs.get("transpose_b"):
+            v_load = load_of(op.operands[1], 2)
+            if v_load is None:
+                raise fail("P @ V's V is not a tile of the third argument (v)")
+            if k0 is not None and v_load.parent is k_load.parent and v_load.operands[3] is not k0:
+                raise fail("the v tile is not loaded at the kv tile's first row")
     if len(fused_ops) == 2:
         (full, _), (masked, _) = (split_mask(f.regions[0]) for f in fused_ops)
         if list(fused_ops[0].attrs["roles"]) != list(fused_ops[1].attrs["roles"]) or \
-                _key(full, fused_ops[0].regions[0], {}) != _key(masked, fused_ops[1].regions[0], {}):
+                structure_key(full, fused_ops[0].regions[0], {}) != structure_key(masked, fused_ops[1].regions[0], {}):
             raise fail("the full tiles' score function does not compute the partial tiles' score (mask-tiles' copy)")
     for op in par.walk():
         if any(isinstance(x.owner, Op) and x.owner.name == "mask.classify" for x in op.operands) and op.name != "eq":
