@@ -14,6 +14,7 @@ from .ir.core import Func
 from .ir.dims import solve_dims
 from .ir.interp import Interpreter
 from .passes.canonicalize import const_value
+from .passes.lse_cotangent import check_dlse, with_lse_cotangent
 from .passes.manager import debug_level, deep_graphs, run_pipeline
 
 BACKENDS = ("numba-cuda", "reference")
@@ -44,6 +45,7 @@ class CompiledAttention:
         self._built: dict[str, tuple[Func, Any]] = {}  # kernel name -> the (lowered, analysis) it came from
         self._lowered_bwd: Optional[Func] = None
         self._bwd_analysis: Any = None
+        self._bwd_dlse: Optional[Func] = None  # the backward IR with the LSE's cotangent (reference backend)
         self._kernels: dict[tuple, Any] = {}
         self._bwd_kernels: dict[tuple, Any] = {}
         # warm calls: the input signature (shapes, strides, dtypes, devices) -> what the call runs
@@ -846,10 +848,7 @@ class CompiledAttention:
         by_name.update(o=o, lse=lse, do=do)
         bwd = self.lowered_backward
         if dlse is not None:
-            if not hasattr(dlse, "shape"):
-                raise ShapeError(f"dlse must be an array of lse's shape {tuple(lse.shape)}, got {type(dlse).__name__}")
-            if tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
-                raise ShapeError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
+            check_dlse(dlse, lse)
             by_name["dlse"] = dlse
         if self.backend == "reference":
             if dlse is not None:
@@ -870,9 +869,7 @@ class CompiledAttention:
 
     def _backward_with_lse_cotangent(self) -> Func:
         """The backward IR with the LSE's cotangent (passes/lse_cotangent.py), made once."""
-        from .passes.lse_cotangent import with_lse_cotangent
-
-        if getattr(self, "_bwd_dlse", None) is None:
+        if self._bwd_dlse is None:
             self._bwd_dlse = with_lse_cotangent(self.lowered_backward)
         return self._bwd_dlse
 

@@ -29,6 +29,12 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), x, out)
 
 
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """`x` rounded to f16 (as float16) or bf16 (kept in float32): the low precisions' stores and the tensor cores'
+    operands (tile.matmul's operand_dtype)."""
+    return round_bf16(x.astype(np.float32)) if dtype == "bf16" else x.astype(np.float16)
+
+
 _UNARY = {
     "neg": np.negative, "abs": np.abs, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2,
     "tanh": np.tanh, "tanh_approx": np.tanh, "sqrt": np.sqrt, "sigmoid": lambda a: 1.0 / (1.0 + np.exp(-a)),
@@ -118,7 +124,7 @@ class Interpreter:
         if self.precision == "f64":
             return x.astype(np.float64)
         if self.low is not None and t.dtype != "f64":
-            return round_bf16(x.astype(np.float32)) if self.low == "bf16" else x.astype(np.float16)
+            return round_to(x, self.low)
         if t.dtype == "bf16":
             return round_bf16(x.astype(np.float32))
         return x.astype(numpy_dtype(t.dtype))
@@ -267,7 +273,7 @@ class Interpreter:
         cd = self.compute_dtype(op.results[0].type)  # f64 products accumulate in f64 (f32 lost ~1e-7)
         od = op.attrs.get("operand_dtype")
         if od is not None and self.precision != "f64":  # the tensor cores' operands (f64: the exact reference)
-            a, b = (round_bf16(x.astype(np.float32)) if od == "bf16" else x.astype(np.float16) for x in (a, b))
+            a, b = round_to(a, od), round_to(b, od)
         a, b = a.astype(cd), b.astype(cd)
         if op.attrs.get("transpose_a"):
             a = np.swapaxes(a, -1, -2)

@@ -8,12 +8,24 @@ With LSE_i = log sum_j exp(X_ij), dLSE_i / dX_ij = P_ij, so the softmax rule's d
 Nothing else of the backward changes: `with_lse_cotangent` takes the fa2-bwd IR and returns it with one more
 argument, `dlse` (the LSE's shape), subtracted from Delta where Delta is made; the kernels subtract it from their
 Delta buffer after Delta's kernel (FlexAttention differentiates through its returned LSE; FlashAttention's LSE is
-not differentiable).
+not differentiable). Requires the tiled fa2-bwd IR (Delta's parallel_for named `delta`, an `lse` argument).
+Before / after (Delta's tile, abridged):
+
+    %delta_1 = reduce_sum %do_o {axis = 1} : f32[64,1]
+    tile.yield %delta_1 into [%b, %h, %q0 : 64, :]
+    =>
+    %delta_1 = reduce_sum %do_o {axis = 1} : f32[64,1]
+    %dlse_t = tile.load %dlse[%b, %h, %q0 : 64] : f32[64]
+    %3 = unsqueeze %dlse_t {axis = 1} : f32[64,1]
+    %delta_moved = sub %delta_1, %3 : f32[64,1]
+    tile.yield %delta_moved into [%b, %h, %q0 : 64, :]
 """
 
 from __future__ import annotations
 
-from ..errors import FalowerError
+from typing import Any
+
+from ..errors import FalowerError, ShapeError
 from ..ir.builder import Builder
 from ..ir.core import Func, clone_func
 from ..ir.dims import Const
@@ -47,3 +59,18 @@ def with_lse_cotangent(func: Func) -> Func:
     term.operands[0] = moved
     body.append(term)
     return out
+
+
+def check_dlse(dlse: Any, lse: Any) -> None:
+    """The LSE's cotangent a caller passes: a float array of the LSE's shape (B, H, M), on the LSE's device."""
+    if dlse is None:
+        return
+    if not hasattr(dlse, "shape") or not hasattr(dlse, "dtype"):
+        raise ShapeError(f"dlse must be an array of lse's shape {tuple(lse.shape)}, got {type(dlse).__name__}")
+    if tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
+        raise ShapeError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
+    if not str(dlse.dtype).replace("torch.", "").startswith(("float", "bfloat")):
+        raise ShapeError(f"dlse must hold floats, got {dlse.dtype}")
+    if type(dlse).__module__.startswith("torch") and type(lse).__module__.startswith("torch") \
+            and dlse.device != lse.device:
+        raise ShapeError(f"dlse is on {dlse.device}, lse on {lse.device}")

@@ -22,7 +22,7 @@ from ..ir.dims import Const, dim
 from ..ir.lse_merge import build_lse_merge
 from ..ir.types import TensorType, scalar
 from .base import Pass, register
-from .online_softmax import check_fa2_loop, check_kv_range, f32_source
+from .online_softmax import check_fa2_body, f32_source
 from .rewrite import dce
 
 
@@ -39,7 +39,7 @@ class SplitKV(Pass):
     LSE, one kv loop `for %kj = %kv_lo to %kv_hi` in its body, O yielded as the cast of its f32 acc / l). The loop
     must be online-softmax's own, since the merge takes each part's O and LSE for a softmax's over its share: it
     runs from tile 0 to cdiv(N, bk) or over mask.kv_range's tiles, and its (m, l, acc), O and LSE are what
-    online-softmax makes (online_softmax.check_fa2_loop); a dump edited otherwise is refused, not split into other
+    online-softmax makes (online_softmax.check_fa2_body); a dump edited otherwise is refused, not split into other
     numbers. Before / after (P = 2, abridged):
 
         %o, %lse = parallel_for (%b, %h, %qi) in (B, H, cdiv(M, 128)) : f16[B,H,M,D], f32[B,H,M] {
@@ -118,8 +118,7 @@ class SplitKV(Pass):
                             "merge is linear in each part's O, so it cannot run before that op")
         if lse_tile.type.dtype != "f32":
             raise self.fail(f"LSE's tile is {lse_tile.type}, not f32")
-        check_kv_range(loop, self.fail)
-        check_fa2_loop(loop, o32, lse_tile, self.fail)  # the parts' O and LSE merge into the softmax's only then
+        check_fa2_body(body, self.fail)  # the parts' O and LSE merge into the softmax's only then (as the backend)
 
         P = self.parts
         blk = Block([scalar("i32")] * 4, ["part"] + [a.name for a in body.args])

@@ -130,9 +130,8 @@ def analyse(func: Func) -> Lowered:
     # run tables only where block data is made per data anyway (block lists): a dense block table's kernels
     # take the caller's captures alone
     runs = runs_wanted(predicate_region(fused, conj)) if conj and block_mask == "list" else []
-    lazy = float(fused.attrs.get("lazy_rescale", 0.0))  # (the kv loop's own: checked above)
-    return Lowered(func, fused, score, conj, block_q, block_k, group, bool(fused.attrs.get("exp2")), block_mask,
-                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, lazy, ragged_first, parts, part_dtype)
+    return Lowered(func, fused, score, conj, block_q, block_k, group, form.exp2, block_mask,
+                   cap_args, dims, sorted(dims - {"D"}), ranges, runs, form.lazy, ragged_first, parts, part_dtype)
 
 
 def _check_template(func: Func, par: Op, fused_ops: list[Op]) -> None:

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from ...passes.lse_cotangent import check_dlse
 from . import cubin_cache, graph_capture
 from .block_data import BlockTables
 from .emit_fa2 import (cluster_parts, emit_block_mask, emit_fa2_forward, grid, smem_bytes, threads_per_block,
@@ -1106,7 +1107,7 @@ class _BackwardPlan:
                  dlse: Any = None) -> Optional[tuple]:
         import torch
 
-        _check_dlse(dlse, lse)
+        check_dlse(dlse, lse)
         ptr = {"q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "do": do.data_ptr()}
         if self.aligned and (ptr["q"] | ptr["k"] | ptr["v"] | ptr["do"]) & 15:
             return None  # rows not 16-byte aligned: the Numba path copies them
@@ -1159,21 +1160,6 @@ class _BackwardPlan:
             x = caps[c]
             outs.append(g.reshape(x.shape).to(x.dtype))
         return tuple(outs)
-
-
-def _check_dlse(dlse: Any, lse: Any) -> None:
-    """The LSE's cotangent: a float array of the LSE's shape (B, H, M), of the LSE's kind and device."""
-    if dlse is None:
-        return
-    if not hasattr(dlse, "shape") or not hasattr(dlse, "dtype"):
-        raise TypeError(f"dlse must be an array of lse's shape {tuple(lse.shape)}, got {type(dlse).__name__}")
-    if tuple(int(n) for n in dlse.shape) != tuple(int(n) for n in lse.shape):
-        raise ValueError(f"dlse must have lse's shape {tuple(lse.shape)}, got {tuple(dlse.shape)}")
-    if not str(dlse.dtype).replace("torch.", "").startswith(("float", "bfloat")):
-        raise TypeError(f"dlse must hold floats, got {dlse.dtype}")
-    if type(dlse).__module__.startswith("torch") and type(lse).__module__.startswith("torch") \
-            and dlse.device != lse.device:
-        raise ValueError(f"dlse is on {dlse.device}, lse on {lse.device}")
 
 
 def _host_rows(x: Any) -> np.ndarray:
@@ -2123,7 +2109,7 @@ class FA2BackwardKernel:
 
         s = self.spec
         kind = self._check(q, k, v, o, lse, do, captures)
-        _check_dlse(dlse, lse)
+        check_dlse(dlse, lse)
         _refuse_capture(kind)
         B, H, M, D = (int(n) for n in q.shape)
         Hk, N = int(k.shape[1]), int(k.shape[2])
