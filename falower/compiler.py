@@ -14,7 +14,7 @@ from .ir.core import Func
 from .ir.dims import solve_dims
 from .ir.interp import Interpreter
 from .passes.canonicalize import const_value
-from .passes.lse_cotangent import check_dlse, with_lse_cotangent
+from .passes.lse_cotangent import check_dlse, lse_cotangent_arg, with_lse_cotangent
 from .passes.manager import debug_level, deep_graphs, run_pipeline
 
 BACKENDS = ("numba-cuda", "reference")
@@ -845,14 +845,18 @@ class CompiledAttention:
             raise ShapeError(f"backward of @{self.func.name} takes q, k, v, o, lse, do and {len(self.func.args) - 3} "
                              f"captured tensors ({names or 'none'}), got {len(captures)}")
         by_name = {a.name: x for a, x in zip(self.func.args, inputs)}
-        by_name.update(o=o, lse=lse, do=do)
+        out = self.func.result_names[0]  # the backward takes O and its cotangent by the output's name (recompute's)
+        by_name.update({"o": o, "lse": lse, "do": do, out: o, f"d{out}": do})
         bwd = self.lowered_backward
+        cot = lse_cotangent_arg(bwd)  # a graph returning its LSE: the backward takes its cotangent (d<name>)
         if dlse is not None:
             check_dlse(dlse, lse)
-            by_name["dlse"] = dlse
         if self.backend == "reference":
-            if dlse is not None:
+            if dlse is not None and cot is None:
                 bwd = self._backward_with_lse_cotangent()
+                cot = lse_cotangent_arg(bwd)
+            if cot is not None:
+                by_name[cot.name] = dlse if dlse is not None else np.zeros_like(_host_array(lse))
             arrays = [_host_array(by_name[a.name]) for a in bwd.args]
             return tuple(Interpreter("native").run(bwd, arrays))
         key = _signature((q, k, v, o, lse, do, *captures))

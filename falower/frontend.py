@@ -825,11 +825,14 @@ def attention(
     head_dim: DimLike = "D",
     scale: Optional[float] = None,
     group_size: int = 1,
+    return_lse: bool = False,
 ) -> Func:
     """The FlexAttention-style graph: softmax(score_mod(q @ k^T * scale) masked by mask_mod) @ v.
 
     q is [B, H, M, D]; k and v are [B, H, N, D], or [B, HKV, N, D] with H = HKV * group_size for GQA
-    (grouped query heads share a kv head). Outputs O in `dtype`.
+    (grouped query heads share a kv head). Outputs O in `dtype`; with `return_lse`, also the scores' log-sum-exp
+    per query row, [B, H, M] in f32 (-inf on a fully masked row), as the graph's second result `lse`: differentiable
+    (passes/raise_lse.py).
     """
     dtype = _dtype_name(dtype)
     for what, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
@@ -847,6 +850,8 @@ def attention(
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise FalowerError(f"attention's scale must be a finite number or None, got {scale!r}")
+    if not isinstance(return_lse, bool):
+        raise FalowerError(f"attention's return_lse must be True or False, got {return_lse!r}")
     heads_q: DimLike = "H" if group_size == 1 else dim("HKV") * group_size
     heads_kv: DimLike = "H" if group_size == 1 else "HKV"
     qt = tensor(dtype, ["B", heads_q, "M", D])
@@ -890,7 +895,11 @@ def attention(
                 raise FalowerError("mask_mod must return a bool tensor (a comparison, or & | ~ of comparisons)")
             s = where(m, s, -math.inf)
         p = softmax(s, dim=-1)
-        return (p @ v).to(dtype)
+        if not return_lse:
+            return (p @ v).to(dtype)
+        m = s.amax(-1, keepdim=True)
+        m = where(m == -math.inf, 0.0, m)  # a fully masked row: -inf, not NaN
+        return (p @ v).to(dtype), (m + (s - m).exp().sum(-1, keepdim=True).log()).squeeze(-1)
 
     body.__name__ = name
-    return trace(body, name=name, result_names=("o",), q=qt, k=kt, v=kt)
+    return trace(body, name=name, result_names=("o", "lse") if return_lse else ("o",), q=qt, k=kt, v=kt)

@@ -85,5 +85,5 @@ def test_only_the_backward_ir_takes_it() -> None:
     with pytest.raises(FalowerError, match="an LSE cotangent needs the fa2-bwd IR .* has no Delta"):
         with_lse_cotangent(fl.lower(_graph(), "fa2-fwd"))
     twice = with_lse_cotangent(fl.lower(_graph(), "fa2-bwd"))
-    with pytest.raises(FalowerError, match="has a dlse"):
+    with pytest.raises(FalowerError, match="has its LSE cotangent already"):
         with_lse_cotangent(twice)

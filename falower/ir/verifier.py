@@ -95,6 +95,10 @@ class _Verifier:
         dup = sorted({n for n in names or () if n and list(names).count(n) > 1})
         if dup:
             raise _Fail(term, f"result name {dup[0]!r} given to more than one result")
+        lse = f.attrs.get("lse_result")  # the softmax's LSE, a result once online-softmax runs (passes/raise_lse.py)
+        if lse is not None and (not isinstance(lse, str) or not lse.isidentifier() or lse in f.result_names):
+            raise _Fail(term, f"lse_result must name the LSE result the function will have, an identifier that no "
+                              f"result has; got {lse!r}")
 
     def block(self, blk: Block, visible: set[Value], parent: Optional[Op], isolated: bool,
               in_tile: bool, in_loop: bool, in_fused: bool) -> None:

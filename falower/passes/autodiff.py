@@ -29,8 +29,10 @@ Rule = Callable[["Backward", Op, Value, tuple[bool, ...]], Sequence[Optional[Val
 
 # ------------------------------------------------------------------------------------ naming convention
 def cotangent_names(func: Func) -> list[str]:
-    """The joint function's extra arguments: `d<result>` for every floating-point result (`do`)."""
-    return ["d" + n for v, n in zip(func.results, func.result_names) if is_float(v.type.dtype)]
+    """The joint function's extra arguments: `d<result>` for every floating-point result (`do`), then `d<lse>` for an
+    LSE result raise_lse took out of the results (its name in the attrs' `lse_result`)."""
+    lse = [f"d{func.attrs['lse_result']}"] if "lse_result" in func.attrs else []
+    return ["d" + n for v, n in zip(func.results, func.result_names) if is_float(v.type.dtype)] + lse
 
 
 def gradient_names(func: Func) -> list[str]:
@@ -44,12 +46,16 @@ def _arg_name(a: Value, i: int) -> str:
 
 def is_joint_of(joint: Func, primal: Func) -> bool:
     """Whether `joint` has the signature autodiff gives `primal`: its arguments, then one cotangent per float
-    result; its results, then one gradient per float argument."""
+    result; its results, then one gradient per float argument (an LSE result, taken out of the results by
+    raise_lse, has its cotangent and no result)."""
     n = len(primal.args)
     args, extra = joint.args[:n], joint.args[n:]
     if len(joint.args) <= n or [a.type for a in args] != [a.type for a in primal.args]:
         return False
-    names = primal.result_names + gradient_names(primal)
+    results = primal.result_names
+    if results and joint.attrs.get("lse_result") == results[-1] and "lse_result" not in primal.attrs:
+        results = results[:-1]
+    names = results + gradient_names(primal)
     return [a.name for a in extra] == cotangent_names(primal) and joint.result_names == names
 
 
@@ -146,6 +152,7 @@ class Backward:
         self.infinite = infinite
         self._consts: dict[tuple[Any, str], Value] = {}
         self._casts: dict[tuple[Value, str], Value] = {}
+        self.lse: Optional[tuple[Op, Value]] = None  # (the softmax, the cotangent of its LSE result) (raise_lse.py)
 
     # ----------------------------------------------------------------------------------- building
     def emit(self, name: str, *operands: Value, **attrs: Any) -> Value:
@@ -398,10 +405,14 @@ def _reduce_max(bw: Backward, op: Op, g: Value, want: tuple[bool, ...]) -> list[
 def _softmax(bw: Backward, op: Op, g: Value, want: tuple[bool, ...]) -> list[Optional[Value]]:
     """dx = p * (g - rowsum(p * g)), in exactly these four ops (the recomputation and Delta rewrites match
     them): `pg = mul p, g; r = reduce_sum pg {axis}; t = sub g, r; dx = mul p, t`. A fully masked row has
-    p = 0, so dx = 0 there."""
+    p = 0, so dx = 0 there. Where the graph returns this softmax's LSE too, its cotangent dlse moves the row sum:
+    dx = p * (g - (rowsum(p * g) - dlse)) (passes/lse_cotangent.py), `r` then `sub r, unsqueeze(dlse)`."""
     p = bw.p(op.result, g)
     pg = bw.emit("mul", p, g)
     r = bw.emit("reduce_sum", pg, axis=op.attrs["axis"])
+    if bw.lse is not None and bw.lse[0] is op:
+        r = bw.emit("sub", r, bw.emit("unsqueeze", bw.cast(bw.lse[1], r.type.dtype), axis=op.attrs["axis"]),
+                    name_hint="delta_moved")
     t = bw.emit("sub", g, r)
     return [bw.emit("mul", p, t)]
 
@@ -493,6 +504,7 @@ class Autodiff(Pass):
     def run(self, func: Func) -> Func:
         # P cast before P @ V and a softmax written by hand differentiate as the ops (raise_forms.py)
         raise_written_forms(func, guarded=False, scale=False)
+        lse_name = func.attrs.get("lse_result")  # an LSE result (raise_lse.py): the softmax rule takes its cotangent
         body = func.body
         results, names = func.results, func.result_names
         roots = [v for v in results if is_float(v.type.dtype)]
@@ -519,6 +531,14 @@ class Autodiff(Pass):
             ct = body.add_arg(v.type, n)
             if v in needed:
                 bw.accumulate(v, ct)
+        if lse_name is not None:
+            sm = next((op for op in forward if op.name == "softmax"), None)
+            if sm is None:
+                raise self.fail(f"@{func.name} returns its softmax's LSE ({lse_name}) but has no softmax op left: run "
+                                "autodiff before decompose-softmax")
+            x, axis = sm.operands[0], sm.attrs["axis"]
+            bw.lse = (sm, body.add_arg(TensorType(x.type.dtype, x.type.shape[:axis] + x.type.shape[axis + 1:]),
+                                       cot_names[-1]))
         for op in reversed(forward):
             g = next((bw.adj[r] for r in op.results if r in bw.adj), None)
             if g is None:

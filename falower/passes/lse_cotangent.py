@@ -23,11 +23,11 @@ Before / after (Delta's tile, abridged):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import FalowerError, ShapeError
 from ..ir.builder import Builder
-from ..ir.core import Func, clone_func
+from ..ir.core import Func, Value, clone_func
 from ..ir.dims import Const
 
 
@@ -38,9 +38,10 @@ def with_lse_cotangent(func: Func) -> Func:
     par = next((op for op in out.body.ops if op.name == "parallel_for" and len(op.results) == 1
                 and op.results[0].name == "delta"), None)
     lse = next((a for a in out.args if a.name == "lse"), None)
-    if par is None or lse is None or "dlse" in [a.name for a in out.args]:
+    if par is None or lse is None or lse_cotangent_arg(out) is not None:
         raise FalowerError(f"an LSE cotangent needs the fa2-bwd IR (Delta's parallel_for and an lse argument, no "
-                           f"dlse yet); @{func.name} has {'no Delta' if par is None else 'no lse' if lse is None else 'a dlse'}")
+                           f"dlse yet); @{func.name} has "
+                           f"{'no Delta' if par is None else 'no lse' if lse is None else 'its LSE cotangent already'}")
     dlse = out.body.add_arg(lse.type, "dlse")
     body = par.regions[0]
     term = body.ops.pop()
@@ -59,6 +60,13 @@ def with_lse_cotangent(func: Func) -> Func:
     term.operands[0] = moved
     body.append(term)
     return out
+
+
+def lse_cotangent_arg(func: Func) -> Optional[Value]:
+    """The backward function's LSE cotangent argument: `d<name>` for a graph that returns its LSE as `name`
+    (raise_lse.py: autodiff adds it), or with_lse_cotangent's `dlse`; None when it takes none."""
+    want = "d" + str(func.attrs.get("lse_result", "lse"))
+    return next((a for a in func.args if a.name == want), None)
 
 
 def check_dlse(dlse: Any, lse: Any) -> None:

@@ -217,6 +217,9 @@ class OnlineSoftmax(Pass):
         else:
             if self.lazy:
                 raise self.fail("lazy rescaling needs the FA2 order (tile{order=fa1} writes m back every kv step)")
+            if "lse_result" in func.attrs:
+                raise self.fail(f"@{func.name} returns its softmax's LSE ({func.attrs['lse_result']}), which the FA1 "
+                                "order does not compute (it keeps m and l in main memory): lower it in the FA2 order")
             self._fa1(func, par, fa1, tp)
         dce(func)
         return func
@@ -302,7 +305,9 @@ class OnlineSoftmax(Pass):
         ret = func.body.terminator
         assert ret is not None
         ret.operands = list(ret.operands) + [new_par.results[-1]]
-        func.attrs["result_names"] = tuple(func.result_names[:-0 or None][: len(ret.operands) - 1]) + ("lse",)
+        # named as the graph's own LSE result where it returned one (raise_lse.py), which it now is
+        name = func.attrs.pop("lse_result", "lse")
+        func.attrs["result_names"] = tuple(func.result_names[: len(ret.operands) - 1]) + (name,)
 
     # ------------------------------------------------------------------------------ FA1 order
     def _fa1(self, func: Func, par: Op, qloop: Op, tp: ThreePass) -> None:

@@ -43,8 +43,9 @@ class Softmax:
 
 
 def cotangents(func: Func) -> list[Value]:
-    """The arguments autodiff added: `d<name>` for a result `<name>` of the function."""
-    names = set(func.result_names)
+    """The arguments autodiff added: `d<name>` for a result `<name>` of the function, and for the LSE result raise_lse
+    took out of the results (`lse_result`)."""
+    names = set(func.result_names) | ({func.attrs["lse_result"]} if "lse_result" in func.attrs else set())
     return [a for a in func.args if a.name and a.name.startswith("d") and a.name[1:] in names]
 
 

@@ -264,6 +264,7 @@ class TileBwd(Pass):
             if v not in accumulated and const_value(v) is None:
                 raise self.fail(f"result %{v.name or '?'} is not a sum over tiles (no dV = P^T dO, dK, dQ "
                                 f"product found for it)")
+        _row_moves_into_pre(func, pre, users, space)
         heads = q_like.type.shape[1]
         kv_heads = next(iter(cols)).type.shape[1]
         plan = BackwardPlan(space, M, N, heads, kv_heads, q_like.type.shape[0], group, acc_kind, pre, post, probs,
@@ -362,7 +363,7 @@ class TileBwd(Pass):
             return [(t, [bi, h, (q0, self.bq), ":"]) for t in tiles]
 
         results = b.parallel_for([plan.batch, plan.heads, cdiv(plan.M, self.bq)], ["b", "h", "qi"], types, nest,
-                                 result_names=[op.results[0].name or "delta" for op in pre])
+                                 result_names=[_row_name(op) for op in pre])
         return {op.results[0]: r for op, r in zip(pre, results)}
 
     def _kv_nest(self, func, plan: BackwardPlan, b: Builder, argmap, stored, results: list[Value],
@@ -630,6 +631,37 @@ def _emit_combination(b: Builder, z: Value) -> Value:
     for axis in chain[1]:
         e = b.emit("reduce_sum", e, axis=axis)
     return e
+
+
+def _row_moves_into_pre(func: Func, pre: set[int], users: dict[int, list[Op]], space: dict) -> None:
+    """A row reduction's one use that is elementwise on rows (no kv axis) and reads nothing else of the backward
+    (Delta - dlse: the LSE's cotangent, passes/lse_cotangent.py) is made in the preprocessing nest in its place, so
+    the main loops read the moved row as they read Delta, the form the kernels take (with_lse_cotangent's)."""
+    for op in list(func.body.ops):
+        if id(op) not in pre:
+            continue
+        use = users.get(id(op.results[0]), [])
+        if len(use) != 1 or use[0].name not in ("sub", "add") or C in space[use[0].results[0]]:
+            continue
+        other = [v for v in use[0].operands if v is not op.results[0]]
+        if len(other) == 1 and not (C in space[other[0]]) and _from_args_only(other[0], func):
+            pre.discard(id(op))
+            pre.add(id(use[0]))
+
+
+def _from_args_only(v: Value, func: Func) -> bool:
+    """v is a function argument, or unsqueezes / casts of one."""
+    while isinstance(v.owner, Op) and v.owner.name in ("unsqueeze", "cast"):
+        v = v.owner.operands[0]
+    return v in func.args
+
+
+def _row_name(op: Op) -> str:
+    """The preprocessing nest's result for a row value: `delta` for Delta and for Delta moved by the LSE's
+    cotangent (what with_lse_cotangent and the backend look for), else the value's own name."""
+    if op.name in ("sub", "add"):
+        return "delta"
+    return op.results[0].name or "delta"
 
 
 def _scalar_sums_as_scatters(func: Func) -> None:

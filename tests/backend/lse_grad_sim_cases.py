@@ -1,7 +1,8 @@
 """A loss that reads the forward's LSE too, through the backward kernels in the CUDA simulator (run by
 test_lse_grad_simulator.py): c.backward(..., dlse=) against the fa2-bwd IR with the LSE's cotangent
 (passes/lse_cotangent.py: Delta - dlse) interpreted in float64, on the atomic and deterministic kernels, a captured
-table's gradient (the bias) and a fully masked row included."""
+table's gradient (the bias) and a fully masked row included; and a graph that returns its LSE (`returned`:
+fl.attention(return_lse=True), rows 0-2 fully masked), whose fa2-bwd IR takes the cotangent itself (raise_lse.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ def run_case(case: str) -> dict:
     import falower as fl
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
-    from falower.passes.lse_cotangent import with_lse_cotangent
+    from falower.passes.lse_cotangent import lse_cotangent_arg, with_lse_cotangent
 
     stem, dq = case.split("-")
-    g = example_graph(stem)
+    g = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv + 3, return_lse=True, name="returned") \
+        if stem == "returned" else example_graph(stem)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": 20, "N": 19, "D": 16})
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
               for i, x in enumerate(random_inputs(g, env, seed=1))]
@@ -34,7 +36,8 @@ def run_case(case: str) -> dict:
     dlse = r.standard_normal(lse.shape).astype(np.float32)
     got = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:], dlse=dlse)
     plain = c.backward(inputs[0], inputs[1], inputs[2], o, lse, do, *inputs[3:])
-    f = with_lse_cotangent(c.lowered_backward)
+    f = c.lowered_backward if lse_cotangent_arg(c.lowered_backward) is not None else \
+        with_lse_cotangent(c.lowered_backward)
     by = {a.name: x for a, x in zip(g.args, inputs)}
     by.update(o=o, lse=lse, do=do, dlse=dlse)
     want = Interpreter("f64").run(f, [by[a.name] for a in f.args])
@@ -46,7 +49,7 @@ def run_case(case: str) -> dict:
     return out
 
 
-CASES = ["causal-atomic", "causal-det", "bias-atomic", "alibi-det"]
+CASES = ["causal-atomic", "causal-det", "bias-atomic", "alibi-det", "returned-atomic", "returned-det"]
 
 if __name__ == "__main__":
     run_main([c for c in CASES if not sys.argv[1:] or c in sys.argv[1:]], run_case)

@@ -35,6 +35,7 @@ torch autograd through `c(q, k, v, slopes)` gives c.backward's gradients, also f
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -519,3 +520,46 @@ def test_the_lse_cotangent_on_a_side_stream(direct: str, monkeypatch) -> None:
     for name, a, b in zip(c.gradient_names(), grads, want):
         b = np.asarray(b, np.float64)
         assert np.max(np.abs(a - b)) <= 1e-2 * max(1.0, np.max(np.abs(b))), name
+
+
+@pytest.mark.parametrize("D,M,N", [(64, 1000, 1000), (128, 300, 257)])
+def test_a_graph_returning_its_lse_differentiates_it(D: int, M: int, N: int) -> None:
+    """fl.attention(return_lse=True) (passes/raise_lse.py: fa2-bwd takes the LSE's cotangent itself): a loss reading
+    o and the lse, through torch autograd and the default kernels, against float64 torch autograd of the same
+    causal attention, within 3x the error of the same computation in f16 torch (FA2's rule); and moved by the lse's
+    term (the gradients without it differ)."""
+    needs_cuda()
+    g = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv + 3, return_lse=True, name="returned")
+    c = fl.compile(g, "numba-cuda")
+    assert c.lowered.result_names == ["o", "lse"]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 3, n, D, device="cuda", generator=gen, dtype=torch.float16) for n in (M, N, N))
+    do = torch.randn(2, 3, M, D, device="cuda", generator=gen, dtype=torch.float16)
+    dlse = torch.randn(2, 3, M, device="cuda", generator=gen)
+
+    def torch_attention(q, k, v):
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        keep = torch.arange(M, device="cuda")[:, None] >= torch.arange(N, device="cuda")[None, :] + 3
+        s = s.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.nan_to_num(torch.exp(s - lse[..., None]))  # rows 0-2: no key, P = 0
+        return p @ v, lse
+
+    def grads(fn, dtype, with_lse=True):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        o, lse = fn(*xs)
+        loss = (o.to(dtype) * do.to(dtype)).sum()
+        if with_lse:
+            loss = loss + (torch.where(lse.isinf(), 0.0, lse).to(dtype) * dlse.to(dtype)).sum()
+        loss.backward()
+        return [x.grad.double() for x in xs]
+
+    got = grads(c, torch.float16)
+    want = grads(torch_attention, torch.float64)
+    low = grads(torch_attention, torch.float16)
+    plain = grads(c, torch.float16, with_lse=False)
+    for name, a, b, f, p in zip("qkv", got, want, low, plain):
+        err, ref_err = (a - b).abs().max().item(), (f - b).abs().max().item()
+        assert err <= 3 * ref_err + 2e-3, (name, err, ref_err)
+        if name != "v":  # dV = P^T dO does not read the lse's term
+            assert (p - b).abs().max().item() > 10 * err, name

@@ -31,10 +31,11 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ...ir.core import Block, Func, Op, Value
+from ...ir.core import Block, Func, Op, Value, backward_slice
 from ...ir.printer import print_func
 from ...ir.types import is_float
 from ...passes.canonicalize import const_value
+from ...passes.lse_cotangent import lse_cotangent_arg
 from ...passes.online_softmax import LOG2E  # the pass's log2(e), the backward's exponent folds (log2e)
 from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
                       range_name, tanh_by_ex2)
@@ -99,7 +100,40 @@ def list_captures(dq: str) -> tuple[Capture, ...]:
 
 
 def _role_args(func: Func) -> dict[str, Value]:
-    return {a.name: a for a in func.args if a.name in ("q", "k", "v", "o", "lse", "do")}
+    """q, k, v, lse and the forward's output and its cotangent by role: recompute names those two after the graph's
+    result (`o` and `do`, `out0` and `dout0`: the saved output is the argument before `lse`)."""
+    names = [a.name for a in func.args]
+    roles = {a.name: a for a in func.args if a.name in ("q", "k", "v", "lse")}
+    if "lse" in names and names.index("lse") > 0:
+        o = func.args[names.index("lse") - 1]
+        roles["o"] = o
+        do = next((a for a in func.args if a.name == f"d{o.name}"), None)
+        if do is not None:
+            roles["do"] = do
+    return roles
+
+
+def _check_delta(func: Func, nests: list[Op], roles: dict[str, Value], cot: Optional[Value]) -> None:
+    """Delta's nest as the kernels compute it: rowsum(dO * O) of the row's tiles, less the LSE's cotangent where the
+    function takes one (passes/lse_cotangent.py; the runtime subtracts it after Delta's kernel). Nothing else may
+    reach Delta: the kernels read no other argument there."""
+    delta = next((op for op in nests if [r.name for r in op.results] == ["delta"]), None)
+    if delta is None:
+        raise BackendError("numba-cuda backend: needs the fa2-bwd IR's Delta nest (a parallel_for yielding delta)")
+    y = delta.regions[0].terminator.operands[0]  # type: ignore[union-attr]
+    if cot is not None:
+        sub = y.owner if isinstance(y.owner, Op) and y.owner.name == "sub" else None
+        un = sub.operands[1].owner if sub is not None and isinstance(sub.operands[1].owner, Op) else None
+        ld = un.operands[0].owner if un is not None and un.name == "unsqueeze" else None
+        if not (isinstance(ld, Op) and ld.name == "tile.load" and ld.operands[0] is cot):
+            raise BackendError(f"numba-cuda backend: the function takes %{cot.name}, the LSE's cotangent, but Delta "
+                               "is not rowsum(dO * O) less it (passes/lse_cotangent.py's form)")
+        y = sub.operands[0]  # type: ignore[union-attr]
+    read = {op.operands[0] for op in backward_slice(delta.regions[0], [y]) if op.name == "tile.load"}
+    if read != {roles["do"], roles["o"]}:
+        names = ", ".join(sorted("%" + (a.name or "?") for a in read))
+        raise BackendError(f"numba-cuda backend: Delta reads {names or 'nothing'}, where its kernel computes "
+                           "rowsum(dO * O)")
 
 
 def analyse_backward(func: Func) -> BackwardLowered:
@@ -133,7 +167,9 @@ def analyse_backward(func: Func) -> BackwardLowered:
     block_mask = "table" if table is not None else "static" if classify is not None else "none"
     dq = "atomic" if any(op.name == "tile.atomic_add" for op in kv_nest.walk()) else "separate"
     deterministic = any(op.name == "scatter_add" for op in kv_nest.walk())
-    captures = [a for a in func.args if a.name not in roles]
+    cot = lse_cotangent_arg(func)
+    _check_delta(func, nests, roles, cot)
+    captures = [a for a in func.args if a not in roles.values() and a is not cot]
     low = BackwardLowered(func, block_q, block_k, group, dq, block_mask, captures, branches, classify, table,
                           deterministic=deterministic)
     low.grads, low.grad_index = _grads(func, kv_nest, branches[0], captures)
