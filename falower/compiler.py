@@ -1138,5 +1138,8 @@ def compile(func: Func, backend: str = "numba-cuda", pipeline: str = "fa2-fwd", 
     if bad:
         raise FalowerError(bad)
     lowered = run_pipeline(func, pipeline, **pipeline_kwargs)
+    if "lse_result" in lowered.attrs:  # raise_lse took it out of the results; online-softmax puts it back
+        raise FalowerError(f"@{func.name} returns its softmax's LSE ({lowered.attrs['lse_result']}), which pipeline "
+                           f"{pipeline} does not compute: end it with online-softmax (as fa2-fwd does)")
     return CompiledAttention(func, lowered, backend, path, num_warps, extra, backward_pipeline=backward,
                              pipeline=pipeline, pipeline_kwargs=pipeline_kwargs)

@@ -228,3 +228,9 @@ def test_attention_writes_the_lse_when_asked(pipeline: str) -> None:
     assert out.result_names == (["o", "lse"] if pipeline == "fa2-fwd" else ["dq", "dk", "dv"])
     with pytest.raises(FalowerError, match="attention's return_lse must be True or False, got 'yes'"):
         fl.attention(return_lse="yes")
+
+
+def test_compile_refuses_a_pipeline_that_drops_the_lse() -> None:
+    with pytest.raises(FalowerError, match=r"@lse_shared returns its softmax's LSE \(lse\), which pipeline "
+                                           "decompose-softmax,canonicalize does not compute"):
+        fl.compile(_graph("shared"), "reference", pipeline="decompose-softmax,canonicalize")
