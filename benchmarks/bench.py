@@ -183,7 +183,8 @@ def parse_config(text: str) -> tuple:
     producer warpgroup's bulk reductions or kept on the consumers' vector reductions (extra dq_ws; default "auto": the
     first, but without ws_loads under block lists and with a held gradient), '-bwsl' / '-bnowsl' the next q tile's loads
     by two producer warps or by the consumers (extra ws_loads; default "auto": the first wherever dq_ws runs at 64 x 128
-    tiles; asked for, it brings dq_ws unless '-bnows')."""
+    tiles; asked for, it brings dq_ws unless '-bnows'), '-bdkit' its dK and dV staged and stored by TMA in the walk's
+    last q tile under its dQ GEMM (extra dkdv_in_tile)."""
     if text == "auto":
         return AUTO
     head, *opts = text.split("-")
@@ -289,6 +290,7 @@ CONFIG_OPTIONS: list = [
     (("blah", {"list_ahead": True}),),
     (("bws", {"dq_ws": True}), ("bnows", {"dq_ws": False})),
     (("bwsl", {"ws_loads": True}), ("bnowsl", {"ws_loads": False})),
+    (("bdkit", {"dkdv_in_tile": True}),),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 from simulated import collect, spawn  # noqa: E402
-from wgmma_bwd_sim_cases import CASES  # noqa: E402
+from wgmma_bwd_sim_cases import CASES, SAME_AS_DEFAULT  # noqa: E402
 
 TOL = {"f16": 4e-3, "bf16": 3e-2}  # of max(1, max |g|): f16 / bf16 P and dS operands, outputs in the dtype
 IDS = list(CASES)
@@ -71,6 +71,18 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     assert r["read_v4"] == (tables and asked.get("read_v4", True) is not False)
     if case_id.startswith("bias4d"):  # a static mask's two branches
         assert r["block_mask"] == "static", r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", list(SAME_AS_DEFAULT))
+def test_a_knob_gives_the_defaults_gradients(results, case_id):
+    """SAME_AS_DEFAULT's cases: the same call on the kernel without the knob (dkdv_in_tile off) gave bitwise the
+    same dQ, dK and dV (the simulator adds dQ in one order: the GPU's tests compare dK and dV)."""
+    r = results.get(case_id)
+    assert r is not None and "error" not in r, r
+    assert r["same_as_default"] == {"dq": True, "dk": True, "dv": True}, r["same_as_default"]
+    for knob, v in SAME_AS_DEFAULT[case_id].items():
+        assert r["default_knobs"][knob] is v and r["knobs"][knob] is not v, (knob, r["knobs"], r["default_knobs"])
 
 
 # ------------------------------------------------------------------------------------ CPU: selection
@@ -372,6 +384,141 @@ def test_dkdv_by_tensor_stores_when_asked(tmp_path, monkeypatch):
         assert argtypes[len(argtypes) - ncap - 2:len(argtypes) - ncap] == (types.Array(types.uint8, 1, "C"),) * 2
     assert not emit_fa3_bwd.dkdv_tma(_spec("causal", 128, extra={"dkdv_tma": True, "bwd_persistent": 4}))
     assert not emit_fa3_bwd.dkdv_tma(_spec("causal", 128, extra={"dkdv_tma": True, "dkdv_bulk": False}))
+
+
+def test_dkdv_in_tile_when_asked(tmp_path, monkeypatch):
+    """spec.extra dkdv_in_tile: dK's and dV's maps in the signature as dkdv_tma's (which it supersedes); in the loop,
+    once dQ's GEMM is committed, a wait_group 1 for dV's and dK's group (unconditional: ptxas serialized every wgmma
+    when the wait sat under the last tile's test, C7514), then in the walk's last tile only each warp's boxes staged
+    by stmatrix, the proxy fence, lane 0's 2 D / 64 tensor stores and their commit, all before dQ's wait and
+    hand-off; after the loop a walk of no tile stages its zeros the same way after a barrier, and every thread waits
+    for the copies' reads before dq_ws's end. No barrier, word-at-a-time staging or row copy of the default's.
+    Refused with the knobs that move the same GEMMs or stage elsewhere."""
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+    from falower.backends.numba_cuda.emit_fa2_bwd import DKDV_LINE
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    for D in (64, 128):
+        sp = _spec("causal", D, extra={"dq_ws": "auto", "dkdv_in_tile": True})
+        e.validate_spec(sp)
+        assert e.dkdv_in_tile(sp) and e.dkdv_maps(sp) and not e.dkdv_tma(sp) and e.ws_loads(sp)
+        assert not e.dkdv_tma(_spec("causal", D, extra={"dkdv_in_tile": True, "dkdv_tma": True}))  # superseded
+        src = e.emit_fa3_backward(sp)
+        nb = D // 64
+        assert re.search(r"def \w+\(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, .*, dkmap, dvmap\b", src)
+        assert src.count("tensormap_acquire(") == 2 and "bulk_store(" not in src and "store_pairs(smem_w" not in src
+        assert e.knobs_in(src)["dkdv_in_tile"] and e.knobs_in(src)["dkdv_bulk"] and not e.knobs_in(src)["dkdv_tma"]
+        pre, rest = src.split("    while qc <= p_last:\n", 1)
+        assert pre.rstrip().endswith("dkv_in_loop = qc <= p_last  # dkdv_in_tile: the walk's last tile stages dK "
+                                     "and dV")
+        loop, after = rest.split("    if tn == 0:", 1)
+        order = ["WG_Q(dqa", "wgmma_commit()", "WAIT_D1(dvacc, 0)", "WAIT_D1(dkacc, 0)", "if not (qn <= p_last):",
+                 DKDV_LINE, "stage_rows_stsm_plain(dk_s + 0, lane, dkacc, ofs_0, ofs_2)",
+                 "stage_rows_stsm_plain(dv_s + 0, lane, dvacc, ofs_0, ofs_2)", "fence_proxy_async()  # dK's",
+                 "syncwarp()", "if lane == 0:", "tma_store_3d(dkmap_g, 0, dkv_q, dkv_bh, dk_su + 0)",
+                 f"tma_store_3d(dvmap_g, {64 * (nb - 1)}, dkv_q, dkv_bh, dv_su + {(nb - 1) * 128 * 128})",
+                 "bulk_commit()", e.DKDV_ISSUED, "WAIT_Q(dqa, 0)", "bar_sync(DQ_FREE", "hc = hn"]
+        at = [loop.index(order[0])]
+        for x in order[1:]:
+            at.append(loop.index(x, at[-1] + 1))
+        last = loop.index("if not (qn <= p_last):")
+        assert loop.index("WAIT_D1(dkacc, 0)") < last  # the wait before the test, every tile
+        assert loop.count("tma_store_3d(") == 2 * nb and loop.count("stage_rows_stsm_plain(") == 2 * nb
+        if nb == 2:
+            assert "stage_rows_stsm_plain(dk_s + 2048, lane, dkacc, ofs_32, ofs_34)" in loop
+        order = ["WAIT_D(dkacc, 0)", "if not dkv_in_loop:", "bar_sync(1, 256)  # every thread's K, V copies",
+                 DKDV_LINE, "stage_rows_stsm_plain(dk_s__1 + 0", "fence_proxy_async()  # dK's", "tma_store_3d(",
+                 "bulk_commit()", e.DKDV_ISSUED, "bulk_wait_read0()  # the copies have read", "# no more slabs"]
+        at = [after.index(order[0])]
+        for x in order[1:]:
+            at.append(after.index(x, at[-1] + 1))
+        argtypes = FA2BackwardKernel(sp).argtypes()
+        assert len(argtypes) == len(FA2BackwardKernel(_spec("causal", D, extra={"dq_ws": "auto"})).argtypes()) + 2
+    for bad, why in (({"dk_after_dq": True}, "dk_after_dq"), ({"sdp_ahead": "top"}, "sdp_ahead"),
+                     ({"dq_bulk": True}, "dq_bulk"), ({"dq_late": True}, "dq_late"),
+                     ({"bwd_persistent": 2}, "bwd_persistent"), ({"dkdv_bulk": False}, "dkdv_bulk False")):
+        with pytest.raises(ValueError, match=f"dkdv_in_tile stages dK and dV .* not with {why}"):
+            e.validate_spec(_spec("causal", 128, extra={"dkdv_in_tile": True, **bad}))
+    with pytest.raises(ValueError, match="dkdv_in_tile must be True or False"):
+        e.validate_spec(_spec("causal", 128, extra={"dkdv_in_tile": 1}))
+
+
+@pytest.mark.parametrize("D, bq, bk", [(64, 64, 64), (128, 64, 64), (64, 64, 128), (128, 64, 128), (64, 128, 128)])
+def test_dkdv_in_tile_stages_where_nothing_reads(D, bq, bk):
+    """dkdv_in_tile's boxes, from the emitted address expressions for every warp and either buffer: 1024-byte aligned
+    (the 128-byte swizzle's pattern), pairwise disjoint, dV's in its own warpgroup's rows of V (only that
+    warpgroup's dP^T reads them), dK's in the other buffer's Q or dO tile; none in K or dS^T (which the tile's dQ
+    GEMM still reads while they are staged), the tile's own Q, dO, or the statistics and slabs after them; the
+    tensor stores read the boxes staged."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    sp = dataclasses.replace(_spec("causal", D, extra={"dkdv_in_tile": True}), block_q=bq, block_k=bk,
+                             num_warps=bk // 16)
+    e.validate_spec(sp)
+    src = e.emit_fa3_backward(sp)
+    lay = e._layout(sp)
+    loop = src[src.index("if not (qn <= p_last):  # dkdv_in_tile"):src.index("hc = hn")]
+    expr = {t: re.search(rf"^\s*{t}_s = (.*?)  #", loop, re.M).group(1) for t in ("dk", "dv")}
+    staged = {t: [int(x) for x in re.findall(rf"stage_rows_stsm_plain\({t}_s \+ (\d+), lane, {t}acc", loop)]
+              for t in ("dk", "dv")}
+    stored = {t: [int(x) for x in re.findall(rf"tma_store_3d\({t}map_g, \d+, dkv_q, dkv_bh, {t}_su \+ (\d+)\)", loop)]
+              for t in ("dk", "dv")}
+    assert staged == stored and all(len(v) == D // 64 for v in staged.values()), (staged, stored)
+    box, qt = e.DKDV_BOX, lay["qt"]
+    for buf in (0, 1):
+        boxes = []
+        for warp in range(bk // 16):
+            env = {"sb": 0, "warp": warp, "buf": buf}
+            for t in ("dk", "dv"):
+                base = eval(expr[t], {}, env)  # noqa: S307 (the kernel's own expression)
+                for hb, off in enumerate(staged[t]):
+                    a = base + off
+                    assert a % 1024 == 0, (t, warp, hb, a)
+                    if t == "dv":
+                        rows = lay["V"] + hb * bk * 128 + (warp // 4) * 64 * 128
+                        assert rows <= a and a + box <= rows + 64 * 128, (warp, hb, a)
+                    else:
+                        other = [lay[x] + (buf ^ 1) * qt for x in ("Q", "DO")]
+                        assert any(o <= a and a + box <= o + qt for o in other), (warp, hb, a, other)
+                    boxes.append(a)
+        boxes.sort()
+        assert all(b - a >= box for a, b in zip(boxes, boxes[1:])), boxes  # disjoint
+        busy = [(0, lay["V"]), (lay["DS"], lay["total"]), (lay["Q"] + buf * qt, lay["Q"] + (buf + 1) * qt),
+                (lay["DO"] + buf * qt, lay["DO"] + (buf + 1) * qt)]
+        assert not any(lo < a + box and a < hi for a in boxes for lo, hi in busy), (buf, boxes, busy)
+
+
+@pytest.mark.slow
+def test_dkdv_in_tile_ptx(tmp_path, monkeypatch):
+    """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel as the default builds it (dq_ws, ws_loads) with
+    dkdv_in_tile: 2 D / 64 tensor stores and 2 D / 16 stmatrix a path (the last tile's, the walk of no tile's), two
+    `wait_group 1` (dV's and dK's registers), no row copy, the producer's one bulk reduction; ptxas (where this
+    machine has one) serializes no wgmma: the wait under the last tile's test did (C7514)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    import shutil
+    import subprocess
+
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    ptx = FA2BackwardKernel(_spec("causal", 128, extra={"dq_ws": "auto", "dkdv_in_tile": True})).ptx((9, 0))
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group") == 2 * 2 * 128 // 64
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 2 * 2 * 128 // 16
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
+    assert "cp.async.bulk.global.shared::cta.bulk_group" not in ptx  # no copy of a row
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 1
+    if shutil.which("ptxas") is None:
+        return
+    path = tmp_path / "k.ptx"
+    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)
+                    .replace(".target sm_90\n", ".target sm_90a\n"))
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-2000:]
+    assert "C7514" not in log and "C7515" not in log and "serialized" not in log, log[-2000:]
 
 
 def _stmatrix_writes(helper: str, name: str, args) -> dict:

@@ -126,7 +126,20 @@ CASES = {
                                              {"dq_ws": True, "ws_loads": True, "sdp_ahead": "top"}),
     "causal-f16-d64-130x130-2wg-dqws-sdpq": ("causal", "f16", 1, 1, 1, 130, 130, 64, 64, 128,
                                              {"dq_ws": True, "ws_loads": False, "sdp_ahead": "dq"}),
+    # dK and dV staged and stored in the walk's last tile under its dQ GEMM (dkdv_in_tile, asked for): D = 128 on the
+    # default kernel's tiles (dq_ws, ws_loads), 4 q tiles (the last in buffer 1: dK's boxes in buffer 0's Q and dO
+    # tiles, dV's in V's rows), kv rows past N; each also run with the knob off (SAME_AS_DEFAULT: dK, dV and dQ
+    # bitwise the default kernel's)
+    "causal-bf16-d128-200x70-2wg-wsl-intile": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
+                                               {"dq_ws": True, "ws_loads": True, "dkdv_in_tile": True}),
+    # ... one warpgroup (its 4 warps' dK boxes in buffer 1's Q tile), 2 batch rows and heads (the maps' third
+    # coordinate), one q tile, and kv tiles 1 and 2 walking none (their zeros staged after the loop, after a barrier:
+    # without it another thread's K, V copies landed in V's rows under the staging, a race the simulator names)
+    "causal-f16-d64-20x130-intile": ("causal", "f16", 2, 2, 2, 20, 130, 64, 64, 64, {"dkdv_in_tile": True}),
 }
+# cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
+SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},
+                   "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False}}
 
 
 def _alibi_gqa():
@@ -232,7 +245,7 @@ def _poison_new_device_arrays() -> None:
     cuda.device_array = device_array
 
 
-def run_case(case_id: str) -> dict:
+def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     import falower as fl
     from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
     from falower.ir.interp import Interpreter
@@ -240,6 +253,7 @@ def run_case(case_id: str) -> dict:
 
     _poison_new_device_arrays()
     stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = CASES[case_id]
+    rest = [{**(rest[0] if rest else {}), **(extra_change or {})}]
     g = TEST_GRAPHS[stem]() if stem in TEST_GRAPHS else example_graph(stem)
     env = bind_dims(g, {"B": B, "H": H, "HKV": HKV, "M": M, "N": N, "D": D})
     raw = random_inputs(g, env, seed=M * 1000 + N)
@@ -285,6 +299,14 @@ def run_case(case_id: str) -> dict:
     masked = ~np.isfinite(lse)  # fully masked rows: the reference says dq = 0 there, the kernel must too
     out["masked_rows"] = int(masked.sum())
     out["masked_dq_zero"] = bool(np.all(_float(got[0], dtype)[masked] == 0))
+    if case_id in SAME_AS_DEFAULT and extra_change is None:  # the same call on the kernel without the knob
+        out["raw"] = [np.asarray(x).tobytes().hex() for x in got[:3]]
+        other = run_case(case_id, SAME_AS_DEFAULT[case_id])
+        out["same_as_default"] = {n: other["raw"][i] == out["raw"][i] for i, n in enumerate(("dq", "dk", "dv"))}
+        out["default_knobs"] = other["knobs"]
+        del out["raw"]
+    elif extra_change is not None:
+        out["raw"] = [np.asarray(x).tobytes().hex() for x in got[:3]]
     return out
 
 

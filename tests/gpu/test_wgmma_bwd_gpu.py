@@ -183,14 +183,15 @@ def test_dkdv_bulk(stem: str, dtype: str, D: int) -> None:
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("knob", ["dkdv_stsm", "dkdv_tma"])
+@pytest.mark.parametrize("knob", ["dkdv_stsm", "dkdv_tma", "dkdv_in_tile"])
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["causal", "document", "sliding_window"])
 def test_dkdv_staging(stem: str, dtype: str, D: int, knob: str) -> None:
-    """dkdv_stsm (dK and dV staged by stmatrix) and dkdv_tma (... into 16-row boxes stored by TMA tensor copies
-    through dK's and dV's maps; rows past N not written): the error rule, and at N = 1000 (a ragged last kv tile)
-    dK and dV bitwise the word-at-a-time staging's with a bulk copy a row (the same accumulators, packed the same
-    way)."""
+    """dkdv_stsm (dK and dV staged by stmatrix), dkdv_tma (... into 16-row boxes stored by TMA tensor copies
+    through dK's and dV's maps; rows past N not written) and dkdv_in_tile (those boxes staged and stored in the
+    walk's last tile, in V's rows and the other Q / dO buffer): the error rule, and at N = 1000 (a ragged last kv
+    tile) dK and dV bitwise the word-at-a-time staging's with a bulk copy a row (the same accumulators, packed the
+    same way)."""
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)[knob], **{knob: True})
     env, host, do = case_inputs(stem, dtype, D, 1000)
     base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {knob: True}))

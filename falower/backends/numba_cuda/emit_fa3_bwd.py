@@ -197,8 +197,9 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
               "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
-              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "tma_store_3d(dkmap_g", "dq_ws": "bar_arrive(DQ_FULL",
-              "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T"}
+              "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
+              "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
+              "dkdv_in_tile": "# dkdv_in_tile: "}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -355,7 +356,40 @@ def dkdv_tma(spec: FA2BackwardSpec) -> bool:
     0.992, the document 0.987, plain 1.009; the window's copies' issue 2.9k -> 1.7k cycles a block, their reads
     0.1k -> 0.5k: opt-in."""
     return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_tma", False) is True
+            and not persistent(spec) and not dkdv_in_tile(spec))
+
+
+_DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_persistent")
+
+
+def dkdv_in_tile(spec: FA2BackwardSpec) -> bool:
+    """dK and dV staged and stored in the walk's last q tile, under its dQ GEMM (spec.extra["dkdv_in_tile"] True;
+    default False, not yet measured): once dQ's GEMM is committed, a wait_group 1 (every tile: under the last
+    tile's test ptxas serialized every wgmma, C7514) finds dV's and dK's group done, and in the last tile each warp
+    stages its 16 rows of each by stmatrix as dkdv_tma's 16-row boxes (128-byte swizzle) where nothing reads any
+    more, without a barrier: dV into its own rows of V (only its warpgroup's dP^T read them, and the last tile's is
+    done) and dK into the other Q / dO buffer (no next tile loads it); lane 0 then hands the 2 D / 64 boxes to TMA
+    tensor stores through dkdv_tma's maps, ahead of the tile's dQ hand-off. After the loop every thread only waits
+    for the copies' reads (a kv tile that walks no q tile stages its zeros there, after a barrier: the K, V copies
+    of other threads land in V's rows until then). dkdv_tma with it does nothing (the same boxes). Why: probe_bwd
+    --blocks (H200, causal D = 128, sixty-second session) read a block's epilogue at 4.9k cycles: a barrier, 64
+    4-byte stores a thread, and 256 row copies whose issue took 2.9k, all after the loop and after the last tile's
+    dQ slabs (2 x 16 KB) went to the same copy engine; a causal block's fixed cost (prologue, epilogue, gap: 9.3k)
+    is 6% of it. Here the staging (16 stmatrix a thread, not 64 stores) runs under dQ's GEMM, the copies are 32
+    tensor stores (dkdv_tma: the issue 2.9k -> 1.7k cycles, the reads 0.1k -> 0.5k), and dK / dV's 64 KB leave
+    before the last slabs. Predicted before any GPU run: the causal D = 128 block's loop end to its end ~4.9k ->
+    ~3k cycles (96 KB through the copy engine at dkdv_tma's ~29 bytes a cycle from the last tile's staging on),
+    -1.2% of its ~155k, the backward call 0.985-0.995 of the default's; D = 64 (256 row copies of 128 bytes there
+    against 16 boxes) 0.98-0.99. Not with dk_after_dq (dK is still in flight after dQ's GEMM), sdp_ahead (its
+    next S^T / dP^T read V and the other buffer), dq_bulk, dq_late or a persistent kernel (their own staging and
+    order): validate_spec refuses those."""
+    return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_in_tile", False) is True
             and not persistent(spec))
+
+
+def dkdv_maps(spec: FA2BackwardSpec) -> bool:
+    """Whether the kernel takes dK's and dV's tensor maps (dkdv_tma, dkdv_in_tile: their TMA tensor stores)."""
+    return dkdv_tma(spec) or dkdv_in_tile(spec)
 
 
 def persistent(spec: FA2BackwardSpec) -> int:
@@ -874,6 +908,13 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         raise ValueError(f"wgmma backward: bwd_persistent must be a count of blocks (0: off), got {p!r}")
     if persistent(spec) and not dkdv_bulk(spec):
         raise ValueError("wgmma backward: bwd_persistent stages dK / dV for bulk copies: it needs dkdv_bulk")
+    if spec.extra.get("dkdv_in_tile", False) is True:
+        clash = [k for k in _DKDV_IN_TILE_REFUSES if k == "bwd_persistent" and persistent(spec) or
+                 k == "sdp_ahead" and sdp_ahead(spec) or k not in ("bwd_persistent", "sdp_ahead") and
+                 spec.extra.get(k, False) is True] + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
+        if clash:
+            raise ValueError(f"wgmma backward: dkdv_in_tile stages dK and dV in the last tile where nothing reads "
+                             f"them any more: not with {clash[0]}")
     lay = _layout(spec)
     if dkdv_bulk(spec) and lay["STG"] + consumer_threads(spec) * _dkdv_stage_pitch(spec) > lay["STG_END"]:
         raise ValueError("wgmma backward: dkdv_bulk's staged rows do not fit the kernel's shared memory")
@@ -1054,6 +1095,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"WAIT_QA = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, the next tile's S^T / dP^T in flight")
     if PDP:
         c(f"WAIT_S1 = wgmma_wait_regs(1, {BQ // 2})  # S^T's group done, dP^T's (committed after it) in flight")
+    INTILE = dkdv_in_tile(spec)
+    if INTILE:
+        c(f"WAIT_D1 = wgmma_wait_regs(1, {D // 2})  # dV's and dK's group done, dQ's (committed after it) in flight")
     if WS and NWG > 1:
         c(f"SETMAXNREG_DEC = setmaxnreg_dec({DQ_WS_REGS[0]})  # dq_ws: the producer's registers to the consumers")
         c(f"SETMAXNREG_INC = setmaxnreg_inc({DQ_WS_REGS[1]})")
@@ -1071,7 +1115,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     if WS and NWG > 1:
         c(f"@launch_bounds({threads(spec)}, 1)  # .maxntid (setmaxnreg needs it): every thread starts at "
           f"{65536 // threads(spec) // 8 * 8} registers")
-    maps = ", dkmap, dvmap" if dkdv_tma(spec) else ""
+    maps = ", dkmap, dvmap" if dkdv_maps(spec) else ""
     c(f"def {spec.name}(q, k, v, lse, do, delta, dq32, dk, dv, B, H, M, N, {STRIDES}{table}{_grad_args(spec)}"
       f"{maps}{caps}):")
     with c.indent():
@@ -1084,8 +1128,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c("sbr = sb - sb0  # the aligned base as a byte offset into the arrays")
         if not PERS:  # a persistent kernel makes them per item
             _emit_thread_indices(c, per_item=False)
-        if dkdv_tma(spec):
-            c("dkmap_g = elem_addr(dkmap, (0,))  # dK's and dV's tensor maps in global memory (dkdv_tma)")
+        if dkdv_maps(spec):
+            c("dkmap_g = elem_addr(dkmap, (0,))  # dK's and dV's tensor maps in global memory "
+              f"({'dkdv_in_tile' if INTILE else 'dkdv_tma'})")
             c("dvmap_g = elem_addr(dvmap, (0,))")
             c("if lane == 0:  # the lanes that store by them")
             with c.indent():
@@ -1258,6 +1303,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         if PERS:
             c("bulk_wait_read0()  # the last item's dK / dV copies (this thread's) have read their staging: the loop's")
             c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before it is written again")
+        if INTILE:
+            c(f"dkv_in_loop = {_more(spec, 'hc', 'qc')}  # dkdv_in_tile: the walk's last tile stages dK and dV")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -1467,6 +1514,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("wgmma_commit()")
             if AHEAD == "dq":
                 issue_ahead()
+            if INTILE:
+                c("WAIT_D1(dvacc, 0)  # dkdv_in_tile: dV's and dK's group done; dQ's (committed after it) in flight")
+                c("WAIT_D1(dkacc, 0)")
+                c(f"if not ({_more(spec, 'hn', 'qn')}):  # dkdv_in_tile: the walk's last tile; dV and dK are final")
+                with c.indent():
+                    _emit_dkdv_in_tile(c, spec, pack)
             if DKL:
                 c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers, in flight while dQ's")
                 c("# reductions issue")
@@ -1530,7 +1583,14 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             _emit_dq_late_issue(c, DC // 8)
         c("WAIT_D(dvacc, 0)")
         c("WAIT_D(dkacc, 0)")
-        if dkdv_bulk(spec):
+        if INTILE:
+            c("if not dkv_in_loop:  # dkdv_in_tile: no tile walked; dK and dV (zeros) staged and stored here")
+            with c.indent():
+                c("cuda.syncthreads()  # every thread's K, V copies have landed (each waited for its own): no loop")
+                c("# barrier ordered them before V's rows are written")
+                _emit_dkdv_in_tile(c, spec, pack)
+            c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
+        elif dkdv_bulk(spec):
             _emit_dkdv_bulk(c, spec, pack)
         else:
             _emit_dkdv_stores(c, D, ND, pack)
@@ -1787,6 +1847,51 @@ def _emit_dkdv_boxes(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
     c("bulk_wait_read0()  # the copies have read the staging rows: shared memory may go")
 
 
+DKDV_ISSUED = "# (dK's and dV's copies issued: their reads are waited for after the loop)"  # dkdv_in_tile's
+
+
+def _emit_dkdv_in_tile(c: _Code, spec: FA2BackwardSpec, pack: str) -> None:
+    """dkdv_in_tile's staging and copies (in the walk's last tile once dV's and dK's GEMMs are waited for, or after
+    the loop with no tile): this warp's D / 64 boxes of dV into its own rows of V ([D / 64][block_k][128 B], box hb
+    at V + hb block_k 128 + 2048 warp: only this warpgroup's dP^T read them) and of dK into the other buffer's Q
+    tile (warps 0 .. block_q / 16 - 1) or dO tile (the rest), 2048 bytes a box, by stmatrix in the 128-byte
+    swizzle; lane 0's tensor stores at (64 hb, the warp's first kv row, b * HK + hk) of dK's and dV's maps, their
+    operands through redux (uniform registers). No barrier: each region is free for this warp alone. Their reads
+    are waited for after the loop."""
+    D, BQ, BK = spec.head_dim, spec.block_q, spec.block_k
+    lay = _layout(spec)
+    NB = D // 64  # boxes a warp and accumulator
+    P = BQ // 16  # warps whose dK boxes fill one Q (or dO) tile of the other buffer
+    assert (BK // 16) <= 2 * P and lay["qt"] == P * NB * DKDV_BOX, (BQ, BK, D)
+    c(DKDV_LINE)
+    c("# dkdv_in_tile: staged as 16-row boxes where nothing reads any more, stored by TMA tensor copies")
+    c("# (dkdv_bulk: staged in shared memory and handed to the copy engine, a box a tensor store)")
+    c(f"dv_s = sb + {lay['V']} + warp * {DKDV_BOX}  # dV's boxes: this warp's own rows of V, {BK * 128} bytes apart")
+    to = f"(buf ^ 1) * {lay['qt']} + warp * {NB * DKDV_BOX}"
+    if BK // 16 <= P:
+        c(f"dk_s = sb + {lay['Q']} + {to}  # dK's boxes: the other buffer's Q tile (no next tile loads it)")
+    else:
+        c(f"dk_s = sb + ({lay['Q']} if warp < {P} else {lay['DO'] - P * NB * DKDV_BOX}) + {to}  # dK's boxes: the "
+          "other buffer's Q or dO tile (no next tile loads it)")
+    st = stage_rows_stsm_helper(c, 64, pack, DKDV_BOX, scaled=False)  # one 64-column box a call
+    for acc, base, step in (("dkacc", "dk_s", DKDV_BOX), ("dvacc", "dv_s", BK * 128)):
+        for hb in range(NB):
+            c(f"{st}({base} + {hb * step}, lane, {acc}, ofs_{32 * hb}, ofs_{32 * hb + 2})")
+    c("fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine")
+    c("syncwarp()")
+    c("dkv_q = warp_min(np.int32(kv0 + warp * 16))  # the warp's first kv row: rows past N are not written")
+    c("dkv_bh = warp_min(np.int32(b * HK + hk))  # its (b, kv head) slice")
+    c("dk_su = warp_min(np.int32(dk_s))")
+    c("dv_su = warp_min(np.int32(dv_s))")
+    c("if lane == 0:")
+    with c.indent():
+        for m, su, step in (("dkmap_g", "dk_su", DKDV_BOX), ("dvmap_g", "dv_su", BK * 128)):
+            for hb in range(NB):
+                c(f"tma_store_3d({m}, {hb * 64}, dkv_q, dkv_bh, {su} + {hb * step})")
+        c("bulk_commit()")
+    c(DKDV_ISSUED)
+
+
 def _stage_stsm_helper(c: _Code, D: int, pack: str) -> str:
     """`stage_stsm(at, x, i0, i1)`: a warp's 16 rows of an accumulator's fragment (rows g and g + 8 of each thread at
     offsets i0 and i1 of x), packed, into staging rows at `at` (this lane's row address, dkdv_stsm) by D / 16
@@ -1872,7 +1977,7 @@ def emit_fa3_backward(spec: FA2BackwardSpec) -> str:
     src = _module(spec, _emit_kernel(spec))
     marker = "\n# ---- the variant's device functions"
     imports = _WGMMA_IMPORTS + (_BULK_IMPORTS if dq_bulk(spec) or dkdv_bulk(spec) or dq_ws(spec) else "")
-    imports += _TMA_IMPORTS if dkdv_tma(spec) else ""
+    imports += _TMA_IMPORTS if dkdv_maps(spec) else ""
     imports += _WS_IMPORTS if dq_ws(spec) else ""
     return src.replace(marker, imports + marker, 1).replace(
         "emit_fa2_bwd -- do not edit.", "emit_fa3_bwd -- do not edit.")

@@ -1724,10 +1724,10 @@ def _dq_acc_len(spec, B: int, H: int, M: int, D: int) -> int:
 
 
 def _dkdv_maps(spec) -> bool:
-    """Whether the backward's main kernel takes dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma)."""
-    from .emit_fa3_bwd import dkdv_tma
+    """Whether the backward's main kernel takes dK's and dV's tensor maps (emit_fa3_bwd.dkdv_tma, dkdv_in_tile)."""
+    from .emit_fa3_bwd import dkdv_maps
 
-    return isinstance(spec, FA2BackwardSpec) and dkdv_tma(spec)
+    return isinstance(spec, FA2BackwardSpec) and dkdv_maps(spec)
 
 
 def _capture_types(spec) -> list:
