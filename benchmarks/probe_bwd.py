@@ -19,12 +19,21 @@ reductions) and prints each phase's median cycles a tile over the blocks' warpgr
 kernel whose two warpgroups walk in lockstep, latency as well as throughput (the floors above remove work; this
 reads the time each phase holds the tile). Thread 0 of each warpgroup stores its stamps, a tile at a time.
 
-    python3 benchmarks/probe_bwd.py --d 128 --example document --blocks
+    python3 benchmarks/probe_bwd.py --d 128 --example document --blocks [--variants built,tma,intile] [--drain]
 
 stamps each block's life instead (its start, the q loop's start and end, the kernel's end, its SM and q tiles) and
 prints the prologue, loop and epilogue cycles, a tile's cycles and a block's fixed cost by a line through (tiles,
 cycles), and the gap between blocks on one SM: what a block with few q tiles (a window's, a document's) pays beside
-its tiles. On a persistent kernel (`--extra '{"bwd_persistent": 132}'`) it stamps each item a block walks instead
+its tiles; then the epilogue's timeline from the loop's end (summarize_epilogue): dq_ws's producer's last slab, its
+bulk reduction's issue and read, dK / dV's barrier, staging, fence, copies' issue and reads, the end hand-off, and
+with --drain the copies' writes; a row and a column pair for each variant named (the kernel as built by default).
+
+    python3 benchmarks/probe_bwd.py --d 128 --causal --variants built,intile --rounds 0 --pairs 300
+
+times each spec.extra variant against the kernel as built by pairs of single backward calls (bench.py's
+paired_calls; with --blocks after the stamps).
+
+On a persistent kernel (`--extra '{"bwd_persistent": 132}'`) --blocks stamps each item a block walks instead
 (stamped_items_source): an item's prologue, loop and epilogue, the gap between a block's items, and the longest
 block's walk over the median (what the static assignment's imbalance costs). `--example STEM` takes bench.py's
 example (its mask, score and captured tensors) for any of these modes.
@@ -43,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from falower.backends.numba_cuda.emit_fa2_bwd import DKDV_LINE as STORES_LINE  # noqa: E402  (the stores' stamp)
+from falower.backends.numba_cuda.emit_fa3_bwd import DKDV_ISSUED  # noqa: E402  (dkdv_in_tile's copies issued)
 from falower.passes import NAMED_PIPELINES  # noqa: E402  (the backward pipeline a tile variant edits)
 
 _GEMM_S = r"^\s*WG_S\(.*\n"
@@ -79,6 +89,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
     "tma": ({"dkdv_tma": True}, "dK and dV staged as 16-row boxes, stored by TMA tensor copies"),
+    "intile": ({"dkdv_in_tile": True}, "dK and dV staged as 16-row boxes in the last q tile under its dQ GEMM (V's "
+               "rows, the other Q / dO buffer), stored by TMA tensor copies ahead of its dQ hand-off"),
     "ws": ({"dq_ws": True, "ws_loads": False}, "dQ handed to a producer warpgroup's bulk reductions, two slabs a "
            "warpgroup (the loads the consumers' own)"),
     "nows": ({"dq_ws": False}, "dQ by the consumers' own reductions (dq_ws off where \"auto\" turns it on)"),
@@ -294,13 +306,26 @@ def _loop_line(lines: list[str], start: int) -> int:
     return at
 
 
-BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "staged", "fenced", "issued", "end",
-                "tiles")  # thread 0 writes these
-# dkdv_bulk's epilogue lines the barrier, staged, fenced and issued stamps follow or precede (the direct stores have
-# none: all then read the stores' start)
+BLOCK_FIELDS = ("sm", "start", "loop", "after", "stores", "barrier", "staged", "fenced", "issued", "read", "end",
+                "tiles", "drained")  # thread 0 writes these
+# under dq_ws, lane 0 of each producer warp that adds a consumer warpgroup's slabs (at most 2) writes these after
+# them: its slabs, then its last slab's full barrier passed, its bulk reduction's issue, the issue's return, its
+# read of the slab waited for, the end word's barrier passed, and (--drain) its reductions' writes done
+PROD_FIELDS = ("slabs", "full", "issue", "issued", "read", "end", "drained")
+PRODUCERS = 2
+RECORD = len(BLOCK_FIELDS) + PRODUCERS * len(PROD_FIELDS)  # a block's words in tl_buf
+# the epilogue's lines the barrier, staged, fenced, issued and read stamps follow or precede (the direct stores have
+# none: all then read the stores' start); dkdv_in_tile's are in the walk's last tile (and after the loop for a walk
+# of no tile), its copies' issue closed by DKDV_ISSUED
 BULK_BARRIER = "  # every warpgroup's last GEMMs have read"  # after the kernel's block barrier (block_barrier)
 BULK_FENCE = "fence_proxy_async()  # dK's and dV's staged rows visible to the copy engine"
 BULK_WAIT = "bulk_wait_read0()  # the copies have read the staging rows"
+# dq_ws's producer: its slab loop's lines (emit_fa3_bwd._emit_dq_producer)
+PROD_START = "pw_slab = "  # its first line: the warp's slabs
+PROD_FULL = "bar_sync(DQ_FULL + pw * "  # a slab (or the end word) handed over
+PROD_END_TEST = "if pw_tile == 0:"  # ... the end word: the loop's break
+PROD_ISSUE = "bulk_reduce_add_f32(elem_addr(dq32"  # lane 0's bulk reduction of the slab into dQ's accumulator
+PROD_READ = "bulk_wait_read0()  # the copy engine has read the slab"
 
 
 def _one_item_a_block(source: str) -> None:
@@ -333,37 +358,96 @@ def _stamps_to_stores(lines: list[str], first: int, end: int) -> tuple[list[str]
     return out + lines[after:stores] + [f"{ind}tb_s = clock64()"], stores, ind
 
 
-def stamped_blocks_source(source: str, name: str) -> str:
-    """The backward's module with %clock64 stamps of each block's life: its start, the q loop's start (K, V and the
-    first Q, dO landed: the prologue), the loop's end, the start of dK's and dV's stores, under dkdv_bulk the end of
-    its barrier, of the staging's stores, of its proxy fence and of the copies' issue, and the kernel's end (the
-    epilogue: its waits, the stores' issue or the staging and the copies' reads), with its SM and its count of q
-    tiles; thread 0 writes them to tl_buf[block * 11 + i] in BLOCK_FIELDS' order at the end (blocks that return
-    early, kv_group's places past the heads, write nothing)."""
+def stamped_blocks_source(source: str, name: str, drain: bool = False) -> str:
+    """The backward's module with %clock64 stamps of each block's life, each stored by thread 0 when taken into
+    tl_buf[block * RECORD + i] (BLOCK_FIELDS' order): its start, the q loop's start (K, V and the first Q, dO
+    landed: the prologue), the loop's end, the start of dK's and dV's stores, under dkdv_bulk the end of its barrier,
+    of the staging's stores, of its proxy fence, of the copies' issue and of the wait for their reads (dkdv_in_tile:
+    the first four in the walk's last tile), and the kernel's end (after dq_ws's end hand-off), with its SM and its
+    count of q tiles (written at the end: blocks that return early, kv_group's places past the heads, leave `end`
+    0). Under dq_ws lane 0 of each producer warp that adds slabs writes PROD_FIELDS after them: its last slab's
+    hand-over, its bulk reduction's issue and return, the wait for its read, and the end word's arrival, each
+    overwritten slab by slab. `drain`: thread 0, and each producer warp's lane 0 after its walk, then wait for
+    their own bulk copies' writes (bulk_wait0) and stamp `drained` (the block then ends later: its gap is not
+    read)."""
     _one_item_a_block(source)
     lines, start = _with_buffer(source, name)
     end = _end_of(lines, start, "")
     first = next(i for i in range(start, end) if lines[i].strip() == "tid = cuda.threadIdx.x")
-    stamped, stores, ind = _stamps_to_stores(lines, first, end)
-    out = lines[:first + 1] + stamped
+    loop = _loop_line(lines, first)
+    ind = re.match(r"\s*", lines[loop])[0]
+    body = re.match(r"\s*", lines[loop + 1])[0]
+    after = next(i for i in range(loop + 1, end) if lines[i].strip() and len(re.match(r"\s*", lines[i])[0]) <= len(ind))
+    F, P = BLOCK_FIELDS.index, len(BLOCK_FIELDS)
     barrier = block_barrier(source) + BULK_BARRIER
-    bar = next((i for i in range(stores, end) if lines[i].strip().startswith(barrier)), None)
-    fence = next((i for i in range(stores, end) if lines[i].strip() == BULK_FENCE), None)
-    wait = next((i for i in range(stores, end) if lines[i].strip().startswith(BULK_WAIT)), None)
-    if bar is None or fence is None or wait is None:  # the direct stores: no barrier, no fence, no copies
-        out += [f"{ind}tb_b = tb_s", f"{ind}tb_g = tb_s", f"{ind}tb_f = tb_s", f"{ind}tb_w = tb_s"] + lines[stores:end]
-    else:
-        out += lines[stores:bar + 1] + [f"{ind}tb_b = clock64()"] + lines[bar + 1:fence] + [f"{ind}tb_g = clock64()"]
-        out += [lines[fence], f"{ind}tb_f = clock64()"] + lines[fence + 1:wait] + [f"{ind}tb_w = clock64()"]
-        out += lines[wait:end]
-    out += [f"{ind}tb_3 = clock64()", f"{ind}if tid == 0:",
-            f"{ind}    tb_i = ((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x "
-            f"+ cuda.blockIdx.x) * {len(BLOCK_FIELDS)}"]
-    out += [f"{ind}    tl_buf[tb_i + {k}] = {v}" for k, v in
-            enumerate(("np.uint64(sm_id())", "tb_0", "tb_1", "tb_2", "tb_s", "tb_b", "tb_g", "tb_f", "tb_w", "tb_3",
-                       "np.uint64(tb_n)"))]
+    issued_line = any(ln.strip() == DKDV_ISSUED for ln in lines[first:end])
+    if not any(ln.strip() == STORES_LINE for ln in lines[first:end]):
+        raise SystemExit(f"probe_bwd: the dK / dV epilogue's first line ({STORES_LINE!r}) is not in the kernel")
+
+    def put(at: str, *fields: str) -> list[str]:  # one clock read, stored by thread 0 into each field
+        return [f"{at}tb_c = clock64()", f"{at}if tid == 0:"] + [f"{at}    tl_buf[tb_i + {F(f)}] = tb_c"
+                                                                 for f in fields]
+
+    def prod(at: str, field: str, value: str = "clock64()") -> list[str]:  # lane 0 of a producer warp
+        return [f"{at}tl_buf[tq_i + {P + PROD_FIELDS.index(field)}] = {value}"]
+
+    out = lines[:first + 1] + [f"{ind}tb_i = ((cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y) * cuda.gridDim.x "
+                               f"+ cuda.blockIdx.x) * {RECORD}"] + put(ind, "start") + [f"{ind}tb_n = 0"]
+    walk_start = walk_end = break_at = None  # the producer's slab loop, its end; the indent after its break
+    for i in range(first + 1, end):
+        ln = lines[i]
+        s_, at = ln.strip(), re.match(r"\s*", ln)[0]
+        if i == walk_end:  # after the producer's slab loop: its end word's arrival, its slabs (lane 0's)
+            w = re.match(r"\s*", lines[walk_start])[0]
+            out += [f"{w}if lane == 0:"] + prod(w + "    ", "end", "tq_x")
+            out += prod(w + "    ", "slabs", "np.uint64(tq_k)")
+            if drain:
+                out += [f"{w}    bulk_wait0()"] + prod(w + "    ", "drained")
+            walk_end = None
+        if break_at is not None and (not s_ or len(at) <= len(break_at)):  # the slab's (not the end word's)
+            out += [f"{break_at}tq_k += 1", f"{break_at}if lane == 0:"] + prod(break_at + "    ", "full", "tq_x")
+            break_at = None
+        if i == loop:
+            out += put(ind, "loop") + [ln, f"{body}tb_n += 1"]
+            continue
+        if i == after:
+            out += put(ind, "after")
+        if s_ == STORES_LINE:  # the later stamps overwrite what this epilogue has
+            out += put(at, "stores", "barrier", "staged", "fenced", "issued", "read")
+        if s_ == BULK_FENCE:
+            out += put(at, "staged")
+        if s_.startswith(BULK_WAIT) and not issued_line:
+            out += put(at, "issued")
+        if s_.startswith(PROD_START):
+            out += [f"{at}tq_i = tb_i + pw * {len(PROD_FIELDS)}  # this producer warp's stamps (lane 0's)",
+                    f"{at}tq_k = 0", f"{at}tq_x = clock64()"]
+        if s_.startswith(PROD_ISSUE):
+            out += prod(at, "issue")
+        out.append(ln)
+        if s_.startswith(barrier):
+            out += put(at, "barrier")
+        if s_ == BULK_FENCE:
+            out += put(at, "fenced")
+        if s_ == DKDV_ISSUED:
+            out += put(at, "issued")
+        if s_.startswith(BULK_WAIT):
+            out += put(at, "read")
+        if s_.startswith(PROD_FULL):
+            out.append(f"{at}tq_x = clock64()")
+        if s_ == PROD_END_TEST:
+            break_at = at
+        if s_ == "bulk_commit()" and lines[i - 1].strip().startswith(PROD_ISSUE):  # the reduction's commit
+            out += prod(at, "issued")
+        if s_ == PROD_READ:
+            out += prod(at, "read")
+        if s_ == "while True:" and lines[i - 1].strip() == "ps = 0":  # the producer's slab loop
+            walk_start, walk_end = i, _end_of(lines, i, at)
+    out += put(ind, "end") + [f"{ind}if tid == 0:", f"{ind}    tl_buf[tb_i] = np.uint64(sm_id())",
+                              f"{ind}    tl_buf[tb_i + {F('tiles')}] = np.uint64(tb_n)"]
+    if drain:
+        out += [f"{ind}if tid == 0:", f"{ind}    bulk_wait0()", f"{ind}    tl_buf[tb_i + {F('drained')}] = clock64()"]
     out += lines[end:]
-    return _with_imports(out, "clock64, sm_id")
+    return _with_imports(out, "clock64, sm_id" + (", bulk_wait0" if drain else ""))
 
 
 ITEM_FIELDS = ("sm", "start", "loop", "after", "stores", "end", "tiles")  # a persistent kernel's item (thread 0's)
@@ -424,22 +508,23 @@ def summarize_items(t, items: int = ITEMS) -> dict:
 
 def summarize_blocks(t) -> dict:
     """Each block's prologue (start to the loop), loop and epilogue (the loop's end to the kernel's end; of it the
-    stores, from the dK / dV epilogue's first line, and of those under dkdv_bulk the barrier, the staging's stores, its
-    proxy fence (thread 0's: it waits for that thread's outstanding memory operations), the copies' issue, and the
-    wait for their reads; 0 for all but the last, the stores' issue, under the direct stores) in cycles,
-    medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a least-squares line through
-    (tiles, block cycles); and the gap an SM spends between one block's end and its next block's start (NaN where
-    blocks share an SM: "overlapping" counts those pairs)."""
+    stores, from the dK / dV epilogue's first line, which dkdv_in_tile takes in the walk's last tile, and of those
+    under dkdv_bulk the barrier, the staging's stores, its proxy fence (thread 0's: it waits for that thread's
+    outstanding memory operations), the copies' issue, the wait for their reads, and what follows it (dq_ws's end
+    hand-off: the producer's last slab read); under the direct stores all but the last read 0 and the last holds
+    the stores) in cycles, medians over the blocks that wrote; a tile's cycles and the block's fixed cost by a
+    least-squares line through (tiles, block cycles); and the gap an SM spends between one block's end and its next
+    block's start (NaN where blocks share an SM: "overlapping" counts those pairs)."""
     import numpy as np
 
-    t = np.asarray(t, dtype=np.float64).reshape(-1, len(BLOCK_FIELDS))
+    t = np.asarray(t, dtype=np.float64).reshape(-1, RECORD)
     t = t[t[:, BLOCK_FIELDS.index("end")] > 0]
-    sm, c0, c1, c2, cs, cb, cg, cf, cw, c3, n = t.T
+    sm, c0, c1, c2, cs, cb, cg, cf, cw, cr, c3, n, _ = t[:, :len(BLOCK_FIELDS)].T
     out = {"blocks read": int(len(t)), "prologue": float(np.median(c1 - c0)), "loop": float(np.median(c2 - c1)),
            "epilogue": float(np.median(c3 - c2)), "of it stores": float(np.median(c3 - cs)),
            "barrier": float(np.median(cb - cs)), "staging": float(np.median(cg - cb)),
            "fence": float(np.median(cf - cg)), "issue": float(np.median(cw - cf)),
-           "copies' reads": float(np.median(c3 - cw)),
+           "copies' reads": float(np.median(cr - cw)), "end hand-off": float(np.median(c3 - cr)),
            "tiles": float(np.median(n)), "tiles mean": float(np.mean(n))}
     whole = c3 - c0
     if len(set(n)) > 1:
@@ -462,6 +547,59 @@ def summarize_blocks(t) -> dict:
     # span the SMs spent inside blocks (what the blocks' own cycles leave out of the kernel's time, less the launch)
     out["SM span"], out["longest SM span"] = float(np.median(spans)), float(np.max(spans))
     out["SM busy share"] = float(np.sum(busy) / (len(spans) * np.max(spans)))
+    return out
+
+
+# summarize_epilogue's events: (name, the record's field, whose: thread 0's "c" or the producer warps' "p")
+EPILOGUE_EVENTS = (
+    ("last slab handed to the producer", "full", "p"),
+    ("last dQ reduction: issue", "issue", "p"),
+    ("last dQ reduction: issued", "issued", "p"),
+    ("last dQ reduction: read", "read", "p"),
+    ("dK / dV: epilogue's first line", "stores", "c"),
+    ("dK / dV: barrier passed", "barrier", "c"),
+    ("dK / dV: staged", "staged", "c"),
+    ("dK / dV: fenced", "fenced", "c"),
+    ("dK / dV: copies issued", "issued", "c"),
+    ("dK / dV: copies read", "read", "c"),
+    ("the producer's end word", "end", "p"),
+    ("block's end (thread 0)", "end", "c"),
+    ("dK / dV: thread 0's copies written (--drain)", "drained", "c"),
+    ("last dQ reduction: written (--drain)", "drained", "p"),
+)
+
+
+def summarize_epilogue(t) -> dict:
+    """The epilogue's timeline, in cycles from the q loop's end (thread 0's clock and the producer warps' lane 0's:
+    one SM's clock), mean and median over the blocks that wrote: {event: (mean, median)}, EPILOGUE_EVENTS' events
+    (a producer event: the later of its warps that added slabs, over the blocks whose walk had some; drained ones
+    only under --drain), then three spans: the dK / dV copies' issue to their reads, the last dQ reduction's issue
+    to its read, and the start of the dK / dV copies' issue (their fence's end) less the last reduction's read (> 0:
+    the copy engine had read the last slabs before the copies came; < 0: they queued behind the slabs still to read,
+    the sixty-second session's guess for the default's 2.9k cycles of issue)."""
+    import numpy as np
+
+    t = np.asarray(t, dtype=np.float64).reshape(-1, RECORD)
+    t = t[t[:, BLOCK_FIELDS.index("end")] > 0]
+    c = {f: t[:, i] for i, f in enumerate(BLOCK_FIELDS)}
+    prod = t[:, len(BLOCK_FIELDS):].reshape(len(t), PRODUCERS, len(PROD_FIELDS))
+    has = prod[:, :, PROD_FIELDS.index("slabs")] > 0
+    p = {f: np.where(has, prod[:, :, i], -np.inf).max(axis=1) for i, f in enumerate(PROD_FIELDS)}
+    walked = has.any(axis=1)
+    out = {}
+
+    def add(name: str, x, keep) -> None:
+        if keep.any():
+            out[name] = (float(np.mean(x[keep])), float(np.median(x[keep])))
+
+    with np.errstate(invalid="ignore"):  # (a walk without slabs: -inf less -inf, not read)
+        for name, field, whose in EPILOGUE_EVENTS:
+            x = (c if whose == "c" else p)[field]
+            add(name, x - c["after"], (x > 0) & (walked if whose == "p" else True))
+        add("span: dK / dV copies, issued to read", c["read"] - c["issued"], c["read"] > 0)
+        add("span: last dQ reduction, issue to read", p["read"] - p["issue"], walked)
+        add("span: dK / dV copies' issue start - last reduction read", c["fenced"] - p["read"],
+            walked & (c["fenced"] > 0))
     return out
 
 
@@ -488,9 +626,10 @@ def summarize_phases(t, tiles: int = TILES) -> dict:
     return out
 
 
-def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
+def run_phases(kern, args, source: str, blocks_mode: bool = False, drain: bool = False) -> dict:
     """One stamped launch of the backward's main kernel on the arguments its call would pass (prepare's, recorded):
-    the phases of its q tiles, or with `blocks_mode` each block's life (stamped_blocks_source)."""
+    the phases of its q tiles, or with `blocks_mode` each block's life (stamped_blocks_source, `drain` its copies'
+    writes waited for; the epilogue's timeline under "timeline": summarize_epilogue)."""
     import numpy as np
     import torch
     from numba import cuda
@@ -521,8 +660,9 @@ def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
         stamped = getattr(load_source(stamped_items_source(source, name), name + "_items"), name)
         tl = torch.zeros(blocks * ITEMS * len(ITEM_FIELDS), dtype=torch.int64, device="cuda")
     elif blocks_mode:
-        stamped = getattr(load_source(stamped_blocks_source(source, name), name + "_blocks"), name)
-        tl = torch.zeros(blocks * len(BLOCK_FIELDS), dtype=torch.int64, device="cuda")
+        stamped = getattr(load_source(stamped_blocks_source(source, name, drain), name + ("_drain" if drain else "")
+                                      + "_blocks"), name)
+        tl = torch.zeros(blocks * RECORD, dtype=torch.int64, device="cuda")
     else:
         stamped = getattr(load_source(stamped_source(source, name), name + "_phases"), name)
         tl = torch.zeros(blocks * 2 * TILES * (len(PHASES) + 1), dtype=torch.int64, device="cuda")
@@ -542,6 +682,7 @@ def run_phases(kern, args, source: str, blocks_mode: bool = False) -> dict:
         out = summarize_blocks(read)
         out["kernel us"] = ev[0].elapsed_time(ev[1]) * 1e3  # the stamped launch, from the host's stream
         out["SM MHz"] = out["longest SM span"] / out["kernel us"]  # at most the clock: the launch's edges count
+        out["timeline"] = summarize_epilogue(read)
         return out
     return summarize_phases(read)
 
@@ -568,8 +709,15 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="spec.extra of the kernel the edits apply to (JSON)")
     ap.add_argument("--compile-one", default="")
     ap.add_argument("--phases", action="store_true", help="stamp the kernel's phases instead of timing variants")
-    ap.add_argument("--blocks", action="store_true", help="stamp each block's prologue, loop and epilogue instead "
-                    "of timing variants (the per-block fixed cost)")
+    ap.add_argument("--blocks", action="store_true", help="stamp each block's prologue, loop and epilogue (and the "
+                    "epilogue's timeline: the producer's last dQ reduction, dK / dV's staging, copies and reads) "
+                    "instead of timing variants, for each of --variants (default: built)")
+    ap.add_argument("--drain", action="store_true", help="--blocks: also wait for (and stamp) the bulk copies' "
+                    "writes, thread 0's dK / dV copies and the producer's last dQ reductions (the blocks then end "
+                    "later: the gap is not read)")
+    ap.add_argument("--pairs", type=int, default=0, help="also time each spec.extra variant against the kernel as "
+                    "built by N pairs of single backward calls back to back (bench.py's paired_calls: L2 flushed, "
+                    "the order alternating), the median ratio with its 90%% bootstrap interval")
     a = ap.parse_args()
     from gpu_required import require_gpu
 
@@ -580,21 +728,11 @@ def main() -> None:
         c, kern, args = setup(a.d, a.causal, B, H, a.n, _extra_of(a.compile_one, base_extra), a.example)
         use_variant(kern, kern.source, a.compile_one)
         kern._direct_kernel("main")
+        if a.blocks:  # the stamped kernel too (Numba's disk cache: the parent's launch finds it compiled)
+            run_phases(kern, args, kern.source, blocks_mode=True, drain=a.drain)
         return
     c, kern, args = setup(a.d, a.causal, B, H, a.n, base_extra, a.example)
     source = kern.source
-    if a.blocks:
-        bl = run_phases(kern, args, source, blocks_mode=True)
-        what = "items" if "items read" in bl else "blocks"  # a persistent kernel's items (stamped_items_source)
-        print(f"backward {what}, D = {a.d}, N = {a.n}, {a.example or f'causal = {a.causal}'}: median cycles "
-              f"a{'n item' if what == 'items' else ' block'} ({bl[f'{what} read']} {what} read)")
-        print("| " + " | ".join(bl) + " |")
-        print("|" + "---|" * len(bl))
-        shares = ("fixed share", "SM busy share")
-        print("| " + " | ".join(f"{v:.3f}" if k in shares else f"{v:.0f}" for k, v in bl.items()) + " |")
-        if a.json:
-            Path(a.json).write_text(json.dumps(bl))
-        return
     if a.phases:
         ph = run_phases(kern, args, source)
         print(f"backward phases, D = {a.d}, N = {a.n}, causal = {a.causal}: median cycles a tile "
@@ -606,12 +744,27 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(ph))
         return
-    names = [x for x in a.variants.split(",") if x] or default_variants(source)
+    names = [x for x in a.variants.split(",") if x] or (["built"] if a.blocks else default_variants(source))
     if "rotate" in names and (a.n != 4096 or a.causal):
         raise SystemExit("probe_bwd: rotate is written for 64 q tiles of 64 rows without a mask "
                          "(--n 4096, no --causal)")
     if "oneop" in names and a.d != 128:
         raise SystemExit("probe_bwd: oneop is written for D = 128 (rows of 64 f32 a warpgroup)")
+    for x in names:
+        if x not in VARIANTS:
+            raise SystemExit(f"probe_bwd: unknown variant {x!r} (known: {', '.join(VARIANTS)})")
+        if x not in EXTRA:
+            edited(source, x)  # fails early on a pattern the source lacks
+    if a.pairs and not any(x in EXTRA for x in names):
+        raise SystemExit("probe_bwd: --pairs times spec.extra variants (each its own kernel) against the kernel as "
+                         "built: name one in --variants")
+    if a.blocks or len(names) > 1:  # each variant compiled in a process of its own, at once (the cubin cache)
+        base = [sys.executable, __file__, "--d", str(a.d), "--n", str(a.n)] + (["--causal"] if a.causal else []) \
+            + (["--extra", a.extra] if a.extra else []) + (["--example", a.example] if a.example else []) \
+            + (["--blocks"] if a.blocks else []) + (["--drain"] if a.drain else [])
+        procs = [subprocess.Popen(base + ["--compile-one", x]) for x in names]
+        if any(p.wait() for p in procs):
+            raise SystemExit("probe_bwd: a variant failed to compile")
     others = {x: setup(a.d, a.causal, B, H, a.n, _extra_of(x, base_extra), a.example)[1] for x in names if x in EXTRA}
     from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
 
@@ -622,16 +775,40 @@ def main() -> None:
             raise SystemExit(f"probe_bwd: {x}: the wgmma backward refused this spec ({k.wgmma_refused})")
         if off:
             print(f"probe_bwd: {x}: {', '.join(off)} not in effect in this kernel (its fallback is timed)")
-    for x in names:
-        if x not in VARIANTS:
-            raise SystemExit(f"probe_bwd: unknown variant {x!r} (known: {', '.join(VARIANTS)})")
-        if x not in EXTRA:
-            edited(source, x)  # fails early on a pattern the source lacks
-    base = [sys.executable, __file__, "--d", str(a.d), "--n", str(a.n)] + (["--causal"] if a.causal else []) \
-        + (["--extra", a.extra] if a.extra else []) + (["--example", a.example] if a.example else [])
-    procs = [subprocess.Popen(base + ["--compile-one", x]) for x in names]
-    if any(p.wait() for p in procs):
-        raise SystemExit("probe_bwd: a variant failed to compile")
+    report: dict = {"D": a.d, "N": a.n, "causal": a.causal, "example": a.example}
+    if a.blocks:
+        report["blocks"] = {x: run_phases(others.get(x, kern), args, others[x].source if x in others
+                                          else edited(source, x), blocks_mode=True, drain=a.drain) for x in names}
+        print_blocks(report["blocks"], a)
+    elif a.rounds > 0:
+        report["ms"] = time_rounds(kern, source, others, args, names, a.rounds)
+        med = {x: sorted(t)[len(t) // 2] for x, t in report["ms"].items()}
+        flops = 2.5 * 4 * B * H * a.n * a.n * a.d / (2 if a.causal else 1)
+        print(f"backward floors, D = {a.d}, N = {a.n}, B = {B}, H = {H}, {a.example or f'causal = {a.causal}'}, "
+              f"{a.rounds} rounds (the whole backward call: Delta, main, dQ's conversion)")
+        print("| variant | removes | ms | TFLOP/s | of built |")
+        print("|---|---|---|---|---|")
+        for x in names:
+            print(f"| {x} | {VARIANTS[x][0]} | {med[x]:.3f} | {flops / med[x] / 1e9:.0f} | "
+                  f"{med[x] / med.get('built', med[x]):.3f} |")
+    if a.pairs:
+        use_variant(kern, source, "built")
+        report["pairs"] = time_pairs(lambda: kern(*args), {x: (lambda k=k: k(*args)) for x, k in others.items()},
+                                     a.pairs)
+        print(f"paired calls, D = {a.d}, N = {a.n}, B = {B}, H = {H}, {a.example or f'causal = {a.causal}'}: "
+              f"the whole backward call of each variant over the kernel as built, {a.pairs} pairs back to back (L2 "
+              "flushed before each call, the order alternating)")
+        print("| variant | time / built's | 90% interval | pairs p05 - p95 | built ms | variant ms |")
+        print("|---|---|---|---|---|---|")
+        for x, r in report["pairs"].items():
+            print(f"| {x} | {r['median']:.4f} | [{r['lo']:.4f}, {r['hi']:.4f}] | {r['p05']:.4f} - {r['p95']:.4f} | "
+                  f"{r['base ms']:.3f} | {r['ms']:.3f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(report))
+
+
+def time_rounds(kern, source: str, others: dict, args, names: list[str], rounds: int) -> dict[str, list[float]]:
+    """Each variant's whole backward call, median of 20 back to back, in `rounds` interleaved rounds: {name: ms}."""
     import torch
 
     def timed(fn, reps=20):
@@ -645,26 +822,59 @@ def main() -> None:
         torch.cuda.synchronize()
         return sorted(st[i].elapsed_time(st[i + 1]) for i in range(reps))[reps // 2]
 
-    flops = 2.5 * 4 * B * H * a.n * a.n * a.d / (2 if a.causal else 1)
     times: dict[str, list[float]] = {x: [] for x in names}
-    for r in range(a.rounds):
+    for _ in range(rounds):
         for x in names:
             if x in EXTRA:
                 times[x].append(timed(lambda: others[x](*args)))
                 continue
             use_variant(kern, source, x)
             times[x].append(timed(lambda: kern(*args)))
-    med = {x: sorted(t)[len(t) // 2] for x, t in times.items()}
-    print(f"backward floors, D = {a.d}, N = {a.n}, B = {B}, H = {H}, {a.example or f'causal = {a.causal}'}, "
-          f"{a.rounds} rounds "
-          f"(the whole backward call: Delta, main, dQ's conversion)")
-    print("| variant | removes | ms | TFLOP/s | of built |")
-    print("|---|---|---|---|---|")
-    for x in names:
-        print(f"| {x} | {VARIANTS[x][0]} | {med[x]:.3f} | {flops / med[x] / 1e9:.0f} | "
-              f"{med[x] / med.get('built', med[x]):.3f} |")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"D": a.d, "N": a.n, "causal": a.causal, "ms": times}))
+    return times
+
+
+def time_pairs(base, fns: dict, pairs: int) -> dict:
+    """Each of `fns` against `base` by bench.paired_calls (`pairs` pairs of single calls back to back, L2 flushed
+    before each, the order alternating): {name: bench.paired_summary of the time ratios (fn / base), with the
+    pairs' median ms of each}."""
+    import statistics
+
+    import bench
+
+    out = {}
+    for x, fn in fns.items():
+        ts = bench.paired_calls(base, fn, pairs)
+        r = bench.paired_summary([b / a for a, b in ts if a > 0])
+        r["base ms"] = statistics.median(a for a, _ in ts)
+        r["ms"] = statistics.median(b for _, b in ts)
+        out[x] = r
+    return out
+
+
+def print_blocks(results: dict, a) -> None:
+    """--blocks' tables: each variant's block summary (summarize_blocks / summarize_items, a row each), then the
+    epilogue's timeline (summarize_epilogue: mean / median cycles from the loop's end, a column pair each)."""
+    first = next(iter(results.values()))
+    what = "items" if "items read" in first else "blocks"  # a persistent kernel's items (stamped_items_source)
+    print(f"backward {what}, D = {a.d}, N = {a.n}, {a.example or f'causal = {a.causal}'}: median cycles "
+          f"a{'n item' if what == 'items' else ' block'}{' (--drain: the blocks end later)' if a.drain else ''}")
+    keys = [k for k in first if k != "timeline"]
+    print("| variant | " + " | ".join(keys) + " |")
+    print("|" + "---|" * (len(keys) + 1))
+    shares = ("fixed share", "SM busy share")
+    for x, bl in results.items():
+        print(f"| {x} | " + " | ".join(f"{bl.get(k, float('nan')):.3f}" if k in shares
+                                      else f"{bl.get(k, float('nan')):.0f}" for k in keys) + " |")
+    if what == "items":
+        return
+    events = list(dict.fromkeys(e for bl in results.values() for e in bl["timeline"]))
+    print(f"the epilogue's timeline: cycles from the q loop's end, mean / median over the {what} (thread 0's stamps "
+          "and the producer warps' lane 0's; a producer event: the later warp's)")
+    print("| event | " + " | ".join(f"{x} mean | {x} median" for x in results) + " |")
+    print("|" + "---|" * (2 * len(results) + 1))
+    for e in events:
+        cells = [results[x]["timeline"].get(e) for x in results]
+        print(f"| {e} | " + " | ".join("- | -" if v is None else f"{v[0]:.0f} | {v[1]:.0f}" for v in cells) + " |")
 
 
 if __name__ == "__main__":

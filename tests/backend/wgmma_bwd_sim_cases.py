@@ -140,6 +140,14 @@ CASES = {
 # cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
 SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},
                    "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False}}
+# cases run with benchmarks/probe_bwd.py's --blocks stamps (stamped_blocks_source, --drain's waits too) in place of
+# the main kernel: tests/test_probe_bwd_tool.py reads their gradients and stamps. 2 kv tiles, one walking 2 ragged q
+# tiles, the other none (its zeros), on the default kernel (dq_ws and ws_loads at 64 x 128) and with dkdv_in_tile
+STAMPED = {
+    "stamped-causal-bf16-d128-70x200": ("causal", "bf16", 1, 1, 1, 70, 200, 128, 64, 128, {"dq_ws": "auto"}),
+    "stamped-causal-bf16-d128-70x200-intile": ("causal", "bf16", 1, 1, 1, 70, 200, 128, 64, 128,
+                                               {"dq_ws": "auto", "dkdv_in_tile": True}),
+}
 
 
 def _alibi_gqa():
@@ -245,6 +253,32 @@ def _poison_new_device_arrays() -> None:
     cuda.device_array = device_array
 
 
+def _stamped(kern) -> dict:
+    """Point the backward kernel's main launch at probe_bwd's --blocks source (with --drain's waits), the stamps'
+    buffer appended to its arguments; returns {"buf": the buffer}, filled in at the launch."""
+    import importlib
+
+    from numba import cuda
+
+    from falower.backends.numba_cuda.runtime import load_source
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    probe = importlib.import_module("probe_bwd")
+    name = kern.spec.name
+    stamped = getattr(load_source(probe.stamped_blocks_source(kern.source, name, drain=True), name + "_sim_blocks"),
+                      name)
+    held: dict = {}
+
+    class Launch:  # the dispatcher's [config](*args), the buffer last
+        def __getitem__(self, cfg):
+            held["buf"] = cuda.to_device(np.zeros(int(np.prod(cfg[0])) * probe.RECORD, np.uint64))
+            launch = stamped[cfg]
+            return lambda *a: launch(*a, held["buf"])
+
+    kern._dispatchers["main"] = Launch()
+    return held
+
+
 def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     import falower as fl
     from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
@@ -252,7 +286,7 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     from falower.passes.check import bind_dims, random_inputs
 
     _poison_new_device_arrays()
-    stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = CASES[case_id]
+    stem, dtype, B, H, HKV, M, N, D, bq, bk, *rest = STAMPED[case_id] if case_id in STAMPED else CASES[case_id]
     rest = [{**(rest[0] if rest else {}), **(extra_change or {})}]
     g = TEST_GRAPHS[stem]() if stem in TEST_GRAPHS else example_graph(stem)
     env = bind_dims(g, {"B": B, "H": H, "HKV": HKV, "M": M, "N": N, "D": D})
@@ -267,6 +301,7 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     o, lse = _bits(o, dtype), lse.astype(np.float32)
     do = _bits(np.random.default_rng(5).standard_normal(o.shape), dtype)
     kern = c._backward_kernel_and_dims_for(dtype, D)
+    stamps = _stamped(kern) if case_id in STAMPED else None
     t0 = time.time()
     caps = [*ins[3:], *(env[d.removeprefix("dim_")] for d in kern.spec.dims)]
     blocks = c.block_data(kern)  # range tables and block lists made from the data, as a call makes them
@@ -299,6 +334,8 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     masked = ~np.isfinite(lse)  # fully masked rows: the reference says dq = 0 there, the kernel must too
     out["masked_rows"] = int(masked.sum())
     out["masked_dq_zero"] = bool(np.all(_float(got[0], dtype)[masked] == 0))
+    if stamps is not None:
+        out["stamps"] = [int(x) for x in stamps["buf"].copy_to_host()]
     if case_id in SAME_AS_DEFAULT and extra_change is None:  # the same call on the kernel without the knob
         out["raw"] = [np.asarray(x).tobytes().hex() for x in got[:3]]
         other = run_case(case_id, SAME_AS_DEFAULT[case_id])
@@ -311,7 +348,7 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
 
 
 def main(ids) -> None:
-    run_main(ids or list(CASES), run_case)
+    run_main(ids or list(CASES), run_case)  # (STAMPED's by id only)
 
 
 if __name__ == "__main__":

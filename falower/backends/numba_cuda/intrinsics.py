@@ -1980,6 +1980,8 @@ else:
 #     bulk_commit(), bulk_wait_read0()   cp.async.bulk.commit_group; cp.async.bulk.wait_group.read 0: this thread's
 #                                        committed bulk copies have read their shared memory (which may then be
 #                                        written again; the kernel must not exit before)
+#     bulk_wait0()                       cp.async.bulk.wait_group 0: ... and their writes are done (visible): what
+#                                        benchmarks/probe_bwd.py --drain stamps (the simulator's: bulk_wait_read0's)
 #     tma_store_3d(map, c0, c1, c2, saddr)
 #                                        cp.async.bulk.tensor.3d.global.shared::cta.bulk_group: the box at
 #                                        coordinates (c0, c1, c2) (innermost first) of the tensor the map describes
@@ -2031,6 +2033,7 @@ __all__ += [
     "bulk_reduce_add_f32",
     "bulk_commit",
     "bulk_wait_read0",
+    "bulk_wait0",
     "tma_store_3d",
     "tma_load_4d",
     "tma_load_4d_hint",
@@ -2378,6 +2381,9 @@ if SIMULATOR:
         for copy in getattr(threading.current_thread(), "_falower_bulk", None) or ():
             copy[3] = True
 
+    def bulk_wait0():
+        bulk_wait_read0()  # the emulation writes at the wait: read and written at once
+
     def bulk_wait_read0():
         pending = getattr(threading.current_thread(), "_falower_bulk", None)
         if not pending:
@@ -2463,6 +2469,7 @@ else:
     syncwarp = _void_asm_intrinsic("syncwarp", "bar.warp.sync 0xffffffff;")
     bulk_commit = _void_asm_intrinsic("bulk_commit", "cp.async.bulk.commit_group;")
     bulk_wait_read0 = _void_asm_intrinsic("bulk_wait_read0", "cp.async.bulk.wait_group.read 0;")
+    bulk_wait0 = _void_asm_intrinsic("bulk_wait0", "cp.async.bulk.wait_group 0;")
     bulk_store = _addr_asm(  # nbytes from the shared byte address $1 to the generic address $0 (async proxy)
         "bulk_store", "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.global.shared::cta.bulk_group [ga], "
         "[$1], $2; }", 3, arg_types=(types.uint64, _U32, _U32))
