@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 from ...errors import FalowerError
 from ...ir.core import Block, Func, Op, Value, backward_slice
-from ...ir.dims import Const, Dim
+from ...ir.dims import Const, Dim, dim
 from ...ir.intervals import uses_data
 from ...ir.printer import print_func
 from ...ir.value_ranges import ValueRanges, dim_range
@@ -114,6 +114,7 @@ def analyse(func: Func) -> Lowered:
                 raise BackendError(f"numba-cuda backend: mask.ranges of %{src.name}, which the score function "
                                    "does not read")
             ranges.append((cap_args.index(src), int(op.attrs["axis"]), int(op.attrs["granule"])))
+    _check_mask_ops(func, par, fused_ops, block_q, block_k, ranges, lead)
     if block_mask == "static" and any(g > 1 for _, _, g in ranges):
         # tables read along q or kv (document ids): tiles classified from the range tables once per data by
         # the list kernel, visited from the list. Tables read at one point per tile (start[b], window[h]:
@@ -173,10 +174,18 @@ def _check_template(func: Func, par: Op, fused_ops: list[Op]) -> None:
         if list(fused_ops[0].attrs["roles"]) != list(fused_ops[1].attrs["roles"]) or \
                 structure_key(full, fused_ops[0].regions[0], {}) != structure_key(masked, fused_ops[1].regions[0], {}):
             raise fail("the full tiles' score function does not compute the partial tiles' score (mask-tiles' copy)")
+
+    def is_class(v: Value) -> bool:  # mask.classify's, or a block table's entry as mask-tiles reads it (cast to i32)
+        op = v.owner
+        src = op.operands[0].owner if isinstance(op, Op) and op.name == "cast" else None
+        return isinstance(op, Op) and (op.name == "mask.classify" or isinstance(src, Op) and src.name == "tile.load"
+                                       and isinstance(src.operands[0].owner, Op)
+                                       and src.operands[0].owner.name == "mask.block_table")
+
     for op in par.walk():
-        if any(isinstance(x.owner, Op) and x.owner.name == "mask.classify" for x in op.operands) and op.name != "eq":
+        if any(is_class(x) for x in op.operands) and op.name != "eq":
             raise fail(f"a tile class is read by {op.name}: mask-tiles' tests are == 0 (empty) and == 2 (full)")
-        if op.name == "eq" and isinstance(op.operands[0].owner, Op) and op.operands[0].owner.name == "mask.classify":
+        if op.name == "eq" and is_class(op.operands[0]):
             c = op.operands[1].owner
             cv = c.attrs.get("value") if isinstance(c, Op) and c.name == "const" else None
             if cv not in (0, 2):
@@ -188,6 +197,172 @@ def _check_template(func: Func, par: Op, fused_ops: list[Op]) -> None:
                 if (cv == 0) != through or (cv == 2) != fused_then:
                     raise fail("a tile class's branch is not mask-tiles' (== 0: the state passed through; == 2: the "
                                "unmasked score function)")
+
+
+def _check_mask_ops(func: Func, par: Op, fused_ops: list[Op], block_q: int, block_k: int,
+                    ranges: list[tuple[int, int, int]], lead: int) -> None:
+    """mask-tiles' ops as mask-tiles makes them, asked of the IR (which may be a hand-edited dump). The kernels
+    classify tiles, find a q tile's kv range and fill a block table from the score function's mask (tile_class_fn,
+    mask_fn: the masked score function's conjuncts), on their own tiles, indices and captures, while the
+    interpreter takes `mask.kv_range`'s, `mask.classify`'s and `mask.block_table`'s regions, attributes and
+    operands as the definition: an edited predicate (causal's kv <= q made kv >= q) ran the kernels' classes
+    against other numbers in the IR. So each mask op must hold:
+    - mask-tiles' copy of the masked score function's predicate: `predicate_region` of its conjuncts (the kv bound
+      included), compared by structure (`structure_key`: ops, attributes, result types, constants by value, region
+      arguments by position); the kv bound itself is `kv < N` (the kernels' bound);
+    - bq, bk the loop's tiles; a table's m, n the q and k lengths, its type [B, H, cdiv(M, bq), cdiv(N, bk)];
+    - operands b, h (the program's), q0 (the q tile's first row: what tile.load of q reads), k0 (the kv index's
+      start) or nkv (the constant N), then the score function's captures in its order, then for `ranges = [[c,
+      axis, granule], ...]` the mask.ranges of capture c with that axis and granule, as the kernels build them
+      (`ranges`); a table is read at [b, h, qi, kj] and cast to i32 (mask-tiles' form, the kernels' index);
+    - and the full tiles' score function has no mask (the kernels apply none there).
+
+    What is not comparable, and why it need not be: the range tables' region arguments (interval arithmetic reads
+    them through `ranges`, no op of the region does), so `ranges` and the operands are compared instead; values
+    score-licm hoisted out of the score function (roles cta, row, col): it hoists the score's ops, never the
+    mask's, so a mask that reads one is refused, its predicate not being the region's alone; dead ops of a
+    predicate and names. Two predicates equal as functions but written differently are refused (mask-tiles writes
+    copies of one block, score-licm and canonicalize leave the mask's ops as they are)."""
+    def fail(msg: str) -> BackendError:
+        return BackendError(f"numba-cuda backend: {msg} (its kernels compute this from their own template)")
+
+    if len(fused_ops) == 2 and split_mask(fused_ops[0].regions[0])[1]:
+        raise fail("the full tiles' score function has a mask (mask-tiles' copy drops it: the kernels apply none on "
+                   "full tiles)")
+    fused = fused_ops[-1]
+    region = fused.regions[0]
+    roles = list(fused.attrs["roles"])
+    conj = split_mask(region)[1]
+    N = func.args[1].type.shape[2]
+    for c in conj:
+        op = c.owner
+        if isinstance(op, Op) and op.attrs.get("bounds") and not (
+                op.name == "lt" and "kv" in roles and op.operands[0] is region.args[roles.index("kv")]
+                and _is_const_dim(op.operands[1], N)):
+            raise fail(f"the score function's kv bound is not kv < {N} (the kernels bound kv by k's length)")
+    ops = [op for op in func.walk() if op.name in ("mask.kv_range", "mask.classify", "mask.block_table",
+                                                   "mask.q_range")]
+    if not ops:
+        return
+    for op in ops:
+        if op.name == "mask.q_range" or sum(o.name == op.name for o in ops) > 1:
+            what = "a mask.q_range" if op.name == "mask.q_range" else f"more than one {op.name}"
+            raise fail(f"the forward IR has {what}; mask-tiles makes one kv range and one tile class a q tile")
+    if not conj:
+        raise fail(f"{ops[0].name} classifies tiles but the score function has no mask")
+    allowed = {a for a, r in zip(region.args, roles) if r in ("b", "h", "q", "kv", "cap")}
+    for op in backward_slice(region, conj):
+        hoisted = [a for a in op.operands if a.owner is region and a not in allowed]
+        if hoisted:
+            raise fail(f"the score function's mask reads {_ref(hoisted[0])} (role "
+                       f"{roles[region.args.index(hoisted[0])]}), which mask-tiles' predicate cannot take")
+    want = predicate_region(fused, conj)
+    want_key = structure_key(want.terminator.operands[0], want, {})  # type: ignore[union-attr]
+    caps = [v for v, r in zip(fused.operands, roles) if r == "cap"]
+    body = par.regions[0]
+    bi, h, qi = body.args[lead: lead + 3]
+    q0 = next(op for op in body.ops if op.name == "tile.load").operands[3]
+    kv = fused.operands[roles.index("kv")].owner
+    k0 = kv.operands[0] if isinstance(kv, Op) and kv.name == "tile.iota" else None
+    for op in ops:
+        nm = op.name
+        if (op.attrs.get("bq"), op.attrs.get("bk")) != (block_q, block_k):
+            raise fail(f"{nm}'s tiles bq = {op.attrs.get('bq')}, bk = {op.attrs.get('bk')} are not the kv loop's "
+                       f"{block_q} x {block_k}")
+        reg = op.regions[0]
+        term = reg.terminator
+        if term is None or len(term.operands) != 1 or structure_key(term.operands[0], reg, {}) != want_key:
+            raise fail(f"{nm}'s predicate is not the score function's mask (mask-tiles' copy of its conjuncts, the kv "
+                       "bound included)")
+        spec = [tuple(e) for e in op.attrs.get("ranges", ())]
+        fixed = 0 if nm == "mask.block_table" else 4
+        got_caps = op.operands[fixed:len(op.operands) - len(spec)]
+        if len(got_caps) != len(caps) or any(a is not b for a, b in zip(got_caps, caps)):
+            raise fail(f"{nm} reads captures ({', '.join(_ref(v) for v in got_caps)}) where the score function reads "
+                       f"({', '.join(_ref(v) for v in caps)}), in that order")
+        why = ranges_mismatch(op, fixed)
+        if why:
+            raise fail(why)
+        if nm == "mask.block_table":
+            _check_block_table(op, fail, func, block_q, block_k, (bi, h, qi), par)
+            continue
+        if sorted(spec) != sorted(ranges):
+            raise fail(f"{nm}'s ranges {[list(e) for e in spec]} are not the mask.ranges tables the kernels build "
+                       f"{[list(e) for e in ranges]}")
+        wants = (("b", bi, "the program's batch index"), ("h", h, "the program's head"),
+                 ("q0", q0, "the q tile's first row"), ("k0", k0, "the kv tile's first row"))
+        for i, (what, v, where) in enumerate(wants[:3] if nm == "mask.kv_range" else wants):
+            if op.operands[i] is not v:
+                raise fail(f"{nm}'s {what} is {_ref(op.operands[i])}, not {where}" + (f" {_ref(v)}" if v else ""))
+        if nm == "mask.kv_range" and not _is_const_dim(op.operands[3], N):
+            raise fail(f"mask.kv_range's nkv is {_ref(op.operands[3])}, not the constant N (k's length {N})")
+
+
+def _is_const_dim(v: Value, d: Dim) -> bool:
+    """Whether v is a constant whose value is the size d."""
+    op = v.owner
+    val = op.attrs.get("value") if isinstance(op, Op) and op.name == "const" else None
+    return isinstance(val, (int, Dim)) and not isinstance(val, bool) and dim(val) == dim(d)
+
+
+def table_mismatch(op: Op, q: Value, k: Value, block_q: int, block_k: int) -> str:
+    """Why mask.block_table `op` is not the table of q's and k's sizes on block_q x block_k tiles that the kernels
+    build (m, n the q and k lengths, its type [B, H, cdiv(M, bq), cdiv(N, bk)]); "" where it is."""
+    from ...ir.dims import cdiv
+
+    B, H, M = q.type.shape[:3]
+    N = k.type.shape[2]
+    if dim(op.attrs.get("m", M)) != dim(M) or dim(op.attrs.get("n", N)) != dim(N):
+        return f"mask.block_table's m = {op.attrs.get('m')}, n = {op.attrs.get('n')} are not q's and k's lengths " \
+               f"{M}, {N}"
+    want = (dim(B), dim(H), cdiv(dim(M), block_q), cdiv(dim(N), block_k))
+    if tuple(dim(d) for d in op.results[0].type.shape) != want:
+        return f"mask.block_table's type is {op.results[0].type}, not [B, H, cdiv(M, {block_q}), cdiv(N, {block_k})] " \
+               "of q's and k's sizes"
+    return ""
+
+
+def _check_block_table(op: Op, fail, func: Func, block_q: int, block_k: int, tile: tuple, par: Op) -> None:
+    """mask-tiles' dense table (`table_mismatch`), read once a kv tile at [b, h, qi, kj] (`tile`: the program's b, h,
+    qi) and cast to i32, the class the kv loop tests."""
+    why = table_mismatch(op, func.args[0], func.args[1], block_q, block_k)
+    if why:
+        raise fail(why)
+    for use in (u for u in par.walk() if op.results[0] in u.operands):
+        loop = use.parent.parent if use.parent is not None else None
+        kj = loop.regions[0].args[0] if isinstance(loop, Op) and loop.name == "for" else None
+        at = list(use.operands[1:])
+        casts = [u for u in par.walk() if use.results and use.results[0] in u.operands]
+        if use.name != "tile.load" or use.operands[0] is not op.results[0] or kj is None or len(at) != 4 \
+                or any(a is not b for a, b in zip(at, (*tile, kj))) or len(casts) != 1 or casts[0].name != "cast" \
+                or casts[0].results[0].type.dtype != "i32":
+            raise fail("a tile class is not read from mask.block_table at [b, h, qi, kj] and cast to i32 (the kernels "
+                       "read the table they build so)")
+
+
+def _ref(v: Value) -> str:
+    """A value as a refusal names it: %name, or what it is where the dump numbered it (a parsed %12 has no name)."""
+    if v.name:
+        return f"%{v.name}"
+    op = v.owner
+    return f"a {op.name}" if isinstance(op, Op) else "an unnamed argument"
+
+
+def ranges_mismatch(op: Op, fixed: int) -> str:
+    """Why a mask op's `ranges = [[c, axis, granule], ...]` is not its range-table operands' (each the mask.ranges
+    of the op's capture c with that axis and granule: the tables the runtime builds from the mask.ranges ops, while
+    the interpreter reads each with the entry's axis and granule); "" where it is. `fixed`: the operands before the
+    captures (4: b, h and two indices)."""
+    spec = [tuple(e) for e in op.attrs.get("ranges", ())]
+    caps = op.operands[fixed:len(op.operands) - len(spec)]
+    for (c, axis, g), t in zip(spec, op.operands[len(op.operands) - len(spec):] if spec else []):
+        src = t.owner
+        if not (isinstance(src, Op) and src.name == "mask.ranges" and 0 <= c < len(caps) and src.operands[0] is caps[c]
+                and (src.attrs.get("axis"), src.attrs.get("granule")) == (axis, g)):
+            cap = _ref(caps[c]) if 0 <= c < len(caps) else f"capture {c}"
+            return f"{op.name}'s ranges entry [{c}, {axis}, {g}] reads {_ref(t)}, not mask.ranges of {cap} with " \
+                   f"axis {axis}, granule {g}"
+    return ""
 
 
 def _split_parts(func: Func, par: Op) -> tuple[int, str]:
