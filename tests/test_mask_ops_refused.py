@@ -4,7 +4,9 @@ mask-tiles gives `mask.kv_range`, `mask.classify` and `mask.block_table` a copy 
 region; the interpreter takes that region, the op's bq / bk and its operands as the definition of the tile classes
 and the kv range, while the forward kernels classify tiles from the fused score function's mask on their own tiles
 and indices. A dump whose copy was edited (causal's kv <= q made kv >= q) verified, interpreted to other numbers and
-compiled to the kernels' own: now refused in one line naming what differs. Every pipeline's own IR is accepted."""
+compiled to the kernels' own: now refused in one line naming what differs. Every pipeline's own IR is accepted. The
+backward's kernels take the IR's classify regions themselves, but not its q / kv ranges, tiles or operands: those
+are asked of the IR the same way (from_ir_bwd._check_mask_ops)."""
 
 from __future__ import annotations
 
@@ -196,3 +198,63 @@ def test_every_pipelines_own_forward_ir_is_accepted(name: str) -> None:
             analyse(fl.parse_func(fl.print_func(low)))
     assert seen >= 7
 
+
+BWD, BWD_DET = NAMED_PIPELINES["fa2-bwd"], NAMED_PIPELINES["fa2-bwd-deterministic"]
+BWD_TABLE = BWD.replace("dq=atomic", "dq=atomic,data=table")
+
+
+@pytest.mark.parametrize("pipeline, old, new, words", [
+    (BWD_DET, _region_op("mask.q_range"), r"\1le ", "mask.q_range's predicate is not its loop's mask.classify's"),
+    (BWD_DET, _region_op("mask.kv_range"), r"\1le ", "mask.kv_range's predicate is not its loop's mask.classify's"),
+    (BWD_DET, r"(mask.q_range [^{]*)\{bk = 64, bq = 64\}", r"\1{bk = 64, bq = 32}",
+     "mask.q_range's attributes are not its loop's mask.classify's"),
+    (BWD_DET, r"(%cls = mask.classify [^{]*)\{bk = 64, bq = 64\}", r"\1{bk = 64, bq = 32}",
+     "mask.classify's tiles bq = 32, bk = 64 are not the kernels' 64 x 64"),
+    (BWD_DET, r"%cls = mask.classify (%\w+), (%\w+), (%\w+), (%\w+)", r"%cls = mask.classify \1, \2, \4, \3",
+     "mask.classify's q0 is %k0, not the tile's %q0_1"),
+    (BWD_DET, r"mask.q_range (%\w+), (%\w+), (%\w+), (%\w+)", r"mask.q_range \1, \2, \3, \3",
+     "mask.q_range's fourth operand is %k0, not the constant M"),
+    (BWD_DET, r"= for (%\w+) = %q_lo to %q_hi", r"= for \1 = %q_lo to %q_lo",
+     "the loop does not run from mask.q_range's first tile to its past-last"),
+    (BWD_DET, r"= for (%\w+) = %kv_lo to %kv_hi", r"= for \1 = %kv_hi to %kv_hi",
+     "the loop does not run from mask.kv_range's first tile to its past-last"),
+    (BWD_DET, r"%full_tile = eq %cls,", "%full_tile = ne %cls,", "a tile class is read by ne"),
+    (BWD_TABLE, r"\{bk = 128, bq = 64, m = M, n = N\}", "{bk = 128, bq = 64, m = N, n = N}",
+     "mask.block_table's m = N, n = N are not q's and k's lengths M, N"),
+    (BWD_TABLE, r"tile.load %block_class\[(%\w+), (%\w+), (%\w+), (%\w+)\]", r"tile.load %block_class[\1, \2, \4, \3]",
+     "a tile class is not read from mask.block_table at [b, h, qi, kj]"),
+], ids=["q-range-anticausal", "kv-range-anticausal", "q-range-bq", "classify-bq", "classify-q0-k0", "q-range-nq",
+        "q-loop-bounds", "kv-loop-bounds", "class-ne", "table-m", "table-index"])
+def test_the_backward_backend_takes_only_tile_bwds_mask_ops(pipeline: str, old: str, new: str, words: str) -> None:
+    """The backward kernels classify by the IR's mask.classify regions, but scan those classes for a tile's range
+    (not mask.q_range / mask.kv_range, the IR's loop bounds) on their own tiles and indices: an edited range, tile
+    size, operand, loop bound, class test or table read was accepted and ran other tiles than the IR's."""
+    _refused(_edit(fl.print_func(run_pipeline(CAUSAL if "table" not in pipeline else DOCUMENT, pipeline)), old, new),
+             re.escape(words), backward=True)
+
+
+def test_the_backward_tile_classes_branches_are_tile_bwds() -> None:
+    text = fl.print_func(run_pipeline(CAUSAL, BWD_DET))
+    swapped = text.replace("= if %full_tile :", "= if %EMPTY :", 1)  # the empty test's branch and the full test's
+    swapped = swapped.replace("= if %empty_tile :", "= if %full_tile :", 1)
+    _refused(swapped.replace("%EMPTY", "%empty_tile"), re.escape("the tile classes' branches are not tile-bwd's"),
+             backward=True)
+
+
+@pytest.mark.parametrize("pipeline", [BWD, BWD_DET, BWD.replace("dq=atomic", "dq=separate"), BWD_TABLE,
+                                      BWD_DET.replace("deterministic=true", "deterministic=true,data=table"),
+                                      BWD.replace("dq=atomic", "dq=atomic,skip=false"),
+                                      BWD.replace("bq=64,bk=128", "bq=64,bk=64")],
+                         ids=["atomic", "deterministic", "separate", "table", "deterministic-table", "no-skip",
+                              "64x64"])
+def test_every_pipelines_own_backward_ir_is_accepted(pipeline: str) -> None:
+    """Every example, the data masks and GQA graphs (no q_range: one loop over the group's heads and q tiles) through
+    the backward pipelines: the IR and its printed dump are accepted."""
+    from falower.backends.numba_cuda.from_ir_bwd import analyse_backward
+
+    graphs = {k: v for k, v in _graphs().items() if not k.startswith("packed_")}
+    graphs["gqa_causal"] = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv, group_size=2, name="gqa_causal")
+    for g in graphs.values():
+        low = run_pipeline(g, pipeline)
+        analyse_backward(low)
+        analyse_backward(fl.parse_func(fl.print_func(low)))

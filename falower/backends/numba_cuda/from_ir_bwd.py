@@ -32,13 +32,14 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ...ir.core import Block, Func, Op, Value, backward_slice
+from ...ir.dims import cdiv, dim
 from ...ir.printer import print_func
 from ...ir.types import is_float
 from ...passes.canonicalize import const_value
 from ...passes.lse_cotangent import lse_cotangent_arg
-from ...passes.online_softmax import LOG2E  # the pass's log2(e), the backward's exponent folds (log2e)
-from .from_ir import (BackendError, _interval_fn, _literal, _live_lines, _ScalarEmitter, cap_ref, range_captures,
-                      range_name, tanh_by_ex2)
+from ...passes.online_softmax import LOG2E, structure_key  # LOG2E: the pass's, the backward's exponent folds
+from .from_ir import (BackendError, _interval_fn, _is_const_dim, _literal, _live_lines, _ref, _ScalarEmitter,
+                      cap_ref, range_captures, range_name, ranges_mismatch, table_mismatch, tanh_by_ex2)
 from .spec import Capture, FA2BackwardSpec, GradSpec
 
 
@@ -193,7 +194,141 @@ def analyse_backward(func: Func) -> BackwardLowered:
         low.q_branches = [_branch(name, blk, roles, want_p=False) for name, blk in _bodies(q_loops[0].regions[0])]
         low.q_classify = next((op for op in q_loops[0].walk() if op.name == "mask.classify"), None)
         low.q_nest = q_nest
+    _check_mask_ops(low, roles)
     return low
+
+
+def _check_mask_ops(low: BackwardLowered, roles: dict[str, Value]) -> None:
+    """tile-bwd's mask ops as tile-bwd makes them, asked of the IR (which may be a hand-edited dump). The kernels
+    classify tiles by the IR's own `mask.classify` regions (tile_class_fn, tile_class_q_fn) and `mask.block_table`
+    predicate (mask_fn), but on their own tiles and indices, and they find a tile's range by scanning those classes,
+    not from `mask.q_range` / `mask.kv_range`, which the interpreter takes as the loops' bounds. So: each nest's
+    range op holds its classify's predicate (compared by structure, `structure_key`), attributes and captures, with
+    b, h, the k tile's first row (q_range) or the q tile's (kv_range) as its classify's and the constant M or N, and
+    its loop runs from the range's first tile to its past-last (else from 0 to every tile); each mask op's bq, bk
+    are the kernels' tiles (a table's m, n the q and k lengths); classify's b, h, q0, k0 are the branch's q tile's
+    (b, head, first row) and k tile's first row; a table's class is read at [b, h, qi, kj] of those tiles and cast
+    to i32; a class is tested as tile-bwd tests it (== 0: the state passed through; == 2: the full branch).
+
+    Not compared: the regions against the score's mask in the branches (the kernels run the IR's own partial-branch
+    element code and the IR's own classify, so they agree with the IR whatever the predicate is)."""
+    def fail(msg: str) -> BackendError:
+        return BackendError(f"numba-cuda backend: {msg} (its kernels compute this from their own template)")
+
+    def load_of(v: Value) -> Optional[Op]:
+        op = v.owner
+        while isinstance(op, Op) and op.name == "cast":
+            op = op.operands[0].owner
+        return op if isinstance(op, Op) and op.name == "tile.load" else None
+
+    def key(op: Op) -> object:
+        reg = op.regions[0]
+        term = reg.terminator
+        return structure_key(term.operands[0], reg, {}) if term is not None and len(term.operands) == 1 else None
+
+    def tile_of(v: Value, index: Value, size: int) -> bool:  # v = index * size (q0 = qi * bq, k0 = kj * bk)
+        op = v.owner
+        return isinstance(op, Op) and op.name == "mul" and any(
+            a is index and isinstance(c.owner, Op) and c.owner.name == "const" and c.owner.attrs.get("value") == size
+            for a, c in (op.operands, op.operands[::-1]))
+
+    M, N = roles["q"].type.shape[2], roles["k"].type.shape[2]
+    tiles = (low.block_q, low.block_k)
+    if low.table is not None:
+        t = low.table
+        if (t.attrs.get("bq"), t.attrs.get("bk")) != tiles:
+            raise fail(f"mask.block_table's tiles bq = {t.attrs.get('bq')}, bk = {t.attrs.get('bk')} are not the "
+                       f"kernels' {tiles[0]} x {tiles[1]}")
+        why = table_mismatch(t, roles["q"], roles["k"], low.block_q, low.block_k)
+        if why:
+            raise fail(why)
+    nests = [(low.kv_nest, low.branches, low.classify, "mask.q_range")]
+    if low.q_nest is not None:
+        nests.append((low.q_nest, low.q_branches, low.q_classify, "mask.kv_range"))
+    for nest, branches, classify, range_name_ in nests:
+        loop = next(op for op in nest.regions[0].ops if op.name == "for")
+        lbody = loop.regions[0]
+        q_load, k_load = load_of(branches[0].s.owner.operands[0]), load_of(branches[0].s.owner.operands[1])
+        if q_load is None or k_load is None:
+            raise fail("the backward's S is not Q K^T of a q tile and a k tile")
+        b, h, q0, k0 = q_load.operands[1], q_load.operands[2], q_load.operands[3], k_load.operands[3]
+        ranges = [op for op in nest.walk() if op.name in ("mask.q_range", "mask.kv_range")]
+        classes = [op for op in nest.walk() if op.name == "mask.classify"]
+        if len(classes) > 1 or len(ranges) > 1 or any(r.name != range_name_ for r in ranges):
+            raise fail(f"a loop nest has {', '.join(op.name for op in classes + ranges)}: tile-bwd makes one "
+                       f"{range_name_} and one mask.classify a nest")
+        if classify is not None:
+            if (classify.attrs.get("bq"), classify.attrs.get("bk")) != tiles:
+                raise fail(f"mask.classify's tiles bq = {classify.attrs.get('bq')}, bk = {classify.attrs.get('bk')} "
+                           f"are not the kernels' {tiles[0]} x {tiles[1]}")
+            for what, got, want in zip(("b", "h", "q0", "k0"), classify.operands[:4], (b, h, q0, k0)):
+                if got is not want:
+                    raise fail(f"mask.classify's {what} is {_ref(got)}, not the tile's {_ref(want)} (the q tile's b, "
+                               "head and first row, the k tile's first row)")
+            why = ranges_mismatch(classify, 4)
+            if why:
+                raise fail(why)
+        for rng in ranges:
+            if classify is None:
+                raise fail(f"{rng.name} bounds a loop whose tiles are not classified (no mask.classify): the kernels "
+                           "visit every tile")
+            if key(rng) is None or key(rng) != key(classify):
+                raise fail(f"{rng.name}'s predicate is not its loop's mask.classify's (tile-bwd's one predicate)")
+            if dict(rng.attrs) != dict(classify.attrs):
+                raise fail(f"{rng.name}'s attributes are not its loop's mask.classify's")
+            caps, want_caps = rng.operands[4:], classify.operands[4:]
+            if len(caps) != len(want_caps) or any(x is not y for x, y in zip(caps, want_caps)):
+                raise fail(f"{rng.name}'s captures are not its loop's mask.classify's")
+            fixed = (classify.operands[0], classify.operands[1], k0 if rng.name == "mask.q_range" else q0)
+            for what, got, want in zip(("b", "h", "k0" if rng.name == "mask.q_range" else "q0"), rng.operands, fixed):
+                if got is not want:
+                    raise fail(f"{rng.name}'s {what} is {_ref(got)}, not its loop's mask.classify's {_ref(want)}")
+            length = M if rng.name == "mask.q_range" else N
+            if not _is_const_dim(rng.operands[3], length):
+                raise fail(f"{rng.name}'s fourth operand is {_ref(rng.operands[3])}, not the constant {length}")
+            if loop.operands[0] is not rng.results[0] or loop.operands[1] is not rng.results[1]:
+                raise fail(f"the loop does not run from {rng.name}'s first tile to its past-last (the kernels visit "
+                           "the tiles its mask.classify does not find empty)")
+        if not ranges:
+            count = cdiv(dim(M), low.block_q) * low.group if range_name_ == "mask.q_range" and low.group > 1 else \
+                cdiv(dim(M), low.block_q) if range_name_ == "mask.q_range" else cdiv(dim(N), low.block_k)
+            if not (_is_const_dim(loop.operands[0], 0) and _is_const_dim(loop.operands[1], count)):
+                raise fail(f"the loop does not run over every tile (0 to {count}) or over a {range_name_}'s")
+        # the class: classify's, or the table's entry at the tile pair, and tile-bwd's two tests of it
+        cls: Optional[Value] = classify.results[0] if classify is not None else None
+        if low.table is not None:
+            reads = [op for op in nest.walk() if low.table.results[0] in op.operands]
+            if len(reads) != 1 or reads[0].name != "tile.load" or len(reads[0].operands) != 5:
+                raise fail("mask.block_table is not read once a loop nest, at one tile pair")
+            idx = reads[0].operands[1:]
+            casts = [op for op in loop.walk() if reads[0].results[0] in op.operands]
+            if idx[0] is not b or idx[1] is not h or not tile_of(q0, idx[2], low.block_q) \
+                    or not tile_of(k0, idx[3], low.block_k) or len(casts) != 1 or casts[0].name != "cast" \
+                    or casts[0].results[0].type.dtype != "i32":
+                raise fail("a tile class is not read from mask.block_table at [b, h, qi, kj] of the q and k tiles and "
+                           "cast to i32 (the kernels read the table they build so)")
+            cls = casts[0].results[0]
+        if cls is None:
+            continue
+        tests = {}
+        for op in loop.walk():
+            if cls in op.operands:
+                c = op.operands[1].owner if op.name == "eq" and op.operands[0] is cls else None
+                cv = c.attrs.get("value") if isinstance(c, Op) and c.name == "const" else None
+                if cv not in (0, 2) or cv in tests:
+                    raise fail(f"a tile class is read by {op.name}" + (f" with {cv!r}" if op.name == "eq" else "") +
+                               ": tile-bwd's tests are == 0 (empty) and == 2 (full), once each")
+                tests[cv] = op.results[0]
+        ifs = [op for op in lbody.ops if op.name == "if"]
+        inner = next((op for op in ifs[0].regions[1].ops if op.name == "if"), None) if ifs else None
+        term = ifs[0].regions[0].terminator if ifs else None
+        state = lbody.args[1:]
+        through = term is not None and len(term.operands) == len(state) and all(
+            y is a for y, a in zip(term.operands, state))
+        if len(tests) != 2 or ifs[0].operands[0] is not tests[0] or not through or inner is None \
+                or inner.operands[0] is not tests[2]:
+            raise fail("the tile classes' branches are not tile-bwd's (if == 0: the state passed through; else "
+                       "if == 2: the full tiles' body)")
 
 
 def _bodies(loop_body: Block) -> list[tuple[str, Block]]:
