@@ -373,6 +373,8 @@ def _split_parts(func: Func, par: Op) -> tuple[int, str]:
     if [r.name for r in par.results] != ["o_parts", "lse_parts"]:
         return 1, ""
     bound = par.attrs["bounds"][0]
+    if isinstance(bound, int) and not isinstance(bound, bool):  # a parsed dump's constant dims are ints
+        bound = Const(bound)
     if len(par.attrs["bounds"]) != 4 or not isinstance(bound, Const):
         raise BackendError("numba-cuda backend: split-kv's parallel_for needs a constant part count first, got "
                            f"bounds {par.attrs['bounds']}")
