@@ -89,6 +89,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "pers": ({"bwd_persistent": 132}, "132 persistent blocks, an item's loads under the last one's dK / dV copies"),
     "stsm": ({"dkdv_stsm": True}, "dK and dV staged by stmatrix"),
     "tma": ({"dkdv_tma": True}, "dK and dV staged as 16-row boxes, stored by TMA tensor copies"),
+    "rows": ({"dkdv_tma": False, "dkdv_in_tile": False}, "dK and dV by a bulk copy a row (their store before "
+             "dkdv_store_auto)"),
     "intile": ({"dkdv_in_tile": True}, "dK and dV staged as 16-row boxes in the last q tile under its dQ GEMM (V's "
                "rows, the other Q / dO buffer), stored by TMA tensor copies ahead of its dQ hand-off"),
     "ws": ({"dq_ws": True, "ws_loads": False}, "dQ handed to a producer warpgroup's bulk reductions, two slabs a "

@@ -344,7 +344,7 @@ def dkdv_stsm(spec: FA2BackwardSpec) -> bool:
 
 
 def dkdv_tma(spec: FA2BackwardSpec) -> bool:
-    """dkdv_bulk's rows by TMA tensor stores (spec.extra["dkdv_tma"] True; default False): each
+    """dkdv_bulk's rows by TMA tensor stores (spec.extra["dkdv_tma"] True; default "auto": dkdv_store_auto's): each
     warp stages its 16 rows of dK and of dV by stmatrix as D / 64 boxes each of 16 rows x 128 bytes in the 128-byte
     swizzle, and lane 0 hands each box to one cp.async.bulk.tensor through dK's or dV's tensor map (made per call
     as the forward's O map: tensor_maps.o_map_geometry over the kv heads' rows; rows past N are not written), 2 D /
@@ -355,16 +355,40 @@ def dkdv_tma(spec: FA2BackwardSpec) -> bool:
     Measured (H200, probe_bwd.py, 9 rounds, the whole backward call against a bulk copy a row): the 1024 window
     0.992, the document 0.987, plain 1.009; the window's copies' issue 2.9k -> 1.7k cycles a block, their reads
     0.1k -> 0.5k: opt-in."""
-    return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_tma", False) is True
-            and not persistent(spec) and not dkdv_in_tile(spec))
+    v = spec.extra.get("dkdv_tma", "auto")
+    want = v is True or v == "auto" and dkdv_store_auto(spec) == "tma"
+    return uses_wgmma(spec) and dkdv_bulk(spec) and want and not persistent(spec) and not dkdv_in_tile(spec)
 
 
 _DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_persistent")
 
 
+def _in_tile_clash(spec: FA2BackwardSpec) -> list[str]:
+    """The knobs dkdv_in_tile cannot run beside (their own staging or order), as the spec sets them."""
+    return [k for k in _DKDV_IN_TILE_REFUSES if k == "bwd_persistent" and persistent(spec) or
+            k == "sdp_ahead" and sdp_ahead(spec) or k not in ("bwd_persistent", "sdp_ahead") and
+            spec.extra.get(k, False) is True] + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
+
+
+def dkdv_store_auto(spec: FA2BackwardSpec) -> str:
+    """How dK and dV leave the block by default ("auto" of dkdv_in_tile and dkdv_tma): "in_tile", "tma" or "" (a
+    bulk copy a row). Measured (H200, 2026-12-02, probe_bwd.py, 200-300 pairs of the whole backward call against
+    a bulk copy a row; BENCHMARKS.md, sixty-seventh session): at D = 128 in_tile takes plain 0.991, GQA 0.960,
+    causal 0.975 and tma 1.014, 1.014, 0.974, but on the masks whose walks are short or listed in_tile loses (the
+    1024 window 1.046, the document 1.020) where tma gains (0.965, 0.976); at D = 64 in_tile takes causal 0.988 and
+    the document 0.982 (tma 1.000, 0.988) and neither pays plain (1.006, 1.024). ALiBi (its slope's gradient held
+    across tiles) read 1.002 / 1.005: either. So: D >= 128 unmasked in_tile, masked tma; D = 64 masked in_tile."""
+    if not uses_wgmma(spec) or persistent(spec) or _in_tile_clash(spec):
+        return "tma" if uses_wgmma(spec) and not persistent(spec) and spec.head_dim >= 128 \
+            and spec.block_mask != "none" and dkdv_bulk(spec) else ""
+    if spec.head_dim >= 128:
+        return "in_tile" if spec.block_mask == "none" else "tma"
+    return "in_tile" if spec.block_mask != "none" else ""
+
+
 def dkdv_in_tile(spec: FA2BackwardSpec) -> bool:
     """dK and dV staged and stored in the walk's last q tile, under its dQ GEMM (spec.extra["dkdv_in_tile"] True;
-    default False, not yet measured): once dQ's GEMM is committed, a wait_group 1 (every tile: under the last
+    default "auto": dkdv_store_auto's measured choice): once dQ's GEMM is committed, a wait_group 1 (every tile: under the last
     tile's test ptxas serialized every wgmma, C7514) finds dV's and dK's group done, and in the last tile each warp
     stages its 16 rows of each by stmatrix as dkdv_tma's 16-row boxes (128-byte swizzle) where nothing reads any
     more, without a barrier: dV into its own rows of V (only its warpgroup's dP^T read them, and the last tile's is
@@ -383,8 +407,10 @@ def dkdv_in_tile(spec: FA2BackwardSpec) -> bool:
     against 16 boxes) 0.98-0.99. Not with dk_after_dq (dK is still in flight after dQ's GEMM), sdp_ahead (its
     next S^T / dP^T read V and the other buffer), dq_bulk, dq_late or a persistent kernel (their own staging and
     order): validate_spec refuses those."""
-    return (uses_wgmma(spec) and dkdv_bulk(spec) and spec.extra.get("dkdv_in_tile", False) is True
-            and not persistent(spec))
+    v = spec.extra.get("dkdv_in_tile", "auto")
+    if v == "auto":  # dkdv_tma set either way says how they leave
+        return "dkdv_tma" not in spec.extra and dkdv_store_auto(spec) == "in_tile"
+    return uses_wgmma(spec) and dkdv_bulk(spec) and v is True and not persistent(spec)
 
 
 def dkdv_maps(spec: FA2BackwardSpec) -> bool:
@@ -909,9 +935,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if persistent(spec) and not dkdv_bulk(spec):
         raise ValueError("wgmma backward: bwd_persistent stages dK / dV for bulk copies: it needs dkdv_bulk")
     if spec.extra.get("dkdv_in_tile", False) is True:
-        clash = [k for k in _DKDV_IN_TILE_REFUSES if k == "bwd_persistent" and persistent(spec) or
-                 k == "sdp_ahead" and sdp_ahead(spec) or k not in ("bwd_persistent", "sdp_ahead") and
-                 spec.extra.get(k, False) is True] + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
+        clash = _in_tile_clash(spec)
         if clash:
             raise ValueError(f"wgmma backward: dkdv_in_tile stages dK and dV in the last tile where nothing reads "
                              f"them any more: not with {clash[0]}")
