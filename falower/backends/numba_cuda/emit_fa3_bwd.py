@@ -377,7 +377,13 @@ def dkdv_store_auto(spec: FA2BackwardSpec) -> str:
     causal 0.975 and tma 1.014, 1.014, 0.974, but on the masks whose walks are short or listed in_tile loses (the
     1024 window 1.046, the document 1.020) where tma gains (0.965, 0.976); at D = 64 in_tile takes causal 0.988 and
     the document 0.982 (tma 1.000, 0.988) and neither pays plain (1.006, 1.024). ALiBi (its slope's gradient held
-    across tiles) read 1.002 / 1.005: either. So: D >= 128 unmasked in_tile, masked tma; D = 64 masked in_tile."""
+    across tiles) read 1.002 / 1.005: either. So: D >= 128 unmasked in_tile, masked tma; D = 64 masked in_tile.
+    Then the rule against the row copies (the same session's call D, 150 pairs): causal D = 128 0.975, plain 0.992,
+    causal D = 64 0.988, the window 0.970, the document 0.976, prefix LM 0.990, the softcap 0.996, the window at
+    D = 64 0.985, but the bias table **1.073** (in_tile) and ALiBi at D = 64 1.004: a captured table's gradient (its
+    flush after the walk) keeps the row copies."""
+    if spec.grads:
+        return ""
     if not uses_wgmma(spec) or persistent(spec) or _in_tile_clash(spec):
         return "tma" if uses_wgmma(spec) and not persistent(spec) and spec.head_dim >= 128 \
             and spec.block_mask != "none" and dkdv_bulk(spec) else ""
