@@ -152,8 +152,9 @@ def test_the_block_stamps_go_around_the_loop(stem):
     copies' issue and the wait for their reads, the kernel's end after dq_ws's end hand-off, then its SM and tiles.
     The producer warps' lane 0 (dq_ws, the default here) stamps its slabs: the hand-over after the full barrier
     (kept for a slab, not for the end word), its reduction's issue, return and read, the end word and the count after
-    its walk. The phase stamps take the list's loop (its `hc = hn` SSA-renamed) too."""
-    name, src = _source(stem)
+    its walk. The phase stamps take the list's loop (its `hc = hn` SSA-renamed) too. The row copies asked for (the
+    default where a table has a gradient; probe_bwd's rows variant), whatever dkdv_store_auto picks here."""
+    name, src = _source(stem, dkdv_tma=False, dkdv_in_tile=False)
     assert ("while pc < q_n:" in src) == (stem == "document")  # the document's loop walks its block list
     assert "bar_arrive(DQ_FULL" in src  # dq_ws's producer
     out = probe.stamped_blocks_source(src, name)

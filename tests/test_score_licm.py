@@ -147,6 +147,36 @@ def test_the_mask_stays_as_mask_tiles_left_it() -> None:
         assert any(op.name == "where" for op in partial.ops), stem
 
 
+MASKS_IT_WOULD_REWRITE = {  # a sum of three terms (regrouped in the score), a float cast of kv - q (split there)
+    "sum": lambda b, h, q, kv: (q < q) | (q < q + (q + kv)) & (kv <= q),
+    "cast": lambda b, h, q, kv: (kv - q).float() * 0.5 < 3.0,
+    "cast_sum": lambda b, h, q, kv: (q - kv + 3).float() / 2.0 >= 0.0,
+}
+
+
+@pytest.mark.parametrize("which", list(MASKS_IT_WOULD_REWRITE))
+def test_the_masks_arithmetic_is_left_as_written(which) -> None:
+    """score-licm rewrites the score's ops, not the mask's: the mask ops' copies (mask.kv_range, mask.classify)
+    keep the partial tile's conjuncts op for op, which the backend checks (from_ir._check_mask_ops: a regrouped
+    q + (q + kv) found by hypothesis made the kernels refuse a mask they ran before). Numbers unchanged."""
+    from falower.ir.core import backward_slice
+    from falower.passes.mask_tiles import split_mask
+
+    g = fl.attention(name=which, mask_mod=MASKS_IT_WOULD_REWRITE[which])
+    before, after = run_pipeline(g, BEFORE), run_pipeline(g, AFTER)
+    fl.verify(after)
+
+    def mask_ops(func):
+        region = _fused(func)[-1].regions[0]
+        return [(op.name, str(op.results[0].type)) for op in backward_slice(region, split_mask(region)[1])]
+
+    assert mask_ops(after) == mask_ops(before) and mask_ops(after)
+    for M, N in SIZES:
+        ref = Reference.build(g, {"B": 1, "H": 2, "M": M, "N": N, "D": 4}, seed=M * 7 + N)
+        for x, y in zip(interpret(before, ref.inputs, "f64", ref.env), interpret(after, ref.inputs, "f64", ref.env)):
+            np.testing.assert_allclose(y, x, rtol=0, atol=1e-10, err_msg=f"{which} M={M} N={N}")
+
+
 def test_idempotent_and_a_no_op_without_a_score_function() -> None:
     once = run_pipeline(example("alibi"), AFTER)
     assert print_func(run_pipeline(once, "score-licm")) == print_func(once)

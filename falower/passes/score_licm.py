@@ -1,7 +1,9 @@
 """score-licm: a score function that costs nothing it need not (issue 12).
 
 The fused score region runs once per element of every score tile. Three rewrites make that per-element
-work smaller, and the IR after the pass shows what moved:
+work smaller, and the IR after the pass shows what moved. All three touch the score's ops only: the mask's
+(its conjuncts and what they read) stay as mask-tiles copied them into its mask ops, which the interpreter
+runs and the backends compare with the score function's mask op for op:
 
 1. Scale and log2(e) folded (rounding only). Chains of multiplications and divisions by values that are the
    same for every element (the scale 1/sqrt(D), online-softmax's log2(e), a soft-cap constant, a per-head
@@ -283,16 +285,31 @@ def _split_cast(deps: _Deps, region: Block, roles: Sequence[str] = ()):
 
 
 def _rewrite_region(region: Block, roles: Sequence[str], make) -> bool:
-    """Run the patterns `make(deps, region)` to a fixpoint on an isolated region."""
+    """Run the patterns `make(deps, region)` to a fixpoint on an isolated region, on the score's ops only: the
+    mask's (the backward slice of its conjuncts) stay as mask-tiles copied them into mask.kv_range / classify /
+    block_table, which the interpreter runs and the backends compare with the score function's mask by structure
+    (from_ir._check_mask_ops). A regrouped sum there (q + (q + kv) => (q + q) + kv) or a split cast made the two
+    differ, and the kernels refused a mask they ran before."""
     changed = False
     for _ in range(50):
         deps = _Deps(region, roles)
         tmp = Func("region", region)
-        if not apply_patterns(tmp, make(deps, region), max_rounds=1):
+        mask_ops = {id(op) for op in backward_slice(region, split_mask(region)[1])}
+        patterns = [_score_only(p, mask_ops) for p in make(deps, region)]
+        if not apply_patterns(tmp, patterns, max_rounds=1):
             break
         changed = True
         region_dce(region)
     return changed
+
+
+def _score_only(pattern, mask_ops: set):
+    """`pattern`, declining the ops whose ids are in `mask_ops`."""
+    def on_score(op: Op, b: Builder):
+        return None if id(op) in mask_ops else pattern(op, b)
+
+    on_score.__name__ = getattr(pattern, "__name__", "pattern")
+    return on_score
 
 
 # ------------------------------------------------------------------------------------- 3. LICM

@@ -54,7 +54,10 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
     defaults = {"interior_split": True, "kv_major": r["block_mask"] == "none" and "bwd_batch_inner" not in asked,
                 "exp_fold": True, "dkdv_bulk": True,
                 "kv_group": r["block_mask"] == "static" and "kv_major" not in asked,
-                "ws_loads": r["knobs"]["dq_ws"] and tiles == (64, 128)}  # wherever dq_ws is, at 64 x 128
+                "ws_loads": r["knobs"]["dq_ws"] and tiles == (64, 128),  # wherever dq_ws is, at 64 x 128
+                # dK / dV's store as measured (dkdv_store_auto) unless either knob is set
+                "dkdv_in_tile": r["dkdv_store_auto"] == "in_tile" and "dkdv_tma" not in asked,
+                "dkdv_tma": r["dkdv_store_auto"] == "tma" and not asked.get("dkdv_in_tile")}
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"],
             "grad_dist": r["grad_dist"], "bwd_batch_inner": r["bwd_batch_inner"]}
     for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default
@@ -314,17 +317,19 @@ def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
     assert loop.index("bulk_reduce_add_f32(dqg") < loop.index("WAIT_S(sacc, 0)")
 
 
-def test_dkdv_by_bulk_copies_by_default(tmp_path, monkeypatch):
-    """spec.extra dkdv_bulk (default True): after one barrier each warp stages its 16 rows of dK and of dV (2 D + 16
-    bytes apart: a 4-byte store's lanes in 32 banks) from the base of shared memory, and lane l copies staging row l
-    (dK's rows 0-15, dV's 16-31) by one bulk copy; no direct store (its PTX: test_the_knobs_ptx). False keeps the
-    threads' direct stores."""
+def test_dkdv_by_bulk_copies_a_row(tmp_path, monkeypatch):
+    """spec.extra dkdv_bulk (default True) with neither dkdv_tma nor dkdv_in_tile (the default where a captured
+    table has a gradient, test_dkdv_store_auto's rule): after one barrier each warp stages its 16 rows of dK and of
+    dV (2 D + 16 bytes apart: a 4-byte store's lanes in 32 banks) from the base of shared memory, and lane l copies
+    staging row l (dK's rows 0-15, dV's 16-31) by one bulk copy; no direct store (its PTX: test_the_knobs_ptx).
+    False keeps the threads' direct stores."""
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
     from falower.backends.numba_cuda import emit_fa3_bwd
 
     with pytest.raises(ValueError, match="dkdv_bulk must be True or False"):
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dkdv_bulk": 1}))
-    direct, bulk = (emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra=x)) for x in ({"dkdv_bulk": False}, {}))
+    rows = {"dkdv_tma": False, "dkdv_in_tile": False}
+    direct, bulk = (emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128, extra=x)) for x in ({"dkdv_bulk": False}, rows))
     assert "store_pairs(dk" in direct and "bulk_store(" not in direct
     assert "store_pairs(dk" not in bulk and "store_pairs(dv" not in bulk
     # the epilogue's order (the simulator's proxy fence does nothing, so only the text can hold it): the GEMMs' waits,
@@ -378,7 +383,7 @@ def test_dkdv_by_tensor_stores_when_asked(tmp_path, monkeypatch):
         lay = emit_fa3_bwd._layout(sp)
         assert emit_fa3_bwd.threads(sp) // 32 * 2 * nb * 2048 <= lay["ST"]  # the boxes fit under the statistics
         argtypes = FA2BackwardKernel(sp).argtypes()
-        plain = FA2BackwardKernel(_spec("causal", D)).argtypes()
+        plain = FA2BackwardKernel(_spec("causal", D, extra={"dkdv_tma": False, "dkdv_in_tile": False})).argtypes()
         ncap = len(sp.captures)  # the maps come before the captures (the sizes, here)
         assert len(argtypes) == len(plain) + 2
         assert argtypes[len(argtypes) - ncap - 2:len(argtypes) - ncap] == (types.Array(types.uint8, 1, "C"),) * 2
@@ -434,7 +439,8 @@ def test_dkdv_in_tile_when_asked(tmp_path, monkeypatch):
         for x in order[1:]:
             at.append(after.index(x, at[-1] + 1))
         argtypes = FA2BackwardKernel(sp).argtypes()
-        assert len(argtypes) == len(FA2BackwardKernel(_spec("causal", D, extra={"dq_ws": "auto"})).argtypes()) + 2
+        rows = {"dq_ws": "auto", "dkdv_tma": False, "dkdv_in_tile": False}
+        assert len(argtypes) == len(FA2BackwardKernel(_spec("causal", D, extra=rows)).argtypes()) + 2
     for bad, why in (({"dk_after_dq": True}, "dk_after_dq"), ({"sdp_ahead": "top"}, "sdp_ahead"),
                      ({"dq_bulk": True}, "dq_bulk"), ({"dq_late": True}, "dq_late"),
                      ({"bwd_persistent": 2}, "bwd_persistent"), ({"dkdv_bulk": False}, "dkdv_bulk False")):
@@ -442,6 +448,25 @@ def test_dkdv_in_tile_when_asked(tmp_path, monkeypatch):
             e.validate_spec(_spec("causal", 128, extra={"dkdv_in_tile": True, **bad}))
     with pytest.raises(ValueError, match="dkdv_in_tile must be True or False"):
         e.validate_spec(_spec("causal", 128, extra={"dkdv_in_tile": 1}))
+
+
+@pytest.mark.parametrize("stem, D, want", [("plain", 128, "in_tile"), ("causal", 128, "tma"), ("plain", 64, ""),
+                                           ("causal", 64, "in_tile"), ("document", 128, "tma"),
+                                           ("sliding_window", 64, "in_tile"), ("relative_bias", 128, ""),
+                                           ("alibi", 64, "")])
+def test_dkdv_store_auto(stem, D, want):
+    """How dK and dV leave by default, as measured (dkdv_store_auto): D >= 128 unmasked in the last tile, masked by
+    tensor stores; D = 64 masked in the last tile, unmasked a row copy; a captured table with a gradient (ALiBi's
+    slopes, a bias table) a row copy. The knobs follow it unless set, and either set says how they leave."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    sp = _spec(stem, D)
+    assert e.dkdv_store_auto(sp) == want
+    assert (e.dkdv_in_tile(sp), e.dkdv_tma(sp)) == (want == "in_tile", want == "tma")
+    rows = _spec(stem, D, extra={"dkdv_tma": False})  # either knob set: the auto rule steps aside
+    assert not e.dkdv_in_tile(rows) and not e.dkdv_tma(rows)
+    assert e.dkdv_tma(_spec(stem, D, extra={"dkdv_tma": True}))
+    assert "dkdv_in_tile: " in e.emit_fa3_backward(sp) if want == "in_tile" else True
 
 
 @pytest.mark.parametrize("D, bq, bk", [(64, 64, 64), (128, 64, 64), (64, 64, 128), (128, 64, 128), (64, 128, 128)])

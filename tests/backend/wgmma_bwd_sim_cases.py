@@ -281,7 +281,7 @@ def _stamped(kern) -> dict:
 
 def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     import falower as fl
-    from falower.backends.numba_cuda.emit_fa3_bwd import knobs_in
+    from falower.backends.numba_cuda.emit_fa3_bwd import dkdv_store_auto, knobs_in
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
@@ -317,6 +317,7 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
            and "wgmma_ss" in kern.source, "refused": kern.wgmma_refused, "grads": {}, "seconds": round(seconds, 1),
            # the knobs asked for, in effect (p_under_dp falls back to the fused function where it cannot split)
            "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
+           "dkdv_store_auto": dkdv_store_auto(kern.spec),  # how dK / dV leave unless a knob says
            # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
            "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None,
            # grad_dist: the gradients' distances recomputed as float(kv) - float(q) (from_ir_bwd._late_distances)
