@@ -520,7 +520,7 @@ class Autodiff(Pass):
             if n in taken:
                 raise self.fail(f"the cotangent argument %{n} would have the name of an argument of @{func.name}")
         for n in grad_names:
-            if n in names:
+            if n in names or n == lse_name:  # the LSE result is out of the results (raise_lse), not out of its name
                 raise self.fail(f"the gradient result {n} would have the name of a result of @{func.name}")
         forward = body.ops[:-1]
         body.ops = list(forward)  # the return is rebuilt at the end
