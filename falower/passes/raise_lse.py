@@ -68,7 +68,7 @@ def is_lse_of(v: Value, x: Value, axis: int) -> bool:
 def raise_lse_result(func: Func) -> Optional[str]:
     """Remove a last result that is the LSE of the graph's one softmax (module docstring) and record its name as
     `lse_result`; returns the name, or None when there is none. A result of that form kept [.., 1] on the softmax's
-    axis, or returned before O, is refused saying so (fa2-fwd returns the LSE last, squeezed)."""
+    axis, returned before O, or returned twice, is refused saying so (fa2-fwd returns the LSE once, last, squeezed)."""
     if len(func.results) < 2 or "lse_result" in func.attrs:
         return None
     sms = [op for op in func.body.ops if op.name == "softmax"]
@@ -79,6 +79,9 @@ def raise_lse_result(func: Func) -> Optional[str]:
     found = [i for i, r in enumerate(func.results) if is_lse_of(r, x, axis)]
     if not found:
         return None
+    if len(found) > 1:  # fa2-fwd has one LSE output; taking the last left the others for fuse to refuse as "not O"
+        raise PassError(f"@{func.name} returns its softmax's LSE {len(found)} times "
+                        f"({', '.join(names[i] for i in found)}): return it once, last (fa2-fwd returns (O, LSE))")
     i = found[-1]
     r = func.results[i]
     want = TensorType(x.type.dtype, x.type.shape[:axis] + x.type.shape[axis + 1:])
