@@ -317,6 +317,9 @@ def _named(names):
     # gradients' names against the results raise_lse had left, not the LSE's
     (("o", "dq"), "pass autodiff: the gradient result dq would have the name of a result of @attn"),
     (("o", "dv"), "pass autodiff: the gradient result dv would have the name of a result of @attn"),
+    # was the backend's "needs arguments do" (fa2-bwd took two arguments %lse, O and the LSE) or the reference
+    # backend's ShapeError on %lse; the same for a graph returning O alone named lse
+    (("lse", "z"), "pass recompute: the forward's output is named 'lse', the name the backward gives its LSE input"),
 ])
 def test_result_names_the_backward_cannot_give_are_refused(names, msg) -> None:
     g = _named(names)

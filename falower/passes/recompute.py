@@ -122,6 +122,9 @@ class Recompute(Pass):
         if o32 is None:
             raise self.fail("the forward output must be P @ V or a cast of it (O is saved for the backward)")
 
+        if names[fwd_results[0]] == "lse":  # two arguments %lse, O and the LSE: the backend takes them by name
+            raise self.fail("the forward's output is named 'lse', the name the backward gives its LSE input: rename "
+                            "the result (result_names)")
         plain = [a for a in func.args if a not in cots]
         taken = [a.name for a in plain if a.name in (names[fwd_results[0]], "lse")]
         if taken:
