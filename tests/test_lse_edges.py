@@ -134,8 +134,8 @@ def test_the_numpy_reference_is_the_gradient_of_its_forward() -> None:
 @given(G=st.sampled_from([2, 3, 4]), B=st.integers(1, 2), HKV=st.integers(1, 2), M=st.sampled_from(SIZES),
        N=st.sampled_from(SIZES), mask=st.sampled_from(sorted(MASKS)), seed=st.integers(0, 2 ** 16))
 def test_a_gqa_graph_returns_its_lse_packed_or_not(G, B, HKV, M, N, mask, seed) -> None:
-    """fa2-fwd of a GQA graph returning its LSE, as written and packed (pack-gqa: a kv head's query heads as its rows,
-    O and LSE read back as [B, H, M, ...]), in float64: numpy's O and LSE, -inf exactly on the fully masked rows, O 0
+    """fa2-fwd of a GQA graph returning its LSE, as written, split over kv in 3 parts (some empty) and packed (pack-gqa:
+    a kv head's query heads as its rows, O and LSE read back as [B, H, M, ...]), in float64: numpy's O and LSE, -inf exactly on the fully masked rows, O 0
     there, nothing NaN."""
     g = _graph(mask, G)
     q, k, v, doc, keep = _case(seed, B, HKV, G, M, N, mask=mask)
@@ -144,6 +144,7 @@ def test_a_gqa_graph_returns_its_lse_packed_or_not(G, B, HKV, M, N, mask, seed) 
     packed, got_g = pack_gqa(g)
     assert got_g == G and packed.result_names == ["o", "lse"]
     for f, xs, how in ((g, ins, "graph"), (fl.lower(g, FWD), ins, "fa2-fwd"),
+                       (fl.lower(g, FWD + ",split-kv{parts=3}"), ins, "split-kv: the parts' LSEs merged"),
                        (fl.lower(packed, FWD), [q.reshape(B, HKV, G * M, -1), *ins[1:]], "packed fa2-fwd")):
         o, lse = Interpreter("f64").run(f, xs)
         o, lse = o.reshape(wo.shape), lse.reshape(wl.shape)

@@ -2,7 +2,8 @@
 test_lse_grad_simulator.py): c.backward(..., dlse=) against the fa2-bwd IR with the LSE's cotangent
 (passes/lse_cotangent.py: Delta - dlse) interpreted in float64, on the atomic and deterministic kernels, a captured
 table's gradient (the bias) and a fully masked row included; and a graph that returns its LSE (`returned`:
-fl.attention(return_lse=True), rows 0-2 fully masked), whose fa2-bwd IR takes the cotangent itself (raise_lse.py)."""
+fl.attention(return_lse=True), rows 0-2 fully masked), whose fa2-bwd IR takes the cotangent itself (raise_lse.py),
+and the same with GQA (`gqareturned`: 2 query heads a kv head)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ def run_case(case: str) -> dict:
     from falower.passes.lse_cotangent import lse_cotangent_arg, with_lse_cotangent
 
     stem, dq = case.split("-")
-    g = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv + 3, return_lse=True, name="returned") \
-        if stem == "returned" else example_graph(stem)
+    if stem in ("returned", "gqareturned"):  # gqareturned: 2 query heads a kv head, their dK / dV summed
+        g = fl.attention(mask_mod=lambda b, h, q, kv: q >= kv + 3, return_lse=True, name=stem,
+                         group_size=2 if stem == "gqareturned" else 1)
+    else:
+        g = example_graph(stem)
     env = bind_dims(g, {"B": 1, "H": 2, "HKV": 1, "M": 20, "N": 19, "D": 16})
     inputs = [x.astype(np.float16) if i < 3 else x.astype(np.float32) if x.dtype.kind == "f" else x
               for i, x in enumerate(random_inputs(g, env, seed=1))]
@@ -49,7 +53,8 @@ def run_case(case: str) -> dict:
     return out
 
 
-CASES = ["causal-atomic", "causal-det", "bias-atomic", "alibi-det", "returned-atomic", "returned-det"]
+CASES = ["causal-atomic", "causal-det", "bias-atomic", "alibi-det", "returned-atomic", "returned-det",
+         "gqareturned-atomic"]
 
 if __name__ == "__main__":
     run_main([c for c in CASES if not sys.argv[1:] or c in sys.argv[1:]], run_case)
