@@ -303,6 +303,31 @@ def _rewrite_region(region: Block, roles: Sequence[str], make) -> bool:
     return changed
 
 
+def _unshare_mask(region: Block) -> None:
+    """Give the score its own copy of the ops it shares with the mask (`(kv - q).float()` read by both a mask
+    `(kv - q).float() * 0.5 < 3.0` and an ALiBi-like score, once canonicalize's CSE made them one): the rewrites
+    leave the mask's ops as they are, and a shared op would keep the partial tiles' score unrewritten where the
+    full tiles' copy (mask-tiles', without the mask) is rewritten, two score functions the backends refuse
+    (from_ir._check_template: the kernels compute one score for both). Constants stay shared."""
+    core, conj = split_mask(region)
+    if not conj:
+        return
+    mask_ops = backward_slice(region, conj)
+    score_ids = {id(op) for op in backward_slice(region, [core])}
+    shared = [op for op in mask_ops if id(op) in score_ids and op.name != "const"]
+    if not shared:
+        return
+    mask_ids = {id(op) for op in mask_ops}
+    vmap: dict[Value, Value] = {}
+    for op in shared:  # in order: a copy reads the copies of the shared ops before it
+        new = clone_op(op, vmap)
+        new.parent = region
+        region.ops.insert(region.ops.index(op) + 1, new)
+    for op in region.ops:
+        if id(op) in score_ids and id(op) not in mask_ids:
+            op.operands = [vmap.get(v, v) for v in op.operands]
+
+
 def _score_only(pattern, mask_ops: set):
     """`pattern`, declining the ops whose ids are in `mask_ops`."""
     def on_score(op: Op, b: Builder):
@@ -410,6 +435,7 @@ def optimise_fused(fused: Op, top: Block) -> bool:
     """Fold, strength-reduce and hoist one fused score op inside `top` (a parallel_for body)."""
     region = fused.regions[0]
     roles = list(fused.attrs["roles"])
+    _unshare_mask(region)
     changed = _rewrite_region(region, roles, lambda d, r: _split_cast(d, r, roles))
     changed |= _rewrite_region(region, roles, lambda d, r: _fold_patterns(d, r)[0])
     changed |= _rewrite_region(region, roles, lambda d, r: _fold_patterns(d, r)[1])  # after the merges
