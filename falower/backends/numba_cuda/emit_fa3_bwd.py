@@ -191,7 +191,8 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     return str(spec.extra.get("dq_split", "n"))
 
 
-# The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads and, without a mask, kv_major),
+# The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads, without a mask kv_major, and
+# dkdv_tma / dkdv_in_tile where dkdv_store_auto picks them),
 # each with the text it leaves in the emitted source: what tools and tests read to know a built kernel took it
 # (p_under_dp falls back to the fused elementwise function where it cannot split).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
@@ -354,7 +355,8 @@ def dkdv_tma(spec: FA2BackwardSpec) -> bool:
     has a region of its own). Its boxes are staged by stmatrix whatever dkdv_stsm says (which then does nothing).
     Measured (H200, probe_bwd.py, 9 rounds, the whole backward call against a bulk copy a row): the 1024 window
     0.992, the document 0.987, plain 1.009; the window's copies' issue 2.9k -> 1.7k cycles a block, their reads
-    0.1k -> 0.5k: opt-in."""
+    0.1k -> 0.5k. The default where dkdv_store_auto says "tma" (D >= 128 with a mask: 0.97-0.98 of the row copies by
+    150-300 pairs)."""
     v = spec.extra.get("dkdv_tma", "auto")
     want = v is True or v == "auto" and dkdv_store_auto(spec) == "tma"
     return uses_wgmma(spec) and dkdv_bulk(spec) and want and not persistent(spec) and not dkdv_in_tile(spec)
@@ -410,7 +412,9 @@ def dkdv_in_tile(spec: FA2BackwardSpec) -> bool:
     before the last slabs. Predicted before any GPU run: the causal D = 128 block's loop end to its end ~4.9k ->
     ~3k cycles (96 KB through the copy engine at dkdv_tma's ~29 bytes a cycle from the last tile's staging on),
     -1.2% of its ~155k, the backward call 0.985-0.995 of the default's; D = 64 (256 row copies of 128 bytes there
-    against 16 boxes) 0.98-0.99. Not with dk_after_dq (dK is still in flight after dQ's GEMM), sdp_ahead (its
+    against 16 boxes) 0.98-0.99. Measured (BENCHMARKS.md, sixty-seventh session): the causal D = 128 block's
+    epilogue 5382 -> 906 cycles, the call 0.975 (D = 64: 0.988); the default where dkdv_store_auto says "in_tile".
+    Not with dk_after_dq (dK is still in flight after dQ's GEMM), sdp_ahead (its
     next S^T / dP^T read V and the other buffer), dq_bulk, dq_late or a persistent kernel (their own staging and
     order): validate_spec refuses those."""
     v = spec.extra.get("dkdv_in_tile", "auto")
