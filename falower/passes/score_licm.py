@@ -294,8 +294,7 @@ def _rewrite_region(region: Block, roles: Sequence[str], make) -> bool:
     for _ in range(50):
         deps = _Deps(region, roles)
         tmp = Func("region", region)
-        mask_ops = {id(op) for op in backward_slice(region, split_mask(region)[1])}
-        patterns = [_score_only(p, mask_ops) for p in make(deps, region)]
+        patterns = [_score_only(p, _mask_op_ids(region)) for p in make(deps, region)]
         if not apply_patterns(tmp, patterns, max_rounds=1):
             break
         changed = True
@@ -309,15 +308,12 @@ def _unshare_mask(region: Block) -> None:
     leave the mask's ops as they are, and a shared op would keep the partial tiles' score unrewritten where the
     full tiles' copy (mask-tiles', without the mask) is rewritten, two score functions the backends refuse
     (from_ir._check_template: the kernels compute one score for both). Constants stay shared."""
-    core, conj = split_mask(region)
-    if not conj:
-        return
-    mask_ops = backward_slice(region, conj)
+    core = split_mask(region)[0]
+    mask_ids = _mask_op_ids(region)
     score_ids = {id(op) for op in backward_slice(region, [core])}
-    shared = [op for op in mask_ops if id(op) in score_ids and op.name != "const"]
+    shared = [op for op in region.ops if id(op) in mask_ids and id(op) in score_ids and op.name != "const"]
     if not shared:
         return
-    mask_ids = {id(op) for op in mask_ops}
     vmap: dict[Value, Value] = {}
     for op in shared:  # in order: a copy reads the copies of the shared ops before it
         new = clone_op(op, vmap)
@@ -326,6 +322,12 @@ def _unshare_mask(region: Block) -> None:
     for op in region.ops:
         if id(op) in score_ids and id(op) not in mask_ids:
             op.operands = [vmap.get(v, v) for v in op.operands]
+
+
+def _mask_op_ids(region: Block) -> set:
+    """The ids of the mask's ops in a fused score region (its conjuncts and what they read): what every rewrite of
+    this pass leaves as mask-tiles copied it."""
+    return {id(op) for op in backward_slice(region, split_mask(region)[1])}
 
 
 def _score_only(pattern, mask_ops: set):
@@ -365,8 +367,8 @@ def _hoist(fused: Op, top: Block) -> bool:
     region = fused.regions[0]
     roles = list(fused.attrs["roles"])
     deps = _Deps(region, roles)
-    core, conj = split_mask(region)
-    keep_inside = {id(op) for op in backward_slice(region, conj)}  # the mask stays as mask-tiles left it
+    core = split_mask(region)[0]
+    keep_inside = _mask_op_ids(region)  # the mask stays as mask-tiles left it
     score_ops = {id(op) for op in backward_slice(region, [core])}
     movable = [op for op in region.ops
                if id(op) in score_ops and id(op) not in keep_inside and op.name != "const"
