@@ -131,7 +131,8 @@ def parse_config(text: str) -> tuple:
     gather_early); '-noslice' / '-slice' those entries not from each consumer warpgroup's run of the table in shared
     memory, or from it (extra row_slice; default on); '-slr' / '-noslr' that run's loads from its row address kept for
     the item, or by the clamped index every tile (extra slice_rows; default on), '-sla' those loads a tile ahead (extra
-    slice_ahead), '-sis' the run stored and read while S is in flight (extra slice_in_s), '-slp' its entries by
+    slice_ahead), '-slrp' those loads at a running address, clamped only where the warpgroup's run leaves the row (extra
+    slice_ptrs), '-sis' the run stored and read while S is in flight (extra slice_in_s), '-slp' its entries by
     pairs from the run and its copy shifted by one, not by 4-byte loads (extra slice_pairs); '-l2h' the producer's TMA
     loads with L2 eviction priorities (extra l2_hints), '-c32' the kv loop's need_mask as one 32-bit compare against the
     item's full tiles inside N (extra class32); '-kvpN' split-kv's parts, N a power of two (extra kv_parts; 1: no
@@ -240,6 +241,7 @@ CONFIG_OPTIONS: list = [
     (("slr", {"slice_rows": True}), ("noslr", {"slice_rows": False})),
     (("slp", {"slice_pairs": True}), ("noslp", {"slice_pairs": False})),
     (("sla", {"slice_ahead": True}),),
+    (("slrp", {"slice_ptrs": True}),),
     (("sis", {"slice_in_s": True}),),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),
     (("nolh", {"list_head": False}),),

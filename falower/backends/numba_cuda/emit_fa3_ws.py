@@ -405,6 +405,33 @@ def slice_ahead(spec: FA2ForwardSpec) -> bool:
     return slice_rows(spec) and spec.extra.get("slice_ahead", False) is not False
 
 
+def slice_ptrs(spec: FA2ForwardSpec) -> bool:
+    """Under `slice_rows` (not `slice_ahead`), whether a thread's two loads of a tile's run come from a running
+    address, its entry e's (`rp_a`, e + 128's a stride on), and the warpgroup's run's first entry `rp_u` (the same
+    in its threads, through redux), both moved on by a tile each visited tile (`slice_ptr_step`), and skip
+    slice_load's clamp where the whole run lies in the row (`slice_load_rp`: 0 <= rp_u < sl_n - 255, one unsigned
+    compare, a branch the warpgroup takes as one); elsewhere they are slice_load's own, so every entry read is the
+    one it reads. Why: the relative bias's loop top rebuilt the run's row address from h and clamped e in 64 bits
+    each tile, ~77 cycles a tile on a warpgroup's own chain (local SASS, benchmarks/NOTES.md "The relative bias's kv
+    loop in SASS"). Local SASS (ptxas 13.0, the relative bias at D = 128, 128x128w12-wsg-p132-iod): the loop's top
+    to S's first wgmma 91 -> 50 instructions where the run is unclamped, but the consumers spill 64 bytes where
+    they spilled 16, 5 local loads and stores a tile in the kv loop's unmasked path (the row sums, an item
+    constant): any value held across the loop did so (a running per-thread index, the address per thread or
+    through redux), its rebuild from h what ptxas chose at the register cap. Off until timed; `extra["slice_ptrs"]`
+    = True asks for it (bench '-slrp')."""
+    return slice_rows(spec) and not slice_ahead(spec) and spec.extra.get("slice_ptrs", False) is not False
+
+
+def slice_ptr_step(spec: FA2ForwardSpec) -> Optional[int]:
+    """Under `slice_ptrs`, the visited tile's move from one visit to the next where it is always the same: +1, or -1
+    under kv_reverse (the running entry and address then move by a constant); None where it varies (kv_reverse
+    "second", a static mask's search or a block list skipping tiles), where each tile's come from the item's at
+    tile 0 and tile_at's position."""
+    if kv_last_second(spec) or not (spec.block_mask == "none" or walks_range(spec)):
+        return None
+    return -1 if kv_reverse(spec) else 1
+
+
 def slice_in_s(spec: FA2ForwardSpec) -> bool:
     """Under `row_slice`, whether a tile's run is stored and synced while S is in flight (after S's and the P V's
     issue, before the wait for S) rather than after S's wait, where the store and the warpgroup's barrier stood
@@ -2109,6 +2136,7 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     EARLY = gather_early(spec)
     RS = row_slice(spec)
     SLR, SLA, SIS = slice_rows(spec), slice_ahead(spec), slice_in_s(spec)
+    SPTR = slice_ptrs(spec)
     slice_load_fn = c.helper("slice_load", [
         "@device_function",
         "def slice_load(sl_a, e, sl_n, sl_s):",
@@ -2117,10 +2145,44 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
         "    e0 = np.uint64(min(max(e, np.int32(0)), sl_n - np.int32(1)))",
         "    e1 = np.uint64(min(max(e + np.int32(128), np.int32(0)), sl_n - np.int32(1)))",
         "    return ldg_f32_a(sl_a + e0 * np.uint64(sl_s)), ldg_f32_a(sl_a + e1 * np.uint64(sl_s))"]) if SLR else ""
+    slice_load_rp_fn = c.helper("slice_load_rp", [
+        "@device_function",
+        "def slice_load_rp(p, u, lane, sl_a, sl_n, sl_s):",
+        "    # a thread's two entries of a tile's run (slice_ptrs), u + lane at address p and u + lane + 128: read as",
+        "    # they lie where the warpgroup's whole run u .. u + 255 is in the row (one test for its threads), else",
+        "    # clamped by slice_load",
+        "    if np.uint32(u) < np.uint32(max(np.int32(sl_n - np.int32(255)), np.int32(0))):",
+        "        return ldg_f32_a(p), ldg_f32_a(p + np.int64(128) * sl_s)",
+        f"    return {slice_load_fn}(sl_a, np.int32(u + lane), sl_n, sl_s)"]) if SPTR else ""
+    RP_STEP = slice_ptr_step(spec) if SPTR else None
+    RP_K = row_gather_signs(spec)[1] * BK if SPTR else 0  # a tile's move of the run's entries
 
     def run_loads(j: str) -> str:
         """slice_load's call for the run of visited tile j (its first column's entry: k kv0 past sl_e)."""
         return f"{slice_load_fn}(sl_a, sl_e + {row_gather_signs(spec)[1]} * {tile_at(spec, j)} * {BK}, sl_n, sl_s)"
+
+    def run_ptrs_start() -> None:
+        """slice_ptrs' state for the item: the warpgroup's run's first entry rp_u (through redux: ptxas then knows
+        it uniform and keeps it in a uniform register) and this thread's entry's address rp_a, at the item's first
+        visited tile (slice_ptr_step), or at tile 0 where the tiles' move varies."""
+        at = tile_at(spec, "j") if RP_STEP is not None else "0"
+        c(f"rp_u = warp_min(np.int32(sl_i + np.int32({slice_start(spec)}) + {RP_K} * {at}))  # the warpgroup's run's "
+          "first entry (slice_ptrs)")
+        c("rp_a = np.int64(sl_a) + np.int64(rp_u + np.int32(ctid & 127)) * sl_s  # this thread's entry's address, "
+          "wherever it lies")
+        c(f"rp_st = np.int64({RP_K * (RP_STEP or 1)}) * sl_s  # a tile's move of the address")
+
+    def run_ptr_loads() -> None:
+        """Tile j's run by slice_load_rp: at the running entry and address, then both moved on a tile, or at tile
+        0's plus tile_at's position times a tile's move."""
+        if RP_STEP is not None:
+            c(f"sv0, sv1 = {slice_load_rp_fn}(rp_a, rp_u, ctid & 127, sl_a, sl_n, sl_s)")
+            c(f"rp_u = np.int32(rp_u + np.int32({RP_K * RP_STEP}))  # the next visited tile's (slice_ptr_step)")
+            c("rp_a += rp_st")
+            return
+        c(f"rp_t = np.int32({tile_at(spec, 'j')})  # the visited tile's position: tiles may be skipped")
+        c(f"sv0, sv1 = {slice_load_rp_fn}(rp_a + np.int64(rp_t) * rp_st, np.int32(rp_u + np.int32({RP_K}) * rp_t), "
+          "ctid & 127, sl_a, sl_n, sl_s)")
 
     def item_start(qphase: str) -> Optional[Callable[[str], None]]:
         """Wait for the item's Q; then the per-item state the kv loop reads. Returns the table tile's copy
@@ -2148,6 +2210,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
             c(f"sl_a, sl_i, sl_n, sl_s = slice_row_fn(b, h, q_lo + cw * 64, 0{caps})  # the run's row (slice_rows)")
             c(f"sl_e = sl_i + np.int32({slice_start(spec)}) + np.int32(ctid & 127)  # this thread's first entry at "
               "column 0")
+            if SPTR:
+                run_ptrs_start()
         if SLA:
             c(f"sv0n, sv1n = {run_loads('kv_first')}  # the item's first tile's run")
         if not PERSIST:
@@ -2396,6 +2460,8 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                 c("sv0 = sv0n")
                 c("sv1 = sv1n")
                 c(f"sv0n, sv1n = {run_loads('min(jn, kv_last)')}  # the next tile's")
+            elif SPTR:
+                run_ptr_loads()
             elif SLR:
                 c(f"sv0, sv1 = {run_loads('j')}")
             else:

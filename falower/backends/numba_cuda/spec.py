@@ -64,8 +64,8 @@ KNOWN_EXTRAS = frozenset({
     "kv_reverse", "l2_hints", "list_ahead", "list_head", "map_prefetch", "one_barrier", "opaque_desc", "overlap",
     "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
     "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice",
-    "schedule", "sdp_ahead", "setmaxnreg", "skip_padding", "slice_ahead", "slice_in_s", "slice_pairs", "slice_rows",
-    "small_grid",
+    "schedule", "sdp_ahead", "setmaxnreg", "skip_padding", "slice_ahead", "slice_in_s", "slice_pairs", "slice_ptrs",
+    "slice_rows", "small_grid",
     "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
     "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows", "ws_loads",
 })
