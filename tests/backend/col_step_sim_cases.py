@@ -7,6 +7,9 @@ interpreter in float64, run in a subprocess with NUMBA_ENABLE_CUDASIM=1. One JSO
   so that some rows' indices leave the table (those rows keep the clamped gather); a thread's rows g and g + 8
   share their loads (emit_fa2.row_gather_shift: -1 here), and the calls of the pair's helpers are counted, so a
   case shows it took both the shared loads and, for a pair with a row outside the table, the rows' own paths.
+- the relative bias's runs of the table from a running address (emit_fa3_ws.slice_ptrs): O and LSE against the
+  same call with every run clamped, bit for bit, at sizes where runs are read both ways, in each kv order and under
+  a mask whose kv loop skips a tile.
 
 The slopes are steep and of both signs (1.5 and -0.75 a unit of distance: a row's offset r(q) + w kv0 moves the
 exponent by up to ~200 between tiles, and a negative slope makes far keys the largest scores), so a row offset
@@ -27,8 +30,11 @@ import numpy as np  # noqa: E402
 from sim_script import against_reference, count_calls, example_graph, random_qkv, run_main, tiled_pipeline  # noqa: E402,E501
 
 import falower as fl  # noqa: E402
+from falower.ir import dim  # noqa: E402
 
 slopes = fl.capture("slopes", "f32", "H")
+N = dim("N")
+rel_bias = fl.capture("rel_bias", "f32", ["H", N * 2 - 1])
 
 
 def _alibi(score, b, h, q_idx, kv_idx):
@@ -37,6 +43,16 @@ def _alibi(score, b, h, q_idx, kv_idx):
 
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
+
+
+def _gap(b, h, q_idx, kv_idx):
+    """Two intervals a row with all of kv tile 1 (128 .. 255) between them: the kv loop skips that tile."""
+    return (kv_idx < 100) | (kv_idx >= 256)
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx):
+    """examples/relative_bias.py's score."""
+    return score + rel_bias[h, q_idx - kv_idx + (N - 1)]
 
 
 def _bands(b, h, q_idx, kv_idx):
@@ -97,6 +113,22 @@ CASES = {
     # the run's loads a tile ahead (slice_ahead: an item's first tile's at its start, the next item's after the last)
     "pwg-persist-relbias-noes-slice": ("relbias", 150, 140, 64, (128, 128), {**PWG, "epilogue_in_s": False,
                                                                                "slice_ahead": True}),
+    # ... with the run's loads from a running address and entry, clamped only where the warpgroup's run leaves the
+    # row (slice_ptrs): q tile 0's first warpgroup reads tile 0 unclamped, every other tile clamped
+    "pwg-persist-relbias-slrp-slice": ("relbias", 150, 140, 64, (128, 128), {**PWG, "slice_ptrs": True}),
+    # ... on three consumer warpgroups, a kv tile plus one (N = 129: the table 257 entries, one run unclamped)
+    "pwg3-persist-relbias-slrp-slice": ("relbias", 250, 129, 64, (192, 128), {**PWG, "slice_ptrs": True}),
+    # ... two kv tiles less one (N = 255) under M < N: runs unclamped in both tiles, and clamped at either end
+    "pwg-persist-relbias-slrp-m127-slice": ("relbias", 127, 255, 64, (128, 128), {**PWG, "slice_ptrs": True}),
+    # ... the kv tiles from the last down (kv_reverse: 2, 1, 0, the running state moved by -1 a tile), and the last
+    # one second (kv_reverse "second": 1, 2, 0, the state from tile_at's position)
+    "pwg-persist-relbias-slrp-rev-slice": ("relbias", 130, 260, 64, (128, 128), {**PWG, "slice_ptrs": True,
+                                                                                 "kv_reverse": True}),
+    "pwg-persist-relbias-slrp-rev2-slice": ("relbias", 130, 260, 64, (128, 128), {**PWG, "slice_ptrs": True,
+                                                                                  "kv_reverse": "second"}),
+    # ... under a mask whose rows keep two intervals (no row bounds, so no walk): kv tile 1 is empty and skipped
+    # (0, 2), the state from tile_at's position
+    "pwg-persist-relbias-gap-slrp": ("relbias-gap", 130, 300, 64, (128, 128), {**PWG, "slice_ptrs": True}),
     # ... with the entries read from global memory ahead of the waits (row_slice off), and the kept epilogue's rows
     # of O staged a word at a time (stmatrix off: the other cases stage them by stmatrix, the default)
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {**PWG, "row_slice": False, "stmatrix": False}),
@@ -122,7 +154,8 @@ SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0],
 # mapping of every entry are checked bit for bit on the helpers as Python (test_col_step.py, hypothesis)
 PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
          "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1, "pwg3-persist-relbias-slice": -1,
-         "pwg3-persist-relbias-sis-slice": -1, "pwg-persist-relbias-slp-slice": -1}
+         "pwg3-persist-relbias-sis-slice": -1, "pwg-persist-relbias-slp-slice": -1,
+         **{c: -1 for c in CASES if "-slrp" in c and c.endswith("-slice")}}
 
 
 def _record_visits(kern, q0: int) -> list:
@@ -149,14 +182,15 @@ def _record_visits(kern, q0: int) -> list:
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
     from falower.backends.numba_cuda.emit_fa3_ws import (col_mma, kv_reverse, slice_ahead, slice_in_s, slice_pairs,
-                                                         stmatrix_staging, tma_loads)
+                                                         slice_ptr_step, slice_ptrs, stmatrix_staging, tma_loads)
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
-    B, H = 1, 1 if mask == "relbias" else 2
+    B, H = 1, 1 if mask.startswith("relbias") else 2
     rng = np.random.default_rng(5)
-    if mask == "relbias":
-        g = example_graph("relative_bias")
+    if mask.startswith("relbias"):
+        g = example_graph("relative_bias") if mask == "relbias" else fl.attention(
+            score_mod=_relative_bias, mask_mod={"relbias-gap": _gap}[mask], name=mask.replace("-", "_"))
         sl = (rng.standard_normal((H, 2 * N - 1)) * 3).astype(np.float32)  # the table, steep
         taken = row_gather
     else:
@@ -171,9 +205,15 @@ def run_case(case_id: str) -> dict:
     kern = c.kernel(q, k, v, sl)
     calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice", "score_pair_slice2",
                                "gather_slice_fn",
-                               "slice_load", "stage_rows_stsm", "stage_row_z_box"))
+                               "slice_load", "slice_load_rp", "stage_rows_stsm", "stage_row_z_box"))
     visits = _record_visits(kern, ((M - 1) // bq) * bq)
     o, lse = c(q, k, v, sl)
+    same = None
+    if extra.get("slice_ptrs"):  # the same call with every run clamped (slice_load): the same O and LSE, bit for bit
+        o2, lse2 = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma",
+                              extra={**extra, "slice_ptrs": False})(q, k, v, sl)
+        same = bool(np.array_equal(np.asarray(o), np.asarray(o2), equal_nan=True)
+                    and np.array_equal(np.asarray(lse), np.asarray(lse2), equal_nan=True))
     fn = "score_col_fn(" if taken is col_step else "gather_row_fn("
     return {"id": case_id, "dtype": "f16", "taken": taken(kern.spec) and fn in kern.source,
             "schedule": kern.spec.extra.get("schedule", "mma"), "shift": row_gather_shift(kern.spec),
@@ -183,10 +223,13 @@ def run_case(case_id: str) -> dict:
             "slice_ahead": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ahead(kern.spec),
             "slice_in_s": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_in_s(kern.spec),
             "slice_pairs": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_pairs(kern.spec),
+            "slice_ptrs": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ptrs(kern.spec),
+            "slice_ptr_step": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ptrs(kern.spec)
+            and slice_ptr_step(kern.spec),
             "stmatrix": kern.spec.extra.get("schedule") == "wgmma-ws" and stmatrix_staging(kern.spec),
             "col_mma": kern.spec.extra.get("schedule") == "wgmma-ws" and col_mma(kern.spec),
             "col_words": "WG_SX(sc" in kern.source,
-            "visits": visits, "lse_rel": _lse_rel(lse, ref.outputs["lse"]),
+            "visits": visits, "lse_rel": _lse_rel(lse, ref.outputs["lse"]), "same_as_clamped": same,
             **against_reference(o, lse, ref.outputs["o"], ref.outputs["lse"])}
 
 

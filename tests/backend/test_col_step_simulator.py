@@ -35,7 +35,7 @@ def test_the_column_step_matches_the_reference(results, case):
     assert r["tma_loads"] == (CASES[case][5].get("producer") == "warpgroup"), r
     assert r["kv_reverse"] == bool(CASES[case][5].get("kv_reverse")), r  # the kv tiles from the last down
     # the column term in S = Q K^T: the warp-specialized kernel's default at D = 64 and 128 (emit_fa3_ws.col_mma)
-    ws = want == "wgmma-ws" and CASES[case][3] in (64, 128) and CASES[case][0] != "relbias"
+    ws = want == "wgmma-ws" and CASES[case][3] in (64, 128) and not CASES[case][0].startswith("relbias")
     assert r["col_mma"] == r["col_words"] == CASES[case][5].get("col_mma", ws), r
     # the kept epilogue's rows of O by stmatrix (the persistent producer kernel's default) or a word at a time
     stsm, words = r["calls"]["stage_rows_stsm"], r["calls"]["stage_row_z_box"]
@@ -87,5 +87,22 @@ def test_a_threads_row_pair_shares_its_table_loads(results, case):
 
 def test_alibi_has_no_row_pairs(results):
     assert all(results[c]["shift"] is None and results[c]["calls"]["score_row_pair_given"] == 0
-               for c in CASES if c not in PAIRS and c in results), results
+               for c in CASES if not CASES[c][0].startswith("relbias") and c in results), results
 
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][5].get("slice_ptrs")))
+def test_the_runs_from_a_running_address_read_the_clamped_runs_entries(results, case):
+    """slice_ptrs: O and LSE bit for bit those of the same call with every run clamped (slice_load), with runs both
+    read unclamped and clamped (slice_load_rp's calls beyond its slice_load calls, and those); the running state
+    moved by a constant where the order allows (+1, -1 under kv_reverse), from tile_at's position elsewhere."""
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert r["slice_ptrs"] and r["same_as_clamped"] is True and r["shift"] == -1, r
+    rp, clamped = r["calls"]["slice_load_rp"], r["calls"]["slice_load"]
+    assert rp > clamped > 0 and r["calls"]["gather_slice_fn"] == 0, r
+    mask, extra = CASES[case][0], CASES[case][5]
+    step = None if mask != "relbias" else {True: -1, "second": None}.get(extra.get("kv_reverse", False), 1)
+    assert r["slice_ptr_step"] == step, r
+    if mask == "relbias-gap":  # two q tiles, two warpgroups, kv tiles 0 and 2 (1 skipped), 128 threads each
+        assert rp == 2 * 2 * 2 * 128, r
