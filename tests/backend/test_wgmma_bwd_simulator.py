@@ -457,7 +457,8 @@ def test_dkdv_in_tile_when_asked(tmp_path, monkeypatch):
 def test_dkdv_store_auto(stem, D, want):
     """How dK and dV leave by default, as measured (dkdv_store_auto): D >= 128 unmasked in the last tile, masked by
     tensor stores; D = 64 masked in the last tile, unmasked a row copy; a captured table with a gradient (ALiBi's
-    slopes, a bias table) a row copy. The knobs follow it unless set, and either set says how they leave."""
+    slopes, a bias table) a row copy. The knobs follow it unless set, and either set says how they leave; dkdv_stsm
+    asked keeps the row copies it stages (under the rule it had silently done nothing)."""
     from falower.backends.numba_cuda import emit_fa3_bwd as e
 
     sp = _spec(stem, D)
@@ -466,6 +467,9 @@ def test_dkdv_store_auto(stem, D, want):
     rows = _spec(stem, D, extra={"dkdv_tma": False})  # either knob set: the auto rule steps aside
     assert not e.dkdv_in_tile(rows) and not e.dkdv_tma(rows)
     assert e.dkdv_tma(_spec(stem, D, extra={"dkdv_tma": True}))
+    stsm = _spec(stem, D, extra={"dkdv_stsm": True})  # stmatrix's staging is of the row copies: asked, they stay
+    assert e.dkdv_store_auto(stsm) == "" and e.dkdv_stsm(stsm) and not e.dkdv_in_tile(stsm) and not e.dkdv_tma(stsm)
+    assert "def stage_stsm(" in e.emit_fa3_backward(stsm)
     assert "dkdv_in_tile: " in e.emit_fa3_backward(sp) if want == "in_tile" else True
 
 

@@ -383,8 +383,9 @@ def dkdv_store_auto(spec: FA2BackwardSpec) -> str:
     Then the rule against the row copies (the same session's call D, 150 pairs): causal D = 128 0.975, plain 0.992,
     causal D = 64 0.988, the window 0.970, the document 0.976, prefix LM 0.990, the softcap 0.996, the window at
     D = 64 0.985, but the bias table **1.073** (in_tile) and ALiBi at D = 64 1.004: a captured table's gradient (its
-    flush after the walk) keeps the row copies."""
-    if spec.grads:
+    flush after the walk) keeps the row copies, and so does dkdv_stsm asked for (its staging is of the row copies;
+    under the rule it did nothing, unseen until the GPU tests' knob check, sixty-ninth session)."""
+    if spec.grads or spec.extra.get("dkdv_stsm", False) is True:
         return ""
     if not uses_wgmma(spec) or persistent(spec) or _in_tile_clash(spec):
         return "tma" if uses_wgmma(spec) and not persistent(spec) and spec.head_dim >= 128 \
