@@ -1042,6 +1042,33 @@ def test_dq_ws_by_default():
         emit_fa3_bwd.validate_spec(_spec("causal", 128, extra={"dq_ws": 1}))
 
 
+@pytest.mark.parametrize("stem, D, tiles, extra", [("document", 128, None, {"ws_loads": False}),
+                                                   ("alibi", 128, None, {"ws_loads": False}),
+                                                   ("causal", 64, (64, 64), {})])
+def test_dq_ws_slabs_asked_is_never_silently_ignored(stem, D, tiles, extra):
+    """dq_ws_slabs sizes dq_ws's slabs: asked where dq_ws's "auto" would be off (block lists or a held gradient
+    without ws_loads, one consumer warpgroup), it turns dq_ws on (as ws_loads True does) and the kernel built has
+    that many slabs; beside dq_ws False or a knob dq_ws cannot run with, one line refuses it by name. It had built
+    the vector reductions' kernel, the knob silently doing nothing."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    def spec(more):
+        sp = _spec(stem, D, extra={"dq_ws": "auto", **extra, **more})
+        return sp if tiles is None else dataclasses.replace(sp, block_q=tiles[0], block_k=tiles[1],
+                                                            num_warps=tiles[1] // 16)
+
+    assert not e.dq_ws(spec({}))  # "auto" keeps the vector reductions here
+    one = spec({"dq_ws_slabs": 1})
+    assert e.dq_ws(one) and e.dq_ws_slabs(one) == 1
+    src = e.emit_fa3_backward(one)
+    assert e.knobs_in(src)["dq_ws"] and "dqs ^= 1" not in src
+    assert e.smem_bytes(spec({"dq_ws_slabs": 2})) - e.smem_bytes(one) == (D // e._col_splits(one)) * 64 * 4 * (
+        one.block_k // 64)
+    for bad in ({"dq_ws": False}, {"dq_bulk": True}, {"dq_late": True}, {"dq_split": "k"}):
+        with pytest.raises(ValueError, match="dq_ws_slabs sizes dq_ws's slabs: not with dq_ws False"):
+            e.validate_spec(spec({"dq_ws_slabs": 1, **bad}))
+
+
 def test_dq_ws_ptx(tmp_path, monkeypatch):
     """One PTX build (sm_90a, no GPU) of the causal D = 128 kernel with dq_ws (its default): 384 threads (.maxntid),
     the producer down to 24 registers and the consumers up to 240, one bulk reduction (the producer's), no vector

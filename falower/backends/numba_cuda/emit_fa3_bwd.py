@@ -222,9 +222,9 @@ def dq_bulk(spec: FA2BackwardSpec) -> bool:
 
 def dq_ws(spec: FA2BackwardSpec) -> bool:
     """dQ's partial sums handed to a producer warpgroup (spec.extra["dq_ws"]: True, False, or "auto", the default: on
-    wherever ws_loads comes with it (ws_loads True, or its "auto" at `_ws_loads_shape`'s tiles); without ws_loads,
-    on except under block lists and with a held gradient, where dq_ws alone measured slower, and with one consumer
-    warpgroup, not measured):
+    wherever ws_loads comes with it (ws_loads True, or its "auto" at `_ws_loads_shape`'s tiles) or dq_ws_slabs is
+    asked; without ws_loads, on except under block lists and with a held gradient, where dq_ws alone measured
+    slower, and with one consumer warpgroup, not measured):
     each consumer warpgroup writes its 64 x D / cs f32 fragment of a tile's dQ to one of its slabs in shared memory
     (`dq_ws_slabs`, alternating) as the registers lie (16-byte stores, thread-major: no lane swaps, no bank
     conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
@@ -246,6 +246,8 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     loads = spec.extra.get("ws_loads", "auto")
     if v == "auto" and (loads is True or (loads == "auto" and _ws_loads_shape(spec))):
         v = True  # ws_loads asks for the producer warpgroup it runs on; with it every example measured faster
+    if v == "auto" and "dq_ws_slabs" in spec.extra:
+        v = True  # dq_ws_slabs asks for the slabs it sizes (under the rule below it silently did nothing)
     if v == "auto" and (spec.block_mask == "list" or held_grads(spec) or spec.block_k == 64):
         return False  # without ws_loads: measured slower (lists, a held gradient), or not measured (one warpgroup)
     return (uses_wgmma(spec) and (v is True or v == "auto") and spec.dq == "atomic" and not spec.deterministic
@@ -284,7 +286,8 @@ DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads)
 
 def dq_ws_slabs(spec: FA2BackwardSpec) -> int:
     """dq_ws's slabs a consumer warpgroup (spec.extra["dq_ws_slabs"], 1 or 2; default 2): with two, the warpgroup
-    writes tile t + 1's dQ while the copy engine still reads tile t's."""
+    writes tile t + 1's dQ while the copy engine still reads tile t's. Asked, it turns dq_ws's "auto" on (as
+    ws_loads True does); with dq_ws False or a knob dq_ws cannot run with, validate_spec refuses it."""
     return int(spec.extra.get("dq_ws_slabs", 2))
 
 
@@ -940,6 +943,8 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
                          f"False, {_DQ_WS_REFUSES}")
     if spec.extra.get("dq_ws", False) is True and not dq_ws(spec):
         raise ValueError(f"wgmma backward: dq_ws hands dQ to a producer warpgroup: not with {_DQ_WS_REFUSES}")
+    if "dq_ws_slabs" in spec.extra and not dq_ws(spec):
+        raise ValueError(f"wgmma backward: dq_ws_slabs sizes dq_ws's slabs: not with dq_ws False, {_DQ_WS_REFUSES}")
     p = spec.extra.get("bwd_persistent", 0)
     if isinstance(p, bool) or not isinstance(p, int) or p < 0:
         raise ValueError(f"wgmma backward: bwd_persistent must be a count of blocks (0: off), got {p!r}")
