@@ -151,8 +151,8 @@ def parse_config(text: str) -> tuple:
     handed over with the ticket (extra list_head), '-rev' its kv tiles from the last down (extra kv_reverse; '-rev2' the
     last one second, ALiBi's default; '-norev' from the first up), '-nobs' its consumers reading their rows' bounds from
     data before the kv loop, not while the item's first S runs (extra bounds_in_s), '-noes' / '-es' an item's last P V
-    and epilogue at its own end / with the next item's first tile (extra epilogue_in_s; by default with it except under
-    a block list or the softcap's tanh); '-stsm' / '-nostsm' the kept epilogue's rows of O staged by stmatrix, or a word
+    and epilogue at its own end / with the next item's first tile (extra epilogue_in_s; by default with it except
+    under the softcap's tanh); '-stsm' / '-nostsm' the kept epilogue's rows of O staged by stmatrix, or a word
     at a time (extra stmatrix; default on); '-half' the '-wsn' kernel's half tiles where a warpgroup's rows keep one
     column half of a tile (extra half_tiles: masks with row bounds), '-halfpv' only P V by halves; '-ltanh' libdevice's
     tanhf where the kernels' tanh is 1 - 2 / (1 + 2**y) (extra tanh: the softcap); '-nots' that tanh on every tile, not

@@ -407,8 +407,9 @@ def dkdv_in_tile(spec: FA2BackwardSpec) -> bool:
     done) and dK into the other Q / dO buffer (no next tile loads it); lane 0 then hands the 2 D / 64 boxes to TMA
     tensor stores through dkdv_tma's maps, ahead of the tile's dQ hand-off. After the loop every thread only waits
     for the copies' reads (a kv tile that walks no q tile stages its zeros there, after a barrier: the K, V copies
-    of other threads land in V's rows until then). dkdv_tma with it does nothing (the same boxes). Why: probe_bwd
-    --blocks (H200, causal D = 128, sixty-second session) read a block's epilogue at 4.9k cycles: a barrier, 64
+    of other threads land in V's rows until then). dkdv_tma with it does nothing (the same boxes), nor dkdv_stsm
+    (the boxes are stmatrix's). Why: probe_bwd --blocks (H200, causal D = 128, sixty-second session) read a block's
+    epilogue at 4.9k cycles: a barrier, 64
     4-byte stores a thread, and 256 row copies whose issue took 2.9k, all after the loop and after the last tile's
     dQ slabs (2 x 16 KB) went to the same copy engine; a causal block's fixed cost (prologue, epilogue, gap: 9.3k)
     is 6% of it. Here the staging (16 stmatrix a thread, not 64 stores) runs under dQ's GEMM, the copies are 32
