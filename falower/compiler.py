@@ -564,6 +564,28 @@ class CompiledAttention:
         tries = [(e, t, r, p) for e, t, r in tries
                  for p in ((parts,) if explicit else (parts, 1) if parts > 1 else (1,))]
         refused: list[str] = []  # why the split tries were refused (the caller's kv_parts says them)
+        first_refused: Optional[tuple] = None  # the automatic choice's own try, where validate_spec refused it
+
+        def note_fallback(ran: dict) -> None:
+            """Tell the caller, once, where the automatic choice's kernel refused the caller's own forward knobs
+            (it validates without them) and another kernel form (`ran`'s) was built: the knobs then say nothing
+            of the kernel that runs (bench's `knobs_refused` leaves such rows untimed)."""
+            if first_refused is None or not fwd:
+                return
+            extra, built, why = first_refused
+            if all(ran.get(k) == extra.get(k) for k in _KERNEL_FORM):
+                return
+            try:
+                emit_fa3.validate_spec(build_spec(built[1], used, dtype, path, self.num_warps, dict(extra)))
+            except ValueError:
+                return  # refused without the knobs too: the choice's own limits, not the caller's
+            key = ("fallback_note", tuple(sorted(fwd.items(), key=str)), why)
+            if key not in self._memo:
+                self._memo[key] = True
+                print(f"[falower] note: the automatic choice's {_form_words(extra)} kernel refused extra "
+                      f"{fwd}: {why.splitlines()[0] if why else 'refused'}; built the {_form_words(ran)} kernel "
+                      f"instead", file=sys.stderr)
+
         for extra, two, ragged, kvp in tries:
             built = built_for(extra, ragged, two, kvp)
             spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **fwd})
@@ -574,6 +596,8 @@ class CompiledAttention:
             except ValueError as e:
                 if kvp > 1:
                     refused.append(str(e))
+                if first_refused is None:
+                    first_refused = (extra, built, str(e))
                 continue
             if "persistent" not in fwd and not spec.ragged_q_first and not emit_fa3_ws.persistent_pays(
                     spec, small_grid=two or tiling == "decode"):
@@ -590,10 +614,12 @@ class CompiledAttention:
             auto = {k: v for k, v in auto.items() if v}
             if auto:  # the automatic share of exponentials on the FMA pipe and kv order, shown in spec.extra
                 spec = build_spec(built[1], used, dtype, path, self.num_warps, {**extra, **auto, **fwd})
+            note_fallback(extra)
             return spec, built
         if explicit:
             raise BackendError(f"numba-cuda backend: extra kv_parts={parts}: "
                                + (refused[0] if refused else "no kernel here runs split-kv's parts"))
+        note_fallback({"schedule": "mma"})
         return mma_sync()
 
     def _wide_tiles_pay(self, head_dim: int, m: Optional[int] = None, n: Optional[int] = None,
@@ -1012,6 +1038,18 @@ def _signature(inputs: tuple) -> Optional[tuple]:
 
 
 _UNSET = object()
+
+_KERNEL_FORM = ("schedule", "producer", "persistent")  # what the automatic choice's fallback changes
+
+
+def _form_words(extra: Mapping) -> str:
+    """A forward kernel's form in words, from its spec.extra: its schedule, producer and persistence."""
+    words = [str(extra.get("schedule", "mma"))]
+    if extra.get("producer") not in (None, False):
+        words.append(f"producer {extra['producer']}")
+    if extra.get("persistent"):
+        words.append("persistent")
+    return " ".join(words)
 
 
 class _WarmCall:

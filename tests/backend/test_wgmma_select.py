@@ -595,3 +595,27 @@ def test_a_pipeline_with_the_short_q_tile_first(hopper) -> None:
     with pytest.raises(Exception, match=r"tile\{ragged_q=first\}: only the persistent wgmma-ws kernel"):
         fl.compile(_graph(True), pipeline=own.replace("bq=192,bk=128", "bq=128,bk=64")).specialize(
             "f16", D=64, M=300, N=300)
+
+
+def test_a_knob_the_choice_refuses_is_told_once(hopper, capsys) -> None:
+    """Where the automatic choice's kernel refuses the caller's own forward knobs (col_mma needs a column step, which
+    plain attention has not) and another kernel form is built, a one-line note on stderr says so, once for the
+    compiled call; a knob the choice takes, a refusal that is the choice's own (no knob) and a change of form the
+    choice makes for cost say nothing."""
+    hopper.setattr(runtime, "device_sm_count", lambda: 132)
+    c = fl.compile(_graph(False), extra={"col_mma": True})
+    for n in (4096, 4096, 1024):
+        assert c.specialize("f16", D=128, N=n, M=n).spec.extra["schedule"] == "wgmma"  # not the ws kernel
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "[falower] note:" in line]
+    assert len(notes) == 1, err
+    assert "refused extra {'col_mma': True}" in notes[0] and "col_mma" in notes[0].split(":", 2)[2], notes[0]
+    assert "built the wgmma kernel instead" in notes[0], notes[0]
+    c = fl.compile(_graph(True), extra={"tma_loads": False})  # D = 64 causal's 192-row kernel needs TMA loads
+    c.specialize("f16", D=64, N=4096, M=4096)
+    assert "three consumer warpgroups (block_q 192) need TMA loads" in capsys.readouterr().err
+    for extra, Ds in (({}, (64, 128)), ({"col_mma": False}, (64, 128)), ({"tma_loads": False}, (128,))):
+        c = fl.compile(_graph(True), extra=extra)
+        for D in Ds:
+            c.specialize("f16", D=D, N=4096, M=4096)
+        assert "[falower] note:" not in capsys.readouterr().err, extra
