@@ -1222,3 +1222,14 @@ def test_sdp_ahead_ptx(tmp_path, monkeypatch):
         log = r.stdout + r.stderr
         assert r.returncode == 0, log[-2000:]
         assert "C7515" not in log and "serialized" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("extra", [{}, {"kv_major": False}, {"bwd_persistent": 132},
+                                   {"bwd_persistent": 132, "kv_major": False}])
+def test_knobs_in_reads_kv_major_in_a_persistent_walk(extra):
+    """knobs_in's kv_major is the order the kernel takes (kv_major(spec)), also where a persistent kernel's walk
+    decodes its items (`kj = it_x`), not only the grid's x (it read False there before)."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    sp = _spec("plain", 128, extra=extra)
+    assert e.knobs_in(e.emit_fa3_backward(sp))["kv_major"] == e.kv_major(sp) == ("kv_major" not in extra)

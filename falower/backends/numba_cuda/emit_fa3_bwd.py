@@ -194,10 +194,11 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads, without a mask kv_major, and
 # dkdv_tma / dkdv_in_tile where dkdv_store_auto picks them),
 # each with the text it leaves in the emitted source: what tools and tests read to know a built kernel took it
-# (p_under_dp falls back to the fused elementwise function where it cannot split).
+# (p_under_dp falls back to the fused elementwise function where it cannot split); a tuple: any of its texts
+# (kv_major's kv tile from the grid's x, a block's or a persistent walk's item's).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": "kj = cuda.blockIdx.x\n", "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
+              "kv_major": ("kj = cuda.blockIdx.x\n", "kj = it_x\n"), "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
               "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
               "dkdv_in_tile": "# dkdv_in_tile: "}
@@ -205,7 +206,8 @@ KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa,
 
 def knobs_in(source: str) -> dict[str, bool]:
     """Which of KNOB_MARKS' knobs the kernel module `source` was emitted with."""
-    return {knob: mark in source for knob, mark in KNOB_MARKS.items()}
+    return {knob: any(m in source for m in (mark if isinstance(mark, tuple) else (mark,)))
+            for knob, mark in KNOB_MARKS.items()}
 
 
 def dq_bulk(spec: FA2BackwardSpec) -> bool:
