@@ -753,9 +753,9 @@ def q_double(spec: FA2ForwardSpec) -> bool:
     they loaded in the gap between the two. Why: the timeline put that gap (an item's end to the next one's Q) at
     ~1 us an item without a mask, whose items are ~32 tiles, and the masks' items are 5-17 (2026-11-27). Measured
     with `range_shared` against neither (H100 2026-11-28, 7 rounds): plain +3%, causal +3%, ALiBi +4%, the 1024
-    window +14%, the document +4% (q_double alone there); the softcap -5%, which keeps one buffer by default
-    (`_q_double_asked`). `extra["q_double"] = False` keeps one Q buffer and the O buffer (bench '-noqd'), True asks
-    for two where the default would not ('-qd')."""
+    window +14%, the document +4% (q_double alone there); the softcap then -5%, which since takes two like every
+    example (`_q_double_asked`). `extra["q_double"] = False` keeps one Q buffer and the O buffer (bench '-noqd');
+    True ('-qd') is the default."""
     return _layout(spec)["q1"] > 0
 
 
