@@ -243,6 +243,7 @@ CONFIG_OPTIONS: list = [
     (("sla", {"slice_ahead": True}),),
     (("slrp", {"slice_ptrs": True}),),
     (("sis", {"slice_in_s": True}),),
+    (("sle", {"slice_edge": True}),),
     (("rev", {"kv_reverse": True}), ("rev2", {"kv_reverse": "second"}), ("norev", {"kv_reverse": False})),
     (("nolh", {"list_head": False}),),
     (("nors", {"range_shared": False}),),

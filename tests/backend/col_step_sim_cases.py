@@ -129,6 +129,12 @@ CASES = {
     # ... under a mask whose rows keep two intervals (no row bounds, so no walk): kv tile 1 is empty and skipped
     # (0, 2), the state from tile_at's position
     "pwg-persist-relbias-gap-slrp": ("relbias-gap", 130, 300, 64, (128, 128), {**PWG, "slice_ptrs": True}),
+    # ... with the boundary tile's entries from the run too, then kv >= N to -inf (slice_edge): the last kv tile
+    # ragged (140: 12 columns; 129: one), M != N, rows whose indices leave the table; O and LSE bit for bit those
+    # of the same call without it (masked_score_row's per-element gathers)
+    "pwg-persist-relbias-sle-slice": ("relbias", 150, 140, 64, (128, 128), {**PWG, "slice_edge": True}),
+    "pwg3-persist-relbias-sle-slice": ("relbias", 250, 129, 64, (192, 128), {**PWG, "slice_edge": True}),
+    "pwg-persist-relbias-sle-m127-slice": ("relbias", 127, 255, 64, (128, 128), {**PWG, "slice_edge": True}),
     # ... with the entries read from global memory ahead of the waits (row_slice off), and the kept epilogue's rows
     # of O staged a word at a time (stmatrix off: the other cases stage them by stmatrix, the default)
     "pwg-persist-relbias": ("relbias", 150, 140, 64, (128, 128), {**PWG, "row_slice": False, "stmatrix": False}),
@@ -155,6 +161,7 @@ SLOPES = {"ws-causal-steep": [1.0e5, -2.0e4], "mma-plain-steep": [-300.0, 40.0],
 PAIRS = {"ws-relbias": -1, "fa3-r128-relbias": -1, "mma-relbias": -1, "pwg-persist-relbias": -1,
          "pwg-persist-relbias-slice": -1, "pwg-persist-relbias-noes-slice": -1, "pwg3-persist-relbias-slice": -1,
          "pwg3-persist-relbias-sis-slice": -1, "pwg-persist-relbias-slp-slice": -1,
+         **{c: -1 for c in CASES if "-sle" in c},
          **{c: -1 for c in CASES if "-slrp" in c and c.endswith("-slice")}}
 
 
@@ -182,7 +189,8 @@ def _record_visits(kern, q0: int) -> list:
 def run_case(case_id: str) -> dict:
     from falower.backends.numba_cuda.emit_fa2 import col_step, row_gather, row_gather_shift
     from falower.backends.numba_cuda.emit_fa3_ws import (col_mma, kv_reverse, slice_ahead, slice_in_s, slice_pairs,
-                                                         slice_ptr_step, slice_ptrs, stmatrix_staging, tma_loads)
+                                                         slice_edge, slice_ptr_step, slice_ptrs, stmatrix_staging,
+                                                         tma_loads)
     from falower.passes.check import Reference, bind_dims
 
     mask, M, N, D, (bq, bk), extra = CASES[case_id]
@@ -205,13 +213,19 @@ def run_case(case_id: str) -> dict:
     kern = c.kernel(q, k, v, sl)
     calls = count_calls(kern, ("score_row_pair_given", "score_row", "score_pair_slice", "score_pair_slice2",
                                "gather_slice_fn",
-                               "slice_load", "slice_load_rp", "stage_rows_stsm", "stage_row_z_box"))
+                               "slice_load", "slice_load_rp", "stage_rows_stsm", "stage_row_z_box",
+                               "mask_past_n", "masked_score_row"))
     visits = _record_visits(kern, ((M - 1) // bq) * bq)
     o, lse = c(q, k, v, sl)
     same = None
     if extra.get("slice_ptrs"):  # the same call with every run clamped (slice_load): the same O and LSE, bit for bit
         o2, lse2 = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma",
                               extra={**extra, "slice_ptrs": False})(q, k, v, sl)
+        same = bool(np.array_equal(np.asarray(o), np.asarray(o2), equal_nan=True)
+                    and np.array_equal(np.asarray(lse), np.asarray(lse2), equal_nan=True))
+    if extra.get("slice_edge"):  # the boundary tile by masked_score_row's gathers: the same O and LSE, bit for bit
+        o2, lse2 = fl.compile(g, "numba-cuda", pipeline=tiled_pipeline(bq, bk), path="mma",
+                              extra={**extra, "slice_edge": False})(q, k, v, sl)
         same = bool(np.array_equal(np.asarray(o), np.asarray(o2), equal_nan=True)
                     and np.array_equal(np.asarray(lse), np.asarray(lse2), equal_nan=True))
     fn = "score_col_fn(" if taken is col_step else "gather_row_fn("
@@ -224,6 +238,7 @@ def run_case(case_id: str) -> dict:
             "slice_in_s": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_in_s(kern.spec),
             "slice_pairs": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_pairs(kern.spec),
             "slice_ptrs": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ptrs(kern.spec),
+            "slice_edge": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_edge(kern.spec),
             "slice_ptr_step": kern.spec.extra.get("schedule") == "wgmma-ws" and slice_ptrs(kern.spec)
             and slice_ptr_step(kern.spec),
             "stmatrix": kern.spec.extra.get("schedule") == "wgmma-ws" and stmatrix_staging(kern.spec),

@@ -106,3 +106,14 @@ def test_the_runs_from_a_running_address_read_the_clamped_runs_entries(results, 
     assert r["slice_ptr_step"] == step, r
     if mask == "relbias-gap":  # two q tiles, two warpgroups, kv tiles 0 and 2 (1 skipped), 128 threads each
         assert rp == 2 * 2 * 2 * 128, r
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][5].get("slice_edge")))
+def test_the_boundary_tile_from_the_run_is_bit_identical(results, case):
+    """slice_edge: the boundary (ragged) kv tile takes its entries from the warpgroup's run (score_row_pair_given,
+    then kv >= N to -inf by mask_past_n) where masked_score_row gathered each from global memory: O and LSE bit for
+    bit those of the same call without it."""
+    r = results.get(case)
+    assert r is not None and "error" not in r, r
+    assert r["slice_edge"] and r["same_as_clamped"] is True, r
+    assert r["calls"]["mask_past_n"] > 0 and r["calls"]["masked_score_row"] == 0, r

@@ -123,6 +123,8 @@ from .emit_fa2 import (
     score_row_calls,
     walks_range,
     col_step,
+    folded_scale,
+    raw_is_s,
     wgmma_thread_rows,
     emit_tile_scan,
 )
@@ -443,6 +445,24 @@ def slice_in_s(spec: FA2ForwardSpec) -> bool:
     default at D = 64 and 0.959 at D = 128 (no gain; why the store and barrier in S's shadow cost as much as after
     it is not established). Off; `extra["slice_in_s"]` = True asks for it (bench '-sis')."""
     return row_slice(spec) and spec.extra.get("slice_in_s", False) is not False
+
+
+def slice_edge(spec: FA2ForwardSpec) -> bool:
+    """Under `row_slice`, whether the boundary tile (kv0 + block_k > N: need_mask) also takes its score's entries
+    from the warpgroup's run in shared memory (`gl`, score_pair_slice: read on every tile, the run stored on every
+    tile) through score_row_pair_given, then sets the elements at kv >= N to -inf (`mask_past_n`), where
+    masked_score_row gathered each element's entry from global memory (64-bit addresses, two clamps an element)
+    while P's registers are pinned. The same entries (the run is clamped into the table as the gather clamps each
+    index) and the same arithmetic (score_gathered_fn's fma on the entry is score_raw_fn's on the gathered one), so
+    the same bits. Why: that path set the consumers' register peak (~219 of 224) and their only spills (16 bytes)
+    though it never runs at N = 4096 (benchmarks/NOTES.md, "The relative bias's consumer registers, mapped"). Only
+    where the masked path is masked_score_row's kv >= N alone: no mask_mod, no column step, no row bounds, no
+    padding rows, no half tiles, no softcap, the scale folded with score_raw_fn. Off; `extra["slice_edge"]` = True
+    asks for it (bench '-sle')."""
+    return (row_slice(spec) and spec.extra.get("slice_edge", False) is not False and not spec.has_mask
+            and not col_step(spec) and not has_row_bounds(spec) and not row_bounds_read_data(spec)
+            and not skips_padding_rows(spec) and not half_mode(spec) and small_scores(spec) is None
+            and bool(folded_scale(spec)) and not raw_is_s(spec))
 
 
 def slice_start(spec: FA2ForwardSpec) -> int:
@@ -2140,6 +2160,19 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
     RS = row_slice(spec)
     SLR, SLA, SIS = slice_rows(spec), slice_ahead(spec), slice_in_s(spec)
     SPTR = slice_ptrs(spec)
+    SLE = slice_edge(spec)
+    mask_past_n_fn = c.helper("mask_past_n", [
+        "@device_function",
+        "def mask_past_n(x, i, kv, N):",
+        "    # a row's elements at columns kv + 8 jj (+ 1) at or past N to -inf (slice_edge: masked_score_fn's",
+        "    # kv >= N, after score_row_pair_given's scores)",
+        f"    for jj in range({BK // 8}):",
+        "        e = i + jj * 4",
+        "        k = kv + jj * 8",
+        "        if k >= N:",
+        "            lset(x, e, NEG_INF)",
+        "        if k + 1 >= N:",
+        "            lset(x, e + 1, NEG_INF)"]) if SLE else ""
     slice_load_fn = c.helper("slice_load", [
         "@device_function",
         "def slice_load(sl_a, e, sl_n, sl_s):",
@@ -2630,7 +2663,14 @@ def _emit_consumer(c: _Code, spec: FA2ForwardSpec, lay: dict[str, int],
                      f"np.uint32(((g & 3) << 1) & {BK // 4 - 1})")  # the row in the table tile, its swizzle
         c("if need_mask:")
         with c.indent():
-            emit_masked_rows(c, spec, HOIST, below_m=PAD)
+            if SLE:  # the run's entries (gl), then kv >= N to -inf: no per-element gathers (slice_edge)
+                calls = score_row_calls(spec, ROWS, given="gl")
+                assert len(calls) == 1 and calls[0].startswith("score_row_pair_given("), calls
+                c(calls[0] + "  # the boundary tile's entries from the run (slice_edge)")
+                for t in ROWS:
+                    c(f"{mask_past_n_fn}({t.sc}, {t.ofs}, kv0 + t2, N)")
+            else:
+                emit_masked_rows(c, spec, HOIST, below_m=PAD)
         c("else:")
         with c.indent():
             if TT:
