@@ -1062,9 +1062,6 @@ def time_examples_rounds(stems: list, D: int, rounds: int, N: int = 4096, config
     return out
 
 
-_KERNEL_FORM = ("schedule", "producer", "persistent")  # what an automatic choice's fallback changes
-
-
 def knobs_refused(knobs: dict, base, got: dict) -> str:
     """Why an 'auto-<knobs>' row's kernel (spec.extra `got`) is not the automatic choice's kernel (spec `base`)
     with the knobs, or "": the choice's form (schedule, producer, persistence) with the knobs fails validate_spec,
@@ -1076,15 +1073,15 @@ def knobs_refused(knobs: dict, base, got: dict) -> str:
     import dataclasses
 
     from falower.backends.numba_cuda import emit_fa3
-    from falower.backends.numba_cuda.spec import forward_extra
+    from falower.backends.numba_cuda.spec import KERNEL_FORM, forward_extra
 
     fwd = forward_extra(knobs)
-    if not fwd or all(got.get(k) == base.extra.get(k) for k in _KERNEL_FORM):
+    if not fwd or all(got.get(k) == base.extra.get(k) for k in KERNEL_FORM):
         return ""
     try:
         emit_fa3.validate_spec(dataclasses.replace(base, extra={**base.extra, **fwd}))
     except ValueError as exc:
-        return f"{first_line(exc)} (ran {', '.join(f'{k} {got.get(k)}' for k in _KERNEL_FORM)})"
+        return f"{first_line(exc)} (ran {', '.join(f'{k} {got.get(k)}' for k in KERNEL_FORM)})"
     return ""
 
 

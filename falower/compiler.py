@@ -484,7 +484,7 @@ class CompiledAttention:
         `_cluster_small_grid`'s (those parts merged in a cluster)."""
         from .backends.numba_cuda import emit_fa3, emit_fa3_ws
         from .backends.numba_cuda.from_ir import BackendError, build_spec, reads_table_tile
-        from .backends.numba_cuda.spec import forward_extra
+        from .backends.numba_cuda.spec import KERNEL_FORM, forward_extra
 
         fwd = forward_extra(self.extra)  # a backward knob leaves the forward kernel (and its name) as it is
         base = (self.lowered, self.analysis)
@@ -573,7 +573,7 @@ class CompiledAttention:
             if first_refused is None or not fwd:
                 return
             extra, built, why = first_refused
-            if all(ran.get(k) == extra.get(k) for k in _KERNEL_FORM):
+            if all(ran.get(k) == extra.get(k) for k in KERNEL_FORM):
                 return
             try:
                 emit_fa3.validate_spec(build_spec(built[1], used, dtype, path, self.num_warps, dict(extra)))
@@ -1038,9 +1038,6 @@ def _signature(inputs: tuple) -> Optional[tuple]:
 
 
 _UNSET = object()
-
-_KERNEL_FORM = ("schedule", "producer", "persistent")  # what the automatic choice's fallback changes
-
 
 def _form_words(extra: Mapping) -> str:
     """A forward kernel's form in words, from its spec.extra: its schedule, producer and persistence."""

@@ -294,7 +294,8 @@ def _rewrite_region(region: Block, roles: Sequence[str], make) -> bool:
     for _ in range(50):
         deps = _Deps(region, roles)
         tmp = Func("region", region)
-        patterns = [_score_only(p, _mask_op_ids(region)) for p in make(deps, region)]
+        mask_ids = _mask_op_ids(region)  # once a round, not once a pattern
+        patterns = [_score_only(p, mask_ids) for p in make(deps, region)]
         if not apply_patterns(tmp, patterns, max_rounds=1):
             break
         changed = True

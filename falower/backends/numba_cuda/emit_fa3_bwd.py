@@ -198,7 +198,8 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 # (kv_major's kv tile from the grid's x, a block's or a persistent walk's item's).
 KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa, 0)", "p_under_dp": "WAIT_S1(sacc, 0)",
               "interior_split": "if interior:  # no bounds code", "dq_late": "if dq_at >= 0:",
-              "kv_major": ("kj = cuda.blockIdx.x\n", "kj = it_x\n"), "list_ahead": "e_nx = ", "dkdv_bulk": "# (dkdv_bulk: staged in",
+              "kv_major": ("kj = cuda.blockIdx.x\n", "kj = it_x\n"), "list_ahead": "e_nx = ",
+              "dkdv_bulk": "# (dkdv_bulk: staged in",
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
               "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
               "dkdv_in_tile": "# dkdv_in_tile: "}
@@ -411,10 +412,9 @@ def dkdv_in_tile(spec: FA2BackwardSpec) -> bool:
     for the copies' reads (a kv tile that walks no q tile stages its zeros there, after a barrier: the K, V copies
     of other threads land in V's rows until then). dkdv_tma with it does nothing (the same boxes), nor dkdv_stsm
     (the boxes are stmatrix's). Why: probe_bwd --blocks (H200, causal D = 128, sixty-second session) read a block's
-    epilogue at 4.9k cycles: a barrier, 64
-    4-byte stores a thread, and 256 row copies whose issue took 2.9k, all after the loop and after the last tile's
-    dQ slabs (2 x 16 KB) went to the same copy engine; a causal block's fixed cost (prologue, epilogue, gap: 9.3k)
-    is 6% of it. Here the staging (16 stmatrix a thread, not 64 stores) runs under dQ's GEMM, the copies are 32
+    epilogue at 4.9k cycles: a barrier, 64 4-byte stores a thread, and 256 row copies whose issue took 2.9k, all
+    after the loop and after the last tile's dQ slabs (2 x 16 KB) went to the same copy engine; a causal block's
+    fixed cost (prologue, epilogue, gap: 9.3k) is 6% of it. Here the staging (16 stmatrix a thread, not 64 stores) runs under dQ's GEMM, the copies are 32
     tensor stores (dkdv_tma: the issue 2.9k -> 1.7k cycles, the reads 0.1k -> 0.5k), and dK / dV's 64 KB leave
     before the last slabs. Predicted before any GPU run: the causal D = 128 block's loop end to its end ~4.9k ->
     ~3k cycles (96 KB through the copy engine at dkdv_tma's ~29 bytes a cycle from the last tile's staging on),

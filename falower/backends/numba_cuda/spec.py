@@ -65,11 +65,15 @@ KNOWN_EXTRAS = frozenset({
     "own_first_item", "p_under_dp", "pack_gqa", "persistent", "pingpong", "prefetch_tiles", "producer",
     "producer_regs", "q_double", "q_in_regs", "range_shared", "regs", "row_gather", "row_pairs", "row_slice",
     "schedule", "sdp_ahead", "setmaxnreg", "skip_padding", "slice_ahead", "slice_edge", "slice_in_s", "slice_pairs",
-    "slice_ptrs",
-    "slice_rows", "small_grid",
+    "slice_ptrs", "slice_rows", "small_grid",
     "staged_epilogue", "stages", "stmatrix", "table_tiles", "tanh", "tanh_small", "tanh_tiny", "tma_loads",
     "tma_store", "tree_softmax", "walk", "warp_skip", "wg_rows", "ws_loads",
 })
+
+# The extras that say a forward kernel's form (which emitter, its producer, its persistence): what the automatic
+# choice's fallback changes when a kernel refuses the caller's knobs (compiler._forward_spec's note, bench's
+# knobs_refused)
+KERNEL_FORM = ("schedule", "producer", "persistent")
 
 # The keys only the backward's kernels read: the forward's spec leaves them out, so that a backward knob does not
 # rename (and recompile) the forward kernel it shares (tests/backend/test_extras.py holds this set to the code).
