@@ -98,7 +98,7 @@ def test_the_runs_from_a_running_address_read_the_clamped_runs_entries(results, 
     moved by a constant where the order allows (+1, -1 under kv_reverse), from tile_at's position elsewhere."""
     r = results.get(case)
     assert r is not None and "error" not in r, r
-    assert r["slice_ptrs"] and r["same_as_clamped"] is True and r["shift"] == -1, r
+    assert r["slice_ptrs"] and r["same_without_knob"] is True and r["shift"] == -1, r
     rp, clamped = r["calls"]["slice_load_rp"], r["calls"]["slice_load"]
     assert rp > clamped > 0 and r["calls"]["gather_slice_fn"] == 0, r
     mask, extra = CASES[case][0], CASES[case][5]
@@ -115,5 +115,5 @@ def test_the_boundary_tile_from_the_run_is_bit_identical(results, case):
     bit those of the same call without it."""
     r = results.get(case)
     assert r is not None and "error" not in r, r
-    assert r["slice_edge"] and r["same_as_clamped"] is True, r
+    assert r["slice_edge"] and r["same_without_knob"] is True, r
     assert r["calls"]["mask_past_n"] > 0 and r["calls"]["masked_score_row"] == 0, r
