@@ -136,7 +136,26 @@ CASES = {
     # coordinate), one q tile, and kv tiles 1 and 2 walking none (their zeros staged after the loop, after a barrier:
     # without it another thread's K, V copies landed in V's rows under the staging, a race the simulator names)
     "causal-f16-d64-20x130-intile": ("causal", "f16", 2, 2, 2, 20, 130, 64, 64, 64, {"dkdv_in_tile": True}),
+    # the two consumer warpgroups out of lockstep (bwd_pingpong): dQ by each warpgroup's own kv rows (dq_split "k")
+    # through its own 64 x D slab, both slabs added into the same q tile; per-warpgroup barriers, S^T / dP^T issued in
+    # turns; the loader warps serving both. M != N, ragged q and kv tiles (3 q tiles: both buffers, the last ragged;
+    # 2 kv tiles, the second ragged); D = 128 (one slab a warpgroup: two do not fit) with 4 q tiles under causal
+    # (both mbarrier parities); a document's block lists (2 batch rows, fully masked rows). Each also run with the
+    # knob off (DKDV_AS_DEFAULT: dK and dV bitwise, dQ within the tolerance: its adds come in another order)
+    "plain-f16-d64-150x140-2wg-pp": ("plain", "f16", 1, 1, 1, 150, 140, 64, 64, 128,
+                                     {"dq_ws": "auto", "bwd_pingpong": True}),
+    "causal-bf16-d128-200x70-2wg-pp": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
+                                       {"dq_ws": "auto", "bwd_pingpong": True}),
+    "document-f16-d64-130x130-pp": ("document", "f16", 2, 1, 1, 130, 130, 64, 64, 128,
+                                    {"dq_ws": "auto", "bwd_pingpong": True}),
 }
+# cases whose dK and dV must be bitwise those of the same kernel with these spec.extra changes, and dQ within the
+# error rule's tolerance of its dQ (run_case runs both)
+DKDV_AS_DEFAULT = {k: {"bwd_pingpong": False} for k in CASES if k.endswith("-pp")}
+# run (also) with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, seconds): a warpgroup that ran ahead of
+# what it waits for reads stale shared memory there
+SLOW_WARP_CASES = ("plain-f16-d64-150x140-2wg-pp",)
+SLOW_WARP_SECONDS = 0.002
 # cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
 SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},
                    "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False}}
@@ -343,8 +362,15 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
         out["same_as_default"] = {n: other["raw"][i] == out["raw"][i] for i, n in enumerate(("dq", "dk", "dv"))}
         out["default_knobs"] = other["knobs"]
         del out["raw"]
+    elif case_id in DKDV_AS_DEFAULT and extra_change is None:  # dK, dV bitwise the kernel's without the knob
+        other = run_case(case_id, DKDV_AS_DEFAULT[case_id])
+        raw = [np.asarray(x).tobytes().hex() for x in got[:3]]
+        out["same_as_default"] = {n: other["raw"][i] == raw[i] for i, n in ((1, "dk"), (2, "dv"))}
+        out["dq_vs_default"] = float(np.max(np.abs(_float(got[0], dtype) - _float(other["dq"], dtype))))
+        out["default_knobs"] = other["knobs"]
     elif extra_change is not None:
         out["raw"] = [np.asarray(x).tobytes().hex() for x in got[:3]]
+        out["dq"] = np.asarray(got[0])
     return out
 
 

@@ -188,7 +188,32 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     64-row group of q take D / cs columns each, over all block_k kv rows (one reduction per dQ element and
     block); "k" (block_q = 64) each warpgroup its own 64 kv rows (its own dS^T rows) and every column: no
     column offsets inside a swizzle atom (D = 64: n32 at +64 bytes under "n"), twice the reductions."""
-    return str(spec.extra.get("dq_split", "n"))
+    return "k" if bwd_pingpong(spec) else str(spec.extra.get("dq_split", "n"))
+
+
+def bwd_pingpong(spec: FA2BackwardSpec) -> bool:
+    """The two consumer warpgroups out of lockstep (spec.extra["bwd_pingpong"] True; default False, not yet measured):
+    no barrier a tile between them, and their S^T / dP^T GEMMs issued in turns, so one warpgroup's elementwise step,
+    stores and hand-off run under the other's GEMMs (FlashAttention-3's forward ping-pong). What it takes:
+    dq_split "k" (each warpgroup's dQ partial from its own 64 kv rows of dS^T and K, every column: no warpgroup
+    reads the other's dS^T), handed by dq_ws through its own slab (a 64 x D f32 slab; at D = 128 one a warpgroup,
+    `dq_ws_slabs`: two do not fit) to the producer, whose reductions then add both warpgroups' slabs into the same
+    q tile (twice dq_split "n"'s bytes reduced), and ws_loads (Q, dO of the next tile requested by both warpgroups
+    on LD_REQ, whose count makes the loaders wait for both, so a buffer is refilled once both released it; each
+    waits the buffer's mbarrier itself, and neither can run two tiles ahead of the other: the loads it would wait
+    for need the other's request). Per tile each warpgroup syncs only its own warpgroup (named barriers PP_WG + wg:
+    the tile's top, where its last dQ GEMM has read its dS^T rows, and the dS^T stores before dQ's GEMM); the turns
+    are two named barriers (FA3's warp scheduler barriers): warpgroup w waits on PP_TURN + w before issuing its
+    S^T and dP^T and arrives on the other's after, warpgroup 1 arriving once before the loop (warpgroup 0 goes
+    first) and warpgroup 0 waiting once after it (every arrival matched). Tiles 64 x 128 only (two warpgroups, one
+    64-row q group); at D = 128 dQ's product and hand-off go in two column halves of 64 (64 x 128 f32 beside dK
+    and dV exceed the 168 registers ptxas allocates under the launch bound: it serialized every wgmma, C7512).
+    Not with sdp_ahead (the issue it moves is the turn's), dk_after_dq (its own waits), or dkdv_in_tile (it stages
+    dK in the other Q / dO buffer, which the other warpgroup may still read: dkdv_store_auto then picks TMA or row
+    copies).
+    Why: at D = 64 a tile's tensor-core work is ~1280 of 3961 cycles, and in lockstep both warpgroups wait through
+    the same barrier, elementwise step, hand-off and loop top (benchmarks/NOTES.md, sixty-first session)."""
+    return spec.extra.get("bwd_pingpong", False) is True and uses_wgmma(spec)
 
 
 # The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads, without a mask kv_major, and
@@ -202,7 +227,7 @@ KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa,
               "dkdv_bulk": "# (dkdv_bulk: staged in",
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
               "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
-              "dkdv_in_tile": "# dkdv_in_tile: "}
+              "dkdv_in_tile": "# dkdv_in_tile: ", "bwd_pingpong": "bar_arrive(PP_TURN"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -254,7 +279,8 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     if v == "auto" and (spec.block_mask == "list" or held_grads(spec) or spec.block_k == 64):
         return False  # without ws_loads: measured slower (lists, a held gradient), or not measured (one warpgroup)
     return (uses_wgmma(spec) and (v is True or v == "auto") and spec.dq == "atomic" and not spec.deterministic
-            and dq_split(spec) == "n" and not dq_bulk(spec) and not dq_late(spec) and not persistent(spec))
+            and (dq_split(spec) == "n" or bwd_pingpong(spec)) and not dq_bulk(spec) and not dq_late(spec)
+            and not persistent(spec))
 
 
 def _ws_loads_shape(spec: FA2BackwardSpec) -> bool:
@@ -282,7 +308,7 @@ def ws_loads(spec: FA2BackwardSpec) -> bool:
 
 WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
 _AUTO_KNOBS = ("dq_ws", "ws_loads")  # True, False or "auto" (the others: True or False)
-_DQ_WS_REFUSES = "dq_split 'k', dq_bulk, dq_late or bwd_persistent"  # the knobs dq_ws() turns it off for
+_DQ_WS_REFUSES = "dq_split 'k' (but under bwd_pingpong), dq_bulk, dq_late or bwd_persistent"  # the knobs dq_ws() turns it off for
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
 DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
 
@@ -290,8 +316,9 @@ DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads)
 def dq_ws_slabs(spec: FA2BackwardSpec) -> int:
     """dq_ws's slabs a consumer warpgroup (spec.extra["dq_ws_slabs"], 1 or 2; default 2): with two, the warpgroup
     writes tile t + 1's dQ while the copy engine still reads tile t's. Asked, it turns dq_ws's "auto" on (as
-    ws_loads True does); with dq_ws False or a knob dq_ws cannot run with, validate_spec refuses it."""
-    return int(spec.extra.get("dq_ws_slabs", 2))
+    ws_loads True does); with dq_ws False or a knob dq_ws cannot run with, validate_spec refuses it. Under
+    bwd_pingpong (64 x D slabs) the default is 1 at D = 128, where two a warpgroup exceed the shared memory."""
+    return int(spec.extra.get("dq_ws_slabs", 1 if bwd_pingpong(spec) and spec.head_dim > 64 else 2))
 
 
 def _dq_ws_slab_bytes(spec: FA2BackwardSpec) -> int:
@@ -368,7 +395,7 @@ def dkdv_tma(spec: FA2BackwardSpec) -> bool:
     return uses_wgmma(spec) and dkdv_bulk(spec) and want and not persistent(spec) and not dkdv_in_tile(spec)
 
 
-_DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_persistent")
+_DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_persistent", "bwd_pingpong")
 
 
 def _in_tile_clash(spec: FA2BackwardSpec) -> list[str]:
@@ -931,6 +958,16 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     for knob in (*KNOB_MARKS, "exp_fold", "grad_dist"):
         if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
+    if bwd_pingpong(spec):
+        clash = ("block_q 64 and block_k 128 only (two consumer warpgroups, one 64-row q group), got "
+                 f"{BQ}x{BK}" if (BQ, BK) != (64, 128) else
+                 "not with dq_split 'n' (each warpgroup's dQ from its own kv rows: 'k')"
+                 if spec.extra.get("dq_split", "k") != "k" else "not with sdp_ahead" if sdp_ahead(spec) else
+                 "not with dk_after_dq" if dk_after_dq(spec) else
+                 f"it needs dq_ws and ws_loads: not with them False, {_DQ_WS_REFUSES}" if not ws_loads(spec) else "")
+        if clash:
+            raise ValueError(f"wgmma backward: bwd_pingpong runs each warpgroup on its own kv rows, loaders and "
+                             f"barriers: {clash}")
     if dq_split(spec) not in ("n", "k") or (dq_split(spec) == "k" and BQ != 64):
         raise ValueError(f"wgmma backward: dq_split must be 'n', or 'k' with block_q = 64, got "
                          f"{dq_split(spec)!r} with block_q = {BQ}")
@@ -1104,8 +1141,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     LATE = dq_late(spec)
     PDP = p_under_dp(spec)
     AHEAD = sdp_ahead(spec)
+    PP = bwd_pingpong(spec)
     PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
+    DQH = 2 if PP and DC > 64 else 1  # bwd_pingpong at D = 128: dQ's product and hand-off in two column halves
+    DQN = DC // DQH  # dQ's columns a product (N of its wgmma)
     KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
     NJ = BQ // 8  # n8 tiles of S^T along q
     KS = D // 16  # k16 steps of K Q^T
@@ -1125,13 +1165,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     items = contextlib.ExitStack()  # a persistent kernel's item loop, open from the item's start to its epilogue
     c(f'WG_S = wgmma_ss("{kind}", {BQ})  # S^T = K Q^T, dP^T = V dO^T: both operands K-major')
     c(f'WG_D = wgmma_rs("{kind}", {D}, 1)  # dV += P^T dO, dK += dS^T Q: A in registers, dO / Q MN-major')
-    c(f'WG_Q = wgmma_ss("{kind}", {DC}, 1, 1)  # dQ = dS K: dS^T MN-major (trans-a), K MN-major (trans-b)')
+    c(f'WG_Q = wgmma_ss("{kind}", {DQN}, 1, 1)  # dQ = dS K: dS^T MN-major (trans-a), K MN-major (trans-b)')
     c(f"FENCE_S = wgmma_fence_regs({BQ // 2})")
     c(f"WAIT_S = wgmma_wait_regs(0, {BQ // 2})")
     c(f"FENCE_D = wgmma_fence_regs({D // 2})")
     c(f"WAIT_D = wgmma_wait_regs(0, {D // 2})")
-    c(f"FENCE_Q = wgmma_fence_regs({DC // 2})")
-    c(f"WAIT_Q = wgmma_wait_regs(0, {DC // 2})")
+    c(f"FENCE_Q = wgmma_fence_regs({DQN // 2})")
+    c(f"WAIT_Q = wgmma_wait_regs(0, {DQN // 2})")
     if DKL:
         c(f"WAIT_Q1 = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, dK's (issued after it) in flight")
     elif AHEAD == "dq":
@@ -1150,6 +1190,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"DQ_FREE = {DQ_WS_BAR + 1 + NWG * NS}  # DQ_FREE + {NS} w + s, read")
         if WSL:
             c(f"LD_REQ = {DQ_WS_BAR + 1 + 2 * NWG * NS}  # ws_loads: the next tile's request to the loader warps")
+        if PP:
+            c(f"PP_WG = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # bwd_pingpong: PP_WG + w, warpgroup w's own barrier (128)")
+            c(f"PP_TURN = {DQ_WS_BAR + 2 + 2 * NWG * NS + NWG}  # PP_TURN + w: the other warpgroup issued its S^T, "
+              "dP^T: w's turn")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
@@ -1243,7 +1287,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"dvacc = cuda.local.array({D // 2}, np.float32)")
         c(f"sacc = cuda.local.array({BQ // 2}, np.float32)")
         c(f"pacc = cuda.local.array({BQ // 2}, np.float32)")
-        c(f"dqa = cuda.local.array({DC // 2}, np.float32)")
+        c(f"dqa = cuda.local.array({DQN // 2}, np.float32)")
         c(f"{zero_helper(c, D // 2)}(dvacc)")
         c(f"{zero_helper(c, D // 2)}(dkacc)")
         c("# descriptors' addresses of this warpgroup: its 64 kv rows of K and V (A of S^T, dP^T), its dQ row group")
@@ -1348,6 +1392,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("# first barrier (or the epilogue's, with no tile) orders every thread's wait before it is written again")
         if INTILE:
             c(f"dkv_in_loop = {_more(spec, 'hc', 'qc')}  # dkdv_in_tile: the walk's last tile stages dK and dV")
+        if PP:
+            c("cuda.syncthreads()  # bwd_pingpong: every consumer's K, V and first Q, dO copies and statistics; from")
+            c("# here on each warpgroup waits only for itself, and for the other at its turns")
+            c("if wg == 1:")
+            with c.indent():
+                c(f"bar_arrive(PP_TURN, {NT})  # bwd_pingpong: warpgroup 0 issues its S^T, dP^T first")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -1364,7 +1414,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 with c.indent():
                     c(f"mbar_wait(sb + {lay['MBAR']} + buf * 8, ((tn - 1) >> 1) & 1)")
                     c("fence_proxy_async()  # their copies visible to wgmma's async proxy")
-            c("cuda.syncthreads()")
+            if PP:
+                c("bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's last dQ GEMM has read its dS^T rows")
+            else:
+                c("cuda.syncthreads()")
             if WSL:
                 _emit_load_request(c, spec, lay, _more(spec, "hn", "qn"), f"hk * {G} + hn" if G > 1 else "hk",
                                    f"qn * {BQ}")
@@ -1399,7 +1452,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             if AHEAD:
                 c("# (sdp_ahead: this tile's S^T and dP^T were issued before the loop or at the last tile's end)")
             else:
+                if PP:
+                    c(f"bar_sync(PP_TURN + wg, {NT})  # bwd_pingpong: the other warpgroup has issued its S^T, dP^T")
                 issue_sdp("qb", "ob")
+                if PP:
+                    c(f"bar_arrive(PP_TURN + (wg ^ 1), {NT})  # bwd_pingpong: the other's turn")
             if BULK:
                 c("# the last tile's staged dQ rows to the copy engine while S^T and dP^T are computed")
                 _emit_dq_issue(c, DC, lay["DQ"], PITCH)
@@ -1544,52 +1601,72 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("wgmma_commit()")
             c("cp_async_wait0()  # the next tile's Q, dO (issued at this tile's top) have landed")
             c("fence_proxy_async()  # they and dS^T's generic stores visible to wgmma")
-            c("cuda.syncthreads()  # dS^T is complete, and the next tile's Q, dO")
+            if PP:
+                c("bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's dS^T rows are complete (its dQ reads "
+                  "only them)")
+            else:
+                c("cuda.syncthreads()  # dS^T is complete, and the next tile's Q, dO")
             c()
-            c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {KQ} wgmma m64n{DC}k16, k step")
-            c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)"
-              + (" of this warpgroup's 64" if KSPLIT else ""))
-            c("FENCE_Q(dqa, 0)")
-            c("w_ds = desc_word(HI_KV, ds_wl)")
-            c("w_kt = desc_word(HI_KV, kt_wl)")
-            for kk in range(KQ):
-                c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128}), {int(kk > 0)})")
-            c("wgmma_commit()")
-            if AHEAD == "dq":
-                issue_ahead()
-            if INTILE:
-                c("WAIT_D1(dvacc, 0)  # dkdv_in_tile: dV's and dK's group done; dQ's (committed after it) in flight")
-                c("WAIT_D1(dkacc, 0)")
-                c(f"if not ({_more(spec, 'hn', 'qn')}):  # dkdv_in_tile: the walk's last tile; dV and dK are final")
-                with c.indent():
-                    _emit_dkdv_in_tile(c, spec, pack)
-            if DKL:
-                c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers, in flight while dQ's")
-                c("# reductions issue")
-                c("FENCE_D(dkacc, 0)")
-                for kk in range(BQ // 16):
-                    c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
+            if DQH > 1:
+                c(f"# dQ rows 0 .. 63 of this q tile, this warpgroup's 64 kv rows of dS^T and K: dS K in {DQH} column")
+                c(f"# parts of {DQN} (bwd_pingpong: 64 x {DC} f32 beside dK and dV exceed the 168 registers ptxas has")
+                c("# under the launch bound, and it serialized every wgmma, C7512), each waited and handed off in turn")
+                c("w_ds = desc_word(HI_KV, ds_wl)")
+                c("w_kt = desc_word(HI_KV, kt_wl)")
+                for hh in range(DQH):
+                    c(f"FENCE_Q(dqa, 0)  # columns {hh * DQN} .. {hh * DQN + DQN - 1}")
+                    for kk in range(KQ):
+                        kt = kk * 128 + hh * DQN // 64 * BK * 8  # K's 64-column block: BK * 128 bytes on
+                        c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kt}), {int(kk > 0)})")
+                    c("wgmma_commit()")
+                    c("WAIT_Q(dqa, 0)" + ("  # (dV and dK's wgmmas are done too: one wait for every group)" if hh == 0
+                                          else ""))
+                    _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1", (hh, DQH))
+            else:
+                c(f"# dQ rows 64 rgw .. + 63, columns {DC} csw .. of this q tile: dS K, {KQ} wgmma m64n{DC}k16, k step")
+                c("# k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)"
+                  + (" of this warpgroup's 64" if KSPLIT else ""))
+                c("FENCE_Q(dqa, 0)")
+                c("w_ds = desc_word(HI_KV, ds_wl)")
+                c("w_kt = desc_word(HI_KV, kt_wl)")
+                for kk in range(KQ):
+                    c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128}), {int(kk > 0)})")
                 c("wgmma_commit()")
-                c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
-            elif AHEAD == "dq":
-                c("WAIT_QA(dqa, 0)  # dQ's group and every one before it (dV, dK) done; the next S^T, dP^T in flight")
-            else:
-                c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
-            c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
-            c("# g + 8, added by one 16-byte vector reduction")
-            if BULK:
-                _emit_dq_bulk(c, DC, D, lay["DQ"], PITCH)
-            elif WS:
-                _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1")
-            else:
-                c("odd = (lane & 1) == 1")
-                c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
-                c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
-                if LATE:
-                    _emit_dq_swaps(c, DC // 8)
-                    c("dq_at = qrow if qi < M else -1  # added under the next tile's first GEMMs (dq_late)")
+                if AHEAD == "dq":
+                    issue_ahead()
+                if INTILE:
+                    c("WAIT_D1(dvacc, 0)  # dkdv_in_tile: dV's and dK's group done; dQ's (committed after it) in flight")
+                    c("WAIT_D1(dkacc, 0)")
+                    c(f"if not ({_more(spec, 'hn', 'qn')}):  # dkdv_in_tile: the walk's last tile; dV and dK are final")
+                    with c.indent():
+                        _emit_dkdv_in_tile(c, spec, pack)
+                if DKL:
+                    c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers, in flight while dQ's")
+                    c("# reductions issue")
+                    c("FENCE_D(dkacc, 0)")
+                    for kk in range(BQ // 16):
+                        c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
+                    c("wgmma_commit()")
+                    c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
+                elif AHEAD == "dq":
+                    c("WAIT_QA(dqa, 0)  # dQ's group and every one before it (dV, dK) done; the next S^T, dP^T in flight")
                 else:
-                    _emit_dq_reductions(c, DC // 8)
+                    c("WAIT_Q(dqa, 0)  # (dV and dK's wgmmas are done too: one wait for every group)")
+                c("# lanes t and t ^ 1 swap halves: even lanes then hold 4 consecutive columns of row g, odd lanes of row")
+                c("# g + 8, added by one 16-byte vector reduction")
+                if BULK:
+                    _emit_dq_bulk(c, DC, D, lay["DQ"], PITCH)
+                elif WS:
+                    _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1")
+                else:
+                    c("odd = (lane & 1) == 1")
+                    c("qi = q0 + rgw * 64 + (warp & 3) * 16 + g + (8 if odd else 0)")
+                    c(f"qrow = (q_head + qi) * {D} + csw * {DC} + (t2 - 2 if odd else t2)")
+                    if LATE:
+                        _emit_dq_swaps(c, DC // 8)
+                        c("dq_at = qrow if qi < M else -1  # added under the next tile's first GEMMs (dq_late)")
+                    else:
+                        _emit_dq_reductions(c, DC // 8)
             if DKL:
                 c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
             if AHEAD == "top":
@@ -1607,6 +1684,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("pc = pn")
             c("buf ^= 1")
         c()
+        if PP:
+            c("if wg == 0:")
+            with c.indent():
+                c(f"bar_sync(PP_TURN, {NT})  # bwd_pingpong: warpgroup 1's last arrival (each one matched)")
         if HOLD:
             _emit_grad_hold_end(c, spec)
         if WSL:
@@ -1658,6 +1739,9 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
     D, BQ, NWG, NS = spec.head_dim, spec.block_q, spec.block_k // 64, dq_ws_slabs(spec)
     DC = D // _col_splits(spec)
     SLAB = _dq_ws_slab_bytes(spec)
+    # warp w's slab: its warpgroup's part of the tile in slab order; under dq_split "k" (bwd_pingpong) every
+    # warpgroup's slab is the whole tile, each added into the same words
+    at = "" if dq_split(spec) == "k" else f" + pw * {64 * DC}"
     c(f"if tid >= {consumer_threads(spec)}:  # the producer warpgroup (dq_ws): dQ's slabs to the copy engine")
     with c.indent():
         if NWG > 1:
@@ -1679,7 +1763,7 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
                     c("break")
                 c("if lane == 0:")
                 with c.indent():
-                    c(f"bulk_reduce_add_f32(elem_addr(dq32, ((pw_tile - 1) * {BQ * D} + pw * {64 * DC},)), "
+                    c(f"bulk_reduce_add_f32(elem_addr(dq32, ((pw_tile - 1) * {BQ * D}{at},)), "
                       f"pw_slab + ps * {SLAB}, {SLAB})")
                     c("bulk_commit()")
                     c("bulk_wait_read0()  # the copy engine has read the slab")
@@ -1751,23 +1835,32 @@ def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         c("lb ^= 1")
 
 
-def _emit_dq_handoff(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[str]) -> None:
+def _emit_dq_handoff(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[str],
+                     part: tuple[int, int] = (0, 1)) -> None:
     """dq_ws, a consumer warpgroup: once its slab dqs is free, this tile's dQ fragment into it (D / cs / 8 16-byte
     stores a thread, thread-major) and the tile's number + 1 into its word (`tile`; None: 0, no more slabs), made
     visible to the copy engine, then the producer's warp told; with two slabs the next tile takes the other. At the
     end (None) it also waits for the other slab's last hand-back, which the producer gives once more than the
-    warpgroup waited for it."""
+    warpgroup waited for it. `part` (k, n): the fragment in dqa is column part k of n (bwd_pingpong's dQ halves at
+    D = 128): the first part waits for the slab, the last one tells the producer."""
     D, NS = spec.head_dim, dq_ws_slabs(spec)
     DC = D // _col_splits(spec)
     SLAB = _dq_ws_slab_bytes(spec)
-    c(f"bar_sync(DQ_FREE + wg * {NS} + dqs, 160)  # the producer's warp has read this warpgroup's slab dqs")
+    k, n = part
+    N8 = DC // 8 // n  # n8 tiles of a part
+    if k == 0:
+        c(f"bar_sync(DQ_FREE + wg * {NS} + dqs, 160)  # the producer's warp has read this warpgroup's slab dqs")
     if tile is not None:
-        c("# this warpgroup's dQ fragment as its registers lie: n8 tile dn's 4 floats of thread t at 2048 dn + 16 t")
-        c(f"dqw_t = sb + {lay['DQW']} + (wg * {NS} + dqs) * {SLAB} + (tid & 127) * 16")
-        for dn in range(DC // 8):
-            o = f"ofs_{dn * 4}"
+        if k == 0:
+            c("# this warpgroup's dQ fragment as its registers lie: n8 tile dn's 4 floats of thread t at 2048 dn + "
+              "16 t")
+            c(f"dqw_t = sb + {lay['DQW']} + (wg * {NS} + dqs) * {SLAB} + (tid & 127) * 16")
+        for j in range(N8):
+            dn, o = k * N8 + j, f"ofs_{j * 4}"
             c(f"sts_v4_f32(dqw_t + {dn * 2048}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
               f"lget(dqa, {o} + 3))")
+    if k < n - 1:
+        return
     c("if (tid & 127) == 0:")
     with c.indent():
         c(f"smem_w[((sbr + {lay['DQSLOT']}) >> 2) + wg * {NS} + dqs] = {tile if tile is not None else 0}")
