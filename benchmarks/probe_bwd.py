@@ -100,6 +100,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "wsl": ({"dq_ws": True, "ws_loads": True}, "... and the next q tile's loads by two producer warps"),
     "sdpq": ({"sdp_ahead": "dq"}, "the next tile's S^T and dP^T issued beside dQ's GEMM (sdp_ahead 'dq')"),
     "sdpt": ({"sdp_ahead": "top"}, "the next tile's S^T and dP^T issued after dQ's hand-off (sdp_ahead 'top')"),
+    "pp": ({"bwd_pingpong": True}, "the two consumer warpgroups out of lockstep: dQ by each one's own kv rows and slab, "
+           "per-warpgroup barriers, S^T / dP^T issued in turns (bwd_pingpong)"),
     "gdist": ({"grad_dist": True}, "the slope gradient's distances recomputed as float(kv) - float(q) (grad_dist)"),
     "q128": ({"bwd_tiles": (128, 128)}, "128 x 128 tiles (q x kv; the default 64 x 128), its knobs' defaults there"),
     "q128wsl": ({"bwd_tiles": (128, 128), "dq_ws": True, "ws_loads": True}, "128 x 128 tiles with dq_ws and ws_loads"),

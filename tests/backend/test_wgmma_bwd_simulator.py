@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 from simulated import collect, spawn  # noqa: E402
-from wgmma_bwd_sim_cases import CASES, SAME_AS_DEFAULT  # noqa: E402
+from wgmma_bwd_sim_cases import CASES, DKDV_AS_DEFAULT, SAME_AS_DEFAULT, SLOW_WARP_CASES, SLOW_WARP_SECONDS  # noqa: E402
 
 TOL = {"f16": 4e-3, "bf16": 3e-2}  # of max(1, max |g|): f16 / bf16 P and dS operands, outputs in the dtype
 IDS = list(CASES)
@@ -86,6 +86,40 @@ def test_a_knob_gives_the_defaults_gradients(results, case_id):
     assert r["same_as_default"] == {"dq": True, "dk": True, "dv": True}, r["same_as_default"]
     for knob, v in SAME_AS_DEFAULT[case_id].items():
         assert r["default_knobs"][knob] is v and r["knobs"][knob] is not v, (knob, r["knobs"], r["default_knobs"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", list(DKDV_AS_DEFAULT))
+def test_a_knob_gives_the_defaults_dk_dv(results, case_id):
+    """DKDV_AS_DEFAULT's cases (bwd_pingpong): the same call on the kernel without the knob gave bitwise the same dK
+    and dV (each warpgroup's products and tiles in the same order), and dQ within the error rule's tolerance of its
+    dQ (dq_split "k": each warpgroup's partial added on its own, another order of additions)."""
+    r = results.get(case_id)
+    assert r is not None and "error" not in r, r
+    assert r["same_as_default"] == {"dk": True, "dv": True}, r["same_as_default"]
+    assert r["dq_vs_default"] <= TOL[r["dtype"]] * max(1.0, r["grads"]["dq"]["scale"]), r["dq_vs_default"]
+    for knob, v in DKDV_AS_DEFAULT[case_id].items():
+        assert r["default_knobs"][knob] is v and r["knobs"][knob] is not v, (knob, r["knobs"], r["default_knobs"])
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory):
+    """SLOW_WARP_CASES run with warp 1 of each warpgroup slowed before each emulated shared-memory read
+    (FALOWER_SIM_SLOW_WARP): a warpgroup that ran ahead of a barrier it needs would read stale rows there."""
+    return collect(spawn("wgmma_bwd_sim_cases.py", tmp_path_factory.mktemp("slow"), list(SLOW_WARP_CASES),
+                         {"FALOWER_SIM_SLOW_WARP": str(SLOW_WARP_SECONDS)}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", list(SLOW_WARP_CASES))
+def test_slow_warp(slow_results, case_id):
+    r = slow_results.get(case_id)
+    assert r is not None and "error" not in r, r
+    for name, g in r["grads"].items():
+        assert g["shape_ok"] and not g["nan"], (name, g)
+        assert g["err"] <= TOL[r["dtype"]] * max(1.0, g["scale"]), (name, g)
+    if case_id in DKDV_AS_DEFAULT:
+        assert r["same_as_default"] == {"dk": True, "dv": True}, r["same_as_default"]
 
 
 # ------------------------------------------------------------------------------------ CPU: selection
@@ -1233,3 +1267,91 @@ def test_knobs_in_reads_kv_major_in_a_persistent_walk(extra):
 
     sp = _spec("plain", 128, extra=extra)
     assert e.knobs_in(e.emit_fa3_backward(sp))["kv_major"] == e.kv_major(sp) == ("kv_major" not in extra)
+
+
+def test_bwd_pingpong_source():
+    """spec.extra bwd_pingpong (off by default; knobs_in reads it): dq_split "k" with dq_ws and ws_loads (64 x D
+    slabs, one a warpgroup at D = 128, where two do not fit; both warpgroups' slabs added at the tile's start); in the
+    loop no barrier of all consumers, each warpgroup's own at the top and before dQ's GEMM, its S^T / dP^T issued
+    between a wait on its turn and an arrival on the other's (warpgroup 1 arriving once before the loop, warpgroup 0
+    waiting once after it); dQ at D = 128 in two column halves of 64 (K's second 64-column block), one slab hand-off;
+    dK / dV not staged in the tile (dkdv_in_tile refused; its "auto" then row copies or TMA). Refused: other
+    tiles, dq_split 'n', sdp_ahead, dk_after_dq, dq_ws / ws_loads False, dkdv_in_tile, a value not a bool."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    assert not e.bwd_pingpong(_spec("plain", 64, extra={"dq_ws": "auto"}))
+    assert not e.knobs_in(e.emit_fa3_backward(_spec("plain", 64, extra={"dq_ws": "auto"})))["bwd_pingpong"]
+    for D in (64, 128):
+        for stem in ("plain", "causal"):
+            sp = _spec(stem, D, extra={"dq_ws": "auto", "bwd_pingpong": True})
+            e.validate_spec(sp)
+            assert e.dq_split(sp) == "k" and e.dq_ws(sp) and e.ws_loads(sp) and not e.dkdv_in_tile(sp)
+            assert e.dq_ws_slabs(sp) == (2 if D == 64 else 1) and e.smem_bytes(sp) <= e.SMEM_MAX
+            src = e.emit_fa3_backward(sp)
+            assert e.knobs_in(src)["bwd_pingpong"] and e.knobs_in(src)["dq_ws"] and e.knobs_in(src)["ws_loads"]
+            pre, rest = src.split("\n    while qc ", 1)
+            loop, after = rest.split("\n    if wg == 0:\n        bar_sync(PP_TURN, 256)", 1)
+            assert re.search(r"bar_sync\(1, 256\)[^\n]*\n.*\n    if wg == 1:\n        bar_arrive\(PP_TURN, 256\)", pre)
+            assert "bar_sync(1, " not in loop and "syncthreads" not in loop
+            assert loop.count("bar_sync(PP_WG + wg, 128)") == 2
+            at = [loop.index(x) for x in ("mbar_wait(", "bar_sync(PP_WG + wg, 128)", "bar_arrive(LD_REQ",
+                                          "bar_sync(PP_TURN + wg, 256)", "WG_S(sacc", "WG_S(pacc", "wgmma_commit()",
+                                          "bar_arrive(PP_TURN + (wg ^ 1), 256)", "WAIT_S(sacc")]
+            assert at == sorted(at), at
+            assert loop.index("store_dst_wg(") < loop.rindex("bar_sync(PP_WG + wg, 128)") < loop.index("WG_Q(")
+            # dQ: this warpgroup's own dS^T rows and K rows, every column; the producer adds at the tile's start
+            assert "ds_wg = sb + " + str(e._layout(sp)["DS"]) + " + wg * 8192" in src and "kt_wg = sb + 0 + wg * 8192" in src
+            assert re.search(r"bulk_reduce_add_f32\(elem_addr\(dq32, \(\(pw_tile - 1\) \* \d+,\)\)", src)
+            wgq = re.findall(r"WG_Q\(dqa, 0, desc_at\(HI_KV, w_ds \+ (\d+)\), desc_at\(HI_KV, w_kt \+ (\d+)\)", loop)
+            if D == 64:
+                assert wgq == [(str(128 * k), str(128 * k)) for k in range(4)] and 'wgmma_ss("f16", 64, 1, 1)' in src
+            else:  # two halves: K's second 64-column block 128 x 128 bytes on (>> 4: 1024)
+                assert wgq == [(str(128 * k), str(128 * k + 1024 * h)) for h in range(2) for k in range(4)], wgq
+                assert 'WG_Q = wgmma_ss("f16", 64, 1, 1)' in src and loop.count("WAIT_Q(dqa, 0)") == 2
+                assert loop.count("bar_sync(DQ_FREE") == 1 and loop.count("bar_arrive(DQ_FULL") == 1
+                stores = re.findall(r"sts_v4_f32\(dqw_t \+ (\d+), lget\(dqa, ofs_(\d+)\)", loop)
+                assert stores == [(str(2048 * (8 * h + j)), str(4 * j)) for h in range(2) for j in range(8)], stores
+    sp = _spec("causal", 128, extra={"dq_ws": "auto", "bwd_pingpong": True})
+    for bad, why in (({"dq_split": "n"}, "dq_split 'n'"), ({"sdp_ahead": "top"}, "sdp_ahead"),
+                     ({"dk_after_dq": True}, "dk_after_dq"), ({"dq_ws": False}, "needs dq_ws and ws_loads"),
+                     ({"ws_loads": False}, "needs dq_ws and ws_loads"), ({"dkdv_in_tile": True}, "bwd_pingpong"),
+                     ({"bwd_persistent": 4}, "needs dq_ws and ws_loads")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            e.validate_spec(dataclasses.replace(sp, extra={**sp.extra, **bad}))
+    sp64 = _spec("causal", 64, extra={"dq_ws": "auto", "bwd_pingpong": True})
+    for tiles in (dict(block_q=128), dict(block_k=64, num_warps=4)):
+        with pytest.raises(ValueError, match="block_q 64 and block_k 128 only"):
+            e.validate_spec(dataclasses.replace(sp64, **tiles))
+    with pytest.raises(ValueError, match="bwd_pingpong must be True or False"):
+        e.validate_spec(dataclasses.replace(sp, extra={**sp.extra, "bwd_pingpong": 1}))
+    built, reason = e.resolve(dataclasses.replace(sp, extra={**sp.extra, "sdp_ahead": "top"}))
+    assert "bwd_pingpong" in reason and not e.uses_wgmma(built)
+
+
+def test_bwd_pingpong_ptx(tmp_path, monkeypatch):
+    """bwd_pingpong at D = 64 and 128 (plain, causal), compiled whole by ptxas when one is on this machine: no wgmma
+    serialized (dQ's 64 x 128 f32 in one product made ptxas serialize every one at D = 128, C7512), and its wgmma
+    counts: dQ m64n64 over the warpgroup's 64 kv rows (4 k steps; 2 halves at D = 128) where the default has
+    m64n{D / 2} over 128 (8 k steps)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    import shutil
+    import subprocess
+
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    for stem, D in (("plain", 64), ("plain", 128), ("causal", 128)):
+        ptx = FA2BackwardKernel(_spec(stem, D, extra={"dq_ws": "auto", "bwd_pingpong": True})).ptx((9, 0))
+        counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (32, 64, 128)}
+        assert counts == ({32: 0, 64: 20, 128: 0} if D == 64 else {32: 0, 64: 24, 128: 8}), counts
+        if shutil.which("ptxas") is None:
+            continue
+        path = tmp_path / f"k{D}.ptx"
+        path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)  # (8.3: the TMA stores')
+                        .replace(".target sm_90\n", ".target sm_90a\n"))
+        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                           capture_output=True, text=True)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-2000:]
+        assert "serialized" not in log, log[-2000:]

@@ -4,8 +4,8 @@ FlashAttention-2's gradient rule against float64 (tests/gpu/test_backward_gpu.py
 at D = 64 and 128, f16 and bf16, N = 17 (one ragged tile), 1000 and 4096; the kernel that ran checked (wgmma,
 the document mask's block lists included); its error no worse
 than the mma.sync backward's on the same inputs; dq_split "k"; dQ by bulk reductions (dq_bulk); dK's GEMM after
-dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); the next tile's S^T and dP^T ahead (sdp_ahead); torch
-autograd through it.
+dQ's (dk_after_dq); P under dP's GEMM (p_under_dp); the next tile's S^T and dP^T ahead (sdp_ahead); the two
+consumer warpgroups out of lockstep (bwd_pingpong); torch autograd through it.
 
 Run: python tests/gpu/test_wgmma_bwd_gpu.py -n 14 [-k ...]: the float64 references at N >= 1000 first, one process
 each (test_backward_gpu's script form; the knob tests' N = 4096 references were recomputed in every worker that
@@ -312,3 +312,17 @@ def reference_jobs() -> list[tuple]:
 if __name__ == "__main__":  # the references ("ref" jobs of test_backward_gpu's script), then pytest
     sys.exit(precompile_then_pytest([("ref", *j) for j in reference_jobs()], "references", __file__, sys.argv[1:],
                                     ("-p", "no:benchmark"), one_thread=True))
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["plain", "causal", "document", "gqa", "alibi", "sliding_window"])
+def test_bwd_pingpong(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["bwd_pingpong"]: the two consumer warpgroups out of lockstep (dQ by each one's own kv rows through
+    its own slab, per-warpgroup barriers, S^T / dP^T issued in turns): the error rule, and at N = 1000 dK and dV
+    bitwise the default's (each warpgroup's products in the same order; dQ's adds come in another order: dQ by the
+    error rule only)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["bwd_pingpong"], bwd_pingpong=True)
+    env, host, do = case_inputs(stem, dtype, D, 1000)
+    base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"bwd_pingpong": True}))
+    for name, a, b in zip(("dk", "dv"), base[1:3], new[1:3]):
+        assert torch.equal(a, b), name
