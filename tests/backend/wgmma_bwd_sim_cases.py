@@ -13,6 +13,7 @@ Usage: NUMBA_ENABLE_CUDASIM=1 python wgmma_bwd_sim_cases.py [case-id ...]
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -148,14 +149,23 @@ CASES = {
                                        {"dq_ws": "auto", "bwd_pingpong": True}),
     "document-f16-d64-130x130-pp": ("document", "f16", 2, 1, 1, 130, 130, 64, 64, 128,
                                     {"dq_ws": "auto", "bwd_pingpong": True}),
+    # ... with one whole warpgroup slowed (SLOW_WARPGROUP): the other runs ahead of it through the loads it requests,
+    # its slabs and its turns (the simulator's threads otherwise run close to lockstep)
+    "plain-f16-d64-150x140-2wg-pp-slowwg0": ("plain", "f16", 1, 1, 1, 150, 140, 64, 64, 128,
+                                             {"dq_ws": "auto", "bwd_pingpong": True}),
+    "causal-bf16-d128-200x70-2wg-pp-slowwg1": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
+                                               {"dq_ws": "auto", "bwd_pingpong": True}),
 }
+# case -> (warpgroup, seconds): each of that warpgroup's emulated shared-memory operand reads (wgmma's, ldmatrix's)
+# sleeps first, in the case's own call only
+SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01), "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01)}
 # cases whose dK and dV must be bitwise those of the same kernel with these spec.extra changes, and dQ within the
 # error rule's tolerance of its dQ (run_case runs both)
-DKDV_AS_DEFAULT = {k: {"bwd_pingpong": False} for k in CASES if k.endswith("-pp")}
+DKDV_AS_DEFAULT = {k: {"bwd_pingpong": False} for k in CASES if "-pp" in k}
 # run (also) with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, seconds): a warpgroup that ran ahead of
 # what it waits for reads stale shared memory there
 SLOW_WARP_CASES = ("plain-f16-d64-150x140-2wg-pp",)
-SLOW_WARP_SECONDS = 0.002
+SLOW_WARP_SECONDS = 0.05
 # cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
 SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},
                    "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False}}
@@ -298,6 +308,27 @@ def _stamped(kern) -> dict:
     return held
 
 
+@contextlib.contextmanager
+def _slowed_warpgroup(wg: int, seconds: float):
+    """intrinsics.slow_warp (what each emulated shared-memory operand read calls first) sleeping `seconds` on the
+    threads of warpgroup `wg` of every block, for the with block."""
+    import threading
+
+    from falower.backends.numba_cuda import intrinsics
+
+    made = intrinsics.slow_warp
+
+    def slow_warp() -> None:
+        if threading.current_thread().thread_id // 128 == wg:
+            time.sleep(seconds)
+
+    intrinsics.slow_warp = slow_warp
+    try:
+        yield
+    finally:
+        intrinsics.slow_warp = made
+
+
 def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     import falower as fl
     from falower.backends.numba_cuda.emit_fa3_bwd import dkdv_store_auto, knobs_in
@@ -326,7 +357,9 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     blocks = c.block_data(kern)  # range tables and block lists made from the data, as a call makes them
     if blocks is not None:
         caps += blocks.derive(caps, (B, H, M, N), ins[0])
-    got = kern(ins[0], ins[1], ins[2], o, lse, do, *caps)
+    with _slowed_warpgroup(*SLOW_WARPGROUP[case_id]) if case_id in SLOW_WARPGROUP and extra_change is None \
+            else contextlib.nullcontext():
+        got = kern(ins[0], ins[1], ins[2], o, lse, do, *caps)
     seconds = time.time() - t0
     f = c.lowered_backward
     by = {a.name: x for a, x in zip(g.args, as_f)}
