@@ -27,6 +27,9 @@ in the slab order). What is new is the schedule (FA3's backward):
   and the conversion reads: `dq_acc_rows`, `dq_ws_chunk`);
 * dK and dV stay in registers over every q tile and head of the group and are written once.
 
+The two consumer warpgroups run each phase at the same time (two block barriers a tile); `bwd_pingpong` (opt-in)
+takes them out of lockstep: each one's dQ from its own kv rows, its own barriers, S^T / dP^T issued in turns.
+
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
 `falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`),
 which also takes it by itself on compute capability 9.x at D = 64 and 128 (measured faster at both).
@@ -187,7 +190,8 @@ def dq_split(spec: FA2BackwardSpec) -> str:
     """How the warpgroups share dQ = dS K of a q tile (spec.extra["dq_split"]): "n" (default) warpgroups of one
     64-row group of q take D / cs columns each, over all block_k kv rows (one reduction per dQ element and
     block); "k" (block_q = 64) each warpgroup its own 64 kv rows (its own dS^T rows) and every column: no
-    column offsets inside a swizzle atom (D = 64: n32 at +64 bytes under "n"), twice the reductions."""
+    column offsets inside a swizzle atom (D = 64: n32 at +64 bytes under "n"), twice the reductions. bwd_pingpong
+    takes "k" (each warpgroup then needs only its own dS^T rows)."""
     return "k" if bwd_pingpong(spec) else str(spec.extra.get("dq_split", "n"))
 
 
@@ -258,7 +262,8 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
     the consumers' warps) adds consumer warpgroup w's slab into dQ's f32 accumulator by one bulk reduction
     (cp.reduce.async.bulk .add.f32, 8-16 KB), waits until it has read the slab and hands it back (a second named
-    barrier); after dK's and dV's stores a 0 word ends its walk. dq32 is then kept in the slabs' order, padded to
+    barrier); after dK's and dV's stores a 0 word ends its walk (under dq_split "k", bwd_pingpong's, each
+    warpgroup's slab is the whole 64 x D tile, and both are added into the same words). dq32 is then kept in the slabs' order, padded to
     whole q tiles (`dq_acc_rows`, `dq_ws_chunk`): the Delta kernel zeroes it and the conversion kernel reads it
     so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`: 24 / 240 at two consumer
     warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
@@ -334,7 +339,8 @@ def dq_ws_chunk(spec: FA2BackwardSpec) -> list[str]:
     """The device function `dqws_rc(p)`: the (row, column) in its q tile of 16-byte chunk p of a tile's slabs (the
     chunk holds rows r and r + 8 at columns col and col + 1, in that order). A q tile's block_q x D f32 are its
     consumer warpgroups' slabs one after another (warpgroup w = its row group + RG x its column split, as the kernel
-    numbers them), each as the warpgroup's threads wrote it: [n8 tile][thread][4], a thread's 4 in wgmma's
+    numbers them; under dq_split "k", bwd_pingpong's, one slab, every warpgroup's added into it), each as the
+    warpgroup's threads wrote it: [n8 tile][thread][4], a thread's 4 in wgmma's
     accumulator order (rows g, g + 8; columns 2t, 2t + 1)."""
     D, BQ = spec.head_dim, spec.block_q
     RG, CS = BQ // 64, _col_splits(spec)
