@@ -251,9 +251,19 @@ def block_barrier(source: str) -> str:
     return named.group() if "cuda.syncthreads()" not in source and named is not None else "cuda.syncthreads()"
 
 
+# bwd_pingpong's barriers, each its warpgroup's own, where PHASES' "barrier" and "dV dK, dS^T" end (its "loads" phase
+# then holds the wait for its turn to issue S^T and dP^T; at D = 128 "dQ GEMM" its first column half, "reductions"
+# the second with the hand-offs)
+PP_ANCHORS = {0: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's last dQ GEMM",
+              4: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's dS^T rows"}
+
+
 def phase_anchors(source: str) -> list[str]:
-    """PHASES' anchors as this kernel writes them (its block barrier: `block_barrier`)."""
-    return [a.replace("cuda.syncthreads()", block_barrier(source)) for _, a in PHASES]
+    """PHASES' anchors as this kernel writes them (its block barrier: `block_barrier`; bwd_pingpong's: PP_ANCHORS)."""
+    anchors = [a.replace("cuda.syncthreads()", block_barrier(source)) for _, a in PHASES]
+    if "bar_arrive(PP_TURN" in source:
+        anchors = [PP_ANCHORS.get(i, a) for i, a in enumerate(anchors)]
+    return anchors
 
 
 def stamped_source(source: str, name: str) -> str:

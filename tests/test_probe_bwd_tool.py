@@ -90,9 +90,10 @@ def test_a_pattern_the_kernel_lacks_is_refused():
         probe.edited(src, "nostage")  # the default kernel stages nothing
 
 
-@pytest.mark.parametrize("stem, D", [("causal", 128), ("alibi", 64)])
-def test_the_phase_stamps_go_in_order(stem, D):
-    name, src = _source(stem, D)
+@pytest.mark.parametrize("stem, D, extra", [("causal", 128, {}), ("alibi", 64, {}),
+                                            ("plain", 64, {"bwd_pingpong": True}), ("causal", 128, {"bwd_pingpong": True})])
+def test_the_phase_stamps_go_in_order(stem, D, extra):
+    name, src = _source(stem, D, **extra)
     out = probe.stamped_source(src, name)
     compile(out, "stamped", "exec")
     assert re.search(rf"def {name}\(.*, tl_buf\):", out)
