@@ -149,6 +149,10 @@ CASES = {
                                        {"dq_ws": "auto", "bwd_pingpong": True}),
     "document-f16-d64-130x130-pp": ("document", "f16", 2, 1, 1, 130, 130, 64, 64, 128,
                                     {"dq_ws": "auto", "bwd_pingpong": True}),
+    # ... ALiBi under GQA (its slope's gradient held across tiles, the head changing inside the walk: 2 heads x 2
+    # q tiles, M != N)
+    "alibi_gqa-f16-d64-65x63-2wg-pp": ("alibi_gqa", "f16", 1, 4, 2, 65, 63, 64, 64, 128,
+                                       {"dq_ws": "auto", "bwd_pingpong": True}),
     # ... with one whole warpgroup slowed (SLOW_WARPGROUP): the other runs ahead of it through the loads it requests,
     # its slabs and its turns (the simulator's threads otherwise run close to lockstep)
     "plain-f16-d64-150x140-2wg-pp-slowwg0": ("plain", "f16", 1, 1, 1, 150, 140, 64, 64, 128,
