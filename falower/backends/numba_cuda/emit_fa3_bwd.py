@@ -197,13 +197,12 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 
 def bwd_pingpong(spec: FA2BackwardSpec) -> bool:
     """The two consumer warpgroups out of lockstep (spec.extra["bwd_pingpong"] True; default False, not yet measured):
-    no barrier a tile that both wait on (warpgroup 1 waits for warpgroup 0's dQ partial at the hand-off, one way),
-    and their S^T / dP^T GEMMs issued in turns, so one warpgroup's elementwise step,
+    no barrier a tile between them, and their S^T / dP^T GEMMs issued in turns, so one warpgroup's elementwise step,
     stores and hand-off run under the other's GEMMs (FlashAttention-3's forward ping-pong). What it takes:
     dq_split "k" (each warpgroup's dQ partial from its own 64 kv rows of dS^T and K, every column: no warpgroup
-    reads the other's dS^T), summed through dq_ws's slabs (one set of 64 x D f32 slabs: warpgroup 0 stores its
-    partial, warpgroup 1 adds its own to it, `_emit_dq_handoff_pp`, so the producer's one dQ warp reduces a tile's
-    bytes once, as under dq_split "n", not twice), and ws_loads (Q, dO of the next tile requested by both warpgroups
+    reads the other's dS^T), handed by dq_ws through its own slab (a 64 x D f32 slab; at D = 128 one a warpgroup,
+    `dq_ws_slabs`: two do not fit) to the producer, whose reductions then add both warpgroups' slabs into the same
+    q tile (twice dq_split "n"'s bytes reduced), and ws_loads (Q, dO of the next tile requested by both warpgroups
     on LD_REQ, whose count makes the loaders wait for both, so a buffer is refilled once both released it; each
     waits the buffer's mbarrier itself, and neither can run two tiles ahead of the other: the loads it would wait
     for need the other's request). Per tile each warpgroup syncs only its own warpgroup (named barriers PP_WG + wg:
@@ -263,11 +262,11 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     conflicts), fences for the async proxy and arrives on a named barrier; warp w of the producer warpgroup (after
     the consumers' warps) adds consumer warpgroup w's slab into dQ's f32 accumulator by one bulk reduction
     (cp.reduce.async.bulk .add.f32, 8-16 KB), waits until it has read the slab and hands it back (a second named
-    barrier); after dK's and dV's stores a 0 word ends its walk (under bwd_pingpong one set of slabs, each the whole
-    64 x D tile, warpgroup 1 adding its partial to warpgroup 0's there, served by the producer's warp 0). dq32 is then
-    kept in the slabs' order, padded to whole q tiles (`dq_acc_rows`, `dq_ws_chunk`): the Delta kernel zeroes it and
-    the conversion kernel reads it so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`:
-    24 / 240 at two consumer warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
+    barrier); after dK's and dV's stores a 0 word ends its walk (under dq_split "k", bwd_pingpong's, each
+    warpgroup's slab is the whole 64 x D tile, and both are added into the same words). dq32 is then kept in the slabs' order, padded to
+    whole q tiles (`dq_acc_rows`, `dq_ws_chunk`): the Delta kernel zeroes it and the conversion kernel reads it
+    so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`: 24 / 240 at two consumer
+    warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
     backward (probe_bwd `nored` 0.638 of its time, H200) and in lockstep nobody else had work; issued by the
     consumers themselves as bulk reductions (`dq_bulk`) they stayed in the tile's critical path (FlashAttention-3's
     split, benchmarks/NOTES.md "A plan for the backward against cuDNN"). Measured (H200, probe_bwd.py, 7-9 rounds,
@@ -314,8 +313,7 @@ def ws_loads(spec: FA2BackwardSpec) -> bool:
 
 WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
 _AUTO_KNOBS = ("dq_ws", "ws_loads")  # True, False or "auto" (the others: True or False)
-# the knobs dq_ws() turns it off for
-_DQ_WS_REFUSES = "dq_split 'k' (but under bwd_pingpong), dq_bulk, dq_late or bwd_persistent"
+_DQ_WS_REFUSES = "dq_split 'k' (but under bwd_pingpong), dq_bulk, dq_late or bwd_persistent"  # the knobs dq_ws() turns it off for
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
 DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
 
@@ -324,14 +322,8 @@ def dq_ws_slabs(spec: FA2BackwardSpec) -> int:
     """dq_ws's slabs a consumer warpgroup (spec.extra["dq_ws_slabs"], 1 or 2; default 2): with two, the warpgroup
     writes tile t + 1's dQ while the copy engine still reads tile t's. Asked, it turns dq_ws's "auto" on (as
     ws_loads True does); with dq_ws False or a knob dq_ws cannot run with, validate_spec refuses it. Under
-    bwd_pingpong they are one set (64 x D f32 each) that both warpgroups add into (`_slab_sets`)."""
-    return int(spec.extra.get("dq_ws_slabs", 2))
-
-
-def _slab_sets(spec: FA2BackwardSpec) -> int:
-    """dq_ws's sets of slabs (and producer warps that serve them): one a consumer warpgroup; one under bwd_pingpong,
-    whose warpgroups add their partials of a tile into the same slab."""
-    return 1 if bwd_pingpong(spec) else spec.block_k // 64
+    bwd_pingpong (64 x D slabs) the default is 1 at D = 128, where two a warpgroup exceed the shared memory."""
+    return int(spec.extra.get("dq_ws_slabs", 1 if bwd_pingpong(spec) and spec.head_dim > 64 else 2))
 
 
 def _dq_ws_slab_bytes(spec: FA2BackwardSpec) -> int:
@@ -347,7 +339,7 @@ def dq_ws_chunk(spec: FA2BackwardSpec) -> list[str]:
     """The device function `dqws_rc(p)`: the (row, column) in its q tile of 16-byte chunk p of a tile's slabs (the
     chunk holds rows r and r + 8 at columns col and col + 1, in that order). A q tile's block_q x D f32 are its
     consumer warpgroups' slabs one after another (warpgroup w = its row group + RG x its column split, as the kernel
-    numbers them; under bwd_pingpong one slab, both warpgroups' partials summed in it), each as the
+    numbers them; under dq_split "k", bwd_pingpong's, one slab, every warpgroup's added into it), each as the
     warpgroup's threads wrote it: [n8 tile][thread][4], a thread's 4 in wgmma's
     accumulator order (rows g, g + 8; columns 2t, 2t + 1)."""
     D, BQ = spec.head_dim, spec.block_q
@@ -906,7 +898,7 @@ def _layout(spec: FA2BackwardSpec) -> dict[str, int]:
         lay["total"] = lay["DQ"] + (consumer_threads(spec) // 32) * 16 * _dq_stage_pitch(spec)
     if dq_ws(spec):  # each consumer warpgroup's slab of dQ (64 x D / cs f32), then a word each: the slab's tile
         lay["DQW"] = lay["total"]
-        lay["DQSLOT"] = lay["DQW"] + _slab_sets(spec) * dq_ws_slabs(spec) * _dq_ws_slab_bytes(spec)
+        lay["DQSLOT"] = lay["DQW"] + (spec.block_k // 64) * dq_ws_slabs(spec) * _dq_ws_slab_bytes(spec)
         lay["total"] = lay["DQSLOT"] + 16
         if ws_loads(spec):  # the two buffers' mbarriers, then the request: its (1 + q head, or 0: none), its q0
             lay["MBAR"] = lay["total"]
@@ -1200,16 +1192,14 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"SETMAXNREG_INC = setmaxnreg_inc({DQ_WS_REGS[1]})")
     if WS:
         NS = dq_ws_slabs(spec)
-        SW = _slab_sets(spec)
         c(f"DQ_FULL = {DQ_WS_BAR + 1}  # dq_ws's named barriers: DQ_FULL + {NS} w + s, warpgroup w's slab s written;")
-        c(f"DQ_FREE = {DQ_WS_BAR + 1 + SW * NS}  # DQ_FREE + {NS} w + s, read")
+        c(f"DQ_FREE = {DQ_WS_BAR + 1 + NWG * NS}  # DQ_FREE + {NS} w + s, read")
         if WSL:
-            c(f"LD_REQ = {DQ_WS_BAR + 1 + 2 * SW * NS}  # ws_loads: the next tile's request to the loader warps")
+            c(f"LD_REQ = {DQ_WS_BAR + 1 + 2 * NWG * NS}  # ws_loads: the next tile's request to the loader warps")
         if PP:
-            pp0 = DQ_WS_BAR + 2 + 2 * SW * NS
-            c(f"PP_WG = {pp0}  # bwd_pingpong: PP_WG + w, warpgroup w's own barrier (128)")
-            c(f"PP_TURN = {pp0 + NWG}  # PP_TURN + w: the other warpgroup issued its S^T, dP^T: w's turn")
-            c(f"DQ_HALF = {pp0 + 2 * NWG}  # DQ_HALF + s: warpgroup 0's dQ partial is in slab s")
+            c(f"PP_WG = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # bwd_pingpong: PP_WG + w, warpgroup w's own barrier (128)")
+            c(f"PP_TURN = {DQ_WS_BAR + 2 + 2 * NWG * NS + NWG}  # PP_TURN + w: the other warpgroup issued its S^T, "
+              "dP^T: w's turn")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
@@ -1763,7 +1753,7 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         if NWG > 1:
             c("SETMAXNREG_DEC()")
         c(f"pw = warp - {consumer_threads(spec) // 32}")
-        c(f"if pw < {_slab_sets(spec)}:")
+        c(f"if pw < {NWG}:")
         with c.indent():
             c(f"pw_slab = sb + {lay['DQW']} + pw * {NS * SLAB}")
             c(f"pw_word = ((sbr + {lay['DQSLOT']}) >> 2) + pw * {NS}")
@@ -1859,9 +1849,6 @@ def _emit_dq_handoff(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[
     end (None) it also waits for the other slab's last hand-back, which the producer gives once more than the
     warpgroup waited for it. `part` (k, n): the fragment in dqa is column part k of n (bwd_pingpong's dQ halves at
     D = 128): the first part waits for the slab, the last one tells the producer."""
-    if bwd_pingpong(spec):
-        _emit_dq_handoff_pp(c, spec, lay, tile, part)
-        return
     D, NS = spec.head_dim, dq_ws_slabs(spec)
     DC = D // _col_splits(spec)
     SLAB = _dq_ws_slab_bytes(spec)
@@ -1891,59 +1878,6 @@ def _emit_dq_handoff(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[
             c("dqs ^= 1")
         else:
             c(f"bar_sync(DQ_FREE + wg * {NS} + (dqs ^ 1), 160)  # the other slab's last hand-back")
-
-
-def _emit_dq_handoff_pp(c: _Code, spec: FA2BackwardSpec, lay: dict, tile: Optional[str],
-                        part: tuple[int, int] = (0, 1)) -> None:
-    """bwd_pingpong's dq_ws hand-off: both warpgroups' dQ partials of a tile (each 64 x D, its own kv rows) summed into
-    one slab, so the producer reduces a tile's bytes once (twice them, one slab a warpgroup, would double dQ's L2
-    reductions). Warpgroup 0, once slab dqs is free (DQ_FREE), stores its fragment there as the registers lie and
-    arrives on DQ_HALF; warpgroup 1 waits on DQ_HALF, adds its fragment to what it reads there (its partial after
-    warpgroup 0's: a fixed order), writes the tile's word, fences for the async proxy and tells the producer's warp 0
-    (DQ_FULL). `tile` None: the end (warpgroup 1 writes the 0 word; warpgroup 0 also waits for the other slab's last
-    hand-back). `part` as _emit_dq_handoff's (dQ's column halves at D = 128): warpgroup 0 arrives after its last
-    part, so warpgroup 1's first part waits for every one."""
-    NS, SLAB = dq_ws_slabs(spec), _dq_ws_slab_bytes(spec)
-    k, n = part
-    N8 = spec.head_dim // 8 // n  # n8 tiles of a part
-    c("if wg == 0:  # bwd_pingpong: warpgroup 0 stores its partial, warpgroup 1 adds its own to it")
-    with c.indent():
-        if k == 0:
-            c(f"bar_sync(DQ_FREE + dqs, 160)  # the producer's warp has read slab dqs")
-            if tile is not None:
-                c("# its dQ fragment as its registers lie: n8 tile dn's 4 floats of thread t at 2048 dn + 16 t")
-                c(f"dqw_t = sb + {lay['DQW']} + dqs * {SLAB} + (tid & 127) * 16")
-        if tile is not None:
-            for j in range(N8):
-                dn, o = k * N8 + j, f"ofs_{j * 4}"
-                c(f"sts_v4_f32(dqw_t + {dn * 2048}, lget(dqa, {o}), lget(dqa, {o} + 1), lget(dqa, {o} + 2), "
-                  f"lget(dqa, {o} + 3))")
-        if k == n - 1:
-            c(f"bar_arrive(DQ_HALF + dqs, {consumer_threads(spec)})  # warpgroup 0's partial is in")
-            if tile is None and NS > 1:
-                c("bar_sync(DQ_FREE + (dqs ^ 1), 160)  # the other slab's last hand-back")
-    c("else:")
-    with c.indent():
-        if k == 0:
-            c(f"bar_sync(DQ_HALF + dqs, {consumer_threads(spec)})  # warpgroup 0's partial is in slab dqs")
-            if tile is not None:
-                c(f"dqw_u = sb + {lay['DQW']} + dqs * {SLAB} + (tid & 127) * 16")
-                c(f"dqw_f = (sbr + {lay['DQW']} + dqs * {SLAB} + (tid & 127) * 16) >> 2  # ... as f32 words")
-        if tile is not None:
-            for j in range(N8):
-                dn, o = k * N8 + j, f"ofs_{j * 4}"
-                c(f"sts_v4_f32(dqw_u + {dn * 2048}, " + ", ".join(
-                    f"smem_f[dqw_f + {dn * 512 + e}] + lget(dqa, {o}{f' + {e}' if e else ''})" for e in range(4))
-                  + ")")
-        if k == n - 1:
-            c("if (tid & 127) == 0:")
-            with c.indent():
-                c(f"smem_w[((sbr + {lay['DQSLOT']}) >> 2) + dqs] = {tile if tile is not None else 0}")
-            if tile is not None:
-                c("fence_proxy_async()  # the slab visible to the copy engine")
-            c("bar_arrive(DQ_FULL + dqs, 160)")
-    if k == n - 1 and NS > 1 and tile is not None:
-        c("dqs ^= 1")
 
 
 def _emit_thread_indices(c: _Code, per_item: bool) -> None:
