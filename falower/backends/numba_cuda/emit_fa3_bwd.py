@@ -196,7 +196,7 @@ def dq_split(spec: FA2BackwardSpec) -> str:
 
 
 def bwd_pingpong(spec: FA2BackwardSpec) -> bool:
-    """The two consumer warpgroups out of lockstep (spec.extra["bwd_pingpong"] True; default False, not yet measured):
+    """The two consumer warpgroups out of lockstep (spec.extra["bwd_pingpong"] True; default False, measured slower):
     no barrier a tile between them, and their S^T / dP^T GEMMs issued in turns, so one warpgroup's elementwise step,
     stores and hand-off run under the other's GEMMs (FlashAttention-3's forward ping-pong). What it takes:
     dq_split "k" (each warpgroup's dQ partial from its own 64 kv rows of dS^T and K, every column: no warpgroup
@@ -216,7 +216,12 @@ def bwd_pingpong(spec: FA2BackwardSpec) -> bool:
     dK in the other Q / dO buffer, which the other warpgroup may still read: dkdv_store_auto then picks TMA or row
     copies).
     Why: at D = 64 a tile's tensor-core work is ~1280 of 3961 cycles, and in lockstep both warpgroups wait through
-    the same barrier, elementwise step, hand-off and loop top (benchmarks/NOTES.md, sixty-first session)."""
+    the same barrier, elementwise step, hand-off and loop top (benchmarks/NOTES.md, sixty-first session).
+    Measured (H200, 2026-12-03, probe_bwd.py `pp`, 300 pairs of whole backward calls, N = 4096): 1.084 / 1.024 of the
+    default's time at D = 64 (plain / causal), 1.086 / 1.027 at D = 128. A second form, both partials summed in one
+    slab (warpgroup 1 adding its own after warpgroup 0's store, the reductions' bytes as under dq_split "n"), read
+    1.157 / 1.142 and 1.329 / 1.277: warpgroup 1's wait for warpgroup 0's partial put the two back in step (its
+    "reductions" phase 815 cycles a tile against ~424), so this form stays (benchmarks/NOTES.md, seventieth session)."""
     return spec.extra.get("bwd_pingpong", False) is True and uses_wgmma(spec)
 
 
