@@ -268,8 +268,8 @@ def dq_ws(spec: FA2BackwardSpec) -> bool:
     the consumers' warps) adds consumer warpgroup w's slab into dQ's f32 accumulator by one bulk reduction
     (cp.reduce.async.bulk .add.f32, 8-16 KB), waits until it has read the slab and hands it back (a second named
     barrier); after dK's and dV's stores a 0 word ends its walk (under dq_split "k", bwd_pingpong's, each
-    warpgroup's slab is the whole 64 x D tile, and both are added into the same words). dq32 is then kept in the slabs' order, padded to
-    whole q tiles (`dq_acc_rows`, `dq_ws_chunk`): the Delta kernel zeroes it and the conversion kernel reads it
+    warpgroup's slab is the whole 64 x D tile, and both are added into the same words). dq32 is then kept in the
+    slabs' order, padded to whole q tiles (`dq_acc_rows`, `dq_ws_chunk`): the Delta kernel zeroes it and the conversion kernel reads it
     so. The producer warpgroup gives its registers to the consumers (`setmaxnreg`: 24 / 240 at two consumer
     warpgroups, from the launch's 168). Why: the consumers' 8 vector reductions a tile were 36% of the plain D = 128
     backward (probe_bwd `nored` 0.638 of its time, H200) and in lockstep nobody else had work; issued by the
