@@ -154,6 +154,10 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "nodsscale": ("dS's softmax scale (dK and dQ off by it: timing only)",
                   [(r"^([ \t]+)(v\d+) = \((v\d+) \* np\.float32\([-0-9.e]+\)\)\n(\1return \w+, \2)$",
                     r"\1\2 = \3\n\4")]),
+    # the LSE's guard for fully masked rows (`0 if lse == -inf else lse * log2 e`): FMUL, FSETP, FSEL a column a tile
+    # in the element code, on a value of the q row alone, which the loaders could store once a row instead
+    "nolseguard": ("the LSE's -inf guard in the element code (a fully masked row's P then NaN: timing only)",
+                   [(r"= \(lse == np\.float32\(-np\.inf\)\)", "= False")]),
     # a captured table's cost in the elementwise code (the bias table's backward)
     "nogred": ("the table gradient's 16-byte reductions (emit_fa3_bwd.v4_grads; wrong gradient: timing only)",
                [(r"\bif (gq\w*) < M and", r"if \1 < -1 and")]),
