@@ -1626,10 +1626,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("w_kt = desc_word(HI_KV, kt_wl)")
                 for hh in range(DQH):
                     c(f"FENCE_Q(dqa, 0)  # columns {hh * DQN} .. {hh * DQN + DQN - 1}")
-                    for kk in range(KQ):
-                        kt = kk * 128 + hh * DQN // 64 * BK * 8  # K's 64-column block: BK * 128 bytes on
-                        c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kt}), {int(kk > 0)})")
-                    c("wgmma_commit()")
+                    _emit_dq_gemm(c, KQ, hh * DQN // 64 * BK * 8)  # K's 64-column block: BK * 128 bytes on
                     c("WAIT_Q(dqa, 0)" + ("  # (dV and dK's wgmmas are done too: one wait for every group)" if hh == 0
                                           else ""))
                     _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1", (hh, DQH))
@@ -1640,9 +1637,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("FENCE_Q(dqa, 0)")
                 c("w_ds = desc_word(HI_KV, ds_wl)")
                 c("w_kt = desc_word(HI_KV, kt_wl)")
-                for kk in range(KQ):
-                    c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128}), {int(kk > 0)})")
-                c("wgmma_commit()")
+                _emit_dq_gemm(c, KQ)
                 if AHEAD == "dq":
                     issue_ahead()
                 if INTILE:
@@ -2100,6 +2095,15 @@ def _emit_dq_bulk(c: _Code, DC: int, D: int, DQO: int, PITCH: int) -> None:
     c("# tile's first GEMMs are under way, so that its issue loop is off the tile's critical path")
     c("ql = q0 + rgw * 64 + (warp & 3) * 16 + lane")
     c(f"dqg = elem_addr(dq32, ((q_head + ql) * {D} + csw * {DC},)) if lane < 16 and ql < M else np.uint64(0)")
+
+
+def _emit_dq_gemm(c: _Code, kq: int, kt0: int = 0) -> None:
+    """dQ = dS K's `kq` k steps (k step kk reads kv rows 16 kk .. + 15 of dS^T and K, 2048 bytes on) and their
+    commit; `kt0`: K's columns' offset in the descriptor's 16-byte units (bwd_pingpong's second column half at
+    D = 128)."""
+    for kk in range(kq):
+        c(f"WG_Q(dqa, 0, desc_at(HI_KV, w_ds + {kk * 128}), desc_at(HI_KV, w_kt + {kk * 128 + kt0}), {int(kk > 0)})")
+    c("wgmma_commit()")
 
 
 def _emit_dq_late_issue(c: _Code, n8: int) -> None:
