@@ -153,16 +153,13 @@ CASES = {
     # q tiles, M != N)
     "alibi_gqa-f16-d64-65x63-2wg-pp": ("alibi_gqa", "f16", 1, 4, 2, 65, 63, 64, 64, 128,
                                        {"dq_ws": "auto", "bwd_pingpong": True}),
-    # ... with one whole warpgroup slowed (SLOW_WARPGROUP): the other runs ahead of it through the loads it requests,
-    # its slabs and its turns (the simulator's threads otherwise run close to lockstep)
-    "plain-f16-d64-150x140-2wg-pp-slowwg0": ("plain", "f16", 1, 1, 1, 150, 140, 64, 64, 128,
-                                             {"dq_ws": "auto", "bwd_pingpong": True}),
-    "causal-bf16-d128-200x70-2wg-pp-slowwg1": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
-                                               {"dq_ws": "auto", "bwd_pingpong": True}),
 }
 # case -> (warpgroup, seconds): each of that warpgroup's emulated shared-memory operand reads (wgmma's, ldmatrix's)
-# sleeps first, in the case's own call only
+# sleeps first, in the case's own call only. Each is a bwd_pingpong case above run again with one whole warpgroup
+# slowed: the other runs ahead of it through the loads it requests, its slabs and its turns (the simulator's threads
+# otherwise run close to lockstep)
 SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01), "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01)}
+CASES.update({case: CASES[case.rsplit("-slowwg", 1)[0]] for case in SLOW_WARPGROUP})
 # cases whose dK and dV must be bitwise those of the same kernel with these spec.extra changes, and dQ within the
 # error rule's tolerance of its dQ (run_case runs both)
 DKDV_AS_DEFAULT = {k: {"bwd_pingpong": False} for k in CASES if "-pp" in k}
