@@ -137,7 +137,8 @@ def test_a_score_value_read_by_ds_is_refused(extra):
 def test_split_refuses_text_of_another_form():
     spec = _spec("plain")
     assert split_elem(spec.device_source, "missing") is None
-    odd = spec.device_source.replace("    return ", "    x = 1\n    return ", 1)
+    at = spec.device_source.index(f"def elem_{spec.branches[0]}(")  # its own return, not lse_row_fn's
+    odd = spec.device_source[:at] + spec.device_source[at:].replace("    return ", "    x = 1\n    return ", 1)
     assert split_elem(odd, spec.branches[0]) is None
 
 

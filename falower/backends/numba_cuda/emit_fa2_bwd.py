@@ -251,6 +251,13 @@ def _emit_next(c: _Code, spec: FA2BackwardSpec, cur: str, out: str) -> None:
             c(f"{out} += 1")
 
 
+def lse_read(spec: FA2BackwardSpec, load: str) -> str:
+    """The kernels' read of a row's LSE, `load`, as the element functions take it: through the variant's
+    lse_row_fn (from_ir_bwd._lse_row_fn: the guarded LSE times log2(e), once a row where it is read, not in every
+    element) where device_source has one, else the LSE itself."""
+    return f"lse_row_fn({load})" if "def lse_row_fn(" in spec.device_source else load
+
+
 def _elem_call(spec: FA2BackwardSpec, branch: str, s: str, dp: str, lse: str, delta: str, q: str, kv: str,
                outs: list[str], interior: str = "interior", given: tuple[str, ...] = ()) -> str:
     """One element's elem_<branch> call, or with `given` (its grid reads' values) elemg_<branch>'s."""
@@ -615,7 +622,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             c(f"if tid < {BQ}:")
             with c.indent():
                 c("qq = q0 + tid")
-                c(f"smem_f[{STF} + tid] = lse[qh + qq] if qq < M else ZERO")
+                c(f"smem_f[{STF} + tid] = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
                 c(f"smem_f[{STF + 2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
         c("cp_async_commit()")
         c()
@@ -652,7 +659,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"if tid < {BQ}:")
                 with c.indent():
                     c("qq = qn0 + tid")
-                    c("nl = lse[qh + qq] if qq < M else ZERO")
+                    c(f"nl = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
                     c("nd = delta[qh + qq] if qq < M else ZERO")
             c("cp_async_commit()")
             head_and_tile("it", "h", "q0")
@@ -857,7 +864,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"for e in range(tid, {QC}, {BK}):")
                     with c.indent():
                         c("row = min(q0 + c0 + e, M - 1)")
-                        c("st_s[0, e] = lse[q_head + row]")
+                        c(f"st_s[0, e] = {lse_read(spec, 'lse[q_head + row]')}")
                         c("st_s[1, e] = delta[q_head + row]")
                     c("cuda.syncthreads()")
                     c(f"for r in range({QC}):")
@@ -1256,7 +1263,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         c("cp_async_commit()")
         for r in range(2):
             c(f"qr{r} = q0 + warp * 16 + {8 * r} + g")
-            c(f"lse{r} = lse[q_head + qr{r}] if qr{r} < M else ZERO")
+            c(f"lse{r} = {lse_read(spec, f'lse[q_head + qr{r}]')} if qr{r} < M else ZERO")
             c(f"dlt{r} = delta[q_head + qr{r}] if qr{r} < M else ZERO")
         c("# dQ of rows g and g + 8 of this warp's 16 q rows over every kv tile; S, dP per tile")
         c(f"dqacc = cuda.local.array({ND * 4}, np.float32)")
@@ -1350,7 +1357,7 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
             c(f"q_r[d] = {load.format('q[qg + qc * q_sm + d]')}")
             c(f"do_r[d] = {load.format('do[dog + qc * do_sm + d]')}")
             c("dq_r[d] = ZERO")
-        c("lq = lse[q_head + qc]")
+        c(f"lq = {lse_read(spec, 'lse[q_head + qc]')}")
         c("dl = delta[q_head + qc]")
         c("j = kv_first")
         c("while j <= kv_last:")

@@ -88,6 +88,7 @@ from .emit_fa2_bwd import (
     _store_pairs_helper,
     emit_by_class,
     held_grads,
+    lse_read,
 )
 from .emit_fa3 import (
     ALIGN,
@@ -966,7 +967,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         if clash:
             raise ValueError(f"wgmma backward: sdp_ahead issues the next tile's S^T and dP^T itself: not with "
                              f"{clash[0]}")
-    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist"):
+    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist", "row_lse"):
         if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if bwd_pingpong(spec):
@@ -1288,7 +1289,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"if tid < {BQ}:")
             with c.indent():
                 c(f"qq = qc * {BQ} + tid")
-                c(f"smem_f[((sbr + {STO}) >> 2) + tid] = lse[qh + qq] if qq < M else ZERO")
+                c(f"smem_f[((sbr + {STO}) >> 2) + tid] = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
                 c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
         c("cp_async_commit()")
         c()
@@ -1439,7 +1440,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     c(f"if tid < {BQ}:")
                     with c.indent():
                         c(f"qq = qn * {BQ} + tid")
-                        c("nl = lse[qh + qq] if qq < M else ZERO")
+                        c(f"nl = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
                         c("nd = delta[qh + qq] if qq < M else ZERO")
                 c("cp_async_commit()")
             _emit_grid_prefetch(c, spec, RV[spec.branches[0]], _more(spec, "hn", "qn"),
@@ -1835,7 +1836,7 @@ def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         for i in range(BQ // WS_LOADERS):
             lr = f"ltid + {i * WS_LOADERS}" if i else "ltid"
             c(f"qq = lq0 + {lr}")
-            c(f"smem_f[((sbr + {STO}) >> 2) + lb * {BQ} + {lr}] = lse[qh + qq] if qq < M else ZERO")
+            c(f"smem_f[((sbr + {STO}) >> 2) + lb * {BQ} + {lr}] = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
             c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + lb * {BQ} + {lr}] = delta[qh + qq] if qq < M else ZERO")
         c(f"mbar_arrive(sb + {lay['MBAR']} + lb * 8)")
         c("lb ^= 1")

@@ -705,17 +705,81 @@ def _late_distances(e: "_ElementEmitter") -> None:
             e.names[v] = e.line(f"np.float32(np.int32({a})) - np.float32(np.int32({b}))")
 
 
+def _row_lse(br: _Branch, outs: Sequence[Value]) -> Optional[Value]:
+    """The one value of the branch's element code that the LSE alone makes (with constants), where the rest reads
+    the LSE only through it: FlashAttention's guarded row statistic, `0 if lse == -inf else lse`. None where there
+    are none or several (the element code then reads the LSE as it is)."""
+    only: dict[Value, Optional[bool]] = {}  # True: made of the LSE and constants; None: constants alone
+
+    def of(v: Value) -> Optional[bool]:
+        if v in only:
+            return only[v]
+        op = v.owner
+        if v is br.lse:
+            r: Optional[bool] = True
+        elif not isinstance(op, Op) or op.name in ("tile.load", "tile.matmul", "tile.iota") or op.regions:
+            r = False
+        elif op.name == "const":
+            r = None
+        else:
+            rs = [of(o) for o in op.operands]
+            r = False if False in rs or not rs else (True if True in rs else None)
+        only[v] = r
+        return r
+
+    seen: set[Value] = set()
+    top: list[Value] = []
+    stack = list(outs)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        op = v.owner
+        if of(v):
+            if v not in top:
+                top.append(v)
+            continue
+        if isinstance(op, Op) and v not in (br.s, br.dp, br.delta):
+            stack.extend(op.operands)
+    return top[0] if len(top) == 1 and top[0] is not br.lse and top[0].type.dtype == "f32" else None
+
+
+def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Optional[list[str]]:
+    """lse_row_fn(lse): the branch's guarded row statistic times log2(e) (`_row_lse`, `_ElementEmitter.log2e`), the
+    part of the exponential's argument that depends on the q row alone, which the kernels compute once a row where
+    they read the LSE (the loader warps' stores into shared memory) instead of in every element: a FMUL, FSETP
+    and FSEL a column and tile (48 + 16 of the D = 64 backward's ~233 instructions a thread and tile; benchmarks/
+    NOTES.md, seventy-first session). None where the branch has no such value."""
+    w = _row_lse(br, [br.p, br.ds])
+    if w is None:
+        return None
+    e = _ElementEmitter(env, {br.lse: "lse"})
+    e.value(w)  # the select's condition named first, as the element code has it
+    r = e.log2e(w)
+    return ["def lse_row_fn(lse):", *_live_lines(e.lines, r), f"    return {r}"]
+
+
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
-             tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False, given: bool = False) -> list[str]:
+             tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False, given: bool = False,
+             row_lse: bool = False) -> Optional[list[str]]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
     (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e; `grad_dist`:
     `_late_distances` before the contributions; `given`: elemg_<branch>, the branch's grid reads (`_grid_reads`)
-    taken as parameters tv0, tv1, ... instead of gathered."""
+    taken as parameters tv0, tv1, ... instead of gathered; `row_lse`: its `lse` parameter is lse_row_fn's value
+    (`_lse_row_fn`), not the LSE; None where the code would still read the LSE itself."""
     names = _elem_names(low, br, dq_nest)
     reads = low.grid_reads.get(br.name, []) if given else []
     names.update({op.results[0]: f"tv{j}" for j, op in enumerate(reads)})
+    if row_lse:
+        names[br.lse] = "lse_unrowed"  # must not be read: checked below
     e = _ElementEmitter(env, names, exp_fold)
     e.tanh_ex2 = tanh_ex2
+    w = _row_lse(br, [br.ds] if dq_nest else [br.p, br.ds]) if row_lse else None
+    if row_lse:
+        if w is None:
+            return None
+        e.log2e_names[(w, None)] = "lse"
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     if grad_dist and not dq_nest:
         _late_distances(e)
@@ -727,6 +791,8 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
     tvs = "".join(f", tv{j}" for j in range(len(reads)))
     lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{tvs}{sig}):"]
     lines += _live_lines(e.lines, res)
+    if row_lse and any(re.search(r"\blse_unrowed\b", ln) for ln in lines):
+        return None
     lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
     return lines
 
@@ -785,10 +851,38 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
     return [f"def {name}(b, h, q, kv{sig}):"] + _live_lines(e.lines, e.name(res)) + [f"    return {e.name(res)}"]
 
 
+def _elem_fns(low: BackwardLowered, env: Mapping[str, int], sig: str, tanh_ex2: bool, exp_fold: bool,
+              grad_dist: bool, row_lse: bool) -> list[str]:
+    """Every branch's element functions (and grid reads' lead functions); with `row_lse`, lse_row_fn first and
+    the element functions reading its value, where every branch of both nests has the same one (else none does:
+    the kernels pass what lse_row_fn returns to all of them)."""
+    rows = [_lse_row_fn(low, br, env) for br in (*low.branches, *low.q_branches)] if row_lse and exp_fold else [None]
+    hoist = rows[0] is not None and all(r == rows[0] for r in rows)
+    out: list[str] = (rows[0] or []) + [""] if hoist else []
+    for br in low.branches:
+        fns = [_elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist, row_lse=hoist)]
+        if low.grid_reads.get(br.name):
+            fns.append(_elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist,
+                                given=True, row_lse=hoist))
+            for j, op in enumerate(low.grid_reads[br.name]):
+                fns.append(_grid_lead_fn(low, br, env, sig, j, op))
+        for fn in fns:
+            if fn is None:
+                return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False)
+            out += fn + [""]
+    for br in low.q_branches:
+        fn = _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2, exp_fold=exp_fold, row_lse=hoist)
+        if fn is None:
+            return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False)
+        out += fn + [""]
+    return out
+
+
 def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False, exp_fold: bool = True,
-                  grad_dist: bool = False) -> tuple[str, list[str]]:
+                  grad_dist: bool = False, row_lse: bool = True) -> tuple[str, list[str]]:
     """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>). `tanh_ex2`:
-    from_ir.tanh_by_ex2; `grad_dist`: _late_distances."""
+    from_ir.tanh_by_ex2; `grad_dist`: _late_distances; `row_lse`: lse_row_fn where the branches allow it
+    (`_elem_fns`), which the kernels then apply to the LSE where they read it."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
     sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
     for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
@@ -796,16 +890,7 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
         sig += f", {cap_names[v]}"
     if low.block_mask == "list":  # the block lists, last (the spec's derived captures' order)
         sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
-    out: list[str] = []
-    for br in low.branches:
-        out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist) + [""]
-        if low.grid_reads.get(br.name):
-            out += _elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist,
-                            given=True) + [""]
-            for j, op in enumerate(low.grid_reads[br.name]):
-                out += _grid_lead_fn(low, br, env, sig, j, op) + [""]
-    for br in low.q_branches:
-        out += _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2, exp_fold=exp_fold) + [""]
+    out = _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, row_lse)
     for i, v in enumerate(low.grad_index):
         if v is not None:
             out += _grad_index_fn(low, low.branches[0], env, sig, i, v) + [""]
@@ -835,7 +920,8 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
     if low.block_mask == "list" and (extra or {}).get("bwd_block_list") is False:
         low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
     src, dims = device_source(low, env, tanh_by_ex2(path, extra), (extra or {}).get("exp_fold", True) is not False,
-                              (extra or {}).get("grad_dist", False) is True)
+                              (extra or {}).get("grad_dist", False) is True,
+                              (extra or {}).get("row_lse", True) is not False)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
