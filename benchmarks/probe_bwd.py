@@ -102,6 +102,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "sdpt": ({"sdp_ahead": "top"}, "the next tile's S^T and dP^T issued after dQ's hand-off (sdp_ahead 'top')"),
     "pp": ({"bwd_pingpong": True}, "the two consumer warpgroups out of lockstep: dQ by each one's own kv rows and slab, "
            "per-warpgroup barriers, S^T / dP^T issued in turns (bwd_pingpong)"),
+    "norowdelta": ({"row_delta": False}, "dS as P (dP - Delta) c in every element, as before the seventy-first "
+                   "session (row_delta False; the default folds c into fma(dP, c, -Delta c), -Delta c once a row)"),
     "norowlse": ({"row_lse": False}, "the LSE's guard and log2(e) in every element, as before the seventy-first "
                  "session (row_lse False; the default applies lse_row_fn once a row where the LSE is read)"),
     "gdist": ({"grad_dist": True}, "the slope gradient's distances recomputed as float(kv) - float(q) (grad_dist)"),
@@ -146,16 +148,9 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
                "64-bit trip count spilled at the loaders' 24 registers; at block_q 128 the first row only)",
                [(r"^([ \t]*)qq = lq0 \+ ltid\n\1(smem_f\[.*)\bltid\] = (lse.*)\n\1(smem_f\[.*)\bltid\] = (delta.*)\n",
                  r"\1for lr in range(ltid, 64, 64):\n\1    qq = lq0 + lr\n\1    \2lr] = \3\n\1    \4lr] = \5\n")]),
-    # dS's softmax scale c (P (dP - Delta) c, the elementwise code's last product where nothing else reads P (dP -
-    # Delta)): its cheaper form, and its floor (the scale taken out of the tile, as an IR rewrite moving it past the
-    # GEMMs into dK's epilogue and dQ's conversion would)
-    "dsfma": ("nothing: dS as P fma(dP, c, -Delta c), one FMUL an element fewer (the same numbers to rounding)",
-              [(r"^([ \t]+)(v\d+) = \(dp - delta\)\n\1(v\d+) = \((v\d+) \* \2\)\n\1(v\d+) = \(\3 \* "
-                r"(np\.float32\([-0-9.e]+\))\)\n(\1return \w+, \5)$",
-                r"\1\5 = (\4 * cuda.fma(dp, \6, -(delta * \6)))\n\7")]),
-    "nodsscale": ("dS's softmax scale (dK and dQ off by it: timing only)",
-                  [(r"^([ \t]+)(v\d+) = \((v\d+) \* np\.float32\([-0-9.e]+\)\)\n(\1return \w+, \2)$",
-                    r"\1\2 = \3\n\4")]),
+    # dS's softmax scale c: the forty-first session's `dsfma` (dS as P fma(dP, c, -Delta c), measured 1.016 at D = 128
+    # with -Delta c a column) and `nodsscale` (its floor: 0.980 at D = 64 in the seventy-first session) are gone:
+    # the default now folds c so (from_ir_bwd._scaled_difference, -Delta c once a row), `norowdelta` times the old form
     # the LSE's guard for fully masked rows (`0 if lse == -inf else lse * log2 e`): FMUL, FSETP, FSEL a column a tile
     # in the element code under row_lse False (0.987 of its time at D = 64, the seventy-first session), which the
     # default now computes once a row in lse_row_fn (the floor then takes it from there: next to nothing)

@@ -258,6 +258,12 @@ def lse_read(spec: FA2BackwardSpec, load: str) -> str:
     return f"lse_row_fn({load})" if "def lse_row_fn(" in spec.device_source else load
 
 
+def delta_read(spec: FA2BackwardSpec, load: str) -> str:
+    """A row's Delta as the element functions take it: through delta_row_fn (from_ir_bwd._scaled_difference:
+    -Delta c, dS's scale folded into an FMA with dP) where device_source has one, else Delta itself."""
+    return f"delta_row_fn({load})" if "def delta_row_fn(" in spec.device_source else load
+
+
 def _elem_call(spec: FA2BackwardSpec, branch: str, s: str, dp: str, lse: str, delta: str, q: str, kv: str,
                outs: list[str], interior: str = "interior", given: tuple[str, ...] = ()) -> str:
     """One element's elem_<branch> call, or with `given` (its grid reads' values) elemg_<branch>'s."""
@@ -623,7 +629,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c("qq = q0 + tid")
                 c(f"smem_f[{STF} + tid] = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
-                c(f"smem_f[{STF + 2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
+                c(f"smem_f[{STF + 2 * BQ} + tid] = {delta_read(spec, 'delta[qh + qq]')} if qq < M else ZERO")
         c("cp_async_commit()")
         c()
         c("# dK and dV: rows g and g + 8 of this warp's 16 kv rows, in registers over every q tile; S^T, dP^T per tile")
@@ -660,7 +666,7 @@ def _emit_mma_kernel(spec: FA2BackwardSpec) -> str:
                 with c.indent():
                     c("qq = qn0 + tid")
                     c(f"nl = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
-                    c("nd = delta[qh + qq] if qq < M else ZERO")
+                    c(f"nd = {delta_read(spec, 'delta[qh + qq]')} if qq < M else ZERO")
             c("cp_async_commit()")
             head_and_tile("it", "h", "q0")
             c("q_head = (b * H + h) * M")
@@ -865,7 +871,7 @@ def _emit_simt_kernel(spec: FA2BackwardSpec) -> str:
                     with c.indent():
                         c("row = min(q0 + c0 + e, M - 1)")
                         c(f"st_s[0, e] = {lse_read(spec, 'lse[q_head + row]')}")
-                        c("st_s[1, e] = delta[q_head + row]")
+                        c(f"st_s[1, e] = {delta_read(spec, 'delta[q_head + row]')}")
                     c("cuda.syncthreads()")
                     c(f"for r in range({QC}):")
                     with c.indent():
@@ -1264,7 +1270,7 @@ def _emit_dq_mma_kernel(spec: FA2BackwardSpec) -> str:
         for r in range(2):
             c(f"qr{r} = q0 + warp * 16 + {8 * r} + g")
             c(f"lse{r} = {lse_read(spec, f'lse[q_head + qr{r}]')} if qr{r} < M else ZERO")
-            c(f"dlt{r} = delta[q_head + qr{r}] if qr{r} < M else ZERO")
+            c(f"dlt{r} = {delta_read(spec, f'delta[q_head + qr{r}]')} if qr{r} < M else ZERO")
         c("# dQ of rows g and g + 8 of this warp's 16 q rows over every kv tile; S, dP per tile")
         c(f"dqacc = cuda.local.array({ND * 4}, np.float32)")
         c(f"sacc = cuda.local.array({NJ * 4}, np.float32)")
@@ -1358,7 +1364,7 @@ def _emit_dq_simt_kernel(spec: FA2BackwardSpec) -> str:
             c(f"do_r[d] = {load.format('do[dog + qc * do_sm + d]')}")
             c("dq_r[d] = ZERO")
         c(f"lq = {lse_read(spec, 'lse[q_head + qc]')}")
-        c("dl = delta[q_head + qc]")
+        c(f"dl = {delta_read(spec, 'delta[q_head + qc]')}")
         c("j = kv_first")
         c("while j <= kv_last:")
         with c.indent():

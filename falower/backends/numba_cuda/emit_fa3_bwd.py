@@ -87,6 +87,7 @@ from .emit_fa2_bwd import (
     _module,
     _store_pairs_helper,
     emit_by_class,
+    delta_read,
     held_grads,
     lse_read,
 )
@@ -967,7 +968,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         if clash:
             raise ValueError(f"wgmma backward: sdp_ahead issues the next tile's S^T and dP^T itself: not with "
                              f"{clash[0]}")
-    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist", "row_lse"):
+    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist", "row_lse", "row_delta"):
         if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if bwd_pingpong(spec):
@@ -1290,7 +1291,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c(f"qq = qc * {BQ} + tid")
                 c(f"smem_f[((sbr + {STO}) >> 2) + tid] = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
-                c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + tid] = delta[qh + qq] if qq < M else ZERO")
+                c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + tid] = {delta_read(spec, 'delta[qh + qq]')} if qq < M else ZERO")
         c("cp_async_commit()")
         c()
         c("# dK and dV: rows g and g + 8 of this warp's 16 kv rows, in registers over every q tile; S^T, dP^T per")
@@ -1441,7 +1442,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     with c.indent():
                         c(f"qq = qn * {BQ} + tid")
                         c(f"nl = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
-                        c("nd = delta[qh + qq] if qq < M else ZERO")
+                        c(f"nd = {delta_read(spec, 'delta[qh + qq]')} if qq < M else ZERO")
                 c("cp_async_commit()")
             _emit_grid_prefetch(c, spec, RV[spec.branches[0]], _more(spec, "hn", "qn"),
                                 f"hk * {G} + hn" if G > 1 else "hk", f"qn * {BQ}", caps)
@@ -1837,7 +1838,7 @@ def _emit_loader(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
             lr = f"ltid + {i * WS_LOADERS}" if i else "ltid"
             c(f"qq = lq0 + {lr}")
             c(f"smem_f[((sbr + {STO}) >> 2) + lb * {BQ} + {lr}] = {lse_read(spec, 'lse[qh + qq]')} if qq < M else ZERO")
-            c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + lb * {BQ} + {lr}] = delta[qh + qq] if qq < M else ZERO")
+            c(f"smem_f[((sbr + {STO}) >> 2) + {2 * BQ} + lb * {BQ} + {lr}] = {delta_read(spec, 'delta[qh + qq]')} if qq < M else ZERO")
         c(f"mbar_arrive(sb + {lay['MBAR']} + lb * 8)")
         c("lb ^= 1")
 

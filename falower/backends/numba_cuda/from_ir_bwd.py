@@ -31,7 +31,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ...ir.core import Block, Func, Op, Value, backward_slice
+from ...ir.core import Block, Func, Op, Value, backward_slice, uses
 from ...ir.dims import cdiv, dim
 from ...ir.printer import print_func
 from ...ir.types import is_float
@@ -760,19 +760,77 @@ def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Op
     return ["def lse_row_fn(lse):", *_live_lines(e.lines, r), f"    return {r}"]
 
 
+def _scaled_difference(low: BackwardLowered, br: _Branch, env: Mapping[str, int]
+                       ) -> Optional[tuple[Value, Value, float]]:
+    """(y, x, c) where the branch's dS is x c, a constant c (the softmax scale), x is P y (P or any factor) or a
+    select of it with 0, y = dP - Delta, and each of y, P y and x is read by the next alone (so is Delta by y): then
+    dS = P fma(dP, c, -Delta c) [or 0], whose -Delta c is a value of the q row alone (delta_row_fn), one FFMA
+    an element where there were an FADD and two FMULs. None where dS is not of that form (a captured table's
+    gradient reading dP - Delta, a softcap's derivative between, no constant scale)."""
+    use = uses(low.func)
+
+    def only_use(v: Value, op: Op) -> bool:
+        return [u for u in use.get(v, []) if u is not op] == [] and op in use.get(v, [])
+
+    ds = br.ds.owner
+    if not (isinstance(ds, Op) and ds.name in ("mul", "div") and br.ds.type.dtype == "f32"):
+        return None
+    e = _ElementEmitter(env, _elem_names(low, br, br in low.q_branches))
+    for o in ds.operands:
+        e.value(o)
+    x = ds.operands[0] if ds.operands[1] in e.consts else \
+        ds.operands[1] if ds.name == "mul" and ds.operands[0] in e.consts else None
+    if x is None or x in e.consts or not only_use(x, ds):
+        return None
+    e.value(br.ds)
+    base, c = e.factors.get(br.ds, (None, 0.0))
+    if base != e.names[x] or not np.isfinite(c) or c == 0:
+        return None
+    prod = x
+    sel = prod.owner
+    if isinstance(sel, Op) and sel.name == "where" and sel.operands[2] in e.consts \
+            and float(e.consts[sel.operands[2]]) == 0.0 and sel.operands[2] is not sel.operands[1]:
+        prod = sel.operands[1]
+        if not only_use(prod, sel):
+            return None
+    mul = prod.owner
+    if not (isinstance(mul, Op) and mul.name == "mul"):
+        return None
+
+    def is_difference(y: Value) -> bool:
+        sub = y.owner
+        return isinstance(sub, Op) and sub.name == "sub" and sub.operands[0] is br.dp \
+            and sub.operands[1] is br.delta and only_use(y, mul)
+
+    y = next((y for y in mul.operands if is_difference(y)), None)  # its factor P (or anything: (a y) c = a (y c))
+    return None if y is None else (y, x, c)
+
+
+def _delta_row_fn(c: float) -> list[str]:
+    """delta_row_fn(delta): -Delta c, the dS scale's row part (`_scaled_difference`), once a row where a kernel
+    reads Delta."""
+    return ["def delta_row_fn(delta):", f"    return -(delta * np.float32({c!r}))"]
+
+
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
              tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False, given: bool = False,
-             row_lse: bool = False) -> Optional[list[str]]:
+             row_lse: bool = False, row_delta: bool = False) -> Optional[list[str]]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
     (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e; `grad_dist`:
     `_late_distances` before the contributions; `given`: elemg_<branch>, the branch's grid reads (`_grid_reads`)
     taken as parameters tv0, tv1, ... instead of gathered; `row_lse`: its `lse` parameter is lse_row_fn's value
-    (`_lse_row_fn`), not the LSE; None where the code would still read the LSE itself."""
+    (`_lse_row_fn`), not the LSE; `row_delta`: its `delta`, delta_row_fn's (`_scaled_difference`); None where the
+    code would still read the LSE or Delta itself."""
     names = _elem_names(low, br, dq_nest)
     reads = low.grid_reads.get(br.name, []) if given else []
     names.update({op.results[0]: f"tv{j}" for j, op in enumerate(reads)})
     if row_lse:
         names[br.lse] = "lse_unrowed"  # must not be read: checked below
+    found = _scaled_difference(low, br, env) if row_delta else None
+    if row_delta:
+        if found is None:
+            return None
+        names[br.delta] = "delta_unrowed"
     e = _ElementEmitter(env, names, exp_fold)
     e.tanh_ex2 = tanh_ex2
     w = _row_lse(br, [br.ds] if dq_nest else [br.p, br.ds]) if row_lse else None
@@ -780,6 +838,10 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
         if w is None:
             return None
         e.log2e_names[(w, None)] = "lse"
+    if found is not None:
+        y, x, c = found
+        e.names[y] = e.line(f"cuda.fma(dp, np.float32({c!r}), delta)")  # (dP - Delta) c
+        e.names[br.ds] = e.value(x)  # P (dP - Delta) c [or 0]: the scale already in
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     if grad_dist and not dq_nest:
         _late_distances(e)
@@ -791,7 +853,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
     tvs = "".join(f", tv{j}" for j in range(len(reads)))
     lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{tvs}{sig}):"]
     lines += _live_lines(e.lines, res)
-    if row_lse and any(re.search(r"\blse_unrowed\b", ln) for ln in lines):
+    if any(re.search(r"\b(lse|delta)_unrowed\b", ln) for ln in lines):
         return None
     lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
     return lines
@@ -852,37 +914,44 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
 
 
 def _elem_fns(low: BackwardLowered, env: Mapping[str, int], sig: str, tanh_ex2: bool, exp_fold: bool,
-              grad_dist: bool, row_lse: bool) -> list[str]:
+              grad_dist: bool, row_lse: bool, row_delta: bool) -> list[str]:
     """Every branch's element functions (and grid reads' lead functions); with `row_lse`, lse_row_fn first and
     the element functions reading its value, where every branch of both nests has the same one (else none does:
-    the kernels pass what lse_row_fn returns to all of them)."""
-    rows = [_lse_row_fn(low, br, env) for br in (*low.branches, *low.q_branches)] if row_lse and exp_fold else [None]
+    the kernels pass what lse_row_fn returns to all of them); with `row_delta` the same for delta_row_fn."""
+    every = (*low.branches, *low.q_branches)
+    rows = [_lse_row_fn(low, br, env) for br in every] if row_lse and exp_fold else [None]
     hoist = rows[0] is not None and all(r == rows[0] for r in rows)
+    scales = [_scaled_difference(low, br, env) for br in every] if row_delta else [None]
+    hoist_d = scales[0] is not None and all(f is not None and f[2] == scales[0][2] for f in scales)
+    if hoist_d:  # Delta read by these differences alone (a nest may load it once for several branches)
+        use, subs = uses(low.func), {f[0].owner for f in scales if f is not None}
+        hoist_d = all(u in subs for br in every for u in use.get(br.delta, []))
     out: list[str] = (rows[0] or []) + [""] if hoist else []
+    out += _delta_row_fn(scales[0][2]) + [""] if hoist_d and scales[0] is not None else []
+    kw = dict(tanh_ex2=tanh_ex2, exp_fold=exp_fold, row_lse=hoist, row_delta=hoist_d)
     for br in low.branches:
-        fns = [_elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist, row_lse=hoist)]
+        fns = [_elem_fn(low, br, env, sig, grad_dist=grad_dist, **kw)]
         if low.grid_reads.get(br.name):
-            fns.append(_elem_fn(low, br, env, sig, tanh_ex2=tanh_ex2, exp_fold=exp_fold, grad_dist=grad_dist,
-                                given=True, row_lse=hoist))
+            fns.append(_elem_fn(low, br, env, sig, grad_dist=grad_dist, given=True, **kw))
             for j, op in enumerate(low.grid_reads[br.name]):
                 fns.append(_grid_lead_fn(low, br, env, sig, j, op))
         for fn in fns:
-            if fn is None:
-                return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False)
+            if fn is None:  # a function still reads the LSE or Delta: neither row value for any
+                return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False, False)
             out += fn + [""]
     for br in low.q_branches:
-        fn = _elem_fn(low, br, env, sig, dq_nest=True, tanh_ex2=tanh_ex2, exp_fold=exp_fold, row_lse=hoist)
+        fn = _elem_fn(low, br, env, sig, dq_nest=True, **kw)
         if fn is None:
-            return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False)
+            return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False, False)
         out += fn + [""]
     return out
 
 
 def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False, exp_fold: bool = True,
-                  grad_dist: bool = False, row_lse: bool = True) -> tuple[str, list[str]]:
+                  grad_dist: bool = False, row_lse: bool = True, row_delta: bool = True) -> tuple[str, list[str]]:
     """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>). `tanh_ex2`:
-    from_ir.tanh_by_ex2; `grad_dist`: _late_distances; `row_lse`: lse_row_fn where the branches allow it
-    (`_elem_fns`), which the kernels then apply to the LSE where they read it."""
+    from_ir.tanh_by_ex2; `grad_dist`: _late_distances; `row_lse`, `row_delta`: lse_row_fn, delta_row_fn where the
+    branches allow them (`_elem_fns`), which the kernels then apply to the LSE and Delta where they read them."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
     sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
     for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
@@ -890,7 +959,7 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
         sig += f", {cap_names[v]}"
     if low.block_mask == "list":  # the block lists, last (the spec's derived captures' order)
         sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
-    out = _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, row_lse)
+    out = _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, row_lse, row_delta)
     for i, v in enumerate(low.grad_index):
         if v is not None:
             out += _grad_index_fn(low, low.branches[0], env, sig, i, v) + [""]
@@ -921,7 +990,8 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
         low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
     src, dims = device_source(low, env, tanh_by_ex2(path, extra), (extra or {}).get("exp_fold", True) is not False,
                               (extra or {}).get("grad_dist", False) is True,
-                              (extra or {}).get("row_lse", True) is not False)
+                              (extra or {}).get("row_lse", True) is not False,
+                              (extra or {}).get("row_delta", True) is not False)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)

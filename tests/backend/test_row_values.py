@@ -1,0 +1,212 @@
+"""The backward's row values, computed once a row where a kernel reads the row's statistics instead of in every
+element (from_ir_bwd):
+  lse_row_fn    the guarded LSE times log2(e), `0 if lse == -inf else lse log2 e` (_lse_row_fn);
+  delta_row_fn  -Delta c, where dS = P (dP - Delta) c is written P fma(dP, c, -Delta c) (_scaled_difference; not
+                where a captured table's gradient reads dP - Delta, or a softcap's derivative stands between).
+
+The element functions then take their values for `lse` and `delta`. Three things must hold, or a kernel is
+silently wrong:
+  * elem(s, dp, lse_row_fn(lse), delta_row_fn(delta), ...) is the per-element form's elem(s, dp, lse, delta, ...)
+    bit for bit where c is a power of 2 (D = 64), to an f32 rounding elsewhere, fully masked rows (LSE -inf)
+    included;
+  * no element function still computes from the LSE or Delta themselves;
+  * every read of the LSE and Delta in every backward kernel (wgmma with and without its loader warps, persistent,
+    mma.sync, the deterministic and SIMT dQ kernels) goes through the row function.
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+import falower as fl  # noqa: E402
+from falower.backends.numba_cuda import emit_fa2_bwd, emit_fa3_bwd  # noqa: E402
+from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+NO_CAPTURES = ["plain", "causal", "prefix_lm", "sliding_window", "gqa", "softcap", "naive_tensor_code"]
+NO_DELTA_ROW = {"alibi": "the slope's gradient reads dP - Delta", "bias": "the table's gradient reads it",
+                "relative_bias": "the table's gradient reads it", "softcap": "tanh's derivative between"}
+_LOWERED: dict = {}
+
+
+def _spec(stem: str, D: int = 64, pipeline: str = "fa2-bwd", path: str = "mma", dtype: str = "f16", **extra):
+    if (stem, pipeline) not in _LOWERED:
+        g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values()
+                 if isinstance(v, fl.ir.Func))
+        _LOWERED[stem, pipeline] = analyse_backward(fl.compile(g, "numba-cuda", backward=pipeline).lowered_backward)
+    return build_backward_spec(_LOWERED[stem, pipeline], {"D": D}, dtype, path, None, extra)
+
+
+class _Cuda:
+    @staticmethod
+    def fma(a, b, c):  # the f32 product is exact in f64: one rounding, as the FFMA
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _run(text: str) -> dict:
+    ns = {"np": np, "LOG2E": np.float32(1.4426950408889634), "cuda": _Cuda,
+          "ex2": lambda x: np.float32(np.exp2(np.float32(x))),
+          "tanh_ex2_f32": lambda y: np.float32(1 - 2 / (1 + np.exp2(np.float64(y))))}
+    with np.errstate(invalid="ignore", over="ignore"):  # -inf + -inf and the like, as the GPU computes them
+        exec(text, ns)  # noqa: S102 - our own emitted code
+    return ns
+
+
+def _functions(source: str) -> dict[str, str]:
+    """name -> text of each top-level def in a device source."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"^def (\w+)\(.*?(?=^def |\Z)", source, re.M | re.S)}
+
+
+@pytest.mark.parametrize("stem", EXAMPLES)
+def test_every_example_reads_the_lse_once_a_row(stem):
+    """lse_row_fn is there, once; no element function compares the LSE with -inf or scales it: each reads its
+    `lse` parameter only negated, into the exponential's FMA."""
+    spec = _spec(stem)
+    fns = _functions(spec.device_source)
+    assert "lse_row_fn" in fns and spec.device_source.count("def lse_row_fn(") == 1, stem
+    assert "-np.inf" in fns["lse_row_fn"] and "LOG2E" in fns["lse_row_fn"]
+    elems = {n: t for n, t in fns.items() if n.startswith("elem")}
+    assert elems, stem
+    for name, text in elems.items():
+        body = text.split("\n", 1)[1]
+        uses = re.findall(r"[^\n]*\blse\b[^\n]*", body)
+        assert uses and all(re.fullmatch(r"    v\d+ = -lse", u) for u in uses), (stem, name, uses)
+
+
+@pytest.mark.parametrize("stem", EXAMPLES)
+@pytest.mark.parametrize("pipeline", ["fa2-bwd", "fa2-bwd-deterministic"])
+def test_delta_row_where_ds_allows_it(stem, pipeline):
+    """delta_row_fn where dS is P (dP - Delta) c alone: each element function reads `delta` only in
+    fma(dP, c, delta); where a gradient or a derivative reads dP - Delta (NO_DELTA_ROW), no delta_row_fn and
+    the difference in the element code."""
+    for D in (64, 128):
+        fns = _functions(_spec(stem, D, pipeline).device_source)
+        elems = {n: t.split("\n", 1)[1] for n, t in fns.items() if n.startswith("elem")}
+        if stem in NO_DELTA_ROW:
+            assert "delta_row_fn" not in fns, NO_DELTA_ROW[stem]
+            assert any("(dp - delta)" in t for t in elems.values())
+            continue
+        row = re.fullmatch(r"    return -\(delta \* np\.float32\(([0-9.e-]+)\)\)\n*", fns["delta_row_fn"].split("\n", 1)[1])
+        assert row, fns["delta_row_fn"]
+        c = re.escape(row.group(1))  # the scale (1 / sqrt(D), or the example's own), the same in every function
+        for name, body in elems.items():
+            uses = re.findall(r"[^\n]*\bdelta\b[^\n]*", body)
+            assert len(uses) == 1 and re.fullmatch(rf"    v\d+ = cuda\.fma\(dp, np\.float32\({c}\), delta\)",
+                                                   uses[0]), (stem, D, name, uses)
+
+
+def test_row_lse_false_keeps_the_element_form():
+    """extra row_lse / row_delta False: no lse_row_fn / delta_row_fn, the guard and the difference back in the
+    element code, and the kernels read the LSE and Delta as they are (what probe_bwd's `norowlse` and `norowdelta`
+    time against the default); each knob alone."""
+    spec = _spec("causal", row_lse=False, row_delta=False)
+    assert "lse_row_fn" not in spec.device_source and "delta_row_fn" not in spec.device_source
+    assert "(lse == np.float32(-np.inf))" in _functions(spec.device_source)["elem_partial"]
+    assert "(dp - delta)" in _functions(spec.device_source)["elem_partial"]
+    src = emit_fa3_bwd.emit_fa3_backward(_spec("causal", row_lse=False, row_delta=False, bwd_schedule="wgmma"))
+    assert "lse_row_fn" not in src and "lse[qh + qq]" in src
+    assert "delta_row_fn" not in src and "delta[qh + qq]" in src
+    only_delta = _spec("causal", row_lse=False)
+    assert "lse_row_fn" not in only_delta.device_source and "delta_row_fn" in only_delta.device_source
+
+
+def _rows(ns: dict, lse, delta):
+    """(lse, delta) as the element functions of `ns` take them."""
+    return (ns["lse_row_fn"](lse) if "lse_row_fn" in ns else lse,
+            ns["delta_row_fn"](delta) if "delta_row_fn" in ns else delta)
+
+
+def _call(fn, s, dp, lse, delta, q, kv, interior, M, N):
+    """An element function called with its own dims' values (dim_M, dim_N; the others' names say which)."""
+    code = fn.__code__
+    dims = {"dim_M": M, "dim_N": N}
+    with np.errstate(over="ignore", invalid="ignore"):  # ex2 of large arguments, -inf + -inf: as the GPU has them
+        return fn(s, dp, lse, delta, 0, 0, 0, q, kv, interior,
+                  *(dims[n] for n in code.co_varnames[10:code.co_argcount]))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("stem", NO_CAPTURES)
+def test_the_row_values_give_the_element_forms_numbers(stem, D):
+    """elem(s, dp, lse_row_fn(lse), delta_row_fn(delta), ...) against the element form's elem(s, dp, lse, delta,
+    ...) over random elements: fully masked rows (LSE -inf), large and tiny LSEs, elements on and off the bounds
+    and the mask. Bit for bit at D = 64 (c = 1/8: dP c and Delta c exact); at D = 128 within an f32 rounding or
+    two of the element form (P (dP - Delta) c rounds three times, P fma(dP, c, -Delta c) twice)."""
+    new, old = (_run(_spec(stem, D, row_lse=r, row_delta=r).device_source) for r in (True, False))
+    rng = np.random.default_rng(7)
+    branches = [n for n in old if n.startswith("elem")]
+    assert branches and all(n in new for n in branches)
+    for _ in range(200):
+        s, dp, delta = (np.float32(x) for x in rng.normal(0, 6, 3))
+        lse = [np.float32(-np.inf), np.float32(rng.normal(0, 8)), np.float32(1e30), np.float32(-3e-8)][
+            int(rng.integers(0, 4))]
+        q, kv = (int(x) for x in rng.integers(0, 80, 2))
+        interior = bool(rng.random() < 0.5)
+        for n in branches:
+            want = np.array(_call(old[n], s, dp, lse, delta, q, kv, interior, 64, 70), np.float32)
+            got = np.array(_call(new[n], s, dp, *_rows(new, lse, delta), q, kv, interior, 64, 70), np.float32)
+            if D == 64:
+                np.testing.assert_array_equal(got, want, err_msg=n)
+            else:  # P bit for bit; dS to a few f32 roundings of its terms (dP c and Delta c, before they cancel)
+                np.testing.assert_array_equal(got[0], want[0], err_msg=n)
+                bound = 4 * 2.0 ** -24 * abs(float(want[0])) * (abs(float(dp)) + abs(float(delta))) * 0.0884
+                assert abs(float(got[1]) - float(want[1])) <= bound + 1e-38, (n, got, want, bound)
+
+
+@given(st.sampled_from(["plain", "causal", "softcap"]), st.floats(-80, 80, width=32), st.floats(-80, 80, width=32),
+       st.one_of(st.just(float("-inf")), st.floats(-1e6, 1e6, width=32)), st.floats(-80, 80, width=32),
+       st.integers(0, 140), st.integers(0, 140), st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_the_row_values_anywhere(stem, s, dp, lse, delta, q, kv, interior):
+    new, old = (_run(_spec(stem, row_lse=r, row_delta=r).device_source) for r in (True, False))
+    s, dp, lse, delta = np.float32(s), np.float32(dp), np.float32(lse), np.float32(delta)
+    for n in [n for n in old if n.startswith("elem")]:  # a list: a warning adds to the functions' globals
+        want = _call(old[n], s, dp, lse, delta, q, kv, interior, 130, 100)
+        got = _call(new[n], s, dp, *_rows(new, lse, delta), q, kv, interior, 130, 100)
+        np.testing.assert_array_equal(np.array(got, np.float32), np.array(want, np.float32), err_msg=n)
+
+
+def _kernel_sources():
+    """(what, its device source, kernel source) of every backward kernel family that reads the LSE and Delta."""
+    wg = {"bwd_schedule": "wgmma"}
+    for what, spec, emit in [
+            ("wgmma", _spec("causal", **wg), emit_fa3_bwd.emit_fa3_backward),
+            ("wgmma D 128, no delta_row_fn", _spec("alibi", 128, **wg), emit_fa3_bwd.emit_fa3_backward),
+            ("wgmma without loader warps", _spec("causal", **wg, ws_loads=False, dq_ws=False),
+             emit_fa3_bwd.emit_fa3_backward),
+            ("wgmma persistent", _spec("document", **wg, bwd_persistent=132), emit_fa3_bwd.emit_fa3_backward),
+            ("wgmma p_under_dp", _spec("causal", **wg, p_under_dp=True), emit_fa3_bwd.emit_fa3_backward),
+            ("mma.sync", _spec("causal", bwd_schedule="mma"), emit_fa2_bwd.emit_fa2_backward),
+            ("deterministic main", _spec("causal", pipeline="fa2-bwd-deterministic", bwd_schedule="mma"),
+             emit_fa2_bwd.emit_fa2_backward),
+            ("deterministic dQ", _spec("causal", pipeline="fa2-bwd-deterministic", bwd_schedule="mma"),
+             emit_fa2_bwd.emit_dq_kernel),
+            ("SIMT main", _spec("causal", pipeline="fa2-bwd-deterministic", path="simt", dtype="f32"),
+             emit_fa2_bwd.emit_fa2_backward),
+            ("SIMT dQ", _spec("causal", pipeline="fa2-bwd-deterministic", path="simt", dtype="f32"),
+             emit_fa2_bwd.emit_dq_kernel)]:
+        yield what, spec.device_source, emit(spec)
+
+
+def test_every_kernel_reads_the_rows_through_the_row_functions():
+    """No kernel passes a raw LSE or Delta to an element function that expects a row function's value: where the
+    device source has the row function, every `lse[...]` (`delta[...]`) load in the kernel's source is its
+    argument; where it has none (ALiBi's Delta), none is."""
+    seen = 0
+    for what, device, src in _kernel_sources():
+        for stat in ("lse", "delta"):
+            loads = re.findall(rf"(.{{0,14}})\b{stat}\[", src)
+            assert loads, (what, stat)
+            wrapped = [x.endswith(f"{stat}_row_fn(") for x in loads]
+            assert all(wrapped) if f"def {stat}_row_fn(" in device else not any(wrapped), (what, stat, loads)
+            seen += sum(wrapped)
+    assert seen >= 15
