@@ -102,10 +102,10 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "sdpt": ({"sdp_ahead": "top"}, "the next tile's S^T and dP^T issued after dQ's hand-off (sdp_ahead 'top')"),
     "pp": ({"bwd_pingpong": True}, "the two consumer warpgroups out of lockstep: dQ by each one's own kv rows and slab, "
            "per-warpgroup barriers, S^T / dP^T issued in turns (bwd_pingpong)"),
-    "norowdelta": ({"row_delta": False}, "dS as P (dP - Delta) c in every element, as before the seventy-first "
-                   "session (row_delta False; the default folds c into fma(dP, c, -Delta c), -Delta c once a row)"),
-    "norowlse": ({"row_lse": False}, "the LSE's guard and log2(e) in every element, as before the seventy-first "
-                 "session (row_lse False; the default applies lse_row_fn once a row where the LSE is read)"),
+    "norowdelta": ({"delta_per_row": False}, "dS as P (dP - Delta) c in every element, as before the seventy-first "
+                   "session (delta_per_row False; the default folds c into fma(dP, c, -Delta c), -Delta c once a row)"),
+    "norowlse": ({"lse_per_row": False}, "the LSE's guard and log2(e) in every element, as before the seventy-first "
+                 "session (lse_per_row False; the default applies lse_row_fn once a row where the LSE is read)"),
     "gdist": ({"grad_dist": True}, "the slope gradient's distances recomputed as float(kv) - float(q) (grad_dist)"),
     "q128": ({"bwd_tiles": (128, 128)}, "128 x 128 tiles (q x kv; the default 64 x 128), its knobs' defaults there"),
     "q128wsl": ({"bwd_tiles": (128, 128), "dq_ws": True, "ws_loads": True}, "128 x 128 tiles with dq_ws and ws_loads"),
@@ -152,9 +152,9 @@ VARIANTS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     # with -Delta c a column) and `nodsscale` (its floor: 0.980 at D = 64 in the seventy-first session) are gone:
     # the default now folds c so (from_ir_bwd._scaled_difference, -Delta c once a row), `norowdelta` times the old form
     # the LSE's guard for fully masked rows (`0 if lse == -inf else lse * log2 e`): FMUL, FSETP, FSEL a column a tile
-    # in the element code under row_lse False (0.987 of its time at D = 64, the seventy-first session), which the
+    # in the element code under lse_per_row False (0.987 of its time at D = 64, the seventy-first session), which the
     # default now computes once a row in lse_row_fn (the floor then takes it from there: next to nothing)
-    "nolseguard": ("the LSE's -inf guard (in lse_row_fn, or with row_lse False the element code; a fully masked row's "
+    "nolseguard": ("the LSE's -inf guard (in lse_row_fn, or with lse_per_row False the element code; a fully masked row's "
                    "P then NaN: timing only)",
                    [(r"= \(lse == np\.float32\(-np\.inf\)\)", "= False")]),
     # a captured table's cost in the elementwise code (the bias table's backward)

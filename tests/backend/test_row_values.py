@@ -1,14 +1,15 @@
 """The backward's row values, computed once a row where a kernel reads the row's statistics instead of in every
 element (from_ir_bwd):
   lse_row_fn    the guarded LSE times log2(e), `0 if lse == -inf else lse log2 e` (_lse_row_fn);
-  delta_row_fn  -Delta c, where dS = P (dP - Delta) c is written P fma(dP, c, -Delta c) (_scaled_difference; not
-                where a captured table's gradient reads dP - Delta, or a softcap's derivative stands between).
+  delta_row_fn  -Delta c, where dS = P (dP - Delta) c (times a softcap's derivative, and its constants folded into c)
+                is written P fma(dP, c, -Delta c) (_scaled_difference; not where a captured table's gradient reads
+                dP - Delta or P (dP - Delta)).
 
 The element functions then take their values for `lse` and `delta`. Three things must hold, or a kernel is
 silently wrong:
   * elem(s, dp, lse_row_fn(lse), delta_row_fn(delta), ...) is the per-element form's elem(s, dp, lse, delta, ...)
-    bit for bit where c is a power of 2 (D = 64), to an f32 rounding elsewhere, fully masked rows (LSE -inf)
-    included;
+    bit for bit where c is a power of 2 (D = 64) and no other constant folds into it, to f32 roundings elsewhere,
+    fully masked rows (LSE -inf) included;
   * no element function still computes from the LSE or Delta themselves;
   * every read of the LSE and Delta in every backward kernel (wgmma with and without its loader warps, persistent,
     mma.sync, the deterministic and SIMT dQ kernels) goes through the row function.
@@ -33,8 +34,9 @@ from falower.backends.numba_cuda.from_ir_bwd import analyse_backward, build_back
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
 NO_CAPTURES = ["plain", "causal", "prefix_lm", "sliding_window", "gqa", "softcap", "naive_tensor_code"]
-NO_DELTA_ROW = {"alibi": "the slope's gradient reads dP - Delta", "bias": "the table's gradient reads it",
-                "relative_bias": "the table's gradient reads it", "softcap": "tanh's derivative between"}
+NO_DELTA_ROW = {"alibi": "the slope's gradient reads P (dP - Delta)", "bias": "the table's gradient reads it",
+                "relative_bias": "the table's gradient reads it"}
+ROUNDED = {"softcap": "its cap and 1 / (cap sqrt(D)) folded into one c: the products round differently"}
 _LOWERED: dict = {}
 
 
@@ -104,18 +106,18 @@ def test_delta_row_where_ds_allows_it(stem, pipeline):
                                                    uses[0]), (stem, D, name, uses)
 
 
-def test_row_lse_false_keeps_the_element_form():
-    """extra row_lse / row_delta False: no lse_row_fn / delta_row_fn, the guard and the difference back in the
+def test_the_knobs_off_keep_the_element_form():
+    """extra lse_per_row / delta_per_row False: no lse_row_fn / delta_row_fn, the guard and the difference back in the
     element code, and the kernels read the LSE and Delta as they are (what probe_bwd's `norowlse` and `norowdelta`
     time against the default); each knob alone."""
-    spec = _spec("causal", row_lse=False, row_delta=False)
+    spec = _spec("causal", lse_per_row=False, delta_per_row=False)
     assert "lse_row_fn" not in spec.device_source and "delta_row_fn" not in spec.device_source
     assert "(lse == np.float32(-np.inf))" in _functions(spec.device_source)["elem_partial"]
     assert "(dp - delta)" in _functions(spec.device_source)["elem_partial"]
-    src = emit_fa3_bwd.emit_fa3_backward(_spec("causal", row_lse=False, row_delta=False, bwd_schedule="wgmma"))
+    src = emit_fa3_bwd.emit_fa3_backward(_spec("causal", lse_per_row=False, delta_per_row=False, bwd_schedule="wgmma"))
     assert "lse_row_fn" not in src and "lse[qh + qq]" in src
     assert "delta_row_fn" not in src and "delta[qh + qq]" in src
-    only_delta = _spec("causal", row_lse=False)
+    only_delta = _spec("causal", lse_per_row=False)
     assert "lse_row_fn" not in only_delta.device_source and "delta_row_fn" in only_delta.device_source
 
 
@@ -141,7 +143,7 @@ def test_the_row_values_give_the_element_forms_numbers(stem, D):
     ...) over random elements: fully masked rows (LSE -inf), large and tiny LSEs, elements on and off the bounds
     and the mask. Bit for bit at D = 64 (c = 1/8: dP c and Delta c exact); at D = 128 within an f32 rounding or
     two of the element form (P (dP - Delta) c rounds three times, P fma(dP, c, -Delta c) twice)."""
-    new, old = (_run(_spec(stem, D, row_lse=r, row_delta=r).device_source) for r in (True, False))
+    new, old = (_run(_spec(stem, D, lse_per_row=r, delta_per_row=r).device_source) for r in (True, False))
     rng = np.random.default_rng(7)
     branches = [n for n in old if n.startswith("elem")]
     assert branches and all(n in new for n in branches)
@@ -154,11 +156,11 @@ def test_the_row_values_give_the_element_forms_numbers(stem, D):
         for n in branches:
             want = np.array(_call(old[n], s, dp, lse, delta, q, kv, interior, 64, 70), np.float32)
             got = np.array(_call(new[n], s, dp, *_rows(new, lse, delta), q, kv, interior, 64, 70), np.float32)
-            if D == 64:
+            if D == 64 and stem not in ROUNDED:
                 np.testing.assert_array_equal(got, want, err_msg=n)
             else:  # P bit for bit; dS to a few f32 roundings of its terms (dP c and Delta c, before they cancel)
                 np.testing.assert_array_equal(got[0], want[0], err_msg=n)
-                bound = 4 * 2.0 ** -24 * abs(float(want[0])) * (abs(float(dp)) + abs(float(delta))) * 0.0884
+                bound = 8 * 2.0 ** -24 * abs(float(want[0])) * (abs(float(dp)) + abs(float(delta))) * 0.125
                 assert abs(float(got[1]) - float(want[1])) <= bound + 1e-38, (n, got, want, bound)
 
 
@@ -167,12 +169,21 @@ def test_the_row_values_give_the_element_forms_numbers(stem, D):
        st.integers(0, 140), st.integers(0, 140), st.booleans())
 @settings(max_examples=150, deadline=None)
 def test_the_row_values_anywhere(stem, s, dp, lse, delta, q, kv, interior):
-    new, old = (_run(_spec(stem, row_lse=r, row_delta=r).device_source) for r in (True, False))
+    new, old = (_run(_spec(stem, lse_per_row=r, delta_per_row=r).device_source) for r in (True, False))
     s, dp, lse, delta = np.float32(s), np.float32(dp), np.float32(lse), np.float32(delta)
     for n in [n for n in old if n.startswith("elem")]:  # a list: a warning adds to the functions' globals
-        want = _call(old[n], s, dp, lse, delta, q, kv, interior, 130, 100)
-        got = _call(new[n], s, dp, *_rows(new, lse, delta), q, kv, interior, 130, 100)
-        np.testing.assert_array_equal(np.array(got, np.float32), np.array(want, np.float32), err_msg=n)
+        want = np.array(_call(old[n], s, dp, lse, delta, q, kv, interior, 130, 100), np.float32)
+        got = np.array(_call(new[n], s, dp, *_rows(new, lse, delta), q, kv, interior, 130, 100), np.float32)
+        if np.array_equal(got, want, equal_nan=True):
+            continue
+        if stem in ROUNDED and not np.isfinite(want[1]) and np.isfinite(want[0]):
+            assert abs(float(got[1])) > 1e30 or got[1] == want[1], (n, got, want)  # the element form's * cap overflowed
+        elif stem in ROUNDED:
+            np.testing.assert_array_equal(got[0], want[0], err_msg=n)
+            bound = 8 * 2.0 ** -24 * abs(float(want[0])) * (abs(float(dp)) + abs(float(delta))) * 0.125
+            assert abs(float(got[1]) - float(want[1])) <= bound + 1e-38, (n, got, want, bound)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=n)
 
 
 def _kernel_sources():

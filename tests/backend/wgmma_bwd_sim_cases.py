@@ -41,6 +41,9 @@ CASES = {
     # are the kernel before it: their emitted code is checked on the CPU, test_reduced_gradients_are_held_...)
     "alibi_gqa-f16-d64-65x63": ("alibi_gqa", "f16", 1, 4, 2, 65, 63, 64, 64, 64),
     "gqa-bf16-d64-20x19": ("gqa", "bf16", 1, 2, 1, 20, 19, 64, 64, 64),  # group of 2: one block walks 2 heads
+    # the softcap: dS = P fma(dP, c, -Delta c) (1 - t^2), its cap and 1 / (cap sqrt(D)) folded into c
+    # (from_ir_bwd._scaled_difference), -Delta c by delta_row_fn where the kernel reads Delta
+    "softcap-f16-d64-20x19": ("softcap", "f16", 1, 2, 2, 20, 19, 64, 64, 64),
     # fa2-bwd's shape: two warpgroups, dQ's 64 columns split between them (n32 from +64 bytes in K's rows)
     "sliding_window-f16-d64-63x130-2wg": ("sliding_window", "f16", 1, 1, 1, 63, 130, 64, 64, 128),
     "relative_bias-f16-d128-20x19": ("relative_bias", "f16", 1, 2, 2, 20, 19, 128, 64, 64),  # per-element grads

@@ -968,7 +968,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         if clash:
             raise ValueError(f"wgmma backward: sdp_ahead issues the next tile's S^T and dP^T itself: not with "
                              f"{clash[0]}")
-    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist", "row_lse", "row_delta"):
+    for knob in (*KNOB_MARKS, "exp_fold", "grad_dist", "lse_per_row", "delta_per_row"):
         if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if bwd_pingpong(spec):

@@ -761,49 +761,67 @@ def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Op
 
 
 def _scaled_difference(low: BackwardLowered, br: _Branch, env: Mapping[str, int]
-                       ) -> Optional[tuple[Value, Value, float]]:
-    """(y, x, c) where the branch's dS is x c, a constant c (the softmax scale), x is P y (P or any factor) or a
-    select of it with 0, y = dP - Delta, and each of y, P y and x is read by the next alone (so is Delta by y): then
-    dS = P fma(dP, c, -Delta c) [or 0], whose -Delta c is a value of the q row alone (delta_row_fn), one FFMA
-    an element where there were an FADD and two FMULs. None where dS is not of that form (a captured table's
-    gradient reading dP - Delta, a softcap's derivative between, no constant scale)."""
+                       ) -> Optional[tuple[Value, list[tuple[Value, Value, bool]], float]]:
+    """(y, chain, c): the branch's dS reached from y = dP - Delta through a chain of products, each read by the
+    next alone (Delta by such y alone, in every branch: `_elem_fns` checks), whose constant factors multiply to c
+    (the softmax scale; a softcap's cap and its inverse): dS = P (dP - Delta) c, or P (dP - Delta) cap (1 - t^2)
+    / cap c, or a select of it with 0. Then (dP - Delta) c is one fma(dP, c, -Delta c) whose -Delta c is a value of
+    the q row alone (delta_row_fn), and the constant products go: one FFMA an element where there were an FADD
+    and an FMUL a constant. `chain`, from y up to dS: (value, the operand the chain continues in, whether the
+    value is emitted as it is; a constant product is not: it takes that operand's name). None where dS is not of that
+    form (a captured table's gradient reading dP - Delta or a product on the way, no difference, two of them)."""
     use = uses(low.func)
+    e = _ElementEmitter(env, _elem_names(low, br, br in low.q_branches))
+    e.value(br.ds)  # folds the constants
 
     def only_use(v: Value, op: Op) -> bool:
         return [u for u in use.get(v, []) if u is not op] == [] and op in use.get(v, [])
 
-    ds = br.ds.owner
-    if not (isinstance(ds, Op) and ds.name in ("mul", "div") and br.ds.type.dtype == "f32"):
-        return None
-    e = _ElementEmitter(env, _elem_names(low, br, br in low.q_branches))
-    for o in ds.operands:
-        e.value(o)
-    x = ds.operands[0] if ds.operands[1] in e.consts else \
-        ds.operands[1] if ds.name == "mul" and ds.operands[0] in e.consts else None
-    if x is None or x in e.consts or not only_use(x, ds):
-        return None
-    e.value(br.ds)
-    base, c = e.factors.get(br.ds, (None, 0.0))
-    if base != e.names[x] or not np.isfinite(c) or c == 0:
-        return None
-    prod = x
-    sel = prod.owner
-    if isinstance(sel, Op) and sel.name == "where" and sel.operands[2] in e.consts \
-            and float(e.consts[sel.operands[2]]) == 0.0 and sel.operands[2] is not sel.operands[1]:
-        prod = sel.operands[1]
-        if not only_use(prod, sel):
+    def is_difference(v: Value) -> bool:
+        sub = v.owner
+        return isinstance(sub, Op) and sub.name == "sub" and sub.operands[0] is br.dp and sub.operands[1] is br.delta
+
+    seen: dict[Value, bool] = {}
+
+    def reaches(v: Value) -> bool:  # whether v is made from a difference dP - Delta
+        if v not in seen:
+            op = v.owner
+            seen[v] = False
+            seen[v] = is_difference(v) or (isinstance(op, Op) and not op.regions and any(map(reaches, op.operands)))
+        return seen[v]
+
+    chain: list[tuple[Value, Value, bool]] = []
+    c = 1.0
+    v = br.ds
+    while not is_difference(v):
+        op = v.owner
+        if not (isinstance(op, Op) and v.type.dtype == "f32") or v in e.consts:
             return None
-    mul = prod.owner
-    if not (isinstance(mul, Op) and mul.name == "mul"):
+        ks = [o in e.consts for o in op.operands]
+        if op.name in ("mul", "div") and ks[1] != ks[0]:  # a constant product: its factor into c
+            k = float(e.consts[op.operands[1 if ks[1] else 0]])
+            if (op.name == "div" and not ks[1]) or not np.isfinite(k) or k == 0:
+                return None
+            c = c * k if op.name == "mul" else c / k
+            nxt, keep = op.operands[0 if ks[1] else 1], False
+        elif op.name == "mul" and not any(ks):  # P, a derivative: kept, the chain through the operand with y
+            on = [o for o in op.operands if reaches(o)]
+            if len(on) != 1:
+                return None
+            nxt, keep = on[0], True
+        elif op.name == "where" and op.operands[2] in e.consts and float(e.consts[op.operands[2]]) == 0.0 \
+                and not reaches(op.operands[0]):  # a mask's select with 0 (0 c = 0)
+            nxt, keep = op.operands[1], True
+        else:
+            return None
+        if not only_use(nxt, op):
+            return None
+        chain.append((v, nxt, keep))
+        v = nxt
+    c32 = float(np.float32(c))
+    if v is br.ds or not np.isfinite(c32) or c32 == 0:
         return None
-
-    def is_difference(y: Value) -> bool:
-        sub = y.owner
-        return isinstance(sub, Op) and sub.name == "sub" and sub.operands[0] is br.dp \
-            and sub.operands[1] is br.delta and only_use(y, mul)
-
-    y = next((y for y in mul.operands if is_difference(y)), None)  # its factor P (or anything: (a y) c = a (y c))
-    return None if y is None else (y, x, c)
+    return v, chain[::-1], c32
 
 
 def _delta_row_fn(c: float) -> list[str]:
@@ -839,9 +857,10 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
             return None
         e.log2e_names[(w, None)] = "lse"
     if found is not None:
-        y, x, c = found
+        y, chain, c = found
         e.names[y] = e.line(f"cuda.fma(dp, np.float32({c!r}), delta)")  # (dP - Delta) c
-        e.names[br.ds] = e.value(x)  # P (dP - Delta) c [or 0]: the scale already in
+        for v, nxt, keep in chain:  # up to dS: the products kept, the constant ones named as their operand
+            e.names[v] = e.value(v) if keep else e.names[nxt]
     outs = [e.value(br.ds)] if dq_nest else [e.value(br.p), e.value(br.ds)]
     if grad_dist and not dq_nest:
         _late_distances(e)
@@ -990,8 +1009,8 @@ def build_backward_spec(low: BackwardLowered, env: Mapping[str, int], dtype: str
         low = dataclasses.replace(low, block_mask="static")  # the in-kernel scan over the range tables (A/B)
     src, dims = device_source(low, env, tanh_by_ex2(path, extra), (extra or {}).get("exp_fold", True) is not False,
                               (extra or {}).get("grad_dist", False) is True,
-                              (extra or {}).get("row_lse", True) is not False,
-                              (extra or {}).get("row_delta", True) is not False)
+                              (extra or {}).get("lse_per_row", True) is not False,
+                              (extra or {}).get("delta_per_row", True) is not False)
     caps = tuple(Capture(v.name or f"cap{i}", v.type.dtype, max(v.type.rank, 1)) for i, v in enumerate(low.captures))
     caps += tuple(Capture(f"dim_{d}", "i32", 0) for d in dims)
     caps += range_captures(low.captures, low.ranges, 0)  # made by the runtime from the captures (block_data.py)
