@@ -142,7 +142,8 @@ def test_the_row_values_give_the_element_forms_numbers(stem, D):
     """elem(s, dp, lse_row_fn(lse), delta_row_fn(delta), ...) against the element form's elem(s, dp, lse, delta,
     ...) over random elements: fully masked rows (LSE -inf), large and tiny LSEs, elements on and off the bounds
     and the mask. Bit for bit at D = 64 (c = 1/8: dP c and Delta c exact); at D = 128 within an f32 rounding or
-    two of the element form (P (dP - Delta) c rounds three times, P fma(dP, c, -Delta c) twice)."""
+    two of the element form (P (dP - Delta) c rounds three times, P fma(dP, c, -Delta c) three times too, but with Delta c rounded before
+    the difference)."""
     new, old = (_run(_spec(stem, D, lse_per_row=r, delta_per_row=r).device_source) for r in (True, False))
     rng = np.random.default_rng(7)
     branches = [n for n in old if n.startswith("elem")]
@@ -221,3 +222,78 @@ def test_every_kernel_reads_the_rows_through_the_row_functions():
             assert all(wrapped) if f"def {stat}_row_fn(" in device else not any(wrapped), (what, stat, loads)
             seen += sum(wrapped)
     assert seen >= 15
+
+
+# ------------------------------------------------------------------ hand-edited IR: each refusal falls back
+def _lowered(stem: str):
+    g = next(v for v in runpy.run_path(str(ROOT / "examples" / f"{stem}.py")).values() if isinstance(v, fl.ir.Func))
+    return analyse_backward(fl.compile(g, "numba-cuda").lowered_backward)
+
+
+def _const_before(op, value: float):
+    """A new f32 scalar constant, inserted just before `op` in its block."""
+    from falower.ir.core import Op
+    from falower.ir.types import TensorType
+
+    c = Op("const", [], [TensorType("f32", ())], {"value": value})
+    blk = op.parent
+    blk.ops.insert(blk.ops.index(op), c)
+    c.parent = blk
+    return c.results[0]
+
+
+def _source(low, D: int = 64):
+    return build_backward_spec(low, {"D": D}, "f16", "mma", None, {"bwd_schedule": "wgmma"}).device_source
+
+
+def _edits():
+    """(what, the lowered backward edited so that a row function must not be used, which one must go)."""
+    low = _lowered("alibi")  # a gradient contribution that reads the raw LSE: neither row function then
+    for br in low.branches:
+        for sc in br.scatters if hasattr(br, "scatters") else ():
+            sc.operands[1] = br.lse
+    yield "a scatter reads the LSE", low, ("lse_row_fn", "delta_row_fn")
+    low = _lowered("causal")  # the mask's select with a non-zero constant arm: dS is not (P y) c there
+    br = next(b for b in low.branches if b.name == "partial")
+    sel = br.ds.owner.operands[0].owner
+    assert sel.name == "where"
+    sel.operands[2] = _const_before(sel, 1.0)
+    yield "a select's other arm is 1", low, ("delta_row_fn",)
+    low = _lowered("plain")  # c / chain: the chain as the divisor
+    ds = low.branches[0].ds.owner
+    assert ds.name == "div"
+    ds.operands[:] = [ds.operands[1], ds.operands[0]]
+    yield "the chain is the divisor", low, ("delta_row_fn",)
+    low = _lowered("causal")  # the branches' scales differ: one -Delta c cannot serve both
+    br = next(b for b in low.branches if b.name == "full")
+    ds = br.ds.owner
+    ds.operands[1] = _const_before(ds, 3.0)
+    yield "the branches' scales differ", low, ("delta_row_fn",)
+    low = _lowered("causal")  # the select's condition reads the chain
+    br = next(b for b in low.branches if b.name == "partial")
+    sel = br.ds.owner.operands[0].owner
+    from falower.ir.core import Op
+    from falower.ir.types import TensorType
+
+    chained = sel.operands[1]
+    cond = Op("gt", [chained, _const_before(sel, 0.0)], [TensorType("bool", chained.type.shape)])
+    sel.parent.ops.insert(sel.parent.ops.index(sel), cond)
+    cond.parent = sel.parent
+    sel.operands[0] = cond.results[0]
+    yield "the select's condition reads the chain", low, ("delta_row_fn",)
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_an_edited_graph_falls_back(case):
+    """Graphs autodiff does not make, edited by hand: each refusal of _row_lse / _scaled_difference / _elem_fns
+    leaves its row function out (the element code computing from the LSE or Delta itself), and the kernel then
+    reads the raw statistic; the element functions still run as Python."""
+    what, low, gone = list(_edits())[case]
+    src = _source(low)
+    for fn in gone:
+        assert f"def {fn}(" not in src, what
+    assert "lse_unrowed" not in src and "delta_unrowed" not in src, what
+    if "delta_row_fn" in gone:
+        assert any(re.search(r"\(dp - delta\)", t) for n, t in _functions(src).items() if n.startswith("elem")), what
+    _run(src)  # defines every function
+

@@ -757,7 +757,8 @@ def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Op
     e = _ElementEmitter(env, {br.lse: "lse"})
     e.value(w)  # the select's condition named first, as the element code has it
     r = e.log2e(w)
-    return ["def lse_row_fn(lse):", *_live_lines(e.lines, r), f"    return {r}"]
+    lines = ["def lse_row_fn(lse):", *_live_lines(e.lines, r), f"    return {r}"]
+    return None if any(re.search(r"\bdim_\w+", ln) for ln in lines[1:]) else lines  # a run-time size: no argument
 
 
 def _scaled_difference(low: BackwardLowered, br: _Branch, env: Mapping[str, int]
@@ -872,7 +873,7 @@ def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str
     tvs = "".join(f", tv{j}" for j in range(len(reads)))
     lines = [f"def {fn}(s, dp, lse, delta, b, h, hk, q, kv, interior{tvs}{sig}):"]
     lines += _live_lines(e.lines, res)
-    if any(re.search(r"\b(lse|delta)_unrowed\b", ln) for ln in lines):
+    if any(re.search(r"\b(lse|delta)_unrowed\b", ln) for ln in lines + [res]):  # the return too: an alias
         return None
     lines.append(f"    return {res}" if len(outs) > 1 else f"    return {res},")
     return lines
