@@ -272,7 +272,7 @@ def _setup_opt(p: argparse.ArgumentParser) -> None:
                    help="show FLOPs and main-memory traffic (at --shapes) in every dump header and at the end")
     p.add_argument("--print-kernel", action="store_true",
                    help="also print the Numba CUDA source the numba-cuda backend emits for the final IR "
-                        "(at --shapes; needs the fa2-fwd form, no GPU)")
+                        "(at --shapes; the fa2-fwd or the fa2-bwd form, no GPU)")
     p.add_argument("--dtype", choices=("f16", "bf16"), help="input dtype for --print-kernel (default: the graph's)")
     p.add_argument("--pack-gqa", action="store_true",
                    help="lower the GQA graph packed (a kv head's query heads as rows: what falower.compile runs "
@@ -368,14 +368,44 @@ def cmd_opt(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
-    """What --print-kernel appends: the numba-cuda forward kernel's source for `lowered` at head dim `head_dim`.
-    A schedule the emitter cannot build (tile sizes, head dim, shared memory) is one error line, as in
-    `falower.compile` (compiler._kernel_for)."""
-    from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
-    from .backends.numba_cuda.from_ir import analyse, build_spec, unbuildable
+def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
+    """--print-kernel on a backward (the fa2-bwd form: the function takes the forward's LSE): the main backward
+    kernel's module, its device functions first (the element code, lse_row_fn / delta_row_fn: what the backend
+    hoisted out of the elements), on the schedule a Hopper GPU runs (wgmma at f16 / bf16, D = 64 or 128; else
+    mma.sync or SIMT, as `falower.compile` would pick without a GPU)."""
+    from .backends.numba_cuda.emit_fa2_bwd import emit_fa2_backward
+    from .backends.numba_cuda.emit_fa3_bwd import backward_extra, resolve
+    from .backends.numba_cuda.from_ir import BackendError
+    from .backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
 
-    low = analyse(lowered)
+    low = analyse_backward(lowered)
+    path = "mma" if head_dim % 16 == 0 and dtype in ("f16", "bf16") else "simt"
+    extra = backward_extra({}, env={}, dtype=dtype, head_dim=head_dim, cc=(9, 0) if path == "mma" else None)
+    spec, refused = resolve(build_backward_spec(low, {"D": head_dim}, dtype, path, None, extra))
+    try:
+        source = emit_fa2_backward(spec)
+    except ValueError as e:
+        raise BackendError(f"--print-kernel: numba-cuda backend: {e} (backward tiles {spec.block_q}x{spec.block_k}, "
+                         f"D = {head_dim}, {path} path)") from None
+    sched = "wgmma" if spec.extra.get("bwd_schedule") == "wgmma" else path
+    return (f"\n# ----- numba-cuda backward kernel source (D = {head_dim}, {dtype}, {sched} schedule"
+            + (f"; wgmma refused: {refused}" if refused else "") + ") -----\n" + source)
+
+
+def _kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
+    """What --print-kernel appends: the numba-cuda forward kernel's source for `lowered` at head dim `head_dim`
+    (or the backward's, `_backward_kernel_source`, for a function that takes the LSE). A schedule the emitter
+    cannot build (tile sizes, head dim, shared memory) is one error line, as in `falower.compile`
+    (compiler._kernel_for)."""
+    from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
+    from .backends.numba_cuda.from_ir import BackendError, analyse, build_spec, unbuildable
+
+    if any(a.name == "lse" for a in lowered.args):
+        return _backward_kernel_source(lowered, dtype, head_dim)
+    try:
+        low = analyse(lowered)
+    except BackendError as e:  # neither form: say both
+        raise BackendError(f"--print-kernel: {e} (or fa2-bwd for the backward's kernel)") from None
     dims = {"D": head_dim}
     path = "mma" if head_dim % 16 == 0 and dtype in ("f16", "bf16") else "simt"
     spec = None

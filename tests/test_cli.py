@@ -321,6 +321,34 @@ def test_opt_cost_in_headers_and_print_kernel(capsys) -> None:
     assert "def score_fn(s, b, h, q, kv):" in out and "def tile_class_fn(" in out
 
 
+def test_print_kernel_on_the_backward(capsys) -> None:
+    """--print-kernel after fa2-bwd: the backward's main kernel module (the Hopper schedule at f16 D = 64), its
+    device functions showing what the backend took out of the elements (lse_row_fn, delta_row_fn) and the kernel
+    reading the LSE and Delta through them; the deterministic pipeline says wgmma refused it and prints mma.sync's."""
+    from falower.cli import main
+
+    rc = main(["opt", "examples/causal.py", "-p", "fa2-bwd", "--shapes", "B=1,H=2,M=256,N=256,D=64", "--print-kernel"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "numba-cuda backward kernel source (D = 64, f16, wgmma schedule)" in out
+    assert "def lse_row_fn(lse):" in out and "def delta_row_fn(delta):" in out
+    assert "lse_row_fn(lse[" in out and "delta_row_fn(delta[" in out and "wgmma_ss" in out
+    rc = main(["opt", "examples/causal.py", "-p", "fa2-bwd-deterministic", "--shapes", "D=64", "--print-kernel"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "mma schedule; wgmma refused: wgmma backward: the deterministic mode" in out
+
+
+@pytest.mark.parametrize("pipeline, shapes, match", [
+    ("fa2-bwd", "D=48", "--print-kernel: numba-cuda backend: mma path: the backward needs block_k = 16 * num_warps"),
+    ("autodiff", "D=64", "needs the fa2-fwd IR (one parallel_for over (b, h, q-tile)); lower with pipeline fa2-fwd "
+                         "first (or fa2-bwd for the backward's kernel)"),
+])
+def test_print_kernel_on_other_forms_is_one_line(capsys, pipeline, shapes, match) -> None:
+    code, out, err = cli(capsys, "opt", EX / "causal.py", "-p", pipeline, "--print-kernel", "--shapes", shapes)
+    assert_one_error_line(code, err, match)
+    assert out == ""
+
+
 # ------------------------------------------------------------------ error paths found by review
 @pytest.mark.parametrize("pipeline, shapes, match", [
     ("fa2-fwd", "D=512", "bytes of shared memory exceed 227 KB (tiles 128x64, D = 512, mma path"),
