@@ -374,7 +374,7 @@ def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
     hoisted out of the elements), on the schedule a Hopper GPU runs (wgmma at f16 / bf16, D = 64 or 128; else
     mma.sync or SIMT, as `falower.compile` would pick without a GPU)."""
     from .backends.numba_cuda.emit_fa2_bwd import emit_fa2_backward
-    from .backends.numba_cuda.emit_fa3_bwd import backward_extra, resolve
+    from .backends.numba_cuda.emit_fa3_bwd import backward_extra, resolve, uses_wgmma
     from .backends.numba_cuda.from_ir import BackendError
     from .backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
 
@@ -387,7 +387,7 @@ def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
     except ValueError as e:
         raise BackendError(f"--print-kernel: numba-cuda backend: {e} (backward tiles {spec.block_q}x{spec.block_k}, "
                          f"D = {head_dim}, {path} path)") from None
-    sched = "wgmma" if spec.extra.get("bwd_schedule") == "wgmma" else path
+    sched = "wgmma" if uses_wgmma(spec) else path
     return (f"\n# ----- numba-cuda backward kernel source (D = {head_dim}, {dtype}, {sched} schedule"
             + (f"; wgmma refused: {refused}" if refused else "") + ") -----\n" + source)
 

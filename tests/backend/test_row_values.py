@@ -177,6 +177,10 @@ def test_the_row_values_anywhere(stem, s, dp, lse, delta, q, kv, interior):
         got = np.array(_call(new[n], s, dp, *_rows(new, lse, delta), q, kv, interior, 130, 100), np.float32)
         if np.array_equal(got, want, equal_nan=True):
             continue
+        np.testing.assert_array_equal(got[0], want[0], err_msg=n)  # P: bit for bit always
+        if abs(float(want[1])) < 2.0 ** -120 and abs(float(got[1])) < 2.0 ** -120:
+            continue  # dS at f32's underflow: Delta c can round to 0 (or a subnormal) where (dP - Delta) c P did
+            #           not yet: a difference under 2^-120, far under any gradient's error rule
         if stem in ROUNDED and not np.isfinite(want[1]) and np.isfinite(want[0]):
             assert abs(float(got[1])) > 1e30 or got[1] == want[1], (n, got, want)  # the element form's * cap overflowed
         elif stem in ROUNDED:

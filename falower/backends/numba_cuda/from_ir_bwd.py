@@ -748,7 +748,7 @@ def _row_lse(br: _Branch, outs: Sequence[Value]) -> Optional[Value]:
 def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Optional[list[str]]:
     """lse_row_fn(lse): the branch's guarded row statistic times log2(e) (`_row_lse`, `_ElementEmitter.log2e`), the
     part of the exponential's argument that depends on the q row alone, which the kernels compute once a row where
-    they read the LSE (the loader warps' stores into shared memory) instead of in every element: a FMUL, FSETP
+    they read the LSE (the loader warps' stores into shared memory) instead of in every element: an FMUL, FSETP
     and FSEL a column and tile (48 + 16 of the D = 64 backward's ~233 instructions a thread and tile; benchmarks/
     NOTES.md, seventy-first session). None where the branch has no such value."""
     w = _row_lse(br, [br.p, br.ds])
@@ -833,27 +833,27 @@ def _delta_row_fn(c: float) -> list[str]:
 
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
              tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False, given: bool = False,
-             row_lse: bool = False, row_delta: bool = False) -> Optional[list[str]]:
+             lse_per_row: bool = False, delta_per_row: bool = False) -> Optional[list[str]]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
     (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e; `grad_dist`:
     `_late_distances` before the contributions; `given`: elemg_<branch>, the branch's grid reads (`_grid_reads`)
-    taken as parameters tv0, tv1, ... instead of gathered; `row_lse`: its `lse` parameter is lse_row_fn's value
-    (`_lse_row_fn`), not the LSE; `row_delta`: its `delta`, delta_row_fn's (`_scaled_difference`); None where the
-    code would still read the LSE or Delta itself."""
+    taken as parameters tv0, tv1, ... instead of gathered; `lse_per_row`: its `lse` parameter is lse_row_fn's
+    value (`_lse_row_fn`), not the LSE; `delta_per_row`: its `delta`, delta_row_fn's (`_scaled_difference`); None
+    where the code would still read the LSE or Delta itself."""
     names = _elem_names(low, br, dq_nest)
     reads = low.grid_reads.get(br.name, []) if given else []
     names.update({op.results[0]: f"tv{j}" for j, op in enumerate(reads)})
-    if row_lse:
+    if lse_per_row:
         names[br.lse] = "lse_unrowed"  # must not be read: checked below
-    found = _scaled_difference(low, br, env) if row_delta else None
-    if row_delta:
+    found = _scaled_difference(low, br, env) if delta_per_row else None
+    if delta_per_row:
         if found is None:
             return None
         names[br.delta] = "delta_unrowed"
     e = _ElementEmitter(env, names, exp_fold)
     e.tanh_ex2 = tanh_ex2
-    w = _row_lse(br, [br.ds] if dq_nest else [br.p, br.ds]) if row_lse else None
-    if row_lse:
+    w = _row_lse(br, [br.ds] if dq_nest else [br.p, br.ds]) if lse_per_row else None
+    if lse_per_row:
         if w is None:
             return None
         e.log2e_names[(w, None)] = "lse"
@@ -934,21 +934,21 @@ def _pred_source(region: Block, operands: list[Value], env: Mapping[str, int], n
 
 
 def _elem_fns(low: BackwardLowered, env: Mapping[str, int], sig: str, tanh_ex2: bool, exp_fold: bool,
-              grad_dist: bool, row_lse: bool, row_delta: bool) -> list[str]:
-    """Every branch's element functions (and grid reads' lead functions); with `row_lse`, lse_row_fn first and
+              grad_dist: bool, lse_per_row: bool, delta_per_row: bool) -> list[str]:
+    """Every branch's element functions (and grid reads' lead functions); with `lse_per_row`, lse_row_fn first and
     the element functions reading its value, where every branch of both nests has the same one (else none does:
-    the kernels pass what lse_row_fn returns to all of them); with `row_delta` the same for delta_row_fn."""
+    the kernels pass what lse_row_fn returns to all of them); with `delta_per_row` the same for delta_row_fn."""
     every = (*low.branches, *low.q_branches)
-    rows = [_lse_row_fn(low, br, env) for br in every] if row_lse and exp_fold else [None]
+    rows = [_lse_row_fn(low, br, env) for br in every] if lse_per_row and exp_fold else [None]
     hoist = rows[0] is not None and all(r == rows[0] for r in rows)
-    scales = [_scaled_difference(low, br, env) for br in every] if row_delta else [None]
+    scales = [_scaled_difference(low, br, env) for br in every] if delta_per_row else [None]
     hoist_d = scales[0] is not None and all(f is not None and f[2] == scales[0][2] for f in scales)
     if hoist_d:  # Delta read by these differences alone (a nest may load it once for several branches)
         use, subs = uses(low.func), {f[0].owner for f in scales if f is not None}
         hoist_d = all(u in subs for br in every for u in use.get(br.delta, []))
     out: list[str] = (rows[0] or []) + [""] if hoist else []
     out += _delta_row_fn(scales[0][2]) + [""] if hoist_d and scales[0] is not None else []
-    kw = dict(tanh_ex2=tanh_ex2, exp_fold=exp_fold, row_lse=hoist, row_delta=hoist_d)
+    kw = dict(tanh_ex2=tanh_ex2, exp_fold=exp_fold, lse_per_row=hoist, delta_per_row=hoist_d)
     for br in low.branches:
         fns = [_elem_fn(low, br, env, sig, grad_dist=grad_dist, **kw)]
         if low.grid_reads.get(br.name):
@@ -968,10 +968,12 @@ def _elem_fns(low: BackwardLowered, env: Mapping[str, int], sig: str, tanh_ex2: 
 
 
 def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool = False, exp_fold: bool = True,
-                  grad_dist: bool = False, row_lse: bool = True, row_delta: bool = True) -> tuple[str, list[str]]:
+                  grad_dist: bool = False, lse_per_row: bool = True, delta_per_row: bool = True
+                  ) -> tuple[str, list[str]]:
     """The variant's device functions and the run-time dims they read (scalar arguments dim_<name>). `tanh_ex2`:
-    from_ir.tanh_by_ex2; `grad_dist`: _late_distances; `row_lse`, `row_delta`: lse_row_fn, delta_row_fn where the
-    branches allow them (`_elem_fns`), which the kernels then apply to the LSE and Delta where they read them."""
+    from_ir.tanh_by_ex2; `grad_dist`: _late_distances; `lse_per_row`, `delta_per_row`: lse_row_fn, delta_row_fn
+    where the branches allow them (`_elem_fns`), which the kernels then apply to the LSE and Delta where they read
+    them."""
     cap_names = {c: f"cap_{c.name}" for c in low.captures}
     sig = "".join(f", {n}" for n in cap_names.values()) + ", DIMS"
     for v, (c, a, g) in zip(low.range_values, low.ranges):  # after the sizes, as in the spec's captures
@@ -979,7 +981,7 @@ def device_source(low: BackwardLowered, env: Mapping[str, int], tanh_ex2: bool =
         sig += f", {cap_names[v]}"
     if low.block_mask == "list":  # the block lists, last (the spec's derived captures' order)
         sig += "".join(f", blk_{c.name}" for c in list_captures(low.dq))
-    out = _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, row_lse, row_delta)
+    out = _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, lse_per_row, delta_per_row)
     for i, v in enumerate(low.grad_index):
         if v is not None:
             out += _grad_index_fn(low, low.branches[0], env, sig, i, v) + [""]
