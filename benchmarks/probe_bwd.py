@@ -102,6 +102,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "sdpt": ({"sdp_ahead": "top"}, "the next tile's S^T and dP^T issued after dQ's hand-off (sdp_ahead 'top')"),
     "pp": ({"bwd_pingpong": True}, "the two consumer warpgroups out of lockstep: dQ by each one's own kv rows and slab, "
            "per-warpgroup barriers, S^T / dP^T issued in turns (bwd_pingpong)"),
+    "sp": ({"stat_pairs": True}, "a column pair's LSE and Delta by one 8-byte shared load each (stat_pairs; 16 loads a "
+           "thread and tile where the default takes 32)"),
     "norowdelta": ({"delta_per_row": False}, "dS as P (dP - Delta) c in every element, as before the seventy-first "
                    "session (delta_per_row False; the default folds c into fma(dP, c, -Delta c), -Delta c once a row)"),
     "norowlse": ({"lse_per_row": False}, "the LSE's guard and log2(e) in every element, as before the seventy-first "

@@ -44,6 +44,12 @@ CASES = {
     # the softcap: dS = P fma(dP, c, -Delta c) (1 - t^2), its cap and 1 / (cap sqrt(D)) folded into c
     # (from_ir_bwd._scaled_difference), -Delta c by delta_row_fn where the kernel reads Delta
     "softcap-f16-d64-20x19": ("softcap", "f16", 1, 2, 2, 20, 19, 64, 64, 64),
+    # stat_pairs: a column pair's LSE and Delta by one 8-byte shared load each, on the default kernel's tiles
+    # (64 x 128, dq_ws and ws_loads: the loaders' statistics in both buffers, 3 ragged q tiles) and under a static
+    # mask's two branches; each also run without the knob (SAME_AS_DEFAULT: the gradients bitwise the same)
+    "causal-f16-d64-150x130-2wg-wsl-sp": ("causal", "f16", 1, 1, 1, 150, 130, 64, 64, 128,
+                                          {"dq_ws": True, "ws_loads": True, "stat_pairs": True}),
+    "softcap-bf16-d128-20x19-sp": ("softcap", "bf16", 1, 2, 2, 20, 19, 128, 64, 64, {"stat_pairs": True}),
     # fa2-bwd's shape: two warpgroups, dQ's 64 columns split between them (n32 from +64 bytes in K's rows)
     "sliding_window-f16-d64-63x130-2wg": ("sliding_window", "f16", 1, 1, 1, 63, 130, 64, 64, 128),
     "relative_bias-f16-d128-20x19": ("relative_bias", "f16", 1, 2, 2, 20, 19, 128, 64, 64),  # per-element grads
@@ -172,7 +178,9 @@ SLOW_WARP_CASES = ("plain-f16-d64-150x140-2wg-pp",)
 SLOW_WARP_SECONDS = 0.05
 # cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
 SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},
-                   "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False}}
+                   "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False},
+                   "causal-f16-d64-150x130-2wg-wsl-sp": {"stat_pairs": False},
+                   "softcap-bf16-d128-20x19-sp": {"stat_pairs": False}}
 # cases run with benchmarks/probe_bwd.py's --blocks stamps (stamped_blocks_source, --drain's waits too) in place of
 # the main kernel: tests/test_probe_bwd_tool.py reads their gradients and stamps. 2 kv tiles, one walking 2 ragged q
 # tiles, the other none (its zeros), on the default kernel (dq_ws and ws_loads at 64 x 128) and with dkdv_in_tile

@@ -146,6 +146,14 @@ def test_dq_late(stem: str, dtype: str, D: int) -> None:
 
 
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["plain", "causal", "softcap"])
+def test_stat_pairs(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["stat_pairs"]: a thread's column pair's LSE and Delta by one 8-byte shared load each (the A/B knob
+    against the per-column loads, the default)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["stat_pairs"], stat_pairs=True)
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["causal", "gqa", "relative_bias"])
 def test_kv_major(stem: str, dtype: str, D: int) -> None:
     """spec.extra["kv_major"] asked against its default: the grid (kv tiles, kv heads, batch) under causal's mask,

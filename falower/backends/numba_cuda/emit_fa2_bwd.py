@@ -293,6 +293,27 @@ def _elem_quad_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
     return c.helper(f"elems_{branch}", lines)
 
 
+def _elem_pair_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
+    """`elems2_<branch>(x, y, i, col, sb0, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior, *captures)`:
+    _elem_quad_helper's step for the thread's two adjacent q columns (q0 + col + t2 and the next; t2 even, col a
+    multiple of 8) at once, their LSE and Delta by one 8-byte shared load each (`lds_v2_f32` at the shared byte
+    address sb0 + 4 word): 2 loads where the quad helper's two calls take 4 (the wgmma kernel's stat_pairs)."""
+    caps = _cap_args(spec)
+    lines = ["@device_function",
+             f"def elems2_{branch}(x, y, i, col, sb0, lse_f, dlt_f, q0, t2, kvr, b, h, hk, interior{caps}):",
+             "    lq0, lq1 = lds_v2_f32(sb0 + 4 * (lse_f + t2 + col))",
+             "    dq0, dq1 = lds_v2_f32(sb0 + 4 * (dlt_f + t2 + col))"]
+    for e in range(2):
+        lines.append(f"    qi = q0 + col + t2 + {e}")
+        for r in range(2):
+            at = f"i + {e + 2 * r}" if e + 2 * r else "i"
+            lines += [f"    s{r}, p{r} = elem_{branch}(lget(x, {at}), lget(y, {at}), lq{e}, dq{e}, b, h, hk, qi, "
+                      f"kvr{' + 8' if r else ''}, interior{caps})",
+                      f"    lset(x, {at}, s{r})",
+                      f"    lset(y, {at}, p{r})"]
+    return c.helper(f"elems2_{branch}", lines)
+
+
 def _grad_outs(spec: FA2BackwardSpec) -> list[list[str]]:
     return [[f"gc{i}"] + [f"gi{i}_{j}" for j in range(g.n_index)] for i, g in enumerate(spec.grads)]
 

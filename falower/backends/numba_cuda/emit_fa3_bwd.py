@@ -71,6 +71,7 @@ from .emit_fa2_bwd import (
     _cap_args,
     _cap_names,
     _elem_call,
+    _elem_pair_helper,
     _elem_quad_helper,
     _emit_dkdv_stores,
     _emit_dq_reductions,
@@ -238,13 +239,22 @@ KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa,
               "dkdv_bulk": "# (dkdv_bulk: staged in",
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
               "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
-              "dkdv_in_tile": "# dkdv_in_tile: ", "bwd_pingpong": "bar_arrive(PP_TURN"}
+              "dkdv_in_tile": "# dkdv_in_tile: ", "bwd_pingpong": "bar_arrive(PP_TURN", "stat_pairs": "def elems2_"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
     """Which of KNOB_MARKS' knobs the kernel module `source` was emitted with."""
     return {knob: any(m in source for m in (mark if isinstance(mark, tuple) else (mark,)))
             for knob, mark in KNOB_MARKS.items()}
+
+
+def stat_pairs(spec: FA2BackwardSpec) -> bool:
+    """The element step's LSE and Delta of a thread's two adjacent q columns by one 8-byte shared load each
+    (spec.extra["stat_pairs"] True; default False, not yet measured): 16 loads a thread and tile at 64 x 128 where
+    the per-column reads take 32 (the seventy-first session's local SASS of the D = 64 backward: 32 LDS of its
+    ~246 interior instructions). Where the element code adds captured tables' gradients or reads tables by 16
+    bytes, the per-column form stays."""
+    return spec.extra.get("stat_pairs", False) is True
 
 
 def dq_bulk(spec: FA2BackwardSpec) -> bool:
@@ -1502,6 +1512,12 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             itr = ["interior"]  # the elementwise calls' interior argument: a literal in interior_split's copies
 
             def elementwise(branch: str) -> None:
+                if not spec.grads and not RV[branch] and stat_pairs(spec):  # a call per n8 tile's column pair
+                    fn = _elem_pair_helper(c, spec, branch)
+                    for jj in range(NJ):
+                        c(f"{fn}(sacc, pacc, ofs_{jj * 4}, ofs_{jj * 8}, sb0, lse_f, dlt_f, q0, t2, kvr, b, h, hk, "
+                          f"{itr[0]}{caps})")
+                    return
                 if not spec.grads and not RV[branch]:  # one helper call per (n8 tile, column): 4 elements
                     fn = _elem_quad_helper(c, spec, branch)
                     for jj in range(NJ):
