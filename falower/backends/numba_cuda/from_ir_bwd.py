@@ -745,15 +745,12 @@ def _row_lse(br: _Branch, outs: Sequence[Value]) -> Optional[Value]:
     return top[0] if len(top) == 1 and top[0] is not br.lse and top[0].type.dtype == "f32" else None
 
 
-def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Optional[list[str]]:
-    """lse_row_fn(lse): the branch's guarded row statistic times log2(e) (`_row_lse`, `_ElementEmitter.log2e`), the
+def _lse_row_fn(br: _Branch, w: Value, env: Mapping[str, int]) -> Optional[list[str]]:
+    """lse_row_fn(lse): the branch's guarded row statistic w times log2(e) (`_row_lse`, `_ElementEmitter.log2e`), the
     part of the exponential's argument that depends on the q row alone, which the kernels compute once a row where
     they read the LSE (the loader warps' stores into shared memory) instead of in every element: an FMUL, FSETP
     and FSEL a column and tile (48 + 16 of the D = 64 backward's ~233 instructions a thread and tile; benchmarks/
-    NOTES.md, seventy-first session). None where the branch has no such value."""
-    w = _row_lse(br, [br.p, br.ds])
-    if w is None:
-        return None
+    NOTES.md, seventy-first session). None where it would read a run-time size."""
     e = _ElementEmitter(env, {br.lse: "lse"})
     e.value(w)  # the select's condition named first, as the element code has it
     r = e.log2e(w)
@@ -761,8 +758,11 @@ def _lse_row_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int]) -> Op
     return None if any(re.search(r"\bdim_\w+", ln) for ln in lines[1:]) else lines  # a run-time size: no argument
 
 
-def _scaled_difference(low: BackwardLowered, br: _Branch, env: Mapping[str, int]
-                       ) -> Optional[tuple[Value, list[tuple[Value, Value, bool]], float]]:
+_Scaled = tuple[Value, list[tuple[Value, Value, bool]], float]
+
+
+def _scaled_difference(low: BackwardLowered, br: _Branch, env: Mapping[str, int], use: Mapping[Value, list[Op]]
+                       ) -> Optional[_Scaled]:
     """(y, chain, c): the branch's dS reached from y = dP - Delta through a chain of products, each read by the
     next alone (Delta by such y alone, in every branch: `_elem_fns` checks), whose constant factors multiply to c
     (the softmax scale; a softcap's cap and its inverse): dS = P (dP - Delta) c, or P (dP - Delta) cap (1 - t^2)
@@ -770,8 +770,8 @@ def _scaled_difference(low: BackwardLowered, br: _Branch, env: Mapping[str, int]
     the q row alone (delta_row_fn), and the constant products go: one FFMA an element where there were an FADD
     and an FMUL a constant. `chain`, from y up to dS: (value, the operand the chain continues in, whether the
     value is emitted as it is; a constant product is not: it takes that operand's name). None where dS is not of that
-    form (a captured table's gradient reading dP - Delta or a product on the way, no difference, two of them)."""
-    use = uses(low.func)
+    form (a captured table's gradient reading dP - Delta or a product on the way, no difference, two of them).
+    `use`: ir.core.uses of the function."""
     e = _ElementEmitter(env, _elem_names(low, br, br in low.q_branches))
     e.value(br.ds)  # folds the constants
 
@@ -833,32 +833,26 @@ def _delta_row_fn(c: float) -> list[str]:
 
 def _elem_fn(low: BackwardLowered, br: _Branch, env: Mapping[str, int], sig: str, dq_nest: bool = False,
              tanh_ex2: bool = False, exp_fold: bool = True, grad_dist: bool = False, given: bool = False,
-             lse_per_row: bool = False, delta_per_row: bool = False) -> Optional[list[str]]:
+             row_lse: Optional[Value] = None, scaled: Optional[_Scaled] = None) -> Optional[list[str]]:
     """elem_<branch> of the kv-outer nest: (p, ds, contributions...); elemq_<branch> of the q-outer dQ nest:
     (ds,). `tanh_ex2`: from_ir.tanh_by_ex2, as the forward's P; `exp_fold`: _ElementEmitter.log2e; `grad_dist`:
     `_late_distances` before the contributions; `given`: elemg_<branch>, the branch's grid reads (`_grid_reads`)
-    taken as parameters tv0, tv1, ... instead of gathered; `lse_per_row`: its `lse` parameter is lse_row_fn's
-    value (`_lse_row_fn`), not the LSE; `delta_per_row`: its `delta`, delta_row_fn's (`_scaled_difference`); None
-    where the code would still read the LSE or Delta itself."""
+    taken as parameters tv0, tv1, ... instead of gathered; `row_lse` (the branch's `_row_lse`): its `lse`
+    parameter is lse_row_fn's value, not the LSE; `scaled` (the branch's `_scaled_difference`): its `delta`,
+    delta_row_fn's; None where the code would still read the LSE or Delta itself."""
     names = _elem_names(low, br, dq_nest)
     reads = low.grid_reads.get(br.name, []) if given else []
     names.update({op.results[0]: f"tv{j}" for j, op in enumerate(reads)})
-    if lse_per_row:
+    if row_lse is not None:
         names[br.lse] = "lse_unrowed"  # must not be read: checked below
-    found = _scaled_difference(low, br, env) if delta_per_row else None
-    if delta_per_row:
-        if found is None:
-            return None
+    if scaled is not None:
         names[br.delta] = "delta_unrowed"
     e = _ElementEmitter(env, names, exp_fold)
     e.tanh_ex2 = tanh_ex2
-    w = _row_lse(br, [br.ds] if dq_nest else [br.p, br.ds]) if lse_per_row else None
-    if lse_per_row:
-        if w is None:
-            return None
-        e.log2e_names[(w, None)] = "lse"
-    if found is not None:
-        y, chain, c = found
+    if row_lse is not None:
+        e.log2e_names[(row_lse, None)] = "lse"
+    if scaled is not None:
+        y, chain, c = scaled
         e.names[y] = e.line(f"cuda.fma(dp, np.float32({c!r}), delta)")  # (dP - Delta) c
         for v, nxt, keep in chain:  # up to dS: the products kept, the constant ones named as their operand
             e.names[v] = e.value(v) if keep else e.names[nxt]
@@ -939,20 +933,28 @@ def _elem_fns(low: BackwardLowered, env: Mapping[str, int], sig: str, tanh_ex2: 
     the element functions reading its value, where every branch of both nests has the same one (else none does:
     the kernels pass what lse_row_fn returns to all of them); with `delta_per_row` the same for delta_row_fn."""
     every = (*low.branches, *low.q_branches)
-    rows = [_lse_row_fn(low, br, env) for br in every] if lse_per_row and exp_fold else [None]
+    use = uses(low.func)
+    # each branch's row values by id (a _Branch is a dataclass: no hash)
+    ws = {id(br): _row_lse(br, [br.p, br.ds]) for br in every} if lse_per_row and exp_fold else {}
+    rows = [_lse_row_fn(br, ws[id(br)], env) if ws[id(br)] is not None else None for br in every] if ws else [None]
     hoist = rows[0] is not None and all(r == rows[0] for r in rows)
-    scales = [_scaled_difference(low, br, env) for br in every] if delta_per_row else [None]
-    hoist_d = scales[0] is not None and all(f is not None and f[2] == scales[0][2] for f in scales)
+    scales = {id(br): _scaled_difference(low, br, env, use) for br in every} if delta_per_row else {}
+    first = next(iter(scales.values()), None)
+    hoist_d = first is not None and all(f is not None and f[2] == first[2] for f in scales.values())
     if hoist_d:  # Delta read by these differences alone (a nest may load it once for several branches)
-        use, subs = uses(low.func), {f[0].owner for f in scales if f is not None}
+        subs = {f[0].owner for f in scales.values() if f is not None}
         hoist_d = all(u in subs for br in every for u in use.get(br.delta, []))
     out: list[str] = (rows[0] or []) + [""] if hoist else []
-    out += _delta_row_fn(scales[0][2]) + [""] if hoist_d and scales[0] is not None else []
-    kw = dict(tanh_ex2=tanh_ex2, exp_fold=exp_fold, lse_per_row=hoist, delta_per_row=hoist_d)
+    out += _delta_row_fn(first[2]) + [""] if hoist_d and first is not None else []
+
+    def kw(br: _Branch) -> dict:
+        return dict(tanh_ex2=tanh_ex2, exp_fold=exp_fold, row_lse=ws[id(br)] if hoist else None,
+                    scaled=scales[id(br)] if hoist_d else None)
+
     for br in low.branches:
-        fns = [_elem_fn(low, br, env, sig, grad_dist=grad_dist, **kw)]
+        fns = [_elem_fn(low, br, env, sig, grad_dist=grad_dist, **kw(br))]
         if low.grid_reads.get(br.name):
-            fns.append(_elem_fn(low, br, env, sig, grad_dist=grad_dist, given=True, **kw))
+            fns.append(_elem_fn(low, br, env, sig, grad_dist=grad_dist, given=True, **kw(br)))
             for j, op in enumerate(low.grid_reads[br.name]):
                 fns.append(_grid_lead_fn(low, br, env, sig, j, op))
         for fn in fns:
@@ -960,7 +962,7 @@ def _elem_fns(low: BackwardLowered, env: Mapping[str, int], sig: str, tanh_ex2: 
                 return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False, False)
             out += fn + [""]
     for br in low.q_branches:
-        fn = _elem_fn(low, br, env, sig, dq_nest=True, **kw)
+        fn = _elem_fn(low, br, env, sig, dq_nest=True, **kw(br))
         if fn is None:
             return _elem_fns(low, env, sig, tanh_ex2, exp_fold, grad_dist, False, False)
         out += fn + [""]
