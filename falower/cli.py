@@ -368,18 +368,17 @@ def cmd_opt(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
+def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int, path: str) -> str:
     """--print-kernel on a backward (the fa2-bwd form: the function takes the forward's LSE): the main backward
     kernel's module, its device functions first (the element code, lse_row_fn / delta_row_fn: what the backend
     hoisted out of the elements), on the schedule a Hopper GPU runs (wgmma at f16 / bf16, D = 64 or 128; else
-    mma.sync or SIMT, as `falower.compile` would pick without a GPU)."""
+    `path`, mma.sync or SIMT, as `_kernel_source` picks it for the forward)."""
     from .backends.numba_cuda.emit_fa2_bwd import emit_fa2_backward
     from .backends.numba_cuda.emit_fa3_bwd import backward_extra, resolve, uses_wgmma
     from .backends.numba_cuda.from_ir import BackendError
     from .backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
 
     low = analyse_backward(lowered)
-    path = "mma" if head_dim % 16 == 0 and dtype in ("f16", "bf16") else "simt"
     extra = backward_extra({}, env={}, dtype=dtype, head_dim=head_dim, cc=(9, 0) if path == "mma" else None)
     spec, refused = resolve(build_backward_spec(low, {"D": head_dim}, dtype, path, None, extra))
     try:
@@ -400,14 +399,14 @@ def _kernel_source(lowered: Func, dtype: str, head_dim: int) -> str:
     from .backends.numba_cuda.emit_fa2 import emit_fa2_forward
     from .backends.numba_cuda.from_ir import BackendError, analyse, build_spec, unbuildable
 
+    path = "mma" if head_dim % 16 == 0 and dtype in ("f16", "bf16") else "simt"
     if any(a.name == "lse" for a in lowered.args):
-        return _backward_kernel_source(lowered, dtype, head_dim)
+        return _backward_kernel_source(lowered, dtype, head_dim, path)
     try:
         low = analyse(lowered)
     except BackendError as e:  # neither form: say both
         raise BackendError(f"--print-kernel: {e} (or fa2-bwd for the backward's kernel)") from None
     dims = {"D": head_dim}
-    path = "mma" if head_dim % 16 == 0 and dtype in ("f16", "bf16") else "simt"
     spec = None
     try:
         spec = build_spec(low, dims, dtype, path, None)

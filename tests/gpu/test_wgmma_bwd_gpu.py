@@ -317,11 +317,6 @@ def reference_jobs() -> list[tuple]:
     return sorted(jobs)
 
 
-if __name__ == "__main__":  # the references ("ref" jobs of test_backward_gpu's script), then pytest
-    sys.exit(precompile_then_pytest([("ref", *j) for j in reference_jobs()], "references", __file__, sys.argv[1:],
-                                    ("-p", "no:benchmark"), one_thread=True))
-
-
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["plain", "causal", "document", "gqa", "alibi", "sliding_window"])
 def test_bwd_pingpong(stem: str, dtype: str, D: int) -> None:
@@ -334,3 +329,8 @@ def test_bwd_pingpong(stem: str, dtype: str, D: int) -> None:
     base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"bwd_pingpong": True}))
     for name, a, b in zip(("dk", "dv"), base[1:3], new[1:3]):
         assert torch.equal(a, b), name
+
+
+if __name__ == "__main__":  # the references ("ref" jobs of test_backward_gpu's script), then pytest
+    sys.exit(precompile_then_pytest([("ref", *j) for j in reference_jobs()], "references", __file__, sys.argv[1:],
+                                    ("-p", "no:benchmark"), one_thread=True))

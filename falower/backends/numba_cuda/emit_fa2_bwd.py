@@ -284,13 +284,21 @@ def _elem_quad_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
              "    qi = q0 + col + t2",
              "    lq = lget(smem_f, lse_f + t2 + col)",
              "    dq_ = lget(smem_f, dlt_f + t2 + col)",
-             f"    s0, p0 = elem_{branch}(lget(x, i), lget(y, i), lq, dq_, b, h, hk, qi, kvr, interior{caps})",
-             "    lset(x, i, s0)",
-             "    lset(y, i, p0)",
-             f"    s1, p1 = elem_{branch}(lget(x, i + 2), lget(y, i + 2), lq, dq_, b, h, hk, qi, kvr + 8, interior{caps})",
-             "    lset(x, i + 2, s1)",
-             "    lset(y, i + 2, p1)"]
+             *_column_lines(branch, caps, 0, "lq", "dq_")]
     return c.helper(f"elems_{branch}", lines)
+
+
+def _column_lines(branch: str, caps: str, e: int, lq: str, dq: str) -> list[str]:
+    """The element helpers' step on one q column (qi) of this thread's two kv rows (kvr, kvr + 8): elem_<branch>
+    on (x[i + e], y[i + e]) and (x[i + e + 2], y[i + e + 2]) in place, the column's LSE and Delta `lq`, `dq`."""
+    lines = []
+    for r in range(2):
+        at = f"i + {e + 2 * r}" if e + 2 * r else "i"
+        lines += [f"    s{r}, p{r} = elem_{branch}(lget(x, {at}), lget(y, {at}), {lq}, {dq}, b, h, hk, qi, "
+                  f"kvr{' + 8' if r else ''}, interior{caps})",
+                  f"    lset(x, {at}, s{r})",
+                  f"    lset(y, {at}, p{r})"]
+    return lines
 
 
 def _elem_pair_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
@@ -304,13 +312,7 @@ def _elem_pair_helper(c: _Code, spec: FA2BackwardSpec, branch: str) -> str:
              "    lq0, lq1 = lds_v2_f32(sb0 + 4 * (lse_f + t2 + col))",
              "    dq0, dq1 = lds_v2_f32(sb0 + 4 * (dlt_f + t2 + col))"]
     for e in range(2):
-        lines.append(f"    qi = q0 + col + t2 + {e}")
-        for r in range(2):
-            at = f"i + {e + 2 * r}" if e + 2 * r else "i"
-            lines += [f"    s{r}, p{r} = elem_{branch}(lget(x, {at}), lget(y, {at}), lq{e}, dq{e}, b, h, hk, qi, "
-                      f"kvr{' + 8' if r else ''}, interior{caps})",
-                      f"    lset(x, {at}, s{r})",
-                      f"    lset(y, {at}, p{r})"]
+        lines += [f"    qi = q0 + col + t2 + {e}", *_column_lines(branch, caps, e, f"lq{e}", f"dq{e}")]
     return c.helper(f"elems2_{branch}", lines)
 
 

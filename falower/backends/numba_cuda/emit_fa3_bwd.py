@@ -1512,13 +1512,13 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             itr = ["interior"]  # the elementwise calls' interior argument: a literal in interior_split's copies
 
             def elementwise(branch: str) -> None:
-                if not spec.grads and not RV[branch] and stat_pairs(spec):  # a call per n8 tile's column pair
-                    fn = _elem_pair_helper(c, spec, branch)
-                    for jj in range(NJ):
-                        c(f"{fn}(sacc, pacc, ofs_{jj * 4}, ofs_{jj * 8}, sb0, lse_f, dlt_f, q0, t2, kvr, b, h, hk, "
-                          f"{itr[0]}{caps})")
-                    return
-                if not spec.grads and not RV[branch]:  # one helper call per (n8 tile, column): 4 elements
+                if not spec.grads and not RV[branch]:  # a helper call per (n8 tile, column) or column pair
+                    if stat_pairs(spec):
+                        fn = _elem_pair_helper(c, spec, branch)
+                        for jj in range(NJ):
+                            c(f"{fn}(sacc, pacc, ofs_{jj * 4}, ofs_{jj * 8}, sb0, lse_f, dlt_f, q0, t2, kvr, b, h, "
+                              f"hk, {itr[0]}{caps})")
+                        return
                     fn = _elem_quad_helper(c, spec, branch)
                     for jj in range(NJ):
                         for e in range(2):
