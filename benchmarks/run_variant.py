@@ -5,7 +5,8 @@ to put under a profiler (the bench's timing loop launches thousands of kernels a
         --section SpeedOfLight --section WarpStateStats --section Occupancy \
         python3 benchmarks/run_variant.py document --d 128 --who both
 
---bwd adds the backward (falower's dQ and dK / dV kernels; Flex's through autograd).
+--bwd adds the backward (falower's dQ and dK / dV kernels; Flex's through autograd). --who cudnn runs torch SDPA's
+cuDNN backend instead (plain and causal only: the kernels falower's README rows are read against).
 Variants and their captured data are bench.py's (`bench.variant`, `bench.example_compiled`); with --config the
 falower kernel is that tile config's (`bench.parse_config`, e.g. 128x64w8-wsn), otherwise the automatic choice.
 """
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("stem", help="an example's name (examples/<stem>.py) or a bench-only variant")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--n", type=int, default=4096)
-    ap.add_argument("--who", choices=["falower", "flex", "both"], default="falower")
+    ap.add_argument("--who", choices=["falower", "flex", "both", "cudnn"], default="falower")
     ap.add_argument("--config", default="", help="a bench tile config for falower (default: automatic choice)")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--bwd", action="store_true", help="then the backward: falower's c.backward (its dQ and dK / dV "
@@ -65,6 +66,17 @@ def main() -> None:
                      enable_gqa=var.group > 1)
             if args.bwd:
                 o.backward(torch.randn_like(o))
+    if args.who == "cudnn":
+        if args.stem not in ("plain", "causal"):
+            sys.exit(f"run_variant.py: --who cudnn runs plain or causal, not {args.stem!r}")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        ql, kl, vl = (x.detach().requires_grad_(args.bwd) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            for _ in range(args.reps):
+                o = torch.nn.functional.scaled_dot_product_attention(ql, kl, vl, is_causal=args.stem == "causal")
+                if args.bwd:
+                    o.backward(torch.randn_like(o))
     torch.cuda.synchronize()
 
 
