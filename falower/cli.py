@@ -375,7 +375,7 @@ def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int, path: str)
     `path`, mma.sync or SIMT, as `_kernel_source` picks it for the forward)."""
     from .backends.numba_cuda.emit_fa2_bwd import emit_fa2_backward
     from .backends.numba_cuda.emit_fa3_bwd import backward_extra, resolve, uses_wgmma
-    from .backends.numba_cuda.from_ir import BackendError
+    from .backends.numba_cuda.from_ir import unbuildable_backward
     from .backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
 
     low = analyse_backward(lowered)
@@ -384,8 +384,8 @@ def _backward_kernel_source(lowered: Func, dtype: str, head_dim: int, path: str)
     try:
         source = emit_fa2_backward(spec)
     except ValueError as e:
-        raise BackendError(f"--print-kernel: numba-cuda backend: {e} (backward tiles {spec.block_q}x{spec.block_k}, "
-                         f"D = {head_dim}, {path} path)") from None
+        err = unbuildable_backward(e, spec, path)
+        raise type(err)(f"--print-kernel: {err}") from None
     sched = "wgmma" if uses_wgmma(spec) else path
     return (f"\n# ----- numba-cuda backward kernel source (D = {head_dim}, {dtype}, {sched} schedule"
             + (f"; wgmma refused: {refused}" if refused else "") + ") -----\n" + source)

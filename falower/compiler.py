@@ -926,7 +926,7 @@ class CompiledAttention:
     @deep_graphs()
     def _backward_kernel_and_dims_for(self, dtype: str, D: int):
         """The backward kernel for inputs of `dtype` and head dim D (built on first use)."""
-        from .backends.numba_cuda.from_ir import BackendError
+        from .backends.numba_cuda.from_ir import unbuildable_backward
         from .backends.numba_cuda.from_ir_bwd import analyse_backward, build_backward_spec
         from .backends.numba_cuda.runtime import FA2BackwardKernel
 
@@ -950,8 +950,7 @@ class CompiledAttention:
             try:
                 kern = FA2BackwardKernel(spec)
             except ValueError as e:
-                raise BackendError(f"numba-cuda backend: {e} (backward tiles {spec.block_q}x{spec.block_k}, "
-                                   f"D = {spec.head_dim}, {path} path)") from None
+                raise unbuildable_backward(e, spec, path) from None
             level = debug_level()
             if level >= 3:
                 print(f"[falower] backward kernel {spec.name}:\n{kern.source}", file=sys.stderr)

@@ -349,6 +349,23 @@ def test_print_kernel_on_other_forms_is_one_line(capsys, pipeline, shapes, match
     assert out == ""
 
 
+def test_print_kernel_and_compile_refuse_a_backward_schedule_alike(capsys) -> None:
+    """The backward's unbuildable schedule is one line, the same from `falower opt --print-kernel` as from the
+    compiled function (from_ir.unbuildable_backward, written once)."""
+    import runpy
+
+    import falower as fl
+    from falower.backends.numba_cuda.from_ir import BackendError
+
+    code, out, err = cli(capsys, "opt", EX / "causal.py", "-p", "fa2-bwd", "--print-kernel", "--shapes", "D=48")
+    assert code != 0 and out == ""
+    graph = runpy.run_path(str(EX / "causal.py"))["graph"]
+    with pytest.raises(BackendError) as info:
+        fl.compile(graph, "numba-cuda", path="mma")._backward_kernel_and_dims_for("f16", 48)
+    assert "\n" not in str(info.value) and "(backward tiles " in str(info.value)
+    assert err.strip() == f"falower: error: --print-kernel: {info.value}"
+
+
 # ------------------------------------------------------------------ error paths found by review
 @pytest.mark.parametrize("pipeline, shapes, match", [
     ("fa2-fwd", "D=512", "bytes of shared memory exceed 227 KB (tiles 128x64, D = 512, mma path"),

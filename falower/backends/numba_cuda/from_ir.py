@@ -39,6 +39,14 @@ def unbuildable(e: ValueError, head_dim: int, path: str, spec=None) -> BackendEr
                         "tile{bq=..,bk=..})")
 
 
+def unbuildable_backward(e: ValueError, spec, path: str) -> BackendError:
+    """The error for a backward schedule the emitter refuses (its ValueError), with the backward's tiles (its own,
+    not the forward's tile{} choice): what compile and `falower opt -p fa2-bwd --print-kernel` both say."""
+    why = (str(e).strip().splitlines() or ["(no message)"])[0]
+    return BackendError(f"numba-cuda backend: {why} (backward tiles {spec.block_q}x{spec.block_k}, D = "
+                        f"{spec.head_dim}, {path} path)")
+
+
 @dataclass
 class Lowered:
     """What the IR fixes about the kernel, before the sizes of a call are known."""
