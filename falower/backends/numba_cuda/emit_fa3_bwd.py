@@ -250,10 +250,12 @@ def knobs_in(source: str) -> dict[str, bool]:
 
 def stat_pairs(spec: FA2BackwardSpec) -> bool:
     """The element step's LSE and Delta of a thread's two adjacent q columns by one 8-byte shared load each
-    (spec.extra["stat_pairs"] True; default False, not yet measured): 16 loads a thread and tile at 64 x 128 where
+    (spec.extra["stat_pairs"] True; default False, measured slower): 16 loads a thread and tile at 64 x 128 where
     the per-column reads take 32 (the seventy-first session's local SASS of the D = 64 backward: 32 LDS of its
     ~246 interior instructions). Where the element code adds captured tables' gradients or reads tables by 16
-    bytes, the per-column form stays."""
+    bytes, the per-column form stays. Measured (H200, 2026-12-03, probe_bwd.py `sp`, 300 pairs of whole backward
+    calls): 1.124 / 1.093 of the default's time at D = 64 / 128, with 32 fewer instructions a thread and tile and
+    the same registers; why is not known (an LLVM load in place of the inline asm gave ptxas the same SASS)."""
     return spec.extra.get("stat_pairs", False) is True
 
 
@@ -534,7 +536,8 @@ def p_under_dp(spec: FA2BackwardSpec) -> bool:
     part. FlashAttention-3 runs its exponentials under the dP GEMM the same way. Only where every branch's
     elementwise function splits (elem_split: dS reads the score only through P) and no captured table has a
     gradient; elsewhere the kernel keeps the fused function. Measured no faster (H200, probe_bwd.py, 7 rounds):
-    1.052 / 1.002 / 1.015 of the default's time (plain D = 128 / causal / D = 64)."""
+    1.052 / 1.002 / 1.015 of the default's time (plain D = 128 / causal / D = 64); again on 2026-12-03 (300 pairs,
+    the row values' element code): 1.042 / 1.038 (D = 64 / 128)."""
     if spec.extra.get("p_under_dp", False) is not True or spec.grads:
         return False
     return all(split_elem(spec.device_source, b) is not None for b in spec.branches)
@@ -648,7 +651,8 @@ def dq_late(spec: FA2BackwardSpec) -> bool:
     --phases, H200), issued while the tensor cores idle between dQ's GEMM and the next tile's barrier, loads and
     S^T. Not with dq_bulk (which stages the fragment instead). Measured (H200, probe_bwd.py, 9 rounds): 1.119 /
     1.188 / 1.079 of the default's time (plain D = 128 / causal / D = 64): the 32 registers held over the loop top
-    spill, and L2, busy either way, is what bounds the reductions."""
+    spill, and L2, busy either way, is what bounds the reductions. Again on 2026-12-03 (300 pairs): 1.495 / 1.621
+    (D = 64 / 128)."""
     return spec.extra.get("dq_late", False) is True and not dq_bulk(spec)
 
 
@@ -658,7 +662,9 @@ def dk_after_dq(spec: FA2BackwardSpec) -> bool:
     dK in flight while dQ's reductions issue (waited after them). FlashAttention-3's order (its bwd_step issues dQ
     before dK for the same reason); the default issues dV and dK together before the barrier and waits for all
     three GEMMs before the reductions. Measured (H200, probe_bwd.py, 7 rounds): 1.010 / 0.980 / 1.095 of the
-    default's time (plain D = 128 / causal / D = 64)."""
+    default's time (plain D = 128 / causal / D = 64); on 2026-12-03's kernels (300 pairs of whole backward calls,
+    `dkl`): **0.953 plain and 0.940 causal at D = 128**, 1.002 plain at D = 64. The default at D = 128 once the
+    GPU test scripts have run on it (benchmarks/NOTES.md, seventy-second session)."""
     return spec.extra.get("dk_after_dq", False) is True
 
 
