@@ -172,8 +172,8 @@ def parse_config(text: str) -> tuple:
     16-byte reduction (extra grad_v4), '-bnoread' with such a table's entries gathered by each element, not by
     16-byte loads (extra read_v4), '-brlate' with those loads in the element code, not all a tile's issued before the
     wait for S^T and dP^T (read_v4 "late"), '-bbulk' dQ staged
-    in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' dK's
-    GEMM issued after dQ's, in flight while dQ's reductions issue (extra dk_after_dq), '-bpdp' P computed while dP's
+    in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' / '-bnodkl' dK's
+    GEMM issued after dQ's, in flight while dQ's hand-off issues, or not (extra dk_after_dq; default on at D = 128), '-bpdp' P computed while dP's
     GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
     without bounds code (extra interior_split), '-bnoef' its exponential's argument times log2 e, not log2 e folded into
     the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued under the next tile's S^T / dP^T GEMMs,
@@ -284,7 +284,7 @@ CONFIG_OPTIONS: list = [
     (("bnov4", {"grad_v4": False}),),
     (("bnoread", {"read_v4": False}), ("brlate", {"read_v4": "late"})),
     (("bbulk", {"dq_bulk": True}),),
-    (("bdkl", {"dk_after_dq": True}),),
+    (("bdkl", {"dk_after_dq": True}), ("bnodkl", {"dk_after_dq": False})),
     (("bpdp", {"p_under_dp": True}),),
     (("bnois", {"interior_split": False}),),
     (("bdql", {"dq_late": True}),),

@@ -68,6 +68,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "bulk": ({"dq_bulk": True}, "dQ staged, added by bulk reductions"),
     "red": ({"dq_bulk": False}, "dQ by the threads' vector reductions"),
     "dkl": ({"dk_after_dq": True}, "dK's GEMM in flight under dQ's reductions"),
+    "nodkl": ({"dk_after_dq": False}, "dK's GEMM beside dV's before the barrier (dk_after_dq False, the order before "
+              "the seventy-second session's default at D = 128)"),
     "pdp": ({"p_under_dp": True}, "P's exponentials under dP's GEMM"),
     "dkl_pdp": ({"dk_after_dq": True, "p_under_dp": True}, "both"),
     "nois": ({"interior_split": False}, "one copy of the elementwise calls"),
@@ -243,7 +245,7 @@ PHASES = (
     ("S^T dP^T", "WAIT_S(pacc, 0)"),  # the two GEMMs issued and waited for
     ("elementwise", "FENCE_D(dvacc, 0)"),  # P and dS (and captured tables' gradients)
     ("dV dK, dS^T", "cuda.syncthreads()  # dS^T is complete"),  # their issue, dS^T's stores, the copies' wait, barrier
-    ("dQ GEMM", "WAIT_Q(dqa, 0)"),  # dQ = dS K issued and waited for (dV / dK's wait with it)
+    ("dQ GEMM", "WAIT_Q(dqa, 0)"),  # dQ = dS K issued and waited for (dV / dK's wait with it; dk_after_dq: WAIT_Q1)
     ("reductions", "hc = hn"),  # dQ's reductions (or staging), the next tile's statistics: stamped before this line
 )
 TILES = 64  # q tiles stamped a block (the first 64 of its walk)
@@ -266,6 +268,8 @@ PP_ANCHORS = {0: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's la
 def phase_anchors(source: str) -> list[str]:
     """PHASES' anchors as this kernel writes them (its block barrier: `block_barrier`; bwd_pingpong's: PP_ANCHORS)."""
     anchors = [a.replace("cuda.syncthreads()", block_barrier(source)) for _, a in PHASES]
+    if "WAIT_Q1(dqa, 0)" in source:  # dk_after_dq: dQ's wait leaves dK's group in flight
+        anchors = [a.replace("WAIT_Q(dqa, 0)", "WAIT_Q1(dqa, 0)") for a in anchors]
     if "bar_arrive(PP_TURN" in source:
         anchors = [PP_ANCHORS.get(i, a) for i, a in enumerate(anchors)]
     return anchors

@@ -132,6 +132,10 @@ CASES = {
     # buffers (each issue waits its buffer's mbarrier: 4 tiles, both parities), and beside dQ's GEMM on the
     # consumers' own loads; the last tile's issue reads a stale buffer that nothing uses (scaling the next tile's
     # Q by the wrong buffer, (buf ^ 1) -> buf, fails it: dq err ~1)
+    # ... with dK's GEMM beside dV's (dk_after_dq False, the order before the seventy-second session), its gradients
+    # bitwise the default's (dK after dQ: SAME_AS_DEFAULT)
+    "causal-bf16-d128-200x70-2wg-wsl-nodkl": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
+                                              {"dq_ws": True, "ws_loads": True, "dk_after_dq": False}),
     "causal-bf16-d128-200x70-2wg-wsl-sdpt": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
                                              {"dq_ws": True, "ws_loads": True, "sdp_ahead": "top"}),
     "causal-f16-d64-130x130-2wg-dqws-sdpq": ("causal", "f16", 1, 1, 1, 130, 130, 64, 64, 128,
@@ -178,6 +182,7 @@ SLOW_WARP_CASES = ("plain-f16-d64-150x140-2wg-pp",)
 SLOW_WARP_SECONDS = 0.05
 # cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
 SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},
+                   "causal-bf16-d128-200x70-2wg-wsl-nodkl": {"dk_after_dq": True},
                    "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False},
                    "causal-f16-d64-150x130-2wg-wsl-sp": {"stat_pairs": False},
                    "softcap-bf16-d128-20x19-sp": {"stat_pairs": False}}
@@ -343,7 +348,7 @@ def _slowed_warpgroup(wg: int, seconds: float):
 
 def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     import falower as fl
-    from falower.backends.numba_cuda.emit_fa3_bwd import dkdv_store_auto, knobs_in
+    from falower.backends.numba_cuda.emit_fa3_bwd import _dk_after_dq_auto, dkdv_store_auto, knobs_in
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
@@ -382,6 +387,7 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
            # the knobs asked for, in effect (p_under_dp falls back to the fused function where it cannot split)
            "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
            "dkdv_store_auto": dkdv_store_auto(kern.spec),  # how dK / dV leave unless a knob says
+           "dk_after_dq_auto": _dk_after_dq_auto(kern.spec),  # dK's GEMM after dQ's unless asked (D = 128)
            # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
            "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None,
            # grad_dist: the gradients' distances recomputed as float(kv) - float(q) (from_ir_bwd._late_distances)

@@ -331,7 +331,7 @@ def ws_loads(spec: FA2BackwardSpec) -> bool:
 
 
 WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
-_AUTO_KNOBS = ("dq_ws", "ws_loads")  # True, False or "auto" (the others: True or False)
+_AUTO_KNOBS = ("dq_ws", "ws_loads", "dk_after_dq")  # True, False or "auto" (the others: True or False)
 _DQ_WS_REFUSES = "dq_split 'k' (but under bwd_pingpong), dq_bulk, dq_late or bwd_persistent"  # the knobs dq_ws() turns it off for
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
 DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
@@ -426,8 +426,8 @@ _DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_
 def _in_tile_clash(spec: FA2BackwardSpec) -> list[str]:
     """The knobs dkdv_in_tile cannot run beside (their own staging or order), as the spec sets them."""
     return [k for k in _DKDV_IN_TILE_REFUSES if k == "bwd_persistent" and persistent(spec) or
-            k == "sdp_ahead" and sdp_ahead(spec) or k not in ("bwd_persistent", "sdp_ahead") and
-            spec.extra.get(k, False) is True] + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
+            k == "sdp_ahead" and sdp_ahead(spec) or k == "dk_after_dq" and dk_after_dq(spec) or
+            k not in ("bwd_persistent", "sdp_ahead", "dk_after_dq") and spec.extra.get(k, False) is True] + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
 
 
 def dkdv_store_auto(spec: FA2BackwardSpec) -> str:
@@ -442,7 +442,9 @@ def dkdv_store_auto(spec: FA2BackwardSpec) -> str:
     causal D = 64 0.988, the window 0.970, the document 0.976, prefix LM 0.990, the softcap 0.996, the window at
     D = 64 0.985, but the bias table **1.073** (in_tile) and ALiBi at D = 64 1.004: a captured table's gradient (its
     flush after the walk) keeps the row copies, and so does dkdv_stsm asked for (its staging is of the row copies;
-    under the rule it did nothing, unseen until the GPU tests' knob check, sixty-ninth session)."""
+    under the rule it did nothing, unseen until the GPU tests' knob check, sixty-ninth session). dk_after_dq's default
+    (D = 128) refuses in_tile, so plain D = 128 leaves by row copies beside it (the pair measured 0.953 of in_tile's
+    time, seventy-second session)."""
     if spec.grads or spec.extra.get("dkdv_stsm", False) is True:
         return ""
     if not uses_wgmma(spec) or persistent(spec) or _in_tile_clash(spec):
@@ -657,15 +659,29 @@ def dq_late(spec: FA2BackwardSpec) -> bool:
 
 
 def dk_after_dq(spec: FA2BackwardSpec) -> bool:
-    """dK's GEMM issued after dQ's (spec.extra["dk_after_dq"] True; default False): dV += P^T dO
-    and dS^T's stores, the barrier, dQ = dS K, then dK += dS^T Q from dS's packed registers, and dQ's wait leaves
-    dK in flight while dQ's reductions issue (waited after them). FlashAttention-3's order (its bwd_step issues dQ
-    before dK for the same reason); the default issues dV and dK together before the barrier and waits for all
-    three GEMMs before the reductions. Measured (H200, probe_bwd.py, 7 rounds): 1.010 / 0.980 / 1.095 of the
-    default's time (plain D = 128 / causal / D = 64); on 2026-12-03's kernels (300 pairs of whole backward calls,
-    `dkl`): **0.953 plain and 0.940 causal at D = 128**, 1.002 plain at D = 64. The default at D = 128 once the
-    GPU test scripts have run on it (benchmarks/NOTES.md, seventy-second session)."""
-    return spec.extra.get("dk_after_dq", False) is True
+    """dK's GEMM issued after dQ's (spec.extra["dk_after_dq"]: True, False, or "auto", the default: on at D = 128
+    over 64 x 128 tiles, with no block mask or a static one and no captured table's gradient, where nothing asked
+    conflicts with it: `_dk_after_dq_auto`): dV += P^T dO and dS^T's stores, the barrier, dQ = dS K, then dK +=
+    dS^T Q from dS's packed registers, and dQ's wait leaves dK in flight while dQ's hand-off issues (waited after
+    it). FlashAttention-3's order (its bwd_step issues dQ before dK for the same reason); the other order issues dV
+    and dK together before the barrier and waits for all three GEMMs before the hand-off. Measured (H200,
+    probe_bwd.py, 7 rounds, 2026-11-29): 1.010 / 0.980 / 1.095 of the other order's time (plain D = 128 / causal /
+    D = 64); on 2026-12-03's kernels (dq_ws's hand-off, the row values; 300 pairs of whole backward calls, `dkl`,
+    its dK / dV stores then by dkdv_store_auto's rule without in_tile): **0.953 plain and 0.940 causal at D = 128**,
+    1.002 plain at D = 64 (benchmarks/NOTES.md, seventy-second session). Not measured, so off under "auto": block
+    lists and tables (the document), a captured table's gradient (its registers held across tiles), other tiles."""
+    v = spec.extra.get("dk_after_dq", "auto")
+    return v is True or (v == "auto" and _dk_after_dq_auto(spec))
+
+
+def _dk_after_dq_auto(spec: FA2BackwardSpec) -> bool:
+    """dk_after_dq's "auto": the measured shapes (D = 128, 64 x 128 tiles, no mask or a static one, no gradient of a
+    captured table) where no knob asked for refuses it (bwd_pingpong, sdp_ahead, dkdv_in_tile True, a persistent
+    kernel)."""
+    return (uses_wgmma(spec) and spec.head_dim == 128 and (spec.block_q, spec.block_k) == (64, 128)
+            and spec.block_mask in ("none", "static") and not spec.grads and not spec.deterministic
+            and spec.extra.get("bwd_pingpong", False) is not True and spec.extra.get("sdp_ahead", False) is False
+            and spec.extra.get("dkdv_in_tile", "auto") is not True and not persistent(spec))
 
 
 def _col_splits(spec: FA2BackwardSpec) -> int:
