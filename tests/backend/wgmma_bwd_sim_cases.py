@@ -136,6 +136,13 @@ CASES = {
     # bitwise the default's (dK after dQ: SAME_AS_DEFAULT)
     "causal-bf16-d128-200x70-2wg-wsl-nodkl": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
                                               {"dq_ws": True, "ws_loads": True, "dk_after_dq": False}),
+    # dk_after_dq's default at D = 128 (64 x 128 tiles, dq_ws and ws_loads by "auto": the default kernel) beyond
+    # causal: plain (dK and dV by row copies, in_tile refusing it), GQA (a kv head's walk over 2 query heads) and a
+    # static window (dK / dV by TMA tensor stores), each with a ragged last q tile
+    "plain-f16-d128-130x140-2wg-dkl": ("plain", "f16", 1, 1, 1, 130, 140, 128, 64, 128, {"dq_ws": "auto"}),
+    "gqa-bf16-d128-20x130-2wg-dkl": ("gqa", "bf16", 1, 2, 1, 20, 130, 128, 64, 128, {"dq_ws": "auto"}),
+    "sliding_window-f16-d128-200x130-2wg-dkl": ("sliding_window", "f16", 1, 1, 1, 200, 130, 128, 64, 128,
+                                                {"dq_ws": "auto"}),
     "causal-bf16-d128-200x70-2wg-wsl-sdpt": ("causal", "bf16", 1, 1, 1, 200, 70, 128, 64, 128,
                                              {"dq_ws": True, "ws_loads": True, "sdp_ahead": "top"}),
     "causal-f16-d64-130x130-2wg-dqws-sdpq": ("causal", "f16", 1, 1, 1, 130, 130, 64, 64, 128,
