@@ -180,9 +180,9 @@ CASES = {
 }
 # case -> (warpgroup, seconds): each of that warpgroup's emulated shared-memory operand reads (wgmma's, ldmatrix's)
 # sleeps first, in the case's own call only. Each is a bwd_pingpong or dq_alternate case above run again with one
-# whole warpgroup slowed: the other runs ahead of it through the loads it requests, its slabs and its turns, or (dq_alternate)
-# up to DS_FULL / DS_FREE (either made an arrival only reads dq err 0.7-1.2 here); the simulator's threads otherwise
-# run close to lockstep
+# whole warpgroup slowed: the other runs ahead of it through the loads it requests, its slabs and its turns, or
+# (dq_alternate) up to DS_FULL / DS_FREE (either made an arrival only reads dq err 0.7-1.2 here); the simulator's
+# threads otherwise run close to lockstep
 SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01), "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01),
                   "plain-f16-d64-150x140-2wg-dqa-slowwg0": (0, 0.01), "causal-f16-d64-150x130-2wg-dqa-slowwg1": (1, 0.01),
                   "causal-bf16-d128-150x70-2wg-dqa-slowwg0": (0, 0.01)}

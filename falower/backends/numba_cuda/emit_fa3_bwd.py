@@ -28,7 +28,8 @@ in the slab order). What is new is the schedule (FA3's backward):
 * dK and dV stay in registers over every q tile and head of the group and are written once.
 
 The two consumer warpgroups run each phase at the same time (two block barriers a tile); `bwd_pingpong` (opt-in)
-takes them out of lockstep: each one's dQ from its own kv rows, its own barriers, S^T / dP^T issued in turns.
+takes them out of lockstep: each one's dQ from its own kv rows, its own barriers, S^T / dP^T issued in turns;
+`dq_alternate` (opt-in) gives each q tile's whole dQ to one warpgroup in turn while the other goes on (cuDNN's).
 
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
 `falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`),
@@ -247,9 +248,13 @@ def dq_alternate(spec: FA2BackwardSpec) -> bool:
     S^T / dP^T while one waits for dQ; our samples had 4.4% of all stall samples on dQ's wgmma wait and 2.4% on the
     HGMMA after the barrier before dQ, both warpgroups waiting at once. Takes 64 x 128 tiles, dq_split "n", dq_ws and
     ws_loads; with dk_after_dq (its "auto" at D = 128) the dQ warpgroup issues dK after dQ as ever and the other
-    issues dK right after its dS^T arrival. Not with bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel
-    or dkdv_in_tile (it stages dK in the other Q / dO buffer, which the other warpgroup, up to a tile behind, may
-    still read: dkdv_store_auto then picks TMA or row copies). Opt-in, not yet measured on a GPU."""
+    issues dK right after its dS^T arrival. At D = 128 the dQ warpgroup's product and hand-off go in two column
+    halves of 64, each waited for and stored in turn (as bwd_pingpong's), dK's GEMM after the first: ptxas (sm_90a,
+    no wgmma serialized either way) spilled 76 / 56 bytes (plain / causal) with the whole 64 x 128 f32 fragment,
+    60 / 40 in halves, against the default's 32 / 12; at D = 64 (one m64n64 product) the default's 36 / 28. Not with
+    bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or dkdv_in_tile (it stages dK in the other Q / dO
+    buffer, which the other warpgroup, up to a tile behind, may still read: dkdv_store_auto then picks TMA or row
+    copies). Opt-in, not yet measured on a GPU."""
     return spec.extra.get("dq_alternate", False) is True and uses_wgmma(spec)
 
 
@@ -1284,8 +1289,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"PP_TURN = {DQ_WS_BAR + 2 + 2 * NWG * NS + NWG}  # PP_TURN + w: the other warpgroup issued its S^T, "
               "dP^T: w's turn")
         if ALT:
-            c(f"DS_FULL = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # dq_alternate: both warpgroups' dS^T rows stored (the tile's "
-              "dQ warpgroup waits)")
+            c(f"DS_FULL = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # dq_alternate: both warpgroups' dS^T rows stored (the "
+              "tile's dQ warpgroup waits)")
             c(f"DS_FREE = {DQ_WS_BAR + 3 + 2 * NWG * NS}  # dq_alternate: the last tile's dQ GEMM has read dS^T (the "
               "other warpgroup waits)")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
@@ -1493,8 +1498,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             with c.indent():
                 c(f"bar_arrive(PP_TURN, {NT})  # bwd_pingpong: warpgroup 0 issues its S^T, dP^T first")
         if ALT:
-            c("cuda.syncthreads()  # dq_alternate: every consumer's K, V and first Q, dO copies and statistics; from here")
-            c("# on the warpgroups meet only at dS^T (DS_FULL, DS_FREE) and at ws_loads' requests")
+            c("cuda.syncthreads()  # dq_alternate: every consumer's K, V and first Q, dO copies and statistics; from")
+            c("# here on the warpgroups meet only at dS^T (DS_FULL, DS_FREE) and at ws_loads' requests")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -1691,8 +1696,8 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             if ALT:
                 c("if dqwg and tn > 0:")
                 with c.indent():
-                    c(f"bar_sync(DS_FREE, {NT})  # dq_alternate: the other warpgroup's dQ GEMM of the last tile has read "
-                      "dS^T")
+                    c(f"bar_sync(DS_FREE, {NT})  # dq_alternate: the other warpgroup's dQ GEMM of the last tile "
+                      "has read dS^T")
             c("FENCE_D(dvacc, 0)")
             if not DKL:
                 c("FENCE_D(dkacc, 0)")
