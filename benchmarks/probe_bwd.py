@@ -265,11 +265,10 @@ def block_barrier(source: str) -> str:
 # the second with the hand-offs)
 PP_ANCHORS = {0: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's last dQ GEMM",
               4: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's dS^T rows"}
-# dq_alternate's loop has no barrier of both warpgroups ("barrier" then ends at its dQ turn's test, after the loaders'
-# mbarrier wait) and its dQ in one warpgroup's branch: "dV dK, dS^T" ends at the proxy fence before the branch, "dQ
-# GEMM" holds the whole branch (DS_FULL, dQ and its hand-off on the tile's dQ warpgroup; the arrival, dK and the waits
-# on the other), "reductions" only the tile count's step
-ALT_ANCHORS = {0: "dqwg = wg == (tn & 1)", 4: "fence_proxy_async()  # they and dS^T's generic stores", 5: "tn += 1"}
+# dq_alternate's loop has no barrier at its top ("barrier" then ends at its dQ turn's test, after the loaders' mbarrier
+# wait) and its dQ in one warpgroup's branch: "dQ GEMM" holds the whole branch (dQ and its hand-off on the tile's dQ
+# warpgroup; dK and the waits on the other), "reductions" only the tile count's step
+ALT_ANCHORS = {0: "dqwg = wg == (tn & 1)", 5: "tn += 1"}
 
 
 def phase_anchors(source: str) -> list[str]:

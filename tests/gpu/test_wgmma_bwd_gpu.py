@@ -141,8 +141,8 @@ def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
 @pytest.mark.parametrize("stem", ["causal", "alibi", "relative_bias"])
 def test_dq_alternate(stem: str, dtype: str, D: int) -> None:
     """spec.extra["dq_alternate"]: each q tile's whole dQ by one consumer warpgroup in turn, the other going on with no
-    barrier of both (DS_FULL / DS_FREE guard dS^T); at D = 128 beside dk_after_dq, its default there (the A/B knob
-    against both warpgroups' column halves)."""
+    barrier at the loop's top (dS^T's barrier and DS_FREE guard dS^T; dk_after_dq's "auto" steps aside at D = 128)
+    (the A/B knob against both warpgroups' column halves)."""
     assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_alternate"], dq_alternate=True)
 
 

@@ -229,7 +229,8 @@ def bwd_pingpong(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("bwd_pingpong", False) is True and uses_wgmma(spec)
 
 
-_DQ_ALTERNATE_REFUSES = ("bwd_pingpong", "sdp_ahead", "dq_bulk", "dq_late", "dkdv_in_tile", "bwd_persistent")
+_DQ_ALTERNATE_REFUSES = ("bwd_pingpong", "sdp_ahead", "dq_bulk", "dq_late", "dkdv_in_tile", "bwd_persistent",
+                         "dk_after_dq")
 
 
 def dq_alternate(spec: FA2BackwardSpec) -> bool:
@@ -238,23 +239,28 @@ def dq_alternate(spec: FA2BackwardSpec) -> bool:
     issues dQ = dS K for the tile's 64 q rows and all D columns over all block_k = 128 kv rows (both warpgroups' dS^T
     rows), waits for it and hands the 64 x D f32 fragment to its own slab (dq_ws; one a warpgroup by default,
     `dq_ws_slabs`: the two warpgroups' slabs alternate as two slabs of one warpgroup do, and the bytes are the
-    default's), while the other warpgroup skips dQ and goes straight on to the next tile's S^T and dP^T. There is no
-    barrier of both warpgroups in the loop: after its dS^T stores the tile's dQ warpgroup waits on DS_FULL, which the
-    other only arrives on; before its dS^T stores a warpgroup waits on DS_FREE, on which the other arrived once its dQ
-    GEMM of the last tile had read dS^T (the first tile and the one after the walk matched: every arrival is waited
-    for); the Q / dO buffers stay guarded by ws_loads' request barrier, which counts both warpgroups (each arrives at
-    a tile's top, after it waited for the last tile's GEMMs). Why: ncu of cuDNN's D = 64 backward (the same 64 x 128
-    decomposition) shows it alternating dQ between its warpgroups so that the tensor cores have the other's next
-    S^T / dP^T while one waits for dQ; our samples had 4.4% of all stall samples on dQ's wgmma wait and 2.4% on the
-    HGMMA after the barrier before dQ, both warpgroups waiting at once. Takes 64 x 128 tiles, dq_split "n", dq_ws and
-    ws_loads; with dk_after_dq (its "auto" at D = 128) the dQ warpgroup issues dK after dQ as ever and the other
-    issues dK right after its dS^T arrival. At D = 128 the dQ warpgroup's product and hand-off go in two column
-    halves of 64, each waited for and stored in turn (as bwd_pingpong's), dK's GEMM after the first: ptxas (sm_90a,
-    no wgmma serialized either way) spilled 76 / 56 bytes (plain / causal) with the whole 64 x 128 f32 fragment,
-    60 / 40 in halves, against the default's 32 / 12; at D = 64 (one m64n64 product) the default's 36 / 28. Not with
-    bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or dkdv_in_tile (it stages dK in the other Q / dO
-    buffer, which the other warpgroup, up to a tile behind, may still read: dkdv_store_auto then picks TMA or row
-    copies). Opt-in, not yet measured on a GPU."""
+    default's), while the other warpgroup skips dQ and goes straight on to the next tile's S^T and dP^T. The loop's
+    top has no barrier (the default's waits there for both warpgroups' dQ GEMMs and hand-offs); dS^T's barrier after
+    its stores stays, and before its dS^T stores the tile's dQ warpgroup waits on DS_FREE, on which the other arrived
+    once its dQ GEMM of the last tile had read dS^T (the first tile skipped, the one after the walk matched: every
+    arrival is waited for). dS^T's barrier is one of both warpgroups, not an arrival of the skipping one: with an
+    arrival only, the skipping warpgroup ran a tile ahead and its DS_FREE arrival of tile t and its own wait of tile
+    t + 2 made one generation without the other (the simulator's slowed warpgroups: dQ wrong, then a deadlock), and
+    per-warpgroup barrier ids there made ptxas serialize every wgmma (C7520). The Q / dO buffers stay guarded by
+    ws_loads' request barrier, which counts both warpgroups (each arrives at a tile's top, after it waited for the
+    last tile's GEMMs). Why: ncu of cuDNN's D = 64 backward (the same 64 x 128 decomposition) shows it alternating dQ
+    between its warpgroups so that the tensor cores have the other's next S^T / dP^T while one waits for dQ; our
+    samples had 4.4% of all stall samples on dQ's wgmma wait and 2.4% on the HGMMA after the barrier before dQ, both
+    warpgroups waiting at once. Takes 64 x 128 tiles, dq_split "n", dq_ws and ws_loads. dk_after_dq's "auto" (D = 128)
+    steps aside and dk_after_dq True is refused: with it (the dQ warpgroup's dK between dQ's halves, the other's after
+    dS^T's barrier; `_emit_dq_alternate` still emits that order) the simulator read dQ wrong in 2 of ~7 runs of the
+    causal D = 128 case under load (dq err 0.26-0.28, once 0.0097 against 0.0086), a race not yet found; without it 7
+    of 7 read the default's dQ bitwise. At D = 128 the dQ warpgroup's product and hand-off go in two column halves of
+    64, each waited for and stored in turn (as bwd_pingpong's): ptxas (sm_90a, no wgmma serialized) spilled 60 / 40
+    bytes (plain / causal; 76 / 56 with the whole 64 x 128 f32 fragment) against the default's 32 / 12; at D = 64 (one
+    m64n64 product) the default's 36 / 28. Not with bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or
+    dkdv_in_tile (it stages dK in the other Q / dO buffer, which the other warpgroup, up to a tile behind, may still
+    read: dkdv_store_auto then picks TMA or row copies). Opt-in, not yet measured on a GPU."""
     return spec.extra.get("dq_alternate", False) is True and uses_wgmma(spec)
 
 
@@ -711,11 +717,12 @@ def dk_after_dq(spec: FA2BackwardSpec) -> bool:
 def _dk_after_dq_auto(spec: FA2BackwardSpec) -> bool:
     """dk_after_dq's "auto": the measured shapes (D = 128, 64 x 128 tiles, no mask or a static one, no gradient of a
     captured table) where no knob asked for refuses it (bwd_pingpong, sdp_ahead, dkdv_in_tile True, a persistent
-    kernel)."""
+    kernel, dq_alternate)."""
     return (uses_wgmma(spec) and spec.head_dim == 128 and (spec.block_q, spec.block_k) == (64, 128)
             and spec.block_mask in ("none", "static") and not spec.grads and not spec.deterministic
             and spec.extra.get("bwd_pingpong", False) is not True and spec.extra.get("sdp_ahead", False) is False
-            and spec.extra.get("dkdv_in_tile", "auto") is not True and not persistent(spec))
+            and spec.extra.get("dkdv_in_tile", "auto") is not True and not persistent(spec)
+            and spec.extra.get("dq_alternate", False) is not True)
 
 
 def _col_splits(spec: FA2BackwardSpec) -> int:
@@ -1289,9 +1296,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"PP_TURN = {DQ_WS_BAR + 2 + 2 * NWG * NS + NWG}  # PP_TURN + w: the other warpgroup issued its S^T, "
               "dP^T: w's turn")
         if ALT:
-            c(f"DS_FULL = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # dq_alternate: both warpgroups' dS^T rows stored (the "
-              "tile's dQ warpgroup waits)")
-            c(f"DS_FREE = {DQ_WS_BAR + 3 + 2 * NWG * NS}  # dq_alternate: the last tile's dQ GEMM has read dS^T (the "
+            c(f"DS_FREE = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # dq_alternate: the last tile's dQ GEMM has read dS^T (the "
               "other warpgroup waits)")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
@@ -1499,7 +1504,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c(f"bar_arrive(PP_TURN, {NT})  # bwd_pingpong: warpgroup 0 issues its S^T, dP^T first")
         if ALT:
             c("cuda.syncthreads()  # dq_alternate: every consumer's K, V and first Q, dO copies and statistics; from")
-            c("# here on the warpgroups meet only at dS^T (DS_FULL, DS_FREE) and at ws_loads' requests")
+            c("# here on the warpgroups meet only at dS^T (its barrier, DS_FREE) and at ws_loads' requests")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -1720,7 +1725,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             if PP:
                 c("bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's dS^T rows are complete (its dQ reads "
                   "only them)")
-            elif not ALT:
+            else:
                 c("cuda.syncthreads()  # dS^T is complete, and the next tile's Q, dO")
             c()
             if ALT:
@@ -1899,11 +1904,11 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
 
 
 def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, da: list[list[str]], parts: int) -> None:
-    """dq_alternate, after a tile's dV GEMM (and dK's, but under dk_after_dq) and dS^T's stores: the tile's dQ
-    warpgroup (dqwg) waits for the other's dS^T rows (DS_FULL), issues dQ = dS K over all 128 kv rows and D columns
+    """dq_alternate, after a tile's dV GEMM (and dK's, but under dk_after_dq), dS^T's stores and their barrier: the
+    tile's dQ warpgroup (dqwg) issues dQ = dS K over all 128 kv rows and D columns
     (then dK's GEMM under dk_after_dq, in flight through the wait), waits for it, lets the other warpgroup store
-    the next tile's dS^T (DS_FREE) and hands the 64 x D fragment to its slab; the other arrives on DS_FULL, issues
-    dK's GEMM under dk_after_dq, and waits only for its own GEMMs (they read this tile's Q and dO, whose buffer its
+    the next tile's dS^T (DS_FREE) and hands the 64 x D fragment to its slab; the other issues dK's GEMM under
+    dk_after_dq and waits only for its own GEMMs (they read this tile's Q and dO, whose buffer its
     next request lets the loaders refill). Each branch waits for the groups it issued, so no wgmma's wait crosses
     the branch. `da`: each k step's packed dS registers (dK's A under dk_after_dq). `parts`: dQ's product and hand-off
     in that many column parts, each waited for and stored in turn (D = 128: 2, as bwd_pingpong's: the 64 x 128 f32
@@ -1922,7 +1927,6 @@ def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, da: 
 
     c("if dqwg:")
     with c.indent():
-        c(f"bar_sync(DS_FULL, {NT})  # dq_alternate: the other warpgroup's dS^T rows are stored too")
         c(f"# dQ rows 0 .. 63, every column of this q tile: dS K over both warpgroups' kv rows, {kq} wgmma "
           f"m64n{DQN}k16 a part of")
         c(f"# {DQN} columns ({parts}), k step k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)")
@@ -1944,7 +1948,6 @@ def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, da: 
             c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
     c("else:")
     with c.indent():
-        c(f"bar_arrive(DS_FULL, {NT})  # dq_alternate: this warpgroup's dS^T rows are stored; the other takes dQ")
         if DKL:
             issue_dk()
         c("WAIT_D(dvacc, 0)  # dV's and dK's GEMMs (they read this tile's dO and Q)")
