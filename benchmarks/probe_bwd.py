@@ -104,6 +104,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
     "sdpt": ({"sdp_ahead": "top"}, "the next tile's S^T and dP^T issued after dQ's hand-off (sdp_ahead 'top')"),
     "pp": ({"bwd_pingpong": True}, "the two consumer warpgroups out of lockstep: dQ by each one's own kv rows and slab, "
            "per-warpgroup barriers, S^T / dP^T issued in turns (bwd_pingpong)"),
+    "dqalt": ({"dq_alternate": True}, "each q tile's whole dQ by one consumer warpgroup in turn (warpgroup t & 1 on "
+              "tile t), the other going on to the next tile's S^T / dP^T with no barrier of both (dq_alternate)"),
     "sp": ({"stat_pairs": True}, "a column pair's LSE and Delta by one 8-byte shared load each (stat_pairs; 16 loads a "
            "thread and tile where the default takes 32)"),
     "norowdelta": ({"delta_per_row": False}, "dS as P (dP - Delta) c in every element, as before the seventy-first "
@@ -263,15 +265,22 @@ def block_barrier(source: str) -> str:
 # the second with the hand-offs)
 PP_ANCHORS = {0: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's last dQ GEMM",
               4: "bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's dS^T rows"}
+# dq_alternate's loop has no barrier at its top ("barrier" then ends at its dQ turn's test, after the loaders' mbarrier
+# wait) and its dQ in one warpgroup's branch: "dQ GEMM" holds the whole branch (dQ and its hand-off on the tile's dQ
+# warpgroup; dK and the waits on the other), "reductions" only the tile count's step
+ALT_ANCHORS = {0: "dqwg = wg == (tn & 1)", 5: "tn += 1"}
 
 
 def phase_anchors(source: str) -> list[str]:
-    """PHASES' anchors as this kernel writes them (its block barrier: `block_barrier`; bwd_pingpong's: PP_ANCHORS)."""
+    """PHASES' anchors as this kernel writes them (its block barrier: `block_barrier`; bwd_pingpong's: PP_ANCHORS;
+    dq_alternate's: ALT_ANCHORS)."""
     anchors = [a.replace("cuda.syncthreads()", block_barrier(source)) for _, a in PHASES]
     if "WAIT_Q1(dqa, 0)" in source:  # dk_after_dq: dQ's wait leaves dK's group in flight
         anchors = [a.replace("WAIT_Q(dqa, 0)", "WAIT_Q1(dqa, 0)") for a in anchors]
     if "bar_arrive(PP_TURN" in source:
         anchors = [PP_ANCHORS.get(i, a) for i, a in enumerate(anchors)]
+    if "bar_arrive(DS_FREE" in source:
+        anchors = [ALT_ANCHORS.get(i, a) for i, a in enumerate(anchors)]
     return anchors
 
 

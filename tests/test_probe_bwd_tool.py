@@ -91,7 +91,8 @@ def test_a_pattern_the_kernel_lacks_is_refused():
 
 
 @pytest.mark.parametrize("stem, D, extra", [("causal", 128, {}), ("alibi", 64, {}),
-                                            ("plain", 64, {"bwd_pingpong": True}), ("causal", 128, {"bwd_pingpong": True})])
+                                            ("plain", 64, {"bwd_pingpong": True}), ("causal", 128, {"bwd_pingpong": True}),
+                                            ("plain", 64, {"dq_alternate": True}), ("causal", 128, {"dq_alternate": True})])
 def test_the_phase_stamps_go_in_order(stem, D, extra):
     name, src = _source(stem, D, **extra)
     out = probe.stamped_source(src, name)

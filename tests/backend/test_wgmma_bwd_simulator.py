@@ -988,17 +988,20 @@ def _slab_order(spec):
     return at
 
 
-@pytest.mark.parametrize("D, bq, bk", [(64, 64, 64), (64, 64, 128), (128, 64, 128), (64, 128, 128)])
-def test_dq_ws_accumulator_order_is_a_permutation_of_whole_tiles(D, bq, bk):
+@pytest.mark.parametrize("D, bq, bk, alt", [(64, 64, 64, False), (64, 64, 128, False), (128, 64, 128, False),
+                                            (64, 128, 128, False), (64, 64, 128, True), (128, 64, 128, True)])
+def test_dq_ws_accumulator_order_is_a_permutation_of_whole_tiles(D, bq, bk, alt):
     """dq_ws's accumulator order (_slab_order) maps every (batch-head, row, column) of M = 130 rows one-to-one into the
     padded tiles' B H ceil(M / bq) bq D elements; each 16-byte group of a slab holds one thread's n8 tile (rows g and
     g + 8, columns 2t, 2t + 1, wgmma's accumulator order), and columns 2j, 2j + 1 lie side by side (the conversion
-    reads them as a pair); the conversion's chunk decode is its inverse."""
+    reads them as a pair); the conversion's chunk decode is its inverse. Under dq_alternate (`alt`) a tile is one
+    64 x D slab, whichever warpgroup wrote it."""
     from falower.backends.numba_cuda import emit_fa3_bwd
 
-    spec = dataclasses.replace(_spec("causal", D, extra={"dq_ws": True}), block_q=bq, block_k=bk,
+    spec = dataclasses.replace(_spec("causal", D, extra={"dq_ws": True, "dq_alternate": alt}), block_q=bq, block_k=bk,
                                num_warps=bk // 16)
-    assert emit_fa3_bwd.dq_ws(spec)
+    assert emit_fa3_bwd.dq_ws(spec) and emit_fa3_bwd.dq_alternate(spec) is alt
+    assert emit_fa3_bwd._col_splits(spec) == (1 if alt else (bk // 64) // (bq // 64))
     at = _slab_order(spec)
     M, BH = 130, 3
     Mp = emit_fa3_bwd.dq_acc_rows(spec, M)
@@ -1375,6 +1378,119 @@ def test_bwd_pingpong_ptx(tmp_path, monkeypatch):
             continue
         path = tmp_path / f"k{D}.ptx"
         path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)  # (8.3: the TMA stores')
+                        .replace(".target sm_90\n", ".target sm_90a\n"))
+        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
+                           capture_output=True, text=True)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-2000:]
+        assert "serialized" not in log, log[-2000:]
+
+
+def test_dq_alternate_source():
+    """spec.extra dq_alternate (off by default; knobs_in reads it): 64 x 128 tiles with dq_ws and ws_loads, one 64 x D
+    slab a warpgroup (the default's shared memory); a barrier of all consumers before the loop and in it only dS^T's
+    (none at its top); each tile's dQ warpgroup (wg == tn & 1) waits on DS_FREE (after the first tile) before its
+    dS^T stores, issues dQ over both warpgroups' 128 kv rows and every column (two halves of 64 at D = 128), arrives
+    on DS_FREE once dQ is waited for and hands the whole fragment to its slab; the other waits for its own GEMMs
+    (dk_after_dq steps aside: dV and dK before dS^T's barrier on both); after the loop the next
+    warpgroup in turn takes the last DS_FREE arrival; the producer adds each slab as the whole tile."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    for D in (64, 128):
+        default = _spec("causal", D, extra={"dq_ws": "auto"})
+        assert not e.dq_alternate(default)
+        assert not e.knobs_in(e.emit_fa3_backward(default))["dq_alternate"]
+        for stem in ("plain", "causal"):
+            sp = _spec(stem, D, extra={"dq_ws": "auto", "dq_alternate": True})
+            e.validate_spec(sp)
+            assert e.dq_split(sp) == "n" and e.dq_ws(sp) and e.ws_loads(sp) and e._col_splits(sp) == 1
+            assert e.dq_ws_slabs(sp) == 1 and e._dq_ws_slab_bytes(sp) == 64 * D * 4
+            assert e.smem_bytes(sp) == e.smem_bytes(_spec(stem, D, extra={"dq_ws": "auto"})) <= e.SMEM_MAX
+            assert not e.dk_after_dq(sp) and not e.dkdv_in_tile(sp)
+            src = e.emit_fa3_backward(sp)
+            assert e.knobs_in(src)["dq_alternate"] and not e.knobs_in(src)["bwd_pingpong"]
+            pre, rest = src.split("\n    while qc ", 1)
+            loop, after = rest.split("\n    if tn > 0 and wg == (tn & 1):\n        bar_sync(DS_FREE, 256)", 1)
+            assert pre.rstrip().splitlines()[-2].startswith("    bar_sync(1, 256)  # dq_alternate")
+            assert loop.count("bar_sync(1, ") == 1 and "syncthreads" not in loop  # dS^T's barrier only
+            top, dq_part = loop.split("\n        if dqwg:\n", 1)
+            dq_branch, other = dq_part.split("\n        else:\n", 1)
+            at = [top.index(x) for x in ("mbar_wait(", "dqwg = wg == (tn & 1)", "bar_arrive(LD_REQ", "WG_S(sacc",
+                                         "WAIT_S(pacc", "if dqwg and tn > 0:\n            bar_sync(DS_FREE, 256)",
+                                         "FENCE_D(dvacc", "store_dst_wg(", "cp_async_wait0()  # the next tile",
+                                         "fence_proxy_async()  # they and dS^T", "bar_sync(1, 256)")]
+            assert at == sorted(at), at
+            assert "WG_Q(" not in top and top.count("WG_D(dkacc") == 4
+            halves = D // 64
+            wgq = re.findall(r"WG_Q\(dqa, 0, desc_at\(HI_KV, w_ds \+ (\d+)\), desc_at\(HI_KV, w_kt \+ (\d+)\)",
+                             dq_branch)
+            assert wgq == [(str(128 * k), str(128 * k + 1024 * h)) for h in range(halves) for k in range(8)], wgq
+            assert 'WG_Q = wgmma_ss("f16", 64, 1, 1)' in src
+            b = dq_branch
+            assert b.index("WG_Q(") < b.index("WAIT_Q") and "bar_sync(" not in b.split("WG_Q(", 1)[0], b
+            assert b.rindex("WG_Q(") < b.rindex("WAIT_Q") < b.index("bar_arrive(DS_FREE, 256)") < b.rindex("sts_v4_f32(")
+            assert b.index("bar_sync(DQ_FREE") < b.index("sts_v4_f32(") and b.rindex("sts_v4_f32(") < b.index(
+                "bar_arrive(DQ_FULL")
+            stores = re.findall(r"sts_v4_f32\(dqw_t \+ (\d+), lget\(dqa, ofs_(\d+)\)", dq_branch)
+            assert stores == [(str(2048 * (8 * h + j)), str(4 * j)) for h in range(halves) for j in range(8)], stores
+            assert dq_branch.count("bar_sync(DQ_FREE") == 1 and dq_branch.count("bar_arrive(DQ_FULL") == 1
+            other = other.split("\n        tn += 1", 1)[0]
+            assert "WG_Q(" not in other and "DQ_FULL" not in other and "DS_FREE" not in other and "bar_" not in other
+            assert "WAIT_D(dvacc, 0)" in other
+            assert "WG_D(" not in dq_branch + other and "WAIT_Q1" not in src
+            # the producer adds each slab as the tile's whole 64 x D, no warpgroup offset
+            assert f"bulk_reduce_add_f32(elem_addr(dq32, ((pw_tile - 1) * {64 * D},)), pw_slab + ps * {64 * D * 4}, " \
+                   f"{64 * D * 4})" in src
+            # one named barrier after LD_REQ (DQ_FULL / DQ_FREE's 2 x 2 NS after the block's 1)
+            assert re.findall(r"DS_(?:FULL|FREE) = (\d+)", src) == [str(3 + 4 * e.dq_ws_slabs(sp))]
+            assert "bar_sync(DS_FREE" not in after and after.count("bar_arrive(DQ_FULL") == 1  # the 0 word
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"bwd_pingpong": True}, "not with bwd_pingpong"), ({"sdp_ahead": "top"}, "not with sdp_ahead"),
+    ({"dq_bulk": True}, "not with dq_bulk"), ({"dq_late": True}, "not with dq_late"),
+    ({"dkdv_in_tile": True}, "not with dkdv_in_tile"), ({"bwd_persistent": 4}, "not with bwd_persistent"),
+    ({"dq_split": "k"}, "not with dq_split 'k'"), ({"dq_ws": False}, "needs dq_ws and ws_loads"),
+    ({"ws_loads": False}, "needs dq_ws and ws_loads"), ({"block_q": 128}, "block_q 64 and block_k 128 only"),
+    ({"block_k": 64, "num_warps": 4}, "block_q 64 and block_k 128 only"), ({"dk_after_dq": True}, "not with dk_after_dq")])
+def test_dq_alternate_refuses(bad, why):
+    """dq_alternate's refusals, each by one line naming why (resolve then builds mma.sync): other tiles, the knobs with
+    their own dQ or barriers, dq_split 'k', a persistent kernel, dq_ws or ws_loads off; a value not a bool."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    tiles = {k: v for k, v in bad.items() if k in ("block_q", "block_k", "num_warps")}
+    for D in (64,) if "block_q" in tiles else (64, 128):  # (128 x 128 at D = 128: refused by its registers first)
+        sp = _spec("causal", D, extra={"dq_ws": "auto", "dq_alternate": True})
+        extra = {k: v for k, v in bad.items() if k not in tiles}
+        wrong = dataclasses.replace(sp, extra={**sp.extra, **extra}, **tiles)
+        with pytest.raises(ValueError, match=r"^wgmma backward: dq_alternate .*" + re.escape(why)):
+            e.validate_spec(wrong)
+        built, reason = e.resolve(wrong)
+        assert "dq_alternate" in reason and not e.uses_wgmma(built)
+    with pytest.raises(ValueError, match="dq_alternate must be True or False"):
+        e.validate_spec(_spec("causal", 64, extra={"dq_ws": "auto", "dq_alternate": 1}))
+
+
+def test_dq_alternate_ptx(tmp_path, monkeypatch):
+    """dq_alternate at D = 64 (plain) and 128 (causal; dk_after_dq's "auto" steps aside), compiled whole by ptxas when one is on this
+    machine: no wgmma serialized, and its wgmma counts: dQ m64n64 over all 128 kv rows (8 k steps; two column halves
+    at D = 128) where the default has m64n{D / 2}."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("PTX checks need the real CUDA target")
+    monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
+    import shutil
+    import subprocess
+
+    from falower.backends.numba_cuda.runtime import FA2BackwardKernel
+
+    for stem, D in (("plain", 64), ("causal", 128)):
+        ptx = FA2BackwardKernel(_spec(stem, D, extra={"dq_ws": "auto", "dq_alternate": True})).ptx((9, 0))
+        counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (32, 64, 128)}
+        assert counts == ({32: 0, 64: 24, 128: 0} if D == 64 else {32: 0, 64: 32, 128: 8}), counts
+        if shutil.which("ptxas") is None:
+            continue
+        path = tmp_path / f"k{D}.ptx"
+        path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)
                         .replace(".target sm_90\n", ".target sm_90a\n"))
         r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
                            capture_output=True, text=True)

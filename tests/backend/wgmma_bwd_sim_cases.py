@@ -173,19 +173,36 @@ CASES = {
     # q tiles, M != N)
     "alibi_gqa-f16-d64-65x63-2wg-pp": ("alibi_gqa", "f16", 1, 4, 2, 65, 63, 64, 64, 128,
                                        {"dq_ws": "auto", "bwd_pingpong": True}),
+    # each q tile's whole dQ (64 x D) by one warpgroup in turn (dq_alternate), the other going on with no barrier of
+    # both: causal with 3 q tiles (odd: warpgroup 0 takes two, its 64 x D slab written twice), the last ragged, kv rows
+    # past N, and a kv tile walking one q tile (warpgroup 1 takes none: its DS_FREE wait after the loop matches the
+    # arrival); D = 128 (dQ in two column halves; dk_after_dq's "auto" steps aside: with it dQ read wrong here under
+    # load, a race not yet found);
+    # plain with both kv tiles walking 3 q tiles. Each also run with the knob off (DKDV_AS_DEFAULT)
+    "causal-f16-d64-150x130-2wg-dqa": ("causal", "f16", 1, 1, 1, 150, 130, 64, 64, 128,
+                                       {"dq_ws": "auto", "dq_alternate": True}),
+    "causal-bf16-d128-150x70-2wg-dqa": ("causal", "bf16", 1, 1, 1, 150, 70, 128, 64, 128,
+                                        {"dq_ws": "auto", "dq_alternate": True}),
+    "plain-f16-d64-150x140-2wg-dqa": ("plain", "f16", 1, 1, 1, 150, 140, 64, 64, 128,
+                                      {"dq_ws": "auto", "dq_alternate": True}),
 }
 # case -> (warpgroup, seconds): each of that warpgroup's emulated shared-memory operand reads (wgmma's, ldmatrix's)
-# sleeps first, in the case's own call only. Each is a bwd_pingpong case above run again with one whole warpgroup
-# slowed: the other runs ahead of it through the loads it requests, its slabs and its turns (the simulator's threads
-# otherwise run close to lockstep)
-SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01), "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01)}
+# sleeps first, in the case's own call only. Each is a bwd_pingpong or dq_alternate case above run again with one
+# whole warpgroup slowed: the other runs ahead of it through the loads it requests, its slabs and its turns, or
+# (dq_alternate) up to dS^T's barrier and DS_FREE (DS_FREE's wait made an arrival read dq err 0.71 here; dS^T's
+# barrier an arrival of the skipping warpgroup only, dq err 0.26 and deadlocks under load); the simulator's threads
+# otherwise run close to lockstep
+SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01), "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01),
+                  "plain-f16-d64-150x140-2wg-dqa-slowwg0": (0, 0.01), "causal-f16-d64-150x130-2wg-dqa-slowwg1": (1, 0.01),
+                  "causal-bf16-d128-150x70-2wg-dqa-slowwg0": (0, 0.01)}
 CASES.update({case: CASES[case.rsplit("-slowwg", 1)[0]] for case in SLOW_WARPGROUP})
 # cases whose dK and dV must be bitwise those of the same kernel with these spec.extra changes, and dQ within the
 # error rule's tolerance of its dQ (run_case runs both)
 DKDV_AS_DEFAULT = {k: {"bwd_pingpong": False} for k in CASES if "-pp" in k}
+DKDV_AS_DEFAULT.update({k: {"dq_alternate": False} for k in CASES if "-dqa" in k})
 # run (also) with warp 1 of each warpgroup slowed (FALOWER_SIM_SLOW_WARP, seconds): a warpgroup that ran ahead of
 # what it waits for reads stale shared memory there
-SLOW_WARP_CASES = ("plain-f16-d64-150x140-2wg-pp",)
+SLOW_WARP_CASES = ("plain-f16-d64-150x140-2wg-pp", "causal-f16-d64-150x130-2wg-dqa")
 SLOW_WARP_SECONDS = 0.05
 # cases whose gradients must be bitwise those of the same kernel with these spec.extra changes (run_case runs both)
 SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": False},

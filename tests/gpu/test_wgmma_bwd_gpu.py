@@ -139,6 +139,15 @@ def test_dk_after_dq(stem: str, dtype: str, D: int) -> None:
 
 @pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
 @pytest.mark.parametrize("stem", ["causal", "alibi", "relative_bias"])
+def test_dq_alternate(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dq_alternate"]: each q tile's whole dQ by one consumer warpgroup in turn, the other going on with no
+    barrier at the loop's top (dS^T's barrier and DS_FREE guard dS^T; dk_after_dq's "auto" steps aside at D = 128)
+    (the A/B knob against both warpgroups' column halves)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dq_alternate"], dq_alternate=True)
+
+
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["causal", "alibi", "relative_bias"])
 def test_dq_late(stem: str, dtype: str, D: int) -> None:
     """spec.extra["dq_late"]: dQ's reductions issued under the next tile's S^T / dP^T GEMMs, the last tile's after
     the loop (the A/B knob against the reductions at the tile's end)."""

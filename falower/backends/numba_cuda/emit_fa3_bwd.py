@@ -28,7 +28,8 @@ in the slab order). What is new is the schedule (FA3's backward):
 * dK and dV stay in registers over every q tile and head of the group and are written once.
 
 The two consumer warpgroups run each phase at the same time (two block barriers a tile); `bwd_pingpong` (opt-in)
-takes them out of lockstep: each one's dQ from its own kv rows, its own barriers, S^T / dP^T issued in turns.
+takes them out of lockstep: each one's dQ from its own kv rows, its own barriers, S^T / dP^T issued in turns;
+`dq_alternate` (opt-in) gives each q tile's whole dQ to one warpgroup in turn while the other goes on (cuDNN's).
 
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
 `falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`),
@@ -228,6 +229,41 @@ def bwd_pingpong(spec: FA2BackwardSpec) -> bool:
     return spec.extra.get("bwd_pingpong", False) is True and uses_wgmma(spec)
 
 
+_DQ_ALTERNATE_REFUSES = ("bwd_pingpong", "sdp_ahead", "dq_bulk", "dq_late", "dkdv_in_tile", "bwd_persistent",
+                         "dk_after_dq")
+
+
+def dq_alternate(spec: FA2BackwardSpec) -> bool:
+    """One consumer warpgroup computes a q tile's whole dQ, the two taking turns (spec.extra["dq_alternate"] True;
+    default False): on tile t of the walk (both warpgroups walk the same tiles; t counts them, `tn`) warpgroup t & 1
+    issues dQ = dS K for the tile's 64 q rows and all D columns over all block_k = 128 kv rows (both warpgroups' dS^T
+    rows), waits for it and hands the 64 x D f32 fragment to its own slab (dq_ws; one a warpgroup by default,
+    `dq_ws_slabs`: the two warpgroups' slabs alternate as two slabs of one warpgroup do, and the bytes are the
+    default's), while the other warpgroup skips dQ and goes straight on to the next tile's S^T and dP^T. The loop's
+    top has no barrier (the default's waits there for both warpgroups' dQ GEMMs and hand-offs); dS^T's barrier after
+    its stores stays, and before its dS^T stores the tile's dQ warpgroup waits on DS_FREE, on which the other arrived
+    once its dQ GEMM of the last tile had read dS^T (the first tile skipped, the one after the walk matched: every
+    arrival is waited for). dS^T's barrier is one of both warpgroups, not an arrival of the skipping one: with an
+    arrival only, the skipping warpgroup ran a tile ahead and its DS_FREE arrival of tile t and its own wait of tile
+    t + 2 made one generation without the other (the simulator's slowed warpgroups: dQ wrong, then a deadlock), and
+    per-warpgroup barrier ids there made ptxas serialize every wgmma (C7520). The Q / dO buffers stay guarded by
+    ws_loads' request barrier, which counts both warpgroups (each arrives at a tile's top, after it waited for the
+    last tile's GEMMs). Why: ncu of cuDNN's D = 64 backward (the same 64 x 128 decomposition) shows it alternating dQ
+    between its warpgroups so that the tensor cores have the other's next S^T / dP^T while one waits for dQ; our
+    samples had 4.4% of all stall samples on dQ's wgmma wait and 2.4% on the HGMMA after the barrier before dQ, both
+    warpgroups waiting at once. Takes 64 x 128 tiles, dq_split "n", dq_ws and ws_loads. dk_after_dq's "auto" (D = 128)
+    steps aside and dk_after_dq True is refused: with it (the dQ warpgroup's dK between dQ's halves, the other's after
+    dS^T's barrier; `_emit_dq_alternate` still emits that order) the simulator read dQ wrong in 2 of ~7 runs of the
+    causal D = 128 case under load (dq err 0.26-0.28, once 0.0097 against 0.0086), a race not yet found; without it 7
+    of 7 read the default's dQ bitwise. At D = 128 the dQ warpgroup's product and hand-off go in two column halves of
+    64, each waited for and stored in turn (as bwd_pingpong's): ptxas (sm_90a, no wgmma serialized) spilled 60 / 40
+    bytes (plain / causal; 76 / 56 with the whole 64 x 128 f32 fragment) against the default's 32 / 12; at D = 64 (one
+    m64n64 product) the default's 36 / 28. Not with bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or
+    dkdv_in_tile (it stages dK in the other Q / dO buffer, which the other warpgroup, up to a tile behind, may still
+    read: dkdv_store_auto then picks TMA or row copies). Opt-in, not yet measured on a GPU."""
+    return spec.extra.get("dq_alternate", False) is True and uses_wgmma(spec)
+
+
 # The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads, without a mask kv_major, and
 # dkdv_tma / dkdv_in_tile where dkdv_store_auto picks them),
 # each with the text it leaves in the emitted source: what tools and tests read to know a built kernel took it
@@ -239,7 +275,8 @@ KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa,
               "dkdv_bulk": "# (dkdv_bulk: staged in",
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
               "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
-              "dkdv_in_tile": "# dkdv_in_tile: ", "bwd_pingpong": "bar_arrive(PP_TURN", "stat_pairs": "def elems2_"}
+              "dkdv_in_tile": "# dkdv_in_tile: ", "bwd_pingpong": "bar_arrive(PP_TURN", "stat_pairs": "def elems2_",
+              "dq_alternate": "bar_arrive(DS_FREE"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -341,8 +378,10 @@ def dq_ws_slabs(spec: FA2BackwardSpec) -> int:
     """dq_ws's slabs a consumer warpgroup (spec.extra["dq_ws_slabs"], 1 or 2; default 2): with two, the warpgroup
     writes tile t + 1's dQ while the copy engine still reads tile t's. Asked, it turns dq_ws's "auto" on (as
     ws_loads True does); with dq_ws False or a knob dq_ws cannot run with, validate_spec refuses it. Under
-    bwd_pingpong (64 x D slabs) the default is 1 at D = 128, where two a warpgroup exceed the shared memory."""
-    return int(spec.extra.get("dq_ws_slabs", 1 if bwd_pingpong(spec) and spec.head_dim > 64 else 2))
+    bwd_pingpong (64 x D slabs) the default is 1 at D = 128, where two a warpgroup exceed the shared memory; under
+    dq_alternate (64 x D slabs, a warpgroup's written every other tile) it is 1: the two warpgroups' alternate."""
+    return int(spec.extra.get("dq_ws_slabs", 1 if bwd_pingpong(spec) and spec.head_dim > 64 or dq_alternate(spec)
+                              else 2))
 
 
 def _dq_ws_slab_bytes(spec: FA2BackwardSpec) -> int:
@@ -420,7 +459,8 @@ def dkdv_tma(spec: FA2BackwardSpec) -> bool:
     return uses_wgmma(spec) and dkdv_bulk(spec) and want and not persistent(spec) and not dkdv_in_tile(spec)
 
 
-_DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_persistent", "bwd_pingpong")
+_DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_persistent", "bwd_pingpong",
+                         "dq_alternate")
 
 
 def _in_tile_clash(spec: FA2BackwardSpec) -> list[str]:
@@ -677,16 +717,18 @@ def dk_after_dq(spec: FA2BackwardSpec) -> bool:
 def _dk_after_dq_auto(spec: FA2BackwardSpec) -> bool:
     """dk_after_dq's "auto": the measured shapes (D = 128, 64 x 128 tiles, no mask or a static one, no gradient of a
     captured table) where no knob asked for refuses it (bwd_pingpong, sdp_ahead, dkdv_in_tile True, a persistent
-    kernel)."""
+    kernel, dq_alternate)."""
     return (uses_wgmma(spec) and spec.head_dim == 128 and (spec.block_q, spec.block_k) == (64, 128)
             and spec.block_mask in ("none", "static") and not spec.grads and not spec.deterministic
             and spec.extra.get("bwd_pingpong", False) is not True and spec.extra.get("sdp_ahead", False) is False
-            and spec.extra.get("dkdv_in_tile", "auto") is not True and not persistent(spec))
+            and spec.extra.get("dkdv_in_tile", "auto") is not True and not persistent(spec)
+            and spec.extra.get("dq_alternate", False) is not True)
 
 
 def _col_splits(spec: FA2BackwardSpec) -> int:
-    """Warpgroups sharing one 64-row group of dQ (they split D): cs of _emit_kernel."""
-    return 1 if dq_split(spec) == "k" else (spec.block_k // 64) // (spec.block_q // 64)
+    """Warpgroups sharing one 64-row group of dQ (they split D): cs of _emit_kernel (dq_alternate: 1, the tile's
+    dQ warpgroup takes every column)."""
+    return 1 if dq_split(spec) == "k" or dq_alternate(spec) else (spec.block_k // 64) // (spec.block_q // 64)
 
 
 def _dq_stage_pitch(spec: FA2BackwardSpec) -> int:
@@ -1003,6 +1045,18 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     for knob in (*KNOB_MARKS, "exp_fold", "grad_dist", "lse_per_row", "delta_per_row"):
         if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
+    if dq_alternate(spec):
+        knob = next((k for k in _DQ_ALTERNATE_REFUSES if k == "bwd_persistent" and persistent(spec) or
+                     k == "sdp_ahead" and sdp_ahead(spec) or
+                     k not in ("bwd_persistent", "sdp_ahead") and spec.extra.get(k, False) is True), None)
+        clash = (f"block_q 64 and block_k 128 only (two consumer warpgroups, one 64-row q group), got {BQ}x{BK}"
+                 if (BQ, BK) != (64, 128) else f"not with {knob}" if knob else
+                 "not with dq_split 'k' (the tile's dQ warpgroup reads both warpgroups' dS^T rows: 'n')"
+                 if dq_split(spec) != "n" else
+                 f"it needs dq_ws and ws_loads: not with them False, {_DQ_WS_REFUSES}" if not ws_loads(spec) else "")
+        if clash:
+            raise ValueError(f"wgmma backward: dq_alternate gives each tile's whole dQ to one warpgroup in turn: "
+                             f"{clash}")
     if bwd_pingpong(spec):
         clash = ("block_q 64 and block_k 128 only (two consumer warpgroups, one 64-row q group), got "
                  f"{BQ}x{BK}" if (BQ, BK) != (64, 128) else
@@ -1187,9 +1241,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     PDP = p_under_dp(spec)
     AHEAD = sdp_ahead(spec)
     PP = bwd_pingpong(spec)
+    ALT = dq_alternate(spec)
     PITCH = _dq_stage_pitch(spec)
     DC = D // CS  # dQ columns of one warpgroup
-    DQH = 2 if PP and DC > 64 else 1  # bwd_pingpong at D = 128: dQ's product and hand-off in two column halves
+    # bwd_pingpong and dq_alternate at D = 128: dQ's product and hand-off in two column halves
+    DQH = 2 if (PP or ALT) and DC > 64 else 1
     DQN = DC // DQH  # dQ's columns a product (N of its wgmma)
     KQ = 64 // 16 if KSPLIT else BK // 16  # k16 steps of dQ's product
     NJ = BQ // 8  # n8 tiles of S^T along q
@@ -1218,7 +1274,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
     c(f"FENCE_Q = wgmma_fence_regs({DQN // 2})")
     c(f"WAIT_Q = wgmma_wait_regs(0, {DQN // 2})")
     if DKL:
-        c(f"WAIT_Q1 = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, dK's (issued after it) in flight")
+        c(f"WAIT_Q1 = wgmma_wait_regs(1, {DQN // 2})  # dQ's group done, dK's (issued after it) in flight")
     elif AHEAD == "dq":
         c(f"WAIT_QA = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, the next tile's S^T / dP^T in flight")
     if PDP:
@@ -1239,6 +1295,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c(f"PP_WG = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # bwd_pingpong: PP_WG + w, warpgroup w's own barrier (128)")
             c(f"PP_TURN = {DQ_WS_BAR + 2 + 2 * NWG * NS + NWG}  # PP_TURN + w: the other warpgroup issued its S^T, "
               "dP^T: w's turn")
+        if ALT:
+            c(f"DS_FREE = {DQ_WS_BAR + 2 + 2 * NWG * NS}  # dq_alternate: the last tile's dQ GEMM has read dS^T (the "
+              "other warpgroup waits)")
     c("HI_KM = desc_hi(16, 1024)  # K-major: 8-row groups 1024 bytes apart")
     c(f"HI_QT = desc_hi({BQ * 128}, 1024)  # Q, dO MN-major: 64-column blocks {BQ * 128} bytes apart")
     c(f"HI_KV = desc_hi({BK * 128}, 1024)  # dS^T, K MN-major: 64-column blocks {BK * 128} bytes apart")
@@ -1443,6 +1502,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             c("if wg == 1:")
             with c.indent():
                 c(f"bar_arrive(PP_TURN, {NT})  # bwd_pingpong: warpgroup 0 issues its S^T, dP^T first")
+        if ALT:
+            c("cuda.syncthreads()  # dq_alternate: every consumer's K, V and first Q, dO copies and statistics; from")
+            c("# here on the warpgroups meet only at dS^T (its barrier, DS_FREE) and at ws_loads' requests")
         c(f"while {_more(spec, 'hc', 'qc')}:")
         with c.indent():
             c("hn = hc")
@@ -1461,6 +1523,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                     c("fence_proxy_async()  # their copies visible to wgmma's async proxy")
             if PP:
                 c("bar_sync(PP_WG + wg, 128)  # bwd_pingpong: this warpgroup's last dQ GEMM has read its dS^T rows")
+            elif ALT:
+                c("dqwg = wg == (tn & 1)  # dq_alternate: this tile's dQ is this warpgroup's (no barrier here: the")
+                c("# other buffer is guarded by LD_REQ's count of both warpgroups, dS^T by DS_FREE)")
             else:
                 c("cuda.syncthreads()")
             if WSL:
@@ -1633,6 +1698,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 "    smem_w[w1 + o0] = d1",
                 "    smem_w[w0 + o1] = d2",
                 "    smem_w[w1 + o1] = d3"])
+            if ALT:
+                c("if dqwg and tn > 0:")
+                with c.indent():
+                    c(f"bar_sync(DS_FREE, {NT})  # dq_alternate: the other warpgroup's dQ GEMM of the last tile "
+                      "has read dS^T")
             c("FENCE_D(dvacc, 0)")
             if not DKL:
                 c("FENCE_D(dkacc, 0)")
@@ -1658,7 +1728,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
             else:
                 c("cuda.syncthreads()  # dS^T is complete, and the next tile's Q, dO")
             c()
-            if DQH > 1:
+            if ALT:
+                _emit_dq_alternate(c, spec, lay, KQ, da, DQH)
+            elif DQH > 1:
                 c(f"# dQ rows 0 .. 63 of this q tile, this warpgroup's 64 kv rows of dS^T and K: dS K in {DQH} column")
                 c(f"# parts of {DQN} (bwd_pingpong: 64 x {DC} f32 beside dK and dV exceed the 168 registers ptxas has")
                 c("# under the launch bound, and it serialized every wgmma, C7512), each waited and handed off in turn")
@@ -1713,7 +1785,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                         c("dq_at = qrow if qi < M else -1  # added under the next tile's first GEMMs (dq_late)")
                     else:
                         _emit_dq_reductions(c, DC // 8)
-            if DKL:
+            if DKL and not ALT:
                 c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
             if AHEAD == "top":
                 issue_ahead()
@@ -1730,6 +1802,10 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("pc = pn")
             c("buf ^= 1")
         c()
+        if ALT:
+            c("if tn > 0 and wg == (tn & 1):")
+            with c.indent():
+                c(f"bar_sync(DS_FREE, {NT})  # dq_alternate: the last tile's dQ warpgroup's arrival (each one matched)")
         if PP:
             c("if wg == 0:")
             with c.indent():
@@ -1786,8 +1862,9 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
     DC = D // _col_splits(spec)
     SLAB = _dq_ws_slab_bytes(spec)
     # warp w's slab: its warpgroup's part of the tile in slab order; under dq_split "k" (bwd_pingpong) every
-    # warpgroup's slab is the whole tile, each added into the same words
-    at = "" if dq_split(spec) == "k" else f" + pw * {64 * DC}"
+    # warpgroup's slab is the whole tile, each added into the same words; under dq_alternate it is the whole tile of
+    # the tiles the warpgroup took
+    at = "" if dq_split(spec) == "k" or dq_alternate(spec) else f" + pw * {64 * DC}"
     c(f"if tid >= {consumer_threads(spec)}:  # the producer warpgroup (dq_ws): dQ's slabs to the copy engine")
     with c.indent():
         if NWG > 1:
@@ -1824,6 +1901,57 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         c("return")
     if NWG > 1:
         c("SETMAXNREG_INC()")
+
+
+def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, da: list[list[str]], parts: int) -> None:
+    """dq_alternate, after a tile's dV GEMM (and dK's, but under dk_after_dq), dS^T's stores and their barrier: the
+    tile's dQ warpgroup (dqwg) issues dQ = dS K over all 128 kv rows and D columns
+    (then dK's GEMM under dk_after_dq, in flight through the wait), waits for it, lets the other warpgroup store
+    the next tile's dS^T (DS_FREE) and hands the 64 x D fragment to its slab; the other issues dK's GEMM under
+    dk_after_dq and waits only for its own GEMMs (they read this tile's Q and dO, whose buffer its
+    next request lets the loaders refill). Each branch waits for the groups it issued, so no wgmma's wait crosses
+    the branch. `da`: each k step's packed dS registers (dK's A under dk_after_dq). `parts`: dQ's product and hand-off
+    in that many column parts, each waited for and stored in turn (D = 128: 2, as bwd_pingpong's: the 64 x 128 f32
+    fragment beside dK, dV and dS's packed registers spilled 44 bytes more than the default, ptxas sm_90a), dK's GEMM
+    issued after the first."""
+    D, BQ, NT = spec.head_dim, spec.block_q, consumer_threads(spec)
+    DQN = D // parts
+    DKL = dk_after_dq(spec)
+
+    def issue_dk() -> None:
+        c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers")
+        c("FENCE_D(dkacc, 0)")
+        for kk in range(BQ // 16):
+            c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
+        c("wgmma_commit()")
+
+    c("if dqwg:")
+    with c.indent():
+        c(f"# dQ rows 0 .. 63, every column of this q tile: dS K over both warpgroups' kv rows, {kq} wgmma "
+          f"m64n{DQN}k16 a part of")
+        c(f"# {DQN} columns ({parts}), k step k reads kv rows 16k .. 16k + 15 of dS^T and K (2048 bytes on)")
+        c("w_ds = desc_word(HI_KV, ds_wl)")
+        c("w_kt = desc_word(HI_KV, kt_wl)")
+        for hh in range(parts):
+            c(f"FENCE_Q(dqa, 0)  # columns {hh * DQN} .. {hh * DQN + DQN - 1}")
+            _emit_dq_gemm(c, kq, hh * DQN // 64 * spec.block_k * 8)  # K's 64-column block: block_k * 128 bytes on
+            if DKL and hh == 0:
+                issue_dk()
+                c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
+            else:
+                c("WAIT_Q(dqa, 0)  # (every group before it is done too)")
+            if hh == parts - 1:
+                c(f"bar_arrive(DS_FREE, {NT})  # dq_alternate: dQ's GEMM has read dS^T; the other warpgroup may store "
+                  "the next tile's")
+            _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1", (hh, parts))
+        if DKL:
+            c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
+    c("else:")
+    with c.indent():
+        if DKL:
+            issue_dk()
+        c("WAIT_D(dvacc, 0)  # dV's and dK's GEMMs (they read this tile's dO and Q)")
+        c("WAIT_D(dkacc, 0)")
 
 
 def _emit_load_request(c: _Code, spec: FA2BackwardSpec, lay: dict, more: Optional[str], hq: str, q0: str) -> None:
