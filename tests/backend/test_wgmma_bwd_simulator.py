@@ -136,6 +136,23 @@ def _spec(stem: str = "causal", D: int = 64, dtype: str = "f16", extra=None, pip
                                {"bwd_schedule": "wgmma", "dq_ws": False, **(extra or {})})
 
 
+def _ptxas_log(ptx: str, path, version: str = "8.5"):
+    """ptxas -v's log for the kernel's PTX (written to `path` as sm_90a at PTX `version`; it must assemble), or None
+    where no ptxas is on this machine: the PTX tests' check that no wgmma is serialized."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ptxas") is None:
+        return None
+    path.write_text(re.sub(r"^\.version \d+\.\d+", f".version {version}", ptx, flags=re.M)
+                    .replace(".target sm_90\n", ".target sm_90a\n"))
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(path.with_suffix(".cubin"))],
+                       capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-2000:]
+    return log
+
+
 @pytest.mark.parametrize("change, why", [
     (dict(head_dim=96), "head_dim"),
     (dict(block_q=128, block_k=64), "row groups"),
@@ -587,8 +604,6 @@ def test_dkdv_in_tile_ptx(tmp_path, monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
-    import shutil
-    import subprocess
 
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
@@ -598,15 +613,9 @@ def test_dkdv_in_tile_ptx(tmp_path, monkeypatch):
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
     assert "cp.async.bulk.global.shared::cta.bulk_group" not in ptx  # no copy of a row
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 1
-    if shutil.which("ptxas") is None:
+    log = _ptxas_log(ptx, tmp_path / "k.ptx")
+    if log is None:  # no ptxas on this machine
         return
-    path = tmp_path / "k.ptx"
-    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)
-                    .replace(".target sm_90\n", ".target sm_90a\n"))
-    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-2000:]
     assert "C7514" not in log and "C7515" not in log and "serialized" not in log, log[-2000:]
 
 
@@ -1265,8 +1274,6 @@ def test_sdp_ahead_ptx(tmp_path, monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
-    import shutil
-    import subprocess
 
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
@@ -1275,15 +1282,9 @@ def test_sdp_ahead_ptx(tmp_path, monkeypatch):
         base = FA2BackwardKernel(_spec("plain", D, extra={"dq_ws": "auto"})).ptx((9, 0))
         n = lambda p: p.count("wgmma.mma_async.sync.aligned.m64n64k16.f32")  # noqa: E731 (S^T, dP^T: n = block_q)
         assert n(ptx) - n(base) == 2 * D // 16, (D, n(ptx), n(base))
-        if shutil.which("ptxas") is None:
+        log = _ptxas_log(ptx, tmp_path / f"k{D}.ptx", version="8.0")
+        if log is None:  # no ptxas on this machine
             continue
-        path = tmp_path / f"k{D}.ptx"
-        path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.0", ptx, flags=re.M)
-                        .replace(".target sm_90\n", ".target sm_90a\n"))
-        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                           capture_output=True, text=True)
-        log = r.stdout + r.stderr
-        assert r.returncode == 0, log[-2000:]
         assert "C7515" not in log and "serialized" not in log, log[-2000:]
 
 
@@ -1365,8 +1366,6 @@ def test_bwd_pingpong_ptx(tmp_path, monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
-    import shutil
-    import subprocess
 
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
@@ -1374,15 +1373,9 @@ def test_bwd_pingpong_ptx(tmp_path, monkeypatch):
         ptx = FA2BackwardKernel(_spec(stem, D, extra={"dq_ws": "auto", "bwd_pingpong": True})).ptx((9, 0))
         counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (32, 64, 128)}
         assert counts == ({32: 0, 64: 20, 128: 0} if D == 64 else {32: 0, 64: 24, 128: 8}), counts
-        if shutil.which("ptxas") is None:
+        log = _ptxas_log(ptx, tmp_path / f"k{D}.ptx")  # (8.3: the TMA stores')
+        if log is None:  # no ptxas on this machine
             continue
-        path = tmp_path / f"k{D}.ptx"
-        path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)  # (8.3: the TMA stores')
-                        .replace(".target sm_90\n", ".target sm_90a\n"))
-        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                           capture_output=True, text=True)
-        log = r.stdout + r.stderr
-        assert r.returncode == 0, log[-2000:]
         assert "serialized" not in log, log[-2000:]
 
 
@@ -1478,8 +1471,6 @@ def test_dq_alternate_ptx(tmp_path, monkeypatch):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))
-    import shutil
-    import subprocess
 
     from falower.backends.numba_cuda.runtime import FA2BackwardKernel
 
@@ -1487,13 +1478,7 @@ def test_dq_alternate_ptx(tmp_path, monkeypatch):
         ptx = FA2BackwardKernel(_spec(stem, D, extra={"dq_ws": "auto", "dq_alternate": True})).ptx((9, 0))
         counts = {n: ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16") for n in (32, 64, 128)}
         assert counts == ({32: 0, 64: 24, 128: 0} if D == 64 else {32: 0, 64: 32, 128: 8}), counts
-        if shutil.which("ptxas") is None:
+        log = _ptxas_log(ptx, tmp_path / f"k{D}.ptx")
+        if log is None:  # no ptxas on this machine
             continue
-        path = tmp_path / f"k{D}.ptx"
-        path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 8.5", ptx, flags=re.M)
-                        .replace(".target sm_90\n", ".target sm_90a\n"))
-        r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.cubin")],
-                           capture_output=True, text=True)
-        log = r.stdout + r.stderr
-        assert r.returncode == 0, log[-2000:]
         assert "serialized" not in log, log[-2000:]
