@@ -463,11 +463,17 @@ _DKDV_IN_TILE_REFUSES = ("dk_after_dq", "sdp_ahead", "dq_bulk", "dq_late", "bwd_
                          "dq_alternate")
 
 
+def _knobs_on(spec: FA2BackwardSpec, knobs: tuple[str, ...]) -> list[str]:
+    """Those of `knobs` the spec runs with: a persistent kernel, sdp_ahead and dk_after_dq (its "auto" too) as their
+    rules decide, every other knob asked True (p_under_dp asked counts where its split would not take): the clash
+    lists of dkdv_in_tile, sdp_ahead and dq_alternate."""
+    ruled = {"bwd_persistent": persistent, "sdp_ahead": sdp_ahead, "dk_after_dq": dk_after_dq}
+    return [k for k in knobs if (bool(ruled[k](spec)) if k in ruled else spec.extra.get(k, False) is True)]
+
+
 def _in_tile_clash(spec: FA2BackwardSpec) -> list[str]:
     """The knobs dkdv_in_tile cannot run beside (their own staging or order), as the spec sets them."""
-    return [k for k in _DKDV_IN_TILE_REFUSES if k == "bwd_persistent" and persistent(spec) or
-            k == "sdp_ahead" and sdp_ahead(spec) or k == "dk_after_dq" and dk_after_dq(spec) or
-            k not in ("bwd_persistent", "sdp_ahead", "dk_after_dq") and spec.extra.get(k, False) is True] + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
+    return _knobs_on(spec, _DKDV_IN_TILE_REFUSES) + ([] if dkdv_bulk(spec) else ["dkdv_bulk False"])
 
 
 def dkdv_store_auto(spec: FA2BackwardSpec) -> str:
@@ -1037,8 +1043,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
     if not any(v is c if isinstance(c, bool) else v == c for c in SDP_AHEAD_CHOICES):
         raise ValueError(f"wgmma backward: sdp_ahead must be False, 'dq' or 'top', got {v!r}")
     if sdp_ahead(spec):
-        clash = [k for k in _SDP_AHEAD_REFUSES if k == "bwd_persistent" and persistent(spec) or
-                 k != "bwd_persistent" and spec.extra.get(k, False) is True]
+        clash = _knobs_on(spec, _SDP_AHEAD_REFUSES)  # (dk_after_dq's "auto" steps aside for sdp_ahead)
         if clash:
             raise ValueError(f"wgmma backward: sdp_ahead issues the next tile's S^T and dP^T itself: not with "
                              f"{clash[0]}")
@@ -1046,9 +1051,7 @@ def validate_spec(spec: FA2BackwardSpec) -> None:
         if knob not in (*_AUTO_KNOBS, "sdp_ahead") and not isinstance(spec.extra.get(knob, False), bool):
             raise ValueError(f"wgmma backward: {knob} must be True or False, got {spec.extra[knob]!r}")
     if dq_alternate(spec):
-        knob = next((k for k in _DQ_ALTERNATE_REFUSES if k == "bwd_persistent" and persistent(spec) or
-                     k == "sdp_ahead" and sdp_ahead(spec) or
-                     k not in ("bwd_persistent", "sdp_ahead") and spec.extra.get(k, False) is True), None)
+        knob = next(iter(_knobs_on(spec, _DQ_ALTERNATE_REFUSES)), None)  # (dk_after_dq's "auto" steps aside)
         clash = (f"block_q 64 and block_k 128 only (two consumer warpgroups, one 64-row q group), got {BQ}x{BK}"
                  if (BQ, BK) != (64, 128) else f"not with {knob}" if knob else
                  "not with dq_split 'k' (the tile's dQ warpgroup reads both warpgroups' dS^T rows: 'n')"
