@@ -251,14 +251,14 @@ def dq_alternate(spec: FA2BackwardSpec) -> bool:
     last tile's GEMMs). Why: ncu of cuDNN's D = 64 backward (the same 64 x 128 decomposition) shows it alternating dQ
     between its warpgroups so that the tensor cores have the other's next S^T / dP^T while one waits for dQ; our
     samples had 4.4% of all stall samples on dQ's wgmma wait and 2.4% on the HGMMA after the barrier before dQ, both
-    warpgroups waiting at once. Takes 64 x 128 tiles, dq_split "n", dq_ws and ws_loads. dk_after_dq's "auto" (D = 128)
-    steps aside and dk_after_dq True is refused: with it (the dQ warpgroup's dK between dQ's halves, the other's after
-    dS^T's barrier; `_emit_dq_alternate` still emits that order) the simulator read dQ wrong in 2 of ~7 runs of the
-    causal D = 128 case under load (dq err 0.26-0.28, once 0.0097 against 0.0086), a race not yet found; without it 7
-    of 7 read the default's dQ bitwise. At D = 128 the dQ warpgroup's product and hand-off go in two column halves of
-    64, each waited for and stored in turn (as bwd_pingpong's): ptxas (sm_90a, no wgmma serialized) spilled 60 / 40
-    bytes (plain / causal; 76 / 56 with the whole 64 x 128 f32 fragment) against the default's 32 / 12; at D = 64 (one
-    m64n64 product) the default's 36 / 28. Not with bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or
+    warpgroups waiting at once. Takes 64 x 128 tiles, dq_split "n", dq_ws and ws_loads. dk_after_dq's "auto" (D =
+    128) steps aside and dk_after_dq True is refused: with it (the dQ warpgroup's dK between dQ's halves, the
+    other's after dS^T's barrier; that order is in 06b412a, taken out of `_emit_dq_alternate` since) the simulator
+    read dQ wrong in 2 of ~7 runs of the causal D = 128 case under load (dq err 0.26-0.28, once 0.0097 against
+    0.0086), a race not yet found; without it 7 of 7 read the default's dQ bitwise. At D = 128 the dQ warpgroup's
+    product and hand-off go in two column halves of 64, each waited for and stored in turn (as bwd_pingpong's):
+    ptxas (sm_90a, no wgmma serialized) spilled 60 / 40 bytes (plain / causal; 76 / 56 with the whole 64 x 128 f32
+    fragment) against the default's 32 / 12; at D = 64 (one m64n64 product) the default's 36 / 28. Not with bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or
     dkdv_in_tile (it stages dK in the other Q / dO buffer, which the other warpgroup, up to a tile behind, may still
     read: dkdv_store_auto then picks TMA or row copies). Opt-in, not yet measured on a GPU."""
     return spec.extra.get("dq_alternate", False) is True and uses_wgmma(spec)
@@ -1732,7 +1732,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 c("cuda.syncthreads()  # dS^T is complete, and the next tile's Q, dO")
             c()
             if ALT:
-                _emit_dq_alternate(c, spec, lay, KQ, da, DQH)
+                _emit_dq_alternate(c, spec, lay, KQ, DQH)
             elif DQH > 1:
                 c(f"# dQ rows 0 .. 63 of this q tile, this warpgroup's 64 kv rows of dS^T and K: dS K in {DQH} column")
                 c(f"# parts of {DQN} (bwd_pingpong: 64 x {DC} f32 beside dK and dV exceed the 168 registers ptxas has")
@@ -1788,7 +1788,7 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                         c("dq_at = qrow if qi < M else -1  # added under the next tile's first GEMMs (dq_late)")
                     else:
                         _emit_dq_reductions(c, DC // 8)
-            if DKL and not ALT:
+            if DKL:
                 c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
             if AHEAD == "top":
                 issue_ahead()
@@ -1906,28 +1906,17 @@ def _emit_dq_producer(c: _Code, spec: FA2BackwardSpec, lay: dict) -> None:
         c("SETMAXNREG_INC()")
 
 
-def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, da: list[list[str]], parts: int) -> None:
-    """dq_alternate, after a tile's dV GEMM (and dK's, but under dk_after_dq), dS^T's stores and their barrier: the
-    tile's dQ warpgroup (dqwg) issues dQ = dS K over all 128 kv rows and D columns
-    (then dK's GEMM under dk_after_dq, in flight through the wait), waits for it, lets the other warpgroup store
-    the next tile's dS^T (DS_FREE) and hands the 64 x D fragment to its slab; the other issues dK's GEMM under
-    dk_after_dq and waits only for its own GEMMs (they read this tile's Q and dO, whose buffer its
-    next request lets the loaders refill). Each branch waits for the groups it issued, so no wgmma's wait crosses
-    the branch. `da`: each k step's packed dS registers (dK's A under dk_after_dq). `parts`: dQ's product and hand-off
-    in that many column parts, each waited for and stored in turn (D = 128: 2, as bwd_pingpong's: the 64 x 128 f32
-    fragment beside dK, dV and dS's packed registers spilled 44 bytes more than the default, ptxas sm_90a), dK's GEMM
-    issued after the first."""
-    D, BQ, NT = spec.head_dim, spec.block_q, consumer_threads(spec)
+def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, parts: int) -> None:
+    """dq_alternate, after a tile's dV and dK GEMMs, dS^T's stores and their barrier: the tile's dQ warpgroup (dqwg)
+    issues dQ = dS K over all 128 kv rows and D columns, waits for it (with it every group before), lets the other
+    warpgroup store the next tile's dS^T (DS_FREE) and hands the 64 x D fragment to its slab; the other waits only
+    for its own dV and dK GEMMs (they read this tile's Q and dO, whose buffer its next request lets the loaders
+    refill). Each branch waits for the groups it issued, so no wgmma's wait crosses the branch. `parts`: dQ's
+    product and hand-off in that many column parts, each waited for and stored in turn (D = 128: 2, as
+    bwd_pingpong's: the 64 x 128 f32 fragment beside dK, dV and dS's packed registers spilled 44 bytes more than the
+    default, ptxas sm_90a). Never with dk_after_dq (dq_alternate refuses it)."""
+    D, NT = spec.head_dim, consumer_threads(spec)
     DQN = D // parts
-    DKL = dk_after_dq(spec)
-
-    def issue_dk() -> None:
-        c(f"# dK += dS^T Q: {BQ // 16} wgmma m64n{D}k16 from dS's packed registers")
-        c("FENCE_D(dkacc, 0)")
-        for kk in range(BQ // 16):
-            c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
-        c("wgmma_commit()")
-
     c("if dqwg:")
     with c.indent():
         c(f"# dQ rows 0 .. 63, every column of this q tile: dS K over both warpgroups' kv rows, {kq} wgmma "
@@ -1938,21 +1927,13 @@ def _emit_dq_alternate(c: _Code, spec: FA2BackwardSpec, lay: dict, kq: int, da: 
         for hh in range(parts):
             c(f"FENCE_Q(dqa, 0)  # columns {hh * DQN} .. {hh * DQN + DQN - 1}")
             _emit_dq_gemm(c, kq, hh * DQN // 64 * spec.block_k * 8)  # K's 64-column block: block_k * 128 bytes on
-            if DKL and hh == 0:
-                issue_dk()
-                c("WAIT_Q1(dqa, 0)  # dV's and dQ's groups done; dK's still in flight")
-            else:
-                c("WAIT_Q(dqa, 0)  # (every group before it is done too)")
+            c("WAIT_Q(dqa, 0)  # (every group before it is done too)")
             if hh == parts - 1:
                 c(f"bar_arrive(DS_FREE, {NT})  # dq_alternate: dQ's GEMM has read dS^T; the other warpgroup may store "
                   "the next tile's")
             _emit_dq_handoff(c, spec, lay, "(b * H + h) * nq + qc + 1", (hh, parts))
-        if DKL:
-            c("WAIT_D(dkacc, 0)  # dK's GEMM (it read this tile's Q, whose buffer the tile after next refills)")
     c("else:")
     with c.indent():
-        if DKL:
-            issue_dk()
         c("WAIT_D(dvacc, 0)  # dV's and dK's GEMMs (they read this tile's dO and Q)")
         c("WAIT_D(dkacc, 0)")
 
