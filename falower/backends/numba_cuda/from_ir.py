@@ -30,20 +30,23 @@ class BackendError(FalowerError):
     """The IR is not in a form the numba-cuda backend can emit."""
 
 
+def _first_line(e: Exception) -> str:
+    """An emitter's refusal as one line (its first): the errors below say it on one line with where it was made."""
+    return (str(e).strip().splitlines() or ["(no message)"])[0]
+
+
 def unbuildable(e: ValueError, head_dim: int, path: str, spec=None) -> BackendError:
     """The error for a schedule the emitter refuses (its validate_spec's ValueError: tile sizes, head dim, shared
     memory), with the tiles where the spec was made: what compile and `falower opt --print-kernel` both say."""
     tiles = f"tiles {spec.block_q}x{spec.block_k}, " if spec is not None else ""
-    why = (str(e).strip().splitlines() or ["(no message)"])[0]
-    return BackendError(f"numba-cuda backend: {why} ({tiles}D = {head_dim}, {path} path; choose tiles with "
+    return BackendError(f"numba-cuda backend: {_first_line(e)} ({tiles}D = {head_dim}, {path} path; choose tiles with "
                         "tile{bq=..,bk=..})")
 
 
 def unbuildable_backward(e: ValueError, spec, path: str) -> BackendError:
     """The error for a backward schedule the emitter refuses (its ValueError), with the backward's tiles (its own,
     not the forward's tile{} choice): what compile and `falower opt -p fa2-bwd --print-kernel` both say."""
-    why = (str(e).strip().splitlines() or ["(no message)"])[0]
-    return BackendError(f"numba-cuda backend: {why} (backward tiles {spec.block_q}x{spec.block_k}, D = "
+    return BackendError(f"numba-cuda backend: {_first_line(e)} (backward tiles {spec.block_q}x{spec.block_k}, D = "
                         f"{spec.head_dim}, {path} path)")
 
 
