@@ -172,9 +172,9 @@ def parse_config(text: str) -> tuple:
     16-byte reduction (extra grad_v4), '-bnoread' with such a table's entries gathered by each element, not by
     16-byte loads (extra read_v4), '-brlate' with those loads in the element code, not all a tile's issued before the
     wait for S^T and dP^T (read_v4 "late"), '-bbulk' dQ staged
-    in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' / '-bnodkl' dK's
-    GEMM issued after dQ's, in flight while dQ's hand-off issues, or not (extra dk_after_dq; default on at D = 128), '-bpdp' P computed while dP's
-    GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
+    in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' /
+    '-bnodkl' dK's GEMM issued after dQ's, in flight while dQ's hand-off issues, or not (extra dk_after_dq; default
+    on at D = 128), '-bpdp' P computed while dP's GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
     without bounds code (extra interior_split), '-bnoef' its exponential's argument times log2 e, not log2 e folded into
     the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued under the next tile's S^T / dP^T GEMMs,
     not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its grid with a head's kv tiles in

@@ -80,8 +80,9 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
 @pytest.mark.slow
 @pytest.mark.parametrize("case_id", list(SAME_AS_DEFAULT))
 def test_a_knob_gives_the_defaults_gradients(results, case_id):
-    """SAME_AS_DEFAULT's cases: the same call on the kernel without the knob (dkdv_in_tile off; dk_after_dq on, the
-    D = 128 default, against the order before it) gave bitwise the same dQ, dK and dV (the simulator adds dQ in one order: the GPU's tests compare dK and dV)."""
+    """SAME_AS_DEFAULT's cases: the same call on the kernel without the knob (dkdv_in_tile off; dk_after_dq on, the D =
+    128 default, against the order before it) gave bitwise the same dQ, dK and dV (the simulator adds dQ in one order:
+    the GPU's tests compare dK and dV)."""
     r = results.get(case_id)
     assert r is not None and "error" not in r, r
     assert r["same_as_default"] == {"dq": True, "dk": True, "dv": True}, r["same_as_default"]
@@ -532,10 +533,10 @@ def test_dkdv_in_tile_when_asked(tmp_path, monkeypatch):
                                            ("alibi", 64, "")])
 def test_dkdv_store_auto(stem, D, want):
     """How dK and dV leave by default, as measured (dkdv_store_auto): D >= 128 unmasked in the last tile, masked by
-    tensor stores, but where dk_after_dq's default is on (plain D = 128) a row copy, since in_tile refuses it (the
-    pair measured 0.953 of in_tile's time); D = 64 masked in the last tile, unmasked a row copy; a captured table with a gradient (ALiBi's
-    slopes, a bias table) a row copy. The knobs follow it unless set, and either set says how they leave; dkdv_stsm
-    asked keeps the row copies it stages (under the rule it had silently done nothing)."""
+    tensor stores, but where dk_after_dq's default is on (plain D = 128) a row copy, since in_tile refuses it (the pair
+    measured 0.953 of in_tile's time); D = 64 masked in the last tile, unmasked a row copy; a captured table with a
+    gradient (ALiBi's slopes, a bias table) a row copy. The knobs follow it unless set, and either set says how they
+    leave; dkdv_stsm asked keeps the row copies it stages (under the rule it had silently done nothing)."""
     from falower.backends.numba_cuda import emit_fa3_bwd as e
 
     sp = _spec(stem, D)
@@ -1421,7 +1422,8 @@ def test_dq_alternate_source():
             assert 'WG_Q = wgmma_ss("f16", 64, 1, 1)' in src
             b = dq_branch
             assert b.index("WG_Q(") < b.index("WAIT_Q") and "bar_sync(" not in b.split("WG_Q(", 1)[0], b
-            assert b.rindex("WG_Q(") < b.rindex("WAIT_Q") < b.index("bar_arrive(DS_FREE, 256)") < b.rindex("sts_v4_f32(")
+            assert (b.rindex("WG_Q(") < b.rindex("WAIT_Q") < b.index("bar_arrive(DS_FREE, 256)")
+                    < b.rindex("sts_v4_f32("))
             assert b.index("bar_sync(DQ_FREE") < b.index("sts_v4_f32(") and b.rindex("sts_v4_f32(") < b.index(
                 "bar_arrive(DQ_FULL")
             stores = re.findall(r"sts_v4_f32\(dqw_t \+ (\d+), lget\(dqa, ofs_(\d+)\)", dq_branch)
@@ -1445,7 +1447,8 @@ def test_dq_alternate_source():
     ({"dkdv_in_tile": True}, "not with dkdv_in_tile"), ({"bwd_persistent": 4}, "not with bwd_persistent"),
     ({"dq_split": "k"}, "not with dq_split 'k'"), ({"dq_ws": False}, "needs dq_ws and ws_loads"),
     ({"ws_loads": False}, "needs dq_ws and ws_loads"), ({"block_q": 128}, "block_q 64 and block_k 128 only"),
-    ({"block_k": 64, "num_warps": 4}, "block_q 64 and block_k 128 only"), ({"dk_after_dq": True}, "not with dk_after_dq")])
+    ({"block_k": 64, "num_warps": 4}, "block_q 64 and block_k 128 only"),
+    ({"dk_after_dq": True}, "not with dk_after_dq")])
 def test_dq_alternate_refuses(bad, why):
     """dq_alternate's refusals, each by one line naming why (resolve then builds mma.sync): other tiles, the knobs with
     their own dQ or barriers, dq_split 'k', a persistent kernel, dq_ws or ws_loads off; a value not a bool."""
@@ -1465,9 +1468,9 @@ def test_dq_alternate_refuses(bad, why):
 
 
 def test_dq_alternate_ptx(tmp_path, monkeypatch):
-    """dq_alternate at D = 64 (plain) and 128 (causal; dk_after_dq's "auto" steps aside), compiled whole by ptxas when one is on this
-    machine: no wgmma serialized, and its wgmma counts: dQ m64n64 over all 128 kv rows (8 k steps; two column halves
-    at D = 128) where the default has m64n{D / 2}."""
+    """dq_alternate at D = 64 (plain) and 128 (causal; dk_after_dq's "auto" steps aside), compiled whole by ptxas when
+    one is on this machine: no wgmma serialized, and its wgmma counts: dQ m64n64 over all 128 kv rows (8 k steps; two
+    column halves at D = 128) where the default has m64n{D / 2}."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need the real CUDA target")
     monkeypatch.setenv("FALOWER_CACHE_DIR", str(tmp_path))

@@ -192,8 +192,10 @@ CASES = {
 # (dq_alternate) up to dS^T's barrier and DS_FREE (DS_FREE's wait made an arrival read dq err 0.71 here; dS^T's
 # barrier an arrival of the skipping warpgroup only, dq err 0.26 and deadlocks under load); the simulator's threads
 # otherwise run close to lockstep
-SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01), "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01),
-                  "plain-f16-d64-150x140-2wg-dqa-slowwg0": (0, 0.01), "causal-f16-d64-150x130-2wg-dqa-slowwg1": (1, 0.01),
+SLOW_WARPGROUP = {"plain-f16-d64-150x140-2wg-pp-slowwg0": (0, 0.01),
+                  "causal-bf16-d128-200x70-2wg-pp-slowwg1": (1, 0.01),
+                  "plain-f16-d64-150x140-2wg-dqa-slowwg0": (0, 0.01),
+                  "causal-f16-d64-150x130-2wg-dqa-slowwg1": (1, 0.01),
                   "causal-bf16-d128-150x70-2wg-dqa-slowwg0": (0, 0.01)}
 CASES.update({case: CASES[case.rsplit("-slowwg", 1)[0]] for case in SLOW_WARPGROUP})
 # cases whose dK and dV must be bitwise those of the same kernel with these spec.extra changes, and dQ within the
