@@ -174,7 +174,7 @@ def parse_config(text: str) -> tuple:
     wait for S^T and dP^T (read_v4 "late"), '-bbulk' dQ staged
     in shared memory and added by bulk reductions, not by each thread's vector reductions (extra dq_bulk), '-bdkl' /
     '-bnodkl' dK's GEMM issued after dQ's, in flight while dQ's hand-off issues, or not (extra dk_after_dq; default
-    on at D = 128), '-bpdp' P computed while dP's GEMM is in flight (extra p_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
+    on at D = 128), '-bpdp' P computed while dP's GEMM is in flight (extra p_under_dp), '-bpdv' and dV's GEMM issued from P before dP's wait (dv_under_dp), '-bnois' its elementwise calls in one copy, not a second for interior tiles
     without bounds code (extra interior_split), '-bnoef' its exponential's argument times log2 e, not log2 e folded into
     the argument's constants (extra exp_fold), '-bdql' its dQ reductions issued under the next tile's S^T / dP^T GEMMs,
     not before the next tile's barrier (extra dq_late), '-bkvm' / '-bnokvm' its grid with a head's kv tiles in
@@ -286,7 +286,7 @@ CONFIG_OPTIONS: list = [
     (("bnoread", {"read_v4": False}), ("brlate", {"read_v4": "late"})),
     (("bbulk", {"dq_bulk": True}),),
     (("bdkl", {"dk_after_dq": True}), ("bnodkl", {"dk_after_dq": False})),
-    (("bpdp", {"p_under_dp": True}),),
+    (("bpdp", {"p_under_dp": True}), ("bpdv", {"dv_under_dp": True})),
     (("bnois", {"interior_split": False}),),
     (("bdql", {"dq_late": True}),),
     (("bkvm", {"kv_major": True}), ("bnokvm", {"kv_major": False})),

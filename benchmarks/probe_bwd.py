@@ -72,6 +72,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
               "the seventy-second session's default at D = 128)"),
     "pdp": ({"p_under_dp": True}, "P's exponentials under dP's GEMM"),
     "dkl_pdp": ({"dk_after_dq": True, "p_under_dp": True}, "both"),
+    "pdv": ({"dv_under_dp": True}, "P's exponentials under dP's GEMM, dV's GEMM issued from P before dP's wait "
+            "(dv_under_dp)"),
     "nois": ({"interior_split": False}, "one copy of the elementwise calls"),
     "noef": ({"exp_fold": False}, "the exponential's argument times log2 e"),
     "noisef": ({"interior_split": False, "exp_fold": False}, "both"),

@@ -162,3 +162,33 @@ def test_the_kernel_waits_for_s_alone_then_dp(tmp_path, monkeypatch):
     assert loop.index("WAIT_S1(sacc, 0)") > loop.index("WG_S(pacc, 0, desc_at(HI_KM, w_v + 1030)")
     assert "elems_full(" not in loop and "WAIT_S(sacc, 0)" not in loop
     assert "WAIT_S(sacc, 0)" in emit_fa3_bwd.emit_fa3_backward(_spec("causal", 128))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_dv_under_dp_issues_dv_from_p_before_dps_wait(D):
+    """dv_under_dp (on p_under_dp's split, which it asks for): after the P part, dV's k steps from P^T's packed
+    registers and their own group, then `wait_group 1` for dP^T with dV in flight, the dS part, and dS's packing
+    with no second dV GEMM; at D = 128 (dk_after_dq's default: dK's GEMM after dQ's) the dS^T stores commit no empty
+    group (ptxas fills one with a dummy HGMMA). Where the split does not take (the softcap), the fused order stays;
+    a non-bool and sdp_ahead beside it are refused (the simulator's -dve cases: its gradients bitwise the fused
+    order's)."""
+    spec = _spec("causal", D, dv_under_dp=True)
+    assert emit_fa3_bwd.p_under_dp(spec) and emit_fa3_bwd.dv_under_dp(spec)
+    src = emit_fa3_bwd.emit_fa3_backward(spec)
+    assert emit_fa3_bwd.knobs_in(src)["dv_under_dp"] and emit_fa3_bwd.knobs_in(src)["p_under_dp"]
+    loop = src[src.index("WAIT_S1(sacc, 0)"):]
+    order = ["elemsp_full(", "elemsp_partial(", "FENCE_D(dvacc, 0)", "pa0, pa1, pa2, pa3 = pack_p(sacc, ofs_0)",
+             "WG_D(dvacc, 0, pa0", "wgmma_commit()  # dV's group", "WAIT_P1(pacc, 0)", "elemsd_full(",
+             "elemsd_partial(", "= pack_d(pacc, ofs_0)"]
+    at = [loop.index(order[0])]
+    for x in order[1:]:  # each after the one before
+        at.append(loop.index(x, at[-1] + 1))
+    assert loop.count("WG_D(dvacc") == 64 // 16 and "pack_pd(" not in loop and "WAIT_S(pacc, 0)" not in loop
+    tail = loop[loop.index("WAIT_P1(pacc, 0)"):loop.index("cp_async_wait0()")]
+    assert ("wgmma_commit()" in tail) == (D == 64) and ("WG_D(dkacc" in tail) == (D == 64)
+    fused = emit_fa3_bwd.emit_fa3_backward(_spec("softcap", D, dv_under_dp=True))
+    assert "WAIT_P1" not in fused and not emit_fa3_bwd.knobs_in(fused)["dv_under_dp"]
+    with pytest.raises(ValueError, match="dv_under_dp must be True or False"):
+        emit_fa3_bwd.validate_spec(_spec("causal", D, dv_under_dp="yes"))
+    with pytest.raises(ValueError, match="sdp_ahead .* not with dv_under_dp"):
+        emit_fa3_bwd.validate_spec(_spec("causal", D, dv_under_dp=True, sdp_ahead="top", dk_after_dq=False))

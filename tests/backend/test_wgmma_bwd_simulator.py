@@ -58,7 +58,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
                 # dK / dV's store as measured (dkdv_store_auto) unless either knob is set
                 "dkdv_in_tile": r["dkdv_store_auto"] == "in_tile" and "dkdv_tma" not in asked,
                 "dkdv_tma": r["dkdv_store_auto"] == "tma" and not asked.get("dkdv_in_tile"),
-                "dk_after_dq": r["dk_after_dq_auto"]}  # at D = 128 where measured (_dk_after_dq_auto)
+                "dk_after_dq": r["dk_after_dq_auto"],  # at D = 128 where measured (_dk_after_dq_auto)
+                "p_under_dp": asked.get("dv_under_dp", False)}  # (dv_under_dp runs on p_under_dp's split)
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"],
             "grad_dist": r["grad_dist"], "bwd_batch_inner": r["bwd_batch_inner"]}
     for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default

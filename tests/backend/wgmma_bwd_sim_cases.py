@@ -185,6 +185,14 @@ CASES = {
                                         {"dq_ws": "auto", "dq_alternate": True}),
     "plain-f16-d64-150x140-2wg-dqa": ("plain", "f16", 1, 1, 1, 150, 140, 64, 64, 128,
                                       {"dq_ws": "auto", "dq_alternate": True}),
+    # dV's GEMM issued from P before dP^T's wait (dv_under_dp, on p_under_dp's split): D = 128 with dk_after_dq's
+    # default (dK's GEMM after dQ's, so the dS^T stores commit no group), 3 ragged q tiles; D = 64 (dK's GEMM beside
+    # the dS^T stores), kv rows past N. Each also run with the knob off (SAME_AS_DEFAULT: gradients bitwise the fused
+    # order's)
+    "causal-bf16-d128-150x70-2wg-dve": ("causal", "bf16", 1, 1, 1, 150, 70, 128, 64, 128,
+                                        {"dq_ws": "auto", "dv_under_dp": True}),
+    "plain-f16-d64-70x130-2wg-dve": ("plain", "f16", 1, 1, 1, 70, 130, 64, 64, 128,
+                                     {"dq_ws": "auto", "dv_under_dp": True}),
 }
 # case -> (warpgroup, seconds): each of that warpgroup's emulated shared-memory operand reads (wgmma's, ldmatrix's)
 # sleeps first, in the case's own call only. Each is a bwd_pingpong or dq_alternate case above run again with one
@@ -211,7 +219,9 @@ SAME_AS_DEFAULT = {"causal-bf16-d128-200x70-2wg-wsl-intile": {"dkdv_in_tile": Fa
                    "causal-bf16-d128-200x70-2wg-wsl-nodkl": {"dk_after_dq": True},
                    "causal-f16-d64-20x130-intile": {"dkdv_in_tile": False},
                    "causal-f16-d64-150x130-2wg-wsl-sp": {"stat_pairs": False},
-                   "softcap-bf16-d128-20x19-sp": {"stat_pairs": False}}
+                   "softcap-bf16-d128-20x19-sp": {"stat_pairs": False},
+                   "causal-bf16-d128-150x70-2wg-dve": {"dv_under_dp": False},
+                   "plain-f16-d64-70x130-2wg-dve": {"dv_under_dp": False}}
 # cases run with benchmarks/probe_bwd.py's --blocks stamps (stamped_blocks_source, --drain's waits too) in place of
 # the main kernel: tests/test_probe_bwd_tool.py reads their gradients and stamps. 2 kv tiles, one walking 2 ragged q
 # tiles, the other none (its zeros), on the default kernel (dq_ws and ws_loads at 64 x 128) and with dkdv_in_tile

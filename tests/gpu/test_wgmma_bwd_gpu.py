@@ -288,6 +288,20 @@ def test_p_under_dp(stem: str, dtype: str, D: int, dk_after: bool) -> None:
                      p_under_dp=True, dk_after_dq=dk_after)
 
 
+@pytest.mark.parametrize("dtype,D", [("f16", 64), ("bf16", 128)])
+@pytest.mark.parametrize("stem", ["plain", "causal", "prefix_lm"])
+def test_dv_under_dp(stem: str, dtype: str, D: int) -> None:
+    """spec.extra["dv_under_dp"]: dV's GEMM issued from P^T before dP^T's wait, on p_under_dp's split (dk_after_dq
+    as its rule says: on at D = 128, where the dS^T stores commit no group), the error rule; at N = 1000 dK and dV
+    bitwise the fused order's (the same products of the same values; dQ's adds come in any order)."""
+    assert_knob_case(stem, dtype, D, lambda k: knobs_in(k.source)["dv_under_dp"] and knobs_in(k.source)["p_under_dp"],
+                     dv_under_dp=True)
+    env, host, do = case_inputs(stem, dtype, D, 1000)
+    base, new = (run_backward(wgmma(stem, dtype, **x), host, do, dtype)[-1] for x in ({}, {"dv_under_dp": True}))
+    for name, a, b in zip(("dk", "dv"), base[1:3], new[1:3]):
+        assert torch.equal(a, b), name
+
+
 def test_torch_autograd_runs_the_wgmma_backward() -> None:
     """loss.backward() through c(q, k, v, slopes) runs the wgmma backward: its gradients, each on its own input."""
     _hopper()

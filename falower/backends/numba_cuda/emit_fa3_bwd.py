@@ -276,7 +276,7 @@ KNOB_MARKS = {"dq_bulk": "bulk_reduce_add_f32(dqg", "dk_after_dq": "WAIT_Q1(dqa,
               "dkdv_stsm": "def stage_stsm(", "dkdv_tma": "dkv_bh, dkv_su + ", "dq_ws": "bar_arrive(DQ_FULL",
               "ws_loads": "bar_arrive(LD_REQ", "sdp_ahead": "# sdp_ahead: the next tile's S^T",
               "dkdv_in_tile": "# dkdv_in_tile: ", "bwd_pingpong": "bar_arrive(PP_TURN", "stat_pairs": "def elems2_",
-              "dq_alternate": "bar_arrive(DS_FREE"}
+              "dq_alternate": "bar_arrive(DS_FREE", "dv_under_dp": "WAIT_P1(pacc, 0)"}
 
 
 def knobs_in(source: str) -> dict[str, bool]:
@@ -586,13 +586,25 @@ def p_under_dp(spec: FA2BackwardSpec) -> bool:
     gradient; elsewhere the kernel keeps the fused function. Measured no faster (H200, probe_bwd.py, 7 rounds):
     1.052 / 1.002 / 1.015 of the default's time (plain D = 128 / causal / D = 64); again on 2026-12-03 (300 pairs,
     the row values' element code): 1.042 / 1.038 (D = 64 / 128)."""
-    if spec.extra.get("p_under_dp", False) is not True or spec.grads:
+    asked = spec.extra.get("p_under_dp", False) is True or spec.extra.get("dv_under_dp", False) is True
+    if not asked or spec.grads:
         return False
     return all(split_elem(spec.device_source, b) is not None for b in spec.branches)
 
 
+def dv_under_dp(spec: FA2BackwardSpec) -> bool:
+    """dV's GEMM issued from P^T before dP^T's wait (spec.extra["dv_under_dp"] True; default False), on
+    p_under_dp's split (asking for it asks for the split; where the split does not take, the fused order stays):
+    S^T's group waited for alone, the P part, dV += P^T dO issued and committed as its own group, then
+    `wgmma.wait_group 1` for dP^T with dV's group in flight, the dS part, and dK's GEMM. dV's register A operands
+    are P's packed exponentials, so ptxas cannot sink them past dP^T's wait, as it did under p_under_dp alone
+    (26 of a thread's 32 MUFU.EX2 after the wait, thirty-fifth session). FlashAttention-3's backward and cuDNN's
+    (its exponentials between dP's k steps, ncu, seventy-second session) run P under dP the same way."""
+    return spec.extra.get("dv_under_dp", False) is True and p_under_dp(spec)
+
+
 SDP_AHEAD_CHOICES = (False, "dq", "top")
-_SDP_AHEAD_REFUSES = ("p_under_dp", "dk_after_dq", "dq_late", "dq_bulk", "bwd_persistent")
+_SDP_AHEAD_REFUSES = ("p_under_dp", "dv_under_dp", "dk_after_dq", "dq_late", "dq_bulk", "bwd_persistent")
 
 
 def sdp_ahead(spec: FA2BackwardSpec) -> str:
@@ -1282,6 +1294,9 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
         c(f"WAIT_QA = wgmma_wait_regs(1, {DC // 2})  # dQ's group done, the next tile's S^T / dP^T in flight")
     if PDP:
         c(f"WAIT_S1 = wgmma_wait_regs(1, {BQ // 2})  # S^T's group done, dP^T's (committed after it) in flight")
+    DVE = dv_under_dp(spec)
+    if DVE:
+        c(f"WAIT_P1 = wgmma_wait_regs(1, {BQ // 2})  # dP^T's group done, dV's (committed after it) in flight")
     INTILE = dkdv_in_tile(spec)
     if INTILE:
         c(f"WAIT_D1 = wgmma_wait_regs(1, {D // 2})  # dV's and dK's group done, dQ's (committed after it) in flight")
@@ -1650,6 +1665,25 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                               f"hk, {itr[0]}{caps})")
                 return emit
 
+            def pack_one(name: str, v: str) -> str:
+                """A helper packing one accumulator's k step (4 words of 2) for a register-A wgmma."""
+                return c.helper(name, [
+                    "@device_function", f"def {name}(x, i):",
+                    *[f"    {v}{e} = {pack}(lget(x, i + {2 * e}), lget(x, i + {2 * e + 1}))" for e in range(4)],
+                    f"    return {', '.join(f'{v}{e}' for e in range(4))}"])
+
+            def emit_dv_issue() -> None:
+                """dv_under_dp: dV += P^T dO from P^T's packed registers, its own group, before dP^T's wait."""
+                c(f"# dV += P^T dO: {BQ // 16} wgmma m64n{D}k16 from P^T's packed registers, issued before dP^T's wait")
+                c("# (they need every exponential first), in flight under the dS part")
+                pp = pack_one("pack_p", "pa")
+                c("FENCE_D(dvacc, 0)")
+                c("t_o = desc_word(HI_QT, ob)")
+                for kk in range(BQ // 16):
+                    c(f"pa0, pa1, pa2, pa3 = {pp}(sacc, ofs_{kk * 8})")
+                    c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, desc_at(HI_QT, t_o + {kk * 128}), 1)")
+                c("wgmma_commit()  # dV's group")
+
             def by_class(emit) -> None:
                 emit_by_class(c, spec.branches, emit)
 
@@ -1670,7 +1704,11 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
 
             if PDP:
                 by_interior(split_part(0, "sacc", "lse_f"))
-                c("WAIT_S(pacc, 0)  # dP^T")
+                if DVE:
+                    emit_dv_issue()
+                    c("WAIT_P1(pacc, 0)  # dP^T; dV's group still in flight under dS")
+                else:
+                    c("WAIT_S(pacc, 0)  # dP^T")
                 by_interior(split_part(1, "sacc, pacc", "lse_f, dlt_f"))
             else:
                 by_interior(elementwise)
@@ -1706,23 +1744,29 @@ def _emit_kernel(spec: FA2BackwardSpec) -> str:
                 with c.indent():
                     c(f"bar_sync(DS_FREE, {NT})  # dq_alternate: the other warpgroup's dQ GEMM of the last tile "
                       "has read dS^T")
-            c("FENCE_D(dvacc, 0)")
+            if not DVE:
+                c("FENCE_D(dvacc, 0)")
             if not DKL:
                 c("FENCE_D(dkacc, 0)")
-            c("t_o = desc_word(HI_QT, ob)")
+            if not DVE:
+                c("t_o = desc_word(HI_QT, ob)")
             c("t_q = desc_word(HI_QT, qb)")
             # dk_after_dq keeps each k step's packed dS (da<k>_<e>) for dK's GEMM after dQ's
             da = [[f"da{kk}_{e}" if DKL else f"da{e}" for e in range(4)] for kk in range(BQ // 16)]
             for kk in range(BQ // 16):
-                c(f"pa0, pa1, pa2, pa3, {', '.join(da[kk])} = {pk}(sacc, pacc, ofs_{kk * 8})")
-                c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, desc_at(HI_QT, t_o + {kk * 128}), 1)")
+                if DVE:  # (dV's GEMM was issued before dP^T's wait)
+                    c(f"{', '.join(da[kk])} = {pack_one('pack_d', 'da')}(pacc, ofs_{kk * 8})")
+                else:
+                    c(f"pa0, pa1, pa2, pa3, {', '.join(da[kk])} = {pk}(sacc, pacc, ofs_{kk * 8})")
+                    c(f"WG_D(dvacc, 0, pa0, pa1, pa2, pa3, desc_at(HI_QT, t_o + {kk * 128}), 1)")
                 if not DKL:
                     c(f"WG_D(dkacc, 0, {', '.join(da[kk])}, desc_at(HI_QT, t_q + {kk * 128}), 1)")
                 j0, j1 = 2 * kk, 2 * kk + 1  # n8 tiles (8 q columns: one 16-byte chunk) of this k step
                 o0 = f"{(j0 // 8) * BK * 32} + (({j0 % 8} ^ g) << 2)"
                 o1 = f"{(j1 // 8) * BK * 32} + (({j1 % 8} ^ g) << 2)"
                 c(f"{st}(smem_w, dsw0, dsw1, {o0}, {o1}, {', '.join(da[kk])})")
-            c("wgmma_commit()")
+            if not (DVE and DKL):  # (an empty group costs a dummy HGMMA ptxas adds)
+                c("wgmma_commit()")
             c("cp_async_wait0()  # the next tile's Q, dO (issued at this tile's top) have landed")
             c("fence_proxy_async()  # they and dS^T's generic stores visible to wgmma")
             if PP:

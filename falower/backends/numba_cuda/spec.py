@@ -57,7 +57,7 @@ KNOWN_EXTRAS = frozenset({
     "blocks_per_sm", "bounds_in_s", "bulk_store", "bwd_batch_inner", "bwd_block_list", "bwd_persistent",
     "bwd_pingpong", "bwd_schedule", "class32", "cluster_merge", "cluster_push", "col_mma", "col_step", "decode_block_k", "decode_tiles", "dk_after_dq",
     "dkdv_bulk", "dkdv_in_tile", "dkdv_stsm", "dkdv_tma", "dq_alternate", "dq_bulk", "dq_late", "dq_split", "dq_ws",
-    "dq_ws_slabs", "early_first_item", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early",
+    "dq_ws_slabs", "dv_under_dp", "early_first_item", "early_loads", "epilogue_in_s", "ex2_poly", "exp_fold", "fused_merge", "gather_early",
     "grad_dist", "grad_groups", "grad_v4", "half_tiles", "read_v4", "delta_per_row", "lse_per_row", "stat_pairs",
     "head_group", "hold_grads", "interior_split", "item_carry", "item_order", "keep_bits", "kv_group", "kv_major",
     "kv_parts",
@@ -80,7 +80,7 @@ KERNEL_FORM = ("schedule", "producer", "persistent")
 BACKWARD_EXTRAS = frozenset({
     "bwd_batch_inner", "bwd_block_list", "bwd_persistent", "bwd_pingpong", "bwd_schedule", "dk_after_dq", "dkdv_bulk",
     "dkdv_in_tile", "dkdv_stsm", "dkdv_tma", "dq_alternate", "dq_bulk", "dq_late", "dq_split", "dq_ws", "dq_ws_slabs",
-    "exp_fold",
+    "dv_under_dp", "exp_fold",
     "grad_dist", "grad_groups", "grad_v4", "hold_grads", "interior_split", "kv_group", "kv_major", "list_ahead",
     "opaque_desc", "p_under_dp", "read_v4", "delta_per_row", "lse_per_row", "sdp_ahead", "stat_pairs",
     "ws_loads",
