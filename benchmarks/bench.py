@@ -186,7 +186,8 @@ def parse_config(text: str) -> tuple:
     by two producer warps or by the consumers (extra ws_loads; default "auto": the first wherever dq_ws runs at 64 x 128
     tiles; asked for, it brings dq_ws unless '-bnows'), '-bdkit' its dK and dV staged and stored by TMA in the walk's
     last q tile under its dQ GEMM (extra dkdv_in_tile), '-bdqa' each q tile's whole dQ by one consumer warpgroup in
-    turn, the other going on to the next tile (extra dq_alternate; 64 x 128 tiles with dq_ws and ws_loads)."""
+    turn, the other going on to the next tile (extra dq_alternate; 64 x 128 tiles with dq_ws and ws_loads; the
+    default at D = 64), '-bnodqa' without it."""
     if text == "auto":
         return AUTO
     head, *opts = text.split("-")
@@ -295,7 +296,7 @@ CONFIG_OPTIONS: list = [
     (("bws", {"dq_ws": True}), ("bnows", {"dq_ws": False})),
     (("bwsl", {"ws_loads": True}), ("bnowsl", {"ws_loads": False})),
     (("bdkit", {"dkdv_in_tile": True}),),
-    (("bdqa", {"dq_alternate": True}),),
+    (("bdqa", {"dq_alternate": True}), ("bnodqa", {"dq_alternate": False})),
 ]
 _FLAGS = {suffix: ex for opt in CONFIG_OPTIONS if isinstance(opt[0], tuple) for suffix, ex in opt}
 _NUMBERS = {opt[0]: opt[1] for opt in CONFIG_OPTIONS if isinstance(opt[0], str)}

@@ -108,6 +108,8 @@ EXTRA_VARIANTS: dict[str, tuple[dict, str]] = {
            "per-warpgroup barriers, S^T / dP^T issued in turns (bwd_pingpong)"),
     "dqalt": ({"dq_alternate": True}, "each q tile's whole dQ by one consumer warpgroup in turn (warpgroup t & 1 on "
               "tile t), the other going on to the next tile's S^T / dP^T with no barrier of both (dq_alternate)"),
+    "nodqalt": ({"dq_alternate": False}, "dQ by both warpgroups on every tile (dq_alternate False, the order before the "
+                "seventy-third session's default at D = 64)"),
     "sp": ({"stat_pairs": True}, "a column pair's LSE and Delta by one 8-byte shared load each (stat_pairs; 16 loads a "
            "thread and tile where the default takes 32)"),
     "norowdelta": ({"delta_per_row": False}, "dS as P (dP - Delta) c in every element, as before the seventy-first "

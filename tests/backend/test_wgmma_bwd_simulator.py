@@ -59,7 +59,8 @@ def test_wgmma_backward_matches_the_ir(results, case_id):
                 "dkdv_in_tile": r["dkdv_store_auto"] == "in_tile" and "dkdv_tma" not in asked,
                 "dkdv_tma": r["dkdv_store_auto"] == "tma" and not asked.get("dkdv_in_tile"),
                 "dk_after_dq": r["dk_after_dq_auto"],  # at D = 128 where measured (_dk_after_dq_auto)
-                "p_under_dp": asked.get("dv_under_dp", False)}  # (dv_under_dp runs on p_under_dp's split)
+                "p_under_dp": asked.get("dv_under_dp", False),
+                "dq_alternate": r["dq_alternate_auto"]}  # at D = 64 where measured (_dq_alternate_auto)  # (dv_under_dp runs on p_under_dp's split)
     seen = {**r["knobs"], "exp_fold": r["exp_fold"], "kv_group": r["kv_group"], "bwd_persistent": r["bwd_persistent"],
             "grad_dist": r["grad_dist"], "bwd_batch_inner": r["bwd_batch_inner"]}
     for knob, on in seen.items():  # as asked ("auto": dq_ws's rule, on with ws_loads at 64 x 128), else the default
@@ -362,6 +363,34 @@ def test_dk_after_dq_by_default_where_measured(stem, D, extra, want):
         assert not e.dkdv_in_tile(sp)
         e.validate_spec(sp)
         assert "WAIT_Q1(dqa, 0)" in e.emit_fa3_backward(sp)
+
+
+@pytest.mark.parametrize("stem, D, extra, want", [
+    ("causal", 64, {}, True), ("plain", 64, {}, True), ("sliding_window", 64, {}, True), ("gqa", 64, {}, True),
+    ("softcap", 64, {}, True),
+    ("causal", 128, {}, False), ("plain", 128, {}, False),  # measured slower at D = 128 (its spills)
+    ("document", 64, {}, False), ("alibi", 64, {}, False), ("bias", 64, {}, False),  # not measured: off
+    ("causal", 64, {"dq_alternate": False}, False), ("causal", 64, {"dkdv_in_tile": True}, False),
+    ("causal", 64, {"sdp_ahead": "top"}, False), ("causal", 64, {"bwd_pingpong": True, "dq_split": "k"}, False),
+    ("causal", 64, {"bwd_persistent": 132}, False), ("causal", 64, {"dq_ws": False}, False),
+    ("causal", 64, {"ws_loads": False}, False), ("causal", 64, {"dk_after_dq": True}, False),
+    ("causal", 64, {"dq_bulk": True}, False), ("causal", 64, {"dq_split": "k"}, False),
+    ("causal", 128, {"dq_alternate": True}, True),
+])
+def test_dq_alternate_by_default_where_measured(stem, D, extra, want):
+    """dq_alternate's "auto" (the default): on at D = 64 over 64 x 128 tiles on dq_ws and ws_loads without a mask or
+    with a static one and no captured table's gradient (measured 0.989 / 0.940 of the default's time before it,
+    plain / causal), off at D = 128 (1.067) and where it was not measured or a knob asked for refuses it; True or
+    False asked is taken as asked. Where it is on, the dK / dV stores' rule leaves in_tile (which it refuses) and the
+    kernel passes validate_spec."""
+    from falower.backends.numba_cuda import emit_fa3_bwd as e
+
+    sp = _spec(stem, D, extra={"dq_ws": "auto", **extra})
+    assert e.dq_alternate(sp) is want
+    if want:
+        assert not e.dkdv_in_tile(sp) and not e.dk_after_dq(sp)
+        e.validate_spec(sp)
+        assert e.knobs_in(e.emit_fa3_backward(sp))["dq_alternate"]
 
 
 def test_dq_by_bulk_reductions_when_asked(tmp_path, monkeypatch):
@@ -1281,7 +1310,8 @@ def test_sdp_ahead_ptx(tmp_path, monkeypatch):
 
     for D in (64, 128):
         ptx = FA2BackwardKernel(_spec("plain", D, extra={"dq_ws": "auto", "sdp_ahead": "top"})).ptx((9, 0))
-        base = FA2BackwardKernel(_spec("plain", D, extra={"dq_ws": "auto"})).ptx((9, 0))
+        # (the default without dq_alternate, which steps aside for sdp_ahead: its dQ GEMM is m64n64 at D = 64 too)
+        base = FA2BackwardKernel(_spec("plain", D, extra={"dq_ws": "auto", "dq_alternate": False})).ptx((9, 0))
         n = lambda p: p.count("wgmma.mma_async.sync.aligned.m64n64k16.f32")  # noqa: E731 (S^T, dP^T: n = block_q)
         assert n(ptx) - n(base) == 2 * D // 16, (D, n(ptx), n(base))
         log = _ptxas_log(ptx, tmp_path / f"k{D}.ptx", version="8.0")
@@ -1382,7 +1412,7 @@ def test_bwd_pingpong_ptx(tmp_path, monkeypatch):
 
 
 def test_dq_alternate_source():
-    """spec.extra dq_alternate (off by default; knobs_in reads it): 64 x 128 tiles with dq_ws and ws_loads, one 64 x D
+    """spec.extra dq_alternate (the default at D = 64 only; knobs_in reads it): 64 x 128 tiles with dq_ws and ws_loads, one 64 x D
     slab a warpgroup (the default's shared memory); a barrier of all consumers before the loop and in it only dS^T's
     (none at its top); each tile's dQ warpgroup (wg == tn & 1) waits on DS_FREE (after the first tile) before its
     dS^T stores, issues dQ over both warpgroups' 128 kv rows and every column (two halves of 64 at D = 128), arrives
@@ -1392,9 +1422,9 @@ def test_dq_alternate_source():
     from falower.backends.numba_cuda import emit_fa3_bwd as e
 
     for D in (64, 128):
-        default = _spec("causal", D, extra={"dq_ws": "auto"})
-        assert not e.dq_alternate(default)
-        assert not e.knobs_in(e.emit_fa3_backward(default))["dq_alternate"]
+        default = _spec("causal", D, extra={"dq_ws": "auto"})  # (on at D = 64 by its "auto")
+        assert e.dq_alternate(default) is (D == 64)
+        assert e.knobs_in(e.emit_fa3_backward(default))["dq_alternate"] is (D == 64)
         for stem in ("plain", "causal"):
             sp = _spec(stem, D, extra={"dq_ws": "auto", "dq_alternate": True})
             e.validate_spec(sp)
@@ -1464,7 +1494,7 @@ def test_dq_alternate_refuses(bad, why):
             e.validate_spec(wrong)
         built, reason = e.resolve(wrong)
         assert "dq_alternate" in reason and not e.uses_wgmma(built)
-    with pytest.raises(ValueError, match="dq_alternate must be True or False"):
+    with pytest.raises(ValueError, match="dq_alternate must be True, False or 'auto'"):
         e.validate_spec(_spec("causal", 64, extra={"dq_ws": "auto", "dq_alternate": 1}))
 
 

@@ -384,7 +384,8 @@ def _slowed_warpgroup(wg: int, seconds: float):
 
 def run_case(case_id: str, extra_change: dict | None = None) -> dict:
     import falower as fl
-    from falower.backends.numba_cuda.emit_fa3_bwd import _dk_after_dq_auto, dkdv_store_auto, knobs_in
+    from falower.backends.numba_cuda.emit_fa3_bwd import (_dk_after_dq_auto, _dq_alternate_auto, dkdv_store_auto,
+                                                          knobs_in)
     from falower.ir.interp import Interpreter
     from falower.passes.check import bind_dims, random_inputs
 
@@ -424,6 +425,7 @@ def run_case(case_id: str, extra_change: dict | None = None) -> dict:
            "knobs": knobs_in(kern.source), "block_mask": kern.spec.block_mask,
            "dkdv_store_auto": dkdv_store_auto(kern.spec),  # how dK / dV leave unless a knob says
            "dk_after_dq_auto": _dk_after_dq_auto(kern.spec),  # dK's GEMM after dQ's unless asked (D = 128)
+           "dq_alternate_auto": _dq_alternate_auto(kern.spec),  # dQ by one warpgroup a tile unless asked (D = 64)
            # exp_fold: the exponential's argument a name of its own (folded), not `x * LOG2E` in the call
            "exp_fold": re.search(r"ex2\(v\d+\)", kern.source) is not None,
            # grad_dist: the gradients' distances recomputed as float(kv) - float(q) (from_ir_bwd._late_distances)

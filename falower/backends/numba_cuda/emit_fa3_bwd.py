@@ -29,7 +29,8 @@ in the slab order). What is new is the schedule (FA3's backward):
 
 The two consumer warpgroups run each phase at the same time (two block barriers a tile); `bwd_pingpong` (opt-in)
 takes them out of lockstep: each one's dQ from its own kv rows, its own barriers, S^T / dP^T issued in turns;
-`dq_alternate` (opt-in) gives each q tile's whole dQ to one warpgroup in turn while the other goes on (cuDNN's).
+`dq_alternate` (the default at D = 64) gives each q tile's whole dQ to one warpgroup in turn while the other goes
+on (cuDNN's).
 
 Selection: `spec.extra["bwd_schedule"] == "wgmma"` (emit_fa2_bwd's entry points dispatch here);
 `falower.compile(graph, extra={"bwd_schedule": "wgmma"})` or `FALOWER_WGMMA_BWD=1` ask for it (`backward_extra`),
@@ -234,8 +235,8 @@ _DQ_ALTERNATE_REFUSES = ("bwd_pingpong", "sdp_ahead", "dq_bulk", "dq_late", "dkd
 
 
 def dq_alternate(spec: FA2BackwardSpec) -> bool:
-    """One consumer warpgroup computes a q tile's whole dQ, the two taking turns (spec.extra["dq_alternate"] True;
-    default False): on tile t of the walk (both warpgroups walk the same tiles; t counts them, `tn`) warpgroup t & 1
+    """One consumer warpgroup computes a q tile's whole dQ, the two taking turns (spec.extra["dq_alternate"]; its
+    "auto" below): on tile t of the walk (both warpgroups walk the same tiles; t counts them, `tn`) warpgroup t & 1
     issues dQ = dS K for the tile's 64 q rows and all D columns over all block_k = 128 kv rows (both warpgroups' dS^T
     rows), waits for it and hands the 64 x D f32 fragment to its own slab (dq_ws; one a warpgroup by default,
     `dq_ws_slabs`: the two warpgroups' slabs alternate as two slabs of one warpgroup do, and the bytes are the
@@ -260,8 +261,25 @@ def dq_alternate(spec: FA2BackwardSpec) -> bool:
     ptxas (sm_90a, no wgmma serialized) spilled 60 / 40 bytes (plain / causal; 76 / 56 with the whole 64 x 128 f32
     fragment) against the default's 32 / 12; at D = 64 (one m64n64 product) the default's 36 / 28. Not with bwd_pingpong, sdp_ahead, dq_bulk, dq_late, a persistent kernel or
     dkdv_in_tile (it stages dK in the other Q / dO buffer, which the other warpgroup, up to a tile behind, may still
-    read: dkdv_store_auto then picks TMA or row copies). Opt-in, not yet measured on a GPU."""
-    return spec.extra.get("dq_alternate", False) is True and uses_wgmma(spec)
+    read: dkdv_store_auto then picks TMA or row copies). spec.extra["dq_alternate"] takes True, False, or "auto",
+    the default: on at D = 64 over 64 x 128 tiles with no mask or a static one, no captured table's gradient,
+    dq_split "n", dq_ws and ws_loads, where no knob it refuses is asked for (`_dq_alternate_auto`). Measured (H200,
+    2026-12-03, probe_bwd.py `dqalt`, 300 pairs of whole backward calls against the default before it): D = 64
+    **0.989 plain, 0.940 causal** (dK / dV then by row copies: in_tile steps aside), D = 128 1.067 plain (its
+    spills), so not at D = 128 (benchmarks/NOTES.md, seventy-third session)."""
+    v = spec.extra.get("dq_alternate", "auto")
+    return uses_wgmma(spec) and (v is True or (v == "auto" and _dq_alternate_auto(spec)))
+
+
+def _dq_alternate_auto(spec: FA2BackwardSpec) -> bool:
+    """dq_alternate's "auto": the measured shapes (D = 64, 64 x 128 tiles, no mask or a static one, no gradient of a
+    captured table), on dq_ws and ws_loads with dq_split "n", where no knob it refuses is asked for."""
+    return (spec.head_dim == 64 and (spec.block_q, spec.block_k) == (64, 128)
+            and spec.block_mask in ("none", "static") and not spec.grads and not spec.deterministic
+            and spec.dq == "atomic" and spec.extra.get("dq_split", "n") == "n" and ws_loads(spec)
+            and not any(spec.extra.get(k, False) is True
+                        for k in ("bwd_pingpong", "dq_bulk", "dq_late", "dkdv_in_tile", "dk_after_dq"))
+            and spec.extra.get("sdp_ahead", False) is False and not persistent(spec))
 
 
 # The knobs of this kernel (opt-in, but interior_split, dkdv_bulk, dq_ws, ws_loads, without a mask kv_major, and
@@ -368,7 +386,7 @@ def ws_loads(spec: FA2BackwardSpec) -> bool:
 
 
 WS_LOADERS = 64  # ws_loads: two warps of the producer warpgroup
-_AUTO_KNOBS = ("dq_ws", "ws_loads", "dk_after_dq")  # True, False or "auto" (the others: True or False)
+_AUTO_KNOBS = ("dq_ws", "ws_loads", "dk_after_dq", "dq_alternate")  # True, False or "auto" (the others: True or False)
 _DQ_WS_REFUSES = "dq_split 'k' (but under bwd_pingpong), dq_bulk, dq_late or bwd_persistent"  # the knobs dq_ws() turns it off for
 DQ_WS_REGS = (24, 240)  # dq_ws's setmaxnreg counts at two consumer warpgroups: 128 x 24 + 256 x 240 = 384 x 168
 DQ_WS_BAR = 1  # dq_ws: the consumers' block barrier (bar.sync 1, their threads); then each slab's full and free ones
@@ -467,7 +485,8 @@ def _knobs_on(spec: FA2BackwardSpec, knobs: tuple[str, ...]) -> list[str]:
     """Those of `knobs` the spec runs with: a persistent kernel, sdp_ahead and dk_after_dq (its "auto" too) as their
     rules decide, every other knob asked True (p_under_dp asked counts where its split would not take): the clash
     lists of dkdv_in_tile, sdp_ahead and dq_alternate."""
-    ruled = {"bwd_persistent": persistent, "sdp_ahead": sdp_ahead, "dk_after_dq": dk_after_dq}
+    ruled = {"bwd_persistent": persistent, "sdp_ahead": sdp_ahead, "dk_after_dq": dk_after_dq,
+             "dq_alternate": dq_alternate}
     return [k for k in knobs if (bool(ruled[k](spec)) if k in ruled else spec.extra.get(k, False) is True)]
 
 

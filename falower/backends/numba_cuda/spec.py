@@ -103,7 +103,7 @@ EXTRA_CHOICES = {  # the values a knob takes where a value outside them would be
     "read_v4": (True, False, "early", "late"),  # True: the default, "early"
     "bwd_batch_inner": (True, False),
     "bwd_pingpong": (True, False),
-    "dq_alternate": (True, False),
+    "dq_alternate": (True, False, "auto"),
     "grad_v4": (True, False),
 }
 
