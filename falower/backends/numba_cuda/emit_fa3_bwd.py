@@ -264,17 +264,19 @@ def dq_alternate(spec: FA2BackwardSpec) -> bool:
     read: dkdv_store_auto then picks TMA or row copies). spec.extra["dq_alternate"] takes True, False, or "auto",
     the default: on at D = 64 over 64 x 128 tiles with no mask or a static one, no captured table's gradient,
     dq_split "n", dq_ws and ws_loads, where no knob it refuses is asked for (`_dq_alternate_auto`). Measured (H200,
-    2026-12-03, probe_bwd.py `dqalt`, 300 pairs of whole backward calls against the default before it): D = 64
-    **0.989 plain, 0.940 causal** (dK / dV then by row copies: in_tile steps aside), D = 128 1.067 plain (its
-    spills), so not at D = 128 (benchmarks/NOTES.md, seventy-third session)."""
+    2026-12-03, probe_bwd.py `dqalt` / `nodqalt`, 300 pairs of whole backward calls against the default before it):
+    D = 64 **0.989 plain, 0.940 causal, 0.943 the 1024 window, 0.926 prefix LM** (dK / dV then by row copies:
+    in_tile steps aside), but GQA (a group of 4 query heads a kv head) 1.008, and D = 128 1.067 plain (its spills),
+    so not under GQA or at D = 128 (benchmarks/NOTES.md, seventy-third session)."""
     v = spec.extra.get("dq_alternate", "auto")
     return uses_wgmma(spec) and (v is True or (v == "auto" and _dq_alternate_auto(spec)))
 
 
 def _dq_alternate_auto(spec: FA2BackwardSpec) -> bool:
     """dq_alternate's "auto": the measured shapes (D = 64, 64 x 128 tiles, no mask or a static one, no gradient of a
-    captured table), on dq_ws and ws_loads with dq_split "n", where no knob it refuses is asked for."""
-    return (spec.head_dim == 64 and (spec.block_q, spec.block_k) == (64, 128)
+    captured table, no GQA group: measured slower there), on dq_ws and ws_loads with dq_split "n", where no knob it
+    refuses is asked for."""
+    return (spec.head_dim == 64 and (spec.block_q, spec.block_k) == (64, 128) and spec.group_size == 1
             and spec.block_mask in ("none", "static") and not spec.grads and not spec.deterministic
             and spec.dq == "atomic" and spec.extra.get("dq_split", "n") == "n" and ws_loads(spec)
             and not any(spec.extra.get(k, False) is True
