@@ -620,7 +620,10 @@ def dv_under_dp(spec: FA2BackwardSpec) -> bool:
     `wgmma.wait_group 1` for dP^T with dV's group in flight, the dS part, and dK's GEMM. dV's register A operands
     are P's packed exponentials, so ptxas cannot sink them past dP^T's wait, as it did under p_under_dp alone
     (26 of a thread's 32 MUFU.EX2 after the wait, thirty-fifth session). FlashAttention-3's backward and cuDNN's
-    (its exponentials between dP's k steps, ncu, seventy-second session) run P under dP the same way."""
+    (its exponentials between dP's k steps, ncu, seventy-second session) run P under dP the same way. Measured
+    slower (H200, 2026-12-03, probe_bwd.py `pdv`, 300 pairs of whole backward calls): 1.072 / 1.037 of the
+    default's time at D = 64 (plain / causal), 1.070 / 1.080 at D = 128, with the same registers and spills as the
+    default (ptxas sm_90a: 168, 36 / 36 bytes plain D = 64 / 128). So opt-in."""
     return spec.extra.get("dv_under_dp", False) is True and p_under_dp(spec)
 
 
